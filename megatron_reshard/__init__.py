@@ -1,0 +1,7 @@
+"""megatron_reshard: shard-to-shard weight refit from Megatron-Core training into vLLM.
+
+The package root imports only torch and the standard library (it is imported inside
+generation workers). The Megatron train side lives in ``megatron_reshard.megatron``.
+"""
+
+__version__ = "0.1.0"

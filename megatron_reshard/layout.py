@@ -1,0 +1,181 @@
+"""Meshes and placement rules: which part of an HF-named parameter each rank holds.
+
+Torch + stdlib only. A mesh is a tensor of ranks (any shape); a parameter's layout on a
+mesh is one torch placement (``Shard(d)`` / ``Replicate()``) per mesh axis, as in DTensor.
+The rules below decide placements from HF parameter names alone, as the seed API does.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from torch.distributed.tensor import Replicate, Shard
+
+COLUMN_PARALLEL_SUFFIXES = ("gate_proj.weight", "up_proj.weight")
+ROW_PARALLEL_SUFFIXES = ("down_proj.weight",)
+FFN_PROJ_WEIGHT_SUFFIXES = COLUMN_PARALLEL_SUFFIXES + ROW_PARALLEL_SUFFIXES
+FFN_GROUPED_EXPERT_SUFFIXES = ("experts.gate_up_proj", "experts.down_proj")
+
+# Order in which parallel dims are emitted by build_mesh_info (first = innermost axis).
+MESH_DIM_ORDER = ("tp", "ep", "dp", "pp")
+
+
+class MeshInfo:
+    """A mesh of ranks that needs no process group (ranks may span two torch worlds).
+
+    Compatible with the part of ``DeviceMesh`` that the transfer engine reads: ``.mesh``
+    (and ``._mesh``) is the rank tensor, ``.ndim`` its number of axes.
+    """
+
+    def __init__(self, rank_tensor: torch.Tensor):
+        mesh = torch.as_tensor(rank_tensor, dtype=torch.int64).detach().cpu()
+        if mesh.ndim == 0:
+            mesh = mesh.reshape(1)
+        ranks = mesh.flatten().tolist()
+        if len(set(ranks)) != len(ranks):
+            raise ValueError(f"MeshInfo: ranks must be unique, got {ranks}")
+        if any(r < 0 for r in ranks):
+            raise ValueError(f"MeshInfo: ranks must be >= 0, got {ranks}")
+        self._mesh = mesh
+
+    @property
+    def mesh(self) -> torch.Tensor:
+        return self._mesh
+
+    @property
+    def ndim(self) -> int:
+        return self._mesh.ndim
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self._mesh.shape)
+
+    def ranks(self) -> list[int]:
+        """All ranks of the mesh in row-major order."""
+        return self._mesh.flatten().tolist()
+
+    def coordinate_of(self, rank: int) -> Optional[tuple[int, ...]]:
+        """Row-major coordinate of ``rank`` in the mesh, or None if it is not a member."""
+        hits = (self._mesh == rank).nonzero()
+        return tuple(hits[0].tolist()) if len(hits) else None
+
+    def key(self) -> tuple:
+        """Plain-data identity (shape + ranks), usable as a cache key."""
+        return (self.shape, tuple(self.ranks()))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, MeshInfo) and self.key() == other.key()
+
+    def __hash__(self) -> int:
+        return hash(self.key())
+
+    def __repr__(self) -> str:
+        return f"MeshInfo({self._mesh.tolist()})"
+
+
+def is_expert_param(param_name: str) -> bool:
+    """True for MoE routed-expert weights (sharded by EP)."""
+    return ".experts." in param_name
+
+
+def _get_expert_tp_shard_dim(param_name: str) -> Optional[int]:
+    """TP shard dim of an FFN weight by suffix; does not skip expert names."""
+    if param_name.endswith(COLUMN_PARALLEL_SUFFIXES):
+        return 0
+    if param_name.endswith(ROW_PARALLEL_SUFFIXES):
+        return 1
+    return None
+
+
+def get_tp_shard_dim(param_name: str) -> Optional[int]:
+    """TP shard dim of a dense FFN weight (gate/up → 0, down → 1); None for experts and the rest."""
+    if is_expert_param(param_name):
+        return None
+    return _get_expert_tp_shard_dim(param_name)
+
+
+def is_nccl_reshard_param(param_name: str) -> bool:
+    """True iff the param takes the bulk (exact reshard) path: FFN projection weights."""
+    if "shared_expert" in param_name or param_name.startswith("mtp."):
+        return False
+    return param_name.endswith(FFN_PROJ_WEIGHT_SUFFIXES + FFN_GROUPED_EXPERT_SUFFIXES)
+
+
+def build_mesh_info(
+    num_gpus: int, rank_offset: int, tp_size: int = 1, ep_size: int = 1, pp_size: int = 1
+) -> tuple[MeshInfo, dict[str, int]]:
+    """Build a mesh of ``num_gpus`` consecutive ranks from ``rank_offset`` and its dim map.
+
+    Dims are taken in the order (tp, ep, dp, pp), size-1 dims dropped, and the survivors
+    reversed, so the first survivor (tp, or ep in an expert mesh) is the innermost axis.
+    """
+    sizes = {"tp": tp_size, "ep": ep_size, "pp": pp_size}
+    for name, size in sizes.items():
+        if not isinstance(size, int) or size < 1:
+            raise ValueError(f"build_mesh_info: {name}_size must be a positive int, got {size!r}")
+    if num_gpus < 1:
+        raise ValueError(f"build_mesh_info: num_gpus must be >= 1, got {num_gpus}")
+    model_parallel = tp_size * ep_size * pp_size
+    dp_size = num_gpus // model_parallel
+    if dp_size * model_parallel != num_gpus:
+        raise ValueError(
+            f"build_mesh_info: num_gpus={num_gpus} is not divisible by "
+            f"tp_size*ep_size*pp_size={tp_size}*{ep_size}*{pp_size}={model_parallel}"
+        )
+    sizes["dp"] = dp_size
+    survivors = [name for name in MESH_DIM_ORDER if sizes[name] > 1]
+    ranks = torch.arange(rank_offset, rank_offset + num_gpus, dtype=torch.int64)
+    if not survivors:
+        return MeshInfo(ranks), {}
+    outer_to_inner = list(reversed(survivors))
+    mesh = ranks.reshape([sizes[name] for name in outer_to_inner])
+    return MeshInfo(mesh), {name: axis for axis, name in enumerate(outer_to_inner)}
+
+
+def get_placements(param_name: str, dim_map: dict, ndim: int) -> list:
+    """DTensor placements of an HF param on a mesh described by ``dim_map``.
+
+    One placement per mesh axis (at least one), Replicate by default. 1-D params stay
+    replicated; experts shard dim 0 on ``ep`` (else their TP dim + 1 on ``tp``); dense
+    FFN weights shard their TP dim on ``tp``.
+    """
+    placements: list = [Replicate() for _ in range(max(1, len(dim_map)))]
+    if ndim < 2:
+        return placements
+    if is_expert_param(param_name):
+        if "ep" in dim_map:
+            placements[dim_map["ep"]] = Shard(0)
+        elif "tp" in dim_map:
+            tp_dim = _get_expert_tp_shard_dim(param_name)
+            if tp_dim is not None:
+                placements[dim_map["tp"]] = Shard(tp_dim + 1)
+        return placements
+    tp_dim = get_tp_shard_dim(param_name)
+    if tp_dim is not None and "tp" in dim_map:
+        placements[dim_map["tp"]] = Shard(tp_dim)
+    return placements
+
+
+def placements_to_plain(placements: Sequence) -> list[dict]:
+    """Placements as plain dicts: ``Shard(d)`` → ``{"dim": d}``, ``Replicate()`` → ``{}``."""
+    out = []
+    for p in placements:
+        if isinstance(p, Shard):
+            out.append({"dim": int(p.dim)})
+        elif isinstance(p, Replicate):
+            out.append({})
+        else:
+            raise TypeError(f"unsupported placement {p!r}: only Shard and Replicate are supported")
+    return out
+
+
+def _restore_placement(p):
+    """A placement back from its wire form: instances kept, ``{"dim": d}`` → Shard, else Replicate."""
+    if isinstance(p, (Shard, Replicate)):
+        return p
+    if isinstance(p, dict) and "dim" in p:
+        return Shard(int(p["dim"]))
+    return Replicate()
+
+

@@ -1,0 +1,188 @@
+"""Local multi-process worlds on one machine: a pool of spawned workers that run jobs.
+
+Used by the CPU tests and the demo. Starting a Python process that imports torch and
+megatron costs seconds, so workers live across jobs; each job runs a function on the
+first ``nprocs`` workers with its rank, and every worker cleans up its process groups
+(and Megatron's parallel state) after the job so the next one starts clean.
+
+A job that fails on any rank raises in the parent with that rank's traceback; a job that
+does not finish in time (a hung collective) kills and restarts the pool and raises.
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import queue
+import socket
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+_POLL_S = 0.2
+
+
+@dataclass(frozen=True)
+class Job:
+    """What a worker knows about the job it runs."""
+
+    rank: int
+    nprocs: int
+    ports: tuple[int, ...]  # free loopback ports reserved for this job (rendezvous stores)
+    host: str = "127.0.0.1"
+
+    @property
+    def port(self) -> int:
+        return self.ports[0]
+
+
+def free_ports(count: int) -> tuple[int, ...]:
+    """``count`` distinct loopback ports that were free a moment ago."""
+    socks, ports = [], []
+    for _ in range(count):
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+        ports.append(s.getsockname()[1])
+    for s in socks:
+        s.close()
+    return tuple(ports)
+
+
+def init_gloo_world(job: Job, timeout_s: float = 60.0, port_index: int = 0) -> None:
+    """Make this job's ranks one default gloo world over loopback (short timeouts)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore(job.host, job.ports[port_index], job.nprocs, job.rank == 0,
+                          timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group("gloo", store=store, rank=job.rank, world_size=job.nprocs,
+                            timeout=timedelta(seconds=timeout_s))
+
+
+def _dumps(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)  # plain bytes: no shared-memory file descriptors cross the queue
+    return buf.getvalue()
+
+
+def _loads(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+def _cleanup_after_job() -> None:
+    ps = sys.modules.get("megatron.core.parallel_state")
+    if ps is not None:
+        try:
+            ps.destroy_model_parallel()
+        except Exception:
+            pass
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
+
+
+def _worker_main(tasks: "mp.Queue", results: "mp.Queue", worker_index: int) -> None:
+    torch.set_num_threads(1)
+    while True:
+        task = tasks.get()
+        if task is None:
+            return
+        job_id, fn, job, args, kwargs = task
+        try:
+            value = fn(job, *args, **kwargs)
+            results.put((job_id, worker_index, True, _dumps(value)))
+        except BaseException:
+            results.put((job_id, worker_index, False, traceback.format_exc()))
+        finally:
+            _cleanup_after_job()
+
+
+class WorkerPool:
+    """``size`` long-lived spawned workers; ``run`` executes one job on the first ``nprocs``."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._ctx = mp.get_context("spawn")
+        self._procs: list = []
+        self._tasks: list = []
+        self._results: Optional[mp.Queue] = None
+        self._next_job = 0
+
+    def _start(self) -> None:
+        self._results = self._ctx.Queue()
+        self._tasks = [self._ctx.Queue() for _ in range(self.size)]
+        self._procs = [
+            self._ctx.Process(target=_worker_main, args=(q, self._results, i), daemon=True)
+            for i, q in enumerate(self._tasks)
+        ]
+        for p in self._procs:
+            p.start()
+
+    def run(self, fn: Callable[..., Any], nprocs: int, *args: Any, timeout_s: float = 180.0,
+            num_ports: int = 4, **kwargs: Any) -> list[Any]:
+        """Run ``fn(job, *args, **kwargs)`` on ranks ``0..nprocs-1``; return results by rank."""
+        if nprocs > self.size:
+            raise ValueError(f"job needs {nprocs} processes, the pool has {self.size}")
+        if not self._procs:
+            self._start()
+        job_id = self._next_job
+        self._next_job += 1
+        ports = free_ports(num_ports)
+        for rank in range(nprocs):
+            self._tasks[rank].put((job_id, fn, Job(rank, nprocs, ports), args, kwargs))
+        done: dict[int, Any] = {}
+        failures: dict[int, str] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(done) + len(failures) < nprocs:
+            try:
+                got_id, rank, ok, payload = self._results.get(timeout=_POLL_S)
+            except queue.Empty:
+                dead = [i for i, p in enumerate(self._procs[:nprocs]) if not p.is_alive()]
+                if dead or time.monotonic() > deadline:
+                    missing = sorted(set(range(nprocs)) - set(done) - set(failures))
+                    self.close(force=True)
+                    why = f"worker(s) {dead} died" if dead else f"timed out after {timeout_s:.0f}s"
+                    detail = "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in failures.items())
+                    raise TimeoutError(f"{getattr(fn, '__name__', fn)}: {why}; ranks {missing} "
+                                       f"did not finish{detail}")
+                continue
+            if got_id != job_id:
+                continue  # late answer from an earlier, abandoned job
+            if ok:
+                done[rank] = _loads(payload)
+            else:
+                failures[rank] = payload
+        if failures:
+            detail = "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items()))
+            raise RuntimeError(f"{getattr(fn, '__name__', fn)} failed on ranks "
+                               f"{sorted(failures)}:{detail}")
+        return [done[r] for r in range(nprocs)]
+
+    def close(self, force: bool = False) -> None:
+        for q, p in zip(self._tasks, self._procs):
+            if force:
+                p.kill()
+            else:
+                q.put(None)
+        for p in self._procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+        self._procs, self._tasks, self._results = [], [], None
+
+    def __enter__(self) -> "WorkerPool":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
