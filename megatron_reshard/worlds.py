@@ -119,23 +119,24 @@ class WorkerPool:
         self._results: Optional[mp.Queue] = None
         self._next_job = 0
 
-    def _start(self) -> None:
-        self._results = self._ctx.Queue()
-        self._tasks = [self._ctx.Queue() for _ in range(self.size)]
-        self._procs = [
-            self._ctx.Process(target=_worker_main, args=(q, self._results, i), daemon=True)
-            for i, q in enumerate(self._tasks)
-        ]
-        for p in self._procs:
-            p.start()
+    def _grow_to(self, count: int) -> None:
+        """Start workers until ``count`` are running (workers start only when first needed)."""
+        if self._results is None:
+            self._results = self._ctx.Queue()
+        while len(self._procs) < count:
+            tasks = self._ctx.Queue()
+            proc = self._ctx.Process(target=_worker_main,
+                                     args=(tasks, self._results, len(self._procs)), daemon=True)
+            proc.start()
+            self._tasks.append(tasks)
+            self._procs.append(proc)
 
     def run(self, fn: Callable[..., Any], nprocs: int, *args: Any, timeout_s: float = 180.0,
             num_ports: int = 4, **kwargs: Any) -> list[Any]:
         """Run ``fn(job, *args, **kwargs)`` on ranks ``0..nprocs-1``; return results by rank."""
         if nprocs > self.size:
             raise ValueError(f"job needs {nprocs} processes, the pool has {self.size}")
-        if not self._procs:
-            self._start()
+        self._grow_to(nprocs)
         job_id = self._next_job
         self._next_job += 1
         ports = free_ports(num_ports)
