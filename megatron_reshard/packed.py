@@ -1,0 +1,89 @@
+"""Packed broadcast: many small full tensors as one flat byte buffer over a process group.
+
+Torch + stdlib only. Parameters outside the exact bulk path (attention, embeddings, norms,
+router) are small; the training side sends them whole, one buffer per PP stage, and each
+generation rank slices what it needs. Both sides derive the buffer layout from the same
+ordered ``(name, shape, dtype)`` list, so no layout travels with the bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class PackedEntry:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    offset: int  # byte offset in the flat buffer
+    nbytes: int
+
+
+def packed_layout(items: Sequence[tuple[str, Sequence[int], torch.dtype]]) -> list[PackedEntry]:
+    """Byte layout of ``items`` in order, each entry aligned to 16 bytes."""
+    entries, offset = [], 0
+    for name, shape, dtype in items:
+        numel = 1
+        for size in shape:
+            numel *= int(size)
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        entries.append(PackedEntry(name, tuple(int(s) for s in shape), dtype, offset, nbytes))
+        offset += (nbytes + 15) // 16 * 16
+    return entries
+
+
+def buffer_bytes(layout: Sequence[PackedEntry]) -> int:
+    return 0 if not layout else (layout[-1].offset + layout[-1].nbytes + 15) // 16 * 16
+
+
+def pack(layout: Sequence[PackedEntry], tensors: dict[str, torch.Tensor],
+         device: torch.device) -> torch.Tensor:
+    """Copy ``tensors`` into one flat uint8 buffer laid out as ``layout``."""
+    flat = torch.zeros(buffer_bytes(layout), dtype=torch.uint8, device=device)
+    for entry in layout:
+        t = tensors.get(entry.name)
+        if t is None:
+            raise KeyError(f"packed broadcast: no tensor for {entry.name!r}")
+        if tuple(t.shape) != entry.shape or t.dtype != entry.dtype:
+            raise ValueError(f"packed broadcast: {entry.name!r} expected shape {list(entry.shape)} "
+                             f"dtype {entry.dtype}, found shape {list(t.shape)} dtype {t.dtype}")
+        flat[entry.offset:entry.offset + entry.nbytes].copy_(
+            t.detach().contiguous().reshape(-1).view(torch.uint8))
+    return flat
+
+
+def unpack(layout: Sequence[PackedEntry], flat: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Views of each entry inside ``flat`` (no copies)."""
+    return {e.name: flat[e.offset:e.offset + e.nbytes].view(e.dtype).reshape(e.shape)
+            for e in layout}
+
+
+def broadcast_packed(layout: Sequence[PackedEntry], group: Optional[dist.ProcessGroup],
+                     root: int, device: torch.device,
+                     tensors: Optional[dict[str, torch.Tensor]] = None) -> dict[str, torch.Tensor]:
+    """Broadcast the tensors of ``layout`` from group rank ``root``; return views on every rank.
+
+    ``group`` may be a raw ProcessGroup that is not registered with c10d (a refit group
+    across two worlds) or None for the default world. ``tensors`` is needed on ``root`` only.
+    """
+    if not layout:
+        return {}
+    rank = dist.get_rank() if group is None else group.rank()
+    if rank == root:
+        if tensors is None:
+            raise ValueError(f"packed broadcast: rank {rank} is the root but has no tensors")
+        flat = pack(layout, tensors, device)
+    else:
+        flat = torch.empty(buffer_bytes(layout), dtype=torch.uint8, device=device)
+    if group is None:
+        dist.broadcast(flat, src=root)
+    else:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = root
+        group.broadcast([flat], opts).wait()
+    return unpack(layout, flat)
