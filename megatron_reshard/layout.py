@@ -33,6 +33,8 @@ class MeshInfo:
         if mesh.ndim == 0:
             mesh = mesh.reshape(1)
         ranks = mesh.flatten().tolist()
+        if not ranks:
+            raise ValueError("MeshInfo: a mesh needs at least one rank")
         if len(set(ranks)) != len(ranks):
             raise ValueError(f"MeshInfo: ranks must be unique, got {ranks}")
         if any(r < 0 for r in ranks):
@@ -111,11 +113,11 @@ def build_mesh_info(
     reversed, so the first survivor (tp, or ep in an expert mesh) is the innermost axis.
     """
     sizes = {"tp": tp_size, "ep": ep_size, "pp": pp_size}
-    for name, size in sizes.items():
-        if not isinstance(size, int) or size < 1:
-            raise ValueError(f"build_mesh_info: {name}_size must be a positive int, got {size!r}")
-    if num_gpus < 1:
-        raise ValueError(f"build_mesh_info: num_gpus must be >= 1, got {num_gpus}")
+    for name, size in {**{f"{k}_size": v for k, v in sizes.items()}, "num_gpus": num_gpus}.items():
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"build_mesh_info: {name} must be a positive int, got {size!r}")
+    if isinstance(rank_offset, bool) or not isinstance(rank_offset, int) or rank_offset < 0:
+        raise ValueError(f"build_mesh_info: rank_offset must be a non-negative int, got {rank_offset!r}")
     model_parallel = tp_size * ep_size * pp_size
     dp_size = num_gpus // model_parallel
     if dp_size * model_parallel != num_gpus:

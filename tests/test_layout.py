@@ -59,6 +59,11 @@ def test_mesh_info_rejects_negative_ranks():
         MeshInfo(torch.tensor([-1, 0]))
 
 
+def test_mesh_info_rejects_an_empty_mesh():
+    with pytest.raises(ValueError, match="at least one rank"):
+        MeshInfo(torch.tensor([], dtype=torch.int64))
+
+
 def test_mesh_info_coordinate_is_row_major_position():
     mesh = MeshInfo(torch.tensor([[4, 5], [6, 7]]))
     assert mesh.coordinate_of(6) == (1, 0)
@@ -204,6 +209,18 @@ def test_zero_size_is_rejected():
 def test_zero_gpus_is_rejected():
     with pytest.raises(ValueError, match="num_gpus"):
         build_mesh_info(0, 0)
+
+
+def test_negative_rank_offset_is_rejected():
+    with pytest.raises(ValueError, match="rank_offset"):
+        build_mesh_info(2, -1)
+
+
+def test_non_int_sizes_are_rejected():
+    with pytest.raises(ValueError, match="ep_size"):
+        build_mesh_info(4, 0, ep_size=2.0)
+    with pytest.raises(ValueError, match="num_gpus"):
+        build_mesh_info(4.0, 0)
 
 
 # ---- get_placements ---------------------------------------------------------------------
