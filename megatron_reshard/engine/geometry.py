@@ -1,0 +1,155 @@
+"""Which part of a global tensor each rank owns, as boxes mapped onto local storage.
+
+Torch + stdlib only, plain data throughout. A *box* is a tuple of half-open intervals
+``((start, stop), ...)``, one per tensor dim, of the global tensor. A rank's ownership is
+a set of *pieces*: each piece is a box plus where that box lives in the rank's local
+tensor (per local dim: a start index and a step, so a box may map onto a strided view).
+
+``Shard``/``Replicate`` placements on a mesh are the first producer of ownerships
+(one piece per rank, the whole local tensor). Later producers (interleaved QKV: one piece
+per KV group; vocab padding: a box shorter than the local tensor) build the same values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+from torch.distributed.tensor import Replicate, Shard
+
+Box = tuple  # tuple[tuple[int, int], ...]
+REPLICATE = -1  # plain form of Replicate() in a placement tuple
+
+
+def box_shape(box: Box) -> tuple[int, ...]:
+    return tuple(e - s for s, e in box)
+
+
+def box_numel(box: Box) -> int:
+    n = 1
+    for s, e in box:
+        n *= e - s
+    return n
+
+
+def box_intersect(a: Box, b: Box) -> Optional[Box]:
+    """The common part of two boxes, or None when it is empty."""
+    out = []
+    for (s0, e0), (s1, e1) in zip(a, b):
+        s, e = (s0 if s0 > s1 else s1), (e0 if e0 < e1 else e1)
+        if s >= e:
+            return None
+        out.append((s, e))
+    return tuple(out)
+
+
+def full_box(shape: Sequence[int]) -> Box:
+    return tuple((0, int(n)) for n in shape)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A box of the global tensor and where it lies in the local tensor.
+
+    ``local[d] = (start, step)``: global index ``g`` of box dim ``d`` is local index
+    ``start + (g - box[d][0]) * step`` of local dim ``d``.
+    """
+
+    box: Box
+    local: tuple  # tuple[tuple[int, int], ...]
+
+    def index(self, sub: Box) -> tuple:
+        """Slices of the local tensor that hold ``sub`` (a box inside ``self.box``)."""
+        idx = []
+        for (s, e), (b0, _), (l0, step) in zip(sub, self.box, self.local):
+            start = l0 + (s - b0) * step
+            idx.append(slice(start, start + (e - s - 1) * step + 1, step))
+        return tuple(idx)
+
+    def view(self, local_tensor: torch.Tensor, sub: Box) -> torch.Tensor:
+        return local_tensor[self.index(sub)]
+
+
+@dataclass(frozen=True)
+class Ownership:
+    """What one rank holds: its local tensor shape and the (non-empty) pieces in it."""
+
+    local_shape: tuple[int, ...]
+    pieces: tuple  # tuple[Piece, ...]
+
+    def boxes(self) -> tuple:
+        return tuple(p.box for p in self.pieces)
+
+
+def placement_dims(placements: Sequence, ndim: int, where: str = "placements") -> tuple[int, ...]:
+    """Placements as plain ints (shard dim, or REPLICATE); negative dims normalised.
+
+    Accepts torch ``Shard``/``Replicate`` and their wire forms ``{"dim": d}`` / ``{}``.
+    Raises ValueError for anything else or a shard dim outside the tensor.
+    """
+    out = []
+    for p in placements:
+        if isinstance(p, Shard):
+            d = int(p.dim)
+        elif isinstance(p, Replicate):
+            out.append(REPLICATE)
+            continue
+        elif isinstance(p, dict):
+            if "dim" not in p:
+                out.append(REPLICATE)
+                continue
+            d = int(p["dim"])
+        else:
+            raise ValueError(f"{where}: unsupported placement {p!r} (only Shard and Replicate)")
+        if not -ndim <= d < ndim:
+            raise ValueError(f"{where}: invalid shard dim: Shard({d}) on a tensor of {ndim} "
+                             f"dims (expected a dim in [{-ndim}, {ndim}))")
+        out.append(d % ndim)
+    return tuple(out)
+
+
+def mesh_coords(mesh_shape: Sequence[int], ranks: Sequence[int]) -> dict[int, tuple[int, ...]]:
+    """rank -> row-major coordinate in a mesh of ``mesh_shape`` listing ``ranks`` in order."""
+    coords = {}
+    for flat, r in enumerate(ranks):
+        c = []
+        for n in reversed(mesh_shape):
+            c.append(flat % n)
+            flat //= n
+        coords[r] = tuple(reversed(c))
+    return coords
+
+
+def shard_box(global_shape: Sequence[int], mesh_shape: Sequence[int], coord: Sequence[int],
+              dims: Sequence[int]) -> Box:
+    """The box a mesh coordinate owns under Shard/Replicate placements (DTensor rules).
+
+    Mesh axes apply in axis order; an axis that shards dim ``d`` splits the interval left
+    by earlier axes with ``torch.chunk`` rules: chunk = ceil(n / m), trailing chunks short
+    or empty.
+    """
+    lo = [0] * len(global_shape)
+    hi = [int(n) for n in global_shape]
+    for axis, d in enumerate(dims):
+        if d == REPLICATE:
+            continue
+        n, m, c = hi[d] - lo[d], mesh_shape[axis], coord[axis]
+        chunk = -(-n // m)
+        s = min(c * chunk, n)
+        e = min(s + chunk, n)
+        lo[d], hi[d] = lo[d] + s, lo[d] + e
+    return tuple(zip(lo, hi))
+
+
+def shard_ownerships(global_shape: Sequence[int], mesh_shape: Sequence[int],
+                     ranks: Sequence[int], dims: Sequence[int]) -> dict[int, Ownership]:
+    """rank -> Ownership for every rank of a mesh under Shard/Replicate placements."""
+    ownerships = {}
+    ndim = len(global_shape)
+    for r, coord in mesh_coords(mesh_shape, ranks).items():
+        box = shard_box(global_shape, mesh_shape, coord, dims)
+        shape = box_shape(box)
+        pieces = (Piece(box, ((0, 1),) * ndim),) if box_numel(box) else ()
+        ownerships[r] = Ownership(shape, pieces)
+    return ownerships

@@ -1,0 +1,223 @@
+"""Exact transfer plans: who sends which box to whom, as plain data, cached by layout.
+
+A plan depends only on the layout key ``(global_shape, src mesh, src placements, dst mesh,
+dst placements)`` (plain tuples), never on tensors, so every rank computes the same plan
+and the same op order. Ops come in two phases:
+
+- phase 0: sources -> destination *targets* (or a local copy when a rank is on both sides);
+- phase 1: replica completion inside a destination group, from the member that received a
+  region in phase 0 (read from its destination tensor) to the other members.
+
+Destination ranks with identical regions form one group. Each region piece is split into
+``k`` balanced stripes along its first dim of extent >= k (dim 0 when possible, so stripes
+are contiguous); each member receives one stripe from the sources and the members then
+exchange stripes point-to-point (an all-gather made of P2P sends, because collectives on a
+subset of an unregistered group are impractical). A piece too small to stripe goes whole
+to one member (the representative) which forwards it to the others (a P2P broadcast).
+Members that already hold the whole region as sources copy it locally and leave the group.
+Replicated sources are deduplicated: each intersection is read from one holder, the
+destination itself when it is a holder, else the holder with the least bytes so far.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import NamedTuple, Optional, Sequence
+
+from .geometry import (Box, Ownership, box_intersect, box_numel, placement_dims,
+                       shard_ownerships)
+
+LayoutKey = tuple  # (global_shape, src_shape, src_ranks, src_dims, dst_shape, dst_ranks, dst_dims)
+
+
+class Op(NamedTuple):
+    """One box moving from ``src`` to ``dst`` (a local copy when they are equal).
+
+    ``src_piece`` indexes the sender's source pieces in phase 0 and its destination pieces
+    in phase 1; ``dst_piece`` indexes the receiver's destination pieces.
+    """
+
+    phase: int
+    src: int
+    src_piece: int
+    dst: int
+    dst_piece: int
+    box: Box
+
+
+@dataclass(frozen=True)
+class ParamPlan:
+    key: LayoutKey
+    src: dict  # rank -> Ownership
+    dst: dict  # rank -> Ownership
+    ops: tuple  # tuple[Op, ...]
+    fingerprint: str
+    _by_rank: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def ops_of(self, rank: int) -> tuple:
+        """The ops this rank takes part in (memoised; plan order kept)."""
+        got = self._by_rank.get(rank)
+        if got is None:
+            got = tuple(op for op in self.ops if op.src == rank or op.dst == rank)
+            self._by_rank[rank] = got
+        return got
+
+    def to_plain(self) -> dict:
+        return {"key": self.key, "ops": [tuple(op) for op in self.ops]}
+
+
+def layout_key(global_shape: Sequence[int], src_mesh, src_placements, dst_mesh,
+               dst_placements, where: str = "xfer") -> LayoutKey:
+    """Plain-data key of a layout pair; validates placements against shape and meshes."""
+    shape = tuple(int(n) for n in global_shape)
+    if any(n < 0 for n in shape):
+        raise ValueError(f"{where}: global_shape must be non-negative, found {shape}")
+    parts = []
+    for side, mesh, placements in (("src", src_mesh, src_placements),
+                                   ("dst", dst_mesh, dst_placements)):
+        mshape, ranks = _mesh_key(mesh)
+        if len(placements) != len(mshape):
+            raise ValueError(f"{where}: {side} placement count != mesh ndim: expected "
+                             f"{len(mshape)} placements for mesh shape {mshape}, found "
+                             f"{len(placements)} ({list(placements)})")
+        parts += [mshape, ranks, placement_dims(placements, len(shape), f"{where}: {side}")]
+    return (shape, *parts)
+
+
+def _mesh_key(mesh) -> tuple:
+    if hasattr(mesh, "key"):
+        return mesh.key()
+    t = mesh.mesh if hasattr(mesh, "mesh") else mesh
+    return (tuple(t.shape), tuple(int(r) for r in t.flatten().tolist()))
+
+
+def _balanced(n: int, k: int) -> list[tuple[int, int]]:
+    q, r = divmod(n, k)
+    out, s = [], 0
+    for i in range(k):
+        e = s + q + (1 if i < r else 0)
+        out.append((s, e))
+        s = e
+    return out
+
+
+def _overlap(box: Box, own: Optional[Ownership]) -> int:
+    if own is None:
+        return 0
+    total = 0
+    for p in own.pieces:
+        hit = box_intersect(box, p.box)
+        if hit is not None:
+            total += box_numel(hit)
+    return total
+
+
+def build_plan(key: LayoutKey) -> ParamPlan:
+    """Compute the plan for one layout key (see the module docstring for the rules)."""
+    shape, s_shape, s_ranks, s_dims, d_shape, d_ranks, d_dims = key
+    src = shard_ownerships(shape, s_shape, s_ranks, s_dims)
+    dst = shard_ownerships(shape, d_shape, d_ranks, d_dims)
+
+    # Source groups: ranks holding identical boxes are interchangeable holders.
+    src_groups: dict[tuple, list[int]] = {}
+    for r in s_ranks:
+        boxes = src[r].boxes()
+        if boxes:
+            src_groups.setdefault(boxes, []).append(r)
+    src_pieces = [(pi, p.box, holders) for boxes, holders in src_groups.items()
+                  for pi, p in enumerate(src[holders[0]].pieces)]
+    load = {r: 0 for r in s_ranks}
+    ops: list[Op] = []
+
+    def serve(member: int, dpi: int, target: Box) -> None:
+        for spi, sbox, holders in src_pieces:
+            hit = box_intersect(target, sbox)
+            if hit is None:
+                continue
+            if member in src and member in holders:
+                holder = member
+            else:
+                holder = min(holders, key=load.__getitem__)  # first of the least loaded
+                load[holder] += box_numel(hit)
+            ops.append(Op(0, holder, spi, member, dpi, hit))
+
+    dst_groups: dict[tuple, list[int]] = {}
+    for r in d_ranks:
+        boxes = dst[r].boxes()
+        if boxes:
+            dst_groups.setdefault(boxes, []).append(r)
+    for boxes, members in dst_groups.items():
+        region_numel = sum(box_numel(b) for b in boxes)
+        local = [m for m in members
+                 if m in src and sum(_overlap(b, src[m]) for b in boxes) == region_numel]
+        for m in local:  # holds the whole region already: local copies only
+            for dpi, b in enumerate(boxes):
+                serve(m, dpi, b)
+        rest = [m for m in members if m not in local]
+        if not rest:
+            continue
+        k = len(rest)
+        for dpi, b in enumerate(boxes):
+            split_dim = next((d for d, (s, e) in enumerate(b) if e - s >= k), None)
+            if k == 1 or split_dim is None:
+                stripes = [b]
+            else:
+                stripes = []
+                base = b[split_dim][0]
+                for s, e in _balanced(b[split_dim][1] - base, k):
+                    stripes.append(b[:split_dim] + ((base + s, base + e),) + b[split_dim + 1:])
+            free = list(rest)
+            for stripe in stripes:
+                # Give each stripe to the free member that already holds most of it.
+                owner = max(free, key=lambda m: (_overlap(stripe, src.get(m)), -free.index(m)))
+                free.remove(owner)
+                serve(owner, dpi, stripe)
+                for other in rest:
+                    if other != owner:
+                        ops.append(Op(1, owner, dpi, other, dpi, stripe))
+    ops.sort(key=lambda op: op.phase)  # stable: phase 0 first, plan order kept inside
+    fp = hashlib.blake2b(repr((key, ops)).encode(), digest_size=12).hexdigest()
+    return ParamPlan(key, src, dst, tuple(ops), fp)
+
+
+class Planner:
+    """Owns the plan cache (layout key -> ParamPlan) and the batch schedule cache.
+
+    One planner per refit session; ``clear()`` drops everything deterministically.
+    """
+
+    def __init__(self) -> None:
+        self._plans: dict[LayoutKey, ParamPlan] = {}
+        self._schedules: dict[tuple, object] = {}
+
+    def plan(self, key: LayoutKey) -> ParamPlan:
+        got = self._plans.get(key)
+        if got is None:
+            got = build_plan(key)
+            self._plans[key] = got
+        return got
+
+    def schedule(self, key: tuple, build) -> object:
+        got = self._schedules.get(key)
+        if got is None:
+            got = build()
+            if len(self._schedules) > 64:
+                self._schedules.clear()
+            self._schedules[key] = got
+        return got
+
+    def clear(self) -> None:
+        self._plans.clear()
+        self._schedules.clear()
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+
+def batch_fingerprint(items: Sequence[tuple]) -> str:
+    """Stable hash of a batch description: (name, dtype string, plan fingerprint) items."""
+    h = hashlib.blake2b(digest_size=12)
+    for name, dtype, fp in items:
+        h.update(f"{name}\x00{dtype}\x00{fp}\x01".encode())
+    return h.hexdigest()
