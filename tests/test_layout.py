@@ -280,3 +280,31 @@ def test_restore_placement_rebuilds_shard_and_replicate_and_keeps_instances():
     assert _restore_placement(None) == Replicate()
     shard = Shard(0)
     assert _restore_placement(shard) is shard
+
+
+# ---- property: the innermost active axis is recovered by a modulo ------------------------
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    inner=st.integers(1, 4),
+    dp=st.integers(1, 3),
+    pp=st.integers(1, 3),
+    offset=st.integers(0, 9),
+    expert=st.booleans(),
+)
+def test_global_rank_modulo_inner_size_recovers_the_tp_or_ep_coordinate(inner, dp, pp, offset, expert):
+    num = inner * dp * pp
+    kwargs = {"ep_size": inner} if expert else {"tp_size": inner}
+    mesh, dims = build_mesh_info(num, offset, pp_size=pp, **kwargs)
+    assert sorted(mesh.ranks()) == list(range(offset, offset + num))
+    axis = "ep" if expert else "tp"
+    for rank in mesh.ranks():
+        coord = mesh.coordinate_of(rank)
+        want = (rank - offset) % inner
+        assert (coord[dims[axis]] if axis in dims else 0) == want
+        if "pp" in dims:
+            assert coord[dims["pp"]] == (rank - offset) // (inner * dp)
