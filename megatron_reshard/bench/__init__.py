@@ -10,15 +10,17 @@
 Torch only; importing this package starts nothing.
 """
 
-from .baselines import (BaselineGroups, BaselineParam, gather_broadcast, measure_gather_broadcast,
-                        measure_raw_p2p, raw_p2p)
+from .baselines import (BaselineGroups, BaselineParam, NaiveRefit, gather_broadcast,
+                        measure_gather_broadcast, measure_raw_p2p, raw_p2p)
 from .memory import PeakMemory, measure_peak_extra, track_peak_memory
-from .report import Column, format_table, plot_bandwidth, write_report
+from .patterns import chunk_bounds, pattern_values
+from .report import Column, format_table, plot_bandwidth, sig, write_report
 from .timing import GroupOps, Measurement, Timing, time_collective, time_first_call
 
 __all__ = [
-    "BaselineGroups", "BaselineParam", "Column", "GroupOps", "Measurement", "PeakMemory",
-    "Timing", "format_table", "gather_broadcast", "measure_gather_broadcast",
-    "measure_peak_extra", "measure_raw_p2p", "plot_bandwidth", "raw_p2p", "time_collective",
-    "time_first_call", "track_peak_memory", "write_report",
+    "BaselineGroups", "BaselineParam", "Column", "GroupOps", "Measurement", "NaiveRefit",
+    "PeakMemory", "Timing", "chunk_bounds", "format_table", "gather_broadcast",
+    "measure_gather_broadcast", "measure_peak_extra", "measure_raw_p2p", "pattern_values",
+    "plot_bandwidth", "raw_p2p", "sig", "time_collective", "time_first_call",
+    "track_peak_memory", "write_report",
 ]

@@ -33,6 +33,7 @@ must build together, once, and may reuse)::
     measure_gather_broadcast(params, groups, device, *, iters=10, warmup=3,
                              timer="auto") -> float   # useful GB/s per destination
     gather_broadcast(...same...) -> Measurement
+    NaiveRefit(params, groups, device): .run(), .outputs(), .bytes_per_dst   # one step, checkable
 
 Per parameter, in order (the naive refit): sources all-gather their shards along
 ``src_dim`` into the full tensor (skipped for a replicated source), ``src_ranks[0]``
@@ -51,6 +52,7 @@ from typing import Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
+from .patterns import chunk_bounds, pattern_values
 from .timing import GroupOps, Measurement, is_registered, time_collective
 
 P2P_PATTERNS = ("pair", "pairs", "fanin", "mxn")
@@ -187,18 +189,11 @@ class BaselineGroups:
         return sorted(set(self.src_ranks) | set(self.dst_ranks))
 
 
-def _chunk_bounds(n: int, parts: int, index: int) -> tuple[int, int]:
-    """torch.chunk bounds of chunk ``index`` of ``n`` items in ``parts`` chunks."""
-    size = -(-n // parts)
-    lo = min(index * size, n)
-    return lo, min(lo + size, n)
-
-
 def dst_useful_bytes(param: BaselineParam, n_dst: int, dst_index: int) -> int:
     """Bytes of ``param`` that destination ``dst_index`` (of ``n_dst``) keeps."""
     if param.dst_dim is None:
         return param.nbytes
-    lo, hi = _chunk_bounds(param.global_shape[param.dst_dim], n_dst, dst_index)
+    lo, hi = chunk_bounds(param.global_shape[param.dst_dim], n_dst, dst_index)
     return param.nbytes // param.global_shape[param.dst_dim] * (hi - lo)
 
 
@@ -212,7 +207,8 @@ def _all_gather_flat(out: torch.Tensor, local: torch.Tensor, group: dist.Process
 class _NaiveParam:
     """Buffers one rank needs to run the naive refit of one parameter."""
 
-    def __init__(self, p: BaselineParam, groups: BaselineGroups, me: int, device: torch.device):
+    def __init__(self, p: BaselineParam, groups: BaselineGroups, me: int, device: torch.device,
+                 salt: int):
         shape = list(p.global_shape)
         for dim in (p.src_dim, p.dst_dim):
             if dim is not None and not 0 <= dim < len(shape):
@@ -227,21 +223,23 @@ class _NaiveParam:
         self.in_bcast = me in groups.all_ranks
         self.full = torch.empty(shape, dtype=p.dtype, device=device) if self.in_bcast else None
         self.local = self.gathered = None
+        whole = [(0, n) for n in shape]
         if self.is_src and p.src_dim is not None:
-            local_shape = list(shape)
-            local_shape[p.src_dim] //= n_src
-            self.local = torch.ones(local_shape, dtype=p.dtype, device=device)
+            box = list(whole)
+            box[p.src_dim] = chunk_bounds(shape[p.src_dim], n_src, groups.src_ranks.index(me))
+            self.local = pattern_values(shape, box, p.dtype, device, salt)
             if p.src_dim != 0 and n_src > 1:
-                self.gathered = torch.empty([n_src] + local_shape, dtype=p.dtype, device=device)
+                self.gathered = torch.empty([n_src] + list(self.local.shape), dtype=p.dtype,
+                                            device=device)
         elif self.is_src:
-            self.full.fill_(1)
+            self.full.copy_(pattern_values(shape, whole, p.dtype, device, salt))
         self.dst = None
         if self.is_dst:
             k = groups.dst_ranks.index(me)
             if p.dst_dim is None:
                 self.view = self.full
             else:
-                lo, hi = _chunk_bounds(shape[p.dst_dim], len(groups.dst_ranks), k)
+                lo, hi = chunk_bounds(shape[p.dst_dim], len(groups.dst_ranks), k)
                 self.view = self.full.narrow(p.dst_dim, lo, hi - lo)
             self.dst = torch.empty(self.view.shape, dtype=p.dtype, device=device)
 
@@ -261,24 +259,43 @@ class _NaiveParam:
             self.dst.copy_(self.view)
 
 
+class NaiveRefit:
+    """The naive refit of ``params`` on this rank, ready to run (buffers allocated once).
+
+    Sources hold ``pattern_values`` data (salt = the parameter's index), so the result can be
+    checked: after ``run()``, ``outputs()[i]`` is this destination's part of parameter ``i``
+    (None on ranks that are not destinations).
+    """
+
+    def __init__(self, params: Sequence[BaselineParam], groups: BaselineGroups,
+                 device: torch.device):
+        self.params = list(params)
+        self.groups = groups
+        me = dist.get_rank()
+        self._items = [_NaiveParam(p, groups, me, torch.device(device), salt=i)
+                       for i, p in enumerate(self.params)]
+        n_dst = len(groups.dst_ranks)
+        self.bytes_per_dst = max(sum(dst_useful_bytes(p, n_dst, k) for p in self.params)
+                                 for k in range(n_dst))
+
+    def run(self) -> None:
+        for item in self._items:
+            item.run(self.groups)
+
+    def outputs(self) -> list[Optional[torch.Tensor]]:
+        return [item.dst for item in self._items]
+
+
 def gather_broadcast(params: Union[BaselineParam, Sequence[BaselineParam]],
                      groups: BaselineGroups, device: torch.device, *, iters: int = 10,
                      warmup: int = 3, timer: str = "auto") -> Measurement:
     """Time the naive refit of ``params`` (one after the other); see module docstring."""
     if isinstance(params, BaselineParam):
         params = [params]
-    device = torch.device(device)
-    me = dist.get_rank()
-    naive = [_NaiveParam(p, groups, me, device) for p in params]
-    n_dst = len(groups.dst_ranks)
-    per_dst = max(sum(dst_useful_bytes(p, n_dst, k) for p in params) for k in range(n_dst))
-
-    def step() -> None:
-        for item in naive:
-            item.run(groups)
-
-    timing = time_collective(step, None, device=device, iters=iters, warmup=warmup, timer=timer)
-    return Measurement(name="gather_broadcast", bytes_per_dst=per_dst, timing=timing)
+    naive = NaiveRefit(params, groups, device)
+    timing = time_collective(naive.run, None, device=torch.device(device), iters=iters,
+                             warmup=warmup, timer=timer)
+    return Measurement(name="gather_broadcast", bytes_per_dst=naive.bytes_per_dst, timing=timing)
 
 
 def measure_gather_broadcast(params: Union[BaselineParam, Sequence[BaselineParam]],

@@ -63,6 +63,7 @@ from megatron_reshard.layout import MeshInfo
 
 from .baselines import BaselineGroups, BaselineParam, gather_broadcast, raw_p2p
 from .memory import measure_peak_extra
+from .patterns import chunk_bounds, pattern_values
 from .report import Column, format_table, plot_bandwidth, sig, write_report
 from .timing import GroupOps, synchronize, time_collective, time_first_call
 
@@ -195,12 +196,6 @@ def build_cases(small: bool, world_size: int, sizes: Sequence[int] = ()) -> list
 # ----------------------------------------------------------------------------- geometry
 
 
-def _chunk(n: int, parts: int, index: int) -> tuple[int, int]:
-    size = -(-n // parts)
-    lo = min(index * size, n)
-    return lo, min(lo + size, n)
-
-
 def local_box(global_shape: Sequence[int], mesh: MeshInfo, placements: Sequence,
               rank: int) -> Optional[list[tuple[int, int]]]:
     """[lo, hi) per dim of ``rank``'s shard (torch.chunk rules, mesh axes in order)."""
@@ -211,24 +206,9 @@ def local_box(global_shape: Sequence[int], mesh: MeshInfo, placements: Sequence,
     for axis, p in enumerate(placements):
         if isinstance(p, Shard):
             lo, hi = box[p.dim]
-            a, b = _chunk(hi - lo, mesh.shape[axis], coord[axis])
+            a, b = chunk_bounds(hi - lo, mesh.shape[axis], coord[axis])
             box[p.dim] = (lo + a, lo + b)
     return box
-
-
-def pattern_values(global_shape: Sequence[int], box: Sequence[tuple[int, int]],
-                   dtype: torch.dtype, device: torch.device, salt: int) -> torch.Tensor:
-    """The part ``box`` of a deterministic global tensor (integers in [-125, 125], exact
-    in bf16), built without materializing the global tensor."""
-    strides = [math.prod(global_shape[d + 1:]) for d in range(len(global_shape))]
-    shape = [hi - lo for lo, hi in box]
-    acc = torch.full([1] * len(shape), salt % 251, dtype=torch.int32, device=device)
-    for d, (lo, hi) in enumerate(box):
-        term = (torch.arange(lo, hi, dtype=torch.int64, device=device) * (strides[d] % 251)) % 251
-        view = [1] * len(shape)
-        view[d] = hi - lo
-        acc = (acc + term.to(torch.int32).view(view)) % 251
-    return (acc.expand(shape) - 125).to(dtype).contiguous()
 
 
 def _box_bytes(box: Sequence[tuple[int, int]], dtype: torch.dtype) -> int:
