@@ -95,6 +95,7 @@ def _bench_main(job, argv):
     """Run the benchmark's main() as torchrun would (env:// rendezvous) in a pool worker."""
     env = {"MASTER_ADDR": job.host, "MASTER_PORT": str(job.ports[2]), "RANK": str(job.rank),
            "WORLD_SIZE": str(job.nprocs), "LOCAL_RANK": str(job.rank)}
+    argv = [a.replace("{refit_port}", str(job.ports[3])) for a in argv]
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
@@ -262,3 +263,17 @@ def test_bench_main_with_the_engine_is_exact_and_reports_ratios(pool, tmp_path):
         for key in ("engine_gbps", "raw_pair_gbps", "engine_vs_raw", "baseline_gbps",
                     "engine_vs_baseline", "us_per_param"):
             assert _positive_finite(r[key]), (r["case"], key, r.get(key))
+
+
+def test_bench_main_over_a_cross_world_refit_group(pool, tmp_path):
+    pytest.importorskip("megatron_reshard.engine", reason="engine not importable yet")
+    pytest.importorskip("megatron_reshard.comm", reason="comm not importable yet")
+    out = tmp_path / "bench"
+    argv = ["--device", "cpu", "--small", "--iters", "1", "--warmup", "1", "--cross-world",
+            "--refit-port", "{refit_port}", "--cases", "s0_s1", "--out", str(out)]
+    assert pool.run(_bench_main, 4, argv, timeout_s=300) == [0] * 4
+    data = json.loads((out / "transfer.json").read_text())
+    assert "create_refit_group" in data["meta"]["group"]
+    (row,) = data["rows"]
+    assert row["check"] == "exact"
+    assert _positive_finite(row["engine_gbps"]) and _positive_finite(row["raw_mxn_gbps"])

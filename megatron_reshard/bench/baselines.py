@@ -97,7 +97,8 @@ def _post_p2p(ops: list[tuple[str, torch.Tensor, int]], group: Optional[dist.Pro
     elif ops[0][1].is_cuda:
         # A raw NCCL group: coalesce through its backend (the group-level
         # _start_coalescing has another signature), one launch like batch_isend_irecv.
-        backend = group._get_backend(ops[0][1].device)
+        dev = ops[0][1].device
+        backend = group._get_backend(dev) if hasattr(group, "_get_backend") else group
         backend._start_coalescing()
         for kind, t, peer in ops:
             (backend.send if kind == "send" else backend.recv)([t], peer, 0)

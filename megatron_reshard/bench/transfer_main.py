@@ -446,7 +446,8 @@ def _load_engine(args: argparse.Namespace) -> tuple[Any, str]:
         return None, f"not importable ({type(exc).__name__}: {exc})"
 
 
-def _refit_group(args: argparse.Namespace, backend: str) -> Optional[dist.ProcessGroup]:
+def _refit_group(args: argparse.Namespace, backend: str,
+                 device: torch.device) -> Optional[dist.ProcessGroup]:
     if not args.cross_world:
         return None
     from megatron_reshard.comm import create_refit_group
@@ -455,7 +456,8 @@ def _refit_group(args: argparse.Namespace, backend: str) -> Optional[dist.Proces
     port = args.refit_port or int(os.environ.get("MASTER_PORT", "29500")) + 17
     made = create_refit_group(host=host, port=port, rank=dist.get_rank(),
                               world_size=dist.get_world_size(), backend=backend,
-                              timeout_s=args.timeout_s)
+                              timeout_s=args.timeout_s,
+                              device=device if device.type == "cuda" else None)
     return getattr(made, "group", made)
 
 
@@ -499,7 +501,7 @@ def _run(args: argparse.Namespace, device: torch.device, backend: str, env: dict
                   file=sys.stderr)
         return 2
     engine, engine_note = _load_engine(args)
-    group = _refit_group(args, backend)
+    group = _refit_group(args, backend, device)
     ctx = Context(group=group, device=device, src_ranks=list(range(world // 2)),
                   dst_ranks=list(range(world // 2, world)), world_size=world,
                   iters=args.iters, warmup=args.warmup, timer=args.timer,
