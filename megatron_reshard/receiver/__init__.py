@@ -1,0 +1,42 @@
+"""Generation side of megatron_reshard: receive training weights into vLLM-layout storage.
+
+Imports only torch and the standard library (it runs inside vLLM workers, where Megatron,
+Transformer Engine and msgspec may be absent); the payload arrives already decoded to
+plain data.
+
+- ``targets``: where each HF param lands in vLLM's per-rank storage (``VllmTargets``),
+  the bulk receive recipes, and ``load_full_weights`` for full HF tensors.
+- ``session``: ``ReceiverSession`` — payload restore and validation, the rank's
+  ``hf_name -> LocalParamSpec`` map, the receive loop, the report.
+- ``worker``: ``MegatronReshardWorkerExtension`` for vLLM's ``collective_rpc``.
+"""
+
+from megatron_reshard.receiver.session import (
+    SUPPORTED_SCHEMA_VERSIONS,
+    ReceiverSession,
+    build_receiver_param_map,
+    gen_ep_size,
+    receive_misc_packed,
+    restore_payload,
+)
+from megatron_reshard.receiver.targets import (
+    Piece,
+    TargetError,
+    TargetPlan,
+    VllmTargets,
+    apply_full_weights,
+    bulk_receive_plan,
+    coverage_gaps,
+    expert_block,
+    load_full_weights,
+    plan_full_weights,
+    receive_spec,
+)
+from megatron_reshard.receiver.worker import MegatronReshardWorkerExtension
+
+__all__ = [
+    "MegatronReshardWorkerExtension", "Piece", "ReceiverSession", "SUPPORTED_SCHEMA_VERSIONS",
+    "TargetError", "TargetPlan", "VllmTargets", "apply_full_weights", "build_receiver_param_map",
+    "bulk_receive_plan", "coverage_gaps", "expert_block", "gen_ep_size", "load_full_weights",
+    "plan_full_weights", "receive_misc_packed", "receive_spec", "restore_payload",
+]

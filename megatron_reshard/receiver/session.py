@@ -1,0 +1,224 @@
+"""One generation rank's refit session: payload in, targets mapped, refit run on demand.
+
+Torch + stdlib only. ``ReceiverSession`` does all local work in its constructor (restore
+and validate the payload, map every HF name this rank receives onto the model's storage,
+plan the params outside the bulk path); every error it raises names the param and the
+rank, and no communication has happened yet. ``refit()`` then runs the bulk transfer
+(``RefitLoop``, side ``"dst"``) and receives the other params (packed broadcast per stage,
+from the stage's group rank 0).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Iterable, Mapping, Optional, Union
+
+import torch
+from torch.distributed.tensor import Shard
+
+from megatron_reshard.layout import is_expert_param
+from megatron_reshard.metadata import restore_refit_info_placements
+from megatron_reshard.refit_loop import (
+    DEFAULT_BATCH_BYTES,
+    DEFAULT_STAGING_BYTES,
+    MiscItem,
+    RefitLoop,
+    comm_device,
+    group_rank,
+    group_size,
+    local_region,
+    misc_items_by_stage,
+    stage_params,
+    wire_dtype,
+)
+from megatron_reshard.receiver.targets import (
+    TargetError,
+    TargetPlan,
+    VllmTargets,
+    apply_full_weights,
+    bulk_receive_plan,
+    coverage_gaps,
+    plan_full_weights,
+    receive_spec,
+)
+from megatron_reshard.spec import HFToLocalParamMap
+
+SUPPORTED_SCHEMA_VERSIONS = (1,)
+
+# receive_misc(stage, group, items) -> {hf_name: full tensor} for the stage's other params
+MiscReceiver = Callable[[int, Optional[Any], list[MiscItem]], Mapping[str, torch.Tensor]]
+
+
+def restore_payload(payload: dict, where: str = "this rank") -> dict:
+    """Validate the schema version and restore meshes/placements in place; returns the payload."""
+    if not isinstance(payload, dict):
+        raise TypeError(f"refit payload on {where} is a {type(payload).__name__}, expected a dict")
+    version = payload.get("schema_version")
+    if version not in SUPPORTED_SCHEMA_VERSIONS:
+        raise ValueError(f"refit payload on {where}: unsupported schema_version {version!r} "
+                         f"(this receiver reads {list(SUPPORTED_SCHEMA_VERSIONS)})")
+    for key in ("layer_names", "per_layer_params", "train_world_size", "gen_world_size", "gen_tp_size"):
+        if key not in payload:
+            raise ValueError(f"refit payload on {where}: missing key {key!r}")
+    return restore_refit_info_placements(payload)
+
+
+def gen_ep_size(payload: Mapping[str, Any]) -> int:
+    """Generation EP size: ``gen_layout["ep_size"]`` if given, else read off the expert placements."""
+    layout = payload.get("gen_layout")
+    if isinstance(layout, Mapping) and layout.get("ep_size"):
+        return int(layout["ep_size"])
+    for params in payload["per_layer_params"].values():
+        for p in params:
+            if is_expert_param(p["name"]):
+                for axis, pl in enumerate(p["dst_placements"]):
+                    if isinstance(pl, Shard) and pl.dim == 0:
+                        return int(p["dst_mesh_info"].shape[axis])
+                return 1
+    return 1
+
+
+def build_receiver_param_map(payload: Mapping[str, Any], targets: VllmTargets, rank_in_group: int,
+                             strided_in_place: bool = True
+                             ) -> tuple[HFToLocalParamMap, list[TargetPlan]]:
+    """``hf_name -> LocalParamSpec`` for every bulk param this rank receives, and their plans.
+
+    ``rank_in_group`` is this rank's rank in the refit groups (the same in every stage's
+    group). Each spec's base is the live target box; see ``receive_spec``.
+    """
+    specs = HFToLocalParamMap()
+    plans = []
+    for params in stage_params(payload).values():
+        for p in params:
+            region = local_region(p["global_shape"], p["dst_mesh_info"], p["dst_placements"],
+                                  rank_in_group)
+            if region is None:
+                continue
+            plan = bulk_receive_plan(targets, p["name"], p["global_shape"], region,
+                                     wire_dtype(p["dtype"]))
+            specs.specs[p["name"]] = receive_spec(targets, plan.pieces[0], strided_in_place)
+            plans.append(plan)
+    return specs, plans
+
+
+def receive_misc_packed(stage: int, group: Optional[Any], items: list[MiscItem],
+                        device: Optional[torch.device] = None) -> Mapping[str, torch.Tensor]:
+    """Default misc transport: the stage's group rank 0 broadcasts one flat uint8 buffer of
+    the stage's other params in payload order (``megatron_reshard.packed``)."""
+    from megatron_reshard.packed import broadcast_packed, packed_layout
+
+    return broadcast_packed(packed_layout(items), group, 0, device or comm_device(group))
+
+
+class ReceiverSession:
+    """A generation rank's refit state for one payload (see module docstring)."""
+
+    def __init__(
+        self,
+        payload: dict,
+        named_parameters: Union[Mapping[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]],
+        groups: Mapping[int, Optional[Any]],
+        *,
+        num_streams: int = 2,
+        batch_bytes: int = DEFAULT_BATCH_BYTES,
+        staging_bytes: int = DEFAULT_STAGING_BYTES,
+        strided_in_place: bool = True,
+        receive_misc: Optional[MiscReceiver] = None,
+        xfer_batch: Optional[Callable[..., None]] = None,
+    ):
+        t0 = time.perf_counter()
+        self.groups = dict(groups)
+        ranks = {s: group_rank(g) for s, g in self.groups.items()}
+        if len(set(ranks.values())) > 1:
+            raise ValueError(f"this generation rank has different ranks in the refit groups: {ranks}")
+        self.rank_in_group = next(iter(ranks.values())) if ranks else 0
+        where = f"refit group rank {self.rank_in_group}"
+        self.payload = restore_payload(payload, where)
+        pp_size = int(self.payload.get("pp_size", 1))
+        missing = sorted(set(range(pp_size)) - set(self.groups))
+        if missing:
+            raise ValueError(f"{where}: no refit group for PP stage(s) {missing} (payload has "
+                             f"pp_size={pp_size}; a generation rank takes part in every stage)")
+        stage_world = int(self.payload["train_world_size"]) // pp_size
+        gen_world = int(self.payload["gen_world_size"])
+        for stage, group in self.groups.items():
+            if group_size(group) != stage_world + gen_world:
+                raise ValueError(f"{where}: the group of stage {stage} has {group_size(group)} ranks, "
+                                 f"the payload needs {stage_world} train + {gen_world} gen ranks")
+        self.gen_rank = self.rank_in_group - stage_world
+        if not 0 <= self.gen_rank < gen_world:
+            raise ValueError(f"{where} is not a generation rank (train ranks are 0..{stage_world - 1}, "
+                             f"generation ranks {stage_world}..{stage_world + gen_world - 1})")
+        tp = int(self.payload["gen_tp_size"])
+        ep = gen_ep_size(self.payload)
+        self.targets = VllmTargets.from_named_parameters(
+            named_parameters, self.payload.get("hf_config") or {}, tp_rank=self.gen_rank % tp,
+            tp_size=tp, ep_size=ep, ep_rank=self.gen_rank % ep, label=f"gen rank {self.gen_rank}")
+        self.local_map, self.bulk_plans = build_receiver_param_map(
+            self.payload, self.targets, self.rank_in_group, strided_in_place)
+        self.misc_items = {s: misc_items_by_stage(self.payload).get(s, []) for s in range(pp_size)}
+        self.misc_plans = {s: plan_full_weights(self.targets, items)
+                           for s, items in self.misc_items.items()}
+        self.loop = RefitLoop(self.payload, self.local_map, "dst", self.groups,
+                              num_streams=num_streams, batch_bytes=batch_bytes,
+                              staging_bytes=staging_bytes, misc_items=self.misc_items,
+                              xfer_batch=xfer_batch)
+        self.receive_misc = receive_misc or receive_misc_packed
+        self.stats: dict[str, Any] = {"refits": 0, "prepare_s": time.perf_counter() - t0,
+                                      "verify_s": None, "last": None, "total_refit_s": 0.0}
+
+    def verify_plan(self) -> None:
+        """Compare plan fingerprints with the training side (communication: one small all-gather)."""
+        t0 = time.perf_counter()
+        self.loop.verify_plan()
+        self.stats["verify_s"] = time.perf_counter() - t0
+
+    def refit(self) -> dict:
+        """Receive every param once: the bulk params, then each stage's other params."""
+        t0 = time.perf_counter()
+        if self.stats["verify_s"] is None:
+            self.verify_plan()
+        bulk = self.loop.run()
+        t1 = time.perf_counter()
+        misc_bytes = 0
+        for stage, items in self.misc_items.items():
+            if not items:
+                continue
+            tensors = self.receive_misc(stage, self.groups[stage], items)
+            misc_bytes += apply_full_weights(self.targets, self.misc_plans[stage], tensors)
+        if torch.cuda.is_available() and any(t.is_cuda for t in self.targets.params.values()):
+            torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        last = {"bulk_params": bulk.params, "bulk_bytes": bulk.local_bytes,
+                "misc_params": sum(len(i) for i in self.misc_items.values()),
+                "misc_bytes": misc_bytes, "bulk_s": t1 - t0, "misc_s": t2 - t1, "refit_s": t2 - t0,
+                "stages": bulk.as_dict()["stages"]}
+        self.stats["refits"] += 1
+        self.stats["total_refit_s"] += t2 - t0
+        self.stats["last"] = last
+        return dict(last)
+
+    def report(self) -> dict:
+        """Plain-data summary: what this rank receives, bytes, timings, target params left unwritten."""
+        plans = list(self.bulk_plans) + [p for ps in self.misc_plans.values() for p in ps]
+        last = self.stats["last"] or {}
+        return {
+            "rank_in_group": self.rank_in_group,
+            "gen_rank": self.gen_rank,
+            "tp_rank": self.targets.tp_rank, "tp_size": self.targets.tp_size,
+            "ep_rank": self.targets.ep_rank, "ep_size": self.targets.ep_size,
+            "params": len(self.bulk_plans),
+            "misc_params": sum(len(i) for i in self.misc_items.values()),
+            "bytes_received": last.get("bulk_bytes", 0) + last.get("misc_bytes", 0),
+            "refits": self.stats["refits"],
+            "timings": {"prepare_s": self.stats["prepare_s"], "verify_s": self.stats["verify_s"],
+                        "last_refit_s": last.get("refit_s"), "last_bulk_s": last.get("bulk_s"),
+                        "last_misc_s": last.get("misc_s"),
+                        "total_refit_s": self.stats["total_refit_s"]},
+            "plan_fingerprints": {str(s): fp for s, fp in self.loop.fingerprints.items()},
+            "uncovered_targets": coverage_gaps(self.targets, plans),
+        }
+
+
+__all__ = ["ReceiverSession", "TargetError", "build_receiver_param_map", "gen_ep_size",
+           "receive_misc_packed", "restore_payload", "SUPPORTED_SCHEMA_VERSIONS"]

@@ -1,0 +1,446 @@
+"""Where each HF parameter lands in vLLM's per-rank storage.
+
+Torch + stdlib only. ``VllmTargets`` wraps a model's ``named_parameters()`` (vLLM per-rank
+names and shapes) with this rank's TP/EP coordinates. ``resolve`` answers, for one HF name
+and its global shape, which boxes of which target tensors receive which boxes of the HF
+tensor on this rank (plus rows to zero, for vocab padding). Both receive paths use it:
+
+- the bulk path (``build_receiver_param_map``) checks that the region the payload delivers
+  to this rank is exactly the one vLLM expects, and exposes that target box as the
+  engine's destination (a view in place; a ``pre`` buffer + ``post`` copy-back only when
+  asked to avoid strided destinations);
+- the misc path (``load_full_weights``) slices full HF tensors into the targets.
+
+Layout facts (see LAYOUTS.md): column parallel ``[out/T, in]``, row parallel ``[out, in/T]``;
+``gate_up_proj = [gate_r ; up_r]``; ``qkv_proj = [q_r | k_r | v_r]`` with KV heads replicated
+when T > nkv (rank r holds head ``r // (T/nkv)``); vocab padded to a multiple of 64 and
+split evenly, padding rows zero; FusedMoE ``w13_weight [E_local, 2*I_p, H]`` (gate half, up
+half; up only for non-gated experts) and ``w2_weight [E_local, H, I_p]``, experts TP-sharded
+without EP, whole in contiguous blocks with EP (remainder to the first ranks); newer vLLM
+nests them as ``experts.routed_experts.w13_weight``.
+
+Targets are chosen by the tensors' shapes, never by model family name.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Optional, Sequence, Union
+
+import torch
+
+from megatron_reshard.refit_loop import Region, region_index, region_shape
+from megatron_reshard.spec import LocalParamSpec, RefitCtx
+
+VOCAB_PADDING = 64
+
+_EXPERT_RE = re.compile(
+    r"^(?P<prefix>.*\.experts)\.(?:(?P<index>\d+)\.)?(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+_QKV_RE = re.compile(r"^(?P<prefix>.*)\.(?P<which>q|k|v)_proj\.(?P<kind>weight|bias)$")
+_GATE_UP_RE = re.compile(r"^(?P<prefix>.*)\.(?P<which>gate|up)_proj\.weight$")
+
+
+class TargetError(ValueError):
+    """An HF param cannot be mapped onto this rank's vLLM storage (raised before any communication)."""
+
+
+@dataclass(frozen=True)
+class Piece:
+    """``target[target_region]`` receives ``hf[hf_region]`` (same number of elements)."""
+
+    target: str
+    target_region: Region
+    hf_region: Region
+
+
+@dataclass
+class TargetPlan:
+    """Everything one HF param writes on this rank."""
+
+    hf_name: str
+    hf_shape: tuple[int, ...]
+    pieces: list[Piece] = field(default_factory=list)
+    zero: list[tuple[str, Region]] = field(default_factory=list)  # target boxes to zero-fill
+    note: str = ""  # why there is nothing to write (e.g. tied lm_head, experts of another rank)
+
+
+def _full(shape: Sequence[int]) -> Region:
+    return tuple((0, int(n)) for n in shape)
+
+
+def _numel(region: Region) -> int:
+    n = 1
+    for a, b in region:
+        n *= b - a
+    return n
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def expert_block(num_experts: int, ep_rank: int, ep_size: int) -> tuple[int, int]:
+    """vLLM's contiguous expert block ``[start, stop)`` of ``ep_rank``: remainder to the first ranks."""
+    base, rem = divmod(num_experts, ep_size)
+    start = ep_rank * base + min(ep_rank, rem)
+    return start, start + base + (1 if ep_rank < rem else 0)
+
+
+def _as_dict(named: Union[Mapping[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]]
+             ) -> dict[str, torch.Tensor]:
+    items = named.items() if isinstance(named, Mapping) else named
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in items:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"target {name!r} is a {type(tensor).__name__}, not a tensor")
+        out[name] = tensor.detach()  # same storage; writes land in the parameter
+    return out
+
+
+@dataclass
+class VllmTargets:
+    """A vLLM model's per-rank parameters plus the coordinates that decide their contents."""
+
+    params: dict[str, torch.Tensor]
+    hf_config: dict[str, Any]
+    tp_rank: int
+    tp_size: int
+    ep_rank: int = 0
+    ep_size: int = 1
+    label: str = ""  # how errors name this rank, e.g. "gen rank 3"
+
+    @classmethod
+    def from_named_parameters(cls, named, hf_config: Mapping[str, Any], tp_rank: int, tp_size: int,
+                              ep_size: int = 1, ep_rank: Optional[int] = None,
+                              label: str = "") -> "VllmTargets":
+        if not 0 <= tp_rank < tp_size:
+            raise ValueError(f"tp_rank={tp_rank} is not in 0..{tp_size - 1}")
+        ep_rank = tp_rank % ep_size if ep_rank is None else ep_rank
+        if not 0 <= ep_rank < ep_size:
+            raise ValueError(f"ep_rank={ep_rank} is not in 0..{ep_size - 1}")
+        return cls(_as_dict(named), dict(hf_config or {}), tp_rank, tp_size, ep_rank, ep_size, label)
+
+    def where(self) -> str:
+        """This rank as error messages name it."""
+        coords = f"tp_rank {self.tp_rank} of {self.tp_size}, ep_rank {self.ep_rank} of {self.ep_size}"
+        return f"{self.label} ({coords})" if self.label else coords
+
+    def view(self, piece: Piece) -> torch.Tensor:
+        return self.params[piece.target][region_index(piece.target_region)]
+
+    # -- resolution --------------------------------------------------------------------
+
+    def resolve(self, hf_name: str, hf_shape: Sequence[int]) -> TargetPlan:
+        """Which target boxes ``hf_name`` (global shape ``hf_shape``) fills on this rank."""
+        shape = tuple(int(s) for s in hf_shape)
+        if hf_name in self.params:
+            return self._direct(hf_name, shape)
+        m = _EXPERT_RE.match(hf_name)
+        if m:
+            return self._experts(hf_name, shape, m)
+        m = _QKV_RE.match(hf_name)
+        if m and f"{m['prefix']}.qkv_proj.{m['kind']}" in self.params:
+            return self._qkv(hf_name, shape, m)
+        m = _GATE_UP_RE.match(hf_name)
+        if m and f"{m['prefix']}.gate_up_proj.weight" in self.params:
+            return self._gate_up(hf_name, shape, m)
+        if hf_name.endswith("lm_head.weight") and self.hf_config.get("tie_word_embeddings"):
+            return TargetPlan(hf_name, shape, note="tied to the input embedding; nothing to write")
+        fused = self._fused_candidate(hf_name)
+        if fused:
+            raise TargetError(f"{hf_name}: missing target on {self.where()}: expected vLLM param "
+                              f"{fused!r} (or {hf_name!r}) in the model")
+        raise TargetError(f"{hf_name}: unknown HF name on {self.where()}: no vLLM param of that "
+                          f"name and no fused layout (qkv_proj, gate_up_proj, experts.w13/w2) "
+                          f"takes it")
+
+    def _fused_candidate(self, hf_name: str) -> str:
+        m = _QKV_RE.match(hf_name)
+        if m:
+            return f"{m['prefix']}.qkv_proj.{m['kind']}"
+        m = _GATE_UP_RE.match(hf_name)
+        if m:
+            return f"{m['prefix']}.gate_up_proj.weight"
+        return ""
+
+    def _shape_error(self, hf_name: str, target: str, expected: Sequence[int], why: str) -> TargetError:
+        return TargetError(f"{hf_name}: shape mismatch on {self.where()}: vLLM param {target!r} has "
+                           f"shape {list(self.params[target].shape)}, expected {list(expected)} "
+                           f"({why})")
+
+    def _direct(self, name: str, shape: tuple[int, ...]) -> TargetPlan:
+        """A target of the same name: replicated, or split evenly along the one dim that differs."""
+        target = self.params[name]
+        tshape = tuple(target.shape)
+        plan = TargetPlan(name, shape)
+        if tshape == shape:
+            plan.pieces.append(Piece(name, _full(tshape), _full(shape)))
+            return plan
+        differ = [d for d in range(len(shape)) if len(tshape) == len(shape) and tshape[d] != shape[d]]
+        if len(differ) != 1:
+            raise self._shape_error(name, name, shape, "neither the full HF shape nor one dim split "
+                                    f"over tp_size={self.tp_size}")
+        d = differ[0]
+        chunk, total, r = tshape[d], shape[d], self.tp_rank
+        if chunk * self.tp_size == total:
+            hf = list(_full(shape))
+            hf[d] = (r * chunk, (r + 1) * chunk)
+            plan.pieces.append(Piece(name, _full(tshape), tuple(hf)))
+            return plan
+        if d == 0 and chunk * self.tp_size == _round_up(total, VOCAB_PADDING) and len(shape) >= 1:
+            # vocab rows padded to a multiple of 64, split evenly; padding rows are zero
+            lo, hi = min(r * chunk, total), min((r + 1) * chunk, total)
+            if hi > lo:
+                plan.pieces.append(Piece(name, ((0, hi - lo),) + _full(tshape[1:]),
+                                         ((lo, hi),) + _full(shape[1:])))
+            if hi - lo < chunk:
+                plan.zero.append((name, ((hi - lo, chunk),) + _full(tshape[1:])))
+            return plan
+        expected = list(shape)
+        expected[d] = f"{total}/{self.tp_size}"
+        raise self._shape_error(name, name, expected, f"dim {d} split evenly over tp_size="
+                                f"{self.tp_size}, or vocab padded to {VOCAB_PADDING}")
+
+    def _head_dim(self, name: str) -> tuple[int, int, int]:
+        cfg = self.hf_config
+        try:
+            nh, nkv = int(cfg["num_attention_heads"]), int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"])
+        except KeyError as err:
+            raise TargetError(f"{name}: hf_config lacks {err} needed to slice qkv_proj") from None
+        hd = cfg.get("head_dim") or int(cfg["hidden_size"]) // nh
+        return nh, nkv, int(hd)
+
+    def _qkv(self, name: str, shape: tuple[int, ...], m: re.Match) -> TargetPlan:
+        target = f"{m['prefix']}.qkv_proj.{m['kind']}"
+        nh, nkv, hd = self._head_dim(name)
+        T, r = self.tp_size, self.tp_rank
+        if nh % T:
+            raise TargetError(f"{name}: {nh} query heads do not split over tp_size={T}")
+        if T >= nkv:
+            if T % nkv:
+                raise TargetError(f"{name}: tp_size={T} is not a multiple of {nkv} KV heads")
+            kv_heads = (r // (T // nkv), r // (T // nkv) + 1)
+        else:
+            if nkv % T:
+                raise TargetError(f"{name}: {nkv} KV heads do not split over tp_size={T}")
+            kv_heads = (r * nkv // T, (r + 1) * nkv // T)
+        q_rows = nh // T * hd
+        kv_rows = (kv_heads[1] - kv_heads[0]) * hd
+        which = m["which"]
+        full_rows = nh * hd if which == "q" else nkv * hd
+        if shape[0] != full_rows:
+            raise TargetError(f"{name}: HF shape {list(shape)} does not have {full_rows} rows "
+                              f"({nh if which == 'q' else nkv} heads x head_dim {hd}) per hf_config")
+        tshape = tuple(self.params[target].shape)
+        expected = (q_rows + 2 * kv_rows,) + shape[1:]
+        if tshape != expected:
+            raise self._shape_error(name, target, expected,
+                                    f"[q_r | k_r | v_r] with {nh // T} q heads and "
+                                    f"{kv_heads[1] - kv_heads[0]} KV heads of dim {hd}")
+        if which == "q":
+            t_rows, h_rows = (0, q_rows), (r * q_rows, (r + 1) * q_rows)
+        else:
+            off = q_rows if which == "k" else q_rows + kv_rows
+            t_rows, h_rows = (off, off + kv_rows), (kv_heads[0] * hd, kv_heads[1] * hd)
+        plan = TargetPlan(name, shape)
+        plan.pieces.append(Piece(target, (t_rows,) + _full(shape[1:]), (h_rows,) + _full(shape[1:])))
+        return plan
+
+    def _gate_up(self, name: str, shape: tuple[int, ...], m: re.Match) -> TargetPlan:
+        target = f"{m['prefix']}.gate_up_proj.weight"
+        T, r = self.tp_size, self.tp_rank
+        rows = shape[0]
+        if rows % T:
+            raise TargetError(f"{name}: {rows} rows do not split over tp_size={T}")
+        part = rows // T
+        expected = (2 * part,) + shape[1:]
+        if tuple(self.params[target].shape) != expected:
+            raise self._shape_error(name, target, expected, "[gate_r ; up_r]")
+        off = 0 if m["which"] == "gate" else part
+        plan = TargetPlan(name, shape)
+        plan.pieces.append(Piece(target, ((off, off + part),) + _full(shape[1:]),
+                                 ((r * part, (r + 1) * part),) + _full(shape[1:])))
+        return plan
+
+    def _expert_target(self, name: str, prefix: str, proj: str) -> str:
+        leaf = "w2_weight" if proj == "down_proj" else "w13_weight"
+        candidates = [f"{prefix}.{leaf}", f"{prefix}.routed_experts.{leaf}"]
+        found = [c for c in candidates if c in self.params]
+        if not found:
+            raise TargetError(f"{name}: missing target on {self.where()}: expected vLLM param "
+                              f"{candidates[0]!r} or {candidates[1]!r}")
+        if len(found) == 2 and self.params[found[0]].data_ptr() != self.params[found[1]].data_ptr():
+            raise TargetError(f"{name}: ambiguous target on {self.where()}: both {found[0]!r} and "
+                              f"{found[1]!r} exist as separate tensors")
+        return found[0]
+
+    def _experts(self, name: str, shape: tuple[int, ...], m: re.Match) -> TargetPlan:
+        proj, index = m["proj"], m["index"]
+        target = self._expert_target(name, m["prefix"], proj)
+        grouped = index is None
+        per_expert = shape[1:] if grouped else shape
+        if len(per_expert) != 2:
+            raise TargetError(f"{name}: expected a 2-D expert weight (3-D when grouped), got shape "
+                              f"{list(shape)}")
+        if grouped:
+            num_experts = shape[0]
+        else:
+            num_experts = int(self.hf_config.get("num_experts") or 0)
+            if not num_experts:
+                raise TargetError(f"{name}: per-expert HF name needs hf_config['num_experts']")
+        if self.ep_size > 1:
+            e_lo, e_hi = expert_block(num_experts, self.ep_rank, self.ep_size)
+            tp_parts, tp_r = 1, 0
+        else:
+            e_lo, e_hi = 0, num_experts
+            tp_parts, tp_r = self.tp_size, self.tp_rank
+        # the intermediate (I) dim of the per-expert weight: rows of gate/up, cols of down
+        i_dim = 1 if proj == "down_proj" else 0
+        inter = per_expert[i_dim]
+        if inter % tp_parts:
+            raise TargetError(f"{name}: expert intermediate size {inter} does not split over "
+                              f"tp_size={tp_parts}")
+        ip = inter // tp_parts
+        i_rows = (tp_r * ip, (tp_r + 1) * ip)
+        tshape = tuple(self.params[target].shape)
+        local_e = e_hi - e_lo
+        if proj == "down_proj":
+            expected = (local_e, per_expert[0], ip)
+            if tshape != expected:
+                raise self._shape_error(name, target, expected,
+                                        f"w2 [E_local, H, I_p] with E={num_experts}, ep_size={self.ep_size}")
+            t_mid = _full(expected[1:])
+            h_mid = ((0, per_expert[0]), i_rows)
+        else:
+            if tshape == (local_e, 2 * ip, per_expert[1]):
+                off = 0 if proj == "gate_proj" else ip
+            elif tshape == (local_e, ip, per_expert[1]):
+                if proj == "gate_proj":
+                    raise TargetError(f"{name}: vLLM param {target!r} of shape {list(tshape)} holds "
+                                      f"non-gated experts (up_proj only), but a gate_proj arrived")
+                off = 0
+            else:
+                raise self._shape_error(name, target, (local_e, 2 * ip, per_expert[1]),
+                                        f"w13 [E_local, 2*I_p, H] (or [E_local, I_p, H] non-gated) "
+                                        f"with E={num_experts}, ep_size={self.ep_size}")
+            t_mid = ((off, off + ip), (0, per_expert[1]))
+            h_mid = (i_rows, (0, per_expert[1]))
+        plan = TargetPlan(name, shape)
+        if grouped:
+            plan.pieces.append(Piece(target, ((0, local_e),) + t_mid, ((e_lo, e_hi),) + h_mid))
+        else:
+            e = int(index)
+            if not e_lo <= e < e_hi:
+                plan.note = f"expert {e} lives on another EP rank (this rank: {e_lo}..{e_hi - 1})"
+                return plan
+            plan.pieces.append(Piece(target, ((e - e_lo, e - e_lo + 1),) + t_mid, h_mid))
+        return plan
+
+
+# ------------------------------------------------------------------------- bulk mapping
+
+
+def receive_spec(targets: VllmTargets, piece: Piece, strided_in_place: bool = True) -> LocalParamSpec:
+    """The receive recipe for one target box: in place when possible, else buffer + copy-back."""
+    view = targets.view(piece)
+    if view.is_contiguous() or strided_in_place:
+        return LocalParamSpec(base=view)
+
+    def pre(region: torch.Tensor) -> RefitCtx:
+        buf = torch.empty(region.shape, dtype=region.dtype, device=region.device)
+        return RefitCtx(buf=buf, extra={"region": region})
+
+    def post(ctx: RefitCtx) -> None:
+        ctx.extra["region"].copy_(ctx.buf)
+
+    return LocalParamSpec(base=view, pre=pre, post=post)
+
+
+def check_wire_dtype(targets: VllmTargets, plan: TargetPlan, wire_dtype: torch.dtype) -> None:
+    for piece in plan.pieces:
+        tdtype = targets.params[piece.target].dtype
+        if tdtype != wire_dtype:
+            raise TargetError(f"{plan.hf_name}: dtype mismatch on {targets.where()}: wire dtype "
+                              f"{wire_dtype}, vLLM param {piece.target!r} has dtype {tdtype}")
+
+
+def bulk_receive_plan(targets: VllmTargets, hf_name: str, global_shape: Sequence[int],
+                      region: Region, wire_dtype: torch.dtype) -> TargetPlan:
+    """Check that the payload's region for this rank is what vLLM holds there; return the plan.
+
+    ``region`` is the box of the HF tensor the engine delivers to this rank (from the
+    payload's destination mesh and placements).
+    """
+    shape = tuple(int(s) for s in global_shape)
+    m = _EXPERT_RE.match(hf_name)
+    if m and m["index"] is None and targets.ep_size > 1 and shape[0] % targets.ep_size:
+        raise TargetError(
+            f"{hf_name}: {shape[0]} experts do not split evenly over gen ep_size={targets.ep_size}: "
+            f"the payload's torch.chunk layout and vLLM's remainder-to-the-first-ranks layout "
+            f"disagree; refusing (on {targets.where()})")
+    plan = targets.resolve(hf_name, shape)
+    check_wire_dtype(targets, plan, wire_dtype)
+    if plan.zero or len(plan.pieces) != 1 or plan.pieces[0].hf_region != tuple(region):
+        want = [list(p.hf_region) for p in plan.pieces]
+        raise TargetError(
+            f"{hf_name}: the payload delivers region {list(region)} to {targets.where()}, but "
+            f"vLLM's layout on this rank expects {want or 'nothing'}"
+            f"{' plus zero padding' if plan.zero else ''}")
+    piece = plan.pieces[0]
+    if region_shape(piece.target_region) != region_shape(region):
+        raise TargetError(f"{hf_name}: target box {list(piece.target_region)} of {piece.target!r} "
+                          f"does not have the shape of region {list(region)}")
+    return plan
+
+
+# ---------------------------------------------------------------------- full weights
+
+
+def plan_full_weights(targets: VllmTargets, items: Iterable[tuple[str, Sequence[int], torch.dtype]]
+                      ) -> list[TargetPlan]:
+    """Plans for full HF tensors given as ``(name, shape, dtype)``; every check, no writes."""
+    plans = []
+    for name, shape, dtype in items:
+        plan = targets.resolve(name, shape)
+        check_wire_dtype(targets, plan, dtype)
+        plans.append(plan)
+    return plans
+
+
+def apply_full_weights(targets: VllmTargets, plans: Sequence[TargetPlan],
+                       tensors: Mapping[str, torch.Tensor]) -> int:
+    """Write each plan's pieces from its full HF tensor; zero-fill padding. Returns bytes written."""
+    written = 0
+    for plan in plans:
+        full = tensors[plan.hf_name]
+        for piece in plan.pieces:
+            dst = targets.view(piece)
+            src = full[region_index(piece.hf_region)]
+            dst.copy_(src.reshape(dst.shape))
+            written += dst.numel() * dst.element_size()
+        for target, box in plan.zero:
+            targets.params[target][region_index(box)].zero_()
+    return written
+
+
+def load_full_weights(targets: VllmTargets, full: Mapping[str, torch.Tensor]) -> int:
+    """Slice full HF tensors ``{hf_name: tensor}`` into vLLM-layout storage; bytes written.
+
+    Every name is checked (known, target present, shapes, dtypes) before anything is
+    written; a name that maps to no target is an error naming it.
+    """
+    plans = plan_full_weights(targets, ((n, tuple(t.shape), t.dtype) for n, t in full.items()))
+    return apply_full_weights(targets, plans, full)
+
+
+def coverage_gaps(targets: VllmTargets, plans: Iterable[TargetPlan]) -> dict[str, int]:
+    """Target params not fully written by ``plans``: ``{name: elements not covered}``."""
+    covered: dict[str, int] = {}
+    for plan in plans:
+        for piece in plan.pieces:
+            covered[piece.target] = covered.get(piece.target, 0) + _numel(piece.target_region)
+        for target, box in plan.zero:
+            covered[target] = covered.get(target, 0) + _numel(box)
+    return {name: t.numel() - covered.get(name, 0) for name, t in targets.params.items()
+            if t.numel() - covered.get(name, 0) > 0}

@@ -1,0 +1,123 @@
+"""vLLM worker extension: the methods a trainer calls through ``collective_rpc``.
+
+Torch + stdlib only. Phases, each with plain-data arguments and results:
+
+1. ``init_refit_groups(host, ports_by_stage, group_rank, group_sizes, backend, timeout_s)``
+   joins one refit group per training PP stage (``megatron_reshard.comm.create_refit_group``).
+2. ``prepare_refit(payload, options=None)`` restores the payload and maps every HF name onto
+   this rank's vLLM storage. Local only: all validation errors are raised here.
+3. ``refit()`` receives the weights (first call also compares plan fingerprints).
+4. ``report()`` returns what was received and how long it took.
+
+vLLM mixes this class into its worker class (``worker_extension_cls``), so no ``__init__``
+of ours runs: state lives in one attribute created on first use. The model comes from
+``get_refit_model()`` (``self.model_runner.model`` in vLLM); override it to refit any
+module whose ``named_parameters()`` have vLLM's per-rank names and shapes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional, Sequence, Union
+
+import torch
+
+from megatron_reshard.receiver.session import ReceiverSession, receive_misc_packed
+
+_PREPARE_OPTIONS = ("num_streams", "batch_bytes", "staging_bytes", "strided_in_place")
+
+
+def _per_stage(value: Union[Sequence, Mapping, int], what: str) -> dict[int, Any]:
+    if isinstance(value, Mapping):
+        return {int(k): v for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return dict(enumerate(value))
+    raise TypeError(f"{what} must be a list (index = PP stage) or a dict stage -> value, "
+                    f"got {type(value).__name__}")
+
+
+class MegatronReshardWorkerExtension:
+    """Receiver side of megatron_reshard, callable through vLLM's ``collective_rpc``."""
+
+    # -- overridable -------------------------------------------------------------------
+
+    def get_refit_model(self) -> torch.nn.Module:
+        """The module to refit; vLLM keeps it at ``self.model_runner.model``."""
+        return self.model_runner.model
+
+    def receive_misc(self, stage: int, group: Optional[Any], items: list) -> Mapping[str, torch.Tensor]:
+        """Full HF tensors of the stage's params outside the bulk path.
+
+        Default: the packed broadcast from the stage's group rank 0 (the first train rank
+        of the stage) of all ``items`` ``(name, shape, dtype)`` in payload order.
+        """
+        return receive_misc_packed(stage, group, items, self._refit_device())
+
+    # -- state ---------------------------------------------------------------------------
+
+    def _refit_state(self) -> dict:
+        state = self.__dict__.get("_megatron_reshard_state")
+        if state is None:
+            state = {"groups": None, "group_rank": None, "session": None}
+            self.__dict__["_megatron_reshard_state"] = state
+        return state
+
+    def _refit_device(self) -> torch.device:
+        for p in self.get_refit_model().parameters():
+            return p.device
+        return torch.device("cpu")
+
+    def _refit_session(self) -> ReceiverSession:
+        session = self._refit_state()["session"]
+        if session is None:
+            raise RuntimeError("refit called before prepare_refit(payload)")
+        return session
+
+    # -- phases --------------------------------------------------------------------------
+
+    def init_refit_groups(self, host: str, ports_by_stage: Union[Sequence[int], Mapping],
+                          group_rank: int, group_sizes: Union[int, Sequence[int], Mapping],
+                          backend: str = "nccl", timeout_s: float = 600.0) -> dict:
+        """Join one refit group per PP stage (stage -> TCPStore port); same rank in each."""
+        from megatron_reshard.comm import create_refit_group
+
+        ports = _per_stage(ports_by_stage, "ports_by_stage")
+        sizes = ({s: int(group_sizes) for s in ports} if isinstance(group_sizes, int)
+                 else _per_stage(group_sizes, "group_sizes"))
+        if set(sizes) != set(ports):
+            raise ValueError(f"ports_by_stage has stages {sorted(ports)}, group_sizes has {sorted(sizes)}")
+        groups = {}
+        for stage in sorted(ports):
+            groups[stage] = create_refit_group(host, int(ports[stage]), int(group_rank),
+                                               int(sizes[stage]), backend, float(timeout_s))
+        state = self._refit_state()
+        state.update(groups=groups, group_rank=int(group_rank), session=None)
+        return {"stages": sorted(groups), "group_rank": int(group_rank)}
+
+    def prepare_refit(self, payload: dict, options: Optional[dict] = None) -> dict:
+        """Map the payload onto this rank's storage (no communication). Returns a summary."""
+        state = self._refit_state()
+        if state["groups"] is None:
+            raise RuntimeError("prepare_refit called before init_refit_groups")
+        options = dict(options or {})
+        unknown = sorted(set(options) - set(_PREPARE_OPTIONS))
+        if unknown:
+            raise ValueError(f"unknown prepare_refit options {unknown}; known: {list(_PREPARE_OPTIONS)}")
+        state["session"] = None
+        session = ReceiverSession(payload, self.get_refit_model().named_parameters(), state["groups"],
+                                  receive_misc=self.receive_misc, **options)
+        state["session"] = session
+        report = session.report()
+        return {k: report[k] for k in ("rank_in_group", "gen_rank", "tp_rank", "tp_size", "ep_rank",
+                                       "ep_size", "params", "misc_params", "plan_fingerprints",
+                                       "uncovered_targets")}
+
+    def refit(self) -> dict:
+        """Receive all weights once (bulk + other params); returns this refit's numbers."""
+        return self._refit_session().refit()
+
+    def report(self) -> dict:
+        """Plain-data summary: params, bytes received, timings, target params left unwritten."""
+        session = self._refit_state()["session"]
+        if session is None:
+            return {"prepared": False}
+        return {"prepared": True, **session.report()}

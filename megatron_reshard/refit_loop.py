@@ -1,0 +1,454 @@
+"""The refit loop both sides run: walk the payload's params in order and move them.
+
+Torch + stdlib only (the receiver imports it). The training side (``side="src"``) and the
+generation side (``side="dst"``) build a ``RefitLoop`` from the same restored refit info,
+their own ``HFToLocalParamMap`` and their refit groups (one per training PP stage), and
+then call ``run()`` once per refit. Because the transfer order is derived from the payload
+alone, every rank of a group issues the same sequence of batches; ``verify_plan()`` proves
+it at setup by comparing a fingerprint of the ordered transfer list over each group.
+
+Per stage the loop, on that stage's stream: runs the ``pre`` hooks of a batch
+(``LocalParamSpec.begin``), hands the batch to the engine's ``xfer_batch``, then runs the
+``post`` hooks. Batches are cut by global bytes so ``pre`` buffers stay bounded, and the cut
+points depend on the payload only (identical on every rank). Stages use at most
+``num_streams`` CUDA streams round-robin; on CPU there are no streams.
+
+Decisions:
+
+- Everything that can be checked locally (a spec for every param this rank holds, shapes
+  and dtypes of hook-free specs) is checked in the constructor: no communication has
+  happened yet when those errors are raised.
+- ``groups`` maps stage -> process group for the stages this rank takes part in; a value
+  of ``None`` means the default world. A train rank passes only its own stage.
+- The params outside the bulk path ("other_params") can be made part of the fingerprint
+  (``misc_items``) so a disagreement on the packed-broadcast layout is also caught at
+  setup; both sides must then pass ``misc_items_by_stage(info)``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import Shard
+
+from megatron_reshard.layout import MeshInfo, placements_to_plain
+from megatron_reshard.spec import HFToLocalParamMap, LocalParamSpec
+
+SIDES = ("src", "dst")
+DEFAULT_BATCH_BYTES = 512 << 20
+DEFAULT_STAGING_BYTES = 256 << 20
+
+Region = tuple[tuple[int, int], ...]  # per tensor dim: [start, stop)
+MiscItem = tuple[str, tuple[int, ...], torch.dtype]
+
+
+class PlanMismatchError(RuntimeError):
+    """Ranks of one refit group derived different transfer lists from their payloads."""
+
+
+# --------------------------------------------------------------------------- geometry
+
+
+def local_region(global_shape: Sequence[int], mesh: MeshInfo, placements: Sequence,
+                 rank: int) -> Optional[Region]:
+    """The ``[start, stop)`` box of the global tensor that ``rank`` holds, None if not in the mesh.
+
+    DTensor semantics: mesh axes that shard one tensor dim apply in axis order, each with
+    ``torch.chunk`` rules (chunk = ceil(n / m); trailing chunks may be short or empty).
+    """
+    coord = mesh.coordinate_of(rank)
+    if coord is None:
+        return None
+    if len(placements) != mesh.ndim:
+        raise ValueError(f"{len(placements)} placements for a {mesh.ndim}-D mesh {mesh!r}")
+    box = [[0, int(n)] for n in global_shape]
+    for axis, placement in enumerate(placements):
+        if not isinstance(placement, Shard):
+            continue
+        dim = placement.dim
+        if not 0 <= dim < len(box):
+            raise ValueError(f"placement {placement!r} shards dim {dim} of a "
+                             f"{len(box)}-D tensor {tuple(global_shape)}")
+        start, stop = box[dim]
+        parts = mesh.shape[axis]
+        chunk = -(-(stop - start) // parts) if stop > start else 0
+        lo = min(start + coord[axis] * chunk, stop)
+        box[dim] = [lo, min(lo + chunk, stop)]
+    return tuple((a, b) for a, b in box)
+
+
+def region_shape(region: Region) -> tuple[int, ...]:
+    return tuple(b - a for a, b in region)
+
+
+def region_index(region: Region) -> tuple[slice, ...]:
+    return tuple(slice(a, b) for a, b in region)
+
+
+# ------------------------------------------------------------------------ payload order
+
+
+def wire_dtype(value: Any) -> torch.dtype:
+    """Torch dtype of a payload dtype string (``"torch.bfloat16"``)."""
+    from megatron_reshard.metadata import _STR_TO_DTYPE
+
+    if isinstance(value, torch.dtype):
+        return value
+    try:
+        return _STR_TO_DTYPE[value]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown dtype {value!r} in the refit payload") from None
+
+
+def stage_params(info: Mapping[str, Any]) -> dict[int, list[dict]]:
+    """Bulk params of the payload grouped by PP stage, in payload order.
+
+    Payload order is ``layer_names`` order, then each layer's ``per_layer_params`` order.
+    A param without ``pp_stage`` belongs to stage 0.
+    """
+    per_layer = info.get("per_layer_params", {})
+    out: dict[int, list[dict]] = {}
+    for layer in info.get("layer_names", []):
+        for param in per_layer.get(layer, []):
+            out.setdefault(int(param.get("pp_stage", 0)), []).append(param)
+    listed = set(info.get("layer_names", []))
+    unlisted = [layer for layer, params in per_layer.items() if params and layer not in listed]
+    if unlisted:
+        raise ValueError(f"refit payload: per_layer_params has layers missing from layer_names: "
+                         f"{unlisted}")
+    return out
+
+
+def misc_items_by_stage(info: Mapping[str, Any]) -> dict[int, list[MiscItem]]:
+    """Params outside the bulk path (payload ``other_params``) per PP stage, in payload order.
+
+    Each entry is ``{"shape", "dtype"}`` plus ``"pp_stage"``, which is required when the
+    payload's ``pp_size`` is above 1 (no stage is guessed for a param).
+    """
+    pp_size = int(info.get("pp_size", 1))
+    out: dict[int, list[MiscItem]] = {}
+    for name, entry in (info.get("other_params") or {}).items():
+        stage = entry.get("pp_stage")
+        if stage is None:
+            if pp_size > 1:
+                raise ValueError(f"other_params[{name!r}] has no 'pp_stage' but the payload has "
+                                 f"pp_size={pp_size}")
+            stage = 0
+        if not 0 <= int(stage) < pp_size:
+            raise ValueError(f"other_params[{name!r}]: pp_stage={stage} is not in 0..{pp_size - 1}")
+        shape = tuple(int(s) for s in entry["shape"])
+        out.setdefault(int(stage), []).append((name, shape, wire_dtype(entry["dtype"])))
+    return out
+
+
+def plan_fingerprint(params: Sequence[Mapping[str, Any]],
+                     misc_items: Optional[Sequence[MiscItem]] = None) -> int:
+    """63-bit fingerprint of an ordered transfer list (names, shapes, dtypes, meshes, placements)."""
+    h = hashlib.sha256()
+    for p in params:
+        row = (p["name"], tuple(int(s) for s in p["global_shape"]), str(wire_dtype(p["dtype"])),
+               p["src_mesh_info"].key(), tuple(map(_plain_key, placements_to_plain(p["src_placements"]))),
+               p["dst_mesh_info"].key(), tuple(map(_plain_key, placements_to_plain(p["dst_placements"]))))
+        h.update(repr(row).encode())
+    if misc_items is not None:
+        h.update(b"|misc|")
+        for name, shape, dtype in misc_items:
+            h.update(repr((name, tuple(shape), str(dtype))).encode())
+    return int.from_bytes(h.digest()[:8], "little") & ((1 << 63) - 1)
+
+
+def _plain_key(p: dict) -> tuple:
+    return tuple(sorted(p.items()))
+
+
+def batch_bounds(params: Sequence[Mapping[str, Any]], batch_bytes: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` index ranges cutting ``params`` into batches of at most ``batch_bytes``
+    global bytes (at least one param each). Depends on the payload only."""
+    bounds, start, acc = [], 0, 0
+    for i, p in enumerate(params):
+        numel = 1
+        for s in p["global_shape"]:
+            numel *= int(s)
+        nbytes = numel * wire_dtype(p["dtype"]).itemsize
+        if i > start and acc + nbytes > batch_bytes:
+            bounds.append((start, i))
+            start, acc = i, 0
+        acc += nbytes
+    if start < len(params):
+        bounds.append((start, len(params)))
+    return bounds
+
+
+# ------------------------------------------------------------------------------ groups
+
+
+def group_rank(group: Optional[Any]) -> int:
+    """This process's rank in ``group`` (a raw/registered ProcessGroup, or None = default world)."""
+    return dist.get_rank() if group is None else group.rank()
+
+
+def group_size(group: Optional[Any]) -> int:
+    return dist.get_world_size() if group is None else group.size()
+
+
+def comm_device(group: Optional[Any]) -> torch.device:
+    """Device for small control tensors on ``group``: the current CUDA device for NCCL, else CPU."""
+    try:
+        name = (dist.get_backend() if group is None else group.name()).lower()
+    except Exception:
+        name = ""
+    if "nccl" in name and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_gather_ints(values: Sequence[int], group: Optional[Any]) -> list[list[int]]:
+    """Every rank's ``values`` (same length everywhere), by group rank."""
+    mine = torch.tensor(list(values), dtype=torch.int64, device=comm_device(group))
+    out = [torch.empty_like(mine) for _ in range(group_size(group))]
+    if group is None:
+        dist.all_gather(out, mine)
+    else:
+        group.allgather([out], [mine]).wait()
+    return [t.cpu().tolist() for t in out]
+
+
+# -------------------------------------------------------------------------------- loop
+
+
+@dataclass
+class StageStats:
+    stage: int
+    params: int = 0          # params this rank holds a side of
+    local_bytes: int = 0     # bytes of this rank's side of those params
+    batches: int = 0
+    seconds: float = 0.0     # host time to issue the stage (no device sync)
+
+
+@dataclass
+class RefitStats:
+    stages: list[StageStats] = field(default_factory=list)
+    seconds: float = 0.0     # wall time of run(), device work included when synchronize=True
+
+    @property
+    def params(self) -> int:
+        return sum(s.params for s in self.stages)
+
+    @property
+    def local_bytes(self) -> int:
+        return sum(s.local_bytes for s in self.stages)
+
+    def as_dict(self) -> dict:
+        return {"params": self.params, "local_bytes": self.local_bytes, "seconds": self.seconds,
+                "stages": [vars(s).copy() for s in self.stages]}
+
+
+class RefitLoop:
+    """One side of the refit of all stages this rank takes part in (see module docstring)."""
+
+    def __init__(
+        self,
+        refit_info: Mapping[str, Any],
+        local_map: HFToLocalParamMap,
+        side: str,
+        groups: Union[Mapping[int, Optional[Any]], Sequence[Optional[Any]]],
+        *,
+        num_streams: int = 2,
+        batch_bytes: int = DEFAULT_BATCH_BYTES,
+        staging_bytes: int = DEFAULT_STAGING_BYTES,
+        misc_items: Optional[Mapping[int, Sequence[MiscItem]]] = None,
+        xfer_batch: Optional[Callable[..., None]] = None,
+    ):
+        if side not in SIDES:
+            raise ValueError(f"side must be one of {SIDES}, got {side!r}")
+        if num_streams < 1:
+            raise ValueError(f"num_streams must be >= 1, got {num_streams}")
+        if batch_bytes < 1:
+            raise ValueError(f"batch_bytes must be >= 1, got {batch_bytes}")
+        self.side = side
+        self.local_map = local_map
+        self.num_streams = num_streams
+        self.batch_bytes = batch_bytes
+        self.staging_bytes = staging_bytes
+        self._xfer_batch = xfer_batch
+        self.groups: dict[int, Optional[Any]] = (
+            dict(groups) if isinstance(groups, Mapping) else dict(enumerate(groups)))
+        all_stages = stage_params(refit_info)
+        pp_size = int(refit_info.get("pp_size", 1))
+        for stage in self.groups:
+            if not 0 <= stage < pp_size:
+                raise ValueError(f"refit group given for stage {stage}, but the payload has "
+                                 f"pp_size={pp_size}")
+        self.stages: dict[int, list[dict]] = {s: all_stages.get(s, []) for s in sorted(self.groups)}
+        self.misc_items = None if misc_items is None else {
+            s: list(misc_items.get(s, [])) for s in self.stages}
+        self._ranks = {s: group_rank(g) for s, g in self.groups.items()}
+        self._batches = {s: batch_bounds(ps, batch_bytes) for s, ps in self.stages.items()}
+        self._mine = {s: self._check_local(s) for s in self.stages}
+        self.fingerprints = {s: plan_fingerprint(ps, None if self.misc_items is None
+                                                 else self.misc_items[s])
+                             for s, ps in self.stages.items()}
+        self._verified = False
+        self._planner = None
+
+    # -- setup ----------------------------------------------------------------------
+
+    def _check_local(self, stage: int) -> list[Optional[tuple[LocalParamSpec, Region]]]:
+        """Per param of the stage: (spec, region) where this rank holds this side, else None.
+
+        Raises before any communication when a spec is missing or a hook-free spec's
+        tensor does not match the payload (shape of this rank's region, wire dtype).
+        """
+        rank = self._ranks[stage]
+        mesh_key, pl_key = f"{self.side}_mesh_info", f"{self.side}_placements"
+        mine: list[Optional[tuple[LocalParamSpec, Region]]] = []
+        for p in self.stages[stage]:
+            region = local_region(p["global_shape"], p[mesh_key], p[pl_key], rank)
+            if region is None:
+                mine.append(None)
+                continue
+            name = p["name"]
+            spec = self.local_map.get(name)
+            if spec is None:
+                raise ValueError(f"{name}: no local spec on {self.side} group rank {rank} of stage "
+                                 f"{stage}, which holds region {list(region)} of this param")
+            dtype = wire_dtype(p["dtype"])
+            base = spec.base
+            if spec.pre is None:
+                if not isinstance(base, torch.Tensor):
+                    raise ValueError(f"{name}: {self.side} group rank {rank} (stage {stage}) has a "
+                                     f"spec without pre hook whose base is {type(base).__name__}, "
+                                     f"not a tensor")
+                if tuple(base.shape) != region_shape(region):
+                    raise ValueError(f"{name}: {self.side} group rank {rank} (stage {stage}) holds "
+                                     f"region {list(region)} of shape {list(region_shape(region))}, "
+                                     f"but its local tensor has shape {list(base.shape)}")
+                if base.dtype != dtype:
+                    raise ValueError(f"{name}: {self.side} group rank {rank} (stage {stage}): wire "
+                                     f"dtype {dtype} but local tensor dtype {base.dtype}")
+            mine.append((spec, region))
+        return mine
+
+    def verify_plan(self) -> None:
+        """Compare plan fingerprints over every group; PlanMismatchError on all ranks if they differ.
+
+        A small all-gather per group, issued in stage order: every rank of a group reaches
+        it, so a mismatch is reported everywhere instead of hanging in a transfer.
+        """
+        for stage, group in self.groups.items():
+            fp = self.fingerprints[stage]
+            count = len(self.stages[stage])
+            seen = all_gather_ints([fp, count], group)
+            if any(row != [fp, count] for row in seen):
+                rows = "; ".join(f"group rank {r}: fingerprint {f:#x}, {c} transfers"
+                                 for r, (f, c) in enumerate(seen))
+                raise PlanMismatchError(
+                    f"refit plan mismatch in the group of PP stage {stage} (seen from {self.side} "
+                    f"group rank {self._ranks[stage]}): {rows}. Every rank must build its plan "
+                    f"from the same payload (and pass the same misc_items on both sides)")
+        self._verified = True
+
+    # -- run -----------------------------------------------------------------------
+
+    def _engine(self) -> tuple[Callable[..., None], type]:
+        """The batch transfer callable, bound to this loop's options, and the Transfer type.
+
+        The engine's ``xfer_batch`` gets the stage stream, the staging bound and this loop's
+        planner (plans and schedules cached for the loop's lifetime); a substitute such as
+        ``xfer_batch_reference`` gets whichever of those keywords it accepts.
+        """
+        from megatron_reshard.engine import Planner, Transfer, xfer_batch
+
+        fn = self._xfer_batch or xfer_batch
+        if self._planner is None:
+            self._planner = Planner()
+        try:
+            accepted = set(inspect.signature(fn).parameters)
+        except (TypeError, ValueError):
+            accepted = set()
+        options = {"staging_bytes": self.staging_bytes, "planner": self._planner}
+
+        def call(transfers, group, stream):
+            kwargs = {k: v for k, v in options.items() if k in accepted}
+            if "stream" in accepted:
+                kwargs["stream"] = stream
+            fn(transfers, group, **kwargs)
+
+        return call, Transfer
+
+    def _streams(self) -> list:
+        if not torch.cuda.is_available() or not self._uses_cuda():
+            return []
+        return [torch.cuda.Stream() for _ in range(min(self.num_streams, max(1, len(self.stages))))]
+
+    def _uses_cuda(self) -> bool:
+        for mine in self._mine.values():
+            for entry in mine:
+                if entry is not None:
+                    base = entry[0].base
+                    if isinstance(base, torch.Tensor):
+                        return base.is_cuda
+        return any(comm_device(g).type == "cuda" for g in self.groups.values())
+
+    def run(self, synchronize: bool = True) -> RefitStats:
+        """Move every stage's params once. Verifies the plan first if not done yet."""
+        if not self._verified:
+            self.verify_plan()
+        xfer, transfer_cls = self._engine()
+        t0 = time.perf_counter()
+        streams = self._streams()
+        current = torch.cuda.current_stream() if streams else None
+        stats = RefitStats()
+        for index, (stage, params) in enumerate(self.stages.items()):
+            stream = streams[index % len(streams)] if streams else None
+            if stream is not None:
+                stream.wait_stream(current)
+            st = StageStats(stage)
+            ts = time.perf_counter()
+            with torch.cuda.stream(stream) if stream is not None else nullcontext():
+                for start, stop in self._batches[stage]:
+                    self._run_batch(stage, params, start, stop, stream, xfer, transfer_cls, st)
+            st.seconds = time.perf_counter() - ts
+            stats.stages.append(st)
+        for stream in streams:
+            current.wait_stream(stream)
+        if synchronize and streams:
+            torch.cuda.synchronize()
+        stats.seconds = time.perf_counter() - t0
+        return stats
+
+    def _run_batch(self, stage, params, start, stop, stream, xfer, transfer_cls, st) -> None:
+        mine = self._mine[stage]
+        opened: list[tuple[LocalParamSpec, Any]] = []
+        transfers = []
+        for i in range(start, stop):
+            p = params[i]
+            local = None
+            if mine[i] is not None:
+                spec, region = mine[i]
+                ctx = spec.begin()
+                opened.append((spec, ctx))
+                local = ctx.buf
+                if tuple(local.shape) != region_shape(region):
+                    raise ValueError(f"{p['name']}: pre hook on {self.side} group rank "
+                                     f"{self._ranks[stage]} returned a buffer of shape "
+                                     f"{list(local.shape)}, expected {list(region_shape(region))}")
+                st.params += 1
+                st.local_bytes += local.numel() * local.element_size()
+            transfers.append(transfer_cls(
+                name=p["name"], global_shape=tuple(p["global_shape"]), dtype=wire_dtype(p["dtype"]),
+                src_mesh=p["src_mesh_info"], src_placements=list(p["src_placements"]),
+                dst_mesh=p["dst_mesh_info"], dst_placements=list(p["dst_placements"]),
+                src=local if self.side == "src" else None,
+                dst=local if self.side == "dst" else None))
+        xfer(transfers, self.groups[stage], stream)
+        st.batches += 1
+        for spec, ctx in opened:
+            spec.finish(ctx)

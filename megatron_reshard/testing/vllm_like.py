@@ -1,0 +1,286 @@
+"""A stand-in for a vLLM model on one generation rank, and the oracle for what it must hold.
+
+Torch only. ``build_vllm_like_model`` returns a plain ``nn.Module`` whose
+``named_parameters()`` carry vLLM's per-rank names and shapes for Llama/Qwen3 dense and
+Qwen3-MoE / Qwen2-MoE style models; parameters start as NaN (integers: -1) so anything a
+refit forgets to write is visible. ``expected_vllm_shard`` computes what one such parameter
+must contain from full HF tensors, by plain slicing written independently of the receiver
+(it is the reference the tests and the demo compare against). ``random_hf_state_dict``
+makes full HF tensors for a config.
+
+hf_config keys: hidden_size, num_attention_heads, num_key_value_heads, head_dim (optional),
+intermediate_size, moe_intermediate_size, num_experts (0/None = dense), num_hidden_layers,
+vocab_size (real), tie_word_embeddings, gated, qk_norm; optional
+shared_expert_intermediate_size (adds Qwen2-MoE shared experts), attention_bias.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Mapping, Optional
+
+import torch
+from torch import nn
+
+VOCAB_PADDING = 64
+
+
+def _cfg(hf_config: Mapping[str, Any]) -> dict:
+    c = dict(hf_config)
+    c.setdefault("num_key_value_heads", c["num_attention_heads"])
+    if not c.get("head_dim"):
+        c["head_dim"] = c["hidden_size"] // c["num_attention_heads"]
+    c.setdefault("gated", True)
+    c.setdefault("qk_norm", False)
+    c.setdefault("tie_word_embeddings", False)
+    c["num_experts"] = int(c.get("num_experts") or 0)
+    return c
+
+
+def _padded_vocab(v: int) -> int:
+    return (v + VOCAB_PADDING - 1) // VOCAB_PADDING * VOCAB_PADDING
+
+
+def _my_experts(num_experts: int, ep_rank: int, ep_size: int) -> list[int]:
+    """Expert ids on ``ep_rank``: contiguous, the first ``E % ep`` ranks get one more."""
+    counts = [num_experts // ep_size + (1 if i < num_experts % ep_size else 0) for i in range(ep_size)]
+    start = sum(counts[:ep_rank])
+    return list(range(start, start + counts[ep_rank]))
+
+
+def vllm_param_shapes(hf_config: Mapping[str, Any], tp_rank: int, tp_size: int, ep_size: int = 1,
+                      ep_rank: Optional[int] = None, routed_experts_nesting: bool = False
+                      ) -> dict[str, tuple[int, ...]]:
+    """vLLM per-rank parameter names and shapes for ``hf_config`` on one TP rank."""
+    c = _cfg(hf_config)
+    T, r = tp_size, tp_rank
+    ep_rank = tp_rank % ep_size if ep_rank is None else ep_rank
+    H, nh, nkv, hd = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+    kv_per_rank = 1 if T >= nkv else nkv // T
+    vocab_rows = _padded_vocab(c["vocab_size"]) // T
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab_rows, H)}
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        shapes[f"{p}.input_layernorm.weight"] = (H,)
+        shapes[f"{p}.self_attn.qkv_proj.weight"] = ((nh // T + 2 * kv_per_rank) * hd, H)
+        if c.get("attention_bias"):
+            shapes[f"{p}.self_attn.qkv_proj.bias"] = ((nh // T + 2 * kv_per_rank) * hd,)
+        shapes[f"{p}.self_attn.o_proj.weight"] = (H, nh * hd // T)
+        if c["qk_norm"]:
+            shapes[f"{p}.self_attn.q_norm.weight"] = (hd,)
+            shapes[f"{p}.self_attn.k_norm.weight"] = (hd,)
+        shapes[f"{p}.post_attention_layernorm.weight"] = (H,)
+        if c["num_experts"]:
+            E, I = c["num_experts"], c["moe_intermediate_size"]
+            e_local = len(_my_experts(E, ep_rank, ep_size)) if ep_size > 1 else E
+            ip = I if ep_size > 1 else I // T
+            experts = f"{p}.mlp.experts" + (".routed_experts" if routed_experts_nesting else "")
+            shapes[f"{p}.mlp.gate.weight"] = (E, H)
+            shapes[f"{experts}.w13_weight"] = (e_local, (2 if c["gated"] else 1) * ip, H)
+            shapes[f"{experts}.w2_weight"] = (e_local, H, ip)
+            fs = c.get("shared_expert_intermediate_size")
+            if fs:
+                shapes[f"{p}.mlp.shared_expert.gate_up_proj.weight"] = (2 * fs // T, H)
+                shapes[f"{p}.mlp.shared_expert.down_proj.weight"] = (H, fs // T)
+                shapes[f"{p}.mlp.shared_expert_gate.weight"] = (1, H)
+        else:
+            F = c["intermediate_size"]
+            if c["gated"]:
+                shapes[f"{p}.mlp.gate_up_proj.weight"] = (2 * F // T, H)
+            else:
+                shapes[f"{p}.mlp.up_proj.weight"] = (F // T, H)
+            shapes[f"{p}.mlp.down_proj.weight"] = (H, F // T)
+    shapes["model.norm.weight"] = (H,)
+    if not c["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (vocab_rows, H)
+    return shapes
+
+
+def build_vllm_like_model(hf_config: Mapping[str, Any], tp_rank: int, tp_size: int, ep_size: int = 1,
+                          dtype: torch.dtype = torch.bfloat16, *, ep_rank: Optional[int] = None,
+                          routed_experts_nesting: bool = False,
+                          device: Optional[torch.device] = None) -> nn.Module:
+    """An ``nn.Module`` with vLLM's per-rank parameter names and shapes, filled with NaN."""
+    root = nn.Module()
+    shapes = vllm_param_shapes(hf_config, tp_rank, tp_size, ep_size, ep_rank, routed_experts_nesting)
+    for name, shape in shapes.items():
+        *path, leaf = name.split(".")
+        module = root
+        for part in path:
+            child = module._modules.get(part)
+            if child is None:
+                child = nn.Module()
+                module.add_module(part, child)
+            module = child
+        data = torch.empty(shape, dtype=dtype, device=device)
+        data.fill_(float("nan") if dtype.is_floating_point else -1)
+        module.register_parameter(leaf, nn.Parameter(data, requires_grad=False))
+    return root
+
+
+def hf_param_shapes(hf_config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Full HF parameter names and shapes (per-expert names for MoE)."""
+    c = _cfg(hf_config)
+    H, nh, nkv, hd = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+    V = c["vocab_size"]
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (V, H)}
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        shapes[f"{p}.input_layernorm.weight"] = (H,)
+        for proj, rows in (("q", nh * hd), ("k", nkv * hd), ("v", nkv * hd)):
+            shapes[f"{p}.self_attn.{proj}_proj.weight"] = (rows, H)
+            if c.get("attention_bias"):
+                shapes[f"{p}.self_attn.{proj}_proj.bias"] = (rows,)
+        shapes[f"{p}.self_attn.o_proj.weight"] = (H, nh * hd)
+        if c["qk_norm"]:
+            shapes[f"{p}.self_attn.q_norm.weight"] = (hd,)
+            shapes[f"{p}.self_attn.k_norm.weight"] = (hd,)
+        shapes[f"{p}.post_attention_layernorm.weight"] = (H,)
+        if c["num_experts"]:
+            I = c["moe_intermediate_size"]
+            shapes[f"{p}.mlp.gate.weight"] = (c["num_experts"], H)
+            for e in range(c["num_experts"]):
+                if c["gated"]:
+                    shapes[f"{p}.mlp.experts.{e}.gate_proj.weight"] = (I, H)
+                shapes[f"{p}.mlp.experts.{e}.up_proj.weight"] = (I, H)
+                shapes[f"{p}.mlp.experts.{e}.down_proj.weight"] = (H, I)
+            fs = c.get("shared_expert_intermediate_size")
+            if fs:
+                shapes[f"{p}.mlp.shared_expert.gate_proj.weight"] = (fs, H)
+                shapes[f"{p}.mlp.shared_expert.up_proj.weight"] = (fs, H)
+                shapes[f"{p}.mlp.shared_expert.down_proj.weight"] = (H, fs)
+                shapes[f"{p}.mlp.shared_expert_gate.weight"] = (1, H)
+        else:
+            F = c["intermediate_size"]
+            if c["gated"]:
+                shapes[f"{p}.mlp.gate_proj.weight"] = (F, H)
+            shapes[f"{p}.mlp.up_proj.weight"] = (F, H)
+            shapes[f"{p}.mlp.down_proj.weight"] = (H, F)
+    shapes["model.norm.weight"] = (H,)
+    if not c["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (V, H)
+    return shapes
+
+
+def random_hf_state_dict(hf_config: Mapping[str, Any], dtype: torch.dtype = torch.bfloat16,
+                         seed: int = 0) -> dict[str, torch.Tensor]:
+    """Full HF tensors for ``hf_config`` with distinct random values."""
+    g = torch.Generator().manual_seed(seed)
+    return {name: torch.randn(shape, generator=g).to(dtype)
+            for name, shape in hf_param_shapes(hf_config).items()}
+
+
+_EXPERTS_RE = re.compile(r"^(?P<layer>.*)\.mlp\.experts(?:\.routed_experts)?\.(?P<w>w13_weight|w2_weight)$")
+
+
+def expected_vllm_shard(hf_config: Mapping[str, Any], vllm_name: str,
+                        full_hf_tensors: Mapping[str, torch.Tensor], tp_rank: int, tp_size: int,
+                        ep_size: int = 1, ep_rank: Optional[int] = None) -> torch.Tensor:
+    """What vLLM parameter ``vllm_name`` holds on ``tp_rank`` given full HF tensors."""
+    c = _cfg(hf_config)
+    T, r = tp_size, tp_rank
+    ep_rank = tp_rank % ep_size if ep_rank is None else ep_rank
+    hf = full_hf_tensors
+    nkv, hd = c["num_key_value_heads"], c["head_dim"]
+
+    def rows(t: torch.Tensor) -> torch.Tensor:  # column parallel: output rows split
+        return torch.chunk(t, T, dim=0)[r]
+
+    def cols(t: torch.Tensor) -> torch.Tensor:  # row parallel: input columns split
+        return torch.chunk(t, T, dim=1)[r]
+
+    if vllm_name in ("model.embed_tokens.weight", "lm_head.weight"):
+        full = hf[vllm_name]
+        pad = torch.zeros((_padded_vocab(full.shape[0]) - full.shape[0], *full.shape[1:]), dtype=full.dtype)
+        return rows(torch.cat([full, pad]))
+    m = _EXPERTS_RE.match(vllm_name)
+    if m:
+        layer = m["layer"]
+        ids = _my_experts(c["num_experts"], ep_rank, ep_size) if ep_size > 1 else range(c["num_experts"])
+        split_rows = (lambda t: t) if ep_size > 1 else rows
+        split_cols = (lambda t: t) if ep_size > 1 else cols
+        per_expert = []
+        for e in ids:
+            base = f"{layer}.mlp.experts.{e}"
+            if m["w"] == "w2_weight":
+                per_expert.append(split_cols(hf[f"{base}.down_proj.weight"]))
+            elif c["gated"]:
+                per_expert.append(torch.cat([split_rows(hf[f"{base}.gate_proj.weight"]),
+                                             split_rows(hf[f"{base}.up_proj.weight"])]))
+            else:
+                per_expert.append(split_rows(hf[f"{base}.up_proj.weight"]))
+        return torch.stack(per_expert)
+    if vllm_name.endswith("qkv_proj.weight") or vllm_name.endswith("qkv_proj.bias"):
+        base, kind = vllm_name.rsplit(".qkv_proj.", 1)
+        q, k, v = (hf[f"{base}.{x}_proj.{kind}"] for x in "qkv")
+        if T >= nkv:
+            head = r // (T // nkv)
+            k_r, v_r = k[head * hd:(head + 1) * hd], v[head * hd:(head + 1) * hd]
+        else:
+            k_r, v_r = rows(k), rows(v)
+        return torch.cat([rows(q), k_r, v_r])
+    if vllm_name.endswith("gate_up_proj.weight"):
+        base = vllm_name[: -len("gate_up_proj.weight")]
+        return torch.cat([rows(hf[f"{base}gate_proj.weight"]), rows(hf[f"{base}up_proj.weight"])])
+    if vllm_name.endswith(("o_proj.weight", "down_proj.weight")):
+        return cols(hf[vllm_name])
+    if vllm_name.endswith("mlp.up_proj.weight"):
+        return rows(hf[vllm_name])
+    return hf[vllm_name]  # replicated: norms, router, shared_expert_gate
+
+
+# ------------------------------------------------------------------ plain test payloads
+
+
+def grouped_hf_tensors(full_hf_tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert HF tensors stacked into the grouped names the refit payload uses
+    (``<P>.experts.<proj>.weight [E, ...]``); other tensors unchanged."""
+    per_expert = re.compile(r"^(?P<p>.*\.experts)\.(?P<i>\d+)\.(?P<proj>\w+)\.weight$")
+    groups: dict[str, dict[int, torch.Tensor]] = {}
+    out: dict[str, torch.Tensor] = {}
+    for name, t in full_hf_tensors.items():
+        m = per_expert.match(name)
+        if m:
+            groups.setdefault(f"{m['p']}.{m['proj']}.weight", {})[int(m["i"])] = t
+        else:
+            out[name] = t
+    for name, by_index in groups.items():
+        out[name] = torch.stack([by_index[i] for i in range(len(by_index))])
+    return out
+
+
+def build_plain_payload(hf_config: Mapping[str, Any], full_hf_tensors: Mapping[str, torch.Tensor],
+                        train: Mapping[str, int], gen: Mapping[str, int], train_world_size: int,
+                        gen_world_size: int, layer_to_pp_stage: Optional[Mapping[str, int]] = None
+                        ) -> dict:
+    """A wire-form refit payload (schema 1) for full HF tensors, built without Megatron.
+
+    Bulk params (``is_nccl_reshard_param``) go through ``build_nccl_reshard_refit_info``;
+    the rest are listed in ``other_params`` in the order given, with ``pp_stage`` when
+    ``train["pp_size"] > 1`` (looked up by layer key in ``layer_to_pp_stage``).
+    """
+    from megatron_reshard.layout import is_nccl_reshard_param
+    from megatron_reshard.metadata import (
+        _extract_layer_name,
+        build_nccl_reshard_refit_info,
+        make_nccl_reshard_refit_info_wire_safe,
+    )
+
+    pp = int(train.get("pp_size", 1))
+    bulk = {n: {"shape": list(t.shape), "dtype": str(t.dtype)}
+            for n, t in full_hf_tensors.items() if is_nccl_reshard_param(n)}
+    info = build_nccl_reshard_refit_info(bulk, dict(train), dict(gen), train_world_size,
+                                         gen_world_size, dict(layer_to_pp_stage or {}) or None)
+    payload = make_nccl_reshard_refit_info_wire_safe(info)
+    other = {}
+    for n, t in full_hf_tensors.items():
+        if is_nccl_reshard_param(n):
+            continue
+        entry: dict[str, Any] = {"shape": list(t.shape), "dtype": str(t.dtype)}
+        if pp > 1:
+            entry["pp_stage"] = int(layer_to_pp_stage[_extract_layer_name(n)])
+        other[n] = entry
+    payload.update(schema_version=1, hf_config=dict(hf_config), other_params=other,
+                   train_layout={**dict(train), "world_size": train_world_size},
+                   gen_layout={**dict(gen), "world_size": gen_world_size})
+    return payload
