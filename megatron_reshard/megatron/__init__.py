@@ -1,0 +1,33 @@
+"""Train side: meshes from ``parallel_state``, Megatron → HF names, local views, wire payload.
+
+A training loop, on every train rank, after ``initialize_model_parallel`` and model
+construction::
+
+    from megatron_reshard.megatron import MegatronRefitSource
+
+    source = MegatronRefitSource(model, gen_parallelism={"tp_size": 2, "ep_size": 1, "pp_size": 1},
+                                 gen_world_size=2, family="qwen3", vocab_size=tokenizer_vocab)
+    payload: bytes = source.payload_bytes()             # identical on every train rank
+    param_map = source.build_hf_to_local_param_map()    # HFToLocalParamMap of live views
+    others = source.gather_other_params()               # {hf_name: full tensor}, this stage
+    hf_config = source.hf_config                        # plain dict, keys in source.HF_CONFIG_KEYS
+
+Submodules import ``megatron.core`` only when used; ``payload`` never does (the receiver
+decodes payloads without Megatron).
+"""
+
+from __future__ import annotations
+
+__all__ = ["MegatronRefitSource", "HF_CONFIG_KEYS", "decode_payload", "encode_payload"]
+
+
+def __getattr__(name: str):
+    if name in ("MegatronRefitSource", "HF_CONFIG_KEYS"):
+        from megatron_reshard.megatron import source
+
+        return getattr(source, name)
+    if name in ("decode_payload", "encode_payload"):
+        from megatron_reshard.megatron import payload
+
+        return getattr(payload, name)
+    raise AttributeError(name)

@@ -1,0 +1,355 @@
+"""Megatron-Core → HF parameter names, declared as data, and the one engine that reads it.
+
+No Megatron import: the tables and the engine work on names, shapes and plain tensors, so
+they are tested at name level (Transformer-Engine specs cannot be built on CPU) as well as
+on live models.
+
+A table is a tuple of :class:`Rule`: a regex matched against a Megatron name (relative to
+``decoder.layers.<i>.`` for layer rules, to the model root for top rules), a *kind* that
+says how the Megatron tensor maps onto the HF tensors, and the HF name templates
+(``{layer}`` = global 0-based layer index, ``{expert}`` = global expert index). A new
+family is a few lines in :data:`FAMILIES`.
+
+Kinds (T = TP size; experts are never TP-sharded here because expert-TP > 1 is refused):
+
+==============  ====================================================================
+``replicated``  one target, the tensor as is (norms, router, row-parallel bias)
+``column``      one target, TP-sharded on dim 0
+``row``         one target, TP-sharded on dim 1 (``linear_proj``, ``linear_fc2``)
+``vocab``       one target, TP-sharded on dim 0, Megatron vocab padding rows stripped
+``qkv``         three targets q/k/v, TP dim 0, rows interleaved per KV group
+``fc1``         targets (gate, up): each TP rank holds ``[gate_r ; up_r]``;
+                not gated → only ``up`` (the second target)
+``expert_fc1``  per-expert fc1 (regex group 1 = local expert index), gate/up halves
+``expert_fc2``  per-expert fc2 → down
+``grouped_fc1`` legacy grouped GEMM ``weight1 [H, E_l·2I]`` (memory ``[E_l, H, 2I]``)
+``grouped_fc2`` legacy grouped GEMM ``weight2 [E_l·I, H]`` (memory ``[E_l, I, H]``)
+``skip``        not a weight (``_extra_state``)
+==============  ====================================================================
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Mapping, Optional, Sequence
+
+import torch
+
+LAYER = "model.layers.{layer}"
+EXPERT = LAYER + ".mlp.experts.{expert}"
+
+TP_SHARDED_KINDS = {"column": 0, "row": 1, "vocab": 0, "qkv": 0, "fc1": 0}
+EXPERT_KINDS = ("expert_fc1", "expert_fc2", "grouped_fc1", "grouped_fc2")
+
+
+@dataclass(frozen=True)
+class Rule:
+    pattern: str
+    kind: str
+    targets: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_regex", re.compile(self.pattern))
+
+    def match(self, name: str) -> Optional[re.Match]:
+        return self._regex.fullmatch(name)  # type: ignore[attr-defined]
+
+
+def _rules(*rows: tuple) -> tuple[Rule, ...]:
+    return tuple(Rule(p, k, tuple(t)) for p, k, t in rows)
+
+
+TOP_RULES = _rules(
+    (r"embedding\.word_embeddings\.weight", "vocab", ["model.embed_tokens.weight"]),
+    (r"decoder\.final_layernorm\.weight", "replicated", ["model.norm.weight"]),
+    (r"output_layer\.weight", "vocab", ["lm_head.weight"]),
+)
+
+NORM_RULES = _rules(
+    (r"input_layernorm\.weight", "replicated", [LAYER + ".input_layernorm.weight"]),
+    (r"pre_mlp_layernorm\.weight", "replicated", [LAYER + ".post_attention_layernorm.weight"]),
+    # Transformer-Engine spec: norms fused into the following linear.
+    (r"self_attention\.linear_qkv\.layer_norm_weight", "replicated", [LAYER + ".input_layernorm.weight"]),
+    (r"mlp\.linear_fc1\.layer_norm_weight", "replicated", [LAYER + ".post_attention_layernorm.weight"]),
+)
+
+ATTENTION_RULES = _rules(
+    (r"self_attention\.linear_qkv\.weight", "qkv",
+     [LAYER + ".self_attn.q_proj.weight", LAYER + ".self_attn.k_proj.weight", LAYER + ".self_attn.v_proj.weight"]),
+    (r"self_attention\.linear_qkv\.bias", "qkv",
+     [LAYER + ".self_attn.q_proj.bias", LAYER + ".self_attn.k_proj.bias", LAYER + ".self_attn.v_proj.bias"]),
+    (r"self_attention\.linear_proj\.weight", "row", [LAYER + ".self_attn.o_proj.weight"]),
+    (r"self_attention\.q_layernorm\.weight", "replicated", [LAYER + ".self_attn.q_norm.weight"]),
+    (r"self_attention\.k_layernorm\.weight", "replicated", [LAYER + ".self_attn.k_norm.weight"]),
+)
+
+DENSE_MLP_RULES = _rules(
+    (r"mlp\.linear_fc1\.weight", "fc1", [LAYER + ".mlp.gate_proj.weight", LAYER + ".mlp.up_proj.weight"]),
+    (r"mlp\.linear_fc2\.weight", "row", [LAYER + ".mlp.down_proj.weight"]),
+)
+
+MOE_RULES = _rules(
+    (r"mlp\.router\.weight", "replicated", [LAYER + ".mlp.gate.weight"]),
+    # SequentialMLP (local spec) and TEGroupedMLP (weight<i> per local expert).
+    (r"mlp\.experts\.local_experts\.(\d+)\.linear_fc1\.weight", "expert_fc1",
+     [EXPERT + ".gate_proj.weight", EXPERT + ".up_proj.weight"]),
+    (r"mlp\.experts\.local_experts\.(\d+)\.linear_fc2\.weight", "expert_fc2", [EXPERT + ".down_proj.weight"]),
+    (r"mlp\.experts\.linear_fc1\.weight(\d+)", "expert_fc1",
+     [EXPERT + ".gate_proj.weight", EXPERT + ".up_proj.weight"]),
+    (r"mlp\.experts\.linear_fc2\.weight(\d+)", "expert_fc2", [EXPERT + ".down_proj.weight"]),
+    # Legacy grouped GEMM: all local experts in one parameter.
+    (r"mlp\.experts\.weight1", "grouped_fc1", [EXPERT + ".gate_proj.weight", EXPERT + ".up_proj.weight"]),
+    (r"mlp\.experts\.weight2", "grouped_fc2", [EXPERT + ".down_proj.weight"]),
+)
+
+
+def _shared_expert_rules(prefix: str) -> tuple[Rule, ...]:
+    return _rules(
+        (r"mlp\.shared_experts\.linear_fc1\.weight", "fc1",
+         [f"{LAYER}.mlp.{prefix}.gate_proj.weight", f"{LAYER}.mlp.{prefix}.up_proj.weight"]),
+        (r"mlp\.shared_experts\.linear_fc2\.weight", "row", [f"{LAYER}.mlp.{prefix}.down_proj.weight"]),
+    )
+
+
+SKIP_RULES = _rules((r".*_extra_state", "skip", []))
+
+_DENSE = SKIP_RULES + NORM_RULES + ATTENTION_RULES + DENSE_MLP_RULES
+
+#: family -> (top rules, layer rules). MoE families keep the dense MLP rules for dense layers
+#: (DeepSeek-V3's first dense layers, ``moe_layer_freq`` patterns).
+FAMILIES: dict[str, tuple[tuple[Rule, ...], tuple[Rule, ...]]] = {
+    "llama": (TOP_RULES, _DENSE),
+    "qwen2": (TOP_RULES, _DENSE),
+    "qwen3": (TOP_RULES, _DENSE),
+    "qwen3_moe": (TOP_RULES, _DENSE + MOE_RULES),
+    "qwen2_moe": (TOP_RULES, _DENSE + MOE_RULES + _shared_expert_rules("shared_expert") + _rules(
+        (r"mlp\.shared_experts\.gate_weight", "replicated", [LAYER + ".mlp.shared_expert_gate.weight"]),
+    )),
+    "deepseek_v3": (TOP_RULES, _DENSE + MOE_RULES + _shared_expert_rules("shared_experts") + _rules(
+        (r"mlp\.router\.expert_bias", "replicated", [LAYER + ".mlp.gate.e_score_correction_bias"]),
+    )),
+}
+
+_WRAPPER_PREFIX = re.compile(r"^(?:module\.)+")
+_LAYER_NAME = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+
+
+def strip_wrappers(name: str) -> str:
+    """Drop the ``module.`` prefixes that Float16Module / DDP wrappers add."""
+    return _WRAPPER_PREFIX.sub("", name)
+
+
+@dataclass(frozen=True)
+class Converted:
+    """One Megatron parameter and the HF parameters it holds (on this rank)."""
+
+    megatron_name: str
+    kind: str
+    hf_names: tuple[str, ...]
+    # grouped_fc*: hf_names is per local expert, flattened (gate_0, up_0, gate_1, ...)
+
+    @property
+    def is_expert(self) -> bool:
+        return self.kind in EXPERT_KINDS
+
+    @property
+    def tp_dim(self) -> Optional[int]:
+        return TP_SHARDED_KINDS.get(self.kind)
+
+
+@dataclass
+class NameConverter:
+    """Megatron names → HF names for one rank.
+
+    ``global_layer`` maps a local layer index (``decoder.layers.<i>``) to the global 0-based
+    layer index; ``expert_offset`` is ``ep_rank · experts_per_rank``.
+    """
+
+    family: str
+    global_layer: Mapping[int, int]
+    expert_offset: int = 0
+    num_local_experts: int = 0
+    gated: bool = True
+    tied_embeddings: bool = False
+    _top: tuple[Rule, ...] = field(init=False, repr=False)
+    _layer: tuple[Rule, ...] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ValueError(f"unknown model family {self.family!r}; known: {sorted(FAMILIES)}")
+        self._top, self._layer = FAMILIES[self.family]
+
+    def convert(self, name: str) -> Optional[Converted]:
+        """The HF names of one Megatron param; None for skipped entries; KeyError if unknown."""
+        name = strip_wrappers(name)
+        if name.endswith("_extra_state"):
+            return None
+        if self.tied_embeddings and name == "output_layer.weight":
+            return None  # tied: HF has no lm_head.weight, the embedding carries it
+        m = _LAYER_NAME.fullmatch(name)
+        if m is None:
+            for rule in self._top:
+                if rule.match(name):
+                    return Converted(name, rule.kind, tuple(rule.targets))
+            raise KeyError(name)
+        local_layer, rest = int(m.group(1)), m.group(2)
+        if local_layer not in self.global_layer:
+            raise KeyError(f"{name} (local layer {local_layer} has no global layer number)")
+        layer = self.global_layer[local_layer]
+        for rule in self._layer:
+            hit = rule.match(rest)
+            if hit is None:
+                continue
+            if rule.kind == "skip":
+                return None
+            targets = rule.targets
+            if rule.kind in ("fc1", "expert_fc1", "grouped_fc1") and not self.gated:
+                targets = targets[1:]  # non-gated fc1 is up_proj alone
+            if rule.kind in ("expert_fc1", "expert_fc2"):
+                expert = self.expert_offset + int(hit.group(1))
+                return Converted(name, rule.kind, tuple(t.format(layer=layer, expert=expert) for t in targets))
+            if rule.kind in ("grouped_fc1", "grouped_fc2"):
+                if self.num_local_experts < 1:
+                    raise KeyError(f"{name} (grouped experts need num_local_experts)")
+                names = tuple(t.format(layer=layer, expert=self.expert_offset + e)
+                              for e in range(self.num_local_experts) for t in targets)
+                return Converted(name, rule.kind, names)
+            return Converted(name, rule.kind, tuple(t.format(layer=layer) for t in targets))
+        raise KeyError(name)
+
+    def convert_all(self, names: Sequence[str]) -> tuple[list[Converted], list[str]]:
+        """Convert every name; return (conversions, unknown names) so callers report all at once."""
+        out, unknown = [], []
+        for name in names:
+            try:
+                conv = self.convert(name)
+            except KeyError:
+                unknown.append(name)
+                continue
+            if conv is not None:
+                out.append(conv)
+        return out, unknown
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """What the shape arithmetic needs: TP size, attention geometry, real vocab size."""
+
+    tp_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    head_dim: int
+    vocab_size: int
+    gated: bool
+    num_local_experts: int = 0
+
+
+def hf_global_shapes(conv: Converted, local_shape: Sequence[int], dims: ModelDims) -> dict[str, list[int]]:
+    """Global HF shapes of the params ``conv`` holds, from this rank's local Megatron shape."""
+    shape = [int(s) for s in local_shape]
+    t = dims.tp_size
+    kind = conv.kind
+    if kind == "replicated":
+        return {conv.hf_names[0]: shape}
+    if kind == "column":
+        return {conv.hf_names[0]: [shape[0] * t, *shape[1:]]}
+    if kind == "row":
+        return {conv.hf_names[0]: [shape[0], shape[1] * t, *shape[2:]]}
+    if kind == "vocab":
+        return {conv.hf_names[0]: [dims.vocab_size, *shape[1:]]}
+    if kind == "qkv":
+        q = dims.num_attention_heads * dims.head_dim
+        kv = dims.num_query_groups * dims.head_dim
+        if shape[0] * t != q + 2 * kv:
+            raise ValueError(f"{conv.megatron_name}: {shape[0]}·{t} rows, expected (nh + 2·nkv)·hd = {q + 2 * kv}")
+        return dict(zip(conv.hf_names, ([q, *shape[1:]], [kv, *shape[1:]], [kv, *shape[1:]])))
+    if kind in ("fc1", "expert_fc1"):
+        rows = shape[0] * (t if kind == "fc1" else 1)
+        if dims.gated:
+            return {n: [rows // 2, *shape[1:]] for n in conv.hf_names}
+        return {conv.hf_names[0]: [rows, *shape[1:]]}
+    if kind == "expert_fc2":
+        return {conv.hf_names[0]: shape}
+    if kind == "grouped_fc1":  # weight1 [H, E_l * (2)I]
+        per = shape[1] // dims.num_local_experts // (2 if dims.gated else 1)
+        return {n: [per, shape[0]] for n in conv.hf_names}
+    if kind == "grouped_fc2":  # weight2 [E_l * I, H]
+        per = shape[0] // dims.num_local_experts
+        return {n: [shape[1], per] for n in conv.hf_names}
+    raise ValueError(f"{conv.megatron_name}: no shape rule for kind {kind!r}")
+
+
+def local_views(conv: Converted, tensor: torch.Tensor, dims: ModelDims) -> dict[str, torch.Tensor]:
+    """This rank's part of each HF param of ``conv`` as views of ``tensor`` (no copy).
+
+    Defined for every kind except ``qkv`` and ``vocab``, whose rank-local rows do not line
+    up with one HF tensor's chunk (interleave, padding); those travel as full tensors.
+    """
+    kind = conv.kind
+    if kind in ("replicated", "column", "row", "expert_fc2"):
+        return {conv.hf_names[0]: tensor}
+    if kind in ("fc1", "expert_fc1"):
+        if not dims.gated:
+            return {conv.hf_names[0]: tensor}
+        half = tensor.shape[0] // 2
+        return {conv.hf_names[0]: tensor[:half], conv.hf_names[1]: tensor[half:]}
+    if kind == "grouped_fc1":
+        e_l = dims.num_local_experts
+        per_expert = tensor.view(e_l, tensor.shape[0], -1)  # [E_l, H, (2)I], as GroupedMLP.forward reads it
+        names = iter(conv.hf_names)
+        out = {}
+        for e in range(e_l):
+            w = per_expert[e].t()  # [(2)I, H]
+            if dims.gated:
+                half = w.shape[0] // 2
+                out[next(names)] = w[:half]
+                out[next(names)] = w[half:]
+            else:
+                out[next(names)] = w
+        return out
+    if kind == "grouped_fc2":
+        e_l = dims.num_local_experts
+        per_expert = tensor.view(e_l, -1, tensor.shape[1])  # [E_l, I, H]
+        return {name: per_expert[e].t() for e, name in enumerate(conv.hf_names)}
+    raise ValueError(f"{conv.megatron_name}: kind {kind!r} has no rank-local HF view")
+
+
+def full_from_tp_chunks(conv: Converted, chunks: Sequence[torch.Tensor], dims: ModelDims) -> dict[str, torch.Tensor]:
+    """Full HF tensors of ``conv`` from its TP chunks (in TP rank order; one chunk if not sharded)."""
+    kind = conv.kind
+    if kind in ("replicated", "expert_fc2"):
+        return {conv.hf_names[0]: chunks[0]}
+    if kind == "column":
+        return {conv.hf_names[0]: torch.cat(list(chunks), 0)}
+    if kind == "row":
+        return {conv.hf_names[0]: torch.cat(list(chunks), 1)}
+    if kind == "vocab":
+        return {conv.hf_names[0]: torch.cat(list(chunks), 0)[: dims.vocab_size]}
+    if kind == "qkv":
+        full = torch.cat(list(chunks), 0)
+        groups = dims.num_query_groups
+        per_group_q = dims.num_attention_heads // groups * dims.head_dim
+        grouped = full.reshape(groups, per_group_q + 2 * dims.head_dim, *full.shape[1:])
+        q, k, v = grouped.split([per_group_q, dims.head_dim, dims.head_dim], dim=1)
+        return {
+            conv.hf_names[0]: q.reshape(groups * per_group_q, *full.shape[1:]),
+            conv.hf_names[1]: k.reshape(groups * dims.head_dim, *full.shape[1:]),
+            conv.hf_names[2]: v.reshape(groups * dims.head_dim, *full.shape[1:]),
+        }
+    if kind in ("fc1", "expert_fc1"):
+        if not dims.gated:
+            return {conv.hf_names[0]: torch.cat(list(chunks), 0)}
+        halves = [c.chunk(2, dim=0) for c in chunks]
+        return {
+            conv.hf_names[0]: torch.cat([h[0] for h in halves], 0),
+            conv.hf_names[1]: torch.cat([h[1] for h in halves], 0),
+        }
+    if kind in ("grouped_fc1", "grouped_fc2"):
+        return local_views(conv, chunks[0], dims)
+    raise ValueError(f"{conv.megatron_name}: no full-tensor rule for kind {kind!r}")
+
+
+def known_families() -> list[str]:
+    return sorted(FAMILIES)
+

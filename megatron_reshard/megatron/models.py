@@ -1,0 +1,160 @@
+"""Tiny Megatron-Core GPT models for CPU tests and the demo.
+
+``build_gpt_model(**spec)`` builds this rank's part of a GPT model (local layer spec,
+``use_cpu_initialization=True``) under the already initialised ``parallel_state``, then
+overwrites every parameter with deterministic values derived from its *global* identity
+(global layer, global expert, TP rank for TP-sharded params): replicated copies agree across
+ranks, while different layers, experts and shards all differ, so a mixed-up index cannot
+go unnoticed in a bit-for-bit comparison.
+"""
+
+from __future__ import annotations
+
+import re
+import zlib
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+import torch
+
+
+@dataclass(frozen=True)
+class TinyGPTSpec:
+    """What a tiny model is made of (plain data: it crosses into worker processes)."""
+
+    num_layers: int = 4
+    hidden_size: int = 32
+    num_attention_heads: int = 4
+    num_query_groups: int = 2
+    head_dim: Optional[int] = None  # None: hidden_size // num_attention_heads
+    ffn_hidden_size: int = 48
+    vocab_size: int = 200  # real vocab; the model pads it like Megatron's trainer does
+    make_vocab_size_divisible_by: int = 128
+    gated: bool = True
+    qk_layernorm: bool = False
+    add_qkv_bias: bool = False
+    num_moe_experts: Optional[int] = None
+    moe_ffn_hidden_size: Optional[int] = None
+    moe_router_topk: int = 2
+    moe_layer_freq: object = 1  # int or list of 0/1 per layer (DeepSeek-style first dense layers)
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    moe_shared_expert_gate: bool = False
+    tie_embeddings: bool = False
+    num_layers_in_first_pipeline_stage: Optional[int] = None
+    num_layers_in_last_pipeline_stage: Optional[int] = None
+    dtype: str = "bfloat16"
+    seed: int = 1234
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp_size: int) -> int:
+    """Megatron trainer's padding: round up to a multiple of ``divisible_by · tp``."""
+    multiple = divisible_by * tp_size
+    return -(-vocab_size // multiple) * multiple
+
+
+def transformer_config(spec: TinyGPTSpec):
+    """The ``TransformerConfig`` of ``spec`` under the live parallel state."""
+    import torch.nn.functional as F
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    dtype = getattr(torch, spec.dtype)
+    moe = spec.num_moe_experts is not None
+    kwargs = dict(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        num_attention_heads=spec.num_attention_heads,
+        num_query_groups=spec.num_query_groups,
+        kv_channels=spec.head_dim,
+        ffn_hidden_size=spec.ffn_hidden_size,
+        gated_linear_unit=spec.gated,
+        activation_func=F.silu if spec.gated else F.gelu,
+        add_bias_linear=False,
+        add_qkv_bias=spec.add_qkv_bias,
+        normalization="RMSNorm",
+        qk_layernorm=spec.qk_layernorm,
+        use_cpu_initialization=True,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
+        expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
+        expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size(),
+        context_parallel_size=ps.get_context_parallel_world_size(),
+        num_layers_in_first_pipeline_stage=spec.num_layers_in_first_pipeline_stage,
+        num_layers_in_last_pipeline_stage=spec.num_layers_in_last_pipeline_stage,
+        sequence_parallel=False,
+        pipeline_dtype=dtype,
+    )
+    if moe:
+        kwargs.update(
+            num_moe_experts=spec.num_moe_experts,
+            moe_ffn_hidden_size=spec.moe_ffn_hidden_size or spec.ffn_hidden_size,
+            moe_router_topk=spec.moe_router_topk,
+            moe_layer_freq=spec.moe_layer_freq,
+            moe_token_dispatcher_type="allgather",
+            moe_shared_expert_intermediate_size=spec.moe_shared_expert_intermediate_size,
+            moe_shared_expert_gate=spec.moe_shared_expert_gate,
+        )
+    return TransformerConfig(**kwargs)
+
+
+def build_gpt_model(spec: TinyGPTSpec):
+    """This rank's ``GPTModel`` for ``spec`` (parallel_state must be initialised)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    config = transformer_config(spec)
+    torch.manual_seed(spec.seed)
+    layer_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec,
+        vocab_size=padded_vocab_size(spec.vocab_size, spec.make_vocab_size_divisible_by,
+                                     ps.get_tensor_model_parallel_world_size()),
+        max_sequence_length=64,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=spec.tie_embeddings,
+        position_embedding_type="rope",
+    )
+    fill_distinct_(model, spec.seed)
+    return model
+
+
+_LOCAL_LAYER = re.compile(r"decoder\.layers\.(\d+)\.")
+_LOCAL_EXPERT = re.compile(r"local_experts\.(\d+)\.")
+
+
+@torch.no_grad()
+def fill_distinct_(model, seed: int) -> None:
+    """Overwrite every parameter with values keyed by its global identity (see module doc).
+    """
+    from megatron.core import parallel_state as ps
+
+    tp_rank = ps.get_tensor_model_parallel_rank()
+    ep_rank = ps.get_expert_model_parallel_rank()
+    layers = model.decoder.layers
+    for name, param in model.named_parameters():
+        key = name
+        m = _LOCAL_LAYER.search(name)
+        if m is not None:
+            global_layer = layers[int(m.group(1))].layer_number
+            key = key.replace(m.group(0), f"decoder.layers.<{global_layer}>.")
+        m = _LOCAL_EXPERT.search(name)
+        if m is not None:
+            n_local = len(layers[int(_LOCAL_LAYER.search(name).group(1))].mlp.experts.local_experts)
+            key = key.replace(m.group(0), f"experts.<{ep_rank * n_local + int(m.group(1))}>.")
+        sharded = getattr(param, "tensor_model_parallel", False) and m is None
+        if sharded:
+            key += f"|tp{tp_rank}"
+        if getattr(param, "shared_embedding", False):  # tied output layer on the last stage
+            key = "embedding.word_embeddings.weight" + (f"|tp{tp_rank}" if sharded else "")
+        gen = torch.Generator().manual_seed((zlib.crc32(key.encode()) ^ seed) & 0x7FFFFFFF)
+        values = torch.randn(param.shape, generator=gen, dtype=torch.float32)
+        param.copy_(values.to(param.dtype))
+
+
+def model_spec_dict(spec: TinyGPTSpec) -> dict:
+    return asdict(spec)

@@ -1,0 +1,163 @@
+"""The oracle: every HF tensor of the model, gathered whole on every train rank.
+
+Deliberately written without ``converters.py``: plain if/else on Megatron names, explicit
+loops for the QKV interleave and the fc1 halves, Megatron's own parameter attributes
+(``tensor_model_parallel``, ``partition_dim``) for what is TP-sharded. Slow and simple;
+used by the tests and the demo to check views, payload shapes and received tensors.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+SHARED_EXPERT_PREFIX = {"qwen2_moe": "shared_expert", "deepseek_v3": "shared_experts"}
+
+
+def _bare(model: Any) -> torch.nn.Module:
+    if isinstance(model, (list, tuple)):
+        (model,) = model
+    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
+        model = model.module
+    return model
+
+
+def _tp_gather(t: torch.Tensor, dim: int) -> list[torch.Tensor]:
+    from megatron.core import parallel_state as ps
+
+    size = ps.get_tensor_model_parallel_world_size()
+    if size == 1:
+        return [t]
+    parts = [torch.empty_like(t) for _ in range(size)]
+    dist.all_gather(parts, t.contiguous(), group=ps.get_tensor_model_parallel_group())
+    return parts
+
+
+def _split_qkv(full: torch.Tensor, nh: int, nkv: int, hd: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    q_rows, k_rows, v_rows = [], [], []
+    heads_per_group = nh // nkv
+    row = 0
+    for _ in range(nkv):
+        for _ in range(heads_per_group):
+            q_rows.append(full[row:row + hd])
+            row += hd
+        k_rows.append(full[row:row + hd])
+        row += hd
+        v_rows.append(full[row:row + hd])
+        row += hd
+    assert row == full.shape[0], (row, full.shape)
+    return torch.cat(q_rows), torch.cat(k_rows), torch.cat(v_rows)
+
+
+@torch.no_grad()
+def gather_full_hf_state_dict(model: Any, *, family: str, vocab_size: Optional[int] = None) -> dict[str, torch.Tensor]:
+    """``{hf_name: full tensor}`` of the whole model on every rank of the default world.
+
+    Collective over the TP group and then the whole world. Replicated copies held by
+    several ranks are compared: a disagreement raises (the model is not consistent).
+    """
+    from megatron.core import parallel_state as ps
+
+    m = _bare(model)
+    cfg = m.config
+    nh = cfg.num_attention_heads
+    nkv = cfg.num_query_groups or nh
+    hd = cfg.kv_channels
+    gated = cfg.gated_linear_unit
+    real_vocab = vocab_size if vocab_size is not None else m.vocab_size
+    ep_rank = ps.get_expert_model_parallel_rank()
+    n_local = (cfg.num_moe_experts or 0) // ps.get_expert_model_parallel_world_size()
+    tied = bool(getattr(m, "share_embeddings_and_output_weights", False))
+
+    def fc1_halves(parts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        gates, ups = [], []
+        for part in parts:  # each TP rank holds [gate_r ; up_r]
+            rows = part.shape[0] // 2
+            gates.append(part[:rows])
+            ups.append(part[rows:])
+        return torch.cat(gates), torch.cat(ups)
+
+    out: dict[str, torch.Tensor] = {}
+    tensors = list(m.named_parameters()) + [(n, b) for n, b in m.named_buffers() if n.endswith("router.expert_bias")]
+    for name, param in tensors:
+        t = param.detach()
+        if getattr(param, "tensor_model_parallel", False) and ".experts." not in name:
+            full_parts = _tp_gather(t, param.partition_dim)
+            full = torch.cat(full_parts, dim=param.partition_dim)
+        else:
+            full_parts, full = [t], t
+
+        if name == "embedding.word_embeddings.weight":
+            out["model.embed_tokens.weight"] = full[:real_vocab]
+            continue
+        if name == "output_layer.weight":
+            if not tied:
+                out["lm_head.weight"] = full[:real_vocab]
+            continue
+        if name == "decoder.final_layernorm.weight":
+            out["model.norm.weight"] = full
+            continue
+        hit = re.match(r"decoder\.layers\.(\d+)\.(.*)$", name)
+        if hit is None:
+            raise KeyError(f"reference: no rule for {name}")
+        layer = m.decoder.layers[int(hit.group(1))].layer_number - 1
+        rest = hit.group(2)
+        p = f"model.layers.{layer}"
+        if rest in ("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight"):
+            out[f"{p}.input_layernorm.weight"] = full
+        elif rest in ("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"):
+            out[f"{p}.post_attention_layernorm.weight"] = full
+        elif rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
+            kind = rest.rsplit(".", 1)[1]
+            q, k, v = _split_qkv(full, nh, nkv, hd)
+            out[f"{p}.self_attn.q_proj.{kind}"] = q
+            out[f"{p}.self_attn.k_proj.{kind}"] = k
+            out[f"{p}.self_attn.v_proj.{kind}"] = v
+        elif rest == "self_attention.linear_proj.weight":
+            out[f"{p}.self_attn.o_proj.weight"] = full
+        elif rest == "self_attention.q_layernorm.weight":
+            out[f"{p}.self_attn.q_norm.weight"] = full
+        elif rest == "self_attention.k_layernorm.weight":
+            out[f"{p}.self_attn.k_norm.weight"] = full
+        elif rest == "mlp.router.weight":
+            out[f"{p}.mlp.gate.weight"] = full
+        elif rest == "mlp.router.expert_bias":
+            out[f"{p}.mlp.gate.e_score_correction_bias"] = full
+        elif rest in ("mlp.linear_fc1.weight", "mlp.shared_experts.linear_fc1.weight"):
+            mlp = f"{p}.mlp" if rest.startswith("mlp.linear") else f"{p}.mlp.{SHARED_EXPERT_PREFIX[family]}"
+            if gated:
+                out[f"{mlp}.gate_proj.weight"], out[f"{mlp}.up_proj.weight"] = fc1_halves(full_parts)
+            else:
+                out[f"{mlp}.up_proj.weight"] = full
+        elif rest in ("mlp.linear_fc2.weight", "mlp.shared_experts.linear_fc2.weight"):
+            mlp = f"{p}.mlp" if rest.startswith("mlp.linear") else f"{p}.mlp.{SHARED_EXPERT_PREFIX[family]}"
+            out[f"{mlp}.down_proj.weight"] = full
+        elif rest == "mlp.shared_experts.gate_weight":
+            out[f"{p}.mlp.shared_expert_gate.weight"] = full
+        else:
+            e = re.fullmatch(r"mlp\.experts\.local_experts\.(\d+)\.linear_fc([12])\.weight", rest)
+            if e is None:
+                raise KeyError(f"reference: no rule for {name}")
+            expert = ep_rank * n_local + int(e.group(1))
+            q = f"{p}.mlp.experts.{expert}"
+            if e.group(2) == "2":
+                out[f"{q}.down_proj.weight"] = full
+            elif gated:
+                out[f"{q}.gate_proj.weight"], out[f"{q}.up_proj.weight"] = fc1_halves([full])
+            else:
+                out[f"{q}.up_proj.weight"] = full
+
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, out)
+    merged: dict[str, torch.Tensor] = {}
+    for rank, part in enumerate(everyone):
+        for name, tensor in part.items():
+            if name in merged:
+                if not torch.equal(merged[name], tensor):
+                    raise ValueError(f"reference: rank {rank} holds a different copy of {name}")
+            else:
+                merged[name] = tensor.clone()
+    return merged

@@ -1,0 +1,443 @@
+"""The train-side refit source: HF metadata, payload, live local views, full "other" tensors.
+
+``MegatronRefitSource(model, ...)`` runs on every train rank. Construction does the local
+checks (no collective), then exactly one ``all_gather_object`` over the default (train)
+world carrying each rank's coordinates, global layer numbers, HF metadata of the params it
+holds and any problem it found; after that every rank knows the whole model and layout.
+
+Decisions:
+
+- Bad input (parallel_state not initialised, expert-TP > 1, VPP, unknown family, vocab
+  larger than the model's) raises one ``ValueError`` listing everything, on every rank,
+  before any collective. Unknown parameter names can differ between PP stages, so they
+  travel in the one gather and every rank raises the same error listing all of them with
+  their ranks (no rank is left waiting in a collective).
+- Metadata holds GLOBAL HF shapes. Bulk params (``is_nccl_reshard_param``) go to
+  ``build_nccl_reshard_refit_info``; per-expert names are grouped there. Its train meshes
+  are then replaced by the meshes built from the reported coordinates (identical under the
+  default rank order; the real rank tensor otherwise).
+- Vocab: Megatron pads the vocab to a multiple of ``make_vocab_size_divisible_by · TP``; HF
+  tensors have the ``vocab_size`` real rows. Full tensors strip the padding rows;
+  ``vocab_size=None`` means "no padding" (the model's vocab is the real one).
+- Layer keys (``model.layers.N``, N = ``layer_number - 1``) come from the live layers, so
+  uneven first/last stages need nothing special. Non-layer keys: ``model.embed_tokens`` on
+  the stage holding the embedding, ``model.norm`` and ``lm_head`` on the stage holding the
+  final norm / output layer. Tied embeddings: no ``lm_head.weight`` (HF ties it).
+- Views: dense ``gate_proj``/``up_proj`` are the two row halves of the rank's ``linear_fc1``
+  (views); ``down_proj`` is ``linear_fc2`` itself. Grouped experts: a ``pre`` hook stacks the
+  rank's experts into ``[E_local, ...]`` (SequentialMLP / TE grouped); legacy grouped GEMM
+  weights are already one tensor, so the grouped view is a strided view, no hook.
+
+``hf_config`` keys (plain data; the receiver builds vLLM-layout targets from them):
+``family, hidden_size, num_attention_heads, num_key_value_heads, head_dim,
+intermediate_size, moe_intermediate_size, num_experts, num_hidden_layers, vocab_size,
+tie_word_embeddings, gated, qk_norm`` and also ``num_experts_per_tok,
+shared_expert_intermediate_size, moe_layers`` (global indexes of MoE layers),
+``attention_bias, rms_norm_eps, torch_dtype``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import Shard
+
+from megatron_reshard.layout import is_expert_param, is_nccl_reshard_param
+from megatron_reshard.megatron.converters import (
+    FAMILIES,
+    Converted,
+    ModelDims,
+    NameConverter,
+    full_from_tp_chunks,
+    hf_global_shapes,
+    local_views,
+)
+from megatron_reshard.megatron.parallel import (
+    RankCoords,
+    StageMeshes,
+    TrainLayout,
+    build_stage_meshes,
+    coords_from_plain,
+    coords_to_plain,
+    describe_rank_order,
+    read_parallel_state,
+)
+from megatron_reshard.megatron.payload import build_payload, encode_payload
+from megatron_reshard.metadata import (
+    _extract_layer_name,
+    build_nccl_reshard_refit_info,
+    restore_refit_info_placements,
+)
+from megatron_reshard.spec import HFToLocalParamMap, LocalParamSpec, RefitCtx
+
+HF_CONFIG_KEYS = (
+    "family", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "intermediate_size", "moe_intermediate_size", "num_experts", "num_hidden_layers",
+    "vocab_size", "tie_word_embeddings", "gated", "qk_norm",
+    "num_experts_per_tok", "shared_expert_intermediate_size", "moe_layers", "attention_bias",
+    "rms_norm_eps", "torch_dtype",
+)
+
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_EXPERT_NAME = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<index>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+
+
+def unwrap_model(model: Any) -> tuple[Optional[torch.nn.Module], list[str]]:
+    """The bare ``GPTModel`` under training wrappers (``module.`` chains); problems if none."""
+    if isinstance(model, (list, tuple)):
+        if len(model) != 1:
+            return None, [f"got {len(model)} model chunks: virtual pipeline parallelism is not supported yet"]
+        model = model[0]
+    while hasattr(model, "module") and isinstance(getattr(model, "module"), torch.nn.Module):
+        model = model.module
+    if not hasattr(model, "decoder") or not hasattr(model, "config"):
+        return None, [f"{type(model).__name__} is not a Megatron GPT-style model (no .decoder / .config)"]
+    return model, []
+
+
+def infer_family(config: Any) -> Optional[str]:
+    """A family from the TransformerConfig alone, when unambiguous (MoE with shared experts is not)."""
+    if getattr(config, "num_moe_experts", None):
+        if getattr(config, "moe_shared_expert_intermediate_size", None):
+            return None
+        return "qwen3_moe"
+    if getattr(config, "qk_layernorm", False):
+        return "qwen3"
+    if getattr(config, "add_qkv_bias", False):
+        return "qwen2"
+    return "llama"
+
+
+def named_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Parameters plus the persistent router ``expert_bias`` buffers (DeepSeek-V3 routing bias)."""
+    out = list(model.named_parameters())
+    out += [(n, b) for n, b in model.named_buffers() if n.endswith("router.expert_bias")]
+    return out
+
+
+def _layer_sort_key(name: str) -> tuple[int, int]:
+    m = _HF_LAYER.match(name)
+    if m is not None:
+        return (1, int(m.group(1)))
+    if name.startswith("model.embed_tokens"):
+        return (0, 0)
+    if name.startswith("lm_head"):
+        return (3, 0)
+    return (2, 0)
+
+
+def expected_local_shape(global_shape: Sequence[int], mesh, placements: Sequence, rank: int) -> Optional[list[int]]:
+    """Shape of ``rank``'s region under ``torch.chunk`` rules (axes applied in order); None if not in mesh."""
+    coord = mesh.coordinate_of(rank)
+    if coord is None:
+        return None
+    shape = [int(s) for s in global_shape]
+    for axis, placement in enumerate(placements):
+        if isinstance(placement, Shard):
+            n, m = shape[placement.dim], mesh.shape[axis]
+            chunk = -(-n // m)
+            start = coord[axis] * chunk
+            shape[placement.dim] = max(0, min(chunk, n - start))
+    return shape
+
+
+class MegatronRefitSource:
+    """Train-side refit backend for one Megatron GPT model chunk (implements ``RefitBuilderInterface``)."""
+
+    def __init__(self, model: Any, *, gen_parallelism: dict, gen_world_size: int,
+                 family: Optional[str] = None, vocab_size: Optional[int] = None):
+        layout, coords, problems = read_parallel_state()
+        bare, model_problems = unwrap_model(model)
+        problems += model_problems
+        config = getattr(bare, "config", None)
+        if bare is not None:
+            chosen = family if family is not None else infer_family(config)
+            if chosen is None:
+                problems.append("cannot infer the model family of a MoE model with shared experts: pass "
+                                f"family= one of {sorted(FAMILIES)}")
+            elif chosen not in FAMILIES:
+                problems.append(f"unknown model family {chosen!r}: known families are {sorted(FAMILIES)}")
+            family = chosen
+            padded = int(getattr(bare, "vocab_size", 0) or 0)
+            if vocab_size is None:
+                vocab_size = padded
+            elif not 0 < vocab_size <= padded:
+                problems.append(f"vocab_size={vocab_size} must be in 1..{padded} (the model's padded vocab)")
+        if problems:
+            raise ValueError("cannot build the Megatron refit source:\n  - " + "\n  - ".join(problems))
+        assert layout is not None and coords is not None and bare is not None
+
+        self.model = bare
+        self.config = config
+        self.family: str = family  # type: ignore[assignment]
+        self.layout: TrainLayout = layout
+        self.coords: RankCoords = coords
+        self.vocab_size: int = int(vocab_size)  # type: ignore[arg-type]
+        n_experts = int(getattr(config, "num_moe_experts", None) or 0)
+        self.num_local_experts = n_experts // layout.ep if n_experts else 0
+        self.dims = ModelDims(
+            tp_size=layout.tp,
+            num_attention_heads=config.num_attention_heads,
+            num_query_groups=config.num_query_groups or config.num_attention_heads,
+            head_dim=config.kv_channels,
+            vocab_size=self.vocab_size,
+            gated=bool(config.gated_linear_unit),
+            num_local_experts=self.num_local_experts,
+        )
+
+        # --- local conversion (no collective) ---
+        global_layer = {i: int(layer.layer_number) - 1 for i, layer in enumerate(bare.decoder.layers)}
+        converter = NameConverter(
+            family=self.family, global_layer=global_layer,
+            expert_offset=coords.ep * self.num_local_experts, num_local_experts=self.num_local_experts,
+            gated=self.dims.gated, tied_embeddings=bool(getattr(bare, "share_embeddings_and_output_weights", False)),
+        )
+        tensors = named_tensors(bare)
+        by_name = dict(tensors)
+        converted, unknown = converter.convert_all([n for n, _ in tensors])
+        self._converted: list[tuple[Converted, torch.Tensor]] = [(c, by_name[c.megatron_name]) for c in converted]
+        local_meta: dict[str, dict] = {}
+        rank_problems = [f"rank {coords.rank}: unknown Megatron parameter {n!r} for family {self.family!r}"
+                         for n in unknown]
+        for conv, tensor in self._converted:
+            try:
+                shapes = hf_global_shapes(conv, tensor.shape, self.dims)
+            except ValueError as err:
+                rank_problems.append(f"rank {coords.rank}: {err}")
+                continue
+            for hf_name, shape in shapes.items():
+                local_meta[hf_name] = {"shape": shape, "dtype": str(tensor.dtype)}
+
+        report = {
+            "coords": coords_to_plain(coords),
+            "layers": sorted(global_layer.values()),
+            "meta": local_meta,
+            "problems": rank_problems,
+        }
+        # --- the one collective ---
+        reports: list = [None] * layout.world_size
+        dist.all_gather_object(reports, report)
+
+        all_problems = [p for r in reports for p in r["problems"]]
+        if all_problems:
+            raise ValueError("cannot build the Megatron refit source:\n  - " + "\n  - ".join(all_problems))
+        all_coords = [coords_from_plain(r["coords"]) for r in reports]
+        self.rank_order = describe_rank_order(all_coords, layout)
+        try:
+            self.stages: list[StageMeshes] = build_stage_meshes(all_coords, layout)
+        except ValueError as err:
+            raise ValueError(f"unsupported Megatron rank order (found: {self.rank_order}): {err}") from None
+        self.stage = coords.pp
+        self.stage_local_rank = self.stages[self.stage].local_rank(coords.rank)
+
+        metadata, stage_of_key = self._merge_reports(reports, all_coords)
+        self.layer_to_pp_stage: dict[str, int] = stage_of_key
+        self.state_dict_metadata = {n: m for n, m in metadata.items() if is_nccl_reshard_param(n)}
+        self.other_params_metadata = {n: m for n, m in metadata.items() if not is_nccl_reshard_param(n)}
+        self.hf_config = self._hf_config(metadata)
+        self.gen_parallelism = dict(gen_parallelism)
+        self.gen_world_size = gen_world_size
+
+        info = build_nccl_reshard_refit_info(
+            self.state_dict_metadata,
+            {"tp_size": layout.tp, "ep_size": layout.ep, "pp_size": layout.pp},
+            self.gen_parallelism, layout.world_size, gen_world_size,
+            self.layer_to_pp_stage if layout.pp > 1 else None,
+        )
+        self._use_live_meshes(info)
+        self.refit_info = info
+        other = [{"name": n, "shape": list(m["shape"]), "dtype": m["dtype"],
+                  "pp_stage": stage_of_key[_extract_layer_name(n)]}
+                 for n, m in self.other_params_metadata.items()]
+        other.sort(key=lambda p: p["pp_stage"])  # stable: model order inside a stage
+        self.payload = build_payload(
+            info,
+            train_layout=layout.as_plain(),
+            gen_layout={"tp": int(gen_parallelism.get("tp_size", 1)), "ep": int(gen_parallelism.get("ep_size", 1)),
+                        "pp": int(gen_parallelism.get("pp_size", 1)), "world_size": int(gen_world_size)},
+            hf_config=self.hf_config,
+            other_params=other,
+            train_stage_ranks=[list(s.ranks) for s in self.stages],
+            rank_order=self.rank_order,
+        )
+
+    # ------------------------------------------------------------------ merge
+    def _merge_reports(self, reports: list, all_coords: list[RankCoords]) -> tuple[dict, dict]:
+        """Union of every rank's HF metadata (ordered: embeddings, layers, norm, lm_head) and key → stage."""
+        problems: list[str] = []
+        merged: dict[str, dict] = {}
+        stage_of_key: dict[str, int] = {}
+        layer_stage: dict[int, int] = {}
+        for report, c in zip(reports, all_coords):
+            for layer in report["layers"]:
+                if layer_stage.setdefault(layer, c.pp) != c.pp:
+                    problems.append(f"layer {layer} is on PP stages {layer_stage[layer]} and {c.pp}")
+            for name, meta in report["meta"].items():
+                seen = merged.setdefault(name, meta)
+                if seen["shape"] != meta["shape"] or seen["dtype"] != meta["dtype"]:
+                    problems.append(f"{name}: rank {c.rank} reports {meta} but another rank {seen}")
+                key = _extract_layer_name(name)
+                if stage_of_key.setdefault(key, c.pp) != c.pp:
+                    problems.append(f"{key} is held by PP stages {stage_of_key[key]} and {c.pp}")
+        n_layers = int(self.config.num_layers)
+        if sorted(layer_stage) != list(range(n_layers)):
+            problems.append(f"global layers found {sorted(layer_stage)}, expected 0..{n_layers - 1}")
+        for layer, stage in layer_stage.items():
+            stage_of_key.setdefault(f"model.layers.{layer}", stage)
+        if problems:
+            raise ValueError("inconsistent model across train ranks:\n  - " + "\n  - ".join(problems))
+        order = {name: i for i, name in enumerate(merged)}
+        ordered = dict(sorted(merged.items(), key=lambda kv: (_layer_sort_key(kv[0]), order[kv[0]])))
+        return ordered, stage_of_key
+
+    def _use_live_meshes(self, info: dict) -> None:
+        """Replace the formula-built train meshes by the ones built from reported coordinates."""
+        for params in info["per_layer_params"].values():
+            for p in params:
+                stage = self.stages[p.get("pp_stage", 0)]
+                live = stage.expert if is_expert_param(p["name"]) else stage.dense
+                if live.shape != p["src_mesh_info"].shape:
+                    raise ValueError(f"{p['name']}: live train mesh {live} does not have the shape of the "
+                                     f"refit info's {p['src_mesh_info']} (rank order {self.rank_order})")
+                p["src_mesh_info"] = live
+
+    def _hf_config(self, metadata: dict) -> dict:
+        c = self.config
+        moe_layers = sorted({int(m.group(1)) for n in metadata
+                             if n.endswith(".mlp.gate.weight") and (m := _HF_LAYER.match(n))})
+        return {
+            "family": self.family,
+            "hidden_size": int(c.hidden_size),
+            "num_attention_heads": int(c.num_attention_heads),
+            "num_key_value_heads": int(c.num_query_groups or c.num_attention_heads),
+            "head_dim": int(c.kv_channels),
+            "intermediate_size": int(c.ffn_hidden_size),
+            "moe_intermediate_size": int(c.moe_ffn_hidden_size or 0) if c.num_moe_experts else 0,
+            "num_experts": int(c.num_moe_experts or 0),
+            "num_hidden_layers": int(c.num_layers),
+            "vocab_size": self.vocab_size,
+            "tie_word_embeddings": bool(getattr(self.model, "share_embeddings_and_output_weights", False)),
+            "gated": bool(c.gated_linear_unit),
+            "qk_norm": bool(c.qk_layernorm),
+            "num_experts_per_tok": int(c.moe_router_topk) if c.num_moe_experts else 0,
+            "shared_expert_intermediate_size": int(c.moe_shared_expert_intermediate_size or 0),
+            "moe_layers": moe_layers,
+            "attention_bias": bool(c.add_qkv_bias or c.add_bias_linear),
+            "rms_norm_eps": float(c.layernorm_epsilon),
+            "torch_dtype": str(c.params_dtype),
+        }
+
+    # ------------------------------------------------------------------ outputs
+    def payload_bytes(self) -> bytes:
+        """The msgpack payload (same bytes on every train rank)."""
+        return encode_payload(self.payload)
+
+    def _local_hf_views(self) -> dict[str, torch.Tensor]:
+        views: dict[str, torch.Tensor] = {}
+        for conv, tensor in self._converted:
+            if not any(is_nccl_reshard_param(n) for n in conv.hf_names):
+                continue
+            views.update(local_views(conv, tensor.detach(), self.dims))
+        return views
+
+    def build_hf_to_local_param_map(self, refit_info: Optional[dict] = None) -> HFToLocalParamMap:
+        """``hf_name → LocalParamSpec`` for every bulk param of this rank's PP stage, checked
+        against the region the refit info's src mesh/placements assign to this rank."""
+        info = restore_refit_info_placements(refit_info if refit_info is not None else self.refit_info)
+        views = self._local_hf_views()
+        me = f"rank {self.coords.rank} (PP stage {self.stage}, stage-local rank {self.stage_local_rank})"
+        specs: dict[str, LocalParamSpec] = {}
+        problems: list[str] = []
+        for layer in info["layer_names"]:
+            for p in info["per_layer_params"].get(layer, []):
+                if p.get("pp_stage", 0) != self.stage:
+                    continue
+                name = p["name"]
+                proj = p.get("grouped_expert_proj")
+                if proj is None:
+                    view = views.get(name)
+                    if view is None:
+                        problems.append(f"{name}: {me} holds no local tensor for it")
+                        continue
+                    spec, shape, dtype = LocalParamSpec(base=view), list(view.shape), view.dtype
+                else:
+                    prefix = name[: -len(f".{proj}.weight")]
+                    members = sorted(
+                        (int(m["index"]), v) for n, v in views.items()
+                        if (m := _EXPERT_NAME.match(n)) and m["prefix"] == prefix and m["proj"] == proj
+                    )
+                    if not members:
+                        problems.append(f"{name}: {me} holds no local expert for it")
+                        continue
+                    tensors = [v for _, v in members]
+                    spec = _stacked_spec(tensors)
+                    shape, dtype = [len(tensors), *tensors[0].shape], tensors[0].dtype
+                expected = expected_local_shape(p["global_shape"], p["src_mesh_info"], p["src_placements"],
+                                                self.stage_local_rank)
+                if expected is None:
+                    problems.append(f"{name}: {me} is not in the src mesh {p['src_mesh_info']}")
+                elif expected != shape:
+                    problems.append(f"{name}: {me} holds local shape {shape} but the refit info assigns "
+                                    f"{expected} (global {list(p['global_shape'])}, placements {p['src_placements']})")
+                elif str(dtype) != p["dtype"]:
+                    problems.append(f"{name}: {me} holds dtype {dtype} but the refit info says {p['dtype']}")
+                else:
+                    specs[name] = spec
+        if problems:
+            raise ValueError("local views do not match the refit info:\n  - " + "\n  - ".join(problems))
+        return HFToLocalParamMap(specs)
+
+    @torch.no_grad()
+    def gather_other_params(self) -> dict[str, torch.Tensor]:
+        """Full HF tensors of this stage's non-bulk params (collective over this rank's TP group).
+
+        Every rank of the TP group must call it. Replicated params are returned as the live
+        tensors (no copy); TP-sharded ones are gathered and converted (QKV de-interleaved,
+        fc1 halves split, vocab padding stripped).
+        """
+        from megatron.core import parallel_state as ps
+
+        group = ps.get_tensor_model_parallel_group()
+        tp = self.layout.tp
+        out: dict[str, torch.Tensor] = {}
+        for conv, tensor in self._converted:
+            if all(is_nccl_reshard_param(n) for n in conv.hf_names):
+                continue
+            local = tensor.detach()
+            if conv.tp_dim is not None and tp > 1:
+                chunks = [torch.empty_like(local) for _ in range(tp)]
+                dist.all_gather(chunks, local.contiguous(), group=group)
+            else:
+                chunks = [local]
+            for name, full in full_from_tp_chunks(conv, chunks, self.dims).items():
+                if name in self.other_params_metadata:
+                    out[name] = full
+        return out
+
+
+def _stack(base: list) -> RefitCtx:
+    return RefitCtx(buf=torch.stack(base))
+
+
+def _stacked_spec(tensors: list[torch.Tensor]) -> LocalParamSpec:
+    """``[E_local, ...]`` of the rank's experts: one strided view when they sit at a constant
+    step in one storage (legacy grouped GEMM, contiguous param buffers), else a ``pre`` hook
+    that stacks them (the one copy the train side makes)."""
+    first = tensors[0]
+    if len(tensors) == 1:
+        return LocalParamSpec(base=first.unsqueeze(0))
+    same_layout = all(
+        t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+        and t.shape == first.shape and t.stride() == first.stride() and t.dtype == first.dtype
+        for t in tensors
+    )
+    if same_layout:
+        offsets = [t.storage_offset() for t in tensors]
+        step = offsets[1] - offsets[0]
+        if step > 0 and all(b - a == step for a, b in zip(offsets, offsets[1:])):
+            view = first.as_strided((len(tensors), *first.shape), (step, *first.stride()), offsets[0])
+            return LocalParamSpec(base=view)
+    return LocalParamSpec(base=list(tensors), pre=_stack)

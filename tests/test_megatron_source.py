@@ -1,0 +1,184 @@
+"""Train side on live megatron-core (CPU, gloo): meshes, metadata, local views, full tensors, payload.
+
+Oracle: ``reference.gather_full_hf_state_dict`` (independent of the converter tables). Each
+rank's local view must equal, bit for bit, the chunk of the oracle's HF tensor that the
+refit info's src mesh and placements assign to it; the chunk is cut here with plain
+``torch.chunk`` arithmetic.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch.distributed.tensor import Shard
+
+from megatron_reshard.worlds import init_gloo_world
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+def chunk_of(full: torch.Tensor, mesh: torch.Tensor, placements, rank: int) -> torch.Tensor:
+    coord = (mesh == rank).nonzero()[0].tolist()
+    region = full
+    for axis, p in enumerate(placements):
+        if isinstance(p, Shard):
+            pieces = torch.chunk(region, mesh.shape[axis], dim=p.dim)
+            i = coord[axis]
+            region = pieces[i] if i < len(pieces) else region.narrow(p.dim, 0, 0)
+    return region
+
+
+def _init(job, tp=1, pp=1, ep=1, etp=1, order=None):
+    init_gloo_world(job)
+    from megatron.core import parallel_state as ps
+
+    kwargs = dict(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                  expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
+                  distributed_timeout_minutes=1)
+    if order is not None:
+        kwargs["order"] = order
+    ps.initialize_model_parallel(**kwargs)
+
+
+def _oracle_tensor(oracle: dict, info: dict) -> torch.Tensor:
+    proj = info.get("grouped_expert_proj")
+    if proj is None:
+        return oracle[info["name"]]
+    prefix = info["name"][: -len(f".{proj}.weight")]
+    n = info["global_shape"][0]
+    return torch.stack([oracle[f"{prefix}.{e}.{proj}.weight"] for e in range(n)])
+
+
+def _storages(model) -> set[int]:
+    return {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+
+def _check_source(job, spec_kwargs, family, gen_parallelism, gen_world_size, layout):
+    from megatron_reshard.layout import build_mesh_info
+    from megatron_reshard.megatron.models import TinyGPTSpec, build_gpt_model
+    from megatron_reshard.megatron.payload import decode_payload
+    from megatron_reshard.megatron.reference import gather_full_hf_state_dict
+    from megatron_reshard.megatron.source import MegatronRefitSource
+
+    _init(job, **layout)
+    spec = TinyGPTSpec(**spec_kwargs)
+    model = build_gpt_model(spec)
+    source = MegatronRefitSource(model, gen_parallelism=gen_parallelism, gen_world_size=gen_world_size,
+                                 family=family, vocab_size=spec.vocab_size)
+    oracle = gather_full_hf_state_dict(model, family=family, vocab_size=spec.vocab_size)
+    failures = []
+
+    # metadata: every HF tensor described once, with its global shape and dtype
+    described = {**source.state_dict_metadata, **source.other_params_metadata}
+    if set(described) != set(oracle):
+        failures.append(f"metadata names differ from oracle: extra {sorted(set(described) - set(oracle))}, "
+                        f"missing {sorted(set(oracle) - set(described))}")
+    for name, meta in described.items():
+        if name in oracle and (meta["shape"] != list(oracle[name].shape) or meta["dtype"] != str(oracle[name].dtype)):
+            failures.append(f"{name}: metadata {meta} vs oracle {list(oracle[name].shape)} {oracle[name].dtype}")
+
+    # local views: the exact chunk the src mesh/placements assign to this rank
+    param_map = source.build_hf_to_local_param_map()
+    storages = _storages(model)
+    checked = 0
+    for layer in source.refit_info["layer_names"]:
+        for info in source.refit_info["per_layer_params"][layer]:
+            if info.get("pp_stage", 0) != source.stage:
+                if info["name"] in param_map:
+                    failures.append(f"{info['name']}: mapped on rank {job.rank} of another stage")
+                continue
+            spec_ = param_map.get(info["name"])
+            if spec_ is None:
+                failures.append(f"{info['name']}: no local spec on rank {job.rank}")
+                continue
+            if "grouped_expert_proj" not in info and spec_.base.untyped_storage().data_ptr() not in storages:
+                failures.append(f"{info['name']}: dense view is not a view of a live parameter")
+            buf = spec_.begin().buf
+            want = chunk_of(_oracle_tensor(oracle, info), info["src_mesh_info"].mesh, info["src_placements"],
+                            source.stage_local_rank)
+            if buf.shape != want.shape or not torch.equal(buf, want):
+                failures.append(f"{info['name']}: rank {job.rank} view {list(buf.shape)} != chunk {list(want.shape)}")
+            checked += 1
+
+    # other params: full HF tensors of this stage
+    others = source.gather_other_params()
+    mine = {p["name"] for p in source.payload["other_params"] if p["pp_stage"] == source.stage}
+    if set(others) != mine:
+        failures.append(f"other params of stage {source.stage}: got {sorted(others)}, payload says {sorted(mine)}")
+    for name, t in others.items():
+        if not torch.equal(t, oracle[name]):
+            failures.append(f"{name}: full tensor differs from oracle on rank {job.rank}")
+
+    # meshes under the default order equal build_mesh_info's
+    per_stage = source.layout.world_size // source.layout.pp
+    default_meshes = (build_mesh_info(per_stage, 0, tp_size=source.layout.tp)[0].mesh.tolist(),
+                      build_mesh_info(per_stage, 0, ep_size=source.layout.ep)[0].mesh.tolist())
+    live_meshes = [(s.dense.mesh.tolist(), s.expert.mesh.tolist()) for s in source.stages]
+
+    data = source.payload_bytes()
+    if decode_payload(data) != source.payload:
+        failures.append("payload does not round-trip")
+    return {
+        "failures": failures,
+        "checked": checked,
+        "payload": data,
+        "layer_to_pp_stage": source.layer_to_pp_stage,
+        "hf_config": source.hf_config,
+        "default_meshes": default_meshes,
+        "live_meshes": live_meshes,
+        "stage_ranks": [list(s.ranks) for s in source.stages],
+        "stage_local_rank": source.stage_local_rank,
+        "rank_order": source.rank_order,
+        "n_other": len(others),
+    }
+
+
+def _run(pool, nprocs, *args):
+    results = pool.run(_check_source, nprocs, *args)
+    for rank, r in enumerate(results):
+        assert r["failures"] == [], f"rank {rank}:\n" + "\n".join(r["failures"])
+    assert len({r["payload"] for r in results}) == 1, "payload bytes differ between train ranks"
+    return results
+
+
+DENSE = dict(num_layers=4, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+             ffn_hidden_size=48, vocab_size=200, qk_layernorm=True)
+
+
+def test_dense_swiglu_gqa_tp2_pp2_views_match_oracle_and_default_meshes(pool, tmp_path):
+    results = _run(pool, 4, DENSE, "qwen3", {"tp_size": 2, "ep_size": 1, "pp_size": 1}, 2, dict(tp=2, pp=2))
+    r0 = results[0]
+    assert all(r["checked"] > 0 for r in results)
+    assert r0["live_meshes"] == [r0["default_meshes"]] * 2
+    assert r0["stage_ranks"] == [[0, 1], [2, 3]]
+    assert r0["rank_order"] == "tp-pp"
+    assert r0["layer_to_pp_stage"] == {
+        "model.embed_tokens": 0, "model.layers.0": 0, "model.layers.1": 0,
+        "model.layers.2": 1, "model.layers.3": 1, "model.norm": 1, "lm_head": 1}
+    cfg = r0["hf_config"]
+    assert (cfg["vocab_size"], cfg["num_key_value_heads"], cfg["head_dim"], cfg["intermediate_size"],
+            cfg["gated"], cfg["qk_norm"], cfg["num_experts"], cfg["family"]) == (200, 2, 8, 48, True, True, 0, "qwen3")
+
+    # The payload decodes in a process where megatron cannot be imported.
+    path = tmp_path / "payload.bin"
+    path.write_bytes(r0["payload"])
+    script = textwrap.dedent(f"""
+        import sys
+        sys.modules["megatron"] = None  # any megatron import now fails
+        from megatron_reshard.megatron.payload import decode_payload
+        from megatron_reshard.metadata import restore_refit_info_placements
+        p = decode_payload(open({str(path)!r}, "rb").read())
+        restore_refit_info_placements(p)
+        assert not any(m.startswith("megatron.") or m == "megatron" for m in sys.modules if sys.modules[m] is not None)
+        print(p["schema_version"], p["train_layout"]["tp"], p["train_layout"]["pp"], p["gen_layout"]["tp"],
+              p["hf_config"]["vocab_size"], len(p["other_params"]), type(p["per_layer_params"]["model.layers.0"][0]["src_placements"][0]).__name__)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["1", "2", "2", "2", "200", str(sum(r["n_other"] for r in results) // 2), "Shard"]
