@@ -1,0 +1,159 @@
+"""Bad input fails on the receiver before any communication, naming the param and the rank.
+
+The groups given to ``ReceiverSession`` here only answer ``rank()``/``size()``/``name()``:
+any attempt to communicate would fail with AttributeError instead of the checked error.
+"""
+
+import pytest
+import torch
+
+from megatron_reshard.receiver import (
+    MegatronReshardWorkerExtension,
+    ReceiverSession,
+    TargetError,
+    VllmTargets,
+    load_full_weights,
+)
+from megatron_reshard.testing.vllm_like import build_plain_payload, build_vllm_like_model, random_hf_state_dict
+
+DENSE = dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, head_dim=16,
+             intermediate_size=64, num_hidden_layers=1, vocab_size=100, tie_word_embeddings=False,
+             gated=True, qk_norm=True, family="qwen3")
+MOE = dict(DENSE, num_experts=8, moe_intermediate_size=32, family="qwen3_moe")
+
+
+class _SilentGroup:
+    """Knows its rank and size; has no communication methods at all."""
+
+    def __init__(self, rank, size):
+        self._rank, self._size = rank, size
+
+    def rank(self):
+        return self._rank
+
+    def size(self):
+        return self._size
+
+    def name(self):
+        return "gloo"
+
+
+def _targets(cfg, tp, rank=0, ep=1, dtype=torch.bfloat16, claimed_tp=None):
+    model = build_vllm_like_model(cfg, rank, tp, ep, dtype)
+    return model, VllmTargets.from_named_parameters(model.named_parameters(), cfg, rank,
+                                                    claimed_tp or tp, ep, label="gen rank 0")
+
+
+def _session(cfg, gen, model_dtype=torch.bfloat16, mutate=None, gen_rank=0, **kwargs):
+    full = random_hf_state_dict(cfg, seed=0)
+    tp, ep = gen["tp_size"], gen.get("ep_size", 1)
+    payload = build_plain_payload(cfg, full, {"tp_size": 2}, gen, 2, tp)
+    if mutate:
+        mutate(payload)
+    model = build_vllm_like_model(cfg, gen_rank % tp, tp, ep, model_dtype)
+    return ReceiverSession(payload, model.named_parameters(), {0: _SilentGroup(2 + gen_rank, 2 + tp)},
+                           **kwargs)
+
+
+def test_a_valid_payload_prepares_without_communicating():
+    session = _session(MOE, {"tp_size": 2, "ep_size": 2}, gen_rank=1)
+    rep = session.report()
+    assert (rep["gen_rank"], rep["tp_rank"], rep["ep_rank"], rep["ep_size"]) == (1, 1, 1, 2)
+    assert rep["params"] == 3 and rep["uncovered_targets"] == {}
+
+
+def test_unknown_hf_name_is_named():
+    _, targets = _targets(DENSE, 2)
+    with pytest.raises(TargetError, match=r"model\.layers\.0\.self_attn\.rotary_emb\.inv_freq: unknown HF "
+                                          r"name on gen rank 0 \(tp_rank 0 of 2"):
+        load_full_weights(targets, {"model.layers.0.self_attn.rotary_emb.inv_freq": torch.zeros(8)})
+
+
+def test_nothing_is_written_when_one_name_is_bad():
+    model, targets = _targets(DENSE, 2)
+    full = random_hf_state_dict(DENSE)
+    with pytest.raises(TargetError, match="bogus.weight"):
+        load_full_weights(targets, {**full, "bogus.weight": torch.zeros(2)})
+    assert all(torch.isnan(p).all() for p in model.parameters())
+
+
+def test_missing_fused_target_is_named():
+    _, targets = _targets(DENSE, 2)
+    del targets.params["model.layers.0.self_attn.qkv_proj.weight"]
+    with pytest.raises(TargetError, match=r"k_proj\.weight: missing target on gen rank 0.*"
+                                          r"'model\.layers\.0\.self_attn\.qkv_proj\.weight'"):
+        load_full_weights(targets, {"model.layers.0.self_attn.k_proj.weight": torch.zeros(32, 64, dtype=torch.bfloat16)})
+
+
+def test_missing_expert_target_names_both_nestings():
+    _, targets = _targets(MOE, 2)
+    del targets.params["model.layers.0.mlp.experts.w2_weight"]
+    with pytest.raises(TargetError, match=r"experts\.w2_weight' or .*experts\.routed_experts\.w2_weight'"):
+        targets.resolve("model.layers.0.mlp.experts.down_proj.weight", (8, 64, 32))
+
+
+def test_shape_mismatch_is_named_with_both_shapes():
+    _, targets = _targets(DENSE, 2, claimed_tp=4)  # storage for TP 2, coordinates say TP 4
+    with pytest.raises(TargetError, match=r"o_proj\.weight: shape mismatch on gen rank 0.*\[64, 64\]"):
+        targets.resolve("model.layers.0.self_attn.o_proj.weight", (64, 128))
+
+
+def test_gate_proj_into_non_gated_experts_is_refused():
+    _, targets = _targets(dict(MOE, gated=False), 2)
+    with pytest.raises(TargetError, match="non-gated experts"):
+        targets.resolve("model.layers.0.mlp.experts.gate_proj.weight", (8, 32, 64))
+
+
+def test_wire_and_target_dtype_mismatch_names_both_dtypes():
+    with pytest.raises(TargetError, match=r"gate_proj\.weight: dtype mismatch on gen rank 0.*wire dtype "
+                                          r"torch\.bfloat16.*dtype torch\.float32"):
+        _session(DENSE, {"tp_size": 2}, model_dtype=torch.float32)
+
+
+def test_unsupported_schema_version_is_refused():
+    def bump(payload):
+        payload["schema_version"] = 2
+
+    with pytest.raises(ValueError, match=r"refit group rank 2: unsupported schema_version 2"):
+        _session(DENSE, {"tp_size": 2}, mutate=bump)
+
+
+def test_uneven_experts_over_gen_ep_are_refused_on_the_bulk_path():
+    with pytest.raises(TargetError, match=r"6 experts do not split evenly over gen ep_size=4.*refusing"):
+        _session(dict(MOE, num_experts=6), {"tp_size": 4, "ep_size": 4})
+
+
+def test_payload_region_that_vllm_does_not_hold_here_is_refused():
+    def swap_gen_ranks(payload):  # the payload's gen mesh lists the two gen ranks reversed
+        for params in payload["per_layer_params"].values():
+            for p in params:
+                p["dst_mesh_info"]["mesh"] = p["dst_mesh_info"]["mesh"][::-1]
+
+    with pytest.raises(TargetError, match=r"gate_proj\.weight: the payload delivers region "
+                                          r"\[\(32, 64\), \(0, 64\)\] to gen rank 0.*expects \[\[\(0, 32\)"):
+        _session(DENSE, {"tp_size": 2}, mutate=swap_gen_ranks)
+
+
+def test_misc_params_need_a_stage_when_training_uses_pp():
+    full = random_hf_state_dict(DENSE)
+    payload = build_plain_payload(DENSE, full, {"tp_size": 1, "pp_size": 2}, {"tp_size": 1}, 2, 1,
+                                  {"model.layers.0": 0, "model.embed_tokens": 0, "model.norm": 1,
+                                   "lm_head": 1})
+    del payload["other_params"]["model.norm.weight"]["pp_stage"]
+    model = build_vllm_like_model(DENSE, 0, 1)
+    groups = {0: _SilentGroup(1, 2), 1: _SilentGroup(1, 2)}
+    with pytest.raises(ValueError, match=r"other_params\['model\.norm\.weight'\] has no 'pp_stage'"):
+        ReceiverSession(payload, model.named_parameters(), groups)
+
+
+def test_worker_extension_phases_must_come_in_order():
+    class Worker(MegatronReshardWorkerExtension):
+        def get_refit_model(self):
+            return build_vllm_like_model(DENSE, 0, 1)
+
+    w = Worker()
+    assert w.report() == {"prepared": False}
+    with pytest.raises(RuntimeError, match="before init_refit_groups"):
+        w.prepare_refit({"schema_version": 1})
+    with pytest.raises(RuntimeError, match="before prepare_refit"):
+        w.refit()
