@@ -182,3 +182,48 @@ def test_dense_swiglu_gqa_tp2_pp2_views_match_oracle_and_default_meshes(pool, tm
                          cwd=os.path.dirname(os.path.dirname(__file__)))
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["1", "2", "2", "2", "200", str(sum(r["n_other"] for r in results) // 2), "Shard"]
+
+
+def test_pp2_uneven_stages_qkv_bias(pool):
+    # (tied embeddings under PP > 1 need CUDA in megatron-core's constructor: tested at PP = 1)
+    spec = dict(num_layers=5, hidden_size=32, num_attention_heads=4, num_query_groups=1, ffn_hidden_size=40,
+                vocab_size=130, add_qkv_bias=True, num_layers_in_first_pipeline_stage=1)
+    results = _run(pool, 2, spec, "qwen2", {"tp_size": 2, "ep_size": 1, "pp_size": 1}, 2, dict(pp=2))
+    r0 = results[0]
+    assert r0["layer_to_pp_stage"] == {"model.embed_tokens": 0, "model.layers.0": 0, "model.layers.1": 1,
+                                       "model.layers.2": 1, "model.layers.3": 1, "model.layers.4": 1,
+                                       "model.norm": 1, "lm_head": 1}
+    assert r0["hf_config"]["attention_bias"] is True
+    assert r0["hf_config"]["num_hidden_layers"] == 5
+
+
+MOE = dict(num_layers=3, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=48,
+           vocab_size=200, num_moe_experts=4, moe_ffn_hidden_size=16)
+
+
+def test_moe_sequential_ep2_shared_experts_first_dense_layer_tied_embeddings(pool):
+    spec = dict(MOE, moe_layer_freq=[0, 1, 1], moe_shared_expert_intermediate_size=24, tie_embeddings=True)
+    results = _run(pool, 2, spec, "deepseek_v3", {"tp_size": 1, "ep_size": 2, "pp_size": 1}, 2, dict(ep=2))
+    r0 = results[0]
+    assert r0["live_meshes"] == [r0["default_meshes"]]
+    cfg = r0["hf_config"]
+    assert (cfg["num_experts"], cfg["moe_intermediate_size"], cfg["moe_layers"],
+            cfg["shared_expert_intermediate_size"], cfg["tie_word_embeddings"]) == (4, 16, [1, 2], 24, True)
+
+
+def test_moe_tp2_ep2_four_ranks_kv_heads_fewer_than_tp(pool):
+    spec = dict(MOE, num_query_groups=1, qk_layernorm=True)
+    results = _run(pool, 4, spec, "qwen3_moe", {"tp_size": 2, "ep_size": 1, "pp_size": 1}, 2, dict(tp=2, ep=2))
+    r0 = results[0]
+    assert r0["live_meshes"] == [r0["default_meshes"]]
+    assert r0["live_meshes"][0] == ([[0, 1], [2, 3]], [[0, 1], [2, 3]])
+
+
+def test_non_default_rank_order_is_described_by_the_real_rank_tensor(pool):
+    # order dp-tp-pp: DP is innermost, so TP pairs are (0, 2) and (1, 3)
+    results = _run(pool, 4, DENSE, "qwen3", {"tp_size": 2, "ep_size": 1, "pp_size": 1}, 2,
+                   dict(tp=2, order="dp-tp-cp-ep-pp"))
+    r0 = results[0]
+    assert r0["rank_order"] == "dp-tp"
+    assert r0["live_meshes"] == [([[0, 2], [1, 3]], [0, 1, 2, 3])]
+    assert r0["live_meshes"][0][0] != r0["default_meshes"][0]
