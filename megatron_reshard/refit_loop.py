@@ -23,6 +23,13 @@ Decisions:
 - The params outside the bulk path ("other_params") can be made part of the fingerprint
   (``misc_items``) so a disagreement on the packed-broadcast layout is also caught at
   setup; both sides must then pass ``misc_items_by_stage(info)``.
+
+Protocol of one refit on a refit group (both sides, same order): the bulk params of the
+stage (``RefitLoop.run``), then that stage's other params as one packed broadcast from the
+group's rank 0 (the stage's first train rank): every rank of the group calls
+``megatron_reshard.packed.broadcast_packed(packed_layout(misc_items_by_stage(info)[stage]),
+group, 0, device, tensors)`` with ``tensors`` (full HF tensors) on rank 0 only. A
+generation rank does the bulk of all stages first, then the broadcasts in stage order.
 """
 
 from __future__ import annotations

@@ -157,3 +157,9 @@ def test_worker_extension_phases_must_come_in_order():
         w.prepare_refit({"schema_version": 1})
     with pytest.raises(RuntimeError, match="before prepare_refit"):
         w.refit()
+
+
+def test_gen_rank_that_vllm_numbers_differently_is_refused():
+    with pytest.raises(ValueError, match=r"places gen rank 1 at TP rank 1 of 2, but vLLM reports TP rank 0 of 2"):
+        _session(DENSE, {"tp_size": 2}, gen_rank=1, vllm_tp=(0, 2))
+    _session(DENSE, {"tp_size": 2}, gen_rank=1, vllm_tp=(1, 2))

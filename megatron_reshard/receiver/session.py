@@ -125,7 +125,10 @@ class ReceiverSession:
         strided_in_place: bool = True,
         receive_misc: Optional[MiscReceiver] = None,
         xfer_batch: Optional[Callable[..., None]] = None,
+        vllm_tp: Optional[tuple[int, int]] = None,
     ):
+        """``vllm_tp``: ``(tp_rank, tp_size)`` as the serving engine reports it, if known; the
+        payload's placement of this rank must agree (else data would land on the wrong rank)."""
         t0 = time.perf_counter()
         self.groups = dict(groups)
         ranks = {s: group_rank(g) for s, g in self.groups.items()}
@@ -151,6 +154,10 @@ class ReceiverSession:
                              f"generation ranks {stage_world}..{stage_world + gen_world - 1})")
         tp = int(self.payload["gen_tp_size"])
         ep = gen_ep_size(self.payload)
+        if vllm_tp is not None and tuple(vllm_tp) != (self.gen_rank % tp, tp):
+            raise ValueError(f"{where}: the payload places gen rank {self.gen_rank} at TP rank "
+                             f"{self.gen_rank % tp} of {tp}, but vLLM reports TP rank {vllm_tp[0]} "
+                             f"of {vllm_tp[1]} here; the refit group ranks must follow vLLM's TP order")
         self.targets = VllmTargets.from_named_parameters(
             named_parameters, self.payload.get("hf_config") or {}, tp_rank=self.gen_rank % tp,
             tp_size=tp, ep_size=ep, ep_rank=self.gen_rank % ep, label=f"gen rank {self.gen_rank}")
@@ -180,18 +187,19 @@ class ReceiverSession:
             self.verify_plan()
         bulk = self.loop.run()
         t1 = time.perf_counter()
-        misc_bytes = 0
+        misc_bytes = misc_wire_bytes = 0
         for stage, items in self.misc_items.items():
             if not items:
                 continue
             tensors = self.receive_misc(stage, self.groups[stage], items)
+            misc_wire_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
             misc_bytes += apply_full_weights(self.targets, self.misc_plans[stage], tensors)
         if torch.cuda.is_available() and any(t.is_cuda for t in self.targets.params.values()):
             torch.cuda.synchronize()
         t2 = time.perf_counter()
         last = {"bulk_params": bulk.params, "bulk_bytes": bulk.local_bytes,
                 "misc_params": sum(len(i) for i in self.misc_items.values()),
-                "misc_bytes": misc_bytes, "bulk_s": t1 - t0, "misc_s": t2 - t1, "refit_s": t2 - t0,
+                "misc_bytes": misc_bytes, "misc_wire_bytes": misc_wire_bytes, "bulk_s": t1 - t0, "misc_s": t2 - t1, "refit_s": t2 - t0,
                 "stages": bulk.as_dict()["stages"]}
         self.stats["refits"] += 1
         self.stats["total_refit_s"] += t2 - t0
@@ -209,7 +217,10 @@ class ReceiverSession:
             "ep_rank": self.targets.ep_rank, "ep_size": self.targets.ep_size,
             "params": len(self.bulk_plans),
             "misc_params": sum(len(i) for i in self.misc_items.values()),
+            # bytes that land in this rank's storage per refit (bulk regions + misc slices);
+            # misc_wire_bytes: the full misc tensors this rank received to cut them from
             "bytes_received": last.get("bulk_bytes", 0) + last.get("misc_bytes", 0),
+            "misc_wire_bytes": last.get("misc_wire_bytes", 0),
             "refits": self.stats["refits"],
             "timings": {"prepare_s": self.stats["prepare_s"], "verify_s": self.stats["verify_s"],
                         "last_refit_s": last.get("refit_s"), "last_bulk_s": last.get("bulk_s"),

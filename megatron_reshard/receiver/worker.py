@@ -17,6 +17,7 @@ module whose ``named_parameters()`` have vLLM's per-rank names and shapes.
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
@@ -51,6 +52,19 @@ class MegatronReshardWorkerExtension:
         of the stage) of all ``items`` ``(name, shape, dtype)`` in payload order.
         """
         return receive_misc_packed(stage, group, items, self._refit_device())
+
+    def get_refit_tp_coords(self) -> Optional[tuple[int, int]]:
+        """``(tp_rank, tp_size)`` as vLLM reports it, to cross-check the payload; None if unknown.
+
+        Looks vLLM's parallel state up only if vLLM already loaded it (no import here).
+        """
+        ps = sys.modules.get("vllm.distributed.parallel_state")
+        if ps is None:
+            return None
+        try:
+            return int(ps.get_tensor_model_parallel_rank()), int(ps.get_tensor_model_parallel_world_size())
+        except Exception:
+            return None
 
     # -- state ---------------------------------------------------------------------------
 
@@ -104,7 +118,8 @@ class MegatronReshardWorkerExtension:
             raise ValueError(f"unknown prepare_refit options {unknown}; known: {list(_PREPARE_OPTIONS)}")
         state["session"] = None
         session = ReceiverSession(payload, self.get_refit_model().named_parameters(), state["groups"],
-                                  receive_misc=self.receive_misc, **options)
+                                  receive_misc=self.receive_misc, vllm_tp=self.get_refit_tp_coords(),
+                                  **options)
         state["session"] = session
         report = session.report()
         return {k: report[k] for k in ("rank_in_group", "gen_rank", "tp_rank", "tp_size", "ep_rank",
