@@ -68,7 +68,8 @@ class _Schedule:
 
     def __init__(self) -> None:
         self.local: list = []   # (ti, src_piece, dst_piece, box)
-        self.rounds: list = []  # [(phase, [(is_send, peer, tag, segments, nbytes)])]
+        self.nrounds = 0        # rounds in the global schedule (this rank may skip some)
+        self.rounds: list = []  # [(phase, global round id, [(is_send, peer, tag, segments, nbytes)])]
 
 
 def build_schedule(plans: Sequence[ParamPlan], itemsizes: Sequence[int], me: int,
@@ -119,7 +120,9 @@ def build_schedule(plans: Sequence[ParamPlan], itemsizes: Sequence[int], me: int
                 mine[r].append((True, d, seq, segs, nbytes))
             elif d == me:
                 mine[r].append((False, s, seq, segs, nbytes))
-        sched.rounds.extend((phase, msgs) for msgs in mine if msgs)
+        base = sched.nrounds
+        sched.rounds.extend((phase, base + i, msgs) for i, msgs in enumerate(mine) if msgs)
+        sched.nrounds += len(mine)
     return sched
 
 
@@ -164,7 +167,8 @@ def _check_local(transfers, plans, me: int, device_type: str) -> tuple[Optional[
 
 
 def _bytes(view: torch.Tensor) -> torch.Tensor:
-    return view.reshape(-1).view(torch.uint8)
+    """The bytes of a contiguous view (as_strided: size-1 dims may carry any stride)."""
+    return view.as_strided((view.numel(),), (1,)).view(torch.uint8)
 
 
 def xfer_batch(transfers: Sequence, group=None, *, stream=None,
@@ -260,7 +264,7 @@ def _run(sched: _Schedule, transfers, plans, me: int, transport: P2PTransport) -
             dst_view(ti, dpi, box).copy_(plans[ti].src[me].pieces[spi].view(transfers[ti].src, box))
 
     local_done = False
-    for phase, msgs in sched.rounds:
+    for phase, _, msgs in sched.rounds:
         if phase == 1 and not local_done:  # phase-1 sends may forward locally copied data
             local_copies()
             local_done = True

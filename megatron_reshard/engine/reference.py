@@ -46,7 +46,8 @@ def xfer_batch_reference(transfers: Sequence, group=None) -> None:
                         _place(full, src[p], t.src)
                     continue
                 if me == p:
-                    payload = t.src.contiguous().reshape(-1).view(torch.uint8)
+                    whole = torch.empty(t.src.shape, dtype=t.dtype, device=device)
+                    payload = whole.copy_(t.src).reshape(-1).view(torch.uint8)
                     group.send([payload], d, 0).wait()
                 elif me == d:
                     got = torch.empty(src[p].local_shape, dtype=t.dtype, device=device)
