@@ -227,3 +227,54 @@ def test_non_default_rank_order_is_described_by_the_real_rank_tensor(pool):
     assert r0["rank_order"] == "dp-tp"
     assert r0["live_meshes"] == [([[0, 2], [1, 3]], [0, 1, 2, 3])]
     assert r0["live_meshes"][0][0] != r0["default_meshes"][0]
+
+
+def _bad_inputs(job):
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_reshard.megatron.models import TinyGPTSpec, build_gpt_model
+    from megatron_reshard.megatron.source import MegatronRefitSource
+
+    gen = dict(gen_parallelism={"tp_size": 2, "ep_size": 1, "pp_size": 1}, gen_world_size=2)
+    messages = {}
+
+    def attempt(key, model, **kwargs):
+        try:
+            MegatronRefitSource(model, **gen, **kwargs)
+        except ValueError as err:
+            messages[key] = str(err)
+        else:
+            messages[key] = None
+
+    init_gloo_world(job)
+    attempt("no_parallel_state", torch.nn.Linear(2, 2))
+
+    spec = TinyGPTSpec(**MOE)
+    ps.initialize_model_parallel(tensor_model_parallel_size=2, expert_model_parallel_size=2,
+                                 distributed_timeout_minutes=1)  # expert-TP defaults to TP = 2
+    attempt("etp_family_vocab", build_gpt_model(spec), family="gpt_neox", vocab_size=10**6)
+    ps.destroy_model_parallel()
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=2, expert_model_parallel_size=2,
+                                 expert_tensor_parallel_size=1, distributed_timeout_minutes=1)
+    model = build_gpt_model(spec)
+    if job.rank == 1:
+        model.decoder.layers[0].self_attention.mystery = torch.nn.Parameter(torch.zeros(3))
+    attempt("unknown_name", model, family="qwen3_moe", vocab_size=spec.vocab_size)
+    dist.barrier()  # nobody was left inside a collective
+    return messages
+
+
+def test_bad_input_raises_one_clear_error_on_every_rank(pool):
+    results = pool.run(_bad_inputs, 4)
+    for rank, m in enumerate(results):
+        assert m["no_parallel_state"] is not None and "parallel_state is not initialised" in m["no_parallel_state"]
+        assert "not a Megatron GPT-style model" in m["no_parallel_state"]
+        err = m["etp_family_vocab"]
+        assert err is not None, rank
+        assert "expert tensor parallel size 2 > 1 is not supported" in err
+        assert "unknown model family 'gpt_neox'" in err
+        assert "vocab_size=1000000" in err
+        err = m["unknown_name"]
+        assert err is not None and "rank 1: unknown Megatron parameter 'decoder.layers.0.self_attention.mystery'" in err, err
