@@ -136,12 +136,20 @@ def stage_params(info: Mapping[str, Any]) -> dict[int, list[dict]]:
 def misc_items_by_stage(info: Mapping[str, Any]) -> dict[int, list[MiscItem]]:
     """Params outside the bulk path (payload ``other_params``) per PP stage, in payload order.
 
-    Each entry is ``{"shape", "dtype"}`` plus ``"pp_stage"``, which is required when the
-    payload's ``pp_size`` is above 1 (no stage is guessed for a param).
+    ``other_params`` is a list of ``{"name", "shape", "dtype", "pp_stage"}`` (the train
+    side's form) or a dict ``{name: {"shape", "dtype", "pp_stage"}}``. ``pp_stage`` is
+    required when the payload's ``pp_size`` is above 1 (no stage is guessed for a param).
     """
     pp_size = int(info.get("pp_size", 1))
+    other = info.get("other_params") or []
+    entries = ([(name, entry) for name, entry in other.items()] if isinstance(other, Mapping)
+               else [(entry.get("name"), entry) for entry in other])
     out: dict[int, list[MiscItem]] = {}
-    for name, entry in (info.get("other_params") or {}).items():
+    seen: set = set()
+    for name, entry in entries:
+        if not isinstance(name, str) or name in seen:
+            raise ValueError(f"other_params: entry {entry!r} has a missing or repeated name")
+        seen.add(name)
         stage = entry.get("pp_stage")
         if stage is None:
             if pp_size > 1:

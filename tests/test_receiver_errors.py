@@ -139,7 +139,8 @@ def test_misc_params_need_a_stage_when_training_uses_pp():
     payload = build_plain_payload(DENSE, full, {"tp_size": 1, "pp_size": 2}, {"tp_size": 1}, 2, 1,
                                   {"model.layers.0": 0, "model.embed_tokens": 0, "model.norm": 1,
                                    "lm_head": 1})
-    del payload["other_params"]["model.norm.weight"]["pp_stage"]
+    norm = next(e for e in payload["other_params"] if e["name"] == "model.norm.weight")
+    del norm["pp_stage"]
     model = build_vllm_like_model(DENSE, 0, 1)
     groups = {0: _SilentGroup(1, 2), 1: _SilentGroup(1, 2)}
     with pytest.raises(ValueError, match=r"other_params\['model\.norm\.weight'\] has no 'pp_stage'"):

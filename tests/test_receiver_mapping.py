@@ -32,6 +32,7 @@ CONFIGS = {
     "dense_nongated_llama": dict(DENSE, gated=False, qk_norm=False, num_key_value_heads=8,
                                  head_dim=None, family="llama"),
     "moe": dict(DENSE, num_experts=8, moe_intermediate_size=32, family="qwen3_moe"),
+    "moe_first_layer_dense": dict(DENSE, num_experts=8, moe_intermediate_size=32, moe_layers=[1]),
     "moe_nongated": dict(DENSE, num_experts=8, moe_intermediate_size=32, gated=False),
     "qwen2_moe": dict(DENSE, num_experts=8, moe_intermediate_size=32, qk_norm=False,
                       attention_bias=True, tie_word_embeddings=True,
@@ -99,10 +100,11 @@ def test_bulk_payload_regions_land_where_vllm_keeps_them(name, tp, ep, strided_i
                 ctx.buf.copy_(_slice_by_placements(grouped[p["name"]], p["dst_mesh_info"],
                                                    p["dst_placements"], train_world + rank))
                 spec.finish(ctx)
-        load_full_weights(targets, {n: full[n] for n in payload["other_params"]})
+        other_names = [e["name"] for e in payload["other_params"]]
+        load_full_weights(targets, {n: full[n] for n in other_names})
         for vname, param in model.named_parameters():
             assert _same(param, expected_vllm_shard(cfg, vname, full, rank, tp, ep)), (vname, rank)
-        others = [targets.resolve(n, full[n].shape) for n in payload["other_params"]]
+        others = [targets.resolve(n, full[n].shape) for n in other_names]
         assert coverage_gaps(targets, plans + others) == {}
 
 

@@ -80,14 +80,19 @@ def test_batches_are_bounded_by_global_bytes_and_never_empty():
 
 
 def test_misc_items_keep_payload_order_and_need_a_stage_under_pp():
-    info = {"pp_size": 2, "other_params": {"b": {"shape": [2], "dtype": "torch.bfloat16", "pp_stage": 1},
-                                           "a": {"shape": [3, 1], "dtype": "torch.float32", "pp_stage": 0},
-                                           "c": {"shape": [], "dtype": "torch.float32", "pp_stage": 1}}}
-    assert misc_items_by_stage(info) == {1: [("b", (2,), torch.bfloat16), ("c", (), torch.float32)],
-                                         0: [("a", (3, 1), torch.float32)]}
-    del info["other_params"]["c"]["pp_stage"]
+    entries = [{"name": "b", "shape": [2], "dtype": "torch.bfloat16", "pp_stage": 1},
+               {"name": "a", "shape": [3, 1], "dtype": "torch.float32", "pp_stage": 0},
+               {"name": "c", "shape": [], "dtype": "torch.float32", "pp_stage": 1}]
+    expected = {1: [("b", (2,), torch.bfloat16), ("c", (), torch.float32)],
+                0: [("a", (3, 1), torch.float32)]}
+    assert misc_items_by_stage({"pp_size": 2, "other_params": entries}) == expected
+    as_dict = {e["name"]: {k: v for k, v in e.items() if k != "name"} for e in entries}
+    assert misc_items_by_stage({"pp_size": 2, "other_params": as_dict}) == expected
+    del entries[2]["pp_stage"]
     with pytest.raises(ValueError, match=r"other_params\['c'\] has no 'pp_stage'"):
-        misc_items_by_stage(info)
+        misc_items_by_stage({"pp_size": 2, "other_params": entries})
+    with pytest.raises(ValueError, match="repeated name"):
+        misc_items_by_stage({"pp_size": 2, "other_params": entries[:2] + entries[:1]})
 
 
 def test_fingerprint_changes_with_every_described_field():

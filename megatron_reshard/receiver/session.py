@@ -64,10 +64,13 @@ def restore_payload(payload: dict, where: str = "this rank") -> dict:
 
 
 def gen_ep_size(payload: Mapping[str, Any]) -> int:
-    """Generation EP size: ``gen_layout["ep_size"]`` if given, else read off the expert placements."""
+    """Generation EP size: ``gen_layout["ep"]`` (or ``"ep_size"``) if given, else read off the
+    expert placements."""
     layout = payload.get("gen_layout")
-    if isinstance(layout, Mapping) and layout.get("ep_size"):
-        return int(layout["ep_size"])
+    if isinstance(layout, Mapping):
+        for key in ("ep", "ep_size"):
+            if layout.get(key):
+                return int(layout[key])
     for params in payload["per_layer_params"].values():
         for p in params:
             if is_expert_param(p["name"]):

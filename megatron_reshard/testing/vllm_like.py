@@ -11,7 +11,8 @@ makes full HF tensors for a config.
 hf_config keys: hidden_size, num_attention_heads, num_key_value_heads, head_dim (optional),
 intermediate_size, moe_intermediate_size, num_experts (0/None = dense), num_hidden_layers,
 vocab_size (real), tie_word_embeddings, gated, qk_norm; optional
-shared_expert_intermediate_size (adds Qwen2-MoE shared experts), attention_bias.
+shared_expert_intermediate_size (adds Qwen2-MoE shared experts), attention_bias, moe_layers
+(global indexes of the MoE layers when only some are; the others are dense).
 """
 
 from __future__ import annotations
@@ -35,6 +36,14 @@ def _cfg(hf_config: Mapping[str, Any]) -> dict:
     c.setdefault("tie_word_embeddings", False)
     c["num_experts"] = int(c.get("num_experts") or 0)
     return c
+
+
+def _is_moe_layer(c: Mapping[str, Any], layer: int) -> bool:
+    """MoE layers: all when the model has experts, or those listed in ``moe_layers``."""
+    if not c["num_experts"]:
+        return False
+    listed = c.get("moe_layers")
+    return True if listed is None else layer in listed
 
 
 def _padded_vocab(v: int) -> int:
@@ -70,7 +79,7 @@ def vllm_param_shapes(hf_config: Mapping[str, Any], tp_rank: int, tp_size: int, 
             shapes[f"{p}.self_attn.q_norm.weight"] = (hd,)
             shapes[f"{p}.self_attn.k_norm.weight"] = (hd,)
         shapes[f"{p}.post_attention_layernorm.weight"] = (H,)
-        if c["num_experts"]:
+        if _is_moe_layer(c, i):
             E, I = c["num_experts"], c["moe_intermediate_size"]
             e_local = len(_my_experts(E, ep_rank, ep_size)) if ep_size > 1 else E
             ip = I if ep_size > 1 else I // T
@@ -136,7 +145,7 @@ def hf_param_shapes(hf_config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
             shapes[f"{p}.self_attn.q_norm.weight"] = (hd,)
             shapes[f"{p}.self_attn.k_norm.weight"] = (hd,)
         shapes[f"{p}.post_attention_layernorm.weight"] = (H,)
-        if c["num_experts"]:
+        if _is_moe_layer(c, i):
             I = c["moe_intermediate_size"]
             shapes[f"{p}.mlp.gate.weight"] = (c["num_experts"], H)
             for e in range(c["num_experts"]):
@@ -256,8 +265,9 @@ def build_plain_payload(hf_config: Mapping[str, Any], full_hf_tensors: Mapping[s
     """A wire-form refit payload (schema 1) for full HF tensors, built without Megatron.
 
     Bulk params (``is_nccl_reshard_param``) go through ``build_nccl_reshard_refit_info``;
-    the rest are listed in ``other_params`` in the order given, with ``pp_stage`` when
-    ``train["pp_size"] > 1`` (looked up by layer key in ``layer_to_pp_stage``).
+    the rest are listed in ``other_params`` (``[{name, shape, dtype, pp_stage}]``, the train
+    side's form) in the order given, ``pp_stage`` looked up by layer key in
+    ``layer_to_pp_stage`` (0 without PP).
     """
     from megatron_reshard.layout import is_nccl_reshard_param
     from megatron_reshard.metadata import (
@@ -272,15 +282,12 @@ def build_plain_payload(hf_config: Mapping[str, Any], full_hf_tensors: Mapping[s
     info = build_nccl_reshard_refit_info(bulk, dict(train), dict(gen), train_world_size,
                                          gen_world_size, dict(layer_to_pp_stage or {}) or None)
     payload = make_nccl_reshard_refit_info_wire_safe(info)
-    other = {}
-    for n, t in full_hf_tensors.items():
-        if is_nccl_reshard_param(n):
-            continue
-        entry: dict[str, Any] = {"shape": list(t.shape), "dtype": str(t.dtype)}
-        if pp > 1:
-            entry["pp_stage"] = int(layer_to_pp_stage[_extract_layer_name(n)])
-        other[n] = entry
+    other = [{"name": n, "shape": list(t.shape), "dtype": str(t.dtype),
+              "pp_stage": int(layer_to_pp_stage[_extract_layer_name(n)]) if pp > 1 else 0}
+             for n, t in full_hf_tensors.items() if not is_nccl_reshard_param(n)]
     payload.update(schema_version=1, hf_config=dict(hf_config), other_params=other,
-                   train_layout={**dict(train), "world_size": train_world_size},
-                   gen_layout={**dict(gen), "world_size": gen_world_size})
+                   train_layout={"tp": int(train.get("tp_size", 1)), "ep": int(train.get("ep_size", 1)),
+                                 "pp": pp, "world_size": train_world_size},
+                   gen_layout={"tp": int(gen.get("tp_size", 1)), "ep": int(gen.get("ep_size", 1)),
+                               "pp": 1, "world_size": gen_world_size})
     return payload
