@@ -164,9 +164,13 @@ def misc_items_by_stage(info: Mapping[str, Any]) -> dict[int, list[MiscItem]]:
 
 
 def plan_fingerprint(params: Sequence[Mapping[str, Any]],
-                     misc_items: Optional[Sequence[MiscItem]] = None) -> int:
-    """63-bit fingerprint of an ordered transfer list (names, shapes, dtypes, meshes, placements)."""
+                     misc_items: Optional[Sequence[MiscItem]] = None,
+                     options: Optional[Mapping[str, int]] = None) -> int:
+    """63-bit fingerprint of an ordered transfer list (names, shapes, dtypes, meshes, placements),
+    plus the misc layout and the options that must match on every rank (batching, staging)."""
     h = hashlib.sha256()
+    if options:
+        h.update(repr(sorted(options.items())).encode())
     for p in params:
         row = (p["name"], tuple(int(s) for s in p["global_shape"]), str(wire_dtype(p["dtype"])),
                p["src_mesh_info"].key(), tuple(map(_plain_key, placements_to_plain(p["src_placements"]))),
@@ -307,11 +311,14 @@ class RefitLoop:
         self._ranks = {s: group_rank(g) for s, g in self.groups.items()}
         self._batches = {s: batch_bounds(ps, batch_bytes) for s, ps in self.stages.items()}
         self._mine = {s: self._check_local(s) for s in self.stages}
+        # batch cut points and staging size shape the engine calls: they must match too
+        must_match = {"batch_bytes": batch_bytes, "staging_bytes": staging_bytes}
         self.fingerprints = {s: plan_fingerprint(ps, None if self.misc_items is None
-                                                 else self.misc_items[s])
+                                                 else self.misc_items[s], must_match)
                              for s, ps in self.stages.items()}
         self._verified = False
         self._planner = None
+        self._stream_pool: Optional[list] = None
 
     # -- setup ----------------------------------------------------------------------
 
@@ -367,7 +374,8 @@ class RefitLoop:
                 raise PlanMismatchError(
                     f"refit plan mismatch in the group of PP stage {stage} (seen from {self.side} "
                     f"group rank {self._ranks[stage]}): {rows}. Every rank must build its plan "
-                    f"from the same payload (and pass the same misc_items on both sides)")
+                    f"from the same payload, with the same batch_bytes and staging_bytes, and "
+                    f"pass the same misc_items on both sides")
         self._verified = True
 
     # -- run -----------------------------------------------------------------------
@@ -399,9 +407,14 @@ class RefitLoop:
         return call, Transfer
 
     def _streams(self) -> list:
-        if not torch.cuda.is_available() or not self._uses_cuda():
-            return []
-        return [torch.cuda.Stream() for _ in range(min(self.num_streams, max(1, len(self.stages))))]
+        """The loop's CUDA streams (created once, reused by every run); none on CPU."""
+        if self._stream_pool is None:
+            if torch.cuda.is_available() and self._uses_cuda():
+                count = min(self.num_streams, max(1, len(self.stages)))
+                self._stream_pool = [torch.cuda.Stream() for _ in range(count)]
+            else:
+                self._stream_pool = []
+        return self._stream_pool
 
     def _uses_cuda(self) -> bool:
         for mine in self._mine.values():
@@ -447,14 +460,13 @@ class RefitLoop:
             p = params[i]
             local = None
             if mine[i] is not None:
-                spec, region = mine[i]
+                spec = mine[i][0]
                 ctx = spec.begin()
                 opened.append((spec, ctx))
+                # a pre-hook buffer of the wrong shape or dtype is left to the engine, which
+                # rejects it on every rank of the group at once (raising here would strand
+                # the peers inside this batch's collectives)
                 local = ctx.buf
-                if tuple(local.shape) != region_shape(region):
-                    raise ValueError(f"{p['name']}: pre hook on {self.side} group rank "
-                                     f"{self._ranks[stage]} returned a buffer of shape "
-                                     f"{list(local.shape)}, expected {list(region_shape(region))}")
                 st.params += 1
                 st.local_bytes += local.numel() * local.element_size()
             transfers.append(transfer_cls(

@@ -209,6 +209,22 @@ def _loop_job(job):
         results["mismatch"] = None
     except PlanMismatchError as err:
         results["mismatch"] = str(err)
+    # batching is part of the plan: different batch_bytes on the two sides is a mismatch too
+    try:
+        RefitLoop(info, specs, side, {0: group}, batch_bytes=1 if side == "src" else 1 << 20).verify_plan()
+        results["batching"] = None
+    except PlanMismatchError as err:
+        results["batching"] = str(err)
+    # a pre hook that builds a wrong buffer on one rank: every rank gets an error, none hangs
+    bad = HFToLocalParamMap(dict(specs.specs))
+    if job.rank == 0:
+        bad.specs["model.layers.0.mlp.down_proj.weight"] = LocalParamSpec(
+            base=None, pre=lambda base: RefitCtx(buf=torch.zeros(3, 3)))
+    try:
+        RefitLoop(info, bad, side, {0: group}).run()
+        results["bad_pre"] = None
+    except ValueError as err:
+        results["bad_pre"] = str(err)
     return results
 
 
@@ -220,3 +236,5 @@ def test_refit_loop_moves_params_through_hooks_and_catches_plan_mismatch(pool):
         assert res["engine"][1]["stages"][0]["batches"] == 3  # batch_bytes=1: one param per batch
         assert res["reference"][1]["stages"][0]["batches"] == 1
         assert "refit plan mismatch in the group of PP stage 0" in res["mismatch"]
+        assert "same batch_bytes" in res["batching"]
+        assert res["bad_pre"] and "down_proj" in res["bad_pre"], res["bad_pre"]

@@ -38,7 +38,7 @@ VOCAB_PADDING = 64
 _EXPERT_RE = re.compile(
     r"^(?P<prefix>.*\.experts)\.(?:(?P<index>\d+)\.)?(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 _QKV_RE = re.compile(r"^(?P<prefix>.*)\.(?P<which>q|k|v)_proj\.(?P<kind>weight|bias)$")
-_GATE_UP_RE = re.compile(r"^(?P<prefix>.*)\.(?P<which>gate|up)_proj\.weight$")
+_GATE_UP_RE = re.compile(r"^(?P<prefix>.*)\.(?P<which>gate|up)_proj\.(?P<kind>weight|bias)$")
 
 
 class TargetError(ValueError):
@@ -143,7 +143,7 @@ class VllmTargets:
         if m and f"{m['prefix']}.qkv_proj.{m['kind']}" in self.params:
             return self._qkv(hf_name, shape, m)
         m = _GATE_UP_RE.match(hf_name)
-        if m and f"{m['prefix']}.gate_up_proj.weight" in self.params:
+        if m and f"{m['prefix']}.gate_up_proj.{m['kind']}" in self.params:
             return self._gate_up(hf_name, shape, m)
         if hf_name.endswith("lm_head.weight") and self.hf_config.get("tie_word_embeddings"):
             return TargetPlan(hf_name, shape, note="tied to the input embedding; nothing to write")
@@ -161,7 +161,7 @@ class VllmTargets:
             return f"{m['prefix']}.qkv_proj.{m['kind']}"
         m = _GATE_UP_RE.match(hf_name)
         if m:
-            return f"{m['prefix']}.gate_up_proj.weight"
+            return f"{m['prefix']}.gate_up_proj.{m['kind']}"
         return ""
 
     def _shape_error(self, hf_name: str, target: str, expected: Sequence[int], why: str) -> TargetError:
@@ -248,7 +248,7 @@ class VllmTargets:
         return plan
 
     def _gate_up(self, name: str, shape: tuple[int, ...], m: re.Match) -> TargetPlan:
-        target = f"{m['prefix']}.gate_up_proj.weight"
+        target = f"{m['prefix']}.gate_up_proj.{m['kind']}"
         T, r = self.tp_size, self.tp_rank
         rows = shape[0]
         if rows % T:
