@@ -184,3 +184,27 @@ def test_uneven_experts_over_ep_follow_vllm_blocks_when_loaded_whole():
         w13 = dict(model.named_parameters())["model.layers.1.mlp.experts.w13_weight"]
         assert w13.shape[0] == (2 if rank < 2 else 1)
         assert _same(w13, expected_vllm_shard(cfg, "model.layers.1.mlp.experts.w13_weight", full, rank, 4, 4))
+
+
+@pytest.mark.parametrize("name,ep", [("dense", 1), ("moe", 1), ("moe", 2)])
+def test_generation_replicas_each_receive_the_full_tp_layout(name, ep):
+    cfg, tp, replicas, train_world = CONFIGS[name], 2, 2, 2
+    full = random_hf_state_dict(cfg, seed=8)
+    grouped = grouped_hf_tensors(full)
+    payload = restore_payload(build_plain_payload(cfg, full, {"tp_size": 2}, {"tp_size": tp, "ep_size": ep},
+                                                  train_world, tp * replicas))
+    for gen_rank in range(tp * replicas):
+        rank = gen_rank % tp
+        model = build_vllm_like_model(cfg, rank, tp, ep)
+        targets = VllmTargets.from_named_parameters(model.named_parameters(), cfg, rank, tp, ep)
+        specs, plans = build_receiver_param_map(payload, targets, train_world + gen_rank)
+        for ps in payload["per_layer_params"].values():
+            for p in ps:
+                spec = specs.get(p["name"])
+                spec.base.copy_(_slice_by_placements(grouped[p["name"]], p["dst_mesh_info"],
+                                                     p["dst_placements"], train_world + gen_rank))
+        bulk_targets = {piece.target for plan in plans for piece in plan.pieces}
+        assert len(bulk_targets) == 4  # two layers x (gate_up_proj, down_proj) or (w13, w2)
+        for vname, param in model.named_parameters():
+            if vname in bulk_targets:
+                assert _same(param, expected_vllm_shard(cfg, vname, full, rank, tp, ep)), (vname, gen_rank)
