@@ -123,6 +123,24 @@ def _check_source(job, spec_kwargs, family, gen_parallelism, gen_world_size, lay
     data = source.payload_bytes()
     if decode_payload(data) != source.payload:
         failures.append("payload does not round-trip")
+
+    # a refit info that assigns this rank another region is refused, naming param and rank
+    from torch.distributed.tensor import Replicate
+
+    from megatron_reshard.metadata import restore_refit_info_placements
+
+    wrong = restore_refit_info_placements(decode_payload(data))
+    victim = next((p for layer in wrong["layer_names"] for p in wrong["per_layer_params"][layer]
+                  if p.get("pp_stage", 0) == source.stage and any(isinstance(x, Shard) for x in p["src_placements"])), None)
+    if victim is not None:  # layouts where this rank holds only whole tensors have nothing to get wrong
+        victim["src_placements"] = [Replicate() for _ in victim["src_placements"]]
+        try:
+            source.build_hf_to_local_param_map(wrong)
+            mismatch_error = None
+        except ValueError as err:
+            mismatch_error = str(err)
+        if mismatch_error is None or victim["name"] not in mismatch_error or f"rank {job.rank} " not in mismatch_error:
+            failures.append(f"shape mismatch not reported for {victim['name']}: {mismatch_error}")
     return {
         "failures": failures,
         "checked": checked,
