@@ -35,12 +35,12 @@ def test_unordered_rank_list_uses_row_major_positions():
     coords = mesh_coords((2, 2), (7, 3, 5, 0))
     assert coords == {7: (0, 0), 3: (0, 1), 5: (1, 0), 0: (1, 1)}
     own = shard_ownerships((4, 4), (2, 2), (7, 3, 5, 0), (0, 1))
-    assert own[3].boxes() == (((0, 2), (2, 4)),)
+    assert own[3].boxes == (((0, 2), (2, 4)),)
 
 
 def test_replicate_owns_everything_on_every_rank():
     own = shard_ownerships((3, 4), (2,), (4, 1), (REPLICATE,))
-    assert own[4].boxes() == own[1].boxes() == (((0, 3), (0, 4)),)
+    assert own[4].boxes == own[1].boxes == (((0, 3), (0, 4)),)
 
 
 def test_placements_accept_torch_and_wire_forms_and_normalise_negative_dims():

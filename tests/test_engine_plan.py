@@ -169,7 +169,7 @@ def test_each_destination_group_pulls_its_region_from_sources_at_most_once(key):
     groups = {}
     for r, own in plan.dst.items():
         if own.pieces:
-            groups.setdefault(own.boxes(), []).append(r)
+            groups.setdefault(own.boxes, []).append(r)
     for boxes, members in groups.items():
         remote = sum(box_numel(op.box) for op in plan.ops
                      if op.phase == 0 and op.dst in members and op.src != op.dst)

@@ -188,7 +188,7 @@ def xfer_batch(transfers: Sequence, group=None, *, stream=None,
     if staging_bytes < MIN_STAGING_BYTES:
         raise ValueError(f"xfer_batch: staging_bytes must be >= {MIN_STAGING_BYTES}, "
                          f"found {staging_bytes}")
-    plans = []
+    keys = []
     for t in transfers:
         where = f"xfer_batch: param {t.name!r} on rank {me}"
         if t.dtype is None:
@@ -200,7 +200,8 @@ def xfer_batch(transfers: Sequence, group=None, *, stream=None,
             if bad:
                 raise ValueError(f"{where}: {side} mesh rank outside the group: ranks {bad} "
                                  f"not in [0, {world}) (group size {world})")
-        plans.append(planner.plan(key))
+        keys.append(key)
+    plans = planner.plan_all(keys)
     if backend != "python":
         from . import m2n
 

@@ -12,8 +12,8 @@ per KV group; vocab padding: a box shorter than the local tensor) build the same
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional, Sequence
+from functools import lru_cache
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 from torch.distributed.tensor import Replicate, Shard
@@ -48,8 +48,7 @@ def full_box(shape: Sequence[int]) -> Box:
     return tuple((0, int(n)) for n in shape)
 
 
-@dataclass(frozen=True)
-class Piece:
+class Piece(NamedTuple):
     """A box of the global tensor and where it lies in the local tensor.
 
     ``local[d] = (start, step)``: global index ``g`` of box dim ``d`` is local index
@@ -71,15 +70,20 @@ class Piece:
         return local_tensor[self.index(sub)]
 
 
-@dataclass(frozen=True)
-class Ownership:
-    """What one rank holds: its local tensor shape and the (non-empty) pieces in it."""
+class Ownership(NamedTuple):
+    """What one rank holds: its local tensor shape and the (non-empty) pieces in it.
 
-    local_shape: tuple[int, ...]
+    ``boxes`` repeats the pieces' boxes in piece order (the key for grouping replicas);
+    build values with ``Ownership.of`` to have it filled in.
+    """
+
+    local_shape: tuple
     pieces: tuple  # tuple[Piece, ...]
+    boxes: tuple
 
-    def boxes(self) -> tuple:
-        return tuple(p.box for p in self.pieces)
+    @classmethod
+    def of(cls, local_shape: Sequence[int], pieces: Sequence[Piece]) -> "Ownership":
+        return cls(tuple(local_shape), tuple(pieces), tuple(p.box for p in pieces))
 
 
 def placement_dims(placements: Sequence, ndim: int, where: str = "placements") -> tuple[int, ...]:
@@ -109,6 +113,7 @@ def placement_dims(placements: Sequence, ndim: int, where: str = "placements") -
     return tuple(out)
 
 
+@lru_cache(maxsize=1024)  # pure function of plain data
 def mesh_coords(mesh_shape: Sequence[int], ranks: Sequence[int]) -> dict[int, tuple[int, ...]]:
     """rank -> row-major coordinate in a mesh of ``mesh_shape`` listing ``ranks`` in order."""
     coords = {}
@@ -130,15 +135,20 @@ def shard_box(global_shape: Sequence[int], mesh_shape: Sequence[int], coord: Seq
     or empty.
     """
     lo = [0] * len(global_shape)
-    hi = [int(n) for n in global_shape]
+    hi = list(global_shape)
     for axis, d in enumerate(dims):
-        if d == REPLICATE:
+        if d < 0:
             continue
-        n, m, c = hi[d] - lo[d], mesh_shape[axis], coord[axis]
-        chunk = -(-n // m)
-        s = min(c * chunk, n)
-        e = min(s + chunk, n)
-        lo[d], hi[d] = lo[d] + s, lo[d] + e
+        n = hi[d] - lo[d]
+        chunk = -(-n // mesh_shape[axis])
+        s = coord[axis] * chunk
+        if s > n:
+            s = n
+        e = s + chunk
+        if e > n:
+            e = n
+        hi[d] = lo[d] + e
+        lo[d] += s
     return tuple(zip(lo, hi))
 
 
@@ -146,10 +156,15 @@ def shard_ownerships(global_shape: Sequence[int], mesh_shape: Sequence[int],
                      ranks: Sequence[int], dims: Sequence[int]) -> dict[int, Ownership]:
     """rank -> Ownership for every rank of a mesh under Shard/Replicate placements."""
     ownerships = {}
-    ndim = len(global_shape)
+    identity = ((0, 1),) * len(global_shape)
+    shape = tuple(int(n) for n in global_shape)
+    made: dict = {}  # replicas share one Ownership value
     for r, coord in mesh_coords(mesh_shape, ranks).items():
-        box = shard_box(global_shape, mesh_shape, coord, dims)
-        shape = box_shape(box)
-        pieces = (Piece(box, ((0, 1),) * ndim),) if box_numel(box) else ()
-        ownerships[r] = Ownership(shape, pieces)
+        box = shard_box(shape, mesh_shape, coord, dims)
+        own = made.get(box)
+        if own is None:
+            local_shape = box_shape(box)
+            pieces = (Piece(box, identity),) if box_numel(box) else ()
+            own = made[box] = Ownership(local_shape, pieces, (box,) if pieces else ())
+        ownerships[r] = own
     return ownerships

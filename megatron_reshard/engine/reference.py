@@ -34,7 +34,7 @@ def xfer_batch_reference(transfers: Sequence, group=None) -> None:
         # One holder (the first in mesh order) per distinct source region.
         providers, seen = [], set()
         for r in s_ranks:
-            boxes = src[r].boxes()
+            boxes = src[r].boxes
             if boxes and boxes not in seen:
                 seen.add(boxes)
                 providers.append(r)
