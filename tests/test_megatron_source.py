@@ -82,6 +82,14 @@ def _check_source(job, spec_kwargs, family, gen_parallelism, gen_world_size, lay
         if name in oracle and (meta["shape"] != list(oracle[name].shape) or meta["dtype"] != str(oracle[name].dtype)):
             failures.append(f"{name}: metadata {meta} vs oracle {list(oracle[name].shape)} {oracle[name].dtype}")
 
+    # the generation side derives the same names and shapes from hf_config alone
+    if family in ("llama", "qwen2", "qwen3", "qwen3_moe"):
+        from megatron_reshard.testing.vllm_like import hf_param_shapes
+
+        expected = {n: list(s) for n, s in hf_param_shapes(source.hf_config).items()}
+        if expected != {n: m["shape"] for n, m in described.items()}:
+            failures.append(f"hf_config does not describe the metadata: {sorted(set(expected) ^ set(described))}")
+
     # local views: the exact chunk the src mesh/placements assign to this rank
     param_map = source.build_hf_to_local_param_map()
     storages = _storages(model)

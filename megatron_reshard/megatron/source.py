@@ -325,7 +325,7 @@ class MegatronRefitSource:
             "num_experts_per_tok": int(c.moe_router_topk) if c.num_moe_experts else 0,
             "shared_expert_intermediate_size": int(c.moe_shared_expert_intermediate_size or 0),
             "moe_layers": moe_layers,
-            "attention_bias": bool(c.add_qkv_bias or c.add_bias_linear),
+            "attention_bias": bool(c.add_qkv_bias),  # q/k/v biases (Qwen2); other linear biases are refused
             "rms_norm_eps": float(c.layernorm_epsilon),
             "torch_dtype": str(c.params_dtype),
         }
