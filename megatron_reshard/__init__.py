@@ -5,3 +5,5 @@ generation workers). The Megatron train side lives in ``megatron_reshard.megatro
 """
 
 __version__ = "0.1.0"
+from megatron_reshard.engine import DTensorRef, Transfer, xferdtensor, xfer_batch
+__all__ = ["DTensorRef", "Transfer", "xferdtensor", "xfer_batch"]
