@@ -288,3 +288,46 @@ def _default_world_group(job):
 
 def test_group_none_uses_the_registered_default_world(pool):
     assert pool.run(_default_world_group, 3, timeout_s=60) == [True, True, True]
+
+
+# ---- transport and optional backend ----------------------------------------------------
+
+
+def _swap_in_one_round(job):
+    from megatron_reshard.comm import create_refit_group
+    from megatron_reshard.engine import P2PTransport
+
+    pg = create_refit_group(job.host, job.ports[0], job.rank, 2, timeout_s=30)
+    transport = P2PTransport(pg)
+    mine = torch.full((4 << 20,), job.rank + 1, dtype=torch.float32)  # 16 MiB each way
+    got = torch.zeros_like(mine)
+    with transport.round():  # both ranks send first, then receive: must not deadlock
+        transport.send(mine, 1 - job.rank, 0)
+        transport.recv(got, 1 - job.rank, 0)
+    return bool((got == 2 - job.rank).all())
+
+
+def test_a_round_lets_two_ranks_swap_large_messages_without_deadlock(pool):
+    assert pool.run(_swap_in_one_round, 2, timeout_s=60) == [True, True]
+
+
+def test_m2n_backend_is_never_selected_where_it_cannot_run():
+    from torch.distributed.tensor import Shard
+
+    from megatron_reshard.comm import create_refit_group
+    from megatron_reshard.engine import Transfer, m2n, xfer_batch
+    from megatron_reshard.worlds import free_ports
+
+    assert m2n.within_limits([((4,), (2,), (0, 1), (0,), (2,), (2, 3), (0,))])[0]
+    assert not m2n.within_limits([((4,), (2,), (1, 0), (0,), (2,), (2, 3), (0,))])[0]
+    ok, why = m2n.select([((4,), (2,), (0, 1), (0,), (2,), (2, 3), (0,))])
+    assert not ok and why
+    pg = create_refit_group("127.0.0.1", free_ports(1)[0], 0, 1, timeout_s=10)
+    t = Transfer("w", (4,), torch.float32, _mesh((1,), (0,)), [Shard(0)], _mesh((1,), (0,)),
+                 [Shard(0)], torch.arange(4.0), torch.zeros(4))
+    xfer_batch([t], pg, backend="auto")  # falls back to the Python engine
+    assert torch.equal(t.dst, torch.arange(4.0))
+    import pytest
+
+    with pytest.raises(ValueError, match="backend 'm2n' cannot be used"):
+        xfer_batch([t], pg, backend="m2n")

@@ -8,6 +8,7 @@ slow transport used by the tests; ``m2n`` the optional native backend.
 from .api import DTensorRef, Transfer, xferdtensor
 from .execute import xfer_batch
 from .plan import ParamPlan, Planner, build_plan, layout_key
+from . import m2n
 from .reference import xfer_batch_reference
 from .transport import P2PTransport
 
