@@ -1,0 +1,327 @@
+"""One refit end to end: a Megatron training world and a generation world, joined by refit groups.
+
+Shared by ``megatron-reshard demo`` (CPU, gloo, spawned workers) and the torchrun launchers
+(``scripts/refit_torchrun.py``, NCCL, one process per GPU). Process ``rank`` of a launch of
+``train_world + gen_world`` processes plays training rank ``rank`` if ``rank < train_world``,
+else generation rank ``rank - train_world``. The two sides get separate default worlds
+(each built from an explicit store, as two launchers would), and one refit group per
+training PP stage is built from its own ``TCPStore`` (``comm.create_refit_group``).
+
+Verification is independent of the refit path: the training ranks gather the full HF
+tensors with the reference oracle (``megatron.reference``), training rank 0 slices the
+expected vLLM shard of every generation parameter (``testing.vllm_like.expected_vllm_shard``)
+and publishes its SHA-256; each generation rank compares the digests of its live storage.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+# Model presets: tiny Qwen3-shaped models (GQA, QK norm). Plain data: crosses into workers.
+MODEL_PRESETS: dict[str, dict[str, Any]] = {
+    "moe": dict(family="qwen3_moe", num_layers=4, hidden_size=64, num_attention_heads=8,
+                num_query_groups=2, ffn_hidden_size=128, num_moe_experts=8,
+                moe_ffn_hidden_size=32, vocab_size=500, qk_layernorm=True),
+    "dense": dict(family="qwen3", num_layers=4, hidden_size=64, num_attention_heads=8,
+                  num_query_groups=2, ffn_hidden_size=160, vocab_size=500, qk_layernorm=True),
+}
+
+
+@dataclass(frozen=True)
+class RefitRunConfig:
+    """Everything a process needs to play its part (plain data)."""
+
+    model: str = "moe"
+    model_overrides: dict = field(default_factory=dict)
+    train_world: int = 4
+    train_tp: int = 2
+    train_pp: int = 2
+    train_ep: int = 2
+    gen_world: int = 2
+    gen_tp: int = 2
+    gen_ep: int = 1
+    refits: int = 3
+    verify: bool = True
+    backend: str = "gloo"
+    device: str = "cpu"
+    dtype: str = "bfloat16"
+    host: str = "127.0.0.1"
+    ports: tuple = ()  # control store, then one refit-group store per training PP stage
+    timeout_s: float = 120.0
+    num_streams: int = 2
+    staging_mib: int = 256
+    quiet: bool = False
+
+    @property
+    def stage_world(self) -> int:
+        return self.train_world // self.train_pp
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.model not in MODEL_PRESETS:
+            out.append(f"--model {self.model!r}: expected one of {sorted(MODEL_PRESETS)}")
+        if self.train_world % (self.train_tp * self.train_pp):
+            out.append(f"train world {self.train_world} is not divisible by tp·pp = "
+                       f"{self.train_tp}·{self.train_pp}")
+        if (self.train_world // self.train_pp) % self.train_ep:
+            out.append(f"train ranks per stage {self.train_world // self.train_pp} not divisible "
+                       f"by ep {self.train_ep}")
+        if self.gen_world % self.gen_tp:
+            out.append(f"gen world {self.gen_world} is not divisible by gen tp {self.gen_tp}")
+        if self.gen_ep not in (1, self.gen_tp):
+            out.append(f"gen ep {self.gen_ep}: must be 1 or equal to gen tp {self.gen_tp} "
+                       "(vLLM's EP spans the TP ranks)")
+        if len(self.ports) < 1 + self.train_pp:
+            out.append(f"need {1 + self.train_pp} ports (control + one per PP stage), "
+                       f"got {len(self.ports)}")
+        if self.backend not in ("gloo", "nccl"):
+            out.append(f"--backend {self.backend!r}: expected gloo or nccl")
+        return out
+
+
+def _say(cfg: RefitRunConfig, who: str, msg: str) -> None:
+    if not cfg.quiet:
+        print(f"[{who}] {msg}", file=sys.stderr, flush=True)
+
+
+def tensor_digest(t: torch.Tensor) -> str:
+    """SHA-256 of a tensor's bytes (shape and dtype included): equal digests ⇔ equal bits."""
+    flat = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+    h = hashlib.sha256(f"{tuple(t.shape)}|{t.dtype}|".encode())
+    h.update(flat.numpy().tobytes())
+    return h.hexdigest()
+
+
+def _device_for(cfg: RefitRunConfig, rank: int) -> torch.device:
+    if cfg.device == "cuda":
+        index = int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device("cpu")
+
+
+def _init_world(cfg: RefitRunConfig, control: dist.Store, name: str, rank: int, size: int,
+                device: torch.device) -> None:
+    kwargs = dict(store=dist.PrefixStore(f"world/{name}", control), rank=rank, world_size=size,
+                  timeout=timedelta(seconds=cfg.timeout_s))
+    if device.type == "cuda":
+        kwargs["device_id"] = device
+    dist.init_process_group(cfg.backend, **kwargs)
+
+
+@torch.no_grad()
+def perturb_(model: torch.nn.Module, step: int) -> None:
+    """A deterministic weight change between refits, identical on every replica."""
+    for p in model.parameters():
+        p.mul_(-1.5).add_(0.125 * step)
+
+
+def run_rank(rank: int, cfg: RefitRunConfig) -> dict:
+    """Play process ``rank`` of the launch; returns a plain-data summary of this rank."""
+    problems = cfg.problems()
+    if problems:
+        raise ValueError("invalid refit run configuration:\n  - " + "\n  - ".join(problems))
+    device = _device_for(cfg, rank)
+    control = dist.TCPStore(cfg.host, cfg.ports[0], cfg.train_world + cfg.gen_world, rank == 0,
+                            timeout=timedelta(seconds=cfg.timeout_s))
+    if rank < cfg.train_world:
+        return _train_rank(rank, cfg, control, device)
+    return _gen_rank(rank - cfg.train_world, cfg, control, device)
+
+
+def _train_rank(rank: int, cfg: RefitRunConfig, control, device: torch.device) -> dict:
+    from megatron.core import parallel_state as ps
+
+    from megatron_reshard.comm import create_refit_group
+    from megatron_reshard.megatron import MegatronRefitSource
+    from megatron_reshard.megatron.models import TinyGPTSpec, build_gpt_model
+    from megatron_reshard.megatron.reference import gather_full_hf_state_dict
+    from megatron_reshard.megatron.sender import RefitSender
+
+    who = f"train {rank}"
+    t0 = time.perf_counter()
+    _init_world(cfg, control, "train", rank, cfg.train_world, device)
+    ps.initialize_model_parallel(tensor_model_parallel_size=cfg.train_tp,
+                                 pipeline_model_parallel_size=cfg.train_pp,
+                                 expert_model_parallel_size=cfg.train_ep,
+                                 expert_tensor_parallel_size=1,
+                                 distributed_timeout_minutes=max(1, int(cfg.timeout_s // 60)))
+    preset = dict(MODEL_PRESETS[cfg.model], **cfg.model_overrides)
+    family = preset.pop("family")
+    spec = TinyGPTSpec(dtype=cfg.dtype, **preset)
+    # All params in the training dtype, as Float16Module leaves them (the local layer spec
+    # keeps norms in fp32 otherwise; vLLM holds them in the model dtype).
+    model = build_gpt_model(spec).to(device=device, dtype=getattr(torch, cfg.dtype))
+    if rank == 0:
+        _say(cfg, who, f"training world up: tp{cfg.train_tp} pp{cfg.train_pp} ep{cfg.train_ep} "
+                       f"on {cfg.train_world} ranks; model built ({cfg.model}, "
+                       f"{sum(p.numel() for p in model.parameters())} params on rank 0)")
+    source = MegatronRefitSource(model, gen_parallelism={"tp_size": cfg.gen_tp, "ep_size": cfg.gen_ep,
+                                                         "pp_size": 1},
+                                 gen_world_size=cfg.gen_world, family=family,
+                                 vocab_size=spec.vocab_size)
+    if rank == 0:
+        payload = source.payload_bytes()
+        control.set("payload", payload)
+        _say(cfg, who, f"payload {len(payload)} bytes published "
+                       f"({len(source.state_dict_metadata)} bulk params, "
+                       f"{len(source.other_params_metadata)} others)")
+    group = create_refit_group(cfg.host, cfg.ports[1 + source.stage], source.stage_local_rank,
+                               cfg.stage_world + cfg.gen_world, cfg.backend, cfg.timeout_s,
+                               device=device if device.type == "cuda" else None)
+    sender = RefitSender(source, group, device=device, num_streams=cfg.num_streams,
+                         staging_bytes=cfg.staging_mib << 20)
+    setup_s = time.perf_counter() - t0
+    refits = []
+    for step in range(cfg.refits):
+        if step:
+            perturb_(model, step)
+        stats = sender.refit()
+        refits.append(stats)
+        if cfg.verify:
+            full = gather_full_hf_state_dict(model, family=family, vocab_size=spec.vocab_size)
+            if rank == 0:
+                _publish_expected(cfg, control, source.hf_config, full, step)
+        if rank == 0:
+            _say(cfg, who, f"refit {step + 1}/{cfg.refits} sent in {stats['refit_s'] * 1e3:.1f} ms")
+    return {"role": "train", "rank": rank, "setup_s": setup_s, "refits": refits}
+
+
+def _publish_expected(cfg: RefitRunConfig, control, hf_config: dict, full: dict, step: int) -> None:
+    from megatron_reshard.testing.vllm_like import expected_vllm_shard, vllm_param_shapes
+
+    full = {k: v.to("cpu") for k, v in full.items()}
+    for g in range(cfg.gen_world):
+        tp_rank = g % cfg.gen_tp
+        names = vllm_param_shapes(hf_config, tp_rank, cfg.gen_tp, cfg.gen_ep)
+        digests = {n: tensor_digest(expected_vllm_shard(hf_config, n, full, tp_rank, cfg.gen_tp,
+                                                        cfg.gen_ep)) for n in names}
+        control.set(f"expected/{step}/{g}", json.dumps(digests))
+
+
+class _ModuleWorker:
+    """The vLLM worker extension, with the model given directly instead of by vLLM."""
+
+    def __init__(self, model: torch.nn.Module):
+        self._model = model
+
+    def get_refit_model(self) -> torch.nn.Module:
+        return self._model
+
+
+def _gen_rank(gen_rank: int, cfg: RefitRunConfig, control, device: torch.device) -> dict:
+    from megatron_reshard.megatron.payload import decode_payload  # msgspec: the launcher decodes
+    from megatron_reshard.receiver import MegatronReshardWorkerExtension
+    from megatron_reshard.testing.vllm_like import build_vllm_like_model
+
+    who = f"gen {gen_rank}"
+    t0 = time.perf_counter()
+    _init_world(cfg, control, "gen", gen_rank, cfg.gen_world, device)
+    payload = decode_payload(control.get("payload"))
+    tp_rank = gen_rank % cfg.gen_tp
+    model = build_vllm_like_model(payload["hf_config"], tp_rank, cfg.gen_tp, cfg.gen_ep,
+                                  getattr(torch, cfg.dtype), device=device)
+    worker = type("DemoWorker", (_ModuleWorker, MegatronReshardWorkerExtension), {})(model)
+    worker.init_refit_groups(cfg.host, list(cfg.ports[1:1 + cfg.train_pp]),
+                             cfg.stage_world + gen_rank, cfg.stage_world + cfg.gen_world,
+                             cfg.backend, cfg.timeout_s)
+    summary = worker.prepare_refit(payload, {"num_streams": cfg.num_streams,
+                                             "staging_bytes": cfg.staging_mib << 20})
+    setup_s = time.perf_counter() - t0
+    if gen_rank == 0:
+        _say(cfg, who, f"generation world up: tp{cfg.gen_tp} ep{cfg.gen_ep} on {cfg.gen_world} "
+                       f"ranks; {len(list(model.parameters()))} vLLM-layout params mapped")
+    refits, mismatches = [], []
+    for step in range(cfg.refits):
+        stats = worker.refit()
+        refits.append(stats)
+        if cfg.verify:
+            expected = json.loads(control.get(f"expected/{step}/{gen_rank}"))
+            actual = {n: tensor_digest(p) for n, p in model.named_parameters()}
+            bad = sorted(n for n in set(expected) | set(actual) if expected.get(n) != actual.get(n))
+            mismatches.append(bad)
+            if gen_rank == 0:
+                verdict = "bit-exact" if not bad else f"{len(bad)} params differ"
+                _say(cfg, who, f"refit {step + 1}/{cfg.refits} received in "
+                               f"{stats['refit_s'] * 1e3:.1f} ms: {verdict}")
+    return {"role": "gen", "rank": gen_rank, "setup_s": setup_s, "refits": refits,
+            "mismatches": mismatches, "report": worker.report(), "summary": summary,
+            "verified": cfg.verify and not any(mismatches)}
+
+
+def summarize(cfg: RefitRunConfig, results: list[dict]) -> dict:
+    """One plain-data summary of a run from every rank's result."""
+    gens = [r for r in results if r["role"] == "gen"]
+    per_gen = []
+    for r in gens:
+        last = r["refits"][-1] if r["refits"] else {}
+        bulk, misc = last.get("bulk_bytes", 0), last.get("misc_bytes", 0)
+        per_gen.append({"gen_rank": r["rank"], "params": r["report"]["params"] + r["report"]["misc_params"],
+                        "bulk_params": r["report"]["params"], "other_params": r["report"]["misc_params"],
+                        "bytes": bulk + misc, "bulk_bytes": bulk, "misc_bytes": misc,
+                        "misc_wire_bytes": last.get("misc_wire_bytes", 0),
+                        "mismatched": sorted({n for bad in r["mismatches"] for n in bad})})
+    total = sum(g["bytes"] for g in per_gen)
+    refit_s = [max(r["refits"][i]["refit_s"] for r in results) for i in range(cfg.refits)]
+    return {
+        "verified": bool(cfg.verify) and all(r["verified"] for r in gens),
+        "refits": cfg.refits,
+        "params": max((g["params"] for g in per_gen), default=0),
+        "bytes_per_gen_rank": {str(g["gen_rank"]): g["bytes"] for g in per_gen},
+        "exact_path_fraction": (sum(g["bulk_bytes"] for g in per_gen) / total) if total else 0.0,
+        "setup_s": max(r["setup_s"] for r in results),
+        "refit_s": refit_s,
+        "per_gen_rank": per_gen,
+        "layout": {"model": cfg.model, "train": {"world": cfg.train_world, "tp": cfg.train_tp,
+                                                  "pp": cfg.train_pp, "ep": cfg.train_ep},
+                   "gen": {"world": cfg.gen_world, "tp": cfg.gen_tp, "ep": cfg.gen_ep},
+                   "backend": cfg.backend, "device": cfg.device, "dtype": cfg.dtype},
+    }
+
+
+def config_from_args(args, ports: tuple) -> RefitRunConfig:
+    return RefitRunConfig(model=args.model, train_world=args.train_world, train_tp=args.train_tp,
+                          train_pp=args.train_pp, train_ep=args.train_ep,
+                          gen_world=args.gen_world, gen_tp=args.gen_tp, gen_ep=args.gen_ep,
+                          refits=args.refits, verify=not args.no_verify, backend=args.backend,
+                          device=args.device, dtype=args.dtype, ports=ports,
+                          timeout_s=args.timeout_s, num_streams=args.streams,
+                          staging_mib=args.staging_mib, quiet=getattr(args, "json", False))
+
+
+def add_run_arguments(parser) -> None:
+    """Options shared by the demo and the torchrun launcher."""
+    d = RefitRunConfig()
+    parser.add_argument("--model", choices=sorted(MODEL_PRESETS), default=d.model,
+                        help="tiny Qwen3-shaped model: MoE (8 experts, GQA) or dense (GQA)")
+    parser.add_argument("--train-world", type=int, default=d.train_world, help="training ranks")
+    parser.add_argument("--train-tp", type=int, default=d.train_tp, help="training TP size")
+    parser.add_argument("--train-pp", type=int, default=d.train_pp, help="training PP size")
+    parser.add_argument("--train-ep", type=int, default=d.train_ep, help="training EP size (ETP = 1)")
+    parser.add_argument("--gen-world", type=int, default=d.gen_world, help="generation ranks")
+    parser.add_argument("--gen-tp", type=int, default=d.gen_tp, help="generation TP size")
+    parser.add_argument("--gen-ep", type=int, default=d.gen_ep, help="generation EP size (1 or gen TP)")
+    parser.add_argument("--refits", type=int, default=d.refits,
+                        help="refits to run; weights change between them")
+    parser.add_argument("--no-verify", action="store_true",
+                        help="skip the bit-exact check against the reference")
+    parser.add_argument("--dtype", default=d.dtype, choices=["bfloat16", "float32", "float16"])
+    parser.add_argument("--streams", type=int, default=d.num_streams, help="CUDA streams for PP stages")
+    parser.add_argument("--staging-mib", type=int, default=d.staging_mib,
+                        help="per-rank staging budget of the engine (MiB)")
+    parser.add_argument("--timeout-s", type=float, default=d.timeout_s,
+                        help="timeout of every process group and store")
+
+
+__all__ = ["MODEL_PRESETS", "RefitRunConfig", "run_rank", "summarize", "tensor_digest",
+           "add_run_arguments", "config_from_args", "perturb_"]
