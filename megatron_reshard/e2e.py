@@ -126,8 +126,17 @@ def perturb_(model: torch.nn.Module, step: int) -> None:
         p.mul_(-1.5).add_(0.125 * step)
 
 
-def run_rank(rank: int, cfg: RefitRunConfig) -> dict:
-    """Play process ``rank`` of the launch; returns a plain-data summary of this rank."""
+def run_rank(rank: int, cfg: RefitRunConfig, *, model_builder=None, after_refits=None) -> dict:
+    """Play process ``rank`` of the launch; returns a plain-data summary of this rank.
+
+    Optional hooks (keyword-only; the benchmark uses them, the demo does not):
+    ``model_builder(spec, device, dtype) -> model`` replaces ``build_gpt_model(spec).to(...)``
+    on the training ranks (it must give replicas equal values); ``after_refits(ctx) -> dict``
+    runs on every rank after the refit loop, with ``ctx`` holding ``role``, ``rank``,
+    ``cfg``, ``device``, ``group`` (the refit group of stage 0 for generation ranks, of
+    the rank's stage for training ranks), ``control`` (the store), ``model`` and ``sender``
+    (train) or ``worker`` (gen); its result is stored under the key ``"bench"``.
+    """
     problems = cfg.problems()
     if problems:
         raise ValueError("invalid refit run configuration:\n  - " + "\n  - ".join(problems))
@@ -135,11 +144,12 @@ def run_rank(rank: int, cfg: RefitRunConfig) -> dict:
     control = dist.TCPStore(cfg.host, cfg.ports[0], cfg.train_world + cfg.gen_world, rank == 0,
                             timeout=timedelta(seconds=cfg.timeout_s))
     if rank < cfg.train_world:
-        return _train_rank(rank, cfg, control, device)
-    return _gen_rank(rank - cfg.train_world, cfg, control, device)
+        return _train_rank(rank, cfg, control, device, model_builder, after_refits)
+    return _gen_rank(rank - cfg.train_world, cfg, control, device, after_refits)
 
 
-def _train_rank(rank: int, cfg: RefitRunConfig, control, device: torch.device) -> dict:
+def _train_rank(rank: int, cfg: RefitRunConfig, control, device: torch.device,
+                model_builder=None, after_refits=None) -> dict:
     from megatron.core import parallel_state as ps
 
     from megatron_reshard.comm import create_refit_group
@@ -161,7 +171,10 @@ def _train_rank(rank: int, cfg: RefitRunConfig, control, device: torch.device) -
     spec = TinyGPTSpec(dtype=cfg.dtype, **preset)
     # All params in the training dtype, as Float16Module leaves them (the local layer spec
     # keeps norms in fp32 otherwise; vLLM holds them in the model dtype).
-    model = build_gpt_model(spec).to(device=device, dtype=getattr(torch, cfg.dtype))
+    if model_builder is not None:
+        model = model_builder(spec, device, getattr(torch, cfg.dtype))
+    else:
+        model = build_gpt_model(spec).to(device=device, dtype=getattr(torch, cfg.dtype))
     if rank == 0:
         _say(cfg, who, f"training world up: tp{cfg.train_tp} pp{cfg.train_pp} ep{cfg.train_ep} "
                        f"on {cfg.train_world} ranks; model built ({cfg.model}, "
@@ -194,7 +207,12 @@ def _train_rank(rank: int, cfg: RefitRunConfig, control, device: torch.device) -
                 _publish_expected(cfg, control, source.hf_config, full, step)
         if rank == 0:
             _say(cfg, who, f"refit {step + 1}/{cfg.refits} sent in {stats['refit_s'] * 1e3:.1f} ms")
-    return {"role": "train", "rank": rank, "setup_s": setup_s, "refits": refits}
+    out = {"role": "train", "rank": rank, "setup_s": setup_s, "refits": refits}
+    if after_refits is not None:
+        out["bench"] = after_refits({"role": "train", "rank": rank, "cfg": cfg, "device": device,
+                                     "group": group, "control": control, "model": model,
+                                     "sender": sender, "source": source})
+    return out
 
 
 def _publish_expected(cfg: RefitRunConfig, control, hf_config: dict, full: dict, step: int) -> None:
@@ -219,7 +237,8 @@ class _ModuleWorker:
         return self._model
 
 
-def _gen_rank(gen_rank: int, cfg: RefitRunConfig, control, device: torch.device) -> dict:
+def _gen_rank(gen_rank: int, cfg: RefitRunConfig, control, device: torch.device,
+              after_refits=None) -> dict:
     from megatron_reshard.megatron.payload import decode_payload  # msgspec: the launcher decodes
     from megatron_reshard.receiver import MegatronReshardWorkerExtension
     from megatron_reshard.testing.vllm_like import build_vllm_like_model
@@ -254,9 +273,15 @@ def _gen_rank(gen_rank: int, cfg: RefitRunConfig, control, device: torch.device)
                 verdict = "bit-exact" if not bad else f"{len(bad)} params differ"
                 _say(cfg, who, f"refit {step + 1}/{cfg.refits} received in "
                                f"{stats['refit_s'] * 1e3:.1f} ms: {verdict}")
-    return {"role": "gen", "rank": gen_rank, "setup_s": setup_s, "refits": refits,
-            "mismatches": mismatches, "report": worker.report(), "summary": summary,
-            "verified": cfg.verify and not any(mismatches)}
+    out = {"role": "gen", "rank": gen_rank, "setup_s": setup_s, "refits": refits,
+           "mismatches": mismatches, "report": worker.report(), "summary": summary,
+           "verified": cfg.verify and not any(mismatches)}
+    if after_refits is not None:
+        groups = worker._refit_state()["groups"]
+        out["bench"] = after_refits({"role": "gen", "rank": gen_rank, "cfg": cfg, "device": device,
+                                     "group": groups[min(groups)], "control": control,
+                                     "model": model, "worker": worker})
+    return out
 
 
 def summarize(cfg: RefitRunConfig, results: list[dict]) -> dict:
