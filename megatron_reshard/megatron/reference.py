@@ -150,6 +150,8 @@ def gather_full_hf_state_dict(model: Any, *, family: str, vocab_size: Optional[i
             else:
                 out[f"{q}.up_proj.weight"] = full
 
+    # On CPU before pickling: a CUDA tensor would unpickle onto its sender's device index.
+    out = {name: tensor.detach().cpu() for name, tensor in out.items()}
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, out)
     merged: dict[str, torch.Tensor] = {}
