@@ -59,8 +59,13 @@ class RefitRunConfig:
     ports: tuple = ()  # control store, then one refit-group store per training PP stage
     timeout_s: float = 120.0
     num_streams: int = 2
-    staging_mib: int = 256
+    staging_mib: float = 256.0
     quiet: bool = False
+
+    @property
+    def staging_bytes(self) -> int:
+        """Engine staging budget, also the size bound of each packed misc buffer."""
+        return max(64, int(self.staging_mib * (1 << 20)))
 
     @property
     def stage_world(self) -> int:
@@ -193,7 +198,7 @@ def _train_rank(rank: int, cfg: RefitRunConfig, control, device: torch.device,
                                cfg.stage_world + cfg.gen_world, cfg.backend, cfg.timeout_s,
                                device=device if device.type == "cuda" else None)
     sender = RefitSender(source, group, device=device, num_streams=cfg.num_streams,
-                         staging_bytes=cfg.staging_mib << 20)
+                         staging_bytes=cfg.staging_bytes)
     setup_s = time.perf_counter() - t0
     refits = []
     for step in range(cfg.refits):
@@ -255,7 +260,7 @@ def _gen_rank(gen_rank: int, cfg: RefitRunConfig, control, device: torch.device,
                              cfg.stage_world + gen_rank, cfg.stage_world + cfg.gen_world,
                              cfg.backend, cfg.timeout_s)
     summary = worker.prepare_refit(payload, {"num_streams": cfg.num_streams,
-                                             "staging_bytes": cfg.staging_mib << 20})
+                                             "staging_bytes": cfg.staging_bytes})
     setup_s = time.perf_counter() - t0
     if gen_rank == 0:
         _say(cfg, who, f"generation world up: tp{cfg.gen_tp} ep{cfg.gen_ep} on {cfg.gen_world} "
@@ -282,6 +287,22 @@ def _gen_rank(gen_rank: int, cfg: RefitRunConfig, control, device: torch.device,
                                      "group": groups[min(groups)], "control": control,
                                      "model": model, "worker": worker})
     return out
+
+
+def share_verdict(store, rank: int, world: int, verdict: Optional[str] = None) -> str:
+    """Rank 0 publishes ``verdict`` in ``store`` (which it hosts); every rank returns it.
+
+    Rank 0 waits until every rank has read it, so its store outlives the readers.
+    """
+    if rank == 0:
+        store.set("verdict", verdict or "fail")
+    value = store.get("verdict").decode()
+    store.add("verdict_read", 1)
+    if rank == 0:
+        deadline = time.monotonic() + 60
+        while int(store.add("verdict_read", 0)) < world and time.monotonic() < deadline:
+            time.sleep(0.01)
+    return value
 
 
 def summarize(cfg: RefitRunConfig, results: list[dict]) -> dict:
@@ -342,11 +363,11 @@ def add_run_arguments(parser) -> None:
                         help="skip the bit-exact check against the reference")
     parser.add_argument("--dtype", default=d.dtype, choices=["bfloat16", "float32", "float16"])
     parser.add_argument("--streams", type=int, default=d.num_streams, help="CUDA streams for PP stages")
-    parser.add_argument("--staging-mib", type=int, default=d.staging_mib,
+    parser.add_argument("--staging-mib", type=float, default=d.staging_mib,
                         help="per-rank staging budget of the engine (MiB)")
     parser.add_argument("--timeout-s", type=float, default=d.timeout_s,
                         help="timeout of every process group and store")
 
 
-__all__ = ["MODEL_PRESETS", "RefitRunConfig", "run_rank", "summarize", "tensor_digest",
+__all__ = ["MODEL_PRESETS", "RefitRunConfig", "run_rank", "summarize", "share_verdict", "tensor_digest",
            "add_run_arguments", "config_from_args", "perturb_"]

@@ -37,6 +37,26 @@ def packed_layout(items: Sequence[tuple[str, Sequence[int], torch.dtype]]) -> li
     return entries
 
 
+def chunk_items(items: Sequence[tuple[str, Sequence[int], torch.dtype]], budget: int
+                ) -> list[list[tuple[str, Sequence[int], torch.dtype]]]:
+    """Consecutive runs of ``items`` whose packed buffer fits ``budget`` bytes.
+
+    Bounds the memory of the packed path: one buffer of at most ``budget`` bytes is alive at
+    a time (an item larger than the budget travels alone). Depends on the items and the
+    budget only, so both sides cut at the same places.
+    """
+    chunks: list[list] = []
+    current: list = []
+    for item in items:
+        if current and buffer_bytes(packed_layout(current + [item])) > budget:
+            chunks.append(current)
+            current = []
+        current.append(item)
+    if current:
+        chunks.append(current)
+    return chunks
+
+
 def buffer_bytes(layout: Sequence[PackedEntry]) -> int:
     return 0 if not layout else (layout[-1].offset + layout[-1].nbytes + 15) // 16 * 16
 

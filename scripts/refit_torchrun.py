@@ -27,7 +27,8 @@ def main(argv=None) -> int:
     import torch
     import torch.distributed as dist
 
-    from megatron_reshard.e2e import add_run_arguments, config_from_args, run_rank, summarize
+    from megatron_reshard.e2e import (add_run_arguments, config_from_args, run_rank,
+                                      share_verdict, summarize)
 
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -50,12 +51,13 @@ def main(argv=None) -> int:
     # Gather every rank's summary through the control store (the worlds are separate).
     store = dist.TCPStore(cfg.host, cfg.ports[0], world, False)
     store.set(f"result/{rank}", json.dumps(result))
+    verdict = None
     if rank == 0:
         results = [json.loads(store.get(f"result/{r}")) for r in range(world)]
         summary = summarize(cfg, results)
         print("REFIT_SUMMARY " + json.dumps(summary), flush=True)
-        store.set("verdict", "ok" if summary["verified"] or not cfg.verify else "fail")
-    verdict = store.get("verdict").decode()
+        verdict = "ok" if summary["verified"] or not cfg.verify else "fail"
+    verdict = share_verdict(store, rank, world, verdict)
     if dist.is_initialized():
         dist.destroy_process_group()
     if torch.cuda.is_available():

@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_reshard.packed import broadcast_packed, pack, packed_layout, unpack
+from megatron_reshard.packed import (broadcast_packed, buffer_bytes, chunk_items, pack,
+                                     packed_layout, unpack)
 from megatron_reshard.worlds import init_gloo_world
 
 ITEMS = [("a", (3, 5), torch.bfloat16), ("b", (), torch.float32), ("c", (7,), torch.int8),
@@ -58,3 +59,16 @@ def _broadcast_job(job, raw_group):
 @pytest.mark.parametrize("raw_group", [False, True])
 def test_broadcast_reaches_every_rank_bit_exact(pool, raw_group):
     assert pool.run(_broadcast_job, 3, raw_group, timeout_s=60) == [True, True, True]
+
+
+def test_chunks_fit_the_budget_and_keep_order():
+    items = [(f"p{i}", (i + 1, 8), torch.float32) for i in range(10)]  # 32..320 bytes each
+    chunks = chunk_items(items, 400)
+    assert [it for chunk in chunks for it in chunk] == items
+    assert len(chunks) > 1
+    assert all(buffer_bytes(packed_layout(c)) <= 400 for c in chunks if len(c) > 1)
+
+
+def test_an_item_larger_than_the_budget_travels_alone():
+    items = [(f"p{i}", (64,), torch.float32) for i in range(3)]  # 256 bytes each
+    assert chunk_items(items, 100) == [[it] for it in items]

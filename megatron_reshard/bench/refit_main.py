@@ -611,8 +611,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"wrote {paths.markdown}, {paths.json}" + (f", {paths.png}" if paths.png else ""),
               flush=True)
         bad = any(r["check"] == "MISMATCH" for r in rows)
-        store.set("verdict", "fail" if bad else "ok")
-    verdict = store.get("verdict").decode()
+        verdict = "fail" if bad else "ok"
+    from megatron_reshard.e2e import share_verdict
+
+    verdict = share_verdict(store, rank, world, verdict if rank == 0 else None)
     return 0 if verdict == "ok" else 1
 
 

@@ -16,7 +16,7 @@ from typing import Any, Optional
 import torch
 
 from megatron_reshard.metadata import restore_refit_info_placements
-from megatron_reshard.packed import broadcast_packed, packed_layout
+from megatron_reshard.packed import broadcast_packed, chunk_items, packed_layout
 from megatron_reshard.refit_loop import (
     DEFAULT_BATCH_BYTES,
     DEFAULT_STAGING_BYTES,
@@ -38,7 +38,7 @@ class RefitSender:
         # The payload dict is restored in place; keep our own copy of the plain form.
         info = restore_refit_info_placements(dict(source.payload))
         self.misc_items = misc_items_by_stage(info).get(self.stage, [])
-        self.misc_layout = packed_layout(self.misc_items)
+        self.staging_bytes = staging_bytes
         self.loop = RefitLoop(info, source.build_hf_to_local_param_map(), "src",
                               {self.stage: group}, num_streams=num_streams,
                               batch_bytes=batch_bytes, staging_bytes=staging_bytes,
@@ -49,18 +49,19 @@ class RefitSender:
         """Send every param once. Collective over the train world (TP gather of the other
         params) and over the refit group; every train rank calls it."""
         t0 = time.perf_counter()
-        others = self.source.gather_other_params()
-        t1 = time.perf_counter()
         bulk = self.loop.run()
-        t2 = time.perf_counter()
-        if self.misc_layout:
-            tensors = None
-            if self.is_misc_root:
-                tensors = {name: others[name].to(self.device) for name, _, _ in self.misc_items}
-            broadcast_packed(self.misc_layout, self.group, 0, self.device, tensors)
+        t1 = time.perf_counter()
+        # The other params go in chunks of at most staging_bytes (the receiver cuts the same
+        # way), gathered chunk by chunk so no rank holds them all at once.
+        for chunk in chunk_items(self.misc_items, self.staging_bytes):
+            names = [name for name, _, _ in chunk]
+            full = self.source.gather_other_params(names)
+            tensors = ({name: full[name].to(self.device) for name in names}
+                       if self.is_misc_root else None)
+            broadcast_packed(packed_layout(chunk), self.group, 0, self.device, tensors)
+            del full, tensors
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        t3 = time.perf_counter()
+        t2 = time.perf_counter()
         return {"bulk_params": bulk.params, "bulk_bytes": bulk.local_bytes,
-                "gather_other_s": t1 - t0, "bulk_s": t2 - t1, "misc_s": t3 - t2,
-                "refit_s": t3 - t0}
+                "bulk_s": t1 - t0, "misc_s": t2 - t1, "refit_s": t2 - t0}

@@ -39,7 +39,7 @@ shared_expert_intermediate_size, moe_layers`` (global indexes of MoE layers),
 from __future__ import annotations
 
 import re
-from typing import Any, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -391,21 +391,25 @@ class MegatronRefitSource:
         return HFToLocalParamMap(specs)
 
     @torch.no_grad()
-    def gather_other_params(self) -> dict[str, torch.Tensor]:
+    def gather_other_params(self, names: Optional[Iterable[str]] = None) -> dict[str, torch.Tensor]:
         """Full HF tensors of this stage's non-bulk params (collective over this rank's TP group).
 
-        Every rank of the TP group must call it. Replicated params are returned as the live
-        tensors (no copy); TP-sharded ones are gathered and converted (QKV de-interleaved,
-        fc1 halves split, vocab padding stripped).
+        Every rank of the TP group must call it, with the same ``names`` (None: all of them;
+        the sender asks chunk by chunk to bound memory). Replicated params are returned as the
+        live tensors (no copy); TP-sharded ones are gathered and converted (QKV
+        de-interleaved, fc1 halves split, vocab padding stripped).
         """
         from megatron.core import parallel_state as ps
 
         group = ps.get_tensor_model_parallel_group()
         tp = self.layout.tp
         out: dict[str, torch.Tensor] = {}
+        wanted = None if names is None else set(names)
         for conv, tensor in self._converted:
             if all(is_nccl_reshard_param(n) for n in conv.hf_names):
                 continue
+            if wanted is not None and wanted.isdisjoint(conv.hf_names):
+                continue  # same skip on every TP rank: the conversions are identical there
             local = tensor.detach()
             if conv.tp_dim is not None and tp > 1:
                 chunks = [torch.empty_like(local) for _ in range(tp)]
@@ -413,7 +417,7 @@ class MegatronRefitSource:
             else:
                 chunks = [local]
             for name, full in full_from_tp_chunks(conv, chunks, self.dims).items():
-                if name in self.other_params_metadata:
+                if name in self.other_params_metadata and (wanted is None or name in wanted):
                     out[name] = full
         return out
 

@@ -18,6 +18,7 @@ from torch.distributed.tensor import Shard
 
 from megatron_reshard.layout import is_expert_param
 from megatron_reshard.metadata import restore_refit_info_placements
+from megatron_reshard.packed import chunk_items
 from megatron_reshard.refit_loop import (
     DEFAULT_BATCH_BYTES,
     DEFAULT_STAGING_BYTES,
@@ -174,6 +175,7 @@ class ReceiverSession:
                               staging_bytes=staging_bytes, misc_items=self.misc_items,
                               xfer_batch=xfer_batch)
         self.receive_misc = receive_misc or receive_misc_packed
+        self.staging_bytes = staging_bytes
         self.stats: dict[str, Any] = {"refits": 0, "prepare_s": time.perf_counter() - t0,
                                       "verify_s": None, "last": None, "total_refit_s": 0.0}
 
@@ -192,11 +194,13 @@ class ReceiverSession:
         t1 = time.perf_counter()
         misc_bytes = misc_wire_bytes = 0
         for stage, items in self.misc_items.items():
-            if not items:
-                continue
-            tensors = self.receive_misc(stage, self.groups[stage], items)
-            misc_wire_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
-            misc_bytes += apply_full_weights(self.targets, self.misc_plans[stage], tensors)
+            plans = dict(zip((name for name, _, _ in items), self.misc_plans[stage]))
+            # one packed buffer of at most staging_bytes alive at a time (same cuts as the sender)
+            for chunk in chunk_items(items, self.staging_bytes):
+                tensors = self.receive_misc(stage, self.groups[stage], chunk)
+                misc_wire_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
+                misc_bytes += apply_full_weights(self.targets, [plans[n] for n, _, _ in chunk],
+                                                 tensors)
         if torch.cuda.is_available() and any(t.is_cuda for t in self.targets.params.values()):
             torch.cuda.synchronize()
         t2 = time.perf_counter()
