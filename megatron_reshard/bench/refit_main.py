@@ -281,6 +281,21 @@ class GatherBroadcast:
 # ----------------------------------------------------------------------------- one case
 
 
+def _profile_one_refit(refit, device: torch.device, out_dir: str, label: str) -> None:
+    """Profile one refit (CPU + CUDA) and write the op table to ``out_dir/profile_<label>.txt``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        refit()
+        synchronize(device)
+    os.makedirs(out_dir, exist_ok=True)
+    averages = prof.key_averages()
+    with open(os.path.join(out_dir, f"profile_{label}.txt"), "w") as f:
+        f.write(averages.table(sort_by="cuda_time_total", row_limit=25))
+        f.write("\n")
+        f.write(averages.table(sort_by="cpu_time_total", row_limit=25))
+
+
 def _bench_side(ctx: dict, args: argparse.Namespace, case: str) -> dict:
     """Runs on every rank of the refit group after the verified refit; returns figures
     identical on every rank of the group."""
@@ -316,6 +331,9 @@ def _bench_side(ctx: dict, args: argparse.Namespace, case: str) -> dict:
     vec = ops.allreduce_max(vec).tolist()
     total_per_gen, bulk_per_gen = vec[:n_gen], vec[n_gen:]
     say(f"timed {args.iters} refits: median {1e3 * _median(times):.2f} ms")
+
+    if args.profile and device.type == "cuda":
+        _profile_one_refit(refit, device, args.profile, f"{case}_{role}{me}")
 
     _, peak = measure_peak_extra(refit, device)
     extra = float(peak.extra_bytes) if peak is not None else float("nan")
@@ -517,6 +535,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-baseline", action="store_true", help="skip gather+broadcast")
     p.add_argument("--no-raw", action="store_true", help="skip the raw P2P figures")
     p.add_argument("--staging-mib", type=int, default=256, help="engine staging budget per rank")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="profile one refit per rank (torch.profiler) into DIR/profile_*.txt")
     p.add_argument("--streams", type=int, default=2, help="CUDA streams for PP stages")
     p.add_argument("--p2p-channels", type=int, default=None, metavar="N",
                    help="set NCCL_MIN_P2P_NCHANNELS and NCCL_MAX_P2P_NCHANNELS to N before init")
