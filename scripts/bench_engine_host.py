@@ -1,0 +1,145 @@
+"""Host-side cost of the engine's ``xfer_batch`` for many small params (CPU, 2-rank gloo).
+
+    .venv/bin/python scripts/bench_engine_host.py [--params 1000] [--iters 20] [--profile]
+
+Small tensors make the byte movement negligible, so the time per call is the engine's
+Python overhead: validation, planning, agreement, scheduling, views, packing. Cases:
+
+- ``rr_cross``: [4096] bf16 Replicate on rank 0 -> Replicate on rank 1 (one message each);
+- ``s0_s1``:    [64,64] bf16 Shard(0) on ranks [0,1] -> Shard(1) on [0,1] (a local copy
+  and a strided, staged exchange per param);
+- ``mixed``:    alternating the two above plus Replicate -> Shard(0) fp32 [256,16].
+
+Per case: the first call with a fresh Planner (cold: plans + schedule built), then the
+median of ``--iters`` calls reusing that Planner (warm; what the refit loop does), and the
+median without a planner (every call plans from scratch). Each call is barrier-aligned;
+wall time and main-thread CPU time are each the slowest rank's. ``--profile`` prints the
+cProfile (CPU time) of one rank's warm calls (``--profile-rank``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import io
+import os
+import pstats
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as tmp  # noqa: E402
+
+
+def _transfers(case: str, n: int, rank: int) -> list:
+    from torch.distributed.tensor import Replicate, Shard
+
+    from megatron_reshard.engine import Transfer
+    from megatron_reshard.layout import MeshInfo
+
+    one0, one1 = MeshInfo(torch.tensor([0])), MeshInfo(torch.tensor([1]))
+    both = MeshInfo(torch.tensor([0, 1]))
+    kinds = {"rr_cross": ["rr"], "s0_s1": ["s01"], "mixed": ["rr", "s01", "rs"]}[case]
+    out = []
+    for i in range(n):
+        kind = kinds[i % len(kinds)]
+        if kind == "rr":
+            shape, dtype = (4096,), torch.bfloat16
+            sm, sp, dm, dp = one0, [Replicate()], one1, [Replicate()]
+            src = torch.randn(shape).to(dtype) if rank == 0 else None
+            dst = torch.empty(shape, dtype=dtype) if rank == 1 else None
+        elif kind == "s01":
+            shape, dtype = (64, 64), torch.bfloat16
+            sm, sp, dm, dp = both, [Shard(0)], both, [Shard(1)]
+            src = torch.randn(32, 64).to(dtype)
+            dst = torch.empty(64, 32, dtype=dtype)
+        else:
+            shape, dtype = (256, 16), torch.float32
+            sm, sp, dm, dp = one0, [Replicate()], both, [Shard(0)]
+            src = torch.randn(shape) if rank == 0 else None
+            dst = torch.empty(128, 16)
+        out.append(Transfer(f"p{i}.{kind}", shape, dtype, sm, sp, dm, dp, src, dst))
+    return out
+
+
+def _timed(fn, group) -> tuple[float, float]:
+    """(wall seconds, main-thread CPU seconds) of one barrier-aligned call, each the max
+    over ranks. CPU time is the host overhead proper: it leaves out waiting for the peer
+    and gloo's own threads, so it is steadier than wall time on a busy 2-core machine."""
+    dist.barrier(group)
+    c0, t0 = time.thread_time(), time.perf_counter()
+    fn()
+    dt = torch.tensor([time.perf_counter() - t0, time.thread_time() - c0], dtype=torch.float64)
+    dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=group)
+    return float(dt[0]), float(dt[1])
+
+
+def _median(samples) -> tuple[float, float]:
+    return (statistics.median(s[0] for s in samples), statistics.median(s[1] for s in samples))
+
+
+def _worker(rank: int, world: int, port: int, args) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from megatron_reshard.engine import Planner, xfer_batch
+
+    group = dist.group.WORLD
+    rows = []
+    for case in args.cases:
+        xfer_batch(_transfers(case, 1, rank), group)  # warm torch/gloo, not the caches
+        ts = _transfers(case, args.params, rank)
+        # A full GC pass (~100 ms with these tensors alive) otherwise lands in a random call.
+        gc.collect()
+        planner = Planner()
+        cold = _timed(lambda: xfer_batch(ts, group, planner=planner), group)
+        prof = cProfile.Profile(time.thread_time) if (args.profile and rank == args.profile_rank) else None
+        warm = []
+        for _ in range(args.iters):
+            if prof is not None:
+                prof.enable()
+            warm.append(_timed(lambda: xfer_batch(ts, group, planner=planner), group))
+            if prof is not None:
+                prof.disable()
+        fresh = [_timed(lambda: xfer_batch(ts, group), group)
+                 for _ in range(max(1, args.iters // 4))]
+        us = 1e6 / args.params
+        rows.append((case, *(x * us for x in (*cold, *_median(warm), *_median(fresh)))))
+        if prof is not None:
+            s = io.StringIO()
+            pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(args.top)
+            print(f"---- cProfile, rank {rank}, warm calls of {case} ----\n{s.getvalue()}",
+                  flush=True)
+    if rank == 0:
+        print(f"{args.params} params per xfer_batch, 2-rank gloo, µs per param "
+              f"(warm: median of {args.iters})")
+        print(f"{'':<10} {'---------- wall ----------':>32} {'---- main-thread CPU -----':>32}")
+        print(f"{'case':<10}" + f"{'cold':>10} {'warm':>10} {'no planner':>10}  " * 2)
+        for case, cw, cc, ww, wc, fw, fc in rows:
+            print(f"{case:<10}{cw:>10.1f} {ww:>10.1f} {fw:>10.1f}  {cc:>10.1f} {wc:>10.1f} "
+                  f"{fc:>10.1f}")
+    dist.destroy_process_group()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--params", type=int, default=1000)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--cases", nargs="+", default=["rr_cross", "s0_s1", "mixed"])
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--profile-rank", type=int, default=0, choices=(0, 1))
+    ap.add_argument("--top", type=int, default=25, help="profile rows to print")
+    args = ap.parse_args(argv)
+    from megatron_reshard.worlds import free_ports
+
+    tmp.spawn(_worker, args=(2, free_ports(1)[0], args), nprocs=2, join=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
