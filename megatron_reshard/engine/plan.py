@@ -184,14 +184,19 @@ def build_plan(key: LayoutKey) -> ParamPlan:
 
 
 class Planner:
-    """Owns the plan cache (layout key -> ParamPlan) and the batch schedule cache.
+    """Owns the caches of one refit session: plans (layout key -> ParamPlan), validated
+    layout keys, and per-batch state (fingerprint, schedule, execution programs).
 
-    One planner per refit session; ``clear()`` drops everything deterministically.
+    Everything cached is computed from plain data (layout tuples, names, dtypes,
+    placements, tensor strides; never from tensors' contents or mesh object identity), so
+    a cache hit gives exactly what recomputing would. One planner per refit
+    session; ``clear()`` drops everything deterministically.
     """
 
     def __init__(self) -> None:
         self._plans: dict[LayoutKey, ParamPlan] = {}
-        self._schedules: dict[tuple, object] = {}
+        self._layouts: dict[tuple, LayoutKey] = {}
+        self._batches: dict[tuple, object] = {}
 
     def plan(self, key: LayoutKey) -> ParamPlan:
         got = self._plans.get(key)
@@ -212,18 +217,32 @@ class Planner:
             if was_enabled:
                 gc.enable()
 
-    def schedule(self, key: tuple, build) -> object:
-        got = self._schedules.get(key)
+    def layout(self, light: tuple, build) -> LayoutKey:
+        """The validated layout key for ``light`` (a hashable description of the layout
+        made of plain keys and placement objects), from ``build()`` on first use. ``build``
+        raises on invalid layouts, so only valid ones are cached."""
+        got = self._layouts.get(light)
         if got is None:
             got = build()
-            if len(self._schedules) > 64:
-                self._schedules.clear()
-            self._schedules[key] = got
+            self._layouts[light] = got
         return got
+
+    def batch(self, key: tuple) -> Optional[object]:
+        """Cached per-batch state for ``key`` (see ``execute._Batch``), or None."""
+        return self._batches.get(key)
+
+    def remember_batch(self, key: tuple, value: object) -> None:
+        # Bounded against callers whose batches never repeat. Generous: a refit loop
+        # cycles through all its batches (one per ~512 MiB of weights), and a bound below
+        # that count would clear the cache before any batch came round again.
+        if len(self._batches) >= 1024:
+            self._batches.clear()
+        self._batches[key] = value
 
     def clear(self) -> None:
         self._plans.clear()
-        self._schedules.clear()
+        self._layouts.clear()
+        self._batches.clear()
 
     def __len__(self) -> int:
         return len(self._plans)
