@@ -40,6 +40,7 @@ class MeshInfo:
         if any(r < 0 for r in ranks):
             raise ValueError(f"MeshInfo: ranks must be >= 0, got {ranks}")
         self._mesh = mesh
+        self._key: Optional[tuple] = None  # the rank tensor is never mutated through MeshInfo
 
     @property
     def mesh(self) -> torch.Tensor:
@@ -63,8 +64,10 @@ class MeshInfo:
         return tuple(hits[0].tolist()) if len(hits) else None
 
     def key(self) -> tuple:
-        """Plain-data identity (shape + ranks), usable as a cache key."""
-        return (self.shape, tuple(self.ranks()))
+        """Plain-data identity (shape + ranks), usable as a cache key (computed once)."""
+        if self._key is None:
+            self._key = (self.shape, tuple(self.ranks()))
+        return self._key
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, MeshInfo) and self.key() == other.key()

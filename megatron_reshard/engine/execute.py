@@ -22,6 +22,9 @@
    the first round is in flight, wait, unpack staged receives. A message made of one
    segment whose view is contiguous on this side goes straight from/to the tensor.
    Copies are batched (``torch._foreach_copy_``): contiguous ones as bytes in one call.
+   On CUDA the copies leave the critical path: round k+1 is packed and round k-1 unpacked
+   on a side stream while round k is on the wire (two staging slots, so the schedule is
+   built with half the budget and the staging memory stays within ``staging_bytes``).
 """
 
 from __future__ import annotations
@@ -248,7 +251,7 @@ def _local_ok(transfers, expect, device_type: str,
 
 def xfer_batch(transfers: Sequence, group=None, *, stream=None,
                staging_bytes: int = 256 << 20, planner: Optional[Planner] = None,
-               backend: str = "python", _vote: bool = True) -> None:
+               backend: str = "python", agree: bool = True, _vote: bool = True) -> None:
     """Move every transfer of the batch from its source layout to its destination layout.
 
     Every rank of ``group`` calls with the same list (names, shapes, dtypes, layouts,
@@ -257,6 +260,11 @@ def xfer_batch(transfers: Sequence, group=None, *, stream=None,
     plans, schedules and execution programs (a warm call then costs a few µs per param
     on the host). Raises ``ValueError`` on every rank before any data moves when any
     rank's input is invalid.
+    
+    ``agree=False`` skips the agreement step (one small all-reduce and the call's only
+    host sync) for a caller that already ran this exact batch successfully on every rank,
+    as the refit loop does from its second refit on: local checks still run, but a rank
+    that fails one then raises alone and its peers wait for the group's timeout.
     """
     planner = planner if planner is not None else Planner()
     group = resolve_group(group)
@@ -309,6 +317,11 @@ def xfer_batch(transfers: Sequence, group=None, *, stream=None,
         bad_index, message, device = _check_local(transfers, plans, me, device_type)
     transport = P2PTransport(group, device if bad_index is None else None)
 
+    if not agree:  # the caller vouches that this batch already agreed on every rank
+        if bad_index is not None:
+            raise ValueError(f"xfer_batch: {message} (agree=False: peers are not told)")
+        _execute(batch, transfers, plans, me, tensors, transport, staging_bytes, stream)
+        return
     # The agreement step, the only host sync of a call: flags.tolist(). The flags go up
     # from pinned memory without blocking (a pageable copy would sync the stream first).
     fp_hex, fp = batch.fp_hex, batch.fp
@@ -335,9 +348,18 @@ def xfer_batch(transfers: Sequence, group=None, *, stream=None,
                          f"(names, shapes, dtypes, layouts or order differ; this rank's "
                          f"fingerprint {fp_hex})")
 
+    _execute(batch, transfers, plans, me, tensors, transport, staging_bytes, stream)
+
+
+def _execute(batch, transfers, plans, me: int, tensors, transport: P2PTransport,
+             staging_bytes: int, stream) -> None:
+    """Schedule (cached on the batch) and run this rank's part of an agreed batch."""
+    on_cuda = transport.device.type == "cuda"
+    ctx = torch.cuda.stream(stream) if stream is not None else nullcontext()
     if batch.sched is None:
-        batch.sched = build_schedule(plans, [t.dtype.itemsize for t in transfers], me,
-                                     staging_bytes)
+        # CUDA rounds are double-buffered (see _Program.run): two slots share the budget
+        budget = max(MIN_STAGING_BYTES, staging_bytes // 2) if on_cuda else staging_bytes
+        batch.sched = build_schedule(plans, [t.dtype.itemsize for t in transfers], me, budget)
     strides = tuple([None if x is None else x.stride() for x in tensors])
     prog = batch.programs.get(strides)
     if prog is None:
@@ -426,6 +448,7 @@ class _Program:
     """
 
     def __init__(self, sched: _Schedule, transfers, plans, me: int) -> None:
+        self._side = None  # CUDA side stream for pack/unpack, created on first use
         shapes, strides = {}, {}
         for ti, t in enumerate(transfers):
             for side, x in ((0, t.src), (1, t.dst)):
@@ -521,6 +544,9 @@ class _Program:
             _copy_all(flat_t, flat_b, typed_t, typed_b)
 
     def run(self, tensors, transport: P2PTransport) -> None:
+        if transport.device.type == "cuda":
+            self._run_overlapped(tensors, transport)
+            return
         local_done = False
         for phase, total, posts, packs, unpacks in self.rounds:
             if phase == 1 and not local_done:  # phase-1 sends may forward locally copied data
@@ -538,5 +564,63 @@ class _Program:
                     local_done = True
             if unpacks:
                 self._stage(buf, unpacks, tensors, pack=False)
+        if not local_done:
+            self._local_copies(tensors)
+
+    def _run_overlapped(self, tensors, transport: P2PTransport) -> None:
+        """CUDA: the copies of neighbouring rounds run on a side stream during transfers.
+
+        Per phase, with round k's buffer in slot k % 2: the side stream packs round k+1
+        while round k is on the wire, then waits for round k and unpacks it; the current
+        stream only waits for a round's pack before posting it. No host sync. Every stream
+        is joined back into the current one before returning, so the slots and the callers'
+        tensors are released in order.
+        """
+        device = transport.device
+        main = torch.cuda.current_stream(device)
+        if self._side is None:
+            self._side = torch.cuda.Stream(device)
+        side = self._side
+        size = max((total for _, total, _, _, _ in self.rounds), default=0)
+        slots = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(2)]
+        local_done = False
+        for phase in (0, 1):
+            rounds = [r for r in self.rounds if r[0] == phase]
+            if not rounds:
+                continue
+            if phase == 1 and not local_done:  # phase-1 sends may forward locally copied data
+                self._local_copies(tensors)
+                local_done = True
+            side.wait_stream(main)  # data written on the current stream is visible to packs
+            packed: list = []
+
+            def pack(k: int) -> None:
+                with torch.cuda.stream(side):
+                    if rounds[k][3]:
+                        self._stage(slots[k % 2], rounds[k][3], tensors, pack=True)
+                    packed.append(torch.cuda.Event())
+                    packed[k].record(side)
+
+            pack(0)
+            for k, (_, _, posts, _, unpacks) in enumerate(rounds):
+                main.wait_event(packed[k])
+                buf = slots[k % 2]
+                with transport.round():
+                    for is_send, peer, tag, ref, off, nbytes in posts:
+                        tensor = buf[off: off + nbytes] if ref is None else _flat(tensors, ref)
+                        (transport.send if is_send else transport.recv)(tensor, peer, tag)
+                    if not local_done:  # overlaps the first round's transfers
+                        self._local_copies(tensors)
+                        local_done = True
+                done = torch.cuda.Event()
+                done.record(main)
+                if k + 1 < len(rounds):
+                    # slot (k+1) % 2 held round k-1, which the side stream waited for already
+                    pack(k + 1)
+                with torch.cuda.stream(side):
+                    side.wait_event(done)  # always: the next pack into this slot waits too
+                    if unpacks:
+                        self._stage(buf, unpacks, tensors, pack=False)
+            main.wait_stream(side)
         if not local_done:
             self._local_copies(tensors)

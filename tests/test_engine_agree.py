@@ -1,0 +1,46 @@
+"""The agreement step can be skipped for a batch that already went through on every rank."""
+
+import pytest
+import torch
+from torch.distributed.tensor import Replicate, Shard
+
+from megatron_reshard.engine import Planner, Transfer, xfer_batch
+from megatron_reshard.layout import MeshInfo
+from megatron_reshard.worlds import init_gloo_world
+
+FULL = torch.arange(6 * 8, dtype=torch.float32).reshape(6, 8)
+
+
+def _transfer(rank, dst=None):
+    src_mesh, dst_mesh = MeshInfo(torch.tensor([0, 1])), MeshInfo(torch.tensor([2, 3]))
+    src = torch.chunk(FULL, 2, dim=0)[rank].clone() if rank < 2 else None
+    return Transfer("w", (6, 8), torch.float32, src_mesh, [Shard(0)], dst_mesh, [Shard(1)],
+                    src=src, dst=dst)
+
+
+def _job(job, break_second_call):
+    init_gloo_world(job)
+    planner = Planner()
+    dst = torch.zeros(6, 4) if job.rank >= 2 else None
+    xfer_batch([_transfer(job.rank, dst)], None, planner=planner)  # agreed
+    if dst is not None:
+        dst.zero_()
+    if break_second_call and job.rank == 3:
+        with pytest.raises(ValueError, match=r"'w'.*agree=False"):
+            xfer_batch([_transfer(job.rank, torch.zeros(6, 5))], None, planner=planner,
+                       agree=False)
+        return "raised"
+    if break_second_call:
+        return "skipped"
+    xfer_batch([_transfer(job.rank, dst)], None, planner=planner, agree=False)
+    if dst is None:
+        return True
+    return torch.equal(dst, torch.chunk(FULL, 2, dim=1)[job.rank - 2])
+
+
+def test_second_call_without_agreement_is_exact(pool):
+    assert pool.run(_job, 4, False, timeout_s=60) == [True] * 4
+
+
+def test_without_agreement_a_bad_tensor_raises_on_its_rank_before_communicating(pool):
+    assert pool.run(_job, 4, True, timeout_s=60)[3] == "raised"
