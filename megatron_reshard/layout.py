@@ -7,6 +7,7 @@ The rules below decide placements from HF parameter names alone, as the seed API
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
@@ -162,24 +163,47 @@ def get_placements(param_name: str, dim_map: dict, ndim: int) -> list:
     return placements
 
 
+@dataclass(frozen=True)
+class PaddedShard:
+    """Shard ``dim`` as if it had ``padded_size`` entries, split evenly over the mesh axis.
+
+    This is how both sides hold vocabularies: Megatron pads the vocab to a multiple of
+    128·TP, vLLM to a multiple of 64, and each rank keeps ``padded_size / m`` rows, of
+    which only those below the real size belong to the global (HF) tensor; the rest is
+    padding that never travels. Wire form: ``{"dim": d, "padded": padded_size}``.
+    """
+
+    dim: int
+    padded_size: int
+
+
 def placements_to_plain(placements: Sequence) -> list[dict]:
-    """Placements as plain dicts: ``Shard(d)`` → ``{"dim": d}``, ``Replicate()`` → ``{}``."""
+    """Placements as plain dicts: ``Shard(d)`` → ``{"dim": d}``, ``Replicate()`` → ``{}``,
+    ``PaddedShard(d, n)`` → ``{"dim": d, "padded": n}``."""
     out = []
     for p in placements:
-        if isinstance(p, Shard):
+        if isinstance(p, PaddedShard):
+            out.append({"dim": int(p.dim), "padded": int(p.padded_size)})
+        elif isinstance(p, Shard):
             out.append({"dim": int(p.dim)})
         elif isinstance(p, Replicate):
             out.append({})
         else:
-            raise TypeError(f"unsupported placement {p!r}: only Shard and Replicate are supported")
+            raise TypeError(f"unsupported placement {p!r}: only Shard, PaddedShard and "
+                            "Replicate are supported")
     return out
 
 
 def _restore_placement(p):
-    """A placement back from its wire form: instances kept, ``{"dim": d}`` → Shard, else Replicate."""
-    if isinstance(p, (Shard, Replicate)):
+    """A placement back from its wire form: instances kept, ``{"dim": d}`` → Shard, else Replicate.
+
+    Extension beyond the seed: ``{"dim": d, "padded": n}`` → ``PaddedShard(d, n)``.
+    """
+    if isinstance(p, (Shard, Replicate, PaddedShard)):
         return p
     if isinstance(p, dict) and "dim" in p:
+        if p.get("padded") is not None:
+            return PaddedShard(int(p["dim"]), int(p["padded"]))
         return Shard(int(p["dim"]))
     return Replicate()
 

@@ -30,10 +30,12 @@ from torch.distributed.tensor import Replicate, Shard
 
 from megatron_reshard.layout import (
     MeshInfo,
+    PaddedShard,
     _restore_placement,
     build_mesh_info,
     get_placements,
     is_expert_param,
+    placements_to_plain,
 )
 
 # dtype strings as they appear in metadata ("torch.bfloat16" or "bfloat16") -> torch dtype.
@@ -282,10 +284,8 @@ def build_nccl_reshard_refit_info(
 def _to_wire(value: Any, path: str) -> Any:
     if isinstance(value, MeshInfo):
         return {"mesh": value.mesh.tolist()}
-    if isinstance(value, Shard):
-        return {"dim": int(value.dim)}
-    if isinstance(value, Replicate):
-        return {}
+    if isinstance(value, (Shard, Replicate, PaddedShard)):
+        return placements_to_plain([value])[0]
     if isinstance(value, dict):
         return {k: _to_wire(v, f"{path}[{k!r}]") for k, v in value.items()}
     if isinstance(value, (list, tuple)):  # torch.Size is a tuple

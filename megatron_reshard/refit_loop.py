@@ -43,8 +43,8 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import Shard
 
+from megatron_reshard.engine.geometry import rank_region
 from megatron_reshard.layout import MeshInfo, placements_to_plain
 from megatron_reshard.spec import HFToLocalParamMap, LocalParamSpec
 
@@ -67,28 +67,12 @@ def local_region(global_shape: Sequence[int], mesh: MeshInfo, placements: Sequen
                  rank: int) -> Optional[Region]:
     """The ``[start, stop)`` box of the global tensor that ``rank`` holds, None if not in the mesh.
 
-    DTensor semantics: mesh axes that shard one tensor dim apply in axis order, each with
-    ``torch.chunk`` rules (chunk = ceil(n / m); trailing chunks may be short or empty).
+    DTensor semantics (the engine's geometry): mesh axes that shard one tensor dim apply in
+    axis order, each with ``torch.chunk`` rules; a ``PaddedShard`` splits its padded size
+    evenly and clips at the real size.
     """
-    coord = mesh.coordinate_of(rank)
-    if coord is None:
-        return None
-    if len(placements) != mesh.ndim:
-        raise ValueError(f"{len(placements)} placements for a {mesh.ndim}-D mesh {mesh!r}")
-    box = [[0, int(n)] for n in global_shape]
-    for axis, placement in enumerate(placements):
-        if not isinstance(placement, Shard):
-            continue
-        dim = placement.dim
-        if not 0 <= dim < len(box):
-            raise ValueError(f"placement {placement!r} shards dim {dim} of a "
-                             f"{len(box)}-D tensor {tuple(global_shape)}")
-        start, stop = box[dim]
-        parts = mesh.shape[axis]
-        chunk = -(-(stop - start) // parts) if stop > start else 0
-        lo = min(start + coord[axis] * chunk, stop)
-        box[dim] = [lo, min(lo + chunk, stop)]
-    return tuple((a, b) for a, b in box)
+    got = rank_region(global_shape, mesh, placements, rank)
+    return None if got is None else got[0]
 
 
 def region_shape(region: Region) -> tuple[int, ...]:
@@ -333,10 +317,11 @@ class RefitLoop:
         mesh_key, pl_key = f"{self.side}_mesh_info", f"{self.side}_placements"
         mine: list[Optional[tuple[LocalParamSpec, Region]]] = []
         for p in self.stages[stage]:
-            region = local_region(p["global_shape"], p[mesh_key], p[pl_key], rank)
-            if region is None:
+            got = rank_region(p["global_shape"], p[mesh_key], p[pl_key], rank)
+            if got is None:
                 mine.append(None)
                 continue
+            region, local_shape = got
             name = p["name"]
             spec = self.local_map.get(name)
             if spec is None:
@@ -349,10 +334,11 @@ class RefitLoop:
                     raise ValueError(f"{name}: {self.side} group rank {rank} (stage {stage}) has a "
                                      f"spec without pre hook whose base is {type(base).__name__}, "
                                      f"not a tensor")
-                if tuple(base.shape) != region_shape(region):
+                if tuple(base.shape) != local_shape:
                     raise ValueError(f"{name}: {self.side} group rank {rank} (stage {stage}) holds "
-                                     f"region {list(region)} of shape {list(region_shape(region))}, "
-                                     f"but its local tensor has shape {list(base.shape)}")
+                                     f"region {list(region)} in a local tensor of shape "
+                                     f"{list(local_shape)}, but its local tensor has shape "
+                                     f"{list(base.shape)}")
                 if base.dtype != dtype:
                     raise ValueError(f"{name}: {self.side} group rank {rank} (stage {stage}): wire "
                                      f"dtype {dtype} but local tensor dtype {base.dtype}")
@@ -474,7 +460,10 @@ class RefitLoop:
                 # the peers inside this batch's collectives)
                 local = ctx.buf
                 st.params += 1
-                st.local_bytes += local.numel() * local.element_size()
+                region_numel = 1
+                for lo, hi in mine[i][1]:  # the owned region: padding rows do not travel
+                    region_numel *= hi - lo
+                st.local_bytes += region_numel * local.element_size()
             transfers.append(transfer_cls(
                 name=p["name"], global_shape=tuple(p["global_shape"]), dtype=wire_dtype(p["dtype"]),
                 src_mesh=p["src_mesh_info"], src_placements=list(p["src_placements"]),

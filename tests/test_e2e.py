@@ -49,6 +49,14 @@ def test_moe_ep2_to_gen_ep2_whole_experts_bit_exact(pool):
     assert summary["verified"], summary["per_gen_rank"]
 
 
+def test_vocab_with_different_paddings_takes_the_exact_path_bit_exact(pool):
+    # vocab 520: Megatron pads to 768 (128 x TP2), vLLM to 576 (64): padded shards differ
+    summary = _run(pool, model="dense", model_overrides={"vocab_size": 520}, train_world=2,
+                   train_tp=2, train_pp=1, train_ep=1, gen_world=2, gen_tp=2)
+    assert summary["verified"], summary["per_gen_rank"]
+    assert summary["exact_path_fraction"] > 0.8
+
+
 def test_summary_fails_when_a_generation_rank_reports_a_mismatch():
     cfg = RefitRunConfig(refits=1, gen_world=1, train_world=1, train_tp=1, train_pp=1, train_ep=1,
                          gen_tp=1)

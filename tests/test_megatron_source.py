@@ -33,6 +33,17 @@ def chunk_of(full: torch.Tensor, mesh: torch.Tensor, placements, rank: int) -> t
     return region
 
 
+def padded_rows_of(full: torch.Tensor, mesh: torch.Tensor, placements, rank: int):
+    """(owned rows of ``full``, padded chunk size) for a vocab PaddedShard over one axis."""
+    from megatron_reshard.layout import PaddedShard
+
+    coord = (mesh == rank).nonzero()[0].tolist()
+    axis, p = next((a, p) for a, p in enumerate(placements) if isinstance(p, PaddedShard))
+    chunk = p.padded_size // mesh.shape[axis]
+    start = min(coord[axis] * chunk, full.shape[0])
+    return full[start: min(start + chunk, full.shape[0])], chunk
+
+
 def _init(job, tp=1, pp=1, ep=1, etp=1, order=None):
     init_gloo_world(job)
     from megatron.core import parallel_state as ps
@@ -74,7 +85,8 @@ def _check_source(job, spec_kwargs, family, gen_parallelism, gen_world_size, lay
     failures = []
 
     # metadata: every HF tensor described once, with its global shape and dtype
-    described = {**source.state_dict_metadata, **source.other_params_metadata}
+    described = {**source.state_dict_metadata, **source.vocab_metadata,
+                 **source.other_params_metadata}
     if set(described) != set(oracle):
         failures.append(f"metadata names differ from oracle: extra {sorted(set(described) - set(oracle))}, "
                         f"missing {sorted(set(oracle) - set(described))}")
@@ -107,6 +119,14 @@ def _check_source(job, spec_kwargs, family, gen_parallelism, gen_world_size, lay
             if "grouped_expert_proj" not in info and spec_.base.untyped_storage().data_ptr() not in storages:
                 failures.append(f"{info['name']}: dense view is not a view of a live parameter")
             buf = spec_.begin().buf
+            if info["name"] in source.vocab_metadata:  # padded shard: owned rows, then padding
+                rows, chunk = padded_rows_of(oracle[info["name"]], info["src_mesh_info"].mesh,
+                                             info["src_placements"], source.stage_local_rank)
+                if buf.shape[0] != chunk or not torch.equal(buf[: rows.shape[0]], rows):
+                    failures.append(f"{info['name']}: rank {job.rank} vocab shard {list(buf.shape)} "
+                                    f"does not start with its {rows.shape[0]} rows of the oracle")
+                checked += 1
+                continue
             want = chunk_of(_oracle_tensor(oracle, info), info["src_mesh_info"].mesh, info["src_placements"],
                             source.stage_local_rank)
             if buf.shape != want.shape or not torch.equal(buf, want):

@@ -44,8 +44,10 @@ projection, the training ranks all-gather their shards over the training world (
 experts: the rank's local experts stacked into one tensor once, outside the timed loop),
 training rank 0 broadcasts the full tensor over the refit group, and each generation rank
 copies its ``torch.chunk`` part along the gen TP dim into a destination buffer (the
-gate/up split of fc1 is not modelled: the copied bytes are the same). Full and
-destination buffers are allocated once per shape and reused.
+gate/up split of fc1 is not modelled: the copied bytes are the same). The vocab matrices,
+which the refit also moves on its exact path, go the same way (the gen rank keeps the real
+rows of vLLM's padded chunk). Full and destination buffers are allocated once per shape
+and reused.
 """
 
 from __future__ import annotations
@@ -184,9 +186,15 @@ _EXPERT = re.compile(r"decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+
 _DENSE = re.compile(r"decoder\.layers\.(\d+)\.mlp\.linear_fc([12])\.weight$")
 
 
-def _baseline_items_train(model, train_world: int) -> tuple[list[dict], list[torch.Tensor], str]:
+_VOCAB = re.compile(r"(embedding\.word_embeddings|output_layer)\.weight$")
+
+
+def _baseline_items_train(model, train_world: int, vocab_size: int
+                          ) -> tuple[list[dict], list[torch.Tensor], str]:
     """Train side: (specs, local tensors, note). Specs are plain data shared with the gen
-    side: full shape, gather dim (None: replicated), gen slice dim."""
+    side: full shape, gather dim (None: replicated), gen slice dim; vocab matrices also
+    carry the real vocab size and vLLM's padded size (the gen side keeps its padded chunk's
+    real rows), as the refit moves them on its exact path too."""
     from megatron.core import parallel_state as ps
 
     tp = ps.get_tensor_model_parallel_world_size()
@@ -197,6 +205,12 @@ def _baseline_items_train(model, train_world: int) -> tuple[list[dict], list[tor
         m = _EXPERT.search(name)
         if m:
             experts.setdefault((int(m.group(1)), m.group(3)), []).append((int(m.group(2)), p))
+            continue
+        if _VOCAB.search(name) and tp in (1, train_world):
+            full = [p.shape[0] * tp, p.shape[1]]
+            specs.append({"full": full, "src_dim": 0 if tp > 1 else None, "gen_dim": 0,
+                          "vocab": vocab_size, "gen_pad": -(-vocab_size // 64) * 64})
+            locals_.append(p.detach())
             continue
         m = _DENSE.search(name)
         if m:
@@ -247,8 +261,8 @@ class GatherBroadcast:
                     self.gathered[key] = torch.empty(key, dtype=local.dtype, device=device)
             if role == "gen":
                 d = s["gen_dim"]
-                size = shape[d]
-                step = -(-size // gen_tp)
+                size = s.get("vocab", shape[d])  # vocab: the real rows of vLLM's padded chunk
+                step = s["gen_pad"] // gen_tp if "gen_pad" in s else -(-size // gen_tp)
                 lo, hi = min(size, gen_tp_rank * step), min(size, (gen_tp_rank + 1) * step)
                 view = full.narrow(d, lo, hi - lo)
                 key = (shape, d)
@@ -375,7 +389,8 @@ def _run_baseline(ctx: dict, args: argparse.Namespace, case: str, ops: GroupOps)
     key = f"bench/{case}/baseline_specs"
     locals_ = None
     if role == "train":
-        specs, locals_, note = _baseline_items_train(ctx["model"], cfg.train_world)
+        specs, locals_, note = _baseline_items_train(ctx["model"], cfg.train_world,
+                                                     ctx["sender"].source.vocab_size)
         if ctx["rank"] == 0:
             control.set(key, json.dumps({"specs": specs, "note": note,
                                          "dtype": str(locals_[0].dtype) if locals_ else cfg.dtype}))

@@ -18,6 +18,8 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
+from megatron_reshard.layout import PaddedShard
+
 Box = tuple  # tuple[tuple[int, int], ...]
 REPLICATE = -1  # plain form of Replicate() in a placement tuple
 
@@ -87,14 +89,18 @@ class Ownership(NamedTuple):
 
 
 def placement_dims(placements: Sequence, ndim: int, where: str = "placements") -> tuple[int, ...]:
-    """Placements as plain ints (shard dim, or REPLICATE); negative dims normalised.
+    """Placements as plain data (shard dim, ``(dim, padded size)``, or REPLICATE).
 
-    Accepts torch ``Shard``/``Replicate`` and their wire forms ``{"dim": d}`` / ``{}``.
+    Accepts torch ``Shard``/``Replicate``, ``PaddedShard`` and their wire forms
+    ``{"dim": d}`` / ``{"dim": d, "padded": n}`` / ``{}``; negative dims are normalised.
     Raises ValueError for anything else or a shard dim outside the tensor.
     """
     out = []
     for p in placements:
-        if isinstance(p, Shard):
+        padded = None
+        if isinstance(p, PaddedShard):
+            d, padded = int(p.dim), int(p.padded_size)
+        elif isinstance(p, Shard):
             d = int(p.dim)
         elif isinstance(p, Replicate):
             out.append(REPLICATE)
@@ -104,12 +110,19 @@ def placement_dims(placements: Sequence, ndim: int, where: str = "placements") -
                 out.append(REPLICATE)
                 continue
             d = int(p["dim"])
+            padded = None if p.get("padded") is None else int(p["padded"])
         else:
-            raise ValueError(f"{where}: unsupported placement {p!r} (only Shard and Replicate)")
+            raise ValueError(f"{where}: unsupported placement {p!r} (only Shard, PaddedShard "
+                             "and Replicate)")
         if not -ndim <= d < ndim:
             raise ValueError(f"{where}: invalid shard dim: Shard({d}) on a tensor of {ndim} "
                              f"dims (expected a dim in [{-ndim}, {ndim}))")
-        out.append(d % ndim)
+        out.append(d % ndim if padded is None else (d % ndim, padded))
+    dims = [e[0] if isinstance(e, tuple) else e for e in out]
+    for e in out:
+        if isinstance(e, tuple) and dims.count(e[0]) > 1:
+            raise ValueError(f"{where}: a padded shard of dim {e[0]} must be the only placement "
+                             f"sharding that dim, found {list(placements)}")
     return tuple(out)
 
 
@@ -137,6 +150,12 @@ def shard_box(global_shape: Sequence[int], mesh_shape: Sequence[int], coord: Seq
     lo = [0] * len(global_shape)
     hi = list(global_shape)
     for axis, d in enumerate(dims):
+        if isinstance(d, tuple):  # padded shard: equal chunks of the padded size, clipped
+            d, padded = d
+            chunk = _padded_chunk(global_shape[d], padded, mesh_shape[axis])
+            lo[d] = min(coord[axis] * chunk, global_shape[d])
+            hi[d] = min(lo[d] + chunk, global_shape[d])
+            continue
         if d < 0:
             continue
         n = hi[d] - lo[d]
@@ -152,6 +171,38 @@ def shard_box(global_shape: Sequence[int], mesh_shape: Sequence[int], coord: Seq
     return tuple(zip(lo, hi))
 
 
+def _padded_chunk(size: int, padded: int, parts: int) -> int:
+    if padded < size or padded % parts:
+        raise ValueError(f"padded shard: padded size {padded} must be >= the real size {size} "
+                         f"and divisible by the mesh axis size {parts}")
+    return padded // parts
+
+
+def local_shape_of(global_shape: Sequence[int], mesh_shape: Sequence[int], box: Box,
+                   dims: Sequence) -> tuple[int, ...]:
+    """Shape of the local tensor that holds ``box``: the box, except that a padded dim has
+    its full chunk (the padding rows sit after the owned ones)."""
+    shape = list(box_shape(box))
+    for axis, d in enumerate(dims):
+        if isinstance(d, tuple):
+            shape[d[0]] = _padded_chunk(global_shape[d[0]], d[1], mesh_shape[axis])
+    return tuple(shape)
+
+
+def rank_region(global_shape: Sequence[int], mesh, placements: Sequence, rank: int
+                ) -> Optional[tuple[Box, tuple[int, ...]]]:
+    """(box of the global tensor, local tensor shape) of ``rank`` on ``mesh``; None if absent."""
+    coord = mesh.coordinate_of(rank)
+    if coord is None:
+        return None
+    if len(placements) != mesh.ndim:
+        raise ValueError(f"{len(placements)} placements for a {mesh.ndim}-D mesh {mesh!r}")
+    shape = tuple(int(n) for n in global_shape)
+    dims = placement_dims(placements, len(shape))
+    box = shard_box(shape, mesh.shape, coord, dims)
+    return box, local_shape_of(shape, mesh.shape, box, dims)
+
+
 def shard_ownerships(global_shape: Sequence[int], mesh_shape: Sequence[int],
                      ranks: Sequence[int], dims: Sequence[int]) -> dict[int, Ownership]:
     """rank -> Ownership for every rank of a mesh under Shard/Replicate placements."""
@@ -163,7 +214,7 @@ def shard_ownerships(global_shape: Sequence[int], mesh_shape: Sequence[int],
         box = shard_box(shape, mesh_shape, coord, dims)
         own = made.get(box)
         if own is None:
-            local_shape = box_shape(box)
+            local_shape = local_shape_of(shape, mesh_shape, box, dims)
             pieces = (Piece(box, identity),) if box_numel(box) else ()
             own = made[box] = Ownership(local_shape, pieces, (box,) if pieces else ())
         ownerships[r] = own

@@ -43,9 +43,11 @@ from typing import Any, Iterable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Replicate
 
-from megatron_reshard.layout import is_expert_param, is_nccl_reshard_param
+from megatron_reshard.engine.geometry import rank_region
+from megatron_reshard.layout import (MeshInfo, PaddedShard, build_mesh_info, is_expert_param,
+                                     is_nccl_reshard_param)
 from megatron_reshard.megatron.converters import (
     FAMILIES,
     Converted,
@@ -130,18 +132,22 @@ def _layer_sort_key(name: str) -> tuple[int, int]:
 
 
 def expected_local_shape(global_shape: Sequence[int], mesh, placements: Sequence, rank: int) -> Optional[list[int]]:
-    """Shape of ``rank``'s region under ``torch.chunk`` rules (axes applied in order); None if not in mesh."""
-    coord = mesh.coordinate_of(rank)
-    if coord is None:
-        return None
-    shape = [int(s) for s in global_shape]
-    for axis, placement in enumerate(placements):
-        if isinstance(placement, Shard):
-            n, m = shape[placement.dim], mesh.shape[axis]
-            chunk = -(-n // m)
-            start = coord[axis] * chunk
-            shape[placement.dim] = max(0, min(chunk, n - start))
-    return shape
+    """Shape of ``rank``'s local tensor under the engine's geometry; None if not in the mesh."""
+    got = rank_region(global_shape, mesh, placements, rank)
+    return None if got is None else list(got[1])
+
+
+VOCAB_PARAMS = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def _padded_layout(mesh: MeshInfo, tp_axis: Optional[int], padded: int) -> tuple[MeshInfo, list]:
+    """Mesh and placements of a vocab matrix padded to ``padded`` rows split over ``tp_axis``
+    (without a TP axis, a size-1 axis is added so the whole padded vocab is one shard)."""
+    if tp_axis is None:
+        mesh, tp_axis = MeshInfo(mesh.mesh.unsqueeze(-1)), mesh.ndim
+    placements: list = [Replicate() for _ in range(mesh.ndim)]
+    placements[tp_axis] = PaddedShard(0, padded)
+    return mesh, placements
 
 
 class MegatronRefitSource:
@@ -236,7 +242,11 @@ class MegatronRefitSource:
         metadata, stage_of_key = self._merge_reports(reports, all_coords)
         self.layer_to_pp_stage: dict[str, int] = stage_of_key
         self.state_dict_metadata = {n: m for n, m in metadata.items() if is_nccl_reshard_param(n)}
-        self.other_params_metadata = {n: m for n, m in metadata.items() if not is_nccl_reshard_param(n)}
+        # Vocab matrices are the largest params outside the FFN: they take the exact path too,
+        # as padded shards (Megatron's and vLLM's paddings differ; padding never travels).
+        self.vocab_metadata = {n: m for n, m in metadata.items() if n in VOCAB_PARAMS}
+        self.other_params_metadata = {n: m for n, m in metadata.items()
+                                      if not is_nccl_reshard_param(n) and n not in VOCAB_PARAMS}
         self.hf_config = self._hf_config(metadata)
         self.gen_parallelism = dict(gen_parallelism)
         self.gen_world_size = gen_world_size
@@ -248,6 +258,7 @@ class MegatronRefitSource:
             self.layer_to_pp_stage if layout.pp > 1 else None,
         )
         self._use_live_meshes(info)
+        self._add_vocab_params(info, stage_of_key)
         self.refit_info = info
         other = [{"name": n, "shape": list(m["shape"]), "dtype": m["dtype"],
                   "pp_stage": stage_of_key[_extract_layer_name(n)]}
@@ -304,6 +315,39 @@ class MegatronRefitSource:
                                      f"refit info's {p['src_mesh_info']} (rank order {self.rank_order})")
                 p["src_mesh_info"] = live
 
+    def _add_vocab_params(self, info: dict, stage_of_key: dict) -> None:
+        """Append the vocab matrices to the refit info as padded shards on both sides.
+
+        Train: Megatron's padded vocab split over TP (the stage's live dense mesh). Gen:
+        vLLM's vocab padded to a multiple of 64, split over gen TP. Embeddings go first,
+        lm_head last, each under its own layer key.
+        """
+        gen_tp = int(self.gen_parallelism.get("tp_size", 1))
+        stage_world = self.layout.world_size // self.layout.pp
+        gen_mesh, gen_dims = build_mesh_info(self.gen_world_size, stage_world, tp_size=gen_tp)
+        padded_train = int(self.model.vocab_size)
+        for name in VOCAB_PARAMS:
+            meta = self.vocab_metadata.get(name)
+            if meta is None:
+                continue
+            key = _extract_layer_name(name)
+            stage = stage_of_key[key]
+            meshes = self.stages[stage]
+            src_mesh, src_pl = _padded_layout(meshes.dense, meshes.dense_dims.get("tp"), padded_train)
+            vocab = int(meta["shape"][0])
+            dst_mesh, dst_pl = _padded_layout(gen_mesh, gen_dims.get("tp"), -(-vocab // 64) * 64)
+            entry = {"name": name, "global_shape": tuple(meta["shape"]), "dtype": meta["dtype"],
+                     "src_mesh_info": src_mesh, "src_placements": src_pl,
+                     "dst_mesh_info": dst_mesh, "dst_placements": dst_pl}
+            if self.layout.pp > 1:
+                entry["pp_stage"] = stage
+            info["per_layer_params"].setdefault(key, []).append(entry)
+            if key not in info["layer_names"]:
+                if name.startswith("lm_head"):
+                    info["layer_names"].append(key)
+                else:
+                    info["layer_names"].insert(0, key)
+
     def _hf_config(self, metadata: dict) -> dict:
         c = self.config
         moe_layers = sorted({int(m.group(1)) for n in metadata
@@ -338,6 +382,9 @@ class MegatronRefitSource:
     def _local_hf_views(self) -> dict[str, torch.Tensor]:
         views: dict[str, torch.Tensor] = {}
         for conv, tensor in self._converted:
+            if len(conv.hf_names) == 1 and conv.hf_names[0] in VOCAB_PARAMS:
+                views[conv.hf_names[0]] = tensor.detach()  # the padded local shard itself
+                continue
             if not any(is_nccl_reshard_param(n) for n in conv.hf_names):
                 continue
             views.update(local_views(conv, tensor.detach(), self.dims))

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Union
 import torch
 from torch.distributed.tensor import Shard
 
-from megatron_reshard.layout import is_expert_param
+from megatron_reshard.layout import PaddedShard, is_expert_param
 from megatron_reshard.metadata import restore_refit_info_placements
 from megatron_reshard.packed import chunk_items
 from megatron_reshard.refit_loop import (
@@ -29,6 +29,7 @@ from megatron_reshard.refit_loop import (
     group_size,
     local_region,
     misc_items_by_stage,
+    region_index,
     stage_params,
     wire_dtype,
 )
@@ -42,7 +43,7 @@ from megatron_reshard.receiver.targets import (
     plan_full_weights,
     receive_spec,
 )
-from megatron_reshard.spec import HFToLocalParamMap
+from megatron_reshard.spec import HFToLocalParamMap, LocalParamSpec
 
 SUPPORTED_SCHEMA_VERSIONS = (1,)
 
@@ -98,9 +99,17 @@ def build_receiver_param_map(payload: Mapping[str, Any], targets: VllmTargets, r
                                   rank_in_group)
             if region is None:
                 continue
+            padded = any(isinstance(pl, PaddedShard) for pl in p["dst_placements"])
             plan = bulk_receive_plan(targets, p["name"], p["global_shape"], region,
-                                     wire_dtype(p["dtype"]))
-            specs.specs[p["name"]] = receive_spec(targets, plan.pieces[0], strided_in_place)
+                                     wire_dtype(p["dtype"]), padded=padded)
+            if padded:
+                # the engine fills the owned rows at the top of the whole local tensor; the
+                # padding rows after them never travel: zero them once, here
+                for target, box in plan.zero:
+                    targets.params[target][region_index(box)].zero_()
+                specs.specs[p["name"]] = LocalParamSpec(base=targets.params[plan.pieces[0].target])
+            else:
+                specs.specs[p["name"]] = receive_spec(targets, plan.pieces[0], strided_in_place)
             plans.append(plan)
     return specs, plans
 

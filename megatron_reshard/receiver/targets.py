@@ -366,11 +366,12 @@ def check_wire_dtype(targets: VllmTargets, plan: TargetPlan, wire_dtype: torch.d
 
 
 def bulk_receive_plan(targets: VllmTargets, hf_name: str, global_shape: Sequence[int],
-                      region: Region, wire_dtype: torch.dtype) -> TargetPlan:
+                      region: Region, wire_dtype: torch.dtype, padded: bool = False) -> TargetPlan:
     """Check that the payload's region for this rank is what vLLM holds there; return the plan.
 
     ``region`` is the box of the HF tensor the engine delivers to this rank (from the
-    payload's destination mesh and placements).
+    payload's destination mesh and placements). ``padded``: the payload sends a padded
+    shard (vocab), so the target may also hold padding rows (``plan.zero``) after it.
     """
     shape = tuple(int(s) for s in global_shape)
     m = _EXPERT_RE.match(hf_name)
@@ -381,7 +382,7 @@ def bulk_receive_plan(targets: VllmTargets, hf_name: str, global_shape: Sequence
             f"disagree; refusing (on {targets.where()})")
     plan = targets.resolve(hf_name, shape)
     check_wire_dtype(targets, plan, wire_dtype)
-    if plan.zero or len(plan.pieces) != 1 or plan.pieces[0].hf_region != tuple(region):
+    if (plan.zero and not padded) or len(plan.pieces) != 1 or plan.pieces[0].hf_region != tuple(region):
         want = [list(p.hf_region) for p in plan.pieces]
         raise TargetError(
             f"{hf_name}: the payload delivers region {list(region)} to {targets.where()}, but "
