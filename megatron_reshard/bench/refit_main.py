@@ -80,12 +80,12 @@ QWEN3_VOCAB = 151936
 
 # Full-size cases: (e2e preset, overrides, train layout, gen layout). Layers come from --layers.
 CASES: dict[str, dict[str, Any]] = {
-    "moe": dict(model="moe", label="Qwen3-30B-A3B slice, train EP2 → gen TP2",
+    "moe": dict(model="moe", label="Qwen3-30B-A3B slice, train EP{n} → gen TP{n}",
                 overrides=dict(hidden_size=2048, num_attention_heads=32, num_query_groups=4,
                                head_dim=128, num_moe_experts=128, moe_ffn_hidden_size=768,
                                ffn_hidden_size=6144, moe_router_topk=8, vocab_size=QWEN3_VOCAB),
                 train=dict(train_tp=1, train_pp=1, train_ep=2)),
-    "dense": dict(model="dense", label="Qwen3-8B slice, train TP2 → gen TP2",
+    "dense": dict(model="dense", label="Qwen3-8B slice, train TP{n} → gen TP{n}",
                   overrides=dict(hidden_size=4096, num_attention_heads=32, num_query_groups=8,
                                  head_dim=128, ffn_hidden_size=12288, vocab_size=QWEN3_VOCAB),
                   train=dict(train_tp=2, train_pp=1, train_ep=1)),
@@ -428,13 +428,15 @@ def run_case(case: str, args: argparse.Namespace, rank: int, ports: tuple, bench
     layers = args.layers if args.layers is not None else (2 if args.small else 4)
     overrides["num_layers"] = layers
     device_type = "cuda" if args.device == "cuda" else "cpu"
-    cfg = RefitRunConfig(model=spec["model"], model_overrides=overrides, train_world=2,
-                         gen_world=2, gen_tp=2, gen_ep=1, refits=1, verify=not args.no_verify,
+    half = int(os.environ["WORLD_SIZE"]) // 2  # N train ranks, N gen ranks (gen TP N)
+    train = {k: (half if v == 2 else v) for k, v in spec["train"].items()}
+    cfg = RefitRunConfig(model=spec["model"], model_overrides=overrides, train_world=half,
+                         gen_world=half, gen_tp=half, gen_ep=1, refits=1, verify=not args.no_verify,
                          backend=args.backend, device=device_type, dtype="bfloat16",
                          host=os.environ.get("MASTER_ADDR", "127.0.0.1"), ports=ports,
                          timeout_s=args.timeout_s, num_streams=args.streams,
-                         staging_mib=args.staging_mib, quiet=rank not in (0, 2),
-                         **spec["train"])
+                         staging_mib=args.staging_mib, quiet=rank not in (0, half),
+                         **train)
     t0 = time.perf_counter()
     result = run_rank(rank, cfg, model_builder=build_model_fast,
                       after_refits=lambda ctx: _bench_side(ctx, args, case))
@@ -442,13 +444,13 @@ def run_case(case: str, args: argparse.Namespace, rank: int, ports: tuple, bench
     _teardown(rank < cfg.train_world)
     if rank != 0:
         return None
-    results = [json.loads(bench_store.get(f"{case}/result/{r}")) for r in range(4)]
+    results = [json.loads(bench_store.get(f"{case}/result/{r}")) for r in range(2 * half)]
     summary = summarize(cfg, results)
     b = results[0]["bench"]
     refit_s, bulk_s = _median(b["refit_times_s"]), _median(b["bulk_times_s"])
     per_gen, bulk_gen = max(b["bytes_per_gen"]), max(b["bulk_bytes_per_gen"])
     row: dict[str, Any] = {
-        "case": case, "layout": spec["label"], "layers": layers,
+        "case": case, "layout": spec["label"].format(n=cfg.gen_tp), "layers": layers,
         "params_per_gen": summary["params"],
         "bytes_per_gen": per_gen, "mib_per_gen": per_gen / 2**20,
         "bulk_bytes_per_gen": bulk_gen,
@@ -594,9 +596,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               "megatron_reshard.bench.refit_main", file=sys.stderr)
         return 2
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if world != 4:
+    if world not in (2, 4):
         if rank == 0:
-            print(f"bench_refit: needs exactly 4 processes (2 train + 2 gen), got {world}",
+            print(f"bench_refit: needs 4 processes (2 train + 2 gen) or 2 (1 + 1), got {world}",
                   file=sys.stderr)
         return 2
     if args.device == "cuda" and torch.cuda.device_count() < 1:
