@@ -543,6 +543,18 @@ class _Program:
         else:
             _copy_all(flat_t, flat_b, typed_t, typed_b)
 
+    def _post(self, buf, posts, tensors, transport: P2PTransport, local_done: bool) -> bool:
+        """Post one round's sends and receives (waited for on exit); the local copies run
+        during the first round, overlapping its transfers. Returns whether they ran."""
+        with transport.round():
+            for is_send, peer, tag, ref, off, nbytes in posts:
+                tensor = buf[off: off + nbytes] if ref is None else _flat(tensors, ref)
+                (transport.send if is_send else transport.recv)(tensor, peer, tag)
+            if not local_done:
+                self._local_copies(tensors)
+                local_done = True
+        return local_done
+
     def run(self, tensors, transport: P2PTransport) -> None:
         if transport.device.type == "cuda":
             self._run_overlapped(tensors, transport)
@@ -555,13 +567,7 @@ class _Program:
             buf = torch.empty(total, dtype=torch.uint8, device=transport.device) if total else None
             if packs:
                 self._stage(buf, packs, tensors, pack=True)
-            with transport.round():
-                for is_send, peer, tag, ref, off, nbytes in posts:
-                    tensor = buf[off: off + nbytes] if ref is None else _flat(tensors, ref)
-                    (transport.send if is_send else transport.recv)(tensor, peer, tag)
-                if not local_done:  # overlaps the first round's transfers
-                    self._local_copies(tensors)
-                    local_done = True
+            local_done = self._post(buf, posts, tensors, transport, local_done)
             if unpacks:
                 self._stage(buf, unpacks, tensors, pack=False)
         if not local_done:
@@ -605,13 +611,7 @@ class _Program:
             for k, (_, _, posts, _, unpacks) in enumerate(rounds):
                 main.wait_event(packed[k])
                 buf = slots[k % 2]
-                with transport.round():
-                    for is_send, peer, tag, ref, off, nbytes in posts:
-                        tensor = buf[off: off + nbytes] if ref is None else _flat(tensors, ref)
-                        (transport.send if is_send else transport.recv)(tensor, peer, tag)
-                    if not local_done:  # overlaps the first round's transfers
-                        self._local_copies(tensors)
-                        local_done = True
+                local_done = self._post(buf, posts, tensors, transport, local_done)
                 done = torch.cuda.Event()
                 done.record(main)
                 if k + 1 < len(rounds):
