@@ -4,6 +4,7 @@ The package root imports only torch and the standard library (it is imported ins
 generation workers). The Megatron train side lives in ``megatron_reshard.megatron``.
 """
 
+from megatron_reshard.engine import DTensorRef, Transfer, xfer_batch, xferdtensor
+
 __version__ = "0.1.0"
-from megatron_reshard.engine import DTensorRef, Transfer, xferdtensor, xfer_batch
 __all__ = ["DTensorRef", "Transfer", "xferdtensor", "xfer_batch"]

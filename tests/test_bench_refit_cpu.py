@@ -14,7 +14,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 from megatron_reshard.bench.refit_main import COLUMNS, build_parser, fill_pattern_
 

@@ -9,7 +9,6 @@ import json
 import subprocess
 import sys
 
-import pytest
 import torch
 
 from megatron_reshard.e2e import RefitRunConfig, run_rank, summarize, tensor_digest

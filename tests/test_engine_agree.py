@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Shard
 
 from megatron_reshard.engine import Planner, Transfer, xfer_batch
 from megatron_reshard.layout import MeshInfo

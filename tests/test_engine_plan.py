@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from torch.distributed.tensor import Replicate, Shard
 
 from megatron_reshard.engine.execute import build_schedule, split_box
-from megatron_reshard.engine.geometry import REPLICATE, box_numel, box_shape
+from megatron_reshard.engine.geometry import REPLICATE, box_numel
 from megatron_reshard.engine.plan import Planner, build_plan, layout_key
 from megatron_reshard.layout import MeshInfo
 

@@ -62,7 +62,7 @@ def vllm_param_shapes(hf_config: Mapping[str, Any], tp_rank: int, tp_size: int, 
                       ) -> dict[str, tuple[int, ...]]:
     """vLLM per-rank parameter names and shapes for ``hf_config`` on one TP rank."""
     c = _cfg(hf_config)
-    T, r = tp_size, tp_rank
+    T = tp_size
     ep_rank = tp_rank % ep_size if ep_rank is None else ep_rank
     H, nh, nkv, hd = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
     kv_per_rank = 1 if T >= nkv else nkv // T
