@@ -72,8 +72,10 @@ def pack(layout: Sequence[PackedEntry], tensors: dict[str, torch.Tensor],
         if tuple(t.shape) != entry.shape or t.dtype != entry.dtype:
             raise ValueError(f"packed broadcast: {entry.name!r} expected shape {list(entry.shape)} "
                              f"dtype {entry.dtype}, found shape {list(t.shape)} dtype {t.dtype}")
-        flat[entry.offset:entry.offset + entry.nbytes].copy_(
-            t.detach().contiguous().reshape(-1).view(torch.uint8))
+        # copy straight into the buffer: a strided view (a de-interleaved q/k/v) needs no
+        # contiguous temporary
+        flat[entry.offset:entry.offset + entry.nbytes].view(entry.dtype).view(entry.shape).copy_(
+            t.detach())
     return flat
 
 

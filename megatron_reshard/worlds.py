@@ -40,18 +40,36 @@ class Job:
         return self.ports[0]
 
 
+# Store ports are picked below Linux's ephemeral range (32768-60999): a port the kernel can
+# hand to any outgoing connection (gloo opens many) may be taken again before the store
+# binds it, which made runs fail at random.
+_PORT_RANGE = (20000, 32000)
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port_block(count: int) -> int:
+    """First of ``count`` consecutive loopback ports that were free a moment ago."""
+    import random
+
+    for _ in range(200):
+        base = random.randrange(_PORT_RANGE[0], _PORT_RANGE[1] - count)
+        if all(_bindable(base + i) for i in range(count)):
+            return base
+    raise RuntimeError(f"no block of {count} free ports in {_PORT_RANGE}")
+
+
 def free_ports(count: int) -> tuple[int, ...]:
     """``count`` distinct loopback ports that were free a moment ago."""
-    socks, ports = [], []
-    for _ in range(count):
-        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-        ports.append(s.getsockname()[1])
-    for s in socks:
-        s.close()
-    return tuple(ports)
+    base = free_port_block(count)
+    return tuple(range(base, base + count))
 
 
 def init_gloo_world(job: Job, timeout_s: float = 60.0, port_index: int = 0) -> None:

@@ -9,21 +9,19 @@ checked to be positive and finite.
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 
+from megatron_reshard.worlds import free_port_block
 from megatron_reshard.bench.refit_main import COLUMNS, build_parser, fill_pattern_
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port_block(1)
 
 
 def test_parser_defaults():
@@ -51,7 +49,7 @@ def test_refit_bench_cpu_smoke(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
            "--master-addr", "127.0.0.1", "--master-port", str(port),
            "-m", "megatron_reshard.bench.refit_main", "--device", "cpu", "--backend", "gloo",
-           "--small", "--out", str(out), "--port-base", str(_free_port())]
+           "--small", "--out", str(out), "--port-base", str(free_port_block(16))]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=200)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
     header = "| " + " | ".join(c.header for c in COLUMNS) + " |"

@@ -72,3 +72,11 @@ def test_chunks_fit_the_budget_and_keep_order():
 def test_an_item_larger_than_the_budget_travels_alone():
     items = [(f"p{i}", (64,), torch.float32) for i in range(3)]  # 256 bytes each
     assert chunk_items(items, 100) == [[it] for it in items]
+
+
+def test_pack_takes_strided_views_without_changing_their_bits():
+    base = torch.randn(6, 4).to(torch.bfloat16)
+    view = base.t()  # [4, 6], not contiguous
+    layout = packed_layout([("v", (4, 6), torch.bfloat16)])
+    out = unpack(layout, pack(layout, {"v": view}, torch.device("cpu")))
+    assert torch.equal(out["v"], view)

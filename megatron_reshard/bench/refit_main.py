@@ -610,7 +610,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for i, case in enumerate(cases):
         ports = (base + 1 + 10 * i, base + 2 + 10 * i)
         if rank == 0:
-            print(f"bench_refit: case {case} ({CASES[case]['label']}) on {args.device} "
+            print(f"bench_refit: case {case} ({CASES[case]['label'].format(n=world // 2)}) on {args.device} "
                   f"({args.backend}), {'small shapes' if args.small else 'full shapes'}", flush=True)
         row = run_case(case, args, rank, ports, store)
         if row is not None:
