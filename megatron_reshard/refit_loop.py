@@ -20,6 +20,10 @@ Decisions:
   happened yet when those errors are raised.
 - ``groups`` maps stage -> process group for the stages this rank takes part in; a value
   of ``None`` means the default world. A train rank passes only its own stage.
+- The engine's per-batch agreement step runs on the first ``run()`` only; from then on the
+  batches are the ones every rank already agreed on, and skipping it removes a host sync
+  per batch. A ``pre`` hook that later returns a differently shaped buffer then raises on
+  its own rank only (its peers wait for the group's timeout).
 - The params outside the bulk path ("other_params") can be made part of the fingerprint
   (``misc_items``) so a disagreement on the packed-broadcast layout is also caught at
   setup; both sides must then pass ``misc_items_by_stage(info)``.
