@@ -32,7 +32,6 @@ def build_parser() -> argparse.ArgumentParser:
                     "arguments after the kind go to the benchmark script (see its --help).")
     bench.add_argument("kind", choices=["refit", "transfer"])
     bench.add_argument("--nproc", type=int, default=4, help="GPUs to use (default 4)")
-    bench.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the benchmark")
 
     plan = sub.add_parser("plan", help="print the transfer plan of one layout (no communication)")
     from megatron_reshard import plan_cli
@@ -42,7 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if rest and args.command != "bench":  # only the benchmarks take pass-through options
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "demo":
         from megatron_reshard import demo
 
@@ -52,8 +54,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         module = {"refit": "megatron_reshard.bench.refit_main",
                   "transfer": "megatron_reshard.bench.transfer_main"}[args.kind]
+        import torch
+
+        if not torch.cuda.is_available() and "--device" not in rest:
+            print("megatron-reshard bench: no CUDA GPU here; the benchmarks run on GPUs "
+                  "(add '--device cpu --backend gloo --small' for a CPU smoke run)",
+                  file=sys.stderr)
+            return 2
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc}",
-               "-m", module, *args.rest]
+               "-m", module, *rest]
         print("+", " ".join(cmd), flush=True)
         return subprocess.call(cmd)
     if args.command == "plan":

@@ -35,3 +35,17 @@ def test_plan_ep2_to_tp2_sends_each_generation_rank_half_of_every_expert():
     rows = re.findall(r"^\| ([01]) \| \. \| \. \| ([\d.]+) \| ([\d.]+) \|$", out.stdout, re.M)
     assert rows == [("0", "288.00", "288.00"), ("1", "288.00", "288.00")]
     assert "3 bulk params" in out.stdout
+
+
+def test_bench_without_a_gpu_says_how_to_run_a_cpu_smoke_instead():
+    import torch
+
+    if torch.cuda.is_available():
+        return  # on a GPU machine the benchmark would start for real
+    out = _cli("bench", "refit", "--nproc", "2")
+    assert out.returncode == 2 and "--device cpu" in out.stderr
+
+
+def test_unknown_options_are_refused_outside_the_benchmarks():
+    out = _cli("plan", "--bogus")
+    assert out.returncode == 2 and "--bogus" in out.stderr
