@@ -4,6 +4,9 @@ import re
 import subprocess
 import sys
 
+import pytest
+import torch
+
 
 def _cli(*args, timeout=120):
     return subprocess.run([sys.executable, "-m", "megatron_reshard.cli", *args],
@@ -37,11 +40,8 @@ def test_plan_ep2_to_tp2_sends_each_generation_rank_half_of_every_expert():
     assert "3 bulk params" in out.stdout
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the benchmark starts for real")
 def test_bench_without_a_gpu_says_how_to_run_a_cpu_smoke_instead():
-    import torch
-
-    if torch.cuda.is_available():
-        return  # on a GPU machine the benchmark would start for real
     out = _cli("bench", "refit", "--nproc", "2")
     assert out.returncode == 2 and "--device cpu" in out.stderr
 
