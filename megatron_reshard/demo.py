@@ -48,7 +48,8 @@ def print_summary(summary: dict) -> None:
     print(f"\nrefit: {lay['model']} model, train tp{t['tp']} pp{t['pp']} ep{t['ep']} "
           f"({t['world']} ranks) -> gen tp{g['tp']} ep{g['ep']} ({g['world']} ranks), "
           f"{lay['backend']} on {lay['device']}, {lay['dtype']}")
-    print("| gen rank | params (bulk + other) | bytes moved | bulk bytes | other bytes | mismatched |")
+    print("| gen rank | params (exact path + packed) | bytes moved | exact-path bytes | packed bytes "
+          "| mismatched |")
     print("|---|---|---|---|---|---|")
     for row in summary["per_gen_rank"]:
         print(f"| {row['gen_rank']} | {row['params']} ({row['bulk_params']} + {row['other_params']}) "

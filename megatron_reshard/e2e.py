@@ -20,12 +20,15 @@ import json
 import os
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+
+from megatron_reshard.receiver import MegatronReshardWorkerExtension
 
 # Model presets: tiny Qwen3-shaped models (GQA, QK norm). Plain data: crosses into workers.
 MODEL_PRESETS: dict[str, dict[str, Any]] = {
@@ -145,6 +148,9 @@ def run_rank(rank: int, cfg: RefitRunConfig, *, model_builder=None, after_refits
     problems = cfg.problems()
     if problems:
         raise ValueError("invalid refit run configuration:\n  - " + "\n  - ".join(problems))
+    # megatron-core's notices about optional packages (Apex, TE) and CPU-only settings
+    # would repeat once per process and bury the run's own progress lines
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
     device = _device_for(cfg, rank)
     control = dist.TCPStore(cfg.host, cfg.ports[0], cfg.train_world + cfg.gen_world, rank == 0,
                             timeout=timedelta(seconds=cfg.timeout_s))
@@ -192,8 +198,9 @@ def _train_rank(rank: int, cfg: RefitRunConfig, control, device: torch.device,
         payload = source.payload_bytes()
         control.set("payload", payload)
         _say(cfg, who, f"payload {len(payload)} bytes published "
-                       f"({len(source.state_dict_metadata)} bulk params, "
-                       f"{len(source.other_params_metadata)} others)")
+                       f"({len(source.state_dict_metadata)} FFN weights and "
+                       f"{len(source.vocab_metadata)} vocab matrices on the exact path, "
+                       f"{len(source.other_params_metadata)} others packed)")
     group = create_refit_group(cfg.host, cfg.ports[1 + source.stage], source.stage_local_rank,
                                cfg.stage_world + cfg.gen_world, cfg.backend, cfg.timeout_s,
                                device=device if device.type == "cuda" else None)
@@ -232,7 +239,7 @@ def _publish_expected(cfg: RefitRunConfig, control, hf_config: dict, full: dict,
         control.set(f"expected/{step}/{g}", json.dumps(digests))
 
 
-class _ModuleWorker:
+class _ModuleWorker(MegatronReshardWorkerExtension):
     """The vLLM worker extension, with the model given directly instead of by vLLM."""
 
     def __init__(self, model: torch.nn.Module):
@@ -245,7 +252,6 @@ class _ModuleWorker:
 def _gen_rank(gen_rank: int, cfg: RefitRunConfig, control, device: torch.device,
               after_refits=None) -> dict:
     from megatron_reshard.megatron.payload import decode_payload  # msgspec: the launcher decodes
-    from megatron_reshard.receiver import MegatronReshardWorkerExtension
     from megatron_reshard.testing.vllm_like import build_vllm_like_model
 
     who = f"gen {gen_rank}"
@@ -255,7 +261,7 @@ def _gen_rank(gen_rank: int, cfg: RefitRunConfig, control, device: torch.device,
     tp_rank = gen_rank % cfg.gen_tp
     model = build_vllm_like_model(payload["hf_config"], tp_rank, cfg.gen_tp, cfg.gen_ep,
                                   getattr(torch, cfg.dtype), device=device)
-    worker = type("DemoWorker", (_ModuleWorker, MegatronReshardWorkerExtension), {})(model)
+    worker = _ModuleWorker(model)
     worker.init_refit_groups(cfg.host, list(cfg.ports[1:1 + cfg.train_pp]),
                              cfg.stage_world + gen_rank, cfg.stage_world + cfg.gen_world,
                              cfg.backend, cfg.timeout_s)
