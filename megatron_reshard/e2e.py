@@ -199,8 +199,8 @@ def _train_rank(rank: int, cfg: RefitRunConfig, control, device: torch.device,
         control.set("payload", payload)
         _say(cfg, who, f"payload {len(payload)} bytes published "
                        f"({len(source.state_dict_metadata)} FFN weights and "
-                       f"{len(source.vocab_metadata)} vocab matrices on the exact path, "
-                       f"{len(source.other_params_metadata)} others packed)")
+                       f"{len(source.exact_extra_metadata)} other params on the exact path, "
+                       f"{len(source.other_params_metadata)} packed)")
     group = create_refit_group(cfg.host, cfg.ports[1 + source.stage], source.stage_local_rank,
                                cfg.stage_world + cfg.gen_world, cfg.backend, cfg.timeout_s,
                                device=device if device.type == "cuda" else None)

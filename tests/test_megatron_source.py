@@ -85,7 +85,7 @@ def _check_source(job, spec_kwargs, family, gen_parallelism, gen_world_size, lay
     failures = []
 
     # metadata: every HF tensor described once, with its global shape and dtype
-    described = {**source.state_dict_metadata, **source.vocab_metadata,
+    described = {**source.state_dict_metadata, **source.exact_extra_metadata,
                  **source.other_params_metadata}
     if set(described) != set(oracle):
         failures.append(f"metadata names differ from oracle: extra {sorted(set(described) - set(oracle))}, "

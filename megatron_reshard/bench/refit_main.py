@@ -46,8 +46,8 @@ training rank 0 broadcasts the full tensor over the refit group, and each genera
 copies its ``torch.chunk`` part along the gen TP dim into a destination buffer (the
 gate/up split of fc1 is not modelled: the copied bytes are the same). The vocab matrices,
 which the refit also moves on its exact path, go the same way (the gen rank keeps the real
-rows of vLLM's padded chunk). Full and destination buffers are allocated once per shape
-and reused.
+rows of vLLM's padded chunk), and so do attention output, norms and router. Full and
+destination buffers are allocated once per shape and reused.
 """
 
 from __future__ import annotations
@@ -186,6 +186,9 @@ _DENSE = re.compile(r"decoder\.layers\.(\d+)\.mlp\.linear_fc([12])\.weight$")
 
 
 _VOCAB = re.compile(r"(embedding\.word_embeddings|output_layer)\.weight$")
+# what the refit's exact path moves besides FFN and vocab (megatron_reshard.megatron.source)
+_ROW = re.compile(r"self_attention\.linear_proj\.weight$")
+_REPLICATED = re.compile(r"(layernorm\.weight|mlp\.router\.weight)$")
 
 
 def _baseline_items_train(model, train_world: int, vocab_size: int
@@ -209,6 +212,15 @@ def _baseline_items_train(model, train_world: int, vocab_size: int
             full = [p.shape[0] * tp, p.shape[1]]
             specs.append({"full": full, "src_dim": 0 if tp > 1 else None, "gen_dim": 0,
                           "vocab": vocab_size, "gen_pad": -(-vocab_size // 64) * 64})
+            locals_.append(p.detach())
+            continue
+        if _REPLICATED.search(name) and "shared_experts" not in name:
+            specs.append({"full": list(p.shape), "src_dim": None, "gen_dim": None})
+            locals_.append(p.detach())
+            continue
+        if _ROW.search(name) and tp in (1, train_world):
+            specs.append({"full": [p.shape[0], p.shape[1] * tp], "src_dim": 1 if tp > 1 else None,
+                          "gen_dim": 1})
             locals_.append(p.detach())
             continue
         m = _DENSE.search(name)
@@ -260,10 +272,13 @@ class GatherBroadcast:
                     self.gathered[key] = torch.empty(key, dtype=local.dtype, device=device)
             if role == "gen":
                 d = s["gen_dim"]
-                size = s.get("vocab", shape[d])  # vocab: the real rows of vLLM's padded chunk
-                step = s["gen_pad"] // gen_tp if "gen_pad" in s else -(-size // gen_tp)
-                lo, hi = min(size, gen_tp_rank * step), min(size, (gen_tp_rank + 1) * step)
-                view = full.narrow(d, lo, hi - lo)
+                if d is None:  # replicated on the generation side: the whole tensor
+                    view = full
+                else:
+                    size = s.get("vocab", shape[d])  # vocab: the real rows of vLLM's padded chunk
+                    step = s["gen_pad"] // gen_tp if "gen_pad" in s else -(-size // gen_tp)
+                    lo, hi = min(size, gen_tp_rank * step), min(size, (gen_tp_rank + 1) * step)
+                    view = full.narrow(d, lo, hi - lo)
                 key = (shape, d)
                 if key not in self.dst:
                     self.dst[key] = torch.empty(view.shape, dtype=full.dtype, device=device)

@@ -43,7 +43,7 @@ from typing import Any, Iterable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Replicate, Shard
 
 from megatron_reshard.engine.geometry import rank_region
 from megatron_reshard.layout import (MeshInfo, PaddedShard, build_mesh_info, is_expert_param,
@@ -138,6 +138,28 @@ def expected_local_shape(global_shape: Sequence[int], mesh, placements: Sequence
 
 
 VOCAB_PARAMS = ("model.embed_tokens.weight", "lm_head.weight")
+
+# HF name suffix -> TP dim (None: replicated) of params that Megatron and vLLM both hold
+# whole or as the same TP chunk (o_proj is row parallel on both sides).
+DIRECT_PARAMS = ((".self_attn.o_proj.weight", 1), ("layernorm.weight", None),
+                 (".self_attn.q_norm.weight", None), (".self_attn.k_norm.weight", None),
+                 ("model.norm.weight", None), (".mlp.gate.weight", None))
+_NOT_DIRECT = -1
+
+
+def direct_tp_dim(name: str):
+    """TP dim of a direct param (None when replicated), ``_NOT_DIRECT`` for any other name."""
+    for suffix, dim in DIRECT_PARAMS:
+        if name.endswith(suffix):
+            return dim
+    return _NOT_DIRECT
+
+
+def _tp_placements(mesh: MeshInfo, dims: dict, tp_dim) -> list:
+    placements: list = [Replicate() for _ in range(mesh.ndim)]
+    if tp_dim is not None and "tp" in dims:
+        placements[dims["tp"]] = Shard(tp_dim)
+    return placements
 
 
 def _padded_layout(mesh: MeshInfo, tp_axis: Optional[int], padded: int) -> tuple[MeshInfo, list]:
@@ -245,8 +267,12 @@ class MegatronRefitSource:
         # Vocab matrices are the largest params outside the FFN: they take the exact path too,
         # as padded shards (Megatron's and vLLM's paddings differ; padding never travels).
         self.vocab_metadata = {n: m for n, m in metadata.items() if n in VOCAB_PARAMS}
+        # Attention output, norms and router have plain layouts on both sides: exact path too.
+        self.exact_extra_metadata = {n: m for n, m in metadata.items()
+                                     if not is_nccl_reshard_param(n)
+                                     and (n in VOCAB_PARAMS or direct_tp_dim(n) != _NOT_DIRECT)}
         self.other_params_metadata = {n: m for n, m in metadata.items()
-                                      if not is_nccl_reshard_param(n) and n not in VOCAB_PARAMS}
+                                      if not is_nccl_reshard_param(n) and n not in self.exact_extra_metadata}
         self.hf_config = self._hf_config(metadata)
         self.gen_parallelism = dict(gen_parallelism)
         self.gen_world_size = gen_world_size
@@ -258,7 +284,7 @@ class MegatronRefitSource:
             self.layer_to_pp_stage if layout.pp > 1 else None,
         )
         self._use_live_meshes(info)
-        self._add_vocab_params(info, stage_of_key)
+        self._add_exact_extras(info, stage_of_key)
         self.refit_info = info
         other = [{"name": n, "shape": list(m["shape"]), "dtype": m["dtype"],
                   "pp_stage": stage_of_key[_extract_layer_name(n)]}
@@ -315,27 +341,31 @@ class MegatronRefitSource:
                                      f"refit info's {p['src_mesh_info']} (rank order {self.rank_order})")
                 p["src_mesh_info"] = live
 
-    def _add_vocab_params(self, info: dict, stage_of_key: dict) -> None:
-        """Append the vocab matrices to the refit info as padded shards on both sides.
+    def _add_exact_extras(self, info: dict, stage_of_key: dict) -> None:
+        """Append to the refit info the params beyond the seed's bulk set that the engine
+        moves too (``exact_extra_metadata``, model order).
 
-        Train: Megatron's padded vocab split over TP (the stage's live dense mesh). Gen:
-        vLLM's vocab padded to a multiple of 64, split over gen TP. Embeddings go first,
-        lm_head last, each under its own layer key.
+        Vocab matrices: padded shards on both sides (Megatron's padded vocab split over TP;
+        vLLM's vocab padded to 64 split over gen TP). Direct params (``DIRECT_PARAMS``):
+        the same TP dim on both sides, or replicated. Train meshes are the stage's live
+        dense mesh; embeddings go first in ``layer_names``, new layer keys after the rest.
         """
         gen_tp = int(self.gen_parallelism.get("tp_size", 1))
         stage_world = self.layout.world_size // self.layout.pp
         gen_mesh, gen_dims = build_mesh_info(self.gen_world_size, stage_world, tp_size=gen_tp)
         padded_train = int(self.model.vocab_size)
-        for name in VOCAB_PARAMS:
-            meta = self.vocab_metadata.get(name)
-            if meta is None:
-                continue
+        for name, meta in self.exact_extra_metadata.items():
             key = _extract_layer_name(name)
             stage = stage_of_key[key]
             meshes = self.stages[stage]
-            src_mesh, src_pl = _padded_layout(meshes.dense, meshes.dense_dims.get("tp"), padded_train)
-            vocab = int(meta["shape"][0])
-            dst_mesh, dst_pl = _padded_layout(gen_mesh, gen_dims.get("tp"), -(-vocab // 64) * 64)
+            if name in VOCAB_PARAMS:
+                vocab = int(meta["shape"][0])
+                src_mesh, src_pl = _padded_layout(meshes.dense, meshes.dense_dims.get("tp"), padded_train)
+                dst_mesh, dst_pl = _padded_layout(gen_mesh, gen_dims.get("tp"), -(-vocab // 64) * 64)
+            else:
+                tp_dim = direct_tp_dim(name)
+                src_mesh, src_pl = meshes.dense, _tp_placements(meshes.dense, meshes.dense_dims, tp_dim)
+                dst_mesh, dst_pl = gen_mesh, _tp_placements(gen_mesh, gen_dims, tp_dim)
             entry = {"name": name, "global_shape": tuple(meta["shape"]), "dtype": meta["dtype"],
                      "src_mesh_info": src_mesh, "src_placements": src_pl,
                      "dst_mesh_info": dst_mesh, "dst_placements": dst_pl}
@@ -343,10 +373,10 @@ class MegatronRefitSource:
                 entry["pp_stage"] = stage
             info["per_layer_params"].setdefault(key, []).append(entry)
             if key not in info["layer_names"]:
-                if name.startswith("lm_head"):
-                    info["layer_names"].append(key)
-                else:
+                if name.startswith("model.embed_tokens"):
                     info["layer_names"].insert(0, key)
+                else:
+                    info["layer_names"].append(key)
 
     def _hf_config(self, metadata: dict) -> dict:
         c = self.config
@@ -382,8 +412,9 @@ class MegatronRefitSource:
     def _local_hf_views(self) -> dict[str, torch.Tensor]:
         views: dict[str, torch.Tensor] = {}
         for conv, tensor in self._converted:
-            if len(conv.hf_names) == 1 and conv.hf_names[0] in VOCAB_PARAMS:
-                views[conv.hf_names[0]] = tensor.detach()  # the padded local shard itself
+            if len(conv.hf_names) == 1 and conv.hf_names[0] in self.exact_extra_metadata:
+                # vocab: the padded local shard; direct params: the TP chunk or the replica
+                views[conv.hf_names[0]] = tensor.detach()
                 continue
             if not any(is_nccl_reshard_param(n) for n in conv.hf_names):
                 continue
