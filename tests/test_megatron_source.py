@@ -59,7 +59,8 @@ def _init(job, tp=1, pp=1, ep=1, etp=1, order=None):
 def _oracle_tensor(oracle: dict, info: dict) -> torch.Tensor:
     proj = info.get("grouped_expert_proj")
     if proj is None:
-        return oracle[info["name"]]
+        # q/k/v travel per KV group: [nkv, rows per group, H], a row-major reshape of HF's
+        return oracle[info["name"]].reshape(info["global_shape"])
     prefix = info["name"][: -len(f".{proj}.weight")]
     n = info["global_shape"][0]
     return torch.stack([oracle[f"{prefix}.{e}.{proj}.weight"] for e in range(n)])

@@ -46,7 +46,8 @@ training rank 0 broadcasts the full tensor over the refit group, and each genera
 copies its ``torch.chunk`` part along the gen TP dim into a destination buffer (the
 gate/up split of fc1 is not modelled: the copied bytes are the same). The vocab matrices,
 which the refit also moves on its exact path, go the same way (the gen rank keeps the real
-rows of vLLM's padded chunk), and so do attention output, norms and router. Full and
+rows of vLLM's padded chunk), and so do attention (q/k/v as one column-parallel matrix:
+same bytes), norms and router. Full and
 destination buffers are allocated once per shape and reused.
 """
 
@@ -188,6 +189,7 @@ _DENSE = re.compile(r"decoder\.layers\.(\d+)\.mlp\.linear_fc([12])\.weight$")
 _VOCAB = re.compile(r"(embedding\.word_embeddings|output_layer)\.weight$")
 # what the refit's exact path moves besides FFN and vocab (megatron_reshard.megatron.source)
 _ROW = re.compile(r"self_attention\.linear_proj\.weight$")
+_QKV = re.compile(r"self_attention\.linear_qkv\.weight$")
 _REPLICATED = re.compile(r"(layernorm\.weight|mlp\.router\.weight)$")
 
 
@@ -216,6 +218,12 @@ def _baseline_items_train(model, train_world: int, vocab_size: int
             continue
         if _REPLICATED.search(name) and "shared_experts" not in name:
             specs.append({"full": list(p.shape), "src_dim": None, "gen_dim": None})
+            locals_.append(p.detach())
+            continue
+        if _QKV.search(name) and tp in (1, train_world):
+            # gen keeps a TP chunk of rows: the bytes of its q_r, k_r, v_r (gen TP <= KV heads)
+            specs.append({"full": [p.shape[0] * tp, p.shape[1]], "src_dim": 0 if tp > 1 else None,
+                          "gen_dim": 0})
             locals_.append(p.detach())
             continue
         if _ROW.search(name) and tp in (1, train_world):

@@ -155,6 +155,32 @@ def direct_tp_dim(name: str):
     return _NOT_DIRECT
 
 
+_QKV_WEIGHT = re.compile(r"\.self_attn\.[qkv]_proj\.weight$")
+
+
+def _gen_qkv_layout(mesh: MeshInfo, dims: dict, nkv: int, name: str) -> tuple[MeshInfo, list]:
+    """vLLM's q/k/v rows per rank in the ``[nkv, rows per group, hidden]`` form.
+
+    TP ≤ nkv: each rank holds whole groups (Shard(0) over TP). TP > nkv: the TP axis is
+    split into (group, part): q rows of a group are split over the parts (Shard(1)), k/v
+    rows are replicated over them (vLLM replicates a KV head over TP/nkv ranks).
+    """
+    tp_axis = dims.get("tp")
+    if tp_axis is None:
+        return mesh, [Replicate() for _ in range(mesh.ndim)]
+    tp = mesh.shape[tp_axis]
+    if tp <= nkv:
+        return mesh, _tp_placements(mesh, dims, 0)
+    shape = list(mesh.shape)
+    shape[tp_axis:tp_axis + 1] = [nkv, tp // nkv]
+    split = MeshInfo(mesh.mesh.reshape(shape))
+    placements: list = [Replicate() for _ in range(split.ndim)]
+    placements[tp_axis] = Shard(0)
+    if ".q_proj." in name:
+        placements[tp_axis + 1] = Shard(1)
+    return split, placements
+
+
 def _tp_placements(mesh: MeshInfo, dims: dict, tp_dim) -> list:
     placements: list = [Replicate() for _ in range(mesh.ndim)]
     if tp_dim is not None and "tp" in dims:
@@ -268,13 +294,15 @@ class MegatronRefitSource:
         # as padded shards (Megatron's and vLLM's paddings differ; padding never travels).
         self.vocab_metadata = {n: m for n, m in metadata.items() if n in VOCAB_PARAMS}
         # Attention output, norms and router have plain layouts on both sides: exact path too.
+        self.gen_parallelism = dict(gen_parallelism)
+        grouped_qkv = self._qkv_groups_fit()
         self.exact_extra_metadata = {n: m for n, m in metadata.items()
                                      if not is_nccl_reshard_param(n)
-                                     and (n in VOCAB_PARAMS or direct_tp_dim(n) != _NOT_DIRECT)}
+                                     and (n in VOCAB_PARAMS or direct_tp_dim(n) != _NOT_DIRECT
+                                          or (grouped_qkv and _QKV_WEIGHT.search(n)))}
         self.other_params_metadata = {n: m for n, m in metadata.items()
                                       if not is_nccl_reshard_param(n) and n not in self.exact_extra_metadata}
         self.hf_config = self._hf_config(metadata)
-        self.gen_parallelism = dict(gen_parallelism)
         self.gen_world_size = gen_world_size
 
         info = build_nccl_reshard_refit_info(
@@ -346,8 +374,9 @@ class MegatronRefitSource:
         moves too (``exact_extra_metadata``, model order).
 
         Vocab matrices: padded shards on both sides (Megatron's padded vocab split over TP;
-        vLLM's vocab padded to 64 split over gen TP). Direct params (``DIRECT_PARAMS``):
-        the same TP dim on both sides, or replicated. Train meshes are the stage's live
+        vLLM's vocab padded to 64 split over gen TP). q/k/v weights: per KV group (see
+        ``_gen_qkv_layout``). Direct params (``DIRECT_PARAMS``): the same TP dim on both
+        sides, or replicated. Train meshes are the stage's live
         dense mesh; embeddings go first in ``layer_names``, new layer keys after the rest.
         """
         gen_tp = int(self.gen_parallelism.get("tp_size", 1))
@@ -358,15 +387,22 @@ class MegatronRefitSource:
             key = _extract_layer_name(name)
             stage = stage_of_key[key]
             meshes = self.stages[stage]
+            global_shape = tuple(meta["shape"])
             if name in VOCAB_PARAMS:
                 vocab = int(meta["shape"][0])
                 src_mesh, src_pl = _padded_layout(meshes.dense, meshes.dense_dims.get("tp"), padded_train)
                 dst_mesh, dst_pl = _padded_layout(gen_mesh, gen_dims.get("tp"), -(-vocab // 64) * 64)
+            elif _QKV_WEIGHT.search(name):
+                global_shape = self._qkv_group_shape(name, meta["shape"])
+                src_mesh = meshes.dense
+                src_pl = _tp_placements(meshes.dense, meshes.dense_dims, 0)
+                dst_mesh, dst_pl = _gen_qkv_layout(gen_mesh, gen_dims, self.dims.num_query_groups,
+                                                   name)
             else:
                 tp_dim = direct_tp_dim(name)
                 src_mesh, src_pl = meshes.dense, _tp_placements(meshes.dense, meshes.dense_dims, tp_dim)
                 dst_mesh, dst_pl = gen_mesh, _tp_placements(gen_mesh, gen_dims, tp_dim)
-            entry = {"name": name, "global_shape": tuple(meta["shape"]), "dtype": meta["dtype"],
+            entry = {"name": name, "global_shape": global_shape, "dtype": meta["dtype"],
                      "src_mesh_info": src_mesh, "src_placements": src_pl,
                      "dst_mesh_info": dst_mesh, "dst_placements": dst_pl}
             if self.layout.pp > 1:
@@ -377,6 +413,24 @@ class MegatronRefitSource:
                     info["layer_names"].insert(0, key)
                 else:
                     info["layer_names"].append(key)
+
+    def _qkv_groups_fit(self) -> bool:
+        """Whether q/k/v weights can travel per KV group (see ``_gen_qkv_layout``): every
+        train TP rank holds whole groups, and vLLM's per-rank q heads and KV heads are whole
+        groups or an even split of one group. Otherwise they go in the packed broadcast."""
+        nkv, nh = self.dims.num_query_groups, self.dims.num_attention_heads
+        t_train, t_gen = self.layout.tp, int(self.gen_parallelism.get("tp_size", 1))
+        if nh % nkv or nkv % t_train:
+            return False
+        if t_gen <= nkv:
+            return nkv % t_gen == 0
+        return t_gen % nkv == 0 and (nh // nkv) % (t_gen // nkv) == 0
+
+    def _qkv_group_shape(self, name: str, hf_shape: Sequence[int]) -> tuple[int, ...]:
+        """q/k/v weights seen per KV group: ``[nkv, rows per group, hidden]`` (a row-major
+        reshape of the HF tensor), the form in which Megatron's interleaved rows are views."""
+        nkv = self.dims.num_query_groups
+        return (nkv, int(hf_shape[0]) // nkv, int(hf_shape[1]))
 
     def _hf_config(self, metadata: dict) -> dict:
         c = self.config
@@ -416,10 +470,23 @@ class MegatronRefitSource:
                 # vocab: the padded local shard; direct params: the TP chunk or the replica
                 views[conv.hf_names[0]] = tensor.detach()
                 continue
+            if conv.kind == "qkv" and conv.hf_names[0] in self.exact_extra_metadata:
+                views.update(self._qkv_views(conv, tensor.detach()))
+                continue
             if not any(is_nccl_reshard_param(n) for n in conv.hf_names):
                 continue
             views.update(local_views(conv, tensor.detach(), self.dims))
         return views
+
+    def _qkv_views(self, conv, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        """q, k, v of this rank's whole KV groups as ``[groups, rows, hidden]`` strided views
+        of ``linear_qkv`` (rows of a group: its q heads, then k, then v)."""
+        nkv, nh, hd = self.dims.num_query_groups, self.dims.num_attention_heads, self.dims.head_dim
+        q_rows = nh // nkv * hd
+        grouped = tensor.view(nkv // self.layout.tp, q_rows + 2 * hd, tensor.shape[-1])
+        q_name, k_name, v_name = conv.hf_names
+        return {q_name: grouped[:, :q_rows], k_name: grouped[:, q_rows:q_rows + hd],
+                v_name: grouped[:, q_rows + hd:]}
 
     def build_hf_to_local_param_map(self, refit_info: Optional[dict] = None) -> HFToLocalParamMap:
         """``hf_name → LocalParamSpec`` for every bulk param of this rank's PP stage, checked

@@ -10,6 +10,7 @@ from the stage's group rank 0).
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
@@ -100,9 +101,16 @@ def build_receiver_param_map(payload: Mapping[str, Any], targets: VllmTargets, r
             if region is None:
                 continue
             padded = any(isinstance(pl, PaddedShard) for pl in p["dst_placements"])
-            plan = bulk_receive_plan(targets, p["name"], p["global_shape"], region,
+            shape, rows = p["global_shape"], region
+            if len(shape) == 3 and _QKV_WEIGHT.search(p["name"]):
+                shape, rows = _per_group_as_rows(p["name"], shape, region)
+            plan = bulk_receive_plan(targets, p["name"], shape, rows,
                                      wire_dtype(p["dtype"]), padded=padded)
-            if padded:
+            if rows is not region:  # q/k/v per KV group: the row block seen as [groups, rows, H]
+                block = targets.view(plan.pieces[0])
+                specs.specs[p["name"]] = LocalParamSpec(
+                    base=block.view([b - a for a, b in region]))
+            elif padded:
                 # the engine fills the owned rows at the top of the whole local tensor; the
                 # padding rows after them never travel: zero them once, here
                 for target, box in plan.zero:
@@ -112,6 +120,21 @@ def build_receiver_param_map(payload: Mapping[str, Any], targets: VllmTargets, r
                 specs.specs[p["name"]] = receive_spec(targets, plan.pieces[0], strided_in_place)
             plans.append(plan)
     return specs, plans
+
+
+_QKV_WEIGHT = re.compile(r"\.self_attn\.[qkv]_proj\.weight$")
+
+
+def _per_group_as_rows(name: str, shape, region) -> tuple[tuple[int, int], tuple]:
+    """A q/k/v weight sent per KV group, ``[nkv, rows per group, H]`` (a row-major reshape
+    of the HF tensor), back to HF rows: the region must be one contiguous row block."""
+    (g0, g1), (a, b), cols = region
+    per_group = int(shape[1])
+    if g1 - g0 > 1 and (a, b) != (0, per_group):
+        raise TargetError(f"{name}: region {list(region)} of the per-group form "
+                          f"{list(shape)} is not one block of HF rows")
+    rows = (g0 * per_group + a, (g1 - 1) * per_group + b) if g1 > g0 else (0, 0)
+    return (int(shape[0]) * per_group, int(shape[2])), (rows, cols)
 
 
 def receive_misc_packed(stage: int, group: Optional[Any], items: list[MiscItem],
