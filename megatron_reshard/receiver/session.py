@@ -90,7 +90,9 @@ def build_receiver_param_map(payload: Mapping[str, Any], targets: VllmTargets, r
     """``hf_name -> LocalParamSpec`` for every bulk param this rank receives, and their plans.
 
     ``rank_in_group`` is this rank's rank in the refit groups (the same in every stage's
-    group). Each spec's base is the live target box; see ``receive_spec``.
+    group). Each spec's base is the live target box (``receive_spec``), except for a padded
+    vocab shard (the whole local tensor, padding zeroed here once) and q/k/v sent per KV
+    group (the target's row block viewed as ``[groups, rows, H]``).
     """
     specs = HFToLocalParamMap()
     plans = []
@@ -101,12 +103,13 @@ def build_receiver_param_map(payload: Mapping[str, Any], targets: VllmTargets, r
             if region is None:
                 continue
             padded = any(isinstance(pl, PaddedShard) for pl in p["dst_placements"])
+            per_group = len(p["global_shape"]) == 3 and bool(_QKV_WEIGHT.search(p["name"]))
             shape, rows = p["global_shape"], region
-            if len(shape) == 3 and _QKV_WEIGHT.search(p["name"]):
+            if per_group:
                 shape, rows = _per_group_as_rows(p["name"], shape, region)
             plan = bulk_receive_plan(targets, p["name"], shape, rows,
                                      wire_dtype(p["dtype"]), padded=padded)
-            if rows is not region:  # q/k/v per KV group: the row block seen as [groups, rows, H]
+            if per_group:  # q/k/v per KV group: the target row block seen as [groups, rows, H]
                 block = targets.view(plan.pieces[0])
                 specs.specs[p["name"]] = LocalParamSpec(
                     base=block.view([b - a for a, b in region]))
