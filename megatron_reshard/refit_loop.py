@@ -39,6 +39,7 @@ generation rank does the bulk of all stages first, then the broadcasts in stage 
 from __future__ import annotations
 
 import hashlib
+import math
 import inspect
 import time
 from contextlib import nullcontext
@@ -50,6 +51,7 @@ import torch.distributed as dist
 
 from megatron_reshard.engine.geometry import rank_region
 from megatron_reshard.layout import MeshInfo, placements_to_plain
+from megatron_reshard.metadata import dtype_from_str
 from megatron_reshard.spec import HFToLocalParamMap, LocalParamSpec
 
 SIDES = ("src", "dst")
@@ -91,15 +93,8 @@ def region_index(region: Region) -> tuple[slice, ...]:
 
 
 def wire_dtype(value: Any) -> torch.dtype:
-    """Torch dtype of a payload dtype string (``"torch.bfloat16"``)."""
-    from megatron_reshard.metadata import _STR_TO_DTYPE
-
-    if isinstance(value, torch.dtype):
-        return value
-    try:
-        return _STR_TO_DTYPE[value]
-    except (KeyError, TypeError):
-        raise ValueError(f"unknown dtype {value!r} in the refit payload") from None
+    """Torch dtype of a payload dtype string (``"torch.bfloat16"``); ValueError if unknown."""
+    return dtype_from_str(value)
 
 
 def stage_params(info: Mapping[str, Any]) -> dict[int, list[dict]]:
@@ -464,10 +459,8 @@ class RefitLoop:
                 # the peers inside this batch's collectives)
                 local = ctx.buf
                 st.params += 1
-                region_numel = 1
-                for lo, hi in mine[i][1]:  # the owned region: padding rows do not travel
-                    region_numel *= hi - lo
-                st.local_bytes += region_numel * local.element_size()
+                # the owned region: padding rows of a padded shard do not travel
+                st.local_bytes += math.prod(region_shape(mine[i][1])) * local.element_size()
             transfers.append(transfer_cls(
                 name=p["name"], global_shape=tuple(p["global_shape"]), dtype=wire_dtype(p["dtype"]),
                 src_mesh=p["src_mesh_info"], src_placements=list(p["src_placements"]),

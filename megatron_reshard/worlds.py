@@ -14,6 +14,7 @@ from __future__ import annotations
 import io
 import multiprocessing as mp
 import queue
+import random
 import socket
 import sys
 import time
@@ -57,8 +58,6 @@ def _bindable(port: int) -> bool:
 
 def free_port_block(count: int) -> int:
     """First of ``count`` consecutive loopback ports that were free a moment ago."""
-    import random
-
     for _ in range(200):
         base = random.randrange(_PORT_RANGE[0], _PORT_RANGE[1] - count)
         if all(_bindable(base + i) for i in range(count)):

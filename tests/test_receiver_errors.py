@@ -14,28 +14,13 @@ from megatron_reshard.receiver import (
     VllmTargets,
     load_full_weights,
 )
+from megatron_reshard.testing.groups import NoCommGroup
 from megatron_reshard.testing.vllm_like import build_plain_payload, build_vllm_like_model, random_hf_state_dict
 
 DENSE = dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, head_dim=16,
              intermediate_size=64, num_hidden_layers=1, vocab_size=100, tie_word_embeddings=False,
              gated=True, qk_norm=True, family="qwen3")
 MOE = dict(DENSE, num_experts=8, moe_intermediate_size=32, family="qwen3_moe")
-
-
-class _SilentGroup:
-    """Knows its rank and size; has no communication methods at all."""
-
-    def __init__(self, rank, size):
-        self._rank, self._size = rank, size
-
-    def rank(self):
-        return self._rank
-
-    def size(self):
-        return self._size
-
-    def name(self):
-        return "gloo"
 
 
 def _targets(cfg, tp, rank=0, ep=1, dtype=torch.bfloat16, claimed_tp=None):
@@ -51,7 +36,7 @@ def _session(cfg, gen, model_dtype=torch.bfloat16, mutate=None, gen_rank=0, **kw
     if mutate:
         mutate(payload)
     model = build_vllm_like_model(cfg, gen_rank % tp, tp, ep, model_dtype)
-    return ReceiverSession(payload, model.named_parameters(), {0: _SilentGroup(2 + gen_rank, 2 + tp)},
+    return ReceiverSession(payload, model.named_parameters(), {0: NoCommGroup(2 + gen_rank, 2 + tp)},
                            **kwargs)
 
 
@@ -142,7 +127,7 @@ def test_misc_params_need_a_stage_when_training_uses_pp():
     norm = next(e for e in payload["other_params"] if e["name"] == "model.norm.weight")
     del norm["pp_stage"]
     model = build_vllm_like_model(DENSE, 0, 1)
-    groups = {0: _SilentGroup(1, 2), 1: _SilentGroup(1, 2)}
+    groups = {0: NoCommGroup(1, 2), 1: NoCommGroup(1, 2)}
     with pytest.raises(ValueError, match=r"other_params\['model\.norm\.weight'\] has no 'pp_stage'"):
         ReceiverSession(payload, model.named_parameters(), groups)
 

@@ -21,6 +21,7 @@ from megatron_reshard.refit_loop import (
     stage_params,
 )
 from megatron_reshard.spec import HFToLocalParamMap, LocalParamSpec, RefitCtx
+from megatron_reshard.testing.groups import NoCommGroup
 
 
 def _chunked(full, mesh_shape, coord, placements):
@@ -114,27 +115,13 @@ def test_fingerprint_changes_with_every_described_field():
     assert plan_fingerprint(params, [("a", (1,), torch.float32)]) != base
 
 
-class _SilentGroup:
-    def __init__(self, rank, size):
-        self._rank, self._size = rank, size
-
-    def rank(self):
-        return self._rank
-
-    def size(self):
-        return self._size
-
-    def name(self):
-        return "gloo"
-
-
 def test_local_problems_are_reported_before_any_communication():
     info = _info()
     params = stage_params(info)[0]
     specs = HFToLocalParamMap({p["name"]: LocalParamSpec(base=torch.zeros(4, 4) if "down" not in p["name"]
                                                          else torch.zeros(4, 4))
                                for p in params})
-    group = _SilentGroup(3, 4)  # dst group rank 3 = gen rank 1; any communication would raise
+    group = NoCommGroup(3, 4)  # dst group rank 3 = gen rank 1; any communication would raise
     RefitLoop(info, specs, "dst", {0: group})
     missing = HFToLocalParamMap(dict(specs.specs))
     del missing.specs["model.layers.0.mlp.up_proj.weight"]

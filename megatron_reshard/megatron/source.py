@@ -73,6 +73,7 @@ from megatron_reshard.metadata import (
     build_nccl_reshard_refit_info,
     restore_refit_info_placements,
 )
+from megatron_reshard.receiver.targets import VOCAB_PADDING
 from megatron_reshard.spec import HFToLocalParamMap, LocalParamSpec, RefitCtx
 
 HF_CONFIG_KEYS = (
@@ -391,7 +392,8 @@ class MegatronRefitSource:
             if name in VOCAB_PARAMS:
                 vocab = int(meta["shape"][0])
                 src_mesh, src_pl = _padded_layout(meshes.dense, meshes.dense_dims.get("tp"), padded_train)
-                dst_mesh, dst_pl = _padded_layout(gen_mesh, gen_dims.get("tp"), -(-vocab // 64) * 64)
+                vllm_rows = -(-vocab // VOCAB_PADDING) * VOCAB_PADDING
+                dst_mesh, dst_pl = _padded_layout(gen_mesh, gen_dims.get("tp"), vllm_rows)
             elif _QKV_WEIGHT.search(name):
                 global_shape = self._qkv_group_shape(name, meta["shape"])
                 src_mesh = meshes.dense
