@@ -213,7 +213,7 @@ def test_cli_pieces_sizes_env_and_cases():
     assert env["NCCL_MIN_P2P_NCHANNELS"] == env["NCCL_MAX_P2P_NCHANNELS"] == "32"
     assert env["NCCL_DEBUG"] == "WARN"
     names = [c.name for c in build_cases(False, 4, [64 << 20])]
-    assert names == ["s0_s1", "tp2_tp4", "dense_s0_s0", "experts_s0_s1", "experts_s0_s2",
+    assert names == ["s0_s1", "colocated_s0_s1", "tp2_tp4", "dense_s0_s0", "experts_s0_s1", "experts_s0_s2",
                      "rep_s0", "s0_dp2", "small_200", "mixed_1000", "sweep_64M"]
     big = build_cases(False, 4)
     assert big[0].params[0].nbytes == 512 << 20

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed.tensor import Replicate, Shard
 
-from megatron_reshard.engine.execute import build_schedule, split_box
+from megatron_reshard.engine.execute import build_schedule, cut_box
 from megatron_reshard.engine.geometry import REPLICATE, box_numel
 from megatron_reshard.engine.plan import Planner, build_plan, layout_key
 from megatron_reshard.layout import MeshInfo
@@ -98,14 +98,35 @@ def test_placement_count_must_match_mesh_ndim():
         _key((4,), [[0, 1], [2, 3]], [Shard(0)], [4], [Replicate()])
 
 
-def test_split_box_covers_the_box_with_pieces_under_the_cap():
+@pytest.mark.parametrize("room", [0, 3, 4, 40, 100, 1000])
+def test_cut_box_takes_the_longest_row_major_prefix_that_fits(room):
     box = ((1, 4), (0, 5), (2, 9))
-    parts = split_box(box, 4, 40)
-    assert all(box_numel(p) * 4 <= 40 for p in parts)
-    assert sum(box_numel(p) for p in parts) == box_numel(box)
-    cells = {(i, j, k) for p in parts for i in range(*p[0]) for j in range(*p[1])
-             for k in range(*p[2])}
-    assert len(cells) == box_numel(box)
+    head, rest = cut_box(box, 4, room)
+    order = [(i, j, k) for i in range(1, 4) for j in range(0, 5) for k in range(2, 9)]
+
+    def cells(b):
+        return [(i, j, k) for i in range(*b[0]) for j in range(*b[1]) for k in range(*b[2])]
+
+    taken = [] if head is None else cells(head)
+    assert len(taken) * 4 <= room
+    assert taken == order[:len(taken)]  # a prefix, in row-major order
+    assert [c for b in rest for c in cells(b)] == order[len(taken):]
+    # as long as one box can be: a whole row of the last dim, then whole blocks
+    assert len(taken) >= min(room // 4, 7)
+    if room >= 4:
+        assert head is not None
+
+
+def test_balanced_rounds_carry_every_pair_at_once():
+    # 2 sources x 2 destinations, 1 KiB per pair, 1 KiB budget: two rounds, all four pairs
+    # in each (not two rounds of disjoint pairs)
+    plan = build_plan(((64, 64), (2,), (0, 1), (0,), (2,), (2, 3), (1,)))
+    rounds = {}
+    for r in range(4):
+        for phase, rid, msgs in build_schedule([plan], [1], r, 1024).rounds:
+            rounds.setdefault(rid, set()).update((r, m[1]) for m in msgs if m[0])
+    assert rounds == {0: {(0, 2), (0, 3), (1, 2), (1, 3)},
+                      1: {(0, 2), (0, 3), (1, 2), (1, 3)}}
 
 
 # ---- property tests: random layouts, simulated in one process -----------------------

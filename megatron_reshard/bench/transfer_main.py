@@ -12,6 +12,9 @@ Layouts (global shapes; ``--small`` shrinks them for CPU smoke runs):
 
 - ``s0_s1``: [16384,16384] bf16 Shard(0) on the sources → Shard(1) on the destinations
   (512 MiB; 256 MiB into each destination with 2+2 ranks).
+- ``colocated_s0_s1``: the same tensor, Shard(0) → Shard(1) with every rank on both sides:
+  each rank keeps one block locally and exchanges the others (on 2 GPUs, the one case
+  where both directions of a link and the local copies run at once).
 - ``tp2_tp4``: [8192,8192] bf16 Shard(0) on the sources (TP2) → Shard(0) over *all* ranks
   (TP4). With only two destination GPUs a true TP4 needs the source ranks on the
   destination side too, so this is the colocated refit: each source keeps one chunk
@@ -98,6 +101,7 @@ class Case:
     layout: str
     params: tuple[ParamSpec, ...]
     dst_on: str = "dst"  # "dst": the destination ranks; "all": every rank (colocated)
+    src_on: str = "src"  # "src": the source ranks; "all": every rank
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -109,12 +113,12 @@ def _pl(p) -> str:
 
 
 def _one(name: str, shape: Sequence[int], src, dst, dtype=BF16, dst_on: str = "dst",
-         note: str = "") -> Case:
+         note: str = "", src_on: str = "src") -> Case:
     shape = tuple(shape)
     dt = {BF16: "bf16", FP32: "fp32"}.get(dtype, str(dtype))
     layout = f"{list(shape)} {dt} {_pl(src)}→{_pl(dst)}{note}"
     return Case(name, layout, (ParamSpec(name, shape, dtype, (src,), (dst,)),),
-                dst_on)
+                dst_on, src_on)
 
 
 def _mixed_params(count: int, dims: Sequence[int], experts: Sequence[int]) -> tuple[ParamSpec, ...]:
@@ -167,6 +171,8 @@ def build_cases(small: bool, world_size: int, sizes: Sequence[int] = ()) -> list
     k = 32 if small else 1  # shrink factor for the big dims
     cases = [
         _one("s0_s1", (16384 // k, 16384 // k), S0, S1),
+        _one("colocated_s0_s1", (16384 // k, 16384 // k), S0, S1, src_on="all", dst_on="all",
+             note=" (every rank on both sides)"),
     ]
     if world_size >= 4:
         cases.append(_one("tp2_tp4", (8192 // k, 8192 // k), S0, S0, dst_on="all",
@@ -260,10 +266,11 @@ def _raw_figures(ctx: Context, nbytes: int) -> dict[str, float]:
     return out
 
 
-def _baseline_groups(ctx: Context, dst_ranks: Sequence[int]) -> BaselineGroups:
-    key = tuple(dst_ranks)
+def _baseline_groups(ctx: Context, src_ranks: Sequence[int],
+                     dst_ranks: Sequence[int]) -> BaselineGroups:
+    key = (tuple(src_ranks), tuple(dst_ranks))
     if key not in ctx.group_cache:
-        ctx.group_cache[key] = BaselineGroups.create(ctx.src_ranks, dst_ranks)
+        ctx.group_cache[key] = BaselineGroups.create(list(src_ranks), list(dst_ranks))
     return ctx.group_cache[key]
 
 
@@ -318,7 +325,8 @@ def _run_engine(ctx: Context, case: Case, src_mesh: MeshInfo, dst_mesh: MeshInfo
 def run_case(ctx: Context, case: Case) -> dict:
     """Measure one case on every rank; returns the row (identical on every rank)."""
     dst_ranks = list(range(ctx.world_size)) if case.dst_on == "all" else ctx.dst_ranks
-    src_mesh = MeshInfo(torch.tensor(ctx.src_ranks))
+    src_ranks = list(range(ctx.world_size)) if case.src_on == "all" else ctx.src_ranks
+    src_mesh = MeshInfo(torch.tensor(src_ranks))
     dst_mesh = MeshInfo(torch.tensor(dst_ranks))
     per_dst = max(sum(_box_bytes(local_box(p.global_shape, dst_mesh, p.dst, r), p.dtype)
                       for p in case.params) for r in dst_ranks)
@@ -341,7 +349,7 @@ def run_case(ctx: Context, case: Case) -> dict:
                                 p.dst[0].dim if isinstance(p.dst[0], Shard) else None)
                   for p in case.params]
         try:
-            m = gather_broadcast(params, _baseline_groups(ctx, dst_ranks), ctx.device,
+            m = gather_broadcast(params, _baseline_groups(ctx, src_ranks, dst_ranks), ctx.device,
                                  iters=ctx.iters, warmup=ctx.warmup, timer=ctx.timer)
             row["baseline_ms"] = 1e3 * m.median_s
             row["baseline_gbps"] = m.gbps

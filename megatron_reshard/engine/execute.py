@@ -29,7 +29,6 @@
 
 from __future__ import annotations
 
-import itertools
 from contextlib import nullcontext
 from typing import NamedTuple, Optional, Sequence
 
@@ -48,26 +47,25 @@ def _align(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
-def split_box(box, itemsize: int, cap: int) -> list:
-    """Row-major sub-boxes of ``box``, each of at most ``cap`` bytes."""
-    shape = box_shape(box)
-    slab = itemsize
-    for n in shape:
-        slab *= n
-    d = 0
-    while slab > cap and d < len(shape):
-        slab //= shape[d] if shape[d] else 1
-        d += 1
-    if d == 0:
-        return [box]
-    d -= 1  # dim d is split into runs of `rows`; dims before it into single indices
-    rows = max(1, cap // slab)
-    out = []
-    for prefix in itertools.product(*[range(s, e) for s, e in box[:d]]):
-        head = tuple((i, i + 1) for i in prefix)
-        for s in range(box[d][0], box[d][1], rows):
-            out.append(head + ((s, min(s + rows, box[d][1])),) + box[d + 1:])
-    return out
+def cut_box(box, itemsize: int, room: int) -> tuple:
+    """``(head, rest)``: the longest row-major prefix of ``box`` that is one box of at most
+    ``room`` bytes (None when not even one element fits) and the boxes that cover the
+    rest of ``box``, in row-major order."""
+    if box_numel(box) * itemsize <= room:
+        return box, []
+    if not box:  # a 0-d box is one element
+        return None, [box]
+    (s, e), tail = box[0], box[1:]
+    row = box_numel(tail) * itemsize  # bytes of one index of the first dim
+    k = room // row
+    if k:
+        return ((s, s + k),) + tail, [((s + k, e),) + tail]
+    head, rest = cut_box(tail, itemsize, room)  # one index is too big: cut inside it
+    if head is None:
+        return None, [box]
+    first = (s, s + 1)
+    return (first,) + head, [(first,) + b for b in rest] + (
+        [((s + 1, e),) + tail] if s + 1 < e else [])
 
 
 class _Schedule:
@@ -79,11 +77,75 @@ class _Schedule:
         self.rounds: list = []  # [(phase, global round id, [(is_send, peer, tag, segments, nbytes)])]
 
 
+# A pair's traffic is not cut into messages smaller than this (or than an eighth of the
+# budget): tiny messages only add launches.
+MIN_MESSAGE_BYTES = 1 << 20
+
+
+def _round_count(pair_bytes: dict, cap: int) -> tuple[int, dict]:
+    """The fewest rounds R such that, with every pair's traffic cut into messages of
+    ``ceil(bytes / R)`` (aligned, at least MIN_MESSAGE_BYTES or ``cap / 8``, at most ``cap``), one message of
+    each pair per round keeps every rank within ``cap``; and those message sizes.
+
+    Every round then carries all peer pairs at once: one NCCL group per round uses every
+    link, where rounds of whole messages would serialise the pairs of a rank (measured:
+    ~285 vs ~227 GB/s per destination for a 2×2 exchange, ../shared/GPU.md)."""
+    load: dict = {}
+    for (s, d), nb in pair_bytes.items():
+        load[s] = load.get(s, 0) + nb
+        load[d] = load.get(d, 0) + nb
+    first = rounds = max(1, -(-max(load.values(), default=0) // cap))
+    previous, floor = None, min(MIN_MESSAGE_BYTES, cap // 8)
+    while True:
+        size = {p: min(cap, max(_align(-(-nb // rounds)), floor))
+                for p, nb in pair_bytes.items()}
+        per_rank: dict = {}
+        for (s, d), m in size.items():
+            per_rank[s] = per_rank.get(s, 0) + m
+            per_rank[d] = per_rank.get(d, 0) + m
+        # stop when it fits, or when more rounds no longer shrink messages (minimum size):
+        # the placement then spills the excess into extra rounds
+        if all(v <= cap for v in per_rank.values()) or size == previous or rounds >= 4 * first:
+            return rounds, size
+        previous, rounds = size, rounds + 1
+
+
+def _cut_messages(segs: list, itemsize_of, size: int) -> list:
+    """A pair's segments ``(ti, src_piece, dst_piece, box)`` packed in order into messages
+    of at most ``size`` bytes, boxes cut where a message fills up. Returns
+    ``[(segments, nbytes)]`` with segments ``(ti, src_piece, dst_piece, box, offset, nbytes)``
+    at 16-byte aligned offsets."""
+    messages, cur, end = [], [], 0
+    todo = list(reversed(segs))  # a stack: pop() takes the next segment
+    while todo:
+        ti, spi, dpi, box = todo.pop()
+        isz = itemsize_of[ti]
+        start = _align(end) if cur else 0
+        head, rest = cut_box(box, isz, size - start) if start < size else (None, [box])
+        if head is None and not cur:  # not one element fits a message of `size`
+            head, rest = cut_box(box, isz, max(size, isz))
+        if head is not None:
+            nb = box_numel(head) * isz
+            cur.append((ti, spi, dpi, head, start, nb))
+            end = start + nb
+        todo.extend((ti, spi, dpi, b) for b in reversed(rest))
+        if rest and cur:  # this message is full
+            messages.append((cur, end))
+            cur, end = [], 0
+    if cur:
+        messages.append((cur, end))
+    return messages
+
+
 def build_schedule(plans: Sequence[ParamPlan], itemsizes: Sequence[int], me: int,
                    cap: int) -> _Schedule:
+    """The global schedule, computed alike on every rank from plain data: per phase, each
+    peer pair's traffic cut into messages and the messages placed into rounds in which no
+    rank sends + receives more than ``cap`` bytes; this rank keeps its part."""
     sched = _Schedule()
     for phase in (0, 1):
         pairs: dict = {}
+        pair_bytes: dict = {}
         for ti, plan in enumerate(plans):
             isz = itemsizes[ti]
             for op in plan.ops:
@@ -93,26 +155,23 @@ def build_schedule(plans: Sequence[ParamPlan], itemsizes: Sequence[int], me: int
                     if op.src == me:
                         sched.local.append((ti, op.src_piece, op.dst_piece, op.box))
                     continue
-                nbytes = box_numel(op.box) * isz
-                segs = pairs.setdefault((op.src, op.dst), [])
-                for b in ([op.box] if nbytes <= cap else split_box(op.box, isz, cap)):
-                    segs.append((ti, op.src_piece, op.dst_piece, b, box_numel(b) * isz))
+                pairs.setdefault((op.src, op.dst), []).append(
+                    (ti, op.src_piece, op.dst_piece, op.box))
+                pair_bytes[(op.src, op.dst)] = (pair_bytes.get((op.src, op.dst), 0)
+                                                + box_numel(op.box) * isz)
+        if not pairs:
+            continue
+        _, size = _round_count(pair_bytes, cap)
+        # message k of every pair before message k+1 of any: round k carries all pairs
         messages = []
         for (s, d), segs in pairs.items():
-            cur, end, seq = [], 0, 0
-            for ti, spi, dpi, b, nb in segs:
-                start = _align(end) if cur else 0
-                if cur and start + nb > cap:
-                    messages.append((s, d, seq, cur, end))
-                    seq, cur, start = seq + 1, [], 0
-                cur.append((ti, spi, dpi, b, start, nb))
-                end = start + nb
-            if cur:
-                messages.append((s, d, seq, cur, end))
+            for seq, (msg, nbytes) in enumerate(_cut_messages(segs, itemsizes, size[(s, d)])):
+                messages.append((seq, s, d, msg, nbytes))
+        messages.sort(key=lambda m: m[0])  # stable: pairs keep their first-appearance order
         loads: list[dict] = []
         mine: list[list] = []
         last: dict = {}
-        for s, d, seq, segs, nbytes in messages:
+        for seq, s, d, segs, nbytes in messages:
             r = last.get((s, d), 0)
             while r < len(loads) and (loads[r].get(s, 0) + nbytes > cap
                                       or loads[r].get(d, 0) + nbytes > cap):
