@@ -44,3 +44,44 @@ def test_second_call_without_agreement_is_exact(pool):
 
 def test_without_agreement_a_bad_tensor_raises_on_its_rank_before_communicating(pool):
     assert pool.run(_job, 4, True, timeout_s=60)[3] == "raised"
+
+
+
+def _direct_flags(planner):
+    (batches,) = planner._batches.values()
+    (batch,) = batches.values()
+    return sorted({m[5] for _, _, msgs in batch.sched.rounds for m in msgs})
+
+
+def _rows_transfer(rank, dst):
+    """Shard(0) on ranks 0,1 -> Shard(0) on ranks 2,3: one contiguous row block each."""
+    src_mesh, dst_mesh = MeshInfo(torch.tensor([0, 1])), MeshInfo(torch.tensor([2, 3]))
+    src = torch.chunk(FULL, 2, dim=0)[rank].clone() if rank < 2 else None
+    return Transfer("w", (6, 8), torch.float32, src_mesh, [Shard(0)], dst_mesh, [Shard(0)],
+                    src=src, dst=dst)
+
+
+def _job_strides(job):
+    """The schedule follows every rank's strides, agreed on each call: row blocks go
+    straight between contiguous tensors; a strided destination (a transposed buffer)
+    brings staging back. A fresh planner with agree=False agrees anyway (it has no
+    agreed schedule to vouch for)."""
+    init_gloo_world(job)
+    planner = Planner()
+    expect = torch.chunk(FULL, 2, dim=0)[job.rank - 2] if job.rank >= 2 else None
+    out = []
+    for dst in (torch.zeros(3, 8), torch.zeros(8, 3).t(), torch.zeros(3, 8)):
+        dst = dst if job.rank >= 2 else None
+        xfer_batch([_rows_transfer(job.rank, dst)], None, planner=planner, staging_bytes=64)
+        out.append((dst is None or torch.equal(dst, expect), _direct_flags(planner)))
+    dst = torch.zeros(8, 3).t() if job.rank >= 2 else None
+    xfer_batch([_rows_transfer(job.rank, dst)], None, planner=Planner(), agree=False)
+    out.append((dst is None or torch.equal(dst, expect), None))
+    return out
+
+
+def test_schedule_follows_every_ranks_strides(pool):
+    results = pool.run(_job_strides, 4, timeout_s=60)
+    for rank_out in results:
+        assert all(ok for ok, _ in rank_out)
+        assert [flags for _, flags in rank_out[:3]] == [[True], [False], [True]]

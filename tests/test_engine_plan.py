@@ -198,21 +198,27 @@ def test_each_destination_group_pulls_its_region_from_sources_at_most_once(key):
 
 
 @settings(max_examples=200, deadline=None)
-@given(layout_keys(), st.sampled_from([64, 100, 256, 4096]))
-def test_schedules_match_between_peers_and_respect_the_staging_budget(key, cap):
+@given(layout_keys(), st.sampled_from([64, 100, 256, 4096]),
+       st.one_of(st.none(), st.sets(st.tuples(st.integers(0, 5), st.integers(0, 3)))))
+def test_schedules_match_between_peers_and_respect_the_staging_budget(key, cap, strided):
     plan = build_plan(key)
     plans, sizes = [plan, plan], [2, 8]
     ranks = sorted(set(key[2]) | set(key[5]))
-    scheds = {r: build_schedule(plans, sizes, r, cap) for r in ranks}
+    scheds = {r: build_schedule(plans, sizes, r, cap, strided) for r in ranks}
     by_round = {}
     for r, sched in scheds.items():
         phases = [p for p, _, _ in sched.rounds]
         assert phases == sorted(phases)
         for phase, rid, msgs in sched.rounds:
-            assert sum(m[4] for m in msgs) <= cap
-            for is_send, peer, tag, segs, nbytes in msgs:
+            assert sum(m[4] for m in msgs if not m[5]) <= cap  # direct ones are not staged
+            for is_send, peer, tag, segs, nbytes, direct in msgs:
                 s, d = (r, peer) if is_send else (peer, r)
-                sig = (phase, rid, tag, nbytes, [(sg[0], sg[3], sg[4]) for sg in segs])
+                if direct:
+                    assert strided is not None and len(segs) == 1
+                    assert (s, 2 * segs[0][0] + (0 if phase == 0 else 1)) not in strided
+                    assert (d, 2 * segs[0][0] + 1) not in strided
+                sig = (phase, rid, tag, nbytes, direct,
+                       [(sg[0], sg[3], sg[4]) for sg in segs])
                 by_round.setdefault((s, d, phase, tag), []).append((is_send, sig))
     for entries in by_round.values():  # every message is posted once by each end, alike
         assert sorted(e[0] for e in entries) == [False, True]
@@ -222,3 +228,13 @@ def test_schedules_match_between_peers_and_respect_the_staging_budget(key, cap):
     expect = sum(box_numel(op.box) * isz for p, isz in zip(plans, sizes)
                  for op in p.ops if op.src != op.dst)
     assert moved == expect
+
+
+def test_contiguous_regions_go_whole_in_one_round_whatever_the_budget():
+    # 1 -> 1, the whole [64, 64] tensor: one direct message when both tensors are
+    # standard-contiguous; 4 staged rounds of 1 KiB when the destination is strided
+    plan = build_plan(((64, 64), (1,), (0,), (0,), (1,), (1,), (1,)))
+    direct = build_schedule([plan], [1], 0, 1024, set()).rounds
+    assert [(m[4], m[5]) for _, _, msgs in direct for m in msgs] == [(4096, True)]
+    staged = build_schedule([plan], [1], 0, 1024, {(1, 1)}).rounds
+    assert [(m[4], m[5]) for _, _, msgs in staged for m in msgs] == [(1024, False)] * 4

@@ -10,14 +10,19 @@
    call skips them;
 3. local checks of this rank's tensors (side membership, shape, dtype, device);
 4. the *agreement step*: one small MAX all-reduce over the group carrying one error slot per
-   rank and the batch fingerprint (as ``fp`` and ``-fp``). A local error on any rank, or
-   ranks whose descriptions differ, make every rank raise ``ValueError`` before any data
-   moves (the failing rank with the detailed message, the others naming it). On NCCL this
-   all-reduce also creates the group communicator that coalesced P2P rounds use;
-5. the schedule (cached per batch): per phase and peer pair, ops become messages of
-   at most ``staging_bytes``, each segment at a 16-byte aligned offset; messages are placed
-   first-fit into rounds so that no rank sends + receives more than ``staging_bytes`` in
-   one round (identical on every rank, computed from plain data);
+   rank, the batch fingerprint (as ``fp`` and ``-fp``) and one slot per rank with a
+   signature of which of its tensors are not standard-contiguous. A local error on any
+   rank, or ranks whose descriptions differ, make every rank raise ``ValueError`` before
+   any data moves (the failing rank with the detailed message, the others naming it). On
+   NCCL this all-reduce also creates the group communicator that coalesced P2P rounds use;
+5. the schedule (cached per batch and agreed signatures; when a rank has strided tensors,
+   one more all-reduce tells every rank which): an op whose box is contiguous on both
+   ends goes whole, straight from tensor to tensor, in the first round (no staging).
+   The rest is staged: per phase, R rounds with R the fewest that keep every rank within
+   ``staging_bytes``, each peer pair's traffic cut into R messages (boxes cut in
+   row-major order, segments at 16-byte aligned offsets), message k of every pair in
+   round k, so that each round's NCCL group carries all pairs at once (identical on
+   every rank, computed from plain data);
 6. rounds: pack staged sends, post every send/recv of the round, run local copies while
    the first round is in flight, wait, unpack staged receives. A message made of one
    segment whose view is contiguous on this side goes straight from/to the tensor.
@@ -29,6 +34,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from contextlib import nullcontext
 from typing import NamedTuple, Optional, Sequence
 
@@ -74,7 +80,8 @@ class _Schedule:
     def __init__(self) -> None:
         self.local: list = []   # (ti, src_piece, dst_piece, box)
         self.nrounds = 0        # rounds in the global schedule (this rank may skip some)
-        self.rounds: list = []  # [(phase, global round id, [(is_send, peer, tag, segments, nbytes)])]
+        # [(phase, global round id, [(is_send, peer, tag, segments, nbytes, direct)])]
+        self.rounds: list = []
 
 
 # A pair's traffic is not cut into messages smaller than this (or than an eighth of the
@@ -137,15 +144,56 @@ def _cut_messages(segs: list, itemsize_of, size: int) -> list:
     return messages
 
 
+def _direct_test(plans, strided: Optional[set]):
+    """``direct(ti, op)``: whether op can go straight from tensor to tensor on both ends
+    (its box is one contiguous run of a standard-strided local tensor on each side, and
+    neither end's tensor is in ``strided``, the agreed set of ``(rank, k)`` of non-standard
+    tensors). ``strided`` None: no op is direct."""
+    if strided is None:
+        return lambda ti, op: False
+    flat: dict = {}
+
+    def flat_in(own, piece, box) -> bool:
+        key = (id(own), piece, box)
+        got = flat.get(key)
+        if got is None:
+            std, n = [], 1
+            for size in reversed(own.local_shape):
+                std.append(n)
+                n *= size
+            index = own.pieces[piece].index(box)
+            stride = tuple(st * sl.step for st, sl in zip(reversed(std), index))
+            got = flat[key] = _is_contiguous(box_shape(box), stride)
+        return got
+
+    def direct(ti, op) -> bool:
+        plan = plans[ti]
+        src_side = 0 if op.phase == 0 else 1  # phase 1 forwards from a destination tensor
+        src_own = (plan.src if op.phase == 0 else plan.dst)[op.src]
+        return ((op.src, 2 * ti + src_side) not in strided
+                and (op.dst, 2 * ti + 1) not in strided
+                and flat_in(src_own, op.src_piece, op.box)
+                and flat_in(plan.dst[op.dst], op.dst_piece, op.box))
+
+    return direct
+
+
 def build_schedule(plans: Sequence[ParamPlan], itemsizes: Sequence[int], me: int,
-                   cap: int) -> _Schedule:
+                   cap: int, strided: Optional[set] = None) -> _Schedule:
     """The global schedule, computed alike on every rank from plain data: per phase, each
     peer pair's traffic cut into messages and the messages placed into rounds in which no
-    rank sends + receives more than ``cap`` bytes; this rank keeps its part."""
+    rank stages more than ``cap`` bytes (sends + receives); this rank keeps its part.
+
+    An op whose box is contiguous on both ends (see ``_direct_test``; needs ``strided``,
+    the agreed set of ranks' non-standard tensors) is a *direct* message: uncut, no
+    staging, in the first round. Every other message counts fully on both ends.
+    """
     sched = _Schedule()
+    direct = _direct_test(plans, strided)
     for phase in (0, 1):
         pairs: dict = {}
         pair_bytes: dict = {}
+        straight: list = []  # direct messages: (s, d, segment)
         for ti, plan in enumerate(plans):
             isz = itemsizes[ti]
             for op in plan.ops:
@@ -155,37 +203,52 @@ def build_schedule(plans: Sequence[ParamPlan], itemsizes: Sequence[int], me: int
                     if op.src == me:
                         sched.local.append((ti, op.src_piece, op.dst_piece, op.box))
                     continue
+                if direct(ti, op):
+                    nb = box_numel(op.box) * isz
+                    straight.append((op.src, op.dst,
+                                     (ti, op.src_piece, op.dst_piece, op.box, 0, nb)))
+                    continue
                 pairs.setdefault((op.src, op.dst), []).append(
                     (ti, op.src_piece, op.dst_piece, op.box))
                 pair_bytes[(op.src, op.dst)] = (pair_bytes.get((op.src, op.dst), 0)
                                                 + box_numel(op.box) * isz)
-        if not pairs:
+        if not pairs and not straight:
             continue
         _, size = _round_count(pair_bytes, cap)
         # message k of every pair before message k+1 of any: round k carries all pairs
-        messages = []
+        staged = []
         for (s, d), segs in pairs.items():
             for seq, (msg, nbytes) in enumerate(_cut_messages(segs, itemsizes, size[(s, d)])):
-                messages.append((seq, s, d, msg, nbytes))
-        messages.sort(key=lambda m: m[0])  # stable: pairs keep their first-appearance order
+                staged.append((seq, s, d, msg, nbytes, False))
+        staged.sort(key=lambda m: m[0])  # stable: pairs keep their first-appearance order
+        count: dict = {}  # messages per pair: their tags
+        for m in staged:
+            count[(m[1], m[2])] = count.get((m[1], m[2]), 0) + 1
+        messages = []
+        for s, d, seg in straight:
+            tag = count.get((s, d), 0)
+            count[(s, d)] = tag + 1
+            messages.append((tag, s, d, [seg], seg[5], True))
+        messages += staged
         loads: list[dict] = []
         mine: list[list] = []
         last: dict = {}
-        for seq, s, d, segs, nbytes in messages:
+        for seq, s, d, segs, nbytes, is_direct in messages:
+            cost = 0 if is_direct else nbytes
             r = last.get((s, d), 0)
-            while r < len(loads) and (loads[r].get(s, 0) + nbytes > cap
-                                      or loads[r].get(d, 0) + nbytes > cap):
+            while r < len(loads) and (loads[r].get(s, 0) + cost > cap
+                                      or loads[r].get(d, 0) + cost > cap):
                 r += 1
             if r == len(loads):
                 loads.append({})
                 mine.append([])
-            loads[r][s] = loads[r].get(s, 0) + nbytes
-            loads[r][d] = loads[r].get(d, 0) + nbytes
+            loads[r][s] = loads[r].get(s, 0) + cost
+            loads[r][d] = loads[r].get(d, 0) + cost
             last[(s, d)] = r
             if s == me:
-                mine[r].append((True, d, seq, segs, nbytes))
+                mine[r].append((True, d, seq, segs, nbytes, is_direct))
             elif d == me:
-                mine[r].append((False, s, seq, segs, nbytes))
+                mine[r].append((False, s, seq, segs, nbytes, is_direct))
         base = sched.nrounds
         sched.rounds.extend((phase, base + i, msgs) for i, msgs in enumerate(mine) if msgs)
         sched.nrounds += len(mine)
@@ -281,7 +344,19 @@ class _Batch:
             self.expect.append((None if s is None else s.local_shape,
                                 None if d is None else d.local_shape))
         self.sched: Optional[_Schedule] = None  # built after the agreement step
+        self.sched_sigs: Optional[tuple] = None  # every rank's _signature it was built for
         self.programs: dict = {}
+        self._strided: dict = {}  # strides -> this rank's non-standard tensors (k)
+
+    def strided_of(self, strides: tuple, tensors: list) -> tuple:
+        """Indices k of this rank's tensors that are not standard-contiguous."""
+        got = self._strided.get(strides)
+        if got is None:
+            if len(self._strided) >= 8:
+                self._strided.clear()
+            got = self._strided[strides] = tuple(
+                k for k, x in enumerate(tensors) if x is not None and not x.is_contiguous())
+        return got
 
 
 def _local_ok(transfers, expect, device_type: str,
@@ -333,8 +408,9 @@ def xfer_batch(transfers: Sequence, group=None, *, stream=None,
                          f"found {staging_bytes}")
     light = _light_key(transfers, world)
     bkey = None if light is None else (me, staging_bytes, light)
+    scope = id(group)
     try:
-        batch = None if bkey is None else planner.batch(bkey)
+        batch = None if bkey is None else planner.batch(scope, bkey)
     except TypeError:  # unhashable placements (e.g. wire-form dicts): no caching
         light = bkey = batch = None
     if batch is None:
@@ -357,7 +433,7 @@ def xfer_batch(transfers: Sequence, group=None, *, stream=None,
             keys.append(build() if light is None else planner.layout(light[i][2], build))
         batch = _Batch(transfers, planner.plan_all(keys), me)
         if bkey is not None:
-            planner.remember_batch(bkey, batch)
+            planner.remember_batch(scope, bkey, batch)
     plans = batch.plans
     if backend != "python":
         from . import m2n
@@ -375,18 +451,28 @@ def xfer_batch(transfers: Sequence, group=None, *, stream=None,
     if not ok:  # rare: rerun the detailed checks for the message
         bad_index, message, device = _check_local(transfers, plans, me, device_type)
     transport = P2PTransport(group, device if bad_index is None else None)
+    strides = None if bad_index is not None else tuple(
+        [None if x is None else x.stride() for x in tensors])
 
-    if not agree:  # the caller vouches that this batch already agreed on every rank
+    # agree=False: the caller vouches that this batch already agreed on every rank. Its
+    # schedule is then cached on every rank of the group alike (Planner.remember_batch);
+    # where it is not (a fresh planner), every rank runs the agreement below.
+    if not agree and batch.sched is not None:
         if bad_index is not None:
             raise ValueError(f"xfer_batch: {message} (agree=False: peers are not told)")
-        _execute(batch, transfers, plans, me, tensors, transport, staging_bytes, stream)
+        _execute(batch, transfers, plans, me, tensors, strides, transport, stream)
         return
     # The agreement step, the only host sync of a call: flags.tolist(). The flags go up
     # from pinned memory without blocking (a pageable copy would sync the stream first).
+    # Besides the errors and the fingerprint, each rank votes a signature of which of its
+    # tensors are not standard-contiguous: the schedule depends on all ranks' (direct
+    # messages need a contiguous view on both ends).
     fp_hex, fp = batch.fp_hex, batch.fp
-    values = [0] * (world + 2)
+    values = [0] * (2 * world + 2)
     values[me] = 0 if bad_index is None else bad_index + 1
     values[world], values[world + 1] = (fp, -fp) if _vote else (_NO_VOTE, _NO_VOTE)
+    strided_mine = () if strides is None else batch.strided_of(strides, tensors)
+    values[world + 2 + me] = _signature(strided_mine)
     on_cuda = transport.device.type == "cuda"
     flags = torch.tensor(values, dtype=torch.int64, pin_memory=on_cuda)
     ctx = torch.cuda.stream(stream) if stream is not None else nullcontext()
@@ -406,20 +492,43 @@ def xfer_batch(transfers: Sequence, group=None, *, stream=None,
         raise ValueError(f"xfer_batch on rank {me}: ranks disagree on the batch description "
                          f"(names, shapes, dtypes, layouts or order differ; this rank's "
                          f"fingerprint {fp_hex})")
-
-    _execute(batch, transfers, plans, me, tensors, transport, staging_bytes, stream)
-
-
-def _execute(batch, transfers, plans, me: int, tensors, transport: P2PTransport,
-             staging_bytes: int, stream) -> None:
-    """Schedule (cached on the batch) and run this rank's part of an agreed batch."""
-    on_cuda = transport.device.type == "cuda"
-    ctx = torch.cuda.stream(stream) if stream is not None else nullcontext()
-    if batch.sched is None:
+    sigs = tuple(got[world + 2:])
+    if batch.sched is None or batch.sched_sigs != sigs:  # alike on every rank
+        with ctx:
+            strided = (_exchange_strided(strided_mine, len(tensors), transport)
+                       if any(sigs) else set())
         # CUDA rounds are double-buffered (see _Program.run): two slots share the budget
         budget = max(MIN_STAGING_BYTES, staging_bytes // 2) if on_cuda else staging_bytes
-        batch.sched = build_schedule(plans, [t.dtype.itemsize for t in transfers], me, budget)
-    strides = tuple([None if x is None else x.stride() for x in tensors])
+        batch.sched = build_schedule(plans, [t.dtype.itemsize for t in transfers], me, budget,
+                                     strided)
+        batch.sched_sigs = sigs
+        batch.programs.clear()
+    _execute(batch, transfers, plans, me, tensors, strides, transport, stream)
+
+
+def _signature(strided: tuple) -> int:
+    """A rank's vote for its non-standard tensors: 0 for none, else a 60-bit hash."""
+    if not strided:
+        return 0
+    digest = hashlib.blake2b(repr(strided).encode(), digest_size=8).hexdigest()
+    return 1 + int(digest[:15], 16)
+
+
+def _exchange_strided(mine: tuple, ntensors: int, transport: P2PTransport) -> set:
+    """Every rank's non-standard tensors as ``{(rank, k)}``: one MAX all-reduce of a
+    [ranks, tensors] byte map, each rank filling its row (once per batch and layout)."""
+    rows = torch.zeros(transport.size(), ntensors, dtype=torch.uint8)
+    if mine:
+        rows[transport.rank(), list(mine)] = 1
+    rows = rows.to(transport.device)
+    transport.allreduce_max(rows)
+    return {(r, k) for r, k in rows.nonzero().tolist()}
+
+
+def _execute(batch, transfers, plans, me: int, tensors, strides: tuple,
+             transport: P2PTransport, stream) -> None:
+    """Run this rank's part of an agreed batch with the batch's schedule."""
+    ctx = torch.cuda.stream(stream) if stream is not None else nullcontext()
     prog = batch.programs.get(strides)
     if prog is None:
         prog = _Program(batch.sched, transfers, plans, me)
@@ -557,7 +666,7 @@ class _Program:
         self.rounds = []  # (phase, buffer bytes, posts, packs, unpacks)
         for phase, _, msgs in sched.rounds:
             posts, packs, unpacks, total = [], [], [], 0
-            for is_send, peer, tag, segs, nbytes in msgs:
+            for is_send, peer, tag, segs, nbytes, _ in msgs:
                 side = (0 if phase == 0 else 1) if is_send else 1
                 views = [view(ti, side, spi if is_send else dpi, box)
                          for ti, spi, dpi, box, _, _ in segs]

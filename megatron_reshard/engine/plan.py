@@ -196,7 +196,7 @@ class Planner:
     def __init__(self) -> None:
         self._plans: dict[LayoutKey, ParamPlan] = {}
         self._layouts: dict[tuple, LayoutKey] = {}
-        self._batches: dict[tuple, object] = {}
+        self._batches: dict[int, dict[tuple, object]] = {}  # group scope -> batches
 
     def plan(self, key: LayoutKey) -> ParamPlan:
         got = self._plans.get(key)
@@ -227,17 +227,21 @@ class Planner:
             self._layouts[light] = got
         return got
 
-    def batch(self, key: tuple) -> Optional[object]:
-        """Cached per-batch state for ``key`` (see ``execute._Batch``), or None."""
-        return self._batches.get(key)
+    def batch(self, scope: int, key: tuple) -> Optional[object]:
+        """Cached per-batch state for ``key`` in ``scope`` (one group), or None."""
+        return self._batches.get(scope, {}).get(key)
 
-    def remember_batch(self, key: tuple, value: object) -> None:
-        # Bounded against callers whose batches never repeat. Generous: a refit loop
+    def remember_batch(self, scope: int, key: tuple, value: object) -> None:
+        # One cache per group, bounded against callers whose batches never repeat. Every
+        # rank of a group calls the same batches on it in the same order, so its ranks
+        # clear their caches at the same call: a batch is then rebuilt (and agreed) on all
+        # of them at once, whatever other groups a rank also serves. Generous: a refit loop
         # cycles through all its batches (one per ~512 MiB of weights), and a bound below
         # that count would clear the cache before any batch came round again.
-        if len(self._batches) >= 1024:
-            self._batches.clear()
-        self._batches[key] = value
+        batches = self._batches.setdefault(scope, {})
+        if len(batches) >= 1024:
+            batches.clear()
+        batches[key] = value
 
     def clear(self) -> None:
         self._plans.clear()
