@@ -260,8 +260,8 @@ def test_bench_main_with_the_engine_is_exact_and_reports_ratios(pool, tmp_path):
                                          "small_200"]
     for r in rows:
         assert r["check"] == "exact", r
-        for key in ("engine_gbps", "raw_pair_gbps", "engine_vs_raw", "baseline_gbps",
-                    "engine_vs_baseline", "us_per_param"):
+        for key in ("engine_gbps", "raw_pair_gbps", "engine_vs_raw", "agreed_gbps",
+                    "baseline_gbps", "engine_vs_baseline", "us_per_param"):
             assert _positive_finite(r[key]), (r["case"], key, r.get(key))
 
 

@@ -37,7 +37,9 @@ Per row: bytes into each destination rank; engine time (median of ``--iters`` af
 ``--warmup``, each iteration barrier-aligned and timed on the slowest rank), the first
 (cold, planning) call, GB/s per destination; raw NCCL P2P GB/s with the same bytes per
 destination — one pair, fan-in of all sources into one destination, and all sources to
-all destinations in one batch; engine/raw (against one pair: the per-GPU ceiling);
+all destinations in one batch; engine/raw (against one pair: the per-GPU ceiling); the
+same engine call with ``agree=False`` ("agreed once": what the refit loop runs from its
+second refit on, without the agreement all-reduce and its host sync) and its ratio;
 gather+broadcast (all-gather on the sources, broadcast of the full tensor, slice) and
 engine/baseline; µs per parameter; peak extra GPU memory of one engine call (max over
 source ranks / destination ranks); and whether the destination shards came out exact.
@@ -312,6 +314,15 @@ def _run_engine(ctx: Context, case: Case, src_mesh: MeshInfo, dst_mesh: MeshInfo
     row["engine_min_ms"] = 1e3 * timing.min_s
     row["engine_gbps"] = row["bytes_per_dst"] / timing.median_s / 1e9
     row["us_per_param"] = 1e6 * timing.median_s / len(case.params)
+
+    def call_agreed() -> None:  # as the refit loop from its second refit: no agreement step
+        eng.xfer_batch(transfers, ctx.group, staging_bytes=ctx.staging_bytes, planner=planner,
+                       agree=False)
+
+    agreed = time_collective(call_agreed, ctx.group, device=ctx.device, iters=ctx.iters,
+                             warmup=1, timer=ctx.timer)
+    row["agreed_ms"] = 1e3 * agreed.median_s
+    row["agreed_gbps"] = row["bytes_per_dst"] / agreed.median_s / 1e9
     if ctx.device.type == "cuda":
         _, peak = measure_peak_extra(call, ctx.device)
         extra = peak.extra_bytes if peak else 0
@@ -361,6 +372,8 @@ def run_case(ctx: Context, case: Case) -> dict:
     eng = row.get("engine_gbps")
     if eng is not None and raw:
         row["engine_vs_raw"] = eng / raw
+        if row.get("agreed_gbps"):
+            row["agreed_vs_raw"] = row["agreed_gbps"] / raw
     if eng is not None and row.get("baseline_gbps"):
         row["engine_vs_baseline"] = eng / row["baseline_gbps"]
     ctx.log(f"[{case.name}] done in {time.perf_counter() - t0:.1f}s")
@@ -377,6 +390,8 @@ COLUMNS = [
     Column("raw_fanin_gbps", "raw fan-in GB/s", sig),
     Column("raw_mxn_gbps", "raw all→all GB/s", sig),
     Column("engine_vs_raw", "engine/raw", "{:.0%}"),
+    Column("agreed_gbps", "agreed-once GB/s/dst", sig),
+    Column("agreed_vs_raw", "agreed-once/raw", "{:.0%}"),
     Column("baseline_ms", "g+b ms", sig),
     Column("baseline_gbps", "g+b GB/s/dst", sig),
     Column("engine_vs_baseline", "engine/g+b", "{:.2f}×"),
