@@ -650,7 +650,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 "backend": args.backend, "torch": torch.__version__,
                 "nccl": (".".join(map(str, torch.cuda.nccl.version()))
                          if args.device == "cuda" else None),
-                "ranks": "train 0,1 / gen 2,3 (gen TP2)", "iters": args.iters,
+                "ranks": "train 0,1 / gen 2,3 (gen TP2)" if world == 4 else "train 0 / gen 1",
+                "iters": args.iters,
                 "warmup": args.warmup, "small": args.small, "verify": not args.no_verify,
                 "staging_mib": args.staging_mib,
                 "raw": "raw = better of pair (0→2) and fan-in (0,1→2), same bytes per gen GPU",
