@@ -470,18 +470,55 @@ def xfer_batch(transfers: Sequence, group=None, *, stream=None,
             raise ValueError(f"xfer_batch: {message} (agree=False: peers are not told)")
         _execute(batch, transfers, plans, me, tensors, strides, transport, stream)
         return
-    # The agreement step, the only host sync of a call (see _allreduce_votes).
-    # Besides the errors and the fingerprint, each rank votes a signature of which of its
-    # tensors are not standard-contiguous: the schedule depends on all ranks' (direct
-    # messages need a contiguous view on both ends).
+    # The agreement step (_agree), the only host sync of a call. Where the schedule is
+    # cached, the first round's pack runs meanwhile on the side stream: a local read of
+    # this rank's own tensors into its own staging slot, discarded if the call stops.
+    on_cuda = transport.device.type == "cuda"
+    ctx = torch.cuda.stream(stream) if stream is not None else nullcontext()
+    early = None  # CUDA: the first round packed during the agreement, on a cached schedule
+    if on_cuda and strides is not None and batch.sched is not None:
+        with ctx:
+            early = _program(batch, transfers, plans, me, strides).pack_ahead(tensors, transport)
+    try:
+        sigs = _agree(batch, transfers, me, world, strides, tensors, bad_index, message,
+                      transport, planner, ctx, _vote)
+        if batch.sched is None or batch.sched_sigs != sigs:  # alike on every rank
+            with ctx:
+                strided = (_exchange_strided(batch.strided_of(strides, tensors), len(tensors),
+                                             transport) if any(sigs) else set())
+            # CUDA rounds are double-buffered (see _Program.run): two slots share the budget
+            budget = max(MIN_STAGING_BYTES, staging_bytes // 2) if on_cuda else staging_bytes
+            batch.sched = build_schedule(plans, [t.dtype.itemsize for t in transfers], me,
+                                         budget, strided)
+            batch.sched_sigs = sigs
+            batch.programs.clear()
+            _discard_early(early)
+            early = None
+    except BaseException:
+        _discard_early(early)
+        raise
+    _execute(batch, transfers, plans, me, tensors, strides, transport, stream, early)
+
+
+def _discard_early(early: Optional[tuple]) -> None:
+    """The current stream waits for a ``pack_ahead`` that will not run, so its slots
+    are freed only after the side stream is done writing them."""
+    if early is not None:
+        early[2].wait_event(early[1])
+
+
+def _agree(batch, transfers, me: int, world: int, strides, tensors, bad_index, message,
+           transport: P2PTransport, planner: Planner, ctx, vote: bool) -> tuple:
+    """The agreement step (module docstring, step 4); returns every rank's signature.
+    Besides the errors and the fingerprint, each rank votes a signature of which of its
+    tensors are not standard-contiguous: the schedule depends on all ranks' (direct
+    messages need a contiguous view on both ends)."""
     fp_hex, fp = batch.fp_hex, batch.fp
     values = [0] * (2 * world + 2)
     values[me] = 0 if bad_index is None else bad_index + 1
-    values[world], values[world + 1] = (fp, -fp) if _vote else (_NO_VOTE, _NO_VOTE)
+    values[world], values[world + 1] = (fp, -fp) if vote else (_NO_VOTE, _NO_VOTE)
     strided_mine = () if strides is None else batch.strided_of(strides, tensors)
     values[world + 2 + me] = _signature(strided_mine)
-    on_cuda = transport.device.type == "cuda"
-    ctx = torch.cuda.stream(stream) if stream is not None else nullcontext()
     with ctx:
         got = _allreduce_votes(values, transport, planner)
     if bad_index is not None:
@@ -495,18 +532,7 @@ def xfer_batch(transfers: Sequence, group=None, *, stream=None,
         raise ValueError(f"xfer_batch on rank {me}: ranks disagree on the batch description "
                          f"(names, shapes, dtypes, layouts or order differ; this rank's "
                          f"fingerprint {fp_hex})")
-    sigs = tuple(got[world + 2:])
-    if batch.sched is None or batch.sched_sigs != sigs:  # alike on every rank
-        with ctx:
-            strided = (_exchange_strided(strided_mine, len(tensors), transport)
-                       if any(sigs) else set())
-        # CUDA rounds are double-buffered (see _Program.run): two slots share the budget
-        budget = max(MIN_STAGING_BYTES, staging_bytes // 2) if on_cuda else staging_bytes
-        batch.sched = build_schedule(plans, [t.dtype.itemsize for t in transfers], me, budget,
-                                     strided)
-        batch.sched_sigs = sigs
-        batch.programs.clear()
-    _execute(batch, transfers, plans, me, tensors, strides, transport, stream)
+    return tuple(got[world + 2:])
 
 
 def _allreduce_votes(values: list, transport: P2PTransport, planner: Planner) -> list:
@@ -545,22 +571,28 @@ def _exchange_strided(mine: tuple, ntensors: int, transport: P2PTransport) -> se
     return {(r, k) for r, k in rows.nonzero().tolist()}
 
 
-def _execute(batch, transfers, plans, me: int, tensors, strides: tuple,
-             transport: P2PTransport, stream) -> None:
-    """Run this rank's part of an agreed batch with the batch's schedule."""
-    ctx = torch.cuda.stream(stream) if stream is not None else nullcontext()
+def _program(batch, transfers, plans, me: int, strides: tuple) -> "_Program":
+    """The batch's schedule resolved for these tensor strides (cached on the batch)."""
     prog = batch.programs.get(strides)
     if prog is None:
         prog = _Program(batch.sched, transfers, plans, me)
         if len(batch.programs) >= 8:
             batch.programs.clear()
         batch.programs[strides] = prog
+    return prog
+
+
+def _execute(batch, transfers, plans, me: int, tensors, strides: tuple,
+             transport: P2PTransport, stream, early: Optional[tuple] = None) -> None:
+    """Run this rank's part of an agreed batch with the batch's schedule."""
+    ctx = torch.cuda.stream(stream) if stream is not None else nullcontext()
+    prog = _program(batch, transfers, plans, me, strides)
     with ctx:
         if stream is not None:
             for x in tensors:
                 if x is not None and x.is_cuda:
                     x.record_stream(stream)
-        prog.run(tensors, transport)
+        prog.run(tensors, transport, early)
 
 
 # ---- execution -------------------------------------------------------------------------
@@ -702,6 +734,7 @@ class _Program:
                 posts.append((is_send, peer, tag, None, total, nbytes))
                 total = _align(total + nbytes)
             self.rounds.append((phase, total, posts, packs, unpacks))
+        self.staged = any(r[3] or r[4] for r in self.rounds)  # else: no staging at all
 
     def _local_copies(self, tensors) -> None:
         flat_d, flat_s, typed_d, typed_s = [], [], [], []
@@ -743,9 +776,33 @@ class _Program:
                 local_done = True
         return local_done
 
-    def run(self, tensors, transport: P2PTransport) -> None:
-        if transport.device.type == "cuda":
-            self._run_overlapped(tensors, transport)
+    def pack_ahead(self, tensors, transport: P2PTransport) -> Optional[tuple]:
+        """CUDA: allocate the staging slots and pack the first round now, on the side
+        stream, so that the pack overlaps whatever the current stream does next (the
+        agreement step). Returns ``early`` for ``run``, or None when there is nothing to
+        pack; a caller that does not go on to ``run`` passes it to ``discard_early``."""
+        first = next((r for r in self.rounds if r[0] == 0), None)
+        if transport.device.type != "cuda" or first is None or not first[3]:
+            return None
+        device = transport.device
+        main = torch.cuda.current_stream(device)
+        if self._side is None:
+            self._side = torch.cuda.Stream(device)
+        slots = self._slots(device)
+        self._side.wait_stream(main)
+        with torch.cuda.stream(self._side):
+            self._stage(slots[0], first[3], tensors, pack=True)
+            packed = torch.cuda.Event()
+            packed.record(self._side)
+        return slots, packed, main
+
+    def _slots(self, device) -> list:
+        size = max((total for _, total, _, _, _ in self.rounds), default=0)
+        return [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(2)]
+
+    def run(self, tensors, transport: P2PTransport, early: Optional[tuple] = None) -> None:
+        if transport.device.type == "cuda" and self.staged:
+            self._run_overlapped(tensors, transport, early)
             return
         local_done = False
         for phase, total, posts, packs, unpacks in self.rounds:
@@ -761,22 +818,23 @@ class _Program:
         if not local_done:
             self._local_copies(tensors)
 
-    def _run_overlapped(self, tensors, transport: P2PTransport) -> None:
+    def _run_overlapped(self, tensors, transport: P2PTransport,
+                        early: Optional[tuple]) -> None:
         """CUDA: the copies of neighbouring rounds run on a side stream during transfers.
 
         Per phase, with round k's buffer in slot k % 2: the side stream packs round k+1
         while round k is on the wire, then waits for round k and unpacks it; the current
         stream only waits for a round's pack before posting it. No host sync. Every stream
         is joined back into the current one before returning, so the slots and the callers'
-        tensors are released in order.
+        tensors are released in order. ``early`` (from ``pack_ahead``): the slots, with the
+        first round already packed.
         """
         device = transport.device
         main = torch.cuda.current_stream(device)
         if self._side is None:
             self._side = torch.cuda.Stream(device)
         side = self._side
-        size = max((total for _, total, _, _, _ in self.rounds), default=0)
-        slots = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(2)]
+        slots = early[0] if early is not None else self._slots(device)
         local_done = False
         for phase in (0, 1):
             rounds = [r for r in self.rounds if r[0] == phase]
@@ -785,7 +843,6 @@ class _Program:
             if phase == 1 and not local_done:  # phase-1 sends may forward locally copied data
                 self._local_copies(tensors)
                 local_done = True
-            side.wait_stream(main)  # data written on the current stream is visible to packs
             packed: list = []
 
             def pack(k: int) -> None:
@@ -795,7 +852,11 @@ class _Program:
                     packed.append(torch.cuda.Event())
                     packed[k].record(side)
 
-            pack(0)
+            if phase == 0 and early is not None:
+                packed.append(early[1])
+            else:
+                side.wait_stream(main)  # data written on the current stream is visible
+                pack(0)
             for k, (_, _, posts, _, unpacks) in enumerate(rounds):
                 main.wait_event(packed[k])
                 buf = slots[k % 2]

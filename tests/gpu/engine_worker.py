@@ -113,10 +113,17 @@ def run_against_reference(pg, cases, what, stream=None, staging=256 << 20, strid
     planner = Planner()
     built = [build(c, strided) for c in cases]
     transfers, expects = [b[0] for b in built], [b[1] for b in built]
-    xfer_batch(transfers, pg, stream=stream, staging_bytes=staging, planner=planner)
-    if stream is not None:
-        stream.synchronize()
-    check(transfers, expects, what)
+    # cold call, warm call (cached schedule: the first round packs during the agreement),
+    # then without the agreement, as the refit loop runs
+    for agree in (True, True, False):
+        for t in transfers:
+            if t.dst is not None:
+                t.dst.zero_()
+        xfer_batch(transfers, pg, stream=stream, staging_bytes=staging, planner=planner,
+                   agree=agree)
+        if stream is not None:
+            stream.synchronize()
+        check(transfers, expects, what)
     refs = [Transfer(**{**t.__dict__, "dst": None if t.dst is None else torch.zeros_like(t.dst)})
             for t in transfers]
     xfer_batch_reference(refs, pg)
