@@ -95,10 +95,10 @@ DIRECT_MIN_BYTES = 16 << 20
 MIN_MESSAGE_BYTES = 1 << 20
 
 
-def _round_count(pair_bytes: dict, cap: int) -> tuple[int, dict]:
-    """The fewest rounds R such that, with every pair's traffic cut into messages of
-    ``ceil(bytes / R)`` (aligned, at least MIN_MESSAGE_BYTES or ``cap / 8``, at most ``cap``), one message of
-    each pair per round keeps every rank within ``cap``; and those message sizes.
+def _message_sizes(pair_bytes: dict, cap: int) -> dict:
+    """Per peer pair, the size of its messages: ``ceil(bytes / R)`` (aligned, at least
+    MIN_MESSAGE_BYTES or ``cap / 8``, at most ``cap``) for the fewest rounds R such that one
+    message of each pair per round keeps every rank within ``cap``.
 
     Every round then carries all peer pairs at once: one NCCL group per round uses every
     link, where rounds of whole messages would serialise the pairs of a rank (measured:
@@ -119,7 +119,7 @@ def _round_count(pair_bytes: dict, cap: int) -> tuple[int, dict]:
         # stop when it fits, or when more rounds no longer shrink messages (minimum size):
         # the placement then spills the excess into extra rounds
         if all(v <= cap for v in per_rank.values()) or size == previous or rounds >= 4 * first:
-            return rounds, size
+            return size
         previous, rounds = size, rounds + 1
 
 
@@ -218,11 +218,10 @@ def build_schedule(plans: Sequence[ParamPlan], itemsizes: Sequence[int], me: int
                     continue
                 pairs.setdefault((op.src, op.dst), []).append(
                     (ti, op.src_piece, op.dst_piece, op.box))
-                pair_bytes[(op.src, op.dst)] = (pair_bytes.get((op.src, op.dst), 0)
-                                                + box_numel(op.box) * isz)
+                pair_bytes[(op.src, op.dst)] = pair_bytes.get((op.src, op.dst), 0) + nb
         if not pairs and not straight:
             continue
-        _, size = _round_count(pair_bytes, cap)
+        size = _message_sizes(pair_bytes, cap)
         # message k of every pair before message k+1 of any: round k carries all pairs
         staged = []
         for (s, d), segs in pairs.items():
