@@ -52,7 +52,7 @@ def main() -> None:
         t1, c1 = time.perf_counter(), time.process_time()
         again = planner.plan_all([layout_key(*lay) for lay in layouts])
         t2 = time.perf_counter()
-        sched = build_schedule(plans, [2] * len(plans), 4, 256 << 20)
+        sched = build_schedule(plans, [2] * len(plans), 4, 256 << 20, set())  # contiguous
         t3 = time.perf_counter()
         assert all(a is b for a, b in zip(plans, again))
         kind = "distinct layouts" if distinct else "model-like (repeated shapes)"

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.distributed.tensor import Shard
 
-from megatron_reshard.engine import Planner, Transfer, xfer_batch
+from megatron_reshard.engine import DTensorRef, Planner, Transfer, xfer_batch, xferdtensor
 from megatron_reshard.layout import MeshInfo
 from megatron_reshard.worlds import init_gloo_world
 
@@ -85,3 +85,27 @@ def test_schedule_follows_every_ranks_strides(pool):
     for rank_out in results:
         assert all(ok for ok, _ in rank_out)
         assert [flags for _, flags in rank_out[:3]] == [[True], [False], [True]]
+
+
+def _job_outsider(job):
+    """A rank outside both meshes describes a call by a placeholder, so with a shared
+    planner its cache can hit where the others miss (two tensors with the same
+    placements): whether the schedule is rebuilt, and the stride map exchanged, must
+    still be decided alike on every rank, or the exchange would wait forever."""
+    init_gloo_world(job)
+    planner = Planner()
+    src_mesh, dst_mesh = MeshInfo(torch.tensor([0])), MeshInfo(torch.tensor([1]))
+    ok = []
+    for rows in (6, 4, 6):
+        full = torch.arange(rows * 8, dtype=torch.float32).reshape(rows, 8)
+        src = DTensorRef(full.clone(), full.shape) if job.rank == 0 else None
+        # a strided destination (a transposed buffer): every call votes a signature
+        dst = DTensorRef(torch.zeros(8, rows).t(), full.shape) if job.rank == 1 else None
+        xferdtensor(src, src_mesh, [Shard(0)], dst, dst_mesh, [Shard(0)], None,
+                    planner=planner)
+        ok.append(dst is None or torch.equal(dst.local, full))
+    return ok
+
+
+def test_rank_outside_both_meshes_with_a_shared_planner(pool):
+    assert pool.run(_job_outsider, 3, timeout_s=60) == [[True] * 3] * 3

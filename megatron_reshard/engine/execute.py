@@ -10,13 +10,15 @@
    call skips them;
 3. local checks of this rank's tensors (side membership, shape, dtype, device);
 4. the *agreement step*: one small MAX all-reduce over the group carrying one error slot per
-   rank, the batch fingerprint (as ``fp`` and ``-fp``) and one slot per rank with a
+   rank, the batch fingerprint (as ``fp`` and ``-fp``), the hash of what this rank's
+   cached schedule was built for (as ``h`` and ``-h``), and one slot per rank with a
    signature of which of its tensors are not standard-contiguous. A local error on any
    rank, or ranks whose descriptions differ, make every rank raise ``ValueError`` before
    any data moves (the failing rank with the detailed message, the others naming it). On
    NCCL this all-reduce also creates the group communicator that coalesced P2P rounds use;
-5. the schedule (cached per batch and agreed signatures; when a rank has strided tensors,
-   one more all-reduce tells every rank which): an op whose box is contiguous on both
+5. the schedule (kept only when every rank's cache holds one built for the signatures
+   voted now, so every rank decides alike; when a rank has strided tensors, one more
+   all-reduce tells every rank which): an op whose box is contiguous on both
    ends and large (``DIRECT_MIN_BYTES``) goes whole, straight from tensor to tensor, in
    the first round (no staging).
    The rest is staged: per phase, R rounds with R the fewest that keep every rank within
@@ -351,7 +353,7 @@ class _Batch:
             self.expect.append((None if s is None else s.local_shape,
                                 None if d is None else d.local_shape))
         self.sched: Optional[_Schedule] = None  # built after the agreement step
-        self.sched_sigs: Optional[tuple] = None  # every rank's _signature it was built for
+        self.sched_hash = 0  # _hash_ints of every rank's _signature it was built for
         self.programs: dict = {}
         self._strided: dict = {}  # strides -> this rank's non-standard tensors (k)
 
@@ -479,9 +481,9 @@ def xfer_batch(transfers: Sequence, group=None, *, stream=None,
         with ctx:
             early = _program(batch, transfers, plans, me, strides).pack_ahead(tensors, transport)
     try:
-        sigs = _agree(batch, transfers, me, world, strides, tensors, bad_index, message,
-                      transport, planner, ctx, _vote)
-        if batch.sched is None or batch.sched_sigs != sigs:  # alike on every rank
+        sigs, rebuild = _agree(batch, transfers, me, world, strides, tensors, bad_index,
+                               message, transport, planner, ctx, _vote)
+        if rebuild:  # decided from the all-reduced votes: alike on every rank
             with ctx:
                 strided = (_exchange_strided(batch.strided_of(strides, tensors), len(tensors),
                                              transport) if any(sigs) else set())
@@ -489,7 +491,7 @@ def xfer_batch(transfers: Sequence, group=None, *, stream=None,
             budget = max(MIN_STAGING_BYTES, staging_bytes // 2) if on_cuda else staging_bytes
             batch.sched = build_schedule(plans, [t.dtype.itemsize for t in transfers], me,
                                          budget, strided)
-            batch.sched_sigs = sigs
+            batch.sched_hash = _hash_ints(sigs)
             batch.programs.clear()
             _discard_early(early)
             early = None
@@ -508,16 +510,22 @@ def _discard_early(early: Optional[tuple]) -> None:
 
 def _agree(batch, transfers, me: int, world: int, strides, tensors, bad_index, message,
            transport: P2PTransport, planner: Planner, ctx, vote: bool) -> tuple:
-    """The agreement step (module docstring, step 4); returns every rank's signature.
+    """The agreement step (module docstring, step 4). Returns every rank's signature and
+    whether the schedule must be (re)built, the same on every rank.
+
     Besides the errors and the fingerprint, each rank votes a signature of which of its
-    tensors are not standard-contiguous: the schedule depends on all ranks' (direct
-    messages need a contiguous view on both ends)."""
+    tensors are not standard-contiguous (the schedule depends on all ranks': direct
+    messages need a contiguous view on both ends), and the hash of the signatures its
+    cached schedule was built for (0: none). The schedule is kept only where every rank
+    holds one built for exactly the signatures voted now."""
     fp_hex, fp = batch.fp_hex, batch.fp
-    values = [0] * (2 * world + 2)
+    values = [0] * (2 * world + 4)
     values[me] = 0 if bad_index is None else bad_index + 1
     values[world], values[world + 1] = (fp, -fp) if vote else (_NO_VOTE, _NO_VOTE)
+    cached = batch.sched_hash if batch.sched is not None else 0
+    values[world + 2], values[world + 3] = cached, -cached
     strided_mine = () if strides is None else batch.strided_of(strides, tensors)
-    values[world + 2 + me] = _signature(strided_mine)
+    values[world + 4 + me] = _signature(strided_mine)
     with ctx:
         got = _allreduce_votes(values, transport, planner)
     if bad_index is not None:
@@ -531,7 +539,9 @@ def _agree(batch, transfers, me: int, world: int, strides, tensors, bad_index, m
         raise ValueError(f"xfer_batch on rank {me}: ranks disagree on the batch description "
                          f"(names, shapes, dtypes, layouts or order differ; this rank's "
                          f"fingerprint {fp_hex})")
-    return tuple(got[world + 2:])
+    sigs = tuple(got[world + 4:])
+    same_cache = got[world + 2] == -got[world + 3]  # max == min over the ranks
+    return sigs, not (same_cache and got[world + 2] == _hash_ints(sigs))
 
 
 def _allreduce_votes(values: list, transport: P2PTransport, planner: Planner) -> list:
@@ -551,12 +561,15 @@ def _allreduce_votes(values: list, transport: P2PTransport, planner: Planner) ->
     return host_out.tolist()
 
 
-def _signature(strided: tuple) -> int:
-    """A rank's vote for its non-standard tensors: 0 for none, else a 60-bit hash."""
-    if not strided:
-        return 0
-    digest = hashlib.blake2b(repr(strided).encode(), digest_size=8).hexdigest()
+def _hash_ints(values: tuple) -> int:
+    """A stable 60-bit hash of a tuple of ints, never 0."""
+    digest = hashlib.blake2b(repr(values).encode(), digest_size=8).hexdigest()
     return 1 + int(digest[:15], 16)
+
+
+def _signature(strided: tuple) -> int:
+    """A rank's vote for its non-standard tensors: 0 for none, else a hash of them."""
+    return _hash_ints(strided) if strided else 0
 
 
 def _exchange_strided(mine: tuple, ntensors: int, transport: P2PTransport) -> set:
