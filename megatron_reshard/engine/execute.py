@@ -32,7 +32,9 @@
    Copies are batched (``torch._foreach_copy_``): contiguous ones as bytes in one call.
    On CUDA the copies leave the critical path: round k+1 is packed and round k-1 unpacked
    on a side stream while round k is on the wire (two staging slots, so the schedule is
-   built with half the budget and the staging memory stays within ``staging_bytes``).
+   built with half the budget and the staging memory stays within ``staging_bytes``);
+   with a cached schedule the first round is packed during the agreement step. Rounds
+   with nothing staged (direct messages only) are posted without the side stream.
 """
 
 from __future__ import annotations
@@ -792,7 +794,7 @@ class _Program:
         """CUDA: allocate the staging slots and pack the first round now, on the side
         stream, so that the pack overlaps whatever the current stream does next (the
         agreement step). Returns ``early`` for ``run``, or None when there is nothing to
-        pack; a caller that does not go on to ``run`` passes it to ``discard_early``."""
+        pack; a caller that does not go on to ``run`` passes it to ``_discard_early``."""
         first = next((r for r in self.rounds if r[0] == 0), None)
         if transport.device.type != "cuda" or first is None or not first[3]:
             return None
