@@ -11,7 +11,10 @@ Per stage the loop, on that stage's stream: runs the ``pre`` hooks of a batch
 (``LocalParamSpec.begin``), hands the batch to the engine's ``xfer_batch``, then runs the
 ``post`` hooks. Batches are cut by global bytes so ``pre`` buffers stay bounded, and the cut
 points depend on the payload only (identical on every rank). Stages use at most
-``num_streams`` CUDA streams round-robin; on CPU there are no streams.
+``num_streams`` CUDA streams round-robin; on CPU there are no streams. On the training side
+on CUDA (``overlap_pre_hooks``, default on), the pre hooks of the next batch run on a side
+stream while the current batch is on the wire: two batches' pre buffers are alive at once
+(the expert stacking copies, ~15% of a MoE refit, leave the critical path).
 
 Decisions:
 
@@ -267,6 +270,7 @@ class RefitLoop:
         staging_bytes: int = DEFAULT_STAGING_BYTES,
         misc_items: Optional[Mapping[int, Sequence[MiscItem]]] = None,
         xfer_batch: Optional[Callable[..., None]] = None,
+        overlap_pre_hooks: bool = True,
     ):
         if side not in SIDES:
             raise ValueError(f"side must be one of {SIDES}, got {side!r}")
@@ -280,6 +284,7 @@ class RefitLoop:
         self.batch_bytes = batch_bytes
         self.staging_bytes = staging_bytes
         self._xfer_batch = xfer_batch
+        self.overlap_pre_hooks = overlap_pre_hooks
         self.groups: dict[int, Optional[Any]] = (
             dict(groups) if isinstance(groups, Mapping) else dict(enumerate(groups)))
         all_stages = stage_params(refit_info)
@@ -303,6 +308,7 @@ class RefitLoop:
         self._planner = None
         self._agreed = False  # set once a run went through: later runs skip the agreement
         self._stream_pool: Optional[list] = None
+        self._prep_stream = None  # CUDA stream of the training side's pre hooks
 
     # -- setup ----------------------------------------------------------------------
 
@@ -431,8 +437,12 @@ class RefitLoop:
             st = StageStats(stage)
             ts = time.perf_counter()
             with torch.cuda.stream(stream) if stream is not None else nullcontext():
-                for start, stop in self._batches[stage]:
-                    self._run_batch(stage, params, start, stop, stream, xfer, transfer_cls, st)
+                if stream is not None and self.side == "src" and self.overlap_pre_hooks:
+                    self._run_stage_overlapped(stage, params, stream, xfer, transfer_cls, st)
+                else:
+                    for start, stop in self._batches[stage]:
+                        self._run_batch(stage, params, start, stop, stream, xfer,
+                                        transfer_cls, st)
             st.seconds = time.perf_counter() - ts
             stats.stages.append(st)
         for stream in streams:
@@ -444,6 +454,46 @@ class RefitLoop:
         return stats
 
     def _run_batch(self, stage, params, start, stop, stream, xfer, transfer_cls, st) -> None:
+        opened, transfers = self._open_batch(stage, params, start, stop, transfer_cls, st)
+        xfer(transfers, self.groups[stage], stream)
+        st.batches += 1
+        for spec, ctx in opened:
+            spec.finish(ctx)
+
+    def _run_stage_overlapped(self, stage, params, stream, xfer, transfer_cls, st) -> None:
+        """Training side on CUDA: the pre hooks of batch k+1 (the expert stacking copies)
+        run on a side stream while batch k is on the wire, instead of after it on the
+        stage stream. Costs one more batch's pre-hook buffers alive at a time."""
+        if self._prep_stream is None:
+            self._prep_stream = torch.cuda.Stream()
+        prep = self._prep_stream
+        prep.wait_stream(stream)  # the weights as they are when the refit starts
+
+        def open_ahead(start: int, stop: int) -> tuple:
+            with torch.cuda.stream(prep):
+                opened, transfers = self._open_batch(stage, params, start, stop,
+                                                     transfer_cls, st)
+                ready = torch.cuda.Event()
+                ready.record(prep)
+            return opened, transfers, ready
+
+        bounds = self._batches[stage]
+        ahead = open_ahead(*bounds[0]) if bounds else None
+        for k in range(len(bounds)):
+            opened, transfers, ready = ahead
+            if k + 1 < len(bounds):
+                ahead = open_ahead(*bounds[k + 1])
+            stream.wait_event(ready)
+            for _, ctx in opened:  # made on prep, used on the stage stream: keep till done
+                if isinstance(ctx.buf, torch.Tensor) and ctx.buf.is_cuda:
+                    ctx.buf.record_stream(stream)
+            xfer(transfers, self.groups[stage], stream)
+            st.batches += 1
+            for spec, ctx in opened:
+                spec.finish(ctx)
+
+    def _open_batch(self, stage, params, start, stop, transfer_cls, st) -> tuple[list, list]:
+        """Run the pre hooks of one batch; its open contexts and its engine transfers."""
         mine = self._mine[stage]
         opened: list[tuple[LocalParamSpec, Any]] = []
         transfers = []
@@ -467,7 +517,4 @@ class RefitLoop:
                 dst_mesh=p["dst_mesh_info"], dst_placements=list(p["dst_placements"]),
                 src=local if self.side == "src" else None,
                 dst=local if self.side == "dst" else None))
-        xfer(transfers, self.groups[stage], stream)
-        st.batches += 1
-        for spec, ctx in opened:
-            spec.finish(ctx)
+        return opened, transfers
