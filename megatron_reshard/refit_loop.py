@@ -14,7 +14,8 @@ points depend on the payload only (identical on every rank). Stages use at most
 ``num_streams`` CUDA streams round-robin; on CPU there are no streams. On the training side
 on CUDA (``overlap_pre_hooks``, default on), the pre hooks of the next batch run on a side
 stream while the current batch is on the wire: two batches' pre buffers are alive at once
-(the expert stacking copies, ~15% of a MoE refit, leave the critical path).
+(the expert stacking copies, ~15% of a MoE refit, leave the critical path); the host
+waits for batch k-1 before opening batch k+1, which bounds that to two.
 
 Decisions:
 
@@ -463,7 +464,11 @@ class RefitLoop:
     def _run_stage_overlapped(self, stage, params, stream, xfer, transfer_cls, st) -> None:
         """Training side on CUDA: the pre hooks of batch k+1 (the expert stacking copies)
         run on a side stream while batch k is on the wire, instead of after it on the
-        stage stream. Costs one more batch's pre-hook buffers alive at a time."""
+        stage stream.
+
+        At most two batches' pre buffers exist at once: after queuing batch k and before
+        opening batch k+1 the host waits until batch k-1 is done on the device (batch k
+        keeps the link busy meanwhile), which lets the allocator reuse its buffers."""
         if self._prep_stream is None:
             self._prep_stream = torch.cuda.Stream()
         prep = self._prep_stream
@@ -479,10 +484,9 @@ class RefitLoop:
 
         bounds = self._batches[stage]
         ahead = open_ahead(*bounds[0]) if bounds else None
+        done: list = []  # per batch: an event on the stage stream after its transfer
         for k in range(len(bounds)):
             opened, transfers, ready = ahead
-            if k + 1 < len(bounds):
-                ahead = open_ahead(*bounds[k + 1])
             stream.wait_event(ready)
             for _, ctx in opened:  # made on prep, used on the stage stream: keep till done
                 if isinstance(ctx.buf, torch.Tensor) and ctx.buf.is_cuda:
@@ -491,6 +495,12 @@ class RefitLoop:
             st.batches += 1
             for spec, ctx in opened:
                 spec.finish(ctx)
+            done.append(torch.cuda.Event())
+            done[k].record(stream)
+            if k + 1 < len(bounds):
+                if k >= 1:  # batch k is queued behind it: the device stays busy meanwhile
+                    done[k - 1].synchronize()
+                ahead = open_ahead(*bounds[k + 1])
 
     def _open_batch(self, stage, params, start, stop, transfer_cls, st) -> tuple[list, list]:
         """Run the pre hooks of one batch; its open contexts and its engine transfers."""
