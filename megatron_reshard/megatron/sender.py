@@ -30,7 +30,7 @@ class RefitSender:
 
     def __init__(self, source: Any, group: Any, *, device: Optional[torch.device] = None,
                  num_streams: int = 2, batch_bytes: int = DEFAULT_BATCH_BYTES,
-                 staging_bytes: int = DEFAULT_STAGING_BYTES):
+                 staging_bytes: int = DEFAULT_STAGING_BYTES, overlap_pre_hooks: bool = True):
         self.source = source
         self.group = group
         self.stage = source.stage
@@ -42,7 +42,8 @@ class RefitSender:
         self.loop = RefitLoop(info, source.build_hf_to_local_param_map(), "src",
                               {self.stage: group}, num_streams=num_streams,
                               batch_bytes=batch_bytes, staging_bytes=staging_bytes,
-                              misc_items=misc_items_by_stage(info))
+                              misc_items=misc_items_by_stage(info),
+                              overlap_pre_hooks=overlap_pre_hooks)
         self.is_misc_root = source.stage_local_rank == 0
 
     def refit(self) -> dict:
