@@ -360,13 +360,15 @@ class _Batch:
         self._strided: dict = {}  # strides -> this rank's non-standard tensors (k)
 
     def strided_of(self, strides: tuple, tensors: list) -> tuple:
-        """Indices k of this rank's tensors that are not standard-contiguous."""
+        """``(ks, signature)``: indices k of this rank's tensors that are not
+        standard-contiguous, and their ``_signature`` (cached per strides)."""
         got = self._strided.get(strides)
         if got is None:
             if len(self._strided) >= 8:
                 self._strided.clear()
-            got = self._strided[strides] = tuple(
-                k for k, x in enumerate(tensors) if x is not None and not x.is_contiguous())
+            ks = tuple(k for k, x in enumerate(tensors)
+                       if x is not None and not x.is_contiguous())
+            got = self._strided[strides] = (ks, _signature(ks))
         return got
 
 
@@ -487,8 +489,8 @@ def xfer_batch(transfers: Sequence, group=None, *, stream=None,
                                message, transport, planner, ctx, _vote)
         if rebuild:  # decided from the all-reduced votes: alike on every rank
             with ctx:
-                strided = (_exchange_strided(batch.strided_of(strides, tensors), len(tensors),
-                                             transport) if any(sigs) else set())
+                strided = (_exchange_strided(batch.strided_of(strides, tensors)[0],
+                                             len(tensors), transport) if any(sigs) else set())
             # CUDA rounds are double-buffered (see _Program.run): two slots share the budget
             budget = max(MIN_STAGING_BYTES, staging_bytes // 2) if on_cuda else staging_bytes
             batch.sched = build_schedule(plans, [t.dtype.itemsize for t in transfers], me,
@@ -526,8 +528,7 @@ def _agree(batch, transfers, me: int, world: int, strides, tensors, bad_index, m
     values[world], values[world + 1] = (fp, -fp) if vote else (_NO_VOTE, _NO_VOTE)
     cached = batch.sched_hash if batch.sched is not None else 0
     values[world + 2], values[world + 3] = cached, -cached
-    strided_mine = () if strides is None else batch.strided_of(strides, tensors)
-    values[world + 4 + me] = _signature(strided_mine)
+    values[world + 4 + me] = 0 if strides is None else batch.strided_of(strides, tensors)[1]
     with ctx:
         got = _allreduce_votes(values, transport, planner)
     if bad_index is not None:
