@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Every GPU check and benchmark in one command, for a lent machine with little time:
+#
+#     bash scripts/gpu_check.sh [NPROC] [OUT]        # NPROC 2 or 4 (default 4), OUT a folder
+#
+# Runs, each under its own time limit so one hang cannot eat the rest: the engine worker
+# (random layouts vs the reference over NCCL, cold/warm/agree=False calls), the refit
+# launcher (dense and MoE, bit-exact), the transfer benchmark, the refit benchmark and,
+# on 4 GPUs, the pytest refit layouts. Prints one line (or table) per step; full logs and
+# the benchmark reports land in OUT. NVLink multicast stays off (shared hosts).
+set -u
+NPROC=${1:-4}
+OUT=${2:-bench_out/gpu_check}
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+half=$((NPROC / 2))
+
+step() {  # step NAME LIMIT_S COMMAND...: run, keep the log, print the status
+  local name=$1 limit=$2
+  shift 2
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  echo "$name: rc=$?"
+}
+
+step engine_worker 150 torchrun --nproc-per-node "$NPROC" --master-port 29500 tests/gpu/engine_worker.py
+grep -h "ENGINE GPU WORKER OK\|Error" "$OUT/engine_worker.log" | head -3
+for model in dense moe; do
+  ep=1; [ "$model" = moe ] && ep=$half
+  step "refit_$model" 120 torchrun --nproc-per-node "$NPROC" --master-port 29610 \
+    scripts/refit_torchrun.py --train-world "$half" --gen-world "$half" --train-tp 1 \
+    --train-pp 1 --train-ep "$ep" --gen-tp "$half" --refits 3 --model "$model"
+  grep -h "REFIT_SUMMARY" "$OUT/refit_$model.log" | cut -c1-160
+done
+step bench_transfer 240 torchrun --nproc-per-node "$NPROC" --master-port 29620 \
+  scripts/bench_transfer.py --iters 10 --out "$OUT/transfer"
+grep "^|" "$OUT/bench_transfer.log"
+step bench_refit 300 torchrun --nproc-per-node "$NPROC" --master-port 29630 \
+  -m megatron_reshard.bench.refit_main --case all --layers 4 --iters 5 --out "$OUT/refit"
+grep "^|" "$OUT/bench_refit.log"
+if [ "$NPROC" -ge 4 ]; then
+  step pytest_gpu 400 python -m pytest -q tests/gpu
+  tail -1 "$OUT/pytest_gpu.log"
+fi
