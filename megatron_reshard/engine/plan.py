@@ -187,12 +187,13 @@ def build_plan(key: LayoutKey) -> ParamPlan:
 
 class Planner:
     """Owns the caches of one refit session: plans (layout key -> ParamPlan), validated
-    layout keys, and per-batch state (fingerprint, schedule, execution programs).
+    layout keys, per-batch state per group (fingerprint, schedule, execution programs),
+    and the agreement step's reusable vote buffers.
 
     Everything cached is computed from plain data (layout tuples, names, dtypes,
-    placements, tensor strides; never from tensors' contents or mesh object identity), so
-    a cache hit gives exactly what recomputing would. One planner per refit
-    session; ``clear()`` drops everything deterministically.
+    placements, tensor strides, the ranks' agreed stride signatures; never from tensors'
+    contents or mesh object identity), so a cache hit gives exactly what recomputing
+    would. One planner per refit session; ``clear()`` drops everything deterministically.
     """
 
     def __init__(self) -> None:
@@ -262,6 +263,7 @@ class Planner:
         self._plans.clear()
         self._layouts.clear()
         self._batches.clear()
+        self._votes.clear()
 
     def __len__(self) -> int:
         return len(self._plans)
