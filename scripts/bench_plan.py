@@ -2,8 +2,10 @@
 
 Wall and process CPU time are printed: on a loaded machine the CPU figure is the one that
 means "on one core". Prints: cold planning with 10,000 distinct layouts (worst case: no cache hit), cold
-planning of a model-like list (few distinct shapes, cache hits), the cached replan, and the
-batch schedule of one rank. Usage: python scripts/bench_plan.py [--params N]
+planning of a model-like list (few distinct shapes, cache hits), the cached replan (plans
+looked up again from validated layout keys), the batch schedule of one rank, and the warm
+lookup a repeated ``xfer_batch`` call pays instead of all that (its light batch key and the
+per-batch cache hit). Usage: python scripts/bench_plan.py [--params N]
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ import time
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-from megatron_reshard.engine.execute import build_schedule
-from megatron_reshard.engine.plan import Planner, layout_key
+from megatron_reshard.engine import Transfer
+from megatron_reshard.engine.execute import _light_key, build_schedule
+from megatron_reshard.engine.plan import Planner, gc_paused, layout_key
 from megatron_reshard.layout import MeshInfo
 
 
@@ -55,11 +58,20 @@ def main() -> None:
         sched = build_schedule(plans, [2] * len(plans), 4, 256 << 20, set())  # contiguous
         t3 = time.perf_counter()
         assert all(a is b for a, b in zip(plans, again))
+        transfers = [Transfer(f"p{i}", shape, torch.bfloat16, sm, list(sp), dm, list(dp))
+                     for i, (shape, sm, sp, dm, dp) in enumerate(layouts)]
+        key = (4, 256 << 20, _light_key(transfers, 6))
+        planner.remember_batch(0, key, sched)
+        t4 = time.perf_counter()
+        with gc_paused():  # as xfer_batch runs it
+            hit = planner.batch(0, (4, 256 << 20, _light_key(transfers, 6)))
+        t5 = time.perf_counter()
+        assert hit is sched
         kind = "distinct layouts" if distinct else "model-like (repeated shapes)"
         print(f"{args.params} params, {kind}: {len(planner)} plans built in {t1 - t0:.3f} s "
               f"(CPU {c1 - c0:.3f} s); "
               f"cached replan {t2 - t1:.3f} s; schedule for rank 4 ({len(sched.rounds)} rounds) "
-              f"{t3 - t2:.3f} s")
+              f"{t3 - t2:.3f} s; warm batch lookup {1e3 * (t5 - t4):.1f} ms")
 
 
 if __name__ == "__main__":

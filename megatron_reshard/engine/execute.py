@@ -46,7 +46,8 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 
 from .geometry import box_numel, box_shape
-from .plan import ParamPlan, Planner, _mesh_key, batch_fingerprint, layout_key
+from .plan import (ParamPlan, Planner, _mesh_key, batch_fingerprint, gc_paused,
+                   layout_key)
 from .transport import P2PTransport, backend_name, resolve_group
 
 _ALIGN = 16
@@ -413,6 +414,12 @@ def xfer_batch(transfers: Sequence, group=None, *, stream=None,
     as the refit loop does from its second refit on: local checks still run, but a rank
     that fails one then raises alone and its peers wait for the group's timeout.
     """
+    with gc_paused():
+        _xfer_batch(transfers, group, stream, staging_bytes, planner, backend, agree, _vote)
+
+
+def _xfer_batch(transfers, group, stream, staging_bytes: int, planner: Optional[Planner],
+                backend: str, agree: bool, _vote: bool) -> None:
     planner = planner if planner is not None else Planner()
     group = resolve_group(group)
     me, world = group.rank(), group.size()

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import gc
 import hashlib
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional, Sequence
 
@@ -185,6 +186,21 @@ def build_plan(key: LayoutKey) -> ParamPlan:
     return ParamPlan(key, src, dst, tuple(ops), fp)
 
 
+@contextmanager
+def gc_paused():
+    """Pause Python's cyclic GC inside: the engine allocates many small acyclic tuples
+    (plans, batch keys, views), and the GC passes they trigger walk every object the
+    caches hold: ~40% of cold planning time, and ~90 ms of a warm 10,000-param lookup that
+    takes 10 ms without them. Garbage is collected as usual once it is resumed."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 class Planner:
     """Owns the caches of one refit session: plans (layout key -> ParamPlan), validated
     layout keys, per-batch state per group (fingerprint, schedule, execution programs),
@@ -210,16 +226,9 @@ class Planner:
         return got
 
     def plan_all(self, keys: Sequence[LayoutKey]) -> list[ParamPlan]:
-        """Plans for many keys. Pauses Python's cyclic GC meanwhile: plans are acyclic
-        tuples, and GC passes triggered by the many small allocations cost ~40% of cold
-        planning time."""
-        was_enabled = gc.isenabled()
-        gc.disable()
-        try:
+        """Plans for many keys (with the cyclic GC paused, see ``gc_paused``)."""
+        with gc_paused():
             return [self.plan(k) for k in keys]
-        finally:
-            if was_enabled:
-                gc.enable()
 
     def layout(self, light: tuple, build) -> LayoutKey:
         """The validated layout key for ``light`` (a hashable description of the layout
