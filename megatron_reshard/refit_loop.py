@@ -424,8 +424,14 @@ class RefitLoop:
 
     def run(self, synchronize: bool = True) -> RefitStats:
         """Move every stage's params once. Verifies the plan first if not done yet."""
+        from megatron_reshard.engine.plan import gc_paused
+
         if not self._verified:
             self.verify_plan()
+        with gc_paused():  # many small objects per param; GC passes would walk the caches
+            return self._run(synchronize)
+
+    def _run(self, synchronize: bool) -> RefitStats:
         xfer, transfer_cls = self._engine()
         t0 = time.perf_counter()
         streams = self._streams()
