@@ -488,11 +488,7 @@ class RefitLoop:
                 ready.record(prep)
             return opened, transfers, ready
 
-        bounds = self._batches[stage]
-        ahead = open_ahead(*bounds[0]) if bounds else None
-        done: list = []  # per batch: an event on the stage stream after its transfer
-        for k in range(len(bounds)):
-            opened, transfers, ready = ahead
+        def send(opened: list, transfers: list, ready) -> None:
             stream.wait_event(ready)
             for _, ctx in opened:  # made on prep, used on the stage stream: keep till done
                 if isinstance(ctx.buf, torch.Tensor) and ctx.buf.is_cuda:
@@ -501,6 +497,15 @@ class RefitLoop:
             st.batches += 1
             for spec, ctx in opened:
                 spec.finish(ctx)
+            # returning drops the last references to the batch's buffers: their blocks
+            # are released once the stage stream gets past this point
+
+        bounds = self._batches[stage]
+        ahead = open_ahead(*bounds[0]) if bounds else None
+        done: list = []  # per batch: an event on the stage stream after its buffers' release
+        for k in range(len(bounds)):
+            send(*ahead)
+            ahead = None
             done.append(torch.cuda.Event())
             done[k].record(stream)
             if k + 1 < len(bounds):
