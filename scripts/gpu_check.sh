@@ -24,10 +24,10 @@ step() {  # step NAME LIMIT_S COMMAND...: run, keep the log, print the status
 
 step engine_worker 150 torchrun --nproc-per-node "$NPROC" --master-port 29500 tests/gpu/engine_worker.py
 grep -h "ENGINE GPU WORKER OK\|Error" "$OUT/engine_worker.log" | head -3
-for model in dense moe; do
-  ep=1; [ "$model" = moe ] && ep=$half
+for model in dense moe; do  # dense: train TP -> gen TP; moe: train EP -> gen TP
+  tp=$half ep=1; [ "$model" = moe ] && tp=1 ep=$half
   step "refit_$model" 120 torchrun --nproc-per-node "$NPROC" --master-port 29610 \
-    scripts/refit_torchrun.py --train-world "$half" --gen-world "$half" --train-tp 1 \
+    scripts/refit_torchrun.py --train-world "$half" --gen-world "$half" --train-tp "$tp" \
     --train-pp 1 --train-ep "$ep" --gen-tp "$half" --refits 3 --model "$model"
   grep -h "REFIT_SUMMARY" "$OUT/refit_$model.log" | cut -c1-160
 done
