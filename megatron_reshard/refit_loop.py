@@ -462,6 +462,10 @@ class RefitLoop:
 
     def _run_batch(self, stage, params, start, stop, stream, xfer, transfer_cls, st) -> None:
         opened, transfers = self._open_batch(stage, params, start, stop, transfer_cls, st)
+        self._send_batch(stage, opened, transfers, stream, xfer, st)
+
+    def _send_batch(self, stage, opened, transfers, stream, xfer, st) -> None:
+        """Hand an opened batch to the engine, then run its post hooks."""
         xfer(transfers, self.groups[stage], stream)
         st.batches += 1
         for spec, ctx in opened:
@@ -493,10 +497,7 @@ class RefitLoop:
             for _, ctx in opened:  # made on prep, used on the stage stream: keep till done
                 if isinstance(ctx.buf, torch.Tensor) and ctx.buf.is_cuda:
                     ctx.buf.record_stream(stream)
-            xfer(transfers, self.groups[stage], stream)
-            st.batches += 1
-            for spec, ctx in opened:
-                spec.finish(ctx)
+            self._send_batch(stage, opened, transfers, stream, xfer, st)
             # returning drops the last references to the batch's buffers: their blocks
             # are released once the stage stream gets past this point
 
