@@ -431,6 +431,12 @@ class RefitLoop:
         with gc_paused():  # many small objects per param; GC passes would walk the caches
             return self._run(synchronize)
 
+    def release_staging(self) -> None:
+        """Give back the engine's CUDA staging slots kept between refits (at most two of
+        ``staging_bytes / 2`` per stage stream); the next refit allocates them again."""
+        if self._planner is not None:
+            self._planner.release_staging()
+
     def _run(self, synchronize: bool) -> RefitStats:
         xfer, transfer_cls = self._engine()
         t0 = time.perf_counter()

@@ -1,12 +1,12 @@
 """Peak extra GPU memory taken by a call, from the caching allocator's statistics.
 
-"Extra" is what the device had to give the allocator for the call: the peak of
-``torch.cuda.max_memory_reserved`` during the call minus what was reserved just before it,
-with the allocator's cache emptied first. Reserved, not allocated: a buffer freed while a
-stream still uses it (``record_stream``, as the engine's staging slots and the refit's
-stacked experts are) leaves the *allocated* count at once but keeps its memory until that
-stream is past it, so the allocated peak understates what a refit needs next to a full
-generation engine. The allocated peak is kept beside it (``allocated_extra_bytes``).
+"Extra" is the larger of two peaks over the call, each minus its value just before the
+call (the allocator's cache emptied first): ``max_memory_reserved`` (what the device had
+to give the allocator) and ``max_memory_allocated``. Each misses something: a buffer freed
+while a stream still uses it (``record_stream``; NCCL does it to every buffer it sends or
+receives) leaves the *allocated* count at once but keeps its memory until that stream is
+past it, and a block carved from free space of a segment that holds live tensors needs no
+new *reserved* memory. The allocated peak alone is kept too (``allocated_extra_bytes``).
 Memory that NCCL allocates for itself (its channel buffers) does not go through the
 caching allocator and is not counted.
 
@@ -36,7 +36,8 @@ class PeakMemory:
     @property
     def extra_bytes(self) -> int:
         """The device memory the call needed (see the module docstring)."""
-        return max(0, self.reserved_peak_bytes - self.reserved_base_bytes)
+        return max(self.allocated_extra_bytes,
+                   self.reserved_peak_bytes - self.reserved_base_bytes)
 
     @property
     def allocated_extra_bytes(self) -> int:

@@ -374,6 +374,11 @@ def _bench_side(ctx: dict, args: argparse.Namespace, case: str) -> dict:
     if args.profile and device.type == "cuda":
         _profile_one_refit(refit, device, args.profile, f"{case}_{role}{me}")
 
+    # the staging slots kept since the last refit are given back, so that the measured
+    # refit allocates (and counts) them again
+    release = (ctx["sender"].release_staging if role == "train"
+               else ctx["worker"].release_refit_staging)
+    release()
     _, peak = measure_peak_extra(refit, device)
     extra, alloc = ((float(peak.extra_bytes), float(peak.allocated_extra_bytes))
                     if peak is not None else (float("nan"), float("nan")))

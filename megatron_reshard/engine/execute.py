@@ -480,7 +480,7 @@ def _xfer_batch(transfers, group, stream, staging_bytes: int, planner: Optional[
     if not agree and batch.sched is not None:
         if bad_index is not None:
             raise ValueError(f"xfer_batch: {message} (agree=False: peers are not told)")
-        _execute(batch, transfers, plans, me, tensors, strides, transport, stream)
+        _execute(batch, transfers, plans, me, tensors, strides, transport, stream, planner)
         return
     # The agreement step (_agree), the only host sync of a call. Where the schedule is
     # cached, the first round's pack runs meanwhile on the side stream: a local read of
@@ -490,7 +490,8 @@ def _xfer_batch(transfers, group, stream, staging_bytes: int, planner: Optional[
     early = None  # CUDA: the first round packed during the agreement, on a cached schedule
     if on_cuda and strides is not None and batch.sched is not None:
         with ctx:
-            early = _program(batch, transfers, plans, me, strides).pack_ahead(tensors, transport)
+            early = _program(batch, transfers, plans, me, strides).pack_ahead(
+                tensors, transport, planner)
     try:
         sigs, rebuild = _agree(batch, transfers, me, world, strides, tensors, bad_index,
                                message, transport, planner, ctx, _vote)
@@ -509,7 +510,7 @@ def _xfer_batch(transfers, group, stream, staging_bytes: int, planner: Optional[
     except BaseException:
         _discard_early(early)
         raise
-    _execute(batch, transfers, plans, me, tensors, strides, transport, stream, early)
+    _execute(batch, transfers, plans, me, tensors, strides, transport, stream, planner, early)
 
 
 def _discard_early(early: Optional[tuple]) -> None:
@@ -605,7 +606,8 @@ def _program(batch, transfers, plans, me: int, strides: tuple) -> "_Program":
 
 
 def _execute(batch, transfers, plans, me: int, tensors, strides: tuple,
-             transport: P2PTransport, stream, early: Optional[tuple] = None) -> None:
+             transport: P2PTransport, stream, planner: Planner,
+             early: Optional[tuple] = None) -> None:
     """Run this rank's part of an agreed batch with the batch's schedule."""
     ctx = torch.cuda.stream(stream) if stream is not None else nullcontext()
     prog = _program(batch, transfers, plans, me, strides)
@@ -614,7 +616,7 @@ def _execute(batch, transfers, plans, me: int, tensors, strides: tuple,
             for x in tensors:
                 if x is not None and x.is_cuda:
                     x.record_stream(stream)
-        prog.run(tensors, transport, early)
+        prog.run(tensors, transport, planner, early)
 
 
 # ---- execution -------------------------------------------------------------------------
@@ -798,7 +800,8 @@ class _Program:
                 local_done = True
         return local_done
 
-    def pack_ahead(self, tensors, transport: P2PTransport) -> Optional[tuple]:
+    def pack_ahead(self, tensors, transport: P2PTransport,
+                   planner: Planner) -> Optional[tuple]:
         """CUDA: allocate the staging slots and pack the first round now, on the side
         stream, so that the pack overlaps whatever the current stream does next (the
         agreement step). Returns ``early`` for ``run``, or None when there is nothing to
@@ -810,7 +813,7 @@ class _Program:
         main = torch.cuda.current_stream(device)
         if self._side is None:
             self._side = torch.cuda.Stream(device)
-        slots = self._slots(device)
+        slots = self._slots(device, planner)
         self._side.wait_stream(main)
         with torch.cuda.stream(self._side):
             self._stage(slots[0], first[3], tensors, pack=True)
@@ -818,13 +821,14 @@ class _Program:
             packed.record(self._side)
         return slots, packed, main
 
-    def _slots(self, device) -> list:
-        size = max((total for _, total, _, _, _ in self.rounds), default=0)
-        return [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(2)]
+    def _slots(self, device, planner: Planner) -> list:
+        """The planner's staging slots for the current stream, big enough for every round."""
+        return planner.staging_slots(device, max(total for _, total, _, _, _ in self.rounds))
 
-    def run(self, tensors, transport: P2PTransport, early: Optional[tuple] = None) -> None:
+    def run(self, tensors, transport: P2PTransport, planner: Planner,
+            early: Optional[tuple] = None) -> None:
         if transport.device.type == "cuda" and self.staged:
-            self._run_overlapped(tensors, transport, early)
+            self._run_overlapped(tensors, transport, planner, early)
             return
         local_done = False
         for phase, total, posts, packs, unpacks in self.rounds:
@@ -840,7 +844,7 @@ class _Program:
         if not local_done:
             self._local_copies(tensors)
 
-    def _run_overlapped(self, tensors, transport: P2PTransport,
+    def _run_overlapped(self, tensors, transport: P2PTransport, planner: Planner,
                         early: Optional[tuple]) -> None:
         """CUDA: the copies of neighbouring rounds run on a side stream during transfers.
 
@@ -856,7 +860,7 @@ class _Program:
         if self._side is None:
             self._side = torch.cuda.Stream(device)
         side = self._side
-        slots = early[0] if early is not None else self._slots(device)
+        slots = early[0] if early is not None else self._slots(device, planner)
         local_done = False
         for phase in (0, 1):
             rounds = [r for r in self.rounds if r[0] == phase]

@@ -201,10 +201,13 @@ def gc_paused():
             gc.enable()
 
 
+_STAGING_STREAMS = 4  # streams with kept staging slots per Planner (see staging_slots)
+
+
 class Planner:
     """Owns the caches of one refit session: plans (layout key -> ParamPlan), validated
     layout keys, per-batch state per group (fingerprint, schedule, execution programs),
-    and the agreement step's reusable vote buffers.
+    the agreement step's reusable vote buffers and the CUDA staging slots.
 
     Everything cached is computed from plain data (layout tuples, names, dtypes,
     placements, tensor strides, the ranks' agreed stride signatures; never from tensors'
@@ -217,6 +220,7 @@ class Planner:
         self._layouts: dict[tuple, LayoutKey] = {}
         self._batches: dict[int, dict[tuple, object]] = {}  # group scope -> batches
         self._votes: dict[tuple, tuple] = {}  # (device, n) -> agreement buffers
+        self._staging: dict[tuple, list] = {}  # (device index, stream) -> two CUDA slots
 
     def plan(self, key: LayoutKey) -> ParamPlan:
         got = self._plans.get(key)
@@ -268,11 +272,41 @@ class Planner:
                 torch.empty(n, dtype=torch.int64).pin_memory())
         return got
 
+    def staging_slots(self, device: torch.device, nbytes: int) -> list:
+        """The two CUDA staging slots (uint8, at least ``nbytes`` each) of calls on the
+        current stream, kept across calls.
+
+        Kept, not allocated per call: NCCL holds every buffer it sends or receives until
+        its stream is past it (``recordStream``), so slots freed at the end of each call
+        stay unusable while the host queues the next calls, and a caller that never syncs
+        (the refit loop's generation side) made the allocator reserve new ones for every
+        batch in flight: 2.1 GiB for a 256 MiB budget (docs/MEASUREMENTS.md). Reusing the
+        same slots in the same stream's order is safe without any sync: each call joins
+        its side stream and NCCL's work into the current stream before it returns. One
+        pair per stream (at most ``_STAGING_STREAMS``, least recently used dropped);
+        ``release_staging()`` gives them back."""
+        stream = torch.cuda.current_stream(device)
+        key = (stream.device_index, stream.cuda_stream)
+        got = self._staging.pop(key, None)
+        if got is None or got[0].numel() < nbytes:
+            got = None  # the smaller pair goes back to the allocator before the new one
+            got = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(2)]
+        self._staging[key] = got  # most recently used last
+        while len(self._staging) > _STAGING_STREAMS:
+            del self._staging[next(iter(self._staging))]
+        return got
+
+    def release_staging(self) -> None:
+        """Drop the kept CUDA staging slots (the allocator reuses them once the streams
+        that used them are past)."""
+        self._staging.clear()
+
     def clear(self) -> None:
         self._plans.clear()
         self._layouts.clear()
         self._batches.clear()
         self._votes.clear()
+        self._staging.clear()
 
     def __len__(self) -> int:
         return len(self._plans)

@@ -61,8 +61,14 @@ class RefitSender:
                        if self.is_misc_root else None)
             broadcast_packed(packed_layout(chunk), self.group, 0, self.device, tensors)
             del full, tensors
+            if self.device.type == "cuda":  # NCCL holds the freed buffer until its stream is
+                torch.cuda.current_stream(self.device).synchronize()  # past: one at a time
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         t2 = time.perf_counter()
         return {"bulk_params": bulk.params, "bulk_bytes": bulk.local_bytes,
                 "bulk_s": t1 - t0, "misc_s": t2 - t1, "refit_s": t2 - t0}
+
+    def release_staging(self) -> None:
+        """Give back the CUDA staging memory kept between refits (see RefitLoop)."""
+        self.loop.release_staging()

@@ -228,6 +228,7 @@ class ReceiverSession:
         bulk = self.loop.run()
         t1 = time.perf_counter()
         misc_bytes = misc_wire_bytes = 0
+        on_cuda = torch.cuda.is_available() and any(t.is_cuda for t in self.targets.params.values())
         for stage, items in self.misc_items.items():
             plans = dict(zip((name for name, _, _ in items), self.misc_plans[stage]))
             # one packed buffer of at most staging_bytes alive at a time (same cuts as the sender)
@@ -236,7 +237,10 @@ class ReceiverSession:
                 misc_wire_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
                 misc_bytes += apply_full_weights(self.targets, [plans[n] for n, _, _ in chunk],
                                                  tensors)
-        if torch.cuda.is_available() and any(t.is_cuda for t in self.targets.params.values()):
+                del tensors
+                if on_cuda:  # NCCL holds the freed buffer until its stream is past it
+                    torch.cuda.current_stream().synchronize()
+        if on_cuda:
             torch.cuda.synchronize()
         t2 = time.perf_counter()
         last = {"bulk_params": bulk.params, "bulk_bytes": bulk.local_bytes,
@@ -247,6 +251,10 @@ class ReceiverSession:
         self.stats["total_refit_s"] += t2 - t0
         self.stats["last"] = last
         return dict(last)
+
+    def release_staging(self) -> None:
+        """Give back the CUDA staging memory kept between refits (see RefitLoop)."""
+        self.loop.release_staging()
 
     def report(self) -> dict:
         """Plain-data summary: what this rank receives, bytes, timings, target params left unwritten."""

@@ -130,6 +130,14 @@ class MegatronReshardWorkerExtension:
         """Receive all weights once (bulk + other params); returns this refit's numbers."""
         return self._refit_session().refit()
 
+    def release_refit_staging(self) -> None:
+        """Give back the CUDA staging memory the refit keeps between refits (two slots of
+        half the staging budget per stage stream), e.g. before vLLM sleeps; the next
+        refit allocates it again."""
+        session = self._refit_state()["session"]
+        if session is not None:
+            session.release_staging()
+
     def report(self) -> dict:
         """Plain-data summary: params, bytes received, timings, target params left unwritten."""
         session = self._refit_state()["session"]

@@ -189,6 +189,42 @@ def overlap_and_bandwidth(pg):
         f"{256*2**20/te/1e9:.0f} GB/s per destination (includes the agreement all-reduce)")
 
 
+def staging_stays_within_budget(pg):
+    """Calls queued without a host sync (as the refit loop's receiving side runs) hold
+    no more than the staging budget: the planner's slots are reused in stream order, not
+    freed per call (NCCL keeps freed buffers busy until its stream is past them)."""
+    if WORLD < 2 or CPU_DRY_RUN:
+        return
+    half = WORLD // 2
+    budget = 16 << 20  # two 8 MiB slots on CUDA
+    sm, dm = mesh((half,), list(range(half))), mesh((WORLD - half,), list(range(half, WORLD)))
+    batches = []
+    for b in range(8):  # 32 MiB each, into strided destinations: every byte staged
+        src = torch.ones(4096 // half, 4096, dtype=torch.bfloat16, device=DEV) if RANK < half else None
+        dst = (torch.zeros(4096, 2 * (4096 // (WORLD - half)), dtype=torch.bfloat16,
+                           device=DEV)[:, ::2] if RANK >= half else None)
+        batches.append([Transfer(f"b{b}.w", (4096, 4096), torch.bfloat16, sm, [Shard(0)], dm,
+                                 [Shard(1)], src, dst)])
+    planner = Planner()
+    for batch in batches:  # agreed once each
+        xfer_batch(batch, pg, staging_bytes=budget, planner=planner)
+    sync()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_reserved()
+    torch.cuda.reset_peak_memory_stats()
+    torch.cuda._sleep(500_000_000)  # keep the GPU busy so the host queues every call
+    for _ in range(3):
+        for batch in batches:
+            xfer_batch(batch, pg, staging_bytes=budget, planner=planner, agree=False)
+    sync()
+    extra = torch.cuda.max_memory_reserved() - base
+    if extra > budget + (2 << 20):
+        raise AssertionError(f"rank {RANK}: 24 queued staged calls reserved {extra >> 20} MiB, "
+                             f"more than the {budget >> 20} MiB staging budget")
+    log(f"ok: 24 queued staged calls stayed within the staging budget "
+        f"({extra >> 20} MiB reserved, budget {budget >> 20} MiB)")
+
+
 def bad_input_raises_everywhere(pg):
     if WORLD < 2:
         return
@@ -231,6 +267,7 @@ def main():
               ((WORLD - half,), w[half:] or w[:1], (-1,))) for i in range(200)]
     run_against_reference(pg, small, "200 small replicated tensors in one batch")
     bad_input_raises_everywhere(pg)
+    staging_stays_within_budget(pg)
 
     # A registered default world built from an explicit store (not the agent store): group=None.
     store = dist.TCPStore(HOST, BASE_PORT + 1, WORLD, RANK == 0, timeout=timedelta(seconds=120))
