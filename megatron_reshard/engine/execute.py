@@ -827,7 +827,7 @@ class _Program:
 
     def run(self, tensors, transport: P2PTransport, planner: Planner,
             early: Optional[tuple] = None) -> None:
-        if transport.device.type == "cuda" and self.staged:
+        if transport.device.type == "cuda" and (self.staged or (self.local and self.rounds)):
             self._run_overlapped(tensors, transport, planner, early)
             return
         local_done = False
@@ -846,22 +846,27 @@ class _Program:
 
     def _run_overlapped(self, tensors, transport: P2PTransport, planner: Planner,
                         early: Optional[tuple]) -> None:
-        """CUDA: the copies of neighbouring rounds run on a side stream during transfers.
+        """CUDA: the copies of neighbouring rounds and the local copies run on a side
+        stream during transfers.
 
         Per phase, with round k's buffer in slot k % 2: the side stream packs round k+1
         while round k is on the wire, then waits for round k and unpacks it; the current
-        stream only waits for a round's pack before posting it. No host sync. Every stream
-        is joined back into the current one before returning, so the slots and the callers'
-        tensors are released in order. ``early`` (from ``pack_ahead``): the slots, with the
-        first round already packed.
+        stream only waits for a round's pack before posting it. The local copies go on the
+        side stream after the first round is posted: on the current stream they would
+        run before the round's NCCL kernel (NCCL's stream waits for the current one when
+        the group is launched), so a 128 MiB local copy delayed the transfer by its whole
+        duration. No host sync. Every stream is joined back into the current one before
+        returning, so the slots and the callers' tensors are released in order. ``early``
+        (from ``pack_ahead``): the slots, with the first round already packed.
         """
         device = transport.device
         main = torch.cuda.current_stream(device)
         if self._side is None:
             self._side = torch.cuda.Stream(device)
         side = self._side
-        slots = early[0] if early is not None else self._slots(device, planner)
-        local_done = False
+        slots = (early[0] if early is not None else
+                 self._slots(device, planner) if self.staged else [None, None])
+        local_done = not self.local
         for phase in (0, 1):
             rounds = [r for r in self.rounds if r[0] == phase]
             if not rounds:
@@ -886,12 +891,16 @@ class _Program:
             for k, (_, _, posts, _, unpacks) in enumerate(rounds):
                 main.wait_event(packed[k])
                 buf = slots[k % 2]
-                local_done = self._post(buf, posts, tensors, transport, local_done)
+                self._post(buf, posts, tensors, transport, local_done=True)
                 done = torch.cuda.Event()
                 done.record(main)
                 if k + 1 < len(rounds):
                     # slot (k+1) % 2 held round k-1, which the side stream waited for already
                     pack(k + 1)
+                if not local_done:  # behind the first packs, alongside the first round
+                    with torch.cuda.stream(side):
+                        self._local_copies(tensors)
+                    local_done = True
                 with torch.cuda.stream(side):
                     side.wait_event(done)  # always: the next pack into this slot waits too
                     if unpacks:
