@@ -25,19 +25,16 @@
    ``staging_bytes``, each peer pair's traffic cut into R messages (boxes cut in
    row-major order, segments at 16-byte aligned offsets), message k of every pair in
    round k, so that each round's NCCL group carries all pairs at once (identical on
-   every rank, computed from plain data). Where the sender packs or the receiver
-   unpacks, a pair's traffic of 32 MiB or more starts or ends with a short message, so
-   that the copies no transfer hides are short;
+   every rank, computed from plain data);
 6. rounds: pack staged sends, post every send/recv of the round, run local copies while
    the first round is in flight, wait, unpack staged receives. A message made of one
    segment whose view is contiguous on this side goes straight from/to the tensor.
    Copies are batched (``torch._foreach_copy_``): contiguous ones as bytes in one call.
    On CUDA the copies leave the critical path: round k+1 is packed and round k-1 unpacked
    on a side stream while round k is on the wire (two staging slots, so the schedule is
-   built with half the budget and the staging memory stays within ``staging_bytes``;
-   the slots are kept on the Planner across calls), and the local copies run there too;
-   with a cached schedule the first round is packed during the agreement step. Programs
-   with nothing staged and no local copies are posted without the side stream.
+   built with half the budget and the staging memory stays within ``staging_bytes``);
+   with a cached schedule the first round is packed during the agreement step. Rounds
+   with nothing staged (direct messages only) are posted without the side stream.
 """
 
 from __future__ import annotations
@@ -102,10 +99,6 @@ DIRECT_MIN_BYTES = 16 << 20
 # budget): tiny messages only add launches.
 MIN_MESSAGE_BYTES = 1 << 20
 
-# A pair's staged traffic of at least this much starts with a short message where the
-# sender packs and ends with one where the receiver unpacks (see _message_caps).
-RAMP_MIN_BYTES = 32 << 20
-
 
 def _message_sizes(pair_bytes: dict, cap: int) -> dict:
     """Per peer pair, the size of its messages: ``ceil(bytes / R)`` (aligned, at least
@@ -135,31 +128,12 @@ def _message_sizes(pair_bytes: dict, cap: int) -> dict:
         previous, rounds = size, rounds + 1
 
 
-def _message_caps(total: int, size: int, packs: bool, unpacks: bool) -> list:
-    """The sizes of a pair's messages, in order (the last one repeats): ``size``, except
-    that traffic of at least RAMP_MIN_BYTES that the sender ``packs`` starts with a message
-    of an eighth of that, and traffic that the receiver ``unpacks`` ends with one.
-
-    The first message's pack and the last one's unpack are the only copies no transfer
-    hides (the others overlap the neighbouring rounds): on 128 MiB from a strided source,
-    a 180 µs pack before anything moves, where an extra round costs 10–25 µs."""
-    if total < RAMP_MIN_BYTES or not (packs or unpacks):
-        return [size]
-    ramp = min(size, _align(max(MIN_MESSAGE_BYTES, min(size, total) // 8)))
-    middle = total - ramp * (packs + unpacks)
-    if middle <= 0 or ramp == size:
-        return [size]
-    n = -(-middle // size)
-    return [ramp] * packs + [_align(-(-middle // n))] * n + [ramp] * unpacks + [size]
-
-
-def _cut_messages(segs: list, itemsize_of, caps: list) -> list:
+def _cut_messages(segs: list, itemsize_of, size: int) -> list:
     """A pair's segments ``(ti, src_piece, dst_piece, box)`` packed in order into messages
-    of at most ``caps[i]`` bytes for message i (the last cap for the rest), boxes cut
-    where a message fills up. Returns ``[(segments, nbytes)]`` with segments
-    ``(ti, src_piece, dst_piece, box, offset, nbytes)`` at 16-byte aligned offsets."""
+    of at most ``size`` bytes, boxes cut where a message fills up. Returns
+    ``[(segments, nbytes)]`` with segments ``(ti, src_piece, dst_piece, box, offset, nbytes)``
+    at 16-byte aligned offsets."""
     messages, cur, end = [], [], 0
-    size = caps[0]
     todo = list(reversed(segs))  # a stack: pop() takes the next segment
     while todo:
         ti, spi, dpi, box = todo.pop()
@@ -176,20 +150,18 @@ def _cut_messages(segs: list, itemsize_of, caps: list) -> list:
         if rest and cur:  # this message is full
             messages.append((cur, end))
             cur, end = [], 0
-            size = caps[min(len(messages), len(caps) - 1)]
     if cur:
         messages.append((cur, end))
     return messages
 
 
-def _flat_test(plans, strided: Optional[set]):
-    """``flat_end(ti, op, end)``: whether op's box is one contiguous run of a
-    standard-strided local tensor at one end (0: the sender, 1: the receiver), that end's
-    tensor not in ``strided``, the agreed set of ``(rank, k)`` of non-standard tensors.
-    ``strided`` None: no end is flat. An op flat at both ends can go straight from tensor
-    to tensor."""
+def _direct_test(plans, strided: Optional[set]):
+    """``direct(ti, op)``: whether op can go straight from tensor to tensor on both ends
+    (its box is one contiguous run of a standard-strided local tensor on each side, and
+    neither end's tensor is in ``strided``, the agreed set of ``(rank, k)`` of non-standard
+    tensors). ``strided`` None: no op is direct."""
     if strided is None:
-        return lambda ti, op, end: False
+        return lambda ti, op: False
     flat: dict = {}
 
     def flat_in(own, piece, box) -> bool:
@@ -205,17 +177,16 @@ def _flat_test(plans, strided: Optional[set]):
             got = flat[key] = _is_contiguous(box_shape(box), stride)
         return got
 
-    def flat_end(ti, op, end: int) -> bool:
+    def direct(ti, op) -> bool:
         plan = plans[ti]
-        if end == 1:
-            return ((op.dst, 2 * ti + 1) not in strided
-                    and flat_in(plan.dst[op.dst], op.dst_piece, op.box))
         src_side = 0 if op.phase == 0 else 1  # phase 1 forwards from a destination tensor
         src_own = (plan.src if op.phase == 0 else plan.dst)[op.src]
         return ((op.src, 2 * ti + src_side) not in strided
-                and flat_in(src_own, op.src_piece, op.box))
+                and (op.dst, 2 * ti + 1) not in strided
+                and flat_in(src_own, op.src_piece, op.box)
+                and flat_in(plan.dst[op.dst], op.dst_piece, op.box))
 
-    return flat_end
+    return direct
 
 
 def build_schedule(plans: Sequence[ParamPlan], itemsizes: Sequence[int], me: int,
@@ -225,18 +196,16 @@ def build_schedule(plans: Sequence[ParamPlan], itemsizes: Sequence[int], me: int
     rank stages more than ``cap`` bytes (sends + receives); this rank keeps its part.
 
     An op of at least ``min(DIRECT_MIN_BYTES, cap / 8)`` whose box is contiguous on both
-    ends (see ``_flat_test``; needs ``strided``, the agreed set of ranks' non-standard
+    ends (see ``_direct_test``; needs ``strided``, the agreed set of ranks' non-standard
     tensors) is a *direct* message: uncut, no staging, in the first round. Every other
-    message counts fully on both ends; a pair's messages are of equal size but for short
-    first and last ones where its sender packs and its receiver unpacks (``_message_caps``).
+    message counts fully on both ends.
     """
     sched = _Schedule()
-    flat_end = _flat_test(plans, strided)
+    direct = _direct_test(plans, strided)
     direct_min = min(DIRECT_MIN_BYTES, cap // 8)
     for phase in (0, 1):
         pairs: dict = {}
         pair_bytes: dict = {}
-        copies: dict = {}  # per pair: [the sender packs, the receiver unpacks]
         straight: list = []  # direct messages: (s, d, segment)
         for ti, plan in enumerate(plans):
             isz = itemsizes[ti]
@@ -248,25 +217,20 @@ def build_schedule(plans: Sequence[ParamPlan], itemsizes: Sequence[int], me: int
                         sched.local.append((ti, op.src_piece, op.dst_piece, op.box))
                     continue
                 nb = box_numel(op.box) * isz
-                flat = flat_end(ti, op, 0), flat_end(ti, op, 1)
-                if nb >= direct_min and all(flat):
+                if nb >= direct_min and direct(ti, op):
                     straight.append((op.src, op.dst,
                                      (ti, op.src_piece, op.dst_piece, op.box, 0, nb)))
                     continue
-                pair = (op.src, op.dst)
-                pairs.setdefault(pair, []).append((ti, op.src_piece, op.dst_piece, op.box))
-                pair_bytes[pair] = pair_bytes.get(pair, 0) + nb
-                both = copies.setdefault(pair, [False, False])
-                both[0] = both[0] or not flat[0]
-                both[1] = both[1] or not flat[1]
+                pairs.setdefault((op.src, op.dst), []).append(
+                    (ti, op.src_piece, op.dst_piece, op.box))
+                pair_bytes[(op.src, op.dst)] = pair_bytes.get((op.src, op.dst), 0) + nb
         if not pairs and not straight:
             continue
         size = _message_sizes(pair_bytes, cap)
         # message k of every pair before message k+1 of any: round k carries all pairs
         staged = []
         for (s, d), segs in pairs.items():
-            caps = _message_caps(pair_bytes[(s, d)], size[(s, d)], *copies[(s, d)])
-            for seq, (msg, nbytes) in enumerate(_cut_messages(segs, itemsizes, caps)):
+            for seq, (msg, nbytes) in enumerate(_cut_messages(segs, itemsizes, size[(s, d)])):
                 staged.append((seq, s, d, msg, nbytes, False))
         staged.sort(key=lambda m: m[0])  # stable: pairs keep their first-appearance order
         count: dict = {}  # messages per pair: their tags
