@@ -230,6 +230,17 @@ def test_schedules_match_between_peers_and_respect_the_staging_budget(key, cap, 
     assert moved == expect
 
 
+def test_large_staged_traffic_takes_two_rounds_even_when_one_would_fit():
+    # 1 -> 1, [4096, 8192] bf16 (64 MiB) into a strided destination, 256 MiB budget: two
+    # rounds of 32 MiB, so that the unpack of the first overlaps the second's transfer;
+    # a quarter of it (16 MiB) stays in one round
+    mib = 1 << 20
+    for rows, expect in ((4096, [32, 32]), (1024, [16])):
+        plan = build_plan(((rows, 8192), (1,), (0,), (0,), (1,), (1,), (1,)))
+        rounds = build_schedule([plan], [2], 0, 256 * mib, {(1, 1)}).rounds
+        assert [[m[4] / mib for m in msgs] for _, _, msgs in rounds] == [[e] for e in expect]
+
+
 def test_contiguous_regions_go_whole_in_one_round_whatever_the_budget():
     # 1 -> 1, the whole [64, 64] tensor: one direct message when both tensors are
     # standard-contiguous; 4 staged rounds of 1 KiB when the destination is strided
