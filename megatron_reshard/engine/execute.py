@@ -25,7 +25,8 @@
    ``staging_bytes``, each peer pair's traffic cut into R messages (boxes cut in
    row-major order, segments at 16-byte aligned offsets), message k of every pair in
    round k, so that each round's NCCL group carries all pairs at once (identical on
-   every rank, computed from plain data);
+   every rank, computed from plain data); R >= 2 where a pair stages 32 MiB or more, so
+   that one round's copies overlap another's transfer;
 6. rounds: pack staged sends, post every send/recv of the round, run local copies while
    the first round is in flight, wait, unpack staged receives. A message made of one
    segment whose view is contiguous on this side goes straight from/to the tensor.
