@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # Every GPU check and benchmark in one command, for a lent machine with little time:
 #
-#     bash scripts/gpu_check.sh [NPROC] [OUT]        # NPROC 2 or 4 (default 4), OUT a folder
+#     bash scripts/gpu_check.sh [NPROC] [OUT] [STEPS]   # NPROC 2 or 4 (default 4), OUT a folder
+#
+# STEPS (default all): a comma list of engine, refit, transfer, bench_refit, pytest, to split
+# the run where one command may not take ~12 minutes (e.g. `engine,refit,transfer`, then
+# `bench_refit,pytest`).
 #
 # Runs, each under its own time limit so one hang cannot eat the rest: the engine worker
 # (random layouts vs the reference over NCCL, cold/warm/agree=False calls), the refit
@@ -11,9 +15,12 @@
 set -u
 NPROC=${1:-4}
 OUT=${2:-bench_out/gpu_check}
+STEPS=",${3:-engine,refit,transfer,bench_refit,pytest},"
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 half=$((NPROC / 2))
+
+want() { [[ $STEPS == *",$1,"* ]]; }
 
 step() {  # step NAME LIMIT_S COMMAND...: run, keep the log, print the status
   local name=$1 limit=$2
@@ -22,22 +29,30 @@ step() {  # step NAME LIMIT_S COMMAND...: run, keep the log, print the status
   echo "$name: rc=$?"
 }
 
-step engine_worker 150 torchrun --nproc-per-node "$NPROC" --master-port 29500 tests/gpu/engine_worker.py
-grep -h "ENGINE GPU WORKER OK\|Error" "$OUT/engine_worker.log" | head -3
-for model in dense moe; do  # dense: train TP -> gen TP; moe: train EP -> gen TP
-  tp=$half ep=1; [ "$model" = moe ] && tp=1 ep=$half
-  step "refit_$model" 120 torchrun --nproc-per-node "$NPROC" --master-port 29610 \
-    scripts/refit_torchrun.py --train-world "$half" --gen-world "$half" --train-tp "$tp" \
-    --train-pp 1 --train-ep "$ep" --gen-tp "$half" --refits 3 --model "$model"
-  grep -h "REFIT_SUMMARY" "$OUT/refit_$model.log" | cut -c1-160
-done
-step bench_transfer 240 torchrun --nproc-per-node "$NPROC" --master-port 29620 \
-  scripts/bench_transfer.py --iters 10 --out "$OUT/transfer"
-grep "^|" "$OUT/bench_transfer.log"
-step bench_refit 300 torchrun --nproc-per-node "$NPROC" --master-port 29630 \
-  -m megatron_reshard.bench.refit_main --case all --layers 4 --iters 5 --out "$OUT/refit"
-grep "^|" "$OUT/bench_refit.log"
-if [ "$NPROC" -ge 4 ]; then
+if want engine; then
+  step engine_worker 150 torchrun --nproc-per-node "$NPROC" --master-port 29500 tests/gpu/engine_worker.py
+  grep -h "ok: \|ENGINE GPU WORKER OK\|Error" "$OUT/engine_worker.log" | head -12
+fi
+if want refit; then
+  for model in dense moe; do  # dense: train TP -> gen TP; moe: train EP -> gen TP
+    tp=$half ep=1; [ "$model" = moe ] && tp=1 ep=$half
+    step "refit_$model" 120 torchrun --nproc-per-node "$NPROC" --master-port 29610 \
+      scripts/refit_torchrun.py --train-world "$half" --gen-world "$half" --train-tp "$tp" \
+      --train-pp 1 --train-ep "$ep" --gen-tp "$half" --refits 3 --model "$model"
+    grep -h "REFIT_SUMMARY" "$OUT/refit_$model.log" | cut -c1-160
+  done
+fi
+if want transfer; then
+  step bench_transfer 240 torchrun --nproc-per-node "$NPROC" --master-port 29620 \
+    scripts/bench_transfer.py --iters 10 --out "$OUT/transfer"
+  grep "^|" "$OUT/bench_transfer.log"
+fi
+if want bench_refit; then
+  step bench_refit 300 torchrun --nproc-per-node "$NPROC" --master-port 29630 \
+    -m megatron_reshard.bench.refit_main --case all --layers 4 --iters 5 --out "$OUT/refit"
+  grep "^|" "$OUT/bench_refit.log"
+fi
+if want pytest && [ "$NPROC" -ge 4 ]; then
   step pytest_gpu 400 python -m pytest -q tests/gpu
   tail -1 "$OUT/pytest_gpu.log"
 fi
