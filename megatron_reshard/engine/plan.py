@@ -288,8 +288,9 @@ class Planner:
         stream = torch.cuda.current_stream(device)
         key = (stream.device_index, stream.cuda_stream)
         got = self._staging.pop(key, None)
-        if got is None or got[0].numel() < nbytes:
+        if got is not None and got[0].numel() < nbytes:
             got = None  # the smaller pair goes back to the allocator before the new one
+        if got is None:
             got = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(2)]
         self._staging[key] = got  # most recently used last
         while len(self._staging) > _STAGING_STREAMS:
