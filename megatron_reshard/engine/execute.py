@@ -673,15 +673,73 @@ def _flat(tensors, ref) -> torch.Tensor:
     return x.as_strided((numel,), (1,), x.storage_offset() + delta).view(torch.uint8)
 
 
-def _copy_all(flat_dst, flat_src, typed_dst, typed_src) -> None:
-    """``dst.copy_(src)`` for every pair, batched. Flat pairs are contiguous uint8 views of
-    equal length: one ``_foreach_copy_`` (multi-tensor kernels on CUDA, whatever the
-    params' dtypes). Typed pairs have a strided side, which foreach runs as one ``copy_``
-    per pair, in C++. Destinations never overlap (each element is written by one op)."""
-    if flat_dst:
-        torch._foreach_copy_(flat_dst, flat_src)
-    if typed_dst:
-        torch._foreach_copy_(typed_dst, typed_src)
+# Copy speed (H200, one stream, median of 20; scratch probe in docs/MEASUREMENTS.md): torch
+# copies a strided view element by element, so a 256 MiB strided bf16 pack took 302 µs, the
+# same bytes as 8-byte words 140 µs, a contiguous memcpy 129. Strided copies therefore run
+# as the widest word their geometry and addresses allow. The batched foreach kernel moves
+# contiguous bytes at half a memcpy's speed (128 MiB: 145 µs against 67), so contiguous
+# pairs of _MEMCPY_BYTES or more are copied one by one (each a memcpy); smaller ones stay
+# batched, where launches dominate (64 pairs of 128 KiB: 39 µs batched, 573 one by one).
+_WORDS = {8: torch.int64, 4: torch.int32}
+_MEMCPY_BYTES = 1 << 20
+
+
+def _word_bytes(size, stride, itemsize: int) -> int:
+    """The widest word (8 or 4 bytes, wider than an element; 0: none) that a view of this
+    size and stride (in elements) can be copied as, by ``Tensor.view(dtype)``'s rule: unit
+    last stride, the last dim's bytes and every other stride's a multiple of the word. The
+    view's address is checked per call (``_words_pair``)."""
+    if not size or 0 in size or stride[-1] != 1:
+        return 0
+    for w in (8, 4):
+        if w > itemsize and all(b * itemsize % w == 0 for b in (size[-1], *stride[:-1])):
+            return w
+    return 0
+
+
+def _as_words(v: torch.Tensor, w: int) -> Optional[torch.Tensor]:
+    if v.data_ptr() % w or v.storage_offset() * v.element_size() % w:
+        return None
+    return v.view(_WORDS[w])
+
+
+def _words_pair(dst: torch.Tensor, src: torch.Tensor, w: int) -> tuple:
+    """``(dst, src)`` as ``w``-byte words when both addresses allow it (their geometry
+    passed ``_word_bytes``), else as they are. Bit-exact either way: a copy moves bits."""
+    if w:
+        dw, sw = _as_words(dst, w), _as_words(src, w)
+        if dw is not None and sw is not None:
+            return dw, sw
+    return dst, src
+
+
+class _Copies:
+    """One batch of copies ``dst <- src`` whose destinations never overlap, issued as few
+    kernels as the views allow (see _MEMCPY_BYTES): large contiguous pairs at once, one
+    memcpy each; the other contiguous pairs (uint8 views of equal length) as one
+    ``_foreach_copy_`` (multi-tensor kernels on CUDA, whatever the params' dtypes); strided
+    pairs as one ``_foreach_copy_`` as well, which runs them one ``copy_`` each, in C++."""
+
+    def __init__(self) -> None:
+        self.flat_dst, self.flat_src, self.typed_dst, self.typed_src = [], [], [], []
+
+    def flat(self, dst: torch.Tensor, src: torch.Tensor, nbytes: int) -> None:
+        if nbytes >= _MEMCPY_BYTES:
+            dst.copy_(src)
+        else:
+            self.flat_dst.append(dst)
+            self.flat_src.append(src)
+
+    def typed(self, dst: torch.Tensor, src: torch.Tensor, w: int) -> None:
+        dst, src = _words_pair(dst, src, w)
+        self.typed_dst.append(dst)
+        self.typed_src.append(src)
+
+    def run(self) -> None:
+        if self.flat_dst:
+            torch._foreach_copy_(self.flat_dst, self.flat_src)
+        if self.typed_dst:
+            torch._foreach_copy_(self.typed_dst, self.typed_src)
 
 
 class _Geom(NamedTuple):
@@ -691,6 +749,8 @@ class _Geom(NamedTuple):
     typed: Optional[tuple]  # (size, stride, storage offset delta); None: the whole tensor
     numel: Optional[int]    # None: the whole tensor, 1-D with stride 1
     delta: int              # storage offset from the tensor's
+    nbytes: int
+    words: int              # strided views: the word size to copy in (``_word_bytes``)
 
 
 class _Program:
@@ -701,7 +761,7 @@ class _Program:
     ``tensors`` list. A message of one segment whose view is contiguous goes straight
     from/to the tensor; others go through the round's staging buffer. Staged segments and
     local copies whose views are contiguous are copied as bytes (``_flat`` refs), all of
-    a round at once; strided ones as typed views (``_typed`` refs).
+    a round at once; strided ones as typed views (``_typed`` refs), or as words.
     """
 
     def __init__(self, sched: _Schedule, transfers, plans, me: int) -> None:
@@ -731,9 +791,12 @@ class _Program:
                     numel *= n
                 whole = delta == 0 and size == shapes[k] and stride == tuple(strides[k])
                 simple = whole and len(size) == 1 and stride == (1,)
+                itemsize = transfers[ti].dtype.itemsize
                 got = geometry[key] = _Geom(_is_contiguous(size, stride),
                                             None if whole else (size, stride, delta),
-                                            None if simple else numel, delta)
+                                            None if simple else numel, delta,
+                                            numel * itemsize,
+                                            _word_bytes(size, stride, itemsize))
             return k, got
 
         def is_flat(v):
@@ -745,13 +808,15 @@ class _Program:
         def flat(v):  # a _flat ref
             return v[0], v[1].numel, v[1].delta
 
-        self.local = []  # (True, dst flat, src flat) or (False, dst typed, src typed)
+        # (True, dst flat, src flat, bytes) or (False, dst typed, src typed, word bytes)
+        self.local = []
         for ti, spi, dpi, box in sched.local:
             d, s = view(ti, 1, dpi, box), view(ti, 0, spi, box)
             if is_flat(d) and is_flat(s):
-                self.local.append((True, flat(d), flat(s)))
+                self.local.append((True, flat(d), flat(s), d[1].nbytes))
             else:
-                self.local.append((False, typed(d), typed(s)))
+                self.local.append((False, typed(d), typed(s),
+                                   min(d[1].words, s[1].words)))
         self.rounds = []  # (phase, buffer bytes, posts, packs, unpacks)
         for phase, _, msgs in sched.rounds:
             posts, packs, unpacks, total = [], [], [], 0
@@ -763,10 +828,11 @@ class _Program:
                     posts.append((is_send, peer, tag, flat(views[0]), 0, nbytes))
                     continue
                 for (ti, _, _, box, off, nb), v in zip(segs, views):
-                    # (buffer offset, bytes, dtype, box shape, flat?, tensor-side ref)
-                    seg = ((total + off, nb, None, None, True, flat(v)) if is_flat(v) else
+                    # (buffer offset, bytes, dtype, box shape, flat?, tensor-side ref,
+                    # word bytes); the buffer's side is contiguous: words if the tensor's are
+                    seg = ((total + off, nb, None, None, True, flat(v), 0) if is_flat(v) else
                            (total + off, nb, transfers[ti].dtype, box_shape(box), False,
-                            typed(v)))
+                            typed(v), v[1].words))
                     (packs if is_send else unpacks).append(seg)
                 posts.append((is_send, peer, tag, None, total, nbytes))
                 total = _align(total + nbytes)
@@ -774,32 +840,27 @@ class _Program:
         self.staged = any(r[3] or r[4] for r in self.rounds)  # else: no staging at all
 
     def _local_copies(self, tensors) -> None:
-        flat_d, flat_s, typed_d, typed_s = [], [], [], []
-        for is_flat, d, s in self.local:
+        copies = _Copies()
+        for is_flat, d, s, n in self.local:
             if is_flat:
-                flat_d.append(_flat(tensors, d))
-                flat_s.append(_flat(tensors, s))
+                copies.flat(_flat(tensors, d), _flat(tensors, s), n)
             else:
-                typed_d.append(_typed(tensors, d))
-                typed_s.append(_typed(tensors, s))
-        _copy_all(flat_d, flat_s, typed_d, typed_s)
+                copies.typed(_typed(tensors, d), _typed(tensors, s), n)
+        copies.run()
 
     @staticmethod
     def _stage(buf, segs, tensors, pack: bool) -> None:
         """Copy segments into (pack) or out of the staging buffer."""
-        flat_b, flat_t, typed_b, typed_t = [], [], [], []
-        for off, nb, dtype, shape, is_flat, ref in segs:
+        copies = _Copies()
+        for off, nb, dtype, shape, is_flat, ref, words in segs:
             chunk = buf[off: off + nb]
             if is_flat:
-                flat_b.append(chunk)
-                flat_t.append(_flat(tensors, ref))
+                pair = (chunk, _flat(tensors, ref))
+                copies.flat(*(pair if pack else pair[::-1]), nb)
             else:
-                typed_b.append(chunk.view(dtype).view(shape))
-                typed_t.append(_typed(tensors, ref))
-        if pack:
-            _copy_all(flat_b, flat_t, typed_b, typed_t)
-        else:
-            _copy_all(flat_t, flat_b, typed_t, typed_b)
+                pair = (chunk.view(dtype).view(shape), _typed(tensors, ref))
+                copies.typed(*(pair if pack else pair[::-1]), words)
+        copies.run()
 
     def _post(self, buf, posts, tensors, transport: P2PTransport, local_done: bool) -> bool:
         """Post one round's sends and receives (waited for on exit); the local copies run
