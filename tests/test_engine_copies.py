@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from megatron_reshard.engine.execute import _Copies, _word_bytes, _words_pair
+from megatron_reshard.engine.execute import _MEMCPY_BYTES, _Copies, _word_bytes, _words_pair
 
 
 @pytest.mark.parametrize("size, stride, itemsize, words", [
@@ -53,7 +53,7 @@ def test_strided_pairs_copy_as_words_only_where_addresses_align(offset, as_words
 
 def test_a_batch_mixes_large_and_small_contiguous_pairs_and_strided_ones():
     torch.manual_seed(0)
-    big_src = _random_bits((1 << 20,), torch.uint8)          # one memcpy of its own
+    big_src = _random_bits((_MEMCPY_BYTES,), torch.uint8)  # one memcpy of its own
     small_src = [_random_bits((n,), torch.uint8) for n in (1, 7, 4096)]
     strided_src = _random_bits((8, 10), torch.float8_e4m3fn)[:, 2:]  # 8 bytes a row
     big_dst = torch.zeros_like(big_src)

@@ -673,15 +673,16 @@ def _flat(tensors, ref) -> torch.Tensor:
     return x.as_strided((numel,), (1,), x.storage_offset() + delta).view(torch.uint8)
 
 
-# Copy speed (H200, one stream, median of 20; scratch probe in docs/MEASUREMENTS.md): torch
-# copies a strided view element by element, so a 256 MiB strided bf16 pack took 302 µs, the
-# same bytes as 8-byte words 140 µs, a contiguous memcpy 129. Strided copies therefore run
-# as the widest word their geometry and addresses allow. The batched foreach kernel moves
-# contiguous bytes at half a memcpy's speed (128 MiB: 145 µs against 67), so contiguous
-# pairs of _MEMCPY_BYTES or more are copied one by one (each a memcpy); smaller ones stay
-# batched, where launches dominate (64 pairs of 128 KiB: 39 µs batched, 573 one by one).
+# Copy speed (H200; docs/MEASUREMENTS.md, fourth session): torch copies a strided view
+# element by element, so a 256 MiB strided bf16 pack took 302 µs, the same bytes as 8-byte
+# words 140 µs, a contiguous memcpy 129. Strided copies therefore run as the widest word
+# their geometry and addresses allow. The batched foreach kernel moves contiguous bytes at
+# half a memcpy's speed (128 MiB: 145 µs against 67), but each separate ``copy_`` costs
+# the host ~10 µs: contiguous pairs of _MEMCPY_BYTES or more are copied one by one (a
+# memcpy each; 8 local copies of 32 MiB: 490 → 297 µs), smaller ones stay batched (at
+# 1 MiB, 400 params of 0.5-4 MiB took 7 → 11 ms).
 _WORDS = {8: torch.int64, 4: torch.int32}
-_MEMCPY_BYTES = 1 << 20
+_MEMCPY_BYTES = 16 << 20
 
 
 def _word_bytes(size, stride, itemsize: int) -> int:
