@@ -163,7 +163,7 @@ def _train_rank(rank: int, cfg: RefitRunConfig, control, device: torch.device,
                 model_builder=None, after_refits=None) -> dict:
     from megatron.core import parallel_state as ps
 
-    from megatron_reshard.comm import create_refit_group
+    from megatron_reshard.comm import create_refit_group, destroy_refit_group
     from megatron_reshard.megatron import MegatronRefitSource
     from megatron_reshard.megatron.models import TinyGPTSpec, build_gpt_model
     from megatron_reshard.megatron.reference import gather_full_hf_state_dict
@@ -224,6 +224,7 @@ def _train_rank(rank: int, cfg: RefitRunConfig, control, device: torch.device,
         out["bench"] = after_refits({"role": "train", "rank": rank, "cfg": cfg, "device": device,
                                      "group": group, "control": control, "model": model,
                                      "sender": sender, "source": source})
+    destroy_refit_group(group, cfg.timeout_s)
     return out
 
 
@@ -292,6 +293,7 @@ def _gen_rank(gen_rank: int, cfg: RefitRunConfig, control, device: torch.device,
         out["bench"] = after_refits({"role": "gen", "rank": gen_rank, "cfg": cfg, "device": device,
                                      "group": groups[min(groups)], "control": control,
                                      "model": model, "worker": worker})
+    worker.destroy_refit_groups(cfg.timeout_s)
     return out
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_reshard.comm import create_refit_group
+from megatron_reshard.comm import create_refit_group, destroy_refit_group
 from megatron_reshard.worlds import free_ports
 
 
@@ -48,6 +48,7 @@ def test_a_one_rank_refit_group_needs_no_default_world():
     pg = create_refit_group("127.0.0.1", free_ports(1)[0], 0, 1, timeout_s=10)
     assert (pg.rank(), pg.size()) == (0, 1)
     assert not dist.is_initialized()
+    assert destroy_refit_group(pg) == 1
 
 
 def test_unknown_backend_is_rejected_before_any_rendezvous():
@@ -58,3 +59,44 @@ def test_unknown_backend_is_rejected_before_any_rendezvous():
 def test_rank_outside_the_world_is_rejected():
     with pytest.raises(ValueError, match=r"rank 2 outside \[0, 2\)"):
         create_refit_group("127.0.0.1", 1, 2, 2)
+
+
+def _destroy_late_peers_first(job):
+    import time
+
+    from megatron_reshard.comm import destroy_refit_group
+
+    pg = create_refit_group(job.host, job.ports[0], job.rank, 3, backend="gloo", timeout_s=30)
+    x = torch.ones(1)
+    pg.allreduce([x]).wait()
+    if job.rank:
+        time.sleep(0.3 * job.rank)  # the store's host reaches destroy first and must wait
+    return x.item(), destroy_refit_group(pg, timeout_s=20)
+
+
+def test_the_store_host_outlives_every_peers_shutdown(pool):
+    results = pool.run(_destroy_late_peers_first, 3, timeout_s=60)
+    assert [r[0] for r in results] == [3.0, 3.0, 3.0]
+    assert results[0][1] == 3  # rank 0 hosts the store: it returned after all three
+    assert all(1 <= r[1] <= 3 for r in results[1:])
+
+
+def _destroy_with_a_missing_peer(job):
+    import warnings
+
+    from megatron_reshard.comm import destroy_refit_group
+
+    pg = create_refit_group(job.host, job.ports[0], job.rank, 2, backend="gloo", timeout_s=30)
+    if job.rank == 1:
+        return None  # never shuts down
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        done = destroy_refit_group(pg, timeout_s=0.3)
+    return done, [str(w.message) for w in caught]
+
+
+def test_the_store_host_stops_waiting_after_the_timeout_and_says_so(pool):
+    done, messages = pool.run(_destroy_with_a_missing_peer, 2, timeout_s=60)[0]
+    assert done == 1
+    assert messages == ["destroy_refit_group: 1 of 2 ranks had not shut down after 0.3 s; "
+                        "closing the store anyway"]

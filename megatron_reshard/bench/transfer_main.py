@@ -478,11 +478,10 @@ def _refit_group(args: argparse.Namespace, backend: str,
 
     host = os.environ.get("MASTER_ADDR", "127.0.0.1")
     port = args.refit_port or int(os.environ.get("MASTER_PORT", "29500")) + 17
-    made = create_refit_group(host=host, port=port, rank=dist.get_rank(),
+    return create_refit_group(host=host, port=port, rank=dist.get_rank(),
                               world_size=dist.get_world_size(), backend=backend,
                               timeout_s=args.timeout_s,
                               device=device if device.type == "cuda" else None)
-    return getattr(made, "group", made)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -526,6 +525,19 @@ def _run(args: argparse.Namespace, device: torch.device, backend: str, env: dict
         return 2
     engine, engine_note = _load_engine(args)
     group = _refit_group(args, backend, device)
+    try:
+        return _run_cases(args, device, backend, env, engine, engine_note, group)
+    finally:
+        if group is not None:
+            from megatron_reshard.comm import destroy_refit_group
+
+            destroy_refit_group(group)
+
+
+def _run_cases(args: argparse.Namespace, device: torch.device, backend: str, env: dict,
+               engine, engine_note: str, group: Optional[dist.ProcessGroup]) -> int:
+    world = dist.get_world_size()
+    rank = dist.get_rank()
     ctx = Context(group=group, device=device, src_ranks=list(range(world // 2)),
                   dst_ranks=list(range(world // 2, world)), world_size=world,
                   iters=args.iters, warmup=args.warmup, timer=args.timer,

@@ -138,6 +138,17 @@ class MegatronReshardWorkerExtension:
         if session is not None:
             session.release_staging()
 
+    def destroy_refit_groups(self, timeout_s: float = 60.0) -> None:
+        """Shut the refit groups down at the end of the job (``comm.destroy_refit_group``;
+        every rank of each group, the training ranks too, does the same) and drop the
+        session: a later refit needs ``init_refit_groups`` and ``prepare_refit`` again."""
+        from megatron_reshard.comm import destroy_refit_group
+
+        state = self._refit_state()
+        groups, state["groups"], state["session"] = state["groups"] or {}, None, None
+        for stage in sorted(groups):
+            destroy_refit_group(groups[stage], timeout_s)
+
     def report(self) -> dict:
         """Plain-data summary: params, bytes received, timings, target params left unwritten."""
         session = self._refit_state()["session"]

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Replicate, Shard
 
-from megatron_reshard.comm import create_refit_group
+from megatron_reshard.comm import create_refit_group, destroy_refit_group
 from megatron_reshard.engine import Planner, Transfer, xfer_batch, xfer_batch_reference
 from megatron_reshard.layout import MeshInfo
 
@@ -276,6 +276,7 @@ def main():
                             device_id=None if CPU_DRY_RUN else DEV)
     run_against_reference(None, hand, "hand-checked layouts on the registered default world")
     overlap_and_bandwidth(pg)
+    destroy_refit_group(pg)
     dist.destroy_process_group()
     log("ENGINE GPU WORKER OK")
 
