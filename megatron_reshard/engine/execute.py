@@ -30,7 +30,9 @@
 6. rounds: pack staged sends, post every send/recv of the round, run local copies while
    the first round is in flight, wait, unpack staged receives. A message made of one
    segment whose view is contiguous on this side goes straight from/to the tensor.
-   Copies are batched (``torch._foreach_copy_``): contiguous ones as bytes in one call.
+   Copies are batched (``torch._foreach_copy_``): contiguous ones as bytes in one call
+   (those of 16 MiB or more one memcpy each), strided ones as 8- or 4-byte words where
+   their geometry and addresses allow.
    On CUDA the copies leave the critical path: round k+1 is packed and round k-1 unpacked
    on a side stream while round k is on the wire (two staging slots, so the schedule is
    built with half the budget and the staging memory stays within ``staging_bytes``);
