@@ -752,7 +752,7 @@ class _Geom(NamedTuple):
     typed: Optional[tuple]  # (size, stride, storage offset delta); None: the whole tensor
     numel: Optional[int]    # None: the whole tensor, 1-D with stride 1
     delta: int              # storage offset from the tensor's
-    nbytes: int
+    nbytes: int             # bytes of the view
     words: int              # strided views: the word size to copy in (``_word_bytes``)
 
 
