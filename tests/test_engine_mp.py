@@ -37,12 +37,24 @@ def _expected_local(full, mesh, dims, rank):
     return out
 
 
-def _storage(shape, dtype, strided):
-    """A tensor of ``shape``: contiguous, or a strided view into a larger buffer."""
-    if strided and len(shape) >= 1:
-        big = torch.empty(tuple(shape[:-1]) + (2 * shape[-1] + 1,), dtype=dtype)
-        return big[..., 1::2]
-    return torch.empty(shape, dtype=dtype)
+STORAGE = ("contiguous", "every_other", "padded_rows", "shifted")
+
+
+def _storage(shape, dtype, kind):
+    """A tensor of ``shape`` laid out as ``kind`` (True: "every_other", False:
+    "contiguous"): contiguous; every other element of a wider buffer; rows padded by four
+    elements (unit last stride, as a slice of a wider matrix); or contiguous one element
+    past an aligned address. The last two let the engine copy in words, or refuse to at
+    run time (misaligned address), which the random cases compare bit for bit as well."""
+    kind = {True: "every_other", False: "contiguous"}.get(kind, kind)
+    if kind == "contiguous" or len(shape) == 0:
+        return torch.empty(shape, dtype=dtype)
+    if kind == "every_other":
+        return torch.empty(tuple(shape[:-1]) + (2 * shape[-1] + 1,), dtype=dtype)[..., 1::2]
+    if kind == "padded_rows":
+        return torch.empty(tuple(shape[:-1]) + (shape[-1] + 4,), dtype=dtype)[..., :shape[-1]]
+    numel = torch.Size(shape).numel()
+    return torch.empty(numel + 1, dtype=dtype)[1:].view(shape)
 
 
 def _fill_sentinel(t):
@@ -132,7 +144,7 @@ def _case(draw):
     shape = tuple(draw(st.integers(0, 9)) for _ in range(ndim))
     return (f"p{draw(st.integers(0, 10**6))}", shape, draw(st.sampled_from(DTYPES)),
             draw(st.integers(0, 2**31)), draw(_side(ndim)), draw(_side(ndim)),
-            draw(st.booleans()), draw(st.booleans()))
+            draw(st.sampled_from(STORAGE)), draw(st.sampled_from(STORAGE)))
 
 
 @settings(max_examples=3, deadline=None, phases=(Phase.explicit, Phase.generate),
