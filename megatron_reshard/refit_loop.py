@@ -43,8 +43,8 @@ generation rank does the bulk of all stages first, then the broadcasts in stage 
 from __future__ import annotations
 
 import hashlib
-import math
 import inspect
+import math
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field

@@ -887,16 +887,20 @@ class _Program:
         if transport.device.type != "cuda" or first is None or not first[3]:
             return None
         device = transport.device
-        main = torch.cuda.current_stream(device)
-        if self._side is None:
-            self._side = torch.cuda.Stream(device)
+        main, side = torch.cuda.current_stream(device), self._side_stream(device)
         slots = self._slots(device, planner)
-        self._side.wait_stream(main)
-        with torch.cuda.stream(self._side):
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
             self._stage(slots[0], first[3], tensors, pack=True)
             packed = torch.cuda.Event()
-            packed.record(self._side)
+            packed.record(side)
         return slots, packed, main
+
+    def _side_stream(self, device) -> "torch.cuda.Stream":
+        """The program's CUDA side stream for packs, unpacks and local copies."""
+        if self._side is None:
+            self._side = torch.cuda.Stream(device)
+        return self._side
 
     def _slots(self, device, planner: Planner) -> list:
         """The planner's staging slots for the current stream, big enough for every round."""
@@ -937,10 +941,7 @@ class _Program:
         (from ``pack_ahead``): the slots, with the first round already packed.
         """
         device = transport.device
-        main = torch.cuda.current_stream(device)
-        if self._side is None:
-            self._side = torch.cuda.Stream(device)
-        side = self._side
+        main, side = torch.cuda.current_stream(device), self._side_stream(device)
         slots = (early[0] if early is not None else
                  self._slots(device, planner) if self.staged else [None, None])
         local_done = not self.local

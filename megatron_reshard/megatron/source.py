@@ -73,7 +73,7 @@ from megatron_reshard.metadata import (
     build_nccl_reshard_refit_info,
     restore_refit_info_placements,
 )
-from megatron_reshard.receiver.targets import VOCAB_PADDING
+from megatron_reshard.receiver.targets import QKV_WEIGHT_RE, vllm_vocab_rows
 from megatron_reshard.spec import HFToLocalParamMap, LocalParamSpec, RefitCtx
 
 HF_CONFIG_KEYS = (
@@ -154,9 +154,6 @@ def direct_tp_dim(name: str):
         if name.endswith(suffix):
             return dim
     return _NOT_DIRECT
-
-
-_QKV_WEIGHT = re.compile(r"\.self_attn\.[qkv]_proj\.weight$")
 
 
 def _gen_qkv_layout(mesh: MeshInfo, dims: dict, nkv: int, name: str) -> tuple[MeshInfo, list]:
@@ -300,7 +297,7 @@ class MegatronRefitSource:
         self.exact_extra_metadata = {n: m for n, m in metadata.items()
                                      if not is_nccl_reshard_param(n)
                                      and (n in VOCAB_PARAMS or direct_tp_dim(n) != _NOT_DIRECT
-                                          or (grouped_qkv and _QKV_WEIGHT.search(n)))}
+                                          or (grouped_qkv and QKV_WEIGHT_RE.search(n)))}
         self.other_params_metadata = {n: m for n, m in metadata.items()
                                       if not is_nccl_reshard_param(n) and n not in self.exact_extra_metadata}
         self.hf_config = self._hf_config(metadata)
@@ -392,9 +389,9 @@ class MegatronRefitSource:
             if name in VOCAB_PARAMS:
                 vocab = int(meta["shape"][0])
                 src_mesh, src_pl = _padded_layout(meshes.dense, meshes.dense_dims.get("tp"), padded_train)
-                vllm_rows = -(-vocab // VOCAB_PADDING) * VOCAB_PADDING
-                dst_mesh, dst_pl = _padded_layout(gen_mesh, gen_dims.get("tp"), vllm_rows)
-            elif _QKV_WEIGHT.search(name):
+                dst_mesh, dst_pl = _padded_layout(gen_mesh, gen_dims.get("tp"),
+                                                  vllm_vocab_rows(vocab))
+            elif QKV_WEIGHT_RE.search(name):
                 global_shape = self._qkv_group_shape(name, meta["shape"])
                 src_mesh = meshes.dense
                 src_pl = _tp_placements(meshes.dense, meshes.dense_dims, 0)

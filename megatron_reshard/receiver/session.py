@@ -10,7 +10,6 @@ from the stage's group rank 0).
 
 from __future__ import annotations
 
-import re
 import time
 from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
@@ -35,6 +34,7 @@ from megatron_reshard.refit_loop import (
     wire_dtype,
 )
 from megatron_reshard.receiver.targets import (
+    QKV_WEIGHT_RE,
     TargetError,
     TargetPlan,
     VllmTargets,
@@ -103,7 +103,7 @@ def build_receiver_param_map(payload: Mapping[str, Any], targets: VllmTargets, r
             if region is None:
                 continue
             padded = any(isinstance(pl, PaddedShard) for pl in p["dst_placements"])
-            per_group = len(p["global_shape"]) == 3 and bool(_QKV_WEIGHT.search(p["name"]))
+            per_group = len(p["global_shape"]) == 3 and bool(QKV_WEIGHT_RE.search(p["name"]))
             shape, rows = p["global_shape"], region
             if per_group:
                 shape, rows = _per_group_as_rows(p["name"], shape, region)
@@ -123,9 +123,6 @@ def build_receiver_param_map(payload: Mapping[str, Any], targets: VllmTargets, r
                 specs.specs[p["name"]] = receive_spec(targets, plan.pieces[0], strided_in_place)
             plans.append(plan)
     return specs, plans
-
-
-_QKV_WEIGHT = re.compile(r"\.self_attn\.[qkv]_proj\.weight$")
 
 
 def _per_group_as_rows(name: str, shape, region) -> tuple[tuple[int, int], tuple]:

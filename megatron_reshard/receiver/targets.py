@@ -34,6 +34,8 @@ from megatron_reshard.refit_loop import Region, region_index, region_shape
 from megatron_reshard.spec import LocalParamSpec, RefitCtx
 
 VOCAB_PADDING = 64
+# q/k/v weights, which the refit may send per KV group (megatron.source, receiver.session)
+QKV_WEIGHT_RE = re.compile(r"\.self_attn\.[qkv]_proj\.weight$")
 
 _EXPERT_RE = re.compile(
     r"^(?P<prefix>.*\.experts)\.(?:(?P<index>\d+)\.)?(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
@@ -78,6 +80,11 @@ def _numel(region: Region) -> int:
 
 def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
+
+
+def vllm_vocab_rows(vocab: int) -> int:
+    """Rows of vLLM's vocab matrices: the vocab padded to a multiple of VOCAB_PADDING."""
+    return _round_up(vocab, VOCAB_PADDING)
 
 
 def expert_block(num_experts: int, ep_rank: int, ep_size: int) -> tuple[int, int]:
@@ -188,7 +195,7 @@ class VllmTargets:
             hf[d] = (r * chunk, (r + 1) * chunk)
             plan.pieces.append(Piece(name, _full(tshape), tuple(hf)))
             return plan
-        if d == 0 and chunk * self.tp_size == _round_up(total, VOCAB_PADDING) and len(shape) >= 1:
+        if d == 0 and chunk * self.tp_size == vllm_vocab_rows(total) and len(shape) >= 1:
             # vocab rows padded to a multiple of 64, split evenly; padding rows are zero
             lo, hi = min(r * chunk, total), min((r + 1) * chunk, total)
             if hi > lo:
