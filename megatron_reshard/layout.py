@@ -108,6 +108,14 @@ def is_nccl_reshard_param(param_name: str) -> bool:
     return param_name.endswith(FFN_PROJ_WEIGHT_SUFFIXES + FFN_GROUPED_EXPERT_SUFFIXES)
 
 
+class MeshSizeError(ValueError, AssertionError):
+    """Parallel sizes that do not tile the GPU count.
+
+    Also an ``AssertionError`` because the seed asserts this condition, so callers written
+    against the seed (``except AssertionError``) still catch it.
+    """
+
+
 def build_mesh_info(
     num_gpus: int, rank_offset: int, tp_size: int = 1, ep_size: int = 1, pp_size: int = 1
 ) -> tuple[MeshInfo, dict[str, int]]:
@@ -115,6 +123,8 @@ def build_mesh_info(
 
     Dims are taken in the order (tp, ep, dp, pp), size-1 dims dropped, and the survivors
     reversed, so the first survivor (tp, or ep in an expert mesh) is the innermost axis.
+    Raises ``MeshSizeError`` (a ValueError and AssertionError) if the sizes do not tile
+    ``num_gpus``, ValueError for sizes that are not positive ints.
     """
     sizes = {"tp": tp_size, "ep": ep_size, "pp": pp_size}
     for name, size in {**{f"{k}_size": v for k, v in sizes.items()}, "num_gpus": num_gpus}.items():
@@ -125,9 +135,10 @@ def build_mesh_info(
     model_parallel = tp_size * ep_size * pp_size
     dp_size = num_gpus // model_parallel
     if dp_size * model_parallel != num_gpus:
-        raise ValueError(
-            f"build_mesh_info: num_gpus={num_gpus} is not divisible by "
-            f"tp_size*ep_size*pp_size={tp_size}*{ep_size}*{pp_size}={model_parallel}"
+        raise MeshSizeError(
+            f"build_mesh_info: num_gpus={num_gpus} (ranks {rank_offset}..{rank_offset + num_gpus - 1}) "
+            f"is not divisible by tp_size*ep_size*pp_size={tp_size}*{ep_size}*{pp_size}={model_parallel}; "
+            f"expected a multiple of {model_parallel}"
         )
     sizes["dp"] = dp_size
     survivors = [name for name in MESH_DIM_ORDER if sizes[name] > 1]

@@ -10,6 +10,7 @@ from megatron_reshard.layout import (
     FFN_PROJ_WEIGHT_SUFFIXES,
     ROW_PARALLEL_SUFFIXES,
     MeshInfo,
+    MeshSizeError,
     _get_expert_tp_shard_dim,
     _restore_placement,
     build_mesh_info,
@@ -199,6 +200,21 @@ def test_tp_and_ep_together_make_tp_innermost():
 def test_non_divisible_sizes_raise_naming_the_sizes():
     with pytest.raises(ValueError, match=r"num_gpus=6 .*tp_size\*ep_size\*pp_size=4\*1\*1=4"):
         build_mesh_info(6, 0, tp_size=4)
+
+
+def test_non_divisible_sizes_are_also_an_assertion_error_as_the_seed_raises():
+    # Callers written against the seed catch AssertionError; ValueError callers still work.
+    with pytest.raises(AssertionError, match=r"num_gpus=8 .*expected a multiple of 3"):
+        build_mesh_info(8, 0, tp_size=3)
+    with pytest.raises(MeshSizeError):
+        build_mesh_info(8, 4, ep_size=3)
+
+
+def test_invalid_size_values_are_not_assertion_errors():
+    # Only the divisibility check doubles as an assertion; a bad value is a plain ValueError.
+    with pytest.raises(ValueError) as err:
+        build_mesh_info(4, 0, tp_size=0)
+    assert not isinstance(err.value, AssertionError)
 
 
 def test_zero_size_is_rejected():
