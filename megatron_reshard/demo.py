@@ -1,13 +1,17 @@
 """Run a real refit on this machine and check it bit for bit.
 
 Starts a training world (a real megatron-core GPT model; by default MoE with GQA under
-TP2×PP2×EP2 on 4 processes) and a generation world (2 processes holding vLLM-layout
-parameters, gen TP2) as separate torch.distributed worlds, joins them with one refit
-group per training PP stage, runs setup, then several refits with the training weights
-changed between them, and verifies every generation parameter against the reference
-(full HF tensors gathered on the training side, sliced by the vLLM layout).
+TP2×PP2×EP2 on 4 processes, the dense model under TP2×PP2) and a generation world (2
+processes holding vLLM-layout parameters, gen TP2) as separate torch.distributed worlds,
+joins them with one refit group per training PP stage, runs setup, then several refits
+with the training weights changed between them, and verifies every generation parameter
+against the reference (full HF tensors gathered on the training side, sliced by the vLLM
+layout). Runs on CPU with gloo; for GPUs see scripts/refit_torchrun.py.
 
-Exit status: 0 when every refit is bit-exact, 1 otherwise.
+The layout is checked against the model before any process starts: a size the model
+cannot be split by ends the demo at once with one line on stderr.
+
+Exit status: 0 when every refit is bit-exact, 1 otherwise, 2 for invalid options.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from megatron_reshard.e2e import add_run_arguments, config_from_args, run_rank, 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_run_arguments(parser)
     parser.add_argument("--backend", choices=["gloo"], default="gloo",
-                        help="process-group backend (the demo runs on CPU; GPUs: "
+                        help="process-group backend; the demo runs on CPU (on GPUs: "
                              "scripts/refit_torchrun.py)")
     parser.add_argument("--device", choices=["cpu"], default="cpu", help=argparse.SUPPRESS)
     parser.add_argument("--json", action="store_true",
@@ -42,19 +46,25 @@ def _fmt_bytes(n: float) -> str:
     return str(n)
 
 
+# What the demo's one parameter count counts (the summary's "params" in --json as well).
+TENSORS_MEANING = ("HF weights each generation rank gets its slice of per refit; an MoE layer's "
+                   "experts travel as one tensor per projection (gate, up, down) for all experts")
+
+
 def print_summary(summary: dict) -> None:
     lay = summary["layout"]
     t, g = lay["train"], lay["gen"]
     print(f"\nrefit: {lay['model']} model, train tp{t['tp']} pp{t['pp']} ep{t['ep']} "
           f"({t['world']} ranks) -> gen tp{g['tp']} ep{g['ep']} ({g['world']} ranks), "
           f"{lay['backend']} on {lay['device']}, {lay['dtype']}")
-    print("| gen rank | params (exact path + packed) | bytes moved | exact-path bytes | packed bytes "
-          "| mismatched |")
+    print("| gen rank | tensors received (exact path + packed) | bytes received | exact-path bytes "
+          "| packed bytes | mismatched params |")
     print("|---|---|---|---|---|---|")
     for row in summary["per_gen_rank"]:
         print(f"| {row['gen_rank']} | {row['params']} ({row['bulk_params']} + {row['other_params']}) "
               f"| {_fmt_bytes(row['bytes'])} | {_fmt_bytes(row['bulk_bytes'])} "
               f"| {_fmt_bytes(row['misc_bytes'])} | {len(row['mismatched'])} |")
+    print(f"tensors received: {TENSORS_MEANING}")
     refit_ms = ", ".join(f"{s * 1e3:.1f}" for s in summary["refit_s"])
     print(f"exact-path share of bytes: {summary['exact_path_fraction']:.1%}")
     print(f"setup: {summary['setup_s']:.2f} s   refits: {summary['refits']} "
@@ -67,13 +77,15 @@ def print_summary(summary: dict) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_reshard.worlds import WorkerPool
-
-    probe = config_from_args(args, ports=(0,) * (1 + args.train_pp))
+    """Run the demo; returns the exit status (2 at once, before any process, on a bad layout)."""
+    probe = config_from_args(args, ports=(0,) * (1 + max(args.train_pp, 0)))
     problems = probe.problems()
     if problems:
-        print("megatron-reshard demo: " + "; ".join(problems), file=sys.stderr)
-        return 2
+        from megatron_reshard.cli import fail
+
+        return fail("demo", problems)
+    from megatron_reshard.worlds import WorkerPool
+
     nprocs = probe.train_world + probe.gen_world
     if not args.json:
         print(f"[demo] starting {probe.train_world} training + {probe.gen_world} generation "

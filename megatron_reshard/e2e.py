@@ -75,26 +75,131 @@ class RefitRunConfig:
         return self.train_world // self.train_pp
 
     def problems(self) -> list[str]:
-        out = []
-        if self.model not in MODEL_PRESETS:
-            out.append(f"--model {self.model!r}: expected one of {sorted(MODEL_PRESETS)}")
-        if self.train_world % (self.train_tp * self.train_pp):
-            out.append(f"train world {self.train_world} is not divisible by tp·pp = "
-                       f"{self.train_tp}·{self.train_pp}")
-        if (self.train_world // self.train_pp) % self.train_ep:
-            out.append(f"train ranks per stage {self.train_world // self.train_pp} not divisible "
-                       f"by ep {self.train_ep}")
+        """What keeps this run from starting, one line each naming the option, what was
+        expected and what was found (empty when it can start). Checked before any process
+        is spawned: a layout the model cannot be split into fails here, not in a worker."""
+        out = _basic_problems(self)
+        if out:
+            return out  # sizes below 1 or an unknown model: the checks below would divide by them
+        tp, pp, ep, world = self.train_tp, self.train_pp, self.train_ep, self.train_world
+        if world % (tp * pp):
+            out.append(f"--train-world {world}: expected a multiple of --train-tp × --train-pp "
+                       f"= {tp}×{pp} = {tp * pp}")
+        elif (world // pp) % ep:
+            out.append(f"--train-ep {ep}: expected a divisor of the {world // pp} training ranks "
+                       f"per PP stage (--train-world {world} / --train-pp {pp})")
         if self.gen_world % self.gen_tp:
-            out.append(f"gen world {self.gen_world} is not divisible by gen tp {self.gen_tp}")
+            out.append(f"--gen-world {self.gen_world}: expected a multiple of --gen-tp {self.gen_tp}")
         if self.gen_ep not in (1, self.gen_tp):
-            out.append(f"gen ep {self.gen_ep}: must be 1 or equal to gen tp {self.gen_tp} "
-                       "(vLLM's EP spans the TP ranks)")
-        if len(self.ports) < 1 + self.train_pp:
-            out.append(f"need {1 + self.train_pp} ports (control + one per PP stage), "
-                       f"got {len(self.ports)}")
-        if self.backend not in ("gloo", "nccl"):
-            out.append(f"--backend {self.backend!r}: expected gloo or nccl")
+            out.append(f"--gen-ep {self.gen_ep}: expected 1 or --gen-tp ({self.gen_tp}); "
+                       "vLLM's expert parallelism spans its TP ranks")
+        out += _model_problems(self)
+        if len(self.ports) < 1 + pp:
+            out.append(f"ports: need {1 + pp} (control + one per PP stage), got {len(self.ports)}")
         return out
+
+
+def _basic_problems(cfg: RefitRunConfig) -> list[str]:
+    """Option values that are wrong whatever the model: sizes, counts, names."""
+    out = []
+    for option, value in (("--train-world", cfg.train_world), ("--train-tp", cfg.train_tp),
+                          ("--train-pp", cfg.train_pp), ("--train-ep", cfg.train_ep),
+                          ("--gen-world", cfg.gen_world), ("--gen-tp", cfg.gen_tp),
+                          ("--gen-ep", cfg.gen_ep), ("--refits", cfg.refits),
+                          ("--streams", cfg.num_streams)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            out.append(f"{option} {value}: expected an integer >= 1")
+    for option, number in (("--staging-mib", cfg.staging_mib), ("--timeout-s", cfg.timeout_s)):
+        if not number > 0:
+            out.append(f"{option} {number}: expected a number > 0")
+    if cfg.model not in MODEL_PRESETS:
+        out.append(f"--model {cfg.model!r}: expected one of {', '.join(sorted(MODEL_PRESETS))}")
+    if cfg.backend not in ("gloo", "nccl"):
+        out.append(f"--backend {cfg.backend!r}: expected gloo or nccl")
+    if cfg.device not in ("cpu", "cuda"):
+        out.append(f"--device {cfg.device!r}: expected cpu or cuda")
+    elif cfg.backend == "nccl" and cfg.device != "cuda":
+        out.append(f"--backend nccl: expected --device cuda, found --device {cfg.device}")
+    if cfg.dtype not in ("bfloat16", "float16", "float32"):
+        out.append(f"--dtype {cfg.dtype!r}: expected bfloat16, float16 or float32")
+    return out
+
+
+def _split_refusals(cfg: RefitRunConfig) -> dict[str, Any]:
+    """Per layout option, a function from a size to why the model cannot be split by it
+    (``None``: it can).
+
+    Training (Megatron-Core, expert TP 1): TP divides the attention heads, the KV heads
+    and the dense FFN; EP divides the experts; PP divides the layers. Generation (vLLM
+    layout): TP divides the attention heads, divides or is a multiple of the KV heads
+    (vLLM replicates a KV head over TP/nkv ranks), divides the dense FFN, the expert FFN
+    (gen EP 1) and the padded vocab rows; gen EP divides the experts.
+    """
+    from megatron_reshard.receiver.targets import vllm_vocab_rows
+
+    m = dict(MODEL_PRESETS[cfg.model], **cfg.model_overrides)
+    heads = m["num_attention_heads"]
+    kv = m.get("num_query_groups") or heads
+    experts = m.get("num_moe_experts") or 0
+    layers = m["num_layers"]
+    # the dense FFN exists unless every layer is an MoE layer
+    ffn = m["ffn_hidden_size"] if not experts or m.get("moe_layer_freq", 1) != 1 else None
+    shared = m.get("moe_shared_expert_intermediate_size")
+    expert_ffn = m.get("moe_ffn_hidden_size") or m["ffn_hidden_size"]
+    vocab_rows = vllm_vocab_rows(m["vocab_size"])
+    uneven_pp = (m.get("num_layers_in_first_pipeline_stage")
+                 or m.get("num_layers_in_last_pipeline_stage"))
+
+    def tp_common(t: int) -> Optional[str]:
+        if heads % t:
+            return f"does not divide its {heads} attention heads"
+        if ffn and ffn % t:
+            return f"does not divide its FFN size {ffn}"
+        if shared and shared % t:
+            return f"does not divide its shared-expert FFN size {shared}"
+        return None
+
+    def train_tp(t: int) -> Optional[str]:
+        if kv % t:
+            return f"does not divide its {kv} KV heads (query groups)"
+        return tp_common(t)
+
+    def gen_tp(t: int) -> Optional[str]:
+        if kv % t if t <= kv else t % kv:
+            return f"neither divides nor is a multiple of its {kv} KV heads"
+        if experts and cfg.gen_ep == 1 and expert_ffn % t:
+            return (f"does not divide its expert FFN size {expert_ffn} (with --gen-ep 1 every "
+                    "rank holds a TP slice of every expert)")
+        if vocab_rows % t:
+            return f"does not divide its {vocab_rows} vocab rows (vocab {m['vocab_size']} padded as vLLM pads it)"
+        return tp_common(t)
+
+    def ep(e: int) -> Optional[str]:
+        if not experts:
+            return None if e == 1 else "is not 1: the model has no experts"
+        return f"does not divide its {experts} experts" if experts % e else None
+
+    def pp(p: int) -> Optional[str]:
+        return f"does not divide its {layers} layers" if not uneven_pp and layers % p else None
+
+    return {"--train-tp": train_tp, "--train-pp": pp, "--train-ep": ep, "--gen-tp": gen_tp,
+            "--gen-ep": ep}
+
+
+def _model_problems(cfg: RefitRunConfig) -> list[str]:
+    """One line per layout option the model cannot be split by, with the sizes it can."""
+    refusals = _split_refusals(cfg)
+    sizes = {"--train-tp": cfg.train_tp, "--train-pp": cfg.train_pp, "--train-ep": cfg.train_ep,
+             "--gen-tp": cfg.gen_tp, "--gen-ep": cfg.gen_ep}
+    out = []
+    for option, size in sizes.items():
+        why = refusals[option](size)
+        if why is not None:
+            valid = [str(n) for n in range(1, 129) if refusals[option](n) is None]
+            expected = valid[0] if len(valid) == 1 else "one of " + ", ".join(valid)
+            out.append(f"{option} {size}: expected {expected} for the {cfg.model} model; "
+                       f"{size} {why}")
+    return out
 
 
 def _say(cfg: RefitRunConfig, who: str, msg: str) -> None:
@@ -343,9 +448,16 @@ def summarize(cfg: RefitRunConfig, results: list[dict]) -> dict:
     }
 
 
+def default_train_ep(model: str) -> int:
+    """The demo's training EP size for ``model``: EP over the experts, none for a dense model."""
+    return 2 if (MODEL_PRESETS.get(model) or {}).get("num_moe_experts") else 1
+
+
 def config_from_args(args, ports: tuple) -> RefitRunConfig:
+    """The run's configuration from parsed options (``--train-ep`` left out: per model)."""
+    train_ep = args.train_ep if args.train_ep is not None else default_train_ep(args.model)
     return RefitRunConfig(model=args.model, train_world=args.train_world, train_tp=args.train_tp,
-                          train_pp=args.train_pp, train_ep=args.train_ep,
+                          train_pp=args.train_pp, train_ep=train_ep,
                           gen_world=args.gen_world, gen_tp=args.gen_tp, gen_ep=args.gen_ep,
                           refits=args.refits, verify=not args.no_verify, backend=args.backend,
                           device=args.device, dtype=args.dtype, ports=ports,
@@ -354,28 +466,45 @@ def config_from_args(args, ports: tuple) -> RefitRunConfig:
 
 
 def add_run_arguments(parser) -> None:
-    """Options shared by the demo and the torchrun launcher."""
+    """Options shared by the demo and the torchrun launcher (each help states its default)."""
     d = RefitRunConfig()
+    ep_defaults = ", ".join(f"{default_train_ep(m)} for {m}" for m in sorted(MODEL_PRESETS))
     parser.add_argument("--model", choices=sorted(MODEL_PRESETS), default=d.model,
-                        help="tiny Qwen3-shaped model: MoE (8 experts, GQA) or dense (GQA)")
-    parser.add_argument("--train-world", type=int, default=d.train_world, help="training ranks")
-    parser.add_argument("--train-tp", type=int, default=d.train_tp, help="training TP size")
-    parser.add_argument("--train-pp", type=int, default=d.train_pp, help="training PP size")
-    parser.add_argument("--train-ep", type=int, default=d.train_ep, help="training EP size (ETP = 1)")
-    parser.add_argument("--gen-world", type=int, default=d.gen_world, help="generation ranks")
-    parser.add_argument("--gen-tp", type=int, default=d.gen_tp, help="generation TP size")
-    parser.add_argument("--gen-ep", type=int, default=d.gen_ep, help="generation EP size (1 or gen TP)")
+                        help="tiny Qwen3-shaped model: moe (8 experts, GQA) or dense (GQA) "
+                             "(default: %(default)s)")
+    parser.add_argument("--train-world", type=int, default=d.train_world,
+                        help="training ranks (default: %(default)s)")
+    parser.add_argument("--train-tp", type=int, default=d.train_tp,
+                        help="training TP size (default: %(default)s)")
+    parser.add_argument("--train-pp", type=int, default=d.train_pp,
+                        help="training PP size (default: %(default)s)")
+    parser.add_argument("--train-ep", type=int, default=None,
+                        help=f"training EP size, expert TP 1 (default: per model, {ep_defaults})")
+    parser.add_argument("--gen-world", type=int, default=d.gen_world,
+                        help="generation ranks; a multiple of --gen-tp, the rest are replicas "
+                             "(default: %(default)s)")
+    parser.add_argument("--gen-tp", type=int, default=d.gen_tp,
+                        help="generation TP size (default: %(default)s)")
+    parser.add_argument("--gen-ep", type=int, default=d.gen_ep,
+                        help="generation EP size: 1 or --gen-tp (default: %(default)s)")
     parser.add_argument("--refits", type=int, default=d.refits,
-                        help="refits to run; weights change between them")
+                        help="refits to run, at least 1; weights change between them "
+                             "(default: %(default)s)")
     parser.add_argument("--no-verify", action="store_true",
                         help="skip the bit-exact check against the reference")
-    parser.add_argument("--dtype", default=d.dtype, choices=["bfloat16", "float32", "float16"])
-    parser.add_argument("--streams", type=int, default=d.num_streams, help="CUDA streams for PP stages")
+    parser.add_argument("--dtype", default=d.dtype, choices=["bfloat16", "float32", "float16"],
+                        help="parameter dtype on both sides (default: %(default)s)")
+    parser.add_argument("--streams", type=int, default=d.num_streams,
+                        help="on GPUs: how many side streams the refit spreads the training PP "
+                             "stages over, round robin; on CPU: no effect, CPU has no streams "
+                             "(default: %(default)s)")
     parser.add_argument("--staging-mib", type=float, default=d.staging_mib,
-                        help="per-rank staging budget of the engine (MiB)")
+                        help="per-rank staging budget of the engine, also the size bound of a "
+                             "packed buffer, in MiB (default: %(default)s)")
     parser.add_argument("--timeout-s", type=float, default=d.timeout_s,
-                        help="timeout of every process group and store")
+                        help="seconds every process group and store waits before failing "
+                             "(default: %(default)s)")
 
 
 __all__ = ["MODEL_PRESETS", "RefitRunConfig", "run_rank", "summarize", "share_verdict", "tensor_digest",
-           "add_run_arguments", "config_from_args", "perturb_"]
+           "add_run_arguments", "config_from_args", "default_train_ep", "perturb_"]
