@@ -11,9 +11,9 @@ these functions today (a later change does). What each format is:
   refit quantizer computes it: ``scale = (1 / amax) * 448`` (each step rounded to fp32, which
   is what torch does for ``448 / amax``), ``weight = e4m3(clamp(w * scale, ±448))``,
   ``scale_inv = 1 / scale``; a scale that is not finite and positive (amax 0, amax so
-  small that ``1 / amax`` overflows, or inf) becomes 1. With ``pow2_scales`` (DeepGEMM's UE8M0 scales) the scale
-  is the power of two ``2^-ceil(log2(amax / 448))``, its exponent clamped to [-127, 127],
-  and 1 when it clamps to -127. One deliberate difference from NeMo-RL: a partial edge tile
+  small that ``1 / amax`` overflows, or inf) becomes 1. With ``pow2_scales`` (DeepGEMM's
+  UE8M0 scales) the scale is the power of two ``2^-ceil(log2(amax / 448))``, its exponent
+  clamped to [-127, 127], and 1 when it clamps to -127. One deliberate difference from NeMo-RL: a partial edge tile
   takes its amax from its own elements only (NeMo-RL pads with the tensor's last element),
   so a shard that owns whole tiles quantizes to exactly the bytes of the same tiles of
   the full tensor (see ``owns_whole_blocks``).
