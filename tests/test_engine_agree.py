@@ -50,7 +50,7 @@ def test_without_agreement_a_bad_tensor_raises_on_its_rank_before_communicating(
 def _direct_flags(planner):
     (batches,) = planner._batches.values()
     (batch,) = batches.values()
-    return sorted({m[5] for _, _, msgs in batch.sched.rounds for m in msgs})
+    return sorted({m.direct for rnd in batch.sched.rounds for m in rnd.messages})
 
 
 def _rows_transfer(rank, dst):

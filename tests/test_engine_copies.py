@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from megatron_reshard.engine.execute import _MEMCPY_BYTES, _Copies, _word_bytes, _words_pair
+from megatron_reshard.engine.copies import MEMCPY_BYTES, Copies, word_bytes, words_pair
 
 
 @pytest.mark.parametrize("size, stride, itemsize, words", [
@@ -19,8 +19,8 @@ from megatron_reshard.engine.execute import _MEMCPY_BYTES, _Copies, _word_bytes,
     ((2, 0), (4, 1), 2, 0),    # empty
     ((3, 5, 16), (160, 32, 1), 1, 8),  # fp8 bytes, 3-D
 ])
-def test_word_bytes_follow_the_view_dtype_rule(size, stride, itemsize, words):
-    assert _word_bytes(size, stride, itemsize) == words
+def testword_bytes_follow_the_view_dtype_rule(size, stride, itemsize, words):
+    assert word_bytes(size, stride, itemsize) == words
     if words:  # torch agrees: the view as words exists at an aligned offset
         base = torch.empty(4096, dtype=torch.uint8).view({1: torch.uint8, 2: torch.bfloat16,
                                                           4: torch.float32}[itemsize])
@@ -41,11 +41,11 @@ def test_strided_pairs_copy_as_words_only_where_addresses_align(offset, as_words
     full = _random_bits((64 * 32 + 8,), torch.bfloat16)
     src = full[offset:offset + 64 * 32].view(64, 32)[:, 16:]  # strided, rows of 32 bytes
     dst = torch.zeros(64, 16, dtype=torch.bfloat16)
-    words = _word_bytes(tuple(src.shape), src.stride(), 2)
+    words = word_bytes(tuple(src.shape), src.stride(), 2)
     assert words == 8
-    d, s = _words_pair(dst, src, words)
+    d, s = words_pair(dst, src, words)
     assert (d.dtype == torch.int64 and s.dtype == torch.int64) is as_words
-    copies = _Copies()
+    copies = Copies()
     copies.typed(dst, src, words)
     copies.run()
     assert torch.equal(dst.view(torch.int16), src.contiguous().view(torch.int16))
@@ -53,17 +53,17 @@ def test_strided_pairs_copy_as_words_only_where_addresses_align(offset, as_words
 
 def test_a_batch_mixes_large_and_small_contiguous_pairs_and_strided_ones():
     torch.manual_seed(0)
-    big_src = _random_bits((_MEMCPY_BYTES,), torch.uint8)  # one memcpy of its own
+    big_src = _random_bits((MEMCPY_BYTES,), torch.uint8)  # one memcpy of its own
     small_src = [_random_bits((n,), torch.uint8) for n in (1, 7, 4096)]
     strided_src = _random_bits((8, 10), torch.float8_e4m3fn)[:, 2:]  # 8 bytes a row
     big_dst = torch.zeros_like(big_src)
     small_dst = [torch.zeros_like(x) for x in small_src]
     strided_dst = torch.zeros(8, 8, dtype=torch.uint8).view(torch.float8_e4m3fn)
-    copies = _Copies()
+    copies = Copies()
     copies.flat(big_dst, big_src, big_src.numel())
     for d, s in zip(small_dst, small_src):
         copies.flat(d, s, s.numel())
-    copies.typed(strided_dst, strided_src, _word_bytes((8, 8), strided_src.stride(), 1))
+    copies.typed(strided_dst, strided_src, word_bytes((8, 8), strided_src.stride(), 1))
     copies.run()
     assert torch.equal(big_dst, big_src)
     assert all(torch.equal(d, s) for d, s in zip(small_dst, small_src))

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed.tensor import Replicate, Shard
 
-from megatron_reshard.engine.execute import build_schedule, cut_box
+from megatron_reshard.engine.schedule import build_schedule, cut_box
 from megatron_reshard.engine.geometry import REPLICATE, box_numel
 from megatron_reshard.engine.plan import Planner, build_plan, layout_key
 from megatron_reshard.layout import MeshInfo
@@ -123,8 +123,9 @@ def test_balanced_rounds_carry_every_pair_at_once():
     plan = build_plan(((64, 64), (2,), (0, 1), (0,), (2,), (2, 3), (1,)))
     rounds = {}
     for r in range(4):
-        for phase, rid, msgs in build_schedule([plan], [1], r, 1024).rounds:
-            rounds.setdefault(rid, set()).update((r, m[1]) for m in msgs if m[0])
+        for rnd in build_schedule([plan], [1], r, 1024).rounds:
+            rounds.setdefault(rnd.index, set()).update(
+                (r, m.peer) for m in rnd.messages if m.is_send)
     assert rounds == {0: {(0, 2), (0, 3), (1, 2), (1, 3)},
                       1: {(0, 2), (0, 3), (1, 2), (1, 3)}}
 
@@ -207,24 +208,26 @@ def test_schedules_match_between_peers_and_respect_the_staging_budget(key, cap, 
     scheds = {r: build_schedule(plans, sizes, r, cap, strided) for r in ranks}
     by_round = {}
     for r, sched in scheds.items():
-        phases = [p for p, _, _ in sched.rounds]
+        phases = [rnd.phase for rnd in sched.rounds]
         assert phases == sorted(phases)
-        for phase, rid, msgs in sched.rounds:
-            assert sum(m[4] for m in msgs if not m[5]) <= cap  # direct ones are not staged
-            for is_send, peer, tag, segs, nbytes, direct in msgs:
-                s, d = (r, peer) if is_send else (peer, r)
-                if direct:
-                    assert strided is not None and len(segs) == 1
-                    assert (s, 2 * segs[0][0] + (0 if phase == 0 else 1)) not in strided
-                    assert (d, 2 * segs[0][0] + 1) not in strided
-                sig = (phase, rid, tag, nbytes, direct,
-                       [(sg[0], sg[3], sg[4]) for sg in segs])
-                by_round.setdefault((s, d, phase, tag), []).append((is_send, sig))
+        for rnd in sched.rounds:
+            # direct messages are not staged
+            assert sum(m.nbytes for m in rnd.messages if not m.direct) <= cap
+            for m in rnd.messages:
+                s, d = (r, m.peer) if m.is_send else (m.peer, r)
+                if m.direct:
+                    assert strided is not None and len(m.segments) == 1
+                    ti = m.segments[0].ti
+                    assert (s, 2 * ti + (0 if rnd.phase == 0 else 1)) not in strided
+                    assert (d, 2 * ti + 1) not in strided
+                sig = (rnd.phase, rnd.index, m.tag, m.nbytes, m.direct,
+                       [(sg.ti, sg.box, sg.offset) for sg in m.segments])
+                by_round.setdefault((s, d, rnd.phase, m.tag), []).append((m.is_send, sig))
     for entries in by_round.values():  # every message is posted once by each end, alike
         assert sorted(e[0] for e in entries) == [False, True]
         assert entries[0][1] == entries[1][1]
-    moved = sum(sg[5] for s in scheds.values() for _, _, msgs in s.rounds
-                for m in msgs if m[0] for sg in m[3])
+    moved = sum(sg.nbytes for s in scheds.values() for rnd in s.rounds
+                for m in rnd.messages if m.is_send for sg in m.segments)
     expect = sum(box_numel(op.box) * isz for p, isz in zip(plans, sizes)
                  for op in p.ops if op.src != op.dst)
     assert moved == expect
@@ -238,7 +241,7 @@ def test_large_staged_traffic_takes_two_rounds_even_when_one_would_fit():
     for rows, expect in ((4096, [32, 32]), (1024, [16])):
         plan = build_plan(((rows, 8192), (1,), (0,), (0,), (1,), (1,), (1,)))
         rounds = build_schedule([plan], [2], 0, 256 * mib, {(1, 1)}).rounds
-        assert [[m[4] / mib for m in msgs] for _, _, msgs in rounds] == [[e] for e in expect]
+        assert [[m.nbytes / mib for m in rnd.messages] for rnd in rounds] == [[e] for e in expect]
 
 
 def test_contiguous_regions_go_whole_in_one_round_whatever_the_budget():
@@ -246,6 +249,6 @@ def test_contiguous_regions_go_whole_in_one_round_whatever_the_budget():
     # standard-contiguous; 4 staged rounds of 1 KiB when the destination is strided
     plan = build_plan(((64, 64), (1,), (0,), (0,), (1,), (1,), (1,)))
     direct = build_schedule([plan], [1], 0, 1024, set()).rounds
-    assert [(m[4], m[5]) for _, _, msgs in direct for m in msgs] == [(4096, True)]
+    assert [(m.nbytes, m.direct) for rnd in direct for m in rnd.messages] == [(4096, True)]
     staged = build_schedule([plan], [1], 0, 1024, {(1, 1)}).rounds
-    assert [(m[4], m[5]) for _, _, msgs in staged for m in msgs] == [(1024, False)] * 4
+    assert [(m.nbytes, m.direct) for rnd in staged for m in rnd.messages] == [(1024, False)] * 4

@@ -1,8 +1,11 @@
 """Transfer engine: exact shard-to-shard reshard of global tensors between two layouts.
 
-geometry (who owns which box) -> plan (who sends which box to whom, cached) -> execute
-(validate, agree, batched rounds over a P2P transport). ``reference`` is the golden,
-slow transport used by the tests; ``m2n`` the optional native backend.
+geometry (who owns which box) -> plan (who sends which box to whom, cached) -> execute,
+the orchestration of one call: checks (layouts and this rank's tensors) -> agree (one
+small vote, so bad input fails on every rank) -> schedule (plain-data rounds of
+messages) -> program (views, copies, packing, CUDA streams) over a P2P ``transport``;
+``batch`` holds the per-batch state a ``Planner`` caches. ``reference`` is the golden,
+slow transport used by the tests; ``m2n`` the optional native backend (never selected).
 """
 
 from .api import DTensorRef, Transfer, xferdtensor

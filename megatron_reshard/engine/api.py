@@ -7,8 +7,11 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from .execute import xfer_batch
-from .plan import Planner
+from .checks import Problem
+from .execute import run_batch, xfer_batch
+from .geometry import shard_ownerships
+from .plan import Planner, _mesh_key, layout_key
+from .transport import resolve_group
 
 
 @dataclass
@@ -20,6 +23,16 @@ class DTensorRef:
 
     def __post_init__(self) -> None:
         self.global_shape = tuple(int(n) for n in self.global_shape)
+
+    # The names a torch DTensor offers, which NeMo-RL's callers read.
+    @property
+    def _local_tensor(self) -> torch.Tensor:
+        return self.local
+
+    @property
+    def shape(self) -> torch.Size:
+        """The global shape."""
+        return torch.Size(self.global_shape)
 
 
 @dataclass
@@ -41,29 +54,90 @@ class Transfer:
     dst: Optional[torch.Tensor] = None
 
 
-def xferdtensor(src: Optional[DTensorRef], src_mesh, src_placements: Sequence,
-                dst: Optional[DTensorRef], dst_mesh, dst_placements: Sequence, group,
-                stream=None, *, planner: Optional[Planner] = None,
-                name: str = "<xferdtensor>") -> None:
+def xferdtensor(src, src_mesh, src_placements: Sequence, dst, dst_mesh,
+                dst_placements: Sequence, group, stream=None, *,
+                planner: Optional[Planner] = None, name: str = "<xferdtensor>") -> None:
     """Reshard one tensor: ``xfer_batch`` of a single ``Transfer``.
 
-    ``src``/``dst`` are ``DTensorRef`` or ``None`` on a rank outside that side. A rank
-    holding neither still calls (it takes part in the agreement step) but, not knowing
-    the dtype, does not vote on the batch fingerprint.
+    ``src``/``dst``: a torch ``DTensor``, a ``DTensorRef`` or any object with
+    ``._local_tensor`` (the local shard) and ``.shape`` (the global shape); ``None`` on a
+    rank outside that side. Only the local shard and the global shape are read: the
+    layouts are the meshes and placements given. A rank holding neither side still calls
+    (it takes part in the agreement step) but, not knowing the dtype, does not vote on
+    the batch fingerprint. Bad input raises on every rank of the group.
     """
-    refs = [r for r in (src, dst) if r is not None]
-    if len(refs) == 2 and src.global_shape != dst.global_shape:
-        raise ValueError(f"xferdtensor: param {name!r}: src and dst global shapes differ: "
-                         f"{src.global_shape} vs {dst.global_shape}")
+    where = f"param {name!r} on rank {_group_rank(group)}"
+    problem = None
+    try:
+        s, d = _unwrap(src, "src", where), _unwrap(dst, "dst", where)
+    except ValueError as exc:
+        s = d = None
+        problem = Problem(0, str(exc))
+    refs = [r for r in (s, d) if r is not None]
+    if problem is None and len(refs) == 2 and s[1] != d[1]:
+        problem = Problem(0, f"{where}: src and dst global shapes differ: expected the "
+                          f"src's {s[1]} for dst as well, found {d[1]}")
     if refs:
-        shape, dtype, vote = refs[0].global_shape, refs[0].local.dtype, True
+        shape, dtype, described = refs[0][1], refs[0][0].dtype, True
     else:
         # Outside both meshes: no bytes to move here; the shape only needs to be valid.
-        shape, dtype, vote = _placeholder_shape(src_placements, dst_placements), torch.uint8, False
+        shape, dtype, described = _placeholder_shape(src_placements, dst_placements), \
+            torch.uint8, False
+        if problem is None:
+            problem = _member_without_tensors(src_mesh, src_placements, dst_mesh,
+                                              dst_placements, group, where)
     t = Transfer(name, shape, dtype, src_mesh, list(src_placements), dst_mesh,
-                 list(dst_placements), src.local if src is not None else None,
-                 dst.local if dst is not None else None)
-    xfer_batch([t], group, stream=stream, planner=planner, _vote=vote)
+                 list(dst_placements), s[0] if s is not None else None,
+                 d[0] if d is not None else None)
+    run_batch([t], group, stream=stream, planner=planner, described=described,
+              problem=problem)
+
+
+def _group_rank(group) -> int:
+    return resolve_group(group).rank()
+
+
+def _unwrap(x, side: str, where: str) -> Optional[tuple]:
+    """``(local tensor, global shape)`` of a DTensor, DTensorRef or look-alike; None."""
+    if x is None:
+        return None
+    local, shape = getattr(x, "_local_tensor", None), getattr(x, "shape", None)
+    if not isinstance(local, torch.Tensor) or shape is None:
+        raise ValueError(f"{where}: {side} must be a DTensor, a DTensorRef or an object with "
+                         f"._local_tensor (a torch.Tensor) and .shape (the global shape), "
+                         f"found {type(x).__name__}")
+    return local, tuple(int(n) for n in shape)
+
+
+def _member_without_tensors(src_mesh, src_placements, dst_mesh, dst_placements, group,
+                            where: str) -> Optional[Problem]:
+    """A rank of a mesh that passes neither tensor: its problem, whose message gives the
+    expected local shape once the agreement step brings the global shape from its peers."""
+    me = _group_rank(group)
+    for side, mesh, placements in (("src", src_mesh, src_placements),
+                                   ("dst", dst_mesh, dst_placements)):
+        try:
+            ranks = _mesh_key(mesh)[1]
+        except Exception:
+            return None  # the description step reports an unreadable mesh
+        if me not in ranks:
+            continue
+
+        def message(shape, side=side) -> str:
+            expected = "a local tensor (no rank of the group knows the global shape)"
+            if shape is not None:
+                try:
+                    key = layout_key(shape, src_mesh, src_placements, dst_mesh,
+                                     dst_placements, where)
+                    m_shape, ranks, dims = key[1:4] if side == "src" else key[4:7]
+                    own = shard_ownerships(key[0], m_shape, ranks, dims)[me]
+                    expected = f"a local tensor of shape {own.local_shape}"
+                except (ValueError, KeyError):
+                    pass  # the layout's own error is voted by the ranks that know it
+            return f"{where}: {side} missing on a {side} rank: expected {expected}, found None"
+
+        return Problem(0, message)
+    return None
 
 
 def _placeholder_shape(*placement_lists: Sequence) -> tuple:

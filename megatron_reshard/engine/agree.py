@@ -1,0 +1,216 @@
+"""The agreement step: one small MAX all-reduce, so that bad input fails on every rank.
+
+Each rank votes (``Vote``) its first problem, the number of transfers, the batch
+fingerprint (as ``fp`` and ``-fp``, so the MAX gives both the max and the min), the hash
+of the stride signatures its cached schedule was built for, the global shape of the first
+transfer (for a rank given no tensors) and a signature of which of its tensors are not
+standard-contiguous. A problem on any rank, or ranks whose descriptions differ, make
+every rank raise ``ValueError`` before any data moves. Only then, on that failure path,
+more exchanges say what differs: every failing rank's message goes to every rank, and
+for differing descriptions the first differing param and each rank's view of it.
+
+On NCCL this all-reduce also creates the group communicator that coalesced P2P rounds
+use. It is the only host sync of a call.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Callable, NamedTuple, Optional, Sequence
+
+import torch
+
+from .checks import Problem
+from .plan import Planner
+from .transport import P2PTransport
+
+NO_VOTE = -(2 ** 62)  # a slot pair a rank abstains from (below every real value)
+MAX_NDIM = 8          # dims of the first transfer's global shape carried by the vote
+TEXT_BYTES = 512      # per rank, in the failure path's message exchange
+
+
+class Vote(NamedTuple):
+    """What one rank says in the agreement step."""
+
+    problem: Optional[Problem]  # its first problem; None: ready
+    count: int                  # transfers in the call
+    fingerprint: Optional[int]  # of the batch description; None: abstains (knows none)
+    cached: int                 # hash of the signatures its cached schedule is for; 0: none
+    strided: int                # signature of its non-standard tensors; 0: none
+    shape: Optional[tuple]      # global shape of the first transfer; None: unknown here
+
+
+class Tally(NamedTuple):
+    """Every rank's votes, combined (the same on every rank)."""
+
+    failed: tuple      # ((rank, transfer index or None), ...)
+    same_count: bool
+    same_description: bool
+    keep_schedule: bool  # every rank's cached schedule was built for the signatures now
+    signatures: tuple  # per rank: its ``Vote.strided``
+    shape: Optional[tuple]
+
+
+class Description(NamedTuple):
+    """How this rank describes its batch, for the failure path: per transfer, its name,
+    a stable hash and a readable form."""
+
+    names: Sequence[str]
+    hashes: Callable[[], list]      # per transfer: a 60-bit hash, never 0
+    text: Callable[[int], str]      # transfer index -> readable description
+
+
+def hash_ints(values: tuple) -> int:
+    """A stable 60-bit hash of a tuple of ints (or of any value's repr), never 0."""
+    digest = hashlib.blake2b(repr(values).encode(), digest_size=8).hexdigest()
+    return 1 + int(digest[:15], 16)
+
+
+def _pair(v: Optional[int]) -> tuple:
+    return (NO_VOTE, NO_VOTE) if v is None else (v, -v)
+
+
+def _pack(vote: Vote, me: int, world: int) -> list:
+    """The int64 slots: per-rank problem flags, (count, fingerprint, cached) as
+    (v, -v) pairs, the shape (ndim, dims; -1: unknown), per-rank signatures."""
+    values = [0] * world
+    if vote.problem is not None:
+        values[me] = 1 if vote.problem.index is None else vote.problem.index + 2
+    values += [*_pair(vote.count), *_pair(vote.fingerprint), *_pair(vote.cached)]
+    shape = vote.shape if vote.shape is not None and len(vote.shape) <= MAX_NDIM else None
+    values += [-1] * (1 + MAX_NDIM) if shape is None else (
+        [len(shape), *shape] + [-1] * (MAX_NDIM - len(shape)))
+    sigs = [0] * world
+    sigs[me] = vote.strided
+    return values + sigs
+
+
+def _unpack(got: list, world: int) -> Tally:
+    failed = tuple((r, None if got[r] == 1 else got[r] - 2) for r in range(world) if got[r])
+    cnt, fp, cached = (got[world + 2 * i: world + 2 * i + 2] for i in range(3))
+    base = world + 6
+    ndim = got[base]
+    shape = None if ndim < 0 else tuple(got[base + 1: base + 1 + ndim])
+    voted = fp[0] != NO_VOTE
+    sigs = tuple(got[base + 1 + MAX_NDIM:])
+    return Tally(failed, cnt[0] == -cnt[1], not voted or fp[0] == -fp[1],
+                 cached[0] == -cached[1] and cached[0] == hash_ints(sigs), sigs, shape)
+
+
+def allreduce_votes(values: list, transport: P2PTransport, planner: Planner) -> list:
+    """MAX all-reduce of ``values`` (int64) over the group, back on the host. On CUDA
+    the votes go up from and come back into pinned buffers reused across calls, on the
+    current stream, and the host waits for that stream only."""
+    if transport.device.type != "cuda":
+        flags = torch.tensor(values, dtype=torch.int64)
+        transport.allreduce_max(flags)
+        return flags.tolist()
+    host_in, flags, host_out = planner.vote_buffers(transport.device, len(values))
+    host_in.copy_(torch.tensor(values, dtype=torch.int64))
+    flags.copy_(host_in, non_blocking=True)
+    transport.allreduce_max(flags)
+    host_out.copy_(flags, non_blocking=True)
+    torch.cuda.current_stream(transport.device).synchronize()
+    return host_out.tolist()
+
+
+def agree(vote: Vote, description: Optional[Description], transport: P2PTransport,
+          planner: Planner, where: str) -> Tally:
+    """Run the agreement step; raise ``ValueError`` on every rank when any rank has a
+    problem or the descriptions differ. ``description`` None: this rank abstains (it
+    holds neither side of an ``xferdtensor`` call)."""
+    me, world = transport.rank(), transport.size()
+    tally = _unpack(allreduce_votes(_pack(vote, me, world), transport, planner), world)
+    if tally.failed:
+        _raise_problems(vote, tally, description, transport, where)
+    if not (tally.same_count and tally.same_description):
+        _raise_disagreement(vote, description, transport, where)
+    return tally
+
+
+# ---- the failure path (every rank takes it alike: it follows from the tally) ----------
+
+
+def _exchange_texts(text: str, transport: P2PTransport) -> list:
+    """Every rank's ``text`` (utf-8, cut to TEXT_BYTES) on every rank: one MAX all-reduce
+    of a [ranks, TEXT_BYTES] byte map, each rank filling its row."""
+    rows = torch.zeros(transport.size(), TEXT_BYTES, dtype=torch.uint8)
+    raw = text.encode()[:TEXT_BYTES]
+    if raw:
+        rows[transport.rank(), :len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    rows = rows.to(transport.device)
+    transport.allreduce_max(rows)
+    return [bytes(r).rstrip(b"\0").decode(errors="replace") for r in rows.cpu().tolist()]
+
+
+def _raise_problems(vote: Vote, tally: Tally, description: Optional[Description],
+                    transport: P2PTransport, where: str) -> None:
+    me = transport.rank()
+    mine = vote.problem.text(tally.shape) if vote.problem is not None else ""
+    texts = _exchange_texts(mine, transport)
+    others = "; ".join(f"rank {r}: {texts[r]}" for r, _ in tally.failed if r != me)
+    if vote.problem is not None:
+        raise ValueError(f"{where}: {mine}" + (f" (also failed on {others})" if others else "")
+                         + "; no data was moved")
+    names = description.names if description is not None else ()
+    who = "; ".join(
+        f"rank {r} rejected " + (f"param {names[i]!r}" if i is not None and i < len(names)
+                                 else "the call") + f": {texts[r]}"
+        for r, i in tally.failed)
+    raise ValueError(f"{where} on rank {me}: {who}; no data was moved")
+
+
+def _raise_disagreement(vote: Vote, description: Optional[Description],
+                        transport: P2PTransport, where: str) -> None:
+    """Find the first transfer the ranks describe differently, who differs, and how."""
+    me, world = transport.rank(), transport.size()
+    n = _allreduce_plain([*_pair(vote.count)], transport)[0]  # the longest batch
+    hashes = description.hashes() if description is not None else None
+    slots: list = []
+    for i in range(n):  # 0: no transfer at this index
+        slots += _pair(None if hashes is None else hashes[i] if i < len(hashes) else 0)
+    got = _allreduce_plain(slots, transport)
+    first = next((i for i in range(n) if got[2 * i] != NO_VOTE
+                  and got[2 * i] != -got[2 * i + 1]), n - 1)
+    row = [NO_VOTE] * world  # each rank's hash of that transfer; -1: abstains
+    row[me] = -1 if hashes is None else hashes[first] if first < len(hashes) else 0
+    row = _allreduce_plain(row, transport)
+    if description is None:
+        mine = ""
+    elif first < len(description.names):
+        mine = description.text(first)
+    else:
+        mine = f"no param at index {first} (a batch of {len(description.names)})"
+    texts = _exchange_texts(mine, transport)
+    groups: dict = {}
+    for r in range(world):
+        if row[r] != -1:
+            groups.setdefault(row[r], []).append(r)
+    ordered = sorted(groups.values(), key=lambda rs: (-len(rs), rs[0]))
+    name = (description.names[first] if description is not None
+            and first < len(description.names) else f"#{first}")
+    expected, found = ordered[0], ordered[1:]
+    parts = [f"expected (as on ranks {expected}) {texts[expected[0]]}"]
+    parts += [f"found on rank{'s ' + str(rs) if len(rs) > 1 else ' ' + str(rs[0])} "
+              f"{texts[rs[0]]}" for rs in found]
+    raise ValueError(f"{where} on rank {me}: ranks disagree on the batch description at "
+                     f"param {name!r} (index {first} of the batch): " + "; ".join(parts)
+                     + "; no data was moved")
+
+
+def _allreduce_plain(values: list, transport: P2PTransport) -> list:
+    """MAX all-reduce of int64 ``values`` on the transport's device (failure path)."""
+    t = torch.tensor(values, dtype=torch.int64).to(transport.device)
+    transport.allreduce_max(t)
+    return t.cpu().tolist()
+
+
+def exchange_strided(mine: tuple, ntensors: int, transport: P2PTransport) -> set:
+    """Every rank's non-standard tensors as ``{(rank, k)}``: one MAX all-reduce of a
+    [ranks, tensors] byte map, each rank filling its row (once per batch and layout)."""
+    rows = torch.zeros(transport.size(), ntensors, dtype=torch.uint8)
+    if mine:
+        rows[transport.rank(), list(mine)] = 1
+    rows = rows.to(transport.device)
+    transport.allreduce_max(rows)
+    return {(r, k) for r, k in rows.nonzero().tolist()}

@@ -1,0 +1,101 @@
+"""Per-batch state, cached on the Planner.
+
+A refit sends the same batches again and again; only the tensors change. Everything here
+is plain data derived from the batch description (and, for a ``Program``, from the
+strides of this rank's tensors), so a warm call only checks its tensors, runs the
+agreement step and moves bytes.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from .agree import Description, hash_ints
+from .plan import _mesh_key, batch_fingerprint
+from .program import Program
+from .schedule import Schedule
+
+
+def light_key(transfers, world: int) -> Optional[tuple]:
+    """A hashable description of the batch that is cheap to build on every call: per
+    transfer (name, dtype, (shape, src mesh key, src placements, dst mesh key, dst
+    placements, group size)). Placements stay objects (``Shard(0) == Shard(0)``); anything
+    odd (meshes without a key) gives None: no caching, full path."""
+    mesh_keys: dict = {}  # id -> key, for this call only (the meshes are alive meanwhile)
+    try:
+        items = []
+        for t in transfers:
+            sm, dm = t.src_mesh, t.dst_mesh
+            sk = mesh_keys.get(id(sm))
+            if sk is None:
+                sk = mesh_keys[id(sm)] = _mesh_key(sm)
+            dk = mesh_keys.get(id(dm))
+            if dk is None:
+                dk = mesh_keys[id(dm)] = _mesh_key(dm)
+            lay = (tuple(map(int, t.global_shape)), sk, tuple(t.src_placements),
+                   dk, tuple(t.dst_placements), world)
+            items.append((t.name, t.dtype, lay))
+    except Exception:
+        return None
+    return tuple(items)
+
+
+def signature(strided: tuple) -> int:
+    """A rank's vote for its non-standard tensors: 0 for none, else a hash of them."""
+    return hash_ints(strided) if strided else 0
+
+
+class Batch:
+    """What one batch description gives on this rank: plans, fingerprint, what each local
+    tensor must look like, the schedule, and execution programs per tensor-stride
+    signature."""
+
+    def __init__(self, transfers, plans, me: int) -> None:
+        self.plans = plans
+        self.items = [(t.name, str(t.dtype), p.fingerprint) for t, p in zip(transfers, plans)]
+        self.fp_hex = batch_fingerprint(self.items)
+        self.fp = int(self.fp_hex[:15], 16)
+        # local shape of this rank's src / dst tensor per transfer; None: must be None
+        self.expect = []
+        for p in plans:
+            s, d = p.src.get(me), p.dst.get(me)
+            self.expect.append((None if s is None else s.local_shape,
+                                None if d is None else d.local_shape))
+        self.sched: Optional[Schedule] = None  # built after the agreement step
+        self.sched_hash = 0  # hash_ints of every rank's signature it was built for
+        self.programs: dict = {}
+        self._strided: dict = {}  # strides -> this rank's non-standard tensors (k)
+
+    def strided_of(self, strides: tuple, tensors: list) -> tuple:
+        """``(ks, signature)``: indices k of this rank's tensors that are not
+        standard-contiguous, and their ``signature`` (cached per strides)."""
+        got = self._strided.get(strides)
+        if got is None:
+            if len(self._strided) >= 8:
+                self._strided.clear()
+            ks = tuple(k for k, x in enumerate(tensors)
+                       if x is not None and not x.is_contiguous())
+            got = self._strided[strides] = (ks, signature(ks))
+        return got
+
+    def program(self, transfers, me: int, strides: tuple) -> Program:
+        """The schedule resolved for these tensor strides (cached)."""
+        prog = self.programs.get(strides)
+        if prog is None:
+            prog = Program(self.sched, transfers, self.plans, me)
+            if len(self.programs) >= 8:
+                self.programs.clear()
+            self.programs[strides] = prog
+        return prog
+
+    def description(self, transfers) -> Description:
+        """How this rank describes the batch (for the agreement's failure path)."""
+
+        def text(i: int) -> str:
+            t, key = transfers[i], self.plans[i].key
+            return (f"{t.name!r} {t.dtype} global shape {key[0]}: src mesh {list(key[2])} "
+                    f"(shape {key[1]}) {list(t.src_placements)} -> dst mesh {list(key[5])} "
+                    f"(shape {key[4]}) {list(t.dst_placements)}")
+
+        return Description([t.name for t in transfers],
+                           lambda: [hash_ints(item) for item in self.items], text)

@@ -1,0 +1,121 @@
+"""Local checks of a call: its layouts (meshes against the group) and this rank's tensors.
+
+Nothing here raises at the caller: a check returns the rank's first ``Problem``, which the
+agreement step (``agree.py``) turns into an error on every rank of the group before any
+data moves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence, Union
+
+import torch
+
+
+@dataclass(frozen=True)
+class Problem:
+    """A rank's first problem with a call: which transfer (None: the call as a whole) and
+    what. ``message`` may need the global shape, which a rank given no tensors learns
+    only from its peers' votes: it is then a function of that shape (None: unknown)."""
+
+    index: Optional[int]
+    message: Union[str, Callable[[Optional[tuple]], str]]
+
+    def text(self, agreed_shape: Optional[tuple] = None) -> str:
+        return self.message if isinstance(self.message, str) else self.message(agreed_shape)
+
+
+def check_mesh_ranks(side: str, mesh_shape: tuple, ranks: Sequence[int], world: int,
+                     where: str) -> None:
+    """A mesh's ranks must be distinct ranks of the group, whatever object carried them
+    (MeshInfo, a rank tensor, a DeviceMesh-like ``.mesh``): raises ValueError otherwise."""
+    expected = f"expected distinct ranks in [0, {world}) (group size {world})"
+    bad = sorted({r for r in ranks if r < 0 or r >= world})
+    if bad:
+        raise ValueError(f"{where}: {side} mesh has ranks outside the group: {expected}, "
+                         f"found {bad} in mesh {list(ranks)} of shape {mesh_shape}")
+    seen, dup = set(), []
+    for r in ranks:
+        if r in seen and r not in dup:
+            dup.append(r)
+        seen.add(r)
+    if dup:
+        raise ValueError(f"{where}: {side} mesh has duplicate ranks: {expected}, found "
+                         f"{dup} more than once in mesh {list(ranks)} of shape {mesh_shape}")
+
+
+def check_layout_ranks(key: tuple, world: int, where: str) -> None:
+    """Both meshes of a layout key ``(shape, src shape, src ranks, src dims, dst shape, dst
+    ranks, dst dims)`` checked with ``check_mesh_ranks``."""
+    check_mesh_ranks("src", key[1], key[2], world, where)
+    check_mesh_ranks("dst", key[4], key[5], world, where)
+
+
+def describe_tensor(t) -> str:
+    return "None" if t is None else (f"tensor{tuple(t.shape)} {t.dtype} on {t.device}"
+                                     if isinstance(t, torch.Tensor) else repr(type(t)))
+
+
+def check_local(transfers, plans, me: int,
+                device_type: str) -> tuple[Optional[Problem], Optional[torch.device]]:
+    """This rank's first problem with its tensors (side membership, shape, dtype, device),
+    and the device of its tensors."""
+    device = None
+    for i, (t, plan) in enumerate(zip(transfers, plans)):
+        for side, tensor, owns in (("src", t.src, plan.src), ("dst", t.dst, plan.dst)):
+            own = owns.get(me)
+            where = f"param {t.name!r} on rank {me}"
+            if own is None and tensor is not None:
+                return Problem(i, f"{where}: {side} given on a non-{side} rank (rank {me} is "
+                               f"not in the {side} mesh {sorted(owns)}): expected None, "
+                               f"found {describe_tensor(tensor)}"), device
+            if own is None:
+                continue
+            if tensor is None:
+                return Problem(i, f"{where}: {side} missing on a {side} rank: expected a "
+                               f"local tensor of shape {own.local_shape}, found None"), device
+            if not isinstance(tensor, torch.Tensor):
+                return Problem(i, f"{where}: {side} must be a torch.Tensor, found "
+                               f"{type(tensor)}"), device
+            if tuple(tensor.shape) != own.local_shape:
+                return Problem(i, f"{where}: wrong local {side} shape: expected "
+                               f"{own.local_shape}, found {tuple(tensor.shape)}"), device
+            if tensor.dtype != t.dtype:
+                return Problem(i, f"{where}: wrong {side} dtype: expected {t.dtype}, found "
+                               f"{tensor.dtype}"), device
+            if tensor.device.type != device_type:
+                return Problem(i, f"{where}: wrong {side} device for this group's backend: "
+                               f"expected a {device_type} tensor, found {tensor.device}"), device
+            if device is None:
+                device = tensor.device
+            elif tensor.device != device:
+                return Problem(i, f"{where}: wrong {side} device: expected {device} (as the "
+                               f"batch's other tensors on this rank), found "
+                               f"{tensor.device}"), device
+    return None, device
+
+
+def local_ok(transfers, expect, device_type: str,
+             tensors: list) -> tuple[bool, Optional[torch.device]]:
+    """Fast form of ``check_local``'s verdict and device (same checks, no messages).
+    ``expect``: per transfer, the local (src, dst) shapes of this rank (None: no tensor).
+    Appends this rank's tensors to ``tensors``, two per transfer (src, dst)."""
+    device = None
+    for t, (src_shape, dst_shape) in zip(transfers, expect):
+        for tensor, shape in ((t.src, src_shape), (t.dst, dst_shape)):
+            tensors.append(tensor)
+            if shape is None:
+                if tensor is not None:
+                    return False, None
+                continue
+            if (not isinstance(tensor, torch.Tensor) or tensor.shape != shape
+                    or tensor.dtype != t.dtype):
+                return False, None
+            if device is None:
+                device = tensor.device
+                if device.type != device_type:
+                    return False, None
+            elif tensor.device != device:
+                return False, None
+    return True, device

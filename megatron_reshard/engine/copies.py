@@ -1,0 +1,121 @@
+"""Views into a call's tensors and batches of copies between them.
+
+Views are made with ``as_strided`` from geometry computed once per program (from the
+plan's slices and the tensor's strides, which are part of the program's key): one call
+per view instead of Python indexing, and the same elements as ``tensor[slices]``.
+
+Copy speed (H200; docs/MEASUREMENTS.md, fourth session): torch copies a strided view
+element by element, so a 256 MiB strided bf16 pack took 302 µs, the same bytes as 8-byte
+words 140 µs, a contiguous memcpy 129. Strided copies therefore run as the widest word
+their geometry and addresses allow. The batched foreach kernel moves contiguous bytes at
+half a memcpy's speed (128 MiB: 145 µs against 67), but each separate ``copy_`` costs
+the host ~10 µs: contiguous pairs of MEMCPY_BYTES or more are copied one by one (a
+memcpy each; 8 local copies of 32 MiB: 490 → 297 µs), smaller ones stay batched (at
+1 MiB, 400 params of 0.5-4 MiB took 7 → 11 ms).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+MEMCPY_BYTES = 16 << 20
+_WORDS = {8: torch.int64, 4: torch.int32}
+
+
+class Strided(NamedTuple):
+    """A view's size and stride (in elements) and its storage offset from its tensor's."""
+
+    size: tuple
+    stride: tuple
+    delta: int
+
+
+class TypedRef(NamedTuple):
+    """A view of tensor ``k`` of the call in its own dtype; ``view`` None: the whole tensor."""
+
+    k: int
+    view: Optional[Strided]
+
+
+class FlatRef(NamedTuple):
+    """The bytes of a contiguous view of tensor ``k``: ``numel`` elements from ``delta``;
+    ``numel`` None: the tensor is 1-D with stride 1 and whole."""
+
+    k: int
+    numel: Optional[int]
+    delta: int
+
+
+def typed_view(tensors: list, ref: TypedRef) -> torch.Tensor:
+    x = tensors[ref.k]
+    v = ref.view
+    if v is None:
+        return x
+    return x.as_strided(v.size, v.stride, x.storage_offset() + v.delta)
+
+
+def flat_view(tensors: list, ref: FlatRef) -> torch.Tensor:
+    x = tensors[ref.k]
+    if ref.numel is None:
+        return x.view(torch.uint8)
+    return x.as_strided((ref.numel,), (1,), x.storage_offset() + ref.delta).view(torch.uint8)
+
+
+def word_bytes(size, stride, itemsize: int) -> int:
+    """The widest word (8 or 4 bytes, wider than an element; 0: none) that a view of this
+    size and stride (in elements) can be copied as, by ``Tensor.view(dtype)``'s rule: unit
+    last stride, the last dim's bytes and every other stride's a multiple of the word. The
+    view's address is checked per call (``words_pair``)."""
+    if not size or 0 in size or stride[-1] != 1:
+        return 0
+    for w in (8, 4):
+        if w > itemsize and all(b * itemsize % w == 0 for b in (size[-1], *stride[:-1])):
+            return w
+    return 0
+
+
+def _as_words(v: torch.Tensor, w: int) -> Optional[torch.Tensor]:
+    if v.data_ptr() % w or v.storage_offset() * v.element_size() % w:
+        return None
+    return v.view(_WORDS[w])
+
+
+def words_pair(dst: torch.Tensor, src: torch.Tensor, w: int) -> tuple:
+    """``(dst, src)`` as ``w``-byte words when both addresses allow it (their geometry
+    passed ``word_bytes``), else as they are. Bit-exact either way: a copy moves bits."""
+    if w:
+        dw, sw = _as_words(dst, w), _as_words(src, w)
+        if dw is not None and sw is not None:
+            return dw, sw
+    return dst, src
+
+
+class Copies:
+    """One batch of copies ``dst <- src`` whose destinations never overlap, issued as few
+    kernels as the views allow (see MEMCPY_BYTES): large contiguous pairs at once, one
+    memcpy each; the other contiguous pairs (uint8 views of equal length) as one
+    ``_foreach_copy_`` (multi-tensor kernels on CUDA, whatever the params' dtypes); strided
+    pairs as one ``_foreach_copy_`` as well, which runs them one ``copy_`` each, in C++."""
+
+    def __init__(self) -> None:
+        self.flat_dst, self.flat_src, self.typed_dst, self.typed_src = [], [], [], []
+
+    def flat(self, dst: torch.Tensor, src: torch.Tensor, nbytes: int) -> None:
+        if nbytes >= MEMCPY_BYTES:
+            dst.copy_(src)
+        else:
+            self.flat_dst.append(dst)
+            self.flat_src.append(src)
+
+    def typed(self, dst: torch.Tensor, src: torch.Tensor, w: int) -> None:
+        dst, src = words_pair(dst, src, w)
+        self.typed_dst.append(dst)
+        self.typed_src.append(src)
+
+    def run(self) -> None:
+        if self.flat_dst:
+            torch._foreach_copy_(self.flat_dst, self.flat_src)
+        if self.typed_dst:
+            torch._foreach_copy_(self.typed_dst, self.typed_src)
