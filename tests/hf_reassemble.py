@@ -1,0 +1,157 @@
+"""Full Hugging Face tensors from the vLLM-layout shards of every generation rank (tests only).
+
+Written from vLLM's layer definitions alone, independently of ``megatron_reshard`` (the
+receiver's targets, the train-side converters and ``testing.vllm_like``'s oracle), so a
+mistake shared by those cannot cancel out here. Facts used, per generation TP rank r of T:
+
+- ``VocabParallelEmbedding`` / ``ParallelLMHead``: the vocab is padded to a multiple of 64,
+  rank r holds rows ``[r·P/T, (r+1)·P/T)`` of the padded matrix.
+- ``QKVParallelLinear`` (``qkv_proj``): rank r holds ``[q_r; k_r; v_r]``; q heads are split
+  evenly; when T > num_kv_heads each KV head is replicated on T/num_kv_heads consecutive
+  ranks, else each rank holds num_kv_heads/T KV heads. The bias has the same rows.
+- ``MergedColumnParallelLinear`` (``gate_up_proj``): rank r holds ``[gate_r; up_r]``.
+- ``RowParallelLinear`` (``o_proj``, ``down_proj``): rank r holds input columns chunk r.
+- ``FusedMoE``: ``w13_weight [E_local, 2·I_r, H]`` (gate rows then up rows of each expert)
+  and ``w2_weight [E_local, H, I_r]``. Without EP every rank holds all experts with I split
+  over TP; with EP (= TP here) rank r holds whole experts, contiguous, the first E mod EP
+  ranks one more.
+- Everything else (norms, router ``gate``, ``shared_expert_gate``) is replicated.
+
+Every replica is checked equal across ranks and every vLLM parameter must be consumed:
+a refit that leaves a replica stale or writes an unexpected name fails here.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import torch
+
+VLLM_VOCAB_PADDING = 64
+
+
+@dataclass(frozen=True)
+class Dims:
+    """What the reassembly needs to know about the model (from the test's own spec)."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    num_experts: int = 0
+
+
+def _check_replicas(name: str, shards: Sequence[torch.Tensor]) -> torch.Tensor:
+    for r, t in enumerate(shards[1:], start=1):
+        if not torch.equal(t, shards[0]):
+            raise AssertionError(f"{name}: gen rank {r} holds a different replica than gen rank 0 "
+                                 f"(max abs diff {(t.float() - shards[0].float()).abs().max().item()})")
+    return shards[0]
+
+
+def _qkv(name: str, shards: Sequence[torch.Tensor], d: Dims) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    T = len(shards)
+    q_rows = d.num_heads // T * d.head_dim
+    kv_heads_per_rank = max(1, d.num_kv_heads // T)
+    kv_rows = kv_heads_per_rank * d.head_dim
+    parts = []
+    for r, s in enumerate(shards):
+        if s.shape[0] != q_rows + 2 * kv_rows:
+            raise AssertionError(f"{name}: gen rank {r} holds {s.shape[0]} rows, expected "
+                                 f"{q_rows} q + 2·{kv_rows} k/v rows")
+        parts.append(s.split([q_rows, kv_rows, kv_rows]))
+    q = torch.cat([p[0] for p in parts])
+    if T > d.num_kv_heads:
+        replicas = T // d.num_kv_heads
+        k_heads, v_heads = [], []
+        for g in range(d.num_kv_heads):
+            ranks = range(g * replicas, (g + 1) * replicas)
+            k_heads.append(_check_replicas(f"{name} (k head {g})", [parts[r][1] for r in ranks]))
+            v_heads.append(_check_replicas(f"{name} (v head {g})", [parts[r][2] for r in ranks]))
+        return q, torch.cat(k_heads), torch.cat(v_heads)
+    return q, torch.cat([p[1] for p in parts]), torch.cat([p[2] for p in parts])
+
+
+def _experts_of_rank(num_experts: int, rank: int, ep: int) -> range:
+    counts = [num_experts // ep + (1 if i < num_experts % ep else 0) for i in range(ep)]
+    start = sum(counts[:rank])
+    return range(start, start + counts[rank])
+
+
+def _fused_moe(prefix: str, w13: Sequence[torch.Tensor], w2: Sequence[torch.Tensor], d: Dims,
+               ep: int) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    if ep > 1:
+        for r in range(len(w13)):
+            ids = _experts_of_rank(d.num_experts, r % ep, ep)
+            if w13[r].shape[0] != len(ids):
+                raise AssertionError(f"{prefix}.w13_weight: gen rank {r} holds {w13[r].shape[0]} "
+                                     f"experts, expected {len(ids)}")
+            for local, e in enumerate(ids):
+                gate, up = w13[r][local].chunk(2, dim=0)
+                for key, t in ((f"{prefix}.{e}.gate_proj.weight", gate), (f"{prefix}.{e}.up_proj.weight", up),
+                               (f"{prefix}.{e}.down_proj.weight", w2[r][local])):
+                    if key in out and not torch.equal(out[key], t):
+                        raise AssertionError(f"{key}: gen rank {r} disagrees with another holder")
+                    out[key] = t
+        return out
+    for e in range(d.num_experts):
+        halves = [s[e].chunk(2, dim=0) for s in w13]
+        out[f"{prefix}.{e}.gate_proj.weight"] = torch.cat([h[0] for h in halves])
+        out[f"{prefix}.{e}.up_proj.weight"] = torch.cat([h[1] for h in halves])
+        out[f"{prefix}.{e}.down_proj.weight"] = torch.cat([s[e] for s in w2], dim=1)
+    return out
+
+
+_QKV = re.compile(r"^(?P<p>.*)\.qkv_proj\.(?P<kind>weight|bias)$")
+_GATE_UP = re.compile(r"^(?P<p>.*)\.gate_up_proj\.weight$")
+_EXPERTS = re.compile(r"^(?P<p>.*\.mlp\.experts)\.(?P<w>w13_weight|w2_weight)$")
+_ROW = re.compile(r".*\.(o_proj|down_proj)\.weight$")
+
+
+def hf_state_dict_from_vllm_shards(shards: Sequence[Mapping[str, torch.Tensor]], dims: Dims,
+                                   ep_size: int = 1) -> dict[str, torch.Tensor]:
+    """Full HF tensors from ``shards[r]`` = gen TP rank r's ``{vLLM name: tensor}`` (one
+    generation DP replica, ranks in TP order). ``ep_size``: vLLM's EP (1 or TP)."""
+    names = set(shards[0])
+    for r, s in enumerate(shards):
+        if set(s) != names:
+            raise AssertionError(f"gen rank {r} has params {sorted(set(s) ^ names)} that gen rank 0 "
+                                 "does not (or the reverse)")
+        for n, t in s.items():
+            if t.is_floating_point() and torch.isnan(t).any():
+                raise AssertionError(f"{n}: gen rank {r} still holds NaN (never written by the refit)")
+    hf: dict[str, torch.Tensor] = {}
+    done: set[str] = set()
+    for name in sorted(names):
+        if name in done:
+            continue
+        per_rank = [s[name] for s in shards]
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            full = torch.cat(per_rank)
+            padded = -(-dims.vocab_size // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
+            if full.shape[0] != padded:
+                raise AssertionError(f"{name}: {full.shape[0]} rows over all ranks, expected the "
+                                     f"vocab {dims.vocab_size} padded to {padded}")
+            hf[name] = full[: dims.vocab_size]
+        elif m := _QKV.match(name):
+            q, k, v = _qkv(name, per_rank, dims)
+            for proj, t in zip("qkv", (q, k, v)):
+                hf[f"{m['p']}.{proj}_proj.{m['kind']}"] = t
+        elif m := _GATE_UP.match(name):
+            halves = [t.chunk(2, dim=0) for t in per_rank]
+            hf[f"{m['p']}.gate_proj.weight"] = torch.cat([h[0] for h in halves])
+            hf[f"{m['p']}.up_proj.weight"] = torch.cat([h[1] for h in halves])
+        elif m := _EXPERTS.match(name):
+            w13, w2 = f"{m['p']}.w13_weight", f"{m['p']}.w2_weight"
+            hf.update(_fused_moe(m["p"], [s[w13] for s in shards], [s[w2] for s in shards], dims, ep_size))
+            done.update((w13, w2))
+        elif _ROW.match(name):
+            hf[name] = torch.cat(per_rank, dim=1)
+        else:
+            hf[name] = _check_replicas(name, per_rank)
+        done.add(name)
+    return hf
