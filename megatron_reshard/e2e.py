@@ -84,12 +84,13 @@ class RefitRunConfig:
         tp, pp, ep, world = self.train_tp, self.train_pp, self.train_ep, self.train_world
         if world % (tp * pp):
             out.append(f"--train-world {world}: expected a multiple of --train-tp × --train-pp "
-                       f"= {tp}×{pp} = {tp * pp}")
+                       f"= {tp}×{pp} = {tp * pp}; {world} is not divisible by {tp * pp}")
         elif (world // pp) % ep:
             out.append(f"--train-ep {ep}: expected a divisor of the {world // pp} training ranks "
                        f"per PP stage (--train-world {world} / --train-pp {pp})")
         if self.gen_world % self.gen_tp:
-            out.append(f"--gen-world {self.gen_world}: expected a multiple of --gen-tp {self.gen_tp}")
+            out.append(f"--gen-world {self.gen_world}: expected a multiple of --gen-tp "
+                       f"{self.gen_tp}; {self.gen_world} is not divisible by {self.gen_tp}")
         if self.gen_ep not in (1, self.gen_tp):
             out.append(f"--gen-ep {self.gen_ep}: expected 1 or --gen-tp ({self.gen_tp}); "
                        "vLLM's expert parallelism spans its TP ranks")

@@ -1,16 +1,209 @@
-"""The command line: help texts and the plan command (no communication)."""
+"""The command line: option checks before any process starts, help texts, --version, plan.
 
+Invalid options run the real CLI in a subprocess and must end with exit status 2 and one
+line on stderr naming the option; a second check runs ``cli.main`` in a fresh interpreter
+to show that neither the worker pool module nor Megatron was even imported.
+"""
+
+import json
 import re
 import subprocess
 import sys
+import tomllib
+from pathlib import Path
 
 import pytest
 import torch
 
+from megatron_reshard import cli
+from megatron_reshard.e2e import MODEL_PRESETS, RefitRunConfig, config_from_args
+from megatron_reshard.receiver.targets import VllmTargets, load_full_weights
+from megatron_reshard.testing.vllm_like import build_vllm_like_model, random_hf_state_dict
+
+ROOT = Path(__file__).resolve().parents[1]
+
 
 def _cli(*args, timeout=120):
+    # the timeout only keeps a hang from blocking the suite; nothing here measures time
     return subprocess.run([sys.executable, "-m", "megatron_reshard.cli", *args],
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+# (argv, the option the message must name, a fragment of what it must say was expected)
+INVALID = [
+    (["demo", "--refits", "0"], "--refits 0", "expected an integer >= 1"),
+    (["demo", "--refits", "-1"], "--refits -1", "expected an integer >= 1"),
+    (["demo", "--gen-world", "0"], "--gen-world 0", "expected an integer >= 1"),
+    (["demo", "--train-world", "0"], "--train-world 0", "expected an integer >= 1"),
+    (["demo", "--streams", "0"], "--streams 0", "expected an integer >= 1"),
+    (["demo", "--staging-mib", "0"], "--staging-mib 0.0", "expected a number > 0"),
+    (["demo", "--timeout-s", "-5"], "--timeout-s -5.0", "expected a number > 0"),
+    (["demo", "--gen-tp", "3", "--gen-world", "3"], "--gen-tp 3", "expected one of 1, 2, 4, 8"),
+    (["demo", "--gen-tp", "16", "--gen-world", "16"], "--gen-tp 16", "expected one of 1, 2, 4, 8"),
+    (["demo", "--gen-world", "3"], "--gen-world 3", "expected a multiple of --gen-tp 2"),
+    (["demo", "--gen-ep", "4"], "--gen-ep 4", "expected 1 or --gen-tp (2)"),
+    (["demo", "--model", "dense", "--train-ep", "2"], "--train-ep 2", "expected 1 for the dense model"),
+    (["demo", "--model", "dense", "--gen-ep", "2"], "--gen-ep 2", "expected 1 for the dense model"),
+    (["demo", "--train-world", "3"], "--train-world 3", "expected a multiple of --train-tp × --train-pp"),
+    (["demo", "--train-ep", "3", "--train-world", "6", "--train-pp", "1", "--train-tp", "1"],
+     "--train-ep 3", "expected one of 1, 2, 4, 8 for the moe model"),
+    # Megatron itself accepts TP > query groups, but the refit of such a model is not exact
+    (["demo", "--train-tp", "4", "--train-pp", "1"], "--train-tp 4", "expected one of 1, 2"),
+    (["demo", "--train-pp", "3", "--train-world", "6", "--train-tp", "2"], "--train-pp 3",
+     "expected one of 1, 2, 4"),
+    (["demo", "--refits", "two"], "--refits", "invalid int value"),
+    (["demo", "--model", "huge"], "--model", "invalid choice"),
+    (["demo", "--bogus"], "--bogus", "unrecognized arguments"),
+    (["bench", "refit", "--nproc", "3", "--device", "cpu"], "--nproc 3", "expected 2 or 4"),
+    (["bench", "transfer", "--nproc", "3", "--device", "cpu"], "--nproc 3",
+     "expected an even number >= 2"),
+    (["bench", "refit", "--device", "cpu", "--iters", "0"], "--iters 0", "expected an integer >= 1"),
+    (["bench", "refit", "--device", "cpu", "--backend", "nccl"], "--backend nccl",
+     "expected --device cuda"),
+    (["bench", "refit", "--device", "cpu", "--bogus"], "--bogus", "unrecognized arguments"),
+    (["bench", "fastest"], "fastest", "invalid choice"),
+]
+
+
+_DRIVER = """
+import contextlib, io, json, sys
+from megatron_reshard.cli import main
+out = []
+for argv in json.loads(sys.argv[1]):
+    err, std = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(std):
+        try:
+            rc = main(argv)
+        except SystemExit as exit_:
+            rc = exit_.code
+    out.append({"rc": rc, "stderr": err.getvalue(), "stdout": std.getvalue(),
+                "pool_imported": "megatron_reshard.worlds" in sys.modules,
+                "megatron_imported": "megatron.core" in sys.modules})
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def invalid_runs():
+    """Every INVALID command through ``cli.main`` in one fresh interpreter (one torch import
+    instead of one per case), in order, with what had been imported after each."""
+    out = subprocess.run([sys.executable, "-c", _DRIVER, json.dumps([c[0] for c in INVALID])],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-4000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", range(len(INVALID)), ids=[" ".join(c[0]) for c in INVALID])
+def test_an_invalid_option_ends_the_command_with_one_line_and_status_2(invalid_runs, case):
+    _, option, expected = INVALID[case]
+    run = invalid_runs[case]
+    assert run["rc"] == 2, run
+    lines = run["stderr"].strip().splitlines()
+    assert len(lines) == 1, run["stderr"]
+    assert option in lines[0] and expected in lines[0], lines[0]
+    assert run["stdout"] == ""
+    # no process was started: the worker pool was never even imported, nor Megatron
+    assert not run["pool_imported"] and not run["megatron_imported"]
+
+
+@pytest.mark.parametrize("argv", [["demo", "--gen-tp", "3", "--gen-world", "3"],
+                                  ["demo", "--model", "dense", "--train-ep", "2"],
+                                  ["demo", "--refits", "0"],
+                                  ["bench", "refit", "--nproc", "3", "--device", "cpu"]])
+def test_the_installed_command_exits_2_with_one_line_and_no_traceback(argv):
+    out = _cli(*argv)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert out.stderr.startswith(f"megatron-reshard {argv[0]}")
+    assert "Traceback" not in out.stderr and out.stdout == ""
+
+
+def _parse_demo(*argv):
+    return cli.build_parser().parse_args(["demo", *argv])
+
+
+@pytest.mark.parametrize("model, ep", [("moe", 2), ("dense", 1)])
+def test_the_demo_defaults_are_a_valid_layout_for_each_model(model, ep):
+    cfg = config_from_args(_parse_demo("--model", model), ports=(0, 0, 0))
+    assert cfg.train_ep == ep
+    assert cfg.problems() == []
+
+
+def test_an_explicit_train_ep_overrides_the_model_default():
+    assert config_from_args(_parse_demo("--train-ep", "1"), ports=(0, 0, 0)).train_ep == 1
+
+
+def _hf_config(model: str) -> dict:
+    p = MODEL_PRESETS[model]
+    return dict(hidden_size=p["hidden_size"], num_attention_heads=p["num_attention_heads"],
+                num_key_value_heads=p["num_query_groups"],
+                intermediate_size=p["ffn_hidden_size"],
+                moe_intermediate_size=p.get("moe_ffn_hidden_size"),
+                num_experts=p.get("num_moe_experts") or 0, num_hidden_layers=2,
+                vocab_size=p["vocab_size"], qk_norm=p["qk_layernorm"], tie_word_embeddings=False)
+
+
+def _receiver_takes(model: str, tp: int, ep: int) -> bool:
+    """Whether the receiver maps full HF weights onto every vLLM-layout rank of gen TP ``tp``
+    and gen EP ``ep``, leaving no element unwritten."""
+    hf = _hf_config(model)
+    full = random_hf_state_dict(hf, torch.float32)
+    for rank in range(tp):
+        params = build_vllm_like_model(hf, rank, tp, ep, torch.float32)
+        try:
+            load_full_weights(VllmTargets.from_named_parameters(params.named_parameters(), hf,
+                                                                rank, tp, ep), full)
+        except ValueError:
+            return False
+        if any(p.isnan().any() for p in params.parameters()):
+            return False
+    return True
+
+
+@pytest.mark.parametrize("model", sorted(MODEL_PRESETS))
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_gen_tp_is_refused_exactly_where_the_receiver_cannot_map_the_model(model, expert_parallel):
+    if expert_parallel and not MODEL_PRESETS[model].get("num_moe_experts"):
+        pytest.skip("a dense model has no gen EP")
+    for tp in range(1, 17):
+        ep = tp if expert_parallel else 1
+        cfg = RefitRunConfig(model=model, train_ep=1, gen_world=tp, gen_tp=tp, gen_ep=ep,
+                             ports=(0, 0, 0))
+        refused = [p for p in cfg.problems() if p.startswith(("--gen-tp", "--gen-ep"))]
+        assert (not refused) == _receiver_takes(model, tp, ep), (tp, ep, refused)
+
+
+def test_version_prints_the_package_version():
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    out = _cli("--version")
+    assert out.returncode == 0 and out.stdout.strip() == f"megatron-reshard {version}"
+
+
+@pytest.mark.parametrize("command", [[], ["demo"], ["bench"], ["plan"]])
+def test_every_help_shows_the_defaults(command):
+    out = _cli(*command, "--help")
+    assert out.returncode == 0
+    text = " ".join(out.stdout.split())
+    expected = {(): [], ("demo",): ["--refits REFITS refits to run", "(default: 3)",
+                                    "(default: moe)", "1 for dense, 2 for moe",
+                                    "(default: 120.0)"],
+                ("bench",): ["(default: 4)"],
+                ("plan",): ["(default: moe)", "--gen-tp GEN_TP default: 2"]}[tuple(command)]
+    for fragment in expected:
+        assert fragment in text, fragment
+    # every option that takes a value and has a fixed default says what it is
+    for line in re.findall(r"^  (--[a-z-]+ [A-Z_]+.*(?:\n {20,}.*)*)", out.stdout, re.M):
+        option = line.split()[0]
+        if option in ("--train-ep", "--layers", "--port-base"):
+            continue  # computed per model / optional overrides: their help says so
+        assert "default" in line, line
+
+
+def test_the_streams_help_says_what_it_does_on_cpu_and_on_gpus():
+    help_text = _cli("demo", "--help").stdout
+    text = " ".join(help_text[help_text.index("options:"):].split())
+    streams = text[text.index("--streams STREAMS"):text.index("--staging-mib STAGING_MIB")]
+    assert "CUDA streams" not in streams and "on CPU" in streams and "on GPUs" in streams
 
 
 def test_help_lists_the_three_commands():
@@ -49,3 +242,13 @@ def test_bench_without_a_gpu_says_how_to_run_a_cpu_smoke_instead():
 def test_unknown_options_are_refused_outside_the_benchmarks():
     out = _cli("plan", "--bogus")
     assert out.returncode == 2 and "--bogus" in out.stderr
+
+
+@pytest.mark.slow
+def test_demo_of_the_dense_model_runs_with_its_own_defaults():
+    """The README's `demo --model dense` (multi-process: run under the mp lock)."""
+    out = _cli("demo", "--model", "dense", "--refits", "1", "--json", timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["verified"] is True
+    assert summary["layout"]["train"] == {"world": 4, "tp": 2, "pp": 2, "ep": 1}
