@@ -53,11 +53,11 @@ class Tally(NamedTuple):
 
 class Description(NamedTuple):
     """How this rank describes its batch, for the failure path: per transfer, its name,
-    a stable hash and a readable form."""
+    a stable hash and a readable form (None: the rank abstains, knowing no description)."""
 
     names: Sequence[str]
-    hashes: Callable[[], list]      # per transfer: a 60-bit hash, never 0
-    text: Callable[[int], str]      # transfer index -> readable description
+    hashes: Optional[Callable[[], list]]  # per transfer: a 60-bit hash, never 0
+    text: Optional[Callable[[int], str]]  # transfer index -> readable description
 
 
 def hash_ints(values: tuple) -> int:
@@ -114,17 +114,16 @@ def allreduce_votes(values: list, transport: P2PTransport, planner: Planner) -> 
     return host_out.tolist()
 
 
-def agree(vote: Vote, description: Optional[Description], transport: P2PTransport,
+def agree(vote: Vote, description: Callable[[], Description], transport: P2PTransport,
           planner: Planner, where: str) -> Tally:
     """Run the agreement step; raise ``ValueError`` on every rank when any rank has a
-    problem or the descriptions differ. ``description`` None: this rank abstains (it
-    holds neither side of an ``xferdtensor`` call)."""
+    problem or the descriptions differ (``description()`` is called only then)."""
     me, world = transport.rank(), transport.size()
     tally = _unpack(allreduce_votes(_pack(vote, me, world), transport, planner), world)
     if tally.failed:
-        _raise_problems(vote, tally, description, transport, where)
+        _raise_problems(vote, tally, description(), transport, where)
     if not (tally.same_count and tally.same_description):
-        _raise_disagreement(vote, description, transport, where)
+        _raise_disagreement(vote, description(), transport, where)
     return tally
 
 
@@ -143,29 +142,38 @@ def _exchange_texts(text: str, transport: P2PTransport) -> list:
     return [bytes(r).rstrip(b"\0").decode(errors="replace") for r in rows.cpu().tolist()]
 
 
-def _raise_problems(vote: Vote, tally: Tally, description: Optional[Description],
+def _listed(parts: list, most: int = 3) -> str:
+    return "; ".join(parts[:most]) + (f"; and {len(parts) - most} more" if len(parts) > most
+                                     else "")
+
+
+def _raise_problems(vote: Vote, tally: Tally, description: Description,
                     transport: P2PTransport, where: str) -> None:
     me = transport.rank()
     mine = vote.problem.text(tally.shape) if vote.problem is not None else ""
     texts = _exchange_texts(mine, transport)
-    others = "; ".join(f"rank {r}: {texts[r]}" for r, _ in tally.failed if r != me)
     if vote.problem is not None:
-        raise ValueError(f"{where}: {mine}" + (f" (also failed on {others})" if others else "")
+        # ranks with this rank's problem (the same text but for the rank), then the others
+        same = [r for r, _ in tally.failed
+                if r != me and texts[r].replace(f"rank {r}", f"rank {me}") == mine]
+        others = [f"rank {r}: {texts[r]}" for r, _ in tally.failed
+                  if r != me and r not in same]
+        raise ValueError(f"{where}: {mine}" + (f" (the same on ranks {same})" if same else "")
+                         + (f" (also failed on {_listed(others)})" if others else "")
                          + "; no data was moved")
-    names = description.names if description is not None else ()
-    who = "; ".join(
-        f"rank {r} rejected " + (f"param {names[i]!r}" if i is not None and i < len(names)
-                                 else "the call") + f": {texts[r]}"
-        for r, i in tally.failed)
-    raise ValueError(f"{where} on rank {me}: {who}; no data was moved")
+    names = description.names
+    who = [f"rank {r} rejected " + (f"param {names[i]!r}" if i is not None and i < len(names)
+                                    else "the call") + f": {texts[r]}"
+           for r, i in tally.failed]
+    raise ValueError(f"{where} on rank {me}: {_listed(who)}; no data was moved")
 
 
-def _raise_disagreement(vote: Vote, description: Optional[Description],
+def _raise_disagreement(vote: Vote, description: Description,
                         transport: P2PTransport, where: str) -> None:
     """Find the first transfer the ranks describe differently, who differs, and how."""
     me, world = transport.rank(), transport.size()
     n = _allreduce_plain([*_pair(vote.count)], transport)[0]  # the longest batch
-    hashes = description.hashes() if description is not None else None
+    hashes = description.hashes() if description.hashes is not None else None
     slots: list = []
     for i in range(n):  # 0: no transfer at this index
         slots += _pair(None if hashes is None else hashes[i] if i < len(hashes) else 0)
@@ -175,7 +183,7 @@ def _raise_disagreement(vote: Vote, description: Optional[Description],
     row = [NO_VOTE] * world  # each rank's hash of that transfer; -1: abstains
     row[me] = -1 if hashes is None else hashes[first] if first < len(hashes) else 0
     row = _allreduce_plain(row, transport)
-    if description is None:
+    if hashes is None:
         mine = ""
     elif first < len(description.names):
         mine = description.text(first)
@@ -187,8 +195,7 @@ def _raise_disagreement(vote: Vote, description: Optional[Description],
         if row[r] != -1:
             groups.setdefault(row[r], []).append(r)
     ordered = sorted(groups.values(), key=lambda rs: (-len(rs), rs[0]))
-    name = (description.names[first] if description is not None
-            and first < len(description.names) else f"#{first}")
+    name = description.names[first] if first < len(description.names) else f"#{first}"
     expected, found = ordered[0], ordered[1:]
     parts = [f"expected (as on ranks {expected}) {texts[expected[0]]}"]
     parts += [f"found on rank{'s ' + str(rs) if len(rs) > 1 else ' ' + str(rs[0])} "

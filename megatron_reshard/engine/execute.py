@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 import torch
 
 from . import m2n
-from .agree import Vote, agree as agree_step, exchange_strided, hash_ints
+from .agree import Description, Vote, agree as agree_step, exchange_strided, hash_ints
 from .batch import Batch, light_key
 from .checks import Problem, check_layout_ranks, check_local, local_ok
 from .plan import Planner, gc_paused, layout_key
@@ -90,7 +90,7 @@ def _describe(transfers, world: int, me: int, staging_bytes: int, backend: str,
     if batch is None:
         keys = []
         for i, t in enumerate(transfers):
-            where = f"param {t.name!r} on rank {me}"
+            where = f"param {getattr(t, 'name', f'#{i}')!r} on rank {me}"
             try:
                 if t.dtype is None:
                     raise ValueError(f"{where}: dtype is required, found None")
@@ -169,8 +169,8 @@ def _run(transfers, group, stream, staging_bytes: int, planner: Optional[Planner
                     tuple(map(int, transfers[0].global_shape))
                     if described and transfers and problem is None else None)
         with ctx:
-            tally = agree_step(vote, batch.description(transfers) if described and batch
-                               is not None else None, transport, planner, "xfer_batch")
+            tally = agree_step(vote, lambda: _description(batch, transfers, described),
+                               transport, planner, "xfer_batch")
         if not tally.keep_schedule:  # decided from the all-reduced votes: alike everywhere
             with ctx:
                 strided = (exchange_strided(batch.strided_of(strides, tensors)[0],
@@ -190,6 +190,13 @@ def _run(transfers, group, stream, staging_bytes: int, planner: Optional[Planner
             early.discard()
         raise
     _execute(batch, transfers, me, tensors, strides, transport, stream, planner, early)
+
+
+def _description(batch: Optional[Batch], transfers, described: bool) -> Description:
+    if described and batch is not None:
+        return batch.description(transfers)
+    return Description([getattr(t, "name", f"#{i}") for i, t in enumerate(transfers)],
+                       None, None)  # abstains
 
 
 def _execute(batch: Batch, transfers, me: int, tensors, strides: tuple,
