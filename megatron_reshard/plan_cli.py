@@ -1,129 +1,248 @@
-"""``megatron-reshard plan``: show what a refit would move, computed from layouts alone.
+"""``megatron-reshard plan``: what a refit would move and how long it would take, computed
+from layouts alone (no GPU, no communication, no Megatron model).
 
-Builds the refit info of a model preset for a training/generation layout (no Megatron, no
-communication: HF shapes come from the model's dimensions), plans every bulk param with
-the engine's planner and prints, per training PP stage, the bytes each training rank sends
-to each generation rank, local copies, replica completion, and the plan fingerprint.
+Takes a model preset (the demo's small models, or full-size Qwen3-8B, Qwen3-30B-A3B,
+Qwen3-235B-A22B, DeepSeek-V3, Kimi-K2 shapes from their HF configs) and a training layout
+(TP, CP, EP, PP with even or uneven stages, DP from the world size) -> generation layout
+(TP, EP, DP replicas), plans every parameter with the engine's planner and prints:
+
+- the layout used and every parameter the refit moves (bulk FFN/expert weights through
+  the engine; the others, attention, norms, router, embeddings, by today's packed
+  broadcast, or with --others sharded shard to shard as the engine would move them);
+- planning time for one rank's own plan and for the whole job;
+- bytes each training rank sends and each generation rank receives (min / mean / max),
+  and how far the busiest rank is above the ideal (total over ranks);
+- an estimated refit time under a link model (stated with the result) for the planner the
+  refit uses today and for the link-aware planner, beside gather + broadcast;
+- the plan fingerprint: a digest of every engine plan in payload order (equal on every
+  rank; two runs with equal fingerprints move the same boxes between the same ranks).
+
+--json prints all of it as one object; --plot FILE draws the per-rank bytes (needs the
+optional extra `plot`: pip install 'megatron-reshard[plot]'). Assumptions: docs/SCALE.md.
+Exit status: 0, or 2 for a layout the model cannot be split by (one line on stderr).
 """
 
 from __future__ import annotations
 
 import argparse
-import time
+import json
+import sys
 from collections import defaultdict
+from typing import Optional
 
-from megatron_reshard.e2e import MODEL_PRESETS
+from megatron_reshard.tools.presets import model_names
+
+DEFAULT_LINK = dict(gpus_per_node=8, nvlink_gbps=450.0, net_gbps=50.0, latency_us=5.0)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = __doc__
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument("--model", choices=sorted(MODEL_PRESETS) + ["qwen3-30b-a3b", "qwen3-8b"],
-                        default="moe", help="model dimensions (presets of the demo, or full-size "
-                                            "Qwen3 shapes)")
-    parser.add_argument("--layers", type=int, default=None, help="override the layer count")
+    parser.add_argument("--model", choices=model_names(), default="moe",
+                        help="model shapes: the demo's small models or a full-size preset")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="override the model's layer count (default: the model's own)")
     for side, tp, pp, ep, world in (("train", 2, 2, 2, 4), ("gen", 2, 1, 1, 2)):
         parser.add_argument(f"--{side}-world", type=int, default=world)
         parser.add_argument(f"--{side}-tp", type=int, default=tp)
         parser.add_argument(f"--{side}-ep", type=int, default=ep)
         if side == "train":
             parser.add_argument("--train-pp", type=int, default=pp)
-    parser.add_argument("--verbose", action="store_true", help="one line per param")
+            parser.add_argument("--train-cp", type=int, default=1,
+                                help="context parallel size (CP ranks hold the same weights)")
+            parser.add_argument("--train-pp-layers", default=None, metavar="N,N,...",
+                                help="uneven PP: layers per stage, first to last (default: "
+                                     "an even split)")
+    parser.add_argument("--others", choices=["broadcast", "sharded"], default="broadcast",
+                        help="how the non-bulk params move: 'broadcast' as the refit does "
+                             "today (one packed broadcast per PP stage), 'sharded' shard to "
+                             "shard through the engine with Megatron/vLLM placements")
+    parser.add_argument("--planner", choices=["both", "default", "link-aware"], default="both",
+                        help="which planner's figures to show: the refit's default planner, "
+                             "the link-aware one, or both side by side")
+    link = parser.add_argument_group("link model (defaults: H100 nodes, NVLink 4, one 400 Gb/s NIC per GPU)")
+    link.add_argument("--gpus-per-node", type=int, default=DEFAULT_LINK["gpus_per_node"],
+                      help="GPUs per node, joined by NVLink")
+    link.add_argument("--nvlink-gbps", type=float, default=DEFAULT_LINK["nvlink_gbps"],
+                      help="NVLink GB/s per GPU per direction")
+    link.add_argument("--net-gbps", type=float, default=DEFAULT_LINK["net_gbps"],
+                      help="network GB/s per GPU per direction between nodes")
+    link.add_argument("--latency-us", type=float, default=DEFAULT_LINK["latency_us"],
+                      help="fixed cost of one message, in microseconds")
+    parser.add_argument("--json", action="store_true", help="print everything as one JSON object")
+    parser.add_argument("--plot", default=None, metavar="FILE",
+                        help="write a PNG of the bytes per rank (needs matplotlib: the 'plot' extra; "
+                             "default: no plot)")
+    parser.add_argument("--matrix", action="store_true",
+                        help="print the MiB each rank pair moves per stage (bulk params; shown "
+                             "anyway for groups of at most 16 ranks)")
+    parser.add_argument("--verbose", action="store_true", help="one line per bulk param")
 
 
-_FULL_SIZE = {
-    "qwen3-30b-a3b": dict(hidden_size=2048, num_attention_heads=32, num_key_value_heads=4,
-                          head_dim=128, intermediate_size=6144, moe_intermediate_size=768,
-                          num_experts=128, num_hidden_layers=48, vocab_size=151936),
-    "qwen3-8b": dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
-                     head_dim=128, intermediate_size=12288, num_hidden_layers=36,
-                     vocab_size=151936),
-}
+def _fail(problems: list) -> int:
+    print("megatron-reshard plan: error: " + "; ".join(problems), file=sys.stderr)
+    return 2
 
 
-def hf_config_for(model: str, layers=None) -> dict:
-    """HF-style config of a preset (the keys the receiver and the shape helpers read)."""
-    if model in _FULL_SIZE:
-        cfg = dict(_FULL_SIZE[model], qk_norm=True, gated=True, tie_word_embeddings=False)
-    else:
-        p = MODEL_PRESETS[model]
-        cfg = dict(hidden_size=p["hidden_size"], num_attention_heads=p["num_attention_heads"],
-                   num_key_value_heads=p["num_query_groups"],
-                   head_dim=p["hidden_size"] // p["num_attention_heads"],
-                   intermediate_size=p["ffn_hidden_size"],
-                   moe_intermediate_size=p.get("moe_ffn_hidden_size"),
-                   num_experts=p.get("num_moe_experts") or 0, num_hidden_layers=p["num_layers"],
-                   vocab_size=p["vocab_size"], qk_norm=p.get("qk_layernorm", False), gated=True,
-                   tie_word_embeddings=False)
-    if layers is not None:
-        cfg["num_hidden_layers"] = layers
-    return cfg
+def _parse_layers(text: Optional[str]) -> tuple[Optional[tuple], list]:
+    if text is None:
+        return None, []
+    try:
+        return tuple(int(x) for x in text.split(",")), []
+    except ValueError:
+        return None, [f"--train-pp-layers {text!r}: expected comma-separated integers, one per stage"]
 
 
-def _stage_map(names, layers: int, pp: int) -> dict:
-    from megatron_reshard.metadata import _extract_layer_name
+def problems_of(args: argparse.Namespace):
+    """(model config, layout, problems) for the parsed options; nothing is planned yet."""
+    from megatron_reshard.tools.layouts import RefitLayout, layout_problems
+    from megatron_reshard.tools.presets import model_config
 
-    per = -(-layers // pp)
-    out = {}
-    for name in names:
-        key = _extract_layer_name(name)
-        if ".layers." in f".{key}.":
-            out[key] = min(int(key.rsplit(".", 1)[1]) // per, pp - 1)
-        else:
-            out[key] = 0 if "embed" in key else pp - 1
-    return out
+    pp_layers, out = _parse_layers(args.train_pp_layers)
+    if args.layers is not None and args.layers < 1:
+        out.append(f"--layers {args.layers}: expected an integer >= 1")
+    if args.gpus_per_node < 1:
+        out.append(f"--gpus-per-node {args.gpus_per_node}: expected an integer >= 1")
+    for option, value in (("--nvlink-gbps", args.nvlink_gbps), ("--net-gbps", args.net_gbps)):
+        if not value > 0:
+            out.append(f"{option} {value}: expected a number > 0")
+    if not args.latency_us >= 0:
+        out.append(f"--latency-us {args.latency_us}: expected a number >= 0")
+    if out:
+        return None, None, out
+    cfg = model_config(args.model, args.layers)
+    lay = RefitLayout(train_world=args.train_world, gen_world=args.gen_world,
+                      train_tp=args.train_tp, train_cp=args.train_cp, train_ep=args.train_ep,
+                      train_pp=args.train_pp, pp_layers=pp_layers, gen_tp=args.gen_tp,
+                      gen_ep=args.gen_ep)
+    return cfg, lay, layout_problems(lay, cfg)
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_reshard.engine import Planner, layout_key
-    from megatron_reshard.engine.geometry import box_numel
-    from megatron_reshard.layout import is_nccl_reshard_param
-    from megatron_reshard.metadata import _STR_TO_DTYPE, build_nccl_reshard_refit_info
-    from megatron_reshard.testing.vllm_like import hf_param_shapes
+    from megatron_reshard.tools.simulate import LinkModel, simulate
 
-    cfg = hf_config_for(args.model, args.layers)
-    shapes = hf_param_shapes(cfg)
-    meta = {n: {"shape": list(s), "dtype": "torch.bfloat16"} for n, s in shapes.items()
-            if is_nccl_reshard_param(n)}
-    info = build_nccl_reshard_refit_info(
-        meta, {"tp_size": args.train_tp, "ep_size": args.train_ep, "pp_size": args.train_pp},
-        {"tp_size": args.gen_tp, "ep_size": args.gen_ep, "pp_size": 1},
-        args.train_world, args.gen_world,
-        _stage_map(meta, cfg["num_hidden_layers"], args.train_pp) if args.train_pp > 1 else None)
-    stage_world = args.train_world // args.train_pp
+    cfg, lay, problems = problems_of(args)
+    if problems:
+        return _fail(problems)
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            return _fail([f"--plot {args.plot}: needs matplotlib (pip install 'megatron-reshard[plot]')"])
+    link = LinkModel(args.gpus_per_node, args.nvlink_gbps, args.net_gbps, args.latency_us)
+    which = {"both": (False, True), "default": (False,), "link-aware": (True,)}[args.planner]
+    sims = [simulate(args.model, cfg, lay, link, args.others, aware) for aware in which]
+    if args.json:
+        print(json.dumps({"model": args.model, "layout_text": lay.describe(),
+                          "runs": [s.to_plain() for s in sims]}))
+    else:
+        _print_table(args, cfg, lay, sims)
+        if args.matrix or lay.stage_world + lay.gen_world <= 16 or args.verbose:
+            _print_matrix(args, cfg, lay)
+    if args.plot:
+        from megatron_reshard.tools.plot import plot_loads
+
+        plot_loads(sims, args.plot)
+        if not args.json:
+            print(f"plot written to {args.plot}")
+    return 0
+
+
+def _print_table(args, cfg, lay, sims) -> None:
+    from megatron_reshard.tools.simulate import describe_bytes as b
+
+    first = sims[0].to_plain()
+    c = first["params"]
+    total = c["bulk_bytes"] + c["other_bytes"]
+    how = ("packed broadcast from each stage's first training rank" if args.others == "broadcast"
+           else "shard to shard through the engine")
+    print(f"model {args.model}: {cfg['num_hidden_layers']} layers, {_count(c['elements'])} "
+          f"parameters ({b(total)} as sent)")
+    print(f"layout: {lay.describe()}")
+    print(f"tensors the refit moves: {c['bulk_params'] + c['other_params']} (an MoE layer's "
+          f"experts as one tensor per projection; {c['hf_tensors']} HF weights) = "
+          f"{c['bulk_params']} bulk params through the engine ({b(c['bulk_bytes'])}) + "
+          f"{c['other_params']} others by {how} ({b(c['other_bytes'])})")
+    print(f"link model: {sims[0].link.describe()}")
+    for s in sims:
+        p = s.to_plain()
+        pl = p["planning_s"]
+        print(f"planning ({p['planner']} planner): one rank's own plan {_secs(pl['one_rank'])}, "
+              f"whole job {_secs(pl['whole_job'])} ({pl['distinct_layouts']} distinct layouts, "
+              f"{pl['ops']} messages)")
+    print()
+    print("| planner | train rank sends min / mean / max | busiest above ideal | "
+          "gen rank receives min / mean / max | busiest above ideal | of which from peers "
+          "(mean) | refit estimate | busiest rank |")
+    print("|---|---|---|---|---|---|---|---|")
+    for s in sims:
+        p = s.to_plain()
+        t, g, peers, e = (p["train_sent_bytes"], p["gen_received_bytes"],
+                          p["gen_received_from_peers_bytes"], p["estimate_s"])
+        who = f"{e['busiest_rank'][0]} rank {e['busiest_rank'][1]}" if e["busiest_rank"] else "-"
+        print(f"| {p['planner']} | {b(t['min'])} / {b(t['mean'])} / {b(t['max'])} | "
+              f"{100 * t['above_ideal']:.1f}% | {b(g['min'])} / {b(g['mean'])} / {b(g['max'])} | "
+              f"{100 * g['above_ideal']:.1f}% | {b(peers['mean'])} | {_secs(e['refit'])} | "
+              f"{who}: {e['limited_by']} |")
+    e = first["estimate_s"]
+    print(f"\ngather + broadcast estimate: {_secs(e['gather_broadcast'])} (gather on the "
+          f"training ranks {_secs(e['gather'])}, then every generation rank receives the "
+          f"whole model: {_secs(e['broadcast'])})")
+    for s in sims:
+        print(f"plan fingerprint ({'link-aware' if s.link_aware else 'default'} planner): "
+              f"{s.fingerprint}")
+
+
+def _secs(t: float) -> str:
+    if t >= 1:
+        return f"{t:.2f} s"
+    return f"{t * 1e3:.1f} ms" if t >= 1e-3 else f"{t * 1e6:.0f} µs"
+
+
+def _count(n: int) -> str:
+    for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= div:
+            return f"{n / div:.2f}{unit}"
+    return str(n)
+
+
+def _print_matrix(args, cfg, lay) -> None:
+    """Per stage, MiB per (sender, receiver) group-rank pair of the bulk params, as the
+    default planner plans them; and the per-param lines with --verbose."""
+    from megatron_reshard.engine.geometry import box_numel
+    from megatron_reshard.engine.plan import Planner
+    from megatron_reshard.tools.layouts import stage_inputs
+
     planner = Planner()
-    t0 = time.perf_counter()
-    moved = defaultdict(lambda: defaultdict(int))  # stage -> (src, dst, phase) -> bytes
+    moved = defaultdict(lambda: defaultdict(int))
     count = 0
-    for layer in info["layer_names"]:
-        for p in info["per_layer_params"][layer]:
-            key = layout_key(p["global_shape"], p["src_mesh_info"], p["src_placements"],
-                             p["dst_mesh_info"], p["dst_placements"], p["name"])
-            plan = planner.plan(key)
-            itemsize = _STR_TO_DTYPE[p["dtype"]].itemsize
-            stage = p.get("pp_stage", 0)
+    for stage, st in stage_inputs(lay, cfg, "broadcast").items():
+        for p in st.params:
+            if not p.bulk:
+                continue
+            plan = planner.plan(p.key)
             for op in plan.ops:
-                moved[stage][(op.src, op.dst, op.phase)] += box_numel(op.box) * itemsize
+                moved[stage][(op.src, op.dst, op.phase)] += box_numel(op.box) * p.itemsize
             count += 1
             if args.verbose:
-                print(f"{p['name']}: {list(p['global_shape'])} {p['src_placements']} -> "
-                      f"{p['dst_placements']}: {len(plan.ops)} ops, fingerprint {plan.fingerprint[:12]}")
-    elapsed = time.perf_counter() - t0
-    print(f"{count} bulk params planned in {elapsed * 1e3:.1f} ms "
-          f"({len(planner)} distinct layouts); training ranks 0..{stage_world - 1} of each "
-          f"stage's refit group send, generation ranks {stage_world}..{stage_world + args.gen_world - 1} receive")
+                print(f"{p.name}: {list(p.shape)}: {len(plan.ops)} ops, fingerprint "
+                      f"{plan.fingerprint[:12]}")
+    sw = lay.stage_world
+    print(f"\n{count} bulk params planned; training ranks 0..{sw - 1} of each stage's refit "
+          f"group send, generation ranks {sw}..{sw + lay.gen_world - 1} receive")
+    ranks = range(sw + lay.gen_world)
     for stage in sorted(moved):
         print(f"\nstage {stage}: MiB moved (rows: sender group rank, columns: receiver)")
-        ranks = range(stage_world + args.gen_world)
         print("| from \\ to | " + " | ".join(str(r) for r in ranks) + " |")
         print("|---" * (len(ranks) + 1) + "|")
+        per_pair = defaultdict(int)
+        for (a, d, _), nbytes in moved[stage].items():
+            per_pair[(a, d)] += nbytes
         for s in ranks:
-            cells = [sum(b for (a, d, _), b in moved[stage].items() if a == s and d == r) / 2**20
-                     for r in ranks]
+            cells = [per_pair.get((s, r), 0) / 2**20 for r in ranks]
             if any(cells):
                 print(f"| {s} | " + " | ".join(f"{c:.2f}" if c else "." for c in cells) + " |")
-        local = sum(b for (a, d, _), b in moved[stage].items() if a == d) / 2**20
-        replica = sum(b for (_, _, ph), b in moved[stage].items() if ph == 1) / 2**20
+        local = sum(v for (a, d), v in per_pair.items() if a == d) / 2**20
+        replica = sum(v for (_, _, ph), v in moved[stage].items() if ph == 1) / 2**20
         print(f"local copies: {local:.2f} MiB; replica completion inside generation groups: "
               f"{replica:.2f} MiB")
-    return 0

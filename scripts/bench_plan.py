@@ -5,7 +5,16 @@ means "on one core". Prints: cold planning with 10,000 distinct layouts (worst c
 planning of a model-like list (few distinct shapes, cache hits), the cached replan (plans
 looked up again from validated layout keys), the batch schedule of one rank, and the warm
 lookup a repeated ``xfer_batch`` call pays instead of all that (its light batch key and the
-per-batch cache hit). Usage: python scripts/bench_plan.py [--params N]
+per-batch cache hit).
+
+Then the planner at cluster scale (issue 16): DeepSeek-V3 under NeMo-RL's published layout,
+training PP16 x EP16 (256 ranks) -> generation TP32 x DP8 (256 ranks), every parameter
+planned (``--others sharded``): building the layouts from the model, one rank's own plan
+(a generation rank: it takes part in every stage's group) with a cold planner, and the
+whole-job simulation, for the default and the link-aware planner. Nothing here is a test
+threshold; the figures are printed for docs/SCALE.md.
+
+Usage: python scripts/bench_plan.py [--params N] [--scale-only | --no-scale]
 """
 
 from __future__ import annotations
@@ -17,8 +26,9 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from megatron_reshard.engine import Transfer
-from megatron_reshard.engine.execute import _light_key, build_schedule
+from megatron_reshard.engine.batch import light_key as _light_key
 from megatron_reshard.engine.plan import Planner, gc_paused, layout_key
+from megatron_reshard.engine.schedule import build_schedule
 from megatron_reshard.layout import MeshInfo
 
 
@@ -45,8 +55,52 @@ def _layouts(n: int, distinct: bool):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--params", type=int, default=10_000)
+    parser.add_argument("--scale-only", action="store_true", help="only the cluster-scale part")
+    parser.add_argument("--no-scale", action="store_true", help="skip the cluster-scale part")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if not args.scale_only:
+        engine_batches(args)
+    if not args.no_scale:
+        cluster_scale()
+
+
+def cluster_scale() -> None:
+    """DeepSeek-V3 PP16 x EP16 -> TP32 x DP8: the planner's own cost at 256 + 256 ranks."""
+    from megatron_reshard.tools.layouts import RefitLayout, stage_inputs
+    from megatron_reshard.tools.presets import model_config
+    from megatron_reshard.tools.simulate import LinkModel, link_costs, simulate
+
+    cfg = model_config("deepseek-v3")
+    lay = RefitLayout(train_world=256, gen_world=256, train_tp=1, train_ep=16, train_pp=16,
+                      pp_layers=(4,) * 15 + (1,), gen_tp=32, gen_ep=32)
+    link = LinkModel()
+    print(f"\ndeepseek-v3, {lay.describe()}, all params through the engine")
+    t0, c0 = time.perf_counter(), time.process_time()
+    stages = stage_inputs(lay, cfg, "sharded")
+    t1, c1 = time.perf_counter(), time.process_time()
+    print(f"layouts of {sum(len(s.params) for s in stages.values())} params: "
+          f"{t1 - t0:.3f} s (CPU {c1 - c0:.3f} s)")
+    mine = lay.stage_world  # group rank of generation rank 0
+    for name, costs in (("default", None), ("link-aware", link_costs(lay, link))):
+        planner = Planner(costs)
+        t0, c0 = time.perf_counter(), time.process_time()
+        with gc_paused():
+            n_ops = sum(len(planner.plan(p.key).ops_of(mine))
+                        for st in stages.values() for p in st.params)
+        t1, c1 = time.perf_counter(), time.process_time()
+        print(f"{name} planner: one rank's own plan {t1 - t0:.3f} s (CPU {c1 - c0:.3f} s), "
+              f"{len(planner)} distinct layouts, {n_ops} ops of that rank")
+        t0, c0 = time.perf_counter(), time.process_time()
+        sim = simulate("deepseek-v3", cfg, lay, link, "sharded", costs is not None)
+        t1, c1 = time.perf_counter(), time.process_time()
+        est = sim.to_plain()["estimate_s"]
+        print(f"{name} planner: whole-job simulation {t1 - t0:.2f} s (CPU {c1 - c0:.2f} s), "
+              f"{sim.ops} messages; refit estimate {est['refit']:.3f} s "
+              f"({est['limited_by']})")
+
+
+def engine_batches(args: argparse.Namespace) -> None:
     for distinct in (True, False):
         layouts = _layouts(args.params, distinct)
         planner = Planner()

@@ -17,6 +17,14 @@ to one member (the representative) which forwards it to the others (a P2P broadc
 Members that already hold the whole region as sources copy it locally and leave the group.
 Replicated sources are deduplicated: each intersection is read from one holder, the
 destination itself when it is a holder, else the holder with the least bytes so far.
+
+With a ``LinkCosts`` (``Planner(costs=...)``, off by default) a destination group may
+instead be split into parts, each served from the sources and completed inside itself:
+one part per node (replicas on one node complete over NVLink, each node pulling the
+region once) or one part per member (every member served directly, no phase 1: cheaper
+for small regions shared by many replicas, where an exchange costs ~2k messages per
+member). Each group takes the split with the lowest estimated time of its busiest rank,
+given the loads of the groups planned before it; ties keep the single group.
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ import gc
 import hashlib
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import NamedTuple, Optional, Sequence
+from typing import Mapping, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -117,7 +125,75 @@ def _overlap(box: Box, own: Optional[Ownership]) -> int:
     return total
 
 
-def build_plan(key: LayoutKey) -> ParamPlan:
+@dataclass(frozen=True)
+class LinkCosts:
+    """What the planner may assume about the links, for choosing how replicas complete.
+
+    ``nodes``: ``(group rank, node id)`` pairs (ranks not listed are alone on their node);
+    bandwidths in GB/s per GPU per direction; ``message_us`` the fixed cost of a message;
+    ``elem_bytes`` the bytes per element the estimate assumes (layout keys carry no dtype);
+    ``dst_weight`` how many refit groups share the destination ranks (training PP stages:
+    a destination's links carry that many groups' traffic while a source carries one).
+    Plain data: every rank must pass the same value, and it enters the plan fingerprint.
+    """
+
+    nodes: tuple = ()
+    nvlink_gbps: float = 450.0
+    net_gbps: float = 50.0
+    message_us: float = 5.0
+    elem_bytes: int = 2
+    dst_weight: float = 1.0
+
+    def node_map(self) -> dict:
+        return dict(self.nodes)
+
+
+class _Loads:
+    """Per-rank loads of a plan being built, in elements and messages (LinkCosts mode)."""
+
+    def __init__(self, costs: LinkCosts, dst_ranks: Sequence[int]) -> None:
+        self.node = costs.node_map()
+        self.dst = set(dst_ranks)
+        self.costs = costs
+        self.v: dict = {}  # rank -> [net_in, net_out, nvl_in, nvl_out, messages]
+        self.top = 0.0  # the busiest committed rank's estimate
+
+    def _row(self, r: int, table: dict) -> list:
+        row = table.get(r)
+        if row is None:
+            row = table[r] = list(self.v.get(r, (0, 0, 0, 0, 0)))
+        return row
+
+    def add(self, ops: Sequence[Op], table: Optional[dict] = None) -> dict:
+        """Add ``ops``' loads to ``table`` (rows copied from the committed loads on first
+        touch) and return it; ``add(ops, self.v)`` commits them."""
+        table = {} if table is None else table
+        for op in ops:
+            if op.src == op.dst:
+                continue
+            n = box_numel(op.box)
+            near = self.node.get(op.src, ("r", op.src)) == self.node.get(op.dst, ("r", op.dst))
+            src, dst = self._row(op.src, table), self._row(op.dst, table)
+            dst[2 if near else 0] += n
+            src[3 if near else 1] += n
+            src[4] += 1
+            dst[4] += 1
+        return table
+
+    def worst(self, table: dict) -> float:
+        c = self.costs
+        net = 1e9 * c.net_gbps / c.elem_bytes
+        nvl = 1e9 * c.nvlink_gbps / c.elem_bytes
+        out = 0.0
+        for r, (ni, no, vi, vo, m) in table.items():
+            t = max(ni, no) / net + max(vi, vo) / nvl + m * c.message_us * 1e-6
+            if r in self.dst:
+                t *= c.dst_weight
+            out = max(out, t)
+        return out
+
+
+def build_plan(key: LayoutKey, costs: Optional[LinkCosts] = None) -> ParamPlan:
     """Compute the plan for one layout key (see the module docstring for the rules)."""
     shape, s_shape, s_ranks, s_dims, d_shape, d_ranks, d_dims = key
     src = shard_ownerships(shape, s_shape, s_ranks, s_dims)
@@ -134,7 +210,7 @@ def build_plan(key: LayoutKey) -> ParamPlan:
     load = {r: 0 for r in s_ranks}
     ops: list[Op] = []
 
-    def serve(member: int, dpi: int, target: Box) -> None:
+    def serve(member: int, dpi: int, target: Box, out: list, load: dict) -> None:
         for spi, sbox, holders in src_pieces:
             hit = box_intersect(target, sbox)
             if hit is None:
@@ -144,8 +220,31 @@ def build_plan(key: LayoutKey) -> ParamPlan:
             else:
                 holder = min(holders, key=load.__getitem__)  # first of the least loaded
                 load[holder] += box_numel(hit)
-            ops.append(Op(0, holder, spi, member, dpi, hit))
+            out.append(Op(0, holder, spi, member, dpi, hit))
 
+    def complete(part: list, boxes: tuple, out: list, load: dict) -> None:
+        """Serve one stripe per member of ``part`` from the sources, then exchange them."""
+        k = len(part)
+        for dpi, b in enumerate(boxes):
+            split_dim = next((d for d, (s, e) in enumerate(b) if e - s >= k), None)
+            if k == 1 or split_dim is None:
+                stripes = [b]
+            else:
+                stripes = []
+                base = b[split_dim][0]
+                for s, e in _balanced(b[split_dim][1] - base, k):
+                    stripes.append(b[:split_dim] + ((base + s, base + e),) + b[split_dim + 1:])
+            free = list(part)
+            for stripe in stripes:
+                # Give each stripe to the free member that already holds most of it.
+                owner = max(free, key=lambda m: (_overlap(stripe, src.get(m)), -free.index(m)))
+                free.remove(owner)
+                serve(owner, dpi, stripe, out, load)
+                for other in part:
+                    if other != owner:
+                        out.append(Op(1, owner, dpi, other, dpi, stripe))
+
+    loads = _Loads(costs, d_ranks) if costs is not None else None
     dst_groups: dict[tuple, list[int]] = {}
     for r in d_ranks:
         boxes = dst[r].boxes
@@ -157,33 +256,53 @@ def build_plan(key: LayoutKey) -> ParamPlan:
                  if m in src and sum(_overlap(b, src[m]) for b in boxes) == region_numel]
         for m in local:  # holds the whole region already: local copies only
             for dpi, b in enumerate(boxes):
-                serve(m, dpi, b)
+                serve(m, dpi, b, ops, load)
         rest = [m for m in members if m not in local]
         if not rest:
             continue
-        k = len(rest)
-        for dpi, b in enumerate(boxes):
-            split_dim = next((d for d, (s, e) in enumerate(b) if e - s >= k), None)
-            if k == 1 or split_dim is None:
-                stripes = [b]
-            else:
-                stripes = []
-                base = b[split_dim][0]
-                for s, e in _balanced(b[split_dim][1] - base, k):
-                    stripes.append(b[:split_dim] + ((base + s, base + e),) + b[split_dim + 1:])
-            free = list(rest)
-            for stripe in stripes:
-                # Give each stripe to the free member that already holds most of it.
-                owner = max(free, key=lambda m: (_overlap(stripe, src.get(m)), -free.index(m)))
-                free.remove(owner)
-                serve(owner, dpi, stripe)
-                for other in rest:
-                    if other != owner:
-                        ops.append(Op(1, owner, dpi, other, dpi, stripe))
+        if loads is None or len(rest) == 1:
+            complete(rest, boxes, ops, load)
+            continue
+        best = None
+        for parts in _splits(rest, loads.node):
+            if best is not None and len(parts) == 1:
+                # One exchange among k members costs each owner k-1 messages: skip building
+                # its k*(k-1) ops when that alone loses (thousands of replicas of a norm).
+                bound = (len(rest) - 1) * costs.message_us * 1e-6 * costs.dst_weight
+                if (max(loads.top, bound), bound) > best[0]:
+                    continue
+            trial_ops: list[Op] = []
+            trial_load = dict(load)
+            for part in parts:
+                complete(part, boxes, trial_ops, trial_load)
+            touched = loads.worst(loads.add(trial_ops))
+            cost = (max(loads.top, touched), touched)
+            if best is None or cost <= best[0]:  # on ties the later, fewer-part split
+                best = (cost, trial_ops, trial_load)
+        ops.extend(best[1])
+        load = best[2]
+        loads.add(best[1], loads.v)
+        loads.top = best[0][0]
     ops.sort(key=lambda op: op.phase)  # stable: phase 0 first, plan order kept inside
     plain = repr((key, [tuple.__repr__(op) for op in ops]))
+    if costs is not None:
+        plain += repr(costs)
     fp = hashlib.blake2b(plain.encode(), digest_size=12).hexdigest()
     return ParamPlan(key, src, dst, tuple(ops), fp)
+
+
+def _splits(members: list, node: Mapping) -> list:
+    """Candidate partitions of a destination group: one part per member, one part per node
+    (when that differs from both others), the whole group (evaluated last, kept on ties)."""
+    by_node: dict = {}
+    for m in members:
+        by_node.setdefault(node.get(m, ("r", m)), []).append(m)
+    per_node = list(by_node.values())
+    out = [[[m] for m in members]]
+    if 1 < len(per_node) < len(members):
+        out.append(per_node)
+    out.append([members])
+    return out
 
 
 @contextmanager
@@ -215,7 +334,8 @@ class Planner:
     would. One planner per refit session; ``clear()`` drops everything deterministically.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, costs: Optional[LinkCosts] = None) -> None:
+        self.costs = costs  # None: the default plans (no link model)
         self._plans: dict[LayoutKey, ParamPlan] = {}
         self._layouts: dict[tuple, LayoutKey] = {}
         self._batches: dict[int, dict[tuple, object]] = {}  # group scope -> batches
@@ -225,7 +345,7 @@ class Planner:
     def plan(self, key: LayoutKey) -> ParamPlan:
         got = self._plans.get(key)
         if got is None:
-            got = build_plan(key)
+            got = build_plan(key, self.costs)
             self._plans[key] = got
         return got
 

@@ -1,0 +1,302 @@
+"""A refit's layouts on paper: the training and generation parallel sizes, their checks
+against a model, and every parameter as the engine would see it (a layout key per
+training PP stage).
+
+Ranks follow the refit's own conventions (``build_nccl_reshard_refit_info``): one refit
+group per training PP stage, its training ranks first (stage-local ``0..S-1``, Megatron's
+order ``tp-cp-ep-dp-pp``, so a stage's ranks are contiguous), then every generation rank.
+
+Bulk params (``is_nccl_reshard_param``: dense FFN and routed experts) get their layout
+from ``build_nccl_reshard_refit_info`` itself, so the simulation plans what the refit
+plans. The other params (attention, norms, router, shared experts, embeddings) move today
+as one packed broadcast per stage from the stage's first training rank; ``others="sharded"``
+instead gives them the placements Megatron-Core and vLLM hold them in, as the engine would
+move them shard to shard (see docs/SCALE.md for the rules, MLA included).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Mapping, NamedTuple, Optional, Sequence
+
+from megatron_reshard.engine.geometry import REPLICATE
+from megatron_reshard.engine.plan import LayoutKey, layout_key
+from megatron_reshard.layout import build_mesh_info, is_nccl_reshard_param
+from megatron_reshard.metadata import _extract_layer_name, build_nccl_reshard_refit_info
+
+from .presets import attention_heads, hf_params, is_mla, is_moe_layer, num_experts
+
+OTHERS_MODES = ("broadcast", "sharded")
+VLLM_VOCAB_PADDING = 64
+MEGATRON_VOCAB_DIVISOR = 128  # make_vocab_size_divisible_by's default
+
+
+@dataclass(frozen=True)
+class RefitLayout:
+    """Training and generation parallel sizes (ETP 1; generation PP 1)."""
+
+    train_world: int
+    gen_world: int
+    train_tp: int = 1
+    train_cp: int = 1
+    train_ep: int = 1
+    train_pp: int = 1
+    pp_layers: Optional[tuple] = None  # layers per training PP stage; None: even split
+    gen_tp: int = 1
+    gen_ep: int = 1
+
+    @property
+    def stage_world(self) -> int:
+        return self.train_world // self.train_pp
+
+    @property
+    def train_dp(self) -> int:
+        return self.stage_world // (self.train_tp * self.train_cp)
+
+    @property
+    def gen_dp(self) -> int:
+        return self.gen_world // self.gen_tp
+
+    def describe(self) -> str:
+        pp = f"PP{self.train_pp}" + (f" (layers {','.join(map(str, self.pp_layers))})"
+                                     if self.pp_layers else "")
+        return (f"train {self.train_world} ranks: TP{self.train_tp} CP{self.train_cp} {pp} "
+                f"EP{self.train_ep} DP{self.train_dp} (expert DP {self.stage_world // self.train_ep}) "
+                f"-> gen {self.gen_world} ranks: TP{self.gen_tp} EP{self.gen_ep} DP{self.gen_dp}")
+
+    def to_plain(self) -> dict:
+        return {"train": {"world": self.train_world, "tp": self.train_tp, "cp": self.train_cp,
+                          "ep": self.train_ep, "pp": self.train_pp, "dp": self.train_dp,
+                          "pp_layers": list(self.stage_layers_counts())},
+                "gen": {"world": self.gen_world, "tp": self.gen_tp, "ep": self.gen_ep,
+                        "dp": self.gen_dp}}
+
+    def stage_layers_counts(self) -> tuple:
+        return tuple(self.pp_layers) if self.pp_layers else ()
+
+
+def layout_problems(lay: RefitLayout, cfg: Mapping[str, Any]) -> list[str]:
+    """Why the model cannot be refitted under this layout, one line per option (empty: it can)."""
+    sizes = {"--train-world": lay.train_world, "--gen-world": lay.gen_world,
+             "--train-tp": lay.train_tp, "--train-cp": lay.train_cp, "--train-ep": lay.train_ep,
+             "--train-pp": lay.train_pp, "--gen-tp": lay.gen_tp, "--gen-ep": lay.gen_ep}
+    out = [f"{opt} {v}: expected an integer >= 1" for opt, v in sizes.items()
+           if isinstance(v, bool) or not isinstance(v, int) or v < 1]
+    if out:
+        return out
+    nh, nkv = attention_heads(cfg)
+    layers, E = int(cfg["num_hidden_layers"]), num_experts(cfg)
+    dense_ffn = int(cfg["intermediate_size"]) if any(
+        not is_moe_layer(cfg, i) for i in range(layers)) else None
+    shared = int(cfg.get("n_shared_experts") or 0) * int(cfg.get("moe_intermediate_size") or 0)
+    per = lay.train_tp * lay.train_cp * lay.train_pp
+    if lay.train_world % per:
+        out.append(f"--train-world {lay.train_world}: expected a multiple of TP×CP×PP = {per}")
+    elif lay.stage_world % lay.train_ep:
+        out.append(f"--train-ep {lay.train_ep}: expected a divisor of the {lay.stage_world} "
+                   "training ranks per PP stage (expert TP is 1)")
+    if lay.gen_world % lay.gen_tp:
+        out.append(f"--gen-world {lay.gen_world}: expected a multiple of --gen-tp {lay.gen_tp}")
+    if lay.gen_world % lay.gen_ep:
+        out.append(f"--gen-ep {lay.gen_ep}: expected a divisor of --gen-world {lay.gen_world}")
+    for opt, ep in (("--train-ep", lay.train_ep), ("--gen-ep", lay.gen_ep)):
+        if not E and ep != 1:
+            out.append(f"{opt} {ep}: expected 1, the model has no experts")
+        elif E and E % ep:
+            out.append(f"{opt} {ep}: expected a divisor of the model's {E} experts")
+    for opt, t, side in (("--train-tp", lay.train_tp, "train"), ("--gen-tp", lay.gen_tp, "gen")):
+        if nh % t:
+            out.append(f"{opt} {t}: expected a divisor of the {nh} attention heads")
+        elif side == "train" and nkv % t:
+            out.append(f"{opt} {t}: expected a divisor of the {nkv} KV heads (Megatron query groups)")
+        elif side == "gen" and (nkv % t if t <= nkv else t % nkv):
+            out.append(f"{opt} {t}: expected a divisor or a multiple of the {nkv} KV heads")
+        for what, n in (("dense FFN size", dense_ffn), ("shared-expert FFN size", shared)):
+            if n and n % t:
+                out.append(f"{opt} {t}: expected a divisor of the {what} {n}")
+    if E and lay.gen_ep == 1 and int(cfg["moe_intermediate_size"]) % lay.gen_tp:
+        out.append(f"--gen-tp {lay.gen_tp}: expected a divisor of the expert FFN size "
+                   f"{cfg['moe_intermediate_size']} (with --gen-ep 1 each rank holds a TP slice "
+                   "of every expert)")
+    vocab_rows = _round_up(int(cfg["vocab_size"]), VLLM_VOCAB_PADDING)
+    if vocab_rows % lay.gen_tp:
+        out.append(f"--gen-tp {lay.gen_tp}: expected a divisor of the {vocab_rows} vocab rows "
+                   "(padded to a multiple of 64 as vLLM pads them)")
+    if lay.pp_layers is not None:
+        counts = list(lay.pp_layers)
+        if len(counts) != lay.train_pp or any(c < 1 for c in counts) or sum(counts) != layers:
+            out.append(f"--train-pp-layers {','.join(map(str, counts))}: expected {lay.train_pp} "
+                       f"counts >= 1 (one per PP stage) adding up to the {layers} layers")
+    elif layers % lay.train_pp:
+        out.append(f"--train-pp {lay.train_pp}: expected a divisor of the {layers} layers, or "
+                   "uneven stages through --train-pp-layers")
+    return out
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def stage_of_layers(lay: RefitLayout, layers: int) -> dict[str, int]:
+    """Layer key -> training PP stage (embeddings first, final norm and LM head last)."""
+    counts = list(lay.pp_layers) if lay.pp_layers else [layers // lay.train_pp] * lay.train_pp
+    out, layer = {"model.embed_tokens": 0}, 0
+    for stage, n in enumerate(counts):
+        for _ in range(n):
+            out[f"model.layers.{layer}"] = stage
+            layer += 1
+    out["model.norm"] = out["lm_head"] = lay.train_pp - 1
+    return out
+
+
+class SimParam(NamedTuple):
+    """One HF param of one stage: how it moves (``key`` is None for the packed broadcast)."""
+
+    name: str
+    shape: tuple
+    itemsize: int
+    key: Optional[LayoutKey]
+    bulk: bool
+
+    @property
+    def nbytes(self) -> int:
+        n = self.itemsize
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclass
+class StagePlanInput:
+    """A stage's params in payload order (bulk, then the others) and per-key counts."""
+
+    params: list = field(default_factory=list)
+
+    def key_counts(self) -> Counter:
+        return Counter((p.key, p.itemsize) for p in self.params if p.key is not None)
+
+
+_ITEMSIZE = {"torch.bfloat16": 2, "torch.float16": 2, "torch.float32": 4}
+
+
+def stage_inputs(lay: RefitLayout, cfg: Mapping[str, Any], others: str = "broadcast"
+                 ) -> dict[int, StagePlanInput]:
+    """Every parameter of every training PP stage with the layout the engine would plan."""
+    if others not in OTHERS_MODES:
+        raise ValueError(f"others={others!r}: expected one of {OTHERS_MODES}")
+    params = hf_params(cfg)
+    stage_map = stage_of_layers(lay, int(cfg["num_hidden_layers"]))
+    bulk_meta = {p.name: {"shape": list(p.shape), "dtype": p.dtype} for p in params
+                 if is_nccl_reshard_param(p.name)}
+    info = build_nccl_reshard_refit_info(
+        bulk_meta, {"tp_size": lay.train_tp, "ep_size": lay.train_ep, "pp_size": lay.train_pp},
+        {"tp_size": lay.gen_tp, "ep_size": lay.gen_ep, "pp_size": 1},
+        lay.train_world, lay.gen_world, stage_map if lay.train_pp > 1 else None)
+    out = {s: StagePlanInput() for s in range(lay.train_pp)}
+    keys: dict = {}
+    for layer in info["layer_names"]:
+        for p in info["per_layer_params"][layer]:
+            light = (p["global_shape"], p["src_mesh_info"].key(), tuple(map(repr, p["src_placements"])),
+                     p["dst_mesh_info"].key(), tuple(map(repr, p["dst_placements"])))
+            key = keys.get(light)
+            if key is None:
+                key = keys[light] = layout_key(p["global_shape"], p["src_mesh_info"],
+                                               p["src_placements"], p["dst_mesh_info"],
+                                               p["dst_placements"], p["name"])
+            out[int(p.get("pp_stage", 0))].params.append(
+                SimParam(p["name"], tuple(p["global_shape"]), _ITEMSIZE[p["dtype"]], key, True))
+    rules = _OtherRules(lay, cfg)
+    for p in params:
+        if is_nccl_reshard_param(p.name):
+            continue
+        stage = stage_map[_extract_layer_name(p.name)]
+        key = rules.key(p.name, p.shape) if others == "sharded" else None
+        out[stage].params.append(SimParam(p.name, p.shape, _ITEMSIZE[p.dtype], key, False))
+    return out
+
+
+class _OtherRules:
+    """Placements of the non-bulk params on both sides, as the two frameworks hold them.
+
+    Training (Megatron-Core, Transformer-Engine spec): column-parallel rows (q/k/v,
+    MLA q_b/kv_b, shared-expert gate/up) and row-parallel columns (o_proj, shared down)
+    split over TP; MLA down-projections (q_a, kv_a) duplicated on every TP rank; vocab rows
+    padded to 128·TP and split evenly. Generation (vLLM): the same splits over its TP, KV
+    heads replicated over TP/nkv ranks when TP exceeds them, vocab padded to 64 and split
+    evenly; norms, router and routing bias replicated on both sides.
+    """
+
+    def __init__(self, lay: RefitLayout, cfg: Mapping[str, Any]) -> None:
+        self.cfg, self.lay = cfg, lay
+        self.nh, self.nkv = attention_heads(cfg)
+        sw = lay.stage_world
+        self.src = _mesh(sw, 0, lay.train_tp)
+        self.dst = _mesh(lay.gen_world, sw, lay.gen_tp)
+        self.vocab = int(cfg["vocab_size"])
+
+    def key(self, name: str, shape: tuple) -> LayoutKey:
+        src_dim = dst_dim = None  # None: replicated; an int: split over TP; ("pad", n): vocab
+        kv_replicated = False
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            tp = self.lay.train_tp
+            src_dim = (0, _round_up(self.vocab, MEGATRON_VOCAB_DIVISOR * tp))
+            dst_dim = (0, _round_up(self.vocab, VLLM_VOCAB_PADDING))
+        elif len(shape) == 2 and name.endswith(("q_proj.weight", "q_b_proj.weight",
+                                                "kv_b_proj.weight", "gate_proj.weight",
+                                                "up_proj.weight")):
+            src_dim = dst_dim = 0
+        elif len(shape) == 2 and name.endswith(("k_proj.weight", "v_proj.weight")):
+            src_dim = dst_dim = 0
+            kv_replicated = self.lay.gen_tp > self.nkv
+        elif len(shape) == 2 and name.endswith(("o_proj.weight", "down_proj.weight")):
+            src_dim = dst_dim = 1
+        # q_a_proj, kv_a_proj_with_mqa, norms, router weight and bias: replicated
+        src = _placed(self.src, src_dim)
+        if kv_replicated:
+            dst = _kv_replicated(self.dst, self.lay.gen_tp, self.nkv)
+        else:
+            dst = _placed(self.dst, dst_dim)
+        return (tuple(shape), *src, *dst)
+
+
+def _mesh(world: int, offset: int, tp: int) -> tuple:
+    """(mesh shape, ranks, axis of tp or None) of a TP×DP mesh, as build_mesh_info lays it."""
+    mesh, dim_map = build_mesh_info(world, offset, tp_size=tp)
+    shape, ranks = mesh.key()
+    return shape, ranks, dim_map.get("tp")
+
+
+def _placed(mesh: tuple, dim) -> tuple:
+    shape, ranks, tp_axis = mesh
+    dims = [REPLICATE] * len(shape)
+    if dim is not None and tp_axis is not None:
+        dims[tp_axis] = dim
+    return shape, ranks, tuple(dims)
+
+
+def _kv_replicated(mesh: tuple, tp: int, nkv: int) -> tuple:
+    """vLLM's KV heads when TP > nkv: TP rank r holds head r // (TP/nkv); the tp axis is
+    split into (nkv, TP/nkv) with rows sharded over the first part only."""
+    shape, ranks, tp_axis = mesh
+    outer = tuple(shape[:tp_axis])
+    return outer + (nkv, tp // nkv), ranks, (REPLICATE,) * len(outer) + (0, REPLICATE)
+
+
+def count_params(stages: Mapping[int, StagePlanInput]) -> dict[str, int]:
+    """HF tensors and bytes the refit moves, split by path (bulk engine / others)."""
+    out = {"bulk_params": 0, "other_params": 0, "bulk_bytes": 0, "other_bytes": 0,
+           "hf_tensors": 0, "elements": 0}
+    for st in stages.values():
+        for p in st.params:
+            kind = "bulk" if p.bulk else "other"
+            out[f"{kind}_params"] += 1
+            out[f"{kind}_bytes"] += p.nbytes
+            out["elements"] += p.nbytes // p.itemsize
+            # a grouped expert entry stands for one HF tensor per expert
+            out["hf_tensors"] += p.shape[0] if p.bulk and ".experts." in p.name else 1
+    return out
+
+
+def gen_group_ranks(lay: RefitLayout) -> Sequence[int]:
+    return range(lay.stage_world, lay.stage_world + lay.gen_world)

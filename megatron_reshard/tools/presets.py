@@ -1,0 +1,157 @@
+"""Model shapes as data: full-size presets (from the models' published HF ``config.json``)
+and the demo's small models, and the HF parameter list each one implies.
+
+Only the keys that decide parameter shapes are kept, under their HF names. Two attention
+kinds: GQA (Qwen3: ``num_key_value_heads``, ``head_dim``, ``qk_norm``) and MLA
+(DeepSeek-V3 / Kimi-K2: ``q_lora_rank``, ``kv_lora_rank``, ``qk_nope_head_dim``,
+``qk_rope_head_dim``, ``v_head_dim``). MoE: ``n_routed_experts`` (or Qwen's
+``num_experts``), ``moe_intermediate_size``, ``first_k_dense_replace`` dense layers first,
+``n_shared_experts`` shared experts of ``n_shared_experts * moe_intermediate_size``, and
+``e_score_correction_bias`` (fp32) where routing is ``noaux_tc``. DeepSeek's multi-token
+prediction layer is left out: the refit skips ``mtp.`` params.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, NamedTuple
+
+FULL_SIZE: dict[str, dict[str, Any]] = {
+    "qwen3-8b": dict(  # Qwen/Qwen3-8B
+        hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=128, qk_norm=True, intermediate_size=12288, vocab_size=151936,
+        tie_word_embeddings=False),
+    "qwen3-30b-a3b": dict(  # Qwen/Qwen3-30B-A3B
+        hidden_size=2048, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+        head_dim=128, qk_norm=True, intermediate_size=6144, num_experts=128,
+        moe_intermediate_size=768, vocab_size=151936, tie_word_embeddings=False),
+    "qwen3-235b-a22b": dict(  # Qwen/Qwen3-235B-A22B
+        hidden_size=4096, num_hidden_layers=94, num_attention_heads=64, num_key_value_heads=4,
+        head_dim=128, qk_norm=True, intermediate_size=12288, num_experts=128,
+        moe_intermediate_size=1536, vocab_size=151936, tie_word_embeddings=False),
+    "deepseek-v3": dict(  # deepseek-ai/DeepSeek-V3 (671B; MTP layer not counted)
+        hidden_size=7168, num_hidden_layers=61, num_attention_heads=128, q_lora_rank=1536,
+        kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        intermediate_size=18432, first_k_dense_replace=3, n_routed_experts=256,
+        n_shared_experts=1, moe_intermediate_size=2048, topk_method="noaux_tc",
+        vocab_size=129280, tie_word_embeddings=False),
+    "kimi-k2": dict(  # moonshotai/Kimi-K2-Instruct (1T)
+        hidden_size=7168, num_hidden_layers=61, num_attention_heads=64, q_lora_rank=1536,
+        kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        intermediate_size=18432, first_k_dense_replace=1, n_routed_experts=384,
+        n_shared_experts=1, moe_intermediate_size=2048, topk_method="noaux_tc",
+        vocab_size=163840, tie_word_embeddings=False),
+}
+
+
+class HFParam(NamedTuple):
+    name: str
+    shape: tuple
+    dtype: str  # "torch.bfloat16" form, as in the refit payload
+
+
+def demo_config(model: str) -> dict[str, Any]:
+    """HF-style config of one of the demo's small models (``megatron_reshard.e2e``)."""
+    from megatron_reshard.e2e import MODEL_PRESETS
+
+    p = MODEL_PRESETS[model]
+    cfg = dict(hidden_size=p["hidden_size"], num_attention_heads=p["num_attention_heads"],
+               num_key_value_heads=p["num_query_groups"],
+               head_dim=p["hidden_size"] // p["num_attention_heads"],
+               intermediate_size=p["ffn_hidden_size"], num_hidden_layers=p["num_layers"],
+               vocab_size=p["vocab_size"], qk_norm=bool(p.get("qk_layernorm")),
+               tie_word_embeddings=False)
+    if p.get("num_moe_experts"):
+        cfg.update(num_experts=p["num_moe_experts"], moe_intermediate_size=p["moe_ffn_hidden_size"])
+    return cfg
+
+
+def model_names() -> list[str]:
+    from megatron_reshard.e2e import MODEL_PRESETS
+
+    return sorted(MODEL_PRESETS) + list(FULL_SIZE)
+
+
+def model_config(model: str, layers: int | None = None) -> dict[str, Any]:
+    """The config of a preset by name, optionally with another layer count."""
+    cfg = dict(FULL_SIZE[model]) if model in FULL_SIZE else demo_config(model)
+    if layers is not None:
+        cfg["num_hidden_layers"] = layers
+    return cfg
+
+
+def num_experts(cfg: Mapping[str, Any]) -> int:
+    return int(cfg.get("n_routed_experts") or cfg.get("num_experts") or 0)
+
+
+def is_mla(cfg: Mapping[str, Any]) -> bool:
+    return "kv_lora_rank" in cfg
+
+
+def attention_heads(cfg: Mapping[str, Any]) -> tuple[int, int]:
+    """(query heads, KV heads); MLA's up-projections have one KV head per query head."""
+    nh = int(cfg["num_attention_heads"])
+    return nh, nh if is_mla(cfg) else int(cfg.get("num_key_value_heads") or nh)
+
+
+def is_moe_layer(cfg: Mapping[str, Any], layer: int) -> bool:
+    return bool(num_experts(cfg)) and layer >= int(cfg.get("first_k_dense_replace") or 0)
+
+
+def hf_params(cfg: Mapping[str, Any]) -> list[HFParam]:
+    """Every HF parameter of the model in checkpoint order (per-expert names for MoE)."""
+    bf16, fp32 = "torch.bfloat16", "torch.float32"
+    H, V = int(cfg["hidden_size"]), int(cfg["vocab_size"])
+    nh, nkv = attention_heads(cfg)
+    out = [HFParam("model.embed_tokens.weight", (V, H), bf16)]
+    for i in range(int(cfg["num_hidden_layers"])):
+        p = f"model.layers.{i}"
+
+        def add(suffix: str, shape: tuple, dtype: str = bf16) -> None:
+            out.append(HFParam(f"{p}.{suffix}", shape, dtype))
+
+        add("input_layernorm.weight", (H,))
+        if is_mla(cfg):
+            ql, kvl = cfg["q_lora_rank"], cfg["kv_lora_rank"]
+            nope, rope, vd = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
+            if ql:
+                add("self_attn.q_a_proj.weight", (ql, H))
+                add("self_attn.q_a_layernorm.weight", (ql,))
+                add("self_attn.q_b_proj.weight", (nh * (nope + rope), ql))
+            else:
+                add("self_attn.q_proj.weight", (nh * (nope + rope), H))
+            add("self_attn.kv_a_proj_with_mqa.weight", (kvl + rope, H))
+            add("self_attn.kv_a_layernorm.weight", (kvl,))
+            add("self_attn.kv_b_proj.weight", (nh * (nope + vd), kvl))
+            add("self_attn.o_proj.weight", (H, nh * vd))
+        else:
+            hd = int(cfg.get("head_dim") or H // nh)
+            for proj, rows in (("q", nh * hd), ("k", nkv * hd), ("v", nkv * hd)):
+                add(f"self_attn.{proj}_proj.weight", (rows, H))
+            add("self_attn.o_proj.weight", (H, nh * hd))
+            if cfg.get("qk_norm"):
+                add("self_attn.q_norm.weight", (hd,))
+                add("self_attn.k_norm.weight", (hd,))
+        add("post_attention_layernorm.weight", (H,))
+        if is_moe_layer(cfg, i):
+            E, inter = num_experts(cfg), int(cfg["moe_intermediate_size"])
+            add("mlp.gate.weight", (E, H))
+            if cfg.get("topk_method") == "noaux_tc":
+                add("mlp.gate.e_score_correction_bias", (E,), fp32)
+            for e in range(E):
+                add(f"mlp.experts.{e}.gate_proj.weight", (inter, H))
+                add(f"mlp.experts.{e}.up_proj.weight", (inter, H))
+                add(f"mlp.experts.{e}.down_proj.weight", (H, inter))
+            shared = int(cfg.get("n_shared_experts") or 0) * inter
+            if shared:
+                add("mlp.shared_experts.gate_proj.weight", (shared, H))
+                add("mlp.shared_experts.up_proj.weight", (shared, H))
+                add("mlp.shared_experts.down_proj.weight", (H, shared))
+        else:
+            F = int(cfg["intermediate_size"])
+            add("mlp.gate_proj.weight", (F, H))
+            add("mlp.up_proj.weight", (F, H))
+            add("mlp.down_proj.weight", (H, F))
+    out.append(HFParam("model.norm.weight", (H,), bf16))
+    if not cfg.get("tie_word_embeddings"):
+        out.append(HFParam("lm_head.weight", (V, H), bf16))
+    return out

@@ -1,0 +1,296 @@
+"""The whole refit of a job on paper: plan every param with the engine's planner, add up
+the bytes each rank sends and receives, and estimate the refit time under a link model.
+
+No GPU and no communication. Ranks are global: training rank ``stage * S + i`` (S ranks
+per PP stage, stage-local ``i``), generation rank ``g``. Training and generation run on
+separate nodes of ``gpus_per_node`` GPUs each, filled in rank order.
+
+The link model (stated defaults: H100 nodes, 8 GPUs, NVLink 4 at 450 GB/s per direction
+per GPU, one 400 Gb/s NIC per GPU = 50 GB/s per direction): every byte between two GPUs of
+one node uses NVLink, every other byte the sender's and the receiver's NIC; a rank's time
+is the largest of its four loads (NVLink out/in, network out/in) over their bandwidth,
+plus a fixed cost per message it takes part in; the refit takes as long as its busiest
+rank. Everything overlaps (batches pipeline, both directions of a link are independent);
+congestion inside the network, NCCL's per-channel limits and the receiver's copies are
+left out. The estimate is a lower bound of what an implementation of the plan can reach.
+
+The gather + broadcast baseline under the same model: each param is gathered whole on its
+training ranks (all-gather over the ranks that shard it) and broadcast from one training
+rank to every generation rank (a pipelined broadcast: every generation rank receives the
+whole model through its NIC); gather and broadcast do not overlap.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Sequence
+
+from megatron_reshard.engine.geometry import box_numel
+from megatron_reshard.engine.plan import LinkCosts, ParamPlan, Planner, gc_paused
+
+from .layouts import RefitLayout, StagePlanInput, count_params, stage_inputs
+
+
+@dataclass(frozen=True)
+class LinkModel:
+    gpus_per_node: int = 8
+    nvlink_gbps: float = 450.0  # GB/s per GPU per direction
+    net_gbps: float = 50.0  # GB/s per GPU per direction (one 400 Gb/s NIC per GPU)
+    latency_us: float = 5.0  # per message a rank sends or receives
+
+    def describe(self) -> str:
+        return (f"{self.gpus_per_node} GPUs per node on NVLink at {self.nvlink_gbps:g} GB/s, "
+                f"{self.net_gbps:g} GB/s per GPU between nodes, {self.latency_us:g} µs per message")
+
+
+@dataclass
+class Loads:
+    """Per global rank: bytes out/in on NVLink and network, messages."""
+
+    nvl_out: dict = field(default_factory=lambda: defaultdict(int))
+    nvl_in: dict = field(default_factory=lambda: defaultdict(int))
+    net_out: dict = field(default_factory=lambda: defaultdict(int))
+    net_in: dict = field(default_factory=lambda: defaultdict(int))
+    msgs: dict = field(default_factory=lambda: defaultdict(int))
+
+    def add(self, src, dst, nbytes: int, same_node: bool, count: int = 1) -> None:
+        if same_node:
+            self.nvl_out[src] += nbytes
+            self.nvl_in[dst] += nbytes
+        else:
+            self.net_out[src] += nbytes
+            self.net_in[dst] += nbytes
+        self.msgs[src] += count
+        self.msgs[dst] += count
+
+    def time_s(self, link: LinkModel) -> tuple[float, Any, str]:
+        """(seconds, busiest rank, what limits it) under the link model."""
+        best = (0.0, None, "nothing moves")
+        for r in sorted(self.msgs):
+            parts = {"NVLink out": self.nvl_out.get(r, 0) / (link.nvlink_gbps * 1e9),
+                     "NVLink in": self.nvl_in.get(r, 0) / (link.nvlink_gbps * 1e9),
+                     "network out": self.net_out.get(r, 0) / (link.net_gbps * 1e9),
+                     "network in": self.net_in.get(r, 0) / (link.net_gbps * 1e9)}
+            what = max(parts, key=parts.get)
+            fixed = self.msgs[r] * link.latency_us * 1e-6
+            t = parts[what] + fixed
+            if t > best[0]:
+                why = (f"{what} {parts[what]:.3f} s + {self.msgs[r]} messages {fixed:.3f} s")
+                best = (t, r, why)
+        return best
+
+
+def _node(rank: tuple, link: LinkModel) -> tuple:
+    side, r = rank
+    return side, r // link.gpus_per_node
+
+
+def _global(group_rank: int, stage: int, stage_world: int) -> tuple:
+    if group_rank < stage_world:
+        return ("train", stage * stage_world + group_rank)
+    return ("gen", group_rank - stage_world)
+
+
+def plan_pairs(plan: ParamPlan) -> dict:
+    """(src, dst) group ranks -> (elements, ops) of one plan; local copies left out."""
+    out: dict = {}
+    for op in plan.ops:
+        if op.src == op.dst:
+            continue
+        n, c = out.get((op.src, op.dst), (0, 0))
+        out[(op.src, op.dst)] = (n + box_numel(op.box), c + 1)
+    return out
+
+
+@dataclass
+class Simulation:
+    layout: RefitLayout
+    model: str
+    others: str
+    link_aware: bool
+    link: LinkModel
+    counts: dict
+    train_sent: dict  # global train rank -> bytes
+    gen_received: dict  # gen rank -> bytes (from sources and from peers)
+    gen_from_peers: dict
+    loads: Loads
+    fingerprint: str
+    plan_s_one_rank: float
+    plan_s_job: float
+    distinct_layouts: int
+    ops: int
+    gather_broadcast_s: float
+    gather_s: float
+    broadcast_s: float
+
+    def to_plain(self) -> dict:
+        t, rank, what = self.loads.time_s(self.link)
+        return {
+            "model": self.model, "layout": self.layout.to_plain(), "others": self.others,
+            "planner": "link-aware" if self.link_aware else "default",
+            "link_model": vars(self.link) | {"text": self.link.describe()},
+            "params": self.counts, "fingerprint": self.fingerprint,
+            "planning_s": {"one_rank": self.plan_s_one_rank, "whole_job": self.plan_s_job,
+                           "distinct_layouts": self.distinct_layouts, "ops": self.ops},
+            "train_sent_bytes": _stats(self.train_sent, self.layout.train_world),
+            "gen_received_bytes": _stats(self.gen_received, self.layout.gen_world),
+            "gen_received_from_peers_bytes": _stats(self.gen_from_peers, self.layout.gen_world),
+            "estimate_s": {"refit": t, "busiest_rank": list(rank) if rank else None,
+                           "limited_by": what, "gather_broadcast": self.gather_broadcast_s,
+                           "gather": self.gather_s, "broadcast": self.broadcast_s},
+        }
+
+
+def _stats(per_rank: Mapping, n: int) -> dict:
+    values = [per_rank.get(r, 0) for r in range(n)]
+    total = sum(values)
+    mean = total / n
+    top = max(values)
+    return {"min": min(values), "mean": mean, "max": top, "total": total,
+            "busiest_rank": values.index(top),
+            "above_ideal": (top / mean - 1.0) if mean else 0.0}
+
+
+def link_costs(lay: RefitLayout, link: LinkModel) -> LinkCosts:
+    """The planner's view of the link model, in refit-group ranks (stage 0's training ranks
+    stand for every stage's: sources never share a node with a destination)."""
+    sw, g = lay.stage_world, link.gpus_per_node
+    nodes = tuple((i, ("train", i // g)) for i in range(sw)) + tuple(
+        (sw + r, ("gen", r // g)) for r in range(lay.gen_world))
+    return LinkCosts(nodes, link.nvlink_gbps, link.net_gbps, link.latency_us, 2,
+                     float(lay.train_pp))
+
+
+def simulate(model: str, cfg: Mapping[str, Any], lay: RefitLayout, link: LinkModel,
+             others: str = "broadcast", link_aware: bool = False) -> Simulation:
+    """Plan and account the whole job (see the module docstring for the model).
+
+    ``link_aware``: plan with the link model (``Planner(costs=link_costs(...))``) instead of
+    the default planner the refit uses today."""
+    costs = link_costs(lay, link) if link_aware else None
+
+    def planner_factory() -> Planner:
+        return Planner(costs)
+
+    stages = stage_inputs(lay, cfg, others)
+    counts = count_params(stages)
+    sw = lay.stage_world
+
+    # One rank's own plan: a generation rank takes part in every stage's group.
+    t0 = time.perf_counter()
+    with gc_paused():
+        planner = planner_factory()
+        mine = lay.stage_world  # group rank of generation rank 0
+        for st in stages.values():
+            for p in st.params:
+                if p.key is not None:
+                    planner.plan(p.key).ops_of(mine)
+    plan_s_one_rank = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    loads = Loads()
+    sent: dict = defaultdict(int)
+    received: dict = defaultdict(int)
+    from_peers: dict = defaultdict(int)
+    fp = hashlib.blake2b(digest_size=12)
+    ops = 0
+    with gc_paused():
+        planner = planner_factory()
+        pairs_of: dict = {}
+        for stage, st in sorted(stages.items()):
+            for p in st.params:
+                if p.key is not None:
+                    plan = planner.plan(p.key)
+                    fp.update(f"{stage}\x00{p.name}\x00{plan.fingerprint}\x01".encode())
+            for (key, itemsize), count in sorted(st.key_counts().items(), key=lambda kv: repr(kv[0])):
+                plan = planner.plan(key)
+                pairs = pairs_of.get(key)
+                if pairs is None:
+                    pairs = pairs_of[key] = plan_pairs(plan)
+                for (s, d), (numel, n_ops) in pairs.items():
+                    src, dst = _global(s, stage, sw), _global(d, stage, sw)
+                    nbytes = numel * itemsize * count
+                    loads.add(src, dst, nbytes, _node(src, link) == _node(dst, link), n_ops * count)
+                    if src[0] == "train":
+                        sent[src[1]] += nbytes
+                    else:
+                        from_peers[dst[1]] += nbytes
+                    received[dst[1]] += nbytes
+                    ops += n_ops * count
+            _add_packed_broadcast(st, stage, lay, link, loads, sent, received)
+    plan_s_job = time.perf_counter() - t0
+    gather_s, broadcast_s = gather_broadcast_s(stages, lay, link)
+    return Simulation(lay, model, others, link_aware, link, counts, dict(sent), dict(received),
+                      dict(from_peers), loads, fp.hexdigest(), plan_s_one_rank, plan_s_job,
+                      len(planner), ops, gather_s + broadcast_s, gather_s, broadcast_s)
+
+
+def _add_packed_broadcast(st: StagePlanInput, stage: int, lay: RefitLayout, link: LinkModel,
+                          loads: Loads, sent: dict, received: dict) -> None:
+    """Today's path for the non-bulk params: one packed broadcast per stage from the stage's
+    first training rank to every rank of the group, as a pipelined chain (ring) in rank
+    order: each rank receives the whole buffer once and passes it on."""
+    nbytes = sum(p.nbytes for p in st.params if p.key is None)
+    if not nbytes:
+        return
+    sw = lay.stage_world
+    chain = [("train", stage * sw + i) for i in range(sw)] + [("gen", g) for g in range(lay.gen_world)]
+    for a, b in zip(chain, chain[1:]):
+        loads.add(a, b, nbytes, _node(a, link) == _node(b, link))
+        if a[0] == "train":
+            sent[a[1]] += nbytes
+        if b[0] == "gen":
+            received[b[1]] += nbytes
+
+
+def gather_broadcast_s(stages: Mapping[int, StagePlanInput], lay: RefitLayout,
+                       link: LinkModel) -> tuple[float, float]:
+    """(gather seconds, broadcast seconds) of the naive refit under the link model.
+
+    Gather: a param sharded over ``m`` training ranks is all-gathered among them (each
+    receives (m-1)/m of it), over NVLink when those ranks share a node; stages gather in
+    parallel, the busiest rank sets the time. Broadcast: every generation rank receives every
+    byte of the model over its NIC, the stages' broadcasts sharing it.
+    """
+    per_rank_gather: dict = defaultdict(float)  # stage -> seconds of its busiest rank
+    total = 0
+    for stage, st in stages.items():
+        for p in st.params:
+            total += p.nbytes
+            m = _shard_ranks(p, lay)
+            if m > 1:
+                bw = link.nvlink_gbps if m <= link.gpus_per_node else link.net_gbps
+                per_rank_gather[stage] += p.nbytes * (m - 1) / m / (bw * 1e9)
+    gather = max(per_rank_gather.values(), default=0.0)
+    return gather, total / (link.net_gbps * 1e9)
+
+
+def _shard_ranks(p, lay: RefitLayout) -> int:
+    """How many training ranks one copy of ``p`` is split over."""
+    if p.key is None:  # the simulator was asked for today's path: use the train rules
+        name = p.name
+        if name.endswith(("layernorm.weight", "norm.weight", "gate.weight", "correction_bias",
+                          "q_a_proj.weight", "kv_a_proj_with_mqa.weight")):
+            return 1
+        return lay.train_tp
+    s_shape, s_dims = p.key[1], p.key[3]
+    m = 1
+    for n, d in zip(s_shape, s_dims):
+        if d != -1:
+            m *= n
+    return m
+
+
+def describe_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n}"
+
+
+def grouped_ranks(values: Sequence[int]) -> str:
+    return ",".join(map(str, values))
