@@ -1,0 +1,118 @@
+"""``megatron-reshard plan`` as a user meets it: checks up front, the layout it used, every
+parameter counted, the fingerprint it promises, JSON; run through the real CLI."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_reshard.testing.vllm_like import build_plain_payload, random_hf_state_dict
+from megatron_reshard.tools.presets import demo_config
+
+ROOT = Path(__file__).resolve().parents[1]
+DSV3_NEMO_RL = ["--model", "deepseek-v3", "--train-world", "256", "--train-tp", "1",
+                "--train-pp", "16", "--train-pp-layers", ",".join(["4"] * 15 + ["1"]),
+                "--train-ep", "16", "--gen-world", "256", "--gen-tp", "32", "--gen-ep", "32"]
+
+
+def _plan(*args, timeout=300):
+    # the timeout only keeps a hang from blocking the suite; nothing here measures time
+    return subprocess.run([sys.executable, "-m", "megatron_reshard.cli", "plan", *args],
+                          capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--model", "deepseek-v3", "--train-world", "256", "--train-pp", "16", "--train-ep", "16",
+      "--train-tp", "1"], "--train-pp 16: expected a divisor of the 61 layers, or uneven stages"),
+    (["--model", "deepseek-v3", "--train-world", "16", "--train-pp", "2", "--train-tp", "1",
+      "--train-pp-layers", "30,30"], "--train-pp-layers 30,30: expected 2 counts >= 1"),
+    (["--train-pp-layers", "two,two"], "--train-pp-layers 'two,two': expected comma-separated"),
+    (["--gen-tp", "3", "--gen-world", "3"], "--gen-tp 3: expected a divisor of the 8 attention heads"),
+    (["--model", "kimi-k2", "--gen-ep", "5", "--gen-world", "5", "--gen-tp", "1",
+      "--train-tp", "1", "--train-ep", "1", "--train-pp", "1", "--train-world", "1"],
+     "--gen-ep 5: expected a divisor of the model's 384 experts"),
+    (["--model", "dense", "--train-ep", "2"], "--train-ep 2: expected 1, the model has no experts"),
+    (["--gen-world", "0"], "--gen-world 0: expected an integer >= 1"),
+    (["--net-gbps", "0"], "--net-gbps 0.0: expected a number > 0"),
+])
+def test_a_layout_the_model_cannot_take_ends_at_once_with_one_line(args, fragment):
+    out = _plan(*args)
+    assert out.returncode == 2, out.stdout
+    assert out.stdout == "" and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert out.stderr.startswith("megatron-reshard plan: error: ") and fragment in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_the_output_states_the_layout_it_used():
+    out = _plan(*DSV3_NEMO_RL, "--planner", "link-aware")
+    assert out.returncode == 0, out.stderr
+    assert ("layout: train 256 ranks: TP1 CP1 PP16 (layers 4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,1) "
+            "EP16 DP16 (expert DP 1) -> gen 256 ranks: TP32 EP32 DP8") in out.stdout
+
+
+def test_every_parameter_is_counted_as_the_refit_payload_carries_it():
+    # the demo's MoE model: the payload a refit sends lists bulk params (experts grouped)
+    # and the other params; plan must count both, not only the FFN weights
+    cfg = demo_config("moe")
+    full = random_hf_state_dict(cfg)
+    payload = build_plain_payload(cfg, full, {"tp_size": 2, "ep_size": 2, "pp_size": 1},
+                                  {"tp_size": 2}, 4, 2)
+    bulk = sum(len(v) for v in payload["per_layer_params"].values())
+    other = len(payload["other_params"])
+    got = json.loads(_plan("--json", "--train-pp", "1").stdout)["runs"][0]["params"]
+    assert (got["bulk_params"], got["other_params"], got["hf_tensors"]) == (bulk, other, len(full))
+    assert got["bulk_bytes"] + got["other_bytes"] == sum(t.numel() * 2 for t in full.values())
+
+
+def test_the_fingerprint_is_printed_and_identical_between_runs_and_in_json():
+    first, second = _plan(), _plan()
+    lines = [ln for ln in first.stdout.splitlines() if ln.startswith("plan fingerprint (default")]
+    assert len(lines) == 1 and lines == [ln for ln in second.stdout.splitlines()
+                                         if ln.startswith("plan fingerprint (default")]
+    runs = json.loads(_plan("--json").stdout)["runs"]
+    assert lines[0].endswith(runs[0]["fingerprint"]) and runs[0]["planner"] == "default"
+
+
+def test_the_fingerprint_changes_with_the_layout():
+    a = json.loads(_plan("--json", "--planner", "default").stdout)["runs"][0]["fingerprint"]
+    b = json.loads(_plan("--json", "--planner", "default", "--gen-tp", "1").stdout)["runs"][0]
+    assert a != b["fingerprint"]
+
+
+def test_json_reports_bytes_per_rank_planning_time_and_both_estimates():
+    runs = json.loads(_plan(*DSV3_NEMO_RL, "--json", "--others", "sharded").stdout)["runs"]
+    assert [r["planner"] for r in runs] == ["default", "link-aware"]
+    for r in runs:
+        for side in ("train_sent_bytes", "gen_received_bytes"):
+            stats = r[side]
+            assert stats["min"] <= stats["mean"] <= stats["max"]
+            assert stats["above_ideal"] == pytest.approx(stats["max"] / stats["mean"] - 1)
+        assert r["planning_s"]["one_rank"] > 0 and r["planning_s"]["whole_job"] > 0
+        assert r["estimate_s"]["refit"] < r["estimate_s"]["gather_broadcast"]
+        # every generation rank of TP32 receives 1/32 of the model whatever the planner, plus
+        # what vLLM replicates on every rank (MLA down-projections, norms, router)
+        share = (r["params"]["bulk_bytes"] + r["params"]["other_bytes"]) / 32
+        assert share <= r["gen_received_bytes"]["min"] <= r["gen_received_bytes"]["max"] < 1.1 * share
+    default, aware = runs
+    assert aware["estimate_s"]["refit"] < default["estimate_s"]["refit"]
+
+
+def test_plot_without_matplotlib_is_refused_up_front():
+    try:
+        import matplotlib  # noqa: F401
+        pytest.skip("matplotlib is installed here")
+    except ImportError:
+        pass
+    out = _plan("--plot", "/tmp/never_written.png")
+    assert out.returncode == 2 and "pip install 'megatron-reshard[plot]'" in out.stderr
+
+
+def test_plan_help_names_the_link_model_defaults():
+    text = " ".join(_plan("--help").stdout.split())
+    for fragment in ("--gpus-per-node GPUS_PER_NODE GPUs per node, joined by NVLink (default: 8)",
+                     "(default: 450.0)", "(default: 50.0)", "(default: 5.0)",
+                     "(default: broadcast)", "(default: both)"):
+        assert fragment in text, fragment
