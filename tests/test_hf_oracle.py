@@ -49,7 +49,7 @@ _BASE = dict(num_layers=4, hidden_size=64, num_attention_heads=8, num_query_grou
              ffn_hidden_size=128, vocab_size=500, qk_layernorm=False, add_qkv_bias=False,
              num_moe_experts=None, moe_ffn_hidden_size=None, moe_router_topk=2,
              moe_shared_expert_intermediate_size=None, moe_shared_expert_gate=False,
-             tie_embeddings=False, head_dim=None)
+             moe_layer_freq=1, tie_embeddings=False, head_dim=None)
 _MOE_TRAIN = dict(train_world=4, train_tp=2, train_pp=2, train_ep=2)
 
 CASES = {
@@ -67,9 +67,10 @@ CASES = {
     # q/k norms; head_dim 16 != hidden / heads
     "qwen3": Case(dict(_BASE, family="qwen3", qk_layernorm=True, head_dim=16),
                   "Qwen3ForCausalLM", dict(attention_bias=False)),
-    # 8 experts top-2 over train EP2 and gen EP2 (whole experts per gen rank)
+    # 8 experts top-2 over train EP2 and gen EP2 (whole experts per gen rank); layer 0 is a
+    # dense MLP (HF mlp_only_layers)
     "qwen3_moe": Case(dict(_BASE, family="qwen3_moe", qk_layernorm=True, num_moe_experts=8,
-                           moe_ffn_hidden_size=32),
+                           moe_ffn_hidden_size=32, moe_layer_freq=[0, 1, 1, 1]),
                       "Qwen3MoeForCausalLM", dict(attention_bias=False), train=_MOE_TRAIN,
                       gen=dict(gen_world=2, gen_tp=2, gen_ep=2)),
     # shared expert + its sigmoid gate, q/k/v biases; gen experts TP-sharded (EP1)
@@ -154,6 +155,8 @@ def _hf_model(case: Case) -> torch.nn.Module:
         kwargs.update(num_experts=m["num_moe_experts"], num_experts_per_tok=m["moe_router_topk"],
                       moe_intermediate_size=m["moe_ffn_hidden_size"], norm_topk_prob=True,
                       decoder_sparse_step=1, mlp_only_layers=[])
+        if isinstance(m["moe_layer_freq"], list):
+            kwargs["mlp_only_layers"] = [i for i, moe in enumerate(m["moe_layer_freq"]) if not moe]
         if m["moe_shared_expert_intermediate_size"]:
             kwargs["shared_expert_intermediate_size"] = m["moe_shared_expert_intermediate_size"]
     kwargs.update(case.hf_config)
