@@ -36,7 +36,6 @@ VLLM_VOCAB_PADDING = 64
 class Dims:
     """What the reassembly needs to know about the model (from the test's own spec)."""
 
-    num_layers: int
     num_heads: int
     num_kv_heads: int
     head_dim: int

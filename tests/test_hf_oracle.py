@@ -162,13 +162,12 @@ def _hf_model(case: Case) -> torch.nn.Module:
     kwargs.update(case.hf_config)
     cls = getattr(transformers, case.hf_class)
     config = cls.config_class(**kwargs)
-    torch.manual_seed(0)
     return cls(config).float().eval()
 
 
 def _dims(case: Case) -> Dims:
     m = case.model
-    return Dims(num_layers=m["num_layers"], num_heads=m["num_attention_heads"],
+    return Dims(num_heads=m["num_attention_heads"],
                 num_kv_heads=m["num_query_groups"],
                 head_dim=m["head_dim"] or m["hidden_size"] // m["num_attention_heads"],
                 vocab_size=m["vocab_size"], num_experts=m["num_moe_experts"] or 0)

@@ -17,7 +17,7 @@ MOE = dict(DENSE, num_experts=6, moe_intermediate_size=16, num_experts_per_tok=2
 
 
 def _dims(cfg: dict) -> Dims:
-    return Dims(num_layers=cfg["num_hidden_layers"], num_heads=cfg["num_attention_heads"],
+    return Dims(num_heads=cfg["num_attention_heads"],
                 num_kv_heads=cfg["num_key_value_heads"], head_dim=cfg["head_dim"],
                 vocab_size=cfg["vocab_size"], num_experts=cfg.get("num_experts", 0))
 
