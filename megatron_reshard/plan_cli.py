@@ -57,6 +57,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how the non-bulk params move: 'broadcast' as the refit does "
                              "today (one packed broadcast per PP stage), 'sharded' shard to "
                              "shard through the engine with Megatron/vLLM placements")
+    parser.add_argument("--wire", choices=["bf16", "fp8"], default="bf16",
+                        help="dtype on the wire: 'fp8' sends linear weights as block FP8 "
+                             "(128x128 blocks, fp32 scales), as FP8 generation would hold "
+                             "them; the refit does not quantize yet: a what-if")
     parser.add_argument("--planner", choices=["both", "default", "link-aware"], default="both",
                         help="which planner's figures to show: the refit's default planner, "
                              "the link-aware one, or both side by side")
@@ -131,7 +135,8 @@ def run(args: argparse.Namespace) -> int:
             return _fail([f"--plot {args.plot}: needs matplotlib (pip install 'megatron-reshard[plot]')"])
     link = LinkModel(args.gpus_per_node, args.nvlink_gbps, args.net_gbps, args.latency_us)
     which = {"both": (False, True), "default": (False,), "link-aware": (True,)}[args.planner]
-    sims = [simulate(args.model, cfg, lay, link, args.others, aware) for aware in which]
+    sims = [simulate(args.model, cfg, lay, link, args.others, aware, args.wire)
+            for aware in which]
     if args.json:
         print(json.dumps({"model": args.model, "layout_text": lay.describe(),
                           "runs": [s.to_plain() for s in sims]}))
@@ -162,7 +167,8 @@ def _print_table(args, cfg, lay, sims) -> None:
     print(f"tensors the refit moves: {c['bulk_params'] + c['other_params']} (an MoE layer's "
           f"experts as one tensor per projection; {c['hf_tensors']} HF weights) = "
           f"{c['bulk_params']} bulk params through the engine ({b(c['bulk_bytes'])}) + "
-          f"{c['other_params']} others by {how} ({b(c['other_bytes'])})")
+          f"{c['other_params']} others by {how} ({b(c['other_bytes'])})"
+          + (", linear weights as block FP8" if args.wire == "fp8" else ""))
     print(f"link model: {sims[0].link.describe()}")
     for s in sims:
         p = s.to_plain()
@@ -216,13 +222,13 @@ def _print_matrix(args, cfg, lay) -> None:
     planner = Planner()
     moved = defaultdict(lambda: defaultdict(int))
     count = 0
-    for stage, st in stage_inputs(lay, cfg, "broadcast").items():
+    for stage, st in stage_inputs(lay, cfg, "broadcast", args.wire).items():
         for p in st.params:
             if not p.bulk:
                 continue
             plan = planner.plan(p.key)
             for op in plan.ops:
-                moved[stage][(op.src, op.dst, op.phase)] += box_numel(op.box) * p.itemsize
+                moved[stage][(op.src, op.dst, op.phase)] += round(box_numel(op.box) * p.itemsize)
             count += 1
             if args.verbose:
                 print(f"{p.name}: {list(p.shape)}: {len(plan.ops)} ops, fingerprint "

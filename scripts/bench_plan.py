@@ -82,7 +82,7 @@ def cluster_scale() -> None:
     print(f"layouts of {sum(len(s.params) for s in stages.values())} params: "
           f"{t1 - t0:.3f} s (CPU {c1 - c0:.3f} s)")
     mine = lay.stage_world  # group rank of generation rank 0
-    for name, costs in (("default", None), ("link-aware", link_costs(lay, link))):
+    for name, costs in (("default", None), ("link-aware", link_costs(lay, link, stages))):
         planner = Planner(costs)
         t0, c0 = time.perf_counter(), time.process_time()
         with gc_paused():

@@ -28,6 +28,9 @@ from megatron_reshard.metadata import _extract_layer_name, build_nccl_reshard_re
 from .presets import attention_heads, hf_params, is_mla, is_moe_layer, num_experts
 
 OTHERS_MODES = ("broadcast", "sharded")
+WIRE_DTYPES = ("bf16", "fp8")
+# Block FP8 on the wire (DeepSeek's format: e4m3 bytes, one fp32 scale per 128x128 block)
+FP8_BYTES_PER_ELEMENT = 1 + 4 / (128 * 128)
 VLLM_VOCAB_PADDING = 64
 MEGATRON_VOCAB_DIVISOR = 128  # make_vocab_size_divisible_by's default
 
@@ -155,16 +158,20 @@ class SimParam(NamedTuple):
 
     name: str
     shape: tuple
-    itemsize: int
+    itemsize: float  # bytes per element on the wire (FP8 adds its block scales)
     key: Optional[LayoutKey]
     bulk: bool
 
     @property
-    def nbytes(self) -> int:
-        n = self.itemsize
+    def numel(self) -> int:
+        n = 1
         for s in self.shape:
             n *= s
         return n
+
+    @property
+    def nbytes(self) -> int:
+        return round(self.numel * self.itemsize)
 
 
 @dataclass
@@ -180,11 +187,22 @@ class StagePlanInput:
 _ITEMSIZE = {"torch.bfloat16": 2, "torch.float16": 2, "torch.float32": 4}
 
 
-def stage_inputs(lay: RefitLayout, cfg: Mapping[str, Any], others: str = "broadcast"
-                 ) -> dict[int, StagePlanInput]:
+def _wire_itemsize(name: str, dtype: str, wire: str) -> float:
+    """Bytes per element on the wire: with ``wire="fp8"`` the linear weights (attention and
+    MLP projections, experts) travel as block FP8, as DeepSeek-V3 / Kimi-K2 FP8 checkpoints
+    hold them; embeddings, LM head, router and norms stay as they are."""
+    if wire == "fp8" and name.endswith(("proj.weight", "proj_with_mqa.weight")):
+        return FP8_BYTES_PER_ELEMENT
+    return _ITEMSIZE[dtype]
+
+
+def stage_inputs(lay: RefitLayout, cfg: Mapping[str, Any], others: str = "broadcast",
+                 wire: str = "bf16") -> dict[int, StagePlanInput]:
     """Every parameter of every training PP stage with the layout the engine would plan."""
     if others not in OTHERS_MODES:
         raise ValueError(f"others={others!r}: expected one of {OTHERS_MODES}")
+    if wire not in WIRE_DTYPES:
+        raise ValueError(f"wire={wire!r}: expected one of {WIRE_DTYPES}")
     params = hf_params(cfg)
     stage_map = stage_of_layers(lay, int(cfg["num_hidden_layers"]))
     bulk_meta = {p.name: {"shape": list(p.shape), "dtype": p.dtype} for p in params
@@ -205,14 +223,16 @@ def stage_inputs(lay: RefitLayout, cfg: Mapping[str, Any], others: str = "broadc
                                                p["src_placements"], p["dst_mesh_info"],
                                                p["dst_placements"], p["name"])
             out[int(p.get("pp_stage", 0))].params.append(
-                SimParam(p["name"], tuple(p["global_shape"]), _ITEMSIZE[p["dtype"]], key, True))
+                SimParam(p["name"], tuple(p["global_shape"]),
+                         _wire_itemsize(p["name"], p["dtype"], wire), key, True))
     rules = _OtherRules(lay, cfg)
     for p in params:
         if is_nccl_reshard_param(p.name):
             continue
         stage = stage_map[_extract_layer_name(p.name)]
         key = rules.key(p.name, p.shape) if others == "sharded" else None
-        out[stage].params.append(SimParam(p.name, p.shape, _ITEMSIZE[p.dtype], key, False))
+        out[stage].params.append(
+            SimParam(p.name, p.shape, _wire_itemsize(p.name, p.dtype, wire), key, False))
     return out
 
 
@@ -292,7 +312,7 @@ def count_params(stages: Mapping[int, StagePlanInput]) -> dict[str, int]:
             kind = "bulk" if p.bulk else "other"
             out[f"{kind}_params"] += 1
             out[f"{kind}_bytes"] += p.nbytes
-            out["elements"] += p.nbytes // p.itemsize
+            out["elements"] += p.numel
             # a grouped expert entry stands for one HF tensor per expert
             out["hf_tensors"] += p.shape[0] if p.bulk and ".experts." in p.name else 1
     return out

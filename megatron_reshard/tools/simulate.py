@@ -110,6 +110,7 @@ class Simulation:
     layout: RefitLayout
     model: str
     others: str
+    wire: str
     link_aware: bool
     link: LinkModel
     counts: dict
@@ -130,7 +131,7 @@ class Simulation:
         t, rank, what = self.loads.time_s(self.link)
         return {
             "model": self.model, "layout": self.layout.to_plain(), "others": self.others,
-            "planner": "link-aware" if self.link_aware else "default",
+            "planner": "link-aware" if self.link_aware else "default", "wire": self.wire,
             "link_model": vars(self.link) | {"text": self.link.describe()},
             "params": self.counts, "fingerprint": self.fingerprint,
             "planning_s": {"one_rank": self.plan_s_one_rank, "whole_job": self.plan_s_job,
@@ -154,28 +155,39 @@ def _stats(per_rank: Mapping, n: int) -> dict:
             "above_ideal": (top / mean - 1.0) if mean else 0.0}
 
 
-def link_costs(lay: RefitLayout, link: LinkModel) -> LinkCosts:
+def link_costs(lay: RefitLayout, link: LinkModel,
+               stages: Optional[Mapping[int, StagePlanInput]] = None) -> LinkCosts:
     """The planner's view of the link model, in refit-group ranks (stage 0's training ranks
-    stand for every stage's: sources never share a node with a destination)."""
+    stand for every stage's: sources never share a node with a destination).
+
+    A generation rank carries every stage's traffic, a training rank its own stage's only:
+    generation loads weigh the job's bytes over the heaviest stage's (the PP size when the
+    stages are even, or without ``stages``)."""
     sw, g = lay.stage_world, link.gpus_per_node
     nodes = tuple((i, ("train", i // g)) for i in range(sw)) + tuple(
         (sw + r, ("gen", r // g)) for r in range(lay.gen_world))
+    weight = float(lay.train_pp)
+    if stages:
+        per_stage = [sum(p.nbytes for p in st.params) for st in stages.values()]
+        if max(per_stage):
+            weight = sum(per_stage) / max(per_stage)
     return LinkCosts(nodes, link.nvlink_gbps, link.net_gbps, link.latency_us, 2,
-                     float(lay.train_pp))
+                     round(weight, 3))
 
 
 def simulate(model: str, cfg: Mapping[str, Any], lay: RefitLayout, link: LinkModel,
-             others: str = "broadcast", link_aware: bool = False) -> Simulation:
+             others: str = "broadcast", link_aware: bool = False, wire: str = "bf16"
+             ) -> Simulation:
     """Plan and account the whole job (see the module docstring for the model).
 
     ``link_aware``: plan with the link model (``Planner(costs=link_costs(...))``) instead of
     the default planner the refit uses today."""
-    costs = link_costs(lay, link) if link_aware else None
+    stages = stage_inputs(lay, cfg, others, wire)
+    costs = link_costs(lay, link, stages) if link_aware else None
 
     def planner_factory() -> Planner:
         return Planner(costs)
 
-    stages = stage_inputs(lay, cfg, others)
     counts = count_params(stages)
     sw = lay.stage_world
 
@@ -212,7 +224,7 @@ def simulate(model: str, cfg: Mapping[str, Any], lay: RefitLayout, link: LinkMod
                     pairs = pairs_of[key] = plan_pairs(plan)
                 for (s, d), (numel, n_ops) in pairs.items():
                     src, dst = _global(s, stage, sw), _global(d, stage, sw)
-                    nbytes = numel * itemsize * count
+                    nbytes = round(numel * itemsize * count)
                     loads.add(src, dst, nbytes, _node(src, link) == _node(dst, link), n_ops * count)
                     if src[0] == "train":
                         sent[src[1]] += nbytes
@@ -223,7 +235,7 @@ def simulate(model: str, cfg: Mapping[str, Any], lay: RefitLayout, link: LinkMod
             _add_packed_broadcast(st, stage, lay, link, loads, sent, received)
     plan_s_job = time.perf_counter() - t0
     gather_s, broadcast_s = gather_broadcast_s(stages, lay, link)
-    return Simulation(lay, model, others, link_aware, link, counts, dict(sent), dict(received),
+    return Simulation(lay, model, others, wire, link_aware, link, counts, dict(sent), dict(received),
                       dict(from_peers), loads, fp.hexdigest(), plan_s_one_rank, plan_s_job,
                       len(planner), ops, gather_s + broadcast_s, gather_s, broadcast_s)
 
