@@ -130,8 +130,9 @@ def _split_refusals(cfg: RefitRunConfig) -> dict[str, Any]:
     """Per layout option, a function from a size to why the model cannot be split by it
     (``None``: it can).
 
-    Training (Megatron-Core, expert TP 1): TP divides the attention heads, the KV heads
-    and the dense FFN; EP divides the experts; PP divides the layers. Generation (vLLM
+    Training (Megatron-Core, expert TP 1): TP divides the attention heads and the dense
+    FFN, and divides the KV heads or (dense models only) is a multiple of them; EP divides
+    the experts; PP divides the layers. Generation (vLLM
     layout): TP divides the attention heads, divides or is a multiple of the KV heads
     (vLLM replicates a KV head over TP/nkv ranks), divides the dense FFN, the expert FFN
     (gen EP 1) and the padded vocab rows; gen EP divides the experts.
@@ -161,8 +162,15 @@ def _split_refusals(cfg: RefitRunConfig) -> dict[str, Any]:
         return None
 
     def train_tp(t: int) -> Optional[str]:
-        if kv % t:
+        if t <= kv and kv % t:
             return f"does not divide its {kv} KV heads (query groups)"
+        if t > kv and t % kv:
+            return f"neither divides nor is a multiple of its {kv} KV heads (query groups)"
+        if t > kv and experts:
+            # Megatron replicates the KV heads; the dense model refits exactly that way, an
+            # MoE model (seen: train TP4 EP1, 2 KV heads) does not yet
+            return (f"is more than its {kv} KV heads (query groups), which an MoE model does "
+                    "not refit exactly yet")
         return tp_common(t)
 
     def gen_tp(t: int) -> Optional[str]:
@@ -205,7 +213,9 @@ def _model_problems(cfg: RefitRunConfig) -> list[str]:
 
 def _say(cfg: RefitRunConfig, who: str, msg: str) -> None:
     if not cfg.quiet:
-        print(f"[{who}] {msg}", file=sys.stderr, flush=True)
+        # one write with its newline: print's two writes let another rank's line in between
+        sys.stderr.write(f"[{who}] {msg}\n")
+        sys.stderr.flush()
 
 
 def tensor_digest(t: torch.Tensor) -> str:
@@ -309,9 +319,11 @@ def _train_rank(rank: int, cfg: RefitRunConfig, control, device: torch.device,
                        f"{len(source.other_params_metadata)} packed)")
     group = create_refit_group(cfg.host, cfg.ports[1 + source.stage], source.stage_local_rank,
                                cfg.stage_world + cfg.gen_world, cfg.backend, cfg.timeout_s,
-                               device=device if device.type == "cuda" else None)
+                               device=device if device.type == "cuda" else None,
+                               who=f"train rank {rank} (PP stage {source.stage})",
+                               label=f"refit group of PP stage {source.stage}")
     sender = RefitSender(source, group, device=device, num_streams=cfg.num_streams,
-                         staging_bytes=cfg.staging_bytes)
+                         staging_bytes=cfg.staging_bytes, verify_checksums=cfg.verify)
     setup_s = time.perf_counter() - t0
     refits = []
     for step in range(cfg.refits):
@@ -373,7 +385,8 @@ def _gen_rank(gen_rank: int, cfg: RefitRunConfig, control, device: torch.device,
                              cfg.stage_world + gen_rank, cfg.stage_world + cfg.gen_world,
                              cfg.backend, cfg.timeout_s)
     summary = worker.prepare_refit(payload, {"num_streams": cfg.num_streams,
-                                             "staging_bytes": cfg.staging_bytes})
+                                             "staging_bytes": cfg.staging_bytes,
+                                             "verify_checksums": cfg.verify})
     setup_s = time.perf_counter() - t0
     if gen_rank == 0:
         _say(cfg, who, f"generation world up: tp{cfg.gen_tp} ep{cfg.gen_ep} on {cfg.gen_world} "
@@ -390,7 +403,8 @@ def _gen_rank(gen_rank: int, cfg: RefitRunConfig, control, device: torch.device,
             if gen_rank == 0:
                 verdict = "bit-exact" if not bad else f"{len(bad)} params differ"
                 _say(cfg, who, f"refit {step + 1}/{cfg.refits} received in "
-                               f"{stats['refit_s'] * 1e3:.1f} ms: {verdict}")
+                               f"{stats['refit_s'] * 1e3:.1f} ms, committed as version "
+                               f"{stats['version']} (checksums matched): {verdict}")
     out = {"role": "gen", "rank": gen_rank, "setup_s": setup_s, "refits": refits,
            "mismatches": mismatches, "report": worker.report(), "summary": summary,
            "verified": cfg.verify and not any(mismatches)}

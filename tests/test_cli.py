@@ -47,8 +47,11 @@ INVALID = [
     (["demo", "--train-world", "3"], "--train-world 3", "expected a multiple of --train-tp × --train-pp"),
     (["demo", "--train-ep", "3", "--train-world", "6", "--train-pp", "1", "--train-tp", "1"],
      "--train-ep 3", "expected one of 1, 2, 4, 8 for the moe model"),
-    # Megatron itself accepts TP > query groups, but the refit of such a model is not exact
-    (["demo", "--train-tp", "4", "--train-pp", "1"], "--train-tp 4", "expected one of 1, 2"),
+    # Megatron replicates KV heads over TP > query groups, which an MoE model does not
+    # refit exactly yet (29 of 51 tensors differed); the dense model does (below)
+    (["demo", "--train-tp", "4", "--train-pp", "1"], "--train-tp 4", "expected one of 1, 2 for the moe"),
+    (["demo", "--model", "dense", "--train-tp", "3", "--train-pp", "1", "--train-world", "3"],
+     "--train-tp 3", "expected one of 1, 2, 4, 8 for the dense model"),
     (["demo", "--train-pp", "3", "--train-world", "6", "--train-tp", "2"], "--train-pp 3",
      "expected one of 1, 2, 4"),
     (["demo", "--refits", "two"], "--refits", "invalid int value"),
@@ -126,6 +129,14 @@ def _parse_demo(*argv):
 def test_the_demo_defaults_are_a_valid_layout_for_each_model(model, ep):
     cfg = config_from_args(_parse_demo("--model", model), ports=(0, 0, 0))
     assert cfg.train_ep == ep
+    assert cfg.problems() == []
+
+
+def test_the_dense_model_may_replicate_its_kv_heads_over_train_tp():
+    # Megatron's rule (TP a multiple of the query groups); the refit of it is exact
+    # (tests/test_e2e.py: one KV head over train TP2)
+    cfg = config_from_args(_parse_demo("--model", "dense", "--train-tp", "4", "--train-pp", "1"),
+                           ports=(0, 0))
     assert cfg.problems() == []
 
 
