@@ -150,6 +150,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.command == "bench":
         import subprocess
 
+        if "--" in rest:  # `bench refit --nproc 2 -- --small`: the separator is not an option
+            rest.remove("--")
         problems = bench_problems(args.kind, args.nproc, rest)
         if problems:
             return fail(f"bench {args.kind}", problems)

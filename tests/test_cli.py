@@ -64,6 +64,8 @@ INVALID = [
     (["bench", "refit", "--device", "cpu", "--backend", "nccl"], "--backend nccl",
      "expected --device cuda"),
     (["bench", "refit", "--device", "cpu", "--bogus"], "--bogus", "unrecognized arguments"),
+    (["bench", "refit", "--nproc", "2", "--", "--device", "cpu", "--iters", "0"], "--iters 0",
+     "expected an integer >= 1"),
     (["bench", "fastest"], "fastest", "invalid choice"),
 ]
 
@@ -182,6 +184,15 @@ def test_gen_tp_is_refused_exactly_where_the_receiver_cannot_map_the_model(model
                              ports=(0, 0, 0))
         refused = [p for p in cfg.problems() if p.startswith(("--gen-tp", "--gen-ep"))]
         assert (not refused) == _receiver_takes(model, tp, ep), (tp, ep, refused)
+
+
+@pytest.mark.parametrize("kind, nproc, rest", [
+    ("refit", 2, ["--device", "cpu", "--backend", "gloo", "--small"]),
+    ("refit", 4, ["--device", "cpu", "--small", "--case", "dense", "--iters", "1", "--warmup", "0"]),
+    ("transfer", 6, ["--device", "cpu", "--small"]),
+])
+def test_the_documented_cpu_smoke_runs_of_the_benchmarks_pass_the_checks(kind, nproc, rest):
+    assert cli.bench_problems(kind, nproc, rest) == []
 
 
 def test_version_prints_the_package_version():
