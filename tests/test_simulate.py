@@ -230,3 +230,31 @@ def test_link_costs_put_each_generation_node_together():
     lay = RefitLayout(train_world=16, gen_world=32, train_ep=8, train_pp=2, gen_tp=8, gen_ep=8)
     nodes = dict(link_costs(lay, LinkModel(gpus_per_node=8)).nodes)
     assert nodes[8] == nodes[15] != nodes[16] and nodes[0] != nodes[8]
+
+
+# ---- replicated sources spread their reads --------------------------------------------
+
+
+def _dp_to_tp_key(rows, cols, tp, dp):
+    """Training TP x DP (DP replicas outer, ranks 0..tp*dp-1) -> one generation TP replica."""
+    src = tuple(range(tp * dp))
+    dst = tuple(range(tp * dp, tp * dp + tp))
+    return ((rows, cols), (dp, tp), src, (REPLICATE, 0), (tp,), dst, (0,))
+
+
+@pytest.mark.parametrize("tp, dp", [(8, 3), (2, 4), (4, 2)])
+def test_training_replicas_share_the_reads_of_one_generation_replica(tp, dp):
+    # each generation rank wants exactly one training shard; every replica of it sends a part
+    key = _dp_to_tp_key(16384, 256, tp, dp)
+    plan = build_plan(key)
+    _deliver(plan)
+    sent = {r: 0 for r in range(tp * dp)}
+    for op in plan.ops:
+        sent[op.src] += box_numel(op.box)
+    share = 16384 * 256 / (tp * dp)
+    assert all(abs(v - share) <= 256 for v in sent.values()), sent  # within a row
+
+
+def test_small_replicated_reads_stay_whole_from_one_holder():
+    plan = build_plan(_dp_to_tp_key(64, 64, 8, 3))  # 512 elements per shard: not worth it
+    assert len(plan.ops) == 8 and {op.src for op in plan.ops} == set(range(8))

@@ -283,12 +283,54 @@ def build_plan(key: LayoutKey, costs: Optional[LinkCosts] = None) -> ParamPlan:
         load = best[2]
         loads.add(best[1], loads.v)
         loads.top = best[0][0]
+    ops = _spread_over_holders(ops, src_groups)
     ops.sort(key=lambda op: op.phase)  # stable: phase 0 first, plan order kept inside
     plain = repr((key, [tuple.__repr__(op) for op in ops]))
     if costs is not None:
         plain += repr(costs)
     fp = hashlib.blake2b(plain.encode(), digest_size=12).hexdigest()
     return ParamPlan(key, src, dst, tuple(ops), fp)
+
+
+_MIN_SPREAD_STRIPE = 1 << 16  # elements: below ~128 KiB a message's fixed cost dominates
+
+
+def _spread_over_holders(ops: list, src_groups: Mapping) -> list:
+    """Replicated sources that would serve fewer reads than they have holders (training DP
+    replicas feeding one generation replica: each plan reads every shard once, and the
+    least-loaded rule alone picks the same first holder in every param) read each box in
+    equal stripes, one from every holder, when each stripe is large enough to pay for its
+    message. Reads a holder makes for itself (local copies) are left as they are."""
+    holders_of = {r: tuple(h) for h in src_groups.values() if len(h) > 1 for r in h}
+    if not holders_of:
+        return ops
+    free: dict = {}
+    for i, op in enumerate(ops):
+        group = holders_of.get(op.src)
+        if op.phase == 0 and group is not None and op.dst not in group:
+            free.setdefault(group, []).append(i)
+    out = list(ops)
+    for group, idx in free.items():
+        h = len(group)
+        if len(idx) >= h:
+            continue  # enough reads to spread whole (least-loaded holder each)
+        for i in idx:
+            op = ops[i]
+            stripes = _stripes(op.box, h)
+            if stripes is None or box_numel(op.box) < h * _MIN_SPREAD_STRIPE:
+                continue
+            out[i] = [op._replace(src=holder, box=b) for holder, b in zip(group, stripes)]
+    return [x for item in out for x in (item if isinstance(item, list) else (item,))]
+
+
+def _stripes(box: Box, k: int) -> Optional[list]:
+    """``box`` in ``k`` balanced stripes along its first dim of extent >= k (None: none)."""
+    dim = next((d for d, (s, e) in enumerate(box) if e - s >= k), None)
+    if dim is None:
+        return None
+    base = box[dim][0]
+    return [box[:dim] + ((base + s, base + e),) + box[dim + 1:]
+            for s, e in _balanced(box[dim][1] - base, k)]
 
 
 def _splits(members: list, node: Mapping) -> list:
