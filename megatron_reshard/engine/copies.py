@@ -92,6 +92,18 @@ def words_pair(dst: torch.Tensor, src: torch.Tensor, w: int) -> tuple:
     return dst, src
 
 
+def address_bits(x: torch.Tensor) -> int:
+    """The bits that decide whether views of ``x`` can be copied as words: its address
+    and its storage offset in bytes (``Tensor.view(dtype)`` needs both aligned)."""
+    return x.data_ptr() | x.storage_offset() * x.element_size()
+
+
+def as_words(v: torch.Tensor, w: int) -> torch.Tensor:
+    """``v`` as ``w``-byte words (its geometry passed ``word_bytes``, its address and
+    storage offset are multiples of ``w``)."""
+    return v.view(_WORDS[w])
+
+
 class Copies:
     """One batch of copies ``dst <- src`` whose destinations never overlap, issued as few
     kernels as the views allow (see MEMCPY_BYTES): large contiguous pairs at once, one
@@ -111,6 +123,11 @@ class Copies:
 
     def typed(self, dst: torch.Tensor, src: torch.Tensor, w: int) -> None:
         dst, src = words_pair(dst, src, w)
+        self.typed_dst.append(dst)
+        self.typed_src.append(src)
+
+    def exact(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """A typed pair as it is (the caller has made words of it where it could)."""
         self.typed_dst.append(dst)
         self.typed_src.append(src)
 

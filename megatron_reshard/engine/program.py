@@ -21,7 +21,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .copies import Copies, FlatRef, Strided, TypedRef, flat_view, typed_view, word_bytes
+from .copies import (Copies, FlatRef, Strided, TypedRef, address_bits, as_words, flat_view,
+                     typed_view, word_bytes)
 from .geometry import box_shape
 from .plan import Planner
 from .schedule import Schedule, align, is_contiguous
@@ -54,6 +55,7 @@ class LocalStep(NamedTuple):
     src: tuple
     nbytes: int
     words: int
+    skew: int        # the bits of both views' byte offsets in their tensors (OR-ed)
 
 
 class StagedSegment(NamedTuple):
@@ -66,6 +68,42 @@ class StagedSegment(NamedTuple):
     flat: bool
     ref: tuple        # the tensor side: FlatRef or TypedRef
     words: int        # the buffer side is contiguous: words whenever the tensor's are
+
+
+class StagePlan(NamedTuple):
+    """A round's segments of one direction (pack or unpack), ready to copy: the buffer is
+    cut into pieces by one ``split_with_sizes`` call (gaps and the other direction's bytes
+    are pieces too), and piece ``i`` pairs with a view of a tensor."""
+
+    nbytes: int      # the buffer bytes the sizes cover
+    sizes: tuple     # piece sizes, in buffer order
+    flat: tuple      # ((piece, FlatRef, nbytes), ...): byte copies
+    typed: tuple     # ((piece, dtype, shape, TypedRef, words, skew), ...): typed copies,
+                     # skew: the view's byte offset in its tensor
+    whole: bool      # byte copies only, back to back from offset 0 to ``nbytes``
+
+
+def _stage_plan(segs: list, total: int) -> Optional[StagePlan]:
+    """The StagePlan of ``segs`` (StagedSegments in buffer order) in a buffer of ``total``
+    bytes; None when there are none."""
+    if not segs:
+        return None
+    sizes, flat, typed, cursor = [], [], [], 0
+    for seg in segs:
+        if seg.offset > cursor:
+            sizes.append(seg.offset - cursor)
+        sizes.append(seg.nbytes)
+        cursor = seg.offset + seg.nbytes
+        piece = len(sizes) - 1
+        if seg.flat:
+            flat.append((piece, seg.ref, seg.nbytes))
+        else:
+            skew = 0 if seg.ref.view is None else seg.ref.view.delta * seg.dtype.itemsize
+            typed.append((piece, seg.dtype, seg.shape, seg.ref, seg.words, skew))
+    if cursor < total:
+        sizes.append(total - cursor)
+    whole = not typed and len(flat) == len(sizes)
+    return StagePlan(total, tuple(sizes), tuple(flat), tuple(typed), whole)
 
 
 class Post(NamedTuple):
@@ -83,8 +121,8 @@ class RoundProgram(NamedTuple):
     phase: int
     nbytes: int      # staging buffer bytes
     posts: tuple     # tuple[Post, ...]
-    packs: tuple     # tuple[StagedSegment, ...]
-    unpacks: tuple
+    packs: Optional[StagePlan]    # None: nothing to pack
+    unpacks: Optional[StagePlan]
 
 
 class EarlyPack(NamedTuple):
@@ -98,6 +136,14 @@ class EarlyPack(NamedTuple):
         """The current stream waits for a pack that will not be used, so its slots are
         freed only after the side stream is done writing them."""
         self.main.wait_event(self.packed)
+
+
+def _bits(tensors, k: int, cache: dict) -> int:
+    """``address_bits`` of tensor k, once per copy batch."""
+    got = cache.get(k)
+    if got is None:
+        got = cache[k] = address_bits(tensors[k])
+    return got
 
 
 class Program:
@@ -142,10 +188,12 @@ class Program:
             (dk, d), (sk, s) = (view(mv.ti, 1, mv.dst_piece, mv.box),
                                 view(mv.ti, 0, mv.src_piece, mv.box))
             if d.contiguous and s.contiguous:
-                self.local.append(LocalStep(True, d.flat(dk), s.flat(sk), d.nbytes, 0))
+                self.local.append(LocalStep(True, d.flat(dk), s.flat(sk), d.nbytes, 0, 0))
             else:
+                isz = transfers[mv.ti].dtype.itemsize
                 self.local.append(LocalStep(False, d.typed(dk), s.typed(sk), d.nbytes,
-                                            min(d.words, s.words)))
+                                            min(d.words, s.words),
+                                            d.delta * isz | s.delta * isz))
         self.rounds = []
         for rnd in sched.rounds:
             posts, packs, unpacks, total = [], [], [], 0
@@ -167,35 +215,54 @@ class Program:
                     (packs if msg.is_send else unpacks).append(seg)
                 posts.append(Post(msg.is_send, msg.peer, msg.tag, None, total, msg.nbytes))
                 total = align(total + msg.nbytes)
-            self.rounds.append(RoundProgram(rnd.phase, total, tuple(posts), tuple(packs),
-                                            tuple(unpacks)))
+            self.rounds.append(RoundProgram(rnd.phase, total, tuple(posts),
+                                            _stage_plan(packs, total),
+                                            _stage_plan(unpacks, total)))
         self.staged = any(r.packs or r.unpacks for r in self.rounds)  # else: no staging
 
     # ---- copies -----------------------------------------------------------------------
 
     def _local_copies(self, tensors) -> None:
-        copies = Copies()
+        copies, bits = Copies(), {}
         for step in self.local:
             if step.flat:
                 copies.flat(flat_view(tensors, step.dst), flat_view(tensors, step.src),
                             step.nbytes)
-            else:
-                copies.typed(typed_view(tensors, step.dst), typed_view(tensors, step.src),
-                             step.words)
+                continue
+            dst, src = typed_view(tensors, step.dst), typed_view(tensors, step.src)
+            w = step.words
+            if w and (_bits(tensors, step.dst.k, bits) | _bits(tensors, step.src.k, bits)
+                      | step.skew) % w == 0:
+                dst, src = as_words(dst, w), as_words(src, w)
+            copies.exact(dst, src)
         copies.run()
 
     @staticmethod
-    def _stage(buf, segs, tensors, pack: bool) -> None:
-        """Copy segments into (pack) or out of the staging buffer."""
-        copies = Copies()
-        for seg in segs:
-            chunk = buf[seg.offset: seg.offset + seg.nbytes]
-            if seg.flat:
-                pair = (chunk, flat_view(tensors, seg.ref))
-                copies.flat(*(pair if pack else pair[::-1]), seg.nbytes)
+    def _stage(buf, plan: StagePlan, tensors, pack: bool) -> None:
+        """Copy segments into (pack) or out of the staging buffer. The buffer's pieces
+        start at 16-byte aligned offsets: a typed segment goes as words whenever its
+        tensor side can."""
+        if pack and plan.whole and buf.device.type == "cpu":
+            # one cat instead of a copy per segment: 1,000 segments of 8 KiB on CPU, 1.4 ms
+            # against 3.0 (each copy_ costs the host ~1.5 µs); not measured on CUDA yet
+            torch.cat([flat_view(tensors, ref) for _, ref, _ in plan.flat],
+                      out=buf[:plan.nbytes])
+            return
+        pieces = buf[:plan.nbytes].split_with_sizes(plan.sizes)
+        copies, bits = Copies(), {}
+        for i, ref, nb in plan.flat:
+            if pack:
+                copies.flat(pieces[i], flat_view(tensors, ref), nb)
             else:
-                pair = (chunk.view(seg.dtype).view(seg.shape), typed_view(tensors, seg.ref))
-                copies.typed(*(pair if pack else pair[::-1]), seg.words)
+                copies.flat(flat_view(tensors, ref), pieces[i], nb)
+        for i, dtype, shape, ref, w, skew in plan.typed:
+            chunk, view = pieces[i].view(dtype).view(shape), typed_view(tensors, ref)
+            if w and (_bits(tensors, ref.k, bits) | skew) % w == 0:
+                chunk, view = as_words(chunk, w), as_words(view, w)
+            if pack:
+                copies.exact(chunk, view)
+            else:
+                copies.exact(view, chunk)
         copies.run()
 
     def _post(self, buf, posts, tensors, transport: P2PTransport, local_done: bool) -> bool:
