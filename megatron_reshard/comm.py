@@ -12,6 +12,7 @@ shuts it down at the end of the job.
 
 from __future__ import annotations
 
+import json
 import time
 import warnings
 import weakref
@@ -21,6 +22,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megatron_reshard.faults import POLL_S, FaultBoard, RefitError, RefitTimeout, attach_board
+
 # group -> (its store, whether this rank hosts it, world size), for destroy_refit_group
 _STORES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
@@ -28,31 +31,102 @@ _STORES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 def create_refit_group(host: str, port: int, rank: int, world_size: int,
                        backend: str = "gloo", timeout_s: float = 300.0,
                        prefix: str = "refit", device: Optional[torch.device] = None,
-                       is_store_server: Optional[bool] = None):
+                       is_store_server: Optional[bool] = None, *, who: Optional[str] = None,
+                       label: Optional[str] = None):
     """Join the refit group ``prefix`` of ``world_size`` ranks rendezvousing at host:port.
 
     Rank 0 hosts the store unless ``is_store_server`` says otherwise. ``device`` (NCCL
     only): when given on every rank, the communicator is created eagerly on that device
-    (a collective); otherwise NCCL creates it lazily at first use.
+    (a collective); otherwise NCCL creates it lazily at first use. ``who`` names this
+    process in errors its peers raise ("train rank 3 (PP stage 1)"), ``label`` the group
+    ("refit group of PP stage 1").
+
+    Before any communicator exists the ranks check, through the store, that they agree
+    on the group (size, backend) and that no rank number is taken twice; a disagreement
+    raises on every rank at once with what each rank said. The group gets a fault board
+    (``megatron_reshard.faults``): its waits raise instead of hanging when a peer fails.
     """
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"create_refit_group: backend must be 'gloo' or 'nccl', found {backend!r}")
     if not 0 <= rank < world_size:
         raise ValueError(f"create_refit_group: rank {rank} outside [0, {world_size})")
+    label = label or f"refit group at {host}:{port}"
+    who = who or f"group rank {rank} of the {label}"
     timeout = timedelta(seconds=timeout_s)
     server = rank == 0 if is_store_server is None else is_store_server
-    store = dist.TCPStore(host, port, world_size, server, timeout=timeout)
-    store = dist.PrefixStore(f"{prefix}/", store)
+    try:
+        raw = dist.TCPStore(host, port, None, server, timeout=timeout, wait_for_workers=False)
+    except Exception as exc:  # noqa: BLE001 - say which store and who hosts it
+        role = "host" if server else "reach"
+        raise RefitError(f"{label}: {who} could not {role} the group's store at {host}:{port} "
+                         f"within {timeout_s:g} s (group rank 0 hosts it): {exc}") from exc
+    store = dist.PrefixStore(f"{prefix}/", raw)
+    board = FaultBoard(store, rank, world_size, who, label, timeout_s)
+    _join(board, backend)
     if backend == "gloo":
         pg = dist.ProcessGroupGloo(store, rank, world_size, timeout)
     else:
         opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
+        # NCCL's own watchdog fires later than our waits, which then abort with a clear error
+        opts._timeout = timeout + timedelta(seconds=NCCL_TIMEOUT_MARGIN_S)
         pg = dist.ProcessGroupNCCL(store, rank, world_size, opts)
         if device is not None:
             pg.eager_connect_single_device(torch.device(device))
     _STORES[pg] = (store, server, world_size)
+    attach_board(pg, board)
     return pg
+
+
+NCCL_TIMEOUT_MARGIN_S = 10.0
+
+
+def _join(board: FaultBoard, backend: str) -> None:
+    """Every rank posts what it believes the group is; each reads all posts until the group
+    is complete. A disagreement (size, backend, a rank number twice or out of range) is
+    posted on the board, so every rank raises it within a poll."""
+    store, rank, world = board.store, board.rank, board.world
+    mine = {"rank": rank, "world": world, "backend": backend, "who": board.who}
+    seq = int(store.add("join/count", 1))
+    store.set(f"join/{seq}", json.dumps(mine))
+    seen: dict[int, dict] = {}
+    read = 0
+    deadline = time.monotonic() + board.timeout_s
+    while True:
+        board.raise_if_failed("joining the group")
+        count = int(store.add("join/count", 0))
+        while read < count:
+            key = f"join/{read + 1}"
+            if not store.check([key]):
+                break  # counted, not written yet
+            other = json.loads(store.get(key))
+            read += 1
+            problem = _join_problem(mine, other, seen)
+            if problem is not None:
+                board.post(problem)
+                raise RefitError(f"{board.label}: {problem}")
+            seen[other["rank"]] = other
+        if len(seen) == world:
+            return
+        if time.monotonic() > deadline:
+            missing = sorted(set(range(world)) - set(seen))
+            raise RefitTimeout(f"{board.label}, {board.who}: group ranks {missing} of {world} did "
+                               f"not join within {board.timeout_s:g} s (joined: "
+                               f"{[seen[r]['who'] for r in sorted(seen)]})")
+        time.sleep(POLL_S)
+
+
+def _join_problem(mine: dict, other: dict, seen: dict) -> Optional[str]:
+    if other["world"] != mine["world"] or other["backend"] != mine["backend"]:
+        return (f"ranks disagree on the group: {mine['who']} (rank {mine['rank']}) expects "
+                f"{mine['world']} ranks over {mine['backend']}, {other['who']} (rank "
+                f"{other['rank']}) expects {other['world']} ranks over {other['backend']}")
+    if not 0 <= other["rank"] < mine["world"]:
+        return (f"{other['who']} joined as rank {other['rank']}, outside the group's ranks "
+                f"0..{mine['world'] - 1}")
+    if other["rank"] in seen:
+        return (f"rank {other['rank']} joined twice: by {seen[other['rank']]['who']} and by "
+                f"{other['who']}")
+    return None
 
 
 def destroy_refit_group(pg, timeout_s: float = 60.0) -> int:

@@ -319,9 +319,11 @@ def _train_rank(rank: int, cfg: RefitRunConfig, control, device: torch.device,
                        f"{len(source.other_params_metadata)} packed)")
     group = create_refit_group(cfg.host, cfg.ports[1 + source.stage], source.stage_local_rank,
                                cfg.stage_world + cfg.gen_world, cfg.backend, cfg.timeout_s,
-                               device=device if device.type == "cuda" else None)
+                               device=device if device.type == "cuda" else None,
+                               who=f"train rank {rank} (PP stage {source.stage})",
+                               label=f"refit group of PP stage {source.stage}")
     sender = RefitSender(source, group, device=device, num_streams=cfg.num_streams,
-                         staging_bytes=cfg.staging_bytes)
+                         staging_bytes=cfg.staging_bytes, verify_checksums=cfg.verify)
     setup_s = time.perf_counter() - t0
     refits = []
     for step in range(cfg.refits):
@@ -383,7 +385,8 @@ def _gen_rank(gen_rank: int, cfg: RefitRunConfig, control, device: torch.device,
                              cfg.stage_world + gen_rank, cfg.stage_world + cfg.gen_world,
                              cfg.backend, cfg.timeout_s)
     summary = worker.prepare_refit(payload, {"num_streams": cfg.num_streams,
-                                             "staging_bytes": cfg.staging_bytes})
+                                             "staging_bytes": cfg.staging_bytes,
+                                             "verify_checksums": cfg.verify})
     setup_s = time.perf_counter() - t0
     if gen_rank == 0:
         _say(cfg, who, f"generation world up: tp{cfg.gen_tp} ep{cfg.gen_ep} on {cfg.gen_world} "
@@ -400,7 +403,8 @@ def _gen_rank(gen_rank: int, cfg: RefitRunConfig, control, device: torch.device,
             if gen_rank == 0:
                 verdict = "bit-exact" if not bad else f"{len(bad)} params differ"
                 _say(cfg, who, f"refit {step + 1}/{cfg.refits} received in "
-                               f"{stats['refit_s'] * 1e3:.1f} ms: {verdict}")
+                               f"{stats['refit_s'] * 1e3:.1f} ms, committed as version "
+                               f"{stats['version']} (checksums matched): {verdict}")
     out = {"role": "gen", "rank": gen_rank, "setup_s": setup_s, "refits": refits,
            "mismatches": mismatches, "report": worker.report(), "summary": summary,
            "verified": cfg.verify and not any(mismatches)}

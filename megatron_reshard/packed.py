@@ -14,6 +14,8 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_reshard.faults import wait_works
+
 
 @dataclass(frozen=True)
 class PackedEntry:
@@ -107,5 +109,5 @@ def broadcast_packed(layout: Sequence[PackedEntry], group: Optional[dist.Process
     else:
         opts = dist.BroadcastOptions()
         opts.rootRank = root
-        group.broadcast([flat], opts).wait()
+        wait_works([group.broadcast([flat], opts)], group, "the packed broadcast", [root])
     return unpack(layout, flat)

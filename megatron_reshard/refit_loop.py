@@ -54,6 +54,15 @@ import torch
 import torch.distributed as dist
 
 from megatron_reshard.engine.geometry import rank_region
+from megatron_reshard.engine.transport import (
+    all_gather_ints,
+    all_reduce,
+    control_device,
+    group_rank,
+    group_size,
+)
+from megatron_reshard.faults import wait_device, wait_event
+from megatron_reshard.integrity import ChecksumTable, box_checksum, mismatches, source_overlaps
 from megatron_reshard.layout import MeshInfo, placements_to_plain
 from megatron_reshard.metadata import dtype_from_str
 from megatron_reshard.spec import HFToLocalParamMap, LocalParamSpec
@@ -192,40 +201,6 @@ def batch_bounds(params: Sequence[Mapping[str, Any]], batch_bytes: int) -> list[
     return bounds
 
 
-# ------------------------------------------------------------------------------ groups
-
-
-def group_rank(group: Optional[Any]) -> int:
-    """This process's rank in ``group`` (a raw/registered ProcessGroup, or None = default world)."""
-    return dist.get_rank() if group is None else group.rank()
-
-
-def group_size(group: Optional[Any]) -> int:
-    return dist.get_world_size() if group is None else group.size()
-
-
-def comm_device(group: Optional[Any]) -> torch.device:
-    """Device for small control tensors on ``group``: the current CUDA device for NCCL, else CPU."""
-    try:
-        name = (dist.get_backend() if group is None else group.name()).lower()
-    except Exception:
-        name = ""
-    if "nccl" in name and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def all_gather_ints(values: Sequence[int], group: Optional[Any]) -> list[list[int]]:
-    """Every rank's ``values`` (same length everywhere), by group rank."""
-    mine = torch.tensor(list(values), dtype=torch.int64, device=comm_device(group))
-    out = [torch.empty_like(mine) for _ in range(group_size(group))]
-    if group is None:
-        dist.all_gather(out, mine)
-    else:
-        group.allgather([out], [mine]).wait()
-    return [t.cpu().tolist() for t in out]
-
-
 # -------------------------------------------------------------------------------- loop
 
 
@@ -242,6 +217,8 @@ class StageStats:
 class RefitStats:
     stages: list[StageStats] = field(default_factory=list)
     seconds: float = 0.0     # wall time of run(), device work included when synchronize=True
+    # destination side with checksums on: params whose received bytes differ from the sources'
+    checksum_mismatches: list[str] = field(default_factory=list)
 
     @property
     def params(self) -> int:
@@ -272,6 +249,7 @@ class RefitLoop:
         misc_items: Optional[Mapping[int, Sequence[MiscItem]]] = None,
         xfer_batch: Optional[Callable[..., None]] = None,
         overlap_pre_hooks: bool = True,
+        verify_checksums: bool = False,
     ):
         if side not in SIDES:
             raise ValueError(f"side must be one of {SIDES}, got {side!r}")
@@ -301,7 +279,9 @@ class RefitLoop:
         self._batches = {s: batch_bounds(ps, batch_bytes) for s, ps in self.stages.items()}
         self._mine = {s: self._check_local(s) for s in self.stages}
         # batch cut points and staging size shape the engine calls: they must match too
-        must_match = {"batch_bytes": batch_bytes, "staging_bytes": staging_bytes}
+        must_match = {"batch_bytes": batch_bytes, "staging_bytes": staging_bytes,
+                      "checksums": int(verify_checksums)}
+        self.verify_checksums = verify_checksums
         self.fingerprints = {s: plan_fingerprint(ps, None if self.misc_items is None
                                                  else self.misc_items[s], must_match)
                              for s, ps in self.stages.items()}
@@ -420,16 +400,21 @@ class RefitLoop:
                     base = entry[0].base
                     if isinstance(base, torch.Tensor):
                         return base.is_cuda
-        return any(comm_device(g).type == "cuda" for g in self.groups.values())
+        return any(control_device(g).type == "cuda" for g in self.groups.values())
 
-    def run(self, synchronize: bool = True) -> RefitStats:
-        """Move every stage's params once. Verifies the plan first if not done yet."""
+    def run(self, synchronize: bool = True,
+            on_write: Optional[Callable[[list[str]], None]] = None) -> RefitStats:
+        """Move every stage's params once. Verifies the plan first if not done yet.
+
+        ``on_write(names)`` (destination side) is called before the engine may write the
+        named params' storage: a failure after that leaves those params overwritten.
+        """
         from megatron_reshard.engine.plan import gc_paused
 
         if not self._verified:
             self.verify_plan()
         with gc_paused():  # many small objects per param; GC passes would walk the caches
-            return self._run(synchronize)
+            return self._run(synchronize, on_write)
 
     def release_staging(self) -> None:
         """Give back the engine's CUDA staging slots kept between refits (at most two of
@@ -437,7 +422,7 @@ class RefitLoop:
         if self._planner is not None:
             self._planner.release_staging()
 
-    def _run(self, synchronize: bool) -> RefitStats:
+    def _run(self, synchronize: bool, on_write) -> RefitStats:
         xfer, transfer_cls = self._engine()
         t0 = time.perf_counter()
         streams = self._streams()
@@ -447,37 +432,63 @@ class RefitLoop:
             stream = streams[index % len(streams)] if streams else None
             if stream is not None:
                 stream.wait_stream(current)
-            st = StageStats(stage)
+            run = _StageRun(stage, params, stream, xfer, transfer_cls, StageStats(stage), on_write,
+                            ChecksumTable(group_size(self.groups[stage]), len(params))
+                            if self.verify_checksums else None)
             ts = time.perf_counter()
             with torch.cuda.stream(stream) if stream is not None else nullcontext():
                 if stream is not None and self.side == "src" and self.overlap_pre_hooks:
-                    self._run_stage_overlapped(stage, params, stream, xfer, transfer_cls, st)
+                    self._run_stage_overlapped(run)
                 else:
                     for start, stop in self._batches[stage]:
-                        self._run_batch(stage, params, start, stop, stream, xfer,
-                                        transfer_cls, st)
-            st.seconds = time.perf_counter() - ts
-            stats.stages.append(st)
+                        self._send_batch(run, self._open_batch(run, start, stop))
+                if run.table is not None:
+                    stats.checksum_mismatches += self._check_stage(run)
+            run.stats.seconds = time.perf_counter() - ts
+            stats.stages.append(run.stats)
         for stream in streams:
             current.wait_stream(stream)
         if synchronize and streams:
-            torch.cuda.synchronize()
+            wait_device(current.device, self.groups.values(), "the end of the refit")
         self._agreed = True
         stats.seconds = time.perf_counter() - t0
         return stats
 
-    def _run_batch(self, stage, params, start, stop, stream, xfer, transfer_cls, st) -> None:
-        opened, transfers = self._open_batch(stage, params, start, stop, transfer_cls, st)
-        self._send_batch(stage, opened, transfers, stream, xfer, st)
-
-    def _send_batch(self, stage, opened, transfers, stream, xfer, st) -> None:
-        """Hand an opened batch to the engine, then run its post hooks."""
-        xfer(transfers, self.groups[stage], stream)
-        st.batches += 1
-        for spec, ctx in opened:
+    def _send_batch(self, run: "_StageRun", batch: "_OpenBatch") -> None:
+        """Hand an opened batch to the engine, checksum it if asked, run its post hooks."""
+        if run.on_write is not None and self.side == "dst" and batch.opened:
+            run.on_write([run.params[i]["name"] for i, _, _ in batch.opened])
+        run.xfer(batch.transfers, self.groups[run.stage], run.stream)
+        run.stats.batches += 1
+        if run.table is not None:
+            self._checksum_batch(run, batch)
+        for _, spec, ctx in batch.opened:
             spec.finish(ctx)
 
-    def _run_stage_overlapped(self, stage, params, stream, xfer, transfer_cls, st) -> None:
+    def _checksum_batch(self, run: "_StageRun", batch: "_OpenBatch") -> None:
+        """Sources: the checksum of each overlap with a destination region, into the stage's
+        table; destinations: the checksum of the region received (before any post hook)."""
+        mine = self._mine[run.stage]
+        for i, _, ctx in batch.opened:
+            region = mine[i][1]
+            origin = tuple(a for a, _ in region)
+            if self.side == "src":
+                for dst, sub in source_overlaps(run.params[i], self._ranks[run.stage]):
+                    run.table.add(dst, i, box_checksum(ctx.buf, sub, origin))
+            else:
+                run.got[i] = box_checksum(ctx.buf, region, origin)
+
+    def _check_stage(self, run: "_StageRun") -> list[str]:
+        """One SUM all-reduce of the stage's table; a destination compares its own row."""
+        group = self.groups[run.stage]
+        table = run.table.dense(control_device(group))
+        all_reduce(table, group, dist.ReduceOp.SUM, f"the checksum exchange of stage {run.stage}")
+        if self.side != "dst":
+            return []
+        names = [p["name"] for p in run.params]
+        return mismatches(table[self._ranks[run.stage]], run.got, names)
+
+    def _run_stage_overlapped(self, run: "_StageRun") -> None:
         """Training side on CUDA: the pre hooks of batch k+1 (the expert stacking copies)
         run on a side stream while batch k is on the wire, instead of after it on the
         stage stream.
@@ -487,27 +498,26 @@ class RefitLoop:
         keeps the link busy meanwhile), which lets the allocator reuse its buffers."""
         if self._prep_stream is None:
             self._prep_stream = torch.cuda.Stream()
-        prep = self._prep_stream
+        prep, stream = self._prep_stream, run.stream
         prep.wait_stream(stream)  # the weights as they are when the refit starts
 
         def open_ahead(start: int, stop: int) -> tuple:
             with torch.cuda.stream(prep):
-                opened, transfers = self._open_batch(stage, params, start, stop,
-                                                     transfer_cls, st)
+                batch = self._open_batch(run, start, stop)
                 ready = torch.cuda.Event()
                 ready.record(prep)
-            return opened, transfers, ready
+            return batch, ready
 
-        def send(opened: list, transfers: list, ready) -> None:
+        def send(batch: _OpenBatch, ready) -> None:
             stream.wait_event(ready)
-            for _, ctx in opened:  # made on prep, used on the stage stream: keep till done
+            for _, _, ctx in batch.opened:  # made on prep, used on the stage stream: keep till done
                 if isinstance(ctx.buf, torch.Tensor) and ctx.buf.is_cuda:
                     ctx.buf.record_stream(stream)
-            self._send_batch(stage, opened, transfers, stream, xfer, st)
+            self._send_batch(run, batch)
             # returning drops the last references to the batch's buffers: their blocks
             # are released once the stage stream gets past this point
 
-        bounds = self._batches[stage]
+        bounds = self._batches[run.stage]
         ahead = open_ahead(*bounds[0]) if bounds else None
         done: list = []  # per batch: an event on the stage stream after its buffers' release
         for k in range(len(bounds)):
@@ -517,32 +527,54 @@ class RefitLoop:
             done[k].record(stream)
             if k + 1 < len(bounds):
                 if k >= 1:  # batch k is queued behind it: the device stays busy meanwhile
-                    done[k - 1].synchronize()
+                    wait_event(done[k - 1], [self.groups[run.stage]], "a refit batch")
                 ahead = open_ahead(*bounds[k + 1])
 
-    def _open_batch(self, stage, params, start, stop, transfer_cls, st) -> tuple[list, list]:
+    def _open_batch(self, run: "_StageRun", start: int, stop: int) -> "_OpenBatch":
         """Run the pre hooks of one batch; its open contexts and its engine transfers."""
-        mine = self._mine[stage]
-        opened: list[tuple[LocalParamSpec, Any]] = []
-        transfers = []
+        mine = self._mine[run.stage]
+        batch = _OpenBatch([], [])
         for i in range(start, stop):
-            p = params[i]
+            p = run.params[i]
             local = None
             if mine[i] is not None:
                 spec = mine[i][0]
                 ctx = spec.begin()
-                opened.append((spec, ctx))
+                batch.opened.append((i, spec, ctx))
                 # a pre-hook buffer of the wrong shape or dtype is left to the engine, which
                 # rejects it on every rank of the group at once (raising here would strand
                 # the peers inside this batch's collectives)
                 local = ctx.buf
-                st.params += 1
+                run.stats.params += 1
                 # the owned region: padding rows of a padded shard do not travel
-                st.local_bytes += math.prod(region_shape(mine[i][1])) * local.element_size()
-            transfers.append(transfer_cls(
+                run.stats.local_bytes += math.prod(region_shape(mine[i][1])) * local.element_size()
+            batch.transfers.append(run.transfer_cls(
                 name=p["name"], global_shape=tuple(p["global_shape"]), dtype=wire_dtype(p["dtype"]),
                 src_mesh=p["src_mesh_info"], src_placements=list(p["src_placements"]),
                 dst_mesh=p["dst_mesh_info"], dst_placements=list(p["dst_placements"]),
                 src=local if self.side == "src" else None,
                 dst=local if self.side == "dst" else None))
-        return opened, transfers
+        return batch
+
+
+@dataclass
+class _StageRun:
+    """What one stage's part of one run works with."""
+
+    stage: int
+    params: list
+    stream: Any
+    xfer: Callable
+    transfer_cls: type
+    stats: StageStats
+    on_write: Optional[Callable[[list[str]], None]]
+    table: Optional[ChecksumTable]  # with checksums on
+    got: dict = field(default_factory=dict)  # destination: param index -> checksum received
+
+
+@dataclass
+class _OpenBatch:
+    """A batch whose pre hooks ran: (param index, spec, ctx) per local param, and transfers."""
+
+    opened: list
+    transfers: list

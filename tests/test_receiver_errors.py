@@ -138,7 +138,9 @@ def test_worker_extension_phases_must_come_in_order():
             return build_vllm_like_model(DENSE, 0, 1)
 
     w = Worker()
-    assert w.report() == {"prepared": False}
+    report = w.report()
+    assert report["prepared"] is False
+    assert report["weights"]["state"] == "consistent" and report["weights"]["version"] is None
     with pytest.raises(RuntimeError, match="before init_refit_groups"):
         w.prepare_refit({"schema_version": 1})
     with pytest.raises(RuntimeError, match="before prepare_refit"):

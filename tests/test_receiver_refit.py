@@ -15,6 +15,8 @@ import sys
 import pytest
 import torch
 
+from megatron_reshard.commit import commit_refit
+
 from megatron_reshard.comm import create_refit_group
 from megatron_reshard.metadata import restore_refit_info_placements
 from megatron_reshard.packed import broadcast_packed, packed_layout
@@ -99,6 +101,9 @@ def _refit_job(job, case):
         worker.refit()
         worker.refit()  # a second refit reuses the plan and lands the same bytes
         report = worker.report()
+        # both refits committed: the weights are version 2 everywhere, nothing mixed
+        assert report["weights"]["state"] == "consistent", report["weights"]
+        assert report["weights"]["version"] == 2 and report["refits"] == 2, report["weights"]
         bad = [n for n, p in model.named_parameters()
                if not torch.equal(p.view(torch.int16), expected_vllm_shard(
                    cfg, n, full, gen_rank % tp, tp, ep).view(torch.int16))]
@@ -115,12 +120,15 @@ def _refit_job(job, case):
     group = create_refit_group(job.host, job.ports[stage], local, stage_world + gen_world, "gloo", 60.0)
     misc = misc_items_by_stage(payload)
     loop = RefitLoop(payload, specs, "src", {stage: group}, misc_items=misc)
-    for _ in range(2):
+    for version in (1, 2):  # the protocol of a refit: bulk, packed params, commit vote
         loop.run()
         items = misc.get(stage, [])
         if items:
             broadcast_packed(packed_layout(items), group, 0, torch.device("cpu"),
                              {n: full[n] for n, _, _ in items} if local == 0 else None)
+        outcome = commit_refit({stage: group}, side="src", version=version,
+                               checksum_failed=False, pp_size=pp)
+        assert outcome.ok and outcome.version == version, outcome
     return {"bad": [], "params": len(specs)}
 
 

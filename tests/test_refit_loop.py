@@ -295,10 +295,12 @@ def test_training_side_opens_the_next_batch_while_one_is_in_flight(monkeypatch):
     loop = RefitLoop(info, HFToLocalParamMap({n: spec(n) for n in names}), "src",
                      {0: NoCommGroup(0, 4)}, batch_bytes=1)  # one param per batch
     stage_stream = torch.cuda.Stream()
-    loop._run_stage_overlapped(0, stage_params(info)[0], stage_stream,
-                               lambda transfers, group, stream: log.ops.append(
-                                   ("xfer", tuple(t.name for t in transfers))),
-                               loop._engine()[1], StageStats(0))
+    from megatron_reshard.refit_loop import _StageRun
+
+    loop._run_stage_overlapped(_StageRun(
+        0, stage_params(info)[0], stage_stream,
+        lambda transfers, group, stream: log.ops.append(("xfer", tuple(t.name for t in transfers))),
+        loop._engine()[1], StageStats(0), on_write=None, table=None))
     ops = log.ops
     at = {op: i for i, op in enumerate(ops)}
     ready = {}  # batch name -> id of the event recorded on the side stream after its hooks

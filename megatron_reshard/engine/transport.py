@@ -25,6 +25,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megatron_reshard.faults import wait_device, wait_works
+
 
 def resolve_group(group):
     """The group to talk over: ``None`` means the default world."""
@@ -65,6 +67,7 @@ class P2PTransport:
             else torch.device("cpu"))
         self.coalesce = self.backend == "nccl"
         self._works: Optional[list] = None
+        self._peers: list[int] = []
 
     def rank(self) -> int:
         return self.group.rank()
@@ -73,30 +76,34 @@ class P2PTransport:
         return self.group.size()
 
     def send(self, tensor: torch.Tensor, peer: int, tag: int = 0) -> None:
-        work = self.group.send([tensor], peer, tag)
-        if self._works is None:
-            work.wait()
-        elif not self.coalesce:
-            self._works.append(work)
+        self._post(self.group.send([tensor], peer, tag), peer, "a send")
 
     def recv(self, tensor: torch.Tensor, peer: int, tag: int = 0) -> None:
-        work = self.group.recv([tensor], peer, tag)
+        self._post(self.group.recv([tensor], peer, tag), peer, "a receive")
+
+    def _post(self, work, peer: int, what: str) -> None:
         if self._works is None:
-            work.wait()
-        elif not self.coalesce:
+            wait_works([work], self.group, what, [peer])
+            return
+        self._peers.append(peer)
+        if not self.coalesce:
             self._works.append(work)
 
     @contextmanager
     def round(self):
         """Post sends/recvs inside; all of them are waited for on exit."""
-        self._works = []
+        self._works, self._peers = [], []
         if self.coalesce:
             if _is_registered_pg(self.group):
                 self.group._start_coalescing(self.device)
             else:
                 self.group._start_coalescing()
+        failed = False
         try:
             yield self
+        except BaseException:
+            failed = True  # the error propagates; the round's Works are abandoned with it
+            raise
         finally:
             works, self._works = self._works, None
             if self.coalesce:
@@ -106,11 +113,61 @@ class P2PTransport:
                     work = self.group._end_coalescing()
                 if work is not None:
                     works.append(work)
-            for w in works:
-                w.wait()
+            if not failed:  # a failing peer or the group's timeout raises instead of hanging
+                wait_works(works, self.group, "a transfer round", self._peers)
 
     def allreduce_max(self, tensor: torch.Tensor) -> None:
         """In-place MAX all-reduce over the whole group (blocking for the host)."""
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.MAX
-        self.group.allreduce([tensor], opts).wait()
+        wait_works([self.group.allreduce([tensor], opts)], self.group, "the agreement all-reduce")
+        if tensor.is_cuda:
+            wait_device(tensor.device, [self.group], "the agreement all-reduce")
+
+
+# ---------------------------------------------------------------- small group collectives
+
+
+def group_rank(group) -> int:
+    """This process's rank in ``group`` (a raw/registered ProcessGroup, or None = default world)."""
+    return dist.get_rank() if group is None else group.rank()
+
+
+def group_size(group) -> int:
+    return dist.get_world_size() if group is None else group.size()
+
+
+def control_device(group) -> torch.device:
+    """Device for small control tensors on ``group``: the current CUDA device for NCCL, else CPU."""
+    try:
+        name = backend_name(resolve_group(group))
+    except Exception:  # noqa: BLE001 - an unknown group kind talks over the CPU
+        name = ""
+    if name == "nccl" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_reduce(tensor: torch.Tensor, group, op, what: str) -> None:
+    """In-place all-reduce over ``group`` (blocking for the host; fault-aware on refit groups)."""
+    if group is None:
+        dist.all_reduce(tensor, op=op)
+        return
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = op
+    wait_works([group.allreduce([tensor], opts)], group, what)
+    if tensor.is_cuda:
+        wait_device(tensor.device, [group], what)
+
+
+def all_gather_ints(values, group, what: str = "an all-gather") -> list[list[int]]:
+    """Every rank's ``values`` (same length everywhere), by group rank."""
+    mine = torch.tensor(list(values), dtype=torch.int64, device=control_device(group))
+    out = [torch.empty_like(mine) for _ in range(group_size(group))]
+    if group is None:
+        dist.all_gather(out, mine)
+    else:
+        wait_works([group.allgather([out], [mine])], group, what)
+        if mine.is_cuda:
+            wait_device(mine.device, [group], what)
+    return [t.cpu().tolist() for t in out]

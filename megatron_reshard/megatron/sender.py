@@ -3,7 +3,8 @@
 ``RefitSender`` wraps a ``MegatronRefitSource`` and the rank's refit group (one group per
 training PP stage; a train rank belongs to its own stage's group). Per refit it runs the
 shared ``RefitLoop`` (side ``"src"``: bulk FFN params straight from the live shards), then
-the stage's other params as one packed broadcast from the stage's first train rank.
+the stage's other params as one packed broadcast from the stage's first train rank, then
+the commit vote (``megatron_reshard.commit``) that carries the refit's version.
 Options that enter the plan fingerprint (batch and staging bytes, misc items) must match
 the receiver's; a mismatch is reported at the first refit on every rank of the group.
 """
@@ -15,6 +16,8 @@ from typing import Any, Optional
 
 import torch
 
+from megatron_reshard.commit import commit_refit
+from megatron_reshard.faults import RefitError, fault_scope, wait_device
 from megatron_reshard.metadata import restore_refit_info_placements
 from megatron_reshard.packed import broadcast_packed, chunk_items, packed_layout
 from megatron_reshard.refit_loop import (
@@ -30,25 +33,60 @@ class RefitSender:
 
     def __init__(self, source: Any, group: Any, *, device: Optional[torch.device] = None,
                  num_streams: int = 2, batch_bytes: int = DEFAULT_BATCH_BYTES,
-                 staging_bytes: int = DEFAULT_STAGING_BYTES, overlap_pre_hooks: bool = True):
+                 staging_bytes: int = DEFAULT_STAGING_BYTES, overlap_pre_hooks: bool = True,
+                 verify_checksums: bool = False):
+        """``verify_checksums`` must match the generation side's choice (plan fingerprint).
+
+        Errors here are posted on the group's fault board, so the generation ranks raise
+        them too instead of waiting for their timeout."""
         self.source = source
         self.group = group
         self.stage = source.stage
         self.device = device or torch.device("cpu")
-        # The payload dict is restored in place; keep our own copy of the plain form.
-        info = restore_refit_info_placements(dict(source.payload))
-        self.misc_items = misc_items_by_stage(info).get(self.stage, [])
-        self.staging_bytes = staging_bytes
-        self.loop = RefitLoop(info, source.build_hf_to_local_param_map(), "src",
-                              {self.stage: group}, num_streams=num_streams,
-                              batch_bytes=batch_bytes, staging_bytes=staging_bytes,
-                              misc_items=misc_items_by_stage(info),
-                              overlap_pre_hooks=overlap_pre_hooks)
+        self.version = 0  # of the last refit sent (committed or not)
+        self._broken: Optional[str] = None
+        with fault_scope([group]):
+            # The payload dict is restored in place; keep our own copy of the plain form.
+            info = restore_refit_info_placements(dict(source.payload))
+            self.pp_size = int(info.get("pp_size", 1))
+            self.misc_items = misc_items_by_stage(info).get(self.stage, [])
+            self.staging_bytes = staging_bytes
+            self.loop = RefitLoop(info, source.build_hf_to_local_param_map(), "src",
+                                  {self.stage: group}, num_streams=num_streams,
+                                  batch_bytes=batch_bytes, staging_bytes=staging_bytes,
+                                  misc_items=misc_items_by_stage(info),
+                                  overlap_pre_hooks=overlap_pre_hooks,
+                                  verify_checksums=verify_checksums)
         self.is_misc_root = source.stage_local_rank == 0
 
-    def refit(self) -> dict:
-        """Send every param once. Collective over the train world (TP gather of the other
-        params) and over the refit group; every train rank calls it."""
+    def refit(self, version: Optional[int] = None) -> dict:
+        """Send every param once, then commit. Collective over the train world (TP gather
+        of the other params) and over the refit group; every train rank calls it.
+
+        ``version`` (default: the previous one + 1) is the weight version the generation
+        side reports once this refit committed; every train rank must pass the same. On
+        any failure the error reaches every rank of the group (fault board) and this
+        sender refuses further refits: new refit groups are needed.
+        """
+        if self._broken is not None:
+            raise RefitError(f"the refit group of stage {self.stage} failed in an earlier refit "
+                             f"({self._broken}); create a new refit group and sender")
+        version = self.version + 1 if version is None else int(version)
+        self.version = version
+        try:
+            with fault_scope([self.group]):
+                stats = self._send()
+                outcome = commit_refit({self.stage: self.group}, side="src", version=version,
+                                       checksum_failed=False, pp_size=self.pp_size)
+        except BaseException as exc:
+            self._broken = f"{type(exc).__name__}: {exc}"
+            raise
+        if not outcome.ok:
+            raise RefitError(f"refit version {version} failed its commit: {outcome.reason}")
+        stats["version"] = version
+        return stats
+
+    def _send(self) -> dict:
         t0 = time.perf_counter()
         bulk = self.loop.run()
         t1 = time.perf_counter()
@@ -62,9 +100,7 @@ class RefitSender:
             broadcast_packed(packed_layout(chunk), self.group, 0, self.device, tensors)
             del full, tensors
             if self.device.type == "cuda":  # NCCL holds the freed buffer until its stream is
-                torch.cuda.current_stream(self.device).synchronize()  # past: one at a time
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+                wait_device(self.device, [self.group], "a packed broadcast")  # past: one at a time
         t2 = time.perf_counter()
         return {"bulk_params": bulk.params, "bulk_bytes": bulk.local_bytes,
                 "bulk_s": t1 - t0, "misc_s": t2 - t1, "refit_s": t2 - t0}

@@ -16,17 +16,19 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Union
 import torch
 from torch.distributed.tensor import Shard
 
+from megatron_reshard.commit import commit_refit
+from megatron_reshard.engine.transport import control_device, group_rank, group_size
+from megatron_reshard.faults import RefitError, fault_scope, wait_device
 from megatron_reshard.layout import PaddedShard, is_expert_param
 from megatron_reshard.metadata import restore_refit_info_placements
 from megatron_reshard.packed import chunk_items
+from megatron_reshard.receiver.payload_check import validate_payload
+from megatron_reshard.receiver.state import WeightState
 from megatron_reshard.refit_loop import (
     DEFAULT_BATCH_BYTES,
     DEFAULT_STAGING_BYTES,
     MiscItem,
     RefitLoop,
-    comm_device,
-    group_rank,
-    group_size,
     local_region,
     misc_items_by_stage,
     region_index,
@@ -143,7 +145,7 @@ def receive_misc_packed(stage: int, group: Optional[Any], items: list[MiscItem],
     the stage's other params in payload order (``megatron_reshard.packed``)."""
     from megatron_reshard.packed import broadcast_packed, packed_layout
 
-    return broadcast_packed(packed_layout(items), group, 0, device or comm_device(group))
+    return broadcast_packed(packed_layout(items), group, 0, device or control_device(group))
 
 
 class ReceiverSession:
@@ -162,16 +164,40 @@ class ReceiverSession:
         receive_misc: Optional[MiscReceiver] = None,
         xfer_batch: Optional[Callable[..., None]] = None,
         vllm_tp: Optional[tuple[int, int]] = None,
+        verify_checksums: bool = False,
+        weights: Optional[WeightState] = None,
     ):
         """``vllm_tp``: ``(tp_rank, tp_size)`` as the serving engine reports it, if known; the
-        payload's placement of this rank must agree (else data would land on the wrong rank)."""
+        payload's placement of this rank must agree (else data would land on the wrong rank).
+        ``verify_checksums`` must match the training side's choice (it is part of the plan
+        fingerprint). ``weights``: the state of the model's weights, kept by the caller
+        across sessions (new refit groups, new payloads) of the same model.
+
+        Any error here is posted on the groups' fault boards: the training ranks, waiting
+        for the first refit, raise it too instead of waiting for their timeout."""
         t0 = time.perf_counter()
         self.groups = dict(groups)
+        self.weights = weights if weights is not None else WeightState()
+        self._broken: Optional[str] = None  # why the groups cannot be used again
+        with fault_scope(self.groups.values()):
+            self._prepare(payload, named_parameters, num_streams=num_streams,
+                          batch_bytes=batch_bytes, staging_bytes=staging_bytes,
+                          strided_in_place=strided_in_place, xfer_batch=xfer_batch,
+                          vllm_tp=vllm_tp, verify_checksums=verify_checksums)
+        self.receive_misc = receive_misc or receive_misc_packed
+        self.staging_bytes = staging_bytes
+        self.stats: dict[str, Any] = {"refits": 0, "prepare_s": time.perf_counter() - t0,
+                                      "verify_s": None, "last": None, "total_refit_s": 0.0}
+
+    def _prepare(self, payload, named_parameters, *, num_streams, batch_bytes, staging_bytes,
+                 strided_in_place, xfer_batch, vllm_tp, verify_checksums) -> None:
         ranks = {s: group_rank(g) for s, g in self.groups.items()}
         if len(set(ranks.values())) > 1:
             raise ValueError(f"this generation rank has different ranks in the refit groups: {ranks}")
         self.rank_in_group = next(iter(ranks.values())) if ranks else 0
         where = f"refit group rank {self.rank_in_group}"
+        self.where = where
+        validate_payload(payload, where)
         self.payload = restore_payload(payload, where)
         pp_size = int(self.payload.get("pp_size", 1))
         missing = sorted(set(range(pp_size)) - set(self.groups))
@@ -184,6 +210,8 @@ class ReceiverSession:
             if group_size(group) != stage_world + gen_world:
                 raise ValueError(f"{where}: the group of stage {stage} has {group_size(group)} ranks, "
                                  f"the payload needs {stage_world} train + {gen_world} gen ranks")
+        validate_payload(payload, where, group_size=stage_world + gen_world,
+                         train_ranks=stage_world)
         self.gen_rank = self.rank_in_group - stage_world
         if not 0 <= self.gen_rank < gen_world:
             raise ValueError(f"{where} is not a generation rank (train ranks are 0..{stage_world - 1}, "
@@ -205,11 +233,8 @@ class ReceiverSession:
         self.loop = RefitLoop(self.payload, self.local_map, "dst", self.groups,
                               num_streams=num_streams, batch_bytes=batch_bytes,
                               staging_bytes=staging_bytes, misc_items=self.misc_items,
-                              xfer_batch=xfer_batch)
-        self.receive_misc = receive_misc or receive_misc_packed
-        self.staging_bytes = staging_bytes
-        self.stats: dict[str, Any] = {"refits": 0, "prepare_s": time.perf_counter() - t0,
-                                      "verify_s": None, "last": None, "total_refit_s": 0.0}
+                              xfer_batch=xfer_batch, verify_checksums=verify_checksums)
+        self.pp_size = pp_size
 
     def verify_plan(self) -> None:
         """Compare plan fingerprints with the training side (communication: one small all-gather)."""
@@ -218,11 +243,57 @@ class ReceiverSession:
         self.stats["verify_s"] = time.perf_counter() - t0
 
     def refit(self) -> dict:
-        """Receive every param once: the bulk params, then each stage's other params."""
+        """Receive every param once (the bulk params, then each stage's other params), then
+        commit: the weight version advances only if every rank of every group got there.
+
+        On any failure the error is posted on the groups' boards (every peer raises it
+        within a poll), ``self.weights`` says what the storage now holds, and the groups
+        are not used again (a new session on new groups is needed). A checksum mismatch
+        raises after the vote on every rank; the groups stay usable.
+        """
+        if self._broken is not None:
+            raise RefitError(f"{self.where}: the refit groups failed in an earlier refit "
+                             f"({self._broken}); create new refit groups and a new session "
+                             f"(init_refit_groups + prepare_refit) to refit again")
         t0 = time.perf_counter()
-        if self.stats["verify_s"] is None:
-            self.verify_plan()
-        bulk = self.loop.run()
+        names: list[str] = []
+        try:
+            with fault_scope(self.groups.values()):
+                if self.stats["verify_s"] is None:
+                    self.verify_plan()
+                last = self._receive(names)
+                bad = last.pop("checksum_mismatches")
+                outcome = commit_refit(self.groups, side="dst", version=None,
+                                       checksum_failed=bool(bad), pp_size=self.pp_size)
+        except BaseException as exc:
+            self._broken = f"{type(exc).__name__}: {exc}"
+            self.weights.failed(self._broken)
+            raise
+        if not outcome.ok:
+            reason = outcome.reason
+            if bad:
+                reason = (f"{self.where} (gen rank {self.gen_rank}): checksums differ for "
+                          f"{bad}; {reason}")
+            self.weights.failed(reason)
+            raise RefitError(f"refit failed its commit: {reason}. The weights are "
+                             f"{self.weights.as_dict()['state']}")
+        self.weights.committed(outcome.version, names)
+        last["version"] = outcome.version
+        last["refit_s"] = time.perf_counter() - t0
+        self.stats["refits"] += 1
+        self.stats["total_refit_s"] += last["refit_s"]
+        self.stats["last"] = last
+        return dict(last)
+
+    def _receive(self, names: list[str]) -> dict:
+        """The data phase of one refit; ``names`` collects every param it carries."""
+        t0 = time.perf_counter()
+
+        def writing(batch_names: list[str]) -> None:
+            names.extend(batch_names)
+            self.weights.writing(batch_names)
+
+        bulk = self.loop.run(on_write=writing)
         t1 = time.perf_counter()
         misc_bytes = misc_wire_bytes = 0
         on_cuda = torch.cuda.is_available() and any(t.is_cuda for t in self.targets.params.values())
@@ -232,29 +303,28 @@ class ReceiverSession:
             for chunk in chunk_items(items, self.staging_bytes):
                 tensors = self.receive_misc(stage, self.groups[stage], chunk)
                 misc_wire_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
+                writing([n for n, _, _ in chunk])
                 misc_bytes += apply_full_weights(self.targets, [plans[n] for n, _, _ in chunk],
                                                  tensors)
                 del tensors
                 if on_cuda:  # NCCL holds the freed buffer until its stream is past it
-                    torch.cuda.current_stream().synchronize()
-        if on_cuda:
-            torch.cuda.synchronize()
+                    wait_device(torch.device("cuda", torch.cuda.current_device()),
+                                self.groups.values(), "a packed broadcast")
         t2 = time.perf_counter()
-        last = {"bulk_params": bulk.params, "bulk_bytes": bulk.local_bytes,
+        return {"bulk_params": bulk.params, "bulk_bytes": bulk.local_bytes,
                 "misc_params": sum(len(i) for i in self.misc_items.values()),
-                "misc_bytes": misc_bytes, "misc_wire_bytes": misc_wire_bytes, "bulk_s": t1 - t0, "misc_s": t2 - t1, "refit_s": t2 - t0,
-                "stages": bulk.as_dict()["stages"]}
-        self.stats["refits"] += 1
-        self.stats["total_refit_s"] += t2 - t0
-        self.stats["last"] = last
-        return dict(last)
+                "misc_bytes": misc_bytes, "misc_wire_bytes": misc_wire_bytes, "bulk_s": t1 - t0,
+                "misc_s": t2 - t1, "stages": bulk.as_dict()["stages"],
+                "checksums": self.loop.verify_checksums,
+                "checksum_mismatches": list(bulk.checksum_mismatches)}
 
     def release_staging(self) -> None:
         """Give back the CUDA staging memory kept between refits (see RefitLoop)."""
         self.loop.release_staging()
 
     def report(self) -> dict:
-        """Plain-data summary: what this rank receives, bytes, timings, target params left unwritten."""
+        """Plain-data summary: what this rank receives, bytes, timings, target params left
+        unwritten, and the state of the weights (version, consistent or not)."""
         plans = list(self.bulk_plans) + [p for ps in self.misc_plans.values() for p in ps]
         last = self.stats["last"] or {}
         return {
@@ -269,6 +339,8 @@ class ReceiverSession:
             "bytes_received": last.get("bulk_bytes", 0) + last.get("misc_bytes", 0),
             "misc_wire_bytes": last.get("misc_wire_bytes", 0),
             "refits": self.stats["refits"],
+            "weights": self.weights.as_dict(),
+            "groups_usable": self._broken is None,
             "timings": {"prepare_s": self.stats["prepare_s"], "verify_s": self.stats["verify_s"],
                         "last_refit_s": last.get("refit_s"), "last_bulk_s": last.get("bulk_s"),
                         "last_misc_s": last.get("misc_s"),

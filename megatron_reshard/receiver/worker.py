@@ -4,10 +4,14 @@ Torch + stdlib only. Phases, each with plain-data arguments and results:
 
 1. ``init_refit_groups(host, ports_by_stage, group_rank, group_sizes, backend, timeout_s)``
    joins one refit group per training PP stage (``megatron_reshard.comm.create_refit_group``).
-2. ``prepare_refit(payload, options=None)`` restores the payload and maps every HF name onto
-   this rank's vLLM storage. Local only: all validation errors are raised here.
-3. ``refit()`` receives the weights (first call also compares plan fingerprints).
-4. ``report()`` returns what was received and how long it took.
+2. ``prepare_refit(payload, options=None)`` validates the whole payload and maps every HF
+   name onto this rank's vLLM storage. Local work; an error is raised here and posted on
+   the groups' fault boards, so the training ranks raise it too within a second.
+3. ``refit()`` receives the weights and commits (first call also compares plan
+   fingerprints); the weights' version advances only when every rank got every param.
+4. ``report()`` returns what was received, how long it took and the weights' state;
+   ``refit_weights_state()`` / ``check_refit_weights_consistent()`` tell whether a failed
+   refit left mixed weights (see ``receiver.state``).
 
 vLLM mixes this class into its worker class (``worker_extension_cls``), so no ``__init__``
 of ours runs: state lives in one attribute created on first use. The model comes from
@@ -23,8 +27,10 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import torch
 
 from megatron_reshard.receiver.session import ReceiverSession, receive_misc_packed
+from megatron_reshard.receiver.state import WeightState
 
-_PREPARE_OPTIONS = ("num_streams", "batch_bytes", "staging_bytes", "strided_in_place")
+_PREPARE_OPTIONS = ("num_streams", "batch_bytes", "staging_bytes", "strided_in_place",
+                    "verify_checksums")
 
 
 def _per_stage(value: Union[Sequence, Mapping, int], what: str) -> dict[int, Any]:
@@ -71,7 +77,9 @@ class MegatronReshardWorkerExtension:
     def _refit_state(self) -> dict:
         state = self.__dict__.get("_megatron_reshard_state")
         if state is None:
-            state = {"groups": None, "group_rank": None, "session": None}
+            # the weights' state belongs to the model: it outlives groups and sessions
+            state = {"groups": None, "group_rank": None, "session": None,
+                     "weights": WeightState()}
             self.__dict__["_megatron_reshard_state"] = state
         return state
 
@@ -101,8 +109,10 @@ class MegatronReshardWorkerExtension:
             raise ValueError(f"ports_by_stage has stages {sorted(ports)}, group_sizes has {sorted(sizes)}")
         groups = {}
         for stage in sorted(ports):
-            groups[stage] = create_refit_group(host, int(ports[stage]), int(group_rank),
-                                               int(sizes[stage]), backend, float(timeout_s))
+            groups[stage] = create_refit_group(
+                host, int(ports[stage]), int(group_rank), int(sizes[stage]), backend,
+                float(timeout_s), who=f"generation worker at refit group rank {group_rank}",
+                label=f"refit group of PP stage {stage}")
         state = self._refit_state()
         state.update(groups=groups, group_rank=int(group_rank), session=None)
         return {"stages": sorted(groups), "group_rank": int(group_rank)}
@@ -119,7 +129,7 @@ class MegatronReshardWorkerExtension:
         state["session"] = None
         session = ReceiverSession(payload, self.get_refit_model().named_parameters(), state["groups"],
                                   receive_misc=self.receive_misc, vllm_tp=self.get_refit_tp_coords(),
-                                  **options)
+                                  weights=state["weights"], **options)
         state["session"] = session
         report = session.report()
         return {k: report[k] for k in ("rank_in_group", "gen_rank", "tp_rank", "tp_size", "ep_rank",
@@ -127,8 +137,21 @@ class MegatronReshardWorkerExtension:
                                        "uncovered_targets")}
 
     def refit(self) -> dict:
-        """Receive all weights once (bulk + other params); returns this refit's numbers."""
+        """Receive all weights once (bulk + other params) and commit; returns this refit's
+        numbers, ``version`` included. On failure it raises, and ``refit_weights_state()``
+        says what the storage holds."""
         return self._refit_session().refit()
+
+    def refit_weights_state(self) -> dict:
+        """The weights' version and consistency (``receiver.state.WeightState.as_dict``):
+        ``{"state": "consistent" | "inconsistent", "version", "started_from",
+        "overwritten": [names], "refits", "failed_refits", "last_error"}``."""
+        return self._refit_state()["weights"].as_dict()
+
+    def check_refit_weights_consistent(self) -> None:
+        """Raise ``InconsistentWeightsError`` while a failed refit left mixed weights: call
+        it before generating to refuse generation from a half-updated policy."""
+        self._refit_state()["weights"].require_consistent()
 
     def release_refit_staging(self) -> None:
         """Give back the CUDA staging memory the refit keeps between refits (two slots of
@@ -151,7 +174,7 @@ class MegatronReshardWorkerExtension:
 
     def report(self) -> dict:
         """Plain-data summary: params, bytes received, timings, target params left unwritten."""
-        session = self._refit_state()["session"]
-        if session is None:
-            return {"prepared": False}
-        return {"prepared": True, **session.report()}
+        state = self._refit_state()
+        if state["session"] is None:
+            return {"prepared": False, "weights": state["weights"].as_dict()}
+        return {"prepared": True, **state["session"].report()}

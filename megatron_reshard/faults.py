@@ -1,0 +1,294 @@
+"""Failures that reach every rank of a refit group, fast, and waits that never hang silently.
+
+Torch + stdlib only (the receiver imports it). Each refit group made by
+``comm.create_refit_group`` carries a ``FaultBoard`` in its own TCPStore. A rank that fails
+(bad input, a broken peer, an integrity mismatch) posts one line there; every wait on the
+group (``wait_works``, ``wait_device``) polls the board, so a peer blocked in a receive
+raises ``PeerFailure`` naming the failing rank and its message within ``POLL_S`` instead of
+waiting for the group's timeout. A rank that dies or hangs cannot post: its gloo peers see
+the connection close at once (a process that exits closes its sockets) and post in its
+place; a stopped process is found by the deadline every wait carries (the group's timeout).
+
+Why a waiter thread for gloo: a gloo ``send``/``recv`` Work completes only inside
+``wait()`` (``is_completed()`` stays False until then) and ``wait(timeout)`` closes the pair,
+so the main thread cannot poll it; it waits on a thread instead and polls the board
+meanwhile. A Work left behind by a failure is abandoned with its group: a failed group is
+never used again (the board keeps the failure, ``raise_if_failed`` refuses new work).
+
+NCCL work is asynchronous on the host; its blocking point is a device sync, which
+``wait_device`` turns into an event poll with the same board checks and deadline, aborting
+the communicator (``ProcessGroupNCCL.abort``) on a peer failure or timeout so that its
+kernels stop.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import weakref
+from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional, Sequence
+
+import torch
+
+POLL_S = 0.05          # how often a waiting rank looks at the board
+GRACE_S = 0.5          # after a transport error: how long to look for a peer's own report
+
+_WAITER = ThreadPoolExecutor(max_workers=4, thread_name_prefix="refit-wait")
+# group -> its FaultBoard (set by comm.create_refit_group); weak: a dropped group drops it
+_BOARDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+class RefitError(RuntimeError):
+    """A refit (or its setup) failed; the message says where and why."""
+
+
+class PeerFailure(RefitError):
+    """Another rank of a refit group failed: ``who`` names it, ``reason`` is its message,
+    ``posted_by`` the group rank that posted it (itself, or a rank relaying it)."""
+
+    def __init__(self, message: str, *, who: str, reason: str, posted_by: int):
+        super().__init__(message)
+        self.who, self.reason, self.posted_by = who, reason, posted_by
+
+
+class RefitTimeout(RefitError, TimeoutError):
+    """A wait passed the group's timeout: a peer is hung, stopped or gone."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One post on a board: who failed first (``who`` names the process, e.g. "train rank 3
+    (PP stage 1)"), why, and the group rank that posted it (the failed rank itself, or a
+    rank relaying a failure it saw in another refit group)."""
+
+    who: str
+    reason: str
+    posted_by: int
+
+    def describe(self) -> str:
+        return f"{self.who} failed: {self.reason}"
+
+
+class FaultBoard:
+    """The failure notices of one refit group, kept in the group's store."""
+
+    def __init__(self, store: Any, rank: int, world: int, who: str, label: str,
+                 timeout_s: float):
+        self.store, self.rank, self.world = store, rank, world
+        self.who = who            # this rank, for humans: "train rank 3", "gen rank 0"
+        self.label = label        # the group, for humans: "refit group of PP stage 1"
+        self.timeout_s = timeout_s
+        self._seen: Optional[Fault] = None
+
+    # -- posting -------------------------------------------------------------------------
+
+    def post(self, reason: str, root: Optional[Fault] = None) -> None:
+        """Tell every rank of the group that this rank failed (or relay ``root``'s failure).
+
+        Best effort: a store that is gone (its host died) cannot be told anything.
+        """
+        fault = root or Fault(self.who, reason, self.rank)
+        record = {"who": fault.who, "reason": fault.reason, "posted_by": self.rank}
+        try:
+            seq = int(self.store.add("fault/count", 1))
+            self.store.set(f"fault/{seq}", json.dumps(record))
+        except Exception:  # noqa: BLE001 - the store's host is gone: nothing to tell
+            pass
+
+    # -- reading -------------------------------------------------------------------------
+
+    def first_fault(self) -> Optional[Fault]:
+        """The earliest failure posted by another rank, None if there is none.
+
+        A store that cannot be reached means its host, group rank 0, is gone.
+        """
+        if self._seen is not None:
+            return self._seen
+        try:
+            count = int(self.store.add("fault/count", 0))
+            for seq in range(1, count + 1):
+                key = f"fault/{seq}"
+                if not self.store.check([key]):
+                    continue  # counted, not written yet: the next poll reads it
+                rec = json.loads(self.store.get(key))
+                if rec["who"] != self.who:  # not this rank's own failure coming back
+                    self._seen = Fault(rec["who"], rec["reason"], int(rec["posted_by"]))
+                    return self._seen
+        except Exception as exc:  # noqa: BLE001 - any store error: its host is unreachable
+            if self.rank == 0:
+                return None  # we host it; a local store error is not a peer failure
+            self._seen = Fault("group rank 0 (it hosts the group's store)", f"its store is "
+                               f"unreachable ({type(exc).__name__}: {exc}); the process likely "
+                               f"exited", 0)
+            return self._seen
+        return None
+
+    def peer_failure(self, fault: Fault, while_doing: str) -> PeerFailure:
+        return PeerFailure(f"{self.label}, {self.who} (group rank {self.rank}) while "
+                           f"{while_doing}: {fault.describe()}", who=fault.who,
+                           reason=fault.reason, posted_by=fault.posted_by)
+
+    def raise_if_failed(self, while_doing: str) -> None:
+        fault = self.first_fault()
+        if fault is not None:
+            raise self.peer_failure(fault, while_doing)
+
+
+def attach_board(group: Any, board: FaultBoard) -> None:
+    _BOARDS[group] = board
+
+
+def board_of(group: Any) -> Optional[FaultBoard]:
+    """The group's board (None for groups not made by ``comm.create_refit_group``)."""
+    try:
+        return _BOARDS.get(group)
+    except TypeError:  # not weak-referenceable: no board
+        return None
+
+
+def boards_of(groups: Iterable[Any]) -> list[FaultBoard]:
+    return [b for b in (board_of(g) for g in groups) if b is not None]
+
+
+def post_failure(groups: Iterable[Any], exc: BaseException) -> None:
+    """Post ``exc`` on the board of every group (a peer's failure is relayed as its root)."""
+    for board in boards_of(groups):
+        if isinstance(exc, PeerFailure):
+            board.post(exc.reason, Fault(exc.who, exc.reason, board.rank))
+        else:
+            board.post(f"{type(exc).__name__}: {exc}")
+
+
+class fault_scope:
+    """``with fault_scope(groups):`` — any exception inside is posted on every group's board
+    before it propagates, so the peers of this rank fail now instead of at their timeout."""
+
+    def __init__(self, groups: Iterable[Any]):
+        self.groups = list(groups)
+
+    def __enter__(self) -> "fault_scope":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc is not None and not isinstance(exc, (KeyboardInterrupt, GeneratorExit)):
+            post_failure(self.groups, exc)
+        return False
+
+
+# ------------------------------------------------------------------------------- waits
+
+
+def wait_works(works: Sequence[Any], group: Any, what: str,
+               peers: Optional[Sequence[int]] = None) -> None:
+    """Wait for the Works of one step on ``group``; raise instead of hanging.
+
+    Without a board (a group not made by ``create_refit_group``) this is ``w.wait()`` for
+    each. With one: the Works are waited for on a waiter thread while this thread polls the
+    board; a peer's post raises ``PeerFailure`` at once, the group's timeout
+    ``RefitTimeout``, a transport error (a peer's process exited) a ``RefitError`` naming
+    the peers of the step, after a short look for a peer's own report.
+    """
+    board = board_of(group)
+    if board is None or not works:
+        for w in works:
+            w.wait()
+        return
+    board.raise_if_failed(what)
+    future = _WAITER.submit(_wait_all, works)
+    deadline = time.monotonic() + board.timeout_s
+    while True:
+        try:
+            future.result(timeout=POLL_S)
+            return
+        except FutureTimeout:
+            pass
+        except Exception as exc:  # noqa: BLE001 - the transport's error, re-raised with context
+            _raise_transport_error(board, what, peers, exc)
+        board.raise_if_failed(what)
+        if time.monotonic() > deadline:
+            raise RefitTimeout(f"{board.label}, {board.who} (group rank {board.rank}): {what} "
+                               f"did not complete within the group's timeout of "
+                               f"{board.timeout_s:g} s{_peers_text(peers)}; a peer is hung, "
+                               f"stopped or gone")
+
+
+def _wait_all(works: Sequence[Any]) -> None:
+    for w in works:
+        w.wait()
+
+
+def _peers_text(peers: Optional[Sequence[int]]) -> str:
+    if not peers:
+        return ""
+    return f" (waiting on group rank(s) {sorted(set(peers))})"
+
+
+def _raise_transport_error(board: FaultBoard, what: str, peers, exc: BaseException) -> None:
+    deadline = time.monotonic() + GRACE_S
+    while time.monotonic() < deadline:  # a peer that failed on purpose may be posting now
+        fault = board.first_fault()
+        if fault is not None:
+            raise board.peer_failure(fault, what) from exc
+        time.sleep(POLL_S / 5)
+    raise RefitError(f"{board.label}, {board.who} (group rank {board.rank}): {what} failed in "
+                     f"the transport{_peers_text(peers)}: {exc}. No peer reported a failure: "
+                     f"a peer process most likely exited") from exc
+
+
+def wait_device(device: torch.device, groups: Iterable[Any], what: str) -> None:
+    """Block until the current CUDA stream of ``device`` is done (see ``wait_event``).
+    A no-op on CPU."""
+    if device.type != "cuda":
+        return
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    wait_event(event, groups, what)
+
+
+def wait_event(event: "torch.cuda.Event", groups: Iterable[Any], what: str) -> None:
+    """Block until a CUDA event is reached, polling the groups' boards meanwhile.
+
+    On a peer's post or past the timeout, the NCCL groups are aborted (their kernels stop)
+    and the error raised.
+    """
+    groups = list(groups)
+    boards = boards_of(groups)
+    if not boards:
+        event.synchronize()
+        return
+    timeout = min(b.timeout_s for b in boards)
+    deadline = time.monotonic() + timeout
+    while not event.query():
+        for board in boards:
+            fault = board.first_fault()
+            if fault is not None:
+                abort_groups(groups)
+                raise board.peer_failure(fault, what)
+        if time.monotonic() > deadline:
+            abort_groups(groups)
+            raise RefitTimeout(f"{boards[0].who}: {what} did not complete on the device within "
+                               f"{timeout:g} s; a peer is hung, stopped or gone (groups aborted)")
+        time.sleep(POLL_S / 10)
+
+
+def abort_groups(groups: Iterable[Any]) -> None:
+    """Abort the communicators of NCCL groups (their pending kernels stop); best effort."""
+    for g in groups:
+        abort = getattr(g, "abort", None)
+        name = ""
+        try:
+            name = str(g.name()).lower()
+        except Exception:  # noqa: BLE001
+            pass
+        if abort is not None and "nccl" in name:
+            try:
+                abort()
+            except Exception:  # noqa: BLE001 - already broken
+                pass
+
+
+__all__ = ["Fault", "FaultBoard", "PeerFailure", "RefitError", "RefitTimeout", "attach_board",
+           "abort_groups", "board_of", "boards_of", "fault_scope", "post_failure", "wait_device",
+           "wait_event", "wait_works"]
