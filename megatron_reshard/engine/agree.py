@@ -87,14 +87,15 @@ def _pack(vote: Vote, me: int, world: int) -> list:
 
 def _unpack(got: list, world: int) -> Tally:
     failed = tuple((r, None if got[r] == 1 else got[r] - 2) for r in range(world) if got[r])
-    cnt, fp, cached = (got[world + 2 * i: world + 2 * i + 2] for i in range(3))
-    base = world + 6
-    ndim = got[base]
-    shape = None if ndim < 0 else tuple(got[base + 1: base + 1 + ndim])
-    voted = fp[0] != NO_VOTE
-    sigs = tuple(got[base + 1 + MAX_NDIM:])
-    return Tally(failed, cnt[0] == -cnt[1], not voted or fp[0] == -fp[1],
-                 cached[0] == -cached[1] and cached[0] == hash_ints(sigs), sigs, shape)
+    # each pair holds (max, -min) over the ranks
+    count_max, count_neg_min, fp_max, fp_neg_min, cached_max, cached_neg_min = \
+        got[world: world + 6]
+    ndim, dims = got[world + 6], got[world + 7: world + 7 + MAX_NDIM]
+    shape = None if ndim < 0 else tuple(dims[:ndim])
+    sigs = tuple(got[world + 7 + MAX_NDIM:])
+    return Tally(failed, count_max == -count_neg_min,
+                 fp_max == NO_VOTE or fp_max == -fp_neg_min,  # NO_VOTE: all abstained
+                 cached_max == -cached_neg_min and cached_max == hash_ints(sigs), sigs, shape)
 
 
 def allreduce_votes(values: list, transport: P2PTransport, planner: Planner) -> list:
@@ -172,7 +173,7 @@ def _raise_disagreement(vote: Vote, description: Description,
                         transport: P2PTransport, where: str) -> None:
     """Find the first transfer the ranks describe differently, who differs, and how."""
     me, world = transport.rank(), transport.size()
-    n = _allreduce_plain([*_pair(vote.count)], transport)[0]  # the longest batch
+    n, _ = _allreduce_plain([*_pair(vote.count)], transport)  # the longest batch
     hashes = description.hashes() if description.hashes is not None else None
     slots: list = []
     for i in range(n):  # 0: no transfer at this index
@@ -194,12 +195,12 @@ def _raise_disagreement(vote: Vote, description: Description,
     for r in range(world):
         if row[r] != -1:
             groups.setdefault(row[r], []).append(r)
-    ordered = sorted(groups.values(), key=lambda rs: (-len(rs), rs[0]))
+    ordered = sorted(groups.values(), key=lambda rs: (-len(rs), min(rs)))
     name = description.names[first] if first < len(description.names) else f"#{first}"
-    expected, found = ordered[0], ordered[1:]
-    parts = [f"expected (as on ranks {expected}) {texts[expected[0]]}"]
-    parts += [f"found on rank{'s ' + str(rs) if len(rs) > 1 else ' ' + str(rs[0])} "
-              f"{texts[rs[0]]}" for rs in found]
+    expected, *found = ordered
+    parts = [f"expected (as on ranks {expected}) {texts[min(expected)]}"]
+    parts += [f"found on rank{'s ' + str(rs) if len(rs) > 1 else ' ' + str(min(rs))} "
+              f"{texts[min(rs)]}" for rs in found]
     raise ValueError(f"{where} on rank {me}: ranks disagree on the batch description at "
                      f"param {name!r} (index {first} of the batch): " + "; ".join(parts)
                      + "; no data was moved")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -74,11 +74,11 @@ def xferdtensor(src, src_mesh, src_placements: Sequence, dst, dst_mesh,
         s = d = None
         problem = Problem(0, str(exc))
     refs = [r for r in (s, d) if r is not None]
-    if problem is None and len(refs) == 2 and s[1] != d[1]:
+    if problem is None and len(refs) == 2 and s.global_shape != d.global_shape:
         problem = Problem(0, f"{where}: src and dst global shapes differ: expected the "
-                          f"src's {s[1]} for dst as well, found {d[1]}")
+                          f"src's {s.global_shape} for dst as well, found {d.global_shape}")
     if refs:
-        shape, dtype, described = refs[0][1], refs[0][0].dtype, True
+        shape, dtype, described = refs[0].global_shape, refs[0].tensor.dtype, True
     else:
         # Outside both meshes: no bytes to move here; the shape only needs to be valid.
         shape, dtype, described = _placeholder_shape(src_placements, dst_placements), \
@@ -87,8 +87,8 @@ def xferdtensor(src, src_mesh, src_placements: Sequence, dst, dst_mesh,
             problem = _member_without_tensors(src_mesh, src_placements, dst_mesh,
                                               dst_placements, group, where)
     t = Transfer(name, shape, dtype, src_mesh, list(src_placements), dst_mesh,
-                 list(dst_placements), s[0] if s is not None else None,
-                 d[0] if d is not None else None)
+                 list(dst_placements), s.tensor if s is not None else None,
+                 d.tensor if d is not None else None)
     run_batch([t], group, stream=stream, planner=planner, described=described,
               problem=problem)
 
@@ -97,8 +97,13 @@ def _group_rank(group) -> int:
     return resolve_group(group).rank()
 
 
-def _unwrap(x, side: str, where: str) -> Optional[tuple]:
-    """``(local tensor, global shape)`` of a DTensor, DTensorRef or look-alike; None."""
+class _Local(NamedTuple):
+    tensor: torch.Tensor
+    global_shape: tuple
+
+
+def _unwrap(x, side: str, where: str) -> Optional[_Local]:
+    """The local tensor and global shape of a DTensor, DTensorRef or look-alike; None."""
     if x is None:
         return None
     local, shape = getattr(x, "_local_tensor", None), getattr(x, "shape", None)
@@ -106,7 +111,7 @@ def _unwrap(x, side: str, where: str) -> Optional[tuple]:
         raise ValueError(f"{where}: {side} must be a DTensor, a DTensorRef or an object with "
                          f"._local_tensor (a torch.Tensor) and .shape (the global shape), "
                          f"found {type(x).__name__}")
-    return local, tuple(int(n) for n in shape)
+    return _Local(local, tuple(int(n) for n in shape))
 
 
 def _member_without_tensors(src_mesh, src_placements, dst_mesh, dst_placements, group,
@@ -117,7 +122,7 @@ def _member_without_tensors(src_mesh, src_placements, dst_mesh, dst_placements, 
     for side, mesh, placements in (("src", src_mesh, src_placements),
                                    ("dst", dst_mesh, dst_placements)):
         try:
-            ranks = _mesh_key(mesh)[1]
+            _, ranks = _mesh_key(mesh)
         except Exception:
             return None  # the description step reports an unreadable mesh
         if me not in ranks:
@@ -127,10 +132,10 @@ def _member_without_tensors(src_mesh, src_placements, dst_mesh, dst_placements, 
             expected = "a local tensor (no rank of the group knows the global shape)"
             if shape is not None:
                 try:
-                    key = layout_key(shape, src_mesh, src_placements, dst_mesh,
-                                     dst_placements, where)
-                    m_shape, ranks, dims = key[1:4] if side == "src" else key[4:7]
-                    own = shard_ownerships(key[0], m_shape, ranks, dims)[me]
+                    shape, *sides = layout_key(shape, src_mesh, src_placements, dst_mesh,
+                                               dst_placements, where)
+                    m_shape, ranks, dims = sides[:3] if side == "src" else sides[3:]
+                    own = shard_ownerships(shape, m_shape, ranks, dims)[me]
                     expected = f"a local tensor of shape {own.local_shape}"
                 except (ValueError, KeyError):
                     pass  # the layout's own error is voted by the ranks that know it

@@ -8,12 +8,20 @@ agreement step and moves bytes.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from .agree import Description, hash_ints
 from .plan import _mesh_key, batch_fingerprint
 from .program import Program
 from .schedule import Schedule
+
+
+class LightItem(NamedTuple):
+    """One transfer in a ``light_key``."""
+
+    name: str
+    dtype: object
+    layout: tuple  # (shape, src mesh key, src placements, dst mesh key, dst placements, world)
 
 
 def light_key(transfers, world: int) -> Optional[tuple]:
@@ -34,7 +42,7 @@ def light_key(transfers, world: int) -> Optional[tuple]:
                 dk = mesh_keys[id(dm)] = _mesh_key(dm)
             lay = (tuple(map(int, t.global_shape)), sk, tuple(t.src_placements),
                    dk, tuple(t.dst_placements), world)
-            items.append((t.name, t.dtype, lay))
+            items.append(LightItem(t.name, t.dtype, lay))
     except Exception:
         return None
     return tuple(items)
@@ -43,6 +51,13 @@ def light_key(transfers, world: int) -> Optional[tuple]:
 def signature(strided: tuple) -> int:
     """A rank's vote for its non-standard tensors: 0 for none, else a hash of them."""
     return hash_ints(strided) if strided else 0
+
+
+class StridedTensors(NamedTuple):
+    """A rank's non-standard-contiguous tensors: their indices k and vote signature."""
+
+    tensors: tuple
+    signature: int
 
 
 class Batch:
@@ -66,16 +81,15 @@ class Batch:
         self.programs: dict = {}
         self._strided: dict = {}  # strides -> this rank's non-standard tensors (k)
 
-    def strided_of(self, strides: tuple, tensors: list) -> tuple:
-        """``(ks, signature)``: indices k of this rank's tensors that are not
-        standard-contiguous, and their ``signature`` (cached per strides)."""
+    def strided_of(self, strides: tuple, tensors: list) -> "StridedTensors":
+        """This rank's tensors that are not standard-contiguous (cached per strides)."""
         got = self._strided.get(strides)
         if got is None:
             if len(self._strided) >= 8:
                 self._strided.clear()
             ks = tuple(k for k, x in enumerate(tensors)
                        if x is not None and not x.is_contiguous())
-            got = self._strided[strides] = (ks, signature(ks))
+            got = self._strided[strides] = StridedTensors(ks, signature(ks))
         return got
 
     def program(self, transfers, me: int, strides: tuple) -> Program:
@@ -92,10 +106,11 @@ class Batch:
         """How this rank describes the batch (for the agreement's failure path)."""
 
         def text(i: int) -> str:
-            t, key = transfers[i], self.plans[i].key
-            return (f"{t.name!r} {t.dtype} global shape {key[0]}: src mesh {list(key[2])} "
-                    f"(shape {key[1]}) {list(t.src_placements)} -> dst mesh {list(key[5])} "
-                    f"(shape {key[4]}) {list(t.dst_placements)}")
+            t = transfers[i]
+            shape, s_shape, s_ranks, _, d_shape, d_ranks, _ = self.plans[i].key
+            return (f"{t.name!r} {t.dtype} global shape {shape}: src mesh {list(s_ranks)} "
+                    f"(shape {s_shape}) {list(t.src_placements)} -> dst mesh "
+                    f"{list(d_ranks)} (shape {d_shape}) {list(t.dst_placements)}")
 
         return Description([t.name for t in transfers],
                            lambda: [hash_ints(item) for item in self.items], text)

@@ -46,10 +46,10 @@ def check_mesh_ranks(side: str, mesh_shape: tuple, ranks: Sequence[int], world: 
 
 
 def check_layout_ranks(key: tuple, world: int, where: str) -> None:
-    """Both meshes of a layout key ``(shape, src shape, src ranks, src dims, dst shape, dst
-    ranks, dst dims)`` checked with ``check_mesh_ranks``."""
-    check_mesh_ranks("src", key[1], key[2], world, where)
-    check_mesh_ranks("dst", key[4], key[5], world, where)
+    """Both meshes of a layout key checked with ``check_mesh_ranks``."""
+    _, src_shape, src_ranks, _, dst_shape, dst_ranks, _ = key
+    check_mesh_ranks("src", src_shape, src_ranks, world, where)
+    check_mesh_ranks("dst", dst_shape, dst_ranks, world, where)
 
 
 def describe_tensor(t) -> str:

@@ -101,7 +101,8 @@ def _describe(transfers, world: int, me: int, staging_bytes: int, backend: str,
                     check_layout_ranks(key, world, where)
                     return key
 
-                keys.append(build() if light is None else planner.layout(light[i][2], build))
+                keys.append(build() if light is None else planner.layout(light[i].layout,
+                                                                         build))
             except Exception as exc:  # whatever the description holds: every rank is told
                 text = str(exc) if isinstance(exc, ValueError) else (
                     f"{where}: invalid description: {type(exc).__name__}: {exc}")
@@ -110,7 +111,7 @@ def _describe(transfers, world: int, me: int, staging_bytes: int, backend: str,
         if bkey is not None:
             planner.remember_batch(scope, bkey, batch)
     if backend == "m2n":
-        why = m2n.select([p.key for p in batch.plans])[1]
+        _, why = m2n.select([p.key for p in batch.plans])
         raise _Rejected(Problem(None, f"backend 'm2n' cannot be used: {why}"))
     return batch
 
@@ -165,7 +166,7 @@ def _run(transfers, group, stream, staging_bytes: int, planner: Optional[Planner
         vote = Vote(problem, len(transfers),
                     batch.fp if described and batch is not None else None,
                     batch.sched_hash if batch is not None and batch.sched is not None else 0,
-                    0 if strides is None else batch.strided_of(strides, tensors)[1],
+                    0 if strides is None else batch.strided_of(strides, tensors).signature,
                     tuple(map(int, transfers[0].global_shape))
                     if described and transfers and problem is None else None)
         with ctx:
@@ -173,7 +174,7 @@ def _run(transfers, group, stream, staging_bytes: int, planner: Optional[Planner
                                transport, planner, "xfer_batch")
         if not tally.keep_schedule:  # decided from the all-reduced votes: alike everywhere
             with ctx:
-                strided = (exchange_strided(batch.strided_of(strides, tensors)[0],
+                strided = (exchange_strided(batch.strided_of(strides, tensors).tensors,
                                             len(tensors), transport)
                            if any(tally.signatures) else set())
             # CUDA rounds are double-buffered (see program.py): two slots share the budget

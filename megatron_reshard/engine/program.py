@@ -201,8 +201,8 @@ class Program:
                 side = (0 if rnd.phase == 0 else 1) if msg.is_send else 1
                 views = [view(sg.ti, side, sg.src_piece if msg.is_send else sg.dst_piece,
                               sg.box) for sg in msg.segments]
-                if len(views) == 1 and views[0][1].contiguous:  # straight from/to the tensor
-                    k, v = views[0]
+                k, v = views[0]
+                if len(views) == 1 and v.contiguous:  # straight from/to the tensor
                     posts.append(Post(msg.is_send, msg.peer, msg.tag, v.flat(k), 0,
                                       msg.nbytes))
                     continue
