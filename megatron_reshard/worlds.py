@@ -5,8 +5,9 @@ megatron costs seconds, so workers live across jobs; each job runs a function on
 first ``nprocs`` workers with its rank, and every worker cleans up its process groups
 (and Megatron's parallel state) after the job so the next one starts clean.
 
-A job that fails on any rank raises in the parent with that rank's traceback; a job that
-does not finish in time (a hung collective) kills and restarts the pool and raises.
+A job that fails on any rank raises in the parent with that rank's traceback; once one rank
+failed, the others get a short grace, then the ranks still running are killed and replaced
+(a hung collective does not hold the job until its timeout).
 """
 
 from __future__ import annotations
@@ -125,6 +126,20 @@ def _worker_main(tasks: "mp.Queue", results: "mp.Queue", worker_index: int) -> N
             _cleanup_after_job()
 
 
+def _echo_rank(text: str) -> int:
+    """0 for a rank's own error, 1 for an echo of a peer's (PeerFailure), 2 for a rank
+    killed after the grace: the error report starts with the cause."""
+    return 2 if text.endswith("; killed") else int("PeerFailure" in text)
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """A rank's failure in a job run with ``return_failures``: its traceback or what happened."""
+
+    rank: int
+    text: str
+
+
 class WorkerPool:
     """``size`` long-lived spawned workers; ``run`` executes one job on the first ``nprocs``."""
 
@@ -141,16 +156,38 @@ class WorkerPool:
         if self._results is None:
             self._results = self._ctx.Queue()
         while len(self._procs) < count:
-            tasks = self._ctx.Queue()
-            proc = self._ctx.Process(target=_worker_main,
-                                     args=(tasks, self._results, len(self._procs)), daemon=True)
-            proc.start()
-            self._tasks.append(tasks)
-            self._procs.append(proc)
+            self._procs.append(None)
+            self._tasks.append(None)
+            self._start(len(self._procs) - 1)
+
+    def _start(self, index: int) -> None:
+        tasks = self._ctx.Queue()
+        proc = self._ctx.Process(target=_worker_main, args=(tasks, self._results, index),
+                                 daemon=True)
+        proc.start()
+        self._tasks[index], self._procs[index] = tasks, proc
+
+    def _replace(self, index: int) -> None:
+        """Kill worker ``index`` (if alive) and start a fresh one in its place; the other
+        workers, and whatever state they keep between jobs, are untouched."""
+        proc = self._procs[index]
+        if proc.is_alive():
+            proc.kill()
+        proc.join(timeout=10)
+        self._start(index)
 
     def run(self, fn: Callable[..., Any], nprocs: int, *args: Any, timeout_s: float = 180.0,
-            num_ports: int = 4, **kwargs: Any) -> list[Any]:
-        """Run ``fn(job, *args, **kwargs)`` on ranks ``0..nprocs-1``; return results by rank."""
+            num_ports: int = 4, grace_s: float = 15.0, return_failures: bool = False,
+            **kwargs: Any) -> list[Any]:
+        """Run ``fn(job, *args, **kwargs)`` on ranks ``0..nprocs-1``; return results by rank.
+
+        A rank that raises or whose process dies fails the job. From the first failure the
+        other ranks get ``grace_s`` to finish (with fault boards they fail within a poll);
+        the ranks still running then are killed and replaced, so the job ends early
+        instead of at ``timeout_s``. The error puts the first failure that is not a peer's
+        echo (``PeerFailure``) on top. With ``return_failures`` a failed rank's entry is a
+        ``RankFailure`` instead, and nothing is raised for failures (fault tests).
+        """
         if nprocs > self.size:
             raise ValueError(f"job needs {nprocs} processes, the pool has {self.size}")
         self._grow_to(nprocs)
@@ -160,20 +197,23 @@ class WorkerPool:
         for rank in range(nprocs):
             self._tasks[rank].put((job_id, fn, Job(rank, nprocs, ports), args, kwargs))
         done: dict[int, Any] = {}
-        failures: dict[int, str] = {}
+        failures: dict[int, str] = {}  # in the order they arrived
         deadline = time.monotonic() + timeout_s
         while len(done) + len(failures) < nprocs:
             try:
                 got_id, rank, ok, payload = self._results.get(timeout=_POLL_S)
             except queue.Empty:
-                dead = [i for i, p in enumerate(self._procs[:nprocs]) if not p.is_alive()]
-                if dead or time.monotonic() > deadline:
-                    missing = sorted(set(range(nprocs)) - set(done) - set(failures))
-                    self.close(force=True)
-                    why = f"worker(s) {dead} died" if dead else f"timed out after {timeout_s:.0f}s"
-                    detail = "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in failures.items())
-                    raise TimeoutError(f"{getattr(fn, '__name__', fn)}: {why}; ranks {missing} "
-                                       f"did not finish{detail}")
+                for i in range(nprocs):
+                    if i not in done and i not in failures and not self._procs[i].is_alive():
+                        failures[i] = f"worker process died (exit code {self._procs[i].exitcode})"
+                        self._replace(i)
+                        deadline = min(deadline, time.monotonic() + grace_s)
+                if time.monotonic() > deadline:
+                    why = (f"still running {grace_s:g} s after the first failure" if failures
+                           else f"did not finish within {timeout_s:g} s")
+                    for i in sorted(set(range(nprocs)) - set(done) - set(failures)):
+                        failures[i] = f"{why}; killed"
+                        self._replace(i)
                 continue
             if got_id != job_id:
                 continue  # late answer from an earlier, abandoned job
@@ -181,19 +221,27 @@ class WorkerPool:
                 done[rank] = _loads(payload)
             else:
                 failures[rank] = payload
+                deadline = min(deadline, time.monotonic() + grace_s)
+        if return_failures:
+            return [done[r] if r in done else RankFailure(r, failures[r]) for r in range(nprocs)]
         if failures:
-            detail = "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items()))
+            order = sorted(failures, key=lambda r: _echo_rank(failures[r]))  # stable
+            detail = "".join(f"\n--- rank {r} ---\n{failures[r]}" for r in order)
             raise RuntimeError(f"{getattr(fn, '__name__', fn)} failed on ranks "
-                               f"{sorted(failures)}:{detail}")
+                               f"{sorted(failures)} (first: rank {order[0]}):{detail}")
         return [done[r] for r in range(nprocs)]
 
     def close(self, force: bool = False) -> None:
         for q, p in zip(self._tasks, self._procs):
+            if p is None:
+                continue
             if force:
                 p.kill()
             else:
                 q.put(None)
         for p in self._procs:
+            if p is None:
+                continue
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
