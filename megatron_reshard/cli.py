@@ -114,7 +114,8 @@ def bench_problems(kind: str, nproc: int, rest: Sequence[str]) -> list[str]:
         args = parser.parse_args(list(rest))
     except ValueError as err:
         return problems + [str(err)]
-    checks = {"--iters": (getattr(args, "iters", None), 1), "--warmup": (getattr(args, "warmup", None), 0),
+    checks = {"--iters": (getattr(args, "iters", None), 1),
+              "--warmup": (getattr(args, "warmup", None), 0),
               "--layers": (getattr(args, "layers", None), 1),
               "--staging-mib": (getattr(args, "staging_mib", None), 1),
               "--streams": (getattr(args, "streams", None), 1)}

@@ -180,7 +180,8 @@ def _split_refusals(cfg: RefitRunConfig) -> dict[str, Any]:
             return (f"does not divide its expert FFN size {expert_ffn} (with --gen-ep 1 every "
                     "rank holds a TP slice of every expert)")
         if vocab_rows % t:
-            return f"does not divide its {vocab_rows} vocab rows (vocab {m['vocab_size']} padded as vLLM pads it)"
+            return (f"does not divide its {vocab_rows} vocab rows (vocab {m['vocab_size']} "
+                    "padded as vLLM pads it)")
         return tp_common(t)
 
     def ep(e: int) -> Optional[str]:
