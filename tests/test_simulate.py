@@ -258,3 +258,24 @@ def test_training_replicas_share_the_reads_of_one_generation_replica(tp, dp):
 def test_small_replicated_reads_stay_whole_from_one_holder():
     plan = build_plan(_dp_to_tp_key(64, 64, 8, 3))  # 512 elements per shard: not worth it
     assert len(plan.ops) == 8 and {op.src for op in plan.ops} == set(range(8))
+
+
+@st.composite
+def large_keys(draw):
+    """Layouts whose boxes are large enough for replicated reads to be split over holders."""
+    shape = (draw(st.integers(1 << 17, 1 << 18)), draw(st.integers(1, 3)))
+    sides, ranks = [], list(range(10))
+    for _ in range(2):
+        mesh_shape = tuple(draw(st.lists(st.integers(1, 3), min_size=1, max_size=2)))
+        members = tuple(draw(st.permutations(ranks))[:math.prod(mesh_shape)])
+        dims = tuple(draw(st.sampled_from([REPLICATE, 0, 1])) for _ in mesh_shape)
+        sides += [mesh_shape, members, dims]
+    costs = draw(st.sampled_from([None, LinkCosts(tuple((r, r // 3) for r in ranks))]))
+    return (shape, *sides), costs
+
+
+@settings(max_examples=60, deadline=None)
+@given(large_keys())
+def test_plans_with_reads_spread_over_holders_deliver_exactly_once(case):
+    key, costs = case
+    _deliver(build_plan(key, costs))
