@@ -16,7 +16,10 @@ subset of an unregistered group are impractical). A piece too small to stripe go
 to one member (the representative) which forwards it to the others (a P2P broadcast).
 Members that already hold the whole region as sources copy it locally and leave the group.
 Replicated sources are deduplicated: each intersection is read from one holder, the
-destination itself when it is a holder, else the holder with the least bytes so far.
+destination itself when it is a holder, else the holder with the least bytes so far. When
+a plan reads a replicated piece fewer times than it has holders (training DP replicas
+feeding one generation replica), each large read is split into one stripe per holder, so
+that every replica sends its share instead of the first one sending everything.
 
 With a ``LinkCosts`` (``Planner(costs=...)``, off by default) a destination group may
 instead be split into parts, each served from the sources and completed inside itself:
@@ -226,14 +229,7 @@ def build_plan(key: LayoutKey, costs: Optional[LinkCosts] = None) -> ParamPlan:
         """Serve one stripe per member of ``part`` from the sources, then exchange them."""
         k = len(part)
         for dpi, b in enumerate(boxes):
-            split_dim = next((d for d, (s, e) in enumerate(b) if e - s >= k), None)
-            if k == 1 or split_dim is None:
-                stripes = [b]
-            else:
-                stripes = []
-                base = b[split_dim][0]
-                for s, e in _balanced(b[split_dim][1] - base, k):
-                    stripes.append(b[:split_dim] + ((base + s, base + e),) + b[split_dim + 1:])
+            stripes = (_stripes(b, k) if k > 1 else None) or [b]
             free = list(part)
             for stripe in stripes:
                 # Give each stripe to the free member that already holds most of it.
