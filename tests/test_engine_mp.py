@@ -178,6 +178,21 @@ def test_hand_checked_layouts_are_exact(pool):
     assert [f for r in results for f in r] == []
 
 
+def test_batches_of_whole_1d_tensors_of_one_dtype_are_exact(pool):
+    """Staged copies of whole 1-D tensors of one dtype cut the buffer in that dtype and
+    copy the tensors as they are (on CPU a pack is one cat): odd sizes leave alignment
+    gaps, and two ranks sending each other put the other direction's bytes in between."""
+    one = lambda r: ((1,), (r,), (-1,))  # noqa: E731
+    for dtype in ("bfloat16", "float8_e4m3fn", "float32"):
+        cases = [(f"{dtype}.{i}", (n,), dtype, i, one(i % 2), one(1 - i % 2), False, False)
+                 for i, n in enumerate((37, 64, 5, 1, 300, 8))]
+        one_way = [(f"{dtype}.w{i}", (n,), dtype, 9 + i, one(0), one(1), False, False)
+                   for i, n in enumerate((3, 17, 128))]
+        for batch in (cases, one_way):
+            results = pool.run(_run_cases, 2, batch, [256 << 20, 64], timeout_s=60)
+            assert [f for r in results for f in r] == []
+
+
 # ---- bad input -------------------------------------------------------------------------
 
 

@@ -63,8 +63,8 @@ class StagedSegment(NamedTuple):
 
     offset: int       # in the buffer
     nbytes: int
-    dtype: Optional[torch.dtype]  # typed segments: the buffer side's dtype and shape
-    shape: Optional[tuple]
+    dtype: torch.dtype            # the transfer's
+    shape: Optional[tuple]        # typed segments: the buffer side's shape
     flat: bool
     ref: tuple        # the tensor side: FlatRef or TypedRef
     words: int        # the buffer side is contiguous: words whenever the tensor's are
@@ -81,6 +81,11 @@ class StagePlan(NamedTuple):
     typed: tuple     # ((piece, dtype, shape, TypedRef, words, skew), ...): typed copies,
                      # skew: the view's byte offset in its tensor
     whole: bool      # byte copies only, back to back from offset 0 to ``nbytes``
+    # Every copy a whole 1-D tensor of one dtype: the buffer is cut in that dtype
+    # (``elements``: the sizes in elements) and the tensors are copied as they are, with
+    # no per-tensor byte view (~0.6 µs each on the host).
+    dtype: Optional[torch.dtype]
+    elements: Optional[tuple]
 
 
 def _stage_plan(segs: list, total: int) -> Optional[StagePlan]:
@@ -103,7 +108,13 @@ def _stage_plan(segs: list, total: int) -> Optional[StagePlan]:
     if cursor < total:
         sizes.append(total - cursor)
     whole = not typed and len(flat) == len(sizes)
-    return StagePlan(total, tuple(sizes), tuple(flat), tuple(typed), whole)
+    dtypes = {seg.dtype for seg in segs}
+    dtype = dtypes.pop() if len(dtypes) == 1 else None
+    elements = None
+    if (dtype is not None and not typed and all(ref.numel is None for _, ref, _ in flat)
+            and all(n % dtype.itemsize == 0 for n in (total, *sizes))):
+        elements = tuple(n // dtype.itemsize for n in sizes)
+    return StagePlan(total, tuple(sizes), tuple(flat), tuple(typed), whole, dtype, elements)
 
 
 class Post(NamedTuple):
@@ -207,8 +218,8 @@ class Program:
                                       msg.nbytes))
                     continue
                 for sg, (k, v) in zip(msg.segments, views):
-                    seg = (StagedSegment(total + sg.offset, sg.nbytes, None, None, True,
-                                         v.flat(k), 0) if v.contiguous else
+                    seg = (StagedSegment(total + sg.offset, sg.nbytes, transfers[sg.ti].dtype,
+                                         None, True, v.flat(k), 0) if v.contiguous else
                            StagedSegment(total + sg.offset, sg.nbytes,
                                          transfers[sg.ti].dtype, box_shape(sg.box), False,
                                          v.typed(k), v.words))
@@ -242,7 +253,21 @@ class Program:
         """Copy segments into (pack) or out of the staging buffer. The buffer's pieces
         start at 16-byte aligned offsets: a typed segment goes as words whenever its
         tensor side can."""
-        if pack and plan.whole and buf.device.type == "cpu":
+        cpu_cat = pack and plan.whole and buf.device.type == "cpu"
+        if plan.elements is not None:  # whole 1-D tensors of one dtype: as they are
+            typed_buf = buf[:plan.nbytes].view(plan.dtype)
+            if cpu_cat:
+                torch.cat([tensors[ref.k] for _, ref, _ in plan.flat], out=typed_buf)
+                return
+            pieces, copies = typed_buf.split_with_sizes(plan.elements), Copies()
+            for i, ref, nb in plan.flat:
+                if pack:
+                    copies.flat(pieces[i], tensors[ref.k], nb)
+                else:
+                    copies.flat(tensors[ref.k], pieces[i], nb)
+            copies.run()
+            return
+        if cpu_cat:
             # one cat instead of a copy per segment: 1,000 segments of 8 KiB on CPU, 1.4 ms
             # against 3.0 (each copy_ costs the host ~1.5 µs); not measured on CUDA yet
             torch.cat([flat_view(tensors, ref) for _, ref, _ in plan.flat],
