@@ -21,8 +21,9 @@ def plot_loads(sims: Sequence, path: str) -> None:
             count = getattr(s.layout, n)
             values = [getattr(s, attr).get(r, 0) / 2**30 for r in range(count)]
             label = "link-aware planner" if s.link_aware else "default planner"
-            ax.plot(range(count), values, label=label, linewidth=1)
-            ax.axhline(sum(values) / count, linestyle="--", linewidth=0.8)
+            line, = ax.plot(range(count), values, label=label, linewidth=1)
+            ax.axhline(sum(values) / count, linestyle="--", linewidth=0.8, color=line.get_color())
+        ax.set_ylim(bottom=0)
         ax.set_xlabel("rank")
         ax.set_ylabel("GiB per refit")
         ax.set_title(title)
