@@ -116,3 +116,11 @@ def test_plan_help_names_the_link_model_defaults():
                      "(default: 450.0)", "(default: 50.0)", "(default: 5.0)",
                      "(default: broadcast)", "(default: both)"):
         assert fragment in text, fragment
+
+
+def test_plot_writes_a_png_when_matplotlib_is_there(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "loads.png"
+    out = _plan("--plot", str(path))
+    assert out.returncode == 0, out.stderr
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
