@@ -147,8 +147,8 @@ def _run(transfers, group, stream, staging_bytes: int, planner: Optional[Planner
     # agree=False: the caller vouches that this batch already agreed on every rank. Its
     # schedule is then cached on every rank of the group alike (Planner.remember_batch);
     # where it is not (a fresh planner), every rank runs the agreement below.
-    if not agree and batch is not None and batch.sched is not None:
-        if problem is not None:
+    if not agree and (batch is None or batch.sched is not None):
+        if problem is not None:  # this rank's input changed since the batch was agreed
             raise ValueError(f"xfer_batch: {problem.text()} (agree=False: peers are not told)")
         _execute(batch, transfers, me, tensors, strides, transport, stream, planner)
         return
