@@ -61,7 +61,7 @@ def create_refit_group(host: str, port: int, rank: int, world_size: int,
         raise RefitError(f"{label}: {who} could not {role} the group's store at {host}:{port} "
                          f"within {timeout_s:g} s (group rank 0 hosts it): {exc}") from exc
     store = dist.PrefixStore(f"{prefix}/", raw)
-    board = FaultBoard(store, rank, world_size, who, label, timeout_s)
+    board = FaultBoard(store, rank, world_size, who, label, timeout_s, backend)
     _join(board, backend)
     if backend == "gloo":
         pg = dist.ProcessGroupGloo(store, rank, world_size, timeout)

@@ -24,6 +24,7 @@ kernels stop.
 from __future__ import annotations
 
 import json
+import threading
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
@@ -34,6 +35,7 @@ import torch
 
 POLL_S = 0.05          # how often a waiting rank looks at the board
 GRACE_S = 0.5          # after a transport error: how long to look for a peer's own report
+POST_S = 2.0           # the longest a failing rank spends telling one group (a stopped store)
 
 _WAITER = ThreadPoolExecutor(max_workers=4, thread_name_prefix="refit-wait")
 # group -> its FaultBoard (set by comm.create_refit_group); weak: a dropped group drops it
@@ -75,8 +77,8 @@ class FaultBoard:
     """The failure notices of one refit group, kept in the group's store."""
 
     def __init__(self, store: Any, rank: int, world: int, who: str, label: str,
-                 timeout_s: float):
-        self.store, self.rank, self.world = store, rank, world
+                 timeout_s: float, backend: str = "gloo"):
+        self.store, self.rank, self.world, self.backend = store, rank, world, backend
         self.who = who            # this rank, for humans: "train rank 3", "gen rank 0"
         self.label = label        # the group, for humans: "refit group of PP stage 1"
         self.timeout_s = timeout_s
@@ -91,31 +93,52 @@ class FaultBoard:
         """
         fault = root or Fault(self.who, reason, self.rank)
         record = {"who": fault.who, "reason": fault.reason, "posted_by": self.rank}
-        try:
+        def write() -> None:
             seq = int(self.store.add("fault/count", 1))
             self.store.set(f"fault/{seq}", json.dumps(record))
+
+        try:
+            self._bounded(write, POST_S)
         except Exception:  # noqa: BLE001 - the store's host is gone: nothing to tell
             pass
 
+    def _bounded(self, fn, timeout_s: Optional[float] = None):
+        """``fn()`` on a daemon thread, at most ``timeout_s``: some store calls never return
+        when the store's host is stopped (SIGSTOP), and a stuck daemon thread cannot keep
+        the process from exiting."""
+        out: dict = {}
+        done = threading.Event()
+
+        def call() -> None:
+            try:
+                out["value"] = fn()
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                out["error"] = exc
+            done.set()
+
+        threading.Thread(target=call, daemon=True, name="refit-store").start()
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        if not done.wait(timeout_s):
+            raise TimeoutError(f"the group's store did not answer within {timeout_s:g} s")
+        if "error" in out:
+            raise out["error"]
+        return out.get("value")
+
     # -- reading -------------------------------------------------------------------------
 
-    def first_fault(self) -> Optional[Fault]:
+    def first_fault(self, timeout_s: Optional[float] = None) -> Optional[Fault]:
         """The earliest failure posted by another rank, None if there is none.
 
-        A store that cannot be reached means its host, group rank 0, is gone.
+        A store that cannot be reached (within ``timeout_s``, default the group's timeout)
+        means its host, group rank 0, is gone or stopped.
         """
         if self._seen is not None:
             return self._seen
         try:
-            count = int(self.store.add("fault/count", 0))
-            for seq in range(1, count + 1):
-                key = f"fault/{seq}"
-                if not self.store.check([key]):
-                    continue  # counted, not written yet: the next poll reads it
-                rec = json.loads(self.store.get(key))
-                if rec["who"] != self.who:  # not this rank's own failure coming back
-                    self._seen = Fault(rec["who"], rec["reason"], int(rec["posted_by"]))
-                    return self._seen
+            fault = self._bounded(self._read, timeout_s)
+            if fault is not None:
+                self._seen = fault
+                return fault
         except Exception as exc:  # noqa: BLE001 - any store error: its host is unreachable
             if self.rank == 0:
                 return None  # we host it; a local store error is not a peer failure
@@ -123,6 +146,17 @@ class FaultBoard:
                                f"unreachable ({type(exc).__name__}: {exc}); the process likely "
                                f"exited", 0)
             return self._seen
+        return None
+
+    def _read(self) -> Optional[Fault]:
+        count = int(self.store.add("fault/count", 0))
+        for seq in range(1, count + 1):
+            key = f"fault/{seq}"
+            if not self.store.check([key]):
+                continue  # counted, not written yet: the next poll reads it
+            rec = json.loads(self.store.get(key))
+            if rec["who"] != self.who:  # not this rank's own failure coming back
+                return Fault(rec["who"], rec["reason"], int(rec["posted_by"]))
         return None
 
     def peer_failure(self, fault: Fault, while_doing: str) -> PeerFailure:
@@ -191,11 +225,10 @@ def wait_works(works: Sequence[Any], group: Any, what: str,
     the peers of the step, after a short look for a peer's own report.
     """
     board = board_of(group)
-    if board is None or not works:
-        for w in works:
+    if board is None or board.backend != "gloo" or not works:
+        for w in works:  # NCCL: returns at once (the device waits); see wait_device
             w.wait()
         return
-    board.raise_if_failed(what)
     future = _WAITER.submit(_wait_all, works)
     deadline = time.monotonic() + board.timeout_s
     while True:
@@ -228,7 +261,7 @@ def _peers_text(peers: Optional[Sequence[int]]) -> str:
 def _raise_transport_error(board: FaultBoard, what: str, peers, exc: BaseException) -> None:
     deadline = time.monotonic() + GRACE_S
     while time.monotonic() < deadline:  # a peer that failed on purpose may be posting now
-        fault = board.first_fault()
+        fault = board.first_fault(GRACE_S)
         if fault is not None:
             raise board.peer_failure(fault, what) from exc
         time.sleep(POLL_S / 5)

@@ -235,6 +235,10 @@ class ReceiverSession:
                               staging_bytes=staging_bytes, misc_items=self.misc_items,
                               xfer_batch=xfer_batch, verify_checksums=verify_checksums)
         self.pp_size = pp_size
+        # the weight state names the model's own (vLLM) params: what the storage holds
+        self._targets_of = {plan.hf_name: sorted({piece.target for piece in plan.pieces})
+                            for plan in list(self.bulk_plans) +
+                            [p for ps in self.misc_plans.values() for p in ps]}
 
     def verify_plan(self) -> None:
         """Compare plan fingerprints with the training side (communication: one small all-gather)."""
@@ -286,12 +290,13 @@ class ReceiverSession:
         return dict(last)
 
     def _receive(self, names: list[str]) -> dict:
-        """The data phase of one refit; ``names`` collects every param it carries."""
+        """The data phase of one refit; ``names`` collects every model param it writes."""
         t0 = time.perf_counter()
 
         def writing(batch_names: list[str]) -> None:
-            names.extend(batch_names)
-            self.weights.writing(batch_names)
+            targets = [t for n in batch_names for t in self._targets_of.get(n, ())]
+            names.extend(targets)
+            self.weights.writing(targets)
 
         bulk = self.loop.run(on_write=writing)
         t1 = time.perf_counter()

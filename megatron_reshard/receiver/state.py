@@ -4,7 +4,8 @@ Torch-free, plain data. A refit writes params one batch at a time, so a refit th
 part-way leaves some params from the new version and the rest from the old one. This
 state says which: ``consistent`` (every param is from ``version``; nothing was written by
 a failed refit) or ``inconsistent`` (``started_from`` is the version the weights had, and
-``overwritten`` names the params a failed refit may have written since). It lives with the
+``overwritten`` names the model's params — vLLM's names, e.g. ``qkv_proj.weight`` — that a
+failed refit may have written since). It lives with the
 model (the vLLM worker keeps it across new refit groups and new payloads), and only a
 refit that commits everywhere moves ``version`` and restores consistency.
 """
