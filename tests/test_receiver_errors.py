@@ -128,7 +128,8 @@ def test_misc_params_need_a_stage_when_training_uses_pp():
     del norm["pp_stage"]
     model = build_vllm_like_model(DENSE, 0, 1)
     groups = {0: NoCommGroup(1, 2), 1: NoCommGroup(1, 2)}
-    with pytest.raises(ValueError, match=r"other_params\['model\.norm\.weight'\] has no 'pp_stage'"):
+    with pytest.raises(ValueError, match=r"refit payload .*other_params entry 'model\.norm\.weight': "
+                                         r"pp_stage must be in 0\.\.1, found None"):
         ReceiverSession(payload, model.named_parameters(), groups)
 
 

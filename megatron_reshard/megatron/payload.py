@@ -58,7 +58,11 @@ def encode_payload(payload: dict) -> bytes:
 
 def decode_payload(data: bytes) -> dict[str, Any]:
     """Plain dicts/lists back from :func:`encode_payload` bytes; checks the schema version."""
-    payload = msgspec.msgpack.decode(data)
+    try:
+        payload = msgspec.msgpack.decode(data)
+    except (msgspec.DecodeError, TypeError) as exc:
+        raise ValueError(f"refit payload: not a valid msgpack message ({len(data)} bytes"
+                         f"{', truncated or corrupted' if data else ''}): {exc}") from None
     if not isinstance(payload, dict):
         raise ValueError(f"refit payload: expected a map, got {type(payload).__name__}")
     version = payload.get("schema_version")

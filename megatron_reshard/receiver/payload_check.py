@@ -74,10 +74,11 @@ def _check_mesh(ranks: list[int], what: str, where: str, lo: Optional[int],
 
 def _shard_dim(placement: Any, what: str, where: str) -> Optional[int]:
     if isinstance(placement, Mapping):
-        dim = placement.get("dim")
-        if dim is not None and not _is_int(dim):
-            raise _fail(where, f"{what}: a placement's 'dim' must be an integer, found {dim!r}")
-        return dim
+        for key in ("dim", "padded"):
+            if key in placement and not (_is_int(placement[key]) and placement[key] >= 0):
+                raise _fail(where, f"{what}: a placement's {key!r} must be an integer >= 0, "
+                                   f"found {placement[key]!r}")
+        return placement.get("dim")
     return getattr(placement, "dim", None)
 
 
@@ -98,6 +99,13 @@ def validate_payload(payload: Any, where: str = "this rank", *, group_size: Opti
         raise _fail(where, f"train_world_size {train_world} is not a multiple of pp_size {pp}")
     if gen_world % gen_tp:
         raise _fail(where, f"gen_world_size {gen_world} is not a multiple of gen_tp_size {gen_tp}")
+    _check_hf_config(payload.get("hf_config", {}), where)
+    layout = payload.get("gen_layout")
+    if layout is not None and not isinstance(layout, Mapping):
+        raise _fail(where, f"'gen_layout' must be a map, found {type(layout).__name__}")
+    for key, value in (layout or {}).items():
+        if value and not (_is_int(value) and value >= 1):
+            raise _fail(where, f"gen_layout[{key!r}] must be an integer >= 1, found {value!r:.40}")
     layers = payload["layer_names"]
     if not isinstance(layers, list) or not all(isinstance(n, str) for n in layers):
         raise _fail(where, f"'layer_names' must be a list of strings, found {layers!r:.80}")
@@ -114,14 +122,48 @@ def validate_payload(payload: Any, where: str = "this rank", *, group_size: Opti
             _check_param(param, f"per_layer_params[{layer!r}]", where, pp, seen,
                          group_size, train_ranks)
     other = payload.get("other_params", [])
-    entries = list(other.values()) if isinstance(other, Mapping) else other
+    if isinstance(other, Mapping):
+        entries = [dict(v, name=k) if isinstance(v, Mapping) else v for k, v in other.items()]
+    else:
+        entries = other
     if not isinstance(entries, list):
         raise _fail(where, f"'other_params' must be a list or a map, found {type(other).__name__}")
     for entry in entries:
-        if not isinstance(entry, Mapping) or not isinstance(entry.get("shape"), list) or \
-                not all(_is_int(n) and n >= 0 for n in entry["shape"]):
-            raise _fail(where, f"other_params entry {entry!r:.80} needs a 'shape' list of sizes")
-        _dtype(entry.get("dtype"), f"other_params entry {entry.get('name')!r}", where)
+        if not isinstance(entry, Mapping) or not isinstance(entry.get("name"), str):
+            raise _fail(where, f"other_params entry {entry!r:.80} needs a 'name' string")
+        what = f"other_params entry {entry['name']!r}"
+        if entry["name"] in seen:
+            raise _fail(where, f"{what} appears twice")
+        seen.add(entry["name"])
+        shape = entry.get("shape")
+        if not isinstance(shape, list) or not all(_is_int(n) and n >= 0 for n in shape):
+            raise _fail(where, f"{what}: 'shape' must be a list of sizes >= 0, found {shape!r:.80}")
+        _dtype(entry.get("dtype"), what, where)
+        stage = entry.get("pp_stage", None if pp > 1 else 0)
+        if not _is_int(stage) or not 0 <= stage < pp:
+            raise _fail(where, f"{what}: pp_stage must be in 0..{pp - 1}, found {stage!r}")
+
+
+# hf_config keys the receiver computes layouts from: sizes (int >= 0 or absent/None), flags
+_HF_SIZES = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+             "intermediate_size", "moe_intermediate_size", "num_experts", "num_hidden_layers",
+             "vocab_size", "num_experts_per_tok", "shared_expert_intermediate_size")
+_HF_FLAGS = ("tie_word_embeddings", "gated", "qk_norm", "attention_bias")
+
+
+def _check_hf_config(cfg: Any, where: str) -> None:
+    if cfg is None:
+        return
+    if not isinstance(cfg, Mapping):
+        raise _fail(where, f"'hf_config' must be a map, found {type(cfg).__name__}")
+    for key in _HF_SIZES:
+        value = cfg.get(key)
+        if value is not None and not (_is_int(value) and value >= 0):
+            raise _fail(where, f"hf_config[{key!r}] must be an integer >= 0, found {value!r:.40}")
+    for key in _HF_FLAGS:
+        value = cfg.get(key)
+        if value is not None and not isinstance(value, bool):
+            raise _fail(where, f"hf_config[{key!r}] must be true or false, found {value!r:.40}")
 
 
 def _dtype(value: Any, what: str, where: str) -> None:

@@ -22,7 +22,7 @@ from megatron_reshard.faults import RefitError, fault_scope, wait_device
 from megatron_reshard.layout import PaddedShard, is_expert_param
 from megatron_reshard.metadata import restore_refit_info_placements
 from megatron_reshard.packed import chunk_items
-from megatron_reshard.receiver.payload_check import validate_payload
+from megatron_reshard.receiver.payload_check import RefitPayloadError, validate_payload
 from megatron_reshard.receiver.state import WeightState
 from megatron_reshard.refit_loop import (
     DEFAULT_BATCH_BYTES,
@@ -222,14 +222,13 @@ class ReceiverSession:
             raise ValueError(f"{where}: the payload places gen rank {self.gen_rank} at TP rank "
                              f"{self.gen_rank % tp} of {tp}, but vLLM reports TP rank {vllm_tp[0]} "
                              f"of {vllm_tp[1]} here; the refit group ranks must follow vLLM's TP order")
-        self.targets = VllmTargets.from_named_parameters(
-            named_parameters, self.payload.get("hf_config") or {}, tp_rank=self.gen_rank % tp,
-            tp_size=tp, ep_size=ep, ep_rank=self.gen_rank % ep, label=f"gen rank {self.gen_rank}")
-        self.local_map, self.bulk_plans = build_receiver_param_map(
-            self.payload, self.targets, self.rank_in_group, strided_in_place)
-        self.misc_items = {s: misc_items_by_stage(self.payload).get(s, []) for s in range(pp_size)}
-        self.misc_plans = {s: plan_full_weights(self.targets, items)
-                           for s, items in self.misc_items.items()}
+        try:
+            self._map_targets(tp, ep, named_parameters, strided_in_place)
+        except (IndexError, KeyError, TypeError, AttributeError, ZeroDivisionError) as exc:
+            # a payload that passed the structural checks but describes shapes that do not
+            # fit this model: say so as a payload error, not as an internal failure
+            raise RefitPayloadError(f"refit payload on {where}: its params do not fit this "
+                                    f"rank's model ({type(exc).__name__}: {exc})") from exc
         self.loop = RefitLoop(self.payload, self.local_map, "dst", self.groups,
                               num_streams=num_streams, batch_bytes=batch_bytes,
                               staging_bytes=staging_bytes, misc_items=self.misc_items,
@@ -239,6 +238,18 @@ class ReceiverSession:
         self._targets_of = {plan.hf_name: sorted({piece.target for piece in plan.pieces})
                             for plan in list(self.bulk_plans) +
                             [p for ps in self.misc_plans.values() for p in ps]}
+
+    def _map_targets(self, tp: int, ep: int, named_parameters, strided_in_place: bool) -> None:
+        """Map every param this rank receives onto the model's storage (local work)."""
+        self.targets = VllmTargets.from_named_parameters(
+            named_parameters, self.payload.get("hf_config") or {}, tp_rank=self.gen_rank % tp,
+            tp_size=tp, ep_size=ep, ep_rank=self.gen_rank % ep, label=f"gen rank {self.gen_rank}")
+        self.local_map, self.bulk_plans = build_receiver_param_map(
+            self.payload, self.targets, self.rank_in_group, strided_in_place)
+        self.misc_items = {s: misc_items_by_stage(self.payload).get(s, [])
+                           for s in range(int(self.payload.get("pp_size", 1)))}
+        self.misc_plans = {s: plan_full_weights(self.targets, items)
+                           for s, items in self.misc_items.items()}
 
     def verify_plan(self) -> None:
         """Compare plan fingerprints with the training side (communication: one small all-gather)."""
