@@ -88,6 +88,15 @@ def _join(board: FaultBoard, backend: str) -> None:
     mine = {"rank": rank, "world": world, "backend": backend, "who": board.who}
     seq = int(store.add("join/count", 1))
     store.set(f"join/{seq}", json.dumps(mine))
+    try:
+        _join_until_complete(board, mine)
+    except RefitError:
+        _linger_if_host(board)
+        raise
+
+
+def _join_until_complete(board: FaultBoard, mine: dict) -> None:
+    store, world = board.store, board.world
     seen: dict[int, dict] = {}
     read = 0
     deadline = time.monotonic() + board.timeout_s
@@ -113,6 +122,23 @@ def _join(board: FaultBoard, backend: str) -> None:
                                f"not join within {board.timeout_s:g} s (joined: "
                                f"{[seen[r]['who'] for r in sorted(seen)]})")
         time.sleep(POLL_S)
+
+
+JOIN_LINGER_S = 5.0
+
+
+def _linger_if_host(board: FaultBoard) -> None:
+    """A failed join: every rank counts itself out; the rank hosting the store waits (a
+    few seconds at most) for the others, so that slower ranks still read why."""
+    try:
+        board.store.add("join/failed", 1)
+        if board.rank != 0:
+            return
+        deadline = time.monotonic() + min(JOIN_LINGER_S, board.timeout_s)
+        while int(board.store.add("join/failed", 0)) < board.world and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+    except Exception:  # noqa: BLE001 - best effort: the store may be gone already
+        pass
 
 
 def _join_problem(mine: dict, other: dict, seen: dict) -> Optional[str]:
