@@ -314,10 +314,11 @@ def _train_rank(rank: int, cfg: RefitRunConfig, control, device: torch.device,
     if rank == 0:
         payload = source.payload_bytes()
         control.set("payload", payload)
-        _say(cfg, who, f"payload {len(payload)} bytes published "
-                       f"({len(source.state_dict_metadata)} FFN weights and "
-                       f"{len(source.exact_extra_metadata)} other params on the exact path, "
-                       f"{len(source.other_params_metadata)} packed)")
+        bulk = sum(len(ps) for ps in source.payload["per_layer_params"].values())
+        packed = len(source.payload.get("other_params") or [])
+        _say(cfg, who, f"payload {len(payload)} bytes published: {bulk + packed} refit tensors "
+                       f"({bulk} on the exact path, {packed} packed; experts go as one tensor "
+                       f"per projection)")
     group = create_refit_group(cfg.host, cfg.ports[1 + source.stage], source.stage_local_rank,
                                cfg.stage_world + cfg.gen_world, cfg.backend, cfg.timeout_s,
                                device=device if device.type == "cuda" else None,
@@ -391,7 +392,8 @@ def _gen_rank(gen_rank: int, cfg: RefitRunConfig, control, device: torch.device,
     setup_s = time.perf_counter() - t0
     if gen_rank == 0:
         _say(cfg, who, f"generation world up: tp{cfg.gen_tp} ep{cfg.gen_ep} on {cfg.gen_world} "
-                       f"ranks; {len(list(model.parameters()))} vLLM-layout params mapped")
+                       f"ranks; the refit tensors mapped onto {len(list(model.parameters()))} "
+                       f"vLLM-layout model params")
     refits, mismatches = [], []
     for step in range(cfg.refits):
         stats = worker.refit()

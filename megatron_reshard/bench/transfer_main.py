@@ -72,7 +72,7 @@ from .patterns import chunk_bounds, pattern_values
 from .report import Column, format_table, plot_bandwidth, sig, write_report
 from .timing import GroupOps, synchronize, time_collective, time_first_call
 
-# NVLink multicast must stay off on the shared GPU host (see ../shared/GPU.md).
+# NVLink multicast must stay off on the shared GPU host (a requirement of that host).
 ENV_DEFAULTS = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                 "NVSHMEM_DISABLE_NVLS": "1"}
 
