@@ -143,8 +143,8 @@ class FaultBoard:
             if self.rank == 0:
                 return None  # we host it; a local store error is not a peer failure
             self._seen = Fault("group rank 0 (it hosts the group's store)", f"its store is "
-                               f"unreachable ({type(exc).__name__}: {exc}); the process likely "
-                               f"exited", 0)
+                               f"unreachable ({type(exc).__name__}: {exc}); the process exited or "
+                               f"is stopped", 0)
             return self._seen
         return None
 

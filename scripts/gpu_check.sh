@@ -3,7 +3,7 @@
 #
 #     bash scripts/gpu_check.sh [NPROC] [OUT] [STEPS]   # NPROC 2 or 4 (default 4), OUT a folder
 #
-# STEPS (default all): a comma list of engine, refit, transfer, bench_refit, pytest, to split
+# STEPS (default all): a comma list of engine, refit, transfer, bench_refit, pytest, faults, to split
 # the run where one command may not take ~12 minutes (e.g. `engine,refit,transfer`, then
 # `bench_refit,pytest`).
 #
@@ -15,7 +15,7 @@
 set -u
 NPROC=${1:-4}
 OUT=${2:-bench_out/gpu_check}
-STEPS=",${3:-engine,refit,transfer,bench_refit,pytest},"
+STEPS=",${3:-engine,refit,transfer,bench_refit,pytest,faults},"
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 half=$((NPROC / 2))
@@ -55,4 +55,13 @@ fi
 if want pytest && [ "$NPROC" -ge 4 ]; then
   step pytest_gpu 400 python -m pytest -q tests/gpu
   tail -1 "$OUT/pytest_gpu.log"
+fi
+if want faults; then  # two independent launchers over NCCL; kill / stop one side in refit 3
+  for victim in train gen; do
+    for fault in kill stop; do
+      step "fault_${fault}_${victim}" 120 python scripts/fault_check.py --backend nccl \
+        --fault "$fault" --victim "$victim" --timeout-s 20
+      grep -h "survivor\|weights:" "$OUT/fault_${fault}_${victim}.log"
+    done
+  done
 fi
