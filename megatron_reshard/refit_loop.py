@@ -43,7 +43,6 @@ generation rank does the bulk of all stages first, then the broadcasts in stage 
 from __future__ import annotations
 
 import hashlib
-import inspect
 import math
 import time
 from contextlib import nullcontext
@@ -53,7 +52,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from megatron_reshard.engine.geometry import rank_region
+from megatron_reshard.engine.geometry import Box, box_index, box_shape, rank_region
 from megatron_reshard.engine.transport import (
     all_gather_ints,
     all_reduce,
@@ -71,7 +70,7 @@ SIDES = ("src", "dst")
 DEFAULT_BATCH_BYTES = 512 << 20
 DEFAULT_STAGING_BYTES = 256 << 20
 
-Region = tuple[tuple[int, int], ...]  # per tensor dim: [start, stop)
+Region = Box  # per tensor dim: [start, stop); the engine's box
 MiscItem = tuple[str, tuple[int, ...], torch.dtype]
 
 
@@ -94,12 +93,8 @@ def local_region(global_shape: Sequence[int], mesh: MeshInfo, placements: Sequen
     return None if got is None else got[0]
 
 
-def region_shape(region: Region) -> tuple[int, ...]:
-    return tuple(b - a for a, b in region)
-
-
-def region_index(region: Region) -> tuple[slice, ...]:
-    return tuple(slice(a, b) for a, b in region)
+region_shape = box_shape
+region_index = box_index
 
 
 # ------------------------------------------------------------------------ payload order
@@ -358,28 +353,21 @@ class RefitLoop:
 
         The engine's ``xfer_batch`` gets the stage stream, the staging bound and this loop's
         planner (plans and schedules cached for the loop's lifetime); a substitute such as
-        ``xfer_batch_reference`` gets whichever of those keywords it accepts.
+        ``xfer_batch_reference`` takes the same keywords.
         """
         from megatron_reshard.engine import Planner, Transfer, xfer_batch
 
         fn = self._xfer_batch or xfer_batch
         if self._planner is None:
             self._planner = Planner()
-        try:
-            accepted = set(inspect.signature(fn).parameters)
-        except (TypeError, ValueError):
-            accepted = set()
         # The engine's agreement step (a small all-reduce and a host sync per batch) guards
         # the first run; once every batch went through on every rank, later runs repeat
         # the same batches and skip it, so the host can queue batches ahead of the GPU.
-        options = {"staging_bytes": self.staging_bytes, "planner": self._planner,
-                   "agree": not self._agreed}
+        agree = not self._agreed
 
         def call(transfers, group, stream):
-            kwargs = {k: v for k, v in options.items() if k in accepted}
-            if "stream" in accepted:
-                kwargs["stream"] = stream
-            fn(transfers, group, **kwargs)
+            fn(transfers, group, stream=stream, staging_bytes=self.staging_bytes,
+               planner=self._planner, agree=agree)
 
         return call, Transfer
 

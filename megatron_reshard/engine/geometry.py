@@ -28,6 +28,11 @@ def box_shape(box: Box) -> tuple[int, ...]:
     return tuple(e - s for s, e in box)
 
 
+def box_index(box: Box) -> tuple[slice, ...]:
+    """The box as an index into the global tensor (``full[box_index(box)]``)."""
+    return tuple(slice(a, b) for a, b in box)
+
+
 def box_numel(box: Box) -> int:
     n = 1
     for s, e in box:

@@ -19,8 +19,10 @@ from .plan import layout_key
 from .transport import resolve_group
 
 
-def xfer_batch_reference(transfers: Sequence, group=None) -> None:
-    """Same signature and effect as ``xfer_batch`` (without streams or staging)."""
+def xfer_batch_reference(transfers: Sequence, group=None, *, stream=None, staging_bytes=None,
+                         planner=None, agree: bool = True) -> None:
+    """Same signature and effect as ``xfer_batch``; the options are accepted and ignored
+    (no streams, no staging, no plan cache: whole tensors move and get sliced)."""
     group = resolve_group(group)
     me = group.rank()
     for t in transfers:

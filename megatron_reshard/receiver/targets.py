@@ -30,7 +30,9 @@ from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 
-from megatron_reshard.refit_loop import Region, region_index, region_shape
+from megatron_reshard.engine.geometry import Box as Region
+from megatron_reshard.engine.geometry import box_index as region_index
+from megatron_reshard.engine.geometry import box_shape as region_shape
 from megatron_reshard.spec import LocalParamSpec, RefitCtx
 
 VOCAB_PADDING = 64
