@@ -131,7 +131,7 @@ def _split_refusals(cfg: RefitRunConfig) -> dict[str, Any]:
     (``None``: it can).
 
     Training (Megatron-Core, expert TP 1): TP divides the attention heads and the dense
-    FFN, and divides the KV heads or (dense models only) is a multiple of them; EP divides
+    FFN, and divides the KV heads or is a multiple of them (Megatron replicates them); EP divides
     the experts; PP divides the layers. Generation (vLLM
     layout): TP divides the attention heads, divides or is a multiple of the KV heads
     (vLLM replicates a KV head over TP/nkv ranks), divides the dense FFN, the expert FFN
@@ -166,11 +166,6 @@ def _split_refusals(cfg: RefitRunConfig) -> dict[str, Any]:
             return f"does not divide its {kv} KV heads (query groups)"
         if t > kv and t % kv:
             return f"neither divides nor is a multiple of its {kv} KV heads (query groups)"
-        if t > kv and experts:
-            # Megatron replicates the KV heads; the dense model refits exactly that way, an
-            # MoE model (seen: train TP4 EP1, 2 KV heads) does not yet
-            return (f"is more than its {kv} KV heads (query groups), which an MoE model does "
-                    "not refit exactly yet")
         return tp_common(t)
 
     def gen_tp(t: int) -> Optional[str]:

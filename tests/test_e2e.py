@@ -108,3 +108,9 @@ def test_demo_cli_rejects_a_bad_layout_before_starting_processes():
     proc = subprocess.run([sys.executable, "-m", "megatron_reshard.cli", "demo", "--train-tp", "3"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "not divisible" in proc.stderr
+
+
+def test_moe_train_tp4_over_two_kv_heads_to_gen_tp2_bit_exact(pool):
+    # Megatron replicates the 2 KV heads over TP4; experts sit whole on every rank (EP1)
+    summary = _run(pool, train_world=4, train_tp=4, train_pp=1, train_ep=1, gen_world=2, gen_tp=2)
+    assert summary["verified"], summary["per_gen_rank"]
