@@ -378,9 +378,10 @@ def _gen_rank(gen_rank: int, cfg: RefitRunConfig, control, device: torch.device,
     model = build_vllm_like_model(payload["hf_config"], tp_rank, cfg.gen_tp, cfg.gen_ep,
                                   getattr(torch, cfg.dtype), device=device)
     worker = _ModuleWorker(model)
-    worker.init_refit_groups(cfg.host, list(cfg.ports[1:1 + cfg.train_pp]),
-                             cfg.stage_world + gen_rank, cfg.stage_world + cfg.gen_world,
-                             cfg.backend, cfg.timeout_s)
+    # group_rank=None: each worker derives it from its rank in the generation world, as
+    # vLLM workers do when collective_rpc sends every worker the same arguments
+    worker.init_refit_groups(cfg.host, list(cfg.ports[1:1 + cfg.train_pp]), None,
+                             cfg.stage_world + cfg.gen_world, cfg.backend, cfg.timeout_s)
     summary = worker.prepare_refit(payload, {"num_streams": cfg.num_streams,
                                              "staging_bytes": cfg.staging_bytes,
                                              "verify_checksums": cfg.verify})

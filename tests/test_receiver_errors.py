@@ -152,3 +152,21 @@ def test_gen_rank_that_vllm_numbers_differently_is_refused():
     with pytest.raises(ValueError, match=r"places gen rank 1 at TP rank 1 of 2, but vLLM reports TP rank 0 of 2"):
         _session(DENSE, {"tp_size": 2}, gen_rank=1, vllm_tp=(0, 2))
     _session(DENSE, {"tp_size": 2}, gen_rank=1, vllm_tp=(1, 2))
+
+
+def test_a_worker_without_a_world_cannot_derive_its_refit_rank():
+    class Worker(MegatronReshardWorkerExtension):
+        def get_refit_model(self):
+            return build_vllm_like_model(DENSE, 0, 1)
+
+    with pytest.raises(RuntimeError, match=r"group_rank=None\) needs vLLM's or the default"):
+        Worker().init_refit_groups("127.0.0.1", [1], None, 3, "gloo", 1.0)
+
+
+def test_a_derived_refit_rank_must_be_the_same_in_every_stage_group():
+    class Worker(MegatronReshardWorkerExtension):
+        def get_refit_gen_coords(self):
+            return 1, 2  # gen rank 1 of 2
+
+    with pytest.raises(ValueError, match=r"different ranks per stage \{0: 3, 1: 4\}"):
+        Worker().init_refit_groups("127.0.0.1", [1, 2], None, [4, 5], "gloo", 1.0)

@@ -3,7 +3,8 @@
 Torch + stdlib only. Phases, each with plain-data arguments and results:
 
 1. ``init_refit_groups(host, ports_by_stage, group_rank, group_sizes, backend, timeout_s)``
-   joins one refit group per training PP stage (``megatron_reshard.comm.create_refit_group``).
+   joins one refit group per training PP stage (``megatron_reshard.comm.create_refit_group``);
+   ``group_rank=None`` derives it from the worker's own rank (same arguments for all).
 2. ``prepare_refit(payload, options=None)`` validates the whole payload and maps every HF
    name onto this rank's vLLM storage. Local work; an error is raised here and posted on
    the groups' fault boards, so the training ranks raise it too within a second.
@@ -96,10 +97,31 @@ class MegatronReshardWorkerExtension:
 
     # -- phases --------------------------------------------------------------------------
 
+    def get_refit_gen_coords(self) -> tuple[int, int]:
+        """``(gen_rank, gen_world)``: this worker's rank among the generation workers.
+
+        vLLM's world group where vLLM is loaded, else the default torch.distributed world
+        (one generation world per launch). Override it for other launchers."""
+        ps = sys.modules.get("vllm.distributed.parallel_state")
+        if ps is not None:
+            world = ps.get_world_group()
+            return int(world.rank_in_group), int(world.world_size)
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            raise RuntimeError("init_refit_groups(group_rank=None) needs vLLM's or the default "
+                               "torch.distributed world to derive this worker's rank; pass "
+                               "group_rank or override get_refit_gen_coords()")
+        return dist.get_rank(), dist.get_world_size()
+
     def init_refit_groups(self, host: str, ports_by_stage: Union[Sequence[int], Mapping],
-                          group_rank: int, group_sizes: Union[int, Sequence[int], Mapping],
+                          group_rank: Optional[int], group_sizes: Union[int, Sequence[int], Mapping],
                           backend: str = "nccl", timeout_s: float = 600.0) -> dict:
-        """Join one refit group per PP stage (stage -> TCPStore port); same rank in each."""
+        """Join one refit group per PP stage (stage -> TCPStore port); same rank in each.
+
+        ``group_rank=None`` (what ``collective_rpc`` can send to every worker alike): each
+        worker takes ``group_size - gen_world + gen_rank`` from ``get_refit_gen_coords()``,
+        the training ranks of a stage coming first in its group."""
         from megatron_reshard.comm import create_refit_group
 
         ports = _per_stage(ports_by_stage, "ports_by_stage")
@@ -107,6 +129,14 @@ class MegatronReshardWorkerExtension:
                  else _per_stage(group_sizes, "group_sizes"))
         if set(sizes) != set(ports):
             raise ValueError(f"ports_by_stage has stages {sorted(ports)}, group_sizes has {sorted(sizes)}")
+        if group_rank is None:
+            gen_rank, gen_world = self.get_refit_gen_coords()
+            derived = {s: n - gen_world + gen_rank for s, n in sizes.items()}
+            if len(set(derived.values())) != 1:
+                raise ValueError(f"group_sizes {sizes} give this worker (gen rank {gen_rank} of "
+                                 f"{gen_world}) different ranks per stage {derived}; every stage "
+                                 f"group needs the same number of training ranks")
+            group_rank = next(iter(derived.values()))
         groups = {}
         for stage in sorted(ports):
             groups[stage] = create_refit_group(
