@@ -277,6 +277,7 @@ class RefitLoop:
         must_match = {"batch_bytes": batch_bytes, "staging_bytes": staging_bytes,
                       "checksums": int(verify_checksums)}
         self.verify_checksums = verify_checksums
+        self._overlap_cache: dict[tuple[int, int], list] = {}
         self.fingerprints = {s: plan_fingerprint(ps, None if self.misc_items is None
                                                  else self.misc_items[s], must_match)
                              for s, ps in self.stages.items()}
@@ -461,10 +462,20 @@ class RefitLoop:
             region = mine[i][1]
             origin = tuple(a for a, _ in region)
             if self.side == "src":
-                for dst, sub in source_overlaps(run.params[i], self._ranks[run.stage]):
+                for dst, sub in self._overlaps(run.stage, i):
                     run.table.add(dst, i, box_checksum(ctx.buf, sub, origin))
             else:
                 run.got[i] = box_checksum(ctx.buf, region, origin)
+
+    def _overlaps(self, stage: int, index: int) -> list:
+        """(destination rank, box) this source counts for a param; from the payload alone,
+        so computed once per loop."""
+        key = (stage, index)
+        got = self._overlap_cache.get(key)
+        if got is None:
+            got = self._overlap_cache[key] = source_overlaps(self.stages[stage][index],
+                                                             self._ranks[stage])
+        return got
 
     def _check_stage(self, run: "_StageRun") -> list[str]:
         """One SUM all-reduce of the stage's table; a destination compares its own row."""

@@ -2,16 +2,17 @@
 
 Torch + stdlib only. A payload crosses a process boundary as plain data, so anything can
 arrive: a truncated message, a list where a map belongs, a mesh naming a rank outside the
-refit group. ``validate_payload`` checks the structure of every entry and, given the
-group's sizes, that every mesh rank is where it must be (training ranks ``0..T-1``,
-generation ranks ``T..T+G-1``); each error is a ``RefitPayloadError`` that says "refit
+refit group. ``validate_payload`` checks the structure of every entry and that every mesh
+rank is where the payload's own sizes put it in a refit group (a stage's training ranks
+``0..T-1``, the generation ranks ``T..T+G-1``; the receiver checks separately that its
+groups have ``T + G`` ranks); each error is a ``RefitPayloadError`` that says "refit
 payload", the entry and what was expected and found. It accepts the plain form and the
-restored one (``MeshInfo``, placement objects), so it can run before and after restoring.
+restored one (``MeshInfo``, placement objects).
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional
 
 from megatron_reshard.metadata import dtype_from_str
 
@@ -59,15 +60,14 @@ def _mesh_ranks(mesh: Any, what: str, where: str) -> tuple[list[int], int]:
     return ranks, max(1, len(shape))
 
 
-def _check_mesh(ranks: list[int], what: str, where: str, lo: Optional[int],
-                hi: Optional[int], side: str) -> None:
+def _check_mesh(ranks: list[int], what: str, where: str, lo: int, hi: int, side: str) -> None:
     if len(set(ranks)) != len(ranks):
         dup = sorted({r for r in ranks if ranks.count(r) > 1})
         raise _fail(where, f"{what}: ranks {dup} appear more than once in {ranks}")
     bad = [r for r in ranks if r < 0]
     if bad:
         raise _fail(where, f"{what}: negative ranks {bad} in {ranks}")
-    if lo is not None and any(not lo <= r < hi for r in ranks):
+    if any(not lo <= r < hi for r in ranks):
         raise _fail(where, f"{what}: the {side} ranks of this refit group are {lo}..{hi - 1}, "
                            f"found {[r for r in ranks if not lo <= r < hi]} in {ranks}")
 
@@ -82,8 +82,7 @@ def _shard_dim(placement: Any, what: str, where: str) -> Optional[int]:
     return getattr(placement, "dim", None)
 
 
-def validate_payload(payload: Any, where: str = "this rank", *, group_size: Optional[int] = None,
-                     train_ranks: Optional[int] = None) -> None:
+def validate_payload(payload: Any, where: str = "this rank") -> None:
     """Raise ``RefitPayloadError`` on the first problem of ``payload`` (see module doc)."""
     if not isinstance(payload, Mapping):
         raise _fail(where, f"expected a map, found {type(payload).__name__}")
@@ -97,6 +96,8 @@ def validate_payload(payload: Any, where: str = "this rank", *, group_size: Opti
     pp = _positive(payload, "pp_size", where, default=1)
     if train_world % pp:
         raise _fail(where, f"train_world_size {train_world} is not a multiple of pp_size {pp}")
+    train_ranks = train_world // pp  # per stage group: training ranks first, then generation
+    group_size = train_ranks + gen_world
     if gen_world % gen_tp:
         raise _fail(where, f"gen_world_size {gen_world} is not a multiple of gen_tp_size {gen_tp}")
     _check_hf_config(payload.get("hf_config", {}), where)
@@ -174,7 +175,7 @@ def _dtype(value: Any, what: str, where: str) -> None:
 
 
 def _check_param(param: Any, what: str, where: str, pp: int, seen: set,
-                 group_size: Optional[int], train_ranks: Optional[int]) -> None:
+                 group_size: int, train_ranks: int) -> None:
     if not isinstance(param, Mapping) or not isinstance(param.get("name"), str):
         raise _fail(where, f"{what}: each param must be a map with a 'name', found {param!r:.80}")
     name = param["name"]
@@ -196,9 +197,8 @@ def _check_param(param: Any, what: str, where: str, pp: int, seen: set,
     for side, lo, hi in (("src", 0, train_ranks),
                          ("dst", train_ranks, group_size)):
         ranks, ndim = _mesh_ranks(param[f"{side}_mesh_info"], f"{what}: {side}_mesh_info", where)
-        known = group_size is not None and train_ranks is not None
-        _check_mesh(ranks, f"{what}: {side}_mesh_info", where, lo if known else None,
-                    hi if known else None, "training" if side == "src" else "generation")
+        _check_mesh(ranks, f"{what}: {side}_mesh_info", where, lo, hi,
+                    "training" if side == "src" else "generation")
         placements = param[f"{side}_placements"]
         if not isinstance(placements, (list, tuple)) or len(placements) != ndim:
             raise _fail(where, f"{what}: {side}_placements must be a list of {ndim} placements "
