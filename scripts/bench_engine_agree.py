@@ -16,14 +16,11 @@ import os
 import statistics
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as tmp
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as tmp  # noqa: E402
-
-import bench_engine_host as host  # noqa: E402
+import bench_engine_host as host
 
 
 def _worker(rank: int, world: int, port: int, args) -> None:
@@ -62,7 +59,7 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--cases", nargs="+", default=["rr_cross", "s0_s1", "mixed"])
     args = ap.parse_args(argv)
-    from megatron_reshard.worlds import free_ports
+    from megatron_reshard.tools.worlds import free_ports
 
     tmp.spawn(_worker, args=(2, free_ports(1)[0], args), nprocs=2, join=True)
     return 0

@@ -29,11 +29,9 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as tmp  # noqa: E402
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as tmp
 
 
 def _transfers(case: str, n: int, rank: int) -> list:
@@ -135,7 +133,7 @@ def main(argv=None) -> int:
     ap.add_argument("--profile-rank", type=int, default=0, choices=(0, 1))
     ap.add_argument("--top", type=int, default=25, help="profile rows to print")
     args = ap.parse_args(argv)
-    from megatron_reshard.worlds import free_ports
+    from megatron_reshard.tools.worlds import free_ports
 
     tmp.spawn(_worker, args=(2, free_ports(1)[0], args), nprocs=2, join=True)
     return 0

@@ -4,16 +4,13 @@
         [--out bench_out/transfer] [--p2p-channels 32] [--cross-world]
     torchrun --nproc-per-node 4 scripts/bench_transfer.py --device cpu --small   # gloo smoke
 
-Everything lives in megatron_reshard.bench.transfer_main (``main(argv)``); ``--help``
+Everything lives in megatron_reshard.tools.bench.transfer_main (``main(argv)``); ``--help``
 lists the options, its docstring the layouts and columns.
 """
 
-import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from megatron_reshard.bench.transfer_main import main  # noqa: E402
+from megatron_reshard.tools.bench.transfer_main import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -112,7 +112,7 @@ def _side(args) -> None:
 
 
 def _launch(args) -> int:
-    from megatron_reshard.worlds import free_ports
+    from megatron_reshard.tools.worlds import free_ports
 
     fault_file = tempfile.mktemp(prefix="refit_fault_")
     port = free_ports(1)[0]

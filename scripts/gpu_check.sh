@@ -49,7 +49,7 @@ if want transfer; then
 fi
 if want bench_refit; then
   step bench_refit 300 torchrun --nproc-per-node "$NPROC" --master-port 29630 \
-    -m megatron_reshard.bench.refit_main --case all --layers 4 --iters 5 --out "$OUT/refit"
+    -m megatron_reshard.tools.bench.refit_main --case all --layers 4 --iters 5 --out "$OUT/refit"
   grep "^|" "$OUT/bench_refit.log"
 fi
 if want pytest && [ "$NPROC" -ge 4 ]; then

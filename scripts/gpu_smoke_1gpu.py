@@ -22,7 +22,7 @@ from megatron_reshard.engine import Planner, Transfer, xfer_batch
 from megatron_reshard.faults import wait_device
 from megatron_reshard.integrity import box_checksum
 from megatron_reshard.layout import MeshInfo
-from megatron_reshard.worlds import free_ports
+from megatron_reshard.tools.worlds import free_ports
 
 
 def main() -> int:

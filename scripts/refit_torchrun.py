@@ -18,17 +18,16 @@ import json
 import os
 import sys
 
-for _key, _value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
-                     ("NVSHMEM_DISABLE_NVLS", "1")):
-    os.environ.setdefault(_key, _value)  # NVLink multicast stays off on shared hosts
-
 
 def main(argv=None) -> int:
+    from megatron_reshard.tools.launch_env import apply_nccl_defaults
+
+    apply_nccl_defaults()  # before torch.distributed can initialise NCCL
     import torch
     import torch.distributed as dist
 
-    from megatron_reshard.e2e import (add_run_arguments, config_from_args, run_rank,
-                                      share_verdict, summarize)
+    from megatron_reshard.tools.e2e import (add_run_arguments, config_from_args, run_rank,
+                                            share_verdict, summarize)
 
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

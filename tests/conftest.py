@@ -2,7 +2,7 @@
 
 import pytest
 
-from megatron_reshard.worlds import WorkerPool
+from megatron_reshard.tools.worlds import WorkerPool
 
 POOL_SIZE = 6  # 4 training + 2 generation ranks is the largest layout the CPU tests use
 

@@ -13,15 +13,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_reshard.bench import (BaselineGroups, BaselineParam, Column, NaiveRefit,
-                                    format_table, gather_broadcast, measure_peak_extra,
-                                    measure_raw_p2p, pattern_values, raw_p2p, time_collective,
-                                    write_report)
-from megatron_reshard.bench.baselines import p2p_messages
-from megatron_reshard.bench.transfer_main import (COLUMNS, apply_env, build_cases,
+from megatron_reshard.tools.bench import (BaselineGroups, BaselineParam, Column, NaiveRefit,
+                                          format_table, gather_broadcast, measure_peak_extra,
+                                          measure_raw_p2p, pattern_values, raw_p2p, time_collective,
+                                          write_report)
+from megatron_reshard.tools.bench.baselines import p2p_messages
+from megatron_reshard.tools.bench.transfer_main import (COLUMNS, apply_env, build_cases,
                                                   build_parser, local_box, parse_size)
 from megatron_reshard.layout import MeshInfo
-from megatron_reshard.worlds import init_gloo_world
+from megatron_reshard.tools.worlds import init_gloo_world
 
 CPU = torch.device("cpu")
 
@@ -99,7 +99,7 @@ def _bench_main(job, argv):
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        from megatron_reshard.bench.transfer_main import main
+        from megatron_reshard.tools.bench.transfer_main import main
 
         return main(argv)
     finally:
@@ -188,7 +188,7 @@ def test_report_writes_a_table_with_every_row_and_column_and_json(tmp_path):
 
 
 def test_report_plot_is_written_or_skipped_without_matplotlib(tmp_path, capsys):
-    from megatron_reshard.bench import plot_bandwidth
+    from megatron_reshard.tools.bench import plot_bandwidth
 
     out = plot_bandwidth([{"case": "a", "engine_gbps": 1.0}], tmp_path / "p.png")
     try:

@@ -1,6 +1,6 @@
 """The refit benchmark's CPU smoke: 4 processes under torchrun (gloo, tiny shapes).
 
-Runs ``torchrun --nproc-per-node 4 -m megatron_reshard.bench.refit_main --device cpu
+Runs ``torchrun --nproc-per-node 4 -m megatron_reshard.tools.bench.refit_main --device cpu
 --backend gloo --small`` and checks the table's columns, the report files and that both
 cases verified bit-exact. No wall-clock thresholds (two shared cores): figures are only
 checked to be positive and finite.
@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 
 
-from megatron_reshard.worlds import free_port_block
-from megatron_reshard.bench.refit_main import COLUMNS, build_parser, fill_pattern_
+from megatron_reshard.tools.worlds import free_port_block
+from megatron_reshard.tools.bench.refit_main import COLUMNS, build_parser, fill_pattern_
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -48,7 +48,7 @@ def test_refit_bench_cpu_smoke(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
            "--master-addr", "127.0.0.1", "--master-port", str(port),
-           "-m", "megatron_reshard.bench.refit_main", "--device", "cpu", "--backend", "gloo",
+           "-m", "megatron_reshard.tools.bench.refit_main", "--device", "cpu", "--backend", "gloo",
            "--small", "--out", str(out), "--port-base", str(free_port_block(16))]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=200)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_reshard import cli
-from megatron_reshard.e2e import MODEL_PRESETS, RefitRunConfig, config_from_args
+from megatron_reshard.tools import cli
+from megatron_reshard.tools.e2e import MODEL_PRESETS, RefitRunConfig, config_from_args
 from megatron_reshard.receiver.targets import VllmTargets, load_full_weights
 from megatron_reshard.testing.vllm_like import build_vllm_like_model, random_hf_state_dict
 
@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _cli(*args, timeout=120):
     # the timeout only keeps a hang from blocking the suite; nothing here measures time
-    return subprocess.run([sys.executable, "-m", "megatron_reshard.cli", *args],
+    return subprocess.run([sys.executable, "-m", "megatron_reshard.tools.cli", *args],
                           capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
@@ -69,7 +69,7 @@ INVALID = [
 
 _DRIVER = """
 import contextlib, io, json, sys
-from megatron_reshard.cli import main
+from megatron_reshard.tools.cli import main
 out = []
 for argv in json.loads(sys.argv[1]):
     err, std = io.StringIO(), io.StringIO()
@@ -79,7 +79,7 @@ for argv in json.loads(sys.argv[1]):
         except SystemExit as exit_:
             rc = exit_.code
     out.append({"rc": rc, "stderr": err.getvalue(), "stdout": std.getvalue(),
-                "pool_imported": "megatron_reshard.worlds" in sys.modules,
+                "pool_imported": "megatron_reshard.tools.worlds" in sys.modules,
                 "megatron_imported": "megatron.core" in sys.modules})
 print(json.dumps(out))
 """

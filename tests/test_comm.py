@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_reshard.comm import create_refit_group, destroy_refit_group
-from megatron_reshard.worlds import free_ports
+from megatron_reshard.tools.worlds import free_ports
 
 
 def _two_worlds_then_refit(job):

@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from megatron_reshard.e2e import RefitRunConfig, run_rank, summarize, tensor_digest
+from megatron_reshard.tools.e2e import RefitRunConfig, run_rank, summarize, tensor_digest
 
 
 def _refit_job(job, cfg):
@@ -95,7 +95,7 @@ def test_digest_sees_a_single_flipped_bit():
 
 
 def test_demo_cli_json_reports_a_verified_refit():
-    proc = subprocess.run([sys.executable, "-m", "megatron_reshard.cli", "demo", "--json",
+    proc = subprocess.run([sys.executable, "-m", "megatron_reshard.tools.cli", "demo", "--json",
                            "--refits", "2"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -105,7 +105,7 @@ def test_demo_cli_json_reports_a_verified_refit():
 
 
 def test_demo_cli_rejects_a_bad_layout_before_starting_processes():
-    proc = subprocess.run([sys.executable, "-m", "megatron_reshard.cli", "demo", "--train-tp", "3"],
+    proc = subprocess.run([sys.executable, "-m", "megatron_reshard.tools.cli", "demo", "--train-tp", "3"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "not divisible" in proc.stderr
 

@@ -6,7 +6,7 @@ from torch.distributed.tensor import Shard
 
 from megatron_reshard.engine import DTensorRef, Planner, Transfer, xfer_batch, xferdtensor
 from megatron_reshard.layout import MeshInfo
-from megatron_reshard.worlds import init_gloo_world
+from megatron_reshard.tools.worlds import init_gloo_world
 
 FULL = torch.arange(6 * 8, dtype=torch.float32).reshape(6, 8)
 

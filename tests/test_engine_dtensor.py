@@ -30,7 +30,7 @@ def _torch_dtensor(job):
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
     from megatron_reshard.engine import xferdtensor
-    from megatron_reshard.worlds import init_gloo_world
+    from megatron_reshard.tools.worlds import init_gloo_world
 
     init_gloo_world(job, timeout_s=30)
     mesh = init_device_mesh("cpu", (2,))
@@ -52,7 +52,7 @@ def _look_alikes(job, kind):
 
     from megatron_reshard.engine import xferdtensor
     from megatron_reshard.layout import MeshInfo
-    from megatron_reshard.worlds import init_gloo_world
+    from megatron_reshard.tools.worlds import init_gloo_world
 
     init_gloo_world(job, timeout_s=30)
     wrap = {"look_alike": _LookAlike, "dtensor_ref": DTensorRef}[kind]
@@ -76,7 +76,7 @@ def _plain_tensor(job):
 
     from megatron_reshard.engine import xferdtensor
     from megatron_reshard.layout import MeshInfo
-    from megatron_reshard.worlds import init_gloo_world
+    from megatron_reshard.tools.worlds import init_gloo_world
 
     init_gloo_world(job, timeout_s=30)
     sm, dm = MeshInfo(torch.tensor([0])), MeshInfo(torch.tensor([1]))

@@ -301,7 +301,7 @@ def _default_world_group(job):
     from torch.distributed.tensor import Shard
 
     from megatron_reshard.engine import Transfer, xfer_batch
-    from megatron_reshard.worlds import init_gloo_world
+    from megatron_reshard.tools.worlds import init_gloo_world
 
     init_gloo_world(job, timeout_s=30)
     full = torch.arange(12.0).reshape(4, 3)
@@ -343,7 +343,7 @@ def test_m2n_backend_is_never_selected_where_it_cannot_run():
 
     from megatron_reshard.comm import create_refit_group
     from megatron_reshard.engine import Transfer, m2n, xfer_batch
-    from megatron_reshard.worlds import free_ports
+    from megatron_reshard.tools.worlds import free_ports
 
     assert m2n.within_limits([((4,), (2,), (0, 1), (0,), (2,), (2, 3), (0,))])[0]
     assert not m2n.within_limits([((4,), (2,), (1, 0), (0,), (2,), (2, 3), (0,))])[0]

@@ -21,10 +21,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_reshard.e2e import MODEL_PRESETS, perturb_, tensor_digest
+from megatron_reshard.tools.e2e import MODEL_PRESETS, perturb_, tensor_digest
 from megatron_reshard.receiver import MegatronReshardWorkerExtension
 from megatron_reshard.spec import RefitCtx
-from megatron_reshard.worlds import RankFailure
+from megatron_reshard.tools.worlds import RankFailure
 
 pytestmark = pytest.mark.slow
 
@@ -77,8 +77,8 @@ def _train(job, control, plan):
 
     from megatron_reshard.comm import create_refit_group
     from megatron_reshard.megatron import MegatronRefitSource
-    from megatron_reshard.megatron.models import TinyGPTSpec, build_gpt_model
-    from megatron_reshard.megatron.reference import gather_full_hf_state_dict
+    from megatron_reshard.testing.megatron_models import TinyGPTSpec, build_gpt_model
+    from megatron_reshard.testing.megatron_reference import gather_full_hf_state_dict
     from megatron_reshard.megatron.sender import RefitSender
 
     _world(job, control, "train", job.rank, TRAIN)

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from megatron_reshard.worlds import free_port_block
+from megatron_reshard.tools.worlds import free_port_block
 
 WORKER = Path(__file__).parent / "gpu" / "engine_worker.py"
 

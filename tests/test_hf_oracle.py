@@ -25,7 +25,7 @@ import torch
 import transformers  # pinned in the test extra (4.57.x keeps per-expert MoE modules)
 
 from hf_reassemble import Dims, hf_state_dict_from_vllm_shards
-from megatron_reshard.e2e import RefitRunConfig, run_rank
+from megatron_reshard.tools.e2e import RefitRunConfig, run_rank
 
 pytestmark = pytest.mark.slow
 
@@ -38,7 +38,7 @@ TOKEN_SEED = 7
 class Case:
     """One family and layout: the tiny Megatron model, the layouts, the HF class and config."""
 
-    model: dict  # TinyGPTSpec fields (family included), see megatron_reshard.megatron.models
+    model: dict  # TinyGPTSpec fields (family included), see megatron_reshard.testing.megatron_models
     hf_class: str
     hf_config: dict  # family-specific HF config keys beyond the shared ones
     train: dict = field(default_factory=lambda: dict(train_world=4, train_tp=2, train_pp=2, train_ep=1))
@@ -95,7 +95,7 @@ def _build_scaled(spec, device, dtype):
     is one-hot and activations grow layer by layer, which would hide small errors. One rule
     for every tensor keeps replicas (and the tied embedding copies of PP stages) equal."""
     from megatron_cpu_forward import cpu_build_shims
-    from megatron_reshard.megatron.models import build_gpt_model
+    from megatron_reshard.testing.megatron_models import build_gpt_model
 
     with cpu_build_shims():
         model = build_gpt_model(spec)

@@ -15,7 +15,7 @@ from megatron_reshard.megatron.converters import (
     hf_global_shapes,
     local_views,
 )
-from megatron_reshard.megatron.reference import _split_qkv
+from megatron_reshard.testing.megatron_reference import _split_qkv
 from megatron_reshard.megatron.source import _stacked_spec
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch.distributed.tensor import Shard
 
-from megatron_reshard.worlds import init_gloo_world
+from megatron_reshard.tools.worlds import init_gloo_world
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -72,9 +72,9 @@ def _storages(model) -> set[int]:
 
 def _check_source(job, spec_kwargs, family, gen_parallelism, gen_world_size, layout):
     from megatron_reshard.layout import build_mesh_info
-    from megatron_reshard.megatron.models import TinyGPTSpec, build_gpt_model
+    from megatron_reshard.testing.megatron_models import TinyGPTSpec, build_gpt_model
     from megatron_reshard.megatron.payload import decode_payload
-    from megatron_reshard.megatron.reference import gather_full_hf_state_dict
+    from megatron_reshard.testing.megatron_reference import gather_full_hf_state_dict
     from megatron_reshard.megatron.source import MegatronRefitSource
 
     _init(job, **layout)
@@ -280,7 +280,7 @@ def _bad_inputs(job):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from megatron_reshard.megatron.models import TinyGPTSpec, build_gpt_model
+    from megatron_reshard.testing.megatron_models import TinyGPTSpec, build_gpt_model
     from megatron_reshard.megatron.source import MegatronRefitSource
 
     gen = dict(gen_parallelism={"tp_size": 2, "ep_size": 1, "pp_size": 1}, gen_world_size=2)

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from megatron_reshard.packed import (broadcast_packed, buffer_bytes, chunk_items, pack,
                                      packed_layout, unpack)
-from megatron_reshard.worlds import init_gloo_world
+from megatron_reshard.tools.worlds import init_gloo_world
 
 ITEMS = [("a", (3, 5), torch.bfloat16), ("b", (), torch.float32), ("c", (7,), torch.int8),
          ("d", (2, 0, 4), torch.float16), ("e", (4, 4), torch.float8_e4m3fn)]

@@ -20,7 +20,7 @@ DSV3_NEMO_RL = ["--model", "deepseek-v3", "--train-world", "256", "--train-tp", 
 
 def _plan(*args, timeout=300):
     # the timeout only keeps a hang from blocking the suite; nothing here measures time
-    return subprocess.run([sys.executable, "-m", "megatron_reshard.cli", "plan", *args],
+    return subprocess.run([sys.executable, "-m", "megatron_reshard.tools.cli", "plan", *args],
                           capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_reshard.worlds import init_gloo_world
+from megatron_reshard.tools.worlds import init_gloo_world
 
 
 def _all_reduce_rank(job):

@@ -66,15 +66,12 @@ from torch.distributed.tensor import Replicate, Shard
 
 from megatron_reshard.layout import MeshInfo
 
+from ..launch_env import apply_nccl_defaults
 from .baselines import BaselineGroups, BaselineParam, gather_broadcast, raw_p2p
 from .memory import measure_peak_extra
 from .patterns import chunk_bounds, pattern_values
 from .report import Column, format_table, plot_bandwidth, sig, write_report
 from .timing import GroupOps, synchronize, time_collective, time_first_call
-
-# NVLink multicast must stay off on the shared GPU host (a requirement of that host).
-ENV_DEFAULTS = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                "NVSHMEM_DISABLE_NVLS": "1"}
 
 R, S0, S1, S2 = Replicate(), Shard(0), Shard(1), Shard(2)
 BF16, FP32 = torch.bfloat16, torch.float32
@@ -409,7 +406,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="bench_transfer",
         description=__doc__.split("\n\n")[0] + " Run under torchrun (2+ ranks, even count).",
-        epilog="See megatron_reshard/bench/transfer_main.py for the layouts and columns.")
+        epilog="See megatron_reshard/tools/bench/transfer_main.py for the layouts and columns.")
     p.add_argument("--device", choices=["cuda", "cpu"], default=None,
                    help="cuda (NCCL) or cpu (gloo); default: cuda when available")
     p.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke runs)")
@@ -444,8 +441,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def apply_env(args: argparse.Namespace, environ: "os._Environ | dict" = os.environ) -> dict:
     """Set the NCCL-related environment before any process group exists; return it."""
-    for key, value in ENV_DEFAULTS.items():
-        environ.setdefault(key, value)
+    apply_nccl_defaults(environ)
     if args.p2p_channels is not None:
         environ["NCCL_MIN_P2P_NCHANNELS"] = str(args.p2p_channels)
         environ["NCCL_MAX_P2P_NCHANNELS"] = str(args.p2p_channels)

@@ -260,26 +260,29 @@ def run_rank(rank: int, cfg: RefitRunConfig, *, model_builder=None, after_refits
     problems = cfg.problems()
     if problems:
         raise ValueError("invalid refit run configuration:\n  - " + "\n  - ".join(problems))
-    # megatron-core's notices about optional packages (Apex, TE) and CPU-only settings
-    # would repeat once per process and bury the run's own progress lines
-    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
     device = _device_for(cfg, rank)
     control = dist.TCPStore(cfg.host, cfg.ports[0], cfg.train_world + cfg.gen_world, rank == 0,
                             timeout=timedelta(seconds=cfg.timeout_s))
     if rank < cfg.train_world:
-        return _train_rank(rank, cfg, control, device, model_builder, after_refits)
+        return run_training_rank(rank, cfg, control, device, model_builder, after_refits)
     return _gen_rank(rank - cfg.train_world, cfg, control, device, after_refits)
 
 
-def _train_rank(rank: int, cfg: RefitRunConfig, control, device: torch.device,
-                model_builder=None, after_refits=None) -> dict:
+def run_training_rank(rank: int, cfg: RefitRunConfig, control, device: torch.device,
+                      model_builder=None, after_refits=None) -> dict:
+    """Training rank ``rank``: join the training world through ``control`` (a store), build
+    the model, publish the payload (rank 0, key ``payload``), refit ``cfg.refits`` times and,
+    with ``cfg.verify``, publish each refit's expected digests (``expected/{step}/{gen}``)."""
+    # megatron-core's notices about optional packages (Apex, TE) and CPU-only settings
+    # would repeat once per process and bury the run's own progress lines
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
     from megatron.core import parallel_state as ps
 
     from megatron_reshard.comm import create_refit_group, destroy_refit_group
     from megatron_reshard.megatron import MegatronRefitSource
-    from megatron_reshard.megatron.models import TinyGPTSpec, build_gpt_model
-    from megatron_reshard.megatron.reference import gather_full_hf_state_dict
     from megatron_reshard.megatron.sender import RefitSender
+    from megatron_reshard.testing.megatron_models import TinyGPTSpec, build_gpt_model
+    from megatron_reshard.testing.megatron_reference import gather_full_hf_state_dict
 
     who = f"train {rank}"
     t0 = time.perf_counter()
@@ -520,5 +523,6 @@ def add_run_arguments(parser) -> None:
                              "(default: %(default)s)")
 
 
-__all__ = ["MODEL_PRESETS", "RefitRunConfig", "run_rank", "summarize", "share_verdict", "tensor_digest",
+__all__ = ["MODEL_PRESETS", "RefitRunConfig", "run_rank", "run_training_rank", "summarize",
+           "share_verdict", "tensor_digest",
            "add_run_arguments", "config_from_args", "default_train_ep", "perturb_"]

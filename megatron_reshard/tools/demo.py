@@ -21,7 +21,7 @@ import json
 import sys
 import time
 
-from megatron_reshard.e2e import add_run_arguments, config_from_args, run_rank, summarize
+from megatron_reshard.tools.e2e import add_run_arguments, config_from_args, run_rank, summarize
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -81,10 +81,10 @@ def run(args: argparse.Namespace) -> int:
     probe = config_from_args(args, ports=(0,) * (1 + max(args.train_pp, 0)))
     problems = probe.problems()
     if problems:
-        from megatron_reshard.cli import fail
+        from megatron_reshard.tools.cli import fail
 
         return fail("demo", problems)
-    from megatron_reshard.worlds import WorkerPool
+    from megatron_reshard.tools.worlds import WorkerPool
 
     nprocs = probe.train_world + probe.gen_world
     if not args.json:
@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
               f"processes (spawned, {probe.backend}, loopback)", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     with WorkerPool(nprocs) as pool:
-        from megatron_reshard.worlds import free_ports
+        from megatron_reshard.tools.worlds import free_ports
 
         cfg = config_from_args(args, ports=free_ports(1 + args.train_pp))
         results = pool.run(_job, nprocs, cfg, timeout_s=cfg.timeout_s * 3, num_ports=1)

@@ -13,8 +13,8 @@ from typing import NoReturn, Optional, Sequence
 
 from megatron_reshard import __version__
 
-_BENCH_MODULES = {"refit": "megatron_reshard.bench.refit_main",
-                  "transfer": "megatron_reshard.bench.transfer_main"}
+_BENCH_MODULES = {"refit": "megatron_reshard.tools.bench.refit_main",
+                  "transfer": "megatron_reshard.tools.bench.transfer_main"}
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,bench,plan}")
 
-    from megatron_reshard import demo
+    from megatron_reshard.tools import demo
 
     demo.add_arguments(sub.add_parser(
         "demo", help="run a real refit between a Megatron training world and a generation "
@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=HelpFormatter,
         description="Launch a benchmark under torchrun on this machine's GPUs. Options after "
                     "the kind go to the benchmark (see `python -m "
-                    "megatron_reshard.bench.refit_main --help`, or transfer_main); they are "
+                    "megatron_reshard.tools.bench.refit_main --help`, or transfer_main); they are "
                     "checked before torchrun starts.")
     bench.add_argument("kind", choices=sorted(_BENCH_MODULES),
                        help="refit: whole refits of model slices; transfer: raw layouts")
@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "refit takes 2 or 4, transfer any even number")
 
     plan = sub.add_parser("plan", help="print the transfer plan of one layout (no communication)")
-    from megatron_reshard import plan_cli
+    from megatron_reshard.tools import plan_cli
 
     plan_cli.add_arguments(plan)
     plan.formatter_class = HelpFormatter  # after add_arguments, which sets its own
@@ -145,7 +145,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if rest and args.command != "bench":  # only the benchmarks take pass-through options
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "demo":
-        from megatron_reshard import demo
+        from megatron_reshard.tools import demo
 
         return demo.run(args)
     if args.command == "bench":
@@ -161,7 +161,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("+", " ".join(cmd), flush=True)
         return subprocess.call(cmd)
     if args.command == "plan":
-        from megatron_reshard import plan_cli
+        from megatron_reshard.tools import plan_cli
 
         return plan_cli.run(args)
     return 2

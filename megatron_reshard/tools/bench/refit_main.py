@@ -1,12 +1,12 @@
 """Refit benchmark: a whole-model refit against raw P2P and gather+broadcast, same run.
 
 One torchrun launch of 4 processes: ranks 0,1 are the Megatron training world, ranks 2,3
-the generation world (gen TP2), joined by a refit group (``megatron_reshard.e2e``, the
+the generation world (gen TP2), joined by a refit group (``megatron_reshard.tools.e2e``, the
 same two-world run as the demo and ``scripts/refit_torchrun.py``)::
 
-    torchrun --nproc-per-node 4 -m megatron_reshard.bench.refit_main [--case moe|dense|all] \\
+    torchrun --nproc-per-node 4 -m megatron_reshard.tools.bench.refit_main [--case moe|dense|all] \\
         [--layers 4] [--iters 5] [--out bench_out/refit] [--p2p-channels N]
-    torchrun --nproc-per-node 4 -m megatron_reshard.bench.refit_main \\
+    torchrun --nproc-per-node 4 -m megatron_reshard.tools.bench.refit_main \\
         --device cpu --backend gloo --small                           # CPU smoke (tiny shapes)
     megatron-reshard bench refit -- [options]                         # the CLI runs this module
 
@@ -72,11 +72,6 @@ from megatron_reshard.receiver.targets import vllm_vocab_rows
 from .memory import measure_peak_extra
 from .report import Column, format_table, plot_bandwidth, sig, write_report
 from .timing import GroupOps, synchronize, time_collective
-
-ENV_DEFAULTS = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                "NVSHMEM_DISABLE_NVLS": "1"}
-for _key, _value in ENV_DEFAULTS.items():  # before anything can initialise NCCL
-    os.environ.setdefault(_key, _value)
 
 QWEN3_VOCAB = 151936
 
@@ -151,7 +146,7 @@ def build_model_fast(spec, device: torch.device, dtype: torch.dtype):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    from megatron_reshard.megatron.models import padded_vocab_size, transformer_config
+    from megatron_reshard.testing.megatron_models import padded_vocab_size, transformer_config
 
     config = transformer_config(spec)
     # Megatron sets the tensor-parallel attributes of a weight only inside its
@@ -455,7 +450,7 @@ def _median(xs: Sequence[float]) -> float:
 
 def run_case(case: str, args: argparse.Namespace, rank: int, ports: tuple, bench_store) -> Optional[dict]:
     """Play ``rank`` in one case; returns the row on rank 0 (None elsewhere)."""
-    from megatron_reshard.e2e import RefitRunConfig, run_rank, summarize
+    from megatron_reshard.tools.e2e import RefitRunConfig, run_rank, summarize
 
     spec = CASES[case]
     overrides = dict(SMALL_OVERRIDES[case] if args.small else spec["overrides"])
@@ -570,7 +565,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="bench_refit",
         description=__doc__.split("\n\n")[0] + " Run under torchrun with 4 processes.",
-        epilog="See megatron_reshard/bench/refit_main.py for the cases and columns.")
+        epilog="See megatron_reshard/tools/bench/refit_main.py for the cases and columns.")
     p.add_argument("--case", choices=["moe", "dense", "all"], default="all")
     p.add_argument("--layers", type=int, default=None,
                    help="transformer layers per case (default 4; 2 with --small)")
@@ -629,7 +624,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     if "RANK" not in os.environ:
         print("bench_refit: run under torchrun, e.g. torchrun --nproc-per-node 4 -m "
-              "megatron_reshard.bench.refit_main", file=sys.stderr)
+              "megatron_reshard.tools.bench.refit_main", file=sys.stderr)
         return 2
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if world not in (2, 4):
@@ -686,7 +681,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               flush=True)
         bad = any(r["check"] == "MISMATCH" for r in rows)
         verdict = "fail" if bad else "ok"
-    from megatron_reshard.e2e import share_verdict
+    from megatron_reshard.tools.e2e import share_verdict
 
     verdict = share_verdict(store, rank, world, verdict if rank == 0 else None)
     return 0 if verdict == "ok" else 1
