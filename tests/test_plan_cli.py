@@ -114,7 +114,7 @@ def test_plan_help_names_the_link_model_defaults():
     text = " ".join(_plan("--help").stdout.split())
     for fragment in ("--gpus-per-node GPUS_PER_NODE GPUs per node, joined by NVLink (default: 8)",
                      "(default: 450.0)", "(default: 50.0)", "(default: 5.0)",
-                     "(default: broadcast)", "(default: both)"):
+                     "(default: sharded)", "(default: both)"):
         assert fragment in text, fragment
 
 

@@ -8,10 +8,11 @@ order ``tp-cp-ep-dp-pp``, so a stage's ranks are contiguous), then every generat
 
 Bulk params (``is_nccl_reshard_param``: dense FFN and routed experts) get their layout
 from ``build_nccl_reshard_refit_info`` itself, so the simulation plans what the refit
-plans. The other params (attention, norms, router, shared experts, embeddings) move today
-as one packed broadcast per stage from the stage's first training rank; ``others="sharded"``
-instead gives them the placements Megatron-Core and vLLM hold them in, as the engine would
-move them shard to shard (see docs/SCALE.md for the rules, MLA included).
+plans. The other params (attention, norms, router, shared experts, embeddings) get, with
+``others="sharded"`` (what the refit does), the placements Megatron-Core and vLLM hold them
+in, moved shard to shard by the engine (see docs/SCALE.md for the rules, MLA included);
+``others="broadcast"`` models the refit's packed-broadcast option instead: one packed
+broadcast per stage from the stage's first training rank.
 """
 
 from __future__ import annotations
@@ -196,7 +197,7 @@ def _wire_itemsize(name: str, dtype: str, wire: str) -> float:
     return _ITEMSIZE[dtype]
 
 
-def stage_inputs(lay: RefitLayout, cfg: Mapping[str, Any], others: str = "broadcast",
+def stage_inputs(lay: RefitLayout, cfg: Mapping[str, Any], others: str = "sharded",
                  wire: str = "bf16") -> dict[int, StagePlanInput]:
     """Every parameter of every training PP stage with the layout the engine would plan."""
     if others not in OTHERS_MODES:

@@ -6,9 +6,9 @@ Qwen3-235B-A22B, DeepSeek-V3, Kimi-K2 shapes from their HF configs) and a traini
 (TP, CP, EP, PP with even or uneven stages, DP from the world size) -> generation layout
 (TP, EP, DP replicas), plans every parameter with the engine's planner and prints:
 
-- the layout used and every parameter the refit moves (bulk FFN/expert weights through
-  the engine; the others, attention, norms, router, embeddings, by today's packed
-  broadcast, or with --others sharded shard to shard as the engine would move them);
+- the layout used and every parameter the refit moves, all shard to shard through the
+  engine as the refit moves them (FFN/expert weights and the others: attention, norms,
+  router, embeddings); --others broadcast models the packed-broadcast option instead;
 - planning time for one rank's own plan and for the whole job;
 - bytes each training rank sends and each generation rank receives (min / mean / max),
   and how far the busiest rank is above the ideal (total over ranks);
@@ -53,10 +53,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             parser.add_argument("--train-pp-layers", default=None, metavar="N,N,...",
                                 help="uneven PP: layers per stage, first to last (default: "
                                      "an even split)")
-    parser.add_argument("--others", choices=["broadcast", "sharded"], default="broadcast",
-                        help="how the non-bulk params move: 'broadcast' as the refit does "
-                             "today (one packed broadcast per PP stage), 'sharded' shard to "
-                             "shard through the engine with Megatron/vLLM placements")
+    parser.add_argument("--others", choices=["broadcast", "sharded"], default="sharded",
+                        help="how the params other than FFN/experts move: 'sharded' shard to "
+                             "shard through the engine with Megatron/vLLM placements, as the "
+                             "refit moves them; 'broadcast' as one packed broadcast per PP "
+                             "stage, the refit's explicit packed option "
+                             "(default: %(default)s)")
     parser.add_argument("--wire", choices=["bf16", "fp8"], default="bf16",
                         help="dtype on the wire: 'fp8' sends linear weights as block FP8 "
                              "(128x128 blocks, fp32 scales), as FP8 generation would hold "
@@ -159,15 +161,15 @@ def _print_table(args, cfg, lay, sims) -> None:
     first = sims[0].to_plain()
     c = first["params"]
     total = c["bulk_bytes"] + c["other_bytes"]
-    how = ("packed broadcast from each stage's first training rank" if args.others == "broadcast"
-           else "shard to shard through the engine")
+    how = ("by packed broadcast from each stage's first training rank" if args.others == "broadcast"
+           else "shard to shard through the engine too")
     print(f"model {args.model}: {cfg['num_hidden_layers']} layers, {_count(c['elements'])} "
           f"parameters ({b(total)} as sent)")
     print(f"layout: {lay.describe()}")
     print(f"tensors the refit moves: {c['bulk_params'] + c['other_params']} (an MoE layer's "
           f"experts as one tensor per projection; {c['hf_tensors']} HF weights) = "
-          f"{c['bulk_params']} bulk params through the engine ({b(c['bulk_bytes'])}) + "
-          f"{c['other_params']} others by {how} ({b(c['other_bytes'])})"
+          f"{c['bulk_params']} FFN/expert params through the engine ({b(c['bulk_bytes'])}) + "
+          f"{c['other_params']} others {how} ({b(c['other_bytes'])})"
           + (", linear weights as block FP8" if args.wire == "fp8" else ""))
     print(f"link model: {sims[0].link.describe()}")
     for s in sims:

@@ -176,7 +176,7 @@ def link_costs(lay: RefitLayout, link: LinkModel,
 
 
 def simulate(model: str, cfg: Mapping[str, Any], lay: RefitLayout, link: LinkModel,
-             others: str = "broadcast", link_aware: bool = False, wire: str = "bf16"
+             others: str = "sharded", link_aware: bool = False, wire: str = "bf16"
              ) -> Simulation:
     """Plan and account the whole job (see the module docstring for the model).
 
