@@ -90,6 +90,12 @@ CASES = {
                         "DeepseekV3ForCausalLM", {}, train=_MOE_TRAIN,
                         gen=dict(gen_world=2, gen_tp=2, gen_ep=2)),
 }
+# without q LoRA (a plain q_proj, kv_a_proj_with_mqa unfused), gen TP4 over 8 heads with the
+# experts TP-sharded (gen EP1), train TP2 with EP2
+CASES["deepseek_v3-no-q-lora-gen-tp4"] = Case(
+    dict(CASES["deepseek_v3"].model, q_lora_rank=None), "DeepseekV3ForCausalLM", {},
+    train=dict(train_world=2, train_tp=2, train_pp=1, train_ep=2),
+    gen=dict(gen_world=4, gen_tp=4, gen_ep=1))
 
 
 def tokens() -> torch.Tensor:

@@ -146,3 +146,11 @@ def test_deepseek_refit_is_bit_exact_and_all_on_the_exact_path(pool, layout):
     summary = summarize(cfg, pool.run(_refit_job, cfg.train_world + cfg.gen_world, cfg, timeout_s=240))
     assert summary["verified"], summary["per_gen_rank"]
     assert summary["exact_path_fraction"] == 1.0, summary["per_gen_rank"]
+
+
+def test_mla_heads_that_do_not_split_over_gen_tp_are_refused():
+    cfg = _hf_config()  # 8 heads: vLLM asserts num_heads % tp_size == 0
+    model = build_vllm_like_model(cfg, 0, 16, dtype=torch.float32)  # rows split, heads would not
+    targets = VllmTargets.from_named_parameters(model.named_parameters(), cfg, 0, 16)
+    with pytest.raises(TargetError, match=r"q_b_proj.*8 MLA heads do not split over tp_size=16"):
+        targets.resolve(A.replace(".2.", ".0.") + "q_b_proj.weight", (192, 32))

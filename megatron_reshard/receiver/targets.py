@@ -144,6 +144,9 @@ class VllmTargets:
     def resolve(self, hf_name: str, hf_shape: Sequence[int]) -> TargetPlan:
         """Which target boxes ``hf_name`` (global shape ``hf_shape``) fills on this rank."""
         shape = tuple(int(s) for s in hf_shape)
+        heads_problem = mla.heads_split_problem(hf_name, self.hf_config, self.tp_size)
+        if heads_problem:
+            raise TargetError(f"{hf_name}: {heads_problem} (on {self.where()})")
         if hf_name in self.params:
             return self._direct(hf_name, shape)
         m = _EXPERT_RE.match(hf_name)

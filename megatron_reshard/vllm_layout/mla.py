@@ -86,6 +86,18 @@ def gen_tp_dim(hf_name: str, mla: bool = True):
     return NOT_MLA
 
 
+def heads_split_problem(hf_name: str, hf_config: Mapping[str, Any], tp_size: int) -> Optional[str]:
+    """Why vLLM cannot hold MLA param ``hf_name`` at TP ``tp_size`` (it splits whole heads:
+    ``assert num_heads % tp_size == 0``), or None."""
+    leaf = mla_leaf(hf_name) if is_mla_config(hf_config) else None
+    if leaf is None or GEN_TP_DIM[leaf] is None:
+        return None
+    heads = int(hf_config.get("num_attention_heads") or 0)
+    if heads and heads % tp_size:
+        return f"{heads} MLA heads do not split over tp_size={tp_size} (vLLM splits whole heads)"
+    return None
+
+
 def fused_a_rows(hf_name: str, hf_config: Mapping[str, Any]) -> Optional[tuple[str, int, int]]:
     """``(fused target name, first row, stop row)`` where vLLM fuses ``hf_name`` into
     ``fused_qkv_a_proj`` (models with q LoRA); None for any other name."""
