@@ -274,3 +274,19 @@ def test_the_comparison_sees_a_swapped_gate_and_up(refitted):
         shards.append({**s, name: torch.cat([up, gate])})
     ours = hf_logits(case, shards)
     assert not torch.allclose(ours, megatron, rtol=RTOL, atol=ATOL)
+
+
+def test_the_comparison_sees_a_lost_score_correction_bias_and_swapped_mla_heads(refitted):
+    """DeepSeek-V3: the router's score-correction bias decides the routing (zeroing it moves
+    the logits), and kv_b_proj's rows are per head (swapping two heads of one gen rank
+    moves them too)."""
+    case = CASES["deepseek_v3"]
+    megatron, received = refitted("deepseek_v3")
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    no_bias = [{**s, bias: torch.zeros_like(s[bias])} for s in received]
+    assert not torch.allclose(hf_logits(case, no_bias), megatron, rtol=RTOL, atol=ATOL)
+    kv_b = "model.layers.2.self_attn.kv_b_proj.weight"
+    heads = received[0][kv_b].unflatten(0, (-1, 32))  # 32 rows per head: nope 16 + v 16
+    swapped = [{**received[0], kv_b: heads[[1, 0, *range(2, heads.shape[0])]].flatten(0, 1)},
+               *received[1:]]
+    assert not torch.allclose(hf_logits(case, swapped), megatron, rtol=RTOL, atol=ATOL)
