@@ -92,7 +92,7 @@ def test_fused_a_projection_with_the_wrong_rows_is_refused_naming_it():
 def test_multi_token_prediction_is_refused_with_a_message_naming_it():
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
-    from megatron_reshard.megatron.source import unsupported_features
+    from megatron_reshard.megatron.mla import unsupported_features
 
     config = MLATransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=8,
                                   q_lora_rank=32, kv_lora_rank=32, qk_head_dim=16,

@@ -75,7 +75,7 @@ from megatron_reshard.metadata import (
 )
 from megatron_reshard.receiver.targets import QKV_WEIGHT_RE, vllm_vocab_rows
 from megatron_reshard.spec import HFToLocalParamMap, LocalParamSpec, RefitCtx
-from megatron_reshard.vllm_layout import mla as vllm_mla
+from megatron_reshard.megatron import mla
 
 HF_CONFIG_KEYS = (
     "family", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -219,7 +219,7 @@ class MegatronRefitSource:
             elif chosen not in FAMILIES:
                 problems.append(f"unknown model family {chosen!r}: known families are {sorted(FAMILIES)}")
             family = chosen
-            problems += unsupported_features(config)
+            problems += mla.unsupported_features(config)
             padded = int(getattr(bare, "vocab_size", 0) or 0)
             if vocab_size is None:
                 vocab_size = padded
@@ -237,7 +237,7 @@ class MegatronRefitSource:
         self.vocab_size: int = int(vocab_size)  # type: ignore[arg-type]
         n_experts = int(getattr(config, "num_moe_experts", None) or 0)
         self.num_local_experts = n_experts // layout.ep if n_experts else 0
-        self._mla_down_is_replicated = self._mla_down_replicated(bare)
+        self._mla_down_is_replicated = mla.down_projections_replicated(bare)
         self.dims = ModelDims(
             tp_size=layout.tp,
             num_attention_heads=config.num_attention_heads,
@@ -427,31 +427,9 @@ class MegatronRefitSource:
                 else:
                     info["layer_names"].append(key)
 
-    @staticmethod
-    def _mla_down_replicated(bare: torch.nn.Module) -> bool:
-        """MLA down projections duplicated over TP (TE spec ``TELinear``) rather than
-        column-parallel (local spec): read from Megatron's own parameter attribute."""
-        for name, param in bare.named_parameters():
-            if name.endswith("linear_kv_down_proj.weight"):
-                return not getattr(param, "tensor_model_parallel", False)
-        return False
-
     def _mla_tp_dims(self, name: str) -> Optional[tuple[Optional[int], Optional[int]]]:
-        """(train TP dim, gen TP dim) of an MLA projection or a DeepSeek MoE extra (router
-        score-correction bias, ``shared_experts``) that goes the exact path; None for any
-        other name. None dims are replicated. Train dims follow the converter kinds (down
-        projections column-parallel in the local spec, duplicated in the TE spec); gen dims
-        are vLLM's (``vllm_layout.mla``)."""
-        is_mla = bool(getattr(self.config, "multi_latent_attention", False))
-        dst = vllm_mla.gen_tp_dim(name, mla=is_mla)
-        if dst == vllm_mla.NOT_MLA:
-            return None
-        leaf = vllm_mla.mla_leaf(name) if is_mla else None
-        if leaf in ("q_a_proj.weight", "kv_a_proj_with_mqa.weight"):
-            src = None if self._mla_down_is_replicated else 0
-        else:
-            src = dst  # the same TP dim on both sides: heads, the shared FFN, replicas
-        return src, dst
+        """(train, gen) TP dims of an MLA / DeepSeek MoE param on the exact path, else None."""
+        return mla.exact_path_tp_dims(name, mla.is_mla(self.config), self._mla_down_is_replicated)
 
     def _qkv_groups_fit(self) -> bool:
         """Whether q/k/v weights can travel per KV group (see ``_gen_qkv_layout``): every
@@ -496,7 +474,7 @@ class MegatronRefitSource:
             "rms_norm_eps": float(c.layernorm_epsilon),
             "torch_dtype": str(c.params_dtype),
             "router_expert_bias": bool(getattr(c, "moe_router_enable_expert_bias", False)),
-            **_mla_hf_config(c),
+            **mla.hf_config_keys(c),
         }
 
     # ------------------------------------------------------------------ outputs
@@ -610,26 +588,6 @@ class MegatronRefitSource:
                 if name in self.other_params_metadata and (wanted is None or name in wanted):
                     out[name] = full
         return out
-
-
-def unsupported_features(config: Any) -> list[str]:
-    """Model features the refit refuses, one line each (checked before any collective)."""
-    out = []
-    mtp = int(getattr(config, "mtp_num_layers", None) or 0)
-    if mtp:
-        out.append(f"multi-token prediction (mtp_num_layers={mtp}) is not supported: vLLM loads "
-                   "MTP layers as a separate draft model; build the model without MTP layers "
-                   "(or drop them) for the refit")
-    return out
-
-
-def _mla_hf_config(c: Any) -> dict:
-    """HF DeepSeek-V3 attention sizes of an MLA config ({} for GQA models)."""
-    if not getattr(c, "multi_latent_attention", False):
-        return {}
-    return {"q_lora_rank": int(c.q_lora_rank) if c.q_lora_rank else None,
-            "kv_lora_rank": int(c.kv_lora_rank), "qk_nope_head_dim": int(c.qk_head_dim),
-            "qk_rope_head_dim": int(c.qk_pos_emb_head_dim), "v_head_dim": int(c.v_head_dim)}
 
 
 def _stack(base: list) -> RefitCtx:
