@@ -91,9 +91,13 @@ CASES = {
                         gen=dict(gen_world=2, gen_tp=2, gen_ep=2)),
 }
 # without q LoRA (a plain q_proj, kv_a_proj_with_mqa unfused), gen TP4 over 8 heads with the
-# experts TP-sharded (gen EP1), train TP2 with EP2
-CASES["deepseek_v3-no-q-lora-gen-tp4"] = Case(
-    dict(CASES["deepseek_v3"].model, q_lora_rank=None), "DeepseekV3ForCausalLM", {},
+# experts TP-sharded (gen EP1), train TP2 with EP2; YaRN RoPE as DeepSeek-V3 configures it
+# (mscale = mscale_all_dim = 1), factor 4 over 8 original positions so the 12 tokens reach
+# past them
+CASES["deepseek_v3-no-q-lora-yarn-gen-tp4"] = Case(
+    dict(CASES["deepseek_v3"].model, q_lora_rank=None, rope_type="yarn", rotary_scaling_factor=4.0,
+         mscale=1.0, mscale_all_dim=1.0, original_max_position_embeddings=8),
+    "DeepseekV3ForCausalLM", {},
     train=dict(train_world=2, train_tp=2, train_pp=1, train_ep=2),
     gen=dict(gen_world=4, gen_tp=4, gen_ep=1))
 
@@ -160,12 +164,16 @@ def _deepseek_hf_config(m: dict) -> dict:
     """DeepSeek-V3 config keys matching the tiny Megatron MLA model.
 
     How the two sides are made to agree:
-    - RoPE: Megatron's MLA (``rope_type="rope"``, ``rotary_interleaved=False``) reorders the
-      rope dims to (even, odd) before a half rotation (``rope_utils._apply_rotary_pos_emb_bshd``
-      with ``multi_latent_attention``); HF's ``rope_interleave=True`` does the same
-      reordering (``apply_rotary_pos_emb_interleave``). No YaRN on either side
-      (``rotary_scaling_factor=1`` in Megatron, ``rope_scaling=None`` here), so the softmax
-      scale is ``1/sqrt(qk_nope + qk_rope)`` on both.
+    - RoPE: Megatron's MLA (``rotary_interleaved=False``) reorders the rope dims to (even,
+      odd) before a half rotation (``rope_utils._apply_rotary_pos_emb_bshd`` with
+      ``multi_latent_attention``); HF's ``rope_interleave=True`` does the same reordering
+      (``apply_rotary_pos_emb_interleave``). Plain RoPE: ``rope_type="rope"`` in Megatron,
+      ``rope_scaling=None`` here, softmax scale ``1/sqrt(qk_nope + qk_rope)`` on both. YaRN:
+      Megatron's ``rope_type="yarn"`` with ``rotary_scaling_factor``, ``mscale``,
+      ``mscale_all_dim``, ``original_max_position_embeddings`` (beta_fast 32, beta_slow 1,
+      its defaults) equals HF's ``rope_scaling={"type": "yarn", ...}`` with the same values:
+      both scale cos/sin by mscale(factor, mscale) / mscale(factor, mscale_all_dim) and the
+      softmax by mscale(factor, mscale_all_dim)².
     - Norm eps: HF builds ``q_a_layernorm`` / ``kv_a_layernorm`` with its default 1e-6
       whatever ``rms_norm_eps`` says; Megatron uses ``layernorm_epsilon`` for every norm, so
       both are 1e-6.
@@ -184,7 +192,11 @@ def _deepseek_hf_config(m: dict) -> dict:
                 q_lora_rank=m["q_lora_rank"], kv_lora_rank=m["kv_lora_rank"],
                 qk_nope_head_dim=m["qk_head_dim"], qk_rope_head_dim=m["qk_pos_emb_head_dim"],
                 v_head_dim=m["v_head_dim"], hidden_act="silu", rms_norm_eps=m["layernorm_epsilon"],
-                rope_theta=10000.0, rope_scaling=None, rope_interleave=True,
+                rope_theta=10000.0, rope_interleave=True,
+                rope_scaling=None if m.get("rope_type", "rope") == "rope" else dict(
+                    type="yarn", factor=m["rotary_scaling_factor"], mscale=m["mscale"],
+                    mscale_all_dim=m["mscale_all_dim"], beta_fast=32, beta_slow=1,
+                    original_max_position_embeddings=m["original_max_position_embeddings"]),
                 max_position_embeddings=64, tie_word_embeddings=m["tie_embeddings"],
                 attention_bias=False, attention_dropout=0.0, attn_implementation="eager")
 

@@ -52,6 +52,12 @@ class TinyGPTSpec:
     qk_head_dim: int = 16  # HF qk_nope_head_dim
     qk_pos_emb_head_dim: int = 8  # HF qk_rope_head_dim
     v_head_dim: int = 16
+    # MLA RoPE: "rope" (plain) or "yarn" (DeepSeek-V3's long-context scaling)
+    rope_type: str = "rope"
+    rotary_scaling_factor: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+    original_max_position_embeddings: int = 4096
     # DeepSeek-V3 routing: sigmoid scores, score-correction bias (Megatron expert_bias)
     moe_router_score_function: str = "softmax"
     moe_router_enable_expert_bias: bool = False
@@ -103,11 +109,14 @@ def transformer_config(spec: TinyGPTSpec):
         mtp_num_layers=spec.mtp_num_layers,
     )
     if spec.multi_latent_attention:
-        # plain RoPE (no YaRN: rotary_scaling_factor 1 keeps mscale 1 and the softmax scale
+        # by default plain RoPE (rotary_scaling_factor 1 keeps mscale 1 and the softmax scale
         # 1/sqrt(qk_head_dim + qk_pos_emb_head_dim)); MLA norms are built only with qk_layernorm
         kwargs.update(q_lora_rank=spec.q_lora_rank, kv_lora_rank=spec.kv_lora_rank,
                       qk_head_dim=spec.qk_head_dim, qk_pos_emb_head_dim=spec.qk_pos_emb_head_dim,
-                      v_head_dim=spec.v_head_dim, rope_type="rope", rotary_scaling_factor=1.0,
+                      v_head_dim=spec.v_head_dim, rope_type=spec.rope_type,
+                      rotary_scaling_factor=spec.rotary_scaling_factor, mscale=spec.mscale,
+                      mscale_all_dim=spec.mscale_all_dim,
+                      original_max_position_embeddings=spec.original_max_position_embeddings,
                       qk_layernorm=True, num_query_groups=spec.num_attention_heads)
     if moe:
         kwargs.update(
