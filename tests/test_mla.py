@@ -97,11 +97,14 @@ def test_multi_token_prediction_is_refused_with_a_message_naming_it():
     config = MLATransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=8,
                                   q_lora_rank=32, kv_lora_rank=32, qk_head_dim=16,
                                   qk_pos_emb_head_dim=8, v_head_dim=16, mtp_num_layers=1,
-                                  use_cpu_initialization=True)
+                                  qk_layernorm=True, use_cpu_initialization=True)
     (problem,) = unsupported_features(config)
     assert "multi-token prediction" in problem and "mtp_num_layers=1" in problem
     config.mtp_num_layers = None
     assert unsupported_features(config) == []
+    config.qk_layernorm = False  # MLA without its q/kv norms: no DeepSeek-V3 counterpart
+    (problem,) = unsupported_features(config)
+    assert "qk_layernorm=False" in problem
 
 
 # ----------------------------------------------------------------- train side views

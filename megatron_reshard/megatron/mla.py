@@ -63,4 +63,8 @@ def unsupported_features(config: Any) -> list[str]:
         out.append(f"multi-token prediction (mtp_num_layers={mtp}) is not supported: vLLM loads "
                    "MTP layers as a separate draft model; build the model without MTP layers "
                    "(or drop them) for the refit")
+    if is_mla(config) and not getattr(config, "qk_layernorm", False):
+        out.append("MLA without q/kv layernorms (qk_layernorm=False) is not supported: "
+                   "DeepSeek-V3's q_a_layernorm and kv_a_layernorm (and vLLM's) would receive "
+                   "nothing; build the model with qk_layernorm=True")
     return out
