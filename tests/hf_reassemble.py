@@ -15,7 +15,14 @@ mistake shared by those cannot cancel out here. Facts used, per generation TP ra
   and ``w2_weight [E_local, H, I_r]``. Without EP every rank holds all experts with I split
   over TP; with EP (= TP here) rank r holds whole experts, contiguous, the first E mod EP
   ranks one more.
-- Everything else (norms, router ``gate``, ``shared_expert_gate``) is replicated.
+- MLA (DeepSeek-V3, ``deepseek_v2.py``): ``fused_qkv_a_proj`` (with q LoRA) is
+  ``[q_a_proj; kv_a_proj_with_mqa]`` on every rank (``disable_tp``); ``q_b_proj`` /
+  ``q_proj`` and ``kv_b_proj`` are ``ColumnParallelLinear`` (rank r holds output rows
+  chunk r); ``o_proj`` is row parallel; ``kv_a_proj_with_mqa`` (without q LoRA) and the
+  ``q_a_layernorm`` / ``kv_a_layernorm`` are replicated. DeepSeek's ``shared_experts`` are a
+  plain MLP (``gate_up_proj`` / ``down_proj``, TP-sharded).
+- Everything else (norms, router ``gate`` and its ``e_score_correction_bias``,
+  ``shared_expert_gate``) is replicated.
 
 Every replica is checked equal across ranks and every vLLM parameter must be consumed:
 a refit that leaves a replica stale or writes an unexpected name fails here.
@@ -41,6 +48,7 @@ class Dims:
     head_dim: int
     vocab_size: int
     num_experts: int = 0
+    q_lora_rank: int = 0  # MLA with q LoRA: rows of q_a_proj inside fused_qkv_a_proj
 
 
 def _check_replicas(name: str, shards: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -109,6 +117,8 @@ _QKV = re.compile(r"^(?P<p>.*)\.qkv_proj\.(?P<kind>weight|bias)$")
 _GATE_UP = re.compile(r"^(?P<p>.*)\.gate_up_proj\.weight$")
 _EXPERTS = re.compile(r"^(?P<p>.*\.mlp\.experts)\.(?P<w>w13_weight|w2_weight)$")
 _ROW = re.compile(r".*\.(o_proj|down_proj)\.weight$")
+_MLA_COLUMN = re.compile(r".*\.self_attn\.(q_b_proj|kv_b_proj|q_proj)\.weight$")
+_FUSED_A = re.compile(r"^(?P<p>.*)\.fused_qkv_a_proj\.weight$")
 
 
 def hf_state_dict_from_vllm_shards(shards: Sequence[Mapping[str, torch.Tensor]], dims: Dims,
@@ -148,6 +158,12 @@ def hf_state_dict_from_vllm_shards(shards: Sequence[Mapping[str, torch.Tensor]],
             w13, w2 = f"{m['p']}.w13_weight", f"{m['p']}.w2_weight"
             hf.update(_fused_moe(m["p"], [s[w13] for s in shards], [s[w2] for s in shards], dims, ep_size))
             done.update((w13, w2))
+        elif m := _FUSED_A.match(name):
+            fused = _check_replicas(name, per_rank)
+            hf[f"{m['p']}.q_a_proj.weight"] = fused[: dims.q_lora_rank]
+            hf[f"{m['p']}.kv_a_proj_with_mqa.weight"] = fused[dims.q_lora_rank:]
+        elif _MLA_COLUMN.match(name):
+            hf[name] = torch.cat(per_rank)
         elif _ROW.match(name):
             hf[name] = torch.cat(per_rank, dim=1)
         else:

@@ -145,12 +145,22 @@ def test_an_explicit_train_ep_overrides_the_model_default():
 
 def _hf_config(model: str) -> dict:
     p = MODEL_PRESETS[model]
+    if p.get("multi_latent_attention"):  # DeepSeek-V3 names: MLA, shared experts, router bias
+        return dict(family="deepseek_v3", hidden_size=p["hidden_size"],
+                    num_attention_heads=p["num_attention_heads"], intermediate_size=p["ffn_hidden_size"],
+                    moe_intermediate_size=p["moe_ffn_hidden_size"], num_experts=p["num_moe_experts"],
+                    num_hidden_layers=2, moe_layers=[1], vocab_size=p["vocab_size"],
+                    shared_expert_intermediate_size=p["moe_shared_expert_intermediate_size"],
+                    router_expert_bias=True, q_lora_rank=p["q_lora_rank"], kv_lora_rank=p["kv_lora_rank"],
+                    qk_nope_head_dim=p["qk_head_dim"], qk_rope_head_dim=p["qk_pos_emb_head_dim"],
+                    v_head_dim=p["v_head_dim"])
     return dict(hidden_size=p["hidden_size"], num_attention_heads=p["num_attention_heads"],
                 num_key_value_heads=p["num_query_groups"],
                 intermediate_size=p["ffn_hidden_size"],
                 moe_intermediate_size=p.get("moe_ffn_hidden_size"),
                 num_experts=p.get("num_moe_experts") or 0, num_hidden_layers=2,
-                vocab_size=p["vocab_size"], qk_norm=p["qk_layernorm"], tie_word_embeddings=False)
+                vocab_size=p["vocab_size"], qk_norm=p.get("qk_layernorm", False),
+                tie_word_embeddings=False)
 
 
 def _receiver_takes(model: str, tp: int, ep: int) -> bool:

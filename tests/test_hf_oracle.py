@@ -78,7 +78,28 @@ CASES = {
                            moe_ffn_hidden_size=32, moe_shared_expert_intermediate_size=48,
                            moe_shared_expert_gate=True),
                       "Qwen2MoeForCausalLM", dict(qkv_bias=True), train=_MOE_TRAIN),
+    # MLA with q LoRA (vLLM fuses q_a/kv_a into fused_qkv_a_proj), sigmoid routing with the
+    # score-correction bias and a scaling factor, one shared expert, first layer dense; gen
+    # EP2 (whole experts per gen rank). See _deepseek_hf_config for how both sides agree.
+    "deepseek_v3": Case(dict(_BASE, family="deepseek_v3", num_moe_experts=8, moe_ffn_hidden_size=32,
+                             moe_shared_expert_intermediate_size=32, moe_layer_freq=[0, 1, 1, 1],
+                             multi_latent_attention=True, q_lora_rank=32, kv_lora_rank=32,
+                             qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16,
+                             moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                             moe_router_topk_scaling_factor=2.5, layernorm_epsilon=1e-6),
+                        "DeepseekV3ForCausalLM", {}, train=_MOE_TRAIN,
+                        gen=dict(gen_world=2, gen_tp=2, gen_ep=2)),
 }
+# without q LoRA (a plain q_proj, kv_a_proj_with_mqa unfused), gen TP4 over 8 heads with the
+# experts TP-sharded (gen EP1), train TP2 with EP2; YaRN RoPE as DeepSeek-V3 configures it
+# (mscale = mscale_all_dim = 1), factor 4 over 8 original positions so the 12 tokens reach
+# past them
+CASES["deepseek_v3-no-q-lora-yarn-gen-tp4"] = Case(
+    dict(CASES["deepseek_v3"].model, q_lora_rank=None, rope_type="yarn", rotary_scaling_factor=4.0,
+         mscale=1.0, mscale_all_dim=1.0, original_max_position_embeddings=8),
+    "DeepseekV3ForCausalLM", {},
+    train=dict(train_world=2, train_tp=2, train_pp=1, train_ep=2),
+    gen=dict(gen_world=4, gen_tp=4, gen_ep=1))
 
 
 def tokens() -> torch.Tensor:
@@ -139,8 +160,52 @@ def _run_refit(pool, case: Case) -> tuple[torch.Tensor, list[dict]]:
     return logits[0], shards
 
 
+def _deepseek_hf_config(m: dict) -> dict:
+    """DeepSeek-V3 config keys matching the tiny Megatron MLA model.
+
+    How the two sides are made to agree:
+    - RoPE: Megatron's MLA (``rotary_interleaved=False``) reorders the rope dims to (even,
+      odd) before a half rotation (``rope_utils._apply_rotary_pos_emb_bshd`` with
+      ``multi_latent_attention``); HF's ``rope_interleave=True`` does the same reordering
+      (``apply_rotary_pos_emb_interleave``). Plain RoPE: ``rope_type="rope"`` in Megatron,
+      ``rope_scaling=None`` here, softmax scale ``1/sqrt(qk_nope + qk_rope)`` on both. YaRN:
+      Megatron's ``rope_type="yarn"`` with ``rotary_scaling_factor``, ``mscale``,
+      ``mscale_all_dim``, ``original_max_position_embeddings`` (beta_fast 32, beta_slow 1,
+      its defaults) equals HF's ``rope_scaling={"type": "yarn", ...}`` with the same values:
+      both scale cos/sin by mscale(factor, mscale) / mscale(factor, mscale_all_dim) and the
+      softmax by mscale(factor, mscale_all_dim)².
+    - Norm eps: HF builds ``q_a_layernorm`` / ``kv_a_layernorm`` with its default 1e-6
+      whatever ``rms_norm_eps`` says; Megatron uses ``layernorm_epsilon`` for every norm, so
+      both are 1e-6.
+    - Routing: Megatron's sigmoid scores + ``expert_bias`` for the choice, top-k scores
+      renormalised (top-k > 1) and scaled equal HF's ``norm_topk_prob=True`` and
+      ``routed_scaling_factor``; HF's group-limited choice is made a no-op (one group).
+    """
+    return dict(vocab_size=m["vocab_size"], hidden_size=m["hidden_size"],
+                intermediate_size=m["ffn_hidden_size"], moe_intermediate_size=m["moe_ffn_hidden_size"],
+                num_hidden_layers=m["num_layers"], num_attention_heads=m["num_attention_heads"],
+                num_key_value_heads=m["num_attention_heads"],
+                n_shared_experts=m["moe_shared_expert_intermediate_size"] // m["moe_ffn_hidden_size"],
+                n_routed_experts=m["num_moe_experts"], num_experts_per_tok=m["moe_router_topk"],
+                routed_scaling_factor=m["moe_router_topk_scaling_factor"], n_group=1, topk_group=1,
+                norm_topk_prob=True, first_k_dense_replace=m["moe_layer_freq"].index(1),
+                q_lora_rank=m["q_lora_rank"], kv_lora_rank=m["kv_lora_rank"],
+                qk_nope_head_dim=m["qk_head_dim"], qk_rope_head_dim=m["qk_pos_emb_head_dim"],
+                v_head_dim=m["v_head_dim"], hidden_act="silu", rms_norm_eps=m["layernorm_epsilon"],
+                rope_theta=10000.0, rope_interleave=True,
+                rope_scaling=None if m.get("rope_type", "rope") == "rope" else dict(
+                    type="yarn", factor=m["rotary_scaling_factor"], mscale=m["mscale"],
+                    mscale_all_dim=m["mscale_all_dim"], beta_fast=32, beta_slow=1,
+                    original_max_position_embeddings=m["original_max_position_embeddings"]),
+                max_position_embeddings=64, tie_word_embeddings=m["tie_embeddings"],
+                attention_bias=False, attention_dropout=0.0, attn_implementation="eager")
+
+
 def _hf_model(case: Case) -> torch.nn.Module:
     m = case.model
+    if case.hf_class == "DeepseekV3ForCausalLM":
+        model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**_deepseek_hf_config(m)))
+        return model.float().eval()
     heads, hidden = m["num_attention_heads"], m["hidden_size"]
     kwargs = dict(vocab_size=m["vocab_size"], hidden_size=hidden, intermediate_size=m["ffn_hidden_size"],
                   num_hidden_layers=m["num_layers"], num_attention_heads=heads,
@@ -170,7 +235,8 @@ def _dims(case: Case) -> Dims:
     return Dims(num_heads=m["num_attention_heads"],
                 num_kv_heads=m["num_query_groups"],
                 head_dim=m["head_dim"] or m["hidden_size"] // m["num_attention_heads"],
-                vocab_size=m["vocab_size"], num_experts=m["num_moe_experts"] or 0)
+                vocab_size=m["vocab_size"], num_experts=m["num_moe_experts"] or 0,
+                q_lora_rank=m.get("q_lora_rank") or 0)
 
 
 def hf_logits(case: Case, shards: list[dict]) -> torch.Tensor:
@@ -220,3 +286,19 @@ def test_the_comparison_sees_a_swapped_gate_and_up(refitted):
         shards.append({**s, name: torch.cat([up, gate])})
     ours = hf_logits(case, shards)
     assert not torch.allclose(ours, megatron, rtol=RTOL, atol=ATOL)
+
+
+def test_the_comparison_sees_a_lost_score_correction_bias_and_swapped_mla_heads(refitted):
+    """DeepSeek-V3: the router's score-correction bias decides the routing (zeroing it moves
+    the logits), and kv_b_proj's rows are per head (swapping two heads of one gen rank
+    moves them too)."""
+    case = CASES["deepseek_v3"]
+    megatron, received = refitted("deepseek_v3")
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    no_bias = [{**s, bias: torch.zeros_like(s[bias])} for s in received]
+    assert not torch.allclose(hf_logits(case, no_bias), megatron, rtol=RTOL, atol=ATOL)
+    kv_b = "model.layers.2.self_attn.kv_b_proj.weight"
+    heads = received[0][kv_b].unflatten(0, (-1, 32))  # 32 rows per head: nope 16 + v 16
+    swapped = [{**received[0], kv_b: heads[[1, 0, *range(2, heads.shape[0])]].flatten(0, 1)},
+               *received[1:]]
+    assert not torch.allclose(hf_logits(case, swapped), megatron, rtol=RTOL, atol=ATOL)

@@ -19,6 +19,7 @@ REQUIRED = [
     "megatron_reshard.metadata",
     "megatron_reshard.support",
     "megatron_reshard.nccl_reshard_utils",
+    "megatron_reshard.vllm_layout.mla",
 ]
 OPTIONAL = [
     "megatron_reshard.engine",

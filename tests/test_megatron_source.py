@@ -67,7 +67,8 @@ def _oracle_tensor(oracle: dict, info: dict) -> torch.Tensor:
 
 
 def _storages(model) -> set[int]:
-    return {p.untyped_storage().data_ptr() for p in model.parameters()}
+    # buffers too: the router's expert_bias (DeepSeek-V3 score-correction bias) is one
+    return {p.untyped_storage().data_ptr() for p in [*model.parameters(), *model.buffers()]}
 
 
 def _check_source(job, spec_kwargs, family, gen_parallelism, gen_world_size, layout):
@@ -96,7 +97,7 @@ def _check_source(job, spec_kwargs, family, gen_parallelism, gen_world_size, lay
             failures.append(f"{name}: metadata {meta} vs oracle {list(oracle[name].shape)} {oracle[name].dtype}")
 
     # the generation side derives the same names and shapes from hf_config alone
-    if family in ("llama", "qwen2", "qwen3", "qwen3_moe"):
+    if family in ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3"):
         from megatron_reshard.testing.vllm_like import hf_param_shapes
 
         expected = {n: list(s) for n, s in hf_param_shapes(source.hf_config).items()}

@@ -24,6 +24,9 @@ Kinds (T = TP size; experts are never TP-sharded here because expert-TP > 1 is r
 ``expert_fc2``  per-expert fc2 → down
 ``grouped_fc1`` legacy grouped GEMM ``weight1 [H, E_l·2I]`` (memory ``[E_l, H, 2I]``)
 ``grouped_fc2`` legacy grouped GEMM ``weight2 [E_l·I, H]`` (memory ``[E_l, I, H]``)
+``mla_down``    MLA ``linear_q_down_proj`` / ``linear_kv_down_proj``: ``column`` in the local
+                spec (ColumnParallelLinear), ``replicated`` in the TE spec (TELinear
+                ``duplicated``); ``NameConverter.mla_down_replicated`` picks
 ``skip``        not a weight (``_extra_state``)
 ==============  ====================================================================
 """
@@ -84,6 +87,24 @@ ATTENTION_RULES = _rules(
     (r"self_attention\.k_layernorm\.weight", "replicated", [LAYER + ".self_attn.k_norm.weight"]),
 )
 
+ATTN = LAYER + ".self_attn."
+
+# Multi-head Latent Attention (DeepSeek-V2/V3, Kimi-K2). Rows of the up projections are
+# head-major on both sides ([nope | rope] resp. [nope | v] per head), so TP chunks are
+# chunks of the HF rows. Norms: local spec q_layernorm / kv_layernorm, TE spec fused into
+# the up projection (layer_norm_weight).
+MLA_ATTENTION_RULES = _rules(
+    (r"self_attention\.linear_q_proj\.weight", "column", [ATTN + "q_proj.weight"]),
+    (r"self_attention\.linear_q_down_proj\.weight", "mla_down", [ATTN + "q_a_proj.weight"]),
+    (r"self_attention\.linear_q_up_proj\.weight", "column", [ATTN + "q_b_proj.weight"]),
+    (r"self_attention\.linear_kv_down_proj\.weight", "mla_down", [ATTN + "kv_a_proj_with_mqa.weight"]),
+    (r"self_attention\.linear_kv_up_proj\.weight", "column", [ATTN + "kv_b_proj.weight"]),
+    (r"self_attention\.q_layernorm\.weight", "replicated", [ATTN + "q_a_layernorm.weight"]),
+    (r"self_attention\.kv_layernorm\.weight", "replicated", [ATTN + "kv_a_layernorm.weight"]),
+    (r"self_attention\.linear_q_up_proj\.layer_norm_weight", "replicated", [ATTN + "q_a_layernorm.weight"]),
+    (r"self_attention\.linear_kv_up_proj\.layer_norm_weight", "replicated", [ATTN + "kv_a_layernorm.weight"]),
+)
+
 DENSE_MLP_RULES = _rules(
     (r"mlp\.linear_fc1\.weight", "fc1", [LAYER + ".mlp.gate_proj.weight", LAYER + ".mlp.up_proj.weight"]),
     (r"mlp\.linear_fc2\.weight", "row", [LAYER + ".mlp.down_proj.weight"]),
@@ -126,7 +147,9 @@ FAMILIES: dict[str, tuple[tuple[Rule, ...], tuple[Rule, ...]]] = {
     "qwen2_moe": (TOP_RULES, _DENSE + MOE_RULES + _shared_expert_rules("shared_expert") + _rules(
         (r"mlp\.shared_experts\.gate_weight", "replicated", [LAYER + ".mlp.shared_expert_gate.weight"]),
     )),
-    "deepseek_v3": (TOP_RULES, _DENSE + MOE_RULES + _shared_expert_rules("shared_experts") + _rules(
+    # MLA rules first: they claim q_layernorm (q_a_layernorm here, q_norm in GQA families);
+    # the GQA rules stay for DeepSeek-style MoE models built with plain attention.
+    "deepseek_v3": (TOP_RULES, SKIP_RULES + MLA_ATTENTION_RULES + _DENSE + MOE_RULES + _shared_expert_rules("shared_experts") + _rules(
         (r"mlp\.router\.expert_bias", "replicated", [LAYER + ".mlp.gate.e_score_correction_bias"]),
     )),
 }
@@ -172,6 +195,7 @@ class NameConverter:
     num_local_experts: int = 0
     gated: bool = True
     tied_embeddings: bool = False
+    mla_down_replicated: bool = False  # TE spec: MLA down projections duplicated over TP
     _top: tuple[Rule, ...] = field(init=False, repr=False)
     _layer: tuple[Rule, ...] = field(init=False, repr=False)
 
@@ -203,6 +227,9 @@ class NameConverter:
                 continue
             if rule.kind == "skip":
                 return None
+            if rule.kind == "mla_down":
+                kind = "replicated" if self.mla_down_replicated else "column"
+                return Converted(name, kind, tuple(t.format(layer=layer) for t in rule.targets))
             targets = rule.targets
             if rule.kind in ("fc1", "expert_fc1", "grouped_fc1") and not self.gated:
                 targets = targets[1:]  # non-gated fc1 is up_proj alone

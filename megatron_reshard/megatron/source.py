@@ -75,6 +75,7 @@ from megatron_reshard.metadata import (
 )
 from megatron_reshard.receiver.targets import QKV_WEIGHT_RE, vllm_vocab_rows
 from megatron_reshard.spec import HFToLocalParamMap, LocalParamSpec, RefitCtx
+from megatron_reshard.megatron import mla
 
 HF_CONFIG_KEYS = (
     "family", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -82,6 +83,9 @@ HF_CONFIG_KEYS = (
     "vocab_size", "tie_word_embeddings", "gated", "qk_norm",
     "num_experts_per_tok", "shared_expert_intermediate_size", "moe_layers", "attention_bias",
     "rms_norm_eps", "torch_dtype",
+    # MLA (DeepSeek-V3 family; absent for GQA models) and the router's score-correction bias
+    "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+    "router_expert_bias",
 )
 
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -103,6 +107,8 @@ def unwrap_model(model: Any) -> tuple[Optional[torch.nn.Module], list[str]]:
 
 def infer_family(config: Any) -> Optional[str]:
     """A family from the TransformerConfig alone, when unambiguous (MoE with shared experts is not)."""
+    if getattr(config, "multi_latent_attention", False):
+        return "deepseek_v3"  # MLA: the DeepSeek-V3 names (Kimi-K2 uses them too)
     if getattr(config, "num_moe_experts", None):
         if getattr(config, "moe_shared_expert_intermediate_size", None):
             return None
@@ -213,6 +219,7 @@ class MegatronRefitSource:
             elif chosen not in FAMILIES:
                 problems.append(f"unknown model family {chosen!r}: known families are {sorted(FAMILIES)}")
             family = chosen
+            problems += mla.unsupported_features(config)
             padded = int(getattr(bare, "vocab_size", 0) or 0)
             if vocab_size is None:
                 vocab_size = padded
@@ -230,6 +237,7 @@ class MegatronRefitSource:
         self.vocab_size: int = int(vocab_size)  # type: ignore[arg-type]
         n_experts = int(getattr(config, "num_moe_experts", None) or 0)
         self.num_local_experts = n_experts // layout.ep if n_experts else 0
+        self._mla_down_is_replicated = mla.down_projections_replicated(bare)
         self.dims = ModelDims(
             tp_size=layout.tp,
             num_attention_heads=config.num_attention_heads,
@@ -246,6 +254,7 @@ class MegatronRefitSource:
             family=self.family, global_layer=global_layer,
             expert_offset=coords.ep * self.num_local_experts, num_local_experts=self.num_local_experts,
             gated=self.dims.gated, tied_embeddings=bool(getattr(bare, "share_embeddings_and_output_weights", False)),
+            mla_down_replicated=self._mla_down_is_replicated,
         )
         tensors = named_tensors(bare)
         by_name = dict(tensors)
@@ -297,7 +306,8 @@ class MegatronRefitSource:
         self.exact_extra_metadata = {n: m for n, m in metadata.items()
                                      if not is_nccl_reshard_param(n)
                                      and (n in VOCAB_PARAMS or direct_tp_dim(n) != _NOT_DIRECT
-                                          or (grouped_qkv and QKV_WEIGHT_RE.search(n)))}
+                                          or (grouped_qkv and QKV_WEIGHT_RE.search(n))
+                                          or self._mla_tp_dims(n) is not None)}
         self.other_params_metadata = {n: m for n, m in metadata.items()
                                       if not is_nccl_reshard_param(n) and n not in self.exact_extra_metadata}
         self.hf_config = self._hf_config(metadata)
@@ -391,6 +401,10 @@ class MegatronRefitSource:
                 src_mesh, src_pl = _padded_layout(meshes.dense, meshes.dense_dims.get("tp"), padded_train)
                 dst_mesh, dst_pl = _padded_layout(gen_mesh, gen_dims.get("tp"),
                                                   vllm_vocab_rows(vocab))
+            elif self._mla_tp_dims(name) is not None:
+                src_dim, dst_dim = self._mla_tp_dims(name)
+                src_mesh, src_pl = meshes.dense, _tp_placements(meshes.dense, meshes.dense_dims, src_dim)
+                dst_mesh, dst_pl = gen_mesh, _tp_placements(gen_mesh, gen_dims, dst_dim)
             elif QKV_WEIGHT_RE.search(name):
                 global_shape = self._qkv_group_shape(name, meta["shape"])
                 src_mesh = meshes.dense
@@ -412,6 +426,10 @@ class MegatronRefitSource:
                     info["layer_names"].insert(0, key)
                 else:
                     info["layer_names"].append(key)
+
+    def _mla_tp_dims(self, name: str) -> Optional[tuple[Optional[int], Optional[int]]]:
+        """(train, gen) TP dims of an MLA / DeepSeek MoE param on the exact path, else None."""
+        return mla.exact_path_tp_dims(name, mla.is_mla(self.config), self._mla_down_is_replicated)
 
     def _qkv_groups_fit(self) -> bool:
         """Whether q/k/v weights can travel per KV group (see ``_gen_qkv_layout``): every
@@ -455,6 +473,8 @@ class MegatronRefitSource:
             "attention_bias": bool(c.add_qkv_bias),  # q/k/v biases (Qwen2); other linear biases are refused
             "rms_norm_eps": float(c.layernorm_epsilon),
             "torch_dtype": str(c.params_dtype),
+            "router_expert_bias": bool(getattr(c, "moe_router_enable_expert_bias", False)),
+            **mla.hf_config_keys(c),
         }
 
     # ------------------------------------------------------------------ outputs
@@ -468,6 +488,10 @@ class MegatronRefitSource:
             if len(conv.hf_names) == 1 and conv.hf_names[0] in self.exact_extra_metadata:
                 # vocab: the padded local shard; direct params: the TP chunk or the replica
                 views[conv.hf_names[0]] = tensor.detach()
+                continue
+            if conv.kind == "fc1" and all(n in self.exact_extra_metadata for n in conv.hf_names):
+                # shared experts: gate and up are the row halves of the rank's linear_fc1
+                views.update(local_views(conv, tensor.detach(), self.dims))
                 continue
             if conv.kind == "qkv" and conv.hf_names[0] in self.exact_extra_metadata:
                 views.update(self._qkv_views(conv, tensor.detach()))

@@ -34,6 +34,7 @@ from megatron_reshard.engine.geometry import Box as Region
 from megatron_reshard.engine.geometry import box_index as region_index
 from megatron_reshard.engine.geometry import box_shape as region_shape
 from megatron_reshard.spec import LocalParamSpec, RefitCtx
+from megatron_reshard.vllm_layout import mla
 
 VOCAB_PADDING = 64
 # q/k/v weights, which the refit may send per KV group (megatron.source, receiver.session)
@@ -143,6 +144,9 @@ class VllmTargets:
     def resolve(self, hf_name: str, hf_shape: Sequence[int]) -> TargetPlan:
         """Which target boxes ``hf_name`` (global shape ``hf_shape``) fills on this rank."""
         shape = tuple(int(s) for s in hf_shape)
+        heads_problem = mla.heads_split_problem(hf_name, self.hf_config, self.tp_size)
+        if heads_problem:
+            raise TargetError(f"{hf_name}: {heads_problem} (on {self.where()})")
         if hf_name in self.params:
             return self._direct(hf_name, shape)
         m = _EXPERT_RE.match(hf_name)
@@ -154,6 +158,9 @@ class VllmTargets:
         m = _GATE_UP_RE.match(hf_name)
         if m and f"{m['prefix']}.gate_up_proj.{m['kind']}" in self.params:
             return self._gate_up(hf_name, shape, m)
+        fused_a = mla.fused_a_rows(hf_name, self.hf_config)
+        if fused_a and fused_a[0] in self.params:
+            return self._mla_fused_a(hf_name, shape, *fused_a)
         if hf_name.endswith("lm_head.weight") and self.hf_config.get("tie_word_embeddings"):
             return TargetPlan(hf_name, shape, note="tied to the input embedding; nothing to write")
         fused = self._fused_candidate(hf_name)
@@ -165,6 +172,9 @@ class VllmTargets:
                           f"takes it")
 
     def _fused_candidate(self, hf_name: str) -> str:
+        fused_a = mla.fused_a_rows(hf_name, self.hf_config)
+        if fused_a:
+            return fused_a[0]
         m = _QKV_RE.match(hf_name)
         if m:
             return f"{m['prefix']}.qkv_proj.{m['kind']}"
@@ -210,6 +220,22 @@ class VllmTargets:
         expected[d] = f"{total}/{self.tp_size}"
         raise self._shape_error(name, name, expected, f"dim {d} split evenly over tp_size="
                                 f"{self.tp_size}, or vocab padded to {VOCAB_PADDING}")
+
+    def _mla_fused_a(self, name: str, shape: tuple[int, ...], target: str, lo: int, hi: int
+                     ) -> TargetPlan:
+        """MLA ``q_a_proj`` / ``kv_a_proj_with_mqa`` into rows ``[lo, hi)`` of vLLM's
+        replicated ``fused_qkv_a_proj`` (see ``vllm_layout.mla``)."""
+        expected = mla.fused_a_shape(self.hf_config)
+        if tuple(self.params[target].shape) != expected:
+            raise self._shape_error(name, target, expected, "[q_a_proj ; kv_a_proj_with_mqa], "
+                                    "replicated")
+        if shape != (hi - lo, expected[1]):
+            raise TargetError(f"{name}: HF shape {list(shape)} does not match rows {lo}..{hi} "
+                              f"of {target!r} (q_lora_rank, kv_lora_rank, qk_rope_head_dim "
+                              f"of hf_config)")
+        plan = TargetPlan(name, shape)
+        plan.pieces.append(Piece(target, ((lo, hi), (0, shape[1])), _full(shape)))
+        return plan
 
     def _head_dim(self, name: str) -> tuple[int, int, int]:
         cfg = self.hf_config

@@ -10,6 +10,7 @@ go unnoticed in a bit-for-bit comparison.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import zlib
 from dataclasses import asdict, dataclass
@@ -44,6 +45,25 @@ class TinyGPTSpec:
     num_layers_in_last_pipeline_stage: Optional[int] = None
     dtype: str = "bfloat16"
     seed: int = 1234
+    # DeepSeek-V3 style: MLA attention (q_lora_rank None: no q LoRA, a plain q projection)
+    multi_latent_attention: bool = False
+    q_lora_rank: Optional[int] = None
+    kv_lora_rank: int = 32
+    qk_head_dim: int = 16  # HF qk_nope_head_dim
+    qk_pos_emb_head_dim: int = 8  # HF qk_rope_head_dim
+    v_head_dim: int = 16
+    # MLA RoPE: "rope" (plain) or "yarn" (DeepSeek-V3's long-context scaling)
+    rope_type: str = "rope"
+    rotary_scaling_factor: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+    original_max_position_embeddings: int = 4096
+    # DeepSeek-V3 routing: sigmoid scores, score-correction bias (Megatron expert_bias)
+    moe_router_score_function: str = "softmax"
+    moe_router_enable_expert_bias: bool = False
+    moe_router_topk_scaling_factor: Optional[float] = None
+    layernorm_epsilon: float = 1e-5
+    mtp_num_layers: Optional[int] = None
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp_size: int) -> int:
@@ -56,7 +76,7 @@ def transformer_config(spec: TinyGPTSpec):
     """The ``TransformerConfig`` of ``spec`` under the live parallel state."""
     import torch.nn.functional as F
     from megatron.core import parallel_state as ps
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     dtype = getattr(torch, spec.dtype)
     moe = spec.num_moe_experts is not None
@@ -85,7 +105,19 @@ def transformer_config(spec: TinyGPTSpec):
         num_layers_in_last_pipeline_stage=spec.num_layers_in_last_pipeline_stage,
         sequence_parallel=False,
         pipeline_dtype=dtype,
+        layernorm_epsilon=spec.layernorm_epsilon,
+        mtp_num_layers=spec.mtp_num_layers,
     )
+    if spec.multi_latent_attention:
+        # by default plain RoPE (rotary_scaling_factor 1 keeps mscale 1 and the softmax scale
+        # 1/sqrt(qk_head_dim + qk_pos_emb_head_dim)); MLA norms are built only with qk_layernorm
+        kwargs.update(q_lora_rank=spec.q_lora_rank, kv_lora_rank=spec.kv_lora_rank,
+                      qk_head_dim=spec.qk_head_dim, qk_pos_emb_head_dim=spec.qk_pos_emb_head_dim,
+                      v_head_dim=spec.v_head_dim, rope_type=spec.rope_type,
+                      rotary_scaling_factor=spec.rotary_scaling_factor, mscale=spec.mscale,
+                      mscale_all_dim=spec.mscale_all_dim,
+                      original_max_position_embeddings=spec.original_max_position_embeddings,
+                      qk_layernorm=True, num_query_groups=spec.num_attention_heads)
     if moe:
         kwargs.update(
             num_moe_experts=spec.num_moe_experts,
@@ -95,7 +127,12 @@ def transformer_config(spec: TinyGPTSpec):
             moe_token_dispatcher_type="allgather",
             moe_shared_expert_intermediate_size=spec.moe_shared_expert_intermediate_size,
             moe_shared_expert_gate=spec.moe_shared_expert_gate,
+            moe_router_score_function=spec.moe_router_score_function,
+            moe_router_enable_expert_bias=spec.moe_router_enable_expert_bias,
+            moe_router_topk_scaling_factor=spec.moe_router_topk_scaling_factor,
         )
+    if spec.multi_latent_attention:
+        return MLATransformerConfig(**kwargs)
     return TransformerConfig(**kwargs)
 
 
@@ -108,7 +145,83 @@ def build_gpt_model(spec: TinyGPTSpec):
     config = transformer_config(spec)
     torch.manual_seed(spec.seed)
     layer_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
-    model = GPTModel(
+    if spec.multi_latent_attention:
+        for layer in layer_spec.layer_specs:
+            layer.submodules.self_attention.submodules.core_attention = _mla_local_core_attention()
+    with _cuda_device_is_cpu(spec.multi_latent_attention or spec.moe_router_enable_expert_bias), \
+            _mla_without_te(spec.multi_latent_attention):
+        model = _gpt_model(GPTModel, config, layer_spec, spec, ps)
+    fill_distinct_(model, spec.seed)
+    return model
+
+
+@contextlib.contextmanager
+def _cuda_device_is_cpu(active: bool):
+    """megatron-core 0.16.1 places two things with ``torch.cuda.current_device()`` whatever
+    ``use_cpu_initialization`` says: MLA's rotary tables (``MLASelfAttention`` does not pass
+    the flag on) and the router's ``expert_bias`` buffers. Without CUDA that call raises, so
+    while such a model is built on a machine without CUDA it answers the CPU device;
+    restored on exit."""
+    if not active or torch.cuda.is_available():
+        yield
+        return
+    saved = torch.cuda.current_device
+    torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.cuda.current_device = saved  # type: ignore[assignment]
+
+
+@contextlib.contextmanager
+def _mla_without_te(active: bool):
+    """Without Transformer Engine, megatron-core 0.16.1's ``multi_latent_attention`` module
+    still sets ``HAVE_TE = True`` (its guarded import succeeds, ``TELinear`` being a stand-in
+    object that is not a class) and then calls ``isinstance(linear_proj, TELinear)``, which
+    raises. While an MLA model is built in that state,
+    ``HAVE_TE`` says False, which is the truth; restored on exit."""
+    if not active:
+        yield
+        return
+    from megatron.core.transformer import multi_latent_attention as mla_module
+
+    saved = mla_module.HAVE_TE
+    if not isinstance(getattr(mla_module, "TELinear", None), type):
+        mla_module.HAVE_TE = False
+    try:
+        yield
+    finally:
+        mla_module.HAVE_TE = saved
+
+
+_MLA_CORE_ATTENTION = None
+
+
+def _mla_local_core_attention():
+    """The local ``DotProductAttention`` made to accept what MLA builds it with.
+
+    megatron-core 0.16.1's ``MLASelfAttention`` passes ``k_channels`` (qk head dim) and
+    ``v_channels`` (v head dim) to its core attention; only the Transformer-Engine class
+    takes them. The local class computes with any head dims (its matmuls read them from
+    the tensors) except for the width of its output, which it takes from ``kv_channels``:
+    this subclass drops the two arguments and sets that width from ``v_channels``.
+    """
+    global _MLA_CORE_ATTENTION
+    if _MLA_CORE_ATTENTION is None:
+        from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+        class MLALocalDotProductAttention(DotProductAttention):
+            def __init__(self, *args, k_channels=None, v_channels=None, **kwargs):
+                super().__init__(*args, **kwargs)
+                if v_channels is not None:
+                    self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
+
+        _MLA_CORE_ATTENTION = MLALocalDotProductAttention
+    return _MLA_CORE_ATTENTION
+
+
+def _gpt_model(GPTModel, config, layer_spec, spec: TinyGPTSpec, ps):
+    return GPTModel(
         config=config,
         transformer_layer_spec=layer_spec,
         vocab_size=padded_vocab_size(spec.vocab_size, spec.make_vocab_size_divisible_by,
@@ -119,8 +232,6 @@ def build_gpt_model(spec: TinyGPTSpec):
         share_embeddings_and_output_weights=spec.tie_embeddings,
         position_embedding_type="rope",
     )
-    fill_distinct_(model, spec.seed)
-    return model
 
 
 _LOCAL_LAYER = re.compile(r"decoder\.layers\.(\d+)\.")
@@ -154,6 +265,13 @@ def fill_distinct_(model, seed: int) -> None:
         gen = torch.Generator().manual_seed((zlib.crc32(key.encode()) ^ seed) & 0x7FFFFFFF)
         values = torch.randn(param.shape, generator=gen, dtype=torch.float32)
         param.copy_(values.to(param.dtype))
+    # the router's score-correction bias is a buffer (zeros at init): distinct values too, so
+    # a bias sent to the wrong layer or left at zero changes the routing
+    for name, buf in model.named_buffers():
+        if name.endswith("router.expert_bias"):
+            global_layer = layers[int(_LOCAL_LAYER.search(name).group(1))].layer_number
+            gen = torch.Generator().manual_seed((global_layer * 7919 + seed) & 0x7FFFFFFF)
+            buf.copy_(torch.randn(buf.shape, generator=gen, dtype=torch.float32).to(buf.dtype))
 
 
 def model_spec_dict(spec: TinyGPTSpec) -> dict:

@@ -17,6 +17,21 @@ import torch.distributed as dist
 SHARED_EXPERT_PREFIX = {"qwen2_moe": "shared_expert", "deepseek_v3": "shared_experts"}
 
 
+# MLA (DeepSeek-V3 names). The down projections are column-parallel in the local spec: the
+# generic TP gather above already made them whole.
+MLA_NAMES = {
+    "self_attention.linear_q_proj.weight": "q_proj.weight",
+    "self_attention.linear_q_down_proj.weight": "q_a_proj.weight",
+    "self_attention.linear_q_up_proj.weight": "q_b_proj.weight",
+    "self_attention.linear_kv_down_proj.weight": "kv_a_proj_with_mqa.weight",
+    "self_attention.linear_kv_up_proj.weight": "kv_b_proj.weight",
+    "self_attention.q_layernorm.weight": "q_a_layernorm.weight",
+    "self_attention.kv_layernorm.weight": "kv_a_layernorm.weight",
+    "self_attention.linear_q_up_proj.layer_norm_weight": "q_a_layernorm.weight",
+    "self_attention.linear_kv_up_proj.layer_norm_weight": "kv_a_layernorm.weight",
+}
+
+
 def _bare(model: Any) -> torch.nn.Module:
     if isinstance(model, (list, tuple)):
         (model,) = model
@@ -71,6 +86,7 @@ def gather_full_hf_state_dict(model: Any, *, family: str, vocab_size: Optional[i
     ep_rank = ps.get_expert_model_parallel_rank()
     n_local = (cfg.num_moe_experts or 0) // ps.get_expert_model_parallel_world_size()
     tied = bool(getattr(m, "share_embeddings_and_output_weights", False))
+    mla = bool(getattr(cfg, "multi_latent_attention", False))
 
     def fc1_halves(parts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         gates, ups = [], []
@@ -118,6 +134,8 @@ def gather_full_hf_state_dict(model: Any, *, family: str, vocab_size: Optional[i
             out[f"{p}.self_attn.v_proj.{kind}"] = v
         elif rest == "self_attention.linear_proj.weight":
             out[f"{p}.self_attn.o_proj.weight"] = full
+        elif mla and rest in MLA_NAMES:
+            out[f"{p}.self_attn.{MLA_NAMES[rest]}"] = full
         elif rest == "self_attention.q_layernorm.weight":
             out[f"{p}.self_attn.q_norm.weight"] = full
         elif rest == "self_attention.k_layernorm.weight":

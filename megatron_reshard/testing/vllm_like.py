@@ -13,6 +13,13 @@ intermediate_size, moe_intermediate_size, num_experts (0/None = dense), num_hidd
 vocab_size (real), tie_word_embeddings, gated, qk_norm; optional
 shared_expert_intermediate_size (adds Qwen2-MoE shared experts), attention_bias, moe_layers
 (global indexes of the MoE layers when only some are; the others are dense).
+DeepSeek-V3 (``family == "deepseek_v3"``): MLA attention when ``kv_lora_rank`` is set
+(``q_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``): vLLM's
+``fused_qkv_a_proj`` = ``[q_a_proj ; kv_a_proj_with_mqa]`` replicated (with q LoRA; else
+``kv_a_proj_with_mqa`` replicated and ``q_proj`` column parallel), ``q_b_proj`` /
+``kv_b_proj`` column parallel, ``o_proj`` row parallel, the two norms replicated; shared
+experts under ``mlp.shared_experts`` (no gate); ``router_expert_bias`` adds
+``mlp.gate.e_score_correction_bias``, float32 whatever the model dtype (as vLLM holds it).
 """
 
 from __future__ import annotations
@@ -46,6 +53,39 @@ def _is_moe_layer(c: Mapping[str, Any], layer: int) -> bool:
     return True if listed is None else layer in listed
 
 
+def _is_deepseek(c: Mapping[str, Any]) -> bool:
+    return c.get("family") == "deepseek_v3"
+
+
+def _shared_prefix(c: Mapping[str, Any]) -> str:
+    return "shared_experts" if _is_deepseek(c) else "shared_expert"
+
+
+def _mla_shapes(c: Mapping[str, Any], p: str, T: int, full: bool) -> dict[str, tuple[int, ...]]:
+    """MLA params of one layer: vLLM's per-rank names/shapes (``full=False``) or HF's."""
+    H, nh = c["hidden_size"], c["num_attention_heads"]
+    ql, kvl = c.get("q_lora_rank"), c["kv_lora_rank"]
+    nope, rope, vd = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"]
+    t = 1 if full else T
+    a = f"{p}.self_attn"
+    out: dict[str, tuple[int, ...]] = {}
+    if ql and not full:
+        out[f"{a}.fused_qkv_a_proj.weight"] = (ql + kvl + rope, H)
+    elif ql:
+        out[f"{a}.q_a_proj.weight"] = (ql, H)
+    if ql:
+        out[f"{a}.q_a_layernorm.weight"] = (ql,)
+        out[f"{a}.q_b_proj.weight"] = (nh * (nope + rope) // t, ql)
+    else:
+        out[f"{a}.q_proj.weight"] = (nh * (nope + rope) // t, H)
+    if full or not ql:
+        out[f"{a}.kv_a_proj_with_mqa.weight"] = (kvl + rope, H)
+    out[f"{a}.kv_a_layernorm.weight"] = (kvl,)
+    out[f"{a}.kv_b_proj.weight"] = (nh * (nope + vd) // t, kvl)
+    out[f"{a}.o_proj.weight"] = (H, nh * vd // t)
+    return out
+
+
 def _padded_vocab(v: int) -> int:
     return (v + VOCAB_PADDING - 1) // VOCAB_PADDING * VOCAB_PADDING
 
@@ -71,11 +111,14 @@ def vllm_param_shapes(hf_config: Mapping[str, Any], tp_rank: int, tp_size: int, 
     for i in range(c["num_hidden_layers"]):
         p = f"model.layers.{i}"
         shapes[f"{p}.input_layernorm.weight"] = (H,)
-        shapes[f"{p}.self_attn.qkv_proj.weight"] = ((nh // T + 2 * kv_per_rank) * hd, H)
-        if c.get("attention_bias"):
-            shapes[f"{p}.self_attn.qkv_proj.bias"] = ((nh // T + 2 * kv_per_rank) * hd,)
-        shapes[f"{p}.self_attn.o_proj.weight"] = (H, nh * hd // T)
-        if c["qk_norm"]:
+        if c.get("kv_lora_rank"):
+            shapes.update(_mla_shapes(c, p, T, full=False))
+        else:
+            shapes[f"{p}.self_attn.qkv_proj.weight"] = ((nh // T + 2 * kv_per_rank) * hd, H)
+            if c.get("attention_bias"):
+                shapes[f"{p}.self_attn.qkv_proj.bias"] = ((nh // T + 2 * kv_per_rank) * hd,)
+            shapes[f"{p}.self_attn.o_proj.weight"] = (H, nh * hd // T)
+        if c["qk_norm"] and not c.get("kv_lora_rank"):
             shapes[f"{p}.self_attn.q_norm.weight"] = (hd,)
             shapes[f"{p}.self_attn.k_norm.weight"] = (hd,)
         shapes[f"{p}.post_attention_layernorm.weight"] = (H,)
@@ -85,13 +128,17 @@ def vllm_param_shapes(hf_config: Mapping[str, Any], tp_rank: int, tp_size: int, 
             ip = I if ep_size > 1 else I // T
             experts = f"{p}.mlp.experts" + (".routed_experts" if routed_experts_nesting else "")
             shapes[f"{p}.mlp.gate.weight"] = (E, H)
+            if c.get("router_expert_bias"):
+                shapes[f"{p}.mlp.gate.e_score_correction_bias"] = (E,)
             shapes[f"{experts}.w13_weight"] = (e_local, (2 if c["gated"] else 1) * ip, H)
             shapes[f"{experts}.w2_weight"] = (e_local, H, ip)
             fs = c.get("shared_expert_intermediate_size")
             if fs:
-                shapes[f"{p}.mlp.shared_expert.gate_up_proj.weight"] = (2 * fs // T, H)
-                shapes[f"{p}.mlp.shared_expert.down_proj.weight"] = (H, fs // T)
-                shapes[f"{p}.mlp.shared_expert_gate.weight"] = (1, H)
+                se = _shared_prefix(c)
+                shapes[f"{p}.mlp.{se}.gate_up_proj.weight"] = (2 * fs // T, H)
+                shapes[f"{p}.mlp.{se}.down_proj.weight"] = (H, fs // T)
+                if not _is_deepseek(c):
+                    shapes[f"{p}.mlp.shared_expert_gate.weight"] = (1, H)
         else:
             F = c["intermediate_size"]
             if c["gated"]:
@@ -121,8 +168,10 @@ def build_vllm_like_model(hf_config: Mapping[str, Any], tp_rank: int, tp_size: i
                 child = nn.Module()
                 module.add_module(part, child)
             module = child
-        data = torch.empty(shape, dtype=dtype, device=device)
-        data.fill_(float("nan") if dtype.is_floating_point else -1)
+        # vLLM keeps DeepSeek's score-correction bias in float32 whatever the model dtype
+        pdtype = torch.float32 if name.endswith("e_score_correction_bias") else dtype
+        data = torch.empty(shape, dtype=pdtype, device=device)
+        data.fill_(float("nan") if pdtype.is_floating_point else -1)
         module.register_parameter(leaf, nn.Parameter(data, requires_grad=False))
     return root
 
@@ -136,18 +185,23 @@ def hf_param_shapes(hf_config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
     for i in range(c["num_hidden_layers"]):
         p = f"model.layers.{i}"
         shapes[f"{p}.input_layernorm.weight"] = (H,)
-        for proj, rows in (("q", nh * hd), ("k", nkv * hd), ("v", nkv * hd)):
-            shapes[f"{p}.self_attn.{proj}_proj.weight"] = (rows, H)
-            if c.get("attention_bias"):
-                shapes[f"{p}.self_attn.{proj}_proj.bias"] = (rows,)
-        shapes[f"{p}.self_attn.o_proj.weight"] = (H, nh * hd)
-        if c["qk_norm"]:
+        if c.get("kv_lora_rank"):
+            shapes.update(_mla_shapes(c, p, 1, full=True))
+        else:
+            for proj, rows in (("q", nh * hd), ("k", nkv * hd), ("v", nkv * hd)):
+                shapes[f"{p}.self_attn.{proj}_proj.weight"] = (rows, H)
+                if c.get("attention_bias"):
+                    shapes[f"{p}.self_attn.{proj}_proj.bias"] = (rows,)
+            shapes[f"{p}.self_attn.o_proj.weight"] = (H, nh * hd)
+        if c["qk_norm"] and not c.get("kv_lora_rank"):
             shapes[f"{p}.self_attn.q_norm.weight"] = (hd,)
             shapes[f"{p}.self_attn.k_norm.weight"] = (hd,)
         shapes[f"{p}.post_attention_layernorm.weight"] = (H,)
         if _is_moe_layer(c, i):
             I = c["moe_intermediate_size"]
             shapes[f"{p}.mlp.gate.weight"] = (c["num_experts"], H)
+            if c.get("router_expert_bias"):
+                shapes[f"{p}.mlp.gate.e_score_correction_bias"] = (c["num_experts"],)
             for e in range(c["num_experts"]):
                 if c["gated"]:
                     shapes[f"{p}.mlp.experts.{e}.gate_proj.weight"] = (I, H)
@@ -155,10 +209,12 @@ def hf_param_shapes(hf_config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
                 shapes[f"{p}.mlp.experts.{e}.down_proj.weight"] = (H, I)
             fs = c.get("shared_expert_intermediate_size")
             if fs:
-                shapes[f"{p}.mlp.shared_expert.gate_proj.weight"] = (fs, H)
-                shapes[f"{p}.mlp.shared_expert.up_proj.weight"] = (fs, H)
-                shapes[f"{p}.mlp.shared_expert.down_proj.weight"] = (H, fs)
-                shapes[f"{p}.mlp.shared_expert_gate.weight"] = (1, H)
+                se = _shared_prefix(c)
+                shapes[f"{p}.mlp.{se}.gate_proj.weight"] = (fs, H)
+                shapes[f"{p}.mlp.{se}.up_proj.weight"] = (fs, H)
+                shapes[f"{p}.mlp.{se}.down_proj.weight"] = (H, fs)
+                if not _is_deepseek(c):
+                    shapes[f"{p}.mlp.shared_expert_gate.weight"] = (1, H)
         else:
             F = c["intermediate_size"]
             if c["gated"]:
@@ -175,7 +231,8 @@ def random_hf_state_dict(hf_config: Mapping[str, Any], dtype: torch.dtype = torc
                          seed: int = 0) -> dict[str, torch.Tensor]:
     """Full HF tensors for ``hf_config`` with distinct random values."""
     g = torch.Generator().manual_seed(seed)
-    return {name: torch.randn(shape, generator=g).to(dtype)
+    return {name: torch.randn(shape, generator=g).to(
+                torch.float32 if name.endswith("e_score_correction_bias") else dtype)
             for name, shape in hf_param_shapes(hf_config).items()}
 
 
@@ -228,6 +285,12 @@ def expected_vllm_shard(hf_config: Mapping[str, Any], vllm_name: str,
         else:
             k_r, v_r = rows(k), rows(v)
         return torch.cat([rows(q), k_r, v_r])
+    if vllm_name.endswith("fused_qkv_a_proj.weight"):  # MLA with q LoRA: replicated
+        base = vllm_name[: -len("fused_qkv_a_proj.weight")]
+        return torch.cat([hf[f"{base}q_a_proj.weight"], hf[f"{base}kv_a_proj_with_mqa.weight"]])
+    if c.get("kv_lora_rank") and vllm_name.endswith(("q_b_proj.weight", "kv_b_proj.weight",
+                                                      "self_attn.q_proj.weight")):
+        return rows(hf[vllm_name])  # heads split over TP
     if vllm_name.endswith("gate_up_proj.weight"):
         base = vllm_name[: -len("gate_up_proj.weight")]
         return torch.cat([rows(hf[f"{base}gate_proj.weight"]), rows(hf[f"{base}up_proj.weight"])])

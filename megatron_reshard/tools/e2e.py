@@ -30,13 +30,23 @@ import torch.distributed as dist
 
 from megatron_reshard.receiver import MegatronReshardWorkerExtension
 
-# Model presets: tiny Qwen3-shaped models (GQA, QK norm). Plain data: crosses into workers.
+# Model presets: tiny Qwen3-shaped models (GQA, QK norm) and a DeepSeek-V3-shaped one (MLA
+# with q LoRA, sigmoid routing with score-correction bias, a shared expert, first layer
+# dense). Plain data: crosses into workers.
 MODEL_PRESETS: dict[str, dict[str, Any]] = {
     "moe": dict(family="qwen3_moe", num_layers=4, hidden_size=64, num_attention_heads=8,
                 num_query_groups=2, ffn_hidden_size=128, num_moe_experts=8,
                 moe_ffn_hidden_size=32, vocab_size=500, qk_layernorm=True),
     "dense": dict(family="qwen3", num_layers=4, hidden_size=64, num_attention_heads=8,
                   num_query_groups=2, ffn_hidden_size=160, vocab_size=500, qk_layernorm=True),
+    "deepseek": dict(family="deepseek_v3", num_layers=4, hidden_size=64, num_attention_heads=8,
+                     num_query_groups=8, ffn_hidden_size=128, num_moe_experts=8,
+                     moe_ffn_hidden_size=32, moe_shared_expert_intermediate_size=32,
+                     moe_layer_freq=[0, 1, 1, 1], vocab_size=500, multi_latent_attention=True,
+                     q_lora_rank=32, kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8,
+                     v_head_dim=16, moe_router_score_function="sigmoid",
+                     moe_router_enable_expert_bias=True, moe_router_topk_scaling_factor=2.5,
+                     layernorm_epsilon=1e-6),
 }
 
 
@@ -143,6 +153,9 @@ def _split_refusals(cfg: RefitRunConfig) -> dict[str, Any]:
     heads = m["num_attention_heads"]
     kv = m.get("num_query_groups") or heads
     experts = m.get("num_moe_experts") or 0
+    # MLA (local spec): the down projections are column-parallel over training TP
+    mla_down = ((m.get("q_lora_rank") or 0, m["kv_lora_rank"] + m["qk_pos_emb_head_dim"])
+                if m.get("multi_latent_attention") else ())
     layers = m["num_layers"]
     # the dense FFN exists unless every layer is an MoE layer
     ffn = m["ffn_hidden_size"] if not experts or m.get("moe_layer_freq", 1) != 1 else None
@@ -162,6 +175,9 @@ def _split_refusals(cfg: RefitRunConfig) -> dict[str, Any]:
         return None
 
     def train_tp(t: int) -> Optional[str]:
+        for rows in mla_down:
+            if rows % t:
+                return f"does not divide the {rows} output rows of an MLA down projection"
         if t <= kv and kv % t:
             return f"does not divide its {kv} KV heads (query groups)"
         if t > kv and t % kv:
@@ -301,6 +317,7 @@ def run_training_rank(rank: int, cfg: RefitRunConfig, control, device: torch.dev
         model = model_builder(spec, device, getattr(torch, cfg.dtype))
     else:
         model = build_gpt_model(spec).to(device=device, dtype=getattr(torch, cfg.dtype))
+    keep_expert_bias_fp32_(model)
     if rank == 0:
         _say(cfg, who, f"training world up: tp{cfg.train_tp} pp{cfg.train_pp} ep{cfg.train_ep} "
                        f"on {cfg.train_world} ranks; model built ({cfg.model}, "
@@ -482,13 +499,22 @@ def config_from_args(args, ports: tuple) -> RefitRunConfig:
                           staging_mib=args.staging_mib, quiet=getattr(args, "json", False))
 
 
+def keep_expert_bias_fp32_(model: torch.nn.Module) -> None:
+    """The router's score-correction bias stays float32 under a low-precision model, as
+    Megatron's router keeps it (``_maintain_float32_expert_bias``) and vLLM holds it."""
+    for name, buf in model.named_buffers():
+        if name.endswith("router.expert_bias"):
+            buf.data = buf.data.float()
+
+
 def add_run_arguments(parser) -> None:
     """Options shared by the demo and the torchrun launcher (each help states its default)."""
     d = RefitRunConfig()
     ep_defaults = ", ".join(f"{default_train_ep(m)} for {m}" for m in sorted(MODEL_PRESETS))
     parser.add_argument("--model", choices=sorted(MODEL_PRESETS), default=d.model,
-                        help="tiny Qwen3-shaped model: moe (8 experts, GQA) or dense (GQA) "
-                             "(default: %(default)s)")
+                        help="tiny model: moe (Qwen3-MoE-shaped, 8 experts, GQA), dense "
+                             "(Qwen3-shaped, GQA) or deepseek (DeepSeek-V3-shaped: MLA, 8 "
+                             "experts + a shared one, first layer dense) (default: %(default)s)")
     parser.add_argument("--train-world", type=int, default=d.train_world,
                         help="training ranks (default: %(default)s)")
     parser.add_argument("--train-tp", type=int, default=d.train_tp,

@@ -62,6 +62,15 @@ def demo_config(model: str) -> dict[str, Any]:
                tie_word_embeddings=False)
     if p.get("num_moe_experts"):
         cfg.update(num_experts=p["num_moe_experts"], moe_intermediate_size=p["moe_ffn_hidden_size"])
+    if p.get("multi_latent_attention"):  # the deepseek preset, under HF DeepSeek-V3 names
+        freq = p.get("moe_layer_freq", 1)
+        cfg.update(q_lora_rank=p.get("q_lora_rank"), kv_lora_rank=p["kv_lora_rank"],
+                   qk_nope_head_dim=p["qk_head_dim"], qk_rope_head_dim=p["qk_pos_emb_head_dim"],
+                   v_head_dim=p["v_head_dim"],
+                   first_k_dense_replace=freq.index(1) if isinstance(freq, list) else 0,
+                   n_shared_experts=(p.get("moe_shared_expert_intermediate_size") or 0)
+                   // p["moe_ffn_hidden_size"],
+                   topk_method="noaux_tc" if p.get("moe_router_enable_expert_bias") else None)
     return cfg
 
 
