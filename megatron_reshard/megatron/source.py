@@ -46,7 +46,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import Replicate, Shard
 
 from megatron_reshard.engine.geometry import rank_region
-from megatron_reshard.layout import (BlockShard, MeshInfo, PaddedShard, build_mesh_info, is_expert_param,
+from megatron_reshard.layout import (MeshInfo, PaddedShard, build_mesh_info, is_expert_param,
                                      is_nccl_reshard_param)
 from megatron_reshard.megatron.converters import (
     FAMILIES,
@@ -68,6 +68,7 @@ from megatron_reshard.megatron.parallel import (
     read_parallel_state,
 )
 from megatron_reshard.megatron.payload import build_payload, encode_payload
+from megatron_reshard.megatron.qkv import megatron_qkv_blocks, megatron_qkv_layout
 from megatron_reshard.metadata import (
     _extract_layer_name,
     build_nccl_reshard_refit_info,
@@ -144,39 +145,6 @@ VOCAB_PARAMS = ("model.embed_tokens.weight", "lm_head.weight")
 
 def _which_qkv(name: str) -> str:
     return name.rsplit(".", 2)[-2][0]  # "...self_attn.k_proj.weight" -> "k"
-
-
-def megatron_qkv_blocks(heads: AttentionHeads, tp: int, which: str) -> tuple[int, ...]:
-    """Rows of ``which`` (q, k or v) of one KV group that each of the group's TP ranks holds,
-    when Megatron's TP exceeds the KV heads: ``linear_qkv``'s interleaved rows ``[q heads of
-    the group | k | v]`` are split contiguously over the TP/nkv ranks of the group, so a rank
-    holds a slice of the q rows, the k rows or the v rows (possibly of several, or none)."""
-    parts = tp // heads.num_kv_heads
-    hd = heads.head_dim
-    q = heads.num_heads // heads.num_kv_heads * hd
-    start, stop = {"q": (0, q), "k": (q, q + hd), "v": (q + hd, q + 2 * hd)}[which]
-    per_part = (q + 2 * hd) // parts
-    return tuple(max(0, min(stop, (p + 1) * per_part) - max(start, p * per_part))
-                 for p in range(parts))
-
-
-def _megatron_qkv_layout(mesh: MeshInfo, dims: dict, heads: AttentionHeads,
-                         which: str) -> tuple[MeshInfo, list]:
-    """Megatron's q/k/v rows per train rank in the per-KV-group form ``[nkv, rows, ...]``:
-    whole groups over TP (TP <= nkv); else the TP axis split into (group, part), the
-    group's rows in the parts' blocks (``megatron_qkv_blocks``)."""
-    tp_axis = dims.get("tp")
-    tp = 1 if tp_axis is None else mesh.shape[tp_axis]
-    if tp <= heads.num_kv_heads:
-        return mesh, _tp_placements(mesh, dims, 0)
-    nkv = heads.num_kv_heads
-    shape = list(mesh.shape)
-    shape[tp_axis:tp_axis + 1] = [nkv, tp // nkv]
-    split = MeshInfo(mesh.mesh.reshape(shape))
-    placements: list = [Replicate() for _ in range(split.ndim)]
-    placements[tp_axis] = Shard(0)
-    placements[tp_axis + 1] = BlockShard(1, megatron_qkv_blocks(heads, tp, which))
-    return split, placements
 
 
 def _tp_placements(mesh: MeshInfo, dims: dict, tp_dim) -> list:
@@ -400,7 +368,7 @@ class MegatronRefitSource:
             elif QKV_PARAM_RE.search(name):
                 global_shape = self._qkv_group_shape(name, meta["shape"])
                 which = _which_qkv(name)
-                src_mesh, src_pl = _megatron_qkv_layout(meshes.dense, meshes.dense_dims,
+                src_mesh, src_pl = megatron_qkv_layout(meshes.dense, meshes.dense_dims,
                                                         self._heads(), which)
                 dst_mesh, dst_pl = qkv_gen_layout(gen_mesh, gen_dims, self.dims.num_query_groups,
                                                   which)
