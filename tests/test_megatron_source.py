@@ -23,10 +23,15 @@ pytestmark = pytest.mark.filterwarnings("ignore")
 
 
 def chunk_of(full: torch.Tensor, mesh: torch.Tensor, placements, rank: int) -> torch.Tensor:
+    from megatron_reshard.layout import BlockShard
+
     coord = (mesh == rank).nonzero()[0].tolist()
     region = full
     for axis, p in enumerate(placements):
-        if isinstance(p, Shard):
+        if isinstance(p, BlockShard):  # explicit uneven blocks (q/k/v cut inside a KV group)
+            i = coord[axis]
+            region = region.narrow(p.dim, sum(p.sizes[:i]), p.sizes[i])
+        elif isinstance(p, Shard):
             pieces = torch.chunk(region, mesh.shape[axis], dim=p.dim)
             i = coord[axis]
             region = pieces[i] if i < len(pieces) else region.narrow(p.dim, 0, 0)
