@@ -150,7 +150,8 @@ def _hf_config(model: str) -> dict:
                 intermediate_size=p["ffn_hidden_size"],
                 moe_intermediate_size=p.get("moe_ffn_hidden_size"),
                 num_experts=p.get("num_moe_experts") or 0, num_hidden_layers=2,
-                vocab_size=p["vocab_size"], qk_norm=p["qk_layernorm"], tie_word_embeddings=False)
+                vocab_size=p["vocab_size"], qk_norm=p.get("qk_layernorm", False),
+                attention_bias=p.get("add_qkv_bias", False), tie_word_embeddings=False)
 
 
 def _receiver_takes(model: str, tp: int, ep: int) -> bool:
