@@ -33,7 +33,7 @@ from megatron_reshard.spec import LocalParamSpec, RefitCtx
 from megatron_reshard.vllm_layout import moe as vllm_moe
 from megatron_reshard.vllm_layout.dense import GATE_UP_RE as _GATE_UP_RE
 from megatron_reshard.vllm_layout.dense import QKV_RE as _QKV_RE
-from megatron_reshard.vllm_layout.dense import (QKV_WEIGHT_RE, VOCAB_PADDING, AttentionHeads,
+from megatron_reshard.vllm_layout.dense import (VOCAB_PADDING, AttentionHeads,
                                                 gate_up_rows, padded_vocab_rows,
                                                 vocab_rows_of_rank)
 from megatron_reshard.vllm_layout.moe import expert_block

@@ -16,7 +16,6 @@ training side when it describes the destination of each parameter
 from megatron_reshard.vllm_layout.dense import (
     GATE_UP_RE,
     QKV_RE,
-    QKV_WEIGHT_RE,
     VOCAB_PADDING,
     AttentionHeads,
     gate_up_rows,
@@ -35,7 +34,7 @@ from megatron_reshard.vllm_layout.moe import (
 )
 
 __all__ = [
-    "AttentionHeads", "GATE_UP_RE", "QKV_RE", "QKV_WEIGHT_RE", "VOCAB_PADDING", "expert_block",
+    "AttentionHeads", "GATE_UP_RE", "QKV_RE", "VOCAB_PADDING", "expert_block",
     "expert_block_sizes", "expert_gen_placement", "expert_target_candidates", "expert_tp_split",
     "gate_up_rows", "is_qkv_per_group", "padded_vocab_rows", "qkv_gen_layout", "tp_dim_of",
     "vocab_rows_of_rank",

@@ -30,7 +30,6 @@ VOCAB_PADDING = 64
 QKV_RE = re.compile(r"^(?P<prefix>.*)\.(?P<which>q|k|v)_proj\.(?P<kind>weight|bias)$")
 # q/k/v of self-attention, which the refit sends per KV group (``is_qkv_per_group``)
 QKV_PARAM_RE = re.compile(r"\.self_attn\.[qkv]_proj\.(?:weight|bias)$")
-QKV_WEIGHT_RE = re.compile(r"\.self_attn\.[qkv]_proj\.weight$")
 GATE_UP_RE = re.compile(r"^(?P<prefix>.*)\.(?P<which>gate|up)_proj\.(?P<kind>weight|bias)$")
 
 # HF name -> the dim vLLM splits over its TP ranks (None: whole on every rank), for the
