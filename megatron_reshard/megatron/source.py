@@ -23,6 +23,10 @@ Decisions:
   uneven first/last stages need nothing special. Non-layer keys: ``model.embed_tokens`` on
   the stage holding the embedding, ``model.norm`` and ``lm_head`` on the stage holding the
   final norm / output layer. Tied embeddings: no ``lm_head.weight`` (HF ties it).
+- Every param takes the exact path (bulk set, vocab padded shards, q/k/v weights and
+  biases per KV group, direct params of ``vllm_layout.dense.TP_DIM_RULES``: o_proj, norms,
+  router, shared experts and their gate); ``packed_params`` (a regex) sends the params it
+  matches by packed broadcast instead.
 - Views: dense ``gate_proj``/``up_proj`` are the two row halves of the rank's ``linear_fc1``
   (views); ``down_proj`` is ``linear_fc2`` itself. Grouped experts: a ``pre`` hook stacks the
   rank's experts into ``[E_local, ...]`` (SequentialMLP / TE grouped); legacy grouped GEMM
@@ -190,6 +194,11 @@ class MegatronRefitSource:
                 vocab_size = padded
             elif not 0 < vocab_size <= padded:
                 problems.append(f"vocab_size={vocab_size} must be in 1..{padded} (the model's padded vocab)")
+        if packed_params is not None:
+            try:
+                re.compile(packed_params)
+            except (re.error, TypeError) as err:
+                problems.append(f"packed_params={packed_params!r} is not a regular expression ({err})")
         if problems:
             raise ValueError("cannot build the Megatron refit source:\n  - " + "\n  - ".join(problems))
         assert layout is not None and coords is not None and bare is not None
