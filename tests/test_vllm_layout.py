@@ -91,3 +91,35 @@ def test_plan_takes_uneven_gen_ep_in_vllms_blocks():
         own = shard_ownerships(shape, d_shape, d_ranks, d_dims)
         blocks = [own[2 + r].boxes[0][0] for r in range(4)]
         assert blocks == [expert_block(6, r, 4) for r in range(4)], p.name
+
+
+def test_block_shard_wire_form_round_trips_and_bad_blocks_are_named():
+    from megatron_reshard.layout import MeshInfo, _restore_placement, placements_to_plain
+
+    pl = BlockShard(0, (2, 2, 1, 1))
+    assert placements_to_plain([pl]) == [{"dim": 0, "blocks": [2, 2, 1, 1]}]
+    assert _restore_placement({"dim": 0, "blocks": [2, 2, 1, 1]}) == pl
+    mesh = MeshInfo(torch.arange(4))
+    assert [rank_region((6, 3), mesh, [pl], r)[0][0] for r in range(4)] == [(0, 2), (2, 4),
+                                                                            (4, 5), (5, 6)]
+    with pytest.raises(ValueError, match=r"block sizes \[2, 2, 1, 1\] .* dim of 7"):
+        rank_region((7, 3), mesh, [pl], 0)
+    with pytest.raises(ValueError, match=r"block sizes must be >= 0"):
+        BlockShard(0, (1, -1))
+
+
+def test_payload_check_refuses_blocks_that_are_not_sizes():
+    from megatron_reshard.receiver.payload_check import RefitPayloadError, validate_payload
+    from megatron_reshard.testing.vllm_like import build_plain_payload
+
+    cfg = dict(hidden_size=16, num_attention_heads=4, num_key_value_heads=2, head_dim=4,
+               intermediate_size=8, num_hidden_layers=1, vocab_size=64, num_experts=6,
+               moe_intermediate_size=8)
+    payload = build_plain_payload(cfg, random_hf_state_dict(cfg), {"tp_size": 1},
+                                  {"tp_size": 4, "ep_size": 4}, 1, 4)
+    validate_payload(payload)  # vLLM's blocks 2, 2, 1, 1 are fine
+    entry = next(p for ps in payload["per_layer_params"].values() for p in ps
+                 if any(pl.get("blocks") for pl in p["dst_placements"]))
+    next(pl for pl in entry["dst_placements"] if pl.get("blocks"))["blocks"] = [2, -1, 4, 1]
+    with pytest.raises(RefitPayloadError, match=r"'blocks' must be a non-empty list of integers"):
+        validate_payload(payload)
