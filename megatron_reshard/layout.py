@@ -188,31 +188,59 @@ class PaddedShard:
     padded_size: int
 
 
+@dataclass(frozen=True)
+class BlockShard:
+    """Shard ``dim`` into contiguous blocks of explicit sizes, one per coordinate of the
+    mesh axis (an uneven split; a block may be empty).
+
+    This is how splits that ``torch.chunk`` rules cannot state are held: vLLM's expert
+    blocks when the experts do not divide over EP (the first ranks get one more), and
+    Megatron's q/k/v rows when a TP rank cuts a KV group (a rank holds the tail of the q
+    rows of a group, or its k/v rows, or nothing of one of them). The sizes add up to the
+    dim's size. Wire form: ``{"dim": d, "blocks": [sizes]}``.
+    """
+
+    dim: int
+    sizes: tuple
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sizes", tuple(int(s) for s in self.sizes))
+        if not self.sizes or any(s < 0 for s in self.sizes):
+            raise ValueError(f"BlockShard({self.dim}): block sizes must be >= 0, one per mesh "
+                             f"coordinate; found {list(self.sizes)}")
+
+
 def placements_to_plain(placements: Sequence) -> list[dict]:
     """Placements as plain dicts: ``Shard(d)`` → ``{"dim": d}``, ``Replicate()`` → ``{}``,
-    ``PaddedShard(d, n)`` → ``{"dim": d, "padded": n}``."""
+    ``PaddedShard(d, n)`` → ``{"dim": d, "padded": n}``, ``BlockShard(d, sizes)`` →
+    ``{"dim": d, "blocks": [sizes]}``."""
     out = []
     for p in placements:
-        if isinstance(p, PaddedShard):
+        if isinstance(p, BlockShard):
+            out.append({"dim": int(p.dim), "blocks": list(p.sizes)})
+        elif isinstance(p, PaddedShard):
             out.append({"dim": int(p.dim), "padded": int(p.padded_size)})
         elif isinstance(p, Shard):
             out.append({"dim": int(p.dim)})
         elif isinstance(p, Replicate):
             out.append({})
         else:
-            raise TypeError(f"unsupported placement {p!r}: only Shard, PaddedShard and "
-                            "Replicate are supported")
+            raise TypeError(f"unsupported placement {p!r}: only Shard, PaddedShard, "
+                            "BlockShard and Replicate are supported")
     return out
 
 
 def _restore_placement(p):
     """A placement back from its wire form: instances kept, ``{"dim": d}`` → Shard, else Replicate.
 
-    Extension beyond the seed: ``{"dim": d, "padded": n}`` → ``PaddedShard(d, n)``.
+    Extensions beyond the seed: ``{"dim": d, "padded": n}`` → ``PaddedShard(d, n)``,
+    ``{"dim": d, "blocks": [sizes]}`` → ``BlockShard(d, sizes)``.
     """
-    if isinstance(p, (Shard, Replicate, PaddedShard)):
+    if isinstance(p, (Shard, Replicate, PaddedShard, BlockShard)):
         return p
     if isinstance(p, dict) and "dim" in p:
+        if p.get("blocks") is not None:
+            return BlockShard(int(p["dim"]), tuple(p["blocks"]))
         if p.get("padded") is not None:
             return PaddedShard(int(p["dim"]), int(p["padded"]))
         return Shard(int(p["dim"]))

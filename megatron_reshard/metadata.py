@@ -28,7 +28,9 @@ from typing import Any, Optional
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
+from megatron_reshard.vllm_layout.moe import expert_gen_placement
 from megatron_reshard.layout import (
+    BlockShard,
     MeshInfo,
     PaddedShard,
     _restore_placement,
@@ -189,7 +191,8 @@ def build_nccl_reshard_refit_info(
     """Per-layer refit info for the given params (global view) on train and gen meshes.
 
     Group ranks: the training ranks of one PP stage first (stage-local ``0..T/pp-1``), then
-    the generation ranks. Train params use a non-expert mesh (tp) or an expert mesh (ep);
+    the generation ranks. Grouped experts on a generation EP axis take vLLM's expert blocks
+    (``vllm_layout.moe.expert_gen_placement``: ``Shard(0)`` when they split evenly). Train params use a non-expert mesh (tp) or an expert mesh (ep);
     generation params a non-expert mesh (gen tp) or, with gen ep > 1, an expert mesh.
     """
     for what, size in (("train_world_size", train_world_size), ("gen_world_size", gen_world_size)):
@@ -258,6 +261,9 @@ def build_nccl_reshard_refit_info(
             "dst_mesh_info": dst_mesh,
             "dst_placements": get_placements(name, dst_map, len(shape)),
         }
+        if expert and gen_ep > 1 and len(shape) == 3:
+            # vLLM's expert blocks, which torch.chunk rules miss when E % ep != 0
+            info["dst_placements"][dst_map["ep"]] = expert_gen_placement(shape[0], gen_ep)
         if pp > 1:
             if layer not in layer_to_pp_stage:
                 raise KeyError(
@@ -284,7 +290,7 @@ def build_nccl_reshard_refit_info(
 def _to_wire(value: Any, path: str) -> Any:
     if isinstance(value, MeshInfo):
         return {"mesh": value.mesh.tolist()}
-    if isinstance(value, (Shard, Replicate, PaddedShard)):
+    if isinstance(value, (Shard, Replicate, PaddedShard, BlockShard)):
         return placements_to_plain([value])[0]
     if isinstance(value, dict):
         return {k: _to_wire(v, f"{path}[{k!r}]") for k, v in value.items()}

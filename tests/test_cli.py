@@ -124,7 +124,7 @@ def _parse_demo(*argv):
     return cli.build_parser().parse_args(["demo", *argv])
 
 
-@pytest.mark.parametrize("model, ep", [("moe", 2), ("dense", 1)])
+@pytest.mark.parametrize("model, ep", [("moe", 2), ("dense", 1), ("qwen2", 1)])
 def test_the_demo_defaults_are_a_valid_layout_for_each_model(model, ep):
     cfg = config_from_args(_parse_demo("--model", model), ports=(0, 0, 0))
     assert cfg.train_ep == ep
@@ -160,7 +160,7 @@ def _hf_config(model: str) -> dict:
                 moe_intermediate_size=p.get("moe_ffn_hidden_size"),
                 num_experts=p.get("num_moe_experts") or 0, num_hidden_layers=2,
                 vocab_size=p["vocab_size"], qk_norm=p.get("qk_layernorm", False),
-                tie_word_embeddings=False)
+                attention_bias=p.get("add_qkv_bias", False), tie_word_embeddings=False)
 
 
 def _receiver_takes(model: str, tp: int, ep: int) -> bool:
@@ -281,3 +281,11 @@ def test_demo_of_the_dense_model_runs_with_its_own_defaults():
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary["verified"] is True
     assert summary["layout"]["train"] == {"world": 4, "tp": 2, "pp": 2, "ep": 1}
+
+
+def test_packed_params_reaches_the_run_config_and_a_bad_regex_is_refused():
+    cfg = config_from_args(_parse_demo("--packed-params", r"self_attn\.[qkv]_proj"), ports=(0, 0, 0))
+    assert cfg.packed_params == r"self_attn\.[qkv]_proj" and cfg.problems() == []
+    bad = config_from_args(_parse_demo("--packed-params", "self_attn.("), ports=(0, 0, 0))
+    assert any(p.startswith("--packed-params 'self_attn.(': expected a regular expression")
+               for p in bad.problems())

@@ -64,14 +64,53 @@ def test_qkv_per_kv_group_with_kv_heads_replicated_over_gen_tp4_bit_exact(pool):
     assert summary["exact_path_fraction"] == 1.0
 
 
-def test_qkv_falls_back_to_the_packed_path_when_a_train_rank_cuts_a_kv_group(pool):
-    # 1 KV head over train TP2: q/k/v go packed, in several 8 KiB chunks
+def test_qkv_with_one_kv_head_cut_over_train_tp2_takes_the_exact_path_bit_exact(pool):
+    # 1 KV head over train TP2: each train rank holds half of the group's interleaved rows
+    # (rank 0: q rows only; rank 1: the last q rows, k and v), 8 KiB staging: many rounds
     summary = _run(pool, model="dense", model_overrides={"num_query_groups": 1}, train_world=2,
                    train_tp=2, train_pp=1, train_ep=1, gen_world=2, gen_tp=2,
                    staging_mib=8 / 1024)
     assert summary["verified"], summary["per_gen_rank"]
+    assert summary["exact_path_fraction"] == 1.0
+
+
+def test_packed_params_option_sends_the_named_params_by_broadcast_bit_exact(pool):
+    # the packed broadcast is an explicit option now; in several 8 KiB chunks
+    summary = _run(pool, model="qwen2", train_world=2, train_tp=2, train_pp=1, train_ep=1,
+                   gen_world=2, gen_tp=2, staging_mib=8 / 1024,
+                   packed_params=r"self_attn\.[qkv]_proj\.")
+    assert summary["verified"], summary["per_gen_rank"]
     assert summary["exact_path_fraction"] < 1.0
-    assert all(row["misc_bytes"] > 0 for row in summary["per_gen_rank"])
+    assert all(row["misc_bytes"] > 0 and row["other_params"] == 4 * 6
+               for row in summary["per_gen_rank"])
+
+
+def test_qwen2_biases_with_train_tp4_over_two_kv_heads_bit_exact_on_the_exact_path(pool):
+    # q/k/v weights and biases: each train rank holds half a KV group's rows
+    summary = _run(pool, model="qwen2", train_world=4, train_tp=4, train_pp=1, train_ep=1,
+                   gen_world=2, gen_tp=2)
+    assert summary["verified"], summary["per_gen_rank"]
+    assert summary["exact_path_fraction"] == 1.0
+    assert all(row["other_params"] == 0 for row in summary["per_gen_rank"])
+
+
+QWEN2_MOE = {"family": "qwen2_moe", "qk_layernorm": False, "add_qkv_bias": True,
+             "moe_shared_expert_intermediate_size": 64, "moe_shared_expert_gate": True}
+
+
+def test_qwen2_moe_shared_experts_and_gate_with_train_tp4_ep2_bit_exact_on_the_exact_path(pool):
+    summary = _run(pool, model_overrides=QWEN2_MOE, train_world=4, train_tp=4, train_pp=1,
+                   train_ep=2, gen_world=2, gen_tp=2)
+    assert summary["verified"], summary["per_gen_rank"]
+    assert summary["exact_path_fraction"] == 1.0
+
+
+def test_six_experts_over_gen_ep4_land_in_vllms_uneven_blocks_bit_exact(pool):
+    # vLLM: gen EP ranks 0..3 hold 2, 2, 1, 1 experts (the first E % ep ranks one more)
+    summary = _run(pool, model_overrides={"num_moe_experts": 6}, train_world=2, train_tp=1,
+                   train_pp=1, train_ep=2, gen_world=4, gen_tp=4, gen_ep=4)
+    assert summary["verified"], summary["per_gen_rank"]
+    assert summary["exact_path_fraction"] == 1.0
 
 
 def test_summary_fails_when_a_generation_rank_reports_a_mismatch():
@@ -114,3 +153,4 @@ def test_moe_train_tp4_over_two_kv_heads_to_gen_tp2_bit_exact(pool):
     # Megatron replicates the 2 KV heads over TP4; experts sit whole on every rank (EP1)
     summary = _run(pool, train_world=4, train_tp=4, train_pp=1, train_ep=1, gen_world=2, gen_tp=2)
     assert summary["verified"], summary["per_gen_rank"]
+    assert summary["exact_path_fraction"] == 1.0

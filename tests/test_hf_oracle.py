@@ -89,6 +89,14 @@ CASES = {
                              moe_router_topk_scaling_factor=2.5, layernorm_epsilon=1e-6),
                         "DeepseekV3ForCausalLM", {}, train=_MOE_TRAIN,
                         gen=dict(gen_world=2, gen_tp=2, gen_ep=2)),
+    # train TP4 over 2 KV heads: each train rank holds half a KV group's q/k/v rows and
+    # biases, sent shard to shard; shared expert and its gate too
+    "qwen2_moe-train-tp4": Case(dict(_BASE, family="qwen2_moe", add_qkv_bias=True,
+                                     num_moe_experts=8, moe_ffn_hidden_size=32,
+                                     moe_shared_expert_intermediate_size=48,
+                                     moe_shared_expert_gate=True),
+                                "Qwen2MoeForCausalLM", dict(qkv_bias=True),
+                                train=dict(train_world=4, train_tp=4, train_pp=1, train_ep=2)),
 }
 # without q LoRA (a plain q_proj, kv_a_proj_with_mqa unfused), gen TP4 over 8 heads with the
 # experts TP-sharded (gen EP1), train TP2 with EP2; YaRN RoPE as DeepSeek-V3 configures it

@@ -27,6 +27,9 @@ OPTIONAL = [
     "megatron_reshard.receiver",
     "megatron_reshard.comm",
     "megatron_reshard.packed",
+    "megatron_reshard.vllm_layout",
+    "megatron_reshard.vllm_layout.dense",
+    "megatron_reshard.vllm_layout.moe",
 ]
 
 _PROBE = textwrap.dedent(

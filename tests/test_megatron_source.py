@@ -23,10 +23,15 @@ pytestmark = pytest.mark.filterwarnings("ignore")
 
 
 def chunk_of(full: torch.Tensor, mesh: torch.Tensor, placements, rank: int) -> torch.Tensor:
+    from megatron_reshard.layout import BlockShard
+
     coord = (mesh == rank).nonzero()[0].tolist()
     region = full
     for axis, p in enumerate(placements):
-        if isinstance(p, Shard):
+        if isinstance(p, BlockShard):  # explicit uneven blocks (q/k/v cut inside a KV group)
+            i = coord[axis]
+            region = region.narrow(p.dim, sum(p.sizes[:i]), p.sizes[i])
+        elif isinstance(p, Shard):
             pieces = torch.chunk(region, mesh.shape[axis], dim=p.dim)
             i = coord[axis]
             region = pieces[i] if i < len(pieces) else region.narrow(p.dim, 0, 0)
@@ -301,7 +306,8 @@ def _bad_inputs(job):
     spec = TinyGPTSpec(**MOE)
     ps.initialize_model_parallel(tensor_model_parallel_size=2, expert_model_parallel_size=2,
                                  distributed_timeout_minutes=1)  # expert-TP defaults to TP = 2
-    attempt("etp_family_vocab", build_gpt_model(spec), family="gpt_neox", vocab_size=10**6)
+    attempt("etp_family_vocab", build_gpt_model(spec), family="gpt_neox", vocab_size=10**6,
+            packed_params="self_attn.(")
     ps.destroy_model_parallel()
 
     ps.initialize_model_parallel(tensor_model_parallel_size=2, expert_model_parallel_size=2,
@@ -324,5 +330,6 @@ def test_bad_input_raises_one_clear_error_on_every_rank(pool):
         assert "expert tensor parallel size 2 > 1 is not supported" in err
         assert "unknown model family 'gpt_neox'" in err
         assert "vocab_size=1000000" in err
+        assert "packed_params='self_attn.(' is not a regular expression" in err
         err = m["unknown_name"]
         assert err is not None and "rank 1: unknown Megatron parameter 'decoder.layers.0.self_attention.mystery'" in err, err

@@ -103,9 +103,26 @@ def test_unsupported_schema_version_is_refused():
         _session(DENSE, {"tp_size": 2}, mutate=bump)
 
 
-def test_uneven_experts_over_gen_ep_are_refused_on_the_bulk_path():
-    with pytest.raises(TargetError, match=r"6 experts do not split evenly over gen ep_size=4.*refusing"):
-        _session(dict(MOE, num_experts=6), {"tp_size": 4, "ep_size": 4})
+def test_uneven_experts_over_gen_ep_map_onto_vllms_blocks():
+    # 6 experts over EP4: vLLM gives ranks 0..3 blocks of 2, 2, 1, 1 experts
+    for gen_rank, local in ((0, 2), (2, 1), (3, 1)):
+        rep = _session(dict(MOE, num_experts=6), {"tp_size": 4, "ep_size": 4},
+                       gen_rank=gen_rank).report()
+        assert rep["uncovered_targets"] == {}, (gen_rank, rep["uncovered_targets"])
+
+
+def test_a_payload_with_torch_chunk_expert_blocks_is_refused_where_vllm_differs():
+    def chunk_blocks(payload):  # torch.chunk rules: 2, 2, 2, 0 experts
+        for params in payload["per_layer_params"].values():
+            for p in params:
+                for pl in p["dst_placements"]:
+                    if pl.get("blocks"):
+                        del pl["blocks"]
+
+    with pytest.raises(TargetError, match=r"experts\.gate_proj\.weight: the payload delivers region "
+                                          r"\[\(4, 6\).*gen rank 2.*expects \[\[\(4, 5\)"):
+        _session(dict(MOE, num_experts=6), {"tp_size": 4, "ep_size": 4}, gen_rank=2,
+                 mutate=chunk_blocks)
 
 
 def test_payload_region_that_vllm_does_not_hold_here_is_refused():

@@ -68,8 +68,11 @@ def test_sharded_attention_and_vocab_land_where_vllm_keeps_them(gen_tp):
     for r in range(gen_tp):
         rank = lay.stage_world + r
 
-        def part(name):
-            return full[name][tuple(slice(s, e) for s, e in _gen_box(keys[name], rank))]
+        def part(name):  # q/k/v travel in the per-KV-group form [nkv, rows, H]: back to rows
+            held = full[name].reshape(keys[name][0])
+            box = held[tuple(slice(s, e) for s, e in _gen_box(keys[name], rank))]
+            per_group = held.ndim > full[name].ndim
+            return box.reshape(-1, *full[name].shape[1:]) if per_group else box
 
         base = "model.layers.1.self_attn"
         qkv = torch.cat([part(f"{base}.{x}_proj.weight") for x in "qkv"])

@@ -18,7 +18,7 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-from megatron_reshard.layout import PaddedShard
+from megatron_reshard.layout import BlockShard, PaddedShard
 
 Box = tuple  # tuple[tuple[int, int], ...]
 REPLICATE = -1  # plain form of Replicate() in a placement tuple
@@ -94,16 +94,20 @@ class Ownership(NamedTuple):
 
 
 def placement_dims(placements: Sequence, ndim: int, where: str = "placements") -> tuple[int, ...]:
-    """Placements as plain data (shard dim, ``(dim, padded size)``, or REPLICATE).
+    """Placements as plain data (shard dim, ``(dim, padded size)``, ``(dim, block sizes)``
+    or REPLICATE).
 
-    Accepts torch ``Shard``/``Replicate``, ``PaddedShard`` and their wire forms
-    ``{"dim": d}`` / ``{"dim": d, "padded": n}`` / ``{}``; negative dims are normalised.
-    Raises ValueError for anything else or a shard dim outside the tensor.
+    Accepts torch ``Shard``/``Replicate``, ``PaddedShard``, ``BlockShard`` and their wire
+    forms ``{"dim": d}`` / ``{"dim": d, "padded": n}`` / ``{"dim": d, "blocks": [..]}`` /
+    ``{}``; negative dims are normalised. Raises ValueError for anything else or a shard
+    dim outside the tensor.
     """
     out = []
     for p in placements:
-        padded = None
-        if isinstance(p, PaddedShard):
+        padded = None  # an int (padded size) or a tuple (block sizes)
+        if isinstance(p, BlockShard):
+            d, padded = int(p.dim), tuple(p.sizes)
+        elif isinstance(p, PaddedShard):
             d, padded = int(p.dim), int(p.padded_size)
         elif isinstance(p, Shard):
             d = int(p.dim)
@@ -116,9 +120,11 @@ def placement_dims(placements: Sequence, ndim: int, where: str = "placements") -
                 continue
             d = int(p["dim"])
             padded = None if p.get("padded") is None else int(p["padded"])
+            if p.get("blocks") is not None:
+                padded = tuple(int(n) for n in p["blocks"])
         else:
-            raise ValueError(f"{where}: unsupported placement {p!r} (only Shard, PaddedShard "
-                             "and Replicate)")
+            raise ValueError(f"{where}: unsupported placement {p!r} (only Shard, PaddedShard, "
+                             "BlockShard and Replicate)")
         if not -ndim <= d < ndim:
             raise ValueError(f"{where}: invalid shard dim: Shard({d}) on a tensor of {ndim} "
                              f"dims (expected a dim in [{-ndim}, {ndim}))")
@@ -126,8 +132,8 @@ def placement_dims(placements: Sequence, ndim: int, where: str = "placements") -
     dims = [e[0] if isinstance(e, tuple) else e for e in out]
     for e in out:
         if isinstance(e, tuple) and dims.count(e[0]) > 1:
-            raise ValueError(f"{where}: a padded shard of dim {e[0]} must be the only placement "
-                             f"sharding that dim, found {list(placements)}")
+            raise ValueError(f"{where}: a padded or block shard of dim {e[0]} must be the only "
+                             f"placement sharding that dim, found {list(placements)}")
     return tuple(out)
 
 
@@ -155,6 +161,16 @@ def shard_box(global_shape: Sequence[int], mesh_shape: Sequence[int], coord: Seq
     lo = [0] * len(global_shape)
     hi = list(global_shape)
     for axis, d in enumerate(dims):
+        if isinstance(d, tuple) and isinstance(d[1], tuple):  # block shard: explicit sizes
+            d, sizes = d
+            if len(sizes) != mesh_shape[axis] or sum(sizes) != global_shape[d]:
+                raise ValueError(f"block shard of dim {d}: {len(sizes)} block sizes {list(sizes)} "
+                                 f"for a mesh axis of {mesh_shape[axis]} and a dim of "
+                                 f"{global_shape[d]}: expected one size per coordinate, adding "
+                                 f"up to the dim")
+            lo[d] = sum(sizes[:coord[axis]])
+            hi[d] = lo[d] + sizes[coord[axis]]
+            continue
         if isinstance(d, tuple):  # padded shard: equal chunks of the padded size, clipped
             d, padded = d
             chunk = _padded_chunk(global_shape[d], padded, mesh_shape[axis])
@@ -189,7 +205,7 @@ def local_shape_of(global_shape: Sequence[int], mesh_shape: Sequence[int], box: 
     its full chunk (the padding rows sit after the owned ones)."""
     shape = list(box_shape(box))
     for axis, d in enumerate(dims):
-        if isinstance(d, tuple):
+        if isinstance(d, tuple) and not isinstance(d[1], tuple):
             shape[d[0]] = _padded_chunk(global_shape[d[0]], d[1], mesh_shape[axis])
     return tuple(shape)
 

@@ -23,6 +23,10 @@ Decisions:
   uneven first/last stages need nothing special. Non-layer keys: ``model.embed_tokens`` on
   the stage holding the embedding, ``model.norm`` and ``lm_head`` on the stage holding the
   final norm / output layer. Tied embeddings: no ``lm_head.weight`` (HF ties it).
+- Every param takes the exact path (bulk set, vocab padded shards, q/k/v weights and
+  biases per KV group, direct params of ``vllm_layout.dense.TP_DIM_RULES``: o_proj, norms,
+  router, shared experts and their gate); ``packed_params`` (a regex) sends the params it
+  matches by packed broadcast instead.
 - Views: dense ``gate_proj``/``up_proj`` are the two row halves of the rank's ``linear_fc1``
   (views); ``down_proj`` is ``linear_fc2`` itself. Grouped experts: a ``pre`` hook stacks the
   rank's experts into ``[E_local, ...]`` (SequentialMLP / TE grouped); legacy grouped GEMM
@@ -48,6 +52,7 @@ from torch.distributed.tensor import Replicate, Shard
 from megatron_reshard.engine.geometry import rank_region
 from megatron_reshard.layout import (MeshInfo, PaddedShard, build_mesh_info, is_expert_param,
                                      is_nccl_reshard_param)
+from megatron_reshard.megatron import mla
 from megatron_reshard.megatron.converters import (
     FAMILIES,
     Converted,
@@ -68,14 +73,15 @@ from megatron_reshard.megatron.parallel import (
     read_parallel_state,
 )
 from megatron_reshard.megatron.payload import build_payload, encode_payload
+from megatron_reshard.megatron.qkv import megatron_qkv_blocks, megatron_qkv_layout
 from megatron_reshard.metadata import (
     _extract_layer_name,
     build_nccl_reshard_refit_info,
     restore_refit_info_placements,
 )
-from megatron_reshard.receiver.targets import QKV_WEIGHT_RE, vllm_vocab_rows
 from megatron_reshard.spec import HFToLocalParamMap, LocalParamSpec, RefitCtx
-from megatron_reshard.megatron import mla
+from megatron_reshard.vllm_layout.dense import (NOT_LISTED, QKV_PARAM_RE, AttentionHeads,
+                                                padded_vocab_rows, qkv_gen_layout, tp_dim_of)
 
 HF_CONFIG_KEYS = (
     "family", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -146,43 +152,9 @@ def expected_local_shape(global_shape: Sequence[int], mesh, placements: Sequence
 
 VOCAB_PARAMS = ("model.embed_tokens.weight", "lm_head.weight")
 
-# HF name suffix -> TP dim (None: replicated) of params that Megatron and vLLM both hold
-# whole or as the same TP chunk (o_proj is row parallel on both sides).
-DIRECT_PARAMS = ((".self_attn.o_proj.weight", 1), ("layernorm.weight", None),
-                 (".self_attn.q_norm.weight", None), (".self_attn.k_norm.weight", None),
-                 ("model.norm.weight", None), (".mlp.gate.weight", None))
-_NOT_DIRECT = -1
 
-
-def direct_tp_dim(name: str):
-    """TP dim of a direct param (None when replicated), ``_NOT_DIRECT`` for any other name."""
-    for suffix, dim in DIRECT_PARAMS:
-        if name.endswith(suffix):
-            return dim
-    return _NOT_DIRECT
-
-
-def _gen_qkv_layout(mesh: MeshInfo, dims: dict, nkv: int, name: str) -> tuple[MeshInfo, list]:
-    """vLLM's q/k/v rows per rank in the ``[nkv, rows per group, hidden]`` form.
-
-    TP ≤ nkv: each rank holds whole groups (Shard(0) over TP). TP > nkv: the TP axis is
-    split into (group, part): q rows of a group are split over the parts (Shard(1)), k/v
-    rows are replicated over them (vLLM replicates a KV head over TP/nkv ranks).
-    """
-    tp_axis = dims.get("tp")
-    if tp_axis is None:
-        return mesh, [Replicate() for _ in range(mesh.ndim)]
-    tp = mesh.shape[tp_axis]
-    if tp <= nkv:
-        return mesh, _tp_placements(mesh, dims, 0)
-    shape = list(mesh.shape)
-    shape[tp_axis:tp_axis + 1] = [nkv, tp // nkv]
-    split = MeshInfo(mesh.mesh.reshape(shape))
-    placements: list = [Replicate() for _ in range(split.ndim)]
-    placements[tp_axis] = Shard(0)
-    if ".q_proj." in name:
-        placements[tp_axis + 1] = Shard(1)
-    return split, placements
+def _which_qkv(name: str) -> str:
+    return name.rsplit(".", 2)[-2][0]  # "...self_attn.k_proj.weight" -> "k"
 
 
 def _tp_placements(mesh: MeshInfo, dims: dict, tp_dim) -> list:
@@ -206,7 +178,11 @@ class MegatronRefitSource:
     """Train-side refit backend for one Megatron GPT model chunk (implements ``RefitBuilderInterface``)."""
 
     def __init__(self, model: Any, *, gen_parallelism: dict, gen_world_size: int,
-                 family: Optional[str] = None, vocab_size: Optional[int] = None):
+                 family: Optional[str] = None, vocab_size: Optional[int] = None,
+                 packed_params: Optional[str] = None):
+        """``packed_params``: a regex; the HF params it matches (``re.search``) travel in the
+        packed broadcast instead of shard to shard (every param has an exact path; this is
+        the explicit way back to the broadcast, e.g. to compare the two)."""
         layout, coords, problems = read_parallel_state()
         bare, model_problems = unwrap_model(model)
         problems += model_problems
@@ -225,6 +201,11 @@ class MegatronRefitSource:
                 vocab_size = padded
             elif not 0 < vocab_size <= padded:
                 problems.append(f"vocab_size={vocab_size} must be in 1..{padded} (the model's padded vocab)")
+        if packed_params is not None:
+            try:
+                re.compile(packed_params)
+            except (re.error, TypeError) as err:
+                problems.append(f"packed_params={packed_params!r} is not a regular expression ({err})")
         if problems:
             raise ValueError("cannot build the Megatron refit source:\n  - " + "\n  - ".join(problems))
         assert layout is not None and coords is not None and bare is not None
@@ -303,10 +284,12 @@ class MegatronRefitSource:
         # Attention output, norms and router have plain layouts on both sides: exact path too.
         self.gen_parallelism = dict(gen_parallelism)
         grouped_qkv = self._qkv_groups_fit()
+        forced = re.compile(packed_params) if packed_params else None
         self.exact_extra_metadata = {n: m for n, m in metadata.items()
                                      if not is_nccl_reshard_param(n)
-                                     and (n in VOCAB_PARAMS or direct_tp_dim(n) != _NOT_DIRECT
-                                          or (grouped_qkv and QKV_WEIGHT_RE.search(n))
+                                     and not (forced and forced.search(n))
+                                     and (n in VOCAB_PARAMS or tp_dim_of(n) != NOT_LISTED
+                                          or (grouped_qkv and QKV_PARAM_RE.search(n))
                                           or self._mla_tp_dims(n) is not None)}
         self.other_params_metadata = {n: m for n, m in metadata.items()
                                       if not is_nccl_reshard_param(n) and n not in self.exact_extra_metadata}
@@ -400,19 +383,20 @@ class MegatronRefitSource:
                 vocab = int(meta["shape"][0])
                 src_mesh, src_pl = _padded_layout(meshes.dense, meshes.dense_dims.get("tp"), padded_train)
                 dst_mesh, dst_pl = _padded_layout(gen_mesh, gen_dims.get("tp"),
-                                                  vllm_vocab_rows(vocab))
+                                                  padded_vocab_rows(vocab))
             elif self._mla_tp_dims(name) is not None:
                 src_dim, dst_dim = self._mla_tp_dims(name)
                 src_mesh, src_pl = meshes.dense, _tp_placements(meshes.dense, meshes.dense_dims, src_dim)
                 dst_mesh, dst_pl = gen_mesh, _tp_placements(gen_mesh, gen_dims, dst_dim)
-            elif QKV_WEIGHT_RE.search(name):
+            elif QKV_PARAM_RE.search(name):
                 global_shape = self._qkv_group_shape(name, meta["shape"])
-                src_mesh = meshes.dense
-                src_pl = _tp_placements(meshes.dense, meshes.dense_dims, 0)
-                dst_mesh, dst_pl = _gen_qkv_layout(gen_mesh, gen_dims, self.dims.num_query_groups,
-                                                   name)
+                which = _which_qkv(name)
+                src_mesh, src_pl = megatron_qkv_layout(meshes.dense, meshes.dense_dims,
+                                                        self._heads(), which)
+                dst_mesh, dst_pl = qkv_gen_layout(gen_mesh, gen_dims, self.dims.num_query_groups,
+                                                  which)
             else:
-                tp_dim = direct_tp_dim(name)
+                tp_dim = tp_dim_of(name)
                 src_mesh, src_pl = meshes.dense, _tp_placements(meshes.dense, meshes.dense_dims, tp_dim)
                 dst_mesh, dst_pl = gen_mesh, _tp_placements(gen_mesh, gen_dims, tp_dim)
             entry = {"name": name, "global_shape": global_shape, "dtype": meta["dtype"],
@@ -431,23 +415,27 @@ class MegatronRefitSource:
         """(train, gen) TP dims of an MLA / DeepSeek MoE param on the exact path, else None."""
         return mla.exact_path_tp_dims(name, mla.is_mla(self.config), self._mla_down_is_replicated)
 
+    def _heads(self) -> AttentionHeads:
+        return AttentionHeads(self.dims.num_attention_heads, self.dims.num_query_groups,
+                              self.dims.head_dim)
+
     def _qkv_groups_fit(self) -> bool:
-        """Whether q/k/v weights can travel per KV group (see ``_gen_qkv_layout``): every
-        train TP rank holds whole groups, and vLLM's per-rank q heads and KV heads are whole
-        groups or an even split of one group. Otherwise they go in the packed broadcast."""
+        """Whether q/k/v weights and biases can travel per KV group: Megatron's TP divides
+        the KV heads or is a multiple of them (it always is: Megatron needs it), and vLLM
+        can split the heads over its TP (``AttentionHeads.tp_problem``). Otherwise they go in
+        the packed broadcast, where the receiver names the problem."""
         nkv, nh = self.dims.num_query_groups, self.dims.num_attention_heads
         t_train, t_gen = self.layout.tp, int(self.gen_parallelism.get("tp_size", 1))
-        if nh % nkv or nkv % t_train:
+        if nh % nkv or (nkv % t_train if t_train <= nkv else t_train % nkv):
             return False
-        if t_gen <= nkv:
-            return nkv % t_gen == 0
-        return t_gen % nkv == 0 and (nh // nkv) % (t_gen // nkv) == 0
+        return self._heads().tp_problem(t_gen) is None
 
     def _qkv_group_shape(self, name: str, hf_shape: Sequence[int]) -> tuple[int, ...]:
-        """q/k/v weights seen per KV group: ``[nkv, rows per group, hidden]`` (a row-major
-        reshape of the HF tensor), the form in which Megatron's interleaved rows are views."""
+        """q/k/v weights (biases) seen per KV group: ``[nkv, rows per group, hidden]``
+        (``[nkv, rows per group]``), a row-major reshape of the HF tensor, the form in which
+        Megatron's interleaved rows are views."""
         nkv = self.dims.num_query_groups
-        return (nkv, int(hf_shape[0]) // nkv, int(hf_shape[1]))
+        return (nkv, int(hf_shape[0]) // nkv, *(int(n) for n in hf_shape[1:]))
 
     def _hf_config(self, metadata: dict) -> dict:
         c = self.config
@@ -496,20 +484,34 @@ class MegatronRefitSource:
             if conv.kind == "qkv" and conv.hf_names[0] in self.exact_extra_metadata:
                 views.update(self._qkv_views(conv, tensor.detach()))
                 continue
+            if all(n in self.exact_extra_metadata for n in conv.hf_names):
+                views.update(local_views(conv, tensor.detach(), self.dims))  # shared-expert fc1
+                continue
             if not any(is_nccl_reshard_param(n) for n in conv.hf_names):
                 continue
             views.update(local_views(conv, tensor.detach(), self.dims))
         return views
 
     def _qkv_views(self, conv, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
-        """q, k, v of this rank's whole KV groups as ``[groups, rows, hidden]`` strided views
-        of ``linear_qkv`` (rows of a group: its q heads, then k, then v)."""
+        """q, k, v of ``linear_qkv`` (weight or bias) in the per-KV-group form, as strided
+        views: ``[groups, rows, ...]`` of this rank's whole KV groups (TP <= nkv; rows of a
+        group: its q heads, then k, then v), or ``[1, rows, ...]`` of the slice of one group
+        a rank holds when TP > nkv (``megatron_qkv_blocks``; possibly 0 rows)."""
         nkv, nh, hd = self.dims.num_query_groups, self.dims.num_attention_heads, self.dims.head_dim
         q_rows = nh // nkv * hd
-        grouped = tensor.view(nkv // self.layout.tp, q_rows + 2 * hd, tensor.shape[-1])
+        tp, rest = self.layout.tp, tuple(tensor.shape[1:])
         q_name, k_name, v_name = conv.hf_names
-        return {q_name: grouped[:, :q_rows], k_name: grouped[:, q_rows:q_rows + hd],
-                v_name: grouped[:, q_rows + hd:]}
+        if tp <= nkv:
+            grouped = tensor.view(nkv // tp, q_rows + 2 * hd, *rest)
+            return {q_name: grouped[:, :q_rows], k_name: grouped[:, q_rows:q_rows + hd],
+                    v_name: grouped[:, q_rows + hd:]}
+        part = self.coords.tp % (tp // nkv)
+        out, offset = {}, 0
+        for name, which in ((q_name, "q"), (k_name, "k"), (v_name, "v")):
+            rows = megatron_qkv_blocks(self._heads(), tp, which)[part]
+            out[name] = tensor[offset:offset + rows].unsqueeze(0)
+            offset += rows
+        return out
 
     def build_hf_to_local_param_map(self, refit_info: Optional[dict] = None) -> HFToLocalParamMap:
         """``hf_name → LocalParamSpec`` for every bulk param of this rank's PP stage, checked

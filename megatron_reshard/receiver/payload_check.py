@@ -78,6 +78,11 @@ def _shard_dim(placement: Any, what: str, where: str) -> Optional[int]:
             if key in placement and not (_is_int(placement[key]) and placement[key] >= 0):
                 raise _fail(where, f"{what}: a placement's {key!r} must be an integer >= 0, "
                                    f"found {placement[key]!r}")
+        blocks = placement.get("blocks")
+        if blocks is not None and not (isinstance(blocks, list) and blocks
+                                       and all(_is_int(b) and b >= 0 for b in blocks)):
+            raise _fail(where, f"{what}: a placement's 'blocks' must be a non-empty list of "
+                               f"integers >= 0, found {blocks!r:.60}")
         return placement.get("dim")
     return getattr(placement, "dim", None)
 

@@ -19,7 +19,7 @@ from torch.distributed.tensor import Shard
 from megatron_reshard.commit import commit_refit
 from megatron_reshard.engine.transport import control_device, group_rank, group_size
 from megatron_reshard.faults import RefitError, fault_scope, wait_device
-from megatron_reshard.layout import PaddedShard, is_expert_param
+from megatron_reshard.layout import BlockShard, PaddedShard, is_expert_param
 from megatron_reshard.metadata import restore_refit_info_placements
 from megatron_reshard.packed import chunk_items
 from megatron_reshard.receiver.payload_check import RefitPayloadError, validate_payload
@@ -36,7 +36,6 @@ from megatron_reshard.refit_loop import (
     wire_dtype,
 )
 from megatron_reshard.receiver.targets import (
-    QKV_WEIGHT_RE,
     TargetError,
     TargetPlan,
     VllmTargets,
@@ -47,6 +46,7 @@ from megatron_reshard.receiver.targets import (
     receive_spec,
 )
 from megatron_reshard.spec import HFToLocalParamMap, LocalParamSpec
+from megatron_reshard.vllm_layout.dense import is_qkv_per_group
 
 SUPPORTED_SCHEMA_VERSIONS = (1,)
 
@@ -80,7 +80,7 @@ def gen_ep_size(payload: Mapping[str, Any]) -> int:
         for p in params:
             if is_expert_param(p["name"]):
                 for axis, pl in enumerate(p["dst_placements"]):
-                    if isinstance(pl, Shard) and pl.dim == 0:
+                    if isinstance(pl, (Shard, BlockShard)) and pl.dim == 0:
                         return int(p["dst_mesh_info"].shape[axis])
                 return 1
     return 1
@@ -105,7 +105,7 @@ def build_receiver_param_map(payload: Mapping[str, Any], targets: VllmTargets, r
             if region is None:
                 continue
             padded = any(isinstance(pl, PaddedShard) for pl in p["dst_placements"])
-            per_group = len(p["global_shape"]) == 3 and bool(QKV_WEIGHT_RE.search(p["name"]))
+            per_group = is_qkv_per_group(p["name"], p["global_shape"])
             shape, rows = p["global_shape"], region
             if per_group:
                 shape, rows = _per_group_as_rows(p["name"], shape, region)
@@ -128,15 +128,16 @@ def build_receiver_param_map(payload: Mapping[str, Any], targets: VllmTargets, r
 
 
 def _per_group_as_rows(name: str, shape, region) -> tuple[tuple[int, int], tuple]:
-    """A q/k/v weight sent per KV group, ``[nkv, rows per group, H]`` (a row-major reshape
-    of the HF tensor), back to HF rows: the region must be one contiguous row block."""
-    (g0, g1), (a, b), cols = region
+    """A q/k/v weight (bias) sent per KV group, ``[nkv, rows per group, H]`` (``[nkv, rows
+    per group]``; a row-major reshape of the HF tensor), back to HF rows: the region must
+    be one contiguous row block."""
+    (g0, g1), (a, b), *rest = region
     per_group = int(shape[1])
     if g1 - g0 > 1 and (a, b) != (0, per_group):
         raise TargetError(f"{name}: region {list(region)} of the per-group form "
                           f"{list(shape)} is not one block of HF rows")
     rows = (g0 * per_group + a, (g1 - 1) * per_group + b) if g1 > g0 else (0, 0)
-    return (int(shape[0]) * per_group, int(shape[2])), (rows, cols)
+    return (int(shape[0]) * per_group, *(int(n) for n in shape[2:])), (rows, *rest)
 
 
 def receive_misc_packed(stage: int, group: Optional[Any], items: list[MiscItem],

@@ -11,13 +11,9 @@ tensor on this rank (plus rows to zero, for vocab padding). Both receive paths u
   asked to avoid strided destinations);
 - the misc path (``load_full_weights``) slices full HF tensors into the targets.
 
-Layout facts (see LAYOUTS.md): column parallel ``[out/T, in]``, row parallel ``[out, in/T]``;
-``gate_up_proj = [gate_r ; up_r]``; ``qkv_proj = [q_r | k_r | v_r]`` with KV heads replicated
-when T > nkv (rank r holds head ``r // (T/nkv)``); vocab padded to a multiple of 64 and
-split evenly, padding rows zero; FusedMoE ``w13_weight [E_local, 2*I_p, H]`` (gate half, up
-half; up only for non-gated experts) and ``w2_weight [E_local, H, I_p]``, experts TP-sharded
-without EP, whole in contiguous blocks with EP (remainder to the first ranks); newer vLLM
-nests them as ``experts.routed_experts.w13_weight``.
+The layout facts (qkv_proj, gate_up_proj, vocab padding, FusedMoE w13/w2 and vLLM's
+expert blocks) come from ``megatron_reshard.vllm_layout``; this module only matches HF
+names to target tensors and checks shapes.
 
 Targets are chosen by the tensors' shapes, never by model family name.
 """
@@ -35,15 +31,16 @@ from megatron_reshard.engine.geometry import box_index as region_index
 from megatron_reshard.engine.geometry import box_shape as region_shape
 from megatron_reshard.spec import LocalParamSpec, RefitCtx
 from megatron_reshard.vllm_layout import mla
-
-VOCAB_PADDING = 64
-# q/k/v weights, which the refit may send per KV group (megatron.source, receiver.session)
-QKV_WEIGHT_RE = re.compile(r"\.self_attn\.[qkv]_proj\.weight$")
+from megatron_reshard.vllm_layout import moe as vllm_moe
+from megatron_reshard.vllm_layout.dense import GATE_UP_RE as _GATE_UP_RE
+from megatron_reshard.vllm_layout.dense import QKV_RE as _QKV_RE
+from megatron_reshard.vllm_layout.dense import (VOCAB_PADDING, AttentionHeads,
+                                                gate_up_rows, padded_vocab_rows,
+                                                vocab_rows_of_rank)
+from megatron_reshard.vllm_layout.moe import expert_block
 
 _EXPERT_RE = re.compile(
     r"^(?P<prefix>.*\.experts)\.(?:(?P<index>\d+)\.)?(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
-_QKV_RE = re.compile(r"^(?P<prefix>.*)\.(?P<which>q|k|v)_proj\.(?P<kind>weight|bias)$")
-_GATE_UP_RE = re.compile(r"^(?P<prefix>.*)\.(?P<which>gate|up)_proj\.(?P<kind>weight|bias)$")
 
 
 class TargetError(ValueError):
@@ -81,20 +78,7 @@ def _numel(region: Region) -> int:
     return n
 
 
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
-
-
-def vllm_vocab_rows(vocab: int) -> int:
-    """Rows of vLLM's vocab matrices: the vocab padded to a multiple of VOCAB_PADDING."""
-    return _round_up(vocab, VOCAB_PADDING)
-
-
-def expert_block(num_experts: int, ep_rank: int, ep_size: int) -> tuple[int, int]:
-    """vLLM's contiguous expert block ``[start, stop)`` of ``ep_rank``: remainder to the first ranks."""
-    base, rem = divmod(num_experts, ep_size)
-    start = ep_rank * base + min(ep_rank, rem)
-    return start, start + base + (1 if ep_rank < rem else 0)
+vllm_vocab_rows = padded_vocab_rows  # the name other modules import
 
 
 def _as_dict(named: Union[Mapping[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]]
@@ -209,7 +193,7 @@ class VllmTargets:
             return plan
         if d == 0 and chunk * self.tp_size == vllm_vocab_rows(total) and len(shape) >= 1:
             # vocab rows padded to a multiple of 64, split evenly; padding rows are zero
-            lo, hi = min(r * chunk, total), min((r + 1) * chunk, total)
+            (lo, hi), _ = vocab_rows_of_rank(total, self.tp_size, r)
             if hi > lo:
                 plan.pieces.append(Piece(name, ((0, hi - lo),) + _full(tshape[1:]),
                                          ((lo, hi),) + _full(shape[1:])))
@@ -237,47 +221,33 @@ class VllmTargets:
         plan.pieces.append(Piece(target, ((lo, hi), (0, shape[1])), _full(shape)))
         return plan
 
-    def _head_dim(self, name: str) -> tuple[int, int, int]:
-        cfg = self.hf_config
+    def _heads(self, name: str) -> AttentionHeads:
         try:
-            nh, nkv = int(cfg["num_attention_heads"]), int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"])
+            return AttentionHeads.from_hf_config(self.hf_config)
         except KeyError as err:
             raise TargetError(f"{name}: hf_config lacks {err} needed to slice qkv_proj") from None
-        hd = cfg.get("head_dim") or int(cfg["hidden_size"]) // nh
-        return nh, nkv, int(hd)
 
     def _qkv(self, name: str, shape: tuple[int, ...], m: re.Match) -> TargetPlan:
         target = f"{m['prefix']}.qkv_proj.{m['kind']}"
-        nh, nkv, hd = self._head_dim(name)
+        heads = self._heads(name)
         T, r = self.tp_size, self.tp_rank
-        if nh % T:
-            raise TargetError(f"{name}: {nh} query heads do not split over tp_size={T}")
-        if T >= nkv:
-            if T % nkv:
-                raise TargetError(f"{name}: tp_size={T} is not a multiple of {nkv} KV heads")
-            kv_heads = (r // (T // nkv), r // (T // nkv) + 1)
-        else:
-            if nkv % T:
-                raise TargetError(f"{name}: {nkv} KV heads do not split over tp_size={T}")
-            kv_heads = (r * nkv // T, (r + 1) * nkv // T)
-        q_rows = nh // T * hd
-        kv_rows = (kv_heads[1] - kv_heads[0]) * hd
+        problem = heads.tp_problem(T)
+        if problem:
+            raise TargetError(f"{name}: {problem}")
         which = m["which"]
-        full_rows = nh * hd if which == "q" else nkv * hd
+        full_rows = heads.hf_rows(which)
         if shape[0] != full_rows:
             raise TargetError(f"{name}: HF shape {list(shape)} does not have {full_rows} rows "
-                              f"({nh if which == 'q' else nkv} heads x head_dim {hd}) per hf_config")
+                              f"({full_rows // heads.head_dim} heads x head_dim {heads.head_dim}) "
+                              f"per hf_config")
         tshape = tuple(self.params[target].shape)
-        expected = (q_rows + 2 * kv_rows,) + shape[1:]
+        expected = (heads.qkv_proj_rows(T),) + shape[1:]
         if tshape != expected:
+            k0, k1 = heads.kv_heads_of_rank(T, r)
             raise self._shape_error(name, target, expected,
-                                    f"[q_r | k_r | v_r] with {nh // T} q heads and "
-                                    f"{kv_heads[1] - kv_heads[0]} KV heads of dim {hd}")
-        if which == "q":
-            t_rows, h_rows = (0, q_rows), (r * q_rows, (r + 1) * q_rows)
-        else:
-            off = q_rows if which == "k" else q_rows + kv_rows
-            t_rows, h_rows = (off, off + kv_rows), (kv_heads[0] * hd, kv_heads[1] * hd)
+                                    f"[q_r | k_r | v_r] with {heads.num_heads // T} q heads and "
+                                    f"{k1 - k0} KV heads of dim {heads.head_dim}")
+        t_rows, h_rows = heads.qkv_piece(which, T, r)
         plan = TargetPlan(name, shape)
         plan.pieces.append(Piece(target, (t_rows,) + _full(shape[1:]), (h_rows,) + _full(shape[1:])))
         return plan
@@ -288,19 +258,16 @@ class VllmTargets:
         rows = shape[0]
         if rows % T:
             raise TargetError(f"{name}: {rows} rows do not split over tp_size={T}")
-        part = rows // T
-        expected = (2 * part,) + shape[1:]
+        expected = (2 * (rows // T),) + shape[1:]
         if tuple(self.params[target].shape) != expected:
             raise self._shape_error(name, target, expected, "[gate_r ; up_r]")
-        off = 0 if m["which"] == "gate" else part
+        t_rows, h_rows = gate_up_rows(m["which"], rows, T, r)
         plan = TargetPlan(name, shape)
-        plan.pieces.append(Piece(target, ((off, off + part),) + _full(shape[1:]),
-                                 ((r * part, (r + 1) * part),) + _full(shape[1:])))
+        plan.pieces.append(Piece(target, (t_rows,) + _full(shape[1:]), (h_rows,) + _full(shape[1:])))
         return plan
 
     def _expert_target(self, name: str, prefix: str, proj: str) -> str:
-        leaf = "w2_weight" if proj == "down_proj" else "w13_weight"
-        candidates = [f"{prefix}.{leaf}", f"{prefix}.routed_experts.{leaf}"]
+        candidates = vllm_moe.expert_target_candidates(prefix, proj)
         found = [c for c in candidates if c in self.params]
         if not found:
             raise TargetError(f"{name}: missing target on {self.where()}: expected vLLM param "
@@ -326,10 +293,9 @@ class VllmTargets:
                 raise TargetError(f"{name}: per-expert HF name needs hf_config['num_experts']")
         if self.ep_size > 1:
             e_lo, e_hi = expert_block(num_experts, self.ep_rank, self.ep_size)
-            tp_parts, tp_r = 1, 0
         else:
             e_lo, e_hi = 0, num_experts
-            tp_parts, tp_r = self.tp_size, self.tp_rank
+        tp_parts, tp_r = vllm_moe.expert_tp_split(self.ep_size, self.tp_size, self.tp_rank)
         # the intermediate (I) dim of the per-expert weight: rows of gate/up, cols of down
         i_dim = 1 if proj == "down_proj" else 0
         inter = per_expert[i_dim]
@@ -349,7 +315,7 @@ class VllmTargets:
             h_mid = ((0, per_expert[0]), i_rows)
         else:
             if tshape == (local_e, 2 * ip, per_expert[1]):
-                off = 0 if proj == "gate_proj" else ip
+                off = vllm_moe.w13_offset(proj, ip)
             elif tshape == (local_e, ip, per_expert[1]):
                 if proj == "gate_proj":
                     raise TargetError(f"{name}: vLLM param {target!r} of shape {list(tshape)} holds "
@@ -409,12 +375,6 @@ def bulk_receive_plan(targets: VllmTargets, hf_name: str, global_shape: Sequence
     shard (vocab), so the target may also hold padding rows (``plan.zero``) after it.
     """
     shape = tuple(int(s) for s in global_shape)
-    m = _EXPERT_RE.match(hf_name)
-    if m and m["index"] is None and targets.ep_size > 1 and shape[0] % targets.ep_size:
-        raise TargetError(
-            f"{hf_name}: {shape[0]} experts do not split evenly over gen ep_size={targets.ep_size}: "
-            f"the payload's torch.chunk layout and vLLM's remainder-to-the-first-ranks layout "
-            f"disagree; refusing (on {targets.where()})")
     plan = targets.resolve(hf_name, shape)
     check_wire_dtype(targets, plan, wire_dtype)
     if (plan.zero and not padded) or len(plan.pieces) != 1 or plan.pieces[0].hf_region != tuple(region):

@@ -30,15 +30,17 @@ import torch.distributed as dist
 
 from megatron_reshard.receiver import MegatronReshardWorkerExtension
 
-# Model presets: tiny Qwen3-shaped models (GQA, QK norm) and a DeepSeek-V3-shaped one (MLA
-# with q LoRA, sigmoid routing with score-correction bias, a shared expert, first layer
-# dense). Plain data: crosses into workers.
+# Model presets: tiny Qwen3-shaped models (GQA, QK norm), a Qwen2-shaped dense model (GQA,
+# q/k/v biases) and a DeepSeek-V3-shaped one (MLA with q LoRA, sigmoid routing with
+# score-correction bias, a shared expert, first layer dense). Plain data: crosses into workers.
 MODEL_PRESETS: dict[str, dict[str, Any]] = {
     "moe": dict(family="qwen3_moe", num_layers=4, hidden_size=64, num_attention_heads=8,
                 num_query_groups=2, ffn_hidden_size=128, num_moe_experts=8,
                 moe_ffn_hidden_size=32, vocab_size=500, qk_layernorm=True),
     "dense": dict(family="qwen3", num_layers=4, hidden_size=64, num_attention_heads=8,
                   num_query_groups=2, ffn_hidden_size=160, vocab_size=500, qk_layernorm=True),
+    "qwen2": dict(family="qwen2", num_layers=4, hidden_size=64, num_attention_heads=8,
+                  num_query_groups=2, ffn_hidden_size=160, vocab_size=500, add_qkv_bias=True),
     "deepseek": dict(family="deepseek_v3", num_layers=4, hidden_size=64, num_attention_heads=8,
                      num_query_groups=8, ffn_hidden_size=128, num_moe_experts=8,
                      moe_ffn_hidden_size=32, moe_shared_expert_intermediate_size=32,
@@ -74,6 +76,8 @@ class RefitRunConfig:
     num_streams: int = 2
     staging_mib: float = 256.0
     quiet: bool = False
+    packed_params: Optional[str] = None  # regex of HF params sent by packed broadcast instead
+
 
     @property
     def staging_bytes(self) -> int:
@@ -133,6 +137,13 @@ def _basic_problems(cfg: RefitRunConfig) -> list[str]:
         out.append(f"--backend nccl: expected --device cuda, found --device {cfg.device}")
     if cfg.dtype not in ("bfloat16", "float16", "float32"):
         out.append(f"--dtype {cfg.dtype!r}: expected bfloat16, float16 or float32")
+    if cfg.packed_params is not None:
+        import re
+
+        try:
+            re.compile(cfg.packed_params)
+        except re.error as err:
+            out.append(f"--packed-params {cfg.packed_params!r}: expected a regular expression ({err})")
     return out
 
 
@@ -145,9 +156,10 @@ def _split_refusals(cfg: RefitRunConfig) -> dict[str, Any]:
     the experts; PP divides the layers. Generation (vLLM
     layout): TP divides the attention heads, divides or is a multiple of the KV heads
     (vLLM replicates a KV head over TP/nkv ranks), divides the dense FFN, the expert FFN
-    (gen EP 1) and the padded vocab rows; gen EP divides the experts.
+    (gen EP 1) and the padded vocab rows; gen EP is at most the experts (vLLM gives the
+    first ranks one expert more when they do not divide).
     """
-    from megatron_reshard.receiver.targets import vllm_vocab_rows
+    from megatron_reshard.vllm_layout import padded_vocab_rows
 
     m = dict(MODEL_PRESETS[cfg.model], **cfg.model_overrides)
     heads = m["num_attention_heads"]
@@ -161,7 +173,7 @@ def _split_refusals(cfg: RefitRunConfig) -> dict[str, Any]:
     ffn = m["ffn_hidden_size"] if not experts or m.get("moe_layer_freq", 1) != 1 else None
     shared = m.get("moe_shared_expert_intermediate_size")
     expert_ffn = m.get("moe_ffn_hidden_size") or m["ffn_hidden_size"]
-    vocab_rows = vllm_vocab_rows(m["vocab_size"])
+    vocab_rows = padded_vocab_rows(m["vocab_size"])
     uneven_pp = (m.get("num_layers_in_first_pipeline_stage")
                  or m.get("num_layers_in_last_pipeline_stage"))
 
@@ -200,11 +212,16 @@ def _split_refusals(cfg: RefitRunConfig) -> dict[str, Any]:
             return None if e == 1 else "is not 1: the model has no experts"
         return f"does not divide its {experts} experts" if experts % e else None
 
+    def gen_ep(e: int) -> Optional[str]:
+        if not experts:
+            return None if e == 1 else "is not 1: the model has no experts"
+        return f"is more than its {experts} experts" if e > experts else None
+
     def pp(p: int) -> Optional[str]:
         return f"does not divide its {layers} layers" if not uneven_pp and layers % p else None
 
     return {"--train-tp": train_tp, "--train-pp": pp, "--train-ep": ep, "--gen-tp": gen_tp,
-            "--gen-ep": ep}
+            "--gen-ep": gen_ep}
 
 
 def _model_problems(cfg: RefitRunConfig) -> list[str]:
@@ -325,7 +342,7 @@ def run_training_rank(rank: int, cfg: RefitRunConfig, control, device: torch.dev
     source = MegatronRefitSource(model, gen_parallelism={"tp_size": cfg.gen_tp, "ep_size": cfg.gen_ep,
                                                          "pp_size": 1},
                                  gen_world_size=cfg.gen_world, family=family,
-                                 vocab_size=spec.vocab_size)
+                                 vocab_size=spec.vocab_size, packed_params=cfg.packed_params)
     if rank == 0:
         payload = source.payload_bytes()
         control.set("payload", payload)
@@ -496,7 +513,8 @@ def config_from_args(args, ports: tuple) -> RefitRunConfig:
                           refits=args.refits, verify=not args.no_verify, backend=args.backend,
                           device=args.device, dtype=args.dtype, ports=ports,
                           timeout_s=args.timeout_s, num_streams=args.streams,
-                          staging_mib=args.staging_mib, quiet=getattr(args, "json", False))
+                          staging_mib=args.staging_mib, quiet=getattr(args, "json", False),
+                          packed_params=getattr(args, "packed_params", None))
 
 
 def keep_expert_bias_fp32_(model: torch.nn.Module) -> None:
@@ -513,8 +531,9 @@ def add_run_arguments(parser) -> None:
     ep_defaults = ", ".join(f"{default_train_ep(m)} for {m}" for m in sorted(MODEL_PRESETS))
     parser.add_argument("--model", choices=sorted(MODEL_PRESETS), default=d.model,
                         help="tiny model: moe (Qwen3-MoE-shaped, 8 experts, GQA), dense "
-                             "(Qwen3-shaped, GQA) or deepseek (DeepSeek-V3-shaped: MLA, 8 "
-                             "experts + a shared one, first layer dense) (default: %(default)s)")
+                             "(Qwen3-shaped, GQA), qwen2 (Qwen2-shaped, GQA, q/k/v biases) or "
+                             "deepseek (DeepSeek-V3-shaped: MLA, 8 experts + a shared one, first "
+                             "layer dense) (default: %(default)s)")
     parser.add_argument("--train-world", type=int, default=d.train_world,
                         help="training ranks (default: %(default)s)")
     parser.add_argument("--train-tp", type=int, default=d.train_tp,
@@ -544,6 +563,10 @@ def add_run_arguments(parser) -> None:
     parser.add_argument("--staging-mib", type=float, default=d.staging_mib,
                         help="per-rank staging budget of the engine, also the size bound of a "
                              "packed buffer, in MiB (default: %(default)s)")
+    parser.add_argument("--packed-params", default=None, metavar="REGEX",
+                        help="HF params (matched with re.search) to send by packed broadcast from "
+                             "each stage's first training rank instead of shard to shard "
+                             "(default: none, every byte on the exact path)")
     parser.add_argument("--timeout-s", type=float, default=d.timeout_s,
                         help="seconds every process group and store waits before failing "
                              "(default: %(default)s)")

@@ -21,10 +21,15 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Mapping, NamedTuple, Optional, Sequence
 
+import torch
+
 from megatron_reshard.engine.geometry import REPLICATE
 from megatron_reshard.engine.plan import LayoutKey, layout_key
-from megatron_reshard.layout import build_mesh_info, is_nccl_reshard_param
+from megatron_reshard.layout import MeshInfo, build_mesh_info, is_nccl_reshard_param
+from megatron_reshard.megatron.qkv import megatron_qkv_layout
 from megatron_reshard.metadata import _extract_layer_name, build_nccl_reshard_refit_info
+from megatron_reshard.vllm_layout.dense import (QKV_PARAM_RE, AttentionHeads, padded_vocab_rows,
+                                                qkv_gen_layout)
 
 from .presets import attention_heads, hf_params, is_mla, is_moe_layer, num_experts
 
@@ -32,7 +37,6 @@ OTHERS_MODES = ("broadcast", "sharded")
 WIRE_DTYPES = ("bf16", "fp8")
 # Block FP8 on the wire (DeepSeek's format: e4m3 bytes, one fp32 scale per 128x128 block)
 FP8_BYTES_PER_ELEMENT = 1 + 4 / (128 * 128)
-VLLM_VOCAB_PADDING = 64
 MEGATRON_VOCAB_DIVISOR = 128  # make_vocab_size_divisible_by's default
 
 
@@ -107,14 +111,14 @@ def layout_problems(lay: RefitLayout, cfg: Mapping[str, Any]) -> list[str]:
     for opt, ep in (("--train-ep", lay.train_ep), ("--gen-ep", lay.gen_ep)):
         if not E and ep != 1:
             out.append(f"{opt} {ep}: expected 1, the model has no experts")
-        elif E and E % ep:
+        elif E and opt == "--train-ep" and E % ep:
             out.append(f"{opt} {ep}: expected a divisor of the model's {E} experts")
+        elif E and ep > E:  # vLLM: uneven blocks, the first E % ep ranks one expert more
+            out.append(f"{opt} {ep}: expected at most the model's {E} experts")
     for opt, t, side in (("--train-tp", lay.train_tp, "train"), ("--gen-tp", lay.gen_tp, "gen")):
         if nh % t:
             out.append(f"{opt} {t}: expected a divisor of the {nh} attention heads")
-        elif side == "train" and nkv % t:
-            out.append(f"{opt} {t}: expected a divisor of the {nkv} KV heads (Megatron query groups)")
-        elif side == "gen" and (nkv % t if t <= nkv else t % nkv):
+        elif nkv % t if t <= nkv else t % nkv:
             out.append(f"{opt} {t}: expected a divisor or a multiple of the {nkv} KV heads")
         for what, n in (("dense FFN size", dense_ffn), ("shared-expert FFN size", shared)):
             if n and n % t:
@@ -123,7 +127,7 @@ def layout_problems(lay: RefitLayout, cfg: Mapping[str, Any]) -> list[str]:
         out.append(f"--gen-tp {lay.gen_tp}: expected a divisor of the expert FFN size "
                    f"{cfg['moe_intermediate_size']} (with --gen-ep 1 each rank holds a TP slice "
                    "of every expert)")
-    vocab_rows = _round_up(int(cfg["vocab_size"]), VLLM_VOCAB_PADDING)
+    vocab_rows = padded_vocab_rows(int(cfg["vocab_size"]))
     if vocab_rows % lay.gen_tp:
         out.append(f"--gen-tp {lay.gen_tp}: expected a divisor of the {vocab_rows} vocab rows "
                    "(padded to a multiple of 64 as vLLM pads them)")
@@ -240,12 +244,13 @@ def stage_inputs(lay: RefitLayout, cfg: Mapping[str, Any], others: str = "sharde
 class _OtherRules:
     """Placements of the non-bulk params on both sides, as the two frameworks hold them.
 
-    Training (Megatron-Core, Transformer-Engine spec): column-parallel rows (q/k/v,
-    MLA q_b/kv_b, shared-expert gate/up) and row-parallel columns (o_proj, shared down)
-    split over TP; MLA down-projections (q_a, kv_a) duplicated on every TP rank; vocab rows
-    padded to 128·TP and split evenly. Generation (vLLM): the same splits over its TP, KV
-    heads replicated over TP/nkv ranks when TP exceeds them, vocab padded to 64 and split
-    evenly; norms, router and routing bias replicated on both sides.
+    Training (Megatron-Core, Transformer-Engine spec): column-parallel rows (MLA q_b/kv_b,
+    shared-expert gate/up) and row-parallel columns (o_proj, shared down) split over TP;
+    MLA down-projections (q_a, kv_a) duplicated on every TP rank; vocab rows padded to
+    128·TP and split evenly. Generation (vLLM, ``vllm_layout``): the same splits over its
+    TP, vocab padded to 64 and split evenly; norms, router and routing bias replicated on
+    both sides. GQA q/k/v travel per KV group as the refit sends them (``megatron.qkv``
+    and ``vllm_layout.dense.qkv_gen_layout``: KV heads replicated over TP/nkv gen ranks).
     """
 
     def __init__(self, lay: RefitLayout, cfg: Mapping[str, Any]) -> None:
@@ -258,27 +263,38 @@ class _OtherRules:
 
     def key(self, name: str, shape: tuple) -> LayoutKey:
         src_dim = dst_dim = None  # None: replicated; an int: split over TP; ("pad", n): vocab
-        kv_replicated = False
+        if QKV_PARAM_RE.search(name) and not is_mla(self.cfg):
+            return self._qkv_key(name, shape)
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
             tp = self.lay.train_tp
             src_dim = (0, _round_up(self.vocab, MEGATRON_VOCAB_DIVISOR * tp))
-            dst_dim = (0, _round_up(self.vocab, VLLM_VOCAB_PADDING))
+            dst_dim = (0, padded_vocab_rows(self.vocab))
         elif len(shape) == 2 and name.endswith(("q_proj.weight", "q_b_proj.weight",
                                                 "kv_b_proj.weight", "gate_proj.weight",
                                                 "up_proj.weight")):
             src_dim = dst_dim = 0
-        elif len(shape) == 2 and name.endswith(("k_proj.weight", "v_proj.weight")):
-            src_dim = dst_dim = 0
-            kv_replicated = self.lay.gen_tp > self.nkv
         elif len(shape) == 2 and name.endswith(("o_proj.weight", "down_proj.weight")):
             src_dim = dst_dim = 1
         # q_a_proj, kv_a_proj_with_mqa, norms, router weight and bias: replicated
         src = _placed(self.src, src_dim)
-        if kv_replicated:
-            dst = _kv_replicated(self.dst, self.lay.gen_tp, self.nkv)
-        else:
-            dst = _placed(self.dst, dst_dim)
+        dst = _placed(self.dst, dst_dim)
         return (tuple(shape), *src, *dst)
+
+    def _qkv_key(self, name: str, shape: tuple) -> LayoutKey:
+        """q/k/v weight or bias in the per-KV-group form ``[nkv, rows per group, ...]``."""
+        heads = AttentionHeads(self.nh, self.nkv, shape[0] // (self.nh if ".q_proj." in name
+                                                               else self.nkv))
+        which = name.rsplit(".", 2)[-2][0]
+        grouped = (self.nkv, shape[0] // self.nkv, *shape[1:])
+        sides = []
+        for (mshape, ranks, tp_axis), layout in ((self.src, megatron_qkv_layout),
+                                                 (self.dst, qkv_gen_layout)):
+            mesh = MeshInfo(torch.tensor(ranks).reshape(mshape))
+            dims = {} if tp_axis is None else {"tp": tp_axis}
+            arg = heads if layout is megatron_qkv_layout else self.nkv
+            sides.append(layout(mesh, dims, arg, which))
+        (s_mesh, s_pl), (d_mesh, d_pl) = sides
+        return layout_key(grouped, s_mesh, s_pl, d_mesh, d_pl, name)
 
 
 def _mesh(world: int, offset: int, tp: int) -> tuple:
@@ -294,14 +310,6 @@ def _placed(mesh: tuple, dim) -> tuple:
     if dim is not None and tp_axis is not None:
         dims[tp_axis] = dim
     return shape, ranks, tuple(dims)
-
-
-def _kv_replicated(mesh: tuple, tp: int, nkv: int) -> tuple:
-    """vLLM's KV heads when TP > nkv: TP rank r holds head r // (TP/nkv); the tp axis is
-    split into (nkv, TP/nkv) with rows sharded over the first part only."""
-    shape, ranks, tp_axis = mesh
-    outer = tuple(shape[:tp_axis])
-    return outer + (nkv, tp // nkv), ranks, (REPLICATE,) * len(outer) + (0, REPLICATE)
 
 
 def count_params(stages: Mapping[int, StagePlanInput]) -> dict[str, int]:

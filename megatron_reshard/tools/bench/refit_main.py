@@ -67,7 +67,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_reshard.receiver.targets import vllm_vocab_rows
+from megatron_reshard.vllm_layout import padded_vocab_rows
 
 from .memory import measure_peak_extra
 from .report import Column, format_table, plot_bandwidth, sig, write_report
@@ -210,7 +210,7 @@ def _baseline_items_train(model, train_world: int, vocab_size: int
         if _VOCAB.search(name) and tp in (1, train_world):
             full = [p.shape[0] * tp, p.shape[1]]
             specs.append({"full": full, "src_dim": 0 if tp > 1 else None, "gen_dim": 0,
-                          "vocab": vocab_size, "gen_pad": vllm_vocab_rows(vocab_size)})
+                          "vocab": vocab_size, "gen_pad": padded_vocab_rows(vocab_size)})
             locals_.append(p.detach())
             continue
         if _REPLICATED.search(name) and "shared_experts" not in name:
