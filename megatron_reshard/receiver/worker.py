@@ -27,6 +27,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
 
+from megatron_reshard.receiver.derived import DerivedWeightsError, refresh_derived_weights
 from megatron_reshard.receiver.session import ReceiverSession, receive_misc_packed
 from megatron_reshard.receiver.state import WeightState
 
@@ -169,8 +170,21 @@ class MegatronReshardWorkerExtension:
     def refit(self) -> dict:
         """Receive all weights once (bulk + other params) and commit; returns this refit's
         numbers, ``version`` included. On failure it raises, and ``refit_weights_state()``
-        says what the storage holds."""
-        return self._refit_session().refit()
+        says what the storage holds. Weights vLLM derives from the refitted params (MLA's
+        absorbed ``kv_b_proj`` copies) are recomputed after the commit
+        (``receiver.derived``); if that is impossible the weights are marked inconsistent."""
+        session = self._refit_session()
+        stats = session.refit()
+        model = self.get_refit_model()
+        try:
+            stats["derived_refreshed"] = refresh_derived_weights(
+                model, session.payload.get("hf_config") or {})
+        except DerivedWeightsError as err:
+            weights = self._refit_state()["weights"]
+            weights.writing(n for n, _ in model.named_parameters() if "kv_b_proj" in n)
+            weights.failed(str(err))
+            raise
+        return stats
 
     def refit_weights_state(self) -> dict:
         """The weights' version and consistency (``receiver.state.WeightState.as_dict``):
