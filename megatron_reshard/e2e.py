@@ -39,6 +39,24 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
                   num_query_groups=2, ffn_hidden_size=160, vocab_size=500, qk_layernorm=True),
 }
 
+# --gen-precision fp8: the preset's dims made whole 128x128 blocks per TP shard (head_dim
+# 128, hidden 256, FFN 512 / experts 256), as vLLM's block-FP8 layers require
+FP8_MODEL_OVERRIDES: dict[str, Any] = dict(hidden_size=256, num_attention_heads=4,
+                                           num_query_groups=2, head_dim=128, ffn_hidden_size=512,
+                                           moe_ffn_hidden_size=256, num_moe_experts=4,
+                                           num_layers=2)
+GEN_PRECISIONS = ("bf16", "fp8")
+
+
+def model_preset(cfg: "RefitRunConfig") -> dict[str, Any]:
+    """The model's spec values (family included) for this run."""
+    preset = dict(MODEL_PRESETS[cfg.model])
+    if cfg.gen_precision == "fp8":
+        preset.update({k: v for k, v in FP8_MODEL_OVERRIDES.items()
+                       if k in preset or k == "head_dim"})
+    preset.update(cfg.model_overrides)
+    return preset
+
 
 @dataclass(frozen=True)
 class RefitRunConfig:
@@ -64,6 +82,11 @@ class RefitRunConfig:
     num_streams: int = 2
     staging_mib: float = 256.0
     quiet: bool = False
+    gen_precision: str = "bf16"  # "fp8": block-FP8 generation model (fp8_plan)
+
+    @property
+    def gen_quant(self):
+        return "block_fp8" if self.gen_precision == "fp8" else None
 
     @property
     def staging_bytes(self) -> int:
@@ -121,6 +144,8 @@ def _basic_problems(cfg: RefitRunConfig) -> list[str]:
         out.append(f"--device {cfg.device!r}: expected cpu or cuda")
     elif cfg.backend == "nccl" and cfg.device != "cuda":
         out.append(f"--backend nccl: expected --device cuda, found --device {cfg.device}")
+    if cfg.gen_precision not in GEN_PRECISIONS:
+        out.append(f"--gen-precision {cfg.gen_precision!r}: expected one of {', '.join(GEN_PRECISIONS)}")
     if cfg.dtype not in ("bfloat16", "float16", "float32"):
         out.append(f"--dtype {cfg.dtype!r}: expected bfloat16, float16 or float32")
     return out
@@ -139,7 +164,7 @@ def _split_refusals(cfg: RefitRunConfig) -> dict[str, Any]:
     """
     from megatron_reshard.receiver.targets import vllm_vocab_rows
 
-    m = dict(MODEL_PRESETS[cfg.model], **cfg.model_overrides)
+    m = model_preset(cfg)
     heads = m["num_attention_heads"]
     kv = m.get("num_query_groups") or heads
     experts = m.get("num_moe_experts") or 0
@@ -177,7 +202,23 @@ def _split_refusals(cfg: RefitRunConfig) -> dict[str, Any]:
         if vocab_rows % t:
             return (f"does not divide its {vocab_rows} vocab rows (vocab {m['vocab_size']} "
                     "padded as vLLM pads it)")
+        if cfg.gen_quant:
+            return tp_common(t) or fp8_blocks(t)
         return tp_common(t)
+
+    def fp8_blocks(t: int) -> Optional[str]:
+        """vLLM's block-FP8 layers hold whole 128-row/column blocks on every TP rank."""
+        head_dim = m.get("head_dim") or m["hidden_size"] // heads
+        sizes = {"attention rows per rank": heads * head_dim // t,
+                 "KV rows per rank": max(1, kv // t) * head_dim}
+        if ffn:
+            sizes["FFN rows per rank"] = ffn // t
+        if experts:
+            sizes["expert FFN rows per rank"] = expert_ffn // (t if cfg.gen_ep == 1 else 1)
+        cut = {k: v for k, v in sizes.items() if t > 1 and v % 128}
+        if cut:
+            return f"cuts 128x128 FP8 blocks ({cut}) with --gen-precision fp8"
+        return None
 
     def ep(e: int) -> Optional[str]:
         if not experts:
@@ -289,7 +330,7 @@ def _train_rank(rank: int, cfg: RefitRunConfig, control, device: torch.device,
                                  expert_model_parallel_size=cfg.train_ep,
                                  expert_tensor_parallel_size=1,
                                  distributed_timeout_minutes=max(1, int(cfg.timeout_s // 60)))
-    preset = dict(MODEL_PRESETS[cfg.model], **cfg.model_overrides)
+    preset = model_preset(cfg)
     family = preset.pop("family")
     spec = TinyGPTSpec(dtype=cfg.dtype, **preset)
     # All params in the training dtype, as Float16Module leaves them (the local layer spec
@@ -305,7 +346,7 @@ def _train_rank(rank: int, cfg: RefitRunConfig, control, device: torch.device,
     source = MegatronRefitSource(model, gen_parallelism={"tp_size": cfg.gen_tp, "ep_size": cfg.gen_ep,
                                                          "pp_size": 1},
                                  gen_world_size=cfg.gen_world, family=family,
-                                 vocab_size=spec.vocab_size)
+                                 vocab_size=spec.vocab_size, gen_quant=cfg.gen_quant)
     if rank == 0:
         payload = source.payload_bytes()
         control.set("payload", payload)
@@ -344,11 +385,17 @@ def _train_rank(rank: int, cfg: RefitRunConfig, control, device: torch.device,
 
 
 def _publish_expected(cfg: RefitRunConfig, control, hf_config: dict, full: dict, step: int) -> None:
+    from megatron_reshard.testing.fp8_reference import expected_vllm_fp8_params
     from megatron_reshard.testing.vllm_like import expected_vllm_shard, vllm_param_shapes
 
     full = {k: v.to("cpu") for k, v in full.items()}
     for g in range(cfg.gen_world):
         tp_rank = g % cfg.gen_tp
+        if cfg.gen_quant:  # the independent quantizer on the full HF tensors, then sliced
+            expected = expected_vllm_fp8_params(hf_config, full, tp_rank, cfg.gen_tp, cfg.gen_ep)
+            control.set(f"expected/{step}/{g}",
+                        json.dumps({n: tensor_digest(t) for n, t in expected.items()}))
+            continue
         names = vllm_param_shapes(hf_config, tp_rank, cfg.gen_tp, cfg.gen_ep)
         digests = {n: tensor_digest(expected_vllm_shard(hf_config, n, full, tp_rank, cfg.gen_tp,
                                                         cfg.gen_ep)) for n in names}
@@ -376,7 +423,7 @@ def _gen_rank(gen_rank: int, cfg: RefitRunConfig, control, device: torch.device,
     payload = decode_payload(control.get("payload"))
     tp_rank = gen_rank % cfg.gen_tp
     model = build_vllm_like_model(payload["hf_config"], tp_rank, cfg.gen_tp, cfg.gen_ep,
-                                  getattr(torch, cfg.dtype), device=device)
+                                  getattr(torch, cfg.dtype), device=device, quant=cfg.gen_quant)
     worker = _ModuleWorker(model)
     # group_rank=None: each worker derives it from its rank in the generation world, as
     # vLLM workers do when collective_rpc sends every worker the same arguments
@@ -476,7 +523,8 @@ def config_from_args(args, ports: tuple) -> RefitRunConfig:
                           refits=args.refits, verify=not args.no_verify, backend=args.backend,
                           device=args.device, dtype=args.dtype, ports=ports,
                           timeout_s=args.timeout_s, num_streams=args.streams,
-                          staging_mib=args.staging_mib, quiet=getattr(args, "json", False))
+                          staging_mib=args.staging_mib, quiet=getattr(args, "json", False),
+                          gen_precision=getattr(args, "gen_precision", "bf16"))
 
 
 def add_run_arguments(parser) -> None:
@@ -515,6 +563,11 @@ def add_run_arguments(parser) -> None:
     parser.add_argument("--staging-mib", type=float, default=d.staging_mib,
                         help="per-rank staging budget of the engine, also the size bound of a "
                              "packed buffer, in MiB (default: %(default)s)")
+    parser.add_argument("--gen-precision", choices=GEN_PRECISIONS, default=d.gen_precision,
+                        help="generation weights: bf16 (the training dtype) or fp8 (vLLM block "
+                             "FP8, 128x128 e4m3 + fp32 scale_inv; linear weights quantized on the "
+                             "sending side where a shard owns whole blocks, else on the receiver; "
+                             "the model dims become multiples of 128) (default: %(default)s)")
     parser.add_argument("--timeout-s", type=float, default=d.timeout_s,
                         help="seconds every process group and store waits before failing "
                              "(default: %(default)s)")

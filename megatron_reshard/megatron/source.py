@@ -46,6 +46,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import Replicate, Shard
 
 from megatron_reshard.engine.geometry import rank_region
+from megatron_reshard.fp8_plan import GEN_QUANT_FORMATS, plan_block_fp8
 from megatron_reshard.layout import (MeshInfo, PaddedShard, build_mesh_info, is_expert_param,
                                      is_nccl_reshard_param)
 from megatron_reshard.megatron.converters import (
@@ -67,6 +68,7 @@ from megatron_reshard.megatron.parallel import (
     describe_rank_order,
     read_parallel_state,
 )
+from megatron_reshard.megatron.fp8_source import fp8_sender_specs
 from megatron_reshard.megatron.payload import build_payload, encode_payload
 from megatron_reshard.metadata import (
     _extract_layer_name,
@@ -200,8 +202,14 @@ class MegatronRefitSource:
     """Train-side refit backend for one Megatron GPT model chunk (implements ``RefitBuilderInterface``)."""
 
     def __init__(self, model: Any, *, gen_parallelism: dict, gen_world_size: int,
-                 family: Optional[str] = None, vocab_size: Optional[int] = None):
+                 family: Optional[str] = None, vocab_size: Optional[int] = None,
+                 gen_quant: Optional[str] = None):
+        """``gen_quant="block_fp8"``: the generation model holds its linear weights in block
+        FP8 (``megatron_reshard.fp8_plan``); None: the same dtype as training."""
         layout, coords, problems = read_parallel_state()
+        if gen_quant not in (None, *GEN_QUANT_FORMATS):
+            problems.append(f"gen_quant={gen_quant!r}: expected None or one of {list(GEN_QUANT_FORMATS)}")
+        self.gen_quant = gen_quant
         bare, model_problems = unwrap_model(model)
         problems += model_problems
         config = getattr(bare, "config", None)
@@ -312,6 +320,11 @@ class MegatronRefitSource:
         self._use_live_meshes(info)
         self._add_exact_extras(info, stage_of_key)
         self.refit_info = info
+        if gen_quant is not None:  # the payload's entries say where each weight is quantized
+            info = {**info, "per_layer_params": {k: [dict(p) for p in v]
+                                                 for k, v in info["per_layer_params"].items()}}
+            self.fp8_counts = plan_block_fp8(info, layout.world_size // layout.pp)
+        self.gen_refit_info = info
         other = [{"name": n, "shape": list(m["shape"]), "dtype": m["dtype"],
                   "pp_stage": stage_of_key[_extract_layer_name(n)]}
                  for n, m in self.other_params_metadata.items()]
@@ -532,6 +545,8 @@ class MegatronRefitSource:
                     specs[name] = spec
         if problems:
             raise ValueError("local views do not match the refit info:\n  - " + "\n  - ".join(problems))
+        if self.gen_quant is not None and refit_info is None:
+            return fp8_sender_specs(HFToLocalParamMap(specs), self.gen_refit_info, self.stage)
         return HFToLocalParamMap(specs)
 
     @torch.no_grad()

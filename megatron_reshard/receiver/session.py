@@ -22,6 +22,7 @@ from megatron_reshard.faults import RefitError, fault_scope, wait_device
 from megatron_reshard.layout import PaddedShard, is_expert_param
 from megatron_reshard.metadata import restore_refit_info_placements
 from megatron_reshard.packed import chunk_items
+from megatron_reshard.receiver.fp8_targets import fp8_receive_spec
 from megatron_reshard.receiver.payload_check import RefitPayloadError, validate_payload
 from megatron_reshard.receiver.state import WeightState
 from megatron_reshard.refit_loop import (
@@ -103,6 +104,11 @@ def build_receiver_param_map(payload: Mapping[str, Any], targets: VllmTargets, r
             region = local_region(p["global_shape"], p["dst_mesh_info"], p["dst_placements"],
                                   rank_in_group)
             if region is None:
+                continue
+            fp8 = fp8_receive_spec(targets, p, rank_in_group, strided_in_place)
+            if fp8 is not None:  # block-FP8 storage: FP8 bytes, their scales, or quantize on write
+                specs.specs[p["name"]], plan = fp8
+                plans.append(plan)
                 continue
             padded = any(isinstance(pl, PaddedShard) for pl in p["dst_placements"])
             per_group = len(p["global_shape"]) == 3 and bool(QKV_WEIGHT_RE.search(p["name"]))
@@ -233,7 +239,8 @@ class ReceiverSession:
                               xfer_batch=xfer_batch, verify_checksums=verify_checksums)
         self.pp_size = pp_size
         # the weight state names the model's own (vLLM) params: what the storage holds
-        self._targets_of = {plan.hf_name: sorted({piece.target for piece in plan.pieces})
+        self._targets_of = {plan.hf_name: sorted({piece.target for piece in plan.pieces}
+                                                 | {pc.target for pc in plan.scales.values()})
                             for plan in list(self.bulk_plans) +
                             [p for ps in self.misc_plans.values() for p in ps]}
 

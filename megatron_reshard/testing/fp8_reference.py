@@ -1,0 +1,94 @@
+"""The oracle for a block-FP8 generation model: what each vLLM FP8 parameter must hold.
+
+Torch only, and independent of the code under test (``megatron_reshard.quant``,
+``fp8_plan``, ``receiver.fp8_targets``): the quantizer here walks the 128×128 tiles of a
+full HF tensor one by one, and the vLLM layout is the BF16 oracle's slicing
+(``vllm_like.expected_vllm_shard``) applied to the full quantized tensors, and to the full
+scale tensors with every dim counted in tiles. Numerics, per tile in fp32 (NeMo-RL's refit
+quantizer, the one vLLM's block-FP8 loader expects): ``scale = (1 / amax) * 448``, 1 when
+that is not finite and positive; ``weight = e4m3(clamp(w * scale, ±448))``; ``scale_inv =
+1 / scale``; a partial edge tile takes its amax from its own elements.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any, Mapping, Optional
+
+import torch
+
+from megatron_reshard.testing.vllm_like import _cfg, expected_vllm_shard, vllm_param_shapes
+
+TILE = 128
+E4M3_MAX = 448.0
+# vLLM params a block-FP8 model holds in float8_e4m3fn (with a ``_scale_inv`` sibling)
+VLLM_FP8_PARAM_RE = re.compile(r"(?:_proj\.weight|\.w13_weight|\.w2_weight)$")
+HF_LINEAR_RE = re.compile(r"_proj\.weight$")
+
+
+def reference_block_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn weight, fp32 scale_inv) of a ``[..., N, K]`` tensor, tile by tile."""
+    w = weight.detach().to("cpu", torch.float32)
+    *lead, n, k = w.shape
+    q = torch.empty(w.shape, dtype=torch.float8_e4m3fn)
+    scale_inv = torch.empty((*lead, math.ceil(n / TILE), math.ceil(k / TILE)), dtype=torch.float32)
+    for bi, i in enumerate(range(0, n, TILE)):
+        for bj, j in enumerate(range(0, k, TILE)):
+            tile = w[..., i:i + TILE, j:j + TILE]
+            amax = tile.abs().flatten(-2).max(dim=-1).values
+            one = torch.ones_like(amax)
+            scale = (one / amax) * torch.tensor(E4M3_MAX, dtype=torch.float32)
+            scale = torch.where(torch.isfinite(scale) & (scale > 0), scale, one)
+            scaled = tile * scale[..., None, None]
+            q[..., i:i + TILE, j:j + TILE] = scaled.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+            scale_inv[..., bi, bj] = one / scale
+    return q, scale_inv
+
+
+def vllm_fp8_param_specs(hf_config: Mapping[str, Any], tp_rank: int, tp_size: int, ep_size: int = 1,
+                         ep_rank: Optional[int] = None, dtype: torch.dtype = torch.bfloat16
+                         ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Names, shapes and dtypes of a block-FP8 vLLM model's params on one rank: linear and
+    expert weights in float8_e4m3fn plus ``<name>_scale_inv`` (fp32, one per 128x128 tile);
+    the rest in ``dtype``."""
+    out = {}
+    for name, shape in vllm_param_shapes(hf_config, tp_rank, tp_size, ep_size, ep_rank).items():
+        if VLLM_FP8_PARAM_RE.search(name):
+            out[name] = (shape, torch.float8_e4m3fn)
+            tiles = (*shape[:-2], math.ceil(shape[-2] / TILE), math.ceil(shape[-1] / TILE))
+            out[name + "_scale_inv"] = (tiles, torch.float32)
+        else:
+            out[name] = (shape, dtype)
+    return out
+
+
+def expected_vllm_fp8_params(hf_config: Mapping[str, Any], full_hf_tensors: Mapping[str, torch.Tensor],
+                             tp_rank: int, tp_size: int, ep_size: int = 1,
+                             ep_rank: Optional[int] = None) -> dict[str, torch.Tensor]:
+    """Every param of the block-FP8 vLLM model on one rank, from full HF tensors."""
+    c = _cfg(hf_config)
+    bytes_, scales, plain = {}, {}, {}
+    for name, t in full_hf_tensors.items():
+        if HF_LINEAR_RE.search(name) and t.dim() >= 2:
+            q, s = reference_block_fp8(t)
+            bytes_[name], scales[name] = q.view(torch.uint8), s
+        else:
+            plain[name] = t
+    # the scale tensors are the weights counted in tiles: the same layout with dims in tiles
+    tiled_cfg = dict(c, head_dim=math.ceil(c["head_dim"] / TILE))
+    out = {}
+    specs = vllm_fp8_param_specs(hf_config, tp_rank, tp_size, ep_size, ep_rank)
+    for name, (_, dtype) in specs.items():
+        if name.endswith("_scale_inv"):
+            out[name] = expected_vllm_shard(tiled_cfg, name[: -len("_scale_inv")], scales, tp_rank,
+                                            tp_size, ep_size, ep_rank)
+        elif dtype == torch.float8_e4m3fn:
+            out[name] = expected_vllm_shard(c, name, bytes_, tp_rank, tp_size, ep_size,
+                                            ep_rank).view(torch.float8_e4m3fn)
+        else:
+            out[name] = expected_vllm_shard(c, name, plain, tp_rank, tp_size, ep_size, ep_rank)
+    return out
+
+
+__all__ = ["expected_vllm_fp8_params", "reference_block_fp8", "vllm_fp8_param_specs"]
