@@ -451,8 +451,13 @@ def _gen_rank(gen_rank: int, cfg: RefitRunConfig, control, device: torch.device,
                 _say(cfg, who, f"refit {step + 1}/{cfg.refits} received in "
                                f"{stats['refit_s'] * 1e3:.1f} ms, committed as version "
                                f"{stats['version']} (checksums matched): {verdict}")
+    # what the same weights take in the training dtype (block scales excluded): the bytes a
+    # BF16 refit lands in this rank's storage, to compare an FP8 refit against
+    itemsize = torch.empty((), dtype=getattr(torch, cfg.dtype)).element_size()
+    unquantized = sum(p.numel() * itemsize for n, p in model.named_parameters()
+                      if not n.endswith("_scale_inv"))
     out = {"role": "gen", "rank": gen_rank, "setup_s": setup_s, "refits": refits,
-           "mismatches": mismatches, "report": worker.report(), "summary": summary,
+           "unquantized_bytes": unquantized, "mismatches": mismatches, "report": worker.report(), "summary": summary,
            "verified": cfg.verify and not any(mismatches)}
     if after_refits is not None:
         groups = worker._refit_state()["groups"]
@@ -490,6 +495,7 @@ def summarize(cfg: RefitRunConfig, results: list[dict]) -> dict:
                         "bulk_params": r["report"]["params"], "other_params": r["report"]["misc_params"],
                         "bytes": bulk + misc, "bulk_bytes": bulk, "misc_bytes": misc,
                         "misc_wire_bytes": last.get("misc_wire_bytes", 0),
+                        "unquantized_bytes": r.get("unquantized_bytes", bulk + misc),
                         "mismatched": sorted({n for bad in r["mismatches"] for n in bad})})
     total = sum(g["bytes"] for g in per_gen)
     refit_s = [max(r["refits"][i]["refit_s"] for r in results) for i in range(cfg.refits)]
@@ -502,6 +508,9 @@ def summarize(cfg: RefitRunConfig, results: list[dict]) -> dict:
         "setup_s": max(r["setup_s"] for r in results),
         "refit_s": refit_s,
         "per_gen_rank": per_gen,
+        "gen_precision": cfg.gen_precision,
+        # bytes received over what the same refit in the training dtype would land
+        "bytes_vs_unquantized": (total / sum(g["unquantized_bytes"] for g in per_gen)) if total else 0.0,
         "layout": {"model": cfg.model, "train": {"world": cfg.train_world, "tp": cfg.train_tp,
                                                   "pp": cfg.train_pp, "ep": cfg.train_ep},
                    "gen": {"world": cfg.gen_world, "tp": cfg.gen_tp, "ep": cfg.gen_ep},
