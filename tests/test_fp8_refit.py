@@ -24,3 +24,36 @@ def test_dense_train_tp2_to_gen_tp2_sender_quantized_bit_exact(pool):
     summary = _run(pool, model="dense", train_world=2, train_tp=2, train_pp=1, train_ep=1,
                    gen_world=2, gen_tp=2)
     assert summary["verified"], summary["per_gen_rank"]
+
+
+def test_moe_train_tp2_ep2_to_gen_tp2_experts_tp_sharded_bit_exact(pool):
+    summary = _run(pool, model="moe", train_world=4, train_tp=2, train_pp=1, train_ep=2,
+                   gen_world=2, gen_tp=2)
+    assert summary["verified"], summary["per_gen_rank"]
+    assert summary["exact_path_fraction"] == 1.0
+    # linear weights travel as e4m3 + scales: a bit over half of what bf16 would land
+    assert 0.5 < summary["bytes_vs_unquantized"] < 0.6
+
+
+def test_moe_train_tp2_pp2_ep2_to_gen_tp1_bit_exact(pool):
+    summary = _run(pool, model="moe", train_world=4, train_tp=2, train_pp=2, train_ep=2,
+                   gen_world=1, gen_tp=1)
+    assert summary["verified"], summary["per_gen_rank"]
+
+
+def test_moe_train_tp2_to_gen_tp2_ep2_whole_experts_bit_exact(pool):
+    summary = _run(pool, model="moe", train_world=2, train_tp=2, train_pp=1, train_ep=1,
+                   gen_world=2, gen_tp=2, gen_ep=2)
+    assert summary["verified"], summary["per_gen_rank"]
+
+
+def test_receiver_quantizes_when_train_shards_cut_blocks_and_on_the_packed_path(pool):
+    # FFN 384 over train TP2: 192 rows per train rank cut a block, so gate/up/down travel in
+    # bf16 and gen TP1 quantizes them; 1 KV head over train TP2 sends q/k/v packed (full
+    # bf16 tensors, quantized by the receiver too)
+    summary = _run(pool, model="dense", model_overrides={"ffn_hidden_size": 384, "num_query_groups": 1},
+                   train_world=2, train_tp=2, train_pp=1, train_ep=1, gen_world=1, gen_tp=1)
+    assert summary["verified"], summary["per_gen_rank"]
+    row = summary["per_gen_rank"][0]
+    assert row["misc_bytes"] > 0 and summary["exact_path_fraction"] < 1.0
+    assert summary["bytes_vs_unquantized"] > 0.6  # the FFN crossed in bf16

@@ -26,6 +26,9 @@ OPTIONAL = [
     "megatron_reshard.receiver",
     "megatron_reshard.comm",
     "megatron_reshard.packed",
+    "megatron_reshard.quant",
+    "megatron_reshard.fp8_plan",
+    "megatron_reshard.receiver.fp8_targets",
 ]
 
 _PROBE = textwrap.dedent(
