@@ -83,6 +83,9 @@ class RefitRunConfig:
     staging_mib: float = 256.0
     quiet: bool = False
     gen_precision: str = "bf16"  # "fp8": block-FP8 generation model (fp8_plan)
+    # "fp8_blockwise": linear weights held in blockwise FP8 for training (testing.fp8_training,
+    # the CPU stand-in for TE fp8_param); needs gen_precision "fp8"
+    train_precision: str = "bf16"
 
     @property
     def gen_quant(self):
@@ -144,6 +147,11 @@ def _basic_problems(cfg: RefitRunConfig) -> list[str]:
         out.append(f"--device {cfg.device!r}: expected cpu or cuda")
     elif cfg.backend == "nccl" and cfg.device != "cuda":
         out.append(f"--backend nccl: expected --device cuda, found --device {cfg.device}")
+    if cfg.train_precision not in ("bf16", "fp8_blockwise"):
+        out.append(f"--train-precision {cfg.train_precision!r}: expected bf16 or fp8_blockwise")
+    elif cfg.train_precision == "fp8_blockwise" and cfg.gen_precision != "fp8":
+        out.append("--train-precision fp8_blockwise: expected --gen-precision fp8 (blockwise FP8 "
+                   f"training weights refit into block-FP8 generation), found {cfg.gen_precision}")
     if cfg.gen_precision not in GEN_PRECISIONS:
         out.append(f"--gen-precision {cfg.gen_precision!r}: expected one of {', '.join(GEN_PRECISIONS)}")
     if cfg.dtype not in ("bfloat16", "float16", "float32"):
@@ -339,6 +347,10 @@ def _train_rank(rank: int, cfg: RefitRunConfig, control, device: torch.device,
         model = model_builder(spec, device, getattr(torch, cfg.dtype))
     else:
         model = build_gpt_model(spec).to(device=device, dtype=getattr(torch, cfg.dtype))
+    if cfg.train_precision == "fp8_blockwise":
+        from megatron_reshard.testing.fp8_training import attach_blockwise_fp8_
+
+        attach_blockwise_fp8_(model)
     if rank == 0:
         _say(cfg, who, f"training world up: tp{cfg.train_tp} pp{cfg.train_pp} ep{cfg.train_ep} "
                        f"on {cfg.train_world} ranks; model built ({cfg.model}, "
@@ -367,6 +379,8 @@ def _train_rank(rank: int, cfg: RefitRunConfig, control, device: torch.device,
     for step in range(cfg.refits):
         if step:
             perturb_(model, step)
+            if cfg.train_precision == "fp8_blockwise":  # an optimizer step re-quantizes
+                attach_blockwise_fp8_(model)
         stats = sender.refit()
         refits.append(stats)
         if cfg.verify:
@@ -392,7 +406,8 @@ def _publish_expected(cfg: RefitRunConfig, control, hf_config: dict, full: dict,
     for g in range(cfg.gen_world):
         tp_rank = g % cfg.gen_tp
         if cfg.gen_quant:  # the independent quantizer on the full HF tensors, then sliced
-            expected = expected_vllm_fp8_params(hf_config, full, tp_rank, cfg.gen_tp, cfg.gen_ep)
+            expected = expected_vllm_fp8_params(hf_config, full, tp_rank, cfg.gen_tp, cfg.gen_ep,
+                                                pow2=cfg.train_precision == "fp8_blockwise")
             control.set(f"expected/{step}/{g}",
                         json.dumps({n: tensor_digest(t) for n, t in expected.items()}))
             continue
@@ -533,7 +548,8 @@ def config_from_args(args, ports: tuple) -> RefitRunConfig:
                           device=args.device, dtype=args.dtype, ports=ports,
                           timeout_s=args.timeout_s, num_streams=args.streams,
                           staging_mib=args.staging_mib, quiet=getattr(args, "json", False),
-                          gen_precision=getattr(args, "gen_precision", "bf16"))
+                          gen_precision=getattr(args, "gen_precision", "bf16"),
+                          train_precision=getattr(args, "train_precision", "bf16"))
 
 
 def add_run_arguments(parser) -> None:
@@ -577,6 +593,12 @@ def add_run_arguments(parser) -> None:
                              "FP8, 128x128 e4m3 + fp32 scale_inv; linear weights quantized on the "
                              "sending side where a shard owns whole blocks, else on the receiver; "
                              "the model dims become multiples of 128) (default: %(default)s)")
+    parser.add_argument("--train-precision", choices=["bf16", "fp8_blockwise"],
+                        default=d.train_precision,
+                        help="fp8_blockwise: linear weights held in blockwise FP8 on the training "
+                             "side (a plain-tensor stand-in for Megatron fp8_param with TE's "
+                             "blockwise recipe); their bytes and scales move as they are; needs "
+                             "--gen-precision fp8 (default: %(default)s)")
     parser.add_argument("--timeout-s", type=float, default=d.timeout_s,
                         help="seconds every process group and store waits before failing "
                              "(default: %(default)s)")

@@ -92,13 +92,17 @@ def _hf_rows_region(name: str, shape: Sequence[int], region: tuple) -> tuple[tup
     return (int(shape[0]) * per_group, int(shape[2])), (rows, cols)
 
 
-def plan_block_fp8(info: dict, stage_world: int, tile: tuple[int, int] = BLOCK_FP8_TILE) -> dict:
+def plan_block_fp8(info: dict, stage_world: int, tile: tuple[int, int] = BLOCK_FP8_TILE,
+                   train_fp8: frozenset = frozenset()) -> dict:
     """Rewrite the restored refit ``info`` for a block-FP8 generation model (see module doc).
 
     ``stage_world``: training ranks per PP stage (generation ranks follow them in each
-    group; errors name generation ranks from 0). Returns ``{"sender": n, "receiver": n}``.
+    group; errors name generation ranks from 0). ``train_fp8``: names of the weights the
+    training side already holds in blockwise FP8 (bytes + per-tile scales of each local
+    shard): their bytes and scales travel as they are (``"gen_quant": "train_fp8"``), which
+    needs every training shard to be whole tiles too. Returns counts per decision.
     """
-    counts = {"sender": 0, "receiver": 0}
+    counts = {"sender": 0, "receiver": 0, "train_fp8": 0}
     problems = []
     for layer in info["layer_names"]:
         params = info["per_layer_params"].get(layer, [])
@@ -117,13 +121,22 @@ def plan_block_fp8(info: dict, stage_world: int, tile: tuple[int, int] = BLOCK_F
                     problems.append(f"{p['name']}: generation rank {rank - stage_world} would hold "
                                     f"HF region {[list(r) for r in hf_region]} of {list(hf_shape)}, "
                                     f"which cuts a {tile[0]}x{tile[1]} FP8 block ({why})")
-            src_whole = _tiles_are_hf_tiles(p["name"], shape, tile) and all(
-                _cut(region, shape, tile) is None for region in _regions(p, "src").values())
+            src_cuts = {rank: why for rank, region in _regions(p, "src").items()
+                        if (why := _cut(region, shape, tile))}
+            src_whole = _tiles_are_hf_tiles(p["name"], shape, tile) and not src_cuts
+            if p["name"] in train_fp8 and not src_whole:
+                rank, why = next(iter(sorted(src_cuts.items()))) if src_cuts else (0, (
+                    f"rows per KV group {shape[1]} are not whole {tile[0]}-row blocks"))
+                problems.append(f"{p['name']}: held in blockwise FP8 for training, but training "
+                                f"rank {rank} of its stage holds a shard that cuts a {tile[0]}x"
+                                f"{tile[1]} block ({why}); its scales cannot be moved as they are")
+                continue
             if not src_whole:
                 p["gen_quant"] = "receiver"
                 counts["receiver"] += 1
                 continue
-            p["gen_quant"] = "sender"
+            mode = "train_fp8" if p["name"] in train_fp8 else "sender"
+            p["gen_quant"] = mode
             p["wire_weight_dtype"] = p["dtype"]  # what the sender quantizes from
             p["dtype"] = FP8_WIRE_DTYPE
             scale = {k: v for k, v in p.items() if k not in ("name", "global_shape", "dtype",
@@ -132,7 +145,7 @@ def plan_block_fp8(info: dict, stage_world: int, tile: tuple[int, int] = BLOCK_F
                          dtype=SCALE_WIRE_DTYPE, gen_quant="scale", scale_of=p["name"],
                          weight_shape=list(shape))
             out.append(scale)
-            counts["sender"] += 1
+            counts[mode] += 1
         info["per_layer_params"][layer] = out
     if problems:
         raise Fp8SplitError("block-FP8 generation layout refused (vLLM's FP8 linear layers hold "

@@ -39,7 +39,7 @@ def _entries(info: dict) -> list[dict]:
 def test_whole_block_train_shards_are_quantized_by_the_sender_with_a_scale_entry_after_each():
     info = _ffn_info(512, train_tp=2, gen_tp=2)
     counts = plan_block_fp8(info, stage_world=2)
-    assert counts == {"sender": 3, "receiver": 0}
+    assert counts == {"sender": 3, "receiver": 0, "train_fp8": 0}
     entries = _entries(info)
     assert [p["name"].rsplit(".", 2)[-2:] for p in entries] == [
         ["gate_proj", "weight"], ["gate_proj", "weight_scale_inv"], ["up_proj", "weight"],
@@ -56,7 +56,7 @@ def test_whole_block_train_shards_are_quantized_by_the_sender_with_a_scale_entry
 
 def test_train_shards_that_cut_blocks_leave_quantization_to_the_receiver():
     info = _ffn_info(384, train_tp=2, gen_tp=1)  # 192 rows per train rank
-    assert plan_block_fp8(info, stage_world=2) == {"sender": 0, "receiver": 3}
+    assert plan_block_fp8(info, stage_world=2) == {"sender": 0, "receiver": 3, "train_fp8": 0}
     assert all(p["dtype"] == "torch.bfloat16" and p["gen_quant"] == "receiver" for p in _entries(info))
 
 
@@ -165,3 +165,33 @@ def test_plain_payload_planned_for_fp8_restores_and_validates():
     assert counts["sender"] > 0
     from megatron_reshard.receiver.payload_check import validate_payload
     validate_payload(make_nccl_reshard_refit_info_wire_safe(payload), "gen rank 0")
+
+
+def test_training_fp8_weights_are_planned_as_they_are_and_refused_when_a_train_shard_cuts_a_block():
+    info = _ffn_info(512, train_tp=2, gen_tp=1)
+    names = frozenset(p["name"] for p in _entries(info))
+    assert plan_block_fp8(info, stage_world=2, train_fp8=names)["train_fp8"] == 3
+    assert [p["gen_quant"] for p in _entries(info)][::2] == ["train_fp8"] * 3
+    info = _ffn_info(384, train_tp=2, gen_tp=1)  # 192 rows per train rank
+    with pytest.raises(Fp8SplitError, match=r"gate_proj.weight: held in blockwise FP8 for "
+                                            r"training, but training rank 0 .* \[0, 192\) of 384"):
+        plan_block_fp8(info, stage_world=2, train_fp8=names)
+
+
+def test_plain_blockwise_fp8_training_weights_round_trip_through_their_dequantized_values():
+    from megatron_reshard.megatron.fp8_storage import BlockwiseFp8Weight, blockwise_fp8_storage
+    from megatron_reshard.testing.fp8_training import attach_blockwise_fp8_
+
+    layer = torch.nn.Module()
+    layer.linear_fc1 = torch.nn.Linear(300, 260, bias=False).to(torch.bfloat16)
+    assert attach_blockwise_fp8_(layer) == 1
+    weight = layer.linear_fc1.weight
+    storage = blockwise_fp8_storage(weight)
+    assert storage.data.shape == (260, 300) and storage.scale_inv.shape == (3, 3)
+    q, s = reference_block_fp8(weight, pow2=True)
+    assert torch.equal(q.view(torch.uint8), storage.data.view(torch.uint8))
+    assert torch.equal(s, storage.scale_inv)
+    assert blockwise_fp8_storage(torch.zeros(2, 2)) is None
+    with pytest.raises(ValueError, match=r"scale_inv \[1, 1\]; expected torch.float8_e4m3fn data "
+                                         r"and scale_inv \[3, 3\]"):
+        BlockwiseFp8Weight(storage.data, torch.ones(1, 1))

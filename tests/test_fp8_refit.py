@@ -57,3 +57,21 @@ def test_receiver_quantizes_when_train_shards_cut_blocks_and_on_the_packed_path(
     row = summary["per_gen_rank"][0]
     assert row["misc_bytes"] > 0 and summary["exact_path_fraction"] < 1.0
     assert summary["bytes_vs_unquantized"] > 0.6  # the FFN crossed in bf16
+
+
+# Blockwise-FP8 training weights (testing.fp8_training: plain tensors in TE's data/scale
+# layout, power-of-two scales): their bytes and scales move as they are. The oracle gets
+# them back from the dequantized full HF tensors (one encoding per value), not from the refit.
+
+
+def test_blockwise_fp8_training_dense_tp2_to_gen_tp2_moves_the_training_bytes(pool):
+    summary = _run(pool, model="dense", train_world=2, train_tp=2, train_pp=1, train_ep=1,
+                   gen_world=2, gen_tp=2, train_precision="fp8_blockwise")
+    assert summary["verified"], summary["per_gen_rank"]
+    assert summary["exact_path_fraction"] == 1.0
+
+
+def test_blockwise_fp8_training_moe_tp2_pp2_ep2_to_gen_tp1_moves_the_training_bytes(pool):
+    summary = _run(pool, model="moe", train_world=4, train_tp=2, train_pp=2, train_ep=2,
+                   gen_world=1, gen_tp=1, train_precision="fp8_blockwise")
+    assert summary["verified"], summary["per_gen_rank"]

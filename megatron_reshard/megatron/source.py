@@ -68,7 +68,7 @@ from megatron_reshard.megatron.parallel import (
     describe_rank_order,
     read_parallel_state,
 )
-from megatron_reshard.megatron.fp8_source import fp8_sender_specs
+from megatron_reshard.megatron.fp8_source import fp8_sender_specs, grouped_name, train_fp8_views
 from megatron_reshard.megatron.payload import build_payload, encode_payload
 from megatron_reshard.metadata import (
     _extract_layer_name,
@@ -271,11 +271,16 @@ class MegatronRefitSource:
             for hf_name, shape in shapes.items():
                 local_meta[hf_name] = {"shape": shape, "dtype": str(tensor.dtype)}
 
+        # weights held in blockwise FP8 for training (fp8_param): their bytes and scales travel
+        self._fp8_views, fp8_problems = (train_fp8_views(self._converted, self.dims)
+                                         if gen_quant is not None else ({}, []))
+        rank_problems += [f"rank {coords.rank}: {p}" for p in fp8_problems]
         report = {
             "coords": coords_to_plain(coords),
             "layers": sorted(global_layer.values()),
             "meta": local_meta,
             "problems": rank_problems,
+            "fp8": sorted({grouped_name(n) for n in self._fp8_views}),
         }
         # --- the one collective ---
         reports: list = [None] * layout.world_size
@@ -323,7 +328,14 @@ class MegatronRefitSource:
         if gen_quant is not None:  # the payload's entries say where each weight is quantized
             info = {**info, "per_layer_params": {k: [dict(p) for p in v]
                                                  for k, v in info["per_layer_params"].items()}}
-            self.fp8_counts = plan_block_fp8(info, layout.world_size // layout.pp)
+            train_fp8 = frozenset(n for r in reports for n in r["fp8"])
+            self.fp8_counts = plan_block_fp8(info, layout.world_size // layout.pp,
+                                             train_fp8=train_fp8)
+            planned = {p["name"] for ps in info["per_layer_params"].values() for p in ps}
+            packed = sorted(train_fp8 - planned)
+            if packed:  # the packed path sends full BF16 tensors: the FP8 bytes would be lost
+                raise ValueError(f"weights held in blockwise FP8 for training must take the exact "
+                                 f"path, but these would go packed: {packed}")
         self.gen_refit_info = info
         other = [{"name": n, "shape": list(m["shape"]), "dtype": m["dtype"],
                   "pp_stage": stage_of_key[_extract_layer_name(n)]}
@@ -546,7 +558,8 @@ class MegatronRefitSource:
         if problems:
             raise ValueError("local views do not match the refit info:\n  - " + "\n  - ".join(problems))
         if self.gen_quant is not None and refit_info is None:
-            return fp8_sender_specs(HFToLocalParamMap(specs), self.gen_refit_info, self.stage)
+            return fp8_sender_specs(HFToLocalParamMap(specs), self.gen_refit_info, self.stage,
+                                    self._fp8_views)
         return HFToLocalParamMap(specs)
 
     @torch.no_grad()

@@ -27,8 +27,31 @@ VLLM_FP8_PARAM_RE = re.compile(r"(?:_proj\.weight|\.w13_weight|\.w2_weight)$")
 HF_LINEAR_RE = re.compile(r"_proj\.weight$")
 
 
-def reference_block_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(float8_e4m3fn weight, fp32 scale_inv) of a ``[..., N, K]`` tensor, tile by tile."""
+def _pow2_scale(amax: float) -> float:
+    """The largest power of two ``s`` with ``amax * s <= 448`` (1 for 0), from amax's exponent."""
+    if amax == 0:
+        return 1.0
+    mantissa, exponent = math.frexp(amax)  # amax = mantissa * 2^exponent, mantissa in [0.5, 1)
+    return 2.0 ** ((9 if mantissa <= 0.875 else 8) - exponent)  # 448 = 0.875 * 2^9
+
+
+def reference_block_fp8(weight: torch.Tensor, pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn weight, fp32 scale_inv) of a ``[..., N, K]`` tensor, tile by tile.
+
+    ``pow2``: power-of-two scales (the largest with ``amax * scale <= 448``), as Transformer
+    Engine's blockwise recipe keeps training weights (2-D tiles only)."""
+    if pow2:
+        w = weight.detach().to("cpu", torch.float32)
+        n, k = w.shape
+        q = torch.empty(w.shape, dtype=torch.float8_e4m3fn)
+        scale_inv = torch.empty((math.ceil(n / TILE), math.ceil(k / TILE)), dtype=torch.float32)
+        for bi, i in enumerate(range(0, n, TILE)):
+            for bj, j in enumerate(range(0, k, TILE)):
+                tile = w[i:i + TILE, j:j + TILE]
+                scale = _pow2_scale(float(tile.abs().max()))
+                q[i:i + TILE, j:j + TILE] = (tile * scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+                scale_inv[bi, bj] = 1.0 / scale
+        return q, scale_inv
     w = weight.detach().to("cpu", torch.float32)
     *lead, n, k = w.shape
     q = torch.empty(w.shape, dtype=torch.float8_e4m3fn)
@@ -65,13 +88,17 @@ def vllm_fp8_param_specs(hf_config: Mapping[str, Any], tp_rank: int, tp_size: in
 
 def expected_vllm_fp8_params(hf_config: Mapping[str, Any], full_hf_tensors: Mapping[str, torch.Tensor],
                              tp_rank: int, tp_size: int, ep_size: int = 1,
-                             ep_rank: Optional[int] = None) -> dict[str, torch.Tensor]:
-    """Every param of the block-FP8 vLLM model on one rank, from full HF tensors."""
+                             ep_rank: Optional[int] = None, pow2: bool = False) -> dict[str, torch.Tensor]:
+    """Every param of the block-FP8 vLLM model on one rank, from full HF tensors.
+
+    ``pow2``: the weights were trained in blockwise FP8 (``testing.fp8_training``): the full
+    tensors are their dequantized values, whose power-of-two quantization gives back the
+    training bytes and scales (one encoding per value, see there)."""
     c = _cfg(hf_config)
     bytes_, scales, plain = {}, {}, {}
     for name, t in full_hf_tensors.items():
         if HF_LINEAR_RE.search(name) and t.dim() >= 2:
-            q, s = reference_block_fp8(t)
+            q, s = reference_block_fp8(t, pow2=pow2)
             bytes_[name], scales[name] = q.view(torch.uint8), s
         else:
             plain[name] = t
