@@ -45,13 +45,13 @@ FP8_MODEL_OVERRIDES: dict[str, Any] = dict(hidden_size=256, num_attention_heads=
                                            num_query_groups=2, head_dim=128, ffn_hidden_size=512,
                                            moe_ffn_hidden_size=256, num_moe_experts=4,
                                            num_layers=2)
-GEN_PRECISIONS = ("bf16", "fp8")
+GEN_PRECISIONS = ("bf16", "fp8", "mxfp8")
 
 
 def model_preset(cfg: "RefitRunConfig") -> dict[str, Any]:
     """The model's spec values (family included) for this run."""
     preset = dict(MODEL_PRESETS[cfg.model])
-    if cfg.gen_precision == "fp8":
+    if cfg.gen_precision in ("fp8", "mxfp8"):
         preset.update({k: v for k, v in FP8_MODEL_OVERRIDES.items()
                        if k in preset or k == "head_dim"})
     preset.update(cfg.model_overrides)
@@ -82,14 +82,14 @@ class RefitRunConfig:
     num_streams: int = 2
     staging_mib: float = 256.0
     quiet: bool = False
-    gen_precision: str = "bf16"  # "fp8": block-FP8 generation model (fp8_plan)
+    gen_precision: str = "bf16"  # "fp8": block-FP8 generation model (fp8_plan); "mxfp8"
     # "fp8_blockwise": linear weights held in blockwise FP8 for training (testing.fp8_training,
     # the CPU stand-in for TE fp8_param); needs gen_precision "fp8"
     train_precision: str = "bf16"
 
     @property
     def gen_quant(self):
-        return "block_fp8" if self.gen_precision == "fp8" else None
+        return {"fp8": "block_fp8", "mxfp8": "mxfp8"}.get(self.gen_precision)
 
     @property
     def staging_bytes(self) -> int:
@@ -210,7 +210,7 @@ def _split_refusals(cfg: RefitRunConfig) -> dict[str, Any]:
         if vocab_rows % t:
             return (f"does not divide its {vocab_rows} vocab rows (vocab {m['vocab_size']} "
                     "padded as vLLM pads it)")
-        if cfg.gen_quant:
+        if cfg.gen_quant == "block_fp8":  # MXFP8 cuts are refused by fp8_plan.plan_mxfp8
             return tp_common(t) or fp8_blocks(t)
         return tp_common(t)
 
@@ -407,7 +407,8 @@ def _publish_expected(cfg: RefitRunConfig, control, hf_config: dict, full: dict,
         tp_rank = g % cfg.gen_tp
         if cfg.gen_quant:  # the independent quantizer on the full HF tensors, then sliced
             expected = expected_vllm_fp8_params(hf_config, full, tp_rank, cfg.gen_tp, cfg.gen_ep,
-                                                pow2=cfg.train_precision == "fp8_blockwise")
+                                                pow2=cfg.train_precision == "fp8_blockwise",
+                                                fmt=cfg.gen_quant)
             control.set(f"expected/{step}/{g}",
                         json.dumps({n: tensor_digest(t) for n, t in expected.items()}))
             continue
@@ -470,9 +471,10 @@ def _gen_rank(gen_rank: int, cfg: RefitRunConfig, control, device: torch.device,
     # BF16 refit lands in this rank's storage, to compare an FP8 refit against
     itemsize = torch.empty((), dtype=getattr(torch, cfg.dtype)).element_size()
     unquantized = sum(p.numel() * itemsize for n, p in model.named_parameters()
-                      if not n.endswith("_scale_inv"))
+                      if not n.endswith(("_scale_inv", "_scale")))
     out = {"role": "gen", "rank": gen_rank, "setup_s": setup_s, "refits": refits,
-           "unquantized_bytes": unquantized, "mismatches": mismatches, "report": worker.report(), "summary": summary,
+           "unquantized_bytes": unquantized, "mismatches": mismatches,
+           "report": worker.report(), "summary": summary,
            "verified": cfg.verify and not any(mismatches)}
     if after_refits is not None:
         groups = worker._refit_state()["groups"]
@@ -589,10 +591,12 @@ def add_run_arguments(parser) -> None:
                         help="per-rank staging budget of the engine, also the size bound of a "
                              "packed buffer, in MiB (default: %(default)s)")
     parser.add_argument("--gen-precision", choices=GEN_PRECISIONS, default=d.gen_precision,
-                        help="generation weights: bf16 (the training dtype) or fp8 (vLLM block "
+                        help="generation weights: bf16 (the training dtype), fp8 (vLLM block "
                              "FP8, 128x128 e4m3 + fp32 scale_inv; linear weights quantized on the "
-                             "sending side where a shard owns whole blocks, else on the receiver; "
-                             "the model dims become multiples of 128) (default: %(default)s)")
+                             "sending side where a shard owns whole blocks, else on the receiver) "
+                             "or mxfp8 (e4m3 + E8M0 scale per 32 elements, quantized on the "
+                             "receiver); with fp8/mxfp8 the model dims become multiples of 128 "
+                             "(default: %(default)s)")
     parser.add_argument("--train-precision", choices=["bf16", "fp8_blockwise"],
                         default=d.train_precision,
                         help="fp8_blockwise: linear weights held in blockwise FP8 on the training "

@@ -33,7 +33,8 @@ from megatron_reshard.quant import BLOCK_FP8_TILE, blockwise_scale_shape, owns_w
 FP8_WIRE_DTYPE = "torch.float8_e4m3fn"
 SCALE_WIRE_DTYPE = "torch.float32"
 SCALE_SUFFIX = "_scale_inv"
-GEN_QUANT_FORMATS = ("block_fp8",)
+GEN_QUANT_FORMATS = ("block_fp8", "mxfp8")
+MXFP8_TILE = (1, 32)  # MXFP8: one E8M0 scale per 32 elements of a row
 
 # linear weights vLLM quantizes (dense, fused parts, grouped experts); not router/gates/vocab
 LINEAR_WEIGHT_RE = re.compile(r"\.(?:q|k|v|o|gate|up|down)_proj\.weight$")
@@ -92,8 +93,17 @@ def _hf_rows_region(name: str, shape: Sequence[int], region: tuple) -> tuple[tup
     return (int(shape[0]) * per_group, int(shape[2])), (rows, cols)
 
 
+def plan_mxfp8(info: dict, stage_world: int) -> dict:
+    """MXFP8 generation (vLLM ModelOpt MXFP8, NeMo-RL's ``is_mx``): every linear weight travels
+    in BF16 and the receiver quantizes its region (32-element row blocks, E8M0 scales); a
+    generation split that cuts a 32-element block is refused here."""
+    counts = plan_block_fp8(info, stage_world, MXFP8_TILE, sender=False)
+    info["gen_quant"] = {"format": "mxfp8", "block": list(MXFP8_TILE)}
+    return counts
+
+
 def plan_block_fp8(info: dict, stage_world: int, tile: tuple[int, int] = BLOCK_FP8_TILE,
-                   train_fp8: frozenset = frozenset()) -> dict:
+                   train_fp8: frozenset = frozenset(), sender: bool = True) -> dict:
     """Rewrite the restored refit ``info`` for a block-FP8 generation model (see module doc).
 
     ``stage_world``: training ranks per PP stage (generation ranks follow them in each
@@ -131,7 +141,7 @@ def plan_block_fp8(info: dict, stage_world: int, tile: tuple[int, int] = BLOCK_F
                                 f"rank {rank} of its stage holds a shard that cuts a {tile[0]}x"
                                 f"{tile[1]} block ({why}); its scales cannot be moved as they are")
                 continue
-            if not src_whole:
+            if not src_whole or not sender:
                 p["gen_quant"] = "receiver"
                 counts["receiver"] += 1
                 continue
@@ -148,11 +158,11 @@ def plan_block_fp8(info: dict, stage_world: int, tile: tuple[int, int] = BLOCK_F
             counts[mode] += 1
         info["per_layer_params"][layer] = out
     if problems:
-        raise Fp8SplitError("block-FP8 generation layout refused (vLLM's FP8 linear layers hold "
-                            "whole 128x128 blocks on every rank):\n  - " + "\n  - ".join(problems))
+        raise Fp8SplitError(f"FP8 generation layout refused (vLLM's FP8 linear layers hold whole "
+                            f"{tile[0]}x{tile[1]} blocks on every rank):\n  - " + "\n  - ".join(problems))
     info["gen_quant"] = {"format": "block_fp8", "block": list(tile)}
     return counts
 
 
-__all__ = ["FP8_WIRE_DTYPE", "SCALE_WIRE_DTYPE", "SCALE_SUFFIX", "Fp8SplitError", "GEN_QUANT_FORMATS",
+__all__ = ["MXFP8_TILE", "plan_mxfp8", "FP8_WIRE_DTYPE", "SCALE_WIRE_DTYPE", "SCALE_SUFFIX", "Fp8SplitError", "GEN_QUANT_FORMATS",
            "is_quantizable", "plan_block_fp8", "scale_name"]

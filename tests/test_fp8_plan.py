@@ -6,7 +6,7 @@ import msgspec
 import pytest
 import torch
 
-from megatron_reshard.fp8_plan import Fp8SplitError, plan_block_fp8
+from megatron_reshard.fp8_plan import Fp8SplitError, plan_block_fp8, plan_mxfp8
 from megatron_reshard.metadata import (
     build_nccl_reshard_refit_info,
     make_nccl_reshard_refit_info_wire_safe,
@@ -75,15 +75,16 @@ CFG = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_d
            vocab_size=300, moe_layers=[1])
 
 
+@pytest.mark.parametrize("fmt", ["block_fp8", "mxfp8"])
 @pytest.mark.parametrize("tp_size,ep_size", [(1, 1), (2, 1), (2, 2)])
-def test_full_hf_weights_quantize_into_fp8_storage_as_the_oracle_says(tp_size, ep_size):
+def test_full_hf_weights_quantize_into_fp8_storage_as_the_oracle_says(tp_size, ep_size, fmt):
     full = random_hf_state_dict(CFG, seed=3)
     for tp_rank in range(tp_size):
-        model = build_vllm_like_model(CFG, tp_rank, tp_size, ep_size, quant="block_fp8")
+        model = build_vllm_like_model(CFG, tp_rank, tp_size, ep_size, quant=fmt)
         targets = VllmTargets.from_named_parameters(model.named_parameters(), CFG, tp_rank, tp_size,
                                                     ep_size=ep_size)
         load_full_weights(targets, full)
-        expected = expected_vllm_fp8_params(CFG, full, tp_rank, tp_size, ep_size)
+        expected = expected_vllm_fp8_params(CFG, full, tp_rank, tp_size, ep_size, fmt=fmt)
         got = dict(model.named_parameters())
         assert set(got) == set(expected)
         for name, want in expected.items():
@@ -195,3 +196,24 @@ def test_plain_blockwise_fp8_training_weights_round_trip_through_their_dequantiz
     with pytest.raises(ValueError, match=r"scale_inv \[1, 1\]; expected torch.float8_e4m3fn data "
                                          r"and scale_inv \[3, 3\]"):
         BlockwiseFp8Weight(storage.data, torch.ones(1, 1))
+
+
+def test_mxfp8_is_planned_for_the_receiver_and_refuses_a_split_that_cuts_a_32_block():
+    info = _ffn_info(512, train_tp=2, gen_tp=2)
+    assert plan_mxfp8(info, stage_world=2)["receiver"] == 3
+    assert all(p["dtype"] == "torch.bfloat16" for p in _entries(info))
+    assert info["gen_quant"] == {"format": "mxfp8", "block": [1, 32]}
+    info = _ffn_info(192, train_tp=1, gen_tp=4)  # down_proj: 48 columns per gen rank
+    with pytest.raises(Fp8SplitError, match=r"down_proj.weight: generation rank 1 .* cuts a 1x32 "
+                                            r"FP8 block \(dim 1 \[48, 96\) of 192"):
+        plan_mxfp8(info, stage_world=1)
+
+
+def test_the_mxfp8_oracle_uses_e8m0_power_of_two_scales():
+    from megatron_reshard.testing.fp8_reference import reference_mxfp8
+
+    w = torch.zeros(1, 64)
+    w[0, 0], w[0, 40] = 448.0, 449.0  # block 0 fits scale 2^0; block 1 needs 2^1
+    q, s = reference_mxfp8(w)
+    assert s.tolist() == [[127, 128]]
+    assert q[0, 0].float() == 448 and q[0, 40].float() == 224  # 449/2 rounds to 224

@@ -15,7 +15,8 @@ def _refit_job(job, cfg):
 
 
 def _run(pool, **overrides):
-    cfg = RefitRunConfig(refits=2, quiet=True, timeout_s=60, gen_precision="fp8", **overrides)
+    cfg = RefitRunConfig(**{"refits": 2, "quiet": True, "timeout_s": 60, "gen_precision": "fp8",
+                            **overrides})
     results = pool.run(_refit_job, cfg.train_world + cfg.gen_world, cfg, timeout_s=300)
     return summarize(cfg, results)
 
@@ -74,4 +75,20 @@ def test_blockwise_fp8_training_dense_tp2_to_gen_tp2_moves_the_training_bytes(po
 def test_blockwise_fp8_training_moe_tp2_pp2_ep2_to_gen_tp1_moves_the_training_bytes(pool):
     summary = _run(pool, model="moe", train_world=4, train_tp=2, train_pp=2, train_ep=2,
                    gen_world=1, gen_tp=1, train_precision="fp8_blockwise")
+    assert summary["verified"], summary["per_gen_rank"]
+
+
+# BF16 training -> MXFP8 generation (NeMo-RL's is_mx): BF16 travels, the receiver quantizes
+# each region into e4m3 + E8M0 scales per 32 elements of a row.
+
+
+def test_mxfp8_dense_tp2_to_gen_tp2_quantized_on_the_receiver_bit_exact(pool):
+    summary = _run(pool, model="dense", train_world=2, train_tp=2, train_pp=1, train_ep=1,
+                   gen_world=2, gen_tp=2, gen_precision="mxfp8")
+    assert summary["verified"], summary["per_gen_rank"]
+
+
+def test_mxfp8_moe_tp2_pp2_ep2_to_gen_tp2_ep2_bit_exact(pool):
+    summary = _run(pool, model="moe", train_world=4, train_tp=2, train_pp=2, train_ep=2,
+                   gen_world=2, gen_tp=2, gen_ep=2, gen_precision="mxfp8")
     assert summary["verified"], summary["per_gen_rank"]

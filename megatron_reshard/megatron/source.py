@@ -46,7 +46,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import Replicate, Shard
 
 from megatron_reshard.engine.geometry import rank_region
-from megatron_reshard.fp8_plan import GEN_QUANT_FORMATS, plan_block_fp8
+from megatron_reshard.fp8_plan import GEN_QUANT_FORMATS, plan_block_fp8, plan_mxfp8
 from megatron_reshard.layout import (MeshInfo, PaddedShard, build_mesh_info, is_expert_param,
                                      is_nccl_reshard_param)
 from megatron_reshard.megatron.converters import (
@@ -329,8 +329,15 @@ class MegatronRefitSource:
             info = {**info, "per_layer_params": {k: [dict(p) for p in v]
                                                  for k, v in info["per_layer_params"].items()}}
             train_fp8 = frozenset(n for r in reports for n in r["fp8"])
-            self.fp8_counts = plan_block_fp8(info, layout.world_size // layout.pp,
-                                             train_fp8=train_fp8)
+            if gen_quant == "mxfp8":  # quantized on the receiver (NeMo-RL's is_mx path)
+                if train_fp8:
+                    raise ValueError(f"gen_quant='mxfp8' with weights held in blockwise FP8 for "
+                                     f"training ({len(train_fp8)}, e.g. {min(train_fp8)}): MXFP8 "
+                                     f"generation is quantized from BF16 training weights only")
+                self.fp8_counts = plan_mxfp8(info, layout.world_size // layout.pp)
+            else:
+                self.fp8_counts = plan_block_fp8(info, layout.world_size // layout.pp,
+                                                 train_fp8=train_fp8)
             planned = {p["name"] for ps in info["per_layer_params"].values() for p in ps}
             packed = sorted(train_fp8 - planned)
             if packed:  # the packed path sends full BF16 tensors: the FP8 bytes would be lost

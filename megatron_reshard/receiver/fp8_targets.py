@@ -36,8 +36,13 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 
 from megatron_reshard.engine.geometry import box_shape
-from megatron_reshard.fp8_plan import QKV_GROUP_RE, SCALE_SUFFIX
-from megatron_reshard.quant import BLOCK_FP8_TILE, blockwise_scale_shape, quantize_blockwise_fp8
+from megatron_reshard.fp8_plan import MXFP8_TILE, QKV_GROUP_RE, SCALE_SUFFIX
+from megatron_reshard.quant import (
+    BLOCK_FP8_TILE,
+    blockwise_scale_shape,
+    quantize_blockwise_fp8,
+    quantize_mxfp8,
+)
 from megatron_reshard.refit_loop import local_region, wire_dtype
 from megatron_reshard.receiver.targets import (
     Piece,
@@ -76,20 +81,34 @@ def _tile_box(box: Sequence[tuple[int, int]], shape: Sequence[int],
     return tuple(out), ""
 
 
-def scale_piece(targets: VllmTargets, hf_name: str, piece: Piece, hf_shape: Sequence[int],
-                tile: Sequence[int] = BLOCK_FP8_TILE) -> Piece:
+# MXFP8 (vLLM ModelOpt MXFP8): E8M0 scale bytes per 32 elements of a row, in the checkpoint
+# layout; after its first load vLLM keeps that copy as ``<weight>_scale_from_checkpoint``
+# and a swizzled one as ``<weight>_scale``, so the checkpoint copy is preferred when present.
+MX_SCALE_SUFFIXES = ("_scale_from_checkpoint", "_scale")
+
+
+def scale_format(targets: VllmTargets, hf_name: str, target: str) -> tuple[str, tuple[int, int], torch.dtype]:
+    """(scale param, tile, scale dtype) of an FP8 target: block FP8 or MXFP8, by its sibling."""
+    if target + SCALE_SUFFIX in targets.params:
+        return target + SCALE_SUFFIX, BLOCK_FP8_TILE, torch.float32
+    for suffix in MX_SCALE_SUFFIXES:
+        if target + suffix in targets.params:
+            return target + suffix, MXFP8_TILE, torch.uint8
+    raise TargetError(f"{hf_name}: vLLM param {target!r} on {targets.where()} is float8_e4m3fn "
+                      f"but has no scale param: expected {target + SCALE_SUFFIX!r} (block FP8) or "
+                      f"{target + MX_SCALE_SUFFIXES[0]!r} / {target + MX_SCALE_SUFFIXES[1]!r} (MXFP8)")
+
+
+def scale_piece(targets: VllmTargets, hf_name: str, piece: Piece, hf_shape: Sequence[int]) -> Piece:
     """The box of the scale target (and of the HF scale tensor) that goes with ``piece``."""
-    scale = piece.target + SCALE_SUFFIX
+    scale, tile, sdtype = scale_format(targets, hf_name, piece.target)
     weight = targets.params[piece.target]
-    if scale not in targets.params:
-        raise TargetError(f"{hf_name}: vLLM param {piece.target!r} on {targets.where()} is "
-                          f"float8_e4m3fn but has no block scale param {scale!r}")
     expected = blockwise_scale_shape(weight.shape, tuple(tile))
     found = targets.params[scale]
-    if tuple(found.shape) != expected or found.dtype != torch.float32:
+    if tuple(found.shape) != expected or found.dtype != sdtype:
         raise TargetError(f"{hf_name}: block scale {scale!r} on {targets.where()} is "
                           f"{list(found.shape)} {found.dtype}, expected {list(expected)} "
-                          f"torch.float32 for a {list(weight.shape)} weight in "
+                          f"{sdtype} for a {list(weight.shape)} weight in "
                           f"{tile[0]}x{tile[1]} blocks")
     t_box, why = _tile_box(piece.target_region, weight.shape, tile)
     if t_box is None:
@@ -113,7 +132,10 @@ def quantize_into(targets: VllmTargets, piece: Piece, scale: Piece, values: torc
     """Quantize ``values`` (the HF region of ``piece``) into the FP8 box and its scale box.
     Returns the bytes written."""
     dst = targets.view(piece)
-    q, s = quantize_blockwise_fp8(values.reshape(dst.shape))
+    if targets.params[scale.target].dtype == torch.uint8:  # MXFP8: E8M0 bytes
+        q, s = quantize_mxfp8(values.reshape(dst.shape))
+    else:
+        q, s = quantize_blockwise_fp8(values.reshape(dst.shape))
     dst.copy_(q)
     sdst = targets.view(scale)
     sdst.copy_(s.reshape(sdst.shape))
@@ -163,6 +185,10 @@ def fp8_receive_spec(targets: VllmTargets, p: Mapping[str, Any], rank_in_group: 
     piece = plan.pieces[0]
     scale = scale_piece(targets, name, piece, hf_shape)  # checks whole tiles on this rank
     wire_shape = box_shape(region)
+    if wire == FP8_DTYPE and targets.params[scale.target].dtype != torch.float32:
+        raise TargetError(f"{name}: the payload sends block-FP8 bytes but {piece.target!r} on "
+                          f"{targets.where()} is an MXFP8 param (scales {scale.target!r}): MXFP8 "
+                          f"is quantized on the receiver from BF16")
     if wire == FP8_DTYPE:
         if per_group:
             return LocalParamSpec(base=targets.view(piece).view(wire_shape)), plan
@@ -208,6 +234,9 @@ def _scale_spec(targets: VllmTargets, p: Mapping[str, Any], region, rank_in_grou
                           f"{plan.pieces[0].target!r} on {targets.where()} is "
                           f"{targets.params[plan.pieces[0].target].dtype}, not float8_e4m3fn")
     scale = scale_piece(targets, weight, plan.pieces[0], w_shape)
+    if targets.params[scale.target].dtype != torch.float32:
+        raise TargetError(f"{name}: the payload sends block scales but {scale.target!r} on "
+                          f"{targets.where()} holds MXFP8 scales")
     if scale.hf_region != tuple(s_region) or blockwise_scale_shape(w_shape) != s_shape:
         raise TargetError(f"{name}: the payload delivers scale region {list(s_region)} of "
                           f"{list(s_shape)} to {targets.where()}, but its weight's region there "

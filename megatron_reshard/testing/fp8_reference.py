@@ -69,18 +69,48 @@ def reference_block_fp8(weight: torch.Tensor, pow2: bool = False) -> tuple[torch
     return q, scale_inv
 
 
+MX_BLOCK = 32
+# per format: scale suffix, scale dtype, tile (rows, cols)
+FORMATS = {"block_fp8": ("_scale_inv", torch.float32, (TILE, TILE)),
+           "mxfp8": ("_scale", torch.uint8, (1, MX_BLOCK))}
+
+
+def reference_mxfp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn weight, uint8 E8M0 scales) per 32 elements of a row: the scale is the
+    smallest power of two ``2^j`` with ``amax <= 448 * 2^j`` (amax at least the smallest
+    normal fp32), stored as ``j + 127`` clamped to [0, 254]."""
+    w = weight.detach().to("cpu", torch.float32)
+    k = w.shape[-1]
+    nb = math.ceil(k / MX_BLOCK)
+    q = torch.empty(w.shape, dtype=torch.float8_e4m3fn)
+    scales = torch.empty((*w.shape[:-1], nb), dtype=torch.uint8)
+    for b in range(nb):
+        block = w[..., b * MX_BLOCK:(b + 1) * MX_BLOCK]
+        amax = block.abs().amax(dim=-1).clamp(min=torch.finfo(torch.float32).tiny)
+        mantissa, exponent = torch.frexp(amax)  # amax = m * 2^e; 448 = 0.875 * 2^9
+        j = torch.where(mantissa <= 0.875, exponent - 9, exponent - 8)
+        biased = (j + 127).clamp(0, 254)
+        factor = torch.pow(torch.tensor(2.0, dtype=torch.float64), (biased - 127).double()).float()
+        q[..., b * MX_BLOCK:(b + 1) * MX_BLOCK] = (block / factor[..., None]).clamp(
+            -E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+        scales[..., b] = biased.to(torch.uint8)
+    return q, scales
+
+
 def vllm_fp8_param_specs(hf_config: Mapping[str, Any], tp_rank: int, tp_size: int, ep_size: int = 1,
-                         ep_rank: Optional[int] = None, dtype: torch.dtype = torch.bfloat16
-                         ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Names, shapes and dtypes of a block-FP8 vLLM model's params on one rank: linear and
-    expert weights in float8_e4m3fn plus ``<name>_scale_inv`` (fp32, one per 128x128 tile);
-    the rest in ``dtype``."""
+                         ep_rank: Optional[int] = None, dtype: torch.dtype = torch.bfloat16,
+                         fmt: str = "block_fp8") -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Names, shapes and dtypes of an FP8 vLLM model's params on one rank: linear and expert
+    weights in float8_e4m3fn plus their scales (block FP8: ``<name>_scale_inv``, fp32, one per
+    128x128 tile; MXFP8: ``<name>_scale``, uint8 E8M0, one per 32 elements of a row); the rest
+    in ``dtype``."""
+    suffix, sdtype, (tr, tc) = FORMATS[fmt]
     out = {}
     for name, shape in vllm_param_shapes(hf_config, tp_rank, tp_size, ep_size, ep_rank).items():
         if VLLM_FP8_PARAM_RE.search(name):
             out[name] = (shape, torch.float8_e4m3fn)
-            tiles = (*shape[:-2], math.ceil(shape[-2] / TILE), math.ceil(shape[-1] / TILE))
-            out[name + "_scale_inv"] = (tiles, torch.float32)
+            tiles = (*shape[:-2], math.ceil(shape[-2] / tr), math.ceil(shape[-1] / tc))
+            out[name + suffix] = (tiles, sdtype)
         else:
             out[name] = (shape, dtype)
     return out
@@ -88,7 +118,8 @@ def vllm_fp8_param_specs(hf_config: Mapping[str, Any], tp_rank: int, tp_size: in
 
 def expected_vllm_fp8_params(hf_config: Mapping[str, Any], full_hf_tensors: Mapping[str, torch.Tensor],
                              tp_rank: int, tp_size: int, ep_size: int = 1,
-                             ep_rank: Optional[int] = None, pow2: bool = False) -> dict[str, torch.Tensor]:
+                             ep_rank: Optional[int] = None, pow2: bool = False,
+                             fmt: str = "block_fp8") -> dict[str, torch.Tensor]:
     """Every param of the block-FP8 vLLM model on one rank, from full HF tensors.
 
     ``pow2``: the weights were trained in blockwise FP8 (``testing.fp8_training``): the full
@@ -98,17 +129,18 @@ def expected_vllm_fp8_params(hf_config: Mapping[str, Any], full_hf_tensors: Mapp
     bytes_, scales, plain = {}, {}, {}
     for name, t in full_hf_tensors.items():
         if HF_LINEAR_RE.search(name) and t.dim() >= 2:
-            q, s = reference_block_fp8(t, pow2=pow2)
+            q, s = reference_mxfp8(t) if fmt == "mxfp8" else reference_block_fp8(t, pow2=pow2)
             bytes_[name], scales[name] = q.view(torch.uint8), s
         else:
             plain[name] = t
     # the scale tensors are the weights counted in tiles: the same layout with dims in tiles
-    tiled_cfg = dict(c, head_dim=math.ceil(c["head_dim"] / TILE))
+    suffix, _, (tile_rows, _) = FORMATS[fmt]
+    tiled_cfg = dict(c, head_dim=math.ceil(c["head_dim"] / tile_rows))
     out = {}
-    specs = vllm_fp8_param_specs(hf_config, tp_rank, tp_size, ep_size, ep_rank)
+    specs = vllm_fp8_param_specs(hf_config, tp_rank, tp_size, ep_size, ep_rank, fmt=fmt)
     for name, (_, dtype) in specs.items():
-        if name.endswith("_scale_inv"):
-            out[name] = expected_vllm_shard(tiled_cfg, name[: -len("_scale_inv")], scales, tp_rank,
+        if name.endswith(suffix):
+            out[name] = expected_vllm_shard(tiled_cfg, name[: -len(suffix)], scales, tp_rank,
                                             tp_size, ep_size, ep_rank)
         elif dtype == torch.float8_e4m3fn:
             out[name] = expected_vllm_shard(c, name, bytes_, tp_rank, tp_size, ep_size,
@@ -118,4 +150,4 @@ def expected_vllm_fp8_params(hf_config: Mapping[str, Any], full_hf_tensors: Mapp
     return out
 
 
-__all__ = ["expected_vllm_fp8_params", "reference_block_fp8", "vllm_fp8_param_specs"]
+__all__ = ["reference_mxfp8", "expected_vllm_fp8_params", "reference_block_fp8", "vllm_fp8_param_specs"]

@@ -118,14 +118,15 @@ def build_vllm_like_model(hf_config: Mapping[str, Any], tp_rank: int, tp_size: i
     root = nn.Module()
     shapes = vllm_param_shapes(hf_config, tp_rank, tp_size, ep_size, ep_rank, routed_experts_nesting)
     dtypes = {name: dtype for name in shapes}
-    if quant == "block_fp8":
+    if quant in ("block_fp8", "mxfp8"):
         from megatron_reshard.testing.fp8_reference import vllm_fp8_param_specs
 
-        specs = vllm_fp8_param_specs(hf_config, tp_rank, tp_size, ep_size, ep_rank, dtype)
+        specs = vllm_fp8_param_specs(hf_config, tp_rank, tp_size, ep_size, ep_rank, dtype, quant)
         shapes = {name: shape for name, (shape, _) in specs.items()}
         dtypes = {name: d for name, (_, d) in specs.items()}
     elif quant is not None:
-        raise ValueError(f"build_vllm_like_model: quant={quant!r}; expected None or 'block_fp8'")
+        raise ValueError(f"build_vllm_like_model: quant={quant!r}; expected None, 'block_fp8' or "
+                         f"'mxfp8'")
     for name, shape in shapes.items():
         *path, leaf = name.split(".")
         module = root
