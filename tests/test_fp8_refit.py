@@ -92,3 +92,12 @@ def test_mxfp8_moe_tp2_pp2_ep2_to_gen_tp2_ep2_bit_exact(pool):
     summary = _run(pool, model="moe", train_world=4, train_tp=2, train_pp=2, train_ep=2,
                    gen_world=2, gen_tp=2, gen_ep=2, gen_precision="mxfp8")
     assert summary["verified"], summary["per_gen_rank"]
+
+
+def test_qkv_per_kv_group_with_k_rows_not_whole_blocks_is_quantized_on_the_receiver(pool):
+    # head_dim 64: a KV group's q rows (2 heads) are one block and go as FP8 bytes; its k/v
+    # rows (64) are not, so they travel in bf16 per group and gen TP1 quantizes HF rows
+    summary = _run(pool, model="dense", model_overrides={"head_dim": 64}, train_world=2,
+                   train_tp=2, train_pp=1, train_ep=1, gen_world=1, gen_tp=1)
+    assert summary["verified"], summary["per_gen_rank"]
+    assert summary["exact_path_fraction"] == 1.0
