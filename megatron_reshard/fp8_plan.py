@@ -85,12 +85,14 @@ def _cut(region: tuple, shape: Sequence[int], tile: Sequence[int]) -> Optional[s
     return None
 
 
-def _hf_rows_region(name: str, shape: Sequence[int], region: tuple) -> tuple[tuple, tuple]:
-    """A per-KV-group q/k/v region in HF rows (it is one contiguous row block)."""
+def per_group_hf_rows(shape: Sequence[int], region: Sequence) -> tuple[tuple, tuple]:
+    """A per-KV-group form ``[groups, rows per group, cols]`` and a region of it (one
+    contiguous block of HF rows, as the payload's per-group layouts are) in HF rows:
+    ``(hf_shape, hf_region)``."""
     (g0, g1), (a, b), cols = region
     per_group = int(shape[1])
     rows = (g0 * per_group + a, (g1 - 1) * per_group + b) if g1 > g0 else (0, 0)
-    return (int(shape[0]) * per_group, int(shape[2])), (rows, cols)
+    return (int(shape[0]) * per_group, int(shape[2])), (rows, tuple(cols))
 
 
 def plan_mxfp8(info: dict, stage_world: int) -> dict:
@@ -124,7 +126,7 @@ def plan_block_fp8(info: dict, stage_world: int, tile: tuple[int, int] = BLOCK_F
             shape = tuple(int(s) for s in p["global_shape"])
             per_group = len(shape) == 3 and bool(QKV_GROUP_RE.search(p["name"]))
             for rank, region in sorted(_regions(p, "dst").items()):
-                hf_shape, hf_region = (_hf_rows_region(p["name"], shape, region) if per_group
+                hf_shape, hf_region = (per_group_hf_rows(shape, region) if per_group
                                        else (shape, region))
                 why = _cut(hf_region, hf_shape, tile)
                 if why:
@@ -164,5 +166,5 @@ def plan_block_fp8(info: dict, stage_world: int, tile: tuple[int, int] = BLOCK_F
     return counts
 
 
-__all__ = ["MXFP8_TILE", "plan_mxfp8", "FP8_WIRE_DTYPE", "SCALE_WIRE_DTYPE", "SCALE_SUFFIX", "Fp8SplitError", "GEN_QUANT_FORMATS",
+__all__ = ["per_group_hf_rows", "MXFP8_TILE", "plan_mxfp8", "FP8_WIRE_DTYPE", "SCALE_WIRE_DTYPE", "SCALE_SUFFIX", "Fp8SplitError", "GEN_QUANT_FORMATS",
            "is_quantizable", "plan_block_fp8", "scale_name"]

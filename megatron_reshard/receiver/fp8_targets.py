@@ -37,6 +37,7 @@ import torch
 
 from megatron_reshard.engine.geometry import box_shape
 from megatron_reshard.fp8_plan import MXFP8_TILE, QKV_GROUP_RE, SCALE_SUFFIX
+from megatron_reshard.fp8_plan import per_group_hf_rows as _as_hf_rows
 from megatron_reshard.quant import (
     BLOCK_FP8_TILE,
     blockwise_scale_shape,
@@ -140,14 +141,6 @@ def quantize_into(targets: VllmTargets, piece: Piece, scale: Piece, values: torc
     sdst = targets.view(scale)
     sdst.copy_(s.reshape(sdst.shape))
     return dst.numel() + sdst.numel() * 4
-
-
-def _as_hf_rows(shape: Sequence[int], region: Sequence) -> tuple[tuple, tuple]:
-    """A per-KV-group form ``[groups, rows per group, cols]`` and a region of it, in HF rows."""
-    (g0, g1), (a, b), cols = region
-    per_group = int(shape[1])
-    rows = (g0 * per_group + a, (g1 - 1) * per_group + b) if g1 > g0 else (0, 0)
-    return (int(shape[0]) * per_group, int(shape[2])), (rows, tuple(cols))
 
 
 def _single_piece(targets: VllmTargets, name: str, hf_shape: tuple, hf_region: tuple) -> TargetPlan:

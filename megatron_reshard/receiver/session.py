@@ -99,13 +99,15 @@ def build_receiver_param_map(payload: Mapping[str, Any], targets: VllmTargets, r
     """
     specs = HFToLocalParamMap()
     plans = []
+    fp8_storage = any(t.dtype == torch.float8_e4m3fn for t in targets.params.values())
     for params in stage_params(payload).values():
         for p in params:
             region = local_region(p["global_shape"], p["dst_mesh_info"], p["dst_placements"],
                                   rank_in_group)
             if region is None:
                 continue
-            fp8 = fp8_receive_spec(targets, p, rank_in_group, strided_in_place)
+            fp8 = (fp8_receive_spec(targets, p, rank_in_group, strided_in_place)
+                   if fp8_storage or p.get("gen_quant") else None)
             if fp8 is not None:  # block-FP8 storage: FP8 bytes, their scales, or quantize on write
                 specs.specs[p["name"]], plan = fp8
                 plans.append(plan)
