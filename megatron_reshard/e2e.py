@@ -399,16 +399,17 @@ def _train_rank(rank: int, cfg: RefitRunConfig, control, device: torch.device,
 
 
 def _publish_expected(cfg: RefitRunConfig, control, hf_config: dict, full: dict, step: int) -> None:
-    from megatron_reshard.testing.fp8_reference import expected_vllm_fp8_params
+    from megatron_reshard.testing.fp8_reference import expected_vllm_fp8_params, quantize_full_hf
     from megatron_reshard.testing.vllm_like import expected_vllm_shard, vllm_param_shapes
 
     full = {k: v.to("cpu") for k, v in full.items()}
+    pow2 = cfg.train_precision == "fp8_blockwise"
+    quantized = quantize_full_hf(full, cfg.gen_quant, pow2) if cfg.gen_quant else None
     for g in range(cfg.gen_world):
         tp_rank = g % cfg.gen_tp
         if cfg.gen_quant:  # the independent quantizer on the full HF tensors, then sliced
             expected = expected_vllm_fp8_params(hf_config, full, tp_rank, cfg.gen_tp, cfg.gen_ep,
-                                                pow2=cfg.train_precision == "fp8_blockwise",
-                                                fmt=cfg.gen_quant)
+                                                pow2=pow2, fmt=cfg.gen_quant, quantized=quantized)
             control.set(f"expected/{step}/{g}",
                         json.dumps({n: tensor_digest(t) for n, t in expected.items()}))
             continue

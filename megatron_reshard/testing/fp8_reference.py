@@ -116,16 +116,9 @@ def vllm_fp8_param_specs(hf_config: Mapping[str, Any], tp_rank: int, tp_size: in
     return out
 
 
-def expected_vllm_fp8_params(hf_config: Mapping[str, Any], full_hf_tensors: Mapping[str, torch.Tensor],
-                             tp_rank: int, tp_size: int, ep_size: int = 1,
-                             ep_rank: Optional[int] = None, pow2: bool = False,
-                             fmt: str = "block_fp8") -> dict[str, torch.Tensor]:
-    """Every param of the block-FP8 vLLM model on one rank, from full HF tensors.
-
-    ``pow2``: the weights were trained in blockwise FP8 (``testing.fp8_training``): the full
-    tensors are their dequantized values, whose power-of-two quantization gives back the
-    training bytes and scales (one encoding per value, see there)."""
-    c = _cfg(hf_config)
+def quantize_full_hf(full_hf_tensors: Mapping[str, torch.Tensor], fmt: str = "block_fp8",
+                     pow2: bool = False) -> tuple[dict, dict, dict]:
+    """(FP8 bytes as uint8, scales, the unquantized rest) of full HF tensors."""
     bytes_, scales, plain = {}, {}, {}
     for name, t in full_hf_tensors.items():
         if HF_LINEAR_RE.search(name) and t.dim() >= 2:
@@ -133,6 +126,22 @@ def expected_vllm_fp8_params(hf_config: Mapping[str, Any], full_hf_tensors: Mapp
             bytes_[name], scales[name] = q.view(torch.uint8), s
         else:
             plain[name] = t
+    return bytes_, scales, plain
+
+
+def expected_vllm_fp8_params(hf_config: Mapping[str, Any], full_hf_tensors: Mapping[str, torch.Tensor],
+                             tp_rank: int, tp_size: int, ep_size: int = 1,
+                             ep_rank: Optional[int] = None, pow2: bool = False,
+                             fmt: str = "block_fp8", quantized: Optional[tuple] = None
+                             ) -> dict[str, torch.Tensor]:
+    """Every param of the FP8 vLLM model on one rank, from full HF tensors.
+
+    ``pow2``: the weights were trained in blockwise FP8 (``testing.fp8_training``): the full
+    tensors are their dequantized values, whose power-of-two quantization gives back the
+    training bytes and scales (one encoding per value, see there). ``quantized``: the
+    result of ``quantize_full_hf`` for these tensors, to share it between ranks."""
+    c = _cfg(hf_config)
+    bytes_, scales, plain = quantized or quantize_full_hf(full_hf_tensors, fmt, pow2)
     # the scale tensors are the weights counted in tiles: the same layout with dims in tiles
     suffix, _, (tile_rows, _) = FORMATS[fmt]
     tiled_cfg = dict(c, head_dim=math.ceil(c["head_dim"] / tile_rows))
@@ -150,4 +159,4 @@ def expected_vllm_fp8_params(hf_config: Mapping[str, Any], full_hf_tensors: Mapp
     return out
 
 
-__all__ = ["reference_mxfp8", "expected_vllm_fp8_params", "reference_block_fp8", "vllm_fp8_param_specs"]
+__all__ = ["quantize_full_hf", "reference_mxfp8", "expected_vllm_fp8_params", "reference_block_fp8", "vllm_fp8_param_specs"]
