@@ -166,5 +166,8 @@ def plan_block_fp8(info: dict, stage_world: int, tile: tuple[int, int] = BLOCK_F
     return counts
 
 
-__all__ = ["per_group_hf_rows", "MXFP8_TILE", "plan_mxfp8", "FP8_WIRE_DTYPE", "SCALE_WIRE_DTYPE", "SCALE_SUFFIX", "Fp8SplitError", "GEN_QUANT_FORMATS",
-           "is_quantizable", "plan_block_fp8", "scale_name"]
+__all__ = [
+    "FP8_WIRE_DTYPE", "Fp8SplitError", "GEN_QUANT_FORMATS", "MXFP8_TILE", "SCALE_SUFFIX",
+    "SCALE_WIRE_DTYPE", "is_quantizable", "per_group_hf_rows", "plan_block_fp8", "plan_mxfp8",
+    "scale_name",
+]

@@ -159,4 +159,7 @@ def expected_vllm_fp8_params(hf_config: Mapping[str, Any], full_hf_tensors: Mapp
     return out
 
 
-__all__ = ["quantize_full_hf", "reference_mxfp8", "expected_vllm_fp8_params", "reference_block_fp8", "vllm_fp8_param_specs"]
+__all__ = [
+    "quantize_full_hf", "reference_mxfp8", "expected_vllm_fp8_params", "reference_block_fp8",
+    "vllm_fp8_param_specs"
+]
