@@ -1,7 +1,8 @@
 """FP8 weight quantizers for generation: block-FP8 (128×128, fp32 ``scale_inv``) and MXFP8.
 
-Torch only, any device. Not wired into the refit yet: no sender, receiver or CLI path calls
-these functions today (a later change does). What each format is:
+Torch only, any device. The refit uses them through ``fp8_plan`` (which weights are
+quantized where), ``megatron.fp8_source`` (the sender) and ``receiver.fp8_targets`` (the
+receiver). What each format is:
 
 - **Block FP8** (vLLM's block-quantized FP8 linear / MoE weights, ``weight_block_size``
   [128, 128]): ``weight`` in ``float8_e4m3fn`` with the shape of the high-precision weight

@@ -9,9 +9,10 @@ A missing key reads as the schema's default (``colocated.enabled`` False, ETP 1,
 TP/EP/PP 1, FP8 off); a key present with ``None`` stays ``None``, as the seed reads it.
 
 FP8: the rules accept the two FP8 pairs the seed accepts (blockwise-FP8 training storage
-→ FP8 generation, and BF16 training → MXFP8 generation quantized on the receiver). This
-project does not implement FP8 refit yet (see README "Known limits"); accepting a config
-here says only that the seed would accept it.
+→ FP8 generation, and BF16 training → MXFP8 generation quantized on the receiver); the
+project refits both (``MegatronRefitSource(gen_quant="block_fp8" | "mxfp8")``, see README
+"FP8 refit"), and its native API also serves BF16 → block FP8, which these rules, as the
+seed's, reject.
 """
 
 from __future__ import annotations

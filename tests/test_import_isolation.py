@@ -30,6 +30,9 @@ OPTIONAL = [
     "megatron_reshard.vllm_layout",
     "megatron_reshard.vllm_layout.dense",
     "megatron_reshard.vllm_layout.moe",
+    "megatron_reshard.quant",
+    "megatron_reshard.fp8_plan",
+    "megatron_reshard.receiver.fp8_targets",
 ]
 
 _PROBE = textwrap.dedent(

@@ -50,6 +50,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import Replicate, Shard
 
 from megatron_reshard.engine.geometry import rank_region
+from megatron_reshard.fp8_plan import GEN_QUANT_FORMATS, plan_block_fp8, plan_mxfp8
 from megatron_reshard.layout import (MeshInfo, PaddedShard, build_mesh_info, is_expert_param,
                                      is_nccl_reshard_param)
 from megatron_reshard.megatron import mla
@@ -72,6 +73,7 @@ from megatron_reshard.megatron.parallel import (
     describe_rank_order,
     read_parallel_state,
 )
+from megatron_reshard.megatron.fp8_source import fp8_sender_specs, grouped_name, train_fp8_views
 from megatron_reshard.megatron.payload import build_payload, encode_payload
 from megatron_reshard.megatron.qkv import megatron_qkv_blocks, megatron_qkv_layout
 from megatron_reshard.metadata import (
@@ -179,11 +181,16 @@ class MegatronRefitSource:
 
     def __init__(self, model: Any, *, gen_parallelism: dict, gen_world_size: int,
                  family: Optional[str] = None, vocab_size: Optional[int] = None,
-                 packed_params: Optional[str] = None):
+                 packed_params: Optional[str] = None, gen_quant: Optional[str] = None):
         """``packed_params``: a regex; the HF params it matches (``re.search``) travel in the
         packed broadcast instead of shard to shard (every param has an exact path; this is
-        the explicit way back to the broadcast, e.g. to compare the two)."""
+        the explicit way back to the broadcast, e.g. to compare the two).
+        ``gen_quant="block_fp8"``: the generation model holds its linear weights in block
+        FP8 (``megatron_reshard.fp8_plan``); None: the same dtype as training."""
         layout, coords, problems = read_parallel_state()
+        if gen_quant not in (None, *GEN_QUANT_FORMATS):
+            problems.append(f"gen_quant={gen_quant!r}: expected None or one of {list(GEN_QUANT_FORMATS)}")
+        self.gen_quant = gen_quant
         bare, model_problems = unwrap_model(model)
         problems += model_problems
         config = getattr(bare, "config", None)
@@ -253,11 +260,16 @@ class MegatronRefitSource:
             for hf_name, shape in shapes.items():
                 local_meta[hf_name] = {"shape": shape, "dtype": str(tensor.dtype)}
 
+        # weights held in blockwise FP8 for training (fp8_param): their bytes and scales travel
+        self._fp8_views, fp8_problems = (train_fp8_views(self._converted, self.dims)
+                                         if gen_quant is not None else ({}, []))
+        rank_problems += [f"rank {coords.rank}: {p}" for p in fp8_problems]
         report = {
             "coords": coords_to_plain(coords),
             "layers": sorted(global_layer.values()),
             "meta": local_meta,
             "problems": rank_problems,
+            "fp8": sorted({grouped_name(n) for n in self._fp8_views}),
         }
         # --- the one collective ---
         reports: list = [None] * layout.world_size
@@ -305,6 +317,25 @@ class MegatronRefitSource:
         self._use_live_meshes(info)
         self._add_exact_extras(info, stage_of_key)
         self.refit_info = info
+        if gen_quant is not None:  # the payload's entries say where each weight is quantized
+            info = {**info, "per_layer_params": {k: [dict(p) for p in v]
+                                                 for k, v in info["per_layer_params"].items()}}
+            train_fp8 = frozenset(n for r in reports for n in r["fp8"])
+            if gen_quant == "mxfp8":  # quantized on the receiver (NeMo-RL's is_mx path)
+                if train_fp8:
+                    raise ValueError(f"gen_quant='mxfp8' with weights held in blockwise FP8 for "
+                                     f"training ({len(train_fp8)}, e.g. {min(train_fp8)}): MXFP8 "
+                                     f"generation is quantized from BF16 training weights only")
+                self.fp8_counts = plan_mxfp8(info, layout.world_size // layout.pp)
+            else:
+                self.fp8_counts = plan_block_fp8(info, layout.world_size // layout.pp,
+                                                 train_fp8=train_fp8)
+            planned = {p["name"] for ps in info["per_layer_params"].values() for p in ps}
+            packed = sorted(train_fp8 - planned)
+            if packed:  # the packed path sends full BF16 tensors: the FP8 bytes would be lost
+                raise ValueError(f"weights held in blockwise FP8 for training must take the exact "
+                                 f"path, but these would go packed: {packed}")
+        self.gen_refit_info = info
         other = [{"name": n, "shape": list(m["shape"]), "dtype": m["dtype"],
                   "pp_stage": stage_of_key[_extract_layer_name(n)]}
                  for n, m in self.other_params_metadata.items()]
@@ -558,6 +589,9 @@ class MegatronRefitSource:
                     specs[name] = spec
         if problems:
             raise ValueError("local views do not match the refit info:\n  - " + "\n  - ".join(problems))
+        if self.gen_quant is not None and refit_info is None:
+            return fp8_sender_specs(HFToLocalParamMap(specs), self.gen_refit_info, self.stage,
+                                    self._fp8_views)
         return HFToLocalParamMap(specs)
 
     @torch.no_grad()

@@ -22,6 +22,7 @@ from megatron_reshard.faults import RefitError, fault_scope, wait_device
 from megatron_reshard.layout import BlockShard, PaddedShard, is_expert_param
 from megatron_reshard.metadata import restore_refit_info_placements
 from megatron_reshard.packed import chunk_items
+from megatron_reshard.receiver.fp8_targets import fp8_receive_spec
 from megatron_reshard.receiver.payload_check import RefitPayloadError, validate_payload
 from megatron_reshard.receiver.state import WeightState
 from megatron_reshard.refit_loop import (
@@ -98,11 +99,18 @@ def build_receiver_param_map(payload: Mapping[str, Any], targets: VllmTargets, r
     """
     specs = HFToLocalParamMap()
     plans = []
+    fp8_storage = any(t.dtype == torch.float8_e4m3fn for t in targets.params.values())
     for params in stage_params(payload).values():
         for p in params:
             region = local_region(p["global_shape"], p["dst_mesh_info"], p["dst_placements"],
                                   rank_in_group)
             if region is None:
+                continue
+            fp8 = (fp8_receive_spec(targets, p, rank_in_group, strided_in_place)
+                   if fp8_storage or p.get("gen_quant") else None)
+            if fp8 is not None:  # block-FP8 storage: FP8 bytes, their scales, or quantize on write
+                specs.specs[p["name"]], plan = fp8
+                plans.append(plan)
                 continue
             padded = any(isinstance(pl, PaddedShard) for pl in p["dst_placements"])
             per_group = is_qkv_per_group(p["name"], p["global_shape"])
@@ -234,7 +242,8 @@ class ReceiverSession:
                               xfer_batch=xfer_batch, verify_checksums=verify_checksums)
         self.pp_size = pp_size
         # the weight state names the model's own (vLLM) params: what the storage holds
-        self._targets_of = {plan.hf_name: sorted({piece.target for piece in plan.pieces})
+        self._targets_of = {plan.hf_name: sorted({piece.target for piece in plan.pieces}
+                                                 | {pc.target for pc in plan.scales.values()})
                             for plan in list(self.bulk_plans) +
                             [p for ps in self.misc_plans.values() for p in ps]}
 

@@ -65,6 +65,8 @@ class TargetPlan:
     pieces: list[Piece] = field(default_factory=list)
     zero: list[tuple[str, Region]] = field(default_factory=list)  # target boxes to zero-fill
     note: str = ""  # why there is nothing to write (e.g. tied lm_head, experts of another rank)
+    # block-FP8 targets (receiver.fp8_targets): piece index -> its box of the scale param
+    scales: dict[int, Piece] = field(default_factory=dict)
 
 
 def _full(shape: Sequence[int]) -> Region:
@@ -361,6 +363,8 @@ def receive_spec(targets: VllmTargets, piece: Piece, strided_in_place: bool = Tr
 def check_wire_dtype(targets: VllmTargets, plan: TargetPlan, wire_dtype: torch.dtype) -> None:
     for piece in plan.pieces:
         tdtype = targets.params[piece.target].dtype
+        if tdtype == torch.float8_e4m3fn and wire_dtype.is_floating_point and wire_dtype.itemsize > 1:
+            continue  # a block-FP8 target: quantized on write (receiver.fp8_targets)
         if tdtype != wire_dtype:
             raise TargetError(f"{plan.hf_name}: dtype mismatch on {targets.where()}: wire dtype "
                               f"{wire_dtype}, vLLM param {piece.target!r} has dtype {tdtype}")
@@ -396,10 +400,13 @@ def bulk_receive_plan(targets: VllmTargets, hf_name: str, global_shape: Sequence
 def plan_full_weights(targets: VllmTargets, items: Iterable[tuple[str, Sequence[int], torch.dtype]]
                       ) -> list[TargetPlan]:
     """Plans for full HF tensors given as ``(name, shape, dtype)``; every check, no writes."""
+    from megatron_reshard.receiver.fp8_targets import fp8_scale_pieces
+
     plans = []
     for name, shape, dtype in items:
         plan = targets.resolve(name, shape)
         check_wire_dtype(targets, plan, dtype)
+        plan.scales = fp8_scale_pieces(targets, plan)
         plans.append(plan)
     return plans
 
@@ -407,10 +414,16 @@ def plan_full_weights(targets: VllmTargets, items: Iterable[tuple[str, Sequence[
 def apply_full_weights(targets: VllmTargets, plans: Sequence[TargetPlan],
                        tensors: Mapping[str, torch.Tensor]) -> int:
     """Write each plan's pieces from its full HF tensor; zero-fill padding. Returns bytes written."""
+    from megatron_reshard.receiver.fp8_targets import quantize_into
+
     written = 0
     for plan in plans:
         full = tensors[plan.hf_name]
-        for piece in plan.pieces:
+        for i, piece in enumerate(plan.pieces):
+            if i in plan.scales:  # block-FP8 target: quantize the slice (whole 128x128 blocks)
+                written += quantize_into(targets, piece, plan.scales[i],
+                                         full[region_index(piece.hf_region)])
+                continue
             dst = targets.view(piece)
             src = full[region_index(piece.hf_region)]
             dst.copy_(src.reshape(dst.shape))
@@ -438,5 +451,7 @@ def coverage_gaps(targets: VllmTargets, plans: Iterable[TargetPlan]) -> dict[str
             covered[piece.target] = covered.get(piece.target, 0) + _numel(piece.target_region)
         for target, box in plan.zero:
             covered[target] = covered.get(target, 0) + _numel(box)
+        for piece in plan.scales.values():
+            covered[piece.target] = covered.get(piece.target, 0) + _numel(piece.target_region)
     return {name: t.numel() - covered.get(name, 0) for name, t in targets.params.items()
             if t.numel() - covered.get(name, 0) > 0}

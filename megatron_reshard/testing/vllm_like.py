@@ -155,10 +155,25 @@ def vllm_param_shapes(hf_config: Mapping[str, Any], tp_rank: int, tp_size: int, 
 def build_vllm_like_model(hf_config: Mapping[str, Any], tp_rank: int, tp_size: int, ep_size: int = 1,
                           dtype: torch.dtype = torch.bfloat16, *, ep_rank: Optional[int] = None,
                           routed_experts_nesting: bool = False,
-                          device: Optional[torch.device] = None) -> nn.Module:
-    """An ``nn.Module`` with vLLM's per-rank parameter names and shapes, filled with NaN."""
+                          device: Optional[torch.device] = None,
+                          quant: Optional[str] = None) -> nn.Module:
+    """An ``nn.Module`` with vLLM's per-rank parameter names and shapes, filled with NaN.
+
+    ``quant="block_fp8"``: linear and expert weights in float8_e4m3fn with their fp32
+    ``_scale_inv`` (``testing.fp8_reference.vllm_fp8_param_specs``), the rest in ``dtype``.
+    """
     root = nn.Module()
     shapes = vllm_param_shapes(hf_config, tp_rank, tp_size, ep_size, ep_rank, routed_experts_nesting)
+    dtypes = {name: dtype for name in shapes}
+    if quant in ("block_fp8", "mxfp8"):
+        from megatron_reshard.testing.fp8_reference import vllm_fp8_param_specs
+
+        specs = vllm_fp8_param_specs(hf_config, tp_rank, tp_size, ep_size, ep_rank, dtype, quant)
+        shapes = {name: shape for name, (shape, _) in specs.items()}
+        dtypes = {name: d for name, (_, d) in specs.items()}
+    elif quant is not None:
+        raise ValueError(f"build_vllm_like_model: quant={quant!r}; expected None, 'block_fp8' or "
+                         f"'mxfp8'")
     for name, shape in shapes.items():
         *path, leaf = name.split(".")
         module = root
@@ -169,7 +184,7 @@ def build_vllm_like_model(hf_config: Mapping[str, Any], tp_rank: int, tp_size: i
                 module.add_module(part, child)
             module = child
         # vLLM keeps DeepSeek's score-correction bias in float32 whatever the model dtype
-        pdtype = torch.float32 if name.endswith("e_score_correction_bias") else dtype
+        pdtype = torch.float32 if name.endswith("e_score_correction_bias") else dtypes[name]
         data = torch.empty(shape, dtype=pdtype, device=device)
         data.fill_(float("nan") if pdtype.is_floating_point else -1)
         module.register_parameter(leaf, nn.Parameter(data, requires_grad=False))

@@ -56,7 +56,8 @@ def print_summary(summary: dict) -> None:
     t, g = lay["train"], lay["gen"]
     print(f"\nrefit: {lay['model']} model, train tp{t['tp']} pp{t['pp']} ep{t['ep']} "
           f"({t['world']} ranks) -> gen tp{g['tp']} ep{g['ep']} ({g['world']} ranks), "
-          f"{lay['backend']} on {lay['device']}, {lay['dtype']}")
+          f"{lay['backend']} on {lay['device']}, {lay['dtype']}"
+          f"{ {'fp8': ' -> block FP8', 'mxfp8': ' -> MXFP8'}.get(summary.get('gen_precision'), '')}")
     print("| gen rank | tensors received (exact path + packed) | bytes received | exact-path bytes "
           "| packed bytes | mismatched params |")
     print("|---|---|---|---|---|---|")
@@ -67,6 +68,14 @@ def print_summary(summary: dict) -> None:
     print(f"tensors received: {TENSORS_MEANING}")
     refit_ms = ", ".join(f"{s * 1e3:.1f}" for s in summary["refit_s"])
     print(f"exact-path share of bytes: {summary['exact_path_fraction']:.1%}")
+    if summary.get("gen_precision") in ("fp8", "mxfp8"):
+        got = sum(row["bytes"] for row in summary["per_gen_rank"])
+        base = sum(row["unquantized_bytes"] for row in summary["per_gen_rank"])
+        fmt = "block FP8" if summary["gen_precision"] == "fp8" else "MXFP8 (quantized on the receiver)"
+        print(f"{fmt}: {_fmt_bytes(got)} received over all generation ranks vs "
+              f"{_fmt_bytes(base)} for the same refit in {lay['dtype']} "
+              f"({summary['bytes_vs_unquantized']:.1%}; embeddings, lm_head, norms and router "
+              f"stay in {lay['dtype']}; scales included)")
     print(f"setup: {summary['setup_s']:.2f} s   refits: {summary['refits']} "
           f"(ms each, slowest rank: {refit_ms})")
     verdict = "PASS: every generation parameter is bit-exact after every refit"

@@ -51,6 +51,24 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
                      layernorm_epsilon=1e-6),
 }
 
+# --gen-precision fp8: the preset's dims made whole 128x128 blocks per TP shard (head_dim
+# 128, hidden 256, FFN 512 / experts 256), as vLLM's block-FP8 layers require
+FP8_MODEL_OVERRIDES: dict[str, Any] = dict(hidden_size=256, num_attention_heads=4,
+                                           num_query_groups=2, head_dim=128, ffn_hidden_size=512,
+                                           moe_ffn_hidden_size=256, num_moe_experts=4,
+                                           num_layers=2)
+GEN_PRECISIONS = ("bf16", "fp8", "mxfp8")
+
+
+def model_preset(cfg: "RefitRunConfig") -> dict[str, Any]:
+    """The model's spec values (family included) for this run."""
+    preset = dict(MODEL_PRESETS[cfg.model])
+    if cfg.gen_precision in ("fp8", "mxfp8"):
+        preset.update({k: v for k, v in FP8_MODEL_OVERRIDES.items()
+                       if k in preset or k == "head_dim"})
+    preset.update(cfg.model_overrides)
+    return preset
+
 
 @dataclass(frozen=True)
 class RefitRunConfig:
@@ -78,6 +96,14 @@ class RefitRunConfig:
     quiet: bool = False
     packed_params: Optional[str] = None  # regex of HF params sent by packed broadcast instead
 
+    gen_precision: str = "bf16"  # "fp8": block-FP8 generation model (fp8_plan); "mxfp8"
+    # "fp8_blockwise": linear weights held in blockwise FP8 for training (testing.fp8_training,
+    # the CPU stand-in for TE fp8_param); needs gen_precision "fp8"
+    train_precision: str = "bf16"
+
+    @property
+    def gen_quant(self):
+        return {"fp8": "block_fp8", "mxfp8": "mxfp8"}.get(self.gen_precision)
 
     @property
     def staging_bytes(self) -> int:
@@ -135,6 +161,13 @@ def _basic_problems(cfg: RefitRunConfig) -> list[str]:
         out.append(f"--device {cfg.device!r}: expected cpu or cuda")
     elif cfg.backend == "nccl" and cfg.device != "cuda":
         out.append(f"--backend nccl: expected --device cuda, found --device {cfg.device}")
+    if cfg.train_precision not in ("bf16", "fp8_blockwise"):
+        out.append(f"--train-precision {cfg.train_precision!r}: expected bf16 or fp8_blockwise")
+    elif cfg.train_precision == "fp8_blockwise" and cfg.gen_precision != "fp8":
+        out.append("--train-precision fp8_blockwise: expected --gen-precision fp8 (blockwise FP8 "
+                   f"training weights refit into block-FP8 generation), found {cfg.gen_precision}")
+    if cfg.gen_precision not in GEN_PRECISIONS:
+        out.append(f"--gen-precision {cfg.gen_precision!r}: expected one of {', '.join(GEN_PRECISIONS)}")
     if cfg.dtype not in ("bfloat16", "float16", "float32"):
         out.append(f"--dtype {cfg.dtype!r}: expected bfloat16, float16 or float32")
     if cfg.packed_params is not None:
@@ -161,7 +194,7 @@ def _split_refusals(cfg: RefitRunConfig) -> dict[str, Any]:
     """
     from megatron_reshard.vllm_layout import padded_vocab_rows
 
-    m = dict(MODEL_PRESETS[cfg.model], **cfg.model_overrides)
+    m = model_preset(cfg)
     heads = m["num_attention_heads"]
     kv = m.get("num_query_groups") or heads
     experts = m.get("num_moe_experts") or 0
@@ -205,7 +238,23 @@ def _split_refusals(cfg: RefitRunConfig) -> dict[str, Any]:
         if vocab_rows % t:
             return (f"does not divide its {vocab_rows} vocab rows (vocab {m['vocab_size']} "
                     "padded as vLLM pads it)")
+        if cfg.gen_quant == "block_fp8":  # MXFP8 cuts are refused by fp8_plan.plan_mxfp8
+            return tp_common(t) or fp8_blocks(t)
         return tp_common(t)
+
+    def fp8_blocks(t: int) -> Optional[str]:
+        """vLLM's block-FP8 layers hold whole 128-row/column blocks on every TP rank."""
+        head_dim = m.get("head_dim") or m["hidden_size"] // heads
+        sizes = {"attention rows per rank": heads * head_dim // t,
+                 "KV rows per rank": max(1, kv // t) * head_dim}
+        if ffn:
+            sizes["FFN rows per rank"] = ffn // t
+        if experts:
+            sizes["expert FFN rows per rank"] = expert_ffn // (t if cfg.gen_ep == 1 else 1)
+        cut = {k: v for k, v in sizes.items() if t > 1 and v % 128}
+        if cut:
+            return f"cuts 128x128 FP8 blocks ({cut}) with --gen-precision fp8"
+        return None
 
     def ep(e: int) -> Optional[str]:
         if not experts:
@@ -325,7 +374,7 @@ def run_training_rank(rank: int, cfg: RefitRunConfig, control, device: torch.dev
                                  expert_model_parallel_size=cfg.train_ep,
                                  expert_tensor_parallel_size=1,
                                  distributed_timeout_minutes=max(1, int(cfg.timeout_s // 60)))
-    preset = dict(MODEL_PRESETS[cfg.model], **cfg.model_overrides)
+    preset = model_preset(cfg)
     family = preset.pop("family")
     spec = TinyGPTSpec(dtype=cfg.dtype, **preset)
     # All params in the training dtype, as Float16Module leaves them (the local layer spec
@@ -335,6 +384,10 @@ def run_training_rank(rank: int, cfg: RefitRunConfig, control, device: torch.dev
     else:
         model = build_gpt_model(spec).to(device=device, dtype=getattr(torch, cfg.dtype))
     keep_expert_bias_fp32_(model)
+    if cfg.train_precision == "fp8_blockwise":
+        from megatron_reshard.testing.fp8_training import attach_blockwise_fp8_
+
+        attach_blockwise_fp8_(model)
     if rank == 0:
         _say(cfg, who, f"training world up: tp{cfg.train_tp} pp{cfg.train_pp} ep{cfg.train_ep} "
                        f"on {cfg.train_world} ranks; model built ({cfg.model}, "
@@ -342,7 +395,8 @@ def run_training_rank(rank: int, cfg: RefitRunConfig, control, device: torch.dev
     source = MegatronRefitSource(model, gen_parallelism={"tp_size": cfg.gen_tp, "ep_size": cfg.gen_ep,
                                                          "pp_size": 1},
                                  gen_world_size=cfg.gen_world, family=family,
-                                 vocab_size=spec.vocab_size, packed_params=cfg.packed_params)
+                                 vocab_size=spec.vocab_size, packed_params=cfg.packed_params,
+                                 gen_quant=cfg.gen_quant)
     if rank == 0:
         payload = source.payload_bytes()
         control.set("payload", payload)
@@ -363,6 +417,8 @@ def run_training_rank(rank: int, cfg: RefitRunConfig, control, device: torch.dev
     for step in range(cfg.refits):
         if step:
             perturb_(model, step)
+            if cfg.train_precision == "fp8_blockwise":  # an optimizer step re-quantizes
+                attach_blockwise_fp8_(model)
         stats = sender.refit()
         refits.append(stats)
         if cfg.verify:
@@ -381,11 +437,20 @@ def run_training_rank(rank: int, cfg: RefitRunConfig, control, device: torch.dev
 
 
 def _publish_expected(cfg: RefitRunConfig, control, hf_config: dict, full: dict, step: int) -> None:
+    from megatron_reshard.testing.fp8_reference import expected_vllm_fp8_params, quantize_full_hf
     from megatron_reshard.testing.vllm_like import expected_vllm_shard, vllm_param_shapes
 
     full = {k: v.to("cpu") for k, v in full.items()}
+    pow2 = cfg.train_precision == "fp8_blockwise"
+    quantized = quantize_full_hf(full, cfg.gen_quant, pow2) if cfg.gen_quant else None
     for g in range(cfg.gen_world):
         tp_rank = g % cfg.gen_tp
+        if cfg.gen_quant:  # the independent quantizer on the full HF tensors, then sliced
+            expected = expected_vllm_fp8_params(hf_config, full, tp_rank, cfg.gen_tp, cfg.gen_ep,
+                                                pow2=pow2, fmt=cfg.gen_quant, quantized=quantized)
+            control.set(f"expected/{step}/{g}",
+                        json.dumps({n: tensor_digest(t) for n, t in expected.items()}))
+            continue
         names = vllm_param_shapes(hf_config, tp_rank, cfg.gen_tp, cfg.gen_ep)
         digests = {n: tensor_digest(expected_vllm_shard(hf_config, n, full, tp_rank, cfg.gen_tp,
                                                         cfg.gen_ep)) for n in names}
@@ -413,7 +478,7 @@ def _gen_rank(gen_rank: int, cfg: RefitRunConfig, control, device: torch.device,
     payload = decode_payload(control.get("payload"))
     tp_rank = gen_rank % cfg.gen_tp
     model = build_vllm_like_model(payload["hf_config"], tp_rank, cfg.gen_tp, cfg.gen_ep,
-                                  getattr(torch, cfg.dtype), device=device)
+                                  getattr(torch, cfg.dtype), device=device, quant=cfg.gen_quant)
     worker = _ModuleWorker(model)
     # group_rank=None: each worker derives it from its rank in the generation world, as
     # vLLM workers do when collective_rpc sends every worker the same arguments
@@ -441,8 +506,14 @@ def _gen_rank(gen_rank: int, cfg: RefitRunConfig, control, device: torch.device,
                 _say(cfg, who, f"refit {step + 1}/{cfg.refits} received in "
                                f"{stats['refit_s'] * 1e3:.1f} ms, committed as version "
                                f"{stats['version']} (checksums matched): {verdict}")
+    # what the same weights take in the training dtype (block scales excluded): the bytes a
+    # BF16 refit lands in this rank's storage, to compare an FP8 refit against
+    itemsize = torch.empty((), dtype=getattr(torch, cfg.dtype)).element_size()
+    unquantized = sum(p.numel() * itemsize for n, p in model.named_parameters()
+                      if not n.endswith(("_scale_inv", "_scale")))
     out = {"role": "gen", "rank": gen_rank, "setup_s": setup_s, "refits": refits,
-           "mismatches": mismatches, "report": worker.report(), "summary": summary,
+           "unquantized_bytes": unquantized, "mismatches": mismatches,
+           "report": worker.report(), "summary": summary,
            "verified": cfg.verify and not any(mismatches)}
     if after_refits is not None:
         groups = worker._refit_state()["groups"]
@@ -480,6 +551,7 @@ def summarize(cfg: RefitRunConfig, results: list[dict]) -> dict:
                         "bulk_params": r["report"]["params"], "other_params": r["report"]["misc_params"],
                         "bytes": bulk + misc, "bulk_bytes": bulk, "misc_bytes": misc,
                         "misc_wire_bytes": last.get("misc_wire_bytes", 0),
+                        "unquantized_bytes": r.get("unquantized_bytes", bulk + misc),
                         "mismatched": sorted({n for bad in r["mismatches"] for n in bad})})
     total = sum(g["bytes"] for g in per_gen)
     refit_s = [max(r["refits"][i]["refit_s"] for r in results) for i in range(cfg.refits)]
@@ -492,6 +564,9 @@ def summarize(cfg: RefitRunConfig, results: list[dict]) -> dict:
         "setup_s": max(r["setup_s"] for r in results),
         "refit_s": refit_s,
         "per_gen_rank": per_gen,
+        "gen_precision": cfg.gen_precision,
+        # bytes received over what the same refit in the training dtype would land
+        "bytes_vs_unquantized": (total / sum(g["unquantized_bytes"] for g in per_gen)) if total else 0.0,
         "layout": {"model": cfg.model, "train": {"world": cfg.train_world, "tp": cfg.train_tp,
                                                   "pp": cfg.train_pp, "ep": cfg.train_ep},
                    "gen": {"world": cfg.gen_world, "tp": cfg.gen_tp, "ep": cfg.gen_ep},
@@ -514,7 +589,9 @@ def config_from_args(args, ports: tuple) -> RefitRunConfig:
                           device=args.device, dtype=args.dtype, ports=ports,
                           timeout_s=args.timeout_s, num_streams=args.streams,
                           staging_mib=args.staging_mib, quiet=getattr(args, "json", False),
-                          packed_params=getattr(args, "packed_params", None))
+                          packed_params=getattr(args, "packed_params", None),
+                          gen_precision=getattr(args, "gen_precision", "bf16"),
+                          train_precision=getattr(args, "train_precision", "bf16"))
 
 
 def keep_expert_bias_fp32_(model: torch.nn.Module) -> None:
@@ -567,6 +644,19 @@ def add_run_arguments(parser) -> None:
                         help="HF params (matched with re.search) to send by packed broadcast from "
                              "each stage's first training rank instead of shard to shard "
                              "(default: none, every byte on the exact path)")
+    parser.add_argument("--gen-precision", choices=GEN_PRECISIONS, default=d.gen_precision,
+                        help="generation weights: bf16 (the training dtype), fp8 (vLLM block "
+                             "FP8, 128x128 e4m3 + fp32 scale_inv; linear weights quantized on the "
+                             "sending side where a shard owns whole blocks, else on the receiver) "
+                             "or mxfp8 (e4m3 + E8M0 scale per 32 elements, quantized on the "
+                             "receiver); with fp8/mxfp8 the model dims become multiples of 128 "
+                             "(default: %(default)s)")
+    parser.add_argument("--train-precision", choices=["bf16", "fp8_blockwise"],
+                        default=d.train_precision,
+                        help="fp8_blockwise: linear weights held in blockwise FP8 on the training "
+                             "side (a plain-tensor stand-in for Megatron fp8_param with TE's "
+                             "blockwise recipe); their bytes and scales move as they are; needs "
+                             "--gen-precision fp8 (default: %(default)s)")
     parser.add_argument("--timeout-s", type=float, default=d.timeout_s,
                         help="seconds every process group and store waits before failing "
                              "(default: %(default)s)")

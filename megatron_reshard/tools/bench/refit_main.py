@@ -454,6 +454,9 @@ def run_case(case: str, args: argparse.Namespace, rank: int, ports: tuple, bench
 
     spec = CASES[case]
     overrides = dict(SMALL_OVERRIDES[case] if args.small else spec["overrides"])
+    fp8 = getattr(args, "gen_precision", "bf16") == "fp8"
+    if fp8 and args.small:
+        overrides = {}  # e2e.FP8_MODEL_OVERRIDES: tiny dims made of whole 128x128 blocks
     layers = args.layers if args.layers is not None else (2 if args.small else 4)
     overrides["num_layers"] = layers
     device_type = "cuda" if args.device == "cuda" else "cpu"
@@ -465,7 +468,7 @@ def run_case(case: str, args: argparse.Namespace, rank: int, ports: tuple, bench
                          host=os.environ.get("MASTER_ADDR", "127.0.0.1"), ports=ports,
                          timeout_s=args.timeout_s, num_streams=args.streams,
                          staging_mib=args.staging_mib, quiet=rank not in (0, half),
-                         **train)
+                         gen_precision="fp8" if fp8 else "bf16", **train)
     t0 = time.perf_counter()
     result = run_rank(rank, cfg, model_builder=build_model_fast,
                       after_refits=lambda ctx: _bench_side(ctx, args, case))
@@ -502,6 +505,8 @@ def run_case(case: str, args: argparse.Namespace, rank: int, ports: tuple, bench
         "check": ("exact" if summary["verified"] else "MISMATCH") if cfg.verify else "not verified",
         "mismatched": sorted({n for g in summary["per_gen_rank"] for n in g["mismatched"]})[:20],
         "bytes_per_gen_rank": b["bytes_per_gen"],
+        "gen_precision": summary["gen_precision"],
+        "bytes_vs_unquantized": summary["bytes_vs_unquantized"],
     }
     raws = [x for x in (row["raw_pair_gbps"], row["raw_fanin_gbps"]) if x]
     if raws:
@@ -583,6 +588,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-baseline", action="store_true", help="skip gather+broadcast")
     p.add_argument("--no-raw", action="store_true", help="skip the raw P2P figures")
     p.add_argument("--staging-mib", type=int, default=256, help="engine staging budget per rank")
+    p.add_argument("--gen-precision", choices=["bf16", "fp8"], default="bf16",
+                   help="fp8: block-FP8 generation model (linear weights quantized on the "
+                        "sending side where shards own whole 128x128 blocks); the row's "
+                        "bytes_vs_unquantized compares with the same refit in bf16")
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="profile one refit per rank (torch.profiler) into DIR/profile_*.txt")
     p.add_argument("--streams", type=int, default=2, help="CUDA streams for PP stages")

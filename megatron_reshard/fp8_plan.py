@@ -1,0 +1,173 @@
+"""Where each linear weight of a block-FP8 refit is quantized, decided from the refit info.
+
+Torch + stdlib only (the training side plans, the receiver reads the result). A block-FP8
+generation model (vLLM's ``Fp8LinearMethod`` / ``Fp8MoEMethod`` with ``weight_block_size``
+[128, 128]) holds each linear weight as ``float8_e4m3fn`` plus an fp32 ``weight_scale_inv``
+with one entry per 128×128 tile. Embeddings, lm_head, norms, router and biases stay BF16.
+
+``plan_block_fp8(info, stage_world)`` rewrites the bulk entries of the refit info in place:
+
+- every generation rank's region of a linear weight must be made of whole tiles (a split
+  that cuts a tile is refused here, before any collective: vLLM could not hold it either);
+- where every training rank's region is made of whole tiles too, the weight is quantized
+  on the sending side: its entry's wire dtype becomes ``float8_e4m3fn`` (``"gen_quant":
+  "sender"``) and a scale entry ``<name>_scale_inv`` (fp32, same meshes and placements,
+  shape ``blockwise_scale_shape``) follows it; about half the bytes of BF16 travel, and a
+  shard quantized on its own gives exactly the bytes of the same tiles of the full tensor
+  (``quant.owns_whole_blocks``);
+- otherwise the weight travels in BF16 (``"gen_quant": "receiver"``) and the receiver
+  quantizes its region (whole tiles, checked above) into the FP8 storage.
+
+Wire forms whose tiles are not the HF tensor's tiles (q/k/v per KV group with rows per
+group not a multiple of 128) are quantized on the receiver, which sees HF rows.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Mapping, Optional, Sequence
+
+from megatron_reshard.engine.geometry import rank_region
+from megatron_reshard.quant import BLOCK_FP8_TILE, blockwise_scale_shape, owns_whole_blocks
+
+FP8_WIRE_DTYPE = "torch.float8_e4m3fn"
+SCALE_WIRE_DTYPE = "torch.float32"
+SCALE_SUFFIX = "_scale_inv"
+GEN_QUANT_FORMATS = ("block_fp8", "mxfp8")
+MXFP8_TILE = (1, 32)  # MXFP8: one E8M0 scale per 32 elements of a row
+
+# linear weights vLLM quantizes (dense, fused parts, grouped experts); not router/gates/vocab
+LINEAR_WEIGHT_RE = re.compile(r"\.(?:q|k|v|o|gate|up|down)_proj\.weight$")
+QKV_GROUP_RE = re.compile(r"\.self_attn\.[qkv]_proj\.weight$")
+
+
+class Fp8SplitError(ValueError):
+    """A generation split cuts a 128×128 FP8 tile (raised before any communication)."""
+
+
+def scale_name(weight_name: str) -> str:
+    """``...weight`` -> ``...weight_scale_inv`` (HF and vLLM block-FP8 naming)."""
+    return weight_name + SCALE_SUFFIX
+
+
+def is_quantizable(name: str, global_shape: Sequence[int]) -> bool:
+    return len(global_shape) >= 2 and bool(LINEAR_WEIGHT_RE.search(name))
+
+
+def _tiles_are_hf_tiles(name: str, shape: Sequence[int], tile: Sequence[int]) -> bool:
+    """Whether the wire form's tiles over its last two dims are the HF tensor's tiles.
+
+    q/k/v sent per KV group (``[groups, rows per group, H]``, a row-major reshape of HF
+    rows) keep HF tiles only when a group's rows are whole tiles.
+    """
+    if len(shape) == 3 and QKV_GROUP_RE.search(name):
+        return int(shape[1]) % tile[0] == 0
+    return True
+
+
+def _regions(entry: Mapping[str, Any], side: str) -> dict[int, tuple]:
+    mesh, placements = entry[f"{side}_mesh_info"], entry[f"{side}_placements"]
+    out = {}
+    for rank in mesh.ranks():
+        got = rank_region(entry["global_shape"], mesh, placements, int(rank))
+        if got is not None:
+            out[int(rank)] = got[0]
+    return out
+
+
+def _cut(region: tuple, shape: Sequence[int], tile: Sequence[int]) -> Optional[str]:
+    """Why ``region`` is not made of whole tiles of the last two dims (None when it is)."""
+    for d, block in ((len(shape) - 2, tile[0]), (len(shape) - 1, tile[1])):
+        a, b = region[d]
+        if b > a and not owns_whole_blocks(a, b - a, int(shape[d]), block):
+            return (f"dim {d} [{a}, {b}) of {int(shape[d])}: expected a start at a multiple of "
+                    f"{block} and an end at a multiple of {block} or at {int(shape[d])}")
+    return None
+
+
+def per_group_hf_rows(shape: Sequence[int], region: Sequence) -> tuple[tuple, tuple]:
+    """A per-KV-group form ``[groups, rows per group, cols]`` and a region of it (one
+    contiguous block of HF rows, as the payload's per-group layouts are) in HF rows:
+    ``(hf_shape, hf_region)``."""
+    (g0, g1), (a, b), cols = region
+    per_group = int(shape[1])
+    rows = (g0 * per_group + a, (g1 - 1) * per_group + b) if g1 > g0 else (0, 0)
+    return (int(shape[0]) * per_group, int(shape[2])), (rows, tuple(cols))
+
+
+def plan_mxfp8(info: dict, stage_world: int) -> dict:
+    """MXFP8 generation (vLLM ModelOpt MXFP8, NeMo-RL's ``is_mx``): every linear weight travels
+    in BF16 and the receiver quantizes its region (32-element row blocks, E8M0 scales); a
+    generation split that cuts a 32-element block is refused here."""
+    counts = plan_block_fp8(info, stage_world, MXFP8_TILE, sender=False)
+    info["gen_quant"] = {"format": "mxfp8", "block": list(MXFP8_TILE)}
+    return counts
+
+
+def plan_block_fp8(info: dict, stage_world: int, tile: tuple[int, int] = BLOCK_FP8_TILE,
+                   train_fp8: frozenset = frozenset(), sender: bool = True) -> dict:
+    """Rewrite the restored refit ``info`` for a block-FP8 generation model (see module doc).
+
+    ``stage_world``: training ranks per PP stage (generation ranks follow them in each
+    group; errors name generation ranks from 0). ``train_fp8``: names of the weights the
+    training side already holds in blockwise FP8 (bytes + per-tile scales of each local
+    shard): their bytes and scales travel as they are (``"gen_quant": "train_fp8"``), which
+    needs every training shard to be whole tiles too. Returns counts per decision.
+    """
+    counts = {"sender": 0, "receiver": 0, "train_fp8": 0}
+    problems = []
+    for layer in info["layer_names"]:
+        params = info["per_layer_params"].get(layer, [])
+        out = []
+        for p in params:
+            out.append(p)
+            if not is_quantizable(p["name"], p["global_shape"]) or p.get("gen_quant"):
+                continue
+            shape = tuple(int(s) for s in p["global_shape"])
+            per_group = len(shape) == 3 and bool(QKV_GROUP_RE.search(p["name"]))
+            for rank, region in sorted(_regions(p, "dst").items()):
+                hf_shape, hf_region = (per_group_hf_rows(shape, region) if per_group
+                                       else (shape, region))
+                why = _cut(hf_region, hf_shape, tile)
+                if why:
+                    problems.append(f"{p['name']}: generation rank {rank - stage_world} would hold "
+                                    f"HF region {[list(r) for r in hf_region]} of {list(hf_shape)}, "
+                                    f"which cuts a {tile[0]}x{tile[1]} FP8 block ({why})")
+            src_cuts = {rank: why for rank, region in _regions(p, "src").items()
+                        if (why := _cut(region, shape, tile))}
+            src_whole = _tiles_are_hf_tiles(p["name"], shape, tile) and not src_cuts
+            if p["name"] in train_fp8 and not src_whole:
+                rank, why = next(iter(sorted(src_cuts.items()))) if src_cuts else (0, (
+                    f"rows per KV group {shape[1]} are not whole {tile[0]}-row blocks"))
+                problems.append(f"{p['name']}: held in blockwise FP8 for training, but training "
+                                f"rank {rank} of its stage holds a shard that cuts a {tile[0]}x"
+                                f"{tile[1]} block ({why}); its scales cannot be moved as they are")
+                continue
+            if not src_whole or not sender:
+                p["gen_quant"] = "receiver"
+                counts["receiver"] += 1
+                continue
+            mode = "train_fp8" if p["name"] in train_fp8 else "sender"
+            p["gen_quant"] = mode
+            p["wire_weight_dtype"] = p["dtype"]  # what the sender quantizes from
+            p["dtype"] = FP8_WIRE_DTYPE
+            scale = {k: v for k, v in p.items() if k not in ("name", "global_shape", "dtype",
+                                                              "gen_quant", "wire_weight_dtype")}
+            scale.update(name=scale_name(p["name"]), global_shape=blockwise_scale_shape(shape, tile),
+                         dtype=SCALE_WIRE_DTYPE, gen_quant="scale", scale_of=p["name"],
+                         weight_shape=list(shape))
+            out.append(scale)
+            counts[mode] += 1
+        info["per_layer_params"][layer] = out
+    if problems:
+        raise Fp8SplitError(f"FP8 generation layout refused (vLLM's FP8 linear layers hold whole "
+                            f"{tile[0]}x{tile[1]} blocks on every rank):\n  - " + "\n  - ".join(problems))
+    info["gen_quant"] = {"format": "block_fp8", "block": list(tile)}
+    return counts
+
+
+__all__ = [
+    "FP8_WIRE_DTYPE", "Fp8SplitError", "GEN_QUANT_FORMATS", "MXFP8_TILE", "SCALE_SUFFIX",
+    "SCALE_WIRE_DTYPE", "is_quantizable", "per_group_hf_rows", "plan_block_fp8", "plan_mxfp8",
+    "scale_name",
+]

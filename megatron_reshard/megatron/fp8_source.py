@@ -1,0 +1,156 @@
+"""Training side of a block-FP8 refit: quantize the local shard right before it is sent.
+
+For every entry ``fp8_plan.plan_block_fp8`` marked ``"gen_quant": "sender"`` (every
+training rank's shard is made of whole 128x128 tiles), the BF16 recipe of the weight (a
+view, or the expert stacking hook) is wrapped: its ``pre`` hook quantizes the shard into a
+``float8_e4m3fn`` buffer, and keeps the scales for the ``<name>_scale_inv`` entry that
+follows it in payload order. The buffers live for one batch, as any ``pre`` buffer. Entries
+quantized by the receiver keep their BF16 recipe.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Optional
+
+import torch
+
+from megatron_reshard.fp8_plan import scale_name
+from megatron_reshard.megatron.converters import local_views
+from megatron_reshard.megatron.fp8_storage import blockwise_fp8_storage
+from megatron_reshard.quant import BLOCK_FP8_TILE, quantize_blockwise_fp8
+from megatron_reshard.spec import HFToLocalParamMap, LocalParamSpec, RefitCtx
+
+
+class _ShardQuantizer:
+    """Quantizes one param's local shard once per refit; the scale entry takes the scales."""
+
+    def __init__(self, spec: LocalParamSpec):
+        self.spec = spec
+        self.scales: Optional[torch.Tensor] = None
+
+    def _quantize(self) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx = self.spec.begin()
+        try:
+            return quantize_blockwise_fp8(ctx.buf)
+        finally:
+            self.spec.finish(ctx)
+
+    def weight(self, _base: Any) -> RefitCtx:
+        q, self.scales = self._quantize()
+        return RefitCtx(buf=q)
+
+    def scale(self, _base: Any) -> RefitCtx:
+        scales, self.scales = self.scales, None
+        if scales is None:  # the weight was not opened first on this rank: quantize again
+            scales = self._quantize()[1]
+        return RefitCtx(buf=scales)
+
+
+def fp8_sender_specs(specs: HFToLocalParamMap, fp8_info: dict, stage: int,
+                     fp8_views: Optional[dict] = None) -> HFToLocalParamMap:
+    """``specs`` (the BF16 recipes of this rank's stage) with the sender-quantized weights
+    wrapped, the weights held in FP8 for training replaced by their bytes, and the scale
+    entries added."""
+    out = dict(specs.specs)
+    for layer in fp8_info["layer_names"]:
+        for p in fp8_info["per_layer_params"].get(layer, []):
+            if int(p.get("pp_stage", 0)) != stage:
+                continue
+            if p.get("gen_quant") == "train_fp8":
+                pair = train_fp8_specs(p, fp8_views or {})
+                if pair is not None:
+                    out[p["name"]], out[scale_name(p["name"])] = pair
+                continue
+            if p.get("gen_quant") != "sender":
+                continue
+            spec = specs.get(p["name"])
+            if spec is None:  # this rank holds no shard of it
+                continue
+            quantizer = _ShardQuantizer(spec)
+            out[p["name"]] = LocalParamSpec(base=spec.base, pre=quantizer.weight)
+            out[scale_name(p["name"])] = LocalParamSpec(base=spec.base, pre=quantizer.scale)
+    return HFToLocalParamMap(out)
+
+
+__all__ = ["fp8_sender_specs"]
+
+
+# ------------------------------------------------------------- blockwise-FP8 training weights
+
+_PER_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<index>\d+)\.(?P<proj>\w+_proj)\.weight$")
+
+
+def grouped_name(hf_name: str) -> str:
+    """``P.experts.<i>.<proj>.weight`` -> ``P.experts.<proj>.weight`` (the payload's name)."""
+    m = _PER_EXPERT.match(hf_name)
+    return f"{m['prefix']}.{m['proj']}.weight" if m else hf_name
+
+
+def train_fp8_views(converted: list, dims: Any, tile: int = BLOCK_FP8_TILE[0]
+                    ) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], list[str]]:
+    """``hf_name -> (fp8 data view, scale_inv view)`` of this rank's weights held in
+    blockwise FP8 (``fp8_storage``), and the problems found (one line each).
+
+    The views cut the local FP8 shard the way ``converters.local_views`` cuts the BF16 one
+    (fc1 halves, q/k/v per KV group), and its scales the same way in tiles; a cut that is
+    not on a tile boundary is a problem (the scales of a tile cannot be split).
+    """
+    views: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    problems: list[str] = []
+    for conv, tensor in converted:
+        storage = blockwise_fp8_storage(tensor)
+        if storage is None:
+            continue
+        data, scale = storage.data.detach(), storage.scale_inv.detach()
+        if conv.kind == "qkv":
+            nkv, nh, hd = dims.num_query_groups, dims.num_attention_heads, dims.head_dim
+            q_rows = nh // nkv * hd
+            if q_rows % tile or hd % tile:
+                problems.append(f"{conv.megatron_name}: blockwise FP8 q/k/v rows per KV group "
+                                f"({q_rows} q, {hd} k/v) are not whole {tile}-row blocks")
+                continue
+            groups = data.shape[0] // (q_rows + 2 * hd)
+            d = data.view(groups, q_rows + 2 * hd, data.shape[-1])
+            s = scale.view(groups, (q_rows + 2 * hd) // tile, scale.shape[-1])
+            qt, ht = q_rows // tile, hd // tile
+            q_name, k_name, v_name = conv.hf_names
+            views[q_name] = (d[:, :q_rows], s[:, :qt])
+            views[k_name] = (d[:, q_rows:q_rows + hd], s[:, qt:qt + ht])
+            views[v_name] = (d[:, q_rows + hd:], s[:, qt + ht:])
+            continue
+        if conv.kind in ("fc1", "expert_fc1") and dims.gated and (data.shape[0] // 2) % tile:
+            problems.append(f"{conv.megatron_name}: blockwise FP8 fc1 halves of "
+                            f"{data.shape[0] // 2} rows are not whole {tile}-row blocks")
+            continue
+        try:
+            data_views = local_views(conv, data, dims)
+            scale_views = local_views(conv, scale, dims)
+        except ValueError as err:
+            problems.append(f"{conv.megatron_name}: held in blockwise FP8, but {err}")
+            continue
+        for name, view in data_views.items():
+            views[name] = (view, scale_views[name])
+    return views, problems
+
+
+def _stack_bytes(tensors: list) -> RefitCtx:
+    """Stack FP8 tensors through their bytes (stacking is not defined for every FP8 dtype)."""
+    stacked = torch.stack([t.view(torch.uint8) for t in tensors])
+    return RefitCtx(buf=stacked.view(tensors[0].dtype))
+
+
+def train_fp8_specs(p: dict, fp8_views: dict) -> Optional[tuple[LocalParamSpec, LocalParamSpec]]:
+    """(weight spec, scale spec) of a ``train_fp8`` entry from this rank's FP8 views; None
+    when this rank holds none of it."""
+    if p.get("grouped_expert_proj") is None:
+        got = fp8_views.get(p["name"])
+        return None if got is None else (LocalParamSpec(base=got[0]), LocalParamSpec(base=got[1]))
+    members = sorted((int(m["index"]), pair) for name, pair in fp8_views.items()
+                     if (m := _PER_EXPERT.match(name)) and grouped_name(name) == p["name"])
+    if not members:
+        return None
+    data = [pair[0] for _, pair in members]
+    scales = [pair[1] for _, pair in members]
+    return (LocalParamSpec(base=data, pre=_stack_bytes),
+            LocalParamSpec(base=scales, pre=lambda base: RefitCtx(buf=torch.stack(base))))

@@ -1,0 +1,103 @@
+"""BF16 training -> block-FP8 generation, end to end on CPU: real megatron-core training
+ranks, vLLM-layout FP8 storage on the generation ranks.
+
+Every generation parameter (FP8 bytes, fp32 scales, the BF16 rest) is compared bit for
+bit after every refit against the independent quantizer (``testing.fp8_reference``)
+applied to the full HF tensors and sliced by the vLLM layout.
+"""
+
+from megatron_reshard.tools.e2e import RefitRunConfig, run_rank, summarize
+
+
+def _refit_job(job, cfg):
+    cfg = RefitRunConfig(**{**cfg.__dict__, "ports": job.ports[: 1 + cfg.train_pp]})
+    return run_rank(job.rank, cfg)
+
+
+def _run(pool, **overrides):
+    cfg = RefitRunConfig(**{"refits": 2, "quiet": True, "timeout_s": 60, "gen_precision": "fp8",
+                            **overrides})
+    results = pool.run(_refit_job, cfg.train_world + cfg.gen_world, cfg, timeout_s=300)
+    return summarize(cfg, results)
+
+
+def test_dense_train_tp2_to_gen_tp2_sender_quantized_bit_exact(pool):
+    summary = _run(pool, model="dense", train_world=2, train_tp=2, train_pp=1, train_ep=1,
+                   gen_world=2, gen_tp=2)
+    assert summary["verified"], summary["per_gen_rank"]
+
+
+def test_moe_train_tp2_ep2_to_gen_tp2_experts_tp_sharded_bit_exact(pool):
+    summary = _run(pool, model="moe", train_world=4, train_tp=2, train_pp=1, train_ep=2,
+                   gen_world=2, gen_tp=2)
+    assert summary["verified"], summary["per_gen_rank"]
+    assert summary["exact_path_fraction"] == 1.0
+    # linear weights travel as e4m3 + scales: a bit over half of what bf16 would land
+    assert 0.5 < summary["bytes_vs_unquantized"] < 0.6
+
+
+def test_moe_train_tp2_pp2_ep2_to_gen_tp1_bit_exact(pool):
+    summary = _run(pool, model="moe", train_world=4, train_tp=2, train_pp=2, train_ep=2,
+                   gen_world=1, gen_tp=1)
+    assert summary["verified"], summary["per_gen_rank"]
+
+
+def test_moe_train_tp2_to_gen_tp2_ep2_whole_experts_bit_exact(pool):
+    summary = _run(pool, model="moe", train_world=2, train_tp=2, train_pp=1, train_ep=1,
+                   gen_world=2, gen_tp=2, gen_ep=2)
+    assert summary["verified"], summary["per_gen_rank"]
+
+
+def test_receiver_quantizes_when_train_shards_cut_blocks_and_on_the_packed_path(pool):
+    # FFN 384 over train TP2: 192 rows per train rank cut a block, so gate/up/down travel in
+    # bf16 and gen TP1 quantizes them; 1 KV head over train TP2 sends q/k/v packed (full
+    # bf16 tensors, quantized by the receiver too)
+    summary = _run(pool, model="dense", model_overrides={"ffn_hidden_size": 384, "num_query_groups": 1},
+                   train_world=2, train_tp=2, train_pp=1, train_ep=1, gen_world=1, gen_tp=1)
+    assert summary["verified"], summary["per_gen_rank"]
+    row = summary["per_gen_rank"][0]
+    assert row["misc_bytes"] > 0 and summary["exact_path_fraction"] < 1.0
+    assert summary["bytes_vs_unquantized"] > 0.6  # the FFN crossed in bf16
+
+
+# Blockwise-FP8 training weights (testing.fp8_training: plain tensors in TE's data/scale
+# layout, power-of-two scales): their bytes and scales move as they are. The oracle gets
+# them back from the dequantized full HF tensors (one encoding per value), not from the refit.
+
+
+def test_blockwise_fp8_training_dense_tp2_to_gen_tp2_moves_the_training_bytes(pool):
+    summary = _run(pool, model="dense", train_world=2, train_tp=2, train_pp=1, train_ep=1,
+                   gen_world=2, gen_tp=2, train_precision="fp8_blockwise")
+    assert summary["verified"], summary["per_gen_rank"]
+    assert summary["exact_path_fraction"] == 1.0
+
+
+def test_blockwise_fp8_training_moe_tp2_pp2_ep2_to_gen_tp1_moves_the_training_bytes(pool):
+    summary = _run(pool, model="moe", train_world=4, train_tp=2, train_pp=2, train_ep=2,
+                   gen_world=1, gen_tp=1, train_precision="fp8_blockwise")
+    assert summary["verified"], summary["per_gen_rank"]
+
+
+# BF16 training -> MXFP8 generation (NeMo-RL's is_mx): BF16 travels, the receiver quantizes
+# each region into e4m3 + E8M0 scales per 32 elements of a row.
+
+
+def test_mxfp8_dense_tp2_to_gen_tp2_quantized_on_the_receiver_bit_exact(pool):
+    summary = _run(pool, model="dense", train_world=2, train_tp=2, train_pp=1, train_ep=1,
+                   gen_world=2, gen_tp=2, gen_precision="mxfp8")
+    assert summary["verified"], summary["per_gen_rank"]
+
+
+def test_mxfp8_moe_tp2_pp2_ep2_to_gen_tp2_ep2_bit_exact(pool):
+    summary = _run(pool, model="moe", train_world=4, train_tp=2, train_pp=2, train_ep=2,
+                   gen_world=2, gen_tp=2, gen_ep=2, gen_precision="mxfp8")
+    assert summary["verified"], summary["per_gen_rank"]
+
+
+def test_qkv_per_kv_group_with_k_rows_not_whole_blocks_is_quantized_on_the_receiver(pool):
+    # head_dim 64: a KV group's q rows (2 heads) are one block and go as FP8 bytes; its k/v
+    # rows (64) are not, so they travel in bf16 per group and gen TP1 quantizes HF rows
+    summary = _run(pool, model="dense", model_overrides={"head_dim": 64}, train_world=2,
+                   train_tp=2, train_pp=1, train_ep=1, gen_world=1, gen_tp=1)
+    assert summary["verified"], summary["per_gen_rank"]
+    assert summary["exact_path_fraction"] == 1.0
