@@ -273,6 +273,12 @@ class RefitLoop:
         self._ranks = {s: group_rank(g) for s, g in self.groups.items()}
         self._batches = {s: batch_bounds(ps, batch_bytes) for s, ps in self.stages.items()}
         self._mine = {s: self._check_local(s) for s in self.stages}
+        # per param, the engine Transfer's fields but the tensors, built once: the same
+        # objects on every call let the engine find its cached batch by identity
+        self._fields = {s: [(p["name"], tuple(p["global_shape"]), wire_dtype(p["dtype"]),
+                             p["src_mesh_info"], tuple(p["src_placements"]),
+                             p["dst_mesh_info"], tuple(p["dst_placements"])) for p in ps]
+                        for s, ps in self.stages.items()}
         # batch cut points and staging size shape the engine calls: they must match too
         must_match = {"batch_bytes": batch_bytes, "staging_bytes": staging_bytes,
                       "checksums": int(verify_checksums)}
@@ -532,9 +538,9 @@ class RefitLoop:
     def _open_batch(self, run: "_StageRun", start: int, stop: int) -> "_OpenBatch":
         """Run the pre hooks of one batch; its open contexts and its engine transfers."""
         mine = self._mine[run.stage]
+        fields = self._fields[run.stage]
         batch = _OpenBatch([], [])
         for i in range(start, stop):
-            p = run.params[i]
             local = None
             if mine[i] is not None:
                 spec = mine[i][0]
@@ -547,10 +553,10 @@ class RefitLoop:
                 run.stats.params += 1
                 # the owned region: padding rows of a padded shard do not travel
                 run.stats.local_bytes += math.prod(region_shape(mine[i][1])) * local.element_size()
+            name, shape, dtype, src_mesh, src_pl, dst_mesh, dst_pl = fields[i]
             batch.transfers.append(run.transfer_cls(
-                name=p["name"], global_shape=tuple(p["global_shape"]), dtype=wire_dtype(p["dtype"]),
-                src_mesh=p["src_mesh_info"], src_placements=list(p["src_placements"]),
-                dst_mesh=p["dst_mesh_info"], dst_placements=list(p["dst_placements"]),
+                name=name, global_shape=shape, dtype=dtype, src_mesh=src_mesh,
+                src_placements=src_pl, dst_mesh=dst_mesh, dst_placements=dst_pl,
                 src=local if self.side == "src" else None,
                 dst=local if self.side == "dst" else None))
         return batch
