@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
+import torch
+
 from .agree import Description, hash_ints
 from .plan import _mesh_key, batch_fingerprint
 from .program import Program
@@ -106,7 +108,8 @@ class Batch:
             if len(self._strided) >= 8:
                 self._strided.clear()
             ks = tuple(k for k, x in enumerate(tensors)
-                       if x is not None and not x.is_contiguous())
+                       if x is not None and (not isinstance(x, torch.Tensor)
+                                             or not x.is_contiguous()))
             got = self._strided[strides] = StridedTensors(ks, signature(ks))
         return got
 

@@ -12,6 +12,8 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 
+from .members import is_members, members_problem
+
 
 @dataclass(frozen=True)
 class Problem:
@@ -75,9 +77,20 @@ def check_local(transfers, plans, me: int,
             if tensor is None:
                 return Problem(i, f"{where}: {side} missing on a {side} rank: expected a "
                                f"local tensor of shape {own.local_shape}, found None"), device
+            if is_members(tensor):  # one tensor per index of dim 0 (members.py)
+                why = members_problem(tensor, own.local_shape, t.dtype, device_type)
+                if why is not None:
+                    return Problem(i, f"{where}: wrong {side} members: expected {why}"), device
+                if device is None and len(tensor):
+                    device = tensor[0].device
+                elif len(tensor) and tensor[0].device != device:
+                    return Problem(i, f"{where}: wrong {side} device: expected {device} (as "
+                                   f"the batch's other tensors on this rank), found "
+                                   f"{tensor[0].device}"), device
+                continue
             if not isinstance(tensor, torch.Tensor):
-                return Problem(i, f"{where}: {side} must be a torch.Tensor, found "
-                               f"{type(tensor)}"), device
+                return Problem(i, f"{where}: {side} must be a torch.Tensor or a list of "
+                               f"them, found {type(tensor)}"), device
             if tuple(tensor.shape) != own.local_shape:
                 return Problem(i, f"{where}: wrong local {side} shape: expected "
                                f"{own.local_shape}, found {tuple(tensor.shape)}"), device

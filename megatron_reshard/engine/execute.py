@@ -29,6 +29,7 @@ from .agree import Description, Vote, agree as agree_step, exchange_strided, has
 from .batch import Batch, layout_rows, light_key, rows_head
 from .checks import Problem, check_layout_ranks, check_local, local_ok
 from .fuse import fused_tensors, plan_fusion, scatter
+from .members import stride_key, with_members
 from .plan import Planner, gc_paused, layout_key
 from .schedule import build_schedule
 from .transport import P2PTransport, backend_name, resolve_group
@@ -163,7 +164,7 @@ def _run(transfers, group, stream, staging_bytes: int, planner: Optional[Planner
         if batch.fusion is not None:
             with ctx:
                 xfers, tensors, work = fused_tensors(batch.fusion, transfers, batch.plans, me)
-        strides = tuple([None if x is None else x.stride() for x in tensors])
+        strides = tuple([stride_key(x) for x in tensors])
 
     # agree=False: the caller vouches that this batch already agreed on every rank. Its
     # schedule is then cached on every rank of the group alike (Planner.remember_batch);
@@ -171,7 +172,8 @@ def _run(transfers, group, stream, staging_bytes: int, planner: Optional[Planner
     if not agree and (batch is None or batch.sched is not None):
         if problem is not None:  # this rank's input changed since the batch was agreed
             raise ValueError(f"xfer_batch: {problem.text()} (agree=False: peers are not told)")
-        _execute(batch, xfers, me, tensors, strides, transport, stream, planner, work=work)
+        _execute(batch, xfers, me, with_members(tensors), strides, transport, stream,
+                 planner, work=work)
         return
     # Where the schedule is cached, the first round's pack runs during the agreement on
     # the side stream: a local read of this rank's own tensors into its own staging
@@ -180,7 +182,8 @@ def _run(transfers, group, stream, staging_bytes: int, planner: Optional[Planner
     early = None
     if on_cuda and strides is not None and batch.sched is not None:
         with ctx:
-            early = batch.program(xfers, me, strides).pack_ahead(tensors, transport, planner)
+            early = batch.program(xfers, me, strides).pack_ahead(with_members(tensors),
+                                                                 transport, planner)
     try:
         vote = Vote(problem, len(transfers),
                     batch.fp if described and batch is not None else None,
@@ -211,7 +214,8 @@ def _run(transfers, group, stream, staging_bytes: int, planner: Optional[Planner
         if early is not None:
             early.discard()
         raise
-    _execute(batch, xfers, me, tensors, strides, transport, stream, planner, early, work)
+    _execute(batch, xfers, me, with_members(tensors), strides, transport, stream, planner,
+             early, work)
 
 
 def _description(batch: Optional[Batch], transfers, described: bool) -> Description:
@@ -229,8 +233,8 @@ def _execute(batch: Batch, xfers, me: int, tensors, strides: tuple,
     prog = batch.program(xfers, me, strides)
     with torch.cuda.stream(stream) if stream is not None else nullcontext():
         if stream is not None:
-            for x in tensors:
-                if x is not None and x.is_cuda:
+            for x in tensors:  # lists of members are followed by their members
+                if isinstance(x, torch.Tensor) and x.is_cuda:
                     x.record_stream(stream)
         prog.run(tensors, transport, planner, early)
         if work:

@@ -28,6 +28,7 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 
 from .geometry import REPLICATE, box_numel
+from .members import is_members
 from .plan import LayoutKey, ParamPlan, Planner
 
 FUSE_MAX_BYTES = 1 << 20  # a param of more global bytes moves on its own
@@ -136,19 +137,31 @@ def fused_tensors(fusion: Fusion, transfers: Sequence, plans: Sequence[ParamPlan
             tensors += (t.src, t.dst)
             continue
         lead = transfers[ex.index]
-        src = None if lead.src is None else torch.stack([transfers[i].src for i in ex.members])
+        src = None if lead.src is None else torch.stack(
+            [_dense(transfers[i].src) for i in ex.members])
         dst = None
         if lead.dst is not None:
             outs = [transfers[i].dst for i in ex.members]
+            first = outs[0][0] if is_members(outs[0]) else outs[0]
             dst = torch.empty((len(outs), *plans[ex.index].dst[me].local_shape),
-                              dtype=ex.dtype, device=outs[0].device)
+                              dtype=ex.dtype, device=first.device)
             scatter.append((dst, outs))
         execs.append(ExecTransfer(ex.name, ex.dtype, src, dst))
         tensors += (src, dst)
     return execs, tensors, scatter
 
 
+def _dense(x) -> torch.Tensor:
+    """A source as one tensor (a list of members, see members.py, stacked: small here)."""
+    return torch.stack(list(x)) if is_members(x) else x
+
+
 def scatter(work: list) -> None:
     """Copy each received image into its members' destinations."""
     for image, outs in work:
-        torch._foreach_copy_(outs, image.unbind(0))
+        parts = image.unbind(0)
+        if any(is_members(o) for o in outs):  # a destination given as a list of members
+            pairs = [(m, p) for o, part in zip(outs, parts)
+                     for m, p in (zip(o, part.unbind(0)) if is_members(o) else [(o, part)])]
+            outs, parts = [m for m, _ in pairs], [p for _, p in pairs]
+        torch._foreach_copy_(outs, parts)

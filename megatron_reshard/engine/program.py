@@ -23,7 +23,8 @@ import torch
 
 from .copies import (Copies, FlatRef, Strided, TypedRef, address_bits, as_words, flat_view,
                      typed_view, word_bytes)
-from .geometry import box_shape
+from .geometry import box_numel, box_shape
+from .members import is_members, unit_boxes
 from .plan import Planner
 from .schedule import Schedule, align, is_contiguous
 from .transport import P2PTransport
@@ -149,6 +150,17 @@ class EarlyPack(NamedTuple):
         self.main.wait_event(self.packed)
 
 
+def _per_member(sg, members: bool, itemsize: int) -> list:
+    """A segment as it is, or (its tensor a list of members) one per index of dim 0:
+    the segment's bytes are row-major, so each one's follow the previous one's."""
+    if not members or sg.box[0][1] - sg.box[0][0] == 1:
+        return [sg]
+    boxes = unit_boxes(sg.box)
+    unit = box_numel(boxes[0]) * itemsize
+    return [sg._replace(box=b, offset=sg.offset + j * unit, nbytes=unit)
+            for j, b in enumerate(boxes)]
+
+
 def _bits(tensors, k: int, cache: dict) -> int:
     """``address_bits`` of tensor k, once per copy batch."""
     got = cache.get(k)
@@ -164,24 +176,44 @@ class Program:
     def __init__(self, sched: Schedule, transfers, plans, me: int) -> None:
         self._side = None  # CUDA side stream for pack/unpack, created on first use
         shapes, strides = {}, {}
+        bases = {}  # k of a list of members (members.py) -> index of its first member
+        count = 2 * len(transfers)
         for ti, t in enumerate(transfers):
             for side, x in ((0, t.src), (1, t.dst)):
-                if x is not None:
-                    shapes[2 * ti + side], strides[2 * ti + side] = tuple(x.shape), x.stride()
+                if x is None:
+                    continue
+                k = 2 * ti + side
+                if is_members(x):
+                    bases[k], count = count, count + len(x)
+                    for e, m in enumerate(x):
+                        shapes[bases[k] + e], strides[bases[k] + e] = tuple(m.shape), m.stride()
+                    continue
+                shapes[k], strides[k] = tuple(x.shape), x.stride()
         geometry: dict = {}  # many params share a plan and strides: compute each view once
 
         def view(ti, side, piece, box) -> tuple[int, _Geom]:
-            """Tensor k and the geometry of the view of ``box`` in it."""
+            """Tensor k and the geometry of the view of ``box`` in it (a box of a list of
+            members lies in one member: its index of dim 0 picks the member, and the
+            view keeps a leading dim of one)."""
             k = 2 * ti + side
+            member = k in bases
+            if member:
+                own = (plans[ti].src if side == 0 else plans[ti].dst)[me]
+                k = bases[k] + own.pieces[piece].index(box)[0].start
             # plans are cached by layout, so id() names a layout here (the list holds them)
-            key = (id(plans[ti]), side, piece, box, strides[k])
+            key = (id(plans[ti]), side, piece, box, strides[k], member)
             got = geometry.get(key)
             if got is None:
                 own = (plans[ti].src if side == 0 else plans[ti].dst)[me]
                 index = own.pieces[piece].index(box)
                 size = tuple(e - s for s, e in box)
-                stride = tuple(st * sl.step for st, sl in zip(strides[k], index))
-                delta = sum(st * sl.start for st, sl in zip(strides[k], index))
+                if member:  # the view keeps dim 0, of one index, over the member's dims
+                    st_k = (0, *strides[k])
+                    index = (slice(0, 1, 1), *index[1:])
+                else:
+                    st_k = strides[k]
+                stride = tuple(st * sl.step for st, sl in zip(st_k, index))
+                delta = sum(st * sl.start for st, sl in zip(st_k, index))
                 numel = 1
                 for n in size:
                     numel *= n
@@ -194,8 +226,12 @@ class Program:
                     word_bytes(size, stride, itemsize))
             return k, got
 
+        def cut(ti, box) -> list:
+            """``box`` per member where a side of transfer ti is a list of members."""
+            return unit_boxes(box) if (2 * ti in bases or 2 * ti + 1 in bases) else [box]
+
         self.local = []
-        for mv in sched.local:
+        for mv in (m._replace(box=b) for m in sched.local for b in cut(m.ti, m.box)):
             (dk, d), (sk, s) = (view(mv.ti, 1, mv.dst_piece, mv.box),
                                 view(mv.ti, 0, mv.src_piece, mv.box))
             if d.contiguous and s.contiguous:
@@ -210,14 +246,18 @@ class Program:
             posts, packs, unpacks, total = [], [], [], 0
             for msg in rnd.messages:
                 side = (0 if rnd.phase == 0 else 1) if msg.is_send else 1
+                segments = msg.segments
+                if bases:  # a segment of a list of members: one per member, back to back
+                    segments = [part for sg in segments for part in _per_member(
+                        sg, 2 * sg.ti + side in bases, transfers[sg.ti].dtype.itemsize)]
                 views = [view(sg.ti, side, sg.src_piece if msg.is_send else sg.dst_piece,
-                              sg.box) for sg in msg.segments]
+                              sg.box) for sg in segments]
                 k, v = views[0]
                 if len(views) == 1 and v.contiguous:  # straight from/to the tensor
                     posts.append(Post(msg.is_send, msg.peer, msg.tag, v.flat(k), 0,
                                       msg.nbytes))
                     continue
-                for sg, (k, v) in zip(msg.segments, views):
+                for sg, (k, v) in zip(segments, views):
                     seg = (StagedSegment(total + sg.offset, sg.nbytes, transfers[sg.ti].dtype,
                                          None, True, v.flat(k), 0) if v.contiguous else
                            StagedSegment(total + sg.offset, sg.nbytes,
