@@ -391,6 +391,7 @@ class Program:
             local_done = self._post(buf, rnd.posts, tensors, transport, local_done)
             if rnd.unpacks:
                 self._stage(buf, rnd.unpacks, tensors, pack=False)
+            buf = None  # freed before the next round's: one round's buffer at a time
         if not local_done:
             self._local_copies(tensors)
 
