@@ -29,7 +29,7 @@ from .agree import Description, Vote, agree as agree_step, exchange_strided, has
 from .batch import Batch, layout_rows, light_key, rows_head
 from .checks import Problem, check_layout_ranks, check_local, local_ok
 from .fuse import fused_tensors, plan_fusion, scatter
-from .members import stride_key, with_members
+from .members import LISTS, stride_key, with_members
 from .plan import Planner, gc_paused, layout_key
 from .schedule import build_schedule
 from .transport import P2PTransport, backend_name, resolve_group
@@ -164,7 +164,10 @@ def _run(transfers, group, stream, staging_bytes: int, planner: Optional[Planner
         if batch.fusion is not None:
             with ctx:
                 xfers, tensors, work = fused_tensors(batch.fusion, transfers, batch.plans, me)
-        strides = tuple([stride_key(x) for x in tensors])
+            if stream is not None:  # the caller's tensors are read (stack) and written
+                _record_stream([x for t in transfers for x in (t.src, t.dst)], stream)
+        strides = tuple([None if x is None else x.stride() if type(x) not in LISTS
+                         else stride_key(x) for x in tensors])
 
     # agree=False: the caller vouches that this batch already agreed on every rank. Its
     # schedule is then cached on every rank of the group alike (Planner.remember_batch);
@@ -233,12 +236,18 @@ def _execute(batch: Batch, xfers, me: int, tensors, strides: tuple,
     prog = batch.program(xfers, me, strides)
     with torch.cuda.stream(stream) if stream is not None else nullcontext():
         if stream is not None:
-            for x in tensors:  # lists of members are followed by their members
-                if isinstance(x, torch.Tensor) and x.is_cuda:
-                    x.record_stream(stream)
+            _record_stream(tensors, stream)
         prog.run(tensors, transport, planner, early)
         if work:
             scatter(work)
+
+
+def _record_stream(tensors, stream) -> None:
+    """Keep the CUDA tensors (members of lists too) from reuse until ``stream`` is past
+    this point, whichever stream allocated them."""
+    for x in with_members(list(tensors)):
+        if isinstance(x, torch.Tensor) and x.is_cuda:
+            x.record_stream(stream)
 
 
 # scripts/bench_plan.py, outside this package, still imports the batch key by its old

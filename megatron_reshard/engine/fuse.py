@@ -28,7 +28,7 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 
 from .geometry import REPLICATE, box_numel
-from .members import is_members
+from .members import any_members, is_members
 from .plan import LayoutKey, ParamPlan, Planner
 
 FUSE_MAX_BYTES = 1 << 20  # a param of more global bytes moves on its own
@@ -137,8 +137,10 @@ def fused_tensors(fusion: Fusion, transfers: Sequence, plans: Sequence[ParamPlan
             tensors += (t.src, t.dst)
             continue
         lead = transfers[ex.index]
-        src = None if lead.src is None else torch.stack(
-            [_dense(transfers[i].src) for i in ex.members])
+        src = None
+        if lead.src is not None:
+            srcs = [transfers[i].src for i in ex.members]
+            src = torch.stack([_dense(x) for x in srcs] if any_members(srcs) else srcs)
         dst = None
         if lead.dst is not None:
             outs = [transfers[i].dst for i in ex.members]
@@ -160,7 +162,7 @@ def scatter(work: list) -> None:
     """Copy each received image into its members' destinations."""
     for image, outs in work:
         parts = image.unbind(0)
-        if any(is_members(o) for o in outs):  # a destination given as a list of members
+        if any_members(outs):  # a destination given as a list of members
             pairs = [(m, p) for o, part in zip(outs, parts)
                      for m, p in (zip(o, part.unbind(0)) if is_members(o) else [(o, part)])]
             outs, parts = [m for m, _ in pairs], [p for _, p in pairs]

@@ -32,11 +32,20 @@ def stride_key(x) -> Optional[tuple]:
     return x.stride()
 
 
+LISTS = frozenset((list, tuple))
+
+
+def any_members(items) -> bool:
+    """Whether any item is a list of members (one set of types: no call per item)."""
+    return not LISTS.isdisjoint({type(x) for x in items})
+
+
 def with_members(tensors: list) -> list:
-    """The call's tensors followed by the members of every list among them, in order:
-    member ``e`` of tensor ``k`` is at ``member_bases(...)[k] + e``."""
-    extra = [m for x in tensors if is_members(x) for m in x]
-    return tensors + extra if extra else tensors
+    """The call's tensors followed by the members of every list among them, in order
+    (the order ``Program`` numbers them in)."""
+    if not any_members(tensors):
+        return tensors
+    return tensors + [m for x in tensors if type(x) in LISTS for m in x]
 
 
 def unit_boxes(box: tuple) -> list:
