@@ -162,9 +162,13 @@ def host_cases(args, device) -> list[dict]:
     kinds = {
         "host_1d_4096": lambda: ((4096,), rep, rep, torch.randn(4096, device=device).to(bf16),
                                  torch.empty(4096, dtype=bf16, device=device)),
-        "host_strided_64x64": lambda: ((64, 64), s0, s1,
-                                       torch.randn(64, 64, device=device).to(bf16),
-                                       torch.empty(64, 64, dtype=bf16, device=device).t()),
+        "host_2d_64x64": lambda: ((64, 64), s0, s1, torch.randn(64, 64, device=device).to(bf16),
+                                  torch.empty(64, 64, dtype=bf16, device=device)),
+        # destinations in transposed storage: each written by its own strided copy
+        "host_transposed_dst_64x64": lambda: ((64, 64), s0, s1,
+                                              torch.randn(64, 64, device=device).to(bf16),
+                                              torch.empty(64, 64, dtype=bf16,
+                                                          device=device).t()),
     }
     rows = []
     for name, make in kinds.items():

@@ -13,7 +13,9 @@ other, and the received image is copied into the members' destinations (one
 Which transfers fuse is decided from the batch description alone (layout keys, dtypes,
 global sizes, the staging budget), so every rank of the group fuses alike and derives the
 same schedule. A layout whose destination pieces do not cover a rank's whole local tensor
-(padded shards) is never fused: writing the whole image back would overwrite the padding.
+(padded shards) is never fused: writing the whole image back would overwrite the padding;
+nor is one that sends nothing between ranks (local copies only, already one batch of
+copies: fused, the stack and the scatter would triple the bytes copied).
 
 Memory: a rank holds its fused sources' stack and destinations' image during the call, at
 most ``2 * fused_bytes`` (global bytes of the fused transfers, capped at an eighth of the
@@ -82,8 +84,9 @@ def plan_fusion(transfers: Sequence, plans: Sequence[ParamPlan], staging_bytes: 
         nbytes = t.dtype.itemsize
         for n in shape:
             nbytes *= n
-        if not shape or nbytes > FUSE_MAX_BYTES or used + nbytes > cap or not _covers(plan):
-            continue
+        if (not shape or nbytes > FUSE_MAX_BYTES or used + nbytes > cap or not _covers(plan)
+                or all(op.src == op.dst for op in plan.ops)):
+            continue  # local copies only: fused, each byte would be copied three times
         gkey = (plan.key, t.dtype)
         members = groups.get(gkey)
         if members is None:

@@ -21,8 +21,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .copies import (Copies, FlatRef, Strided, TypedRef, address_bits, as_words, flat_view,
-                     typed_view, word_bytes)
+from .copies import (MEMCPY_BYTES, Copies, FlatRef, Strided, TypedRef, address_bits, as_words,
+                     flat_view, typed_view, word_bytes)
 from .geometry import box_numel, box_shape
 from .members import is_members, unit_boxes
 from .plan import Planner
@@ -234,7 +234,11 @@ class Program:
         for mv in (m._replace(box=b) for m in sched.local for b in cut(m.ti, m.box)):
             (dk, d), (sk, s) = (view(mv.ti, 1, mv.dst_piece, mv.box),
                                 view(mv.ti, 0, mv.src_piece, mv.box))
-            if d.contiguous and s.contiguous:
+            if (d.strided is None and s.strided is None and d.contiguous and s.contiguous
+                    and d.nbytes < MEMCPY_BYTES):
+                # whole tensor to whole tensor: copied as they are, no view made per call
+                self.local.append(LocalStep(False, d.typed(dk), s.typed(sk), d.nbytes, 0, 0))
+            elif d.contiguous and s.contiguous:
                 self.local.append(LocalStep(True, d.flat(dk), s.flat(sk), d.nbytes, 0, 0))
             else:
                 isz = transfers[mv.ti].dtype.itemsize
