@@ -11,8 +11,11 @@ gloo on CPU) runs ``xfer_batch`` with both sides on that rank (self-transfer):
   the word-wise typed copy; experts given as a list of tensors, one per expert);
 - ``pack_*`` / ``unpack_*``: the staging copies of a strided exchange (the program a
   rank of a 2-rank S(0) -> S(1) reshard runs), timed without the wire;
-- ``host_*``: 1,000 small params in one batch (fused by the engine), host time per param
-  (CPU time of the calling thread per call) and the call's wall time.
+- ``host_*``: 1,000 small params in one batch, host time per param (CPU time of the
+  calling thread per call) and the call's wall time.
+
+The local cases also print the peak extra memory of one call (bench/memory.py): the
+experts given as a list need none (no stacking buffer).
 
 Each copy figure is printed with the raw reference measured in the same run, a plain
 ``dst.copy_(src)`` of the same bytes between contiguous tensors, and their ratio
@@ -73,6 +76,16 @@ def _row(name: str, nbytes: int, engine_s: float, raw_s: float) -> dict:
             "vs_memcpy": gbps / raw}
 
 
+def _peak_extra(fn, device) -> int:
+    """Peak extra memory of one call in bytes (bench/memory.py: the CUDA allocator's
+    peaks, or the CPU allocator's events)."""
+    from megatron_reshard.bench.memory import measure_cpu_peak_extra, measure_peak_extra
+
+    if device.type == "cuda":
+        return measure_peak_extra(fn, device)[1].extra_bytes
+    return measure_cpu_peak_extra(fn)[1]
+
+
 def local_cases(args, device, measure) -> list[dict]:
     from torch.distributed.tensor import Replicate, Shard
 
@@ -104,6 +117,8 @@ def local_cases(args, device, measure) -> list[dict]:
                            args.iters, args.warmup)
         rows.append(_row(name, nbytes, engine_s, _memcpy_reference(nbytes, device, measure,
                                                                    args)))
+        rows[-1]["peak_extra_mib"] = _peak_extra(
+            lambda: xfer_batch([t], None, planner=planner, agree=False), device) / 2**20
         want = torch.stack(s) if isinstance(s, list) else s
         assert torch.equal(d, want.reshape(d.shape)), f"{name}: not exact"
         del t, s, d
@@ -226,8 +241,10 @@ def main(argv=None) -> int:
     print(f"{'case':<28}{'MiB':>9}{'engine ms':>11}{'GB/s':>9}{'memcpy ms':>11}{'GB/s':>9}"
           f"{'engine/memcpy':>15}")
     for r in copies:
+        extra = (f"   peak extra {r['peak_extra_mib']:.2f} MiB (staging budget "
+                 f"{args.staging_mib} MiB)" if "peak_extra_mib" in r else "")
         print(f"{r['case']:<28}{r['mib']:>9.1f}{r['engine_ms']:>11.3f}{r['engine_gbps']:>9.1f}"
-              f"{r['memcpy_ms']:>11.3f}{r['memcpy_gbps']:>9.1f}{r['vs_memcpy']:>15.0%}")
+              f"{r['memcpy_ms']:>11.3f}{r['memcpy_gbps']:>9.1f}{r['vs_memcpy']:>15.0%}{extra}")
     host = host_cases(args, device)
     print(f"{'case':<28}{'params':>9}{'host µs/param':>15}{'wall µs/param':>15}")
     for r in host:

@@ -26,6 +26,8 @@ def test_one_device_bench_reports_engine_memcpy_and_ratio_on_cpu(tmp_path):
     for r in rows["copies"]:
         assert r["engine_gbps"] > 0 and r["memcpy_gbps"] > 0
         assert math.isclose(r["vs_memcpy"], r["engine_gbps"] / r["memcpy_gbps"])
+    experts = rows["copies"][2]
+    assert experts["peak_extra_mib"] < experts["mib"]  # no stacking copy of the experts
     assert [r["case"] for r in rows["host"]] == ["host_1d_4096", "host_2d_64x64",
                                           "host_transposed_dst_64x64"]
     assert all(r["host_us_per_param"] > 0 and r["params"] == 50 for r in rows["host"])

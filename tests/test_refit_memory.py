@@ -71,6 +71,7 @@ def _memory_job(job, stack_experts: bool):
 
 def test_peak_extra_memory_of_either_side_stays_within_the_staging_budget(pool):
     results = pool.run(_memory_job, 4, False, timeout_s=120)
+    print("peak extra bytes per rank:", [(side, peak) for side, peak, _, _ in results])
     for side, peak, exact, mismatches in results:
         assert exact and mismatches == [], (side, mismatches)
         assert 0 < peak <= STAGING, f"{side}: peak extra {peak} bytes > budget {STAGING}"
@@ -80,4 +81,5 @@ def test_the_measure_sees_a_stacking_buffer_above_the_budget(pool):
     # the same refit with the experts stacked by a pre hook (96 KiB per train rank)
     results = pool.run(_memory_job, 4, True, timeout_s=120)
     peaks = {side: peak for side, peak, _, _ in results}
+    print("with a stacking pre hook:", [(side, peak) for side, peak, _, _ in results])
     assert peaks["src"] > STAGING, peaks
