@@ -18,6 +18,8 @@ from typing import Optional
 
 import torch
 
+from .geometry import box_numel
+
 
 def is_members(x) -> bool:
     return isinstance(x, (list, tuple))
@@ -73,3 +75,14 @@ def members_problem(x, shape: tuple, dtype: torch.dtype, device_type: str) -> Op
         if m.device.type != device_type or m.device != x[0].device:
             return f"members on one {device_type} device, found member {e} on {m.device}"
     return None
+
+
+def per_member_segments(sg, members: bool, itemsize: int) -> list:
+    """A segment as it is, or (its tensor a list of members) one per index of dim 0:
+    the segment's bytes are row-major, so each one's follow the previous one's."""
+    if not members or sg.box[0][1] - sg.box[0][0] == 1:
+        return [sg]
+    boxes = unit_boxes(sg.box)
+    unit = box_numel(boxes[0]) * itemsize
+    return [sg._replace(box=b, offset=sg.offset + j * unit, nbytes=unit)
+            for j, b in enumerate(boxes)]

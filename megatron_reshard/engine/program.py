@@ -23,8 +23,8 @@ import torch
 
 from .copies import (MEMCPY_BYTES, Copies, FlatRef, Strided, TypedRef, address_bits, as_words,
                      flat_view, typed_view, word_bytes)
-from .geometry import box_numel, box_shape
-from .members import is_members, unit_boxes
+from .geometry import box_shape
+from .members import is_members, per_member_segments, unit_boxes
 from .plan import Planner
 from .schedule import Schedule, align, is_contiguous
 from .transport import P2PTransport
@@ -150,17 +150,6 @@ class EarlyPack(NamedTuple):
         self.main.wait_event(self.packed)
 
 
-def _per_member(sg, members: bool, itemsize: int) -> list:
-    """A segment as it is, or (its tensor a list of members) one per index of dim 0:
-    the segment's bytes are row-major, so each one's follow the previous one's."""
-    if not members or sg.box[0][1] - sg.box[0][0] == 1:
-        return [sg]
-    boxes = unit_boxes(sg.box)
-    unit = box_numel(boxes[0]) * itemsize
-    return [sg._replace(box=b, offset=sg.offset + j * unit, nbytes=unit)
-            for j, b in enumerate(boxes)]
-
-
 def _bits(tensors, k: int, cache: dict) -> int:
     """``address_bits`` of tensor k, once per copy batch."""
     got = cache.get(k)
@@ -252,7 +241,7 @@ class Program:
                 side = (0 if rnd.phase == 0 else 1) if msg.is_send else 1
                 segments = msg.segments
                 if bases:  # a segment of a list of members: one per member, back to back
-                    segments = [part for sg in segments for part in _per_member(
+                    segments = [part for sg in segments for part in per_member_segments(
                         sg, 2 * sg.ti + side in bases, transfers[sg.ti].dtype.itemsize)]
                 views = [view(sg.ti, side, sg.src_piece if msg.is_send else sg.dst_piece,
                               sg.box) for sg in segments]
