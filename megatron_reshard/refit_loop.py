@@ -11,11 +11,10 @@ Per stage the loop, on that stage's stream: runs the ``pre`` hooks of a batch
 (``LocalParamSpec.begin``), hands the batch to the engine's ``xfer_batch``, then runs the
 ``post`` hooks. Batches are cut by global bytes so ``pre`` buffers stay bounded, and the cut
 points depend on the payload only (identical on every rank). Stages use at most
-``num_streams`` CUDA streams round-robin; on CPU there are no streams. On the training side
-on CUDA (``overlap_pre_hooks``, default on), the pre hooks of the next batch run on a side
-stream while the current batch is on the wire: two batches' pre buffers are alive at once
-(the expert stacking copies, ~15% of a MoE refit, leave the critical path); the host
-waits for batch k-1 before opening batch k+1, which bounds that to two.
+``num_streams`` CUDA streams round-robin; on CPU there are no streams. A hook-free spec's
+``base`` may be a list of tensors, one per index of the param's local dim 0 (the training
+side's experts): the engine reads and writes them where they are, so the training side
+makes no stacking copy and its extra memory is the engine's staging budget.
 
 Decisions:
 
@@ -60,8 +59,9 @@ from megatron_reshard.engine.transport import (
     group_rank,
     group_size,
 )
-from megatron_reshard.faults import wait_device, wait_event
-from megatron_reshard.integrity import ChecksumTable, box_checksum, mismatches, source_overlaps
+from megatron_reshard.faults import wait_device
+from megatron_reshard.integrity import (MODULUS as CHECKSUM_MODULUS, ChecksumTable, box_checksum,
+                                        mismatches, source_overlaps)
 from megatron_reshard.layout import MeshInfo, placements_to_plain
 from megatron_reshard.metadata import dtype_from_str
 from megatron_reshard.spec import HFToLocalParamMap, LocalParamSpec
@@ -243,7 +243,6 @@ class RefitLoop:
         staging_bytes: int = DEFAULT_STAGING_BYTES,
         misc_items: Optional[Mapping[int, Sequence[MiscItem]]] = None,
         xfer_batch: Optional[Callable[..., None]] = None,
-        overlap_pre_hooks: bool = True,
         verify_checksums: bool = False,
     ):
         if side not in SIDES:
@@ -258,7 +257,6 @@ class RefitLoop:
         self.batch_bytes = batch_bytes
         self.staging_bytes = staging_bytes
         self._xfer_batch = xfer_batch
-        self.overlap_pre_hooks = overlap_pre_hooks
         self.groups: dict[int, Optional[Any]] = (
             dict(groups) if isinstance(groups, Mapping) else dict(enumerate(groups)))
         all_stages = stage_params(refit_info)
@@ -273,6 +271,12 @@ class RefitLoop:
         self._ranks = {s: group_rank(g) for s, g in self.groups.items()}
         self._batches = {s: batch_bounds(ps, batch_bytes) for s, ps in self.stages.items()}
         self._mine = {s: self._check_local(s) for s in self.stages}
+        # per param, the engine Transfer's fields but the tensors, built once: the same
+        # objects on every call let the engine find its cached batch by identity
+        self._fields = {s: [(p["name"], tuple(p["global_shape"]), wire_dtype(p["dtype"]),
+                             p["src_mesh_info"], tuple(p["src_placements"]),
+                             p["dst_mesh_info"], tuple(p["dst_placements"])) for p in ps]
+                        for s, ps in self.stages.items()}
         # batch cut points and staging size shape the engine calls: they must match too
         must_match = {"batch_bytes": batch_bytes, "staging_bytes": staging_bytes,
                       "checksums": int(verify_checksums)}
@@ -285,7 +289,6 @@ class RefitLoop:
         self._planner = None
         self._agreed = False  # set once a run went through: later runs skip the agreement
         self._stream_pool: Optional[list] = None
-        self._prep_stream = None  # CUDA stream of the training side's pre hooks
 
     # -- setup ----------------------------------------------------------------------
 
@@ -311,7 +314,14 @@ class RefitLoop:
                                  f"{stage}, which holds region {list(region)} of this param")
             dtype = wire_dtype(p["dtype"])
             base = spec.base
-            if spec.pre is None:
+            if spec.pre is None and isinstance(base, (list, tuple)):
+                # one tensor per index of dim 0 (the engine's members, engine/members.py)
+                why = _members_problem(base, local_shape, dtype)
+                if why:
+                    raise ValueError(f"{name}: {self.side} group rank {rank} (stage {stage}) "
+                                     f"holds region {list(region)} as a list of tensors: "
+                                     f"expected {why}")
+            elif spec.pre is None:
                 if not isinstance(base, torch.Tensor):
                     raise ValueError(f"{name}: {self.side} group rank {rank} (stage {stage}) has a "
                                      f"spec without pre hook whose base is {type(base).__name__}, "
@@ -387,6 +397,8 @@ class RefitLoop:
             for entry in mine:
                 if entry is not None:
                     base = entry[0].base
+                    if isinstance(base, (list, tuple)) and base:
+                        base = base[0]
                     if isinstance(base, torch.Tensor):
                         return base.is_cuda
         return any(control_device(g).type == "cuda" for g in self.groups.values())
@@ -426,11 +438,8 @@ class RefitLoop:
                             if self.verify_checksums else None)
             ts = time.perf_counter()
             with torch.cuda.stream(stream) if stream is not None else nullcontext():
-                if stream is not None and self.side == "src" and self.overlap_pre_hooks:
-                    self._run_stage_overlapped(run)
-                else:
-                    for start, stop in self._batches[stage]:
-                        self._send_batch(run, self._open_batch(run, start, stop))
+                for start, stop in self._batches[stage]:
+                    self._send_batch(run, self._open_batch(run, start, stop))
                 if run.table is not None:
                     stats.checksum_mismatches += self._check_stage(run)
             run.stats.seconds = time.perf_counter() - ts
@@ -463,9 +472,9 @@ class RefitLoop:
             origin = tuple(a for a, _ in region)
             if self.side == "src":
                 for dst, sub in self._overlaps(run.stage, i):
-                    run.table.add(dst, i, box_checksum(ctx.buf, sub, origin))
+                    run.table.add(dst, i, _checksum(ctx.buf, sub, origin))
             else:
-                run.got[i] = box_checksum(ctx.buf, region, origin)
+                run.got[i] = _checksum(ctx.buf, region, origin)
 
     def _overlaps(self, stage: int, index: int) -> list:
         """(destination rank, box) this source counts for a param; from the payload alone,
@@ -487,54 +496,12 @@ class RefitLoop:
         names = [p["name"] for p in run.params]
         return mismatches(table[self._ranks[run.stage]], run.got, names)
 
-    def _run_stage_overlapped(self, run: "_StageRun") -> None:
-        """Training side on CUDA: the pre hooks of batch k+1 (the expert stacking copies)
-        run on a side stream while batch k is on the wire, instead of after it on the
-        stage stream.
-
-        At most two batches' pre buffers exist at once: after queuing batch k and before
-        opening batch k+1 the host waits until batch k-1 is done on the device (batch k
-        keeps the link busy meanwhile), which lets the allocator reuse its buffers."""
-        if self._prep_stream is None:
-            self._prep_stream = torch.cuda.Stream()
-        prep, stream = self._prep_stream, run.stream
-        prep.wait_stream(stream)  # the weights as they are when the refit starts
-
-        def open_ahead(start: int, stop: int) -> tuple:
-            with torch.cuda.stream(prep):
-                batch = self._open_batch(run, start, stop)
-                ready = torch.cuda.Event()
-                ready.record(prep)
-            return batch, ready
-
-        def send(batch: _OpenBatch, ready) -> None:
-            stream.wait_event(ready)
-            for _, _, ctx in batch.opened:  # made on prep, used on the stage stream: keep till done
-                if isinstance(ctx.buf, torch.Tensor) and ctx.buf.is_cuda:
-                    ctx.buf.record_stream(stream)
-            self._send_batch(run, batch)
-            # returning drops the last references to the batch's buffers: their blocks
-            # are released once the stage stream gets past this point
-
-        bounds = self._batches[run.stage]
-        ahead = open_ahead(*bounds[0]) if bounds else None
-        done: list = []  # per batch: an event on the stage stream after its buffers' release
-        for k in range(len(bounds)):
-            send(*ahead)
-            ahead = None
-            done.append(torch.cuda.Event())
-            done[k].record(stream)
-            if k + 1 < len(bounds):
-                if k >= 1:  # batch k is queued behind it: the device stays busy meanwhile
-                    wait_event(done[k - 1], [self.groups[run.stage]], "a refit batch")
-                ahead = open_ahead(*bounds[k + 1])
-
     def _open_batch(self, run: "_StageRun", start: int, stop: int) -> "_OpenBatch":
         """Run the pre hooks of one batch; its open contexts and its engine transfers."""
         mine = self._mine[run.stage]
+        fields = self._fields[run.stage]
         batch = _OpenBatch([], [])
         for i in range(start, stop):
-            p = run.params[i]
             local = None
             if mine[i] is not None:
                 spec = mine[i][0]
@@ -546,14 +513,39 @@ class RefitLoop:
                 local = ctx.buf
                 run.stats.params += 1
                 # the owned region: padding rows of a padded shard do not travel
-                run.stats.local_bytes += math.prod(region_shape(mine[i][1])) * local.element_size()
+                run.stats.local_bytes += math.prod(region_shape(mine[i][1])) * fields[i][2].itemsize
+            name, shape, dtype, src_mesh, src_pl, dst_mesh, dst_pl = fields[i]
             batch.transfers.append(run.transfer_cls(
-                name=p["name"], global_shape=tuple(p["global_shape"]), dtype=wire_dtype(p["dtype"]),
-                src_mesh=p["src_mesh_info"], src_placements=list(p["src_placements"]),
-                dst_mesh=p["dst_mesh_info"], dst_placements=list(p["dst_placements"]),
+                name=name, global_shape=shape, dtype=dtype, src_mesh=src_mesh,
+                src_placements=src_pl, dst_mesh=dst_mesh, dst_placements=dst_pl,
                 src=local if self.side == "src" else None,
                 dst=local if self.side == "dst" else None))
         return batch
+
+
+def _checksum(buf, box: Box, origin: tuple) -> torch.Tensor:
+    """``box_checksum`` of a tensor, or of a list of tensors (one per index of dim 0): the
+    checksum is a sum over the box's elements, so it is the sum of the members' parts."""
+    if not isinstance(buf, (list, tuple)):
+        return box_checksum(buf, box, origin)
+    total = None
+    for g in range(*box[0]):
+        part = box_checksum(buf[g - origin[0]].unsqueeze(0), ((g, g + 1),) + tuple(box[1:]),
+                            (g,) + tuple(origin[1:]))
+        total = part if total is None else (total + part).remainder_(CHECKSUM_MODULUS)
+    return total if total is not None else torch.zeros((), dtype=torch.int64)
+
+
+def _members_problem(base, local_shape: tuple, dtype: torch.dtype) -> str:
+    """Why a list of tensors cannot hold a local shard of ``local_shape`` ('' if it can)."""
+    if len(base) != local_shape[0] or not all(isinstance(m, torch.Tensor) for m in base):
+        return (f"{local_shape[0]} tensors (one per index of dim 0 of {list(local_shape)}), "
+                f"found {len(base)} items")
+    for e, m in enumerate(base):
+        if tuple(m.shape) != tuple(local_shape[1:]) or m.dtype != dtype:
+            return (f"tensor {e} of shape {list(local_shape[1:])} and dtype {dtype}, found "
+                    f"{list(m.shape)} {m.dtype}")
+    return ""
 
 
 @dataclass

@@ -42,23 +42,25 @@ def _transfers(case: str, n: int, rank: int) -> list:
 
     one0, one1 = MeshInfo(torch.tensor([0])), MeshInfo(torch.tensor([1]))
     both = MeshInfo(torch.tensor([0, 1]))
+    # placements as a refit loop passes them: the same tuples on every call
+    rep, s0, s1 = (Replicate(),), (Shard(0),), (Shard(1),)
     kinds = {"rr_cross": ["rr"], "s0_s1": ["s01"], "mixed": ["rr", "s01", "rs"]}[case]
     out = []
     for i in range(n):
         kind = kinds[i % len(kinds)]
         if kind == "rr":
             shape, dtype = (4096,), torch.bfloat16
-            sm, sp, dm, dp = one0, [Replicate()], one1, [Replicate()]
+            sm, sp, dm, dp = one0, rep, one1, rep
             src = torch.randn(shape).to(dtype) if rank == 0 else None
             dst = torch.empty(shape, dtype=dtype) if rank == 1 else None
         elif kind == "s01":
             shape, dtype = (64, 64), torch.bfloat16
-            sm, sp, dm, dp = both, [Shard(0)], both, [Shard(1)]
+            sm, sp, dm, dp = both, s0, both, s1
             src = torch.randn(32, 64).to(dtype)
             dst = torch.empty(64, 32, dtype=dtype)
         else:
             shape, dtype = (256, 16), torch.float32
-            sm, sp, dm, dp = one0, [Replicate()], both, [Shard(0)]
+            sm, sp, dm, dp = one0, rep, both, s0
             src = torch.randn(shape) if rank == 0 else None
             dst = torch.empty(128, 16)
         out.append(Transfer(f"p{i}.{kind}", shape, dtype, sm, sp, dm, dp, src, dst))
@@ -110,7 +112,7 @@ def _worker(rank: int, world: int, port: int, args) -> None:
         rows.append((case, *(x * us for x in (*cold, *_median(warm), *_median(fresh)))))
         if prof is not None:
             s = io.StringIO()
-            pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(args.top)
+            pstats.Stats(prof, stream=s).sort_stats(os.environ.get("PSORT", "tottime")).print_stats(args.top)
             print(f"---- cProfile, rank {rank}, warm calls of {case} ----\n{s.getvalue()}",
                   flush=True)
     if rank == 0:

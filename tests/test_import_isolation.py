@@ -23,6 +23,8 @@ REQUIRED = [
 ]
 OPTIONAL = [
     "megatron_reshard.engine",
+    "megatron_reshard.engine.fuse",
+    "megatron_reshard.engine.members",
     "megatron_reshard.refit_loop",
     "megatron_reshard.receiver",
     "megatron_reshard.comm",

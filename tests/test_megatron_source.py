@@ -126,6 +126,10 @@ def _check_source(job, spec_kwargs, family, gen_parallelism, gen_world_size, lay
             if "grouped_expert_proj" not in info and spec_.base.untyped_storage().data_ptr() not in storages:
                 failures.append(f"{info['name']}: dense view is not a view of a live parameter")
             buf = spec_.begin().buf
+            if isinstance(buf, list):  # separate expert tensors: the live params, no copy
+                if any(t.untyped_storage().data_ptr() not in storages for t in buf):
+                    failures.append(f"{info['name']}: an expert is not a live parameter")
+                buf = torch.stack(buf)
             if info["name"] in source.vocab_metadata:  # padded shard: owned rows, then padding
                 rows, chunk = padded_rows_of(oracle[info["name"]], info["src_mesh_info"].mesh,
                                              info["src_placements"], source.stage_local_rank)

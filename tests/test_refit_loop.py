@@ -13,7 +13,6 @@ from megatron_reshard.metadata import build_nccl_reshard_refit_info
 from megatron_reshard.refit_loop import (
     PlanMismatchError,
     RefitLoop,
-    StageStats,
     batch_bounds,
     local_region,
     misc_items_by_stage,
@@ -226,95 +225,3 @@ def test_refit_loop_moves_params_through_hooks_and_catches_plan_mismatch(pool):
         assert "refit plan mismatch in the group of PP stage 0" in res["mismatch"]
         assert "same batch_bytes" in res["batching"]
         assert res["bad_pre"] and "down_proj" in res["bad_pre"], res["bad_pre"]
-
-
-# ------------------------------------------------------- pre hooks ahead (ordering)
-
-
-class _Log:
-    """Stand-ins for CUDA streams and events (this machine has none) that log every
-    operation the overlapped training-side loop issues, in host order."""
-
-    def __init__(self):
-        self.ops = []
-        self.count = 0
-
-    def stream_cls(self):
-        log = self
-
-        class Stream:
-            def __init__(self):
-                log.count += 1
-                self.name = f"s{log.count}"
-
-            def wait_event(self, event):
-                log.ops.append(("wait", self.name, event.id))
-
-            def wait_stream(self, other):
-                log.ops.append(("wait_stream", self.name, other.name))
-
-        return Stream
-
-    def event_cls(self):
-        log = self
-
-        class Event:
-            def __init__(self):
-                log.count += 1
-                self.id = log.count
-
-            def record(self, stream):
-                log.ops.append(("record", stream.name, self.id))
-
-            def synchronize(self):
-                log.ops.append(("sync", self.id))
-
-        return Event
-
-
-def test_training_side_opens_the_next_batch_while_one_is_in_flight(monkeypatch):
-    """Order the overlapped loop issues its work in (its GPU timing: docs/MEASUREMENTS.md):
-    batch k+1's pre hooks run on the side stream after
-    batch k is queued; batch k's transfer waits for its hooks' event; and batch k+1 opens
-    only after the host saw batch k-1 finish, so at most two batches' buffers exist."""
-    log = _Log()
-    monkeypatch.setattr(torch.cuda, "Stream", log.stream_cls())
-    monkeypatch.setattr(torch.cuda, "Event", log.event_cls())
-    from contextlib import nullcontext
-    monkeypatch.setattr(torch.cuda, "stream", lambda s: nullcontext())
-    info = _info()
-    names = [p["name"] for p in stage_params(info)[0]]
-
-    def spec(name):
-        def pre(base):
-            log.ops.append(("open", name))
-            return RefitCtx(buf=base)
-        return LocalParamSpec(base=torch.zeros(1), pre=pre,
-                              post=lambda ctx: log.ops.append(("finish", name)))
-
-    loop = RefitLoop(info, HFToLocalParamMap({n: spec(n) for n in names}), "src",
-                     {0: NoCommGroup(0, 4)}, batch_bytes=1)  # one param per batch
-    stage_stream = torch.cuda.Stream()
-    from megatron_reshard.refit_loop import _StageRun
-
-    loop._run_stage_overlapped(_StageRun(
-        0, stage_params(info)[0], stage_stream,
-        lambda transfers, group, stream: log.ops.append(("xfer", tuple(t.name for t in transfers))),
-        loop._engine()[1], StageStats(0), on_write=None, table=None))
-    ops = log.ops
-    at = {op: i for i, op in enumerate(ops)}
-    ready = {}  # batch name -> id of the event recorded on the side stream after its hooks
-    done = {}   # batch name -> id of the event recorded on the stage stream after its xfer
-    for i, op in enumerate(ops):
-        if op[0] == "open":
-            ready[op[1]] = next(o[2] for o in ops[i:] if o[0] == "record" and o[1] != "s1")
-        if op[0] == "xfer":
-            done[op[1][0]] = next(o[2] for o in ops[i:] if o[0] == "record" and o[1] == "s1")
-    assert [op[1] for op in ops if op[0] == "xfer"] == [(n,) for n in names]
-    for k, n in enumerate(names):
-        assert at[("wait", "s1", ready[n])] < at[("xfer", (n,))]  # hooks done before sending
-        if k + 1 < len(names):  # next batch opens after this one is queued, before it sends
-            assert at[("xfer", (n,))] < at[("open", names[k + 1])] < at[("xfer", (names[k + 1],))]
-        if k >= 1 and k + 1 < len(names):  # ...and after the host saw batch k-1 finish
-            assert at[("sync", done[names[k - 1]])] < at[("open", names[k + 1])]
-        assert at[("xfer", (n,))] < at[("finish", n)]

@@ -40,7 +40,9 @@ class Transfer:
     """One parameter of a batch: global shape, dtype, both layouts, this rank's tensors.
 
     ``src``/``dst`` are this rank's local source shard / destination storage (any strides;
-    ``dst`` is written in place), ``None`` on a rank outside that side.
+    ``dst`` is written in place), ``None`` on a rank outside that side. Either may also be
+    a list of tensors, one per index of the local shard's dim 0 (a rank's experts, read
+    and written where they are: ``members.py``).
     """
 
     name: str

@@ -12,6 +12,8 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 
+from .members import is_members, members_problem
+
 
 @dataclass(frozen=True)
 class Problem:
@@ -75,9 +77,20 @@ def check_local(transfers, plans, me: int,
             if tensor is None:
                 return Problem(i, f"{where}: {side} missing on a {side} rank: expected a "
                                f"local tensor of shape {own.local_shape}, found None"), device
+            if is_members(tensor):  # one tensor per index of dim 0 (members.py)
+                why = members_problem(tensor, own.local_shape, t.dtype, device_type)
+                if why is not None:
+                    return Problem(i, f"{where}: wrong {side} members: expected {why}"), device
+                if device is None and len(tensor):
+                    device = tensor[0].device
+                elif len(tensor) and tensor[0].device != device:
+                    return Problem(i, f"{where}: wrong {side} device: expected {device} (as "
+                                   f"the batch's other tensors on this rank), found "
+                                   f"{tensor[0].device}"), device
+                continue
             if not isinstance(tensor, torch.Tensor):
-                return Problem(i, f"{where}: {side} must be a torch.Tensor, found "
-                               f"{type(tensor)}"), device
+                return Problem(i, f"{where}: {side} must be a torch.Tensor or a list of "
+                               f"them, found {type(tensor)}"), device
             if tuple(tensor.shape) != own.local_shape:
                 return Problem(i, f"{where}: wrong local {side} shape: expected "
                                f"{own.local_shape}, found {tuple(tensor.shape)}"), device
@@ -96,26 +109,26 @@ def check_local(transfers, plans, me: int,
     return None, device
 
 
-def local_ok(transfers, expect, device_type: str,
+def local_ok(transfers, shapes: list, dtypes: list, device_type: str,
              tensors: list) -> tuple[bool, Optional[torch.device]]:
-    """Fast form of ``check_local``'s verdict and device (same checks, no messages).
-    ``expect``: per transfer, the local (src, dst) shapes of this rank (None: no tensor).
-    Appends this rank's tensors to ``tensors``, two per transfer (src, dst)."""
-    device = None
-    for t, (src_shape, dst_shape) in zip(transfers, expect):
-        for tensor, shape in ((t.src, src_shape), (t.dst, dst_shape)):
-            tensors.append(tensor)
-            if shape is None:
-                if tensor is not None:
-                    return False, None
-                continue
-            if (not isinstance(tensor, torch.Tensor) or tensor.shape != shape
-                    or tensor.dtype != t.dtype):
-                return False, None
-            if device is None:
-                device = tensor.device
-                if device.type != device_type:
-                    return False, None
-            elif tensor.device != device:
-                return False, None
+    """Fast form of ``check_local``'s verdict and device (same checks, no messages), as a
+    few list comprehensions compared in C. ``shapes``/``dtypes``: per tensor, what this
+    rank's tensor must be (None: no tensor), in the order of ``tensors``, to which this
+    rank's tensors are appended, two per transfer (src, dst)."""
+    start = len(tensors)
+    tensors += [None] * (2 * len(transfers))
+    tensors[start::2] = [t.src for t in transfers]
+    tensors[start + 1::2] = [t.dst for t in transfers]
+    mine = tensors[start:]
+    if not all(issubclass(k, torch.Tensor) for k in {type(x) for x in mine if x is not None}):
+        return False, None
+    if ([None if x is None else x.shape for x in mine] != shapes
+            or [None if x is None else x.dtype for x in mine] != dtypes):
+        return False, None
+    devices = {x.device for x in mine if x is not None}
+    if len(devices) > 1:
+        return False, None
+    device = next(iter(devices), None)
+    if device is not None and device.type != device_type:
+        return False, None
     return True, device

@@ -26,8 +26,10 @@ import torch
 
 from . import m2n
 from .agree import Description, Vote, agree as agree_step, exchange_strided, hash_ints
-from .batch import Batch, light_key
+from .batch import Batch, layout_rows, light_key, rows_head
 from .checks import Problem, check_layout_ranks, check_local, local_ok
+from .fuse import fused_tensors, plan_fusion, scatter
+from .members import LISTS, stride_key, with_members
 from .plan import Planner, gc_paused, layout_key
 from .schedule import build_schedule
 from .transport import P2PTransport, backend_name, resolve_group
@@ -81,6 +83,12 @@ def _describe(transfers, world: int, me: int, staging_bytes: int, backend: str,
     if backend not in BACKENDS:
         raise _Rejected(Problem(None, f"unknown backend on rank {me}: expected one of "
                                 f"{BACKENDS}, found {backend!r}"))
+    # first the rows a cached batch was built from (fast for the same objects), then
+    # the light key (hashes placements: equal but new objects hit it too)
+    head, rows = rows_head(me, staging_bytes, transfers), layout_rows(transfers)
+    batch = planner.batch_by_rows(scope, head, rows)
+    if batch is not None:
+        return _usable(batch, backend)
     light = light_key(transfers, world)
     bkey = None if light is None else (me, staging_bytes, light)
     try:
@@ -108,8 +116,15 @@ def _describe(transfers, world: int, me: int, staging_bytes: int, backend: str,
                     f"{where}: invalid description: {type(exc).__name__}: {exc}")
                 raise _Rejected(Problem(i, text)) from exc
         batch = Batch(transfers, planner.plan_all(keys), me)
+        batch.fusion = plan_fusion(transfers, batch.plans, staging_bytes, planner)
         if bkey is not None:
             planner.remember_batch(scope, bkey, batch)
+    if bkey is not None:
+        planner.remember_rows(scope, head, batch, rows)
+    return _usable(batch, backend)
+
+
+def _usable(batch: Batch, backend: str) -> Batch:
     if backend == "m2n":
         _, why = m2n.select([p.key for p in batch.plans])
         raise _Rejected(Problem(None, f"backend 'm2n' cannot be used: {why}"))
@@ -137,12 +152,22 @@ def _run(transfers, group, stream, staging_bytes: int, planner: Optional[Planner
         except _Rejected as rejected:
             problem = rejected.problem
     if batch is not None and problem is None:
-        ok, device = local_ok(transfers, batch.expect, device_type, tensors)
+        ok, device = local_ok(transfers, batch.shapes, batch.dtypes, device_type, tensors)
         if not ok:  # rare: rerun the detailed checks for the message
             problem, device = check_local(transfers, batch.plans, me, device_type)
-        if problem is None:
-            strides = tuple([None if x is None else x.stride() for x in tensors])
     transport = P2PTransport(group, device if problem is None else None)
+    ctx = torch.cuda.stream(stream) if stream is not None else nullcontext()
+    # What the schedule and program run: the transfers themselves, or with small params
+    # of one layout fused (fuse.py: stacked sources, destination images scattered after).
+    xfers, work = transfers, []
+    if problem is None:
+        if batch.fusion is not None:
+            with ctx:
+                xfers, tensors, work = fused_tensors(batch.fusion, transfers, batch.plans, me)
+            if stream is not None:  # the caller's tensors are read (stack) and written
+                _record_stream([x for t in transfers for x in (t.src, t.dst)], stream)
+        strides = tuple([None if x is None else x.stride() if type(x) not in LISTS
+                         else stride_key(x) for x in tensors])
 
     # agree=False: the caller vouches that this batch already agreed on every rank. Its
     # schedule is then cached on every rank of the group alike (Planner.remember_batch);
@@ -150,18 +175,18 @@ def _run(transfers, group, stream, staging_bytes: int, planner: Optional[Planner
     if not agree and (batch is None or batch.sched is not None):
         if problem is not None:  # this rank's input changed since the batch was agreed
             raise ValueError(f"xfer_batch: {problem.text()} (agree=False: peers are not told)")
-        _execute(batch, transfers, me, tensors, strides, transport, stream, planner)
+        _execute(batch, xfers, me, with_members(tensors), strides, transport, stream,
+                 planner, work=work)
         return
     # Where the schedule is cached, the first round's pack runs during the agreement on
     # the side stream: a local read of this rank's own tensors into its own staging
     # slot, discarded if the call stops.
     on_cuda = transport.device.type == "cuda"
-    ctx = torch.cuda.stream(stream) if stream is not None else nullcontext()
     early = None
     if on_cuda and strides is not None and batch.sched is not None:
         with ctx:
-            early = batch.program(transfers, me, strides).pack_ahead(tensors, transport,
-                                                                      planner)
+            early = batch.program(xfers, me, strides).pack_ahead(with_members(tensors),
+                                                                 transport, planner)
     try:
         vote = Vote(problem, len(transfers),
                     batch.fp if described and batch is not None else None,
@@ -177,9 +202,11 @@ def _run(transfers, group, stream, staging_bytes: int, planner: Optional[Planner
                 strided = (exchange_strided(batch.strided_of(strides, tensors).tensors,
                                             len(tensors), transport)
                            if any(tally.signatures) else set())
+            # the fused params' stacks and images come out of the budget (fuse.py)
+            budget = staging_bytes - (2 * batch.fusion.fused_bytes if batch.fusion else 0)
             # CUDA rounds are double-buffered (see program.py): two slots share the budget
-            budget = max(MIN_STAGING_BYTES, staging_bytes // 2) if on_cuda else staging_bytes
-            batch.sched = build_schedule(batch.plans, [t.dtype.itemsize for t in transfers],
+            budget = max(MIN_STAGING_BYTES, budget // 2 if on_cuda else budget)
+            batch.sched = build_schedule(batch.exec_plans, [t.dtype.itemsize for t in xfers],
                                          me, budget, strided)
             batch.sched_hash = hash_ints(tally.signatures)
             batch.programs.clear()
@@ -190,7 +217,8 @@ def _run(transfers, group, stream, staging_bytes: int, planner: Optional[Planner
         if early is not None:
             early.discard()
         raise
-    _execute(batch, transfers, me, tensors, strides, transport, stream, planner, early)
+    _execute(batch, xfers, me, with_members(tensors), strides, transport, stream, planner,
+             early, work)
 
 
 def _description(batch: Optional[Batch], transfers, described: bool) -> Description:
@@ -200,16 +228,26 @@ def _description(batch: Optional[Batch], transfers, described: bool) -> Descript
                        None, None)  # abstains
 
 
-def _execute(batch: Batch, transfers, me: int, tensors, strides: tuple,
-             transport: P2PTransport, stream, planner: Planner, early=None) -> None:
-    """Run this rank's part of an agreed batch with the batch's schedule."""
-    prog = batch.program(transfers, me, strides)
+def _execute(batch: Batch, xfers, me: int, tensors, strides: tuple,
+             transport: P2PTransport, stream, planner: Planner, early=None,
+             work=()) -> None:
+    """Run this rank's part of an agreed batch with the batch's schedule; then copy the
+    fused images into their members' destinations."""
+    prog = batch.program(xfers, me, strides)
     with torch.cuda.stream(stream) if stream is not None else nullcontext():
         if stream is not None:
-            for x in tensors:
-                if x is not None and x.is_cuda:
-                    x.record_stream(stream)
+            _record_stream(tensors, stream)
         prog.run(tensors, transport, planner, early)
+        if work:
+            scatter(work)
+
+
+def _record_stream(tensors, stream) -> None:
+    """Keep the CUDA tensors (members of lists too) from reuse until ``stream`` is past
+    this point, whichever stream allocated them."""
+    for x in with_members(list(tensors)):
+        if isinstance(x, torch.Tensor) and x.is_cuda:
+            x.record_stream(stream)
 
 
 # scripts/bench_plan.py, outside this package, still imports the batch key by its old

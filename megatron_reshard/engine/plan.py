@@ -421,6 +421,7 @@ class Planner:
         self._plans: dict[LayoutKey, ParamPlan] = {}
         self._layouts: dict[tuple, LayoutKey] = {}
         self._batches: dict[int, dict[tuple, object]] = {}  # group scope -> batches
+        self._by_rows: dict[int, dict[tuple, tuple]] = {}  # scope -> head -> (batch, rows)
         self._votes: dict[tuple, tuple] = {}  # (device, n) -> agreement buffers
         self._staging: dict[tuple, list] = {}  # (device index, stream) -> two CUDA slots
 
@@ -462,6 +463,20 @@ class Planner:
         if len(batches) >= 1024:
             batches.clear()
         batches[key] = value
+
+    def batch_by_rows(self, scope: int, head: tuple, rows: list) -> Optional[object]:
+        """The batch remembered under ``head`` if it was built from these ``rows``
+        (``batch.layout_rows``), else None."""
+        got = self._by_rows.get(scope, {}).get(head)
+        return got[0] if got is not None and got[1] == rows else None
+
+    def remember_rows(self, scope: int, head: tuple, batch: object, rows: list) -> None:
+        """Remember ``batch`` with the rows it was built from; bounded and cleared like
+        ``remember_batch``; a miss only costs the light key."""
+        known = self._by_rows.setdefault(scope, {})
+        if len(known) >= 1024:
+            known.clear()
+        known[head] = (batch, rows)
 
     def vote_buffers(self, device, n: int) -> tuple:
         """Reused buffers of the agreement step on a CUDA device: pinned host in/out
@@ -509,6 +524,7 @@ class Planner:
         self._plans.clear()
         self._layouts.clear()
         self._batches.clear()
+        self._by_rows.clear()
         self._votes.clear()
         self._staging.clear()
 

@@ -21,9 +21,10 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .copies import (Copies, FlatRef, Strided, TypedRef, address_bits, as_words, flat_view,
-                     typed_view, word_bytes)
+from .copies import (MEMCPY_BYTES, Copies, FlatRef, Strided, TypedRef, address_bits, as_words,
+                     flat_view, typed_view, word_bytes)
 from .geometry import box_shape
+from .members import is_members, per_member_segments, unit_boxes
 from .plan import Planner
 from .schedule import Schedule, align, is_contiguous
 from .transport import P2PTransport
@@ -164,24 +165,44 @@ class Program:
     def __init__(self, sched: Schedule, transfers, plans, me: int) -> None:
         self._side = None  # CUDA side stream for pack/unpack, created on first use
         shapes, strides = {}, {}
+        bases = {}  # k of a list of members (members.py) -> index of its first member
+        count = 2 * len(transfers)
         for ti, t in enumerate(transfers):
             for side, x in ((0, t.src), (1, t.dst)):
-                if x is not None:
-                    shapes[2 * ti + side], strides[2 * ti + side] = tuple(x.shape), x.stride()
+                if x is None:
+                    continue
+                k = 2 * ti + side
+                if is_members(x):
+                    bases[k], count = count, count + len(x)
+                    for e, m in enumerate(x):
+                        shapes[bases[k] + e], strides[bases[k] + e] = tuple(m.shape), m.stride()
+                    continue
+                shapes[k], strides[k] = tuple(x.shape), x.stride()
         geometry: dict = {}  # many params share a plan and strides: compute each view once
 
         def view(ti, side, piece, box) -> tuple[int, _Geom]:
-            """Tensor k and the geometry of the view of ``box`` in it."""
+            """Tensor k and the geometry of the view of ``box`` in it (a box of a list of
+            members lies in one member: its index of dim 0 picks the member, and the
+            view keeps a leading dim of one)."""
             k = 2 * ti + side
+            member = k in bases
+            if member:
+                own = (plans[ti].src if side == 0 else plans[ti].dst)[me]
+                k = bases[k] + own.pieces[piece].index(box)[0].start
             # plans are cached by layout, so id() names a layout here (the list holds them)
-            key = (id(plans[ti]), side, piece, box, strides[k])
+            key = (id(plans[ti]), side, piece, box, strides[k], member)
             got = geometry.get(key)
             if got is None:
                 own = (plans[ti].src if side == 0 else plans[ti].dst)[me]
                 index = own.pieces[piece].index(box)
                 size = tuple(e - s for s, e in box)
-                stride = tuple(st * sl.step for st, sl in zip(strides[k], index))
-                delta = sum(st * sl.start for st, sl in zip(strides[k], index))
+                if member:  # the view keeps dim 0, of one index, over the member's dims
+                    st_k = (0, *strides[k])
+                    index = (slice(0, 1, 1), *index[1:])
+                else:
+                    st_k = strides[k]
+                stride = tuple(st * sl.step for st, sl in zip(st_k, index))
+                delta = sum(st * sl.start for st, sl in zip(st_k, index))
                 numel = 1
                 for n in size:
                     numel *= n
@@ -194,11 +215,19 @@ class Program:
                     word_bytes(size, stride, itemsize))
             return k, got
 
+        def cut(ti, box) -> list:
+            """``box`` per member where a side of transfer ti is a list of members."""
+            return unit_boxes(box) if (2 * ti in bases or 2 * ti + 1 in bases) else [box]
+
         self.local = []
-        for mv in sched.local:
+        for mv in (m._replace(box=b) for m in sched.local for b in cut(m.ti, m.box)):
             (dk, d), (sk, s) = (view(mv.ti, 1, mv.dst_piece, mv.box),
                                 view(mv.ti, 0, mv.src_piece, mv.box))
-            if d.contiguous and s.contiguous:
+            if (d.strided is None and s.strided is None and d.contiguous and s.contiguous
+                    and d.nbytes < MEMCPY_BYTES):
+                # whole tensor to whole tensor: copied as they are, no view made per call
+                self.local.append(LocalStep(False, d.typed(dk), s.typed(sk), d.nbytes, 0, 0))
+            elif d.contiguous and s.contiguous:
                 self.local.append(LocalStep(True, d.flat(dk), s.flat(sk), d.nbytes, 0, 0))
             else:
                 isz = transfers[mv.ti].dtype.itemsize
@@ -210,14 +239,18 @@ class Program:
             posts, packs, unpacks, total = [], [], [], 0
             for msg in rnd.messages:
                 side = (0 if rnd.phase == 0 else 1) if msg.is_send else 1
+                segments = msg.segments
+                if bases:  # a segment of a list of members: one per member, back to back
+                    segments = [part for sg in segments for part in per_member_segments(
+                        sg, 2 * sg.ti + side in bases, transfers[sg.ti].dtype.itemsize)]
                 views = [view(sg.ti, side, sg.src_piece if msg.is_send else sg.dst_piece,
-                              sg.box) for sg in msg.segments]
+                              sg.box) for sg in segments]
                 k, v = views[0]
                 if len(views) == 1 and v.contiguous:  # straight from/to the tensor
                     posts.append(Post(msg.is_send, msg.peer, msg.tag, v.flat(k), 0,
                                       msg.nbytes))
                     continue
-                for sg, (k, v) in zip(msg.segments, views):
+                for sg, (k, v) in zip(segments, views):
                     seg = (StagedSegment(total + sg.offset, sg.nbytes, transfers[sg.ti].dtype,
                                          None, True, v.flat(k), 0) if v.contiguous else
                            StagedSegment(total + sg.offset, sg.nbytes,
@@ -351,6 +384,7 @@ class Program:
             local_done = self._post(buf, rnd.posts, tensors, transport, local_done)
             if rnd.unpacks:
                 self._stage(buf, rnd.unpacks, tensors, pack=False)
+            buf = None  # freed before the next round's: one round's buffer at a time
         if not local_done:
             self._local_copies(tensors)
 

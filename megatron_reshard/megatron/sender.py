@@ -33,7 +33,7 @@ class RefitSender:
 
     def __init__(self, source: Any, group: Any, *, device: Optional[torch.device] = None,
                  num_streams: int = 2, batch_bytes: int = DEFAULT_BATCH_BYTES,
-                 staging_bytes: int = DEFAULT_STAGING_BYTES, overlap_pre_hooks: bool = True,
+                 staging_bytes: int = DEFAULT_STAGING_BYTES,
                  verify_checksums: bool = False):
         """``verify_checksums`` must match the generation side's choice (plan fingerprint).
 
@@ -55,7 +55,6 @@ class RefitSender:
                                   {self.stage: group}, num_streams=num_streams,
                                   batch_bytes=batch_bytes, staging_bytes=staging_bytes,
                                   misc_items=misc_items_by_stage(info),
-                                  overlap_pre_hooks=overlap_pre_hooks,
                                   verify_checksums=verify_checksums)
         self.is_misc_root = source.stage_local_rank == 0
 

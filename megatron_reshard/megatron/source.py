@@ -28,9 +28,10 @@ Decisions:
   router, shared experts and their gate); ``packed_params`` (a regex) sends the params it
   matches by packed broadcast instead.
 - Views: dense ``gate_proj``/``up_proj`` are the two row halves of the rank's ``linear_fc1``
-  (views); ``down_proj`` is ``linear_fc2`` itself. Grouped experts: a ``pre`` hook stacks the
-  rank's experts into ``[E_local, ...]`` (SequentialMLP / TE grouped); legacy grouped GEMM
-  weights are already one tensor, so the grouped view is a strided view, no hook.
+  (views); ``down_proj`` is ``linear_fc2`` itself. Grouped experts: the rank's experts are
+  given to the engine as a list, one tensor per expert (SequentialMLP / TE grouped; the
+  engine reads each box from the expert tensors where they are, no stacking copy); legacy
+  grouped GEMM weights are already one tensor, so the grouped view is a strided view.
 
 ``hf_config`` keys (plain data; the receiver builds vLLM-layout targets from them):
 ``family, hidden_size, num_attention_heads, num_key_value_heads, head_dim,
@@ -81,7 +82,7 @@ from megatron_reshard.metadata import (
     build_nccl_reshard_refit_info,
     restore_refit_info_placements,
 )
-from megatron_reshard.spec import HFToLocalParamMap, LocalParamSpec, RefitCtx
+from megatron_reshard.spec import HFToLocalParamMap, LocalParamSpec
 from megatron_reshard.vllm_layout.dense import (NOT_LISTED, QKV_PARAM_RE, AttentionHeads,
                                                 padded_vocab_rows, qkv_gen_layout, tp_dim_of)
 
@@ -626,14 +627,11 @@ class MegatronRefitSource:
         return out
 
 
-def _stack(base: list) -> RefitCtx:
-    return RefitCtx(buf=torch.stack(base))
-
-
 def _stacked_spec(tensors: list[torch.Tensor]) -> LocalParamSpec:
     """``[E_local, ...]`` of the rank's experts: one strided view when they sit at a constant
-    step in one storage (legacy grouped GEMM, contiguous param buffers), else a ``pre`` hook
-    that stacks them (the one copy the train side makes)."""
+    step in one storage (legacy grouped GEMM, contiguous param buffers), else the list of
+    expert tensors itself, which the engine reads member by member (engine/members.py):
+    no ``pre`` hook, no stacking buffer."""
     first = tensors[0]
     if len(tensors) == 1:
         return LocalParamSpec(base=first.unsqueeze(0))
@@ -648,4 +646,4 @@ def _stacked_spec(tensors: list[torch.Tensor]) -> LocalParamSpec:
         if step > 0 and all(b - a == step for a, b in zip(offsets, offsets[1:])):
             view = first.as_strided((len(tensors), *first.shape), (step, *first.stride()), offsets[0])
             return LocalParamSpec(base=view)
-    return LocalParamSpec(base=list(tensors), pre=_stack)
+    return LocalParamSpec(base=list(tensors))

@@ -79,3 +79,25 @@ def measure_peak_extra(fn: Callable[[], Any], device: torch.device
     with track_peak_memory(device) as holder:
         result = fn()
     return result, holder.value
+
+
+def measure_cpu_peak_extra(fn: Callable[[], Any]) -> tuple[Any, int]:
+    """Call ``fn()``; return its result and the peak of the bytes it held allocated on the
+    CPU allocator above what was held before the call.
+
+    From ``torch.profiler`` with ``profile_memory``: each op reports the bytes it left
+    allocated (its own allocations minus its frees) and each later free is a ``[memory]``
+    event; their running sum, in time order, peaks at the call's extra memory, to the
+    resolution of one op (a buffer allocated and freed inside one op is not seen).
+    Allocations outside torch's allocator (gloo's own buffers) are not counted."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+    events = sorted((e for e in prof.events() if e.self_cpu_memory_usage),
+                    key=lambda e: e.time_range.start)
+    held = peak = 0
+    for e in events:
+        held += e.self_cpu_memory_usage
+        peak = max(peak, held)
+    return result, peak

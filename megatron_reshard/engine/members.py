@@ -1,0 +1,88 @@
+"""A local shard held as many tensors, one per index of its dim 0 (a rank's experts).
+
+A training rank keeps each expert's weight as its own tensor, while the global HF param
+stacks them (``[E, ...]``). Stacking them for the transfer would copy the whole projection
+(hundreds of MiB), so a ``Transfer`` may give, for either side, a list (or tuple) of
+tensors instead of one: member ``e`` holds index ``e`` of the local shard's dim 0 and has
+the local shape without that dim. The schedule is unchanged (it is plain data, alike on
+every rank); the rank's program cuts each box it reads or writes into one box per index
+of dim 0 and views the members, which are appended to the call's tensor list
+(``with_members``) so that every copy names its tensor by index as usual. A list counts
+as a non-standard tensor in the agreement's stride vote, so no message is sent straight
+from it unless its box lies in one member.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .geometry import box_numel
+
+
+def is_members(x) -> bool:
+    return isinstance(x, (list, tuple))
+
+
+def stride_key(x) -> Optional[tuple]:
+    """What a program's cache key records of a tensor: its stride, or its members'."""
+    if x is None:
+        return None
+    if is_members(x):
+        return ("members",) + tuple(m.stride() for m in x)
+    return x.stride()
+
+
+LISTS = frozenset((list, tuple))
+
+
+def any_members(items) -> bool:
+    """Whether any item is a list of members (one set of types: no call per item)."""
+    return not LISTS.isdisjoint({type(x) for x in items})
+
+
+def with_members(tensors: list) -> list:
+    """The call's tensors followed by the members of every list among them, in order
+    (the order ``Program`` numbers them in)."""
+    if not any_members(tensors):
+        return tensors
+    return tensors + [m for x in tensors if type(x) in LISTS for m in x]
+
+
+def unit_boxes(box: tuple) -> list:
+    """``box`` cut into one box per index of its dim 0."""
+    (s, e), rest = box[0], box[1:]
+    return [((g, g + 1),) + rest for g in range(s, e)]
+
+
+def local_shape(x) -> tuple:
+    """The local shard's shape of a list of members (``(len, *member shape)``)."""
+    return (len(x), *x[0].shape) if len(x) else (0,)
+
+
+def members_problem(x, shape: tuple, dtype: torch.dtype, device_type: str) -> Optional[str]:
+    """Why a list of members cannot be the local shard of ``shape`` (None: it can)."""
+    if not all(isinstance(m, torch.Tensor) for m in x):
+        return f"a list of torch.Tensor members, found {[type(m).__name__ for m in x]}"
+    if len(x) != (shape[0] if shape else -1):
+        return (f"{shape[0] if shape else 'no'} members (one per index of dim 0 of the local "
+                f"shape {shape}), found {len(x)}")
+    for e, m in enumerate(x):
+        if tuple(m.shape) != tuple(shape[1:]) or m.dtype != dtype:
+            return (f"member {e} of shape {tuple(shape[1:])} and dtype {dtype}, found "
+                    f"{tuple(m.shape)} {m.dtype}")
+        if m.device.type != device_type or m.device != x[0].device:
+            return f"members on one {device_type} device, found member {e} on {m.device}"
+    return None
+
+
+def per_member_segments(sg, members: bool, itemsize: int) -> list:
+    """A segment as it is, or (its tensor a list of members) one per index of dim 0:
+    the segment's bytes are row-major, so each one's follow the previous one's."""
+    if not members or sg.box[0][1] - sg.box[0][0] == 1:
+        return [sg]
+    boxes = unit_boxes(sg.box)
+    unit = box_numel(boxes[0]) * itemsize
+    return [sg._replace(box=b, offset=sg.offset + j * unit, nbytes=unit)
+            for j, b in enumerate(boxes)]

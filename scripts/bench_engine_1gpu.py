@@ -1,0 +1,261 @@
+"""One-device engine benchmark: the engine's copy paths against the device's own memcpy,
+and its host cost per param, in one process (one GPU, or the CPU for a smoke run).
+
+    python scripts/bench_engine_1gpu.py                      # CUDA if present (one GPU)
+    python scripts/bench_engine_1gpu.py --device cpu --small # CPU/gloo smoke (a test runs it)
+
+Needs torch only (no megatron, no msgspec). A process group of one rank (NCCL on CUDA,
+gloo on CPU) runs ``xfer_batch`` with both sides on that rank (self-transfer):
+
+- ``local_*``: every byte is a local copy (contiguous: one memcpy; strided destination:
+  the word-wise typed copy; experts given as a list of tensors, one per expert);
+- ``pack_*`` / ``unpack_*``: the staging copies of a strided exchange (the program a
+  rank of a 2-rank S(0) -> S(1) reshard runs), timed without the wire;
+- ``host_*``: 1,000 small params in one batch, host time per param (CPU time of the
+  calling thread per call) and the call's wall time.
+
+The local cases also print the peak extra memory of one call (bench/memory.py): the
+experts given as a list need none (no stacking buffer).
+
+Each copy figure is printed with the raw reference measured in the same run, a plain
+``dst.copy_(src)`` of the same bytes between contiguous tensors, and their ratio
+(engine GB/s / memcpy GB/s; 100% = memcpy speed). Medians of ``--iters`` timed calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+
+def _timer(device: torch.device):
+    """``measure(fn, iters, warmup) -> median seconds`` (CUDA events on CUDA)."""
+
+    def measure(fn, iters: int, warmup: int) -> float:
+        for _ in range(warmup):
+            fn()
+        times = []
+        for _ in range(iters):
+            if device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda.synchronize(device)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) / 1e3)
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    return measure
+
+
+def _memcpy_reference(nbytes: int, device, measure, args) -> float:
+    a = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    return measure(lambda: b.copy_(a), args.iters, args.warmup)
+
+
+def _row(name: str, nbytes: int, engine_s: float, raw_s: float) -> dict:
+    gbps, raw = nbytes / engine_s / 1e9, nbytes / raw_s / 1e9
+    return {"case": name, "mib": nbytes / 2**20, "engine_ms": 1e3 * engine_s,
+            "engine_gbps": gbps, "memcpy_ms": 1e3 * raw_s, "memcpy_gbps": raw,
+            "vs_memcpy": gbps / raw}
+
+
+def _peak_extra(fn, device) -> int:
+    """Peak extra memory of one call in bytes (bench/memory.py: the CUDA allocator's
+    peaks, or the CPU allocator's events)."""
+    from megatron_reshard.tools.bench.memory import measure_cpu_peak_extra, measure_peak_extra
+
+    if device.type == "cuda":
+        return measure_peak_extra(fn, device)[1].extra_bytes
+    return measure_cpu_peak_extra(fn)[1]
+
+
+def local_cases(args, device, measure) -> list[dict]:
+    from torch.distributed.tensor import Replicate, Shard
+
+    from megatron_reshard.engine import Planner, Transfer, xfer_batch
+    from megatron_reshard.layout import MeshInfo
+
+    me = MeshInfo(torch.tensor([0]))
+    n = 1024 if args.small else 16384
+    e, r, c = (8, 64, 48) if args.small else (128, 2048, 768)
+    bf16 = torch.bfloat16
+    src = torch.randn(n, n, device=device).to(bf16)
+    cases = {
+        "local_contiguous": (src, torch.empty_like(src), (Shard(0),), (Shard(0),)),
+        # the destination's storage transposed: a strided, word-wise copy
+        "local_strided_dst": (src, torch.empty(n, n, dtype=bf16, device=device).t(),
+                              (Shard(0),), (Shard(1),)),
+        # a rank's experts as separate tensors (the training side): one copy per expert
+        "local_experts_list": ([torch.randn(r, c, device=device).to(bf16) for _ in range(e)],
+                               torch.empty(e, r, c, dtype=bf16, device=device),
+                               (Shard(0),), (Replicate(),)),
+    }
+    rows = []
+    for name, (s, d, sp, dp) in cases.items():
+        shape = (len(s), *s[0].shape) if isinstance(s, list) else tuple(s.shape)
+        t = Transfer(name, shape, bf16, me, sp, me, dp, s, d)
+        planner = Planner()
+        nbytes = d.numel() * d.element_size()
+        engine_s = measure(lambda: xfer_batch([t], None, planner=planner, agree=False),
+                           args.iters, args.warmup)
+        rows.append(_row(name, nbytes, engine_s, _memcpy_reference(nbytes, device, measure,
+                                                                   args)))
+        rows[-1]["peak_extra_mib"] = _peak_extra(
+            lambda: xfer_batch([t], None, planner=planner, agree=False), device) / 2**20
+        want = torch.stack(s) if isinstance(s, list) else s
+        assert torch.equal(d, want.reshape(d.shape)), f"{name}: not exact"
+        del t, s, d
+    return rows
+
+
+def pack_cases(args, device, measure) -> list[dict]:
+    """The staging copies of rank 0 of a 2-rank S(0) -> S(1) reshard into a transposed
+    destination storage, without the wire: a strided pack and a strided unpack."""
+    from torch.distributed.tensor import Shard
+
+    from megatron_reshard.engine import Planner, Transfer
+    from megatron_reshard.engine.plan import layout_key
+    from megatron_reshard.engine.program import Program
+    from megatron_reshard.engine.schedule import build_schedule
+    from megatron_reshard.layout import MeshInfo
+
+    n = 1024 if args.small else 16384
+    both = MeshInfo(torch.tensor([0, 1]))
+    bf16 = torch.bfloat16
+    src = torch.randn(n // 2, n, device=device).to(bf16)
+    dst = torch.empty(n // 2, n, dtype=bf16, device=device).t()  # strided: a typed unpack
+    t = Transfer("w", (n, n), bf16, both, (Shard(0),), both, (Shard(1),), src, dst)
+    plan = Planner().plan(layout_key((n, n), both, (Shard(0),), both, (Shard(1),)))
+    budget = args.staging_mib << 20
+    prog = Program(build_schedule([plan], [2], 0, budget, set()), [t], [plan], 0)
+    tensors = [src, dst]
+    rounds = [r for r in prog.rounds if r.packs or r.unpacks]
+    buf = torch.empty(max(r.nbytes for r in rounds), dtype=torch.uint8, device=device)
+    rows = []
+    for what in ("packs", "unpacks"):
+        plans = [getattr(r, what) for r in rounds if getattr(r, what)]
+        nbytes = sum(nb for p in plans for _, _, nb in p.flat) + sum(
+            math.prod(shape) * dtype.itemsize for p in plans for _, dtype, shape, *_ in p.typed)
+
+        def run(plans=plans, pack=what == "packs"):
+            for p in plans:
+                Program._stage(buf, p, tensors, pack=pack)
+
+        engine_s = measure(run, args.iters, args.warmup)
+        rows.append(_row(f"{what[:-1]}_strided_{len(plans)}_rounds", nbytes, engine_s,
+                         _memcpy_reference(nbytes, device, measure, args)))
+    return rows
+
+
+def host_cases(args, device) -> list[dict]:
+    """1,000 small params in one batch on this rank: host µs per param."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    from megatron_reshard.engine import Planner, Transfer, xfer_batch
+    from megatron_reshard.layout import MeshInfo
+
+    me = MeshInfo(torch.tensor([0]))
+    rep, s0, s1 = (Replicate(),), (Shard(0),), (Shard(1),)
+    bf16 = torch.bfloat16
+    kinds = {
+        "host_1d_4096": lambda: ((4096,), rep, rep, torch.randn(4096, device=device).to(bf16),
+                                 torch.empty(4096, dtype=bf16, device=device)),
+        "host_2d_64x64": lambda: ((64, 64), s0, s1, torch.randn(64, 64, device=device).to(bf16),
+                                  torch.empty(64, 64, dtype=bf16, device=device)),
+        # destinations in transposed storage: each written by its own strided copy
+        "host_transposed_dst_64x64": lambda: ((64, 64), s0, s1,
+                                              torch.randn(64, 64, device=device).to(bf16),
+                                              torch.empty(64, 64, dtype=bf16,
+                                                          device=device).t()),
+    }
+    rows = []
+    for name, make in kinds.items():
+        ts = []
+        for i in range(args.params):
+            shape, sp, dp, s, d = make()
+            ts.append(Transfer(f"p{i}", shape, bf16, me, sp, me, dp, s, d))
+        planner = Planner()
+        for _ in range(args.warmup + 1):
+            xfer_batch(ts, None, planner=planner)
+        cpu, wall = [], []
+        for _ in range(args.iters):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            c0, t0 = time.thread_time(), time.perf_counter()
+            xfer_batch(ts, None, planner=planner)  # agreed every call, as a plain caller
+            cpu.append(time.thread_time() - c0)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            wall.append(time.perf_counter() - t0)
+        for t in ts:
+            assert torch.equal(t.dst, t.src), f"{name}: not exact"
+        rows.append({"case": name, "params": args.params,
+                     "host_us_per_param": 1e6 * statistics.median(cpu) / args.params,
+                     "wall_us_per_param": 1e6 * statistics.median(wall) / args.params})
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", choices=["cuda", "cpu"], default=None)
+    ap.add_argument("--small", action="store_true", help="small shapes (CPU smoke)")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--params", type=int, default=1000)
+    ap.add_argument("--staging-mib", type=int, default=256)
+    ap.add_argument("--json", default=None, help="also write the rows here")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda":
+        torch.cuda.set_device(0)
+        device = torch.device("cuda", 0)
+    else:
+        torch.set_num_threads(1)
+    from megatron_reshard.tools.worlds import free_ports
+
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                            init_method=f"tcp://127.0.0.1:{free_ports(1)[0]}", rank=0,
+                            world_size=1)
+    measure = _timer(device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"engine, one process on {name}, torch {torch.__version__}, "
+          f"{time.strftime('%Y-%m-%d %H:%M:%S')}", flush=True)
+    copies = local_cases(args, device, measure) + pack_cases(args, device, measure)
+    print(f"{'case':<28}{'MiB':>9}{'engine ms':>11}{'GB/s':>9}{'memcpy ms':>11}{'GB/s':>9}"
+          f"{'engine/memcpy':>15}")
+    for r in copies:
+        extra = (f"   peak extra {r['peak_extra_mib']:.2f} MiB (staging budget "
+                 f"{args.staging_mib} MiB)" if "peak_extra_mib" in r else "")
+        print(f"{r['case']:<28}{r['mib']:>9.1f}{r['engine_ms']:>11.3f}{r['engine_gbps']:>9.1f}"
+              f"{r['memcpy_ms']:>11.3f}{r['memcpy_gbps']:>9.1f}{r['vs_memcpy']:>15.0%}{extra}")
+    host = host_cases(args, device)
+    print(f"{'case':<28}{'params':>9}{'host µs/param':>15}{'wall µs/param':>15}")
+    for r in host:
+        print(f"{r['case']:<28}{r['params']:>9}{r['host_us_per_param']:>15.2f}"
+              f"{r['wall_us_per_param']:>15.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": name, "copies": copies, "host": host}, f, indent=1)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
