@@ -2,7 +2,7 @@
 
 For every entry ``fp8_plan.plan_block_fp8`` marked ``"gen_quant": "sender"`` (every
 training rank's shard is made of whole 128x128 tiles), the BF16 recipe of the weight (a
-view, or the expert stacking hook) is wrapped: its ``pre`` hook quantizes the shard into a
+view, or a rank's experts as a list of tensors) is wrapped: its ``pre`` hook quantizes the shard into a
 ``float8_e4m3fn`` buffer, and keeps the scales for the ``<name>_scale_inv`` entry that
 follows it in payload order. The buffers live for one batch, as any ``pre`` buffer. Entries
 quantized by the receiver keep their BF16 recipe.
@@ -32,6 +32,11 @@ class _ShardQuantizer:
     def _quantize(self) -> tuple[torch.Tensor, torch.Tensor]:
         ctx = self.spec.begin()
         try:
+            if isinstance(ctx.buf, (list, tuple)):
+                # a rank's experts as separate tensors (no stacking buffer): tiles never
+                # cross experts, so each is quantized alone and only the FP8 result stacked
+                parts = [quantize_blockwise_fp8(t) for t in ctx.buf]
+                return (torch.stack([q for q, _ in parts]), torch.stack([s for _, s in parts]))
             return quantize_blockwise_fp8(ctx.buf)
         finally:
             self.spec.finish(ctx)
