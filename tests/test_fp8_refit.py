@@ -6,8 +6,9 @@ bit after every refit against the independent quantizer (``testing.fp8_reference
 applied to the full HF tensors and sliced by the vLLM layout.
 """
 
-from megatron_reshard.tools.e2e import pytest
-import RefitRunConfig, run_rank, summarize
+import pytest
+
+from megatron_reshard.tools.e2e import RefitRunConfig, run_rank, summarize
 
 
 def _refit_job(job, cfg):
