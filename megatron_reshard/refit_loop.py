@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_reshard.engine.geometry import Box, box_index, box_shape, rank_region
+from megatron_reshard.engine.members import members_problem
 from megatron_reshard.engine.transport import (
     all_gather_ints,
     all_reduce,
@@ -316,7 +317,9 @@ class RefitLoop:
             base = spec.base
             if spec.pre is None and isinstance(base, (list, tuple)):
                 # one tensor per index of dim 0 (the engine's members, engine/members.py)
-                why = _members_problem(base, local_shape, dtype)
+                device = base[0].device.type if len(base) and isinstance(base[0], torch.Tensor) \
+                    else "cpu"
+                why = members_problem(base, tuple(local_shape), dtype, device)
                 if why:
                     raise ValueError(f"{name}: {self.side} group rank {rank} (stage {stage}) "
                                      f"holds region {list(region)} as a list of tensors: "
@@ -534,18 +537,6 @@ def _checksum(buf, box: Box, origin: tuple) -> torch.Tensor:
                             (g,) + tuple(origin[1:]))
         total = part if total is None else (total + part).remainder_(CHECKSUM_MODULUS)
     return total if total is not None else torch.zeros((), dtype=torch.int64)
-
-
-def _members_problem(base, local_shape: tuple, dtype: torch.dtype) -> str:
-    """Why a list of tensors cannot hold a local shard of ``local_shape`` ('' if it can)."""
-    if len(base) != local_shape[0] or not all(isinstance(m, torch.Tensor) for m in base):
-        return (f"{local_shape[0]} tensors (one per index of dim 0 of {list(local_shape)}), "
-                f"found {len(base)} items")
-    for e, m in enumerate(base):
-        if tuple(m.shape) != tuple(local_shape[1:]) or m.dtype != dtype:
-            return (f"tensor {e} of shape {list(local_shape[1:])} and dtype {dtype}, found "
-                    f"{list(m.shape)} {m.dtype}")
-    return ""
 
 
 @dataclass
