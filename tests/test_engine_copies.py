@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from megatron_reshard.engine.copies import MEMCPY_BYTES, Copies, word_bytes, words_pair
+from megatron_reshard.engine.copies import MEMCPY_BYTES, WIDEN_BYTES, Copies, word_bytes, words_pair
 
 
 @pytest.mark.parametrize("size, stride, itemsize, words", [
@@ -68,3 +68,23 @@ def test_a_batch_mixes_large_and_small_contiguous_pairs_and_strided_ones():
     assert torch.equal(big_dst, big_src)
     assert all(torch.equal(d, s) for d, s in zip(small_dst, small_src))
     assert torch.equal(strided_dst.view(torch.uint8), strided_src.contiguous().view(torch.uint8))
+
+
+@pytest.mark.parametrize("offset, nbytes, widened", [
+    (0, WIDEN_BYTES, True),          # aligned, a multiple of 8: int64 words
+    (3, WIDEN_BYTES, False),         # a misaligned address stays bytes
+    (0, WIDEN_BYTES + 4, False),     # a length that is no multiple of 8 stays bytes
+    (0, WIDEN_BYTES - 8, False),     # too small to be worth the check
+])
+def test_contiguous_pairs_copy_as_int64_words_where_size_and_address_allow(offset, nbytes,
+                                                                           widened):
+    src_base = torch.randint(0, 256, (nbytes + 16,), dtype=torch.uint8)
+    dst_base = torch.zeros(nbytes + 16, dtype=torch.uint8)
+    src, dst = src_base[offset:offset + nbytes], dst_base[offset:offset + nbytes]
+    copies = Copies()
+    copies.flat(dst, src, nbytes)
+    assert bool(copies.word_dst) == widened
+    assert all(t.dtype == torch.int64 for t in copies.word_dst + copies.word_src)
+    copies.run()
+    assert torch.equal(dst, src)
+    assert not dst_base[:offset].any() and not dst_base[offset + nbytes:].any()

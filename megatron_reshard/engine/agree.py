@@ -10,15 +10,19 @@ more exchanges say what differs: every failing rank's message goes to every rank
 for differing descriptions the first differing param and each rank's view of it.
 
 On NCCL this all-reduce also creates the group communicator that coalesced P2P rounds
-use. It is the only host sync of a call.
+use. It is the only host sync of a call: ``start`` launches it, the caller launches its
+first round's pack meanwhile, and ``conclude`` waits (docs/DESIGN.md, "The agreement on
+the hot path", says why the vote stays on every call and what it costs).
 """
 
 from __future__ import annotations
 
 import hashlib
-from typing import Callable, NamedTuple, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
+
+from megatron_reshard.faults import wait_event, wait_works
 
 from .checks import Problem
 from .plan import Planner
@@ -98,29 +102,45 @@ def _unpack(got: list, world: int) -> Tally:
                  cached_max == -cached_neg_min and cached_max == hash_ints(sigs), sigs, shape)
 
 
-def allreduce_votes(values: list, transport: P2PTransport, planner: Planner) -> list:
-    """MAX all-reduce of ``values`` (int64) over the group, back on the host. On CUDA
-    the votes go up from and come back into pinned buffers reused across calls, on the
-    current stream, and the host waits for that stream only."""
+class PendingVote(NamedTuple):
+    """An agreement all-reduce on its way (``start``); ``conclude`` waits for it."""
+
+    vote: Vote
+    result: torch.Tensor            # CPU: the reduced slots; CUDA: the pinned copy back
+    work: Any                       # CPU: the all-reduce's Work; CUDA: None
+    done: Optional["torch.cuda.Event"]  # CUDA: the copy back is done
+
+
+def start(vote: Vote, transport: P2PTransport, planner: Planner) -> PendingVote:
+    """Launch the MAX all-reduce of this rank's vote without waiting for it, so that the
+    caller's host work (the first round's pack) overlaps the vote's latency. On CUDA the
+    slots go up from and come back into pinned buffers reused across calls, queued on
+    the current stream: one host wait in all, in ``conclude``."""
+    values = _pack(vote, transport.rank(), transport.size())
     if transport.device.type != "cuda":
         flags = torch.tensor(values, dtype=torch.int64)
-        transport.allreduce_max(flags)
-        return flags.tolist()
+        return PendingVote(vote, flags, transport.start_allreduce_max(flags), None)
     host_in, flags, host_out = planner.vote_buffers(transport.device, len(values))
     host_in.copy_(torch.tensor(values, dtype=torch.int64))
     flags.copy_(host_in, non_blocking=True)
-    transport.allreduce_max(flags)
+    transport.start_allreduce_max(flags).wait()  # NCCL: the current stream waits, not the host
     host_out.copy_(flags, non_blocking=True)
-    torch.cuda.current_stream(transport.device).synchronize()
-    return host_out.tolist()
+    done = torch.cuda.Event()
+    done.record(torch.cuda.current_stream(transport.device))
+    return PendingVote(vote, host_out, None, done)
 
 
-def agree(vote: Vote, description: Callable[[], Description], transport: P2PTransport,
-          planner: Planner, where: str) -> Tally:
-    """Run the agreement step; raise ``ValueError`` on every rank when any rank has a
-    problem or the descriptions differ (``description()`` is called only then)."""
-    me, world = transport.rank(), transport.size()
-    tally = _unpack(allreduce_votes(_pack(vote, me, world), transport, planner), world)
+def conclude(pending: PendingVote, description: Callable[[], Description],
+             transport: P2PTransport, where: str) -> Tally:
+    """Wait for the vote; raise ``ValueError`` on every rank when any rank has a problem
+    or the descriptions differ (``description()`` is called only then)."""
+    what = "the agreement all-reduce"
+    if pending.done is None:
+        wait_works([pending.work], transport.group, what)
+    else:
+        wait_event(pending.done, [transport.group], what)
+    tally = _unpack(pending.result.tolist(), transport.size())
+    vote = pending.vote
     if tally.failed:
         _raise_problems(vote, tally, description(), transport, where)
     if not (tally.same_count and tally.same_description):

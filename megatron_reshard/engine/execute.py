@@ -25,7 +25,8 @@ from typing import Optional, Sequence
 import torch
 
 from . import m2n
-from .agree import Description, Vote, agree as agree_step, exchange_strided, hash_ints
+from . import agree as agreement
+from .agree import Description, Vote, exchange_strided, hash_ints
 from .batch import Batch, layout_rows, light_key, rows_head
 from .checks import Problem, check_layout_ranks, check_local, local_ok
 from .fuse import fused_tensors, plan_fusion, scatter
@@ -178,25 +179,29 @@ def _run(transfers, group, stream, staging_bytes: int, planner: Optional[Planner
         _execute(batch, xfers, me, with_members(tensors), strides, transport, stream,
                  planner, work=work)
         return
-    # Where the schedule is cached, the first round's pack runs during the agreement on
-    # the side stream: a local read of this rank's own tensors into its own staging
-    # slot, discarded if the call stops.
+    vote = Vote(problem, len(transfers),
+                batch.fp if described and batch is not None else None,
+                batch.sched_hash if batch is not None and batch.sched is not None else 0,
+                0 if strides is None else batch.strided_of(strides, tensors).signature,
+                tuple(map(int, transfers[0].global_shape))
+                if described and transfers and problem is None else None)
     on_cuda = transport.device.type == "cuda"
+    with ctx:
+        ready = _stream_mark(transport) if on_cuda else None
+        pending = agreement.start(vote, transport, planner)
+    # Where the schedule is cached, the first round's pack runs while the vote is on its
+    # way, on the side stream (after what the caller queued before the call, not after
+    # the vote): a local read of this rank's own tensors into its own staging slot,
+    # discarded if the call stops.
     early = None
-    if on_cuda and strides is not None and batch.sched is not None:
-        with ctx:
-            early = batch.program(xfers, me, strides).pack_ahead(with_members(tensors),
-                                                                 transport, planner)
     try:
-        vote = Vote(problem, len(transfers),
-                    batch.fp if described and batch is not None else None,
-                    batch.sched_hash if batch is not None and batch.sched is not None else 0,
-                    0 if strides is None else batch.strided_of(strides, tensors).signature,
-                    tuple(map(int, transfers[0].global_shape))
-                    if described and transfers and problem is None else None)
+        if on_cuda and strides is not None and batch.sched is not None:
+            with ctx:
+                early = batch.program(xfers, me, strides).pack_ahead(
+                    with_members(tensors), transport, planner, ready)
         with ctx:
-            tally = agree_step(vote, lambda: _description(batch, transfers, described),
-                               transport, planner, "xfer_batch")
+            tally = agreement.conclude(pending, lambda: _description(batch, transfers, described),
+                                       transport, "xfer_batch")
         if not tally.keep_schedule:  # decided from the all-reduced votes: alike everywhere
             with ctx:
                 strided = (exchange_strided(batch.strided_of(strides, tensors).tensors,
@@ -219,6 +224,13 @@ def _run(transfers, group, stream, staging_bytes: int, planner: Optional[Planner
         raise
     _execute(batch, xfers, me, with_members(tensors), strides, transport, stream, planner,
              early, work)
+
+
+def _stream_mark(transport: P2PTransport) -> "torch.cuda.Event":
+    """An event at the current stream's present end: what the caller queued so far."""
+    mark = torch.cuda.Event()
+    mark.record(torch.cuda.current_stream(transport.device))
+    return mark
 
 
 def _description(batch: Optional[Batch], transfers, described: bool) -> Description:

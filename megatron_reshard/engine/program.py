@@ -21,7 +21,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .copies import (MEMCPY_BYTES, Copies, FlatRef, Strided, TypedRef, address_bits, as_words,
+from .copies import (WIDEN_BYTES, Copies, FlatRef, Strided, TypedRef, address_bits, as_words,
                      flat_view, typed_view, word_bytes)
 from .geometry import box_shape
 from .members import is_members, per_member_segments, unit_boxes
@@ -224,8 +224,9 @@ class Program:
             (dk, d), (sk, s) = (view(mv.ti, 1, mv.dst_piece, mv.box),
                                 view(mv.ti, 0, mv.src_piece, mv.box))
             if (d.strided is None and s.strided is None and d.contiguous and s.contiguous
-                    and d.nbytes < MEMCPY_BYTES):
-                # whole tensor to whole tensor: copied as they are, no view made per call
+                    and d.nbytes < WIDEN_BYTES):
+                # small whole tensor to whole tensor: copied as they are, no view made per
+                # call (larger ones go as bytes, which copy as words or a memcpy)
                 self.local.append(LocalStep(False, d.typed(dk), s.typed(sk), d.nbytes, 0, 0))
             elif d.contiguous and s.contiguous:
                 self.local.append(LocalStep(True, d.flat(dk), s.flat(sk), d.nbytes, 0, 0))
@@ -348,11 +349,11 @@ class Program:
         """The planner's staging slots for the current stream, big enough for every round."""
         return planner.staging_slots(device, max(r.nbytes for r in self.rounds))
 
-    def pack_ahead(self, tensors, transport: P2PTransport,
-                   planner: Planner) -> Optional[EarlyPack]:
+    def pack_ahead(self, tensors, transport: P2PTransport, planner: Planner,
+                   ready: "torch.cuda.Event") -> Optional[EarlyPack]:
         """CUDA: allocate the staging slots and pack the first round now, on the side
-        stream, so that the pack overlaps whatever the current stream does next (the
-        agreement step). Returns the pack for ``run``, or None when there is nothing to
+        stream once the current stream reaches ``ready``, so that the pack overlaps the
+        agreement step. Returns the pack for ``run``, or None when there is nothing to
         pack; a caller that does not go on to ``run`` calls its ``discard()``."""
         first = next((r for r in self.rounds if r.phase == 0), None)
         if transport.device.type != "cuda" or first is None or not first.packs:
@@ -360,7 +361,7 @@ class Program:
         device = transport.device
         main, side = torch.cuda.current_stream(device), self._side_stream(device)
         slots = self._slots(device, planner)
-        side.wait_stream(main)
+        side.wait_event(ready)
         with torch.cuda.stream(side):
             self._stage(slots[0], first.packs, tensors, pack=True)
             packed = torch.cuda.Event()

@@ -116,11 +116,15 @@ class P2PTransport:
             if not failed:  # a failing peer or the group's timeout raises instead of hanging
                 wait_works(works, self.group, "a transfer round", self._peers)
 
-    def allreduce_max(self, tensor: torch.Tensor) -> None:
-        """In-place MAX all-reduce over the whole group (blocking for the host)."""
+    def start_allreduce_max(self, tensor: torch.Tensor):
+        """Launch an in-place MAX all-reduce over the whole group; returns its Work."""
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.MAX
-        wait_works([self.group.allreduce([tensor], opts)], self.group, "the agreement all-reduce")
+        return self.group.allreduce([tensor], opts)
+
+    def allreduce_max(self, tensor: torch.Tensor) -> None:
+        """In-place MAX all-reduce over the whole group (blocking for the host)."""
+        wait_works([self.start_allreduce_max(tensor)], self.group, "the agreement all-reduce")
         if tensor.is_cuda:
             wait_device(tensor.device, [self.group], "the agreement all-reduce")
 
