@@ -99,9 +99,14 @@ def local_cases(args, device, measure) -> list[dict]:
     src = torch.randn(n, n, device=device).to(bf16)
     cases = {
         "local_contiguous": (src, torch.empty_like(src), (Shard(0),), (Shard(0),)),
-        # the destination's storage transposed: a strided, word-wise copy
+        # the destination's storage transposed: element by element (no word fits; a
+        # worst case: vLLM keeps no weight transposed)
         "local_strided_dst": (src, torch.empty(n, n, dtype=bf16, device=device).t(),
                               (Shard(0),), (Shard(1),)),
+        # the destination a column block of a wider tensor (unit last stride): as words
+        "local_column_block_dst": (src, torch.empty(n, 2 * n, dtype=bf16,
+                                                    device=device)[:, n:],
+                                   (Shard(0),), (Shard(1),)),
         # a rank's experts as separate tensors (the training side): one copy per expert
         "local_experts_list": ([torch.randn(r, c, device=device).to(bf16) for _ in range(e)],
                                torch.empty(e, r, c, dtype=bf16, device=device),
@@ -126,8 +131,9 @@ def local_cases(args, device, measure) -> list[dict]:
 
 
 def pack_cases(args, device, measure) -> list[dict]:
-    """The staging copies of rank 0 of a 2-rank S(0) -> S(1) reshard into a transposed
-    destination storage, without the wire: a strided pack and a strided unpack."""
+    """The staging copies of rank 0 of 2-rank reshards, without the wire: the strided
+    pack of S(0) -> S(1) (its source's column block for the peer) and the strided
+    unpack of S(1) -> S(0) (the peer's column block into its destination)."""
     from torch.distributed.tensor import Shard
 
     from megatron_reshard.engine import Planner, Transfer
@@ -139,17 +145,19 @@ def pack_cases(args, device, measure) -> list[dict]:
     n = 1024 if args.small else 16384
     both = MeshInfo(torch.tensor([0, 1]))
     bf16 = torch.bfloat16
-    src = torch.randn(n // 2, n, device=device).to(bf16)
-    dst = torch.empty(n // 2, n, dtype=bf16, device=device).t()  # strided: a typed unpack
-    t = Transfer("w", (n, n), bf16, both, (Shard(0),), both, (Shard(1),), src, dst)
-    plan = Planner().plan(layout_key((n, n), both, (Shard(0),), both, (Shard(1),)))
     budget = args.staging_mib << 20
-    prog = Program(build_schedule([plan], [2], 0, budget, set()), [t], [plan], 0)
-    tensors = [src, dst]
-    rounds = [r for r in prog.rounds if r.packs or r.unpacks]
-    buf = torch.empty(max(r.nbytes for r in rounds), dtype=torch.uint8, device=device)
     rows = []
-    for what in ("packs", "unpacks"):
+    for what, sp, dp in (("packs", Shard(0), Shard(1)), ("unpacks", Shard(1), Shard(0))):
+        src = torch.randn(*((n // 2, n) if sp == Shard(0) else (n, n // 2)),
+                          device=device).to(bf16)
+        dst = torch.empty(*((n, n // 2) if dp == Shard(1) else (n // 2, n)), dtype=bf16,
+                          device=device)
+        t = Transfer("w", (n, n), bf16, both, (sp,), both, (dp,), src, dst)
+        plan = Planner().plan(layout_key((n, n), both, (sp,), both, (dp,)))
+        prog = Program(build_schedule([plan], [2], 0, budget, set()), [t], [plan], 0)
+        tensors = [src, dst]
+        rounds = [r for r in prog.rounds if getattr(r, what)]
+        buf = torch.empty(max(r.nbytes for r in rounds), dtype=torch.uint8, device=device)
         plans = [getattr(r, what) for r in rounds if getattr(r, what)]
         nbytes = sum(nb for p in plans for _, _, nb in p.flat) + sum(
             math.prod(shape) * dtype.itemsize for p in plans for _, dtype, shape, *_ in p.typed)

@@ -21,12 +21,13 @@ def test_one_device_bench_reports_engine_memcpy_and_ratio_on_cpu(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads(out.read_text())
     names = [r["case"] for r in rows["copies"]]
-    assert names[:3] == ["local_contiguous", "local_strided_dst", "local_experts_list"]
+    assert names[:4] == ["local_contiguous", "local_strided_dst", "local_column_block_dst",
+                         "local_experts_list"]
     assert any(n.startswith("pack_") for n in names) and any(n.startswith("unpack_") for n in names)
     for r in rows["copies"]:
         assert r["engine_gbps"] > 0 and r["memcpy_gbps"] > 0
         assert math.isclose(r["vs_memcpy"], r["engine_gbps"] / r["memcpy_gbps"])
-    experts = rows["copies"][2]
+    experts = rows["copies"][3]
     assert experts["peak_extra_mib"] < experts["mib"]  # no stacking copy of the experts
     assert [r["case"] for r in rows["host"]] == ["host_1d_4096", "host_2d_64x64",
                                           "host_transposed_dst_64x64"]
