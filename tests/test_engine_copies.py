@@ -88,3 +88,33 @@ def test_contiguous_pairs_copy_as_int64_words_where_size_and_address_allow(offse
     copies.run()
     assert torch.equal(dst, src)
     assert not dst_base[:offset].any() and not dst_base[offset + nbytes:].any()
+
+
+def test_typed_pairs_are_copied_as_integers_of_their_element_size():
+    # CUDA's foreach copy of a float dtype rewrites NaN payloads (found on an H200: the
+    # fused small params of the GPU engine worker); integer views keep every bit
+    copies = Copies()
+    for dtype, bits in ((torch.bfloat16, torch.int16), (torch.float32, torch.int32),
+                        (torch.float8_e4m3fn, torch.uint8), (torch.int64, torch.int64)):
+        src = _random_bits((4, 6), dtype)
+        copies.exact(torch.zeros(4, 6, dtype=dtype)[:, :3], src[:, :3])
+        assert copies.typed_dst[-1].dtype == bits and copies.typed_src[-1].dtype == bits
+    copies.run()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_nan_payloads_survive_every_cuda_copy_path():
+    from megatron_reshard.engine.fuse import scatter
+
+    payload = torch.tensor([0x7F81, 0xFFC3, 0x7F80, 0x0001] * 256, dtype=torch.int16)
+    src = payload.view(torch.bfloat16).cuda().view(64, 16)
+    copies = Copies()
+    dst = torch.zeros(64, 32, dtype=torch.bfloat16, device="cuda")[:, ::2]
+    copies.exact(dst, src)
+    whole = torch.zeros_like(src)
+    copies.exact(whole, src)
+    copies.run()
+    outs = [torch.zeros(16, dtype=torch.bfloat16, device="cuda") for _ in range(64)]
+    scatter([(src, outs)])
+    for got in (dst, whole, torch.stack(outs)):
+        assert torch.equal(got.contiguous().view(torch.int16).cpu(), payload.view(64, 16))

@@ -21,6 +21,10 @@ from typing import NamedTuple, Optional
 import torch
 
 MEMCPY_BYTES = 16 << 20
+# Integer dtypes of each element size: the views every copy batch runs on. On CUDA
+# ``_foreach_copy_`` of a floating dtype goes through float arithmetic, which rewrites
+# NaN payloads (bf16 bytes 0x7f81 came back 0x7fc0 on an H200); integers copy bits.
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 # The foreach kernel moves uint8 views at 44% of a memcpy and int64 views at 67% (a rank's
 # 128 experts of 3 MiB, one H200: scripts/probe_copy_kernels.py); below this size the
 # device time is too small to pay for the check on the host.
@@ -96,6 +100,11 @@ def words_pair(dst: torch.Tensor, src: torch.Tensor, w: int) -> tuple:
     return dst, src
 
 
+def as_bits(x: torch.Tensor) -> torch.Tensor:
+    """``x`` viewed as integers of its element size (same strides, same bits)."""
+    return x if not x.dtype.is_floating_point else x.view(_BITS[x.element_size()])
+
+
 def address_bits(x: torch.Tensor) -> int:
     """The bits that decide whether views of ``x`` can be copied as words: its address
     and its storage offset in bytes (``Tensor.view(dtype)`` needs both aligned)."""
@@ -132,14 +141,13 @@ class Copies:
             self.flat_src.append(src)
 
     def typed(self, dst: torch.Tensor, src: torch.Tensor, w: int) -> None:
-        dst, src = words_pair(dst, src, w)
-        self.typed_dst.append(dst)
-        self.typed_src.append(src)
+        self.exact(*words_pair(dst, src, w))
 
     def exact(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """A typed pair as it is (the caller has made words of it where it could)."""
-        self.typed_dst.append(dst)
-        self.typed_src.append(src)
+        """A typed pair as it is (the caller has made words of it where it could), copied
+        as integers of its element size."""
+        self.typed_dst.append(as_bits(dst))
+        self.typed_src.append(as_bits(src))
 
     def run(self) -> None:
         if self.word_dst:

@@ -29,6 +29,7 @@ from typing import NamedTuple, Optional, Sequence
 
 import torch
 
+from .copies import as_bits
 from .geometry import REPLICATE, box_numel
 from .members import any_members, is_members
 from .plan import LayoutKey, ParamPlan, Planner
@@ -164,9 +165,9 @@ def _dense(x) -> torch.Tensor:
 def scatter(work: list) -> None:
     """Copy each received image into its members' destinations."""
     for image, outs in work:
-        parts = image.unbind(0)
+        parts = as_bits(image).unbind(0)  # integers: a float copy rewrites NaN payloads
         if any_members(outs):  # a destination given as a list of members
             pairs = [(m, p) for o, part in zip(outs, parts)
                      for m, p in (zip(o, part.unbind(0)) if is_members(o) else [(o, part)])]
             outs, parts = [m for m, _ in pairs], [p for _, p in pairs]
-        torch._foreach_copy_(outs, parts)
+        torch._foreach_copy_([as_bits(o) for o in outs], parts)
