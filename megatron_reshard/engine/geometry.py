@@ -233,7 +233,10 @@ def rank_box(global_shape: Sequence[int], mesh, placements: Sequence, rank: int
     real size.
     """
     got = rank_region(global_shape, mesh, placements, rank)
-    return None if got is None else got[0]
+    if got is None:
+        return None
+    box, _local_shape = got
+    return box
 
 
 def shard_ownerships(global_shape: Sequence[int], mesh_shape: Sequence[int],
