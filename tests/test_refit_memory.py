@@ -34,7 +34,7 @@ def _full(name, shape):
 
 def _memory_job(job, stack_experts: bool):
     from megatron_reshard.tools.bench.memory import measure_cpu_peak_extra
-    from megatron_reshard.megatron.source import _stacked_spec
+    from megatron_reshard.megatron.source import stacked_spec
 
     info = _info()
     group = create_refit_group(job.host, job.port, job.rank, 4, "gloo", 30.0)
@@ -46,7 +46,7 @@ def _memory_job(job, stack_experts: bool):
         full = _full(p["name"], shape)
         if side == "src" and p.get("grouped_expert_proj"):
             experts = [full[e].clone() for e in range(*region[0])]  # apart, as Megatron's
-            spec = _stacked_spec(experts)
+            spec = stacked_spec(experts)
             if stack_experts:  # what the source did before: a stacking pre hook
                 from megatron_reshard.spec import RefitCtx
                 spec = LocalParamSpec(base=experts, pre=lambda b: RefitCtx(buf=torch.stack(b)))

@@ -575,7 +575,7 @@ class MegatronRefitSource:
                         problems.append(f"{name}: {me} holds no local expert for it")
                         continue
                     tensors = [v for _, v in members]
-                    spec = _stacked_spec(tensors)
+                    spec = stacked_spec(tensors)
                     shape, dtype = [len(tensors), *tensors[0].shape], tensors[0].dtype
                 expected = expected_local_shape(p["global_shape"], p["src_mesh_info"], p["src_placements"],
                                                 self.stage_local_rank)
@@ -627,7 +627,7 @@ class MegatronRefitSource:
         return out
 
 
-def _stacked_spec(tensors: list[torch.Tensor]) -> LocalParamSpec:
+def stacked_spec(tensors: list[torch.Tensor]) -> LocalParamSpec:
     """``[E_local, ...]`` of the rank's experts: one strided view when they sit at a constant
     step in one storage (legacy grouped GEMM, contiguous param buffers), else the list of
     expert tensors itself, which the engine reads member by member (engine/members.py):
