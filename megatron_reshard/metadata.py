@@ -12,7 +12,7 @@ Decisions this module takes (see SPEC §2 for the rest):
   Within a layer, params follow the grouped metadata's order (pass-through entries, then
   grouped experts).
 - A param outside ``layers.N`` (embeddings, final norm, lm_head) is filed under its
-  ``_extract_layer_name`` key, e.g. ``model.embed_tokens`` or ``lm_head``.
+  ``extract_layer_name`` key, e.g. ``model.embed_tokens`` or ``lm_head``.
 - With training PP > 1, every layer key of the given params, non-layer keys included, must
   be in ``layer_to_pp_stage``; there is no implicit rule (the train side knows from the
   model where embeddings and the output layer live). A missing key is a ``KeyError``
@@ -161,7 +161,7 @@ def _extract_layer_prefix(param_name: str) -> Optional[str]:
     return m["prefix"][:-1] if m["prefix"] else ""
 
 
-def _extract_layer_name(param_name: str) -> str:
+def extract_layer_name(param_name: str) -> str:
     """Per-layer group key: ``<prefix>.layers.<N>``, else ``model.<word>`` / ``backbone.<word>``,
     else the first dotted component (``lm_head``)."""
     m = _LAYER_RE.match(param_name)
@@ -237,13 +237,13 @@ def build_nccl_reshard_refit_info(
 
     layer_names: list[str] = []
     for name in state_dict_metadata:
-        layer = _extract_layer_name(name)
+        layer = extract_layer_name(name)
         if layer not in layer_names:
             layer_names.append(layer)
     per_layer_params: dict[str, list[dict[str, Any]]] = {layer: [] for layer in layer_names}
 
     for name, meta in group_expert_params_in_metadata(state_dict_metadata).items():
-        layer = _extract_layer_name(name)
+        layer = extract_layer_name(name)
         shape = tuple(int(s) for s in meta["shape"])
         try:
             dtype = str(dtype_from_str(meta["dtype"]))

@@ -24,9 +24,9 @@ from megatron_reshard.metadata import (
     _LAYER_RE,
     _MODEL_PREFIX_RE,
     _STR_TO_DTYPE,
-    _extract_layer_name,
     _extract_layer_prefix,
     build_nccl_reshard_refit_info,
+    extract_layer_name as _extract_layer_name,  # the seed's name
     group_expert_params_in_metadata,
     make_nccl_reshard_refit_info_wire_safe,
     restore_refit_info_placements,

@@ -26,7 +26,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from megatron_reshard.engine import Transfer
-from megatron_reshard.engine.batch import light_key as _light_key
+from megatron_reshard.engine.batch import light_key
 from megatron_reshard.engine.plan import Planner, gc_paused, layout_key
 from megatron_reshard.engine.schedule import build_schedule
 from megatron_reshard.layout import MeshInfo
@@ -114,11 +114,11 @@ def engine_batches(args: argparse.Namespace) -> None:
         assert all(a is b for a, b in zip(plans, again))
         transfers = [Transfer(f"p{i}", shape, torch.bfloat16, sm, list(sp), dm, list(dp))
                      for i, (shape, sm, sp, dm, dp) in enumerate(layouts)]
-        key = (4, 256 << 20, _light_key(transfers, 6))
+        key = (4, 256 << 20, light_key(transfers, 6))
         planner.remember_batch(0, key, sched)
         t4 = time.perf_counter()
         with gc_paused():  # as xfer_batch runs it
-            hit = planner.batch(0, (4, 256 << 20, _light_key(transfers, 6)))
+            hit = planner.batch(0, (4, 256 << 20, light_key(transfers, 6)))
         t5 = time.perf_counter()
         assert hit is sched
         kind = "distinct layouts" if distinct else "model-like (repeated shapes)"

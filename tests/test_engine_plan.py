@@ -11,7 +11,8 @@ from torch.distributed.tensor import Replicate, Shard
 
 from megatron_reshard.engine.schedule import build_schedule, cut_box
 from megatron_reshard.engine.geometry import REPLICATE, box_numel
-from megatron_reshard.engine.plan import Planner, build_plan, layout_key
+from megatron_reshard.engine.param_plan import build_plan
+from megatron_reshard.engine.plan import Planner, layout_key
 from megatron_reshard.layout import MeshInfo
 
 
@@ -84,7 +85,7 @@ def test_fingerprint_changes_with_the_layout():
 
 def test_fingerprint_is_stable_across_processes():
     code = ("import torch; from torch.distributed.tensor import Shard, Replicate;"
-            "from megatron_reshard.engine.plan import build_plan;"
+            "from megatron_reshard.engine.param_plan import build_plan;"
             "print(build_plan(((8, 2), (2,), (0, 1), (0,), (2,), (2, 3), (-1,))).fingerprint)")
     out = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env={"PYTHONHASHSEED": seed}, check=True).stdout.strip()

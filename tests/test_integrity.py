@@ -7,7 +7,8 @@ import pytest
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-from megatron_reshard.engine.plan import Planner, PlanError, check_writes_exactly_once, layout_key
+from megatron_reshard.engine.plan import Planner, layout_key
+from megatron_reshard.engine.plan_check import PlanError, check_writes_exactly_once
 from megatron_reshard.integrity import (
     ChecksumTable,
     box_checksum,

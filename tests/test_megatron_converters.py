@@ -15,8 +15,8 @@ from megatron_reshard.megatron.converters import (
     hf_global_shapes,
     local_views,
 )
-from megatron_reshard.testing.megatron_reference import _split_qkv
-from megatron_reshard.megatron.source import _stacked_spec
+from megatron_reshard.testing.megatron_reference import split_qkv
+from megatron_reshard.megatron.source import stacked_spec
 
 
 def conv(family="qwen3", **kw):
@@ -104,7 +104,7 @@ def test_qkv_full_tensor_deinterleaves_per_kv_group():
     c = conv().convert("decoder.layers.0.self_attention.linear_qkv.weight")
     full = torch.randn((nh + 2 * nkv) * hd, h)
     got = full_from_tp_chunks(c, list(full.chunk(2)), dims)
-    q, k, v = _split_qkv(full, nh, nkv, hd)
+    q, k, v = split_qkv(full, nh, nkv, hd)
     assert torch.equal(got["model.layers.7.self_attn.q_proj.weight"], q)
     assert torch.equal(got["model.layers.7.self_attn.k_proj.weight"], k)
     assert torch.equal(got["model.layers.7.self_attn.v_proj.weight"], v)
@@ -134,13 +134,13 @@ def test_legacy_grouped_gemm_views_compute_what_grouped_mlp_computes():
         assert v1[f"{p}.gate_proj.weight"].data_ptr() >= weight1.data_ptr()  # a view, no copy
     # the grouped [E_l, I, H] entry is one strided view of weight1, no pre hook
     gates = [v1[f"model.layers.7.mlp.experts.{3 + e}.gate_proj.weight"] for e in range(e_l)]
-    spec = _stacked_spec(gates)
+    spec = stacked_spec(gates)
     assert spec.pre is None and spec.base.untyped_storage().data_ptr() == weight1.untyped_storage().data_ptr()
     assert torch.equal(spec.begin().buf, torch.stack(gates))
 
 
 def test_separate_expert_tensors_are_given_as_a_list_without_a_stacking_copy():
     experts = [torch.randn(4, 3) for _ in range(2)]
-    spec = _stacked_spec(experts)
+    spec = stacked_spec(experts)
     assert spec.pre is None
     assert all(a is b for a, b in zip(spec.begin().buf, experts))

@@ -17,9 +17,9 @@ from megatron_reshard.metadata import (
     _LAYER_RE,
     _MODEL_PREFIX_RE,
     _STR_TO_DTYPE,
-    _extract_layer_name,
     _extract_layer_prefix,
     build_nccl_reshard_refit_info,
+    extract_layer_name,
     group_expert_params_in_metadata,
     make_nccl_reshard_refit_info_wire_safe,
     restore_refit_info_placements,
@@ -108,7 +108,7 @@ def test_individual_expert_re_ignores_scale_inv_shared_experts_pregrouped_and_ro
     ],
 )
 def test_extract_layer_name(name, layer):
-    assert _extract_layer_name(name) == layer
+    assert extract_layer_name(name) == layer
 
 
 @pytest.mark.parametrize(

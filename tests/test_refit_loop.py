@@ -10,16 +10,9 @@ from torch.distributed.tensor import Replicate, Shard
 from megatron_reshard.comm import create_refit_group
 from megatron_reshard.layout import MeshInfo
 from megatron_reshard.metadata import build_nccl_reshard_refit_info
-from megatron_reshard.refit_loop import (
-    PlanMismatchError,
-    RefitLoop,
-    batch_bounds,
-    local_region,
-    misc_items_by_stage,
-    plan_fingerprint,
-    region_index,
-    stage_params,
-)
+from megatron_reshard.engine.geometry import box_index, rank_box
+from megatron_reshard.refit_loop import PlanMismatchError, RefitLoop
+from megatron_reshard.refit_order import batch_bounds, misc_items_by_stage, plan_fingerprint, stage_params
 from megatron_reshard.spec import HFToLocalParamMap, LocalParamSpec, RefitCtx
 from megatron_reshard.testing.groups import NoCommGroup
 
@@ -40,15 +33,15 @@ def _chunked(full, mesh_shape, coord, placements):
     ((8, 4, 6), (2, 3), [Replicate(), Shard(2)]),
     ((2, 9), (3, 2), [Shard(1), Replicate()]),
 ])
-def test_local_region_follows_dtensor_chunk_rules(shape, mesh_shape, placements):
+def test_rank_box_follows_dtensor_chunk_rules(shape, mesh_shape, placements):
     full = torch.arange(torch.Size(shape).numel()).reshape(shape)
     ranks = torch.arange(10, 10 + torch.Size(mesh_shape).numel()).reshape(mesh_shape)
     mesh = MeshInfo(ranks)
     for coord in itertools.product(*(range(n) for n in mesh_shape)):
         rank = int(ranks[coord])
-        region = local_region(shape, mesh, placements, rank)
-        assert torch.equal(full[region_index(region)], _chunked(full, mesh_shape, coord, placements))
-    assert local_region(shape, mesh, placements, 3) is None
+        region = rank_box(shape, mesh, placements, rank)
+        assert torch.equal(full[box_index(region)], _chunked(full, mesh_shape, coord, placements))
+    assert rank_box(shape, mesh, placements, 3) is None
 
 
 def _info(pp=1):
@@ -166,7 +159,7 @@ def _loop_job(job):
     params = stage_params(info)[0]
     specs, finals = HFToLocalParamMap(), {}
     for p in params:
-        region = local_region(p["global_shape"], p[f"{side}_mesh_info"], p[f"{side}_placements"], job.rank)
+        region = rank_box(p["global_shape"], p[f"{side}_mesh_info"], p[f"{side}_placements"], job.rank)
         full = _global(p["name"])
         if side == "src" and p.get("grouped_expert_proj"):
             # the sender keeps its experts apart and stacks them in a pre hook
@@ -174,10 +167,10 @@ def _loop_job(job):
             specs.specs[p["name"]] = LocalParamSpec(
                 base=experts, pre=lambda base: RefitCtx(buf=torch.stack(base)))
         elif side == "src":
-            specs.specs[p["name"]] = LocalParamSpec(base=full[region_index(region)].clone())
+            specs.specs[p["name"]] = LocalParamSpec(base=full[box_index(region)].clone())
         else:
             final = torch.full([b - a for a, b in region], float("nan"))
-            finals[p["name"]] = (final, full[region_index(region)])
+            finals[p["name"]] = (final, full[box_index(region)])
             specs.specs[p["name"]] = LocalParamSpec(
                 base=final, pre=lambda base: RefitCtx(buf=torch.empty_like(base), extra={"out": base}),
                 post=lambda ctx: ctx.extra["out"].copy_(ctx.buf))

@@ -6,7 +6,9 @@ import torch
 
 from megatron_reshard.comm import create_refit_group
 from megatron_reshard.metadata import build_nccl_reshard_refit_info
-from megatron_reshard.refit_loop import RefitLoop, local_region, region_index, stage_params
+from megatron_reshard.engine.geometry import box_index, rank_box
+from megatron_reshard.refit_loop import RefitLoop
+from megatron_reshard.refit_order import stage_params
 from megatron_reshard.spec import HFToLocalParamMap, LocalParamSpec
 
 E, I, H = 8, 64, 96       # experts: [8, 64, 96] fp32 = 192 KiB, 96 KiB per train rank
@@ -32,7 +34,7 @@ def _full(name, shape):
 
 def _memory_job(job, stack_experts: bool):
     from megatron_reshard.tools.bench.memory import measure_cpu_peak_extra
-    from megatron_reshard.megatron.source import _stacked_spec
+    from megatron_reshard.megatron.source import stacked_spec
 
     info = _info()
     group = create_refit_group(job.host, job.port, job.rank, 4, "gloo", 30.0)
@@ -40,20 +42,20 @@ def _memory_job(job, stack_experts: bool):
     specs, expect = HFToLocalParamMap(), {}
     for p in stage_params(info)[0]:
         shape = p["global_shape"]
-        region = local_region(shape, p[f"{side}_mesh_info"], p[f"{side}_placements"], job.rank)
+        region = rank_box(shape, p[f"{side}_mesh_info"], p[f"{side}_placements"], job.rank)
         full = _full(p["name"], shape)
         if side == "src" and p.get("grouped_expert_proj"):
             experts = [full[e].clone() for e in range(*region[0])]  # apart, as Megatron's
-            spec = _stacked_spec(experts)
+            spec = stacked_spec(experts)
             if stack_experts:  # what the source did before: a stacking pre hook
                 from megatron_reshard.spec import RefitCtx
                 spec = LocalParamSpec(base=experts, pre=lambda b: RefitCtx(buf=torch.stack(b)))
             specs.specs[p["name"]] = spec
         elif side == "src":
-            specs.specs[p["name"]] = LocalParamSpec(base=full[region_index(region)].clone())
+            specs.specs[p["name"]] = LocalParamSpec(base=full[box_index(region)].clone())
         else:
             dst = torch.full([b - a for a, b in region], float("nan"))
-            expect[p["name"]] = (dst, full[region_index(region)])
+            expect[p["name"]] = (dst, full[box_index(region)])
             specs.specs[p["name"]] = LocalParamSpec(base=dst)
     # checksums on: the receiver compares what it got with the sources' (lists included)
     checked = RefitLoop(info, specs, side, {0: group}, staging_bytes=STAGING,

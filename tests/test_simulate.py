@@ -12,7 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_reshard.engine.geometry import REPLICATE, box_numel
-from megatron_reshard.engine.plan import LinkCosts, Planner, build_plan
+from megatron_reshard.engine.link_costs import LinkCosts
+from megatron_reshard.engine.param_plan import build_plan
+from megatron_reshard.engine.plan import Planner
 from megatron_reshard.tools.layouts import RefitLayout, layout_problems, stage_inputs
 from megatron_reshard.tools.presets import FULL_SIZE, hf_params, model_config
 from megatron_reshard.tools.simulate import LinkModel, link_costs, simulate

@@ -1,8 +1,9 @@
 """Transfer engine: exact shard-to-shard reshard of global tensors between two layouts.
 
-geometry (who owns which box) -> plan (who sends which box to whom, cached) -> execute,
-the orchestration of one call: checks (layouts and this rank's tensors) -> agree (one
-small vote, so bad input fails on every rank) -> schedule (plain-data rounds of
+geometry (who owns which box) -> param_plan (who sends which box to whom, with the
+optional ``link_costs`` model; proven by ``plan_check``; cached by ``plan.Planner``) ->
+execute, the orchestration of one call: checks (layouts and this rank's tensors) -> agree
+(one small vote, so bad input fails on every rank) -> schedule (plain-data rounds of
 messages) -> program (views, copies, packing, CUDA streams) over a P2P ``transport``;
 ``batch`` holds the per-batch state a ``Planner`` caches. ``reference`` is the golden,
 slow transport used by the tests; ``m2n`` the optional native backend (never selected).
@@ -10,7 +11,8 @@ slow transport used by the tests; ``m2n`` the optional native backend (never sel
 
 from .api import DTensorRef, Transfer, xferdtensor
 from .execute import xfer_batch
-from .plan import ParamPlan, Planner, build_plan, layout_key
+from .param_plan import ParamPlan, build_plan
+from .plan import Planner, layout_key
 from . import m2n
 from .reference import xfer_batch_reference
 from .transport import P2PTransport

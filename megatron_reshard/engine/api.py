@@ -134,10 +134,12 @@ def _member_without_tensors(src_mesh, src_placements, dst_mesh, dst_placements, 
             expected = "a local tensor (no rank of the group knows the global shape)"
             if shape is not None:
                 try:
-                    shape, *sides = layout_key(shape, src_mesh, src_placements, dst_mesh,
-                                               dst_placements, where)
-                    m_shape, ranks, dims = sides[:3] if side == "src" else sides[3:]
-                    own = shard_ownerships(shape, m_shape, ranks, dims)[me]
+                    key = layout_key(shape, src_mesh, src_placements, dst_mesh,
+                                     dst_placements, where)
+                    mesh_of = ((key.src_mesh_shape, key.src_ranks, key.src_dims)
+                               if side == "src" else
+                               (key.dst_mesh_shape, key.dst_ranks, key.dst_dims))
+                    own = shard_ownerships(key.global_shape, *mesh_of)[me]
                     expected = f"a local tensor of shape {own.local_shape}"
                 except (ValueError, KeyError):
                     pass  # the layout's own error is voted by the ranks that know it

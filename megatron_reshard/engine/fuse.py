@@ -32,7 +32,8 @@ import torch
 from .copies import as_bits
 from .geometry import REPLICATE, box_numel
 from .members import any_members, is_members
-from .plan import LayoutKey, ParamPlan, Planner
+from .param_plan import LayoutKey, ParamPlan
+from .plan import Planner
 
 FUSE_MAX_BYTES = 1 << 20  # a param of more global bytes moves on its own
 FUSE_SHARE = 8            # fused bytes per batch: at most staging_bytes / FUSE_SHARE
@@ -81,7 +82,7 @@ def plan_fusion(transfers: Sequence, plans: Sequence[ParamPlan], staging_bytes: 
     first: dict = {}    # transfer index -> its group key (only the group's first member)
     used = 0
     for i, (t, plan) in enumerate(zip(transfers, plans)):
-        shape = plan.key[0]
+        shape = plan.key.global_shape
         nbytes = t.dtype.itemsize
         for n in shape:
             nbytes *= n
@@ -109,8 +110,8 @@ def plan_fusion(transfers: Sequence, plans: Sequence[ParamPlan], staging_bytes: 
             continue  # a later member of a group placed at its first member
         members = tuple(groups[gkey])
         shape, s_shape, s_ranks, s_dims, d_shape, d_ranks, d_dims = plan.key
-        key: LayoutKey = ((len(members), *shape), s_shape, s_ranks, shift_dims(s_dims),
-                          d_shape, d_ranks, shift_dims(d_dims))
+        key = LayoutKey((len(members), *shape), s_shape, s_ranks, shift_dims(s_dims),
+                        d_shape, d_ranks, shift_dims(d_dims))
         execs.append(Exec(f"{len(members)} fused params from {t.name!r}", t.dtype, members, i))
         exec_plans.append(planner.plan(key))
         fused_bytes += len(members) * t.dtype.itemsize * box_numel(tuple((0, n) for n in shape))

@@ -224,6 +224,21 @@ def rank_region(global_shape: Sequence[int], mesh, placements: Sequence, rank: i
     return box, local_shape_of(shape, mesh.shape, box, dims)
 
 
+def rank_box(global_shape: Sequence[int], mesh, placements: Sequence, rank: int
+             ) -> Optional[Box]:
+    """The box of the global tensor that ``rank`` holds on ``mesh``; None if not in the mesh.
+
+    DTensor semantics: mesh axes that shard one tensor dim apply in axis order, each with
+    ``torch.chunk`` rules; a ``PaddedShard`` splits its padded size evenly and clips at the
+    real size.
+    """
+    got = rank_region(global_shape, mesh, placements, rank)
+    if got is None:
+        return None
+    box, _local_shape = got
+    return box
+
+
 def shard_ownerships(global_shape: Sequence[int], mesh_shape: Sequence[int],
                      ranks: Sequence[int], dims: Sequence[int]) -> dict[int, Ownership]:
     """rank -> Ownership for every rank of a mesh under Shard/Replicate placements."""

@@ -20,12 +20,8 @@ from megatron_reshard.commit import commit_refit
 from megatron_reshard.faults import RefitError, fault_scope, wait_device
 from megatron_reshard.metadata import restore_refit_info_placements
 from megatron_reshard.packed import broadcast_packed, chunk_items, packed_layout
-from megatron_reshard.refit_loop import (
-    DEFAULT_BATCH_BYTES,
-    DEFAULT_STAGING_BYTES,
-    RefitLoop,
-    misc_items_by_stage,
-)
+from megatron_reshard.refit_loop import DEFAULT_BATCH_BYTES, DEFAULT_STAGING_BYTES, RefitLoop
+from megatron_reshard.refit_order import misc_items_by_stage
 
 
 class RefitSender:

@@ -78,8 +78,8 @@ from megatron_reshard.megatron.fp8_source import fp8_sender_specs, grouped_name,
 from megatron_reshard.megatron.payload import build_payload, encode_payload
 from megatron_reshard.megatron.qkv import megatron_qkv_blocks, megatron_qkv_layout
 from megatron_reshard.metadata import (
-    _extract_layer_name,
     build_nccl_reshard_refit_info,
+    extract_layer_name,
     restore_refit_info_placements,
 )
 from megatron_reshard.spec import HFToLocalParamMap, LocalParamSpec
@@ -338,7 +338,7 @@ class MegatronRefitSource:
                                  f"path, but these would go packed: {packed}")
         self.gen_refit_info = info
         other = [{"name": n, "shape": list(m["shape"]), "dtype": m["dtype"],
-                  "pp_stage": stage_of_key[_extract_layer_name(n)]}
+                  "pp_stage": stage_of_key[extract_layer_name(n)]}
                  for n, m in self.other_params_metadata.items()]
         other.sort(key=lambda p: p["pp_stage"])  # stable: model order inside a stage
         self.payload = build_payload(
@@ -367,7 +367,7 @@ class MegatronRefitSource:
                 seen = merged.setdefault(name, meta)
                 if seen["shape"] != meta["shape"] or seen["dtype"] != meta["dtype"]:
                     problems.append(f"{name}: rank {c.rank} reports {meta} but another rank {seen}")
-                key = _extract_layer_name(name)
+                key = extract_layer_name(name)
                 if stage_of_key.setdefault(key, c.pp) != c.pp:
                     problems.append(f"{key} is held by PP stages {stage_of_key[key]} and {c.pp}")
         n_layers = int(self.config.num_layers)
@@ -407,7 +407,7 @@ class MegatronRefitSource:
         gen_mesh, gen_dims = build_mesh_info(self.gen_world_size, stage_world, tp_size=gen_tp)
         padded_train = int(self.model.vocab_size)
         for name, meta in self.exact_extra_metadata.items():
-            key = _extract_layer_name(name)
+            key = extract_layer_name(name)
             stage = stage_of_key[key]
             meshes = self.stages[stage]
             global_shape = tuple(meta["shape"])
@@ -575,7 +575,7 @@ class MegatronRefitSource:
                         problems.append(f"{name}: {me} holds no local expert for it")
                         continue
                     tensors = [v for _, v in members]
-                    spec = _stacked_spec(tensors)
+                    spec = stacked_spec(tensors)
                     shape, dtype = [len(tensors), *tensors[0].shape], tensors[0].dtype
                 expected = expected_local_shape(p["global_shape"], p["src_mesh_info"], p["src_placements"],
                                                 self.stage_local_rank)
@@ -627,7 +627,7 @@ class MegatronRefitSource:
         return out
 
 
-def _stacked_spec(tensors: list[torch.Tensor]) -> LocalParamSpec:
+def stacked_spec(tensors: list[torch.Tensor]) -> LocalParamSpec:
     """``[E_local, ...]`` of the rank's experts: one strided view when they sit at a constant
     step in one storage (legacy grouped GEMM, contiguous param buffers), else the list of
     expert tensors itself, which the engine reads member by member (engine/members.py):

@@ -35,7 +35,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
-from megatron_reshard.engine.geometry import box_shape
+from megatron_reshard.engine.geometry import box_shape, rank_box
 from megatron_reshard.fp8_plan import MXFP8_TILE, QKV_GROUP_RE, SCALE_SUFFIX
 from megatron_reshard.fp8_plan import per_group_hf_rows as _as_hf_rows
 from megatron_reshard.quant import (
@@ -44,7 +44,7 @@ from megatron_reshard.quant import (
     quantize_blockwise_fp8,
     quantize_mxfp8,
 )
-from megatron_reshard.refit_loop import local_region, wire_dtype
+from megatron_reshard.refit_order import wire_dtype
 from megatron_reshard.receiver.targets import (
     Piece,
     TargetError,
@@ -161,7 +161,7 @@ def fp8_receive_spec(targets: VllmTargets, p: Mapping[str, Any], rank_in_group: 
     """
     name, wire = p["name"], wire_dtype(p["dtype"])
     mesh, placements = p["dst_mesh_info"], p["dst_placements"]
-    region = local_region(p["global_shape"], mesh, placements, rank_in_group)
+    region = rank_box(p["global_shape"], mesh, placements, rank_in_group)
     if p.get("gen_quant") == "scale":
         return _scale_spec(targets, p, region, rank_in_group, strided_in_place)
     shape = tuple(int(s) for s in p["global_shape"])
@@ -213,7 +213,7 @@ def _scale_spec(targets: VllmTargets, p: Mapping[str, Any], region, rank_in_grou
     if wire_dtype(p["dtype"]) != torch.float32:
         raise TargetError(f"{name}: scale wire dtype {p['dtype']} on {targets.where()}, expected "
                           f"torch.float32")
-    w_region = local_region(w_shape, p["dst_mesh_info"], p["dst_placements"], rank_in_group)
+    w_region = rank_box(w_shape, p["dst_mesh_info"], p["dst_placements"], rank_in_group)
     shape = tuple(int(s) for s in p["global_shape"])
     per_group = len(w_shape) == 3 and bool(QKV_GROUP_RE.search(weight))
     if per_group:

@@ -17,6 +17,7 @@ import torch
 from torch.distributed.tensor import Shard
 
 from megatron_reshard.commit import commit_refit
+from megatron_reshard.engine.geometry import box_index, rank_box
 from megatron_reshard.engine.transport import control_device, group_rank, group_size
 from megatron_reshard.faults import RefitError, fault_scope, wait_device
 from megatron_reshard.layout import BlockShard, PaddedShard, is_expert_param
@@ -25,17 +26,8 @@ from megatron_reshard.packed import chunk_items
 from megatron_reshard.receiver.fp8_targets import fp8_receive_spec
 from megatron_reshard.receiver.payload_check import RefitPayloadError, validate_payload
 from megatron_reshard.receiver.state import WeightState
-from megatron_reshard.refit_loop import (
-    DEFAULT_BATCH_BYTES,
-    DEFAULT_STAGING_BYTES,
-    MiscItem,
-    RefitLoop,
-    local_region,
-    misc_items_by_stage,
-    region_index,
-    stage_params,
-    wire_dtype,
-)
+from megatron_reshard.refit_loop import DEFAULT_BATCH_BYTES, DEFAULT_STAGING_BYTES, RefitLoop
+from megatron_reshard.refit_order import MiscItem, misc_items_by_stage, stage_params, wire_dtype
 from megatron_reshard.receiver.targets import (
     TargetError,
     TargetPlan,
@@ -102,7 +94,7 @@ def build_receiver_param_map(payload: Mapping[str, Any], targets: VllmTargets, r
     fp8_storage = any(t.dtype == torch.float8_e4m3fn for t in targets.params.values())
     for params in stage_params(payload).values():
         for p in params:
-            region = local_region(p["global_shape"], p["dst_mesh_info"], p["dst_placements"],
+            region = rank_box(p["global_shape"], p["dst_mesh_info"], p["dst_placements"],
                                   rank_in_group)
             if region is None:
                 continue
@@ -127,7 +119,7 @@ def build_receiver_param_map(payload: Mapping[str, Any], targets: VllmTargets, r
                 # the engine fills the owned rows at the top of the whole local tensor; the
                 # padding rows after them never travel: zero them once, here
                 for target, box in plan.zero:
-                    targets.params[target][region_index(box)].zero_()
+                    targets.params[target][box_index(box)].zero_()
                 specs.specs[p["name"]] = LocalParamSpec(base=targets.params[plan.pieces[0].target])
             else:
                 specs.specs[p["name"]] = receive_spec(targets, plan.pieces[0], strided_in_place)

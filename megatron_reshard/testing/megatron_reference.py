@@ -51,7 +51,7 @@ def _tp_gather(t: torch.Tensor, dim: int) -> list[torch.Tensor]:
     return parts
 
 
-def _split_qkv(full: torch.Tensor, nh: int, nkv: int, hd: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def split_qkv(full: torch.Tensor, nh: int, nkv: int, hd: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     q_rows, k_rows, v_rows = [], [], []
     heads_per_group = nh // nkv
     row = 0
@@ -128,7 +128,7 @@ def gather_full_hf_state_dict(model: Any, *, family: str, vocab_size: Optional[i
             out[f"{p}.post_attention_layernorm.weight"] = full
         elif rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
             kind = rest.rsplit(".", 1)[1]
-            q, k, v = _split_qkv(full, nh, nkv, hd)
+            q, k, v = split_qkv(full, nh, nkv, hd)
             out[f"{p}.self_attn.q_proj.{kind}"] = q
             out[f"{p}.self_attn.k_proj.{kind}"] = k
             out[f"{p}.self_attn.v_proj.{kind}"] = v

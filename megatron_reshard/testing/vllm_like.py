@@ -349,8 +349,8 @@ def build_plain_payload(hf_config: Mapping[str, Any], full_hf_tensors: Mapping[s
     """
     from megatron_reshard.layout import is_nccl_reshard_param
     from megatron_reshard.metadata import (
-        _extract_layer_name,
         build_nccl_reshard_refit_info,
+        extract_layer_name,
         make_nccl_reshard_refit_info_wire_safe,
     )
 
@@ -361,7 +361,7 @@ def build_plain_payload(hf_config: Mapping[str, Any], full_hf_tensors: Mapping[s
                                          gen_world_size, dict(layer_to_pp_stage or {}) or None)
     payload = make_nccl_reshard_refit_info_wire_safe(info)
     other = [{"name": n, "shape": list(t.shape), "dtype": str(t.dtype),
-              "pp_stage": int(layer_to_pp_stage[_extract_layer_name(n)]) if pp > 1 else 0}
+              "pp_stage": int(layer_to_pp_stage[extract_layer_name(n)]) if pp > 1 else 0}
              for n, t in full_hf_tensors.items() if not is_nccl_reshard_param(n)]
     payload.update(schema_version=1, hf_config=dict(hf_config), other_params=other,
                    train_layout={"tp": int(train.get("tp_size", 1)), "ep": int(train.get("ep_size", 1)),

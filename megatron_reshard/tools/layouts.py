@@ -24,10 +24,11 @@ from typing import Any, Mapping, NamedTuple, Optional, Sequence
 import torch
 
 from megatron_reshard.engine.geometry import REPLICATE
-from megatron_reshard.engine.plan import LayoutKey, layout_key
+from megatron_reshard.engine.param_plan import LayoutKey
+from megatron_reshard.engine.plan import layout_key
 from megatron_reshard.layout import MeshInfo, build_mesh_info, is_nccl_reshard_param
 from megatron_reshard.megatron.qkv import megatron_qkv_layout
-from megatron_reshard.metadata import _extract_layer_name, build_nccl_reshard_refit_info
+from megatron_reshard.metadata import build_nccl_reshard_refit_info, extract_layer_name
 from megatron_reshard.vllm_layout.dense import (QKV_PARAM_RE, AttentionHeads, padded_vocab_rows,
                                                 qkv_gen_layout)
 
@@ -234,7 +235,7 @@ def stage_inputs(lay: RefitLayout, cfg: Mapping[str, Any], others: str = "sharde
     for p in params:
         if is_nccl_reshard_param(p.name):
             continue
-        stage = stage_map[_extract_layer_name(p.name)]
+        stage = stage_map[extract_layer_name(p.name)]
         key = rules.key(p.name, p.shape) if others == "sharded" else None
         out[stage].params.append(
             SimParam(p.name, p.shape, _wire_itemsize(p.name, p.dtype, wire), key, False))
@@ -278,7 +279,7 @@ class _OtherRules:
         # q_a_proj, kv_a_proj_with_mqa, norms, router weight and bias: replicated
         src = _placed(self.src, src_dim)
         dst = _placed(self.dst, dst_dim)
-        return (tuple(shape), *src, *dst)
+        return LayoutKey(tuple(shape), *src, *dst)
 
     def _qkv_key(self, name: str, shape: tuple) -> LayoutKey:
         """q/k/v weight or bias in the per-KV-group form ``[nkv, rows per group, ...]``."""

@@ -29,7 +29,9 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
 from megatron_reshard.engine.geometry import box_numel
-from megatron_reshard.engine.plan import LinkCosts, ParamPlan, Planner, gc_paused
+from megatron_reshard.engine.link_costs import LinkCosts
+from megatron_reshard.engine.param_plan import ParamPlan
+from megatron_reshard.engine.plan import Planner, gc_paused
 
 from .layouts import RefitLayout, StagePlanInput, count_params, stage_inputs
 
@@ -288,7 +290,7 @@ def _shard_ranks(p, lay: RefitLayout) -> int:
                           "q_a_proj.weight", "kv_a_proj_with_mqa.weight")):
             return 1
         return lay.train_tp
-    s_shape, s_dims = p.key[1], p.key[3]
+    s_shape, s_dims = p.key.src_mesh_shape, p.key.src_dims
     m = 1
     for n, d in zip(s_shape, s_dims):
         if d != -1:

@@ -1,0 +1,81 @@
+"""End-to-end checksums of one refit stage (``RefitLoop(verify_checksums=True)``).
+
+Torch + stdlib only. Each source adds, per param it sends, the checksum of every overlap of
+its box with a destination's box into the stage's table (row: destination rank); each
+destination keeps the checksum of the box it received. One SUM all-reduce of the table per
+stage, then each destination compares its own row (``megatron_reshard.integrity``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_reshard.engine.geometry import Box
+from megatron_reshard.engine.transport import all_reduce, control_device, group_size
+from megatron_reshard.integrity import (MODULUS, ChecksumTable, box_checksum, mismatches,
+                                        source_overlaps)
+
+
+def buffer_checksum(buf, box: Box, origin: tuple) -> torch.Tensor:
+    """``box_checksum`` of a tensor, or of a list of tensors (one per index of dim 0): the
+    checksum is a sum over the box's elements, so it is the sum of the members' parts."""
+    if not isinstance(buf, (list, tuple)):
+        return box_checksum(buf, box, origin)
+    total = None
+    for g in range(*box[0]):
+        part = box_checksum(buf[g - origin[0]].unsqueeze(0), ((g, g + 1),) + tuple(box[1:]),
+                            (g,) + tuple(origin[1:]))
+        total = part if total is None else (total + part).remainder_(MODULUS)
+    return total if total is not None else torch.zeros((), dtype=torch.int64)
+
+
+class SourceOverlaps:
+    """Per (stage, param index): the (destination rank, box) pairs this source counts.
+    From the payload alone, so computed once per loop."""
+
+    def __init__(self, stages: Mapping[int, Sequence[Mapping[str, Any]]],
+                 ranks: Mapping[int, int]) -> None:
+        self._stages, self._ranks = stages, ranks
+        self._cache: dict[tuple[int, int], list] = {}
+
+    def get(self, stage: int, index: int) -> list:
+        key = (stage, index)
+        got = self._cache.get(key)
+        if got is None:
+            got = self._cache[key] = source_overlaps(self._stages[stage][index],
+                                                     self._ranks[stage])
+        return got
+
+
+class StageChecksums:
+    """The checksums of one stage's part of one run, on one side."""
+
+    def __init__(self, side: str, stage: int, group: Optional[Any], rank: int,
+                 params: Sequence[Mapping[str, Any]], overlaps: SourceOverlaps) -> None:
+        self.side, self.stage, self.group, self.rank = side, stage, group, rank
+        self.params, self.overlaps = params, overlaps
+        self.table = ChecksumTable(group_size(group), len(params))
+        self.got: dict[int, torch.Tensor] = {}  # destination: param index -> checksum received
+
+    def add(self, index: int, box: Box, buf) -> None:
+        """Param ``index``, held as ``box`` in ``buf``, after the engine moved it (before any
+        post hook): a source counts each overlap, a destination what it received."""
+        origin = tuple(a for a, _ in box)
+        if self.side == "src":
+            for dst, sub in self.overlaps.get(self.stage, index):
+                self.table.add(dst, index, buffer_checksum(buf, sub, origin))
+        else:
+            self.got[index] = buffer_checksum(buf, box, origin)
+
+    def check(self) -> list[str]:
+        """One SUM all-reduce of the table; a destination returns the names whose received
+        bytes differ from the sources' (a source returns [])."""
+        table = self.table.dense(control_device(self.group))
+        all_reduce(table, self.group, dist.ReduceOp.SUM,
+                   f"the checksum exchange of stage {self.stage}")
+        if self.side != "dst":
+            return []
+        return mismatches(table[self.rank], self.got, [p["name"] for p in self.params])

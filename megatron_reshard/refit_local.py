@@ -1,0 +1,90 @@
+"""This rank's side of each bulk param of a refit stage, checked before any communication.
+
+Torch + stdlib only (the receiver imports it). ``local_params`` pairs each param this rank
+holds a side of with its ``LocalParamSpec`` and its box of the global tensor, and raises
+when a spec is missing or a hook-free spec's tensor does not match the payload.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping, NamedTuple, Optional, Sequence
+
+import torch
+
+from megatron_reshard.engine.geometry import Box, rank_region
+from megatron_reshard.engine.members import members_problem
+from megatron_reshard.refit_order import wire_dtype
+from megatron_reshard.spec import HFToLocalParamMap, LocalParamSpec
+
+
+class LocalParam(NamedTuple):
+    """A param this rank holds a side of: its spec and the box of the global tensor it holds."""
+
+    spec: LocalParamSpec
+    box: Box
+
+
+def local_params(params: Sequence[Mapping[str, Any]], local_map: HFToLocalParamMap, side: str,
+                 rank: int, stage: int) -> list[Optional[LocalParam]]:
+    """Per param of the stage: a ``LocalParam`` where this rank (``rank`` in the stage's
+    group) holds the ``side`` ("src" or "dst") of it, else None.
+
+    Raises ValueError when a spec is missing or a hook-free spec's tensor does not match the
+    payload (shape of this rank's box, wire dtype).
+    """
+    mesh_key, pl_key = f"{side}_mesh_info", f"{side}_placements"
+    where = f"{side} group rank {rank} (stage {stage})"
+    mine: list[Optional[LocalParam]] = []
+    for p in params:
+        got = rank_region(p["global_shape"], p[mesh_key], p[pl_key], rank)
+        if got is None:
+            mine.append(None)
+            continue
+        box, local_shape = got
+        name = p["name"]
+        spec = local_map.get(name)
+        if spec is None:
+            raise ValueError(f"{name}: no local spec on {side} group rank {rank} of stage "
+                             f"{stage}, which holds region {list(box)} of this param")
+        if spec.pre is None:
+            _check_base(name, where, spec.base, box, tuple(local_shape), wire_dtype(p["dtype"]))
+        mine.append(LocalParam(spec, box))
+    return mine
+
+
+def _check_base(name: str, where: str, base: Any, box: Box, local_shape: tuple,
+                dtype: torch.dtype) -> None:
+    """A hook-free spec's ``base``: a tensor of this rank's local shape and the wire dtype,
+    or a list of tensors, one per index of dim 0 (the engine's members, engine/members.py)."""
+    if isinstance(base, (list, tuple)):
+        device = base[0].device.type if len(base) and isinstance(base[0], torch.Tensor) \
+            else "cpu"
+        why = members_problem(base, local_shape, dtype, device)
+        if why:
+            raise ValueError(f"{name}: {where} holds region {list(box)} as a list of tensors: "
+                             f"expected {why}")
+        return
+    if not isinstance(base, torch.Tensor):
+        raise ValueError(f"{name}: {where} has a spec without pre hook whose base is "
+                         f"{type(base).__name__}, not a tensor")
+    if tuple(base.shape) != local_shape:
+        raise ValueError(f"{name}: {where} holds region {list(box)} in a local tensor of shape "
+                         f"{list(local_shape)}, but its local tensor has shape "
+                         f"{list(base.shape)}")
+    if base.dtype != dtype:
+        raise ValueError(f"{name}: {where}: wire dtype {dtype} but local tensor dtype "
+                         f"{base.dtype}")
+
+
+def first_tensor_is_cuda(mine: Iterable[Optional[LocalParam]]) -> Optional[bool]:
+    """Whether the first local tensor among ``mine`` is on CUDA; None if there is none (all
+    params held through pre hooks, or none held)."""
+    for entry in mine:
+        if entry is None:
+            continue
+        base = entry.spec.base
+        if isinstance(base, (list, tuple)) and base:
+            base = base[0]
+        if isinstance(base, torch.Tensor):
+            return base.is_cuda
+    return None
