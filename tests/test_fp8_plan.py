@@ -354,3 +354,40 @@ def test_a_scale_entry_not_in_tiles_of_its_weight_is_refused_naming_param_rank_a
         "model.layers.0.self_attn.q_proj.weight_scale_inv: generation rank 1: holds weight region "
         "[[0, 1], [256, 512], [0, 256]] of [1, 512, 256], so expected scale region [[0, 1], [2, 4], "
         "[0, 2]], found [[0, 1], [0, 4], [0, 2]] of [1, 4, 2]"]
+
+
+def test_blockwise_fp8_training_qkv_slices_of_a_cut_kv_group_are_views_of_the_tiles():
+    from megatron_reshard.megatron.converters import Converted, ModelDims
+    from megatron_reshard.megatron.fp8_source import train_fp8_views
+    from megatron_reshard.megatron.fp8_storage import BlockwiseFp8Weight
+
+    names = tuple(f"model.layers.0.self_attn.{w}_proj.weight" for w in "qkv")
+    conv = Converted("decoder.layers.0.self_attention.linear_qkv.weight", "qkv", names)
+    dims = ModelDims(tp_size=2, num_attention_heads=4, num_query_groups=1, head_dim=128,
+                     vocab_size=300, gated=True)
+    torch.manual_seed(2)
+    group = torch.randn(768, H).to(torch.bfloat16)  # one KV group: q 512 | k 128 | v 128
+    q_ref, s_ref = reference_block_fp8(group, pow2=True)
+    for tp_rank, (lo, hi) in enumerate(((0, 384), (384, 768))):
+        shard = group[lo:hi].clone()
+        q, s = reference_block_fp8(shard, pow2=True)  # the rank's own tiles, as TE keeps them
+        shard.blockwise_fp8 = BlockwiseFp8Weight(q, s)
+        views, problems = train_fp8_views([(conv, shard)], dims, tp_rank=tp_rank)
+        assert problems == []
+        # the rank's slice of each of q, k, v: [384 | 128], [0 | 128], [0 | 128] rows
+        for name, (a, b) in zip(names, ((0, 512), (512, 640), (640, 768))):
+            a, b = max(a, lo), min(b, hi)
+            data, scale = views[name]
+            assert data.shape == (1, max(0, b - a), H) and scale.shape == (1, max(0, b - a) // 128, 2)
+            if b > a:
+                assert torch.equal(data[0].view(torch.uint8), q_ref[a:b].view(torch.uint8))
+                assert torch.equal(scale[0], s_ref[a // 128:b // 128])
+    # over TP4 each rank holds 192 rows of the group: its own tiles are not the group's
+    dims = ModelDims(tp_size=4, num_attention_heads=4, num_query_groups=1, head_dim=128,
+                     vocab_size=300, gated=True)
+    shard = group[192:384].clone()
+    shard.blockwise_fp8 = BlockwiseFp8Weight(*reference_block_fp8(shard, pow2=True))
+    views, problems = train_fp8_views([(conv, shard)], dims, tp_rank=1)
+    assert views == {} and problems == [
+        "decoder.layers.0.self_attention.linear_qkv.weight: blockwise FP8 q/k/v rows of TP rank 1 "
+        "(192 rows of a KV group of 768: q/k/v [192, 0, 0]) are not whole 128-row blocks"]

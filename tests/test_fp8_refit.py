@@ -88,6 +88,17 @@ def test_blockwise_fp8_training_dense_tp2_to_gen_tp2_moves_the_training_bytes(po
     assert summary["exact_path_fraction"] == 1.0
 
 
+def test_blockwise_fp8_training_with_train_tp_cutting_a_kv_group_moves_the_training_bytes(pool):
+    # 1 KV head over train TP2: each rank's FP8 linear_qkv shard is half a KV group (q rows
+    # [384 | 128], k/v [0 | 128]); its TE tiles start at its first row, which is a tile
+    # boundary of the group, so its bytes and per-tile scales are sliced per q/k/v and moved
+    summary = _run(pool, model="dense", model_overrides={"num_query_groups": 1}, train_world=2,
+                   train_tp=2, train_pp=1, train_ep=1, gen_world=1, gen_tp=1,
+                   train_precision="fp8_blockwise")
+    assert summary["verified"], summary["per_gen_rank"]
+    assert summary["exact_path_fraction"] == 1.0
+
+
 def test_blockwise_fp8_training_moe_tp2_pp2_ep2_to_gen_tp1_moves_the_training_bytes(pool):
     summary = _run(pool, model="moe", train_world=4, train_tp=2, train_pp=2, train_ep=2,
                    gen_world=1, gen_tp=1, train_precision="fp8_blockwise")
