@@ -11,8 +11,8 @@ with one entry per 128×128 tile. Embeddings, lm_head, norms, router and biases 
   that cuts a tile is refused here, before any collective: vLLM could not hold it either);
 - where every training rank's region is made of whole tiles too, the weight is quantized
   on the sending side: its entry's wire dtype becomes ``float8_e4m3fn`` (``"gen_quant":
-  "sender"``) and a scale entry ``<name>_scale_inv`` (fp32, same meshes and placements,
-  shape ``blockwise_scale_shape``) follows it; about half the bytes of BF16 travel, and a
+  "sender"``) and a scale entry ``<name>_scale_inv`` (fp32, same meshes, the placements in
+  tiles, shape ``blockwise_scale_shape``) follows it; about half the bytes of BF16 travel, and a
   shard quantized on its own gives exactly the bytes of the same tiles of the full tensor
   (``quant.owns_whole_blocks``);
 - otherwise the weight travels in BF16 (``"gen_quant": "receiver"``) and the receiver
