@@ -5,13 +5,24 @@ communication), and FP8 storage filled from full HF tensors against the independ
 import msgspec
 import pytest
 import torch
+from torch.distributed.tensor import Replicate, Shard
 
-from megatron_reshard.fp8_plan import Fp8SplitError, plan_block_fp8, plan_mxfp8
+from megatron_reshard.engine.geometry import box_index, rank_region
+from megatron_reshard.fp8_plan import (
+    Fp8SplitError,
+    plan_block_fp8,
+    plan_mxfp8,
+    scale_layout_problems,
+    scale_placements,
+)
+from megatron_reshard.layout import BlockShard, PaddedShard, build_mesh_info
 from megatron_reshard.metadata import (
     build_nccl_reshard_refit_info,
     make_nccl_reshard_refit_info_wire_safe,
     restore_refit_info_placements,
 )
+from megatron_reshard.megatron.qkv import megatron_qkv_layout
+from megatron_reshard.quant import quantize_blockwise_fp8
 from megatron_reshard.receiver.fp8_targets import fp8_receive_spec
 from megatron_reshard.receiver.targets import TargetError, VllmTargets, load_full_weights
 from megatron_reshard.testing.fp8_reference import expected_vllm_fp8_params, reference_block_fp8
@@ -20,6 +31,8 @@ from megatron_reshard.testing.vllm_like import (
     build_vllm_like_model,
     random_hf_state_dict,
 )
+from megatron_reshard.vllm_layout import qkv_gen_layout
+from megatron_reshard.vllm_layout.dense import AttentionHeads
 
 H = 256
 
@@ -220,15 +233,6 @@ def test_the_mxfp8_oracle_uses_e8m0_power_of_two_scales():
 
 
 # q/k/v per KV group when training TP cuts a KV group (Megatron's rows as BlockShard blocks)
-
-from megatron_reshard.engine.geometry import box_index, rank_region  # noqa: E402
-from megatron_reshard.fp8_plan import scale_layout_problems, scale_placements  # noqa: E402
-from megatron_reshard.layout import BlockShard, PaddedShard, build_mesh_info  # noqa: E402
-from megatron_reshard.megatron.qkv import megatron_qkv_layout  # noqa: E402
-from megatron_reshard.quant import quantize_blockwise_fp8  # noqa: E402
-from megatron_reshard.vllm_layout import qkv_gen_layout  # noqa: E402
-from megatron_reshard.vllm_layout.dense import AttentionHeads  # noqa: E402
-from torch.distributed.tensor import Replicate, Shard  # noqa: E402
 
 HEADS = AttentionHeads(num_heads=4, num_kv_heads=1, head_dim=128)  # 768 rows per KV group
 
