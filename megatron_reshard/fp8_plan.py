@@ -179,11 +179,11 @@ def _padded_in_tiles(padded: int, block: int, where: str, d: int) -> int:
 
 
 def tile_box(region: Sequence, shape: Sequence[int], tile: Sequence[int] = BLOCK_FP8_TILE) -> tuple:
-    """The tiles (last two dims; leading dims kept) that a whole-tile ``region`` covers."""
+    """The tiles (last two dims; leading dims kept) that a whole-tile ``region`` covers; a
+    bound that cuts a tile is None."""
     out = [tuple(r) for r in region[:-2]]
     for d, block in ((len(shape) - 2, tile[0]), (len(shape) - 1, tile[1])):
-        a, b = region[d]
-        out.append((a // block, _bound_in_tiles(b, int(shape[d]), block)))
+        out.append(tuple(_bound_in_tiles(x, int(shape[d]), block) for x in region[d]))
     return tuple(out)
 
 
@@ -217,7 +217,7 @@ def scale_layout_problems(weight: Mapping[str, Any], scale: Mapping[str, Any], s
                                     f"scale region {[list(r) for r in s[0]]} of {list(s_shape)}")
                 continue
             want = tile_box(w[0], w_shape, tile)
-            if None in (r[1] for r in want) or tuple(s[0]) != want:
+            if any(x is None for r in want for x in r) or tuple(s[0]) != want:
                 problems.append(f"{who}: holds weight region {[list(r) for r in w[0]]} of "
                                 f"{list(w_shape)}, so expected scale region "
                                 f"{[list(r) for r in want]}, found {[list(r) for r in s[0]]} of "
