@@ -11,8 +11,8 @@ with one entry per 128×128 tile. Embeddings, lm_head, norms, router and biases 
   that cuts a tile is refused here, before any collective: vLLM could not hold it either);
 - where every training rank's region is made of whole tiles too, the weight is quantized
   on the sending side: its entry's wire dtype becomes ``float8_e4m3fn`` (``"gen_quant":
-  "sender"``) and a scale entry ``<name>_scale_inv`` (fp32, same meshes and placements,
-  shape ``blockwise_scale_shape``) follows it; about half the bytes of BF16 travel, and a
+  "sender"``) and a scale entry ``<name>_scale_inv`` (fp32, same meshes, the placements in
+  tiles, shape ``blockwise_scale_shape``) follows it; about half the bytes of BF16 travel, and a
   shard quantized on its own gives exactly the bytes of the same tiles of the full tensor
   (``quant.owns_whole_blocks``);
 - otherwise the weight travels in BF16 (``"gen_quant": "receiver"``) and the receiver
@@ -20,6 +20,11 @@ with one entry per 128×128 tile. Embeddings, lm_head, norms, router and biases 
 
 Wire forms whose tiles are not the HF tensor's tiles (q/k/v per KV group with rows per
 group not a multiple of 128) are quantized on the receiver, which sees HF rows.
+
+A scale entry's placements are the weight's with every explicit size along the last two
+dims counted in tiles (``scale_placements``: a ``BlockShard``'s row blocks, e.g. q/k/v rows
+of a KV group cut by training TP, become tile blocks); ``scale_layout_problems`` then checks,
+rank by rank on both sides, that the scale region is exactly the tiles of the weight region.
 """
 
 from __future__ import annotations
@@ -27,7 +32,10 @@ from __future__ import annotations
 import re
 from typing import Any, Mapping, Optional, Sequence
 
-from megatron_reshard.engine.geometry import rank_region
+from torch.distributed.tensor import Replicate, Shard
+
+from megatron_reshard.engine.geometry import box_numel, rank_region
+from megatron_reshard.layout import BlockShard, PaddedShard
 from megatron_reshard.quant import BLOCK_FP8_TILE, blockwise_scale_shape, owns_whole_blocks
 
 FP8_WIRE_DTYPE = "torch.float8_e4m3fn"
@@ -95,6 +103,141 @@ def per_group_hf_rows(shape: Sequence[int], region: Sequence) -> tuple[tuple, tu
     return (int(shape[0]) * per_group, int(shape[2])), (rows, tuple(cols))
 
 
+def _bound_in_tiles(bound: int, extent: int, block: int) -> Optional[int]:
+    """A boundary of a dim of ``extent`` counted in tiles: None when it cuts a tile."""
+    if bound % block == 0:
+        return bound // block
+    return -(-extent // block) if bound == extent else None
+
+
+def _sizes_in_tiles(sizes: Sequence[int], extent: int, block: int, where: str) -> tuple:
+    bounds, acc = [0], 0
+    for n in sizes:
+        acc += int(n)
+        bounds.append(acc)
+    if acc != extent:
+        raise Fp8SplitError(f"{where}: block sizes {list(sizes)} add up to {acc}, expected the "
+                            f"dim's {extent}")
+    tiles = [_bound_in_tiles(b, extent, block) for b in bounds]
+    for i, t in enumerate(tiles):
+        if t is None:
+            raise Fp8SplitError(f"{where}: block sizes {list(sizes)} of a dim of {extent} put a "
+                                f"boundary at {bounds[i]} (after mesh coordinate {i - 1}), which "
+                                f"cuts a {block}-element FP8 block: expected every boundary at a "
+                                f"multiple of {block} or at {extent}")
+    return tuple(b - a for a, b in zip(tiles, tiles[1:]))
+
+
+def scale_placements(placements: Sequence, weight_shape: Sequence[int],
+                     tile: Sequence[int] = BLOCK_FP8_TILE, where: str = "scale placements") -> list:
+    """The placements of a weight's block scales (``blockwise_scale_shape``), from the weight's.
+
+    ``Shard``/``Replicate`` stay: ``torch.chunk`` rules over whole tiles give the same split
+    counted in tiles. Explicit sizes along the last two dims are converted: a ``BlockShard``'s
+    block sizes (weight rows -> tiles), a ``PaddedShard``'s padded size. Leading dims (MoE
+    experts) keep theirs. Instances stay instances, wire dicts stay dicts. A block boundary
+    that cuts a tile raises ``Fp8SplitError`` (such a weight is not quantized on the sender).
+    """
+    ndim = len(weight_shape)
+    tiled = {ndim - 2: int(tile[0]), ndim - 1: int(tile[1])}
+    out = []
+    for p in placements:
+        if isinstance(p, dict):
+            d = p.get("dim")
+            if d is None or int(d) % ndim not in tiled:
+                out.append(dict(p))
+                continue
+            d = int(d) % ndim
+            block = tiled[d]
+            if p.get("blocks") is not None:
+                sizes = _sizes_in_tiles(p["blocks"], int(weight_shape[d]), block, f"{where} (dim {d})")
+                out.append({**p, "blocks": list(sizes)})
+            elif p.get("padded") is not None:
+                out.append({**p, "padded": _padded_in_tiles(int(p["padded"]), block, where, d)})
+            else:
+                out.append(dict(p))
+        elif isinstance(p, BlockShard) and int(p.dim) % ndim in tiled:
+            d = int(p.dim) % ndim
+            out.append(BlockShard(p.dim, _sizes_in_tiles(p.sizes, int(weight_shape[d]), tiled[d],
+                                                          f"{where} (dim {d})")))
+        elif isinstance(p, PaddedShard) and int(p.dim) % ndim in tiled:
+            d = int(p.dim) % ndim
+            out.append(PaddedShard(p.dim, _padded_in_tiles(int(p.padded_size), tiled[d], where, d)))
+        elif isinstance(p, (Shard, Replicate, BlockShard, PaddedShard)):
+            out.append(p)
+        else:
+            raise Fp8SplitError(f"{where}: unsupported placement {p!r} (expected Shard, Replicate, "
+                                f"BlockShard, PaddedShard or their wire forms)")
+    return out
+
+
+def _padded_in_tiles(padded: int, block: int, where: str, d: int) -> int:
+    if padded % block:
+        raise Fp8SplitError(f"{where}: padded shard of dim {d} to {padded}, which is not whole "
+                            f"{block}-element FP8 blocks: expected a multiple of {block}")
+    return padded // block
+
+
+def tile_box(region: Sequence, shape: Sequence[int], tile: Sequence[int] = BLOCK_FP8_TILE) -> tuple:
+    """The tiles (last two dims; leading dims kept) that a whole-tile ``region`` covers; a
+    bound that cuts a tile is None."""
+    out = [tuple(r) for r in region[:-2]]
+    for d, block in ((len(shape) - 2, tile[0]), (len(shape) - 1, tile[1])):
+        out.append(tuple(_bound_in_tiles(x, int(shape[d]), block) for x in region[d]))
+    return tuple(out)
+
+
+def scale_layout_problems(weight: Mapping[str, Any], scale: Mapping[str, Any], stage_world: int,
+                          tile: Sequence[int] = BLOCK_FP8_TILE) -> list[str]:
+    """Ranks (both sides) whose region of the scale entry is not the tiles of their region of
+    the weight entry, one line each (param, rank, expected, found); empty when all match."""
+    problems = []
+    w_shape, s_shape = weight["global_shape"], scale["global_shape"]
+    for side, label, offset in (("src", "training rank", 0), ("dst", "generation rank", stage_world)):
+        mesh = weight[f"{side}_mesh_info"]
+        for rank in mesh.ranks():
+            who = f"{scale['name']}: {label} {int(rank) - offset}"
+            w = rank_region(w_shape, mesh, weight[f"{side}_placements"], int(rank))
+            try:
+                s = rank_region(s_shape, scale[f"{side}_mesh_info"], scale[f"{side}_placements"],
+                                int(rank))
+            except ValueError as err:
+                problems.append(f"{who}: its scale placements are invalid for scales of "
+                                f"{list(s_shape)}: {err}")
+                continue
+            if w is None or s is None:
+                if (w is None) != (s is None):
+                    problems.append(f"{who}: is in the {side} mesh of only one of the weight and "
+                                    f"its scales")
+                continue
+            if not box_numel(w[0]) or not box_numel(s[0]):
+                found_empty, want_empty = not box_numel(s[0]), not box_numel(w[0])
+                if found_empty != want_empty:
+                    problems.append(f"{who}: holds weight region {[list(r) for r in w[0]]} but "
+                                    f"scale region {[list(r) for r in s[0]]} of {list(s_shape)}")
+                continue
+            want = tile_box(w[0], w_shape, tile)
+            if any(x is None for r in want for x in r) or tuple(s[0]) != want:
+                problems.append(f"{who}: holds weight region {[list(r) for r in w[0]]} of "
+                                f"{list(w_shape)}, so expected scale region "
+                                f"{[list(r) for r in want]}, found {[list(r) for r in s[0]]} of "
+                                f"{list(s_shape)}")
+    return problems
+
+
+def _place_scales(weight: Mapping[str, Any], scale: dict, shape: tuple, tile: Sequence[int],
+                  stage_world: int) -> list[str]:
+    """Give ``scale`` the weight's placements in tile units and check them rank by rank;
+    returns the problems found (the refusal is raised with every other problem)."""
+    try:
+        for side in ("src", "dst"):  # explicit sizes in weight rows -> tiles
+            scale[f"{side}_placements"] = scale_placements(
+                weight[f"{side}_placements"], shape, tile, f"{scale['name']}: {side} placements")
+    except Fp8SplitError as err:
+        return [str(err)]
+    return scale_layout_problems(weight, scale, stage_world, tile)
+
+
 def plan_mxfp8(info: dict, stage_world: int) -> dict:
     """MXFP8 generation (vLLM ModelOpt MXFP8, NeMo-RL's ``is_mx``): every linear weight travels
     in BF16 and the receiver quantizes its region (32-element row blocks, E8M0 scales); a
@@ -125,11 +268,13 @@ def plan_block_fp8(info: dict, stage_world: int, tile: tuple[int, int] = BLOCK_F
                 continue
             shape = tuple(int(s) for s in p["global_shape"])
             per_group = len(shape) == 3 and bool(QKV_GROUP_RE.search(p["name"]))
+            gen_cut = False
             for rank, region in sorted(_regions(p, "dst").items()):
                 hf_shape, hf_region = (per_group_hf_rows(shape, region) if per_group
                                        else (shape, region))
                 why = _cut(hf_region, hf_shape, tile)
                 if why:
+                    gen_cut = True
                     problems.append(f"{p['name']}: generation rank {rank - stage_world} would hold "
                                     f"HF region {[list(r) for r in hf_region]} of {list(hf_shape)}, "
                                     f"which cuts a {tile[0]}x{tile[1]} FP8 block ({why})")
@@ -156,6 +301,8 @@ def plan_block_fp8(info: dict, stage_world: int, tile: tuple[int, int] = BLOCK_F
             scale.update(name=scale_name(p["name"]), global_shape=blockwise_scale_shape(shape, tile),
                          dtype=SCALE_WIRE_DTYPE, gen_quant="scale", scale_of=p["name"],
                          weight_shape=list(shape))
+            if not gen_cut:  # (a cut generation split is listed above already)
+                problems += _place_scales(p, scale, shape, tile, stage_world)
             out.append(scale)
             counts[mode] += 1
         info["per_layer_params"][layer] = out
@@ -169,5 +316,5 @@ def plan_block_fp8(info: dict, stage_world: int, tile: tuple[int, int] = BLOCK_F
 __all__ = [
     "FP8_WIRE_DTYPE", "Fp8SplitError", "GEN_QUANT_FORMATS", "MXFP8_TILE", "SCALE_SUFFIX",
     "SCALE_WIRE_DTYPE", "is_quantizable", "per_group_hf_rows", "plan_block_fp8", "plan_mxfp8",
-    "scale_name",
+    "scale_layout_problems", "scale_name", "scale_placements", "tile_box",
 ]

@@ -6,8 +6,6 @@ bit after every refit against the independent quantizer (``testing.fp8_reference
 applied to the full HF tensors and sliced by the vLLM layout.
 """
 
-import pytest
-
 from megatron_reshard.tools.e2e import RefitRunConfig, run_rank, summarize
 
 
@@ -50,21 +48,32 @@ def test_moe_train_tp2_to_gen_tp2_ep2_whole_experts_bit_exact(pool):
     assert summary["verified"], summary["per_gen_rank"]
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
-    "known defect after merging the FP8 and exact-path branches: a q/k/v weight whose train "
-    "TP ranks cut a KV group (BlockShard rows) gets a block-FP8 scale entry with the weight's "
-    "row blocks instead of block counts, and the training side refuses it before any data "
-    "moves (ValueError in geometry.shard_box); issue 13 stays open for it"))
-def test_receiver_quantizes_when_train_shards_cut_blocks_and_on_the_packed_path(pool):
-    # FFN 384 over train TP2: 192 rows per train rank cut a block, so gate/up/down travel in
-    # bf16 and gen TP1 quantizes them; 1 KV head over train TP2 sends q/k/v packed (full
-    # bf16 tensors, quantized by the receiver too)
+def test_train_tp_cutting_a_kv_group_on_whole_blocks_sends_fp8_qkv_with_scales_in_blocks(pool):
+    # 1 KV head over train TP2: each rank holds half of the group's 768 rows, q rows [384 |
+    # 128] and k/v [0 | 128] (BlockShard), all whole 128-row blocks, so the sender quantizes
+    # them and the scales travel with the same blocks counted in tiles ([3 | 1], [0 | 1]).
+    # FFN 384: 192 rows per train rank cut a block, so gate/up/down travel in bf16 and gen
+    # TP1 quantizes them; o_proj goes by the packed path (a full bf16 tensor, quantized on
+    # write by the receiver)
     summary = _run(pool, model="dense", model_overrides={"ffn_hidden_size": 384, "num_query_groups": 1},
-                   train_world=2, train_tp=2, train_pp=1, train_ep=1, gen_world=1, gen_tp=1)
+                   train_world=2, train_tp=2, train_pp=1, train_ep=1, gen_world=1, gen_tp=1,
+                   packed_params=r"self_attn\.o_proj\.")
     assert summary["verified"], summary["per_gen_rank"]
     row = summary["per_gen_rank"][0]
     assert row["misc_bytes"] > 0 and summary["exact_path_fraction"] < 1.0
     assert summary["bytes_vs_unquantized"] > 0.6  # the FFN crossed in bf16
+
+
+def test_train_tp_cutting_a_kv_group_off_block_boundaries_sends_bf16_qkv_for_the_receiver(pool):
+    # 1 KV head over train TP4: 768 rows per group, 192 per train rank: q rows [192 | 192 |
+    # 128 | 0] and k rows [0 | 0 | 64 | 64] cut 128-row blocks, so they travel in bf16 per
+    # group and each gen rank (TP2: half the q rows, the KV head replicated) quantizes its HF
+    # rows; v rows [0 | 0 | 0 | 128] are whole blocks: sender-quantized, scales [0 | 0 | 0 | 1];
+    # FFN 512 / TP4 = 128 rows per rank is whole blocks, quantized by the sender
+    summary = _run(pool, model="dense", model_overrides={"num_query_groups": 1}, train_world=4,
+                   train_tp=4, train_pp=1, train_ep=1, gen_world=2, gen_tp=2)
+    assert summary["verified"], summary["per_gen_rank"]
+    assert summary["exact_path_fraction"] == 1.0
 
 
 # Blockwise-FP8 training weights (testing.fp8_training: plain tensors in TE's data/scale
@@ -75,6 +84,17 @@ def test_receiver_quantizes_when_train_shards_cut_blocks_and_on_the_packed_path(
 def test_blockwise_fp8_training_dense_tp2_to_gen_tp2_moves_the_training_bytes(pool):
     summary = _run(pool, model="dense", train_world=2, train_tp=2, train_pp=1, train_ep=1,
                    gen_world=2, gen_tp=2, train_precision="fp8_blockwise")
+    assert summary["verified"], summary["per_gen_rank"]
+    assert summary["exact_path_fraction"] == 1.0
+
+
+def test_blockwise_fp8_training_with_train_tp_cutting_a_kv_group_moves_the_training_bytes(pool):
+    # 1 KV head over train TP2: each rank's FP8 linear_qkv shard is half a KV group (q rows
+    # [384 | 128], k/v [0 | 128]); its TE tiles start at its first row, which is a tile
+    # boundary of the group, so its bytes and per-tile scales are sliced per q/k/v and moved
+    summary = _run(pool, model="dense", model_overrides={"num_query_groups": 1}, train_world=2,
+                   train_tp=2, train_pp=1, train_ep=1, gen_world=1, gen_tp=1,
+                   train_precision="fp8_blockwise")
     assert summary["verified"], summary["per_gen_rank"]
     assert summary["exact_path_fraction"] == 1.0
 

@@ -18,8 +18,10 @@ import torch
 from megatron_reshard.fp8_plan import scale_name
 from megatron_reshard.megatron.converters import local_views
 from megatron_reshard.megatron.fp8_storage import blockwise_fp8_storage
+from megatron_reshard.megatron.qkv import megatron_qkv_blocks
 from megatron_reshard.quant import BLOCK_FP8_TILE, quantize_blockwise_fp8
 from megatron_reshard.spec import HFToLocalParamMap, LocalParamSpec, RefitCtx
+from megatron_reshard.vllm_layout.dense import AttentionHeads
 
 
 class _ShardQuantizer:
@@ -92,13 +94,50 @@ def grouped_name(hf_name: str) -> str:
     return f"{m['prefix']}.{m['proj']}.weight" if m else hf_name
 
 
-def train_fp8_views(converted: list, dims: Any, tile: int = BLOCK_FP8_TILE[0]
+def _qkv_fp8_views(conv: Any, data: torch.Tensor, scale: torch.Tensor, dims: Any, tp_rank: int,
+                   tile: int) -> tuple[dict, Optional[str]]:
+    """q, k, v views (data, scales) of a blockwise-FP8 ``linear_qkv`` shard in the per-KV-group
+    form the refit sends (``source._qkv_views``): ``[groups, rows, H]`` of whole groups when
+    TP <= nkv, else ``[1, rows, H]`` of the slice of one group this rank holds
+    (``megatron_qkv_blocks``); and the problem, if a cut is not on a tile boundary."""
+    nkv, nh, hd = dims.num_query_groups, dims.num_attention_heads, dims.head_dim
+    tp, q_rows = dims.tp_size, nh // nkv * hd
+    if q_rows % tile or hd % tile:
+        return {}, (f"{conv.megatron_name}: blockwise FP8 q/k/v rows per KV group "
+                    f"({q_rows} q, {hd} k/v) are not whole {tile}-row blocks")
+    q_name, k_name, v_name = conv.hf_names
+    if tp <= nkv:
+        groups = data.shape[0] // (q_rows + 2 * hd)
+        d = data.view(groups, q_rows + 2 * hd, data.shape[-1])
+        s = scale.view(groups, (q_rows + 2 * hd) // tile, scale.shape[-1])
+        qt, ht = q_rows // tile, hd // tile
+        return {q_name: (d[:, :q_rows], s[:, :qt]), k_name: (d[:, q_rows:q_rows + hd], s[:, qt:qt + ht]),
+                v_name: (d[:, q_rows + hd:], s[:, qt + ht:])}, None
+    # TP > nkv: this rank holds a contiguous slice of one group's rows; TE's tiles start at
+    # its first row, so they are the group's tiles only when every slice is whole tiles
+    part = tp_rank % (tp // nkv)
+    heads = AttentionHeads(nh, nkv, hd)
+    rows = [megatron_qkv_blocks(heads, tp, which)[part] for which in ("q", "k", "v")]
+    if data.shape[0] % tile or data.shape[0] != sum(rows):
+        return {}, (f"{conv.megatron_name}: blockwise FP8 q/k/v rows of TP rank {tp_rank} "
+                    f"({data.shape[0]} rows of a KV group of {q_rows + 2 * hd}: q/k/v {rows}) are "
+                    f"not whole {tile}-row blocks")
+    out, offset = {}, 0
+    for name, n in zip(conv.hf_names, rows):
+        out[name] = (data[offset:offset + n].unsqueeze(0),
+                     scale[offset // tile:(offset + n) // tile].unsqueeze(0))
+        offset += n
+    return out, None
+
+
+def train_fp8_views(converted: list, dims: Any, tile: int = BLOCK_FP8_TILE[0], tp_rank: int = 0
                     ) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], list[str]]:
     """``hf_name -> (fp8 data view, scale_inv view)`` of this rank's weights held in
     blockwise FP8 (``fp8_storage``), and the problems found (one line each).
 
     The views cut the local FP8 shard the way ``converters.local_views`` cuts the BF16 one
-    (fc1 halves, q/k/v per KV group), and its scales the same way in tiles; a cut that is
+    (fc1 halves, q/k/v per KV group, or the slice of one group that TP rank ``tp_rank``
+    holds when TP exceeds the KV heads), and its scales the same way in tiles; a cut that is
     not on a tile boundary is a problem (the scales of a tile cannot be split).
     """
     views: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -109,20 +148,9 @@ def train_fp8_views(converted: list, dims: Any, tile: int = BLOCK_FP8_TILE[0]
             continue
         data, scale = storage.data.detach(), storage.scale_inv.detach()
         if conv.kind == "qkv":
-            nkv, nh, hd = dims.num_query_groups, dims.num_attention_heads, dims.head_dim
-            q_rows = nh // nkv * hd
-            if q_rows % tile or hd % tile:
-                problems.append(f"{conv.megatron_name}: blockwise FP8 q/k/v rows per KV group "
-                                f"({q_rows} q, {hd} k/v) are not whole {tile}-row blocks")
-                continue
-            groups = data.shape[0] // (q_rows + 2 * hd)
-            d = data.view(groups, q_rows + 2 * hd, data.shape[-1])
-            s = scale.view(groups, (q_rows + 2 * hd) // tile, scale.shape[-1])
-            qt, ht = q_rows // tile, hd // tile
-            q_name, k_name, v_name = conv.hf_names
-            views[q_name] = (d[:, :q_rows], s[:, :qt])
-            views[k_name] = (d[:, q_rows:q_rows + hd], s[:, qt:qt + ht])
-            views[v_name] = (d[:, q_rows + hd:], s[:, qt + ht:])
+            got, problem = _qkv_fp8_views(conv, data, scale, dims, tp_rank, tile)
+            views.update(got)
+            problems += [problem] if problem else []
             continue
         if conv.kind in ("fc1", "expert_fc1") and dims.gated and (data.shape[0] // 2) % tile:
             problems.append(f"{conv.megatron_name}: blockwise FP8 fc1 halves of "

@@ -262,7 +262,7 @@ class MegatronRefitSource:
                 local_meta[hf_name] = {"shape": shape, "dtype": str(tensor.dtype)}
 
         # weights held in blockwise FP8 for training (fp8_param): their bytes and scales travel
-        self._fp8_views, fp8_problems = (train_fp8_views(self._converted, self.dims)
+        self._fp8_views, fp8_problems = (train_fp8_views(self._converted, self.dims, tp_rank=coords.tp)
                                          if gen_quant is not None else ({}, []))
         rank_problems += [f"rank {coords.rank}: {p}" for p in fp8_problems]
         report = {
