@@ -106,7 +106,8 @@ def test_typed_pairs_are_copied_as_integers_of_their_element_size():
 def test_nan_payloads_survive_every_cuda_copy_path():
     from megatron_reshard.engine.fuse import scatter
 
-    payload = torch.tensor([0x7F81, 0xFFC3, 0x7F80, 0x0001] * 256, dtype=torch.int16)
+    # NaNs with payloads (0x7f81, 0xffc3 as int16), +inf, the smallest subnormal
+    payload = torch.tensor([0x7F81, 0xFFC3 - 0x10000, 0x7F80, 0x0001] * 256, dtype=torch.int16)
     src = payload.view(torch.bfloat16).cuda().view(64, 16)
     copies = Copies()
     dst = torch.zeros(64, 32, dtype=torch.bfloat16, device="cuda")[:, ::2]
