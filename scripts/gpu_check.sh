@@ -3,7 +3,8 @@
 #
 #     bash scripts/gpu_check.sh [NPROC] [OUT] [STEPS]   # NPROC 2 or 4 (default 4), OUT a folder
 #
-# STEPS (default all): a comma list of engine, refit, transfer, bench_refit, pytest, faults, to split
+# STEPS (default all): a comma list of engine, refit, fp8, transfer, bench_refit, pytest, cuda_unit,
+# faults, to split
 # the run where one command may not take ~12 minutes (e.g. `engine,refit,transfer`, then
 # `bench_refit,pytest`).
 #
@@ -15,7 +16,7 @@
 set -u
 NPROC=${1:-4}
 OUT=${2:-bench_out/gpu_check}
-STEPS=",${3:-engine,refit,transfer,bench_refit,pytest,faults},"
+STEPS=",${3:-engine,refit,fp8,transfer,bench_refit,pytest,cuda_unit,faults},"
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 half=$((NPROC / 2))
@@ -42,6 +43,20 @@ if want refit; then
     grep -h "REFIT_SUMMARY" "$OUT/refit_$model.log" | cut -c1-160
   done
 fi
+if want fp8; then  # BF16 training -> block FP8 generation (sender-quantized), and FP8 training
+  for model in dense moe; do
+    tp=$half ep=1; [ "$model" = moe ] && tp=1 ep=$half
+    step "fp8_$model" 150 torchrun --nproc-per-node "$NPROC" --master-port 29640 \
+      scripts/refit_torchrun.py --train-world "$half" --gen-world "$half" --train-tp "$tp" \
+      --train-pp 1 --train-ep "$ep" --gen-tp "$half" --refits 2 --model "$model" --gen-precision fp8
+    grep -h "REFIT_SUMMARY" "$OUT/fp8_$model.log" | cut -c1-160
+  done
+  step fp8_blockwise_train 150 torchrun --nproc-per-node "$NPROC" --master-port 29650 \
+    scripts/refit_torchrun.py --train-world "$half" --gen-world "$half" --train-tp "$half" \
+    --train-pp 1 --train-ep 1 --gen-tp "$half" --refits 2 --model dense --gen-precision fp8 \
+    --train-precision fp8_blockwise
+  grep -h "REFIT_SUMMARY" "$OUT/fp8_blockwise_train.log" | cut -c1-160
+fi
 if want transfer; then
   step bench_transfer 240 torchrun --nproc-per-node "$NPROC" --master-port 29620 \
     scripts/bench_transfer.py --iters 10 --out "$OUT/transfer"
@@ -55,6 +70,10 @@ fi
 if want pytest && [ "$NPROC" -ge 4 ]; then
   step pytest_gpu 400 python -m pytest -q tests/gpu
   tail -1 "$OUT/pytest_gpu.log"
+fi
+if want cuda_unit; then  # the unit tests marked for a CUDA device (they skip on CPU)
+  step cuda_unit 200 python -m pytest -q tests/test_engine_copies.py tests/test_quant.py
+  tail -1 "$OUT/cuda_unit.log"
 fi
 if want faults; then  # two independent launchers over NCCL; kill / stop one side in refit 3
   for victim in train gen; do

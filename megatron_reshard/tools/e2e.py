@@ -306,6 +306,9 @@ def tensor_digest(t: torch.Tensor) -> str:
 
 def _device_for(cfg: RefitRunConfig, rank: int) -> torch.device:
     if cfg.device == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"rank {rank}: device 'cuda' asked for, but this machine has no "
+                               f"CUDA device; run with --device cpu --backend gloo")
         index = int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count()
         torch.cuda.set_device(index)
         return torch.device("cuda", index)
