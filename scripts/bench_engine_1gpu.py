@@ -38,31 +38,6 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 
-def _timer(device: torch.device):
-    """``measure(fn, iters, warmup) -> median seconds`` (CUDA events on CUDA)."""
-
-    def measure(fn, iters: int, warmup: int) -> float:
-        for _ in range(warmup):
-            fn()
-        times = []
-        for _ in range(iters):
-            if device.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                torch.cuda.synchronize(device)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end) / 1e3)
-            else:
-                t0 = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t0)
-        return statistics.median(times)
-
-    return measure
-
-
 def _memcpy_reference(nbytes: int, device, measure, args) -> float:
     a = torch.empty(nbytes, dtype=torch.uint8, device=device)
     b = torch.empty_like(a)
@@ -241,7 +216,9 @@ def main(argv=None) -> int:
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                             init_method=f"tcp://127.0.0.1:{free_ports(1)[0]}", rank=0,
                             world_size=1)
-    measure = _timer(device)
+    from megatron_reshard.tools.bench.timing import median_timer
+
+    measure = median_timer(device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"engine, one process on {name}, torch {torch.__version__}, "
           f"{time.strftime('%Y-%m-%d %H:%M:%S')}", flush=True)

@@ -15,33 +15,10 @@ Cases (median of CUDA-event timings, GB/s and share of a contiguous memcpy of th
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
-
-def timer(device):
-    def measure(fn, iters=20, warmup=3) -> float:
-        for _ in range(warmup):
-            fn()
-        out = []
-        for _ in range(iters):
-            if device.type == "cuda":
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                torch.cuda.synchronize()
-                a.record()
-                fn()
-                b.record()
-                b.synchronize()
-                out.append(a.elapsed_time(b) / 1e3)
-            else:
-                t0 = time.perf_counter()
-                fn()
-                out.append(time.perf_counter() - t0)
-        return statistics.median(out)
-
-    return measure
+from megatron_reshard.tools.bench.timing import median_timer
 
 
 def main() -> None:
@@ -49,7 +26,10 @@ def main() -> None:
     ap.add_argument("--small", action="store_true")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.small else "cpu")
-    measure = timer(device)
+    timed = median_timer(device)
+
+    def measure(fn, iters=20, warmup=3):
+        return timed(fn, iters, warmup)
     bf16 = torch.bfloat16
     e, r, c = (8, 64, 48) if args.small else (128, 2048, 768)
     n = 1024 if args.small else 16384

@@ -95,33 +95,24 @@ def main() -> None:
     pinned_out = torch.empty(len(values), dtype=torch.int64, pin_memory=cuda)
     dev_buf = torch.empty(len(values), dtype=torch.int64, device=device)
 
-    def pinned_one_sync():  # pinned copies both ways, one event sync
+    def pinned(spin: bool):  # pinned copies both ways, one wait on an event
         pinned_in.copy_(torch.tensor(values, dtype=torch.int64))
         dev_buf.copy_(pinned_in, non_blocking=True)
         group.allreduce([dev_buf], opts).wait()
         pinned_out.copy_(dev_buf, non_blocking=True)
         ev = torch.cuda.Event()
         ev.record()
-        ev.synchronize()
-        return pinned_out.tolist()
-
-    def pinned_one_sync_poll():  # the same, the host spinning on the event
-        pinned_in.copy_(torch.tensor(values, dtype=torch.int64))
-        dev_buf.copy_(pinned_in, non_blocking=True)
-        group.allreduce([dev_buf], opts).wait()
-        pinned_out.copy_(dev_buf, non_blocking=True)
-        ev = torch.cuda.Event()
-        ev.record()
-        while not ev.query():
+        while spin and not ev.query():
             pass
+        ev.synchronize()
         return pinned_out.tolist()
 
     rows = {}
     if cuda:
         rows["plain: H2D, all-reduce, D2H, aligned"] = timed(plain_h2d_d2h, True)
         rows["plain: back to back"] = timed(plain_h2d_d2h, False)
-        rows["pinned, one event sync, aligned"] = timed(pinned_one_sync, True)
-        rows["pinned, spin on event, aligned"] = timed(pinned_one_sync_poll, True)
+        rows["pinned, one event sync, aligned"] = timed(lambda: pinned(False), True)
+        rows["pinned, spin on event, aligned"] = timed(lambda: pinned(True), True)
     rows |= {
         "engine vote, aligned": timed(lambda: engine_vote(), True),
         "engine vote, back to back": timed(lambda: engine_vote(), False),

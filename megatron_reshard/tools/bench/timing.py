@@ -181,3 +181,31 @@ def time_first_call(fn: Callable[[], Any], group: Optional[dist.ProcessGroup] = 
     ops = GroupOps(group, device)
     local = _time_once(fn, ops, _resolve_timer(timer, device))
     return float(ops.allreduce_max(torch.tensor([local], dtype=torch.float64))[0])
+
+
+def median_timer(device: torch.device) -> Callable[[Callable[[], Any], int, int], float]:
+    """``measure(fn, iters, warmup) -> median seconds`` of one process's calls: CUDA events
+    around each call on CUDA (after a device sync), ``perf_counter`` on CPU."""
+    device = torch.device(device)
+
+    def measure(fn: Callable[[], Any], iters: int, warmup: int) -> float:
+        for _ in range(warmup):
+            fn()
+        times = []
+        for _ in range(iters):
+            if device.type == "cuda":
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                torch.cuda.synchronize(device)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) / 1e3)
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    return measure
