@@ -30,6 +30,7 @@ def main() -> None:
 
     def measure(fn, iters=20, warmup=3):
         return timed(fn, iters, warmup)
+
     bf16 = torch.bfloat16
     e, r, c = (8, 64, 48) if args.small else (128, 2048, 768)
     n = 1024 if args.small else 16384
