@@ -14,7 +14,8 @@
 4. the schedule (``schedule.py``), kept only when every rank's cache holds one built for
    the stride signatures voted now (when a rank has strided tensors, one more all-reduce
    tells every rank which), so every rank decides alike;
-5. the rank's program (``program.py``): copies, packing and, on CUDA, the side stream.
+5. the rank's program (``program.py``, its steps resolved in ``resolve.py``): copies,
+   packing and, on CUDA, the side stream (``overlap.py``).
 """
 
 from __future__ import annotations
@@ -209,7 +210,7 @@ def _run(transfers, group, stream, staging_bytes: int, planner: Optional[Planner
                            if any(tally.signatures) else set())
             # the fused params' stacks and images come out of the budget (fuse.py)
             budget = staging_bytes - (2 * batch.fusion.fused_bytes if batch.fusion else 0)
-            # CUDA rounds are double-buffered (see program.py): two slots share the budget
+            # CUDA rounds are double-buffered (see overlap.py): two slots share the budget
             budget = max(MIN_STAGING_BYTES, budget // 2 if on_cuda else budget)
             batch.sched = build_schedule(batch.exec_plans, [t.dtype.itemsize for t in xfers],
                                          me, budget, strided)
@@ -261,7 +262,3 @@ def _record_stream(tensors, stream) -> None:
         if isinstance(x, torch.Tensor) and x.is_cuda:
             x.record_stream(stream)
 
-
-# scripts/bench_plan.py, outside this package, still imports the batch key by its old
-# name from here; it should import ``light_key`` from ``engine.batch`` instead.
-_light_key = light_key
