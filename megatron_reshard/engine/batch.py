@@ -8,11 +8,13 @@ agreement step and moves bytes.
 
 from __future__ import annotations
 
+from operator import attrgetter, itemgetter
 from typing import NamedTuple, Optional
 
 import torch
 
 from .agree import Description, hash_ints
+from .checks import expected
 from .plan import _mesh_key, batch_fingerprint
 from .program import Program
 from .schedule import Schedule
@@ -50,13 +52,32 @@ def light_key(transfers, world: int) -> Optional[tuple]:
     return tuple(items)
 
 
+_ROW = attrgetter("name", "dtype", "global_shape", "src_mesh", "src_placements", "dst_mesh",
+                  "dst_placements")
+
+
 def layout_rows(transfers) -> list:
-    """Per transfer: name, dtype, global shape, meshes and placements (as tuples), compared
-    with ``==`` against the rows a cached batch was built from. The comparison is exact
-    (by value) and, for the same objects on every call (a refit loop), an identity check in
-    C: ~0.1 µs per param, where the light key's placement hashing costs ~1 µs."""
-    return [(t.name, t.dtype, tuple(t.global_shape), t.src_mesh, tuple(t.src_placements),
-             t.dst_mesh, tuple(t.dst_placements)) for t in transfers]
+    """Per transfer: name, dtype, global shape, meshes and placements, as given, compared
+    with ``==`` against the rows a cached batch was built from (``kept_rows``). The
+    comparison is exact (by value) and, for the same objects on every call (a refit loop),
+    an identity check in C: one ``attrgetter`` per param, where the light key's placement
+    hashing costs ~1 µs."""
+    return list(map(_ROW, transfers))
+
+
+def kept_rows(rows: list) -> Optional[list]:
+    """``rows`` as remembered: a list given in a row (placements, a shape) is copied, so
+    that changing it in place afterwards makes the next call's rows differ. None (not
+    remembered): a global shape that is not a tuple or list (a tensor's ``==`` is not a
+    bool)."""
+    if not _SHAPES.issuperset(map(type, map(_GLOBAL_SHAPE, rows))):
+        return None
+    return [row if list not in set(map(type, row)) else
+            tuple(list(v) if type(v) is list else v for v in row) for row in rows]
+
+
+_SHAPES = frozenset((tuple, list, torch.Size))
+_GLOBAL_SHAPE = itemgetter(2)
 
 
 def rows_head(me: int, staging_bytes: int, transfers) -> tuple:
@@ -87,14 +108,14 @@ class Batch:
         self.items = [(t.name, str(t.dtype), p.fingerprint) for t, p in zip(transfers, plans)]
         self.fp_hex = batch_fingerprint(self.items)
         self.fp = int(self.fp_hex[:15], 16)
-        # local shape of this rank's src / dst tensor per transfer; None: must be None
         # per tensor of the call (src, dst of each transfer): its local shape and dtype
         # on this rank, None where this rank holds no tensor (checks.local_ok)
-        self.shapes, self.dtypes = [], []
+        shapes, dtypes = [], []
         for t, p in zip(transfers, plans):
             for own in (p.src.get(me), p.dst.get(me)):
-                self.shapes.append(None if own is None else own.local_shape)
-                self.dtypes.append(None if own is None else t.dtype)
+                shapes.append(None if own is None else own.local_shape)
+                dtypes.append(None if own is None else t.dtype)
+        self.expected = expected(shapes, dtypes)
         self.sched: Optional[Schedule] = None  # built after the agreement step
         self.sched_hash = 0  # hash_ints of every rank's signature it was built for
         self.programs: dict = {}

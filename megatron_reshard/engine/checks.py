@@ -8,7 +8,8 @@ data moves.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence, Union
+from operator import attrgetter, itemgetter
+from typing import Callable, NamedTuple, Optional, Sequence, Union
 
 import torch
 
@@ -109,26 +110,59 @@ def check_local(transfers, plans, me: int,
     return None, device
 
 
-def local_ok(transfers, shapes: list, dtypes: list, device_type: str,
+def picker(ks: Sequence[int]) -> Callable[[Sequence], tuple]:
+    """``f(items) -> tuple(items[k] for k in ks)``, gathered in C (``itemgetter``)."""
+    if len(ks) > 1:
+        return itemgetter(*ks)
+    if ks:
+        k = ks[0]
+        return lambda items: (items[k],)
+    return lambda items: ()
+
+
+class Expected(NamedTuple):
+    """What this rank's tensors of a batch must be (``local_ok``), in the order of the
+    call's ``tensors`` (src, dst per transfer)."""
+
+    held: Callable[[Sequence], tuple]    # picks the tensors this rank must hold
+    absent: Callable[[Sequence], tuple]  # picks those it must not (None)
+    shapes: list                         # local shape of each held tensor
+    dtypes: list                         # its dtype
+
+
+def expected(shapes: list, dtypes: list) -> Expected:
+    """``Expected`` from per-tensor shapes and dtypes (None: no tensor there)."""
+    held = [k for k, shape in enumerate(shapes) if shape is not None]
+    return Expected(picker(held), picker([k for k, s in enumerate(shapes) if s is None]),
+                    [shapes[k] for k in held], [dtypes[k] for k in held])
+
+
+_SRC, _DST = attrgetter("src"), attrgetter("dst")
+_SHAPE, _DTYPE, _IS_CPU, _DEVICE = (attrgetter("shape"), attrgetter("dtype"),
+                                    attrgetter("is_cpu"), attrgetter("device"))
+
+
+def local_ok(transfers, expect: Expected, device_type: str,
              tensors: list) -> tuple[bool, Optional[torch.device]]:
-    """Fast form of ``check_local``'s verdict and device (same checks, no messages), as a
-    few list comprehensions compared in C. ``shapes``/``dtypes``: per tensor, what this
-    rank's tensor must be (None: no tensor), in the order of ``tensors``, to which this
-    rank's tensors are appended, two per transfer (src, dst)."""
+    """Fast form of ``check_local``'s verdict and device (same checks, no messages): each
+    check one pass in C (``map`` of an attribute getter, compared as lists). ``tensors``:
+    this rank's tensors are appended to it, two per transfer (src, dst)."""
     start = len(tensors)
     tensors += [None] * (2 * len(transfers))
-    tensors[start::2] = [t.src for t in transfers]
-    tensors[start + 1::2] = [t.dst for t in transfers]
+    tensors[start::2] = map(_SRC, transfers)
+    tensors[start + 1::2] = map(_DST, transfers)
     mine = tensors[start:]
-    if not all(issubclass(k, torch.Tensor) for k in {type(x) for x in mine if x is not None}):
+    held, absent = expect.held(mine), expect.absent(mine)
+    if absent and set(map(type, absent)) != {type(None)}:
         return False, None
-    if ([None if x is None else x.shape for x in mine] != shapes
-            or [None if x is None else x.dtype for x in mine] != dtypes):
+    if not all(issubclass(k, torch.Tensor) for k in set(map(type, held))):
+        return False, None  # a None, or a list of members (check_local knows them)
+    if list(map(_SHAPE, held)) != expect.shapes or list(map(_DTYPE, held)) != expect.dtypes:
         return False, None
-    devices = {x.device for x in mine if x is not None}
-    if len(devices) > 1:
-        return False, None
-    device = next(iter(devices), None)
-    if device is not None and device.type != device_type:
-        return False, None
-    return True, device
+    if not held:
+        return True, None
+    if device_type == "cpu":  # one CPU device: no device objects to compare
+        return all(map(_IS_CPU, held)), held[0].device
+    devices = set(map(_DEVICE, held))
+    device = devices.pop()
+    return not devices and device.type == device_type, device

@@ -149,6 +149,17 @@ class Copies:
         self.typed_dst.append(as_bits(dst))
         self.typed_src.append(as_bits(src))
 
+    def many(self, dsts, srcs) -> None:
+        """Typed pairs as they are, given as two sequences (of one device). On CPU in
+        their own dtype: a CPU copy of one dtype moves bits, and an integer view costs the
+        host a Python call per tensor; elsewhere as integers, as ``exact``."""
+        if dsts and dsts[0].device.type == "cpu":
+            self.typed_dst += dsts
+            self.typed_src += srcs
+        else:
+            self.typed_dst += map(as_bits, dsts)
+            self.typed_src += map(as_bits, srcs)
+
     def run(self) -> None:
         if self.word_dst:
             torch._foreach_copy_(self.word_dst, self.word_src)

@@ -28,10 +28,10 @@ import torch
 from . import m2n
 from . import agree as agreement
 from .agree import Description, Vote, exchange_strided, hash_ints
-from .batch import Batch, layout_rows, light_key, rows_head
+from .batch import Batch, kept_rows, layout_rows, light_key, rows_head
 from .checks import Problem, check_layout_ranks, check_local, local_ok
 from .fuse import fused_tensors, plan_fusion, scatter
-from .members import LISTS, stride_key, with_members
+from .members import stride_keys, with_members
 from .plan import Planner, gc_paused, layout_key
 from .schedule import build_schedule
 from .transport import P2PTransport, backend_name, resolve_group
@@ -88,7 +88,10 @@ def _describe(transfers, world: int, me: int, staging_bytes: int, backend: str,
     # first the rows a cached batch was built from (fast for the same objects), then
     # the light key (hashes placements: equal but new objects hit it too)
     head, rows = rows_head(me, staging_bytes, transfers), layout_rows(transfers)
-    batch = planner.batch_by_rows(scope, head, rows)
+    try:
+        batch = planner.batch_by_rows(scope, head, rows)
+    except (TypeError, RuntimeError):  # a field whose ``==`` is no bool (a tensor shape)
+        batch = None
     if batch is not None:
         return _usable(batch, backend)
     light = light_key(transfers, world)
@@ -121,8 +124,9 @@ def _describe(transfers, world: int, me: int, staging_bytes: int, backend: str,
         batch.fusion = plan_fusion(transfers, batch.plans, staging_bytes, planner)
         if bkey is not None:
             planner.remember_batch(scope, bkey, batch)
-    if bkey is not None:
-        planner.remember_rows(scope, head, batch, rows)
+    kept = kept_rows(rows) if bkey is not None else None
+    if kept is not None:
+        planner.remember_rows(scope, head, batch, kept)
     return _usable(batch, backend)
 
 
@@ -154,7 +158,7 @@ def _run(transfers, group, stream, staging_bytes: int, planner: Optional[Planner
         except _Rejected as rejected:
             problem = rejected.problem
     if batch is not None and problem is None:
-        ok, device = local_ok(transfers, batch.shapes, batch.dtypes, device_type, tensors)
+        ok, device = local_ok(transfers, batch.expected, device_type, tensors)
         if not ok:  # rare: rerun the detailed checks for the message
             problem, device = check_local(transfers, batch.plans, me, device_type)
     transport = P2PTransport(group, device if problem is None else None)
@@ -165,11 +169,11 @@ def _run(transfers, group, stream, staging_bytes: int, planner: Optional[Planner
     if problem is None:
         if batch.fusion is not None:
             with ctx:
-                xfers, tensors, work = fused_tensors(batch.fusion, transfers, batch.plans, me)
+                xfers, tensors, work = fused_tensors(batch.fusion, transfers, batch.plans, me,
+                                                     tensors)
             if stream is not None:  # the caller's tensors are read (stack) and written
                 _record_stream([x for t in transfers for x in (t.src, t.dst)], stream)
-        strides = tuple([None if x is None else x.stride() if type(x) not in LISTS
-                         else stride_key(x) for x in tensors])
+        strides = stride_keys(tensors)
 
     # agree=False: the caller vouches that this batch already agreed on every rank. Its
     # schedule is then cached on every rank of the group alike (Planner.remember_batch);

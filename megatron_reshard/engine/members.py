@@ -37,9 +37,19 @@ def stride_key(x) -> Optional[tuple]:
 LISTS = frozenset((list, tuple))
 
 
+def stride_keys(tensors: list) -> tuple:
+    """What a program's cache key records of the call's tensors (``stride_key`` of each).
+    Without lists among them, only the strides of the tensors held, mapped in C: within
+    one batch the places of None are fixed (the local checks passed), and a key with a
+    list of members (a "members" entry) differs from any of these."""
+    if any_members(tensors):
+        return tuple([stride_key(x) for x in tensors])
+    return tuple(map(torch.Tensor.stride, [x for x in tensors if x is not None]))
+
+
 def any_members(items) -> bool:
-    """Whether any item is a list of members (one set of types: no call per item)."""
-    return not LISTS.isdisjoint({type(x) for x in items})
+    """Whether any item is a list of members (the types mapped in C, no call per item)."""
+    return not LISTS.isdisjoint(map(type, items))
 
 
 def with_members(tensors: list) -> list:

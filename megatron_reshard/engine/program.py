@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from . import overlap
+from .checks import picker
 from .copies import Copies, address_bits, as_words, flat_view, typed_view
 from .overlap import EarlyPack
 from .plan import Planner
@@ -38,12 +39,21 @@ class Program:
         self._side = None  # CUDA side stream for pack/unpack, created on first use
         self.local, self.rounds = resolve(sched, transfers, plans, me)
         self.staged = any(r.packs or r.unpacks for r in self.rounds)  # else: no staging
+        # whole tensor to whole tensor, as they are: gathered in C on each call, no
+        # Python step per copy (the other local steps make views)
+        plain = [not s.flat and s.dst.view is None and s.src.view is None and not s.words
+                 for s in self.local]
+        whole = [s for s, p in zip(self.local, plain) if p]
+        self._whole_dst = picker([s.dst.k for s in whole])
+        self._whole_src = picker([s.src.k for s in whole])
+        self._viewed = tuple(s for s, p in zip(self.local, plain) if not p)
 
     # ---- copies -----------------------------------------------------------------------
 
     def local_copies(self, tensors) -> None:
         copies, bits = Copies(), {}
-        for step in self.local:
+        copies.many(self._whole_dst(tensors), self._whole_src(tensors))
+        for step in self._viewed:
             if step.flat:
                 copies.flat(flat_view(tensors, step.dst), flat_view(tensors, step.src),
                             step.nbytes)
