@@ -1,0 +1,133 @@
+"""The warm call's fast host path (issue 15): the local checks mapped in C give the detailed
+checks' verdict, the cached layout rows and program keys catch what changed, and a warm
+batch whose inputs change in place is still exact or refused on every rank."""
+
+import pytest
+import torch
+from torch.distributed.tensor import Replicate, Shard
+
+from megatron_reshard.engine import Planner, Transfer
+from megatron_reshard.engine.batch import kept_rows, layout_rows
+from megatron_reshard.engine.checks import check_local, expected, local_ok
+from megatron_reshard.engine.members import stride_keys
+from megatron_reshard.engine.plan import layout_key
+from megatron_reshard.layout import MeshInfo
+
+BF16 = torch.bfloat16
+
+
+def _transfers():
+    """Rank 0's view: a [8, 6] S(0) over [0, 1] -> Replicate on [1] (src [4, 6], no dst),
+    and a [5] Replicate on [0] -> Replicate on [0, 1] (src and dst [5])."""
+    both, one0, one1 = (MeshInfo(torch.tensor(r)) for r in ([0, 1], [0], [1]))
+    return [Transfer("a", (8, 6), BF16, both, [Shard(0)], one1, [Replicate()],
+                     torch.zeros(4, 6, dtype=BF16), None),
+            Transfer("b", (5,), torch.float32, one0, [Replicate()], both, [Replicate()],
+                     torch.zeros(5), torch.zeros(5))]
+
+
+def _plans(transfers):
+    planner = Planner()
+    return [planner.plan(layout_key(t.global_shape, t.src_mesh, t.src_placements,
+                                    t.dst_mesh, t.dst_placements)) for t in transfers]
+
+
+def _expected(transfers, plans, me):
+    shapes, dtypes = [], []
+    for t, p in zip(transfers, plans):
+        for own in (p.src.get(me), p.dst.get(me)):
+            shapes.append(None if own is None else own.local_shape)
+            dtypes.append(None if own is None else t.dtype)
+    return expected(shapes, dtypes)
+
+
+BAD = {
+    "wrong shape": lambda ts: setattr(ts[0], "src", torch.zeros(6, 4, dtype=BF16)),
+    "wrong dtype": lambda ts: setattr(ts[1], "dst", torch.zeros(5, dtype=torch.float64)),
+    "tensor on a non-dst rank": lambda ts: setattr(ts[0], "dst", torch.zeros(8, 6, dtype=BF16)),
+    "missing src": lambda ts: setattr(ts[1], "src", None),
+    "not a tensor": lambda ts: setattr(ts[1], "src", [0.0] * 5),
+    "meta device": lambda ts: setattr(ts[1], "dst", torch.zeros(5, device="meta")),
+}
+
+
+@pytest.mark.parametrize("bad", [None, *BAD])
+def test_the_fast_local_checks_give_the_detailed_checks_verdict(bad):
+    ts = _transfers()
+    plans = _plans(ts)
+    if bad is not None:
+        BAD[bad](ts)
+    tensors: list = []
+    ok, device = local_ok(ts, _expected(ts, plans, 0), "cpu", tensors)
+    problem, detailed_device = check_local(ts, plans, 0, "cpu")
+    assert ok == (problem is None), problem
+    assert tensors == [x for t in ts for x in (t.src, t.dst)] or bad == "not a tensor"
+    if ok:
+        assert device == detailed_device == torch.device("cpu")
+
+
+def test_kept_rows_copy_given_lists_so_a_change_in_place_misses():
+    ts = _transfers()
+    rows = layout_rows(ts)
+    kept = kept_rows(rows)
+    assert kept == rows
+    assert kept[0][4] is not ts[0].src_placements  # a list: copied
+    ts[0].src_placements[0] = Shard(1)
+    assert layout_rows(ts) != kept
+    as_tuples = [Transfer("t", (4,), BF16, ts[1].src_mesh, (Replicate(),), ts[1].dst_mesh,
+                          (Replicate(),))]
+    rows = layout_rows(as_tuples)
+    assert kept_rows(rows)[0] is rows[0]  # nothing mutable: the row itself
+    as_tuples[0].global_shape = torch.tensor([4])
+    assert kept_rows(layout_rows(as_tuples)) is None  # a tensor's == is not a bool
+
+
+def test_stride_keys_tell_strides_and_lists_apart():
+    a, b = torch.zeros(4, 6), torch.zeros(6, 4).t()
+    assert stride_keys([a, None, b]) == ((6, 1), (1, 4))
+    assert stride_keys([a, None, a]) != stride_keys([a, None, b])
+    assert stride_keys([[a[0], a[1]], None]) == (("members", (1,), (1,)), None)
+
+
+# ---- across processes -----------------------------------------------------------------
+
+
+def _warm_changes(job):
+    """One planner, the same Transfer objects; between calls a placements list changes
+    in place, then a fused destination is swapped for one of the wrong dtype."""
+    from megatron_reshard.comm import create_refit_group
+    from megatron_reshard.engine import xfer_batch
+
+    pg = create_refit_group(job.host, job.ports[0], job.rank, job.nprocs, timeout_s=60)
+    me = job.rank
+    both = MeshInfo(torch.tensor([0, 1]))
+    full = [torch.arange(64 * 6, dtype=torch.float32).view(64, 6).to(BF16) + i
+            for i in range(6)]
+    ts = [Transfer(f"p{i}", (64, 6), BF16, both, [Shard(0)], both, [Shard(1)],
+                   full[i][32 * me:32 * (me + 1)].clone(), torch.zeros(64, 3, dtype=BF16))
+          for i in range(6)]
+    planner = Planner()
+    out = []
+    xfer_batch(ts, pg, planner=planner)
+    out.append(all(torch.equal(t.dst, f[:, 3 * me:3 * (me + 1)]) for t, f in zip(ts, full)))
+    for t, f in zip(ts, full):  # S(0) -> S(0) now: the same list objects, changed in place
+        t.dst_placements[0] = Shard(0)
+        t.dst = torch.zeros(32, 6, dtype=BF16)
+    xfer_batch(ts, pg, planner=planner)
+    out.append(all(torch.equal(t.dst, f[32 * me:32 * (me + 1)]) for t, f in zip(ts, full)))
+    if me == 1:  # one rank's bad input: every rank raises, before any data moves
+        ts[4].dst = torch.zeros(32, 6, dtype=torch.float16)
+    try:
+        xfer_batch(ts, pg, planner=planner)
+        out.append("no error")
+    except ValueError as exc:
+        out.append(str(exc))
+    return out
+
+
+def test_a_warm_batch_follows_changes_in_place_and_refuses_a_bad_swap(pool):
+    results = pool.run(_warm_changes, 2, timeout_s=120)
+    for rank, (first, second, error) in enumerate(results):
+        assert first and second, f"rank {rank}: not exact"
+        assert ("'p4'" in error and "rank 1" in error and "expected torch.bfloat16" in error
+                and "found torch.float16" in error), error
