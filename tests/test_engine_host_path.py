@@ -131,3 +131,24 @@ def test_a_warm_batch_follows_changes_in_place_and_refuses_a_bad_swap(pool):
         assert first and second, f"rank {rank}: not exact"
         assert ("'p4'" in error and "rank 1" in error and "expected torch.bfloat16" in error
                 and "found torch.float16" in error), error
+
+
+def test_cpu_scatter_and_whole_copies_keep_nan_payloads_in_their_own_dtype():
+    from megatron_reshard.engine.copies import Copies
+    from megatron_reshard.engine.fuse import scatter
+
+    # NaNs with payloads (bf16 0x7f81, 0xffc3; fp32 0x7f800001), +inf, a subnormal
+    bf = torch.tensor([0x7F81, 0xFFC3 - 0x10000, 0x7F80, 0x0001] * 64, dtype=torch.int16)
+    f32 = torch.tensor([0x7F800001, 0x7FC00000, -0x80000000, 1] * 64, dtype=torch.int32)
+    for bits, dtype in ((bf, BF16), (f32, torch.float32)):
+        image = bits.view(dtype).view(16, 4, 4)
+        outs = [torch.zeros(4, 4, dtype=dtype) if e % 2 else torch.zeros(4, 4, dtype=dtype).t()
+                for e in range(16)]
+        scatter([(image, outs)])
+        assert torch.equal(torch.stack([o.contiguous() for o in outs]).view(bits.dtype),
+                           bits.view(16, 4, 4))
+        whole = [torch.zeros(4, 4, dtype=dtype) for _ in range(16)]
+        copies = Copies()
+        copies.many(whole, list(image.unbind(0)))
+        copies.run()
+        assert torch.equal(torch.stack(whole).view(bits.dtype), bits.view(16, 4, 4))
