@@ -14,7 +14,7 @@ import torch
 
 from . import overlap
 from .checks import picker
-from .copies import Copies, address_bits, as_words, flat_view, typed_view
+from .copies import Copies, address_bits, as_bits, as_words, flat_view, typed_view
 from .overlap import EarlyPack
 from .plan import Planner
 from .resolve import resolve
@@ -77,12 +77,15 @@ class Program:
             if cpu_cat:
                 torch.cat([tensors[k] for k in plan.ks], out=typed_buf)
                 return
-            pieces, copies = typed_buf.split_with_sizes(plan.elements), Copies()
+            # off the CPU as integers: CUDA's foreach copy of a float dtype rewrites NaN
+            # payloads (copies.py); a CPU copy of one dtype keeps every bit
+            bits = (lambda x: x) if buf.device.type == "cpu" else as_bits
+            pieces, copies = bits(typed_buf).split_with_sizes(plan.elements), Copies()
             for c in plan.flat:
                 if pack:
-                    copies.flat(pieces[c.piece], tensors[c.ref.k], c.nbytes)
+                    copies.flat(pieces[c.piece], bits(tensors[c.ref.k]), c.nbytes)
                 else:
-                    copies.flat(tensors[c.ref.k], pieces[c.piece], c.nbytes)
+                    copies.flat(bits(tensors[c.ref.k]), pieces[c.piece], c.nbytes)
             copies.run()
             return
         if cpu_cat:
