@@ -152,3 +152,39 @@ def test_cpu_scatter_and_whole_copies_keep_nan_payloads_in_their_own_dtype():
         copies.many(whole, list(image.unbind(0)))
         copies.run()
         assert torch.equal(torch.stack(whole).view(bits.dtype), bits.view(16, 4, 4))
+
+
+def _one_rank_group():
+    import torch.distributed as dist
+
+    return dist.ProcessGroupGloo(dist.HashStore(), 0, 1)
+
+
+def test_local_copies_keep_their_views_for_the_same_tensors_and_follow_new_ones():
+    from megatron_reshard.engine import xfer_batch
+
+    group, me = _one_rank_group(), MeshInfo(torch.tensor([0]))
+    experts = [torch.randn(4, 6).to(BF16) for _ in range(5)]  # a rank's experts, as a list
+    first = torch.zeros(5, 4, 6, dtype=BF16)
+    planner = Planner()
+
+    def call(dst):
+        t = Transfer("w", (5, 4, 6), BF16, me, [Shard(0)], me, [Replicate()], experts, dst)
+        xfer_batch([t], group, planner=planner)
+
+    call(first)
+    (batch,) = [b for bs in planner._batches.values() for b in bs.values()]
+    (program,) = batch.programs.values()
+    kept = program._local_batch
+    assert kept is not None and torch.equal(first, torch.stack(experts))
+    experts[2].fill_(7.0)  # new values, same tensors: the kept views are used again
+    call(first)
+    assert program._local_batch is kept and torch.equal(first, torch.stack(experts))
+    second = torch.zeros_like(first)  # a new destination: views built for its address
+    call(second)
+    assert program._local_batch is not kept and torch.equal(second, torch.stack(experts))
+    first.zero_()
+    call(second)
+    assert not first.any()  # the old destination is no longer written
+    planner.release_staging()  # drops the kept views (and the tensors they hold)
+    assert program._local_batch is None

@@ -126,12 +126,12 @@ class Copies:
 
     def __init__(self) -> None:
         self.flat_dst, self.flat_src, self.typed_dst, self.typed_src = [], [], [], []
-        self.word_dst, self.word_src = [], []
+        self.word_dst, self.word_src, self.memcpy = [], [], []
 
     def flat(self, dst: torch.Tensor, src: torch.Tensor, nbytes: int) -> None:
         """A pair of uint8 views of ``nbytes`` each."""
         if nbytes >= MEMCPY_BYTES:
-            dst.copy_(src)
+            self.memcpy.append((dst, src))
         elif (nbytes >= WIDEN_BYTES and nbytes % 8 == 0
               and (dst.data_ptr() | src.data_ptr()) % 8 == 0):
             self.word_dst.append(dst.view(torch.int64))
@@ -161,6 +161,9 @@ class Copies:
             self.typed_src += map(as_bits, srcs)
 
     def run(self) -> None:
+        """Issue the batch (a batch may be run again: it holds views, no data)."""
+        for dst, src in self.memcpy:
+            dst.copy_(src)
         if self.word_dst:
             torch._foreach_copy_(self.word_dst, self.word_src)
         if self.flat_dst:

@@ -184,8 +184,14 @@ class Planner:
 
     def release_staging(self) -> None:
         """Drop the kept CUDA staging slots (the allocator reuses them once the streams
-        that used them are past)."""
+        that used them are past) and the programs' kept local-copy views, which hold the
+        last call's tensors."""
         self._staging.clear()
+        for batches in (*self._batches.values(), *self._by_rows.values()):
+            for entry in batches.values():
+                batch = getattr(entry, "batch", entry)
+                for program in getattr(batch, "programs", {}).values():
+                    program.release()
 
     def clear(self) -> None:
         self._plans.clear()
