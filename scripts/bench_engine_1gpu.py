@@ -139,7 +139,7 @@ def pack_cases(args, device, measure) -> list[dict]:
 
         def run(plans=plans, pack=what == "packs"):
             for p in plans:
-                Program.stage(buf, p, tensors, pack=pack)
+                prog.stage(buf, p, tensors, pack=pack)
 
         engine_s = measure(run, args.iters, args.warmup)
         rows.append(_row(f"{what[:-1]}_strided_{len(plans)}_rounds", nbytes, engine_s,

@@ -188,3 +188,46 @@ def test_local_copies_keep_their_views_for_the_same_tensors_and_follow_new_ones(
     assert not first.any()  # the old destination is no longer written
     planner.release_staging()  # drops the kept views (and the tensors they hold)
     assert program._local_batch is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_staging_copies_keep_their_views_and_follow_new_tensors():
+    # rank 0 of a 2-rank S(0) -> S(1) reshard packs its source's right half for rank 1;
+    # of S(1) -> S(0) it unpacks rank 1's column block: both through kept views
+    from megatron_reshard.engine.program import Program
+    from megatron_reshard.engine.schedule import build_schedule
+
+    both, n = MeshInfo(torch.tensor([0, 1])), 64
+    for sp, dp in ((Shard(0), Shard(1)), (Shard(1), Shard(0))):
+        src = torch.zeros(*((n // 2, n) if sp == Shard(0) else (n, n // 2)), dtype=BF16,
+                          device="cuda")
+        dst = torch.zeros(*((n, n // 2) if dp == Shard(1) else (n // 2, n)), dtype=BF16,
+                          device="cuda")
+        t = Transfer("w", (n, n), BF16, both, [sp], both, [dp], src, dst)
+        plan = Planner().plan(layout_key((n, n), both, [sp], both, [dp]))
+        prog = Program(build_schedule([plan], [2], 0, 1 << 20, set()), [t], [plan], 0)
+        pack = sp == Shard(0)
+        (stage,) = [r.packs if pack else r.unpacks for r in prog.rounds
+                    if (r.packs if pack else r.unpacks)]
+        buf = torch.zeros(stage.nbytes, dtype=torch.uint8, device="cuda")
+        for values in (1.0, 2.0):
+            new = torch.full_like(src if pack else dst, 0.0)
+            tensors = [src, dst]
+            if pack:
+                src.fill_(values)
+            else:
+                buf.view(BF16).fill_(values)
+            prog.stage(buf, stage, tensors, pack=pack)
+            torch.cuda.synchronize()
+            got = buf.view(BF16) if pack else dst[:, n // 2:]
+            assert bool((got == values).all())
+        kept = dict(prog._staged)
+        prog.stage(buf, stage, [new, dst] if pack else [src, new], pack=pack)  # new tensor
+        torch.cuda.synchronize()
+        assert prog._staged != kept
+        if pack:
+            assert not buf.view(BF16).any()  # the new (zero) source was packed
+        else:
+            assert bool((new[:, n // 2:] == 2.0).all())
+        prog.release()
+        assert not prog._staged

@@ -50,6 +50,8 @@ class Program:
         # the local copies' batch, kept for the addresses it was built for (see local_copies)
         self._local_ks = sorted({k for s in self.local for k in (s.dst.k, s.src.k)})
         self._local_batch: Optional[tuple] = None
+        self._staged: dict = {}    # (id(stage plan), pack) -> (addresses, Copies), CUDA
+        self._stage_ks: dict = {}  # id(stage plan) -> the tensors it reads or writes
 
     # ---- copies -----------------------------------------------------------------------
 
@@ -69,8 +71,9 @@ class Program:
         kept[1].run()
 
     def release(self) -> None:
-        """Drop the kept batch of local copies (and the caller's tensors it holds)."""
+        """Drop the kept batches of copies (and the tensors and slots they hold)."""
         self._local_batch = None
+        self._staged.clear()
 
     def _local_batch_for(self, tensors) -> Copies:
         copies, bits = Copies(), {}
@@ -88,49 +91,26 @@ class Program:
             copies.exact(dst, src)
         return copies
 
-    @staticmethod
-    def stage(buf, plan: StagePlan, tensors, pack: bool) -> None:
-        """Copy segments into (pack) or out of the staging buffer. The buffer's pieces
-        start at 16-byte aligned offsets: a typed segment goes as words whenever its
-        tensor side can."""
-        cpu_cat = pack and plan.whole and buf.device.type == "cpu"
-        if plan.elements is not None:  # whole 1-D tensors of one dtype: as they are
-            typed_buf = buf[:plan.nbytes].view(plan.dtype)
-            if cpu_cat:
-                torch.cat([tensors[k] for k in plan.ks], out=typed_buf)
-                return
-            # off the CPU as integers: CUDA's foreach copy of a float dtype rewrites NaN
-            # payloads (copies.py); a CPU copy of one dtype keeps every bit
-            bits = (lambda x: x) if buf.device.type == "cpu" else as_bits
-            pieces, copies = bits(typed_buf).split_with_sizes(plan.elements), Copies()
-            for c in plan.flat:
-                if pack:
-                    copies.flat(pieces[c.piece], bits(tensors[c.ref.k]), c.nbytes)
-                else:
-                    copies.flat(bits(tensors[c.ref.k]), pieces[c.piece], c.nbytes)
-            copies.run()
+    def stage(self, buf, plan: StagePlan, tensors, pack: bool) -> None:
+        """Copy segments into (pack) or out of the staging buffer. On CUDA the staging
+        slots are kept across calls, so the batch of views is kept too, for the addresses
+        of the slot and the tensors it was built for (as ``local_copies``); on CPU each
+        round has a new buffer and the batch is built for the call."""
+        if buf.device.type == "cpu":
+            batch = _stage_batch(buf, plan, tensors, pack)
+            if batch is not None:
+                batch.run()
             return
-        if cpu_cat:
-            # one cat instead of a copy per segment: 1,000 segments of 8 KiB on CPU, 1.4 ms
-            # against 3.0 (each copy_ costs the host ~1.5 µs); not measured on CUDA yet
-            torch.cat([flat_view(tensors, c.ref) for c in plan.flat], out=buf[:plan.nbytes])
-            return
-        pieces = buf[:plan.nbytes].split_with_sizes(plan.sizes)
-        copies, bits = Copies(), {}
-        for c in plan.flat:
-            if pack:
-                copies.flat(pieces[c.piece], flat_view(tensors, c.ref), c.nbytes)
-            else:
-                copies.flat(flat_view(tensors, c.ref), pieces[c.piece], c.nbytes)
-        for c in plan.typed:
-            chunk, view = pieces[c.piece].view(c.dtype).view(c.shape), typed_view(tensors, c.ref)
-            if c.words and (_bits(tensors, c.ref.k, bits) | c.skew) % c.words == 0:
-                chunk, view = as_words(chunk, c.words), as_words(view, c.words)
-            if pack:
-                copies.exact(chunk, view)
-            else:
-                copies.exact(view, chunk)
-        copies.run()
+        ks = self._stage_ks.get(id(plan))
+        if ks is None:
+            ks = self._stage_ks[id(plan)] = plan.ks if plan.elements is not None else sorted(
+                {c.ref.k for c in (*plan.flat, *plan.typed)})
+        addresses = (buf.data_ptr(), *[tensors[k].data_ptr() for k in ks])
+        kept = self._staged.get((id(plan), pack))
+        if kept is None or kept[0] != addresses:
+            kept = self._staged[(id(plan), pack)] = (
+                addresses, _stage_batch(buf, plan, tensors, pack))
+        kept[1].run()
 
     def post(self, buf, posts, tensors, transport: P2PTransport, local_done: bool) -> bool:
         """Post one round's sends and receives (waited for on exit); the local copies run
@@ -178,3 +158,46 @@ class Program:
             buf = None  # freed before the next round's: one round's buffer at a time
         if not local_done:
             self.local_copies(tensors)
+
+
+def _stage_batch(buf, plan: StagePlan, tensors, pack: bool) -> Optional[Copies]:
+    """The copies between the staging buffer's pieces and the tensors' views, or None when
+    they were done at once (a CPU pack as one ``cat``). The pieces start at 16-byte
+    aligned offsets: a typed segment goes as words whenever its tensor side can."""
+    cpu_cat = pack and plan.whole and buf.device.type == "cpu"
+    if plan.elements is not None:  # whole 1-D tensors of one dtype: as they are
+        typed_buf = buf[:plan.nbytes].view(plan.dtype)
+        if cpu_cat:
+            torch.cat([tensors[k] for k in plan.ks], out=typed_buf)
+            return None
+        # off the CPU as integers: CUDA's foreach copy of a float dtype rewrites NaN
+        # payloads (copies.py); a CPU copy of one dtype keeps every bit
+        bits = (lambda x: x) if buf.device.type == "cpu" else as_bits
+        pieces, copies = bits(typed_buf).split_with_sizes(plan.elements), Copies()
+        for c in plan.flat:
+            if pack:
+                copies.flat(pieces[c.piece], bits(tensors[c.ref.k]), c.nbytes)
+            else:
+                copies.flat(bits(tensors[c.ref.k]), pieces[c.piece], c.nbytes)
+        return copies
+    if cpu_cat:
+        # one cat instead of a copy per segment: 1,000 segments of 8 KiB on CPU, 1.4 ms
+        # against 3.0 (each copy_ costs the host ~1.5 µs); not measured on CUDA yet
+        torch.cat([flat_view(tensors, c.ref) for c in plan.flat], out=buf[:plan.nbytes])
+        return None
+    pieces = buf[:plan.nbytes].split_with_sizes(plan.sizes)
+    copies, bits = Copies(), {}
+    for c in plan.flat:
+        if pack:
+            copies.flat(pieces[c.piece], flat_view(tensors, c.ref), c.nbytes)
+        else:
+            copies.flat(flat_view(tensors, c.ref), pieces[c.piece], c.nbytes)
+    for c in plan.typed:
+        chunk, view = pieces[c.piece].view(c.dtype).view(c.shape), typed_view(tensors, c.ref)
+        if c.words and (_bits(tensors, c.ref.k, bits) | c.skew) % c.words == 0:
+            chunk, view = as_words(chunk, c.words), as_words(view, c.words)
+        if pack:
+            copies.exact(chunk, view)
+        else:
+            copies.exact(view, chunk)
+    return copies
