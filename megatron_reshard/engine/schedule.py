@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Callable, NamedTuple, Optional, Sequence
 
 from .geometry import Box, box_numel, box_shape
-from .plan import ParamPlan
+from .param_plan import ParamPlan
 
 ALIGN = 16  # staged segments start at multiples of this many bytes in their message
 
