@@ -20,7 +20,6 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from megatron_reshard.engine import Planner
 from megatron_reshard.engine.agree import Vote, conclude, start
 from megatron_reshard.engine.transport import P2PTransport
 from megatron_reshard.tools.launch_env import apply_nccl_defaults
@@ -47,12 +46,11 @@ def main() -> None:
     me, world = dist.get_rank(), dist.get_world_size()
     gloo = dist.new_group(backend="gloo")
     transport = P2PTransport(dist.group.WORLD, device)
-    planner = Planner()
     values = list(range(world + 6 + 9 + world))  # as many slots as the engine's vote
     vote = Vote(None, 1, 12345, 0, 0, (4096,))
 
     def engine_vote(over=transport):
-        return conclude(start(vote, over, planner), lambda: None, over, "probe")
+        return conclude(start(vote, over), lambda: None, over, "probe")
 
     raw = P2PTransport(dist.group.WORLD._get_backend(device), device)  # no c10d dispatcher
 

@@ -193,7 +193,7 @@ def _run(transfers, group, stream, staging_bytes: int, planner: Optional[Planner
     on_cuda = transport.device.type == "cuda"
     with ctx:
         ready = _stream_mark(transport) if on_cuda else None
-        pending = agreement.start(vote, transport, planner)
+        pending = agreement.start(vote, transport)
     # Where the schedule is cached, the first round's pack runs while the vote is on its
     # way, on the side stream (after what the caller queued before the call, not after
     # the vote): a local read of this rank's own tensors into its own staging slot,

@@ -89,7 +89,6 @@ class Planner:
         self._layouts: dict[tuple, LayoutKey] = {}
         self._batches: dict[int, dict[tuple, object]] = {}  # group scope -> batches
         self._by_rows: dict[int, dict[tuple, _RowsBatch]] = {}  # scope -> head -> batch
-        self._votes: dict[tuple, tuple] = {}  # (device, n) -> agreement buffers
         self._staging: dict[tuple, list] = {}  # (device index, stream) -> two CUDA slots
 
     def plan(self, key: LayoutKey) -> ParamPlan:
@@ -145,18 +144,6 @@ class Planner:
             known.clear()
         known[head] = _RowsBatch(batch, rows)
 
-    def vote_buffers(self, device, n: int) -> tuple:
-        """Reused buffers of the agreement step on a CUDA device: pinned host in/out
-        and device int64[n] (allocating and pinning them on each call costs ~50 µs)."""
-        key = (device, n)
-        got = self._votes.get(key)
-        if got is None:
-            got = self._votes[key] = (
-                torch.empty(n, dtype=torch.int64).pin_memory(),
-                torch.empty(n, dtype=torch.int64, device=device),
-                torch.empty(n, dtype=torch.int64).pin_memory())
-        return got
-
     def staging_slots(self, device: torch.device, nbytes: int) -> list:
         """The two CUDA staging slots (uint8, at least ``nbytes`` each) of calls on the
         current stream, kept across calls.
@@ -198,7 +185,6 @@ class Planner:
         self._layouts.clear()
         self._batches.clear()
         self._by_rows.clear()
-        self._votes.clear()
         self._staging.clear()
 
     def __len__(self) -> int:
