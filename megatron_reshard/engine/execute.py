@@ -191,8 +191,9 @@ def _run(transfers, group, stream, staging_bytes: int, planner: Optional[Planner
                 tuple(map(int, transfers[0].global_shape))
                 if described and transfers and problem is None else None)
     on_cuda = transport.device.type == "cuda"
+    ahead = on_cuda and strides is not None and batch.sched is not None
     with ctx:
-        ready = _stream_mark(transport) if on_cuda else None
+        ready = _stream_mark(transport) if ahead else None
         pending = agreement.start(vote, transport)
     # Where the schedule is cached, the first round's pack runs while the vote is on its
     # way, on the side stream (after what the caller queued before the call, not after
@@ -200,7 +201,7 @@ def _run(transfers, group, stream, staging_bytes: int, planner: Optional[Planner
     # discarded if the call stops.
     early = None
     try:
-        if on_cuda and strides is not None and batch.sched is not None:
+        if ahead:
             with ctx:
                 early = batch.program(xfers, me, strides).pack_ahead(
                     with_members(tensors), transport, planner, ready)

@@ -174,10 +174,9 @@ class Planner:
         that used them are past) and the programs' kept local-copy views, which hold the
         last call's tensors."""
         self._staging.clear()
-        for batches in (*self._batches.values(), *self._by_rows.values()):
-            for entry in batches.values():
-                batch = getattr(entry, "batch", entry)
-                for program in getattr(batch, "programs", {}).values():
+        for batches in self._batches.values():  # the batches found by rows are here too
+            for batch in batches.values():
+                for program in batch.programs.values():
                     program.release()
 
     def clear(self) -> None:
