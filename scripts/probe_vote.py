@@ -46,8 +46,8 @@ def main() -> None:
     me, world = dist.get_rank(), dist.get_world_size()
     gloo = dist.new_group(backend="gloo")
     transport = P2PTransport(dist.group.WORLD, device)
-    values = list(range(world + 6 + 9 + world))  # as many slots as the engine's vote
-    vote = Vote(None, 1, 12345, 0, 0, (4096,))
+    values = list(range(world + 8 + 9 + world))  # as many slots as the engine's vote
+    vote = Vote(None, 1, 256 << 20, 12345, 0, 0, (4096,))
 
     def engine_vote(over=transport):
         return conclude(start(vote, over), lambda: None, over, "probe")
@@ -105,9 +105,45 @@ def main() -> None:
         ev.synchronize()
         return pinned_out.tolist()
 
+    proto = torch.tensor(values, dtype=torch.int64, device=device)
+
+    def kept_slots():  # the slots kept on the device: one copy kernel instead of an H2D
+        flags = proto.clone()
+        group.allreduce([flags], opts).wait()
+        return flags.tolist()
+
+    pieces = {"h2d": [], "launch": [], "d2h": []}
+
+    def in_pieces():  # the plain variant, each piece timed on the host
+        t0 = time.perf_counter()
+        flags = torch.tensor(values, dtype=torch.int64, device=device)
+        t1 = time.perf_counter()
+        group.allreduce([flags], opts).wait()
+        t2 = time.perf_counter()
+        flags.tolist()
+        t3 = time.perf_counter()
+        for k, dt in zip(pieces, (t1 - t0, t2 - t1, t3 - t2)):
+            pieces[k].append(dt)
+
+    engine_pieces = {"engine start": [], "engine conclude": []}
+
+    def engine_in_pieces():
+        t0 = time.perf_counter()
+        pending = start(vote, transport)
+        t1 = time.perf_counter()
+        conclude(pending, lambda: None, transport, "probe")
+        t2 = time.perf_counter()
+        engine_pieces["engine start"].append(t1 - t0)
+        engine_pieces["engine conclude"].append(t2 - t1)
+
     rows = {}
+    timed(engine_in_pieces, True)
+    rows |= engine_pieces
     if cuda:
         rows["plain: H2D, all-reduce, D2H, aligned"] = timed(plain_h2d_d2h, True)
+        rows["kept device slots: clone, all-reduce, D2H, aligned"] = timed(kept_slots, True)
+        timed(in_pieces, True)
+        rows |= {f"plain, piece: {k}": v for k, v in pieces.items()}
         rows["plain: back to back"] = timed(plain_h2d_d2h, False)
         rows["pinned, one event sync, aligned"] = timed(lambda: pinned(False), True)
         rows["pinned, spin on event, aligned"] = timed(lambda: pinned(True), True)

@@ -1,7 +1,7 @@
 """The agreement step: one small MAX all-reduce, so that bad input fails on every rank.
 
-Each rank votes (``Vote``) its first problem, the number of transfers, the batch
-fingerprint (as ``fp`` and ``-fp``, so the MAX gives both the max and the min), the hash
+Each rank votes (``Vote``) its first problem, the number of transfers, its staging
+budget (the schedule's rounds depend on it), the batch fingerprint (as ``fp`` and ``-fp``, so the MAX gives both the max and the min), the hash
 of the stride signatures its cached schedule was built for, the global shape of the first
 transfer (for a rank given no tensors) and a signature of which of its tensors are not
 standard-contiguous. A problem on any rank, or ranks whose descriptions differ, make
@@ -37,6 +37,7 @@ class Vote(NamedTuple):
 
     problem: Optional[Problem]  # its first problem; None: ready
     count: int                  # transfers in the call
+    staging: int                # staging_bytes of the call
     fingerprint: Optional[int]  # of the batch description; None: abstains (knows none)
     cached: int                 # hash of the signatures its cached schedule is for; 0: none
     strided: int                # signature of its non-standard tensors; 0: none
@@ -48,6 +49,7 @@ class Tally(NamedTuple):
 
     failed: tuple      # ((rank, transfer index or None), ...)
     same_count: bool
+    same_staging: bool
     same_description: bool
     keep_schedule: bool  # every rank's cached schedule was built for the signatures now
     signatures: tuple  # per rank: its ``Vote.strided``
@@ -74,12 +76,13 @@ def _pair(v: Optional[int]) -> tuple:
 
 
 def _pack(vote: Vote, me: int, world: int) -> list:
-    """The int64 slots: per-rank problem flags, (count, fingerprint, cached) as
-    (v, -v) pairs, the shape (ndim, dims; -1: unknown), per-rank signatures."""
+    """The int64 slots: per-rank problem flags, (count, staging, fingerprint, cached)
+    as (v, -v) pairs, the shape (ndim, dims; -1: unknown), per-rank signatures."""
     values = [0] * world
     if vote.problem is not None:
         values[me] = 1 if vote.problem.index is None else vote.problem.index + 2
-    values += [*_pair(vote.count), *_pair(vote.fingerprint), *_pair(vote.cached)]
+    values += [*_pair(vote.count), *_pair(vote.staging), *_pair(vote.fingerprint),
+               *_pair(vote.cached)]
     shape = vote.shape if vote.shape is not None and len(vote.shape) <= MAX_NDIM else None
     values += [-1] * (1 + MAX_NDIM) if shape is None else (
         [len(shape), *shape] + [-1] * (MAX_NDIM - len(shape)))
@@ -91,12 +94,12 @@ def _pack(vote: Vote, me: int, world: int) -> list:
 def _unpack(got: list, world: int) -> Tally:
     failed = tuple((r, None if got[r] == 1 else got[r] - 2) for r in range(world) if got[r])
     # each pair holds (max, -min) over the ranks
-    count_max, count_neg_min, fp_max, fp_neg_min, cached_max, cached_neg_min = \
-        got[world: world + 6]
-    ndim, dims = got[world + 6], got[world + 7: world + 7 + MAX_NDIM]
+    (count_max, count_neg_min, staging_max, staging_neg_min, fp_max, fp_neg_min,
+     cached_max, cached_neg_min) = got[world: world + 8]
+    ndim, dims = got[world + 8], got[world + 9: world + 9 + MAX_NDIM]
     shape = None if ndim < 0 else tuple(dims[:ndim])
-    sigs = tuple(got[world + 7 + MAX_NDIM:])
-    return Tally(failed, count_max == -count_neg_min,
+    sigs = tuple(got[world + 9 + MAX_NDIM:])
+    return Tally(failed, count_max == -count_neg_min, staging_max == -staging_neg_min,
                  fp_max == NO_VOTE or fp_max == -fp_neg_min,  # NO_VOTE: all abstained
                  cached_max == -cached_neg_min and cached_max == hash_ints(sigs), sigs, shape)
 
@@ -142,6 +145,8 @@ def conclude(pending: PendingVote, description: Callable[[], Description],
     vote = pending.vote
     if tally.failed:
         _raise_problems(vote, tally, description(), transport, where)
+    if not tally.same_staging:
+        _raise_staging(vote, transport, where)
     if not (tally.same_count and tally.same_description):
         _raise_disagreement(vote, description(), transport, where)
     return tally
@@ -186,6 +191,21 @@ def _raise_problems(vote: Vote, tally: Tally, description: Description,
                                     else "the call") + f": {texts[r]}"
            for r, i in tally.failed]
     raise ValueError(f"{where} on rank {me}: {_listed(who)}; no data was moved")
+
+
+def _raise_staging(vote: Vote, transport: P2PTransport, where: str) -> None:
+    me, world = transport.rank(), transport.size()
+    row = [NO_VOTE] * world
+    row[me] = vote.staging
+    row = _allreduce_plain(row, transport)
+    by_value: dict = {}
+    for r, v in enumerate(row):
+        by_value.setdefault(v, []).append(r)
+    seen = "; ".join(f"{v} on rank{'s ' + str(rs) if len(rs) > 1 else ' ' + str(rs[0])}"
+                     for v, rs in sorted(by_value.items(), key=lambda kv: -len(kv[1])))
+    raise ValueError(f"{where} on rank {me}: ranks disagree on staging_bytes (every rank "
+                     f"must pass the same, the rounds are cut by it): found {seen}; no data "
+                     f"was moved")
 
 
 def _raise_disagreement(vote: Vote, description: Description,

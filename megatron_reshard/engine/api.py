@@ -58,7 +58,8 @@ class Transfer:
 
 def xferdtensor(src, src_mesh, src_placements: Sequence, dst, dst_mesh,
                 dst_placements: Sequence, group, stream=None, *,
-                planner: Optional[Planner] = None, name: str = "<xferdtensor>") -> None:
+                planner: Optional[Planner] = None, name: str = "<xferdtensor>",
+                agree: bool = True) -> None:
     """Reshard one tensor: ``xfer_batch`` of a single ``Transfer``.
 
     ``src``/``dst``: a torch ``DTensor``, a ``DTensorRef`` or any object with
@@ -67,6 +68,11 @@ def xferdtensor(src, src_mesh, src_placements: Sequence, dst, dst_mesh,
     layouts are the meshes and placements given. A rank holding neither side still calls
     (it takes part in the agreement step) but, not knowing the dtype, does not vote on
     the batch fingerprint. Bad input raises on every rank of the group.
+
+    ``agree=False`` (with one ``planner`` across calls) skips the agreement vote for
+    calls that repeat the group's sequence, as ``xfer_batch`` describes; where a rank of
+    the group lies outside both meshes it cannot tell one such call from another, so
+    every call votes.
     """
     where = f"param {name!r} on rank {_group_rank(group)}"
     problem = None
@@ -91,12 +97,23 @@ def xferdtensor(src, src_mesh, src_placements: Sequence, dst, dst_mesh,
     t = Transfer(name, shape, dtype, src_mesh, list(src_placements), dst_mesh,
                  list(dst_placements), s.tensor if s is not None else None,
                  d.tensor if d is not None else None)
+    agree = agree or _some_rank_outside(src_mesh, dst_mesh, group)  # alike on every rank
     run_batch([t], group, stream=stream, planner=planner, described=described,
-              problem=problem)
+              problem=problem, agree=agree)
 
 
 def _group_rank(group) -> int:
     return resolve_group(group).rank()
+
+
+def _some_rank_outside(src_mesh, dst_mesh, group) -> bool:
+    """Whether a rank of ``group`` is in neither mesh (True where a mesh is unreadable:
+    the call then votes, and the description step reports it)."""
+    try:
+        ranks = set(_mesh_key(src_mesh)[1]) | set(_mesh_key(dst_mesh)[1])
+    except Exception:
+        return True
+    return not ranks.issuperset(range(resolve_group(group).size()))
 
 
 class _Local(NamedTuple):

@@ -34,6 +34,7 @@ from .fuse import fused_tensors, plan_fusion, scatter
 from .members import stride_keys, with_members
 from .plan import Planner, gc_paused, layout_key
 from .schedule import build_schedule
+from .sequence import CallSequence
 from .transport import P2PTransport, backend_name, resolve_group
 
 MIN_STAGING_BYTES = 64
@@ -54,9 +55,13 @@ def xfer_batch(transfers: Sequence, group=None, *, stream=None,
     refused (see ``m2n.py``: its adapter is not verified).
 
     ``agree=False`` skips the agreement step (one small all-reduce and the call's only
-    host sync) for a caller that already ran this exact batch successfully on every rank,
-    as the refit loop does from its second refit on: local checks still run, but a rank
-    that fails one then raises alone and its peers wait for the group's timeout.
+    host sync) when this call is the one the group's history of calls through this
+    planner predicts (``sequence.py``): a loop that repeats its calls, as the refit loop
+    from its second refit on, votes on its first rounds and then no more. A call that is
+    not the predicted one votes; if only some ranks deviate, the call ends in the group's
+    timeout on every rank rather than in mismatched transfers. Local checks still run on
+    every call: a rank that fails one in a skipped vote raises alone, and its peers wait
+    for the group's timeout.
     """
     run_batch(transfers, group, stream=stream, staging_bytes=staging_bytes,
               planner=planner, backend=backend, agree=agree)
@@ -147,6 +152,18 @@ def _run(transfers, group, stream, staging_bytes: int, planner: Optional[Planner
          backend: str, agree: bool, described: bool, problem: Optional[Problem]) -> None:
     planner = planner if planner is not None else Planner()
     group = resolve_group(group)
+    history = planner.call_sequence(id(group))
+    try:
+        _call(transfers, group, stream, staging_bytes, planner, backend, agree, described,
+              problem, history)
+    except BaseException:
+        history.forget()  # the ranks' histories may differ now: every rank votes again
+        raise
+
+
+def _call(transfers, group, stream, staging_bytes: int, planner: Planner, backend: str,
+          agree: bool, described: bool, problem: Optional[Problem],
+          history: CallSequence) -> None:
     me, world = group.rank(), group.size()
     device_type = "cuda" if backend_name(group) == "nccl" else "cpu"
     batch = device = strides = None
@@ -175,16 +192,20 @@ def _run(transfers, group, stream, staging_bytes: int, planner: Optional[Planner
                 _record_stream([x for t in transfers for x in (t.src, t.dst)], stream)
         strides = stride_keys(tensors)
 
-    # agree=False: the caller vouches that this batch already agreed on every rank. Its
-    # schedule is then cached on every rank of the group alike (Planner.remember_batch);
-    # where it is not (a fresh planner), every rank runs the agreement below.
-    if not agree and (batch is None or batch.sched is not None):
-        if problem is not None:  # this rank's input changed since the batch was agreed
-            raise ValueError(f"xfer_batch: {problem.text()} (agree=False: peers are not told)")
-        _execute(batch, xfers, me, with_members(tensors), strides, transport, stream,
-                 planner, work=work)
-        return
-    vote = Vote(problem, len(transfers),
+    # agree=False: no vote for the call the group's history predicts (sequence.py); its
+    # schedule is cached on every rank alike. Any other call (a fresh planner, a new batch,
+    # a new order) votes below.
+    if not agree and batch is not None and batch.sched is not None:
+        key = _sequence_key(batch, staging_bytes)
+        if history.predicts(key):
+            if problem is not None:  # this rank's tensors changed since the batch agreed
+                raise ValueError(f"xfer_batch: {problem.text()} (agree=False: peers are "
+                                 f"not told and wait for the group's timeout)")
+            _execute(batch, xfers, me, with_members(tensors), strides, transport, stream,
+                     planner, work=work)
+            history.record(key)
+            return
+    vote = Vote(problem, len(transfers), staging_bytes,
                 batch.fp if described and batch is not None else None,
                 batch.sched_hash if batch is not None and batch.sched is not None else 0,
                 0 if strides is None else batch.strided_of(strides, tensors).signature,
@@ -230,6 +251,12 @@ def _run(transfers, group, stream, staging_bytes: int, planner: Optional[Planner
         raise
     _execute(batch, xfers, me, with_members(tensors), strides, transport, stream, planner,
              early, work)
+    history.record(_sequence_key(batch, staging_bytes))
+
+
+def _sequence_key(batch: Batch, staging_bytes: int) -> tuple:
+    """What every rank's call must share for their operations to match (sequence.py)."""
+    return batch.fp, staging_bytes, batch.sched_hash
 
 
 def _stream_mark(transport: P2PTransport) -> "torch.cuda.Event":

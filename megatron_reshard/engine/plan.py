@@ -20,6 +20,7 @@ from .geometry import placement_dims
 from .link_costs import LinkCosts
 from .param_plan import LayoutKey, ParamPlan, build_plan
 from .plan_check import check_writes_exactly_once
+from .sequence import CallSequence
 
 
 def layout_key(global_shape: Sequence[int], src_mesh, src_placements, dst_mesh,
@@ -75,7 +76,7 @@ _STAGING_STREAMS = 4  # streams with kept staging slots per Planner (see staging
 class Planner:
     """Owns the caches of one refit session: plans (layout key -> ParamPlan), validated
     layout keys, per-batch state per group (fingerprint, schedule, execution programs),
-    the agreement step's reusable vote buffers and the CUDA staging slots.
+    each group's call history (``sequence.CallSequence``) and the CUDA staging slots.
 
     Everything cached is computed from plain data (layout tuples, names, dtypes,
     placements, tensor strides, the ranks' agreed stride signatures; never from tensors'
@@ -90,6 +91,7 @@ class Planner:
         self._batches: dict[int, dict[tuple, object]] = {}  # group scope -> batches
         self._by_rows: dict[int, dict[tuple, _RowsBatch]] = {}  # scope -> head -> batch
         self._staging: dict[tuple, list] = {}  # (device index, stream) -> two CUDA slots
+        self._sequences: dict[int, CallSequence] = {}  # group scope -> its call history
 
     def plan(self, key: LayoutKey) -> ParamPlan:
         got = self._plans.get(key)
@@ -112,6 +114,14 @@ class Planner:
         if got is None:
             got = build()
             self._layouts[light] = got
+        return got
+
+    def call_sequence(self, scope: int) -> CallSequence:
+        """The history of calls that went through on one group (``agree=False`` skips the
+        vote for the call it predicts)."""
+        got = self._sequences.get(scope)
+        if got is None:
+            got = self._sequences[scope] = CallSequence()
         return got
 
     def batch(self, scope: int, key: tuple) -> Optional[object]:
@@ -185,6 +195,7 @@ class Planner:
         self._batches.clear()
         self._by_rows.clear()
         self._staging.clear()
+        self._sequences.clear()
 
     def __len__(self) -> int:
         return len(self._plans)
