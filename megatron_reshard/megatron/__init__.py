@@ -22,10 +22,14 @@ __all__ = ["MegatronRefitSource", "HF_CONFIG_KEYS", "decode_payload", "encode_pa
 
 
 def __getattr__(name: str):
-    if name in ("MegatronRefitSource", "HF_CONFIG_KEYS"):
+    if name == "MegatronRefitSource":
         from megatron_reshard.megatron import source
 
-        return getattr(source, name)
+        return source.MegatronRefitSource
+    if name == "HF_CONFIG_KEYS":
+        from megatron_reshard.megatron import model_info
+
+        return model_info.HF_CONFIG_KEYS
     if name in ("decode_payload", "encode_payload"):
         from megatron_reshard.megatron import payload
 

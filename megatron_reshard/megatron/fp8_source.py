@@ -97,7 +97,7 @@ def grouped_name(hf_name: str) -> str:
 def _qkv_fp8_views(conv: Any, data: torch.Tensor, scale: torch.Tensor, dims: Any, tp_rank: int,
                    tile: int) -> tuple[dict, Optional[str]]:
     """q, k, v views (data, scales) of a blockwise-FP8 ``linear_qkv`` shard in the per-KV-group
-    form the refit sends (``source._qkv_views``): ``[groups, rows, H]`` of whole groups when
+    form the refit sends (``qkv.qkv_views``): ``[groups, rows, H]`` of whole groups when
     TP <= nkv, else ``[1, rows, H]`` of the slice of one group this rank holds
     (``megatron_qkv_blocks``); and the problem, if a cut is not on a tile boundary."""
     nkv, nh, hd = dims.num_query_groups, dims.num_attention_heads, dims.head_dim

@@ -44,16 +44,13 @@ shared_expert_intermediate_size, moe_layers`` (global indexes of MoE layers),
 from __future__ import annotations
 
 import re
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import Replicate, Shard
 
-from megatron_reshard.engine.geometry import rank_region
 from megatron_reshard.fp8_plan import GEN_QUANT_FORMATS, plan_block_fp8, plan_mxfp8
-from megatron_reshard.layout import (MeshInfo, PaddedShard, build_mesh_info, is_expert_param,
-                                     is_nccl_reshard_param)
+from megatron_reshard.layout import build_mesh_info, is_expert_param, is_nccl_reshard_param
 from megatron_reshard.megatron import mla
 from megatron_reshard.megatron.converters import (
     FAMILIES,
@@ -62,7 +59,17 @@ from megatron_reshard.megatron.converters import (
     NameConverter,
     full_from_tp_chunks,
     hf_global_shapes,
-    local_views,
+)
+from megatron_reshard.megatron.exact_path import VOCAB_PARAMS, add_exact_extras
+from megatron_reshard.megatron.fp8_source import fp8_sender_specs, grouped_name, train_fp8_views
+from megatron_reshard.megatron.local_specs import local_hf_views, local_param_specs, stacked_spec
+from megatron_reshard.megatron.model_info import (
+    HF_CONFIG_KEYS,
+    HF_LAYER,
+    hf_config,
+    infer_family,
+    named_tensors,
+    unwrap_model,
 )
 from megatron_reshard.megatron.parallel import (
     RankCoords,
@@ -74,70 +81,19 @@ from megatron_reshard.megatron.parallel import (
     describe_rank_order,
     read_parallel_state,
 )
-from megatron_reshard.megatron.fp8_source import fp8_sender_specs, grouped_name, train_fp8_views
 from megatron_reshard.megatron.payload import build_payload, encode_payload
-from megatron_reshard.megatron.qkv import megatron_qkv_blocks, megatron_qkv_layout
+from megatron_reshard.megatron.qkv import qkv_groups_fit
 from megatron_reshard.metadata import (
     build_nccl_reshard_refit_info,
     extract_layer_name,
     restore_refit_info_placements,
 )
-from megatron_reshard.spec import HFToLocalParamMap, LocalParamSpec
-from megatron_reshard.vllm_layout.dense import (NOT_LISTED, QKV_PARAM_RE, AttentionHeads,
-                                                padded_vocab_rows, qkv_gen_layout, tp_dim_of)
-
-HF_CONFIG_KEYS = (
-    "family", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-    "intermediate_size", "moe_intermediate_size", "num_experts", "num_hidden_layers",
-    "vocab_size", "tie_word_embeddings", "gated", "qk_norm",
-    "num_experts_per_tok", "shared_expert_intermediate_size", "moe_layers", "attention_bias",
-    "rms_norm_eps", "torch_dtype",
-    # MLA (DeepSeek-V3 family; absent for GQA models) and the router's score-correction bias
-    "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-    "router_expert_bias",
-)
-
-_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
-_EXPERT_NAME = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<index>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
-
-
-def unwrap_model(model: Any) -> tuple[Optional[torch.nn.Module], list[str]]:
-    """The bare ``GPTModel`` under training wrappers (``module.`` chains); problems if none."""
-    if isinstance(model, (list, tuple)):
-        if len(model) != 1:
-            return None, [f"got {len(model)} model chunks: virtual pipeline parallelism is not supported yet"]
-        model = model[0]
-    while hasattr(model, "module") and isinstance(getattr(model, "module"), torch.nn.Module):
-        model = model.module
-    if not hasattr(model, "decoder") or not hasattr(model, "config"):
-        return None, [f"{type(model).__name__} is not a Megatron GPT-style model (no .decoder / .config)"]
-    return model, []
-
-
-def infer_family(config: Any) -> Optional[str]:
-    """A family from the TransformerConfig alone, when unambiguous (MoE with shared experts is not)."""
-    if getattr(config, "multi_latent_attention", False):
-        return "deepseek_v3"  # MLA: the DeepSeek-V3 names (Kimi-K2 uses them too)
-    if getattr(config, "num_moe_experts", None):
-        if getattr(config, "moe_shared_expert_intermediate_size", None):
-            return None
-        return "qwen3_moe"
-    if getattr(config, "qk_layernorm", False):
-        return "qwen3"
-    if getattr(config, "add_qkv_bias", False):
-        return "qwen2"
-    return "llama"
-
-
-def named_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """Parameters plus the persistent router ``expert_bias`` buffers (DeepSeek-V3 routing bias)."""
-    out = list(model.named_parameters())
-    out += [(n, b) for n, b in model.named_buffers() if n.endswith("router.expert_bias")]
-    return out
+from megatron_reshard.spec import HFToLocalParamMap
+from megatron_reshard.vllm_layout.dense import NOT_LISTED, QKV_PARAM_RE, tp_dim_of
 
 
 def _layer_sort_key(name: str) -> tuple[int, int]:
-    m = _HF_LAYER.match(name)
+    m = HF_LAYER.match(name)
     if m is not None:
         return (1, int(m.group(1)))
     if name.startswith("model.embed_tokens"):
@@ -145,36 +101,6 @@ def _layer_sort_key(name: str) -> tuple[int, int]:
     if name.startswith("lm_head"):
         return (3, 0)
     return (2, 0)
-
-
-def expected_local_shape(global_shape: Sequence[int], mesh, placements: Sequence, rank: int) -> Optional[list[int]]:
-    """Shape of ``rank``'s local tensor under the engine's geometry; None if not in the mesh."""
-    got = rank_region(global_shape, mesh, placements, rank)
-    return None if got is None else list(got[1])
-
-
-VOCAB_PARAMS = ("model.embed_tokens.weight", "lm_head.weight")
-
-
-def _which_qkv(name: str) -> str:
-    return name.rsplit(".", 2)[-2][0]  # "...self_attn.k_proj.weight" -> "k"
-
-
-def _tp_placements(mesh: MeshInfo, dims: dict, tp_dim) -> list:
-    placements: list = [Replicate() for _ in range(mesh.ndim)]
-    if tp_dim is not None and "tp" in dims:
-        placements[dims["tp"]] = Shard(tp_dim)
-    return placements
-
-
-def _padded_layout(mesh: MeshInfo, tp_axis: Optional[int], padded: int) -> tuple[MeshInfo, list]:
-    """Mesh and placements of a vocab matrix padded to ``padded`` rows split over ``tp_axis``
-    (without a TP axis, a size-1 axis is added so the whole padded vocab is one shard)."""
-    if tp_axis is None:
-        mesh, tp_axis = MeshInfo(mesh.mesh.unsqueeze(-1)), mesh.ndim
-    placements: list = [Replicate() for _ in range(mesh.ndim)]
-    placements[tp_axis] = PaddedShard(0, padded)
-    return mesh, placements
 
 
 class MegatronRefitSource:
@@ -296,7 +222,7 @@ class MegatronRefitSource:
         self.vocab_metadata = {n: m for n, m in metadata.items() if n in VOCAB_PARAMS}
         # Attention output, norms and router have plain layouts on both sides: exact path too.
         self.gen_parallelism = dict(gen_parallelism)
-        grouped_qkv = self._qkv_groups_fit()
+        grouped_qkv = qkv_groups_fit(self.dims, layout.tp, int(self.gen_parallelism.get("tp_size", 1)))
         forced = re.compile(packed_params) if packed_params else None
         self.exact_extra_metadata = {n: m for n, m in metadata.items()
                                      if not is_nccl_reshard_param(n)
@@ -306,7 +232,7 @@ class MegatronRefitSource:
                                           or self._mla_tp_dims(n) is not None)}
         self.other_params_metadata = {n: m for n, m in metadata.items()
                                       if not is_nccl_reshard_param(n) and n not in self.exact_extra_metadata}
-        self.hf_config = self._hf_config(metadata)
+        self.hf_config = hf_config(self.model, self.family, self.vocab_size, metadata)
         self.gen_world_size = gen_world_size
 
         info = build_nccl_reshard_refit_info(
@@ -393,203 +319,30 @@ class MegatronRefitSource:
                 p["src_mesh_info"] = live
 
     def _add_exact_extras(self, info: dict, stage_of_key: dict) -> None:
-        """Append to the refit info the params beyond the seed's bulk set that the engine
-        moves too (``exact_extra_metadata``, model order).
-
-        Vocab matrices: padded shards on both sides (Megatron's padded vocab split over TP;
-        vLLM's vocab padded to 64 split over gen TP). q/k/v weights: per KV group (see
-        ``_gen_qkv_layout``). Direct params (``DIRECT_PARAMS``): the same TP dim on both
-        sides, or replicated. Train meshes are the stage's live
-        dense mesh; embeddings go first in ``layer_names``, new layer keys after the rest.
-        """
+        """Append the exact extras to the refit info (``exact_path.add_exact_extras``)."""
         gen_tp = int(self.gen_parallelism.get("tp_size", 1))
         stage_world = self.layout.world_size // self.layout.pp
-        gen_mesh, gen_dims = build_mesh_info(self.gen_world_size, stage_world, tp_size=gen_tp)
-        padded_train = int(self.model.vocab_size)
-        for name, meta in self.exact_extra_metadata.items():
-            key = extract_layer_name(name)
-            stage = stage_of_key[key]
-            meshes = self.stages[stage]
-            global_shape = tuple(meta["shape"])
-            if name in VOCAB_PARAMS:
-                vocab = int(meta["shape"][0])
-                src_mesh, src_pl = _padded_layout(meshes.dense, meshes.dense_dims.get("tp"), padded_train)
-                dst_mesh, dst_pl = _padded_layout(gen_mesh, gen_dims.get("tp"),
-                                                  padded_vocab_rows(vocab))
-            elif self._mla_tp_dims(name) is not None:
-                src_dim, dst_dim = self._mla_tp_dims(name)
-                src_mesh, src_pl = meshes.dense, _tp_placements(meshes.dense, meshes.dense_dims, src_dim)
-                dst_mesh, dst_pl = gen_mesh, _tp_placements(gen_mesh, gen_dims, dst_dim)
-            elif QKV_PARAM_RE.search(name):
-                global_shape = self._qkv_group_shape(name, meta["shape"])
-                which = _which_qkv(name)
-                src_mesh, src_pl = megatron_qkv_layout(meshes.dense, meshes.dense_dims,
-                                                        self._heads(), which)
-                dst_mesh, dst_pl = qkv_gen_layout(gen_mesh, gen_dims, self.dims.num_query_groups,
-                                                  which)
-            else:
-                tp_dim = tp_dim_of(name)
-                src_mesh, src_pl = meshes.dense, _tp_placements(meshes.dense, meshes.dense_dims, tp_dim)
-                dst_mesh, dst_pl = gen_mesh, _tp_placements(gen_mesh, gen_dims, tp_dim)
-            entry = {"name": name, "global_shape": global_shape, "dtype": meta["dtype"],
-                     "src_mesh_info": src_mesh, "src_placements": src_pl,
-                     "dst_mesh_info": dst_mesh, "dst_placements": dst_pl}
-            if self.layout.pp > 1:
-                entry["pp_stage"] = stage
-            info["per_layer_params"].setdefault(key, []).append(entry)
-            if key not in info["layer_names"]:
-                if name.startswith("model.embed_tokens"):
-                    info["layer_names"].insert(0, key)
-                else:
-                    info["layer_names"].append(key)
+        gen = build_mesh_info(self.gen_world_size, stage_world, tp_size=gen_tp)
+        add_exact_extras(info, self.exact_extra_metadata, stage_of_key, self.stages, gen,
+                         padded_train_vocab=int(self.model.vocab_size), dims=self.dims,
+                         pp=self.layout.pp, mla_tp_dims=self._mla_tp_dims)
 
     def _mla_tp_dims(self, name: str) -> Optional[tuple[Optional[int], Optional[int]]]:
         """(train, gen) TP dims of an MLA / DeepSeek MoE param on the exact path, else None."""
         return mla.exact_path_tp_dims(name, mla.is_mla(self.config), self._mla_down_is_replicated)
-
-    def _heads(self) -> AttentionHeads:
-        return AttentionHeads(self.dims.num_attention_heads, self.dims.num_query_groups,
-                              self.dims.head_dim)
-
-    def _qkv_groups_fit(self) -> bool:
-        """Whether q/k/v weights and biases can travel per KV group: Megatron's TP divides
-        the KV heads or is a multiple of them (it always is: Megatron needs it), and vLLM
-        can split the heads over its TP (``AttentionHeads.tp_problem``). Otherwise they go in
-        the packed broadcast, where the receiver names the problem."""
-        nkv, nh = self.dims.num_query_groups, self.dims.num_attention_heads
-        t_train, t_gen = self.layout.tp, int(self.gen_parallelism.get("tp_size", 1))
-        if nh % nkv or (nkv % t_train if t_train <= nkv else t_train % nkv):
-            return False
-        return self._heads().tp_problem(t_gen) is None
-
-    def _qkv_group_shape(self, name: str, hf_shape: Sequence[int]) -> tuple[int, ...]:
-        """q/k/v weights (biases) seen per KV group: ``[nkv, rows per group, hidden]``
-        (``[nkv, rows per group]``), a row-major reshape of the HF tensor, the form in which
-        Megatron's interleaved rows are views."""
-        nkv = self.dims.num_query_groups
-        return (nkv, int(hf_shape[0]) // nkv, *(int(n) for n in hf_shape[1:]))
-
-    def _hf_config(self, metadata: dict) -> dict:
-        c = self.config
-        moe_layers = sorted({int(m.group(1)) for n in metadata
-                             if n.endswith(".mlp.gate.weight") and (m := _HF_LAYER.match(n))})
-        return {
-            "family": self.family,
-            "hidden_size": int(c.hidden_size),
-            "num_attention_heads": int(c.num_attention_heads),
-            "num_key_value_heads": int(c.num_query_groups or c.num_attention_heads),
-            "head_dim": int(c.kv_channels),
-            "intermediate_size": int(c.ffn_hidden_size),
-            "moe_intermediate_size": int(c.moe_ffn_hidden_size or 0) if c.num_moe_experts else 0,
-            "num_experts": int(c.num_moe_experts or 0),
-            "num_hidden_layers": int(c.num_layers),
-            "vocab_size": self.vocab_size,
-            "tie_word_embeddings": bool(getattr(self.model, "share_embeddings_and_output_weights", False)),
-            "gated": bool(c.gated_linear_unit),
-            "qk_norm": bool(c.qk_layernorm),
-            "num_experts_per_tok": int(c.moe_router_topk) if c.num_moe_experts else 0,
-            "shared_expert_intermediate_size": int(c.moe_shared_expert_intermediate_size or 0),
-            "moe_layers": moe_layers,
-            "attention_bias": bool(c.add_qkv_bias),  # q/k/v biases (Qwen2); other linear biases are refused
-            "rms_norm_eps": float(c.layernorm_epsilon),
-            "torch_dtype": str(c.params_dtype),
-            "router_expert_bias": bool(getattr(c, "moe_router_enable_expert_bias", False)),
-            **mla.hf_config_keys(c),
-        }
 
     # ------------------------------------------------------------------ outputs
     def payload_bytes(self) -> bytes:
         """The msgpack payload (same bytes on every train rank)."""
         return encode_payload(self.payload)
 
-    def _local_hf_views(self) -> dict[str, torch.Tensor]:
-        views: dict[str, torch.Tensor] = {}
-        for conv, tensor in self._converted:
-            if len(conv.hf_names) == 1 and conv.hf_names[0] in self.exact_extra_metadata:
-                # vocab: the padded local shard; direct params: the TP chunk or the replica
-                views[conv.hf_names[0]] = tensor.detach()
-                continue
-            if conv.kind == "fc1" and all(n in self.exact_extra_metadata for n in conv.hf_names):
-                # shared experts: gate and up are the row halves of the rank's linear_fc1
-                views.update(local_views(conv, tensor.detach(), self.dims))
-                continue
-            if conv.kind == "qkv" and conv.hf_names[0] in self.exact_extra_metadata:
-                views.update(self._qkv_views(conv, tensor.detach()))
-                continue
-            if all(n in self.exact_extra_metadata for n in conv.hf_names):
-                views.update(local_views(conv, tensor.detach(), self.dims))  # shared-expert fc1
-                continue
-            if not any(is_nccl_reshard_param(n) for n in conv.hf_names):
-                continue
-            views.update(local_views(conv, tensor.detach(), self.dims))
-        return views
-
-    def _qkv_views(self, conv, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
-        """q, k, v of ``linear_qkv`` (weight or bias) in the per-KV-group form, as strided
-        views: ``[groups, rows, ...]`` of this rank's whole KV groups (TP <= nkv; rows of a
-        group: its q heads, then k, then v), or ``[1, rows, ...]`` of the slice of one group
-        a rank holds when TP > nkv (``megatron_qkv_blocks``; possibly 0 rows)."""
-        nkv, nh, hd = self.dims.num_query_groups, self.dims.num_attention_heads, self.dims.head_dim
-        q_rows = nh // nkv * hd
-        tp, rest = self.layout.tp, tuple(tensor.shape[1:])
-        q_name, k_name, v_name = conv.hf_names
-        if tp <= nkv:
-            grouped = tensor.view(nkv // tp, q_rows + 2 * hd, *rest)
-            return {q_name: grouped[:, :q_rows], k_name: grouped[:, q_rows:q_rows + hd],
-                    v_name: grouped[:, q_rows + hd:]}
-        part = self.coords.tp % (tp // nkv)
-        out, offset = {}, 0
-        for name, which in ((q_name, "q"), (k_name, "k"), (v_name, "v")):
-            rows = megatron_qkv_blocks(self._heads(), tp, which)[part]
-            out[name] = tensor[offset:offset + rows].unsqueeze(0)
-            offset += rows
-        return out
-
     def build_hf_to_local_param_map(self, refit_info: Optional[dict] = None) -> HFToLocalParamMap:
         """``hf_name → LocalParamSpec`` for every bulk param of this rank's PP stage, checked
         against the region the refit info's src mesh/placements assign to this rank."""
         info = restore_refit_info_placements(refit_info if refit_info is not None else self.refit_info)
-        views = self._local_hf_views()
+        views = local_hf_views(self._converted, self.exact_extra_metadata, self.dims, self.coords.tp)
         me = f"rank {self.coords.rank} (PP stage {self.stage}, stage-local rank {self.stage_local_rank})"
-        specs: dict[str, LocalParamSpec] = {}
-        problems: list[str] = []
-        for layer in info["layer_names"]:
-            for p in info["per_layer_params"].get(layer, []):
-                if p.get("pp_stage", 0) != self.stage:
-                    continue
-                name = p["name"]
-                proj = p.get("grouped_expert_proj")
-                if proj is None:
-                    view = views.get(name)
-                    if view is None:
-                        problems.append(f"{name}: {me} holds no local tensor for it")
-                        continue
-                    spec, shape, dtype = LocalParamSpec(base=view), list(view.shape), view.dtype
-                else:
-                    prefix = name[: -len(f".{proj}.weight")]
-                    members = sorted(
-                        (int(m["index"]), v) for n, v in views.items()
-                        if (m := _EXPERT_NAME.match(n)) and m["prefix"] == prefix and m["proj"] == proj
-                    )
-                    if not members:
-                        problems.append(f"{name}: {me} holds no local expert for it")
-                        continue
-                    tensors = [v for _, v in members]
-                    spec = stacked_spec(tensors)
-                    shape, dtype = [len(tensors), *tensors[0].shape], tensors[0].dtype
-                expected = expected_local_shape(p["global_shape"], p["src_mesh_info"], p["src_placements"],
-                                                self.stage_local_rank)
-                if expected is None:
-                    problems.append(f"{name}: {me} is not in the src mesh {p['src_mesh_info']}")
-                elif expected != shape:
-                    problems.append(f"{name}: {me} holds local shape {shape} but the refit info assigns "
-                                    f"{expected} (global {list(p['global_shape'])}, placements {p['src_placements']})")
-                elif str(dtype) != p["dtype"]:
-                    problems.append(f"{name}: {me} holds dtype {dtype} but the refit info says {p['dtype']}")
-                else:
-                    specs[name] = spec
-        if problems:
-            raise ValueError("local views do not match the refit info:\n  - " + "\n  - ".join(problems))
+        specs = local_param_specs(info, views, self.stage, self.stage_local_rank, me)
         if self.gen_quant is not None and refit_info is None:
             return fp8_sender_specs(HFToLocalParamMap(specs), self.gen_refit_info, self.stage,
                                     self._fp8_views)
@@ -627,23 +380,5 @@ class MegatronRefitSource:
         return out
 
 
-def stacked_spec(tensors: list[torch.Tensor]) -> LocalParamSpec:
-    """``[E_local, ...]`` of the rank's experts: one strided view when they sit at a constant
-    step in one storage (legacy grouped GEMM, contiguous param buffers), else the list of
-    expert tensors itself, which the engine reads member by member (engine/members.py):
-    no ``pre`` hook, no stacking buffer."""
-    first = tensors[0]
-    if len(tensors) == 1:
-        return LocalParamSpec(base=first.unsqueeze(0))
-    same_layout = all(
-        t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
-        and t.shape == first.shape and t.stride() == first.stride() and t.dtype == first.dtype
-        for t in tensors
-    )
-    if same_layout:
-        offsets = [t.storage_offset() for t in tensors]
-        step = offsets[1] - offsets[0]
-        if step > 0 and all(b - a == step for a, b in zip(offsets, offsets[1:])):
-            view = first.as_strided((len(tensors), *first.shape), (step, *first.stride()), offsets[0])
-            return LocalParamSpec(base=view)
-    return LocalParamSpec(base=list(tensors))
+# HF_CONFIG_KEYS and stacked_spec live in model_info / local_specs; importable from here too
+__all__ = ["HF_CONFIG_KEYS", "MegatronRefitSource", "stacked_spec"]

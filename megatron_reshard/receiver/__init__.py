@@ -4,8 +4,9 @@ Imports only torch and the standard library (it runs inside vLLM workers, where 
 Transformer Engine and msgspec may be absent); the payload arrives already decoded to
 plain data.
 
-- ``targets``: where each HF param lands in vLLM's per-rank storage (``VllmTargets``),
-  the bulk receive recipes, and ``load_full_weights`` for full HF tensors.
+- ``targets``: where each HF param lands in vLLM's per-rank storage (``VllmTargets``)
+  and the bulk receive recipes; ``full_weights``: full HF tensors into that storage
+  (``load_full_weights``, the misc path).
 - ``session``: ``ReceiverSession`` — payload restore and validation, the rank's
   ``hf_name -> LocalParamSpec`` map, the receive loop, the report.
 - ``worker``: ``MegatronReshardWorkerExtension`` for vLLM's ``collective_rpc``.
@@ -19,17 +20,19 @@ from megatron_reshard.receiver.session import (
     receive_misc_packed,
     restore_payload,
 )
+from megatron_reshard.receiver.full_weights import (
+    apply_full_weights,
+    coverage_gaps,
+    load_full_weights,
+    plan_full_weights,
+)
 from megatron_reshard.receiver.targets import (
     Piece,
     TargetError,
     TargetPlan,
     VllmTargets,
-    apply_full_weights,
     bulk_receive_plan,
-    coverage_gaps,
     expert_block,
-    load_full_weights,
-    plan_full_weights,
     receive_spec,
 )
 from megatron_reshard.receiver.worker import MegatronReshardWorkerExtension

@@ -36,7 +36,7 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 
 from megatron_reshard.engine.geometry import box_shape, rank_box
-from megatron_reshard.fp8_plan import MXFP8_TILE, QKV_GROUP_RE, SCALE_SUFFIX
+from megatron_reshard.fp8_plan import MXFP8_TILE, QKV_GROUP_RE, SCALE_SUFFIX, tile_box
 from megatron_reshard.fp8_plan import per_group_hf_rows as _as_hf_rows
 from megatron_reshard.quant import (
     BLOCK_FP8_TILE,
@@ -61,25 +61,18 @@ def is_fp8_target(targets: VllmTargets, target: str) -> bool:
     return targets.params[target].dtype == FP8_DTYPE
 
 
-def _tiles(a: int, b: int, extent: int, block: int) -> Optional[tuple[int, int]]:
-    """``[a, b)`` of a dim of ``extent`` in tiles of ``block``; None when it cuts a tile."""
-    if a % block or (b % block and b != extent):
-        return None
-    return a // block, -(-b // block)
-
-
 def _tile_box(box: Sequence[tuple[int, int]], shape: Sequence[int],
               tile: Sequence[int]) -> tuple[Optional[tuple], str]:
-    """A box of a tensor of ``shape`` in tile units over the last two dims (leading dims kept)."""
-    out = [tuple(r) for r in box[:-2]]
+    """A box of a tensor of ``shape`` in tile units over the last two dims (leading dims kept;
+    ``fp8_plan.tile_box``), or None and why when it cuts a tile. A start must be a multiple
+    of the tile, even an empty box's at the end of the dim."""
+    tiled = tile_box(box, shape, tile)
     for d, block in ((len(shape) - 2, tile[0]), (len(shape) - 1, tile[1])):
         a, b = box[d]
-        got = _tiles(a, b, int(shape[d]), block)
-        if got is None:
+        if a % block or None in tiled[d]:
             return None, (f"dim {d} [{a}, {b}) of {int(shape[d])} (expected a start at a multiple "
                           f"of {block} and an end at a multiple of {block} or at {int(shape[d])})")
-        out.append(got)
-    return tuple(out), ""
+    return tiled, ""
 
 
 # MXFP8 (vLLM ModelOpt MXFP8): E8M0 scale bytes per 32 elements of a row, in the checkpoint

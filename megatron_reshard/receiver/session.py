@@ -28,14 +28,12 @@ from megatron_reshard.receiver.payload_check import RefitPayloadError, validate_
 from megatron_reshard.receiver.state import WeightState
 from megatron_reshard.refit_loop import DEFAULT_BATCH_BYTES, DEFAULT_STAGING_BYTES, RefitLoop
 from megatron_reshard.refit_order import MiscItem, misc_items_by_stage, stage_params, wire_dtype
+from megatron_reshard.receiver.full_weights import apply_full_weights, coverage_gaps, plan_full_weights
 from megatron_reshard.receiver.targets import (
     TargetError,
     TargetPlan,
     VllmTargets,
-    apply_full_weights,
     bulk_receive_plan,
-    coverage_gaps,
-    plan_full_weights,
     receive_spec,
 )
 from megatron_reshard.spec import HFToLocalParamMap, LocalParamSpec

@@ -9,7 +9,7 @@ tensor on this rank (plus rows to zero, for vocab padding). Both receive paths u
   to this rank is exactly the one vLLM expects, and exposes that target box as the
   engine's destination (a view in place; a ``pre`` buffer + ``post`` copy-back only when
   asked to avoid strided destinations);
-- the misc path (``load_full_weights``) slices full HF tensors into the targets.
+- the misc path (``full_weights.load_full_weights``) slices full HF tensors into the targets.
 
 The layout facts (qkv_proj, gate_up_proj, vocab padding, FusedMoE w13/w2 and vLLM's
 expert blocks) come from ``megatron_reshard.vllm_layout``; this module only matches HF
@@ -26,9 +26,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 
-from megatron_reshard.engine.geometry import Box as Region
-from megatron_reshard.engine.geometry import box_index as region_index
-from megatron_reshard.engine.geometry import box_shape as region_shape
+from megatron_reshard.engine.geometry import Box, box_index, box_shape
 from megatron_reshard.spec import LocalParamSpec, RefitCtx
 from megatron_reshard.vllm_layout import mla
 from megatron_reshard.vllm_layout import moe as vllm_moe
@@ -52,8 +50,8 @@ class Piece:
     """``target[target_region]`` receives ``hf[hf_region]`` (same number of elements)."""
 
     target: str
-    target_region: Region
-    hf_region: Region
+    target_region: Box
+    hf_region: Box
 
 
 @dataclass
@@ -63,24 +61,14 @@ class TargetPlan:
     hf_name: str
     hf_shape: tuple[int, ...]
     pieces: list[Piece] = field(default_factory=list)
-    zero: list[tuple[str, Region]] = field(default_factory=list)  # target boxes to zero-fill
+    zero: list[tuple[str, Box]] = field(default_factory=list)  # target boxes to zero-fill
     note: str = ""  # why there is nothing to write (e.g. tied lm_head, experts of another rank)
     # block-FP8 targets (receiver.fp8_targets): piece index -> its box of the scale param
     scales: dict[int, Piece] = field(default_factory=dict)
 
 
-def _full(shape: Sequence[int]) -> Region:
+def _full(shape: Sequence[int]) -> Box:
     return tuple((0, int(n)) for n in shape)
-
-
-def _numel(region: Region) -> int:
-    n = 1
-    for a, b in region:
-        n *= b - a
-    return n
-
-
-vllm_vocab_rows = padded_vocab_rows  # the name other modules import
 
 
 def _as_dict(named: Union[Mapping[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]]
@@ -123,7 +111,7 @@ class VllmTargets:
         return f"{self.label} ({coords})" if self.label else coords
 
     def view(self, piece: Piece) -> torch.Tensor:
-        return self.params[piece.target][region_index(piece.target_region)]
+        return self.params[piece.target][box_index(piece.target_region)]
 
     # -- resolution --------------------------------------------------------------------
 
@@ -193,7 +181,7 @@ class VllmTargets:
             hf[d] = (r * chunk, (r + 1) * chunk)
             plan.pieces.append(Piece(name, _full(tshape), tuple(hf)))
             return plan
-        if d == 0 and chunk * self.tp_size == vllm_vocab_rows(total) and len(shape) >= 1:
+        if d == 0 and chunk * self.tp_size == padded_vocab_rows(total) and len(shape) >= 1:
             # vocab rows padded to a multiple of 64, split evenly; padding rows are zero
             (lo, hi), _ = vocab_rows_of_rank(total, self.tp_size, r)
             if hi > lo:
@@ -371,7 +359,7 @@ def check_wire_dtype(targets: VllmTargets, plan: TargetPlan, wire_dtype: torch.d
 
 
 def bulk_receive_plan(targets: VllmTargets, hf_name: str, global_shape: Sequence[int],
-                      region: Region, wire_dtype: torch.dtype, padded: bool = False) -> TargetPlan:
+                      region: Box, wire_dtype: torch.dtype, padded: bool = False) -> TargetPlan:
     """Check that the payload's region for this rank is what vLLM holds there; return the plan.
 
     ``region`` is the box of the HF tensor the engine delivers to this rank (from the
@@ -388,70 +376,15 @@ def bulk_receive_plan(targets: VllmTargets, hf_name: str, global_shape: Sequence
             f"vLLM's layout on this rank expects {want or 'nothing'}"
             f"{' plus zero padding' if plan.zero else ''}")
     piece = plan.pieces[0]
-    if region_shape(piece.target_region) != region_shape(region):
+    if box_shape(piece.target_region) != box_shape(region):
         raise TargetError(f"{hf_name}: target box {list(piece.target_region)} of {piece.target!r} "
                           f"does not have the shape of region {list(region)}")
     return plan
 
 
-# ---------------------------------------------------------------------- full weights
+def __getattr__(name: str):
+    if name == "load_full_weights":  # moved to receiver.full_weights; importable from here too
+        from megatron_reshard.receiver import full_weights
 
-
-def plan_full_weights(targets: VllmTargets, items: Iterable[tuple[str, Sequence[int], torch.dtype]]
-                      ) -> list[TargetPlan]:
-    """Plans for full HF tensors given as ``(name, shape, dtype)``; every check, no writes."""
-    from megatron_reshard.receiver.fp8_targets import fp8_scale_pieces
-
-    plans = []
-    for name, shape, dtype in items:
-        plan = targets.resolve(name, shape)
-        check_wire_dtype(targets, plan, dtype)
-        plan.scales = fp8_scale_pieces(targets, plan)
-        plans.append(plan)
-    return plans
-
-
-def apply_full_weights(targets: VllmTargets, plans: Sequence[TargetPlan],
-                       tensors: Mapping[str, torch.Tensor]) -> int:
-    """Write each plan's pieces from its full HF tensor; zero-fill padding. Returns bytes written."""
-    from megatron_reshard.receiver.fp8_targets import quantize_into
-
-    written = 0
-    for plan in plans:
-        full = tensors[plan.hf_name]
-        for i, piece in enumerate(plan.pieces):
-            if i in plan.scales:  # block-FP8 target: quantize the slice (whole 128x128 blocks)
-                written += quantize_into(targets, piece, plan.scales[i],
-                                         full[region_index(piece.hf_region)])
-                continue
-            dst = targets.view(piece)
-            src = full[region_index(piece.hf_region)]
-            dst.copy_(src.reshape(dst.shape))
-            written += dst.numel() * dst.element_size()
-        for target, box in plan.zero:
-            targets.params[target][region_index(box)].zero_()
-    return written
-
-
-def load_full_weights(targets: VllmTargets, full: Mapping[str, torch.Tensor]) -> int:
-    """Slice full HF tensors ``{hf_name: tensor}`` into vLLM-layout storage; bytes written.
-
-    Every name is checked (known, target present, shapes, dtypes) before anything is
-    written; a name that maps to no target is an error naming it.
-    """
-    plans = plan_full_weights(targets, ((n, tuple(t.shape), t.dtype) for n, t in full.items()))
-    return apply_full_weights(targets, plans, full)
-
-
-def coverage_gaps(targets: VllmTargets, plans: Iterable[TargetPlan]) -> dict[str, int]:
-    """Target params not fully written by ``plans``: ``{name: elements not covered}``."""
-    covered: dict[str, int] = {}
-    for plan in plans:
-        for piece in plan.pieces:
-            covered[piece.target] = covered.get(piece.target, 0) + _numel(piece.target_region)
-        for target, box in plan.zero:
-            covered[target] = covered.get(target, 0) + _numel(box)
-        for piece in plan.scales.values():
-            covered[piece.target] = covered.get(piece.target, 0) + _numel(piece.target_region)
-    return {name: t.numel() - covered.get(name, 0) for name, t in targets.params.items()
-            if t.numel() - covered.get(name, 0) > 0}
+        return full_weights.load_full_weights
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
