@@ -27,10 +27,11 @@ Decisions:
   happened yet when those errors are raised.
 - ``groups`` maps stage -> process group for the stages this rank takes part in; a value
   of ``None`` means the default world. A train rank passes only its own stage.
-- The engine's per-batch agreement step runs on the first ``run()`` only; from then on the
-  batches are the ones every rank already agreed on, and skipping it removes a host sync
-  per batch. A ``pre`` hook that later returns a differently shaped buffer then raises on
-  its own rank only (its peers wait for the group's timeout).
+- The engine's per-batch agreement step runs on the first ``run()``; from then on the
+  engine is called with ``agree=False`` and skips it for every batch its group's history
+  predicts (all but the first batch of each group in the second run, all of them after),
+  which removes a host sync per batch. A ``pre`` hook that later returns a differently
+  shaped buffer then raises on its own rank only (its peers wait for the group's timeout).
 - The params outside the bulk path ("other_params") can be made part of the fingerprint
   (``misc_items``) so a disagreement on the packed-broadcast layout is also caught at
   setup; both sides must then pass ``refit_order.misc_items_by_stage(info)``.
@@ -196,7 +197,8 @@ class RefitLoop:
             self._planner = Planner()
         # The engine's agreement step (a small all-reduce and a host sync per batch) guards
         # the first run; once every batch went through on every rank, later runs repeat
-        # the same batches and skip it, so the host can queue batches ahead of the GPU.
+        # the same batches in the same order, so the engine skips it for each batch its
+        # group's history predicts and the host can queue batches ahead of the GPU.
         agree = not self._agreed
 
         def call(transfers, group, stream):

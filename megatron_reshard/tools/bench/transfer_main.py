@@ -38,8 +38,9 @@ Per row: bytes into each destination rank; engine time (median of ``--iters`` af
 (cold, planning) call, GB/s per destination; raw NCCL P2P GB/s with the same bytes per
 destination — one pair, fan-in of all sources into one destination, and all sources to
 all destinations in one batch; engine/raw (against one pair: the per-GPU ceiling); the
-same engine call with ``agree=False`` ("agreed once": what the refit loop runs from its
-second refit on, without the agreement all-reduce and its host sync) and its ratio;
+same engine call with ``agree=False`` ("agreed once": the call repeats, so the engine
+skips the agreement all-reduce and its host sync, as for every call its group's history
+predicts; what the refit loop runs from its second refit on) and its ratio;
 gather+broadcast (all-gather on the sources, broadcast of the full tensor, slice) and
 engine/baseline; µs per parameter; peak extra GPU memory of one engine call (max over
 source ranks / destination ranks); and whether the destination shards came out exact.
