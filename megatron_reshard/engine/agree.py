@@ -1,10 +1,10 @@
 """The agreement step: one small MAX all-reduce, so that bad input fails on every rank.
 
 Each rank votes (``Vote``) its first problem, the number of transfers, its staging
-budget (the schedule's rounds depend on it), the batch fingerprint (as ``fp`` and ``-fp``, so the MAX gives both the max and the min), the hash
-of the stride signatures its cached schedule was built for, the global shape of the first
-transfer (for a rank given no tensors) and a signature of which of its tensors are not
-standard-contiguous. A problem on any rank, or ranks whose descriptions differ, make
+budget (the schedule's rounds depend on it), the batch fingerprint (as ``fp`` and
+``-fp``, so the MAX gives both the max and the min), the hash of the stride signatures
+its cached schedule was built for, the global shape of the first transfer (for a rank
+given no tensors) and a signature of which of its tensors are not standard-contiguous. A problem on any rank, or ranks whose descriptions differ, make
 every rank raise ``ValueError`` before any data moves. Only then, on that failure path,
 more exchanges say what differs: every failing rank's message goes to every rank, and
 for differing descriptions the first differing param and each rank's view of it.

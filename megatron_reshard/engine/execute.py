@@ -57,7 +57,8 @@ def xfer_batch(transfers: Sequence, group=None, *, stream=None,
     ``agree=False`` skips the agreement step (one small all-reduce and the call's only
     host sync) when this call is the one the group's history of calls through this
     planner predicts (``sequence.py``): a loop that repeats its calls, as the refit loop
-    from its second refit on, votes on its first rounds and then no more. A call that is
+    from its second refit on, votes until each call has been seen to follow the one
+    before it, then no more. A call that is
     not the predicted one votes; if only some ranks deviate, the call ends in the group's
     timeout on every rank rather than in mismatched transfers. Local checks still run on
     every call: a rank that fails one in a skipped vote raises alone, and its peers wait
