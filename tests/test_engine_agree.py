@@ -4,10 +4,10 @@ import pytest
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-from megatron_reshard.engine import agree as agree_module
 from megatron_reshard.engine import DTensorRef, Planner, Transfer, xfer_batch, xferdtensor
 from megatron_reshard.layout import MeshInfo
 from megatron_reshard.tools.worlds import init_gloo_world
+from vote_count import VoteCount
 
 FULL = torch.arange(6 * 8, dtype=torch.float32).reshape(6, 8)
 
@@ -19,23 +19,6 @@ def _transfer(rank, dst=None):
                     src=src, dst=dst)
 
 
-class _VoteCount:
-    """Counts the agreement votes this process starts (the real vote still runs)."""
-
-    def __enter__(self):
-        self.real, self.count = agree_module.start, 0
-
-        def start(*args, **kwargs):
-            self.count += 1
-            return self.real(*args, **kwargs)
-
-        agree_module.start = start
-        return self
-
-    def __exit__(self, *exc):
-        agree_module.start = self.real
-
-
 def _job(job, break_third_call):
     """Call 1 agrees; call 2 (agree=False) votes too, as no call has followed this batch
     yet; call 3 repeats the sequence, so it skips the vote."""
@@ -43,7 +26,7 @@ def _job(job, break_third_call):
     planner = Planner()
     dst = torch.zeros(6, 4) if job.rank >= 2 else None
     votes = []
-    with _VoteCount() as counted:
+    with VoteCount() as counted:
         for agree in (True, False):
             xfer_batch([_transfer(job.rank, dst)], None, planner=planner, agree=agree)
             votes.append(counted.count)
@@ -105,7 +88,7 @@ def _job_sequence(job):
     init_gloo_world(job)
     planner = Planner()
     votes, exact = [], []
-    with _VoteCount() as counted:
+    with VoteCount() as counted:
         for i, name in enumerate("abababab"):
             dst = torch.zeros(4, 8) if job.rank == 1 else None
             before = counted.count
@@ -169,7 +152,7 @@ def _job_xferdtensor(job, outsider):
     planner = Planner()
     one0, one1 = MeshInfo(torch.tensor([0])), MeshInfo(torch.tensor([1]))
     votes, exact = [], []
-    with _VoteCount() as counted:
+    with VoteCount() as counted:
         for i in range(4):
             full = torch.full((4, 8), float(i))
             src = DTensorRef(full.clone(), full.shape) if job.rank == 0 else None

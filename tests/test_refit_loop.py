@@ -15,6 +15,7 @@ from megatron_reshard.refit_loop import PlanMismatchError, RefitLoop
 from megatron_reshard.refit_order import batch_bounds, misc_items_by_stage, plan_fingerprint, stage_params
 from megatron_reshard.spec import HFToLocalParamMap, LocalParamSpec, RefitCtx
 from megatron_reshard.testing.groups import NoCommGroup
+from vote_count import VoteCount
 
 
 def _chunked(full, mesh_shape, coord, placements):
@@ -182,6 +183,17 @@ def _loop_job(job):
             final.fill_(float("nan"))
         stats = RefitLoop(info, specs, side, {0: group}, **kwargs).run()
         results[label] = (all(torch.equal(a, b) for a, b in finals.values()), stats.as_dict())
+    # the same loop run three times: votes per run (one per batch, then one for the first
+    # batch only, as no call has followed the last batch yet, then none) and exactness
+    loop, results["runs"] = RefitLoop(info, specs, side, {0: group}, batch_bytes=1), []
+    with VoteCount() as counted:
+        for _ in range(3):
+            for final, _ in finals.values():
+                final.fill_(float("nan"))
+            before = counted.count
+            loop.run()
+            results["runs"].append((counted.count - before,
+                                    all(torch.equal(a, b) for a, b in finals.values())))
     # one side adds the misc layout to its plan, the other does not: caught at setup on both
     misc = {0: [("model.norm.weight", (H,), torch.float32)]} if side == "dst" else None
     try:
@@ -215,6 +227,7 @@ def test_refit_loop_moves_params_through_hooks_and_catches_plan_mismatch(pool):
         assert res["engine"][1]["params"] == 3
         assert res["engine"][1]["stages"][0]["batches"] == 3  # batch_bytes=1: one param per batch
         assert res["reference"][1]["stages"][0]["batches"] == 1
+        assert res["runs"] == [(3, True), (1, True), (0, True)], res["runs"]
         assert "refit plan mismatch in the group of PP stage 0" in res["mismatch"]
         assert "same batch_bytes" in res["batching"]
         assert res["bad_pre"] and "down_proj" in res["bad_pre"], res["bad_pre"]
