@@ -34,6 +34,8 @@ def slowest_median(samples: list, device) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--profile", action="store_true",
+                    help="also print rank 0's cProfile of the engine's votes")
     args = ap.parse_args()
     apply_nccl_defaults(os.environ)
     cuda = torch.cuda.is_available()
@@ -191,6 +193,16 @@ def main() -> None:
         m = slowest_median(samples, device)
         if me == 0:
             print(f"{name:<52} {m:9.1f} µs")
+    if args.profile:
+        import cProfile
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.enable()
+        timed(lambda: engine_vote(), True)
+        prof.disable()
+        if me == 0:
+            pstats.Stats(prof).sort_stats("tottime").print_stats(18)
     dist.destroy_process_group()
 
 
