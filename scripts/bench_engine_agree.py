@@ -4,8 +4,9 @@
 
 Per case of ``bench_engine_host.py`` (same transfers): the median wall and main-thread
 CPU time per call of warm calls with a reused Planner, with the agreement step
-(``agree=True``, every call) and without it (``agree=False``, the vouch the refit loop
-gives from its second run on), each the slowest rank's, in µs per call and per param.
+(``agree=True``, every call) and without it (``agree=False`` on a repeated call, which
+the engine then runs without a vote, as the refit loop's from its second run on), each
+the slowest rank's, in µs per call and per param.
 """
 
 from __future__ import annotations

@@ -206,7 +206,9 @@ def staging_stays_within_budget(pg):
         batches.append([Transfer(f"b{b}.w", (4096, 4096), torch.bfloat16, sm, [Shard(0)], dm,
                                  [Shard(1)], src, dst)])
     planner = Planner()
-    for batch in batches:  # agreed once each
+    # agreed, twice round, so that the calls' history predicts even the loop's first
+    # call below (a vote there would wait for the busy GPU)
+    for batch in batches * 2:
         xfer_batch(batch, pg, staging_bytes=budget, planner=planner)
     sync()
     torch.cuda.empty_cache()
