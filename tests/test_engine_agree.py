@@ -120,13 +120,14 @@ def _job_deviation(job):
     try:
         xfer_batch([_named(name, job.rank, 7, dst)], None, planner=planner, agree=False)
     except Exception as exc:  # the group's timeout, or the peer's connection closed
-        return "raised", type(exc).__name__, dst is None or bool((dst == -1).all())
+        return "raised", getattr(exc, "__notes__", []), dst is None or bool((dst == -1).all())
     return "returned", None, dst is None or bool((dst == -1).all())
 
 
 def test_a_rank_that_deviates_from_the_sequence_fails_loudly_not_silently(pool):
-    (_, _, _), (outcome, _, untouched) = pool.run(_job_deviation, 2, timeout_s=90)
+    (_, _, _), (outcome, notes, untouched) = pool.run(_job_deviation, 2, timeout_s=90)
     assert outcome == "raised" and untouched
+    assert any("not the one the group's history predicts" in n for n in notes), notes
 
 
 def _job_staging(job):

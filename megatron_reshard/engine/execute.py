@@ -39,6 +39,13 @@ from .transport import P2PTransport, backend_name, resolve_group
 
 MIN_STAGING_BYTES = 64
 BACKENDS = ("python", "auto", "m2n")
+# agree=False: what a failed call adds to its error (sequence.py)
+_SKIPPED_NOTE = ("xfer_batch(agree=False) skipped the vote: this call is the one the "
+                 "group's history predicts. A peer that called another batch voted "
+                 "instead; check that every rank calls the same batches in the same order.")
+_UNPREDICTED_NOTE = ("xfer_batch(agree=False) voted: this call is not the one the group's "
+                     "history predicts, and peers that called the predicted batch skip the "
+                     "vote; check that every rank calls the same batches in the same order.")
 
 
 def xfer_batch(transfers: Sequence, group=None, *, stream=None,
@@ -202,8 +209,12 @@ def _call(transfers, group, stream, staging_bytes: int, planner: Planner, backen
             if problem is not None:  # this rank's tensors changed since the batch agreed
                 raise ValueError(f"xfer_batch: {problem.text()} (agree=False: peers are "
                                  f"not told and wait for the group's timeout)")
-            _execute(batch, xfers, me, with_members(tensors), strides, transport, stream,
-                     planner, work=work)
+            try:
+                _execute(batch, xfers, me, with_members(tensors), strides, transport, stream,
+                         planner, work=work)
+            except Exception as exc:
+                exc.add_note(_SKIPPED_NOTE)
+                raise
             history.record(key)
             return
     vote = Vote(problem, len(transfers), staging_bytes,
@@ -228,8 +239,14 @@ def _call(transfers, group, stream, staging_bytes: int, planner: Planner, backen
                 early = batch.program(xfers, me, strides).pack_ahead(
                     with_members(tensors), transport, planner, ready)
         with ctx:
-            tally = agreement.conclude(pending, lambda: _description(batch, transfers, described),
-                                       transport, "xfer_batch")
+            try:
+                tally = agreement.conclude(pending, lambda: _description(batch, transfers,
+                                                                         described),
+                                           transport, "xfer_batch")
+            except Exception as exc:
+                if not agree and not isinstance(exc, ValueError):  # the vote itself failed
+                    exc.add_note(_UNPREDICTED_NOTE)
+                raise
         if not tally.keep_schedule:  # decided from the all-reduced votes: alike everywhere
             with ctx:
                 strided = (exchange_strided(batch.strided_of(strides, tensors).tensors,
