@@ -30,11 +30,9 @@ from megatron_reshard.engine.geometry import Box, box_index, box_shape
 from megatron_reshard.spec import LocalParamSpec, RefitCtx
 from megatron_reshard.vllm_layout import mla
 from megatron_reshard.vllm_layout import moe as vllm_moe
-from megatron_reshard.vllm_layout.dense import GATE_UP_RE as _GATE_UP_RE
-from megatron_reshard.vllm_layout.dense import QKV_RE as _QKV_RE
-from megatron_reshard.vllm_layout.dense import (VOCAB_PADDING, AttentionHeads,
-                                                gate_up_rows, padded_vocab_rows,
-                                                vocab_rows_of_rank)
+from megatron_reshard.vllm_layout.dense import (GATE_UP_RE, QKV_RE, VOCAB_PADDING,
+                                                AttentionHeads, gate_up_rows,
+                                                padded_vocab_rows, vocab_rows_of_rank)
 from megatron_reshard.vllm_layout.moe import expert_block
 
 _EXPERT_RE = re.compile(
@@ -126,10 +124,10 @@ class VllmTargets:
         m = _EXPERT_RE.match(hf_name)
         if m:
             return self._experts(hf_name, shape, m)
-        m = _QKV_RE.match(hf_name)
+        m = QKV_RE.match(hf_name)
         if m and f"{m['prefix']}.qkv_proj.{m['kind']}" in self.params:
             return self._qkv(hf_name, shape, m)
-        m = _GATE_UP_RE.match(hf_name)
+        m = GATE_UP_RE.match(hf_name)
         if m and f"{m['prefix']}.gate_up_proj.{m['kind']}" in self.params:
             return self._gate_up(hf_name, shape, m)
         fused_a = mla.fused_a_rows(hf_name, self.hf_config)
@@ -149,10 +147,10 @@ class VllmTargets:
         fused_a = mla.fused_a_rows(hf_name, self.hf_config)
         if fused_a:
             return fused_a[0]
-        m = _QKV_RE.match(hf_name)
+        m = QKV_RE.match(hf_name)
         if m:
             return f"{m['prefix']}.qkv_proj.{m['kind']}"
-        m = _GATE_UP_RE.match(hf_name)
+        m = GATE_UP_RE.match(hf_name)
         if m:
             return f"{m['prefix']}.gate_up_proj.{m['kind']}"
         return ""
