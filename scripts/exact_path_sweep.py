@@ -15,7 +15,8 @@ import argparse
 import json
 import sys
 
-from megatron_reshard.tools.e2e import MODEL_PRESETS, RefitRunConfig, run_rank, summarize
+from megatron_reshard.tools.e2e import run_rank, summarize
+from megatron_reshard.tools.run_config import MODEL_PRESETS, RefitRunConfig
 
 
 def _job(job, cfg):

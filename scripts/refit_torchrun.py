@@ -26,8 +26,8 @@ def main(argv=None) -> int:
     import torch
     import torch.distributed as dist
 
-    from megatron_reshard.tools.e2e import (add_run_arguments, config_from_args, run_rank,
-                                            share_verdict, summarize)
+    from megatron_reshard.tools.e2e import run_rank, share_verdict, summarize
+    from megatron_reshard.tools.run_config import add_run_arguments, config_from_args
 
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

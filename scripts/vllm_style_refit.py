@@ -38,9 +38,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from megatron_reshard.receiver import MegatronReshardWorkerExtension
-from megatron_reshard.tools.e2e import (add_run_arguments, config_from_args, run_training_rank,
-                                        tensor_digest)
+from megatron_reshard.tools.e2e import run_training_rank, tensor_digest
 from megatron_reshard.tools.launch_env import apply_nccl_defaults
+from megatron_reshard.tools.run_config import add_run_arguments, config_from_args
 
 
 def _ports(base: int, train_pp: int) -> dict:

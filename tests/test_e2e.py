@@ -11,7 +11,8 @@ import sys
 
 import torch
 
-from megatron_reshard.tools.e2e import RefitRunConfig, run_rank, summarize, tensor_digest
+from megatron_reshard.tools.e2e import run_rank, summarize, tensor_digest
+from megatron_reshard.tools.run_config import RefitRunConfig
 
 
 def _refit_job(job, cfg):

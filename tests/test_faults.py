@@ -21,7 +21,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_reshard.tools.e2e import MODEL_PRESETS, perturb_, tensor_digest
+from megatron_reshard.tools.e2e import perturb_, tensor_digest
+from megatron_reshard.tools.run_config import MODEL_PRESETS
 from megatron_reshard.receiver import MegatronReshardWorkerExtension
 from megatron_reshard.spec import RefitCtx
 from megatron_reshard.tools.worlds import RankFailure

@@ -6,7 +6,8 @@ bit after every refit against the independent quantizer (``testing.fp8_reference
 applied to the full HF tensors and sliced by the vLLM layout.
 """
 
-from megatron_reshard.tools.e2e import RefitRunConfig, run_rank, summarize
+from megatron_reshard.tools.e2e import run_rank, summarize
+from megatron_reshard.tools.run_config import RefitRunConfig
 
 
 def _refit_job(job, cfg):

@@ -25,7 +25,8 @@ import torch
 import transformers  # pinned in the test extra (4.57.x keeps per-expert MoE modules)
 
 from hf_reassemble import Dims, hf_state_dict_from_vllm_shards
-from megatron_reshard.tools.e2e import RefitRunConfig, run_rank
+from megatron_reshard.tools.e2e import run_rank
+from megatron_reshard.tools.run_config import RefitRunConfig
 
 pytestmark = pytest.mark.slow
 

@@ -21,7 +21,8 @@ import json
 import sys
 import time
 
-from megatron_reshard.tools.e2e import add_run_arguments, config_from_args, run_rank, summarize
+from megatron_reshard.tools.e2e import run_rank, summarize
+from megatron_reshard.tools.run_config import add_run_arguments, config_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

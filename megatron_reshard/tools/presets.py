@@ -50,8 +50,8 @@ class HFParam(NamedTuple):
 
 
 def demo_config(model: str) -> dict[str, Any]:
-    """HF-style config of one of the demo's small models (``megatron_reshard.tools.e2e``)."""
-    from megatron_reshard.tools.e2e import MODEL_PRESETS
+    """HF-style config of one of the demo's small models (``megatron_reshard.tools.run_config``)."""
+    from megatron_reshard.tools.run_config import MODEL_PRESETS
 
     p = MODEL_PRESETS[model]
     cfg = dict(hidden_size=p["hidden_size"], num_attention_heads=p["num_attention_heads"],
@@ -75,7 +75,7 @@ def demo_config(model: str) -> dict[str, Any]:
 
 
 def model_names() -> list[str]:
-    from megatron_reshard.tools.e2e import MODEL_PRESETS
+    from megatron_reshard.tools.run_config import MODEL_PRESETS
 
     return sorted(MODEL_PRESETS) + list(FULL_SIZE)
 

@@ -451,13 +451,14 @@ def _median(xs: Sequence[float]) -> float:
 
 def run_case(case: str, args: argparse.Namespace, rank: int, ports: tuple, bench_store) -> Optional[dict]:
     """Play ``rank`` in one case; returns the row on rank 0 (None elsewhere)."""
-    from megatron_reshard.tools.e2e import RefitRunConfig, run_rank, summarize
+    from megatron_reshard.tools.e2e import run_rank, summarize
+    from megatron_reshard.tools.run_config import RefitRunConfig
 
     spec = CASES[case]
     overrides = dict(SMALL_OVERRIDES[case] if args.small else spec["overrides"])
     fp8 = getattr(args, "gen_precision", "bf16") == "fp8"
     if fp8 and args.small:
-        overrides = {}  # e2e.FP8_MODEL_OVERRIDES: tiny dims made of whole 128x128 blocks
+        overrides = {}  # run_config.FP8_MODEL_OVERRIDES: tiny dims made of whole 128x128 blocks
     layers = args.layers if args.layers is not None else (2 if args.small else 4)
     overrides["num_layers"] = layers
     device_type = "cuda" if args.device == "cuda" else "cpu"
