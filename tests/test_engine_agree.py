@@ -235,3 +235,22 @@ def _job_outsider(job):
 
 def test_rank_outside_both_meshes_with_a_shared_planner(pool):
     assert pool.run(_job_outsider, 3, timeout_s=60) == [[True] * 3] * 3
+
+
+def test_call_sequence_predicts_each_calls_successor_and_forgets_on_failure():
+    from megatron_reshard.engine import sequence
+
+    history = sequence.CallSequence()
+    assert not history.predicts("a")  # nothing went through yet
+    for key in "abab":
+        history.record(key)
+    assert history.predicts("a") and not history.predicts("b")
+    history.record("c")  # b was followed by c this time; nothing has followed c yet
+    assert history.predicts("a") is False and history.successor["b"] == "c"
+    history.forget()
+    assert not history.predicts("a") and history.last is None
+    keys = list(range(sequence.MAX_KEYS + 2))
+    for key in keys:  # the table is cleared at the same call on every rank, then refilled
+        history.record(key)
+    assert len(history.successor) <= sequence.MAX_KEYS and history.last == keys[-1]
+    assert history.successor[keys[-2]] == keys[-1]
