@@ -17,7 +17,8 @@ import torch
 
 from megatron_reshard.tools import cli
 from megatron_reshard.tools.run_config import MODEL_PRESETS, RefitRunConfig, config_from_args
-from megatron_reshard.receiver.targets import VllmTargets, load_full_weights
+from megatron_reshard.receiver.full_weights import load_full_weights
+from megatron_reshard.receiver.targets import VllmTargets
 from megatron_reshard.testing.vllm_like import build_vllm_like_model, random_hf_state_dict
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -24,7 +24,8 @@ from megatron_reshard.metadata import (
 from megatron_reshard.megatron.qkv import megatron_qkv_layout
 from megatron_reshard.quant import quantize_blockwise_fp8
 from megatron_reshard.receiver.fp8_targets import fp8_receive_spec
-from megatron_reshard.receiver.targets import TargetError, VllmTargets, load_full_weights
+from megatron_reshard.receiver.full_weights import load_full_weights
+from megatron_reshard.receiver.targets import TargetError, VllmTargets
 from megatron_reshard.testing.fp8_reference import expected_vllm_fp8_params, reference_block_fp8
 from megatron_reshard.testing.vllm_like import (
     build_plain_payload,

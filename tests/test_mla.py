@@ -15,7 +15,8 @@ import torch
 from megatron_reshard.tools.e2e import run_rank, summarize
 from megatron_reshard.tools.run_config import MODEL_PRESETS, RefitRunConfig
 from megatron_reshard.megatron.converters import NameConverter
-from megatron_reshard.receiver.targets import TargetError, VllmTargets, load_full_weights
+from megatron_reshard.receiver.full_weights import load_full_weights
+from megatron_reshard.receiver.targets import TargetError, VllmTargets
 from megatron_reshard.testing.vllm_like import (build_vllm_like_model, expected_vllm_shard,
                                                 random_hf_state_dict)
 

@@ -198,14 +198,24 @@ def _raise_staging(vote: Vote, transport: P2PTransport, where: str) -> None:
     row = [NO_VOTE] * world
     row[me] = vote.staging
     row = _allreduce_plain(row, transport)
-    by_value: dict = {}
-    for r, v in enumerate(row):
-        by_value.setdefault(v, []).append(r)
-    seen = "; ".join(f"{v} on rank{'s ' + str(rs) if len(rs) > 1 else ' ' + str(rs[0])}"
-                     for v, rs in sorted(by_value.items(), key=lambda kv: -len(kv[1])))
+    seen = "; ".join(f"{v} on {_ranks_text(rs)}" for v, rs in _ranks_by_value(row))
     raise ValueError(f"{where} on rank {me}: ranks disagree on staging_bytes (every rank "
                      f"must pass the same, the rounds are cut by it): found {seen}; no data "
                      f"was moved")
+
+
+def _ranks_by_value(row: list, skip: Optional[int] = None) -> list:
+    """``[(value, [ranks])]`` of a per-rank row, the most common value first (ties: the
+    lowest rank first); ranks whose value is ``skip`` left out."""
+    groups: dict = {}
+    for r, v in enumerate(row):
+        if v != skip:
+            groups.setdefault(v, []).append(r)
+    return sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[1][0]))
+
+
+def _ranks_text(ranks: list) -> str:
+    return f"ranks {ranks}" if len(ranks) > 1 else f"rank {ranks[0]}"
 
 
 def _raise_disagreement(vote: Vote, description: Description,
@@ -230,16 +240,10 @@ def _raise_disagreement(vote: Vote, description: Description,
     else:
         mine = f"no param at index {first} (a batch of {len(description.names)})"
     texts = _exchange_texts(mine, transport)
-    groups: dict = {}
-    for r in range(world):
-        if row[r] != -1:
-            groups.setdefault(row[r], []).append(r)
-    ordered = sorted(groups.values(), key=lambda rs: (-len(rs), min(rs)))
     name = description.names[first] if first < len(description.names) else f"#{first}"
-    expected, *found = ordered
+    expected, *found = [rs for _, rs in _ranks_by_value(row, skip=-1)]
     parts = [f"expected (as on ranks {expected}) {texts[min(expected)]}"]
-    parts += [f"found on rank{'s ' + str(rs) if len(rs) > 1 else ' ' + str(min(rs))} "
-              f"{texts[min(rs)]}" for rs in found]
+    parts += [f"found on {_ranks_text(rs)} {texts[min(rs)]}" for rs in found]
     raise ValueError(f"{where} on rank {me}: ranks disagree on the batch description at "
                      f"param {name!r} (index {first} of the batch): " + "; ".join(parts)
                      + "; no data was moved")

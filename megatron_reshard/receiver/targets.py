@@ -378,11 +378,3 @@ def bulk_receive_plan(targets: VllmTargets, hf_name: str, global_shape: Sequence
         raise TargetError(f"{hf_name}: target box {list(piece.target_region)} of {piece.target!r} "
                           f"does not have the shape of region {list(region)}")
     return plan
-
-
-def __getattr__(name: str):
-    if name == "load_full_weights":  # moved to receiver.full_weights; importable from here too
-        from megatron_reshard.receiver import full_weights
-
-        return full_weights.load_full_weights
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
