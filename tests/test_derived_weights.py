@@ -1,21 +1,17 @@
 """After a refit, weights vLLM derives from refitted params are recomputed (MLA's absorbed
-``kv_b_proj`` copies), and an MLA model inside vLLM with nothing to recompute is refused.
+``kv_b_proj`` copies) in their storage, and an MLA model inside vLLM with nothing to
+recompute is refused.
 
-The MLA layer below is a stand-in with the attribute names of vLLM's MLA implementation
-(``impl.W_UK_T``, ``impl.W_UV``, ``impl.process_weights_after_loading(act_dtype)``); the
-thing under test is ``receiver.derived``, which must find and refresh such layers."""
-
-import sys
-import types
+The MLA layer below is a stand-in with the attribute names older vLLM kept on its MLA
+implementation (``impl.W_UK_T``, ``impl.W_UV``, ``impl.process_weights_after_loading``),
+making new tensors each time; vLLM 0.33's own MLA layers (the absorbed weights as
+Parameters of the layer) are refreshed against vLLM itself in ``tests/vllm``."""
 
 import pytest
 import torch
 from torch import nn
 
 from megatron_reshard.receiver.derived import DerivedWeightsError, refresh_derived_weights
-
-MLA_CONFIG = {"kv_lora_rank": 4, "qk_nope_head_dim": 2, "v_head_dim": 3,
-              "num_attention_heads": 2}
 
 
 class _StandInMlaImpl:
@@ -47,33 +43,55 @@ def _model(layers: int = 2) -> nn.Module:
     return model
 
 
-def test_absorbed_copies_follow_the_refitted_kv_b_proj():
+def _written(model: nn.Module) -> list[torch.Tensor]:
+    return [p for n, p in model.named_parameters() if "kv_b_proj" in n]
+
+
+def test_absorbed_copies_follow_the_refitted_kv_b_proj_in_their_storage():
     model = _model()
     before = [layer.attn.impl.W_UV.clone() for layer in model.layers]
+    addresses = [(layer.attn.impl.W_UV.data_ptr(), layer.attn.impl.W_UK_T.data_ptr())
+                 for layer in model.layers]
     with torch.no_grad():  # what a refit does: write the params in place
         for layer in model.layers:
             layer.kv_b_proj.weight.mul_(-2.0).add_(1.0)
-    refreshed = refresh_derived_weights(model, MLA_CONFIG)
+    refreshed = refresh_derived_weights(model, _written(model))
     assert refreshed == ["layers.0.attn", "layers.1.attn"]
-    for layer, old in zip(model.layers, before):
+    for layer, old, address in zip(model.layers, before, addresses):
         fresh = _StandInMlaImpl(layer.kv_b_proj, 2, 2, 3)
         fresh.process_weights_after_loading(torch.float32)
         assert torch.equal(layer.attn.impl.W_UV, fresh.W_UV)
         assert torch.equal(layer.attn.impl.W_UK_T, fresh.W_UK_T)
         assert not torch.equal(layer.attn.impl.W_UV, old)
         assert layer.attn.impl.calls == 2
+        # the stand-in makes new tensors (clone); the refresh puts them back where they were
+        assert (layer.attn.impl.W_UV.data_ptr(), layer.attn.impl.W_UK_T.data_ptr()) == address
 
 
-def test_models_without_mla_are_left_alone():
+def test_only_layers_whose_kv_b_proj_was_written_are_refreshed():
     model = _model()
-    assert refresh_derived_weights(model, {"num_attention_heads": 2}) == []
-    assert all(layer.attn.impl.calls == 1 for layer in model.layers)
+    assert refresh_derived_weights(model, [model.layers[1].kv_b_proj.weight]) == ["layers.1.attn"]
+    assert [layer.attn.impl.calls for layer in model.layers] == [1, 2]
+    assert refresh_derived_weights(model, []) == []
 
 
-def test_mla_inside_vllm_with_nothing_to_refresh_is_refused(monkeypatch):
+def test_models_without_mla_layers_are_left_alone():
     plain = nn.Module()
-    plain.kv_b_proj = nn.Linear(4, 10, bias=False)
-    assert refresh_derived_weights(plain, MLA_CONFIG) == []  # outside vLLM: nothing derived
-    monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
+    plain.kv_b_proj = nn.Linear(4, 10, bias=False)  # vLLM's names, no vLLM layer: nothing derived
+    assert refresh_derived_weights(plain, [plain.kv_b_proj.weight]) == []
+
+
+def test_a_vllm_mla_model_with_nothing_to_refresh_is_refused():
+    model = nn.Module()
+    model.kv_b_proj = nn.Linear(4, 10, bias=False)
+    model.mla_attn = nn.Module()  # vLLM's MLA module, but its absorbed weights are not found
     with pytest.raises(DerivedWeightsError, match="W_UK_T / W_UV.*old attention weights"):
-        refresh_derived_weights(plain, MLA_CONFIG)
+        refresh_derived_weights(model, [model.kv_b_proj.weight])
+
+
+def test_a_result_that_cannot_go_back_into_its_storage_is_refused():
+    model = _model(1)
+    impl = model.layers[0].attn.impl
+    impl.process_weights_after_loading = lambda dtype: setattr(impl, "W_UV", torch.zeros(1))
+    with pytest.raises(DerivedWeightsError, match="W_UV.*cannot be refreshed in place"):
+        refresh_derived_weights(model, _written(model))

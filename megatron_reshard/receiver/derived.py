@@ -1,67 +1,134 @@
-"""Weights that vLLM derives from loaded params, refreshed after each committed refit.
+"""Weights that vLLM derives from loaded params, recomputed after each committed refit.
 
-A refit writes vLLM's params in place. Most layers read those params at every forward,
-but vLLM's MLA attention does not: when the model loads, its MLA implementation computes
-absorbed copies of ``kv_b_proj`` (``W_UK_T`` and ``W_UV``, in the activation dtype) in
-``process_weights_after_loading`` and uses those copies from then on. A refit that left
-them alone would generate from the old attention weights: silently wrong. So after every
-committed refit of an MLA model the worker asks each MLA implementation to recompute them
-from the fresh ``kv_b_proj`` (only that method: re-running vLLM's whole post-load pass
-would transform already-processed quantized weights a second time).
+A refit writes vLLM's params in place. Most layers read those params at every forward, but
+vLLM's MLA attention does not: after loading, ``process_weights_after_loading(act_dtype)``
+of each MLA attention layer absorbs ``kv_b_proj`` into ``W_UK_T`` / ``W_UV`` (ROCm's
+FP8/FP4 BMM paths: ``W_K`` / ``W_V`` and their scales) and uses those from then on. With an
+unquantized ``kv_b_proj`` the absorbed tensors are views of its storage (the cast is a no-op,
+the rest reshapes), so a refit in place updates them; with an FP8 ``kv_b_proj`` (real
+DeepSeek-V3 / Kimi-K2 checkpoints) they are real copies, and a refit that left them would
+generate from the old attention weights: silently wrong.
 
-Inside vLLM an MLA model whose layers hold no such implementation is refused loudly: the
-weights are then marked inconsistent, so ``check_refit_weights_consistent`` fails.
-Outside vLLM (a plain module with vLLM's names, as in the tests) nothing is derived.
-Checked here against a stand-in with vLLM's attribute names; not yet run inside vLLM.
+So after every committed refit the worker re-runs that layer method, vLLM's own code, for
+each MLA layer whose ``kv_b_proj`` the refit wrote, and nothing else (re-running the whole
+post-load pass would transform already-processed quantized weights a second time). Where
+the layer method puts a result in new storage, it is copied back into the storage the layer
+had, so captured CUDA graphs keep reading the right addresses. The refresh checks itself:
+every written ``kv_b_proj`` must belong to a refreshed layer, else ``DerivedWeightsError``
+and the weights are marked inconsistent.
+
+Where the layer keeps them: vLLM 0.33 registers the absorbed tensors as ``Parameter``s of
+the ``MLAAttention`` layer itself (``...self_attn.mla_attn.mla_attn``), listed by
+``named_parameters()``; older vLLM kept them as attributes of its implementation
+(``layer.impl``). Both are found here by duck typing (torch only, no vLLM import).
 """
 
 from __future__ import annotations
 
-import sys
-from typing import Any, Mapping
+from typing import Any, Collection, Optional
 
 import torch
 
-from megatron_reshard.vllm_layout.mla import is_mla_config
-
-_DERIVED = ("W_UK_T", "W_UV")  # vLLM's MLACommonImpl: absorbed copies of kv_b_proj
+# attributes vLLM's MLA layers derive from kv_b_proj after loading
+DERIVED_ATTRIBUTES = ("W_UK_T", "W_UV", "W_K", "W_K_scale", "W_V", "W_V_scale", "W_UK_T_dcp_qrep")
+_MARKERS = ("W_UK_T", "W_UV", "W_K", "W_V")  # an MLA layer holds at least one pair of these
 
 
 class DerivedWeightsError(RuntimeError):
     """vLLM derives copies of refitted weights that this refit could not refresh."""
 
 
-def _mla_impls(model: torch.nn.Module) -> list[tuple[str, Any]]:
-    """(module name, implementation) of every attention layer holding absorbed MLA weights."""
+def _holder(module: torch.nn.Module) -> Optional[Any]:
+    """The object whose ``process_weights_after_loading(act_dtype)`` derives the absorbed
+    tensors of ``module``: the module (vLLM 0.33), its ``impl`` (older vLLM), or None."""
+    for obj in (module, getattr(module, "impl", None)):
+        if obj is not None and callable(getattr(obj, "process_weights_after_loading", None)) \
+                and any(isinstance(getattr(obj, a, None), torch.Tensor) for a in _MARKERS):
+            return obj
+    return None
+
+
+def mla_layers(model: torch.nn.Module) -> list[tuple[str, Any, torch.nn.Module]]:
+    """``(module name, holder, kv_b_proj)`` of every attention layer holding absorbed MLA
+    weights (``kv_b_proj`` kept on the layer or on its implementation)."""
     out = []
     for name, module in model.named_modules():
-        impl = getattr(module, "impl", None)
-        if impl is not None and all(hasattr(impl, a) for a in _DERIVED) \
-                and hasattr(impl, "process_weights_after_loading"):
-            out.append((name, impl))
+        holder = _holder(module)
+        if holder is None:
+            continue
+        kv_b = getattr(module, "kv_b_proj", None) or getattr(holder, "kv_b_proj", None)
+        if isinstance(kv_b, torch.nn.Module):
+            out.append((name, holder, kv_b))
     return out
 
 
-def refresh_derived_weights(model: torch.nn.Module, hf_config: Mapping[str, Any]) -> list[str]:
-    """Recompute what vLLM derived from the refitted params; returns the refreshed layers.
+def derived_param_names(model: torch.nn.Module) -> set[str]:
+    """Names (as ``model.named_parameters()`` lists them) of the params vLLM derives after
+    loading: never refit targets, recomputed by ``refresh_derived_weights``."""
+    derived = {id(getattr(holder, a)) for _, holder, _ in mla_layers(model)
+               for a in DERIVED_ATTRIBUTES if isinstance(getattr(holder, a, None), torch.Tensor)}
+    return {n for n, p in model.named_parameters() if id(p) in derived}
 
-    Raises ``DerivedWeightsError`` inside vLLM when the model is MLA and no layer holds an
-    implementation to refresh (the absorbed copies would keep the old weights)."""
-    if not is_mla_config(hf_config):
-        return []
-    impls = _mla_impls(model)
-    if not impls:
-        if "vllm" in sys.modules:
+
+def _derived_tensors(holder: Any) -> dict[str, torch.Tensor]:
+    return {a: t for a in DERIVED_ATTRIBUTES if isinstance(t := getattr(holder, a, None), torch.Tensor)}
+
+
+def _keep_storage(holder: Any, before: dict[str, torch.Tensor], layer_name: str) -> None:
+    """Put each recomputed tensor into the storage it had before (same address)."""
+    for attr, old in before.items():
+        new = getattr(holder, attr, None)
+        if new is old or (isinstance(new, torch.Tensor) and new.data_ptr() == old.data_ptr()):
+            continue
+        if not isinstance(new, torch.Tensor) or new.shape != old.shape or new.dtype != old.dtype:
             raise DerivedWeightsError(
-                "MLA model in vLLM: no attention layer holds an implementation with "
-                f"{' / '.join(_DERIVED)} to recompute from the refitted kv_b_proj, so vLLM would "
-                "keep generating from the old attention weights; this vLLM version keeps them "
-                "elsewhere and is not supported by the refit yet")
-        return []
-    for _, impl in impls:
-        # the copies were made in the activation dtype; they keep it
-        impl.process_weights_after_loading(impl.W_UV.dtype)
-    return [name for name, _ in impls]
+                f"{layer_name}.{attr}: vLLM recomputed it as "
+                f"{None if new is None else (tuple(new.shape), new.dtype)}, the layer held "
+                f"{(tuple(old.shape), old.dtype)}; it cannot be refreshed in place")
+        with torch.no_grad():
+            old.copy_(new)
+        if isinstance(holder, torch.nn.Module) and attr in holder._parameters:
+            holder._parameters[attr] = old  # the same Parameter object, its storage refreshed
+        else:
+            setattr(holder, attr, old)
 
 
-__all__ = ["DerivedWeightsError", "refresh_derived_weights"]
+def refresh_derived_weights(model: torch.nn.Module, written: Collection[torch.Tensor],
+                            act_dtype: Optional[torch.dtype] = None) -> list[str]:
+    """Recompute what vLLM derived from the refitted params ``written`` (the tensors the
+    refit wrote); returns the names of the refreshed layers.
+
+    ``act_dtype`` is vLLM's model dtype (``model_config.dtype``, what vLLM passes at load);
+    by default the dtype of the layer's ``W_UV`` (vLLM casts the absorbed weights to it).
+    Raises ``DerivedWeightsError`` when a written ``kv_b_proj`` has no layer to refresh or a
+    result cannot go back into its storage."""
+    written_ids = {id(t) for t in written}
+    refreshed, done = [], set()
+    for name, holder, kv_b_proj in mla_layers(model):
+        weight = getattr(kv_b_proj, "weight", None)
+        if weight is None or id(weight) not in written_ids:
+            continue
+        before = _derived_tensors(holder)
+        dtype = act_dtype or getattr(holder, "W_UV", getattr(holder, "W_UK_T", weight)).dtype
+        with torch.no_grad():
+            holder.process_weights_after_loading(dtype)
+        _keep_storage(holder, before, name)
+        refreshed.append(name)
+        done.add(id(weight))
+    orphans = sorted(n for n, p in model.named_parameters()
+                     if n.endswith("kv_b_proj.weight") and id(p) in written_ids and id(p) not in done)
+    if orphans and (mla_layers(model) or _looks_like_vllm(model)):
+        raise DerivedWeightsError(
+            f"the refit wrote {orphans} but no MLA attention layer using them was found to "
+            f"recompute {' / '.join(_MARKERS)} from; vLLM would keep generating from the old "
+            f"attention weights (this vLLM version keeps them where the refit does not look)")
+    return refreshed
+
+
+def _looks_like_vllm(model: torch.nn.Module) -> bool:
+    """A vLLM model (its MLA attention modules are named ``mla_attn``)."""
+    return any(n.endswith("mla_attn") for n, _ in model.named_modules())
+
+
+__all__ = ["DERIVED_ATTRIBUTES", "DerivedWeightsError", "derived_param_names", "mla_layers",
+           "refresh_derived_weights"]

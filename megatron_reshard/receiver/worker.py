@@ -27,7 +27,11 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
 
-from megatron_reshard.receiver.derived import DerivedWeightsError, refresh_derived_weights
+from megatron_reshard.receiver.derived import (
+    DerivedWeightsError,
+    derived_param_names,
+    refresh_derived_weights,
+)
 from megatron_reshard.receiver.session import ReceiverSession, receive_misc_packed
 from megatron_reshard.receiver.state import WeightState
 
@@ -73,6 +77,12 @@ class MegatronReshardWorkerExtension:
             return int(ps.get_tensor_model_parallel_rank()), int(ps.get_tensor_model_parallel_world_size())
         except Exception:
             return None
+
+    def get_refit_act_dtype(self) -> Optional[torch.dtype]:
+        """vLLM's model dtype (what vLLM passes to the post-load step of its attention
+        layers), from the worker's ``model_config`` where it has one; None lets
+        ``receiver.derived`` read it off the derived tensors."""
+        return getattr(getattr(self, "model_config", None), "dtype", None)
 
     # -- state ---------------------------------------------------------------------------
 
@@ -158,7 +168,10 @@ class MegatronReshardWorkerExtension:
         if unknown:
             raise ValueError(f"unknown prepare_refit options {unknown}; known: {list(_PREPARE_OPTIONS)}")
         state["session"] = None
-        session = ReceiverSession(payload, self.get_refit_model().named_parameters(), state["groups"],
+        model = self.get_refit_model()
+        derived = derived_param_names(model)  # recomputed after each refit, never received
+        targets = [(n, p) for n, p in model.named_parameters() if n not in derived]
+        session = ReceiverSession(payload, targets, state["groups"],
                                   receive_misc=self.receive_misc, vllm_tp=self.get_refit_tp_coords(),
                                   weights=state["weights"], **options)
         state["session"] = session
@@ -171,14 +184,15 @@ class MegatronReshardWorkerExtension:
         """Receive all weights once (bulk + other params) and commit; returns this refit's
         numbers, ``version`` included. On failure it raises, and ``refit_weights_state()``
         says what the storage holds. Weights vLLM derives from the refitted params (MLA's
-        absorbed ``kv_b_proj`` copies) are recomputed after the commit
-        (``receiver.derived``); if that is impossible the weights are marked inconsistent."""
+        absorbed ``kv_b_proj`` copies) are recomputed after the commit, in their storage, by
+        vLLM's own layer method (``receiver.derived``; listed under ``derived_refreshed``);
+        if that is impossible the weights are marked inconsistent."""
         session = self._refit_session()
         stats = session.refit()
         model = self.get_refit_model()
         try:
             stats["derived_refreshed"] = refresh_derived_weights(
-                model, session.payload.get("hf_config") or {})
+                model, session.targets.params.values(), self.get_refit_act_dtype())
         except DerivedWeightsError as err:
             weights = self._refit_state()["weights"]
             weights.writing(n for n, _ in model.named_parameters() if "kv_b_proj" in n)

@@ -97,10 +97,13 @@ def run_rank(rank: int, cfg: RefitRunConfig, *, model_builder=None, after_refits
 
 
 def run_training_rank(rank: int, cfg: RefitRunConfig, control, device: torch.device,
-                      model_builder=None, after_refits=None) -> dict:
+                      model_builder=None, after_refits=None, after_each_refit=None) -> dict:
     """Training rank ``rank``: join the training world through ``control`` (a store), build
     the model, publish the payload (rank 0, key ``payload``), refit ``cfg.refits`` times and,
-    with ``cfg.verify``, publish each refit's expected digests (``expected/{step}/{gen}``)."""
+    with ``cfg.verify``, publish each refit's expected digests (``expected/{step}/{gen}``).
+    ``after_each_refit(ctx)`` runs on every training rank after each refit (``ctx``: ``step``,
+    ``rank``, ``model``, ``family``, ``spec``, ``control``); the real-vLLM tests publish the
+    full HF tensors with it."""
     # megatron-core's notices about optional packages (Apex, TE) and CPU-only settings
     # would repeat once per process and bury the run's own progress lines
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
@@ -171,6 +174,9 @@ def run_training_rank(rank: int, cfg: RefitRunConfig, control, device: torch.dev
             full = gather_full_hf_state_dict(model, family=family, vocab_size=spec.vocab_size)
             if rank == 0:
                 _publish_expected(cfg, control, source.hf_config, full, step)
+        if after_each_refit is not None:
+            after_each_refit({"step": step, "rank": rank, "model": model, "family": family,
+                              "spec": spec, "control": control})
         if rank == 0:
             _say(cfg, who, f"refit {step + 1}/{cfg.refits} sent in {stats['refit_s'] * 1e3:.1f} ms")
     out = {"role": "train", "rank": rank, "setup_s": setup_s, "refits": refits}
@@ -203,7 +209,7 @@ def _publish_expected(cfg: RefitRunConfig, control, hf_config: dict, full: dict,
         control.set(f"expected/{step}/{g}", json.dumps(digests))
 
 
-class _ModuleWorker(MegatronReshardWorkerExtension):
+class ModuleWorker(MegatronReshardWorkerExtension):
     """The vLLM worker extension, with the model given directly instead of by vLLM."""
 
     def __init__(self, model: torch.nn.Module):
@@ -225,7 +231,7 @@ def _gen_rank(gen_rank: int, cfg: RefitRunConfig, control, device: torch.device,
     tp_rank = gen_rank % cfg.gen_tp
     model = build_vllm_like_model(payload["hf_config"], tp_rank, cfg.gen_tp, cfg.gen_ep,
                                   getattr(torch, cfg.dtype), device=device, quant=cfg.gen_quant)
-    worker = _ModuleWorker(model)
+    worker = ModuleWorker(model)
     # group_rank=None: each worker derives it from its rank in the generation world, as
     # vLLM workers do when collective_rpc sends every worker the same arguments
     worker.init_refit_groups(cfg.host, list(cfg.ports[1:1 + cfg.train_pp]), None,
@@ -328,5 +334,5 @@ def keep_expert_bias_fp32_(model: torch.nn.Module) -> None:
             buf.data = buf.data.float()
 
 
-__all__ = ["run_rank", "run_training_rank", "summarize", "share_verdict", "tensor_digest",
+__all__ = ["ModuleWorker", "run_rank", "run_training_rank", "summarize", "share_verdict", "tensor_digest",
            "perturb_"]

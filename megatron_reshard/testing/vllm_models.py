@@ -1,0 +1,203 @@
+"""vLLM's own model classes on a CPU machine, per generation rank: the real-vLLM test fixture.
+
+A generation rank here holds what a vLLM worker started with ``load_format="dummy"`` holds
+before its first refit: vLLM's model class for the architecture, built under vLLM's own
+parallel state (``init_distributed_environment`` + ``initialize_model_parallel`` over
+gloo), filled by vLLM's dummy loader and post-processed by vLLM's
+``process_weights_after_loading``. The oracle of the tests is a second instance on the same
+rank, loaded by vLLM's ``load_weights`` from the full HF tensors and post-processed the same
+way.
+
+Every way in which this differs from a vLLM GPU worker is in ``_install_cpu_shims`` (one
+place, each shim explained there):
+
+- vLLM's CPU platform packs linear and expert weights after loading with kernels of
+  ``vllm._C`` that the CUDA wheel lacks, and drops ``layer.weight``: a CPU inference layout
+  that no refit can write into. The shims keep the canonical layout (what GPU backends
+  hold for unquantized BF16 weights).
+- MLA attention takes the portable ``CPU_MLA`` backend (hosts with AMX would pick
+  ``AMX_MLA``, which packs ``W_UK``/``W_UV`` too).
+- Each architecture's class is registered in-process: vLLM otherwise inspects every
+  architecture once in a subprocess (10-22 s each on 2 cores) to keep CUDA out of the
+  parent, which a CPU-only process does not need.
+
+Imports vLLM lazily (inside functions): the module itself needs only torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+import tempfile
+from typing import Any, Iterable, Mapping, Optional
+
+import torch
+
+# architecture -> module of vllm.model_executor.models holding its class
+ARCHITECTURE_MODULES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "DeepseekV3ForCausalLM": "deepseek_v2",
+}
+_SHIMS_INSTALLED = False
+
+
+def set_vllm_cpu_environment() -> None:
+    """Environment vLLM needs on a CPU-only machine; call before the first vLLM import."""
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # else: UnspecifiedPlatform
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_CACHE_ROOT", tempfile.mkdtemp(prefix="vllm-cache-"))
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+
+
+def _install_cpu_shims() -> None:
+    """The CPU-only deviations listed in the module docstring (idempotent)."""
+    global _SHIMS_INSTALLED
+    if _SHIMS_INSTALLED:
+        return
+    import torch.nn.functional as F
+    from vllm.model_executor.layers import utils as layer_utils
+    from vllm.model_executor.layers.fused_moe.experts import cpu_moe
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    def keep_canonical_weight(layer: torch.nn.Module, remove_weight: bool) -> None:
+        # vLLM would pack layer.weight for its CPU GEMM and (remove_weight) drop it
+        layer.cpu_linear = lambda x, weight, bias=None: F.linear(x, weight, bias)
+
+    layer_utils.dispatch_cpu_unquantized_gemm = keep_canonical_weight
+    # the CPU experts would prepack w13/w2 into a kernel-specific layout
+    cpu_moe.CPUUnquantizedExperts.process_weights_after_loading = lambda self, layer: None
+    for arch, module in ARCHITECTURE_MODULES.items():
+        cls = getattr(importlib.import_module(f"vllm.model_executor.models.{module}"), arch)
+        ModelRegistry.register_model(arch, cls)
+    _SHIMS_INSTALLED = True
+
+
+def write_model_dir(hf_config: Mapping[str, Any], root: Optional[str] = None) -> str:
+    """A folder with ``config.json`` (``architectures`` and ``model_type`` included), as
+    vLLM reads a model; returns its path."""
+    folder = tempfile.mkdtemp(prefix="vllm-model-", dir=root)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(dict(hf_config), f)
+    return folder
+
+
+def vllm_config_for(model_dir: str, tp_size: int, ep: bool = False, dtype: str = "bfloat16",
+                    quantization: Optional[str] = None):
+    """vLLM's ``VllmConfig`` of a dummy-loaded generation model on the CPU."""
+    set_vllm_cpu_environment()
+    from vllm.config import (AttentionConfig, DeviceConfig, LoadConfig, ModelConfig,
+                             ParallelConfig, VllmConfig)
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    _install_cpu_shims()
+    model = ModelConfig(model=model_dir, dtype=dtype, runner="generate", skip_tokenizer_init=True,
+                        enforce_eager=True, max_model_len=64, quantization=quantization)
+    attention = AttentionConfig(backend=AttentionBackendEnum.CPU_MLA) if model.use_mla else AttentionConfig()
+    return VllmConfig(model_config=model, device_config=DeviceConfig(device="cpu"),
+                      load_config=LoadConfig(load_format="dummy"), attention_config=attention,
+                      parallel_config=ParallelConfig(tensor_parallel_size=tp_size,
+                                                     enable_expert_parallel=ep))
+
+
+@contextlib.contextmanager
+def vllm_parallel_state(config, rank: int, world: int, port: int):
+    """vLLM's own distributed environment (gloo, loopback) for one generation rank, torn down
+    on exit so that the next job of a pooled process can build another layout."""
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import parallel_state as ps
+
+    with set_current_vllm_config(config):
+        ps.init_distributed_environment(world, rank, f"tcp://127.0.0.1:{port}", rank, backend="gloo")
+        try:
+            ps.initialize_model_parallel(config.parallel_config.tensor_parallel_size, 1)
+            yield
+        finally:
+            ps.destroy_model_parallel()
+            ps.destroy_distributed_environment()
+
+
+def build_model(config) -> torch.nn.Module:
+    """vLLM's model class for ``config``, built in the model dtype on the CPU (inside
+    ``vllm_parallel_state``), its params not yet filled."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    with set_current_vllm_config(config), set_default_torch_dtype(config.model_config.dtype), \
+            torch.device("cpu"):
+        return initialize_model(config).eval()
+
+
+def post_process(model: torch.nn.Module, config) -> None:
+    """vLLM's ``process_weights_after_loading`` over the whole model, as its loader runs it."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+    with set_current_vllm_config(config):
+        process_weights_after_loading(model, config.model_config, torch.device("cpu"))
+
+
+def dummy_loaded_model(config) -> torch.nn.Module:
+    """What a worker started with ``load_format="dummy"`` holds: vLLM's dummy weights,
+    post-processed."""
+    from vllm.model_executor.model_loader.dummy_loader import DummyModelLoader
+
+    model = build_model(config)
+    DummyModelLoader(config.load_config).load_weights(model, config.model_config)
+    post_process(model, config)
+    return model
+
+
+def loaded_model(config, full_hf: Mapping[str, torch.Tensor]) -> torch.nn.Module:
+    """The oracle: vLLM's ``load_weights`` of the full HF tensors, then its post-processing."""
+    model = build_model(config)
+    from vllm.config import set_current_vllm_config
+
+    with set_current_vllm_config(config):
+        loaded = model.load_weights(iter(full_hf.items()))
+    missing = sorted({n for n, _ in model.named_parameters()} - set(loaded or ()))
+    if loaded is not None and missing:
+        raise AssertionError(f"vLLM's load_weights left params unloaded: {missing}")
+    post_process(model, config)
+    return model
+
+
+def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of ``model`` by name (tied ones under each name)."""
+    out = dict(model.named_parameters(remove_duplicate=False))
+    out.update(model.named_buffers(remove_duplicate=False))
+    return out
+
+
+def bitwise_differences(actual: torch.nn.Module, expected: torch.nn.Module) -> list[str]:
+    """Names of the params and buffers that differ in presence, shape, dtype or any bit."""
+    a, e = model_tensors(actual), model_tensors(expected)
+    bad = sorted(set(a) ^ set(e))
+    for name in sorted(set(a) & set(e)):
+        x, y = a[name].detach(), e[name].detach()
+        if x.shape != y.shape or x.dtype != y.dtype or not _same_bits(x, y):
+            bad.append(name)
+    return bad
+
+
+def _same_bits(x: torch.Tensor, y: torch.Tensor) -> bool:
+    if x.numel() == 0:
+        return True
+    as_bytes = lambda t: t.contiguous().reshape(-1).view(torch.uint8)  # noqa: E731
+    return torch.equal(as_bytes(x), as_bytes(y))
+
+
+def vllm_layout_names(models: Iterable[torch.nn.Module]) -> list[dict[str, tuple[int, ...]]]:
+    """``{name: shape}`` of each model's parameters (to set beside the stand-in's)."""
+    return [{n: tuple(p.shape) for n, p in m.named_parameters()} for m in models]
+
+
+__all__ = ["ARCHITECTURE_MODULES", "bitwise_differences", "build_model", "dummy_loaded_model",
+           "loaded_model", "model_tensors", "post_process", "set_vllm_cpu_environment",
+           "vllm_config_for", "vllm_layout_names", "vllm_parallel_state", "write_model_dir"]

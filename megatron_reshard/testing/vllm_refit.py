@@ -1,0 +1,125 @@
+"""A refit from a real megatron-core model into vLLM's own model classes, checked by vLLM.
+
+One pool job (``vllm_refit_job``) plays a whole launch: ranks below ``cfg.train_world`` are
+Megatron training ranks (``tools.e2e.run_training_rank``: the real ``RefitSender``), the
+others are generation ranks, each running vLLM's own parallel state and model class
+(``testing.vllm_models``) and receiving through the real worker extension.
+
+After every refit each generation rank builds the oracle: a second instance of the same
+vLLM model on the same rank, loaded by vLLM's ``load_weights`` from the full HF tensors
+(gathered by the training side's reference, ``testing.megatron_reference``) and
+post-processed by vLLM. Every parameter and buffer must be bit-equal, the tensors vLLM
+derives after loading included, and each param must still live at the address vLLM gave
+it (CUDA graphs capture addresses). The stand-in's expected shards (``testing.vllm_like``,
+published by the training side as digests) are checked against the same live storage, so
+the stand-in is shown to agree with vLLM on names, shapes and bytes.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+from datetime import timedelta
+from typing import Any, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_reshard.tools.e2e import ModuleWorker, run_training_rank, tensor_digest
+from megatron_reshard.tools.run_config import RefitRunConfig
+
+
+def _publish_full_hf(ctx: dict) -> None:
+    """Training side, after each refit: rank 0 publishes the full HF tensors (the reference
+    gather, a collective over the training world) as ``full/{step}``."""
+    from megatron_reshard.testing.megatron_reference import gather_full_hf_state_dict
+
+    full = gather_full_hf_state_dict(ctx["model"], family=ctx["family"],
+                                     vocab_size=ctx["spec"].vocab_size)
+    if ctx["rank"] == 0:
+        buf = io.BytesIO()
+        torch.save({k: v.detach().cpu() for k, v in full.items()}, buf)
+        ctx["control"].set(f"full/{ctx['step']}", buf.getvalue())
+
+
+def _plant_fault(model: torch.nn.Module, oracle: torch.nn.Module) -> list[str]:
+    """The comparison's own check: one bit flipped in one param must be reported (by name
+    and alone); the param is restored afterwards."""
+    from megatron_reshard.testing.vllm_models import bitwise_differences
+
+    name, param = max(model.named_parameters(), key=lambda np: np[1].numel())
+    flat = param.data.view(-1).view(torch.uint8)
+    flat[0] ^= 1
+    try:
+        return bitwise_differences(model, oracle) + [f"planted:{name}"]
+    finally:
+        flat[0] ^= 1
+
+
+def _vllm_gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Mapping[str, Any],
+                   vllm_port: int, plant_fault: bool) -> dict:
+    from megatron_reshard.megatron.payload import decode_payload
+    from megatron_reshard.testing import vllm_models as vm
+
+    t0 = time.perf_counter()
+    payload = decode_payload(control.get("payload"))
+    config = vm.vllm_config_for(vm.write_model_dir(hf_config), cfg.gen_tp, ep=cfg.gen_ep > 1)
+    out: dict[str, Any] = {"role": "gen", "rank": gen_rank, "refits": [], "differences": [],
+                           "stand_in_differences": [], "moved": [], "planted": None}
+    with vm.vllm_parallel_state(config, gen_rank, cfg.gen_world, vllm_port):
+        model = vm.dummy_loaded_model(config)
+        addresses = {n: t.data_ptr() for n, t in vm.model_tensors(model).items()}
+        worker = ModuleWorker(model)
+        worker.init_refit_groups(cfg.host, list(cfg.ports[1:1 + cfg.train_pp]), None,
+                                 cfg.stage_world + cfg.gen_world, cfg.backend, cfg.timeout_s)
+        out["summary"] = worker.prepare_refit(payload, {"verify_checksums": cfg.verify,
+                                                        "staging_bytes": cfg.staging_bytes})
+        out["setup_s"] = time.perf_counter() - t0
+        for step in range(cfg.refits):
+            stats = worker.refit()
+            worker.check_refit_weights_consistent()
+            out["refits"].append(stats)
+            full = torch.load(io.BytesIO(control.get(f"full/{step}")), weights_only=True)
+            oracle = vm.loaded_model(config, full)
+            out["differences"].append(vm.bitwise_differences(model, oracle))
+            out["moved"].append(sorted(n for n, t in vm.model_tensors(model).items()
+                                       if addresses.get(n) != t.data_ptr()))
+            if cfg.verify:  # the stand-in's expected shards against the same live storage
+                expected = json.loads(control.get(f"expected/{step}/{gen_rank}"))
+                live = dict(model.named_parameters())
+                out["stand_in_differences"].append(sorted(
+                    n for n in set(expected) | set(live)
+                    if n not in vm_derived(model) and expected.get(n) != (
+                        tensor_digest(live[n]) if n in live else None)))
+            if plant_fault and step == cfg.refits - 1 and gen_rank == 0:
+                out["planted"] = _plant_fault(model, oracle)
+            del oracle
+        out["weights"] = worker.refit_weights_state()
+        out["report"] = worker.report()
+        worker.destroy_refit_groups(cfg.timeout_s)
+    return out
+
+
+def vm_derived(model: torch.nn.Module) -> set[str]:
+    """Names of the params vLLM derives after loading (never refit targets)."""
+    from megatron_reshard.receiver.derived import derived_param_names
+
+    return derived_param_names(model)
+
+
+def vllm_refit_job(job, cfg: RefitRunConfig, hf_config: Mapping[str, Any],
+                   model_builder=None, plant_fault: bool = False) -> dict:
+    """Pool job (``WorkerPool.run(..., num_ports=cfg.train_pp + 2)``): process ``job.rank`` of
+    a launch of ``train_world + gen_world``; the last port is vLLM's generation world."""
+    cfg = RefitRunConfig(**{**cfg.__dict__, "ports": tuple(job.ports[: 1 + cfg.train_pp])})
+    control = dist.TCPStore(cfg.host, cfg.ports[0], cfg.train_world + cfg.gen_world, job.rank == 0,
+                            timeout=timedelta(seconds=cfg.timeout_s))
+    if job.rank < cfg.train_world:
+        return run_training_rank(job.rank, cfg, control, torch.device("cpu"), model_builder,
+                                 after_each_refit=_publish_full_hf)
+    return _vllm_gen_rank(job.rank - cfg.train_world, cfg, control, hf_config,
+                          job.ports[1 + cfg.train_pp], plant_fault)
+
+
+__all__ = ["vllm_refit_job", "vm_derived"]
