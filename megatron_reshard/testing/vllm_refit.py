@@ -64,7 +64,10 @@ def _vllm_gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Mappi
 
     t0 = time.perf_counter()
     payload = decode_payload(control.get("payload"))
-    config = vm.vllm_config_for(vm.write_model_dir(hf_config), cfg.gen_tp, ep=cfg.gen_ep > 1)
+    model_dir = vm.write_model_dir(hf_config)
+    # one config per model instance: vLLM registers each attention layer in its config
+    new_config = lambda: vm.vllm_config_for(model_dir, cfg.gen_tp, ep=cfg.gen_ep > 1)  # noqa: E731
+    config = new_config()
     out: dict[str, Any] = {"role": "gen", "rank": gen_rank, "refits": [], "differences": [],
                            "stand_in_differences": [], "moved": [], "planted": None}
     with vm.vllm_parallel_state(config, gen_rank, cfg.gen_world, vllm_port):
@@ -81,7 +84,7 @@ def _vllm_gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Mappi
             worker.check_refit_weights_consistent()
             out["refits"].append(stats)
             full = torch.load(io.BytesIO(control.get(f"full/{step}")), weights_only=True)
-            oracle = vm.loaded_model(config, full)
+            oracle = vm.loaded_model(new_config(), full)
             out["differences"].append(vm.bitwise_differences(model, oracle))
             out["moved"].append(sorted(n for n, t in vm.model_tensors(model).items()
                                        if addresses.get(n) != t.data_ptr()))

@@ -13,6 +13,7 @@ failed, the others get a short grace, then the ranks still running are killed an
 from __future__ import annotations
 
 import io
+import os
 import multiprocessing as mp
 import queue
 import random
@@ -115,7 +116,11 @@ def _worker_main(tasks: "mp.Queue", results: "mp.Queue", worker_index: int) -> N
     while True:
         task = tasks.get()
         if task is None:
-            return
+            # leave at once: a normal exit joins the threads that imported libraries (vLLM)
+            # leave behind, which holds up the pool's close by its join timeout
+            results.close()
+            results.join_thread()
+            os._exit(0)
         job_id, fn, job, args, kwargs = task
         try:
             value = fn(job, *args, **kwargs)
