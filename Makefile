@@ -6,7 +6,20 @@ PY := $(VENV)/bin/python
 # would pull a multi-GB CUDA build. On a GPU machine, install torch first and skip this.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install test demo bench clean
+# The real-vLLM tests (tests/vllm) run in a venv of their own: vLLM 0.33 needs transformers
+# 5.x, the transformers oracle of the main suite pins 4.57. vLLM is installed without its
+# declared dependencies (they pull a CUDA torch and ~9 GB of NVIDIA libraries): only the
+# Python packages its model classes and configs import (docs/DESIGN.md, "Real vLLM in the tests").
+VLLM_VENV := .venv-vllm
+VPY := $(VLLM_VENV)/bin/python
+VLLM_SPEC ?= vllm==0.33.0
+VLLM_DEPS := numpy "transformers>=5.16.1,<5.21" pydantic regex cachetools psutil sentencepiece \
+	requests tqdm blake3 py-cpuinfo tokenizers safetensors protobuf msgspec cloudpickle pyzmq \
+	einops pyyaml filelock typing_extensions cbor2 pybase64 ijson setproctitle \
+	partial-json-parser jsonschema prometheus_client aiohttp pillow watchfiles \
+	python-json-logger "oss-harmony>=0.0.11" openai uvloop "fastapi<0.137" "llguidance>=1.7,<1.8"
+
+.PHONY: install install-vllm test test-main test-vllm demo bench clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -15,13 +28,32 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install -q -e ".[test]"
 	touch $@
 
+$(VLLM_VENV)/.installed: pyproject.toml Makefile
+	test -x $(VPY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q "$(TORCH_SPEC)"
+	$(VPY) -m pip install -q --no-deps "$(VLLM_SPEC)"
+	$(VPY) -m pip install -q $(VLLM_DEPS)
+	$(VPY) -m pip install -q --no-deps xgrammar==0.2.8 apache-tvm-ffi==0.1.11
+	$(VPY) -m pip install -q pytest hypothesis "megatron-core>=0.16.1"
+	$(VPY) -m pip install -q --no-deps -e .
+	touch $@
+
 install: $(VENV)/.installed
 
-test: install
+install-vllm: $(VLLM_VENV)/.installed
+
+# the whole suite: the main tests, then the real-vLLM tests in their venv
+test: test-main test-vllm
+
+test-main: install
 	$(PY) -m pytest -q
+
+test-vllm: install-vllm
+	$(VPY) -m pytest -q tests/vllm
 
 demo: install
 	$(VENV)/bin/megatron-reshard demo
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache

@@ -102,11 +102,12 @@ def refresh_derived_weights(model: torch.nn.Module, written: Collection[torch.Te
     by default the dtype of the layer's ``W_UV`` (vLLM casts the absorbed weights to it).
     Raises ``DerivedWeightsError`` when a written ``kv_b_proj`` has no layer to refresh or a
     result cannot go back into its storage."""
-    written_ids = {id(t) for t in written}
+    # by address: the receiver holds its targets as tensors over the params' storage
+    written_at = {t.data_ptr() for t in written}
     refreshed, done = [], set()
     for name, holder, kv_b_proj in mla_layers(model):
         weight = getattr(kv_b_proj, "weight", None)
-        if weight is None or id(weight) not in written_ids:
+        if weight is None or weight.data_ptr() not in written_at:
             continue
         before = _derived_tensors(holder)
         dtype = act_dtype or getattr(holder, "W_UV", getattr(holder, "W_UK_T", weight)).dtype
@@ -114,9 +115,9 @@ def refresh_derived_weights(model: torch.nn.Module, written: Collection[torch.Te
             holder.process_weights_after_loading(dtype)
         _keep_storage(holder, before, name)
         refreshed.append(name)
-        done.add(id(weight))
-    orphans = sorted(n for n, p in model.named_parameters()
-                     if n.endswith("kv_b_proj.weight") and id(p) in written_ids and id(p) not in done)
+        done.add(weight.data_ptr())
+    orphans = sorted(n for n, p in model.named_parameters() if n.endswith("kv_b_proj.weight")
+                     and p.data_ptr() in written_at and p.data_ptr() not in done)
     if orphans and (mla_layers(model) or _looks_like_vllm(model)):
         raise DerivedWeightsError(
             f"the refit wrote {orphans} but no MLA attention layer using them was found to "

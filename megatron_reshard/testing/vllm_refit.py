@@ -90,11 +90,7 @@ def _vllm_gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Mappi
                                        if addresses.get(n) != t.data_ptr()))
             if cfg.verify:  # the stand-in's expected shards against the same live storage
                 expected = json.loads(control.get(f"expected/{step}/{gen_rank}"))
-                live = dict(model.named_parameters())
-                out["stand_in_differences"].append(sorted(
-                    n for n in set(expected) | set(live)
-                    if n not in vm_derived(model) and expected.get(n) != (
-                        tensor_digest(live[n]) if n in live else None)))
+                out["stand_in_differences"].append(_stand_in_differences(model, expected))
             if plant_fault and step == cfg.refits - 1 and gen_rank == 0:
                 out["planted"] = _plant_fault(model, oracle)
             del oracle
@@ -104,11 +100,23 @@ def _vllm_gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Mappi
     return out
 
 
-def vm_derived(model: torch.nn.Module) -> set[str]:
-    """Names of the params vLLM derives after loading (never refit targets)."""
+def _stand_in_differences(model: torch.nn.Module, expected: Mapping[str, str]) -> list[str]:
+    """Where the stand-in's expected shards (``{vLLM name: digest}``) and vLLM's live storage
+    disagree: a name vLLM does not have, other bytes, or a vLLM param (not derived) that the
+    stand-in lacks. The stand-in names experts flat (``mlp.experts.w13_weight``, older
+    vLLM); vLLM 0.33 nests them (``mlp.experts.routed_experts.w13_weight``)."""
     from megatron_reshard.receiver.derived import derived_param_names
 
-    return derived_param_names(model)
+    live = dict(model.named_parameters())
+    as_vllm = {}
+    for name, digest in expected.items():
+        nested = name.replace(".mlp.experts.", ".mlp.experts.routed_experts.")
+        as_vllm[name if name in live or nested not in live else nested] = digest
+    bad = sorted(n for n, digest in as_vllm.items()
+                 if n not in live or tensor_digest(live[n]) != digest)
+    derived = derived_param_names(model)
+    bad += sorted(f"{n} (not in the stand-in)" for n in live if n not in derived and n not in as_vllm)
+    return bad
 
 
 def vllm_refit_job(job, cfg: RefitRunConfig, hf_config: Mapping[str, Any],
@@ -125,4 +133,4 @@ def vllm_refit_job(job, cfg: RefitRunConfig, hf_config: Mapping[str, Any],
                           job.ports[1 + cfg.train_pp], plant_fault)
 
 
-__all__ = ["vllm_refit_job", "vm_derived"]
+__all__ = ["vllm_refit_job"]

@@ -86,8 +86,7 @@ FAMILIES = {
     # one shared expert, the first layer dense, q LoRA
     "kimi_k2": Family(dict(_DEEPSEEK, num_moe_experts=16, moe_ffn_hidden_size=16,
                            moe_shared_expert_intermediate_size=16, moe_router_topk=8,
-                           moe_router_topk_scaling_factor=2.827, moe_layer_freq=[0, 1, 1],
-                           num_layers=3),
+                           moe_router_topk_scaling_factor=2.827),
                       "DeepseekV3ForCausalLM", _DEEPSEEK_ROUTER,
                       (("tp2 pp2 ep2", "tp2 ep2"), ("tp2 ep2", "tp4"), ("tp1 ep2", "tp1 x2"))),
 }
@@ -101,6 +100,17 @@ def vllm_config_json(family: Family) -> dict:
                 torch_dtype="bfloat16")
 
 
+def _build(spec, device, dtype):
+    """``build_gpt_model`` on the CPU: with PP and tied embeddings Megatron moves the
+    shared embedding with ``.cuda()`` (the test-support shim keeps it on the CPU)."""
+    from megatron_cpu_forward import cpu_build_shims
+    from megatron_reshard.testing.megatron_models import build_gpt_model
+
+    with cpu_build_shims():
+        model = build_gpt_model(spec)
+    return model.to(device=device, dtype=dtype)
+
+
 def run_case(pool, family_id: str, index: int, plant_fault: bool = False) -> list[dict]:
     family = FAMILIES[family_id]
     train, gen = family.layouts[index]
@@ -108,7 +118,7 @@ def run_case(pool, family_id: str, index: int, plant_fault: bool = False) -> lis
                          verify=True, dtype="bfloat16", quiet=True, timeout_s=120,
                          **layout(train, gen))
     results = pool.run(vllm_refit_job, cfg.train_world + cfg.gen_world, cfg,
-                       vllm_config_json(family), plant_fault=plant_fault,
+                       vllm_config_json(family), model_builder=_build, plant_fault=plant_fault,
                        num_ports=cfg.train_pp + 2, timeout_s=420)
     return [r for r in results if r["role"] == "gen"]
 
