@@ -56,7 +56,7 @@ import torch
 
 from megatron_reshard.engine.geometry import box_shape
 from megatron_reshard.engine.transport import all_gather_ints, control_device, group_rank
-from megatron_reshard.faults import wait_device
+from megatron_reshard.faults import RefitError, wait_device
 from megatron_reshard.refit_checksums import SourceOverlaps, StageChecksums
 from megatron_reshard.refit_local import LocalParam, first_tensor_is_cuda, local_params
 from megatron_reshard.refit_order import (MiscItem, TransferLayout, batch_bounds, plan_fingerprint,
@@ -68,8 +68,9 @@ DEFAULT_BATCH_BYTES = 512 << 20
 DEFAULT_STAGING_BYTES = 256 << 20
 
 
-class PlanMismatchError(RuntimeError):
-    """Ranks of one refit group derived different transfer lists from their payloads."""
+class PlanMismatchError(RefitError):
+    """Ranks of one refit group derived different transfer lists from their payloads (a
+    failed refit setup, hence a ``RefitError``; still a ``RuntimeError`` as before)."""
 
 
 @dataclass

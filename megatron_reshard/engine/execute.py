@@ -36,6 +36,7 @@ from .plan import Planner, gc_paused, layout_key
 from .schedule import build_schedule
 from .sequence import CallSequence
 from .transport import P2PTransport, backend_name, resolve_group
+from ..errors import MegatronReshardError
 
 MIN_STAGING_BYTES = 64
 BACKENDS = ("python", "auto", "m2n")
@@ -150,7 +151,7 @@ def _usable(batch: Batch, backend: str) -> Batch:
     return batch
 
 
-class _Rejected(Exception):
+class _Rejected(MegatronReshardError):
     def __init__(self, problem: Problem) -> None:
         super().__init__(problem.text())
         self.problem = problem
