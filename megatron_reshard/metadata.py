@@ -40,6 +40,12 @@ from megatron_reshard.layout import (
     placements_to_plain,
 )
 
+# The refit payload's schema version, the one statement of it: the train side writes it
+# (megatron/payload.py), both decoders check it (megatron/payload.decode_payload,
+# receiver/session.restore_payload). Here because both sides import this torch-only module.
+SCHEMA_VERSION = 1
+SUPPORTED_SCHEMA_VERSIONS = (SCHEMA_VERSION,)  # what the receiver reads
+
 # dtype strings as they appear in metadata ("torch.bfloat16" or "bfloat16") -> torch dtype.
 _DTYPE_NAMES = (
     "float64", "double", "float32", "float", "float16", "half", "bfloat16",
