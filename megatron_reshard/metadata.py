@@ -2,7 +2,9 @@
 
 Torch + stdlib only (the receiver imports this module).
 
-Decisions this module takes (see SPEC §2 for the rest):
+Decisions this module takes (the rest of the contract is in docs/DESIGN.md: "Refit groups
+and rank numbering", "What takes the exact path, and what does not", and "Layer order and
+PP stages" under "Decisions taken while building"):
 
 - ``build_nccl_reshard_refit_info`` describes exactly the params it is given. Callers pass
   only bulk params (filter with ``is_nccl_reshard_param``); anything else given to it is
