@@ -5,6 +5,7 @@ generation workers). The Megatron train side lives in ``megatron_reshard.megatro
 """
 
 from megatron_reshard.engine import DTensorRef, Transfer, xfer_batch, xferdtensor
+from megatron_reshard.errors import MegatronReshardError
 
 __version__ = "0.1.0"
-__all__ = ["DTensorRef", "Transfer", "xferdtensor", "xfer_batch"]
+__all__ = ["DTensorRef", "Transfer", "xferdtensor", "xfer_batch", "MegatronReshardError"]

@@ -33,6 +33,8 @@ from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
+from megatron_reshard.errors import MegatronReshardError
+
 POLL_S = 0.05          # how often a waiting rank looks at the board
 EVENT_NAP_S = 1e-5     # a device wait's first nap between event queries (then doubled)
 GRACE_S = 0.5          # after a transport error: how long to look for a peer's own report
@@ -43,7 +45,7 @@ _WAITER = ThreadPoolExecutor(max_workers=4, thread_name_prefix="refit-wait")
 _BOARDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-class RefitError(RuntimeError):
+class RefitError(MegatronReshardError, RuntimeError):
     """A refit (or its setup) failed; the message says where and why."""
 
 

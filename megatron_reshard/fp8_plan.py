@@ -35,6 +35,7 @@ from typing import Any, Mapping, Optional, Sequence
 from torch.distributed.tensor import Replicate, Shard
 
 from megatron_reshard.engine.geometry import box_numel, rank_region
+from megatron_reshard.errors import MegatronReshardError
 from megatron_reshard.layout import BlockShard, PaddedShard
 from megatron_reshard.quant import BLOCK_FP8_TILE, blockwise_scale_shape, owns_whole_blocks
 
@@ -49,7 +50,7 @@ LINEAR_WEIGHT_RE = re.compile(r"\.(?:q|k|v|o|gate|up|down)_proj\.weight$")
 QKV_GROUP_RE = re.compile(r"\.self_attn\.[qkv]_proj\.weight$")
 
 
-class Fp8SplitError(ValueError):
+class Fp8SplitError(MegatronReshardError, ValueError):
     """A generation split cuts a 128×128 FP8 tile (raised before any communication)."""
 
 

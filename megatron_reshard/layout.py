@@ -13,6 +13,8 @@ from typing import Optional, Sequence
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
+from megatron_reshard.errors import MegatronReshardError
+
 COLUMN_PARALLEL_SUFFIXES = ("gate_proj.weight", "up_proj.weight")
 ROW_PARALLEL_SUFFIXES = ("down_proj.weight",)
 FFN_PROJ_WEIGHT_SUFFIXES = COLUMN_PARALLEL_SUFFIXES + ROW_PARALLEL_SUFFIXES
@@ -108,7 +110,7 @@ def is_nccl_reshard_param(param_name: str) -> bool:
     return param_name.endswith(FFN_PROJ_WEIGHT_SUFFIXES + FFN_GROUPED_EXPERT_SUFFIXES)
 
 
-class MeshSizeError(ValueError, AssertionError):
+class MeshSizeError(MegatronReshardError, ValueError, AssertionError):
     """Parallel sizes that do not tile the GPU count.
 
     Also an ``AssertionError`` because the seed asserts this condition, so callers written

@@ -2,7 +2,9 @@
 
 Torch + stdlib only (the receiver imports this module).
 
-Decisions this module takes (see SPEC §2 for the rest):
+Decisions this module takes (the rest of the contract is in docs/DESIGN.md: "Refit groups
+and rank numbering", "What takes the exact path, and what does not", and "Layer order and
+PP stages" under "Decisions taken while building"):
 
 - ``build_nccl_reshard_refit_info`` describes exactly the params it is given. Callers pass
   only bulk params (filter with ``is_nccl_reshard_param``); anything else given to it is
@@ -39,6 +41,12 @@ from megatron_reshard.layout import (
     is_expert_param,
     placements_to_plain,
 )
+
+# The refit payload's schema version, the one statement of it: the train side writes it
+# (megatron/payload.py), both decoders check it (megatron/payload.decode_payload,
+# receiver/session.restore_payload). Here because both sides import this torch-only module.
+SCHEMA_VERSION = 1
+SUPPORTED_SCHEMA_VERSIONS = (SCHEMA_VERSION,)  # what the receiver reads
 
 # dtype strings as they appear in metadata ("torch.bfloat16" or "bfloat16") -> torch dtype.
 _DTYPE_NAMES = (

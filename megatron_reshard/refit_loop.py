@@ -54,9 +54,11 @@ from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence, Union
 
 import torch
 
+from megatron_reshard.engine import Planner, Transfer, xfer_batch
 from megatron_reshard.engine.geometry import box_shape
+from megatron_reshard.engine.plan import gc_paused
 from megatron_reshard.engine.transport import all_gather_ints, control_device, group_rank
-from megatron_reshard.faults import wait_device
+from megatron_reshard.faults import RefitError, wait_device
 from megatron_reshard.refit_checksums import SourceOverlaps, StageChecksums
 from megatron_reshard.refit_local import LocalParam, first_tensor_is_cuda, local_params
 from megatron_reshard.refit_order import (MiscItem, TransferLayout, batch_bounds, plan_fingerprint,
@@ -68,8 +70,9 @@ DEFAULT_BATCH_BYTES = 512 << 20
 DEFAULT_STAGING_BYTES = 256 << 20
 
 
-class PlanMismatchError(RuntimeError):
-    """Ranks of one refit group derived different transfer lists from their payloads."""
+class PlanMismatchError(RefitError):
+    """Ranks of one refit group derived different transfer lists from their payloads (a
+    failed refit setup, hence a ``RefitError``; still a ``RuntimeError`` as before)."""
 
 
 @dataclass
@@ -190,8 +193,6 @@ class RefitLoop:
         planner (plans and schedules cached for the loop's lifetime); a substitute such as
         ``xfer_batch_reference`` takes the same keywords.
         """
-        from megatron_reshard.engine import Planner, Transfer, xfer_batch
-
         fn = self._xfer_batch or xfer_batch
         if self._planner is None:
             self._planner = Planner()
@@ -230,8 +231,6 @@ class RefitLoop:
         ``on_write(names)`` (destination side) is called before the engine may write the
         named params' storage: a failure after that leaves those params overwritten.
         """
-        from megatron_reshard.engine.plan import gc_paused
-
         if not self._verified:
             self.verify_plan()
         with gc_paused():  # many small objects per param; GC passes would walk the caches

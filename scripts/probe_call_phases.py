@@ -24,10 +24,11 @@ import torch.distributed as dist
 
 from megatron_reshard.engine import Planner, Transfer, xfer_batch
 from megatron_reshard.engine import execute as ex
+from megatron_reshard.engine.geometry import rank_box
 from megatron_reshard.layout import MeshInfo
 from megatron_reshard.tools.bench.patterns import pattern_values
 from megatron_reshard.tools.bench.timing import synchronize
-from megatron_reshard.tools.bench.transfer_main import build_cases, local_box
+from megatron_reshard.tools.bench.transfer_cases import build_cases
 from megatron_reshard.tools.launch_env import apply_nccl_defaults
 
 PHASES = ("_describe", "local_ok", "start", "conclude", "_execute")
@@ -54,7 +55,7 @@ def _transfers(case, device, me, world):
     sm, dm = MeshInfo(torch.tensor(src_ranks)), MeshInfo(torch.tensor(dst_ranks))
     out = []
     for i, p in enumerate(case.params):
-        sbox, dbox = local_box(p.global_shape, sm, p.src, me), local_box(p.global_shape, dm, p.dst, me)
+        sbox, dbox = rank_box(p.global_shape, sm, p.src, me), rank_box(p.global_shape, dm, p.dst, me)
         src = pattern_values(p.global_shape, sbox, p.dtype, device, i) if sbox else None
         dst = torch.empty([hi - lo for lo, hi in dbox], dtype=p.dtype, device=device) if dbox else None
         out.append(Transfer(p.name, p.global_shape, p.dtype, sm, list(p.src), dm, list(p.dst),

@@ -18,8 +18,11 @@ from megatron_reshard.tools.bench import (BaselineGroups, BaselineParam, Column,
                                           measure_raw_p2p, pattern_values, raw_p2p, time_collective,
                                           write_report)
 from megatron_reshard.tools.bench.baselines import p2p_messages
-from megatron_reshard.tools.bench.transfer_main import (COLUMNS, apply_env, build_cases,
-                                                  build_parser, local_box, parse_size)
+from megatron_reshard.engine.geometry import rank_box
+from megatron_reshard.tools.bench.env_options import apply_env
+from megatron_reshard.tools.bench.transfer_cases import build_cases, parse_size
+from megatron_reshard.tools.bench.transfer_main import build_parser
+from megatron_reshard.tools.bench.transfer_run import COLUMNS
 from megatron_reshard.layout import MeshInfo
 from megatron_reshard.tools.worlds import init_gloo_world
 
@@ -221,16 +224,17 @@ def test_cli_pieces_sizes_env_and_cases():
     assert "tp2_tp4" not in [c.name for c in build_cases(True, 2)]
 
 
-def test_local_box_follows_torch_chunk_rules():
+def test_the_bench_cuts_shards_with_the_engines_torch_chunk_rules():
+    # the bench's shards come from engine.geometry.rank_box (it had its own copy)
     mesh = MeshInfo(torch.tensor([2, 3, 4]))
     from torch.distributed.tensor import Replicate, Shard
 
-    assert local_box((7, 5), mesh, [Shard(0)], 2) == [(0, 3), (0, 5)]
-    assert local_box((7, 5), mesh, [Shard(0)], 4) == [(6, 7), (0, 5)]
-    assert local_box((7, 5), mesh, [Replicate()], 3) == [(0, 7), (0, 5)]
-    assert local_box((7, 5), mesh, [Shard(1)], 0) is None
+    assert rank_box((7, 5), mesh, [Shard(0)], 2) == ((0, 3), (0, 5))
+    assert rank_box((7, 5), mesh, [Shard(0)], 4) == ((6, 7), (0, 5))
+    assert rank_box((7, 5), mesh, [Replicate()], 3) == ((0, 7), (0, 5))
+    assert rank_box((7, 5), mesh, [Shard(1)], 0) is None
     mesh2 = MeshInfo(torch.tensor([[0, 1], [2, 3]]))
-    assert local_box((8,), mesh2, [Shard(0), Shard(0)], 1) == [(2, 4)]
+    assert rank_box((8,), mesh2, [Shard(0), Shard(0)], 1) == ((2, 4),)
 
 
 def test_bench_main_runs_baselines_only_and_writes_the_report(pool, tmp_path):

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from megatron_reshard.tools.worlds import free_port_block
-from megatron_reshard.tools.bench.refit_main import COLUMNS, build_parser, fill_pattern_
+from megatron_reshard.tools.bench.refit_main import COLUMNS, build_parser
+from megatron_reshard.tools.bench.refit_model import fill_pattern_
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -218,7 +218,8 @@ def test_every_help_shows_the_defaults(command):
                                     "(default: moe)", "1 for dense, 2 for moe",
                                     "(default: 120.0)"],
                 ("bench",): ["(default: 4)"],
-                ("plan",): ["(default: moe)", "--gen-tp GEN_TP default: 2"]}[tuple(command)]
+                ("plan",): ["(default: moe)", "--gen-tp GEN_TP default: the model's, listed below",
+                          "qwen3-8b train 4 ranks TP2 PP2 EP1"]}[tuple(command)]
     for fragment in expected:
         assert fragment in text, fragment
     # every option that takes a value and has a fixed default says what it is

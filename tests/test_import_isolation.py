@@ -14,6 +14,7 @@ BLOCKED = ("megatron", "transformer_engine", "msgspec")
 # while they do not exist yet; the receiver is required as soon as its module exists.
 REQUIRED = [
     "megatron_reshard",
+    "megatron_reshard.errors",
     "megatron_reshard.layout",
     "megatron_reshard.spec",
     "megatron_reshard.metadata",

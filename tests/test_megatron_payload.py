@@ -43,3 +43,19 @@ def test_payload_missing_a_key_is_refused():
     del payload["hf_config"]
     with pytest.raises(ValueError, match=r"missing keys \['hf_config'\]"):
         decode_payload(msgspec.msgpack.encode(payload))
+
+
+def test_one_schema_version_is_written_read_and_built_by_the_fixtures():
+    import torch
+
+    from megatron_reshard import metadata
+    from megatron_reshard.receiver import SUPPORTED_SCHEMA_VERSIONS
+    from megatron_reshard.testing.vllm_like import build_plain_payload
+    from megatron_reshard.tools.presets import demo_config
+
+    assert SCHEMA_VERSION is metadata.SCHEMA_VERSION
+    assert SUPPORTED_SCHEMA_VERSIONS is metadata.SUPPORTED_SCHEMA_VERSIONS
+    assert SCHEMA_VERSION in SUPPORTED_SCHEMA_VERSIONS
+    full = {"model.layers.0.mlp.down_proj.weight": torch.zeros(4, 8)}
+    plain = build_plain_payload(demo_config("dense"), full, {"tp_size": 1}, {"tp_size": 1}, 1, 1)
+    assert plain["schema_version"] == SCHEMA_VERSION

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from megatron_reshard.testing.vllm_like import build_plain_payload, random_hf_state_dict
-from megatron_reshard.tools.presets import demo_config
+from megatron_reshard.tools.presets import (default_plan_layout, demo_config,
+                                            describe_plan_layout, model_config, model_names)
 
 ROOT = Path(__file__).resolve().parents[1]
 DSV3_NEMO_RL = ["--model", "deepseek-v3", "--train-world", "256", "--train-tp", "1",
@@ -124,3 +125,30 @@ def test_plot_writes_a_png_when_matplotlib_is_there(tmp_path):
     out = _plan("--plot", str(path))
     assert out.returncode == 0, out.stderr
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("model", model_names())
+def test_every_preset_plans_with_the_commands_defaults(model, capsys):
+    # in process (one torch import for all presets); the layout comes from the model's
+    # defaults, which --help lists and the output states
+    from megatron_reshard.tools.cli import main
+
+    assert main(["plan", "--model", model, "--json"]) == 0, capsys.readouterr().err
+    got = json.loads(capsys.readouterr().out)
+    expected = default_plan_layout(model_config(model))
+    assert got["runs"][0]["layout"]["train"]["pp"] == expected["train_pp"]
+    assert f"PP{expected['train_pp']}" in got["layout_text"]
+    assert f"EP{expected['train_ep']}" in got["layout_text"]
+
+
+def test_help_lists_each_presets_default_layout():
+    text = _plan("--help").stdout
+    for model in model_names():
+        line = describe_plan_layout(default_plan_layout(model_config(model)))
+        assert any(ln.split() == [model, *line.split()] for ln in text.splitlines()), model
+
+
+def test_pp_layers_alone_sets_the_stage_count():
+    out = _plan("--model", "deepseek-v3", "--train-pp-layers", "31,30", "--planner", "default")
+    assert out.returncode == 0, out.stderr
+    assert "PP2 (layers 31,30)" in out.stdout

@@ -6,14 +6,13 @@ execute, the orchestration of one call: checks (layouts and this rank's tensors)
 (one small vote, so bad input fails on every rank) -> schedule (plain-data rounds of
 messages) -> program (views, copies, packing, CUDA streams) over a P2P ``transport``;
 ``batch`` holds the per-batch state a ``Planner`` caches. ``reference`` is the golden,
-slow transport used by the tests; ``m2n`` the optional native backend (never selected).
+slow transport used by the tests.
 """
 
 from .api import DTensorRef, Transfer, xferdtensor
 from .execute import xfer_batch
 from .param_plan import ParamPlan, build_plan
 from .plan import Planner, layout_key
-from . import m2n
 from .reference import xfer_batch_reference
 from .transport import P2PTransport
 

@@ -25,7 +25,6 @@ from typing import Optional, Sequence
 
 import torch
 
-from . import m2n
 from . import agree as agreement
 from .agree import Description, Vote, exchange_strided, hash_ints
 from .batch import Batch, kept_rows, layout_rows, light_key, rows_head
@@ -36,9 +35,10 @@ from .plan import Planner, gc_paused, layout_key
 from .schedule import build_schedule
 from .sequence import CallSequence
 from .transport import P2PTransport, backend_name, resolve_group
+from ..errors import MegatronReshardError
 
 MIN_STAGING_BYTES = 64
-BACKENDS = ("python", "auto", "m2n")
+BACKENDS = ("python", "auto")  # both run this engine ("auto" stays for callers that pass it)
 # agree=False: what a failed call adds to its error (sequence.py)
 _SKIPPED_NOTE = ("xfer_batch(agree=False) skipped the vote: this call is the one the "
                  "group's history predicts. A peer that called another batch voted "
@@ -58,8 +58,7 @@ def xfer_batch(transfers: Sequence, group=None, *, stream=None,
     hold. ``dst`` tensors are written in place. Pass one ``Planner`` across calls to reuse
     plans, schedules and execution programs (a warm call then costs a few µs per param
     on the host). Raises ``ValueError`` on every rank before any data moves when any
-    rank's input is invalid. ``backend``: "python" or "auto" run this engine; "m2n" is
-    refused (see ``m2n.py``: its adapter is not verified).
+    rank's input is invalid. ``backend``: "python" or "auto", both run this engine.
 
     ``agree=False`` skips the agreement step (one small all-reduce and the call's only
     host sync) when this call is the one the group's history of calls through this
@@ -106,7 +105,7 @@ def _describe(transfers, world: int, me: int, staging_bytes: int, backend: str,
     except (TypeError, RuntimeError):  # a field whose ``==`` is no bool (a tensor shape)
         batch = None
     if batch is not None:
-        return _usable(batch, backend)
+        return batch
     light = light_key(transfers, world)
     bkey = None if light is None else (me, staging_bytes, light)
     try:
@@ -140,17 +139,10 @@ def _describe(transfers, world: int, me: int, staging_bytes: int, backend: str,
     kept = kept_rows(rows) if bkey is not None else None
     if kept is not None:
         planner.remember_rows(scope, head, batch, kept)
-    return _usable(batch, backend)
-
-
-def _usable(batch: Batch, backend: str) -> Batch:
-    if backend == "m2n":
-        _, why = m2n.select([p.key for p in batch.plans])
-        raise _Rejected(Problem(None, f"backend 'm2n' cannot be used: {why}"))
     return batch
 
 
-class _Rejected(Exception):
+class _Rejected(MegatronReshardError):
     def __init__(self, problem: Problem) -> None:
         super().__init__(problem.text())
         self.problem = problem

@@ -6,11 +6,12 @@ never bad input, and nothing has moved yet.
 
 from __future__ import annotations
 
+from ..errors import MegatronReshardError
 from .geometry import Box, box_intersect, box_numel
 from .param_plan import ParamPlan
 
 
-class PlanError(RuntimeError):
+class PlanError(MegatronReshardError, RuntimeError):
     """A plan that would leave a destination element unwritten or write it twice (a bug)."""
 
 

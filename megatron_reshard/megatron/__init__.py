@@ -21,6 +21,9 @@ from __future__ import annotations
 __all__ = ["MegatronRefitSource", "HF_CONFIG_KEYS", "decode_payload", "encode_payload"]
 
 
+# Lazy on purpose (optional dependencies, not a cycle): importing this package must not
+# import megatron.core (``source``) or msgspec (``payload``); a driver that only decodes
+# payloads imports ``megatron.payload`` without Megatron. Each name loads its module on use.
 def __getattr__(name: str):
     if name == "MegatronRefitSource":
         from megatron_reshard.megatron import source

@@ -163,6 +163,29 @@ def strip_wrappers(name: str) -> str:
     return _WRAPPER_PREFIX.sub("", name)
 
 
+def _first_match(rules: Sequence[Rule], name: str) -> Optional[tuple[Rule, re.Match]]:
+    for rule in rules:
+        hit = rule.match(name)
+        if hit is not None:
+            return rule, hit
+    return None
+
+
+def find_rule(family: str, name: str) -> Optional[tuple[Optional[int], Rule, re.Match]]:
+    """The family's rule for a Megatron name: (local layer index, None for a top-level
+    name; the rule; its match, whose group 1 is the local expert index for per-expert
+    kinds), or None when no rule matches. For tools that sort Megatron params by kind
+    without converting them to HF names (the refit benchmark's baseline)."""
+    top, layer = FAMILIES[family]
+    name = strip_wrappers(name)
+    m = _LAYER_NAME.fullmatch(name)
+    if m is None:
+        found = _first_match(top, name)
+        return None if found is None else (None, *found)
+    found = _first_match(layer, m.group(2))
+    return None if found is None else (int(m.group(1)), *found)
+
+
 @dataclass(frozen=True)
 class Converted:
     """One Megatron parameter and the HF parameters it holds (on this rank)."""
@@ -213,18 +236,17 @@ class NameConverter:
             return None  # tied: HF has no lm_head.weight, the embedding carries it
         m = _LAYER_NAME.fullmatch(name)
         if m is None:
-            for rule in self._top:
-                if rule.match(name):
-                    return Converted(name, rule.kind, tuple(rule.targets))
-            raise KeyError(name)
+            found = _first_match(self._top, name)
+            if found is None:
+                raise KeyError(name)
+            return Converted(name, found[0].kind, tuple(found[0].targets))
         local_layer, rest = int(m.group(1)), m.group(2)
         if local_layer not in self.global_layer:
             raise KeyError(f"{name} (local layer {local_layer} has no global layer number)")
         layer = self.global_layer[local_layer]
-        for rule in self._layer:
-            hit = rule.match(rest)
-            if hit is None:
-                continue
+        found = _first_match(self._layer, rest)
+        if found is not None:
+            rule, hit = found
             if rule.kind == "skip":
                 return None
             if rule.kind == "mla_down":

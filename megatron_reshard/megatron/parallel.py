@@ -24,7 +24,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from megatron_reshard.layout import MeshInfo
+from megatron_reshard.layout import MeshInfo, build_mesh_info
 
 
 @dataclass(frozen=True)
@@ -210,8 +210,6 @@ def describe_rank_order(all_coords: Sequence[RankCoords], layout: TrainLayout) -
 
 def is_default_rank_order(stages: Sequence[StageMeshes], layout: TrainLayout) -> bool:
     """True iff the meshes are exactly what ``build_mesh_info`` makes under Megatron's default order."""
-    from megatron_reshard.layout import build_mesh_info
-
     per_stage = layout.world_size // layout.pp
     for s in stages:
         dense, dense_dims = build_mesh_info(per_stage, 0, tp_size=layout.tp)

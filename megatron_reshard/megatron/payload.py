@@ -8,7 +8,7 @@ form (``layer_names``, ``per_layer_params``, ``train_world_size``, ``gen_world_s
 ``pp_size``, ``gen_tp_size``; meshes ``{"mesh": nested list}``, placements ``{"dim": d}`` /
 ``{}``; ``restore_refit_info_placements`` turns them back) plus:
 
-- ``schema_version``: 1
+- ``schema_version``: 1 (``metadata.SCHEMA_VERSION``)
 - ``train_layout``: ``{tp, pp, ep, etp, dp, cp, world_size}`` read from ``parallel_state``
 - ``gen_layout``: ``{tp, ep, pp, world_size}``
 - ``hf_config``: see ``megatron_reshard.megatron.source.HF_CONFIG_KEYS``
@@ -25,9 +25,8 @@ from typing import Any
 
 import msgspec
 
-from megatron_reshard.metadata import make_nccl_reshard_refit_info_wire_safe
+from megatron_reshard.metadata import SCHEMA_VERSION, make_nccl_reshard_refit_info_wire_safe
 
-SCHEMA_VERSION = 1
 EXTRA_KEYS = ("schema_version", "train_layout", "gen_layout", "hf_config", "other_params",
               "train_stage_ranks", "rank_order")
 

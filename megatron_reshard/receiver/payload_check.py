@@ -14,10 +14,11 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional
 
+from megatron_reshard.errors import MegatronReshardError
 from megatron_reshard.metadata import dtype_from_str
 
 
-class RefitPayloadError(ValueError):
+class RefitPayloadError(MegatronReshardError, ValueError):
     """The refit payload is malformed or does not fit this refit group."""
 
 

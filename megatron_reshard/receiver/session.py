@@ -21,8 +21,8 @@ from megatron_reshard.engine.geometry import box_index, rank_box
 from megatron_reshard.engine.transport import control_device, group_rank, group_size
 from megatron_reshard.faults import RefitError, fault_scope, wait_device
 from megatron_reshard.layout import BlockShard, PaddedShard, is_expert_param
-from megatron_reshard.metadata import restore_refit_info_placements
-from megatron_reshard.packed import chunk_items
+from megatron_reshard.metadata import SUPPORTED_SCHEMA_VERSIONS, restore_refit_info_placements
+from megatron_reshard.packed import broadcast_packed, chunk_items, packed_layout
 from megatron_reshard.receiver.fp8_targets import fp8_receive_spec
 from megatron_reshard.receiver.payload_check import RefitPayloadError, validate_payload
 from megatron_reshard.receiver.state import WeightState
@@ -38,8 +38,6 @@ from megatron_reshard.receiver.targets import (
 )
 from megatron_reshard.spec import HFToLocalParamMap, LocalParamSpec
 from megatron_reshard.vllm_layout.dense import is_qkv_per_group
-
-SUPPORTED_SCHEMA_VERSIONS = (1,)
 
 # receive_misc(stage, group, items) -> {hf_name: full tensor} for the stage's other params
 MiscReceiver = Callable[[int, Optional[Any], list[MiscItem]], Mapping[str, torch.Tensor]]
@@ -142,8 +140,6 @@ def receive_misc_packed(stage: int, group: Optional[Any], items: list[MiscItem],
                         device: Optional[torch.device] = None) -> Mapping[str, torch.Tensor]:
     """Default misc transport: the stage's group rank 0 broadcasts one flat uint8 buffer of
     the stage's other params in payload order (``megatron_reshard.packed``)."""
-    from megatron_reshard.packed import broadcast_packed, packed_layout
-
     return broadcast_packed(packed_layout(items), group, 0, device or control_device(group))
 
 

@@ -15,8 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
+from megatron_reshard.errors import MegatronReshardError
 
-class InconsistentWeightsError(RuntimeError):
+
+class InconsistentWeightsError(MegatronReshardError, RuntimeError):
     """The weights mix versions after a failed refit; generating from them is refused."""
 
 

@@ -27,6 +27,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 import torch
 
 from megatron_reshard.engine.geometry import Box, box_index, box_shape
+from megatron_reshard.errors import MegatronReshardError
 from megatron_reshard.spec import LocalParamSpec, RefitCtx
 from megatron_reshard.vllm_layout import mla
 from megatron_reshard.vllm_layout import moe as vllm_moe
@@ -39,7 +40,7 @@ _EXPERT_RE = re.compile(
     r"^(?P<prefix>.*\.experts)\.(?:(?P<index>\d+)\.)?(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 
 
-class TargetError(ValueError):
+class TargetError(MegatronReshardError, ValueError):
     """An HF param cannot be mapped onto this rank's vLLM storage (raised before any communication)."""
 
 

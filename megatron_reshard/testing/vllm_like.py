@@ -340,7 +340,8 @@ def build_plain_payload(hf_config: Mapping[str, Any], full_hf_tensors: Mapping[s
                         train: Mapping[str, int], gen: Mapping[str, int], train_world_size: int,
                         gen_world_size: int, layer_to_pp_stage: Optional[Mapping[str, int]] = None
                         ) -> dict:
-    """A wire-form refit payload (schema 1) for full HF tensors, built without Megatron.
+    """A wire-form refit payload (``metadata.SCHEMA_VERSION``) for full HF tensors, built
+    without Megatron.
 
     Bulk params (``is_nccl_reshard_param``) go through ``build_nccl_reshard_refit_info``;
     the rest are listed in ``other_params`` (``[{name, shape, dtype, pp_stage}]``, the train
@@ -351,6 +352,7 @@ def build_plain_payload(hf_config: Mapping[str, Any], full_hf_tensors: Mapping[s
     from megatron_reshard.metadata import (
         build_nccl_reshard_refit_info,
         extract_layer_name,
+        SCHEMA_VERSION,
         make_nccl_reshard_refit_info_wire_safe,
     )
 
@@ -363,7 +365,7 @@ def build_plain_payload(hf_config: Mapping[str, Any], full_hf_tensors: Mapping[s
     other = [{"name": n, "shape": list(t.shape), "dtype": str(t.dtype),
               "pp_stage": int(layer_to_pp_stage[extract_layer_name(n)]) if pp > 1 else 0}
              for n, t in full_hf_tensors.items() if not is_nccl_reshard_param(n)]
-    payload.update(schema_version=1, hf_config=dict(hf_config), other_params=other,
+    payload.update(schema_version=SCHEMA_VERSION, hf_config=dict(hf_config), other_params=other,
                    train_layout={"tp": int(train.get("tp_size", 1)), "ep": int(train.get("ep_size", 1)),
                                  "pp": pp, "world_size": train_world_size},
                    gen_layout={"tp": int(gen.get("tp_size", 1)), "ep": int(gen.get("ep_size", 1)),

@@ -4,7 +4,8 @@ from layouts alone (no GPU, no communication, no Megatron model).
 Takes a model preset (the demo's small models, or full-size Qwen3-8B, Qwen3-30B-A3B,
 Qwen3-235B-A22B, DeepSeek-V3, Kimi-K2 shapes from their HF configs) and a training layout
 (TP, CP, EP, PP with even or uneven stages, DP from the world size) -> generation layout
-(TP, EP, DP replicas), plans every parameter with the engine's planner and prints:
+(TP, EP, DP replicas), the model's default layout for any size not given (listed at the
+end of --help), plans every parameter with the engine's planner and prints:
 
 - the layout used and every parameter the refit moves, all shard to shard through the
   engine as the refit moves them (FFN/expert weights and the others: attention, norms,
@@ -30,26 +31,43 @@ import sys
 from collections import defaultdict
 from typing import Optional
 
-from megatron_reshard.tools.presets import model_names
+from megatron_reshard.tools.presets import (default_plan_layout, describe_plan_layout,
+                                            model_config, model_names)
 
 DEFAULT_LINK = dict(gpus_per_node=8, nvlink_gbps=450.0, net_gbps=50.0, latency_us=5.0)
 
 
+LAYOUT_OPTIONS = ("train_world", "train_tp", "train_cp", "train_ep", "train_pp", "gen_world",
+                  "gen_tp", "gen_ep")
+
+
+def defaults_epilog() -> str:
+    """The per-model default layouts, as --help lists them."""
+    lines = ["default layout per model (any layout option given replaces its part):"]
+    for name in model_names():
+        lines.append(f"  {name:16} {describe_plan_layout(default_plan_layout(model_config(name)))}")
+    return "\n".join(lines)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = __doc__
+    parser.epilog = defaults_epilog()
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("--model", choices=model_names(), default="moe",
                         help="model shapes: the demo's small models or a full-size preset")
     parser.add_argument("--layers", type=int, default=None,
                         help="override the model's layer count (default: the model's own)")
-    for side, tp, pp, ep, world in (("train", 2, 2, 2, 4), ("gen", 2, 1, 1, 2)):
-        parser.add_argument(f"--{side}-world", type=int, default=world)
-        parser.add_argument(f"--{side}-tp", type=int, default=tp)
-        parser.add_argument(f"--{side}-ep", type=int, default=ep)
+    per_model = "default: the model's, listed below"
+    for side in ("train", "gen"):
+        parser.add_argument(f"--{side}-world", type=int, default=None, help=per_model)
+        parser.add_argument(f"--{side}-tp", type=int, default=None, help=per_model)
+        parser.add_argument(f"--{side}-ep", type=int, default=None, help=per_model)
         if side == "train":
-            parser.add_argument("--train-pp", type=int, default=pp)
-            parser.add_argument("--train-cp", type=int, default=1,
-                                help="context parallel size (CP ranks hold the same weights)")
+            parser.add_argument("--train-pp", type=int, default=None,
+                                help=f"{per_model}; with --train-pp-layers: its stage count")
+            parser.add_argument("--train-cp", type=int, default=None,
+                                help="context parallel size (CP ranks hold the same weights; "
+                                     f"{per_model})")
             parser.add_argument("--train-pp-layers", default=None, metavar="N,N,...",
                                 help="uneven PP: layers per stage, first to last (default: "
                                      "an even split)")
@@ -102,7 +120,6 @@ def _parse_layers(text: Optional[str]) -> tuple[Optional[tuple], list]:
 def problems_of(args: argparse.Namespace):
     """(model config, layout, problems) for the parsed options; nothing is planned yet."""
     from megatron_reshard.tools.layouts import RefitLayout, layout_problems
-    from megatron_reshard.tools.presets import model_config
 
     pp_layers, out = _parse_layers(args.train_pp_layers)
     if args.layers is not None and args.layers < 1:
@@ -117,11 +134,19 @@ def problems_of(args: argparse.Namespace):
     if out:
         return None, None, out
     cfg = model_config(args.model, args.layers)
-    lay = RefitLayout(train_world=args.train_world, gen_world=args.gen_world,
-                      train_tp=args.train_tp, train_cp=args.train_cp, train_ep=args.train_ep,
-                      train_pp=args.train_pp, pp_layers=pp_layers, gen_tp=args.gen_tp,
-                      gen_ep=args.gen_ep)
+    lay = RefitLayout(pp_layers=pp_layers, **layout_options(args, cfg, pp_layers))
     return cfg, lay, layout_problems(lay, cfg)
+
+
+def layout_options(args: argparse.Namespace, cfg, pp_layers: Optional[tuple]) -> dict:
+    """The layout sizes given on the command line, the model's defaults for the others
+    (computed from the layer count in use, so --layers moves them too); --train-pp-layers
+    alone sets the stage count."""
+    chosen = default_plan_layout(cfg)
+    if pp_layers is not None:
+        chosen["train_pp"] = len(pp_layers)
+    given = {k: getattr(args, k) for k in LAYOUT_OPTIONS if getattr(args, k) is not None}
+    return {**chosen, **given}
 
 
 def run(args: argparse.Namespace) -> int:

@@ -4,8 +4,14 @@
 - ``baselines``: raw point-to-point bandwidth and the gather+broadcast naive refit.
 - ``memory``: peak extra GPU memory of a call.
 - ``report``: markdown table, JSON, PNG (when matplotlib is installed).
+- ``env_options``: the NCCL environment options both benchmarks take.
 - ``transfer_main``: the transfer benchmark (``scripts/bench_transfer.py``,
-  ``megatron-reshard bench transfer``); ``main(argv)``.
+  ``megatron-reshard bench transfer``); ``main(argv)``. Its layouts in ``transfer_cases``,
+  one measured row in ``transfer_run``.
+- ``refit_main``: the refit benchmark (``scripts/bench_refit.py``, ``megatron-reshard bench
+  refit``); ``main(argv)``. Its models in ``refit_model``, one case in ``refit_run``, the
+  gather+broadcast baseline in ``refit_baseline`` (Megatron names through
+  ``megatron.converters``).
 
 Torch only; importing this package starts nothing.
 """

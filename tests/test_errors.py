@@ -1,0 +1,76 @@
+"""Every error the library defines derives from one root, and keeps the built-in base its
+callers caught before the root existed."""
+
+import importlib
+import inspect
+import pkgutil
+
+import pytest
+
+import megatron_reshard
+from megatron_reshard.errors import MegatronReshardError
+
+# Tooling and test fixtures are not the library (docs/DESIGN.md, "Modules")
+NOT_LIBRARY = ("megatron_reshard.tools", "megatron_reshard.testing")
+# derived.py is being rewritten by the lead; strict: this fails once it joins the root,
+# so the mark is then removed
+PENDING = {"megatron_reshard.receiver.derived.DerivedWeightsError"}
+
+
+def _library_modules():
+    for info in pkgutil.walk_packages(megatron_reshard.__path__, "megatron_reshard."):
+        if not info.name.startswith(NOT_LIBRARY):
+            yield importlib.import_module(info.name)
+
+
+def _exception_classes():
+    found = {}
+    for module in _library_modules():
+        for _, obj in inspect.getmembers(module, inspect.isclass):
+            if issubclass(obj, BaseException) and obj.__module__ == module.__name__:
+                found[f"{obj.__module__}.{obj.__qualname__}"] = obj
+    return found
+
+
+CLASSES = _exception_classes()
+
+
+def test_the_scan_finds_the_library_errors():
+    names = {name.rsplit(".", 1)[1] for name in CLASSES}
+    assert {"RefitError", "PeerFailure", "RefitTimeout", "PlanMismatchError", "PlanError",
+            "RefitPayloadError", "TargetError", "Fp8SplitError", "MeshSizeError",
+            "InconsistentWeightsError"} <= names
+
+
+@pytest.mark.parametrize("name", sorted(CLASSES))
+def test_every_library_error_derives_from_the_root(name, request):
+    if name in PENDING:
+        request.applymarker(pytest.mark.xfail(strict=True, reason="derived.py: the lead's edit"))
+    assert issubclass(CLASSES[name], MegatronReshardError)
+
+
+@pytest.mark.parametrize("name, builtin", [
+    ("megatron_reshard.receiver.payload_check.RefitPayloadError", ValueError),
+    ("megatron_reshard.receiver.targets.TargetError", ValueError),
+    ("megatron_reshard.fp8_plan.Fp8SplitError", ValueError),
+    ("megatron_reshard.layout.MeshSizeError", ValueError),
+    ("megatron_reshard.layout.MeshSizeError", AssertionError),  # the seed asserted
+    ("megatron_reshard.faults.RefitError", RuntimeError),
+    ("megatron_reshard.faults.RefitTimeout", TimeoutError),
+    ("megatron_reshard.refit_loop.PlanMismatchError", RuntimeError),
+    ("megatron_reshard.engine.plan_check.PlanError", RuntimeError),
+    ("megatron_reshard.receiver.state.InconsistentWeightsError", RuntimeError),
+])
+def test_the_builtin_bases_callers_catch_stay(name, builtin):
+    assert issubclass(CLASSES[name], builtin)
+
+
+def test_a_plan_mismatch_is_a_refit_error():
+    from megatron_reshard.faults import RefitError
+    from megatron_reshard.refit_loop import PlanMismatchError
+
+    assert issubclass(PlanMismatchError, RefitError)
+
+
+def test_the_root_is_public():
+    assert megatron_reshard.MegatronReshardError is MegatronReshardError
