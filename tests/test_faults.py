@@ -95,7 +95,8 @@ def _train(job, control, plan):
         control.set("payload", source.payload_bytes())
     group = create_refit_group(job.host, job.ports[1 + source.stage], source.stage_local_rank,
                                1 + GEN, "gloo", TIMEOUT_S, who=f"train rank {job.rank}",
-                               label=f"refit group of PP stage {source.stage}")
+                               label=f"refit group of PP stage {source.stage}",
+                               transport=plan.get("transport"))  # gen ranks follow it
     sender = RefitSender(source, group, verify_checksums=True)
     step = {"k": 0}
     if plan.get("victim") == job.rank:
@@ -163,7 +164,12 @@ def _gen(job, control, plan, gen_rank):
             want = json.loads(control.get(key))
             versions[k] = sorted(n for n in actual if want.get(n) == actual[n])
     fault_at = float(control.get("fault_at")) if control.check(["fault_at"]) else None
+    from megatron_reshard.engine.transports import transport_of
+
+    transports = sorted({transport_of(g).name
+                         for g in worker._refit_state()["groups"].values()})
     return {"role": "gen", "error": error, "failed_at": failed_at, "refits": done,
+            "transports": transports,
             "fault_at": fault_at,
             "state": state, "versions": versions, "names": sorted(actual),
             "report": worker.report()}
