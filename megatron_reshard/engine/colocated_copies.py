@@ -10,9 +10,10 @@ training ranks) are read from one of them, ``holders[me % len(holders)]``, so th
 generation replicas spread their reads. The pieces read must cover each destination
 piece exactly once; a plan that does not is refused before any copy.
 
-``CopyBatch`` issues the pairs: large contiguous pairs as one memcpy each; on CUDA the
-others, when they are all contiguous and of one element size (a rank's experts into
-vLLM's stacked ``w13``/``w2``), as one Triton kernel that reads every source through a
+``CopyBatch`` issues the pairs (a strided pair first cut into contiguous sub-pairs along
+its leading dims where that works): large contiguous pairs as one memcpy each; on CUDA
+the other contiguous, 8-byte aligned pairs (a rank's experts into vLLM's stacked
+``w13``/``w2``) as one Triton kernel that reads every source through a
 device table of pointers (one launch instead of one per expert, docs/MEASUREMENTS.md);
 everything else as ``torch._foreach_copy_`` of integer views (bits, never float maths).
 """
@@ -80,24 +81,50 @@ def read_pairs(transfers, plans, me: int, sources: dict) -> list:
     return pairs
 
 
+SPLIT_MOST = 1024  # leading-dim splits of one strided pair into contiguous sub-pairs
+
+
+def _contiguous_parts(dst: torch.Tensor, src: torch.Tensor) -> list:
+    """The pair cut along its leading dims until both sides are contiguous (q/k/v blocks
+    of Megatron's interleaved rows: one contiguous block per KV group), or as it is."""
+    parts = [(dst, src)]
+    while not all(d.is_contiguous() and s.is_contiguous() for d, s in parts):
+        if parts[0][0].dim() < 2 or len(parts) * parts[0][0].shape[0] > SPLIT_MOST:
+            return [(dst, src)]
+        parts = [(d[k], s[k]) for d, s in parts for k in range(d.shape[0])]
+    return parts
+
+
+def _aligned(d: torch.Tensor, s: torch.Tensor) -> bool:
+    nbytes = d.numel() * d.element_size()
+    return (d.is_contiguous() and s.is_contiguous() and nbytes % 8 == 0
+            and (d.data_ptr() | s.data_ptr()) % 8 == 0)
+
+
 class CopyBatch:
     """The copies of one batch on one generation rank, grouped once, run every refit."""
 
     def __init__(self, pairs: list, device: torch.device):
         self.device = device
-        self.memcpy, dsts, srcs = [], [], []
+        self.memcpy, small, self.dsts, self.srcs = [], [], [], []
         cuda = device.type == "cuda"
-        for dst, src in pairs:
-            if dst.numel() == 0:
-                continue
-            if (dst.numel() * dst.element_size() >= MEMCPY_BYTES and dst.is_contiguous()
-                    and src.is_contiguous()):
-                self.memcpy.append((dst, src))
-            else:  # CUDA foreach of a float dtype rewrites NaN payloads: copy bits
-                dsts.append(as_bits(dst) if cuda else dst)
-                srcs.append(as_bits(src) if cuda else src)
-        self.table = pointer_table(dsts, srcs) if cuda else None
-        self.dsts, self.srcs = ([], []) if self.table is not None else (dsts, srcs)
+        for whole in pairs:
+            for dst, src in _contiguous_parts(*whole):
+                if dst.numel() == 0:
+                    continue
+                if (dst.numel() * dst.element_size() >= MEMCPY_BYTES and dst.is_contiguous()
+                        and src.is_contiguous()):
+                    self.memcpy.append((dst, src))
+                elif cuda and _aligned(dst, src):
+                    small.append((dst, src))
+                else:  # CUDA foreach of a float dtype rewrites NaN payloads: copy bits
+                    self.dsts.append(as_bits(dst) if cuda else dst)
+                    self.srcs.append(as_bits(src) if cuda else src)
+        self.table = pointer_table([d for d, _ in small], [s for _, s in small])
+        if self.table is None:
+            self.dsts += [as_bits(d) for d, _ in small]
+            self.srcs += [as_bits(s) for _, s in small]
+        self.pairs = len(self.memcpy) + len(small) + len(self.dsts)
 
     def run(self) -> None:
         for dst, src in self.memcpy:
@@ -127,15 +154,10 @@ class PointerTable:
 
 
 def pointer_table(dsts: list, srcs: list) -> Optional[PointerTable]:
-    """A ``PointerTable`` when every pair is contiguous, 8-byte aligned in whole words and
-    Triton loads; else None (the caller keeps the foreach copy)."""
+    """A ``PointerTable`` for contiguous, 8-byte aligned pairs (``_aligned``) when Triton
+    loads; else None (the caller keeps the foreach copy)."""
     if len(dsts) < 2:
         return None
-    for d, s in zip(dsts, srcs):
-        nbytes = d.numel() * d.element_size()
-        if (not d.is_contiguous() or not s.is_contiguous() or nbytes % 8
-                or (d.data_ptr() | s.data_ptr()) % 8 or s.device != d.device):
-            return None
     kernel = _triton_kernel()
     return None if kernel is None else PointerTable(kernel, dsts, srcs, dsts[0].device)
 
