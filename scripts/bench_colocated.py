@@ -182,7 +182,7 @@ def _peak(device, fn) -> int:
         return 0
     torch.cuda.synchronize(device)
     base = torch.cuda.memory_allocated(device)
-    torch.cuda.reset_peak_stats(device)
+    torch.cuda.reset_peak_memory_stats(device)
     fn()
     torch.cuda.synchronize(device)
     return torch.cuda.max_memory_allocated(device) - base
@@ -223,8 +223,7 @@ def run(rank: int, args, port: int, results) -> None:
                 results.put((rank, name, label, {"train_peak_extra_mib": peak / 2**20}))
                 continue
             nbytes = _nbytes(batch)
-            ref = (train_buffers(c, args.layers, device, dtype) if label == "refit" or True
-                   else None)
+            ref = train_buffers(c, args.layers, device, dtype)  # the same values, regenerated
             expect, _ = wire(c, args.layers, ref, None, dtype)
             by_name = {t.name: t.src for t in expect}
             for t in batch:  # bit for bit, against the sources regenerated here
