@@ -22,6 +22,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megatron_reshard.engine.transports import (DEFAULT_TRANSPORT, attach_transport,
+                                                 check_transport_name, close_transport,
+                                                 make_transport)
 from megatron_reshard.faults import POLL_S, FaultBoard, RefitError, RefitTimeout, attach_board
 
 # group -> (its store, whether this rank hosts it, world size), for destroy_refit_group
@@ -32,7 +35,7 @@ def create_refit_group(host: str, port: int, rank: int, world_size: int,
                        backend: str = "gloo", timeout_s: float = 300.0,
                        prefix: str = "refit", device: Optional[torch.device] = None,
                        is_store_server: Optional[bool] = None, *, who: Optional[str] = None,
-                       label: Optional[str] = None):
+                       label: Optional[str] = None, transport: Optional[str] = None):
     """Join the refit group ``prefix`` of ``world_size`` ranks rendezvousing at host:port.
 
     Rank 0 hosts the store unless ``is_store_server`` says otherwise. ``device`` (NCCL
@@ -45,11 +48,22 @@ def create_refit_group(host: str, port: int, rank: int, world_size: int,
     on the group (size, backend) and that no rank number is taken twice; a disagreement
     raises on every rank at once with what each rank said. The group gets a fault board
     (``megatron_reshard.faults``): its waits raise instead of hanging when a peer fails.
+
+    ``transport`` (``engine.transports``): how the group moves bytes, "p2p" (point-to-point
+    over the group) or "colocated" (copies out of the training ranks' mapped memory; the
+    group then carries control messages only, over gloo). None follows the ranks that
+    chose (a vLLM worker follows its trainer); ranks that chose differently are refused at
+    join; nobody chose: "p2p".
     """
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"create_refit_group: backend must be 'gloo' or 'nccl', found {backend!r}")
     if not 0 <= rank < world_size:
         raise ValueError(f"create_refit_group: rank {rank} outside [0, {world_size})")
+    if transport is not None:
+        check_transport_name(transport)
+        if transport == "colocated" and backend != "gloo":
+            raise ValueError(f"create_refit_group: the colocated transport talks over gloo "
+                             f"(its data never crosses the group), found backend {backend!r}")
     label = label or f"refit group at {host}:{port}"
     who = who or f"group rank {rank} of the {label}"
     timeout = timedelta(seconds=timeout_s)
@@ -62,7 +76,7 @@ def create_refit_group(host: str, port: int, rank: int, world_size: int,
                          f"within {timeout_s:g} s (group rank 0 hosts it): {exc}") from exc
     store = dist.PrefixStore(f"{prefix}/", raw)
     board = FaultBoard(store, rank, world_size, who, label, timeout_s, backend)
-    _join(board, backend)
+    chosen = _join(board, backend, transport)
     if backend == "gloo":
         pg = dist.ProcessGroupGloo(store, rank, world_size, timeout)
     else:
@@ -74,28 +88,33 @@ def create_refit_group(host: str, port: int, rank: int, world_size: int,
             pg.eager_connect_single_device(torch.device(device))
     _STORES[pg] = (store, server, world_size)
     attach_board(pg, board)
+    attach_transport(pg, make_transport(chosen, pg, store))
     return pg
 
 
 NCCL_TIMEOUT_MARGIN_S = 10.0
 
 
-def _join(board: FaultBoard, backend: str) -> None:
+def _join(board: FaultBoard, backend: str, transport: Optional[str] = None) -> str:
     """Every rank posts what it believes the group is; each reads all posts until the group
-    is complete. A disagreement (size, backend, a rank number twice or out of range) is
-    posted on the board, so every rank raises it within a poll."""
+    is complete. A disagreement (size, backend, transport, a rank number twice or out of
+    range) is posted on the board, so every rank raises it within a poll. Returns the
+    group's transport."""
     store, rank, world = board.store, board.rank, board.world
-    mine = {"rank": rank, "world": world, "backend": backend, "who": board.who}
+    mine = {"rank": rank, "world": world, "backend": backend, "who": board.who,
+            "transport": transport}
     seq = int(store.add("join/count", 1))
     store.set(f"join/{seq}", json.dumps(mine))
     try:
-        _join_until_complete(board, mine)
+        seen = _join_until_complete(board, mine)
     except RefitError:
         _linger_if_host(board)
         raise
+    chosen = {s.get("transport") for s in seen.values()} - {None}
+    return chosen.pop() if chosen else DEFAULT_TRANSPORT
 
 
-def _join_until_complete(board: FaultBoard, mine: dict) -> None:
+def _join_until_complete(board: FaultBoard, mine: dict) -> dict:
     store, world = board.store, board.world
     seen: dict[int, dict] = {}
     read = 0
@@ -115,7 +134,7 @@ def _join_until_complete(board: FaultBoard, mine: dict) -> None:
                 raise RefitError(f"{board.label}: {problem}")
             seen[other["rank"]] = other
         if len(seen) == world:
-            return
+            return seen
         if time.monotonic() > deadline:
             missing = sorted(set(range(world)) - set(seen))
             raise RefitTimeout(f"{board.label}, {board.who}: group ranks {missing} of {world} did "
@@ -146,6 +165,11 @@ def _join_problem(mine: dict, other: dict, seen: dict) -> Optional[str]:
         return (f"ranks disagree on the group: {mine['who']} (rank {mine['rank']}) expects "
                 f"{mine['world']} ranks over {mine['backend']}, {other['who']} (rank "
                 f"{other['rank']}) expects {other['world']} ranks over {other['backend']}")
+    theirs = other.get("transport")
+    if theirs is not None and mine["transport"] is not None and theirs != mine["transport"]:
+        return (f"ranks disagree on the group's transport: {mine['who']} (rank {mine['rank']}) "
+                f"chose {mine['transport']!r}, {other['who']} (rank {other['rank']}) "
+                f"chose {theirs!r}")
     if not 0 <= other["rank"] < mine["world"]:
         return (f"{other['who']} joined as rank {other['rank']}, outside the group's ranks "
                 f"0..{mine['world'] - 1}")
@@ -165,6 +189,7 @@ def destroy_refit_group(pg, timeout_s: float = 60.0) -> int:
     host has exited prints ``recvValue failed`` tracebacks. Returns how many ranks had
     shut down when this one returned (the host: all of them, unless the timeout ran out).
     """
+    close_transport(pg)  # a colocated transport lets go of the peers' mapped memory
     pg.shutdown()
     entry = _STORES.pop(pg, None)
     if entry is None:  # not made by create_refit_group: no store to meet at

@@ -54,7 +54,8 @@ from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence, Union
 
 import torch
 
-from megatron_reshard.engine import Planner, Transfer, xfer_batch
+from megatron_reshard.engine import Planner, Transfer
+from megatron_reshard.engine.transports import transport_of
 from megatron_reshard.engine.geometry import box_shape
 from megatron_reshard.engine.plan import gc_paused
 from megatron_reshard.engine.transport import all_gather_ints, control_device, group_rank
@@ -193,7 +194,9 @@ class RefitLoop:
         planner (plans and schedules cached for the loop's lifetime); a substitute such as
         ``xfer_batch_reference`` takes the same keywords.
         """
-        fn = self._xfer_batch or xfer_batch
+        # without a substitute, each group's own transport moves its batches (p2p or
+        # colocated, chosen when the group was made: engine.transports)
+        fn = self._xfer_batch
         if self._planner is None:
             self._planner = Planner()
         # The engine's agreement step (a small all-reduce and a host sync per batch) guards
@@ -203,8 +206,9 @@ class RefitLoop:
         agree = not self._agreed
 
         def call(transfers, group, stream):
-            fn(transfers, group, stream=stream, staging_bytes=self.staging_bytes,
-               planner=self._planner, agree=agree)
+            move = fn or transport_of(group).move
+            move(transfers, group, stream=stream, staging_bytes=self.staging_bytes,
+                 planner=self._planner, agree=agree)
 
         return call, Transfer
 

@@ -95,7 +95,8 @@ def _train(job, control, plan):
         control.set("payload", source.payload_bytes())
     group = create_refit_group(job.host, job.ports[1 + source.stage], source.stage_local_rank,
                                1 + GEN, "gloo", TIMEOUT_S, who=f"train rank {job.rank}",
-                               label=f"refit group of PP stage {source.stage}")
+                               label=f"refit group of PP stage {source.stage}",
+                               transport=plan.get("transport"))  # gen ranks follow it
     sender = RefitSender(source, group, verify_checksums=True)
     step = {"k": 0}
     if plan.get("victim") == job.rank:
@@ -163,7 +164,12 @@ def _gen(job, control, plan, gen_rank):
             want = json.loads(control.get(key))
             versions[k] = sorted(n for n in actual if want.get(n) == actual[n])
     fault_at = float(control.get("fault_at")) if control.check(["fault_at"]) else None
+    from megatron_reshard.engine.transports import transport_of
+
+    transports = sorted({transport_of(g).name
+                         for g in worker._refit_state()["groups"].values()})
     return {"role": "gen", "error": error, "failed_at": failed_at, "refits": done,
+            "transports": transports,
             "fault_at": fault_at,
             "state": state, "versions": versions, "names": sorted(actual),
             "report": worker.report()}
@@ -187,9 +193,12 @@ def _run(pool, timeout_s=240, **plan):
     return results, time.time() - t0
 
 
-@pytest.mark.parametrize("seed", [1, 2])
-def test_killed_training_rank_fails_every_survivor_and_a_restart_restores_consistency(pool, seed):
-    results, _ = _run(pool, victim=1, fault="kill", seed=seed, tag=f"kill{seed}", fresh_gen=True)
+# every fault test runs over both transports: process-group P2P and colocated (mapped memory)
+@pytest.mark.parametrize("seed,transport", [(1, "p2p"), (2, "p2p"), (1, "colocated")])
+def test_killed_training_rank_fails_every_survivor_and_a_restart_restores_consistency(
+        pool, seed, transport):
+    results, _ = _run(pool, victim=1, fault="kill", seed=seed, tag=f"kill{seed}{transport}",
+                      fresh_gen=True, transport=transport)
     assert isinstance(results[1], RankFailure) and "died" in results[1].text
     fault_at = None
     for r in (0, 2, 3):
@@ -212,7 +221,7 @@ def test_killed_training_rank_fails_every_survivor_and_a_restart_restores_consis
         assert results[r]["failed_at"] - fault_at < TIMEOUT_S + MARGIN_S
 
     # a restarted training side on new refit groups: one completed refit, weights consistent
-    results, _ = _run(pool, refits=1, tag=f"restart{seed}")
+    results, _ = _run(pool, refits=1, tag=f"restart{seed}{transport}", transport=transport)
     for r in (2, 3):
         gen = results[r]
         assert gen["error"] is None and gen["state"]["state"] == "consistent", gen
@@ -220,8 +229,10 @@ def test_killed_training_rank_fails_every_survivor_and_a_restart_restores_consis
         assert set(gen["versions"][1]) == set(gen["names"])  # every param bit-exact
 
 
-def test_killed_generation_rank_fails_every_survivor_within_the_timeout(pool):
-    results, _ = _run(pool, victim=3, fault="kill", seed=3, tag="killgen", fresh_gen=True)
+@pytest.mark.parametrize("transport", ["p2p", "colocated"])
+def test_killed_generation_rank_fails_every_survivor_within_the_timeout(pool, transport):
+    results, _ = _run(pool, victim=3, fault="kill", seed=3, tag=f"killgen{transport}",
+                      fresh_gen=True, transport=transport)
     assert isinstance(results[3], RankFailure) and "died" in results[3].text
     times = []
     for r in (0, 1, 2):
@@ -235,10 +246,11 @@ def test_killed_generation_rank_fails_every_survivor_within_the_timeout(pool):
     assert max(times) - gen["fault_at"] < TIMEOUT_S + MARGIN_S
 
 
-def test_stopped_training_rank_makes_survivors_time_out(pool):
+@pytest.mark.parametrize("transport", ["p2p", "colocated"])
+def test_stopped_training_rank_makes_survivors_time_out(pool, transport):
     # survivors return their errors; the stopped rank is killed when the job times out
-    results, elapsed = _run(pool, victim=1, fault="stop", seed=4, tag="stop", fresh_gen=True,
-                            timeout_s=45)
+    results, elapsed = _run(pool, victim=1, fault="stop", seed=4, tag=f"stop{transport}",
+                            fresh_gen=True, timeout_s=45, transport=transport)
     assert isinstance(results[1], RankFailure) and "killed" in results[1].text
     for r in (0, 2, 3):
         res = results[r]

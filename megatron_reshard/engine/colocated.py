@@ -1,0 +1,276 @@
+"""Colocated transport: generation ranks copy straight out of the training ranks' memory.
+
+Torch + stdlib only. Training and generation processes share the devices (or one host's
+CPU memory in tests). Per batch, on every rank of the refit group, in this order:
+
+1. the batch is described and planned by the engine's own code (``execute._describe``:
+   same validation, same ``Planner`` cache, same fingerprint) and this rank's tensors are
+   checked (``checks``); with ``agree`` the engine's vote runs (``agree.py``), so bad
+   input raises on every rank before any byte moves;
+2. a training rank waits for its device (the optimizer step's writes are complete),
+   shares the storages under its source views (``shared_memory``: once per storage) and,
+   when the views changed since the batch's last call, publishes their description
+   (storage, offset, size, stride per tensor) in the group's store under a new
+   generation number;
+3. the *ready* barrier (one MAX all-reduce of per-rank slots): every rank learns each
+   training rank's generation for the batch and whether any rank found a local problem
+   (then all raise). Reads start only after it;
+4. a generation rank maps what changed (opened storages are kept across refits: a
+   training storage is reopened only when it changes), derives its reads from the plan's
+   ownerships (each destination piece read once, directly from one holder of each source
+   box: replicas spread over generation ranks; no phase-1 exchange between generation
+   ranks) and runs them as plain copies (``colocated_copies``), then waits for them;
+5. the *done* barrier: the training side returns (and may free a pre-hook buffer) only
+   after every generation rank has copied.
+
+The commit vote, versions and weight state are the refit loop's, unchanged. A rank that
+dies or hangs leaves its peers waiting in a barrier, which is fault-aware
+(``faults.wait_works``): they raise within the group's timeout. After any failure this
+transport lets go of every mapping and refuses further batches, so memory of a dead
+process is never read again.
+"""
+
+from __future__ import annotations
+
+import pickle
+from contextlib import nullcontext
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_reshard.faults import RefitError, board_of, wait_device
+
+from . import agree as agreement
+from .agree import Description, Vote
+from .checks import check_local, local_ok
+from .colocated_copies import CopyBatch, read_pairs
+from .execute import _describe, _Rejected  # the engine's batch description, reused as is
+from .members import is_members
+from .plan import Planner
+from .shared_memory import StorageHandle, export_storage, open_storage, view_of
+from .transport import P2PTransport, all_reduce
+
+_KEY = "colocated"   # prefix of this transport's keys in the group's store
+_CACHE = 64          # copy batches kept per transport (one per batch and generation)
+
+
+class ColocatedTransport:
+    """The ``"colocated"`` refit transport of one refit group (see the module docstring)."""
+
+    name = "colocated"
+
+    def __init__(self, group: Any, store: Any):
+        self.group, self.store = group, store
+        self.me, self.world = group.rank(), group.size()
+        self._control = P2PTransport(group, torch.device("cpu"))
+        self._broken: Optional[str] = None
+        self._generation = 0
+        # training side
+        self._handles: dict = {}     # storage key -> StorageHandle (shared once)
+        self._published: dict = {}   # batch fp -> (its description, generation)
+        self._keep: dict = {}        # batch fp -> storages under the published views
+        # generation side
+        self._opened: dict = {}      # (train rank, handle key) -> opened storage
+        self._mapped: dict = {}      # (train rank, batch fp) -> (generation, per-transfer views)
+        self._batches: dict = {}     # (fp, generations, dst key) -> CopyBatch
+
+    # -- the interface -------------------------------------------------------------
+
+    def move(self, transfers: Sequence, group: Any, *, stream=None,
+             staging_bytes: int = 256 << 20, planner: Optional[Planner] = None,
+             agree: bool = True) -> None:
+        if group is not self.group:
+            raise ValueError("ColocatedTransport.move: called with another group than its own")
+        if self._broken is not None:
+            raise RefitError(f"the colocated transport of this refit group failed earlier "
+                             f"({self._broken}); create a new refit group")
+        try:
+            self._move(transfers, stream, staging_bytes, planner or Planner(), agree)
+        except BaseException as exc:
+            self._broken = f"{type(exc).__name__}: {exc}"
+            self.close()  # a peer may be dead: never read its memory again
+            raise
+
+    def close(self) -> None:
+        self._batches.clear()
+        self._mapped.clear()
+        self._opened.clear()
+        self._keep.clear()
+        self._published.clear()
+
+    # -- one batch -----------------------------------------------------------------
+
+    def _move(self, transfers, stream, staging_bytes: int, planner: Planner,
+              agree: bool) -> None:
+        me, world = self.me, self.world
+        device_type = _device_type(transfers)
+        problem = batch = None
+        tensors: list = []
+        try:
+            batch = _describe(transfers, world, me, staging_bytes, "python", planner,
+                              id(self.group))
+        except _Rejected as rejected:
+            problem = rejected.problem
+        if problem is None:
+            ok, _ = local_ok(transfers, batch.expected, device_type, tensors)
+            if not ok:
+                problem, _ = check_local(transfers, batch.plans, me, device_type)
+        if agree:
+            first = (tuple(map(int, transfers[0].global_shape))
+                     if transfers and problem is None else None)
+            vote = Vote(problem, len(transfers), staging_bytes,
+                        batch.fp if batch is not None else None, 0, 0, first)
+            pending = agreement.start(vote, self._control)
+            agreement.conclude(pending, lambda: _description(batch, transfers),
+                               self._control, "the colocated refit")
+        sources = problem is None and any(t.src is not None for t in transfers)
+        generation = self._publish(batch, transfers) if sources else 0
+        ready = torch.zeros(2 * world, dtype=torch.int64)
+        ready[me] = generation
+        ready[world + me] = 1 if problem is not None else 0
+        all_reduce(ready, self.group, dist.ReduceOp.MAX, "the colocated refit's ready barrier")
+        flags = ready.tolist()
+        failed = [r for r in range(world) if flags[world + r]]
+        if failed:
+            mine = f": {problem.text()}" if problem is not None else ""
+            raise ValueError(f"colocated refit: group ranks {failed} found a problem with "
+                             f"their local tensors (this is group rank {me}){mine}")
+        if any(t.dst is not None for t in transfers):
+            board = board_of(self.group)
+            if board is not None:  # every peer passed the barrier; none has posted since
+                board.raise_if_failed("a colocated refit's copies")
+            copies = self._copy_batch(batch, transfers, tuple(flags[:world]))
+            with torch.cuda.stream(stream) if stream is not None else nullcontext():
+                copies.run()
+            if copies.device.type == "cuda":  # the reads are done before the training side goes on
+                wait_device(copies.device, [self.group], "a colocated refit's copies")
+        done = torch.zeros(1, dtype=torch.int64)
+        all_reduce(done, self.group, dist.ReduceOp.MAX, "the colocated refit's done barrier")
+
+    # -- training side: share and describe the source views ---------------------------
+
+    def _publish(self, batch, transfers) -> int:
+        """Share this rank's source storages and publish the batch's views when they
+        changed; returns the generation of the views now in force for this batch."""
+        device = _first_device(t.src for t in transfers)
+        if device is not None and device.type == "cuda":  # the optimizer step's writes
+            wait_device(device, [self.group], "the training side's writes before a colocated refit")
+        keys, storages, handles = [], [], {}
+        views = tuple(self._describe_source(t.src, keys, storages, handles) for t in transfers)
+        published = self._published.get(batch.fp)
+        if published is not None and published[0] == views:
+            return published[1]
+        self._generation += 1
+        blob = pickle.dumps((views, handles))
+        self.store.set(f"{_KEY}/{self.me}/{batch.fp:x}/{self._generation}", blob)
+        self._published[batch.fp] = (views, self._generation)
+        self._keep[batch.fp] = storages  # alive while a reader may map them
+        return self._generation
+
+    def _describe_source(self, x, keys: list, storages: list, handles: dict):
+        if x is None:
+            return None
+        if is_members(x):
+            return ("members", tuple(self._describe_tensor(m, storages, handles) for m in x))
+        return ("tensor", self._describe_tensor(x, storages, handles))
+
+    def _describe_tensor(self, t: torch.Tensor, storages: list, handles: dict) -> tuple:
+        storage = t.untyped_storage()
+        key = (t.device.type, t.device.index, storage.data_ptr(), storage.nbytes())
+        handle = self._handles.get(key)
+        if handle is None:
+            handle = export_storage(storage)  # on CPU: moved into shared memory, in place
+            key = (t.device.type, t.device.index, storage.data_ptr(), storage.nbytes())
+            self._handles[key] = handle
+        handles[handle.key] = handle
+        storages.append(storage)
+        return (handle.key, str(t.dtype).removeprefix("torch."), t.storage_offset(),
+                tuple(t.shape), tuple(t.stride()))
+
+    # -- generation side: map the sources, derive the reads -------------------------
+
+    def _copy_batch(self, batch, transfers, generations: tuple) -> CopyBatch:
+        dst_key = tuple(_tensor_key(t.dst) for t in transfers)
+        key = (batch.fp, generations, dst_key)
+        got = self._batches.get(key)
+        if got is not None:
+            return got
+        sources = {r: self._views_of(r, batch.fp, g) for r, g in enumerate(generations) if g}
+        pairs = read_pairs(transfers, batch.plans, self.me, sources)
+        got = CopyBatch(pairs, _first_device(t.dst for t in transfers) or torch.device("cpu"))
+        if len(self._batches) >= _CACHE:
+            self._batches.clear()
+        self._batches[key] = got
+        return got
+
+    def _views_of(self, rank: int, fp: int, generation: int) -> list:
+        """Training rank ``rank``'s source views of batch ``fp`` as mapped here."""
+        cached = self._mapped.get((rank, fp))
+        if cached is not None and cached[0] == generation:
+            return cached[1]
+        views, handles = pickle.loads(self.store.get(f"{_KEY}/{rank}/{fp:x}/{generation}"))
+        for hkey, handle in handles.items():
+            if (rank, hkey) not in self._opened:
+                self._opened[(rank, hkey)] = open_storage(StorageHandle(*handle))
+        mapped = [None if v is None else self._rebuild(rank, v) for v in views]
+        self._mapped[(rank, fp)] = (generation, mapped)
+        self._forget_unused(rank)
+        return mapped
+
+    def _rebuild(self, rank: int, view: tuple):
+        kind, body = view
+        if kind == "members":
+            return [self._tensor(rank, m) for m in body]
+        return self._tensor(rank, body)
+
+    def _tensor(self, rank: int, entry: tuple) -> torch.Tensor:
+        hkey, dtype, offset, size, stride = entry
+        return view_of(self._opened[(rank, hkey)], getattr(torch, dtype), offset, size, stride)
+
+    def _forget_unused(self, rank: int) -> None:
+        """Close the storages of ``rank`` that no mapped batch uses any more (a training
+        storage that changed: a pre hook's fresh buffer)."""
+        used = set()
+        for (r, _), (_, mapped) in self._mapped.items():
+            if r == rank:
+                for x in mapped:
+                    for t in (x if isinstance(x, list) else [x]):
+                        if t is not None:
+                            used.add(t.untyped_storage().data_ptr())
+        for key in [k for k in self._opened if k[0] == rank]:
+            if self._opened[key].data_ptr() not in used:
+                del self._opened[key]
+
+
+def _device_type(transfers) -> str:
+    device = _first_device(x for t in transfers for x in (t.src, t.dst))
+    return "cpu" if device is None else device.type
+
+
+def _first_device(items) -> Optional[torch.device]:
+    for x in items:
+        if x is None:
+            continue
+        if is_members(x):
+            if x:
+                return x[0].device
+            continue
+        if isinstance(x, torch.Tensor):
+            return x.device
+    return None
+
+
+def _tensor_key(x) -> Optional[tuple]:
+    """What the copies depend on of a destination: its address and geometry."""
+    if x is None:
+        return None
+    if is_members(x):
+        return tuple(_tensor_key(m) for m in x)
+    return (x.data_ptr(), tuple(x.shape), x.stride())
+
+
+def _description(batch, transfers) -> Description:
+    if batch is not None:
+        return batch.description(transfers)
+    return Description([getattr(t, "name", f"#{i}") for i, t in enumerate(transfers)], None, None)

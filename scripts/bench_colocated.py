@@ -1,0 +1,297 @@
+"""Colocated refit benchmark: two processes on one device, TP1 -> TP1, against a memcpy.
+
+    python scripts/bench_colocated.py                         # one GPU (CUDA IPC)
+    python scripts/bench_colocated.py --device cpu --small    # CPU smoke (shared memory)
+
+Needs torch only. Process 0 plays the training rank: Megatron's parameter buffers of a
+Qwen3-shaped slice (per layer: interleaved ``linear_qkv`` [nkv, (q/kv + 2) * head_dim, H],
+``linear_proj``, norms, router, and either the dense ``linear_fc1`` [2 * FFN, H] / ``fc2``
+or 128 experts each with its own ``fc1`` [2 * 768, H] / ``fc2`` [H, 768]; embedding and
+output layer). Process 1 plays the generation rank: vLLM's storage (``qkv_proj``,
+``gate_up_proj``, stacked ``w13`` [E, 2 * 768, H] / ``w2`` [E, H, 768]). They form a
+refit group with ``transport="colocated"`` and move the refit tensors as the refit loop
+hands them over (wire forms: q/k/v per KV group, gate/up as the halves of fc1, experts as
+lists of per-expert views), in one batch. Reported per case (median of ``--iters``):
+
+- ``refit``: a whole refit on the generation rank (ready barrier, copies, device sync,
+  done barrier), GB/s beside ``dst.copy_(src)`` of the same bytes in the same run, ratio;
+- ``copies``: the refit's copies alone (the cached copy batch run, CUDA events);
+- ``experts``: one layer's expert params alone (w13 gate + up halves, w2), both ways;
+- host µs per param of a refit (thread CPU time on the generation rank);
+- peak extra device memory of one refit on each side (allocator peaks).
+Every case is checked bit for bit against the source values regenerated on the
+generation side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.multiprocessing as mp
+
+SLICES = {  # hidden, heads, kv heads, head_dim, dense FFN or (experts, expert FFN), vocab
+    "qwen3_30b_a3b": dict(h=2048, heads=32, kv=4, hd=128, ffn=None, experts=128, effn=768,
+                          vocab=151936),
+    "qwen3_8b": dict(h=4096, heads=32, kv=8, hd=128, ffn=12288, experts=0, effn=0,
+                     vocab=151936),
+}
+SMALL = {"qwen3_30b_a3b": dict(h=64, heads=8, kv=2, hd=16, ffn=None, experts=8, effn=32, vocab=500),
+         "qwen3_8b": dict(h=64, heads=8, kv=2, hd=16, ffn=160, experts=0, effn=0, vocab=500)}
+
+
+def _fill(shape, seed: int, device, dtype) -> torch.Tensor:
+    g = torch.Generator(device=device).manual_seed(seed)
+    return torch.randn(shape, generator=g, device=device, dtype=torch.float32).to(dtype)
+
+
+def train_buffers(c: dict, layers: int, device, dtype) -> dict:
+    """Megatron's local params of the slice (TP1), deterministic per name."""
+    out, seed = {}, [0]
+
+    def make(name, shape):
+        seed[0] += 1
+        out[name] = _fill(shape, seed[0], device, dtype)
+
+    h, q_per = c["h"], c["heads"] // c["kv"]
+    make("embedding", (c["vocab"], h))
+    for i in range(layers):
+        make(f"{i}.qkv", (c["kv"] * (q_per + 2) * c["hd"], h))
+        make(f"{i}.proj", (h, c["heads"] * c["hd"]))
+        make(f"{i}.ln1", (h,))
+        make(f"{i}.ln2", (h,))
+        if c["experts"]:
+            make(f"{i}.router", (c["experts"], h))
+            for e in range(c["experts"]):
+                make(f"{i}.e{e}.fc1", (2 * c["effn"], h))
+                make(f"{i}.e{e}.fc2", (h, c["effn"]))
+        else:
+            make(f"{i}.fc1", (2 * c["ffn"], h))
+            make(f"{i}.fc2", (h, c["ffn"]))
+    make("output", (c["vocab"], h))
+    return out
+
+
+def gen_buffers(c: dict, layers: int, device, dtype) -> dict:
+    h, e, f = c["h"], c["experts"], c["effn"]
+    out = {"embed": torch.empty(c["vocab"], h, device=device, dtype=dtype),
+           "lm_head": torch.empty(c["vocab"], h, device=device, dtype=dtype)}
+    for i in range(layers):
+        out[f"{i}.qkv_proj"] = torch.empty((c["heads"] + 2 * c["kv"]) * c["hd"], h,
+                                           device=device, dtype=dtype)
+        out[f"{i}.o_proj"] = torch.empty(h, c["heads"] * c["hd"], device=device, dtype=dtype)
+        out[f"{i}.ln1"] = torch.empty(h, device=device, dtype=dtype)
+        out[f"{i}.ln2"] = torch.empty(h, device=device, dtype=dtype)
+        if e:
+            out[f"{i}.gate"] = torch.empty(e, h, device=device, dtype=dtype)
+            out[f"{i}.w13"] = torch.empty(e, 2 * f, h, device=device, dtype=dtype)
+            out[f"{i}.w2"] = torch.empty(e, h, f, device=device, dtype=dtype)
+        else:
+            out[f"{i}.gate_up"] = torch.empty(2 * c["ffn"], h, device=device, dtype=dtype)
+            out[f"{i}.down"] = torch.empty(h, c["ffn"], device=device, dtype=dtype)
+    return out
+
+
+def wire(c: dict, layers: int, train: dict | None, gen: dict | None, dtype) -> tuple:
+    """The refit tensors (name, global shape, src view, dst view): ``train``/``gen`` is
+    None on the other process. Returns (all transfers, the expert transfers of layer 0)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    from megatron_reshard.engine import Transfer
+    from megatron_reshard.layout import MeshInfo
+
+    src_mesh, dst_mesh = MeshInfo(torch.tensor([0])), MeshInfo(torch.tensor([1]))
+    h, kv, hd, q_per = c["h"], c["kv"], c["hd"], c["heads"] // c["kv"]
+    out, experts = [], []
+
+    def add(name, shape, src, dst, shard=False, bucket=None):
+        sp = [Shard(0)] if shard else [Replicate()]
+        t = Transfer(name, tuple(shape), dtype, src_mesh, sp, dst_mesh, [Replicate()],
+                     src() if train is not None else None, dst() if gen is not None else None)
+        out.append(t)
+        if bucket is not None:
+            bucket.append(t)
+
+    T, G = train or {}, gen or {}
+    add("embed", (c["vocab"], h), lambda: T["embedding"], lambda: G["embed"])
+    for i in range(layers):
+        qkv3 = (lambda i=i: T[f"{i}.qkv"].view(kv, (q_per + 2) * hd, h))
+        rows = [("q", 0, q_per * hd), ("k", q_per * hd, hd), ("v", (q_per + 1) * hd, hd)]
+        at = 0
+        for part, start, n in rows:
+            glob = (kv, n, h)
+            add(f"{i}.{part}", glob, lambda s=start, n=n, f=qkv3: f()[:, s:s + n, :],
+                lambda i=i, at=at, n=n: G[f"{i}.qkv_proj"][at:at + kv * n].view(kv, n, h))
+            at += kv * n
+        add(f"{i}.o", (h, c["heads"] * hd), lambda i=i: T[f"{i}.proj"], lambda i=i: G[f"{i}.o_proj"])
+        for ln in ("ln1", "ln2"):
+            add(f"{i}.{ln}", (h,), lambda i=i, ln=ln: T[f"{i}.{ln}"], lambda i=i, ln=ln: G[f"{i}.{ln}"])
+        if c["experts"]:
+            e, f = c["experts"], c["effn"]
+            add(f"{i}.router", (e, h), lambda i=i: T[f"{i}.router"], lambda i=i: G[f"{i}.gate"])
+            bucket = experts if i == 0 else None
+            for part, lo in (("gate", 0), ("up", f)):
+                add(f"{i}.experts.{part}", (e, f, h),
+                    lambda i=i, lo=lo: [T[f"{i}.e{k}.fc1"][lo:lo + f] for k in range(e)],
+                    lambda i=i, lo=lo: G[f"{i}.w13"][:, lo:lo + f], shard=True, bucket=bucket)
+            add(f"{i}.experts.down", (e, h, f),
+                lambda i=i: [T[f"{i}.e{k}.fc2"] for k in range(e)],
+                lambda i=i: G[f"{i}.w2"], shard=True, bucket=bucket)
+        else:
+            n = c["ffn"]
+            for part, lo in (("gate", 0), ("up", n)):
+                add(f"{i}.{part}", (n, h), lambda i=i, lo=lo: T[f"{i}.fc1"][lo:lo + n],
+                    lambda i=i, lo=lo: G[f"{i}.gate_up"][lo:lo + n])
+            add(f"{i}.down", (h, n), lambda i=i: T[f"{i}.fc2"], lambda i=i: G[f"{i}.down"])
+    add("lm_head", (c["vocab"], h), lambda: T["output"], lambda: G["lm_head"])
+    return out, experts
+
+
+def _nbytes(transfers) -> int:
+    return sum(torch.Size(t.global_shape).numel() * t.dtype.itemsize for t in transfers)
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _memcpy_s(nbytes: int, device, iters: int) -> float:
+    a = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    times = []
+    for _ in range(iters + 2):
+        _sync(device)
+        t0 = time.perf_counter()
+        b.copy_(a)
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    del a, b
+    return statistics.median(times[2:])
+
+
+def _peak(device, fn) -> int:
+    if device.type != "cuda":
+        fn()
+        return 0
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    fn()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - base
+
+
+def run(rank: int, args, port: int, results) -> None:
+    from megatron_reshard.comm import create_refit_group, destroy_refit_group
+    from megatron_reshard.engine import Planner
+    from megatron_reshard.engine.transports import transport_of
+
+    device = torch.device(args.device if args.device == "cpu" else "cuda:0")
+    dtype = torch.bfloat16
+    group = create_refit_group("127.0.0.1", port, rank, 2, "gloo", 120.0,
+                               transport="colocated", who=("train", "gen")[rank])
+    move = transport_of(group).move
+    rows = []
+    for name in args.cases:
+        c = (SMALL if args.small else SLICES)[name]
+        train = train_buffers(c, args.layers, device, dtype) if rank == 0 else None
+        gen = gen_buffers(c, args.layers, device, dtype) if rank == 1 else None
+        transfers, experts = wire(c, args.layers, train, gen, dtype)
+        for label, batch in (("refit", transfers), ("experts", experts)):
+            if not batch:
+                continue
+            planner = Planner()
+            call = (lambda b=batch, p=planner, a=True: move(b, group, planner=p, agree=a))
+            call()  # maps the training storages, votes, builds the copies
+            times, host = [], []
+            for _ in range(args.warmup + args.iters):
+                _sync(device)
+                t0, h0 = time.perf_counter(), time.thread_time()
+                move(batch, group, planner=planner, agree=False)
+                _sync(device)
+                times.append(time.perf_counter() - t0)
+                host.append(time.thread_time() - h0)
+            peak = _peak(device, lambda: move(batch, group, planner=planner, agree=False))
+            if rank == 0:
+                results.put((rank, name, label, {"train_peak_extra_mib": peak / 2**20}))
+                continue
+            nbytes = _nbytes(batch)
+            ref = train_buffers(c, args.layers, device, dtype)  # the same values, regenerated
+            expect, _ = wire(c, args.layers, ref, None, dtype)
+            by_name = {t.name: t.src for t in expect}
+            for t in batch:  # bit for bit, against the sources regenerated here
+                want = by_name[t.name]
+                want = torch.stack(want) if isinstance(want, list) else want
+                assert torch.equal(t.dst.reshape(want.shape), want), f"{name}: {t.name} differs"
+            del ref, expect, by_name
+            copies = next(iter(transport_of(group)._batches.values()))
+            ctimes = []
+            for _ in range(args.iters + 2):
+                _sync(device)
+                t0 = time.perf_counter()
+                copies.run()
+                _sync(device)
+                ctimes.append(time.perf_counter() - t0)
+            transport_of(group)._batches.clear()
+            refit_s, copy_s = statistics.median(times[args.warmup:]), statistics.median(ctimes[2:])
+            raw_s = _memcpy_s(nbytes, device, args.iters)
+            results.put((rank, name, label, {
+                "mib": nbytes / 2**20, "params": len(batch), "copy_pairs": copies.pairs,
+                "memcpy_gbps": nbytes / raw_s / 1e9,
+                "refit_ms": refit_s * 1e3, "refit_gbps": nbytes / refit_s / 1e9,
+                "refit_vs_memcpy": raw_s / refit_s,
+                "copies_ms": copy_s * 1e3, "copies_gbps": nbytes / copy_s / 1e9,
+                "copies_vs_memcpy": raw_s / copy_s,
+                "host_us_per_param": 1e6 * statistics.median(host[args.warmup:]) / len(batch),
+                "gen_peak_extra_mib": peak / 2**20}))
+        del train, gen, transfers, experts
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    destroy_refit_group(group)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--small", action="store_true")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--iters", type=int, default=9)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--cases", nargs="+", default=list(SLICES))
+    ap.add_argument("--port", type=int, default=29611)
+    ap.add_argument("--json", default="")
+    args = ap.parse_args(argv)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=run, args=(r, args, args.port, results)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    got = []
+    while not results.empty():
+        got.append(results.get())
+    merged: dict = {}
+    for rank, name, label, row in got:
+        merged.setdefault((name, label), {"case": name, "path": label}).update(row)
+    table = list(merged.values())
+    env = {"torch": torch.__version__, "device": args.device,
+           "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+           "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"}
+    print(json.dumps({"env": env, "rows": table}, indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"env": env, "rows": table}, f, indent=1)
+    ok = all(p.exitcode == 0 for p in procs) and len(table) > 0
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
