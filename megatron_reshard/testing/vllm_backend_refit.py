@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_reshard.testing.vllm_refit import _publish_full_hf
-from megatron_reshard.tools.e2e import run_training_rank
+from megatron_reshard.tools.e2e import perturb_, run_training_rank
 from megatron_reshard.tools.run_config import RefitRunConfig
 
 PLANTED = "planted fault: training rank 0 stops sending part-way"
@@ -35,11 +35,11 @@ MISMATCH_OFFSET = 100
 
 
 def _failing_refit(ctx: dict) -> dict:
-    """Training side, after the good refits: one more refit; rank 0 raises from the pre
-    hook of a param half-way through its sends (posted on the fault board by the sender)."""
-    from megatron_reshard.spec import RefitCtx
-
+    """Training side, after the good refits: one more refit of changed weights; rank 0
+    raises from the pre hook of a param half-way through its sends (the sender posts it on
+    the fault board)."""
     sender = ctx["sender"]
+    perturb_(ctx["model"], ctx["cfg"].refits)  # new weights, so a partial write shows
     if ctx["rank"] == 0:
         specs = sender.loop.local_map.specs
         names = sorted(specs)

