@@ -64,7 +64,8 @@ def main(argv: list | None = None) -> int:
     cfg = RefitRunConfig(model="dense", model_overrides=dict(MODEL), refits=args.refits,
                          verify=False, dtype="bfloat16", quiet=True, timeout_s=args.timeout_s,
                          train_world=args.train_tp, train_tp=args.train_tp, train_pp=1,
-                         train_ep=1, gen_world=args.gen_tp, gen_tp=args.gen_tp, gen_ep=1)
+                         train_ep=1, gen_world=args.gen_tp, gen_tp=args.gen_tp, gen_ep=1,
+                         ports=(1, 2))  # placeholders: the pool hands each launch free ports
     problems = cfg.problems()
     if problems:
         print("invalid layout: " + "; ".join(problems), file=sys.stderr)
