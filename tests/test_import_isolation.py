@@ -36,6 +36,7 @@ OPTIONAL = [
     "megatron_reshard.quant",
     "megatron_reshard.fp8_plan",
     "megatron_reshard.receiver.fp8_targets",
+    "megatron_reshard.vllm_plugin",  # register() imports vLLM; the module does not
 ]
 
 _PROBE = textwrap.dedent(

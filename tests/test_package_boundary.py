@@ -52,3 +52,19 @@ def test_the_checker_sees_lazy_and_relative_imports():
     source = "import os\ndef f():\n    from ..tools.cli import main\n    from . import plan\n"
     names = _imported_modules(source, "megatron_reshard.engine")
     assert "megatron_reshard.tools.cli" in names and "megatron_reshard.engine.plan" in names
+
+
+VLLM_MODULES = {"vllm_plugin.py", "vllm_backend.py"}  # the backend; nothing else imports vLLM
+
+
+def test_only_the_vllm_backend_modules_import_vllm():
+    offenders = {}
+    for path in _library_files():
+        rel = path.relative_to(PACKAGE).as_posix()
+        package = ".".join(("megatron_reshard",) + path.relative_to(PACKAGE).parent.parts)
+        bad = [m for m in _imported_modules(path.read_text(), package)
+               if m == "vllm" or m.startswith("vllm.")]
+        if bad and rel not in VLLM_MODULES:
+            offenders[rel] = sorted(set(bad))
+    assert offenders == {}, f"library modules importing vllm outside the backend: {offenders}"
+    assert VLLM_MODULES <= {p.relative_to(PACKAGE).as_posix() for p in _library_files()}

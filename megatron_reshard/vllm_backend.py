@@ -1,0 +1,341 @@
+"""The ``megatron_reshard`` weight-transfer backend of vLLM 0.33 (worker side).
+
+Selected with ``WeightTransferConfig(backend="megatron_reshard")`` once the plugin
+(``megatron_reshard.vllm_plugin``, entry point group ``vllm.general_plugins``) registered
+it. vLLM's GPU worker builds one engine per worker with the model it holds
+(``model_runner.get_model()``) and forwards its weight-update calls to it. The engine
+composes the worker extension (``receiver.worker.MegatronReshardWorkerExtension``): every
+refit step below is the extension's own code, with the engine's model as the target.
+
+Lifecycle (vLLM worker call → engine → receiver):
+
+- ``init_weight_transfer_engine(init_info)`` → ``parse_init_info`` (``MegatronReshardInitInfo``)
+  → ``init_transfer_engine``: join one refit group per training PP stage
+  (``init_refit_groups``), then validate the whole payload against this rank's storage and
+  map every HF name onto it (``prepare_refit``); an error there is posted on the groups'
+  fault boards, so the training ranks raise it too.
+- ``start_weight_update()`` → opens one update (refuses a second one while open).
+- ``update_weights(update_info)`` → ``parse_update_info`` (``MegatronReshardUpdateInfo``) →
+  ``receive_weights``: one refit (receive every param, then the commit vote over all
+  groups: the weights' version advances only if every rank of every group got every
+  param). With ``update_info["version"]`` the committed version must equal it.
+  On failure it raises ``WeightUpdateError`` carrying the weight state.
+- ``finish_weight_update()`` → requires a refit committed in this update and consistent
+  weights; ``finish_weight_update(weight_version=N)`` (direct callers; vLLM's worker passes
+  none) checks the committed version too.
+- ``shutdown_weight_transfer_engine()`` → ``destroy_refit_groups``.
+
+The weight state (``refit_weights_state()``: ``consistent``/``inconsistent``, ``version``,
+``started_from``, ``overwritten``, ...) belongs to the engine and outlives refit groups, so a
+restarted trainer (``shutdown`` + ``init_transfer_engine`` on new ports) is seen to restore
+consistency.
+
+vLLM's own weight-update flow does not touch the scheduler's prefix cache; this engine runs
+inside the worker and cannot reach it. After a committed refit the caller must drop every
+KV block computed from the old weights (README, "vLLM weight-transfer backend").
+
+This module (and ``vllm_plugin``) are the only ones of the package that import vLLM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Sequence, Union
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+from megatron_reshard.receiver.worker import _PREPARE_OPTIONS, MegatronReshardWorkerExtension
+
+logger = logging.getLogger(__name__)
+
+_GROUP_BACKENDS = ("nccl", "gloo")
+
+
+class WeightUpdateError(RuntimeError):
+    """A weight update through the backend failed; ``weights`` is the weight state after it
+    (``MegatronReshardWorkerExtension.refit_weights_state()``)."""
+
+    def __init__(self, message: str, weights: Mapping[str, Any]):
+        super().__init__(message)
+        self.weights = dict(weights)
+
+
+class WeightVersionMismatch(WeightUpdateError):
+    """The refit committed a version other than the one the caller expected."""
+
+
+def _field_error(cls: str, name: str, expected: str, value: Any) -> ValueError:
+    return ValueError(f"{cls}.{name}: expected {expected}, found {value!r} "
+                      f"({type(value).__name__})")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_per_stage(cls: str, name: str, value: Any, *, lo: int, hi: Optional[int],
+                     scalar_ok: bool) -> None:
+    what = (f"an int in [{lo}, {hi}]" if hi is not None else f"an int >= {lo}")
+    shape = ("a list (index = PP stage) or a dict stage -> value of " + what
+             + (", or one such int for every stage" if scalar_ok else ""))
+    if scalar_ok and _is_int(value):
+        items = [("*", value)]
+    elif isinstance(value, Mapping):
+        items = list(value.items())
+    elif isinstance(value, (list, tuple)):
+        items = list(enumerate(value))
+    else:
+        raise _field_error(cls, name, shape, value)
+    if not items:
+        raise _field_error(cls, name, shape + " (at least one stage)", value)
+    for stage, v in items:
+        if stage != "*" and not (_is_int(stage) or (isinstance(stage, str) and stage.isdigit())):
+            raise ValueError(f"{cls}.{name}: stage keys must be ints >= 0, found {stage!r}")
+        if not _is_int(v) or v < lo or (hi is not None and v > hi):
+            where = "" if stage == "*" else f"[{stage}]"
+            raise ValueError(f"{cls}.{name}{where}: expected {what}, found {v!r}")
+
+
+@dataclass
+class MegatronReshardInitInfo(WeightTransferInitInfo):
+    """What ``init_weight_transfer_engine(init_info)`` takes (plain data: dicts over HTTP).
+
+    The first six fields are ``MegatronReshardWorkerExtension.init_refit_groups``'s
+    arguments; ``payload`` is the training side's refit payload (``MegatronRefitSource.payload``
+    as a plain dict, or its msgpack bytes ``payload_bytes()``); ``prepare_options`` are
+    ``prepare_refit``'s options (``num_streams``, ``batch_bytes``, ``staging_bytes``,
+    ``strided_in_place``, ``verify_checksums``; ``verify_checksums`` must match the sender's).
+    """
+
+    host: str
+    ports_by_stage: Union[Sequence[int], Mapping[int, int]]
+    group_sizes: Union[int, Sequence[int], Mapping[int, int]]
+    payload: Union[dict, bytes]
+    group_rank: Optional[int] = None
+    backend: str = "nccl"
+    timeout_s: float = 600.0
+    prepare_options: Optional[dict] = field(default=None)
+
+    def __post_init__(self) -> None:
+        cls = type(self).__name__
+        if not isinstance(self.host, str) or not self.host:
+            raise _field_error(cls, "host", "a non-empty host name or address", self.host)
+        _check_per_stage(cls, "ports_by_stage", self.ports_by_stage, lo=1, hi=65535,
+                         scalar_ok=False)
+        _check_per_stage(cls, "group_sizes", self.group_sizes, lo=2, hi=None, scalar_ok=True)
+        if not isinstance(self.payload, (dict, bytes, bytearray)):
+            raise _field_error(cls, "payload", "the refit payload as a dict (or its msgpack bytes)",
+                               self.payload)
+        if isinstance(self.payload, dict) and "schema_version" not in self.payload:
+            raise ValueError(f"{cls}.payload: expected a refit payload (a dict with "
+                             f"'schema_version'), found a dict with keys "
+                             f"{sorted(map(str, self.payload))[:8]}")
+        if self.group_rank is not None and (not _is_int(self.group_rank) or self.group_rank < 0):
+            raise _field_error(cls, "group_rank", "None (derive from vLLM's rank) or an int >= 0",
+                               self.group_rank)
+        if self.backend not in _GROUP_BACKENDS:
+            raise _field_error(cls, "backend", f"one of {list(_GROUP_BACKENDS)}", self.backend)
+        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) \
+                or not self.timeout_s > 0:
+            raise _field_error(cls, "timeout_s", "a number of seconds > 0", self.timeout_s)
+        if self.prepare_options is not None:
+            if not isinstance(self.prepare_options, Mapping):
+                raise _field_error(cls, "prepare_options", "a dict or None", self.prepare_options)
+            unknown = sorted(set(self.prepare_options) - set(_PREPARE_OPTIONS))
+            if unknown:
+                raise ValueError(f"{cls}.prepare_options: unknown options {unknown}; "
+                                 f"known: {list(_PREPARE_OPTIONS)}")
+
+
+@dataclass
+class MegatronReshardUpdateInfo(WeightTransferUpdateInfo):
+    """What ``update_weights(update_info)`` takes: nothing is needed (the payload fixed the
+    transfer at init); ``version``, if given, is the weight version the training side's
+    ``RefitSender.refit(version=...)`` sends, checked against the committed one."""
+
+    version: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.version, str) and self.version.lstrip("-").isdigit():
+            self.version = int(self.version)
+        if self.version is not None and not _is_int(self.version):
+            raise _field_error(type(self).__name__, "version", "None or an int (the trainer's "
+                               "refit version)", self.version)
+
+
+class _EngineWorker(MegatronReshardWorkerExtension):
+    """The worker extension over the engine's current target model (vLLM may retarget the
+    engine between updates: ``set_weight_update_target``)."""
+
+    def __init__(self, engine: "MegatronReshardWeightTransferEngine"):
+        self._engine = engine
+
+    def get_refit_model(self) -> torch.nn.Module:
+        return self._engine.model
+
+    def get_refit_act_dtype(self) -> Optional[torch.dtype]:
+        return getattr(self._engine.model_config, "dtype", None)
+
+
+def _fields_text(cls) -> str:
+    return ", ".join(f.name + ("" if f.default is dataclasses.MISSING
+                               and f.default_factory is dataclasses.MISSING else "?")
+                     for f in dataclasses.fields(cls))
+
+
+class MegatronReshardWeightTransferEngine(
+        WeightTransferEngine[MegatronReshardInitInfo, MegatronReshardUpdateInfo]):
+    """vLLM weight-transfer engine over megatron_reshard's receiver (see module doc)."""
+
+    init_info_cls = MegatronReshardInitInfo
+    update_info_cls = MegatronReshardUpdateInfo
+    # the payload describes one model's shards; a draft model would need its own payload
+    supports_draft_weight_update = False
+
+    def __init__(self, config, vllm_config, device: torch.device, model: torch.nn.Module) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.worker = _EngineWorker(self)
+        self.summary: Optional[dict] = None   # prepare_refit's summary
+        self.last_refit: Optional[dict] = None
+        self._timeout_s = 60.0
+        self._update: Optional[dict] = None   # the open update: refits committed in it
+
+    # -- typed infos -------------------------------------------------------------------
+
+    def parse_init_info(self, init_dict: dict[str, Any]) -> MegatronReshardInitInfo:
+        if not isinstance(init_dict, Mapping):
+            raise ValueError(f"Invalid init_info for {type(self).__name__}: expected a dict with "
+                             f"fields {_fields_text(self.init_info_cls)}, found "
+                             f"{type(init_dict).__name__}")
+        try:
+            return super().parse_init_info(dict(init_dict))
+        except ValueError as exc:
+            raise ValueError(f"{exc} (fields: {_fields_text(self.init_info_cls)}; ? = optional)") \
+                from exc.__cause__ or exc
+
+    def parse_update_info(self, update_dict: dict[str, Any]) -> MegatronReshardUpdateInfo:
+        if update_dict is None:
+            update_dict = {}
+        if not isinstance(update_dict, Mapping):
+            raise ValueError(f"Invalid update_info for {type(self).__name__}: expected a dict "
+                             f"with fields {_fields_text(self.update_info_cls)}, found "
+                             f"{type(update_dict).__name__}")
+        return super().parse_update_info(dict(update_dict))
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def init_transfer_engine(self, init_info: MegatronReshardInitInfo) -> None:
+        if not isinstance(init_info, MegatronReshardInitInfo):
+            init_info = self.parse_init_info(init_info)
+        payload = init_info.payload
+        if isinstance(payload, (bytes, bytearray)):
+            from megatron_reshard.megatron.payload import decode_payload
+
+            payload = decode_payload(bytes(payload))
+        if self._update is not None:
+            raise RuntimeError("init_transfer_engine called during a weight update; finish it "
+                               "(or let it fail) first")
+        self._timeout_s = float(init_info.timeout_s)
+        self.summary = None
+        self.worker.init_refit_groups(init_info.host, init_info.ports_by_stage,
+                                      init_info.group_rank, init_info.group_sizes,
+                                      init_info.backend, init_info.timeout_s)
+        self.summary = self.worker.prepare_refit(payload, init_info.prepare_options)
+        logger.info("megatron_reshard: refit groups joined, payload mapped (%s params)",
+                    self.summary.get("params"))
+
+    def start_weight_update(self) -> None:
+        if self.summary is None:
+            raise RuntimeError("start_weight_update before init_weight_transfer_engine: the "
+                               "engine has no refit groups or payload yet")
+        if self._update is not None:
+            raise RuntimeError("start_weight_update while a weight update is open; call "
+                               "finish_weight_update first")
+        self._update = {"committed": [], "version_before": self.refit_weights_state()["version"]}
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        # the base class ends with torch.accelerator.synchronize(), which raises without an
+        # accelerator; the refit already waited for its device work before the commit vote
+        self.receive_weights(self.parse_update_info(update_info))
+
+    def receive_weights(self, update_info: MegatronReshardUpdateInfo) -> None:
+        if self._update is None:
+            raise RuntimeError("update_weights outside a weight update: call start_weight_update "
+                               "first")
+        try:
+            stats = self.worker.refit()
+        except Exception as exc:
+            self._update = None
+            weights = self.refit_weights_state()
+            raise WeightUpdateError(
+                f"megatron_reshard refit failed ({type(exc).__name__}: {exc}); the weights are "
+                f"{_state_text(weights)}", weights) from exc
+        self.last_refit = stats
+        self._update["committed"].append(stats["version"])
+        if update_info.version is not None and stats["version"] != update_info.version:
+            self._update = None
+            weights = self.refit_weights_state()
+            raise WeightVersionMismatch(
+                f"update_info.version: expected {update_info.version}, the trainer committed "
+                f"version {stats['version']}; the weights are {_state_text(weights)}", weights)
+
+    def finish_weight_update(self, weight_version: Union[int, str, None] = None) -> None:
+        update, self._update = self._update, None
+        weights = self.refit_weights_state()
+        if update is None:
+            raise WeightUpdateError("finish_weight_update without an open weight update (none "
+                                    "started, or its refit failed); the weights are "
+                                    f"{_state_text(weights)}", weights)
+        if not update["committed"]:
+            raise WeightUpdateError("finish_weight_update: no refit committed since "
+                                    "start_weight_update (call update_weights while the trainer "
+                                    f"sends); the weights are {_state_text(weights)}", weights)
+        if weights["state"] != "consistent":  # a later failed refit of this update
+            raise WeightUpdateError(f"finish_weight_update: the weights are {_state_text(weights)}",
+                                    weights)
+        if weight_version is not None:
+            want = MegatronReshardUpdateInfo(version=weight_version).version
+            if weights["version"] != want:
+                raise WeightVersionMismatch(
+                    f"finish_weight_update(weight_version={weight_version!r}): the committed "
+                    f"version is {weights['version']}; the weights are {_state_text(weights)}",
+                    weights)
+
+    def shutdown(self) -> None:
+        self._update = None
+        if self.worker._refit_state()["groups"] is not None:
+            self.worker.destroy_refit_groups(self._timeout_s)
+        self.summary = None
+
+    # -- what the weights hold ----------------------------------------------------------
+
+    def refit_weights_state(self) -> dict:
+        """``MegatronReshardWorkerExtension.refit_weights_state()``; reach it through vLLM with
+        ``llm.collective_rpc(lambda w: w.weight_transfer_engine.refit_weights_state())``."""
+        return self.worker.refit_weights_state()
+
+    def check_refit_weights_consistent(self) -> None:
+        self.worker.check_refit_weights_consistent()
+
+    def report(self) -> dict:
+        return self.worker.report()
+
+
+def _state_text(w: Mapping[str, Any]) -> str:
+    if w["state"] == "consistent":
+        return f"consistent at version {w['version']} ({w['refits']} refits committed)"
+    names = w["overwritten"]
+    shown = ", ".join(names[:4]) + (f", ... ({len(names)} in all)" if len(names) > 4 else "")
+    return (f"inconsistent: {len(names)} params ({shown}) may hold the failed refit's bytes, "
+            f"the rest version {w['started_from']}")
+
+
+__all__ = ["MegatronReshardInitInfo", "MegatronReshardUpdateInfo",
+           "MegatronReshardWeightTransferEngine", "WeightUpdateError", "WeightVersionMismatch"]

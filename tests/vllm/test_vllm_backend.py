@@ -1,0 +1,246 @@
+"""The ``megatron_reshard`` weight-transfer backend through vLLM 0.33's own plugin loader,
+factory and base classes.
+
+- Discovery: the entry point in ``pyproject.toml`` (group ``vllm.general_plugins``), read by
+  ``importlib.metadata`` from a dist built from it, makes vLLM's ``load_general_plugins()``
+  register the backend (a fresh interpreter: vLLM loads its plugins once per process).
+- ``WeightTransferEngineFactory.create_engine`` builds our engine from
+  ``WeightTransferConfig(backend="megatron_reshard")``; bad init/update info fails in
+  ``parse_init_info`` / ``parse_update_info`` naming the field, before any collective.
+- Lifecycle with real processes: a real megatron-core training side and generation ranks
+  holding vLLM's own Qwen3 class (TP2) receive through the engine, driven as vLLM's GPU
+  worker drives it; two refits bit-equal to vLLM's own ``load_weights``; a wrong
+  ``version`` is refused after the commit; a refit the training side breaks part-way
+  leaves the weight state saying exactly what is held.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import tomllib
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from megatron_reshard.testing.vllm_models import set_vllm_cpu_environment  # noqa: E402
+
+set_vllm_cpu_environment()
+
+from test_real_vllm import FAMILIES, layout, vllm_config_json  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+GROUP = "vllm.general_plugins"
+ENTRY = "megatron_reshard.vllm_plugin:register"
+
+_PROBE = """
+import json, os
+from megatron_reshard.testing.vllm_models import set_vllm_cpu_environment
+set_vllm_cpu_environment()
+import importlib.metadata as md
+from vllm.plugins import load_general_plugins
+from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory as F
+before = "megatron_reshard" in F._registry
+load_general_plugins()
+eps = [e.value for e in md.entry_points(group="vllm.general_plugins") if e.name == "megatron_reshard"]
+print("PROBE " + json.dumps({"before": before, "after": "megatron_reshard" in F._registry,
+                             "entry_points": eps, "cls": F._registry["megatron_reshard"]().__name__
+                             if "megatron_reshard" in F._registry else None}))
+"""
+
+
+def _probe(extra_path: str | None = None) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (extra_path, str(ROOT), env.get("PYTHONPATH"))
+                                        if p)
+    env.pop("VLLM_PLUGINS", None)
+    done = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = next(ln for ln in done.stdout.splitlines() if ln.startswith("PROBE "))
+    return json.loads(line.split(" ", 1)[1])
+
+
+def test_pyproject_declares_the_entry_point():
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert meta["project"]["entry-points"][GROUP] == {"megatron_reshard": ENTRY}
+
+
+def test_load_general_plugins_registers_the_backend_from_the_entry_point():
+    """A dist whose metadata is this checkout's entry point (what ``pip install`` writes);
+    vLLM's plugin loader finds it and our register() runs."""
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    with tempfile.TemporaryDirectory() as site:
+        info = pathlib.Path(site, "megatron_reshard_entry_point_probe-0.0.dist-info")
+        info.mkdir()
+        (info / "METADATA").write_text("Metadata-Version: 2.1\nName: "
+                                       "megatron-reshard-entry-point-probe\nVersion: 0.0\n")
+        (info / "entry_points.txt").write_text(
+            "".join(f"[{group}]\n" + "".join(f"{k} = {v}\n" for k, v in eps.items())
+                    for group, eps in meta["project"]["entry-points"].items()))
+        got = _probe(site)
+    assert got["before"] is False  # vLLM alone does not know the name
+    assert got["after"] is True and ENTRY in got["entry_points"], got
+    assert got["cls"] == "MegatronReshardWeightTransferEngine"
+
+
+def test_the_installed_dist_registers_the_backend():
+    dist = importlib.metadata.distribution("megatron-reshard")
+    if not any(e.group == GROUP and e.value == ENTRY for e in dist.entry_points):
+        pytest.skip(f"the installed megatron-reshard ({dist.locate_file('')}) was installed "
+                    f"before the entry point existed; reinstall it (pip install -e .) to check")
+    got = _probe()
+    assert got["after"] is True, got
+
+
+# ---- factory and typed infos (this process; no model needed) -----------------------------
+
+@pytest.fixture(scope="module")
+def engine():
+    """Our engine from vLLM's factory, over a vLLM config and a plain module (the factory
+    and parse steps read neither)."""
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.config.weight_transfer import WeightTransferConfig
+    from vllm.distributed.weight_transfer.base import WeightTransferEngine
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    from megatron_reshard.vllm_plugin import register
+
+    register()
+    register()  # idempotent: vLLM may load its plugins more than once per process
+    eng = WeightTransferEngineFactory.create_engine(
+        WeightTransferConfig(backend="megatron_reshard"), VllmConfig(), torch.device("cpu"),
+        torch.nn.Linear(2, 2))
+    assert isinstance(eng, WeightTransferEngine)
+    return eng
+
+
+GOOD = dict(host="127.0.0.1", ports_by_stage=[29500, 29501], group_sizes=[3, 3],
+            payload={"schema_version": 1}, backend="gloo", timeout_s=30.0)
+
+
+def test_create_engine_builds_ours(engine):
+    from megatron_reshard.vllm_backend import (MegatronReshardInitInfo, MegatronReshardUpdateInfo,
+                                               MegatronReshardWeightTransferEngine)
+
+    assert type(engine) is MegatronReshardWeightTransferEngine
+    assert engine.init_info_cls is MegatronReshardInitInfo
+    assert engine.update_info_cls is MegatronReshardUpdateInfo
+    info = engine.parse_init_info(dict(GOOD))
+    assert isinstance(info, MegatronReshardInitInfo) and info.group_rank is None
+    assert engine.parse_update_info({}).version is None
+    assert engine.parse_update_info({"version": 3}).version == 3
+
+
+@pytest.mark.parametrize("change,words", [
+    (dict(host=""), ["host", "expected", "''"]),
+    (dict(ports_by_stage=[29500, 70000]), ["ports_by_stage[1]", "[1, 65535]", "70000"]),
+    (dict(group_sizes="3"), ["group_sizes", "'3'"]),
+    (dict(group_sizes={0: 3, 1: 1}), ["group_sizes[1]", ">= 2", "found 1"]),
+    (dict(payload=[1]), ["payload", "dict", "[1]"]),
+    (dict(payload={"hf_config": {}}), ["payload", "schema_version", "hf_config"]),
+    (dict(group_rank=-1), ["group_rank", "-1"]),
+    (dict(backend="mpi"), ["backend", "nccl", "'mpi'"]),
+    (dict(timeout_s=0), ["timeout_s", "> 0", "found 0"]),
+    (dict(prepare_options={"num_stream": 2}), ["prepare_options", "num_stream", "num_streams"]),
+    (dict(hots="x"), ["hots", "fields: host"]),
+])
+def test_bad_init_info_names_the_field(engine, change, words):
+    with pytest.raises(ValueError) as err:
+        engine.parse_init_info({**GOOD, **change})
+    for w in words:
+        assert w in str(err.value), (w, str(err.value))
+
+
+def test_missing_init_field_is_named(engine):
+    with pytest.raises(ValueError, match="payload"):
+        engine.parse_init_info({k: v for k, v in GOOD.items() if k != "payload"})
+
+
+@pytest.mark.parametrize("bad,words", [({"version": 1.5}, ["version", "1.5"]),
+                                       ({"versoin": 2}, ["versoin"]), ([1], ["dict", "list"])])
+def test_bad_update_info_names_the_field(engine, bad, words):
+    with pytest.raises(ValueError) as err:
+        engine.parse_update_info(bad)
+    for w in words:
+        assert w in str(err.value), (w, str(err.value))
+
+
+def test_lifecycle_out_of_order_is_refused(engine):
+    with pytest.raises(RuntimeError, match="before init_weight_transfer_engine"):
+        engine.start_weight_update()
+    from megatron_reshard.vllm_backend import WeightUpdateError
+
+    with pytest.raises(WeightUpdateError, match="without an open weight update"):
+        engine.finish_weight_update()
+
+
+# ---- lifecycle with real processes -------------------------------------------------------
+
+REFITS = 2
+
+
+@pytest.fixture(scope="module")
+def lifecycle(pool):
+    from megatron_reshard.testing.vllm_backend_refit import backend_refit_job
+    from megatron_reshard.tools.run_config import RefitRunConfig
+
+    family = FAMILIES["qwen3"]
+    cfg = RefitRunConfig(model="dense", model_overrides=dict(family.model), refits=REFITS,
+                         verify=False, dtype="bfloat16", quiet=True, timeout_s=60,
+                         **layout("tp2", "tp2"))
+    results = pool.run(backend_refit_job, cfg.train_world + cfg.gen_world, cfg,
+                       vllm_config_json(family), mismatch_rank=1, fail_extra=True,
+                       num_ports=cfg.train_pp + 2, timeout_s=300)
+    return {r["role"] + str(r["rank"]): r for r in results}
+
+
+@pytest.mark.slow
+def test_two_refits_through_the_backend_are_bit_equal_to_vllms_loading(lifecycle):
+    for key in ("gen0", "gen1"):
+        g = lifecycle[key]
+        assert g["engine"] == "MegatronReshardWeightTransferEngine"
+        assert g["differences"] == [[]] * REFITS, (key, g["differences"])
+        assert g["versions"] == list(range(1, REFITS + 1)), key  # finish_weight_update committed
+
+
+@pytest.mark.slow
+def test_a_wrong_version_is_refused_with_the_weight_state(lifecycle):
+    from megatron_reshard.testing.vllm_backend_refit import MISMATCH_OFFSET
+
+    assert lifecycle["gen0"]["mismatch"] is None
+    m = lifecycle["gen1"]["mismatch"]
+    assert m is not None
+    assert f"expected {REFITS + MISMATCH_OFFSET}" in m["error"]
+    assert f"committed version {REFITS}" in m["error"], m["error"]
+    assert m["weights"]["state"] == "consistent" and m["weights"]["version"] == REFITS
+
+
+@pytest.mark.slow
+def test_a_failed_refit_leaves_the_weight_state_saying_what_is_held(lifecycle):
+    from megatron_reshard.testing.vllm_backend_refit import PLANTED
+
+    assert PLANTED in lifecycle["train0"]["bench"]["error"]
+    assert lifecycle["train1"]["bench"]["error"] is not None  # both worlds learn of it
+    for key in ("gen0", "gen1"):
+        f = lifecycle[key]["failed"]
+        assert f is not None, key
+        w = f["weights"]
+        assert "megatron_reshard refit failed" in f["error"] and PLANTED in f["error"], f["error"]
+        assert w["failed_refits"] == 1 and w["refits"] == REFITS and w["version"] == REFITS, w
+        # all or nothing, as the state says: what is not listed is bit-equal to version 2
+        assert set(f["differ_from_last_good"]) <= set(w["overwritten"]), (key, f, w)
+        # the fault struck half-way: some params already hold the failed refit's bytes
+        assert w["overwritten"] and w["state"] == "inconsistent", w
+        assert w["started_from"] == REFITS and "inconsistent" in f["error"], w
+        # (here the fault strikes before the listed batch's bytes land: the list is what may
+        # hold new bytes, a superset of what does)
+        assert "without an open weight update" in f["finish_error"]
+        assert lifecycle[key]["weights"] == w  # shutdown leaves the state as it was
