@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # would pull a multi-GB CUDA build. On a GPU machine, install torch first and skip this.
 TORCH_SPEC ?= torch==2.13.0
 
-# The real-vLLM tests (tests/vllm) run in a venv of their own: vLLM 0.33 needs transformers
+# The real-vLLM tests (tests/real_vllm) run in a venv of their own: vLLM 0.33 needs transformers
 # 5.x, the transformers oracle of the main suite pins 4.57. vLLM is installed without its
 # declared dependencies (they pull a CUDA torch and ~9 GB of NVIDIA libraries): only the
 # Python packages its model classes and configs import (docs/DESIGN.md, "Real vLLM in the tests").
@@ -50,7 +50,7 @@ test-main: install
 	$(PY) -m pytest -q
 
 test-vllm: install-vllm
-	$(VPY) -m pytest -q tests/vllm
+	$(VPY) -m pytest -q tests/real_vllm
 
 demo: install
 	$(VENV)/bin/megatron-reshard demo

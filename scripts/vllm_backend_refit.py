@@ -32,7 +32,7 @@ import argparse
 import json
 import sys
 
-# the tiny Qwen3 of tests/vllm (megatron-core overrides, and the HF config vLLM reads)
+# the tiny Qwen3 of tests/real_vllm (megatron-core overrides, and the HF config vLLM reads)
 MODEL = {"num_layers": 4, "hidden_size": 64, "num_attention_heads": 8, "num_query_groups": 2,
          "ffn_hidden_size": 128, "vocab_size": 500, "qk_layernorm": True, "add_qkv_bias": False,
          "tie_embeddings": False, "head_dim": 16, "family": "qwen3"}

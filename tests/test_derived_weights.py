@@ -5,7 +5,7 @@ recompute is refused.
 The MLA layer below is a stand-in with the attribute names older vLLM kept on its MLA
 implementation (``impl.W_UK_T``, ``impl.W_UV``, ``impl.process_weights_after_loading``),
 making new tensors each time; vLLM 0.33's own MLA layers (the absorbed weights as
-Parameters of the layer) are refreshed against vLLM itself in ``tests/vllm``."""
+Parameters of the layer) are refreshed against vLLM itself in ``tests/real_vllm``."""
 
 import pytest
 import torch

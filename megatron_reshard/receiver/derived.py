@@ -29,12 +29,14 @@ from typing import Any, Collection, Optional
 
 import torch
 
+from megatron_reshard.errors import MegatronReshardError
+
 # attributes vLLM's MLA layers derive from kv_b_proj after loading
 DERIVED_ATTRIBUTES = ("W_UK_T", "W_UV", "W_K", "W_K_scale", "W_V", "W_V_scale", "W_UK_T_dcp_qrep")
 _MARKERS = ("W_UK_T", "W_UV", "W_K", "W_V")  # an MLA layer holds at least one pair of these
 
 
-class DerivedWeightsError(RuntimeError):
+class DerivedWeightsError(MegatronReshardError, RuntimeError):
     """vLLM derives copies of refitted weights that this refit could not refresh."""
 
 

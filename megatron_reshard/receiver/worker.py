@@ -27,6 +27,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
 
+from megatron_reshard.comm import create_refit_group, destroy_refit_group
 from megatron_reshard.receiver.derived import (
     DerivedWeightsError,
     derived_param_names,
@@ -133,8 +134,6 @@ class MegatronReshardWorkerExtension:
         ``group_rank=None`` (what ``collective_rpc`` can send to every worker alike): each
         worker takes ``group_size - gen_world + gen_rank`` from ``get_refit_gen_coords()``,
         the training ranks of a stage coming first in its group."""
-        from megatron_reshard.comm import create_refit_group
-
         ports = _per_stage(ports_by_stage, "ports_by_stage")
         sizes = ({s: int(group_sizes) for s in ports} if isinstance(group_sizes, int)
                  else _per_stage(group_sizes, "group_sizes"))
@@ -223,8 +222,6 @@ class MegatronReshardWorkerExtension:
         """Shut the refit groups down at the end of the job (``comm.destroy_refit_group``;
         every rank of each group, the training ranks too, does the same) and drop the
         session: a later refit needs ``init_refit_groups`` and ``prepare_refit`` again."""
-        from megatron_reshard.comm import destroy_refit_group
-
         state = self._refit_state()
         groups, state["groups"], state["session"] = state["groups"] or {}, None, None
         for stage in sorted(groups):

@@ -27,7 +27,7 @@ import tomllib
 
 import pytest
 
-pytest.importorskip("vllm")
+pytest.importorskip("vllm.distributed")  # the real vLLM, installed in the vLLM test venv
 
 from megatron_reshard.testing.vllm_models import set_vllm_cpu_environment  # noqa: E402
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-pytest.importorskip("vllm")
+pytest.importorskip("vllm.distributed")  # the real vLLM, installed in the vLLM test venv
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "vllm_backend_refit.py")
 

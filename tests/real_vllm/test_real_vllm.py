@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import pytest
 
-pytest.importorskip("vllm")
+pytest.importorskip("vllm.distributed")  # the real vLLM, installed in the vLLM test venv
 
 from hf_configs import MODEL_TYPES, TINY_MODEL, hf_config_kwargs  # noqa: E402
 from megatron_reshard.testing.vllm_refit import vllm_refit_job  # noqa: E402
