@@ -51,6 +51,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from megatron_reshard.errors import MegatronReshardError
 from megatron_reshard.receiver.worker import _PREPARE_OPTIONS, MegatronReshardWorkerExtension
 
 logger = logging.getLogger(__name__)
@@ -58,7 +59,7 @@ logger = logging.getLogger(__name__)
 _GROUP_BACKENDS = ("nccl", "gloo")
 
 
-class WeightUpdateError(RuntimeError):
+class WeightUpdateError(MegatronReshardError, RuntimeError):
     """A weight update through the backend failed; ``weights`` is the weight state after it
     (``MegatronReshardWorkerExtension.refit_weights_state()``)."""
 

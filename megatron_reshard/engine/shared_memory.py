@@ -28,11 +28,13 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
+from megatron_reshard.errors import MegatronReshardError
+
 # the torch version from which expandable segments were seen to work over CUDA IPC here
 EXPANDABLE_IPC_FROM = (2, 11)
 
 
-class SharedMemoryError(RuntimeError):
+class SharedMemoryError(MegatronReshardError, RuntimeError):
     """A storage could not be shared or opened; the message says which and why."""
 
 
