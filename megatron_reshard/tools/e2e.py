@@ -28,6 +28,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megatron_reshard.engine.transports import transport_of
 from megatron_reshard.receiver import MegatronReshardWorkerExtension
 from megatron_reshard.tools.run_config import RefitRunConfig, model_preset
 
@@ -158,7 +159,8 @@ def run_training_rank(rank: int, cfg: RefitRunConfig, control, device: torch.dev
                                cfg.stage_world + cfg.gen_world, cfg.backend, cfg.timeout_s,
                                device=device if device.type == "cuda" else None,
                                who=f"train rank {rank} (PP stage {source.stage})",
-                               label=f"refit group of PP stage {source.stage}")
+                               label=f"refit group of PP stage {source.stage}",
+                               transport=cfg.transport)
     sender = RefitSender(source, group, device=device, num_streams=cfg.num_streams,
                          staging_bytes=cfg.staging_bytes, verify_checksums=cfg.verify)
     setup_s = time.perf_counter() - t0
@@ -179,7 +181,8 @@ def run_training_rank(rank: int, cfg: RefitRunConfig, control, device: torch.dev
                               "spec": spec, "control": control})
         if rank == 0:
             _say(cfg, who, f"refit {step + 1}/{cfg.refits} sent in {stats['refit_s'] * 1e3:.1f} ms")
-    out = {"role": "train", "rank": rank, "setup_s": setup_s, "refits": refits}
+    out = {"role": "train", "rank": rank, "setup_s": setup_s, "refits": refits,
+           "transport": transport_of(group).name}
     if after_refits is not None:
         out["bench"] = after_refits({"role": "train", "rank": rank, "cfg": cfg, "device": device,
                                      "group": group, "control": control, "model": model,

@@ -82,6 +82,9 @@ class RefitRunConfig:
     # "fp8_blockwise": linear weights held in blockwise FP8 for training (testing.fp8_training,
     # the CPU stand-in for TE fp8_param); needs gen_precision "fp8"
     train_precision: str = "bf16"
+    # how the refit groups move bytes (engine.transports): None = the default ("p2p"),
+    # "colocated" = copies out of the training ranks' mapped memory (gloo only)
+    transport: Optional[str] = None
 
     @property
     def gen_quant(self):
@@ -139,6 +142,11 @@ def _basic_problems(cfg: RefitRunConfig) -> list[str]:
         out.append(f"--model {cfg.model!r}: expected one of {', '.join(sorted(MODEL_PRESETS))}")
     if cfg.backend not in ("gloo", "nccl"):
         out.append(f"--backend {cfg.backend!r}: expected gloo or nccl")
+    if cfg.transport not in (None, "p2p", "colocated"):
+        out.append(f"transport {cfg.transport!r}: expected p2p or colocated")
+    elif cfg.transport == "colocated" and cfg.backend != "gloo":
+        out.append(f"transport colocated: expected --backend gloo (its control group), "
+                   f"found --backend {cfg.backend}")
     if cfg.device not in ("cpu", "cuda"):
         out.append(f"--device {cfg.device!r}: expected cpu or cuda")
     elif cfg.backend == "nccl" and cfg.device != "cuda":

@@ -187,19 +187,23 @@ def test_lifecycle_out_of_order_is_refused(engine):
 REFITS = 2
 
 
-@pytest.fixture(scope="module")
-def lifecycle(pool):
+# the process-group transport, and the colocated one (copies out of the training ranks'
+# shared memory), which the generation side follows without choosing it
+@pytest.fixture(scope="module", params=["p2p", "colocated"])
+def lifecycle(pool, request):
     from megatron_reshard.testing.vllm_backend_refit import backend_refit_job
     from megatron_reshard.tools.run_config import RefitRunConfig
 
     family = FAMILIES["qwen3"]
     cfg = RefitRunConfig(model="dense", model_overrides=dict(family.model), refits=REFITS,
                          verify=False, dtype="bfloat16", quiet=True, timeout_s=60,
-                         **layout("tp2", "tp2"))
+                         transport=request.param, **layout("tp2", "tp2"))
     results = pool.run(backend_refit_job, cfg.train_world + cfg.gen_world, cfg,
                        vllm_config_json(family), mismatch_rank=1, fail_extra=True,
                        num_ports=cfg.train_pp + 2, timeout_s=300)
-    return {r["role"] + str(r["rank"]): r for r in results}
+    by_rank = {r["role"] + str(r["rank"]): r for r in results}
+    assert {by_rank[f"train{r}"]["transport"] for r in range(cfg.train_world)} == {request.param}
+    return by_rank
 
 
 @pytest.mark.slow
