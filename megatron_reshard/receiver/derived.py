@@ -72,15 +72,19 @@ def derived_param_names(model: torch.nn.Module) -> set[str]:
     return {n for n, p in model.named_parameters() if id(p) in derived}
 
 
-def _derived_tensors(holder: Any) -> dict[str, torch.Tensor]:
-    return {a: t for a in DERIVED_ATTRIBUTES if isinstance(t := getattr(holder, a, None), torch.Tensor)}
+def _derived_storage(holder: Any) -> dict[str, torch.Tensor]:
+    """The derived tensors' current storage (``.data``: a Parameter whose ``.data`` vLLM
+    rebinds stays the same object, so the old storage must be held apart)."""
+    return {a: t.data for a in DERIVED_ATTRIBUTES
+            if isinstance(t := getattr(holder, a, None), torch.Tensor)}
 
 
 def _keep_storage(holder: Any, before: dict[str, torch.Tensor], layer_name: str) -> None:
-    """Put each recomputed tensor into the storage it had before (same address)."""
+    """Put each recomputed tensor back into the storage it had before (same address)."""
     for attr, old in before.items():
         new = getattr(holder, attr, None)
-        if new is old or (isinstance(new, torch.Tensor) and new.data_ptr() == old.data_ptr()):
+        if isinstance(new, torch.Tensor) and new.data_ptr() == old.data_ptr() \
+                and new.stride() == old.stride():
             continue
         if not isinstance(new, torch.Tensor) or new.shape != old.shape or new.dtype != old.dtype:
             raise DerivedWeightsError(
@@ -89,8 +93,8 @@ def _keep_storage(holder: Any, before: dict[str, torch.Tensor], layer_name: str)
                 f"{(tuple(old.shape), old.dtype)}; it cannot be refreshed in place")
         with torch.no_grad():
             old.copy_(new)
-        if isinstance(holder, torch.nn.Module) and attr in holder._parameters:
-            holder._parameters[attr] = old  # the same Parameter object, its storage refreshed
+        if isinstance(new, torch.nn.Parameter):
+            new.data = old  # the same Parameter object, over its old storage
         else:
             setattr(holder, attr, old)
 
@@ -111,7 +115,7 @@ def refresh_derived_weights(model: torch.nn.Module, written: Collection[torch.Te
         weight = getattr(kv_b_proj, "weight", None)
         if weight is None or weight.data_ptr() not in written_at:
             continue
-        before = _derived_tensors(holder)
+        before = _derived_storage(holder)
         dtype = act_dtype or getattr(holder, "W_UV", getattr(holder, "W_UK_T", weight)).dtype
         with torch.no_grad():
             holder.process_weights_after_loading(dtype)

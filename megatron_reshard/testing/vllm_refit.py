@@ -57,8 +57,20 @@ def _plant_fault(model: torch.nn.Module, oracle: torch.nn.Module) -> list[str]:
         flat[0] ^= 1
 
 
+def _copy_derived_weights(model: torch.nn.Module) -> None:
+    """Give MLA's absorbed weights storage of their own, as vLLM does for an FP8 ``kv_b_proj``
+    (with BF16 they are views of it, so a refit in place would update them by itself)."""
+    from megatron_reshard.receiver.derived import mla_layers
+
+    for _, holder, kv_b_proj in mla_layers(model):
+        for attr in ("W_UK_T", "W_UV"):
+            param = getattr(holder, attr)
+            param.data = param.data.clone()
+            assert param.untyped_storage().data_ptr() != kv_b_proj.weight.untyped_storage().data_ptr()
+
+
 def _vllm_gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Mapping[str, Any],
-                   vllm_port: int, plant_fault: bool) -> dict:
+                   vllm_port: int, plant_fault: bool, copy_derived: bool) -> dict:
     from megatron_reshard.megatron.payload import decode_payload
     from megatron_reshard.testing import vllm_models as vm
 
@@ -72,6 +84,8 @@ def _vllm_gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Mappi
                            "stand_in_differences": [], "moved": [], "planted": None}
     with vm.vllm_parallel_state(config, gen_rank, cfg.gen_world, vllm_port):
         model = vm.dummy_loaded_model(config)
+        if copy_derived:
+            _copy_derived_weights(model)
         addresses = {n: t.data_ptr() for n, t in vm.model_tensors(model).items()}
         worker = ModuleWorker(model)
         worker.init_refit_groups(cfg.host, list(cfg.ports[1:1 + cfg.train_pp]), None,
@@ -120,9 +134,11 @@ def _stand_in_differences(model: torch.nn.Module, expected: Mapping[str, str]) -
 
 
 def vllm_refit_job(job, cfg: RefitRunConfig, hf_config: Mapping[str, Any],
-                   model_builder=None, plant_fault: bool = False) -> dict:
+                   model_builder=None, plant_fault: bool = False, copy_derived: bool = False) -> dict:
     """Pool job (``WorkerPool.run(..., num_ports=cfg.train_pp + 2)``): process ``job.rank`` of
-    a launch of ``train_world + gen_world``; the last port is vLLM's generation world."""
+    a launch of ``train_world + gen_world``; the last port is vLLM's generation world.
+    ``plant_fault``: gen rank 0 checks that the comparison sees a flipped bit;
+    ``copy_derived``: MLA's absorbed weights get storage of their own before the refits."""
     cfg = RefitRunConfig(**{**cfg.__dict__, "ports": tuple(job.ports[: 1 + cfg.train_pp])})
     control = dist.TCPStore(cfg.host, cfg.ports[0], cfg.train_world + cfg.gen_world, job.rank == 0,
                             timeout=timedelta(seconds=cfg.timeout_s))
@@ -130,7 +146,7 @@ def vllm_refit_job(job, cfg: RefitRunConfig, hf_config: Mapping[str, Any],
         return run_training_rank(job.rank, cfg, control, torch.device("cpu"), model_builder,
                                  after_each_refit=_publish_full_hf)
     return _vllm_gen_rank(job.rank - cfg.train_world, cfg, control, hf_config,
-                          job.ports[1 + cfg.train_pp], plant_fault)
+                          job.ports[1 + cfg.train_pp], plant_fault, copy_derived)
 
 
 __all__ = ["vllm_refit_job"]
