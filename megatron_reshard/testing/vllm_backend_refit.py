@@ -26,7 +26,7 @@ from typing import Any, Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_reshard.testing.vllm_refit import _publish_full_hf
+from megatron_reshard.testing.vllm_refit import publish_full_hf
 from megatron_reshard.tools.e2e import perturb_, run_training_rank
 from megatron_reshard.tools.run_config import RefitRunConfig
 
@@ -138,7 +138,7 @@ def backend_refit_job(job, cfg: RefitRunConfig, hf_config: Mapping[str, Any],
                             timeout=timedelta(seconds=cfg.timeout_s))
     if job.rank < cfg.train_world:
         out = run_training_rank(job.rank, cfg, control, torch.device("cpu"),
-                                after_each_refit=_publish_full_hf,
+                                after_each_refit=publish_full_hf,
                                 after_refits=_failing_refit if fail_extra else None)
     else:
         out = _gen_rank(job.rank - cfg.train_world, cfg, control, hf_config,

@@ -30,7 +30,7 @@ from megatron_reshard.tools.e2e import ModuleWorker, run_training_rank, tensor_d
 from megatron_reshard.tools.run_config import RefitRunConfig
 
 
-def _publish_full_hf(ctx: dict) -> None:
+def publish_full_hf(ctx: dict) -> None:
     """Training side, after each refit: rank 0 publishes the full HF tensors (the reference
     gather, a collective over the training world) as ``full/{step}``."""
     from megatron_reshard.testing.megatron_reference import gather_full_hf_state_dict
@@ -144,9 +144,9 @@ def vllm_refit_job(job, cfg: RefitRunConfig, hf_config: Mapping[str, Any],
                             timeout=timedelta(seconds=cfg.timeout_s))
     if job.rank < cfg.train_world:
         return run_training_rank(job.rank, cfg, control, torch.device("cpu"), model_builder,
-                                 after_each_refit=_publish_full_hf)
+                                 after_each_refit=publish_full_hf)
     return _vllm_gen_rank(job.rank - cfg.train_world, cfg, control, hf_config,
                           job.ports[1 + cfg.train_pp], plant_fault, copy_derived)
 
 
-__all__ = ["vllm_refit_job"]
+__all__ = ["publish_full_hf", "vllm_refit_job"]
