@@ -44,7 +44,9 @@ HF_CONFIG = {"vocab_size": 500, "hidden_size": 64, "intermediate_size": 128,
              "model_type": "qwen3", "torch_dtype": "bfloat16"}
 
 
-def main(argv: list | None = None) -> int:
+def main(argv: list | None = None, pool=None) -> int:
+    """Run the example; ``pool`` (a ``WorkerPool``) lends its workers instead of new ones
+    (the test suite shares its pool: vLLM's import costs 6-10 s a process)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--refits", type=int, default=2)
     p.add_argument("--train-tp", type=int, default=2, choices=[1, 2])
@@ -70,13 +72,15 @@ def main(argv: list | None = None) -> int:
     if problems:
         print("invalid layout: " + "; ".join(problems), file=sys.stderr)
         return 2
-    pool = WorkerPool(cfg.train_world + cfg.gen_world)
+    own_pool = pool is None
+    pool = WorkerPool(cfg.train_world + cfg.gen_world) if own_pool else pool
     try:
         results = pool.run(backend_refit_job, cfg.train_world + cfg.gen_world, cfg, HF_CONFIG,
                            fail_extra=args.fail_extra, num_ports=cfg.train_pp + 2,
                            timeout_s=120 + 60 * args.refits)
     finally:
-        pool.close()
+        if own_pool:
+            pool.close()
     gens = [r for r in results if r["role"] == "gen"]
     ok = all(g["differences"] == [[]] * args.refits
              and g["versions"] == list(range(1, args.refits + 1)) for g in gens)

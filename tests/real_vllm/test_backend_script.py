@@ -2,10 +2,9 @@
 ``megatron_reshard`` backend) into vLLM's own model classes, bit-equal to vLLM's own
 ``load_weights``; a refit broken part-way leaves the weight state saying so."""
 
+import importlib.util
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -14,12 +13,20 @@ pytest.importorskip("vllm.distributed")  # the real vLLM, installed in the vLLM 
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "vllm_backend_refit.py")
 
 
+def _script():
+    spec = importlib.util.spec_from_file_location("vllm_backend_refit", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.mark.slow
-def test_the_example_refits_bit_exact_through_the_backend():
-    done = subprocess.run([sys.executable, SCRIPT, "--refits", "2", "--fail-extra"],
-                          capture_output=True, text=True, timeout=400)
-    assert done.returncode == 0, done.stderr[-3000:]
-    line = next(ln for ln in done.stdout.splitlines() if ln.startswith("VLLM_BACKEND_SUMMARY "))
+def test_the_example_refits_bit_exact_through_the_backend(pool, capsys):
+    """The script's ``main`` as ``python scripts/vllm_backend_refit.py --refits 2
+    --fail-extra`` runs it, on the suite's shared pool (its workers have vLLM imported)."""
+    assert _script().main(["--refits", "2", "--fail-extra"], pool=pool) == 0
+    out = capsys.readouterr().out
+    line = next(ln for ln in out.splitlines() if ln.startswith("VLLM_BACKEND_SUMMARY "))
     summary = json.loads(line.split(" ", 1)[1])
     assert summary["verified"] is True
     assert summary["versions"] == [[1, 2], [1, 2]]
