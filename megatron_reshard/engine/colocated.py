@@ -6,12 +6,17 @@ CPU memory in tests). Per batch, on every rank of the refit group, in this order
 1. the batch is described and planned by the engine's own code (``execute._describe``:
    same validation, same ``Planner`` cache, same fingerprint) and this rank's tensors are
    checked (``checks``); with ``agree`` the engine's vote runs (``agree.py``), so bad
-   input raises on every rank before any byte moves;
-2. a training rank waits for its device (the optimizer step's writes are complete),
-   shares the storages under its source views (``shared_memory``: once per storage) and,
-   when the views changed since the batch's last call, publishes their description
-   (storage, offset, size, stride per tensor) in the group's store under a new
-   generation number;
+   input raises on every rank before any byte moves. A rank whose tensors are the same
+   as at the batch's last checked call (``_signature``: address, size, stride, dtype,
+   device of every tensor and member, gathered in C and compared in one ``==``) skips
+   the per-tensor ``check_local`` of lists of members (its verdict depends on nothing else);
+2. a training rank waits for its device (the optimizer step's writes are complete, on
+   the stream the refit runs on), shares the storages under its source views
+   (``shared_memory``: once per storage) and, when the views changed since the batch's
+   last call, publishes their description (storage, offset, size, stride per tensor) in
+   the group's store under a new generation number. "Changed" is decided by the same
+   signature: the storages under the published views are kept alive here, so an equal
+   signature means the same memory as the one the generation ranks mapped;
 3. the *ready* barrier (one MAX all-reduce of per-rank slots): every rank learns each
    training rank's generation for the batch and whether any rank found a local problem
    (then all raise). Reads start only after it;
@@ -19,7 +24,8 @@ CPU memory in tests). Per batch, on every rank of the refit group, in this order
    training storage is reopened only when it changes), derives its reads from the plan's
    ownerships (each destination piece read once, directly from one holder of each source
    box: replicas spread over generation ranks; no phase-1 exchange between generation
-   ranks) and runs them as plain copies (``colocated_copies``), then waits for them;
+   ranks) and runs them as plain copies (``colocated_copies``), then waits for them on
+   the stream they ran on (short naps: this wait is on the refit's critical path);
 5. the *done* barrier: the training side returns (and may free a pre-hook buffer) only
    after every generation rank has copied.
 
@@ -137,7 +143,8 @@ class ColocatedTransport:
             agreement.conclude(pending, lambda: _description(batch, transfers),
                                self._control, "the colocated refit")
         sources = problem is None and any(t.src is not None for t in transfers)
-        generation = self._publish(batch, transfers, tensors, signature) if sources else 0
+        generation = (self._publish(batch, transfers, tensors, signature, stream) if sources
+                      else 0)
         ready = torch.zeros(2 * world, dtype=torch.int64)
         ready[me] = generation
         ready[world + me] = 1 if problem is not None else 0
@@ -155,15 +162,15 @@ class ColocatedTransport:
             copies = self._copy_batch(batch, transfers, tuple(flags[:world]))
             with torch.cuda.stream(stream) if stream is not None else nullcontext():
                 copies.run()
-            if copies.device.type == "cuda":  # the reads are done before the training side goes on
-                wait_device(copies.device, [self.group], "a colocated refit's copies",
-                            NAP_S)
+                # the reads are done before the training side goes on: waited for on the
+                # stream they ran on (``stream`` when given, made current just above)
+                wait_device(copies.device, [self.group], "a colocated refit's copies", NAP_S)
         done = torch.zeros(1, dtype=torch.int64)
         all_reduce(done, self.group, dist.ReduceOp.MAX, "the colocated refit's done barrier")
 
     # -- training side: share and describe the source views ---------------------------
 
-    def _publish(self, batch, transfers, tensors: list, signature) -> int:
+    def _publish(self, batch, transfers, tensors: list, signature, stream) -> int:
         """Share this rank's source storages and publish the batch's views when they
         changed; returns the generation of the views now in force for this batch.
 
@@ -172,12 +179,13 @@ class ColocatedTransport:
         not by describing every view again: the storages under the published views are
         kept alive here (``_keep``), so a view at the same address with the same geometry
         reads the same memory as the one the generation ranks mapped."""
+        if signature is None:  # host work first: it overlaps the optimizer step's tail
+            signature = _signature(tensors)
         device = _first_device(t.src for t in transfers)
         if device is not None and device.type == "cuda":  # the optimizer step's writes
-            wait_device(device, [self.group], "the training side's writes before a colocated refit",
-                        NAP_S)
-        if signature is None:
-            signature = _signature(tensors)
+            with torch.cuda.stream(stream) if stream is not None else nullcontext():
+                wait_device(device, [self.group],
+                            "the training side's writes before a colocated refit", NAP_S)
         published = self._published.get(batch.fp)
         if published is not None and signature is not None and published[0] == signature:
             return published[2]
