@@ -9,11 +9,12 @@ CPU memory in tests). Per batch, on every rank of the refit group, in this order
    input raises on every rank before any byte moves. A rank whose tensors are the same
    as at the batch's last checked call (``_signature``: address, size, stride, dtype,
    device of every tensor and member, gathered in C and compared in one ``==``) skips
-   the per-tensor ``check_local`` of lists of members (its verdict depends on nothing else);
-2. a training rank waits for its device (the optimizer step's writes are complete, on
-   the stream the refit runs on), shares the storages under its source views
-   (``shared_memory``: once per storage) and, when the views changed since the batch's
-   last call, publishes their description (storage, offset, size, stride per tensor) in
+   the per-tensor ``check_local`` of lists of members (its verdict depends on nothing
+   else);
+2. a training rank waits for its device (the optimizer step's writes are complete: the
+   caller's current stream and the refit's stream), shares the storages under its source
+   views (``shared_memory``: once per storage) and, when the views changed since the
+   batch's last call, publishes their description (storage, offset, size, stride per tensor) in
    the group's store under a new generation number. "Changed" is decided by the same
    signature: the storages under the published views are kept alive here, so an equal
    signature means the same memory as the one the generation ranks mapped;
@@ -183,9 +184,11 @@ class ColocatedTransport:
             signature = _signature(tensors)
         device = _first_device(t.src for t in transfers)
         if device is not None and device.type == "cuda":  # the optimizer step's writes
-            with torch.cuda.stream(stream) if stream is not None else nullcontext():
-                wait_device(device, [self.group],
-                            "the training side's writes before a colocated refit", NAP_S)
+            what = "the training side's writes before a colocated refit"
+            wait_device(device, [self.group], what, NAP_S)  # the caller's current stream
+            if stream is not None and stream != torch.cuda.current_stream(device):
+                with torch.cuda.stream(stream):  # and the refit's (a pre hook's writes)
+                    wait_device(device, [self.group], what, NAP_S)
         published = self._published.get(batch.fp)
         if published is not None and signature is not None and published[0] == signature:
             return published[2]
