@@ -273,21 +273,25 @@ def _raise_transport_error(board: FaultBoard, what: str, peers, exc: BaseExcepti
                      f"a peer process most likely exited") from exc
 
 
-def wait_device(device: torch.device, groups: Iterable[Any], what: str) -> None:
+def wait_device(device: torch.device, groups: Iterable[Any], what: str,
+                longest_nap_s: float = POLL_S / 10) -> None:
     """Block until the current CUDA stream of ``device`` is done (see ``wait_event``).
     A no-op on CPU."""
     if device.type != "cuda":
         return
     event = torch.cuda.Event()
     event.record(torch.cuda.current_stream(device))
-    wait_event(event, groups, what)
+    wait_event(event, groups, what, longest_nap_s)
 
 
-def wait_event(event: "torch.cuda.Event", groups: Iterable[Any], what: str) -> None:
+def wait_event(event: "torch.cuda.Event", groups: Iterable[Any], what: str,
+               longest_nap_s: float = POLL_S / 10) -> None:
     """Block until a CUDA event is reached, polling the groups' boards meanwhile.
 
     On a peer's post or past the timeout, the NCCL groups are aborted (their kernels stop)
-    and the error raised.
+    and the error raised. ``longest_nap_s`` bounds the doubling naps between event
+    queries, so a wait ends at most that late after the event (a wait on the critical
+    path, a colocated refit's copies, passes a short one).
     """
     groups = list(groups)
     boards = boards_of(groups)
@@ -314,7 +318,7 @@ def wait_event(event: "torch.cuda.Event", groups: Iterable[Any], what: str) -> N
                                    f"within {timeout:g} s; a peer is hung, stopped or gone "
                                    f"(groups aborted)")
         time.sleep(nap)
-        nap = min(2 * nap, POLL_S / 10)
+        nap = min(2 * nap, longest_nap_s)
 
 
 def abort_groups(groups: Iterable[Any]) -> None:

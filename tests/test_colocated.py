@@ -39,3 +39,65 @@ def test_an_unknown_transport_name_is_refused_before_any_store():
         create_refit_group("127.0.0.1", 1, 0, 2, transport="ipc")
     with pytest.raises(ValueError, match="colocated transport talks over gloo"):
         create_refit_group("127.0.0.1", 1, 0, 2, backend="nccl", transport="colocated")
+
+
+def _changed_views_job(job):
+    """Train (rank 0) -> gen (rank 1), one batch of a dense param and a list of members,
+    refitted four times: as is, after in-place writes (an optimizer step), after one
+    member and the dense param moved to fresh storages, after a member's view moved
+    inside its storage. The generation side must see each refit's values."""
+    import torch
+    from torch.distributed.tensor import Replicate, Shard
+
+    from megatron_reshard.comm import create_refit_group, destroy_refit_group
+    from megatron_reshard.engine import Planner, Transfer
+    from megatron_reshard.engine.transports import transport_of
+    from megatron_reshard.layout import MeshInfo
+
+    train = job.rank == 0
+    group = create_refit_group("127.0.0.1", job.ports[0], job.rank, 2, "gloo", 60.0,
+                               transport="colocated", who=("train", "gen")[job.rank])
+    src_mesh, dst_mesh = MeshInfo(torch.tensor([0])), MeshInfo(torch.tensor([1]))
+    dense = torch.arange(24, dtype=torch.float32).view(4, 6)
+    members = [torch.full((8, 3), float(k)) for k in range(4)]
+    out_dense, out_members = torch.zeros(4, 6), torch.zeros(4, 3, 3)
+    planner, seen = Planner(), []
+
+    def refit(src_dense, src_members):
+        batch = [Transfer("dense", (4, 6), torch.float32, src_mesh, [Replicate()], dst_mesh,
+                          [Replicate()], src_dense if train else None,
+                          None if train else out_dense),
+                 Transfer("experts", (4, 3, 3), torch.float32, src_mesh, [Shard(0)],
+                          dst_mesh, [Replicate()],
+                          [m[:3] for m in src_members] if train else None,
+                          None if train else out_members)]
+        transport_of(group).move(batch, group, planner=planner, agree=not seen)
+        seen.append(None if train else (out_dense.clone(), out_members.clone()))
+
+    refit(dense, members)
+    dense.mul_(2)
+    for m in members:
+        m.add_(10)
+    refit(dense, members)  # same views, new values
+    members[2] = torch.full((8, 3), -5.0)
+    dense = dense + 1  # a fresh storage
+    refit(dense, members)
+    shifted = [m for m in members]
+    shifted[1] = members[1][4:]  # same storage, another offset
+    members[1][4:7] = 99.0
+    refit(dense, shifted)
+    destroy_refit_group(group)
+    return seen
+
+
+def test_colocated_refits_follow_changed_views_and_values(pool):
+    import torch
+
+    _, gen = pool.run(_changed_views_job, 2, timeout_s=120)
+    base = torch.arange(24, dtype=torch.float32).view(4, 6)
+    want = [(base, [0.0, 1.0, 2.0, 3.0]), (2 * base, [10.0, 11.0, 12.0, 13.0]),
+            (2 * base + 1, [10.0, 11.0, -5.0, 13.0]), (2 * base + 1, [10.0, 99.0, -5.0, 13.0])]
+    for k, ((got_dense, got_members), (dense, fills)) in enumerate(zip(gen, want)):
+        assert torch.equal(got_dense, dense), k
+        expect = torch.stack([torch.full((3, 3), f) for f in fills])
+        assert torch.equal(got_members, expect), (k, got_members)

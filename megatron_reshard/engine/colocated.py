@@ -6,12 +6,18 @@ CPU memory in tests). Per batch, on every rank of the refit group, in this order
 1. the batch is described and planned by the engine's own code (``execute._describe``:
    same validation, same ``Planner`` cache, same fingerprint) and this rank's tensors are
    checked (``checks``); with ``agree`` the engine's vote runs (``agree.py``), so bad
-   input raises on every rank before any byte moves;
-2. a training rank waits for its device (the optimizer step's writes are complete),
-   shares the storages under its source views (``shared_memory``: once per storage) and,
-   when the views changed since the batch's last call, publishes their description
-   (storage, offset, size, stride per tensor) in the group's store under a new
-   generation number;
+   input raises on every rank before any byte moves. A rank whose tensors are the same
+   as at the batch's last checked call (``_signature``: address, size, stride, dtype,
+   device of every tensor and member, gathered in C and compared in one ``==``) skips
+   the per-tensor ``check_local`` of lists of members (its verdict depends on nothing
+   else);
+2. a training rank waits for its device (the optimizer step's writes are complete: the
+   caller's current stream and the refit's stream), shares the storages under its source
+   views (``shared_memory``: once per storage) and, when the views changed since the
+   batch's last call, publishes their description (storage, offset, size, stride per tensor) in
+   the group's store under a new generation number. "Changed" is decided by the same
+   signature: the storages under the published views are kept alive here, so an equal
+   signature means the same memory as the one the generation ranks mapped;
 3. the *ready* barrier (one MAX all-reduce of per-rank slots): every rank learns each
    training rank's generation for the batch and whether any rank found a local problem
    (then all raise). Reads start only after it;
@@ -19,7 +25,8 @@ CPU memory in tests). Per batch, on every rank of the refit group, in this order
    training storage is reopened only when it changes), derives its reads from the plan's
    ownerships (each destination piece read once, directly from one holder of each source
    box: replicas spread over generation ranks; no phase-1 exchange between generation
-   ranks) and runs them as plain copies (``colocated_copies``), then waits for them;
+   ranks) and runs them as plain copies (``colocated_copies``), then waits for them on
+   the stream they ran on (short naps: this wait is on the refit's critical path);
 5. the *done* barrier: the training side returns (and may free a pre-hook buffer) only
    after every generation rank has copied.
 
@@ -33,6 +40,7 @@ process is never read again.
 from __future__ import annotations
 
 import pickle
+from operator import attrgetter
 from contextlib import nullcontext
 from typing import Any, Optional, Sequence
 
@@ -46,13 +54,14 @@ from .agree import Description, Vote
 from .checks import check_local, local_ok
 from .colocated_copies import CopyBatch, read_pairs
 from .execute import _describe, _Rejected  # the engine's batch description, reused as is
-from .members import is_members
+from .members import LISTS, is_members
 from .plan import Planner
 from .shared_memory import StorageHandle, export_storage, open_storage, view_of
 from .transport import P2PTransport, all_reduce
 
 _KEY = "colocated"   # prefix of this transport's keys in the group's store
 _CACHE = 64          # copy batches kept per transport (one per batch and generation)
+NAP_S = 5e-5         # longest nap of the device waits on a refit's critical path
 
 
 class ColocatedTransport:
@@ -68,7 +77,8 @@ class ColocatedTransport:
         self._generation = 0
         # training side
         self._handles: dict = {}     # storage key -> StorageHandle (shared once)
-        self._published: dict = {}   # batch fp -> (its description, generation)
+        self._published: dict = {}   # batch fp -> (signature, description, generation)
+        self._checked: dict = {}     # batch fp -> signature of tensors check_local passed
         self._keep: dict = {}        # batch fp -> storages under the published views
         # generation side
         self._opened: dict = {}      # (train rank, handle key) -> opened storage
@@ -86,7 +96,10 @@ class ColocatedTransport:
             raise RefitError(f"the colocated transport of this refit group failed earlier "
                              f"({self._broken}); create a new refit group")
         try:
-            self._move(transfers, stream, staging_bytes, planner or Planner(), agree)
+            # not ``planner or Planner()``: an empty Planner is falsy (``__len__``), and a fresh
+            # one per call re-planned every batch (plan, fusion) on every refit
+            self._move(transfers, stream, staging_bytes,
+                       planner if planner is not None else Planner(), agree)
         except BaseException as exc:
             self._broken = f"{type(exc).__name__}: {exc}"
             self.close()  # a peer may be dead: never read its memory again
@@ -98,6 +111,7 @@ class ColocatedTransport:
         self._opened.clear()
         self._keep.clear()
         self._published.clear()
+        self._checked.clear()
 
     # -- one batch -----------------------------------------------------------------
 
@@ -112,10 +126,15 @@ class ColocatedTransport:
                               id(self.group))
         except _Rejected as rejected:
             problem = rejected.problem
+        signature = None
         if problem is None:
             ok, _ = local_ok(transfers, batch.expected, device_type, tensors)
-            if not ok:
-                problem, _ = check_local(transfers, batch.plans, me, device_type)
+            if not ok:  # lists of members (a training rank's experts), or a real problem
+                signature = _signature(tensors)
+                if signature is None or self._checked.get(batch.fp) != signature:
+                    problem, _ = check_local(transfers, batch.plans, me, device_type)
+                    if problem is None and signature is not None:
+                        self._checked[batch.fp] = signature
         if agree:
             first = (tuple(map(int, transfers[0].global_shape))
                      if transfers and problem is None else None)
@@ -125,7 +144,8 @@ class ColocatedTransport:
             agreement.conclude(pending, lambda: _description(batch, transfers),
                                self._control, "the colocated refit")
         sources = problem is None and any(t.src is not None for t in transfers)
-        generation = self._publish(batch, transfers) if sources else 0
+        generation = (self._publish(batch, transfers, tensors, signature, stream) if sources
+                      else 0)
         ready = torch.zeros(2 * world, dtype=torch.int64)
         ready[me] = generation
         ready[world + me] = 1 if problem is not None else 0
@@ -143,28 +163,44 @@ class ColocatedTransport:
             copies = self._copy_batch(batch, transfers, tuple(flags[:world]))
             with torch.cuda.stream(stream) if stream is not None else nullcontext():
                 copies.run()
-            if copies.device.type == "cuda":  # the reads are done before the training side goes on
-                wait_device(copies.device, [self.group], "a colocated refit's copies")
+                # the reads are done before the training side goes on: waited for on the
+                # stream they ran on (``stream`` when given, made current just above)
+                wait_device(copies.device, [self.group], "a colocated refit's copies", NAP_S)
         done = torch.zeros(1, dtype=torch.int64)
         all_reduce(done, self.group, dist.ReduceOp.MAX, "the colocated refit's done barrier")
 
     # -- training side: share and describe the source views ---------------------------
 
-    def _publish(self, batch, transfers) -> int:
+    def _publish(self, batch, transfers, tensors: list, signature, stream) -> int:
         """Share this rank's source storages and publish the batch's views when they
-        changed; returns the generation of the views now in force for this batch."""
+        changed; returns the generation of the views now in force for this batch.
+
+        Unchanged views are recognised by this rank's tensors' signature (``_signature``:
+        address, size, stride, dtype, device of every tensor and member, gathered in C),
+        not by describing every view again: the storages under the published views are
+        kept alive here (``_keep``), so a view at the same address with the same geometry
+        reads the same memory as the one the generation ranks mapped."""
+        if signature is None:  # host work first: it overlaps the optimizer step's tail
+            signature = _signature(tensors)
         device = _first_device(t.src for t in transfers)
         if device is not None and device.type == "cuda":  # the optimizer step's writes
-            wait_device(device, [self.group], "the training side's writes before a colocated refit")
+            what = "the training side's writes before a colocated refit"
+            wait_device(device, [self.group], what, NAP_S)  # the caller's current stream
+            if stream is not None and stream != torch.cuda.current_stream(device):
+                with torch.cuda.stream(stream):  # and the refit's (a pre hook's writes)
+                    wait_device(device, [self.group], what, NAP_S)
+        published = self._published.get(batch.fp)
+        if published is not None and signature is not None and published[0] == signature:
+            return published[2]
         keys, storages, handles = [], [], {}
         views = tuple(self._describe_source(t.src, keys, storages, handles) for t in transfers)
-        published = self._published.get(batch.fp)
-        if published is not None and published[0] == views:
-            return published[1]
+        if published is not None and published[1] == views:
+            self._published[batch.fp] = (signature, views, published[2])
+            return published[2]
         self._generation += 1
         blob = pickle.dumps((views, handles))
         self.store.set(f"{_KEY}/{self.me}/{batch.fp:x}/{self._generation}", blob)
-        self._published[batch.fp] = (views, self._generation)
+        self._published[batch.fp] = (signature, views, self._generation)
         self._keep[batch.fp] = storages  # alive while a reader may map them
         return self._generation
 
@@ -241,6 +277,33 @@ class ColocatedTransport:
         for key in [k for k in self._opened if k[0] == rank]:
             if self._opened[key].data_ptr() not in used:
                 del self._opened[key]
+
+
+_PTR, _SIZE, _STRIDE = torch.Tensor.data_ptr, torch.Tensor.size, torch.Tensor.stride
+_DTYPE, _DEVICE = attrgetter("dtype"), attrgetter("device")
+
+
+def _signature(tensors: list) -> Optional[tuple]:
+    """What this rank's tensors of a call (``local_ok``'s list: src, dst per transfer) are
+    made of, in a form compared in one ``==``: per entry None, a tensor or a list of
+    members (its length); per tensor and member its address, size, stride, dtype and
+    device, each gathered by one ``map`` in C. Equal signatures: same checks verdict and
+    same views. None when an entry is neither (``check_local`` says what it is)."""
+    kinds, flat = [], []
+    for x in tensors:
+        if x is None:
+            kinds.append(-1)
+        elif type(x) in LISTS:
+            kinds.append(len(x))
+            flat += x
+        else:
+            kinds.append(-2)
+            flat.append(x)
+    try:
+        return (tuple(kinds), tuple(map(_PTR, flat)), tuple(map(_SIZE, flat)),
+                tuple(map(_STRIDE, flat)), tuple(map(_DTYPE, flat)), tuple(map(_DEVICE, flat)))
+    except (TypeError, AttributeError):  # an entry or member that is no tensor
+        return None
 
 
 def _device_type(transfers) -> str:
