@@ -57,16 +57,18 @@ def _plant_fault(model: torch.nn.Module, oracle: torch.nn.Module) -> list[str]:
         flat[0] ^= 1
 
 
-def _copy_derived_weights(model: torch.nn.Module) -> None:
+def _copy_derived_weights(model: torch.nn.Module) -> int:
     """Give MLA's absorbed weights storage of their own, as vLLM does for an FP8 ``kv_b_proj``
     (with BF16 they are views of it, so a refit in place would update them by itself)."""
     from megatron_reshard.receiver.derived import mla_layers
 
+    copied = 0
     for _, holder, kv_b_proj in mla_layers(model):
         for attr in ("W_UK_T", "W_UV"):
             param = getattr(holder, attr)
             param.data = param.data.clone()
-            assert param.untyped_storage().data_ptr() != kv_b_proj.weight.untyped_storage().data_ptr()
+            copied += param.untyped_storage().data_ptr() != kv_b_proj.weight.untyped_storage().data_ptr()
+    return copied
 
 
 def _vllm_gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Mapping[str, Any],
@@ -84,8 +86,7 @@ def _vllm_gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Mappi
                            "stand_in_differences": [], "moved": [], "planted": None}
     with vm.vllm_parallel_state(config, gen_rank, cfg.gen_world, vllm_port):
         model = vm.dummy_loaded_model(config)
-        if copy_derived:
-            _copy_derived_weights(model)
+        out["copied_derived"] = _copy_derived_weights(model) if copy_derived else 0
         addresses = {n: t.data_ptr() for n, t in vm.model_tensors(model).items()}
         worker = ModuleWorker(model)
         worker.init_refit_groups(cfg.host, list(cfg.ports[1:1 + cfg.train_pp]), None,

@@ -91,6 +91,10 @@ FAMILIES = {
                       (("tp2 pp2 ep2", "tp2 ep2"), ("tp2 ep2", "tp4"), ("tp1 ep2", "tp1 x2"))),
 }
 CASES = [(f, i) for f in FAMILIES for i in range(len(FAMILIES[f].layouts))]
+# checks that ride on a case's job (one pool job each saved): gen rank 0 of the first
+# Qwen3-MoE layout plants a bit flip after its last refit; the second DeepSeek-V3 layout
+# gives MLA's absorbed weights storage of their own (as vLLM does for an FP8 kv_b_proj)
+EXTRA_CHECKS = {("qwen3_moe", 0): dict(plant_fault=True), ("deepseek_v3", 1): dict(copy_derived=True)}
 REFITS = 2
 
 
@@ -129,7 +133,8 @@ def refitted(pool):
 
     def get(family_id: str, index: int) -> list[dict]:
         if (family_id, index) not in cache:
-            cache[(family_id, index)] = run_case(pool, family_id, index)
+            cache[(family_id, index)] = run_case(pool, family_id, index,
+                                                 **EXTRA_CHECKS.get((family_id, index), {}))
         return cache[(family_id, index)]
 
     return get
@@ -160,20 +165,21 @@ def test_mla_layers_are_refreshed_after_every_refit(refitted):
             assert all(n.endswith("self_attn.mla_attn.mla_attn") for n in stats["derived_refreshed"])
 
 
-def test_a_planted_bit_flip_is_seen(pool):
+def test_a_planted_bit_flip_is_seen(refitted):
     """The comparison is able to fail: one bit flipped in one refitted param is reported,
     by name and alone."""
-    gen0 = next(g for g in run_case(pool, "qwen3_moe", 0, plant_fault=True) if g["rank"] == 0)
+    gen0 = next(g for g in refitted("qwen3_moe", 0) if g["rank"] == 0)
     planted = gen0["planted"]
     assert planted is not None and planted[-1].startswith("planted:")
     assert planted[:-1] == [planted[-1].removeprefix("planted:")]
 
 
-def test_mla_weights_held_as_copies_are_recomputed_in_their_storage(pool):
+def test_mla_weights_held_as_copies_are_recomputed_in_their_storage(refitted):
     """With an FP8 kv_b_proj vLLM's absorbed W_UK_T / W_UV are copies, not views: given
     storage of their own, they must still equal vLLM's own loading after each refit, at the
     addresses they had (vLLM's layer method rebinds them; the refresh copies back)."""
-    for g in run_case(pool, "deepseek_v3", 1, copy_derived=True):
+    for g in refitted("deepseek_v3", 1):
+        assert g["copied_derived"] == 8  # 4 layers x (W_UK_T, W_UV), apart from kv_b_proj
         assert g["differences"] == [[]] * REFITS, g["differences"]
         assert g["moved"] == [[]] * REFITS, g["moved"]
         assert all(len(s["derived_refreshed"]) == 4 for s in g["refits"])
