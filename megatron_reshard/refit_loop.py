@@ -63,8 +63,9 @@ from megatron_reshard.faults import RefitError, wait_device
 from megatron_reshard.refit_checksums import SourceOverlaps, StageChecksums
 from megatron_reshard.refit_local import LocalParam, first_tensor_is_cuda, local_params
 from megatron_reshard.refit_order import (MiscItem, TransferLayout, batch_bounds, plan_fingerprint,
-                                          stage_params, transfer_layouts)
+                                          transfer_layouts)
 from megatron_reshard.spec import HFToLocalParamMap, LocalParamSpec
+from megatron_reshard.wire import ParamRecord, RefitPayload
 
 SIDES = ("src", "dst")
 DEFAULT_BATCH_BYTES = 512 << 20
@@ -110,7 +111,7 @@ class RefitLoop:
 
     def __init__(
         self,
-        refit_info: Mapping[str, Any],
+        refit_info: Union[RefitPayload, Mapping[str, Any]],
         local_map: HFToLocalParamMap,
         side: str,
         groups: Union[Mapping[int, Optional[Any]], Sequence[Optional[Any]]],
@@ -136,13 +137,14 @@ class RefitLoop:
         self._xfer_batch = xfer_batch
         self.groups: dict[int, Optional[Any]] = (
             dict(groups) if isinstance(groups, Mapping) else dict(enumerate(groups)))
-        all_stages = stage_params(refit_info)
-        pp_size = int(refit_info.get("pp_size", 1))
+        info = RefitPayload.of(refit_info)  # records (a refit info dict is parsed here)
+        all_stages = info.stage_params()
+        pp_size = info.pp_size
         for stage in self.groups:
             if not 0 <= stage < pp_size:
                 raise ValueError(f"refit group given for stage {stage}, but the payload has "
                                  f"pp_size={pp_size}")
-        self.stages: dict[int, list[dict]] = {s: all_stages.get(s, []) for s in sorted(self.groups)}
+        self.stages: dict[int, list[ParamRecord]] = {s: all_stages.get(s, []) for s in sorted(self.groups)}
         self.misc_items = None if misc_items is None else {
             s: list(misc_items.get(s, [])) for s in self.stages}
         self._ranks = {s: group_rank(g) for s, g in self.groups.items()}
@@ -279,7 +281,7 @@ class RefitLoop:
     def _send_batch(self, run: "_StageRun", batch: "_OpenBatch") -> None:
         """Hand an opened batch to the engine, checksum it if asked, run its post hooks."""
         if run.on_write is not None and self.side == "dst" and batch.opened:
-            run.on_write([run.params[o.index]["name"] for o in batch.opened])
+            run.on_write([run.params[o.index].name for o in batch.opened])
         run.xfer(batch.transfers, self.groups[run.stage], run.stream)
         run.stats.batches += 1
         if run.checks is not None:
