@@ -18,10 +18,10 @@ import torch
 
 from megatron_reshard.commit import commit_refit
 from megatron_reshard.faults import RefitError, fault_scope, wait_device
-from megatron_reshard.metadata import restore_refit_info_placements
 from megatron_reshard.packed import broadcast_packed, chunk_items, packed_layout
 from megatron_reshard.refit_loop import DEFAULT_BATCH_BYTES, DEFAULT_STAGING_BYTES, RefitLoop
 from megatron_reshard.refit_order import misc_items_by_stage
+from megatron_reshard.wire import RefitPayload
 
 
 class RefitSender:
@@ -42,9 +42,11 @@ class RefitSender:
         self.version = 0  # of the last refit sent (committed or not)
         self._broken: Optional[str] = None
         with fault_scope([group]):
-            # The payload dict is restored in place; keep our own copy of the plain form.
-            info = restore_refit_info_placements(dict(source.payload))
-            self.pp_size = int(info.get("pp_size", 1))
+            # the payload as frozen records: the source's typed view, or its plain payload
+            # parsed here (nothing changes the caller's dict, so no defensive copy)
+            wire = getattr(source, "wire", None)
+            info = wire if isinstance(wire, RefitPayload) else RefitPayload.of(source.payload)
+            self.pp_size = info.pp_size
             self.misc_items = misc_items_by_stage(info).get(self.stage, [])
             self.staging_bytes = staging_bytes
             self.loop = RefitLoop(info, source.build_hf_to_local_param_map(), "src",
