@@ -23,7 +23,7 @@ own regions, which it compares with the checksum of what it received.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 from torch.distributed.tensor import Replicate

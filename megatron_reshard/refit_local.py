@@ -7,7 +7,7 @@ when a spec is missing or a hook-free spec's tensor does not match the payload.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping, NamedTuple, Optional, Sequence
+from typing import Any, Iterable, NamedTuple, Optional, Sequence
 
 import torch
 

@@ -11,7 +11,7 @@ rank's expert tensors, or one strided view when they sit at a constant step in o
 from __future__ import annotations
 
 import re
-from typing import Any, Collection, Mapping, Optional, Sequence
+from typing import Collection, Mapping, Optional, Sequence
 
 import torch
 

@@ -250,5 +250,7 @@ class ReceiverSession:
         }
 
 
+# ``ReceiverSession`` is this module's job; the other names stay importable from here for
+# callers of the earlier single-module receiver
 __all__ = ["ReceiverSession", "TargetError", "build_receiver_param_map", "gen_ep_size",
            "receive_misc_packed", "restore_payload", "SUPPORTED_SCHEMA_VERSIONS"]
