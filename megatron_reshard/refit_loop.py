@@ -36,12 +36,9 @@ Decisions:
   (``misc_items``) so a disagreement on the packed-broadcast layout is also caught at
   setup; both sides must then pass ``refit_order.misc_items_by_stage(info)``.
 
-Protocol of one refit on a refit group (both sides, same order): the bulk params of the
-stage (``RefitLoop.run``), then that stage's other params as one packed broadcast from the
-group's rank 0 (the stage's first train rank): every rank of the group calls
-``megatron_reshard.packed.broadcast_packed(packed_layout(misc_items_by_stage(info)[stage]),
-group, 0, device, tensors)`` with ``tensors`` (full HF tensors) on rank 0 only. A
-generation rank does the bulk of all stages first, then the broadcasts in stage order.
+The whole refit a side runs around this loop (plan check, bulk, packed other params,
+commit vote, the failure latch) is stated once in ``refit_protocol``; the sender and the
+receiver both run it.
 """
 
 from __future__ import annotations
@@ -166,6 +163,11 @@ class RefitLoop:
         self._planner = None
         self._agreed = False  # set once a run went through: later runs skip the agreement
         self._stream_pool: Optional[list] = None
+
+    @property
+    def verified(self) -> bool:
+        """Whether the plan fingerprints were compared already (``verify_plan``)."""
+        return self._verified
 
     def verify_plan(self) -> None:
         """Compare plan fingerprints over every group; PlanMismatchError on all ranks if they differ.

@@ -87,7 +87,7 @@ from megatron_reshard.megatron.qkv import qkv_groups_fit
 from megatron_reshard.metadata import build_nccl_reshard_refit_info, extract_layer_name
 from megatron_reshard.spec import HFToLocalParamMap
 from megatron_reshard.vllm_layout.dense import NOT_LISTED, QKV_PARAM_RE, tp_dim_of
-from megatron_reshard.wire import ParamRecord, RefitPayload
+from megatron_reshard.wire import MiscRecord, ParamRecord, RefitPayload
 
 
 def _layer_sort_key(name: str) -> tuple[int, int]:
@@ -261,17 +261,16 @@ class MegatronRefitSource:
                 raise ValueError(f"weights held in blockwise FP8 for training must take the exact "
                                  f"path, but these would go packed: {packed}")
         self.gen_records: RefitPayload = info  # what the generation side gets (FP8 planned)
-        other = [{"name": n, "shape": list(m["shape"]), "dtype": m["dtype"],
-                  "pp_stage": stage_of_key[extract_layer_name(n)]}
+        other = [MiscRecord(n, tuple(m["shape"]), m["dtype"], stage_of_key[extract_layer_name(n)])
                  for n, m in self.other_params_metadata.items()]
-        other.sort(key=lambda p: p["pp_stage"])  # stable: model order inside a stage
+        other.sort(key=lambda p: p.pp_stage)  # stable: model order inside a stage
         self.payload = build_payload(
             info,
             train_layout=layout.as_plain(),
             gen_layout={"tp": int(gen_parallelism.get("tp_size", 1)), "ep": int(gen_parallelism.get("ep_size", 1)),
                         "pp": int(gen_parallelism.get("pp_size", 1)), "world_size": int(gen_world_size)},
             hf_config=self.hf_config,
-            other_params=other,
+            other_params=[m.to_plain() for m in other],
             train_stage_ranks=[list(s.ranks) for s in self.stages],
             rank_order=self.rank_order,
         )

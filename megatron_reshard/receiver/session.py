@@ -16,11 +16,9 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
 import torch
 
-from megatron_reshard.commit import commit_refit
 from megatron_reshard.engine.transport import group_rank, group_size
-from megatron_reshard.faults import RefitError, fault_scope, wait_device
+from megatron_reshard.faults import RefitError, fault_scope
 from megatron_reshard.metadata import SUPPORTED_SCHEMA_VERSIONS
-from megatron_reshard.packed import chunk_items
 from megatron_reshard.receiver.full_weights import apply_full_weights, coverage_gaps, plan_full_weights
 from megatron_reshard.receiver.incoming import gen_ep_size, restore_payload
 from megatron_reshard.receiver.misc_transport import MiscReceiver, receive_misc_packed
@@ -29,6 +27,7 @@ from megatron_reshard.receiver.state import WeightState
 from megatron_reshard.receiver.targets import TargetError, VllmTargets
 from megatron_reshard.refit_loop import DEFAULT_BATCH_BYTES, DEFAULT_STAGING_BYTES, RefitLoop
 from megatron_reshard.refit_order import misc_items_by_stage
+from megatron_reshard.refit_protocol import RefitProtocol
 from megatron_reshard.wire import RefitPayload
 from megatron_reshard.wire_check import RefitPayloadError
 
@@ -63,7 +62,6 @@ class ReceiverSession:
         t0 = time.perf_counter()
         self.groups = dict(groups)
         self.weights = weights if weights is not None else WeightState()
-        self._broken: Optional[str] = None  # why the groups cannot be used again
         with fault_scope(self.groups.values()):
             self._prepare(payload, named_parameters, num_streams=num_streams,
                           batch_bytes=batch_bytes, staging_bytes=staging_bytes,
@@ -71,6 +69,10 @@ class ReceiverSession:
                           vllm_tp=vllm_tp, verify_checksums=verify_checksums)
         self.receive_misc = receive_misc or receive_misc_packed
         self.staging_bytes = staging_bytes
+        self.protocol = RefitProtocol("dst", self.loop, self.groups, self.misc_items,
+                                      staging_bytes, self.pp_size)
+        self._misc_plan_of = {stage: dict(zip((name for name, _, _ in items), self.misc_plans[stage]))
+                              for stage, items in self.misc_items.items()}
         self.stats: dict[str, Any] = {"refits": 0, "prepare_s": time.perf_counter() - t0,
                                       "verify_s": None, "last": None, "total_refit_s": 0.0}
 
@@ -137,86 +139,68 @@ class ReceiverSession:
 
     def verify_plan(self) -> None:
         """Compare plan fingerprints with the training side (communication: one small all-gather)."""
-        t0 = time.perf_counter()
-        self.loop.verify_plan()
-        self.stats["verify_s"] = time.perf_counter() - t0
+        self.stats["verify_s"] = self.protocol.verify_plan()
+
+    @property
+    def _broken(self) -> Optional[str]:
+        """Why the groups cannot be used again (None while they can)."""
+        return self.protocol.broken
 
     def refit(self) -> dict:
         """Receive every param once (the bulk params, then each stage's other params), then
-        commit: the weight version advances only if every rank of every group got there.
+        commit (``refit_protocol`` states the order): the weight version advances only if
+        every rank of every group got there.
 
         On any failure the error is posted on the groups' boards (every peer raises it
         within a poll), ``self.weights`` says what the storage now holds, and the groups
         are not used again (a new session on new groups is needed). A checksum mismatch
         raises after the vote on every rank; the groups stay usable.
         """
-        if self._broken is not None:
-            raise RefitError(f"{self.where}: the refit groups failed in an earlier refit "
-                             f"({self._broken}); create new refit groups and a new session "
-                             f"(init_refit_groups + prepare_refit) to refit again")
+        self.protocol.check_usable(f"{self.where}: the refit groups failed in an earlier refit "
+                                   f"({{broken}}); create new refit groups and a new session "
+                                   f"(init_refit_groups + prepare_refit) to refit again")
         t0 = time.perf_counter()
         names: list[str] = []
-        try:
-            with fault_scope(self.groups.values()):
-                if self.stats["verify_s"] is None:
-                    self.verify_plan()
-                last = self._receive(names)
-                bad = last.pop("checksum_mismatches")
-                outcome = commit_refit(self.groups, side="dst", version=None,
-                                       checksum_failed=bool(bad), pp_size=self.pp_size)
-        except BaseException as exc:
-            self._broken = f"{type(exc).__name__}: {exc}"
-            self.weights.failed(self._broken)
-            raise
-        if not outcome.ok:
-            reason = outcome.reason
-            if bad:
-                reason = (f"{self.where} (gen rank {self.gen_rank}): checksums differ for "
-                          f"{bad}; {reason}")
-            self.weights.failed(reason)
-            raise RefitError(f"refit failed its commit: {reason}. The weights are "
-                             f"{self.weights.as_dict()['state']}")
-        self.weights.committed(outcome.version, names)
-        last["version"] = outcome.version
-        last["refit_s"] = time.perf_counter() - t0
-        self.stats["refits"] += 1
-        self.stats["total_refit_s"] += last["refit_s"]
-        self.stats["last"] = last
-        return dict(last)
-
-    def _receive(self, names: list[str]) -> dict:
-        """The data phase of one refit; ``names`` collects every model param it writes."""
-        t0 = time.perf_counter()
+        tally = {"misc_bytes": 0, "misc_wire_bytes": 0}
 
         def writing(batch_names: list[str]) -> None:
             targets = [t for n in batch_names for t in self._targets_of.get(n, ())]
             names.extend(targets)
             self.weights.writing(targets)
 
-        bulk = self.loop.run(on_write=writing)
-        t1 = time.perf_counter()
-        misc_bytes = misc_wire_bytes = 0
+        def receive_chunk(stage: int, chunk: list) -> None:
+            tensors = self.receive_misc(stage, self.groups[stage], chunk)
+            tally["misc_wire_bytes"] += sum(t.numel() * t.element_size() for t in tensors.values())
+            writing([n for n, _, _ in chunk])
+            tally["misc_bytes"] += apply_full_weights(
+                self.targets, [self._misc_plan_of[stage][n] for n, _, _ in chunk], tensors)
+
         on_cuda = torch.cuda.is_available() and any(t.is_cuda for t in self.targets.params.values())
-        for stage, items in self.misc_items.items():
-            plans = dict(zip((name for name, _, _ in items), self.misc_plans[stage]))
-            # one packed buffer of at most staging_bytes alive at a time (same cuts as the sender)
-            for chunk in chunk_items(items, self.staging_bytes):
-                tensors = self.receive_misc(stage, self.groups[stage], chunk)
-                misc_wire_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
-                writing([n for n, _, _ in chunk])
-                misc_bytes += apply_full_weights(self.targets, [plans[n] for n, _, _ in chunk],
-                                                 tensors)
-                del tensors
-                if on_cuda:  # NCCL holds the freed buffer until its stream is past it
-                    wait_device(torch.device("cuda", torch.cuda.current_device()),
-                                self.groups.values(), "a packed broadcast")
-        t2 = time.perf_counter()
-        return {"bulk_params": bulk.params, "bulk_bytes": bulk.local_bytes,
-                "misc_params": sum(len(i) for i in self.misc_items.values()),
-                "misc_bytes": misc_bytes, "misc_wire_bytes": misc_wire_bytes, "bulk_s": t1 - t0,
-                "misc_s": t2 - t1, "stages": bulk.as_dict()["stages"],
+        done = self.protocol.run(
+            receive_chunk, on_write=writing, on_failure=self.weights.failed,
+            device=torch.device("cuda", torch.cuda.current_device()) if on_cuda else None)
+        if done.verify_s is not None:
+            self.stats["verify_s"] = done.verify_s
+        bad = list(done.bulk.checksum_mismatches)
+        if not done.outcome.ok:
+            reason = done.outcome.reason
+            if bad:
+                reason = (f"{self.where} (gen rank {self.gen_rank}): checksums differ for "
+                          f"{bad}; {reason}")
+            self.weights.failed(reason)
+            raise RefitError(f"refit failed its commit: {reason}. The weights are "
+                             f"{self.weights.as_dict()['state']}")
+        self.weights.committed(done.outcome.version, names)
+        last = {"bulk_params": done.bulk.params, "bulk_bytes": done.bulk.local_bytes,
+                "misc_params": sum(len(i) for i in self.misc_items.values()), **tally,
+                "bulk_s": done.bulk_s, "misc_s": done.misc_s,
+                "stages": done.bulk.as_dict()["stages"],
                 "checksums": self.loop.verify_checksums,
-                "checksum_mismatches": list(bulk.checksum_mismatches)}
+                "version": done.outcome.version, "refit_s": time.perf_counter() - t0}
+        self.stats["refits"] += 1
+        self.stats["total_refit_s"] += last["refit_s"]
+        self.stats["last"] = last
+        return dict(last)
 
     def release_staging(self) -> None:
         """Give back the CUDA staging memory kept between refits (see RefitLoop)."""
