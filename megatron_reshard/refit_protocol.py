@@ -68,10 +68,11 @@ class RefitProtocol:
         self.pp_size = pp_size
         self.broken: Optional[str] = None  # why the groups cannot be used again
 
-    def check_usable(self, what: str) -> None:
-        """RefitError when an earlier refit broke the groups (``what``: how to recover)."""
+    def check_usable(self, message: Callable[[str], str]) -> None:
+        """RefitError when an earlier refit broke the groups; ``message(why)`` says so and
+        how to recover."""
         if self.broken is not None:
-            raise RefitError(what.format(broken=self.broken))
+            raise RefitError(message(self.broken))
 
     def verify_plan(self) -> float:
         """Step 0 on its own (communication: one small all-gather per group); seconds."""

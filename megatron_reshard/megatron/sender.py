@@ -67,8 +67,8 @@ class RefitSender:
         any failure the error reaches every rank of the group (fault board) and this
         sender refuses further refits: new refit groups are needed.
         """
-        self.protocol.check_usable(f"the refit group of stage {self.stage} failed in an earlier "
-                                   f"refit ({{broken}}); create a new refit group and sender")
+        self.protocol.check_usable(lambda why: f"the refit group of stage {self.stage} failed in "
+                                   f"an earlier refit ({why}); create a new refit group and sender")
         version = self.version + 1 if version is None else int(version)
         self.version = version
         done = self.protocol.run(self._send_chunk, version=version, device=self.device)

@@ -156,9 +156,9 @@ class ReceiverSession:
         are not used again (a new session on new groups is needed). A checksum mismatch
         raises after the vote on every rank; the groups stay usable.
         """
-        self.protocol.check_usable(f"{self.where}: the refit groups failed in an earlier refit "
-                                   f"({{broken}}); create new refit groups and a new session "
-                                   f"(init_refit_groups + prepare_refit) to refit again")
+        self.protocol.check_usable(lambda why: f"{self.where}: the refit groups failed in an "
+                                   f"earlier refit ({why}); create new refit groups and a new "
+                                   f"session (init_refit_groups + prepare_refit) to refit again")
         t0 = time.perf_counter()
         names: list[str] = []
         tally = {"misc_bytes": 0, "misc_wire_bytes": 0}
