@@ -163,7 +163,7 @@ def _loop_job(job):
     for p in params:
         region = rank_box(p.global_shape, p.mesh(side), p.placements(side), job.rank)
         full = _global(p.name)
-        if side == "src" and p.get("grouped_expert_proj"):
+        if side == "src" and p.grouped_expert_proj:
             # the sender keeps its experts apart and stacks them in a pre hook
             experts = [full[e] for e in range(*region[0])]
             specs.specs[p.name] = LocalParamSpec(

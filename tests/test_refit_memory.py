@@ -44,7 +44,7 @@ def _memory_job(job, stack_experts: bool):
         shape = p.global_shape
         region = rank_box(shape, p.mesh(side), p.placements(side), job.rank)
         full = _full(p.name, shape)
-        if side == "src" and p.get("grouped_expert_proj"):
+        if side == "src" and p.grouped_expert_proj:
             experts = [full[e].clone() for e in range(*region[0])]  # apart, as Megatron's
             spec = stacked_spec(experts)
             if stack_experts:  # what the source did before: a stacking pre hook
