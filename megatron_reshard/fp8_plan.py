@@ -5,7 +5,8 @@ generation model (vLLM's ``Fp8LinearMethod`` / ``Fp8MoEMethod`` with ``weight_bl
 [128, 128]) holds each linear weight as ``float8_e4m3fn`` plus an fp32 ``weight_scale_inv``
 with one entry per 128×128 tile. Embeddings, lm_head, norms, router and biases stay BF16.
 
-``plan_block_fp8(info, stage_world)`` rewrites the bulk entries of the refit info in place:
+``plan_block_fp8(info, stage_world)`` returns new refit info (``wire.RefitPayload``; the
+records are frozen, the input is not changed) with the bulk entries planned:
 
 - every generation rank's region of a linear weight must be made of whole tiles (a split
   that cuts a tile is refused here, before any collective: vLLM could not hold it either);
@@ -29,8 +30,9 @@ rank by rank on both sides, that the scale region is exactly the tiles of the we
 
 from __future__ import annotations
 
+import dataclasses
 import re
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from torch.distributed.tensor import Replicate, Shard
 
@@ -38,6 +40,8 @@ from megatron_reshard.engine.geometry import box_numel, rank_region
 from megatron_reshard.errors import MegatronReshardError
 from megatron_reshard.layout import BlockShard, PaddedShard
 from megatron_reshard.quant import BLOCK_FP8_TILE, blockwise_scale_shape, owns_whole_blocks
+from megatron_reshard.vllm_layout.dense import is_qkv_per_group, per_group_as_hf_rows
+from megatron_reshard.wire import ParamRecord, RefitPayload
 
 FP8_WIRE_DTYPE = "torch.float8_e4m3fn"
 SCALE_WIRE_DTYPE = "torch.float32"
@@ -47,7 +51,6 @@ MXFP8_TILE = (1, 32)  # MXFP8: one E8M0 scale per 32 elements of a row
 
 # linear weights vLLM quantizes (dense, fused parts, grouped experts); not router/gates/vocab
 LINEAR_WEIGHT_RE = re.compile(r"\.(?:q|k|v|o|gate|up|down)_proj\.weight$")
-QKV_GROUP_RE = re.compile(r"\.self_attn\.[qkv]_proj\.weight$")
 
 
 class Fp8SplitError(MegatronReshardError, ValueError):
@@ -69,16 +72,16 @@ def _tiles_are_hf_tiles(name: str, shape: Sequence[int], tile: Sequence[int]) ->
     q/k/v sent per KV group (``[groups, rows per group, H]``, a row-major reshape of HF
     rows) keep HF tiles only when a group's rows are whole tiles.
     """
-    if len(shape) == 3 and QKV_GROUP_RE.search(name):
+    if is_qkv_per_group(name, shape):
         return int(shape[1]) % tile[0] == 0
     return True
 
 
-def _regions(entry: Mapping[str, Any], side: str) -> dict[int, tuple]:
-    mesh, placements = entry[f"{side}_mesh_info"], entry[f"{side}_placements"]
+def _regions(entry: ParamRecord, side: str) -> dict[int, tuple]:
+    mesh, placements = entry.mesh(side), entry.placements(side)
     out = {}
     for rank in mesh.ranks():
-        got = rank_region(entry["global_shape"], mesh, placements, int(rank))
+        got = rank_region(entry.global_shape, mesh, placements, int(rank))
         if got is not None:
             out[int(rank)] = got[0]
     return out
@@ -92,16 +95,6 @@ def _cut(region: tuple, shape: Sequence[int], tile: Sequence[int]) -> Optional[s
             return (f"dim {d} [{a}, {b}) of {int(shape[d])}: expected a start at a multiple of "
                     f"{block} and an end at a multiple of {block} or at {int(shape[d])}")
     return None
-
-
-def per_group_hf_rows(shape: Sequence[int], region: Sequence) -> tuple[tuple, tuple]:
-    """A per-KV-group form ``[groups, rows per group, cols]`` and a region of it (one
-    contiguous block of HF rows, as the payload's per-group layouts are) in HF rows:
-    ``(hf_shape, hf_region)``."""
-    (g0, g1), (a, b), cols = region
-    per_group = int(shape[1])
-    rows = (g0 * per_group + a, (g1 - 1) * per_group + b) if g1 > g0 else (0, 0)
-    return (int(shape[0]) * per_group, int(shape[2])), (rows, tuple(cols))
 
 
 def _bound_in_tiles(bound: int, extent: int, block: int) -> Optional[int]:
@@ -188,20 +181,19 @@ def tile_box(region: Sequence, shape: Sequence[int], tile: Sequence[int] = BLOCK
     return tuple(out)
 
 
-def scale_layout_problems(weight: Mapping[str, Any], scale: Mapping[str, Any], stage_world: int,
+def scale_layout_problems(weight: ParamRecord, scale: ParamRecord, stage_world: int,
                           tile: Sequence[int] = BLOCK_FP8_TILE) -> list[str]:
     """Ranks (both sides) whose region of the scale entry is not the tiles of their region of
     the weight entry, one line each (param, rank, expected, found); empty when all match."""
     problems = []
-    w_shape, s_shape = weight["global_shape"], scale["global_shape"]
+    w_shape, s_shape = weight.global_shape, scale.global_shape
     for side, label, offset in (("src", "training rank", 0), ("dst", "generation rank", stage_world)):
-        mesh = weight[f"{side}_mesh_info"]
+        mesh = weight.mesh(side)
         for rank in mesh.ranks():
-            who = f"{scale['name']}: {label} {int(rank) - offset}"
-            w = rank_region(w_shape, mesh, weight[f"{side}_placements"], int(rank))
+            who = f"{scale.name}: {label} {int(rank) - offset}"
+            w = rank_region(w_shape, mesh, weight.placements(side), int(rank))
             try:
-                s = rank_region(s_shape, scale[f"{side}_mesh_info"], scale[f"{side}_placements"],
-                                int(rank))
+                s = rank_region(s_shape, scale.mesh(side), scale.placements(side), int(rank))
             except ValueError as err:
                 problems.append(f"{who}: its scale placements are invalid for scales of "
                                 f"{list(s_shape)}: {err}")
@@ -226,96 +218,103 @@ def scale_layout_problems(weight: Mapping[str, Any], scale: Mapping[str, Any], s
     return problems
 
 
-def _place_scales(weight: Mapping[str, Any], scale: dict, shape: tuple, tile: Sequence[int],
-                  stage_world: int) -> list[str]:
-    """Give ``scale`` the weight's placements in tile units and check them rank by rank;
-    returns the problems found (the refusal is raised with every other problem)."""
-    try:
-        for side in ("src", "dst"):  # explicit sizes in weight rows -> tiles
-            scale[f"{side}_placements"] = scale_placements(
-                weight[f"{side}_placements"], shape, tile, f"{scale['name']}: {side} placements")
+def _placed_scales(weight: ParamRecord, scale: ParamRecord, shape: tuple, tile: Sequence[int],
+                   stage_world: int) -> tuple[ParamRecord, list[str]]:
+    """``scale`` with the weight's placements in tile units, and the problems found checking
+    them rank by rank (the refusal is raised with every other problem)."""
+    try:  # explicit sizes in weight rows -> tiles
+        scale = dataclasses.replace(scale, **{
+            f"{side}_placements": tuple(scale_placements(
+                weight.placements(side), shape, tile, f"{scale.name}: {side} placements"))
+            for side in ("src", "dst")})
     except Fp8SplitError as err:
-        return [str(err)]
-    return scale_layout_problems(weight, scale, stage_world, tile)
+        return scale, [str(err)]
+    return scale, scale_layout_problems(weight, scale, stage_world, tile)
 
 
-def plan_mxfp8(info: dict, stage_world: int) -> dict:
+def plan_mxfp8(info: Any, stage_world: int) -> tuple[RefitPayload, dict]:
     """MXFP8 generation (vLLM ModelOpt MXFP8, NeMo-RL's ``is_mx``): every linear weight travels
     in BF16 and the receiver quantizes its region (32-element row blocks, E8M0 scales); a
-    generation split that cuts a 32-element block is refused here."""
-    counts = plan_block_fp8(info, stage_world, MXFP8_TILE, sender=False)
-    info["gen_quant"] = {"format": "mxfp8", "block": list(MXFP8_TILE)}
-    return counts
+    generation split that cuts a 32-element block is refused here. Returns the planned
+    refit info and the counts, as ``plan_block_fp8``."""
+    planned, counts = plan_block_fp8(info, stage_world, MXFP8_TILE, sender=False)
+    return dataclasses.replace(planned, gen_quant={"format": "mxfp8",
+                                                    "block": list(MXFP8_TILE)}), counts
 
 
-def plan_block_fp8(info: dict, stage_world: int, tile: tuple[int, int] = BLOCK_FP8_TILE,
-                   train_fp8: frozenset = frozenset(), sender: bool = True) -> dict:
-    """Rewrite the restored refit ``info`` for a block-FP8 generation model (see module doc).
+def plan_block_fp8(info: Any, stage_world: int, tile: tuple[int, int] = BLOCK_FP8_TILE,
+                   train_fp8: frozenset = frozenset(), sender: bool = True
+                   ) -> tuple[RefitPayload, dict]:
+    """The refit ``info`` (records, or a dict parsed here) planned for a block-FP8
+    generation model (see module doc), and the counts per decision.
 
     ``stage_world``: training ranks per PP stage (generation ranks follow them in each
     group; errors name generation ranks from 0). ``train_fp8``: names of the weights the
     training side already holds in blockwise FP8 (bytes + per-tile scales of each local
     shard): their bytes and scales travel as they are (``"gen_quant": "train_fp8"``), which
-    needs every training shard to be whole tiles too. Returns counts per decision.
+    needs every training shard to be whole tiles too.
     """
+    info = RefitPayload.of(info)
     counts = {"sender": 0, "receiver": 0, "train_fp8": 0}
-    problems = []
-    for layer in info["layer_names"]:
-        params = info["per_layer_params"].get(layer, [])
-        out = []
-        for p in params:
-            out.append(p)
-            if not is_quantizable(p["name"], p["global_shape"]) or p.get("gen_quant"):
+    problems: list[str] = []
+    per_layer = dict(info.per_layer_params)
+    for layer in info.layer_names:
+        out: list[ParamRecord] = []
+        for p in per_layer.get(layer, ()):
+            if not is_quantizable(p.name, p.global_shape) or p.gen_quant:
+                out.append(p)
                 continue
-            shape = tuple(int(s) for s in p["global_shape"])
-            per_group = len(shape) == 3 and bool(QKV_GROUP_RE.search(p["name"]))
+            shape = p.global_shape
+            per_group = is_qkv_per_group(p.name, shape)
             gen_cut = False
             for rank, region in sorted(_regions(p, "dst").items()):
-                hf_shape, hf_region = (per_group_hf_rows(shape, region) if per_group
+                hf_shape, hf_region = (per_group_as_hf_rows(shape, region) if per_group
                                        else (shape, region))
                 why = _cut(hf_region, hf_shape, tile)
                 if why:
                     gen_cut = True
-                    problems.append(f"{p['name']}: generation rank {rank - stage_world} would hold "
+                    problems.append(f"{p.name}: generation rank {rank - stage_world} would hold "
                                     f"HF region {[list(r) for r in hf_region]} of {list(hf_shape)}, "
                                     f"which cuts a {tile[0]}x{tile[1]} FP8 block ({why})")
             src_cuts = {rank: why for rank, region in _regions(p, "src").items()
                         if (why := _cut(region, shape, tile))}
-            src_whole = _tiles_are_hf_tiles(p["name"], shape, tile) and not src_cuts
-            if p["name"] in train_fp8 and not src_whole:
+            src_whole = _tiles_are_hf_tiles(p.name, shape, tile) and not src_cuts
+            if p.name in train_fp8 and not src_whole:
                 rank, why = next(iter(sorted(src_cuts.items()))) if src_cuts else (0, (
                     f"rows per KV group {shape[1]} are not whole {tile[0]}-row blocks"))
-                problems.append(f"{p['name']}: held in blockwise FP8 for training, but training "
+                problems.append(f"{p.name}: held in blockwise FP8 for training, but training "
                                 f"rank {rank} of its stage holds a shard that cuts a {tile[0]}x"
                                 f"{tile[1]} block ({why}); its scales cannot be moved as they are")
+                out.append(p)
                 continue
             if not src_whole or not sender:
-                p["gen_quant"] = "receiver"
+                out.append(dataclasses.replace(p, gen_quant="receiver"))
                 counts["receiver"] += 1
                 continue
-            mode = "train_fp8" if p["name"] in train_fp8 else "sender"
-            p["gen_quant"] = mode
-            p["wire_weight_dtype"] = p["dtype"]  # what the sender quantizes from
-            p["dtype"] = FP8_WIRE_DTYPE
-            scale = {k: v for k, v in p.items() if k not in ("name", "global_shape", "dtype",
-                                                              "gen_quant", "wire_weight_dtype")}
-            scale.update(name=scale_name(p["name"]), global_shape=blockwise_scale_shape(shape, tile),
-                         dtype=SCALE_WIRE_DTYPE, gen_quant="scale", scale_of=p["name"],
-                         weight_shape=list(shape))
+            mode = "train_fp8" if p.name in train_fp8 else "sender"
+            # the sender quantizes from the old wire dtype; FP8 bytes travel
+            weight = dataclasses.replace(p, gen_quant=mode, wire_weight_dtype=p.dtype,
+                                         dtype=FP8_WIRE_DTYPE)
+            scale = dataclasses.replace(
+                p, name=scale_name(p.name), global_shape=blockwise_scale_shape(shape, tile),
+                dtype=SCALE_WIRE_DTYPE, gen_quant="scale", scale_of=p.name, weight_shape=shape,
+                wire_weight_dtype=None)
             if not gen_cut:  # (a cut generation split is listed above already)
-                problems += _place_scales(p, scale, shape, tile, stage_world)
-            out.append(scale)
+                scale, found = _placed_scales(weight, scale, shape, tile, stage_world)
+                problems += found
+            out += [weight, scale]
             counts[mode] += 1
-        info["per_layer_params"][layer] = out
+        per_layer[layer] = out
     if problems:
         raise Fp8SplitError(f"FP8 generation layout refused (vLLM's FP8 linear layers hold whole "
                             f"{tile[0]}x{tile[1]} blocks on every rank):\n  - " + "\n  - ".join(problems))
-    info["gen_quant"] = {"format": "block_fp8", "block": list(tile)}
-    return counts
+    planned = info.with_params(info.layer_names, per_layer,
+                               gen_quant={"format": "block_fp8", "block": list(tile)})
+    return planned, counts
 
 
 __all__ = [
     "FP8_WIRE_DTYPE", "Fp8SplitError", "GEN_QUANT_FORMATS", "MXFP8_TILE", "SCALE_SUFFIX",
-    "SCALE_WIRE_DTYPE", "is_quantizable", "per_group_hf_rows", "plan_block_fp8", "plan_mxfp8",
+    "SCALE_WIRE_DTYPE", "is_quantizable", "plan_block_fp8", "plan_mxfp8",
     "scale_layout_problems", "scale_name", "scale_placements", "tile_box",
 ]

@@ -23,12 +23,15 @@ own regions, which it compares with the checksum of what it received.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 from torch.distributed.tensor import Replicate
 
 from megatron_reshard.engine.geometry import Box, box_intersect, box_numel, rank_region
+
+if TYPE_CHECKING:  # a type only: the wire records import nothing of this module
+    from megatron_reshard.wire import ParamRecord
 
 MODULUS = (1 << 31) - 1
 CHUNK_ELEMENTS = 1 << 22
@@ -73,18 +76,18 @@ def is_canonical_holder(mesh, placements: Sequence, rank: int) -> bool:
     return all(c == 0 for c, p in zip(coord, placements) if isinstance(p, Replicate))
 
 
-def source_overlaps(param: dict, rank: int) -> list[tuple[int, Box]]:
-    """For a canonical source ``rank`` of payload param ``param``: (destination group rank,
+def source_overlaps(param: "ParamRecord", rank: int) -> list[tuple[int, Box]]:
+    """For a canonical source ``rank`` of payload param ``param`` (a ``wire.ParamRecord``): (destination group rank,
     overlap of this rank's box with that rank's region) for every non-empty overlap."""
-    mine = rank_region(param["global_shape"], param["src_mesh_info"], param["src_placements"],
+    mine = rank_region(param.global_shape, param.src_mesh_info, param.src_placements,
                        rank)
-    if mine is None or not is_canonical_holder(param["src_mesh_info"], param["src_placements"],
+    if mine is None or not is_canonical_holder(param.src_mesh_info, param.src_placements,
                                                rank):
         return []
     out = []
-    for dst in param["dst_mesh_info"].ranks():
-        region = rank_region(param["global_shape"], param["dst_mesh_info"],
-                             param["dst_placements"], dst)[0]
+    for dst in param.dst_mesh_info.ranks():
+        region = rank_region(param.global_shape, param.dst_mesh_info,
+                             param.dst_placements, dst)[0]
         sub = box_intersect(mine[0], region)
         if sub is not None:
             out.append((int(dst), sub))

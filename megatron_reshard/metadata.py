@@ -44,7 +44,7 @@ from megatron_reshard.layout import (
 
 # The refit payload's schema version, the one statement of it: the train side writes it
 # (megatron/payload.py), both decoders check it (megatron/payload.decode_payload,
-# receiver/session.restore_payload). Here because both sides import this torch-only module.
+# wire.RefitPayload.from_plain). Here because both sides import this torch-only module.
 SCHEMA_VERSION = 1
 SUPPORTED_SCHEMA_VERSIONS = (SCHEMA_VERSION,)  # what the receiver reads
 

@@ -78,4 +78,4 @@ class StageChecksums:
                    f"the checksum exchange of stage {self.stage}")
         if self.side != "dst":
             return []
-        return mismatches(table[self.rank], self.got, [p["name"] for p in self.params])
+        return mismatches(table[self.rank], self.got, [p.name for p in self.params])

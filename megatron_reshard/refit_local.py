@@ -7,14 +7,14 @@ when a spec is missing or a hook-free spec's tensor does not match the payload.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping, NamedTuple, Optional, Sequence
+from typing import Any, Iterable, NamedTuple, Optional, Sequence
 
 import torch
 
 from megatron_reshard.engine.geometry import Box, rank_region
 from megatron_reshard.engine.members import members_problem
-from megatron_reshard.refit_order import wire_dtype
 from megatron_reshard.spec import HFToLocalParamMap, LocalParamSpec
+from megatron_reshard.wire import ParamRecord
 
 
 class LocalParam(NamedTuple):
@@ -24,7 +24,7 @@ class LocalParam(NamedTuple):
     box: Box
 
 
-def local_params(params: Sequence[Mapping[str, Any]], local_map: HFToLocalParamMap, side: str,
+def local_params(params: Sequence[ParamRecord], local_map: HFToLocalParamMap, side: str,
                  rank: int, stage: int) -> list[Optional[LocalParam]]:
     """Per param of the stage: a ``LocalParam`` where this rank (``rank`` in the stage's
     group) holds the ``side`` ("src" or "dst") of it, else None.
@@ -32,22 +32,21 @@ def local_params(params: Sequence[Mapping[str, Any]], local_map: HFToLocalParamM
     Raises ValueError when a spec is missing or a hook-free spec's tensor does not match the
     payload (shape of this rank's box, wire dtype).
     """
-    mesh_key, pl_key = f"{side}_mesh_info", f"{side}_placements"
     where = f"{side} group rank {rank} (stage {stage})"
     mine: list[Optional[LocalParam]] = []
     for p in params:
-        got = rank_region(p["global_shape"], p[mesh_key], p[pl_key], rank)
+        got = rank_region(p.global_shape, p.mesh(side), p.placements(side), rank)
         if got is None:
             mine.append(None)
             continue
         box, local_shape = got
-        name = p["name"]
+        name = p.name
         spec = local_map.get(name)
         if spec is None:
             raise ValueError(f"{name}: no local spec on {side} group rank {rank} of stage "
                              f"{stage}, which holds region {list(box)} of this param")
         if spec.pre is None:
-            _check_base(name, where, spec.base, box, tuple(local_shape), wire_dtype(p["dtype"]))
+            _check_base(name, where, spec.base, box, tuple(local_shape), p.torch_dtype)
         mine.append(LocalParam(spec, box))
     return mine
 

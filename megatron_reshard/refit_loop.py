@@ -36,12 +36,9 @@ Decisions:
   (``misc_items``) so a disagreement on the packed-broadcast layout is also caught at
   setup; both sides must then pass ``refit_order.misc_items_by_stage(info)``.
 
-Protocol of one refit on a refit group (both sides, same order): the bulk params of the
-stage (``RefitLoop.run``), then that stage's other params as one packed broadcast from the
-group's rank 0 (the stage's first train rank): every rank of the group calls
-``megatron_reshard.packed.broadcast_packed(packed_layout(misc_items_by_stage(info)[stage]),
-group, 0, device, tensors)`` with ``tensors`` (full HF tensors) on rank 0 only. A
-generation rank does the bulk of all stages first, then the broadcasts in stage order.
+The whole refit a side runs around this loop (plan check, bulk, packed other params,
+commit vote, the failure latch) is stated once in ``refit_protocol``; the sender and the
+receiver both run it.
 """
 
 from __future__ import annotations
@@ -63,8 +60,9 @@ from megatron_reshard.faults import RefitError, wait_device
 from megatron_reshard.refit_checksums import SourceOverlaps, StageChecksums
 from megatron_reshard.refit_local import LocalParam, first_tensor_is_cuda, local_params
 from megatron_reshard.refit_order import (MiscItem, TransferLayout, batch_bounds, plan_fingerprint,
-                                          stage_params, transfer_layouts)
+                                          transfer_layouts)
 from megatron_reshard.spec import HFToLocalParamMap, LocalParamSpec
+from megatron_reshard.wire import ParamRecord, RefitPayload
 
 SIDES = ("src", "dst")
 DEFAULT_BATCH_BYTES = 512 << 20
@@ -110,7 +108,7 @@ class RefitLoop:
 
     def __init__(
         self,
-        refit_info: Mapping[str, Any],
+        refit_info: Union[RefitPayload, Mapping[str, Any]],
         local_map: HFToLocalParamMap,
         side: str,
         groups: Union[Mapping[int, Optional[Any]], Sequence[Optional[Any]]],
@@ -136,13 +134,14 @@ class RefitLoop:
         self._xfer_batch = xfer_batch
         self.groups: dict[int, Optional[Any]] = (
             dict(groups) if isinstance(groups, Mapping) else dict(enumerate(groups)))
-        all_stages = stage_params(refit_info)
-        pp_size = int(refit_info.get("pp_size", 1))
+        info = RefitPayload.of(refit_info)  # records (a refit info dict is parsed here)
+        all_stages = info.stage_params()
+        pp_size = info.pp_size
         for stage in self.groups:
             if not 0 <= stage < pp_size:
                 raise ValueError(f"refit group given for stage {stage}, but the payload has "
                                  f"pp_size={pp_size}")
-        self.stages: dict[int, list[dict]] = {s: all_stages.get(s, []) for s in sorted(self.groups)}
+        self.stages: dict[int, list[ParamRecord]] = {s: all_stages.get(s, []) for s in sorted(self.groups)}
         self.misc_items = None if misc_items is None else {
             s: list(misc_items.get(s, [])) for s in self.stages}
         self._ranks = {s: group_rank(g) for s, g in self.groups.items()}
@@ -164,6 +163,11 @@ class RefitLoop:
         self._planner = None
         self._agreed = False  # set once a run went through: later runs skip the agreement
         self._stream_pool: Optional[list] = None
+
+    @property
+    def verified(self) -> bool:
+        """Whether the plan fingerprints were compared already (``verify_plan``)."""
+        return self._verified
 
     def verify_plan(self) -> None:
         """Compare plan fingerprints over every group; PlanMismatchError on all ranks if they differ.
@@ -279,7 +283,7 @@ class RefitLoop:
     def _send_batch(self, run: "_StageRun", batch: "_OpenBatch") -> None:
         """Hand an opened batch to the engine, checksum it if asked, run its post hooks."""
         if run.on_write is not None and self.side == "dst" and batch.opened:
-            run.on_write([run.params[o.index]["name"] for o in batch.opened])
+            run.on_write([run.params[o.index].name for o in batch.opened])
         run.xfer(batch.transfers, self.groups[run.stage], run.stream)
         run.stats.batches += 1
         if run.checks is not None:

@@ -72,7 +72,7 @@ def _side(args) -> None:
                                        device=device if cuda else None, who="train process")
             restore_refit_info_placements(payload)
             grouped = grouped_hf_tensors(full)
-            specs = HFToLocalParamMap({p["name"]: LocalParamSpec(base=grouped[p["name"]].to(device))
+            specs = HFToLocalParamMap({p.name: LocalParamSpec(base=grouped[p.name].to(device))
                                        for p in stage_params(payload)[0]})
             fault(specs.specs[sorted(specs.specs)[len(specs.specs) // 2]])
             misc = misc_items_by_stage(payload)

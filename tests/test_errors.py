@@ -49,7 +49,7 @@ def test_every_library_error_derives_from_the_root(name, request):
 
 
 @pytest.mark.parametrize("name, builtin", [
-    ("megatron_reshard.receiver.payload_check.RefitPayloadError", ValueError),
+    ("megatron_reshard.wire_check.RefitPayloadError", ValueError),
     ("megatron_reshard.receiver.targets.TargetError", ValueError),
     ("megatron_reshard.fp8_plan.Fp8SplitError", ValueError),
     ("megatron_reshard.layout.MeshSizeError", ValueError),

@@ -2,6 +2,8 @@
 quantized, the refusal of splits that cut a 128x128 block (on both sides, before any
 communication), and FP8 storage filled from full HF tensors against the independent oracle."""
 
+import dataclasses
+
 import msgspec
 import pytest
 import torch
@@ -34,6 +36,7 @@ from megatron_reshard.testing.vllm_like import (
 )
 from megatron_reshard.vllm_layout import qkv_gen_layout
 from megatron_reshard.vllm_layout.dense import AttentionHeads
+from megatron_reshard.wire import ParamRecord, RefitPayload
 
 H = 256
 
@@ -46,32 +49,33 @@ def _ffn_info(inter: int, train_tp: int, gen_tp: int) -> dict:
                                          train_tp, gen_tp)
 
 
-def _entries(info: dict) -> list[dict]:
-    return [p for layer in info["layer_names"] for p in info["per_layer_params"][layer]]
+def _entries(info) -> list[ParamRecord]:
+    return list(RefitPayload.of(info).params())
 
 
 def test_whole_block_train_shards_are_quantized_by_the_sender_with_a_scale_entry_after_each():
     info = _ffn_info(512, train_tp=2, gen_tp=2)
-    counts = plan_block_fp8(info, stage_world=2)
+    info, counts = plan_block_fp8(info, stage_world=2)
     assert counts == {"sender": 3, "receiver": 0, "train_fp8": 0}
     entries = _entries(info)
-    assert [p["name"].rsplit(".", 2)[-2:] for p in entries] == [
+    assert [p.name.rsplit(".", 2)[-2:] for p in entries] == [
         ["gate_proj", "weight"], ["gate_proj", "weight_scale_inv"], ["up_proj", "weight"],
         ["up_proj", "weight_scale_inv"], ["down_proj", "weight"], ["down_proj", "weight_scale_inv"]]
     gate, gate_scale = entries[0], entries[1]
-    assert gate["dtype"] == "torch.float8_e4m3fn" and gate["gen_quant"] == "sender"
-    assert gate_scale["global_shape"] == (4, 2) and gate_scale["dtype"] == "torch.float32"
-    assert gate_scale["dst_placements"] == gate["dst_placements"]
-    assert tuple(entries[5]["global_shape"]) == (2, 4)  # down [256, 512]
+    assert gate.dtype == "torch.float8_e4m3fn" and gate.gen_quant == "sender"
+    assert gate_scale.global_shape == (4, 2) and gate_scale.dtype == "torch.float32"
+    assert gate_scale.dst_placements == gate.dst_placements
+    assert tuple(entries[5].global_shape) == (2, 4)  # down [256, 512]
     # the planned info still goes on the wire as plain data
-    wire = msgspec.msgpack.decode(msgspec.msgpack.encode(make_nccl_reshard_refit_info_wire_safe(info)))
+    wire = msgspec.msgpack.decode(msgspec.msgpack.encode(info.to_plain()))
     assert restore_refit_info_placements(wire)["gen_quant"] == {"format": "block_fp8", "block": [128, 128]}
 
 
 def test_train_shards_that_cut_blocks_leave_quantization_to_the_receiver():
     info = _ffn_info(384, train_tp=2, gen_tp=1)  # 192 rows per train rank
-    assert plan_block_fp8(info, stage_world=2) == {"sender": 0, "receiver": 3, "train_fp8": 0}
-    assert all(p["dtype"] == "torch.bfloat16" and p["gen_quant"] == "receiver" for p in _entries(info))
+    info, counts = plan_block_fp8(info, stage_world=2)
+    assert counts == {"sender": 0, "receiver": 3, "train_fp8": 0}
+    assert all(p.dtype == "torch.bfloat16" and p.gen_quant == "receiver" for p in _entries(info))
 
 
 def test_a_generation_split_that_cuts_a_block_is_refused_naming_param_rank_and_sizes():
@@ -127,7 +131,7 @@ def _fp8_targets(tp_rank: int, tp_size: int, **override):
 def _gate_entry(inter: int, gen_tp: int, quantize: bool) -> dict:
     info = _ffn_info(inter, train_tp=1, gen_tp=gen_tp)
     if quantize:
-        plan_block_fp8(info, stage_world=1)
+        info, _ = plan_block_fp8(info, stage_world=1)
     return _entries(info)[0]
 
 
@@ -176,17 +180,19 @@ def test_plain_payload_planned_for_fp8_restores_and_validates():
     full = random_hf_state_dict(CFG, seed=1)
     payload = restore_refit_info_placements(build_plain_payload(
         CFG, full, {"tp_size": 2}, {"tp_size": 2}, 2, 2))
-    counts = plan_block_fp8(payload, stage_world=2)
+    planned, counts = plan_block_fp8(payload, stage_world=2)
     assert counts["sender"] > 0
     from megatron_reshard.receiver.payload_check import validate_payload
-    validate_payload(make_nccl_reshard_refit_info_wire_safe(payload), "gen rank 0")
+    validate_payload(planned.to_plain(), "gen rank 0")
+    RefitPayload.from_plain(planned.to_plain(), "gen rank 0")
 
 
 def test_training_fp8_weights_are_planned_as_they_are_and_refused_when_a_train_shard_cuts_a_block():
     info = _ffn_info(512, train_tp=2, gen_tp=1)
-    names = frozenset(p["name"] for p in _entries(info))
-    assert plan_block_fp8(info, stage_world=2, train_fp8=names)["train_fp8"] == 3
-    assert [p["gen_quant"] for p in _entries(info)][::2] == ["train_fp8"] * 3
+    names = frozenset(p.name for p in _entries(info))
+    info, counts = plan_block_fp8(info, stage_world=2, train_fp8=names)
+    assert counts["train_fp8"] == 3
+    assert [p.gen_quant for p in _entries(info)][::2] == ["train_fp8"] * 3
     info = _ffn_info(384, train_tp=2, gen_tp=1)  # 192 rows per train rank
     with pytest.raises(Fp8SplitError, match=r"gate_proj.weight: held in blockwise FP8 for "
                                             r"training, but training rank 0 .* \[0, 192\) of 384"):
@@ -214,9 +220,10 @@ def test_plain_blockwise_fp8_training_weights_round_trip_through_their_dequantiz
 
 def test_mxfp8_is_planned_for_the_receiver_and_refuses_a_split_that_cuts_a_32_block():
     info = _ffn_info(512, train_tp=2, gen_tp=2)
-    assert plan_mxfp8(info, stage_world=2)["receiver"] == 3
-    assert all(p["dtype"] == "torch.bfloat16" for p in _entries(info))
-    assert info["gen_quant"] == {"format": "mxfp8", "block": [1, 32]}
+    info, counts = plan_mxfp8(info, stage_world=2)
+    assert counts["receiver"] == 3
+    assert all(p.dtype == "torch.bfloat16" for p in _entries(info))
+    assert info.gen_quant == {"format": "mxfp8", "block": [1, 32]}
     info = _ffn_info(192, train_tp=1, gen_tp=4)  # down_proj: 48 columns per gen rank
     with pytest.raises(Fp8SplitError, match=r"down_proj.weight: generation rank 1 .* cuts a 1x32 "
                                             r"FP8 block \(dim 1 \[48, 96\) of 192"):
@@ -255,17 +262,18 @@ def _qkv_info(train_tp: int, gen_tp: int, heads: AttentionHeads = HEADS) -> dict
     return {"layer_names": ["model.layers.0"], "per_layer_params": {"model.layers.0": entries}}
 
 
-def _assert_rank_scales_are_the_oracles(weight: dict, scale: dict, full: torch.Tensor) -> int:
+def _assert_rank_scales_are_the_oracles(weight: ParamRecord, scale: ParamRecord,
+                                        full: torch.Tensor) -> int:
     """Every rank's shard (both sides) quantized on its own gives the oracle's bytes, and the
     oracle's scales over the region the scale entry's placements give that rank."""
-    shape, s_shape = tuple(weight["global_shape"]), tuple(scale["global_shape"])
+    shape, s_shape = weight.global_shape, scale.global_shape
     q_ref, s_ref = reference_block_fp8(full.reshape(-1, shape[-1]))  # the HF tensor's tiles
     q_ref, s_ref = q_ref.view(torch.uint8).reshape(shape), s_ref.reshape(s_shape)
     checked = 0
     for side in ("src", "dst"):
-        for rank in weight[f"{side}_mesh_info"].ranks():
-            w_box = rank_region(shape, weight[f"{side}_mesh_info"], weight[f"{side}_placements"], rank)[0]
-            s_box = rank_region(s_shape, scale[f"{side}_mesh_info"], scale[f"{side}_placements"], rank)[0]
+        for rank in weight.mesh(side).ranks():
+            w_box = rank_region(shape, weight.mesh(side), weight.placements(side), rank)[0]
+            s_box = rank_region(s_shape, scale.mesh(side), scale.placements(side), rank)[0]
             q, s = quantize_blockwise_fp8(full.reshape(shape)[box_index(w_box)])
             assert torch.equal(q.view(torch.uint8), q_ref[box_index(w_box)]), (side, rank)
             assert torch.equal(s, s_ref[box_index(s_box)]), (side, rank, w_box, s_box)
@@ -275,9 +283,10 @@ def _assert_rank_scales_are_the_oracles(weight: dict, scale: dict, full: torch.T
 
 def test_train_tp_cutting_a_kv_group_on_whole_blocks_gives_scale_blocks_in_tiles_bit_exact():
     info = _qkv_info(train_tp=2, gen_tp=2)
-    assert plan_block_fp8(info, stage_world=2) == {"sender": 3, "receiver": 0, "train_fp8": 0}
+    info, counts = plan_block_fp8(info, stage_world=2)
+    assert counts == {"sender": 3, "receiver": 0, "train_fp8": 0}
     entries = _entries(info)
-    blocks = {e["name"].split(".", 4)[-1]: e["src_placements"][-1] for e in entries}
+    blocks = {e.name.split(".", 4)[-1]: e.src_placements[-1] for e in entries}
     # rows [384 | 128] of q, [0 | 128] of k and v; scales [3 | 1] and [0 | 1] tiles
     assert blocks == {
         "q_proj.weight": BlockShard(1, (384, 128)), "q_proj.weight_scale_inv": BlockShard(1, (3, 1)),
@@ -285,13 +294,13 @@ def test_train_tp_cutting_a_kv_group_on_whole_blocks_gives_scale_blocks_in_tiles
         "v_proj.weight": BlockShard(1, (0, 128)), "v_proj.weight_scale_inv": BlockShard(1, (0, 1))}
     torch.manual_seed(0)
     for weight, scale in zip(entries[::2], entries[1::2]):
-        assert scale["dst_placements"] == weight["dst_placements"]  # Shard / Replicate stay
-        full = torch.randn(weight["global_shape"]).to(torch.bfloat16)
+        assert scale.dst_placements == weight.dst_placements  # Shard / Replicate stay
+        full = torch.randn(weight.global_shape).to(torch.bfloat16)
         assert _assert_rank_scales_are_the_oracles(weight, scale, full) == 4
     # the planned info goes on the wire and comes back with the tile blocks
-    wire = msgspec.msgpack.decode(msgspec.msgpack.encode(make_nccl_reshard_refit_info_wire_safe(info)))
-    back = _entries(restore_refit_info_placements(wire))
-    assert back[1]["src_placements"][-1] == BlockShard(1, (3, 1))
+    wire = msgspec.msgpack.decode(msgspec.msgpack.encode(info.to_plain()))
+    back = _entries(wire)
+    assert back[1].src_placements[-1] == BlockShard(1, (3, 1))
     # the generation ranks' receiver takes each scale entry into its scale box
     for gen_rank in range(2):
         targets = _fp8_targets(gen_rank, 2, num_key_value_heads=1)
@@ -303,15 +312,16 @@ def test_train_tp_cutting_a_kv_group_off_block_boundaries_leaves_those_weights_t
     # 192 rows per train rank: q [192 | 192 | 128 | 0] and k [0 | 0 | 64 | 64] cut blocks and
     # travel in bf16; v [0 | 0 | 0 | 128] is whole blocks on every rank: sender-quantized
     info = _qkv_info(train_tp=4, gen_tp=2)
-    assert plan_block_fp8(info, stage_world=4) == {"sender": 1, "receiver": 2, "train_fp8": 0}
+    info, counts = plan_block_fp8(info, stage_world=4)
+    assert counts == {"sender": 1, "receiver": 2, "train_fp8": 0}
     q, k, v, v_scale = _entries(info)
-    assert [p["gen_quant"] for p in (q, k, v)] == ["receiver", "receiver", "sender"]
-    assert q["dtype"] == k["dtype"] == "torch.bfloat16"
-    assert v_scale["src_placements"][-1] == BlockShard(1, (0, 0, 0, 1))
+    assert [p.gen_quant for p in (q, k, v)] == ["receiver", "receiver", "sender"]
+    assert q.dtype == k.dtype == "torch.bfloat16"
+    assert v_scale.src_placements[-1] == BlockShard(1, (0, 0, 0, 1))
     torch.manual_seed(1)
-    full = torch.randn(v["global_shape"]).to(torch.bfloat16)
+    full = torch.randn(v.global_shape).to(torch.bfloat16)
     assert _assert_rank_scales_are_the_oracles(v, v_scale, full) == 6
-    names = frozenset(p["name"] for p in _entries(_qkv_info(4, 2)))
+    names = frozenset(p.name for p in _entries(_qkv_info(4, 2)))
     with pytest.raises(Fp8SplitError, match=r"q_proj.weight: held in blockwise FP8 for training, "
                                             r"but training rank 0 .*\(dim 1 \[0, 192\) of 512"):
         plan_block_fp8(_qkv_info(train_tp=4, gen_tp=2), stage_world=4, train_fp8=names)
@@ -337,21 +347,21 @@ def test_scale_placements_count_explicit_sizes_in_tiles_and_refuse_a_cut_boundar
     scale = {**weight, "name": "w_scale_inv", "global_shape": (1, 3, 2),
              "src_placements": scale_placements(weight["src_placements"], (1, 320, 256)),
              "dst_placements": scale_placements(weight["dst_placements"], (1, 320, 256))}
+    weight, scale = (ParamRecord.from_entry(dict(e, dtype="torch.bfloat16")) for e in (weight, scale))
     assert scale_layout_problems(weight, scale, stage_world=0) == []
     full = (torch.randn(1, 320, 256) * torch.arange(1, 321).reshape(1, 320, 1)).to(torch.bfloat16)
     assert _assert_rank_scales_are_the_oracles(weight, scale, full) == 4
 
 
 def test_a_scale_entry_not_in_tiles_of_its_weight_is_refused_naming_param_rank_and_regions():
-    info = _qkv_info(train_tp=2, gen_tp=2)
-    plan_block_fp8(info, stage_world=2)
+    info, _ = plan_block_fp8(_qkv_info(train_tp=2, gen_tp=2), stage_world=2)
     q, q_scale = _entries(info)[:2]
     # the defect of issue 13: the scale entry given the weight's row blocks
-    stale = {**q_scale, "src_placements": q["src_placements"]}
+    stale = dataclasses.replace(q_scale, src_placements=q.src_placements)
     msg = "\n".join(scale_layout_problems(q, stale, stage_world=2))
     assert "q_proj.weight_scale_inv: training rank 0: its scale placements are invalid for " \
            "scales of [1, 4, 2]" in msg and "[384, 128]" in msg
-    replicated = {**q_scale, "dst_placements": [Replicate(), Replicate()]}
+    replicated = dataclasses.replace(q_scale, dst_placements=(Replicate(), Replicate()))
     assert scale_layout_problems(q, replicated, stage_world=2) == [
         "model.layers.0.self_attn.q_proj.weight_scale_inv: generation rank 0: holds weight region "
         "[[0, 1], [0, 256], [0, 256]] of [1, 512, 256], so expected scale region [[0, 1], [0, 2], "

@@ -21,6 +21,11 @@ REQUIRED = [
     "megatron_reshard.support",
     "megatron_reshard.nccl_reshard_utils",
     "megatron_reshard.vllm_layout.mla",
+    "megatron_reshard.wire",
+    "megatron_reshard.wire_check",
+    "megatron_reshard.receiver.incoming",
+    "megatron_reshard.receiver.param_map",
+    "megatron_reshard.receiver.misc_transport",
 ]
 OPTIONAL = [
     "megatron_reshard.engine",

@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
+from megatron_reshard.wire import ParamRecord
 from megatron_reshard.engine.plan import Planner, layout_key
 from megatron_reshard.engine.plan_check import PlanError, check_writes_exactly_once
 from megatron_reshard.integrity import (
@@ -71,8 +72,10 @@ def test_only_the_first_replica_counts_and_overlaps_cover_each_destination():
     mesh = MeshInfo(torch.tensor([[0, 1], [2, 3]]))  # axis 0 replicates, axis 1 shards dim 0
     placements = [Replicate(), Shard(0)]
     assert [is_canonical_holder(mesh, placements, r) for r in range(4)] == [True, True, False, False]
-    param = {"global_shape": (6, 4), "src_mesh_info": mesh, "src_placements": placements,
-             "dst_mesh_info": MeshInfo(torch.tensor([4, 5, 6])), "dst_placements": [Shard(0)]}
+    param = ParamRecord.from_entry({
+        "name": "w", "dtype": "torch.float32", "global_shape": (6, 4), "src_mesh_info": mesh,
+        "src_placements": placements, "dst_mesh_info": MeshInfo(torch.tensor([4, 5, 6])),
+        "dst_placements": [Shard(0)]})
     got = {r: source_overlaps(param, r) for r in range(4)}
     assert got[2] == [] and got[3] == []
     assert got[0] == [(4, ((0, 2), (0, 4))), (5, ((2, 3), (0, 4)))]

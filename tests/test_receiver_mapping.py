@@ -91,16 +91,16 @@ def test_bulk_payload_regions_land_where_vllm_keeps_them(name, tp, ep, strided_i
         model = build_vllm_like_model(cfg, rank, tp, ep)
         targets = VllmTargets.from_named_parameters(model.named_parameters(), cfg, rank, tp, ep)
         specs, plans = build_receiver_param_map(payload, targets, train_world + rank, strided_in_place)
-        bulk_names = [p["name"] for ps in payload["per_layer_params"].values() for p in ps]
+        bulk_names = [p.name for ps in payload.per_layer_params.values() for p in ps]
         assert sorted(specs.specs) == sorted(bulk_names)
-        for ps in payload["per_layer_params"].values():
+        for ps in payload.per_layer_params.values():
             for p in ps:
-                spec = specs.get(p["name"])
+                spec = specs.get(p.name)
                 ctx = spec.begin()
-                ctx.buf.copy_(_slice_by_placements(grouped[p["name"]], p["dst_mesh_info"],
-                                                   p["dst_placements"], train_world + rank))
+                ctx.buf.copy_(_slice_by_placements(grouped[p.name], p.dst_mesh_info,
+                                                   p.dst_placements, train_world + rank))
                 spec.finish(ctx)
-        other_names = [e["name"] for e in payload["other_params"]]
+        other_names = [e.name for e in payload.other_params]
         load_full_weights(targets, {n: full[n] for n in other_names})
         for vname, param in model.named_parameters():
             assert _same(param, expected_vllm_shard(cfg, vname, full, rank, tp, ep)), (vname, rank)
@@ -198,11 +198,11 @@ def test_generation_replicas_each_receive_the_full_tp_layout(name, ep):
         model = build_vllm_like_model(cfg, rank, tp, ep)
         targets = VllmTargets.from_named_parameters(model.named_parameters(), cfg, rank, tp, ep)
         specs, plans = build_receiver_param_map(payload, targets, train_world + gen_rank)
-        for ps in payload["per_layer_params"].values():
+        for ps in payload.per_layer_params.values():
             for p in ps:
-                spec = specs.get(p["name"])
-                spec.base.copy_(_slice_by_placements(grouped[p["name"]], p["dst_mesh_info"],
-                                                     p["dst_placements"], train_world + gen_rank))
+                spec = specs.get(p.name)
+                spec.base.copy_(_slice_by_placements(grouped[p.name], p.dst_mesh_info,
+                                                     p.dst_placements, train_world + gen_rank))
         bulk_targets = {piece.target for plan in plans for piece in plan.pieces}
         assert len(bulk_targets) == 4  # two layers x (gate_up_proj, down_proj) or (w13, w2)
         for vname, param in model.named_parameters():

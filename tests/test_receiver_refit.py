@@ -115,9 +115,9 @@ def _refit_job(job, case):
     grouped = grouped_hf_tensors(full)
     specs = HFToLocalParamMap()
     for p in stage_params(payload).get(stage, []):
-        shard = _slice_by_placements(grouped[p["name"]], p["src_mesh_info"], p["src_placements"], local)
+        shard = _slice_by_placements(grouped[p.name], p.src_mesh_info, p.src_placements, local)
         if shard is not None:
-            specs.specs[p["name"]] = LocalParamSpec(base=shard)
+            specs.specs[p.name] = LocalParamSpec(base=shard)
     group = create_refit_group(job.host, job.ports[stage], local, stage_world + gen_world, "gloo", 60.0)
     misc = misc_items_by_stage(payload)
     loop = RefitLoop(payload, specs, "src", {stage: group}, misc_items=misc)

@@ -1,6 +1,7 @@
 """The shared refit loop: payload order, bounded batches, local checks, plan fingerprints, and
 a real multi-process refit with hooks on both sides."""
 
+import dataclasses
 import itertools
 
 import pytest
@@ -57,7 +58,7 @@ def _info(pp=1):
 def test_params_follow_layer_names_then_per_layer_order():
     info = _info()
     info["layer_names"] = ["model.layers.1", "model.layers.2", "model.layers.0"]
-    names = [p["name"] for p in stage_params(info)[0]]
+    names = [p.name for p in stage_params(info)[0]]
     assert names[:3] == [f"model.layers.1.mlp.{x}.weight" for x in ("gate_proj", "up_proj", "down_proj")]
     assert names[3].startswith("model.layers.2.") and names[-1].startswith("model.layers.0.")
     staged = stage_params(_info(pp=2))
@@ -93,18 +94,18 @@ def test_misc_items_keep_payload_order_and_need_a_stage_under_pp():
 def test_fingerprint_changes_with_every_described_field():
     params = stage_params(_info())[0]
     base = plan_fingerprint(params)
-    assert base == plan_fingerprint([dict(p) for p in params])
+    assert base == plan_fingerprint([dataclasses.replace(p) for p in params])
 
     def changed(i, **kw):
-        out = [dict(p) for p in params]
-        out[i].update(kw)
+        out = list(params)
+        out[i] = dataclasses.replace(out[i], **kw)
         return plan_fingerprint(out)
 
     assert changed(0, name="x") != base
     assert changed(0, global_shape=(8, 5)) != base
     assert changed(0, dtype="torch.bfloat16") != base
     assert changed(0, dst_mesh_info=MeshInfo(torch.tensor([3, 2]))) != base
-    assert changed(0, src_placements=[Replicate()]) != base
+    assert changed(0, src_placements=(Replicate(),)) != base
     assert plan_fingerprint(params[::-1]) != base
     assert plan_fingerprint(params, [("a", (1,), torch.float32)]) != base
 
@@ -112,7 +113,7 @@ def test_fingerprint_changes_with_every_described_field():
 def test_local_problems_are_reported_before_any_communication():
     info = _info()
     params = stage_params(info)[0]
-    specs = HFToLocalParamMap({p["name"]: LocalParamSpec(base=torch.zeros(4, 4) if "down" not in p["name"]
+    specs = HFToLocalParamMap({p.name: LocalParamSpec(base=torch.zeros(4, 4) if "down" not in p.name
                                                          else torch.zeros(4, 4))
                                for p in params})
     group = NoCommGroup(3, 4)  # dst group rank 3 = gen rank 1; any communication would raise
@@ -160,19 +161,19 @@ def _loop_job(job):
     params = stage_params(info)[0]
     specs, finals = HFToLocalParamMap(), {}
     for p in params:
-        region = rank_box(p["global_shape"], p[f"{side}_mesh_info"], p[f"{side}_placements"], job.rank)
-        full = _global(p["name"])
-        if side == "src" and p.get("grouped_expert_proj"):
+        region = rank_box(p.global_shape, p.mesh(side), p.placements(side), job.rank)
+        full = _global(p.name)
+        if side == "src" and p.grouped_expert_proj:
             # the sender keeps its experts apart and stacks them in a pre hook
             experts = [full[e] for e in range(*region[0])]
-            specs.specs[p["name"]] = LocalParamSpec(
+            specs.specs[p.name] = LocalParamSpec(
                 base=experts, pre=lambda base: RefitCtx(buf=torch.stack(base)))
         elif side == "src":
-            specs.specs[p["name"]] = LocalParamSpec(base=full[box_index(region)].clone())
+            specs.specs[p.name] = LocalParamSpec(base=full[box_index(region)].clone())
         else:
             final = torch.full([b - a for a, b in region], float("nan"))
-            finals[p["name"]] = (final, full[box_index(region)])
-            specs.specs[p["name"]] = LocalParamSpec(
+            finals[p.name] = (final, full[box_index(region)])
+            specs.specs[p.name] = LocalParamSpec(
                 base=final, pre=lambda base: RefitCtx(buf=torch.empty_like(base), extra={"out": base}),
                 post=lambda ctx: ctx.extra["out"].copy_(ctx.buf))
     results = {}

@@ -41,22 +41,22 @@ def _memory_job(job, stack_experts: bool):
     side = "src" if job.rank < 2 else "dst"
     specs, expect = HFToLocalParamMap(), {}
     for p in stage_params(info)[0]:
-        shape = p["global_shape"]
-        region = rank_box(shape, p[f"{side}_mesh_info"], p[f"{side}_placements"], job.rank)
-        full = _full(p["name"], shape)
-        if side == "src" and p.get("grouped_expert_proj"):
+        shape = p.global_shape
+        region = rank_box(shape, p.mesh(side), p.placements(side), job.rank)
+        full = _full(p.name, shape)
+        if side == "src" and p.grouped_expert_proj:
             experts = [full[e].clone() for e in range(*region[0])]  # apart, as Megatron's
             spec = stacked_spec(experts)
             if stack_experts:  # what the source did before: a stacking pre hook
                 from megatron_reshard.spec import RefitCtx
                 spec = LocalParamSpec(base=experts, pre=lambda b: RefitCtx(buf=torch.stack(b)))
-            specs.specs[p["name"]] = spec
+            specs.specs[p.name] = spec
         elif side == "src":
-            specs.specs[p["name"]] = LocalParamSpec(base=full[box_index(region)].clone())
+            specs.specs[p.name] = LocalParamSpec(base=full[box_index(region)].clone())
         else:
             dst = torch.full([b - a for a, b in region], float("nan"))
-            expect[p["name"]] = (dst, full[box_index(region)])
-            specs.specs[p["name"]] = LocalParamSpec(base=dst)
+            expect[p.name] = (dst, full[box_index(region)])
+            specs.specs[p.name] = LocalParamSpec(base=dst)
     # checksums on: the receiver compares what it got with the sources' (lists included)
     checked = RefitLoop(info, specs, side, {0: group}, staging_bytes=STAGING,
                         verify_checksums=True).run()

@@ -17,6 +17,7 @@ from megatron_reshard.megatron.parallel import StageMeshes
 from megatron_reshard.megatron.qkv import heads_of, megatron_qkv_layout, qkv_group_shape, which_qkv
 from megatron_reshard.metadata import extract_layer_name
 from megatron_reshard.vllm_layout.dense import QKV_PARAM_RE, padded_vocab_rows, qkv_gen_layout, tp_dim_of
+from megatron_reshard.wire import ParamRecord, RefitPayload
 
 VOCAB_PARAMS = ("model.embed_tokens.weight", "lm_head.weight")
 
@@ -38,13 +39,13 @@ def _padded_layout(mesh: MeshInfo, tp_axis: Optional[int], padded: int) -> tuple
     return mesh, placements
 
 
-def add_exact_extras(info: dict, extras: Mapping[str, dict], stage_of_key: Mapping[str, int],
+def add_exact_extras(info: RefitPayload, extras: Mapping[str, dict], stage_of_key: Mapping[str, int],
                      stages: Sequence[StageMeshes], gen: tuple[MeshInfo, dict], *,
                      padded_train_vocab: int, dims: ModelDims, pp: int,
                      mla_tp_dims: Callable[[str], Optional[tuple[Optional[int], Optional[int]]]]
-                     ) -> None:
-    """Append to the refit info the params beyond the seed's bulk set that the engine
-    moves too (``extras``: name -> HF metadata, model order).
+                     ) -> RefitPayload:
+    """The refit info with the params beyond the seed's bulk set that the engine moves too
+    appended (``extras``: name -> HF metadata, model order; the input is not changed).
 
     Vocab matrices: padded shards on both sides (Megatron's padded vocab split over TP;
     vLLM's vocab padded to 64 split over gen TP). q/k/v weights: per KV group
@@ -54,6 +55,8 @@ def add_exact_extras(info: dict, extras: Mapping[str, dict], stage_of_key: Mappi
     first in ``layer_names``, new layer keys after the rest.
     """
     gen_mesh, gen_dims = gen
+    layer_names = list(info.layer_names)
+    per_layer = {layer: list(ps) for layer, ps in info.per_layer_params.items()}
     for name, meta in extras.items():
         key = extract_layer_name(name)
         stage = stage_of_key[key]
@@ -79,14 +82,14 @@ def add_exact_extras(info: dict, extras: Mapping[str, dict], stage_of_key: Mappi
             tp_dim = tp_dim_of(name)
             src_mesh, src_pl = meshes.dense, _tp_placements(meshes.dense, meshes.dense_dims, tp_dim)
             dst_mesh, dst_pl = gen_mesh, _tp_placements(gen_mesh, gen_dims, tp_dim)
-        entry = {"name": name, "global_shape": global_shape, "dtype": meta["dtype"],
-                 "src_mesh_info": src_mesh, "src_placements": src_pl,
-                 "dst_mesh_info": dst_mesh, "dst_placements": dst_pl}
-        if pp > 1:
-            entry["pp_stage"] = stage
-        info["per_layer_params"].setdefault(key, []).append(entry)
-        if key not in info["layer_names"]:
+        record = ParamRecord(name=name, global_shape=tuple(int(s) for s in global_shape),
+                             dtype=str(meta["dtype"]), src_mesh_info=src_mesh,
+                             src_placements=tuple(src_pl), dst_mesh_info=dst_mesh,
+                             dst_placements=tuple(dst_pl), pp_stage=stage if pp > 1 else None)
+        per_layer.setdefault(key, []).append(record)
+        if key not in layer_names:
             if name.startswith("model.embed_tokens"):
-                info["layer_names"].insert(0, key)
+                layer_names.insert(0, key)
             else:
-                info["layer_names"].append(key)
+                layer_names.append(key)
+    return info.with_params(layer_names, per_layer)

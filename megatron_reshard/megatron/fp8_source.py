@@ -22,6 +22,7 @@ from megatron_reshard.megatron.qkv import megatron_qkv_blocks
 from megatron_reshard.quant import BLOCK_FP8_TILE, quantize_blockwise_fp8
 from megatron_reshard.spec import HFToLocalParamMap, LocalParamSpec, RefitCtx
 from megatron_reshard.vllm_layout.dense import AttentionHeads
+from megatron_reshard.wire import ParamRecord, RefitPayload
 
 
 class _ShardQuantizer:
@@ -54,29 +55,28 @@ class _ShardQuantizer:
         return RefitCtx(buf=scales)
 
 
-def fp8_sender_specs(specs: HFToLocalParamMap, fp8_info: dict, stage: int,
+def fp8_sender_specs(specs: HFToLocalParamMap, fp8_info: RefitPayload, stage: int,
                      fp8_views: Optional[dict] = None) -> HFToLocalParamMap:
     """``specs`` (the BF16 recipes of this rank's stage) with the sender-quantized weights
     wrapped, the weights held in FP8 for training replaced by their bytes, and the scale
     entries added."""
     out = dict(specs.specs)
-    for layer in fp8_info["layer_names"]:
-        for p in fp8_info["per_layer_params"].get(layer, []):
-            if int(p.get("pp_stage", 0)) != stage:
-                continue
-            if p.get("gen_quant") == "train_fp8":
-                pair = train_fp8_specs(p, fp8_views or {})
-                if pair is not None:
-                    out[p["name"]], out[scale_name(p["name"])] = pair
-                continue
-            if p.get("gen_quant") != "sender":
-                continue
-            spec = specs.get(p["name"])
-            if spec is None:  # this rank holds no shard of it
-                continue
-            quantizer = _ShardQuantizer(spec)
-            out[p["name"]] = LocalParamSpec(base=spec.base, pre=quantizer.weight)
-            out[scale_name(p["name"])] = LocalParamSpec(base=spec.base, pre=quantizer.scale)
+    for p in fp8_info.params():
+        if p.stage != stage:
+            continue
+        if p.gen_quant == "train_fp8":
+            pair = train_fp8_specs(p, fp8_views or {})
+            if pair is not None:
+                out[p.name], out[scale_name(p.name)] = pair
+            continue
+        if p.gen_quant != "sender":
+            continue
+        spec = specs.get(p.name)
+        if spec is None:  # this rank holds no shard of it
+            continue
+        quantizer = _ShardQuantizer(spec)
+        out[p.name] = LocalParamSpec(base=spec.base, pre=quantizer.weight)
+        out[scale_name(p.name)] = LocalParamSpec(base=spec.base, pre=quantizer.scale)
     return HFToLocalParamMap(out)
 
 
@@ -173,14 +173,14 @@ def _stack_bytes(tensors: list) -> RefitCtx:
     return RefitCtx(buf=stacked.view(tensors[0].dtype))
 
 
-def train_fp8_specs(p: dict, fp8_views: dict) -> Optional[tuple[LocalParamSpec, LocalParamSpec]]:
+def train_fp8_specs(p: ParamRecord, fp8_views: dict) -> Optional[tuple[LocalParamSpec, LocalParamSpec]]:
     """(weight spec, scale spec) of a ``train_fp8`` entry from this rank's FP8 views; None
     when this rank holds none of it."""
-    if p.get("grouped_expert_proj") is None:
-        got = fp8_views.get(p["name"])
+    if p.grouped_expert_proj is None:
+        got = fp8_views.get(p.name)
         return None if got is None else (LocalParamSpec(base=got[0]), LocalParamSpec(base=got[1]))
     members = sorted((int(m["index"]), pair) for name, pair in fp8_views.items()
-                     if (m := _PER_EXPERT.match(name)) and grouped_name(name) == p["name"])
+                     if (m := _PER_EXPERT.match(name)) and grouped_name(name) == p.name)
     if not members:
         return None
     data = [pair[0] for _, pair in members]

@@ -11,7 +11,7 @@ rank's expert tensors, or one strided view when they sit at a constant step in o
 from __future__ import annotations
 
 import re
-from typing import Any, Collection, Mapping, Optional, Sequence
+from typing import Collection, Mapping, Optional, Sequence
 
 import torch
 
@@ -20,6 +20,7 @@ from megatron_reshard.layout import is_nccl_reshard_param
 from megatron_reshard.megatron.converters import Converted, ModelDims, local_views
 from megatron_reshard.megatron.qkv import qkv_views
 from megatron_reshard.spec import LocalParamSpec
+from megatron_reshard.wire import RefitPayload
 
 _EXPERT_NAME = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<index>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 
@@ -56,49 +57,48 @@ def local_hf_views(converted: Sequence[tuple[Converted, torch.Tensor]], exact_ex
     return views
 
 
-def local_param_specs(info: Mapping[str, Any], views: Mapping[str, torch.Tensor], stage: int,
+def local_param_specs(info: RefitPayload, views: Mapping[str, torch.Tensor], stage: int,
                       stage_local_rank: int, me: str) -> dict[str, LocalParamSpec]:
-    """``hf_name -> LocalParamSpec`` for every param of the (restored) refit ``info`` on PP
+    """``hf_name -> LocalParamSpec`` for every param of the refit ``info`` (records) on PP
     ``stage``, each checked against the region the src mesh/placements assign to
     ``stage_local_rank`` (shape and dtype). ``me`` names this rank in the errors; every
     problem is listed in one ``ValueError``."""
     specs: dict[str, LocalParamSpec] = {}
     problems: list[str] = []
-    for layer in info["layer_names"]:
-        for p in info["per_layer_params"].get(layer, []):
-            if p.get("pp_stage", 0) != stage:
+    for p in info.params():
+        if p.stage != stage:
+            continue
+        name = p.name
+        proj = p.grouped_expert_proj
+        if proj is None:
+            view = views.get(name)
+            if view is None:
+                problems.append(f"{name}: {me} holds no local tensor for it")
                 continue
-            name = p["name"]
-            proj = p.get("grouped_expert_proj")
-            if proj is None:
-                view = views.get(name)
-                if view is None:
-                    problems.append(f"{name}: {me} holds no local tensor for it")
-                    continue
-                spec, shape, dtype = LocalParamSpec(base=view), list(view.shape), view.dtype
-            else:
-                prefix = name[: -len(f".{proj}.weight")]
-                members = sorted(
-                    (int(m["index"]), v) for n, v in views.items()
-                    if (m := _EXPERT_NAME.match(n)) and m["prefix"] == prefix and m["proj"] == proj
-                )
-                if not members:
-                    problems.append(f"{name}: {me} holds no local expert for it")
-                    continue
-                tensors = [v for _, v in members]
-                spec = stacked_spec(tensors)
-                shape, dtype = [len(tensors), *tensors[0].shape], tensors[0].dtype
-            expected = expected_local_shape(p["global_shape"], p["src_mesh_info"], p["src_placements"],
-                                            stage_local_rank)
-            if expected is None:
-                problems.append(f"{name}: {me} is not in the src mesh {p['src_mesh_info']}")
-            elif expected != shape:
-                problems.append(f"{name}: {me} holds local shape {shape} but the refit info assigns "
-                                f"{expected} (global {list(p['global_shape'])}, placements {p['src_placements']})")
-            elif str(dtype) != p["dtype"]:
-                problems.append(f"{name}: {me} holds dtype {dtype} but the refit info says {p['dtype']}")
-            else:
-                specs[name] = spec
+            spec, shape, dtype = LocalParamSpec(base=view), list(view.shape), view.dtype
+        else:
+            prefix = name[: -len(f".{proj}.weight")]
+            members = sorted(
+                (int(m["index"]), v) for n, v in views.items()
+                if (m := _EXPERT_NAME.match(n)) and m["prefix"] == prefix and m["proj"] == proj
+            )
+            if not members:
+                problems.append(f"{name}: {me} holds no local expert for it")
+                continue
+            tensors = [v for _, v in members]
+            spec = stacked_spec(tensors)
+            shape, dtype = [len(tensors), *tensors[0].shape], tensors[0].dtype
+        expected = expected_local_shape(p.global_shape, p.src_mesh_info, p.src_placements,
+                                        stage_local_rank)
+        if expected is None:
+            problems.append(f"{name}: {me} is not in the src mesh {p.src_mesh_info}")
+        elif expected != shape:
+            problems.append(f"{name}: {me} holds local shape {shape} but the refit info assigns "
+                            f"{expected} (global {list(p.global_shape)}, placements {list(p.src_placements)})")
+        elif str(dtype) != p.dtype:
+            problems.append(f"{name}: {me} holds dtype {dtype} but the refit info says {p.dtype}")
+        else:
+            specs[name] = spec
     if problems:
         raise ValueError("local views do not match the refit info:\n  - " + "\n  - ".join(problems))
     return specs

@@ -26,15 +26,18 @@ from typing import Any
 import msgspec
 
 from megatron_reshard.metadata import SCHEMA_VERSION, make_nccl_reshard_refit_info_wire_safe
+from megatron_reshard.wire import RefitPayload
 
 EXTRA_KEYS = ("schema_version", "train_layout", "gen_layout", "hf_config", "other_params",
               "train_stage_ranks", "rank_order")
 
 
-def build_payload(refit_info: dict, *, train_layout: dict, gen_layout: dict, hf_config: dict,
+def build_payload(refit_info: Any, *, train_layout: dict, gen_layout: dict, hf_config: dict,
                   other_params: list, train_stage_ranks: list, rank_order: str) -> dict:
-    """The plain-data payload: wire-safe refit info plus the schema-1 extras."""
-    payload = make_nccl_reshard_refit_info_wire_safe(refit_info)
+    """The plain-data payload: wire-safe refit info (records, ``wire.RefitPayload``, or the
+    seed's dict form) plus the schema-1 extras."""
+    payload = (refit_info.to_plain() if isinstance(refit_info, RefitPayload)
+               else make_nccl_reshard_refit_info_wire_safe(refit_info))
     clash = sorted(set(payload) & set(EXTRA_KEYS))
     if clash:
         raise ValueError(f"refit info already has payload keys {clash}")

@@ -2,26 +2,25 @@
 
 ``RefitSender`` wraps a ``MegatronRefitSource`` and the rank's refit group (one group per
 training PP stage; a train rank belongs to its own stage's group). Per refit it runs the
-shared ``RefitLoop`` (side ``"src"``: bulk FFN params straight from the live shards), then
-the stage's other params as one packed broadcast from the stage's first train rank, then
-the commit vote (``megatron_reshard.commit``) that carries the refit's version.
+training side of ``refit_protocol``: the shared ``RefitLoop`` (side ``"src"``: bulk params
+straight from the live shards), then the stage's other params as packed broadcasts from
+the stage's first train rank, then the commit vote that carries the refit's version.
 Options that enter the plan fingerprint (batch and staging bytes, misc items) must match
 the receiver's; a mismatch is reported at the first refit on every rank of the group.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Any, Optional
 
 import torch
 
-from megatron_reshard.commit import commit_refit
-from megatron_reshard.faults import RefitError, fault_scope, wait_device
-from megatron_reshard.metadata import restore_refit_info_placements
-from megatron_reshard.packed import broadcast_packed, chunk_items, packed_layout
+from megatron_reshard.faults import RefitError, fault_scope
+from megatron_reshard.packed import broadcast_packed, packed_layout
 from megatron_reshard.refit_loop import DEFAULT_BATCH_BYTES, DEFAULT_STAGING_BYTES, RefitLoop
 from megatron_reshard.refit_order import misc_items_by_stage
+from megatron_reshard.refit_protocol import RefitProtocol
+from megatron_reshard.wire import RefitPayload
 
 
 class RefitSender:
@@ -40,65 +39,54 @@ class RefitSender:
         self.stage = source.stage
         self.device = device or torch.device("cpu")
         self.version = 0  # of the last refit sent (committed or not)
-        self._broken: Optional[str] = None
         with fault_scope([group]):
-            # The payload dict is restored in place; keep our own copy of the plain form.
-            info = restore_refit_info_placements(dict(source.payload))
-            self.pp_size = int(info.get("pp_size", 1))
-            self.misc_items = misc_items_by_stage(info).get(self.stage, [])
+            # the payload as frozen records: the source's typed view, or its plain payload
+            # parsed here (nothing changes the caller's dict, so no defensive copy)
+            wire = getattr(source, "wire", None)
+            info = wire if isinstance(wire, RefitPayload) else RefitPayload.of(source.payload)
+            self.pp_size = info.pp_size
+            misc = misc_items_by_stage(info)
+            self.misc_items = misc.get(self.stage, [])
             self.staging_bytes = staging_bytes
             self.loop = RefitLoop(info, source.build_hf_to_local_param_map(), "src",
                                   {self.stage: group}, num_streams=num_streams,
                                   batch_bytes=batch_bytes, staging_bytes=staging_bytes,
-                                  misc_items=misc_items_by_stage(info),
-                                  verify_checksums=verify_checksums)
+                                  misc_items=misc, verify_checksums=verify_checksums)
+            self.protocol = RefitProtocol("src", self.loop, {self.stage: group},
+                                          {self.stage: self.misc_items}, staging_bytes,
+                                          self.pp_size)
         self.is_misc_root = source.stage_local_rank == 0
 
     def refit(self, version: Optional[int] = None) -> dict:
-        """Send every param once, then commit. Collective over the train world (TP gather
-        of the other params) and over the refit group; every train rank calls it.
+        """Send every param once, then commit (``refit_protocol`` states the order).
+        Collective over the train world (TP gather of the other params) and over the refit
+        group; every train rank calls it.
 
         ``version`` (default: the previous one + 1) is the weight version the generation
         side reports once this refit committed; every train rank must pass the same. On
         any failure the error reaches every rank of the group (fault board) and this
         sender refuses further refits: new refit groups are needed.
         """
-        if self._broken is not None:
-            raise RefitError(f"the refit group of stage {self.stage} failed in an earlier refit "
-                             f"({self._broken}); create a new refit group and sender")
+        self.protocol.check_usable(lambda why: f"the refit group of stage {self.stage} failed in "
+                                   f"an earlier refit ({why}); create a new refit group and sender")
         version = self.version + 1 if version is None else int(version)
         self.version = version
-        try:
-            with fault_scope([self.group]):
-                stats = self._send()
-                outcome = commit_refit({self.stage: self.group}, side="src", version=version,
-                                       checksum_failed=False, pp_size=self.pp_size)
-        except BaseException as exc:
-            self._broken = f"{type(exc).__name__}: {exc}"
-            raise
-        if not outcome.ok:
-            raise RefitError(f"refit version {version} failed its commit: {outcome.reason}")
-        stats["version"] = version
-        return stats
+        done = self.protocol.run(self._send_chunk, version=version, device=self.device)
+        if not done.outcome.ok:
+            raise RefitError(f"refit version {version} failed its commit: {done.outcome.reason}")
+        return {"bulk_params": done.bulk.params, "bulk_bytes": done.bulk.local_bytes,
+                "bulk_s": done.bulk_s, "misc_s": done.misc_s,
+                "refit_s": done.bulk_s + done.misc_s, "version": version}
 
-    def _send(self) -> dict:
-        t0 = time.perf_counter()
-        bulk = self.loop.run()
-        t1 = time.perf_counter()
-        # The other params go in chunks of at most staging_bytes (the receiver cuts the same
-        # way), gathered chunk by chunk so no rank holds them all at once.
-        for chunk in chunk_items(self.misc_items, self.staging_bytes):
-            names = [name for name, _, _ in chunk]
-            full = self.source.gather_other_params(names)
-            tensors = ({name: full[name].to(self.device) for name in names}
-                       if self.is_misc_root else None)
-            broadcast_packed(packed_layout(chunk), self.group, 0, self.device, tensors)
-            del full, tensors
-            if self.device.type == "cuda":  # NCCL holds the freed buffer until its stream is
-                wait_device(self.device, [self.group], "a packed broadcast")  # past: one at a time
-        t2 = time.perf_counter()
-        return {"bulk_params": bulk.params, "bulk_bytes": bulk.local_bytes,
-                "bulk_s": t1 - t0, "misc_s": t2 - t1, "refit_s": t2 - t0}
+    def _send_chunk(self, stage: int, chunk: list) -> None:
+        """One packed chunk of the stage's other params: gathered over TP on every train
+        rank (chunk by chunk, so no rank holds them all at once), broadcast from the
+        stage's first train rank."""
+        names = [name for name, _, _ in chunk]
+        full = self.source.gather_other_params(names)
+        tensors = ({name: full[name].to(self.device) for name in names}
+                   if self.is_misc_root else None)
+        broadcast_packed(packed_layout(chunk), self.group, 0, self.device, tensors)
 
     def release_staging(self) -> None:
         """Give back the CUDA staging memory kept between refits (see RefitLoop)."""

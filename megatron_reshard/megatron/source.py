@@ -43,6 +43,7 @@ shared_expert_intermediate_size, moe_layers`` (global indexes of MoE layers),
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any, Iterable, Optional
 
@@ -83,13 +84,10 @@ from megatron_reshard.megatron.parallel import (
 )
 from megatron_reshard.megatron.payload import build_payload, encode_payload
 from megatron_reshard.megatron.qkv import qkv_groups_fit
-from megatron_reshard.metadata import (
-    build_nccl_reshard_refit_info,
-    extract_layer_name,
-    restore_refit_info_placements,
-)
+from megatron_reshard.metadata import build_nccl_reshard_refit_info, extract_layer_name
 from megatron_reshard.spec import HFToLocalParamMap
 from megatron_reshard.vllm_layout.dense import NOT_LISTED, QKV_PARAM_RE, tp_dim_of
+from megatron_reshard.wire import MiscRecord, ParamRecord, RefitPayload
 
 
 def _layer_sort_key(name: str) -> tuple[int, int]:
@@ -235,48 +233,50 @@ class MegatronRefitSource:
         self.hf_config = hf_config(self.model, self.family, self.vocab_size, metadata)
         self.gen_world_size = gen_world_size
 
-        info = build_nccl_reshard_refit_info(
+        # the seed's dict form, parsed once into records; every step after makes new records
+        info = RefitPayload.of(build_nccl_reshard_refit_info(
             self.state_dict_metadata,
             {"tp_size": layout.tp, "ep_size": layout.ep, "pp_size": layout.pp},
             self.gen_parallelism, layout.world_size, gen_world_size,
             self.layer_to_pp_stage if layout.pp > 1 else None,
-        )
-        self._use_live_meshes(info)
-        self._add_exact_extras(info, stage_of_key)
-        self.refit_info = info
+        ))
+        info = self._add_exact_extras(self._use_live_meshes(info), stage_of_key)
+        self.records: RefitPayload = info  # bulk refit info, train side's view (no FP8 plan)
+        # the seed's dict form of it, for callers (NeMo-RL-compatible; the library reads records)
+        self.refit_info = info.to_refit_info()
         if gen_quant is not None:  # the payload's entries say where each weight is quantized
-            info = {**info, "per_layer_params": {k: [dict(p) for p in v]
-                                                 for k, v in info["per_layer_params"].items()}}
             train_fp8 = frozenset(n for r in reports for n in r["fp8"])
             if gen_quant == "mxfp8":  # quantized on the receiver (NeMo-RL's is_mx path)
                 if train_fp8:
                     raise ValueError(f"gen_quant='mxfp8' with weights held in blockwise FP8 for "
                                      f"training ({len(train_fp8)}, e.g. {min(train_fp8)}): MXFP8 "
                                      f"generation is quantized from BF16 training weights only")
-                self.fp8_counts = plan_mxfp8(info, layout.world_size // layout.pp)
+                info, self.fp8_counts = plan_mxfp8(info, layout.world_size // layout.pp)
             else:
-                self.fp8_counts = plan_block_fp8(info, layout.world_size // layout.pp,
-                                                 train_fp8=train_fp8)
-            planned = {p["name"] for ps in info["per_layer_params"].values() for p in ps}
+                info, self.fp8_counts = plan_block_fp8(info, layout.world_size // layout.pp,
+                                                       train_fp8=train_fp8)
+            planned = {p.name for p in info.params()}
             packed = sorted(train_fp8 - planned)
             if packed:  # the packed path sends full BF16 tensors: the FP8 bytes would be lost
                 raise ValueError(f"weights held in blockwise FP8 for training must take the exact "
                                  f"path, but these would go packed: {packed}")
-        self.gen_refit_info = info
-        other = [{"name": n, "shape": list(m["shape"]), "dtype": m["dtype"],
-                  "pp_stage": stage_of_key[extract_layer_name(n)]}
+        self.gen_records: RefitPayload = info  # what the generation side gets (FP8 planned)
+        other = [MiscRecord(n, tuple(m["shape"]), m["dtype"], stage_of_key[extract_layer_name(n)])
                  for n, m in self.other_params_metadata.items()]
-        other.sort(key=lambda p: p["pp_stage"])  # stable: model order inside a stage
+        other.sort(key=lambda p: p.pp_stage)  # stable: model order inside a stage
         self.payload = build_payload(
             info,
             train_layout=layout.as_plain(),
             gen_layout={"tp": int(gen_parallelism.get("tp_size", 1)), "ep": int(gen_parallelism.get("ep_size", 1)),
                         "pp": int(gen_parallelism.get("pp_size", 1)), "world_size": int(gen_world_size)},
             hf_config=self.hf_config,
-            other_params=other,
+            other_params=[m.to_plain() for m in other],
             train_stage_ranks=[list(s.ranks) for s in self.stages],
             rank_order=self.rank_order,
         )
+        # ``payload`` stays plain data for callers (it is what goes on the wire); the
+        # library reads this typed view of it
+        self.wire: RefitPayload = RefitPayload.of(self.payload)
 
     # ------------------------------------------------------------------ merge
     def _merge_reports(self, reports: list, all_coords: list[RankCoords]) -> tuple[dict, dict]:
@@ -307,23 +307,25 @@ class MegatronRefitSource:
         ordered = dict(sorted(merged.items(), key=lambda kv: (_layer_sort_key(kv[0]), order[kv[0]])))
         return ordered, stage_of_key
 
-    def _use_live_meshes(self, info: dict) -> None:
-        """Replace the formula-built train meshes by the ones built from reported coordinates."""
-        for params in info["per_layer_params"].values():
-            for p in params:
-                stage = self.stages[p.get("pp_stage", 0)]
-                live = stage.expert if is_expert_param(p["name"]) else stage.dense
-                if live.shape != p["src_mesh_info"].shape:
-                    raise ValueError(f"{p['name']}: live train mesh {live} does not have the shape of the "
-                                     f"refit info's {p['src_mesh_info']} (rank order {self.rank_order})")
-                p["src_mesh_info"] = live
+    def _use_live_meshes(self, info: RefitPayload) -> RefitPayload:
+        """The refit info with the formula-built train meshes replaced by the ones built
+        from reported coordinates."""
+        def live_mesh(p: ParamRecord) -> ParamRecord:
+            stage = self.stages[p.stage]
+            live = stage.expert if is_expert_param(p.name) else stage.dense
+            if live.shape != p.src_mesh_info.shape:
+                raise ValueError(f"{p.name}: live train mesh {live} does not have the shape of the "
+                                 f"refit info's {p.src_mesh_info} (rank order {self.rank_order})")
+            return dataclasses.replace(p, src_mesh_info=live)
 
-    def _add_exact_extras(self, info: dict, stage_of_key: dict) -> None:
-        """Append the exact extras to the refit info (``exact_path.add_exact_extras``)."""
+        return info.map_params(live_mesh)
+
+    def _add_exact_extras(self, info: RefitPayload, stage_of_key: dict) -> RefitPayload:
+        """The refit info with the exact extras appended (``exact_path.add_exact_extras``)."""
         gen_tp = int(self.gen_parallelism.get("tp_size", 1))
         stage_world = self.layout.world_size // self.layout.pp
         gen = build_mesh_info(self.gen_world_size, stage_world, tp_size=gen_tp)
-        add_exact_extras(info, self.exact_extra_metadata, stage_of_key, self.stages, gen,
+        return add_exact_extras(info, self.exact_extra_metadata, stage_of_key, self.stages, gen,
                          padded_train_vocab=int(self.model.vocab_size), dims=self.dims,
                          pp=self.layout.pp, mla_tp_dims=self._mla_tp_dims)
 
@@ -336,15 +338,16 @@ class MegatronRefitSource:
         """The msgpack payload (same bytes on every train rank)."""
         return encode_payload(self.payload)
 
-    def build_hf_to_local_param_map(self, refit_info: Optional[dict] = None) -> HFToLocalParamMap:
+    def build_hf_to_local_param_map(self, refit_info: Optional[Any] = None) -> HFToLocalParamMap:
         """``hf_name → LocalParamSpec`` for every bulk param of this rank's PP stage, checked
-        against the region the refit info's src mesh/placements assign to this rank."""
-        info = restore_refit_info_placements(refit_info if refit_info is not None else self.refit_info)
+        against the region the refit info's src mesh/placements assign to this rank
+        (``refit_info``: records or a dict in wire or seed form; default: this source's)."""
+        info = RefitPayload.of(refit_info) if refit_info is not None else self.records
         views = local_hf_views(self._converted, self.exact_extra_metadata, self.dims, self.coords.tp)
         me = f"rank {self.coords.rank} (PP stage {self.stage}, stage-local rank {self.stage_local_rank})"
         specs = local_param_specs(info, views, self.stage, self.stage_local_rank, me)
         if self.gen_quant is not None and refit_info is None:
-            return fp8_sender_specs(HFToLocalParamMap(specs), self.gen_refit_info, self.stage,
+            return fp8_sender_specs(HFToLocalParamMap(specs), self.gen_records, self.stage,
                                     self._fp8_views)
         return HFToLocalParamMap(specs)
 

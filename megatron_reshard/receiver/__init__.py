@@ -7,19 +7,20 @@ plain data.
 - ``targets``: where each HF param lands in vLLM's per-rank storage (``VllmTargets``)
   and the bulk receive recipes; ``full_weights``: full HF tensors into that storage
   (``load_full_weights``, the misc path).
-- ``session``: ``ReceiverSession`` — payload restore and validation, the rank's
-  ``hf_name -> LocalParamSpec`` map, the receive loop, the report.
+- ``incoming``: the payload checked and parsed once into ``wire.RefitPayload`` records
+  (``restore_payload``), the generation EP size it implies (``gen_ep_size``).
+- ``param_map``: the rank's ``hf_name -> LocalParamSpec`` map of the bulk params
+  (``build_receiver_param_map``); ``misc_transport``: the default packed receive of the
+  other params (``receive_misc_packed``).
+- ``session``: ``ReceiverSession`` — the lifecycle: prepare, verify, refit, commit, report.
 - ``worker``: ``MegatronReshardWorkerExtension`` for vLLM's ``collective_rpc``.
 """
 
-from megatron_reshard.receiver.session import (
-    SUPPORTED_SCHEMA_VERSIONS,
-    ReceiverSession,
-    build_receiver_param_map,
-    gen_ep_size,
-    receive_misc_packed,
-    restore_payload,
-)
+from megatron_reshard.metadata import SUPPORTED_SCHEMA_VERSIONS
+from megatron_reshard.receiver.incoming import gen_ep_size, restore_payload
+from megatron_reshard.receiver.misc_transport import receive_misc_packed
+from megatron_reshard.receiver.param_map import build_receiver_param_map
+from megatron_reshard.receiver.session import ReceiverSession
 from megatron_reshard.receiver.full_weights import (
     apply_full_weights,
     coverage_gaps,

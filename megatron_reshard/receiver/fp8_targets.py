@@ -31,20 +31,18 @@ same tiles of the full tensor (``megatron_reshard.quant``), so all three give th
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
 from megatron_reshard.engine.geometry import box_shape, rank_box
-from megatron_reshard.fp8_plan import MXFP8_TILE, QKV_GROUP_RE, SCALE_SUFFIX, tile_box
-from megatron_reshard.fp8_plan import per_group_hf_rows as _as_hf_rows
+from megatron_reshard.fp8_plan import MXFP8_TILE, SCALE_SUFFIX, tile_box
 from megatron_reshard.quant import (
     BLOCK_FP8_TILE,
     blockwise_scale_shape,
     quantize_blockwise_fp8,
     quantize_mxfp8,
 )
-from megatron_reshard.refit_order import wire_dtype
 from megatron_reshard.receiver.targets import (
     Piece,
     TargetError,
@@ -53,6 +51,8 @@ from megatron_reshard.receiver.targets import (
     receive_spec,
 )
 from megatron_reshard.spec import LocalParamSpec, RefitCtx
+from megatron_reshard.vllm_layout.dense import is_qkv_per_group, per_group_as_hf_rows
+from megatron_reshard.wire import ParamRecord
 
 FP8_DTYPE = torch.float8_e4m3fn
 
@@ -146,20 +146,19 @@ def _single_piece(targets: VllmTargets, name: str, hf_shape: tuple, hf_region: t
     return plan
 
 
-def fp8_receive_spec(targets: VllmTargets, p: Mapping[str, Any], rank_in_group: int,
+def fp8_receive_spec(targets: VllmTargets, p: ParamRecord, rank_in_group: int,
                      strided_in_place: bool = True) -> Optional[tuple[LocalParamSpec, TargetPlan]]:
     """The receive recipe and plan of one bulk entry when it involves FP8 storage, else None.
 
-    ``p`` is a restored payload entry this rank receives a region of.
+    ``p`` is a payload record this rank receives a region of.
     """
-    name, wire = p["name"], wire_dtype(p["dtype"])
-    mesh, placements = p["dst_mesh_info"], p["dst_placements"]
-    region = rank_box(p["global_shape"], mesh, placements, rank_in_group)
-    if p.get("gen_quant") == "scale":
+    name, wire = p.name, p.torch_dtype
+    region = rank_box(p.global_shape, p.dst_mesh_info, p.dst_placements, rank_in_group)
+    if p.gen_quant == "scale":
         return _scale_spec(targets, p, region, rank_in_group, strided_in_place)
-    shape = tuple(int(s) for s in p["global_shape"])
-    per_group = len(shape) == 3 and bool(QKV_GROUP_RE.search(name))
-    hf_shape, hf_region = _as_hf_rows(shape, region) if per_group else (shape, tuple(region))
+    shape = p.global_shape
+    per_group = len(shape) == 3 and is_qkv_per_group(name, shape)  # weights only, not biases
+    hf_shape, hf_region = per_group_as_hf_rows(shape, region) if per_group else (shape, tuple(region))
     plan = targets.resolve(name, hf_shape)
     if not any(is_fp8_target(targets, piece.target) for piece in plan.pieces):
         if wire == FP8_DTYPE:
@@ -195,23 +194,23 @@ def fp8_receive_spec(targets: VllmTargets, p: Mapping[str, Any], rank_in_group: 
     return LocalParamSpec(base=targets.view(piece), pre=pre, post=post), plan
 
 
-def _scale_spec(targets: VllmTargets, p: Mapping[str, Any], region, rank_in_group: int,
+def _scale_spec(targets: VllmTargets, p: ParamRecord, region, rank_in_group: int,
                 strided_in_place: bool) -> tuple[LocalParamSpec, TargetPlan]:
     """The scales of a weight quantized by the sender: received in place into the scale box."""
-    name, weight = p["name"], p.get("scale_of")
-    w_shape = tuple(int(s) for s in p.get("weight_shape") or ())
+    name, weight = p.name, p.scale_of
+    w_shape = p.weight_shape or ()
     if not isinstance(weight, str) or len(w_shape) < 2:
         raise TargetError(f"{name}: scale entry without 'scale_of' / 'weight_shape' on "
                           f"{targets.where()}")
-    if wire_dtype(p["dtype"]) != torch.float32:
-        raise TargetError(f"{name}: scale wire dtype {p['dtype']} on {targets.where()}, expected "
+    if p.torch_dtype != torch.float32:
+        raise TargetError(f"{name}: scale wire dtype {p.dtype} on {targets.where()}, expected "
                           f"torch.float32")
-    w_region = rank_box(w_shape, p["dst_mesh_info"], p["dst_placements"], rank_in_group)
-    shape = tuple(int(s) for s in p["global_shape"])
-    per_group = len(w_shape) == 3 and bool(QKV_GROUP_RE.search(weight))
+    w_region = rank_box(w_shape, p.dst_mesh_info, p.dst_placements, rank_in_group)
+    shape = p.global_shape
+    per_group = len(w_shape) == 3 and is_qkv_per_group(weight, w_shape)
     if per_group:
-        w_shape, w_region = _as_hf_rows(w_shape, w_region)
-        s_shape, s_region = _as_hf_rows(shape, region)
+        w_shape, w_region = per_group_as_hf_rows(w_shape, w_region)
+        s_shape, s_region = per_group_as_hf_rows(shape, region)
     else:
         s_shape, s_region = shape, tuple(region)
     plan = _single_piece(targets, weight, w_shape, w_region)

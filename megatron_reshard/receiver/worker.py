@@ -33,7 +33,8 @@ from megatron_reshard.receiver.derived import (
     derived_param_names,
     refresh_derived_weights,
 )
-from megatron_reshard.receiver.session import ReceiverSession, receive_misc_packed
+from megatron_reshard.receiver.misc_transport import receive_misc_packed
+from megatron_reshard.receiver.session import ReceiverSession
 from megatron_reshard.receiver.state import WeightState
 
 _PREPARE_OPTIONS = ("num_streams", "batch_bytes", "staging_bytes", "strided_in_place",

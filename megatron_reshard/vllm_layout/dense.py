@@ -145,6 +145,22 @@ def is_qkv_per_group(name: str, global_shape: Sequence[int]) -> bool:
     return m is not None and len(global_shape) == (3 if name.endswith(".weight") else 2)
 
 
+def per_group_as_hf_rows(shape: Sequence[int], region: Sequence) -> tuple[tuple, tuple]:
+    """A q/k/v weight (bias) in the per-KV-group form ``[nkv, rows per group, *rest]`` (a
+    row-major reshape of the HF tensor's rows) and a region of it, in HF rows:
+    ``(hf_shape, hf_region)``. The one home of this conversion (receiver mapping, FP8
+    planning and FP8 targets all use it). The region must be one contiguous block of HF
+    rows, as the payload's per-group layouts give (``qkv_gen_layout``); ValueError else."""
+    (g0, g1), (a, b), *rest = region
+    per_group = int(shape[1])
+    if g1 - g0 > 1 and (a, b) != (0, per_group):
+        raise ValueError(f"region {[list(r) for r in region]} of the per-group form "
+                         f"{list(shape)} is not one block of HF rows")
+    rows = (g0 * per_group + a, (g1 - 1) * per_group + b) if g1 > g0 else (0, 0)
+    return ((int(shape[0]) * per_group, *(int(n) for n in shape[2:])),
+            (rows, *(tuple(r) for r in rest)))
+
+
 def qkv_gen_layout(mesh: MeshInfo, dims: Mapping[str, int], num_kv_heads: int, which: str
                    ) -> tuple[MeshInfo, list]:
     """Mesh and placements of vLLM's q/k/v rows in the per-KV-group form ``[nkv, rows, ...]``.

@@ -1,0 +1,114 @@
+"""The order of one refit, stated once and run by both sides.
+
+Torch + stdlib only (the receiver imports it). A training rank (``RefitSender``, one
+group: its stage's) and a generation rank (``ReceiverSession``, one group per training
+PP stage) run the same steps on their refit groups, in the same order, so every
+collective of one side meets its peer on the other:
+
+0. the first refit only: the plan fingerprints compared over each group
+   (``RefitLoop.verify_plan``: one small all-gather per group, stage order);
+1. the bulk params of every stage the rank takes part in (``RefitLoop.run``);
+2. per stage in order, the stage's other params (payload ``other_params``) in chunks of at
+   most ``staging_bytes`` (``packed.chunk_items``, the same cuts on both sides), each
+   chunk one packed broadcast from the group's rank 0 (the stage's first train rank);
+   on CUDA each chunk is waited for before the next (NCCL holds the freed buffer until
+   its stream is past it), so one packed buffer is alive at a time;
+3. the commit vote (``commit.commit_refit``): the version the training side sends, and
+   whether a destination saw a checksum mismatch.
+
+A failure at any step is posted on the groups' fault boards (``faults.fault_scope``:
+every peer raises it within a poll) and latches the protocol broken: its groups are not
+used again and a new refit needs new refit groups. What moves a misc chunk differs by side
+(the sender gathers its TP shards and broadcasts, the receiver receives and writes into
+vLLM's storage): each side passes its own ``move_chunk``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import torch
+
+from megatron_reshard.commit import CommitOutcome, commit_refit
+from megatron_reshard.faults import RefitError, fault_scope, wait_device
+from megatron_reshard.packed import chunk_items
+from megatron_reshard.refit_loop import RefitLoop, RefitStats
+from megatron_reshard.refit_order import MiscItem
+
+# move_chunk(stage, items): one packed broadcast of those items of the stage, this side's part
+MoveChunk = Callable[[int, list[MiscItem]], None]
+
+
+@dataclass
+class RefitRound:
+    """What one refit did on this rank: the bulk stats, the vote and the step times."""
+
+    bulk: RefitStats
+    outcome: CommitOutcome
+    verify_s: Optional[float]  # None: the plan was verified in an earlier refit
+    bulk_s: float
+    misc_s: float
+
+
+class RefitProtocol:
+    """One side of the refit protocol over its refit groups (see module docstring)."""
+
+    def __init__(self, side: str, loop: RefitLoop, groups: Mapping[int, Optional[Any]],
+                 misc_items: Mapping[int, Sequence[MiscItem]], staging_bytes: int,
+                 pp_size: int):
+        """``groups``: stage -> group for the stages this rank takes part in; ``misc_items``:
+        this rank's other params per stage (the stages it takes part in)."""
+        self.side = side
+        self.loop = loop
+        self.groups = dict(groups)
+        self.misc_items = {s: list(items) for s, items in misc_items.items()}
+        self.staging_bytes = staging_bytes
+        self.pp_size = pp_size
+        self.broken: Optional[str] = None  # why the groups cannot be used again
+
+    def check_usable(self, message: Callable[[str], str]) -> None:
+        """RefitError when an earlier refit broke the groups; ``message(why)`` says so and
+        how to recover."""
+        if self.broken is not None:
+            raise RefitError(message(self.broken))
+
+    def verify_plan(self) -> float:
+        """Step 0 on its own (communication: one small all-gather per group); seconds."""
+        t0 = time.perf_counter()
+        self.loop.verify_plan()
+        return time.perf_counter() - t0
+
+    def run(self, move_chunk: MoveChunk, *, version: Optional[int] = None,
+            device: Optional[torch.device] = None,
+            on_write: Optional[Callable[[list[str]], None]] = None,
+            on_failure: Optional[Callable[[str], None]] = None) -> RefitRound:
+        """Steps 0 (first refit only) to 3. ``version``: what the training side votes (None
+        on the generation side); ``device``: waited for after each packed chunk when CUDA;
+        ``on_write(names)``: before params are written (the receiver's weight state);
+        ``on_failure(reason)``: after the latch is set, before the error propagates."""
+        try:
+            with fault_scope(self.groups.values()):
+                verify_s = None if self.loop.verified else self.verify_plan()
+                t0 = time.perf_counter()
+                bulk = self.loop.run(on_write=on_write)
+                t1 = time.perf_counter()
+                for stage, items in self.misc_items.items():
+                    for chunk in chunk_items(items, self.staging_bytes):
+                        move_chunk(stage, chunk)
+                        if device is not None and device.type == "cuda":
+                            wait_device(device, self.groups.values(), "a packed broadcast")
+                t2 = time.perf_counter()
+                outcome = commit_refit(self.groups, side=self.side, version=version,
+                                       checksum_failed=bool(bulk.checksum_mismatches),
+                                       pp_size=self.pp_size)
+        except BaseException as exc:
+            self.broken = f"{type(exc).__name__}: {exc}"
+            if on_failure is not None:
+                on_failure(self.broken)
+            raise
+        return RefitRound(bulk, outcome, verify_s, t1 - t0, t2 - t1)
+
+
+__all__ = ["MoveChunk", "RefitProtocol", "RefitRound"]
