@@ -276,13 +276,17 @@ def test_unknown_options_are_refused_outside_the_benchmarks():
 
 
 @pytest.mark.slow
-def test_demo_of_the_dense_model_runs_with_its_own_defaults():
-    """The README's `demo --model dense` (multi-process: run under the mp lock)."""
-    out = _cli("demo", "--model", "dense", "--refits", "1", "--json", timeout=600)
+def test_demo_of_the_dense_model_runs_with_its_own_defaults_and_reports_json():
+    """The README's `demo --model dense`, as a user starts it (its own processes), with
+    `--json`: one summary object of a verified refit (the pool-based e2e tests cover the
+    other models and layouts; one demo subprocess is enough for the command itself)."""
+    out = _cli("demo", "--model", "dense", "--refits", "2", "--json", timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
-    assert summary["verified"] is True
+    assert summary["verified"] is True and summary["refits"] == 2
     assert summary["layout"]["train"] == {"world": 4, "tp": 2, "pp": 2, "ep": 1}
+    assert summary["params"] > 0 and 0 < summary["exact_path_fraction"] <= 1
+    assert set(summary["bytes_per_gen_rank"]) == {"0", "1"}
 
 
 def test_packed_params_reaches_the_run_config_and_a_bad_regex_is_refused():
