@@ -24,6 +24,8 @@ kernels stop.
 from __future__ import annotations
 
 import json
+import os
+import queue
 import threading
 import time
 import weakref
@@ -108,24 +110,11 @@ class FaultBoard:
     def _bounded(self, fn, timeout_s: Optional[float] = None):
         """``fn()`` on a daemon thread, at most ``timeout_s``: some store calls never return
         when the store's host is stopped (SIGSTOP), and a stuck daemon thread cannot keep
-        the process from exiting."""
-        out: dict = {}
-        done = threading.Event()
-
-        def call() -> None:
-            try:
-                out["value"] = fn()
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller
-                out["error"] = exc
-            done.set()
-
-        threading.Thread(target=call, daemon=True, name="refit-store").start()
+        the process from exiting. The threads are reused (``_StoreCaller``): a board read
+        on a refit's hot path (a colocated batch's) costs a hand-off, not a new thread; a
+        thread stuck in a call is never handed another one."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        if not done.wait(timeout_s):
-            raise TimeoutError(f"the group's store did not answer within {timeout_s:g} s")
-        if "error" in out:
-            raise out["error"]
-        return out.get("value")
+        return _StoreCaller.call(fn, timeout_s)
 
     # -- reading -------------------------------------------------------------------------
 
@@ -171,6 +160,55 @@ class FaultBoard:
         fault = self.first_fault()
         if fault is not None:
             raise self.peer_failure(fault, while_doing)
+
+
+class _StoreCaller:
+    """A daemon thread that runs store calls handed to it one at a time; idle ones are
+    kept for the next call. A thread whose call outlives its caller's timeout (a stopped
+    store host) is not idle and so never gets another call: the next caller takes another
+    idle thread or starts a new one, so one stuck call never delays the next."""
+
+    _idle: list = []
+    _lock = threading.Lock()
+
+    def __init__(self) -> None:
+        self._jobs: "queue.SimpleQueue" = queue.SimpleQueue()
+        threading.Thread(target=self._loop, daemon=True, name="refit-store").start()
+
+    @classmethod
+    def call(cls, fn, timeout_s: float):
+        with cls._lock:
+            worker = cls._idle.pop() if cls._idle else None
+        if worker is None:
+            worker = cls()
+        out: dict = {}
+        done = threading.Event()
+        worker._jobs.put((fn, out, done))
+        if not done.wait(timeout_s):
+            raise TimeoutError(f"the group's store did not answer within {timeout_s:g} s")
+        if "error" in out:
+            raise out["error"]
+        return out.get("value")
+
+    def _loop(self) -> None:
+        while True:
+            fn, out, done = self._jobs.get()
+            try:
+                out["value"] = fn()
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                out["error"] = exc
+            with _StoreCaller._lock:  # idle again before the caller can ask for another call
+                _StoreCaller._idle.append(self)
+            done.set()
+
+
+def _forget_store_callers() -> None:
+    _StoreCaller._lock = threading.Lock()
+    _StoreCaller._idle = []  # a forked child has none of its parent's threads
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_store_callers)
 
 
 def attach_board(group: Any, board: FaultBoard) -> None:

@@ -131,10 +131,13 @@ class ColocatedTransport:
             ok, _ = local_ok(transfers, batch.expected, device_type, tensors)
             if not ok:  # lists of members (a training rank's experts), or a real problem
                 signature = _signature(tensors)
-                if signature is None or self._checked.get(batch.fp) != signature:
+                checked = self._checked.get(batch.fp)
+                if signature is None or checked != signature:
                     problem, _ = check_local(transfers, batch.plans, me, device_type)
                     if problem is None and signature is not None:
                         self._checked[batch.fp] = signature
+                else:  # equal: go on with the stored object, so that ``_publish``'s ``==``
+                    signature = checked  # against the same object is one identity check
         if agree:
             first = (tuple(map(int, transfers[0].global_shape))
                      if transfers and problem is None else None)
