@@ -196,7 +196,7 @@ def lifecycle(pool, request):
 
     family = FAMILIES["qwen3"]
     cfg = RefitRunConfig(model="dense", model_overrides=dict(family.model), refits=REFITS,
-                         verify=False, dtype="bfloat16", quiet=True, timeout_s=60,
+                         verify=False, dtype="bfloat16", quiet=True, timeout_s=30,
                          transport=request.param, **layout("tp2", "tp2"))
     results = pool.run(backend_refit_job, cfg.train_world + cfg.gen_world, cfg,
                        vllm_config_json(family), mismatch_rank=1, fail_extra=True,
