@@ -5,7 +5,7 @@ seed works by changing one import. Torch + stdlib only. The transfer kernel
 (``xferdtensor``, ``DTensorRef``) lives in ``megatron_reshard.engine``, as in the seed.
 """
 
-from megatron_reshard.layout import (
+from megatron_reshard.wire.layout import (
     COLUMN_PARALLEL_SUFFIXES,
     FFN_GROUPED_EXPERT_SUFFIXES,
     FFN_PROJ_WEIGHT_SUFFIXES,
@@ -19,7 +19,7 @@ from megatron_reshard.layout import (
     is_expert_param,
     is_nccl_reshard_param,
 )
-from megatron_reshard.metadata import (
+from megatron_reshard.wire.metadata import (
     _INDIVIDUAL_EXPERT_RE,
     _LAYER_RE,
     _MODEL_PREFIX_RE,
@@ -31,7 +31,7 @@ from megatron_reshard.metadata import (
     make_nccl_reshard_refit_info_wire_safe,
     restore_refit_info_placements,
 )
-from megatron_reshard.spec import HFToLocalParamMap, LocalParamSpec, RefitBuilderInterface, RefitCtx
+from megatron_reshard.wire.spec import HFToLocalParamMap, LocalParamSpec, RefitBuilderInterface, RefitCtx
 from megatron_reshard.support import check_nccl_reshard_refit_support
 
 __all__ = [

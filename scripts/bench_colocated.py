@@ -104,7 +104,7 @@ def wire(c: dict, layers: int, train: dict | None, gen: dict | None, dtype) -> t
     from torch.distributed.tensor import Replicate, Shard
 
     from megatron_reshard.engine import Transfer
-    from megatron_reshard.layout import MeshInfo
+    from megatron_reshard.wire.layout import MeshInfo
 
     src_mesh, dst_mesh = MeshInfo(torch.tensor([0])), MeshInfo(torch.tensor([1]))
     h, kv, hd, q_per = c["h"], c["kv"], c["hd"], c["heads"] // c["kv"]
@@ -189,7 +189,7 @@ def _peak(device, fn) -> int:
 
 
 def run(rank: int, args, port: int, results) -> None:
-    from megatron_reshard.comm import create_refit_group, destroy_refit_group
+    from megatron_reshard.groups.comm import create_refit_group, destroy_refit_group
     from megatron_reshard.engine import Planner
     from megatron_reshard.engine.transports import transport_of
 

@@ -2,7 +2,7 @@
 
     python scripts/gpu_smoke_1gpu.py
 
-A one-rank NCCL refit group (made by ``comm.create_refit_group``, so it has a fault board):
+A one-rank NCCL refit group (made by ``groups.create_refit_group``, so it has a fault board):
 the engine's local-copy path on CUDA (contiguous and strided destinations) against slicing,
 the checksum of the same box on CUDA and on CPU (they must be equal: the receiver and the
 sources may sit on different devices), the fault-aware device wait and the commit vote
@@ -16,12 +16,12 @@ import sys
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-from megatron_reshard.comm import create_refit_group, destroy_refit_group
-from megatron_reshard.commit import commit_refit
+from megatron_reshard.groups.comm import create_refit_group, destroy_refit_group
+from megatron_reshard.refit.commit import commit_refit
 from megatron_reshard.engine import Planner, Transfer, xfer_batch
-from megatron_reshard.faults import wait_device
-from megatron_reshard.integrity import box_checksum
-from megatron_reshard.layout import MeshInfo
+from megatron_reshard.groups.faults import wait_device
+from megatron_reshard.refit.integrity import box_checksum
+from megatron_reshard.wire.layout import MeshInfo
 from megatron_reshard.tools.worlds import free_ports
 
 

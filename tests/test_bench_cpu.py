@@ -23,7 +23,7 @@ from megatron_reshard.tools.bench.env_options import apply_env
 from megatron_reshard.tools.bench.transfer_cases import build_cases, parse_size
 from megatron_reshard.tools.bench.transfer_main import build_parser
 from megatron_reshard.tools.bench.transfer_run import COLUMNS
-from megatron_reshard.layout import MeshInfo
+from megatron_reshard.wire.layout import MeshInfo
 from megatron_reshard.tools.worlds import init_gloo_world
 
 CPU = torch.device("cpu")
@@ -271,7 +271,7 @@ def test_bench_main_with_the_engine_is_exact_and_reports_ratios(pool, tmp_path):
 
 def test_bench_main_over_a_cross_world_refit_group(pool, tmp_path):
     pytest.importorskip("megatron_reshard.engine", reason="engine not importable yet")
-    pytest.importorskip("megatron_reshard.comm", reason="comm not importable yet")
+    pytest.importorskip("megatron_reshard.groups.comm", reason="comm not importable yet")
     out = tmp_path / "bench"
     argv = ["--device", "cpu", "--small", "--iters", "1", "--warmup", "1", "--cross-world",
             "--refit-port", "{refit_port}", "--cases", "s0_s1", "--out", str(out)]

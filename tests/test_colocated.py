@@ -33,7 +33,7 @@ def test_cuda_ipc_is_refused_for_the_async_allocator_and_old_torch_with_expandab
 
 
 def test_an_unknown_transport_name_is_refused_before_any_store():
-    from megatron_reshard.comm import create_refit_group
+    from megatron_reshard.groups.comm import create_refit_group
 
     with pytest.raises(ValueError, match="unknown refit transport 'ipc'"):
         create_refit_group("127.0.0.1", 1, 0, 2, transport="ipc")
@@ -49,10 +49,10 @@ def _changed_views_job(job):
     import torch
     from torch.distributed.tensor import Replicate, Shard
 
-    from megatron_reshard.comm import create_refit_group, destroy_refit_group
+    from megatron_reshard.groups.comm import create_refit_group, destroy_refit_group
     from megatron_reshard.engine import Planner, Transfer
     from megatron_reshard.engine.transports import transport_of
-    from megatron_reshard.layout import MeshInfo
+    from megatron_reshard.wire.layout import MeshInfo
 
     train = job.rank == 0
     group = create_refit_group("127.0.0.1", job.ports[0], job.rank, 2, "gloo", 60.0,

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_reshard.comm import create_refit_group, destroy_refit_group
+from megatron_reshard.groups.comm import create_refit_group, destroy_refit_group
 from megatron_reshard.tools.worlds import free_ports
 
 
@@ -14,7 +14,7 @@ def _two_worlds_then_refit(job):
     from torch.distributed.tensor import Shard
 
     from megatron_reshard.engine import Transfer, xfer_batch
-    from megatron_reshard.layout import MeshInfo
+    from megatron_reshard.wire.layout import MeshInfo
 
     side = job.rank // 2  # ranks 0-1: "train" world, ranks 2-3: "generation" world
     store = dist.TCPStore(job.host, job.ports[side], 2, job.rank % 2 == 0,
@@ -64,7 +64,7 @@ def test_rank_outside_the_world_is_rejected():
 def _destroy_late_peers_first(job):
     import time
 
-    from megatron_reshard.comm import destroy_refit_group
+    from megatron_reshard.groups.comm import destroy_refit_group
 
     pg = create_refit_group(job.host, job.ports[0], job.rank, 3, backend="gloo", timeout_s=30)
     x = torch.ones(1)
@@ -84,7 +84,7 @@ def test_the_store_host_outlives_every_peers_shutdown(pool):
 def _destroy_with_a_missing_peer(job):
     import warnings
 
-    from megatron_reshard.comm import destroy_refit_group
+    from megatron_reshard.groups.comm import destroy_refit_group
 
     pg = create_refit_group(job.host, job.ports[0], job.rank, 2, backend="gloo", timeout_s=30)
     if job.rank == 1:

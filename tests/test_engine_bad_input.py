@@ -21,7 +21,7 @@ class _DeviceMeshLike:
 
 
 def _mesh(kind, ranks):
-    from megatron_reshard.layout import MeshInfo
+    from megatron_reshard.wire.layout import MeshInfo
 
     if kind == "tensor":
         return torch.tensor(ranks)
@@ -48,7 +48,7 @@ def _batch_case(job, case):
     """``xfer_batch`` of one Shard(0) -> Shard(1) param with the fault ``case``."""
     from torch.distributed.tensor import Shard
 
-    from megatron_reshard.comm import create_refit_group
+    from megatron_reshard.groups.comm import create_refit_group
     from megatron_reshard.engine import Transfer, xfer_batch
 
     pg = create_refit_group(job.host, job.ports[0], job.rank, job.nprocs, timeout_s=30)
@@ -122,7 +122,7 @@ def test_a_rank_with_a_longer_batch_is_named(pool):
 def _xferdtensor_case(job, case):
     from torch.distributed.tensor import Shard
 
-    from megatron_reshard.comm import create_refit_group
+    from megatron_reshard.groups.comm import create_refit_group
     from megatron_reshard.engine import DTensorRef, xferdtensor
 
     pg = create_refit_group(job.host, job.ports[0], job.rank, job.nprocs, timeout_s=30)

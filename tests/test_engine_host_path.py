@@ -11,7 +11,7 @@ from megatron_reshard.engine.batch import kept_rows, layout_rows
 from megatron_reshard.engine.checks import check_local, expected, local_ok
 from megatron_reshard.engine.members import stride_keys
 from megatron_reshard.engine.plan import layout_key
-from megatron_reshard.layout import MeshInfo
+from megatron_reshard.wire.layout import MeshInfo
 
 BF16 = torch.bfloat16
 
@@ -95,7 +95,7 @@ def test_stride_keys_tell_strides_and_lists_apart():
 def _warm_changes(job):
     """One planner, the same Transfer objects; between calls a placements list changes
     in place, then a fused destination is swapped for one of the wrong dtype."""
-    from megatron_reshard.comm import create_refit_group
+    from megatron_reshard.groups.comm import create_refit_group
     from megatron_reshard.engine import xfer_batch
 
     pg = create_refit_group(job.host, job.ports[0], job.rank, job.nprocs, timeout_s=60)

@@ -32,7 +32,7 @@ def _as_members(x, strided: bool):
 def _run_members(job, lists_on: str, stagings):
     from test_engine_mp import _as_bytes, _build, _fill_sentinel
 
-    from megatron_reshard.comm import create_refit_group
+    from megatron_reshard.groups.comm import create_refit_group
     from megatron_reshard.engine import Planner, xfer_batch
 
     pg = create_refit_group(job.host, job.ports[0], job.rank, job.nprocs, timeout_s=60)
@@ -70,7 +70,7 @@ def test_lists_of_members_are_read_and_written_in_place_exactly(pool, lists_on):
 def _wrong_members(job):
     from test_engine_mp import _build
 
-    from megatron_reshard.comm import create_refit_group
+    from megatron_reshard.groups.comm import create_refit_group
     from megatron_reshard.engine import xfer_batch
 
     pg = create_refit_group(job.host, job.ports[0], job.rank, job.nprocs, timeout_s=60)

@@ -13,7 +13,7 @@ DTYPES = ["float32", "bfloat16", "float16", "float8_e4m3fn", "int64", "uint8", "
 
 
 def _mesh(shape, ranks):
-    from megatron_reshard.layout import MeshInfo
+    from megatron_reshard.wire.layout import MeshInfo
 
     return MeshInfo(torch.tensor(ranks, dtype=torch.int64).reshape(shape))
 
@@ -94,7 +94,7 @@ def _build(case, rank):
 
 def _run_cases(job, cases, stagings):
     """Every case in one batch per staging budget; compare with expectation and reference."""
-    from megatron_reshard.comm import create_refit_group
+    from megatron_reshard.groups.comm import create_refit_group
     from megatron_reshard.engine import Planner, xfer_batch, xfer_batch_reference
 
     pg = create_refit_group(job.host, job.ports[0], job.rank, job.nprocs, timeout_s=60)
@@ -204,7 +204,7 @@ BAD_KINDS = ["wrong_shape", "wrong_dtype", "wrong_device", "src_on_non_source",
 def _bad_input(job, kinds):
     from torch.distributed.tensor import Replicate, Shard
 
-    from megatron_reshard.comm import create_refit_group
+    from megatron_reshard.groups.comm import create_refit_group
     from megatron_reshard.engine import Transfer, xfer_batch
 
     pg = create_refit_group(job.host, job.ports[0], job.rank, job.nprocs, timeout_s=30)
@@ -275,7 +275,7 @@ def test_bad_input_messages_say_what_was_expected_and_found(pool):
 def _xferdtensor_with_an_idle_rank(job):
     from torch.distributed.tensor import Replicate, Shard
 
-    from megatron_reshard.comm import create_refit_group
+    from megatron_reshard.groups.comm import create_refit_group
     from megatron_reshard.engine import DTensorRef, xferdtensor
 
     pg = create_refit_group(job.host, job.ports[0], job.rank, job.nprocs, timeout_s=30)
@@ -321,7 +321,7 @@ def test_group_none_uses_the_registered_default_world(pool):
 
 
 def _swap_in_one_round(job):
-    from megatron_reshard.comm import create_refit_group
+    from megatron_reshard.groups.comm import create_refit_group
     from megatron_reshard.engine import P2PTransport
 
     pg = create_refit_group(job.host, job.ports[0], job.rank, 2, timeout_s=30)
@@ -341,7 +341,7 @@ def test_a_round_lets_two_ranks_swap_large_messages_without_deadlock(pool):
 def test_backend_auto_runs_this_engine_and_an_unknown_backend_is_refused():
     from torch.distributed.tensor import Shard
 
-    from megatron_reshard.comm import create_refit_group
+    from megatron_reshard.groups.comm import create_refit_group
     from megatron_reshard.engine import Transfer, xfer_batch
     from megatron_reshard.tools.worlds import free_ports
 

@@ -49,14 +49,14 @@ def test_every_library_error_derives_from_the_root(name, request):
 
 
 @pytest.mark.parametrize("name, builtin", [
-    ("megatron_reshard.wire_check.RefitPayloadError", ValueError),
+    ("megatron_reshard.wire.check.RefitPayloadError", ValueError),
     ("megatron_reshard.receiver.targets.TargetError", ValueError),
-    ("megatron_reshard.fp8_plan.Fp8SplitError", ValueError),
-    ("megatron_reshard.layout.MeshSizeError", ValueError),
-    ("megatron_reshard.layout.MeshSizeError", AssertionError),  # the seed asserted
-    ("megatron_reshard.faults.RefitError", RuntimeError),
-    ("megatron_reshard.faults.RefitTimeout", TimeoutError),
-    ("megatron_reshard.refit_loop.PlanMismatchError", RuntimeError),
+    ("megatron_reshard.fp8.plan.Fp8SplitError", ValueError),
+    ("megatron_reshard.wire.layout.MeshSizeError", ValueError),
+    ("megatron_reshard.wire.layout.MeshSizeError", AssertionError),  # the seed asserted
+    ("megatron_reshard.groups.faults.RefitError", RuntimeError),
+    ("megatron_reshard.groups.faults.RefitTimeout", TimeoutError),
+    ("megatron_reshard.refit.loop.PlanMismatchError", RuntimeError),
     ("megatron_reshard.engine.plan_check.PlanError", RuntimeError),
     ("megatron_reshard.receiver.state.InconsistentWeightsError", RuntimeError),
 ])
@@ -65,8 +65,8 @@ def test_the_builtin_bases_callers_catch_stay(name, builtin):
 
 
 def test_a_plan_mismatch_is_a_refit_error():
-    from megatron_reshard.faults import RefitError
-    from megatron_reshard.refit_loop import PlanMismatchError
+    from megatron_reshard.groups.faults import RefitError
+    from megatron_reshard.refit.loop import PlanMismatchError
 
     assert issubclass(PlanMismatchError, RefitError)
 

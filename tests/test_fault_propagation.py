@@ -9,9 +9,9 @@ import time
 import pytest
 import torch
 
-from megatron_reshard.comm import create_refit_group
+from megatron_reshard.groups.comm import create_refit_group
 from megatron_reshard.engine.transport import all_gather_ints
-from megatron_reshard.faults import PeerFailure, RefitError
+from megatron_reshard.groups.faults import PeerFailure, RefitError
 from megatron_reshard.receiver import MegatronReshardWorkerExtension
 from megatron_reshard.testing.vllm_like import (
     build_plain_payload,
@@ -83,7 +83,7 @@ def test_a_prepare_failure_on_the_generation_side_reaches_the_training_side(pool
 def _refit_after_failure_is_refused(job):
     group = create_refit_group(job.host, job.port, job.rank, 2, "gloo", TIMEOUT_S,
                                who=f"rank {job.rank}")
-    from megatron_reshard.faults import fault_scope
+    from megatron_reshard.groups.faults import fault_scope
 
     if job.rank == 1:
         out = _catch(lambda: _raise_in_scope(group))
@@ -95,7 +95,7 @@ def _refit_after_failure_is_refused(job):
 
 
 def _raise_in_scope(group):
-    from megatron_reshard.faults import fault_scope
+    from megatron_reshard.groups.faults import fault_scope
 
     with fault_scope([group]):
         raise ValueError("bad shard on rank 1")

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from megatron_reshard.tools.e2e import perturb_, tensor_digest
 from megatron_reshard.tools.run_config import MODEL_PRESETS
 from megatron_reshard.receiver import MegatronReshardWorkerExtension
-from megatron_reshard.spec import RefitCtx
+from megatron_reshard.wire.spec import RefitCtx
 from megatron_reshard.tools.worlds import RankFailure
 
 pytestmark = pytest.mark.slow
@@ -76,7 +76,7 @@ def _arm_victim(loop, plan, control, step):
 def _train(job, control, plan):
     from megatron.core import parallel_state as ps
 
-    from megatron_reshard.comm import create_refit_group
+    from megatron_reshard.groups.comm import create_refit_group
     from megatron_reshard.megatron import MegatronRefitSource
     from megatron_reshard.testing.megatron_models import TinyGPTSpec, build_gpt_model
     from megatron_reshard.testing.megatron_reference import gather_full_hf_state_dict

@@ -10,21 +10,21 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from megatron_reshard.engine.geometry import box_index, rank_region
-from megatron_reshard.fp8_plan import (
+from megatron_reshard.fp8.plan import (
     Fp8SplitError,
     plan_block_fp8,
     plan_mxfp8,
     scale_layout_problems,
     scale_placements,
 )
-from megatron_reshard.layout import BlockShard, PaddedShard, build_mesh_info
-from megatron_reshard.metadata import (
+from megatron_reshard.wire.layout import BlockShard, PaddedShard, build_mesh_info
+from megatron_reshard.wire.metadata import (
     build_nccl_reshard_refit_info,
     make_nccl_reshard_refit_info_wire_safe,
     restore_refit_info_placements,
 )
 from megatron_reshard.megatron.qkv import megatron_qkv_layout
-from megatron_reshard.quant import quantize_blockwise_fp8
+from megatron_reshard.fp8.quant import quantize_blockwise_fp8
 from megatron_reshard.receiver.fp8_targets import fp8_receive_spec
 from megatron_reshard.receiver.full_weights import load_full_weights
 from megatron_reshard.receiver.targets import TargetError, VllmTargets
@@ -36,7 +36,7 @@ from megatron_reshard.testing.vllm_like import (
 )
 from megatron_reshard.vllm_layout import qkv_gen_layout
 from megatron_reshard.vllm_layout.dense import AttentionHeads
-from megatron_reshard.wire import ParamRecord, RefitPayload
+from megatron_reshard.wire.records import ParamRecord, RefitPayload
 
 H = 256
 

@@ -7,17 +7,17 @@ import pytest
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-from megatron_reshard.wire import ParamRecord
+from megatron_reshard.wire.records import ParamRecord
 from megatron_reshard.engine.plan import Planner, layout_key
 from megatron_reshard.engine.plan_check import PlanError, check_writes_exactly_once
-from megatron_reshard.integrity import (
+from megatron_reshard.refit.integrity import (
     ChecksumTable,
     box_checksum,
     is_canonical_holder,
     mismatches,
     source_overlaps,
 )
-from megatron_reshard.layout import MeshInfo
+from megatron_reshard.wire.layout import MeshInfo
 
 
 def _plan(shape=(10, 6)):

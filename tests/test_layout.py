@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-from megatron_reshard.layout import (
+from megatron_reshard.wire.layout import (
     COLUMN_PARALLEL_SUFFIXES,
     FFN_GROUPED_EXPERT_SUFFIXES,
     FFN_PROJ_WEIGHT_SUFFIXES,

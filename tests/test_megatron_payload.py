@@ -4,7 +4,7 @@ import msgspec
 import pytest
 
 from megatron_reshard.megatron.payload import SCHEMA_VERSION, build_payload, decode_payload, encode_payload
-from megatron_reshard.metadata import build_nccl_reshard_refit_info, restore_refit_info_placements
+from megatron_reshard.wire.metadata import build_nccl_reshard_refit_info, restore_refit_info_placements
 
 
 def _payload():
@@ -48,7 +48,7 @@ def test_payload_missing_a_key_is_refused():
 def test_one_schema_version_is_written_read_and_built_by_the_fixtures():
     import torch
 
-    from megatron_reshard import metadata
+    from megatron_reshard.wire import metadata
     from megatron_reshard.receiver import SUPPORTED_SCHEMA_VERSIONS
     from megatron_reshard.testing.vllm_like import build_plain_payload
     from megatron_reshard.tools.presets import demo_config

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.filterwarnings("ignore")
 
 
 def chunk_of(full: torch.Tensor, mesh: torch.Tensor, placements, rank: int) -> torch.Tensor:
-    from megatron_reshard.layout import BlockShard
+    from megatron_reshard.wire.layout import BlockShard
 
     coord = (mesh == rank).nonzero()[0].tolist()
     region = full
@@ -40,7 +40,7 @@ def chunk_of(full: torch.Tensor, mesh: torch.Tensor, placements, rank: int) -> t
 
 def padded_rows_of(full: torch.Tensor, mesh: torch.Tensor, placements, rank: int):
     """(owned rows of ``full``, padded chunk size) for a vocab PaddedShard over one axis."""
-    from megatron_reshard.layout import PaddedShard
+    from megatron_reshard.wire.layout import PaddedShard
 
     coord = (mesh == rank).nonzero()[0].tolist()
     axis, p = next((a, p) for a, p in enumerate(placements) if isinstance(p, PaddedShard))
@@ -77,7 +77,7 @@ def _storages(model) -> set[int]:
 
 
 def _check_source(job, spec_kwargs, family, gen_parallelism, gen_world_size, layout):
-    from megatron_reshard.layout import build_mesh_info
+    from megatron_reshard.wire.layout import build_mesh_info
     from megatron_reshard.testing.megatron_models import TinyGPTSpec, build_gpt_model
     from megatron_reshard.megatron.payload import decode_payload
     from megatron_reshard.testing.megatron_reference import gather_full_hf_state_dict
@@ -166,7 +166,7 @@ def _check_source(job, spec_kwargs, family, gen_parallelism, gen_world_size, lay
     # a refit info that assigns this rank another region is refused, naming param and rank
     from torch.distributed.tensor import Replicate
 
-    from megatron_reshard.metadata import restore_refit_info_placements
+    from megatron_reshard.wire.metadata import restore_refit_info_placements
 
     wrong = restore_refit_info_placements(decode_payload(data))
     victim = next((p for layer in wrong["layer_names"] for p in wrong["per_layer_params"][layer]
@@ -228,7 +228,7 @@ def test_dense_swiglu_gqa_tp2_pp2_views_match_oracle_and_default_meshes(pool, tm
         import sys
         sys.modules["megatron"] = None  # any megatron import now fails
         from megatron_reshard.megatron.payload import decode_payload
-        from megatron_reshard.metadata import restore_refit_info_placements
+        from megatron_reshard.wire.metadata import restore_refit_info_placements
         p = decode_payload(open({str(path)!r}, "rb").read())
         restore_refit_info_placements(p)
         assert not any(m.startswith("megatron.") or m == "megatron" for m in sys.modules if sys.modules[m] is not None)

@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-from megatron_reshard.layout import MeshInfo
-from megatron_reshard.metadata import (
+from megatron_reshard.wire.layout import MeshInfo
+from megatron_reshard.wire.metadata import (
     _INDIVIDUAL_EXPERT_RE,
     _LAYER_RE,
     _MODEL_PREFIX_RE,

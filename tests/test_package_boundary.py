@@ -34,7 +34,7 @@ def _imported_modules(source: str, package: str) -> list[str]:
 
 def test_library_files_are_found():
     files = {p.relative_to(PACKAGE).as_posix() for p in _library_files()}
-    assert {"refit_loop.py", "receiver/worker.py", "megatron/source.py"} <= files
+    assert {"refit/loop.py", "receiver/worker.py", "megatron/source.py"} <= files
     assert not any(f.startswith(("tools/", "testing/")) for f in files)
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_reshard.packed import (broadcast_packed, buffer_bytes, chunk_items, pack,
+from megatron_reshard.refit.packed import (broadcast_packed, buffer_bytes, chunk_items, pack,
                                      packed_layout, unpack)
 from megatron_reshard.tools.worlds import init_gloo_world
 

@@ -1,4 +1,4 @@
-"""megatron_reshard.quant against an independent reference written here in plain Python.
+"""megatron_reshard.fp8.quant against an independent reference written here in plain Python.
 
 The reference works element by element on Python floats: fp32 rounding through ``struct``,
 the e4m3 byte by nearest-value search over all 127 finite non-negative e4m3 values (ties to
@@ -13,7 +13,7 @@ import struct
 import pytest
 import torch
 
-from megatron_reshard.quant import (
+from megatron_reshard.fp8.quant import (
     blockwise_scale_shape,
     dequantize_blockwise_fp8,
     dequantize_mxfp8,

@@ -15,15 +15,15 @@ import sys
 import pytest
 import torch
 
-from megatron_reshard.commit import commit_refit
+from megatron_reshard.refit.commit import commit_refit
 
-from megatron_reshard.comm import create_refit_group
-from megatron_reshard.metadata import restore_refit_info_placements
-from megatron_reshard.packed import broadcast_packed, packed_layout
+from megatron_reshard.groups.comm import create_refit_group
+from megatron_reshard.wire.metadata import restore_refit_info_placements
+from megatron_reshard.refit.packed import broadcast_packed, packed_layout
 from megatron_reshard.receiver import MegatronReshardWorkerExtension
-from megatron_reshard.refit_loop import RefitLoop
-from megatron_reshard.refit_order import misc_items_by_stage, stage_params
-from megatron_reshard.spec import HFToLocalParamMap, LocalParamSpec
+from megatron_reshard.refit.loop import RefitLoop
+from megatron_reshard.refit.order import misc_items_by_stage, stage_params
+from megatron_reshard.wire.spec import HFToLocalParamMap, LocalParamSpec
 from megatron_reshard.testing.vllm_like import (
     build_plain_payload,
     build_vllm_like_model,

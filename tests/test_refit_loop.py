@@ -8,13 +8,13 @@ import pytest
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-from megatron_reshard.comm import create_refit_group
-from megatron_reshard.layout import MeshInfo
-from megatron_reshard.metadata import build_nccl_reshard_refit_info
+from megatron_reshard.groups.comm import create_refit_group
+from megatron_reshard.wire.layout import MeshInfo
+from megatron_reshard.wire.metadata import build_nccl_reshard_refit_info
 from megatron_reshard.engine.geometry import box_index, rank_box
-from megatron_reshard.refit_loop import PlanMismatchError, RefitLoop
-from megatron_reshard.refit_order import batch_bounds, misc_items_by_stage, plan_fingerprint, stage_params
-from megatron_reshard.spec import HFToLocalParamMap, LocalParamSpec, RefitCtx
+from megatron_reshard.refit.loop import PlanMismatchError, RefitLoop
+from megatron_reshard.refit.order import batch_bounds, misc_items_by_stage, plan_fingerprint, stage_params
+from megatron_reshard.wire.spec import HFToLocalParamMap, LocalParamSpec, RefitCtx
 from megatron_reshard.testing.groups import NoCommGroup
 from vote_count import VoteCount
 

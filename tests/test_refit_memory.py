@@ -4,12 +4,12 @@ profiler-based measure), while the refit stays bit-exact (checksums on)."""
 
 import torch
 
-from megatron_reshard.comm import create_refit_group
-from megatron_reshard.metadata import build_nccl_reshard_refit_info
+from megatron_reshard.groups.comm import create_refit_group
+from megatron_reshard.wire.metadata import build_nccl_reshard_refit_info
 from megatron_reshard.engine.geometry import box_index, rank_box
-from megatron_reshard.refit_loop import RefitLoop
-from megatron_reshard.refit_order import stage_params
-from megatron_reshard.spec import HFToLocalParamMap, LocalParamSpec
+from megatron_reshard.refit.loop import RefitLoop
+from megatron_reshard.refit.order import stage_params
+from megatron_reshard.wire.spec import HFToLocalParamMap, LocalParamSpec
 
 E, I, H = 8, 64, 96       # experts: [8, 64, 96] fp32 = 192 KiB, 96 KiB per train rank
 STAGING = 24 << 10        # a quarter of one rank's experts
@@ -48,7 +48,7 @@ def _memory_job(job, stack_experts: bool):
             experts = [full[e].clone() for e in range(*region[0])]  # apart, as Megatron's
             spec = stacked_spec(experts)
             if stack_experts:  # what the source did before: a stacking pre hook
-                from megatron_reshard.spec import RefitCtx
+                from megatron_reshard.wire.spec import RefitCtx
                 spec = LocalParamSpec(base=experts, pre=lambda b: RefitCtx(buf=torch.stack(b)))
             specs.specs[p.name] = spec
         elif side == "src":

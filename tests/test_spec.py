@@ -2,7 +2,7 @@
 
 import torch
 
-from megatron_reshard.spec import HFToLocalParamMap, LocalParamSpec, RefitBuilderInterface, RefitCtx
+from megatron_reshard.wire.spec import HFToLocalParamMap, LocalParamSpec, RefitBuilderInterface, RefitCtx
 
 
 def test_refit_ctx_defaults_to_no_buffer_and_a_fresh_extra_dict():

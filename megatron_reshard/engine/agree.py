@@ -22,7 +22,7 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 
-from megatron_reshard.faults import boards_of, wait_event, wait_works
+from megatron_reshard.groups.faults import boards_of, wait_event, wait_works
 
 from .checks import Problem
 from .transport import P2PTransport

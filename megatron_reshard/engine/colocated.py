@@ -47,7 +47,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_reshard.faults import RefitError, board_of, wait_device
+from megatron_reshard.groups.faults import RefitError, board_of, wait_device
 
 from . import agree as agreement
 from .agree import Description, Vote

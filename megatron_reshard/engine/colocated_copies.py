@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from megatron_reshard.faults import RefitError
+from megatron_reshard.groups.faults import RefitError
 
 from .copies import MEMCPY_BYTES, as_bits
 from .geometry import box_intersect, box_numel

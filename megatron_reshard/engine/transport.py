@@ -13,7 +13,7 @@ A *round* is a set of sends and receives that are all posted before any is waite
   any data moves) creates it.
 
 The group may be a ``torch.distributed.ProcessGroup`` (``dist.group.WORLD``, ``new_group``)
-or a backend built directly (``ProcessGroupGloo``/``ProcessGroupNCCL``, see ``comm.py``);
+or a backend built directly (``ProcessGroupGloo``/``ProcessGroupNCCL``, see ``groups/comm.py``);
 both offer ``rank()``, ``size()``, ``send([t], peer, tag)``, ``recv([t], peer, tag)``.
 """
 
@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_reshard.faults import wait_device, wait_works
+from megatron_reshard.groups.faults import wait_device, wait_works
 
 
 def resolve_group(group):

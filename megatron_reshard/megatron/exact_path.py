@@ -11,13 +11,13 @@ from typing import Callable, Mapping, Optional, Sequence
 
 from torch.distributed.tensor import Replicate, Shard
 
-from megatron_reshard.layout import MeshInfo, PaddedShard
+from megatron_reshard.wire.layout import MeshInfo, PaddedShard
 from megatron_reshard.megatron.converters import ModelDims
 from megatron_reshard.megatron.parallel import StageMeshes
 from megatron_reshard.megatron.qkv import heads_of, megatron_qkv_layout, qkv_group_shape, which_qkv
-from megatron_reshard.metadata import extract_layer_name
+from megatron_reshard.wire.metadata import extract_layer_name
 from megatron_reshard.vllm_layout.dense import QKV_PARAM_RE, padded_vocab_rows, qkv_gen_layout, tp_dim_of
-from megatron_reshard.wire import ParamRecord, RefitPayload
+from megatron_reshard.wire.records import ParamRecord, RefitPayload
 
 VOCAB_PARAMS = ("model.embed_tokens.weight", "lm_head.weight")
 

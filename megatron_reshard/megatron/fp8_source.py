@@ -1,6 +1,6 @@
 """Training side of a block-FP8 refit: quantize the local shard right before it is sent.
 
-For every entry ``fp8_plan.plan_block_fp8`` marked ``"gen_quant": "sender"`` (every
+For every entry ``fp8.plan.plan_block_fp8`` marked ``"gen_quant": "sender"`` (every
 training rank's shard is made of whole 128x128 tiles), the BF16 recipe of the weight (a
 view, or a rank's experts as a list of tensors) is wrapped: its ``pre`` hook quantizes the shard into a
 ``float8_e4m3fn`` buffer, and keeps the scales for the ``<name>_scale_inv`` entry that
@@ -15,14 +15,14 @@ from typing import Any, Optional
 
 import torch
 
-from megatron_reshard.fp8_plan import scale_name
+from megatron_reshard.fp8.plan import scale_name
 from megatron_reshard.megatron.converters import local_views
 from megatron_reshard.megatron.fp8_storage import blockwise_fp8_storage
 from megatron_reshard.megatron.qkv import megatron_qkv_blocks
-from megatron_reshard.quant import BLOCK_FP8_TILE, quantize_blockwise_fp8
-from megatron_reshard.spec import HFToLocalParamMap, LocalParamSpec, RefitCtx
+from megatron_reshard.fp8.quant import BLOCK_FP8_TILE, quantize_blockwise_fp8
+from megatron_reshard.wire.spec import HFToLocalParamMap, LocalParamSpec, RefitCtx
 from megatron_reshard.vllm_layout.dense import AttentionHeads
-from megatron_reshard.wire import ParamRecord, RefitPayload
+from megatron_reshard.wire.records import ParamRecord, RefitPayload
 
 
 class _ShardQuantizer:

@@ -22,7 +22,7 @@ from typing import Any, Optional
 
 import torch
 
-from megatron_reshard.quant import blockwise_scale_shape
+from megatron_reshard.fp8.quant import blockwise_scale_shape
 
 
 @dataclass

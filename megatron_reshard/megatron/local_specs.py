@@ -16,11 +16,11 @@ from typing import Collection, Mapping, Optional, Sequence
 import torch
 
 from megatron_reshard.engine.geometry import rank_region
-from megatron_reshard.layout import is_nccl_reshard_param
+from megatron_reshard.wire.layout import is_nccl_reshard_param
 from megatron_reshard.megatron.converters import Converted, ModelDims, local_views
 from megatron_reshard.megatron.qkv import qkv_views
-from megatron_reshard.spec import LocalParamSpec
-from megatron_reshard.wire import RefitPayload
+from megatron_reshard.wire.spec import LocalParamSpec
+from megatron_reshard.wire.records import RefitPayload
 
 _EXPERT_NAME = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<index>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 

@@ -1,14 +1,14 @@
 """The wire payload the train side hands to the generation side, and its msgpack codec.
 
 Plain data only (the receiver decodes it in a process without Megatron; this module
-imports msgspec, torch and ``megatron_reshard.metadata`` — never ``megatron``).
+imports msgspec, torch and ``megatron_reshard.wire.metadata`` — never ``megatron``).
 
 Schema version 1 — a dict holding ``build_nccl_reshard_refit_info``'s keys in wire-safe
 form (``layer_names``, ``per_layer_params``, ``train_world_size``, ``gen_world_size``,
 ``pp_size``, ``gen_tp_size``; meshes ``{"mesh": nested list}``, placements ``{"dim": d}`` /
 ``{}``; ``restore_refit_info_placements`` turns them back) plus:
 
-- ``schema_version``: 1 (``metadata.SCHEMA_VERSION``)
+- ``schema_version``: 1 (``wire.metadata.SCHEMA_VERSION``)
 - ``train_layout``: ``{tp, pp, ep, etp, dp, cp, world_size}`` read from ``parallel_state``
 - ``gen_layout``: ``{tp, ep, pp, world_size}``
 - ``hf_config``: see ``megatron_reshard.megatron.source.HF_CONFIG_KEYS``
@@ -25,8 +25,8 @@ from typing import Any
 
 import msgspec
 
-from megatron_reshard.metadata import SCHEMA_VERSION, make_nccl_reshard_refit_info_wire_safe
-from megatron_reshard.wire import RefitPayload
+from megatron_reshard.wire.metadata import SCHEMA_VERSION, make_nccl_reshard_refit_info_wire_safe
+from megatron_reshard.wire.records import RefitPayload
 
 EXTRA_KEYS = ("schema_version", "train_layout", "gen_layout", "hf_config", "other_params",
               "train_stage_ranks", "rank_order")

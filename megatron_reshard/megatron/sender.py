@@ -2,7 +2,7 @@
 
 ``RefitSender`` wraps a ``MegatronRefitSource`` and the rank's refit group (one group per
 training PP stage; a train rank belongs to its own stage's group). Per refit it runs the
-training side of ``refit_protocol``: the shared ``RefitLoop`` (side ``"src"``: bulk params
+training side of ``refit.protocol``: the shared ``RefitLoop`` (side ``"src"``: bulk params
 straight from the live shards), then the stage's other params as packed broadcasts from
 the stage's first train rank, then the commit vote that carries the refit's version.
 Options that enter the plan fingerprint (batch and staging bytes, misc items) must match
@@ -15,12 +15,12 @@ from typing import Any, Optional
 
 import torch
 
-from megatron_reshard.faults import RefitError, fault_scope
-from megatron_reshard.packed import broadcast_packed, packed_layout
-from megatron_reshard.refit_loop import DEFAULT_BATCH_BYTES, DEFAULT_STAGING_BYTES, RefitLoop
-from megatron_reshard.refit_order import misc_items_by_stage
-from megatron_reshard.refit_protocol import RefitProtocol
-from megatron_reshard.wire import RefitPayload
+from megatron_reshard.groups.faults import RefitError, fault_scope
+from megatron_reshard.refit.packed import broadcast_packed, packed_layout
+from megatron_reshard.refit.loop import DEFAULT_BATCH_BYTES, DEFAULT_STAGING_BYTES, RefitLoop
+from megatron_reshard.refit.order import misc_items_by_stage
+from megatron_reshard.refit.protocol import RefitProtocol
+from megatron_reshard.wire.records import RefitPayload
 
 
 class RefitSender:
@@ -58,7 +58,7 @@ class RefitSender:
         self.is_misc_root = source.stage_local_rank == 0
 
     def refit(self, version: Optional[int] = None) -> dict:
-        """Send every param once, then commit (``refit_protocol`` states the order).
+        """Send every param once, then commit (``refit.protocol`` states the order).
         Collective over the train world (TP gather of the other params) and over the refit
         group; every train rank calls it.
 

@@ -50,8 +50,8 @@ from typing import Any, Iterable, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_reshard.fp8_plan import GEN_QUANT_FORMATS, plan_block_fp8, plan_mxfp8
-from megatron_reshard.layout import build_mesh_info, is_expert_param, is_nccl_reshard_param
+from megatron_reshard.fp8.plan import GEN_QUANT_FORMATS, plan_block_fp8, plan_mxfp8
+from megatron_reshard.wire.layout import build_mesh_info, is_expert_param, is_nccl_reshard_param
 from megatron_reshard.megatron import mla
 from megatron_reshard.megatron.converters import (
     FAMILIES,
@@ -84,10 +84,10 @@ from megatron_reshard.megatron.parallel import (
 )
 from megatron_reshard.megatron.payload import build_payload, encode_payload
 from megatron_reshard.megatron.qkv import qkv_groups_fit
-from megatron_reshard.metadata import build_nccl_reshard_refit_info, extract_layer_name
-from megatron_reshard.spec import HFToLocalParamMap
+from megatron_reshard.wire.metadata import build_nccl_reshard_refit_info, extract_layer_name
+from megatron_reshard.wire.spec import HFToLocalParamMap
 from megatron_reshard.vllm_layout.dense import NOT_LISTED, QKV_PARAM_RE, tp_dim_of
-from megatron_reshard.wire import MiscRecord, ParamRecord, RefitPayload
+from megatron_reshard.wire.records import MiscRecord, ParamRecord, RefitPayload
 
 
 def _layer_sort_key(name: str) -> tuple[int, int]:
@@ -111,7 +111,7 @@ class MegatronRefitSource:
         packed broadcast instead of shard to shard (every param has an exact path; this is
         the explicit way back to the broadcast, e.g. to compare the two).
         ``gen_quant="block_fp8"``: the generation model holds its linear weights in block
-        FP8 (``megatron_reshard.fp8_plan``); None: the same dtype as training."""
+        FP8 (``megatron_reshard.fp8.plan``); None: the same dtype as training."""
         layout, coords, problems = read_parallel_state()
         if gen_quant not in (None, *GEN_QUANT_FORMATS):
             problems.append(f"gen_quant={gen_quant!r}: expected None or one of {list(GEN_QUANT_FORMATS)}")

@@ -16,7 +16,7 @@ plain data.
 - ``worker``: ``MegatronReshardWorkerExtension`` for vLLM's ``collective_rpc``.
 """
 
-from megatron_reshard.metadata import SUPPORTED_SCHEMA_VERSIONS
+from megatron_reshard.wire.metadata import SUPPORTED_SCHEMA_VERSIONS
 from megatron_reshard.receiver.incoming import gen_ep_size, restore_payload
 from megatron_reshard.receiver.misc_transport import receive_misc_packed
 from megatron_reshard.receiver.param_map import build_receiver_param_map

@@ -15,7 +15,7 @@ part (q, k, v; gate, up) to be whole tiles, so the fused scale is the concatenat
 parts' scales. Anything else is a ``TargetError`` naming the param, the rank, what was
 expected and what was found, raised while mapping (before any communication).
 
-Three ways a weight arrives (see ``megatron_reshard.fp8_plan``):
+Three ways a weight arrives (see ``megatron_reshard.fp8.plan``):
 
 - FP8 bytes (quantized by the sender): received in place; its scales arrive as their own
   entry ``<name>_scale_inv`` and are received in place into the scale box;
@@ -25,7 +25,7 @@ Three ways a weight arrives (see ``megatron_reshard.fp8_plan``):
 - a full HF tensor on the packed path: its slice is quantized the same way.
 
 A region made of whole tiles quantizes on its own to exactly the bytes and scales of the
-same tiles of the full tensor (``megatron_reshard.quant``), so all three give the bytes of
+same tiles of the full tensor (``megatron_reshard.fp8.quant``), so all three give the bytes of
 "quantize the full HF tensor, then slice it by the vLLM layout".
 """
 
@@ -36,8 +36,8 @@ from typing import Any, Optional, Sequence
 import torch
 
 from megatron_reshard.engine.geometry import box_shape, rank_box
-from megatron_reshard.fp8_plan import MXFP8_TILE, SCALE_SUFFIX, tile_box
-from megatron_reshard.quant import (
+from megatron_reshard.fp8.plan import MXFP8_TILE, SCALE_SUFFIX, tile_box
+from megatron_reshard.fp8.quant import (
     BLOCK_FP8_TILE,
     blockwise_scale_shape,
     quantize_blockwise_fp8,
@@ -50,9 +50,9 @@ from megatron_reshard.receiver.targets import (
     VllmTargets,
     receive_spec,
 )
-from megatron_reshard.spec import LocalParamSpec, RefitCtx
+from megatron_reshard.wire.spec import LocalParamSpec, RefitCtx
 from megatron_reshard.vllm_layout.dense import is_qkv_per_group, per_group_as_hf_rows
-from megatron_reshard.wire import ParamRecord
+from megatron_reshard.wire.records import ParamRecord
 
 FP8_DTYPE = torch.float8_e4m3fn
 
@@ -64,7 +64,7 @@ def is_fp8_target(targets: VllmTargets, target: str) -> bool:
 def _tile_box(box: Sequence[tuple[int, int]], shape: Sequence[int],
               tile: Sequence[int]) -> tuple[Optional[tuple], str]:
     """A box of a tensor of ``shape`` in tile units over the last two dims (leading dims kept;
-    ``fp8_plan.tile_box``), or None and why when it cuts a tile. A start must be a multiple
+    ``fp8.plan.tile_box``), or None and why when it cuts a tile. A start must be a multiple
     of the tile, even an empty box's at the end of the dim."""
     tiled = tile_box(box, shape, tile)
     for d, block in ((len(shape) - 2, tile[0]), (len(shape) - 1, tile[1])):

@@ -13,8 +13,8 @@ from typing import Any
 
 from torch.distributed.tensor import Shard
 
-from megatron_reshard.layout import BlockShard, is_expert_param
-from megatron_reshard.wire import RefitPayload
+from megatron_reshard.wire.layout import BlockShard, is_expert_param
+from megatron_reshard.wire.records import RefitPayload
 
 
 def restore_payload(payload: Any, where: str = "this rank") -> RefitPayload:

@@ -2,7 +2,7 @@
 
 Torch + stdlib only. Per PP stage the stage's group rank 0 (its first train rank)
 broadcasts one flat uint8 buffer of the stage's other params in payload order
-(``megatron_reshard.packed``); a caller may pass its own ``MiscReceiver`` instead.
+(``megatron_reshard.refit.packed``); a caller may pass its own ``MiscReceiver`` instead.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 
 from megatron_reshard.engine.transport import control_device
-from megatron_reshard.packed import broadcast_packed, packed_layout
-from megatron_reshard.refit_order import MiscItem
+from megatron_reshard.refit.packed import broadcast_packed, packed_layout
+from megatron_reshard.refit.order import MiscItem
 
 # receive_misc(stage, group, items) -> {hf_name: full tensor} for the stage's other params
 MiscReceiver = Callable[[int, Optional[Any], list[MiscItem]], Mapping[str, torch.Tensor]]

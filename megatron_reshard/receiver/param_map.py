@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from megatron_reshard.engine.geometry import box_index, rank_box
-from megatron_reshard.layout import PaddedShard
+from megatron_reshard.wire.layout import PaddedShard
 from megatron_reshard.receiver.fp8_targets import fp8_receive_spec
 from megatron_reshard.receiver.targets import (
     TargetError,
@@ -20,9 +20,9 @@ from megatron_reshard.receiver.targets import (
     bulk_receive_plan,
     receive_spec,
 )
-from megatron_reshard.spec import HFToLocalParamMap, LocalParamSpec
+from megatron_reshard.wire.spec import HFToLocalParamMap, LocalParamSpec
 from megatron_reshard.vllm_layout.dense import is_qkv_per_group, per_group_as_hf_rows
-from megatron_reshard.wire import RefitPayload
+from megatron_reshard.wire.records import RefitPayload
 
 
 def build_receiver_param_map(payload: RefitPayload, targets: VllmTargets, rank_in_group: int,

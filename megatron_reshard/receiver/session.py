@@ -17,19 +17,19 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Union
 import torch
 
 from megatron_reshard.engine.transport import group_rank, group_size
-from megatron_reshard.faults import RefitError, fault_scope
-from megatron_reshard.metadata import SUPPORTED_SCHEMA_VERSIONS
+from megatron_reshard.groups.faults import RefitError, fault_scope
+from megatron_reshard.wire.metadata import SUPPORTED_SCHEMA_VERSIONS
 from megatron_reshard.receiver.full_weights import apply_full_weights, coverage_gaps, plan_full_weights
 from megatron_reshard.receiver.incoming import gen_ep_size, restore_payload
 from megatron_reshard.receiver.misc_transport import MiscReceiver, receive_misc_packed
 from megatron_reshard.receiver.param_map import build_receiver_param_map
 from megatron_reshard.receiver.state import WeightState
 from megatron_reshard.receiver.targets import TargetError, VllmTargets
-from megatron_reshard.refit_loop import DEFAULT_BATCH_BYTES, DEFAULT_STAGING_BYTES, RefitLoop
-from megatron_reshard.refit_order import misc_items_by_stage
-from megatron_reshard.refit_protocol import RefitProtocol
-from megatron_reshard.wire import RefitPayload
-from megatron_reshard.wire_check import RefitPayloadError
+from megatron_reshard.refit.loop import DEFAULT_BATCH_BYTES, DEFAULT_STAGING_BYTES, RefitLoop
+from megatron_reshard.refit.order import misc_items_by_stage
+from megatron_reshard.refit.protocol import RefitProtocol
+from megatron_reshard.wire.records import RefitPayload
+from megatron_reshard.wire.check import RefitPayloadError
 
 
 class ReceiverSession:
@@ -148,7 +148,7 @@ class ReceiverSession:
 
     def refit(self) -> dict:
         """Receive every param once (the bulk params, then each stage's other params), then
-        commit (``refit_protocol`` states the order): the weight version advances only if
+        commit (``refit.protocol`` states the order): the weight version advances only if
         every rank of every group got there.
 
         On any failure the error is posted on the groups' boards (every peer raises it

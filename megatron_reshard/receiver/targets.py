@@ -28,7 +28,7 @@ import torch
 
 from megatron_reshard.engine.geometry import Box, box_index, box_shape
 from megatron_reshard.errors import MegatronReshardError
-from megatron_reshard.spec import LocalParamSpec, RefitCtx
+from megatron_reshard.wire.spec import LocalParamSpec, RefitCtx
 from megatron_reshard.vllm_layout import mla
 from megatron_reshard.vllm_layout import moe as vllm_moe
 from megatron_reshard.vllm_layout.dense import (GATE_UP_RE, QKV_RE, VOCAB_PADDING,

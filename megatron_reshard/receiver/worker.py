@@ -3,7 +3,7 @@
 Torch + stdlib only. Phases, each with plain-data arguments and results:
 
 1. ``init_refit_groups(host, ports_by_stage, group_rank, group_sizes, backend, timeout_s)``
-   joins one refit group per training PP stage (``megatron_reshard.comm.create_refit_group``);
+   joins one refit group per training PP stage (``megatron_reshard.groups.comm.create_refit_group``);
    ``group_rank=None`` derives it from the worker's own rank (same arguments for all).
 2. ``prepare_refit(payload, options=None)`` validates the whole payload and maps every HF
    name onto this rank's vLLM storage. Local work; an error is raised here and posted on
@@ -27,7 +27,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
 
-from megatron_reshard.comm import create_refit_group, destroy_refit_group
+from megatron_reshard.groups.comm import create_refit_group, destroy_refit_group
 from megatron_reshard.receiver.derived import (
     DerivedWeightsError,
     derived_param_names,
@@ -220,7 +220,7 @@ class MegatronReshardWorkerExtension:
             session.release_staging()
 
     def destroy_refit_groups(self, timeout_s: float = 60.0) -> None:
-        """Shut the refit groups down at the end of the job (``comm.destroy_refit_group``;
+        """Shut the refit groups down at the end of the job (``groups.destroy_refit_group``;
         every rank of each group, the training ranks too, does the same) and drop the
         session: a later refit needs ``init_refit_groups`` and ``prepare_refit`` again."""
         state = self._refit_state()

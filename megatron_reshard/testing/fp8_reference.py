@@ -1,7 +1,7 @@
 """The oracle for a block-FP8 generation model: what each vLLM FP8 parameter must hold.
 
-Torch only, and independent of the code under test (``megatron_reshard.quant``,
-``fp8_plan``, ``receiver.fp8_targets``): the quantizer here walks the 128×128 tiles of a
+Torch only, and independent of the code under test (``megatron_reshard.fp8.quant``,
+``fp8.plan``, ``receiver.fp8_targets``): the quantizer here walks the 128×128 tiles of a
 full HF tensor one by one, and the vLLM layout is the BF16 oracle's slicing
 (``vllm_like.expected_vllm_shard``) applied to the full quantized tensors, and to the full
 scale tensors with every dim counted in tiles. Numerics, per tile in fp32 (NeMo-RL's refit

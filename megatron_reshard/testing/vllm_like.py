@@ -340,7 +340,7 @@ def build_plain_payload(hf_config: Mapping[str, Any], full_hf_tensors: Mapping[s
                         train: Mapping[str, int], gen: Mapping[str, int], train_world_size: int,
                         gen_world_size: int, layer_to_pp_stage: Optional[Mapping[str, int]] = None
                         ) -> dict:
-    """A wire-form refit payload (``metadata.SCHEMA_VERSION``) for full HF tensors, built
+    """A wire-form refit payload (``wire.metadata.SCHEMA_VERSION``) for full HF tensors, built
     without Megatron.
 
     Bulk params (``is_nccl_reshard_param``) go through ``build_nccl_reshard_refit_info``;
@@ -348,8 +348,8 @@ def build_plain_payload(hf_config: Mapping[str, Any], full_hf_tensors: Mapping[s
     side's form) in the order given, ``pp_stage`` looked up by layer key in
     ``layer_to_pp_stage`` (0 without PP).
     """
-    from megatron_reshard.layout import is_nccl_reshard_param
-    from megatron_reshard.metadata import (
+    from megatron_reshard.wire.layout import is_nccl_reshard_param
+    from megatron_reshard.wire.metadata import (
         build_nccl_reshard_refit_info,
         extract_layer_name,
         SCHEMA_VERSION,

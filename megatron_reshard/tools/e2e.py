@@ -5,7 +5,7 @@ Shared by ``megatron-reshard demo`` (CPU, gloo, spawned workers) and the torchru
 ``train_world + gen_world`` processes plays training rank ``rank`` if ``rank < train_world``,
 else generation rank ``rank - train_world``. The two sides get separate default worlds
 (each built from an explicit store, as two launchers would), and one refit group per
-training PP stage is built from its own ``TCPStore`` (``comm.create_refit_group``). What a
+training PP stage is built from its own ``TCPStore`` (``groups.create_refit_group``). What a
 run is (presets, ``RefitRunConfig``, its validation and options) lives in ``run_config``.
 
 Verification is independent of the refit path: the training ranks gather the full HF
@@ -110,7 +110,7 @@ def run_training_rank(rank: int, cfg: RefitRunConfig, control, device: torch.dev
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
     from megatron.core import parallel_state as ps
 
-    from megatron_reshard.comm import create_refit_group, destroy_refit_group
+    from megatron_reshard.groups.comm import create_refit_group, destroy_refit_group
     from megatron_reshard.megatron import MegatronRefitSource
     from megatron_reshard.megatron.sender import RefitSender
     from megatron_reshard.testing.megatron_models import TinyGPTSpec, build_gpt_model

@@ -78,7 +78,7 @@ class RefitRunConfig:
     quiet: bool = False
     packed_params: Optional[str] = None  # regex of HF params sent by packed broadcast instead
 
-    gen_precision: str = "bf16"  # "fp8": block-FP8 generation model (fp8_plan); "mxfp8"
+    gen_precision: str = "bf16"  # "fp8": block-FP8 generation model (fp8.plan); "mxfp8"
     # "fp8_blockwise": linear weights held in blockwise FP8 for training (testing.fp8_training,
     # the CPU stand-in for TE fp8_param); needs gen_precision "fp8"
     train_precision: str = "bf16"
@@ -228,7 +228,7 @@ def _split_refusals(cfg: RefitRunConfig) -> dict[str, Any]:
         if vocab_rows % t:
             return (f"does not divide its {vocab_rows} vocab rows (vocab {m['vocab_size']} "
                     "padded as vLLM pads it)")
-        if cfg.gen_quant == "block_fp8":  # MXFP8 cuts are refused by fp8_plan.plan_mxfp8
+        if cfg.gen_quant == "block_fp8":  # MXFP8 cuts are refused by fp8.plan.plan_mxfp8
             return tp_common(t) or fp8_blocks(t)
         return tp_common(t)
 

@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_env_arguments(p)
     p.add_argument("--cross-world", action="store_true",
                    help="move the engine and raw P2P traffic over a refit group built by "
-                        "megatron_reshard.comm.create_refit_group (unregistered), not the "
+                        "megatron_reshard.groups.comm.create_refit_group (unregistered), not the "
                         "torchrun world")
     p.add_argument("--refit-port", type=int, default=None,
                    help="TCPStore port for --cross-world (default MASTER_PORT + 17)")
@@ -117,7 +117,7 @@ def _refit_group(args: argparse.Namespace, backend: str,
                  device: torch.device) -> Optional[dist.ProcessGroup]:
     if not args.cross_world:
         return None
-    from megatron_reshard.comm import create_refit_group
+    from megatron_reshard.groups.comm import create_refit_group
 
     host = os.environ.get("MASTER_ADDR", "127.0.0.1")
     port = args.refit_port or int(os.environ.get("MASTER_PORT", "29500")) + 17
@@ -172,7 +172,7 @@ def _run(args: argparse.Namespace, device: torch.device, backend: str, env: dict
         return _run_cases(args, device, backend, env, engine, engine_note, group)
     finally:
         if group is not None:
-            from megatron_reshard.comm import destroy_refit_group
+            from megatron_reshard.groups.comm import destroy_refit_group
 
             destroy_refit_group(group)
 

@@ -9,7 +9,7 @@ group only and must not report success while another stage's group failed.
 
 The generation side advances its weight version only on an ``ok`` outcome, which every
 rank of every group computes alike. A rank that raised before the vote never reaches it:
-its peers learn of it through the groups' fault boards (``megatron_reshard.faults``).
+its peers learn of it through the groups' fault boards (``megatron_reshard.groups.faults``).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Optional
 
 from megatron_reshard.errors import MegatronReshardError
-from megatron_reshard.metadata import dtype_from_str
+from megatron_reshard.wire.metadata import dtype_from_str
 
 
 class RefitPayloadError(MegatronReshardError, ValueError):

@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_reshard.faults import wait_works
+from megatron_reshard.groups.faults import wait_works
 
 
 @dataclass(frozen=True)

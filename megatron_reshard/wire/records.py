@@ -11,7 +11,7 @@ past the point where a payload enters works on the records here instead:
   extras are added): sizes, layer order, records, and the extras carried as plain data.
 
 Where a payload enters: ``RefitPayload.from_plain(payload, where)`` on a generation rank
-(whole-payload validation, ``wire_check``, then the schema version, then the records);
+(whole-payload validation, ``wire.check``, then the schema version, then the records);
 ``RefitPayload.of(info)`` where the library trusts its input (the train side's own refit
 info, tests): the same parse without the refit-group checks. Records are frozen: a step
 that changes entries (FP8 planning, live train meshes) makes new ones with
@@ -31,14 +31,14 @@ from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import torch
 
-from megatron_reshard.layout import MeshInfo, _restore_placement, placements_to_plain
-from megatron_reshard.metadata import (
+from megatron_reshard.wire.layout import MeshInfo, _restore_placement, placements_to_plain
+from megatron_reshard.wire.metadata import (
     SUPPORTED_SCHEMA_VERSIONS,
     _restore_mesh,
     dtype_from_str,
     restore_refit_info_placements,
 )
-from megatron_reshard.wire_check import validate_payload
+from megatron_reshard.wire.check import validate_payload
 
 SIDES = ("src", "dst")
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
@@ -75,7 +75,7 @@ class ParamRecord:
 
     ``dtype`` is the wire dtype string (``"torch.bfloat16"``; ``torch_dtype`` the dtype).
     ``pp_stage`` None: the entry had none (PP 1; ``stage`` is then 0). ``gen_quant`` (FP8
-    generation, ``fp8_plan``): ``"sender"``, ``"train_fp8"``, ``"receiver"`` or ``"scale"``
+    generation, ``fp8.plan``): ``"sender"``, ``"train_fp8"``, ``"receiver"`` or ``"scale"``
     (a block-scale entry: ``scale_of`` names its weight, ``weight_shape`` the weight's
     shape); ``wire_weight_dtype``: the dtype a sender-quantized weight is quantized from.
     """
@@ -251,7 +251,7 @@ class RefitPayload:
     @classmethod
     def from_plain(cls, payload: Any, where: str = "this rank") -> "RefitPayload":
         """A payload received by a generation rank: the whole payload checked against the
-        refit group (``wire_check.validate_payload``, ``RefitPayloadError``), its schema
+        refit group (``wire.check.validate_payload``, ``RefitPayloadError``), its schema
         version checked, then parsed. The input is not changed."""
         validate_payload(payload, where)
         version = payload.get("schema_version")

@@ -31,11 +31,11 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
-from megatron_reshard.commit import CommitOutcome, commit_refit
-from megatron_reshard.faults import RefitError, fault_scope, wait_device
-from megatron_reshard.packed import chunk_items
-from megatron_reshard.refit_loop import RefitLoop, RefitStats
-from megatron_reshard.refit_order import MiscItem
+from megatron_reshard.refit.commit import CommitOutcome, commit_refit
+from megatron_reshard.groups.faults import RefitError, fault_scope, wait_device
+from megatron_reshard.refit.packed import chunk_items
+from megatron_reshard.refit.loop import RefitLoop, RefitStats
+from megatron_reshard.refit.order import MiscItem
 
 # move_chunk(stage, items): one packed broadcast of those items of the stage, this side's part
 MoveChunk = Callable[[int, list[MiscItem]], None]

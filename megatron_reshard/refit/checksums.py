@@ -3,7 +3,7 @@
 Torch + stdlib only. Each source adds, per param it sends, the checksum of every overlap of
 its box with a destination's box into the stage's table (row: destination rank); each
 destination keeps the checksum of the box it received. One SUM all-reduce of the table per
-stage, then each destination compares its own row (``megatron_reshard.integrity``).
+stage, then each destination compares its own row (``megatron_reshard.refit.integrity``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from megatron_reshard.engine.geometry import Box
 from megatron_reshard.engine.transport import all_reduce, control_device, group_size
-from megatron_reshard.integrity import (MODULUS, ChecksumTable, box_checksum, mismatches,
+from megatron_reshard.refit.integrity import (MODULUS, ChecksumTable, box_checksum, mismatches,
                                         source_overlaps)
 
 

@@ -12,9 +12,9 @@ from typing import Any, Mapping, NamedTuple, Optional, Sequence
 
 import torch
 
-from megatron_reshard.layout import placements_to_plain
-from megatron_reshard.metadata import dtype_from_str
-from megatron_reshard.wire import ParamRecord, RefitPayload
+from megatron_reshard.wire.layout import placements_to_plain
+from megatron_reshard.wire.metadata import dtype_from_str
+from megatron_reshard.wire.records import ParamRecord, RefitPayload
 
 
 class MiscItem(NamedTuple):
@@ -61,7 +61,7 @@ def transfer_layouts(params: Sequence[ParamRecord]) -> list[TransferLayout]:
 
 def misc_items_by_stage(info: Any) -> dict[int, list[MiscItem]]:
     """Params outside the bulk path (payload ``other_params``) per PP stage, in payload order
-    (``wire.MiscRecord``; a dict ``info`` is parsed here, which refuses a missing or repeated
+    (``wire.records.MiscRecord``; a dict ``info`` is parsed here, which refuses a missing or repeated
     name and, with ``pp_size`` above 1, a missing ``pp_stage``)."""
     out: dict[int, list[MiscItem]] = {}
     for m in RefitPayload.of(info).other_params or ():

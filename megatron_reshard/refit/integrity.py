@@ -31,7 +31,7 @@ from torch.distributed.tensor import Replicate
 from megatron_reshard.engine.geometry import Box, box_intersect, box_numel, rank_region
 
 if TYPE_CHECKING:  # a type only: the wire records import nothing of this module
-    from megatron_reshard.wire import ParamRecord
+    from megatron_reshard.wire.records import ParamRecord
 
 MODULUS = (1 << 31) - 1
 CHUNK_ELEMENTS = 1 << 22
@@ -77,7 +77,7 @@ def is_canonical_holder(mesh, placements: Sequence, rank: int) -> bool:
 
 
 def source_overlaps(param: "ParamRecord", rank: int) -> list[tuple[int, Box]]:
-    """For a canonical source ``rank`` of payload param ``param`` (a ``wire.ParamRecord``): (destination group rank,
+    """For a canonical source ``rank`` of payload param ``param`` (a ``wire.records.ParamRecord``): (destination group rank,
     overlap of this rank's box with that rank's region) for every non-empty overlap."""
     mine = rank_region(param.global_shape, param.src_mesh_info, param.src_placements,
                        rank)

@@ -16,8 +16,8 @@ points depend on the payload only (identical on every rank). Stages use at most
 side's experts): the engine reads and writes them where they are, so the training side
 makes no stacking copy and its extra memory is the engine's staging budget.
 
-Beside it: ``refit_order`` (the transfer order, batches and fingerprint, from the payload
-alone), ``refit_local`` (this rank's side of each param, checked), ``refit_checksums``
+Beside it: ``refit.order`` (the transfer order, batches and fingerprint, from the payload
+alone), ``refit.local`` (this rank's side of each param, checked), ``refit.checksums``
 (the optional end-to-end checksums of a stage).
 
 Decisions:
@@ -34,10 +34,10 @@ Decisions:
   shaped buffer then raises on its own rank only (its peers wait for the group's timeout).
 - The params outside the bulk path ("other_params") can be made part of the fingerprint
   (``misc_items``) so a disagreement on the packed-broadcast layout is also caught at
-  setup; both sides must then pass ``refit_order.misc_items_by_stage(info)``.
+  setup; both sides must then pass ``refit.order.misc_items_by_stage(info)``.
 
 The whole refit a side runs around this loop (plan check, bulk, packed other params,
-commit vote, the failure latch) is stated once in ``refit_protocol``; the sender and the
+commit vote, the failure latch) is stated once in ``refit.protocol``; the sender and the
 receiver both run it.
 """
 
@@ -56,13 +56,13 @@ from megatron_reshard.engine.transports import transport_of
 from megatron_reshard.engine.geometry import box_shape
 from megatron_reshard.engine.plan import gc_paused
 from megatron_reshard.engine.transport import all_gather_ints, control_device, group_rank
-from megatron_reshard.faults import RefitError, wait_device
-from megatron_reshard.refit_checksums import SourceOverlaps, StageChecksums
-from megatron_reshard.refit_local import LocalParam, first_tensor_is_cuda, local_params
-from megatron_reshard.refit_order import (MiscItem, TransferLayout, batch_bounds, plan_fingerprint,
+from megatron_reshard.groups.faults import RefitError, wait_device
+from megatron_reshard.refit.checksums import SourceOverlaps, StageChecksums
+from megatron_reshard.refit.local import LocalParam, first_tensor_is_cuda, local_params
+from megatron_reshard.refit.order import (MiscItem, TransferLayout, batch_bounds, plan_fingerprint,
                                           transfer_layouts)
-from megatron_reshard.spec import HFToLocalParamMap, LocalParamSpec
-from megatron_reshard.wire import ParamRecord, RefitPayload
+from megatron_reshard.wire.spec import HFToLocalParamMap, LocalParamSpec
+from megatron_reshard.wire.records import ParamRecord, RefitPayload
 
 SIDES = ("src", "dst")
 DEFAULT_BATCH_BYTES = 512 << 20

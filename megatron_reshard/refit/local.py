@@ -13,8 +13,8 @@ import torch
 
 from megatron_reshard.engine.geometry import Box, rank_region
 from megatron_reshard.engine.members import members_problem
-from megatron_reshard.spec import HFToLocalParamMap, LocalParamSpec
-from megatron_reshard.wire import ParamRecord
+from megatron_reshard.wire.spec import HFToLocalParamMap, LocalParamSpec
+from megatron_reshard.wire.records import ParamRecord
 
 
 class LocalParam(NamedTuple):

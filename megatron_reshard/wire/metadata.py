@@ -31,7 +31,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from megatron_reshard.vllm_layout.moe import expert_gen_placement
-from megatron_reshard.layout import (
+from megatron_reshard.wire.layout import (
     BlockShard,
     MeshInfo,
     PaddedShard,

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from megatron_reshard.engine.transports import (DEFAULT_TRANSPORT, attach_transport,
                                                  check_transport_name, close_transport,
                                                  make_transport)
-from megatron_reshard.faults import POLL_S, FaultBoard, RefitError, RefitTimeout, attach_board
+from megatron_reshard.groups.faults import POLL_S, FaultBoard, RefitError, RefitTimeout, attach_board
 
 # group -> (its store, whether this rank hosts it, world size), for destroy_refit_group
 _STORES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -47,7 +47,7 @@ def create_refit_group(host: str, port: int, rank: int, world_size: int,
     Before any communicator exists the ranks check, through the store, that they agree
     on the group (size, backend) and that no rank number is taken twice; a disagreement
     raises on every rank at once with what each rank said. The group gets a fault board
-    (``megatron_reshard.faults``): its waits raise instead of hanging when a peer fails.
+    (``megatron_reshard.groups.faults``): its waits raise instead of hanging when a peer fails.
 
     ``transport`` (``engine.transports``): how the group moves bytes, "p2p" (point-to-point
     over the group) or "colocated" (copies out of the training ranks' mapped memory; the

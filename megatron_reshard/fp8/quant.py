@@ -1,6 +1,6 @@
 """FP8 weight quantizers for generation: block-FP8 (128×128, fp32 ``scale_inv``) and MXFP8.
 
-Torch only, any device. The refit uses them through ``fp8_plan`` (which weights are
+Torch only, any device. The refit uses them through ``fp8.plan`` (which weights are
 quantized where), ``megatron.fp8_source`` (the sender) and ``receiver.fp8_targets`` (the
 receiver). What each format is:
 

@@ -1,0 +1,14 @@
+"""Process groups and faults: the cross-world refit group and how failures cross it.
+
+Torch + stdlib only. ``comm`` builds the refit group over training + generation ranks from
+an explicit TCPStore and tears it down; ``faults`` gives every group a fault board, so a
+rank that fails tells every peer, and every wait on a group polls that board instead of
+hanging. ``faults`` is imported first: the engine imports it, and ``comm`` imports the
+engine's transports.
+"""
+
+from megatron_reshard.groups.faults import PeerFailure, RefitError, RefitTimeout
+from megatron_reshard.groups.comm import create_refit_group, destroy_refit_group
+
+__all__ = ["PeerFailure", "RefitError", "RefitTimeout", "create_refit_group",
+           "destroy_refit_group"]

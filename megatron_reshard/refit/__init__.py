@@ -1,0 +1,15 @@
+"""The refit protocol both sides run: the training sender and the generation receiver.
+
+Torch + stdlib only (the receiver imports it). ``protocol`` states the order of one refit
+once; ``loop`` walks a stage's bulk params through the engine (``local`` checks this rank's
+side first, ``order`` derives the transfer order from the payload alone); ``packed`` moves
+the small full tensors as one buffer; ``checksums`` and ``integrity`` check the bytes end to
+end; ``commit`` is the vote that ends every refit.
+"""
+
+from megatron_reshard.refit.commit import CommitOutcome, commit_refit
+from megatron_reshard.refit.loop import PlanMismatchError, RefitLoop, RefitStats
+from megatron_reshard.refit.protocol import RefitProtocol, RefitRound
+
+__all__ = ["CommitOutcome", "PlanMismatchError", "RefitLoop", "RefitProtocol", "RefitRound",
+           "RefitStats", "commit_refit"]
