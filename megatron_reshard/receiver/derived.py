@@ -111,7 +111,8 @@ def refresh_derived_weights(model: torch.nn.Module, written: Collection[torch.Te
     # by address: the receiver holds its targets as tensors over the params' storage
     written_at = {t.data_ptr() for t in written}
     refreshed, done = [], set()
-    for name, holder, kv_b_proj in mla_layers(model):
+    layers = mla_layers(model)  # one walk of the modules per refit
+    for name, holder, kv_b_proj in layers:
         weight = getattr(kv_b_proj, "weight", None)
         if weight is None or weight.data_ptr() not in written_at:
             continue
@@ -124,7 +125,7 @@ def refresh_derived_weights(model: torch.nn.Module, written: Collection[torch.Te
         done.add(weight.data_ptr())
     orphans = sorted(n for n, p in model.named_parameters() if n.endswith("kv_b_proj.weight")
                      and p.data_ptr() in written_at and p.data_ptr() not in done)
-    if orphans and (mla_layers(model) or _looks_like_vllm(model)):
+    if orphans and (layers or _looks_like_vllm(model)):
         raise DerivedWeightsError(
             f"the refit wrote {orphans} but no MLA attention layer using them was found to "
             f"recompute {' / '.join(_MARKERS)} from; vLLM would keep generating from the old "

@@ -31,7 +31,7 @@ import importlib
 import json
 import os
 import tempfile
-from typing import Any, Iterable, Mapping, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 
@@ -156,9 +156,9 @@ def dummy_loaded_model(config) -> torch.nn.Module:
 
 def loaded_model(config, full_hf: Mapping[str, torch.Tensor]) -> torch.nn.Module:
     """The oracle: vLLM's ``load_weights`` of the full HF tensors, then its post-processing."""
-    model = build_model(config)
     from vllm.config import set_current_vllm_config
 
+    model = build_model(config)
     with set_current_vllm_config(config):
         loaded = model.load_weights(iter(full_hf.items()))
     missing = sorted({n for n, _ in model.named_parameters()} - set(loaded or ()))
@@ -193,11 +193,6 @@ def _same_bits(x: torch.Tensor, y: torch.Tensor) -> bool:
     return torch.equal(as_bytes(x), as_bytes(y))
 
 
-def vllm_layout_names(models: Iterable[torch.nn.Module]) -> list[dict[str, tuple[int, ...]]]:
-    """``{name: shape}`` of each model's parameters (to set beside the stand-in's)."""
-    return [{n: tuple(p.shape) for n, p in m.named_parameters()} for m in models]
-
-
 __all__ = ["ARCHITECTURE_MODULES", "bitwise_differences", "build_model", "dummy_loaded_model",
            "loaded_model", "model_tensors", "post_process", "set_vllm_cpu_environment",
-           "vllm_config_for", "vllm_layout_names", "vllm_parallel_state", "write_model_dir"]
+           "vllm_config_for", "vllm_parallel_state", "write_model_dir"]
