@@ -17,7 +17,8 @@ lists of per-expert views), in one batch. Reported per case (median of ``--iters
   done barrier), GB/s beside ``dst.copy_(src)`` of the same bytes in the same run, ratio;
 - ``copies``: the refit's copies alone (the cached copy batch run, CUDA events);
 - ``experts``: one layer's expert params alone (w13 gate + up halves, w2), both ways;
-- host µs per param of a refit (thread CPU time on the generation rank);
+- host µs per param of a refit (thread CPU time on the generation rank), and the training
+  rank's host ms per refit;
 - peak extra device memory of one refit on each side (allocator peaks).
 Every case is checked bit for bit against the source values regenerated on the
 generation side.
@@ -220,7 +221,9 @@ def run(rank: int, args, port: int, results) -> None:
                 host.append(time.thread_time() - h0)
             peak = _peak(device, lambda: move(batch, group, planner=planner, agree=False))
             if rank == 0:
-                results.put((rank, name, label, {"train_peak_extra_mib": peak / 2**20}))
+                results.put((rank, name, label, {
+                    "train_peak_extra_mib": peak / 2**20,
+                    "train_host_ms": 1e3 * statistics.median(host[args.warmup:])}))
                 continue
             nbytes = _nbytes(batch)
             ref = train_buffers(c, args.layers, device, dtype)  # the same values, regenerated

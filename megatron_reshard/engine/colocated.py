@@ -18,23 +18,26 @@ CPU memory in tests). Per batch, on every rank of the refit group, in this order
    the group's store under a new generation number. "Changed" is decided by the same
    signature: the storages under the published views are kept alive here, so an equal
    signature means the same memory as the one the generation ranks mapped;
-3. the *ready* barrier (one MAX all-reduce of per-rank slots): every rank learns each
-   training rank's generation for the batch and whether any rank found a local problem
-   (then all raise). Reads start only after it;
+3. the *ready* barrier (``host_flags``: one word per rank in a table of shared host
+   memory, no network round trip): every rank learns each training rank's generation for
+   the batch and whether any rank found a local problem (then all raise). Reads start
+   only after it;
 4. a generation rank maps what changed (opened storages are kept across refits: a
    training storage is reopened only when it changes), derives its reads from the plan's
    ownerships (each destination piece read once, directly from one holder of each source
    box: replicas spread over generation ranks; no phase-1 exchange between generation
    ranks) and runs them as plain copies (``colocated_copies``), then waits for them on
    the stream they ran on (short naps: this wait is on the refit's critical path);
-5. the *done* barrier: the training side returns (and may free a pre-hook buffer) only
-   after every generation rank has copied.
+5. the *done* barrier (the same table): the training side returns (and may free a
+   pre-hook buffer) only after every generation rank has copied.
 
 The commit vote, versions and weight state are the refit loop's, unchanged. A rank that
-dies or hangs leaves its peers waiting in a barrier, which is fault-aware
-(``faults.wait_works``): they raise within the group's timeout. After any failure this
-transport lets go of every mapping and refuses further batches, so memory of a dead
-process is never read again.
+dies or hangs leaves its peers waiting in a barrier, which never waits blind: it reads the
+group's fault board, looks whether the ranks it waits for are alive and keeps the group's
+deadline (``host_flags``), so they raise within the group's timeout. After any failure
+this transport marks itself failed in the table (a waiting peer raises at once), lets go
+of every mapping and refuses further batches, so memory of a dead process is never read
+again.
 """
 
 from __future__ import annotations
@@ -45,7 +48,6 @@ from contextlib import nullcontext
 from typing import Any, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
 from megatron_reshard.groups.faults import RefitError, board_of, wait_device
 
@@ -53,11 +55,12 @@ from . import agree as agreement
 from .agree import Description, Vote
 from .checks import check_local, local_ok
 from .colocated_copies import CopyBatch, read_pairs
+from .host_flags import DONE, PAYLOAD_BITS, READY, HostFlags
 from .execute import _describe, _Rejected  # the engine's batch description, reused as is
 from .members import LISTS, is_members
 from .plan import Planner
 from .shared_memory import StorageHandle, export_storage, open_storage, view_of
-from .transport import P2PTransport, all_reduce
+from .transport import P2PTransport
 
 _KEY = "colocated"   # prefix of this transport's keys in the group's store
 _CACHE = 64          # copy batches kept per transport (one per batch and generation)
@@ -69,12 +72,15 @@ class ColocatedTransport:
 
     name = "colocated"
 
-    def __init__(self, group: Any, store: Any):
+    def __init__(self, group: Any, store: Any, timeout_s: float = 300.0):
         self.group, self.store = group, store
         self.me, self.world = group.rank(), group.size()
         self._control = P2PTransport(group, torch.device("cpu"))
         self._broken: Optional[str] = None
         self._generation = 0
+        board = board_of(group)
+        self._flags = HostFlags(store, self.me, self.world, board,
+                                board.timeout_s if board is not None else timeout_s)
         # training side
         self._handles: dict = {}     # storage key -> StorageHandle (shared once)
         self._published: dict = {}   # batch fp -> (signature, description, generation)
@@ -102,10 +108,12 @@ class ColocatedTransport:
                        planner if planner is not None else Planner(), agree)
         except BaseException as exc:
             self._broken = f"{type(exc).__name__}: {exc}"
+            self._flags.mark_failed()  # a peer waiting in a barrier raises at once
             self.close()  # a peer may be dead: never read its memory again
             raise
 
     def close(self) -> None:
+        self._flags.close()
         self._batches.clear()
         self._mapped.clear()
         self._opened.clear()
@@ -149,28 +157,24 @@ class ColocatedTransport:
         sources = problem is None and any(t.src is not None for t in transfers)
         generation = (self._publish(batch, transfers, tensors, signature, stream) if sources
                       else 0)
-        ready = torch.zeros(2 * world, dtype=torch.int64)
-        ready[me] = generation
-        ready[world + me] = 1 if problem is not None else 0
-        all_reduce(ready, self.group, dist.ReduceOp.MAX, "the colocated refit's ready barrier")
-        flags = ready.tolist()
-        failed = [r for r in range(world) if flags[world + r]]
+        flags = self._flags
+        flags.next_batch()
+        flags.arrive(READY, generation << 1 | (problem is not None))
+        words = flags.wait(READY, "the colocated refit's ready barrier")
+        failed = [r for r in range(world) if words[r] & 1]
         if failed:
             mine = f": {problem.text()}" if problem is not None else ""
             raise ValueError(f"colocated refit: group ranks {failed} found a problem with "
                              f"their local tensors (this is group rank {me}){mine}")
         if any(t.dst is not None for t in transfers):
-            board = board_of(self.group)
-            if board is not None:  # every peer passed the barrier; none has posted since
-                board.raise_if_failed("a colocated refit's copies")
-            copies = self._copy_batch(batch, transfers, tuple(flags[:world]))
+            copies = self._copy_batch(batch, transfers, tuple(w >> 1 for w in words))
             with torch.cuda.stream(stream) if stream is not None else nullcontext():
                 copies.run()
                 # the reads are done before the training side goes on: waited for on the
                 # stream they ran on (``stream`` when given, made current just above)
                 wait_device(copies.device, [self.group], "a colocated refit's copies", NAP_S)
-        done = torch.zeros(1, dtype=torch.int64)
-        all_reduce(done, self.group, dist.ReduceOp.MAX, "the colocated refit's done barrier")
+        flags.arrive(DONE)
+        flags.wait(DONE, "the colocated refit's done barrier")
 
     # -- training side: share and describe the source views ---------------------------
 
@@ -201,6 +205,9 @@ class ColocatedTransport:
             self._published[batch.fp] = (signature, views, published[2])
             return published[2]
         self._generation += 1
+        if self._generation >> (PAYLOAD_BITS - 1):  # it travels in a barrier word
+            raise RefitError("colocated refit: more than 2**30 source layouts published on "
+                             "this group; create a new refit group")
         blob = pickle.dumps((views, handles))
         self.store.set(f"{_KEY}/{self.me}/{batch.fp:x}/{self._generation}", blob)
         self._published[batch.fp] = (signature, views, self._generation)
