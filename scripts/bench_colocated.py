@@ -189,6 +189,24 @@ def _peak(device, fn) -> int:
     return torch.cuda.max_memory_allocated(device) - base
 
 
+def _profile(folder: str, tag: str, device, fn, iters: int) -> None:
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    for _ in range(iters):
+        _sync(device)
+        prof.enable()
+        fn()
+        prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(25)
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, f"{tag}.txt"), "w") as f:
+        f.write(out.getvalue())
+
+
 def run(rank: int, args, port: int, results) -> None:
     from megatron_reshard.groups.comm import create_refit_group, destroy_refit_group
     from megatron_reshard.engine import Planner
@@ -219,6 +237,9 @@ def run(rank: int, args, port: int, results) -> None:
                 _sync(device)
                 times.append(time.perf_counter() - t0)
                 host.append(time.thread_time() - h0)
+            if args.profile:  # where the host time of a refit goes, per rank (cProfile)
+                _profile(args.profile, f"{name}_{label}_rank{rank}", device,
+                         lambda: move(batch, group, planner=planner, agree=False), args.iters)
             peak = _peak(device, lambda: move(batch, group, planner=planner, agree=False))
             if rank == 0:
                 results.put((rank, name, label, {
@@ -270,6 +291,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cases", nargs="+", default=list(SLICES))
     ap.add_argument("--port", type=int, default=29611)
     ap.add_argument("--json", default="")
+    ap.add_argument("--profile", default="", help="folder for a cProfile of each rank's refits")
     args = ap.parse_args(argv)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
