@@ -86,17 +86,32 @@ def _changed_views_job(job):
     shifted[1] = members[1][4:]  # same storage, another offset
     members[1][4:7] = 99.0
     refit(dense, shifted)
+    refit(dense, shifted)  # unchanged again: the next call takes the optimistic order
+    bad = list(shifted)
+    bad[0] = torch.zeros(2, 3)  # a member of the wrong shape, found after the copies
+    try:
+        refit(dense, bad)
+        error = None
+    except ValueError as exc:
+        error = str(exc)
     destroy_refit_group(group)
-    return seen
+    return seen, error
 
 
 def test_colocated_refits_follow_changed_views_and_values(pool):
     import torch
 
-    _, gen = pool.run(_changed_views_job, 2, timeout_s=120)
+    (_, train_error), (gen, gen_error) = pool.run(_changed_views_job, 2, timeout_s=120)
+    # bad input in a batch that kept its views last time is checked while the generation
+    # side copies: the batch is then moved again in the checked order, which raises on both
+    for error in (train_error, gen_error):
+        assert error is not None and "found a problem with their local tensors" in error, error
+    assert "experts" in train_error, train_error  # the training rank names the param
     base = torch.arange(24, dtype=torch.float32).view(4, 6)
     want = [(base, [0.0, 1.0, 2.0, 3.0]), (2 * base, [10.0, 11.0, 12.0, 13.0]),
-            (2 * base + 1, [10.0, 11.0, -5.0, 13.0]), (2 * base + 1, [10.0, 99.0, -5.0, 13.0])]
+            (2 * base + 1, [10.0, 11.0, -5.0, 13.0]), (2 * base + 1, [10.0, 99.0, -5.0, 13.0]),
+            (2 * base + 1, [10.0, 99.0, -5.0, 13.0])]
+    assert len(gen) == len(want)  # the failed refit appended nothing
     for k, ((got_dense, got_members), (dense, fills)) in enumerate(zip(gen, want)):
         assert torch.equal(got_dense, dense), k
         expect = torch.stack([torch.full((3, 3), f) for f in fills])
