@@ -24,7 +24,8 @@ A waiting rank never hangs silently. Every ``POLL_S`` it reads the group's fault
 waits for are still alive (``/proc/<pid>/stat``: gone, a zombie, or a new process behind
 the same pid is a dead peer; peers whose pid this process cannot see, another pid
 namespace, are left to the deadline), and checks the group's deadline (``RefitTimeout``
-naming the ranks that did not arrive). A peer's ``failed`` word raises at the next look.
+naming the ranks that did not arrive). A peer's ``failed`` word ends a wait for it at once
+(a peer that arrived before it failed has arrived: its payload may say why).
 """
 
 from __future__ import annotations
@@ -108,12 +109,12 @@ class HostFlags:
         deadline, next_look, nap = start + self.timeout_s, start + POLL_S, 0.0
         while True:
             rows = table.tolist()
-            if any(row[FAILED] for row in rows):
-                self._raise_failed(rows, what)
             late = [r for r in range(world) if rows[r][column] >> 32 < seq]
-            if not late:
+            if not late:  # a rank that arrived and failed after: its payload says why
                 mask = (1 << PAYLOAD_BITS) - 1
                 return [row[column] & mask for row in rows]
+            if any(row[FAILED] for row in rows):
+                self._raise_failed(rows, what)
             now = time.monotonic()
             if now >= next_look:
                 next_look = now + POLL_S
