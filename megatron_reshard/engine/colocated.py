@@ -35,8 +35,8 @@ CPU memory in tests). Per batch, on every rank of the refit group, in this order
    training storage is reopened only when it changes), derives its reads from the plan's
    ownerships (each destination piece read once, directly from one holder of each source
    box: replicas spread over generation ranks; no phase-1 exchange between generation
-   ranks) and runs them as plain copies (``colocated_copies``), then waits for them on
-   the stream they ran on (short naps: this wait is on the refit's critical path);
+   ranks) and runs them as plain copies (``colocated_copies``), then syncs the stream
+   they ran on (they depend on no peer, so no board poll is needed);
 5. the *done* barrier (the same table): the training side returns (and may free a
    pre-hook buffer) only after every generation rank has copied.
 
@@ -150,7 +150,8 @@ class ColocatedTransport:
         # optimistic: a training rank whose batch kept its views at the last call enters the
         # ready barrier with them and checks its tensors while the generation ranks copy
         optimistic = (published is not None and not agree and not checked_first
-                      and self._stable.get(batch.fp, False))
+                      and self._stable.get(batch.fp, False)
+                      and all(t.dst is None for t in transfers))
         signature = None
         if problem is None and not optimistic:
             problem, signature = self._check(batch, transfers, tensors, device_type)
@@ -179,12 +180,16 @@ class ColocatedTransport:
             raise ValueError(f"colocated refit: group ranks {failed} found a problem with "
                              f"their local tensors (this is group rank {me}){mine}")
         if any(t.dst is not None for t in transfers):
-            copies = self._copy_batch(batch, transfers, tuple(w >> 1 for w in words))
+            copies = self._copy_batch(batch, transfers, tuple(w >> 1 for w in words), signature)
             with torch.cuda.stream(stream) if stream is not None else nullcontext():
                 copies.run()
                 # the reads are done before the training side goes on: waited for on the
-                # stream they ran on (``stream`` when given, made current just above)
-                wait_device(copies.device, [self.group], "a colocated refit's copies", NAP_S)
+                # stream they ran on (``stream`` when given, made current just above). A
+                # plain sync, not a wait that polls the board: these copies depend on no
+                # peer (mapped memory stays valid while mapped, its owner dead or alive),
+                # and a poll's naps end it up to ~0.1 ms late on the critical path
+                if copies.device.type == "cuda":
+                    torch.cuda.current_stream(copies.device).synchronize()
         # changed: the views differ from those published before this call (a new generation)
         changed = published is None or generation != published[2]
         if optimistic:  # meanwhile the generation ranks copy from the published views
@@ -280,9 +285,11 @@ class ColocatedTransport:
 
     # -- generation side: map the sources, derive the reads -------------------------
 
-    def _copy_batch(self, batch, transfers, generations: tuple) -> CopyBatch:
-        dst_key = tuple(_tensor_key(t.dst) for t in transfers)
-        key = (batch.fp, generations, dst_key)
+    def _copy_batch(self, batch, transfers, generations: tuple, signature: tuple) -> CopyBatch:
+        """The batch's copies on this rank, built once per batch, training generations and
+        destinations (``signature``: this rank's tensors, the destinations' addresses and
+        geometry among them)."""
+        key = (batch.fp, generations, signature)
         got = self._batches.get(key)
         if got is not None:
             return got
@@ -376,15 +383,6 @@ def _first_device(items) -> Optional[torch.device]:
         if isinstance(x, torch.Tensor):
             return x.device
     return None
-
-
-def _tensor_key(x) -> Optional[tuple]:
-    """What the copies depend on of a destination: its address and geometry."""
-    if x is None:
-        return None
-    if is_members(x):
-        return tuple(_tensor_key(m) for m in x)
-    return (x.data_ptr(), tuple(x.shape), x.stride())
 
 
 def _description(batch, transfers) -> Description:
