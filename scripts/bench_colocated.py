@@ -17,8 +17,9 @@ lists of per-expert views), in one batch. Reported per case (median of ``--iters
   done barrier), GB/s beside ``dst.copy_(src)`` of the same bytes in the same run, ratio;
 - ``copies``: the refit's copies alone (the cached copy batch run, CUDA events);
 - ``experts``: one layer's expert params alone (w13 gate + up halves, w2), both ways;
-- host µs per param of a refit (thread CPU time on the generation rank), and the training
-  rank's host ms per refit;
+- host µs per param of a refit on the generation rank and the training rank's host ms per
+  refit: thread CPU time outside the waits (the barriers spin on ``sched_yield`` and a
+  CUDA stream sync spins too, so their CPU time is waiting, not work; ``_WaitClock``);
 - peak extra device memory of one refit on each side (allocator peaks).
 Every case is checked bit for bit against the source values regenerated on the
 generation side.
@@ -207,12 +208,37 @@ def _profile(folder: str, tag: str, device, fn, iters: int) -> None:
         f.write(out.getvalue())
 
 
+class _WaitClock:
+    """Thread CPU time spent inside the transport's waits (barriers, stream syncs), so that
+    a refit's host time can be told without them; wraps the two methods in this process."""
+
+    spent = 0.0
+
+    @classmethod
+    def install(cls) -> None:
+        from megatron_reshard.engine.host_flags import HostFlags
+
+        def timed(fn):
+            def wrapper(*a, **k):
+                h0 = time.thread_time()
+                try:
+                    return fn(*a, **k)
+                finally:
+                    cls.spent += time.thread_time() - h0
+            return wrapper
+
+        HostFlags.wait = timed(HostFlags.wait)
+        if torch.cuda.is_available():
+            torch.cuda.Stream.synchronize = timed(torch.cuda.Stream.synchronize)
+
+
 def run(rank: int, args, port: int, results) -> None:
     from megatron_reshard.groups.comm import create_refit_group, destroy_refit_group
     from megatron_reshard.engine import Planner
     from megatron_reshard.engine.transports import transport_of
 
     device = torch.device(args.device if args.device == "cpu" else "cuda:0")
+    _WaitClock.install()
     dtype = torch.bfloat16
     group = create_refit_group("127.0.0.1", port, rank, 2, "gloo", 120.0,
                                transport="colocated", who=("train", "gen")[rank])
@@ -232,11 +258,11 @@ def run(rank: int, args, port: int, results) -> None:
             times, host = [], []
             for _ in range(args.warmup + args.iters):
                 _sync(device)
-                t0, h0 = time.perf_counter(), time.thread_time()
+                t0, h0, w0 = time.perf_counter(), time.thread_time(), _WaitClock.spent
                 move(batch, group, planner=planner, agree=False)
                 _sync(device)
                 times.append(time.perf_counter() - t0)
-                host.append(time.thread_time() - h0)
+                host.append(time.thread_time() - h0 - (_WaitClock.spent - w0))
             if args.profile:  # where the host time of a refit goes, per rank (cProfile)
                 _profile(args.profile, f"{name}_{label}_rank{rank}", device,
                          lambda: move(batch, group, planner=planner, agree=False), args.iters)
