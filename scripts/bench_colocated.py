@@ -213,23 +213,36 @@ class _WaitClock:
     a refit's host time can be told without them; wraps the two methods in this process."""
 
     spent = 0.0
+    marks: list = []  # (what, wall clock at entry, at exit) of each wait, for --timeline
 
     @classmethod
     def install(cls) -> None:
         from megatron_reshard.engine.host_flags import HostFlags
 
-        def timed(fn):
+        def timed(fn, what):
             def wrapper(*a, **k):
-                h0 = time.thread_time()
+                h0, t0 = time.thread_time(), time.perf_counter()
                 try:
                     return fn(*a, **k)
                 finally:
                     cls.spent += time.thread_time() - h0
+                    cls.marks.append((what(a), t0, time.perf_counter()))
             return wrapper
 
-        HostFlags.wait = timed(HostFlags.wait)
+        HostFlags.wait = timed(HostFlags.wait, lambda a: ("ready", "done")[a[1]])
         if torch.cuda.is_available():
-            torch.cuda.Stream.synchronize = timed(torch.cuda.Stream.synchronize)
+            torch.cuda.Stream.synchronize = timed(torch.cuda.Stream.synchronize,
+                                                  lambda a: "sync")
+
+
+def _timeline(marks: list, t0: float, t1: float) -> dict:
+    """Where one timed refit's wall time went on this rank (ms from its start): each wait's
+    entry and exit, and the end."""
+    out = {"end": (t1 - t0) * 1e3}
+    for what, a, b in marks:
+        if t0 <= a <= t1:
+            out[f"{what}_in"], out[f"{what}_out"] = (a - t0) * 1e3, (b - t0) * 1e3
+    return out
 
 
 def run(rank: int, args, port: int, results) -> None:
@@ -255,14 +268,21 @@ def run(rank: int, args, port: int, results) -> None:
             planner = Planner()
             call = (lambda b=batch, p=planner, a=True: move(b, group, planner=p, agree=a))
             call()  # maps the training storages, votes, builds the copies
-            times, host = [], []
+            times, host, lines = [], [], []
             for _ in range(args.warmup + args.iters):
                 _sync(device)
+                _WaitClock.marks.clear()
                 t0, h0, w0 = time.perf_counter(), time.thread_time(), _WaitClock.spent
                 move(batch, group, planner=planner, agree=False)
                 _sync(device)
                 times.append(time.perf_counter() - t0)
                 host.append(time.thread_time() - h0 - (_WaitClock.spent - w0))
+                lines.append(_timeline(_WaitClock.marks, t0, t0 + times[-1]))
+            if args.timeline:
+                steps = {k: statistics.median(x[k] for x in lines[args.warmup:] if k in x)
+                         for k in lines[-1]}
+                print(f"timeline {name} {label} rank {rank} (ms, median):",
+                      " ".join(f"{k}={v:.3f}" for k, v in steps.items()), flush=True)
             if args.profile:  # where the host time of a refit goes, per rank (cProfile)
                 _profile(args.profile, f"{name}_{label}_rank{rank}", device,
                          lambda: move(batch, group, planner=planner, agree=False), args.iters)
@@ -317,6 +337,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cases", nargs="+", default=list(SLICES))
     ap.add_argument("--port", type=int, default=29611)
     ap.add_argument("--json", default="")
+    ap.add_argument("--timeline", action="store_true", help="print where each rank's refit time goes")
     ap.add_argument("--profile", default="", help="folder for a cProfile of each rank's refits")
     args = ap.parse_args(argv)
     ctx = mp.get_context("spawn")
