@@ -205,20 +205,22 @@ class ColocatedTransport:
 
     def _check(self, batch, transfers, tensors: list, device_type: str) -> tuple:
         """This rank's tensors checked against the batch's plan: (problem or None, their
-        signature or None). ``check_local``'s per-tensor walk (lists of members fail
-        ``local_ok``'s fast form) runs only when the signature differs from the one it
-        passed last time for this batch: its verdict depends on nothing else."""
+        signature or None). The checks (``local_ok``'s fast form, then ``check_local``'s
+        per-tensor walk where it fails, as for lists of members) run only when the
+        signature differs from the one that passed last time for this batch: their verdict
+        depends on nothing else (types, shapes, dtypes, devices are all in it)."""
         tensors.clear()
-        ok, _ = local_ok(transfers, batch.expected, device_type, tensors)
+        tensors += [None] * (2 * len(transfers))
+        tensors[0::2] = map(_SRC, transfers)
+        tensors[1::2] = map(_DST, transfers)
         signature = _signature(tensors)
-        if ok:
-            return None, signature
         checked = self._checked.get(batch.fp)
         if signature is not None and checked == signature:
             # go on with the stored object, so that the ``==`` against the published
             # signature (the same object when nothing changed) is one identity check
             return None, checked
-        problem, _ = check_local(transfers, batch.plans, self.me, device_type)
+        ok, _ = local_ok(transfers, batch.expected, device_type, [])
+        problem = None if ok else check_local(transfers, batch.plans, self.me, device_type)[0]
         if problem is None and signature is not None:
             self._checked[batch.fp] = signature
         return problem, signature
@@ -341,6 +343,7 @@ class ColocatedTransport:
 
 
 _PTR, _SIZE, _STRIDE = torch.Tensor.data_ptr, torch.Tensor.size, torch.Tensor.stride
+_SRC, _DST = attrgetter("src"), attrgetter("dst")
 _DTYPE, _DEVICE = attrgetter("dtype"), attrgetter("device")
 
 
