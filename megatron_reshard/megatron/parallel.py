@@ -12,7 +12,7 @@ Per PP stage:
 - non-expert mesh ``[DP·CP, TP]`` (TP shards, DP and CP replicate), expert mesh
   ``[EDP, EP]`` (EP shards, expert-DP replicates); rows are ordered by their smallest
   member, columns by the TP / EP coordinate; size-1 axes are dropped exactly as
-  ``wire.layout.build_mesh_info`` drops them, so under the default order ``tp-cp-ep-dp-pp``
+  ``placements.build_mesh_info`` drops them, so under the default order ``tp-cp-ep-dp-pp``
   both meshes equal ``build_mesh_info``'s.
 """
 
@@ -24,7 +24,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from megatron_reshard.wire.layout import MeshInfo, build_mesh_info
+from megatron_reshard.placements import MeshInfo, build_mesh_info
 
 
 @dataclass(frozen=True)
