@@ -76,7 +76,7 @@ from megatron_reshard.megatron.model_info import (
 from megatron_reshard.megatron.parallel import (
     RankCoords,
     StageMeshes,
-    TrainLayout,
+    TrainParallelism,
     build_stage_meshes,
     coords_from_plain,
     coords_to_plain,
@@ -146,7 +146,7 @@ class MegatronRefitSource:
         self.model = bare
         self.config = config
         self.family: str = family  # type: ignore[assignment]
-        self.layout: TrainLayout = layout
+        self.layout: TrainParallelism = layout
         self.coords: RankCoords = coords
         self.vocab_size: int = int(vocab_size)  # type: ignore[arg-type]
         n_experts = int(getattr(config, "num_moe_experts", None) or 0)
