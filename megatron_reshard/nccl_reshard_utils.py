@@ -6,7 +6,7 @@ seed works by changing one import. Torch + stdlib only. The transfer kernel
 """
 
 from megatron_reshard.placements import MeshInfo, _restore_placement, build_mesh_info
-from megatron_reshard.wire.name_rules import (
+from megatron_reshard.wire.placement_rules import (
     COLUMN_PARALLEL_SUFFIXES,
     FFN_GROUPED_EXPERT_SUFFIXES,
     FFN_PROJ_WEIGHT_SUFFIXES,

@@ -16,7 +16,7 @@ REQUIRED = [
     "megatron_reshard",
     "megatron_reshard.errors",
     "megatron_reshard.placements",
-    "megatron_reshard.wire.name_rules",
+    "megatron_reshard.wire.placement_rules",
     "megatron_reshard.wire.spec",
     "megatron_reshard.wire.metadata",
     "megatron_reshard.support",

@@ -1,5 +1,5 @@
 """Meshes and placements (``placements``: MeshInfo, build_mesh_info) and the seed's
-placement rules by HF name (``wire.name_rules``: the bulk set, TP dims, get_placements)."""
+placement rules by HF name (``wire.placement_rules``: the bulk set, TP dims, get_placements)."""
 
 import pytest
 import torch
@@ -12,7 +12,7 @@ from megatron_reshard.placements import (
     build_mesh_info,
     placements_to_plain,
 )
-from megatron_reshard.wire.name_rules import (
+from megatron_reshard.wire.placement_rules import (
     COLUMN_PARALLEL_SUFFIXES,
     FFN_GROUPED_EXPERT_SUFFIXES,
     FFN_PROJ_WEIGHT_SUFFIXES,

@@ -52,7 +52,7 @@ import torch.distributed as dist
 
 from megatron_reshard.fp8.plan import GEN_QUANT_FORMATS, plan_block_fp8, plan_mxfp8
 from megatron_reshard.placements import build_mesh_info
-from megatron_reshard.wire.name_rules import is_expert_param, is_nccl_reshard_param
+from megatron_reshard.wire.placement_rules import is_expert_param, is_nccl_reshard_param
 from megatron_reshard.megatron import mla
 from megatron_reshard.megatron.converters import (
     FAMILIES,

@@ -1,7 +1,7 @@
 """The wire contract: what crosses from the training job to the generation workers.
 
 Torch + stdlib only (the receiver imports it inside vLLM workers). The seed's placement
-rules by HF name (``name_rules``; the mesh and placement types they speak in are
+rules by HF name (``placement_rules``; the mesh and placement types they speak in are
 ``megatron_reshard.placements``, re-exported here); the per-layer refit info and its plain
 wire form (``metadata``); the payload parsed once into frozen typed records (``records``), after
 whole-payload validation (``check``); and the backend contracts a side describes its

@@ -39,7 +39,7 @@ from megatron_reshard.placements import (
     build_mesh_info,
     placements_to_plain,
 )
-from megatron_reshard.wire.name_rules import get_placements, is_expert_param
+from megatron_reshard.wire.placement_rules import get_placements, is_expert_param
 
 # The refit payload's schema version, the one statement of it: the train side writes it
 # (megatron/payload.py), both decoders check it (megatron/payload.decode_payload,
