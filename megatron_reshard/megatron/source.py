@@ -55,7 +55,6 @@ from megatron_reshard.placements import build_mesh_info
 from megatron_reshard.wire.placement_rules import is_expert_param, is_nccl_reshard_param
 from megatron_reshard.megatron import mla
 from megatron_reshard.megatron.converters import (
-    FAMILIES,
     Converted,
     ModelDims,
     NameConverter,
@@ -63,6 +62,7 @@ from megatron_reshard.megatron.converters import (
     hf_global_shapes,
 )
 from megatron_reshard.megatron.exact_path import VOCAB_PARAMS, add_exact_extras
+from megatron_reshard.megatron.families import FAMILIES
 from megatron_reshard.megatron.fp8_source import fp8_sender_specs, grouped_name, train_fp8_views
 from megatron_reshard.megatron.local_specs import local_hf_views, local_param_specs, stacked_spec
 from megatron_reshard.megatron.model_info import (
