@@ -1,11 +1,11 @@
 """Meshes and placements: the vocabulary every layer states a layout in.
 
 Torch + stdlib only, below everything else of the library (the engine, ``vllm_layout``,
-``wire``, both sides import it; it imports none of them). A mesh is a tensor of ranks (any
-shape); a parameter's placements on a mesh are one torch placement (``Shard(d)`` /
+``wire`` and both sides import it; it imports none of them). A mesh is a tensor of ranks
+(any shape); a parameter's placements on a mesh are one torch placement (``Shard(d)`` /
 ``Replicate()``, or the two extensions below) per mesh axis, as in DTensor. Which
-placements a parameter gets is decided elsewhere: by HF name in ``wire.placement_rules`` (the
-seed's rules), by vLLM's layout in ``vllm_layout``.
+placements a parameter gets is decided elsewhere: by HF name in ``wire.placement_rules``
+(the seed's rules), by vLLM's layout in ``vllm_layout``.
 """
 
 from __future__ import annotations

@@ -77,7 +77,7 @@ def make_transport(name: str, group: Any, store: Any) -> RefitTransport:
 def attach_transport(group: Any, transport: RefitTransport) -> None:
     """Give ``group`` this transport (``destroy_refit_group`` closes it)."""
     _TRANSPORTS[group] = transport
-    at_destroy(group, lambda: close_transport(group))
+    at_destroy(group, close_transport)
 
 
 def transport_of(group: Any) -> RefitTransport:

@@ -59,9 +59,12 @@ def group_transport(pg) -> Optional[tuple[str, Any]]:
     return None if record is None else (record.transport, record.store)
 
 
-def at_destroy(pg, fn: Callable[[], None]) -> None:
-    """Run ``fn`` when ``destroy_refit_group(pg)`` starts, before the group shuts down."""
-    _AT_DESTROY.setdefault(pg, []).append(fn)
+def at_destroy(pg, fn: Callable[[Any], None]) -> None:
+    """Run ``fn(pg)`` when ``destroy_refit_group(pg)`` starts, before the group shuts down
+    (once, however often it is asked; ``fn`` gets the group, so it need not hold it)."""
+    hooks = _AT_DESTROY.setdefault(pg, [])
+    if fn not in hooks:
+        hooks.append(fn)
 
 
 def create_refit_group(host: str, port: int, rank: int, world_size: int,
@@ -223,7 +226,7 @@ def destroy_refit_group(pg, timeout_s: float = 60.0) -> int:
     shut down when this one returned (the host: all of them, unless the timeout ran out).
     """
     for fn in _AT_DESTROY.pop(pg, ()):
-        fn()  # a colocated transport lets go of the peers' mapped memory
+        fn(pg)  # a colocated transport lets go of the peers' mapped memory
     pg.shutdown()
     record = _GROUPS.pop(pg, None)
     if record is None:  # not made by create_refit_group: no store to meet at
