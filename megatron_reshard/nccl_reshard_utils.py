@@ -5,15 +5,13 @@ seed works by changing one import. Torch + stdlib only. The transfer kernel
 (``xferdtensor``, ``DTensorRef``) lives in ``megatron_reshard.engine``, as in the seed.
 """
 
-from megatron_reshard.wire.layout import (
+from megatron_reshard.placements import MeshInfo, _restore_placement, build_mesh_info
+from megatron_reshard.wire.placement_rules import (
     COLUMN_PARALLEL_SUFFIXES,
     FFN_GROUPED_EXPERT_SUFFIXES,
     FFN_PROJ_WEIGHT_SUFFIXES,
     ROW_PARALLEL_SUFFIXES,
-    MeshInfo,
     _get_expert_tp_shard_dim,
-    _restore_placement,
-    build_mesh_info,
     get_placements,
     get_tp_shard_dim,
     is_expert_param,

@@ -106,7 +106,7 @@ def wire(c: dict, layers: int, train: dict | None, gen: dict | None, dtype) -> t
     from torch.distributed.tensor import Replicate, Shard
 
     from megatron_reshard.engine import Transfer
-    from megatron_reshard.wire.layout import MeshInfo
+    from megatron_reshard.placements import MeshInfo
 
     src_mesh, dst_mesh = MeshInfo(torch.tensor([0])), MeshInfo(torch.tensor([1]))
     h, kv, hd, q_per = c["h"], c["kv"], c["hd"], c["heads"] // c["kv"]

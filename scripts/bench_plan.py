@@ -29,7 +29,7 @@ from megatron_reshard.engine import Transfer
 from megatron_reshard.engine.batch import light_key
 from megatron_reshard.engine.plan import Planner, gc_paused, layout_key
 from megatron_reshard.engine.schedule import build_schedule
-from megatron_reshard.wire.layout import MeshInfo
+from megatron_reshard.placements import MeshInfo
 
 
 def _layouts(n: int, distinct: bool):
@@ -67,12 +67,12 @@ def main() -> None:
 
 def cluster_scale() -> None:
     """DeepSeek-V3 PP16 x EP16 -> TP32 x DP8: the planner's own cost at 256 + 256 ranks."""
-    from megatron_reshard.tools.layouts import RefitLayout, stage_inputs
+    from megatron_reshard.tools.plan_inputs import RefitParallelism, stage_inputs
     from megatron_reshard.tools.presets import model_config
     from megatron_reshard.tools.simulate import LinkModel, link_costs, simulate
 
     cfg = model_config("deepseek-v3")
-    lay = RefitLayout(train_world=256, gen_world=256, train_tp=1, train_ep=16, train_pp=16,
+    lay = RefitParallelism(train_world=256, gen_world=256, train_tp=1, train_ep=16, train_pp=16,
                       pp_layers=(4,) * 15 + (1,), gen_tp=32, gen_ep=32)
     link = LinkModel()
     print(f"\ndeepseek-v3, {lay.describe()}, all params through the engine")

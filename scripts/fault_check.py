@@ -35,7 +35,7 @@ def _side(args) -> None:
     from megatron_reshard.groups.comm import create_refit_group
     from megatron_reshard.refit.commit import commit_refit
     from megatron_reshard.wire.metadata import restore_refit_info_placements
-    from megatron_reshard.refit.packed import broadcast_packed, packed_layout
+    from megatron_reshard.refit.packed import broadcast_packed, pack_entries
     from megatron_reshard.receiver import MegatronReshardWorkerExtension
     from megatron_reshard.refit.loop import RefitLoop
     from megatron_reshard.refit.order import misc_items_by_stage, stage_params
@@ -82,7 +82,7 @@ def _side(args) -> None:
                 loop.run()
                 items = misc.get(0, [])
                 if items:
-                    broadcast_packed(packed_layout(items), group, 0, device,
+                    broadcast_packed(pack_entries(items), group, 0, device,
                                      {n: full[n].to(device) for n, _, _ in items})
                 outcome = commit_refit({0: group}, side="src", version=k, checksum_failed=False,
                                        pp_size=1)

@@ -23,7 +23,7 @@ from megatron_reshard.tools.bench.env_options import apply_env
 from megatron_reshard.tools.bench.transfer_cases import build_cases, parse_size
 from megatron_reshard.tools.bench.transfer_main import build_parser
 from megatron_reshard.tools.bench.transfer_run import COLUMNS
-from megatron_reshard.wire.layout import MeshInfo
+from megatron_reshard.placements import MeshInfo
 from megatron_reshard.tools.worlds import init_gloo_world
 
 CPU = torch.device("cpu")

@@ -21,7 +21,7 @@ class _DeviceMeshLike:
 
 
 def _mesh(kind, ranks):
-    from megatron_reshard.wire.layout import MeshInfo
+    from megatron_reshard.placements import MeshInfo
 
     if kind == "tensor":
         return torch.tensor(ranks)

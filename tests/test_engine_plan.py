@@ -13,7 +13,7 @@ from megatron_reshard.engine.schedule import build_schedule, cut_box
 from megatron_reshard.engine.geometry import REPLICATE, box_numel
 from megatron_reshard.engine.param_plan import build_plan
 from megatron_reshard.engine.plan import Planner, layout_key
-from megatron_reshard.wire.layout import MeshInfo
+from megatron_reshard.placements import MeshInfo
 
 
 def _key(shape, src_ranks, src_pl, dst_ranks, dst_pl):

@@ -52,8 +52,8 @@ def test_every_library_error_derives_from_the_root(name, request):
     ("megatron_reshard.wire.check.RefitPayloadError", ValueError),
     ("megatron_reshard.receiver.targets.TargetError", ValueError),
     ("megatron_reshard.fp8.plan.Fp8SplitError", ValueError),
-    ("megatron_reshard.wire.layout.MeshSizeError", ValueError),
-    ("megatron_reshard.wire.layout.MeshSizeError", AssertionError),  # the seed asserted
+    ("megatron_reshard.placements.MeshSizeError", ValueError),
+    ("megatron_reshard.placements.MeshSizeError", AssertionError),  # the seed asserted
     ("megatron_reshard.groups.faults.RefitError", RuntimeError),
     ("megatron_reshard.groups.faults.RefitTimeout", TimeoutError),
     ("megatron_reshard.refit.loop.PlanMismatchError", RuntimeError),

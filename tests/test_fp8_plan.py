@@ -17,7 +17,7 @@ from megatron_reshard.fp8.plan import (
     scale_layout_problems,
     scale_placements,
 )
-from megatron_reshard.wire.layout import BlockShard, PaddedShard, build_mesh_info
+from megatron_reshard.placements import BlockShard, PaddedShard, build_mesh_info
 from megatron_reshard.wire.metadata import (
     build_nccl_reshard_refit_info,
     make_nccl_reshard_refit_info_wire_safe,

@@ -2,10 +2,10 @@
 
 import pytest
 
-from megatron_reshard.wire.layout import build_mesh_info
+from megatron_reshard.placements import build_mesh_info
 from megatron_reshard.megatron.parallel import (
     RankCoords,
-    TrainLayout,
+    TrainParallelism,
     build_stage_meshes,
     describe_rank_order,
     is_default_rank_order,
@@ -24,7 +24,7 @@ def default_order_coords(tp, cp, dp, pp, ep):
         e, rest = rank % ep, rank // ep
         ed = rest % edp
         coords.append(RankCoords(rank=rank, tp=t, cp=c, dp=d, pp=p, ep=e, etp=0, edp=ed))
-    layout = TrainLayout(tp=tp, pp=pp, ep=ep, etp=1, dp=dp, cp=cp, edp=edp, world_size=world)
+    layout = TrainParallelism(tp=tp, pp=pp, ep=ep, etp=1, dp=dp, cp=cp, edp=edp, world_size=world)
     return coords, layout
 
 
@@ -60,7 +60,7 @@ def test_incomplete_grid_is_refused_naming_the_clash():
 
 
 def test_unsupported_layouts_are_listed():
-    layout = TrainLayout(tp=2, pp=1, ep=2, etp=2, dp=2, cp=1, edp=1, world_size=8, vpp=2)
+    layout = TrainParallelism(tp=2, pp=1, ep=2, etp=2, dp=2, cp=1, edp=1, world_size=8, vpp=2)
     problems = layout.problems()
     assert any("expert tensor parallel size 2" in p for p in problems)
     assert any("virtual pipeline" in p for p in problems)

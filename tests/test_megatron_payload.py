@@ -49,7 +49,7 @@ def test_one_schema_version_is_written_read_and_built_by_the_fixtures():
     import torch
 
     from megatron_reshard.wire import metadata
-    from megatron_reshard.receiver import SUPPORTED_SCHEMA_VERSIONS
+    from megatron_reshard.wire.records import SUPPORTED_SCHEMA_VERSIONS  # what a receiver reads
     from megatron_reshard.testing.vllm_like import build_plain_payload
     from megatron_reshard.tools.presets import demo_config
 

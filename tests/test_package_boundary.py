@@ -1,6 +1,8 @@
 """The library (what a training job or a vLLM worker imports) never imports the tooling
 (``megatron_reshard.tools``: CLI, demo, benches, plan presets) or the test fixtures
-(``megatron_reshard.testing``), not even lazily inside a function."""
+(``megatron_reshard.testing``), not even lazily inside a function; only the vLLM backend
+modules import vLLM; and no two of the library's packages import each other, directly or
+through a third."""
 
 import ast
 import pathlib
@@ -68,3 +70,67 @@ def test_only_the_vllm_backend_modules_import_vllm():
             offenders[rel] = sorted(set(bad))
     assert offenders == {}, f"library modules importing vllm outside the backend: {offenders}"
     assert VLLM_MODULES <= {p.relative_to(PACKAGE).as_posix() for p in _library_files()}
+
+
+# ---- no import loop between the library's packages --------------------------------------
+
+def _library_unit(module: str) -> str:
+    """The library unit a module belongs to: its package below ``megatron_reshard``
+    (``wire``, ``engine``, ...) or, for a root module, the module (``placements``)."""
+    return module.split(".")[1]
+
+
+def _unit_imports() -> dict[str, dict[str, set[str]]]:
+    """unit -> imported unit -> the files that import it (the library's own units only)."""
+    edges: dict[str, dict[str, set[str]]] = {}
+    for path in _library_files():
+        rel = path.relative_to(PACKAGE)
+        if rel.as_posix() == "__init__.py":
+            continue  # the root's public list imports what it exports, nothing imports it
+        package = ".".join(("megatron_reshard",) + rel.parent.parts)
+        unit = rel.parts[0].removesuffix(".py")
+        for name in _imported_modules(path.read_text(), package):
+            if not name.startswith("megatron_reshard.") or name.count(".") < 1:
+                continue
+            target = _library_unit(name)
+            if target != unit and not target.startswith(("tools", "testing")):
+                edges.setdefault(unit, {}).setdefault(target, set()).add(rel.as_posix())
+    return edges
+
+
+def _loops(edges: dict[str, dict[str, set[str]]]) -> list[list[str]]:
+    """Every pair of units that reach each other, as the shortest path between them."""
+    def path(a: str, b: str):
+        seen, todo = {a: [a]}, [a]
+        while todo:
+            x = todo.pop(0)
+            for y in sorted(edges.get(x, {})):
+                if y not in seen:
+                    seen[y] = seen[x] + [y]
+                    todo.append(y)
+        return seen.get(b)
+
+    found = []
+    for a in sorted(edges):
+        for b in sorted(edges[a]):
+            back = path(b, a)
+            if back is not None and a < b:
+                found.append([a] + back)
+    return found
+
+
+def test_the_loop_finder_sees_a_loop_through_a_third_package():
+    edges = {"groups": {"engine": {"groups/comm.py"}}, "engine": {"refit": {"x"}},
+             "refit": {"groups": {"y"}}, "wire": {"placements": {"z"}}}
+    assert _loops(edges) == [["engine", "refit", "groups", "engine"]]
+
+
+def test_no_import_loop_between_library_packages():
+    # among others: groups never imports the engine (it carries a transport's name, the
+    # engine builds it); wire -> vllm_layout -> placements, never back into wire
+    edges = _unit_imports()
+    loops = _loops(edges)
+    detail = {" -> ".join(loop): sorted(edges[loop[0]][loop[1]]) for loop in loops}
+    assert loops == [], f"import loops between library packages: {detail}"
+    assert "engine" not in edges.get("groups", {})
+    assert "wire" not in edges.get("vllm_layout", {})

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_reshard.refit.packed import (broadcast_packed, buffer_bytes, chunk_items, pack,
-                                     packed_layout, unpack)
+                                     pack_entries, unpack)
 from megatron_reshard.tools.worlds import init_gloo_world
 
 ITEMS = [("a", (3, 5), torch.bfloat16), ("b", (), torch.float32), ("c", (7,), torch.int8),
@@ -25,23 +25,23 @@ def _same_bits(a, b):
 
 
 def test_pack_then_unpack_is_bit_exact():
-    layout = packed_layout(ITEMS)
+    entries = pack_entries(ITEMS)
     src = _tensors(0)
-    out = unpack(layout, pack(layout, src, torch.device("cpu")))
+    out = unpack(entries, pack(entries, src, torch.device("cpu")))
     assert all(_same_bits(out[n], src[n]) for n in src)
-    assert all(e.offset % 16 == 0 for e in layout)
+    assert all(e.offset % 16 == 0 for e in entries)
 
 
 def test_pack_names_the_param_with_the_wrong_shape():
-    layout = packed_layout(ITEMS)
+    entries = pack_entries(ITEMS)
     bad = _tensors(0)
     bad["c"] = torch.zeros(8, dtype=torch.int8)
     with pytest.raises(ValueError, match=r"'c' expected shape \[7\].*found shape \[8\]"):
-        pack(layout, bad, torch.device("cpu"))
+        pack(entries, bad, torch.device("cpu"))
 
 
 def _broadcast_job(job, raw_group):
-    layout = packed_layout(ITEMS)
+    entries = pack_entries(ITEMS)
     if raw_group:  # a group that c10d does not know about, as across two worlds
         store = dist.PrefixStore("packed", dist.TCPStore(job.host, job.ports[1], job.nprocs,
                                                          job.rank == 0, timedelta(seconds=30)))
@@ -51,7 +51,7 @@ def _broadcast_job(job, raw_group):
         group = None
     root = 1
     mine = _tensors(42) if job.rank == root else None
-    out = broadcast_packed(layout, group, root, torch.device("cpu"), mine)
+    out = broadcast_packed(entries, group, root, torch.device("cpu"), mine)
     expected = _tensors(42)
     return all(_same_bits(out[n], expected[n]) for n in expected)
 
@@ -66,7 +66,7 @@ def test_chunks_fit_the_budget_and_keep_order():
     chunks = chunk_items(items, 400)
     assert [it for chunk in chunks for it in chunk] == items
     assert len(chunks) > 1
-    assert all(buffer_bytes(packed_layout(c)) <= 400 for c in chunks if len(c) > 1)
+    assert all(buffer_bytes(pack_entries(c)) <= 400 for c in chunks if len(c) > 1)
 
 
 def test_an_item_larger_than_the_budget_travels_alone():
@@ -77,6 +77,6 @@ def test_an_item_larger_than_the_budget_travels_alone():
 def test_pack_takes_strided_views_without_changing_their_bits():
     base = torch.randn(6, 4).to(torch.bfloat16)
     view = base.t()  # [4, 6], not contiguous
-    layout = packed_layout([("v", (4, 6), torch.bfloat16)])
-    out = unpack(layout, pack(layout, {"v": view}, torch.device("cpu")))
+    entries = pack_entries([("v", (4, 6), torch.bfloat16)])
+    out = unpack(entries, pack(entries, {"v": view}, torch.device("cpu")))
     assert torch.equal(out["v"], view)

@@ -6,7 +6,12 @@ from torch.distributed.tensor import Replicate
 
 from megatron_reshard.engine import Transfer, xfer_batch
 from megatron_reshard.engine.geometry import rank_region
-from megatron_reshard.wire.layout import MeshInfo, PaddedShard, _restore_placement, placements_to_plain
+from megatron_reshard.placements import (
+    MeshInfo,
+    PaddedShard,
+    _restore_placement,
+    placements_to_plain,
+)
 from megatron_reshard.tools.worlds import init_gloo_world
 
 TWO = MeshInfo(torch.tensor([0, 1]))

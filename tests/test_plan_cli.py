@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from megatron_reshard.testing.vllm_like import build_plain_payload, random_hf_state_dict
-from megatron_reshard.tools.presets import (default_plan_layout, demo_config,
-                                            describe_plan_layout, model_config, model_names)
+from megatron_reshard.tools.presets import (default_plan_parallelism, demo_config,
+                                            describe_plan_parallelism, model_config, model_names)
 
 ROOT = Path(__file__).resolve().parents[1]
 DSV3_NEMO_RL = ["--model", "deepseek-v3", "--train-world", "256", "--train-tp", "1",
@@ -135,7 +135,7 @@ def test_every_preset_plans_with_the_commands_defaults(model, capsys):
 
     assert main(["plan", "--model", model, "--json"]) == 0, capsys.readouterr().err
     got = json.loads(capsys.readouterr().out)
-    expected = default_plan_layout(model_config(model))
+    expected = default_plan_parallelism(model_config(model))
     assert got["runs"][0]["layout"]["train"]["pp"] == expected["train_pp"]
     assert f"PP{expected['train_pp']}" in got["layout_text"]
     assert f"EP{expected['train_ep']}" in got["layout_text"]
@@ -144,7 +144,7 @@ def test_every_preset_plans_with_the_commands_defaults(model, capsys):
 def test_help_lists_each_presets_default_layout():
     text = _plan("--help").stdout
     for model in model_names():
-        line = describe_plan_layout(default_plan_layout(model_config(model)))
+        line = describe_plan_parallelism(default_plan_parallelism(model_config(model)))
         assert any(ln.split() == [model, *line.split()] for ln in text.splitlines()), model
 
 

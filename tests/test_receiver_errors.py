@@ -7,13 +7,9 @@ any attempt to communicate would fail with AttributeError instead of the checked
 import pytest
 import torch
 
-from megatron_reshard.receiver import (
-    MegatronReshardWorkerExtension,
-    ReceiverSession,
-    TargetError,
-    VllmTargets,
-    load_full_weights,
-)
+from megatron_reshard.receiver import MegatronReshardWorkerExtension, ReceiverSession, TargetError
+from megatron_reshard.receiver.full_weights import load_full_weights
+from megatron_reshard.receiver.targets import VllmTargets
 from megatron_reshard.testing.groups import NoCommGroup
 from megatron_reshard.testing.vllm_like import build_plain_payload, build_vllm_like_model, random_hf_state_dict
 

@@ -8,14 +8,11 @@ tensor, standing in for the transport, which the end-to-end test covers.
 import pytest
 import torch
 
-from megatron_reshard.receiver import (
-    VllmTargets,
-    build_receiver_param_map,
-    coverage_gaps,
-    expert_block,
-    load_full_weights,
-    restore_payload,
-)
+from megatron_reshard.receiver.full_weights import coverage_gaps, load_full_weights
+from megatron_reshard.receiver.incoming import restore_payload
+from megatron_reshard.receiver.param_map import build_receiver_param_map
+from megatron_reshard.receiver.targets import VllmTargets
+from megatron_reshard.vllm_layout.moe import expert_block
 from megatron_reshard.testing.vllm_like import (
     build_plain_payload,
     build_vllm_like_model,

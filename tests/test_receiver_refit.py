@@ -19,7 +19,7 @@ from megatron_reshard.refit.commit import commit_refit
 
 from megatron_reshard.groups.comm import create_refit_group
 from megatron_reshard.wire.metadata import restore_refit_info_placements
-from megatron_reshard.refit.packed import broadcast_packed, packed_layout
+from megatron_reshard.refit.packed import broadcast_packed, pack_entries
 from megatron_reshard.receiver import MegatronReshardWorkerExtension
 from megatron_reshard.refit.loop import RefitLoop
 from megatron_reshard.refit.order import misc_items_by_stage, stage_params
@@ -125,7 +125,7 @@ def _refit_job(job, case):
         loop.run()
         items = misc.get(stage, [])
         if items:
-            broadcast_packed(packed_layout(items), group, 0, torch.device("cpu"),
+            broadcast_packed(pack_entries(items), group, 0, torch.device("cpu"),
                              {n: full[n] for n, _, _ in items} if local == 0 else None)
         outcome = commit_refit({stage: group}, side="src", version=version,
                                checksum_failed=False, pp_size=pp)
@@ -155,7 +155,7 @@ def test_receiver_imports_without_megatron_te_or_msgspec():
         "sys.meta_path.insert(0, _Block())\n"
         "import megatron_reshard.receiver as r\n"
         "import megatron_reshard.testing\n"
-        "assert r.MegatronReshardWorkerExtension and r.load_full_weights\n"
+        "assert r.MegatronReshardWorkerExtension and r.ReceiverSession\n"
         "bad = [m for m in sys.modules if m.split('.')[0] in ('megatron', 'transformer_engine', 'msgspec')]\n"
         "assert not bad, bad\n"
         "print('ok')\n")

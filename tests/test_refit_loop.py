@@ -9,7 +9,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from megatron_reshard.groups.comm import create_refit_group
-from megatron_reshard.wire.layout import MeshInfo
+from megatron_reshard.placements import MeshInfo
 from megatron_reshard.wire.metadata import build_nccl_reshard_refit_info
 from megatron_reshard.engine.geometry import box_index, rank_box
 from megatron_reshard.refit.loop import PlanMismatchError, RefitLoop

@@ -15,7 +15,7 @@ from megatron_reshard.engine.geometry import REPLICATE, box_numel
 from megatron_reshard.engine.link_costs import LinkCosts
 from megatron_reshard.engine.param_plan import build_plan
 from megatron_reshard.engine.plan import Planner
-from megatron_reshard.tools.layouts import RefitLayout, layout_problems, stage_inputs
+from megatron_reshard.tools.plan_inputs import RefitParallelism, parallelism_problems, stage_inputs
 from megatron_reshard.tools.presets import FULL_SIZE, hf_params, model_config
 from megatron_reshard.tools.simulate import LinkModel, link_costs, simulate
 from megatron_reshard.testing.vllm_like import expected_vllm_shard, random_hf_state_dict
@@ -63,8 +63,8 @@ def _gen_box(key, gen_rank):
 @pytest.mark.parametrize("gen_tp", [2, 4, 8])  # 4 and 8 exceed the 2 KV heads: replicated
 def test_sharded_attention_and_vocab_land_where_vllm_keeps_them(gen_tp):
     cfg = _small_gqa()
-    lay = RefitLayout(train_world=2, gen_world=gen_tp, train_tp=2, gen_tp=gen_tp)
-    assert layout_problems(lay, cfg) == []
+    lay = RefitParallelism(train_world=2, gen_world=gen_tp, train_tp=2, gen_tp=gen_tp)
+    assert parallelism_problems(lay, cfg) == []
     full = random_hf_state_dict(cfg, torch.float32)
     keys = {p.name: p.key for p in stage_inputs(lay, cfg, "sharded")[0].params if not p.bulk}
     for r in range(gen_tp):
@@ -89,7 +89,7 @@ def test_sharded_attention_and_vocab_land_where_vllm_keeps_them(gen_tp):
 
 def test_each_generation_rank_receives_exactly_its_vllm_shard_bytes():
     cfg = _small_gqa(num_hidden_layers=3)
-    lay = RefitLayout(train_world=4, gen_world=2, train_tp=2, train_ep=2, train_pp=2,
+    lay = RefitParallelism(train_world=4, gen_world=2, train_tp=2, train_ep=2, train_pp=2,
                       pp_layers=(2, 1), gen_tp=2)
     sim = simulate("small", cfg, lay, LinkModel(), "sharded")
     from megatron_reshard.testing.vllm_like import vllm_param_shapes
@@ -106,7 +106,7 @@ def test_the_training_side_sends_the_model_exactly_once_with_the_default_planner
     # replicated sources (DP4 for dense params) are read once; replicated destinations (the
     # KV heads vLLM repeats at TP4 > 2 KV heads, the norms) complete among themselves
     cfg = _small_gqa()
-    lay = RefitLayout(train_world=4, gen_world=4, train_tp=1, train_ep=4, gen_tp=4)
+    lay = RefitParallelism(train_world=4, gen_world=4, train_tp=1, train_ep=4, gen_tp=4)
     sim = simulate("small", cfg, lay, LinkModel(), "sharded")
     assert sum(sim.train_sent.values()) == sim.counts["bulk_bytes"] + sim.counts["other_bytes"]
 
@@ -209,9 +209,9 @@ def test_a_planner_with_costs_keeps_them_for_every_plan():
 
 def test_link_aware_fingerprints_are_stable_across_processes():
     code = ("from megatron_reshard.tools.presets import model_config;"
-            "from megatron_reshard.tools.layouts import RefitLayout;"
+            "from megatron_reshard.tools.plan_inputs import RefitParallelism;"
             "from megatron_reshard.tools.simulate import LinkModel, simulate;"
-            "lay = RefitLayout(train_world=8, gen_world=16, train_ep=4, train_pp=2, gen_tp=4, gen_ep=4);"
+            "lay = RefitParallelism(train_world=8, gen_world=16, train_ep=4, train_pp=2, gen_tp=4, gen_ep=4);"
             "print(simulate('q', model_config('qwen3-30b-a3b', 2), lay, LinkModel(), 'sharded', True).fingerprint)")
     out = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env={"PYTHONHASHSEED": seed}, check=True).stdout.strip()
@@ -221,7 +221,7 @@ def test_link_aware_fingerprints_are_stable_across_processes():
 
 def test_link_aware_planner_is_not_slower_than_the_default_on_a_deepseek_layout():
     # DeepSeek-V3 shapes, 4 layers, training PP2 x EP8 (16 ranks) -> generation TP8 x DP4
-    lay = RefitLayout(train_world=16, gen_world=32, train_ep=8, train_pp=2, gen_tp=8, gen_ep=8)
+    lay = RefitParallelism(train_world=16, gen_world=32, train_ep=8, train_pp=2, gen_tp=8, gen_ep=8)
     cfg = model_config("deepseek-v3", 4)
     link = LinkModel()
     before = simulate("deepseek-v3", cfg, lay, link, "sharded")
@@ -232,7 +232,7 @@ def test_link_aware_planner_is_not_slower_than_the_default_on_a_deepseek_layout(
 
 
 def test_link_costs_put_each_generation_node_together():
-    lay = RefitLayout(train_world=16, gen_world=32, train_ep=8, train_pp=2, gen_tp=8, gen_ep=8)
+    lay = RefitParallelism(train_world=16, gen_world=32, train_ep=8, train_pp=2, gen_tp=8, gen_ep=8)
     nodes = dict(link_costs(lay, LinkModel(gpus_per_node=8)).nodes)
     assert nodes[8] == nodes[15] != nodes[16] and nodes[0] != nodes[8]
 

@@ -7,10 +7,10 @@ import torch
 from torch.distributed.tensor import Shard
 
 from megatron_reshard.engine.geometry import rank_region, shard_ownerships
-from megatron_reshard.wire.layout import BlockShard, build_mesh_info
+from megatron_reshard.placements import BlockShard, build_mesh_info
 from megatron_reshard.megatron.qkv import megatron_qkv_blocks, megatron_qkv_layout
 from megatron_reshard.testing.vllm_like import expected_vllm_shard, random_hf_state_dict
-from megatron_reshard.tools.layouts import RefitLayout, layout_problems, stage_inputs
+from megatron_reshard.tools.plan_inputs import RefitParallelism, parallelism_problems, stage_inputs
 from megatron_reshard.vllm_layout import (AttentionHeads, expert_block, expert_block_sizes,
                                           expert_gen_placement, qkv_gen_layout)
 
@@ -82,8 +82,8 @@ def test_plan_takes_uneven_gen_ep_in_vllms_blocks():
     cfg = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=2,
                head_dim=4, intermediate_size=48, num_experts=6, moe_intermediate_size=16,
                vocab_size=100, tie_word_embeddings=False)
-    lay = RefitLayout(train_world=2, gen_world=4, train_tp=1, train_ep=2, gen_tp=4, gen_ep=4)
-    assert layout_problems(lay, cfg) == []
+    lay = RefitParallelism(train_world=2, gen_world=4, train_tp=1, train_ep=2, gen_tp=4, gen_ep=4)
+    assert parallelism_problems(lay, cfg) == []
     experts = [p for p in stage_inputs(lay, cfg)[0].params if ".experts." in p.name]
     assert experts
     for p in experts:
@@ -94,7 +94,7 @@ def test_plan_takes_uneven_gen_ep_in_vllms_blocks():
 
 
 def test_block_shard_wire_form_round_trips_and_bad_blocks_are_named():
-    from megatron_reshard.wire.layout import MeshInfo, _restore_placement, placements_to_plain
+    from megatron_reshard.placements import MeshInfo, _restore_placement, placements_to_plain
 
     pl = BlockShard(0, (2, 2, 1, 1))
     assert placements_to_plain([pl]) == [{"dim": 0, "blocks": [2, 2, 1, 1]}]

@@ -18,7 +18,7 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-from megatron_reshard.wire.layout import BlockShard, PaddedShard
+from megatron_reshard.placements import BlockShard, PaddedShard
 
 Box = tuple  # tuple[tuple[int, int], ...]
 REPLICATE = -1  # plain form of Replicate() in a placement tuple

@@ -12,19 +12,25 @@ every rank before data moves). Two transports implement it:
   shared memory on CPU) and copies straight out of them. The group's process group (gloo)
   only carries the control messages: the vote, the barriers, checksums and the commit.
 
-A group made by ``comm.create_refit_group(..., transport=name)`` carries its transport
-(``transport_of``); every rank of the group uses the same one (agreed at join).
+A group made by ``groups.comm.create_refit_group(..., transport=name)`` carries the name
+its ranks agreed on at join (``groups.comm.TRANSPORT_NAMES``); ``transport_of`` builds that
+transport for the group on first use, keeps it while the group lives and has
+``destroy_refit_group`` close it. The names live with the groups (they are agreed there),
+the implementations here: the groups never import the engine.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Any, Optional, Protocol, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence
 
-TRANSPORT_NAMES = ("p2p", "colocated")
-DEFAULT_TRANSPORT = "p2p"
+from megatron_reshard.groups.comm import (DEFAULT_TRANSPORT, TRANSPORT_NAMES, at_destroy,
+                                          check_transport_name, group_transport)
 
-# group -> its transport (set by comm.create_refit_group); weak: a dropped group drops it
+from .colocated import ColocatedTransport
+from .execute import xfer_batch
+
+# group -> its transport, built on first use; weak: a dropped group drops it
 _TRANSPORTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
@@ -48,8 +54,6 @@ class ProcessGroupTransport:
 
     def move(self, transfers: Sequence, group: Any, *, stream=None,
              staging_bytes: int = 256 << 20, planner=None, agree: bool = True) -> None:
-        from .execute import xfer_batch  # execute imports this package's transport module
-
         xfer_batch(transfers, group, stream=stream, staging_bytes=staging_bytes,
                    planner=planner, agree=agree)
 
@@ -57,35 +61,42 @@ class ProcessGroupTransport:
         pass
 
 
-def check_transport_name(name: str) -> str:
-    if name not in TRANSPORT_NAMES:
-        raise ValueError(f"unknown refit transport {name!r}: expected one of {TRANSPORT_NAMES}")
-    return name
+# name -> how to build it for (group, the group's store); one entry per TRANSPORT_NAMES
+_BUILDERS: dict[str, Callable[[Any, Any], RefitTransport]] = {
+    "p2p": lambda group, store: ProcessGroupTransport(),
+    "colocated": ColocatedTransport,
+}
+assert set(_BUILDERS) == set(TRANSPORT_NAMES) and DEFAULT_TRANSPORT in _BUILDERS
 
 
 def make_transport(name: str, group: Any, store: Any) -> RefitTransport:
     """The transport ``name`` for ``group``; ``store`` is the group's own (prefixed) store."""
-    check_transport_name(name)
-    if name == "colocated":
-        from .colocated import ColocatedTransport
-
-        return ColocatedTransport(group, store)
-    return ProcessGroupTransport()
+    return _BUILDERS[check_transport_name(name)](group, store)
 
 
 def attach_transport(group: Any, transport: RefitTransport) -> None:
+    """Give ``group`` this transport (``destroy_refit_group`` closes it)."""
     _TRANSPORTS[group] = transport
+    at_destroy(group, close_transport)
 
 
 def transport_of(group: Any) -> RefitTransport:
-    """The group's transport; a group made elsewhere (or None, the default world) uses p2p."""
-    got: Optional[RefitTransport] = None
-    if group is not None:
-        try:
-            got = _TRANSPORTS.get(group)
-        except TypeError:  # a group object that cannot be weakly referenced
-            got = None
-    return got if got is not None else ProcessGroupTransport()
+    """The group's transport: the one its ranks agreed on at join, built on first use; a
+    group made elsewhere (or None, the default world) uses p2p."""
+    if group is None:
+        return ProcessGroupTransport()
+    try:
+        got: Optional[RefitTransport] = _TRANSPORTS.get(group)
+    except TypeError:  # a group object that cannot be weakly referenced
+        return ProcessGroupTransport()
+    if got is None:
+        agreed = group_transport(group)
+        if agreed is None:
+            return ProcessGroupTransport()
+        name, store = agreed
+        got = make_transport(name, group, store)
+        attach_transport(group, got)
+    return got
 
 
 def close_transport(group: Any) -> None:

@@ -38,7 +38,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from megatron_reshard.engine.geometry import box_numel, rank_region
 from megatron_reshard.errors import MegatronReshardError
-from megatron_reshard.wire.layout import BlockShard, PaddedShard
+from megatron_reshard.placements import BlockShard, PaddedShard
 from megatron_reshard.fp8.quant import BLOCK_FP8_TILE, blockwise_scale_shape, owns_whole_blocks
 from megatron_reshard.vllm_layout.dense import is_qkv_per_group, per_group_as_hf_rows
 from megatron_reshard.wire.records import ParamRecord, RefitPayload

@@ -17,18 +17,54 @@ import time
 import warnings
 import weakref
 from datetime import timedelta
-from typing import Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
 
-from megatron_reshard.engine.transports import (DEFAULT_TRANSPORT, attach_transport,
-                                                 check_transport_name, close_transport,
-                                                 make_transport)
 from megatron_reshard.groups.faults import POLL_S, FaultBoard, RefitError, RefitTimeout, attach_board
 
-# group -> (its store, whether this rank hosts it, world size), for destroy_refit_group
-_STORES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+# The transports a refit group can agree on at join (``engine.transports`` builds each one
+# for the group on first use; the group itself only carries the agreed name).
+TRANSPORT_NAMES = ("p2p", "colocated")
+DEFAULT_TRANSPORT = "p2p"
+
+
+class _GroupRecord(NamedTuple):
+    store: Any            # the group's own (prefixed) store
+    is_host: bool         # this rank hosts the store
+    world: int
+    transport: str        # the transport the ranks agreed on at join
+
+
+# group -> its record, for destroy_refit_group and the group's transport
+_GROUPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+# group -> what runs first in destroy_refit_group (a built transport lets go of its memory)
+_AT_DESTROY: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def check_transport_name(name: str) -> str:
+    if name not in TRANSPORT_NAMES:
+        raise ValueError(f"unknown refit transport {name!r}: expected one of {TRANSPORT_NAMES}")
+    return name
+
+
+def group_transport(pg) -> Optional[tuple[str, Any]]:
+    """(the agreed transport name, the group's store) of a group made by
+    ``create_refit_group``; None for any other group."""
+    try:
+        record = _GROUPS.get(pg)
+    except TypeError:  # a group object that cannot be weakly referenced
+        return None
+    return None if record is None else (record.transport, record.store)
+
+
+def at_destroy(pg, fn: Callable[[Any], None]) -> None:
+    """Run ``fn(pg)`` when ``destroy_refit_group(pg)`` starts, before the group shuts down
+    (once, however often it is asked; ``fn`` gets the group, so it need not hold it)."""
+    hooks = _AT_DESTROY.setdefault(pg, [])
+    if fn not in hooks:
+        hooks.append(fn)
 
 
 def create_refit_group(host: str, port: int, rank: int, world_size: int,
@@ -49,7 +85,8 @@ def create_refit_group(host: str, port: int, rank: int, world_size: int,
     raises on every rank at once with what each rank said. The group gets a fault board
     (``megatron_reshard.groups.faults``): its waits raise instead of hanging when a peer fails.
 
-    ``transport`` (``engine.transports``): how the group moves bytes, "p2p" (point-to-point
+    ``transport`` (one of ``TRANSPORT_NAMES``; ``engine.transports.transport_of`` builds it
+    for the group on first use): how the group moves bytes, "p2p" (point-to-point
     over the group) or "colocated" (copies out of the training ranks' mapped memory; the
     group then carries control messages only, over gloo). None follows the ranks that
     chose (a vLLM worker follows its trainer); ranks that chose differently are refused at
@@ -86,9 +123,8 @@ def create_refit_group(host: str, port: int, rank: int, world_size: int,
         pg = dist.ProcessGroupNCCL(store, rank, world_size, opts)
         if device is not None:
             pg.eager_connect_single_device(torch.device(device))
-    _STORES[pg] = (store, server, world_size)
+    _GROUPS[pg] = _GroupRecord(store, server, world_size, chosen)
     attach_board(pg, board)
-    attach_transport(pg, make_transport(chosen, pg, store))
     return pg
 
 
@@ -189,12 +225,13 @@ def destroy_refit_group(pg, timeout_s: float = 60.0) -> int:
     host has exited prints ``recvValue failed`` tracebacks. Returns how many ranks had
     shut down when this one returned (the host: all of them, unless the timeout ran out).
     """
-    close_transport(pg)  # a colocated transport lets go of the peers' mapped memory
+    for fn in _AT_DESTROY.pop(pg, ()):
+        fn(pg)  # a colocated transport lets go of the peers' mapped memory
     pg.shutdown()
-    entry = _STORES.pop(pg, None)
-    if entry is None:  # not made by create_refit_group: no store to meet at
+    record = _GROUPS.pop(pg, None)
+    if record is None:  # not made by create_refit_group: no store to meet at
         return 1
-    store, server, world = entry
+    store, server, world = record.store, record.is_host, record.world
     try:
         done = int(store.add("shutdown", 1))
     except Exception as exc:  # noqa: BLE001 - teardown: the host may have gone already

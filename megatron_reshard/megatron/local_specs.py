@@ -16,7 +16,7 @@ from typing import Collection, Mapping, Optional, Sequence
 import torch
 
 from megatron_reshard.engine.geometry import rank_region
-from megatron_reshard.wire.layout import is_nccl_reshard_param
+from megatron_reshard.wire.placement_rules import is_nccl_reshard_param
 from megatron_reshard.megatron.converters import Converted, ModelDims, local_views
 from megatron_reshard.megatron.qkv import qkv_views
 from megatron_reshard.wire.spec import LocalParamSpec

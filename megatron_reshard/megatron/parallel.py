@@ -12,7 +12,7 @@ Per PP stage:
 - non-expert mesh ``[DP·CP, TP]`` (TP shards, DP and CP replicate), expert mesh
   ``[EDP, EP]`` (EP shards, expert-DP replicates); rows are ordered by their smallest
   member, columns by the TP / EP coordinate; size-1 axes are dropped exactly as
-  ``wire.layout.build_mesh_info`` drops them, so under the default order ``tp-cp-ep-dp-pp``
+  ``placements.build_mesh_info`` drops them, so under the default order ``tp-cp-ep-dp-pp``
   both meshes equal ``build_mesh_info``'s.
 """
 
@@ -24,7 +24,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from megatron_reshard.wire.layout import MeshInfo, build_mesh_info
+from megatron_reshard.placements import MeshInfo, build_mesh_info
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ class RankCoords:
 
 
 @dataclass(frozen=True)
-class TrainLayout:
+class TrainParallelism:
     """Parallel sizes of the training world, as read from ``parallel_state``."""
 
     tp: int
@@ -60,7 +60,7 @@ class TrainLayout:
                 "cp": self.cp, "world_size": self.world_size}
 
     def problems(self) -> list[str]:
-        """What this project cannot serve in this layout (empty if supported)."""
+        """What this project cannot serve with these sizes (empty if supported)."""
         out = []
         if self.etp > 1:
             out.append(f"expert tensor parallel size {self.etp} > 1 is not supported yet "
@@ -74,8 +74,8 @@ class TrainLayout:
         return out
 
 
-def read_parallel_state() -> tuple[Optional[TrainLayout], Optional[RankCoords], list[str]]:
-    """This rank's layout and coordinates from ``parallel_state``, plus what is wrong (no collective)."""
+def read_parallel_state() -> tuple[Optional[TrainParallelism], Optional[RankCoords], list[str]]:
+    """This rank's parallel sizes and coordinates from ``parallel_state``, plus what is wrong (no collective)."""
     import torch.distributed as dist
 
     problems: list[str] = []
@@ -89,7 +89,7 @@ def read_parallel_state() -> tuple[Optional[TrainLayout], Optional[RankCoords], 
         return None, None, ["megatron.core.parallel_state is not initialised "
                             "(call parallel_state.initialize_model_parallel(...) first)"]
     vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
-    layout = TrainLayout(
+    par = TrainParallelism(
         tp=ps.get_tensor_model_parallel_world_size(),
         pp=ps.get_pipeline_model_parallel_world_size(),
         ep=ps.get_expert_model_parallel_world_size(),
@@ -110,8 +110,8 @@ def read_parallel_state() -> tuple[Optional[TrainLayout], Optional[RankCoords], 
         etp=ps.get_expert_tensor_parallel_rank(),
         edp=ps.get_expert_data_parallel_rank(),
     )
-    problems.extend(layout.problems())
-    return layout, coords, problems
+    problems.extend(par.problems())
+    return par, coords, problems
 
 
 def coords_to_plain(coords: RankCoords) -> dict[str, int]:
@@ -166,30 +166,30 @@ def _grid(members: dict[int, tuple[Any, int]], n_cols: int, what: str, stage: in
     return torch.tensor([[row[c] for c in range(n_cols)] for row in ordered], dtype=torch.int64)
 
 
-def build_stage_meshes(all_coords: Sequence[RankCoords], layout: TrainLayout) -> list[StageMeshes]:
+def build_stage_meshes(all_coords: Sequence[RankCoords], par: TrainParallelism) -> list[StageMeshes]:
     """Per-stage non-expert and expert meshes from every train rank's reported coordinates."""
-    if len(all_coords) != layout.world_size:
-        raise ValueError(f"got coordinates of {len(all_coords)} ranks, the train world has {layout.world_size}")
+    if len(all_coords) != par.world_size:
+        raise ValueError(f"got coordinates of {len(all_coords)} ranks, the train world has {par.world_size}")
     out = []
-    for stage in range(layout.pp):
+    for stage in range(par.pp):
         members = sorted((c for c in all_coords if c.pp == stage), key=lambda c: c.rank)
-        expected = layout.world_size // layout.pp
+        expected = par.world_size // par.pp
         if len(members) != expected:
             raise ValueError(f"PP stage {stage} has {len(members)} ranks {[c.rank for c in members]}, "
                              f"expected world_size/pp = {expected}")
         ranks = tuple(c.rank for c in members)
-        dense = _grid({i: ((c.dp, c.cp), c.tp) for i, c in enumerate(members)}, layout.tp, "non-expert", stage)
-        expert = _grid({i: (c.edp, c.ep) for i, c in enumerate(members)}, layout.ep, "expert", stage)
+        dense = _grid({i: ((c.dp, c.cp), c.tp) for i, c in enumerate(members)}, par.tp, "non-expert", stage)
+        expert = _grid({i: (c.edp, c.ep) for i, c in enumerate(members)}, par.ep, "expert", stage)
         dense_mesh, dense_dims = _squeeze_mesh(dense, ("dp", "tp"))
         expert_mesh, expert_dims = _squeeze_mesh(expert, ("dp", "ep"))
         out.append(StageMeshes(stage, ranks, dense_mesh, dense_dims, expert_mesh, expert_dims))
     return out
 
 
-def describe_rank_order(all_coords: Sequence[RankCoords], layout: TrainLayout) -> str:
+def describe_rank_order(all_coords: Sequence[RankCoords], par: TrainParallelism) -> str:
     """The Megatron ``order`` string (size-1 dims omitted) that explains the non-expert ranks,
     or ``"unrecognised"``; used in messages and recorded in the payload."""
-    sizes = {"tp": layout.tp, "cp": layout.cp, "dp": layout.dp, "pp": layout.pp}
+    sizes = {"tp": par.tp, "cp": par.cp, "dp": par.dp, "pp": par.pp}
     active = [n for n in ("tp", "cp", "dp", "pp") if sizes[n] > 1]
     if not active:
         return "tp-cp-ep-dp-pp"
@@ -208,12 +208,12 @@ def describe_rank_order(all_coords: Sequence[RankCoords], layout: TrainLayout) -
     return "unrecognised"
 
 
-def is_default_rank_order(stages: Sequence[StageMeshes], layout: TrainLayout) -> bool:
+def is_default_rank_order(stages: Sequence[StageMeshes], par: TrainParallelism) -> bool:
     """True iff the meshes are exactly what ``build_mesh_info`` makes under Megatron's default order."""
-    per_stage = layout.world_size // layout.pp
+    per_stage = par.world_size // par.pp
     for s in stages:
-        dense, dense_dims = build_mesh_info(per_stage, 0, tp_size=layout.tp)
-        expert, expert_dims = build_mesh_info(per_stage, 0, ep_size=layout.ep)
+        dense, dense_dims = build_mesh_info(per_stage, 0, tp_size=par.tp)
+        expert, expert_dims = build_mesh_info(per_stage, 0, ep_size=par.ep)
         if (s.dense, s.dense_dims, s.expert, s.expert_dims) != (dense, dense_dims, expert, expert_dims):
             return False
         if s.ranks != tuple(range(s.stage * per_stage, (s.stage + 1) * per_stage)):

@@ -16,7 +16,7 @@ from typing import Any, Optional
 import torch
 
 from megatron_reshard.groups.faults import RefitError, fault_scope
-from megatron_reshard.refit.packed import broadcast_packed, packed_layout
+from megatron_reshard.refit.packed import broadcast_packed, pack_entries
 from megatron_reshard.refit.loop import DEFAULT_BATCH_BYTES, DEFAULT_STAGING_BYTES, RefitLoop
 from megatron_reshard.refit.order import misc_items_by_stage
 from megatron_reshard.refit.protocol import RefitProtocol
@@ -86,7 +86,7 @@ class RefitSender:
         full = self.source.gather_other_params(names)
         tensors = ({name: full[name].to(self.device) for name in names}
                    if self.is_misc_root else None)
-        broadcast_packed(packed_layout(chunk), self.group, 0, self.device, tensors)
+        broadcast_packed(pack_entries(chunk), self.group, 0, self.device, tensors)
 
     def release_staging(self) -> None:
         """Give back the CUDA staging memory kept between refits (see RefitLoop)."""

@@ -51,10 +51,10 @@ import torch
 import torch.distributed as dist
 
 from megatron_reshard.fp8.plan import GEN_QUANT_FORMATS, plan_block_fp8, plan_mxfp8
-from megatron_reshard.wire.layout import build_mesh_info, is_expert_param, is_nccl_reshard_param
+from megatron_reshard.placements import build_mesh_info
+from megatron_reshard.wire.placement_rules import is_expert_param, is_nccl_reshard_param
 from megatron_reshard.megatron import mla
 from megatron_reshard.megatron.converters import (
-    FAMILIES,
     Converted,
     ModelDims,
     NameConverter,
@@ -62,11 +62,11 @@ from megatron_reshard.megatron.converters import (
     hf_global_shapes,
 )
 from megatron_reshard.megatron.exact_path import VOCAB_PARAMS, add_exact_extras
+from megatron_reshard.megatron.families import FAMILIES
 from megatron_reshard.megatron.fp8_source import fp8_sender_specs, grouped_name, train_fp8_views
 from megatron_reshard.megatron.local_specs import local_hf_views, local_param_specs, stacked_spec
 from megatron_reshard.megatron.model_info import (
     HF_CONFIG_KEYS,
-    HF_LAYER,
     hf_config,
     infer_family,
     named_tensors,
@@ -75,7 +75,7 @@ from megatron_reshard.megatron.model_info import (
 from megatron_reshard.megatron.parallel import (
     RankCoords,
     StageMeshes,
-    TrainLayout,
+    TrainParallelism,
     build_stage_meshes,
     coords_from_plain,
     coords_to_plain,
@@ -84,21 +84,11 @@ from megatron_reshard.megatron.parallel import (
 )
 from megatron_reshard.megatron.payload import build_payload, encode_payload
 from megatron_reshard.megatron.qkv import qkv_groups_fit
+from megatron_reshard.megatron.rank_reports import merge_reports
 from megatron_reshard.wire.metadata import build_nccl_reshard_refit_info, extract_layer_name
 from megatron_reshard.wire.spec import HFToLocalParamMap
 from megatron_reshard.vllm_layout.dense import NOT_LISTED, QKV_PARAM_RE, tp_dim_of
 from megatron_reshard.wire.records import MiscRecord, ParamRecord, RefitPayload
-
-
-def _layer_sort_key(name: str) -> tuple[int, int]:
-    m = HF_LAYER.match(name)
-    if m is not None:
-        return (1, int(m.group(1)))
-    if name.startswith("model.embed_tokens"):
-        return (0, 0)
-    if name.startswith("lm_head"):
-        return (3, 0)
-    return (2, 0)
 
 
 class MegatronRefitSource:
@@ -111,11 +101,30 @@ class MegatronRefitSource:
         packed broadcast instead of shard to shard (every param has an exact path; this is
         the explicit way back to the broadcast, e.g. to compare the two).
         ``gen_quant="block_fp8"``: the generation model holds its linear weights in block
-        FP8 (``megatron_reshard.fp8.plan``); None: the same dtype as training."""
-        layout, coords, problems = read_parallel_state()
-        if gen_quant not in (None, *GEN_QUANT_FORMATS):
-            problems.append(f"gen_quant={gen_quant!r}: expected None or one of {list(GEN_QUANT_FORMATS)}")
+        FP8 (``megatron_reshard.fp8.plan``); None: the same dtype as training.
+
+        The steps, in order: check the inputs (no collective), convert this rank's params,
+        the one gather of every rank's report, sort the params by path, build the refit
+        records (FP8 planned), build the payload."""
         self.gen_quant = gen_quant
+        self.gen_parallelism = dict(gen_parallelism)
+        self.gen_world_size = gen_world_size
+        self._check_inputs(model, family, vocab_size, packed_params)
+        report = self._convert_local_params()
+        reports = self._gather_reports(report)
+        self._sort_params(reports, packed_params)
+        self._build_records(frozenset(n for r in reports for n in r["fp8"]))
+        self._build_payload()
+
+    # ------------------------------------------------------------------ construction steps
+    def _check_inputs(self, model: Any, family: Optional[str], vocab_size: Optional[int],
+                      packed_params: Optional[str]) -> None:
+        """Parallel state, model, family, vocab and options: one ValueError listing every
+        problem, on every rank, before any collective. Sets what the later steps read."""
+        par, coords, problems = read_parallel_state()
+        if self.gen_quant not in (None, *GEN_QUANT_FORMATS):
+            problems.append(f"gen_quant={self.gen_quant!r}: expected None or one of "
+                            f"{list(GEN_QUANT_FORMATS)}")
         bare, model_problems = unwrap_model(model)
         problems += model_problems
         config = getattr(bare, "config", None)
@@ -140,19 +149,19 @@ class MegatronRefitSource:
                 problems.append(f"packed_params={packed_params!r} is not a regular expression ({err})")
         if problems:
             raise ValueError("cannot build the Megatron refit source:\n  - " + "\n  - ".join(problems))
-        assert layout is not None and coords is not None and bare is not None
+        assert par is not None and coords is not None and bare is not None
 
         self.model = bare
         self.config = config
         self.family: str = family  # type: ignore[assignment]
-        self.layout: TrainLayout = layout
+        self.layout: TrainParallelism = par  # the training world's parallel sizes
         self.coords: RankCoords = coords
         self.vocab_size: int = int(vocab_size)  # type: ignore[arg-type]
         n_experts = int(getattr(config, "num_moe_experts", None) or 0)
-        self.num_local_experts = n_experts // layout.ep if n_experts else 0
+        self.num_local_experts = n_experts // par.ep if n_experts else 0
         self._mla_down_is_replicated = mla.down_projections_replicated(bare)
         self.dims = ModelDims(
-            tp_size=layout.tp,
+            tp_size=par.tp,
             num_attention_heads=config.num_attention_heads,
             num_query_groups=config.num_query_groups or config.num_attention_heads,
             head_dim=config.kv_channels,
@@ -161,7 +170,11 @@ class MegatronRefitSource:
             num_local_experts=self.num_local_experts,
         )
 
-        # --- local conversion (no collective) ---
+    def _convert_local_params(self) -> dict:
+        """This rank's Megatron params as HF params (no collective): the conversions and
+        live tensors the source keeps, and this rank's report for the gather
+        (``rank_reports``)."""
+        bare, coords = self.model, self.coords
         global_layer = {i: int(layer.layer_number) - 1 for i, layer in enumerate(bare.decoder.layers)}
         converter = NameConverter(
             family=self.family, global_layer=global_layer,
@@ -187,40 +200,47 @@ class MegatronRefitSource:
 
         # weights held in blockwise FP8 for training (fp8_param): their bytes and scales travel
         self._fp8_views, fp8_problems = (train_fp8_views(self._converted, self.dims, tp_rank=coords.tp)
-                                         if gen_quant is not None else ({}, []))
+                                         if self.gen_quant is not None else ({}, []))
         rank_problems += [f"rank {coords.rank}: {p}" for p in fp8_problems]
-        report = {
+        return {
             "coords": coords_to_plain(coords),
             "layers": sorted(global_layer.values()),
             "meta": local_meta,
             "problems": rank_problems,
             "fp8": sorted({grouped_name(n) for n in self._fp8_views}),
         }
-        # --- the one collective ---
-        reports: list = [None] * layout.world_size
+
+    def _gather_reports(self, report: dict) -> list:
+        """The one collective: every rank's report, on every rank. Any rank's problem
+        raises on all of them; then the stages' meshes from the reported coordinates."""
+        par, coords = self.layout, self.coords
+        reports: list = [None] * par.world_size
         dist.all_gather_object(reports, report)
 
         all_problems = [p for r in reports for p in r["problems"]]
         if all_problems:
             raise ValueError("cannot build the Megatron refit source:\n  - " + "\n  - ".join(all_problems))
-        all_coords = [coords_from_plain(r["coords"]) for r in reports]
-        self.rank_order = describe_rank_order(all_coords, layout)
+        self._all_coords = [coords_from_plain(r["coords"]) for r in reports]
+        self.rank_order = describe_rank_order(self._all_coords, par)
         try:
-            self.stages: list[StageMeshes] = build_stage_meshes(all_coords, layout)
+            self.stages: list[StageMeshes] = build_stage_meshes(self._all_coords, par)
         except ValueError as err:
             raise ValueError(f"unsupported Megatron rank order (found: {self.rank_order}): {err}") from None
         self.stage = coords.pp
         self.stage_local_rank = self.stages[self.stage].local_rank(coords.rank)
+        return reports
 
-        metadata, stage_of_key = self._merge_reports(reports, all_coords)
+    def _sort_params(self, reports: list, packed_params: Optional[str]) -> None:
+        """The whole model's HF metadata, sorted by path: bulk, exact extras (vocab padded
+        shards, q/k/v per KV group, direct and MLA params), packed others."""
+        metadata, stage_of_key = merge_reports(reports, self._all_coords, int(self.config.num_layers))
         self.layer_to_pp_stage: dict[str, int] = stage_of_key
         self.state_dict_metadata = {n: m for n, m in metadata.items() if is_nccl_reshard_param(n)}
         # Vocab matrices are the largest params outside the FFN: they take the exact path too,
         # as padded shards (Megatron's and vLLM's paddings differ; padding never travels).
         self.vocab_metadata = {n: m for n, m in metadata.items() if n in VOCAB_PARAMS}
         # Attention output, norms and router have plain layouts on both sides: exact path too.
-        self.gen_parallelism = dict(gen_parallelism)
-        grouped_qkv = qkv_groups_fit(self.dims, layout.tp, int(self.gen_parallelism.get("tp_size", 1)))
+        grouped_qkv = qkv_groups_fit(self.dims, self.layout.tp, int(self.gen_parallelism.get("tp_size", 1)))
         forced = re.compile(packed_params) if packed_params else None
         self.exact_extra_metadata = {n: m for n, m in metadata.items()
                                      if not is_nccl_reshard_param(n)
@@ -231,29 +251,31 @@ class MegatronRefitSource:
         self.other_params_metadata = {n: m for n, m in metadata.items()
                                       if not is_nccl_reshard_param(n) and n not in self.exact_extra_metadata}
         self.hf_config = hf_config(self.model, self.family, self.vocab_size, metadata)
-        self.gen_world_size = gen_world_size
 
+    def _build_records(self, train_fp8: frozenset) -> None:
+        """The refit records: the train side's view (``records``, its seed dict form
+        ``refit_info``) and the generation side's (``gen_records``: FP8 planned)."""
+        par = self.layout
         # the seed's dict form, parsed once into records; every step after makes new records
         info = RefitPayload.of(build_nccl_reshard_refit_info(
             self.state_dict_metadata,
-            {"tp_size": layout.tp, "ep_size": layout.ep, "pp_size": layout.pp},
-            self.gen_parallelism, layout.world_size, gen_world_size,
-            self.layer_to_pp_stage if layout.pp > 1 else None,
+            {"tp_size": par.tp, "ep_size": par.ep, "pp_size": par.pp},
+            self.gen_parallelism, par.world_size, self.gen_world_size,
+            self.layer_to_pp_stage if par.pp > 1 else None,
         ))
-        info = self._add_exact_extras(self._use_live_meshes(info), stage_of_key)
+        info = self._add_exact_extras(self._use_live_meshes(info), self.layer_to_pp_stage)
         self.records: RefitPayload = info  # bulk refit info, train side's view (no FP8 plan)
         # the seed's dict form of it, for callers (NeMo-RL-compatible; the library reads records)
         self.refit_info = info.to_refit_info()
-        if gen_quant is not None:  # the payload's entries say where each weight is quantized
-            train_fp8 = frozenset(n for r in reports for n in r["fp8"])
-            if gen_quant == "mxfp8":  # quantized on the receiver (NeMo-RL's is_mx path)
+        if self.gen_quant is not None:  # the payload's entries say where each weight is quantized
+            if self.gen_quant == "mxfp8":  # quantized on the receiver (NeMo-RL's is_mx path)
                 if train_fp8:
                     raise ValueError(f"gen_quant='mxfp8' with weights held in blockwise FP8 for "
                                      f"training ({len(train_fp8)}, e.g. {min(train_fp8)}): MXFP8 "
                                      f"generation is quantized from BF16 training weights only")
-                info, self.fp8_counts = plan_mxfp8(info, layout.world_size // layout.pp)
+                info, self.fp8_counts = plan_mxfp8(info, par.world_size // par.pp)
             else:
-                info, self.fp8_counts = plan_block_fp8(info, layout.world_size // layout.pp,
+                info, self.fp8_counts = plan_block_fp8(info, par.world_size // par.pp,
                                                        train_fp8=train_fp8)
             planned = {p.name for p in info.params()}
             packed = sorted(train_fp8 - planned)
@@ -261,14 +283,20 @@ class MegatronRefitSource:
                 raise ValueError(f"weights held in blockwise FP8 for training must take the exact "
                                  f"path, but these would go packed: {packed}")
         self.gen_records: RefitPayload = info  # what the generation side gets (FP8 planned)
-        other = [MiscRecord(n, tuple(m["shape"]), m["dtype"], stage_of_key[extract_layer_name(n)])
+
+    def _build_payload(self) -> None:
+        """The payload: the generation records plus the extras, as plain data (``payload``,
+        what goes on the wire) and as the records the library reads (``wire``)."""
+        gen = self.gen_parallelism
+        other = [MiscRecord(n, tuple(m["shape"]), m["dtype"],
+                            self.layer_to_pp_stage[extract_layer_name(n)])
                  for n, m in self.other_params_metadata.items()]
         other.sort(key=lambda p: p.pp_stage)  # stable: model order inside a stage
         self.payload = build_payload(
-            info,
-            train_layout=layout.as_plain(),
-            gen_layout={"tp": int(gen_parallelism.get("tp_size", 1)), "ep": int(gen_parallelism.get("ep_size", 1)),
-                        "pp": int(gen_parallelism.get("pp_size", 1)), "world_size": int(gen_world_size)},
+            self.gen_records,
+            train_layout=self.layout.as_plain(),
+            gen_layout={"tp": int(gen.get("tp_size", 1)), "ep": int(gen.get("ep_size", 1)),
+                        "pp": int(gen.get("pp_size", 1)), "world_size": int(self.gen_world_size)},
             hf_config=self.hf_config,
             other_params=[m.to_plain() for m in other],
             train_stage_ranks=[list(s.ranks) for s in self.stages],
@@ -278,35 +306,7 @@ class MegatronRefitSource:
         # library reads this typed view of it
         self.wire: RefitPayload = RefitPayload.of(self.payload)
 
-    # ------------------------------------------------------------------ merge
-    def _merge_reports(self, reports: list, all_coords: list[RankCoords]) -> tuple[dict, dict]:
-        """Union of every rank's HF metadata (ordered: embeddings, layers, norm, lm_head) and key → stage."""
-        problems: list[str] = []
-        merged: dict[str, dict] = {}
-        stage_of_key: dict[str, int] = {}
-        layer_stage: dict[int, int] = {}
-        for report, c in zip(reports, all_coords):
-            for layer in report["layers"]:
-                if layer_stage.setdefault(layer, c.pp) != c.pp:
-                    problems.append(f"layer {layer} is on PP stages {layer_stage[layer]} and {c.pp}")
-            for name, meta in report["meta"].items():
-                seen = merged.setdefault(name, meta)
-                if seen["shape"] != meta["shape"] or seen["dtype"] != meta["dtype"]:
-                    problems.append(f"{name}: rank {c.rank} reports {meta} but another rank {seen}")
-                key = extract_layer_name(name)
-                if stage_of_key.setdefault(key, c.pp) != c.pp:
-                    problems.append(f"{key} is held by PP stages {stage_of_key[key]} and {c.pp}")
-        n_layers = int(self.config.num_layers)
-        if sorted(layer_stage) != list(range(n_layers)):
-            problems.append(f"global layers found {sorted(layer_stage)}, expected 0..{n_layers - 1}")
-        for layer, stage in layer_stage.items():
-            stage_of_key.setdefault(f"model.layers.{layer}", stage)
-        if problems:
-            raise ValueError("inconsistent model across train ranks:\n  - " + "\n  - ".join(problems))
-        order = {name: i for i, name in enumerate(merged)}
-        ordered = dict(sorted(merged.items(), key=lambda kv: (_layer_sort_key(kv[0]), order[kv[0]])))
-        return ordered, stage_of_key
-
+    # ------------------------------------------------------------------ construction helpers
     def _use_live_meshes(self, info: RefitPayload) -> RefitPayload:
         """The refit info with the formula-built train meshes replaced by the ones built
         from reported coordinates."""

@@ -14,33 +14,16 @@ plain data.
   other params (``receive_misc_packed``).
 - ``session``: ``ReceiverSession`` — the lifecycle: prepare, verify, refit, commit, report.
 - ``worker``: ``MegatronReshardWorkerExtension`` for vLLM's ``collective_rpc``.
+
+The names below are what a vLLM user needs: the worker extension, the session it drives
+(for a launcher of one's own), and the two errors worth catching. Everything else is
+imported from its submodule.
 """
 
-from megatron_reshard.wire.metadata import SUPPORTED_SCHEMA_VERSIONS
-from megatron_reshard.receiver.incoming import gen_ep_size, restore_payload
-from megatron_reshard.receiver.misc_transport import receive_misc_packed
-from megatron_reshard.receiver.param_map import build_receiver_param_map
 from megatron_reshard.receiver.session import ReceiverSession
-from megatron_reshard.receiver.full_weights import (
-    apply_full_weights,
-    coverage_gaps,
-    load_full_weights,
-    plan_full_weights,
-)
-from megatron_reshard.receiver.targets import (
-    Piece,
-    TargetError,
-    TargetPlan,
-    VllmTargets,
-    bulk_receive_plan,
-    expert_block,
-    receive_spec,
-)
+from megatron_reshard.receiver.state import InconsistentWeightsError
+from megatron_reshard.receiver.targets import TargetError
 from megatron_reshard.receiver.worker import MegatronReshardWorkerExtension
 
-__all__ = [
-    "MegatronReshardWorkerExtension", "Piece", "ReceiverSession", "SUPPORTED_SCHEMA_VERSIONS",
-    "TargetError", "TargetPlan", "VllmTargets", "apply_full_weights", "build_receiver_param_map",
-    "bulk_receive_plan", "coverage_gaps", "expert_block", "gen_ep_size", "load_full_weights",
-    "plan_full_weights", "receive_misc_packed", "receive_spec", "restore_payload",
-]
+__all__ = ["InconsistentWeightsError", "MegatronReshardWorkerExtension", "ReceiverSession",
+           "TargetError"]

@@ -13,7 +13,8 @@ from typing import Any
 
 from torch.distributed.tensor import Shard
 
-from megatron_reshard.wire.layout import BlockShard, is_expert_param
+from megatron_reshard.placements import BlockShard
+from megatron_reshard.wire.placement_rules import is_expert_param
 from megatron_reshard.wire.records import RefitPayload
 
 

@@ -12,7 +12,7 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 
 from megatron_reshard.engine.transport import control_device
-from megatron_reshard.refit.packed import broadcast_packed, packed_layout
+from megatron_reshard.refit.packed import broadcast_packed, pack_entries
 from megatron_reshard.refit.order import MiscItem
 
 # receive_misc(stage, group, items) -> {hf_name: full tensor} for the stage's other params
@@ -22,7 +22,7 @@ MiscReceiver = Callable[[int, Optional[Any], list[MiscItem]], Mapping[str, torch
 def receive_misc_packed(stage: int, group: Optional[Any], items: list[MiscItem],
                         device: Optional[torch.device] = None) -> Mapping[str, torch.Tensor]:
     """Receive ``items`` of ``stage`` as one packed broadcast from the group's rank 0."""
-    return broadcast_packed(packed_layout(items), group, 0, device or control_device(group))
+    return broadcast_packed(pack_entries(items), group, 0, device or control_device(group))
 
 
 __all__ = ["MiscReceiver", "receive_misc_packed"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from megatron_reshard.engine.geometry import box_index, rank_box
-from megatron_reshard.wire.layout import PaddedShard
+from megatron_reshard.placements import PaddedShard
 from megatron_reshard.receiver.fp8_targets import fp8_receive_spec
 from megatron_reshard.receiver.targets import (
     TargetError,

@@ -33,7 +33,7 @@ Decisions:
   which removes a host sync per batch. A ``pre`` hook that later returns a differently
   shaped buffer then raises on its own rank only (its peers wait for the group's timeout).
 - The params outside the bulk path ("other_params") can be made part of the fingerprint
-  (``misc_items``) so a disagreement on the packed-broadcast layout is also caught at
+  (``misc_items``) so a disagreement on the packed broadcast's entries is also caught at
   setup; both sides must then pass ``refit.order.misc_items_by_stage(info)``.
 
 The whole refit a side runs around this loop (plan check, bulk, packed other params,
@@ -59,8 +59,8 @@ from megatron_reshard.engine.transport import all_gather_ints, control_device, g
 from megatron_reshard.groups.faults import RefitError, wait_device
 from megatron_reshard.refit.checksums import SourceOverlaps, StageChecksums
 from megatron_reshard.refit.local import LocalParam, first_tensor_is_cuda, local_params
-from megatron_reshard.refit.order import (MiscItem, TransferLayout, batch_bounds, plan_fingerprint,
-                                          transfer_layouts)
+from megatron_reshard.refit.order import (MiscItem, BulkTransfer, batch_bounds, plan_fingerprint,
+                                          bulk_transfers)
 from megatron_reshard.wire.spec import HFToLocalParamMap, LocalParamSpec
 from megatron_reshard.wire.records import ParamRecord, RefitPayload
 
@@ -149,8 +149,8 @@ class RefitLoop:
         self._mine: dict[int, list[Optional[LocalParam]]] = {
             s: local_params(ps, local_map, side, self._ranks[s], s)
             for s, ps in self.stages.items()}
-        self._layouts: dict[int, list[TransferLayout]] = {
-            s: transfer_layouts(ps) for s, ps in self.stages.items()}
+        self._transfers: dict[int, list[BulkTransfer]] = {
+            s: bulk_transfers(ps) for s, ps in self.stages.items()}
         # batch cut points and staging size shape the engine calls: they must match too
         must_match = {"batch_bytes": batch_bytes, "staging_bytes": staging_bytes,
                       "checksums": int(verify_checksums)}
@@ -296,11 +296,11 @@ class RefitLoop:
     def _open_batch(self, run: "_StageRun", start: int, stop: int) -> "_OpenBatch":
         """Run the pre hooks of one batch; its open contexts and its engine transfers."""
         mine = self._mine[run.stage]
-        layouts = self._layouts[run.stage]
+        transfers = self._transfers[run.stage]
         batch = _OpenBatch([], [])
         for i in range(start, stop):
             local = None
-            held, lay = mine[i], layouts[i]
+            held, bulk = mine[i], transfers[i]
             if held is not None:
                 ctx = held.spec.begin()
                 batch.opened.append(_Opened(i, held.spec, ctx))
@@ -310,11 +310,11 @@ class RefitLoop:
                 local = ctx.buf
                 run.stats.params += 1
                 # the owned box: padding rows of a padded shard do not travel
-                run.stats.local_bytes += math.prod(box_shape(held.box)) * lay.dtype.itemsize
+                run.stats.local_bytes += math.prod(box_shape(held.box)) * bulk.dtype.itemsize
             batch.transfers.append(run.transfer_cls(
-                name=lay.name, global_shape=lay.global_shape, dtype=lay.dtype,
-                src_mesh=lay.src_mesh, src_placements=lay.src_placements,
-                dst_mesh=lay.dst_mesh, dst_placements=lay.dst_placements,
+                name=bulk.name, global_shape=bulk.global_shape, dtype=bulk.dtype,
+                src_mesh=bulk.src_mesh, src_placements=bulk.src_placements,
+                dst_mesh=bulk.dst_mesh, dst_placements=bulk.dst_placements,
                 src=local if self.side == "src" else None,
                 dst=local if self.side == "dst" else None))
         return batch

@@ -12,7 +12,7 @@ from typing import Any, Mapping, NamedTuple, Optional, Sequence
 
 import torch
 
-from megatron_reshard.wire.layout import placements_to_plain
+from megatron_reshard.placements import placements_to_plain
 from megatron_reshard.wire.metadata import dtype_from_str
 from megatron_reshard.wire.records import ParamRecord, RefitPayload
 
@@ -25,7 +25,7 @@ class MiscItem(NamedTuple):
     dtype: torch.dtype
 
 
-class TransferLayout(NamedTuple):
+class BulkTransfer(NamedTuple):
     """A bulk param as the engine's ``Transfer`` takes it, but the tensors."""
 
     name: str
@@ -52,11 +52,11 @@ def stage_params(info: Any) -> dict[int, list[ParamRecord]]:
     return RefitPayload.of(info).stage_params()
 
 
-def transfer_layouts(params: Sequence[ParamRecord]) -> list[TransferLayout]:
-    """One ``TransferLayout`` per param. Built once per loop: the same objects on every call
+def bulk_transfers(params: Sequence[ParamRecord]) -> list[BulkTransfer]:
+    """One ``BulkTransfer`` per param. Built once per loop: the same objects on every call
     let the engine find its cached batch by identity."""
-    return [TransferLayout(p.name, p.global_shape, p.torch_dtype, p.src_mesh_info,
-                           p.src_placements, p.dst_mesh_info, p.dst_placements) for p in params]
+    return [BulkTransfer(p.name, p.global_shape, p.torch_dtype, p.src_mesh_info,
+                         p.src_placements, p.dst_mesh_info, p.dst_placements) for p in params]
 
 
 def misc_items_by_stage(info: Any) -> dict[int, list[MiscItem]]:
@@ -74,7 +74,7 @@ def plan_fingerprint(params: Sequence[ParamRecord],
                      misc_items: Optional[Sequence[MiscItem]] = None,
                      options: Optional[Mapping[str, int]] = None) -> int:
     """63-bit fingerprint of an ordered transfer list (names, shapes, dtypes, meshes, placements),
-    plus the misc layout and the options that must match on every rank (batching, staging)."""
+    plus the misc items and the options that must match on every rank (batching, staging)."""
     h = hashlib.sha256()
     if options:
         h.update(repr(sorted(options.items())).encode())

@@ -2,8 +2,9 @@
 
 Torch + stdlib only. Parameters outside the exact bulk path (attention, embeddings, norms,
 router) are small; the training side sends them whole, one buffer per PP stage, and each
-generation rank slices what it needs. Both sides derive the buffer layout from the same
-ordered ``(name, shape, dtype)`` list, so no layout travels with the bytes.
+generation rank slices what it needs. Both sides derive the buffer's entries (each
+tensor's byte offset, ``pack_entries``) from the same ordered ``(name, shape, dtype)``
+list, so no offsets travel with the bytes.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from megatron_reshard.groups.faults import wait_works
 
 @dataclass(frozen=True)
 class PackedEntry:
+    """Where one tensor sits in a packed buffer."""
+
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
@@ -26,8 +29,8 @@ class PackedEntry:
     nbytes: int
 
 
-def packed_layout(items: Sequence[tuple[str, Sequence[int], torch.dtype]]) -> list[PackedEntry]:
-    """Byte layout of ``items`` in order, each entry aligned to 16 bytes."""
+def pack_entries(items: Sequence[tuple[str, Sequence[int], torch.dtype]]) -> list[PackedEntry]:
+    """The entries of ``items`` in one packed buffer, in order, each aligned to 16 bytes."""
     entries, offset = [], 0
     for name, shape, dtype in items:
         numel = 1
@@ -50,7 +53,7 @@ def chunk_items(items: Sequence[tuple[str, Sequence[int], torch.dtype]], budget:
     chunks: list[list] = []
     current: list = []
     for item in items:
-        if current and buffer_bytes(packed_layout(current + [item])) > budget:
+        if current and buffer_bytes(pack_entries(current + [item])) > budget:
             chunks.append(current)
             current = []
         current.append(item)
@@ -59,15 +62,15 @@ def chunk_items(items: Sequence[tuple[str, Sequence[int], torch.dtype]], budget:
     return chunks
 
 
-def buffer_bytes(layout: Sequence[PackedEntry]) -> int:
-    return 0 if not layout else (layout[-1].offset + layout[-1].nbytes + 15) // 16 * 16
+def buffer_bytes(entries: Sequence[PackedEntry]) -> int:
+    return 0 if not entries else (entries[-1].offset + entries[-1].nbytes + 15) // 16 * 16
 
 
-def pack(layout: Sequence[PackedEntry], tensors: dict[str, torch.Tensor],
+def pack(entries: Sequence[PackedEntry], tensors: dict[str, torch.Tensor],
          device: torch.device) -> torch.Tensor:
-    """Copy ``tensors`` into one flat uint8 buffer laid out as ``layout``."""
-    flat = torch.zeros(buffer_bytes(layout), dtype=torch.uint8, device=device)
-    for entry in layout:
+    """Copy ``tensors`` into one flat uint8 buffer, each at its entry."""
+    flat = torch.zeros(buffer_bytes(entries), dtype=torch.uint8, device=device)
+    for entry in entries:
         t = tensors.get(entry.name)
         if t is None:
             raise KeyError(f"packed broadcast: no tensor for {entry.name!r}")
@@ -81,33 +84,33 @@ def pack(layout: Sequence[PackedEntry], tensors: dict[str, torch.Tensor],
     return flat
 
 
-def unpack(layout: Sequence[PackedEntry], flat: torch.Tensor) -> dict[str, torch.Tensor]:
+def unpack(entries: Sequence[PackedEntry], flat: torch.Tensor) -> dict[str, torch.Tensor]:
     """Views of each entry inside ``flat`` (no copies)."""
     return {e.name: flat[e.offset:e.offset + e.nbytes].view(e.dtype).reshape(e.shape)
-            for e in layout}
+            for e in entries}
 
 
-def broadcast_packed(layout: Sequence[PackedEntry], group: Optional[dist.ProcessGroup],
+def broadcast_packed(entries: Sequence[PackedEntry], group: Optional[dist.ProcessGroup],
                      root: int, device: torch.device,
                      tensors: Optional[dict[str, torch.Tensor]] = None) -> dict[str, torch.Tensor]:
-    """Broadcast the tensors of ``layout`` from group rank ``root``; return views on every rank.
+    """Broadcast the tensors of ``entries`` from group rank ``root``; return views on every rank.
 
     ``group`` may be a raw ProcessGroup that is not registered with c10d (a refit group
     across two worlds) or None for the default world. ``tensors`` is needed on ``root`` only.
     """
-    if not layout:
+    if not entries:
         return {}
     rank = dist.get_rank() if group is None else group.rank()
     if rank == root:
         if tensors is None:
             raise ValueError(f"packed broadcast: rank {rank} is the root but has no tensors")
-        flat = pack(layout, tensors, device)
+        flat = pack(entries, tensors, device)
     else:
-        flat = torch.empty(buffer_bytes(layout), dtype=torch.uint8, device=device)
+        flat = torch.empty(buffer_bytes(entries), dtype=torch.uint8, device=device)
     if group is None:
         dist.broadcast(flat, src=root)
     else:
         opts = dist.BroadcastOptions()
         opts.rootRank = root
         wait_works([group.broadcast([flat], opts)], group, "the packed broadcast", [root])
-    return unpack(layout, flat)
+    return unpack(entries, flat)

@@ -348,7 +348,7 @@ def build_plain_payload(hf_config: Mapping[str, Any], full_hf_tensors: Mapping[s
     side's form) in the order given, ``pp_stage`` looked up by layer key in
     ``layer_to_pp_stage`` (0 without PP).
     """
-    from megatron_reshard.wire.layout import is_nccl_reshard_param
+    from megatron_reshard.wire.placement_rules import is_nccl_reshard_param
     from megatron_reshard.wire.metadata import (
         build_nccl_reshard_refit_info,
         extract_layer_name,

@@ -2,4 +2,4 @@
 ``megatron-reshard`` CLI (``cli``), the CPU demo and its two-world launcher (``demo``,
 ``e2e``, ``run_config``, ``worlds``), the benchmarks (``bench``), and the full-size presets
 and cluster-scale simulator behind ``megatron-reshard plan`` (``plan_cli``, ``presets``,
-``layouts``, ``simulate``, ``plot``)."""
+``plan_inputs``, ``simulate``, ``plot``)."""

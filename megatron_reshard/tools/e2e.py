@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from megatron_reshard.engine.transports import transport_of
 from megatron_reshard.receiver import MegatronReshardWorkerExtension
+from megatron_reshard.wire.records import RefitPayload
 from megatron_reshard.tools.run_config import RefitRunConfig, model_preset
 
 
@@ -150,8 +151,8 @@ def run_training_rank(rank: int, cfg: RefitRunConfig, control, device: torch.dev
     if rank == 0:
         payload = source.payload_bytes()
         control.set("payload", payload)
-        bulk = sum(len(ps) for ps in source.payload["per_layer_params"].values())
-        packed = len(source.payload.get("other_params") or [])
+        bulk = sum(1 for _ in source.wire.params())
+        packed = len(source.wire.other_params or ())
         _say(cfg, who, f"payload {len(payload)} bytes published: {bulk + packed} refit tensors "
                        f"({bulk} on the exact path, {packed} packed; experts go as one tensor "
                        f"per projection)")
@@ -232,7 +233,7 @@ def _gen_rank(gen_rank: int, cfg: RefitRunConfig, control, device: torch.device,
     _init_world(cfg, control, "gen", gen_rank, cfg.gen_world, device)
     payload = decode_payload(control.get("payload"))
     tp_rank = gen_rank % cfg.gen_tp
-    model = build_vllm_like_model(payload["hf_config"], tp_rank, cfg.gen_tp, cfg.gen_ep,
+    model = build_vllm_like_model(RefitPayload.of(payload).hf_config, tp_rank, cfg.gen_tp, cfg.gen_ep,
                                   getattr(torch, cfg.dtype), device=device, quant=cfg.gen_quant)
     worker = ModuleWorker(model)
     # group_rank=None: each worker derives it from its rank in the generation world, as

@@ -31,13 +31,13 @@ import sys
 from collections import defaultdict
 from typing import Optional
 
-from megatron_reshard.tools.presets import (default_plan_layout, describe_plan_layout,
+from megatron_reshard.tools.presets import (default_plan_parallelism, describe_plan_parallelism,
                                             model_config, model_names)
 
 DEFAULT_LINK = dict(gpus_per_node=8, nvlink_gbps=450.0, net_gbps=50.0, latency_us=5.0)
 
 
-LAYOUT_OPTIONS = ("train_world", "train_tp", "train_cp", "train_ep", "train_pp", "gen_world",
+PARALLELISM_OPTIONS = ("train_world", "train_tp", "train_cp", "train_ep", "train_pp", "gen_world",
                   "gen_tp", "gen_ep")
 
 
@@ -45,7 +45,7 @@ def defaults_epilog() -> str:
     """The per-model default layouts, as --help lists them."""
     lines = ["default layout per model (any layout option given replaces its part):"]
     for name in model_names():
-        lines.append(f"  {name:16} {describe_plan_layout(default_plan_layout(model_config(name)))}")
+        lines.append(f"  {name:16} {describe_plan_parallelism(default_plan_parallelism(model_config(name)))}")
     return "\n".join(lines)
 
 
@@ -118,8 +118,8 @@ def _parse_layers(text: Optional[str]) -> tuple[Optional[tuple], list]:
 
 
 def problems_of(args: argparse.Namespace):
-    """(model config, layout, problems) for the parsed options; nothing is planned yet."""
-    from megatron_reshard.tools.layouts import RefitLayout, layout_problems
+    """(model config, parallel sizes, problems) for the parsed options; nothing is planned yet."""
+    from megatron_reshard.tools.plan_inputs import RefitParallelism, parallelism_problems
 
     pp_layers, out = _parse_layers(args.train_pp_layers)
     if args.layers is not None and args.layers < 1:
@@ -134,18 +134,18 @@ def problems_of(args: argparse.Namespace):
     if out:
         return None, None, out
     cfg = model_config(args.model, args.layers)
-    lay = RefitLayout(pp_layers=pp_layers, **layout_options(args, cfg, pp_layers))
-    return cfg, lay, layout_problems(lay, cfg)
+    lay = RefitParallelism(pp_layers=pp_layers, **parallelism_options(args, cfg, pp_layers))
+    return cfg, lay, parallelism_problems(lay, cfg)
 
 
-def layout_options(args: argparse.Namespace, cfg, pp_layers: Optional[tuple]) -> dict:
-    """The layout sizes given on the command line, the model's defaults for the others
+def parallelism_options(args: argparse.Namespace, cfg, pp_layers: Optional[tuple]) -> dict:
+    """The parallel sizes given on the command line, the model's defaults for the others
     (computed from the layer count in use, so --layers moves them too); --train-pp-layers
     alone sets the stage count."""
-    chosen = default_plan_layout(cfg)
+    chosen = default_plan_parallelism(cfg)
     if pp_layers is not None:
         chosen["train_pp"] = len(pp_layers)
-    given = {k: getattr(args, k) for k in LAYOUT_OPTIONS if getattr(args, k) is not None}
+    given = {k: getattr(args, k) for k in PARALLELISM_OPTIONS if getattr(args, k) is not None}
     return {**chosen, **given}
 
 
@@ -244,7 +244,7 @@ def _print_matrix(args, cfg, lay) -> None:
     default planner plans them; and the per-param lines with --verbose."""
     from megatron_reshard.engine.geometry import box_numel
     from megatron_reshard.engine.plan import Planner
-    from megatron_reshard.tools.layouts import stage_inputs
+    from megatron_reshard.tools.plan_inputs import stage_inputs
 
     planner = Planner()
     moved = defaultdict(lambda: defaultdict(int))

@@ -18,7 +18,7 @@ def plot_loads(sims: Sequence, path: str) -> None:
     for ax, attr, n, title in ((axes[0], "train_sent", "train_world", "training rank sends"),
                                (axes[1], "gen_received", "gen_world", "generation rank receives")):
         for s in sims:
-            count = getattr(s.layout, n)
+            count = getattr(s.parallelism, n)
             values = [getattr(s, attr).get(r, 0) / 2**30 for r in range(count)]
             label = "link-aware planner" if s.link_aware else "default planner"
             line, = ax.plot(range(count), values, label=label, linewidth=1)
@@ -29,6 +29,6 @@ def plot_loads(sims: Sequence, path: str) -> None:
         ax.set_title(title)
         ax.legend()
     sim = sims[0]
-    fig.suptitle(f"{sim.model}: {sim.layout.describe()}", fontsize=9)
+    fig.suptitle(f"{sim.model}: {sim.parallelism.describe()}", fontsize=9)
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -88,18 +88,18 @@ def model_config(model: str, layers: int | None = None) -> dict[str, Any]:
     return cfg
 
 
-# The plan command's layout when no layout option is given: the demo's (train 4 ranks TP2
+# The plan command's parallel sizes when no size option is given: the demo's (train 4 ranks TP2
 # PP2 EP2 -> gen 2 ranks TP2 EP1), with what a model cannot take changed, so that every
 # preset plans with the command's defaults.
-DEMO_PLAN_LAYOUT: dict[str, int] = dict(train_world=4, train_tp=2, train_cp=1, train_pp=2,
-                                        train_ep=2, gen_world=2, gen_tp=2, gen_ep=1)
+DEMO_PLAN_PARALLELISM: dict[str, int] = dict(train_world=4, train_tp=2, train_cp=1, train_pp=2,
+                                             train_ep=2, gen_world=2, gen_tp=2, gen_ep=1)
 
 
-def default_plan_layout(cfg: Mapping[str, Any]) -> dict[str, int]:
-    """The demo's layout adapted to the model: EP1 without experts (there is nothing to
+def default_plan_parallelism(cfg: Mapping[str, Any]) -> dict[str, int]:
+    """The demo's parallel sizes adapted to the model: EP1 without experts (there is nothing to
     split), PP1 when the layer count is odd (DeepSeek-V3's and Kimi-K2's 61 layers have no
     even split; uneven stages are the user's choice, through --train-pp-layers)."""
-    out = dict(DEMO_PLAN_LAYOUT)
+    out = dict(DEMO_PLAN_PARALLELISM)
     if not num_experts(cfg):
         out["train_ep"] = 1
     if int(cfg["num_hidden_layers"]) % out["train_pp"]:
@@ -107,11 +107,11 @@ def default_plan_layout(cfg: Mapping[str, Any]) -> dict[str, int]:
     return out
 
 
-def describe_plan_layout(layout: Mapping[str, int]) -> str:
-    """One line of a default layout, in the options' terms (for --help)."""
-    return (f"train {layout['train_world']} ranks TP{layout['train_tp']} "
-            f"PP{layout['train_pp']} EP{layout['train_ep']} -> gen {layout['gen_world']} "
-            f"ranks TP{layout['gen_tp']} EP{layout['gen_ep']}")
+def describe_plan_parallelism(sizes: Mapping[str, int]) -> str:
+    """One line of default parallel sizes, in the options' terms (for --help)."""
+    return (f"train {sizes['train_world']} ranks TP{sizes['train_tp']} "
+            f"PP{sizes['train_pp']} EP{sizes['train_ep']} -> gen {sizes['gen_world']} "
+            f"ranks TP{sizes['gen_tp']} EP{sizes['gen_ep']}")
 
 
 def num_experts(cfg: Mapping[str, Any]) -> int:

@@ -33,7 +33,7 @@ from megatron_reshard.engine.link_costs import LinkCosts
 from megatron_reshard.engine.param_plan import ParamPlan
 from megatron_reshard.engine.plan import Planner, gc_paused
 
-from .layouts import RefitLayout, StagePlanInput, count_params, stage_inputs
+from .plan_inputs import RefitParallelism, StagePlanInput, count_params, stage_inputs
 
 
 @dataclass(frozen=True)
@@ -109,7 +109,7 @@ def plan_pairs(plan: ParamPlan) -> dict:
 
 @dataclass
 class Simulation:
-    layout: RefitLayout
+    parallelism: RefitParallelism
     model: str
     others: str
     wire: str
@@ -132,15 +132,15 @@ class Simulation:
     def to_plain(self) -> dict:
         t, rank, what = self.loads.time_s(self.link)
         return {
-            "model": self.model, "layout": self.layout.to_plain(), "others": self.others,
+            "model": self.model, "layout": self.parallelism.to_plain(), "others": self.others,
             "planner": "link-aware" if self.link_aware else "default", "wire": self.wire,
             "link_model": vars(self.link) | {"text": self.link.describe()},
             "params": self.counts, "fingerprint": self.fingerprint,
             "planning_s": {"one_rank": self.plan_s_one_rank, "whole_job": self.plan_s_job,
                            "distinct_layouts": self.distinct_layouts, "ops": self.ops},
-            "train_sent_bytes": _stats(self.train_sent, self.layout.train_world),
-            "gen_received_bytes": _stats(self.gen_received, self.layout.gen_world),
-            "gen_received_from_peers_bytes": _stats(self.gen_from_peers, self.layout.gen_world),
+            "train_sent_bytes": _stats(self.train_sent, self.parallelism.train_world),
+            "gen_received_bytes": _stats(self.gen_received, self.parallelism.gen_world),
+            "gen_received_from_peers_bytes": _stats(self.gen_from_peers, self.parallelism.gen_world),
             "estimate_s": {"refit": t, "busiest_rank": list(rank) if rank else None,
                            "limited_by": what, "gather_broadcast": self.gather_broadcast_s,
                            "gather": self.gather_s, "broadcast": self.broadcast_s},
@@ -157,7 +157,7 @@ def _stats(per_rank: Mapping, n: int) -> dict:
             "above_ideal": (top / mean - 1.0) if mean else 0.0}
 
 
-def link_costs(lay: RefitLayout, link: LinkModel,
+def link_costs(lay: RefitParallelism, link: LinkModel,
                stages: Optional[Mapping[int, StagePlanInput]] = None) -> LinkCosts:
     """The planner's view of the link model, in refit-group ranks (stage 0's training ranks
     stand for every stage's: sources never share a node with a destination).
@@ -177,7 +177,7 @@ def link_costs(lay: RefitLayout, link: LinkModel,
                      round(weight, 3))
 
 
-def simulate(model: str, cfg: Mapping[str, Any], lay: RefitLayout, link: LinkModel,
+def simulate(model: str, cfg: Mapping[str, Any], lay: RefitParallelism, link: LinkModel,
              others: str = "sharded", link_aware: bool = False, wire: str = "bf16"
              ) -> Simulation:
     """Plan and account the whole job (see the module docstring for the model).
@@ -242,7 +242,7 @@ def simulate(model: str, cfg: Mapping[str, Any], lay: RefitLayout, link: LinkMod
                       len(planner), ops, gather_s + broadcast_s, gather_s, broadcast_s)
 
 
-def _add_packed_broadcast(st: StagePlanInput, stage: int, lay: RefitLayout, link: LinkModel,
+def _add_packed_broadcast(st: StagePlanInput, stage: int, lay: RefitParallelism, link: LinkModel,
                           loads: Loads, sent: dict, received: dict) -> None:
     """Today's path for the non-bulk params: one packed broadcast per stage from the stage's
     first training rank to every rank of the group, as a pipelined chain (ring) in rank
@@ -260,7 +260,7 @@ def _add_packed_broadcast(st: StagePlanInput, stage: int, lay: RefitLayout, link
             received[b[1]] += nbytes
 
 
-def gather_broadcast_s(stages: Mapping[int, StagePlanInput], lay: RefitLayout,
+def gather_broadcast_s(stages: Mapping[int, StagePlanInput], lay: RefitParallelism,
                        link: LinkModel) -> tuple[float, float]:
     """(gather seconds, broadcast seconds) of the naive refit under the link model.
 
@@ -282,7 +282,7 @@ def gather_broadcast_s(stages: Mapping[int, StagePlanInput], lay: RefitLayout,
     return gather, total / (link.net_gbps * 1e9)
 
 
-def _shard_ranks(p, lay: RefitLayout) -> int:
+def _shard_ranks(p, lay: RefitParallelism) -> int:
     """How many training ranks one copy of ``p`` is split over."""
     if p.key is None:  # the simulator was asked for today's path: use the train rules
         name = p.name

@@ -23,7 +23,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 from torch.distributed.tensor import Replicate, Shard
 
-from megatron_reshard.wire.layout import MeshInfo
+from megatron_reshard.placements import MeshInfo
 
 VOCAB_PADDING = 64
 

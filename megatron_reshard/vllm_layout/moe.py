@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from torch.distributed.tensor import Shard
 
-from megatron_reshard.wire.layout import BlockShard
+from megatron_reshard.placements import BlockShard
 
 W13 = "w13_weight"
 W2 = "w2_weight"

@@ -31,16 +31,15 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from megatron_reshard.vllm_layout.moe import expert_gen_placement
-from megatron_reshard.wire.layout import (
+from megatron_reshard.placements import (
     BlockShard,
     MeshInfo,
     PaddedShard,
     _restore_placement,
     build_mesh_info,
-    get_placements,
-    is_expert_param,
     placements_to_plain,
 )
+from megatron_reshard.wire.placement_rules import get_placements, is_expert_param
 
 # The refit payload's schema version, the one statement of it: the train side writes it
 # (megatron/payload.py), both decoders check it (megatron/payload.decode_payload,

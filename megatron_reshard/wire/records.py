@@ -31,7 +31,7 @@ from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import torch
 
-from megatron_reshard.wire.layout import MeshInfo, _restore_placement, placements_to_plain
+from megatron_reshard.placements import MeshInfo, _restore_placement, placements_to_plain
 from megatron_reshard.wire.metadata import (
     SUPPORTED_SCHEMA_VERSIONS,
     _restore_mesh,

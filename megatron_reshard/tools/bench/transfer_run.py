@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import Shard
 
 from megatron_reshard.engine.geometry import rank_box
-from megatron_reshard.wire.layout import MeshInfo
+from megatron_reshard.placements import MeshInfo
 
 from .baselines import BaselineGroups, BaselineParam, gather_broadcast, raw_p2p
 from .memory import measure_peak_extra

@@ -1,24 +1,27 @@
-"""Layout layer: MeshInfo, name-based placement rules, build_mesh_info, get_placements."""
+"""Meshes and placements (``placements``: MeshInfo, build_mesh_info) and the seed's
+placement rules by HF name (``wire.placement_rules``: the bulk set, TP dims, get_placements)."""
 
 import pytest
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-from megatron_reshard.wire.layout import (
+from megatron_reshard.placements import (
+    MeshInfo,
+    MeshSizeError,
+    _restore_placement,
+    build_mesh_info,
+    placements_to_plain,
+)
+from megatron_reshard.wire.placement_rules import (
     COLUMN_PARALLEL_SUFFIXES,
     FFN_GROUPED_EXPERT_SUFFIXES,
     FFN_PROJ_WEIGHT_SUFFIXES,
     ROW_PARALLEL_SUFFIXES,
-    MeshInfo,
-    MeshSizeError,
     _get_expert_tp_shard_dim,
-    _restore_placement,
-    build_mesh_info,
     get_placements,
     get_tp_shard_dim,
     is_expert_param,
     is_nccl_reshard_param,
-    placements_to_plain,
 )
 
 # ---- suffix constants -------------------------------------------------------------------

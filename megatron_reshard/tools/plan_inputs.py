@@ -1,6 +1,7 @@
-"""A refit's layouts on paper: the training and generation parallel sizes, their checks
-against a model, and every parameter as the engine would see it (a layout key per
-training PP stage).
+"""What the plan tool plans, on paper: a refit's training and generation parallel sizes
+(``RefitParallelism``), their checks against a model, and every parameter with the
+layouts the engine would see on both sides (a layout key per param, per training PP
+stage).
 
 Ranks follow the refit's own conventions (``build_nccl_reshard_refit_info``): one refit
 group per training PP stage, its training ranks first (stage-local ``0..S-1``, Megatron's
@@ -26,9 +27,11 @@ import torch
 from megatron_reshard.engine.geometry import REPLICATE
 from megatron_reshard.engine.param_plan import LayoutKey
 from megatron_reshard.engine.plan import layout_key
-from megatron_reshard.wire.layout import MeshInfo, build_mesh_info, is_nccl_reshard_param
+from megatron_reshard.placements import MeshInfo, build_mesh_info
+from megatron_reshard.wire.placement_rules import is_nccl_reshard_param
 from megatron_reshard.megatron.qkv import megatron_qkv_layout
 from megatron_reshard.wire.metadata import build_nccl_reshard_refit_info, extract_layer_name
+from megatron_reshard.wire.records import RefitPayload
 from megatron_reshard.vllm_layout.dense import (QKV_PARAM_RE, AttentionHeads, padded_vocab_rows,
                                                 qkv_gen_layout)
 
@@ -42,7 +45,7 @@ MEGATRON_VOCAB_DIVISOR = 128  # make_vocab_size_divisible_by's default
 
 
 @dataclass(frozen=True)
-class RefitLayout:
+class RefitParallelism:
     """Training and generation parallel sizes (ETP 1; generation PP 1)."""
 
     train_world: int
@@ -85,8 +88,8 @@ class RefitLayout:
         return tuple(self.pp_layers) if self.pp_layers else ()
 
 
-def layout_problems(lay: RefitLayout, cfg: Mapping[str, Any]) -> list[str]:
-    """Why the model cannot be refitted under this layout, one line per option (empty: it can)."""
+def parallelism_problems(lay: RefitParallelism, cfg: Mapping[str, Any]) -> list[str]:
+    """Why the model cannot be refitted with these parallel sizes, one line per option (empty: it can)."""
     sizes = {"--train-world": lay.train_world, "--gen-world": lay.gen_world,
              "--train-tp": lay.train_tp, "--train-cp": lay.train_cp, "--train-ep": lay.train_ep,
              "--train-pp": lay.train_pp, "--gen-tp": lay.gen_tp, "--gen-ep": lay.gen_ep}
@@ -147,7 +150,7 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-def stage_of_layers(lay: RefitLayout, layers: int) -> dict[str, int]:
+def stage_of_layers(lay: RefitParallelism, layers: int) -> dict[str, int]:
     """Layer key -> training PP stage (embeddings first, final norm and LM head last)."""
     counts = list(lay.pp_layers) if lay.pp_layers else [layers // lay.train_pp] * lay.train_pp
     out, layer = {"model.embed_tokens": 0}, 0
@@ -202,7 +205,7 @@ def _wire_itemsize(name: str, dtype: str, wire: str) -> float:
     return _ITEMSIZE[dtype]
 
 
-def stage_inputs(lay: RefitLayout, cfg: Mapping[str, Any], others: str = "sharded",
+def stage_inputs(lay: RefitParallelism, cfg: Mapping[str, Any], others: str = "sharded",
                  wire: str = "bf16") -> dict[int, StagePlanInput]:
     """Every parameter of every training PP stage with the layout the engine would plan."""
     if others not in OTHERS_MODES:
@@ -213,24 +216,21 @@ def stage_inputs(lay: RefitLayout, cfg: Mapping[str, Any], others: str = "sharde
     stage_map = stage_of_layers(lay, int(cfg["num_hidden_layers"]))
     bulk_meta = {p.name: {"shape": list(p.shape), "dtype": p.dtype} for p in params
                  if is_nccl_reshard_param(p.name)}
-    info = build_nccl_reshard_refit_info(
+    info = RefitPayload.of(build_nccl_reshard_refit_info(
         bulk_meta, {"tp_size": lay.train_tp, "ep_size": lay.train_ep, "pp_size": lay.train_pp},
         {"tp_size": lay.gen_tp, "ep_size": lay.gen_ep, "pp_size": 1},
-        lay.train_world, lay.gen_world, stage_map if lay.train_pp > 1 else None)
+        lay.train_world, lay.gen_world, stage_map if lay.train_pp > 1 else None))
     out = {s: StagePlanInput() for s in range(lay.train_pp)}
     keys: dict = {}
-    for layer in info["layer_names"]:
-        for p in info["per_layer_params"][layer]:
-            light = (p["global_shape"], p["src_mesh_info"].key(), tuple(map(repr, p["src_placements"])),
-                     p["dst_mesh_info"].key(), tuple(map(repr, p["dst_placements"])))
-            key = keys.get(light)
-            if key is None:
-                key = keys[light] = layout_key(p["global_shape"], p["src_mesh_info"],
-                                               p["src_placements"], p["dst_mesh_info"],
-                                               p["dst_placements"], p["name"])
-            out[int(p.get("pp_stage", 0))].params.append(
-                SimParam(p["name"], tuple(p["global_shape"]),
-                         _wire_itemsize(p["name"], p["dtype"], wire), key, True))
+    for p in info.params():
+        light = (p.global_shape, p.src_mesh_info.key(), tuple(map(repr, p.src_placements)),
+                 p.dst_mesh_info.key(), tuple(map(repr, p.dst_placements)))
+        key = keys.get(light)
+        if key is None:
+            key = keys[light] = layout_key(p.global_shape, p.src_mesh_info, p.src_placements,
+                                           p.dst_mesh_info, p.dst_placements, p.name)
+        out[p.stage].params.append(
+            SimParam(p.name, p.global_shape, _wire_itemsize(p.name, p.dtype, wire), key, True))
     rules = _OtherRules(lay, cfg)
     for p in params:
         if is_nccl_reshard_param(p.name):
@@ -254,7 +254,7 @@ class _OtherRules:
     and ``vllm_layout.dense.qkv_gen_layout``: KV heads replicated over TP/nkv gen ranks).
     """
 
-    def __init__(self, lay: RefitLayout, cfg: Mapping[str, Any]) -> None:
+    def __init__(self, lay: RefitParallelism, cfg: Mapping[str, Any]) -> None:
         self.cfg, self.lay = cfg, lay
         self.nh, self.nkv = attention_heads(cfg)
         sw = lay.stage_world
@@ -328,5 +328,5 @@ def count_params(stages: Mapping[int, StagePlanInput]) -> dict[str, int]:
     return out
 
 
-def gen_group_ranks(lay: RefitLayout) -> Sequence[int]:
+def gen_group_ranks(lay: RefitParallelism) -> Sequence[int]:
     return range(lay.stage_world, lay.stage_world + lay.gen_world)

@@ -1,8 +1,11 @@
-"""Meshes and placement rules: which part of an HF-named parameter each rank holds.
+"""Meshes and placements: the vocabulary every layer states a layout in.
 
-Torch + stdlib only. A mesh is a tensor of ranks (any shape); a parameter's layout on a
-mesh is one torch placement (``Shard(d)`` / ``Replicate()``) per mesh axis, as in DTensor.
-The rules below decide placements from HF parameter names alone, as the seed API does.
+Torch + stdlib only, below everything else of the library (the engine, ``vllm_layout``,
+``wire`` and both sides import it; it imports none of them). A mesh is a tensor of ranks
+(any shape); a parameter's placements on a mesh are one torch placement (``Shard(d)`` /
+``Replicate()``, or the two extensions below) per mesh axis, as in DTensor. Which
+placements a parameter gets is decided elsewhere: by HF name in ``wire.placement_rules``
+(the seed's rules), by vLLM's layout in ``vllm_layout``.
 """
 
 from __future__ import annotations
@@ -14,11 +17,6 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from megatron_reshard.errors import MegatronReshardError
-
-COLUMN_PARALLEL_SUFFIXES = ("gate_proj.weight", "up_proj.weight")
-ROW_PARALLEL_SUFFIXES = ("down_proj.weight",)
-FFN_PROJ_WEIGHT_SUFFIXES = COLUMN_PARALLEL_SUFFIXES + ROW_PARALLEL_SUFFIXES
-FFN_GROUPED_EXPERT_SUFFIXES = ("experts.gate_up_proj", "experts.down_proj")
 
 # Order in which parallel dims are emitted by build_mesh_info (first = innermost axis).
 MESH_DIM_ORDER = ("tp", "ep", "dp", "pp")
@@ -82,34 +80,6 @@ class MeshInfo:
         return f"MeshInfo({self._mesh.tolist()})"
 
 
-def is_expert_param(param_name: str) -> bool:
-    """True for MoE routed-expert weights (sharded by EP)."""
-    return ".experts." in param_name
-
-
-def _get_expert_tp_shard_dim(param_name: str) -> Optional[int]:
-    """TP shard dim of an FFN weight by suffix; does not skip expert names."""
-    if param_name.endswith(COLUMN_PARALLEL_SUFFIXES):
-        return 0
-    if param_name.endswith(ROW_PARALLEL_SUFFIXES):
-        return 1
-    return None
-
-
-def get_tp_shard_dim(param_name: str) -> Optional[int]:
-    """TP shard dim of a dense FFN weight (gate/up → 0, down → 1); None for experts and the rest."""
-    if is_expert_param(param_name):
-        return None
-    return _get_expert_tp_shard_dim(param_name)
-
-
-def is_nccl_reshard_param(param_name: str) -> bool:
-    """True iff the param takes the bulk (exact reshard) path: FFN projection weights."""
-    if "shared_expert" in param_name or param_name.startswith("mtp."):
-        return False
-    return param_name.endswith(FFN_PROJ_WEIGHT_SUFFIXES + FFN_GROUPED_EXPERT_SUFFIXES)
-
-
 class MeshSizeError(MegatronReshardError, ValueError, AssertionError):
     """Parallel sizes that do not tile the GPU count.
 
@@ -150,30 +120,6 @@ def build_mesh_info(
     outer_to_inner = list(reversed(survivors))
     mesh = ranks.reshape([sizes[name] for name in outer_to_inner])
     return MeshInfo(mesh), {name: axis for axis, name in enumerate(outer_to_inner)}
-
-
-def get_placements(param_name: str, dim_map: dict, ndim: int) -> list:
-    """DTensor placements of an HF param on a mesh described by ``dim_map``.
-
-    One placement per mesh axis (at least one), Replicate by default. 1-D params stay
-    replicated; experts shard dim 0 on ``ep`` (else their TP dim + 1 on ``tp``); dense
-    FFN weights shard their TP dim on ``tp``.
-    """
-    placements: list = [Replicate() for _ in range(max(1, len(dim_map)))]
-    if ndim < 2:
-        return placements
-    if is_expert_param(param_name):
-        if "ep" in dim_map:
-            placements[dim_map["ep"]] = Shard(0)
-        elif "tp" in dim_map:
-            tp_dim = _get_expert_tp_shard_dim(param_name)
-            if tp_dim is not None:
-                placements[dim_map["tp"]] = Shard(tp_dim + 1)
-        return placements
-    tp_dim = get_tp_shard_dim(param_name)
-    if tp_dim is not None and "tp" in dim_map:
-        placements[dim_map["tp"]] = Shard(tp_dim)
-    return placements
 
 
 @dataclass(frozen=True)
