@@ -33,7 +33,6 @@ import os
 import statistics
 import sys
 import time
-from datetime import timedelta
 
 import torch
 import torch.multiprocessing as mp
@@ -256,7 +255,6 @@ def run(rank: int, args, port: int, results) -> None:
     group = create_refit_group("127.0.0.1", port, rank, 2, "gloo", 120.0,
                                transport="colocated", who=("train", "gen")[rank])
     move = transport_of(group).move
-    rows = []
     for name in args.cases:
         c = (SMALL if args.small else SLICES)[name]
         train = train_buffers(c, args.layers, device, dtype) if rank == 0 else None

@@ -20,7 +20,6 @@ from megatron_reshard.fp8.plan import (
 from megatron_reshard.placements import BlockShard, PaddedShard, build_mesh_info
 from megatron_reshard.wire.metadata import (
     build_nccl_reshard_refit_info,
-    make_nccl_reshard_refit_info_wire_safe,
     restore_refit_info_placements,
 )
 from megatron_reshard.megatron.qkv import megatron_qkv_layout

@@ -146,7 +146,3 @@ FAMILIES: dict[str, tuple[tuple[Rule, ...], tuple[Rule, ...]]] = {
     )),
 }
 
-
-def known_families() -> list[str]:
-    return sorted(FAMILIES)
-
