@@ -17,6 +17,12 @@ ROOT = Path(__file__).resolve().parents[1]
 DSV3_NEMO_RL = ["--model", "deepseek-v3", "--train-world", "256", "--train-tp", "1",
                 "--train-pp", "16", "--train-pp-layers", ",".join(["4"] * 15 + ["1"]),
                 "--train-ep", "16", "--gen-world", "256", "--gen-tp", "32", "--gen-ep", "32"]
+# the same layout per stage and per generation replica at a quarter of the ranks and 9 of the
+# 61 layers (uneven stages, EP16 with expert DP 1, gen TP32 EP32): planned in a second,
+# where the whole model over 256 ranks takes the default planner half a minute
+DSV3_NEMO_RL_SLICE = ["--model", "deepseek-v3", "--layers", "9", "--train-world", "64",
+                      "--train-tp", "1", "--train-pp", "4", "--train-pp-layers", "4,2,2,1",
+                      "--train-ep", "16", "--gen-world", "64", "--gen-tp", "32", "--gen-ep", "32"]
 
 
 def _plan(*args, timeout=300):
@@ -84,7 +90,7 @@ def test_the_fingerprint_changes_with_the_layout():
 
 
 def test_json_reports_bytes_per_rank_planning_time_and_both_estimates():
-    runs = json.loads(_plan(*DSV3_NEMO_RL, "--json", "--others", "sharded").stdout)["runs"]
+    runs = json.loads(_plan(*DSV3_NEMO_RL_SLICE, "--json", "--others", "sharded").stdout)["runs"]
     assert [r["planner"] for r in runs] == ["default", "link-aware"]
     for r in runs:
         for side in ("train_sent_bytes", "gen_received_bytes"):
