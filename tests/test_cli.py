@@ -5,6 +5,7 @@ line on stderr naming the option; a second check runs ``cli.main`` in a fresh in
 to show that neither the worker pool module nor Megatron was even imported.
 """
 
+import functools
 import json
 import re
 import subprocess
@@ -34,6 +35,12 @@ def _run_cli(*args, timeout=120):
 
 
 AHEAD = _cli = Ahead(_run_cli)
+
+
+@functools.cache
+def _help(*command):
+    """``megatron-reshard *command --help``, run once for all the tests that read it."""
+    return _cli(*command, "--help")
 
 
 # (argv, the option the message must name, a fragment of what it must say was expected)
@@ -223,10 +230,10 @@ def test_version_prints_the_package_version():
 HELP_COMMANDS = [[], ["demo"], ["bench"], ["plan"]]
 
 
-@ahead(*[[*command, "--help"] for command in HELP_COMMANDS])
+@ahead(*[[*command, "--help"] for command in HELP_COMMANDS])  # _help(): the help tests below too
 @pytest.mark.parametrize("command", HELP_COMMANDS)
 def test_every_help_shows_the_defaults(command):
-    out = _cli(*command, "--help")
+    out = _help(*command)
     assert out.returncode == 0
     text = " ".join(out.stdout.split())
     expected = {(): [], ("demo",): ["--refits REFITS refits to run", "(default: 3)",
@@ -245,25 +252,22 @@ def test_every_help_shows_the_defaults(command):
         assert "default" in line, line
 
 
-@ahead(["demo", "--help"])
 def test_the_streams_help_says_what_it_does_on_cpu_and_on_gpus():
-    help_text = _cli("demo", "--help").stdout
+    help_text = _help("demo").stdout
     text = " ".join(help_text[help_text.index("options:"):].split())
     streams = text[text.index("--streams STREAMS"):text.index("--staging-mib STAGING_MIB")]
     assert "CUDA streams" not in streams and "on CPU" in streams and "on GPUs" in streams
 
 
-@ahead(["--help"])
 def test_help_lists_the_three_commands():
-    out = _cli("--help")
+    out = _help()
     assert out.returncode == 0
     for command in ("demo", "bench", "plan"):
         assert command in out.stdout
 
 
-@ahead(["demo", "--help"])
 def test_demo_help_documents_layout_and_backend_options():
-    out = _cli("demo", "--help")
+    out = _help("demo")
     assert out.returncode == 0
     for option in ("--train-tp", "--train-pp", "--train-ep", "--gen-tp", "--model", "--backend",
                    "--json", "--refits"):

@@ -1,6 +1,7 @@
 """``megatron-reshard plan`` as a user meets it: checks up front, the layout it used, every
 parameter counted, the fingerprint it promises, JSON; run through the real CLI."""
 
+import functools
 import json
 import subprocess
 import sys
@@ -35,6 +36,12 @@ def _run_plan(*args, timeout=300):
 
 
 AHEAD = _plan = Ahead(_run_plan)
+
+
+@functools.cache
+def _help():
+    """``megatron-reshard plan --help``, run once for the tests that read it."""
+    return _plan("--help")
 
 
 REFUSED = [
@@ -137,9 +144,9 @@ def test_plot_without_matplotlib_is_refused_up_front():
     assert out.returncode == 2 and "pip install 'megatron-reshard[plot]'" in out.stderr
 
 
-@ahead(["--help"])
+@ahead(["--help"])  # _help() for this test and test_help_lists_each_presets_default_layout
 def test_plan_help_names_the_link_model_defaults():
-    text = " ".join(_plan("--help").stdout.split())
+    text = " ".join(_help().stdout.split())
     for fragment in ("--gpus-per-node GPUS_PER_NODE GPUs per node, joined by NVLink (default: 8)",
                      "(default: 450.0)", "(default: 50.0)", "(default: 5.0)",
                      "(default: sharded)", "(default: both)"):
@@ -168,9 +175,8 @@ def test_every_preset_plans_with_the_commands_defaults(model, capsys):
     assert f"EP{expected['train_ep']}" in got["layout_text"]
 
 
-@ahead(["--help"])
 def test_help_lists_each_presets_default_layout():
-    text = _plan("--help").stdout
+    text = _help().stdout
     for model in model_names():
         line = describe_plan_layout(default_plan_layout(model_config(model)))
         assert any(ln.split() == [model, *line.split()] for ln in text.splitlines()), model
