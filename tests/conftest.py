@@ -1,4 +1,5 @@
-"""Shared fixtures: one pool of spawned worker processes for every multi-process test."""
+"""Shared fixtures: one pool of spawned worker processes for every multi-process test;
+subprocesses started ahead of the tests that read them (``tests/ahead.py``)."""
 
 import pytest
 
@@ -12,6 +13,41 @@ def pool():
     workers = WorkerPool(POOL_SIZE)
     yield workers
     workers.close()
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "ahead(*args, **kwargs): calls of the module's AHEAD "
+                                       "runner this test makes, started ahead (tests/ahead.py)")
+
+
+def _may_be_skipped(item) -> bool:
+    """A skip mark, or a skipif whose condition is not plainly False: its calls are not
+    started (on a GPU machine the skipped ``bench refit`` would start the benchmark)."""
+    if any(True for _ in item.iter_markers("skip")):
+        return True
+    return any(c is not False for m in item.iter_markers("skipif")
+               for c in (*m.args, m.kwargs.get("condition", False)))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _commands_ahead(request):
+    """Queue the ``ahead`` calls of the module's selected tests, in the order they run."""
+    runner = getattr(request.module, "AHEAD", None)
+    if runner is None:
+        yield
+        return
+    seen = set()  # the cases of a parametrized test share the marks of its function
+    for item in request.session.items:
+        if item.module is not request.module or _may_be_skipped(item):
+            continue
+        for mark in item.iter_markers("ahead"):
+            key = (getattr(item, "function", None), tuple(map(tuple, mark.args)),
+                   tuple(sorted(mark.kwargs.items())))
+            if key not in seen:
+                seen.add(key)
+                runner.start(*mark.args, **mark.kwargs)
+    yield
+    runner.stop()
 
 
 def pytest_collection_modifyitems(config, items):

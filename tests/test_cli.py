@@ -5,6 +5,7 @@ line on stderr naming the option; a second check runs ``cli.main`` in a fresh in
 to show that neither the worker pool module nor Megatron was even imported.
 """
 
+import functools
 import json
 import re
 import subprocess
@@ -21,13 +22,25 @@ from megatron_reshard.receiver.full_weights import load_full_weights
 from megatron_reshard.receiver.targets import VllmTargets
 from megatron_reshard.testing.vllm_like import build_vllm_like_model, random_hf_state_dict
 
+from ahead import Ahead
+
 ROOT = Path(__file__).resolve().parents[1]
+ahead = pytest.mark.ahead  # the _cli calls a test makes, started ahead of it (tests/ahead.py)
 
 
-def _cli(*args, timeout=120):
+def _run_cli(*args, timeout=120):
     # the timeout only keeps a hang from blocking the suite; nothing here measures time
     return subprocess.run([sys.executable, "-m", "megatron_reshard.tools.cli", *args],
                           capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+AHEAD = _cli = Ahead(_run_cli)
+
+
+@functools.cache
+def _help(*command):
+    """``megatron-reshard *command --help``, run once for all the tests that read it."""
+    return _cli(*command, "--help")
 
 
 # (argv, the option the message must name, a fragment of what it must say was expected)
@@ -109,10 +122,14 @@ def test_an_invalid_option_ends_the_command_with_one_line_and_status_2(invalid_r
     assert not run["pool_imported"] and not run["megatron_imported"]
 
 
-@pytest.mark.parametrize("argv", [["demo", "--gen-tp", "3", "--gen-world", "3"],
-                                  ["demo", "--model", "dense", "--train-ep", "2"],
-                                  ["demo", "--refits", "0"],
-                                  ["bench", "refit", "--nproc", "3", "--device", "cpu"]])
+INSTALLED_INVALID = [["demo", "--gen-tp", "3", "--gen-world", "3"],
+                     ["demo", "--model", "dense", "--train-ep", "2"],
+                     ["demo", "--refits", "0"],
+                     ["bench", "refit", "--nproc", "3", "--device", "cpu"]]
+
+
+@ahead(*INSTALLED_INVALID)
+@pytest.mark.parametrize("argv", INSTALLED_INVALID)
 def test_the_installed_command_exits_2_with_one_line_and_no_traceback(argv):
     out = _cli(*argv)
     assert out.returncode == 2, out.stderr[-2000:]
@@ -203,15 +220,20 @@ def test_the_documented_cpu_smoke_runs_of_the_benchmarks_pass_the_checks(kind, n
     assert cli.bench_problems(kind, nproc, rest) == []
 
 
+@ahead(["--version"])
 def test_version_prints_the_package_version():
     version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
     out = _cli("--version")
     assert out.returncode == 0 and out.stdout.strip() == f"megatron-reshard {version}"
 
 
-@pytest.mark.parametrize("command", [[], ["demo"], ["bench"], ["plan"]])
+HELP_COMMANDS = [[], ["demo"], ["bench"], ["plan"]]
+
+
+@ahead(*[[*command, "--help"] for command in HELP_COMMANDS])  # _help(): the help tests below too
+@pytest.mark.parametrize("command", HELP_COMMANDS)
 def test_every_help_shows_the_defaults(command):
-    out = _cli(*command, "--help")
+    out = _help(*command)
     assert out.returncode == 0
     text = " ".join(out.stdout.split())
     expected = {(): [], ("demo",): ["--refits REFITS refits to run", "(default: 3)",
@@ -231,31 +253,35 @@ def test_every_help_shows_the_defaults(command):
 
 
 def test_the_streams_help_says_what_it_does_on_cpu_and_on_gpus():
-    help_text = _cli("demo", "--help").stdout
+    help_text = _help("demo").stdout
     text = " ".join(help_text[help_text.index("options:"):].split())
     streams = text[text.index("--streams STREAMS"):text.index("--staging-mib STAGING_MIB")]
     assert "CUDA streams" not in streams and "on CPU" in streams and "on GPUs" in streams
 
 
 def test_help_lists_the_three_commands():
-    out = _cli("--help")
+    out = _help()
     assert out.returncode == 0
     for command in ("demo", "bench", "plan"):
         assert command in out.stdout
 
 
 def test_demo_help_documents_layout_and_backend_options():
-    out = _cli("demo", "--help")
+    out = _help("demo")
     assert out.returncode == 0
     for option in ("--train-tp", "--train-pp", "--train-ep", "--gen-tp", "--model", "--backend",
                    "--json", "--refits"):
         assert option in out.stdout
 
 
+PLAN_EP2_TO_TP2 = ["plan", "--model", "qwen3-30b-a3b", "--layers", "1", "--train-world", "2",
+                   "--train-tp", "1", "--train-pp", "1", "--train-ep", "2", "--gen-world", "2",
+                   "--gen-tp", "2"]
+
+
+@ahead(PLAN_EP2_TO_TP2)
 def test_plan_ep2_to_tp2_sends_each_generation_rank_half_of_every_expert():
-    out = _cli("plan", "--model", "qwen3-30b-a3b", "--layers", "1", "--train-world", "2",
-               "--train-tp", "1", "--train-pp", "1", "--train-ep", "2", "--gen-world", "2",
-               "--gen-tp", "2")
+    out = _cli(*PLAN_EP2_TO_TP2)
     assert out.returncode == 0, out.stderr
     # 128 experts x (gate + up + down) x 768 x 2048 bf16 = 1152 MiB; each train rank holds
     # 64 experts and each gen rank wants half of every expert: 288 MiB per (src, dst) pair
@@ -265,22 +291,28 @@ def test_plan_ep2_to_tp2_sends_each_generation_rank_half_of_every_expert():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the benchmark starts for real")
+@ahead(["bench", "refit", "--nproc", "2"])
 def test_bench_without_a_gpu_says_how_to_run_a_cpu_smoke_instead():
     out = _cli("bench", "refit", "--nproc", "2")
     assert out.returncode == 2 and "--device cpu" in out.stderr
 
 
+@ahead(["plan", "--bogus"])
 def test_unknown_options_are_refused_outside_the_benchmarks():
     out = _cli("plan", "--bogus")
     assert out.returncode == 2 and "--bogus" in out.stderr
 
 
+DENSE_DEMO = ["demo", "--model", "dense", "--refits", "2", "--json"]
+
+
 @pytest.mark.slow
+@ahead(DENSE_DEMO, timeout=600)
 def test_demo_of_the_dense_model_runs_with_its_own_defaults_and_reports_json():
     """The README's `demo --model dense`, as a user starts it (its own processes), with
     `--json`: one summary object of a verified refit (the pool-based e2e tests cover the
     other models and layouts; one demo subprocess is enough for the command itself)."""
-    out = _cli("demo", "--model", "dense", "--refits", "2", "--json", timeout=600)
+    out = _cli(*DENSE_DEMO, timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary["verified"] is True and summary["refits"] == 2

@@ -185,11 +185,11 @@ def _check_all_or_nothing(gen: dict) -> None:
     assert unlisted <= held, (sorted(unlisted - held), state)
 
 
-def _run(pool, timeout_s=240, **plan):
+def _run(pool, timeout_s=240, settle_s=None, **plan):
     plan = {"refits": 4, "at_refit": 3, "seed": 0, "tag": "run", **plan}
     t0 = time.time()
     results = pool.run(_fault_job, TRAIN + GEN, plan, num_ports=3, timeout_s=timeout_s, grace_s=25,
-                       return_failures=True)
+                       settle_s=settle_s, return_failures=True)
     return results, time.time() - t0
 
 
@@ -248,9 +248,12 @@ def test_killed_generation_rank_fails_every_survivor_within_the_timeout(pool, tr
 
 @pytest.mark.parametrize("transport", ["p2p", "colocated"])
 def test_stopped_training_rank_makes_survivors_time_out(pool, transport):
-    # survivors return their errors; the stopped rank is killed when the job times out
+    # survivors return their errors; the stopped rank is killed once they have: the first
+    # survivor's return starts a countdown of timeout + margin (a survivor still running by
+    # then has missed the bound checked below anyway), and 45 s bound the whole job
     results, elapsed = _run(pool, victim=1, fault="stop", seed=4, tag=f"stop{transport}",
-                            fresh_gen=True, timeout_s=45, transport=transport)
+                            fresh_gen=True, timeout_s=45, settle_s=TIMEOUT_S + MARGIN_S,
+                            transport=transport)
     assert isinstance(results[1], RankFailure) and "killed" in results[1].text
     for r in (0, 2, 3):
         res = results[r]

@@ -1,6 +1,7 @@
 """``megatron-reshard plan`` as a user meets it: checks up front, the layout it used, every
 parameter counted, the fingerprint it promises, JSON; run through the real CLI."""
 
+import functools
 import json
 import subprocess
 import sys
@@ -13,19 +14,37 @@ from megatron_reshard.testing.vllm_like import build_plain_payload, random_hf_st
 from megatron_reshard.tools.presets import (default_plan_parallelism, demo_config,
                                             describe_plan_parallelism, model_config, model_names)
 
+from ahead import Ahead
+
+ahead = pytest.mark.ahead  # the _plan calls a test makes, started ahead of it (tests/ahead.py)
 ROOT = Path(__file__).resolve().parents[1]
 DSV3_NEMO_RL = ["--model", "deepseek-v3", "--train-world", "256", "--train-tp", "1",
                 "--train-pp", "16", "--train-pp-layers", ",".join(["4"] * 15 + ["1"]),
                 "--train-ep", "16", "--gen-world", "256", "--gen-tp", "32", "--gen-ep", "32"]
+# the same layout per stage and per generation replica at a quarter of the ranks and 9 of the
+# 61 layers (uneven stages, EP16 with expert DP 1, gen TP32 EP32): planned in a second,
+# where the whole model over 256 ranks takes the default planner half a minute
+DSV3_NEMO_RL_SLICE = ["--model", "deepseek-v3", "--layers", "9", "--train-world", "64",
+                      "--train-tp", "1", "--train-pp", "4", "--train-pp-layers", "4,2,2,1",
+                      "--train-ep", "16", "--gen-world", "64", "--gen-tp", "32", "--gen-ep", "32"]
 
 
-def _plan(*args, timeout=300):
+def _run_plan(*args, timeout=300):
     # the timeout only keeps a hang from blocking the suite; nothing here measures time
     return subprocess.run([sys.executable, "-m", "megatron_reshard.tools.cli", "plan", *args],
                           capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
-@pytest.mark.parametrize("args, fragment", [
+AHEAD = _plan = Ahead(_run_plan)
+
+
+@functools.cache
+def _help():
+    """``megatron-reshard plan --help``, run once for the tests that read it."""
+    return _plan("--help")
+
+
+REFUSED = [
     (["--model", "deepseek-v3", "--train-world", "256", "--train-pp", "16", "--train-ep", "16",
       "--train-tp", "1"], "--train-pp 16: expected a divisor of the 61 layers, or uneven stages"),
     (["--model", "deepseek-v3", "--train-world", "16", "--train-pp", "2", "--train-tp", "1",
@@ -38,7 +57,11 @@ def _plan(*args, timeout=300):
     (["--model", "dense", "--train-ep", "2"], "--train-ep 2: expected 1, the model has no experts"),
     (["--gen-world", "0"], "--gen-world 0: expected an integer >= 1"),
     (["--net-gbps", "0"], "--net-gbps 0.0: expected a number > 0"),
-])
+]
+
+
+@ahead(*[args for args, _ in REFUSED])
+@pytest.mark.parametrize("args, fragment", REFUSED)
 def test_a_layout_the_model_cannot_take_ends_at_once_with_one_line(args, fragment):
     out = _plan(*args)
     assert out.returncode == 2, out.stdout
@@ -47,6 +70,7 @@ def test_a_layout_the_model_cannot_take_ends_at_once_with_one_line(args, fragmen
     assert "Traceback" not in out.stderr
 
 
+@ahead([*DSV3_NEMO_RL, "--planner", "link-aware"])
 def test_the_output_states_the_layout_it_used():
     out = _plan(*DSV3_NEMO_RL, "--planner", "link-aware")
     assert out.returncode == 0, out.stderr
@@ -54,6 +78,7 @@ def test_the_output_states_the_layout_it_used():
             "EP16 DP16 (expert DP 1) -> gen 256 ranks: TP32 EP32 DP8") in out.stdout
 
 
+@ahead(["--json", "--train-pp", "1"])
 def test_every_parameter_is_counted_as_the_refit_payload_carries_it():
     # the demo's MoE model: the payload a refit sends lists bulk params (experts grouped)
     # and the other params; plan must count both, not only the FFN weights
@@ -68,6 +93,7 @@ def test_every_parameter_is_counted_as_the_refit_payload_carries_it():
     assert got["bulk_bytes"] + got["other_bytes"] == sum(t.numel() * 2 for t in full.values())
 
 
+@ahead([], [], ["--json"])  # two processes of the same command, then the JSON
 def test_the_fingerprint_is_printed_and_identical_between_runs_and_in_json():
     first, second = _plan(), _plan()
     lines = [ln for ln in first.stdout.splitlines() if ln.startswith("plan fingerprint (default")]
@@ -77,14 +103,16 @@ def test_the_fingerprint_is_printed_and_identical_between_runs_and_in_json():
     assert lines[0].endswith(runs[0]["fingerprint"]) and runs[0]["planner"] == "default"
 
 
+@ahead(["--json", "--planner", "default"], ["--json", "--planner", "default", "--gen-tp", "1"])
 def test_the_fingerprint_changes_with_the_layout():
     a = json.loads(_plan("--json", "--planner", "default").stdout)["runs"][0]["fingerprint"]
     b = json.loads(_plan("--json", "--planner", "default", "--gen-tp", "1").stdout)["runs"][0]
     assert a != b["fingerprint"]
 
 
+@ahead([*DSV3_NEMO_RL_SLICE, "--json", "--others", "sharded"])
 def test_json_reports_bytes_per_rank_planning_time_and_both_estimates():
-    runs = json.loads(_plan(*DSV3_NEMO_RL, "--json", "--others", "sharded").stdout)["runs"]
+    runs = json.loads(_plan(*DSV3_NEMO_RL_SLICE, "--json", "--others", "sharded").stdout)["runs"]
     assert [r["planner"] for r in runs] == ["default", "link-aware"]
     for r in runs:
         for side in ("train_sent_bytes", "gen_received_bytes"):
@@ -101,18 +129,24 @@ def test_json_reports_bytes_per_rank_planning_time_and_both_estimates():
     assert aware["estimate_s"]["refit"] < default["estimate_s"]["refit"]
 
 
-def test_plot_without_matplotlib_is_refused_up_front():
+def _has_matplotlib() -> bool:
     try:
         import matplotlib  # noqa: F401
-        pytest.skip("matplotlib is installed here")
     except ImportError:
-        pass
+        return False
+    return True
+
+
+@pytest.mark.skipif(_has_matplotlib(), reason="matplotlib is installed here")
+@ahead(["--plot", "/tmp/never_written.png"])  # not started where skipped (it would plot)
+def test_plot_without_matplotlib_is_refused_up_front():
     out = _plan("--plot", "/tmp/never_written.png")
     assert out.returncode == 2 and "pip install 'megatron-reshard[plot]'" in out.stderr
 
 
+@ahead(["--help"])  # _help() for this test and test_help_lists_each_presets_default_layout
 def test_plan_help_names_the_link_model_defaults():
-    text = " ".join(_plan("--help").stdout.split())
+    text = " ".join(_help().stdout.split())
     for fragment in ("--gpus-per-node GPUS_PER_NODE GPUs per node, joined by NVLink (default: 8)",
                      "(default: 450.0)", "(default: 50.0)", "(default: 5.0)",
                      "(default: sharded)", "(default: both)"):
@@ -142,13 +176,17 @@ def test_every_preset_plans_with_the_commands_defaults(model, capsys):
 
 
 def test_help_lists_each_presets_default_layout():
-    text = _plan("--help").stdout
+    text = _help().stdout
     for model in model_names():
         line = describe_plan_parallelism(default_plan_parallelism(model_config(model)))
         assert any(ln.split() == [model, *line.split()] for ln in text.splitlines()), model
 
 
+PP_LAYERS_ONLY = ["--model", "deepseek-v3", "--train-pp-layers", "31,30", "--planner", "default"]
+
+
+@ahead(PP_LAYERS_ONLY)
 def test_pp_layers_alone_sets_the_stage_count():
-    out = _plan("--model", "deepseek-v3", "--train-pp-layers", "31,30", "--planner", "default")
+    out = _plan(*PP_LAYERS_ONLY)
     assert out.returncode == 0, out.stderr
     assert "PP2 (layers 31,30)" in out.stdout

@@ -213,9 +213,13 @@ def test_link_aware_fingerprints_are_stable_across_processes():
             "from megatron_reshard.tools.simulate import LinkModel, simulate;"
             "lay = RefitParallelism(train_world=8, gen_world=16, train_ep=4, train_pp=2, gen_tp=4, gen_ep=4);"
             "print(simulate('q', model_config('qwen3-30b-a3b', 2), lay, LinkModel(), 'sharded', True).fingerprint)")
-    out = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env={"PYTHONHASHSEED": seed}, check=True).stdout.strip()
-           for seed in ("1", "2")}
+    # the two interpreters at once (each one's start is most of the test's time)
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env={"PYTHONHASHSEED": seed})
+             for seed in ("1", "2")]
+    done = [(p.communicate(timeout=300), p.returncode) for p in procs]
+    assert all(rc == 0 for _, rc in done), [err for (_, err), _ in done]
+    out = {stdout.strip() for (stdout, _), _ in done}
     assert len(out) == 1 and len(out.pop()) == 24
 
 

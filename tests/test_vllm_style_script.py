@@ -9,12 +9,20 @@ import sys
 
 import pytest
 
+from ahead import Ahead
+
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "scripts", "vllm_style_refit.py")
+TWO_LAUNCHERS = ["--model", "dense", "--train-world", "2", "--train-tp", "2", "--gen-world", "2",
+                 "--gen-tp", "2", "--refits", "2", "--timeout-s", "60"]
+BAD_LAYOUT = ["--gen-world", "2", "--gen-tp", "3"]
 
 
-def _run(*args: str, timeout: float = 240.0) -> subprocess.CompletedProcess:
+def _launch(*args: str, timeout: float = 240.0) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True,
                           timeout=timeout)
+
+
+AHEAD = _run = Ahead(_launch)  # both launches start with the module (tests/ahead.py)
 
 
 def _summaries(stdout: str) -> dict:
@@ -24,9 +32,9 @@ def _summaries(stdout: str) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.ahead(TWO_LAUNCHERS)
 def test_two_launchers_refit_bit_exact_through_collective_rpc():
-    done = _run("--model", "dense", "--train-world", "2", "--train-tp", "2", "--gen-world", "2",
-                "--gen-tp", "2", "--refits", "2", "--timeout-s", "60")
+    done = _run(*TWO_LAUNCHERS)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = _summaries(done.stdout)
     assert set(rows) == {"train", "gen"}
@@ -40,7 +48,8 @@ def test_two_launchers_refit_bit_exact_through_collective_rpc():
     assert rows["train"]["refits"] == 2
 
 
+@pytest.mark.ahead(BAD_LAYOUT, timeout=60)
 def test_bad_layout_is_one_line_and_exit_2():
-    done = _run("--gen-world", "2", "--gen-tp", "3", timeout=60)
+    done = _run(*BAD_LAYOUT, timeout=60)
     assert done.returncode == 2
     assert "--gen-world 2" in done.stderr and "Traceback" not in done.stderr

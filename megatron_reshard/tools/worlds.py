@@ -137,6 +137,16 @@ def _echo_rank(text: str) -> int:
     return 2 if text.endswith("; killed") else int("PeerFailure" in text)
 
 
+def _wait_exit(proc, timeout_s: float) -> None:
+    """Wait until ``proc`` has exited (``is_alive`` reaps it), at most ``timeout_s``. Not
+    ``join``: it waits for the worker's sentinel pipe to close, and a child the worker
+    started keeps it open (``torch_shm_manager``, started by the CPU shared memory of
+    colocated refits, outlives a killed worker by up to 10 s)."""
+    end = time.monotonic() + timeout_s
+    while proc.is_alive() and time.monotonic() < end:
+        time.sleep(0.01)
+
+
 @dataclass(frozen=True)
 class RankFailure:
     """A rank's failure in a job run with ``return_failures``: its traceback or what happened."""
@@ -178,12 +188,12 @@ class WorkerPool:
         proc = self._procs[index]
         if proc.is_alive():
             proc.kill()
-        proc.join(timeout=10)
+        _wait_exit(proc, 10)
         self._start(index)
 
     def run(self, fn: Callable[..., Any], nprocs: int, *args: Any, timeout_s: float = 180.0,
             num_ports: int = 4, grace_s: float = 15.0, return_failures: bool = False,
-            **kwargs: Any) -> list[Any]:
+            settle_s: Optional[float] = None, **kwargs: Any) -> list[Any]:
         """Run ``fn(job, *args, **kwargs)`` on ranks ``0..nprocs-1``; return results by rank.
 
         A rank that raises or whose process dies fails the job. From the first failure the
@@ -192,6 +202,9 @@ class WorkerPool:
         instead of at ``timeout_s``. The error puts the first failure that is not a peer's
         echo (``PeerFailure``) on top. With ``return_failures`` a failed rank's entry is a
         ``RankFailure`` instead, and nothing is raised for failures (fault tests).
+        With ``settle_s``, the first rank to return a result starts the same countdown: the
+        ranks still running ``settle_s`` later are killed (a fault test whose stopped rank
+        never returns ends when its survivors have, not at ``timeout_s``).
         """
         if nprocs > self.size:
             raise ValueError(f"job needs {nprocs} processes, the pool has {self.size}")
@@ -204,6 +217,13 @@ class WorkerPool:
         done: dict[int, Any] = {}
         failures: dict[int, str] = {}  # in the order they arrived
         deadline = time.monotonic() + timeout_s
+        why = f"did not finish within {timeout_s:g} s"  # what a rank killed at the deadline hears
+
+        def tighten(seconds: float, reason: str) -> None:
+            nonlocal deadline, why
+            if time.monotonic() + seconds < deadline:
+                deadline, why = time.monotonic() + seconds, reason
+
         while len(done) + len(failures) < nprocs:
             try:
                 got_id, rank, ok, payload = self._results.get(timeout=_POLL_S)
@@ -212,10 +232,8 @@ class WorkerPool:
                     if i not in done and i not in failures and not self._procs[i].is_alive():
                         failures[i] = f"worker process died (exit code {self._procs[i].exitcode})"
                         self._replace(i)
-                        deadline = min(deadline, time.monotonic() + grace_s)
+                        tighten(grace_s, f"still running {grace_s:g} s after the first failure")
                 if time.monotonic() > deadline:
-                    why = (f"still running {grace_s:g} s after the first failure" if failures
-                           else f"did not finish within {timeout_s:g} s")
                     for i in sorted(set(range(nprocs)) - set(done) - set(failures)):
                         failures[i] = f"{why}; killed"
                         self._replace(i)
@@ -224,9 +242,11 @@ class WorkerPool:
                 continue  # late answer from an earlier, abandoned job
             if ok:
                 done[rank] = _loads(payload)
+                if settle_s is not None:
+                    tighten(settle_s, f"still running {settle_s:g} s after the first rank returned")
             else:
                 failures[rank] = payload
-                deadline = min(deadline, time.monotonic() + grace_s)
+                tighten(grace_s, f"still running {grace_s:g} s after the first failure")
         if return_failures:
             return [done[r] if r in done else RankFailure(r, failures[r]) for r in range(nprocs)]
         if failures:
@@ -247,7 +267,7 @@ class WorkerPool:
         for p in self._procs:
             if p is None:
                 continue
-            p.join(timeout=10)
+            _wait_exit(p, 10)
             if p.is_alive():
                 p.kill()
         self._procs, self._tasks, self._results = [], [], None
