@@ -38,9 +38,9 @@ def test_pool_reports_the_failing_rank(pool):
         pool.run(_fail_on_rank_one, 2)
 
 
-def test_with_settle_s_a_rank_still_running_after_the_others_returned_is_killed(pool):
+def test_with_settle_s_the_last_rank_still_running_after_the_others_returned_is_killed(pool):
     got = pool.run(_stop_on_rank_one, 3, settle_s=1.0, return_failures=True)
     assert got[0] == 0 and got[2] == 2
     assert isinstance(got[1], RankFailure)
-    assert got[1].text == "still running 1 s after the first rank returned; killed"
+    assert got[1].text == "still running 1 s after every other rank returned; killed"
     assert pool.run(_all_reduce_rank, 3) == [6.0, 6.0, 6.0]  # the stopped worker was replaced

@@ -202,9 +202,9 @@ class WorkerPool:
         instead of at ``timeout_s``. The error puts the first failure that is not a peer's
         echo (``PeerFailure``) on top. With ``return_failures`` a failed rank's entry is a
         ``RankFailure`` instead, and nothing is raised for failures (fault tests).
-        With ``settle_s``, the first rank to return a result starts the same countdown: the
-        ranks still running ``settle_s`` later are killed (a fault test whose stopped rank
-        never returns ends when its survivors have, not at ``timeout_s``).
+        With ``settle_s``, once every rank but one has returned (a result or a failure), the
+        last one gets ``settle_s`` more, then it is killed: a fault test whose stopped rank
+        can never return ends when its survivors have, not at ``timeout_s``.
         """
         if nprocs > self.size:
             raise ValueError(f"job needs {nprocs} processes, the pool has {self.size}")
@@ -224,6 +224,10 @@ class WorkerPool:
             if time.monotonic() + seconds < deadline:
                 deadline, why = time.monotonic() + seconds, reason
 
+        def settle() -> None:
+            if settle_s is not None and len(done) + len(failures) == nprocs - 1:
+                tighten(settle_s, f"still running {settle_s:g} s after every other rank returned")
+
         while len(done) + len(failures) < nprocs:
             try:
                 got_id, rank, ok, payload = self._results.get(timeout=_POLL_S)
@@ -233,6 +237,7 @@ class WorkerPool:
                         failures[i] = f"worker process died (exit code {self._procs[i].exitcode})"
                         self._replace(i)
                         tighten(grace_s, f"still running {grace_s:g} s after the first failure")
+                        settle()
                 if time.monotonic() > deadline:
                     for i in sorted(set(range(nprocs)) - set(done) - set(failures)):
                         failures[i] = f"{why}; killed"
@@ -242,11 +247,10 @@ class WorkerPool:
                 continue  # late answer from an earlier, abandoned job
             if ok:
                 done[rank] = _loads(payload)
-                if settle_s is not None:
-                    tighten(settle_s, f"still running {settle_s:g} s after the first rank returned")
             else:
                 failures[rank] = payload
                 tighten(grace_s, f"still running {grace_s:g} s after the first failure")
+            settle()
         if return_failures:
             return [done[r] if r in done else RankFailure(r, failures[r]) for r in range(nprocs)]
         if failures:
