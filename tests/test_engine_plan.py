@@ -1,7 +1,5 @@
 """Plans and schedules, checked by hand and by simulating them in one process."""
 
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -14,6 +12,7 @@ from megatron_reshard.engine.geometry import REPLICATE, box_numel
 from megatron_reshard.engine.param_plan import build_plan
 from megatron_reshard.engine.plan import Planner, layout_key
 from megatron_reshard.placements import MeshInfo
+from hash_seeds import outputs_under_two_hash_seeds
 
 
 def _key(shape, src_ranks, src_pl, dst_ranks, dst_pl):
@@ -87,13 +86,7 @@ def test_fingerprint_is_stable_across_processes():
     code = ("import torch; from torch.distributed.tensor import Shard, Replicate;"
             "from megatron_reshard.engine.param_plan import build_plan;"
             "print(build_plan(((8, 2), (2,), (0, 1), (0,), (2,), (2, 3), (-1,))).fingerprint)")
-    # the two interpreters at once (each one's start is most of the test's time)
-    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env={"PYTHONHASHSEED": seed})
-             for seed in ("1", "2")]
-    done = [(p.communicate(timeout=300), p.returncode) for p in procs]
-    assert all(rc == 0 for _, rc in done), [err for (_, err), _ in done]
-    out = {stdout.strip() for (stdout, _), _ in done}
+    out = outputs_under_two_hash_seeds(code)
     here = build_plan(((8, 2), (2,), (0, 1), (0,), (2,), (2, 3), (REPLICATE,))).fingerprint
     assert out == {here}
 

@@ -3,8 +3,6 @@ simulated placements against the vLLM-layout oracle, byte accounting, and plans 
 still deliver every destination region exactly once."""
 
 import math
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -19,6 +17,7 @@ from megatron_reshard.tools.plan_inputs import RefitParallelism, parallelism_pro
 from megatron_reshard.tools.presets import FULL_SIZE, hf_params, model_config
 from megatron_reshard.tools.simulate import LinkModel, link_costs, simulate
 from megatron_reshard.testing.vllm_like import expected_vllm_shard, random_hf_state_dict
+from hash_seeds import outputs_under_two_hash_seeds
 
 # Totals as the model cards state them (DeepSeek-V3 without its 14B MTP module).
 PUBLISHED_BILLIONS = {"qwen3-8b": 8.2, "qwen3-30b-a3b": 30.5, "qwen3-235b-a22b": 235,
@@ -213,13 +212,7 @@ def test_link_aware_fingerprints_are_stable_across_processes():
             "from megatron_reshard.tools.simulate import LinkModel, simulate;"
             "lay = RefitParallelism(train_world=8, gen_world=16, train_ep=4, train_pp=2, gen_tp=4, gen_ep=4);"
             "print(simulate('q', model_config('qwen3-30b-a3b', 2), lay, LinkModel(), 'sharded', True).fingerprint)")
-    # the two interpreters at once (each one's start is most of the test's time)
-    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env={"PYTHONHASHSEED": seed})
-             for seed in ("1", "2")]
-    done = [(p.communicate(timeout=300), p.returncode) for p in procs]
-    assert all(rc == 0 for _, rc in done), [err for (_, err), _ in done]
-    out = {stdout.strip() for (stdout, _), _ in done}
+    out = outputs_under_two_hash_seeds(code)
     assert len(out) == 1 and len(out.pop()) == 24
 
 
