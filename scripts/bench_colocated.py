@@ -207,24 +207,55 @@ def _profile(folder: str, tag: str, device, fn, iters: int) -> None:
         f.write(out.getvalue())
 
 
+def _trace(folder: str, tag: str, device, fn) -> dict:
+    """One call of ``fn`` under ``torch.profiler`` (CPU and CUDA): the chrome trace saved in
+    ``folder``, and a summary of the device side: span of the copies from the first to the
+    last, their busy time, and the largest idle gaps between two of them (with the names)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    _sync(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        _sync(device)
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"{tag}.json")
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    gpu = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+                 key=lambda e: e["ts"])
+    if not gpu:
+        return {"tag": tag, "gpu_ops": 0}
+    gaps = sorted(((b["ts"] - (a["ts"] + a["dur"]), a["name"][:40], b["name"][:40])
+                   for a, b in zip(gpu, gpu[1:])), reverse=True)[:5]
+    span = gpu[-1]["ts"] + gpu[-1]["dur"] - gpu[0]["ts"]
+    return {"tag": tag, "gpu_ops": len(gpu), "span_us": round(span, 1),
+            "busy_us": round(sum(e["dur"] for e in gpu), 1),
+            "gaps_us": [(round(g, 1), a, b) for g, a, b in gaps]}
+
+
 class _WaitClock:
     """Thread CPU time spent inside the transport's waits (barriers, stream syncs), so that
-    a refit's host time can be told without them; wraps the two methods in this process."""
+    a refit's host time can be told without them; wraps the two methods in this process.
+    With ``steps``, the transport's steps (describe, check, publish, copy-batch look-up,
+    copy launches) are marked too (not counted as waits), for ``--timeline``."""
 
     spent = 0.0
-    marks: list = []  # (what, wall clock at entry, at exit) of each wait, for --timeline
+    marks: list = []  # (what, clock at entry, at exit) of each wait and step, for --timeline
 
     @classmethod
-    def install(cls) -> None:
+    def install(cls, steps: bool = False) -> None:
+        from megatron_reshard.engine import colocated, colocated_copies
         from megatron_reshard.engine.host_flags import HostFlags
 
-        def timed(fn, what):
+        def timed(fn, what, wait=True):
             def wrapper(*a, **k):
                 h0, t0 = time.thread_time(), time.perf_counter()
                 try:
                     return fn(*a, **k)
                 finally:
-                    cls.spent += time.thread_time() - h0
+                    if wait:
+                        cls.spent += time.thread_time() - h0
                     cls.marks.append((what(a), t0, time.perf_counter()))
             return wrapper
 
@@ -232,16 +263,32 @@ class _WaitClock:
         if torch.cuda.is_available():
             torch.cuda.Stream.synchronize = timed(torch.cuda.Stream.synchronize,
                                                   lambda a: "sync")
+        if steps:
+            T = colocated.ColocatedTransport
+            colocated._describe = timed(colocated._describe, lambda a: "describe", False)
+            for owner, name in ((T, "_check"), (T, "_wait_written"), (T, "_publish"),
+                                (T, "_copy_batch"), (colocated_copies.CopyBatch, "run")):
+                setattr(owner, name, timed(getattr(owner, name), lambda a, n=name: n.strip("_"),
+                                           False))
 
 
-def _timeline(marks: list, t0: float, t1: float) -> dict:
-    """Where one timed refit's wall time went on this rank (ms from its start): each wait's
-    entry and exit, and the end."""
-    out = {"end": (t1 - t0) * 1e3}
-    for what, a, b in marks:
-        if t0 <= a <= t1:
-            out[f"{what}_in"], out[f"{what}_out"] = (a - t0) * 1e3, (b - t0) * 1e3
-    return out
+def _timelines(rows: list) -> list:
+    """Both ranks' steps of each timed refit on one clock (``perf_counter`` is the host's
+    monotonic clock, shared by the two processes), in ms from the generation rank's start
+    of the call: the median over the refits of each step's entry and exit, in entry order."""
+    gen, train = rows[1], rows[0]
+    steps: dict = {}
+    for (g0, g1, gmarks), (_, _, tmarks) in zip(gen, train):
+        for rank, marks in (("gen", gmarks), ("train", tmarks)):
+            seen: dict = {}
+            for what, a, b in marks:
+                n = seen[what] = seen.get(what, 0) + 1
+                key = f"{rank}.{what}" + (f"#{n}" if n > 1 else "")
+                steps.setdefault(key, []).append(((a - g0) * 1e3, (b - g0) * 1e3))
+        steps.setdefault("gen.end", []).append(((g1 - g0) * 1e3,) * 2)
+    out = [(k, statistics.median(a for a, _ in v), statistics.median(b for _, b in v))
+           for k, v in steps.items()]
+    return sorted(out, key=lambda x: x[1])
 
 
 def run(rank: int, args, port: int, results) -> None:
@@ -250,7 +297,7 @@ def run(rank: int, args, port: int, results) -> None:
     from megatron_reshard.engine.transports import transport_of
 
     device = torch.device(args.device if args.device == "cpu" else "cuda:0")
-    _WaitClock.install()
+    _WaitClock.install(steps=args.timeline)
     dtype = torch.bfloat16
     group = create_refit_group("127.0.0.1", port, rank, 2, "gloo", 120.0,
                                transport="colocated", who=("train", "gen")[rank])
@@ -275,16 +322,25 @@ def run(rank: int, args, port: int, results) -> None:
                 _sync(device)
                 times.append(time.perf_counter() - t0)
                 host.append(time.thread_time() - h0 - (_WaitClock.spent - w0))
-                lines.append(_timeline(_WaitClock.marks, t0, t0 + times[-1]))
-            if args.timeline:
-                steps = {k: statistics.median(x[k] for x in lines[args.warmup:] if k in x)
-                         for k in lines[-1]}
-                print(f"timeline {name} {label} rank {rank} (ms, median):",
-                      " ".join(f"{k}={v:.3f}" for k, v in steps.items()), flush=True)
+                lines.append((t0, t0 + times[-1], list(_WaitClock.marks)))
+            if args.trace and rank == 1:  # the gen rank's copies: in a refit, then alone
+                cached = transport_of(group)._batches
+                for i in range(2):
+                    print(json.dumps(_trace(args.trace, f"{name}_{label}_refit{i}", device,
+                                            lambda: move(batch, group, planner=planner,
+                                                         agree=False))), flush=True)
+                    print(json.dumps(_trace(args.trace, f"{name}_{label}_alone{i}", device,
+                                            next(iter(cached.values())).run)), flush=True)
+            elif args.trace:
+                for i in range(2):
+                    _sync(device)
+                    move(batch, group, planner=planner, agree=False)
             if args.profile:  # where the host time of a refit goes, per rank (cProfile)
                 _profile(args.profile, f"{name}_{label}_rank{rank}", device,
                          lambda: move(batch, group, planner=planner, agree=False), args.iters)
             peak = _peak(device, lambda: move(batch, group, planner=planner, agree=False))
+            if args.timeline:
+                results.put((rank, name, label, {f"marks{rank}": lines[args.warmup:]}))
             if rank == 0:
                 results.put((rank, name, label, {
                     "train_peak_extra_mib": peak / 2**20,
@@ -336,6 +392,8 @@ def main(argv=None) -> int:
     ap.add_argument("--port", type=int, default=29611)
     ap.add_argument("--json", default="")
     ap.add_argument("--timeline", action="store_true", help="print where each rank's refit time goes")
+    ap.add_argument("--trace", default="", help="folder for torch.profiler traces of the "
+                    "generation rank's copies, in a refit and alone (summaries printed)")
     ap.add_argument("--profile", default="", help="folder for a cProfile of each rank's refits")
     args = ap.parse_args(argv)
     ctx = mp.get_context("spawn")
@@ -352,6 +410,13 @@ def main(argv=None) -> int:
     for rank, name, label, row in got:
         merged.setdefault((name, label), {"case": name, "path": label}).update(row)
     table = list(merged.values())
+    for row in table:
+        marks = [row.pop(f"marks{r}", None) for r in (0, 1)]
+        if all(marks):
+            print(f"timeline {row['case']} {row['path']} (ms from the generation rank's start "
+                  f"of the call, median entry-exit):")
+            for what, a, b in _timelines(marks):
+                print(f"  {what:24s} {a:8.3f} {b:8.3f}")
     env = {"torch": torch.__version__, "device": args.device,
            "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
            "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"}
