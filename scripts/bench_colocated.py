@@ -13,8 +13,9 @@ refit group with ``transport="colocated"`` and move the refit tensors as the ref
 hands them over (wire forms: q/k/v per KV group, gate/up as the halves of fc1, experts as
 lists of per-expert views), in one batch. Reported per case (median of ``--iters``):
 
-- ``refit``: a whole refit on the generation rank (ready barrier, copies, device sync,
-  done barrier), GB/s beside ``dst.copy_(src)`` of the same bytes in the same run, ratio;
+- ``refit``: a whole refit on the generation rank, from the call to its return (ready
+  barrier, copies, their stream's sync, done barrier: the call returns after its copies
+  are complete), GB/s beside ``dst.copy_(src)`` of the same bytes in the same run, ratio;
 - ``copies``: the refit's copies alone (the cached copy batch run, CUDA events);
 - ``experts``: one layer's expert params alone (w13 gate + up halves, w2), both ways;
 - host µs per param of a refit on the generation rank and the training rank's host ms per
@@ -245,7 +246,7 @@ class _WaitClock:
 
     @classmethod
     def install(cls, steps: bool = False) -> None:
-        from megatron_reshard.engine import colocated, colocated_copies
+        from megatron_reshard.engine import colocated, colocated_copies, colocated_views
         from megatron_reshard.engine.host_flags import HostFlags
 
         def timed(fn, what, wait=True):
@@ -266,7 +267,8 @@ class _WaitClock:
         if steps:
             T = colocated.ColocatedTransport
             colocated._describe = timed(colocated._describe, lambda a: "describe", False)
-            for owner, name in ((T, "_check"), (T, "_wait_written"), (T, "_publish"),
+            for owner, name in ((T, "_check"), (T, "_wait_written"),
+                                (colocated_views.PublishedViews, "publish"),
                                 (T, "_copy_batch"), (colocated_copies.CopyBatch, "run")):
                 setattr(owner, name, timed(getattr(owner, name), lambda a, n=name: n.strip("_"),
                                            False))
@@ -319,8 +321,8 @@ def run(rank: int, args, port: int, results) -> None:
                 _WaitClock.marks.clear()
                 t0, h0, w0 = time.perf_counter(), time.thread_time(), _WaitClock.spent
                 move(batch, group, planner=planner, agree=False)
+                times.append(time.perf_counter() - t0)  # its copies are synced inside
                 _sync(device)
-                times.append(time.perf_counter() - t0)
                 host.append(time.thread_time() - h0 - (_WaitClock.spent - w0))
                 lines.append((t0, t0 + times[-1], list(_WaitClock.marks)))
             if args.trace and rank == 1:  # the gen rank's copies: in a refit, then alone

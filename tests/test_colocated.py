@@ -41,11 +41,12 @@ def test_an_unknown_transport_name_is_refused_before_any_store():
         create_refit_group("127.0.0.1", 1, 0, 2, backend="nccl", transport="colocated")
 
 
-def _changed_views_job(job):
+def _changed_views_job(job, bad_side):
     """Train (rank 0) -> gen (rank 1), one batch of a dense param and a list of members,
-    refitted four times: as is, after in-place writes (an optimizer step), after one
-    member and the dense param moved to fresh storages, after a member's view moved
-    inside its storage. The generation side must see each refit's values."""
+    refitted: as is, after in-place writes (an optimizer step), after one member and the
+    dense param moved to fresh storages, after a member's view moved inside its storage,
+    unchanged, after the generation side's dense destination moved to a fresh tensor, and
+    last with bad input on ``bad_side``. The generation side must see each refit's values."""
     import torch
     from torch.distributed.tensor import Replicate, Shard
 
@@ -63,14 +64,15 @@ def _changed_views_job(job):
     out_dense, out_members = torch.zeros(4, 6), torch.zeros(4, 3, 3)
     planner, seen = Planner(), []
 
-    def refit(src_dense, src_members):
+    def refit(src_dense, src_members, dst_members=None):
         batch = [Transfer("dense", (4, 6), torch.float32, src_mesh, [Replicate()], dst_mesh,
                           [Replicate()], src_dense if train else None,
                           None if train else out_dense),
                  Transfer("experts", (4, 3, 3), torch.float32, src_mesh, [Shard(0)],
                           dst_mesh, [Replicate()],
                           [m[:3] for m in src_members] if train else None,
-                          None if train else out_members)]
+                          None if train else
+                          (out_members if dst_members is None else dst_members))]
         transport_of(group).move(batch, group, planner=planner, agree=not seen)
         seen.append(None if train else (out_dense.clone(), out_members.clone()))
 
@@ -87,30 +89,43 @@ def _changed_views_job(job):
     members[1][4:7] = 99.0
     refit(dense, shifted)
     refit(dense, shifted)  # unchanged again: the next call takes the optimistic order
+    old_dense, out_dense = out_dense, torch.zeros(4, 6)  # the generation side's checks see it
+    dense.mul_(3)
+    refit(dense, shifted)
+    untouched = train or torch.equal(old_dense, seen[-2][0])  # the former destination: unwritten
     bad = list(shifted)
     bad[0] = torch.zeros(2, 3)  # a member of the wrong shape, found after the copies
     try:
-        refit(dense, bad)
+        if bad_side == "train":
+            refit(dense, bad)
+        else:  # a destination of the wrong shape, found while waiting for the training side
+            refit(dense, shifted, dst_members=torch.zeros(4, 3, 2))
         error = None
     except ValueError as exc:
         error = str(exc)
     destroy_refit_group(group)
-    return seen, error
+    return seen, error, untouched
 
 
-def test_colocated_refits_follow_changed_views_and_values(pool):
+@pytest.mark.parametrize("bad_side", ["train", "gen"])
+def test_colocated_refits_follow_changed_views_and_values(pool, bad_side):
     import torch
 
-    (_, train_error), (gen, gen_error) = pool.run(_changed_views_job, 2, timeout_s=120)
-    # bad input in a batch that kept its views last time is checked while the generation
-    # side copies: the batch is then moved again in the checked order, which raises on both
+    (_, train_error, _), (gen, gen_error, untouched) = pool.run(
+        _changed_views_job, 2, bad_side, timeout_s=120)
+    # bad input in a batch that kept its tensors last time is checked after the rank entered
+    # the ready barrier (training side: while the generation side copies; generation side:
+    # before its copies): the batch is then moved again in the checked order, which raises
+    # on both ranks
     for error in (train_error, gen_error):
         assert error is not None and "found a problem with their local tensors" in error, error
-    assert "experts" in train_error, train_error  # the training rank names the param
+    named = train_error if bad_side == "train" else gen_error
+    assert "experts" in named, named  # the rank with the bad tensor names the param
+    assert untouched, "the generation side wrote into its former destination"
     base = torch.arange(24, dtype=torch.float32).view(4, 6)
     want = [(base, [0.0, 1.0, 2.0, 3.0]), (2 * base, [10.0, 11.0, 12.0, 13.0]),
             (2 * base + 1, [10.0, 11.0, -5.0, 13.0]), (2 * base + 1, [10.0, 99.0, -5.0, 13.0]),
-            (2 * base + 1, [10.0, 99.0, -5.0, 13.0])]
+            (2 * base + 1, [10.0, 99.0, -5.0, 13.0]), (6 * base + 3, [10.0, 99.0, -5.0, 13.0])]
     assert len(gen) == len(want)  # the failed refit appended nothing
     for k, ((got_dense, got_members), (dense, fills)) in enumerate(zip(gen, want)):
         assert torch.equal(got_dense, dense), k

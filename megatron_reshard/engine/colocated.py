@@ -12,21 +12,23 @@ CPU memory in tests). Per batch, on every rank of the refit group, in this order
    the per-tensor ``check_local`` of lists of members (its verdict depends on nothing
    else);
 2. a training rank waits for its device (the optimizer step's writes are complete: the
-   caller's current stream and the refit's stream), shares the storages under its source
-   views (``shared_memory``: once per storage) and, when the views changed since the
-   batch's last call, publishes their description (storage, offset, size, stride per
-   tensor) in the group's store under a new generation number. "Changed" is decided by
-   the same signature: the storages under the published views are kept alive here, so an
-   equal signature means the same memory as the one the generation ranks mapped.
-   *Optimistic order*: a batch whose views did not change at its last call (Megatron's
-   parameters live in stable buffers) enters the ready barrier with its published
-   generation at once and runs step 1's checks and the signature while the generation
-   ranks copy; when they find a change, its done word says so and every rank moves the
-   batch again in the checked order (step 1 first), so the copies are then redone from
-   the new views and bad input raises there, on every rank. That costs one extra copy of
-   such a batch and takes the signature (~1 ms for 1,602 tensors) off the critical path
-   of every other refit; a batch that changed is moved in the checked order until it
-   stays unchanged again;
+   caller's current stream and the refit's stream, seen by a query when idle), shares the
+   storages under its source views and, when the views changed since the batch's last
+   call, publishes their description under a new generation number
+   (``colocated_views``). "Changed" is decided by the same signature: the storages under
+   the published views are kept alive, so an equal signature means the same memory as
+   the one the generation ranks mapped.
+   *Optimistic order*: a training rank whose batch kept its views at the last call
+   (Megatron's parameters live in stable buffers) enters the ready barrier with its
+   published generation at once and runs step 1's checks and the signature while the
+   generation ranks copy; a generation rank enters it at once too and runs step 1's
+   checks while it waits there for the training ranks (its copies start only after they
+   passed, so its own bad input moves no byte). A rank that finds a change or a problem
+   says so in its done word, and every rank moves the batch again in the checked order
+   (step 1 first): the copies are then redone from the new views, and bad input raises
+   there, on every rank. That costs one extra copy of such a batch and takes the checks
+   (~1 ms for 1,602 training tensors) off the critical path of every other refit; a
+   batch whose views changed is moved in the checked order until they stay unchanged;
 3. the *ready* barrier (``host_flags``: one word per rank in a table of shared host
    memory, no network round trip): every rank learns each training rank's generation for
    the batch and whether any rank found a local problem (then all raise). Reads start
@@ -51,7 +53,6 @@ again.
 
 from __future__ import annotations
 
-import pickle
 from operator import attrgetter
 from contextlib import nullcontext
 from typing import Any, Optional, Sequence
@@ -64,14 +65,13 @@ from . import agree as agreement
 from .agree import Description, Vote
 from .checks import check_local, local_ok
 from .colocated_copies import CopyBatch, read_pairs
-from .host_flags import DONE, PAYLOAD_BITS, READY, HostFlags
+from .colocated_views import MappedViews, PublishedViews
+from .host_flags import DONE, READY, HostFlags
 from .execute import _describe, _Rejected  # the engine's batch description, reused as is
 from .members import LISTS, is_members
 from .plan import Planner
-from .shared_memory import StorageHandle, export_storage, open_storage, view_of
 from .transport import P2PTransport
 
-_KEY = "colocated"   # prefix of this transport's keys in the group's store
 _CACHE = 64          # copy batches kept per transport (one per batch and generation)
 NAP_S = 5e-5         # longest nap of the device waits on a refit's critical path
 
@@ -86,19 +86,15 @@ class ColocatedTransport:
         self.me, self.world = group.rank(), group.size()
         self._control = P2PTransport(group, torch.device("cpu"))
         self._broken: Optional[str] = None
-        self._generation = 0
         board = board_of(group)
         self._flags = HostFlags(store, self.me, self.world, board,
                                 board.timeout_s if board is not None else timeout_s)
-        # training side
-        self._handles: dict = {}     # storage key -> StorageHandle (shared once)
-        self._published: dict = {}   # batch fp -> (signature, description, generation)
         self._checked: dict = {}     # batch fp -> signature of tensors check_local passed
+        # training side
+        self._sources = PublishedViews(store, self.me)
         self._stable: dict = {}      # batch fp -> its views did not change at the last call
-        self._keep: dict = {}        # batch fp -> storages under the published views
         # generation side
-        self._opened: dict = {}      # (train rank, handle key) -> opened storage
-        self._mapped: dict = {}      # (train rank, batch fp) -> (generation, per-transfer views)
+        self._views = MappedViews(store)
         self._batches: dict = {}     # (fp, generations, dst key) -> CopyBatch
 
     # -- the interface -------------------------------------------------------------
@@ -125,10 +121,8 @@ class ColocatedTransport:
     def close(self) -> None:
         self._flags.close()
         self._batches.clear()
-        self._mapped.clear()
-        self._opened.clear()
-        self._keep.clear()
-        self._published.clear()
+        self._views.clear()
+        self._sources.clear()
         self._checked.clear()
         self._stable.clear()
 
@@ -146,12 +140,14 @@ class ColocatedTransport:
         except _Rejected as rejected:
             problem = rejected.problem
         sources = problem is None and any(t.src is not None for t in transfers)
-        published = self._published.get(batch.fp) if sources else None
-        # optimistic: a training rank whose batch kept its views at the last call enters the
-        # ready barrier with them and checks its tensors while the generation ranks copy
-        optimistic = (published is not None and not agree and not checked_first
-                      and self._stable.get(batch.fp, False)
-                      and all(t.dst is None for t in transfers))
+        dests = problem is None and any(t.dst is not None for t in transfers)
+        published = self._sources.of(batch.fp) if sources else None
+        # optimistic order: a rank checks its tensors after it entered the ready barrier.
+        # A training rank whose batch kept its views at the last call: while the generation
+        # ranks copy from them. A generation rank: while it waits for the training ranks
+        # (its copies start only once its check passed)
+        optimistic = not agree and not checked_first and sources != dests and (
+            dests or (published is not None and self._stable.get(batch.fp, False)))
         signature = None
         if problem is None and not optimistic:
             problem, signature = self._check(batch, transfers, tensors, device_type)
@@ -166,20 +162,24 @@ class ColocatedTransport:
         sources = problem is None and sources
         if sources:
             self._wait_written(transfers, stream)
-        if optimistic:
+        if optimistic and sources:
             generation = published[2]
         else:
-            generation = self._publish(batch, transfers, tensors, signature) if sources else 0
+            generation = self._sources.publish(batch.fp, transfers, signature) if sources else 0
         flags = self._flags
         flags.next_batch()
         flags.arrive(READY, generation << 1 | (problem is not None))
+        redo = False  # this rank's tensors changed, or are bad, since it entered the barrier
+        if optimistic and dests:
+            problem, signature = self._check(batch, transfers, tensors, device_type)
+            redo = problem is not None  # it copies nothing; the checked pass raises
         words = flags.wait(READY, "the colocated refit's ready barrier")
         failed = [r for r in range(world) if words[r] & 1]
         if failed:
             mine = f": {problem.text()}" if problem is not None else ""
             raise ValueError(f"colocated refit: group ranks {failed} found a problem with "
                              f"their local tensors (this is group rank {me}){mine}")
-        if any(t.dst is not None for t in transfers):
+        if dests and not redo:
             copies = self._copy_batch(batch, transfers, tuple(w >> 1 for w in words), signature)
             with torch.cuda.stream(stream) if stream is not None else nullcontext():
                 copies.run()
@@ -190,17 +190,18 @@ class ColocatedTransport:
                 # and a poll's naps end it up to ~0.1 ms late on the critical path
                 if copies.device.type == "cuda":
                     torch.cuda.current_stream(copies.device).synchronize()
-        # changed: the views differ from those published before this call (a new generation)
-        changed = published is None or generation != published[2]
-        if optimistic:  # meanwhile the generation ranks copy from the published views
-            problem, signature = self._check(batch, transfers, tensors, device_type)
-            changed = problem is not None or signature is None or signature != published[0]
         if sources:
-            self._stable[batch.fp] = not changed
-        flags.arrive(DONE, int(optimistic and changed))
+            if optimistic:  # meanwhile the generation ranks copy from the published views
+                problem, signature = self._check(batch, transfers, tensors, device_type)
+                redo = problem is not None or signature is None or signature != published[0]
+            # stable: the views are those published before this call (no new generation)
+            self._stable[batch.fp] = not redo and published is not None and (
+                generation == published[2])
+        flags.arrive(DONE, int(redo))
         if any(flags.wait(DONE, "the colocated refit's done barrier")):
-            # a training rank's tensors changed since the views it entered with: every rank
-            # moves the batch again in the checked order (bad input raises there, everywhere)
+            # a rank's tensors changed (or are bad) since it entered the ready barrier:
+            # every rank moves the batch again in the checked order (bad input raises
+            # there, on every rank; a training rank's changed views are published anew)
             self._move(transfers, stream, staging_bytes, planner, False, checked_first=True)
 
     def _check(self, batch, transfers, tensors: list, device_type: str) -> tuple:
@@ -227,65 +228,21 @@ class ColocatedTransport:
 
     def _wait_written(self, transfers, stream) -> None:
         """The optimizer step's writes (the caller's current stream) and a pre hook's (the
-        refit's ``stream``) are complete before any generation rank reads."""
+        refit's ``stream``) are complete before any generation rank reads. A stream with
+        nothing pending is seen so by a query: recording an event there would hand the
+        device work in this process's context, and with two processes time-sharing a GPU
+        it then switches contexts, twice (~40-70 µs before the ready barrier, measured on
+        one H200, docs/MEASUREMENTS.md)."""
         device = _first_device(t.src for t in transfers)
-        if device is not None and device.type == "cuda":
-            what = "the training side's writes before a colocated refit"
-            wait_device(device, [self.group], what, NAP_S)
-            if stream is not None and stream != torch.cuda.current_stream(device):
-                with torch.cuda.stream(stream):
+        if device is None or device.type != "cuda":
+            return
+        what = "the training side's writes before a colocated refit"
+        for s in (torch.cuda.current_stream(device), stream):
+            if s is not None and not s.query():
+                with torch.cuda.stream(s):
                     wait_device(device, [self.group], what, NAP_S)
 
-    # -- training side: share and describe the source views ---------------------------
-
-    def _publish(self, batch, transfers, tensors: list, signature) -> int:
-        """Share this rank's source storages and publish the batch's views when they
-        changed; returns the generation of the views now in force for this batch.
-
-        Unchanged views are recognised by this rank's tensors' signature (``_signature``:
-        address, size, stride, dtype, device of every tensor and member, gathered in C),
-        not by describing every view again: the storages under the published views are
-        kept alive here (``_keep``), so a view at the same address with the same geometry
-        reads the same memory as the one the generation ranks mapped."""
-        published = self._published.get(batch.fp)
-        if published is not None and signature is not None and published[0] == signature:
-            return published[2]
-        keys, storages, handles = [], [], {}
-        views = tuple(self._describe_source(t.src, keys, storages, handles) for t in transfers)
-        if published is not None and published[1] == views:
-            self._published[batch.fp] = (signature, views, published[2])
-            return published[2]
-        self._generation += 1
-        if self._generation >> (PAYLOAD_BITS - 1):  # it travels in a barrier word
-            raise RefitError("colocated refit: more than 2**30 source layouts published on "
-                             "this group; create a new refit group")
-        blob = pickle.dumps((views, handles))
-        self.store.set(f"{_KEY}/{self.me}/{batch.fp:x}/{self._generation}", blob)
-        self._published[batch.fp] = (signature, views, self._generation)
-        self._keep[batch.fp] = storages  # alive while a reader may map them
-        return self._generation
-
-    def _describe_source(self, x, keys: list, storages: list, handles: dict):
-        if x is None:
-            return None
-        if is_members(x):
-            return ("members", tuple(self._describe_tensor(m, storages, handles) for m in x))
-        return ("tensor", self._describe_tensor(x, storages, handles))
-
-    def _describe_tensor(self, t: torch.Tensor, storages: list, handles: dict) -> tuple:
-        storage = t.untyped_storage()
-        key = (t.device.type, t.device.index, storage.data_ptr(), storage.nbytes())
-        handle = self._handles.get(key)
-        if handle is None:
-            handle = export_storage(storage)  # on CPU: moved into shared memory, in place
-            key = (t.device.type, t.device.index, storage.data_ptr(), storage.nbytes())
-            self._handles[key] = handle
-        handles[handle.key] = handle
-        storages.append(storage)
-        return (handle.key, str(t.dtype).removeprefix("torch."), t.storage_offset(),
-                tuple(t.shape), tuple(t.stride()))
-
-    # -- generation side: map the sources, derive the reads -------------------------
+    # -- generation side: the reads -----------------------------------------------
 
     def _copy_batch(self, batch, transfers, generations: tuple, signature: tuple) -> CopyBatch:
         """The batch's copies on this rank, built once per batch, training generations and
@@ -295,51 +252,13 @@ class ColocatedTransport:
         got = self._batches.get(key)
         if got is not None:
             return got
-        sources = {r: self._views_of(r, batch.fp, g) for r, g in enumerate(generations) if g}
+        sources = {r: self._views.of(r, batch.fp, g) for r, g in enumerate(generations) if g}
         pairs = read_pairs(transfers, batch.plans, self.me, sources)
         got = CopyBatch(pairs, _first_device(t.dst for t in transfers) or torch.device("cpu"))
         if len(self._batches) >= _CACHE:
             self._batches.clear()
         self._batches[key] = got
         return got
-
-    def _views_of(self, rank: int, fp: int, generation: int) -> list:
-        """Training rank ``rank``'s source views of batch ``fp`` as mapped here."""
-        cached = self._mapped.get((rank, fp))
-        if cached is not None and cached[0] == generation:
-            return cached[1]
-        views, handles = pickle.loads(self.store.get(f"{_KEY}/{rank}/{fp:x}/{generation}"))
-        for hkey, handle in handles.items():
-            if (rank, hkey) not in self._opened:
-                self._opened[(rank, hkey)] = open_storage(StorageHandle(*handle))
-        mapped = [None if v is None else self._rebuild(rank, v) for v in views]
-        self._mapped[(rank, fp)] = (generation, mapped)
-        self._forget_unused(rank)
-        return mapped
-
-    def _rebuild(self, rank: int, view: tuple):
-        kind, body = view
-        if kind == "members":
-            return [self._tensor(rank, m) for m in body]
-        return self._tensor(rank, body)
-
-    def _tensor(self, rank: int, entry: tuple) -> torch.Tensor:
-        hkey, dtype, offset, size, stride = entry
-        return view_of(self._opened[(rank, hkey)], getattr(torch, dtype), offset, size, stride)
-
-    def _forget_unused(self, rank: int) -> None:
-        """Close the storages of ``rank`` that no mapped batch uses any more (a training
-        storage that changed: a pre hook's fresh buffer)."""
-        used = set()
-        for (r, _), (_, mapped) in self._mapped.items():
-            if r == rank:
-                for x in mapped:
-                    for t in (x if isinstance(x, list) else [x]):
-                        if t is not None:
-                            used.add(t.untyped_storage().data_ptr())
-        for key in [k for k in self._opened if k[0] == rank]:
-            if self._opened[key].data_ptr() not in used:
-                del self._opened[key]
 
 
 _PTR, _SIZE, _STRIDE = torch.Tensor.data_ptr, torch.Tensor.size, torch.Tensor.stride
