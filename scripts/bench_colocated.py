@@ -243,6 +243,7 @@ class _WaitClock:
 
     spent = 0.0
     marks: list = []  # (what, clock at entry, at exit) of each wait and step, for --timeline
+    events: list = []  # CUDA events around each run of the copies (with --timeline)
 
     @classmethod
     def install(cls, steps: bool = False) -> None:
@@ -264,6 +265,16 @@ class _WaitClock:
         if torch.cuda.is_available():
             torch.cuda.Stream.synchronize = timed(torch.cuda.Stream.synchronize,
                                                   lambda a: "sync")
+        if steps and torch.cuda.is_available():  # the copies' device time, by CUDA events
+            run = colocated_copies.CopyBatch.run
+
+            def timed_run(self):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                run(self)
+                b.record()
+                cls.events.append((a, b))
+            colocated_copies.CopyBatch.run = timed_run
         if steps:
             T = colocated.ColocatedTransport
             colocated._describe = timed(colocated._describe, lambda a: "describe", False)
@@ -300,6 +311,10 @@ def run(rank: int, args, port: int, results) -> None:
 
     device = torch.device(args.device if args.device == "cpu" else "cuda:0")
     _WaitClock.install(steps=args.timeline)
+    if args.train_nap_s and rank == 0:  # an experiment: the training rank naps, never spins
+        from megatron_reshard.engine import host_flags
+
+        host_flags.SPIN_S, host_flags.LONGEST_NAP_S = 0.0, args.train_nap_s
     dtype = torch.bfloat16
     group = create_refit_group("127.0.0.1", port, rank, 2, "gloo", 120.0,
                                transport="colocated", who=("train", "gen")[rank])
@@ -358,6 +373,9 @@ def run(rank: int, args, port: int, results) -> None:
                 assert torch.equal(t.dst.reshape(want.shape), want), f"{name}: {t.name} differs"
             del ref, expect, by_name
             copies = next(iter(transport_of(group)._batches.values()))
+            timed = _WaitClock.events[1 + args.warmup:1 + args.warmup + args.iters]
+            in_refits = [a.elapsed_time(b) for a, b in timed]
+            _WaitClock.events.clear()
             ctimes = []
             for _ in range(args.iters + 2):
                 _sync(device)
@@ -367,6 +385,12 @@ def run(rank: int, args, port: int, results) -> None:
                 ctimes.append(time.perf_counter() - t0)
             transport_of(group)._batches.clear()
             refit_s, copy_s = statistics.median(times[args.warmup:]), statistics.median(ctimes[2:])
+            if _WaitClock.events:  # device time of the copies: inside refits, then alone
+                alone = [a.elapsed_time(b) for a, b in _WaitClock.events[2:]]
+                print(f"copies' device time {name} {label}: in refits "
+                      f"{statistics.median(in_refits):.3f} ms, alone "
+                      f"{statistics.median(alone):.3f} ms", flush=True)
+                _WaitClock.events.clear()
             raw_s = _memcpy_s(nbytes, device, args.iters)
             results.put((rank, name, label, {
                 "mib": nbytes / 2**20, "params": len(batch), "copy_pairs": copies.pairs,
@@ -394,6 +418,8 @@ def main(argv=None) -> int:
     ap.add_argument("--port", type=int, default=29611)
     ap.add_argument("--json", default="")
     ap.add_argument("--timeline", action="store_true", help="print where each rank's refit time goes")
+    ap.add_argument("--train-nap-s", type=float, default=0.0, help="experiment: the training "
+                    "rank's barrier waits nap (up to this long) from the start instead of spinning")
     ap.add_argument("--trace", default="", help="folder for torch.profiler traces of the "
                     "generation rank's copies, in a refit and alone (summaries printed)")
     ap.add_argument("--profile", default="", help="folder for a cProfile of each rank's refits")
