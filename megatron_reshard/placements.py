@@ -178,7 +178,7 @@ def placements_to_plain(placements: Sequence) -> list[dict]:
     return out
 
 
-def _restore_placement(p):
+def restore_placement(p):
     """A placement back from its wire form: instances kept, ``{"dim": d}`` → Shard, else Replicate.
 
     Extensions beyond the seed: ``{"dim": d, "padded": n}`` → ``PaddedShard(d, n)``,

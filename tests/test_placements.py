@@ -8,9 +8,9 @@ from torch.distributed.tensor import Replicate, Shard
 from megatron_reshard.placements import (
     MeshInfo,
     MeshSizeError,
-    _restore_placement,
     build_mesh_info,
     placements_to_plain,
+    restore_placement,
 )
 from megatron_reshard.wire.placement_rules import (
     COLUMN_PARALLEL_SUFFIXES,
@@ -293,12 +293,12 @@ def test_placements_to_plain_rejects_other_placements():
         placements_to_plain([Partial()])
 
 
-def test_restore_placement_rebuilds_shard_and_replicate_and_keeps_instances():
-    assert _restore_placement({"dim": 2}) == Shard(2)
-    assert _restore_placement({}) == Replicate()
-    assert _restore_placement(None) == Replicate()
+def testrestore_placement_rebuilds_shard_and_replicate_and_keeps_instances():
+    assert restore_placement({"dim": 2}) == Shard(2)
+    assert restore_placement({}) == Replicate()
+    assert restore_placement(None) == Replicate()
     shard = Shard(0)
-    assert _restore_placement(shard) is shard
+    assert restore_placement(shard) is shard
 
 
 # ---- property: the innermost active axis is recovered by a modulo ------------------------

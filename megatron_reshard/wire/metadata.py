@@ -35,9 +35,9 @@ from megatron_reshard.placements import (
     BlockShard,
     MeshInfo,
     PaddedShard,
-    _restore_placement,
     build_mesh_info,
     placements_to_plain,
+    restore_placement,
 )
 from megatron_reshard.wire.placement_rules import get_placements, is_expert_param
 
@@ -338,7 +338,7 @@ def restore_refit_info_placements(refit_info: dict) -> dict:
                     info[key] = _restore_mesh(info[key])
             for key in ("src_placements", "dst_placements"):
                 if key in info:
-                    info[key] = [_restore_placement(p) for p in info[key]]
+                    info[key] = [restore_placement(p) for p in info[key]]
             if "global_shape" in info:
                 info["global_shape"] = tuple(int(s) for s in info["global_shape"])
     return refit_info

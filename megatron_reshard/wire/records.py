@@ -31,7 +31,7 @@ from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import torch
 
-from megatron_reshard.placements import MeshInfo, _restore_placement, placements_to_plain
+from megatron_reshard.placements import MeshInfo, placements_to_plain, restore_placement
 from megatron_reshard.wire.metadata import (
     SUPPORTED_SCHEMA_VERSIONS,
     _restore_mesh,
@@ -121,9 +121,9 @@ class ParamRecord:
             name=entry["name"], global_shape=_shape(entry["global_shape"]),
             dtype=str(entry["dtype"]),
             src_mesh_info=_restore_mesh(entry["src_mesh_info"]),
-            src_placements=tuple(_restore_placement(p) for p in entry["src_placements"]),
+            src_placements=tuple(restore_placement(p) for p in entry["src_placements"]),
             dst_mesh_info=_restore_mesh(entry["dst_mesh_info"]),
-            dst_placements=tuple(_restore_placement(p) for p in entry["dst_placements"]),
+            dst_placements=tuple(restore_placement(p) for p in entry["dst_placements"]),
             extra=tuple((k, _frozen(v)) for k, v in entry.items() if k not in _PARAM_KEYS),
             **optional)
 
