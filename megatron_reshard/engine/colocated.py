@@ -255,6 +255,8 @@ class ColocatedTransport:
         sources = {r: self._views.of(r, batch.fp, g) for r, g in enumerate(generations) if g}
         pairs = read_pairs(transfers, batch.plans, self.me, sources)
         got = CopyBatch(pairs, _first_device(t.dst for t in transfers) or torch.device("cpu"))
+        if signature is None:  # tensors that cannot be told apart from others: never reused
+            return got
         if len(self._batches) >= _CACHE:
             self._batches.clear()
         self._batches[key] = got
