@@ -1,0 +1,30 @@
+"""``scripts/bench_colocated.py`` runs on CPU (shared memory): two processes, the 30B-shaped
+small slice, every case checked bit for bit by the script itself, and the timeline lists
+both ranks' steps."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from megatron_reshard.tools.worlds import free_ports
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_colocated_benchmark_runs_on_cpu_with_its_timeline(tmp_path):
+    out = tmp_path / "c.json"
+    # the timeout only keeps a hang from blocking the suite; nothing here measures time
+    done = subprocess.run([sys.executable, "scripts/bench_colocated.py", "--device", "cpu",
+                           "--small", "--iters", "2", "--warmup", "1", "--timeline",
+                           "--cases", "qwen3_30b_a3b", "--port", str(free_ports(1)[0]), "--json", str(out)],
+                          capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = {r["path"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"refit", "experts"}
+    for row in rows.values():
+        assert row["refit_ms"] > 0 and row["memcpy_gbps"] > 0 and row["copy_pairs"] > 0
+        assert row["train_host_ms"] >= 0  # both ranks reported
+    for step in ("gen.describe", "gen.check", "gen.ready", "gen.run", "gen.done",
+                 "train.describe", "train.ready", "train.check", "train.done"):
+        assert f"  {step} " in done.stdout, step
