@@ -254,8 +254,9 @@ def destroy_refit_group(pg, timeout_s: float = 60.0) -> int:
             while done < world and time.monotonic() < deadline:
                 time.sleep(0.01)
                 done = count(0)
-        except Exception:  # noqa: BLE001 - a failed group's own store: stop waiting
-            pass
+        except Exception:  # noqa: BLE001 - a failed group's bounded call: stop waiting
+            if not failed:
+                raise
         if done < world:
             why = "; the group had failed" if failed else ""
             warnings.warn(f"destroy_refit_group: {world - done} of {world} ranks had not shut "
