@@ -1,11 +1,16 @@
 """The library (what a training job or a vLLM worker imports) never imports the tooling
 (``megatron_reshard.tools``: CLI, demo, benches, plan presets) or the test fixtures
 (``megatron_reshard.testing``), not even lazily inside a function; only the vLLM backend
-modules import vLLM; and no two of the library's packages import each other, directly or
-through a third."""
+modules import vLLM; no two of the library's packages import each other, directly or
+through a third; and the package root and the CLI's parser import no torch."""
 
 import ast
+import json
 import pathlib
+import subprocess
+import sys
+
+import pytest
 
 import megatron_reshard
 
@@ -134,3 +139,35 @@ def test_no_import_loop_between_library_packages():
     assert loops == [], f"import loops between library packages: {detail}"
     assert "engine" not in edges.get("groups", {})
     assert "wire" not in edges.get("vllm_layout", {})
+
+
+# ---- the package root and the CLI's parser stay cheap -------------------------------------
+
+_CHEAP_IMPORTS = """
+import json, sys
+import megatron_reshard
+root = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "megatron", "msgspec"))
+from megatron_reshard.tools import cli
+cli.build_parser()
+parser = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "megatron", "msgspec"))
+print(json.dumps({"root": root, "parser": parser, "engine": "megatron_reshard.engine" in sys.modules}))
+"""
+
+
+def test_the_package_root_and_the_cli_parser_import_no_torch():
+    # what vLLM's plugin loader (megatron_reshard.vllm_plugin) and `megatron-reshard --help` pay
+    out = subprocess.run([sys.executable, "-c", _CHEAP_IMPORTS], capture_output=True, text=True,
+                         check=True, cwd=PACKAGE.parent).stdout
+    assert json.loads(out.splitlines()[-1]) == {"root": [], "parser": [], "engine": False}
+
+
+def test_the_package_root_gives_the_engine_names_on_first_use():
+    from megatron_reshard import engine
+
+    assert megatron_reshard.__all__ == ["DTensorRef", "Transfer", "xferdtensor", "xfer_batch",
+                                        "MegatronReshardError"]
+    for name in ("DTensorRef", "Transfer", "xferdtensor", "xfer_batch"):
+        assert getattr(megatron_reshard, name) is getattr(engine, name)
+        assert name in dir(megatron_reshard)
+    with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
+        megatron_reshard.no_such_name  # noqa: B018

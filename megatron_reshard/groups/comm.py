@@ -22,7 +22,8 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_reshard.groups.faults import POLL_S, FaultBoard, RefitError, RefitTimeout, attach_board
+from megatron_reshard.groups.faults import (POLL_S, POST_S, FaultBoard, RefitError, RefitTimeout,
+                                           attach_board, board_of)
 
 # The transports a refit group can agree on at join (``engine.transports`` builds each one
 # for the group on first use; the group itself only carries the agreed name).
@@ -222,8 +223,10 @@ def destroy_refit_group(pg, timeout_s: float = 60.0) -> int:
 
     The rank hosting the store returns only once every rank has shut down (or after
     ``timeout_s``, with a warning): a peer's NCCL watchdog still polling a store whose
-    host has exited prints ``recvValue failed`` tracebacks. Returns how many ranks had
-    shut down when this one returned (the host: all of them, unless the timeout ran out).
+    host has exited prints ``recvValue failed`` tracebacks. A group that failed waits at
+    most ``FAILED_LINGER_S``, and its store calls are bounded: a dead or stopped rank never
+    counts itself. Returns how many ranks had shut down when this one returned (the host:
+    all of them, unless it stopped waiting).
     """
     for fn in _AT_DESTROY.pop(pg, ()):
         fn(pg)  # a colocated transport lets go of the peers' mapped memory
@@ -231,20 +234,37 @@ def destroy_refit_group(pg, timeout_s: float = 60.0) -> int:
     record = _GROUPS.pop(pg, None)
     if record is None:  # not made by create_refit_group: no store to meet at
         return 1
+    board = board_of(pg)
+    failed = board is not None and (board.failed or board.first_fault(POST_S) is not None)
     store, server, world = record.store, record.is_host, record.world
+
+    def count(n: int) -> int:  # a failed group's store may have a stopped host: bounded
+        return board.count_shutdown(n) if failed else int(store.add("shutdown", n))
+
     try:
-        done = int(store.add("shutdown", 1))
+        done = count(1)
     except Exception as exc:  # noqa: BLE001 - teardown: the host may have gone already
         warnings.warn(f"destroy_refit_group: the group's store is gone ({exc}); its host "
                       f"did not wait for this rank", RuntimeWarning, stacklevel=2)
         return 1
     if server:
-        deadline = time.monotonic() + timeout_s
-        while done < world and time.monotonic() < deadline:
-            time.sleep(0.01)
-            done = int(store.add("shutdown", 0))
+        wait_s = min(timeout_s, FAILED_LINGER_S) if failed else timeout_s
+        deadline = time.monotonic() + wait_s
+        try:
+            while done < world and time.monotonic() < deadline:
+                time.sleep(0.01)
+                done = count(0)
+        except Exception:  # noqa: BLE001 - a failed group's bounded call: stop waiting
+            if not failed:
+                raise
         if done < world:
+            why = "; the group had failed" if failed else ""
             warnings.warn(f"destroy_refit_group: {world - done} of {world} ranks had not shut "
-                          f"down after {timeout_s:g} s; closing the store anyway",
+                          f"down after {wait_s:g} s{why}; closing the store anyway",
                           RuntimeWarning, stacklevel=2)
     return done
+
+
+# How long the store's host waits for its peers' shutdown once the group has failed: the
+# survivors count themselves soon after their error, the dead never do.
+FAILED_LINGER_S = 2.0

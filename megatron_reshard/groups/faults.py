@@ -11,9 +11,12 @@ place; a stopped process is found by the deadline every wait carries (the group'
 
 Why a waiter thread for gloo: a gloo ``send``/``recv`` Work completes only inside
 ``wait()`` (``is_completed()`` stays False until then) and ``wait(timeout)`` closes the pair,
-so the main thread cannot poll it; it waits on a thread instead and polls the board
+so the main thread cannot poll it; it waits on a daemon thread instead and polls the board
 meanwhile. A Work left behind by a failure is abandoned with its group: a failed group is
-never used again (the board keeps the failure, ``raise_if_failed`` refuses new work).
+never used again (the board keeps the failure, ``raise_if_failed`` refuses new work), and
+it is retired (``retire``): held on a daemon thread until its abandoned operations have
+ended, so that neither dropping it, nor ``comm.destroy_refit_group``, nor the process's exit
+waits for gloo's timeout.
 
 NCCL work is asynchronous on the host; its blocking point is a device sync, which
 ``wait_device`` turns into an event poll with the same board checks and deadline, aborting
@@ -24,25 +27,26 @@ kernels stop.
 from __future__ import annotations
 
 import json
-import os
-import queue
-import threading
 import time
 import weakref
-from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
 from megatron_reshard.errors import MegatronReshardError
+from megatron_reshard.groups.threads import DaemonThreads, hold
 
 POLL_S = 0.05          # how often a waiting rank looks at the board
 EVENT_NAP_S = 1e-5     # a device wait's first nap between event queries (then doubled)
 GRACE_S = 0.5          # after a transport error: how long to look for a peer's own report
 POST_S = 2.0           # the longest a failing rank spends telling one group (a stopped store)
 
-_WAITER = ThreadPoolExecutor(max_workers=4, thread_name_prefix="refit-wait")
+# Daemon threads, reused, never joined at exit: some store calls never return while the
+# store's host is stopped, and a gloo Work's wait() returns only at gloo's timeout when a
+# peer has stopped taking part (a failure leaves one such wait behind on every survivor)
+_STORE_CALLS = DaemonThreads("refit-store")
+_WORK_WAITS = DaemonThreads("refit-wait")
 # group -> its FaultBoard (set by comm.create_refit_group); weak: a dropped group drops it
 _BOARDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
@@ -88,6 +92,8 @@ class FaultBoard:
         self.label = label        # the group, for humans: "refit group of PP stage 1"
         self.timeout_s = timeout_s
         self._seen: Optional[Fault] = None
+        self.failed = False       # this rank posted or saw a failure of the group
+        self.retired = False      # the failed group is held until its operations end (retire)
 
     # -- posting -------------------------------------------------------------------------
 
@@ -96,6 +102,7 @@ class FaultBoard:
 
         Best effort: a store that is gone (its host died) cannot be told anything.
         """
+        self.failed = True
         fault = root or Fault(self.who, reason, self.rank)
         record = {"who": fault.who, "reason": fault.reason, "posted_by": self.rank}
         def write() -> None:
@@ -110,11 +117,14 @@ class FaultBoard:
     def _bounded(self, fn, timeout_s: Optional[float] = None):
         """``fn()`` on a daemon thread, at most ``timeout_s``: some store calls never return
         when the store's host is stopped (SIGSTOP), and a stuck daemon thread cannot keep
-        the process from exiting. The threads are reused (``_StoreCaller``): a board read
-        on a refit's hot path (a colocated batch's) costs a hand-off, not a new thread; a
-        thread stuck in a call is never handed another one."""
+        the process from exiting. The threads are reused (``threads.DaemonThreads``): a
+        board read on a refit's hot path (a colocated batch's) costs a hand-off, not a new
+        thread; a thread stuck in a call is never handed another one."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        return _StoreCaller.call(fn, timeout_s)
+        call = _STORE_CALLS.submit(fn)
+        if not call.wait(timeout_s):
+            raise TimeoutError(f"the group's store did not answer within {timeout_s:g} s")
+        return call.result()
 
     # -- reading -------------------------------------------------------------------------
 
@@ -129,11 +139,12 @@ class FaultBoard:
         try:
             fault = self._bounded(self._read, timeout_s)
             if fault is not None:
-                self._seen = fault
+                self._seen, self.failed = fault, True
                 return fault
         except Exception as exc:  # noqa: BLE001 - any store error: its host is unreachable
             if self.rank == 0:
                 return None  # we host it; a local store error is not a peer failure
+            self.failed = True
             self._seen = Fault("group rank 0 (it hosts the group's store)", f"its store is "
                                f"unreachable ({type(exc).__name__}: {exc}); the process exited or "
                                f"is stopped", 0)
@@ -151,6 +162,11 @@ class FaultBoard:
                 return Fault(rec["who"], rec["reason"], int(rec["posted_by"]))
         return None
 
+    def count_shutdown(self, n: int) -> int:
+        """Add ``n`` to the group's shutdown count, at most ``POST_S`` (a failed group's
+        store host may be stopped); the count."""
+        return int(self._bounded(lambda: self.store.add("shutdown", n), POST_S))
+
     def peer_failure(self, fault: Fault, while_doing: str) -> PeerFailure:
         return PeerFailure(f"{self.label}, {self.who} (group rank {self.rank}) while "
                            f"{while_doing}: {fault.describe()}", who=fault.who,
@@ -160,55 +176,6 @@ class FaultBoard:
         fault = self.first_fault()
         if fault is not None:
             raise self.peer_failure(fault, while_doing)
-
-
-class _StoreCaller:
-    """A daemon thread that runs store calls handed to it one at a time; idle ones are
-    kept for the next call. A thread whose call outlives its caller's timeout (a stopped
-    store host) is not idle and so never gets another call: the next caller takes another
-    idle thread or starts a new one, so one stuck call never delays the next."""
-
-    _idle: list = []
-    _lock = threading.Lock()
-
-    def __init__(self) -> None:
-        self._jobs: "queue.SimpleQueue" = queue.SimpleQueue()
-        threading.Thread(target=self._loop, daemon=True, name="refit-store").start()
-
-    @classmethod
-    def call(cls, fn, timeout_s: float):
-        with cls._lock:
-            worker = cls._idle.pop() if cls._idle else None
-        if worker is None:
-            worker = cls()
-        out: dict = {}
-        done = threading.Event()
-        worker._jobs.put((fn, out, done))
-        if not done.wait(timeout_s):
-            raise TimeoutError(f"the group's store did not answer within {timeout_s:g} s")
-        if "error" in out:
-            raise out["error"]
-        return out.get("value")
-
-    def _loop(self) -> None:
-        while True:
-            fn, out, done = self._jobs.get()
-            try:
-                out["value"] = fn()
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller
-                out["error"] = exc
-            with _StoreCaller._lock:  # idle again before the caller can ask for another call
-                _StoreCaller._idle.append(self)
-            done.set()
-
-
-def _forget_store_callers() -> None:
-    _StoreCaller._lock = threading.Lock()
-    _StoreCaller._idle = []  # a forked child has none of its parent's threads
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_store_callers)
 
 
 def attach_board(group: Any, board: FaultBoard) -> None:
@@ -228,12 +195,38 @@ def boards_of(groups: Iterable[Any]) -> list[FaultBoard]:
 
 
 def post_failure(groups: Iterable[Any], exc: BaseException) -> None:
-    """Post ``exc`` on the board of every group (a peer's failure is relayed as its root)."""
-    for board in boards_of(groups):
+    """Post ``exc`` on the board of every group (a peer's failure is relayed as its root)
+    and retire the groups (``retire``)."""
+    for group in groups:
+        board = board_of(group)
+        if board is None:
+            continue
         if isinstance(exc, PeerFailure):
             board.post(exc.reason, Fault(exc.who, exc.reason, board.rank))
         else:
             board.post(f"{type(exc).__name__}: {exc}")
+        retire(group)
+
+
+# Past the group's timeout: a collective that got stuck just after the failure has ended
+# by then (gloo bounds each of its waits by the group's timeout).
+RETIRE_MARGIN_S = 5.0
+
+
+def retire(group: Any) -> None:
+    """A failed gloo group is kept alive on a daemon thread until every operation it may
+    still run has ended (the group's timeout plus ``RETIRE_MARGIN_S``), so that dropping or
+    destroying it returns at once: a ``ProcessGroupGloo`` whose worker thread still runs an
+    abandoned collective blocks whoever drops its last reference until that collective ends
+    (neither ``abort()`` nor ``shutdown()`` ends it, measured on torch 2.13). Once per group;
+    the board is marked failed (``destroy_refit_group`` then does not wait for every rank)."""
+    board = board_of(group)
+    if board is None:
+        return
+    board.failed = True
+    if board.backend == "gloo" and not board.retired:
+        board.retired = True
+        hold(group, board.timeout_s + RETIRE_MARGIN_S, name="refit-retired-group")
 
 
 class fault_scope:
@@ -270,16 +263,23 @@ def wait_works(works: Sequence[Any], group: Any, what: str,
         for w in works:  # NCCL: returns at once (the device waits); see wait_device
             w.wait()
         return
-    future = _WAITER.submit(_wait_all, works)
+    call = _WORK_WAITS.submit(lambda: _wait_all(works))
+    try:
+        _poll_until_done(call, board, what, peers)
+    except BaseException:
+        retire(group)  # its Works may still run: dropping the group must not wait for them
+        raise
+
+
+def _poll_until_done(call, board: FaultBoard, what: str, peers) -> None:
     deadline = time.monotonic() + board.timeout_s
     while True:
-        try:
-            future.result(timeout=POLL_S)
+        if call.wait(POLL_S):
+            try:
+                call.result()
+            except Exception as exc:  # noqa: BLE001 - the transport's error, re-raised with context
+                _raise_transport_error(board, what, peers, exc)
             return
-        except FutureTimeout:
-            pass
-        except Exception as exc:  # noqa: BLE001 - the transport's error, re-raised with context
-            _raise_transport_error(board, what, peers, exc)
         board.raise_if_failed(what)
         if time.monotonic() > deadline:
             raise RefitTimeout(f"{board.label}, {board.who} (group rank {board.rank}): {what} "
@@ -376,5 +376,5 @@ def abort_groups(groups: Iterable[Any]) -> None:
 
 
 __all__ = ["Fault", "FaultBoard", "PeerFailure", "RefitError", "RefitTimeout", "attach_board",
-           "abort_groups", "board_of", "boards_of", "fault_scope", "post_failure", "wait_device",
-           "wait_event", "wait_works"]
+           "abort_groups", "board_of", "boards_of", "fault_scope", "post_failure", "retire",
+           "wait_device", "wait_event", "wait_works"]

@@ -1,7 +1,9 @@
 """Command line: ``megatron-reshard demo | bench | plan``.
 
 Each command's module is imported only when it runs, so ``--help`` is fast and the
-package root stays free of Megatron. Every command checks its options before it starts a
+package root stays free of Megatron: the parser is built from modules that import no
+torch (``demo_options``, ``plan_cli``'s options over ``presets``; the package root loads
+its engine names lazily). Every command checks its options before it starts a
 process: a wrong value ends the command at once with one line on stderr and exit status 2.
 """
 
@@ -51,12 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,bench,plan}")
 
-    from megatron_reshard.tools import demo
+    from megatron_reshard.tools import demo_options
 
-    demo.add_arguments(sub.add_parser(
+    demo_options.add_arguments(sub.add_parser(
         "demo", help="run a real refit between a Megatron training world and a generation "
                      "world on this machine, verify it bit for bit, print a summary",
-        description=demo.__doc__, formatter_class=HelpFormatter))
+        description=demo_options.__doc__, formatter_class=HelpFormatter))
 
     bench = sub.add_parser(
         "bench", help="GPU benchmarks under torchrun (refit or transfer), with the same-run "

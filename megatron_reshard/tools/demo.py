@@ -1,17 +1,7 @@
-"""Run a real refit on this machine and check it bit for bit.
+"""``megatron-reshard demo``: run it (what it does, its options: ``demo_options``).
 
-Starts a training world (a real megatron-core GPT model; by default MoE with GQA under
-TP2×PP2×EP2 on 4 processes, the dense model under TP2×PP2) and a generation world (2
-processes holding vLLM-layout parameters, gen TP2) as separate torch.distributed worlds,
-joins them with one refit group per training PP stage, runs setup, then several refits
-with the training weights changed between them, and verifies every generation parameter
-against the reference (full HF tensors gathered on the training side, sliced by the vLLM
-layout). Runs on CPU with gloo; for GPUs see scripts/refit_torchrun.py.
-
-The layout is checked against the model before any process starts: a size the model
-cannot be split by ends the demo at once with one line on stderr.
-
-Exit status: 0 when every refit is bit-exact, 1 otherwise, 2 for invalid options.
+Both worlds in a pool of spawned workers on this machine; the summary printed, or one
+JSON object with ``--json``.
 """
 
 from __future__ import annotations
@@ -22,17 +12,7 @@ import sys
 import time
 
 from megatron_reshard.tools.e2e import run_rank, summarize
-from megatron_reshard.tools.run_config import add_run_arguments, config_from_args
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_run_arguments(parser)
-    parser.add_argument("--backend", choices=["gloo"], default="gloo",
-                        help="process-group backend; the demo runs on CPU (on GPUs: "
-                             "scripts/refit_torchrun.py)")
-    parser.add_argument("--device", choices=["cpu"], default="cpu", help=argparse.SUPPRESS)
-    parser.add_argument("--json", action="store_true",
-                        help="print the summary as one JSON object on stdout (progress is silent)")
+from megatron_reshard.tools.run_config import config_from_args
 
 
 def _job(job, cfg):

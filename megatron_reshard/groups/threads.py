@@ -1,0 +1,106 @@
+"""Daemon threads for calls that may never return: a fault-aware wait must end on time, and
+so must the process, whatever a stuck call does.
+
+Stdlib only. Two kinds of call block without a bound of their own: some TCPStore calls when
+the store's host is stopped (SIGSTOP), and a gloo Work's ``wait()``, which ends only at
+gloo's timeout when a peer stops taking part. ``DaemonThreads`` runs such calls on reusable
+daemon threads: the caller waits as long as it chooses, a thread stuck in a call is never
+handed another one, and at exit nothing joins them (``concurrent.futures`` pools are joined
+at exit, so one stuck wait held the process until gloo's timeout). ``hold`` keeps an object
+alive on a daemon thread for a while: a failed gloo group whose worker thread still runs an
+abandoned collective blocks whichever thread drops its last reference until that collective
+ends (``~ProcessGroupGloo`` joins its worker threads; neither ``abort()`` nor ``shutdown()``
+ends the collective in torch 2.13, measured).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from typing import Any, Callable, Optional
+
+
+class Call:
+    """One call handed to ``DaemonThreads.submit``: ``wait`` for it, then ``result()``."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._value: Any = None
+        self._error: Optional[BaseException] = None
+
+    def wait(self, timeout_s: Optional[float] = None) -> bool:
+        """True once the call has returned or raised (within ``timeout_s``)."""
+        return self._done.wait(timeout_s)
+
+    def result(self) -> Any:
+        """The value of a finished call, or its exception raised here."""
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+class DaemonThreads:
+    """Daemon threads that run the calls handed to them, one at a time each; idle ones are
+    kept for the next call, so a call costs a hand-off, not a new thread."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self._idle: list[queue.SimpleQueue] = []
+        self._lock = threading.Lock()
+        _ALL.append(self)
+
+    def submit(self, fn: Callable[[], Any]) -> Call:
+        with self._lock:
+            jobs = self._idle.pop() if self._idle else None
+        if jobs is None:
+            jobs = queue.SimpleQueue()
+            threading.Thread(target=self._loop, args=(jobs,), daemon=True, name=self.name).start()
+        call = Call()
+        jobs.put((fn, call))
+        return call
+
+    def _loop(self, jobs: "queue.SimpleQueue") -> None:
+        while True:
+            fn, call = jobs.get()
+            try:
+                call._value = fn()
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                call._error = exc
+            fn = None  # what the call held (Works, a group) is not kept by an idle thread
+            with self._lock:  # idle again before the caller can ask for another call
+                self._idle.append(jobs)
+            call._done.set()
+            call = None
+
+    def _forget(self) -> None:
+        self._lock = threading.Lock()
+        self._idle = []  # a forked child has none of its parent's threads
+
+
+_ALL: list[DaemonThreads] = []
+
+
+def _forget_all() -> None:
+    for threads in _ALL:
+        threads._forget()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_all)
+
+
+def hold(obj: Any, seconds: float, name: str = "refit-hold") -> None:
+    """Keep a reference to ``obj`` for ``seconds`` on a daemon thread, then drop it (if that
+    was the last one, ``obj`` is destroyed on that thread, not on the caller's)."""
+    kept = [obj]
+
+    def keep() -> None:
+        time.sleep(seconds)
+        kept.clear()
+
+    threading.Thread(target=keep, daemon=True, name=name).start()
+
+
+__all__ = ["Call", "DaemonThreads", "hold"]
