@@ -9,8 +9,8 @@ from megatron_reshard.engine.geometry import rank_region
 from megatron_reshard.placements import (
     MeshInfo,
     PaddedShard,
-    _restore_placement,
     placements_to_plain,
+    restore_placement,
 )
 from megatron_reshard.tools.worlds import init_gloo_world
 
@@ -37,7 +37,7 @@ def test_a_padded_size_smaller_than_the_tensor_or_not_divisible_is_refused(padde
 def test_wire_form_round_trips():
     plain = placements_to_plain([PaddedShard(0, 768), Replicate()])
     assert plain == [{"dim": 0, "padded": 768}, {}]
-    assert [_restore_placement(p) for p in plain] == [PaddedShard(0, 768), Replicate()]
+    assert [restore_placement(p) for p in plain] == [PaddedShard(0, 768), Replicate()]
 
 
 FULL = torch.arange(500 * 8, dtype=torch.float32).reshape(500, 8)

@@ -94,11 +94,11 @@ def test_plan_takes_uneven_gen_ep_in_vllms_blocks():
 
 
 def test_block_shard_wire_form_round_trips_and_bad_blocks_are_named():
-    from megatron_reshard.placements import MeshInfo, _restore_placement, placements_to_plain
+    from megatron_reshard.placements import MeshInfo, placements_to_plain, restore_placement
 
     pl = BlockShard(0, (2, 2, 1, 1))
     assert placements_to_plain([pl]) == [{"dim": 0, "blocks": [2, 2, 1, 1]}]
-    assert _restore_placement({"dim": 0, "blocks": [2, 2, 1, 1]}) == pl
+    assert restore_placement({"dim": 0, "blocks": [2, 2, 1, 1]}) == pl
     mesh = MeshInfo(torch.arange(4))
     assert [rank_region((6, 3), mesh, [pl], r)[0][0] for r in range(4)] == [(0, 2), (2, 4),
                                                                             (4, 5), (5, 6)]
