@@ -113,11 +113,14 @@ class CopyBatch:
         parts = [p for whole in pairs for p in _contiguous_parts(*whole) if p[0].numel()]
         cuda = device.type == "cuda"
         kernel = _triton_kernel() if cuda else None
-        aligned = [p for p in parts if _aligned(*p)] if kernel is not None else []
+        aligned, rest = [], []
+        for p in parts:
+            (aligned if kernel is not None and _aligned(*p) else rest).append(p)
         # one launch for every aligned pair when there are several (BlockTable), else a
         # memcpy per large contiguous pair; the rest as foreach copies of integer views
         self.table = BlockTable(kernel, aligned, device) if len(aligned) > 1 else None
-        rest = parts if self.table is None else [p for p in parts if not _aligned(*p)]
+        if self.table is None:
+            rest = parts
         self.memcpy, self.dsts, self.srcs = [], [], []
         for dst, src in rest:
             if (dst.numel() * dst.element_size() >= MEMCPY_BYTES and dst.is_contiguous()
