@@ -29,6 +29,7 @@ generation side.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -159,6 +160,22 @@ def _nbytes(transfers) -> int:
     return sum(torch.Size(t.global_shape).numel() * t.dtype.itemsize for t in transfers)
 
 
+def _cut(transfers: list, batch_mib: float) -> list:
+    """The transfers in the refit loop's batches of ``batch_mib`` (0: one batch)."""
+    from megatron_reshard.refit.order import byte_bounds
+
+    if not batch_mib:
+        return [transfers]
+    sizes = [_nbytes([t]) for t in transfers]
+    return [transfers[a:b] for a, b in byte_bounds(sizes, int(batch_mib * 2**20))]
+
+
+def _run_all(transport) -> None:
+    """Every cached copy batch of the refit once (its copies alone, no barrier)."""
+    for copies in transport._batches.values():
+        copies.run()
+
+
 def _sync(device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -261,7 +278,7 @@ class _WaitClock:
                     cls.marks.append((what(a), t0, time.perf_counter()))
             return wrapper
 
-        HostFlags.wait = timed(HostFlags.wait, lambda a: ("ready", "done")[a[1]])
+        HostFlags.wait = timed(HostFlags.wait, lambda a: ("ready", "verdict", "copied")[a[1]])
         if torch.cuda.is_available():
             torch.cuda.Stream.synchronize = timed(torch.cuda.Stream.synchronize,
                                                   lambda a: "sync")
@@ -318,44 +335,53 @@ def run(rank: int, args, port: int, results) -> None:
     dtype = torch.bfloat16
     group = create_refit_group("127.0.0.1", port, rank, 2, "gloo", 120.0,
                                transport="colocated", who=("train", "gen")[rank])
-    move = transport_of(group).move
+    transport = transport_of(group)
+    move = transport.move
     for name in args.cases:
         c = (SMALL if args.small else SLICES)[name]
         train = train_buffers(c, args.layers, device, dtype) if rank == 0 else None
         gen = gen_buffers(c, args.layers, device, dtype) if rank == 1 else None
         transfers, experts = wire(c, args.layers, train, gen, dtype)
-        for label, batch in (("refit", transfers), ("experts", experts)):
-            if not batch:
+        for label, params in (("refit", transfers), ("experts", experts)):
+            if not params:
                 continue
             planner = Planner()
-            call = (lambda b=batch, p=planner, a=True: move(b, group, planner=p, agree=a))
-            call()  # maps the training storages, votes, builds the copies
-            times, host, lines = [], [], []
+            batches = _cut(params, args.batch_mib)
+
+            def refit(agree=False, batches=batches, planner=planner):
+                # as the refit loop moves a stage: fresh Transfer objects per batch over the
+                # same views, each batch with overlap, one flush after the last
+                for batch in batches:
+                    move([dataclasses.replace(t) for t in batch], group, planner=planner,
+                         agree=agree, overlap=True)
+                transport.flush()
+
+            refit(agree=True)  # maps the training storages, votes, builds the copies
+            times, host, lines, runs = [], [], [], []
             for _ in range(args.warmup + args.iters):
                 _sync(device)
                 _WaitClock.marks.clear()
+                runs.append(len(_WaitClock.events))
                 t0, h0, w0 = time.perf_counter(), time.thread_time(), _WaitClock.spent
-                move(batch, group, planner=planner, agree=False)
-                times.append(time.perf_counter() - t0)  # its copies are synced inside
+                refit()
+                times.append(time.perf_counter() - t0)  # flush waits for the copies
                 _sync(device)
                 host.append(time.thread_time() - h0 - (_WaitClock.spent - w0))
                 lines.append((t0, t0 + times[-1], list(_WaitClock.marks)))
+            runs.append(len(_WaitClock.events))
             if args.trace and rank == 1:  # the gen rank's copies: in a refit, then alone
-                cached = transport_of(group)._batches
                 for i in range(2):
                     print(json.dumps(_trace(args.trace, f"{name}_{label}_refit{i}", device,
-                                            lambda: move(batch, group, planner=planner,
-                                                         agree=False))), flush=True)
+                                            refit)), flush=True)
                     print(json.dumps(_trace(args.trace, f"{name}_{label}_alone{i}", device,
-                                            next(iter(cached.values())).run)), flush=True)
+                                            lambda: _run_all(transport))), flush=True)
             elif args.trace:
                 for i in range(2):
                     _sync(device)
-                    move(batch, group, planner=planner, agree=False)
+                    refit()
             if args.profile:  # where the host time of a refit goes, per rank (cProfile)
-                _profile(args.profile, f"{name}_{label}_rank{rank}", device,
-                         lambda: move(batch, group, planner=planner, agree=False), args.iters)
-            peak = _peak(device, lambda: move(batch, group, planner=planner, agree=False))
+                _profile(args.profile, f"{name}_{label}_rank{rank}", device, refit, args.iters)
+            peak = _peak(device, refit)
             if args.timeline:
                 results.put((rank, name, label, {f"marks{rank}": lines[args.warmup:]}))
             if rank == 0:
@@ -363,43 +389,47 @@ def run(rank: int, args, port: int, results) -> None:
                     "train_peak_extra_mib": peak / 2**20,
                     "train_host_ms": 1e3 * statistics.median(host[args.warmup:])}))
                 continue
-            nbytes = _nbytes(batch)
+            nbytes = _nbytes(params)
             ref = train_buffers(c, args.layers, device, dtype)  # the same values, regenerated
             expect, _ = wire(c, args.layers, ref, None, dtype)
             by_name = {t.name: t.src for t in expect}
-            for t in batch:  # bit for bit, against the sources regenerated here
+            for t in params:  # bit for bit, against the sources regenerated here
                 want = by_name[t.name]
                 want = torch.stack(want) if isinstance(want, list) else want
                 assert torch.equal(t.dst.reshape(want.shape), want), f"{name}: {t.name} differs"
             del ref, expect, by_name
-            copies = next(iter(transport_of(group)._batches.values()))
-            timed = _WaitClock.events[1 + args.warmup:1 + args.warmup + args.iters]
-            in_refits = [a.elapsed_time(b) for a, b in timed]
-            _WaitClock.events.clear()
+            pairs = sum(b.pairs for b in transport._batches.values())
+            k = len(transport._batches)
+            events = _WaitClock.events
+            in_refits = [events[a][0].elapsed_time(events[b - 1][1])  # first copy to last
+                         for a, b in zip(runs[args.warmup:-1], runs[args.warmup + 1:]) if b > a]
+            _WaitClock.events = []
             ctimes = []
             for _ in range(args.iters + 2):
                 _sync(device)
                 t0 = time.perf_counter()
-                copies.run()
+                _run_all(transport)
                 _sync(device)
                 ctimes.append(time.perf_counter() - t0)
-            transport_of(group)._batches.clear()
+            transport._batches.clear()
             refit_s, copy_s = statistics.median(times[args.warmup:]), statistics.median(ctimes[2:])
-            if _WaitClock.events:  # device time of the copies: inside refits, then alone
-                alone = [a.elapsed_time(b) for a, b in _WaitClock.events[2:]]
+            if _WaitClock.events and in_refits:  # device time of the copies: refits, alone
+                alone = [_WaitClock.events[i][0].elapsed_time(_WaitClock.events[i + k - 1][1])
+                         for i in range(2 * k, len(_WaitClock.events) - k + 1, k)]
                 print(f"copies' device time {name} {label}: in refits "
                       f"{statistics.median(in_refits):.3f} ms, alone "
                       f"{statistics.median(alone):.3f} ms", flush=True)
-                _WaitClock.events.clear()
+                _WaitClock.events = []
             raw_s = _memcpy_s(nbytes, device, args.iters)
             results.put((rank, name, label, {
-                "mib": nbytes / 2**20, "params": len(batch), "copy_pairs": copies.pairs,
+                "mib": nbytes / 2**20, "params": len(params), "batches": len(batches),
+                "copy_pairs": pairs,
                 "memcpy_gbps": nbytes / raw_s / 1e9,
                 "refit_ms": refit_s * 1e3, "refit_gbps": nbytes / refit_s / 1e9,
                 "refit_vs_memcpy": raw_s / refit_s,
                 "copies_ms": copy_s * 1e3, "copies_gbps": nbytes / copy_s / 1e9,
                 "copies_vs_memcpy": raw_s / copy_s,
-                "host_us_per_param": 1e6 * statistics.median(host[args.warmup:]) / len(batch),
+                "host_us_per_param": 1e6 * statistics.median(host[args.warmup:]) / len(params),
                 "gen_peak_extra_mib": peak / 2**20}))
         del train, gen, transfers, experts
         if device.type == "cuda":
@@ -415,6 +445,9 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=9)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--cases", nargs="+", default=list(SLICES))
+    ap.add_argument("--batch-mib", type=float, default=512, help="cut the refit into batches "
+                    "of this size, as the refit loop does (its default batch_bytes: 512 MiB); "
+                    "0: one batch")
     ap.add_argument("--port", type=int, default=29611)
     ap.add_argument("--json", default="")
     ap.add_argument("--timeline", action="store_true", help="print where each rank's refit time goes")

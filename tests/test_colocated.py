@@ -41,9 +41,9 @@ def test_an_unknown_transport_name_is_refused_before_any_store():
         create_refit_group("127.0.0.1", 1, 0, 2, backend="nccl", transport="colocated")
 
 
-def _changed_views_job(job, bad_side):
-    """Train (rank 0) -> gen (rank 1), one batch of a dense param and a list of members,
-    refitted: as is, after in-place writes (an optimizer step), after one member and the
+def _changed_views_job(job, bad_side, overlap):
+    """Train (rank 0) -> gen (rank 1), two batches (a dense param; a list of members, moved
+    with ``overlap`` on the ranks it names, then flushed), refitted: as is, after in-place writes (an optimizer step), after one member and the
     dense param moved to fresh storages, after a member's view moved inside its storage,
     unchanged, after the generation side's dense destination moved to a fresh tensor, and
     last with bad input on ``bad_side``. The generation side must see each refit's values."""
@@ -64,16 +64,21 @@ def _changed_views_job(job, bad_side):
     out_dense, out_members = torch.zeros(4, 6), torch.zeros(4, 3, 3)
     planner, seen = Planner(), []
 
+    mine = overlap in ("both", ("train", "gen")[job.rank])
+    transport = transport_of(group)
+
     def refit(src_dense, src_members, dst_members=None):
-        batch = [Transfer("dense", (4, 6), torch.float32, src_mesh, [Replicate()], dst_mesh,
-                          [Replicate()], src_dense if train else None,
-                          None if train else out_dense),
-                 Transfer("experts", (4, 3, 3), torch.float32, src_mesh, [Shard(0)],
-                          dst_mesh, [Replicate()],
-                          [m[:3] for m in src_members] if train else None,
-                          None if train else
-                          (out_members if dst_members is None else dst_members))]
-        transport_of(group).move(batch, group, planner=planner, agree=not seen)
+        batches = [[Transfer("dense", (4, 6), torch.float32, src_mesh, [Replicate()],
+                             dst_mesh, [Replicate()], src_dense if train else None,
+                             None if train else out_dense)],
+                   [Transfer("experts", (4, 3, 3), torch.float32, src_mesh, [Shard(0)],
+                             dst_mesh, [Replicate()],
+                             [m[:3] for m in src_members] if train else None,
+                             None if train else
+                             (out_members if dst_members is None else dst_members))]]
+        for batch in batches:
+            transport.move(batch, group, planner=planner, agree=not seen, overlap=mine)
+        transport.flush()
         seen.append(None if train else (out_dense.clone(), out_members.clone()))
 
     refit(dense, members)
@@ -107,12 +112,15 @@ def _changed_views_job(job, bad_side):
     return seen, error, untouched
 
 
-@pytest.mark.parametrize("bad_side", ["train", "gen"])
-def test_colocated_refits_follow_changed_views_and_values(pool, bad_side):
+@pytest.mark.parametrize("bad_side, overlap", [("train", "none"), ("gen", "none"),
+                                               ("train", "both"), ("gen", "both"),
+                                               ("train", "train"), ("gen", "gen")])
+def test_colocated_refits_follow_changed_views_and_values(pool, bad_side, overlap):
+    """``overlap``: which ranks move with ``overlap=True`` (the two sides need not agree)."""
     import torch
 
     (_, train_error, _), (gen, gen_error, untouched) = pool.run(
-        _changed_views_job, 2, bad_side, timeout_s=120)
+        _changed_views_job, 2, bad_side, overlap, timeout_s=120)
     # bad input in a batch that kept its tensors last time is checked after the rank entered
     # the ready barrier (training side: while the generation side copies; generation side:
     # before its copies): the batch is then moved again in the checked order, which raises

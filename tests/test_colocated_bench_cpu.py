@@ -1,6 +1,6 @@
 """``scripts/bench_colocated.py`` runs on CPU (shared memory): two processes, the 30B-shaped
-small slice, every case checked bit for bit by the script itself, and the timeline lists
-both ranks' steps."""
+small slice cut into several batches (as the refit loop cuts), every case checked bit for
+bit by the script itself, and the timeline lists both ranks' steps."""
 
 import json
 import subprocess
@@ -16,7 +16,7 @@ def test_the_colocated_benchmark_runs_on_cpu_with_its_timeline(tmp_path):
     out = tmp_path / "c.json"
     # the timeout only keeps a hang from blocking the suite; nothing here measures time
     done = subprocess.run([sys.executable, "scripts/bench_colocated.py", "--device", "cpu",
-                           "--small", "--iters", "2", "--warmup", "1", "--timeline",
+                           "--small", "--iters", "2", "--warmup", "1", "--timeline", "--batch-mib", "0.1",
                            "--cases", "qwen3_30b_a3b", "--port", str(free_ports(1)[0]), "--json", str(out)],
                           capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -25,6 +25,8 @@ def test_the_colocated_benchmark_runs_on_cpu_with_its_timeline(tmp_path):
     for row in rows.values():
         assert row["refit_ms"] > 0 and row["memcpy_gbps"] > 0 and row["copy_pairs"] > 0
         assert row["train_host_ms"] >= 0  # both ranks reported
-    for step in ("gen.describe", "gen.check", "gen.ready", "gen.run", "gen.done",
-                 "train.describe", "train.ready", "train.check", "train.done"):
+    assert rows["refit"]["batches"] > 1
+    for step in ("gen.describe", "gen.check", "gen.ready", "gen.run", "gen.verdict",
+                 "train.describe", "train.ready", "train.check", "train.verdict",
+                 "train.copied"):
         assert f"  {step} " in done.stdout, step

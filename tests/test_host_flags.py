@@ -15,7 +15,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from megatron_reshard.engine.host_flags import DONE, READY, HostFlags
+from megatron_reshard.engine.host_flags import READY, VERDICT, HostFlags
 from megatron_reshard.groups.faults import RefitError, RefitTimeout
 
 
@@ -79,8 +79,8 @@ def test_barriers_hand_each_batch_its_own_payloads():
             flags[r].next_batch()
             flags[r].arrive(READY, b * 10 + r)
             seen.append(flags[r].wait(READY, "ready"))
-            flags[r].arrive(DONE)
-            flags[r].wait(DONE, "done")
+            flags[r].arrive(VERDICT)
+            flags[r].wait(VERDICT, "done")
         return seen
 
     out, errors = _in_threads([lambda r=r: rank(r) for r in range(world)])

@@ -24,7 +24,7 @@ CPU memory in tests). Per batch, on every rank of the refit group, in this order
    generation ranks copy; a generation rank enters it at once too and runs step 1's
    checks while it waits there for the training ranks (its copies start only after they
    passed, so its own bad input moves no byte). A rank that finds a change or a problem
-   says so in its done word, and every rank moves the batch again in the checked order
+   says so in its verdict word, and every rank moves the batch again in the checked order
    (step 1 first): the copies are then redone from the new views, and bad input raises
    there, on every rank. That costs one extra copy of such a batch and takes the checks
    (~1 ms for 1,602 training tensors) off the critical path of every other refit; a
@@ -37,10 +37,20 @@ CPU memory in tests). Per batch, on every rank of the refit group, in this order
    training storage is reopened only when it changes), derives its reads from the plan's
    ownerships (each destination piece read once, directly from one holder of each source
    box: replicas spread over generation ranks; no phase-1 exchange between generation
-   ranks) and runs them as plain copies (``colocated_copies``), then syncs the stream
-   they ran on (they depend on no peer, so no board poll is needed);
-5. the *done* barrier (the same table): the training side returns (and may free a
-   pre-hook buffer) only after every generation rank has copied.
+   ranks) and queues them as plain copies (``colocated_copies``) on its stream, with an
+   event after them;
+5. the *verdict* barrier (the same table): every rank's checks passed, or the batch is
+   moved again (step 2);
+6. *copied*: each rank reports, in its own word, the last batch whose copies completed
+   (batches complete in order); a training rank lets go of a batch's tensors (and may
+   then free a pre-hook buffer, or change its sources) only after every rank reported
+   it. Without ``overlap`` both sides wait for that inside ``move``. With ``overlap``
+   (the refit loop's batches; ``flush`` at the end) a generation rank returns with its
+   copies queued, like the process-group transport, and reports them from its next
+   waits, and a training rank waits for the batch before this one only, so one batch's
+   host work (both sides' describe and checks, the loop's hooks) runs while the previous
+   batch's copies run. A rank's waits never stop it from reporting its own copies, so
+   the two sides need not agree on ``overlap``.
 
 The commit vote, versions and weight state are the refit loop's, unchanged. A rank that
 dies or hangs leaves its peers waiting in a barrier, which never waits blind: it reads the
@@ -53,6 +63,7 @@ again.
 
 from __future__ import annotations
 
+from collections import deque
 from operator import attrgetter
 from contextlib import nullcontext
 from typing import Any, Optional, Sequence
@@ -66,7 +77,7 @@ from .agree import Description, Vote
 from .checks import check_local, local_ok
 from .colocated_copies import CopyBatch, read_pairs
 from .colocated_views import MappedViews, PublishedViews
-from .host_flags import DONE, READY, HostFlags
+from .host_flags import COPIED, READY, VERDICT, HostFlags
 from .execute import _describe, _Rejected  # the engine's batch description, reused as is
 from .members import LISTS, is_members
 from .plan import Planner
@@ -74,6 +85,7 @@ from .transport import P2PTransport
 
 _CACHE = 64          # copy batches kept per transport (one per batch and generation)
 NAP_S = 5e-5         # longest nap of the device waits on a refit's critical path
+OVERLAP_DEPTH = 1    # batches a training rank lets be read after its ``move`` returned
 
 
 class ColocatedTransport:
@@ -96,29 +108,45 @@ class ColocatedTransport:
         # generation side
         self._views = MappedViews(store)
         self._batches: dict = {}     # (fp, generations, dst key) -> CopyBatch
+        # completion, every rank: (batch seq, CUDA event of its copies or None: complete)
+        # of the batches not yet reported in the ``copied`` word
+        self._in_flight: deque = deque()
+        # training side: (batch seq, transfers) of the batches a rank may still read
+        self._unread: deque = deque()
 
     # -- the interface -------------------------------------------------------------
 
     def move(self, transfers: Sequence, group: Any, *, stream=None,
              staging_bytes: int = 256 << 20, planner: Optional[Planner] = None,
-             agree: bool = True) -> None:
+             agree: bool = True, overlap: bool = False) -> None:
+        """Move one batch (``execute.xfer_batch``'s contract). Without ``overlap`` the call
+        returns once every rank's reads of the batch are complete (a training rank may
+        change its sources after it). With ``overlap`` (the refit loop's batches) a
+        generation rank returns once its copies are queued on ``stream`` and a training
+        rank once the batch before this one was read, so that one batch's host work runs
+        while the previous batch's copies run; ``flush`` completes them all."""
         if group is not self.group:
             raise ValueError("ColocatedTransport.move: called with another group than its own")
-        if self._broken is not None:
-            raise RefitError(f"the colocated transport of this refit group failed earlier "
-                             f"({self._broken}); create a new refit group")
-        try:
-            # not ``planner or Planner()``: an empty Planner is falsy (``__len__``), and a fresh
-            # one per call re-planned every batch (plan, fusion) on every refit
-            self._move(transfers, stream, staging_bytes,
-                       planner if planner is not None else Planner(), agree)
-        except BaseException as exc:
-            self._broken = f"{type(exc).__name__}: {exc}"
-            self._flags.mark_failed()  # a peer waiting in a barrier raises at once
-            self.close()  # a peer may be dead: never read its memory again
-            raise
+        # not ``planner or Planner()``: an empty Planner is falsy (``__len__``), and a fresh
+        # one per call re-planned every batch (plan, fusion) on every refit
+        self._guarded(self._move, transfers, stream, staging_bytes,
+                      planner if planner is not None else Planner(), agree, overlap)
+
+    def flush(self) -> None:
+        """Complete every batch moved with ``overlap``: a generation rank waits for its
+        copies and reports them; a training rank waits until every rank has read what it
+        published (its sources may change after it)."""
+        self._guarded(self._settle)
 
     def close(self) -> None:
+        for _, event in self._in_flight:  # no copy still reads a mapping let go of below
+            if event is not None:
+                try:
+                    event.synchronize()
+                except RuntimeError:  # a broken device context: no copy runs any more
+                    break
+        self._in_flight.clear()
+        self._unread.clear()
         self._flags.close()
         self._batches.clear()
         self._views.clear()
@@ -126,11 +154,24 @@ class ColocatedTransport:
         self._checked.clear()
         self._stable.clear()
 
+    def _guarded(self, fn, *args) -> None:
+        if self._broken is not None:
+            raise RefitError(f"the colocated transport of this refit group failed earlier "
+                             f"({self._broken}); create a new refit group")
+        try:
+            fn(*args)
+        except BaseException as exc:
+            self._broken = f"{type(exc).__name__}: {exc}"
+            self._flags.mark_failed()  # a peer waiting in a barrier raises at once
+            self.close()  # a peer may be dead: never read its memory again
+            raise
+
     # -- one batch -----------------------------------------------------------------
 
     def _move(self, transfers, stream, staging_bytes: int, planner: Planner,
-              agree: bool, checked_first: bool = False) -> None:
+              agree: bool, overlap: bool, checked_first: bool = False) -> None:
         me, world = self.me, self.world
+        self._report_copied()
         device_type = _device_type(transfers)
         problem = batch = None
         tensors: list = []
@@ -166,30 +207,34 @@ class ColocatedTransport:
             generation = published[2]
         else:
             generation = self._sources.publish(batch.fp, transfers, signature) if sources else 0
-        flags = self._flags
-        flags.next_batch()
+        flags, report = self._flags, self._report_copied
+        seq = flags.next_batch()
         flags.arrive(READY, generation << 1 | (problem is not None))
         redo = False  # this rank's tensors changed, or are bad, since it entered the barrier
         if optimistic and dests:
             problem, signature = self._check(batch, transfers, tensors, device_type)
             redo = problem is not None  # it copies nothing; the checked pass raises
-        words = flags.wait(READY, "the colocated refit's ready barrier")
+        words = flags.wait(READY, "the colocated refit's ready barrier", idle=report)
         failed = [r for r in range(world) if words[r] & 1]
         if failed:
             mine = f": {problem.text()}" if problem is not None else ""
             raise ValueError(f"colocated refit: group ranks {failed} found a problem with "
                              f"their local tensors (this is group rank {me}){mine}")
+        event = None
         if dests and not redo:
             copies = self._copy_batch(batch, transfers, tuple(w >> 1 for w in words), signature)
             with torch.cuda.stream(stream) if stream is not None else nullcontext():
                 copies.run()
-                # the reads are done before the training side goes on: waited for on the
-                # stream they ran on (``stream`` when given, made current just above). A
-                # plain sync, not a wait that polls the board: these copies depend on no
-                # peer (mapped memory stays valid while mapped, its owner dead or alive),
-                # and a poll's naps end it up to ~0.1 ms late on the critical path
                 if copies.device.type == "cuda":
-                    torch.cuda.current_stream(copies.device).synchronize()
+                    # complete when the reads are: on the stream they ran on (``stream``
+                    # when given, made current just above)
+                    event = torch.cuda.Event()
+                    event.record()
+        self._in_flight.append((seq, event))  # a rank with nothing to read: complete now
+        if overlap:
+            report()
+        else:
+            self._copies_complete()
         if sources:
             if optimistic:  # meanwhile the generation ranks copy from the published views
                 problem, signature = self._check(batch, transfers, tensors, device_type)
@@ -197,12 +242,51 @@ class ColocatedTransport:
             # stable: the views are those published before this call (no new generation)
             self._stable[batch.fp] = not redo and published is not None and (
                 generation == published[2])
-        flags.arrive(DONE, int(redo))
-        if any(flags.wait(DONE, "the colocated refit's done barrier")):
+            self._unread.append((seq, transfers))  # kept (and kept alive) until read
+        flags.arrive(VERDICT, int(redo))
+        if any(flags.wait(VERDICT, "the colocated refit's verdict barrier", idle=report)):
             # a rank's tensors changed (or are bad) since it entered the ready barrier:
-            # every rank moves the batch again in the checked order (bad input raises
-            # there, on every rank; a training rank's changed views are published anew)
-            self._move(transfers, stream, staging_bytes, planner, False, checked_first=True)
+            # every rank completes what is in flight and moves the batch again in the
+            # checked order (bad input raises there, on every rank; a training rank's
+            # changed views are published anew)
+            self._settle()
+            self._move(transfers, stream, staging_bytes, planner, False, False,
+                       checked_first=True)
+            return
+        self._let_go(OVERLAP_DEPTH if overlap else 0)
+
+    # -- completion: each rank reports its reads, a training rank waits for them -----
+
+    def _report_copied(self) -> None:
+        """Report the batches whose copies completed (in order: a look at each's event),
+        in this rank's ``copied`` word."""
+        done, in_flight = None, self._in_flight
+        while in_flight and (in_flight[0][1] is None or in_flight[0][1].query()):
+            done = in_flight.popleft()[0]
+        if done is not None:
+            self._flags.arrive(COPIED, seq=done)
+
+    def _copies_complete(self) -> None:
+        """Wait for this rank's copies in flight (a plain sync, not a wait that polls the
+        board: they depend on no peer, mapped memory stays valid while mapped, its owner
+        dead or alive, and a poll's naps end it up to ~0.1 ms late), then report them."""
+        for _, event in self._in_flight:
+            if event is not None:
+                event.synchronize()
+        self._report_copied()
+
+    def _let_go(self, keep: int) -> None:
+        """Wait until every rank read all but the newest ``keep`` batches this rank
+        published; their tensors are dropped then (a pre hook's buffer may be freed)."""
+        while len(self._unread) > keep:
+            seq = self._unread[0][0]
+            self._flags.wait(COPIED, "the colocated refit's copied barrier", seq=seq,
+                             idle=self._report_copied)
+            self._unread.popleft()
+
+    def _settle(self) -> None:
+        self._copies_complete()
+        self._let_go(0)
 
     def _check(self, batch, transfers, tensors: list, device_type: str) -> tuple:
         """This rank's tensors checked against the batch's plan: (problem or None, their

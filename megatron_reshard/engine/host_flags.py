@@ -1,24 +1,30 @@
 """A colocated refit group's barriers in shared host memory: one word per rank and barrier.
 
-Torch + stdlib only. The processes of a colocated group share one host, so the two
-barriers of each batch (ready: the sources are written and described; done: every
-destination has copied) need no network round trip: each rank writes its own words of a
-small shared table and reads the others'. A gloo all-reduce on loopback cost 0.5-0.7 ms
+Torch + stdlib only. The processes of a colocated group share one host, so the barriers
+of each batch (ready: the sources are written and described; verdict: every rank's checks
+passed, or the batch is to be moved again; copied: a rank's reads of the batch are
+complete) need no network round trip: each rank writes its own words of a small shared
+table and reads the others'. A gloo all-reduce on loopback cost 0.5-0.7 ms
 per barrier on this project's CPU machines, and replacing the two of each batch took a
 whole colocated refit on one H200 from 47% to 60% of memcpy (docs/MEASUREMENTS.md); a
 look at the table costs about a microsecond.
 
-The table (``int64 [world, 3]``, made by group rank 0 in shared memory, opened by the
+The table (``int64 [world, 4]``, made by group rank 0 in shared memory, opened by the
 others through the group's store) holds per rank:
 
 - ``ready``: ``seq << 32 | payload`` (payload: 31 bits of the caller's, e.g. a training
   rank's generation and a problem bit), one 64-bit store, so a reader never sees the
   number of one batch with the payload of another;
-- ``done``: ``seq << 32``;
+- ``verdict``: ``seq << 32 | payload`` (the caller's: e.g. a redo bit);
+- ``copied``: ``seq << 32`` of the last batch whose reads this rank completed (batches
+  complete in order, so it is a count: a wait for batch ``s`` passes on any ``seq >= s``);
 - ``failed``: non-zero once the rank gave up on the group.
 
-A rank cannot overwrite a word before every peer has read it: its next ``ready`` word
-needs every peer's ``done`` of this batch, its ``done`` word is only read as a count.
+The caller keeps a rank from overwriting a payload before every peer read it: a word is
+read between the caller's arrival and its next one in the same column, and the caller
+arrives again only after a barrier that every peer enters after that read
+(``colocated.py``: ``ready`` of batch k+1 after ``verdict`` of batch k, which every
+rank enters after its ``ready`` wait; ``verdict`` of k+1 after ``ready`` of k+1).
 
 A waiting rank never hangs silently. Every ``POLL_S`` it reads the group's fault board
 (a peer's post raises ``PeerFailure`` with the peer's message), looks whether the peers it
@@ -36,7 +42,7 @@ import json
 import os
 import pickle
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -44,7 +50,8 @@ from megatron_reshard.groups.faults import POLL_S, RefitError, RefitTimeout
 
 from .shared_memory import StorageHandle, export_storage, open_storage, view_of
 
-READY, DONE, FAILED = 0, 1, 2
+READY, VERDICT, COPIED, FAILED = 0, 1, 2, 3
+COLUMNS = 4
 PAYLOAD_BITS = 31
 SPIN_S = 20e-3        # how long a wait only yields the CPU before it starts to nap: a
                       # nap ends 50-100 µs late (timer slack), the barrier ends the batch
@@ -73,18 +80,19 @@ class HostFlags:
     def _open(self) -> torch.Tensor:
         if self._table is None:
             if self.rank == 0:
-                table = torch.zeros(self.world, 3, dtype=torch.int64)
+                table = torch.zeros(self.world, COLUMNS, dtype=torch.int64)
                 handle = export_storage(table.untyped_storage())  # shared in place
                 self.store.set(f"{self.key}/table", pickle.dumps(tuple(handle)))
                 self._storage = table.untyped_storage()
             else:  # blocks until rank 0 published it (the store's own timeout)
                 handle = StorageHandle(*pickle.loads(self.store.get(f"{self.key}/table")))
                 self._storage = open_storage(handle)
-                table = view_of(self._storage, torch.int64, 0, (self.world, 3), (3, 1))
+                table = view_of(self._storage, torch.int64, 0, (self.world, COLUMNS),
+                                (COLUMNS, 1))
             me = {"who": self.who, "pid": os.getpid(), "start": _start_time(os.getpid())}
             self.store.set(f"{self.key}/peer/{self.rank}", json.dumps(me))
             self._table = table
-            self._words = (ctypes.c_int64 * (3 * self.world)).from_address(table.data_ptr())
+            self._words = (ctypes.c_int64 * (COLUMNS * self.world)).from_address(table.data_ptr())
             self._peers = [self._peer(r) for r in range(self.world)]
         return self._table
 
@@ -101,27 +109,40 @@ class HostFlags:
         self._seq += 1
         return self._seq
 
-    def arrive(self, column: int, payload: int = 0) -> None:
+    @property
+    def seq(self) -> int:
+        """The number of the current batch (``next_batch``)."""
+        return self._seq
+
+    def arrive(self, column: int, payload: int = 0, seq: Optional[int] = None) -> None:
+        """This rank's word in ``column`` for the current batch (or batch ``seq``)."""
         if not 0 <= payload < (1 << PAYLOAD_BITS):
             raise ValueError(f"HostFlags.arrive: payload {payload} does not fit "
                              f"{PAYLOAD_BITS} bits")
         self._open()
-        self._words[3 * self.rank + column] = (self._seq << 32) | payload
+        self._words[COLUMNS * self.rank + column] = ((self._seq if seq is None else seq) << 32
+                                                     | payload)
 
-    def wait(self, column: int, what: str) -> list[int]:
-        """Every rank's payload in ``column`` for this batch, once all have arrived."""
+    def wait(self, column: int, what: str, seq: Optional[int] = None,
+             idle: Optional[Callable[[], None]] = None) -> list[int]:
+        """Every rank's payload in ``column`` for the current batch (or batch ``seq``),
+        once all have arrived. ``idle`` is called between two looks at the table (the
+        colocated transport reports its completed copies from there)."""
         self._open()
-        words, seq, world = self._words, self._seq, self.world
+        words, world = self._words, self.world
+        seq = self._seq if seq is None else seq
         start = time.monotonic()
         deadline, next_look, nap = start + self.timeout_s, start + POLL_S, 0.0
         while True:
-            got = words[column::3]  # one slice: every rank's word of this barrier
+            got = words[column::COLUMNS]  # one slice: every rank's word of this barrier
             late = [r for r in range(world) if got[r] >> 32 < seq]
             if not late:  # a rank that arrived and failed after: its payload says why
                 mask = (1 << PAYLOAD_BITS) - 1
                 return [w & mask for w in got]
-            if any(words[FAILED::3]):
-                self._raise_failed(words[FAILED::3], what)
+            if any(words[FAILED::COLUMNS]):
+                self._raise_failed(words[FAILED::COLUMNS], what)
+            if idle is not None:
+                idle()
             now = time.monotonic()
             if now >= next_look:
                 next_look = now + POLL_S
@@ -135,7 +156,7 @@ class HostFlags:
     def mark_failed(self) -> None:
         """This rank gives up on the group: a peer waiting for it raises at once."""
         if self._words is not None:
-            self._words[3 * self.rank + FAILED] = 1
+            self._words[COLUMNS * self.rank + FAILED] = 1
 
     def close(self) -> None:
         self._words = None  # before the memory it points into
@@ -192,4 +213,4 @@ def _start_time(pid: int) -> Optional[int]:
     return int(fields[19])
 
 
-__all__ = ["HostFlags", "READY", "DONE"]
+__all__ = ["HostFlags", "READY", "VERDICT", "COPIED"]

@@ -40,8 +40,14 @@ class RefitTransport(Protocol):
     name: str
 
     def move(self, transfers: Sequence, group: Any, *, stream=None, staging_bytes: int,
-             planner=None, agree: bool = True) -> None:
-        """Move one batch, as ``execute.xfer_batch`` does (same arguments, same contract)."""
+             planner=None, agree: bool = True, overlap: bool = False) -> None:
+        """Move one batch, as ``execute.xfer_batch`` does (same arguments, same contract).
+        ``overlap``: the caller moves more batches and calls ``flush`` after the last; the
+        sources of this batch may then still be read after the call returns (they must
+        not change before ``flush``)."""
+
+    def flush(self) -> None:
+        """Complete every batch moved with ``overlap`` (its sources may change after)."""
 
     def close(self) -> None:
         """Let go of what the transport holds (mapped memory); the group is done."""
@@ -53,9 +59,15 @@ class ProcessGroupTransport:
     name = "p2p"
 
     def move(self, transfers: Sequence, group: Any, *, stream=None,
-             staging_bytes: int = 256 << 20, planner=None, agree: bool = True) -> None:
+             staging_bytes: int = 256 << 20, planner=None, agree: bool = True,
+             overlap: bool = False) -> None:
+        # ``overlap`` changes nothing here: a source's reads are queued on the stream
+        # before the call returns, and stream order keeps them ahead of later writes
         xfer_batch(transfers, group, stream=stream, staging_bytes=staging_bytes,
                    planner=planner, agree=agree)
+
+    def flush(self) -> None:
+        pass
 
     def close(self) -> None:
         pass

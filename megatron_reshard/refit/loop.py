@@ -210,9 +210,17 @@ class RefitLoop:
         agree = not self._agreed
 
         def call(transfers, group, stream):
-            move = fn or transport_of(group).move
-            move(transfers, group, stream=stream, staging_bytes=self.staging_bytes,
-                 planner=self._planner, agree=agree)
+            if fn is not None:
+                fn(transfers, group, stream=stream, staging_bytes=self.staging_bytes,
+                   planner=self._planner, agree=agree)
+                return
+            # overlap: a stage's batches run back to back (``_run`` flushes after the last),
+            # so the colocated transport lets one batch's host work run during the copies
+            # of the one before; the sources do not change in between (pre-hook buffers are
+            # kept alive by the transport until read)
+            transport_of(group).move(transfers, group, stream=stream,
+                                     staging_bytes=self.staging_bytes,
+                                     planner=self._planner, agree=agree, overlap=True)
 
         return call, Transfer
 
@@ -268,6 +276,8 @@ class RefitLoop:
             with torch.cuda.stream(stream) if stream is not None else nullcontext():
                 for start, stop in self._batches[stage]:
                     self._send_batch(run, self._open_batch(run, start, stop))
+                if self._xfer_batch is None:
+                    transport_of(self.groups[stage]).flush()
                 if run.checks is not None:
                     stats.checksum_mismatches += run.checks.check()
             run.stats.seconds = time.perf_counter() - ts

@@ -8,6 +8,7 @@ fingerprint ``RefitLoop.verify_plan`` compares over each refit group.
 from __future__ import annotations
 
 import hashlib
+import math
 from typing import Any, Mapping, NamedTuple, Optional, Sequence
 
 import torch
@@ -97,16 +98,19 @@ def _plain_key(p: dict) -> tuple:
 def batch_bounds(params: Sequence[ParamRecord], batch_bytes: int) -> list[tuple[int, int]]:
     """``[start, stop)`` index ranges cutting ``params`` into batches of at most ``batch_bytes``
     global bytes (at least one param each). Depends on the payload only."""
+    return byte_bounds([math.prod(p.global_shape) * p.torch_dtype.itemsize for p in params],
+                       batch_bytes)
+
+
+def byte_bounds(sizes: Sequence[int], batch_bytes: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` ranges cutting items of ``sizes`` bytes, in order, into batches of
+    at most ``batch_bytes`` (at least one item each): the refit loop's batch cut."""
     bounds, start, acc = [], 0, 0
-    for i, p in enumerate(params):
-        numel = 1
-        for s in p.global_shape:
-            numel *= s
-        nbytes = numel * p.torch_dtype.itemsize
+    for i, nbytes in enumerate(sizes):
         if i > start and acc + nbytes > batch_bytes:
             bounds.append((start, i))
             start, acc = i, 0
         acc += nbytes
-    if start < len(params):
-        bounds.append((start, len(params)))
+    if start < len(sizes):
+        bounds.append((start, len(sizes)))
     return bounds
