@@ -11,16 +11,20 @@ output layer). Process 1 plays the generation rank: vLLM's storage (``qkv_proj``
 ``gate_up_proj``, stacked ``w13`` [E, 2 * 768, H] / ``w2`` [E, H, 768]). They form a
 refit group with ``transport="colocated"`` and move the refit tensors as the refit loop
 hands them over (wire forms: q/k/v per KV group, gate/up as the halves of fc1, experts as
-lists of per-expert views), in one batch. Reported per case (median of ``--iters``):
+lists of per-expert views), cut as the loop cuts a stage (``--batch-mib``, default its
+``batch_bytes`` of 512 MiB; 0: one batch), each batch in fresh ``Transfer`` objects over
+the same views with ``overlap=True``, then ``flush``. Reported per case (median of
+``--iters``):
 
-- ``refit``: a whole refit on the generation rank, from the call to its return (ready
-  barrier, copies, their stream's sync, done barrier: the call returns after its copies
-  are complete), GB/s beside ``dst.copy_(src)`` of the same bytes in the same run, ratio;
-- ``copies``: the refit's copies alone (the cached copy batch run, CUDA events);
+- ``refit``: a whole refit on the generation rank, from the first call to the return of
+  ``flush`` (which returns once its copies are complete), GB/s beside ``dst.copy_(src)``
+  of the same bytes in the same run, ratio;
+- ``copies``: the refit's copies alone (every cached copy batch run once, back to back);
 - ``experts``: one layer's expert params alone (w13 gate + up halves, w2), both ways;
 - host µs per param of a refit on the generation rank and the training rank's host ms per
   refit: thread CPU time outside the waits (the barriers spin on ``sched_yield`` and a
-  CUDA stream sync spins too, so their CPU time is waiting, not work; ``_WaitClock``);
+  CUDA stream or event sync spins too, so their CPU time is waiting, not work;
+  ``_WaitClock``);
 - peak extra device memory of one refit on each side (allocator peaks).
 Every case is checked bit for bit against the source values regenerated on the
 generation side.
@@ -282,6 +286,8 @@ class _WaitClock:
         if torch.cuda.is_available():
             torch.cuda.Stream.synchronize = timed(torch.cuda.Stream.synchronize,
                                                   lambda a: "sync")
+            torch.cuda.Event.synchronize = timed(torch.cuda.Event.synchronize,
+                                                 lambda a: "sync")
         if steps and torch.cuda.is_available():  # the copies' device time, by CUDA events
             run = colocated_copies.CopyBatch.run
 
