@@ -4,9 +4,12 @@
     python scripts/colocated_faults.py --device cpu      # shared memory
 
 Needs torch only. Process 0 plays the training rank, process 1 the generation rank, as in
-``bench_colocated.py`` (its Qwen3-30B-A3B-shaped buffers, ``--layers`` layers, one batch
-per refit). Each case runs a loop of refits on a fresh colocated refit group; at refit
-``--at`` the victim kills itself (SIGKILL) or stops itself (SIGSTOP) just before its call.
+``bench_colocated.py`` (its Qwen3-30B-A3B-shaped buffers, ``--layers`` layers, cut into
+the refit loop's batches of ``--batch-mib`` and moved as the loop moves them: ``overlap``,
+then ``flush``). Each case runs a loop of refits on a fresh colocated refit group; at refit
+``--at`` the victim kills itself (SIGKILL) or stops itself (SIGSTOP) mid-refit, after its
+first batch (the generation rank's copies of it may still run: a training rank killed
+then dies under them).
 Reported per case: how long the survivor took to fail after the fault (the victim stores
 the time just before it signals itself), the survivor's error, and whether the refits
 before the fault were bit-exact. Cases: the training rank killed, the generation rank
@@ -28,7 +31,7 @@ import torch
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_colocated import SLICES, SMALL, gen_buffers, train_buffers, wire  # noqa: E402
+from bench_colocated import SLICES, SMALL, _cut, gen_buffers, train_buffers, wire  # noqa: E402
 
 CASES = {"kill_train": (0, signal.SIGKILL), "kill_gen": (1, signal.SIGKILL),
          "stop_train": (0, signal.SIGSTOP)}
@@ -73,15 +76,18 @@ def run(rank: int, args, case: str, port: int, results) -> None:
     gen = gen_buffers(c, args.layers, device, dtype) if rank == 1 else None
     transfers, _ = wire(c, args.layers, train, gen, dtype)
     planner, exact, error, failed_at = Planner(), [], None, None
+    transport, batches = transport_of(group), _cut(transfers, args.batch_mib)
     for step in range(args.refits):
-        if step == args.at and rank == victim:
-            control.set("fault_at", repr(time.time()))
-            os.kill(os.getpid(), sig)
         if rank == 0:  # new values each refit: an in-place "optimizer step"
             for v in train.values():
                 v.add_(1)
         try:
-            transport_of(group).move(transfers, group, planner=planner, agree=step == 0)
+            for b, batch in enumerate(batches):
+                if step == args.at and rank == victim and b == min(1, len(batches) - 1):
+                    control.set("fault_at", repr(time.time()))
+                    os.kill(os.getpid(), sig)
+                transport.move(batch, group, planner=planner, agree=step == 0, overlap=True)
+            transport.flush()
         except Exception as exc:  # noqa: BLE001 - what the survivor says is the result
             error, failed_at = f"{type(exc).__name__}: {exc}", time.time()
             break
@@ -102,6 +108,7 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--refits", type=int, default=6)
     ap.add_argument("--at", type=int, default=3)
+    ap.add_argument("--batch-mib", type=float, default=512)
     ap.add_argument("--timeout", type=float, default=10.0)
     ap.add_argument("--cases", nargs="+", default=list(CASES))
     ap.add_argument("--port", type=int, default=29651)

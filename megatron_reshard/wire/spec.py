@@ -23,7 +23,11 @@ class RefitCtx:
 
 @dataclass
 class LocalParamSpec:
-    """Recipe for moving one HF param: ``base``, optional ``pre(base) -> RefitCtx``, ``post(ctx)``."""
+    """Recipe for moving one HF param: ``base``, optional ``pre(base) -> RefitCtx``, ``post(ctx)``.
+
+    On the training side ``post`` may run while the batch is still being read (a colocated
+    refit's generation ranks read one batch while the next is prepared; the transport keeps
+    ``buf`` alive until then): it may drop ``buf`` but must not write into it."""
 
     base: Any = None
     pre: Optional[Callable[[Any], RefitCtx]] = None
