@@ -36,6 +36,7 @@ import argparse
 import dataclasses
 import json
 import os
+import queue
 import statistics
 import sys
 import time
@@ -468,11 +469,14 @@ def main(argv=None) -> int:
     procs = [ctx.Process(target=run, args=(r, args, args.port, results)) for r in (0, 1)]
     for p in procs:
         p.start()
+    got = []  # read while they run: a child exits only once its puts reached the pipe
+    while any(p.is_alive() for p in procs) or not results.empty():
+        try:
+            got.append(results.get(timeout=0.5))
+        except queue.Empty:
+            pass
     for p in procs:
         p.join()
-    got = []
-    while not results.empty():
-        got.append(results.get())
     merged: dict = {}
     for rank, name, label, row in got:
         merged.setdefault((name, label), {"case": name, "path": label}).update(row)
