@@ -18,7 +18,8 @@ the same views with ``overlap=True``, then ``flush``. Reported per case (median 
 
 - ``refit``: a whole refit on the generation rank, from the first call to the return of
   ``flush`` (which returns once its copies are complete), GB/s beside ``dst.copy_(src)``
-  of the same bytes in the same run, ratio;
+  of the same bytes in the same run, ratio. Both ranks enter each timed refit from a
+  start barrier (``--no-align``: each when its last iteration is done);
 - ``copies``: the refit's copies alone (every cached copy batch run once, back to back);
 - ``experts``: one layer's expert params alone (w13 gate + up halves, w2), both ways;
 - host µs per param of a refit on the generation rank and the training rank's host ms per
@@ -331,6 +332,7 @@ def _timelines(rows: list) -> list:
 def run(rank: int, args, port: int, results) -> None:
     from megatron_reshard.groups.comm import create_refit_group, destroy_refit_group
     from megatron_reshard.engine import Planner
+    from megatron_reshard.engine.host_flags import READY, HostFlags
     from megatron_reshard.engine.transports import transport_of
 
     device = torch.device(args.device if args.device == "cpu" else "cuda:0")
@@ -344,6 +346,12 @@ def run(rank: int, args, port: int, results) -> None:
                                transport="colocated", who=("train", "gen")[rank])
     transport = transport_of(group)
     move = transport.move
+    # a start barrier in shared host memory (ranks leave it within microseconds of each
+    # other), so that a refit is timed from when both ranks call, as in a training step
+    # where the generation side waits for the trainer; without it, whichever rank is late
+    # from the last iteration's bookkeeping adds its lateness
+    start = None if args.no_align else HostFlags(transport.store, rank, 2, None, 60.0,
+                                                 key="bench/start")
     for name in args.cases:
         c = (SMALL if args.small else SLICES)[name]
         train = train_buffers(c, args.layers, device, dtype) if rank == 0 else None
@@ -367,6 +375,10 @@ def run(rank: int, args, port: int, results) -> None:
             times, host, lines, runs = [], [], [], []
             for _ in range(args.warmup + args.iters):
                 _sync(device)
+                if start is not None:  # both ranks start the refit together
+                    start.next_batch()
+                    start.arrive(READY)
+                    start.wait(READY, "the benchmark's start barrier")
                 _WaitClock.marks.clear()
                 runs.append(len(_WaitClock.events))
                 t0, h0, w0 = time.perf_counter(), time.thread_time(), _WaitClock.spent
@@ -457,6 +469,9 @@ def main(argv=None) -> int:
                     "0: one batch")
     ap.add_argument("--port", type=int, default=29611)
     ap.add_argument("--json", default="")
+    ap.add_argument("--no-align", action="store_true", help="time each refit from the "
+                    "generation rank's call without a start barrier (each rank starts when "
+                    "its last iteration is done)")
     ap.add_argument("--timeline", action="store_true", help="print where each rank's refit time goes")
     ap.add_argument("--train-nap-s", type=float, default=0.0, help="experiment: the training "
                     "rank's barrier waits nap (up to this long) from the start instead of spinning")
