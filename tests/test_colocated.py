@@ -42,11 +42,12 @@ def test_an_unknown_transport_name_is_refused_before_any_store():
 
 
 def _changed_views_job(job, bad_side, overlap):
-    """Train (rank 0) -> gen (rank 1), two batches (a dense param; a list of members, moved
-    with ``overlap`` on the ranks it names, then flushed), refitted: as is, after in-place writes (an optimizer step), after one member and the
-    dense param moved to fresh storages, after a member's view moved inside its storage,
-    unchanged, after the generation side's dense destination moved to a fresh tensor, and
-    last with bad input on ``bad_side``. The generation side must see each refit's values."""
+    """Train (rank 0) -> gen (rank 1), two batches (a dense param; a list of members),
+    moved with ``overlap`` on the ranks it names, then flushed, refitted: as is, after
+    in-place writes (an optimizer step), after one member and the dense param moved to
+    fresh storages, after a member's view moved inside its storage, unchanged, after the
+    generation side's dense destination moved to a fresh tensor, and last with bad input
+    on ``bad_side``. The generation side must see each refit's values."""
     import torch
     from torch.distributed.tensor import Replicate, Shard
 

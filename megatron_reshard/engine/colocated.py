@@ -63,7 +63,6 @@ again.
 
 from __future__ import annotations
 
-from collections import deque
 from operator import attrgetter
 from contextlib import nullcontext
 from typing import Any, Optional, Sequence
@@ -75,9 +74,10 @@ from megatron_reshard.groups.faults import RefitError, board_of, wait_device
 from . import agree as agreement
 from .agree import Description, Vote
 from .checks import check_local, local_ok
+from .colocated_completion import Completions
 from .colocated_copies import CopyBatch, read_pairs
 from .colocated_views import MappedViews, PublishedViews
-from .host_flags import COPIED, READY, VERDICT, HostFlags
+from .host_flags import READY, VERDICT, HostFlags
 from .execute import _describe, _Rejected  # the engine's batch description, reused as is
 from .members import LISTS, is_members
 from .plan import Planner
@@ -108,11 +108,7 @@ class ColocatedTransport:
         # generation side
         self._views = MappedViews(store)
         self._batches: dict = {}     # (fp, generations, dst key) -> CopyBatch
-        # completion, every rank: (batch seq, CUDA event of its copies or None: complete)
-        # of the batches not yet reported in the ``copied`` word
-        self._in_flight: deque = deque()
-        # training side: (batch seq, transfers) of the batches a rank may still read
-        self._unread: deque = deque()
+        self._reads = Completions(self._flags)  # reads in flight, reported, waited for
 
     # -- the interface -------------------------------------------------------------
 
@@ -136,17 +132,10 @@ class ColocatedTransport:
         """Complete every batch moved with ``overlap``: a generation rank waits for its
         copies and reports them; a training rank waits until every rank has read what it
         published (its sources may change after it)."""
-        self._guarded(self._settle)
+        self._guarded(self._reads.settle)
 
     def close(self) -> None:
-        for _, event in self._in_flight:  # no copy still reads a mapping let go of below
-            if event is not None:
-                try:
-                    event.synchronize()
-                except RuntimeError:  # a broken device context: no copy runs any more
-                    break
-        self._in_flight.clear()
-        self._unread.clear()
+        self._reads.clear()  # before the mappings: no copy of this rank still reads them
         self._flags.close()
         self._batches.clear()
         self._views.clear()
@@ -171,7 +160,8 @@ class ColocatedTransport:
     def _move(self, transfers, stream, staging_bytes: int, planner: Planner,
               agree: bool, overlap: bool, checked_first: bool = False) -> None:
         me, world = self.me, self.world
-        self._report_copied()
+        reads = self._reads
+        reads.report()
         device_type = _device_type(transfers)
         problem = batch = None
         tensors: list = []
@@ -207,7 +197,7 @@ class ColocatedTransport:
             generation = published[2]
         else:
             generation = self._sources.publish(batch.fp, transfers, signature) if sources else 0
-        flags, report = self._flags, self._report_copied
+        flags, report = self._flags, reads.report
         seq = flags.next_batch()
         flags.arrive(READY, generation << 1 | (problem is not None))
         redo = False  # this rank's tensors changed, or are bad, since it entered the barrier
@@ -230,11 +220,11 @@ class ColocatedTransport:
                     # when given, made current just above)
                     event = torch.cuda.Event()
                     event.record()
-        self._in_flight.append((seq, event))  # a rank with nothing to read: complete now
+        reads.queued(seq, event)  # a rank with nothing to read: complete now
         if overlap:
             report()
         else:
-            self._copies_complete()
+            reads.complete_own()
         if sources:
             if optimistic:  # meanwhile the generation ranks copy from the published views
                 problem, signature = self._check(batch, transfers, tensors, device_type)
@@ -242,51 +232,18 @@ class ColocatedTransport:
             # stable: the views are those published before this call (no new generation)
             self._stable[batch.fp] = not redo and published is not None and (
                 generation == published[2])
-            self._unread.append((seq, transfers))  # kept (and kept alive) until read
+            reads.published(seq, transfers)  # kept (and kept alive) until read
         flags.arrive(VERDICT, int(redo))
         if any(flags.wait(VERDICT, "the colocated refit's verdict barrier", idle=report)):
             # a rank's tensors changed (or are bad) since it entered the ready barrier:
             # every rank completes what is in flight and moves the batch again in the
             # checked order (bad input raises there, on every rank; a training rank's
             # changed views are published anew)
-            self._settle()
+            reads.settle()
             self._move(transfers, stream, staging_bytes, planner, False, False,
                        checked_first=True)
             return
-        self._let_go(OVERLAP_DEPTH if overlap else 0)
-
-    # -- completion: each rank reports its reads, a training rank waits for them -----
-
-    def _report_copied(self) -> None:
-        """Report the batches whose copies completed (in order: a look at each's event),
-        in this rank's ``copied`` word."""
-        done, in_flight = None, self._in_flight
-        while in_flight and (in_flight[0][1] is None or in_flight[0][1].query()):
-            done = in_flight.popleft()[0]
-        if done is not None:
-            self._flags.arrive(COPIED, seq=done)
-
-    def _copies_complete(self) -> None:
-        """Wait for this rank's copies in flight (a plain sync, not a wait that polls the
-        board: they depend on no peer, mapped memory stays valid while mapped, its owner
-        dead or alive, and a poll's naps end it up to ~0.1 ms late), then report them."""
-        for _, event in self._in_flight:
-            if event is not None:
-                event.synchronize()
-        self._report_copied()
-
-    def _let_go(self, keep: int) -> None:
-        """Wait until every rank read all but the newest ``keep`` batches this rank
-        published; their tensors are dropped then (a pre hook's buffer may be freed)."""
-        while len(self._unread) > keep:
-            seq = self._unread[0][0]
-            self._flags.wait(COPIED, "the colocated refit's copied barrier", seq=seq,
-                             idle=self._report_copied)
-            self._unread.popleft()
-
-    def _settle(self) -> None:
-        self._copies_complete()
-        self._let_go(0)
+        reads.let_go(OVERLAP_DEPTH if overlap else 0)
 
     def _check(self, batch, transfers, tensors: list, device_type: str) -> tuple:
         """This rank's tensors checked against the batch's plan: (problem or None, their
