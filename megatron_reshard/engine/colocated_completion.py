@@ -17,7 +17,11 @@ from __future__ import annotations
 from collections import deque
 from typing import Any, Optional
 
+from megatron_reshard.groups.threads import hold
+
 from .host_flags import COPIED, HostFlags
+
+UNREAD_LINGER_S = 2.0  # a peer's copies of a batch take milliseconds
 
 
 class Completions:
@@ -68,8 +72,10 @@ class Completions:
         self.let_go(0)
 
     def clear(self) -> None:
-        """Forget it all (the transport failed or closes); no copy of this rank still runs
-        after it, so the mappings it read from may be let go of."""
+        """Forget it all (the transport failed or closes). No copy of this rank still runs
+        after it, so the mappings it read from may be let go of; what this rank published
+        and no peer reported read stays alive ``UNREAD_LINGER_S`` longer (a failing peer
+        waits for its own copies before it lets go), so no buffer is reused under a read."""
         for _, event in self._in_flight:
             if event is not None:
                 try:
@@ -77,4 +83,6 @@ class Completions:
                 except RuntimeError:  # a broken device context: no copy runs any more
                     break
         self._in_flight.clear()
+        if self._unread:
+            hold(list(self._unread), UNREAD_LINGER_S, "colocated-unread")
         self._unread.clear()
