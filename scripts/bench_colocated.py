@@ -166,7 +166,7 @@ def _nbytes(transfers) -> int:
     return sum(torch.Size(t.global_shape).numel() * t.dtype.itemsize for t in transfers)
 
 
-def _cut(transfers: list, batch_mib: float) -> list:
+def loop_batches(transfers: list, batch_mib: float) -> list:
     """The transfers in the refit loop's batches of ``batch_mib`` (0: one batch)."""
     from megatron_reshard.refit.order import byte_bounds
 
@@ -361,7 +361,7 @@ def run(rank: int, args, port: int, results) -> None:
             if not params:
                 continue
             planner = Planner()
-            batches = _cut(params, args.batch_mib)
+            batches = loop_batches(params, args.batch_mib)
 
             def refit(agree=False, batches=batches, planner=planner):
                 # as the refit loop moves a stage: fresh Transfer objects per batch over the

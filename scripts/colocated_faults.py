@@ -31,7 +31,8 @@ import torch
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_colocated import SLICES, SMALL, _cut, gen_buffers, train_buffers, wire  # noqa: E402
+from bench_colocated import (SLICES, SMALL, gen_buffers, loop_batches,  # noqa: E402
+                             train_buffers, wire)
 
 CASES = {"kill_train": (0, signal.SIGKILL), "kill_gen": (1, signal.SIGKILL),
          "stop_train": (0, signal.SIGSTOP)}
@@ -76,7 +77,7 @@ def run(rank: int, args, case: str, port: int, results) -> None:
     gen = gen_buffers(c, args.layers, device, dtype) if rank == 1 else None
     transfers, _ = wire(c, args.layers, train, gen, dtype)
     planner, exact, error, failed_at = Planner(), [], None, None
-    transport, batches = transport_of(group), _cut(transfers, args.batch_mib)
+    transport, batches = transport_of(group), loop_batches(transfers, args.batch_mib)
     for step in range(args.refits):
         if rank == 0:  # new values each refit: an in-place "optimizer step"
             for v in train.values():

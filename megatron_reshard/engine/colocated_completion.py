@@ -53,9 +53,7 @@ class Completions:
         """Wait for this rank's copies in flight (a plain sync, not a wait that polls the
         board: they depend on no peer, mapped memory stays valid while mapped, its owner
         dead or alive, and a poll's naps end it up to ~0.1 ms late), then report them."""
-        for _, event in self._in_flight:
-            if event is not None:
-                event.synchronize()
+        self._wait_events()
         self.report()
 
     def let_go(self, keep: int) -> None:
@@ -76,13 +74,16 @@ class Completions:
         after it, so the mappings it read from may be let go of; what this rank published
         and no peer reported read stays alive ``UNREAD_LINGER_S`` longer (a failing peer
         waits for its own copies before it lets go), so no buffer is reused under a read."""
-        for _, event in self._in_flight:
-            if event is not None:
-                try:
-                    event.synchronize()
-                except RuntimeError:  # a broken device context: no copy runs any more
-                    break
+        try:
+            self._wait_events()
+        except RuntimeError:  # a broken device context: no copy runs any more
+            pass
         self._in_flight.clear()
         if self._unread:
             hold(list(self._unread), UNREAD_LINGER_S, "colocated-unread")
         self._unread.clear()
+
+    def _wait_events(self) -> None:
+        for _, event in self._in_flight:
+            if event is not None:
+                event.synchronize()
