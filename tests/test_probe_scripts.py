@@ -32,3 +32,17 @@ def test_call_phase_probe_times_every_phase_per_call_and_agreed(tmp_path):
     assert "[s0_s1]" in out
     for phase in ("total", "start", "conclude", "_execute"):
         assert any(line.split()[:1] == [phase] for line in out.splitlines()), phase
+
+
+def test_change_rate_measurement_counts_changed_bf16_elements(tmp_path):
+    import json
+
+    out_json = tmp_path / "rates.json"
+    out = _run([sys.executable, "scripts/measure_change_rate.py", "--small", "--steps", "2",
+                "--models", "dense", "--lrs", "1e-5", "--json", str(out_json)])
+    assert "| dense | 1e-05 |" in out
+    (row,) = json.loads(out_json.read_text())
+    # Adam's first step moves every element by ~lr: some BF16 values flip, not all of them
+    assert [r["step"] for r in row["per_step"]] == [1, 2]
+    for r in row["per_step"]:
+        assert 0.0 < r["all"] < 1.0, r
