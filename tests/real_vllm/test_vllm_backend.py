@@ -7,11 +7,16 @@ factory and base classes.
 - ``WeightTransferEngineFactory.create_engine`` builds our engine from
   ``WeightTransferConfig(backend="megatron_reshard")``; bad init/update info fails in
   ``parse_init_info`` / ``parse_update_info`` naming the field, before any collective.
+- The trainer side: ``WeightTransferTrainerFactory`` builds our trainer engine from
+  ``MegatronReshardTrainerInitInfo`` (the import registers it); bad init info and a source
+  that is not a ``MegatronRefitSource`` are refused naming the field, before any collective.
 - Lifecycle with real processes: a real megatron-core training side and generation ranks
-  holding vLLM's own Qwen3 class (TP2) receive through the engine, driven as vLLM's GPU
-  worker drives it; two refits bit-equal to vLLM's own ``load_weights``; a wrong
-  ``version`` is refused after the commit; a refit the training side breaks part-way
-  leaves the weight state saying exactly what is held.
+  holding vLLM's own Qwen3 class (TP2) receive through the engine; two refits bit-equal to
+  vLLM's own ``load_weights``; a refit the training side breaks part-way leaves the weight
+  state saying exactly what is held. Two drivers: the generation ranks drive their engines
+  as vLLM's GPU worker does (then a wrong ``version`` is refused after the commit), and
+  vLLM's API on both sides (trainer engine -> client -> vLLM's ``Worker`` methods -> worker
+  engine; ``testing.vllm_backend_refit`` says what stands in for a running ``LLM``).
 """
 
 from __future__ import annotations
@@ -182,28 +187,111 @@ def test_lifecycle_out_of_order_is_refused(engine):
         engine.finish_weight_update()
 
 
+# ---- the trainer side through vLLM's trainer factory (this process) ----------------------
+
+TRAINER_GOOD = dict(host="127.0.0.1", ports_by_stage=[29500], group_backend="gloo", rank=0)
+
+
+def test_the_trainer_factory_knows_our_engine_by_name():
+    from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from megatron_reshard.vllm_trainer import (MegatronReshardTrainerInitInfo,
+                                               MegatronReshardTrainerWeightTransferEngine)
+
+    info = MegatronReshardTrainerInitInfo(**TRAINER_GOOD)
+    assert isinstance(info, TrainerInitInfo) and info.backend == "megatron_reshard"
+    assert info.is_sender and not MegatronReshardTrainerInitInfo(**{**TRAINER_GOOD,
+                                                                    "rank": 3}).is_sender
+    cls = WeightTransferTrainerFactory._registry["megatron_reshard"]()
+    assert cls is MegatronReshardTrainerWeightTransferEngine
+    assert issubclass(cls, TrainerWeightTransferEngine)
+    assert cls.init_info_cls is MegatronReshardTrainerInitInfo
+
+
+@pytest.mark.parametrize("change,words", [
+    (dict(rank=-1), ["rank", "-1"]),
+    (dict(payload_format="json"), ["payload_format", "msgpack", "'json'"]),
+    (dict(worker_options={"staging_bytes": 1}), ["worker_options", "staging_bytes",
+                                                 "own fields"]),
+    (dict(worker_options=[1]), ["worker_options", "[1]"]),
+    (dict(batch_bytes=0), ["batch_bytes", ">= 1", "found 0"]),
+])
+def test_bad_trainer_init_info_names_the_field(change, words):
+    from megatron_reshard.vllm_trainer import MegatronReshardTrainerInitInfo
+
+    with pytest.raises(ValueError) as err:
+        MegatronReshardTrainerInitInfo(**{**TRAINER_GOOD, **change})
+    for w in words:
+        assert w in str(err.value), (w, str(err.value))
+
+
+def test_trainer_init_refuses_a_source_that_is_not_ours_before_any_call():
+    """vLLM's own ``ModuleSource`` (full tensors) is not what this backend sends; the client
+    is never called."""
+    import torch
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from megatron_reshard.vllm_trainer import MegatronReshardTrainerInitInfo
+
+    class Client:  # vLLM's VLLMWeightSyncClient protocol, recording what reaches it
+        def __init__(self):
+            self.calls = []
+
+        def init_weight_transfer_engine(self, init_info):
+            self.calls.append("init")
+
+        def start_weight_update(self):
+            self.calls.append("start")
+
+        def update_weights(self, update_info):
+            self.calls.append("update")
+
+        def finish_weight_update(self, weight_version=None):
+            self.calls.append("finish")
+
+    client = Client()
+    with pytest.raises(TypeError, match="expected a megatron_reshard MegatronRefitSource.*"
+                                        "found ModuleSource"):
+        WeightTransferTrainerFactory.trainer_init(
+            MegatronReshardTrainerInitInfo(**TRAINER_GOOD), client=client,
+            source=ModuleSource(torch.nn.Linear(2, 2)))
+    assert client.calls == []
+
+
 # ---- lifecycle with real processes -------------------------------------------------------
 
 REFITS = 2
 
 
-# the process-group transport, and the colocated one (copies out of the training ranks'
-# shared memory), which the generation side follows without choosing it
-@pytest.fixture(scope="module", params=["p2p", "colocated"])
+# (transport, driver): the process-group transport driven through vLLM's API on both sides
+# (trainer engine -> client -> vLLM's worker methods -> worker engine), and the colocated
+# transport (copies out of the training ranks' shared memory, which the generation side
+# follows without choosing it) with each generation rank driving its engine itself
+@pytest.fixture(scope="module", params=[("p2p", "trainer"), ("colocated", "worker")],
+                ids=lambda p: "-".join(p))
 def lifecycle(pool, request):
     from megatron_reshard.testing.vllm_backend_refit import backend_refit_job
     from megatron_reshard.tools.run_config import RefitRunConfig
 
+    transport, driver = request.param
     family = FAMILIES["qwen3"]
     cfg = RefitRunConfig(model="dense", model_overrides=dict(family.model), refits=REFITS,
                          verify=False, dtype="bfloat16", quiet=True, timeout_s=30,
-                         transport=request.param, **layout("tp2", "tp2"))
+                         transport=transport, **layout("tp2", "tp2"))
     results = pool.run(backend_refit_job, cfg.train_world + cfg.gen_world, cfg,
-                       vllm_config_json(family), mismatch_rank=1, fail_extra=True,
+                       vllm_config_json(family), fail_extra=True, driver=driver,
+                       mismatch_rank=1 if driver == "worker" else None,
                        num_ports=cfg.train_pp + 2, timeout_s=300)
     by_rank = {r["role"] + str(r["rank"]): r for r in results}
-    assert {by_rank[f"train{r}"]["transport"] for r in range(cfg.train_world)} == {request.param}
+    assert {by_rank[f"train{r}"]["transport"] for r in range(cfg.train_world)} == {transport}
+    assert {by_rank[f"train{r}"]["driver"] for r in range(cfg.train_world)} == {driver}
     return by_rank
+
+
+def _driver(lifecycle) -> str:
+    return lifecycle["train0"]["driver"]
 
 
 @pytest.mark.slow
@@ -216,9 +304,32 @@ def test_two_refits_through_the_backend_are_bit_equal_to_vllms_loading(lifecycle
 
 
 @pytest.mark.slow
+def test_vllms_api_on_both_sides_carries_payload_and_version(lifecycle):
+    """Driver "trainer": the generation ranks learn everything from the client's calls (the
+    payload in init_weight_transfer_engine, the version in update_weights and in
+    finish_weight_update's label), in vLLM's order."""
+    if _driver(lifecycle) != "trainer":
+        pytest.skip("the generation ranks drive their engines themselves in this run")
+    for r in ("train0", "train1"):
+        assert [s["version"] for s in lifecycle[r]["refits"]] == list(range(1, REFITS + 1))
+    for key in ("gen0", "gen1"):
+        g = lifecycle[key]
+        assert g["payload_type"] == "bytes", key  # msgpack, as the trainer engine sent it
+        assert g["asked_versions"] == list(range(1, REFITS + 2)), key  # + the failed one
+        assert g["labels"] == [str(v) for v in range(1, REFITS + 1)], key
+        assert g["calls"] == (["init_weight_transfer_engine"]
+                              + ["start_weight_update", "update_weights",
+                                 "finish_weight_update"] * REFITS
+                              + ["start_weight_update", "update_weights",
+                                 "shutdown_weight_transfer_engine"]), (key, g["calls"])
+
+
+@pytest.mark.slow
 def test_a_wrong_version_is_refused_with_the_weight_state(lifecycle):
     from megatron_reshard.testing.vllm_backend_refit import MISMATCH_OFFSET
 
+    if _driver(lifecycle) != "worker":
+        pytest.skip("the trainer engine sends the version it commits: no mismatch to ask for")
     assert lifecycle["gen0"]["mismatch"] is None
     m = lifecycle["gen1"]["mismatch"]
     assert m is not None
@@ -246,5 +357,7 @@ def test_a_failed_refit_leaves_the_weight_state_saying_what_is_held(lifecycle):
         assert w["started_from"] == REFITS and "inconsistent" in f["error"], w
         # (here the fault strikes before the listed batch's bytes land: the list is what may
         # hold new bytes, a superset of what does)
-        assert "without an open weight update" in f["finish_error"]
+        if _driver(lifecycle) == "worker":
+            assert "without an open weight update" in f["finish_error"]
         assert lifecycle[key]["weights"] == w  # shutdown leaves the state as it was
+
