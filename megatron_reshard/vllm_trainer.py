@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Mapping, Optional, Sequence, Union
 
@@ -185,7 +186,7 @@ class MegatronReshardTrainerWeightTransferEngine(
         worker_info = dataclasses.asdict(init_info.worker_init_info(source))
         engine = cls(client=client, source=source, is_sender=init_info.is_sender,
                      rank=init_info.rank, init_info=init_info)
-        with ThreadPoolExecutor(max_workers=1) as pool:
+        with _calls() as pool:
             answer = (pool.submit(client.init_weight_transfer_engine, worker_info)
                       if engine.is_sender else None)
             engine._connect()
@@ -218,7 +219,7 @@ class MegatronReshardTrainerWeightTransferEngine(
         self.version = version
         refit_error: Optional[BaseException] = None
         client_error: Optional[str] = None
-        with ThreadPoolExecutor(max_workers=1) as pool:
+        with _calls() as pool:
             answer = None
             if self.is_sender:
                 try:
@@ -246,7 +247,7 @@ class MegatronReshardTrainerWeightTransferEngine(
         if self.group is None:
             return
         release = getattr(self.client, "shutdown_weight_transfer_engine", None)
-        with ThreadPoolExecutor(max_workers=1) as pool:
+        with _calls() as pool:
             answer = (pool.submit(release) if self.is_sender and callable(release) else None)
             group, self.group, self.sender = self.group, None, None
             destroy_refit_group(group, self.init_info.timeout_s)
@@ -283,6 +284,17 @@ class MegatronReshardTrainerWeightTransferEngine(
         if shared[0] is not None:
             raise TrainerWeightTransferError(f"{during}: training rank 0's client call failed: "
                                              f"{shared[0]}")
+
+
+@contextmanager
+def _calls():
+    """One thread for rank 0's blocking client call. Left without waiting for it: a call
+    that outlived its bound answers nobody, and waiting would turn the error into a hang."""
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatron-reshard-client")
+    try:
+        yield pool
+    finally:
+        pool.shutdown(wait=False)
 
 
 def _device_of(info: MegatronReshardTrainerInitInfo) -> torch.device:
