@@ -51,12 +51,15 @@ set_vllm_cpu_environment()
 import importlib.metadata as md
 from vllm.plugins import load_general_plugins
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory as F
-before = "megatron_reshard" in F._registry
+from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory as T
+before = "megatron_reshard" in F._registry or "megatron_reshard" in T._registry
 load_general_plugins()
 eps = [e.value for e in md.entry_points(group="vllm.general_plugins") if e.name == "megatron_reshard"]
 print("PROBE " + json.dumps({"before": before, "after": "megatron_reshard" in F._registry,
                              "entry_points": eps, "cls": F._registry["megatron_reshard"]().__name__
-                             if "megatron_reshard" in F._registry else None}))
+                             if "megatron_reshard" in F._registry else None,
+                             "trainer_cls": T._registry["megatron_reshard"]().__name__
+                             if "megatron_reshard" in T._registry else None}))
 """
 
 
@@ -93,6 +96,7 @@ def test_load_general_plugins_registers_the_backend_from_the_entry_point():
     assert got["before"] is False  # vLLM alone does not know the name
     assert got["after"] is True and ENTRY in got["entry_points"], got
     assert got["cls"] == "MegatronReshardWeightTransferEngine"
+    assert got["trainer_cls"] == "MegatronReshardTrainerWeightTransferEngine"  # same name
 
 
 def test_the_installed_dist_registers_the_backend():
