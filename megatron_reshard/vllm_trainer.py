@@ -25,8 +25,8 @@ side is ``megatron_reshard.vllm_backend``; the mapping of one call onto the othe
 - ``shutdown()``: rank 0 ``client.shutdown_weight_transfer_engine()`` (where the client has
   it: vLLM's HTTP and Ray clients do) while every rank destroys its refit group.
 
-After the client calls, rank 0's outcome is shared with every training rank over the default
-process group (the training world), so all ranks return or all raise.
+After the client calls, every rank's outcome (rank 0's client call included) is shared over
+the default process group (the training world), so all ranks return or all raise.
 
 This module, ``vllm_backend`` and ``vllm_plugin`` are the only ones of the package that import
 vLLM. Importing it registers the trainer engine (``vllm_plugin.register``), so constructing the
@@ -186,12 +186,16 @@ class MegatronReshardTrainerWeightTransferEngine(
         worker_info = dataclasses.asdict(init_info.worker_init_info(source))
         engine = cls(client=client, source=source, is_sender=init_info.is_sender,
                      rank=init_info.rank, init_info=init_info)
+        connect_error: Optional[BaseException] = None
         with _calls() as pool:
             answer = (pool.submit(client.init_weight_transfer_engine, worker_info)
                       if engine.is_sender else None)
-            engine._connect()
+            try:
+                engine._connect()
+            except Exception as exc:  # noqa: BLE001 - raised after the ranks agreed
+                connect_error = exc
             error = engine._answer_of(answer, "init_weight_transfer_engine")
-        engine._agree(error, "trainer_init")
+        engine._agree(error, "trainer_init", connect_error)
         return engine
 
     def _connect(self) -> None:
@@ -274,16 +278,23 @@ class MegatronReshardTrainerWeightTransferEngine(
 
     def _agree(self, client_error: Optional[str], during: str,
                own_error: Optional[BaseException] = None) -> None:
-        """Every training rank learns rank 0's client outcome, so all raise or none does."""
-        shared = [client_error]
+        """Every training rank learns every rank's outcome (rank 0's client call included),
+        so all raise or none does: a rank with its own error raises it, the others name the
+        first failed rank."""
+        mine = client_error or (None if own_error is None else
+                                f"{type(own_error).__name__}: {own_error}")
+        outcomes = [mine]
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.broadcast_object_list(shared, src=0,
-                                       device=self.device if self.device.type == "cuda" else None)
+            outcomes = [None] * dist.get_world_size()
+            dist.all_gather_object(outcomes, mine)
         if own_error is not None:
             raise own_error
-        if shared[0] is not None:
-            raise TrainerWeightTransferError(f"{during}: training rank 0's client call failed: "
-                                             f"{shared[0]}")
+        failed = [(rank, text) for rank, text in enumerate(outcomes) if text is not None]
+        if failed:
+            rank, text = failed[0]
+            raise TrainerWeightTransferError(
+                f"{during}: training rank {rank} failed ({len(failed)} of {len(outcomes)} "
+                f"ranks did): {text}")
 
 
 @contextmanager
