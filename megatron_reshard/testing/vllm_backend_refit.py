@@ -281,7 +281,8 @@ def _served_gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Map
                 error = f"{type(exc).__name__}: {exc}"
                 out["failed"] = {"error": str(exc), "cause": repr(exc.__cause__),
                                  "weights": exc.weights,
-                                 "differ_from_last_good": vm.bitwise_differences(model, oracle)}
+                                 "differ_from_last_good": None if oracle is None
+                                 else vm.bitwise_differences(model, oracle)}
             except Exception as exc:  # noqa: BLE001 - the client raises it on training rank 0
                 error = f"{type(exc).__name__}: {exc}"
             control.set(f"rpc/{call}/{gen_rank}", pickle.dumps(error))
