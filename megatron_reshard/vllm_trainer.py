@@ -195,8 +195,20 @@ class MegatronReshardTrainerWeightTransferEngine(
             except Exception as exc:  # noqa: BLE001 - raised after the ranks agreed
                 connect_error = exc
             error = engine._answer_of(answer, "init_weight_transfer_engine")
-        engine._agree(error, "trainer_init", connect_error)
+        try:
+            engine._agree(error, "trainer_init", connect_error)
+        except Exception:
+            engine._release_after_failed_init()
+            raise
         return engine
+
+    def _release_after_failed_init(self) -> None:
+        """A failed ``trainer_init`` leaves no group behind on either side: the workers may
+        have joined theirs before refusing the payload."""
+        try:
+            self.shutdown()
+        except Exception:  # noqa: BLE001 - the init's own error is the one to raise
+            pass
 
     def _connect(self) -> None:
         info, source = self.init_info, self.source

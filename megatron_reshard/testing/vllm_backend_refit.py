@@ -25,7 +25,10 @@ engine from ``WeightTransferEngineFactory``; the model runner is a holder of the
 Options: ``mismatch_rank`` (driver "worker": a gen rank that asks for a wrong ``version`` in
 the last refit: the refit commits, the engine must raise ``WeightVersionMismatch``);
 ``fail_extra`` (one more refit in which training rank 0 raises part-way: every rank fails,
-and each generation rank reports its weight state, checked against the last good oracle).
+and each generation rank reports its weight state, checked against the last good oracle;
+with driver "trainer" then a ``trainer_init`` the workers refuse (``REFUSED``: every
+training rank must raise) and a restarted trainer on fresh groups, whose refit is compared
+with vLLM's loading as well).
 """
 
 from __future__ import annotations
@@ -160,13 +163,12 @@ class StoreWeightSyncClient:
         self.store = dist.TCPStore(host, port, None, False, wait_for_workers=False,
                                    timeout=timedelta(seconds=timeout_s * _RPC_TIMEOUT_FACTOR))
         self.gen_world = gen_world
-        self.calls = 0
 
     def _call(self, method: str, *args: Any) -> None:
-        self.calls += 1
-        self.store.set(f"rpc/{self.calls}", pickle.dumps((method, args)))
+        call = int(self.store.add("rpc/count", 1))  # one sequence for every client of a launch
+        self.store.set(f"rpc/{call}", pickle.dumps((method, args)))
         errors = [f"gen rank {g}: {err}" for g in range(self.gen_world)
-                  if (err := pickle.loads(self.store.get(f"rpc/{self.calls}/{g}"))) is not None]
+                  if (err := pickle.loads(self.store.get(f"rpc/{call}/{g}"))) is not None]
         if errors:
             raise RuntimeError(f"{method} failed on {len(errors)} of {self.gen_world} workers: "
                                + "; ".join(errors))
@@ -186,24 +188,58 @@ class StoreWeightSyncClient:
     def shutdown_weight_transfer_engine(self) -> None:
         self._call("shutdown_weight_transfer_engine")
 
+    def stop(self) -> None:
+        """The end of the launch (what stopping the ``LLM`` would be): the workers return."""
+        self._call("stop")
+
+
+def _trainer_init(cfg: RefitRunConfig, source, rank: int, ports, **options):
+    """The trainer engine from vLLM's trainer factory, its groups meeting at ``ports``."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from megatron_reshard.vllm_trainer import MegatronReshardTrainerInitInfo
+
+    info = MegatronReshardTrainerInitInfo(
+        host=cfg.host, ports_by_stage=list(ports), group_backend=cfg.backend,
+        transport=cfg.transport, timeout_s=cfg.timeout_s, num_streams=cfg.num_streams,
+        staging_bytes=cfg.staging_bytes, verify_checksums=cfg.verify, rank=rank, **options)
+    client = StoreWeightSyncClient(cfg.host, cfg.ports[0], cfg.gen_world, cfg.timeout_s)
+    return WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
+
 
 def _trainer_engine(cfg: RefitRunConfig):
-    """``run_training_rank``'s ``trainer_engine``: the engine from vLLM's trainer factory."""
+    """``run_training_rank``'s ``trainer_engine``."""
+    return lambda source, rank: _trainer_init(cfg, source, rank, cfg.ports[1:1 + cfg.train_pp])
 
-    def build(source, rank: int):
-        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-        from megatron_reshard.vllm_trainer import MegatronReshardTrainerInitInfo
+REFUSED = {"num_streams": 0}  # the workers refuse it in prepare_refit, after joining the groups
 
-        info = MegatronReshardTrainerInitInfo(
-            host=cfg.host, ports_by_stage=list(cfg.ports[1:1 + cfg.train_pp]),
-            group_backend=cfg.backend, transport=cfg.transport, timeout_s=cfg.timeout_s,
-            num_streams=cfg.num_streams, staging_bytes=cfg.staging_bytes,
-            verify_checksums=cfg.verify, rank=rank)
-        client = StoreWeightSyncClient(cfg.host, cfg.ports[0], cfg.gen_world, cfg.timeout_s)
-        return WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
 
-    return build
+def _fail_refuse_restart(spare_ports):
+    """Training side through vLLM's API, after the good refits: the planted failure
+    (``_failing_refit``) and ``shutdown``; a ``trainer_init`` the workers refuse (every
+    training rank must raise); a restarted trainer on fresh groups whose
+    ``send_weights(version=...)`` brings the weights back (compared with vLLM's loading as
+    refit ``cfg.refits``)."""
+
+    def after_refits(ctx: dict) -> dict:
+        cfg, pp = ctx["cfg"], ctx["cfg"].train_pp
+        out = _failing_refit(ctx)
+        ctx["engine"].shutdown()
+        try:
+            _trainer_init(cfg, ctx["source"], ctx["rank"], spare_ports[:pp],
+                          worker_options=REFUSED)
+            out["refused"] = None
+        except Exception as exc:  # noqa: BLE001 - the refusal is the subject
+            out["refused"] = f"{type(exc).__name__}: {exc}"
+        engine = _trainer_init(cfg, ctx["source"], ctx["rank"], spare_ports[pp:2 * pp])
+        engine.send_weights(version=cfg.refits + 2)
+        out["restarted"] = engine.last_refit
+        publish_full_hf({**ctx, "step": cfg.refits})
+        engine.shutdown()
+        return out
+
+    return after_refits
 
 
 class _ModelRunner:
@@ -240,8 +276,9 @@ def _vllm_worker(config, gen_rank: int, engine, model):
 
 def _served_gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Mapping[str, Any],
                      vllm_port: int) -> dict:
-    """A generation rank serving the client's calls with vLLM's worker methods; after each
-    finished update its model is compared with vLLM's own loading of that step's weights."""
+    """A generation rank serving the client's calls with vLLM's worker methods until
+    ``stop``; after each finished update its model is compared with vLLM's own loading of
+    that step's weights."""
     from megatron_reshard.testing import vllm_models as vm
     from megatron_reshard.vllm_backend import WeightUpdateError
 
@@ -250,7 +287,7 @@ def _served_gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Map
     config = new_config()
     out: dict[str, Any] = {"role": "gen", "rank": gen_rank, "differences": [], "versions": [],
                            "asked_versions": [], "labels": [], "calls": [], "failed": None,
-                           "payload_type": None}
+                           "payload_type": None, "errors": [], "after_shutdown": []}
     wait = timedelta(seconds=cfg.timeout_s * _RPC_TIMEOUT_FACTOR)
     oracle = None
     with vm.vllm_parallel_state(config, gen_rank, cfg.gen_world, vllm_port):
@@ -275,7 +312,10 @@ def _served_gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Map
                 elif method == "finish_weight_update":
                     worker.finish_weight_update()
                     out["labels"].append(args[0])  # the LLM's weight version (Ray client)
-                else:
+                elif method == "shutdown_weight_transfer_engine":
+                    worker.shutdown_weight_transfer_engine()
+                    out["after_shutdown"].append(engine.refit_weights_state())
+                elif method != "stop":
                     getattr(worker, method)(*args)
             except WeightUpdateError as exc:
                 error = f"{type(exc).__name__}: {exc}"
@@ -285,8 +325,10 @@ def _served_gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Map
                                  else vm.bitwise_differences(model, oracle)}
             except Exception as exc:  # noqa: BLE001 - the client raises it on training rank 0
                 error = f"{type(exc).__name__}: {exc}"
+            if error is not None:
+                out["errors"].append([method, error])
             control.set(f"rpc/{call}/{gen_rank}", pickle.dumps(error))
-            if method == "shutdown_weight_transfer_engine":
+            if method == "stop":
                 break
             if method == "finish_weight_update" and error is None:
                 step = len(out["labels"]) - 1
@@ -302,8 +344,10 @@ def _served_gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Map
 def backend_refit_job(job, cfg: RefitRunConfig, hf_config: Mapping[str, Any],
                       mismatch_rank: Optional[int] = None, fail_extra: bool = False,
                       driver: str = "worker") -> dict:
-    """Pool job (``WorkerPool.run(..., num_ports=cfg.train_pp + 2)``): process ``job.rank`` of
-    a launch of ``train_world + gen_world``; the last port is vLLM's generation world.
+    """Pool job (``WorkerPool.run(..., num_ports=cfg.train_pp + 2)``, ``3 * train_pp + 2`` for
+    driver "trainer" with ``fail_extra``): process ``job.rank`` of a launch of
+    ``train_world + gen_world``; port ``1 + train_pp`` is vLLM's generation world, the ones
+    after it the restarted trainers' groups.
     ``driver``: "worker" (each generation rank drives its engine) or "trainer" (vLLM's
     trainer API on the training side, the client's calls on the generation side)."""
     if driver not in ("worker", "trainer") or (driver == "trainer" and mismatch_rank is not None):
@@ -315,12 +359,20 @@ def backend_refit_job(job, cfg: RefitRunConfig, hf_config: Mapping[str, Any],
     control = dist.TCPStore(cfg.host, cfg.ports[0], cfg.train_world + cfg.gen_world, job.rank == 0,
                             timeout=timedelta(seconds=cfg.timeout_s))
     if job.rank < cfg.train_world:
+        spare = job.ports[2 + cfg.train_pp:]
+        if fail_extra and driver == "trainer" and len(spare) < 2 * cfg.train_pp:
+            raise ValueError(f"backend_refit_job: driver 'trainer' with fail_extra restarts the "
+                             f"trainer twice: num_ports must be 3 * train_pp + 2 = "
+                             f"{3 * cfg.train_pp + 2}, found {len(job.ports)}")
+        after_refits = ((_fail_refuse_restart(spare) if driver == "trainer" else _failing_refit)
+                        if fail_extra else None)
         out = run_training_rank(job.rank, cfg, control, torch.device("cpu"),
-                                after_each_refit=publish_full_hf,
-                                after_refits=_failing_refit if fail_extra else None,
+                                after_each_refit=publish_full_hf, after_refits=after_refits,
                                 trainer_engine=_trainer_engine(cfg) if driver == "trainer"
                                 else None)
         out["driver"] = driver
+        if driver == "trainer" and job.rank == 0:
+            StoreWeightSyncClient(cfg.host, cfg.ports[0], cfg.gen_world, cfg.timeout_s).stop()
     elif driver == "trainer":
         out = _served_gen_rank(job.rank - cfg.train_world, cfg, control, hf_config,
                                job.ports[1 + cfg.train_pp])
@@ -331,4 +383,4 @@ def backend_refit_job(job, cfg: RefitRunConfig, hf_config: Mapping[str, Any],
     return out
 
 
-__all__ = ["MISMATCH_OFFSET", "PLANTED", "StoreWeightSyncClient", "backend_refit_job"]
+__all__ = ["MISMATCH_OFFSET", "PLANTED", "REFUSED", "StoreWeightSyncClient", "backend_refit_job"]

@@ -198,7 +198,8 @@ def run_training_rank(rank: int, cfg: RefitRunConfig, control, device: torch.dev
     if after_refits is not None:
         out["bench"] = after_refits({"role": "train", "rank": rank, "cfg": cfg, "device": device,
                                      "group": group, "control": control, "model": model,
-                                     "sender": sender, "source": source, "engine": engine})
+                                     "sender": sender, "source": source, "engine": engine,
+                                     "family": family, "spec": spec})
     if engine is not None:
         engine.shutdown()
     else:

@@ -287,7 +287,8 @@ def lifecycle(pool, request):
     results = pool.run(backend_refit_job, cfg.train_world + cfg.gen_world, cfg,
                        vllm_config_json(family), fail_extra=True, driver=driver,
                        mismatch_rank=1 if driver == "worker" else None,
-                       num_ports=cfg.train_pp + 2, timeout_s=300)
+                       num_ports=cfg.train_pp * (3 if driver == "trainer" else 1) + 2,
+                       timeout_s=300)
     by_rank = {r["role"] + str(r["rank"]): r for r in results}
     assert {by_rank[f"train{r}"]["transport"] for r in range(cfg.train_world)} == {transport}
     assert {by_rank[f"train{r}"]["driver"] for r in range(cfg.train_world)} == {driver}
@@ -300,11 +301,14 @@ def _driver(lifecycle) -> str:
 
 @pytest.mark.slow
 def test_two_refits_through_the_backend_are_bit_equal_to_vllms_loading(lifecycle):
+    # driver "trainer": then the restarted trainer's refit, version REFITS + 2
+    restarted = [REFITS + 2] if _driver(lifecycle) == "trainer" else []
     for key in ("gen0", "gen1"):
         g = lifecycle[key]
         assert g["engine"] == "MegatronReshardWeightTransferEngine"
-        assert g["differences"] == [[]] * REFITS, (key, g["differences"])
-        assert g["versions"] == list(range(1, REFITS + 1)), key  # finish_weight_update committed
+        assert g["differences"] == [[]] * (REFITS + len(restarted)), (key, g["differences"])
+        # finish_weight_update committed
+        assert g["versions"] == list(range(1, REFITS + 1)) + restarted, key
 
 
 @pytest.mark.slow
@@ -316,16 +320,37 @@ def test_vllms_api_on_both_sides_carries_payload_and_version(lifecycle):
         pytest.skip("the generation ranks drive their engines themselves in this run")
     for r in ("train0", "train1"):
         assert [s["version"] for s in lifecycle[r]["refits"]] == list(range(1, REFITS + 1))
+        assert lifecycle[r]["bench"]["restarted"]["version"] == REFITS + 2
+    update = ["start_weight_update", "update_weights", "finish_weight_update"]
     for key in ("gen0", "gen1"):
         g = lifecycle[key]
         assert g["payload_type"] == "bytes", key  # msgpack, as the trainer engine sent it
-        assert g["asked_versions"] == list(range(1, REFITS + 2)), key  # + the failed one
-        assert g["labels"] == [str(v) for v in range(1, REFITS + 1)], key
-        assert g["calls"] == (["init_weight_transfer_engine"]
-                              + ["start_weight_update", "update_weights",
-                                 "finish_weight_update"] * REFITS
-                              + ["start_weight_update", "update_weights",
-                                 "shutdown_weight_transfer_engine"]), (key, g["calls"])
+        # the good ones, the failed one, the restarted trainer's
+        assert g["asked_versions"] == list(range(1, REFITS + 2)) + [REFITS + 2], key
+        assert g["labels"] == [str(v) for v in range(1, REFITS + 1)] + [str(REFITS + 2)], key
+        assert g["calls"] == (["init_weight_transfer_engine"] + update * REFITS
+                              + update[:2] + ["shutdown_weight_transfer_engine"]
+                              + ["init_weight_transfer_engine", "shutdown_weight_transfer_engine"]
+                              + ["init_weight_transfer_engine"] + update
+                              + ["shutdown_weight_transfer_engine", "stop"]), (key, g["calls"])
+
+
+@pytest.mark.slow
+def test_a_trainer_init_the_workers_refuse_raises_on_every_training_rank(lifecycle):
+    """The workers join the groups, then refuse the payload's options; only training rank 0
+    hears it (through the client), and every training rank raises; nothing is left behind
+    (the workers released their groups, a restarted trainer then works: the test above)."""
+    if _driver(lifecycle) != "trainer":
+        pytest.skip("no trainer engine in this run")
+    refused = {r: lifecycle[r]["bench"]["refused"] for r in ("train0", "train1")}
+    for r, error in refused.items():
+        assert error is not None and error.startswith("TrainerWeightTransferError"), (r, error)
+        assert "training rank 0 failed" in error and "init_weight_transfer_engine" in error, error
+        assert "num_streams must be >= 1" in error, error  # the workers' own words
+    for key in ("gen0", "gen1"):
+        errors = lifecycle[key]["errors"]
+        assert [m for m, _ in errors] == ["update_weights", "init_weight_transfer_engine"], errors
+        assert "num_streams must be >= 1" in errors[1][1], errors
 
 
 @pytest.mark.slow
@@ -361,7 +386,13 @@ def test_a_failed_refit_leaves_the_weight_state_saying_what_is_held(lifecycle):
         assert w["started_from"] == REFITS and "inconsistent" in f["error"], w
         # (here the fault strikes before the listed batch's bytes land: the list is what may
         # hold new bytes, a superset of what does)
+        # shutdown leaves the state as it was
         if _driver(lifecycle) == "worker":
             assert "without an open weight update" in f["finish_error"]
-        assert lifecycle[key]["weights"] == w  # shutdown leaves the state as it was
+            assert lifecycle[key]["weights"] == w
+        else:
+            assert lifecycle[key]["after_shutdown"][0] == w
+            # and the restarted trainer's refit made them consistent again
+            final = lifecycle[key]["weights"]
+            assert final["state"] == "consistent" and final["version"] == REFITS + 2, final
 
