@@ -26,7 +26,8 @@ side is ``megatron_reshard.vllm_backend``; the mapping of one call onto the othe
   it: vLLM's HTTP and Ray clients do) while every rank destroys its refit group.
 
 After the client calls, every rank's outcome (rank 0's client call included) is shared over
-the default process group (the training world), so all ranks return or all raise.
+the default process group (the training world), so all ranks return or all raise; a failed
+``trainer_init`` leaves no refit group behind on either side.
 
 This module, ``vllm_backend`` and ``vllm_plugin`` are the only ones of the package that import
 vLLM. Importing it registers the trainer engine (``vllm_plugin.register``), so constructing the
