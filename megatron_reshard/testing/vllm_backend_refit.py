@@ -10,15 +10,31 @@ worker does (``parse_init_info`` + ``init_transfer_engine``, ``start_weight_upda
 ``update_weights(dict)``, ``finish_weight_update()``, ``shutdown``). After each refit the
 oracle is a second vLLM instance loaded by vLLM's ``load_weights`` from the full HF tensors.
 
-Options: ``mismatch_rank`` (a gen rank that asks for a wrong ``version`` in the last refit:
-the refit commits, the engine must raise ``WeightVersionMismatch``); ``fail_extra`` (one
-more refit in which training rank 0 raises part-way: every rank fails, and each generation
-rank reports its weight state, checked against the last good oracle).
+``driver="trainer"`` plays vLLM's API on both sides instead: each training rank builds the
+trainer engine with vLLM's ``WeightTransferTrainerFactory.trainer_init``
+(``MegatronReshardTrainerInitInfo``, the source, a client) and refits with
+``send_weights()``; training rank 0 drives the generation ranks through the client only.
+What stands in for a running ``LLM``: the client (``StoreWeightSyncClient``: vLLM's
+``VLLMWeightSyncClient`` protocol, each call fanned out to every generation rank over the
+launch's store, as vLLM's engine core fans it out with ``collective_rpc``) and, on each
+generation rank, vLLM's own GPU ``Worker`` class built without its device setup (its real
+weight-sync methods run: ``init_weight_transfer_engine``, ``start_weight_update``,
+``update_weights``, ``finish_weight_update``, ``shutdown_weight_transfer_engine``, over the
+engine from ``WeightTransferEngineFactory``; the model runner is a holder of the model).
+
+Options: ``mismatch_rank`` (driver "worker": a gen rank that asks for a wrong ``version`` in
+the last refit: the refit commits, the engine must raise ``WeightVersionMismatch``);
+``fail_extra`` (one more refit in which training rank 0 raises part-way: every rank fails,
+and each generation rank reports its weight state, checked against the last good oracle;
+with driver "trainer" then a ``trainer_init`` the workers refuse (``REFUSED``: every
+training rank must raise) and a restarted trainer on fresh groups, whose refit is compared
+with vLLM's loading as well).
 """
 
 from __future__ import annotations
 
 import io
+import pickle
 import time
 from datetime import timedelta
 from typing import Any, Mapping, Optional
@@ -51,7 +67,10 @@ def _failing_refit(ctx: dict) -> dict:
 
         spec.pre = pre
     try:
-        sender.refit()
+        if ctx.get("engine") is not None:
+            ctx["engine"].send_weights()
+        else:
+            sender.refit()
     except Exception as exc:  # noqa: BLE001 - the failure is the subject
         return {"error": f"{type(exc).__name__}: {exc}"}
     finally:
@@ -128,18 +147,235 @@ def _gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Mapping[st
     return out
 
 
+# ---- vLLM's API on both sides (driver "trainer") ----------------------------------------
+
+# a weight-sync call waits for the other side's whole turn (a refit, a model build, a gather)
+_RPC_TIMEOUT_FACTOR = 8
+
+
+class StoreWeightSyncClient:
+    """vLLM's ``VLLMWeightSyncClient`` protocol (plus ``shutdown_weight_transfer_engine``, as
+    vLLM's HTTP and Ray clients have) over the launch's store: each call is posted once and
+    every generation rank answers; the call returns when all did and raises with every
+    worker's error, as a ``collective_rpc`` of vLLM's engine core would."""
+
+    def __init__(self, host: str, port: int, gen_world: int, timeout_s: float):
+        self.store = dist.TCPStore(host, port, None, False, wait_for_workers=False,
+                                   timeout=timedelta(seconds=timeout_s * _RPC_TIMEOUT_FACTOR))
+        self.gen_world = gen_world
+
+    def _call(self, method: str, *args: Any) -> None:
+        call = int(self.store.add("rpc/count", 1))  # one sequence for every client of a launch
+        self.store.set(f"rpc/{call}", pickle.dumps((method, args)))
+        errors = [f"gen rank {g}: {err}" for g in range(self.gen_world)
+                  if (err := pickle.loads(self.store.get(f"rpc/{call}/{g}"))) is not None]
+        if errors:
+            raise RuntimeError(f"{method} failed on {len(errors)} of {self.gen_world} workers: "
+                               + "; ".join(errors))
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self._call("init_weight_transfer_engine", init_info)
+
+    def start_weight_update(self) -> None:
+        self._call("start_weight_update")
+
+    def update_weights(self, update_info) -> None:
+        self._call("update_weights", update_info)
+
+    def finish_weight_update(self, weight_version: Optional[str] = None) -> None:
+        self._call("finish_weight_update", weight_version)
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self._call("shutdown_weight_transfer_engine")
+
+    def stop(self) -> None:
+        """The end of the launch (what stopping the ``LLM`` would be): the workers return."""
+        self._call("stop")
+
+
+def _trainer_init(cfg: RefitRunConfig, source, rank: int, ports, **options):
+    """The trainer engine from vLLM's trainer factory, its groups meeting at ``ports``."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from megatron_reshard.vllm_trainer import MegatronReshardTrainerInitInfo
+
+    info = MegatronReshardTrainerInitInfo(
+        host=cfg.host, ports_by_stage=list(ports), group_backend=cfg.backend,
+        transport=cfg.transport, timeout_s=cfg.timeout_s, num_streams=cfg.num_streams,
+        staging_bytes=cfg.staging_bytes, verify_checksums=cfg.verify, rank=rank, **options)
+    client = StoreWeightSyncClient(cfg.host, cfg.ports[0], cfg.gen_world, cfg.timeout_s)
+    return WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
+
+
+def _trainer_engine(cfg: RefitRunConfig):
+    """``run_training_rank``'s ``trainer_engine``."""
+    return lambda source, rank: _trainer_init(cfg, source, rank, cfg.ports[1:1 + cfg.train_pp])
+
+
+REFUSED = {"num_streams": 0}  # the workers refuse it in prepare_refit, after joining the groups
+
+
+def _fail_refuse_restart(spare_ports):
+    """Training side through vLLM's API, after the good refits: the planted failure
+    (``_failing_refit``) and ``shutdown``; a ``trainer_init`` the workers refuse (every
+    training rank must raise); a restarted trainer on fresh groups whose
+    ``send_weights(version=...)`` brings the weights back (compared with vLLM's loading as
+    refit ``cfg.refits``)."""
+
+    def after_refits(ctx: dict) -> dict:
+        cfg, pp = ctx["cfg"], ctx["cfg"].train_pp
+        out = _failing_refit(ctx)
+        ctx["engine"].shutdown()
+        try:
+            _trainer_init(cfg, ctx["source"], ctx["rank"], spare_ports[:pp],
+                          worker_options=REFUSED)
+            out["refused"] = None
+        except Exception as exc:  # noqa: BLE001 - the refusal is the subject
+            out["refused"] = f"{type(exc).__name__}: {exc}"
+        engine = _trainer_init(cfg, ctx["source"], ctx["rank"], spare_ports[pp:2 * pp])
+        engine.send_weights(version=cfg.refits + 2)
+        out["restarted"] = engine.last_refit
+        publish_full_hf({**ctx, "step": cfg.refits})
+        engine.shutdown()
+        return out
+
+    return after_refits
+
+
+class _ModelRunner:
+    """What vLLM's ``Worker`` weight-sync methods ask of its model runner."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+
+    def get_model(self) -> torch.nn.Module:
+        return self.model
+
+    def get_draft_model(self) -> None:
+        return None
+
+    def reset_lora_state(self) -> None:
+        pass
+
+
+def _vllm_worker(config, gen_rank: int, engine, model):
+    """vLLM's GPU ``Worker`` without its ``__init__`` (which claims a device and builds the
+    model runner): the fields its weight-sync methods read, set as ``__init__`` and
+    ``init_device`` set them."""
+    from vllm.v1.worker.gpu_worker import Worker
+
+    worker = Worker.__new__(Worker)
+    worker.vllm_config = config
+    worker.rank = gen_rank
+    worker.weight_transfer_engine = engine
+    worker._weight_update_active = False
+    worker._weight_update_is_draft = False
+    worker.model_runner = _ModelRunner(model)
+    return worker
+
+
+def _served_gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Mapping[str, Any],
+                     vllm_port: int) -> dict:
+    """A generation rank serving the client's calls with vLLM's worker methods until
+    ``stop``; after each finished update its model is compared with vLLM's own loading of
+    that step's weights."""
+    from megatron_reshard.testing import vllm_models as vm
+    from megatron_reshard.vllm_backend import WeightUpdateError
+
+    model_dir = vm.write_model_dir(hf_config)
+    new_config = lambda: vm.vllm_config_for(model_dir, cfg.gen_tp, ep=cfg.gen_ep > 1)  # noqa: E731
+    config = new_config()
+    out: dict[str, Any] = {"role": "gen", "rank": gen_rank, "differences": [], "versions": [],
+                           "asked_versions": [], "labels": [], "calls": [], "failed": None,
+                           "payload_type": None, "errors": [], "after_shutdown": []}
+    wait = timedelta(seconds=cfg.timeout_s * _RPC_TIMEOUT_FACTOR)
+    oracle = None
+    with vm.vllm_parallel_state(config, gen_rank, cfg.gen_world, vllm_port):
+        model = vm.dummy_loaded_model(config)
+        engine = _engine_for(config, model)
+        out["engine"] = type(engine).__name__
+        worker = _vllm_worker(config, gen_rank, engine, model)
+        call = 0
+        while True:
+            call += 1
+            control.wait([f"rpc/{call}"], wait)
+            method, args = pickle.loads(control.get(f"rpc/{call}"))
+            out["calls"].append(method)
+            error = None
+            try:
+                if method == "init_weight_transfer_engine":
+                    out["payload_type"] = type(args[0]["payload"]).__name__
+                    worker.init_weight_transfer_engine(args[0])
+                elif method == "update_weights":
+                    out["asked_versions"].append(args[0].get("version"))
+                    worker.update_weights(args[0])
+                elif method == "finish_weight_update":
+                    worker.finish_weight_update()
+                    out["labels"].append(args[0])  # the LLM's weight version (Ray client)
+                elif method == "shutdown_weight_transfer_engine":
+                    worker.shutdown_weight_transfer_engine()
+                    out["after_shutdown"].append(engine.refit_weights_state())
+                elif method != "stop":
+                    getattr(worker, method)(*args)
+            except WeightUpdateError as exc:
+                error = f"{type(exc).__name__}: {exc}"
+                out["failed"] = {"error": str(exc), "cause": repr(exc.__cause__),
+                                 "weights": exc.weights,
+                                 "differ_from_last_good": None if oracle is None
+                                 else vm.bitwise_differences(model, oracle)}
+            except Exception as exc:  # noqa: BLE001 - the client raises it on training rank 0
+                error = f"{type(exc).__name__}: {exc}"
+            if error is not None:
+                out["errors"].append([method, error])
+            control.set(f"rpc/{call}/{gen_rank}", pickle.dumps(error))
+            if method == "stop":
+                break
+            if method == "finish_weight_update" and error is None:
+                step = len(out["labels"]) - 1
+                out["versions"].append(engine.refit_weights_state()["version"])
+                full = torch.load(io.BytesIO(control.get(f"full/{step}")), weights_only=True)
+                del oracle
+                oracle = vm.loaded_model(new_config(), full)
+                out["differences"].append(vm.bitwise_differences(model, oracle))
+        out["weights"] = engine.refit_weights_state()
+    return out
+
+
 def backend_refit_job(job, cfg: RefitRunConfig, hf_config: Mapping[str, Any],
-                      mismatch_rank: Optional[int] = None, fail_extra: bool = False) -> dict:
-    """Pool job (``WorkerPool.run(..., num_ports=cfg.train_pp + 2)``): process ``job.rank`` of
-    a launch of ``train_world + gen_world``; the last port is vLLM's generation world."""
+                      mismatch_rank: Optional[int] = None, fail_extra: bool = False,
+                      driver: str = "worker") -> dict:
+    """Pool job (``WorkerPool.run(..., num_ports=cfg.train_pp + 2)``, ``3 * train_pp + 2`` for
+    driver "trainer" with ``fail_extra``): process ``job.rank`` of a launch of
+    ``train_world + gen_world``; port ``1 + train_pp`` is vLLM's generation world, the ones
+    after it the restarted trainers' groups.
+    ``driver``: "worker" (each generation rank drives its engine) or "trainer" (vLLM's
+    trainer API on the training side, the client's calls on the generation side)."""
+    if driver not in ("worker", "trainer") or (driver == "trainer" and mismatch_rank is not None):
+        raise ValueError(f"backend_refit_job: driver must be 'worker' or 'trainer' (the trainer "
+                         f"sends the version it commits: no mismatch_rank), found {driver!r}, "
+                         f"mismatch_rank={mismatch_rank!r}")
     t0 = time.perf_counter()
     cfg = RefitRunConfig(**{**cfg.__dict__, "ports": tuple(job.ports[: 1 + cfg.train_pp])})
     control = dist.TCPStore(cfg.host, cfg.ports[0], cfg.train_world + cfg.gen_world, job.rank == 0,
                             timeout=timedelta(seconds=cfg.timeout_s))
     if job.rank < cfg.train_world:
+        spare = job.ports[2 + cfg.train_pp:]
+        if fail_extra and driver == "trainer" and len(spare) < 2 * cfg.train_pp:
+            raise ValueError(f"backend_refit_job: driver 'trainer' with fail_extra restarts the "
+                             f"trainer twice: num_ports must be 3 * train_pp + 2 = "
+                             f"{3 * cfg.train_pp + 2}, found {len(job.ports)}")
+        after_refits = ((_fail_refuse_restart(spare) if driver == "trainer" else _failing_refit)
+                        if fail_extra else None)
         out = run_training_rank(job.rank, cfg, control, torch.device("cpu"),
-                                after_each_refit=publish_full_hf,
-                                after_refits=_failing_refit if fail_extra else None)
+                                after_each_refit=publish_full_hf, after_refits=after_refits,
+                                trainer_engine=_trainer_engine(cfg) if driver == "trainer"
+                                else None)
+        out["driver"] = driver
+        if driver == "trainer" and job.rank == 0:
+            StoreWeightSyncClient(cfg.host, cfg.ports[0], cfg.gen_world, cfg.timeout_s).stop()
+    elif driver == "trainer":
+        out = _served_gen_rank(job.rank - cfg.train_world, cfg, control, hf_config,
+                               job.ports[1 + cfg.train_pp])
     else:
         out = _gen_rank(job.rank - cfg.train_world, cfg, control, hf_config,
                         job.ports[1 + cfg.train_pp], mismatch_rank, fail_extra)
@@ -147,4 +383,4 @@ def backend_refit_job(job, cfg: RefitRunConfig, hf_config: Mapping[str, Any],
     return out
 
 
-__all__ = ["MISMATCH_OFFSET", "PLANTED", "backend_refit_job"]
+__all__ = ["MISMATCH_OFFSET", "PLANTED", "REFUSED", "StoreWeightSyncClient", "backend_refit_job"]

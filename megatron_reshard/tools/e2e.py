@@ -99,13 +99,16 @@ def run_rank(rank: int, cfg: RefitRunConfig, *, model_builder=None, after_refits
 
 
 def run_training_rank(rank: int, cfg: RefitRunConfig, control, device: torch.device,
-                      model_builder=None, after_refits=None, after_each_refit=None) -> dict:
+                      model_builder=None, after_refits=None, after_each_refit=None,
+                      trainer_engine=None) -> dict:
     """Training rank ``rank``: join the training world through ``control`` (a store), build
     the model, publish the payload (rank 0, key ``payload``), refit ``cfg.refits`` times and,
     with ``cfg.verify``, publish each refit's expected digests (``expected/{step}/{gen}``).
     ``after_each_refit(ctx)`` runs on every training rank after each refit (``ctx``: ``step``,
     ``rank``, ``model``, ``family``, ``spec``, ``control``); the real-vLLM tests publish the
-    full HF tensors with it."""
+    full HF tensors with it. ``trainer_engine(source, rank)``: a vLLM trainer engine
+    (``vllm_trainer``) that owns the refit group and the sender; each refit is then its
+    ``send_weights()`` and the end its ``shutdown()``."""
     # megatron-core's notices about optional packages (Apex, TE) and CPU-only settings
     # would repeat once per process and bury the run's own progress lines
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
@@ -156,14 +159,18 @@ def run_training_rank(rank: int, cfg: RefitRunConfig, control, device: torch.dev
         _say(cfg, who, f"payload {len(payload)} bytes published: {bulk + packed} refit tensors "
                        f"({bulk} on the exact path, {packed} packed; experts go as one tensor "
                        f"per projection)")
-    group = create_refit_group(cfg.host, cfg.ports[1 + source.stage], source.stage_local_rank,
-                               cfg.stage_world + cfg.gen_world, cfg.backend, cfg.timeout_s,
-                               device=device if device.type == "cuda" else None,
-                               who=f"train rank {rank} (PP stage {source.stage})",
-                               label=f"refit group of PP stage {source.stage}",
-                               transport=cfg.transport)
-    sender = RefitSender(source, group, device=device, num_streams=cfg.num_streams,
-                         staging_bytes=cfg.staging_bytes, verify_checksums=cfg.verify)
+    engine = trainer_engine(source, rank) if trainer_engine is not None else None
+    if engine is not None:
+        group, sender = engine.group, engine.sender
+    else:
+        group = create_refit_group(cfg.host, cfg.ports[1 + source.stage], source.stage_local_rank,
+                                   cfg.stage_world + cfg.gen_world, cfg.backend, cfg.timeout_s,
+                                   device=device if device.type == "cuda" else None,
+                                   who=f"train rank {rank} (PP stage {source.stage})",
+                                   label=f"refit group of PP stage {source.stage}",
+                                   transport=cfg.transport)
+        sender = RefitSender(source, group, device=device, num_streams=cfg.num_streams,
+                             staging_bytes=cfg.staging_bytes, verify_checksums=cfg.verify)
     setup_s = time.perf_counter() - t0
     refits = []
     for step in range(cfg.refits):
@@ -171,7 +178,11 @@ def run_training_rank(rank: int, cfg: RefitRunConfig, control, device: torch.dev
             perturb_(model, step)
             if cfg.train_precision == "fp8_blockwise":  # an optimizer step re-quantizes
                 attach_blockwise_fp8_(model)
-        stats = sender.refit()
+        if engine is not None:
+            engine.send_weights()
+            stats = engine.last_refit
+        else:
+            stats = sender.refit()
         refits.append(stats)
         if cfg.verify:
             full = gather_full_hf_state_dict(model, family=family, vocab_size=spec.vocab_size)
@@ -187,8 +198,12 @@ def run_training_rank(rank: int, cfg: RefitRunConfig, control, device: torch.dev
     if after_refits is not None:
         out["bench"] = after_refits({"role": "train", "rank": rank, "cfg": cfg, "device": device,
                                      "group": group, "control": control, "model": model,
-                                     "sender": sender, "source": source})
-    destroy_refit_group(group, cfg.timeout_s)
+                                     "sender": sender, "source": source, "engine": engine,
+                                     "family": family, "spec": spec})
+    if engine is not None:
+        engine.shutdown()
+    else:
+        destroy_refit_group(group, cfg.timeout_s)
     return out
 
 

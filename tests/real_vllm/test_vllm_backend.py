@@ -7,11 +7,16 @@ factory and base classes.
 - ``WeightTransferEngineFactory.create_engine`` builds our engine from
   ``WeightTransferConfig(backend="megatron_reshard")``; bad init/update info fails in
   ``parse_init_info`` / ``parse_update_info`` naming the field, before any collective.
+- The trainer side: ``WeightTransferTrainerFactory`` builds our trainer engine from
+  ``MegatronReshardTrainerInitInfo`` (the import registers it); bad init info and a source
+  that is not a ``MegatronRefitSource`` are refused naming the field, before any collective.
 - Lifecycle with real processes: a real megatron-core training side and generation ranks
-  holding vLLM's own Qwen3 class (TP2) receive through the engine, driven as vLLM's GPU
-  worker drives it; two refits bit-equal to vLLM's own ``load_weights``; a wrong
-  ``version`` is refused after the commit; a refit the training side breaks part-way
-  leaves the weight state saying exactly what is held.
+  holding vLLM's own Qwen3 class (TP2) receive through the engine; two refits bit-equal to
+  vLLM's own ``load_weights``; a refit the training side breaks part-way leaves the weight
+  state saying exactly what is held. Two drivers: the generation ranks drive their engines
+  as vLLM's GPU worker does (then a wrong ``version`` is refused after the commit), and
+  vLLM's API on both sides (trainer engine -> client -> vLLM's ``Worker`` methods -> worker
+  engine; ``testing.vllm_backend_refit`` says what stands in for a running ``LLM``).
 """
 
 from __future__ import annotations
@@ -46,12 +51,15 @@ set_vllm_cpu_environment()
 import importlib.metadata as md
 from vllm.plugins import load_general_plugins
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory as F
-before = "megatron_reshard" in F._registry
+from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory as T
+before = "megatron_reshard" in F._registry or "megatron_reshard" in T._registry
 load_general_plugins()
 eps = [e.value for e in md.entry_points(group="vllm.general_plugins") if e.name == "megatron_reshard"]
 print("PROBE " + json.dumps({"before": before, "after": "megatron_reshard" in F._registry,
                              "entry_points": eps, "cls": F._registry["megatron_reshard"]().__name__
-                             if "megatron_reshard" in F._registry else None}))
+                             if "megatron_reshard" in F._registry else None,
+                             "trainer_cls": T._registry["megatron_reshard"]().__name__
+                             if "megatron_reshard" in T._registry else None}))
 """
 
 
@@ -88,6 +96,7 @@ def test_load_general_plugins_registers_the_backend_from_the_entry_point():
     assert got["before"] is False  # vLLM alone does not know the name
     assert got["after"] is True and ENTRY in got["entry_points"], got
     assert got["cls"] == "MegatronReshardWeightTransferEngine"
+    assert got["trainer_cls"] == "MegatronReshardTrainerWeightTransferEngine"  # same name
 
 
 def test_the_installed_dist_registers_the_backend():
@@ -182,43 +191,174 @@ def test_lifecycle_out_of_order_is_refused(engine):
         engine.finish_weight_update()
 
 
+# ---- the trainer side through vLLM's trainer factory (this process) ----------------------
+
+TRAINER_GOOD = dict(host="127.0.0.1", ports_by_stage=[29500], group_backend="gloo", rank=0)
+
+
+def test_the_trainer_factory_knows_our_engine_by_name():
+    from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from megatron_reshard.vllm_trainer import (MegatronReshardTrainerInitInfo,
+                                               MegatronReshardTrainerWeightTransferEngine)
+
+    info = MegatronReshardTrainerInitInfo(**TRAINER_GOOD)
+    assert isinstance(info, TrainerInitInfo) and info.backend == "megatron_reshard"
+    assert info.is_sender and not MegatronReshardTrainerInitInfo(**{**TRAINER_GOOD,
+                                                                    "rank": 3}).is_sender
+    cls = WeightTransferTrainerFactory._registry["megatron_reshard"]()
+    assert cls is MegatronReshardTrainerWeightTransferEngine
+    assert issubclass(cls, TrainerWeightTransferEngine)
+    assert cls.init_info_cls is MegatronReshardTrainerInitInfo
+
+
+@pytest.mark.parametrize("change,words", [
+    (dict(rank=-1), ["rank", "-1"]),
+    (dict(payload_format="json"), ["payload_format", "msgpack", "'json'"]),
+    (dict(worker_options={"staging_bytes": 1}), ["worker_options", "staging_bytes",
+                                                 "own fields"]),
+    (dict(worker_options=[1]), ["worker_options", "[1]"]),
+    (dict(batch_bytes=0), ["batch_bytes", ">= 1", "found 0"]),
+])
+def test_bad_trainer_init_info_names_the_field(change, words):
+    from megatron_reshard.vllm_trainer import MegatronReshardTrainerInitInfo
+
+    with pytest.raises(ValueError) as err:
+        MegatronReshardTrainerInitInfo(**{**TRAINER_GOOD, **change})
+    for w in words:
+        assert w in str(err.value), (w, str(err.value))
+
+
+def test_trainer_init_refuses_a_source_that_is_not_ours_before_any_call():
+    """vLLM's own ``ModuleSource`` (full tensors) is not what this backend sends; the client
+    is never called."""
+    import torch
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from megatron_reshard.vllm_trainer import MegatronReshardTrainerInitInfo
+
+    class Client:  # vLLM's VLLMWeightSyncClient protocol, recording what reaches it
+        def __init__(self):
+            self.calls = []
+
+        def init_weight_transfer_engine(self, init_info):
+            self.calls.append("init")
+
+        def start_weight_update(self):
+            self.calls.append("start")
+
+        def update_weights(self, update_info):
+            self.calls.append("update")
+
+        def finish_weight_update(self, weight_version=None):
+            self.calls.append("finish")
+
+    client = Client()
+    with pytest.raises(TypeError, match="expected a megatron_reshard MegatronRefitSource.*"
+                                        "found ModuleSource"):
+        WeightTransferTrainerFactory.trainer_init(
+            MegatronReshardTrainerInitInfo(**TRAINER_GOOD), client=client,
+            source=ModuleSource(torch.nn.Linear(2, 2)))
+    assert client.calls == []
+
+
 # ---- lifecycle with real processes -------------------------------------------------------
 
 REFITS = 2
 
 
-# the process-group transport, and the colocated one (copies out of the training ranks'
-# shared memory), which the generation side follows without choosing it
-@pytest.fixture(scope="module", params=["p2p", "colocated"])
+# (transport, driver): the process-group transport driven through vLLM's API on both sides
+# (trainer engine -> client -> vLLM's worker methods -> worker engine), and the colocated
+# transport (copies out of the training ranks' shared memory, which the generation side
+# follows without choosing it) with each generation rank driving its engine itself
+@pytest.fixture(scope="module", params=[("p2p", "trainer"), ("colocated", "worker")],
+                ids=lambda p: "-".join(p))
 def lifecycle(pool, request):
     from megatron_reshard.testing.vllm_backend_refit import backend_refit_job
     from megatron_reshard.tools.run_config import RefitRunConfig
 
+    transport, driver = request.param
     family = FAMILIES["qwen3"]
     cfg = RefitRunConfig(model="dense", model_overrides=dict(family.model), refits=REFITS,
                          verify=False, dtype="bfloat16", quiet=True, timeout_s=30,
-                         transport=request.param, **layout("tp2", "tp2"))
+                         transport=transport, **layout("tp2", "tp2"))
     results = pool.run(backend_refit_job, cfg.train_world + cfg.gen_world, cfg,
-                       vllm_config_json(family), mismatch_rank=1, fail_extra=True,
-                       num_ports=cfg.train_pp + 2, timeout_s=300)
+                       vllm_config_json(family), fail_extra=True, driver=driver,
+                       mismatch_rank=1 if driver == "worker" else None,
+                       num_ports=cfg.train_pp * (3 if driver == "trainer" else 1) + 2,
+                       timeout_s=300)
     by_rank = {r["role"] + str(r["rank"]): r for r in results}
-    assert {by_rank[f"train{r}"]["transport"] for r in range(cfg.train_world)} == {request.param}
+    assert {by_rank[f"train{r}"]["transport"] for r in range(cfg.train_world)} == {transport}
+    assert {by_rank[f"train{r}"]["driver"] for r in range(cfg.train_world)} == {driver}
     return by_rank
+
+
+def _driver(lifecycle) -> str:
+    return lifecycle["train0"]["driver"]
 
 
 @pytest.mark.slow
 def test_two_refits_through_the_backend_are_bit_equal_to_vllms_loading(lifecycle):
+    # driver "trainer": then the restarted trainer's refit, version REFITS + 2
+    restarted = [REFITS + 2] if _driver(lifecycle) == "trainer" else []
     for key in ("gen0", "gen1"):
         g = lifecycle[key]
         assert g["engine"] == "MegatronReshardWeightTransferEngine"
-        assert g["differences"] == [[]] * REFITS, (key, g["differences"])
-        assert g["versions"] == list(range(1, REFITS + 1)), key  # finish_weight_update committed
+        assert g["differences"] == [[]] * (REFITS + len(restarted)), (key, g["differences"])
+        # finish_weight_update committed
+        assert g["versions"] == list(range(1, REFITS + 1)) + restarted, key
+
+
+@pytest.mark.slow
+def test_vllms_api_on_both_sides_carries_payload_and_version(lifecycle):
+    """Driver "trainer": the generation ranks learn everything from the client's calls (the
+    payload in init_weight_transfer_engine, the version in update_weights and in
+    finish_weight_update's label), in vLLM's order."""
+    if _driver(lifecycle) != "trainer":
+        pytest.skip("the generation ranks drive their engines themselves in this run")
+    for r in ("train0", "train1"):
+        assert [s["version"] for s in lifecycle[r]["refits"]] == list(range(1, REFITS + 1))
+        assert lifecycle[r]["bench"]["restarted"]["version"] == REFITS + 2
+    update = ["start_weight_update", "update_weights", "finish_weight_update"]
+    for key in ("gen0", "gen1"):
+        g = lifecycle[key]
+        assert g["payload_type"] == "bytes", key  # msgpack, as the trainer engine sent it
+        # the good ones, the failed one, the restarted trainer's
+        assert g["asked_versions"] == list(range(1, REFITS + 2)) + [REFITS + 2], key
+        assert g["labels"] == [str(v) for v in range(1, REFITS + 1)] + [str(REFITS + 2)], key
+        assert g["calls"] == (["init_weight_transfer_engine"] + update * REFITS
+                              + update[:2] + ["shutdown_weight_transfer_engine"]
+                              + ["init_weight_transfer_engine", "shutdown_weight_transfer_engine"]
+                              + ["init_weight_transfer_engine"] + update
+                              + ["shutdown_weight_transfer_engine", "stop"]), (key, g["calls"])
+
+
+@pytest.mark.slow
+def test_a_trainer_init_the_workers_refuse_raises_on_every_training_rank(lifecycle):
+    """The workers join the groups, then refuse the payload's options; only training rank 0
+    hears it (through the client), and every training rank raises; nothing is left behind
+    (the workers released their groups, a restarted trainer then works: the test above)."""
+    if _driver(lifecycle) != "trainer":
+        pytest.skip("no trainer engine in this run")
+    refused = {r: lifecycle[r]["bench"]["refused"] for r in ("train0", "train1")}
+    for r, error in refused.items():
+        assert error is not None and error.startswith("TrainerWeightTransferError"), (r, error)
+        assert "training rank 0 failed" in error and "init_weight_transfer_engine" in error, error
+        assert "num_streams must be >= 1" in error, error  # the workers' own words
+    for key in ("gen0", "gen1"):
+        errors = lifecycle[key]["errors"]
+        assert [m for m, _ in errors] == ["update_weights", "init_weight_transfer_engine"], errors
+        assert "num_streams must be >= 1" in errors[1][1], errors
 
 
 @pytest.mark.slow
 def test_a_wrong_version_is_refused_with_the_weight_state(lifecycle):
     from megatron_reshard.testing.vllm_backend_refit import MISMATCH_OFFSET
 
+    if _driver(lifecycle) != "worker":
+        pytest.skip("the trainer engine sends the version it commits: no mismatch to ask for")
     assert lifecycle["gen0"]["mismatch"] is None
     m = lifecycle["gen1"]["mismatch"]
     assert m is not None
@@ -246,5 +386,13 @@ def test_a_failed_refit_leaves_the_weight_state_saying_what_is_held(lifecycle):
         assert w["started_from"] == REFITS and "inconsistent" in f["error"], w
         # (here the fault strikes before the listed batch's bytes land: the list is what may
         # hold new bytes, a superset of what does)
-        assert "without an open weight update" in f["finish_error"]
-        assert lifecycle[key]["weights"] == w  # shutdown leaves the state as it was
+        # shutdown leaves the state as it was
+        if _driver(lifecycle) == "worker":
+            assert "without an open weight update" in f["finish_error"]
+            assert lifecycle[key]["weights"] == w
+        else:
+            assert lifecycle[key]["after_shutdown"][0] == w
+            # and the restarted trainer's refit made them consistent again
+            final = lifecycle[key]["weights"]
+            assert final["state"] == "consistent" and final["version"] == REFITS + 2, final
+
