@@ -20,6 +20,9 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from . import kernel_copies
+from .kernel_copies import KernelCopies
+
 MEMCPY_BYTES = 16 << 20
 # Integer dtypes of each element size: the views every copy batch runs on. On CUDA
 # ``_foreach_copy_`` of a floating dtype goes through float arithmetic, which rewrites
@@ -120,13 +123,17 @@ def as_words(v: torch.Tensor, w: int) -> torch.Tensor:
 class Copies:
     """One batch of copies ``dst <- src`` whose destinations never overlap, issued as few
     kernels as the views allow (see MEMCPY_BYTES): large contiguous pairs at once, one
-    memcpy each; the other contiguous pairs (uint8 views of equal length) as one
+    memcpy each. On CUDA with Triton the others go to the copy kernels at the first run
+    (``kernel_copies.KernelCopies``: one launch for the aligned contiguous pairs, one per
+    kind of strided pair that folds into tiles), and what they do not take stays below.
+    Elsewhere: the other contiguous pairs (uint8 views of equal length) as one
     ``_foreach_copy_`` (multi-tensor kernels on CUDA, whatever the params' dtypes); strided
     pairs as one ``_foreach_copy_`` as well, which runs them one ``copy_`` each, in C++."""
 
     def __init__(self) -> None:
         self.flat_dst, self.flat_src, self.typed_dst, self.typed_src = [], [], [], []
         self.word_dst, self.word_src, self.memcpy = [], [], []
+        self.kernels: Optional[KernelCopies] = None  # CUDA: set at the first run
 
     def flat(self, dst: torch.Tensor, src: torch.Tensor, nbytes: int) -> None:
         """A pair of uint8 views of ``nbytes`` each."""
@@ -164,9 +171,30 @@ class Copies:
         """Issue the batch (a batch may be run again: it holds views, no data)."""
         for dst, src in self.memcpy:
             dst.copy_(src)
+        if self.kernels is None:
+            self.kernels = self._to_kernels()
+        self.kernels.run()
         if self.word_dst:
             torch._foreach_copy_(self.word_dst, self.word_src)
         if self.flat_dst:
             torch._foreach_copy_(self.flat_dst, self.flat_src)
         if self.typed_dst:
             torch._foreach_copy_(self.typed_dst, self.typed_src)
+
+    def _to_kernels(self) -> KernelCopies:
+        """The pairs the copy kernels take, moved out of the foreach lists (none off CUDA,
+        where the lists stay as they are)."""
+        first = next((x for x in (self.word_dst, self.flat_dst, self.typed_dst) if x), None)
+        if first is None or kernel_copies.kernels_for(first[0].device) is None:
+            return _NO_KERNELS
+        lists = ((self.word_dst, self.word_src), (self.flat_dst, self.flat_src),
+                 (self.typed_dst, self.typed_src))
+        kernels = kernel_copies.KernelCopies([p for d, s in lists for p in zip(d, s)], first[0].device)
+        left = {id(d) for d, _ in kernels.rest}
+        for dsts, srcs in lists:
+            kept = [(d, s) for d, s in zip(dsts, srcs) if id(d) in left]
+            dsts[:], srcs[:] = [d for d, _ in kept], [s for _, s in kept]
+        return kernels
+
+
+_NO_KERNELS = KernelCopies([], torch.device("cpu"))

@@ -1,0 +1,263 @@
+"""Batches of copies ``dst <- src`` as Triton kernel launches (CUDA), shared by the engine's
+copy batches (``copies.Copies``) and the colocated transport's (``colocated_copies``).
+
+Torch + stdlib only: Triton, which the CUDA builds of torch ship, loads lazily, and every
+caller keeps its torch path for when it is absent (CPU builds) or switched off
+(``MEGATRON_RESHARD_COPY_KERNELS=0``).
+
+Two tables, each one launch for any number of pairs, reading the pairs' addresses and
+geometry from small device tables built once (a batch is kept across calls, and so are
+they; the pairs' views are kept with them, so the addresses stay valid):
+
+- ``BlockTable``: contiguous, 8-byte aligned pairs of any sizes, as int64 words; one
+  program per ``BLOCK`` words of some pair (a rank's experts into a stacked tensor: one
+  launch instead of 128 copies).
+- ``TileTable``: strided pairs, as integers of their element size (or words), cut into
+  tiles of rows x columns: a destination whose last dim (after merging dims) has unit
+  stride, read from a source of unit stride along the same dim (``ROWS``: column blocks of
+  a wider tensor) or along another one (``TRANSPOSED``: the tile is turned in shared
+  memory, where torch's copy kernel goes element by element, at ~15% of a memcpy).
+
+Copies move integer bits, never float values: CUDA's float copies rewrite NaN payloads
+(copies.py).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple, Optional
+
+import torch
+
+ROWS, TRANSPOSED = 0, 1
+
+
+def _table(values, dtype, device) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype).to(device)
+
+
+def _program_map(counts: list, device) -> tuple:
+    """(first program of each pair, pair of each program) for ``counts`` programs per pair."""
+    starts = [0]
+    for n in counts[:-1]:
+        starts.append(starts[-1] + n)
+    pair_of = torch.repeat_interleave(torch.arange(len(counts), dtype=torch.int32),
+                                      torch.tensor(counts)).to(device)
+    return _table(starts, torch.int64, device), pair_of
+
+
+def aligned_words(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    """Whether a pair can be copied as whole int64 words (``BlockTable``)."""
+    nbytes = dst.numel() * dst.element_size()
+    return (nbytes > 0 and nbytes % 8 == 0 and dst.is_contiguous() and src.is_contiguous()
+            and (dst.data_ptr() | src.data_ptr()) % 8 == 0)
+
+
+class BlockTable:
+    """Contiguous, 8-byte aligned copies of any sizes in one Triton launch: one program per
+    ``BLOCK`` words of some pair, found through a device map of program -> pair (4 bytes
+    per 32 KiB copied), so no program idles on a short pair."""
+
+    BLOCK = 4096  # 8-byte words per program
+
+    def __init__(self, kernels, pairs: list, device: torch.device):
+        words = [d.numel() * d.element_size() // 8 for d, _ in pairs]
+        self.kernel = kernels.copy_blocks
+        self.dst_ptrs = _table([d.data_ptr() for d, _ in pairs], torch.int64, device)
+        self.src_ptrs = _table([s.data_ptr() for _, s in pairs], torch.int64, device)
+        self.words = _table(words, torch.int64, device)
+        blocks = [-(-w // self.BLOCK) for w in words]
+        self.first, self.pair_of = _program_map(blocks, device)
+        self.grid = (sum(blocks),)
+        self._keep = pairs  # the views (and their storages) outlive the table
+
+    def run(self) -> None:
+        self.kernel[self.grid](self.dst_ptrs, self.src_ptrs, self.words, self.first,
+                               self.pair_of, BLOCK=self.BLOCK)
+
+
+class Tiled(NamedTuple):
+    """A pair as ``batch`` x ``rows`` x ``cols`` elements: the destination has unit stride
+    along cols, the source along cols (ROWS) or along rows (TRANSPOSED)."""
+
+    kind: int
+    batch: int
+    rows: int
+    cols: int
+    dst_strides: tuple  # (batch, rows)
+    src_strides: tuple  # (batch, rows) for ROWS; (batch, cols) for TRANSPOSED
+
+
+def tiled(dst: torch.Tensor, src: torch.Tensor) -> Optional[Tiled]:
+    """The pair as tiles, or None when its dims do not fold into that form (three dims at
+    most after merging, a unit stride on each side)."""
+    dims = []
+    for n, ds, ss in zip(dst.shape, dst.stride(), src.stride()):
+        if n == 1:
+            continue
+        if dims and dims[-1][1] == ds * n and dims[-1][2] == ss * n:
+            dims[-1] = (dims[-1][0] * n, ds, ss)  # merges with the dim before it
+        else:
+            dims.append((n, ds, ss))
+    if not dims:
+        dims = [(1, 1, 1)]
+    last = [i for i, d in enumerate(dims) if d[1] == 1]
+    if not last:
+        return None
+    inner = dims.pop(last[0])
+    if inner[2] == 1:
+        if len(dims) > 2:
+            return None
+        outer = [(1, 0, 0)] * (2 - len(dims)) + dims
+        return Tiled(ROWS, outer[0][0], outer[1][0], inner[0], (outer[0][1], outer[1][1]),
+                     (outer[0][2], outer[1][2]))
+    across = [i for i, d in enumerate(dims) if d[2] == 1]
+    if not across or len(dims) > 2:
+        return None
+    rows = dims.pop(across[0])
+    b = dims[0] if dims else (1, 0, 0)
+    return Tiled(TRANSPOSED, b[0], rows[0], inner[0], (b[1], rows[1]), (b[2], inner[2]))
+
+
+class TileTable:
+    """Strided copies of one kind and element size in one Triton launch: one program per
+    tile of some pair (a device map of program -> pair, as ``BlockTable``)."""
+
+    TILE_BYTES = 32 << 10          # ROWS: bytes per program, as a BlockTable's
+    TRANSPOSED_TILE = (64, 64)     # rows x cols turned per program
+
+    def __init__(self, kernels, kind: int, itemsize: int, pairs: list, shapes: list,
+                 device: torch.device):
+        if kind == TRANSPOSED:
+            self.br, self.bc = self.TRANSPOSED_TILE
+        else:
+            elems = self.TILE_BYTES // itemsize
+            widest = max(s.cols for s in shapes)
+            self.bc = min(elems, 1 << (widest - 1).bit_length())  # a power of two
+            self.br = max(1, elems // self.bc)
+        meta, tiles = [], []
+        for s in shapes:
+            meta.append((s.batch, s.rows, s.cols, *s.dst_strides, *s.src_strides, 0))
+            tiles.append(s.batch * -(-s.rows // self.br) * -(-s.cols // self.bc))
+        self.kernel, self.kind = kernels.copy_tiles, kind
+        self.elem = kernels.ints[itemsize]
+        self.dst_ptrs = _table([d.data_ptr() for d, _ in pairs], torch.int64, device)
+        self.src_ptrs = _table([s.data_ptr() for _, s in pairs], torch.int64, device)
+        self.meta = _table(meta, torch.int64, device)
+        self.first, self.pair_of = _program_map(tiles, device)
+        self.grid = (sum(tiles),)
+        self._keep = pairs
+
+    def run(self) -> None:
+        self.kernel[self.grid](self.dst_ptrs, self.src_ptrs, self.meta, self.first,
+                               self.pair_of, ELEM=self.elem, KIND=self.kind, BR=self.br,
+                               BC=self.bc)
+
+
+class KernelCopies:
+    """The pairs of a batch that the kernels take: the 8-byte aligned contiguous ones in a
+    ``BlockTable`` (at least ``min_blocks`` of them, else they are left), the strided ones
+    that fold into tiles in a ``TileTable`` per kind and element size; ``rest``: the
+    others, for the caller's own path. Empty (everything in ``rest``) without kernels."""
+
+    def __init__(self, pairs: list, device: torch.device, min_blocks: int = 1):
+        self.tables: list = []
+        kernels = kernels_for(device)
+        if kernels is None:
+            self.rest = list(pairs)
+            return
+        blocks, tiles, self.rest = [], {}, []
+        for d, s in pairs:
+            if d.numel() == 0:
+                continue
+            if aligned_words(d, s):
+                blocks.append((d, s))
+                continue
+            shape = tiled(d, s)
+            if shape is None:
+                self.rest.append((d, s))
+            else:
+                tiles.setdefault((shape.kind, d.element_size()), []).append((d, s, shape))
+        if len(blocks) >= min_blocks:
+            self.tables.append(BlockTable(kernels, blocks, device))
+        else:
+            self.rest += blocks
+        for (kind, itemsize), got in tiles.items():
+            self.tables.append(TileTable(kernels, kind, itemsize, [(d, s) for d, s, _ in got],
+                                         [t for _, _, t in got], device))
+
+    def run(self) -> None:
+        for table in self.tables:
+            table.run()
+
+
+def kernels_for(device: torch.device) -> Optional["_Kernels"]:
+    """The copy kernels for tensors on ``device`` (CUDA only), or None."""
+    return triton_kernels() if device.type == "cuda" else None
+
+
+def kernels_enabled() -> bool:
+    """Whether the copy kernels may be used (``MEGATRON_RESHARD_COPY_KERNELS=0``: no)."""
+    return os.environ.get("MEGATRON_RESHARD_COPY_KERNELS", "1") != "0"
+
+
+class _Kernels(NamedTuple):
+    copy_blocks: object
+    copy_tiles: object
+    ints: dict  # element size -> Triton integer dtype
+
+
+_BUILT: list = []
+
+
+def triton_kernels() -> Optional[_Kernels]:
+    """The copy kernels (built once); None when Triton is absent or they are switched off."""
+    if not kernels_enabled():
+        return None
+    if _BUILT:
+        return _BUILT[0]
+    try:
+        import triton
+        import triton.language as tl
+    except Exception:  # noqa: BLE001 - CPU builds of torch ship no Triton
+        _BUILT.append(None)
+        return None
+
+    @triton.jit
+    def copy_blocks(dst_ptrs, src_ptrs, words, first, pair_of, BLOCK: tl.constexpr):
+        block = tl.program_id(0)
+        pair = tl.load(pair_of + block)
+        n = tl.load(words + pair)
+        offs = (block - tl.load(first + pair)).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        src = tl.load(src_ptrs + pair).to(tl.pointer_type(tl.int64))
+        dst = tl.load(dst_ptrs + pair).to(tl.pointer_type(tl.int64))
+        tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+
+    @triton.jit
+    def copy_tiles(dst_ptrs, src_ptrs, meta, first, pair_of, ELEM: tl.constexpr,
+                   KIND: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+        tile = tl.program_id(0)
+        pair = tl.load(pair_of + tile)
+        m = meta + pair * 8
+        rows, cols = tl.load(m + 1), tl.load(m + 2)
+        tiles_c = (cols + BC - 1) // BC
+        per_batch = (rows + BR - 1) // BR * tiles_c
+        t = (tile - tl.load(first + pair)).to(tl.int64)
+        b = t // per_batch
+        t = t - b * per_batch
+        r = (t // tiles_c) * BR + tl.arange(0, BR)
+        c = (t - t // tiles_c * tiles_c) * BC + tl.arange(0, BC)
+        mask = (r < rows)[:, None] & (c < cols)[None, :]
+        dst = tl.load(dst_ptrs + pair).to(tl.pointer_type(ELEM)) + b * tl.load(m + 3)
+        src = tl.load(src_ptrs + pair).to(tl.pointer_type(ELEM)) + b * tl.load(m + 5)
+        d = dst + r[:, None] * tl.load(m + 4) + c[None, :]
+        if KIND == 0:  # ROWS
+            s = src + r[:, None] * tl.load(m + 6) + c[None, :]
+        else:          # TRANSPOSED: the source's unit stride runs along the rows
+            s = src + r[:, None] + c[None, :] * tl.load(m + 6)
+        tl.store(d, tl.load(s, mask=mask), mask=mask)
+
+    ints = {1: tl.uint8, 2: tl.int16, 4: tl.int32, 8: tl.int64}
+    _BUILT.append(_Kernels(copy_blocks, copy_tiles, ints))
+    return _BUILT[0]
