@@ -7,8 +7,9 @@ and its host cost per param, in one process (one GPU, or the CPU for a smoke run
 Needs torch only (no megatron, no msgspec). A process group of one rank (NCCL on CUDA,
 gloo on CPU) runs ``xfer_batch`` with both sides on that rank (self-transfer):
 
-- ``local_*``: every byte is a local copy (contiguous: one memcpy; strided destination:
-  the word-wise typed copy; experts given as a list of tensors, one per expert);
+- ``local_*``: every byte is a local copy (contiguous: one memcpy; a transposed or
+  column-block destination and experts given as a list of tensors: the Triton copy
+  kernels on CUDA, ``engine/kernel_copies.py``, else torch's copies);
 - ``pack_*`` / ``unpack_*``: the staging copies of a strided exchange (the program a
   rank of a 2-rank S(0) -> S(1) reshard runs), timed without the wire;
 - ``host_*``: 1,000 small params in one batch, host time per param (CPU time of the
@@ -216,9 +217,13 @@ def main(argv=None) -> int:
     from megatron_reshard.tools.bench.timing import median_timer
 
     measure = median_timer(device)
+    from megatron_reshard.engine.kernel_copies import kernels_for
+
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"engine, one process on {name}, torch {torch.__version__}, "
-          f"{time.strftime('%Y-%m-%d %H:%M:%S')}", flush=True)
+    kernels = "on" if kernels_for(device) is not None else "off"
+    print(f"engine, one process on {name}, torch {torch.__version__}, copy kernels {kernels} "
+          f"(MEGATRON_RESHARD_COPY_KERNELS=0: off), {time.strftime('%Y-%m-%d %H:%M:%S')}",
+          flush=True)
     copies = local_cases(args, device, measure) + pack_cases(args, device, measure)
     print(f"{'case':<28}{'MiB':>9}{'engine ms':>11}{'GB/s':>9}{'memcpy ms':>11}{'GB/s':>9}"
           f"{'engine/memcpy':>15}")
@@ -234,7 +239,8 @@ def main(argv=None) -> int:
               f"{r['wall_us_per_param']:>15.2f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": name, "copies": copies, "host": host}, f, indent=1)
+            json.dump({"device": name, "kernels": kernels, "copies": copies, "host": host}, f,
+                      indent=1)
     dist.destroy_process_group()
     return 0
 

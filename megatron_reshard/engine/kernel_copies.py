@@ -119,15 +119,36 @@ def tiled(dst: torch.Tensor, src: torch.Tensor) -> Optional[Tiled]:
     return Tiled(TRANSPOSED, b[0], rows[0], inner[0], (b[1], rows[1]), (b[2], inner[2]))
 
 
+VECTOR = 16  # bytes: the widest load and store a thread issues
+
+
+def _vector_unit(pair: tuple, shape: Tiled, itemsize: int) -> int:
+    """Elements per 16 bytes when every address, stride and contiguous extent of the pair
+    is a multiple of 16 bytes (the kernel is then told so, and moves 16-byte vectors),
+    else 1."""
+    unit = VECTOR // itemsize
+    if unit < 2:
+        return 1
+    steps = (*shape.dst_strides, *shape.src_strides, shape.cols,
+             shape.rows if shape.kind == TRANSPOSED else 0)
+    if (pair[0].data_ptr() | pair[1].data_ptr()) % VECTOR or any(x % unit for x in steps):
+        return 1
+    return unit
+
+
 class TileTable:
-    """Strided copies of one kind and element size in one Triton launch: one program per
-    tile of some pair (a device map of program -> pair, as ``BlockTable``)."""
+    """Strided copies of one kind, element size and vector unit in one Triton launch: one
+    program per tile of some pair (a device map of program -> pair, as ``BlockTable``).
+    Every address is an offset from one base tensor, in vector units, and every stride and
+    extent is stored in vector units too: so the compiler knows them to be multiples of
+    16 bytes (a pointer read from a table would tell it nothing) and vectorizes."""
 
     TILE_BYTES = 32 << 10          # ROWS: bytes per program, as a BlockTable's
     TRANSPOSED_TILE = (64, 64)     # rows x cols turned per program
+    WARPS = 4
 
-    def __init__(self, kernels, kind: int, itemsize: int, pairs: list, shapes: list,
-                 device: torch.device):
+    def __init__(self, kernels, kind: int, itemsize: int, unit: int, pairs: list,
+                 shapes: list, device: torch.device):
         if kind == TRANSPOSED:
             self.br, self.bc = self.TRANSPOSED_TILE
         else:
@@ -135,30 +156,37 @@ class TileTable:
             widest = max(s.cols for s in shapes)
             self.bc = min(elems, 1 << (widest - 1).bit_length())  # a power of two
             self.br = max(1, elems // self.bc)
-        meta, tiles = [], []
-        for s in shapes:
-            meta.append((s.batch, s.rows, s.cols, *s.dst_strides, *s.src_strides, 0))
-            tiles.append(s.batch * -(-s.rows // self.br) * -(-s.cols // self.bc))
-        self.kernel, self.kind = kernels.copy_tiles, kind
-        self.elem = kernels.ints[itemsize]
-        self.dst_ptrs = _table([d.data_ptr() for d, _ in pairs], torch.int64, device)
-        self.src_ptrs = _table([s.data_ptr() for _, s in pairs], torch.int64, device)
+        self.base = pairs[0][0].view(_INTS[itemsize])
+        base, step = self.base.data_ptr(), unit * itemsize
+        self.row_unit = unit if kind == TRANSPOSED else 1
+        meta, offs, tiles = [], [], []
+        for (d, s), t in zip(pairs, shapes):
+            offs += [(d.data_ptr() - base) // step, (s.data_ptr() - base) // step]
+            meta.append((t.rows // self.row_unit, t.cols // unit,
+                         *(x // unit for x in (*t.dst_strides, *t.src_strides)), 0, 0))
+            tiles.append(t.batch * -(-t.rows // self.br) * -(-t.cols // self.bc))
+        self.kernel, self.kind, self.unit = kernels.copy_tiles, kind, unit
+        self.offs = _table(offs, torch.int64, device)
         self.meta = _table(meta, torch.int64, device)
         self.first, self.pair_of = _program_map(tiles, device)
         self.grid = (sum(tiles),)
         self._keep = pairs
 
     def run(self) -> None:
-        self.kernel[self.grid](self.dst_ptrs, self.src_ptrs, self.meta, self.first,
-                               self.pair_of, ELEM=self.elem, KIND=self.kind, BR=self.br,
-                               BC=self.bc)
+        self.kernel[self.grid](self.base, self.offs, self.meta, self.first, self.pair_of,
+                               KIND=self.kind, UNIT=self.unit, ROW_UNIT=self.row_unit,
+                               BR=self.br, BC=self.bc, num_warps=self.WARPS)
+
+
+_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 class KernelCopies:
     """The pairs of a batch that the kernels take: the 8-byte aligned contiguous ones in a
     ``BlockTable`` (at least ``min_blocks`` of them, else they are left), the strided ones
-    that fold into tiles in a ``TileTable`` per kind and element size; ``rest``: the
-    others, for the caller's own path. Empty (everything in ``rest``) without kernels."""
+    that fold into tiles in a ``TileTable`` per kind, element size and vector unit;
+    ``rest``: the others, for the caller's own path. Empty (everything in ``rest``)
+    without kernels."""
 
     def __init__(self, pairs: list, device: torch.device, min_blocks: int = 1):
         self.tables: list = []
@@ -173,18 +201,20 @@ class KernelCopies:
             if aligned_words(d, s):
                 blocks.append((d, s))
                 continue
-            shape = tiled(d, s)
-            if shape is None:
+            shape, size = tiled(d, s), d.element_size()
+            if shape is None or (d.data_ptr() | s.data_ptr()) % size:
                 self.rest.append((d, s))
             else:
-                tiles.setdefault((shape.kind, d.element_size()), []).append((d, s, shape))
+                key = (shape.kind, size, _vector_unit((d, s), shape, size))
+                tiles.setdefault(key, []).append((d, s, shape))
         if len(blocks) >= min_blocks:
             self.tables.append(BlockTable(kernels, blocks, device))
         else:
             self.rest += blocks
-        for (kind, itemsize), got in tiles.items():
-            self.tables.append(TileTable(kernels, kind, itemsize, [(d, s) for d, s, _ in got],
-                                         [t for _, _, t in got], device))
+        for (kind, size, unit), got in tiles.items():
+            self.tables.append(TileTable(kernels, kind, size, unit,
+                                         [(d, s) for d, s, _ in got], [t for *_, t in got],
+                                         device))
 
     def run(self) -> None:
         for table in self.tables:
@@ -204,7 +234,6 @@ def kernels_enabled() -> bool:
 class _Kernels(NamedTuple):
     copy_blocks: object
     copy_tiles: object
-    ints: dict  # element size -> Triton integer dtype
 
 
 _BUILT: list = []
@@ -235,29 +264,31 @@ def triton_kernels() -> Optional[_Kernels]:
         tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
 
     @triton.jit
-    def copy_tiles(dst_ptrs, src_ptrs, meta, first, pair_of, ELEM: tl.constexpr,
-                   KIND: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+    def copy_tiles(base, offs, meta, first, pair_of, KIND: tl.constexpr, UNIT: tl.constexpr,
+                   ROW_UNIT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+        # meta per pair: rows, cols, dst batch and row strides, src batch and row (ROWS)
+        # or col (TRANSPOSED) strides; rows in ROW_UNITs, the others in UNITs
         tile = tl.program_id(0)
         pair = tl.load(pair_of + tile)
         m = meta + pair * 8
-        rows, cols = tl.load(m + 1), tl.load(m + 2)
+        rows, cols = tl.load(m) * ROW_UNIT, tl.load(m + 1) * UNIT
         tiles_c = (cols + BC - 1) // BC
         per_batch = (rows + BR - 1) // BR * tiles_c
         t = (tile - tl.load(first + pair)).to(tl.int64)
         b = t // per_batch
         t = t - b * per_batch
-        r = (t // tiles_c) * BR + tl.arange(0, BR)
-        c = (t - t // tiles_c * tiles_c) * BC + tl.arange(0, BC)
+        tr = t // tiles_c
+        r = tr * BR + tl.arange(0, BR)
+        c = (t - tr * tiles_c) * BC + tl.arange(0, BC)
         mask = (r < rows)[:, None] & (c < cols)[None, :]
-        dst = tl.load(dst_ptrs + pair).to(tl.pointer_type(ELEM)) + b * tl.load(m + 3)
-        src = tl.load(src_ptrs + pair).to(tl.pointer_type(ELEM)) + b * tl.load(m + 5)
-        d = dst + r[:, None] * tl.load(m + 4) + c[None, :]
+        dst = base + (tl.load(offs + 2 * pair) + b * tl.load(m + 2)) * UNIT
+        src = base + (tl.load(offs + 2 * pair + 1) + b * tl.load(m + 4)) * UNIT
+        d = dst + r[:, None] * (tl.load(m + 3) * UNIT) + c[None, :]
         if KIND == 0:  # ROWS
-            s = src + r[:, None] * tl.load(m + 6) + c[None, :]
+            s = src + r[:, None] * (tl.load(m + 5) * UNIT) + c[None, :]
         else:          # TRANSPOSED: the source's unit stride runs along the rows
-            s = src + r[:, None] + c[None, :] * tl.load(m + 6)
+            s = src + r[:, None] + c[None, :] * (tl.load(m + 5) * UNIT)
         tl.store(d, tl.load(s, mask=mask), mask=mask)
 
-    ints = {1: tl.uint8, 2: tl.int16, 4: tl.int32, 8: tl.int64}
-    _BUILT.append(_Kernels(copy_blocks, copy_tiles, ints))
+    _BUILT.append(_Kernels(copy_blocks, copy_tiles))
     return _BUILT[0]
