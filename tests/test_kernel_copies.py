@@ -10,7 +10,7 @@ import torch
 
 from megatron_reshard.engine import kernel_copies
 from megatron_reshard.engine.colocated_copies import CopyBatch
-from megatron_reshard.engine.copies import Copies, word_bytes, words_pair
+from megatron_reshard.engine.copies import Copies, as_bits, word_bytes, words_pair
 from megatron_reshard.engine.kernel_copies import (ROWS, TRANSPOSED, BlockTable, KernelCopies,
                                                    TileTable, tiled)
 
@@ -114,13 +114,16 @@ def test_large_pairs_span_many_programs_and_tiles(device):
               _bits((n + 7, n), torch.bfloat16, device, 1)),
              (torch.zeros(n, n, dtype=torch.bfloat16, device=device).t(),  # 16-byte vectors
               _bits((n, n), torch.bfloat16, device, 4)),
+             (torch.zeros(n, 96, dtype=torch.uint8, device=device).t(),    # fp8-sized
+              _bits((96, n), torch.uint8, device, 5)),
              (torch.zeros(BlockTable.BLOCK * 3 + 5, dtype=torch.int64, device=device),
               _bits((BlockTable.BLOCK * 3 + 5,), torch.int64, device, 2)),
              (torch.zeros(n, 2 * n + 8, dtype=torch.float32, device=device)[:, 8:n + 8],
               _bits((n, n), torch.float32, device, 3))]
     kernels = KernelCopies(pairs, device)
     units = sorted(getattr(t, "unit", 0) for t in kernels.tables)
-    assert not kernels.rest and units == [0, 1, 4, 8]  # a block table; tiles of 2, 16, 16 bytes
+    # a block table; tiles of 2 and 1 bytes, 16-byte vectors of fp32 and bf16
+    assert not kernels.rest and units == [0, 1, 1, 4, 8]
     kernels.run()
     for k, (dst, src) in enumerate(pairs):
         assert _equal(dst, src), k
@@ -135,14 +138,21 @@ def test_an_engine_batch_hands_its_pairs_to_the_kernels_and_keeps_the_rest(devic
     copies.flat(pairs[0][0].view(-1).view(torch.uint8), pairs[0][1].view(-1).view(torch.uint8),
                 pairs[0][0].numel() * 2)
     copies.flat(pairs[1][0].view(torch.uint8), pairs[1][1].view(torch.uint8), 4000)
-    for _ in range(2):  # the second run reuses the tables
+    for run in range(4):  # the same tables every run; on CUDA replayed from the third
+        if run:
+            for k, (_, src) in enumerate(pairs):
+                as_bits(src).copy_(as_bits(_bits(tuple(src.shape), src.dtype, device,
+                                                  100 * run + k)))
         copies.run()
         for k, (dst, src) in enumerate(pairs):
-            assert _equal(dst, src), k
+            assert _equal(dst, src), (run, k)
         for dst, _ in pairs:
             dst.zero_()
     assert len(copies.kernels.tables) == 5
     assert len(copies.typed_dst) == 2 and not copies.flat_dst and not copies.word_dst
+    if device.type == "cuda":
+        assert copies._launch.error is None, copies._launch.error
+        assert copies._launch.graph is not None and copies._launch.runs == 2
 
 
 def test_switched_off_the_kernels_leave_every_pair_to_torch(device, monkeypatch):

@@ -17,15 +17,17 @@ embedding, the q/k/v blocks), is copied by one kernel launch (``kernel_copies.Bl
 it reads every source through device tables of pointers), and strided pairs that fold
 into tiles by one more per kind (``TileTable``). Elsewhere large contiguous pairs are one
 memcpy each. Everything else is ``torch._foreach_copy_`` of integer views (bits, never
-float maths). On CUDA, after its first (eager) run, the kernel and the foreach copies are
-captured once into a CUDA graph and replayed: one cheap launch. Measured on one H200
-(docs/MEASUREMENTS.md): an eager memcpy's first call took ~80 µs of host time before its
-bytes moved, the Triton launcher ~40 µs, and memcpys captured as graph nodes ran at 73%
+float maths). On CUDA, after its first (eager) run, the kernels and the foreach copies
+are captured once into a CUDA graph and replayed (``kernel_copies.Replayed``): one cheap
+launch. Measured on one H200 (docs/MEASUREMENTS.md): an eager memcpy's first call took
+~80 µs of host time before its bytes moved, the Triton launcher ~40 µs, and memcpys captured as graph nodes ran at 73%
 of an eager memcpy's speed. The graph holds raw addresses; the batch keeps every view it
 reads and writes alive.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -33,7 +35,7 @@ from megatron_reshard.groups.faults import RefitError
 
 from .copies import MEMCPY_BYTES, as_bits
 from .geometry import box_intersect, box_numel
-from .kernel_copies import KernelCopies
+from .kernel_copies import KernelCopies, Replayed
 from .members import is_members
 
 
@@ -122,42 +124,30 @@ class CopyBatch:
                 self.dsts.append(as_bits(dst) if cuda else dst)
                 self.srcs.append(as_bits(src) if cuda else src)
         self.pairs = len(parts)
-        self.runs = 0
-        self.graph = None         # the captured copies, replayed from the second run on
-        self.graph_error = None   # why they could not be captured (then they run eagerly)
+        # the kernels and foreach copies captured once (after the first, eager run) and
+        # replayed: one cheap launch
+        self.replayed = Replayed(self._small, device,
+                                 after=1 if self.kernels.tables or self.dsts else 0)
+
+    @property
+    def graph(self):
+        """The captured copies, replayed from the second run on (None: eager)."""
+        return self.replayed.graph
+
+    @property
+    def graph_error(self) -> Optional[str]:
+        """Why the copies could not be captured (then they run eagerly)."""
+        return self.replayed.error
+
+    @property
+    def runs(self) -> int:
+        """The eager runs so far."""
+        return self.replayed.runs
 
     def run(self) -> None:
         for dst, src in self.memcpy:
             dst.copy_(src)
-        if self.graph is not None:
-            self.graph.replay()
-            return
-        self._small()
-        self.runs += 1
-        if self.runs == 1 and self.device.type == "cuda" and (self.kernels.tables
-                                                              or self.dsts):
-            self.graph = self._capture()
-
-    def _capture(self):
-        """The table's and foreach copies as a CUDA graph (not run), or None with
-        ``graph_error`` set. Captured on a side stream in thread-local mode: another
-        thread's CUDA calls (a vLLM worker's) are not disturbed; the copies allocate
-        nothing, so the graph holds no memory pool."""
-        graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        try:
-            with torch.cuda.stream(side):
-                graph.capture_begin(capture_error_mode="thread_local")
-                try:
-                    self._small()
-                finally:
-                    graph.capture_end()
-        except Exception as exc:  # noqa: BLE001 - a speed-up only: keep the eager copies
-            self.graph_error = f"{type(exc).__name__}: {exc}"
-            return None
-        finally:
-            torch.cuda.current_stream(self.device).wait_stream(side)
-        return graph
+        self.replayed()
 
     def _small(self) -> None:
         self.kernels.run()

@@ -133,7 +133,8 @@ class Copies:
     def __init__(self) -> None:
         self.flat_dst, self.flat_src, self.typed_dst, self.typed_src = [], [], [], []
         self.word_dst, self.word_src, self.memcpy = [], [], []
-        self.kernels: Optional[KernelCopies] = None  # CUDA: set at the first run
+        self.kernels: Optional[KernelCopies] = None  # set at the first run
+        self._launch = None  # what runs after the memcpys (set at the first run)
 
     def flat(self, dst: torch.Tensor, src: torch.Tensor, nbytes: int) -> None:
         """A pair of uint8 views of ``nbytes`` each."""
@@ -171,8 +172,16 @@ class Copies:
         """Issue the batch (a batch may be run again: it holds views, no data)."""
         for dst, src in self.memcpy:
             dst.copy_(src)
-        if self.kernels is None:
+        if self._launch is None:
             self.kernels = self._to_kernels()
+            # a kept batch (program.py) runs on every call: from its third run on, its
+            # launches replay as one CUDA graph (the host's cost of a Triton launch would
+            # show on small batches); run once or twice, it pays no capture
+            self._launch = self._issue if not self.kernels.tables else kernel_copies.Replayed(
+                self._issue, self.kernels.device, after=2)
+        self._launch()
+
+    def _issue(self) -> None:
         self.kernels.run()
         if self.word_dst:
             torch._foreach_copy_(self.word_dst, self.word_src)
@@ -189,7 +198,8 @@ class Copies:
             return _NO_KERNELS
         lists = ((self.word_dst, self.word_src), (self.flat_dst, self.flat_src),
                  (self.typed_dst, self.typed_src))
-        kernels = kernel_copies.KernelCopies([p for d, s in lists for p in zip(d, s)], first[0].device)
+        kernels = kernel_copies.KernelCopies([p for d, s in lists for p in zip(d, s)],
+                                             first[0].device)
         left = {id(d) for d, _ in kernels.rest}
         for dsts, srcs in lists:
             kept = [(d, s) for d, s in zip(dsts, srcs) if id(d) in left]
