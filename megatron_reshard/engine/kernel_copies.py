@@ -147,18 +147,24 @@ class TileTable:
     TURNED_ROWS = 128      # TRANSPOSED: rows per tile (bf16: 128 x 128, fp32: 128 x 64)
     WARPS = 4
 
-    def __init__(self, kernels, kind: int, itemsize: int, unit: int, pairs: list,
-                 shapes: list, device: torch.device):
-        # measured on one H200, 512 MiB bf16 turned: 128 x 128 94% of a memcpy, 64 x 64
-        # 90%, 32 x 32 68%, with 16-byte vectors; 33-49% without (scripts/... see docs)
+    @classmethod
+    def tile_cols(cls, kind: int, cols: int, itemsize: int) -> int:
+        """A tile's columns for a pair of ``cols`` columns: TRANSPOSED, a square-ish
+        tile; ROWS, the smallest of five widths (a tile's elements / 1, 4, 16, 64, 256)
+        that holds a row, so that a pair of short rows does not run a program per row of
+        a wide tile, and a batch compiles a few kernels, not one per row length."""
+        elems = cls.TILE_BYTES // itemsize
         if kind == TRANSPOSED:
-            self.br = self.TURNED_ROWS
-            self.bc = self.TILE_BYTES // itemsize // self.br
-        else:
-            elems = self.TILE_BYTES // itemsize
-            widest = max(s.cols for s in shapes)
-            self.bc = min(elems, 1 << (widest - 1).bit_length())  # a power of two
-            self.br = max(1, elems // self.bc)
+            return elems // cls.TURNED_ROWS
+        return next((elems >> k for k in (8, 6, 4, 2) if cols <= elems >> k), elems)
+
+    def __init__(self, kernels, kind: int, itemsize: int, unit: int, cols: int, pairs: list,
+                 shapes: list, device: torch.device):
+        """``cols``: the tile's columns (``tile_cols``); its rows fill ``TILE_BYTES``."""
+        # measured on one H200, 512 MiB bf16 turned: 128 x 128 94% of a memcpy, 64 x 64
+        # 90%, 32 x 32 68%, with 16-byte vectors; 33-49% without (docs/MEASUREMENTS.md)
+        self.bc = cols
+        self.br = max(1, self.TILE_BYTES // itemsize // cols)
         self.base = pairs[0][0].view(_INTS[itemsize])
         base, step = self.base.data_ptr(), unit * itemsize
         self.row_unit = unit if kind == TRANSPOSED else 1
@@ -195,7 +201,9 @@ class KernelCopies:
         self.tables: list = []
         self.device = device
         kernels = kernels_for(device)
-        if kernels is None:
+        if kernels is None or (device.type == "cuda" and device.index is not None
+                               and device.index != torch.cuda.current_device()):
+            # (another device's tensors: Triton launches on the current one)
             self.rest = list(pairs)
             return
         blocks, tiles, self.rest = [], {}, []
@@ -209,14 +217,15 @@ class KernelCopies:
             if shape is None or (d.data_ptr() | s.data_ptr()) % size:
                 self.rest.append((d, s))
             else:
-                key = (shape.kind, size, _vector_unit((d, s), shape, size))
+                key = (shape.kind, size, _vector_unit((d, s), shape, size),
+                       TileTable.tile_cols(shape.kind, shape.cols, size))
                 tiles.setdefault(key, []).append((d, s, shape))
         if len(blocks) >= min_blocks:
             self.tables.append(BlockTable(kernels, blocks, device))
         else:
             self.rest += blocks
-        for (kind, size, unit), got in tiles.items():
-            self.tables.append(TileTable(kernels, kind, size, unit,
+        for (kind, size, unit, cols), got in tiles.items():
+            self.tables.append(TileTable(kernels, kind, size, unit, cols,
                                          [(d, s) for d, s, _ in got], [t for *_, t in got],
                                          device))
 
