@@ -20,9 +20,9 @@ memcpy each. Everything else is ``torch._foreach_copy_`` of integer views (bits,
 float maths). On CUDA, after its first (eager) run, the kernels and the foreach copies
 are captured once into a CUDA graph and replayed (``kernel_copies.Replayed``): one cheap
 launch. Measured on one H200 (docs/MEASUREMENTS.md): an eager memcpy's first call took
-~80 µs of host time before its bytes moved, the Triton launcher ~40 µs, and memcpys captured as graph nodes ran at 73%
-of an eager memcpy's speed. The graph holds raw addresses; the batch keeps every view it
-reads and writes alive.
+~80 µs of host time before its bytes moved, the Triton launcher ~40 µs, and memcpys
+captured as graph nodes ran at 73% of an eager memcpy's speed. The graph holds raw
+addresses; the batch keeps every view it reads and writes alive.
 """
 
 from __future__ import annotations

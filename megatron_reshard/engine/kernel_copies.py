@@ -15,8 +15,8 @@ they; the pairs' views are kept with them, so the addresses stay valid):
 - ``TileTable``: strided pairs, as integers of their element size (or words), cut into
   tiles of rows x columns: a destination whose last dim (after merging dims) has unit
   stride, read from a source of unit stride along the same dim (``ROWS``: column blocks of
-  a wider tensor) or along another one (``TRANSPOSED``: the tile is turned in shared
-  memory, where torch's copy kernel goes element by element, at ~15% of a memcpy).
+  a wider tensor) or along another one (``TRANSPOSED``: a transposed storage, which
+  torch copies element by element at ~15% of a memcpy; the tile is turned on chip).
 
 Copies move integer bits, never float values: CUDA's float copies rewrite NaN payloads
 (copies.py).
