@@ -7,8 +7,9 @@ and its host cost per param, in one process (one GPU, or the CPU for a smoke run
 Needs torch only (no megatron, no msgspec). A process group of one rank (NCCL on CUDA,
 gloo on CPU) runs ``xfer_batch`` with both sides on that rank (self-transfer):
 
-- ``local_*``: every byte is a local copy (contiguous: one memcpy; strided destination:
-  the word-wise typed copy; experts given as a list of tensors, one per expert);
+- ``local_*``: every byte is a local copy (contiguous: one memcpy; a transposed or
+  column-block destination and experts given as a list of tensors: the Triton copy
+  kernels on CUDA, ``engine/kernel_copies.py``, else torch's copies);
 - ``pack_*`` / ``unpack_*``: the staging copies of a strided exchange (the program a
   rank of a 2-rank S(0) -> S(1) reshard runs), timed without the wire;
 - ``host_*``: 1,000 small params in one batch, host time per param (CPU time of the
@@ -20,6 +21,9 @@ experts given as a list need none (no stacking buffer).
 Each copy figure is printed with the raw reference measured in the same run, a plain
 ``dst.copy_(src)`` of the same bytes between contiguous tensors, and their ratio
 (engine GB/s / memcpy GB/s; 100% = memcpy speed). Medians of ``--iters`` timed calls.
+"engine/memcpy" times one call from an idle device, so the call's host time before its
+first copy counts; "queued" times ``--queued`` calls back to back against as many
+memcpys (a refit queues many params: the host runs ahead of the copies).
 """
 
 from __future__ import annotations
@@ -35,17 +39,28 @@ import torch
 import torch.distributed as dist
 
 
-def _memcpy_reference(nbytes: int, device, measure, args) -> float:
+def _queued(fn, measure, args) -> float:
+    """Seconds per call of ``--queued`` calls issued back to back: the host's part of a
+    call hidden behind the copies of the calls before it, as in a refit of many params."""
+    def calls():
+        for _ in range(args.queued):
+            fn()
+    return measure(calls, args.iters, args.warmup) / args.queued
+
+
+def _row(name: str, nbytes: int, fn, device, measure, args) -> dict:
+    """The case's figures, each against a plain ``copy_`` of the same bytes between
+    contiguous tensors timed alike: one call from an idle device (its host time before
+    the first copy included) and ``--queued`` calls back to back."""
     a = torch.empty(nbytes, dtype=torch.uint8, device=device)
     b = torch.empty_like(a)
-    return measure(lambda: b.copy_(a), args.iters, args.warmup)
-
-
-def _row(name: str, nbytes: int, engine_s: float, raw_s: float) -> dict:
+    engine_s = measure(fn, args.iters, args.warmup)
+    raw_s = measure(lambda: b.copy_(a), args.iters, args.warmup)
     gbps, raw = nbytes / engine_s / 1e9, nbytes / raw_s / 1e9
+    queued = _queued(lambda: b.copy_(a), measure, args) / _queued(fn, measure, args)
     return {"case": name, "mib": nbytes / 2**20, "engine_ms": 1e3 * engine_s,
             "engine_gbps": gbps, "memcpy_ms": 1e3 * raw_s, "memcpy_gbps": raw,
-            "vs_memcpy": gbps / raw}
+            "vs_memcpy": gbps / raw, "queued_vs_memcpy": queued}
 
 
 def _peak_extra(fn, device) -> int:
@@ -90,10 +105,9 @@ def local_cases(args, device, measure) -> list[dict]:
         t = Transfer(name, shape, bf16, me, sp, me, dp, s, d)
         planner = Planner()
         nbytes = d.numel() * d.element_size()
-        engine_s = measure(lambda: xfer_batch([t], None, planner=planner, agree=False),
-                           args.iters, args.warmup)
-        rows.append(_row(name, nbytes, engine_s, _memcpy_reference(nbytes, device, measure,
-                                                                   args)))
+        rows.append(_row(name, nbytes,
+                         lambda: xfer_batch([t], None, planner=planner, agree=False),
+                         device, measure, args))
         rows[-1]["peak_extra_mib"] = _peak_extra(
             lambda: xfer_batch([t], None, planner=planner, agree=False), device) / 2**20
         want = torch.stack(s) if isinstance(s, list) else s
@@ -138,9 +152,8 @@ def pack_cases(args, device, measure) -> list[dict]:
             for p in plans:
                 prog.stage(buf, p, tensors, pack=pack)
 
-        engine_s = measure(run, args.iters, args.warmup)
-        rows.append(_row(f"{what[:-1]}_strided_{len(plans)}_rounds", nbytes, engine_s,
-                         _memcpy_reference(nbytes, device, measure, args)))
+        rows.append(_row(f"{what[:-1]}_strided_{len(plans)}_rounds", nbytes, run, device,
+                         measure, args))
     return rows
 
 
@@ -200,6 +213,8 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--params", type=int, default=1000)
     ap.add_argument("--staging-mib", type=int, default=256)
+    ap.add_argument("--queued", type=int, default=8,
+                    help="calls back to back for the queued figure")
     ap.add_argument("--json", default=None, help="also write the rows here")
     args = ap.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -216,17 +231,22 @@ def main(argv=None) -> int:
     from megatron_reshard.tools.bench.timing import median_timer
 
     measure = median_timer(device)
+    from megatron_reshard.engine.kernel_copies import kernels_for
+
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"engine, one process on {name}, torch {torch.__version__}, "
-          f"{time.strftime('%Y-%m-%d %H:%M:%S')}", flush=True)
+    kernels = "on" if kernels_for(device) is not None else "off"
+    print(f"engine, one process on {name}, torch {torch.__version__}, copy kernels {kernels}, "
+          f"{time.strftime('%Y-%m-%d %H:%M:%S')}",
+          flush=True)
     copies = local_cases(args, device, measure) + pack_cases(args, device, measure)
     print(f"{'case':<28}{'MiB':>9}{'engine ms':>11}{'GB/s':>9}{'memcpy ms':>11}{'GB/s':>9}"
-          f"{'engine/memcpy':>15}")
+          f"{'engine/memcpy':>15}{'queued':>8}")
     for r in copies:
         extra = (f"   peak extra {r['peak_extra_mib']:.2f} MiB (staging budget "
                  f"{args.staging_mib} MiB)" if "peak_extra_mib" in r else "")
         print(f"{r['case']:<28}{r['mib']:>9.1f}{r['engine_ms']:>11.3f}{r['engine_gbps']:>9.1f}"
-              f"{r['memcpy_ms']:>11.3f}{r['memcpy_gbps']:>9.1f}{r['vs_memcpy']:>15.0%}{extra}")
+              f"{r['memcpy_ms']:>11.3f}{r['memcpy_gbps']:>9.1f}{r['vs_memcpy']:>15.0%}"
+              f"{r['queued_vs_memcpy']:>8.0%}{extra}")
     host = host_cases(args, device)
     print(f"{'case':<28}{'params':>9}{'host µs/param':>15}{'wall µs/param':>15}")
     for r in host:
@@ -234,7 +254,8 @@ def main(argv=None) -> int:
               f"{r['wall_us_per_param']:>15.2f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": name, "copies": copies, "host": host}, f, indent=1)
+            json.dump({"device": name, "kernels": kernels, "copies": copies, "host": host}, f,
+                      indent=1)
     dist.destroy_process_group()
     return 0
 

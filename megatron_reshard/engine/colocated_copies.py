@@ -13,18 +13,21 @@ piece exactly once; a plan that does not is refused before any copy.
 ``CopyBatch`` issues the pairs (a strided pair first cut into contiguous sub-pairs along
 its leading dims where that works). On CUDA with Triton, every contiguous, 8-byte
 aligned pair, whatever its size (a rank's experts into vLLM's stacked ``w13``/``w2``, the
-embedding, the q/k/v blocks), is copied by one kernel launch (``BlockTable``: it reads
-every source through device tables of pointers). Elsewhere large contiguous pairs are one
+embedding, the q/k/v blocks), is copied by one kernel launch (``kernel_copies.BlockTable``:
+it reads every source through device tables of pointers), and strided pairs that fold
+into tiles by one more per kind (``TileTable``). Elsewhere large contiguous pairs are one
 memcpy each. Everything else is ``torch._foreach_copy_`` of integer views (bits, never
-float maths). On CUDA, after its first (eager) run, the kernel and the foreach copies are
-captured once into a CUDA graph and replayed: one cheap launch. Measured on one H200
-(docs/MEASUREMENTS.md): an eager memcpy's first call took ~80 µs of host time before its
-bytes moved, the Triton launcher ~40 µs, and memcpys captured as graph nodes ran at 73%
-of an eager memcpy's speed. The graph holds raw addresses; the batch keeps every view it
-reads and writes alive.
+float maths). On CUDA, after its first (eager) run, the kernels and the foreach copies
+are captured once into a CUDA graph and replayed (``kernel_copies.Replayed``): one cheap
+launch. Measured on one H200 (docs/MEASUREMENTS.md): an eager memcpy's first call took
+~80 µs of host time before its bytes moved, the Triton launcher ~40 µs, and memcpys
+captured as graph nodes ran at 73% of an eager memcpy's speed. The graph holds raw
+addresses; the batch keeps every view it reads and writes alive.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -32,6 +35,7 @@ from megatron_reshard.groups.faults import RefitError
 
 from .copies import MEMCPY_BYTES, as_bits
 from .geometry import box_intersect, box_numel
+from .kernel_copies import KernelCopies, Replayed
 from .members import is_members
 
 
@@ -99,12 +103,6 @@ def _contiguous_parts(dst: torch.Tensor, src: torch.Tensor) -> list:
     return parts
 
 
-def _aligned(d: torch.Tensor, s: torch.Tensor) -> bool:
-    nbytes = d.numel() * d.element_size()
-    return (d.is_contiguous() and s.is_contiguous() and nbytes % 8 == 0
-            and (d.data_ptr() | s.data_ptr()) % 8 == 0)
-
-
 class CopyBatch:
     """The copies of one batch on one generation rank, grouped once, run every refit."""
 
@@ -112,15 +110,11 @@ class CopyBatch:
         self.device = device
         parts = [p for whole in pairs for p in _contiguous_parts(*whole) if p[0].numel()]
         cuda = device.type == "cuda"
-        kernel = _triton_kernel() if cuda else None
-        aligned, rest = [], []
-        for p in parts:
-            (aligned if kernel is not None and _aligned(*p) else rest).append(p)
-        # one launch for every aligned pair when there are several (BlockTable), else a
-        # memcpy per large contiguous pair; the rest as foreach copies of integer views
-        self.table = BlockTable(kernel, aligned, device) if len(aligned) > 1 else None
-        if self.table is None:
-            rest = parts
+        # the 8-byte aligned contiguous pairs in one launch when there are several, the
+        # strided ones that fold into tiles in one per kind (kernel_copies.py); the rest as
+        # a memcpy per large contiguous pair, else foreach copies of integer views
+        self.kernels = KernelCopies(parts, device, min_blocks=2)
+        rest = self.kernels.rest
         self.memcpy, self.dsts, self.srcs = [], [], []
         for dst, src in rest:
             if (dst.numel() * dst.element_size() >= MEMCPY_BYTES and dst.is_contiguous()
@@ -130,105 +124,32 @@ class CopyBatch:
                 self.dsts.append(as_bits(dst) if cuda else dst)
                 self.srcs.append(as_bits(src) if cuda else src)
         self.pairs = len(parts)
-        self.runs = 0
-        self.graph = None         # the captured copies, replayed from the second run on
-        self.graph_error = None   # why they could not be captured (then they run eagerly)
+        # the kernels and foreach copies captured once (after the first, eager run) and
+        # replayed: one cheap launch
+        self.replayed = Replayed(self._small, device,
+                                 after=1 if self.kernels.tables or self.dsts else 0)
+
+    @property
+    def graph(self):
+        """The captured copies, replayed from the second run on (None: eager)."""
+        return self.replayed.graph
+
+    @property
+    def graph_error(self) -> Optional[str]:
+        """Why the copies could not be captured (then they run eagerly)."""
+        return self.replayed.error
+
+    @property
+    def runs(self) -> int:
+        """The eager runs so far."""
+        return self.replayed.runs
 
     def run(self) -> None:
         for dst, src in self.memcpy:
             dst.copy_(src)
-        if self.graph is not None:
-            self.graph.replay()
-            return
-        self._small()
-        self.runs += 1
-        if self.runs == 1 and self.device.type == "cuda" and (self.table is not None
-                                                              or self.dsts):
-            self.graph = self._capture()
-
-    def _capture(self):
-        """The table's and foreach copies as a CUDA graph (not run), or None with
-        ``graph_error`` set. Captured on a side stream in thread-local mode: another
-        thread's CUDA calls (a vLLM worker's) are not disturbed; the copies allocate
-        nothing, so the graph holds no memory pool."""
-        graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        try:
-            with torch.cuda.stream(side):
-                graph.capture_begin(capture_error_mode="thread_local")
-                try:
-                    self._small()
-                finally:
-                    graph.capture_end()
-        except Exception as exc:  # noqa: BLE001 - a speed-up only: keep the eager copies
-            self.graph_error = f"{type(exc).__name__}: {exc}"
-            return None
-        finally:
-            torch.cuda.current_stream(self.device).wait_stream(side)
-        return graph
+        self.replayed()
 
     def _small(self) -> None:
-        if self.table is not None:
-            self.table.run()
+        self.kernels.run()
         if self.dsts:
             torch._foreach_copy_(self.dsts, self.srcs)
-
-
-class BlockTable:
-    """Contiguous, 8-byte aligned copies of any sizes in one Triton launch: one program per
-    ``BLOCK`` words of some pair, found through a device map of block -> pair (4 bytes
-    per 32 KiB copied), so no program idles on a short pair."""
-
-    BLOCK = 4096  # 8-byte words per program
-
-    def __init__(self, kernel, pairs: list, device: torch.device):
-        words = [d.numel() * d.element_size() // 8 for d, _ in pairs]
-        blocks = [-(-w // self.BLOCK) for w in words]
-        starts = [0]
-        for b in blocks[:-1]:
-            starts.append(starts[-1] + b)
-        self.kernel = kernel
-
-        def table(values, dtype):
-            return torch.tensor(values, dtype=dtype).to(device)
-
-        self.dst_ptrs = table([d.data_ptr() for d, _ in pairs], torch.int64)
-        self.src_ptrs = table([s.data_ptr() for _, s in pairs], torch.int64)
-        self.words, self.first = table(words, torch.int64), table(starts, torch.int64)
-        self.pair_of = torch.repeat_interleave(torch.arange(len(pairs), dtype=torch.int32),
-                                               torch.tensor(blocks)).to(device)
-        self.grid = (sum(blocks),)
-        self._keep = pairs  # the views (and their mapped storages) outlive the table
-
-    def run(self) -> None:
-        self.kernel[self.grid](self.dst_ptrs, self.src_ptrs, self.words, self.first,
-                               self.pair_of, BLOCK=self.BLOCK)
-
-
-_KERNEL: list = []
-
-
-def _triton_kernel():
-    """The block-copy kernel (built once); None when Triton is absent."""
-    if _KERNEL:
-        return _KERNEL[0]
-    try:
-        import triton
-        import triton.language as tl
-    except Exception:  # noqa: BLE001 - CPU builds of torch ship no Triton
-        _KERNEL.append(None)
-        return None
-
-    @triton.jit
-    def copy_blocks(dst_ptrs, src_ptrs, words, first, pair_of, BLOCK: tl.constexpr):
-        block = tl.program_id(0)
-        pair = tl.load(pair_of + block)
-        n = tl.load(words + pair)
-        offs = (block - tl.load(first + pair)).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        src = tl.load(src_ptrs + pair).to(tl.pointer_type(tl.int64))
-        dst = tl.load(dst_ptrs + pair).to(tl.pointer_type(tl.int64))
-        tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
-
-    _KERNEL.append(copy_blocks)
-    return copy_blocks

@@ -14,6 +14,8 @@ from it unless its box lies in one member.
 
 from __future__ import annotations
 
+from itertools import repeat
+from operator import attrgetter
 from typing import Optional
 
 import torch
@@ -30,7 +32,7 @@ def stride_key(x) -> Optional[tuple]:
     if x is None:
         return None
     if is_members(x):
-        return ("members",) + tuple(m.stride() for m in x)
+        return ("members",) + tuple(map(torch.Tensor.stride, x))
     return x.stride()
 
 
@@ -71,8 +73,21 @@ def local_shape(x) -> tuple:
     return (len(x), *x[0].shape) if len(x) else (0,)
 
 
+_SHAPE, _DTYPE, _DEVICE = attrgetter("shape"), attrgetter("dtype"), attrgetter("device")
+
+
 def members_problem(x, shape: tuple, dtype: torch.dtype, device_type: str) -> Optional[str]:
-    """Why a list of members cannot be the local shard of ``shape`` (None: it can)."""
+    """Why a list of members cannot be the local shard of ``shape`` (None: it can). Every
+    call checks every member: the usual answer (none) is found by attribute getters mapped
+    in C (a rank's 128 experts: ~0.1 ms of Python per call otherwise), the reason by the
+    loop below."""
+    n = len(x)
+    if (n and shape and n == shape[0] and all(map(isinstance, x, repeat(torch.Tensor)))
+            and x[0].device.type == device_type
+            and list(map(_SHAPE, x)) == [torch.Size(shape[1:])] * n
+            and list(map(_DTYPE, x)) == [dtype] * n
+            and list(map(_DEVICE, x)) == [x[0].device] * n):
+        return None
     if not all(isinstance(m, torch.Tensor) for m in x):
         return f"a list of torch.Tensor members, found {[type(m).__name__ for m in x]}"
     if len(x) != (shape[0] if shape else -1):

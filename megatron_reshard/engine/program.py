@@ -49,6 +49,7 @@ class Program:
         self._viewed = tuple(s for s, p in zip(self.local, plain) if not p)
         # the local copies' batch, kept for the addresses it was built for (see local_copies)
         self._local_ks = sorted({k for s in self.local for k in (s.dst.k, s.src.k)})
+        self._local_pick = picker(self._local_ks)
         self._local_batch: Optional[tuple] = None
         self._staged: dict = {}    # (id(stage plan), pack) -> (addresses, Copies), CUDA
         self._stage_ks: dict = {}  # id(stage plan) -> the tensors it reads or writes
@@ -64,7 +65,7 @@ class Program:
         views hold the last call's tensors alive until the next call or ``release``."""
         if not self.local:
             return
-        addresses = tuple([tensors[k].data_ptr() for k in self._local_ks])
+        addresses = tuple(map(torch.Tensor.data_ptr, self._local_pick(tensors)))
         kept = self._local_batch
         if kept is None or kept[0] != addresses:
             kept = self._local_batch = (addresses, self._local_batch_for(tensors))
