@@ -112,7 +112,9 @@ class MegatronReshardInitInfo(WeightTransferInitInfo):
     arguments; ``payload`` is the training side's refit payload (``MegatronRefitSource.payload``
     as a plain dict, or its msgpack bytes ``payload_bytes()``); ``prepare_options`` are
     ``prepare_refit``'s options (``num_streams``, ``batch_bytes``, ``staging_bytes``,
-    ``strided_in_place``, ``verify_checksums``; ``verify_checksums`` must match the sender's).
+    ``strided_in_place``, ``verify_checksums``, ``keep_as_loaded``; ``verify_checksums``
+    must match the sender's; ``keep_as_loaded`` lists the vLLM params the payload does not
+    write that may keep what was loaded, any other such param is refused at init).
     """
 
     host: str
@@ -331,7 +333,10 @@ class MegatronReshardWeightTransferEngine(
 
 def _state_text(w: Mapping[str, Any]) -> str:
     if w["state"] == "consistent":
-        return f"consistent at version {w['version']} ({w['refits']} refits committed)"
+        kept = w.get("not_refitted") or []
+        also = (f"; {len(kept)} params kept as loaded, not refitted: {', '.join(kept[:4])}"
+                + (", ..." if len(kept) > 4 else "")) if kept else ""
+        return f"consistent at version {w['version']} ({w['refits']} refits committed{also})"
     names = w["overwritten"]
     shown = ", ".join(names[:4]) + (f", ... ({len(names)} in all)" if len(names) > 4 else "")
     return (f"inconsistent: {len(names)} params ({shown}) may hold the failed refit's bytes, "

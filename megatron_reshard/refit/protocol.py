@@ -5,6 +5,9 @@ group: its stage's) and a generation rank (``ReceiverSession``, one group per tr
 PP stage) run the same steps on their refit groups, in the same order, so every
 collective of one side meets its peer on the other:
 
+*. the version check (``version.agree_version``: one small all-reduce per group): the
+   refit's version must increase the weights' version; a refusal is raised on every rank
+   alike before any byte moves, and leaves the groups usable;
 0. the first refit only: the plan fingerprints compared over each group
    (``RefitLoop.verify_plan``: one small all-gather per group, stage order);
 1. the bulk params of every stage the rank takes part in (``RefitLoop.run``);
@@ -36,6 +39,7 @@ from megatron_reshard.groups.faults import RefitError, fault_scope, wait_device
 from megatron_reshard.refit.packed import chunk_items
 from megatron_reshard.refit.loop import RefitLoop, RefitStats
 from megatron_reshard.refit.order import MiscItem
+from megatron_reshard.refit.version import VersionRefused, agree_version
 
 # move_chunk(stage, items): one packed broadcast of those items of the stage, this side's part
 MoveChunk = Callable[[int, list[MiscItem]], None]
@@ -50,6 +54,7 @@ class RefitRound:
     verify_s: Optional[float]  # None: the plan was verified in an earlier refit
     bulk_s: float
     misc_s: float
+    version: Optional[int] = None  # what the version check agreed on
 
 
 class RefitProtocol:
@@ -81,13 +86,29 @@ class RefitProtocol:
         return time.perf_counter() - t0
 
     def run(self, move_chunk: MoveChunk, *, version: Optional[int] = None,
-            device: Optional[torch.device] = None,
+            allow_version_reuse: bool = False, last_version: Optional[int] = None,
+            held_version: Optional[int] = None, device: Optional[torch.device] = None,
             on_write: Optional[Callable[[list[str]], None]] = None,
             on_failure: Optional[Callable[[str], None]] = None) -> RefitRound:
-        """Steps 0 (first refit only) to 3. ``version``: what the training side votes (None
-        on the generation side); ``device``: waited for after each packed chunk when CUDA;
+        """The version check, then steps 0 (first refit only) to 3. ``version``: what the
+        training side sends (None: the default, see ``refit.version``; always None on the
+        generation side), ``allow_version_reuse`` and ``last_version`` (its sender's last)
+        likewise; ``held_version``: the generation side's weights' version. ``device``:
+        waited for after each packed chunk when CUDA;
         ``on_write(names)``: before params are written (the receiver's weight state);
         ``on_failure(reason)``: after the latch is set, before the error propagates."""
+        try:
+            with fault_scope(self.groups.values()):
+                agreed = agree_version(self.groups, side=self.side, version=version,
+                                       allow_reuse=allow_version_reuse, held=held_version,
+                                       last_sent=last_version, pp_size=self.pp_size)
+        except BaseException as exc:
+            self.broken = f"{type(exc).__name__}: {exc}"
+            if on_failure is not None:
+                on_failure(self.broken)
+            raise
+        if agreed.refused:  # every rank alike, nothing moved: the groups stay usable
+            raise VersionRefused(agreed.refused)
         try:
             with fault_scope(self.groups.values()):
                 verify_s = None if self.loop.verified else self.verify_plan()
@@ -100,7 +121,8 @@ class RefitProtocol:
                         if device is not None and device.type == "cuda":
                             wait_device(device, self.groups.values(), "a packed broadcast")
                 t2 = time.perf_counter()
-                outcome = commit_refit(self.groups, side=self.side, version=version,
+                outcome = commit_refit(self.groups, side=self.side,
+                                       version=agreed.version if self.side == "src" else None,
                                        checksum_failed=bool(bulk.checksum_mismatches),
                                        pp_size=self.pp_size)
         except BaseException as exc:
@@ -108,7 +130,7 @@ class RefitProtocol:
             if on_failure is not None:
                 on_failure(self.broken)
             raise
-        return RefitRound(bulk, outcome, verify_s, t1 - t0, t2 - t1)
+        return RefitRound(bulk, outcome, verify_s, t1 - t0, t2 - t1, agreed.version)
 
 
 __all__ = ["MoveChunk", "RefitProtocol", "RefitRound"]
