@@ -21,7 +21,7 @@ from megatron_reshard.groups.faults import RefitError, fault_scope
 from megatron_reshard.wire.metadata import SUPPORTED_SCHEMA_VERSIONS
 from megatron_reshard.receiver.coverage import kept_as_loaded, parse_keep_as_loaded
 from megatron_reshard.receiver.full_weights import apply_full_weights, coverage_gaps, plan_full_weights
-from megatron_reshard.receiver.incoming import gen_ep_size, restore_payload
+from megatron_reshard.receiver.incoming import check_gen_tp, gen_ep_size, restore_payload
 from megatron_reshard.receiver.misc_transport import MiscReceiver, receive_misc_packed
 from megatron_reshard.receiver.param_map import build_receiver_param_map
 from megatron_reshard.receiver.state import WeightState
@@ -93,6 +93,9 @@ class ReceiverSession:
         self.where = where
         # the boundary: checked and parsed once; ``self.payload`` is a frozen RefitPayload
         self.payload = restore_payload(payload, where)
+        if not isinstance(named_parameters, Mapping):  # read twice: a generator would not be
+            named_parameters = dict(named_parameters)
+        check_gen_tp(self.payload, named_parameters, vllm_tp, where)
         pp_size = self.payload.pp_size
         missing = sorted(set(range(pp_size)) - set(self.groups))
         if missing:
