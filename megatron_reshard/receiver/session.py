@@ -196,7 +196,8 @@ class ReceiverSession:
         on_cuda = torch.cuda.is_available() and any(t.is_cuda for t in self.targets.params.values())
         done = self.protocol.run(
             receive_chunk, held_version=self.weights.version, on_write=writing,
-            on_failure=self.weights.failed, device=torch.device("cuda", torch.cuda.current_device()) if on_cuda else None)
+            on_failure=self.weights.failed,
+            device=torch.device("cuda", torch.cuda.current_device()) if on_cuda else None)
         if done.verify_s is not None:
             self.stats["verify_s"] = done.verify_s
         bad = list(done.bulk.checksum_mismatches)
