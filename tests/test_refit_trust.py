@@ -10,7 +10,7 @@ job, three rounds of refit groups:
 2. with ``keep_as_loaded``: ``refit(version=5)`` commits, ``refit(version=3)`` is refused
    on every rank naming both versions (nothing moves, the groups stay usable), and
    ``refit(version=6)`` commits; the kept params are reported as not refitted and still
-   hold what was loaded.
+   hold what was loaded. Then the two stages send versions 10 and 11: refused everywhere.
 3. a restarted trainer (new sender, new groups, no history) sending version 4 to workers
    that hold 6 is refused by what the workers hold; its default version is 7; resending 7
    with ``allow_version_reuse=True`` commits.
@@ -80,6 +80,9 @@ def _train(job, control):
     control.set(f"round1/train/{job.rank}", "1")
     s2 = sender(2)
     out["round2"] = [_catch(lambda v=v: s2.refit(version=v)) for v in (5, 3, 6)]
+    # the two stages' groups disagree (each fine alone): only the generation ranks see
+    # both, and tell each group in the check's second round
+    out["split"] = _catch(lambda: s2.refit(version=10 + source.stage))
     s3 = sender(3)
     out["round3"] = [_catch(lambda: s3.refit(version=4)), _catch(s3.refit),
                      _catch(lambda: s3.refit(version=7, allow_version_reuse=True))]
@@ -118,6 +121,7 @@ def _gen(job, control, gen_rank):
     join(2)
     out["prepare2"] = worker.prepare_refit(payload, {"keep_as_loaded": KEEP})
     out["round2"] = [_catch(worker.refit) for _ in range(3)]
+    out["split"] = _catch(worker.refit)
     out["state2"] = worker.refit_weights_state()
     out["report2"] = worker.report()
     join(3)
@@ -172,6 +176,15 @@ def test_a_version_that_does_not_increase_is_refused_on_every_rank(trust):
     for gen in trust[TRAIN:]:
         assert gen["state2"]["version"] == 6 and gen["state2"]["refits"] == 2, gen["state2"]
         assert gen["state2"]["failed_refits"] == 0, gen["state2"]  # refused, not failed
+
+
+def test_stages_that_send_different_versions_are_refused_on_every_rank(trust):
+    for gen in trust[TRAIN:]:
+        assert gen["split"]["type"] == "VersionRefused", gen["split"]
+        assert "different versions: [10, 11]" in gen["split"]["error"], gen["split"]
+    for train in trust[:TRAIN]:  # each group alone saw nothing wrong
+        assert train["split"]["type"] == "VersionRefused", train["split"]
+        assert "another PP stage's refit group" in train["split"]["error"], train["split"]
 
 
 def test_a_restarted_trainer_is_checked_against_the_version_the_workers_hold(trust):
