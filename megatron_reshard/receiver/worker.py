@@ -6,10 +6,12 @@ Torch + stdlib only. Phases, each with plain-data arguments and results:
    joins one refit group per training PP stage (``megatron_reshard.groups.comm.create_refit_group``);
    ``group_rank=None`` derives it from the worker's own rank (same arguments for all).
 2. ``prepare_refit(payload, options=None)`` validates the whole payload and maps every HF
-   name onto this rank's vLLM storage. Local work; an error is raised here and posted on
+   name onto this rank's vLLM storage; a param the payload leaves unwritten is refused
+   unless ``options["keep_as_loaded"]`` lists it (``receiver.coverage``). Local work; an error is raised here and posted on
    the groups' fault boards, so the training ranks raise it too within a second.
 3. ``refit()`` receives the weights and commits (first call also compares plan
-   fingerprints); the weights' version advances only when every rank got every param.
+   fingerprints); the weights' version advances only when every rank got every param,
+   and only upwards (``refit.version``: a lower one is refused before bytes move).
 4. ``report()`` returns what was received, how long it took and the weights' state;
    ``refit_weights_state()`` / ``check_refit_weights_consistent()`` tell whether a failed
    refit left mixed weights (see ``receiver.state``).
