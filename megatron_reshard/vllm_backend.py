@@ -12,13 +12,16 @@ Lifecycle (vLLM worker call → engine → receiver):
 - ``init_weight_transfer_engine(init_info)`` → ``parse_init_info`` (``MegatronReshardInitInfo``)
   → ``init_transfer_engine``: join one refit group per training PP stage
   (``init_refit_groups``), then validate the whole payload against this rank's storage and
-  map every HF name onto it (``prepare_refit``); an error there is posted on the groups'
-  fault boards, so the training ranks raise it too.
+  map every HF name onto it (``prepare_refit``: a param the payload does not write is
+  refused unless ``prepare_options["keep_as_loaded"]`` lists it); an error there is posted
+  on the groups' fault boards, so the training ranks raise it too.
 - ``start_weight_update()`` → opens one update (refuses a second one while open).
 - ``update_weights(update_info)`` → ``parse_update_info`` (``MegatronReshardUpdateInfo``) →
   ``receive_weights``: one refit (receive every param, then the commit vote over all
   groups: the weights' version advances only if every rank of every group got every
-  param). With ``update_info["version"]`` the committed version must equal it.
+  param). With ``update_info["version"]`` the committed version must equal it. A
+  version that does not increase the weights' version is refused on every rank before
+  any byte moves (``refit.version``), the weights untouched.
   On failure it raises ``WeightUpdateError`` carrying the weight state.
 - ``finish_weight_update()`` → requires a refit committed in this update and consistent
   weights; ``finish_weight_update(weight_version=N)`` (direct callers; vLLM's worker passes
@@ -112,7 +115,9 @@ class MegatronReshardInitInfo(WeightTransferInitInfo):
     arguments; ``payload`` is the training side's refit payload (``MegatronRefitSource.payload``
     as a plain dict, or its msgpack bytes ``payload_bytes()``); ``prepare_options`` are
     ``prepare_refit``'s options (``num_streams``, ``batch_bytes``, ``staging_bytes``,
-    ``strided_in_place``, ``verify_checksums``; ``verify_checksums`` must match the sender's).
+    ``strided_in_place``, ``verify_checksums``, ``keep_as_loaded``; ``verify_checksums``
+    must match the sender's; ``keep_as_loaded`` lists the vLLM params the payload does not
+    write that may keep what was loaded, any other such param is refused at init).
     """
 
     host: str
@@ -331,7 +336,10 @@ class MegatronReshardWeightTransferEngine(
 
 def _state_text(w: Mapping[str, Any]) -> str:
     if w["state"] == "consistent":
-        return f"consistent at version {w['version']} ({w['refits']} refits committed)"
+        kept = w.get("not_refitted") or []
+        also = (f"; {len(kept)} params kept as loaded, not refitted: {', '.join(kept[:4])}"
+                + (", ..." if len(kept) > 4 else "")) if kept else ""
+        return f"consistent at version {w['version']} ({w['refits']} refits committed{also})"
     names = w["overwritten"]
     shown = ", ".join(names[:4]) + (f", ... ({len(names)} in all)" if len(names) > 4 else "")
     return (f"inconsistent: {len(names)} params ({shown}) may hold the failed refit's bytes, "

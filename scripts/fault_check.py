@@ -34,6 +34,7 @@ MARGIN_S = 5.0
 def _side(args) -> None:
     from megatron_reshard.groups.comm import create_refit_group
     from megatron_reshard.refit.commit import commit_refit
+    from megatron_reshard.refit.version import agree_version
     from megatron_reshard.wire.metadata import restore_refit_info_placements
     from megatron_reshard.refit.packed import broadcast_packed, pack_entries
     from megatron_reshard.receiver import MegatronReshardWorkerExtension
@@ -79,6 +80,7 @@ def _side(args) -> None:
             loop = RefitLoop(payload, specs, "src", {0: group}, misc_items=misc)
             for k in range(1, args.refits + 1):
                 state["refit"] = k
+                agree_version({0: group}, side="src", version=k)  # the protocol's first step
                 loop.run()
                 items = misc.get(0, [])
                 if items:

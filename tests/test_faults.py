@@ -220,12 +220,13 @@ def test_killed_training_rank_fails_every_survivor_and_a_restart_restores_consis
     for r in (0, 2, 3):  # every survivor failed soon after (a closed connection: no timeout)
         assert results[r]["failed_at"] - fault_at < TIMEOUT_S + MARGIN_S
 
-    # a restarted training side on new refit groups: one completed refit, weights consistent
+    # a restarted training side on new refit groups: one completed refit, weights consistent;
+    # the fresh sender's default version continues after the one the weights hold (2)
     results, _ = _run(pool, refits=1, tag=f"restart{seed}{transport}", transport=transport)
     for r in (2, 3):
         gen = results[r]
         assert gen["error"] is None and gen["state"]["state"] == "consistent", gen
-        assert gen["state"]["version"] == 1 and gen["state"]["overwritten"] == []
+        assert gen["state"]["version"] == 3 and gen["state"]["overwritten"] == []
         assert set(gen["versions"][1]) == set(gen["names"])  # every param bit-exact
 
 

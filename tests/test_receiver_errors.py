@@ -8,10 +8,12 @@ import pytest
 import torch
 
 from megatron_reshard.receiver import MegatronReshardWorkerExtension, ReceiverSession, TargetError
+from megatron_reshard.receiver.coverage import UncoveredParamsError
 from megatron_reshard.receiver.full_weights import load_full_weights
 from megatron_reshard.receiver.targets import VllmTargets
 from megatron_reshard.testing.groups import NoCommGroup
 from megatron_reshard.testing.vllm_like import build_plain_payload, build_vllm_like_model, random_hf_state_dict
+from megatron_reshard.wire.check import RefitPayloadError
 
 DENSE = dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, head_dim=16,
              intermediate_size=64, num_hidden_layers=1, vocab_size=100, tie_word_embeddings=False,
@@ -183,3 +185,57 @@ def test_a_derived_refit_rank_must_be_the_same_in_every_stage_group():
 
     with pytest.raises(ValueError, match=r"different ranks per stage \{0: 3, 1: 4\}"):
         Worker().init_refit_groups("127.0.0.1", [1, 2], None, [4, 5], "gloo", 1.0)
+
+
+def _tp1_payload_on_a_tp2_model(**kwargs):
+    """A payload built for gen TP 1 (two replicas) meeting gen rank 0 of a TP 2 model."""
+    payload = build_plain_payload(DENSE, random_hf_state_dict(DENSE, seed=0), {"tp_size": 2},
+                                  {"tp_size": 1}, 2, 2)
+    model = build_vllm_like_model(DENSE, 0, 2, 1, torch.bfloat16)
+    return ReceiverSession(payload, model.named_parameters(), {0: NoCommGroup(2, 4)}, **kwargs)
+
+
+@pytest.mark.parametrize("vllm_tp,how", [(None, r"its model\.embed_tokens\.weight holds 64 of "
+                                                 r"the 128 padded vocab rows"),
+                                         ((0, 2), "vLLM's tensor parallel size")])
+def test_a_payload_for_another_gen_tp_says_so_plainly(vllm_tp, how):
+    with pytest.raises(RefitPayloadError, match=r"refit group rank 2: payload built for gen TP 1, "
+                                                r"this worker runs TP 2 \(" + how):
+        _tp1_payload_on_a_tp2_model(vllm_tp=vllm_tp)
+
+
+def _with_extra_params(model):
+    for name in ("model.layers.0.self_attn.o_proj.bias", "model.norm.extra_scale"):
+        module, leaf = name.rsplit(".", 1)
+        model.get_submodule(module).register_parameter(
+            leaf, torch.nn.Parameter(torch.zeros(64, dtype=torch.bfloat16), requires_grad=False))
+    return model
+
+
+def _session_with_extras(**kwargs):
+    payload = build_plain_payload(DENSE, random_hf_state_dict(DENSE, seed=0), {"tp_size": 2},
+                                  {"tp_size": 2}, 2, 2)
+    model = _with_extra_params(build_vllm_like_model(DENSE, 0, 2, 1, torch.bfloat16))
+    return ReceiverSession(payload, model.named_parameters(), {0: NoCommGroup(2, 4)}, **kwargs)
+
+
+def test_params_the_payload_does_not_write_are_refused_by_name():
+    with pytest.raises(UncoveredParamsError, match=r"refit group rank 2 \(gen rank 0\): the payload "
+                                                   r"writes no bytes to 2 param\(s\).*o_proj\.bias "
+                                                   r"\(64 elements\), model\.norm\.extra_scale"):
+        _session_with_extras()
+    with pytest.raises(UncoveredParamsError, match=r"writes no bytes to 1 param\(s\) of this model: "
+                                                   r"model\.norm\.extra_scale"):
+        _session_with_extras(keep_as_loaded=["*.o_proj.bias"])
+    rep = _session_with_extras(keep_as_loaded=["*.o_proj.bias", "model.norm.extra_scale"]).report()
+    assert rep["kept_as_loaded"] == ["model.layers.0.self_attn.o_proj.bias", "model.norm.extra_scale"]
+
+
+@pytest.mark.parametrize("keep,words", [
+    (["*.o_proj.bias", "model.norm.extra_scale", "model.norm.weight"],
+     r"entries \['model\.norm\.weight'\] match no param that this payload leaves unwritten"),
+    (["*.o_proj.bias", "model.norm.extra_scale", "no.such.*"], r"entries \['no\.such\.\*'\]"),
+    ("model.norm.extra_scale", "expected a list of vLLM param names")])
+def test_a_keep_as_loaded_entry_that_matches_nothing_unwritten_is_an_error(keep, words):
+    with pytest.raises((UncoveredParamsError, TypeError), match=words):
+        _session_with_extras(keep_as_loaded=keep)

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from megatron_reshard.refit.commit import commit_refit
+from megatron_reshard.refit.version import agree_version
 
 from megatron_reshard.groups.comm import create_refit_group
 from megatron_reshard.wire.metadata import restore_refit_info_placements
@@ -121,7 +122,9 @@ def _refit_job(job, case):
     group = create_refit_group(job.host, job.ports[stage], local, stage_world + gen_world, "gloo", 60.0)
     misc = misc_items_by_stage(payload)
     loop = RefitLoop(payload, specs, "src", {stage: group}, misc_items=misc)
-    for version in (1, 2):  # the protocol of a refit: bulk, packed params, commit vote
+    for version in (1, 2):  # the protocol of a refit: version check, bulk, packed, commit
+        agreed = agree_version({stage: group}, side="src", version=version, pp_size=pp)
+        assert agreed.version == version and not agreed.refused, agreed
         loop.run()
         items = misc.get(stage, [])
         if items:

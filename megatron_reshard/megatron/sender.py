@@ -38,7 +38,8 @@ class RefitSender:
         self.group = group
         self.stage = source.stage
         self.device = device or torch.device("cpu")
-        self.version = 0  # of the last refit sent (committed or not)
+        self.version = 0  # of the last refit sent (committed or not); 0: none yet
+        self._sent_any = False
         with fault_scope([group]):
             # the payload as frozen records: the source's typed view, or its plain payload
             # parsed here (nothing changes the caller's dict, so no defensive copy)
@@ -57,21 +58,28 @@ class RefitSender:
                                           self.pp_size)
         self.is_misc_root = source.stage_local_rank == 0
 
-    def refit(self, version: Optional[int] = None) -> dict:
+    def refit(self, version: Optional[int] = None, *, allow_version_reuse: bool = False) -> dict:
         """Send every param once, then commit (``refit.protocol`` states the order).
         Collective over the train world (TP gather of the other params) and over the refit
         group; every train rank calls it.
 
-        ``version`` (default: the previous one + 1) is the weight version the generation
-        side reports once this refit committed; every train rank must pass the same. On
-        any failure the error reaches every rank of the group (fault board) and this
-        sender refuses further refits: new refit groups are needed.
+        ``version`` is the weight version the generation side reports once this refit
+        committed; every train rank must pass the same. It must be higher than both this
+        sender's last and the version the generation ranks' weights hold (a restarted
+        trainer replaying older weights), else ``VersionRefused`` on every rank before any
+        byte moves, the groups staying usable; ``allow_version_reuse=True`` sends it anyway.
+        Default: one more than the higher of those two. On any other failure the error
+        reaches every rank of the group (fault board) and this sender refuses further
+        refits: new refit groups are needed.
         """
         self.protocol.check_usable(lambda why: f"the refit group of stage {self.stage} failed in "
                                    f"an earlier refit ({why}); create a new refit group and sender")
-        version = self.version + 1 if version is None else int(version)
-        self.version = version
-        done = self.protocol.run(self._send_chunk, version=version, device=self.device)
+        done = self.protocol.run(
+            self._send_chunk, version=None if version is None else int(version),
+            allow_version_reuse=allow_version_reuse,
+            last_version=self.version if self._sent_any else None, device=self.device)
+        version = self.version = done.version
+        self._sent_any = True
         if not done.outcome.ok:
             raise RefitError(f"refit version {version} failed its commit: {done.outcome.reason}")
         return {"bulk_params": done.bulk.params, "bulk_bytes": done.bulk.local_bytes,

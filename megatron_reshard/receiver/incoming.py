@@ -9,11 +9,14 @@ payload as a dict.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping, Optional
 
+import torch
 from torch.distributed.tensor import Shard
 
 from megatron_reshard.placements import BlockShard
+from megatron_reshard.vllm_layout import padded_vocab_rows
+from megatron_reshard.wire.check import RefitPayloadError
 from megatron_reshard.wire.placement_rules import is_expert_param
 from megatron_reshard.wire.records import RefitPayload
 
@@ -43,4 +46,26 @@ def gen_ep_size(payload: RefitPayload) -> int:
     return 1
 
 
-__all__ = ["gen_ep_size", "restore_payload"]
+def check_gen_tp(payload: RefitPayload, params: Mapping[str, torch.Tensor],
+                 vllm_tp: Optional[tuple[int, int]], where: str) -> None:
+    """The payload's generation TP against the TP this worker runs, before any param is
+    mapped (else the first mismatch would surface as one param's shape): vLLM's TP size
+    where the worker reports it, else the one its input embedding's rows imply (vLLM
+    splits the vocab padded to 64 evenly over TP)."""
+    tp = payload.gen_tp_size
+    fix = "build the payload for the generation side's layout (gen_parallelism tp_size)"
+    if vllm_tp is not None and int(vllm_tp[1]) != tp:
+        raise RefitPayloadError(f"{where}: payload built for gen TP {tp}, this worker runs TP "
+                                f"{vllm_tp[1]} (vLLM's tensor parallel size); {fix}")
+    vocab = (payload.hf_config or {}).get("vocab_size")
+    embed = [n for n in params if n.endswith("embed_tokens.weight")]
+    if not vocab or len(embed) != 1 or params[embed[0]].dim() != 2:
+        return
+    rows, padded = int(params[embed[0]].shape[0]), padded_vocab_rows(vocab)
+    if rows * tp != padded and rows and padded % rows == 0:
+        raise RefitPayloadError(f"{where}: payload built for gen TP {tp}, this worker runs TP "
+                                f"{padded // rows} (its {embed[0]} holds {rows} of the {padded} "
+                                f"padded vocab rows); {fix}")
+
+
+__all__ = ["check_gen_tp", "gen_ep_size", "restore_payload"]

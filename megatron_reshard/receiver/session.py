@@ -19,8 +19,9 @@ import torch
 from megatron_reshard.engine.transport import group_rank, group_size
 from megatron_reshard.groups.faults import RefitError, fault_scope
 from megatron_reshard.wire.metadata import SUPPORTED_SCHEMA_VERSIONS
+from megatron_reshard.receiver.coverage import kept_as_loaded, parse_keep_as_loaded
 from megatron_reshard.receiver.full_weights import apply_full_weights, coverage_gaps, plan_full_weights
-from megatron_reshard.receiver.incoming import gen_ep_size, restore_payload
+from megatron_reshard.receiver.incoming import check_gen_tp, gen_ep_size, restore_payload
 from megatron_reshard.receiver.misc_transport import MiscReceiver, receive_misc_packed
 from megatron_reshard.receiver.param_map import build_receiver_param_map
 from megatron_reshard.receiver.state import WeightState
@@ -50,12 +51,16 @@ class ReceiverSession:
         vllm_tp: Optional[tuple[int, int]] = None,
         verify_checksums: bool = False,
         weights: Optional[WeightState] = None,
+        keep_as_loaded: Optional[Iterable[str]] = None,
     ):
         """``vllm_tp``: ``(tp_rank, tp_size)`` as the serving engine reports it, if known; the
         payload's placement of this rank must agree (else data would land on the wrong rank).
         ``verify_checksums`` must match the training side's choice (it is part of the plan
         fingerprint). ``weights``: the state of the model's weights, kept by the caller
         across sessions (new refit groups, new payloads) of the same model.
+        ``keep_as_loaded``: vLLM param names (or fnmatch patterns) the payload does not
+        write and that may keep what was loaded (``receiver.coverage``); any other param
+        the payload leaves unwritten is refused here.
 
         Any error here is posted on the groups' fault boards: the training ranks, waiting
         for the first refit, raise it too instead of waiting for their timeout."""
@@ -66,7 +71,8 @@ class ReceiverSession:
             self._prepare(payload, named_parameters, num_streams=num_streams,
                           batch_bytes=batch_bytes, staging_bytes=staging_bytes,
                           strided_in_place=strided_in_place, xfer_batch=xfer_batch,
-                          vllm_tp=vllm_tp, verify_checksums=verify_checksums)
+                          vllm_tp=vllm_tp, verify_checksums=verify_checksums,
+                          keep_as_loaded=parse_keep_as_loaded(keep_as_loaded))
         self.receive_misc = receive_misc or receive_misc_packed
         self.staging_bytes = staging_bytes
         self.protocol = RefitProtocol("dst", self.loop, self.groups, self.misc_items,
@@ -77,7 +83,8 @@ class ReceiverSession:
                                       "verify_s": None, "last": None, "total_refit_s": 0.0}
 
     def _prepare(self, payload, named_parameters, *, num_streams, batch_bytes, staging_bytes,
-                 strided_in_place, xfer_batch, vllm_tp, verify_checksums) -> None:
+                 strided_in_place, xfer_batch, vllm_tp, verify_checksums,
+                 keep_as_loaded) -> None:
         ranks = {s: group_rank(g) for s, g in self.groups.items()}
         if len(set(ranks.values())) > 1:
             raise ValueError(f"this generation rank has different ranks in the refit groups: {ranks}")
@@ -86,6 +93,9 @@ class ReceiverSession:
         self.where = where
         # the boundary: checked and parsed once; ``self.payload`` is a frozen RefitPayload
         self.payload = restore_payload(payload, where)
+        if not isinstance(named_parameters, Mapping):  # read twice: a generator would not be
+            named_parameters = dict(named_parameters)
+        check_gen_tp(self.payload, named_parameters, vllm_tp, where)
         pp_size = self.payload.pp_size
         missing = sorted(set(range(pp_size)) - set(self.groups))
         if missing:
@@ -114,6 +124,9 @@ class ReceiverSession:
             # fit this model: say so as a payload error, not as an internal failure
             raise RefitPayloadError(f"refit payload on {where}: its params do not fit this "
                                     f"rank's model ({type(exc).__name__}: {exc})") from exc
+        # no param may keep stale bytes behind a committed version unless the user said so
+        self.kept_as_loaded = kept_as_loaded(coverage_gaps(self.targets, self._plans()),
+                                             keep_as_loaded, f"{where} (gen rank {self.gen_rank})")
         self.loop = RefitLoop(self.payload, self.local_map, "dst", self.groups,
                               num_streams=num_streams, batch_bytes=batch_bytes,
                               staging_bytes=staging_bytes, misc_items=self.misc_items,
@@ -137,6 +150,9 @@ class ReceiverSession:
         self.misc_plans = {s: plan_full_weights(self.targets, items)
                            for s, items in self.misc_items.items()}
 
+    def _plans(self) -> list:
+        return list(self.bulk_plans) + [p for ps in self.misc_plans.values() for p in ps]
+
     def verify_plan(self) -> None:
         """Compare plan fingerprints with the training side (communication: one small all-gather)."""
         self.stats["verify_s"] = self.protocol.verify_plan()
@@ -154,7 +170,9 @@ class ReceiverSession:
         On any failure the error is posted on the groups' boards (every peer raises it
         within a poll), ``self.weights`` says what the storage now holds, and the groups
         are not used again (a new session on new groups is needed). A checksum mismatch
-        raises after the vote on every rank; the groups stay usable.
+        raises after the vote on every rank; the groups stay usable. So does a version that
+        does not increase the weights' version (``refit.version.VersionRefused``, raised
+        on every rank before any byte moves; the weights are untouched).
         """
         self.protocol.check_usable(lambda why: f"{self.where}: the refit groups failed in an "
                                    f"earlier refit ({why}); create new refit groups and a new "
@@ -177,7 +195,8 @@ class ReceiverSession:
 
         on_cuda = torch.cuda.is_available() and any(t.is_cuda for t in self.targets.params.values())
         done = self.protocol.run(
-            receive_chunk, on_write=writing, on_failure=self.weights.failed,
+            receive_chunk, held_version=self.weights.version, on_write=writing,
+            on_failure=self.weights.failed,
             device=torch.device("cuda", torch.cuda.current_device()) if on_cuda else None)
         if done.verify_s is not None:
             self.stats["verify_s"] = done.verify_s
@@ -190,7 +209,7 @@ class ReceiverSession:
             self.weights.failed(reason)
             raise RefitError(f"refit failed its commit: {reason}. The weights are "
                              f"{self.weights.as_dict()['state']}")
-        self.weights.committed(done.outcome.version, names)
+        self.weights.committed(done.outcome.version, names, not_refitted=self.kept_as_loaded)
         last = {"bulk_params": done.bulk.params, "bulk_bytes": done.bulk.local_bytes,
                 "misc_params": sum(len(i) for i in self.misc_items.values()), **tally,
                 "bulk_s": done.bulk_s, "misc_s": done.misc_s,
@@ -209,7 +228,7 @@ class ReceiverSession:
     def report(self) -> dict:
         """Plain-data summary: what this rank receives, bytes, timings, target params left
         unwritten, and the state of the weights (version, consistent or not)."""
-        plans = list(self.bulk_plans) + [p for ps in self.misc_plans.values() for p in ps]
+        plans = self._plans()
         last = self.stats["last"] or {}
         return {
             "rank_in_group": self.rank_in_group,
@@ -230,7 +249,10 @@ class ReceiverSession:
                         "last_misc_s": last.get("misc_s"),
                         "total_refit_s": self.stats["total_refit_s"]},
             "plan_fingerprints": {str(s): fp for s, fp in self.loop.fingerprints.items()},
+            # params the payload does not write (each listed in keep_as_loaded, else
+            # prepare refused): {name: elements left as loaded}
             "uncovered_targets": coverage_gaps(self.targets, plans),
+            "kept_as_loaded": sorted(self.kept_as_loaded),
         }
 
 

@@ -5,7 +5,10 @@ part-way leaves some params from the new version and the rest from the old one. 
 state says which: ``consistent`` (every param is from ``version``; nothing was written by
 a failed refit) or ``inconsistent`` (``started_from`` is the version the weights had, and
 ``overwritten`` names the model's params — vLLM's names, e.g. ``qkv_proj.weight`` — that a
-failed refit may have written since). It lives with the
+failed refit may have written since). ``not_refitted`` names the params the payload does
+not write and the user listed as kept-as-loaded (``prepare_refit``'s ``keep_as_loaded``;
+any other unwritten param is refused there): "consistent at version V" covers every
+other param; these hold what vLLM loaded, whatever the version. It lives with the
 model (the vLLM worker keeps it across new refit groups and new payloads), and only a
 refit that commits everywhere moves ``version`` and restores consistency.
 """
@@ -30,6 +33,7 @@ class WeightState:
     last_error: Optional[str] = None
     refits: int = 0                        # committed refits
     failed_refits: int = 0
+    not_refitted: tuple = ()               # kept as loaded by the user's choice (sorted)
 
     @property
     def consistent(self) -> bool:
@@ -41,10 +45,13 @@ class WeightState:
             self.started_from = self.version
         self.overwritten.update(names)
 
-    def committed(self, version: Optional[int], names: Iterable[str]) -> None:
+    def committed(self, version: Optional[int], names: Iterable[str],
+                  not_refitted: Iterable[str] = ()) -> None:
         """The refit landed everywhere: every param it carried is from ``version`` now.
-        Params a failed refit overwrote and this one did not carry stay listed."""
+        Params a failed refit overwrote and this one did not carry stay listed;
+        ``not_refitted``: the params this refit's payload leaves as loaded (user's list)."""
         self.overwritten.difference_update(names)
+        self.not_refitted = tuple(sorted(not_refitted))
         self.version = version
         self.refits += 1
         if self.consistent:
@@ -57,7 +64,8 @@ class WeightState:
     def as_dict(self) -> dict:
         return {"state": "consistent" if self.consistent else "inconsistent",
                 "version": self.version, "started_from": self.started_from,
-                "overwritten": sorted(self.overwritten), "refits": self.refits,
+                "overwritten": sorted(self.overwritten),
+                "not_refitted": list(self.not_refitted), "refits": self.refits,
                 "failed_refits": self.failed_refits, "last_error": self.last_error}
 
     def require_consistent(self) -> None:

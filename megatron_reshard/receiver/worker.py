@@ -6,10 +6,12 @@ Torch + stdlib only. Phases, each with plain-data arguments and results:
    joins one refit group per training PP stage (``megatron_reshard.groups.comm.create_refit_group``);
    ``group_rank=None`` derives it from the worker's own rank (same arguments for all).
 2. ``prepare_refit(payload, options=None)`` validates the whole payload and maps every HF
-   name onto this rank's vLLM storage. Local work; an error is raised here and posted on
+   name onto this rank's vLLM storage; a param the payload leaves unwritten is refused
+   unless ``options["keep_as_loaded"]`` lists it (``receiver.coverage``). Local work; an error is raised here and posted on
    the groups' fault boards, so the training ranks raise it too within a second.
 3. ``refit()`` receives the weights and commits (first call also compares plan
-   fingerprints); the weights' version advances only when every rank got every param.
+   fingerprints); the weights' version advances only when every rank got every param,
+   and only upwards (``refit.version``: a lower one is refused before bytes move).
 4. ``report()`` returns what was received, how long it took and the weights' state;
    ``refit_weights_state()`` / ``check_refit_weights_consistent()`` tell whether a failed
    refit left mixed weights (see ``receiver.state``).
@@ -38,7 +40,7 @@ from megatron_reshard.receiver.session import ReceiverSession
 from megatron_reshard.receiver.state import WeightState
 
 _PREPARE_OPTIONS = ("num_streams", "batch_bytes", "staging_bytes", "strided_in_place",
-                    "verify_checksums")
+                    "verify_checksums", "keep_as_loaded")
 
 
 def _per_stage(value: Union[Sequence, Mapping, int], what: str) -> dict[int, Any]:
@@ -159,7 +161,14 @@ class MegatronReshardWorkerExtension:
         return {"stages": sorted(groups), "group_rank": int(group_rank)}
 
     def prepare_refit(self, payload: dict, options: Optional[dict] = None) -> dict:
-        """Map the payload onto this rank's storage (no communication). Returns a summary."""
+        """Map the payload onto this rank's storage (no communication). Returns a summary.
+
+        ``options``: ``num_streams``, ``batch_bytes``, ``staging_bytes``,
+        ``strided_in_place``, ``verify_checksums`` (must match the sender's) and
+        ``keep_as_loaded``: vLLM param names or fnmatch patterns that the payload does not
+        write and may keep what was loaded (any other such param is refused here, on every
+        rank; see ``receiver.coverage``). Params vLLM derives itself (MLA's absorbed
+        weights) are never refit targets and need no listing."""
         state = self._refit_state()
         if state["groups"] is None:
             raise RuntimeError("prepare_refit called before init_refit_groups")
@@ -178,7 +187,7 @@ class MegatronReshardWorkerExtension:
         report = session.report()
         return {k: report[k] for k in ("rank_in_group", "gen_rank", "tp_rank", "tp_size", "ep_rank",
                                        "ep_size", "params", "misc_params", "plan_fingerprints",
-                                       "uncovered_targets")}
+                                       "uncovered_targets", "kept_as_loaded")}
 
     def refit(self) -> dict:
         """Receive all weights once (bulk + other params) and commit; returns this refit's
@@ -203,7 +212,8 @@ class MegatronReshardWorkerExtension:
     def refit_weights_state(self) -> dict:
         """The weights' version and consistency (``receiver.state.WeightState.as_dict``):
         ``{"state": "consistent" | "inconsistent", "version", "started_from",
-        "overwritten": [names], "refits", "failed_refits", "last_error"}``."""
+        "overwritten": [names], "not_refitted": [names kept as loaded], "refits",
+        "failed_refits", "last_error"}``."""
         return self._refit_state()["weights"].as_dict()
 
     def check_refit_weights_consistent(self) -> None:

@@ -4,12 +4,13 @@ Torch + stdlib only (the receiver imports it). ``protocol`` states the order of 
 once; ``loop`` walks a stage's bulk params through the engine (``local`` checks this rank's
 side first, ``order`` derives the transfer order from the payload alone); ``packed`` moves
 the small full tensors as one buffer; ``checksums`` and ``integrity`` check the bytes end to
-end; ``commit`` is the vote that ends every refit.
+end; ``version`` is the check that opens every refit, ``commit`` the vote that ends it.
 """
 
 from megatron_reshard.refit.commit import CommitOutcome, commit_refit
 from megatron_reshard.refit.loop import PlanMismatchError, RefitLoop, RefitStats
 from megatron_reshard.refit.protocol import RefitProtocol, RefitRound
+from megatron_reshard.refit.version import VersionRefused, agree_version
 
 __all__ = ["CommitOutcome", "PlanMismatchError", "RefitLoop", "RefitProtocol", "RefitRound",
-           "RefitStats", "commit_refit"]
+           "RefitStats", "VersionRefused", "agree_version", "commit_refit"]

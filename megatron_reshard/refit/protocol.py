@@ -5,15 +5,18 @@ group: its stage's) and a generation rank (``ReceiverSession``, one group per tr
 PP stage) run the same steps on their refit groups, in the same order, so every
 collective of one side meets its peer on the other:
 
-0. the first refit only: the plan fingerprints compared over each group
+0. the version check (``version.agree_version``: one small all-reduce per group): the
+   refit's version must increase the weights' version; a refusal is raised on every rank
+   alike before any byte moves, and leaves the groups usable;
+1. the first refit only: the plan fingerprints compared over each group
    (``RefitLoop.verify_plan``: one small all-gather per group, stage order);
-1. the bulk params of every stage the rank takes part in (``RefitLoop.run``);
-2. per stage in order, the stage's other params (payload ``other_params``) in chunks of at
+2. the bulk params of every stage the rank takes part in (``RefitLoop.run``);
+3. per stage in order, the stage's other params (payload ``other_params``) in chunks of at
    most ``staging_bytes`` (``packed.chunk_items``, the same cuts on both sides), each
    chunk one packed broadcast from the group's rank 0 (the stage's first train rank);
    on CUDA each chunk is waited for before the next (NCCL holds the freed buffer until
    its stream is past it), so one packed buffer is alive at a time;
-3. the commit vote (``commit.commit_refit``): the version the training side sends, and
+4. the commit vote (``commit.commit_refit``): the version the training side sends, and
    whether a destination saw a checksum mismatch.
 
 A failure at any step is posted on the groups' fault boards (``faults.fault_scope``:
@@ -26,6 +29,7 @@ vLLM's storage): each side passes its own ``move_chunk``.
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence
 
@@ -36,6 +40,7 @@ from megatron_reshard.groups.faults import RefitError, fault_scope, wait_device
 from megatron_reshard.refit.packed import chunk_items
 from megatron_reshard.refit.loop import RefitLoop, RefitStats
 from megatron_reshard.refit.order import MiscItem
+from megatron_reshard.refit.version import VersionRefused, agree_version
 
 # move_chunk(stage, items): one packed broadcast of those items of the stage, this side's part
 MoveChunk = Callable[[int, list[MiscItem]], None]
@@ -50,6 +55,7 @@ class RefitRound:
     verify_s: Optional[float]  # None: the plan was verified in an earlier refit
     bulk_s: float
     misc_s: float
+    version: Optional[int] = None  # what the version check agreed on
 
 
 class RefitProtocol:
@@ -74,41 +80,59 @@ class RefitProtocol:
         if self.broken is not None:
             raise RefitError(message(self.broken))
 
-    def verify_plan(self) -> float:
-        """Step 0 on its own (communication: one small all-gather per group); seconds."""
-        t0 = time.perf_counter()
-        self.loop.verify_plan()
-        return time.perf_counter() - t0
-
-    def run(self, move_chunk: MoveChunk, *, version: Optional[int] = None,
-            device: Optional[torch.device] = None,
-            on_write: Optional[Callable[[list[str]], None]] = None,
-            on_failure: Optional[Callable[[str], None]] = None) -> RefitRound:
-        """Steps 0 (first refit only) to 3. ``version``: what the training side votes (None
-        on the generation side); ``device``: waited for after each packed chunk when CUDA;
-        ``on_write(names)``: before params are written (the receiver's weight state);
-        ``on_failure(reason)``: after the latch is set, before the error propagates."""
+    @contextmanager
+    def _latching(self, on_failure: Optional[Callable[[str], None]]):
+        """Any failure inside: posted on the groups' boards, the groups latched broken,
+        ``on_failure(reason)`` called, then re-raised."""
         try:
             with fault_scope(self.groups.values()):
-                verify_s = None if self.loop.verified else self.verify_plan()
-                t0 = time.perf_counter()
-                bulk = self.loop.run(on_write=on_write)
-                t1 = time.perf_counter()
-                for stage, items in self.misc_items.items():
-                    for chunk in chunk_items(items, self.staging_bytes):
-                        move_chunk(stage, chunk)
-                        if device is not None and device.type == "cuda":
-                            wait_device(device, self.groups.values(), "a packed broadcast")
-                t2 = time.perf_counter()
-                outcome = commit_refit(self.groups, side=self.side, version=version,
-                                       checksum_failed=bool(bulk.checksum_mismatches),
-                                       pp_size=self.pp_size)
+                yield
         except BaseException as exc:
             self.broken = f"{type(exc).__name__}: {exc}"
             if on_failure is not None:
                 on_failure(self.broken)
             raise
-        return RefitRound(bulk, outcome, verify_s, t1 - t0, t2 - t1)
+
+    def verify_plan(self) -> float:
+        """Step 1 on its own (communication: one small all-gather per group); seconds."""
+        t0 = time.perf_counter()
+        self.loop.verify_plan()
+        return time.perf_counter() - t0
+
+    def run(self, move_chunk: MoveChunk, *, version: Optional[int] = None,
+            allow_version_reuse: bool = False, last_version: Optional[int] = None,
+            held_version: Optional[int] = None, device: Optional[torch.device] = None,
+            on_write: Optional[Callable[[list[str]], None]] = None,
+            on_failure: Optional[Callable[[str], None]] = None) -> RefitRound:
+        """Steps 0 to 4 (1: first refit only). ``version``: what the training side sends
+        (None: the default, see ``refit.version``; always None on the generation side),
+        ``allow_version_reuse`` and ``last_version`` (its sender's last) likewise;
+        ``held_version``: the generation side's weights' version. ``device``: waited for
+        after each packed chunk when CUDA; ``on_write(names)``: before params are written
+        (the receiver's weight state); ``on_failure(reason)``: after the latch is set,
+        before the error propagates. ``VersionRefused`` when step 0 refuses."""
+        with self._latching(on_failure):
+            agreed = agree_version(self.groups, side=self.side, version=version,
+                                   allow_reuse=allow_version_reuse, held=held_version,
+                                   last_sent=last_version, pp_size=self.pp_size)
+        if agreed.refused:  # every rank alike, nothing moved: the groups stay usable
+            raise VersionRefused(agreed.refused)
+        with self._latching(on_failure):
+            verify_s = None if self.loop.verified else self.verify_plan()
+            t0 = time.perf_counter()
+            bulk = self.loop.run(on_write=on_write)
+            t1 = time.perf_counter()
+            for stage, items in self.misc_items.items():
+                for chunk in chunk_items(items, self.staging_bytes):
+                    move_chunk(stage, chunk)
+                    if device is not None and device.type == "cuda":
+                        wait_device(device, self.groups.values(), "a packed broadcast")
+            t2 = time.perf_counter()
+            outcome = commit_refit(self.groups, side=self.side,
+                                   version=agreed.version if self.side == "src" else None,
+                                   checksum_failed=bool(bulk.checksum_mismatches),
+                                   pp_size=self.pp_size)
+        return RefitRound(bulk, outcome, verify_s, t1 - t0, t2 - t1, agreed.version)
 
 
 __all__ = ["MoveChunk", "RefitProtocol", "RefitRound"]

@@ -21,7 +21,7 @@ import io
 import json
 import time
 from datetime import timedelta
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -72,8 +72,10 @@ def _copy_derived_weights(model: torch.nn.Module) -> int:
 
 
 def _vllm_gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Mapping[str, Any],
-                   vllm_port: int, plant_fault: bool, copy_derived: bool) -> dict:
+                   vllm_port: int, plant_fault: bool, copy_derived: bool,
+                   keep_as_loaded: Optional[list] = None) -> dict:
     from megatron_reshard.megatron.payload import decode_payload
+    from megatron_reshard.receiver.coverage import UncoveredParamsError
     from megatron_reshard.testing import vllm_models as vm
 
     t0 = time.perf_counter()
@@ -91,21 +93,36 @@ def _vllm_gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Mappi
         worker = ModuleWorker(model)
         worker.init_refit_groups(cfg.host, list(cfg.ports[1:1 + cfg.train_pp]), None,
                                  cfg.stage_world + cfg.gen_world, cfg.backend, cfg.timeout_s)
-        out["summary"] = worker.prepare_refit(payload, {"verify_checksums": cfg.verify,
-                                                        "staging_bytes": cfg.staging_bytes})
+        options = {"verify_checksums": cfg.verify, "staging_bytes": cfg.staging_bytes}
+        if keep_as_loaded is not None:
+            options["keep_as_loaded"] = list(keep_as_loaded)
+        try:
+            out["summary"] = worker.prepare_refit(payload, options)
+        except UncoveredParamsError as exc:  # the case under test; the training ranks raise it too
+            out["prepare_error"] = f"{type(exc).__name__}: {exc}"
+            time.sleep(2)  # keep the process's groups up while the peers read the board
+            return out
         out["setup_s"] = time.perf_counter() - t0
+        # params the payload leaves as loaded (the user's list): no oracle loads them, so
+        # they are compared with what they held before the refits
+        kept = out["summary"]["kept_as_loaded"]
+        live = dict(model.named_parameters())
+        before = {n: tensor_digest(live[n]) for n in kept}
+        out["kept_changed"] = []
         for step in range(cfg.refits):
             stats = worker.refit()
             worker.check_refit_weights_consistent()
             out["refits"].append(stats)
             full = torch.load(io.BytesIO(control.get(f"full/{step}")), weights_only=True)
-            oracle = vm.loaded_model(new_config(), full)
-            out["differences"].append(vm.bitwise_differences(model, oracle))
+            oracle = vm.loaded_model(new_config(), full, may_miss=kept)
+            out["differences"].append([n for n in vm.bitwise_differences(model, oracle)
+                                       if n not in kept])
+            out["kept_changed"].append(sorted(n for n in kept if tensor_digest(live[n]) != before[n]))
             out["moved"].append(sorted(n for n, t in vm.model_tensors(model).items()
                                        if addresses.get(n) != t.data_ptr()))
             if cfg.verify:  # the stand-in's expected shards against the same live storage
                 expected = json.loads(control.get(f"expected/{step}/{gen_rank}"))
-                out["stand_in_differences"].append(_stand_in_differences(model, expected))
+                out["stand_in_differences"].append(_stand_in_differences(model, expected, kept))
             if plant_fault and step == cfg.refits - 1 and gen_rank == 0:
                 out["planted"] = _plant_fault(model, oracle)
             del oracle
@@ -115,7 +132,8 @@ def _vllm_gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Mappi
     return out
 
 
-def _stand_in_differences(model: torch.nn.Module, expected: Mapping[str, str]) -> list[str]:
+def _stand_in_differences(model: torch.nn.Module, expected: Mapping[str, str],
+                          kept: Sequence[str] = ()) -> list[str]:
     """Where the stand-in's expected shards (``{vLLM name: digest}``) and vLLM's live storage
     disagree: a name vLLM does not have, other bytes, or a vLLM param (not derived) that the
     stand-in lacks. The stand-in names experts flat (``mlp.experts.w13_weight``, older
@@ -130,16 +148,20 @@ def _stand_in_differences(model: torch.nn.Module, expected: Mapping[str, str]) -
     bad = sorted(n for n, digest in as_vllm.items()
                  if n not in live or tensor_digest(live[n]) != digest)
     derived = derived_param_names(model)
-    bad += sorted(f"{n} (not in the stand-in)" for n in live if n not in derived and n not in as_vllm)
+    bad += sorted(f"{n} (not in the stand-in)" for n in live
+                  if n not in derived and n not in as_vllm and n not in kept)
     return bad
 
 
 def vllm_refit_job(job, cfg: RefitRunConfig, hf_config: Mapping[str, Any],
-                   model_builder=None, plant_fault: bool = False, copy_derived: bool = False) -> dict:
+                   model_builder=None, plant_fault: bool = False, copy_derived: bool = False,
+                   keep_as_loaded: Optional[list] = None) -> dict:
     """Pool job (``WorkerPool.run(..., num_ports=cfg.train_pp + 2)``): process ``job.rank`` of
     a launch of ``train_world + gen_world``; the last port is vLLM's generation world.
     ``plant_fault``: gen rank 0 checks that the comparison sees a flipped bit;
-    ``copy_derived``: MLA's absorbed weights get storage of their own before the refits."""
+    ``copy_derived``: MLA's absorbed weights get storage of their own before the refits;
+    ``keep_as_loaded``: prepare_refit's option (an ``UncoveredParamsError`` at prepare is
+    returned as the gen rank's ``prepare_error``)."""
     cfg = RefitRunConfig(**{**cfg.__dict__, "ports": tuple(job.ports[: 1 + cfg.train_pp])})
     control = dist.TCPStore(cfg.host, cfg.ports[0], cfg.train_world + cfg.gen_world, job.rank == 0,
                             timeout=timedelta(seconds=cfg.timeout_s))
@@ -147,7 +169,7 @@ def vllm_refit_job(job, cfg: RefitRunConfig, hf_config: Mapping[str, Any],
         return run_training_rank(job.rank, cfg, control, torch.device("cpu"), model_builder,
                                  after_each_refit=publish_full_hf)
     return _vllm_gen_rank(job.rank - cfg.train_world, cfg, control, hf_config,
-                          job.ports[1 + cfg.train_pp], plant_fault, copy_derived)
+                          job.ports[1 + cfg.train_pp], plant_fault, copy_derived, keep_as_loaded)
 
 
 __all__ = ["publish_full_hf", "vllm_refit_job"]

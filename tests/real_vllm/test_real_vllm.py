@@ -116,14 +116,21 @@ def _build(spec, device, dtype):
 
 
 def run_case(pool, family_id: str, index: int, **options) -> list[dict]:
-    family = FAMILIES[family_id]
+    return run_family(pool, FAMILIES[family_id], index, **options)
+
+
+def run_family(pool, family: Family, index: int, return_failures: bool = False,
+               **options) -> list:
     train, gen = family.layouts[index]
     cfg = RefitRunConfig(model="dense", model_overrides=dict(family.model), refits=REFITS,
                          verify=True, dtype="bfloat16", quiet=True, timeout_s=120,
                          **layout(train, gen))
     results = pool.run(vllm_refit_job, cfg.train_world + cfg.gen_world, cfg,
                        vllm_config_json(family), model_builder=_build, **options,
-                       num_ports=cfg.train_pp + 2, timeout_s=420)
+                       num_ports=cfg.train_pp + 2, timeout_s=420,
+                       return_failures=return_failures)
+    if return_failures:
+        return results
     return [r for r in results if r["role"] == "gen"]
 
 
@@ -183,3 +190,38 @@ def test_mla_weights_held_as_copies_are_recomputed_in_their_storage(refitted):
         assert g["differences"] == [[]] * REFITS, g["differences"]
         assert g["moved"] == [[]] * REFITS, g["moved"]
         assert all(len(s["derived_refreshed"]) == 4 for s in g["refits"])
+
+
+# vLLM's Llama with attention_bias holds qkv_proj and o_proj biases that a training model
+# without biases never sends: params the payload does not cover
+BIASED_LLAMA = Family(dict(TINY_MODEL, family="llama"), "LlamaForCausalLM",
+                      dict(attention_bias=True, mlp_bias=False), (("tp1 pp2", "tp2"),))
+BIASES = sorted(f"model.layers.{i}.self_attn.{p}.bias" for i in range(4) for p in ("qkv_proj", "o_proj"))
+
+
+def test_vllm_params_the_payload_does_not_cover_are_refused_at_prepare(pool):
+    from megatron_reshard.tools.worlds import RankFailure
+
+    results = run_family(pool, BIASED_LLAMA, 0, return_failures=True)
+    train, gens = results[:2], results[2:]
+    for g in gens:
+        assert g["prepare_error"].startswith("UncoveredParamsError"), g
+        assert "8 param(s)" in g["prepare_error"] and "keep_as_loaded" in g["prepare_error"], g
+        for name in BIASES[:8]:
+            assert name in g["prepare_error"], (name, g["prepare_error"])
+    for t in train:  # through the fault board, at the training side's first refit
+        assert isinstance(t, RankFailure) and "PeerFailure" in t.text, t
+        assert "qkv_proj.bias" in t.text, t.text
+
+
+def test_vllm_params_kept_as_loaded_are_reported_and_keep_their_bytes(pool):
+    gens = run_family(pool, BIASED_LLAMA, 0, keep_as_loaded=["*.self_attn.qkv_proj.bias",
+                                                             "*.self_attn.o_proj.bias"])
+    for g in gens:
+        who = f"gen rank {g['rank']}"
+        assert g["summary"]["kept_as_loaded"] == BIASES, who
+        assert g["differences"] == [[]] * REFITS, f"{who}: {g['differences']}"
+        assert g["kept_changed"] == [[]] * REFITS, f"{who}: {g['kept_changed']}"
+        assert g["weights"]["state"] == "consistent" and g["weights"]["version"] == REFITS, who
+        assert g["weights"]["not_refitted"] == BIASES, (who, g["weights"])
+        assert g["report"]["kept_as_loaded"] == BIASES, who

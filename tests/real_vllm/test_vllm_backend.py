@@ -396,3 +396,68 @@ def test_a_failed_refit_leaves_the_weight_state_saying_what_is_held(lifecycle):
             final = lifecycle[key]["weights"]
             assert final["state"] == "consistent" and final["version"] == REFITS + 2, final
 
+
+# ---- init through the backend: params the payload does not cover ------------------------
+
+_COVER_CFG = dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, head_dim=16,
+                  intermediate_size=64, num_hidden_layers=1, vocab_size=100,
+                  tie_word_embeddings=False, gated=True, qk_norm=True, family="qwen3")
+_EXTRA = "model.norm.extra_scale"
+
+
+def _init_with_an_uncovered_param(job, prepare_options):
+    """Rank 0 stands for the training side (waits in the first refit's opening collective);
+    rank 1 initialises our engine, built by vLLM's factory, over a model holding one param
+    the payload does not cover."""
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.config.weight_transfer import WeightTransferConfig
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    from megatron_reshard.engine.transport import all_gather_ints
+    from megatron_reshard.groups.comm import create_refit_group
+    from megatron_reshard.testing.vllm_like import (build_plain_payload, build_vllm_like_model,
+                                                    random_hf_state_dict)
+    from megatron_reshard.vllm_plugin import register
+
+    def catch(fn):
+        try:
+            return {"value": fn(), "type": None, "error": None}
+        except Exception as exc:  # noqa: BLE001 - the error is the result
+            return {"value": None, "type": type(exc).__name__, "error": str(exc)}
+
+    if job.rank == 0:
+        group = create_refit_group(job.host, job.port, 0, 2, "gloo", 60.0, who="train rank 0")
+        return catch(lambda: all_gather_ints([1], group, "the first refit"))
+    payload = build_plain_payload(_COVER_CFG, random_hf_state_dict(_COVER_CFG, seed=0),
+                                  {"tp_size": 1}, {"tp_size": 1}, 1, 1)
+    model = build_vllm_like_model(_COVER_CFG, 0, 1, 1, torch.bfloat16)
+    model.get_submodule("model.norm").register_parameter(
+        "extra_scale", torch.nn.Parameter(torch.ones(64, dtype=torch.bfloat16), requires_grad=False))
+    register()
+    eng = WeightTransferEngineFactory.create_engine(
+        WeightTransferConfig(backend="megatron_reshard"), VllmConfig(), torch.device("cpu"), model)
+    info = dict(host=job.host, ports_by_stage=[job.port], group_sizes=2, payload=payload,
+                group_rank=1, backend="gloo", timeout_s=60.0, prepare_options=prepare_options)
+    out = catch(lambda: eng.init_transfer_engine(eng.parse_init_info(info)))
+    out["summary"] = eng.summary
+    if out["error"] is None:  # let the stand-in training rank's collective complete
+        all_gather_ints([1], eng.worker._refit_state()["groups"][0], "the first refit")
+    else:
+        import time
+
+        time.sleep(2)  # keep the group up while the peer reads the board
+    return out
+
+
+def test_an_uncovered_vllm_param_fails_backend_init_on_both_sides(pool):
+    train, gen = pool.run(_init_with_an_uncovered_param, 2, None, timeout_s=120)
+    assert gen["type"] == "UncoveredParamsError" and _EXTRA in gen["error"], gen
+    assert train["type"] == "PeerFailure" and _EXTRA in train["error"], train
+
+
+def test_backend_init_keeps_listed_params_as_loaded(pool):
+    train, gen = pool.run(_init_with_an_uncovered_param, 2, {"keep_as_loaded": [_EXTRA]},
+                          timeout_s=120)
+    assert gen["error"] is None and train["error"] is None, (gen, train)
+    assert gen["summary"]["kept_as_loaded"] == [_EXTRA], gen["summary"]

@@ -1,0 +1,111 @@
+"""The version check that opens every refit: versions only increase, unless asked.
+
+Torch + stdlib only (both sides run it). Before any byte moves, every rank of every refit
+group votes (one small MAX all-reduce per group, stage order): the training ranks the
+version they send (or that they take the default) and whether they allow reuse, and the
+last version their sender sent; the generation ranks the version their weights hold
+(``receiver.state.WeightState.version``, kept by the worker across senders). So a
+restarted trainer with no history is checked against what the generation side holds.
+
+Every rank computes the same decision from the same sums: the refit's version (the given
+one, or one more than the highest of the sender's last and the weights' version), or a
+refusal naming both versions. With training PP > 1 a second round tells each group what
+the generation ranks saw in the other groups. A refusal is raised on every rank alike,
+outside any fault scope: nothing moved, the groups stay usable, and a refit with a higher
+version (or ``allow_version_reuse=True``) may follow.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_reshard.engine.transport import all_reduce, control_device
+from megatron_reshard.errors import MegatronReshardError
+from megatron_reshard.refit.commit import NO_VERSION
+
+
+class VersionRefused(MegatronReshardError, ValueError):
+    """The refit's version does not increase the weights' version (or the training ranks
+    disagree on it); refused on every rank before any byte moved."""
+
+
+@dataclass(frozen=True)
+class VersionDecision:
+    version: Optional[int]  # the version this refit carries (None when refused)
+    refused: str = ""       # why not, the same on every rank of a group
+
+
+def _row(side: str, version: Optional[int], allow_reuse: bool, held: Optional[int],
+         last_sent: Optional[int]) -> list[int]:
+    """``[explicit max, -explicit min, any default, any explicit, allow, not allow,
+    held, last sent]``: summed by MAX over the group."""
+    if side == "dst":
+        return [NO_VERSION, NO_VERSION, 0, 0, 0, 0,
+                NO_VERSION if held is None else int(held), NO_VERSION]
+    given = version is not None
+    return [int(version) if given else NO_VERSION, -int(version) if given else NO_VERSION,
+            0 if given else 1, 1 if given else 0, 1 if allow_reuse else 0, 0 if allow_reuse else 1,
+            NO_VERSION, NO_VERSION if last_sent is None else int(last_sent)]
+
+
+def _decide(stage: int, row: list[int]) -> VersionDecision:
+    vmax, neg_vmin, any_default, any_given, allow, deny, held, last = row
+    where = f"stage {stage}'s refit group"
+    if any_default and any_given:
+        return VersionDecision(None, f"the training ranks of {where} disagree on the version: "
+                                     f"some pass version={vmax}, others none")
+    if any_given and vmax != -neg_vmin:
+        return VersionDecision(None, f"the training ranks of {where} disagree on the version: "
+                                     f"{-neg_vmin} .. {vmax}")
+    if allow and deny:
+        return VersionDecision(None, f"the training ranks of {where} disagree on "
+                                     f"allow_version_reuse")
+    floor = max(held, last)
+    if not any_given:
+        return VersionDecision(max(floor, 0) + 1)
+    if floor != NO_VERSION and vmax <= floor and not allow:
+        what = (f"the generation ranks hold version {held}" if held >= last
+                else f"this training side's last refit sent version {last}")
+        return VersionDecision(None, f"refit version {vmax} does not increase the weights' "
+                                     f"version: {what} ({where}). A restarted trainer replaying "
+                                     f"older weights? Pass a higher version, or "
+                                     f"allow_version_reuse=True to send it anyway")
+    return VersionDecision(vmax)
+
+
+def agree_version(groups: Mapping[int, Any], *, side: str, version: Optional[int] = None,
+                  allow_reuse: bool = False, held: Optional[int] = None,
+                  last_sent: Optional[int] = None, pp_size: int = 1) -> VersionDecision:
+    """Vote over every group (stage order) and return the common decision (module doc).
+    ``version``/``allow_reuse``/``last_sent``: the training side's; ``held``: the
+    generation side's weights' version."""
+    decisions = {}
+    for stage in sorted(groups):
+        group = groups[stage]
+        vote = torch.tensor(_row(side, version, allow_reuse, held, last_sent), dtype=torch.int64,
+                            device=control_device(group))
+        all_reduce(vote, group, dist.ReduceOp.MAX, "the version check")
+        decisions[stage] = _decide(stage, vote.tolist())
+    refused = [d.refused for d in decisions.values() if d.refused]
+    versions = sorted({d.version for d in decisions.values() if not d.refused})
+    if not refused and len(versions) > 1:
+        refused = [f"the stages' refit groups carry different versions: {versions}"]
+    if pp_size > 1:  # tell each group's training ranks what the other stages' groups decided
+        for stage in sorted(groups):
+            group = groups[stage]
+            flag = torch.tensor([1 if (side == "dst" and refused) else 0], dtype=torch.int64,
+                                device=control_device(group))
+            all_reduce(flag, group, dist.ReduceOp.MAX, "the version check (all stages)")
+            if flag.item() and not refused:
+                refused = ["the refit's version was refused in another PP stage's refit group "
+                           "(see the errors there)"]
+    if refused:
+        return VersionDecision(None, "; ".join(refused))
+    return VersionDecision(versions[0] if versions else None)
+
+
+__all__ = ["VersionDecision", "VersionRefused", "agree_version"]
