@@ -62,6 +62,9 @@ class RefitRunConfig:
     train_tp: int = 2
     train_pp: int = 2
     train_ep: int = 2
+    # expert TP for initialize_model_parallel: None leaves Megatron's default (the TP size),
+    # which a dense model takes as it is; a model with experts needs 1 (expert TP is refused)
+    train_etp: Optional[int] = 1
     gen_world: int = 2
     gen_tp: int = 2
     gen_ep: int = 1
