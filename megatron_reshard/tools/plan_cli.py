@@ -52,7 +52,7 @@ def defaults_epilog() -> str:
     for name in model_names():
         sizes = default_plan_parallelism(model_config(name), name)
         lines.append(f"  {name:16} {describe_plan_parallelism(sizes)}")
-    lines.append(f"  {'--hf-config F':16} {describe_plan_parallelism(default_plan_parallelism({'num_experts': 1}))}"
+    lines.append(f"  {'a config file':16} {describe_plan_parallelism(default_plan_parallelism({'num_experts': 1}))}"
                  " (EP1 without experts)")
     return "\n".join(lines)
 
