@@ -49,6 +49,7 @@ def _help():
 REFUSED = [
     (["--train-world", "100000"], "--train-world 100000: expected at most 2048 ranks"),
     (["--gen-world", "4096"], "--gen-world 4096: expected at most 2048 ranks"),
+    (["--model", "kimi-k2", "--layers", "100000"], "--layers 100000: expected at most 1024 layers"),
     (["--model", "deepseek-v3", "--train-world", "192"],
      "--train-ep 16 (the model's default): expected a divisor of the 12 training ranks"),
     (["--model", "dense", "--train-pp", "5"], "--train-pp 5: expected at most the 4 layers"),

@@ -138,8 +138,8 @@ def problems_of(args: argparse.Namespace):
     """(model config, parallel sizes, problems) for the parsed options; nothing is planned
     yet, and nothing here imports torch (plan_layout), so a bad option ends the command at
     once. A value the user did not type is named as the default or derived one it is."""
-    from megatron_reshard.tools.plan_layout import (RefitParallelism, megatron_pp_split,
-                                                    parallelism_problems)
+    from megatron_reshard.tools.plan_layout import (MAX_LAYERS, RefitParallelism,
+                                                    megatron_pp_split, parallelism_problems)
 
     pp_layers, out = _parse_layers(args.train_pp_layers)
     if args.layers is not None and args.layers < 1:
@@ -152,6 +152,10 @@ def problems_of(args: argparse.Namespace):
     if not args.latency_us >= 0:
         out.append(f"--latency-us {args.latency_us}: expected a number >= 0")
     cfg = _model_of(args, out)
+    if cfg and int(cfg["num_hidden_layers"]) > MAX_LAYERS:
+        where = "--layers" if args.layers is not None else "the model's num_hidden_layers"
+        out.append(f"{where} {cfg['num_hidden_layers']}: expected at most {MAX_LAYERS} layers "
+                   "(the most the simulator plans)")
     if out:
         return None, None, out
     sizes, origin = parallelism_options(args, cfg, pp_layers)

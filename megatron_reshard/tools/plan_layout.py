@@ -17,6 +17,9 @@ from .presets import attention_heads, is_moe_layer, num_experts
 # 2,048 ranks (DeepSeek-V3 shapes) is what docs/SCALE.md measured; beyond it a job of 100,000
 # ranks was killed by the kernel at 24 GB before printing anything.
 MAX_RANKS_PER_SIDE = 2048
+# The most layers it plans: the largest published models have 126 (Llama-3.1-405B); the
+# parameter list grows with layers × experts (Kimi-K2: 1,152 expert tensors a layer)
+MAX_LAYERS = 1024
 # vLLM pads its embedding and LM head rows to a multiple of this
 # (``vllm_layout.dense.padded_vocab_rows``, which imports torch; a test keeps the two equal)
 VLLM_VOCAB_PADDING = 64
@@ -205,5 +208,5 @@ def stage_layer_counts(lay: RefitParallelism, layers: int) -> tuple[int, ...]:
     return tuple(lay.pp_layers) if lay.pp_layers else megatron_pp_split(layers, lay.train_pp)[0]
 
 
-__all__ = ["MAX_RANKS_PER_SIDE", "RefitParallelism", "megatron_pp_split", "parallelism_problems",
+__all__ = ["MAX_LAYERS", "MAX_RANKS_PER_SIDE", "RefitParallelism", "megatron_pp_split", "parallelism_problems",
            "stage_layer_counts"]
