@@ -315,9 +315,10 @@ def _print_table(args, cfg, lay, sims) -> None:
               f"{100 * g['above_ideal']:.1f}% | {b(peers['mean'])} | {_secs(e['refit'])} | "
               f"{who}: {e['limited_by']} |")
     print("\nof which from peers: the part of what a generation rank receives that comes from "
-          "other generation ranks (a region several of them hold, e.g. KV heads or norms "
-          "vLLM replicates, is read from the training side once and completed inside the "
-          "generation group); the rest comes from training ranks.")
+          "other generation ranks: a region several of them hold (the same shard in every "
+          "generation DP replica; KV heads or norms vLLM replicates over TP) can be read from "
+          "the training side once and completed inside the generation group, as the planner "
+          "chooses; the rest comes from training ranks.")
     e = first["estimate_s"]
     print(f"\ngather + broadcast estimate: {_secs(e['gather_broadcast'])} (gather on the "
           f"training ranks {_secs(e['gather'])}, then every generation rank receives the "
