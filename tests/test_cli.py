@@ -277,7 +277,7 @@ def test_demo_help_documents_layout_and_backend_options():
 
 PLAN_EP2_TO_TP2 = ["plan", "--model", "qwen3-30b-a3b", "--layers", "1", "--train-world", "2",
                    "--train-tp", "1", "--train-pp", "1", "--train-ep", "2", "--gen-world", "2",
-                   "--gen-tp", "2"]
+                   "--gen-tp", "2", "--gen-ep", "1"]  # the model's default layout has gen EP4
 
 
 @ahead(PLAN_EP2_TO_TP2)
