@@ -241,7 +241,8 @@ def test_every_help_shows_the_defaults(command):
                                     "(default: 120.0)"],
                 ("bench",): ["(default: 4)"],
                 ("plan",): ["(default: moe)", "--gen-tp GEN_TP default: the model's, listed below",
-                          "qwen3-8b train 4 ranks TP2 PP2 EP1"]}[tuple(command)]
+                          "deepseek-v3 train 256 ranks TP1 PP16 EP16 -> gen 256 ranks TP32 EP32"]
+                }[tuple(command)]
     for fragment in expected:
         assert fragment in text, fragment
     # every option that takes a value and has a fixed default says what it is
@@ -276,7 +277,7 @@ def test_demo_help_documents_layout_and_backend_options():
 
 PLAN_EP2_TO_TP2 = ["plan", "--model", "qwen3-30b-a3b", "--layers", "1", "--train-world", "2",
                    "--train-tp", "1", "--train-pp", "1", "--train-ep", "2", "--gen-world", "2",
-                   "--gen-tp", "2"]
+                   "--gen-tp", "2", "--gen-ep", "1"]  # the model's default layout has gen EP4
 
 
 @ahead(PLAN_EP2_TO_TP2)
@@ -327,3 +328,25 @@ def test_packed_params_reaches_the_run_config_and_a_bad_regex_is_refused():
     bad = config_from_args(_parse_demo("--packed-params", "self_attn.("), ports=(0, 0, 0))
     assert any(p.startswith("--packed-params 'self_attn.(': expected a regular expression")
                for p in bad.problems())
+
+
+@pytest.mark.parametrize("precision", ["fp8", "mxfp8"])
+def test_demo_deepseek_in_fp8_has_one_moe_pattern_entry_per_layer_and_whole_blocks(precision):
+    # the FP8 sizes take the deepseek preset to 2 layers: its per-layer MoE pattern follows
+    # (Megatron refused the 4-entry pattern inside every training rank, a minute in)
+    from megatron_reshard.tools.run_config import model_preset
+
+    cfg = config_from_args(_parse_demo("--model", "deepseek", "--gen-precision", precision),
+                           ports=(0, 0, 0))
+    assert cfg.problems() == []
+    preset = model_preset(cfg)
+    assert preset["moe_layer_freq"] == [0, 1] and preset["num_layers"] == 2
+
+
+def test_a_deepseek_fp8_layout_that_cuts_blocks_is_refused_before_processes_start():
+    cut = RefitRunConfig(model="deepseek", gen_precision="fp8", ports=(0, 0, 0),
+                         model_overrides={"q_lora_rank": 32, "v_head_dim": 16})
+    problems = cut.problems()
+    assert any(p.startswith("--gen-precision fp8: expected a q_lora_rank that is a multiple "
+                            "of 128") for p in problems), problems
+    assert any("'o_proj columns per rank': 32" in p for p in problems), problems

@@ -144,3 +144,11 @@ def test_moe_train_tp4_over_two_kv_heads_to_gen_tp2_bit_exact(pool):
     summary = _run(pool, train_world=4, train_tp=4, train_pp=1, train_ep=1, gen_world=2, gen_tp=2)
     assert summary["verified"], summary["per_gen_rank"]
     assert summary["exact_path_fraction"] == 1.0
+
+
+def test_dense_tp2_with_megatrons_default_expert_tp_bit_exact(pool):
+    # initialize_model_parallel(tensor_model_parallel_size=2) leaves expert TP = 2: a model
+    # without experts has no expert layout, so the source takes it as Megatron sets it up
+    summary = _run(pool, model="dense", train_world=2, train_tp=2, train_pp=1, train_ep=1,
+                   train_etp=None, gen_world=2, gen_tp=2)
+    assert summary["verified"] and summary["exact_path_fraction"] == 1.0, summary

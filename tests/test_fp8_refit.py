@@ -129,3 +129,11 @@ def test_qkv_per_kv_group_with_k_rows_not_whole_blocks_is_quantized_on_the_recei
                    train_tp=2, train_pp=1, train_ep=1, gen_world=1, gen_tp=1)
     assert summary["verified"], summary["per_gen_rank"]
     assert summary["exact_path_fraction"] == 1.0
+
+
+def test_deepseek_mla_fp8_train_tp2_ep2_to_gen_tp2_bit_exact(pool):
+    # `demo --model deepseek --gen-precision fp8`'s model (2 layers: dense then MoE; MLA dims
+    # in whole blocks, vLLM's fused q_a/kv_a included) on fewer ranks
+    summary = _run(pool, model="deepseek", train_world=2, train_tp=2, train_pp=1, train_ep=2,
+                   gen_world=2, gen_tp=2)
+    assert summary["verified"], summary["per_gen_rank"]

@@ -14,17 +14,18 @@ from megatron_reshard.engine.link_costs import LinkCosts
 from megatron_reshard.engine.param_plan import build_plan
 from megatron_reshard.engine.plan import Planner
 from megatron_reshard.tools.plan_inputs import RefitParallelism, parallelism_problems, stage_inputs
-from megatron_reshard.tools.presets import FULL_SIZE, hf_params, model_config
+from megatron_reshard.tools.presets import FULL_SIZE, LLAMA_FULL_SIZE, hf_params, model_config
 from megatron_reshard.tools.simulate import LinkModel, link_costs, simulate
 from megatron_reshard.testing.vllm_like import expected_vllm_shard, random_hf_state_dict
 from hash_seeds import outputs_under_two_hash_seeds
 
 # Totals as the model cards state them (DeepSeek-V3 without its 14B MTP module).
 PUBLISHED_BILLIONS = {"qwen3-8b": 8.2, "qwen3-30b-a3b": 30.5, "qwen3-235b-a22b": 235,
-                      "deepseek-v3": 671, "kimi-k2": 1026}
+                      "deepseek-v3": 671, "kimi-k2": 1026, "llama-3.1-8b": 8.03,
+                      "llama-3.1-70b": 70.6, "llama-3.1-405b": 405.9}
 
 
-@pytest.mark.parametrize("model", sorted(FULL_SIZE))
+@pytest.mark.parametrize("model", sorted(FULL_SIZE) + sorted(LLAMA_FULL_SIZE))
 def test_full_size_presets_have_their_published_parameter_counts(model):
     total = sum(math.prod(p.shape) for p in hf_params(model_config(model)))
     published = PUBLISHED_BILLIONS[model] * 1e9

@@ -59,12 +59,16 @@ class TrainParallelism:
         return {"tp": self.tp, "pp": self.pp, "ep": self.ep, "etp": self.etp, "dp": self.dp,
                 "cp": self.cp, "world_size": self.world_size}
 
-    def problems(self) -> list[str]:
-        """What this project cannot serve with these sizes (empty if supported)."""
+    def problems(self, has_experts: bool = True) -> list[str]:
+        """What this project cannot serve with these sizes (empty if supported).
+
+        Expert TP matters only where there are experts: Megatron's default sets it to the TP
+        size, and a dense model's params never use it."""
         out = []
-        if self.etp > 1:
-            out.append(f"expert tensor parallel size {self.etp} > 1 is not supported yet "
-                       "(initialize_model_parallel(expert_tensor_parallel_size=1))")
+        if self.etp > 1 and has_experts:
+            out.append(f"expert tensor parallel size {self.etp} > 1 is not supported yet for a "
+                       "model with experts (Megatron's default is the TP size: pass "
+                       "initialize_model_parallel(..., expert_tensor_parallel_size=1))")
         if self.vpp > 1:
             out.append(f"virtual pipeline parallel size {self.vpp} > 1 is not supported yet")
         product = self.tp * self.cp * self.dp * self.pp
@@ -74,8 +78,10 @@ class TrainParallelism:
         return out
 
 
-def read_parallel_state() -> tuple[Optional[TrainParallelism], Optional[RankCoords], list[str]]:
-    """This rank's parallel sizes and coordinates from ``parallel_state``, plus what is wrong (no collective)."""
+def read_parallel_state(has_experts: bool = True
+                        ) -> tuple[Optional[TrainParallelism], Optional[RankCoords], list[str]]:
+    """This rank's parallel sizes and coordinates from ``parallel_state``, plus what is wrong
+    (no collective); ``has_experts``: whether the model has experts (see ``problems``)."""
     import torch.distributed as dist
 
     problems: list[str] = []
@@ -110,7 +116,7 @@ def read_parallel_state() -> tuple[Optional[TrainParallelism], Optional[RankCoor
         etp=ps.get_expert_tensor_parallel_rank(),
         edp=ps.get_expert_data_parallel_rank(),
     )
-    problems.extend(par.problems())
+    problems.extend(par.problems(has_experts))
     return par, coords, problems
 
 
@@ -179,7 +185,10 @@ def build_stage_meshes(all_coords: Sequence[RankCoords], par: TrainParallelism) 
                              f"expected world_size/pp = {expected}")
         ranks = tuple(c.rank for c in members)
         dense = _grid({i: ((c.dp, c.cp), c.tp) for i, c in enumerate(members)}, par.tp, "non-expert", stage)
-        expert = _grid({i: (c.edp, c.ep) for i, c in enumerate(members)}, par.ep, "expert", stage)
+        # expert TP > 1 only reaches here for a dense model (no expert param reads this mesh):
+        # the expert-TP coordinate then splits rows that share an expert-DP rank
+        expert = _grid({i: ((c.edp, c.etp), c.ep) for i, c in enumerate(members)}, par.ep,
+                       "expert", stage)
         dense_mesh, dense_dims = _squeeze_mesh(dense, ("dp", "tp"))
         expert_mesh, expert_dims = _squeeze_mesh(expert, ("dp", "ep"))
         out.append(StageMeshes(stage, ranks, dense_mesh, dense_dims, expert_mesh, expert_dims))

@@ -7,8 +7,9 @@ holds and any problem it found; after that every rank knows the whole model and 
 
 Decisions:
 
-- Bad input (parallel_state not initialised, expert-TP > 1, VPP, unknown family, vocab
-  larger than the model's) raises one ``ValueError`` listing everything, on every rank,
+- Bad input (parallel_state not initialised, expert-TP > 1 in a model with experts (a
+  dense model takes Megatron's default expert TP = TP: it has no expert layout), VPP,
+  unknown family, vocab larger than the model's) raises one ``ValueError`` listing everything, on every rank,
   before any collective. Unknown parameter names can differ between PP stages, so they
   travel in the one gather and every rank raises the same error listing all of them with
   their ranks (no rank is left waiting in a collective).
@@ -121,13 +122,15 @@ class MegatronRefitSource:
                       packed_params: Optional[str]) -> None:
         """Parallel state, model, family, vocab and options: one ValueError listing every
         problem, on every rank, before any collective. Sets what the later steps read."""
-        par, coords, problems = read_parallel_state()
+        bare, model_problems = unwrap_model(model)
+        config = getattr(bare, "config", None)
+        # expert TP (Megatron's default: the TP size) is refused only where experts exist
+        par, coords, problems = read_parallel_state(
+            has_experts=config is None or bool(getattr(config, "num_moe_experts", None)))
+        problems += model_problems
         if self.gen_quant not in (None, *GEN_QUANT_FORMATS):
             problems.append(f"gen_quant={self.gen_quant!r}: expected None or one of "
                             f"{list(GEN_QUANT_FORMATS)}")
-        bare, model_problems = unwrap_model(model)
-        problems += model_problems
-        config = getattr(bare, "config", None)
         if bare is not None:
             chosen = family if family is not None else infer_family(config)
             if chosen is None:

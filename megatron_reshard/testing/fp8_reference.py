@@ -24,7 +24,7 @@ TILE = 128
 E4M3_MAX = 448.0
 # vLLM params a block-FP8 model holds in float8_e4m3fn (with a ``_scale_inv`` sibling)
 VLLM_FP8_PARAM_RE = re.compile(r"(?:_proj\.weight|\.w13_weight|\.w2_weight)$")
-HF_LINEAR_RE = re.compile(r"_proj\.weight$")
+HF_LINEAR_RE = re.compile(r"_proj(?:_with_mqa)?\.weight$")  # MLA: kv_a_proj_with_mqa too
 
 
 def _pow2_scale(amax: float) -> float:

@@ -126,7 +126,7 @@ def run_training_rank(rank: int, cfg: RefitRunConfig, control, device: torch.dev
     ps.initialize_model_parallel(tensor_model_parallel_size=cfg.train_tp,
                                  pipeline_model_parallel_size=cfg.train_pp,
                                  expert_model_parallel_size=cfg.train_ep,
-                                 expert_tensor_parallel_size=1,
+                                 expert_tensor_parallel_size=cfg.train_etp,
                                  distributed_timeout_minutes=max(1, int(cfg.timeout_s // 60)))
     preset = model_preset(cfg)
     family = preset.pop("family")

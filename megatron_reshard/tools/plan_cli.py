@@ -2,10 +2,15 @@
 from layouts alone (no GPU, no communication, no Megatron model).
 
 Takes a model preset (the demo's small models, or full-size Qwen3-8B, Qwen3-30B-A3B,
-Qwen3-235B-A22B, DeepSeek-V3, Kimi-K2 shapes from their HF configs) and a training layout
-(TP, CP, EP, PP with even or uneven stages, DP from the world size) -> generation layout
-(TP, EP, DP replicas), the model's default layout for any size not given (listed at the
-end of --help), plans every parameter with the engine's planner and prints:
+Qwen3-235B-A22B, DeepSeek-V3, Kimi-K2, Llama-3.1 8B/70B/405B shapes from their HF configs)
+or any model's HF config.json (--hf-config: hidden size, layers, heads, experts... as the
+file states them), and a training layout (TP, CP, EP, PP; DP from the world size) ->
+generation layout (TP, EP, DP replicas). Any size not given comes from the model's default
+layout (listed at the end of --help: for the full-size presets the layout their RL users
+run); a world not given is the default's, or the smallest that fits the sizes given. PP
+that does not divide the layers is split as Megatron splits it (equal middle stages, the
+rest on the last and/or first stage: num_layers_in_{first,last}_pipeline_stage), or as
+--train-pp-layers says. It plans every parameter with the engine's planner and prints:
 
 - the layout used and every parameter the refit moves, all shard to shard through the
   engine as the refit moves them (FFN/expert weights and the others: attention, norms,
@@ -32,7 +37,7 @@ from collections import defaultdict
 from typing import Optional
 
 from megatron_reshard.tools.presets import (default_plan_parallelism, describe_plan_parallelism,
-                                            model_config, model_names)
+                                            model_config, model_names, num_experts)
 
 DEFAULT_LINK = dict(gpus_per_node=8, nvlink_gbps=450.0, net_gbps=50.0, latency_us=5.0)
 
@@ -45,7 +50,10 @@ def defaults_epilog() -> str:
     """The per-model default layouts, as --help lists them."""
     lines = ["default layout per model (any layout option given replaces its part):"]
     for name in model_names():
-        lines.append(f"  {name:16} {describe_plan_parallelism(default_plan_parallelism(model_config(name)))}")
+        sizes = default_plan_parallelism(model_config(name), name)
+        lines.append(f"  {name:16} {describe_plan_parallelism(sizes)}")
+    lines.append(f"  {'a config file':16} {describe_plan_parallelism(default_plan_parallelism({'num_experts': 1}))}"
+                 " (EP1 without experts)")
     return "\n".join(lines)
 
 
@@ -55,6 +63,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("--model", choices=model_names(), default="moe",
                         help="model shapes: the demo's small models or a full-size preset")
+    parser.add_argument("--hf-config", default=None, metavar="FILE",
+                        help="any model's shapes from its HF config.json instead of --model "
+                             "(hidden_size, num_hidden_layers, num_attention_heads, "
+                             "num_key_value_heads, head_dim, intermediate_size, vocab_size, "
+                             "experts and MLA keys as DeepSeek/Qwen configs name them; "
+                             "default: none)")
     parser.add_argument("--layers", type=int, default=None,
                         help="override the model's layer count (default: the model's own)")
     per_model = "default: the model's, listed below"
@@ -78,9 +92,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "stage, the refit's explicit packed option "
                              "(default: %(default)s)")
     parser.add_argument("--wire", choices=["bf16", "fp8"], default="bf16",
-                        help="dtype on the wire: 'fp8' sends linear weights as block FP8 "
-                             "(128x128 blocks, fp32 scales), as FP8 generation would hold "
-                             "them; the refit does not quantize yet: a what-if")
+                        help="dtype on the wire: 'fp8' counts every linear weight as block FP8 "
+                             "(128x128 blocks, fp32 scales), as the refit sends them to a "
+                             "block-FP8 generation model (gen_quant='block_fp8': quantized "
+                             "by the training rank where its shard holds whole blocks; a "
+                             "weight whose shards cut blocks travels in BF16 and the "
+                             "generation rank quantizes it, so this is the lower bound)")
     parser.add_argument("--planner", choices=["both", "default", "link-aware"], default="both",
                         help="which planner's figures to show: the refit's default planner, "
                              "the link-aware one, or both side by side")
@@ -118,8 +135,11 @@ def _parse_layers(text: Optional[str]) -> tuple[Optional[tuple], list]:
 
 
 def problems_of(args: argparse.Namespace):
-    """(model config, parallel sizes, problems) for the parsed options; nothing is planned yet."""
-    from megatron_reshard.tools.plan_inputs import RefitParallelism, parallelism_problems
+    """(model config, parallel sizes, problems) for the parsed options; nothing is planned
+    yet, and nothing here imports torch (plan_layout), so a bad option ends the command at
+    once. A value the user did not type is named as the default or derived one it is."""
+    from megatron_reshard.tools.plan_layout import (MAX_LAYERS, RefitParallelism,
+                                                    megatron_pp_split, parallelism_problems)
 
     pp_layers, out = _parse_layers(args.train_pp_layers)
     if args.layers is not None and args.layers < 1:
@@ -131,30 +151,99 @@ def problems_of(args: argparse.Namespace):
             out.append(f"{option} {value}: expected a number > 0")
     if not args.latency_us >= 0:
         out.append(f"--latency-us {args.latency_us}: expected a number >= 0")
+    cfg = _model_of(args, out)
+    if cfg and int(cfg["num_hidden_layers"]) > MAX_LAYERS:
+        where = "--layers" if args.layers is not None else "the model's num_hidden_layers"
+        out.append(f"{where} {cfg['num_hidden_layers']}: expected at most {MAX_LAYERS} layers "
+                   "(the most the simulator plans)")
     if out:
         return None, None, out
-    cfg = model_config(args.model, args.layers)
-    lay = RefitParallelism(pp_layers=pp_layers, **parallelism_options(args, cfg, pp_layers))
-    return cfg, lay, parallelism_problems(lay, cfg)
+    sizes, origin = parallelism_options(args, cfg, pp_layers)
+    if pp_layers is None and sizes["train_pp"] >= 1:
+        counts, _ = megatron_pp_split(int(cfg["num_hidden_layers"]), sizes["train_pp"])
+        if counts and len(set(counts)) > 1:  # uneven: the stages are part of the layout shown
+            pp_layers = counts
+    lay = RefitParallelism(pp_layers=pp_layers, **sizes)
+    return cfg, lay, [_say_where_from(p, origin) for p in parallelism_problems(lay, cfg)]
 
 
-def parallelism_options(args: argparse.Namespace, cfg, pp_layers: Optional[tuple]) -> dict:
-    """The parallel sizes given on the command line, the model's defaults for the others
-    (computed from the layer count in use, so --layers moves them too); --train-pp-layers
-    alone sets the stage count."""
-    chosen = default_plan_parallelism(cfg)
+def _model_of(args: argparse.Namespace, out: list) -> dict:
+    """The model's shape config: the preset, or the HF config file (problems added to ``out``)."""
+    if args.hf_config is None:
+        return model_config(args.model, args.layers)
+    from megatron_reshard.tools.presets import config_from_hf_json
+
+    try:
+        with open(args.hf_config, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as err:
+        out.append(f"--hf-config {args.hf_config}: cannot be read ({err.strerror})")
+        return {}
+    cfg, problems = config_from_hf_json(text, f"--hf-config {args.hf_config}")
+    out += problems
+    if cfg and args.layers is not None:
+        cfg["num_hidden_layers"] = args.layers
+    return cfg
+
+
+def model_label(args: argparse.Namespace) -> str:
+    return args.hf_config if args.hf_config is not None else args.model
+
+
+def parallelism_options(args: argparse.Namespace, cfg, pp_layers: Optional[tuple]
+                        ) -> tuple[dict, dict]:
+    """(sizes, where each size not typed came from). The sizes given on the command line,
+    the model's default layout for the others; --train-pp-layers alone sets the stage
+    count. A world not given keeps the default's when the sizes given fit in it, else it is
+    the smallest that fits them (training: PP × lcm(TP×CP, EP); generation: lcm(TP, EP))."""
+    import math
+
+    model = "" if args.hf_config is not None else args.model
+    chosen = default_plan_parallelism(cfg, model)
+    origin = {k: "the model's default" for k in PARALLELISM_OPTIONS}
     if pp_layers is not None:
         chosen["train_pp"] = len(pp_layers)
+        origin["train_pp"] = "the --train-pp-layers count"
     given = {k: getattr(args, k) for k in PARALLELISM_OPTIONS if getattr(args, k) is not None}
-    return {**chosen, **given}
+    sizes = {**chosen, **given}
+    for k in given:
+        origin.pop(k)
+    if any(not isinstance(v, int) or v < 1 for v in sizes.values()):
+        return sizes, origin  # parallelism_problems names them; nothing to derive from
+    if "train_world" not in given:
+        tp_cp = sizes["train_tp"] * sizes["train_cp"]
+        per = sizes["train_pp"] * tp_cp
+        w = sizes["train_world"]
+        if w % per or (w // sizes["train_pp"]) % sizes["train_ep"]:
+            sizes["train_world"] = sizes["train_pp"] * math.lcm(tp_cp, sizes["train_ep"])
+            origin["train_world"] = "derived from the training sizes given"
+    if "gen_world" not in given:
+        w = sizes["gen_world"]
+        if w % sizes["gen_tp"] or w % sizes["gen_ep"]:
+            sizes["gen_world"] = math.lcm(sizes["gen_tp"], sizes["gen_ep"])
+            origin["gen_world"] = "derived from the generation sizes given"
+    return sizes, origin
+
+
+def _say_where_from(problem: str, origin: dict) -> str:
+    """A problem that quotes a size the user did not type says where that size came from."""
+    import re
+
+    head, sep, body = problem.partition(":")
+    for key, whence in origin.items():
+        option = "--" + key.replace("_", "-")
+        if head.split()[0] == option:
+            head = f"{head} ({whence})"
+        body = re.sub(rf"({re.escape(option)} \d+)(?![\d(])", rf"\1 ({whence})", body)
+    return head + sep + body
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_reshard.tools.simulate import LinkModel, simulate
-
     cfg, lay, problems = problems_of(args)
     if problems:
         return _fail(problems)
+    from megatron_reshard.tools.simulate import LinkModel, simulate  # torch: after the checks
+
     if args.plot:
         try:
             import matplotlib  # noqa: F401
@@ -162,10 +251,12 @@ def run(args: argparse.Namespace) -> int:
             return _fail([f"--plot {args.plot}: needs matplotlib (pip install 'megatron-reshard[plot]')"])
     link = LinkModel(args.gpus_per_node, args.nvlink_gbps, args.net_gbps, args.latency_us)
     which = {"both": (False, True), "default": (False,), "link-aware": (True,)}[args.planner]
-    sims = [simulate(args.model, cfg, lay, link, args.others, aware, args.wire)
+    sims = [simulate(model_label(args), cfg, lay, link, args.others, aware, args.wire)
             for aware in which]
     if args.json:
-        print(json.dumps({"model": args.model, "layout_text": lay.describe(),
+        print(json.dumps({"model": model_label(args),
+                          "layout_text": lay.describe(bool(num_experts(cfg))),
+                          "megatron_pp_settings": _pp_settings(cfg, lay),
                           "runs": [s.to_plain() for s in sims]}))
     else:
         _print_table(args, cfg, lay, sims)
@@ -188,12 +279,18 @@ def _print_table(args, cfg, lay, sims) -> None:
     total = c["bulk_bytes"] + c["other_bytes"]
     how = ("by packed broadcast from each stage's first training rank" if args.others == "broadcast"
            else "shard to shard through the engine too")
-    print(f"model {args.model}: {cfg['num_hidden_layers']} layers, {_count(c['elements'])} "
-          f"parameters ({b(total)} as sent)")
-    print(f"layout: {lay.describe()}")
-    print(f"tensors the refit moves: {c['bulk_params'] + c['other_params']} (an MoE layer's "
-          f"experts as one tensor per projection; {c['hf_tensors']} HF weights) = "
-          f"{c['bulk_params']} FFN/expert params through the engine ({b(c['bulk_bytes'])}) + "
+    experts = bool(num_experts(cfg))
+    print(f"model {model_label(args)}: {cfg['num_hidden_layers']} layers, "
+          f"{_count(c['elements'])} parameters ({b(total)} as sent)")
+    settings = _pp_settings(cfg, lay)
+    print(f"layout: {lay.describe(experts)}" + (
+        " (Megatron: " + ", ".join(f"{k}={v}" for k, v in settings.items()) + ")"
+        if settings else ""))
+    grouped = (f" (an MoE layer's experts as one tensor per projection; {c['hf_tensors']} HF "
+               "weights)" if experts else "")
+    ffn = "FFN/expert" if experts else "FFN"
+    print(f"tensors the refit moves: {c['bulk_params'] + c['other_params']}{grouped} = "
+          f"{c['bulk_params']} {ffn} params through the engine ({b(c['bulk_bytes'])}) + "
           f"{c['other_params']} others {how} ({b(c['other_bytes'])})"
           + (", linear weights as block FP8" if args.wire == "fp8" else ""))
     print(f"link model: {sims[0].link.describe()}")
@@ -217,6 +314,11 @@ def _print_table(args, cfg, lay, sims) -> None:
               f"{100 * t['above_ideal']:.1f}% | {b(g['min'])} / {b(g['mean'])} / {b(g['max'])} | "
               f"{100 * g['above_ideal']:.1f}% | {b(peers['mean'])} | {_secs(e['refit'])} | "
               f"{who}: {e['limited_by']} |")
+    print("\nof which from peers: the part of what a generation rank receives that comes from "
+          "other generation ranks: a region several of them hold (the same shard in every "
+          "generation DP replica; KV heads or norms vLLM replicates over TP) can be read from "
+          "the training side once and completed inside the generation group, as the planner "
+          "chooses; the rest comes from training ranks.")
     e = first["estimate_s"]
     print(f"\ngather + broadcast estimate: {_secs(e['gather_broadcast'])} (gather on the "
           f"training ranks {_secs(e['gather'])}, then every generation rank receives the "
@@ -224,6 +326,17 @@ def _print_table(args, cfg, lay, sims) -> None:
     for s in sims:
         print(f"plan fingerprint ({'link-aware' if s.link_aware else 'default'} planner): "
               f"{s.fingerprint}")
+
+
+def _pp_settings(cfg, lay) -> dict:
+    """The Megatron options that give the stages in use (empty for an even split or stages
+    given by hand that Megatron's options cannot express)."""
+    from megatron_reshard.tools.plan_layout import megatron_pp_split
+
+    counts, settings = megatron_pp_split(int(cfg["num_hidden_layers"]), lay.train_pp)
+    if lay.pp_layers and tuple(lay.pp_layers) != counts:
+        return {}
+    return settings
 
 
 def _secs(t: float) -> str:

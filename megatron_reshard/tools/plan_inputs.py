@@ -1,7 +1,6 @@
-"""What the plan tool plans, on paper: a refit's training and generation parallel sizes
-(``RefitParallelism``), their checks against a model, and every parameter with the
-layouts the engine would see on both sides (a layout key per param, per training PP
-stage).
+"""What the plan tool plans, on paper: every parameter with the layouts the engine would
+see on both sides (a layout key per param, per training PP stage), for a layout checked by
+``plan_layout`` (``RefitParallelism``, ``parallelism_problems``: no torch there).
 
 Ranks follow the refit's own conventions (``build_nccl_reshard_refit_info``): one refit
 group per training PP stage, its training ranks first (stage-local ``0..S-1``, Megatron's
@@ -35,7 +34,12 @@ from megatron_reshard.wire.records import RefitPayload
 from megatron_reshard.vllm_layout.dense import (QKV_PARAM_RE, AttentionHeads, padded_vocab_rows,
                                                 qkv_gen_layout)
 
-from .presets import attention_heads, hf_params, is_mla, is_moe_layer, num_experts
+from .plan_layout import RefitParallelism, parallelism_problems, stage_layer_counts
+from .presets import attention_heads, hf_params, is_mla
+
+# RefitParallelism and parallelism_problems live in plan_layout (no torch); importable here too
+__all__ = ["RefitParallelism", "SimParam", "StagePlanInput", "count_params", "parallelism_problems",
+           "stage_inputs", "stage_of_layers"]
 
 OTHERS_MODES = ("broadcast", "sharded")
 WIRE_DTYPES = ("bf16", "fp8")
@@ -44,115 +48,13 @@ FP8_BYTES_PER_ELEMENT = 1 + 4 / (128 * 128)
 MEGATRON_VOCAB_DIVISOR = 128  # make_vocab_size_divisible_by's default
 
 
-@dataclass(frozen=True)
-class RefitParallelism:
-    """Training and generation parallel sizes (ETP 1; generation PP 1)."""
-
-    train_world: int
-    gen_world: int
-    train_tp: int = 1
-    train_cp: int = 1
-    train_ep: int = 1
-    train_pp: int = 1
-    pp_layers: Optional[tuple] = None  # layers per training PP stage; None: even split
-    gen_tp: int = 1
-    gen_ep: int = 1
-
-    @property
-    def stage_world(self) -> int:
-        return self.train_world // self.train_pp
-
-    @property
-    def train_dp(self) -> int:
-        return self.stage_world // (self.train_tp * self.train_cp)
-
-    @property
-    def gen_dp(self) -> int:
-        return self.gen_world // self.gen_tp
-
-    def describe(self) -> str:
-        pp = f"PP{self.train_pp}" + (f" (layers {','.join(map(str, self.pp_layers))})"
-                                     if self.pp_layers else "")
-        return (f"train {self.train_world} ranks: TP{self.train_tp} CP{self.train_cp} {pp} "
-                f"EP{self.train_ep} DP{self.train_dp} (expert DP {self.stage_world // self.train_ep}) "
-                f"-> gen {self.gen_world} ranks: TP{self.gen_tp} EP{self.gen_ep} DP{self.gen_dp}")
-
-    def to_plain(self) -> dict:
-        return {"train": {"world": self.train_world, "tp": self.train_tp, "cp": self.train_cp,
-                          "ep": self.train_ep, "pp": self.train_pp, "dp": self.train_dp,
-                          "pp_layers": list(self.stage_layers_counts())},
-                "gen": {"world": self.gen_world, "tp": self.gen_tp, "ep": self.gen_ep,
-                        "dp": self.gen_dp}}
-
-    def stage_layers_counts(self) -> tuple:
-        return tuple(self.pp_layers) if self.pp_layers else ()
-
-
-def parallelism_problems(lay: RefitParallelism, cfg: Mapping[str, Any]) -> list[str]:
-    """Why the model cannot be refitted with these parallel sizes, one line per option (empty: it can)."""
-    sizes = {"--train-world": lay.train_world, "--gen-world": lay.gen_world,
-             "--train-tp": lay.train_tp, "--train-cp": lay.train_cp, "--train-ep": lay.train_ep,
-             "--train-pp": lay.train_pp, "--gen-tp": lay.gen_tp, "--gen-ep": lay.gen_ep}
-    out = [f"{opt} {v}: expected an integer >= 1" for opt, v in sizes.items()
-           if isinstance(v, bool) or not isinstance(v, int) or v < 1]
-    if out:
-        return out
-    nh, nkv = attention_heads(cfg)
-    layers, E = int(cfg["num_hidden_layers"]), num_experts(cfg)
-    dense_ffn = int(cfg["intermediate_size"]) if any(
-        not is_moe_layer(cfg, i) for i in range(layers)) else None
-    shared = int(cfg.get("n_shared_experts") or 0) * int(cfg.get("moe_intermediate_size") or 0)
-    per = lay.train_tp * lay.train_cp * lay.train_pp
-    if lay.train_world % per:
-        out.append(f"--train-world {lay.train_world}: expected a multiple of TP×CP×PP = {per}")
-    elif lay.stage_world % lay.train_ep:
-        out.append(f"--train-ep {lay.train_ep}: expected a divisor of the {lay.stage_world} "
-                   "training ranks per PP stage (expert TP is 1)")
-    if lay.gen_world % lay.gen_tp:
-        out.append(f"--gen-world {lay.gen_world}: expected a multiple of --gen-tp {lay.gen_tp}")
-    if lay.gen_world % lay.gen_ep:
-        out.append(f"--gen-ep {lay.gen_ep}: expected a divisor of --gen-world {lay.gen_world}")
-    for opt, ep in (("--train-ep", lay.train_ep), ("--gen-ep", lay.gen_ep)):
-        if not E and ep != 1:
-            out.append(f"{opt} {ep}: expected 1, the model has no experts")
-        elif E and opt == "--train-ep" and E % ep:
-            out.append(f"{opt} {ep}: expected a divisor of the model's {E} experts")
-        elif E and ep > E:  # vLLM: uneven blocks, the first E % ep ranks one expert more
-            out.append(f"{opt} {ep}: expected at most the model's {E} experts")
-    for opt, t, side in (("--train-tp", lay.train_tp, "train"), ("--gen-tp", lay.gen_tp, "gen")):
-        if nh % t:
-            out.append(f"{opt} {t}: expected a divisor of the {nh} attention heads")
-        elif nkv % t if t <= nkv else t % nkv:
-            out.append(f"{opt} {t}: expected a divisor or a multiple of the {nkv} KV heads")
-        for what, n in (("dense FFN size", dense_ffn), ("shared-expert FFN size", shared)):
-            if n and n % t:
-                out.append(f"{opt} {t}: expected a divisor of the {what} {n}")
-    if E and lay.gen_ep == 1 and int(cfg["moe_intermediate_size"]) % lay.gen_tp:
-        out.append(f"--gen-tp {lay.gen_tp}: expected a divisor of the expert FFN size "
-                   f"{cfg['moe_intermediate_size']} (with --gen-ep 1 each rank holds a TP slice "
-                   "of every expert)")
-    vocab_rows = padded_vocab_rows(int(cfg["vocab_size"]))
-    if vocab_rows % lay.gen_tp:
-        out.append(f"--gen-tp {lay.gen_tp}: expected a divisor of the {vocab_rows} vocab rows "
-                   "(padded to a multiple of 64 as vLLM pads them)")
-    if lay.pp_layers is not None:
-        counts = list(lay.pp_layers)
-        if len(counts) != lay.train_pp or any(c < 1 for c in counts) or sum(counts) != layers:
-            out.append(f"--train-pp-layers {','.join(map(str, counts))}: expected {lay.train_pp} "
-                       f"counts >= 1 (one per PP stage) adding up to the {layers} layers")
-    elif layers % lay.train_pp:
-        out.append(f"--train-pp {lay.train_pp}: expected a divisor of the {layers} layers, or "
-                   "uneven stages through --train-pp-layers")
-    return out
-
-
 def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
 def stage_of_layers(lay: RefitParallelism, layers: int) -> dict[str, int]:
     """Layer key -> training PP stage (embeddings first, final norm and LM head last)."""
-    counts = list(lay.pp_layers) if lay.pp_layers else [layers // lay.train_pp] * lay.train_pp
+    counts = stage_layer_counts(lay, layers)
     out, layer = {"model.embed_tokens": 0}, 0
     for stage, n in enumerate(counts):
         for _ in range(n):

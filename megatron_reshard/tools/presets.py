@@ -77,33 +77,34 @@ def demo_config(model: str) -> dict[str, Any]:
 def model_names() -> list[str]:
     from megatron_reshard.tools.run_config import MODEL_PRESETS
 
-    return sorted(MODEL_PRESETS) + list(FULL_SIZE)
+    return sorted(MODEL_PRESETS) + list(FULL_SIZE) + list(LLAMA_FULL_SIZE)
 
 
 def model_config(model: str, layers: int | None = None) -> dict[str, Any]:
     """The config of a preset by name, optionally with another layer count."""
-    cfg = dict(FULL_SIZE[model]) if model in FULL_SIZE else demo_config(model)
+    full = {**FULL_SIZE, **LLAMA_FULL_SIZE}
+    cfg = dict(full[model]) if model in full else demo_config(model)
     if layers is not None:
         cfg["num_hidden_layers"] = layers
     return cfg
 
 
-# The plan command's parallel sizes when no size option is given: the demo's (train 4 ranks TP2
-# PP2 EP2 -> gen 2 ranks TP2 EP1), with what a model cannot take changed, so that every
-# preset plans with the command's defaults.
+# The plan command's parallel sizes when no size option is given, for the demo's small
+# models and for a config read from a file: the demo's (train 4 ranks TP2 PP2 EP2 -> gen 2
+# ranks TP2 EP1), EP1 without experts. The full-size presets take PUBLISHED_LAYOUTS.
 DEMO_PLAN_PARALLELISM: dict[str, int] = dict(train_world=4, train_tp=2, train_cp=1, train_pp=2,
                                              train_ep=2, gen_world=2, gen_tp=2, gen_ep=1)
 
 
-def default_plan_parallelism(cfg: Mapping[str, Any]) -> dict[str, int]:
-    """The demo's parallel sizes adapted to the model: EP1 without experts (there is nothing to
-    split), PP1 when the layer count is odd (DeepSeek-V3's and Kimi-K2's 61 layers have no
-    even split; uneven stages are the user's choice, through --train-pp-layers)."""
+def default_plan_parallelism(cfg: Mapping[str, Any], model: str = "") -> dict[str, int]:
+    """The model's default layout: its entry in PUBLISHED_LAYOUTS, else the demo's sizes
+    (EP1 without experts: there is nothing to split). A layer count PP does not divide is
+    split the way Megatron splits it (``plan_layout.megatron_pp_split``)."""
+    if model in PUBLISHED_LAYOUTS:
+        return dict(PUBLISHED_LAYOUTS[model])
     out = dict(DEMO_PLAN_PARALLELISM)
     if not num_experts(cfg):
         out["train_ep"] = 1
-    if int(cfg["num_hidden_layers"]) % out["train_pp"]:
-        out["train_pp"] = 1
     return out
 
 
@@ -190,3 +191,80 @@ def hf_params(cfg: Mapping[str, Any]) -> list[HFParam]:
     if not cfg.get("tie_word_embeddings"):
         out.append(HFParam("lm_head.weight", (V, H), bf16))
     return out
+
+
+# ---- Llama presets, published default layouts, configs read from files (plan) ----------
+
+LLAMA_FULL_SIZE: dict[str, dict[str, Any]] = {
+    "llama-3.1-8b": dict(  # meta-llama/Llama-3.1-8B
+        hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=128, intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False),
+    "llama-3.1-70b": dict(  # meta-llama/Llama-3.1-70B
+        hidden_size=8192, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+        head_dim=128, intermediate_size=28672, vocab_size=128256, tie_word_embeddings=False),
+    "llama-3.1-405b": dict(  # meta-llama/Llama-3.1-405B
+        hidden_size=16384, num_hidden_layers=126, num_attention_heads=128,
+        num_key_value_heads=8, head_dim=128, intermediate_size=53248, vocab_size=128256,
+        tie_word_embeddings=False),
+}
+
+
+def _layout(train_world: int, train_tp: int, train_pp: int, train_ep: int, gen_world: int,
+            gen_tp: int, gen_ep: int) -> dict[str, int]:
+    return dict(train_world=train_world, train_tp=train_tp, train_cp=1, train_pp=train_pp,
+                train_ep=train_ep, gen_world=gen_world, gen_tp=gen_tp, gen_ep=gen_ep)
+
+
+# Each full-size preset's default layout: the layout its RL users run (training on Megatron,
+# generation on vLLM, both sides on the same number of GPUs as a colocated job has them).
+# DeepSeek-V3 as NeMo-RL runs it on 32 nodes of 8 GPUs (Megatron TP1 PP16 EP16, vLLM TP32 with
+# expert parallelism, 8 replicas); Kimi-K2 the same shape. The others: the smallest layout
+# the model fits on 80 GB GPUs in bf16 for training (TP inside a node, PP across nodes)
+# and for vLLM (one replica per TP group). PP that does not divide the layers (61, 94, 126)
+# is split as Megatron splits it.
+PUBLISHED_LAYOUTS: dict[str, dict[str, int]] = {
+    "qwen3-8b": _layout(8, 2, 1, 1, 8, 1, 1),
+    "qwen3-30b-a3b": _layout(16, 2, 1, 8, 16, 4, 4),
+    "qwen3-235b-a22b": _layout(128, 4, 8, 16, 128, 8, 8),
+    "deepseek-v3": _layout(256, 1, 16, 16, 256, 32, 32),
+    "kimi-k2": _layout(256, 1, 16, 16, 256, 32, 32),
+    "llama-3.1-8b": _layout(8, 2, 1, 1, 8, 1, 1),
+    "llama-3.1-70b": _layout(32, 8, 2, 1, 32, 4, 1),
+    "llama-3.1-405b": _layout(128, 8, 8, 1, 128, 16, 1),
+}
+
+# The HF config.json keys that decide parameter shapes (the rest of a config is ignored)
+HF_SHAPE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "head_dim", "intermediate_size", "vocab_size",
+                 "tie_word_embeddings", "qk_norm", "num_experts", "n_routed_experts",
+                 "moe_intermediate_size", "first_k_dense_replace", "n_shared_experts",
+                 "topk_method", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+                 "qk_rope_head_dim", "v_head_dim")
+HF_REQUIRED_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                    "intermediate_size", "vocab_size")
+_QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")  # Qwen3 configs imply q/k norms, no key says so
+
+
+def config_from_hf_json(text: str, source: str) -> tuple[dict[str, Any], list[str]]:
+    """(shape config, problems) of an HF ``config.json``'s text; ``source`` names it in
+    messages. A multimodal config's ``text_config`` is read when the top level has none."""
+    import json
+
+    try:
+        raw = json.loads(text)
+    except ValueError as err:
+        return {}, [f"{source}: not JSON ({err})"]
+    if not isinstance(raw, dict):
+        return {}, [f"{source}: expected a JSON object"]
+    if "hidden_size" not in raw and isinstance(raw.get("text_config"), dict):
+        raw = {**raw["text_config"], "model_type": raw.get("model_type")}
+    missing = [k for k in HF_REQUIRED_KEYS if not isinstance(raw.get(k), int)]
+    if missing:
+        return {}, [f"{source}: expected integer keys {', '.join(missing)} (HF config.json names)"]
+    cfg = {k: raw[k] for k in HF_SHAPE_KEYS if raw.get(k) is not None}
+    cfg.setdefault("tie_word_embeddings", False)
+    if "qk_norm" not in cfg and raw.get("model_type") in _QK_NORM_MODEL_TYPES:
+        cfg["qk_norm"] = True
+    if num_experts(cfg) and "moe_intermediate_size" not in cfg:
+        return {}, [f"{source}: a model with experts needs moe_intermediate_size"]
+    return cfg, []

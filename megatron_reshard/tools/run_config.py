@@ -34,11 +34,16 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
 }
 
 # --gen-precision fp8: the preset's dims made whole 128x128 blocks per TP shard (head_dim
-# 128, hidden 256, FFN 512 / experts 256), as vLLM's block-FP8 layers require
+# 128, hidden 256, FFN 512 / experts 256), as vLLM's block-FP8 layers require; for MLA
+# (deepseek) the q/kv up-projections' rows per head 128 + 64, v 64 per head, q LoRA rank 128
+# (vLLM fuses q_a above kv_a in one block-FP8 tensor), the shared expert 256 (keys a preset
+# lacks are not added)
 FP8_MODEL_OVERRIDES: dict[str, Any] = dict(hidden_size=256, num_attention_heads=4,
                                            num_query_groups=2, head_dim=128, ffn_hidden_size=512,
                                            moe_ffn_hidden_size=256, num_moe_experts=4,
-                                           num_layers=2)
+                                           num_layers=2, qk_head_dim=128, qk_pos_emb_head_dim=64,
+                                           v_head_dim=64, q_lora_rank=128,
+                                           moe_shared_expert_intermediate_size=256)
 GEN_PRECISIONS = ("bf16", "fp8", "mxfp8")
 
 
@@ -49,6 +54,12 @@ def model_preset(cfg: "RefitRunConfig") -> dict[str, Any]:
         preset.update({k: v for k, v in FP8_MODEL_OVERRIDES.items()
                        if k in preset or k == "head_dim"})
     preset.update(cfg.model_overrides)
+    freq = preset.get("moe_layer_freq")
+    if isinstance(freq, list) and len(freq) != preset["num_layers"]:
+        # a per-layer pattern follows the layer count (FP8's 2 layers, an override): the
+        # preset's first-k dense layers, then MoE layers (Megatron wants one entry per layer)
+        dense_first = min(freq.index(1) if 1 in freq else len(freq), preset["num_layers"])
+        preset["moe_layer_freq"] = [0] * dense_first + [1] * (preset["num_layers"] - dense_first)
     return preset
 
 
@@ -62,6 +73,9 @@ class RefitRunConfig:
     train_tp: int = 2
     train_pp: int = 2
     train_ep: int = 2
+    # expert TP for initialize_model_parallel: None leaves Megatron's default (the TP size),
+    # which a dense model takes as it is; a model with experts needs 1 (expert TP is refused)
+    train_etp: Optional[int] = 1
     gen_world: int = 2
     gen_tp: int = 2
     gen_ep: int = 1
@@ -235,10 +249,18 @@ def _split_refusals(cfg: RefitRunConfig) -> dict[str, Any]:
     def fp8_blocks(t: int) -> Optional[str]:
         """vLLM's block-FP8 layers hold whole 128-row/column blocks on every TP rank."""
         head_dim = m.get("head_dim") or m["hidden_size"] // heads
-        sizes = {"attention rows per rank": heads * head_dim // t,
-                 "KV rows per rank": max(1, kv // t) * head_dim}
+        if mla_down:  # MLA: q/kv up-projection rows and o_proj columns per rank
+            qk = m["qk_head_dim"] + m["qk_pos_emb_head_dim"]
+            sizes = {"q up-projection rows per rank": heads * qk // t,
+                     "kv up-projection rows per rank": heads * (m["qk_head_dim"] + m["v_head_dim"]) // t,
+                     "o_proj columns per rank": heads * m["v_head_dim"] // t}
+        else:
+            sizes = {"attention rows per rank": heads * head_dim // t,
+                     "KV rows per rank": max(1, kv // t) * head_dim}
         if ffn:
             sizes["FFN rows per rank"] = ffn // t
+        if shared:
+            sizes["shared-expert FFN rows per rank"] = shared // t
         if experts:
             sizes["expert FFN rows per rank"] = expert_ffn // (t if cfg.gen_ep == 1 else 1)
         cut = {k: v for k, v in sizes.items() if t > 1 and v % 128}
@@ -273,9 +295,16 @@ def _model_problems(cfg: RefitRunConfig) -> list[str]:
         why = refusals[option](size)
         if why is not None:
             valid = [str(n) for n in range(1, 129) if refusals[option](n) is None]
-            expected = valid[0] if len(valid) == 1 else "one of " + ", ".join(valid)
+            expected = (valid[0] if len(valid) == 1 else "one of " + ", ".join(valid) if valid
+                        else "a size, but none of 1..128 fits")
             out.append(f"{option} {size}: expected {expected} for the {cfg.model} model; "
                        f"{size} {why}")
+    m = model_preset(cfg)
+    q_lora = m.get("q_lora_rank") if m.get("multi_latent_attention") else None
+    if cfg.gen_quant == "block_fp8" and q_lora and q_lora % 128:
+        out.append(f"--gen-precision fp8: expected a q_lora_rank that is a multiple of 128 for "
+                   f"the {cfg.model} model (vLLM's fused_qkv_a_proj holds q_a's rows above "
+                   f"kv_a's, in whole 128-row FP8 blocks); found {q_lora}")
     return out
 
 
