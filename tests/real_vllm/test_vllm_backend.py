@@ -428,7 +428,11 @@ def _init_with_an_uncovered_param(job, prepare_options):
 
     if job.rank == 0:
         group = create_refit_group(job.host, job.port, 0, 2, "gloo", 60.0, who="train rank 0")
-        return catch(lambda: all_gather_ints([1], group, "the first refit"))
+        out = catch(lambda: all_gather_ints([1], group, "the first refit"))
+        import time
+
+        time.sleep(2)  # this rank hosts the store: keep it up while the peer's wait ends
+        return out
     payload = build_plain_payload(_COVER_CFG, random_hf_state_dict(_COVER_CFG, seed=0),
                                   {"tp_size": 1}, {"tp_size": 1}, 1, 1)
     model = build_vllm_like_model(_COVER_CFG, 0, 1, 1, torch.bfloat16)
