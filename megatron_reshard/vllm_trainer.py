@@ -19,9 +19,10 @@ side is ``megatron_reshard.vllm_backend``; the mapping of one call onto the othe
   init joins the same groups.
 - ``send_weights(version=None)``: rank 0 ``start_weight_update()``, then
   ``update_weights({"version": v})`` in a thread while every rank runs ``RefitSender.refit(v)``
-  (the workers' update is the receiving half of that refit; the commit vote carries ``v``,
-  and the workers check it against ``update_info``), then
-  ``finish_weight_update(weight_version=str(v))`` (vLLM's engine-level version label).
+  (the workers' update is the receiving half of that refit; ``v`` None unless the caller
+  gave one: the sender's version check then picks it, the commit vote carries it, and
+  workers asked for a version check it), then ``finish_weight_update(weight_version=
+  str(committed))`` (vLLM's engine-level version label).
 - ``shutdown()``: rank 0 ``client.shutdown_weight_transfer_engine()`` (where the client has
   it: vLLM's HTTP and Ray clients do) while every rank destroys its refit group.
 
@@ -164,7 +165,7 @@ class MegatronReshardTrainerWeightTransferEngine(
         self.device = _device_of(init_info)
         self.group: Any = None
         self.sender: Optional[RefitSender] = None
-        self.version = 0          # of the last update sent (committed or not)
+        self.version = 0          # of the last update committed
         self.last_refit: Optional[dict] = None  # RefitSender.refit's stats
 
     @classmethod
@@ -227,13 +228,14 @@ class MegatronReshardTrainerWeightTransferEngine(
 
     def send_weights(self, version: Optional[int] = None) -> None:
         """One weight update: every rank sends its shards; rank 0 drives the workers through
-        the client. ``version`` (default: the previous one + 1) must be the same on every
-        rank; the workers check they committed it and vLLM labels the weights with it."""
+        the client. ``version``, if given, must be the same on every rank; the workers check
+        they committed it. Default: the sender's own (one more than the higher of its last
+        version and the version the workers' weights hold, so a restarted trainer continues
+        after them). vLLM labels the weights with the committed version."""
         if self.sender is None:
             raise TrainerWeightTransferError("send_weights after shutdown (or before "
                                              "trainer_init): no refit group")
-        version = self.version + 1 if version is None else int(version)
-        self.version = version
+        version = None if version is None else int(version)
         refit_error: Optional[BaseException] = None
         client_error: Optional[str] = None
         with _calls() as pool:
@@ -248,6 +250,7 @@ class MegatronReshardTrainerWeightTransferEngine(
                     client_error = _text(exc, "start_weight_update")
             try:
                 self.last_refit = self.sender.refit(version)
+                version = self.version = self.last_refit["version"]
             except Exception as exc:  # noqa: BLE001 - raised after the ranks agreed
                 refit_error = exc
             if answer is not None:
@@ -257,7 +260,7 @@ class MegatronReshardTrainerWeightTransferEngine(
                     self.client.finish_weight_update(weight_version=str(version))
                 except Exception as exc:  # noqa: BLE001
                     client_error = _text(exc, "finish_weight_update")
-            self._agree(client_error, f"send_weights (version {version})", refit_error)
+            self._agree(client_error, f"send_weights (version {version if version is not None else 'the sender picks'})", refit_error)
 
     def shutdown(self) -> None:
         """Destroy this rank's refit group; rank 0 has the workers release theirs."""
