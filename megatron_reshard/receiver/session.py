@@ -50,12 +50,15 @@ class ReceiverSession:
         vllm_tp: Optional[tuple[int, int]] = None,
         verify_checksums: bool = False,
         weights: Optional[WeightState] = None,
+        storage_orders: Optional[Mapping[str, Any]] = None,
     ):
         """``vllm_tp``: ``(tp_rank, tp_size)`` as the serving engine reports it, if known; the
         payload's placement of this rank must agree (else data would land on the wrong rank).
         ``verify_checksums`` must match the training side's choice (it is part of the plan
         fingerprint). ``weights``: the state of the model's weights, kept by the caller
         across sessions (new refit groups, new payloads) of the same model.
+        ``storage_orders``: the targets vLLM stores in a kernel's order
+        (``receiver.kernel_layouts.storage_orders`` of the model).
 
         Any error here is posted on the groups' fault boards: the training ranks, waiting
         for the first refit, raise it too instead of waiting for their timeout."""
@@ -66,7 +69,8 @@ class ReceiverSession:
             self._prepare(payload, named_parameters, num_streams=num_streams,
                           batch_bytes=batch_bytes, staging_bytes=staging_bytes,
                           strided_in_place=strided_in_place, xfer_batch=xfer_batch,
-                          vllm_tp=vllm_tp, verify_checksums=verify_checksums)
+                          vllm_tp=vllm_tp, verify_checksums=verify_checksums,
+                          storage_orders=storage_orders)
         self.receive_misc = receive_misc or receive_misc_packed
         self.staging_bytes = staging_bytes
         self.protocol = RefitProtocol("dst", self.loop, self.groups, self.misc_items,
@@ -77,7 +81,7 @@ class ReceiverSession:
                                       "verify_s": None, "last": None, "total_refit_s": 0.0}
 
     def _prepare(self, payload, named_parameters, *, num_streams, batch_bytes, staging_bytes,
-                 strided_in_place, xfer_batch, vllm_tp, verify_checksums) -> None:
+                 strided_in_place, xfer_batch, vllm_tp, verify_checksums, storage_orders) -> None:
         ranks = {s: group_rank(g) for s, g in self.groups.items()}
         if len(set(ranks.values())) > 1:
             raise ValueError(f"this generation rank has different ranks in the refit groups: {ranks}")
@@ -108,7 +112,7 @@ class ReceiverSession:
                              f"{self.gen_rank % tp} of {tp}, but vLLM reports TP rank {vllm_tp[0]} "
                              f"of {vllm_tp[1]} here; the refit group ranks must follow vLLM's TP order")
         try:
-            self._map_targets(tp, ep, named_parameters, strided_in_place)
+            self._map_targets(tp, ep, named_parameters, strided_in_place, storage_orders)
         except (IndexError, KeyError, TypeError, AttributeError, ZeroDivisionError) as exc:
             # a payload that passed the structural checks but describes shapes that do not
             # fit this model: say so as a payload error, not as an internal failure
@@ -125,11 +129,13 @@ class ReceiverSession:
                             for plan in list(self.bulk_plans) +
                             [p for ps in self.misc_plans.values() for p in ps]}
 
-    def _map_targets(self, tp: int, ep: int, named_parameters, strided_in_place: bool) -> None:
+    def _map_targets(self, tp: int, ep: int, named_parameters, strided_in_place: bool,
+                     storage_orders=None) -> None:
         """Map every param this rank receives onto the model's storage (local work)."""
         self.targets = VllmTargets.from_named_parameters(
             named_parameters, dict(self.payload.hf_config or {}), tp_rank=self.gen_rank % tp,
-            tp_size=tp, ep_size=ep, ep_rank=self.gen_rank % ep, label=f"gen rank {self.gen_rank}")
+            tp_size=tp, ep_size=ep, ep_rank=self.gen_rank % ep, label=f"gen rank {self.gen_rank}",
+            orders=storage_orders)
         self.local_map, self.bulk_plans = build_receiver_param_map(
             self.payload, self.targets, self.rank_in_group, strided_in_place)
         misc = misc_items_by_stage(self.payload)

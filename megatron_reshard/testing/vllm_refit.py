@@ -71,8 +71,30 @@ def _copy_derived_weights(model: torch.nn.Module) -> int:
     return copied
 
 
+def _plant_order_error():
+    """A mapping error on purpose: the receiver's storage orders with two rows of the first
+    kernel-ordered target exchanged (the comparison with vLLM must see it)."""
+    from megatron_reshard.receiver import worker as worker_module
+    from megatron_reshard.vllm_layout.kernel_order import KernelOrder
+
+    learned = worker_module.storage_orders
+
+    def planted(model, skip=()):
+        orders = dict(learned(model, skip=skip))
+        name = min(orders)
+        terms = list(orders[name].terms)
+        rows = terms[1].clone()
+        rows[[0, 1]] = rows[[1, 0]]
+        terms[1] = rows
+        orders[name] = KernelOrder(orders[name].backend, tuple(terms))
+        return orders
+
+    return worker_module, learned, planted
+
+
 def _vllm_gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Mapping[str, Any],
-                   vllm_port: int, plant_fault: bool, copy_derived: bool) -> dict:
+                   vllm_port: int, plant_fault: bool, copy_derived: bool,
+                   moe_backend: Optional[str] = None, plant_order_error: bool = False) -> dict:
     from megatron_reshard.megatron.payload import decode_payload
     from megatron_reshard.testing import vllm_models as vm
 
@@ -80,7 +102,8 @@ def _vllm_gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Mappi
     payload = decode_payload(control.get("payload"))
     model_dir = vm.write_model_dir(hf_config)
     # one config per model instance: vLLM registers each attention layer in its config
-    new_config = lambda: vm.vllm_config_for(model_dir, cfg.gen_tp, ep=cfg.gen_ep > 1)  # noqa: E731
+    new_config = lambda: vm.vllm_config_for(model_dir, cfg.gen_tp, ep=cfg.gen_ep > 1,  # noqa: E731
+                                            moe_backend=moe_backend)
     config = new_config()
     out: dict[str, Any] = {"role": "gen", "rank": gen_rank, "refits": [], "differences": [],
                            "stand_in_differences": [], "moved": [], "planted": None}
@@ -91,8 +114,17 @@ def _vllm_gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Mappi
         worker = ModuleWorker(model)
         worker.init_refit_groups(cfg.host, list(cfg.ports[1:1 + cfg.train_pp]), None,
                                  cfg.stage_world + cfg.gen_world, cfg.backend, cfg.timeout_s)
-        out["summary"] = worker.prepare_refit(payload, {"verify_checksums": cfg.verify,
-                                                        "staging_bytes": cfg.staging_bytes})
+        if plant_order_error:
+            module, learned, planted = _plant_order_error()
+            module.storage_orders = planted
+        try:
+            out["summary"] = worker.prepare_refit(payload, {"verify_checksums": cfg.verify,
+                                                            "staging_bytes": cfg.staging_bytes})
+        finally:
+            if plant_order_error:
+                module.storage_orders = learned
+        session = worker._refit_session()
+        out["kernel_orders"] = {n: o.backend for n, o in session.targets.orders.items()}
         out["setup_s"] = time.perf_counter() - t0
         for step in range(cfg.refits):
             stats = worker.refit()
@@ -105,7 +137,8 @@ def _vllm_gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Mappi
                                        if addresses.get(n) != t.data_ptr()))
             if cfg.verify:  # the stand-in's expected shards against the same live storage
                 expected = json.loads(control.get(f"expected/{step}/{gen_rank}"))
-                out["stand_in_differences"].append(_stand_in_differences(model, expected))
+                out["stand_in_differences"].append(_stand_in_differences(
+                    model, expected, skip=out["kernel_orders"]))
             if plant_fault and step == cfg.refits - 1 and gen_rank == 0:
                 out["planted"] = _plant_fault(model, oracle)
             del oracle
@@ -115,11 +148,13 @@ def _vllm_gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Mappi
     return out
 
 
-def _stand_in_differences(model: torch.nn.Module, expected: Mapping[str, str]) -> list[str]:
+def _stand_in_differences(model: torch.nn.Module, expected: Mapping[str, str],
+                          skip=()) -> list[str]:
     """Where the stand-in's expected shards (``{vLLM name: digest}``) and vLLM's live storage
     disagree: a name vLLM does not have, other bytes, or a vLLM param (not derived) that the
     stand-in lacks. The stand-in names experts flat (``mlp.experts.w13_weight``, older
-    vLLM); vLLM 0.33 nests them (``mlp.experts.routed_experts.w13_weight``)."""
+    vLLM); vLLM 0.33 nests them (``mlp.experts.routed_experts.w13_weight``). ``skip``: params
+    vLLM keeps in a kernel's order (the stand-in holds checkpoint order)."""
     from megatron_reshard.receiver.derived import derived_param_names
 
     live = dict(model.named_parameters())
@@ -127,27 +162,70 @@ def _stand_in_differences(model: torch.nn.Module, expected: Mapping[str, str]) -
     for name, digest in expected.items():
         nested = name.replace(".mlp.experts.", ".mlp.experts.routed_experts.")
         as_vllm[name if name in live or nested not in live else nested] = digest
+    as_vllm = {n: d for n, d in as_vllm.items() if n not in skip}
     bad = sorted(n for n, digest in as_vllm.items()
                  if n not in live or tensor_digest(live[n]) != digest)
     derived = derived_param_names(model)
-    bad += sorted(f"{n} (not in the stand-in)" for n in live if n not in derived and n not in as_vllm)
+    bad += sorted(f"{n} (not in the stand-in)" for n in live
+                  if n not in derived and n not in as_vllm and n not in skip)
     return bad
 
 
 def vllm_refit_job(job, cfg: RefitRunConfig, hf_config: Mapping[str, Any],
-                   model_builder=None, plant_fault: bool = False, copy_derived: bool = False) -> dict:
+                   model_builder=None, plant_fault: bool = False, copy_derived: bool = False,
+                   moe_backend: Optional[str] = None, plant_order_error_on: Optional[int] = None
+                   ) -> dict:
     """Pool job (``WorkerPool.run(..., num_ports=cfg.train_pp + 2)``): process ``job.rank`` of
     a launch of ``train_world + gen_world``; the last port is vLLM's generation world.
     ``plant_fault``: gen rank 0 checks that the comparison sees a flipped bit;
-    ``copy_derived``: MLA's absorbed weights get storage of their own before the refits."""
+    ``copy_derived``: MLA's absorbed weights get storage of their own before the refits;
+    ``moe_backend``: vLLM's ``--moe-backend`` of the generation model (FlashInfer on the CPU:
+    ``testing.vllm_models``); ``plant_order_error_on``: that gen rank's receiver takes a
+    wrong kernel order (two rows exchanged), which the comparison must report."""
     cfg = RefitRunConfig(**{**cfg.__dict__, "ports": tuple(job.ports[: 1 + cfg.train_pp])})
     control = dist.TCPStore(cfg.host, cfg.ports[0], cfg.train_world + cfg.gen_world, job.rank == 0,
                             timeout=timedelta(seconds=cfg.timeout_s))
     if job.rank < cfg.train_world:
         return run_training_rank(job.rank, cfg, control, torch.device("cpu"), model_builder,
                                  after_each_refit=publish_full_hf)
-    return _vllm_gen_rank(job.rank - cfg.train_world, cfg, control, hf_config,
-                          job.ports[1 + cfg.train_pp], plant_fault, copy_derived)
+    gen_rank = job.rank - cfg.train_world
+    return _vllm_gen_rank(gen_rank, cfg, control, hf_config, job.ports[1 + cfg.train_pp],
+                          plant_fault, copy_derived, moe_backend, plant_order_error_on == gen_rank)
 
 
-__all__ = ["publish_full_hf", "vllm_refit_job"]
+
+
+def kernel_orders_job(job, hf_config: Mapping[str, Any], moe_backend: str,
+                      as_backends: tuple = ()) -> dict:
+    """Pool job (one process, ``num_ports=1``): vLLM's model built with ``moe_backend`` and
+    post-processed by vLLM; what ``receiver.kernel_layouts.storage_orders`` says of it, then
+    of the same live layers with their backend set to each of ``as_backends`` (names of
+    vLLM's ``UnquantizedMoeBackend``, as another platform would select them): the refusal
+    message, or None if not refused."""
+    from megatron_reshard.receiver.derived import mla_layers
+    from megatron_reshard.receiver.kernel_layouts import KernelLayoutError, storage_orders
+    from megatron_reshard.testing import vllm_models as vm
+
+    config = vm.vllm_config_for(vm.write_model_dir(hf_config), 1, moe_backend=moe_backend)
+    out: dict[str, Any] = {"refused": {}}
+    with vm.vllm_parallel_state(config, 0, 1, job.ports[0]):
+        model = vm.dummy_loaded_model(config)
+        out["orders"] = {n: o.backend for n, o in storage_orders(model).items()}
+        out["mla_layers"] = [n for n, _, _ in mla_layers(model)]
+        methods = [m.quant_method for m in model.modules()
+                   if type(getattr(m, "quant_method", None)).__name__ == "UnquantizedFusedMoEMethod"]
+        chosen = methods[0].unquantized_backend
+        for name in as_backends:
+            for method in methods:
+                method.unquantized_backend = type(chosen)[name]
+            try:
+                storage_orders(model)
+                out["refused"][name] = None
+            except KernelLayoutError as err:
+                out["refused"][name] = str(err)
+        for method in methods:
+            method.unquantized_backend = chosen
+    return out
+
+
+__all__ = ["kernel_orders_job", "publish_full_hf", "vllm_refit_job"]
