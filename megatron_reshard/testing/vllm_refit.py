@@ -225,6 +225,42 @@ def kernel_orders_job(job, hf_config: Mapping[str, Any], moe_backend: str,
                 out["refused"][name] = str(err)
         for method in methods:
             method.unquantized_backend = chosen
+        out["quantized"] = _quantized_refusals(model, storage_orders, KernelLayoutError)
+    return out
+
+
+def _quantized_refusals(model: torch.nn.Module, storage_orders, error) -> dict:
+    """The refusal of block-FP8 layers: vLLM's ``Fp8MoEMethod`` (its backend set to FlashInfer
+    CUTLASS, Hopper's EP default) on the first expert layer, then ``Fp8LinearMethod`` on the
+    first linear layer, each in turn in place of the live method (FP8 layers do not build
+    on this CPU: README); ``{"moe" | "linear": message or None}``."""
+    from vllm.model_executor.layers.fused_moe.oracle.fp8 import Fp8MoeBackend
+    from vllm.model_executor.layers.quantization.fp8 import Fp8LinearMethod, Fp8MoEMethod
+
+    def first(kind: str):
+        return next(m for m in model.modules()
+                    if type(getattr(m, "quant_method", None)).__name__ == kind
+                    and any(True for _ in m.parameters(recurse=False)))
+
+    out = {}
+    for key, layer, cls in (("moe", first("UnquantizedFusedMoEMethod"), Fp8MoEMethod),
+                            ("linear", first("UnquantizedLinearMethod"), Fp8LinearMethod)):
+        live, method = layer.quant_method, cls.__new__(cls)
+        if key == "moe":  # vLLM's MoE methods are modules: held here as a plain attribute
+            object.__setattr__(method, "fp8_backend", Fp8MoeBackend.FLASHINFER_CUTLASS)
+        child = layer._modules.pop("quant_method", None)
+        object.__setattr__(layer, "quant_method", method)
+        try:
+            storage_orders(model)
+            out[key] = None
+        except error as err:
+            out[key] = str(err)
+        finally:
+            object.__delattr__(layer, "quant_method")
+            if child is not None:
+                layer._modules["quant_method"] = child
+            else:
+                layer.quant_method = live
     return out
 
 

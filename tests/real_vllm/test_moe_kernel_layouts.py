@@ -12,7 +12,8 @@ given a wrong mapping on purpose, which the comparison must report.
 
 Backends whose conversion cannot run here are refused before any byte moves
 (``receiver.kernel_layouts``): checked on vLLM's live layer with its backend set as ROCm,
-XPU or MoonEP would select it.
+XPU or MoonEP would select it, and with vLLM's block-FP8 methods in place of the live ones
+(FP8 layers do not build on this CPU).
 """
 
 from __future__ import annotations
@@ -111,3 +112,8 @@ def test_backends_whose_conversion_does_not_run_here_are_refused(pool):
         assert "model.layers.1.mlp.experts.routed_experts" in message, message
         assert "UnquantizedFusedMoEMethod" in message and f"kernel backend {backend}" in message
         assert "--moe-backend triton, flashinfer_cutlass or flashinfer_trtllm" in message
+    # block-FP8 layers (vLLM's own method classes in place of the live ones): refused too
+    moe, linear = out["quantized"]["moe"], out["quantized"]["linear"]
+    assert moe and "routed_experts: quant method Fp8MoEMethod, kernel backend FLASHINFER_CUTLASS" in moe
+    assert "drop --quantization" in moe and "--moe-backend" in moe, moe
+    assert linear and "quant method Fp8LinearMethod" in linear and "drop --quantization" in linear
