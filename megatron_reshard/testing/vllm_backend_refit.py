@@ -72,14 +72,16 @@ def _engine_for(config, model):
 
 
 def _gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Mapping[str, Any],
-              vllm_port: int, mismatch_rank: Optional[int], fail_extra: bool) -> dict:
+              vllm_port: int, mismatch_rank: Optional[int], fail_extra: bool,
+              moe_backend: Optional[str] = None) -> dict:
     from megatron_reshard.megatron.payload import decode_payload
     from megatron_reshard.testing import vllm_models as vm
     from megatron_reshard.vllm_backend import WeightUpdateError, WeightVersionMismatch
 
     payload = decode_payload(control.get("payload"))
     model_dir = vm.write_model_dir(hf_config)
-    new_config = lambda: vm.vllm_config_for(model_dir, cfg.gen_tp, ep=cfg.gen_ep > 1)  # noqa: E731
+    new_config = lambda: vm.vllm_config_for(model_dir, cfg.gen_tp, ep=cfg.gen_ep > 1,  # noqa: E731
+                                            moe_backend=moe_backend)
     config = new_config()
     out: dict[str, Any] = {"role": "gen", "rank": gen_rank, "differences": [], "versions": [],
                            "mismatch": None, "failed": None}
@@ -129,9 +131,11 @@ def _gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Mapping[st
 
 
 def backend_refit_job(job, cfg: RefitRunConfig, hf_config: Mapping[str, Any],
-                      mismatch_rank: Optional[int] = None, fail_extra: bool = False) -> dict:
+                      mismatch_rank: Optional[int] = None, fail_extra: bool = False,
+                      moe_backend: Optional[str] = None) -> dict:
     """Pool job (``WorkerPool.run(..., num_ports=cfg.train_pp + 2)``): process ``job.rank`` of
-    a launch of ``train_world + gen_world``; the last port is vLLM's generation world."""
+    a launch of ``train_world + gen_world``; the last port is vLLM's generation world.
+    ``moe_backend``: vLLM's ``--moe-backend`` of the generation model."""
     t0 = time.perf_counter()
     cfg = RefitRunConfig(**{**cfg.__dict__, "ports": tuple(job.ports[: 1 + cfg.train_pp])})
     control = dist.TCPStore(cfg.host, cfg.ports[0], cfg.train_world + cfg.gen_world, job.rank == 0,
@@ -142,7 +146,7 @@ def backend_refit_job(job, cfg: RefitRunConfig, hf_config: Mapping[str, Any],
                                 after_refits=_failing_refit if fail_extra else None)
     else:
         out = _gen_rank(job.rank - cfg.train_world, cfg, control, hf_config,
-                        job.ports[1 + cfg.train_pp], mismatch_rank, fail_extra)
+                        job.ports[1 + cfg.train_pp], mismatch_rank, fail_extra, moe_backend)
     out["s"] = time.perf_counter() - t0
     return out
 

@@ -97,6 +97,26 @@ def test_a_planted_mapping_error_fails_the_comparison(refitted):
     assert planted["differences"] == [[target]] * REFITS, planted["differences"]
 
 
+def test_trtllm_through_the_weight_transfer_backend_and_the_colocated_transport(pool):
+    """The other front door (vLLM's weight-transfer engine, driven as vLLM's GPU worker
+    drives it) and the other transport (copies out of the training ranks' shared memory):
+    two refits into TRTLLM-ordered storage, bit-equal to vLLM's own loading."""
+    from megatron_reshard.testing.vllm_backend_refit import backend_refit_job
+
+    cfg = RefitRunConfig(model="dense", model_overrides=dict(QWEN3_MOE.model), refits=REFITS,
+                         verify=False, dtype="bfloat16", quiet=True, timeout_s=120,
+                         transport="colocated", **layout("tp2 ep2", "tp2"))
+    results = pool.run(backend_refit_job, cfg.train_world + cfg.gen_world, cfg,
+                       vllm_config_json(QWEN3_MOE), moe_backend="flashinfer_trtllm",
+                       num_ports=cfg.train_pp + 2, timeout_s=420)
+    gens = [r for r in results if r["role"] == "gen"]
+    assert {r["transport"] for r in results if r["role"] == "train"} == {"colocated"}
+    for g in gens:
+        assert g["engine"] == "MegatronReshardWeightTransferEngine"
+        assert g["differences"] == [[]] * REFITS, (g["rank"], g["differences"])
+        assert g["versions"] == list(range(1, REFITS + 1)), g["rank"]
+
+
 def test_backends_whose_conversion_does_not_run_here_are_refused(pool):
     """vLLM's live TRTLLM layers, their backend then set as ROCm (AITER), XPU, MoonEP, TPU
     or an out-of-tree platform would select it: refused, naming the layer, the quant method,
