@@ -38,6 +38,7 @@ QWEN3_MOE = Family(dict(TINY_MODEL, family="qwen3_moe", qk_layernorm=True, hidde
 MOE_LAYERS = 3
 CASES = {
     "cutlass-tp2": ("flashinfer_cutlass", "tp2 ep2", "tp2", {}),
+    "cutlass-vllm-ep": ("flashinfer_cutlass", "tp1 ep2", "tp2 ep2", {}),
     "trtllm-tp2": ("flashinfer_trtllm", "tp2 ep2", "tp2", dict(plant_order_error_on=1)),
     "trtllm-vllm-ep": ("flashinfer_trtllm", "tp1 ep2", "tp2 ep2", {}),
 }
