@@ -94,7 +94,8 @@ def _plant_order_error():
 
 def _vllm_gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Mapping[str, Any],
                    vllm_port: int, plant_fault: bool, copy_derived: bool,
-                   moe_backend: Optional[str] = None, plant_order_error: bool = False) -> dict:
+                   moe_backend: Optional[str] = None, plant_order_error: bool = False,
+                   as_moe_backend: Optional[str] = None) -> dict:
     from megatron_reshard.megatron.payload import decode_payload
     from megatron_reshard.testing import vllm_models as vm
 
@@ -109,6 +110,11 @@ def _vllm_gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Mappi
                            "stand_in_differences": [], "moved": [], "planted": None}
     with vm.vllm_parallel_state(config, gen_rank, cfg.gen_world, vllm_port):
         model = vm.dummy_loaded_model(config)
+        if as_moe_backend:  # the backend another platform would have selected (after loading)
+            for module in model.modules():
+                method = getattr(module, "quant_method", None)
+                if hasattr(method, "unquantized_backend"):
+                    method.unquantized_backend = type(method.unquantized_backend)[as_moe_backend]
         out["copied_derived"] = _copy_derived_weights(model) if copy_derived else 0
         addresses = {n: t.data_ptr() for n, t in vm.model_tensors(model).items()}
         worker = ModuleWorker(model)
@@ -173,15 +179,17 @@ def _stand_in_differences(model: torch.nn.Module, expected: Mapping[str, str],
 
 def vllm_refit_job(job, cfg: RefitRunConfig, hf_config: Mapping[str, Any],
                    model_builder=None, plant_fault: bool = False, copy_derived: bool = False,
-                   moe_backend: Optional[str] = None, plant_order_error_on: Optional[int] = None
-                   ) -> dict:
+                   moe_backend: Optional[str] = None, plant_order_error_on: Optional[int] = None,
+                   as_moe_backend: Optional[str] = None) -> dict:
     """Pool job (``WorkerPool.run(..., num_ports=cfg.train_pp + 2)``): process ``job.rank`` of
     a launch of ``train_world + gen_world``; the last port is vLLM's generation world.
     ``plant_fault``: gen rank 0 checks that the comparison sees a flipped bit;
     ``copy_derived``: MLA's absorbed weights get storage of their own before the refits;
     ``moe_backend``: vLLM's ``--moe-backend`` of the generation model (FlashInfer on the CPU:
     ``testing.vllm_models``); ``plant_order_error_on``: that gen rank's receiver takes a
-    wrong kernel order (two rows exchanged), which the comparison must report."""
+    wrong kernel order (two rows exchanged), which the comparison must report;
+    ``as_moe_backend``: the generation models' MoE layers report that backend (a name of
+    vLLM's ``UnquantizedMoeBackend``) to the receiver."""
     cfg = RefitRunConfig(**{**cfg.__dict__, "ports": tuple(job.ports[: 1 + cfg.train_pp])})
     control = dist.TCPStore(cfg.host, cfg.ports[0], cfg.train_world + cfg.gen_world, job.rank == 0,
                             timeout=timedelta(seconds=cfg.timeout_s))
@@ -190,7 +198,8 @@ def vllm_refit_job(job, cfg: RefitRunConfig, hf_config: Mapping[str, Any],
                                  after_each_refit=publish_full_hf)
     gen_rank = job.rank - cfg.train_world
     return _vllm_gen_rank(gen_rank, cfg, control, hf_config, job.ports[1 + cfg.train_pp],
-                          plant_fault, copy_derived, moe_backend, plant_order_error_on == gen_rank)
+                          plant_fault, copy_derived, moe_backend, plant_order_error_on == gen_rank,
+                          as_moe_backend)
 
 
 

@@ -138,3 +138,24 @@ def test_backends_whose_conversion_does_not_run_here_are_refused(pool):
     assert moe and "routed_experts: quant method Fp8MoEMethod, kernel backend FLASHINFER_CUTLASS" in moe
     assert "drop --quantization" in moe and "--moe-backend" in moe, moe
     assert linear and "quant method Fp8LinearMethod" in linear and "drop --quantization" in linear
+
+
+def test_a_refused_backend_stops_every_rank_at_prepare_refit(pool):
+    """A whole launch whose vLLM layers report the AITER backend (ROCm's): every generation
+    rank refuses at ``prepare_refit`` with the layer, method, backend and setting, and the
+    training ranks raise the same refusal (fault boards) instead of waiting; no refit runs."""
+    from megatron_reshard.tools.worlds import RankFailure
+
+    cfg = RefitRunConfig(model="dense", model_overrides=dict(QWEN3_MOE.model), refits=REFITS,
+                         verify=False, dtype="bfloat16", quiet=True, timeout_s=120,
+                         **layout("tp2 ep2", "tp2"))
+    results = pool.run(vllm_refit_job, cfg.train_world + cfg.gen_world, cfg,
+                       vllm_config_json(QWEN3_MOE), model_builder=_build,
+                       moe_backend="flashinfer_trtllm", as_moe_backend="AITER",
+                       num_ports=cfg.train_pp + 2, timeout_s=420, return_failures=True)
+    assert all(isinstance(r, RankFailure) for r in results), results
+    for r in results:
+        assert "KernelLayoutError" in r.text or "kernel backend AITER" in r.text, r.text[-2000:]
+        assert "kernel backend AITER" in r.text and "--moe-backend" in r.text, (r.rank, r.text[-2000:])
+    gens = [r for r in results if r.rank >= cfg.train_world]
+    assert all("prepare_refit" in r.text and "KernelLayoutError" in r.text for r in gens)
