@@ -107,3 +107,17 @@ def test_conversions_that_are_not_rearrangements_are_refused(convert, why):
 def test_a_conversion_that_changes_the_shape_is_refused():
     with pytest.raises(ValueError, match="not checkpoint-shaped"):
         learn_order(lambda a: [a.reshape(E, C, R)], [(E, R, C)])
+
+
+def test_block_aligned_boxes_take_one_row_copy_and_others_the_general_scatter():
+    """Both scatter paths give the conversion's bytes: a box of whole 8-column blocks goes
+    as one ``index_copy_`` of rows, a box cutting a block through per-element offsets."""
+    order = KernelOrder("blocks", _learn(padded_blocks))
+    w = torch.randn(E, R, C).to(torch.bfloat16)
+    whole = ((0, E), (0, KEEP), (0, C))
+    assert order._scatter_rows_of_blocks(torch.zeros_like(w), whole, w[:, :KEEP]) is True
+    cut = ((0, E), (0, KEEP), (0, 12))
+    assert order._scatter_rows_of_blocks(torch.zeros_like(w), cut, w[:, :KEEP, :12]) is False
+    halves = [((0, E), rows, cols) for rows in ((0, KEEP), (R // 2, R // 2 + KEEP))
+              for cols in ((0, 12), (12, C))]
+    assert torch.equal(_bits(_write_through(order, w, halves)), _bits(padded_blocks(w)))

@@ -135,6 +135,12 @@ def _separate(where: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
     for d in range(where.dim()):
         axis = where[tuple(slice(None) if i == d else 0 for i in range(where.dim()))]
         terms.append(torch.where(axis >= 0, axis - origin if d else axis, torch.full_like(axis, PADDING)))
+    for d in range(1, where.dim()):  # offsets >= 0 in every dim but the first: -1 is padding only
+        axis = where[tuple(slice(None) if i == d else 0 for i in range(where.dim()))]
+        low = int((axis[axis >= 0] - origin).min())
+        if low < 0:
+            terms[d] = torch.where(axis >= 0, axis - origin - low, terms[d])
+            terms[0] = torch.where(terms[0] >= 0, terms[0] + low, terms[0])
     total = torch.zeros((), dtype=torch.int64)
     valid = torch.ones((), dtype=torch.bool)
     for d, t in enumerate(terms):
