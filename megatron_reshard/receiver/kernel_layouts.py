@@ -5,7 +5,8 @@ kernel's byte order, in the same (checkpoint-shaped) storage. ``storage_orders(m
 walks the live modules and answers, per param the refit may write:
 
 - checkpoint order (absent from the result): unquantized linear and embedding layers, and
-  unquantized MoE whose kernel keeps the order (Triton, batched Triton, CPU);
+  unquantized MoE whose kernel keeps the order (Triton, batched Triton; CPU where its
+  experts do not prepack the weights after loading, as on vLLM's real CPU platform they do);
 - a value-independent rearrangement (a ``vllm_layout.kernel_order.KernelOrder`` in the
   result): unquantized MoE with FlashInfer CUTLASS or FlashInfer TRTLLM;
 - anything else (quantized MoE, FP8 and other quantized linear layers, the MoE backends
@@ -166,6 +167,18 @@ def _expert_terms(probe: tuple[torch.Tensor, ...], num_experts: int, device) -> 
     return tuple(t.to(device) for t in (experts, rows) + tuple(probe[2:]))
 
 
+def _experts_finish_loading(method: Any) -> bool:
+    """Whether the MoE kernel's experts run a post-load step of their own (one that
+    overrides their root class's, a no-op in vLLM 0.33) after the conversion."""
+    experts = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
+    if experts is None:
+        return False
+    cls = experts if isinstance(experts, type) else type(experts)
+    roots = [c for c in reversed(cls.__mro__) if "process_weights_after_loading" in vars(c)]
+    return bool(roots) and getattr(cls, "process_weights_after_loading") is not \
+        vars(roots[0])["process_weights_after_loading"]
+
+
 def _moe_orders(layer_name: str, module: torch.nn.Module, method: Any,
                 params: dict[str, torch.Tensor]) -> dict[str, KernelOrder]:
     backend = _backend_name(method)
@@ -173,6 +186,9 @@ def _moe_orders(layer_name: str, module: torch.nn.Module, method: Any,
         raise _refuse(layer_name, method, backend, "this backend's post-load step changes the "
                       "expert storage in ways the refit does not run (it is not vLLM's "
                       "convert_to_unquantized_kernel_format alone)", MOE_SETTING)
+    if backend == "CPU" and _experts_finish_loading(method):
+        raise _refuse(layer_name, method, backend, "vLLM's CPU experts prepack w13/w2 into "
+                      "their own layout after loading (vllm._C)", "refit a GPU worker")
     convert = getattr(sys.modules.get(type(method).__module__), "convert_to_unquantized_kernel_format", None)
     config = getattr(module, "moe_config", None)
     w13, w2 = params.get("w13_weight"), params.get("w2_weight")

@@ -52,6 +52,7 @@ ARCHITECTURE_MODULES = {
     "DeepseekV3ForCausalLM": "deepseek_v2",
 }
 _SHIMS_INSTALLED = False
+CPU_EXPERTS_PREPACK = None  # vLLM's own post-load step of its CPU experts, kept aside by the shim
 
 
 def set_vllm_cpu_environment() -> None:
@@ -77,8 +78,14 @@ def _install_cpu_shims() -> None:
         layer.cpu_linear = lambda x, weight, bias=None: F.linear(x, weight, bias)
 
     layer_utils.dispatch_cpu_unquantized_gemm = keep_canonical_weight
-    # the CPU experts would prepack w13/w2 into a kernel-specific layout
-    cpu_moe.CPUUnquantizedExperts.process_weights_after_loading = lambda self, layer: None
+    # the CPU experts would prepack w13/w2 into a kernel-specific layout: they keep vLLM's
+    # base step instead (a no-op), which the receiver recognises as checkpoint order
+    from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEExperts
+
+    global CPU_EXPERTS_PREPACK
+    CPU_EXPERTS_PREPACK = cpu_moe.CPUUnquantizedExperts.process_weights_after_loading
+    cpu_moe.CPUUnquantizedExperts.process_weights_after_loading = \
+        FusedMoEExperts.process_weights_after_loading
     _honour_flashinfer_moe_backend()
     for arch, module in ARCHITECTURE_MODULES.items():
         cls = getattr(importlib.import_module(f"vllm.model_executor.models.{module}"), arch)

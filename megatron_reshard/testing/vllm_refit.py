@@ -235,7 +235,28 @@ def kernel_orders_job(job, hf_config: Mapping[str, Any], moe_backend: str,
         for method in methods:
             method.unquantized_backend = chosen
         out["quantized"] = _quantized_refusals(model, storage_orders, KernelLayoutError)
+        out["cpu_prepack"] = _cpu_prepack_refusal(config.model_config.model, storage_orders,
+                                                  KernelLayoutError)
     return out
+
+
+def _cpu_prepack_refusal(model_dir: str, storage_orders, error) -> Optional[str]:
+    """The default (CPU) backend's model, its experts' own post-load step (vLLM's prepack,
+    set aside by the CPU shim) put back: the refusal message, or None."""
+    from vllm.model_executor.layers.fused_moe.experts import cpu_moe
+
+    from megatron_reshard.testing import vllm_models as vm
+
+    model = vm.dummy_loaded_model(vm.vllm_config_for(model_dir, 1))
+    shim = cpu_moe.CPUUnquantizedExperts.process_weights_after_loading
+    cpu_moe.CPUUnquantizedExperts.process_weights_after_loading = vm.CPU_EXPERTS_PREPACK
+    try:
+        storage_orders(model)
+        return None
+    except error as err:
+        return str(err)
+    finally:
+        cpu_moe.CPUUnquantizedExperts.process_weights_after_loading = shim
 
 
 def _quantized_refusals(model: torch.nn.Module, storage_orders, error) -> dict:

@@ -138,6 +138,9 @@ def test_backends_whose_conversion_does_not_run_here_are_refused(pool):
     assert moe and "routed_experts: quant method Fp8MoEMethod, kernel backend FLASHINFER_CUTLASS" in moe
     assert "drop --quantization" in moe and "--moe-backend" in moe, moe
     assert linear and "quant method Fp8LinearMethod" in linear and "drop --quantization" in linear
+    # vLLM's real CPU experts prepack after loading (the shim sets that aside): refused
+    prepack = out["cpu_prepack"]
+    assert prepack and "kernel backend CPU" in prepack and "prepack" in prepack, prepack
 
 
 def test_a_refused_backend_stops_every_rank_at_prepare_refit(pool):
