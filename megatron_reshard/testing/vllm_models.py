@@ -14,7 +14,8 @@ place, each shim explained there):
 - vLLM's CPU platform packs linear and expert weights after loading with kernels of
   ``vllm._C`` that the CUDA wheel lacks, and drops ``layer.weight``: a CPU inference layout
   that no refit can write into. The shims keep the canonical layout (what GPU backends
-  hold for unquantized BF16 weights).
+  hold for unquantized BF16 weights); the CPU experts keep vLLM's base post-load step (a
+  no-op), which is how ``receiver.kernel_layouts`` tells them from vLLM's prepacking ones.
 - MLA attention takes the portable ``CPU_MLA`` backend (hosts with AMX would pick
   ``AMX_MLA``, which packs ``W_UK``/``W_UV`` too).
 - Each architecture's class is registered in-process: vLLM otherwise inspects every
