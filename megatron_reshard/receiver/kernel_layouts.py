@@ -150,7 +150,8 @@ def _separate(where: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
         total = total + t.view(shape)
         valid = valid & (t.view(shape) != PADDING)
     placed = where >= 0
-    if not torch.equal(placed, valid.expand_as(where)) or not torch.equal(where[placed], total.expand_as(where)[placed]):
+    if not torch.equal(placed, valid.expand_as(where)) or \
+            not torch.equal(where[placed], total.expand_as(where)[placed]):
         raise ValueError(f"tensor {k}: the order is not separable per dim")
     return tuple(terms)
 
