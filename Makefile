@@ -35,6 +35,8 @@ $(VLLM_VENV)/.installed: pyproject.toml Makefile
 	$(VPY) -m pip install -q --no-deps "$(VLLM_SPEC)"
 	$(VPY) -m pip install -q $(VLLM_DEPS)
 	$(VPY) -m pip install -q --no-deps xgrammar==0.2.8 apache-tvm-ffi==0.1.11
+	# FlashInfer's MoE permutation helpers run on CPU tensors: vLLM's TRTLLM conversion in tests
+	$(VPY) -m pip install -q --no-deps flashinfer-python==0.7.2.post1 nvidia-ml-py
 	$(VPY) -m pip install -q pytest hypothesis "megatron-core>=0.16.1"
 	$(VPY) -m pip install -q --no-deps -e .
 	touch $@

@@ -15,6 +15,12 @@ The layout facts (qkv_proj, gate_up_proj, vocab padding, FusedMoE w13/w2 and vLL
 expert blocks) come from ``megatron_reshard.vllm_layout``; this module only matches HF
 names to target tensors and checks shapes.
 
+Boxes of a target are in checkpoint order. Where vLLM's post-load step stored a target in
+a kernel's order (``orders``: ``receiver.kernel_layouts``), ``view`` / ``write`` go through
+that order: a strided view where the box stays one (the FlashInfer CUTLASS [up; gate]
+swap), else a scatter (FlashInfer TRTLLM's block layout); the padding such a backend adds
+to the expert intermediate dim is left as vLLM keeps it (``TargetPlan.kept``).
+
 Targets are chosen by the tensors' shapes, never by model family name.
 """
 
@@ -34,6 +40,7 @@ from megatron_reshard.vllm_layout import moe as vllm_moe
 from megatron_reshard.vllm_layout.dense import (GATE_UP_RE, QKV_RE, VOCAB_PADDING,
                                                 AttentionHeads, gate_up_rows,
                                                 padded_vocab_rows, vocab_rows_of_rank)
+from megatron_reshard.vllm_layout.kernel_order import PADDING, KernelOrder
 from megatron_reshard.vllm_layout.moe import expert_block
 
 _EXPERT_RE = re.compile(
@@ -64,6 +71,8 @@ class TargetPlan:
     note: str = ""  # why there is nothing to write (e.g. tied lm_head, experts of another rank)
     # block-FP8 targets (receiver.fp8_targets): piece index -> its box of the scale param
     scales: dict[int, Piece] = field(default_factory=dict)
+    # target boxes a kernel's padding fills, kept as vLLM holds them (never written)
+    kept: list[tuple[str, Box]] = field(default_factory=list)
 
 
 def _full(shape: Sequence[int]) -> Box:
@@ -92,25 +101,51 @@ class VllmTargets:
     ep_rank: int = 0
     ep_size: int = 1
     label: str = ""  # how errors name this rank, e.g. "gen rank 3"
+    # targets vLLM stores in a kernel's order (receiver.kernel_layouts), by param name
+    orders: dict[str, KernelOrder] = field(default_factory=dict)
 
     @classmethod
     def from_named_parameters(cls, named, hf_config: Mapping[str, Any], tp_rank: int, tp_size: int,
                               ep_size: int = 1, ep_rank: Optional[int] = None,
-                              label: str = "") -> "VllmTargets":
+                              label: str = "", orders: Optional[Mapping[str, KernelOrder]] = None
+                              ) -> "VllmTargets":
         if not 0 <= tp_rank < tp_size:
             raise ValueError(f"tp_rank={tp_rank} is not in 0..{tp_size - 1}")
         ep_rank = tp_rank % ep_size if ep_rank is None else ep_rank
         if not 0 <= ep_rank < ep_size:
             raise ValueError(f"ep_rank={ep_rank} is not in 0..{ep_size - 1}")
-        return cls(_as_dict(named), dict(hf_config or {}), tp_rank, tp_size, ep_rank, ep_size, label)
+        return cls(_as_dict(named), dict(hf_config or {}), tp_rank, tp_size, ep_rank, ep_size, label,
+                   dict(orders or {}))
 
     def where(self) -> str:
         """This rank as error messages name it."""
         coords = f"tp_rank {self.tp_rank} of {self.tp_size}, ep_rank {self.ep_rank} of {self.ep_size}"
         return f"{self.label} ({coords})" if self.label else coords
 
+    def strided_view(self, piece: Piece) -> Optional[torch.Tensor]:
+        """The target box as a view of the storage; None where a kernel's order scatters it."""
+        order = self.orders.get(piece.target)
+        if order is None:
+            return self.params[piece.target][box_index(piece.target_region)]
+        return order.view(self.params[piece.target], piece.target_region)
+
     def view(self, piece: Piece) -> torch.Tensor:
-        return self.params[piece.target][box_index(piece.target_region)]
+        view = self.strided_view(piece)
+        if view is None:
+            raise TargetError(f"{piece.target}: box {list(piece.target_region)} is stored in "
+                              f"{self.orders[piece.target].backend}'s order on {self.where()}, "
+                              f"not as a strided view; write it with VllmTargets.write")
+        return view
+
+    def write(self, piece: Piece, values: torch.Tensor) -> None:
+        """Write ``values`` (the box's checkpoint-order elements) into the target box."""
+        view = self.strided_view(piece)
+        if view is not None:
+            view.copy_(values.reshape(view.shape))
+            return
+        box_dims = box_shape(piece.target_region)
+        self.orders[piece.target].scatter(self.params[piece.target], piece.target_region,
+                                          values.reshape(box_dims))
 
     # -- resolution --------------------------------------------------------------------
 
@@ -295,17 +330,20 @@ class VllmTargets:
         i_rows = (tp_r * ip, (tp_r + 1) * ip)
         tshape = tuple(self.params[target].shape)
         local_e = e_hi - e_lo
+        plan = TargetPlan(name, shape)
+        alloc = self._padded_inter(name, target, proj, ip)  # vLLM's per-rank I with a kernel's padding
         if proj == "down_proj":
-            expected = (local_e, per_expert[0], ip)
+            expected = (local_e, per_expert[0], alloc)
             if tshape != expected:
                 raise self._shape_error(name, target, expected,
                                         f"w2 [E_local, H, I_p] with E={num_experts}, ep_size={self.ep_size}")
-            t_mid = _full(expected[1:])
+            t_mid = ((0, per_expert[0]), (0, ip))
             h_mid = ((0, per_expert[0]), i_rows)
+            pad = ((0, per_expert[0]), (ip, alloc))
         else:
-            if tshape == (local_e, 2 * ip, per_expert[1]):
-                off = vllm_moe.w13_offset(proj, ip)
-            elif tshape == (local_e, ip, per_expert[1]):
+            if tshape == (local_e, 2 * alloc, per_expert[1]):
+                off = vllm_moe.w13_offset(proj, alloc)
+            elif tshape == (local_e, alloc, per_expert[1]):
                 if proj == "gate_proj":
                     raise TargetError(f"{name}: vLLM param {target!r} of shape {list(tshape)} holds "
                                       f"non-gated experts (up_proj only), but a gate_proj arrived")
@@ -316,24 +354,64 @@ class VllmTargets:
                                         f"with E={num_experts}, ep_size={self.ep_size}")
             t_mid = ((off, off + ip), (0, per_expert[1]))
             h_mid = (i_rows, (0, per_expert[1]))
-        plan = TargetPlan(name, shape)
+            pad = ((off + ip, off + alloc), (0, per_expert[1]))
         if grouped:
-            plan.pieces.append(Piece(target, ((0, local_e),) + t_mid, ((e_lo, e_hi),) + h_mid))
+            experts = (0, local_e)
+            plan.pieces.append(Piece(target, (experts,) + t_mid, ((e_lo, e_hi),) + h_mid))
         else:
             e = int(index)
             if not e_lo <= e < e_hi:
                 plan.note = f"expert {e} lives on another EP rank (this rank: {e_lo}..{e_hi - 1})"
                 return plan
-            plan.pieces.append(Piece(target, ((e - e_lo, e - e_lo + 1),) + t_mid, h_mid))
+            experts = (e - e_lo, e - e_lo + 1)
+            plan.pieces.append(Piece(target, (experts,) + t_mid, h_mid))
+        if alloc > ip:
+            plan.kept.append((target, (experts,) + pad))
+        order = self.orders.get(target)
+        problem = order.padding_problem(plan.pieces[0].target_region) if order else ""
+        if problem:
+            raise TargetError(f"{name}: {problem} in {target!r} on {self.where()}")
         return plan
+
+    def _padded_inter(self, name: str, target: str, proj: str, ip: int) -> int:
+        """The per-rank intermediate size vLLM allocated for ``target``: ``ip``, or rounded
+        up where its kernel order marks the rows past ``ip`` as padding (FlashInfer TRTLLM)."""
+        order = self.orders.get(target)
+        if order is None:
+            return ip
+        dim = 2 if proj == "down_proj" else 1
+        terms = order.terms[dim]
+        pads = torch.nonzero(terms == PADDING).view(-1)
+        if not pads.numel():
+            return ip
+        first = int(pads[0])
+        gated = proj != "down_proj" and terms.numel() - pads.numel() == 2 * ip  # [gate; up] halves
+        alloc = terms.numel() // 2 if gated else terms.numel()
+        if first != ip:
+            raise TargetError(f"{name}: vLLM's {order.backend} storage {target!r} on "
+                              f"{self.where()} pads its intermediate dim from row {first}, but "
+                              f"this rank holds {ip} rows of the checkpoint (allocated {alloc})")
+        return alloc
 
 
 # ------------------------------------------------------------------------- bulk mapping
 
 
 def receive_spec(targets: VllmTargets, piece: Piece, strided_in_place: bool = True) -> LocalParamSpec:
-    """The receive recipe for one target box: in place when possible, else buffer + copy-back."""
-    view = targets.view(piece)
+    """The receive recipe for one target box: in place when possible, else buffer + copy-back
+    (a strided box the caller wants contiguous, or a box a kernel's order scatters)."""
+    view = targets.strided_view(piece)
+    if view is None:
+        target = targets.params[piece.target]
+
+        def pre_scatter(_base) -> RefitCtx:
+            return RefitCtx(buf=torch.empty(box_shape(piece.target_region), dtype=target.dtype,
+                                            device=target.device))
+
+        def post_scatter(ctx: RefitCtx) -> None:
+            targets.write(piece, ctx.buf)
+
+        return LocalParamSpec(base=target, pre=pre_scatter, post=post_scatter)
     if view.is_contiguous() or strided_in_place:
         return LocalParamSpec(base=view)
 
