@@ -34,8 +34,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from megatron_reshard.errors import MegatronReshardError
-from megatron_reshard.vllm_layout.kernel_order import (PADDING, KernelOrder, contiguous_terms,
-                                                       is_checkpoint_order)
+from megatron_reshard.vllm_layout.kernel_order import PADDING, KernelOrder, is_checkpoint_order
 
 # quant methods whose params stay in checkpoint order after vLLM's post-load step on GPUs
 ORDER_KEEPING_METHODS = ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod")

@@ -21,7 +21,7 @@ import io
 import json
 import time
 from datetime import timedelta
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -203,7 +203,7 @@ def vllm_refit_job(job, cfg: RefitRunConfig, hf_config: Mapping[str, Any],
     ``plant_fault``: gen rank 0 checks that the comparison sees a flipped bit;
     ``copy_derived``: MLA's absorbed weights get storage of their own before the refits;
     ``keep_as_loaded``: prepare_refit's option (an ``UncoveredParamsError`` at prepare is
-    returned as the gen rank's ``prepare_error``)."""
+    returned as the gen rank's ``prepare_error``);
     ``moe_backend``: vLLM's ``--moe-backend`` of the generation model (FlashInfer on the CPU:
     ``testing.vllm_models``); ``plant_order_error_on``: that gen rank's receiver takes a
     wrong kernel order (two rows exchanged), which the comparison must report;
