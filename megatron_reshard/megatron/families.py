@@ -146,3 +146,29 @@ FAMILIES: dict[str, tuple[tuple[Rule, ...], tuple[Rule, ...]]] = {
     )),
 }
 
+
+
+# ---- gpt-oss (vLLM GptOssForCausalLM; megatron-core GPTModel with softmax_type="learnable",
+# add_bias_linear=True). HF names as the checkpoint has them, experts one by one in the form
+# vLLM's loader streams (``mlp.experts.<e>.gate_up_proj [H, 2I]`` with gate/up interleaved,
+# ``down_proj [I, H]``, their ``_bias``): the tensor rules of the ``oss_*`` kinds are in
+# ``megatron.gpt_oss``.
+OSS_EXPERT = LAYER + ".mlp.experts.{expert}"
+GPT_OSS_RULES = SKIP_RULES + NORM_RULES + ATTENTION_RULES + _rules(
+    (r"self_attention\.linear_proj\.bias", "replicated", [ATTN + "o_proj.bias"]),
+    # the learnable softmax offset per local head: HF's (and vLLM's) sinks, TP-split by head
+    (r"self_attention\.core_attention\.softmax_offset", "column", [ATTN + "sinks"]),
+    (r"mlp\.router\.weight", "replicated", [LAYER + ".mlp.router.weight"]),
+    (r"mlp\.router\.bias", "replicated", [LAYER + ".mlp.router.bias"]),
+    # SequentialMLP (local spec) and TEGroupedMLP (weight<i> / bias<i> per local expert)
+    (r"mlp\.experts\.local_experts\.(\d+)\.linear_fc1\.weight", "oss_fc1", [OSS_EXPERT + ".gate_up_proj"]),
+    (r"mlp\.experts\.local_experts\.(\d+)\.linear_fc1\.bias", "oss_fc1_bias", [OSS_EXPERT + ".gate_up_proj_bias"]),
+    (r"mlp\.experts\.local_experts\.(\d+)\.linear_fc2\.weight", "oss_fc2", [OSS_EXPERT + ".down_proj"]),
+    (r"mlp\.experts\.local_experts\.(\d+)\.linear_fc2\.bias", "oss_fc2_bias", [OSS_EXPERT + ".down_proj_bias"]),
+    (r"mlp\.experts\.linear_fc1\.weight(\d+)", "oss_fc1", [OSS_EXPERT + ".gate_up_proj"]),
+    (r"mlp\.experts\.linear_fc1\.bias(\d+)", "oss_fc1_bias", [OSS_EXPERT + ".gate_up_proj_bias"]),
+    (r"mlp\.experts\.linear_fc2\.weight(\d+)", "oss_fc2", [OSS_EXPERT + ".down_proj"]),
+    (r"mlp\.experts\.linear_fc2\.bias(\d+)", "oss_fc2_bias", [OSS_EXPERT + ".down_proj_bias"]),
+)
+FAMILIES["gpt_oss"] = (TOP_RULES, GPT_OSS_RULES)
+# ---- end gpt-oss

@@ -43,6 +43,8 @@ def apply_full_weights(targets: VllmTargets, plans: Sequence[TargetPlan],
                 continue
             dst = targets.view(piece)
             src = full[box_index(piece.hf_region)]
+            if piece.transposed:
+                src = src.transpose(-1, -2)
             dst.copy_(src.reshape(dst.shape))
             written += dst.numel() * dst.element_size()
         for target, box in plan.zero:

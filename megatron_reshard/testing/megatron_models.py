@@ -64,6 +64,14 @@ class TinyGPTSpec:
     moe_router_topk_scaling_factor: Optional[float] = None
     layernorm_epsilon: float = 1e-5
     mtp_num_layers: Optional[int] = None
+    # gpt-oss: learnable softmax offsets (attention sinks), a bias on every linear and on the
+    # router, a sliding window on every other layer (window_attn_skip_freq=2: layers 1, 3, ...
+    # in Megatron's 1-based numbering, HF's 0, 2, ...), gpt-oss's clamped GLU
+    softmax_type: str = "vanilla"
+    add_bias_linear: bool = False
+    window_size: Optional[tuple] = None
+    window_attn_skip_freq: Optional[int] = None
+    gpt_oss_activation: bool = False
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp_size: int) -> int:
@@ -89,7 +97,7 @@ def transformer_config(spec: TinyGPTSpec):
         ffn_hidden_size=spec.ffn_hidden_size,
         gated_linear_unit=spec.gated,
         activation_func=F.silu if spec.gated else F.gelu,
-        add_bias_linear=False,
+        add_bias_linear=spec.add_bias_linear,
         add_qkv_bias=spec.add_qkv_bias,
         normalization="RMSNorm",
         qk_layernorm=spec.qk_layernorm,
@@ -107,7 +115,17 @@ def transformer_config(spec: TinyGPTSpec):
         pipeline_dtype=dtype,
         layernorm_epsilon=spec.layernorm_epsilon,
         mtp_num_layers=spec.mtp_num_layers,
+        softmax_type=spec.softmax_type,
+        window_size=tuple(spec.window_size) if spec.window_size else None,
+        window_attn_skip_freq=spec.window_attn_skip_freq,
     )
+    if spec.gpt_oss_activation:
+        # gpt-oss: (clamp(up) + 1) * g * sigmoid(1.702 g), g = clamp(gate, max=7): Megatron's
+        # quick_gelu GLU with its linear offset and clamp (unfused: the fused kernel is CUDA)
+        from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+        kwargs.update(activation_func=quick_gelu, glu_linear_offset=1.0,
+                      activation_func_clamp_value=7.0, bias_activation_fusion=False)
     if spec.multi_latent_attention:
         # by default plain RoPE (rotary_scaling_factor 1 keeps mscale 1 and the softmax scale
         # 1/sqrt(qk_head_dim + qk_pos_emb_head_dim)); MLA norms are built only with qk_layernorm
@@ -148,7 +166,8 @@ def build_gpt_model(spec: TinyGPTSpec):
     if spec.multi_latent_attention:
         for layer in layer_spec.layer_specs:
             layer.submodules.self_attention.submodules.core_attention = _mla_local_core_attention()
-    with _cuda_device_is_cpu(spec.multi_latent_attention or spec.moe_router_enable_expert_bias), \
+    with _cuda_device_is_cpu(spec.multi_latent_attention or spec.moe_router_enable_expert_bias
+                             or spec.softmax_type != "vanilla"), \
             _mla_without_te(spec.multi_latent_attention):
         model = _gpt_model(GPTModel, config, layer_spec, spec, ps)
     fill_distinct_(model, spec.seed)
@@ -159,7 +178,8 @@ def build_gpt_model(spec: TinyGPTSpec):
 def _cuda_device_is_cpu(active: bool):
     """megatron-core 0.16.1 places two things with ``torch.cuda.current_device()`` whatever
     ``use_cpu_initialization`` says: MLA's rotary tables (``MLASelfAttention`` does not pass
-    the flag on) and the router's ``expert_bias`` buffers. Without CUDA that call raises, so
+    the flag on), the router's ``expert_bias`` buffers and the learnable ``softmax_offset``
+    of ``DotProductAttention`` (gpt-oss's sinks). Without CUDA that call raises, so
     while such a model is built on a machine without CUDA it answers the CPU device;
     restored on exit."""
     if not active or torch.cuda.is_available():
@@ -257,7 +277,10 @@ def fill_distinct_(model, seed: int) -> None:
         if m is not None:
             n_local = len(layers[int(_LOCAL_LAYER.search(name).group(1))].mlp.experts.local_experts)
             key = key.replace(m.group(0), f"experts.<{ep_rank * n_local + int(m.group(1))}>.")
-        sharded = getattr(param, "tensor_model_parallel", False) and m is None
+        # the attention sinks are per local head but carry no TP attribute (Megatron's own
+        # sharded_state_dict splits them on dim 0 over TP)
+        sharded = (getattr(param, "tensor_model_parallel", False) or name.endswith("softmax_offset")) \
+            and m is None
         if sharded:
             key += f"|tp{tp_rank}"
         if getattr(param, "shared_embedding", False):  # tied output layer on the last stage
