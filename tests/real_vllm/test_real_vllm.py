@@ -59,7 +59,8 @@ _DEEPSEEK = dict(TINY_MODEL, family="deepseek_v3", **_MOE, moe_shared_expert_int
 # vLLM's DeepSeek-V3 needs the real checkpoint's router keys to hold e_score_correction_bias
 _DEEPSEEK_ROUTER = dict(topk_method="noaux_tc", scoring_func="sigmoid")
 # ---- gpt-oss
-_GPT_OSS = dict(TINY_MODEL, family="gpt_oss", head_dim=16, num_moe_experts=8, moe_ffn_hidden_size=128,
+_GPT_OSS = dict(TINY_MODEL, family="gpt_oss", head_dim=16, num_query_groups=4, num_moe_experts=8,
+                moe_ffn_hidden_size=128,
                 softmax_type="learnable", add_bias_linear=True, window_size=(15, 0),
                 window_attn_skip_freq=2, gpt_oss_activation=True)
 # ---- end gpt-oss
@@ -98,7 +99,7 @@ FAMILIES = {
     # vLLM's CPU experts take swigluoai only with I/TP a multiple of 32 (no padding for it)
     "gpt_oss": Family(_GPT_OSS,
                       "GptOssForCausalLM", {},
-                      (("tp2 pp2 ep2", "tp4"), ("tp2 ep2", "tp2 ep2"), ("tp4 ep2", "tp1 x2"))),
+                      (("tp2 pp2 ep2", "tp2"), ("tp2 ep2", "tp4"), ("tp4 ep2", "tp2 ep2"))),
     # uneven PP: one layer on the first stage, three on the last
     "gpt_oss-uneven-pp": Family(dict(_GPT_OSS, num_layers_in_first_pipeline_stage=1,
                                      num_layers_in_last_pipeline_stage=3),
