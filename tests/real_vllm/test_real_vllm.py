@@ -199,3 +199,15 @@ def test_mla_weights_held_as_copies_are_recomputed_in_their_storage(refitted):
         assert g["differences"] == [[]] * REFITS, g["differences"]
         assert g["moved"] == [[]] * REFITS, g["moved"]
         assert all(len(s["derived_refreshed"]) == 4 for s in g["refits"])
+
+
+# ---- gpt-oss
+def test_gpt_oss_sends_only_its_experts_as_full_tensors(refitted):
+    """Everything of gpt-oss but the experts takes the exact path: the packed (full-tensor)
+    params of every gen rank are exactly the 4 expert tensors x 8 experts x 4 layers, and
+    the w2_bias of MoE TP ranks > 0 is vLLM's zero (part of the bit-equal check above)."""
+    for index in range(len(FAMILIES["gpt_oss"].layouts)):
+        for g in refitted("gpt_oss", index):
+            assert g["summary"]["misc_params"] == 4 * 8 * 4, (index, g["rank"], g["summary"])
+            assert all(s["misc_bytes"] > 0 and s["bulk_bytes"] > 0 for s in g["refits"]), g["refits"]
+# ---- end gpt-oss
