@@ -25,6 +25,10 @@ Kinds (T = TP size; experts are never TP-sharded here because expert-TP > 1 is r
                 spec (ColumnParallelLinear), ``replicated`` in the TE spec (TELinear
                 ``duplicated``); ``NameConverter.mla_down_replicated`` picks
 ``skip``        not a weight (``_extra_state``)
+``oss_*``       gpt-oss experts, one whole expert each: interleaved gate/up, transposed
+                weights (``megatron.gpt_oss``); full tensors only
+``mamba_*``     Nemotron-H's fused Mamba-2 ``in_proj`` / ``conv1d``: names only (the
+                family is refused, ``megatron.nemotron_h``)
 ==============  ====================================================================
 """
 
