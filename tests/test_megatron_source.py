@@ -320,6 +320,10 @@ def _bad_inputs(job):
     if job.rank == 1:
         model.decoder.layers[0].self_attention.mystery = torch.nn.Parameter(torch.zeros(3))
     attempt("unknown_name", model, family="qwen3_moe", vocab_size=spec.vocab_size)
+    # Nemotron-H: the family by name, and a real (Mamba-layer-free) megatron-core MambaModel
+    from megatron_reshard.testing.megatron_models import build_mamba_model_without_mamba_layers
+    attempt("nemotron_h_family", model, family="nemotron_h", vocab_size=spec.vocab_size)
+    attempt("mamba_model", build_mamba_model_without_mamba_layers())
     dist.barrier()  # nobody was left inside a collective
     return messages
 
@@ -337,3 +341,7 @@ def test_bad_input_raises_one_clear_error_on_every_rank(pool):
         assert "packed_params='self_attn.(' is not a regular expression" in err
         err = m["unknown_name"]
         assert err is not None and "rank 1: unknown Megatron parameter 'decoder.layers.0.self_attention.mystery'" in err, err
+        for key in ("nemotron_h_family", "mamba_model"):
+            err = m[key]
+            assert err is not None and "Nemotron-H / megatron-core MambaModel is not supported yet" in err, (key, err)
+            assert "in_proj ([z, x, B, C, dt] per TP rank)" in err and "TENorm" in err, err

@@ -42,6 +42,8 @@ def apply_full_weights(targets: VllmTargets, plans: Sequence[TargetPlan],
                                          full[box_index(piece.hf_region)])
                 continue
             src = full[box_index(piece.hf_region)]
+            if piece.transposed:
+                src = src.transpose(-1, -2)
             targets.write(piece, src)  # through a kernel's order where vLLM keeps one
             written += src.numel() * src.element_size()
         for target, box in plan.zero:

@@ -35,7 +35,7 @@ import torch
 from megatron_reshard.engine.geometry import Box, box_index, box_shape
 from megatron_reshard.errors import MegatronReshardError
 from megatron_reshard.wire.spec import LocalParamSpec, RefitCtx
-from megatron_reshard.vllm_layout import mla
+from megatron_reshard.vllm_layout import gpt_oss, mla
 from megatron_reshard.vllm_layout import moe as vllm_moe
 from megatron_reshard.vllm_layout.dense import (GATE_UP_RE, QKV_RE, VOCAB_PADDING,
                                                 AttentionHeads, gate_up_rows,
@@ -58,6 +58,9 @@ class Piece:
     target: str
     target_region: Box
     hf_region: Box
+    # the HF box holds the target box transposed (its last two dims; gpt-oss's experts):
+    # full-tensor path only
+    transposed: bool = False
 
 
 @dataclass
@@ -103,6 +106,7 @@ class VllmTargets:
     label: str = ""  # how errors name this rank, e.g. "gen rank 3"
     # targets vLLM stores in a kernel's order (receiver.kernel_layouts), by param name
     orders: dict[str, KernelOrder] = field(default_factory=dict)
+    _renames: Optional[bool] = field(default=None, repr=False)  # gpt-oss's vLLM names
 
     @classmethod
     def from_named_parameters(cls, named, hf_config: Mapping[str, Any], tp_rank: int, tp_size: int,
@@ -151,6 +155,20 @@ class VllmTargets:
 
     def resolve(self, hf_name: str, hf_shape: Sequence[int]) -> TargetPlan:
         """Which target boxes ``hf_name`` (global shape ``hf_shape``) fills on this rank."""
+        if self._renames is None:
+            self._renames = gpt_oss.renames_names(self.params)
+        if not self._renames:
+            return self._resolve(hf_name, hf_shape)
+        # gpt-oss: vLLM's names (vllm_layout.gpt_oss), the plan keeps the HF name
+        m = gpt_oss.EXPERT_RE.match(hf_name)
+        if m:
+            plan = self._oss_experts(hf_name, tuple(int(s) for s in hf_shape), m)
+        else:
+            plan = self._resolve(gpt_oss.vllm_name(hf_name), hf_shape)
+        plan.hf_name = hf_name
+        return plan
+
+    def _resolve(self, hf_name: str, hf_shape: Sequence[int]) -> TargetPlan:
         shape = tuple(int(s) for s in hf_shape)
         heads_problem = mla.heads_split_problem(hf_name, self.hf_config, self.tp_size)
         if heads_problem:
@@ -392,6 +410,59 @@ class VllmTargets:
                               f"{self.where()} pads its intermediate dim from row {first}, but "
                               f"this rank holds {ip} rows of the checkpoint (allocated {alloc})")
         return alloc
+    def _oss_experts(self, name: str, shape: tuple[int, ...], m: re.Match) -> TargetPlan:
+        """One gpt-oss expert's ``gate_up_proj [H, 2I]`` / ``down_proj [I, H]`` or their biases
+        into vLLM's w13 / w2 (``vllm_layout.gpt_oss``): weights transposed, w2_bias zero
+        on MoE TP ranks > 0."""
+        proj, bias, e = m["proj"], bool(m["bias"]), int(m["index"])
+        candidates = gpt_oss.expert_targets(m["prefix"], proj, bias)
+        found = [c for c in candidates if c in self.params]
+        if not found:
+            raise TargetError(f"{name}: missing target on {self.where()}: expected vLLM param "
+                              f"{candidates[0]!r} or {candidates[1]!r}")
+        target = found[0]
+        num_experts = int(self.hf_config.get("num_experts") or 0)
+        if not num_experts:
+            raise TargetError(f"{name}: per-expert HF name needs hf_config['num_experts']")
+        e_lo, e_hi = (expert_block(num_experts, self.ep_rank, self.ep_size) if self.ep_size > 1
+                      else (0, num_experts))
+        plan = TargetPlan(name, shape)
+        if not e_lo <= e < e_hi:
+            plan.note = f"expert {e} lives on another EP rank (this rank: {e_lo}..{e_hi - 1})"
+            return plan
+        tp_parts, tp_r = vllm_moe.expert_tp_split(self.ep_size, self.tp_size, self.tp_rank)
+        hidden = int(self.hf_config.get("hidden_size") or 0)
+        inter = int(self.hf_config.get("moe_intermediate_size") or 0)
+        hf_expected = {("gate_up_proj", False): (hidden, 2 * inter), ("gate_up_proj", True): (2 * inter,),
+                       ("down_proj", False): (inter, hidden), ("down_proj", True): (hidden,)}[proj, bias]
+        if shape != hf_expected:
+            raise TargetError(f"{name}: HF shape {list(shape)}, expected {list(hf_expected)} "
+                              f"(hidden_size {hidden}, moe_intermediate_size {inter} of hf_config)")
+        if not inter or inter % tp_parts:
+            raise TargetError(f"{name}: expert intermediate size {inter} does not split over "
+                              f"tp_size={tp_parts}")
+        ip = inter // tp_parts
+        lo, hi = gpt_oss.inter_columns(proj, ip, tp_r)
+        local_e = e_hi - e_lo
+        el = (e - e_lo, e - e_lo + 1)
+        if proj == "gate_up_proj" and not bias:  # [H, 2I] -> w13[e] [2I_p, H]
+            expected, t_box, h_box = (local_e, 2 * ip, shape[0]), (el, (0, 2 * ip), (0, shape[0])), \
+                ((0, shape[0]), (lo, hi))
+        elif proj == "gate_up_proj":  # [2I] -> w13_bias[e] [2I_p]
+            expected, t_box, h_box = (local_e, 2 * ip), (el, (0, 2 * ip)), ((lo, hi),)
+        elif not bias:  # [I, H] -> w2[e] [H, I_p]
+            expected, t_box, h_box = (local_e, shape[1], ip), (el, (0, shape[1]), (0, ip)), \
+                ((lo, hi), (0, shape[1]))
+        else:  # [H] -> w2_bias[e] [H], zero on MoE TP ranks > 0
+            expected, t_box, h_box = (local_e, shape[0]), (el, (0, shape[0])), ((0, shape[0]),)
+        if tuple(self.params[target].shape) != expected:
+            raise self._shape_error(name, target, expected, f"gpt-oss experts with E={num_experts}, "
+                                    f"ep_size={self.ep_size}, expert tp_size={tp_parts}")
+        if bias and proj == "down_proj" and gpt_oss.down_bias_is_zero(tp_r):
+            plan.zero.append((target, t_box))
+        else:
+            plan.pieces.append(Piece(target, t_box, h_box, transposed=not bias))
+        return plan
 
 
 # ------------------------------------------------------------------------- bulk mapping
@@ -446,6 +517,9 @@ def bulk_receive_plan(targets: VllmTargets, hf_name: str, global_shape: Sequence
     shape = tuple(int(s) for s in global_shape)
     plan = targets.resolve(hf_name, shape)
     check_wire_dtype(targets, plan, wire_dtype)
+    if any(p.transposed for p in plan.pieces):
+        raise TargetError(f"{hf_name}: vLLM holds it transposed on {targets.where()}; it can "
+                          f"only arrive as a full tensor (packed path), not shard to shard")
     if (plan.zero and not padded) or len(plan.pieces) != 1 or plan.pieces[0].hf_region != tuple(region):
         want = [list(p.hf_region) for p in plan.pieces]
         raise TargetError(
