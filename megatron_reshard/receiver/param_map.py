@@ -58,6 +58,12 @@ def build_receiver_param_map(payload: RefitPayload, targets: VllmTargets, rank_i
             except ValueError as err:
                 raise TargetError(f"{p.name}: {err}") from None
         plan = bulk_receive_plan(targets, p.name, shape, rows, p.torch_dtype, padded=padded)
+        widened = targets.params[plan.pieces[0].target].dtype != p.torch_dtype
+        if widened and (per_group or padded):
+            raise TargetError(f"{p.name}: {targets.where()} holds it as "
+                              f"{targets.params[plan.pieces[0].target].dtype}, the payload sends "
+                              f"{p.torch_dtype}; widening on write is done for plain boxes only, "
+                              f"not for q/k/v per KV group or padded vocab shards")
         if per_group:  # q/k/v per KV group: the target row block seen as [groups, rows, H]
             block = targets.view(plan.pieces[0])
             specs.specs[p.name] = LocalParamSpec(base=block.view([b - a for a, b in region]))
@@ -68,7 +74,8 @@ def build_receiver_param_map(payload: RefitPayload, targets: VllmTargets, rank_i
                 targets.params[target][box_index(box)].zero_()
             specs.specs[p.name] = LocalParamSpec(base=targets.params[plan.pieces[0].target])
         else:
-            specs.specs[p.name] = receive_spec(targets, plan.pieces[0], strided_in_place)
+            specs.specs[p.name] = receive_spec(targets, plan.pieces[0], strided_in_place,
+                                               wire_dtype=p.torch_dtype)
         plans.append(plan)
     return specs, plans
 

@@ -331,9 +331,30 @@ class VllmTargets:
 # ------------------------------------------------------------------------- bulk mapping
 
 
-def receive_spec(targets: VllmTargets, piece: Piece, strided_in_place: bool = True) -> LocalParamSpec:
-    """The receive recipe for one target box: in place when possible, else buffer + copy-back."""
+# wire dtype -> target dtypes it is widened into on write, exactly (every value representable):
+# vLLM holds some params in float32 under a BF16 model (GLM-4.5's router ``gate.weight``) and
+# its ``load_weights`` widens the checkpoint's BF16 values with ``copy_``; so does the receiver
+WIDENED_ON_WRITE = {torch.bfloat16: (torch.float32,), torch.float16: (torch.float32,)}
+
+
+def is_widened(wire_dtype: torch.dtype, target_dtype: torch.dtype) -> bool:
+    return target_dtype in WIDENED_ON_WRITE.get(wire_dtype, ())
+
+
+def receive_spec(targets: VllmTargets, piece: Piece, strided_in_place: bool = True,
+                 wire_dtype: Optional[torch.dtype] = None) -> LocalParamSpec:
+    """The receive recipe for one target box: in place when possible, else buffer + copy-back
+    (always for a target wider than the wire dtype: the buffer holds the wire dtype)."""
     view = targets.view(piece)
+    if wire_dtype is not None and wire_dtype != view.dtype:
+        def pre_wide(region: torch.Tensor) -> RefitCtx:
+            buf = torch.empty(region.shape, dtype=wire_dtype, device=region.device)
+            return RefitCtx(buf=buf, extra={"region": region})
+
+        def post_wide(ctx: RefitCtx) -> None:
+            ctx.extra["region"].copy_(ctx.buf)
+
+        return LocalParamSpec(base=view, pre=pre_wide, post=post_wide)
     if view.is_contiguous() or strided_in_place:
         return LocalParamSpec(base=view)
 
@@ -352,6 +373,8 @@ def check_wire_dtype(targets: VllmTargets, plan: TargetPlan, wire_dtype: torch.d
         tdtype = targets.params[piece.target].dtype
         if tdtype == torch.float8_e4m3fn and wire_dtype.is_floating_point and wire_dtype.itemsize > 1:
             continue  # a block-FP8 target: quantized on write (receiver.fp8_targets)
+        if is_widened(wire_dtype, tdtype):
+            continue  # widened exactly on write (``WIDENED_ON_WRITE``)
         if tdtype != wire_dtype:
             raise TargetError(f"{plan.hf_name}: dtype mismatch on {targets.where()}: wire dtype "
                               f"{wire_dtype}, vLLM param {piece.target!r} has dtype {tdtype}")

@@ -64,6 +64,8 @@ class TinyGPTSpec:
     moe_router_topk_scaling_factor: Optional[float] = None
     layernorm_epsilon: float = 1e-5
     mtp_num_layers: Optional[int] = None
+    # GLM-4.5: RoPE over the first rotary_percent of each head (HF partial_rotary_factor)
+    rotary_percent: float = 1.0
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp_size: int) -> int:
@@ -231,6 +233,7 @@ def _gpt_model(GPTModel, config, layer_spec, spec: TinyGPTSpec, ps):
         post_process=ps.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=spec.tie_embeddings,
         position_embedding_type="rope",
+        rotary_percent=spec.rotary_percent,
     )
 
 

@@ -43,6 +43,7 @@ ARCHITECTURE_MODULES = {
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "DeepseekV3ForCausalLM": "deepseek_v2",
+    "Glm4MoeForCausalLM": "glm4_moe",
 }
 _SHIMS_INSTALLED = False
 

@@ -56,6 +56,10 @@ _DEEPSEEK = dict(TINY_MODEL, family="deepseek_v3", **_MOE, moe_shared_expert_int
                  kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16,
                  moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
                  moe_router_topk_scaling_factor=2.5, layernorm_epsilon=1e-6)
+_GLM = dict(TINY_MODEL, family="glm4_moe", **_MOE, moe_shared_expert_intermediate_size=32,
+            moe_layer_freq=[0, 1, 1, 1], add_qkv_bias=True, head_dim=16, rotary_percent=0.5,
+            moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+            moe_router_topk_scaling_factor=2.5)
 # vLLM's DeepSeek-V3 needs the real checkpoint's router keys to hold e_score_correction_bias
 _DEEPSEEK_ROUTER = dict(topk_method="noaux_tc", scoring_func="sigmoid")
 
@@ -89,6 +93,15 @@ FAMILIES = {
                            moe_router_topk_scaling_factor=2.827),
                       "DeepseekV3ForCausalLM", _DEEPSEEK_ROUTER,
                       (("tp2 pp2 ep2", "tp2 ep2"), ("tp2 ep2", "tp4"), ("tp1 ep2", "tp1 x2"))),
+    # GLM-4.5's shape at tiny scale: GQA with q/k/v biases, partial RoPE (half the head),
+    # sigmoid routing with the score-correction bias and a scaling factor, one shared expert,
+    # the first layer dense; vLLM holds the router in float32 (widened on write)
+    "glm4_moe": Family(_GLM, "Glm4MoeForCausalLM", {},
+                       (("tp2 pp2 ep2", "tp2 ep2"), ("tp1 pp2 ep2", "tp4"), ("tp4 ep2", "tp1 x2"))),
+    # with q/k norms (GLM-4.5's use_qk_norm) and uneven train stages (3 + 1 layers)
+    "glm4_moe-qk-norm-uneven-pp": Family(dict(_GLM, qk_layernorm=True,
+                                              num_layers_in_first_pipeline_stage=3),
+                                         "Glm4MoeForCausalLM", {}, (("tp2 pp2 ep2", "tp2"),)),
 }
 CASES = [(f, i) for f in FAMILIES for i in range(len(FAMILIES[f].layouts))]
 # checks that ride on a case's job (one pool job each saved): gen rank 0 of the first
