@@ -97,7 +97,7 @@ FAMILIES = {
     # sigmoid routing with the score-correction bias and a scaling factor, one shared expert,
     # the first layer dense; vLLM holds the router in float32 (widened on write)
     "glm4_moe": Family(_GLM, "Glm4MoeForCausalLM", {},
-                       (("tp2 pp2 ep2", "tp2 ep2"), ("tp1 pp2 ep2", "tp4"), ("tp4 ep2", "tp1 x2"))),
+                       (("tp2 pp2 ep2", "tp2 ep2"), ("tp2 ep2", "tp4"), ("tp4 ep2", "tp1 x2"))),
     # with q/k norms (GLM-4.5's use_qk_norm) and uneven train stages (3 + 1 layers)
     "glm4_moe-qk-norm-uneven-pp": Family(dict(_GLM, qk_layernorm=True,
                                               num_layers_in_first_pipeline_stage=3),
