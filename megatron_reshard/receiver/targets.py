@@ -34,6 +34,7 @@ from megatron_reshard.vllm_layout import moe as vllm_moe
 from megatron_reshard.vllm_layout.dense import (GATE_UP_RE, QKV_RE, VOCAB_PADDING,
                                                 AttentionHeads, gate_up_rows,
                                                 padded_vocab_rows, vocab_rows_of_rank)
+from megatron_reshard.vllm_layout.float32_params import may_widen
 from megatron_reshard.vllm_layout.moe import expert_block
 
 _EXPERT_RE = re.compile(
@@ -331,16 +332,6 @@ class VllmTargets:
 # ------------------------------------------------------------------------- bulk mapping
 
 
-# wire dtype -> target dtypes it is widened into on write, exactly (every value representable):
-# vLLM holds some params in float32 under a BF16 model (GLM-4.5's router ``gate.weight``) and
-# its ``load_weights`` widens the checkpoint's BF16 values with ``copy_``; so does the receiver
-WIDENED_ON_WRITE = {torch.bfloat16: (torch.float32,), torch.float16: (torch.float32,)}
-
-
-def is_widened(wire_dtype: torch.dtype, target_dtype: torch.dtype) -> bool:
-    return target_dtype in WIDENED_ON_WRITE.get(wire_dtype, ())
-
-
 def receive_spec(targets: VllmTargets, piece: Piece, strided_in_place: bool = True,
                  wire_dtype: Optional[torch.dtype] = None) -> LocalParamSpec:
     """The receive recipe for one target box: in place when possible, else buffer + copy-back
@@ -373,8 +364,8 @@ def check_wire_dtype(targets: VllmTargets, plan: TargetPlan, wire_dtype: torch.d
         tdtype = targets.params[piece.target].dtype
         if tdtype == torch.float8_e4m3fn and wire_dtype.is_floating_point and wire_dtype.itemsize > 1:
             continue  # a block-FP8 target: quantized on write (receiver.fp8_targets)
-        if is_widened(wire_dtype, tdtype):
-            continue  # widened exactly on write (``WIDENED_ON_WRITE``)
+        if may_widen(plan.hf_name, str(wire_dtype), str(tdtype)):
+            continue  # held in float32 by vLLM: widened exactly on write (``receive_spec``)
         if tdtype != wire_dtype:
             raise TargetError(f"{plan.hf_name}: dtype mismatch on {targets.where()}: wire dtype "
                               f"{wire_dtype}, vLLM param {piece.target!r} has dtype {tdtype}")
