@@ -17,7 +17,10 @@ _QWEN3_NEXT_BLOCKERS = (
     "real model of the family can be built and checked on a CPU machine; the converter rules "
     "for GatedDeltaNet's in_proj (q/k/v/z/b/a rows, vLLM's per-key-head interleave of "
     "in_proj_qkvz / in_proj_ba over TP), conv1d, A_log, dt_bias and the gated norm, and for "
-    "the output gate that attention_output_gate adds to linear_qkv, are not written")
+    "the output gate that attention_output_gate adds to linear_qkv, are not written; and vLLM "
+    "0.33's qwen3_next / qwen3_5 model modules do not import in the project's vLLM test "
+    "environment (their Gated-DeltaNet layer imports compressed_tensors, not installed), so "
+    "no refit could be checked against vLLM's own loading either")
 
 #: HF ``model_type`` -> why the refit refuses it (Qwen3.5's text types share Qwen3-Next's layers)
 NOT_YET_SUPPORTED: dict[str, str] = {

@@ -18,6 +18,7 @@ transformers oracle 4.57); skipped where vLLM is not installed.
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 
 import pytest
@@ -196,3 +197,15 @@ def test_mla_weights_held_as_copies_are_recomputed_in_their_storage(refitted):
         assert g["differences"] == [[]] * REFITS, g["differences"]
         assert g["moved"] == [[]] * REFITS, g["moved"]
         assert all(len(s["derived_refreshed"]) == 4 for s in g["refits"])
+
+
+def test_vllms_qwen3_next_classes_do_not_import_here_which_blocks_that_family():
+    """Pins one blocker the Qwen3-Next refusal names (``megatron.unsupported_families``):
+    vLLM 0.33's Gated-DeltaNet layer imports ``compressed_tensors``, absent from this venv.
+    The day it imports, this fails: the family can then be checked against vLLM here."""
+    from megatron_reshard.megatron.unsupported_families import family_problem
+
+    for module in ("qwen3_next", "qwen3_5"):
+        with pytest.raises(ModuleNotFoundError, match="compressed_tensors"):
+            importlib.import_module(f"vllm.model_executor.models.{module}")
+    assert "compressed_tensors" in family_problem("qwen3_next")
