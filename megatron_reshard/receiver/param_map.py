@@ -58,12 +58,6 @@ def build_receiver_param_map(payload: RefitPayload, targets: VllmTargets, rank_i
             except ValueError as err:
                 raise TargetError(f"{p.name}: {err}") from None
         plan = bulk_receive_plan(targets, p.name, shape, rows, p.torch_dtype, padded=padded)
-        widened = targets.params[plan.pieces[0].target].dtype != p.torch_dtype
-        if widened and (per_group or padded):
-            raise TargetError(f"{p.name}: {targets.where()} holds it as "
-                              f"{targets.params[plan.pieces[0].target].dtype}, the payload sends "
-                              f"{p.torch_dtype}; widening on write is done for plain boxes only, "
-                              f"not for q/k/v per KV group or padded vocab shards")
         if per_group:  # q/k/v per KV group: the target row block seen as [groups, rows, H]
             block = targets.view(plan.pieces[0])
             specs.specs[p.name] = LocalParamSpec(base=block.view([b - a for a, b in region]))
