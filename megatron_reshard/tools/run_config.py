@@ -42,11 +42,11 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
 }
 
 # --gen-precision fp8: the preset's dims made whole 128x128 blocks per TP shard (head_dim
-# 128, hidden 256, FFN 512 / experts 256), as vLLM's block-FP8 layers require
+# 128, hidden 256, FFN 512 / experts and shared experts 256), as vLLM's block-FP8 layers require
 FP8_MODEL_OVERRIDES: dict[str, Any] = dict(hidden_size=256, num_attention_heads=4,
                                            num_query_groups=2, head_dim=128, ffn_hidden_size=512,
                                            moe_ffn_hidden_size=256, num_moe_experts=4,
-                                           num_layers=2)
+                                           moe_shared_expert_intermediate_size=256, num_layers=2)
 GEN_PRECISIONS = ("bf16", "fp8", "mxfp8")
 
 
@@ -56,6 +56,9 @@ def model_preset(cfg: "RefitRunConfig") -> dict[str, Any]:
     if cfg.gen_precision in ("fp8", "mxfp8"):
         preset.update({k: v for k, v in FP8_MODEL_OVERRIDES.items()
                        if k in preset or k == "head_dim"})
+        freq = preset.get("moe_layer_freq")
+        if isinstance(freq, list):  # a per-layer pattern follows the fewer layers (first dense kept)
+            preset["moe_layer_freq"] = freq[: preset["num_layers"]]
     preset.update(cfg.model_overrides)
     return preset
 
