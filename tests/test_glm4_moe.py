@@ -31,3 +31,13 @@ def test_glm_refit_is_bit_exact_and_all_on_the_exact_path(pool, layout):
     summary = summarize(cfg, pool.run(_refit_job, cfg.train_world + cfg.gen_world, cfg, timeout_s=240))
     assert summary["verified"], summary["per_gen_rank"]
     assert summary["exact_path_fraction"] == 1.0, summary["per_gen_rank"]
+
+
+def test_glm_refit_into_block_fp8_generation_is_bit_exact(pool):
+    """Block-FP8 generation (``--gen-precision fp8``): the q/k/v biases travel per KV group
+    next to the quantized weights, the router widened to float32, all on the exact path."""
+    cfg = RefitRunConfig(model="glm", refits=1, quiet=True, timeout_s=60, gen_precision="fp8",
+                         **LAYOUTS["train-tp2-pp2-ep2-to-gen-tp2"])
+    summary = summarize(cfg, pool.run(_refit_job, cfg.train_world + cfg.gen_world, cfg, timeout_s=240))
+    assert summary["verified"], summary["per_gen_rank"]
+    assert summary["exact_path_fraction"] == 1.0, summary["per_gen_rank"]
