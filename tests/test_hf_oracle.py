@@ -107,6 +107,15 @@ CASES["gpt_oss"] = Case(
     "GptOssForCausalLM", dict(rope_scaling=None, rope_theta=10000.0, attn_implementation="eager"),
     train=_MOE_TRAIN)
 # ---- end gpt-oss
+# GLM-4.5: GQA with q/k/v biases and q/k norms, partial RoPE (half of head_dim 16), sigmoid
+# routing with the score-correction bias and a scaling factor, one shared expert, first layer
+# dense; gen EP2. See hf_configs.glm4_moe_hf_config for how both sides agree.
+CASES["glm4_moe"] = Case(
+    dict(_BASE, family="glm4_moe", num_moe_experts=8, moe_ffn_hidden_size=32,
+         moe_shared_expert_intermediate_size=32, moe_layer_freq=[0, 1, 1, 1], add_qkv_bias=True,
+         qk_layernorm=True, head_dim=16, rotary_percent=0.5, moe_router_score_function="sigmoid",
+         moe_router_enable_expert_bias=True, moe_router_topk_scaling_factor=2.5),
+    "Glm4MoeForCausalLM", {}, train=_MOE_TRAIN, gen=dict(gen_world=2, gen_tp=2, gen_ep=2))
 # without q LoRA (a plain q_proj, kv_a_proj_with_mqa unfused), gen TP4 over 8 heads with the
 # experts TP-sharded (gen EP1), train TP2 with EP2; YaRN RoPE as DeepSeek-V3 configures it
 # (mscale = mscale_all_dim = 1), factor 4 over 8 original positions so the 12 tokens reach
@@ -280,3 +289,11 @@ def test_the_comparison_sees_gpt_oss_gate_up_order_sinks_and_expert_bias(refitte
             shards = [{**s, sinks: torch.zeros_like(s[sinks])} for s in received]
         assert not torch.allclose(hf_logits(case, shards), megatron, rtol=RTOL, atol=ATOL), list(change)
 # ---- end gpt-oss
+def test_the_comparison_sees_full_rotary_where_glm_rotates_half(refitted):
+    """GLM-4.5: the same weights under full RoPE (HF ``partial_rotary_factor=1``) give other
+    logits, so the partial rotary of Megatron's ``rotary_percent`` is what the case checks."""
+    case = CASES["glm4_moe"]
+    megatron, received = refitted("glm4_moe")
+    full_rope = Case(dict(case.model, rotary_percent=1.0), case.hf_class, case.hf_config,
+                     case.train, case.gen)
+    assert not torch.allclose(hf_logits(full_rope, received), megatron, rtol=RTOL, atol=ATOL)

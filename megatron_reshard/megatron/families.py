@@ -131,6 +131,12 @@ def _shared_expert_rules(prefix: str) -> tuple[Rule, ...]:
 
 SKIP_RULES = _rules((r".*_extra_state", "skip", []))
 
+#: DeepSeek-V3-style MoE extras (also GLM-4.5's): ``shared_experts`` and the router's
+#: score-correction bias (Megatron's ``expert_bias`` buffer)
+_ROUTER_BIASED_SHARED = _shared_expert_rules("shared_experts") + _rules(
+    (r"mlp\.router\.expert_bias", "replicated", [LAYER + ".mlp.gate.e_score_correction_bias"]),
+)
+
 _DENSE = SKIP_RULES + NORM_RULES + ATTENTION_RULES + DENSE_MLP_RULES
 
 #: family -> (top rules, layer rules). MoE families keep the dense MLP rules for dense layers
@@ -145,9 +151,11 @@ FAMILIES: dict[str, tuple[tuple[Rule, ...], tuple[Rule, ...]]] = {
     )),
     # MLA rules first: they claim q_layernorm (q_a_layernorm here, q_norm in GQA families);
     # the GQA rules stay for DeepSeek-style MoE models built with plain attention.
-    "deepseek_v3": (TOP_RULES, SKIP_RULES + MLA_ATTENTION_RULES + _DENSE + MOE_RULES + _shared_expert_rules("shared_experts") + _rules(
-        (r"mlp\.router\.expert_bias", "replicated", [LAYER + ".mlp.gate.e_score_correction_bias"]),
-    )),
+    "deepseek_v3": (TOP_RULES, SKIP_RULES + MLA_ATTENTION_RULES + _DENSE + MOE_RULES + _ROUTER_BIASED_SHARED),
+    # GLM-4.5/4.6/4.7 (Glm4MoeForCausalLM): GQA with q/k/v biases (optional q/k norms),
+    # DeepSeek-V3's MoE names (shared_experts, score-correction bias), first-k dense layers.
+    # Partial rotary changes no weight.
+    "glm4_moe": (TOP_RULES, _DENSE + MOE_RULES + _ROUTER_BIASED_SHARED),
 }
 
 

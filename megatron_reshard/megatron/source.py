@@ -54,7 +54,7 @@ import torch.distributed as dist
 from megatron_reshard.fp8.plan import GEN_QUANT_FORMATS, plan_block_fp8, plan_mxfp8
 from megatron_reshard.placements import build_mesh_info
 from megatron_reshard.wire.placement_rules import is_expert_param, is_nccl_reshard_param
-from megatron_reshard.megatron import mla, nemotron_h
+from megatron_reshard.megatron import mla, nemotron_h, unsupported_families
 from megatron_reshard.megatron.converters import (
     Converted,
     ModelDims,
@@ -134,7 +134,10 @@ class MegatronRefitSource:
                             f"{list(GEN_QUANT_FORMATS)}")
         if bare is not None:
             chosen = family if family is not None else infer_family(config)
-            if chosen is None:
+            refused = unsupported_families.family_problem(chosen)
+            if refused is not None:
+                problems.append(refused)
+            elif chosen is None:
                 problems.append("cannot infer the model family of a MoE model with shared experts: pass "
                                 f"family= one of {sorted(FAMILIES)}")
             elif chosen not in FAMILIES:
@@ -142,6 +145,7 @@ class MegatronRefitSource:
             family = chosen
             problems += mla.unsupported_features(config)
             problems += nemotron_h.unsupported(bare, family)
+            problems += unsupported_families.layer_problems(config)
             padded = int(getattr(bare, "vocab_size", 0) or 0)
             if vocab_size is None:
                 vocab_size = padded

@@ -41,6 +41,7 @@ from megatron_reshard.vllm_layout.dense import (GATE_UP_RE, QKV_RE, VOCAB_PADDIN
                                                 AttentionHeads, gate_up_rows,
                                                 padded_vocab_rows, vocab_rows_of_rank)
 from megatron_reshard.vllm_layout.kernel_order import PADDING, KernelOrder
+from megatron_reshard.vllm_layout.float32_params import may_widen
 from megatron_reshard.vllm_layout.moe import expert_block
 
 _EXPERT_RE = re.compile(
@@ -468,21 +469,32 @@ class VllmTargets:
 # ------------------------------------------------------------------------- bulk mapping
 
 
-def receive_spec(targets: VllmTargets, piece: Piece, strided_in_place: bool = True) -> LocalParamSpec:
+def receive_spec(targets: VllmTargets, piece: Piece, strided_in_place: bool = True,
+                 wire_dtype: Optional[torch.dtype] = None) -> LocalParamSpec:
     """The receive recipe for one target box: in place when possible, else buffer + copy-back
-    (a strided box the caller wants contiguous, or a box a kernel's order scatters)."""
+    (a strided box the caller wants contiguous, a box a kernel's order scatters, or a
+    target wider than the wire dtype: the buffer holds the wire dtype)."""
     view = targets.strided_view(piece)
     if view is None:
         target = targets.params[piece.target]
 
         def pre_scatter(_base) -> RefitCtx:
-            return RefitCtx(buf=torch.empty(box_shape(piece.target_region), dtype=target.dtype,
-                                            device=target.device))
+            return RefitCtx(buf=torch.empty(box_shape(piece.target_region),
+                                            dtype=wire_dtype or target.dtype, device=target.device))
 
         def post_scatter(ctx: RefitCtx) -> None:
-            targets.write(piece, ctx.buf)
+            targets.write(piece, ctx.buf.to(target.dtype))
 
         return LocalParamSpec(base=target, pre=pre_scatter, post=post_scatter)
+    if wire_dtype is not None and wire_dtype != view.dtype:
+        def pre_wide(region: torch.Tensor) -> RefitCtx:
+            buf = torch.empty(region.shape, dtype=wire_dtype, device=region.device)
+            return RefitCtx(buf=buf, extra={"region": region})
+
+        def post_wide(ctx: RefitCtx) -> None:
+            ctx.extra["region"].copy_(ctx.buf)
+
+        return LocalParamSpec(base=view, pre=pre_wide, post=post_wide)
     if view.is_contiguous() or strided_in_place:
         return LocalParamSpec(base=view)
 
@@ -501,6 +513,8 @@ def check_wire_dtype(targets: VllmTargets, plan: TargetPlan, wire_dtype: torch.d
         tdtype = targets.params[piece.target].dtype
         if tdtype == torch.float8_e4m3fn and wire_dtype.is_floating_point and wire_dtype.itemsize > 1:
             continue  # a block-FP8 target: quantized on write (receiver.fp8_targets)
+        if may_widen(plan.hf_name, str(wire_dtype), str(tdtype)):
+            continue  # held in float32 by vLLM: widened exactly on write (``receive_spec``)
         if tdtype != wire_dtype:
             raise TargetError(f"{plan.hf_name}: dtype mismatch on {targets.where()}: wire dtype "
                               f"{wire_dtype}, vLLM param {piece.target!r} has dtype {tdtype}")

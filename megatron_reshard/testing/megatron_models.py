@@ -72,6 +72,8 @@ class TinyGPTSpec:
     window_size: Optional[tuple] = None
     window_attn_skip_freq: Optional[int] = None
     gpt_oss_activation: bool = False
+    # GLM-4.5: RoPE over the first rotary_percent of each head (HF partial_rotary_factor)
+    rotary_percent: float = 1.0
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp_size: int) -> int:
@@ -251,6 +253,7 @@ def _gpt_model(GPTModel, config, layer_spec, spec: TinyGPTSpec, ps):
         post_process=ps.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=spec.tie_embeddings,
         position_embedding_type="rope",
+        rotary_percent=spec.rotary_percent,
     )
 
 

@@ -14,7 +14,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-SHARED_EXPERT_PREFIX = {"qwen2_moe": "shared_expert", "deepseek_v3": "shared_experts"}
+SHARED_EXPERT_PREFIX = {"qwen2_moe": "shared_expert", "deepseek_v3": "shared_experts",
+                        "glm4_moe": "shared_experts"}
 
 
 # MLA (DeepSeek-V3 names). The down projections are column-parallel in the local spec: the

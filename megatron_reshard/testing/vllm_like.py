@@ -20,6 +20,9 @@ DeepSeek-V3 (``family == "deepseek_v3"``): MLA attention when ``kv_lora_rank`` i
 ``kv_b_proj`` column parallel, ``o_proj`` row parallel, the two norms replicated; shared
 experts under ``mlp.shared_experts`` (no gate); ``router_expert_bias`` adds
 ``mlp.gate.e_score_correction_bias``, float32 whatever the model dtype (as vLLM holds it).
+GLM-4.5 (``family == "glm4_moe"``): GQA attention, DeepSeek's MoE names (``shared_experts``,
+no shared-expert gate), and the router ``mlp.gate.weight`` held in float32 too (vLLM's
+``Glm4MoE`` builds its gate with ``params_dtype=torch.float32``).
 """
 
 from __future__ import annotations
@@ -54,7 +57,14 @@ def _is_moe_layer(c: Mapping[str, Any], layer: int) -> bool:
 
 
 def _is_deepseek(c: Mapping[str, Any]) -> bool:
-    return c.get("family") == "deepseek_v3"
+    """DeepSeek-V3's MoE names (``shared_experts``, no shared-expert gate): GLM-4.5 too."""
+    return c.get("family") in ("deepseek_v3", "glm4_moe")
+
+
+def _float32_param(c: Mapping[str, Any], name: str) -> bool:
+    """Params vLLM holds in float32 whatever the model dtype."""
+    return name.endswith("e_score_correction_bias") or (
+        c.get("family") == "glm4_moe" and name.endswith(".mlp.gate.weight"))
 
 
 def _shared_prefix(c: Mapping[str, Any]) -> str:
@@ -185,8 +195,8 @@ def build_vllm_like_model(hf_config: Mapping[str, Any], tp_rank: int, tp_size: i
                 child = nn.Module()
                 module.add_module(part, child)
             module = child
-        # vLLM keeps DeepSeek's score-correction bias in float32 whatever the model dtype
-        pdtype = torch.float32 if name.endswith("e_score_correction_bias") else dtypes[name]
+        # vLLM keeps DeepSeek's score-correction bias (and GLM's router) in float32
+        pdtype = torch.float32 if _float32_param(hf_config, name) else dtypes[name]
         data = torch.empty(shape, dtype=pdtype, device=device)
         data.fill_(float("nan") if pdtype.is_floating_point else -1)
         module.register_parameter(leaf, nn.Parameter(data, requires_grad=False))
@@ -317,6 +327,8 @@ def expected_vllm_shard(hf_config: Mapping[str, Any], vllm_name: str,
         return cols(hf[vllm_name])
     if vllm_name.endswith("mlp.up_proj.weight"):
         return rows(hf[vllm_name])
+    if _float32_param(c, vllm_name):
+        return hf[vllm_name].float()  # widened as vLLM's load_weights copies it
     return hf[vllm_name]  # replicated: norms, router, shared_expert_gate
 
 

@@ -52,6 +52,7 @@ ARCHITECTURE_MODULES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "DeepseekV3ForCausalLM": "deepseek_v2",
     "GptOssForCausalLM": "gpt_oss",
+    "Glm4MoeForCausalLM": "glm4_moe",
 }
 _SHIMS_INSTALLED = False
 CPU_EXPERTS_PREPACK = None  # vLLM's own post-load step of its CPU experts, kept aside by the shim

@@ -18,6 +18,7 @@ transformers oracle 4.57); skipped where vLLM is not installed.
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 
 import pytest
@@ -56,6 +57,10 @@ _DEEPSEEK = dict(TINY_MODEL, family="deepseek_v3", **_MOE, moe_shared_expert_int
                  kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16,
                  moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
                  moe_router_topk_scaling_factor=2.5, layernorm_epsilon=1e-6)
+_GLM = dict(TINY_MODEL, family="glm4_moe", **_MOE, moe_shared_expert_intermediate_size=32,
+            moe_layer_freq=[0, 1, 1, 1], add_qkv_bias=True, head_dim=16, rotary_percent=0.5,
+            moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+            moe_router_topk_scaling_factor=2.5)
 # vLLM's DeepSeek-V3 needs the real checkpoint's router keys to hold e_score_correction_bias
 _DEEPSEEK_ROUTER = dict(topk_method="noaux_tc", scoring_func="sigmoid")
 # ---- gpt-oss
@@ -105,6 +110,15 @@ FAMILIES = {
                                      num_layers_in_last_pipeline_stage=3),
                                 "GptOssForCausalLM", {}, (("tp1 pp2", "tp2"),)),
     # ---- end gpt-oss
+    # GLM-4.5's shape at tiny scale: GQA with q/k/v biases, partial RoPE (half the head),
+    # sigmoid routing with the score-correction bias and a scaling factor, one shared expert,
+    # the first layer dense; vLLM holds the router in float32 (widened on write)
+    "glm4_moe": Family(_GLM, "Glm4MoeForCausalLM", {},
+                       (("tp2 pp2 ep2", "tp2 ep2"), ("tp2 ep2", "tp4"), ("tp4 ep2", "tp1 x2"))),
+    # with q/k norms (GLM-4.5's use_qk_norm) and uneven train stages (3 + 1 layers)
+    "glm4_moe-qk-norm-uneven-pp": Family(dict(_GLM, qk_layernorm=True,
+                                              num_layers_in_first_pipeline_stage=3),
+                                         "Glm4MoeForCausalLM", {}, (("tp2 pp2 ep2", "tp2"),)),
 }
 CASES = [(f, i) for f in FAMILIES for i in range(len(FAMILIES[f].layouts))]
 # checks that ride on a case's job (one pool job each saved): gen rank 0 of the first
@@ -253,3 +267,15 @@ def test_gpt_oss_sends_only_its_experts_as_full_tensors(refitted):
             assert g["summary"]["misc_params"] == 4 * 8 * 4, (index, g["rank"], g["summary"])
             assert all(s["misc_bytes"] > 0 and s["bulk_bytes"] > 0 for s in g["refits"]), g["refits"]
 # ---- end gpt-oss
+
+
+def test_vllms_qwen3_next_classes_do_not_import_here_which_blocks_that_family():
+    """Pins one blocker the Qwen3-Next refusal names (``megatron.unsupported_families``):
+    vLLM 0.33's Gated-DeltaNet layer imports ``compressed_tensors``, absent from this venv.
+    The day it imports, this fails: the family can then be checked against vLLM here."""
+    from megatron_reshard.megatron.unsupported_families import family_problem
+
+    for module in ("qwen3_next", "qwen3_5"):
+        with pytest.raises(ModuleNotFoundError, match="compressed_tensors"):
+            importlib.import_module(f"vllm.model_executor.models.{module}")
+    assert "compressed_tensors" in family_problem("qwen3_next")
