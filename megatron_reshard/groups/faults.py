@@ -94,6 +94,9 @@ class FaultBoard:
         self._seen: Optional[Fault] = None
         self.failed = False       # this rank posted or saw a failure of the group
         self.retired = False      # the failed group is held until its operations end (retire)
+        # (fd, "socket:[inode]") of the group's store client and gloo pairs: shut down at
+        # exit if the group failed with calls still in flight (groups.at_exit)
+        self.sockets: list[tuple[int, str]] = []
 
     # -- posting -------------------------------------------------------------------------
 
@@ -180,6 +183,11 @@ class FaultBoard:
 
 def attach_board(group: Any, board: FaultBoard) -> None:
     _BOARDS[group] = board
+
+
+def failed_groups_sockets() -> list[tuple[int, str]]:
+    """The sockets of every failed group still alive (``at_exit`` shuts them down)."""
+    return [s for board in list(_BOARDS.values()) if board.failed for s in board.sockets]
 
 
 def board_of(group: Any) -> Optional[FaultBoard]:
