@@ -8,12 +8,16 @@ interpreter exit, is the process's own.
 model, generation TP2 with vLLM-layout params), waits for all of them and prints, as JSON,
 each process's exit status, stderr and end time, and when the fault was armed. Generation rank 1 holds a model that cannot take the refit (``--fault``); every
 rank's own code lets the library's error propagate, uncaught, as a user's script would.
+``--fault stop-train``: training rank 1 stops itself (SIGSTOP) after the first refit instead;
+the launcher kills it once every other process has ended.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -22,7 +26,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-FAULTS = ("float32", "shape", "rename")
+MODEL_FAULTS = ("float32", "shape", "rename")  # generation rank 1's model cannot take the refit
+FAULTS = (*MODEL_FAULTS, "stop-train")        # training rank 1 stops (SIGSTOP) after refit 1
 TRAIN, GEN = 2, 2
 
 
@@ -30,7 +35,7 @@ def _cfg(args):
     from megatron_reshard.tools.run_config import RefitRunConfig
 
     return RefitRunConfig(model="dense", train_world=TRAIN, train_tp=2, train_pp=1, train_ep=1,
-                          gen_world=GEN, gen_tp=2, refits=2, verify=False,
+                          gen_world=GEN, gen_tp=2, refits=3, verify=False,
                           ports=(args.port, args.port + 1), timeout_s=args.timeout_s,
                           quiet=True, transport=args.transport)
 
@@ -58,7 +63,13 @@ def rank_main(args) -> None:
     if args.role == "train":
         from megatron_reshard.tools.e2e import run_training_rank
 
-        run_training_rank(args.rank, cfg, control, torch.device("cpu"))
+        def stop_after_first(ctx):
+            if args.fault == "stop-train" and args.rank == 1 and ctx["step"] == 0:
+                print(f"FAULT_AT {time.time()!r}", flush=True)
+                os.kill(os.getpid(), signal.SIGSTOP)
+
+        run_training_rank(args.rank, cfg, control, torch.device("cpu"),
+                          after_each_refit=stop_after_first)
         return
     from megatron_reshard.megatron.payload import decode_payload
     from megatron_reshard.tools.e2e import ModuleWorker
@@ -70,7 +81,7 @@ def rank_main(args) -> None:
     payload = decode_payload(control.get("payload"))
     model = build_vllm_like_model(RefitPayload.of(payload).hf_config, args.rank, GEN, 1,
                                   torch.bfloat16)
-    if args.rank == 1:
+    if args.rank == 1 and args.fault in MODEL_FAULTS:
         model = _broken_model(model, args.fault)
         print(f"FAULT_AT {time.time()!r}", flush=True)
     worker = ModuleWorker(model)
@@ -83,7 +94,7 @@ def rank_main(args) -> None:
 
 def launch(args) -> dict:
     """Every rank as its own process; returns, per process ("train 0", ...), its exit status,
-    its stderr and when it ended, and when generation rank 1 found its model broken."""
+    its stderr and when it ended, and when the fault happened ("fault_at")."""
     from megatron_reshard.tools.worlds import free_ports
 
     port = free_ports(2)[0]
@@ -94,17 +105,22 @@ def launch(args) -> dict:
                                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                              text=True)
              for role, n in (("train", TRAIN), ("gen", GEN)) for r in range(n)}
-    out = {}
+    ended: dict = {}
     deadline = time.monotonic() + args.wait_s
+    stopped = "train 1" if args.fault == "stop-train" else None
+    while time.monotonic() < deadline and len(ended) < len(procs) - bool(stopped):
+        for name, proc in procs.items():  # each end time on its own (the pipes are small)
+            if name not in ended and name != stopped and proc.poll() is not None:
+                ended[name] = time.time()
+        time.sleep(0.05)
+    out = {}
     for name, proc in procs.items():
-        try:
-            stdout, stderr = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:  # a hang: the caller sees status None
+        hung = proc.poll() is None  # the stopped process, or a hang: the caller sees None
+        if hung:
             proc.kill()
-            stdout, stderr = proc.communicate()
-            proc.returncode = None
-        out[name] = {"status": proc.returncode, "stderr": stderr, "ended": time.time(),
-                     "stdout": stdout}
+        stdout, stderr = proc.communicate()
+        out[name] = {"status": None if hung else proc.returncode, "stderr": stderr,
+                     "ended": ended.get(name, time.time()), "stdout": stdout}
     marks = [ln for r in out.values() for ln in r["stdout"].splitlines() if ln.startswith("FAULT_AT ")]
     out["fault_at"] = float(marks[0].split()[1]) if marks else None
     return out
@@ -123,7 +139,11 @@ def main() -> int:
     if args.role == "launch":
         print(json.dumps(launch(args), indent=1))
         return 0
-    rank_main(args)
+    try:
+        rank_main(args)
+    except BaseException:
+        print(f"RAISED_AT {time.time()!r}", flush=True)
+        raise
     return 0
 
 

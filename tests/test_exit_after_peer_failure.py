@@ -5,7 +5,8 @@ transports, within the group's timeout plus 5 s of the fault.
 Real processes, each its own interpreter (``tests/prepare_failure_ranks.py``): the crash
 this guards against happened at interpreter exit (an abandoned gloo wait returning during
 finalization; ``groups.at_exit``), which pool workers that never exit cannot show.
-Training TP2 on a real megatron-core dense model, generation TP2 over gloo.
+Training TP2 on a real megatron-core dense model, generation TP2 over gloo. A stopped training
+rank is named, as the cause, by every survivor.
 """
 
 import json
@@ -50,3 +51,25 @@ def test_every_process_exits_with_the_error_and_status_1(fault, transport):
     # the other generation rank: the library's error (the failure, or its store host gone
     # first when the training side exited before it looked)
     assert "megatron_reshard.groups.faults." in res["gen 0"]["stderr"], res["gen 0"]["stderr"]
+
+
+def test_a_stopped_training_rank_is_named_by_every_survivor():
+    # training rank 1 stops (SIGSTOP) after the first refit; the second refit's first step
+    # times out on every other rank, and each says which rank stopped answering
+    timeout_s = 8.0
+    out = subprocess.run([sys.executable, "tests/prepare_failure_ranks.py", "launch", "--fault",
+                          "stop-train", "--timeout-s", str(timeout_s)],
+                         capture_output=True, text=True, timeout=400)
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout)
+    fault_at = res.pop("fault_at")
+    assert fault_at is not None and res.pop("train 1")["status"] is None  # killed by the launcher
+    for name, r in res.items():
+        tail = r["stderr"][-3000:]
+        assert r["status"] == 1, f"{name} exited with {r['status']}:\n{tail}"
+        assert "group rank 1 (train rank 1 (PP stage 0)) gave no sign of life" in r["stderr"], tail
+        assert "stopped (SIGSTOP), hung or dead" in r["stderr"], tail
+        assert "same batches in the same order" not in r["stderr"], tail  # not a coding error
+        raised = [float(ln.split()[1]) for ln in r["stdout"].splitlines()
+                  if ln.startswith("RAISED_AT ")]
+        assert raised and raised[0] - fault_at < timeout_s + MARGIN_S, (name, raised, fault_at)

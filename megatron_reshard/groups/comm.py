@@ -154,6 +154,7 @@ def _join(board: FaultBoard, backend: str, transport: Optional[str] = None) -> s
     except RefitError:
         _linger_if_host(board)
         raise
+    board.names = {r: s["who"] for r, s in seen.items()}  # errors name a silent peer
     chosen = {s.get("transport") for s in seen.values()} - {None}
     return chosen.pop() if chosen else DEFAULT_TRANSPORT
 
