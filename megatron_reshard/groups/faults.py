@@ -149,7 +149,8 @@ class FaultBoard:
             if self.rank == 0:
                 return None  # we host it; a local store error is not a peer failure
             self.failed = True
-            self._seen = Fault("group rank 0 (it hosts the group's store)", f"its store is "
+            host = f" ({self.names[0]})" if 0 in self.names else ""
+            self._seen = Fault(f"group rank 0{host}, which hosts the group's store,", f"its store is "
                                f"unreachable ({type(exc).__name__}: {exc}); the process exited or "
                                f"is stopped", 0)
             return self._seen
