@@ -39,7 +39,7 @@ import torch.multiprocessing as mp
 
 from megatron_reshard.receiver import MegatronReshardWorkerExtension
 from megatron_reshard.tools.e2e import run_training_rank, tensor_digest
-from megatron_reshard.tools.launch_env import apply_nccl_defaults
+from megatron_reshard.tools.launch_env import apply_launch_defaults
 from megatron_reshard.tools.run_config import add_run_arguments, config_from_args
 from megatron_reshard.tools.supervise import write_progress
 
@@ -266,7 +266,7 @@ def main(argv: list | None = None) -> int:
     if cfg.problems():
         print("vllm_style_refit: " + "; ".join(cfg.problems()), file=sys.stderr)
         return 2
-    apply_nccl_defaults()
+    apply_launch_defaults()  # before the launchers start: their workers log less
     if role is None:
         return both(args, argv)
     if args.port is None:
