@@ -19,6 +19,7 @@ rank reports its weight state, checked against the last good oracle).
 from __future__ import annotations
 
 import io
+import sys
 import time
 from datetime import timedelta
 from typing import Any, Mapping, Optional
@@ -72,7 +73,8 @@ def _engine_for(config, model):
 
 
 def _gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Mapping[str, Any],
-              vllm_port: int, mismatch_rank: Optional[int], fail_extra: bool) -> dict:
+              vllm_port: int, mismatch_rank: Optional[int], fail_extra: bool,
+              progress_s: Optional[float] = None) -> dict:
     from megatron_reshard.megatron.payload import decode_payload
     from megatron_reshard.testing import vllm_models as vm
     from megatron_reshard.vllm_backend import WeightUpdateError, WeightVersionMismatch
@@ -82,7 +84,8 @@ def _gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Mapping[st
     new_config = lambda: vm.vllm_config_for(model_dir, cfg.gen_tp, ep=cfg.gen_ep > 1)  # noqa: E731
     config = new_config()
     out: dict[str, Any] = {"role": "gen", "rank": gen_rank, "differences": [], "versions": [],
-                           "mismatch": None, "failed": None}
+                           "mismatch": None, "failed": None, "progress": []}
+    said_at = time.monotonic()
     with vm.vllm_parallel_state(config, gen_rank, cfg.gen_world, vllm_port):
         model = vm.dummy_loaded_model(config)
         engine = _engine_for(config, model)
@@ -109,6 +112,16 @@ def _gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Mapping[st
             del oracle
             oracle = vm.loaded_model(new_config(), full)
             out["differences"].append(vm.bitwise_differences(model, oracle))
+            # a long run says how far it got (every progress_s, on generation rank 0)
+            if progress_s is not None and gen_rank == 0 and (
+                    time.monotonic() - said_at >= progress_s or version == cfg.refits):
+                said_at = time.monotonic()
+                bad = sum(1 for d in out["differences"] if d)
+                line = (f"[gen 0] refit {version}/{cfg.refits} committed; {bad} of {version} "
+                        f"differed from vLLM's load_weights")
+                out["progress"].append(line)
+                sys.stderr.write(line + "\n")
+                sys.stderr.flush()
         if fail_extra:
             engine.start_weight_update()
             try:
@@ -129,9 +142,12 @@ def _gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Mapping[st
 
 
 def backend_refit_job(job, cfg: RefitRunConfig, hf_config: Mapping[str, Any],
-                      mismatch_rank: Optional[int] = None, fail_extra: bool = False) -> dict:
+                      mismatch_rank: Optional[int] = None, fail_extra: bool = False,
+                      progress_s: Optional[float] = None) -> dict:
     """Pool job (``WorkerPool.run(..., num_ports=cfg.train_pp + 2)``): process ``job.rank`` of
-    a launch of ``train_world + gen_world``; the last port is vLLM's generation world."""
+    a launch of ``train_world + gen_world``; the last port is vLLM's generation world.
+    ``progress_s``: generation rank 0 prints a progress line at most that often (and after
+    the last refit); None: silent."""
     t0 = time.perf_counter()
     cfg = RefitRunConfig(**{**cfg.__dict__, "ports": tuple(job.ports[: 1 + cfg.train_pp])})
     control = dist.TCPStore(cfg.host, cfg.ports[0], cfg.train_world + cfg.gen_world, job.rank == 0,
@@ -142,7 +158,7 @@ def backend_refit_job(job, cfg: RefitRunConfig, hf_config: Mapping[str, Any],
                                 after_refits=_failing_refit if fail_extra else None)
     else:
         out = _gen_rank(job.rank - cfg.train_world, cfg, control, hf_config,
-                        job.ports[1 + cfg.train_pp], mismatch_rank, fail_extra)
+                        job.ports[1 + cfg.train_pp], mismatch_rank, fail_extra, progress_s)
     out["s"] = time.perf_counter() - t0
     return out
 
