@@ -1,15 +1,17 @@
-"""One process of a refit launch whose generation side fails in ``prepare_refit``; run as a
-plain script (one per rank), so that its exit status, including anything that happens at
-interpreter exit, is the process's own.
+"""One process of a refit launch in which one rank fails; run as a plain script (one per
+rank), so that its exit status, including anything that happens at interpreter exit, is
+the process's own.
 
     python tests/prepare_failure_ranks.py launch --fault float32 --transport p2p
 
 ``launch`` starts every rank as its own process (training TP2 on a real megatron-core dense
 model, generation TP2 with vLLM-layout params), waits for all of them and prints, as JSON,
-each process's exit status, stderr and end time, and when the fault was armed. Generation rank 1 holds a model that cannot take the refit (``--fault``); every
-rank's own code lets the library's error propagate, uncaught, as a user's script would.
-``--fault stop-train``: training rank 1 stops itself (SIGSTOP) after the first refit instead;
-the launcher kills it once every other process has ended.
+each process's exit status, stderr, stdout and end time, and when the fault happened.
+``--fault float32|shape|rename``: generation rank 1 holds a model that cannot take the
+refit and fails in ``prepare_refit``. ``--fault stop-train``: training rank 1 stops itself
+(SIGSTOP) after the first refit; the launcher kills it once every other process has ended.
+Every rank's own code lets the library's error propagate, uncaught, as a user's script
+would, and prints ``RAISED_AT <time>`` to stdout when it does.
 """
 
 from __future__ import annotations
