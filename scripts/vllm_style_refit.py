@@ -31,6 +31,7 @@ import tempfile
 import time
 import traceback
 from datetime import timedelta
+from multiprocessing import connection as mp_connection
 from types import SimpleNamespace
 
 import torch
@@ -138,6 +139,9 @@ class Driver:
         ctx = mp.get_context("spawn")
         self.conns, self.procs = [], []
         self.progress_file, self.calls = args.progress_file, 0
+        # once a worker has raised, how long the others get to answer (they fail with it,
+        # or soon after; a stopped one never answers)
+        self.answer_s = ANSWER_S
         for rank in range(world):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_worker_process, args=(rank, world, args, child), daemon=True)
@@ -148,21 +152,35 @@ class Driver:
     def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list:
         for conn in self.conns:
             conn.send((method, tuple(args), dict(kwargs or {})))
-        results = [conn.recv() for conn in self.conns]
+        results, pending, deadline = {}, dict(enumerate(self.conns)), None
+        while pending and (deadline is None or time.monotonic() < deadline):
+            wait_s = None if deadline is None else max(0.0, deadline - time.monotonic())
+            for conn in mp_connection.wait(list(pending.values()), wait_s):
+                rank = self.conns.index(conn)
+                results[rank] = conn.recv()
+                del pending[rank]
+                if results[rank][0] == "error" and deadline is None:
+                    deadline = time.monotonic() + self.answer_s
         self.calls += 1
         write_progress(self.progress_file, self.calls)  # each call a step (tools.supervise)
-        failed = [(rank, text) for rank, (status, text) in enumerate(results) if status == "error"]
+        failed = [(rank, text) for rank, (status, text) in sorted(results.items())
+                  if status == "error"]
         if failed:
             rank, text = failed[0]
-            raise RuntimeError(f"collective_rpc({method!r}) failed on {len(failed)} worker(s); "
-                               f"worker {rank}: {text}")
-        return [value for _, value in results]
+            silent = (f"; worker(s) {sorted(pending)} did not answer within {self.answer_s:g} s "
+                      f"(stopped or hung)" if pending else "")
+            raise RuntimeError(f"collective_rpc({method!r}) failed on {len(failed)} worker(s)"
+                               f"{silent}; worker {rank}: {text}")
+        return [results[rank][1] for rank in range(len(self.conns))]
 
     def shutdown(self) -> None:
         for conn in self.conns:
             conn.send(None)
         for proc in self.procs:
-            proc.join(timeout=30)
+            proc.join(timeout=5)
+            if proc.is_alive():  # stopped or hung: it would outlive the driver
+                proc.kill()
+                proc.join()
 
 
 def gen_launcher(args: argparse.Namespace) -> int:
@@ -203,8 +221,11 @@ def gen_launcher(args: argparse.Namespace) -> int:
         summary["worker_pids"] = [p.pid for p in driver.procs]
         driver.collective_rpc("destroy_refit_groups", (args.timeout_s,))
     finally:
-        control.set("driver/done", "1")
         driver.shutdown()
+        try:
+            control.set("driver/done", "1")
+        except Exception:  # noqa: BLE001 - the store's host (training rank 0) is gone
+            pass
     summary["driver_pid"] = os.getpid()
     ok = (len(summary["mismatched"]) == (args.refits if verify else 0)
           and all(not bad for bad in summary["mismatched"])
@@ -215,14 +236,18 @@ def gen_launcher(args: argparse.Namespace) -> int:
 
 
 STARTUP_S = 180.0  # until the driver's first step: imports, spawns, model builds
+# after one launcher ended: its peer's ranks fail within the group's timeout + 5 s of the
+# fault, the driver waits ANSWER_S for workers that did not answer, then ends its workers
+SETTLE_MARGIN_S = 30.0
+ANSWER_S = 10.0
 
 
 def both(args: argparse.Namespace, argv: list) -> int:
     """Start the two launchers as separate processes, as two jobs would be, and supervise
     them (``tools.supervise``): killed only after 3 x --timeout-s without a step of the
-    driver's (STARTUP_S before its first), or once one has ended and the other has not within --timeout-s + 15 s (its
-    ranks fail within the group's timeout + 5 s and print why; a stopped rank is then
-    killed with its launcher's whole process group)."""
+    driver's (STARTUP_S before its first), or once one has ended and the other has not
+    within --timeout-s + SETTLE_MARGIN_S (its ranks fail and print why first; a stopped
+    rank is then killed with its launcher's whole process group)."""
     from megatron_reshard.tools.supervise import read_progress, start, supervise
 
     if args.port is None:
@@ -236,7 +261,7 @@ def both(args: argparse.Namespace, argv: list) -> int:
     procs["gen"] = start([sys.executable, __file__, "gen", *common, "--progress-file", progress])
     try:
         codes, why = supervise(procs, lambda: read_progress(progress),
-                               stall_s=3 * args.timeout_s, settle_s=args.timeout_s + 15,
+                               stall_s=3 * args.timeout_s, settle_s=args.timeout_s + SETTLE_MARGIN_S,
                                start_s=max(STARTUP_S, 3 * args.timeout_s))
     finally:
         for path in (progress, progress + ".tmp"):
