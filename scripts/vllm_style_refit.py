@@ -139,9 +139,10 @@ class Driver:
         ctx = mp.get_context("spawn")
         self.conns, self.procs = [], []
         self.progress_file, self.calls = args.progress_file, 0
-        # once a worker has raised, how long the others get to answer (they fail with it,
-        # or soon after; a stopped one never answers)
-        self.answer_s = ANSWER_S
+        # once a worker has answered, how long the others get to (a refit ends on every
+        # worker at once, or fails on each within the group's timeout; a stopped one never
+        # answers: vLLM's driver would wait for it forever)
+        self.answer_s = args.timeout_s + ANSWER_S
         for rank in range(world):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_worker_process, args=(rank, world, args, child), daemon=True)
@@ -159,18 +160,20 @@ class Driver:
                 rank = self.conns.index(conn)
                 results[rank] = conn.recv()
                 del pending[rank]
-                if results[rank][0] == "error" and deadline is None:
+                if deadline is None:  # the others finish the same call about as soon
                     deadline = time.monotonic() + self.answer_s
         self.calls += 1
         write_progress(self.progress_file, self.calls)  # each call a step (tools.supervise)
         failed = [(rank, text) for rank, (status, text) in sorted(results.items())
                   if status == "error"]
+        silent = (f"worker(s) {sorted(pending)} did not answer within {self.answer_s:g} s of "
+                  f"the first answer (stopped or hung)" if pending else "")
         if failed:
             rank, text = failed[0]
-            silent = (f"; worker(s) {sorted(pending)} did not answer within {self.answer_s:g} s "
-                      f"(stopped or hung)" if pending else "")
             raise RuntimeError(f"collective_rpc({method!r}) failed on {len(failed)} worker(s)"
-                               f"{silent}; worker {rank}: {text}")
+                               f"{'; ' + silent if silent else ''}; worker {rank}: {text}")
+        if silent:
+            raise RuntimeError(f"collective_rpc({method!r}): {silent}")
         return [results[rank][1] for rank in range(len(self.conns))]
 
     def shutdown(self) -> None:
@@ -237,7 +240,8 @@ def gen_launcher(args: argparse.Namespace) -> int:
 
 STARTUP_S = 180.0  # until the driver's first step: imports, spawns, model builds
 # after one launcher ended: its peer's ranks fail within the group's timeout + 5 s of the
-# fault, the driver waits ANSWER_S for workers that did not answer, then ends its workers
+# fault, the driver waits --timeout-s + ANSWER_S from a first answer for the others, then
+# ends its workers
 SETTLE_MARGIN_S = 30.0
 ANSWER_S = 10.0
 
