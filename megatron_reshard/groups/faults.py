@@ -150,9 +150,9 @@ class FaultBoard:
                 return None  # we host it; a local store error is not a peer failure
             self.failed = True
             host = f" ({self.names[0]})" if 0 in self.names else ""
-            self._seen = Fault(f"group rank 0{host}, which hosts the group's store,", f"its store is "
-                               f"unreachable ({type(exc).__name__}: {exc}); the process exited or "
-                               f"is stopped", 0)
+            self._seen = Fault(f"group rank 0{host}, which hosts the group's store,",
+                               f"its store is unreachable ({type(exc).__name__}: {exc}); the "
+                               f"process exited or is stopped", 0)
             return self._seen
         return None
 
