@@ -1,0 +1,176 @@
+"""Delta refits (refit.delta): bit-exact, smaller, and full whenever the base is unproven.
+
+Real processes: a real megatron-core model (dense, Qwen3-shaped, bf16) on 2 training ranks
+(PP2: two refit groups) and 2 generation ranks (TP2, vLLM-layout model). The senders ask
+for delta refits. Between refits ~2% of every training param's elements change (a seeded
+choice, identical on every run). After every refit each generation rank compares every
+param bit for bit with the reference (full HF tensors gathered by the independent oracle,
+sliced by the vLLM layout). Refits:
+
+1. the first: full on every rank ("holds no base");
+2.-4. delta on every rank, the bytes sent a small fraction of the first refit's;
+5. after the generation ranks prepare a new session (same payload, same groups): full on
+   every rank, the reason naming the generation side's new session;
+6. delta again.
+"""
+
+import json
+import zlib
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_reshard.tools.e2e import ModuleWorker, _publish_expected, tensor_digest
+from megatron_reshard.tools.run_config import MODEL_PRESETS, RefitRunConfig
+
+TRAIN, GEN = 2, 2
+TIMEOUT_S = 60.0
+REFITS = 6
+NEW_SESSION_BEFORE = 4  # 0-based refit index before which the gen ranks prepare again
+FRACTION = 0.02
+CFG = RefitRunConfig(model="dense", train_world=TRAIN, train_tp=1, train_pp=2, train_ep=1,
+                     gen_world=GEN, gen_tp=GEN, gen_ep=1)
+
+
+@torch.no_grad()
+def _change_sparsely(model, step: int) -> None:
+    """Change ~FRACTION of each param's elements (seeded by step and name)."""
+    for name, p in model.named_parameters():
+        g = torch.Generator().manual_seed(zlib.crc32(f"{step}:{name}".encode()))
+        flat = p.data.view(-1)
+        pick = torch.rand(flat.numel(), generator=g) < FRACTION
+        flat[pick] = flat[pick] * 1.5 + 0.0625
+
+
+def _delta_job(job):
+    control = dist.TCPStore(job.host, job.ports[0], job.nprocs, job.rank == 0,
+                            timeout=timedelta(seconds=120))
+    side, rank, size = ("train", job.rank, TRAIN) if job.rank < TRAIN else \
+        ("gen", job.rank - TRAIN, GEN)
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"world/{side}", control), rank=rank,
+                            world_size=size, timeout=timedelta(seconds=60))
+    return _train(job, control) if side == "train" else _gen(job, control, rank)
+
+
+def _train(job, control):
+    from megatron.core import parallel_state as ps
+
+    from megatron_reshard.groups.comm import create_refit_group, destroy_refit_group
+    from megatron_reshard.megatron import MegatronRefitSource
+    from megatron_reshard.megatron.sender import RefitSender
+    from megatron_reshard.refit.delta import DeltaConfig
+    from megatron_reshard.testing.megatron_models import TinyGPTSpec, build_gpt_model
+    from megatron_reshard.testing.megatron_reference import gather_full_hf_state_dict
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=2,
+                                 distributed_timeout_minutes=1)
+    preset = dict(MODEL_PRESETS["dense"], num_layers=2)
+    family = preset.pop("family")
+    spec = TinyGPTSpec(dtype="bfloat16", **preset)
+    torch.manual_seed(0)
+    model = build_gpt_model(spec).to(dtype=torch.bfloat16)
+    source = MegatronRefitSource(model, gen_parallelism={"tp_size": GEN, "ep_size": 1, "pp_size": 1},
+                                 gen_world_size=GEN, family=family, vocab_size=spec.vocab_size)
+    if job.rank == 0:
+        control.set("payload", source.payload_bytes())
+    group = create_refit_group(job.host, job.ports[1 + source.stage], source.stage_local_rank,
+                               1 + GEN, "gloo", TIMEOUT_S, who=f"train rank {job.rank}",
+                               label=f"refit group of PP stage {source.stage}")
+    sender = RefitSender(source, group, delta=DeltaConfig(budget_bytes=1 << 30, keep="pinned"))
+    out = []
+    for step in range(REFITS):
+        if step:
+            _change_sparsely(model, step)
+        out.append(sender.refit())
+        full = gather_full_hf_state_dict(model, family=family, vocab_size=spec.vocab_size)
+        if job.rank == 0:
+            _publish_expected(CFG, control, source.hf_config, full, step)
+        control.set(f"sent/{step}/{job.rank}", "1")
+    destroy_refit_group(group, TIMEOUT_S)
+    return out
+
+
+def _gen(job, control, gen_rank):
+    from megatron_reshard.megatron.payload import decode_payload
+    from megatron_reshard.testing.vllm_like import build_vllm_like_model
+
+    control.wait(["payload"])
+    payload = decode_payload(control.get("payload"))
+    model = build_vllm_like_model(payload["hf_config"], gen_rank, GEN, 1, torch.bfloat16)
+    worker = ModuleWorker(model)
+    worker.init_refit_groups(job.host, [job.ports[1], job.ports[2]], 1 + gen_rank, 1 + GEN,
+                             "gloo", TIMEOUT_S)
+    worker.prepare_refit(payload)
+    out = {"refits": [], "mismatched": [], "reports": []}
+    for step in range(REFITS):
+        if step == NEW_SESSION_BEFORE:
+            worker.prepare_refit(payload)  # a new session: its storage is no proven base
+        out["refits"].append(worker.refit())
+        out["reports"].append(worker.report())
+        control.wait([f"expected/{step}/{gen_rank}"])
+        expected = json.loads(control.get(f"expected/{step}/{gen_rank}"))
+        actual = {n: tensor_digest(p) for n, p in model.named_parameters()}
+        out["mismatched"].append(sorted(n for n in set(expected) | set(actual)
+                                        if expected.get(n) != actual.get(n)))
+    control.wait([f"sent/{REFITS - 1}/{r}" for r in range(TRAIN)])
+    worker.destroy_refit_groups(TIMEOUT_S)
+    time.sleep(0.2)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(pool):
+    return pool.run(_delta_job, TRAIN + GEN, num_ports=3, timeout_s=400)
+
+
+def _modes(res):
+    rows = res if isinstance(res, list) else res["refits"]
+    return [r["mode"] for r in rows]
+
+
+EXPECTED_MODES = ["full", "delta", "delta", "delta", "full", "delta"]
+
+
+def test_every_refit_is_bit_exact_on_every_generation_rank(runs):
+    for gen in runs[TRAIN:]:
+        assert gen["mismatched"] == [[]] * REFITS, gen["mismatched"]
+
+
+def test_every_rank_agrees_on_the_mode_of_every_refit(runs):
+    for who, res in enumerate(runs):
+        assert _modes(res) == EXPECTED_MODES, (who, _modes(res),
+                                               [r["full_reason"] for r in
+                                                (res if who < TRAIN else res["refits"])])
+
+
+def test_full_refits_say_why_on_every_rank(runs):
+    for who, res in enumerate(runs):
+        rows = res if who < TRAIN else res["refits"]
+        assert "holds no base" in rows[0]["full_reason"], (who, rows[0]["full_reason"])
+        assert "session has not committed" in rows[NEW_SESSION_BEFORE]["full_reason"], \
+            (who, rows[NEW_SESSION_BEFORE]["full_reason"])
+        for i, row in enumerate(rows):
+            if row["mode"] == "delta":
+                assert row["full_reason"] is None, (who, i, row)
+
+
+def test_delta_refits_move_a_small_fraction_of_the_bytes(runs):
+    for who, rows in enumerate(runs[:TRAIN]):
+        full = rows[0]["bytes_sent"]
+        assert full > 0
+        for i, row in enumerate(rows):
+            if row["mode"] == "delta":
+                d = row["delta"]
+                assert d["params"] > 0 and 0 < d["changed"], (who, i, d)
+                # ~2% changed: positions + values, ~6 bytes per changed bf16 element
+                assert row["bytes_sent"] < 0.15 * full, (who, i, row["bytes_sent"], full)
+                assert d["wire_bytes"] < 0.15 * d["full_bytes"], (who, i, d)
+    for gen in runs[TRAIN:]:
+        first = gen["reports"][0]
+        assert first["mode"] == "full" and first["bytes_received"] == first["full_bytes"] > 0
+        for report in gen["reports"][1:NEW_SESSION_BEFORE]:
+            assert report["mode"] == "delta"
+            assert report["bytes_received"] < 0.15 * report["full_bytes"], report
