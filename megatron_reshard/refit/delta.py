@@ -136,13 +136,17 @@ def decide_mode(cols: Sequence[int], where: str) -> ModeDecision:
         return ModeDecision("full", "delta refits are off (RefitSender(delta=False))")
     if not_wants:
         return ModeDecision("full", f"the training ranks of {where} disagree on delta")
+    # every side's reason is said (a new sender on new groups: both sides lack a base)
+    why = []
     if no_base:
-        return ModeDecision("full", f"{SRC_NO_BASE.get(no_base, 'no base')} ({where})")
-    if s_max != -s_negmin:
-        return ModeDecision("full", f"the training ranks of {where} hold bases of different "
-                                    f"versions: {-s_negmin} .. {s_max}")
+        why.append(SRC_NO_BASE.get(no_base, "the training side holds no base"))
+    elif s_max != -s_negmin:
+        why.append(f"the training ranks hold bases of different versions: "
+                   f"{-s_negmin} .. {s_max}")
     if not_ready:
-        return ModeDecision("full", f"{DST_NOT_READY.get(not_ready, 'not ready')} ({where})")
+        why.append(DST_NOT_READY.get(not_ready, "a generation rank holds no base"))
+    if why:
+        return ModeDecision("full", "; ".join(why) + f" ({where})")
     if d_max != -d_negmin or d_max != s_max:
         return ModeDecision("full", f"the base versions differ in {where}: training side "
                                     f"{s_max}, generation ranks {-d_negmin} .. {d_max}")
