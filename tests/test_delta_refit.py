@@ -11,7 +11,9 @@ sliced by the vLLM layout). Refits:
 2.-4. delta on every rank, the bytes sent a small fraction of the first refit's;
 5. new refit groups, a new sender (same model) and a new session on the generation ranks:
    full on every rank, the reason naming both sides (no base on either);
-6. delta again.
+6. delta again;
+7.-8. new groups again, a sender whose base budget is 1 byte: full both times, the second
+   saying the base is over its budget.
 """
 
 import json
@@ -28,8 +30,10 @@ from megatron_reshard.tools.run_config import MODEL_PRESETS, RefitRunConfig
 
 TRAIN, GEN = 2, 2
 TIMEOUT_S = 60.0
-REFITS = 6
+REFITS = 8
 NEW_SESSION_BEFORE = 4  # 0-based refit index before which both sides start anew
+TINY_BUDGET_FROM = 6    # and again, the sender's budget then 1 byte
+ROUND_STARTS = (0, NEW_SESSION_BEFORE, TINY_BUDGET_FROM)
 FRACTION = 0.02
 CFG = RefitRunConfig(model="dense", train_world=TRAIN, train_tp=1, train_pp=2, train_ep=1,
                      gen_world=GEN, gen_tp=GEN, gen_ep=1)
@@ -77,20 +81,21 @@ def _train(job, control):
     if job.rank == 0:
         control.set("payload", source.payload_bytes())
 
-    def start(round_: int):
+    def start(round_: int, budget: int = 1 << 30):
         group = create_refit_group(job.host, job.ports[1 + 2 * round_ + source.stage],
                                    source.stage_local_rank, 1 + GEN, "gloo", TIMEOUT_S,
                                    who=f"train rank {job.rank}",
                                    label=f"refit group of PP stage {source.stage}")
         return group, RefitSender(source, group,
-                                  delta=DeltaConfig(budget_bytes=1 << 30, keep="pinned"))
+                                  delta=DeltaConfig(budget_bytes=budget, keep="pinned"))
 
     group, sender = start(0)
     out = []
     for step in range(REFITS):
-        if step == NEW_SESSION_BEFORE:
+        if step in ROUND_STARTS[1:]:
             destroy_refit_group(group, TIMEOUT_S)
-            group, sender = start(1)
+            round_ = ROUND_STARTS.index(step)
+            group, sender = start(round_, 1 if step == TINY_BUDGET_FROM else 1 << 30)
         if step:
             _change_sparsely(model, step)
         out.append(sender.refit())
@@ -119,9 +124,9 @@ def _gen(job, control, gen_rank):
     start(0)
     out = {"refits": [], "mismatched": [], "reports": []}
     for step in range(REFITS):
-        if step == NEW_SESSION_BEFORE:
+        if step in ROUND_STARTS[1:]:
             worker.destroy_refit_groups(TIMEOUT_S)
-            start(1)  # a new session: its storage is no proven base
+            start(ROUND_STARTS.index(step))  # a new session: its storage is no proven base
         out["refits"].append(worker.refit())
         out["reports"].append(worker.report())
         control.wait([f"expected/{step}/{gen_rank}"])
@@ -137,7 +142,7 @@ def _gen(job, control, gen_rank):
 
 @pytest.fixture(scope="module")
 def runs(pool):
-    return pool.run(_delta_job, TRAIN + GEN, num_ports=5, timeout_s=400)
+    return pool.run(_delta_job, TRAIN + GEN, num_ports=7, timeout_s=400)
 
 
 def _modes(res):
@@ -145,7 +150,7 @@ def _modes(res):
     return [r["mode"] for r in rows]
 
 
-EXPECTED_MODES = ["full", "delta", "delta", "delta", "full", "delta"]
+EXPECTED_MODES = ["full", "delta", "delta", "delta", "full", "delta", "full", "full"]
 
 
 def test_every_refit_is_bit_exact_on_every_generation_rank(runs):
@@ -166,6 +171,8 @@ def test_full_refits_say_why_on_every_rank(runs):
         assert "holds no base" in rows[0]["full_reason"], (who, rows[0]["full_reason"])
         again = rows[NEW_SESSION_BEFORE]["full_reason"]
         assert "holds no base" in again and "session has not committed" in again, (who, again)
+        assert "over its budget" in rows[TINY_BUDGET_FROM + 1]["full_reason"], \
+            (who, rows[TINY_BUDGET_FROM + 1]["full_reason"])
         for i, row in enumerate(rows):
             if row["mode"] == "delta":
                 assert row["full_reason"] is None, (who, i, row)
@@ -182,6 +189,10 @@ def test_delta_refits_move_a_small_fraction_of_the_bytes(runs):
                 # ~2% changed: positions + values, ~6 bytes per changed bf16 element
                 assert row["bytes_sent"] < 0.15 * full, (who, i, row["bytes_sent"], full)
                 assert d["wire_bytes"] < 0.15 * d["full_bytes"], (who, i, d)
+            else:
+                assert row["bytes_sent"] == full, (who, i, row["bytes_sent"], full)
+        assert rows[-1]["base"]["kept_bytes"] == 0 < rows[-1]["base"]["need_bytes"], rows[-1]
+        assert rows[3]["base"]["kept_bytes"] == rows[3]["base"]["need_bytes"] > 0, rows[3]
     for gen in runs[TRAIN:]:
         first = gen["reports"][0]
         assert first["mode"] == "full" and first["bytes_received"] == first["full_bytes"] > 0
