@@ -55,7 +55,7 @@ def test_the_cheapest_encoding_is_picked():
     assert pick_encoding(1000, 10, 2) == POSITIONS      # 60 bytes vs 145 vs 2000
     assert pick_encoding(1000, 100, 2) == BITMASK       # 325 vs 600 vs 2000
     assert pick_encoding(1000, 950, 2) == DENSE         # 2000 vs 2025
-    assert pick_encoding(7, 1, 4) == POSITIONS
+    assert pick_encoding(7, 1, 4) == BITMASK            # 5 bytes vs 8 vs 28
 
 
 def _reduce(*rows):
