@@ -14,6 +14,11 @@ sliced by the vLLM layout). Refits:
 6. delta again;
 7.-8. new groups again, a sender whose base budget is 1 byte: full both times, the second
    saying the base is over its budget.
+
+A second layout mixes the two kinds of params in every layer: 1 training rank, 4
+generation ranks (TP4) of a model with 2 KV heads, so each KV head lives on 2 generation
+ranks (k/v: the plan completes the replicas inside the destination group, sent full in a
+delta refit) while q, o and the MLP go one hop (sent as deltas). Four refits.
 """
 
 import json
@@ -35,8 +40,15 @@ NEW_SESSION_BEFORE = 4  # 0-based refit index before which both sides start anew
 TINY_BUDGET_FROM = 6    # and again, the sender's budget then 1 byte
 ROUND_STARTS = (0, NEW_SESSION_BEFORE, TINY_BUDGET_FROM)
 FRACTION = 0.02
-CFG = RefitRunConfig(model="dense", train_world=TRAIN, train_tp=1, train_pp=2, train_ep=1,
-                     gen_world=GEN, gen_tp=GEN, gen_ep=1)
+# (training ranks = PP stages, generation ranks = gen TP, refits)
+PP2_TO_TP2 = (2, 2, REFITS)
+ONE_TO_TP4 = (1, 4, 4)
+
+
+def _cfg(layout) -> RefitRunConfig:
+    train, gen, _ = layout
+    return RefitRunConfig(model="dense", train_world=train, train_tp=1, train_pp=train,
+                          train_ep=1, gen_world=gen, gen_tp=gen, gen_ep=1)
 
 
 @torch.no_grad()
@@ -49,17 +61,19 @@ def _change_sparsely(model, step: int) -> None:
         flat[pick] = flat[pick] * 1.5 + 0.0625
 
 
-def _delta_job(job):
+def _delta_job(job, layout):
+    train, gen, _ = layout
     control = dist.TCPStore(job.host, job.ports[0], job.nprocs, job.rank == 0,
                             timeout=timedelta(seconds=120))
-    side, rank, size = ("train", job.rank, TRAIN) if job.rank < TRAIN else \
-        ("gen", job.rank - TRAIN, GEN)
+    side, rank, size = ("train", job.rank, train) if job.rank < train else \
+        ("gen", job.rank - train, gen)
     dist.init_process_group("gloo", store=dist.PrefixStore(f"world/{side}", control), rank=rank,
                             world_size=size, timeout=timedelta(seconds=60))
-    return _train(job, control) if side == "train" else _gen(job, control, rank)
+    return _train(job, control, layout) if side == "train" else _gen(job, control, rank, layout)
 
 
-def _train(job, control):
+def _train(job, control, layout):
+    train, gen, refits = layout
     from megatron.core import parallel_state as ps
 
     from megatron_reshard.groups.comm import create_refit_group, destroy_refit_group
@@ -69,21 +83,21 @@ def _train(job, control):
     from megatron_reshard.testing.megatron_models import TinyGPTSpec, build_gpt_model
     from megatron_reshard.testing.megatron_reference import gather_full_hf_state_dict
 
-    ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=2,
+    ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=train,
                                  distributed_timeout_minutes=1)
     preset = dict(MODEL_PRESETS["dense"], num_layers=2)
     family = preset.pop("family")
     spec = TinyGPTSpec(dtype="bfloat16", **preset)
     torch.manual_seed(0)
     model = build_gpt_model(spec).to(dtype=torch.bfloat16)
-    source = MegatronRefitSource(model, gen_parallelism={"tp_size": GEN, "ep_size": 1, "pp_size": 1},
-                                 gen_world_size=GEN, family=family, vocab_size=spec.vocab_size)
+    source = MegatronRefitSource(model, gen_parallelism={"tp_size": gen, "ep_size": 1, "pp_size": 1},
+                                 gen_world_size=gen, family=family, vocab_size=spec.vocab_size)
     if job.rank == 0:
         control.set("payload", source.payload_bytes())
 
     def start(round_: int, budget: int = 1 << 30):
         group = create_refit_group(job.host, job.ports[1 + 2 * round_ + source.stage],
-                                   source.stage_local_rank, 1 + GEN, "gloo", TIMEOUT_S,
+                                   source.stage_local_rank, 1 + gen, "gloo", TIMEOUT_S,
                                    who=f"train rank {job.rank}",
                                    label=f"refit group of PP stage {source.stage}")
         return group, RefitSender(source, group,
@@ -91,7 +105,7 @@ def _train(job, control):
 
     group, sender = start(0)
     out = []
-    for step in range(REFITS):
+    for step in range(refits):
         if step in ROUND_STARTS[1:]:
             destroy_refit_group(group, TIMEOUT_S)
             round_ = ROUND_STARTS.index(step)
@@ -101,29 +115,30 @@ def _train(job, control):
         out.append(sender.refit())
         full = gather_full_hf_state_dict(model, family=family, vocab_size=spec.vocab_size)
         if job.rank == 0:
-            _publish_expected(CFG, control, source.hf_config, full, step)
+            _publish_expected(_cfg(layout), control, source.hf_config, full, step)
         control.set(f"sent/{step}/{job.rank}", "1")
     destroy_refit_group(group, TIMEOUT_S)
     return out
 
 
-def _gen(job, control, gen_rank):
+def _gen(job, control, gen_rank, layout):
+    train, gen, refits = layout
     from megatron_reshard.megatron.payload import decode_payload
     from megatron_reshard.testing.vllm_like import build_vllm_like_model
 
     control.wait(["payload"])
     payload = decode_payload(control.get("payload"))
-    model = build_vllm_like_model(payload["hf_config"], gen_rank, GEN, 1, torch.bfloat16)
+    model = build_vllm_like_model(payload["hf_config"], gen_rank, gen, 1, torch.bfloat16)
     worker = ModuleWorker(model)
 
     def start(round_: int) -> None:
-        worker.init_refit_groups(job.host, [job.ports[1 + 2 * round_], job.ports[2 + 2 * round_]],
-                                 1 + gen_rank, 1 + GEN, "gloo", TIMEOUT_S)
+        ports = [job.ports[1 + 2 * round_ + stage] for stage in range(train)]
+        worker.init_refit_groups(job.host, ports, 1 + gen_rank, 1 + gen, "gloo", TIMEOUT_S)
         worker.prepare_refit(payload)
 
     start(0)
     out = {"refits": [], "mismatched": [], "reports": []}
-    for step in range(REFITS):
+    for step in range(refits):
         if step in ROUND_STARTS[1:]:
             worker.destroy_refit_groups(TIMEOUT_S)
             start(ROUND_STARTS.index(step))  # a new session: its storage is no proven base
@@ -134,7 +149,7 @@ def _gen(job, control, gen_rank):
         actual = {n: tensor_digest(p) for n, p in model.named_parameters()}
         out["mismatched"].append(sorted(n for n in set(expected) | set(actual)
                                         if expected.get(n) != actual.get(n)))
-    control.wait([f"sent/{REFITS - 1}/{r}" for r in range(TRAIN)])
+    control.wait([f"sent/{refits - 1}/{r}" for r in range(train)])
     worker.destroy_refit_groups(TIMEOUT_S)
     time.sleep(0.2)
     return out
@@ -142,7 +157,12 @@ def _gen(job, control, gen_rank):
 
 @pytest.fixture(scope="module")
 def runs(pool):
-    return pool.run(_delta_job, TRAIN + GEN, num_ports=7, timeout_s=400)
+    return pool.run(_delta_job, TRAIN + GEN, PP2_TO_TP2, num_ports=7, timeout_s=400)
+
+
+@pytest.fixture(scope="module")
+def mixed(pool):
+    return pool.run(_delta_job, 1 + 4, ONE_TO_TP4, num_ports=3, timeout_s=400)
 
 
 def _modes(res):
@@ -199,3 +219,17 @@ def test_delta_refits_move_a_small_fraction_of_the_bytes(runs):
         for report in gen["reports"][1:NEW_SESSION_BEFORE]:
             assert report["mode"] == "delta"
             assert report["bytes_received"] < 0.15 * report["full_bytes"], report
+
+
+def test_params_with_replica_completion_go_full_inside_a_delta_refit_bit_exact(mixed):
+    train, gens = mixed[0], mixed[1:]
+    assert _modes(train) == ["full", "delta", "delta", "delta"], [r["full_reason"] for r in train]
+    for gen in gens:
+        assert gen["mismatched"] == [[]] * 4, gen["mismatched"]
+        assert _modes(gen) == ["full", "delta", "delta", "delta"]
+    for row in train[1:]:
+        d = row["delta"]
+        # some params as deltas, the others (k/v: replicas completed in the group) full
+        assert 0 < d["params"] < row["bulk_params"], (d, row["bulk_params"])
+        assert d["held_bytes"] < row["bulk_bytes"]
+        assert row["bytes_sent"] < train[0]["bytes_sent"]
