@@ -18,7 +18,8 @@ sliced by the vLLM layout). Refits:
 A second layout mixes the two kinds of params in every layer: 1 training rank, 4
 generation ranks (TP4) of a model with 2 KV heads, so each KV head lives on 2 generation
 ranks (k/v: the plan completes the replicas inside the destination group, sent full in a
-delta refit) while q, o and the MLP go one hop (sent as deltas). Four refits.
+delta refit) while q, o and the MLP go one hop (sent as deltas). Four refits, with the
+end-to-end checksums on (they cover the resulting regions, deltas or not).
 """
 
 import json
@@ -40,13 +41,13 @@ NEW_SESSION_BEFORE = 4  # 0-based refit index before which both sides start anew
 TINY_BUDGET_FROM = 6    # and again, the sender's budget then 1 byte
 ROUND_STARTS = (0, NEW_SESSION_BEFORE, TINY_BUDGET_FROM)
 FRACTION = 0.02
-# (training ranks = PP stages, generation ranks = gen TP, refits)
-PP2_TO_TP2 = (2, 2, REFITS)
-ONE_TO_TP4 = (1, 4, 4)
+# (training ranks = PP stages, generation ranks = gen TP, refits, verify_checksums)
+PP2_TO_TP2 = (2, 2, REFITS, False)
+ONE_TO_TP4 = (1, 4, 4, True)
 
 
 def _cfg(layout) -> RefitRunConfig:
-    train, gen, _ = layout
+    train, gen, _, _ = layout
     return RefitRunConfig(model="dense", train_world=train, train_tp=1, train_pp=train,
                           train_ep=1, gen_world=gen, gen_tp=gen, gen_ep=1)
 
@@ -62,7 +63,7 @@ def _change_sparsely(model, step: int) -> None:
 
 
 def _delta_job(job, layout):
-    train, gen, _ = layout
+    train, gen, _, _ = layout
     control = dist.TCPStore(job.host, job.ports[0], job.nprocs, job.rank == 0,
                             timeout=timedelta(seconds=120))
     side, rank, size = ("train", job.rank, train) if job.rank < train else \
@@ -73,7 +74,7 @@ def _delta_job(job, layout):
 
 
 def _train(job, control, layout):
-    train, gen, refits = layout
+    train, gen, refits, checks = layout
     from megatron.core import parallel_state as ps
 
     from megatron_reshard.groups.comm import create_refit_group, destroy_refit_group
@@ -100,7 +101,7 @@ def _train(job, control, layout):
                                    source.stage_local_rank, 1 + gen, "gloo", TIMEOUT_S,
                                    who=f"train rank {job.rank}",
                                    label=f"refit group of PP stage {source.stage}")
-        return group, RefitSender(source, group,
+        return group, RefitSender(source, group, verify_checksums=checks,
                                   delta=DeltaConfig(budget_bytes=budget, keep="pinned"))
 
     group, sender = start(0)
@@ -122,7 +123,7 @@ def _train(job, control, layout):
 
 
 def _gen(job, control, gen_rank, layout):
-    train, gen, refits = layout
+    train, gen, refits, checks = layout
     from megatron_reshard.megatron.payload import decode_payload
     from megatron_reshard.testing.vllm_like import build_vllm_like_model
 
@@ -134,7 +135,7 @@ def _gen(job, control, gen_rank, layout):
     def start(round_: int) -> None:
         ports = [job.ports[1 + 2 * round_ + stage] for stage in range(train)]
         worker.init_refit_groups(job.host, ports, 1 + gen_rank, 1 + gen, "gloo", TIMEOUT_S)
-        worker.prepare_refit(payload)
+        worker.prepare_refit(payload, {"verify_checksums": checks})
 
     start(0)
     out = {"refits": [], "mismatched": [], "reports": []}
@@ -226,6 +227,7 @@ def test_params_with_replica_completion_go_full_inside_a_delta_refit_bit_exact(m
     assert _modes(train) == ["full", "delta", "delta", "delta"], [r["full_reason"] for r in train]
     for gen in gens:
         assert gen["mismatched"] == [[]] * 4, gen["mismatched"]
+        assert all(r["checksums"] for r in gen["refits"])
         assert _modes(gen) == ["full", "delta", "delta", "delta"]
     for row in train[1:]:
         d = row["delta"]
