@@ -18,8 +18,12 @@ sliced by the vLLM layout). Refits:
 A second layout mixes the two kinds of params in every layer: 1 training rank, 4
 generation ranks (TP4) of a model with 2 KV heads, so each KV head lives on 2 generation
 ranks (k/v: the plan completes the replicas inside the destination group, sent full in a
-delta refit) while q, o and the MLP go one hop (sent as deltas). Four refits, with the
-end-to-end checksums on (they cover the resulting regions, deltas or not).
+delta refit) while q, o and the MLP go one hop (sent as deltas). Six refits, with the
+end-to-end checksums on (they cover the resulting regions, deltas or not). Before the
+fourth, generation rank 1 writes 16 elements of a delta param's storage behind the
+refit's back: that delta refit cannot be right there, its checksums say so, it fails its
+commit on every rank, and the fifth refit is full (no base on the training side, the
+weights inconsistent) and bit-exact again; the sixth a delta.
 """
 
 import json
@@ -36,6 +40,7 @@ from megatron_reshard.tools.run_config import MODEL_PRESETS, RefitRunConfig
 
 TRAIN, GEN = 2, 2
 TIMEOUT_S = 60.0
+TAMPERED = "model.layers.1.mlp.down_proj.weight"  # one hop from training TP1 to gen TP4
 REFITS = 8
 NEW_SESSION_BEFORE = 4  # 0-based refit index before which both sides start anew
 TINY_BUDGET_FROM = 6    # and again, the sender's budget then 1 byte
@@ -43,7 +48,8 @@ ROUND_STARTS = (0, NEW_SESSION_BEFORE, TINY_BUDGET_FROM)
 FRACTION = 0.02
 # (training ranks = PP stages, generation ranks = gen TP, refits, verify_checksums)
 PP2_TO_TP2 = (2, 2, REFITS, False)
-ONE_TO_TP4 = (1, 4, 4, True)
+ONE_TO_TP4 = (1, 4, 6, True)
+TAMPER_BEFORE = 3  # the mixed layout: gen rank 1 writes its storage before this refit
 
 
 def _cfg(layout) -> RefitRunConfig:
@@ -53,6 +59,15 @@ def _cfg(layout) -> RefitRunConfig:
 
 
 @torch.no_grad()
+def _catch(fn):
+    """The refit's dict, or the error as ``{"mode": "failed", ...}``."""
+    try:
+        return fn()
+    except Exception as exc:  # noqa: BLE001 - the error is the result
+        return {"mode": "failed", "type": type(exc).__name__, "error": str(exc),
+                "full_reason": None}
+
+
 def _change_sparsely(model, step: int) -> None:
     """Change ~FRACTION of each param's elements (seeded by step and name)."""
     for name, p in model.named_parameters():
@@ -107,13 +122,13 @@ def _train(job, control, layout):
     group, sender = start(0)
     out = []
     for step in range(refits):
-        if step in ROUND_STARTS[1:]:
+        if step in ROUND_STARTS[1:] and train == 2:
             destroy_refit_group(group, TIMEOUT_S)
             round_ = ROUND_STARTS.index(step)
             group, sender = start(round_, 1 if step == TINY_BUDGET_FROM else 1 << 30)
         if step:
             _change_sparsely(model, step)
-        out.append(sender.refit())
+        out.append(_catch(sender.refit))
         full = gather_full_hf_state_dict(model, family=family, vocab_size=spec.vocab_size)
         if job.rank == 0:
             _publish_expected(_cfg(layout), control, source.hf_config, full, step)
@@ -138,12 +153,17 @@ def _gen(job, control, gen_rank, layout):
         worker.prepare_refit(payload, {"verify_checksums": checks})
 
     start(0)
-    out = {"refits": [], "mismatched": [], "reports": []}
+    out = {"refits": [], "mismatched": [], "reports": [], "states": []}
     for step in range(refits):
-        if step in ROUND_STARTS[1:]:
+        if step in ROUND_STARTS[1:] and train == 2:
             worker.destroy_refit_groups(TIMEOUT_S)
             start(ROUND_STARTS.index(step))  # a new session: its storage is no proven base
-        out["refits"].append(worker.refit())
+        if checks and step == TAMPER_BEFORE and gen_rank == 1:
+            with torch.no_grad():  # an out-of-band write the refit is not told about
+                flat = dict(model.named_parameters())[TAMPERED].view(-1)
+                flat[:16] = flat[:16] * 2 + 1
+        out["refits"].append(_catch(worker.refit))
+        out["states"].append(worker.refit_weights_state())
         out["reports"].append(worker.report())
         control.wait([f"expected/{step}/{gen_rank}"])
         expected = json.loads(control.get(f"expected/{step}/{gen_rank}"))
@@ -222,16 +242,34 @@ def test_delta_refits_move_a_small_fraction_of_the_bytes(runs):
             assert report["bytes_received"] < 0.15 * report["full_bytes"], report
 
 
+MIXED_MODES = ["full", "delta", "delta", "failed", "full", "delta"]
+
+
 def test_params_with_replica_completion_go_full_inside_a_delta_refit_bit_exact(mixed):
     train, gens = mixed[0], mixed[1:]
-    assert _modes(train) == ["full", "delta", "delta", "delta"], [r["full_reason"] for r in train]
+    assert _modes(train) == MIXED_MODES, train
     for gen in gens:
-        assert gen["mismatched"] == [[]] * 4, gen["mismatched"]
-        assert all(r["checksums"] for r in gen["refits"])
-        assert _modes(gen) == ["full", "delta", "delta", "delta"]
-    for row in train[1:]:
+        for step, bad in enumerate(gen["mismatched"]):
+            assert bad == [] or step == TAMPER_BEFORE, (step, bad)
+        assert _modes(gen) == MIXED_MODES, gen["refits"]
+        assert all(r["checksums"] for r in gen["refits"] if r["mode"] != "failed")
+    for row in (train[1], train[2], train[5]):
         d = row["delta"]
         # some params as deltas, the others (k/v: replicas completed in the group) full
         assert 0 < d["params"] < row["bulk_params"], (d, row["bulk_params"])
         assert d["held_bytes"] < row["bulk_bytes"]
         assert row["bytes_sent"] < train[0]["bytes_sent"]
+
+
+def test_a_storage_written_behind_the_refits_back_fails_the_delta_then_a_full_refit_heals(mixed):
+    train, gens = mixed[0], mixed[1:]
+    failed, healed = train[TAMPER_BEFORE], train[TAMPER_BEFORE + 1]
+    assert failed["type"] == "RefitError" and "checksums differ" in failed["error"], failed
+    assert "did not commit" in healed["full_reason"], healed
+    assert gens[1]["mismatched"][TAMPER_BEFORE] == [TAMPERED], gens[1]["mismatched"]
+    for who, gen in enumerate(gens):
+        state = gen["states"][TAMPER_BEFORE]
+        assert state["state"] == "inconsistent", (who, state)
+        reason = gen["refits"][TAMPER_BEFORE + 1]["full_reason"]
+        assert "did not commit" in reason and "inconsistent" in reason, (who, reason)
+        assert gen["states"][TAMPER_BEFORE + 1]["state"] == "consistent"

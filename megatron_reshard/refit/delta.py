@@ -96,7 +96,7 @@ SRC_NO_BASE = {1: "the training side holds no base yet (its first refit, or a ne
                2: "the training side's base is over its budget",
                3: "the refit group's transport is not the process-group path (the colocated "
                   "transport reads at memcpy speed: no delta there)",
-               4: "the training side's last refit did not commit"}
+               4: "the training side's last refit did not commit (its base was dropped)"}
 DST_NOT_READY = {1: "a generation rank's session has not committed a refit yet (a new "
                     "payload, new groups or a restarted worker)",
                  2: "a generation rank's weights are inconsistent after a failed refit",
@@ -168,7 +168,7 @@ class TrainBase:
         self.stage = stage
         self.tensors: dict[int, torch.Tensor] = {}
         self.version: Optional[int] = None
-        self._filled = False  # every eligible held param written in the refit in progress
+        self._failed = False  # the last refit failed: the base was dropped
         need = 0
         self.held: list[int] = []
         for i, (rec, plan) in enumerate(zip(records, plans)):
@@ -189,7 +189,9 @@ class TrainBase:
         """0 when a committed base is held, else the reason's code (``SRC_NO_BASE``)."""
         if self.over_budget:
             return 2
-        return 0 if self.version is not None else 1
+        if self.version is not None:
+            return 0
+        return 4 if self._failed else 1
 
     def slot(self, index: int, like: torch.Tensor) -> torch.Tensor:
         """The base tensor of param ``index``, allocated like ``like`` on first use."""
@@ -213,10 +215,12 @@ class TrainBase:
     def committed(self, version: Optional[int]) -> None:
         if not self.over_budget and set(self.held) <= set(self.tensors):
             self.version = version
+            self._failed = False
 
     def dropped(self) -> None:
         self.tensors.clear()
         self.version = None
+        self._failed = True
 
     def report(self) -> dict:
         return {"budget_bytes": int(self.config.budget_bytes), "need_bytes": self.need_bytes,
@@ -237,10 +241,10 @@ def dst_ready_code(session_version: Optional[int], weights: Any, hooked: bool) -
     else the reason's code (``DST_NOT_READY``)."""
     if hooked:
         return 4
-    if session_version is None:
-        return 1
     if not weights.consistent:
         return 2
+    if session_version is None:
+        return 1
     if weights.version != session_version:
         return 3
     return 0
