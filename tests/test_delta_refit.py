@@ -35,7 +35,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_reshard.tools.e2e import ModuleWorker, _publish_expected, tensor_digest
+from megatron_reshard.tools.e2e import (ModuleWorker, _publish_expected, keep_expert_bias_fp32_,
+                                        tensor_digest)
 from megatron_reshard.tools.run_config import MODEL_PRESETS, RefitRunConfig
 
 TRAIN, GEN = 2, 2
@@ -46,15 +47,16 @@ NEW_SESSION_BEFORE = 4  # 0-based refit index before which both sides start anew
 TINY_BUDGET_FROM = 6    # and again, the sender's budget then 1 byte
 ROUND_STARTS = (0, NEW_SESSION_BEFORE, TINY_BUDGET_FROM)
 FRACTION = 0.02
-# (training ranks = PP stages, generation ranks = gen TP, refits, verify_checksums)
-PP2_TO_TP2 = (2, 2, REFITS, False)
-ONE_TO_TP4 = (1, 4, 6, True)
+# (training ranks = PP stages, generation ranks = gen TP, refits, verify_checksums, model)
+PP2_TO_TP2 = (2, 2, REFITS, False, "dense")
+ONE_TO_TP4 = (1, 4, 6, True, "dense")
+MOE_TO_TP2 = (1, 2, 3, True, "moe")
 TAMPER_BEFORE = 3  # the mixed layout: gen rank 1 writes its storage before this refit
 
 
 def _cfg(layout) -> RefitRunConfig:
-    train, gen, _, _ = layout
-    return RefitRunConfig(model="dense", train_world=train, train_tp=1, train_pp=train,
+    train, gen, _, _, name = layout
+    return RefitRunConfig(model=name, train_world=train, train_tp=1, train_pp=train,
                           train_ep=1, gen_world=gen, gen_tp=gen, gen_ep=1)
 
 
@@ -78,7 +80,7 @@ def _change_sparsely(model, step: int) -> None:
 
 
 def _delta_job(job, layout):
-    train, gen, _, _ = layout
+    train, gen = layout[:2]
     control = dist.TCPStore(job.host, job.ports[0], job.nprocs, job.rank == 0,
                             timeout=timedelta(seconds=120))
     side, rank, size = ("train", job.rank, train) if job.rank < train else \
@@ -89,7 +91,7 @@ def _delta_job(job, layout):
 
 
 def _train(job, control, layout):
-    train, gen, refits, checks = layout
+    train, gen, refits, checks, name = layout
     from megatron.core import parallel_state as ps
 
     from megatron_reshard.groups.comm import create_refit_group, destroy_refit_group
@@ -101,11 +103,12 @@ def _train(job, control, layout):
 
     ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=train,
                                  distributed_timeout_minutes=1)
-    preset = dict(MODEL_PRESETS["dense"], num_layers=2)
+    preset = dict(MODEL_PRESETS[name], num_layers=2)
     family = preset.pop("family")
     spec = TinyGPTSpec(dtype="bfloat16", **preset)
     torch.manual_seed(0)
     model = build_gpt_model(spec).to(dtype=torch.bfloat16)
+    keep_expert_bias_fp32_(model)
     source = MegatronRefitSource(model, gen_parallelism={"tp_size": gen, "ep_size": 1, "pp_size": 1},
                                  gen_world_size=gen, family=family, vocab_size=spec.vocab_size)
     if job.rank == 0:
@@ -138,7 +141,7 @@ def _train(job, control, layout):
 
 
 def _gen(job, control, gen_rank, layout):
-    train, gen, refits, checks = layout
+    train, gen, refits, checks, name = layout
     from megatron_reshard.megatron.payload import decode_payload
     from megatron_reshard.testing.vllm_like import build_vllm_like_model
 
@@ -179,6 +182,11 @@ def _gen(job, control, gen_rank, layout):
 @pytest.fixture(scope="module")
 def runs(pool):
     return pool.run(_delta_job, TRAIN + GEN, PP2_TO_TP2, num_ports=7, timeout_s=400)
+
+
+@pytest.fixture(scope="module")
+def moe(pool):
+    return pool.run(_delta_job, 1 + 2, MOE_TO_TP2, num_ports=3, timeout_s=400)
 
 
 @pytest.fixture(scope="module")
@@ -273,3 +281,13 @@ def test_a_storage_written_behind_the_refits_back_fails_the_delta_then_a_full_re
         reason = gen["refits"][TAMPER_BEFORE + 1]["full_reason"]
         assert "did not commit" in reason and "inconsistent" in reason, (who, reason)
         assert gen["states"][TAMPER_BEFORE + 1]["state"] == "consistent"
+
+
+def test_a_moe_model_refits_bit_exact_with_deltas(moe):
+    train, gens = moe[0], moe[1:]
+    for gen in gens:
+        assert gen["mismatched"] == [[]] * 3, gen["mismatched"]
+    modes = _modes(train)
+    assert all(_modes(gen) == modes for gen in gens)
+    assert modes == ["full", "delta", "delta"], [r["full_reason"] for r in train]
+    assert train[2]["bytes_sent"] < 0.2 * train[0]["bytes_sent"], train[2]

@@ -121,12 +121,14 @@ class RefitSender:
 
     def _delta_vote(self) -> list:
         """This rank's columns of the delta/full vote (``refit.delta``)."""
-        if self.base is None:
+        if self.delta is None:
             return src_vote(False, 0, None)
-        code = self.base.no_base_code()
-        if not code and transport_of(self.group).name != "p2p":
-            code = 3
-        return src_vote(True, code, self.base.version)
+        if self.base is not None and transport_of(self.group).name != "p2p":
+            # the colocated transport reads at memcpy speed: keep no base for it
+            self.base = self.loop.delta_plans = self.loop.delta_bases = None
+        if self.base is None:
+            return src_vote(True, 3, None)
+        return src_vote(True, self.base.no_base_code(), self.base.version)
 
     def _send_chunk(self, stage: int, chunk: list) -> None:
         """One packed chunk of the stage's other params: gathered over TP on every train
