@@ -30,8 +30,9 @@ def _pair(shape, fraction, seed):
 
 @pytest.mark.parametrize("fraction,expected", [(0.0, NONE), (0.01, POSITIONS), (0.3, BITMASK),
                                                (1.0, DENSE)])
-def test_each_encoding_lands_bit_exact_in_a_strided_view(fraction, expected):
-    new, old = _pair((24, 40), fraction, 7)
+@pytest.mark.parametrize("rows", [24, 3])  # 3 x 40 / 8: an odd-sized bitmask before the values
+def test_each_encoding_lands_bit_exact_in_a_strided_view(fraction, expected, rows):
+    new, old = _pair((rows, 40), fraction, 7)
     if fraction:  # bits a float compare would miss: NaN payloads and signed zeros
         new.view(-1)[3] = float("nan")
         new.view(-1)[5] = -0.0
@@ -41,12 +42,12 @@ def test_each_encoding_lands_bit_exact_in_a_strided_view(fraction, expected):
     assert count == int((_bits(new) != _bits(old)).sum())
     assert (0 if payload is None else payload.numel()) == payload_bytes(new.numel(), count, enc, 2)
     # the destination: old's bits in the odd columns of a wider tensor
-    host = torch.full((24, 80), 7.0, dtype=torch.bfloat16)
+    host = torch.full((rows, 80), 7.0, dtype=torch.bfloat16)
     view = host[:, 1::2]
     view.copy_(old)
     apply(view, count, enc, payload)
     assert torch.equal(_bits(view), _bits(new))
-    assert torch.equal(_bits(host[:, 0::2]), _bits(torch.full((24, 40), 7.0,
+    assert torch.equal(_bits(host[:, 0::2]), _bits(torch.full((rows, 40), 7.0,
                                                                dtype=torch.bfloat16)))
 
 

@@ -15,10 +15,10 @@ sliced by the vLLM layout). Refits:
 7.-8. new groups again, a sender whose base budget is 1 byte: full both times, the second
    saying the base is over its budget.
 
-A second layout mixes the two kinds of params in every layer: 1 training rank, 4
+A second layout mixes the two kinds of plans in every layer: 1 training rank, 4
 generation ranks (TP4) of a model with 2 KV heads, so each KV head lives on 2 generation
-ranks (k/v: the plan completes the replicas inside the destination group, sent full in a
-delta refit) while q, o and the MLP go one hop (sent as deltas). Six refits, with the
+ranks (k/v: the plan sends each member a stripe and the members exchange them, phase 1,
+forwarded as deltas) while q, o and the MLP go one hop. Six refits, with the
 end-to-end checksums on (they cover the resulting regions, deltas or not). Before the
 fourth, generation rank 1 writes 16 elements of a delta param's storage behind the
 refit's back: that delta refit cannot be right there, its checksums say so, it fails its
@@ -253,7 +253,7 @@ def test_delta_refits_move_a_small_fraction_of_the_bytes(runs):
 MIXED_MODES = ["full", "delta", "delta", "failed", "full", "delta"]
 
 
-def test_params_with_replica_completion_go_full_inside_a_delta_refit_bit_exact(mixed):
+def test_replica_completion_forwards_deltas_bit_exact(mixed):
     train, gens = mixed[0], mixed[1:]
     assert _modes(train) == MIXED_MODES, train
     for gen in gens:
@@ -261,12 +261,16 @@ def test_params_with_replica_completion_go_full_inside_a_delta_refit_bit_exact(m
             assert bad == [] or step == TAMPER_BEFORE, (step, bad)
         assert _modes(gen) == MIXED_MODES, gen["refits"]
         assert all(r["checksums"] for r in gen["refits"] if r["mode"] != "failed")
-    for row in (train[1], train[2], train[5]):
-        d = row["delta"]
-        # some params as deltas, the others (k/v: replicas completed in the group) full
-        assert 0 < d["params"] < row["bulk_params"], (d, row["bulk_params"])
-        assert d["held_bytes"] < row["bulk_bytes"]
-        assert row["bytes_sent"] < train[0]["bytes_sent"]
+    for step in (1, 2, 5):
+        d = train[step]["delta"]
+        assert d["params"] == train[step]["bulk_params"], d  # every param as a delta
+        assert d["held_bytes"] == train[step]["bulk_bytes"]
+        assert train[step]["bytes_sent"] < 0.15 * train[0]["bytes_sent"], train[step]
+        forwarded = [gen["refits"][step]["delta"]["forwarded_bytes"] for gen in gens]
+        assert all(f > 0 for f in forwarded), forwarded  # k/v stripes went member to member
+        for gen in gens:
+            row = gen["refits"][step]
+            assert row["bytes_received"] < 0.15 * row["full_bytes"], row
 
 
 def test_a_storage_written_behind_the_refits_back_fails_the_delta_then_a_full_refit_heals(mixed):

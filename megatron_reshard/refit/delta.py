@@ -72,10 +72,11 @@ def param_plan(bulk: Any) -> ParamPlan:
 
 
 def eligible(plan: ParamPlan) -> bool:
-    """One hop only: every op a phase-0 send from a source rank to another destination rank.
-    Replica completion (phase 1) and local copies go full (a first slice: they could
-    forward the same delta)."""
-    return bool(plan.ops) and all(op.phase == 0 and op.src != op.dst for op in plan.ops)
+    """No local copy: every op a send between two ranks, from a source (phase 0) or, for
+    replica completion, from the destination member that received the stripe (phase 1,
+    forwarded as a delta of its own). A local copy (a rank on both sides, which refit
+    groups do not have) goes full through the engine."""
+    return bool(plan.ops) and all(op.src != op.dst for op in plan.ops)
 
 
 def eligible_plans(transfers: Sequence[Any]) -> list[Optional[ParamPlan]]:

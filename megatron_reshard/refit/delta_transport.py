@@ -56,13 +56,15 @@ class DeltaTally:
     ops: int = 0             # message pairs this rank took part in
     wire_bytes: int = 0      # header + payload bytes this rank sent (src) or received (dst)
     full_bytes: int = 0      # what a full refit would have moved for the same ops
+    forwarded_bytes: int = 0  # dst: header + payload bytes sent on to replicas (phase 1)
     held_bytes: int = 0      # this rank's owned boxes of those params (RefitStats.local_bytes)
     changed: int = 0         # elements that changed
     encodings: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return {"params": self.params, "ops": self.ops, "wire_bytes": self.wire_bytes,
-                "full_bytes": self.full_bytes, "held_bytes": self.held_bytes, "changed": self.changed,
+                "full_bytes": self.full_bytes, "held_bytes": self.held_bytes,
+                "forwarded_bytes": self.forwarded_bytes, "changed": self.changed,
                 "encodings": dict(self.encodings)}
 
 
@@ -121,6 +123,14 @@ def payload_bytes(numel: int, count: int, enc: int, itemsize: int) -> int:
     raise DeltaTransportError(f"unknown delta encoding {enc}")
 
 
+def _typed(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Bytes of a payload as ``dtype``; copied when they do not start on an element
+    boundary (values after an odd-sized bitmask)."""
+    if raw.storage_offset() % torch.empty((), dtype=dtype).element_size():
+        raw = raw.clone()
+    return raw.view(dtype)
+
+
 def apply(view: torch.Tensor, count: int, enc: int, payload: Optional[torch.Tensor]) -> None:
     """Write a received delta into ``view`` in place (any strides)."""
     if enc == NONE:
@@ -133,9 +143,8 @@ def apply(view: torch.Tensor, count: int, enc: int, payload: Optional[torch.Tens
     if enc == POSITIONS:
         nidx = count * index_bytes(numel)
         idx_dtype = torch.int32 if index_bytes(numel) == 4 else torch.int64
-        pos = payload[:nidx].view(idx_dtype).to(torch.int64)
-        values = payload[nidx:].view(view.dtype)
-        flat[pos] = values
+        pos = _typed(payload[:nidx], idx_dtype).to(torch.int64)
+        flat[pos] = _typed(payload[nidx:], view.dtype)
     else:
         nmask = (numel + 7) // 8
         weights = _BIT_WEIGHTS.to(payload.device)
@@ -143,7 +152,7 @@ def apply(view: torch.Tensor, count: int, enc: int, payload: Optional[torch.Tens
         if int(bits.sum()) != count:
             raise DeltaTransportError(f"a bitmask delta sets {int(bits.sum())} bits but its "
                                       f"header says {count}")
-        flat[bits] = payload[nmask:].view(view.dtype)
+        flat[bits] = _typed(payload[nmask:], view.dtype)
     if flat.data_ptr() != view.data_ptr() or not view.is_contiguous():
         view.copy_(flat.reshape(view.shape))
 
@@ -180,18 +189,31 @@ class DeltaMover:
             if base is None or base.shape != local.shape or base.dtype != local.dtype:
                 raise DeltaTransportError(f"{name}: src group rank {self.rank} holds no base of "
                                           f"its local view {list(local.shape)} for a delta refit")
-        for op in plan.ops:
-            if op.src == self.rank and self.side == "src":
+        # phase 1 (replica completion): a member forwards the stripe it received as a
+        # delta of its own; the old bits of that stripe are kept until then
+        old_stripes = {}
+        if self.side == "dst" and local is not None:
+            for k, op in enumerate(plan.ops):
+                if op.phase == 1 and op.src == self.rank:
+                    piece = plan.dst[self.rank].pieces[op.src_piece]
+                    old_stripes[k] = local[piece.index(op.box)].clone()
+        for k, op in enumerate(plan.ops):
+            if op.phase == 0 and op.src == self.rank and self.side == "src":
                 piece = plan.src[self.rank].pieces[op.src_piece]
                 idx = piece.index(op.box)
                 self._send(name, op, local[idx], base[idx])
+            elif op.phase == 1 and op.src == self.rank and self.side == "dst":
+                piece = plan.dst[self.rank].pieces[op.src_piece]
+                self._send(name, op, local[piece.index(op.box)], old_stripes.pop(k),
+                           forwarded=True)
             elif op.dst == self.rank and self.side == "dst":
                 piece = plan.dst[self.rank].pieces[op.dst_piece]
                 self._recv(name, op, local[piece.index(op.box)])
         if base is not None:  # the bits just sent become the base (valid at the commit)
             base.copy_(local)
 
-    def _send(self, name: str, op, new: torch.Tensor, old: torch.Tensor) -> None:
+    def _send(self, name: str, op, new: torch.Tensor, old: torch.Tensor,
+              forwarded: bool = False) -> None:
         old = old.to(new.device) if old.device != new.device else old
         count, enc, payload = encode(new, old)
         nbytes = 0 if payload is None else payload.numel()
@@ -200,6 +222,9 @@ class DeltaMover:
         if payload is not None:
             self._wait(self.group.send([payload.contiguous()], op.dst, _TAG),
                        f"the delta of {name}")
+        if forwarded:
+            self.tally.forwarded_bytes += HEADER_BYTES + nbytes
+            return
         self._count(op, new, count, enc, nbytes)
 
     def _recv(self, name: str, op, view: torch.Tensor) -> None:

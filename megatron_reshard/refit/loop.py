@@ -442,10 +442,11 @@ class _DeltaStage:
 
 
 def _merged(tallies: list[dict]) -> dict:
-    out = {"params": 0, "ops": 0, "wire_bytes": 0, "full_bytes": 0, "held_bytes": 0,
-           "changed": 0, "encodings": {}}
+    counts = ("params", "ops", "wire_bytes", "full_bytes", "held_bytes", "forwarded_bytes",
+              "changed")
+    out = {**{k: 0 for k in counts}, "encodings": {}}
     for t in tallies:
-        for k in ("params", "ops", "wire_bytes", "full_bytes", "held_bytes", "changed"):
+        for k in counts:
             out[k] += t[k]
         for k, n in t["encodings"].items():
             out["encodings"][k] = out["encodings"].get(k, 0) + n
