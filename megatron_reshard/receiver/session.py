@@ -81,8 +81,8 @@ class ReceiverSession:
         self._misc_plan_of = {stage: dict(zip((name for name, _, _ in items), self.misc_plans[stage]))
                               for stage, items in self.misc_items.items()}
         # delta refits (refit.delta): the version this session last committed (its storage
-        # is then the base of a delta cut from it), and whether it holds an eligible
-        # param other than in place (planned on the first vote that needs it)
+        # is then the base of a delta cut from it), and whether it holds a bulk param
+        # other than in place (the loop plans the deltas on its first delta refit)
         self._delta_version: Optional[int] = None
         self._delta_hooked: Optional[bool] = None
         self.stats: dict[str, Any] = {"refits": 0, "prepare_s": time.perf_counter() - t0,
@@ -245,7 +245,6 @@ class ReceiverSession:
         hooked = False
         if self._delta_version is not None:
             if self._delta_hooked is None:
-                self.loop.enable_delta()
                 self._delta_hooked = self.loop.delta_held()
             hooked = self._delta_hooked
         code = dst_ready_code(self._delta_version, self.weights, hooked)

@@ -251,14 +251,14 @@ def dst_ready_code(session_version: Optional[int], weights: Any, hooked: bool) -
     return 0
 
 
-def dst_hooked(records_by_stage: Mapping[int, Sequence[Any]],
-               plans_by_stage: Mapping[int, Sequence[Optional[ParamPlan]]],
-               mine_by_stage: Mapping[int, Sequence[Any]]) -> bool:
-    """Whether this generation rank holds an eligible param other than as a plain tensor
-    of its storage (a pre hook, or a list of tensors): a delta needs the old bits in place."""
-    for stage, mine in mine_by_stage.items():
-        for held, plan in zip(mine, plans_by_stage[stage]):
-            if held is None or plan is None:
+def dst_hooked(mine_by_stage: Mapping[int, Sequence[Any]]) -> bool:
+    """Whether this generation rank holds a bulk param other than as a plain tensor of its
+    storage (a pre hook, or a list of tensors): a delta needs the old bits in place. All
+    held params count (not only the eligible ones): no plan is built for the vote, so a
+    refit whose sender does not ask for deltas costs nothing more."""
+    for mine in mine_by_stage.values():
+        for held in mine:
+            if held is None:
                 continue
             if held.spec.pre is not None or not isinstance(held.spec.base, torch.Tensor):
                 return True

@@ -180,10 +180,10 @@ class RefitLoop:
                                 for s in self.stages}
 
     def delta_held(self) -> bool:
-        """Whether this rank holds an eligible param other than as its storage in place."""
+        """Whether this rank holds a param other than as its storage in place (no plans
+        needed: every param of a p2p refit group is eligible, ``refit.delta.eligible``)."""
         from megatron_reshard.refit.delta import dst_hooked
-        return self.delta_plans is not None and dst_hooked(self.stages, self.delta_plans,
-                                                           self._mine)
+        return dst_hooked(self._mine)
 
     @property
     def verified(self) -> bool:
@@ -274,7 +274,9 @@ class RefitLoop:
         if not self._verified:
             self.verify_plan()
         if mode == "delta" and self.delta_plans is None:
-            raise ValueError("a delta refit on a loop without enable_delta()")
+            if self.side == "src":
+                raise ValueError("a delta refit on a training-side loop without enable_delta()")
+            self.enable_delta()  # the generation side plans on its first delta refit
         with gc_paused():  # many small objects per param; GC passes would walk the caches
             return self._run(synchronize, on_write, mode)
 
