@@ -12,8 +12,9 @@ sliced by the vLLM layout). Refits:
 5. new refit groups, a new sender (same model) and a new session on the generation ranks:
    full on every rank, the reason naming both sides (no base on either);
 6. delta again;
-7.-8. new groups again, a sender whose base budget is 1 byte: full both times, the second
-   saying the base is over its budget.
+7.-8. new groups again, stage 1's sender with a base budget of 1 byte: full both times;
+   the second time stage 0's group alone could go delta, but the generation ranks see
+   stage 1's "over its budget" and tell stage 0's training rank ("another PP stage").
 
 A second layout mixes the two kinds of plans in every layer: 1 training rank, 4
 generation ranks (TP4) of a model with 2 KV heads, so each KV head lives on 2 generation
@@ -44,7 +45,7 @@ TIMEOUT_S = 60.0
 TAMPERED = "model.layers.1.mlp.down_proj.weight"  # one hop from training TP1 to gen TP4
 REFITS = 8
 NEW_SESSION_BEFORE = 4  # 0-based refit index before which both sides start anew
-TINY_BUDGET_FROM = 6    # and again, the sender's budget then 1 byte
+TINY_BUDGET_FROM = 6    # and again, stage 1's sender's budget then 1 byte
 ROUND_STARTS = (0, NEW_SESSION_BEFORE, TINY_BUDGET_FROM)
 FRACTION = 0.02
 # (training ranks = PP stages, generation ranks = gen TP, refits, verify_checksums, model)
@@ -128,7 +129,8 @@ def _train(job, control, layout):
         if step in ROUND_STARTS[1:] and train == 2:
             destroy_refit_group(group, TIMEOUT_S)
             round_ = ROUND_STARTS.index(step)
-            group, sender = start(round_, 1 if step == TINY_BUDGET_FROM else 1 << 30)
+            tiny = step == TINY_BUDGET_FROM and source.stage == 1
+            group, sender = start(round_, 1 if tiny else 1 << 30)
         if step:
             _change_sparsely(model, step)
         out.append(_catch(sender.refit))
@@ -220,8 +222,11 @@ def test_full_refits_say_why_on_every_rank(runs):
         assert "holds no base" in rows[0]["full_reason"], (who, rows[0]["full_reason"])
         again = rows[NEW_SESSION_BEFORE]["full_reason"]
         assert "holds no base" in again and "session has not committed" in again, (who, again)
-        assert "over its budget" in rows[TINY_BUDGET_FROM + 1]["full_reason"], \
-            (who, rows[TINY_BUDGET_FROM + 1]["full_reason"])
+        last = rows[TINY_BUDGET_FROM + 1]["full_reason"]
+        if who == 0:  # its own group was ready: the other stage's group said no
+            assert last == "another PP stage's refit group needs a full refit", last
+        else:
+            assert "base is over its budget (stage 1's refit group)" in last, (who, last)
         for i, row in enumerate(rows):
             if row["mode"] == "delta":
                 assert row["full_reason"] is None, (who, i, row)
@@ -240,7 +245,11 @@ def test_delta_refits_move_a_small_fraction_of_the_bytes(runs):
                 assert d["wire_bytes"] < 0.15 * d["full_bytes"], (who, i, d)
             else:
                 assert row["bytes_sent"] == full, (who, i, row["bytes_sent"], full)
-        assert rows[-1]["base"]["kept_bytes"] == 0 < rows[-1]["base"]["need_bytes"], rows[-1]
+        base = rows[-1]["base"]
+        if who == 1:
+            assert base["kept_bytes"] == 0 < base["need_bytes"] and base["budget_bytes"] == 1
+        else:  # stage 0 keeps its base (within budget)
+            assert base["kept_bytes"] == base["need_bytes"] > 0, base
         assert rows[3]["base"]["kept_bytes"] == rows[3]["base"]["need_bytes"] > 0, rows[3]
     for gen in runs[TRAIN:]:
         first = gen["reports"][0]
