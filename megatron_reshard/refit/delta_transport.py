@@ -135,7 +135,7 @@ def apply(view: torch.Tensor, count: int, enc: int, payload: Optional[torch.Tens
     """Write a received delta into ``view`` in place (any strides)."""
     if enc == NONE:
         return
-    numel, itemsize = view.numel(), view.element_size()
+    numel = view.numel()
     if enc == DENSE:
         view.copy_(payload.view(view.dtype).reshape(view.shape))
         return
@@ -153,7 +153,7 @@ def apply(view: torch.Tensor, count: int, enc: int, payload: Optional[torch.Tens
             raise DeltaTransportError(f"a bitmask delta sets {int(bits.sum())} bits but its "
                                       f"header says {count}")
         flat[bits] = _typed(payload[nmask:], view.dtype)
-    if flat.data_ptr() != view.data_ptr() or not view.is_contiguous():
+    if not view.is_contiguous():  # ``flat`` was a copy
         view.copy_(flat.reshape(view.shape))
 
 
