@@ -13,6 +13,10 @@ TORCH_SPEC ?= torch==2.13.0
 VLLM_VENV := .venv-vllm
 VPY := $(VLLM_VENV)/bin/python
 VLLM_SPEC ?= vllm==0.33.0
+# vLLM goes in without its declared dependencies, so every later install would print pip's
+# 30-line "dependency resolver does not currently take into account ..." list of them;
+# --no-warn-conflicts drops that list only (errors still print and fail the recipe)
+VPIP := $(VPY) -m pip install -q --no-warn-conflicts
 VLLM_DEPS := numpy "transformers>=5.16.1,<5.21" pydantic regex cachetools psutil sentencepiece \
 	requests tqdm blake3 py-cpuinfo tokenizers safetensors protobuf msgspec cloudpickle pyzmq \
 	einops pyyaml filelock typing_extensions cbor2 pybase64 ijson setproctitle \
@@ -32,11 +36,13 @@ $(VLLM_VENV)/.installed: pyproject.toml Makefile
 	test -x $(VPY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q "$(TORCH_SPEC)"
-	$(VPY) -m pip install -q --no-deps "$(VLLM_SPEC)"
-	$(VPY) -m pip install -q $(VLLM_DEPS)
-	$(VPY) -m pip install -q --no-deps xgrammar==0.2.8 apache-tvm-ffi==0.1.11
-	$(VPY) -m pip install -q pytest hypothesis "megatron-core>=0.16.1"
-	$(VPY) -m pip install -q --no-deps -e .
+	$(VPIP) --no-deps "$(VLLM_SPEC)"
+	$(VPIP) $(VLLM_DEPS)
+	$(VPIP) --no-deps xgrammar==0.2.8 apache-tvm-ffi==0.1.11
+	# FlashInfer's MoE permutation helpers run on CPU tensors: vLLM's TRTLLM conversion in tests
+	$(VPIP) --no-deps flashinfer-python==0.7.2.post1 nvidia-ml-py
+	$(VPIP) pytest hypothesis "megatron-core>=0.16.1"
+	$(VPIP) --no-deps -e .
 	touch $@
 
 install: $(VENV)/.installed

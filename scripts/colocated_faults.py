@@ -13,8 +13,9 @@ then dies under them).
 Reported per case: how long the survivor took to fail after the fault (the victim stores
 the time just before it signals itself), the survivor's error, and whether the refits
 before the fault were bit-exact. Cases: the training rank killed, the generation rank
-killed, the training rank stopped (the survivor must fail by the group's timeout,
-``--timeout``, plus the margin of 5 s).
+killed, the training rank stopped, the generation rank stopped (a stopped rank's survivor
+must fail by the group's timeout, ``--timeout``, plus the margin of 5 s; a stopped
+generation rank's copies out of the training rank's memory may have begun).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from bench_colocated import (SLICES, SMALL, gen_buffers, loop_batches,  # noqa: 
                              train_buffers, wire)
 
 CASES = {"kill_train": (0, signal.SIGKILL), "kill_gen": (1, signal.SIGKILL),
-         "stop_train": (0, signal.SIGSTOP)}
+         "stop_train": (0, signal.SIGSTOP), "stop_gen": (1, signal.SIGSTOP)}
 MARGIN_S = 5.0
 
 

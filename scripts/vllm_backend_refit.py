@@ -1,7 +1,9 @@
 """Refit into vLLM's own model classes through vLLM's weight-transfer API (the
 ``megatron_reshard`` backend), on this CPU machine, in the vLLM venv.
 
-    /work/main/.venv-vllm/bin/python scripts/vllm_backend_refit.py [--refits 2] [--gen-tp 2]
+    .venv-vllm/bin/python scripts/vllm_backend_refit.py [--refits 2] [--gen-tp 2]
+
+(``.venv-vllm``: the vLLM venv ``make install-vllm`` builds in the repository root.)
 
 One launch of ``train_world + gen_world`` spawned processes (``tools.worlds.WorkerPool``):
 the **training ranks** run a real megatron-core Qwen3-shaped model and the real
@@ -54,6 +56,8 @@ def main(argv: list | None = None, pool=None) -> int:
     p.add_argument("--fail-extra", action="store_true",
                    help="one more refit, broken part-way by training rank 0")
     p.add_argument("--timeout-s", type=float, default=60.0)
+    p.add_argument("--progress-s", type=float, default=10.0,
+                   help="generation rank 0 prints how far the run got at most this often")
     args = p.parse_args(argv)
 
     from megatron_reshard.testing.vllm_models import set_vllm_cpu_environment
@@ -76,7 +80,8 @@ def main(argv: list | None = None, pool=None) -> int:
     pool = WorkerPool(cfg.train_world + cfg.gen_world) if own_pool else pool
     try:
         results = pool.run(backend_refit_job, cfg.train_world + cfg.gen_world, cfg, HF_CONFIG,
-                           fail_extra=args.fail_extra, num_ports=cfg.train_pp + 2,
+                           fail_extra=args.fail_extra, progress_s=args.progress_s,
+                           num_ports=cfg.train_pp + 2,
                            timeout_s=120 + 60 * args.refits)
     finally:
         if own_pool:
@@ -97,7 +102,8 @@ def main(argv: list | None = None, pool=None) -> int:
                "versions": [g["versions"] for g in gens],
                "differences": [g["differences"] for g in gens],
                "weights": [g["weights"]["state"] for g in gens],
-               "failed": [g["failed"]["weights"] if g["failed"] else None for g in gens]}
+               "failed": [g["failed"]["weights"] if g["failed"] else None for g in gens],
+               "progress": gens[0]["progress"]}
     print("VLLM_BACKEND_SUMMARY " + json.dumps(summary))
     return 0 if ok else 1
 

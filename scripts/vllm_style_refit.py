@@ -26,11 +26,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from datetime import timedelta
+from multiprocessing import connection as mp_connection
 from types import SimpleNamespace
 
 import torch
@@ -39,8 +40,9 @@ import torch.multiprocessing as mp
 
 from megatron_reshard.receiver import MegatronReshardWorkerExtension
 from megatron_reshard.tools.e2e import run_training_rank, tensor_digest
-from megatron_reshard.tools.launch_env import apply_nccl_defaults
+from megatron_reshard.tools.launch_env import apply_launch_defaults
 from megatron_reshard.tools.run_config import add_run_arguments, config_from_args
+from megatron_reshard.tools.supervise import write_progress
 
 
 def _ports(base: int, train_pp: int) -> dict:
@@ -62,7 +64,13 @@ def _train_process(rank: int, args: argparse.Namespace) -> None:
     cfg = config_from_args(args, (ports["control"], *ports["stages"]))
     control = dist.TCPStore(cfg.host, ports["control"], None, rank == 0,
                             timeout=timedelta(seconds=cfg.timeout_s), wait_for_workers=False)
-    out = run_training_rank(rank, cfg, control, _device(cfg.backend, rank))
+    try:
+        out = run_training_rank(rank, cfg, control, _device(cfg.backend, rank))
+    except Exception as exc:
+        # said now, by the rank: mp.spawn shows the traceback only once every rank has ended
+        sys.stderr.write(f"[train rank {rank}] failed: {type(exc).__name__}: {exc}\n")
+        sys.stderr.flush()
+        raise
     if rank == 0:
         print("VLLM_STYLE_SUMMARY " + json.dumps({"launcher": "train", "refits": len(out["refits"])}),
               flush=True)
@@ -71,7 +79,12 @@ def _train_process(rank: int, args: argparse.Namespace) -> None:
 
 
 def train_launcher(args: argparse.Namespace) -> int:
-    mp.spawn(_train_process, args=(args,), nprocs=args.train_world, join=True)
+    ranks = mp.start_processes(_train_process, args=(args,), nprocs=args.train_world,
+                               join=False, start_method="spawn")
+    # after a rank fails, the others get 5 s to end (a stopped one never does) instead of
+    # mp.spawn's 30 s, so this launcher reports the failure soon after it happened
+    while not ranks.join(grace_period=5.0):
+        pass
     return 0
 
 
@@ -125,6 +138,11 @@ class Driver:
     def __init__(self, world: int, args: argparse.Namespace):
         ctx = mp.get_context("spawn")
         self.conns, self.procs = [], []
+        self.progress_file, self.calls = args.progress_file, 0
+        # once a worker has answered, how long the others get to (a refit ends on every
+        # worker at once, or fails on each within the group's timeout; a stopped one never
+        # answers: vLLM's driver would wait for it forever)
+        self.answer_s = args.timeout_s + ANSWER_S
         for rank in range(world):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_worker_process, args=(rank, world, args, child), daemon=True)
@@ -135,19 +153,37 @@ class Driver:
     def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list:
         for conn in self.conns:
             conn.send((method, tuple(args), dict(kwargs or {})))
-        results = [conn.recv() for conn in self.conns]
-        failed = [(rank, text) for rank, (status, text) in enumerate(results) if status == "error"]
+        results, pending, deadline = {}, dict(enumerate(self.conns)), None
+        while pending and (deadline is None or time.monotonic() < deadline):
+            wait_s = None if deadline is None else max(0.0, deadline - time.monotonic())
+            for conn in mp_connection.wait(list(pending.values()), wait_s):
+                rank = self.conns.index(conn)
+                results[rank] = conn.recv()
+                del pending[rank]
+                if deadline is None:  # the others finish the same call about as soon
+                    deadline = time.monotonic() + self.answer_s
+        self.calls += 1
+        write_progress(self.progress_file, self.calls)  # each call a step (tools.supervise)
+        failed = [(rank, text) for rank, (status, text) in sorted(results.items())
+                  if status == "error"]
+        silent = (f"worker(s) {sorted(pending)} did not answer within {self.answer_s:g} s of "
+                  f"the first answer (stopped or hung)" if pending else "")
         if failed:
             rank, text = failed[0]
-            raise RuntimeError(f"collective_rpc({method!r}) failed on {len(failed)} worker(s); "
-                               f"worker {rank}: {text}")
-        return [value for _, value in results]
+            raise RuntimeError(f"collective_rpc({method!r}) failed on {len(failed)} worker(s)"
+                               f"{'; ' + silent if silent else ''}; worker {rank}: {text}")
+        if silent:
+            raise RuntimeError(f"collective_rpc({method!r}): {silent}")
+        return [results[rank][1] for rank in range(len(self.conns))]
 
     def shutdown(self) -> None:
         for conn in self.conns:
             conn.send(None)
         for proc in self.procs:
-            proc.join(timeout=30)
+            proc.join(timeout=5)
+            if proc.is_alive():  # stopped or hung: it would outlive the driver
+                proc.kill()
+                proc.join()
 
 
 def gen_launcher(args: argparse.Namespace) -> int:
@@ -159,6 +195,7 @@ def gen_launcher(args: argparse.Namespace) -> int:
     control = dist.TCPStore("127.0.0.1", ports["control"], None, False, timeout=timeout,
                             wait_for_workers=False)
     payload = decode_payload(control.get("payload"))  # plain dict: what collective_rpc carries
+    write_progress(args.progress_file, 0)  # the training side is up
     driver = Driver(args.gen_world, args)
     summary = {"launcher": "gen", "versions": [], "mismatched": [], "worker_pids": []}
     try:
@@ -187,8 +224,11 @@ def gen_launcher(args: argparse.Namespace) -> int:
         summary["worker_pids"] = [p.pid for p in driver.procs]
         driver.collective_rpc("destroy_refit_groups", (args.timeout_s,))
     finally:
-        control.set("driver/done", "1")
         driver.shutdown()
+        try:
+            control.set("driver/done", "1")
+        except Exception:  # noqa: BLE001 - the store's host (training rank 0) is gone
+            pass
     summary["driver_pid"] = os.getpid()
     ok = (len(summary["mismatched"]) == (args.refits if verify else 0)
           and all(not bad for bad in summary["mismatched"])
@@ -198,28 +238,42 @@ def gen_launcher(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+STARTUP_S = 180.0  # until the driver's first step: imports, spawns, model builds
+# after one launcher ended: its peer's ranks fail within the group's timeout + 5 s of the
+# fault, the driver waits --timeout-s + ANSWER_S from a first answer for the others, then
+# ends its workers
+SETTLE_MARGIN_S = 30.0
+ANSWER_S = 10.0
+
+
 def both(args: argparse.Namespace, argv: list) -> int:
-    """Start the two launchers as separate processes, as two jobs would be."""
+    """Start the two launchers as separate processes, as two jobs would be, and supervise
+    them (``tools.supervise``): killed only after 3 x --timeout-s without a step of the
+    driver's (STARTUP_S before its first), or once one has ended and the other has not
+    within --timeout-s + SETTLE_MARGIN_S (its ranks fail and print why first; a stopped
+    rank is then killed with its launcher's whole process group)."""
+    from megatron_reshard.tools.supervise import read_progress, start, supervise
+
     if args.port is None:
         from megatron_reshard.tools.worlds import free_ports
 
         args.port = free_ports(2 + args.train_pp)[0]
+    progress = tempfile.mktemp(prefix="vllm_style_progress_")
     common = [*argv, "--port", str(args.port)]
-    train = subprocess.Popen([sys.executable, __file__, "train", *common])
+    procs = {"train": start([sys.executable, __file__, "train", *common])}
     time.sleep(0.5)  # the control store's host comes up first
-    gen = subprocess.Popen([sys.executable, __file__, "gen", *common])
-    deadline = time.monotonic() + 3 * args.timeout_s
-    codes = {}
-    while len(codes) < 2 and time.monotonic() < deadline:
-        for name, proc in (("train", train), ("gen", gen)):
-            if name not in codes and proc.poll() is not None:
-                codes[name] = proc.returncode
-        time.sleep(0.2)
-    for proc in (train, gen):
-        if proc.poll() is None:
-            proc.kill()
-    print(f"vllm_style_refit: training launcher exit {codes.get('train', 'killed')}, "
-          f"generation launcher exit {codes.get('gen', 'killed')}", file=sys.stderr)
+    procs["gen"] = start([sys.executable, __file__, "gen", *common, "--progress-file", progress])
+    try:
+        codes, why = supervise(procs, lambda: read_progress(progress),
+                               stall_s=3 * args.timeout_s, settle_s=args.timeout_s + SETTLE_MARGIN_S,
+                               start_s=max(STARTUP_S, 3 * args.timeout_s))
+    finally:
+        for path in (progress, progress + ".tmp"):
+            if os.path.exists(path):
+                os.remove(path)
+    shown = {name: "killed" if code is None else code for name, code in codes.items()}
+    print(f"vllm_style_refit: training launcher exit {shown['train']}, generation launcher "
+          f"exit {shown['gen']}{f' (killed: {why})' if why else ''}", file=sys.stderr)
     return 0 if codes == {"train": 0, "gen": 0} else 1
 
 
@@ -232,6 +286,7 @@ def main(argv: list | None = None) -> int:
                    help="gloo on CPU, nccl on GPUs (default: %(default)s)")
     p.add_argument("--port", type=int, default=None,
                    help="first of 2 + train-pp loopback ports (default: free ones, for both)")
+    p.add_argument("--progress-file", default=None, help=argparse.SUPPRESS)
     p.set_defaults(model="dense", train_world=2, train_tp=2, train_pp=1, gen_world=2, gen_tp=2,
                    refits=2)
     args = p.parse_args(argv)
@@ -240,7 +295,7 @@ def main(argv: list | None = None) -> int:
     if cfg.problems():
         print("vllm_style_refit: " + "; ".join(cfg.problems()), file=sys.stderr)
         return 2
-    apply_nccl_defaults()
+    apply_launch_defaults()  # before the launchers start: their workers log less
     if role is None:
         return both(args, argv)
     if args.port is None:

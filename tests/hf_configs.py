@@ -16,7 +16,8 @@ TINY_MODEL = dict(num_layers=4, hidden_size=64, num_attention_heads=8, num_query
 
 MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
                "Qwen2MoeForCausalLM": "qwen2_moe", "Qwen3MoeForCausalLM": "qwen3_moe",
-               "DeepseekV3ForCausalLM": "deepseek_v3"}
+               "DeepseekV3ForCausalLM": "deepseek_v3", "GptOssForCausalLM": "gpt_oss",
+               "Glm4MoeForCausalLM": "glm4_moe"}
 
 
 def deepseek_hf_config(m: dict) -> dict:
@@ -60,11 +61,61 @@ def deepseek_hf_config(m: dict) -> dict:
                 attention_bias=False, attention_dropout=0.0, attn_implementation="eager")
 
 
+# ---- gpt-oss
+def gpt_oss_hf_config(m: dict) -> dict:
+    """gpt-oss config keys matching the tiny Megatron model: every layer MoE with biases,
+    sinks, a sliding window of ``window_size[0] + 1`` tokens on the even layers (HF's
+    ``layer_types``; Megatron ``window_attn_skip_freq=2``), YaRN RoPE as the checkpoint has
+    it (the refit moves weights only; the rotary tables are vLLM's own)."""
+    return dict(vocab_size=m["vocab_size"], hidden_size=m["hidden_size"],
+                intermediate_size=m["moe_ffn_hidden_size"], num_hidden_layers=m["num_layers"],
+                num_attention_heads=m["num_attention_heads"], num_key_value_heads=m["num_query_groups"],
+                head_dim=m["head_dim"] or m["hidden_size"] // m["num_attention_heads"],
+                num_local_experts=m["num_moe_experts"], num_experts_per_tok=m["moe_router_topk"],
+                sliding_window=m["window_size"][0] + 1, rms_norm_eps=1e-5, swiglu_limit=7.0,
+                max_position_embeddings=64, tie_word_embeddings=m["tie_embeddings"],
+                attention_bias=True, attention_dropout=0.0,
+                rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=32.0, beta_fast=32.0,
+                                     beta_slow=1.0, truncate=False, original_max_position_embeddings=4096))
+# ---- end gpt-oss
+def glm4_moe_hf_config(m: dict) -> dict:
+    """GLM-4.5 (``Glm4MoeConfig``) keys matching the tiny Megatron model.
+
+    How the two sides are made to agree:
+    - Partial RoPE: Megatron's ``rotary_percent`` rotates the first fraction of each head's
+      dims with a half rotation (``rotary_interleaved=False``); HF's
+      ``partial_rotary_factor`` the same fraction with ``rotate_half``.
+    - Routing as for DeepSeek-V3 (``deepseek_hf_config``): sigmoid scores, the bias for the
+      choice only, top-k renormalised and scaled (``norm_topk_prob``, ``routed_scaling_factor``),
+      one group. Shared experts: ``n_shared_experts`` of ``moe_intermediate_size`` each.
+    - q/k/v biases (``attention_bias``) and no other linear bias, as Megatron's
+      ``add_qkv_bias`` without ``add_bias_linear``.
+    """
+    heads, hidden = m["num_attention_heads"], m["hidden_size"]
+    return dict(vocab_size=m["vocab_size"], hidden_size=hidden, intermediate_size=m["ffn_hidden_size"],
+                moe_intermediate_size=m["moe_ffn_hidden_size"], num_hidden_layers=m["num_layers"],
+                num_attention_heads=heads, num_key_value_heads=m["num_query_groups"],
+                head_dim=m["head_dim"] or hidden // heads,
+                partial_rotary_factor=m.get("rotary_percent", 1.0),
+                n_shared_experts=m["moe_shared_expert_intermediate_size"] // m["moe_ffn_hidden_size"],
+                n_routed_experts=m["num_moe_experts"], num_experts_per_tok=m["moe_router_topk"],
+                routed_scaling_factor=m.get("moe_router_topk_scaling_factor") or 1.0, n_group=1,
+                topk_group=1, norm_topk_prob=True, first_k_dense_replace=m["moe_layer_freq"].index(1),
+                use_qk_norm=m["qk_layernorm"], attention_bias=m["add_qkv_bias"], hidden_act="silu",
+                rms_norm_eps=m.get("layernorm_epsilon", 1e-5), rope_theta=10000.0,
+                max_position_embeddings=64, tie_word_embeddings=m["tie_embeddings"],
+                attention_dropout=0.0, num_nextn_predict_layers=0, attn_implementation="eager")
+
+
 def hf_config_kwargs(m: dict, hf_class: str, extra: dict) -> dict:
     """The HF config keys of the tiny Megatron model ``m`` for ``hf_class``, with the
     family-specific ``extra`` keys on top."""
     if hf_class == "DeepseekV3ForCausalLM":
         return {**deepseek_hf_config(m), **extra}
+    if hf_class == "GptOssForCausalLM":
+        return {**gpt_oss_hf_config(m), **extra}
+    if hf_class == "Glm4MoeForCausalLM":
+        return {**glm4_moe_hf_config(m), **extra}
     heads, hidden = m["num_attention_heads"], m["hidden_size"]
     kwargs = dict(vocab_size=m["vocab_size"], hidden_size=hidden, intermediate_size=m["ffn_hidden_size"],
                   num_hidden_layers=m["num_layers"], num_attention_heads=heads,

@@ -170,3 +170,49 @@ def hf_state_dict_from_vllm_shards(shards: Sequence[Mapping[str, torch.Tensor]],
             hf[name] = _check_replicas(name, per_rank)
         done.add(name)
     return hf
+
+
+# ---- gpt-oss (vLLM gpt_oss.py): embedding / attn renamed, attn.sinks split by head over TP,
+# o_proj / router biases whole; FusedMoE w13 [E_l, 2·I_r, H] rows = the checkpoint's
+# gate_up_proj columns (gate and up interleaved) of rank r's intermediate chunk, w13_bias the
+# same; w2 [E_l, H, I_r]; w2_bias whole on TP rank 0, zero on the others (EP: every rank its
+# experts' biases). HF (transformers) stacks the experts: gate_up_proj [E, H, 2I], down_proj
+# [E, I, H] and their biases [E, 2I], [E, H].
+_OSS_EXPERTS = re.compile(r"^(?P<p>.*\.mlp\.experts)(?:\.routed_experts)?\.(?P<w>w13|w2)_(?P<k>weight|bias)$")
+
+
+def gpt_oss_state_dict_from_vllm_shards(shards: Sequence[Mapping[str, torch.Tensor]], dims: Dims,
+                                        ep_size: int = 1) -> dict[str, torch.Tensor]:
+    """``hf_state_dict_from_vllm_shards`` for gpt-oss."""
+    T = len(shards)
+    hf: dict[str, torch.Tensor] = {}
+    rest = [dict(s) for s in shards]
+    for name in sorted(shards[0]):
+        m = _OSS_EXPERTS.match(name)
+        if name.endswith(".attn.sinks"):
+            hf[name.replace(".attn.", ".self_attn.")] = torch.cat([s[name] for s in shards])
+        elif m:
+            per_expert = []
+            for e in range(dims.num_experts):
+                if ep_size > 1:
+                    r = next(r for r in range(T) if e in _experts_of_rank(dims.num_experts, r % ep_size, ep_size))
+                    t = shards[r][name][e - _experts_of_rank(dims.num_experts, r % ep_size, ep_size).start]
+                elif m["w"] == "w2" and m["k"] == "bias":
+                    for r in range(1, T):
+                        if shards[r][name][e].count_nonzero():
+                            raise AssertionError(f"{name}: expert {e} bias is not zero on TP rank {r}")
+                    t = shards[0][name][e]
+                else:  # w13 rows / bias: chunks in rank order; w2: input columns
+                    t = torch.cat([s[name][e] for s in shards], dim=1 if m["w"] == "w2" and m["k"] == "weight" else 0)
+                per_expert.append(t.t() if m["k"] == "weight" else t)
+            hf_leaf = ("gate_up_proj" if m["w"] == "w13" else "down_proj") + ("_bias" if m["k"] == "bias" else "")
+            hf[f"{m['p']}.{hf_leaf}"] = torch.stack(per_expert)
+        else:
+            continue
+        for s in rest:
+            del s[name]
+    renamed = [{n.replace("model.embedding.", "model.embed_tokens.").replace(".attn.", ".self_attn."): t
+                for n, t in s.items()} for s in rest]
+    hf.update(hf_state_dict_from_vllm_shards(renamed, dims, ep_size))
+    return hf
+# ---- end gpt-oss

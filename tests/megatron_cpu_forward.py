@@ -13,6 +13,10 @@ so the pool's long-lived workers are left as they were:
 3. Attention dropout runs inside ``get_cuda_rng_tracker().fork()``, which needs CUDA RNG
    states; Megatron's inference tracker (``inference_rng_tracker=True``) forks nothing.
    The previous tracker is restored on exit.
+5. Sliding-window attention (gpt-oss): the unfused softmax builds its window mask with
+   ``device="cuda"`` (``transformer.utils.get_sliding_window_causal_mask``); the same band
+   (key j seen by query i iff ``i' - left <= j <= i' + right``, ``i' = i + skv - sq``) is
+   built on the CPU here.
 
 One more stand-in is needed while a model is *built*, not run:
 
@@ -42,6 +46,7 @@ _MISSING = object()
 @contextlib.contextmanager
 def cpu_forward_shims() -> Iterator[None]:
     """Stand-ins 1-3 above, active inside the ``with`` block only."""
+    from megatron.core.fusions import fused_softmax
     from megatron.core.tensor_parallel import random as mrandom
     from megatron.core.transformer.moe import moe_utils
 
@@ -52,13 +57,23 @@ def cpu_forward_shims() -> Iterator[None]:
     if saved_gemm is _MISSING:
         moe_utils.te_general_gemm = None
     mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    saved_window = fused_softmax.get_sliding_window_causal_mask
+    fused_softmax.get_sliding_window_causal_mask = _cpu_window_mask
     try:
         yield
     finally:
+        fused_softmax.get_sliding_window_causal_mask = saved_window
         torch.cuda.current_device = saved_device  # type: ignore[assignment]
         if saved_gemm is _MISSING:
             del moe_utils.te_general_gemm
         mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = saved_tracker
+
+
+def _cpu_window_mask(sq: int, skv: int, window) -> torch.Tensor:
+    """True where a query must NOT see a key: outside the causal window (stand-in 5)."""
+    query = torch.arange(sq).unsqueeze(1) + (skv - sq)
+    key = torch.arange(skv).unsqueeze(0)
+    return ~((key >= query - window[0]) & (key <= query + window[1]))
 
 
 @contextlib.contextmanager

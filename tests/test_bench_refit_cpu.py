@@ -54,6 +54,9 @@ def test_refit_bench_cpu_smoke(tmp_path):
            "--small", "--out", str(out), "--port-base", str(free_port_block(16))]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=200)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    # no noise: torch's deprecation of the old all-gather name, the profiler's USDT lines
+    assert "FutureWarning" not in proc.stderr, proc.stderr[-4000:]
+    assert "USDT" not in proc.stdout + proc.stderr, proc.stderr[-4000:]
     header = "| " + " | ".join(c.header for c in COLUMNS) + " |"
     assert header in proc.stdout, proc.stdout
     for name in ("refit ms", "bulk ms", "refit GB/s/gen", "raw pair GB/s", "raw fan-in GB/s",

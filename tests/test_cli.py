@@ -172,6 +172,15 @@ def _hf_config(model: str) -> dict:
                     router_expert_bias=True, q_lora_rank=p["q_lora_rank"], kv_lora_rank=p["kv_lora_rank"],
                     qk_nope_head_dim=p["qk_head_dim"], qk_rope_head_dim=p["qk_pos_emb_head_dim"],
                     v_head_dim=p["v_head_dim"])
+    if p.get("family") == "glm4_moe":  # GQA + DeepSeek's MoE names, the router in float32
+        return dict(family="glm4_moe", hidden_size=p["hidden_size"],
+                    num_attention_heads=p["num_attention_heads"],
+                    num_key_value_heads=p["num_query_groups"], head_dim=p["head_dim"],
+                    intermediate_size=p["ffn_hidden_size"], moe_intermediate_size=p["moe_ffn_hidden_size"],
+                    num_experts=p["num_moe_experts"], num_hidden_layers=2, moe_layers=[1],
+                    vocab_size=p["vocab_size"], attention_bias=True, router_expert_bias=True,
+                    shared_expert_intermediate_size=p["moe_shared_expert_intermediate_size"],
+                    tie_word_embeddings=False)
     return dict(hidden_size=p["hidden_size"], num_attention_heads=p["num_attention_heads"],
                 num_key_value_heads=p["num_query_groups"],
                 intermediate_size=p["ffn_hidden_size"],
@@ -237,7 +246,7 @@ def test_every_help_shows_the_defaults(command):
     assert out.returncode == 0
     text = " ".join(out.stdout.split())
     expected = {(): [], ("demo",): ["--refits REFITS refits to run", "(default: 3)",
-                                    "(default: moe)", "1 for dense, 2 for moe",
+                                    "(default: moe)", "1 for dense, 2 for glm, 2 for moe",
                                     "(default: 120.0)"],
                 ("bench",): ["(default: 4)"],
                 ("plan",): ["(default: moe)", "--gen-tp GEN_TP default: the model's, listed below",

@@ -95,3 +95,20 @@ def test_a_result_that_cannot_go_back_into_its_storage_is_refused():
     impl.process_weights_after_loading = lambda dtype: setattr(impl, "W_UV", torch.zeros(1))
     with pytest.raises(DerivedWeightsError, match="W_UV.*cannot be refreshed in place"):
         refresh_derived_weights(model, _written(model))
+
+
+def test_a_layer_holding_expert_weights_is_never_re_processed():
+    """vLLM's MoE post-load converts the storage it is given (FlashInfer CUTLASS / TRTLLM):
+    a module holding ``w13_weight`` / ``w2_weight`` is never a refresh holder, even with
+    the MLA markers and a post-load method, so nothing converts expert storage twice."""
+    from megatron_reshard.receiver.derived import mla_layers
+
+    model = _model(1)
+    layer = model.layers[0].attn
+    layer.kv_b_proj = model.layers[0].kv_b_proj
+    layer.W_UK_T = nn.Parameter(torch.zeros(2), requires_grad=False)
+    layer.w13_weight = nn.Parameter(torch.zeros(2), requires_grad=False)
+    layer.process_weights_after_loading = lambda act_dtype: pytest.fail("re-processed")
+    assert [name for name, _, _ in mla_layers(model)] == []
+    del layer.w13_weight
+    assert [name for name, _, _ in mla_layers(model)] == ["layers.0.attn"]

@@ -25,7 +25,7 @@ import torch
 import transformers  # pinned in the test extra (4.57.x keeps per-expert MoE modules)
 
 from hf_configs import TINY_MODEL, hf_config_kwargs
-from hf_reassemble import Dims, hf_state_dict_from_vllm_shards
+from hf_reassemble import Dims, gpt_oss_state_dict_from_vllm_shards, hf_state_dict_from_vllm_shards
 from megatron_reshard.tools.e2e import run_rank
 from megatron_reshard.tools.run_config import RefitRunConfig
 
@@ -96,6 +96,26 @@ CASES = {
                                 "Qwen2MoeForCausalLM", dict(qkv_bias=True),
                                 train=dict(train_world=4, train_tp=4, train_pp=1, train_ep=2)),
 }
+# ---- gpt-oss: sinks, biases on every linear and the router, gate/up interleaved in vLLM's
+# w13 (gen experts TP-sharded: interleaved chunks, w2_bias only on TP rank 0), the clamped
+# GLU, a 4-token sliding window on even layers (12 tokens reach past it); plain RoPE with
+# Megatron's base on both sides (the refit moves weights only)
+CASES["gpt_oss"] = Case(
+    dict(_BASE, family="gpt_oss", head_dim=16, num_query_groups=4, num_moe_experts=8,
+         moe_ffn_hidden_size=32, softmax_type="learnable", add_bias_linear=True, window_size=(3, 0),
+         window_attn_skip_freq=2, gpt_oss_activation=True),
+    "GptOssForCausalLM", dict(rope_scaling=None, rope_theta=10000.0, attn_implementation="eager"),
+    train=_MOE_TRAIN)
+# ---- end gpt-oss
+# GLM-4.5: GQA with q/k/v biases and q/k norms, partial RoPE (half of head_dim 16), sigmoid
+# routing with the score-correction bias and a scaling factor, one shared expert, first layer
+# dense; gen EP2. See hf_configs.glm4_moe_hf_config for how both sides agree.
+CASES["glm4_moe"] = Case(
+    dict(_BASE, family="glm4_moe", num_moe_experts=8, moe_ffn_hidden_size=32,
+         moe_shared_expert_intermediate_size=32, moe_layer_freq=[0, 1, 1, 1], add_qkv_bias=True,
+         qk_layernorm=True, head_dim=16, rotary_percent=0.5, moe_router_score_function="sigmoid",
+         moe_router_enable_expert_bias=True, moe_router_topk_scaling_factor=2.5),
+    "Glm4MoeForCausalLM", {}, train=_MOE_TRAIN, gen=dict(gen_world=2, gen_tp=2, gen_ep=2))
 # without q LoRA (a plain q_proj, kv_a_proj_with_mqa unfused), gen TP4 over 8 heads with the
 # experts TP-sharded (gen EP1), train TP2 with EP2; YaRN RoPE as DeepSeek-V3 configures it
 # (mscale = mscale_all_dim = 1), factor 4 over 8 original positions so the 12 tokens reach
@@ -183,7 +203,9 @@ def _dims(case: Case) -> Dims:
 
 def hf_logits(case: Case, shards: list[dict]) -> torch.Tensor:
     """transformers' logits of ``tokens()`` with the weights reassembled from ``shards``."""
-    state = hf_state_dict_from_vllm_shards(shards, _dims(case), ep_size=case.gen["gen_ep"])
+    reassemble = (gpt_oss_state_dict_from_vllm_shards if case.model.get("family") == "gpt_oss"
+                  else hf_state_dict_from_vllm_shards)
+    state = reassemble(shards, _dims(case), ep_size=case.gen["gen_ep"])
     if case.model["tie_embeddings"]:
         # vLLM holds no lm_head when tied; HF's module tree lists the tied tensor under both names
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
@@ -244,3 +266,34 @@ def test_the_comparison_sees_a_lost_score_correction_bias_and_swapped_mla_heads(
     swapped = [{**received[0], kv_b: heads[[1, 0, *range(2, heads.shape[0])]].flatten(0, 1)},
                *received[1:]]
     assert not torch.allclose(hf_logits(case, swapped), megatron, rtol=RTOL, atol=ATOL)
+
+
+# ---- gpt-oss
+def test_the_comparison_sees_gpt_oss_gate_up_order_sinks_and_expert_bias(refitted):
+    """gpt-oss: vLLM's w13 rows alternate gate and up (un-interleaving one expert on one gen
+    rank moves the logits), the sinks count (zeroing one layer's) and so does an expert's
+    down bias."""
+    case = CASES["gpt_oss"]
+    megatron, received = refitted("gpt_oss")
+    w13 = next(n for n in received[0] if n.endswith("layers.1.mlp.experts.w13_weight"))
+    rows = received[0][w13][0]
+    halves = torch.cat([rows[0::2], rows[1::2]])  # [gate ; up] instead of interleaved
+    w13_swapped = received[0][w13].clone()
+    w13_swapped[0] = halves
+    sinks = "model.layers.2.attn.sinks"
+    w2_bias = next(n for n in received[0] if n.endswith("layers.3.mlp.experts.w2_bias"))
+    for change in ({w13: w13_swapped}, {sinks: torch.zeros_like(received[0][sinks])},
+                   {w2_bias: torch.zeros_like(received[0][w2_bias])}):
+        shards = [{**received[0], **change}, *received[1:]]
+        if sinks in change:  # every rank holds its own heads' sinks
+            shards = [{**s, sinks: torch.zeros_like(s[sinks])} for s in received]
+        assert not torch.allclose(hf_logits(case, shards), megatron, rtol=RTOL, atol=ATOL), list(change)
+# ---- end gpt-oss
+def test_the_comparison_sees_full_rotary_where_glm_rotates_half(refitted):
+    """GLM-4.5: the same weights under full RoPE (HF ``partial_rotary_factor=1``) give other
+    logits, so the partial rotary of Megatron's ``rotary_percent`` is what the case checks."""
+    case = CASES["glm4_moe"]
+    megatron, received = refitted("glm4_moe")
+    full_rope = Case(dict(case.model, rotary_percent=1.0), case.hf_class, case.hf_config,
+                     case.train, case.gen)
+    assert not torch.allclose(hf_logits(full_rope, received), megatron, rtol=RTOL, atol=ATOL)

@@ -72,6 +72,41 @@ def test_shared_expert_names_depend_on_the_family():
         conv("qwen3_moe").convert(name)
 
 
+def test_glm4_moe_local_and_te_spec_names_map_to_glm_names():
+    """GLM-4.5 (glm4_moe): megatron-core 0.16.1 cannot even build its TE layer specs without
+    Transformer Engine (``get_gpt_decoder_block_spec(use_transformer_engine=True)`` raises
+    NameError on ``TENorm``), so the TE names are listed here from its TE classes: the
+    input norm fused into ``linear_qkv`` (``TELayerNormColumnParallelLinear``), the q/k/v
+    bias on it, grouped experts ``TEGroupedMLP`` (``weight<i>``), ``_extra_state``."""
+    c = conv("glm4_moe", expert_offset=4, num_local_experts=2)
+    L7, L8 = "model.layers.7", "model.layers.8"
+    names = {
+        "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight": (f"{L7}.input_layernorm.weight",),
+        "decoder.layers.0.input_layernorm.weight": (f"{L7}.input_layernorm.weight",),  # local spec
+        "decoder.layers.0.self_attention.linear_qkv.bias": tuple(
+            f"{L7}.self_attn.{x}_proj.bias" for x in "qkv"),
+        "decoder.layers.0.self_attention.linear_qkv._extra_state": None,
+        "decoder.layers.0.self_attention.q_layernorm.weight": (f"{L7}.self_attn.q_norm.weight",),
+        "decoder.layers.0.mlp.linear_fc1.layer_norm_weight": (f"{L7}.post_attention_layernorm.weight",),
+        "decoder.layers.0.mlp.linear_fc1.weight": (f"{L7}.mlp.gate_proj.weight", f"{L7}.mlp.up_proj.weight"),
+        "decoder.layers.1.pre_mlp_layernorm.weight": (f"{L8}.post_attention_layernorm.weight",),
+        "decoder.layers.1.mlp.router.weight": (f"{L8}.mlp.gate.weight",),
+        "decoder.layers.1.mlp.router.expert_bias": (f"{L8}.mlp.gate.e_score_correction_bias",),
+        "decoder.layers.1.mlp.experts.linear_fc1.weight1": (
+            f"{L8}.mlp.experts.5.gate_proj.weight", f"{L8}.mlp.experts.5.up_proj.weight"),
+        "decoder.layers.1.mlp.experts.linear_fc2.weight0": (f"{L8}.mlp.experts.4.down_proj.weight",),
+        "decoder.layers.1.mlp.experts.linear_fc2._extra_state": None,
+        "decoder.layers.1.mlp.shared_experts.linear_fc1.weight": (
+            f"{L8}.mlp.shared_experts.gate_proj.weight", f"{L8}.mlp.shared_experts.up_proj.weight"),
+        "decoder.layers.1.mlp.shared_experts.linear_fc2.weight": (f"{L8}.mlp.shared_experts.down_proj.weight",),
+    }
+    for name, hf in names.items():
+        got = c.convert(name)
+        assert (None if got is None else got.hf_names) == hf, name
+    with pytest.raises(KeyError):  # Qwen2-MoE's shared-expert gate is no GLM name
+        c.convert("decoder.layers.1.mlp.shared_experts.gate_weight")
+
+
 def test_unknown_names_are_all_collected():
     _, unknown = conv().convert_all([
         "decoder.layers.0.self_attention.linear_q_down_proj.weight",  # MLA: not in the tables

@@ -102,7 +102,7 @@ def _check_source(job, spec_kwargs, family, gen_parallelism, gen_world_size, lay
             failures.append(f"{name}: metadata {meta} vs oracle {list(oracle[name].shape)} {oracle[name].dtype}")
 
     # the generation side derives the same names and shapes from hf_config alone
-    if family in ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3"):
+    if family in ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "glm4_moe"):
         from megatron_reshard.testing.vllm_like import hf_param_shapes
 
         expected = {n: list(s) for n, s in hf_param_shapes(source.hf_config).items()}
@@ -268,6 +268,21 @@ def test_moe_sequential_ep2_shared_experts_first_dense_layer_tied_embeddings(poo
             cfg["shared_expert_intermediate_size"], cfg["tie_word_embeddings"]) == (4, 16, [1, 2], 24, True)
 
 
+def test_glm4_moe_tp2_ep2_partial_rotary_every_param_on_the_exact_path(pool):
+    # GLM-4.5's shape: q/k/v biases, partial RoPE, sigmoid routing with the score-correction
+    # bias, a shared expert, first layer dense
+    spec = dict(MOE, head_dim=16, add_qkv_bias=True, rotary_percent=0.5, moe_layer_freq=[0, 1, 1],
+                moe_shared_expert_intermediate_size=16, moe_router_score_function="sigmoid",
+                moe_router_enable_expert_bias=True, moe_router_topk_scaling_factor=2.5)
+    results = _run(pool, 4, spec, "glm4_moe", {"tp_size": 2, "ep_size": 2, "pp_size": 1}, 2,
+                   dict(tp=2, ep=2))
+    r0 = results[0]
+    assert r0["n_other"] == 0  # router, its bias and the shared expert take the exact path too
+    cfg = r0["hf_config"]
+    assert (cfg["family"], cfg["attention_bias"], cfg["router_expert_bias"], cfg["moe_layers"],
+            cfg["shared_expert_intermediate_size"], cfg["head_dim"]) == ("glm4_moe", True, True, [1, 2], 16, 16)
+
+
 def test_moe_tp2_ep2_four_ranks_kv_heads_fewer_than_tp(pool):
     spec = dict(MOE, num_query_groups=1, qk_layernorm=True)
     results = _run(pool, 4, spec, "qwen3_moe", {"tp_size": 2, "ep_size": 1, "pp_size": 1}, 2, dict(tp=2, ep=2))
@@ -320,6 +335,10 @@ def _bad_inputs(job):
     if job.rank == 1:
         model.decoder.layers[0].self_attention.mystery = torch.nn.Parameter(torch.zeros(3))
     attempt("unknown_name", model, family="qwen3_moe", vocab_size=spec.vocab_size)
+    # Nemotron-H: the family by name, and a real (Mamba-layer-free) megatron-core MambaModel
+    from megatron_reshard.testing.megatron_models import build_mamba_model_without_mamba_layers
+    attempt("nemotron_h_family", model, family="nemotron_h", vocab_size=spec.vocab_size)
+    attempt("mamba_model", build_mamba_model_without_mamba_layers())
     dist.barrier()  # nobody was left inside a collective
     return messages
 
@@ -337,3 +356,7 @@ def test_bad_input_raises_one_clear_error_on_every_rank(pool):
         assert "packed_params='self_attn.(' is not a regular expression" in err
         err = m["unknown_name"]
         assert err is not None and "rank 1: unknown Megatron parameter 'decoder.layers.0.self_attention.mystery'" in err, err
+        for key in ("nemotron_h_family", "mamba_model"):
+            err = m[key]
+            assert err is not None and "Nemotron-H / megatron-core MambaModel is not supported yet" in err, (key, err)
+            assert "in_proj ([z, x, B, C, dt] per TP rank)" in err and "TENorm" in err, err

@@ -34,6 +34,11 @@ CONFIGS = {
     "qwen2_moe": dict(DENSE, num_experts=8, moe_intermediate_size=32, qk_norm=False,
                       attention_bias=True, tie_word_embeddings=True,
                       shared_expert_intermediate_size=32, family="qwen2_moe"),
+    # GLM-4.5: q/k/v biases, DeepSeek's shared_experts and score-correction bias, first layer
+    # dense; vLLM holds the router gate.weight in float32 (the BF16 wire is widened on write)
+    "glm4_moe": dict(DENSE, num_experts=8, moe_intermediate_size=32, qk_norm=False,
+                     attention_bias=True, shared_expert_intermediate_size=32,
+                     router_expert_bias=True, moe_layers=[1], family="glm4_moe"),
 }
 LAYOUTS = [(1, 1), (2, 1), (4, 1), (2, 2), (4, 4)]  # (gen tp, gen ep)
 
@@ -205,3 +210,29 @@ def test_generation_replicas_each_receive_the_full_tp_layout(name, ep):
         for vname, param in model.named_parameters():
             if vname in bulk_targets:
                 assert _same(param, expected_vllm_shard(cfg, vname, full, rank, tp, ep)), (vname, gen_rank)
+
+
+def test_a_float32_target_takes_bf16_widened_but_a_narrower_target_is_refused():
+    """GLM-4.5's router: vLLM holds it in float32, the wire carries BF16; received into a
+    BF16 buffer, then widened exactly. The other way (float32 wire, BF16 target) would lose
+    bits and is refused, naming the param."""
+    from megatron_reshard.receiver.targets import TargetError, bulk_receive_plan, receive_spec
+
+    cfg = CONFIGS["glm4_moe"]
+    name = "model.layers.1.mlp.gate.weight"
+    model = build_vllm_like_model(cfg, 1, 2)
+    targets = VllmTargets.from_named_parameters(model.named_parameters(), cfg, 1, 2)
+    bf16 = random_hf_state_dict(cfg, seed=4)[name]
+    plan = bulk_receive_plan(targets, name, bf16.shape, tuple((0, n) for n in bf16.shape), torch.bfloat16)
+    spec = receive_spec(targets, plan.pieces[0], wire_dtype=torch.bfloat16)
+    ctx = spec.begin()
+    assert ctx.buf.dtype == torch.bfloat16
+    ctx.buf.copy_(bf16)
+    spec.finish(ctx)
+    assert _same(dict(model.named_parameters())[name], bf16.float())
+    narrow = dict(cfg, family="qwen3_moe", shared_expert_intermediate_size=None)
+    full = {n: t.float() for n, t in random_hf_state_dict(narrow, seed=3).items()}
+    model = build_vllm_like_model(narrow, 0, 1)
+    targets = VllmTargets.from_named_parameters(model.named_parameters(), narrow, 0, 1)
+    with pytest.raises(TargetError, match=r"model\.embed_tokens\.weight: dtype mismatch.*wire dtype torch\.float32"):
+        load_full_weights(targets, full)

@@ -208,6 +208,12 @@ def _loop_job(job):
         results["batching"] = None
     except PlanMismatchError as err:
         results["batching"] = str(err)
+    # checksums on one side only: the setting is named, nothing else
+    try:
+        RefitLoop(info, specs, side, {0: group}, verify_checksums=side == "src").verify_plan()
+        results["checksums"] = None
+    except PlanMismatchError as err:
+        results["checksums"] = str(err)
     # a pre hook that builds a wrong buffer on one rank: every rank gets an error, none hangs
     bad = HFToLocalParamMap(dict(specs.specs))
     if job.rank == 0:
@@ -230,5 +236,14 @@ def test_refit_loop_moves_params_through_hooks_and_catches_plan_mismatch(pool):
         assert res["reference"][1]["stages"][0]["batches"] == 1
         assert res["runs"] == [(3, True), (1, True), (0, True)], res["runs"]
         assert "refit plan mismatch in the group of PP stage 0" in res["mismatch"]
-        assert "same batch_bytes" in res["batching"]
+        # each mismatch names exactly the setting that differs, with the ranks on each side
+        assert "misc_items differs (none given on group rank(s) [0, 1]; " in res["mismatch"]
+        assert "batch_bytes" not in res["mismatch"], res["mismatch"]
+        assert "batch_bytes differs (1 on group rank(s) [0, 1]; 1048576 on group rank(s) " \
+               "[2, 3]): pass the same batch_bytes on every rank" in res["batching"]
+        assert "misc_items" not in res["batching"] and "staging" not in res["batching"]
+        assert "verify_checksums differs (True on group rank(s) [0, 1]; False on group " \
+               "rank(s) [2, 3]): pass the same verify_checksums on both sides" in res["checksums"]
+        for other in ("batch_bytes", "staging_bytes", "misc_items", "transfer list"):
+            assert other not in res["checksums"], res["checksums"]
         assert res["bad_pre"] and "down_proj" in res["bad_pre"], res["bad_pre"]

@@ -22,14 +22,18 @@ from hash_seeds import outputs_under_two_hash_seeds
 # Totals as the model cards state them (DeepSeek-V3 without its 14B MTP module).
 PUBLISHED_BILLIONS = {"qwen3-8b": 8.2, "qwen3-30b-a3b": 30.5, "qwen3-235b-a22b": 235,
                       "deepseek-v3": 671, "kimi-k2": 1026, "llama-3.1-8b": 8.03,
-                      "llama-3.1-70b": 70.6, "llama-3.1-405b": 405.9}
+                      "llama-3.1-70b": 70.6, "llama-3.1-405b": 405.9, "glm-4.5-air": 106,
+                      "glm-4.5": 355}
+# GLM-4.5's cards round to whole billions and leave unclear how much of the MTP layer
+# (2-4B, not in the presets) they count: 1% there, 0.5% elsewhere
+TOLERANCE = {"glm-4.5-air": 0.01, "glm-4.5": 0.01}
 
 
 @pytest.mark.parametrize("model", sorted(FULL_SIZE) + sorted(LLAMA_FULL_SIZE))
 def test_full_size_presets_have_their_published_parameter_counts(model):
     total = sum(math.prod(p.shape) for p in hf_params(model_config(model)))
     published = PUBLISHED_BILLIONS[model] * 1e9
-    assert abs(total - published) / published < 0.005, (model, total)
+    assert abs(total - published) / published < TOLERANCE.get(model, 0.005), (model, total)
 
 
 def test_deepseek_v3_has_mla_projections_dense_first_layers_and_shared_experts():

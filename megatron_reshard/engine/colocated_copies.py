@@ -27,6 +27,7 @@ addresses; the batch keeps every view it reads and writes alive.
 
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 import torch
@@ -126,7 +127,9 @@ class CopyBatch:
         self.pairs = len(parts)
         # the kernels and foreach copies captured once (after the first, eager run) and
         # replayed: one cheap launch
-        self.replayed = Replayed(self._small, device,
+        # held weakly: a cycle would keep a done batch's tensors alive until a gc pass
+        small = weakref.WeakMethod(self._small)
+        self.replayed = Replayed(lambda: small()(), device,
                                  after=1 if self.kernels.tables or self.dsts else 0)
 
     @property

@@ -36,6 +36,7 @@ from .schedule import build_schedule
 from .sequence import CallSequence
 from .transport import P2PTransport, backend_name, resolve_group
 from ..errors import MegatronReshardError
+from ..groups.faults import RefitError
 
 MIN_STAGING_BYTES = 64
 BACKENDS = ("python", "auto")  # both run this engine ("auto" stays for callers that pass it)
@@ -46,6 +47,13 @@ _SKIPPED_NOTE = ("xfer_batch(agree=False) skipped the vote: this call is the one
 _UNPREDICTED_NOTE = ("xfer_batch(agree=False) voted: this call is not the one the group's "
                      "history predicts, and peers that called the predicted batch skip the "
                      "vote; check that every rank calls the same batches in the same order.")
+
+
+def _explained(exc: BaseException) -> bool:
+    """A group's own failure report (a peer's failure, a timeout or a closed connection,
+    with the silent peer named where one is): the batch-order notes above would point at
+    a coding error instead of the stopped or dead process."""
+    return isinstance(exc, RefitError)
 
 
 def xfer_batch(transfers: Sequence, group=None, *, stream=None,
@@ -205,7 +213,8 @@ def _call(transfers, group, stream, staging_bytes: int, planner: Planner, backen
                 _execute(batch, xfers, me, with_members(tensors), strides, transport, stream,
                          planner, work=work)
             except Exception as exc:
-                exc.add_note(_SKIPPED_NOTE)
+                if not _explained(exc):
+                    exc.add_note(_SKIPPED_NOTE)
                 raise
             history.record(key)
             return
@@ -236,8 +245,8 @@ def _call(transfers, group, stream, staging_bytes: int, planner: Planner, backen
                                                                          described),
                                            transport, "xfer_batch")
             except Exception as exc:
-                if not agree and not isinstance(exc, ValueError):  # the vote itself failed
-                    exc.add_note(_UNPREDICTED_NOTE)
+                if not agree and not isinstance(exc, ValueError) and not _explained(exc):
+                    exc.add_note(_UNPREDICTED_NOTE)  # the vote itself failed
                 raise
         if not tally.keep_schedule:  # decided from the all-reduced votes: alike everywhere
             with ctx:

@@ -176,8 +176,20 @@ class HostFlags:
         if past_deadline:
             raise RefitTimeout(f"{self._label()}, {self.who} (group rank {self.rank}): {what} "
                                f"did not complete within the group's timeout of "
-                               f"{self.timeout_s:g} s (waiting on group rank(s) {late}); a "
-                               f"peer is hung, stopped or gone")
+                               f"{self.timeout_s:g} s (waiting on group rank(s) {late}); "
+                               f"{self._why_late(late)}")
+
+    def _why_late(self, late: list) -> str:
+        """The late peers by name, and whether their process is stopped (they share this
+        host: its state says so) or running but elsewhere."""
+        stopped = [r for r in late if _state(self._peers[r][1]) in (b"T", b"t")]
+        if stopped:
+            names = ", ".join(f"{self._peers[r][0]} (group rank {r}, pid {self._peers[r][1]})"
+                              for r in stopped)
+            return f"{names} is stopped (SIGSTOP or a debugger): continue or kill that process"
+        names = ", ".join(f"{self._peers[r][0]} (group rank {r})" for r in late)
+        return (f"{names} is running but did not arrive: it is hung, or waiting on another "
+                f"step (every rank must run the same refits and batches in the same order)")
 
     def _raise_failed(self, failed_words: list, what: str) -> None:
         failed = [r for r, w in enumerate(failed_words) if w and r != self.rank]
@@ -198,6 +210,15 @@ class HostFlags:
 
     def _label(self) -> str:
         return getattr(self.board, "label", "colocated refit group")
+
+
+def _state(pid: int) -> Optional[bytes]:
+    """Process ``pid``'s state letter (R, S, T: stopped, ...), None when it is not visible."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
 
 
 def _start_time(pid: int) -> Optional[int]:

@@ -22,8 +22,9 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_reshard.groups import at_exit
 from megatron_reshard.groups.faults import (POLL_S, POST_S, FaultBoard, RefitError, RefitTimeout,
-                                           attach_board, board_of)
+                                           attach_board, board_of, failed_groups_sockets)
 
 # The transports a refit group can agree on at join (``engine.transports`` builds each one
 # for the group on first use; the group itself only carries the agreed name).
@@ -106,8 +107,11 @@ def create_refit_group(host: str, port: int, rank: int, world_size: int,
     who = who or f"group rank {rank} of the {label}"
     timeout = timedelta(seconds=timeout_s)
     server = rank == 0 if is_store_server is None else is_store_server
+    at_exit.arm(failed_groups_sockets)  # a failed group's abandoned calls end before exit
     try:
-        raw = dist.TCPStore(host, port, None, server, timeout=timeout, wait_for_workers=False)
+        raw, store_sockets = at_exit.opened_sockets(
+            lambda: dist.TCPStore(host, port, None, server, timeout=timeout,
+                                  wait_for_workers=False))
     except Exception as exc:  # noqa: BLE001 - say which store and who hosts it
         role = "host" if server else "reach"
         raise RefitError(f"{label}: {who} could not {role} the group's store at {host}:{port} "
@@ -115,8 +119,11 @@ def create_refit_group(host: str, port: int, rank: int, world_size: int,
     store = dist.PrefixStore(f"{prefix}/", raw)
     board = FaultBoard(store, rank, world_size, who, label, timeout_s, backend)
     chosen = _join(board, backend, transport)
+    board.sockets = store_sockets if not server else []  # the host's: a listener, peers'
     if backend == "gloo":
-        pg = dist.ProcessGroupGloo(store, rank, world_size, timeout)
+        pg, pair_sockets = at_exit.opened_sockets(
+            lambda: dist.ProcessGroupGloo(store, rank, world_size, timeout))
+        board.sockets += pair_sockets
     else:
         opts = dist.ProcessGroupNCCL.Options()
         # NCCL's own watchdog fires later than our waits, which then abort with a clear error
@@ -147,6 +154,7 @@ def _join(board: FaultBoard, backend: str, transport: Optional[str] = None) -> s
     except RefitError:
         _linger_if_host(board)
         raise
+    board.names = {r: s["who"] for r, s in seen.items()}  # errors name a silent peer
     chosen = {s.get("transport") for s in seen.values()} - {None}
     return chosen.pop() if chosen else DEFAULT_TRANSPORT
 

@@ -94,6 +94,10 @@ class FaultBoard:
         self._seen: Optional[Fault] = None
         self.failed = False       # this rank posted or saw a failure of the group
         self.retired = False      # the failed group is held until its operations end (retire)
+        # (fd, "socket:[inode]") of the group's store client and gloo pairs: shut down at
+        # exit if the group failed with calls still in flight (groups.at_exit)
+        self.sockets: list[tuple[int, str]] = []
+        self.names: dict[int, str] = {}  # group rank -> its "who", from the join
 
     # -- posting -------------------------------------------------------------------------
 
@@ -145,13 +149,15 @@ class FaultBoard:
             if self.rank == 0:
                 return None  # we host it; a local store error is not a peer failure
             self.failed = True
-            self._seen = Fault("group rank 0 (it hosts the group's store)", f"its store is "
-                               f"unreachable ({type(exc).__name__}: {exc}); the process exited or "
-                               f"is stopped", 0)
+            host = f" ({self.names[0]})" if 0 in self.names else ""
+            self._seen = Fault(f"group rank 0{host}, which hosts the group's store,",
+                               f"its store is unreachable ({type(exc).__name__}: {exc}); the "
+                               f"process exited or is stopped", 0)
             return self._seen
         return None
 
     def _read(self) -> Optional[Fault]:
+        self.store.add(f"beat/{self.rank}", 1)  # a sign of life: this rank is polling
         count = int(self.store.add("fault/count", 0))
         for seq in range(1, count + 1):
             key = f"fault/{seq}"
@@ -161,6 +167,35 @@ class FaultBoard:
             if rec["who"] != self.who:  # not this rank's own failure coming back
                 return Fault(rec["who"], rec["reason"], int(rec["posted_by"]))
         return None
+
+    # -- signs of life ---------------------------------------------------------------------
+    # Every board read (each poll of a waiting rank, every POLL_S) counts a beat of the
+    # reading rank. A peer whose count does not move while this rank waits is not polling:
+    # its process is stopped, hung or dead, or it is not running the refit at all.
+
+    def beats(self, ranks: Sequence[int]) -> Optional[dict[int, int]]:
+        """Each rank's beat count; None when the store does not answer within ``POST_S``."""
+        try:
+            return self._bounded(lambda: {r: int(self.store.add(f"beat/{r}", 0)) for r in ranks},
+                                 POST_S)
+        except Exception:  # noqa: BLE001 - the store's host is gone or stopped
+            return None
+
+    def silent_since(self, before: Optional[dict[int, int]]) -> list[int]:
+        """The ranks of ``before`` whose beat count has not moved since it was read."""
+        if not before:
+            return []
+        now = self.beats(list(before))
+        return [] if now is None else [r for r in sorted(before) if now[r] == before[r]]
+
+    def others(self, peers: Optional[Sequence[int]]) -> list[int]:
+        """The peers of a step (all other ranks when not given)."""
+        ranks = range(self.world) if not peers else set(peers)
+        return sorted(r for r in ranks if r != self.rank)
+
+    def name_ranks(self, ranks: Sequence[int]) -> str:
+        return ", ".join(f"group rank {r} ({self.names[r]})" if r in self.names
+                         else f"group rank {r}" for r in ranks)
 
     def count_shutdown(self, n: int) -> int:
         """Add ``n`` to the group's shutdown count, at most ``POST_S`` (a failed group's
@@ -180,6 +215,11 @@ class FaultBoard:
 
 def attach_board(group: Any, board: FaultBoard) -> None:
     _BOARDS[group] = board
+
+
+def failed_groups_sockets() -> list[tuple[int, str]]:
+    """The sockets of every failed group still alive (``at_exit`` shuts them down)."""
+    return [s for board in list(_BOARDS.values()) if board.failed for s in board.sockets]
 
 
 def board_of(group: Any) -> Optional[FaultBoard]:
@@ -273,19 +313,34 @@ def wait_works(works: Sequence[Any], group: Any, what: str,
 
 def _poll_until_done(call, board: FaultBoard, what: str, peers) -> None:
     deadline = time.monotonic() + board.timeout_s
+    watched = None  # the peers' beat counts, read once the wait outlasts one poll
     while True:
         if call.wait(POLL_S):
             try:
                 call.result()
             except Exception as exc:  # noqa: BLE001 - the transport's error, re-raised with context
-                _raise_transport_error(board, what, peers, exc)
+                _raise_transport_error(board, what, peers, exc, watched)
             return
         board.raise_if_failed(what)
+        if watched is None:
+            watched = board.beats(board.others(peers)) or {}
         if time.monotonic() > deadline:
             raise RefitTimeout(f"{board.label}, {board.who} (group rank {board.rank}): {what} "
                                f"did not complete within the group's timeout of "
-                               f"{board.timeout_s:g} s{_peers_text(peers)}; a peer is hung, "
-                               f"stopped or gone")
+                               f"{board.timeout_s:g} s{_peers_text(peers)}; "
+                               f"{_silence_text(board, board.silent_since(watched))}")
+
+
+def _silence_text(board: FaultBoard, silent: Sequence[int]) -> str:
+    """Who stopped answering, or, when every peer kept polling, what else keeps a step from
+    completing."""
+    if silent:
+        return (f"{board.name_ranks(silent)} gave no sign of life meanwhile (it stopped "
+                f"polling the group's fault board): that process is stopped (SIGSTOP), hung or "
+                f"dead, or it is not running the refit")
+    return ("every peer kept polling the group's fault board meanwhile, so they are alive "
+            "but waiting on another step: check that every rank runs the same refits and "
+            "batches in the same order")
 
 
 def _wait_all(works: Sequence[Any]) -> None:
@@ -299,16 +354,27 @@ def _peers_text(peers: Optional[Sequence[int]]) -> str:
     return f" (waiting on group rank(s) {sorted(set(peers))})"
 
 
-def _raise_transport_error(board: FaultBoard, what: str, peers, exc: BaseException) -> None:
+def _raise_transport_error(board: FaultBoard, what: str, peers, exc: BaseException,
+                           watched: Optional[dict[int, int]] = None) -> None:
+    if not watched:  # the step failed within one poll: watch the peers during the grace
+        watched = board.beats(board.others(peers)) or {}
     deadline = time.monotonic() + GRACE_S
     while time.monotonic() < deadline:  # a peer that failed on purpose may be posting now
-        fault = board.first_fault(GRACE_S)
+        fault = board.first_fault(GRACE_S)  # (this rank's own beats: it is alive)
         if fault is not None:
             raise board.peer_failure(fault, what) from exc
         time.sleep(POLL_S / 5)
+    silent = board.silent_since(watched)
+    text = str(exc)
+    if "timed out" in text.lower() or "timeout" in text.lower():
+        raise RefitTimeout(f"{board.label}, {board.who} (group rank {board.rank}): {what} "
+                           f"timed out in the transport{_peers_text(peers)}: {text}. "
+                           f"{_silence_text(board, silent)}") from exc
+    who = (f"{board.name_ranks(silent)} gave no sign of life since: that process most likely "
+           f"exited or was killed" if silent else "a peer process most likely exited")
     raise RefitError(f"{board.label}, {board.who} (group rank {board.rank}): {what} failed in "
-                     f"the transport{_peers_text(peers)}: {exc}. No peer reported a failure: "
-                     f"a peer process most likely exited") from exc
+                     f"the transport{_peers_text(peers)}: {text}. No peer reported a failure; "
+                     f"{who}") from exc
 
 
 def wait_device(device: torch.device, groups: Iterable[Any], what: str,
@@ -339,6 +405,7 @@ def wait_event(event: "torch.cuda.Event", groups: Iterable[Any], what: str,
     timeout = min(b.timeout_s for b in boards)
     now = time.monotonic()
     deadline, next_look, nap = now + timeout, now + POLL_S, EVENT_NAP_S
+    watched = None  # each board's peers' beat counts, read once the wait outlasts one look
     # Most waits are short (a vote: ~0.1 ms), so the naps start at 10 µs and double up to
     # POLL_S / 10; the boards (a store read each) are read every POLL_S.
     while not event.query():
@@ -350,11 +417,14 @@ def wait_event(event: "torch.cuda.Event", groups: Iterable[Any], what: str,
                 if fault is not None:
                     abort_groups(groups)
                     raise board.peer_failure(fault, what)
+            if watched is None:
+                watched = [b.beats(b.others(None)) or {} for b in boards]
             if now > deadline:
+                silence = "; ".join(f"{b.label}: {_silence_text(b, b.silent_since(w))}"
+                                    for b, w in zip(boards, watched))
                 abort_groups(groups)
                 raise RefitTimeout(f"{boards[0].who}: {what} did not complete on the device "
-                                   f"within {timeout:g} s; a peer is hung, stopped or gone "
-                                   f"(groups aborted)")
+                                   f"within {timeout:g} s (groups aborted); {silence}")
         time.sleep(nap)
         nap = min(2 * nap, longest_nap_s)
 

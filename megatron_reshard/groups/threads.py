@@ -49,11 +49,13 @@ class DaemonThreads:
         self.name = name
         self._idle: list[queue.SimpleQueue] = []
         self._lock = threading.Lock()
+        self.busy = 0  # calls handed out and not yet returned (stuck ones included)
         _ALL.append(self)
 
     def submit(self, fn: Callable[[], Any]) -> Call:
         with self._lock:
             jobs = self._idle.pop() if self._idle else None
+            self.busy += 1
         if jobs is None:
             jobs = queue.SimpleQueue()
             threading.Thread(target=self._loop, args=(jobs,), daemon=True, name=self.name).start()
@@ -71,15 +73,30 @@ class DaemonThreads:
             fn = None  # what the call held (Works, a group) is not kept by an idle thread
             with self._lock:  # idle again before the caller can ask for another call
                 self._idle.append(jobs)
+                self.busy -= 1
             call._done.set()
             call = None
 
     def _forget(self) -> None:
         self._lock = threading.Lock()
         self._idle = []  # a forked child has none of its parent's threads
+        self.busy = 0
 
 
 _ALL: list[DaemonThreads] = []
+
+
+def calls_in_flight() -> int:
+    """How many calls handed to any ``DaemonThreads`` have not returned yet."""
+    return sum(threads.busy for threads in _ALL)
+
+
+def wait_for_calls(timeout_s: float) -> bool:
+    """Wait up to ``timeout_s`` for every call in flight to return; True if none is left."""
+    deadline = time.monotonic() + timeout_s
+    while calls_in_flight() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return not calls_in_flight()
 
 
 def _forget_all() -> None:
@@ -103,4 +120,4 @@ def hold(obj: Any, seconds: float, name: str = "refit-hold") -> None:
     threading.Thread(target=keep, daemon=True, name=name).start()
 
 
-__all__ = ["Call", "DaemonThreads", "hold"]
+__all__ = ["Call", "DaemonThreads", "calls_in_flight", "hold", "wait_for_calls"]

@@ -17,10 +17,11 @@ from typing import Mapping, Optional, Sequence
 
 import torch
 
+from megatron_reshard.megatron import gpt_oss
 from megatron_reshard.megatron.families import FAMILIES, Rule
 
 TP_SHARDED_KINDS = {"column": 0, "row": 1, "vocab": 0, "qkv": 0, "fc1": 0}
-EXPERT_KINDS = ("expert_fc1", "expert_fc2", "grouped_fc1", "grouped_fc2")
+EXPERT_KINDS = ("expert_fc1", "expert_fc2", "grouped_fc1", "grouped_fc2", *gpt_oss.KINDS)
 
 _WRAPPER_PREFIX = re.compile(r"^(?:module\.)+")
 _LAYER_NAME = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
@@ -123,7 +124,7 @@ class NameConverter:
             targets = rule.targets
             if rule.kind in ("fc1", "expert_fc1", "grouped_fc1") and not self.gated:
                 targets = targets[1:]  # non-gated fc1 is up_proj alone
-            if rule.kind in ("expert_fc1", "expert_fc2"):
+            if rule.kind in ("expert_fc1", "expert_fc2", *gpt_oss.KINDS):
                 expert = self.expert_offset + int(hit.group(1))
                 return Converted(name, rule.kind, tuple(t.format(layer=layer, expert=expert) for t in targets))
             if rule.kind in ("grouped_fc1", "grouped_fc2"):
@@ -188,6 +189,8 @@ def hf_global_shapes(conv: Converted, local_shape: Sequence[int], dims: ModelDim
         return {conv.hf_names[0]: [rows, *shape[1:]]}
     if kind == "expert_fc2":
         return {conv.hf_names[0]: shape}
+    if kind in gpt_oss.KINDS:
+        return {conv.hf_names[0]: gpt_oss.hf_shape(kind, shape)}
     if kind == "grouped_fc1":  # weight1 [H, E_l * (2)I]
         per = shape[1] // dims.num_local_experts // (2 if dims.gated else 1)
         return {n: [per, shape[0]] for n in conv.hf_names}
@@ -264,4 +267,6 @@ def full_from_tp_chunks(conv: Converted, chunks: Sequence[torch.Tensor], dims: M
         }
     if kind in ("grouped_fc1", "grouped_fc2"):
         return local_views(conv, chunks[0], dims)
+    if kind in gpt_oss.KINDS:
+        return {conv.hf_names[0]: gpt_oss.full_tensor(kind, chunks[0])}
     raise ValueError(f"{conv.megatron_name}: no full-tensor rule for kind {kind!r}")

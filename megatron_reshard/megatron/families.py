@@ -25,6 +25,10 @@ Kinds (T = TP size; experts are never TP-sharded here because expert-TP > 1 is r
                 spec (ColumnParallelLinear), ``replicated`` in the TE spec (TELinear
                 ``duplicated``); ``NameConverter.mla_down_replicated`` picks
 ``skip``        not a weight (``_extra_state``)
+``oss_*``       gpt-oss experts, one whole expert each: interleaved gate/up, transposed
+                weights (``megatron.gpt_oss``); full tensors only
+``mamba_*``     Nemotron-H's fused Mamba-2 ``in_proj`` / ``conv1d``: names only (the
+                family is refused, ``megatron.nemotron_h``)
 ==============  ====================================================================
 """
 
@@ -127,6 +131,12 @@ def _shared_expert_rules(prefix: str) -> tuple[Rule, ...]:
 
 SKIP_RULES = _rules((r".*_extra_state", "skip", []))
 
+#: DeepSeek-V3-style MoE extras (also GLM-4.5's): ``shared_experts`` and the router's
+#: score-correction bias (Megatron's ``expert_bias`` buffer)
+_ROUTER_BIASED_SHARED = _shared_expert_rules("shared_experts") + _rules(
+    (r"mlp\.router\.expert_bias", "replicated", [LAYER + ".mlp.gate.e_score_correction_bias"]),
+)
+
 _DENSE = SKIP_RULES + NORM_RULES + ATTENTION_RULES + DENSE_MLP_RULES
 
 #: family -> (top rules, layer rules). MoE families keep the dense MLP rules for dense layers
@@ -141,8 +151,93 @@ FAMILIES: dict[str, tuple[tuple[Rule, ...], tuple[Rule, ...]]] = {
     )),
     # MLA rules first: they claim q_layernorm (q_a_layernorm here, q_norm in GQA families);
     # the GQA rules stay for DeepSeek-style MoE models built with plain attention.
-    "deepseek_v3": (TOP_RULES, SKIP_RULES + MLA_ATTENTION_RULES + _DENSE + MOE_RULES + _shared_expert_rules("shared_experts") + _rules(
-        (r"mlp\.router\.expert_bias", "replicated", [LAYER + ".mlp.gate.e_score_correction_bias"]),
-    )),
+    "deepseek_v3": (TOP_RULES, SKIP_RULES + MLA_ATTENTION_RULES + _DENSE + MOE_RULES + _ROUTER_BIASED_SHARED),
+    # GLM-4.5/4.6/4.7 (Glm4MoeForCausalLM): GQA with q/k/v biases (optional q/k norms),
+    # DeepSeek-V3's MoE names (shared_experts, score-correction bias), first-k dense layers.
+    # Partial rotary changes no weight.
+    "glm4_moe": (TOP_RULES, _DENSE + MOE_RULES + _ROUTER_BIASED_SHARED),
 }
 
+
+
+# ---- gpt-oss (vLLM GptOssForCausalLM; megatron-core GPTModel with softmax_type="learnable",
+# add_bias_linear=True). HF names as the checkpoint has them, experts one by one in the form
+# vLLM's loader streams (``mlp.experts.<e>.gate_up_proj [H, 2I]`` with gate/up interleaved,
+# ``down_proj [I, H]``, their ``_bias``): the tensor rules of the ``oss_*`` kinds are in
+# ``megatron.gpt_oss``.
+OSS_EXPERT = LAYER + ".mlp.experts.{expert}"
+GPT_OSS_RULES = SKIP_RULES + NORM_RULES + ATTENTION_RULES + _rules(
+    (r"self_attention\.linear_proj\.bias", "replicated", [ATTN + "o_proj.bias"]),
+    # the learnable softmax offset per local head: HF's (and vLLM's) sinks, TP-split by head
+    (r"self_attention\.core_attention\.softmax_offset", "column", [ATTN + "sinks"]),
+    (r"mlp\.router\.weight", "replicated", [LAYER + ".mlp.router.weight"]),
+    (r"mlp\.router\.bias", "replicated", [LAYER + ".mlp.router.bias"]),
+    # SequentialMLP (local spec) and TEGroupedMLP (weight<i> / bias<i> per local expert)
+    (r"mlp\.experts\.local_experts\.(\d+)\.linear_fc1\.weight", "oss_fc1", [OSS_EXPERT + ".gate_up_proj"]),
+    (r"mlp\.experts\.local_experts\.(\d+)\.linear_fc1\.bias", "oss_fc1_bias", [OSS_EXPERT + ".gate_up_proj_bias"]),
+    (r"mlp\.experts\.local_experts\.(\d+)\.linear_fc2\.weight", "oss_fc2", [OSS_EXPERT + ".down_proj"]),
+    (r"mlp\.experts\.local_experts\.(\d+)\.linear_fc2\.bias", "oss_fc2_bias", [OSS_EXPERT + ".down_proj_bias"]),
+    (r"mlp\.experts\.linear_fc1\.weight(\d+)", "oss_fc1", [OSS_EXPERT + ".gate_up_proj"]),
+    (r"mlp\.experts\.linear_fc1\.bias(\d+)", "oss_fc1_bias", [OSS_EXPERT + ".gate_up_proj_bias"]),
+    (r"mlp\.experts\.linear_fc2\.weight(\d+)", "oss_fc2", [OSS_EXPERT + ".down_proj"]),
+    (r"mlp\.experts\.linear_fc2\.bias(\d+)", "oss_fc2_bias", [OSS_EXPERT + ".down_proj_bias"]),
+)
+FAMILIES["gpt_oss"] = (TOP_RULES, GPT_OSS_RULES)
+# ---- end gpt-oss
+
+
+# ---- Nemotron-H (megatron-core MambaModel, hybrid layer pattern; HF/vLLM NemotronHForCausalLM).
+# Names only: the refit refuses the family (``megatron.nemotron_h`` says what blocks it);
+# the rules are checked against megatron-core 0.16.1's own Mamba layer spec names
+# (``mamba_layer_specs.mamba_stack_spec``: TE-fused norms) and the local modules' names.
+# Every layer is ``backbone.layers.<i>`` with one ``norm`` and one ``mixer`` (Mamba-2,
+# attention, MLP or MoE, as the pattern says).
+NH_LAYER = "backbone.layers.{layer}"
+NH_MIXER = NH_LAYER + ".mixer."
+NEMOTRON_H_TOP_RULES = _rules(
+    (r"embedding\.word_embeddings\.weight", "vocab", ["backbone.embeddings.weight"]),
+    (r"decoder\.final_norm\.weight", "replicated", ["backbone.norm_f.weight"]),
+    (r"output_layer\.weight", "vocab", ["lm_head.weight"]),
+)
+NEMOTRON_H_RULES = SKIP_RULES + _rules(
+    # the layer's pre-norm: MambaLayer.norm (local), fused into the first linear (TE spec)
+    (r"norm\.weight", "replicated", [NH_LAYER + ".norm.weight"]),
+    (r"mixer\.in_proj\.layer_norm_weight", "replicated", [NH_LAYER + ".norm.weight"]),
+    (r"input_layernorm\.weight", "replicated", [NH_LAYER + ".norm.weight"]),
+    (r"self_attention\.linear_qkv\.layer_norm_weight", "replicated", [NH_LAYER + ".norm.weight"]),
+    (r"pre_mlp_layernorm\.weight", "replicated", [NH_LAYER + ".norm.weight"]),
+    (r"mlp\.linear_fc1\.layer_norm_weight", "replicated", [NH_LAYER + ".norm.weight"]),
+    # Mamba-2 mixer: in_proj rows [z, x, B, C, dt] and conv1d channels [x, B, C] are split
+    # per TP rank segment by segment (no tensor rule yet: mamba_in_proj / mamba_conv1d);
+    # A_log, D, dt_bias per head and the gated norm per channel split on dim 0
+    (r"mixer\.in_proj\.weight", "mamba_in_proj", [NH_MIXER + "in_proj.weight"]),
+    (r"mixer\.conv1d\.weight", "mamba_conv1d", [NH_MIXER + "conv1d.weight"]),
+    (r"mixer\.conv1d\.bias", "mamba_conv1d", [NH_MIXER + "conv1d.bias"]),
+    (r"mixer\.A_log", "column", [NH_MIXER + "A_log"]),
+    (r"mixer\.D", "column", [NH_MIXER + "D"]),
+    (r"mixer\.dt_bias", "column", [NH_MIXER + "dt_bias"]),
+    (r"mixer\.norm\.weight", "column", [NH_MIXER + "norm.weight"]),
+    (r"mixer\.out_proj\.weight", "row", [NH_MIXER + "out_proj.weight"]),
+    # attention layers
+    (r"self_attention\.linear_qkv\.weight", "qkv",
+     [NH_MIXER + "q_proj.weight", NH_MIXER + "k_proj.weight", NH_MIXER + "v_proj.weight"]),
+    (r"self_attention\.linear_proj\.weight", "row", [NH_MIXER + "o_proj.weight"]),
+    # MLP layers (squared ReLU, not gated: fc1 is up_proj alone)
+    (r"mlp\.linear_fc1\.weight", "fc1", [NH_MIXER + "gate_proj.weight", NH_MIXER + "up_proj.weight"]),
+    (r"mlp\.linear_fc2\.weight", "row", [NH_MIXER + "down_proj.weight"]),
+    # MoE layers (Nemotron-3 Nano): sigmoid router with score-correction bias, shared expert
+    (r"mlp\.router\.weight", "replicated", [NH_MIXER + "gate.weight"]),
+    (r"mlp\.router\.expert_bias", "replicated", [NH_MIXER + "gate.e_score_correction_bias"]),
+    (r"mlp\.experts\.local_experts\.(\d+)\.linear_fc1\.weight", "expert_fc1",
+     [NH_MIXER + "experts.{expert}.gate_proj.weight", NH_MIXER + "experts.{expert}.up_proj.weight"]),
+    (r"mlp\.experts\.local_experts\.(\d+)\.linear_fc2\.weight", "expert_fc2",
+     [NH_MIXER + "experts.{expert}.down_proj.weight"]),
+    (r"mlp\.experts\.linear_fc1\.weight(\d+)", "expert_fc1",
+     [NH_MIXER + "experts.{expert}.gate_proj.weight", NH_MIXER + "experts.{expert}.up_proj.weight"]),
+    (r"mlp\.experts\.linear_fc2\.weight(\d+)", "expert_fc2", [NH_MIXER + "experts.{expert}.down_proj.weight"]),
+    (r"mlp\.shared_experts\.linear_fc1\.weight", "fc1",
+     [NH_MIXER + "shared_experts.gate_proj.weight", NH_MIXER + "shared_experts.up_proj.weight"]),
+    (r"mlp\.shared_experts\.linear_fc2\.weight", "row", [NH_MIXER + "shared_experts.down_proj.weight"]),
+)
+FAMILIES["nemotron_h"] = (NEMOTRON_H_TOP_RULES, NEMOTRON_H_RULES)
+# ---- end Nemotron-H

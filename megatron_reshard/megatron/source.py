@@ -54,7 +54,7 @@ import torch.distributed as dist
 from megatron_reshard.fp8.plan import GEN_QUANT_FORMATS, plan_block_fp8, plan_mxfp8
 from megatron_reshard.placements import build_mesh_info
 from megatron_reshard.wire.placement_rules import is_expert_param, is_nccl_reshard_param
-from megatron_reshard.megatron import mla
+from megatron_reshard.megatron import mla, nemotron_h, unsupported_families
 from megatron_reshard.megatron.converters import (
     Converted,
     ModelDims,
@@ -63,6 +63,7 @@ from megatron_reshard.megatron.converters import (
     hf_global_shapes,
 )
 from megatron_reshard.megatron.exact_path import VOCAB_PARAMS, add_exact_extras
+from megatron_reshard.megatron.expert_others import share_expert_tensors
 from megatron_reshard.megatron.families import FAMILIES
 from megatron_reshard.megatron.fp8_source import fp8_sender_specs, grouped_name, train_fp8_views
 from megatron_reshard.megatron.local_specs import local_hf_views, local_param_specs, stacked_spec
@@ -133,13 +134,18 @@ class MegatronRefitSource:
                             f"{list(GEN_QUANT_FORMATS)}")
         if bare is not None:
             chosen = family if family is not None else infer_family(config)
-            if chosen is None:
+            refused = unsupported_families.family_problem(chosen)
+            if refused is not None:
+                problems.append(refused)
+            elif chosen is None:
                 problems.append("cannot infer the model family of a MoE model with shared experts: pass "
                                 f"family= one of {sorted(FAMILIES)}")
             elif chosen not in FAMILIES:
                 problems.append(f"unknown model family {chosen!r}: known families are {sorted(FAMILIES)}")
             family = chosen
             problems += mla.unsupported_features(config)
+            problems += nemotron_h.unsupported(bare, family)
+            problems += unsupported_families.layer_problems(config)
             padded = int(getattr(bare, "vocab_size", 0) or 0)
             if vocab_size is None:
                 vocab_size = padded
@@ -383,6 +389,12 @@ class MegatronRefitSource:
             for name, full in full_from_tp_chunks(conv, chunks, self.dims).items():
                 if name in self.other_params_metadata and (wanted is None or name in wanted):
                     out[name] = full
+        # per-expert params of the packed path (gpt-oss): the other EP ranks' experts too
+        experts = [n for n in (names if names is not None else self.other_params_metadata)
+                   if n in self.other_params_metadata and is_expert_param(n)
+                   and self.layer_to_pp_stage[extract_layer_name(n)] == self.stage]
+        share_expert_tensors(out, experts, self.other_params_metadata, self.num_local_experts,
+                             next(self.model.parameters()).device)
         return out
 
 

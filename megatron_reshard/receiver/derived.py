@@ -17,6 +17,12 @@ had, so captured CUDA graphs keep reading the right addresses. The refresh check
 every written ``kv_b_proj`` must belong to a refreshed layer, else ``DerivedWeightsError``
 and the weights are marked inconsistent.
 
+Nothing else is re-run, and never an expert layer: vLLM's MoE post-load converts the
+storage it is given (FlashInfer CUTLASS swaps w13's halves, TRTLLM permutes into its block
+layout), so re-running it on converted storage would convert twice. The refit writes
+expert weights straight into vLLM's converted order (``receiver.kernel_layouts``), and
+``_holder`` refuses any module holding expert weights.
+
 Where the layer keeps them: vLLM 0.33 registers the absorbed tensors as ``Parameter``s of
 the ``MLAAttention`` layer itself (``...self_attn.mla_attn.mla_attn``), listed by
 ``named_parameters()``; older vLLM kept them as attributes of its implementation
@@ -34,6 +40,7 @@ from megatron_reshard.errors import MegatronReshardError
 # attributes vLLM's MLA layers derive from kv_b_proj after loading
 DERIVED_ATTRIBUTES = ("W_UK_T", "W_UV", "W_K", "W_K_scale", "W_V", "W_V_scale", "W_UK_T_dcp_qrep")
 _MARKERS = ("W_UK_T", "W_UV", "W_K", "W_V")  # an MLA layer holds at least one pair of these
+_EXPERT_WEIGHTS = ("w13_weight", "w2_weight")  # vLLM's routed experts: never re-processed
 
 
 class DerivedWeightsError(MegatronReshardError, RuntimeError):
@@ -43,6 +50,8 @@ class DerivedWeightsError(MegatronReshardError, RuntimeError):
 def _holder(module: torch.nn.Module) -> Optional[Any]:
     """The object whose ``process_weights_after_loading(act_dtype)`` derives the absorbed
     tensors of ``module``: the module (vLLM 0.33), its ``impl`` (older vLLM), or None."""
+    if any(hasattr(module, w) for w in _EXPERT_WEIGHTS):
+        return None  # its post-load would convert the expert storage a second time
     for obj in (module, getattr(module, "impl", None)):
         if obj is not None and callable(getattr(obj, "process_weights_after_loading", None)) \
                 and any(isinstance(getattr(obj, a, None), torch.Tensor) for a in _MARKERS):

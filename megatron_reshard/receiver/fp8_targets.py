@@ -157,7 +157,7 @@ def fp8_receive_spec(targets: VllmTargets, p: ParamRecord, rank_in_group: int,
     if p.gen_quant == "scale":
         return _scale_spec(targets, p, region, rank_in_group, strided_in_place)
     shape = p.global_shape
-    per_group = len(shape) == 3 and is_qkv_per_group(name, shape)  # weights only, not biases
+    per_group = is_qkv_per_group(name, shape)  # weights [nkv, rows, H] and biases [nkv, rows]
     hf_shape, hf_region = per_group_as_hf_rows(shape, region) if per_group else (shape, tuple(region))
     plan = targets.resolve(name, hf_shape)
     if not any(is_fp8_target(targets, piece.target) for piece in plan.pieces):

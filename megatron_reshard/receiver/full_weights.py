@@ -41,10 +41,11 @@ def apply_full_weights(targets: VllmTargets, plans: Sequence[TargetPlan],
                 written += quantize_into(targets, piece, plan.scales[i],
                                          full[box_index(piece.hf_region)])
                 continue
-            dst = targets.view(piece)
             src = full[box_index(piece.hf_region)]
-            dst.copy_(src.reshape(dst.shape))
-            written += dst.numel() * dst.element_size()
+            if piece.transposed:
+                src = src.transpose(-1, -2)
+            targets.write(piece, src)  # through a kernel's order where vLLM keeps one
+            written += src.numel() * src.element_size()
         for target, box in plan.zero:
             targets.params[target][box_index(box)].zero_()
     return written
@@ -70,5 +71,7 @@ def coverage_gaps(targets: VllmTargets, plans: Iterable[TargetPlan]) -> dict[str
             covered[target] = covered.get(target, 0) + box_numel(box)
         for piece in plan.scales.values():
             covered[piece.target] = covered.get(piece.target, 0) + box_numel(piece.target_region)
+        for target, box in plan.kept:  # a kernel's padding, held by vLLM
+            covered[target] = covered.get(target, 0) + box_numel(box)
     return {name: t.numel() - covered.get(name, 0) for name, t in targets.params.items()
             if t.numel() - covered.get(name, 0) > 0}

@@ -68,7 +68,8 @@ def build_receiver_param_map(payload: RefitPayload, targets: VllmTargets, rank_i
                 targets.params[target][box_index(box)].zero_()
             specs.specs[p.name] = LocalParamSpec(base=targets.params[plan.pieces[0].target])
         else:
-            specs.specs[p.name] = receive_spec(targets, plan.pieces[0], strided_in_place)
+            specs.specs[p.name] = receive_spec(targets, plan.pieces[0], strided_in_place,
+                                               wire_dtype=p.torch_dtype)
         plans.append(plan)
     return specs, plans
 

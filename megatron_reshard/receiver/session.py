@@ -53,6 +53,7 @@ class ReceiverSession:
         verify_checksums: bool = False,
         weights: Optional[WeightState] = None,
         keep_as_loaded: Optional[Iterable[str]] = None,
+        storage_orders: Optional[Mapping[str, Any]] = None,
     ):
         """``vllm_tp``: ``(tp_rank, tp_size)`` as the serving engine reports it, if known; the
         payload's placement of this rank must agree (else data would land on the wrong rank).
@@ -62,6 +63,8 @@ class ReceiverSession:
         ``keep_as_loaded``: vLLM param names (or fnmatch patterns) the payload does not
         write and that may keep what was loaded (``receiver.coverage``); any other param
         the payload leaves unwritten is refused here.
+        ``storage_orders``: the targets vLLM stores in a kernel's order
+        (``receiver.kernel_layouts.storage_orders`` of the model).
 
         Any error here is posted on the groups' fault boards: the training ranks, waiting
         for the first refit, raise it too instead of waiting for their timeout."""
@@ -73,7 +76,8 @@ class ReceiverSession:
                           batch_bytes=batch_bytes, staging_bytes=staging_bytes,
                           strided_in_place=strided_in_place, xfer_batch=xfer_batch,
                           vllm_tp=vllm_tp, verify_checksums=verify_checksums,
-                          keep_as_loaded=parse_keep_as_loaded(keep_as_loaded))
+                          keep_as_loaded=parse_keep_as_loaded(keep_as_loaded),
+                          storage_orders=storage_orders)
         self.receive_misc = receive_misc or receive_misc_packed
         self.staging_bytes = staging_bytes
         self.protocol = RefitProtocol("dst", self.loop, self.groups, self.misc_items,
@@ -90,7 +94,7 @@ class ReceiverSession:
 
     def _prepare(self, payload, named_parameters, *, num_streams, batch_bytes, staging_bytes,
                  strided_in_place, xfer_batch, vllm_tp, verify_checksums,
-                 keep_as_loaded) -> None:
+                 keep_as_loaded, storage_orders) -> None:
         ranks = {s: group_rank(g) for s, g in self.groups.items()}
         if len(set(ranks.values())) > 1:
             raise ValueError(f"this generation rank has different ranks in the refit groups: {ranks}")
@@ -124,7 +128,7 @@ class ReceiverSession:
                              f"{self.gen_rank % tp} of {tp}, but vLLM reports TP rank {vllm_tp[0]} "
                              f"of {vllm_tp[1]} here; the refit group ranks must follow vLLM's TP order")
         try:
-            self._map_targets(tp, ep, named_parameters, strided_in_place)
+            self._map_targets(tp, ep, named_parameters, strided_in_place, storage_orders)
         except (IndexError, KeyError, TypeError, AttributeError, ZeroDivisionError) as exc:
             # a payload that passed the structural checks but describes shapes that do not
             # fit this model: say so as a payload error, not as an internal failure
@@ -144,11 +148,13 @@ class ReceiverSession:
                             for plan in list(self.bulk_plans) +
                             [p for ps in self.misc_plans.values() for p in ps]}
 
-    def _map_targets(self, tp: int, ep: int, named_parameters, strided_in_place: bool) -> None:
+    def _map_targets(self, tp: int, ep: int, named_parameters, strided_in_place: bool,
+                     storage_orders=None) -> None:
         """Map every param this rank receives onto the model's storage (local work)."""
         self.targets = VllmTargets.from_named_parameters(
             named_parameters, dict(self.payload.hf_config or {}), tp_rank=self.gen_rank % tp,
-            tp_size=tp, ep_size=ep, ep_rank=self.gen_rank % ep, label=f"gen rank {self.gen_rank}")
+            tp_size=tp, ep_size=ep, ep_rank=self.gen_rank % ep, label=f"gen rank {self.gen_rank}",
+            orders=storage_orders)
         self.local_map, self.bulk_plans = build_receiver_param_map(
             self.payload, self.targets, self.rank_in_group, strided_in_place)
         misc = misc_items_by_stage(self.payload)

@@ -15,6 +15,12 @@ The layout facts (qkv_proj, gate_up_proj, vocab padding, FusedMoE w13/w2 and vLL
 expert blocks) come from ``megatron_reshard.vllm_layout``; this module only matches HF
 names to target tensors and checks shapes.
 
+Boxes of a target are in checkpoint order. Where vLLM's post-load step stored a target in
+a kernel's order (``orders``: ``receiver.kernel_layouts``), ``view`` / ``write`` go through
+that order: a strided view where the box stays one (the FlashInfer CUTLASS [up; gate]
+swap), else a scatter (FlashInfer TRTLLM's block layout); the padding such a backend adds
+to the expert intermediate dim is left as vLLM keeps it (``TargetPlan.kept``).
+
 Targets are chosen by the tensors' shapes, never by model family name.
 """
 
@@ -29,11 +35,13 @@ import torch
 from megatron_reshard.engine.geometry import Box, box_index, box_shape
 from megatron_reshard.errors import MegatronReshardError
 from megatron_reshard.wire.spec import LocalParamSpec, RefitCtx
-from megatron_reshard.vllm_layout import mla
+from megatron_reshard.vllm_layout import gpt_oss, mla
 from megatron_reshard.vllm_layout import moe as vllm_moe
 from megatron_reshard.vllm_layout.dense import (GATE_UP_RE, QKV_RE, VOCAB_PADDING,
                                                 AttentionHeads, gate_up_rows,
                                                 padded_vocab_rows, vocab_rows_of_rank)
+from megatron_reshard.vllm_layout.kernel_order import PADDING, KernelOrder
+from megatron_reshard.vllm_layout.float32_params import may_widen
 from megatron_reshard.vllm_layout.moe import expert_block
 
 _EXPERT_RE = re.compile(
@@ -51,6 +59,9 @@ class Piece:
     target: str
     target_region: Box
     hf_region: Box
+    # the HF box holds the target box transposed (its last two dims; gpt-oss's experts):
+    # full-tensor path only
+    transposed: bool = False
 
 
 @dataclass
@@ -64,6 +75,8 @@ class TargetPlan:
     note: str = ""  # why there is nothing to write (e.g. tied lm_head, experts of another rank)
     # block-FP8 targets (receiver.fp8_targets): piece index -> its box of the scale param
     scales: dict[int, Piece] = field(default_factory=dict)
+    # target boxes a kernel's padding fills, kept as vLLM holds them (never written)
+    kept: list[tuple[str, Box]] = field(default_factory=list)
 
 
 def _full(shape: Sequence[int]) -> Box:
@@ -92,30 +105,71 @@ class VllmTargets:
     ep_rank: int = 0
     ep_size: int = 1
     label: str = ""  # how errors name this rank, e.g. "gen rank 3"
+    # targets vLLM stores in a kernel's order (receiver.kernel_layouts), by param name
+    orders: dict[str, KernelOrder] = field(default_factory=dict)
+    _renames: Optional[bool] = field(default=None, repr=False)  # gpt-oss's vLLM names
 
     @classmethod
     def from_named_parameters(cls, named, hf_config: Mapping[str, Any], tp_rank: int, tp_size: int,
                               ep_size: int = 1, ep_rank: Optional[int] = None,
-                              label: str = "") -> "VllmTargets":
+                              label: str = "", orders: Optional[Mapping[str, KernelOrder]] = None
+                              ) -> "VllmTargets":
         if not 0 <= tp_rank < tp_size:
             raise ValueError(f"tp_rank={tp_rank} is not in 0..{tp_size - 1}")
         ep_rank = tp_rank % ep_size if ep_rank is None else ep_rank
         if not 0 <= ep_rank < ep_size:
             raise ValueError(f"ep_rank={ep_rank} is not in 0..{ep_size - 1}")
-        return cls(_as_dict(named), dict(hf_config or {}), tp_rank, tp_size, ep_rank, ep_size, label)
+        return cls(_as_dict(named), dict(hf_config or {}), tp_rank, tp_size, ep_rank, ep_size, label,
+                   dict(orders or {}))
 
     def where(self) -> str:
         """This rank as error messages name it."""
         coords = f"tp_rank {self.tp_rank} of {self.tp_size}, ep_rank {self.ep_rank} of {self.ep_size}"
         return f"{self.label} ({coords})" if self.label else coords
 
+    def strided_view(self, piece: Piece) -> Optional[torch.Tensor]:
+        """The target box as a view of the storage; None where a kernel's order scatters it."""
+        order = self.orders.get(piece.target)
+        if order is None:
+            return self.params[piece.target][box_index(piece.target_region)]
+        return order.view(self.params[piece.target], piece.target_region)
+
     def view(self, piece: Piece) -> torch.Tensor:
-        return self.params[piece.target][box_index(piece.target_region)]
+        view = self.strided_view(piece)
+        if view is None:
+            raise TargetError(f"{piece.target}: box {list(piece.target_region)} is stored in "
+                              f"{self.orders[piece.target].backend}'s order on {self.where()}, "
+                              f"not as a strided view; write it with VllmTargets.write")
+        return view
+
+    def write(self, piece: Piece, values: torch.Tensor) -> None:
+        """Write ``values`` (the box's checkpoint-order elements) into the target box."""
+        view = self.strided_view(piece)
+        if view is not None:
+            view.copy_(values.reshape(view.shape))
+            return
+        box_dims = box_shape(piece.target_region)
+        self.orders[piece.target].scatter(self.params[piece.target], piece.target_region,
+                                          values.reshape(box_dims))
 
     # -- resolution --------------------------------------------------------------------
 
     def resolve(self, hf_name: str, hf_shape: Sequence[int]) -> TargetPlan:
         """Which target boxes ``hf_name`` (global shape ``hf_shape``) fills on this rank."""
+        if self._renames is None:
+            self._renames = gpt_oss.renames_names(self.params)
+        if not self._renames:
+            return self._resolve(hf_name, hf_shape)
+        # gpt-oss: vLLM's names (vllm_layout.gpt_oss), the plan keeps the HF name
+        m = gpt_oss.EXPERT_RE.match(hf_name)
+        if m:
+            plan = self._oss_experts(hf_name, tuple(int(s) for s in hf_shape), m)
+        else:
+            plan = self._resolve(gpt_oss.vllm_name(hf_name), hf_shape)
+        plan.hf_name = hf_name
+        return plan
+
+    def _resolve(self, hf_name: str, hf_shape: Sequence[int]) -> TargetPlan:
         shape = tuple(int(s) for s in hf_shape)
         heads_problem = mla.heads_split_problem(hf_name, self.hf_config, self.tp_size)
         if heads_problem:
@@ -295,17 +349,20 @@ class VllmTargets:
         i_rows = (tp_r * ip, (tp_r + 1) * ip)
         tshape = tuple(self.params[target].shape)
         local_e = e_hi - e_lo
+        plan = TargetPlan(name, shape)
+        alloc = self._padded_inter(name, target, proj, ip)  # vLLM's per-rank I with a kernel's padding
         if proj == "down_proj":
-            expected = (local_e, per_expert[0], ip)
+            expected = (local_e, per_expert[0], alloc)
             if tshape != expected:
                 raise self._shape_error(name, target, expected,
                                         f"w2 [E_local, H, I_p] with E={num_experts}, ep_size={self.ep_size}")
-            t_mid = _full(expected[1:])
+            t_mid = ((0, per_expert[0]), (0, ip))
             h_mid = ((0, per_expert[0]), i_rows)
+            pad = ((0, per_expert[0]), (ip, alloc))
         else:
-            if tshape == (local_e, 2 * ip, per_expert[1]):
-                off = vllm_moe.w13_offset(proj, ip)
-            elif tshape == (local_e, ip, per_expert[1]):
+            if tshape == (local_e, 2 * alloc, per_expert[1]):
+                off = vllm_moe.w13_offset(proj, alloc)
+            elif tshape == (local_e, alloc, per_expert[1]):
                 if proj == "gate_proj":
                     raise TargetError(f"{name}: vLLM param {target!r} of shape {list(tshape)} holds "
                                       f"non-gated experts (up_proj only), but a gate_proj arrived")
@@ -316,24 +373,128 @@ class VllmTargets:
                                         f"with E={num_experts}, ep_size={self.ep_size}")
             t_mid = ((off, off + ip), (0, per_expert[1]))
             h_mid = (i_rows, (0, per_expert[1]))
-        plan = TargetPlan(name, shape)
+            pad = ((off + ip, off + alloc), (0, per_expert[1]))
         if grouped:
-            plan.pieces.append(Piece(target, ((0, local_e),) + t_mid, ((e_lo, e_hi),) + h_mid))
+            experts = (0, local_e)
+            plan.pieces.append(Piece(target, (experts,) + t_mid, ((e_lo, e_hi),) + h_mid))
         else:
             e = int(index)
             if not e_lo <= e < e_hi:
                 plan.note = f"expert {e} lives on another EP rank (this rank: {e_lo}..{e_hi - 1})"
                 return plan
-            plan.pieces.append(Piece(target, ((e - e_lo, e - e_lo + 1),) + t_mid, h_mid))
+            experts = (e - e_lo, e - e_lo + 1)
+            plan.pieces.append(Piece(target, (experts,) + t_mid, h_mid))
+        if alloc > ip:
+            plan.kept.append((target, (experts,) + pad))
+        order = self.orders.get(target)
+        problem = order.padding_problem(plan.pieces[0].target_region) if order else ""
+        if problem:
+            raise TargetError(f"{name}: {problem} in {target!r} on {self.where()}")
+        return plan
+
+    def _padded_inter(self, name: str, target: str, proj: str, ip: int) -> int:
+        """The per-rank intermediate size vLLM allocated for ``target``: ``ip``, or rounded
+        up where its kernel order marks the rows past ``ip`` as padding (FlashInfer TRTLLM)."""
+        order = self.orders.get(target)
+        if order is None:
+            return ip
+        dim = 2 if proj == "down_proj" else 1
+        terms = order.terms[dim]
+        pads = torch.nonzero(terms == PADDING).view(-1)
+        if not pads.numel():
+            return ip
+        first = int(pads[0])
+        gated = proj != "down_proj" and terms.numel() - pads.numel() == 2 * ip  # [gate; up] halves
+        alloc = terms.numel() // 2 if gated else terms.numel()
+        if first != ip:
+            raise TargetError(f"{name}: vLLM's {order.backend} storage {target!r} on "
+                              f"{self.where()} pads its intermediate dim from row {first}, but "
+                              f"this rank holds {ip} rows of the checkpoint (allocated {alloc})")
+        return alloc
+    def _oss_experts(self, name: str, shape: tuple[int, ...], m: re.Match) -> TargetPlan:
+        """One gpt-oss expert's ``gate_up_proj [H, 2I]`` / ``down_proj [I, H]`` or their biases
+        into vLLM's w13 / w2 (``vllm_layout.gpt_oss``): weights transposed, w2_bias zero
+        on MoE TP ranks > 0."""
+        proj, bias, e = m["proj"], bool(m["bias"]), int(m["index"])
+        candidates = gpt_oss.expert_targets(m["prefix"], proj, bias)
+        found = [c for c in candidates if c in self.params]
+        if not found:
+            raise TargetError(f"{name}: missing target on {self.where()}: expected vLLM param "
+                              f"{candidates[0]!r} or {candidates[1]!r}")
+        target = found[0]
+        num_experts = int(self.hf_config.get("num_experts") or 0)
+        if not num_experts:
+            raise TargetError(f"{name}: per-expert HF name needs hf_config['num_experts']")
+        e_lo, e_hi = (expert_block(num_experts, self.ep_rank, self.ep_size) if self.ep_size > 1
+                      else (0, num_experts))
+        plan = TargetPlan(name, shape)
+        if not e_lo <= e < e_hi:
+            plan.note = f"expert {e} lives on another EP rank (this rank: {e_lo}..{e_hi - 1})"
+            return plan
+        tp_parts, tp_r = vllm_moe.expert_tp_split(self.ep_size, self.tp_size, self.tp_rank)
+        hidden = int(self.hf_config.get("hidden_size") or 0)
+        inter = int(self.hf_config.get("moe_intermediate_size") or 0)
+        hf_expected = {("gate_up_proj", False): (hidden, 2 * inter), ("gate_up_proj", True): (2 * inter,),
+                       ("down_proj", False): (inter, hidden), ("down_proj", True): (hidden,)}[proj, bias]
+        if shape != hf_expected:
+            raise TargetError(f"{name}: HF shape {list(shape)}, expected {list(hf_expected)} "
+                              f"(hidden_size {hidden}, moe_intermediate_size {inter} of hf_config)")
+        if not inter or inter % tp_parts:
+            raise TargetError(f"{name}: expert intermediate size {inter} does not split over "
+                              f"tp_size={tp_parts}")
+        ip = inter // tp_parts
+        lo, hi = gpt_oss.inter_columns(proj, ip, tp_r)
+        local_e = e_hi - e_lo
+        el = (e - e_lo, e - e_lo + 1)
+        if proj == "gate_up_proj" and not bias:  # [H, 2I] -> w13[e] [2I_p, H]
+            expected, t_box, h_box = (local_e, 2 * ip, shape[0]), (el, (0, 2 * ip), (0, shape[0])), \
+                ((0, shape[0]), (lo, hi))
+        elif proj == "gate_up_proj":  # [2I] -> w13_bias[e] [2I_p]
+            expected, t_box, h_box = (local_e, 2 * ip), (el, (0, 2 * ip)), ((lo, hi),)
+        elif not bias:  # [I, H] -> w2[e] [H, I_p]
+            expected, t_box, h_box = (local_e, shape[1], ip), (el, (0, shape[1]), (0, ip)), \
+                ((lo, hi), (0, shape[1]))
+        else:  # [H] -> w2_bias[e] [H], zero on MoE TP ranks > 0
+            expected, t_box, h_box = (local_e, shape[0]), (el, (0, shape[0])), ((0, shape[0]),)
+        if tuple(self.params[target].shape) != expected:
+            raise self._shape_error(name, target, expected, f"gpt-oss experts with E={num_experts}, "
+                                    f"ep_size={self.ep_size}, expert tp_size={tp_parts}")
+        if bias and proj == "down_proj" and gpt_oss.down_bias_is_zero(tp_r):
+            plan.zero.append((target, t_box))
+        else:
+            plan.pieces.append(Piece(target, t_box, h_box, transposed=not bias))
         return plan
 
 
 # ------------------------------------------------------------------------- bulk mapping
 
 
-def receive_spec(targets: VllmTargets, piece: Piece, strided_in_place: bool = True) -> LocalParamSpec:
-    """The receive recipe for one target box: in place when possible, else buffer + copy-back."""
-    view = targets.view(piece)
+def receive_spec(targets: VllmTargets, piece: Piece, strided_in_place: bool = True,
+                 wire_dtype: Optional[torch.dtype] = None) -> LocalParamSpec:
+    """The receive recipe for one target box: in place when possible, else buffer + copy-back
+    (a strided box the caller wants contiguous, a box a kernel's order scatters, or a
+    target wider than the wire dtype: the buffer holds the wire dtype)."""
+    view = targets.strided_view(piece)
+    if view is None:
+        target = targets.params[piece.target]
+
+        def pre_scatter(_base) -> RefitCtx:
+            return RefitCtx(buf=torch.empty(box_shape(piece.target_region),
+                                            dtype=wire_dtype or target.dtype, device=target.device))
+
+        def post_scatter(ctx: RefitCtx) -> None:
+            targets.write(piece, ctx.buf.to(target.dtype))
+
+        return LocalParamSpec(base=target, pre=pre_scatter, post=post_scatter)
+    if wire_dtype is not None and wire_dtype != view.dtype:
+        def pre_wide(region: torch.Tensor) -> RefitCtx:
+            buf = torch.empty(region.shape, dtype=wire_dtype, device=region.device)
+            return RefitCtx(buf=buf, extra={"region": region})
+
+        def post_wide(ctx: RefitCtx) -> None:
+            ctx.extra["region"].copy_(ctx.buf)
+
+        return LocalParamSpec(base=view, pre=pre_wide, post=post_wide)
     if view.is_contiguous() or strided_in_place:
         return LocalParamSpec(base=view)
 
@@ -352,6 +513,8 @@ def check_wire_dtype(targets: VllmTargets, plan: TargetPlan, wire_dtype: torch.d
         tdtype = targets.params[piece.target].dtype
         if tdtype == torch.float8_e4m3fn and wire_dtype.is_floating_point and wire_dtype.itemsize > 1:
             continue  # a block-FP8 target: quantized on write (receiver.fp8_targets)
+        if may_widen(plan.hf_name, str(wire_dtype), str(tdtype)):
+            continue  # held in float32 by vLLM: widened exactly on write (``receive_spec``)
         if tdtype != wire_dtype:
             raise TargetError(f"{plan.hf_name}: dtype mismatch on {targets.where()}: wire dtype "
                               f"{wire_dtype}, vLLM param {piece.target!r} has dtype {tdtype}")
@@ -368,6 +531,9 @@ def bulk_receive_plan(targets: VllmTargets, hf_name: str, global_shape: Sequence
     shape = tuple(int(s) for s in global_shape)
     plan = targets.resolve(hf_name, shape)
     check_wire_dtype(targets, plan, wire_dtype)
+    if any(p.transposed for p in plan.pieces):
+        raise TargetError(f"{hf_name}: vLLM holds it transposed on {targets.where()}; it can "
+                          f"only arrive as a full tensor (packed path), not shard to shard")
     if (plan.zero and not padded) or len(plan.pieces) != 1 or plan.pieces[0].hf_region != tuple(region):
         want = [list(p.hf_region) for p in plan.pieces]
         raise TargetError(

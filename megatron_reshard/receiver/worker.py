@@ -30,11 +30,13 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import torch
 
 from megatron_reshard.groups.comm import create_refit_group, destroy_refit_group
+from megatron_reshard.groups.faults import fault_scope
 from megatron_reshard.receiver.derived import (
     DerivedWeightsError,
     derived_param_names,
     refresh_derived_weights,
 )
+from megatron_reshard.receiver.kernel_layouts import storage_orders
 from megatron_reshard.receiver.misc_transport import receive_misc_packed
 from megatron_reshard.receiver.session import ReceiverSession
 from megatron_reshard.receiver.state import WeightState
@@ -180,9 +182,11 @@ class MegatronReshardWorkerExtension:
         model = self.get_refit_model()
         derived = derived_param_names(model)  # recomputed after each refit, never received
         targets = [(n, p) for n, p in model.named_parameters() if n not in derived]
+        with fault_scope(state["groups"].values()):  # a refusal reaches the training ranks too
+            orders = storage_orders(model, skip=derived)  # how vLLM's post-load stored them
         session = ReceiverSession(payload, targets, state["groups"],
                                   receive_misc=self.receive_misc, vllm_tp=self.get_refit_tp_coords(),
-                                  weights=state["weights"], **options)
+                                  weights=state["weights"], storage_orders=orders, **options)
         state["session"] = session
         report = session.report()
         return {k: report[k] for k in ("rank_in_group", "gen_rank", "tp_rank", "tp_size", "ep_rank",

@@ -60,7 +60,7 @@ from megatron_reshard.groups.faults import RefitError, wait_device
 from megatron_reshard.refit.checksums import SourceOverlaps, StageChecksums
 from megatron_reshard.refit.local import LocalParam, first_tensor_is_cuda, local_params
 from megatron_reshard.refit.order import (MiscItem, BulkTransfer, batch_bounds, plan_fingerprint,
-                                          bulk_transfers)
+                                          plan_parts, bulk_transfers)
 from megatron_reshard.wire.spec import HFToLocalParamMap, LocalParamSpec
 from megatron_reshard.wire.records import ParamRecord, RefitPayload
 
@@ -72,6 +72,45 @@ DEFAULT_STAGING_BYTES = 256 << 20
 class PlanMismatchError(RefitError):
     """Ranks of one refit group derived different transfer lists from their payloads (a
     failed refit setup, hence a ``RefitError``; still a ``RuntimeError`` as before)."""
+
+
+# what each part of a plan is called where the user sets it, and what to do when it differs
+_PART_HINTS = {
+    "transfers": ("the ordered transfer list", "build every rank's plan from the same payload"),
+    "misc_items": ("misc_items", "pass misc_items (refit.order.misc_items_by_stage) on both "
+                                 "sides, or on neither"),
+    "batch_bytes": ("batch_bytes", "pass the same batch_bytes on every rank"),
+    "staging_bytes": ("staging_bytes", "pass the same staging_bytes on every rank"),
+    "checksums": ("verify_checksums", "pass the same verify_checksums on both sides "
+                                      "(RefitSender(verify_checksums=...) on the training "
+                                      "side, prepare_refit's {'verify_checksums': ...} on "
+                                      "the generation side)"),
+}
+
+
+def plan_mismatch_text(names: Sequence[str], rows: Sequence[Sequence[int]]) -> str:
+    """Name exactly the plan parts that differ between group ranks: ``rows[r]`` is group
+    rank r's ``[transfer count, *part values]`` in the order of ``names``."""
+    out = []
+    for i, name in enumerate(names, start=1):
+        by_value: dict[int, list[int]] = {}
+        for rank, row in enumerate(rows):
+            by_value.setdefault(row[i], []).append(rank)
+        if len(by_value) < 2:
+            continue
+        label, hint = _PART_HINTS.get(name, (name, f"pass the same {name} on every rank"))
+        if name == "checksums":
+            shown = {bool(v): r for v, r in by_value.items()}
+        elif name == "misc_items":
+            shown = {("none given" if v < 0 else f"{v:#x}"): r for v, r in by_value.items()}
+        elif name == "transfers":
+            counts = {rank: row[0] for rank, row in enumerate(rows)}
+            shown = {f"{v:#x} ({counts[r[0]]} transfers)": r for v, r in by_value.items()}
+        else:
+            shown = by_value
+        values = "; ".join(f"{v} on group rank(s) {r}" for v, r in shown.items())
+        out.append(f"{label} differs ({values}): {hint}")
+    return ". ".join(out) or "the plan fingerprints differ (no single part does)"
 
 
 @dataclass
@@ -161,6 +200,10 @@ class RefitLoop:
         self.fingerprints = {s: plan_fingerprint(ps, None if self.misc_items is None
                                                  else self.misc_items[s], must_match)
                              for s, ps in self.stages.items()}
+        # compared with the fingerprint, so that a mismatch names what differs
+        self._plan_parts = {s: plan_parts(ps, None if self.misc_items is None
+                                          else self.misc_items[s], must_match)
+                            for s, ps in self.stages.items()}
         self._verified = False
         self._planner = None
         self._agreed = False  # set once a run went through: later runs skip the agreement
@@ -197,17 +240,14 @@ class RefitLoop:
         it, so a mismatch is reported everywhere instead of hanging in a transfer.
         """
         for stage, group in self.groups.items():
-            fp = self.fingerprints[stage]
-            count = len(self.stages[stage])
-            seen = all_gather_ints([fp, count], group)
-            if any(row != [fp, count] for row in seen):
-                rows = "; ".join(f"group rank {r}: fingerprint {f:#x}, {c} transfers"
-                                 for r, (f, c) in enumerate(seen))
+            parts = self._plan_parts[stage]
+            mine = [self.fingerprints[stage], len(self.stages[stage]), *parts.values()]
+            seen = all_gather_ints(mine, group)
+            if any(row != mine for row in seen):
                 raise PlanMismatchError(
                     f"refit plan mismatch in the group of PP stage {stage} (seen from {self.side} "
-                    f"group rank {self._ranks[stage]}): {rows}. Every rank must build its plan "
-                    f"from the same payload, with the same batch_bytes and staging_bytes, and "
-                    f"pass the same misc_items on both sides")
+                    f"group rank {self._ranks[stage]}): "
+                    f"{plan_mismatch_text(list(parts), [row[1:] for row in seen])}")
         self._verified = True
 
     # -- run -----------------------------------------------------------------------

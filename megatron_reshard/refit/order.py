@@ -91,6 +91,17 @@ def plan_fingerprint(params: Sequence[ParamRecord],
     return int.from_bytes(h.digest()[:8], "little") & ((1 << 63) - 1)
 
 
+def plan_parts(params: Sequence[ParamRecord], misc_items: Optional[Sequence[MiscItem]],
+               options: Mapping[str, int]) -> dict[str, int]:
+    """The parts of ``plan_fingerprint`` one by one, so that a mismatch can name the part
+    that differs: "transfers" (the ordered transfer list, as a 63-bit hash), "misc_items"
+    (its hash; -1 when none were given) and each option's own value."""
+    parts = {"transfers": plan_fingerprint(params),
+             "misc_items": -1 if misc_items is None else plan_fingerprint([], misc_items)}
+    parts.update((k, int(v)) for k, v in options.items())
+    return parts
+
+
 def _plain_key(p: dict) -> tuple:
     return tuple(sorted(p.items()))
 

@@ -64,6 +64,16 @@ class TinyGPTSpec:
     moe_router_topk_scaling_factor: Optional[float] = None
     layernorm_epsilon: float = 1e-5
     mtp_num_layers: Optional[int] = None
+    # gpt-oss: learnable softmax offsets (attention sinks), a bias on every linear and on the
+    # router, a sliding window on every other layer (window_attn_skip_freq=2: layers 1, 3, ...
+    # in Megatron's 1-based numbering, HF's 0, 2, ...), gpt-oss's clamped GLU
+    softmax_type: str = "vanilla"
+    add_bias_linear: bool = False
+    window_size: Optional[tuple] = None
+    window_attn_skip_freq: Optional[int] = None
+    gpt_oss_activation: bool = False
+    # GLM-4.5: RoPE over the first rotary_percent of each head (HF partial_rotary_factor)
+    rotary_percent: float = 1.0
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp_size: int) -> int:
@@ -89,7 +99,7 @@ def transformer_config(spec: TinyGPTSpec):
         ffn_hidden_size=spec.ffn_hidden_size,
         gated_linear_unit=spec.gated,
         activation_func=F.silu if spec.gated else F.gelu,
-        add_bias_linear=False,
+        add_bias_linear=spec.add_bias_linear,
         add_qkv_bias=spec.add_qkv_bias,
         normalization="RMSNorm",
         qk_layernorm=spec.qk_layernorm,
@@ -107,7 +117,17 @@ def transformer_config(spec: TinyGPTSpec):
         pipeline_dtype=dtype,
         layernorm_epsilon=spec.layernorm_epsilon,
         mtp_num_layers=spec.mtp_num_layers,
+        softmax_type=spec.softmax_type,
+        window_size=tuple(spec.window_size) if spec.window_size else None,
+        window_attn_skip_freq=spec.window_attn_skip_freq,
     )
+    if spec.gpt_oss_activation:
+        # gpt-oss: (clamp(up) + 1) * g * sigmoid(1.702 g), g = clamp(gate, max=7): Megatron's
+        # quick_gelu GLU with its linear offset and clamp (unfused: the fused kernel is CUDA)
+        from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+        kwargs.update(activation_func=quick_gelu, glu_linear_offset=1.0,
+                      activation_func_clamp_value=7.0, bias_activation_fusion=False)
     if spec.multi_latent_attention:
         # by default plain RoPE (rotary_scaling_factor 1 keeps mscale 1 and the softmax scale
         # 1/sqrt(qk_head_dim + qk_pos_emb_head_dim)); MLA norms are built only with qk_layernorm
@@ -148,7 +168,8 @@ def build_gpt_model(spec: TinyGPTSpec):
     if spec.multi_latent_attention:
         for layer in layer_spec.layer_specs:
             layer.submodules.self_attention.submodules.core_attention = _mla_local_core_attention()
-    with _cuda_device_is_cpu(spec.multi_latent_attention or spec.moe_router_enable_expert_bias), \
+    with _cuda_device_is_cpu(spec.multi_latent_attention or spec.moe_router_enable_expert_bias
+                             or spec.softmax_type != "vanilla"), \
             _mla_without_te(spec.multi_latent_attention):
         model = _gpt_model(GPTModel, config, layer_spec, spec, ps)
     fill_distinct_(model, spec.seed)
@@ -159,7 +180,8 @@ def build_gpt_model(spec: TinyGPTSpec):
 def _cuda_device_is_cpu(active: bool):
     """megatron-core 0.16.1 places two things with ``torch.cuda.current_device()`` whatever
     ``use_cpu_initialization`` says: MLA's rotary tables (``MLASelfAttention`` does not pass
-    the flag on) and the router's ``expert_bias`` buffers. Without CUDA that call raises, so
+    the flag on), the router's ``expert_bias`` buffers and the learnable ``softmax_offset``
+    of ``DotProductAttention`` (gpt-oss's sinks). Without CUDA that call raises, so
     while such a model is built on a machine without CUDA it answers the CPU device;
     restored on exit."""
     if not active or torch.cuda.is_available():
@@ -231,6 +253,7 @@ def _gpt_model(GPTModel, config, layer_spec, spec: TinyGPTSpec, ps):
         post_process=ps.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=spec.tie_embeddings,
         position_embedding_type="rope",
+        rotary_percent=spec.rotary_percent,
     )
 
 
@@ -257,7 +280,10 @@ def fill_distinct_(model, seed: int) -> None:
         if m is not None:
             n_local = len(layers[int(_LOCAL_LAYER.search(name).group(1))].mlp.experts.local_experts)
             key = key.replace(m.group(0), f"experts.<{ep_rank * n_local + int(m.group(1))}>.")
-        sharded = getattr(param, "tensor_model_parallel", False) and m is None
+        # the attention sinks are per local head but carry no TP attribute (Megatron's own
+        # sharded_state_dict splits them on dim 0 over TP)
+        sharded = (getattr(param, "tensor_model_parallel", False) or name.endswith("softmax_offset")) \
+            and m is None
         if sharded:
             key += f"|tp{tp_rank}"
         if getattr(param, "shared_embedding", False):  # tied output layer on the last stage
@@ -276,3 +302,39 @@ def fill_distinct_(model, seed: int) -> None:
 
 def model_spec_dict(spec: TinyGPTSpec) -> dict:
     return asdict(spec)
+
+
+# ---- Nemotron-H
+def build_mamba_model_without_mamba_layers(hidden_size: int = 64, num_attention_heads: int = 4):
+    """A real megatron-core ``MambaModel`` (hybrid pattern ``"*-"``: one attention and one
+    MLP layer) as far as it builds on a machine without CUDA: no Mamba layer (its mixer needs
+    triton and mamba_ssm) and no last stage (``MambaStack``'s final norm is always TE's
+    ``TENorm``). Local modules in megatron-core's own Mamba stack submodules; for the
+    Nemotron-H refusal test."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.mamba.mamba_model import MambaModel
+    from megatron.core.ssm.mamba_block import MambaStack, MambaStackSubmodules
+    from megatron.core.ssm.mlp_layer import MLPLayer
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLP, MLPSubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
+
+    config = TransformerConfig(num_layers=2, hidden_size=hidden_size, num_attention_heads=num_attention_heads,
+                               use_cpu_initialization=True, params_dtype=torch.bfloat16, bf16=True,
+                               normalization="RMSNorm",
+                               tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
+                               pipeline_model_parallel_size=1)
+    mlp = ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
+                                                          linear_fc2=RowParallelLinear))
+    stack = ModuleSpec(module=MambaStack, submodules=MambaStackSubmodules(
+        attention_layer=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        mlp_layer=ModuleSpec(module=MLPLayer, submodules=TransformerLayerSubmodules(
+            pre_mlp_layernorm=WrappedTorchNorm, mlp=mlp, mlp_bda=get_bias_dropout_add))))
+    return MambaModel(config=config, mamba_stack_spec=stack, vocab_size=128, max_sequence_length=64,
+                      hybrid_override_pattern="*-", post_process=False)
+# ---- end Nemotron-H

@@ -14,7 +14,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-SHARED_EXPERT_PREFIX = {"qwen2_moe": "shared_expert", "deepseek_v3": "shared_experts"}
+SHARED_EXPERT_PREFIX = {"qwen2_moe": "shared_expert", "deepseek_v3": "shared_experts",
+                        "glm4_moe": "shared_experts"}
 
 
 # MLA (DeepSeek-V3 names). The down projections are column-parallel in the local spec: the
@@ -30,6 +31,33 @@ MLA_NAMES = {
     "self_attention.linear_q_up_proj.layer_norm_weight": "q_a_layernorm.weight",
     "self_attention.linear_kv_up_proj.layer_norm_weight": "kv_a_layernorm.weight",
 }
+
+
+def _gpt_oss_tensor(out: dict, p: str, rest: str, full: torch.Tensor, first_expert: int) -> bool:
+    """gpt-oss's names (HF checkpoint, experts one by one as vLLM streams them); False when
+    ``rest`` is not one of them. Gate/up interleaved by an explicit loop over the rows."""
+    simple = {"self_attention.linear_proj.bias": "self_attn.o_proj.bias",
+              "self_attention.core_attention.softmax_offset": "self_attn.sinks",
+              "mlp.router.weight": "mlp.router.weight", "mlp.router.bias": "mlp.router.bias"}
+    if rest in simple:
+        out[f"{p}.{simple[rest]}"] = full
+        return True
+    e = re.fullmatch(r"mlp\.experts\.local_experts\.(\d+)\.linear_fc([12])\.(weight|bias)", rest)
+    if e is None:
+        return False
+    q = f"{p}.mlp.experts.{first_expert + int(e.group(1))}"
+    if e.group(2) == "2":
+        out[f"{q}.down_proj" + ("_bias" if e.group(3) == "bias" else "")] = \
+            full.t().contiguous() if e.group(3) == "weight" else full
+        return True
+    inter = full.shape[0] // 2  # Megatron: [gate ; up]; HF: gate_0, up_0, gate_1, up_1, ...
+    rows = []
+    for j in range(inter):
+        rows += [full[j], full[inter + j]]
+    mixed = torch.stack(rows)
+    out[f"{q}.gate_up_proj" + ("_bias" if e.group(3) == "bias" else "")] = \
+        mixed.t().contiguous() if e.group(3) == "weight" else mixed
+    return True
 
 
 def _bare(model: Any) -> torch.nn.Module:
@@ -103,6 +131,11 @@ def gather_full_hf_state_dict(model: Any, *, family: str, vocab_size: Optional[i
         if getattr(param, "tensor_model_parallel", False) and ".experts." not in name:
             full_parts = _tp_gather(t, param.partition_dim)
             full = torch.cat(full_parts, dim=param.partition_dim)
+        elif name.endswith("core_attention.softmax_offset"):
+            # gpt-oss sinks: one per local head, no TP attribute (Megatron's sharded_state_dict
+            # splits them on dim 0)
+            full_parts = _tp_gather(t, 0)
+            full = torch.cat(full_parts)
         else:
             full_parts, full = [t], t
 
@@ -134,6 +167,8 @@ def gather_full_hf_state_dict(model: Any, *, family: str, vocab_size: Optional[i
             out[f"{p}.self_attn.v_proj.{kind}"] = v
         elif rest == "self_attention.linear_proj.weight":
             out[f"{p}.self_attn.o_proj.weight"] = full
+        elif family == "gpt_oss" and _gpt_oss_tensor(out, p, rest, full, ep_rank * n_local):
+            pass
         elif mla and rest in MLA_NAMES:
             out[f"{p}.self_attn.{MLA_NAMES[rest]}"] = full
         elif rest == "self_attention.q_layernorm.weight":

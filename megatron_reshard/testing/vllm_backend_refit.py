@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import sys
 import time
 from datetime import timedelta
 from typing import Any, Mapping, Optional
@@ -91,17 +92,20 @@ def _engine_for(config, model):
 
 
 def _gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Mapping[str, Any],
-              vllm_port: int, mismatch_rank: Optional[int], fail_extra: bool) -> dict:
+              vllm_port: int, mismatch_rank: Optional[int], fail_extra: bool,
+              moe_backend: Optional[str] = None, progress_s: Optional[float] = None) -> dict:
     from megatron_reshard.megatron.payload import decode_payload
     from megatron_reshard.testing import vllm_models as vm
     from megatron_reshard.vllm_backend import WeightUpdateError, WeightVersionMismatch
 
     payload = decode_payload(control.get("payload"))
     model_dir = vm.write_model_dir(hf_config)
-    new_config = lambda: vm.vllm_config_for(model_dir, cfg.gen_tp, ep=cfg.gen_ep > 1)  # noqa: E731
+    new_config = lambda: vm.vllm_config_for(model_dir, cfg.gen_tp, ep=cfg.gen_ep > 1,  # noqa: E731
+                                            moe_backend=moe_backend)
     config = new_config()
     out: dict[str, Any] = {"role": "gen", "rank": gen_rank, "differences": [], "versions": [],
-                           "mismatch": None, "failed": None}
+                           "mismatch": None, "failed": None, "progress": []}
+    said_at = time.monotonic()
     with vm.vllm_parallel_state(config, gen_rank, cfg.gen_world, vllm_port):
         model = vm.dummy_loaded_model(config)
         engine = _engine_for(config, model)
@@ -128,6 +132,16 @@ def _gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Mapping[st
             del oracle
             oracle = vm.loaded_model(new_config(), full)
             out["differences"].append(vm.bitwise_differences(model, oracle))
+            # a long run says how far it got (every progress_s, on generation rank 0)
+            if progress_s is not None and gen_rank == 0 and (
+                    time.monotonic() - said_at >= progress_s or version == cfg.refits):
+                said_at = time.monotonic()
+                bad = sum(1 for d in out["differences"] if d)
+                line = (f"[gen 0] refit {version}/{cfg.refits} committed; {bad} of {version} "
+                        f"differed from vLLM's load_weights")
+                out["progress"].append(line)
+                sys.stderr.write(line + "\n")
+                sys.stderr.flush()
         if fail_extra:
             engine.start_weight_update()
             try:
@@ -343,13 +357,17 @@ def _served_gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Map
 
 def backend_refit_job(job, cfg: RefitRunConfig, hf_config: Mapping[str, Any],
                       mismatch_rank: Optional[int] = None, fail_extra: bool = False,
-                      driver: str = "worker") -> dict:
+                      driver: str = "worker", moe_backend: Optional[str] = None,
+                      progress_s: Optional[float] = None) -> dict:
     """Pool job (``WorkerPool.run(..., num_ports=cfg.train_pp + 2)``, ``3 * train_pp + 2`` for
     driver "trainer" with ``fail_extra``): process ``job.rank`` of a launch of
     ``train_world + gen_world``; port ``1 + train_pp`` is vLLM's generation world, the ones
     after it the restarted trainers' groups.
     ``driver``: "worker" (each generation rank drives its engine) or "trainer" (vLLM's
-    trainer API on the training side, the client's calls on the generation side)."""
+    trainer API on the training side, the client's calls on the generation side).
+    ``moe_backend``: vLLM's ``--moe-backend`` of the generation model (driver "worker");
+    ``progress_s``: generation rank 0 prints a progress line at most that often (and after
+    the last refit); None: silent."""
     if driver not in ("worker", "trainer") or (driver == "trainer" and mismatch_rank is not None):
         raise ValueError(f"backend_refit_job: driver must be 'worker' or 'trainer' (the trainer "
                          f"sends the version it commits: no mismatch_rank), found {driver!r}, "
@@ -378,7 +396,8 @@ def backend_refit_job(job, cfg: RefitRunConfig, hf_config: Mapping[str, Any],
                                job.ports[1 + cfg.train_pp])
     else:
         out = _gen_rank(job.rank - cfg.train_world, cfg, control, hf_config,
-                        job.ports[1 + cfg.train_pp], mismatch_rank, fail_extra)
+                        job.ports[1 + cfg.train_pp], mismatch_rank, fail_extra, moe_backend,
+                        progress_s)
     out["s"] = time.perf_counter() - t0
     return out
 

@@ -20,6 +20,9 @@ DeepSeek-V3 (``family == "deepseek_v3"``): MLA attention when ``kv_lora_rank`` i
 ``kv_b_proj`` column parallel, ``o_proj`` row parallel, the two norms replicated; shared
 experts under ``mlp.shared_experts`` (no gate); ``router_expert_bias`` adds
 ``mlp.gate.e_score_correction_bias``, float32 whatever the model dtype (as vLLM holds it).
+GLM-4.5 (``family == "glm4_moe"``): GQA attention, DeepSeek's MoE names (``shared_experts``,
+no shared-expert gate), and the router ``mlp.gate.weight`` held in float32 too (vLLM's
+``Glm4MoE`` builds its gate with ``params_dtype=torch.float32``).
 """
 
 from __future__ import annotations
@@ -54,7 +57,14 @@ def _is_moe_layer(c: Mapping[str, Any], layer: int) -> bool:
 
 
 def _is_deepseek(c: Mapping[str, Any]) -> bool:
-    return c.get("family") == "deepseek_v3"
+    """DeepSeek-V3's MoE names (``shared_experts``, no shared-expert gate): GLM-4.5 too."""
+    return c.get("family") in ("deepseek_v3", "glm4_moe")
+
+
+def _float32_param(c: Mapping[str, Any], name: str) -> bool:
+    """Params vLLM holds in float32 whatever the model dtype."""
+    return name.endswith("e_score_correction_bias") or (
+        c.get("family") == "glm4_moe" and name.endswith(".mlp.gate.weight"))
 
 
 def _shared_prefix(c: Mapping[str, Any]) -> str:
@@ -104,6 +114,8 @@ def vllm_param_shapes(hf_config: Mapping[str, Any], tp_rank: int, tp_size: int, 
     c = _cfg(hf_config)
     T = tp_size
     ep_rank = tp_rank % ep_size if ep_rank is None else ep_rank
+    if c.get("family") == "gpt_oss":
+        return _gpt_oss_shapes(c, T, ep_rank, ep_size)
     H, nh, nkv, hd = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
     kv_per_rank = 1 if T >= nkv else nkv // T
     vocab_rows = _padded_vocab(c["vocab_size"]) // T
@@ -183,8 +195,8 @@ def build_vllm_like_model(hf_config: Mapping[str, Any], tp_rank: int, tp_size: i
                 child = nn.Module()
                 module.add_module(part, child)
             module = child
-        # vLLM keeps DeepSeek's score-correction bias in float32 whatever the model dtype
-        pdtype = torch.float32 if name.endswith("e_score_correction_bias") else dtypes[name]
+        # vLLM keeps DeepSeek's score-correction bias (and GLM's router) in float32
+        pdtype = torch.float32 if _float32_param(hf_config, name) else dtypes[name]
         data = torch.empty(shape, dtype=pdtype, device=device)
         data.fill_(float("nan") if pdtype.is_floating_point else -1)
         module.register_parameter(leaf, nn.Parameter(data, requires_grad=False))
@@ -263,6 +275,8 @@ def expected_vllm_shard(hf_config: Mapping[str, Any], vllm_name: str,
     ep_rank = tp_rank % ep_size if ep_rank is None else ep_rank
     hf = full_hf_tensors
     nkv, hd = c["num_key_value_heads"], c["head_dim"]
+    if c.get("family") == "gpt_oss":
+        return _gpt_oss_expected(c, vllm_name, hf, r, T, ep_rank, ep_size)
 
     def rows(t: torch.Tensor) -> torch.Tensor:  # column parallel: output rows split
         return torch.chunk(t, T, dim=0)[r]
@@ -313,7 +327,73 @@ def expected_vllm_shard(hf_config: Mapping[str, Any], vllm_name: str,
         return cols(hf[vllm_name])
     if vllm_name.endswith("mlp.up_proj.weight"):
         return rows(hf[vllm_name])
+    if _float32_param(c, vllm_name):
+        return hf[vllm_name].float()  # widened as vLLM's load_weights copies it
     return hf[vllm_name]  # replicated: norms, router, shared_expert_gate
+
+
+# ---- gpt-oss (GptOssForCausalLM): vLLM renames embed_tokens -> embedding and self_attn ->
+# attn, holds per-head sinks, biases on qkv / o_proj / router / experts; w13 holds each
+# expert's gate_up_proj [H, 2I] transposed with gate and up interleaved as in the checkpoint
+# (TP: its columns 2*r*I_p .. 2*(r+1)*I_p), w2 down_proj [I, H] transposed, w2_bias only on
+# MoE TP rank 0 (zero elsewhere).
+
+
+def _gpt_oss_shapes(c: Mapping[str, Any], T: int, ep_rank: int, ep_size: int) -> dict[str, tuple[int, ...]]:
+    H, nh, nkv, hd = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+    E, I = c["num_experts"], c["moe_intermediate_size"]
+    e_local = len(_my_experts(E, ep_rank, ep_size)) if ep_size > 1 else E
+    ip = I if ep_size > 1 else I // T
+    qkv_rows = (nh // T + 2 * (1 if T >= nkv else nkv // T)) * hd
+    vocab_rows = _padded_vocab(c["vocab_size"]) // T
+    shapes: dict[str, tuple[int, ...]] = {"model.embedding.weight": (vocab_rows, H)}
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        shapes.update({f"{p}.input_layernorm.weight": (H,), f"{p}.attn.sinks": (nh // T,),
+                       f"{p}.attn.qkv_proj.weight": (qkv_rows, H), f"{p}.attn.qkv_proj.bias": (qkv_rows,),
+                       f"{p}.attn.o_proj.weight": (H, nh * hd // T), f"{p}.attn.o_proj.bias": (H,),
+                       f"{p}.post_attention_layernorm.weight": (H,),
+                       f"{p}.mlp.router.weight": (E, H), f"{p}.mlp.router.bias": (E,),
+                       f"{p}.mlp.experts.w13_weight": (e_local, 2 * ip, H),
+                       f"{p}.mlp.experts.w13_bias": (e_local, 2 * ip),
+                       f"{p}.mlp.experts.w2_weight": (e_local, H, ip),
+                       f"{p}.mlp.experts.w2_bias": (e_local, H)})
+    shapes["model.norm.weight"] = (H,)
+    if not c["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (vocab_rows, H)
+    return shapes
+
+
+def _gpt_oss_expected(c: Mapping[str, Any], name: str, hf: Mapping[str, torch.Tensor], r: int, T: int,
+                      ep_rank: int, ep_size: int) -> torch.Tensor:
+    hf_name = name.replace("model.embedding.", "model.embed_tokens.").replace(".attn.", ".self_attn.")
+    m = re.match(r"^(?P<layer>.*)\.mlp\.experts(?:\.routed_experts)?\.(?P<w>w13|w2)_(?P<k>weight|bias)$", name)
+    if m is None:
+        if name.endswith(".qkv_proj.weight") or name.endswith(".qkv_proj.bias"):
+            return expected_vllm_shard({**c, "family": None}, hf_name, hf, r, T)
+        if name.endswith("attn.sinks"):
+            return torch.chunk(hf[hf_name], T)[r]  # the rank's heads
+        if name.endswith("attn.o_proj.weight") or name in ("model.embedding.weight", "lm_head.weight"):
+            key = "model.embed_tokens.weight" if name == "model.embedding.weight" else hf_name
+            return expected_vllm_shard({**c, "family": None}, key, hf, r, T)
+        return hf[hf_name]  # o_proj bias, router, norms: whole on every rank
+    moe_tp, moe_r = (1, 0) if ep_size > 1 else (T, r)
+    ids = _my_experts(c["num_experts"], ep_rank, ep_size) if ep_size > 1 else range(c["num_experts"])
+    ip = c["moe_intermediate_size"] // moe_tp
+    out = []
+    for e in ids:
+        base = f"{m['layer']}.mlp.experts.{e}"
+        if m["w"] == "w13" and m["k"] == "weight":
+            out.append(hf[f"{base}.gate_up_proj"][:, 2 * moe_r * ip:2 * (moe_r + 1) * ip].t())
+        elif m["w"] == "w13":
+            out.append(hf[f"{base}.gate_up_proj_bias"][2 * moe_r * ip:2 * (moe_r + 1) * ip])
+        elif m["k"] == "weight":
+            out.append(hf[f"{base}.down_proj"][moe_r * ip:(moe_r + 1) * ip].t())
+        else:
+            bias = hf[f"{base}.down_proj_bias"]
+            out.append(bias if moe_r == 0 else torch.zeros_like(bias))
+    return torch.stack(out)
+# ---- end gpt-oss
 
 
 # ------------------------------------------------------------------ plain test payloads

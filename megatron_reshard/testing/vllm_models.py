@@ -14,12 +14,20 @@ place, each shim explained there):
 - vLLM's CPU platform packs linear and expert weights after loading with kernels of
   ``vllm._C`` that the CUDA wheel lacks, and drops ``layer.weight``: a CPU inference layout
   that no refit can write into. The shims keep the canonical layout (what GPU backends
-  hold for unquantized BF16 weights).
+  hold for unquantized BF16 weights); the CPU experts keep vLLM's base post-load step (a
+  no-op), which is how ``receiver.kernel_layouts`` tells them from vLLM's prepacking ones.
 - MLA attention takes the portable ``CPU_MLA`` backend (hosts with AMX would pick
   ``AMX_MLA``, which packs ``W_UK``/``W_UV`` too).
 - Each architecture's class is registered in-process: vLLM otherwise inspects every
   architecture once in a subprocess (10-22 s each on 2 cores) to keep CUDA out of the
   parent, which a CPU-only process does not need.
+- A FlashInfer unquantized MoE backend (``moe_backend="flashinfer_cutlass"`` /
+  ``"flashinfer_trtllm"``, vLLM's ``--moe-backend``) is honoured on the CPU: vLLM's own
+  backend choice would refuse it (no CUDA), so ``select_unquantized_moe_backend`` returns
+  the requested backend, and the kernel object (CUDA code) is not built. Everything that
+  decides the stored bytes is vLLM's own: the allocation with its padding
+  (``maybe_roundup_sizes``) and the post-load conversion
+  (``convert_to_unquantized_kernel_format``, FlashInfer's permutation helpers on CPU).
 
 Imports vLLM lazily (inside functions): the module itself needs only torch.
 """
@@ -43,8 +51,11 @@ ARCHITECTURE_MODULES = {
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "DeepseekV3ForCausalLM": "deepseek_v2",
+    "GptOssForCausalLM": "gpt_oss",
+    "Glm4MoeForCausalLM": "glm4_moe",
 }
 _SHIMS_INSTALLED = False
+CPU_EXPERTS_PREPACK = None  # vLLM's own post-load step of its CPU experts, kept aside by the shim
 
 
 def set_vllm_cpu_environment() -> None:
@@ -70,12 +81,62 @@ def _install_cpu_shims() -> None:
         layer.cpu_linear = lambda x, weight, bias=None: F.linear(x, weight, bias)
 
     layer_utils.dispatch_cpu_unquantized_gemm = keep_canonical_weight
-    # the CPU experts would prepack w13/w2 into a kernel-specific layout
-    cpu_moe.CPUUnquantizedExperts.process_weights_after_loading = lambda self, layer: None
+    # the CPU experts would prepack w13/w2 into a kernel-specific layout: they keep vLLM's
+    # base step instead (a no-op), which the receiver recognises as checkpoint order
+    from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEExperts
+
+    global CPU_EXPERTS_PREPACK
+    CPU_EXPERTS_PREPACK = cpu_moe.CPUUnquantizedExperts.process_weights_after_loading
+    cpu_moe.CPUUnquantizedExperts.process_weights_after_loading = \
+        FusedMoEExperts.process_weights_after_loading
+    _honour_flashinfer_moe_backend()
     for arch, module in ARCHITECTURE_MODULES.items():
         cls = getattr(importlib.import_module(f"vllm.model_executor.models.{module}"), arch)
         ModelRegistry.register_model(arch, cls)
     _SHIMS_INSTALLED = True
+
+
+# vLLM's --moe-backend values whose conversion runs on the CPU (FlashInfer's helpers do)
+CPU_FLASHINFER_MOE_BACKENDS = ("flashinfer_cutlass", "flashinfer_trtllm")
+
+
+class _NoCudaKernel:
+    """Stands for the FlashInfer MoE kernel object, which needs CUDA to build; the
+    post-load step only asks its experts to finish loading (a no-op for FlashInfer)."""
+
+    class fused_experts:  # noqa: N801 (vLLM's attribute name)
+        consumes_expert_mask = False
+
+        @staticmethod
+        def process_weights_after_loading(layer) -> None:
+            return None
+
+
+def _honour_flashinfer_moe_backend() -> None:
+    """Let ``UnquantizedFusedMoEMethod`` take a FlashInfer backend on the CPU (see the
+    module docstring); other backends go through vLLM's own choice unchanged."""
+    from vllm.model_executor.layers.fused_moe import unquantized_fused_moe_method as method
+    from vllm.model_executor.layers.fused_moe.oracle import unquantized as oracle
+
+    choose = method.select_unquantized_moe_backend
+    build = method.UnquantizedFusedMoEMethod._init_moe_kernel
+    flashinfer = {oracle.UnquantizedMoeBackend.FLASHINFER_CUTLASS,
+                  oracle.UnquantizedMoeBackend.FLASHINFER_TRTLLM}
+
+    def select(moe_config):
+        if moe_config.moe_backend in CPU_FLASHINFER_MOE_BACKENDS:
+            return oracle.map_unquantized_backend(moe_config.moe_backend), None
+        return choose(moe_config)
+
+    def init_kernel(self, layer) -> None:
+        if self.unquantized_backend in flashinfer:
+            self.moe_quant_config = self.get_fused_moe_quant_config(layer)
+            self.moe_kernel = _NoCudaKernel()
+            return
+        build(self, layer)
+
+    method.select_unquantized_moe_backend = select
+    method.UnquantizedFusedMoEMethod._init_moe_kernel = init_kernel
 
 
 def write_model_dir(hf_config: Mapping[str, Any], root: Optional[str] = None) -> str:
@@ -88,19 +149,22 @@ def write_model_dir(hf_config: Mapping[str, Any], root: Optional[str] = None) ->
 
 
 def vllm_config_for(model_dir: str, tp_size: int, ep: bool = False, dtype: str = "bfloat16",
-                    quantization: Optional[str] = None):
-    """vLLM's ``VllmConfig`` of a dummy-loaded generation model on the CPU."""
+                    quantization: Optional[str] = None, moe_backend: Optional[str] = None):
+    """vLLM's ``VllmConfig`` of a dummy-loaded generation model on the CPU; ``moe_backend``
+    is vLLM's ``--moe-backend`` (``KernelConfig.moe_backend``), default vLLM's own choice."""
     set_vllm_cpu_environment()
-    from vllm.config import (AttentionConfig, DeviceConfig, LoadConfig, ModelConfig,
-                             ParallelConfig, VllmConfig)
+    from vllm.config import (AttentionConfig, DeviceConfig, KernelConfig, LoadConfig,
+                             ModelConfig, ParallelConfig, VllmConfig)
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
     _install_cpu_shims()
     model = ModelConfig(model=model_dir, dtype=dtype, runner="generate", skip_tokenizer_init=True,
                         enforce_eager=True, max_model_len=64, quantization=quantization)
     attention = AttentionConfig(backend=AttentionBackendEnum.CPU_MLA) if model.use_mla else AttentionConfig()
+    kernel = {"kernel_config": KernelConfig(moe_backend=moe_backend)} if moe_backend else {}
     return VllmConfig(model_config=model, device_config=DeviceConfig(device="cpu"),
                       load_config=LoadConfig(load_format="dummy"), attention_config=attention,
+                      **kernel,
                       parallel_config=ParallelConfig(tensor_parallel_size=tp_size,
                                                      enable_expert_parallel=ep))
 
@@ -194,6 +258,6 @@ def _same_bits(x: torch.Tensor, y: torch.Tensor) -> bool:
     return torch.equal(as_bytes(x), as_bytes(y))
 
 
-__all__ = ["ARCHITECTURE_MODULES", "bitwise_differences", "build_model", "dummy_loaded_model",
+__all__ = ["ARCHITECTURE_MODULES", "CPU_FLASHINFER_MOE_BACKENDS", "bitwise_differences", "build_model", "dummy_loaded_model",
            "loaded_model", "model_tensors", "post_process", "set_vllm_cpu_environment",
            "vllm_config_for", "vllm_parallel_state", "write_model_dir"]

@@ -21,7 +21,7 @@ import io
 import json
 import time
 from datetime import timedelta
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -71,9 +71,32 @@ def _copy_derived_weights(model: torch.nn.Module) -> int:
     return copied
 
 
+def _plant_order_error():
+    """A mapping error on purpose: the receiver's storage orders with two rows of the first
+    kernel-ordered target exchanged (the comparison with vLLM must see it)."""
+    from megatron_reshard.receiver import worker as worker_module
+    from megatron_reshard.vllm_layout.kernel_order import KernelOrder
+
+    learned = worker_module.storage_orders
+
+    def planted(model, skip=()):
+        orders = dict(learned(model, skip=skip))
+        name = min(orders)
+        terms = list(orders[name].terms)
+        rows = terms[1].clone()
+        rows[[0, 1]] = rows[[1, 0]]
+        terms[1] = rows
+        orders[name] = KernelOrder(orders[name].backend, tuple(terms))
+        return orders
+
+    return worker_module, learned, planted
+
+
 def _vllm_gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Mapping[str, Any],
                    vllm_port: int, plant_fault: bool, copy_derived: bool,
-                   keep_as_loaded: Optional[list] = None) -> dict:
+                   keep_as_loaded: Optional[list] = None,
+                   moe_backend: Optional[str] = None, plant_order_error: bool = False,
+                   as_moe_backend: Optional[str] = None) -> dict:
     from megatron_reshard.megatron.payload import decode_payload
     from megatron_reshard.receiver.coverage import UncoveredParamsError
     from megatron_reshard.testing import vllm_models as vm
@@ -82,12 +105,18 @@ def _vllm_gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Mappi
     payload = decode_payload(control.get("payload"))
     model_dir = vm.write_model_dir(hf_config)
     # one config per model instance: vLLM registers each attention layer in its config
-    new_config = lambda: vm.vllm_config_for(model_dir, cfg.gen_tp, ep=cfg.gen_ep > 1)  # noqa: E731
+    new_config = lambda: vm.vllm_config_for(model_dir, cfg.gen_tp, ep=cfg.gen_ep > 1,  # noqa: E731
+                                            moe_backend=moe_backend)
     config = new_config()
     out: dict[str, Any] = {"role": "gen", "rank": gen_rank, "refits": [], "differences": [],
                            "stand_in_differences": [], "moved": [], "planted": None}
     with vm.vllm_parallel_state(config, gen_rank, cfg.gen_world, vllm_port):
         model = vm.dummy_loaded_model(config)
+        if as_moe_backend:  # the backend another platform would have selected (after loading)
+            for module in model.modules():
+                method = getattr(module, "quant_method", None)
+                if hasattr(method, "unquantized_backend"):
+                    method.unquantized_backend = type(method.unquantized_backend)[as_moe_backend]
         out["copied_derived"] = _copy_derived_weights(model) if copy_derived else 0
         addresses = {n: t.data_ptr() for n, t in vm.model_tensors(model).items()}
         worker = ModuleWorker(model)
@@ -96,12 +125,20 @@ def _vllm_gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Mappi
         options = {"verify_checksums": cfg.verify, "staging_bytes": cfg.staging_bytes}
         if keep_as_loaded is not None:
             options["keep_as_loaded"] = list(keep_as_loaded)
+        if plant_order_error:
+            module, learned, planted = _plant_order_error()
+            module.storage_orders = planted
         try:
             out["summary"] = worker.prepare_refit(payload, options)
         except UncoveredParamsError as exc:  # the case under test; the training ranks raise it too
             out["prepare_error"] = f"{type(exc).__name__}: {exc}"
             time.sleep(2)  # keep the process's groups up while the peers read the board
             return out
+        finally:
+            if plant_order_error:
+                module.storage_orders = learned
+        session = worker._refit_session()
+        out["kernel_orders"] = {n: o.backend for n, o in session.targets.orders.items()}
         out["setup_s"] = time.perf_counter() - t0
         # params the payload leaves as loaded (the user's list): no oracle loads them, so
         # they are compared with what they held before the refits
@@ -122,7 +159,8 @@ def _vllm_gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Mappi
                                        if addresses.get(n) != t.data_ptr()))
             if cfg.verify:  # the stand-in's expected shards against the same live storage
                 expected = json.loads(control.get(f"expected/{step}/{gen_rank}"))
-                out["stand_in_differences"].append(_stand_in_differences(model, expected, kept))
+                out["stand_in_differences"].append(_stand_in_differences(
+                    model, expected, skip=set(kept) | set(out["kernel_orders"])))
             if plant_fault and step == cfg.refits - 1 and gen_rank == 0:
                 out["planted"] = _plant_fault(model, oracle)
             del oracle
@@ -133,11 +171,12 @@ def _vllm_gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Mappi
 
 
 def _stand_in_differences(model: torch.nn.Module, expected: Mapping[str, str],
-                          kept: Sequence[str] = ()) -> list[str]:
+                          skip=()) -> list[str]:
     """Where the stand-in's expected shards (``{vLLM name: digest}``) and vLLM's live storage
     disagree: a name vLLM does not have, other bytes, or a vLLM param (not derived) that the
     stand-in lacks. The stand-in names experts flat (``mlp.experts.w13_weight``, older
-    vLLM); vLLM 0.33 nests them (``mlp.experts.routed_experts.w13_weight``)."""
+    vLLM); vLLM 0.33 nests them (``mlp.experts.routed_experts.w13_weight``). ``skip``: params
+    vLLM keeps in a kernel's order (the stand-in holds checkpoint order)."""
     from megatron_reshard.receiver.derived import derived_param_names
 
     live = dict(model.named_parameters())
@@ -145,31 +184,133 @@ def _stand_in_differences(model: torch.nn.Module, expected: Mapping[str, str],
     for name, digest in expected.items():
         nested = name.replace(".mlp.experts.", ".mlp.experts.routed_experts.")
         as_vllm[name if name in live or nested not in live else nested] = digest
+    as_vllm = {n: d for n, d in as_vllm.items() if n not in skip}
     bad = sorted(n for n, digest in as_vllm.items()
                  if n not in live or tensor_digest(live[n]) != digest)
     derived = derived_param_names(model)
     bad += sorted(f"{n} (not in the stand-in)" for n in live
-                  if n not in derived and n not in as_vllm and n not in kept)
+                  if n not in derived and n not in as_vllm and n not in skip)
     return bad
 
 
 def vllm_refit_job(job, cfg: RefitRunConfig, hf_config: Mapping[str, Any],
                    model_builder=None, plant_fault: bool = False, copy_derived: bool = False,
-                   keep_as_loaded: Optional[list] = None) -> dict:
+                   keep_as_loaded: Optional[list] = None,
+                   moe_backend: Optional[str] = None, plant_order_error_on: Optional[int] = None,
+                   as_moe_backend: Optional[str] = None) -> dict:
     """Pool job (``WorkerPool.run(..., num_ports=cfg.train_pp + 2)``): process ``job.rank`` of
     a launch of ``train_world + gen_world``; the last port is vLLM's generation world.
     ``plant_fault``: gen rank 0 checks that the comparison sees a flipped bit;
     ``copy_derived``: MLA's absorbed weights get storage of their own before the refits;
     ``keep_as_loaded``: prepare_refit's option (an ``UncoveredParamsError`` at prepare is
-    returned as the gen rank's ``prepare_error``)."""
+    returned as the gen rank's ``prepare_error``);
+    ``moe_backend``: vLLM's ``--moe-backend`` of the generation model (FlashInfer on the CPU:
+    ``testing.vllm_models``); ``plant_order_error_on``: that gen rank's receiver takes a
+    wrong kernel order (two rows exchanged), which the comparison must report;
+    ``as_moe_backend``: the generation models' MoE layers report that backend (a name of
+    vLLM's ``UnquantizedMoeBackend``) to the receiver."""
     cfg = RefitRunConfig(**{**cfg.__dict__, "ports": tuple(job.ports[: 1 + cfg.train_pp])})
     control = dist.TCPStore(cfg.host, cfg.ports[0], cfg.train_world + cfg.gen_world, job.rank == 0,
                             timeout=timedelta(seconds=cfg.timeout_s))
     if job.rank < cfg.train_world:
         return run_training_rank(job.rank, cfg, control, torch.device("cpu"), model_builder,
                                  after_each_refit=publish_full_hf)
-    return _vllm_gen_rank(job.rank - cfg.train_world, cfg, control, hf_config,
-                          job.ports[1 + cfg.train_pp], plant_fault, copy_derived, keep_as_loaded)
+    gen_rank = job.rank - cfg.train_world
+    return _vllm_gen_rank(gen_rank, cfg, control, hf_config, job.ports[1 + cfg.train_pp],
+                          plant_fault, copy_derived, keep_as_loaded, moe_backend,
+                          plant_order_error_on == gen_rank, as_moe_backend)
 
 
-__all__ = ["publish_full_hf", "vllm_refit_job"]
+
+
+def kernel_orders_job(job, hf_config: Mapping[str, Any], moe_backend: str,
+                      as_backends: tuple = ()) -> dict:
+    """Pool job (one process, ``num_ports=1``): vLLM's model built with ``moe_backend`` and
+    post-processed by vLLM; what ``receiver.kernel_layouts.storage_orders`` says of it, then
+    of the same live layers with their backend set to each of ``as_backends`` (names of
+    vLLM's ``UnquantizedMoeBackend``, as another platform would select them): the refusal
+    message, or None if not refused."""
+    from megatron_reshard.receiver.derived import mla_layers
+    from megatron_reshard.receiver.kernel_layouts import KernelLayoutError, storage_orders
+    from megatron_reshard.testing import vllm_models as vm
+
+    config = vm.vllm_config_for(vm.write_model_dir(hf_config), 1, moe_backend=moe_backend)
+    out: dict[str, Any] = {"refused": {}}
+    with vm.vllm_parallel_state(config, 0, 1, job.ports[0]):
+        model = vm.dummy_loaded_model(config)
+        out["orders"] = {n: o.backend for n, o in storage_orders(model).items()}
+        out["mla_layers"] = [n for n, _, _ in mla_layers(model)]
+        methods = [m.quant_method for m in model.modules()
+                   if type(getattr(m, "quant_method", None)).__name__ == "UnquantizedFusedMoEMethod"]
+        chosen = methods[0].unquantized_backend
+        for name in as_backends:
+            for method in methods:
+                method.unquantized_backend = type(chosen)[name]
+            try:
+                storage_orders(model)
+                out["refused"][name] = None
+            except KernelLayoutError as err:
+                out["refused"][name] = str(err)
+        for method in methods:
+            method.unquantized_backend = chosen
+        out["quantized"] = _quantized_refusals(model, storage_orders, KernelLayoutError)
+        out["cpu_prepack"] = _cpu_prepack_refusal(config.model_config.model, storage_orders,
+                                                  KernelLayoutError)
+    return out
+
+
+def _cpu_prepack_refusal(model_dir: str, storage_orders, error) -> Optional[str]:
+    """The default (CPU) backend's model, its experts' own post-load step (vLLM's prepack,
+    set aside by the CPU shim) put back: the refusal message, or None."""
+    from vllm.model_executor.layers.fused_moe.experts import cpu_moe
+
+    from megatron_reshard.testing import vllm_models as vm
+
+    model = vm.dummy_loaded_model(vm.vllm_config_for(model_dir, 1))
+    shim = cpu_moe.CPUUnquantizedExperts.process_weights_after_loading
+    cpu_moe.CPUUnquantizedExperts.process_weights_after_loading = vm.CPU_EXPERTS_PREPACK
+    try:
+        storage_orders(model)
+        return None
+    except error as err:
+        return str(err)
+    finally:
+        cpu_moe.CPUUnquantizedExperts.process_weights_after_loading = shim
+
+
+def _quantized_refusals(model: torch.nn.Module, storage_orders, error) -> dict:
+    """The refusal of block-FP8 layers: vLLM's ``Fp8MoEMethod`` (its backend set to FlashInfer
+    CUTLASS, Hopper's EP default) on the first expert layer, then ``Fp8LinearMethod`` on the
+    first linear layer, each in turn in place of the live method (FP8 layers do not build
+    on this CPU: README); ``{"moe" | "linear": message or None}``."""
+    from vllm.model_executor.layers.fused_moe.oracle.fp8 import Fp8MoeBackend
+    from vllm.model_executor.layers.quantization.fp8 import Fp8LinearMethod, Fp8MoEMethod
+
+    def first(kind: str):
+        return next(m for m in model.modules()
+                    if type(getattr(m, "quant_method", None)).__name__ == kind
+                    and any(True for _ in m.parameters(recurse=False)))
+
+    out = {}
+    for key, layer, cls in (("moe", first("UnquantizedFusedMoEMethod"), Fp8MoEMethod),
+                            ("linear", first("UnquantizedLinearMethod"), Fp8LinearMethod)):
+        live, method = layer.quant_method, cls.__new__(cls)
+        if key == "moe":  # vLLM's MoE methods are modules: held here as a plain attribute
+            object.__setattr__(method, "fp8_backend", Fp8MoeBackend.FLASHINFER_CUTLASS)
+        child = layer._modules.pop("quant_method", None)
+        object.__setattr__(layer, "quant_method", method)
+        try:
+            storage_orders(model)
+            out[key] = None
+        except error as err:
+            out[key] = str(err)
+        finally:
+            object.__delattr__(layer, "quant_method")
+            if child is not None:
+                layer._modules["quant_method"] = child
+            else:
+                layer.quant_method = live
+    return out
+
+
+__all__ = ["kernel_orders_job", "publish_full_hf", "vllm_refit_job"]

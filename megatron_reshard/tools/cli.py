@@ -146,6 +146,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args, rest = parser.parse_known_args(argv)
     if rest and args.command != "bench":  # only the benchmarks take pass-through options
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.command in ("demo", "bench"):  # quieter logs in the processes these start
+        from megatron_reshard.tools.launch_env import apply_launch_defaults
+
+        apply_launch_defaults()
     if args.command == "demo":
         from megatron_reshard.tools import demo
 

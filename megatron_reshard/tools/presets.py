@@ -7,7 +7,8 @@ kinds: GQA (Qwen3: ``num_key_value_heads``, ``head_dim``, ``qk_norm``) and MLA
 ``qk_rope_head_dim``, ``v_head_dim``). MoE: ``n_routed_experts`` (or Qwen's
 ``num_experts``), ``moe_intermediate_size``, ``first_k_dense_replace`` dense layers first,
 ``n_shared_experts`` shared experts of ``n_shared_experts * moe_intermediate_size``, and
-``e_score_correction_bias`` (fp32) where routing is ``noaux_tc``. DeepSeek's multi-token
+``e_score_correction_bias`` (fp32) where routing is ``noaux_tc`` (always for GLM-4.5,
+``model_type="glm4_moe"``, which also has q/k/v biases: ``attention_bias``). DeepSeek's multi-token
 prediction layer is left out: the refit skips ``mtp.`` params.
 """
 
@@ -40,6 +41,20 @@ FULL_SIZE: dict[str, dict[str, Any]] = {
         intermediate_size=18432, first_k_dense_replace=1, n_routed_experts=384,
         n_shared_experts=1, moe_intermediate_size=2048, topk_method="noaux_tc",
         vocab_size=163840, tie_word_embeddings=False),
+    # GLM-4.5 family (model_type glm4_moe; MTP layer not counted: vLLM loads it as a draft
+    # model). GQA with q/k/v biases, DeepSeek-V3's MoE names, the score-correction bias.
+    "glm-4.5-air": dict(  # zai-org/GLM-4.5-Air (106B)
+        model_type="glm4_moe", hidden_size=4096, num_hidden_layers=46, num_attention_heads=96,
+        num_key_value_heads=8, head_dim=128, attention_bias=True, qk_norm=False,
+        intermediate_size=10944, first_k_dense_replace=1, n_routed_experts=128,
+        n_shared_experts=1, moe_intermediate_size=1408, vocab_size=151552,
+        tie_word_embeddings=False),
+    "glm-4.5": dict(  # zai-org/GLM-4.5 (355B)
+        model_type="glm4_moe", hidden_size=5120, num_hidden_layers=92, num_attention_heads=96,
+        num_key_value_heads=8, head_dim=128, attention_bias=True, qk_norm=True,
+        intermediate_size=12288, first_k_dense_replace=3, n_routed_experts=160,
+        n_shared_experts=1, moe_intermediate_size=1536, vocab_size=151552,
+        tie_word_embeddings=False),
 }
 
 
@@ -56,7 +71,7 @@ def demo_config(model: str) -> dict[str, Any]:
     p = MODEL_PRESETS[model]
     cfg = dict(hidden_size=p["hidden_size"], num_attention_heads=p["num_attention_heads"],
                num_key_value_heads=p["num_query_groups"],
-               head_dim=p["hidden_size"] // p["num_attention_heads"],
+               head_dim=p.get("head_dim") or p["hidden_size"] // p["num_attention_heads"],
                intermediate_size=p["ffn_hidden_size"], num_hidden_layers=p["num_layers"],
                vocab_size=p["vocab_size"], qk_norm=bool(p.get("qk_layernorm")),
                tie_word_embeddings=False)
@@ -71,6 +86,11 @@ def demo_config(model: str) -> dict[str, Any]:
                    n_shared_experts=(p.get("moe_shared_expert_intermediate_size") or 0)
                    // p["moe_ffn_hidden_size"],
                    topk_method="noaux_tc" if p.get("moe_router_enable_expert_bias") else None)
+    if p.get("family") == "glm4_moe":  # the glm preset, under HF GLM-4.5 names
+        freq = p["moe_layer_freq"]
+        cfg.update(model_type="glm4_moe", n_routed_experts=cfg.pop("num_experts"),
+                   first_k_dense_replace=freq.index(1), attention_bias=bool(p.get("add_qkv_bias")),
+                   n_shared_experts=p["moe_shared_expert_intermediate_size"] // p["moe_ffn_hidden_size"])
     return cfg
 
 
@@ -163,6 +183,8 @@ def hf_params(cfg: Mapping[str, Any]) -> list[HFParam]:
             hd = int(cfg.get("head_dim") or H // nh)
             for proj, rows in (("q", nh * hd), ("k", nkv * hd), ("v", nkv * hd)):
                 add(f"self_attn.{proj}_proj.weight", (rows, H))
+                if cfg.get("attention_bias"):
+                    add(f"self_attn.{proj}_proj.bias", (rows,))
             add("self_attn.o_proj.weight", (H, nh * hd))
             if cfg.get("qk_norm"):
                 add("self_attn.q_norm.weight", (hd,))
@@ -171,7 +193,7 @@ def hf_params(cfg: Mapping[str, Any]) -> list[HFParam]:
         if is_moe_layer(cfg, i):
             E, inter = num_experts(cfg), int(cfg["moe_intermediate_size"])
             add("mlp.gate.weight", (E, H))
-            if cfg.get("topk_method") == "noaux_tc":
+            if cfg.get("topk_method") == "noaux_tc" or cfg.get("model_type") == "glm4_moe":
                 add("mlp.gate.e_score_correction_bias", (E,), fp32)
             for e in range(E):
                 add(f"mlp.experts.{e}.gate_proj.weight", (inter, H))

@@ -31,6 +31,14 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
                      v_head_dim=16, moe_router_score_function="sigmoid",
                      moe_router_enable_expert_bias=True, moe_router_topk_scaling_factor=2.5,
                      layernorm_epsilon=1e-6),
+    # GLM-4.5-shaped: GQA with q/k/v biases, partial RoPE, sigmoid routing with the
+    # score-correction bias, 8 experts + a shared one, first layer dense
+    "glm": dict(family="glm4_moe", num_layers=4, hidden_size=64, num_attention_heads=8,
+                num_query_groups=2, head_dim=16, ffn_hidden_size=128, num_moe_experts=8,
+                moe_ffn_hidden_size=32, moe_shared_expert_intermediate_size=32,
+                moe_layer_freq=[0, 1, 1, 1], vocab_size=500, add_qkv_bias=True, rotary_percent=0.5,
+                moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                moe_router_topk_scaling_factor=2.5),
 }
 
 # --gen-precision fp8: the preset's dims made whole 128x128 blocks per TP shard (head_dim
@@ -336,7 +344,8 @@ def add_run_arguments(parser) -> None:
                         help="tiny model: moe (Qwen3-MoE-shaped, 8 experts, GQA), dense "
                              "(Qwen3-shaped, GQA), qwen2 (Qwen2-shaped, GQA, q/k/v biases) or "
                              "deepseek (DeepSeek-V3-shaped: MLA, 8 experts + a shared one, first "
-                             "layer dense) (default: %(default)s)")
+                             "layer dense) or glm (GLM-4.5-shaped: GQA with q/k/v biases, 8 experts "
+                             "+ a shared one, first layer dense) (default: %(default)s)")
     parser.add_argument("--train-world", type=int, default=d.train_world,
                         help="training ranks (default: %(default)s)")
     parser.add_argument("--train-tp", type=int, default=d.train_tp,

@@ -11,6 +11,10 @@ training side when it describes the destination of each parameter
 - ``moe``: FusedMoE ``w13_weight`` / ``w2_weight``, TP-sharded without EP, whole experts
   in vLLM's contiguous (possibly uneven) blocks with EP.
 - ``mla`` (kept free for the MLA attention layout).
+- ``gpt_oss``: GptOss's renames (``embedding``, ``attn``), sinks, and its experts (w13 rows
+  = the checkpoint's interleaved gate/up columns, transposed; w2_bias on MoE TP rank 0).
+- ``float32_params``: the params vLLM holds in float32 whatever the model dtype (GLM-4.5's
+  router), which the receiver widens on write.
 """
 
 from megatron_reshard.vllm_layout.dense import (

@@ -24,6 +24,7 @@ from typing import Any, Mapping, Optional, Sequence
 from torch.distributed.tensor import Replicate, Shard
 
 from megatron_reshard.placements import MeshInfo
+from megatron_reshard.vllm_layout import gpt_oss
 
 VOCAB_PADDING = 64
 
@@ -47,7 +48,7 @@ TP_DIM_RULES: tuple[tuple[re.Pattern, Optional[int]], ...] = (
     # over TP; gate/up land in its gate_up_proj
     (re.compile(r"\.mlp\.shared_experts?\.(?:gate|up)_proj\.weight$"), 0),
     (re.compile(r"\.mlp\.shared_experts?\.down_proj\.weight$"), 1),
-)
+) + gpt_oss.TP_DIM_RULES
 NOT_LISTED = -1
 
 

@@ -23,13 +23,17 @@ def _script():
 @pytest.mark.slow
 def test_the_example_refits_bit_exact_through_the_backend(pool, capsys):
     """The script's ``main`` as ``python scripts/vllm_backend_refit.py --refits 2
-    --fail-extra`` runs it, on the suite's shared pool (its workers have vLLM imported)."""
-    assert _script().main(["--refits", "2", "--fail-extra"], pool=pool) == 0
+    --fail-extra --progress-s 0`` runs it, on the suite's shared pool (its workers have vLLM imported)."""
+    assert _script().main(["--refits", "2", "--fail-extra", "--progress-s", "0"], pool=pool) == 0
     out = capsys.readouterr().out
     line = next(ln for ln in out.splitlines() if ln.startswith("VLLM_BACKEND_SUMMARY "))
     summary = json.loads(line.split(" ", 1)[1])
     assert summary["verified"] is True
     assert summary["versions"] == [[1, 2], [1, 2]]
     assert summary["differences"] == [[[], []], [[], []]]
+    # a long run is not silent: generation rank 0 said how far it got (here after each refit)
+    assert summary["progress"] == [
+        "[gen 0] refit 1/2 committed; 0 of 1 differed from vLLM's load_weights",
+        "[gen 0] refit 2/2 committed; 0 of 2 differed from vLLM's load_weights"]
     for w in summary["failed"]:
         assert w["state"] == "inconsistent" and w["started_from"] == 2 and w["failed_refits"] == 1

@@ -18,6 +18,7 @@ transformers oracle 4.57); skipped where vLLM is not installed.
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 
 import pytest
@@ -56,8 +57,18 @@ _DEEPSEEK = dict(TINY_MODEL, family="deepseek_v3", **_MOE, moe_shared_expert_int
                  kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16,
                  moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
                  moe_router_topk_scaling_factor=2.5, layernorm_epsilon=1e-6)
+_GLM = dict(TINY_MODEL, family="glm4_moe", **_MOE, moe_shared_expert_intermediate_size=32,
+            moe_layer_freq=[0, 1, 1, 1], add_qkv_bias=True, head_dim=16, rotary_percent=0.5,
+            moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+            moe_router_topk_scaling_factor=2.5)
 # vLLM's DeepSeek-V3 needs the real checkpoint's router keys to hold e_score_correction_bias
 _DEEPSEEK_ROUTER = dict(topk_method="noaux_tc", scoring_func="sigmoid")
+# ---- gpt-oss
+_GPT_OSS = dict(TINY_MODEL, family="gpt_oss", head_dim=16, num_query_groups=4, num_moe_experts=8,
+                moe_ffn_hidden_size=128,
+                softmax_type="learnable", add_bias_linear=True, window_size=(15, 0),
+                window_attn_skip_freq=2, gpt_oss_activation=True)
+# ---- end gpt-oss
 
 FAMILIES = {
     "llama": Family(dict(TINY_MODEL, family="llama"), "LlamaForCausalLM",
@@ -89,6 +100,25 @@ FAMILIES = {
                            moe_router_topk_scaling_factor=2.827),
                       "DeepseekV3ForCausalLM", _DEEPSEEK_ROUTER,
                       (("tp2 pp2 ep2", "tp2 ep2"), ("tp2 ep2", "tp4"), ("tp1 ep2", "tp1 x2"))),
+    # ---- gpt-oss: sinks, biases everywhere, interleaved gate/up experts, alternating windows.
+    # vLLM's CPU experts take swigluoai only with I/TP a multiple of 32 (no padding for it)
+    "gpt_oss": Family(_GPT_OSS,
+                      "GptOssForCausalLM", {},
+                      (("tp2 pp2 ep2", "tp2"), ("tp2 ep2", "tp4"), ("tp4 ep2", "tp2 ep2"))),
+    # uneven PP: one layer on the first stage, three on the last
+    "gpt_oss-uneven-pp": Family(dict(_GPT_OSS, num_layers_in_first_pipeline_stage=1,
+                                     num_layers_in_last_pipeline_stage=3),
+                                "GptOssForCausalLM", {}, (("tp1 pp2", "tp2"),)),
+    # ---- end gpt-oss
+    # GLM-4.5's shape at tiny scale: GQA with q/k/v biases, partial RoPE (half the head),
+    # sigmoid routing with the score-correction bias and a scaling factor, one shared expert,
+    # the first layer dense; vLLM holds the router in float32 (widened on write)
+    "glm4_moe": Family(_GLM, "Glm4MoeForCausalLM", {},
+                       (("tp2 pp2 ep2", "tp2 ep2"), ("tp2 ep2", "tp4"), ("tp4 ep2", "tp1 x2"))),
+    # with q/k norms (GLM-4.5's use_qk_norm) and uneven train stages (3 + 1 layers)
+    "glm4_moe-qk-norm-uneven-pp": Family(dict(_GLM, qk_layernorm=True,
+                                              num_layers_in_first_pipeline_stage=3),
+                                         "Glm4MoeForCausalLM", {}, (("tp2 pp2 ep2", "tp2"),)),
 }
 CASES = [(f, i) for f in FAMILIES for i in range(len(FAMILIES[f].layouts))]
 # checks that ride on a case's job (one pool job each saved): gen rank 0 of the first
@@ -225,3 +255,27 @@ def test_vllm_params_kept_as_loaded_are_reported_and_keep_their_bytes(pool):
         assert g["weights"]["state"] == "consistent" and g["weights"]["version"] == REFITS, who
         assert g["weights"]["not_refitted"] == BIASES, (who, g["weights"])
         assert g["report"]["kept_as_loaded"] == BIASES, who
+
+
+# ---- gpt-oss
+def test_gpt_oss_sends_only_its_experts_as_full_tensors(refitted):
+    """Everything of gpt-oss but the experts takes the exact path: the packed (full-tensor)
+    params of every gen rank are exactly the 4 expert tensors x 8 experts x 4 layers, and
+    the w2_bias of MoE TP ranks > 0 is vLLM's zero (part of the bit-equal check above)."""
+    for index in range(len(FAMILIES["gpt_oss"].layouts)):
+        for g in refitted("gpt_oss", index):
+            assert g["summary"]["misc_params"] == 4 * 8 * 4, (index, g["rank"], g["summary"])
+            assert all(s["misc_bytes"] > 0 and s["bulk_bytes"] > 0 for s in g["refits"]), g["refits"]
+# ---- end gpt-oss
+
+
+def test_vllms_qwen3_next_classes_do_not_import_here_which_blocks_that_family():
+    """Pins one blocker the Qwen3-Next refusal names (``megatron.unsupported_families``):
+    vLLM 0.33's Gated-DeltaNet layer imports ``compressed_tensors``, absent from this venv.
+    The day it imports, this fails: the family can then be checked against vLLM here."""
+    from megatron_reshard.megatron.unsupported_families import family_problem
+
+    for module in ("qwen3_next", "qwen3_5"):
+        with pytest.raises(ModuleNotFoundError, match="compressed_tensors"):
+            importlib.import_module(f"vllm.model_executor.models.{module}")
+    assert "compressed_tensors" in family_problem("qwen3_next")

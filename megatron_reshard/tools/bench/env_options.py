@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from ..launch_env import apply_nccl_defaults
+from ..launch_env import apply_launch_defaults
 
 
 def add_env_arguments(p: argparse.ArgumentParser) -> None:
@@ -18,8 +18,9 @@ def add_env_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def apply_env(args: argparse.Namespace, environ: "os._Environ | dict" = os.environ) -> dict:
-    """Set the NCCL-related environment before any process group exists; return it."""
-    apply_nccl_defaults(environ)
+    """Set the NCCL-related environment (and the quieter logs: ``launch_env``) before any
+    process group exists; return the NCCL part."""
+    apply_launch_defaults(environ)
     if args.p2p_channels is not None:
         environ["NCCL_MIN_P2P_NCHANNELS"] = str(args.p2p_channels)
         environ["NCCL_MAX_P2P_NCHANNELS"] = str(args.p2p_channels)

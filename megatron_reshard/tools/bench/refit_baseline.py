@@ -16,6 +16,9 @@ from megatron_reshard.vllm_layout import padded_vocab_rows
 
 from .timing import GroupOps, time_collective
 
+# torch 2.13 renamed it (the old name warns FutureWarning on every call); older ones lack it
+_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 def baseline_items_train(model, family: str, train_world: int, vocab_size: int
                          ) -> tuple[list[dict], list[torch.Tensor], str]:
@@ -113,10 +116,10 @@ class GatherBroadcast:
                 if d is None:
                     full.copy_(local)
                 elif d == 0:
-                    dist.all_gather_into_tensor(full.view(-1), local.reshape(-1))
+                    _GATHER(full.view(-1), local.reshape(-1))
                 else:
                     g = self.gathered[(self.n_train, *local.shape)]
-                    dist.all_gather_into_tensor(g.view(-1), local.reshape(-1))
+                    _GATHER(g.view(-1), local.reshape(-1))
                     torch.cat(list(g.unbind(0)), dim=d, out=full)
             self.group.broadcast([full], opts).wait()
             if self.role == "gen":

@@ -1,0 +1,163 @@
+"""gpt-oss and Nemotron-H below the real-vLLM tests (those are in tests/real_vllm): names,
+the interleaved gate/up, the receiver's layout against the stand-in oracle, and the
+Nemotron-H names checked against megatron-core 0.16.1's own Mamba spec and mixer source
+(the model cannot be built here: ``megatron.nemotron_h.BLOCKER``)."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from megatron_reshard.megatron.converters import ModelDims, NameConverter, full_from_tp_chunks
+from megatron_reshard.receiver.full_weights import coverage_gaps, load_full_weights, plan_full_weights
+from megatron_reshard.receiver.targets import TargetError, VllmTargets, bulk_receive_plan
+from megatron_reshard.testing.vllm_like import build_vllm_like_model, expected_vllm_shard
+
+DIMS = ModelDims(tp_size=1, num_attention_heads=8, num_query_groups=2, head_dim=16, vocab_size=500,
+                 gated=True, num_local_experts=2)
+
+
+def test_gpt_oss_names_local_and_te_experts_use_global_expert_index():
+    c = NameConverter("gpt_oss", global_layer={0: 5}, expert_offset=2, num_local_experts=2)
+    got = {n: c.convert(n).hf_names for n in (
+        "decoder.layers.0.self_attention.core_attention.softmax_offset",
+        "decoder.layers.0.self_attention.linear_proj.bias",
+        "decoder.layers.0.self_attention.linear_qkv.bias",
+        "decoder.layers.0.mlp.router.bias",
+        "decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight",
+        "decoder.layers.0.mlp.experts.local_experts.1.linear_fc2.bias",
+        "decoder.layers.0.mlp.experts.linear_fc1.bias0",  # TE grouped
+        "decoder.layers.0.mlp.experts.linear_fc2.weight1",
+    )}
+    p = "model.layers.5"
+    assert list(got.values()) == [
+        (f"{p}.self_attn.sinks",), (f"{p}.self_attn.o_proj.bias",),
+        (f"{p}.self_attn.q_proj.bias", f"{p}.self_attn.k_proj.bias", f"{p}.self_attn.v_proj.bias"),
+        (f"{p}.mlp.router.bias",), (f"{p}.mlp.experts.3.gate_up_proj",),
+        (f"{p}.mlp.experts.3.down_proj_bias",), (f"{p}.mlp.experts.2.gate_up_proj_bias",),
+        (f"{p}.mlp.experts.3.down_proj",)]
+
+
+def test_gpt_oss_expert_tensors_interleave_gate_and_up_and_transpose():
+    c = NameConverter("gpt_oss", global_layer={0: 0}, num_local_experts=2)
+    inter, hidden = 3, 4
+    fc1 = torch.arange(2 * inter * hidden, dtype=torch.float32).reshape(2 * inter, hidden)
+    w = full_from_tp_chunks(c.convert("decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight"),
+                            [fc1], DIMS)["model.layers.0.mlp.experts.0.gate_up_proj"]
+    assert w.shape == (hidden, 2 * inter)
+    for j in range(inter):  # HF: column 2j is gate row j, column 2j+1 up row j
+        assert torch.equal(w[:, 2 * j], fc1[j]) and torch.equal(w[:, 2 * j + 1], fc1[inter + j])
+    b = full_from_tp_chunks(c.convert("decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.bias"),
+                            [torch.tensor([1., 2., 3., 10., 20., 30.])], DIMS)
+    assert b["model.layers.0.mlp.experts.0.gate_up_proj_bias"].tolist() == [1, 10, 2, 20, 3, 30]
+    fc2 = torch.randn(hidden, inter)
+    d = full_from_tp_chunks(c.convert("decoder.layers.0.mlp.experts.local_experts.0.linear_fc2.weight"),
+                            [fc2], DIMS)["model.layers.0.mlp.experts.0.down_proj"]
+    assert torch.equal(d, fc2.t())
+
+
+def _gpt_oss_hf(cfg):
+    g = torch.Generator().manual_seed(3)
+    H, nh, nkv, hd, E, I, V = (cfg[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads",
+                                                "head_dim", "num_experts", "moe_intermediate_size", "vocab_size"))
+    shapes = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,), "lm_head.weight": (V, H)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        shapes.update({f"{p}.input_layernorm.weight": (H,), f"{p}.post_attention_layernorm.weight": (H,),
+                       f"{p}.self_attn.sinks": (nh,), f"{p}.self_attn.o_proj.weight": (H, nh * hd),
+                       f"{p}.self_attn.o_proj.bias": (H,), f"{p}.mlp.router.weight": (E, H),
+                       f"{p}.mlp.router.bias": (E,)})
+        for w in "qkv":
+            rows = (nh if w == "q" else nkv) * hd
+            shapes.update({f"{p}.self_attn.{w}_proj.weight": (rows, H), f"{p}.self_attn.{w}_proj.bias": (rows,)})
+        for e in range(E):
+            q = f"{p}.mlp.experts.{e}"
+            shapes.update({f"{q}.gate_up_proj": (H, 2 * I), f"{q}.gate_up_proj_bias": (2 * I,),
+                           f"{q}.down_proj": (I, H), f"{q}.down_proj_bias": (H,)})
+    return {n: torch.randn(s, generator=g).to(torch.bfloat16) for n, s in shapes.items()}
+
+
+@pytest.mark.parametrize("tp,ep", [(1, 1), (2, 1), (4, 1), (2, 2), (4, 2)])
+def test_gpt_oss_full_weights_land_where_the_stand_in_says(tp, ep):
+    cfg = dict(family="gpt_oss", hidden_size=32, num_attention_heads=8, num_key_value_heads=2, head_dim=8,
+               num_experts=4, moe_intermediate_size=8, num_hidden_layers=2, vocab_size=100,
+               intermediate_size=8, tie_word_embeddings=False)
+    hf = _gpt_oss_hf(cfg)
+    for r in range(tp):
+        model = build_vllm_like_model(cfg, r, tp, ep)
+        targets = VllmTargets.from_named_parameters(model.named_parameters(), cfg, r, tp, ep_size=ep)
+        load_full_weights(targets, hf)
+        plans = plan_full_weights(targets, ((n, t.shape, t.dtype) for n, t in hf.items()))
+        assert coverage_gaps(targets, plans) == {}
+        for name, param in model.named_parameters():
+            want = expected_vllm_shard(cfg, name, hf, r, tp, ep)
+            assert torch.equal(param, want), (tp, ep, r, name)
+    # a transposed expert weight cannot be a shard-to-shard destination (rank 0 holds expert 0)
+    targets = VllmTargets.from_named_parameters(build_vllm_like_model(cfg, 0, tp, ep).named_parameters(),
+                                                cfg, 0, tp, ep_size=ep)
+    with pytest.raises(TargetError, match="only arrive as a full tensor"):
+        bulk_receive_plan(targets, "model.layers.0.mlp.experts.0.down_proj", (8, 32),
+                          ((0, 8), (0, 32)), torch.bfloat16)
+
+
+# ---- Nemotron-H: names against megatron-core's own Mamba spec and mixer source
+
+
+def _megatron_source(rel: str) -> str:
+    root = importlib.util.find_spec("megatron.core").submodule_search_locations[0]
+    with open(os.path.join(root, rel)) as f:
+        return f.read()
+
+
+def _assigned_attrs(source: str, cls: str) -> set[str]:
+    """``self.<attr> = ...`` targets inside class ``cls``'s methods."""
+    tree = ast.parse(source)
+    node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls)
+    return {t.attr for n in ast.walk(node) if isinstance(n, ast.Assign) for t in n.targets
+            if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"}
+
+
+def test_nemotron_h_names_match_megatron_cores_mamba_spec_and_mixer():
+    spec = _megatron_source("models/mamba/mamba_layer_specs.py")
+    mixer = _megatron_source("ssm/mamba_mixer.py")
+    # the spec megatron-core ships: TE linears with fused norms in front of in_proj / qkv / fc1
+    assert "in_proj=TELayerNormColumnParallelLinear, out_proj=TERowParallelLinear" in spec
+    assert "linear_qkv=TELayerNormColumnParallelLinear" in spec
+    assert "linear_fc1=TELayerNormColumnParallelLinear, linear_fc2=TERowParallelLinear" in spec
+    attrs = _assigned_attrs(mixer, "MambaMixer")
+    assert {"in_proj", "conv1d", "dt_bias", "A_log", "D", "norm", "out_proj"} <= attrs
+    c = NameConverter("nemotron_h", global_layer={0: 0, 1: 1, 2: 2, 3: 3}, expert_offset=0,
+                      num_local_experts=2, gated=False)
+    m, a, f, e = "decoder.layers.0.", "decoder.layers.1.", "decoder.layers.2.", "decoder.layers.3."
+    names = [m + "mixer.in_proj.layer_norm_weight", m + "mixer.in_proj.weight", m + "mixer.conv1d.weight",
+             m + "mixer.conv1d.bias", m + "mixer.A_log", m + "mixer.D", m + "mixer.dt_bias",
+             m + "mixer.norm.weight", m + "mixer.out_proj.weight", m + "mixer.in_proj._extra_state",
+             a + "self_attention.linear_qkv.layer_norm_weight", a + "self_attention.linear_qkv.weight",
+             a + "self_attention.linear_proj.weight", f + "mlp.linear_fc1.layer_norm_weight",
+             f + "mlp.linear_fc1.weight", f + "mlp.linear_fc2.weight", e + "pre_mlp_layernorm.weight",
+             e + "mlp.router.weight", e + "mlp.router.expert_bias",
+             e + "mlp.experts.linear_fc1.weight1", e + "mlp.experts.linear_fc2.weight0",
+             e + "mlp.shared_experts.linear_fc1.weight", "embedding.word_embeddings.weight",
+             "decoder.final_norm.weight", "output_layer.weight"]
+    got, unknown = c.convert_all(names)
+    assert unknown == []
+    b = "backbone.layers"
+    assert [x.hf_names for x in got] == [
+        (f"{b}.0.norm.weight",), (f"{b}.0.mixer.in_proj.weight",), (f"{b}.0.mixer.conv1d.weight",),
+        (f"{b}.0.mixer.conv1d.bias",), (f"{b}.0.mixer.A_log",), (f"{b}.0.mixer.D",),
+        (f"{b}.0.mixer.dt_bias",), (f"{b}.0.mixer.norm.weight",), (f"{b}.0.mixer.out_proj.weight",),
+        (f"{b}.1.norm.weight",),
+        (f"{b}.1.mixer.q_proj.weight", f"{b}.1.mixer.k_proj.weight", f"{b}.1.mixer.v_proj.weight"),
+        (f"{b}.1.mixer.o_proj.weight",), (f"{b}.2.norm.weight",), (f"{b}.2.mixer.up_proj.weight",),
+        (f"{b}.2.mixer.down_proj.weight",), (f"{b}.3.norm.weight",), (f"{b}.3.mixer.gate.weight",),
+        (f"{b}.3.mixer.gate.e_score_correction_bias",), (f"{b}.3.mixer.experts.1.up_proj.weight",),
+        (f"{b}.3.mixer.experts.0.down_proj.weight",), (f"{b}.3.mixer.shared_experts.up_proj.weight",),
+        ("backbone.embeddings.weight",), ("backbone.norm_f.weight",), ("lm_head.weight",)]
+    # what blocks building the model here is what megatron-core's source says
+    assert "import triton" in mixer or "triton" in mixer.split("class MambaMixer")[0]
+    assert "device=torch.cuda.current_device()" in mixer and "get_cuda_rng_tracker().fork()" in mixer
+    assert "self.final_norm = TENorm(" in _megatron_source("ssm/mamba_block.py")
