@@ -11,11 +11,15 @@ the receiver's; a mismatch is reported at the first refit on every rank of the g
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Union
+
+import math
 
 import torch
 
 from megatron_reshard.groups.faults import RefitError, fault_scope
+from megatron_reshard.engine.transports import transport_of
+from megatron_reshard.refit.delta import DeltaConfig, TrainBase, src_vote
 from megatron_reshard.refit.packed import broadcast_packed, pack_entries
 from megatron_reshard.refit.loop import DEFAULT_BATCH_BYTES, DEFAULT_STAGING_BYTES, RefitLoop
 from megatron_reshard.refit.order import misc_items_by_stage
@@ -29,8 +33,14 @@ class RefitSender:
     def __init__(self, source: Any, group: Any, *, device: Optional[torch.device] = None,
                  num_streams: int = 2, batch_bytes: int = DEFAULT_BATCH_BYTES,
                  staging_bytes: int = DEFAULT_STAGING_BYTES,
-                 verify_checksums: bool = False):
+                 verify_checksums: bool = False,
+                 delta: Union[bool, DeltaConfig] = False):
         """``verify_checksums`` must match the generation side's choice (plan fingerprint).
+        ``delta`` (experimental, off by default): ``True`` (a ``DeltaConfig()``: 1 GiB of
+        base per rank, kept beside the weights) or a ``DeltaConfig``: once a refit
+        committed, later refits send only the changed elements of the params the plan moves
+        in one hop, when every rank can prove the base (``refit.delta``); else full, the
+        reason in the result.
 
         Errors here are posted on the group's fault board, so the generation ranks raise
         them too instead of waiting for their timeout."""
@@ -39,6 +49,7 @@ class RefitSender:
         self.stage = source.stage
         self.device = device or torch.device("cpu")
         self.version = 0  # of the last refit sent (committed or not); 0: none yet
+        self.delta = DeltaConfig.of(delta)
         self._sent_any = False
         with fault_scope([group]):
             # the payload as frozen records: the source's typed view, or its plain payload
@@ -53,6 +64,10 @@ class RefitSender:
                                   {self.stage: group}, num_streams=num_streams,
                                   batch_bytes=batch_bytes, staging_bytes=staging_bytes,
                                   misc_items=misc, verify_checksums=verify_checksums)
+            self.base: Optional[TrainBase] = None  # the bits last sent (delta refits)
+            if self.delta is not None:
+                self.loop.enable_delta(lambda *a: TrainBase(self.delta, *a))
+                self.base = self.loop.delta_bases[self.stage]
             self.protocol = RefitProtocol("src", self.loop, {self.stage: group},
                                           {self.stage: self.misc_items}, staging_bytes,
                                           self.pp_size)
@@ -74,17 +89,46 @@ class RefitSender:
         """
         self.protocol.check_usable(lambda why: f"the refit group of stage {self.stage} failed in "
                                    f"an earlier refit ({why}); create a new refit group and sender")
-        done = self.protocol.run(
-            self._send_chunk, version=None if version is None else int(version),
-            allow_version_reuse=allow_version_reuse,
-            last_version=self.version if self._sent_any else None, device=self.device)
+        try:
+            done = self.protocol.run(
+                self._send_chunk, version=None if version is None else int(version),
+                allow_version_reuse=allow_version_reuse,
+                last_version=self.version if self._sent_any else None, device=self.device,
+                delta_vote=self._delta_vote())
+        except RefitError:
+            if self.base is not None:
+                self.base.dropped()
+            raise
         version = self.version = done.version
         self._sent_any = True
         if not done.outcome.ok:
+            if self.base is not None:
+                self.base.dropped()
             raise RefitError(f"refit version {version} failed its commit: {done.outcome.reason}")
-        return {"bulk_params": done.bulk.params, "bulk_bytes": done.bulk.local_bytes,
-                "bulk_s": done.bulk_s, "misc_s": done.misc_s,
-                "refit_s": done.bulk_s + done.misc_s, "version": version}
+        if self.base is not None:
+            self.base.committed(version)
+        misc = sum(math.prod(shape) * dtype.itemsize for _, shape, dtype in self.misc_items) \
+            if self.is_misc_root else 0
+        out = {"bulk_params": done.bulk.params, "bulk_bytes": done.bulk.local_bytes,
+               "bulk_s": done.bulk_s, "misc_s": done.misc_s,
+               "refit_s": done.bulk_s + done.misc_s, "version": version,
+               "mode": done.mode, "full_reason": done.full_reason,
+               "bytes_sent": done.bulk_bytes_moved + misc}
+        if self.base is not None:
+            out["delta"] = done.bulk.delta
+            out["base"] = self.base.report()
+        return out
+
+    def _delta_vote(self) -> list:
+        """This rank's columns of the delta/full vote (``refit.delta``)."""
+        if self.delta is None:
+            return src_vote(False, 0, None)
+        if self.base is not None and transport_of(self.group).name != "p2p":
+            # the colocated transport reads at memcpy speed: keep no base for it
+            self.base = self.loop.delta_plans = self.loop.delta_bases = None
+        if self.base is None:
+            return src_vote(True, 3, None)
+        return src_vote(True, self.base.no_base_code(), self.base.version)
 
     def _send_chunk(self, stage: int, chunk: list) -> None:
         """One packed chunk of the stage's other params: gathered over TP on every train

@@ -26,6 +26,7 @@ from megatron_reshard.receiver.misc_transport import MiscReceiver, receive_misc_
 from megatron_reshard.receiver.param_map import build_receiver_param_map
 from megatron_reshard.receiver.state import WeightState
 from megatron_reshard.receiver.targets import TargetError, VllmTargets
+from megatron_reshard.refit.delta import dst_ready_code, dst_vote
 from megatron_reshard.refit.loop import DEFAULT_BATCH_BYTES, DEFAULT_STAGING_BYTES, RefitLoop
 from megatron_reshard.refit.order import misc_items_by_stage
 from megatron_reshard.refit.protocol import RefitProtocol
@@ -83,6 +84,11 @@ class ReceiverSession:
                                       staging_bytes, self.pp_size)
         self._misc_plan_of = {stage: dict(zip((name for name, _, _ in items), self.misc_plans[stage]))
                               for stage, items in self.misc_items.items()}
+        # delta refits (refit.delta): the version this session last committed (its storage
+        # is then the base of a delta cut from it), and whether it holds a bulk param
+        # other than in place (the loop plans the deltas on its first delta refit)
+        self._delta_version: Optional[int] = None
+        self._delta_hooked: Optional[bool] = None
         self.stats: dict[str, Any] = {"refits": 0, "prepare_s": time.perf_counter() - t0,
                                       "verify_s": None, "last": None, "total_refit_s": 0.0}
 
@@ -200,10 +206,19 @@ class ReceiverSession:
                 self.targets, [self._misc_plan_of[stage][n] for n, _, _ in chunk], tensors)
 
         on_cuda = torch.cuda.is_available() and any(t.is_cuda for t in self.targets.params.values())
-        done = self.protocol.run(
-            receive_chunk, held_version=self.weights.version, on_write=writing,
-            on_failure=self.weights.failed,
-            device=torch.device("cuda", torch.cuda.current_device()) if on_cuda else None)
+
+        def failed(reason: str) -> None:
+            self._delta_version = None  # the storage is no base any more
+            self.weights.failed(reason)
+
+        try:
+            done = self.protocol.run(
+                receive_chunk, held_version=self.weights.version, on_write=writing,
+                on_failure=failed, delta_vote=self._delta_vote(),
+                device=torch.device("cuda", torch.cuda.current_device()) if on_cuda else None)
+        except RefitError:
+            self._delta_version = None
+            raise
         if done.verify_s is not None:
             self.stats["verify_s"] = done.verify_s
         bad = list(done.bulk.checksum_mismatches)
@@ -212,11 +227,15 @@ class ReceiverSession:
             if bad:
                 reason = (f"{self.where} (gen rank {self.gen_rank}): checksums differ for "
                           f"{bad}; {reason}")
-            self.weights.failed(reason)
+            failed(reason)
             raise RefitError(f"refit failed its commit: {reason}. The weights are "
                              f"{self.weights.as_dict()['state']}")
         self.weights.committed(done.outcome.version, names, not_refitted=self.kept_as_loaded)
-        last = {"bulk_params": done.bulk.params, "bulk_bytes": done.bulk.local_bytes,
+        self._delta_version = done.outcome.version
+        full_bytes = done.bulk.local_bytes + tally["misc_bytes"]
+        last = {"mode": done.mode, "full_reason": done.full_reason,
+                "bytes_received": done.bulk_bytes_moved + tally["misc_bytes"],
+                "full_bytes": full_bytes, "delta": done.bulk.delta,"bulk_params": done.bulk.params, "bulk_bytes": done.bulk.local_bytes,
                 "misc_params": sum(len(i) for i in self.misc_items.values()), **tally,
                 "bulk_s": done.bulk_s, "misc_s": done.misc_s,
                 "stages": done.bulk.as_dict()["stages"],
@@ -226,6 +245,16 @@ class ReceiverSession:
         self.stats["total_refit_s"] += last["refit_s"]
         self.stats["last"] = last
         return dict(last)
+
+    def _delta_vote(self) -> list:
+        """This rank's columns of the delta/full vote (``refit.delta``)."""
+        hooked = False
+        if self._delta_version is not None:
+            if self._delta_hooked is None:
+                self._delta_hooked = self.loop.delta_held()
+            hooked = self._delta_hooked
+        code = dst_ready_code(self._delta_version, self.weights, hooked)
+        return dst_vote(code, self._delta_version)
 
     def release_staging(self) -> None:
         """Give back the CUDA staging memory kept between refits (see RefitLoop)."""
@@ -245,7 +274,10 @@ class ReceiverSession:
             "misc_params": sum(len(i) for i in self.misc_items.values()),
             # bytes that land in this rank's storage per refit (bulk regions + misc slices);
             # misc_wire_bytes: the full misc tensors this rank received to cut them from
-            "bytes_received": last.get("bulk_bytes", 0) + last.get("misc_bytes", 0),
+            # a delta refit: the bytes that really arrived; full_bytes: a full refit's
+            "bytes_received": last.get("bytes_received", 0),
+            "full_bytes": last.get("full_bytes", 0),
+            "mode": last.get("mode"),
             "misc_wire_bytes": last.get("misc_wire_bytes", 0),
             "refits": self.stats["refits"],
             "weights": self.weights.as_dict(),

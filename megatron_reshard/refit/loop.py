@@ -128,6 +128,8 @@ class RefitStats:
     seconds: float = 0.0     # wall time of run(), device work included when synchronize=True
     # destination side with checksums on: params whose received bytes differ from the sources'
     checksum_mismatches: list[str] = field(default_factory=list)
+    mode: str = "full"       # "delta": the eligible params moved as deltas (refit.delta)
+    delta: Optional[dict] = None  # delta refit: what the delta transport moved on this rank
 
     @property
     def params(self) -> int:
@@ -206,6 +208,25 @@ class RefitLoop:
         self._planner = None
         self._agreed = False  # set once a run went through: later runs skip the agreement
         self._stream_pool: Optional[list] = None
+        # delta refits (refit.delta): off until enable_delta; plans of the eligible params
+        self.delta_plans: Optional[dict[int, list]] = None
+        self.delta_bases: Optional[dict[int, Any]] = None  # src: stage -> TrainBase
+
+    def enable_delta(self, make_base: Optional[Callable[..., Any]] = None) -> None:
+        """Plan which params can move as deltas (payload-derived, alike on every rank);
+        ``make_base(stage, records, plans, rank, dtypes)``: the training side's base keeper."""
+        from megatron_reshard.refit.delta import eligible_plans
+        self.delta_plans = {s: eligible_plans(t) for s, t in self._transfers.items()}
+        if make_base is not None:
+            self.delta_bases = {s: make_base(s, self.stages[s], self.delta_plans[s],
+                                             self._ranks[s], [t.dtype for t in self._transfers[s]])
+                                for s in self.stages}
+
+    def delta_held(self) -> bool:
+        """Whether this rank holds a param other than as its storage in place (no plans
+        needed: every param of a p2p refit group is eligible, ``refit.delta.eligible``)."""
+        from megatron_reshard.refit.delta import dst_hooked
+        return dst_hooked(self._mine)
 
     @property
     def verified(self) -> bool:
@@ -281,16 +302,23 @@ class RefitLoop:
         return any(control_device(g).type == "cuda" for g in self.groups.values())
 
     def run(self, synchronize: bool = True,
-            on_write: Optional[Callable[[list[str]], None]] = None) -> RefitStats:
+            on_write: Optional[Callable[[list[str]], None]] = None,
+            mode: str = "full") -> RefitStats:
         """Move every stage's params once. Verifies the plan first if not done yet.
 
         ``on_write(names)`` (destination side) is called before the engine may write the
         named params' storage: a failure after that leaves those params overwritten.
+        ``mode="delta"`` (agreed on every rank by the version check) moves the eligible
+        params through ``refit.delta_transport``, the others through the engine.
         """
         if not self._verified:
             self.verify_plan()
+        if mode == "delta" and self.delta_plans is None:
+            if self.side == "src":
+                raise ValueError("a delta refit on a training-side loop without enable_delta()")
+            self.enable_delta()  # the generation side plans on its first delta refit
         with gc_paused():  # many small objects per param; GC passes would walk the caches
-            return self._run(synchronize, on_write)
+            return self._run(synchronize, on_write, mode)
 
     def release_staging(self) -> None:
         """Give back the engine's CUDA staging slots kept between refits (at most two of
@@ -298,12 +326,13 @@ class RefitLoop:
         if self._planner is not None:
             self._planner.release_staging()
 
-    def _run(self, synchronize: bool, on_write) -> RefitStats:
+    def _run(self, synchronize: bool, on_write, mode: str = "full") -> RefitStats:
         xfer, transfer_cls = self._engine()
         t0 = time.perf_counter()
         streams = self._streams()
         current = torch.cuda.current_stream() if streams else None
         stats = RefitStats()
+        delta_runs = []
         for index, (stage, params) in enumerate(self.stages.items()):
             stream = streams[index % len(streams)] if streams else None
             if stream is not None:
@@ -311,7 +340,9 @@ class RefitLoop:
             checks = StageChecksums(self.side, stage, self.groups[stage], self._ranks[stage],
                                     params, self._overlaps) if self.verify_checksums else None
             run = _StageRun(stage, params, stream, xfer, transfer_cls, StageStats(stage), on_write,
-                            checks)
+                            checks, self._delta_stage(stage, mode))
+            if run.delta is not None and run.delta.mover is not None:
+                delta_runs.append(run.delta)
             ts = time.perf_counter()
             with torch.cuda.stream(stream) if stream is not None else nullcontext():
                 for start, stop in self._batches[stage]:
@@ -328,13 +359,33 @@ class RefitLoop:
             wait_device(current.device, self.groups.values(), "the end of the refit")
         self._agreed = True
         stats.seconds = time.perf_counter() - t0
+        stats.mode = mode
+        if mode == "delta":
+            stats.delta = _merged([r.mover.tally.as_dict() for r in delta_runs])
         return stats
+
+    def _delta_stage(self, stage: int, mode: str) -> Optional["_DeltaStage"]:
+        """What a stage's run does for delta refits: move (delta mode) or keep the base
+        (full mode, training side); None when delta refits are off."""
+        if self.delta_plans is None:
+            return None
+        from megatron_reshard.refit.delta_transport import DeltaMover
+        base = None if self.delta_bases is None else self.delta_bases.get(stage)
+        mover = DeltaMover(self.side, self.groups[stage], self._ranks[stage],
+                           self.delta_plans[stage], base) if mode == "delta" else None
+        return _DeltaStage(self.delta_plans[stage], mover, base)
 
     def _send_batch(self, run: "_StageRun", batch: "_OpenBatch") -> None:
         """Hand an opened batch to the engine, checksum it if asked, run its post hooks."""
         if run.on_write is not None and self.side == "dst" and batch.opened:
             run.on_write([run.params[o.index].name for o in batch.opened])
-        run.xfer(batch.transfers, self.groups[run.stage], run.stream)
+        transfers = batch.transfers
+        if run.delta is not None:  # delta refit: the eligible params move here, not below
+            transfers = run.delta.move(batch, run.params)
+        if transfers:
+            run.xfer(transfers, self.groups[run.stage], run.stream)
+        if run.delta is not None:
+            run.delta.keep(batch)
         run.stats.batches += 1
         if run.checks is not None:
             mine = self._mine[run.stage]
@@ -347,7 +398,7 @@ class RefitLoop:
         """Run the pre hooks of one batch; its open contexts and its engine transfers."""
         mine = self._mine[run.stage]
         transfers = self._transfers[run.stage]
-        batch = _OpenBatch([], [])
+        batch = _OpenBatch([], [], start)
         for i in range(start, stop):
             local = None
             held, bulk = mine[i], transfers[i]
@@ -382,6 +433,7 @@ class _StageRun:
     stats: StageStats
     on_write: Optional[Callable[[list[str]], None]]
     checks: Optional[StageChecksums]  # with checksums on
+    delta: Optional["_DeltaStage"] = None  # delta refits enabled (refit.delta)
 
 
 class _Opened(NamedTuple):
@@ -398,3 +450,46 @@ class _OpenBatch:
 
     opened: list[_Opened]
     transfers: list
+    start: int = 0  # the stage index of the batch's first param
+
+
+@dataclass
+class _DeltaStage:
+    """One stage's delta work in one run: ``mover`` (delta mode) moves the eligible params;
+    ``base`` (training side, full mode) keeps what the engine sent of them."""
+
+    plans: list
+    mover: Any
+    base: Any
+
+    def move(self, batch: _OpenBatch, params: list) -> list:
+        """Move the batch's eligible params as deltas; the engine's transfers left."""
+        if self.mover is None:
+            return batch.transfers
+        bufs = {o.index: o.ctx.buf for o in batch.opened}
+        rest = []
+        for offset, transfer in enumerate(batch.transfers):
+            index = batch.start + offset
+            if self.plans[index] is None:
+                rest.append(transfer)
+            else:
+                self.mover.move(index, params[index].name, bufs.get(index))
+        return rest
+
+    def keep(self, batch: _OpenBatch) -> None:
+        if self.mover is None and self.base is not None:
+            for o in batch.opened:
+                if self.plans[o.index] is not None:
+                    self.base.capture(o.index, o.ctx.buf)
+
+
+def _merged(tallies: list[dict]) -> dict:
+    counts = ("params", "ops", "wire_bytes", "full_bytes", "held_bytes", "forwarded_bytes",
+              "changed")
+    out = {**{k: 0 for k in counts}, "encodings": {}}
+    for t in tallies:
+        for k in counts:
+            out[k] += t[k]
+        for k, n in t["encodings"].items():
+            out["encodings"][k] = out["encodings"].get(k, 0) + n
+    return out

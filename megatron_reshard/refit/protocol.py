@@ -56,6 +56,17 @@ class RefitRound:
     bulk_s: float
     misc_s: float
     version: Optional[int] = None  # what the version check agreed on
+    mode: str = "full"             # "delta": agreed by every rank in the version check
+    full_reason: Optional[str] = None  # why full (refit.delta), None for a delta refit
+
+    @property
+    def bulk_bytes_moved(self) -> int:
+        """The bulk bytes this rank moved: its owned boxes, except that the params moved
+        as deltas count what really went over the wire (headers included)."""
+        d = self.bulk.delta
+        if d is None:
+            return self.bulk.local_bytes
+        return self.bulk.local_bytes - d["held_bytes"] + d["wire_bytes"]
 
 
 class RefitProtocol:
@@ -103,24 +114,28 @@ class RefitProtocol:
             allow_version_reuse: bool = False, last_version: Optional[int] = None,
             held_version: Optional[int] = None, device: Optional[torch.device] = None,
             on_write: Optional[Callable[[list[str]], None]] = None,
-            on_failure: Optional[Callable[[str], None]] = None) -> RefitRound:
+            on_failure: Optional[Callable[[str], None]] = None,
+            delta_vote: Optional[list] = None) -> RefitRound:
         """Steps 0 to 4 (1: first refit only). ``version``: what the training side sends
         (None: the default, see ``refit.version``; always None on the generation side),
         ``allow_version_reuse`` and ``last_version`` (its sender's last) likewise;
         ``held_version``: the generation side's weights' version. ``device``: waited for
         after each packed chunk when CUDA; ``on_write(names)``: before params are written
         (the receiver's weight state); ``on_failure(reason)``: after the latch is set,
-        before the error propagates. ``VersionRefused`` when step 0 refuses."""
+        before the error propagates. ``VersionRefused`` when step 0 refuses.
+        ``delta_vote``: this rank's columns of the delta/full vote taken with step 0
+        (``refit.delta``); the bulk step then runs in the agreed mode."""
         with self._latching(on_failure):
             agreed = agree_version(self.groups, side=self.side, version=version,
                                    allow_reuse=allow_version_reuse, held=held_version,
-                                   last_sent=last_version, pp_size=self.pp_size)
+                                   last_sent=last_version, pp_size=self.pp_size,
+                                   delta_vote=delta_vote)
         if agreed.refused:  # every rank alike, nothing moved: the groups stay usable
             raise VersionRefused(agreed.refused)
         with self._latching(on_failure):
             verify_s = None if self.loop.verified else self.verify_plan()
             t0 = time.perf_counter()
-            bulk = self.loop.run(on_write=on_write)
+            bulk = self.loop.run(on_write=on_write, mode=agreed.mode)
             t1 = time.perf_counter()
             for stage, items in self.misc_items.items():
                 for chunk in chunk_items(items, self.staging_bytes):
@@ -132,7 +147,8 @@ class RefitProtocol:
                                    version=agreed.version if self.side == "src" else None,
                                    checksum_failed=bool(bulk.checksum_mismatches),
                                    pp_size=self.pp_size)
-        return RefitRound(bulk, outcome, verify_s, t1 - t0, t2 - t1, agreed.version)
+        return RefitRound(bulk, outcome, verify_s, t1 - t0, t2 - t1, agreed.version,
+                          agreed.mode, agreed.full_reason)
 
 
 __all__ = ["MoveChunk", "RefitProtocol", "RefitRound"]

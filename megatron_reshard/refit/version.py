@@ -26,6 +26,7 @@ import torch.distributed as dist
 from megatron_reshard.engine.transport import all_reduce, control_device
 from megatron_reshard.errors import MegatronReshardError
 from megatron_reshard.refit.commit import NO_VERSION
+from megatron_reshard.refit.delta import VOTE_WIDTH, decide_mode, dst_vote, src_vote
 
 
 class VersionRefused(MegatronReshardError, ValueError):
@@ -37,6 +38,9 @@ class VersionRefused(MegatronReshardError, ValueError):
 class VersionDecision:
     version: Optional[int]  # the version this refit carries (None when refused)
     refused: str = ""       # why not, the same on every rank of a group
+    mode: str = "full"      # "delta" only when every rank of every group holds the base
+    full_reason: Optional[str] = None  # why full (refit.delta's vote), None for a delta
+    base: Optional[int] = None         # the version a delta is cut from
 
 
 def _row(side: str, version: Optional[int], allow_reuse: bool, held: Optional[int],
@@ -79,33 +83,52 @@ def _decide(stage: int, row: list[int]) -> VersionDecision:
 
 def agree_version(groups: Mapping[int, Any], *, side: str, version: Optional[int] = None,
                   allow_reuse: bool = False, held: Optional[int] = None,
-                  last_sent: Optional[int] = None, pp_size: int = 1) -> VersionDecision:
+                  last_sent: Optional[int] = None, pp_size: int = 1,
+                  delta_vote: Optional[list] = None) -> VersionDecision:
     """Vote over every group (stage order) and return the common decision (module doc).
     ``version``/``allow_reuse``/``last_sent``: the training side's; ``held``: the
-    generation side's weights' version."""
-    decisions = {}
+    generation side's weights' version. ``delta_vote``: this rank's columns of the mode
+    vote (``refit.delta.src_vote`` / ``dst_vote``; None: no delta from this rank)."""
+    if delta_vote is None:
+        delta_vote = src_vote(False, 0, None) if side == "src" else dst_vote(1, None)
+    if len(delta_vote) != VOTE_WIDTH:
+        raise ValueError(f"delta_vote has {len(delta_vote)} columns, expected {VOTE_WIDTH}")
+    decisions, modes = {}, {}
     for stage in sorted(groups):
         group = groups[stage]
-        vote = torch.tensor(_row(side, version, allow_reuse, held, last_sent), dtype=torch.int64,
-                            device=control_device(group))
+        vote = torch.tensor(_row(side, version, allow_reuse, held, last_sent) + list(delta_vote),
+                            dtype=torch.int64, device=control_device(group))
         all_reduce(vote, group, dist.ReduceOp.MAX, "the version check")
-        decisions[stage] = _decide(stage, vote.tolist())
+        row = vote.tolist()
+        decisions[stage] = _decide(stage, row[:8])
+        modes[stage] = decide_mode(row[8:], f"stage {stage}'s refit group")
     refused = [d.refused for d in decisions.values() if d.refused]
     versions = sorted({d.version for d in decisions.values() if not d.refused})
     if not refused and len(versions) > 1:
         refused = [f"the stages' refit groups carry different versions: {versions}"]
+    full = [m.full_reason for m in modes.values() if m.mode != "delta"]
+    bases = sorted({m.base for m in modes.values() if m.mode == "delta"})
+    if not full and len(bases) > 1:
+        full = [f"the stages' refit groups hold bases of different versions: {bases}"]
     if pp_size > 1:  # tell each group's training ranks what the other stages' groups decided
         for stage in sorted(groups):
             group = groups[stage]
-            flag = torch.tensor([1 if (side == "dst" and refused) else 0], dtype=torch.int64,
+            flag = torch.tensor([1 if (side == "dst" and refused) else 0,
+                                 1 if (side == "dst" and full) else 0], dtype=torch.int64,
                                 device=control_device(group))
             all_reduce(flag, group, dist.ReduceOp.MAX, "the version check (all stages)")
-            if flag.item() and not refused:
+            refused_elsewhere, full_elsewhere = flag.tolist()
+            if refused_elsewhere and not refused:
                 refused = ["the refit's version was refused in another PP stage's refit group "
                            "(see the errors there)"]
+            if full_elsewhere and not full:
+                full = ["another PP stage's refit group needs a full refit"]
     if refused:
         return VersionDecision(None, "; ".join(refused))
-    return VersionDecision(versions[0] if versions else None)
+    version_ = versions[0] if versions else None
+    if full:
+        return VersionDecision(version_, full_reason="; ".join(dict.fromkeys(full)))
+    return VersionDecision(version_, mode="delta", base=bases[0] if bases else None)
 
 
 __all__ = ["VersionDecision", "VersionRefused", "agree_version"]

@@ -1,0 +1,306 @@
+"""Delta refits (refit.delta): bit-exact, smaller, and full whenever the base is unproven.
+
+Real processes: a real megatron-core model (dense, Qwen3-shaped, bf16) on 2 training ranks
+(PP2: two refit groups) and 2 generation ranks (TP2, vLLM-layout model). The senders ask
+for delta refits. Between refits ~2% of every training param's elements change (a seeded
+choice, identical on every run). After every refit each generation rank compares every
+param bit for bit with the reference (full HF tensors gathered by the independent oracle,
+sliced by the vLLM layout). Refits:
+
+1. the first: full on every rank ("holds no base");
+2.-4. delta on every rank, the bytes sent a small fraction of the first refit's;
+5. new refit groups, a new sender (same model) and a new session on the generation ranks:
+   full on every rank, the reason naming both sides (no base on either);
+6. delta again;
+7.-8. new groups again, stage 1's sender with a base budget of 1 byte: full both times;
+   the second time stage 0's group alone could go delta, but the generation ranks see
+   stage 1's "over its budget" and tell stage 0's training rank ("another PP stage").
+
+A second layout mixes the two kinds of plans in every layer: 1 training rank, 4
+generation ranks (TP4) of a model with 2 KV heads, so each KV head lives on 2 generation
+ranks (k/v: the plan sends each member a stripe and the members exchange them, phase 1,
+forwarded as deltas) while q, o and the MLP go one hop. Six refits, with the
+end-to-end checksums on (they cover the resulting regions, deltas or not). Before the
+fourth, generation rank 1 writes 16 elements of a delta param's storage behind the
+refit's back: that delta refit cannot be right there, its checksums say so, it fails its
+commit on every rank, and the fifth refit is full (no base on the training side, the
+weights inconsistent) and bit-exact again; the sixth a delta.
+"""
+
+import json
+import zlib
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_reshard.tools.e2e import (ModuleWorker, _publish_expected, keep_expert_bias_fp32_,
+                                        tensor_digest)
+from megatron_reshard.tools.run_config import MODEL_PRESETS, RefitRunConfig
+
+TRAIN, GEN = 2, 2
+TIMEOUT_S = 60.0
+TAMPERED = "model.layers.1.mlp.down_proj.weight"  # one hop from training TP1 to gen TP4
+REFITS = 8
+NEW_SESSION_BEFORE = 4  # 0-based refit index before which both sides start anew
+TINY_BUDGET_FROM = 6    # and again, stage 1's sender's budget then 1 byte
+ROUND_STARTS = (0, NEW_SESSION_BEFORE, TINY_BUDGET_FROM)
+FRACTION = 0.02
+# (training ranks = PP stages, generation ranks = gen TP, refits, verify_checksums, model)
+PP2_TO_TP2 = (2, 2, REFITS, False, "dense")
+ONE_TO_TP4 = (1, 4, 6, True, "dense")
+MOE_TO_TP2 = (1, 2, 3, True, "moe")
+TAMPER_BEFORE = 3  # the mixed layout: gen rank 1 writes its storage before this refit
+
+
+def _cfg(layout) -> RefitRunConfig:
+    train, gen, _, _, name = layout
+    return RefitRunConfig(model=name, train_world=train, train_tp=1, train_pp=train,
+                          train_ep=1, gen_world=gen, gen_tp=gen, gen_ep=1)
+
+
+@torch.no_grad()
+def _catch(fn):
+    """The refit's dict, or the error as ``{"mode": "failed", ...}``."""
+    try:
+        return fn()
+    except Exception as exc:  # noqa: BLE001 - the error is the result
+        return {"mode": "failed", "type": type(exc).__name__, "error": str(exc),
+                "full_reason": None}
+
+
+def _change_sparsely(model, step: int) -> None:
+    """Change ~FRACTION of each param's elements (seeded by step and name)."""
+    for name, p in model.named_parameters():
+        g = torch.Generator().manual_seed(zlib.crc32(f"{step}:{name}".encode()))
+        flat = p.data.view(-1)
+        pick = torch.rand(flat.numel(), generator=g) < FRACTION
+        flat[pick] = flat[pick] * 1.5 + 0.0625
+
+
+def _delta_job(job, layout):
+    train, gen = layout[:2]
+    control = dist.TCPStore(job.host, job.ports[0], job.nprocs, job.rank == 0,
+                            timeout=timedelta(seconds=120))
+    side, rank, size = ("train", job.rank, train) if job.rank < train else \
+        ("gen", job.rank - train, gen)
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"world/{side}", control), rank=rank,
+                            world_size=size, timeout=timedelta(seconds=60))
+    return _train(job, control, layout) if side == "train" else _gen(job, control, rank, layout)
+
+
+def _train(job, control, layout):
+    train, gen, refits, checks, name = layout
+    from megatron.core import parallel_state as ps
+
+    from megatron_reshard.groups.comm import create_refit_group, destroy_refit_group
+    from megatron_reshard.megatron import MegatronRefitSource
+    from megatron_reshard.megatron.sender import RefitSender
+    from megatron_reshard.refit.delta import DeltaConfig
+    from megatron_reshard.testing.megatron_models import TinyGPTSpec, build_gpt_model
+    from megatron_reshard.testing.megatron_reference import gather_full_hf_state_dict
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=train,
+                                 distributed_timeout_minutes=1)
+    preset = dict(MODEL_PRESETS[name], num_layers=2)
+    family = preset.pop("family")
+    spec = TinyGPTSpec(dtype="bfloat16", **preset)
+    torch.manual_seed(0)
+    model = build_gpt_model(spec).to(dtype=torch.bfloat16)
+    keep_expert_bias_fp32_(model)
+    source = MegatronRefitSource(model, gen_parallelism={"tp_size": gen, "ep_size": 1, "pp_size": 1},
+                                 gen_world_size=gen, family=family, vocab_size=spec.vocab_size)
+    if job.rank == 0:
+        control.set("payload", source.payload_bytes())
+
+    def start(round_: int, budget: int = 1 << 30):
+        group = create_refit_group(job.host, job.ports[1 + 2 * round_ + source.stage],
+                                   source.stage_local_rank, 1 + gen, "gloo", TIMEOUT_S,
+                                   who=f"train rank {job.rank}",
+                                   label=f"refit group of PP stage {source.stage}")
+        return group, RefitSender(source, group, verify_checksums=checks,
+                                  delta=DeltaConfig(budget_bytes=budget, keep="pinned"))
+
+    group, sender = start(0)
+    out = []
+    for step in range(refits):
+        if step in ROUND_STARTS[1:] and train == 2:
+            destroy_refit_group(group, TIMEOUT_S)
+            round_ = ROUND_STARTS.index(step)
+            tiny = step == TINY_BUDGET_FROM and source.stage == 1
+            group, sender = start(round_, 1 if tiny else 1 << 30)
+        if step:
+            _change_sparsely(model, step)
+        out.append(_catch(sender.refit))
+        full = gather_full_hf_state_dict(model, family=family, vocab_size=spec.vocab_size)
+        if job.rank == 0:
+            _publish_expected(_cfg(layout), control, source.hf_config, full, step)
+        control.set(f"sent/{step}/{job.rank}", "1")
+    destroy_refit_group(group, TIMEOUT_S)
+    return out
+
+
+def _gen(job, control, gen_rank, layout):
+    train, gen, refits, checks, name = layout
+    from megatron_reshard.megatron.payload import decode_payload
+    from megatron_reshard.testing.vllm_like import build_vllm_like_model
+
+    control.wait(["payload"])
+    payload = decode_payload(control.get("payload"))
+    model = build_vllm_like_model(payload["hf_config"], gen_rank, gen, 1, torch.bfloat16)
+    worker = ModuleWorker(model)
+
+    def start(round_: int) -> None:
+        ports = [job.ports[1 + 2 * round_ + stage] for stage in range(train)]
+        worker.init_refit_groups(job.host, ports, 1 + gen_rank, 1 + gen, "gloo", TIMEOUT_S)
+        worker.prepare_refit(payload, {"verify_checksums": checks})
+
+    start(0)
+    out = {"refits": [], "mismatched": [], "reports": [], "states": []}
+    for step in range(refits):
+        if step in ROUND_STARTS[1:] and train == 2:
+            worker.destroy_refit_groups(TIMEOUT_S)
+            start(ROUND_STARTS.index(step))  # a new session: its storage is no proven base
+        if checks and step == TAMPER_BEFORE and gen_rank == 1:
+            with torch.no_grad():  # an out-of-band write the refit is not told about
+                flat = dict(model.named_parameters())[TAMPERED].view(-1)
+                flat[:16] = flat[:16] * 2 + 1
+        out["refits"].append(_catch(worker.refit))
+        out["states"].append(worker.refit_weights_state())
+        out["reports"].append(worker.report())
+        control.wait([f"expected/{step}/{gen_rank}"])
+        expected = json.loads(control.get(f"expected/{step}/{gen_rank}"))
+        actual = {n: tensor_digest(p) for n, p in model.named_parameters()}
+        out["mismatched"].append(sorted(n for n in set(expected) | set(actual)
+                                        if expected.get(n) != actual.get(n)))
+    control.wait([f"sent/{refits - 1}/{r}" for r in range(train)])
+    worker.destroy_refit_groups(TIMEOUT_S)
+    time.sleep(0.2)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(pool):
+    return pool.run(_delta_job, TRAIN + GEN, PP2_TO_TP2, num_ports=7, timeout_s=400)
+
+
+@pytest.fixture(scope="module")
+def moe(pool):
+    return pool.run(_delta_job, 1 + 2, MOE_TO_TP2, num_ports=3, timeout_s=400)
+
+
+@pytest.fixture(scope="module")
+def mixed(pool):
+    return pool.run(_delta_job, 1 + 4, ONE_TO_TP4, num_ports=3, timeout_s=400)
+
+
+def _modes(res):
+    rows = res if isinstance(res, list) else res["refits"]
+    return [r["mode"] for r in rows]
+
+
+EXPECTED_MODES = ["full", "delta", "delta", "delta", "full", "delta", "full", "full"]
+
+
+def test_every_refit_is_bit_exact_on_every_generation_rank(runs):
+    for gen in runs[TRAIN:]:
+        assert gen["mismatched"] == [[]] * REFITS, gen["mismatched"]
+
+
+def test_every_rank_agrees_on_the_mode_of_every_refit(runs):
+    for who, res in enumerate(runs):
+        assert _modes(res) == EXPECTED_MODES, (who, _modes(res),
+                                               [r["full_reason"] for r in
+                                                (res if who < TRAIN else res["refits"])])
+
+
+def test_full_refits_say_why_on_every_rank(runs):
+    for who, res in enumerate(runs):
+        rows = res if who < TRAIN else res["refits"]
+        assert "holds no base" in rows[0]["full_reason"], (who, rows[0]["full_reason"])
+        again = rows[NEW_SESSION_BEFORE]["full_reason"]
+        assert "holds no base" in again and "session has not committed" in again, (who, again)
+        last = rows[TINY_BUDGET_FROM + 1]["full_reason"]
+        if who == 0:  # its own group was ready: the other stage's group said no
+            assert last == "another PP stage's refit group needs a full refit", last
+        else:
+            assert "base is over its budget (stage 1's refit group)" in last, (who, last)
+        for i, row in enumerate(rows):
+            if row["mode"] == "delta":
+                assert row["full_reason"] is None, (who, i, row)
+
+
+def test_delta_refits_move_a_small_fraction_of_the_bytes(runs):
+    for who, rows in enumerate(runs[:TRAIN]):
+        full = rows[0]["bytes_sent"]
+        assert full > 0
+        for i, row in enumerate(rows):
+            if row["mode"] == "delta":
+                d = row["delta"]
+                assert d["params"] > 0 and 0 < d["changed"], (who, i, d)
+                # ~2% changed: positions + values, ~6 bytes per changed bf16 element
+                assert row["bytes_sent"] < 0.15 * full, (who, i, row["bytes_sent"], full)
+                assert d["wire_bytes"] < 0.15 * d["full_bytes"], (who, i, d)
+            else:
+                assert row["bytes_sent"] == full, (who, i, row["bytes_sent"], full)
+        base = rows[-1]["base"]
+        if who == 1:
+            assert base["kept_bytes"] == 0 < base["need_bytes"] and base["budget_bytes"] == 1
+        else:  # stage 0 keeps its base (within budget)
+            assert base["kept_bytes"] == base["need_bytes"] > 0, base
+        assert rows[3]["base"]["kept_bytes"] == rows[3]["base"]["need_bytes"] > 0, rows[3]
+    for gen in runs[TRAIN:]:
+        first = gen["reports"][0]
+        assert first["mode"] == "full" and first["bytes_received"] == first["full_bytes"] > 0
+        for report in gen["reports"][1:NEW_SESSION_BEFORE]:
+            assert report["mode"] == "delta"
+            assert report["bytes_received"] < 0.15 * report["full_bytes"], report
+
+
+MIXED_MODES = ["full", "delta", "delta", "failed", "full", "delta"]
+
+
+def test_replica_completion_forwards_deltas_bit_exact(mixed):
+    train, gens = mixed[0], mixed[1:]
+    assert _modes(train) == MIXED_MODES, train
+    for gen in gens:
+        for step, bad in enumerate(gen["mismatched"]):
+            assert bad == [] or step == TAMPER_BEFORE, (step, bad)
+        assert _modes(gen) == MIXED_MODES, gen["refits"]
+        assert all(r["checksums"] for r in gen["refits"] if r["mode"] != "failed")
+    for step in (1, 2, 5):
+        d = train[step]["delta"]
+        assert d["params"] == train[step]["bulk_params"], d  # every param as a delta
+        assert d["held_bytes"] == train[step]["bulk_bytes"]
+        assert train[step]["bytes_sent"] < 0.15 * train[0]["bytes_sent"], train[step]
+        forwarded = [gen["refits"][step]["delta"]["forwarded_bytes"] for gen in gens]
+        assert all(f > 0 for f in forwarded), forwarded  # k/v stripes went member to member
+        for gen in gens:
+            row = gen["refits"][step]
+            assert row["bytes_received"] < 0.15 * row["full_bytes"], row
+
+
+def test_a_storage_written_behind_the_refits_back_fails_the_delta_then_a_full_refit_heals(mixed):
+    train, gens = mixed[0], mixed[1:]
+    failed, healed = train[TAMPER_BEFORE], train[TAMPER_BEFORE + 1]
+    assert failed["type"] == "RefitError" and "checksums differ" in failed["error"], failed
+    assert "did not commit" in healed["full_reason"], healed
+    assert gens[1]["mismatched"][TAMPER_BEFORE] == [TAMPERED], gens[1]["mismatched"]
+    for who, gen in enumerate(gens):
+        state = gen["states"][TAMPER_BEFORE]
+        assert state["state"] == "inconsistent", (who, state)
+        reason = gen["refits"][TAMPER_BEFORE + 1]["full_reason"]
+        assert "did not commit" in reason and "inconsistent" in reason, (who, reason)
+        assert gen["states"][TAMPER_BEFORE + 1]["state"] == "consistent"
+
+
+def test_a_moe_model_refits_bit_exact_with_deltas(moe):
+    train, gens = moe[0], moe[1:]
+    for gen in gens:
+        assert gen["mismatched"] == [[]] * 3, gen["mismatched"]
+    modes = _modes(train)
+    assert all(_modes(gen) == modes for gen in gens)
+    assert modes == ["full", "delta", "delta"], [r["full_reason"] for r in train]
+    assert train[2]["bytes_sent"] < 0.2 * train[0]["bytes_sent"], train[2]
