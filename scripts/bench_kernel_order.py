@@ -1,0 +1,157 @@
+"""What writing through a GPU kernel's expert order costs (issue 34), against a plain write.
+
+    # 1. on a machine with the vLLM test venv: learn the orders with vLLM's own code
+    .venv-vllm/bin/python scripts/bench_kernel_order.py learn --out orders.pt
+    # 2. on a GPU (torch only): time the writes
+    python scripts/bench_kernel_order.py bench --orders orders.pt
+
+``learn`` builds one Qwen3-30B-A3B MoE layer (128 experts, hidden 2048, expert
+intermediate 768: one generation rank at TP1) in vLLM 0.33 on the CPU with
+``--moe-backend flashinfer_cutlass`` and then ``flashinfer_trtllm`` (vLLM's allocation and
+post-load conversion, the CPU shims of ``testing/vllm_models.py``) and saves the
+``KernelOrder`` the receiver learns for ``w13_weight`` / ``w2_weight``
+(``receiver.kernel_layouts.storage_orders``).
+
+``bench`` times, per backend and tensor, what a refit does with one received box per
+HF projection (w13: the gate rows, then the up rows; w2: the whole tensor), all experts:
+the write in checkpoint order (a copy into the storage's view), the write through the
+learned order (``VllmTargets.write``: a strided view where the order keeps one, else a
+scatter; the refit receives such a box into a buffer first), and a plain memcpy of the
+same bytes, all measured in the same run (median of ``--iters``). Results are checked
+bit for bit: the written storage read back through the order equals the values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+E, H, I = 128, 2048, 768
+BACKENDS = ("flashinfer_cutlass", "flashinfer_trtllm")
+
+
+def learn(out: str) -> int:
+    from megatron_reshard.receiver.kernel_layouts import storage_orders
+    from megatron_reshard.testing import vllm_models as vm
+    from megatron_reshard.tools.worlds import free_ports
+
+    hf = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+          "hidden_size": H, "intermediate_size": 6144, "moe_intermediate_size": I,
+          "num_experts": E, "num_experts_per_tok": 8, "num_hidden_layers": 1,
+          "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+          "vocab_size": 256, "max_position_embeddings": 128, "rms_norm_eps": 1e-6,
+          "rope_theta": 1e6, "norm_topk_prob": True, "decoder_sparse_step": 1,
+          "mlp_only_layers": [], "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+    saved = {}
+    for backend in BACKENDS:
+        t0 = time.perf_counter()
+        config = vm.vllm_config_for(vm.write_model_dir(hf), 1, moe_backend=backend)
+        with vm.vllm_parallel_state(config, 0, 1, free_ports(1)[0]):
+            model = vm.dummy_loaded_model(config)
+            orders = storage_orders(model)
+            params = dict(model.named_parameters())
+        for name, order in orders.items():
+            leaf = name.rsplit(".", 1)[1]
+            saved[f"{backend}/{leaf}"] = {"backend": order.backend, "terms": list(order.terms),
+                                          "shape": list(params[name].shape)}
+        print(f"{backend}: {sorted(orders)} learned in {time.perf_counter() - t0:.1f} s", flush=True)
+        del model, params
+    torch.save(saved, out)
+    return 0
+
+
+def _median_s(fn, iters: int, device) -> float:
+    times = []
+    for _ in range(iters + 2):
+        torch.cuda.synchronize(device) if device.type == "cuda" else None
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize(device) if device.type == "cuda" else None
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[2:])
+
+
+def bench(orders_file: str, iters: int, device: torch.device) -> int:
+    from megatron_reshard.vllm_layout.kernel_order import KernelOrder
+
+    saved = torch.load(orders_file, weights_only=False)
+    rows = []
+    for key, item in sorted(saved.items()):
+        order = KernelOrder(item["backend"], tuple(t.to(device) for t in item["terms"])).to(device)
+        shape = tuple(item["shape"])
+        leaf = key.split("/")[1]
+        storage = torch.zeros(shape, dtype=torch.bfloat16, device=device)
+        plain = torch.zeros(shape, dtype=torch.bfloat16, device=device)
+        # the boxes a refit writes: w13 per projection (gate rows, up rows), w2 whole
+        rows_ckpt = order.shape[1]
+        inter = I if leaf == "w13_weight" else None
+        boxes = ([((0, E), (0, inter), (0, shape[2])), ((0, E), (inter, 2 * inter), (0, shape[2]))]
+                 if leaf == "w13_weight" else [((0, E), (0, shape[1]), (0, I))])
+        values = [torch.randn([b - a for a, b in box], device=device).to(torch.bfloat16)
+                  for box in boxes]
+        nbytes = sum(v.numel() * v.element_size() for v in values)
+
+        def through_order():
+            for box, v in zip(boxes, values):
+                view = order.view(storage, box)
+                if view is not None:
+                    view.copy_(v)
+                else:
+                    order.scatter(storage, box, v)
+
+        def checkpoint_order():
+            for box, v in zip(boxes, values):
+                plain[tuple(slice(a, b) for a, b in box)].copy_(v)
+
+        src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        dst = torch.empty_like(src)
+        through_s = _median_s(through_order, iters, device)
+        ckpt_s = _median_s(checkpoint_order, iters, device)
+        memcpy_s = _median_s(lambda: dst.copy_(src), iters, device)
+        # bit for bit: each element read back where the order put it
+        exact = True
+        for box, v in zip(boxes, values):
+            idx = [order.terms[d][a:b] for d, (a, b) in enumerate(box)]
+            flat = (idx[0].view(-1, 1, 1) + idx[1].view(1, -1, 1) + idx[2].view(1, 1, -1))
+            exact &= torch.equal(storage.view(-1)[flat.view(-1)].view(v.shape), v)
+        views = all(order.view(storage, box) is not None for box in boxes)
+        gb = nbytes / 1e9
+        rows.append({"backend": item["backend"], "tensor": leaf, "shape": list(shape),
+                     "padded_rows": rows_ckpt, "mib": nbytes / 2**20, "written_as": "strided views" if views else "scatter",
+                     "through_order_gbps": gb / through_s, "checkpoint_order_gbps": gb / ckpt_s,
+                     "memcpy_gbps": gb / memcpy_s, "through_vs_checkpoint": ckpt_s / through_s,
+                     "through_vs_memcpy": memcpy_s / through_s, "bit_exact": bool(exact)})
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"writes through the learned expert orders, {name}, torch {torch.__version__}, median of {iters}")
+    print(f"{'backend':20} {'tensor':10} {'MiB':>7} {'written as':14} {'order GB/s':>10} {'ckpt GB/s':>10} "
+          f"{'memcpy GB/s':>11} {'order/ckpt':>10} {'order/memcpy':>12} exact")
+    for r in rows:
+        print(f"{r['backend']:20} {r['tensor']:10} {r['mib']:7.0f} {r['written_as']:14} "
+              f"{r['through_order_gbps']:10.1f} {r['checkpoint_order_gbps']:10.1f} {r['memcpy_gbps']:11.1f} "
+              f"{100 * r['through_vs_checkpoint']:9.0f}% {100 * r['through_vs_memcpy']:11.0f}% {r['bit_exact']}")
+    print(json.dumps(rows))
+    return 0 if all(r["bit_exact"] for r in rows) else 1
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    a = sub.add_parser("learn")
+    a.add_argument("--out", required=True)
+    b = sub.add_parser("bench")
+    b.add_argument("--orders", required=True)
+    b.add_argument("--iters", type=int, default=10)
+    b.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = ap.parse_args(argv)
+    if args.cmd == "learn":
+        return learn(args.out)
+    return bench(args.orders, args.iters, torch.device(args.device))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
