@@ -30,15 +30,14 @@ weights inconsistent) and bit-exact again; the sixth a delta.
 import json
 import zlib
 import time
-from datetime import timedelta
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from megatron_reshard.tools.e2e import (ModuleWorker, _publish_expected, keep_expert_bias_fp32_,
                                         tensor_digest)
 from megatron_reshard.tools.run_config import MODEL_PRESETS, RefitRunConfig
+from two_worlds import join_world
 
 TRAIN, GEN = 2, 2
 TIMEOUT_S = 60.0
@@ -82,12 +81,7 @@ def _change_sparsely(model, step: int) -> None:
 
 def _delta_job(job, layout):
     train, gen = layout[:2]
-    control = dist.TCPStore(job.host, job.ports[0], job.nprocs, job.rank == 0,
-                            timeout=timedelta(seconds=120))
-    side, rank, size = ("train", job.rank, train) if job.rank < train else \
-        ("gen", job.rank - train, gen)
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"world/{side}", control), rank=rank,
-                            world_size=size, timeout=timedelta(seconds=60))
+    control, side, rank = join_world(job, train, gen)
     return _train(job, control, layout) if side == "train" else _gen(job, control, rank, layout)
 
 

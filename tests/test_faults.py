@@ -22,10 +22,10 @@ import torch
 import torch.distributed as dist
 
 from megatron_reshard.tools.e2e import perturb_, tensor_digest
-from megatron_reshard.tools.run_config import MODEL_PRESETS
 from megatron_reshard.receiver import MegatronReshardWorkerExtension
 from megatron_reshard.wire.spec import RefitCtx
 from megatron_reshard.tools.worlds import RankFailure
+from two_worlds import dense_pp2_source
 
 pytestmark = pytest.mark.slow
 
@@ -74,23 +74,12 @@ def _arm_victim(loop, plan, control, step):
 
 
 def _train(job, control, plan):
-    from megatron.core import parallel_state as ps
-
     from megatron_reshard.groups.comm import create_refit_group
-    from megatron_reshard.megatron import MegatronRefitSource
-    from megatron_reshard.testing.megatron_models import TinyGPTSpec, build_gpt_model
     from megatron_reshard.testing.megatron_reference import gather_full_hf_state_dict
     from megatron_reshard.megatron.sender import RefitSender
 
     _world(job, control, "train", job.rank, TRAIN)
-    ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=2,
-                                 distributed_timeout_minutes=1)
-    preset = dict(MODEL_PRESETS["dense"])
-    family = preset.pop("family")
-    spec = TinyGPTSpec(dtype="bfloat16", **preset)
-    model = build_gpt_model(spec).to(dtype=torch.bfloat16)
-    source = MegatronRefitSource(model, gen_parallelism={"tp_size": GEN, "ep_size": 1, "pp_size": 1},
-                                 gen_world_size=GEN, family=family, vocab_size=spec.vocab_size)
+    model, source, family, vocab_size = dense_pp2_source(GEN)
     if job.rank == 0:
         control.set("payload", source.payload_bytes())
     group = create_refit_group(job.host, job.ports[1 + source.stage], source.stage_local_rank,
@@ -105,7 +94,7 @@ def _train(job, control, plan):
         step["k"] = k
         if k > 1:
             perturb_(model, k)
-        full = gather_full_hf_state_dict(model, family=family, vocab_size=spec.vocab_size)
+        full = gather_full_hf_state_dict(model, family=family, vocab_size=vocab_size)
         if job.rank == 0:
             for g in range(GEN):
                 control.set(f"{plan['tag']}/expected/{k}/{g}",

@@ -17,14 +17,12 @@ job, three rounds of refit groups:
 """
 
 import time
-from datetime import timedelta
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from megatron_reshard.receiver import MegatronReshardWorkerExtension
-from megatron_reshard.tools.run_config import MODEL_PRESETS
+from two_worlds import dense_pp2_source, join_world
 
 TRAIN, GEN = 2, 2
 TIMEOUT_S = 60.0  # long: a pass proves errors came through the fault board, not a timeout
@@ -40,31 +38,15 @@ def _catch(fn):
 
 
 def _trust_job(job):
-    control = dist.TCPStore(job.host, job.ports[0], job.nprocs, job.rank == 0,
-                            timeout=timedelta(seconds=120))
-    side, rank, size = ("train", job.rank, TRAIN) if job.rank < TRAIN else \
-        ("gen", job.rank - TRAIN, GEN)
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"world/{side}", control), rank=rank,
-                            world_size=size, timeout=timedelta(seconds=60))
+    control, side, rank = join_world(job, TRAIN, GEN)
     return _train(job, control) if side == "train" else _gen(job, control, rank)
 
 
 def _train(job, control):
-    from megatron.core import parallel_state as ps
-
     from megatron_reshard.groups.comm import create_refit_group
-    from megatron_reshard.megatron import MegatronRefitSource
     from megatron_reshard.megatron.sender import RefitSender
-    from megatron_reshard.testing.megatron_models import TinyGPTSpec, build_gpt_model
 
-    ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=2,
-                                 distributed_timeout_minutes=1)
-    preset = dict(MODEL_PRESETS["dense"], num_layers=2)
-    family = preset.pop("family")
-    spec = TinyGPTSpec(dtype="bfloat16", **preset)
-    model = build_gpt_model(spec).to(dtype=torch.bfloat16)
-    source = MegatronRefitSource(model, gen_parallelism={"tp_size": GEN, "ep_size": 1, "pp_size": 1},
-                                 gen_world_size=GEN, family=family, vocab_size=spec.vocab_size)
+    _, source, _, _ = dense_pp2_source(GEN, num_layers=2)
     if job.rank == 0:
         control.set("payload", source.payload_bytes())
 
