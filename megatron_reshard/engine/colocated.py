@@ -3,7 +3,7 @@
 Torch + stdlib only. Training and generation processes share the devices (or one host's
 CPU memory in tests). Per batch, on every rank of the refit group, in this order:
 
-1. the batch is described and planned by the engine's own code (``execute._describe``:
+1. the batch is described and planned by the engine's own code (``describe.describe_batch``:
    same validation, same ``Planner`` cache, same fingerprint) and this rank's tensors are
    checked (``checks``); with ``agree`` the engine's vote runs (``agree.py``), so bad
    input raises on every rank before any byte moves. A rank whose tensors are the same
@@ -78,8 +78,8 @@ from .checks import check_local, local_ok
 from .colocated_completion import Completions
 from .colocated_copies import CopyBatch, read_pairs
 from .colocated_views import MappedViews, PublishedViews
+from .describe import Rejected, describe_batch
 from .host_flags import READY, VERDICT, HostFlags
-from .execute import _describe, _Rejected  # the engine's batch description, reused as is
 from .members import LISTS, is_members
 from .plan import Planner
 from .p2p import P2PTransport
@@ -167,9 +167,9 @@ class ColocatedTransport:
         problem = batch = None
         tensors: list = []
         try:
-            batch = _describe(transfers, world, me, staging_bytes, "python", planner,
-                              id(self.group))
-        except _Rejected as rejected:
+            batch = describe_batch(transfers, world, me, staging_bytes, "python", planner,
+                                   self.group)
+        except Rejected as rejected:
             problem = rejected.problem
         sources = problem is None and any(t.src is not None for t in transfers)
         dests = problem is None and any(t.dst is not None for t in transfers)

@@ -2,7 +2,7 @@
 
 ``xfer_batch`` runs, on every rank of the group, in this order:
 
-1. the batch description (``batch.py``): layouts validated (placements, shard dims, every
+1. the batch description (``describe.py``, ``batch.py``): layouts validated (placements, shard dims, every
    mesh's ranks distinct ranks of the group) and planned; with a ``Planner`` passed
    across calls this, the fingerprint, the schedule and the resolved programs are cached
    per batch, so a repeated call skips them;
@@ -27,20 +27,19 @@ import torch
 
 from . import agree as agreement
 from .agree import Description, Vote, exchange_strided, hash_ints
-from .batch import Batch, kept_rows, layout_rows, light_key, rows_head
-from .checks import Problem, check_layout_ranks, check_local, local_ok
-from .fuse import fused_tensors, plan_fusion, scatter
+from .batch import Batch
+from .checks import Problem, check_local, local_ok
+from .describe import BACKENDS, MIN_STAGING_BYTES, Rejected, describe_batch
+from .fuse import fused_tensors, scatter
 from .members import stride_keys, with_members
-from .plan import Planner, gc_paused, layout_key
+from .plan import Planner, gc_paused
 from .schedule import build_schedule
 from .sequence import CallSequence
 from .p2p import P2PTransport
 from megatron_reshard.groups.collectives import backend_name, resolve_group
-from ..errors import BadInputError, MegatronReshardError
+from ..errors import BadInputError
 from ..groups.faults import RefitError
 
-MIN_STAGING_BYTES = 64
-BACKENDS = ("python", "auto")  # both run this engine ("auto" stays for callers that pass it)
 # agree=False: what a failed call adds to its error (sequence.py)
 _SKIPPED_NOTE = ("xfer_batch(agree=False) skipped the vote: this call is the one the "
                  "group's history predicts. A peer that called another batch voted "
@@ -96,72 +95,11 @@ def run_batch(transfers: Sequence, group, *, stream=None, staging_bytes: int = 2
              problem)
 
 
-def _describe(transfers, world: int, me: int, staging_bytes: int, backend: str,
-              planner: Planner, scope: int) -> Batch:
-    """The batch's cached state, built (validated and planned) on a miss. Raises
-    ``_Rejected`` with this rank's first problem."""
-    if staging_bytes < MIN_STAGING_BYTES:
-        raise _Rejected(Problem(None, f"staging_bytes on rank {me} must be >= "
-                                f"{MIN_STAGING_BYTES}, found {staging_bytes}"))
-    if backend not in BACKENDS:
-        raise _Rejected(Problem(None, f"unknown backend on rank {me}: expected one of "
-                                f"{BACKENDS}, found {backend!r}"))
-    # first the rows a cached batch was built from (fast for the same objects), then
-    # the light key (hashes placements: equal but new objects hit it too)
-    head, rows = rows_head(me, staging_bytes, transfers), layout_rows(transfers)
-    try:
-        batch = planner.batch_by_rows(scope, head, rows)
-    except (TypeError, RuntimeError):  # a field whose ``==`` is no bool (a tensor shape)
-        batch = None
-    if batch is not None:
-        return batch
-    light = light_key(transfers, world)
-    bkey = None if light is None else (me, staging_bytes, light)
-    try:
-        batch = None if bkey is None else planner.batch(scope, bkey)
-    except TypeError:  # unhashable placements (e.g. wire-form dicts): no caching
-        light = bkey = batch = None
-    if batch is None:
-        keys = []
-        for i, t in enumerate(transfers):
-            where = f"param {getattr(t, 'name', f'#{i}')!r} on rank {me}"
-            try:
-                if t.dtype is None:
-                    raise BadInputError(f"{where}: dtype is required, found None")
-
-                def build(t=t, where=where):
-                    key = layout_key(t.global_shape, t.src_mesh, t.src_placements,
-                                     t.dst_mesh, t.dst_placements, where)
-                    check_layout_ranks(key, world, where)
-                    return key
-
-                keys.append(build() if light is None else planner.layout(light[i].layout,
-                                                                         build))
-            except Exception as exc:  # whatever the description holds: every rank is told
-                text = str(exc) if isinstance(exc, ValueError) else (
-                    f"{where}: invalid description: {type(exc).__name__}: {exc}")
-                raise _Rejected(Problem(i, text)) from exc
-        batch = Batch(transfers, planner.plan_all(keys), me)
-        batch.fusion = plan_fusion(transfers, batch.plans, staging_bytes, planner)
-        if bkey is not None:
-            planner.remember_batch(scope, bkey, batch)
-    kept = kept_rows(rows) if bkey is not None else None
-    if kept is not None:
-        planner.remember_rows(scope, head, batch, kept)
-    return batch
-
-
-class _Rejected(MegatronReshardError):
-    def __init__(self, problem: Problem) -> None:
-        super().__init__(problem.text())
-        self.problem = problem
-
-
 def _run(transfers, group, stream, staging_bytes: int, planner: Optional[Planner],
          backend: str, agree: bool, described: bool, problem: Optional[Problem]) -> None:
     planner = planner if planner is not None else Planner()
     group = resolve_group(group)
-    history = planner.call_sequence(id(group))
+    history = planner.call_sequence(group)
     try:
         _call(transfers, group, stream, staging_bytes, planner, backend, agree, described,
               problem, history)
@@ -179,9 +117,9 @@ def _call(transfers, group, stream, staging_bytes: int, planner: Planner, backen
     tensors: list = []  # this rank's tensors, two per transfer: src at 2 * ti, dst at 2 * ti + 1
     if problem is None:
         try:
-            batch = _describe(transfers, world, me, staging_bytes, backend, planner,
-                              id(group))
-        except _Rejected as rejected:
+            batch = describe_batch(transfers, world, me, staging_bytes, backend, planner,
+                                   group)
+        except Rejected as rejected:
             problem = rejected.problem
     if batch is not None and problem is None:
         ok, device = local_ok(transfers, batch.expected, device_type, tensors)

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import weakref
 from contextlib import contextmanager
-from typing import NamedTuple, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -71,6 +72,36 @@ class _RowsBatch(NamedTuple):
     rows: list
 
 
+class PerGroup:
+    """A planner's table of one kind of state per group, keyed by the group object itself
+    (never by ``id()``, which a later group may reuse): weakly where the object allows it
+    (a ``RefitGroup``, a torch process group), so a dropped group drops its entries and a
+    planner never keeps a group alive; any other hashable scope is kept until ``clear``."""
+
+    def __init__(self) -> None:
+        self._weak: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+        self._strong: dict = {}
+
+    def get(self, group: Any, default: Any = None) -> Any:
+        try:
+            return self._weak.get(group, default)
+        except TypeError:  # not weakly referenceable
+            return self._strong.get(group, default)
+
+    def setdefault(self, group: Any, value: Any) -> Any:
+        try:
+            return self._weak.setdefault(group, value)
+        except TypeError:
+            return self._strong.setdefault(group, value)
+
+    def values(self) -> list:
+        return [*self._weak.values(), *self._strong.values()]
+
+    def clear(self) -> None:
+        self._weak.clear()
+        self._strong.clear()
+
+
 _STAGING_STREAMS = 4  # streams with kept staging slots per Planner (see staging_slots)
 
 
@@ -89,10 +120,10 @@ class Planner:
         self.costs = costs  # None: the default plans (no link model)
         self._plans: dict[LayoutKey, ParamPlan] = {}
         self._layouts: dict[tuple, LayoutKey] = {}
-        self._batches: dict[int, dict[tuple, object]] = {}  # group scope -> batches
-        self._by_rows: dict[int, dict[tuple, _RowsBatch]] = {}  # scope -> head -> batch
+        self._batches = PerGroup()  # group -> batch key -> batch
+        self._by_rows = PerGroup()  # group -> head -> _RowsBatch
         self._staging: dict[tuple, list] = {}  # (device index, stream) -> two CUDA slots
-        self._sequences: dict[int, CallSequence] = {}  # group scope -> its call history
+        self._sequences = PerGroup()  # group -> its call history (CallSequence)
 
     def plan(self, key: LayoutKey) -> ParamPlan:
         got = self._plans.get(key)
@@ -117,19 +148,19 @@ class Planner:
             self._layouts[light] = got
         return got
 
-    def call_sequence(self, scope: int) -> CallSequence:
+    def call_sequence(self, scope: Any) -> CallSequence:
         """The history of calls that went through on one group (``agree=False`` skips the
-        vote for the call it predicts)."""
+        vote for the call it predicts). ``scope``, here and below: the group itself."""
         got = self._sequences.get(scope)
         if got is None:
-            got = self._sequences[scope] = CallSequence()
+            got = self._sequences.setdefault(scope, CallSequence())
         return got
 
-    def batch(self, scope: int, key: tuple) -> Optional[object]:
+    def batch(self, scope: Any, key: tuple) -> Optional[object]:
         """Cached per-batch state for ``key`` in ``scope`` (one group), or None."""
         return self._batches.get(scope, {}).get(key)
 
-    def remember_batch(self, scope: int, key: tuple, value: object) -> None:
+    def remember_batch(self, scope: Any, key: tuple, value: object) -> None:
         # One cache per group, bounded against callers whose batches never repeat. Every
         # rank of a group calls the same batches on it in the same order, so its ranks
         # clear their caches at the same call: a batch is then rebuilt (and agreed) on all
@@ -141,13 +172,13 @@ class Planner:
             batches.clear()
         batches[key] = value
 
-    def batch_by_rows(self, scope: int, head: tuple, rows: list) -> Optional[object]:
+    def batch_by_rows(self, scope: Any, head: tuple, rows: list) -> Optional[object]:
         """The batch remembered under ``head`` if it was built from these ``rows``
         (``batch.layout_rows``), else None."""
         got = self._by_rows.get(scope, {}).get(head)
         return got.batch if got is not None and got.rows == rows else None
 
-    def remember_rows(self, scope: int, head: tuple, batch: object, rows: list) -> None:
+    def remember_rows(self, scope: Any, head: tuple, batch: object, rows: list) -> None:
         """Remember ``batch`` with the rows it was built from; bounded and cleared like
         ``remember_batch``; a miss only costs the light key."""
         known = self._by_rows.setdefault(scope, {})

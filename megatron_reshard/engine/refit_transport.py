@@ -1,37 +1,38 @@
-"""How a refit group moves a batch's bytes: one narrow interface, chosen by name.
+"""The refit transport: how one refit group moves a batch's bytes, chosen by name at join.
 
-Torch + stdlib only (the receiver imports it). The refit loop hands every batch to its
-group's transport with the engine's batch contract (``execute.xfer_batch``: the same
-transfer list on every rank of the group, ``dst`` written in place, bad input raising on
-every rank before data moves). Two transports implement it:
+This is the engine's one transport seam (``RefitTransport``); the refit loop hands every
+batch to its group's transport. Not to be confused with ``engine/p2p.py``'s
+``P2PTransport``, which is lower: the send / recv rounds and the vote's all-reduce over a
+process group, which the "p2p" refit transport runs its schedule through (and the
+colocated one its control messages).
 
-- ``"p2p"`` (the default): the engine's schedule of point-to-point rounds over the group's
-  process group (gloo on CPU, NCCL on GPU);
+Torch + stdlib only (the receiver imports it). Each transport keeps the engine's batch
+contract (``execute.xfer_batch``: the same transfer list on every rank of the group, ``dst``
+written in place, bad input raising on every rank before data moves). Two implement it:
+
+- ``"p2p"`` (the default, ``P2PRefitTransport``): the engine's schedule of point-to-point
+  rounds over the group's process group (gloo on CPU, NCCL on GPU);
 - ``"colocated"`` (``colocated.py``): training and generation processes on the same
   devices; each generation rank maps the training ranks' local shards once (CUDA IPC, or
   shared memory on CPU) and copies straight out of them. The group's process group (gloo)
   only carries the control messages: the vote, the barriers, checksums and the commit.
 
-A group made by ``groups.comm.create_refit_group(..., transport=name)`` carries the name
-its ranks agreed on at join (``groups.comm.TRANSPORT_NAMES``); ``transport_of`` builds that
-transport for the group on first use, keeps it while the group lives and has
-``destroy_refit_group`` close it. The names live with the groups (they are agreed there),
-the implementations here: the groups never import the engine.
+A group made by ``groups.comm.create_refit_group(..., transport=name)`` (a ``RefitGroup``)
+carries the name its ranks agreed on at join (``groups.comm.TRANSPORT_NAMES``);
+``transport_of`` builds that transport for the group on first use and the group keeps it
+(``RefitGroup.transport``) until its ``destroy()`` closes it. The names live with the groups
+(they are agreed there), the implementations here: the groups never import the engine.
 """
 
 from __future__ import annotations
 
-import weakref
 from typing import Any, Callable, Optional, Protocol, Sequence
 
-from megatron_reshard.groups.comm import (DEFAULT_TRANSPORT, TRANSPORT_NAMES, at_destroy,
-                                          check_transport_name, group_transport)
+from megatron_reshard.groups.comm import DEFAULT_TRANSPORT, TRANSPORT_NAMES, check_transport_name
+from megatron_reshard.groups.refit_group import RefitGroup
 
 from .colocated import ColocatedTransport
 from .execute import xfer_batch
-
-# group -> its transport, built on first use; weak: a dropped group drops it
-_TRANSPORTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 class RefitTransport(Protocol):
@@ -53,8 +54,9 @@ class RefitTransport(Protocol):
         """Let go of what the transport holds (mapped memory); the group is done."""
 
 
-class ProcessGroupTransport:
-    """The engine's point-to-point rounds over the refit group's process group."""
+class P2PRefitTransport:
+    """The ``"p2p"`` refit transport: ``xfer_batch``'s schedule of point-to-point rounds
+    over the refit group's process group (through ``p2p.P2PTransport``)."""
 
     name = "p2p"
 
@@ -75,7 +77,7 @@ class ProcessGroupTransport:
 
 # name -> how to build it for (group, the group's store); one entry per TRANSPORT_NAMES
 _BUILDERS: dict[str, Callable[[Any, Any], RefitTransport]] = {
-    "p2p": lambda group, store: ProcessGroupTransport(),
+    "p2p": lambda group, store: P2PRefitTransport(),
     "colocated": ColocatedTransport,
 }
 assert set(_BUILDERS) == set(TRANSPORT_NAMES) and DEFAULT_TRANSPORT in _BUILDERS
@@ -86,32 +88,10 @@ def make_transport(name: str, group: Any, store: Any) -> RefitTransport:
     return _BUILDERS[check_transport_name(name)](group, store)
 
 
-def attach_transport(group: Any, transport: RefitTransport) -> None:
-    """Give ``group`` this transport (``destroy_refit_group`` closes it)."""
-    _TRANSPORTS[group] = transport
-    at_destroy(group, close_transport)
-
-
 def transport_of(group: Any) -> RefitTransport:
-    """The group's transport: the one its ranks agreed on at join, built on first use; a
-    group made elsewhere (or None, the default world) uses p2p."""
-    if group is None:
-        return ProcessGroupTransport()
-    try:
-        got: Optional[RefitTransport] = _TRANSPORTS.get(group)
-    except TypeError:  # a group object that cannot be weakly referenced
-        return ProcessGroupTransport()
-    if got is None:
-        agreed = group_transport(group)
-        if agreed is None:
-            return ProcessGroupTransport()
-        name, store = agreed
-        got = make_transport(name, group, store)
-        attach_transport(group, got)
-    return got
-
-
-def close_transport(group: Any) -> None:
-    transport = _TRANSPORTS.pop(group, None)
-    if transport is not None:
-        transport.close()
+    """The group's transport: for a ``RefitGroup``, the one its ranks agreed on at join,
+    built on first use and kept by the group; any other group (or None, the default world)
+    uses p2p."""
+    if not isinstance(group, RefitGroup):
+        return P2PRefitTransport()
+    return group.transport_for(lambda g: make_transport(g.transport_name, g, g.store))

@@ -3,13 +3,16 @@
 Torch + stdlib only. ``comm`` builds the refit group over training + generation ranks from
 an explicit TCPStore and tears it down; ``faults`` gives every group a fault board, so a
 rank that fails tells every peer, and every wait on a group polls that board instead of
-hanging. A group carries the name of the transport its ranks agreed on at join
-(``comm.TRANSPORT_NAMES``); the engine builds the transport itself (``engine.refit_transport``).
+hanging. ``comm.create_refit_group`` returns a ``refit_group.RefitGroup``, the one object
+that owns a group's state (store, board, threads, transport) until its ``destroy()``. A group
+carries the name of the transport its ranks agreed on at join (``comm.TRANSPORT_NAMES``);
+the engine builds the transport itself (``engine.refit_transport``) and the group keeps it.
 This package imports nothing of the engine: the engine sits above it.
 """
 
 from megatron_reshard.groups.faults import PeerFailure, RefitError, RefitTimeout
 from megatron_reshard.groups.comm import create_refit_group, destroy_refit_group
+from megatron_reshard.groups.refit_group import RefitGroup
 
-__all__ = ["PeerFailure", "RefitError", "RefitTimeout", "create_refit_group",
+__all__ = ["PeerFailure", "RefitError", "RefitGroup", "RefitTimeout", "create_refit_group",
            "destroy_refit_group"]

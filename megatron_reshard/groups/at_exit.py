@@ -10,12 +10,18 @@ with ``pthread_exit`` when it asks for the GIL back; that unwinds through pybind
 ("terminate called without an active exception", exit -6) after the library's error was
 printed (measured: ``tests/prepare_failure_ranks.py``, gdb backtrace of the thread).
 
-So at exit (an ``atexit`` hook, armed when the first refit group is created: it runs
-before finalization, while threads may still take the GIL), if such a call is in flight,
-the sockets of every failed group still alive are shut down: the abandoned calls return
-now, with a connection error nobody reads, and the hook waits (briefly) until they have.
-The sockets are the ones the group's store client and its gloo process group opened
+So at exit (an ``atexit`` hook, armed when the first group fails: it runs before
+finalization, while threads may still take the GIL), if such a call is in flight, the
+sockets of every failed group are shut down: the abandoned calls return now, with a
+connection error nobody reads, and the hook waits (briefly) until they have. The sockets
+are the ones the group's store client and its gloo process group opened
 (``opened_sockets``, recorded at creation); the process was about to close them anyway.
+
+A group's fault board hands itself to ``remember_failed`` when the group fails: the hook
+needs the failed groups whoever still holds them (a destroyed group lets go of its board,
+but calls it abandoned may still be in flight). That list is the exit hook's, not the
+groups' state; a board whose calls have all returned is dropped from it at the next
+failure.
 """
 
 from __future__ import annotations
@@ -24,9 +30,9 @@ import atexit
 import os
 import socket
 import threading
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Protocol
 
-from megatron_reshard.groups.threads import calls_in_flight, wait_for_calls
+from megatron_reshard.groups.threads import DaemonThreads, calls_in_flight, wait_for_calls
 
 # How long the exit hook waits for abandoned calls once their sockets are shut down
 # (they return at once; this only bounds a call that was not on one of them).
@@ -81,24 +87,44 @@ def shut_down(sockets: Iterable[tuple[int, str]]) -> None:
             sock.detach()  # the fd belongs to the group, not to this object
 
 
-def arm(failed_sockets: Callable[[], Iterable[tuple[int, str]]]) -> None:
-    """Register the exit hook once per process; ``failed_sockets()`` lists the sockets of
-    the failed groups still alive when it runs."""
+class FailedGroup(Protocol):
+    """What the hook reads of a failed group's board."""
+
+    sockets: list[tuple[int, str]]   # (fd, "socket:[inode]") its store client and pairs opened
+    threads: DaemonThreads           # where its calls ran
+
+
+_failed: list = []  # FailedGroup boards whose abandoned calls may still be in flight
+
+
+def remember_failed(board: FailedGroup) -> None:
+    """Keep ``board`` for the exit hook (once); arm the hook."""
+    with _armed:
+        _failed[:] = [b for b in _failed if b.threads.busy]  # all returned: nothing to end
+        if not any(b is board for b in _failed):
+            _failed.append(board)
+    arm()
+
+
+def arm() -> None:
+    """Register the exit hook once per process."""
     global _is_armed
     with _armed:
         if _is_armed:
             return
         _is_armed = True
-    atexit.register(end_abandoned_calls, failed_sockets)
+    atexit.register(end_abandoned_calls)
 
 
-def end_abandoned_calls(failed_sockets: Callable[[], Iterable[tuple[int, str]]],
-                        wait_s: float = EXIT_WAIT_S) -> bool:
+def end_abandoned_calls(wait_s: float = EXIT_WAIT_S) -> bool:
     """The exit hook: end the calls failed groups left in flight; True if none is left."""
-    if not calls_in_flight():
+    boards = list(_failed)
+    pools = [b.threads for b in boards]
+    if not calls_in_flight(pools):
         return True
-    shut_down(failed_sockets())
-    return wait_for_calls(wait_s)
+    shut_down(s for b in boards for s in b.sockets)
+    return wait_for_calls(pools, wait_s)
 
 
-__all__ = ["EXIT_WAIT_S", "arm", "end_abandoned_calls", "opened_sockets", "shut_down"]
+__all__ = ["EXIT_WAIT_S", "arm", "end_abandoned_calls", "opened_sockets", "remember_failed",
+           "shut_down"]

@@ -4,46 +4,33 @@ The two sides already belong to different default worlds (training under torchru
 generation in another launcher), so the refit group is built from an explicit ``TCPStore``
 (+ ``PrefixStore``) directly as a ``ProcessGroupGloo`` / ``ProcessGroupNCCL`` backend,
 never through ``init_process_group`` (under torchrun that would rendezvous through the
-agent store and hang). The result is not registered with c10d: use it through its own
-methods (``rank()``, ``size()``, ``send``, ``recv``, ``allreduce``) or pass it to the
-engine (``xfer_batch(..., group=pg)``), which accepts such groups. ``destroy_refit_group``
-shuts it down at the end of the job.
+agent store and hang). The result is a ``refit_group.RefitGroup``: the backend (not
+registered with c10d) and everything kept for the group (store, fault board, threads, its
+transport once built). Use it through its own methods (``rank()``, ``size()``, ``send``,
+``recv``, ``allreduce``) or pass it to the engine (``xfer_batch(..., group=group)``).
+``group.destroy()`` (or ``destroy_refit_group(group)``) shuts it down at the end of the job.
 """
 
 from __future__ import annotations
 
 import json
 import time
-import warnings
-import weakref
 from datetime import timedelta
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from megatron_reshard.errors import BadInputError
 from megatron_reshard.groups import at_exit
-from megatron_reshard.groups.faults import (POLL_S, POST_S, FaultBoard, RefitError, RefitTimeout,
-                                           attach_board, board_of, failed_groups_sockets)
+from megatron_reshard.groups.faults import POLL_S, FaultBoard, RefitError, RefitTimeout
+from megatron_reshard.groups.refit_group import FAILED_LINGER_S, RefitGroup
+from megatron_reshard.groups.threads import DaemonThreads
 
-# The transports a refit group can agree on at join (``engine.refit_transport`` builds each one
-# for the group on first use; the group itself only carries the agreed name).
+# The transports a refit group can agree on at join (``engine.refit_transport`` builds the
+# agreed one for the group on first use and the group keeps it: ``RefitGroup.transport``).
 TRANSPORT_NAMES = ("p2p", "colocated")
 DEFAULT_TRANSPORT = "p2p"
-
-
-class _GroupRecord(NamedTuple):
-    store: Any            # the group's own (prefixed) store
-    is_host: bool         # this rank hosts the store
-    world: int
-    transport: str        # the transport the ranks agreed on at join
-
-
-# group -> its record, for destroy_refit_group and the group's transport
-_GROUPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-# group -> what runs first in destroy_refit_group (a built transport lets go of its memory)
-_AT_DESTROY: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def check_transport_name(name: str) -> str:
@@ -52,29 +39,12 @@ def check_transport_name(name: str) -> str:
     return name
 
 
-def group_transport(pg) -> Optional[tuple[str, Any]]:
-    """(the agreed transport name, the group's store) of a group made by
-    ``create_refit_group``; None for any other group."""
-    try:
-        record = _GROUPS.get(pg)
-    except TypeError:  # a group object that cannot be weakly referenced
-        return None
-    return None if record is None else (record.transport, record.store)
-
-
-def at_destroy(pg, fn: Callable[[Any], None]) -> None:
-    """Run ``fn(pg)`` when ``destroy_refit_group(pg)`` starts, before the group shuts down
-    (once, however often it is asked; ``fn`` gets the group, so it need not hold it)."""
-    hooks = _AT_DESTROY.setdefault(pg, [])
-    if fn not in hooks:
-        hooks.append(fn)
-
-
 def create_refit_group(host: str, port: int, rank: int, world_size: int,
                        backend: str = "gloo", timeout_s: float = 300.0,
                        prefix: str = "refit", device: Optional[torch.device] = None,
                        is_store_server: Optional[bool] = None, *, who: Optional[str] = None,
-                       label: Optional[str] = None, transport: Optional[str] = None):
+                       label: Optional[str] = None,
+                       transport: Optional[str] = None) -> RefitGroup:
     """Join the refit group ``prefix`` of ``world_size`` ranks rendezvousing at host:port.
 
     Rank 0 hosts the store unless ``is_store_server`` says otherwise. ``device`` (NCCL
@@ -89,7 +59,7 @@ def create_refit_group(host: str, port: int, rank: int, world_size: int,
     (``megatron_reshard.groups.faults``): its waits raise instead of hanging when a peer fails.
 
     ``transport`` (one of ``TRANSPORT_NAMES``; ``engine.refit_transport.transport_of`` builds it
-    for the group on first use): how the group moves bytes, "p2p" (point-to-point
+    for the group on first use, and the group keeps it): how the group moves bytes, "p2p" (point-to-point
     over the group) or "colocated" (copies out of the training ranks' mapped memory; the
     group then carries control messages only, over gloo). None follows the ranks that
     chose (a vLLM worker follows its trainer); ranks that chose differently are refused at
@@ -108,7 +78,6 @@ def create_refit_group(host: str, port: int, rank: int, world_size: int,
     who = who or f"group rank {rank} of the {label}"
     timeout = timedelta(seconds=timeout_s)
     server = rank == 0 if is_store_server is None else is_store_server
-    at_exit.arm(failed_groups_sockets)  # a failed group's abandoned calls end before exit
     try:
         raw, store_sockets = at_exit.opened_sockets(
             lambda: dist.TCPStore(host, port, None, server, timeout=timeout,
@@ -118,8 +87,13 @@ def create_refit_group(host: str, port: int, rank: int, world_size: int,
         raise RefitError(f"{label}: {who} could not {role} the group's store at {host}:{port} "
                          f"within {timeout_s:g} s (group rank 0 hosts it): {exc}") from exc
     store = dist.PrefixStore(f"{prefix}/", raw)
-    board = FaultBoard(store, rank, world_size, who, label, timeout_s, backend)
-    chosen = _join(board, backend, transport)
+    threads = DaemonThreads("refit-group")  # the group's: its store calls and Work waits
+    board = FaultBoard(store, rank, world_size, who, label, timeout_s, backend, threads)
+    try:
+        chosen = _join(board, backend, transport)
+    except BaseException:
+        threads.close()  # the group never came to be: nobody else would end them
+        raise
     board.sockets = store_sockets if not server else []  # the host's: a listener, peers'
     if backend == "gloo":
         pg, pair_sockets = at_exit.opened_sockets(
@@ -132,9 +106,7 @@ def create_refit_group(host: str, port: int, rank: int, world_size: int,
         pg = dist.ProcessGroupNCCL(store, rank, world_size, opts)
         if device is not None:
             pg.eager_connect_single_device(torch.device(device))
-    _GROUPS[pg] = _GroupRecord(store, server, world_size, chosen)
-    attach_board(pg, board)
-    return pg
+    return RefitGroup(pg, store, board, threads, is_host=server, transport_name=chosen)
 
 
 NCCL_TIMEOUT_MARGIN_S = 10.0
@@ -225,55 +197,14 @@ def _join_problem(mine: dict, other: dict, seen: dict) -> Optional[str]:
     return None
 
 
-def destroy_refit_group(pg, timeout_s: float = 60.0) -> int:
-    """Shut the refit group down on this rank (its communicators and, on NCCL, the
-    watchdog threads that poll the group's store). Call it on every rank once no refit
-    will run again.
-
-    The rank hosting the store returns only once every rank has shut down (or after
-    ``timeout_s``, with a warning): a peer's NCCL watchdog still polling a store whose
-    host has exited prints ``recvValue failed`` tracebacks. A group that failed waits at
-    most ``FAILED_LINGER_S``, and its store calls are bounded: a dead or stopped rank never
-    counts itself. Returns how many ranks had shut down when this one returned (the host:
-    all of them, unless it stopped waiting).
-    """
-    for fn in _AT_DESTROY.pop(pg, ()):
-        fn(pg)  # a colocated transport lets go of the peers' mapped memory
-    pg.shutdown()
-    record = _GROUPS.pop(pg, None)
-    if record is None:  # not made by create_refit_group: no store to meet at
-        return 1
-    board = board_of(pg)
-    failed = board is not None and (board.failed or board.first_fault(POST_S) is not None)
-    store, server, world = record.store, record.is_host, record.world
-
-    def count(n: int) -> int:  # a failed group's store may have a stopped host: bounded
-        return board.count_shutdown(n) if failed else int(store.add("shutdown", n))
-
-    try:
-        done = count(1)
-    except Exception as exc:  # noqa: BLE001 - teardown: the host may have gone already
-        warnings.warn(f"destroy_refit_group: the group's store is gone ({exc}); its host "
-                      f"did not wait for this rank", RuntimeWarning, stacklevel=2)
-        return 1
-    if server:
-        wait_s = min(timeout_s, FAILED_LINGER_S) if failed else timeout_s
-        deadline = time.monotonic() + wait_s
-        try:
-            while done < world and time.monotonic() < deadline:
-                time.sleep(0.01)
-                done = count(0)
-        except Exception:  # noqa: BLE001 - a failed group's bounded call: stop waiting
-            if not failed:
-                raise
-        if done < world:
-            why = "; the group had failed" if failed else ""
-            warnings.warn(f"destroy_refit_group: {world - done} of {world} ranks had not shut "
-                          f"down after {wait_s:g} s{why}; closing the store anyway",
-                          RuntimeWarning, stacklevel=2)
-    return done
+def destroy_refit_group(group, timeout_s: float = 60.0) -> int:
+    """``group.destroy(timeout_s)`` for a ``RefitGroup`` (see there; returns how many ranks
+    had shut down); any other process group is shut down and 1 returned."""
+    if isinstance(group, RefitGroup):
+        return group.destroy(timeout_s)
+    group.shutdown()
+    return 1
 
 
-# How long the store's host waits for its peers' shutdown once the group has failed: the
-# survivors count themselves soon after their error, the dead never do.
-FAILED_LINGER_S = 2.0
+__all__ = ["DEFAULT_TRANSPORT", "FAILED_LINGER_S", "RefitGroup", "TRANSPORT_NAMES",
+           "check_transport_name", "create_refit_group", "destroy_refit_group"]

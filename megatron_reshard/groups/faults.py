@@ -1,7 +1,8 @@
 """Failures that reach every rank of a refit group, fast, and waits that never hang silently.
 
 Torch + stdlib only (the receiver imports it). Each refit group made by
-``comm.create_refit_group`` carries a ``FaultBoard`` in its own TCPStore. A rank that fails
+``comm.create_refit_group`` (a ``refit_group.RefitGroup``) owns a ``FaultBoard`` kept in the
+group's own TCPStore (``group.board``; ``board_of`` reads it, None for any other group). A rank that fails
 (bad input, a broken peer, an integrity mismatch) posts one line there; every wait on the
 group (``wait_works``, ``wait_device``) polls the board, so a peer blocked in a receive
 raises ``PeerFailure`` naming the failing rank and its message within ``POLL_S`` instead of
@@ -28,13 +29,13 @@ from __future__ import annotations
 
 import json
 import time
-import weakref
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
 from megatron_reshard.errors import MegatronReshardError
+from megatron_reshard.groups import at_exit
 from megatron_reshard.groups.threads import DaemonThreads, hold
 
 POLL_S = 0.05          # how often a waiting rank looks at the board
@@ -42,13 +43,6 @@ EVENT_NAP_S = 1e-5     # a device wait's first nap between event queries (then d
 GRACE_S = 0.5          # after a transport error: how long to look for a peer's own report
 POST_S = 2.0           # the longest a failing rank spends telling one group (a stopped store)
 
-# Daemon threads, reused, never joined at exit: some store calls never return while the
-# store's host is stopped, and a gloo Work's wait() returns only at gloo's timeout when a
-# peer has stopped taking part (a failure leaves one such wait behind on every survivor)
-_STORE_CALLS = DaemonThreads("refit-store")
-_WORK_WAITS = DaemonThreads("refit-wait")
-# group -> its FaultBoard (set by comm.create_refit_group); weak: a dropped group drops it
-_BOARDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 class RefitError(MegatronReshardError, RuntimeError):
@@ -83,11 +77,19 @@ class Fault:
 
 
 class FaultBoard:
-    """The failure notices of one refit group, kept in the group's store."""
+    """The failure notices of one refit group, kept in the group's store.
+
+    ``threads``: the group's daemon threads (``threads.DaemonThreads``, owned by the group),
+    on which the board's store calls and the group's Work waits run: some store calls never
+    return while the store's host is stopped, and a gloo Work's wait() returns only at
+    gloo's timeout when a peer has stopped taking part (a failure leaves one such wait
+    behind on every survivor); a daemon thread stuck there cannot hold the process."""
 
     def __init__(self, store: Any, rank: int, world: int, who: str, label: str,
-                 timeout_s: float, backend: str = "gloo"):
+                 timeout_s: float, backend: str = "gloo",
+                 threads: Optional[DaemonThreads] = None):
         self.store, self.rank, self.world, self.backend = store, rank, world, backend
+        self.threads = threads if threads is not None else DaemonThreads("refit-group")
         self.who = who            # this rank, for humans: "train rank 3", "gen rank 0"
         self.label = label        # the group, for humans: "refit group of PP stage 1"
         self.timeout_s = timeout_s
@@ -106,7 +108,7 @@ class FaultBoard:
 
         Best effort: a store that is gone (its host died) cannot be told anything.
         """
-        self.failed = True
+        self.fail()
         fault = root or Fault(self.who, reason, self.rank)
         record = {"who": fault.who, "reason": fault.reason, "posted_by": self.rank}
         def write() -> None:
@@ -125,7 +127,7 @@ class FaultBoard:
         board read on a refit's hot path (a colocated batch's) costs a hand-off, not a new
         thread; a thread stuck in a call is never handed another one."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        call = _STORE_CALLS.submit(fn)
+        call = self.threads.submit(fn)
         if not call.wait(timeout_s):
             raise RefitTimeout(f"the group's store did not answer within {timeout_s:g} s")
         return call.result()
@@ -143,12 +145,13 @@ class FaultBoard:
         try:
             fault = self._bounded(self._read, timeout_s)
             if fault is not None:
-                self._seen, self.failed = fault, True
+                self._seen = fault
+                self.fail()
                 return fault
         except Exception as exc:  # noqa: BLE001 - any store error: its host is unreachable
             if self.rank == 0:
                 return None  # we host it; a local store error is not a peer failure
-            self.failed = True
+            self.fail()
             host = f" ({self.names[0]})" if 0 in self.names else ""
             self._seen = Fault(f"group rank 0{host}, which hosts the group's store,",
                                f"its store is unreachable ({type(exc).__name__}: {exc}); the "
@@ -197,6 +200,13 @@ class FaultBoard:
         return ", ".join(f"group rank {r} ({self.names[r]})" if r in self.names
                          else f"group rank {r}" for r in ranks)
 
+    def fail(self) -> None:
+        """Mark the group failed on this rank (once): the exit hook (``at_exit``) then ends
+        whatever calls the group abandoned before the process exits."""
+        if not self.failed:
+            self.failed = True
+            at_exit.remember_failed(self)
+
     def count_shutdown(self, n: int) -> int:
         """Add ``n`` to the group's shutdown count, at most ``POST_S`` (a failed group's
         store host may be stopped); the count."""
@@ -213,21 +223,10 @@ class FaultBoard:
             raise self.peer_failure(fault, while_doing)
 
 
-def attach_board(group: Any, board: FaultBoard) -> None:
-    _BOARDS[group] = board
-
-
-def failed_groups_sockets() -> list[tuple[int, str]]:
-    """The sockets of every failed group still alive (``at_exit`` shuts them down)."""
-    return [s for board in list(_BOARDS.values()) if board.failed for s in board.sockets]
-
-
 def board_of(group: Any) -> Optional[FaultBoard]:
-    """The group's board (None for groups not made by ``comm.create_refit_group``)."""
-    try:
-        return _BOARDS.get(group)
-    except TypeError:  # not weak-referenceable: no board
-        return None
+    """The group's board: a ``RefitGroup``'s own (None once it is destroyed); None for any
+    other group (a torch process group, a raw backend, None)."""
+    return getattr(group, "board", None)
 
 
 def boards_of(groups: Iterable[Any]) -> list[FaultBoard]:
@@ -263,7 +262,7 @@ def retire(group: Any) -> None:
     board = board_of(group)
     if board is None:
         return
-    board.failed = True
+    board.fail()
     if board.backend == "gloo" and not board.retired:
         board.retired = True
         hold(group, board.timeout_s + RETIRE_MARGIN_S, name="refit-retired-group")
@@ -303,7 +302,7 @@ def wait_works(works: Sequence[Any], group: Any, what: str,
         for w in works:  # NCCL: returns at once (the device waits); see wait_device
             w.wait()
         return
-    call = _WORK_WAITS.submit(lambda: _wait_all(works))
+    call = board.threads.submit(lambda: _wait_all(works))
     try:
         _poll_until_done(call, board, what, peers)
     except BaseException:
@@ -445,6 +444,6 @@ def abort_groups(groups: Iterable[Any]) -> None:
                 pass
 
 
-__all__ = ["Fault", "FaultBoard", "PeerFailure", "RefitError", "RefitTimeout", "attach_board",
+__all__ = ["Fault", "FaultBoard", "PeerFailure", "RefitError", "RefitTimeout",
            "abort_groups", "board_of", "boards_of", "fault_scope", "post_failure", "retire",
            "wait_device", "wait_event", "wait_works"]

@@ -19,7 +19,9 @@ import os
 import queue
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
+
+from megatron_reshard.errors import CallOrderError
 
 
 class Call:
@@ -43,69 +45,99 @@ class Call:
 
 class DaemonThreads:
     """Daemon threads that run the calls handed to them, one at a time each; idle ones are
-    kept for the next call, so a call costs a hand-off, not a new thread."""
+    kept for the next call, so a call costs a hand-off, not a new thread.
+
+    Each refit group owns one (``groups.refit_group.RefitGroup.threads``) and closes it when
+    it is destroyed: idle threads end then, a thread stuck in a call ends when that call
+    returns. There is no process-wide list of them: a forked child (which has none of its
+    parent's threads) starts afresh on its first call, and the exit hook (``at_exit``)
+    reaches the threads of failed groups through the boards it was handed."""
 
     def __init__(self, name: str):
         self.name = name
         self._idle: list[queue.SimpleQueue] = []
         self._lock = threading.Lock()
+        self._pid = os.getpid()
+        self._threads: list[threading.Thread] = []
         self.busy = 0  # calls handed out and not yet returned (stuck ones included)
-        _ALL.append(self)
+        self.closed = False
 
     def submit(self, fn: Callable[[], Any]) -> Call:
+        if self._pid != os.getpid():
+            self._forget()  # forked: the parent's threads do not exist here
         with self._lock:
+            if self.closed:
+                raise CallOrderError(f"{self.name}: submit after close (the refit group that "
+                                     f"owns these threads was destroyed)")
             jobs = self._idle.pop() if self._idle else None
             self.busy += 1
         if jobs is None:
             jobs = queue.SimpleQueue()
-            threading.Thread(target=self._loop, args=(jobs,), daemon=True, name=self.name).start()
+            thread = threading.Thread(target=self._loop, args=(jobs,), daemon=True,
+                                      name=self.name)
+            self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+            thread.start()
         call = Call()
         jobs.put((fn, call))
         return call
 
     def _loop(self, jobs: "queue.SimpleQueue") -> None:
         while True:
-            fn, call = jobs.get()
+            job = jobs.get()
+            if job is None:  # closed while idle
+                return
+            fn, call = job
             try:
                 call._value = fn()
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
                 call._error = exc
-            fn = None  # what the call held (Works, a group) is not kept by an idle thread
+            fn = job = None  # what the call held (Works, a group) is not kept by an idle thread
             with self._lock:  # idle again before the caller can ask for another call
-                self._idle.append(jobs)
+                closed = self.closed
+                if not closed:
+                    self._idle.append(jobs)
                 self.busy -= 1
             call._done.set()
             call = None
+            if closed:  # closed while this call ran: end now
+                return
+
+    def close(self, join_s: float = 1.0) -> None:
+        """End the idle threads (joined, at most ``join_s`` each) and every busy one once its
+        call returns; no call is taken after."""
+        with self._lock:
+            self.closed = True
+            idle, self._idle = self._idle, []
+        for jobs in idle:
+            jobs.put(None)
+        for thread in list(self._threads):
+            if thread is not threading.current_thread():
+                thread.join(join_s if self.busy == 0 else 0)
+
+    def alive(self) -> int:
+        """How many of these threads are still running (idle or in a call)."""
+        return sum(t.is_alive() for t in self._threads)
 
     def _forget(self) -> None:
         self._lock = threading.Lock()
-        self._idle = []  # a forked child has none of its parent's threads
+        self._idle, self._threads = [], []
         self.busy = 0
+        self._pid = os.getpid()
 
 
-_ALL: list[DaemonThreads] = []
+def calls_in_flight(pools: Iterable[DaemonThreads]) -> int:
+    """How many calls handed to ``pools`` have not returned yet."""
+    return sum(threads.busy for threads in pools)
 
 
-def calls_in_flight() -> int:
-    """How many calls handed to any ``DaemonThreads`` have not returned yet."""
-    return sum(threads.busy for threads in _ALL)
-
-
-def wait_for_calls(timeout_s: float) -> bool:
-    """Wait up to ``timeout_s`` for every call in flight to return; True if none is left."""
+def wait_for_calls(pools: Iterable[DaemonThreads], timeout_s: float) -> bool:
+    """Wait up to ``timeout_s`` for every call in flight on ``pools`` to return; True if
+    none is left."""
+    pools = list(pools)
     deadline = time.monotonic() + timeout_s
-    while calls_in_flight() and time.monotonic() < deadline:
+    while calls_in_flight(pools) and time.monotonic() < deadline:
         time.sleep(0.01)
-    return not calls_in_flight()
-
-
-def _forget_all() -> None:
-    for threads in _ALL:
-        threads._forget()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_all)
+    return not calls_in_flight(pools)
 
 
 def hold(obj: Any, seconds: float, name: str = "refit-hold") -> None:
