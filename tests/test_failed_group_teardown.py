@@ -40,7 +40,8 @@ def _drop_with_a_collective_in_flight(job):
     del pg
     gc.collect()  # the last reference to the group this rank's code held
     in_flight = not work.is_completed()
-    waiters = [t.daemon for t in threading.enumerate() if t.name == "refit-wait"]
+    # the group's own threads (RefitGroup.threads) run its waits
+    waiters = [t.daemon for t in threading.enumerate() if t.name == "refit-group"]
     control.add("dropped_by", 1)
     if job.rank == 0:
         while int(control.add("dropped_by", 0)) < 2:
