@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 import warnings
+import weakref
 from typing import Any, Callable, Optional
 
 from megatron_reshard.errors import CallOrderError
@@ -47,6 +48,9 @@ class RefitGroup:
         self.transport_name = transport_name    # agreed at join (comm.TRANSPORT_NAMES)
         self.transport: Any = None    # built on first use (transport_for); closed by destroy
         self.destroyed = False
+        # a group dropped without destroy() still ends its idle threads (not joined there:
+        # the last reference may go on any thread)
+        weakref.finalize(self, threads.close, 0.0).atexit = False  # (daemons: exit ends them)
 
     # -- the process-group calls, forwarded to ``pg`` ---------------------------------
 
@@ -131,7 +135,7 @@ class RefitGroup:
             return self._meet_at_shutdown(timeout_s)
         finally:
             self.board, self.transport = None, None
-            self.threads.close()  # a call still stuck in one ends when it returns
+            self.threads.close(join_s=1.0)  # a call still stuck in one ends when it returns
 
     def _meet_at_shutdown(self, timeout_s: float) -> int:
         board, store, world = self.board, self.store, self.world

@@ -102,17 +102,19 @@ class DaemonThreads:
             if closed:  # closed while this call ran: end now
                 return
 
-    def close(self, join_s: float = 1.0) -> None:
-        """End the idle threads (joined, at most ``join_s`` each) and every busy one once its
-        call returns; no call is taken after."""
+    def close(self, join_s: float = 0.0) -> None:
+        """End the idle threads (joined, at most ``join_s`` each, when given) and every busy
+        one once its call returns; no call is taken after. Idempotent."""
         with self._lock:
             self.closed = True
             idle, self._idle = self._idle, []
         for jobs in idle:
             jobs.put(None)
+        if join_s <= 0 or self.busy:
+            return
         for thread in list(self._threads):
             if thread is not threading.current_thread():
-                thread.join(join_s if self.busy == 0 else 0)
+                thread.join(join_s)
 
     def alive(self) -> int:
         """How many of these threads are still running (idle or in a call)."""
