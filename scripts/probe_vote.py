@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_reshard.engine.agree import Vote, conclude, start
-from megatron_reshard.engine.p2p import P2PTransport
+from megatron_reshard.engine.p2p import P2PChannel
 from megatron_reshard.tools.launch_env import apply_nccl_defaults
 
 
@@ -47,14 +47,14 @@ def main() -> None:
         dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     me, world = dist.get_rank(), dist.get_world_size()
     gloo = dist.new_group(backend="gloo")
-    transport = P2PTransport(dist.group.WORLD, device)
+    transport = P2PChannel(dist.group.WORLD, device)
     values = list(range(world + 8 + 9 + world))  # as many slots as the engine's vote
     vote = Vote(None, 1, 256 << 20, 12345, 0, 0, (4096,))
 
     def engine_vote(over=transport):
         return conclude(start(vote, over), lambda: None, over, "probe")
 
-    raw = P2PTransport(dist.group.WORLD._get_backend(device), device)  # no c10d dispatcher
+    raw = P2PChannel(dist.group.WORLD._get_backend(device), device)  # no c10d dispatcher
 
     def sync():
         if cuda:

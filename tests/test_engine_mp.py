@@ -322,10 +322,10 @@ def test_group_none_uses_the_registered_default_world(pool):
 
 def _swap_in_one_round(job):
     from megatron_reshard.groups.comm import create_refit_group
-    from megatron_reshard.engine import P2PTransport
+    from megatron_reshard.engine import P2PChannel
 
     pg = create_refit_group(job.host, job.ports[0], job.rank, 2, timeout_s=30)
-    transport = P2PTransport(pg)
+    transport = P2PChannel(pg)
     mine = torch.full((4 << 20,), job.rank + 1, dtype=torch.float32)  # 16 MiB each way
     got = torch.zeros_like(mine)
     with transport.round():  # both ranks send first, then receive: must not deadlock

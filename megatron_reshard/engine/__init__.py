@@ -4,9 +4,10 @@ geometry (who owns which box) -> param_plan (who sends which box to whom, with t
 optional ``link_costs`` model; proven by ``plan_check``; cached by ``plan.Planner``) ->
 execute, the orchestration of one call: checks (layouts and this rank's tensors) -> agree
 (one small vote, so bad input fails on every rank) -> schedule (plain-data rounds of
-messages) -> program (views, copies, packing, CUDA streams) over a P2P ``transport``;
-``batch`` holds the per-batch state a ``Planner`` caches. ``reference`` is the golden,
-slow transport used by the tests.
+messages) -> program (views, copies, packing, CUDA streams) over a ``p2p.P2PChannel``;
+``describe`` and ``batch`` hold the per-batch state a ``Planner`` caches. A refit group's
+transport (``refit_transport``: "p2p", this path, or "colocated") is the seam the refit
+loop hands batches to. ``reference`` is the golden, slow path used by the tests.
 """
 
 from .api import DTensorRef, Transfer, xferdtensor
@@ -14,7 +15,7 @@ from .execute import xfer_batch
 from .param_plan import ParamPlan, build_plan
 from .plan import Planner, layout_key
 from .reference import xfer_batch_reference
-from .p2p import P2PTransport
+from .p2p import P2PChannel
 
 __all__ = ["DTensorRef", "Transfer", "xferdtensor", "xfer_batch", "xfer_batch_reference",
-           "Planner", "ParamPlan", "build_plan", "layout_key", "P2PTransport"]
+           "Planner", "ParamPlan", "build_plan", "layout_key", "P2PChannel"]

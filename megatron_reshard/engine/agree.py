@@ -26,7 +26,7 @@ from megatron_reshard.errors import BadInputError
 from megatron_reshard.groups.faults import boards_of, wait_event, wait_works
 
 from .checks import Problem
-from .p2p import P2PTransport
+from .p2p import P2PChannel
 
 NO_VOTE = -(2 ** 62)  # a slot pair a rank abstains from (below every real value)
 MAX_NDIM = 8          # dims of the first transfer's global shape carried by the vote
@@ -109,62 +109,62 @@ class PendingVote(NamedTuple):
     """An agreement all-reduce on its way (``start``); ``conclude`` waits for it."""
 
     vote: Vote
-    result: torch.Tensor            # the reduced slots (on the transport's device)
+    result: torch.Tensor            # the reduced slots (on the channel's device)
     work: Any                       # CPU: the all-reduce's Work; CUDA: None
     done: Optional["torch.cuda.Event"]  # CUDA, a refit group: the all-reduce is done
 
 
-def start(vote: Vote, transport: P2PTransport) -> PendingVote:
+def start(vote: Vote, channel: P2PChannel) -> PendingVote:
     """Launch the MAX all-reduce of this rank's vote without waiting for it, so that the
     caller's host work (the first round's pack) overlaps the vote's latency. On CUDA the
     slots go up in one copy and come back in ``conclude``'s: plain copies cost less than
     pinned buffers with an event (one H200: 70-87 µs against 91-109 for the round trip,
     ``scripts/probe_vote.py``); a refit group's board needs an event to poll."""
-    values = _pack(vote, transport.rank(), transport.size())
-    if transport.device.type != "cuda":
+    values = _pack(vote, channel.rank(), channel.size())
+    if channel.device.type != "cuda":
         flags = torch.tensor(values, dtype=torch.int64)
-        return PendingVote(vote, flags, transport.start_allreduce_max(flags), None)
-    flags = torch.tensor(values, dtype=torch.int64, device=transport.device)
-    transport.start_allreduce_max(flags).wait()  # NCCL: the current stream waits, not the host
+        return PendingVote(vote, flags, channel.start_allreduce_max(flags), None)
+    flags = torch.tensor(values, dtype=torch.int64, device=channel.device)
+    channel.start_allreduce_max(flags).wait()  # NCCL: the current stream waits, not the host
     done = None
-    if boards_of([transport.group]):
+    if boards_of([channel.group]):
         done = torch.cuda.Event()
-        done.record(torch.cuda.current_stream(transport.device))
+        done.record(torch.cuda.current_stream(channel.device))
     return PendingVote(vote, flags, None, done)
 
 
 def conclude(pending: PendingVote, description: Callable[[], Description],
-             transport: P2PTransport, where: str) -> Tally:
+             channel: P2PChannel, where: str) -> Tally:
     """Wait for the vote; raise ``ValueError`` on every rank when any rank has a problem
     or the descriptions differ (``description()`` is called only then)."""
     what = "the agreement all-reduce"
     if pending.work is not None:
-        wait_works([pending.work], transport.group, what)
+        wait_works([pending.work], channel.group, what)
     elif pending.done is not None:  # polled, so that a peer's failure is seen
-        wait_event(pending.done, [transport.group], what)
-    tally = _unpack(pending.result.tolist(), transport.size())  # CUDA: waits for the stream
+        wait_event(pending.done, [channel.group], what)
+    tally = _unpack(pending.result.tolist(), channel.size())  # CUDA: waits for the stream
     vote = pending.vote
     if tally.failed:
-        _raise_problems(vote, tally, description(), transport, where)
+        _raise_problems(vote, tally, description(), channel, where)
     if not tally.same_staging:
-        _raise_staging(vote, transport, where)
+        _raise_staging(vote, channel, where)
     if not (tally.same_count and tally.same_description):
-        _raise_disagreement(vote, description(), transport, where)
+        _raise_disagreement(vote, description(), channel, where)
     return tally
 
 
 # ---- the failure path (every rank takes it alike: it follows from the tally) ----------
 
 
-def _exchange_texts(text: str, transport: P2PTransport) -> list:
+def _exchange_texts(text: str, channel: P2PChannel) -> list:
     """Every rank's ``text`` (utf-8, cut to TEXT_BYTES) on every rank: one MAX all-reduce
     of a [ranks, TEXT_BYTES] byte map, each rank filling its row."""
-    rows = torch.zeros(transport.size(), TEXT_BYTES, dtype=torch.uint8)
+    rows = torch.zeros(channel.size(), TEXT_BYTES, dtype=torch.uint8)
     raw = text.encode()[:TEXT_BYTES]
     if raw:
-        rows[transport.rank(), :len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-    rows = rows.to(transport.device)
-    transport.allreduce_max(rows)
+        rows[channel.rank(), :len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    rows = rows.to(channel.device)
+    channel.allreduce_max(rows)
     return [bytes(r).rstrip(b"\0").decode(errors="replace") for r in rows.cpu().tolist()]
 
 
@@ -174,10 +174,10 @@ def _listed(parts: list, most: int = 3) -> str:
 
 
 def _raise_problems(vote: Vote, tally: Tally, description: Description,
-                    transport: P2PTransport, where: str) -> None:
-    me = transport.rank()
+                    channel: P2PChannel, where: str) -> None:
+    me = channel.rank()
     mine = vote.problem.text(tally.shape) if vote.problem is not None else ""
-    texts = _exchange_texts(mine, transport)
+    texts = _exchange_texts(mine, channel)
     if vote.problem is not None:
         # ranks with this rank's problem (the same text but for the rank), then the others
         same = [r for r, _ in tally.failed
@@ -194,11 +194,11 @@ def _raise_problems(vote: Vote, tally: Tally, description: Description,
     raise BadInputError(f"{where} on rank {me}: {_listed(who)}; no data was moved")
 
 
-def _raise_staging(vote: Vote, transport: P2PTransport, where: str) -> None:
-    me, world = transport.rank(), transport.size()
+def _raise_staging(vote: Vote, channel: P2PChannel, where: str) -> None:
+    me, world = channel.rank(), channel.size()
     row = [NO_VOTE] * world
     row[me] = vote.staging
-    row = _allreduce_plain(row, transport)
+    row = _allreduce_plain(row, channel)
     seen = "; ".join(f"{v} on {_ranks_text(rs)}" for v, rs in _ranks_by_value(row))
     raise BadInputError(f"{where} on rank {me}: ranks disagree on staging_bytes (every rank "
                      f"must pass the same, the rounds are cut by it): found {seen}; no data "
@@ -220,27 +220,27 @@ def _ranks_text(ranks: list) -> str:
 
 
 def _raise_disagreement(vote: Vote, description: Description,
-                        transport: P2PTransport, where: str) -> None:
+                        channel: P2PChannel, where: str) -> None:
     """Find the first transfer the ranks describe differently, who differs, and how."""
-    me, world = transport.rank(), transport.size()
-    n, _ = _allreduce_plain([*_pair(vote.count)], transport)  # the longest batch
+    me, world = channel.rank(), channel.size()
+    n, _ = _allreduce_plain([*_pair(vote.count)], channel)  # the longest batch
     hashes = description.hashes() if description.hashes is not None else None
     slots: list = []
     for i in range(n):  # 0: no transfer at this index
         slots += _pair(None if hashes is None else hashes[i] if i < len(hashes) else 0)
-    got = _allreduce_plain(slots, transport)
+    got = _allreduce_plain(slots, channel)
     first = next((i for i in range(n) if got[2 * i] != NO_VOTE
                   and got[2 * i] != -got[2 * i + 1]), n - 1)
     row = [NO_VOTE] * world  # each rank's hash of that transfer; -1: abstains
     row[me] = -1 if hashes is None else hashes[first] if first < len(hashes) else 0
-    row = _allreduce_plain(row, transport)
+    row = _allreduce_plain(row, channel)
     if hashes is None:
         mine = ""
     elif first < len(description.names):
         mine = description.text(first)
     else:
         mine = f"no param at index {first} (a batch of {len(description.names)})"
-    texts = _exchange_texts(mine, transport)
+    texts = _exchange_texts(mine, channel)
     name = description.names[first] if first < len(description.names) else f"#{first}"
     expected, *found = [rs for _, rs in _ranks_by_value(row, skip=-1)]
     parts = [f"expected (as on ranks {expected}) {texts[min(expected)]}"]
@@ -250,19 +250,19 @@ def _raise_disagreement(vote: Vote, description: Description,
                      + "; no data was moved")
 
 
-def _allreduce_plain(values: list, transport: P2PTransport) -> list:
-    """MAX all-reduce of int64 ``values`` on the transport's device (failure path)."""
-    t = torch.tensor(values, dtype=torch.int64).to(transport.device)
-    transport.allreduce_max(t)
+def _allreduce_plain(values: list, channel: P2PChannel) -> list:
+    """MAX all-reduce of int64 ``values`` on the channel's device (failure path)."""
+    t = torch.tensor(values, dtype=torch.int64).to(channel.device)
+    channel.allreduce_max(t)
     return t.cpu().tolist()
 
 
-def exchange_strided(mine: tuple, ntensors: int, transport: P2PTransport) -> set:
+def exchange_strided(mine: tuple, ntensors: int, channel: P2PChannel) -> set:
     """Every rank's non-standard tensors as ``{(rank, k)}``: one MAX all-reduce of a
     [ranks, tensors] byte map, each rank filling its row (once per batch and layout)."""
-    rows = torch.zeros(transport.size(), ntensors, dtype=torch.uint8)
+    rows = torch.zeros(channel.size(), ntensors, dtype=torch.uint8)
     if mine:
-        rows[transport.rank(), list(mine)] = 1
-    rows = rows.to(transport.device)
-    transport.allreduce_max(rows)
+        rows[channel.rank(), list(mine)] = 1
+    rows = rows.to(channel.device)
+    channel.allreduce_max(rows)
     return {(r, k) for r, k in rows.nonzero().tolist()}

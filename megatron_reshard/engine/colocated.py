@@ -82,7 +82,7 @@ from .describe import Rejected, describe_batch
 from .host_flags import READY, VERDICT, HostFlags
 from .members import LISTS, is_members
 from .plan import Planner
-from .p2p import P2PTransport
+from .p2p import P2PChannel
 
 _CACHE = 64          # copy batches kept per transport (one per batch and generation)
 NAP_S = 5e-5         # longest nap of the device waits on a refit's critical path
@@ -97,7 +97,7 @@ class ColocatedTransport:
     def __init__(self, group: Any, store: Any, timeout_s: float = 300.0):
         self.group, self.store = group, store
         self.me, self.world = group.rank(), group.size()
-        self._control = P2PTransport(group, torch.device("cpu"))
+        self._control = P2PChannel(group, torch.device("cpu"))
         self._broken: Optional[str] = None
         board = board_of(group)
         self._flags = HostFlags(store, self.me, self.world, board,

@@ -35,7 +35,7 @@ from .members import stride_keys, with_members
 from .plan import Planner, gc_paused
 from .schedule import build_schedule
 from .sequence import CallSequence
-from .p2p import P2PTransport
+from .p2p import P2PChannel
 from megatron_reshard.groups.collectives import backend_name, resolve_group
 from ..errors import BadInputError
 from ..groups.faults import RefitError
@@ -125,7 +125,7 @@ def _call(transfers, group, stream, staging_bytes: int, planner: Planner, backen
         ok, device = local_ok(transfers, batch.expected, device_type, tensors)
         if not ok:  # rare: rerun the detailed checks for the message
             problem, device = check_local(transfers, batch.plans, me, device_type)
-    transport = P2PTransport(group, device if problem is None else None)
+    channel = P2PChannel(group, device if problem is None else None)
     ctx = torch.cuda.stream(stream) if stream is not None else nullcontext()
     # What the schedule and program run: the transfers themselves, or with small params
     # of one layout fused (fuse.py: stacked sources, destination images scattered after).
@@ -149,7 +149,7 @@ def _call(transfers, group, stream, staging_bytes: int, planner: Planner, backen
                 raise BadInputError(f"xfer_batch: {problem.text()} (agree=False: peers are "
                                  f"not told and wait for the group's timeout)")
             try:
-                _execute(batch, xfers, me, with_members(tensors), strides, transport, stream,
+                _execute(batch, xfers, me, with_members(tensors), strides, channel, stream,
                          planner, work=work)
             except Exception as exc:
                 if not _explained(exc):
@@ -163,11 +163,11 @@ def _call(transfers, group, stream, staging_bytes: int, planner: Planner, backen
                 0 if strides is None else batch.strided_of(strides, tensors).signature,
                 tuple(map(int, transfers[0].global_shape))
                 if described and transfers and problem is None else None)
-    on_cuda = transport.device.type == "cuda"
+    on_cuda = channel.device.type == "cuda"
     ahead = on_cuda and strides is not None and batch.sched is not None
     with ctx:
-        ready = _stream_mark(transport) if ahead else None
-        pending = agreement.start(vote, transport)
+        ready = _stream_mark(channel) if ahead else None
+        pending = agreement.start(vote, channel)
     # Where the schedule is cached, the first round's pack runs while the vote is on its
     # way, on the side stream (after what the caller queued before the call, not after
     # the vote): a local read of this rank's own tensors into its own staging slot,
@@ -177,12 +177,12 @@ def _call(transfers, group, stream, staging_bytes: int, planner: Planner, backen
         if ahead:
             with ctx:
                 early = batch.program(xfers, me, strides).pack_ahead(
-                    with_members(tensors), transport, planner, ready)
+                    with_members(tensors), channel, planner, ready)
         with ctx:
             try:
                 tally = agreement.conclude(pending, lambda: _description(batch, transfers,
                                                                          described),
-                                           transport, "xfer_batch")
+                                           channel, "xfer_batch")
             except Exception as exc:
                 if not agree and not isinstance(exc, ValueError) and not _explained(exc):
                     exc.add_note(_UNPREDICTED_NOTE)  # the vote itself failed
@@ -190,7 +190,7 @@ def _call(transfers, group, stream, staging_bytes: int, planner: Planner, backen
         if not tally.keep_schedule:  # decided from the all-reduced votes: alike everywhere
             with ctx:
                 strided = (exchange_strided(batch.strided_of(strides, tensors).tensors,
-                                            len(tensors), transport)
+                                            len(tensors), channel)
                            if any(tally.signatures) else set())
             # the fused params' stacks and images come out of the budget (fuse.py)
             budget = staging_bytes - (2 * batch.fusion.fused_bytes if batch.fusion else 0)
@@ -207,7 +207,7 @@ def _call(transfers, group, stream, staging_bytes: int, planner: Planner, backen
         if early is not None:
             early.discard()
         raise
-    _execute(batch, xfers, me, with_members(tensors), strides, transport, stream, planner,
+    _execute(batch, xfers, me, with_members(tensors), strides, channel, stream, planner,
              early, work)
     history.record(_sequence_key(batch, staging_bytes))
 
@@ -217,10 +217,10 @@ def _sequence_key(batch: Batch, staging_bytes: int) -> tuple:
     return batch.fp, staging_bytes, batch.sched_hash
 
 
-def _stream_mark(transport: P2PTransport) -> "torch.cuda.Event":
+def _stream_mark(channel: P2PChannel) -> "torch.cuda.Event":
     """An event at the current stream's present end: what the caller queued so far."""
     mark = torch.cuda.Event()
-    mark.record(torch.cuda.current_stream(transport.device))
+    mark.record(torch.cuda.current_stream(channel.device))
     return mark
 
 
@@ -232,7 +232,7 @@ def _description(batch: Optional[Batch], transfers, described: bool) -> Descript
 
 
 def _execute(batch: Batch, xfers, me: int, tensors, strides: tuple,
-             transport: P2PTransport, stream, planner: Planner, early=None,
+             channel: P2PChannel, stream, planner: Planner, early=None,
              work=()) -> None:
     """Run this rank's part of an agreed batch with the batch's schedule; then copy the
     fused images into their members' destinations."""
@@ -240,7 +240,7 @@ def _execute(batch: Batch, xfers, me: int, tensors, strides: tuple,
     with torch.cuda.stream(stream) if stream is not None else nullcontext():
         if stream is not None:
             _record_stream(tensors, stream)
-        prog.run(tensors, transport, planner, early)
+        prog.run(tensors, channel, planner, early)
         if work:
             scatter(work)
 

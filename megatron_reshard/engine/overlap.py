@@ -14,7 +14,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from .plan import Planner
-from .p2p import P2PTransport
+from .p2p import P2PChannel
 
 
 class EarlyPack(NamedTuple):
@@ -35,16 +35,16 @@ def slots(prog, device, planner: Planner) -> list:
     return planner.staging_slots(device, max(r.nbytes for r in prog.rounds))
 
 
-def pack_ahead(prog, tensors, transport: P2PTransport, planner: Planner,
+def pack_ahead(prog, tensors, channel: P2PChannel, planner: Planner,
                ready: "torch.cuda.Event") -> Optional[EarlyPack]:
     """Allocate the staging slots and pack the first round now, on the side stream once
     the current stream reaches ``ready``, so that the pack overlaps the agreement step.
     Returns the pack for ``run_overlapped``, or None when there is nothing to pack; a
     caller that does not go on to run calls its ``discard()``."""
     first = next((r for r in prog.rounds if r.phase == 0), None)
-    if transport.device.type != "cuda" or first is None or not first.packs:
+    if channel.device.type != "cuda" or first is None or not first.packs:
         return None
-    device = transport.device
+    device = channel.device
     main, side = torch.cuda.current_stream(device), prog.side_stream(device)
     held = slots(prog, device, planner)
     side.wait_event(ready)
@@ -55,7 +55,7 @@ def pack_ahead(prog, tensors, transport: P2PTransport, planner: Planner,
     return EarlyPack(held, packed, main)
 
 
-def run_overlapped(prog, tensors, transport: P2PTransport, planner: Planner,
+def run_overlapped(prog, tensors, channel: P2PChannel, planner: Planner,
                    early: Optional[EarlyPack]) -> None:
     """The copies of neighbouring rounds and the local copies run on a side stream
     during transfers.
@@ -69,7 +69,7 @@ def run_overlapped(prog, tensors, transport: P2PTransport, planner: Planner,
     host sync. Every stream is joined back into the current one before returning, so the
     slots and the callers' tensors are released in order.
     """
-    device = transport.device
+    device = channel.device
     main, side = torch.cuda.current_stream(device), prog.side_stream(device)
     held = (early.slots if early is not None else
             slots(prog, device, planner) if prog.staged else [None, None])
@@ -98,7 +98,7 @@ def run_overlapped(prog, tensors, transport: P2PTransport, planner: Planner,
         for k, rnd in enumerate(rounds):
             main.wait_event(packed[k])
             buf = held[k % 2]
-            prog.post(buf, rnd.posts, tensors, transport, local_done=True)
+            prog.post(buf, rnd.posts, tensors, channel, local_done=True)
             done = torch.cuda.Event()
             done.record(main)
             if k + 1 < len(rounds):

@@ -1,7 +1,13 @@
-"""Point-to-point transport over a torch process group, registered with c10d or not.
+"""A channel over one process group: send / recv rounds and the vote's all-reduce.
+
+Below the transport seam, not beside it: a refit group's *transport* (``refit_transport.py``:
+"p2p" or "colocated", the one ``RefitTransport`` interface the refit loop hands batches to)
+decides how a batch's bytes move; a ``P2PChannel`` is what the engine talks over a group
+with, on one device: the "p2p" transport's scheduled rounds, and every vote (the colocated
+transport's too, over its gloo group).
 
 A *round* is a set of sends and receives that are all posted before any is waited on;
-``P2PTransport.round()`` is a context manager that waits for all of them on exit.
+``P2PChannel.round()`` is a context manager that waits for all of them on exit.
 
 - gloo: every ``send``/``recv`` is posted at once as its own Work (gloo pairs are full
   duplex and buffered), and the round waits on all Works: no ordering deadlock.
@@ -12,9 +18,11 @@ A *round* is a set of sends and receives that are all posted before any is waite
   already exist on every rank: the engine's agreement all-reduce (run by every rank before
   any data moves) creates it.
 
-The group may be a ``torch.distributed.ProcessGroup`` (``dist.group.WORLD``, ``new_group``)
-or a backend built directly (``ProcessGroupGloo``/``ProcessGroupNCCL``, see ``groups/comm.py``);
-both offer ``rank()``, ``size()``, ``send([t], peer, tag)``, ``recv([t], peer, tag)``.
+The group may be a ``torch.distributed.ProcessGroup`` (``dist.group.WORLD``, ``new_group``),
+a backend built directly (``ProcessGroupGloo``/``ProcessGroupNCCL``) or a refit group
+(``groups.RefitGroup``, which forwards these calls to its backend and carries the fault
+board the waits poll); all offer ``rank()``, ``size()``, ``send([t], peer, tag)``,
+``recv([t], peer, tag)``, ``allreduce``.
 """
 
 from __future__ import annotations
@@ -33,8 +41,9 @@ def _is_registered_pg(group) -> bool:
     return isinstance(group, dist.ProcessGroup)
 
 
-class P2PTransport:
-    """send/recv/round over one group on one device (see the module docstring)."""
+class P2PChannel:
+    """send / recv / round and the vote's all-reduce over one group on one device (see the
+    module docstring)."""
 
     def __init__(self, group, device: Optional[torch.device] = None):
         self.group = resolve_group(group)

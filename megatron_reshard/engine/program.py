@@ -20,7 +20,7 @@ from .plan import Planner
 from .resolve import resolve
 from .schedule import Schedule
 from .steps import StagePlan
-from .p2p import P2PTransport
+from .p2p import P2PChannel
 
 
 def _bits(tensors, k: int, cache: dict) -> int:
@@ -113,14 +113,14 @@ class Program:
                 addresses, _stage_batch(buf, plan, tensors, pack))
         kept[1].run()
 
-    def post(self, buf, posts, tensors, transport: P2PTransport, local_done: bool) -> bool:
+    def post(self, buf, posts, tensors, channel: P2PChannel, local_done: bool) -> bool:
         """Post one round's sends and receives (waited for on exit); the local copies run
         during the first round, overlapping its transfers. Returns whether they ran."""
-        with transport.round():
+        with channel.round():
             for p in posts:
                 tensor = (buf[p.offset: p.offset + p.nbytes] if p.ref is None
                           else flat_view(tensors, p.ref))
-                (transport.send if p.is_send else transport.recv)(tensor, p.peer, p.tag)
+                (channel.send if p.is_send else channel.recv)(tensor, p.peer, p.tag)
             if not local_done:
                 self.local_copies(tensors)
                 local_done = True
@@ -134,26 +134,26 @@ class Program:
             self._side = torch.cuda.Stream(device)
         return self._side
 
-    def pack_ahead(self, tensors, transport: P2PTransport, planner: Planner,
+    def pack_ahead(self, tensors, channel: P2PChannel, planner: Planner,
                    ready: "torch.cuda.Event") -> Optional[EarlyPack]:
         """CUDA: the first round packed during the agreement step (``overlap.pack_ahead``)."""
-        return overlap.pack_ahead(self, tensors, transport, planner, ready)
+        return overlap.pack_ahead(self, tensors, channel, planner, ready)
 
-    def run(self, tensors, transport: P2PTransport, planner: Planner,
+    def run(self, tensors, channel: P2PChannel, planner: Planner,
             early: Optional[EarlyPack] = None) -> None:
-        if transport.device.type == "cuda" and (self.staged or (self.local and self.rounds)):
-            overlap.run_overlapped(self, tensors, transport, planner, early)
+        if channel.device.type == "cuda" and (self.staged or (self.local and self.rounds)):
+            overlap.run_overlapped(self, tensors, channel, planner, early)
             return
         local_done = False
         for rnd in self.rounds:
             if rnd.phase == 1 and not local_done:  # phase-1 sends may forward local copies
                 self.local_copies(tensors)
                 local_done = True
-            buf = (torch.empty(rnd.nbytes, dtype=torch.uint8, device=transport.device)
+            buf = (torch.empty(rnd.nbytes, dtype=torch.uint8, device=channel.device)
                    if rnd.nbytes else None)
             if rnd.packs:
                 self.stage(buf, rnd.packs, tensors, pack=True)
-            local_done = self.post(buf, rnd.posts, tensors, transport, local_done)
+            local_done = self.post(buf, rnd.posts, tensors, channel, local_done)
             if rnd.unpacks:
                 self.stage(buf, rnd.unpacks, tensors, pack=False)
             buf = None  # freed before the next round's: one round's buffer at a time

@@ -2,7 +2,7 @@
 
 This is the engine's one transport seam (``RefitTransport``); the refit loop hands every
 batch to its group's transport. Not to be confused with ``engine/p2p.py``'s
-``P2PTransport``, which is lower: the send / recv rounds and the vote's all-reduce over a
+``P2PChannel``, which is lower: the send / recv rounds and the vote's all-reduce over a
 process group, which the "p2p" refit transport runs its schedule through (and the
 colocated one its control messages).
 
@@ -56,7 +56,7 @@ class RefitTransport(Protocol):
 
 class P2PRefitTransport:
     """The ``"p2p"`` refit transport: ``xfer_batch``'s schedule of point-to-point rounds
-    over the refit group's process group (through ``p2p.P2PTransport``)."""
+    over the refit group's process group (through ``p2p.P2PChannel``)."""
 
     name = "p2p"
 
