@@ -2,10 +2,10 @@
 
 ``xfer_batch`` runs, on every rank of the group, in this order:
 
-1. the batch description (``describe.py``, ``batch.py``): layouts validated (placements, shard dims, every
-   mesh's ranks distinct ranks of the group) and planned; with a ``Planner`` passed
-   across calls this, the fingerprint, the schedule and the resolved programs are cached
-   per batch, so a repeated call skips them;
+1. the batch description (``describe.py``, ``batch.py``): layouts validated (placements,
+   shard dims, every mesh's ranks distinct ranks of the group) and planned; with a
+   ``Planner`` passed across calls this, the fingerprint, the schedule and the resolved
+   programs are cached per batch (per group), so a repeated call skips them;
 2. local checks of this rank's tensors (``checks.py``: side membership, shape, dtype,
    device); a problem in steps 1-2 is not raised yet;
 3. the agreement step (``agree.py``): one small MAX all-reduce; a problem on any rank,
@@ -29,7 +29,7 @@ from . import agree as agreement
 from .agree import Description, Vote, exchange_strided, hash_ints
 from .batch import Batch
 from .checks import Problem, check_local, local_ok
-from .describe import BACKENDS, MIN_STAGING_BYTES, Rejected, describe_batch
+from .describe import MIN_STAGING_BYTES, Rejected, describe_batch
 from .fuse import fused_tensors, scatter
 from .members import stride_keys, with_members
 from .plan import Planner, gc_paused

@@ -26,7 +26,7 @@ carries the name its ranks agreed on at join (``groups.comm.TRANSPORT_NAMES``);
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 from megatron_reshard.groups.comm import DEFAULT_TRANSPORT, TRANSPORT_NAMES, check_transport_name
 from megatron_reshard.groups.refit_group import RefitGroup

@@ -58,12 +58,12 @@ def create_refit_group(host: str, port: int, rank: int, world_size: int,
     raises on every rank at once with what each rank said. The group gets a fault board
     (``megatron_reshard.groups.faults``): its waits raise instead of hanging when a peer fails.
 
-    ``transport`` (one of ``TRANSPORT_NAMES``; ``engine.refit_transport.transport_of`` builds it
-    for the group on first use, and the group keeps it): how the group moves bytes, "p2p" (point-to-point
-    over the group) or "colocated" (copies out of the training ranks' mapped memory; the
-    group then carries control messages only, over gloo). None follows the ranks that
-    chose (a vLLM worker follows its trainer); ranks that chose differently are refused at
-    join; nobody chose: "p2p".
+    ``transport`` (one of ``TRANSPORT_NAMES``; ``engine.refit_transport.transport_of`` builds
+    it for the group on first use, and the group keeps it): how the group moves bytes, "p2p"
+    (point-to-point over the group) or "colocated" (copies out of the training ranks' mapped
+    memory; the group then carries control messages only, over gloo). None follows the
+    ranks that chose (a vLLM worker follows its trainer); ranks that chose differently are
+    refused at join; nobody chose: "p2p".
     """
     if backend not in ("gloo", "nccl"):
         raise BadInputError(f"create_refit_group: backend must be 'gloo' or 'nccl', found {backend!r}")

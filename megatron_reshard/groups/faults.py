@@ -2,13 +2,14 @@
 
 Torch + stdlib only (the receiver imports it). Each refit group made by
 ``comm.create_refit_group`` (a ``refit_group.RefitGroup``) owns a ``FaultBoard`` kept in the
-group's own TCPStore (``group.board``; ``board_of`` reads it, None for any other group). A rank that fails
-(bad input, a broken peer, an integrity mismatch) posts one line there; every wait on the
-group (``wait_works``, ``wait_device``) polls the board, so a peer blocked in a receive
-raises ``PeerFailure`` naming the failing rank and its message within ``POLL_S`` instead of
-waiting for the group's timeout. A rank that dies or hangs cannot post: its gloo peers see
-the connection close at once (a process that exits closes its sockets) and post in its
-place; a stopped process is found by the deadline every wait carries (the group's timeout).
+group's own TCPStore (``group.board``; ``board_of`` reads it, None for any other group). A
+rank that fails (bad input, a broken peer, an integrity mismatch) posts one line there;
+every wait on the group (``wait_works``, ``wait_device``) polls the board, so a peer
+blocked in a receive raises ``PeerFailure`` naming the failing rank and its message within
+``POLL_S`` instead of waiting for the group's timeout. A rank that dies or hangs cannot
+post: its gloo peers see the connection close at once (a process that exits closes its
+sockets) and post in its place; a stopped process is found by the deadline every wait
+carries (the group's timeout).
 
 Why a waiter thread for gloo: a gloo ``send``/``recv`` Work completes only inside
 ``wait()`` (``is_completed()`` stays False until then) and ``wait(timeout)`` closes the pair,
