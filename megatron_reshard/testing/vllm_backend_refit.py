@@ -94,7 +94,7 @@ def _engine_for(config, model):
 def _gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Mapping[str, Any],
               vllm_port: int, mismatch_rank: Optional[int], fail_extra: bool,
               moe_backend: Optional[str] = None, progress_s: Optional[float] = None) -> dict:
-    from megatron_reshard.megatron.payload import decode_payload
+    from megatron_reshard.wire.codec import decode_payload
     from megatron_reshard.testing import vllm_models as vm
     from megatron_reshard.vllm_backend import WeightUpdateError, WeightVersionMismatch
 
