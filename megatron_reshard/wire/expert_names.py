@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import re
 
-_PREFIX = r"(?P<prefix>(?:.*\.)?experts)"
-_PROJ = r"(?P<proj>gate_proj|up_proj|down_proj)"
-
 # anchored at the end, so ``..._scale_inv`` siblings never match
-PER_EXPERT_RE = re.compile(rf"^{_PREFIX}\.(?P<index>\d+)\.{_PROJ}\.weight$")
+PER_EXPERT_RE = re.compile(
+    r"^(?P<prefix>(?:.*\.)?experts)\.(?P<index>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 # per expert, or grouped (``index`` None)
-EXPERT_WEIGHT_RE = re.compile(rf"^{_PREFIX}\.(?:(?P<index>\d+)\.)?{_PROJ}\.weight$")
+EXPERT_WEIGHT_RE = re.compile(
+    r"^(?P<prefix>(?:.*\.)?experts)\.(?:(?P<index>\d+)\.)?(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 
 
 def grouped_name(hf_name: str) -> str:
