@@ -18,8 +18,8 @@ from megatron_reshard.wire.placement_rules import (
     is_expert_param,
     is_nccl_reshard_param,
 )
+from megatron_reshard.wire.expert_names import PER_EXPERT_RE as _INDIVIDUAL_EXPERT_RE  # the seed name
 from megatron_reshard.wire.metadata import (
-    _INDIVIDUAL_EXPERT_RE,
     _LAYER_RE,
     _MODEL_PREFIX_RE,
     _STR_TO_DTYPE,

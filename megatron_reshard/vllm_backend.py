@@ -242,7 +242,7 @@ class MegatronReshardWeightTransferEngine(
             init_info = self.parse_init_info(init_info)
         payload = init_info.payload
         if isinstance(payload, (bytes, bytearray)):
-            from megatron_reshard.megatron.payload import decode_payload
+            from megatron_reshard.wire.codec import decode_payload
 
             payload = decode_payload(bytes(payload))
         if self._update is not None:

@@ -13,7 +13,7 @@ started with ``load_format="dummy"``), builds the engine with vLLM's
 ``WeightTransferEngineFactory.create_engine(WeightTransferConfig(backend="megatron_reshard"))``
 and drives it with the calls vLLM's GPU worker makes: ``parse_init_info`` +
 ``init_transfer_engine``, then per refit ``start_weight_update``, ``update_weights({"version": N})``,
-``finish_weight_update()`` (``testing.vllm_backend_refit``). After each refit every
+``finish_weight_update()`` (``tools.vllm_backend_refit``). After each refit every
 generation rank compares all its params and buffers bit for bit with a second vLLM instance
 loaded by vLLM's own ``load_weights`` from the full HF tensors. With ``--fail-extra`` one
 more refit is broken part-way by training rank 0 and the weight state is printed.
@@ -63,7 +63,7 @@ def main(argv: list | None = None, pool=None) -> int:
     from megatron_reshard.testing.vllm_models import set_vllm_cpu_environment
 
     set_vllm_cpu_environment()  # inherited by the spawned ranks
-    from megatron_reshard.testing.vllm_backend_refit import backend_refit_job
+    from megatron_reshard.tools.vllm_backend_refit import backend_refit_job
     from megatron_reshard.tools.run_config import RefitRunConfig
     from megatron_reshard.tools.worlds import WorkerPool
 

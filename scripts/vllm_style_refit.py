@@ -187,7 +187,7 @@ class Driver:
 
 
 def gen_launcher(args: argparse.Namespace) -> int:
-    from megatron_reshard.megatron.payload import decode_payload  # msgspec: the driver decodes
+    from megatron_reshard.wire.codec import decode_payload  # msgspec: the driver decodes
 
     ports = _ports(args.port, args.train_pp)
     stage_world = args.train_world // args.train_pp

@@ -73,7 +73,7 @@ def rank_main(args) -> None:
         run_training_rank(args.rank, cfg, control, torch.device("cpu"),
                           after_each_refit=stop_after_first)
         return
-    from megatron_reshard.megatron.payload import decode_payload
+    from megatron_reshard.wire.codec import decode_payload
     from megatron_reshard.tools.e2e import ModuleWorker
     from megatron_reshard.testing.vllm_like import build_vllm_like_model
     from megatron_reshard.wire.records import RefitPayload

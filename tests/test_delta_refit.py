@@ -138,7 +138,7 @@ def _train(job, control, layout):
 
 def _gen(job, control, gen_rank, layout):
     train, gen, refits, checks, name = layout
-    from megatron_reshard.megatron.payload import decode_payload
+    from megatron_reshard.wire.codec import decode_payload
     from megatron_reshard.testing.vllm_like import build_vllm_like_model
 
     control.wait(["payload"])

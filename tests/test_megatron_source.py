@@ -79,7 +79,7 @@ def _storages(model) -> set[int]:
 def _check_source(job, spec_kwargs, family, gen_parallelism, gen_world_size, layout):
     from megatron_reshard.layout.placements import build_mesh_info
     from megatron_reshard.testing.megatron_models import TinyGPTSpec, build_gpt_model
-    from megatron_reshard.megatron.payload import decode_payload
+    from megatron_reshard.wire.codec import decode_payload
     from megatron_reshard.testing.megatron_reference import gather_full_hf_state_dict
     from megatron_reshard.megatron.source import MegatronRefitSource
 
@@ -227,7 +227,7 @@ def test_dense_swiglu_gqa_tp2_pp2_views_match_oracle_and_default_meshes(pool, tm
     script = textwrap.dedent(f"""
         import sys
         sys.modules["megatron"] = None  # any megatron import now fails
-        from megatron_reshard.megatron.payload import decode_payload
+        from megatron_reshard.wire.codec import decode_payload
         from megatron_reshard.wire.metadata import restore_refit_info_placements
         p = decode_payload(open({str(path)!r}, "rb").read())
         restore_refit_info_placements(p)

@@ -12,8 +12,8 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from megatron_reshard.layout.placements import MeshInfo
+from megatron_reshard.wire.expert_names import PER_EXPERT_RE as _INDIVIDUAL_EXPERT_RE
 from megatron_reshard.wire.metadata import (
-    _INDIVIDUAL_EXPERT_RE,
     _LAYER_RE,
     _MODEL_PREFIX_RE,
     _STR_TO_DTYPE,

@@ -9,7 +9,7 @@ import msgspec
 import pytest
 import torch
 
-from megatron_reshard.megatron.payload import decode_payload, encode_payload
+from megatron_reshard.wire.codec import decode_payload, encode_payload
 from megatron_reshard.receiver import ReceiverSession, TargetError
 from megatron_reshard.receiver.payload_check import RefitPayloadError
 from megatron_reshard.testing.groups import NoCommGroup
@@ -29,12 +29,7 @@ JUNK = [None, -1, 0, 10 ** 12, 1.5, True, "x", "torch.float8", [], {}, [[-1, 5]]
 @pytest.fixture(scope="module")
 def valid():
     full = random_hf_state_dict(CFG, seed=0)
-    payload = build_plain_payload(CFG, full, {"tp_size": 2}, {"tp_size": 2}, 2, 2)
-    payload.setdefault("train_layout", {})
-    payload.setdefault("gen_layout", {})
-    payload.setdefault("train_stage_ranks", [[0, 1]])
-    payload.setdefault("rank_order", "tp-dp-pp")
-    return payload
+    return build_plain_payload(CFG, full, {"tp_size": 2}, {"tp_size": 2}, 2, 2)
 
 
 def _paths(node, path=()):

@@ -80,7 +80,7 @@ class _Worker(MegatronReshardWorkerExtension):
 
 
 def _gen(job, control, gen_rank):
-    from megatron_reshard.megatron.payload import decode_payload
+    from megatron_reshard.wire.codec import decode_payload
     from megatron_reshard.testing.vllm_like import build_vllm_like_model
 
     control.wait(["payload"])

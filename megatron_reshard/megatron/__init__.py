@@ -12,8 +12,9 @@ construction::
     others = source.gather_other_params()               # {hf_name: full tensor}, this stage
     hf_config = source.hf_config                        # plain dict, keys in source.HF_CONFIG_KEYS
 
-Submodules import ``megatron.core`` only when used; ``payload`` never does (the receiver
-decodes payloads without Megatron).
+Submodules import ``megatron.core`` only when used. The payload's codec is
+``megatron_reshard.wire.codec`` (the receiver decodes payloads without Megatron);
+``decode_payload`` / ``encode_payload`` here are its functions.
 """
 
 from __future__ import annotations
@@ -22,8 +23,7 @@ __all__ = ["MegatronRefitSource", "HF_CONFIG_KEYS", "decode_payload", "encode_pa
 
 
 # Lazy on purpose (optional dependencies, not a cycle): importing this package must not
-# import megatron.core (``source``) or msgspec (``payload``); a driver that only decodes
-# payloads imports ``megatron.payload`` without Megatron. Each name loads its module on use.
+# import megatron.core (``source``). Each name loads its module on use.
 def __getattr__(name: str):
     if name == "MegatronRefitSource":
         from megatron_reshard.megatron import source
@@ -34,7 +34,7 @@ def __getattr__(name: str):
 
         return model_info.HF_CONFIG_KEYS
     if name in ("decode_payload", "encode_payload"):
-        from megatron_reshard.megatron import payload
+        from megatron_reshard.wire import codec
 
-        return getattr(payload, name)
+        return getattr(codec, name)
     raise AttributeError(name)

@@ -10,7 +10,6 @@ quantized by the receiver keep their BF16 recipe.
 
 from __future__ import annotations
 
-import re
 from typing import Any, Optional
 
 import torch
@@ -22,6 +21,7 @@ from megatron_reshard.megatron.qkv import megatron_qkv_blocks
 from megatron_reshard.fp8.quant import BLOCK_FP8_TILE, quantize_blockwise_fp8
 from megatron_reshard.wire.spec import HFToLocalParamMap, LocalParamSpec, RefitCtx
 from megatron_reshard.vllm_layout.dense import AttentionHeads
+from megatron_reshard.wire.expert_names import PER_EXPERT_RE, grouped_name
 from megatron_reshard.wire.records import ParamRecord, RefitPayload
 
 
@@ -84,15 +84,6 @@ __all__ = ["fp8_sender_specs"]
 
 
 # ------------------------------------------------------------- blockwise-FP8 training weights
-
-_PER_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<index>\d+)\.(?P<proj>\w+_proj)\.weight$")
-
-
-def grouped_name(hf_name: str) -> str:
-    """``P.experts.<i>.<proj>.weight`` -> ``P.experts.<proj>.weight`` (the payload's name)."""
-    m = _PER_EXPERT.match(hf_name)
-    return f"{m['prefix']}.{m['proj']}.weight" if m else hf_name
-
 
 def _qkv_fp8_views(conv: Any, data: torch.Tensor, scale: torch.Tensor, dims: Any, tp_rank: int,
                    tile: int) -> tuple[dict, Optional[str]]:
@@ -180,7 +171,7 @@ def train_fp8_specs(p: ParamRecord, fp8_views: dict) -> Optional[tuple[LocalPara
         got = fp8_views.get(p.name)
         return None if got is None else (LocalParamSpec(base=got[0]), LocalParamSpec(base=got[1]))
     members = sorted((int(m["index"]), pair) for name, pair in fp8_views.items()
-                     if (m := _PER_EXPERT.match(name)) and grouped_name(name) == p.name)
+                     if (m := PER_EXPERT_RE.match(name)) and grouped_name(name) == p.name)
     if not members:
         return None
     data = [pair[0] for _, pair in members]

@@ -10,7 +10,6 @@ rank's expert tensors, or one strided view when they sit at a constant step in o
 
 from __future__ import annotations
 
-import re
 from typing import Collection, Mapping, Optional, Sequence
 
 import torch
@@ -21,9 +20,8 @@ from megatron_reshard.wire.placement_rules import is_nccl_reshard_param
 from megatron_reshard.megatron.converters import Converted, ModelDims, local_views
 from megatron_reshard.megatron.qkv import qkv_views
 from megatron_reshard.wire.spec import LocalParamSpec
+from megatron_reshard.wire.expert_names import PER_EXPERT_RE
 from megatron_reshard.wire.records import RefitPayload
-
-_EXPERT_NAME = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<index>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 
 
 def expected_local_shape(global_shape: Sequence[int], mesh, placements: Sequence, rank: int) -> Optional[list[int]]:
@@ -81,7 +79,7 @@ def local_param_specs(info: RefitPayload, views: Mapping[str, torch.Tensor], sta
             prefix = name[: -len(f".{proj}.weight")]
             members = sorted(
                 (int(m["index"]), v) for n, v in views.items()
-                if (m := _EXPERT_NAME.match(n)) and m["prefix"] == prefix and m["proj"] == proj
+                if (m := PER_EXPERT_RE.match(n)) and m["prefix"] == prefix and m["proj"] == proj
             )
             if not members:
                 problems.append(f"{name}: {me} holds no local expert for it")

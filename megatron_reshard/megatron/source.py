@@ -85,7 +85,7 @@ from megatron_reshard.megatron.parallel import (
     describe_rank_order,
     read_parallel_state,
 )
-from megatron_reshard.megatron.payload import build_payload, encode_payload
+from megatron_reshard.wire.codec import build_payload, encode_payload
 from megatron_reshard.megatron.qkv import qkv_groups_fit
 from megatron_reshard.megatron.rank_reports import merge_reports
 from megatron_reshard.wire.metadata import build_nccl_reshard_refit_info, extract_layer_name

@@ -22,21 +22,19 @@ from megatron_reshard.wire.records import RefitPayload
 
 
 def restore_payload(payload: Any, where: str = "this rank") -> RefitPayload:
-    """The payload as records: validated (``RefitPayloadError``), its schema version checked
-    (``ValueError``), meshes and placements restored. The input is not changed; records
-    pass through as they are."""
+    """The payload as records: its schema and the whole payload validated
+    (``RefitPayloadError``), then parsed. The input is not changed; records pass through as
+    they are."""
     if isinstance(payload, RefitPayload):
         return payload
     return RefitPayload.from_plain(payload, where)
 
 
 def gen_ep_size(payload: RefitPayload) -> int:
-    """Generation EP size: ``gen_layout["ep"]`` (or ``"ep_size"``) if given, else read off the
+    """Generation EP size: the payload's ``gen_layout.ep`` if given, else read off the
     expert placements (the mesh axis that splits the experts' dim 0)."""
-    layout = payload.gen_layout or {}
-    for key in ("ep", "ep_size"):
-        if layout.get(key):
-            return int(layout[key])
+    if payload.gen_layout is not None and payload.gen_layout.ep:
+        return int(payload.gen_layout.ep)
     for p in payload.params():
         if is_expert_param(p.name):
             for axis, pl in enumerate(p.dst_placements):
@@ -57,7 +55,7 @@ def check_gen_tp(payload: RefitPayload, params: Mapping[str, torch.Tensor],
     if vllm_tp is not None and int(vllm_tp[1]) != tp:
         raise RefitPayloadError(f"{where}: payload built for gen TP {tp}, this worker runs TP "
                                 f"{vllm_tp[1]} (vLLM's tensor parallel size); {fix}")
-    vocab = (payload.hf_config or {}).get("vocab_size")
+    vocab = payload.hf_config.vocab_size if payload.hf_config is not None else None
     embed = [n for n in params if n.endswith("embed_tokens.weight")]
     if not vocab or len(embed) != 1 or params[embed[0]].dim() != 2:
         return

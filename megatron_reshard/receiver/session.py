@@ -153,7 +153,7 @@ class ReceiverSession:
                      storage_orders=None) -> None:
         """Map every param this rank receives onto the model's storage (local work)."""
         self.targets = VllmTargets.from_named_parameters(
-            named_parameters, dict(self.payload.hf_config or {}), tp_rank=self.gen_rank % tp,
+            named_parameters, self.payload.hf_config, tp_rank=self.gen_rank % tp,
             tp_size=tp, ep_size=ep, ep_rank=self.gen_rank % ep, label=f"gen rank {self.gen_rank}",
             orders=storage_orders)
         self.local_map, self.bulk_plans = build_receiver_param_map(

@@ -34,6 +34,8 @@ import torch
 
 from megatron_reshard.layout.geometry import Box, box_index, box_shape
 from megatron_reshard.errors import BadInputError, BadInputTypeError
+from megatron_reshard.wire.expert_names import EXPERT_WEIGHT_RE
+from megatron_reshard.wire.extras import HFConfig
 from megatron_reshard.wire.spec import LocalParamSpec, RefitCtx
 from megatron_reshard.vllm_layout import gpt_oss, mla
 from megatron_reshard.vllm_layout import moe as vllm_moe
@@ -43,9 +45,6 @@ from megatron_reshard.vllm_layout.dense import (GATE_UP_RE, QKV_RE, VOCAB_PADDIN
 from megatron_reshard.vllm_layout.kernel_order import PADDING, KernelOrder
 from megatron_reshard.vllm_layout.float32_params import may_widen
 from megatron_reshard.vllm_layout.moe import expert_block
-
-_EXPERT_RE = re.compile(
-    r"^(?P<prefix>.*\.experts)\.(?:(?P<index>\d+)\.)?(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 
 
 class TargetError(BadInputError):
@@ -99,7 +98,7 @@ class VllmTargets:
     """A vLLM model's per-rank parameters plus the coordinates that decide their contents."""
 
     params: dict[str, torch.Tensor]
-    hf_config: dict[str, Any]
+    hf_config: HFConfig
     tp_rank: int
     tp_size: int
     ep_rank: int = 0
@@ -110,7 +109,8 @@ class VllmTargets:
     _renames: Optional[bool] = field(default=None, repr=False)  # gpt-oss's vLLM names
 
     @classmethod
-    def from_named_parameters(cls, named, hf_config: Mapping[str, Any], tp_rank: int, tp_size: int,
+    def from_named_parameters(cls, named, hf_config: Union[HFConfig, Mapping[str, Any], None],
+                              tp_rank: int, tp_size: int,
                               ep_size: int = 1, ep_rank: Optional[int] = None,
                               label: str = "", orders: Optional[Mapping[str, KernelOrder]] = None
                               ) -> "VllmTargets":
@@ -119,7 +119,7 @@ class VllmTargets:
         ep_rank = tp_rank % ep_size if ep_rank is None else ep_rank
         if not 0 <= ep_rank < ep_size:
             raise BadInputError(f"ep_rank={ep_rank} is not in 0..{ep_size - 1}")
-        return cls(_as_dict(named), dict(hf_config or {}), tp_rank, tp_size, ep_rank, ep_size, label,
+        return cls(_as_dict(named), HFConfig.of(hf_config), tp_rank, tp_size, ep_rank, ep_size, label,
                    dict(orders or {}))
 
     def where(self) -> str:
@@ -176,7 +176,7 @@ class VllmTargets:
             raise TargetError(f"{hf_name}: {heads_problem} (on {self.where()})")
         if hf_name in self.params:
             return self._direct(hf_name, shape)
-        m = _EXPERT_RE.match(hf_name)
+        m = EXPERT_WEIGHT_RE.match(hf_name)
         if m:
             return self._experts(hf_name, shape, m)
         m = QKV_RE.match(hf_name)
@@ -188,7 +188,7 @@ class VllmTargets:
         fused_a = mla.fused_a_rows(hf_name, self.hf_config)
         if fused_a and fused_a[0] in self.params:
             return self._mla_fused_a(hf_name, shape, *fused_a)
-        if hf_name.endswith("lm_head.weight") and self.hf_config.get("tie_word_embeddings"):
+        if hf_name.endswith("lm_head.weight") and self.hf_config.tie_word_embeddings:
             return TargetPlan(hf_name, shape, note="tied to the input embedding; nothing to write")
         fused = self._fused_candidate(hf_name)
         if fused:
@@ -331,9 +331,9 @@ class VllmTargets:
         if grouped:
             num_experts = shape[0]
         else:
-            num_experts = int(self.hf_config.get("num_experts") or 0)
+            num_experts = int(self.hf_config.num_experts or 0)
             if not num_experts:
-                raise TargetError(f"{name}: per-expert HF name needs hf_config['num_experts']")
+                raise TargetError(f"{name}: per-expert HF name needs hf_config's num_experts")
         if self.ep_size > 1:
             e_lo, e_hi = expert_block(num_experts, self.ep_rank, self.ep_size)
         else:
@@ -422,9 +422,9 @@ class VllmTargets:
             raise TargetError(f"{name}: missing target on {self.where()}: expected vLLM param "
                               f"{candidates[0]!r} or {candidates[1]!r}")
         target = found[0]
-        num_experts = int(self.hf_config.get("num_experts") or 0)
+        num_experts = int(self.hf_config.num_experts or 0)
         if not num_experts:
-            raise TargetError(f"{name}: per-expert HF name needs hf_config['num_experts']")
+            raise TargetError(f"{name}: per-expert HF name needs hf_config's num_experts")
         e_lo, e_hi = (expert_block(num_experts, self.ep_rank, self.ep_size) if self.ep_size > 1
                       else (0, num_experts))
         plan = TargetPlan(name, shape)
@@ -432,8 +432,8 @@ class VllmTargets:
             plan.note = f"expert {e} lives on another EP rank (this rank: {e_lo}..{e_hi - 1})"
             return plan
         tp_parts, tp_r = vllm_moe.expert_tp_split(self.ep_size, self.tp_size, self.tp_rank)
-        hidden = int(self.hf_config.get("hidden_size") or 0)
-        inter = int(self.hf_config.get("moe_intermediate_size") or 0)
+        hidden = int(self.hf_config.hidden_size or 0)
+        inter = int(self.hf_config.moe_intermediate_size or 0)
         hf_expected = {("gate_up_proj", False): (hidden, 2 * inter), ("gate_up_proj", True): (2 * inter,),
                        ("down_proj", False): (inter, hidden), ("down_proj", True): (hidden,)}[proj, bias]
         if shape != hf_expected:

@@ -36,8 +36,9 @@ from torch import nn
 VOCAB_PADDING = 64
 
 
-def _cfg(hf_config: Mapping[str, Any]) -> dict:
-    c = dict(hf_config)
+def _cfg(hf_config: Any) -> dict:
+    """The oracle's own plain copy of a config (a map, or a payload's ``wire.HFConfig``)."""
+    c = dict(hf_config.to_plain() if hasattr(hf_config, "to_plain") else hf_config)
     c.setdefault("num_key_value_heads", c["num_attention_heads"])
     if not c.get("head_dim"):
         c["head_dim"] = c["hidden_size"] // c["num_attention_heads"]
@@ -402,13 +403,14 @@ def _gpt_oss_expected(c: Mapping[str, Any], name: str, hf: Mapping[str, torch.Te
 def grouped_hf_tensors(full_hf_tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Per-expert HF tensors stacked into the grouped names the refit payload uses
     (``<P>.experts.<proj>.weight [E, ...]``); other tensors unchanged."""
-    per_expert = re.compile(r"^(?P<p>.*\.experts)\.(?P<i>\d+)\.(?P<proj>\w+)\.weight$")
+    from megatron_reshard.wire.expert_names import PER_EXPERT_RE, grouped_name
+
     groups: dict[str, dict[int, torch.Tensor]] = {}
     out: dict[str, torch.Tensor] = {}
     for name, t in full_hf_tensors.items():
-        m = per_expert.match(name)
+        m = PER_EXPERT_RE.match(name)
         if m:
-            groups.setdefault(f"{m['p']}.{m['proj']}.weight", {})[int(m["i"])] = t
+            groups.setdefault(grouped_name(name), {})[int(m["index"])] = t
         else:
             out[name] = t
     for name, by_index in groups.items():
@@ -420,34 +422,36 @@ def build_plain_payload(hf_config: Mapping[str, Any], full_hf_tensors: Mapping[s
                         train: Mapping[str, int], gen: Mapping[str, int], train_world_size: int,
                         gen_world_size: int, layer_to_pp_stage: Optional[Mapping[str, int]] = None
                         ) -> dict:
-    """A wire-form refit payload (``wire.metadata.SCHEMA_VERSION``) for full HF tensors, built
-    without Megatron.
+    """A wire-form refit payload for full HF tensors, built without Megatron through the
+    train side's own code (``wire.codec.build_payload``: schema version and every key).
 
     Bulk params (``is_nccl_reshard_param``) go through ``build_nccl_reshard_refit_info``;
     the rest are listed in ``other_params`` (``[{name, shape, dtype, pp_stage}]``, the train
     side's form) in the order given, ``pp_stage`` looked up by layer key in
-    ``layer_to_pp_stage`` (0 without PP).
+    ``layer_to_pp_stage`` (0 without PP). Training ranks in Megatron's default order (PP
+    outermost: stage ``s`` holds ranks ``s*T/pp .. (s+1)*T/pp - 1``).
     """
+    from megatron_reshard.wire.codec import build_payload
+    from megatron_reshard.wire.extras import GenLayout, TrainLayout
+    from megatron_reshard.wire.metadata import build_nccl_reshard_refit_info, extract_layer_name
     from megatron_reshard.wire.placement_rules import is_nccl_reshard_param
-    from megatron_reshard.wire.metadata import (
-        build_nccl_reshard_refit_info,
-        extract_layer_name,
-        SCHEMA_VERSION,
-        make_nccl_reshard_refit_info_wire_safe,
-    )
+    from megatron_reshard.wire.records import MiscRecord
 
     pp = int(train.get("pp_size", 1))
     bulk = {n: {"shape": list(t.shape), "dtype": str(t.dtype)}
             for n, t in full_hf_tensors.items() if is_nccl_reshard_param(n)}
     info = build_nccl_reshard_refit_info(bulk, dict(train), dict(gen), train_world_size,
                                          gen_world_size, dict(layer_to_pp_stage or {}) or None)
-    payload = make_nccl_reshard_refit_info_wire_safe(info)
-    other = [{"name": n, "shape": list(t.shape), "dtype": str(t.dtype),
-              "pp_stage": int(layer_to_pp_stage[extract_layer_name(n)]) if pp > 1 else 0}
+    other = [MiscRecord(n, tuple(t.shape), str(t.dtype),
+                        int(layer_to_pp_stage[extract_layer_name(n)]) if pp > 1 else 0)
              for n, t in full_hf_tensors.items() if not is_nccl_reshard_param(n)]
-    payload.update(schema_version=SCHEMA_VERSION, hf_config=dict(hf_config), other_params=other,
-                   train_layout={"tp": int(train.get("tp_size", 1)), "ep": int(train.get("ep_size", 1)),
-                                 "pp": pp, "world_size": train_world_size},
-                   gen_layout={"tp": int(gen.get("tp_size", 1)), "ep": int(gen.get("ep_size", 1)),
-                               "pp": 1, "world_size": gen_world_size})
-    return payload
+    stage_world = train_world_size // pp
+    return build_payload(
+        info, hf_config=dict(hf_config), other_params=other,
+        train_layout=TrainLayout.of({"tp": int(train.get("tp_size", 1)),
+                                     "ep": int(train.get("ep_size", 1)), "pp": pp,
+                                     "world_size": train_world_size}),
+        gen_layout=GenLayout.of({"tp": int(gen.get("tp_size", 1)), "ep": int(gen.get("ep_size", 1)),
+                                 "pp": 1, "world_size": gen_world_size}),
+        train_stage_ranks=[list(range(s * stage_world, (s + 1) * stage_world)) for s in range(pp)],
+        rank_order="tp-dp-pp")

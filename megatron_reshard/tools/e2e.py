@@ -240,7 +240,7 @@ class ModuleWorker(MegatronReshardWorkerExtension):
 
 def _gen_rank(gen_rank: int, cfg: RefitRunConfig, control, device: torch.device,
               after_refits=None) -> dict:
-    from megatron_reshard.megatron.payload import decode_payload  # msgspec: the launcher decodes
+    from megatron_reshard.wire.codec import decode_payload  # msgspec: the launcher decodes
     from megatron_reshard.testing.vllm_like import build_vllm_like_model
 
     who = f"gen {gen_rank}"

@@ -23,7 +23,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 from torch.distributed.tensor import Replicate, Shard
 
-from megatron_reshard.errors import BadInputError
+from megatron_reshard.errors import BadInputError, MissingEntryError
 from megatron_reshard.layout.placements import MeshInfo
 from megatron_reshard.vllm_layout import gpt_oss
 
@@ -84,10 +84,18 @@ class AttentionHeads:
     head_dim: int
 
     @classmethod
-    def from_hf_config(cls, cfg: Mapping[str, Any]) -> "AttentionHeads":
-        nh = int(cfg["num_attention_heads"])
-        nkv = int(cfg.get("num_key_value_heads") or nh)
-        hd = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // nh)
+    def from_hf_config(cls, cfg: Any) -> "AttentionHeads":
+        """From the payload's ``wire.HFConfig`` (read by field); ``MissingEntryError`` (a
+        ``KeyError``) naming a size it lacks."""
+        def need(key: str) -> int:
+            value = getattr(cfg, key)
+            if value is None:
+                raise MissingEntryError(key)
+            return int(value)
+
+        nh = need("num_attention_heads")
+        nkv = int(cfg.num_key_value_heads or nh)
+        hd = int(cfg.head_dim or need("hidden_size") // nh)
         return cls(nh, nkv, hd)
 
     def tp_problem(self, tp_size: int) -> Optional[str]:

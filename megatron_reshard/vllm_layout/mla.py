@@ -32,7 +32,7 @@ in checkpoints) are not part of vLLM's main model.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from typing import Any, Optional
 
 ATTN = ".self_attn."
 FUSED_A = "fused_qkv_a_proj"
@@ -61,8 +61,12 @@ MOE_GEN_TP_DIM: dict[str, Optional[int]] = {
 NOT_MLA = -1
 
 
-def is_mla_config(hf_config: Mapping[str, Any]) -> bool:
-    return bool(hf_config.get("kv_lora_rank"))
+# ``hf_config`` below: the payload's ``wire.HFConfig`` record, read by field (this package
+# sits below ``wire`` and does not import it)
+
+
+def is_mla_config(hf_config: Any) -> bool:
+    return bool(hf_config.kv_lora_rank)
 
 
 def mla_leaf(hf_name: str) -> Optional[str]:
@@ -86,35 +90,35 @@ def gen_tp_dim(hf_name: str, mla: bool = True):
     return NOT_MLA
 
 
-def heads_split_problem(hf_name: str, hf_config: Mapping[str, Any], tp_size: int) -> Optional[str]:
+def heads_split_problem(hf_name: str, hf_config: Any, tp_size: int) -> Optional[str]:
     """Why vLLM cannot hold MLA param ``hf_name`` at TP ``tp_size`` (it splits whole heads:
     ``assert num_heads % tp_size == 0``), or None."""
     leaf = mla_leaf(hf_name) if is_mla_config(hf_config) else None
     if leaf is None or GEN_TP_DIM[leaf] is None:
         return None
-    heads = int(hf_config.get("num_attention_heads") or 0)
+    heads = int(hf_config.num_attention_heads or 0)
     if heads and heads % tp_size:
         return f"{heads} MLA heads do not split over tp_size={tp_size} (vLLM splits whole heads)"
     return None
 
 
-def fused_a_rows(hf_name: str, hf_config: Mapping[str, Any]) -> Optional[tuple[str, int, int]]:
+def fused_a_rows(hf_name: str, hf_config: Any) -> Optional[tuple[str, int, int]]:
     """``(fused target name, first row, stop row)`` where vLLM fuses ``hf_name`` into
     ``fused_qkv_a_proj`` (models with q LoRA); None for any other name."""
     head, sep, leaf = hf_name.rpartition(ATTN)
     if not sep or leaf not in (f"{Q_A}.weight", f"{KV_A}.weight"):
         return None
-    q_lora = int(hf_config.get("q_lora_rank") or 0)
+    q_lora = int(hf_config.q_lora_rank or 0)
     if not q_lora:
         return None
-    kv_rows = int(hf_config["kv_lora_rank"]) + int(hf_config["qk_rope_head_dim"])
+    kv_rows = int(hf_config.kv_lora_rank) + int(hf_config.qk_rope_head_dim)
     target = f"{head}{ATTN}{FUSED_A}.weight"
     if leaf.startswith(Q_A):
         return target, 0, q_lora
     return target, q_lora, q_lora + kv_rows
 
 
-def fused_a_shape(hf_config: Mapping[str, Any]) -> tuple[int, int]:
+def fused_a_shape(hf_config: Any) -> tuple[int, int]:
     """Shape of ``fused_qkv_a_proj.weight`` on every rank (replicated)."""
-    return (int(hf_config["q_lora_rank"]) + int(hf_config["kv_lora_rank"])
-            + int(hf_config["qk_rope_head_dim"]), int(hf_config["hidden_size"]))
+    return (int(hf_config.q_lora_rank) + int(hf_config.kv_lora_rank)
+            + int(hf_config.qk_rope_head_dim), int(hf_config.hidden_size))

@@ -15,7 +15,11 @@ from __future__ import annotations
 from typing import Any, Mapping, Optional
 
 from megatron_reshard.errors import BadInputError
-from megatron_reshard.wire.metadata import dtype_from_str
+from megatron_reshard.wire.metadata import SUPPORTED_SCHEMA_VERSIONS, dtype_from_str
+
+# schema 1's keys beyond the refit info's (``wire.codec`` says what each holds)
+EXTRA_KEYS = ("schema_version", "train_layout", "gen_layout", "hf_config", "other_params",
+              "train_stage_ranks", "rank_order")
 
 
 class RefitPayloadError(BadInputError):
@@ -88,10 +92,23 @@ def _shard_dim(placement: Any, what: str, where: str) -> Optional[int]:
     return getattr(placement, "dim", None)
 
 
+def check_schema(payload: Mapping, where: str = "this rank") -> None:
+    """The payload's schema: a version this receiver reads, and that version's keys. The one
+    schema check of the library (``validate_payload`` runs it first)."""
+    version = payload.get("schema_version")
+    if version not in SUPPORTED_SCHEMA_VERSIONS:
+        raise _fail(where, f"unsupported schema_version {version!r} (this receiver reads "
+                           f"{list(SUPPORTED_SCHEMA_VERSIONS)})")
+    missing = [k for k in ("layer_names", "per_layer_params", *EXTRA_KEYS) if k not in payload]
+    if missing:
+        raise _fail(where, f"missing keys {missing} (schema_version {version})")
+
+
 def validate_payload(payload: Any, where: str = "this rank") -> None:
     """Raise ``RefitPayloadError`` on the first problem of ``payload`` (see module doc)."""
     if not isinstance(payload, Mapping):
         raise _fail(where, f"expected a map, found {type(payload).__name__}")
+    check_schema(payload, where)
     for key in ("layer_names", "per_layer_params", "train_world_size", "gen_world_size",
                 "gen_tp_size"):
         if key not in payload:
@@ -107,12 +124,13 @@ def validate_payload(payload: Any, where: str = "this rank") -> None:
     if gen_world % gen_tp:
         raise _fail(where, f"gen_world_size {gen_world} is not a multiple of gen_tp_size {gen_tp}")
     _check_hf_config(payload.get("hf_config", {}), where)
-    layout = payload.get("gen_layout")
-    if layout is not None and not isinstance(layout, Mapping):
-        raise _fail(where, f"'gen_layout' must be a map, found {type(layout).__name__}")
-    for key, value in (layout or {}).items():
-        if value and not (_is_int(value) and value >= 1):
-            raise _fail(where, f"gen_layout[{key!r}] must be an integer >= 1, found {value!r:.40}")
+    for name in ("gen_layout", "train_layout"):
+        layout = payload.get(name)
+        if layout is not None and not isinstance(layout, Mapping):
+            raise _fail(where, f"{name!r} must be a map, found {type(layout).__name__}")
+        for key, value in (layout or {}).items():
+            if value and not (_is_int(value) and value >= 1):
+                raise _fail(where, f"{name}[{key!r}] must be an integer >= 1, found {value!r:.40}")
     layers = payload["layer_names"]
     if not isinstance(layers, list) or not all(isinstance(n, str) for n in layers):
         raise _fail(where, f"'layer_names' must be a list of strings, found {layers!r:.80}")
@@ -216,4 +234,4 @@ def _check_param(param: Any, what: str, where: str, pp: int, seen: set,
                                    f"{len(shape)}-D tensor")
 
 
-__all__ = ["RefitPayloadError", "validate_payload"]
+__all__ = ["EXTRA_KEYS", "RefitPayloadError", "check_schema", "validate_payload"]

@@ -40,10 +40,11 @@ from megatron_reshard.layout.placements import (
     placements_to_plain,
     restore_placement,
 )
+from megatron_reshard.wire.expert_names import PER_EXPERT_RE
 from megatron_reshard.wire.placement_rules import get_placements, is_expert_param
 
 # The refit payload's schema version, the one statement of it: the train side writes it
-# (megatron/payload.py), both decoders check it (megatron/payload.decode_payload,
+# (wire.codec.build_payload), the receiver checks it once (wire.check.check_schema, run by
 # wire.RefitPayload.from_plain). Here because both sides import this torch-only module.
 SCHEMA_VERSION = 1
 SUPPORTED_SCHEMA_VERSIONS = (SCHEMA_VERSION,)  # what the receiver reads
@@ -63,10 +64,6 @@ for _name in _DTYPE_NAMES:
         _STR_TO_DTYPE[f"torch.{_name}"] = _dtype
 del _name, _dtype
 
-# <P>.experts.<i>.<proj>.weight, anchored at the end so "..._scale_inv" siblings never match.
-_INDIVIDUAL_EXPERT_RE = re.compile(
-    r"^(?P<prefix>(?:.*\.)?experts)\.(?P<index>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$"
-)
 # Pre-grouped exports: <P>.experts.gate_up_proj [E, 2I, H] and <P>.experts.down_proj [E, H, I].
 _PREGROUPED_EXPERT_RE = re.compile(r"^(?P<prefix>(?:.*\.)?experts)\.(?P<proj>gate_up_proj|down_proj)$")
 # "<prefix>.layers.<N>" or a bare "layers.<N>"; ``layers`` must be a whole dotted component.
@@ -111,7 +108,7 @@ def group_expert_params_in_metadata(
         grouped[name] = entry
 
     for name, meta in state_dict_metadata.items():
-        m = _INDIVIDUAL_EXPERT_RE.match(name)
+        m = PER_EXPERT_RE.match(name)
         if m:
             key = (m["prefix"], m["proj"])
             per_expert.setdefault(key, {})[int(m["index"])] = (name, meta)

@@ -1,6 +1,6 @@
 """The refit payload as frozen typed records, parsed once where a payload enters.
 
-Torch + stdlib only (the receiver imports it). On the wire (msgpack, ``megatron/payload.py``)
+Torch + stdlib only (the receiver imports it). On the wire (msgpack, ``wire/codec.py``)
 the payload stays plain data: dicts, lists, strings, numbers. Everything in the library
 past the point where a payload enters works on the records here instead:
 
@@ -8,10 +8,11 @@ past the point where a payload enters works on the records here instead:
   the train (src) and generation (dst) meshes and placements, PP stage, FP8 decision);
 - ``MiscRecord``: one param outside the bulk path (``other_params``);
 - ``RefitPayload``: the whole payload (or the train side's refit info before the payload
-  extras are added): sizes, layer order, records, and the extras carried as plain data.
+  extras are added): sizes, layer order, records, ``hf_config`` and the two layouts as
+  records (``wire.extras``), and the informational extras carried as plain data.
 
 Where a payload enters: ``RefitPayload.from_plain(payload, where)`` on a generation rank
-(whole-payload validation, ``wire.check``, then the schema version, then the records);
+(the schema and whole-payload validation, ``wire.check``, then the records);
 ``RefitPayload.of(info)`` where the library trusts its input (the train side's own refit
 info, tests): the same parse without the refit-group checks. Records are frozen: a step
 that changes entries (FP8 planning, live train meshes) makes new ones with
@@ -33,8 +34,8 @@ import torch
 
 from megatron_reshard.errors import BadInputError, BadInputTypeError
 from megatron_reshard.layout.placements import MeshInfo, placements_to_plain, restore_placement
+from megatron_reshard.wire.extras import GenLayout, HFConfig, TrainLayout
 from megatron_reshard.wire.metadata import (
-    SUPPORTED_SCHEMA_VERSIONS,
     _restore_mesh,
     dtype_from_str,
     restore_refit_info_placements,
@@ -185,11 +186,11 @@ def _misc_records(other: Any, pp_size: int) -> tuple[MiscRecord, ...]:
     return tuple(out)
 
 
-# payload keys with a field of their own; the rest (train_layout, train_stage_ranks,
-# rank_order, ...) travel in ``extra`` as plain data
+# payload keys with a field of their own; the rest (train_stage_ranks, rank_order, ...)
+# travel in ``extra`` as plain data
 _PAYLOAD_KEYS = ("layer_names", "per_layer_params", "train_world_size", "gen_world_size",
                  "pp_size", "gen_tp_size", "schema_version", "gen_quant", "hf_config",
-                 "gen_layout", "other_params")
+                 "gen_layout", "train_layout", "other_params")
 
 
 @dataclass(frozen=True)
@@ -209,8 +210,9 @@ class RefitPayload:
     gen_tp_size: Optional[int] = None
     schema_version: Optional[int] = None
     gen_quant: Optional[Mapping[str, Any]] = None  # {"format", "block"} of an FP8 generation
-    hf_config: Optional[Mapping[str, Any]] = None
-    gen_layout: Optional[Mapping[str, Any]] = None
+    hf_config: Optional[HFConfig] = None
+    gen_layout: Optional[GenLayout] = None
+    train_layout: Optional[TrainLayout] = None
     other_params: Optional[tuple[MiscRecord, ...]] = None
     extra: Mapping[str, Any] = dataclasses.field(default_factory=lambda: _EMPTY)
 
@@ -243,22 +245,20 @@ class RefitPayload:
             pp_size=pp, gen_tp_size=size("gen_tp_size"),
             schema_version=info.get("schema_version"),
             gen_quant=None if info.get("gen_quant") is None else _frozen(info["gen_quant"]),
-            hf_config=None if info.get("hf_config") is None else _frozen(info["hf_config"]),
-            gen_layout=None if info.get("gen_layout") is None else _frozen(info["gen_layout"]),
+            hf_config=None if info.get("hf_config") is None else HFConfig.of(info["hf_config"]),
+            gen_layout=None if info.get("gen_layout") is None else GenLayout.of(info["gen_layout"]),
+            train_layout=(None if info.get("train_layout") is None
+                          else TrainLayout.of(info["train_layout"])),
             other_params=(None if "other_params" not in info
                           else _misc_records(info["other_params"], pp)),
             extra=MappingProxyType({k: v for k, v in info.items() if k not in _PAYLOAD_KEYS}))
 
     @classmethod
     def from_plain(cls, payload: Any, where: str = "this rank") -> "RefitPayload":
-        """A payload received by a generation rank: the whole payload checked against the
-        refit group (``wire.check.validate_payload``, ``RefitPayloadError``), its schema
-        version checked, then parsed. The input is not changed."""
+        """A payload received by a generation rank: its schema (version and keys) and the
+        whole payload checked against the refit group (``wire.check.validate_payload``,
+        ``RefitPayloadError``), then parsed. The input is not changed."""
         validate_payload(payload, where)
-        version = payload.get("schema_version")
-        if version not in SUPPORTED_SCHEMA_VERSIONS:
-            raise BadInputError(f"refit payload on {where}: unsupported schema_version {version!r} "
-                             f"(this receiver reads {list(SUPPORTED_SCHEMA_VERSIONS)})")
         return cls.of(payload)
 
     # -- reading -------------------------------------------------------------------
@@ -312,10 +312,12 @@ class RefitPayload:
             out["schema_version"] = self.schema_version
         for key, value in self.extra.items():
             out[key] = _thawed(value)
+        if self.train_layout is not None:
+            out["train_layout"] = self.train_layout.to_plain()
         if self.gen_layout is not None:
-            out["gen_layout"] = _thawed(self.gen_layout)
+            out["gen_layout"] = self.gen_layout.to_plain()
         if self.hf_config is not None:
-            out["hf_config"] = _thawed(self.hf_config)
+            out["hf_config"] = self.hf_config.to_plain()
         if self.other_params is not None:
             out["other_params"] = [m.to_plain() for m in self.other_params]
         return out

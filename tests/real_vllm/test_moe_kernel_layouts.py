@@ -7,7 +7,7 @@ allocation (TRTLLM: the per-rank intermediate 48 or 96 padded to 128) and its ow
 post-load conversion (CUTLASS: w13 as [up; gate]; TRTLLM: zero padding and FlashInfer's
 block layout) run. Then two refits with changed weights through the real worker
 extension, each compared bit for bit with a second vLLM model loaded by vLLM's
-``load_weights`` and the same post-load (``testing.vllm_refit``), and one generation rank
+``load_weights`` and the same post-load (``tools.vllm_refit``), and one generation rank
 given a wrong mapping on purpose, which the comparison must report.
 
 Backends whose conversion cannot run here are refused before any byte moves
@@ -25,7 +25,7 @@ pytest.importorskip("flashinfer.fused_moe.core")  # its permutation helpers run 
 
 from test_real_vllm import REFITS, Family, _build, layout, vllm_config_json  # noqa: E402
 from hf_configs import TINY_MODEL  # noqa: E402
-from megatron_reshard.testing.vllm_refit import kernel_orders_job, vllm_refit_job  # noqa: E402
+from megatron_reshard.tools.vllm_refit import kernel_orders_job, vllm_refit_job  # noqa: E402
 from megatron_reshard.tools.run_config import RefitRunConfig  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -102,7 +102,7 @@ def test_trtllm_through_the_weight_transfer_backend_and_the_colocated_transport(
     """The other front door (vLLM's weight-transfer engine, driven as vLLM's GPU worker
     drives it) and the other transport (copies out of the training ranks' shared memory):
     two refits into TRTLLM-ordered storage, bit-equal to vLLM's own loading."""
-    from megatron_reshard.testing.vllm_backend_refit import backend_refit_job
+    from megatron_reshard.tools.vllm_backend_refit import backend_refit_job
 
     cfg = RefitRunConfig(model="dense", model_overrides=dict(QWEN3_MOE.model), refits=REFITS,
                          verify=False, dtype="bfloat16", quiet=True, timeout_s=120,

@@ -8,7 +8,7 @@ two refits (the training weights change in between) every generation rank builds
 instance of the same vLLM model, loads the full HF tensors with vLLM's ``load_weights``,
 post-processes it with vLLM's ``process_weights_after_loading``, and compares every
 parameter and buffer bit for bit, the MLA weights vLLM derives after loading included
-(``testing.vllm_refit``). Each family runs on three train → gen layouts (vLLM's expert
+(``tools.vllm_refit``). Each family runs on three train → gen layouts (vLLM's expert
 parallelism included where it builds on CPU). CPU deviations from a GPU worker:
 ``testing.vllm_models``.
 
@@ -26,7 +26,7 @@ import pytest
 pytest.importorskip("vllm.distributed")  # the real vLLM, installed in the vLLM test venv
 
 from hf_configs import MODEL_TYPES, TINY_MODEL, hf_config_kwargs  # noqa: E402
-from megatron_reshard.testing.vllm_refit import vllm_refit_job  # noqa: E402
+from megatron_reshard.tools.vllm_refit import vllm_refit_job  # noqa: E402
 from megatron_reshard.tools.run_config import RefitRunConfig  # noqa: E402
 
 pytestmark = pytest.mark.slow

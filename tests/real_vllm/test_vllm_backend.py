@@ -16,7 +16,7 @@ factory and base classes.
   state saying exactly what is held. Two drivers: the generation ranks drive their engines
   as vLLM's GPU worker does (then a wrong ``version`` is refused after the commit), and
   vLLM's API on both sides (trainer engine -> client -> vLLM's ``Worker`` methods -> worker
-  engine; ``testing.vllm_backend_refit`` says what stands in for a running ``LLM``).
+  engine; ``tools.vllm_backend_refit`` says what stands in for a running ``LLM``).
 """
 
 from __future__ import annotations
@@ -276,7 +276,7 @@ REFITS = 2
 @pytest.fixture(scope="module", params=[("p2p", "trainer"), ("colocated", "worker")],
                 ids=lambda p: "-".join(p))
 def lifecycle(pool, request):
-    from megatron_reshard.testing.vllm_backend_refit import backend_refit_job
+    from megatron_reshard.tools.vllm_backend_refit import backend_refit_job
     from megatron_reshard.tools.run_config import RefitRunConfig
 
     transport, driver = request.param
@@ -356,7 +356,7 @@ def test_a_trainer_init_the_workers_refuse_raises_on_every_training_rank(lifecyc
 
 @pytest.mark.slow
 def test_a_wrong_version_is_refused_with_the_weight_state(lifecycle):
-    from megatron_reshard.testing.vllm_backend_refit import MISMATCH_OFFSET
+    from megatron_reshard.tools.vllm_backend_refit import MISMATCH_OFFSET
 
     if _driver(lifecycle) != "worker":
         pytest.skip("the trainer engine sends the version it commits: no mismatch to ask for")
@@ -370,7 +370,7 @@ def test_a_wrong_version_is_refused_with_the_weight_state(lifecycle):
 
 @pytest.mark.slow
 def test_a_failed_refit_leaves_the_weight_state_saying_what_is_held(lifecycle):
-    from megatron_reshard.testing.vllm_backend_refit import PLANTED
+    from megatron_reshard.tools.vllm_backend_refit import PLANTED
 
     assert PLANTED in lifecycle["train0"]["bench"]["error"]
     assert lifecycle["train1"]["bench"]["error"] is not None  # both worlds learn of it

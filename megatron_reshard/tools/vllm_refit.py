@@ -97,7 +97,7 @@ def _vllm_gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Mappi
                    keep_as_loaded: Optional[list] = None,
                    moe_backend: Optional[str] = None, plant_order_error: bool = False,
                    as_moe_backend: Optional[str] = None) -> dict:
-    from megatron_reshard.megatron.payload import decode_payload
+    from megatron_reshard.wire.codec import decode_payload
     from megatron_reshard.receiver.coverage import UncoveredParamsError
     from megatron_reshard.testing import vllm_models as vm
 

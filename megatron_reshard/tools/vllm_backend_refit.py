@@ -1,6 +1,6 @@
 """Refits through the ``megatron_reshard`` vLLM weight-transfer backend into vLLM's own models.
 
-One pool job (``backend_refit_job``) plays a whole launch, as ``testing.vllm_refit`` does:
+One pool job (``backend_refit_job``) plays a whole launch, as ``tools.vllm_refit`` does:
 ranks below ``cfg.train_world`` are Megatron training ranks (``tools.e2e.run_training_rank``,
 the real ``RefitSender``), the others generation ranks holding vLLM's own model class under
 vLLM's own parallel state (``testing.vllm_models``). Each generation rank builds the engine
@@ -43,7 +43,7 @@ from typing import Any, Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_reshard.testing.vllm_refit import publish_full_hf
+from megatron_reshard.tools.vllm_refit import publish_full_hf
 from megatron_reshard.tools.e2e import perturb_, run_training_rank
 from megatron_reshard.tools.run_config import RefitRunConfig
 
@@ -94,7 +94,7 @@ def _engine_for(config, model):
 def _gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Mapping[str, Any],
               vllm_port: int, mismatch_rank: Optional[int], fail_extra: bool,
               moe_backend: Optional[str] = None, progress_s: Optional[float] = None) -> dict:
-    from megatron_reshard.megatron.payload import decode_payload
+    from megatron_reshard.wire.codec import decode_payload
     from megatron_reshard.testing import vllm_models as vm
     from megatron_reshard.vllm_backend import WeightUpdateError, WeightVersionMismatch
 
