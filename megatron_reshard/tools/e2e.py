@@ -287,7 +287,7 @@ def _gen_rank(gen_rank: int, cfg: RefitRunConfig, control, device: torch.device,
            "report": worker.report(), "summary": summary,
            "verified": cfg.verify and not any(mismatches)}
     if after_refits is not None:
-        groups = worker._refit_state()["groups"]
+        groups = worker.refit_worker_state.groups
         out["bench"] = after_refits({"role": "gen", "rank": gen_rank, "cfg": cfg, "device": device,
                                      "group": groups[min(groups)], "control": control,
                                      "model": model, "worker": worker})
