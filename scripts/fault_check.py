@@ -99,7 +99,7 @@ def _side(args) -> None:
             worker.init_refit_groups("127.0.0.1", [args.port], rank, 2, args.backend,
                                      args.timeout_s)
             worker.prepare_refit(payload)
-            session = worker._refit_session()
+            session = worker.refit_worker_state.require_session()
             fault(session.local_map.specs[sorted(session.local_map.specs)[0]])
             try:
                 for k in range(1, args.refits + 1):

@@ -17,7 +17,7 @@ from megatron_reshard.errors import MegatronReshardError
 # Tooling and test fixtures are not the library (docs/DESIGN.md, "Modules")
 NOT_LIBRARY = ("megatron_reshard.tools", "megatron_reshard.testing")
 # imported only where vLLM is installed (the vLLM weight-transfer backend)
-NEEDS_VLLM = ("megatron_reshard.vllm_backend", "megatron_reshard.vllm_trainer")
+NEEDS_VLLM = ("megatron_reshard.vllm_api.backend", "megatron_reshard.vllm_api.trainer")
 
 def _library_modules():
     for info in pkgutil.walk_packages(megatron_reshard.__path__, "megatron_reshard."):

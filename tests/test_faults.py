@@ -133,7 +133,7 @@ def _gen(job, control, plan, gen_rank):
     worker.prepare_refit(payload, {"verify_checksums": True})
     step = {"k": 0}
     if plan.get("victim") == job.rank:
-        _arm_victim(worker._refit_session().loop, plan, control, lambda: step["k"])
+        _arm_victim(worker.refit_worker_state.require_session().loop, plan, control, lambda: step["k"])
     error, failed_at, done = None, None, 0
     for k in range(1, plan["refits"] + 1):
         step["k"] = k
@@ -156,7 +156,7 @@ def _gen(job, control, plan, gen_rank):
     from megatron_reshard.engine.refit_transport import transport_of
 
     transports = sorted({transport_of(g).name
-                         for g in worker._refit_state()["groups"].values()})
+                         for g in worker.refit_worker_state.groups.values()})
     return {"role": "gen", "error": error, "failed_at": failed_at, "refits": done,
             "transports": transports,
             "fault_at": fault_at,

@@ -42,7 +42,7 @@ OPTIONAL = [
     "megatron_reshard.fp8.quant",
     "megatron_reshard.fp8.plan",
     "megatron_reshard.receiver.fp8_targets",
-    "megatron_reshard.vllm_plugin",  # register() imports vLLM; the module does not
+    "megatron_reshard.vllm_api.plugin",  # register() imports vLLM; the module does not
 ]
 
 _PROBE = textwrap.dedent(

@@ -162,6 +162,16 @@ def _check_source(job, spec_kwargs, family, gen_parallelism, gen_world_size, lay
     data = source.payload_bytes()
     if decode_payload(data) != source.payload:
         failures.append("payload does not round-trip")
+    # one frozen train-side plan; the payload held once, as records, beside its bytes
+    import dataclasses
+
+    try:
+        source.plan.payload_bytes = b""
+        failures.append("the TrainSidePlan can be changed after construction")
+    except dataclasses.FrozenInstanceError:
+        pass
+    if source.payload_bytes() is not data or source.wire is not source.plan.payload:
+        failures.append("the payload is re-encoded or held in another form per call")
 
     # a refit info that assigns this rank another region is refused, naming param and rank
     from torch.distributed.tensor import Replicate
@@ -360,3 +370,17 @@ def test_bad_input_raises_one_clear_error_on_every_rank(pool):
             err = m[key]
             assert err is not None and "Nemotron-H / megatron-core MambaModel is not supported yet" in err, (key, err)
             assert "in_proj ([z, x, B, C, dt] per TP rank)" in err and "TENorm" in err, err
+
+
+def test_sender_refuses_anything_but_the_train_side_plan():
+    """The sender takes a ``MegatronRefitSource`` or its ``TrainSidePlan``; a duck-typed
+    object (what the sender used to probe with ``getattr``) is refused by name."""
+    from megatron_reshard.errors import BadInputTypeError
+    from megatron_reshard.megatron.sender import RefitSender
+
+    class LooksLikeASource:
+        stage, stage_local_rank, payload = 0, 0, {"schema_version": 1}
+
+    with pytest.raises(BadInputTypeError, match="expected a MegatronRefitSource or its "
+                       "TrainSidePlan .*, found .*LooksLikeASource"):
+        RefitSender(LooksLikeASource(), None)

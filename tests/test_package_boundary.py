@@ -61,7 +61,7 @@ def test_the_checker_sees_lazy_and_relative_imports():
     assert "megatron_reshard.tools.cli" in names and "megatron_reshard.engine.plan" in names
 
 
-VLLM_MODULES = {"vllm_plugin.py", "vllm_backend.py", "vllm_trainer.py"}  # the backend's two sides
+VLLM_MODULES = {"vllm_api/plugin.py", "vllm_api/backend.py", "vllm_api/trainer.py"}  # both sides
 
 
 def test_only_the_vllm_backend_modules_import_vllm():
@@ -75,6 +75,13 @@ def test_only_the_vllm_backend_modules_import_vllm():
             offenders[rel] = sorted(set(bad))
     assert offenders == {}, f"library modules importing vllm outside the backend: {offenders}"
     assert VLLM_MODULES <= {p.relative_to(PACKAGE).as_posix() for p in _library_files()}
+
+
+def test_the_package_root_holds_only_what_a_user_imports():
+    """docs/DESIGN.md, "The package root": the errors, the seed-compatible face and its
+    support table; everything else lives in a package named for its job."""
+    loose = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert loose == ["__init__.py", "errors.py", "nccl_reshard_utils.py", "support.py"], loose
 
 
 # ---- no import loop between the library's packages --------------------------------------
@@ -155,7 +162,7 @@ print(json.dumps({"root": root, "parser": parser, "engine": "megatron_reshard.en
 
 
 def test_the_package_root_and_the_cli_parser_import_no_torch():
-    # what vLLM's plugin loader (megatron_reshard.vllm_plugin) and `megatron-reshard --help` pay
+    # what vLLM's plugin loader (megatron_reshard.vllm_api.plugin) and `megatron-reshard --help` pay
     out = subprocess.run([sys.executable, "-c", _CHEAP_IMPORTS], capture_output=True, text=True,
                          check=True, cwd=PACKAGE.parent).stdout
     assert json.loads(out.splitlines()[-1]) == {"root": [], "parser": [], "engine": False}

@@ -55,7 +55,8 @@ def _train(job, control):
                                    source.stage_local_rank, 1 + GEN, "gloo", TIMEOUT_S,
                                    who=f"train rank {job.rank}",
                                    label=f"refit group of PP stage {source.stage}")
-        return RefitSender(source, group)
+        # the sender takes the source or its frozen plan (round 2 exercises the plan)
+        return RefitSender(source.plan if round_ == 2 else source, group)
 
     s1 = sender(1)
     out = {"round1": _catch(lambda: s1.refit(version=1))}

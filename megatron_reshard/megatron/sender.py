@@ -1,6 +1,7 @@
 """Train-side refit session: the sending half of one refit, every step.
 
-``RefitSender`` wraps a ``MegatronRefitSource`` and the rank's refit group (one group per
+``RefitSender`` wraps a ``MegatronRefitSource``'s frozen ``TrainSidePlan`` (either may be
+passed) and the rank's refit group (one group per
 training PP stage; a train rank belongs to its own stage's group). Per refit it runs the
 training side of ``refit.protocol``: the shared ``RefitLoop`` (side ``"src"``: bulk params
 straight from the live shards), then the stage's other params as packed broadcasts from
@@ -11,7 +12,7 @@ the receiver's; a mismatch is reported at the first refit on every rank of the g
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import math
 
@@ -24,14 +25,18 @@ from megatron_reshard.refit.packed import broadcast_packed, pack_entries
 from megatron_reshard.refit.loop import DEFAULT_BATCH_BYTES, DEFAULT_STAGING_BYTES, RefitLoop
 from megatron_reshard.refit.order import misc_items_by_stage
 from megatron_reshard.refit.protocol import RefitProtocol
-from megatron_reshard.wire.records import RefitPayload
+from megatron_reshard.megatron.source import gather_other_params, local_param_map, plan_of
+
+if TYPE_CHECKING:
+    from megatron_reshard.megatron.source import MegatronRefitSource
+    from megatron_reshard.megatron.train_plan import TrainSidePlan
 
 
 class RefitSender:
     """Sends this train rank's shards to the generation ranks of its stage's refit group."""
 
-    def __init__(self, source: Any, group: Any, *, device: Optional[torch.device] = None,
-                 num_streams: int = 2, batch_bytes: int = DEFAULT_BATCH_BYTES,
+    def __init__(self, source: "Union[MegatronRefitSource, TrainSidePlan]", group: Any, *,
+                 device: Optional[torch.device] = None, num_streams: int = 2, batch_bytes: int = DEFAULT_BATCH_BYTES,
                  staging_bytes: int = DEFAULT_STAGING_BYTES,
                  verify_checksums: bool = False,
                  delta: Union[bool, DeltaConfig] = False):
@@ -42,25 +47,25 @@ class RefitSender:
         in one hop, when every rank can prove the base (``refit.delta``); else full, the
         reason in the result.
 
-        Errors here are posted on the group's fault board, so the generation ranks raise
-        them too instead of waiting for their timeout."""
-        self.source = source
+        ``source``: a ``MegatronRefitSource`` or its ``plan``; anything else raises
+        ``BadInputTypeError``. Errors here are posted on the group's fault board, so the
+        generation ranks raise them too instead of waiting for their timeout."""
+        with fault_scope([group]):
+            plan = plan_of(source, "RefitSender(source=...)")
+        self.plan: "TrainSidePlan" = plan
         self.group = group
-        self.stage = source.stage
+        self.stage = plan.stage
         self.device = device or torch.device("cpu")
         self.version = 0  # of the last refit sent (committed or not); 0: none yet
         self.delta = DeltaConfig.of(delta)
         self._sent_any = False
         with fault_scope([group]):
-            # the payload as frozen records: the source's typed view, or its plain payload
-            # parsed here (nothing changes the caller's dict, so no defensive copy)
-            wire = getattr(source, "wire", None)
-            info = wire if isinstance(wire, RefitPayload) else RefitPayload.of(source.payload)
+            info = plan.payload
             self.pp_size = info.pp_size
             misc = misc_items_by_stage(info)
             self.misc_items = misc.get(self.stage, [])
             self.staging_bytes = staging_bytes
-            self.loop = RefitLoop(info, source.build_hf_to_local_param_map(), "src",
+            self.loop = RefitLoop(info, local_param_map(plan), "src",
                                   {self.stage: group}, num_streams=num_streams,
                                   batch_bytes=batch_bytes, staging_bytes=staging_bytes,
                                   misc_items=misc, verify_checksums=verify_checksums)
@@ -71,7 +76,7 @@ class RefitSender:
             self.protocol = RefitProtocol("src", self.loop, {self.stage: group},
                                           {self.stage: self.misc_items}, staging_bytes,
                                           self.pp_size)
-        self.is_misc_root = source.stage_local_rank == 0
+        self.is_misc_root = plan.stage_local_rank == 0
 
     def refit(self, version: Optional[int] = None, *, allow_version_reuse: bool = False) -> dict:
         """Send every param once, then commit (``refit.protocol`` states the order).
@@ -135,7 +140,7 @@ class RefitSender:
         rank (chunk by chunk, so no rank holds them all at once), broadcast from the
         stage's first train rank."""
         names = [name for name, _, _ in chunk]
-        full = self.source.gather_other_params(names)
+        full = gather_other_params(self.plan, names)
         tensors = ({name: full[name].to(self.device) for name in names}
                    if self.is_misc_root else None)
         broadcast_packed(pack_entries(chunk), self.group, 0, self.device, tensors)

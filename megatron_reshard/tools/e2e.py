@@ -107,7 +107,7 @@ def run_training_rank(rank: int, cfg: RefitRunConfig, control, device: torch.dev
     ``after_each_refit(ctx)`` runs on every training rank after each refit (``ctx``: ``step``,
     ``rank``, ``model``, ``family``, ``spec``, ``control``); the real-vLLM tests publish the
     full HF tensors with it. ``trainer_engine(source, rank)``: a vLLM trainer engine
-    (``vllm_trainer``) that owns the refit group and the sender; each refit is then its
+    (``vllm_api.trainer``) that owns the refit group and the sender; each refit is then its
     ``send_weights()`` and the end its ``shutdown()``."""
     # megatron-core's notices about optional packages (Apex, TE) and CPU-only settings
     # would repeat once per process and bury the run's own progress lines
@@ -287,7 +287,7 @@ def _gen_rank(gen_rank: int, cfg: RefitRunConfig, control, device: torch.device,
            "report": worker.report(), "summary": summary,
            "verified": cfg.verify and not any(mismatches)}
     if after_refits is not None:
-        groups = worker._refit_state()["groups"]
+        groups = worker.refit_worker_state.groups
         out["bench"] = after_refits({"role": "gen", "rank": gen_rank, "cfg": cfg, "device": device,
                                      "group": groups[min(groups)], "control": control,
                                      "model": model, "worker": worker})

@@ -84,7 +84,7 @@ def _engine_for(config, model):
     from vllm.config.weight_transfer import WeightTransferConfig
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-    from megatron_reshard.vllm_plugin import register
+    from megatron_reshard.vllm_api.plugin import register
 
     register()  # what vLLM's load_general_plugins does with the installed entry point
     return WeightTransferEngineFactory.create_engine(
@@ -96,7 +96,7 @@ def _gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Mapping[st
               moe_backend: Optional[str] = None, progress_s: Optional[float] = None) -> dict:
     from megatron_reshard.wire.codec import decode_payload
     from megatron_reshard.testing import vllm_models as vm
-    from megatron_reshard.vllm_backend import WeightUpdateError, WeightVersionMismatch
+    from megatron_reshard.vllm_api.backend import WeightUpdateError, WeightVersionMismatch
 
     payload = decode_payload(control.get("payload"))
     model_dir = vm.write_model_dir(hf_config)
@@ -211,7 +211,7 @@ def _trainer_init(cfg: RefitRunConfig, source, rank: int, ports, **options):
     """The trainer engine from vLLM's trainer factory, its groups meeting at ``ports``."""
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    from megatron_reshard.vllm_trainer import MegatronReshardTrainerInitInfo
+    from megatron_reshard.vllm_api.trainer import MegatronReshardTrainerInitInfo
 
     info = MegatronReshardTrainerInitInfo(
         host=cfg.host, ports_by_stage=list(ports), group_backend=cfg.backend,
@@ -294,7 +294,7 @@ def _served_gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Map
     ``stop``; after each finished update its model is compared with vLLM's own loading of
     that step's weights."""
     from megatron_reshard.testing import vllm_models as vm
-    from megatron_reshard.vllm_backend import WeightUpdateError
+    from megatron_reshard.vllm_api.backend import WeightUpdateError
 
     model_dir = vm.write_model_dir(hf_config)
     new_config = lambda: vm.vllm_config_for(model_dir, cfg.gen_tp, ep=cfg.gen_ep > 1)  # noqa: E731

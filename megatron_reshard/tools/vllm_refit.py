@@ -137,7 +137,7 @@ def _vllm_gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Mappi
         finally:
             if plant_order_error:
                 module.storage_orders = learned
-        session = worker._refit_session()
+        session = worker.refit_worker_state.require_session()
         out["kernel_orders"] = {n: o.backend for n, o in session.targets.orders.items()}
         out["setup_s"] = time.perf_counter() - t0
         # params the payload leaves as loaded (the user's list): no oracle loads them, so

@@ -42,7 +42,7 @@ from test_real_vllm import FAMILIES, layout, vllm_config_json  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 GROUP = "vllm.general_plugins"
-ENTRY = "megatron_reshard.vllm_plugin:register"
+ENTRY = "megatron_reshard.vllm_api.plugin:register"
 
 _PROBE = """
 import json, os
@@ -120,7 +120,7 @@ def engine():
     from vllm.distributed.weight_transfer.base import WeightTransferEngine
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-    from megatron_reshard.vllm_plugin import register
+    from megatron_reshard.vllm_api.plugin import register
 
     register()
     register()  # idempotent: vLLM may load its plugins more than once per process
@@ -136,7 +136,7 @@ GOOD = dict(host="127.0.0.1", ports_by_stage=[29500, 29501], group_sizes=[3, 3],
 
 
 def test_create_engine_builds_ours(engine):
-    from megatron_reshard.vllm_backend import (MegatronReshardInitInfo, MegatronReshardUpdateInfo,
+    from megatron_reshard.vllm_api.backend import (MegatronReshardInitInfo, MegatronReshardUpdateInfo,
                                                MegatronReshardWeightTransferEngine)
 
     assert type(engine) is MegatronReshardWeightTransferEngine
@@ -185,7 +185,7 @@ def test_bad_update_info_names_the_field(engine, bad, words):
 def test_lifecycle_out_of_order_is_refused(engine):
     with pytest.raises(RuntimeError, match="before init_weight_transfer_engine"):
         engine.start_weight_update()
-    from megatron_reshard.vllm_backend import WeightUpdateError
+    from megatron_reshard.vllm_api.backend import WeightUpdateError
 
     with pytest.raises(WeightUpdateError, match="without an open weight update"):
         engine.finish_weight_update()
@@ -200,7 +200,7 @@ def test_the_trainer_factory_knows_our_engine_by_name():
     from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    from megatron_reshard.vllm_trainer import (MegatronReshardTrainerInitInfo,
+    from megatron_reshard.vllm_api.trainer import (MegatronReshardTrainerInitInfo,
                                                MegatronReshardTrainerWeightTransferEngine)
 
     info = MegatronReshardTrainerInitInfo(**TRAINER_GOOD)
@@ -222,7 +222,7 @@ def test_the_trainer_factory_knows_our_engine_by_name():
     (dict(batch_bytes=0), ["batch_bytes", ">= 1", "found 0"]),
 ])
 def test_bad_trainer_init_info_names_the_field(change, words):
-    from megatron_reshard.vllm_trainer import MegatronReshardTrainerInitInfo
+    from megatron_reshard.vllm_api.trainer import MegatronReshardTrainerInitInfo
 
     with pytest.raises(ValueError) as err:
         MegatronReshardTrainerInitInfo(**{**TRAINER_GOOD, **change})
@@ -237,7 +237,7 @@ def test_trainer_init_refuses_a_source_that_is_not_ours_before_any_call():
     from vllm.distributed.weight_transfer.base import ModuleSource
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    from megatron_reshard.vllm_trainer import MegatronReshardTrainerInitInfo
+    from megatron_reshard.vllm_api.trainer import MegatronReshardTrainerInitInfo
 
     class Client:  # vLLM's VLLMWeightSyncClient protocol, recording what reaches it
         def __init__(self):
@@ -419,7 +419,7 @@ def _init_with_an_uncovered_param(job, prepare_options):
     from megatron_reshard.groups.comm import create_refit_group
     from megatron_reshard.testing.vllm_like import (build_plain_payload, build_vllm_like_model,
                                                     random_hf_state_dict)
-    from megatron_reshard.vllm_plugin import register
+    from megatron_reshard.vllm_api.plugin import register
 
     def catch(fn):
         try:
@@ -445,9 +445,9 @@ def _init_with_an_uncovered_param(job, prepare_options):
     info = dict(host=job.host, ports_by_stage=[job.port], group_sizes=2, payload=payload,
                 group_rank=1, backend="gloo", timeout_s=60.0, prepare_options=prepare_options)
     out = catch(lambda: eng.init_transfer_engine(eng.parse_init_info(info)))
-    out["summary"] = eng.summary
+    out["summary"] = None if eng.summary is None else eng.summary.as_dict()
     if out["error"] is None:  # let the stand-in training rank's collective complete
-        all_gather_ints([1], eng.worker._refit_state()["groups"][0], "the first refit")
+        all_gather_ints([1], eng.state.groups[0], "the first refit")
     else:
         import time
 

@@ -133,9 +133,9 @@ def run_baseline(ctx: dict, args: argparse.Namespace, case: str, ops: GroupOps) 
     key = f"bench/{case}/baseline_specs"
     locals_ = None
     if role == "train":
-        source = ctx["sender"].source
-        specs, locals_, note = baseline_items_train(ctx["model"], source.family,
-                                                    cfg.train_world, source.vocab_size)
+        facts = ctx["sender"].plan.facts
+        specs, locals_, note = baseline_items_train(ctx["model"], facts.family,
+                                                    cfg.train_world, facts.vocab_size)
         if ctx["rank"] == 0:
             control.set(key, json.dumps({"specs": specs, "note": note,
                                          "dtype": str(locals_[0].dtype) if locals_ else cfg.dtype}))

@@ -1,18 +1,20 @@
 """The ``megatron_reshard`` weight-transfer backend of vLLM 0.33 (worker side).
 
 Selected with ``WeightTransferConfig(backend="megatron_reshard")`` once the plugin
-(``megatron_reshard.vllm_plugin``, entry point group ``vllm.general_plugins``) registered
+(``megatron_reshard.vllm_api.plugin``, entry point group ``vllm.general_plugins``) registered
 it. vLLM's GPU worker builds one engine per worker with the model it holds
 (``model_runner.get_model()``) and forwards its weight-update calls to it. The engine
-composes the worker extension (``receiver.worker.MegatronReshardWorkerExtension``): every
-refit step below is the extension's own code, with the engine's model as the target.
+holds one ``receiver.worker_state.RefitWorkerState`` (groups, session, options, weight
+state; the ``collective_rpc`` worker extension holds the same), so every refit step below
+is that state's code, with the engine's model as the target; its typed results become
+dicts only where vLLM's RPCs return them (``refit_weights_state``, ``report``).
 
 Lifecycle (vLLM worker call → engine → receiver):
 
 - ``init_weight_transfer_engine(init_info)`` → ``parse_init_info`` (``MegatronReshardInitInfo``)
   → ``init_transfer_engine``: join one refit group per training PP stage
-  (``init_refit_groups``), then validate the whole payload against this rank's storage and
-  map every HF name onto it (``prepare_refit``: a param the payload does not write is
+  (``RefitWorkerState.join_groups``), then validate the whole payload against this rank's storage and
+  map every HF name onto it (``RefitWorkerState.prepare``: a param the payload does not write is
   refused unless ``prepare_options["keep_as_loaded"]`` lists it); an error there is posted
   on the groups' fault boards, so the training ranks raise it too.
 - ``start_weight_update()`` → opens one update (refuses a second one while open).
@@ -26,7 +28,7 @@ Lifecycle (vLLM worker call → engine → receiver):
 - ``finish_weight_update()`` → requires a refit committed in this update and consistent
   weights; ``finish_weight_update(weight_version=N)`` (direct callers; vLLM's worker passes
   none) checks the committed version too.
-- ``shutdown_weight_transfer_engine()`` → ``destroy_refit_groups``.
+- ``shutdown_weight_transfer_engine()`` → ``RefitWorkerState.destroy_groups``.
 
 The weight state (``refit_weights_state()``: ``consistent``/``inconsistent``, ``version``,
 ``started_from``, ``overwritten``, ...) belongs to the engine and outlives refit groups, so a
@@ -37,7 +39,7 @@ vLLM's own weight-update flow does not touch the scheduler's prefix cache; this 
 inside the worker and cannot reach it. After a committed refit the caller must drop every
 KV block computed from the old weights (README, "vLLM weight-transfer backend").
 
-This module (and ``vllm_plugin``) are the only ones of the package that import vLLM.
+The modules of ``vllm_api`` are the only ones of the package that import vLLM.
 """
 
 from __future__ import annotations
@@ -55,7 +57,16 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from megatron_reshard.errors import BadInputError, CallOrderError, MegatronReshardError
-from megatron_reshard.receiver.worker import _PREPARE_OPTIONS, MegatronReshardWorkerExtension
+from megatron_reshard.receiver.misc_transport import receive_misc_packed
+from megatron_reshard.receiver.worker_state import (
+    PrepareOptions,
+    PrepareSummary,
+    RefitResult,
+    RefitWorkerState,
+    model_device,
+    vllm_gen_coords,
+    vllm_tp_coords,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +75,7 @@ _GROUP_BACKENDS = ("nccl", "gloo")
 
 class WeightUpdateError(MegatronReshardError, RuntimeError):
     """A weight update through the backend failed; ``weights`` is the weight state after it
-    (``MegatronReshardWorkerExtension.refit_weights_state()``)."""
+    (``WeightState.as_dict()``)."""
 
     def __init__(self, message: str, weights: Mapping[str, Any]):
         super().__init__(message)
@@ -75,8 +86,8 @@ class WeightVersionMismatch(WeightUpdateError):
     """The refit committed a version other than the one the caller expected."""
 
 
-def _field_error(cls: str, name: str, expected: str, value: Any) -> ValueError:
-    return ValueError(f"{cls}.{name}: expected {expected}, found {value!r} "
+def _field_error(cls: str, name: str, expected: str, value: Any) -> BadInputError:
+    return BadInputError(f"{cls}.{name}: expected {expected}, found {value!r} "
                       f"({type(value).__name__})")
 
 
@@ -111,10 +122,11 @@ def _check_per_stage(cls: str, name: str, value: Any, *, lo: int, hi: Optional[i
 class MegatronReshardInitInfo(WeightTransferInitInfo):
     """What ``init_weight_transfer_engine(init_info)`` takes (plain data: dicts over HTTP).
 
-    The first six fields are ``MegatronReshardWorkerExtension.init_refit_groups``'s
-    arguments; ``payload`` is the training side's refit payload (``MegatronRefitSource.payload``
-    as a plain dict, or its msgpack bytes ``payload_bytes()``); ``prepare_options`` are
-    ``prepare_refit``'s options (``num_streams``, ``batch_bytes``, ``staging_bytes``,
+    The first six fields are ``RefitWorkerState.join_groups``'s arguments (as the worker
+    extension's ``init_refit_groups`` takes them); ``payload`` is the training side's refit
+    payload (``MegatronRefitSource.payload`` as a plain dict, or its msgpack bytes
+    ``payload_bytes()``); ``prepare_options`` are ``receiver.worker_state.PrepareOptions``'
+    fields (``num_streams``, ``batch_bytes``, ``staging_bytes``,
     ``strided_in_place``, ``verify_checksums``, ``keep_as_loaded``; ``verify_checksums``
     must match the sender's; ``keep_as_loaded`` lists the vLLM params the payload does not
     write that may keep what was loaded, any other such param is refused at init).
@@ -154,10 +166,10 @@ class MegatronReshardInitInfo(WeightTransferInitInfo):
         if self.prepare_options is not None:
             if not isinstance(self.prepare_options, Mapping):
                 raise _field_error(cls, "prepare_options", "a dict or None", self.prepare_options)
-            unknown = sorted(set(self.prepare_options) - set(_PREPARE_OPTIONS))
+            unknown = PrepareOptions.unknown(self.prepare_options)
             if unknown:
                 raise BadInputError(f"{cls}.prepare_options: unknown options {unknown}; "
-                                 f"known: {list(_PREPARE_OPTIONS)}")
+                                    f"known: {list(PrepareOptions.NAMES)}")
 
 
 @dataclass
@@ -174,20 +186,6 @@ class MegatronReshardUpdateInfo(WeightTransferUpdateInfo):
         if self.version is not None and not _is_int(self.version):
             raise _field_error(type(self).__name__, "version", "None or an int (the trainer's "
                                "refit version)", self.version)
-
-
-class _EngineWorker(MegatronReshardWorkerExtension):
-    """The worker extension over the engine's current target model (vLLM may retarget the
-    engine between updates: ``set_weight_update_target``)."""
-
-    def __init__(self, engine: "MegatronReshardWeightTransferEngine"):
-        self._engine = engine
-
-    def get_refit_model(self) -> torch.nn.Module:
-        return self._engine.model
-
-    def get_refit_act_dtype(self) -> Optional[torch.dtype]:
-        return getattr(self._engine.model_config, "dtype", None)
 
 
 def _fields_text(cls) -> str:
@@ -207,11 +205,13 @@ class MegatronReshardWeightTransferEngine(
 
     def __init__(self, config, vllm_config, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
-        self.worker = _EngineWorker(self)
-        self.summary: Optional[dict] = None   # prepare_refit's summary
-        self.last_refit: Optional[dict] = None
+        # groups, session, options, weights; the target is always ``self.model`` (vLLM may
+        # retarget the engine between updates: ``set_weight_update_target``)
+        self.state = RefitWorkerState()
+        self.summary: Optional[PrepareSummary] = None  # of the payload prepared at init
+        self.last_refit: Optional[RefitResult] = None
         self._timeout_s = 60.0
-        self._update: Optional[dict] = None   # the open update: refits committed in it
+        self._update: Optional[list[int]] = None  # the open update: versions committed in it
 
     # -- typed infos -------------------------------------------------------------------
 
@@ -250,12 +250,17 @@ class MegatronReshardWeightTransferEngine(
                                "(or let it fail) first")
         self._timeout_s = float(init_info.timeout_s)
         self.summary = None
-        self.worker.init_refit_groups(init_info.host, init_info.ports_by_stage,
-                                      init_info.group_rank, init_info.group_sizes,
-                                      init_info.backend, init_info.timeout_s)
-        self.summary = self.worker.prepare_refit(payload, init_info.prepare_options)
+        self.state.join_groups(init_info.host, init_info.ports_by_stage, init_info.group_rank,
+                               init_info.group_sizes, init_info.backend, init_info.timeout_s,
+                               gen_coords=vllm_gen_coords)
+        self.summary = self.state.prepare(self.model, payload, init_info.prepare_options,
+                                          receive_misc=self._receive_misc, vllm_tp=vllm_tp_coords())
         logger.info("megatron_reshard: refit groups joined, payload mapped (%s params)",
-                    self.summary.get("params"))
+                    self.summary.params)
+
+    def _receive_misc(self, stage: int, group: Any, items: list) -> Mapping[str, torch.Tensor]:
+        """The stage's packed params: one broadcast from its first train rank."""
+        return receive_misc_packed(stage, group, items, model_device(self.model))
 
     def start_weight_update(self) -> None:
         if self.summary is None:
@@ -264,7 +269,7 @@ class MegatronReshardWeightTransferEngine(
         if self._update is not None:
             raise CallOrderError("start_weight_update while a weight update is open; call "
                                "finish_weight_update first")
-        self._update = {"committed": [], "version_before": self.refit_weights_state()["version"]}
+        self._update = []
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # the base class ends with torch.accelerator.synchronize(), which raises without an
@@ -276,62 +281,63 @@ class MegatronReshardWeightTransferEngine(
             raise CallOrderError("update_weights outside a weight update: call start_weight_update "
                                "first")
         try:
-            stats = self.worker.refit()
+            result = self.state.refit(self.model, getattr(self.model_config, "dtype", None))
         except Exception as exc:
             self._update = None
             weights = self.refit_weights_state()
             raise WeightUpdateError(
                 f"megatron_reshard refit failed ({type(exc).__name__}: {exc}); the weights are "
                 f"{_state_text(weights)}", weights) from exc
-        self.last_refit = stats
-        self._update["committed"].append(stats["version"])
-        if update_info.version is not None and stats["version"] != update_info.version:
+        self.last_refit = result
+        self._update.append(result.version)
+        if update_info.version is not None and result.version != update_info.version:
             self._update = None
             weights = self.refit_weights_state()
             raise WeightVersionMismatch(
                 f"update_info.version: expected {update_info.version}, the trainer committed "
-                f"version {stats['version']}; the weights are {_state_text(weights)}", weights)
+                f"version {result.version}; the weights are {_state_text(weights)}", weights)
 
     def finish_weight_update(self, weight_version: Union[int, str, None] = None) -> None:
         update, self._update = self._update, None
-        weights = self.refit_weights_state()
+        state = self.state.weights
+        weights = state.as_dict()  # what the errors carry
         if update is None:
             raise WeightUpdateError("finish_weight_update without an open weight update (none "
                                     "started, or its refit failed); the weights are "
                                     f"{_state_text(weights)}", weights)
-        if not update["committed"]:
+        if not update:
             raise WeightUpdateError("finish_weight_update: no refit committed since "
                                     "start_weight_update (call update_weights while the trainer "
                                     f"sends); the weights are {_state_text(weights)}", weights)
-        if weights["state"] != "consistent":  # a later failed refit of this update
+        if not state.consistent:  # a later failed refit of this update
             raise WeightUpdateError(f"finish_weight_update: the weights are {_state_text(weights)}",
                                     weights)
         if weight_version is not None:
             want = MegatronReshardUpdateInfo(version=weight_version).version
-            if weights["version"] != want:
+            if state.version != want:
                 raise WeightVersionMismatch(
                     f"finish_weight_update(weight_version={weight_version!r}): the committed "
-                    f"version is {weights['version']}; the weights are {_state_text(weights)}",
+                    f"version is {state.version}; the weights are {_state_text(weights)}",
                     weights)
 
     def shutdown(self) -> None:
         self._update = None
-        if self.worker._refit_state()["groups"] is not None:
-            self.worker.destroy_refit_groups(self._timeout_s)
+        if self.state.groups is not None:
+            self.state.destroy_groups(self._timeout_s)
         self.summary = None
 
-    # -- what the weights hold ----------------------------------------------------------
+    # -- what the weights hold (reached through vLLM's RPCs: plain dicts) -----------------
 
     def refit_weights_state(self) -> dict:
-        """``MegatronReshardWorkerExtension.refit_weights_state()``; reach it through vLLM with
+        """``WeightState.as_dict()`` (as the worker extension's); reach it through vLLM with
         ``llm.collective_rpc(lambda w: w.weight_transfer_engine.refit_weights_state())``."""
-        return self.worker.refit_weights_state()
+        return self.state.weights.as_dict()
 
     def check_refit_weights_consistent(self) -> None:
-        self.worker.check_refit_weights_consistent()
+        self.state.weights.require_consistent()
 
     def report(self) -> dict:
-        return self.worker.report()
+        return self.state.report()
 
 
 def _state_text(w: Mapping[str, Any]) -> str:

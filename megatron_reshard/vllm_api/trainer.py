@@ -10,7 +10,7 @@ travel as they lie, nothing is gathered to full tensors).
 
 Every training rank sends its own shards (``RefitSender`` over its PP stage's refit group);
 only the rank whose ``init_info.rank`` is 0 (vLLM's "sender") calls the client. The worker
-side is ``megatron_reshard.vllm_backend``; the mapping of one call onto the other:
+side is ``megatron_reshard.vllm_api.backend``; the mapping of one call onto the other:
 
 - ``trainer_init``: rank 0 calls ``client.init_weight_transfer_engine`` with the worker's
   ``MegatronReshardInitInfo`` as a dict (the payload, per-stage ports and group sizes, the
@@ -30,8 +30,8 @@ After the client calls, every rank's outcome (rank 0's client call included) is 
 the default process group (the training world), so all ranks return or all raise; a failed
 ``trainer_init`` leaves no refit group behind on either side.
 
-This module, ``vllm_backend`` and ``vllm_plugin`` are the only ones of the package that import
-vLLM. Importing it registers the trainer engine (``vllm_plugin.register``), so constructing the
+The modules of ``vllm_api`` are the only ones of the package that import vLLM. Importing
+this one registers the trainer engine (``plugin.register``), so constructing the
 init info is enough for vLLM's factory to find the engine.
 """
 
@@ -52,9 +52,10 @@ from megatron_reshard.groups.comm import create_refit_group, destroy_refit_group
 from megatron_reshard.groups.faults import post_failure
 from megatron_reshard.megatron.sender import RefitSender
 from megatron_reshard.megatron.source import MegatronRefitSource
+from megatron_reshard.refit.delta import DeltaConfig
 from megatron_reshard.refit.loop import DEFAULT_BATCH_BYTES, DEFAULT_STAGING_BYTES
-from megatron_reshard.vllm_backend import MegatronReshardInitInfo
-from megatron_reshard.vllm_plugin import BACKEND_NAME, register
+from megatron_reshard.vllm_api.backend import MegatronReshardInitInfo
+from megatron_reshard.vllm_api.plugin import BACKEND_NAME, register
 
 # the options that enter the plan fingerprint: the trainer's values go to the workers
 _SHARED_OPTIONS = ("batch_bytes", "staging_bytes", "verify_checksums")
@@ -68,8 +69,8 @@ class TrainerWeightTransferError(MegatronReshardError, RuntimeError):
     """A client call of the trainer engine failed (raised on every training rank)."""
 
 
-def _field_error(name: str, expected: str, value: Any) -> ValueError:
-    return ValueError(f"MegatronReshardTrainerInitInfo.{name}: expected {expected}, found "
+def _field_error(name: str, expected: str, value: Any) -> BadInputError:
+    return BadInputError(f"MegatronReshardTrainerInitInfo.{name}: expected {expected}, found "
                       f"{value!r} ({type(value).__name__})")
 
 
@@ -87,6 +88,9 @@ class MegatronReshardTrainerInitInfo(TrainerInitInfo):
     sender's options; the last three are sent to the workers too. ``worker_options``: the
     workers' other ``prepare_refit`` options (e.g. ``num_streams``, ``strided_in_place``).
     ``payload_format``: "msgpack" (bytes, the default) or "plain" (the payload as a dict).
+    ``delta``: the sender's ``RefitSender(delta=...)`` (experimental; ``False``, ``True`` or a
+    ``refit.delta.DeltaConfig``): later updates send only the changed elements where every
+    rank can prove the base; the workers need no option for it.
     """
 
     backend: ClassVar[str] = BACKEND_NAME
@@ -103,6 +107,7 @@ class MegatronReshardTrainerInitInfo(TrainerInitInfo):
     verify_checksums: bool = False
     worker_options: Optional[dict] = None
     payload_format: str = "msgpack"
+    delta: Union[bool, DeltaConfig] = False
 
     def __post_init__(self) -> None:
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
@@ -123,6 +128,9 @@ class MegatronReshardTrainerInitInfo(TrainerInitInfo):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise _field_error(name, "an int >= 1", value)
+        if not (isinstance(self.delta, (bool, DeltaConfig))):
+            raise _field_error("delta", "False, True or a megatron_reshard.refit.delta.DeltaConfig",
+                               self.delta)
 
     def port_of(self, stage: int) -> int:
         ports = self.ports_by_stage
@@ -224,7 +232,7 @@ class MegatronReshardTrainerWeightTransferEngine(
         self.sender = RefitSender(source, self.group, device=self.device,
                                   num_streams=info.num_streams, batch_bytes=info.batch_bytes,
                                   staging_bytes=info.staging_bytes,
-                                  verify_checksums=info.verify_checksums)
+                                  verify_checksums=info.verify_checksums, delta=info.delta)
 
     def send_weights(self, version: Optional[int] = None) -> None:
         """One weight update: every rank sends its shards; rank 0 drives the workers through

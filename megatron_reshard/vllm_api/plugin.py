@@ -2,23 +2,23 @@
 
 vLLM (0.33) calls every entry point of the group ``vllm.general_plugins`` in each of its
 processes (``vllm.plugins.load_general_plugins``); this package declares
-``megatron_reshard = "megatron_reshard.vllm_plugin:register"`` there (``pyproject.toml``),
+``megatron_reshard = "megatron_reshard.vllm_api.plugin:register"`` there (``pyproject.toml``),
 so an unmodified vLLM accepts ``WeightTransferConfig(backend="megatron_reshard")``. The
-trainer side (``WeightTransferTrainerFactory``, engine ``megatron_reshard.vllm_trainer``) is
+trainer side (``WeightTransferTrainerFactory``, engine ``megatron_reshard.vllm_api.trainer``) is
 registered under the same name; a training process that never runs vLLM's plugin loader gets
-it by importing its init info (``vllm_trainer`` calls ``register()`` on import).
+it by importing its init info (``vllm_api.trainer`` calls ``register()`` on import).
 
-The registration is lazy: vLLM imports ``megatron_reshard.vllm_backend`` only when a worker
-builds the engine (``vllm_trainer`` when a trainer does). Importing this module imports
+The registration is lazy: vLLM imports ``megatron_reshard.vllm_api.backend`` only when a worker
+builds the engine (``vllm_api.trainer`` when a trainer does). Importing this module imports
 nothing of vLLM; ``register()`` does.
 """
 
 from __future__ import annotations
 
 BACKEND_NAME = "megatron_reshard"
-ENGINE_MODULE = "megatron_reshard.vllm_backend"
+ENGINE_MODULE = "megatron_reshard.vllm_api.backend"
 ENGINE_CLASS = "MegatronReshardWeightTransferEngine"
-TRAINER_MODULE = "megatron_reshard.vllm_trainer"
+TRAINER_MODULE = "megatron_reshard.vllm_api.trainer"
 TRAINER_CLASS = "MegatronReshardTrainerWeightTransferEngine"
 
 
