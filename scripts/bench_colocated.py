@@ -302,7 +302,7 @@ class _WaitClock:
             colocated_copies.CopyBatch.run = timed_run
         if steps:
             T = colocated.ColocatedTransport
-            colocated._describe = timed(colocated._describe, lambda a: "describe", False)
+            colocated.describe_batch = timed(colocated.describe_batch, lambda a: "describe", False)
             for owner, name in ((T, "_check"), (T, "_wait_written"),
                                 (colocated_views.PublishedViews, "publish"),
                                 (T, "_copy_batch"), (colocated_copies.CopyBatch, "run")):

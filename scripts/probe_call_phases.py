@@ -31,7 +31,7 @@ from megatron_reshard.tools.bench.timing import synchronize
 from megatron_reshard.tools.bench.transfer_cases import build_cases
 from megatron_reshard.tools.launch_env import apply_nccl_defaults
 
-PHASES = ("_describe", "local_ok", "start", "conclude", "_execute")
+PHASES = ("describe_batch", "local_ok", "start", "conclude", "_execute")
 _spent: dict = defaultdict(float)
 
 

@@ -88,7 +88,7 @@ def create_refit_group(host: str, port: int, rank: int, world_size: int,
                          f"within {timeout_s:g} s (group rank 0 hosts it): {exc}") from exc
     store = dist.PrefixStore(f"{prefix}/", raw)
     threads = DaemonThreads("refit-group")  # the group's: its store calls and Work waits
-    board = FaultBoard(store, rank, world_size, who, label, timeout_s, backend, threads)
+    board = FaultBoard(store, rank, world_size, who, label, timeout_s, threads, backend)
     try:
         chosen = _join(board, backend, transport)
     except BaseException:

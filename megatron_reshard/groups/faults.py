@@ -87,10 +87,9 @@ class FaultBoard:
     behind on every survivor); a daemon thread stuck there cannot hold the process."""
 
     def __init__(self, store: Any, rank: int, world: int, who: str, label: str,
-                 timeout_s: float, backend: str = "gloo",
-                 threads: Optional[DaemonThreads] = None):
+                 timeout_s: float, threads: DaemonThreads, backend: str = "gloo"):
         self.store, self.rank, self.world, self.backend = store, rank, world, backend
-        self.threads = threads if threads is not None else DaemonThreads("refit-group")
+        self.threads = threads
         self.who = who            # this rank, for humans: "train rank 3", "gen rank 0"
         self.label = label        # the group, for humans: "refit group of PP stage 1"
         self.timeout_s = timeout_s
