@@ -24,6 +24,10 @@ REQUIRED = [
     "megatron_reshard.vllm_layout.mla",
     "megatron_reshard.wire.records",
     "megatron_reshard.wire.check",
+    "megatron_reshard.wire.extras",
+    "megatron_reshard.wire.expert_names",
+    "megatron_reshard.wire.codec",  # msgspec only inside encode / decode
+    "megatron_reshard.wire",
     "megatron_reshard.receiver.incoming",
     "megatron_reshard.receiver.param_map",
     "megatron_reshard.receiver.misc_transport",

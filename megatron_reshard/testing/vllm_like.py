@@ -36,9 +36,14 @@ from torch import nn
 VOCAB_PADDING = 64
 
 
+def _as_map(hf_config: Any) -> Mapping[str, Any]:
+    """A config as a plain map: a map as given, a payload's ``wire.HFConfig`` as its plain form."""
+    return hf_config.to_plain() if hasattr(hf_config, "to_plain") else hf_config
+
+
 def _cfg(hf_config: Any) -> dict:
-    """The oracle's own plain copy of a config (a map, or a payload's ``wire.HFConfig``)."""
-    c = dict(hf_config.to_plain() if hasattr(hf_config, "to_plain") else hf_config)
+    """The oracle's own plain copy of a config, defaults filled in."""
+    c = dict(_as_map(hf_config))
     c.setdefault("num_key_value_heads", c["num_attention_heads"])
     if not c.get("head_dim"):
         c["head_dim"] = c["hidden_size"] // c["num_attention_heads"]
@@ -174,7 +179,9 @@ def build_vllm_like_model(hf_config: Mapping[str, Any], tp_rank: int, tp_size: i
 
     ``quant="block_fp8"``: linear and expert weights in float8_e4m3fn with their fp32
     ``_scale_inv`` (``testing.fp8_reference.vllm_fp8_param_specs``), the rest in ``dtype``.
+    ``hf_config``: a map, or a payload's ``wire.HFConfig``.
     """
+    hf_config = _as_map(hf_config)
     root = nn.Module()
     shapes = vllm_param_shapes(hf_config, tp_rank, tp_size, ep_size, ep_rank, routed_experts_nesting)
     dtypes = {name: dtype for name in shapes}

@@ -2,7 +2,8 @@
 
 Torch + stdlib only. A payload crosses a process boundary as plain data, so anything can
 arrive: a truncated message, a list where a map belongs, a mesh naming a rank outside the
-refit group. ``validate_payload`` checks the structure of every entry and that every mesh
+refit group. ``validate_payload`` first checks the schema (``check_schema``: a version this
+receiver reads and that version's keys; the library's one schema check), then the structure of every entry and that every mesh
 rank is where the payload's own sizes put it in a refit group (a stage's training ranks
 ``0..T-1``, the generation ranks ``T..T+G-1``; the receiver checks separately that its
 groups have ``T + G`` ranks); each error is a ``RefitPayloadError`` that says "refit
