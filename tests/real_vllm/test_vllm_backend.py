@@ -320,7 +320,11 @@ def test_vllms_api_on_both_sides_carries_payload_and_version(lifecycle):
         pytest.skip("the generation ranks drive their engines themselves in this run")
     for r in ("train0", "train1"):
         assert [s["version"] for s in lifecycle[r]["refits"]] == list(range(1, REFITS + 1))
-        assert lifecycle[r]["bench"]["restarted"]["version"] == REFITS + 2
+        restarted = lifecycle[r]["bench"]["restarted"]
+        assert restarted["version"] == REFITS + 2
+        # delta=True in its init info reached the sender: its first refit is full and
+        # leaves a base at its version (a sender reports a base only with delta on)
+        assert restarted["mode"] == "full" and restarted["base"]["version"] == REFITS + 2, restarted
     update = ["start_weight_update", "update_weights", "finish_weight_update"]
     for key in ("gen0", "gen1"):
         g = lifecycle[key]
