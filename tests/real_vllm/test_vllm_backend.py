@@ -137,7 +137,7 @@ GOOD = dict(host="127.0.0.1", ports_by_stage=[29500, 29501], group_sizes=[3, 3],
 
 def test_create_engine_builds_ours(engine):
     from megatron_reshard.vllm_api.backend import (MegatronReshardInitInfo, MegatronReshardUpdateInfo,
-                                               MegatronReshardWeightTransferEngine)
+                                                   MegatronReshardWeightTransferEngine)
 
     assert type(engine) is MegatronReshardWeightTransferEngine
     assert engine.init_info_cls is MegatronReshardInitInfo
@@ -201,7 +201,7 @@ def test_the_trainer_factory_knows_our_engine_by_name():
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     from megatron_reshard.vllm_api.trainer import (MegatronReshardTrainerInitInfo,
-                                               MegatronReshardTrainerWeightTransferEngine)
+                                                   MegatronReshardTrainerWeightTransferEngine)
 
     info = MegatronReshardTrainerInitInfo(**TRAINER_GOOD)
     assert isinstance(info, TrainerInitInfo) and info.backend == "megatron_reshard"
@@ -220,6 +220,7 @@ def test_the_trainer_factory_knows_our_engine_by_name():
                                                  "own fields"]),
     (dict(worker_options=[1]), ["worker_options", "[1]"]),
     (dict(batch_bytes=0), ["batch_bytes", ">= 1", "found 0"]),
+    (dict(delta="yes"), ["delta", "DeltaConfig", "'yes'"]),
 ])
 def test_bad_trainer_init_info_names_the_field(change, words):
     from megatron_reshard.vllm_api.trainer import MegatronReshardTrainerInitInfo
