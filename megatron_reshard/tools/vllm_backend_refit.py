@@ -246,7 +246,9 @@ def _fail_refuse_restart(spare_ports):
             out["refused"] = None
         except Exception as exc:  # noqa: BLE001 - the refusal is the subject
             out["refused"] = f"{type(exc).__name__}: {exc}"
-        engine = _trainer_init(cfg, ctx["source"], ctx["rank"], spare_ports[pp:2 * pp])
+        # the restarted trainer keeps a delta base (init info's delta= reaches RefitSender)
+        engine = _trainer_init(cfg, ctx["source"], ctx["rank"], spare_ports[pp:2 * pp],
+                               delta=True)
         engine.send_weights(version=cfg.refits + 2)
         out["restarted"] = engine.last_refit
         publish_full_hf({**ctx, "step": cfg.refits})

@@ -137,7 +137,7 @@ GOOD = dict(host="127.0.0.1", ports_by_stage=[29500, 29501], group_sizes=[3, 3],
 
 def test_create_engine_builds_ours(engine):
     from megatron_reshard.vllm_api.backend import (MegatronReshardInitInfo, MegatronReshardUpdateInfo,
-                                               MegatronReshardWeightTransferEngine)
+                                                   MegatronReshardWeightTransferEngine)
 
     assert type(engine) is MegatronReshardWeightTransferEngine
     assert engine.init_info_cls is MegatronReshardInitInfo
@@ -201,7 +201,7 @@ def test_the_trainer_factory_knows_our_engine_by_name():
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     from megatron_reshard.vllm_api.trainer import (MegatronReshardTrainerInitInfo,
-                                               MegatronReshardTrainerWeightTransferEngine)
+                                                   MegatronReshardTrainerWeightTransferEngine)
 
     info = MegatronReshardTrainerInitInfo(**TRAINER_GOOD)
     assert isinstance(info, TrainerInitInfo) and info.backend == "megatron_reshard"
@@ -220,6 +220,7 @@ def test_the_trainer_factory_knows_our_engine_by_name():
                                                  "own fields"]),
     (dict(worker_options=[1]), ["worker_options", "[1]"]),
     (dict(batch_bytes=0), ["batch_bytes", ">= 1", "found 0"]),
+    (dict(delta="yes"), ["delta", "DeltaConfig", "'yes'"]),
 ])
 def test_bad_trainer_init_info_names_the_field(change, words):
     from megatron_reshard.vllm_api.trainer import MegatronReshardTrainerInitInfo
@@ -320,7 +321,11 @@ def test_vllms_api_on_both_sides_carries_payload_and_version(lifecycle):
         pytest.skip("the generation ranks drive their engines themselves in this run")
     for r in ("train0", "train1"):
         assert [s["version"] for s in lifecycle[r]["refits"]] == list(range(1, REFITS + 1))
-        assert lifecycle[r]["bench"]["restarted"]["version"] == REFITS + 2
+        restarted = lifecycle[r]["bench"]["restarted"]
+        assert restarted["version"] == REFITS + 2
+        # delta=True in its init info reached the sender: its first refit is full and
+        # leaves a base at its version (a sender reports a base only with delta on)
+        assert restarted["mode"] == "full" and restarted["base"]["version"] == REFITS + 2, restarted
     update = ["start_weight_update", "update_weights", "finish_weight_update"]
     for key in ("gen0", "gen1"):
         g = lifecycle[key]
