@@ -11,7 +11,9 @@ says exactly what it holds (every param not listed as overwritten is bit-exact a
 version it gives). A restarted training side on new refit groups then refits: the first
 refit is full on every rank (the reasons: no base on the training side, and on a
 surviving generation worker inconsistent weights), bit-exact, the weights consistent
-again; the next one a delta, bit-exact.
+again; the next one a delta, bit-exact. A bad delta (a training rank sends a region's
+payload a byte short of what its header announces) is refused by its receiver before the
+payload is taken, and every rank fails with that reason; the weights heal the same way.
 """
 
 import json
@@ -61,6 +63,13 @@ def _arm(plan, control, step, what: str) -> None:
     def hooked(*args):
         if step() == plan["at_refit"]:
             seen["n"] += 1
+            if seen["n"] > after and plan["fault"] == "lie":
+                count, enc, payload = inner(*args)
+                if count and enc != dt.DENSE and not seen.get("lied"):  # one byte too few
+                    seen["lied"] = True
+                    control.set("fault_at", repr(time.time()))
+                    return count, enc, payload[:-1]
+                return count, enc, payload
             if seen["n"] > after:
                 control.set("fault_at", repr(time.time()))
                 os.kill(os.getpid(), signal.SIGKILL if plan["fault"] == "kill" else signal.SIGSTOP)
@@ -151,6 +160,25 @@ def _run(pool, timeout_s=240, settle_s=None, **plan):
     plan = {"refits": 4, "at_refit": 3, "seed": 0, "tag_seed": 0, **plan}
     return pool.run(_job, TRAIN + GEN, plan, num_ports=3, timeout_s=timeout_s, grace_s=25,
                     settle_s=settle_s, return_failures=True)
+
+
+def test_a_delta_that_does_not_fit_its_box_is_refused_on_every_rank(pool):
+    # training rank 1 sends one region's payload a byte short of what its header announces
+    results = _run(pool, victim=1, fault="lie", seed=5, tag_seed=5, fresh_gen=True)
+    errors = {r: results[r]["error"] for r in range(TRAIN + GEN)}
+    assert all(e is not None and results[r]["refits"] == 2 for r, e in errors.items()), errors
+    # the receiver of that region names it (param, ranks, box, announced and expected
+    # sizes); every other rank fails with that reason (the fault board)
+    for r, error in errors.items():
+        assert "does not fit" in error and "payload bytes, expected" in error, (r, error)
+    assert any(e.startswith("DeltaTransportError") for e in errors.values()), errors
+    for r in range(TRAIN, TRAIN + GEN):
+        _check_all_or_nothing(results[r])
+    results = _run(pool, refits=2, tag_seed=15, victim=None, fault=None)
+    for r in range(TRAIN, TRAIN + GEN):
+        gen = results[r]
+        assert [row["mode"] for row in gen["rows"]] == ["full", "delta"], gen["rows"]
+        assert set(gen["versions"][2]) == set(gen["names"])
 
 
 @pytest.mark.parametrize("victim,fault,seed", [(1, "kill", 1), (3, "kill", 2), (1, "stop", 3),
