@@ -133,15 +133,18 @@ def pick_encoding(numel: int, count: int, itemsize: int, skips: int = 0,
     return min(sizes, key=lambda k: (sizes[k], order.index(k & 7)))
 
 
-def _gap_bytes(pos: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """GAPS bytes of sorted positions, and how many skip bytes they hold."""
+def _gaps(pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distances of sorted positions (the first from -1), and the skip bytes each needs."""
     gaps = torch.diff(pos, prepend=pos.new_full((1,), -1))
-    skips = (gaps - 1) // GAP_SKIP
-    nskip = int(skips.sum())
-    out = torch.zeros(pos.numel() + nskip, dtype=torch.uint8, device=pos.device)
+    return gaps, (gaps - 1) // GAP_SKIP
+
+
+def _gap_bytes(gaps: torch.Tensor, skips: torch.Tensor, nskip: int) -> torch.Tensor:
+    """GAPS bytes: per position, its skip bytes (0) then its remaining distance."""
+    out = torch.zeros(gaps.numel() + nskip, dtype=torch.uint8, device=gaps.device)
     at = torch.cumsum(skips + 1, 0) - 1  # where each value's own gap byte lands
     out[at] = (gaps - GAP_SKIP * skips).to(torch.uint8)
-    return out, nskip
+    return out
 
 
 def encode(new: torch.Tensor, old: torch.Tensor) -> tuple[int, int, Optional[torch.Tensor]]:
@@ -159,7 +162,8 @@ def encode(new: torch.Tensor, old: torch.Tensor) -> tuple[int, int, Optional[tor
     picked = nb[pos]
     step = picked.to(torch.int64) - ob[pos].to(torch.int64)
     escaped = (step < -127) | (step > 127)
-    gaps, nskip = _gap_bytes(pos)
+    gaps, skips = _gaps(pos)
+    nskip = int(skips.sum())
     enc = pick_encoding(numel, count, itemsize, nskip, int(escaped.sum()))
     kind = enc & 7
     if kind == DENSE:
@@ -172,7 +176,7 @@ def encode(new: torch.Tensor, old: torch.Tensor) -> tuple[int, int, Optional[tor
     if kind == POSITIONS:
         index = pos.to(_idx_dtype(numel)).view(torch.uint8)
     elif kind == GAPS:
-        index = gaps
+        index = _gap_bytes(gaps, skips, nskip)
     else:
         pad = (-numel) % 8
         bits = torch.cat([changed, changed.new_zeros(pad)]) if pad else changed
