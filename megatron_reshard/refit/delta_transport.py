@@ -95,6 +95,11 @@ class DeltaTally:
                 "changed": self.changed, "encodings": dict(self.encodings)}
 
 
+def _ones(mask: torch.Tensor) -> int:
+    """True elements of a bool tensor (``count_nonzero``: a bool ``sum`` widens to int64)."""
+    return int(torch.count_nonzero(mask))
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     """The tensor's bits as integers (contiguous copy when needed)."""
     return t.contiguous().view(_INT_OF_SIZE[t.element_size()])
@@ -147,12 +152,22 @@ def _gap_bytes(gaps: torch.Tensor, skips: torch.Tensor, nskip: int) -> torch.Ten
     return out
 
 
+def _pack_bits(mask: torch.Tensor) -> torch.Tensor:
+    """A bool tensor as bits, little-endian within a byte: each 8 bools (one byte each, 0 or
+    1) read as one int64 and multiplied so that byte k's bit lands on bit 56 + k."""
+    pad = (-mask.numel()) % 8
+    if pad:
+        mask = torch.cat([mask, mask.new_zeros(pad)])
+    words = mask.view(torch.uint8).view(torch.int64)
+    return ((words * 0x0102040810204080) >> 56).to(torch.uint8)
+
+
 def encode(new: torch.Tensor, old: torch.Tensor) -> tuple[int, int, Optional[torch.Tensor]]:
     """``(count, encoding, payload)`` of the elements of ``new`` whose bits differ from
     ``old`` (same shape and dtype); payload None when nothing changed."""
     nb, ob = _bits(new).reshape(-1), _bits(old).reshape(-1)
     changed = nb != ob
-    count = int(changed.sum())
+    count = _ones(changed)
     if count == 0:
         return 0, NONE, None
     numel, itemsize = nb.numel(), new.element_size()
@@ -164,7 +179,7 @@ def encode(new: torch.Tensor, old: torch.Tensor) -> tuple[int, int, Optional[tor
     escaped = (step < -127) | (step > 127)
     gaps, skips = _gaps(pos)
     nskip = int(skips.sum())
-    enc = pick_encoding(numel, count, itemsize, nskip, int(escaped.sum()))
+    enc = pick_encoding(numel, count, itemsize, nskip, _ones(escaped))
     kind = enc & 7
     if kind == DENSE:
         return count, DENSE, nb.view(torch.uint8)
@@ -178,10 +193,7 @@ def encode(new: torch.Tensor, old: torch.Tensor) -> tuple[int, int, Optional[tor
     elif kind == GAPS:
         index = _gap_bytes(gaps, skips, nskip)
     else:
-        pad = (-numel) % 8
-        bits = torch.cat([changed, changed.new_zeros(pad)]) if pad else changed
-        index = (bits.reshape(-1, 8).to(torch.uint8) * _BIT_WEIGHTS.to(bits.device)).sum(
-            1, dtype=torch.uint8)
+        index = _pack_bits(changed)
     return count, enc, torch.cat([index, values])
 
 
@@ -233,9 +245,9 @@ def _positions(kind: int, index: torch.Tensor, numel: int, count: int) -> torch.
                                       f"{count}) reaching past its {numel}-element box")
         return pos
     bits = (index.unsqueeze(1) & _BIT_WEIGHTS.to(index.device)).ne(0).reshape(-1)
-    if bool(bits[numel:].any()) or int(bits.sum()) != count:
-        raise DeltaTransportError(f"a bitmask delta sets {int(bits[:numel].sum())} bits "
-                                  f"(past the box: {int(bits[numel:].sum())}) but its header "
+    if bool(bits[numel:].any()) or _ones(bits) != count:
+        raise DeltaTransportError(f"a bitmask delta sets {_ones(bits[:numel])} bits "
+                                  f"(past the box: {_ones(bits[numel:])}) but its header "
                                   f"says {count}")
     return bits[:numel]
 
@@ -251,7 +263,7 @@ def _index_bytes(kind: int, diff8: bool, payload: torch.Tensor, numel: int, coun
         return payload.numel() - count * itemsize
     # GAPS + DIFF8: the gaps end at their count-th non-zero byte (a value's own gap is >= 1)
     seen = torch.cumsum(payload.ne(0).to(torch.int64), 0)
-    end = int((seen < count).sum()) + 1
+    end = _ones(seen < count) + 1
     if end > payload.numel():
         raise DeltaTransportError(f"a gaps delta of {count} elements holds fewer gap bytes")
     return end
@@ -276,9 +288,9 @@ def apply(view: torch.Tensor, count: int, enc: int, payload: Optional[torch.Tens
         small = raw[:count].view(torch.int8)
         escaped = small == -128
         whole = raw[count:]
-        if whole.numel() != int(escaped.sum()) * itemsize:
+        if whole.numel() != _ones(escaped) * itemsize:
             raise DeltaTransportError(f"a delta of {count} differences with "
-                                      f"{int(escaped.sum())} escapes carries {whole.numel()} "
+                                      f"{_ones(escaped)} escapes carries {whole.numel()} "
                                       f"bytes of whole values")
         if kind == BITMASK:
             pos = pos.nonzero().reshape(-1)
