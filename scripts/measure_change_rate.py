@@ -81,14 +81,23 @@ def bf16_bits(model) -> dict:
             for n, p in model.named_parameters()}
 
 
-def changed(before: dict, after: dict) -> tuple[dict, dict]:
+def changed(before: dict, after: dict) -> tuple[dict, dict, dict]:
+    """Changed and total elements per kind, and how far the changed ones moved: their bits
+    as integers by exactly 1 (one unit in the last place) and by at most 127 (what a delta's
+    DIFF8 values carry in one byte)."""
     diff = {k: 0 for k in KINDS}
     total = {k: 0 for k in KINDS}
+    moved = {"ulp1": 0, "int8": 0}
     for name, old in before.items():
         k = kind_of(name)
-        diff[k] += int((old != after[name]).sum())
+        new = after[name]
+        hit = old != new
+        diff[k] += int(hit.sum())
         total[k] += old.numel()
-    return diff, total
+        step = (new[hit].to(torch.int32) - old[hit].to(torch.int32)).abs()
+        moved["ulp1"] += int((step == 1).sum())
+        moved["int8"] += int((step <= 127).sum())
+    return diff, total, moved
 
 
 def run_case(spec, lr: float, steps: int, batch: int, seq: int) -> dict:
@@ -115,10 +124,13 @@ def run_case(spec, lr: float, steps: int, batch: int, seq: int) -> dict:
             opt.step()
             losses.append(float(loss.detach()))
             now = bf16_bits(model)
-            diff, total = changed(prev, now)
+            diff, total, moved = changed(prev, now)
             prev = now
+            n_changed = max(1, sum(diff.values()))
             rows.append({"step": step + 1,
                          "all": sum(diff.values()) / sum(total.values()),
+                         "moved_1ulp": moved["ulp1"] / n_changed,
+                         "moved_int8": moved["int8"] / n_changed,
                          **{k: diff[k] / total[k] for k in KINDS if total[k]}})
     steady = rows[1:] or rows
     return {"lr": lr, "steps": steps, "params": sum(p.numel() for p in model.parameters()),
@@ -161,8 +173,9 @@ def main(argv=None) -> int:
                                 moe_ffn_hidden_size=size["ffn_hidden_size"] // 2, **size)}
     results = []
     print("| model | lr | params | step 1 changed | steady median changed (steps 2..N) "
-          "| steady max | experts | mlp | attention | embedding | norms+router | loss first -> last |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| steady max | experts | mlp | attention | embedding | norms+router | moved 1 ulp "
+          "| moved <= 127 | loss first -> last |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for model_name in args.models.split(","):
         for lr in (float(x) for x in args.lrs.split(",")):
             r = run_case(specs[model_name], lr, args.steps, batch, seq)
@@ -172,6 +185,7 @@ def main(argv=None) -> int:
             cols = " | ".join(f"{100 * med[k]:.2f}%" if k in med else "-" for k in KINDS)
             print(f"| {model_name} | {lr:g} | {r['params']:,} | {100 * r['first_step']['all']:.1f}% "
                   f"| {100 * med['all']:.2f}% | {100 * r['steady_max_all']:.2f}% | {cols} "
+                  f"| {100 * med['moved_1ulp']:.1f}% | {100 * med['moved_int8']:.2f}% "
                   f"| {r['loss_first']:.3f} -> {r['loss_last']:.3f} |", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))

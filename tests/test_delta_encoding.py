@@ -11,8 +11,11 @@ import torch
 
 from megatron_reshard.refit.commit import NO_VERSION
 from megatron_reshard.refit.delta import (DeltaConfig, decide_mode, dst_vote, src_vote)
-from megatron_reshard.refit.delta_transport import (BITMASK, DENSE, NONE, POSITIONS, apply,
-                                                    encode, payload_bytes, pick_encoding)
+from megatron_reshard.refit.delta_transport import (BITMASK, DENSE, DIFF8, GAPS, NONE,
+                                                    POSITIONS, DeltaTransportError, apply,
+                                                    encode, encoding_name, encoding_sizes,
+                                                    header_problem, payload_bytes,
+                                                    pick_encoding)
 
 
 def _bits(t):
@@ -28,19 +31,51 @@ def _pair(shape, fraction, seed):
     return new, old
 
 
-@pytest.mark.parametrize("fraction,expected", [(0.0, NONE), (0.01, POSITIONS), (0.3, BITMASK),
-                                               (1.0, DENSE)])
-@pytest.mark.parametrize("rows", [24, 3])  # 3 x 40 / 8: an odd-sized bitmask before the values
-def test_each_encoding_lands_bit_exact_in_a_strided_view(fraction, expected, rows):
-    new, old = _pair((rows, 40), fraction, 7)
-    if fraction:  # bits a float compare would miss: NaN payloads and signed zeros
+def _ulp_pair(shape, fraction, seed):
+    """What an optimizer step at RL learning rates does to BF16: ±1 unit in the last place."""
+    g = torch.Generator().manual_seed(seed)
+    old = torch.randn(shape, generator=g).to(torch.bfloat16)
+    pick = torch.rand(shape, generator=g) < fraction
+    step = torch.where(torch.rand(shape, generator=g) < 0.5, 1, -1).to(torch.int16)
+    new = (_bits(old) + step * pick.to(torch.int16)).view(torch.bfloat16)
+    return new, old
+
+
+def _mixed_pair(shape, fraction, seed):
+    """±1 ulp steps, and a few weights crossing zero (a difference no byte holds)."""
+    new, old = _ulp_pair(shape, fraction, seed)
+    flat = new.view(-1)
+    flat[::997] = -flat[::997]
+    return new, old
+
+
+CASES = [  # (pair maker, fraction, expected encoding)
+    (_pair, 0.0, NONE), (_pair, 0.0005, POSITIONS), (_pair, 0.02, GAPS), (_pair, 0.3, BITMASK),
+    (_pair, 1.0, DENSE), (_ulp_pair, 0.02, GAPS | DIFF8), (_ulp_pair, 0.4, BITMASK | DIFF8),
+    (_ulp_pair, 0.0005, POSITIONS | DIFF8), (_mixed_pair, 0.02, GAPS | DIFF8),
+    (_mixed_pair, 0.4, BITMASK | DIFF8)]
+
+
+@pytest.mark.parametrize("make,fraction,expected", CASES)
+@pytest.mark.parametrize("rows", [240, 3])  # 3 x 40 / 8: an odd-sized bitmask before the values
+def test_each_encoding_lands_bit_exact_in_a_strided_view(make, fraction, expected, rows):
+    new, old = make((rows, 40), fraction, 7)
+    if fraction and make is _pair:  # bits a float compare would miss: NaN payloads, signed 0
         new.view(-1)[3] = float("nan")
         new.view(-1)[5] = -0.0
         old.view(-1)[5] = 0.0
     count, enc, payload = encode(new, old)
-    assert enc == expected
+    if rows == 240:  # the small box picks by its own sizes
+        assert enc == expected, (encoding_name(enc), encoding_name(expected))
     assert count == int((_bits(new) != _bits(old)).sum())
-    assert (0 if payload is None else payload.numel()) == payload_bytes(new.numel(), count, enc, 2)
+    nbytes = 0 if payload is None else payload.numel()
+    assert header_problem(new.numel(), 2, count, enc, nbytes) == ""
+    if count:  # the smallest encoding, its sizes worked out here
+        pos = (_bits(new) != _bits(old)).reshape(-1).nonzero().reshape(-1)
+        skips = int(((torch.diff(pos, prepend=torch.tensor([-1])) - 1) // 255).sum())
+        step = _bits(new).reshape(-1)[pos].int() - _bits(old).reshape(-1)[pos].int()
+        escapes = int(((step < -127) | (step > 127)).sum())
+        assert nbytes == min(encoding_sizes(new.numel(), count, 2, skips, escapes).values())
     # the destination: old's bits in the odd columns of a wider tensor
     host = torch.full((rows, 80), 7.0, dtype=torch.bfloat16)
     view = host[:, 1::2]
@@ -51,12 +86,50 @@ def test_each_encoding_lands_bit_exact_in_a_strided_view(fraction, expected, row
                                                                dtype=torch.bfloat16)))
 
 
+def test_gaps_skip_long_distances_and_land_at_both_ends():
+    old = torch.zeros(5000, dtype=torch.float32)
+    new = old.clone()
+    new[[0, 1, 255, 256, 600, 1300]] = torch.tensor([1.0, -2.0, 3.0, float("inf"), 5.0, 6.0])
+    count, enc, payload = encode(new, old)
+    assert (count, enc & 7) == (6, GAPS)
+    assert payload.numel() == 6 + 1 + 2 + 6 * 4  # gaps, 1 + 2 skip bytes, fp32 values
+    view = old.clone()
+    apply(view, count, enc, payload)
+    assert torch.equal(view.view(torch.int32), new.view(torch.int32))
+
+
 def test_the_cheapest_encoding_is_picked():
     assert pick_encoding(1000, 0, 2) == NONE
-    assert pick_encoding(1000, 10, 2) == POSITIONS      # 60 bytes vs 145 vs 2000
-    assert pick_encoding(1000, 100, 2) == BITMASK       # 325 vs 600 vs 2000
-    assert pick_encoding(1000, 950, 2) == DENSE         # 2000 vs 2025
-    assert pick_encoding(7, 1, 4) == BITMASK            # 5 bytes vs 8 vs 28
+    assert pick_encoding(1000, 10, 2) == GAPS                  # 30 bytes vs 60 vs 145 vs 2000
+    assert pick_encoding(1000, 10, 2, skips=40) == POSITIONS   # 70 vs 60
+    assert pick_encoding(1000, 10, 2, escapes=0) == GAPS | DIFF8  # 20 bytes
+    assert pick_encoding(1000, 100, 2, skips=0) == GAPS        # 300 vs 325
+    assert pick_encoding(1000, 400, 2) == BITMASK              # 925 vs 1200
+    assert pick_encoding(1000, 950, 2) == DENSE                # 2000 vs 2025
+    assert pick_encoding(7, 1, 4) == BITMASK  # 5 bytes, as GAPS: a tie goes to the simpler
+
+
+@pytest.mark.parametrize("count,enc,nbytes,why", [
+    (3, 7, 100, "unknown encoding"), (3, 20, 100, "unknown encoding"),
+    (0, GAPS, 0, "count 0"), (2000, POSITIONS, 12000, "count 2000"),
+    (3, POSITIONS, 17, "17 payload bytes, expected 18"), (3, GAPS, 8, "expected 9"),
+    (3, DENSE | DIFF8, 2000, "unknown encoding"), (5, DENSE, 1999, "expected 2000")])
+def test_a_header_that_cannot_fit_its_box_is_named(count, enc, nbytes, why):
+    assert why in header_problem(1000, 2, count, enc, nbytes)
+
+
+def test_a_payload_that_reaches_outside_its_box_is_refused():
+    old = torch.zeros(100, dtype=torch.bfloat16)
+    count, enc, payload = encode(old + 1, old)  # dense
+    bad = torch.tensor([5, 200], dtype=torch.int32).view(torch.uint8)
+    with pytest.raises(DeltaTransportError, match="outside its 100-element box"):
+        apply(old.clone(), 2, POSITIONS, torch.cat([bad, payload[:4]]))
+    with pytest.raises(DeltaTransportError, match="reaching past"):
+        apply(old.clone(), 1, GAPS, torch.tensor([0, 0, 1, 7, 7], dtype=torch.uint8))
+    mask = torch.zeros(13, dtype=torch.uint8)
+    mask[12] = 0xF0  # bits 100..103: past the box
+    with pytest.raises(DeltaTransportError, match="past the box: 4"):
+        apply(old.clone(), 4, BITMASK, torch.cat([mask, torch.zeros(8, dtype=torch.uint8)]))
 
 
 def _reduce(*rows):

@@ -234,7 +234,7 @@ def test_delta_refits_move_a_small_fraction_of_the_bytes(runs):
             if row["mode"] == "delta":
                 d = row["delta"]
                 assert d["params"] > 0 and 0 < d["changed"], (who, i, d)
-                # ~2% changed: positions + values, ~6 bytes per changed bf16 element
+                # ~2% changed: about 2-3 bytes per changed bf16 element (gaps, values)
                 assert row["bytes_sent"] < 0.15 * full, (who, i, row["bytes_sent"], full)
                 assert d["wire_bytes"] < 0.15 * d["full_bytes"], (who, i, d)
             else:
@@ -250,7 +250,9 @@ def test_delta_refits_move_a_small_fraction_of_the_bytes(runs):
         assert first["mode"] == "full" and first["bytes_received"] == first["full_bytes"] > 0
         for report in gen["reports"][1:NEW_SESSION_BEFORE]:
             assert report["mode"] == "delta"
-            assert report["bytes_received"] < 0.15 * report["full_bytes"], report
+            # issue 35's target: <= 4% of a full refit's bytes at 1-2% changed (headers and
+            # the packed params included; measured 2.4-2.7% here)
+            assert report["bytes_received"] < 0.04 * report["full_bytes"], report
 
 
 MIXED_MODES = ["full", "delta", "delta", "failed", "full", "delta"]

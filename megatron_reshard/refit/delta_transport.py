@@ -1,25 +1,42 @@
-"""The delta transport of the process-group path: changed elements only, per plan op.
+"""The delta transport of the process-group path: changed elements only, batched per peer.
 
 Torch + stdlib only (the receiver imports it). For each eligible bulk param of a batch
-(``refit.delta.eligible``: every op of its engine plan one hop, source -> destination),
-each op ``(src, dst, box)`` becomes one message pair on the refit group: a header of three
-int64 ``[count, encoding, payload bytes]``, then (when ``count > 0``) one uint8 payload.
-The sender compares the box of its new local view with its base bit for bit and picks the
-smallest encoding:
+(``refit.delta.eligible``: every op of its engine plan one hop), each plan op
+``(src, dst, box)`` becomes one *region*: the sender compares the box of its new local
+view with its base bit for bit and cuts ``(count, encoding, payload)``. Regions are not
+messages: per batch and per peer, the headers of all its regions travel as one int64
+message (two words a region: ``count * 16 + encoding``, payload bytes) and their payloads
+as one uint8 message (none when nothing changed). So a delta refit costs two messages per
+peer per batch, however many small params (norms, biases) the batch holds, and 16 bytes a
+region: per-message latency, not bytes, dominates a sparse delta (issue 35).
 
-- ``POSITIONS``: int32 (int64 past 2**31 elements) flat positions in the box, row-major,
-  then the values;
-- ``BITMASK``: one bit per element of the box (little-endian within a byte), then the
-  values of the set bits in order;
+Encodings (the low 3 bits; the sender picks the smallest, exact sizes, no round trip):
+
+- ``POSITIONS``: int32 (int64 past 2**31 elements) flat positions in the box, row-major;
+- ``GAPS``: one byte per changed element, its distance from the previous one (the first
+  from -1); a 0 byte advances 255 without a value (long gaps). ~1 byte a position at the
+  measured 1-2% change rates, where positions take 4;
+- ``BITMASK``: one bit per element of the box (little-endian within a byte);
 - ``DENSE``: the whole box;
 - ``NONE``: nothing changed (header only).
 
-The receiver learns the encoding from the header (no extra round trip) and writes the
-values in place into its destination view, which holds the base's bits (the vote in
-``refit.version`` proved that). Ops run in plan order, params in batch order, blocking:
-every op has one sender and one receiver and every rank walks the same list, so nothing
-can deadlock. Waits go through ``groups.faults.wait_works`` (a failing peer raises at
-once). Bits are compared as integers, so NaN payloads and -0.0 move exactly.
+then the values. Flag ``DIFF8`` (bit 3): the values are int8 differences of the elements'
+bits taken as integers (new - old); a difference outside -127..127 is sent as -128 and its
+element's whole value follows after all the differences, in order. An optimizer step at RL
+learning rates moves a BF16 weight by one unit in the last place (88% of the changed
+elements in ``scripts/measure_change_rate.py``, 99.8% within 127), so a value costs about
+1 byte instead of 2. The receiver adds them to the bits it holds, which are the base (the
+version vote proved it; a wrong base gives wrong bits that the checksums catch, as with
+any delta).
+
+The receiver learns each region's encoding from the header and writes the values in place
+into its destination view. Every rank walks the same plan in the same order: per batch,
+phase 0 (sources -> destinations) then phase 1 (a destination member forwards the stripe
+it received to its replicas, as a delta of its own against the stripe's old bits). Each
+exchange is two ``engine.p2p`` rounds (headers, then payloads), all posted before any is
+waited on (NCCL: coalesced), so nothing can deadlock. Bits are compared as integers: NaN
+payloads and -0.0 move exactly. A header that does not fit the receiver's box is refused
+before its payload is received (``DeltaTransportError``).
 """
 
 from __future__ import annotations
@@ -30,15 +47,19 @@ from typing import Any, Optional
 
 import torch
 
-from megatron_reshard.layout.geometry import box_numel
+from megatron_reshard.engine.p2p import P2PTransport
 from megatron_reshard.engine.param_plan import ParamPlan
 from megatron_reshard.groups.collectives import control_device
-from megatron_reshard.groups.faults import RefitError, wait_works
+from megatron_reshard.groups.faults import RefitError
+from megatron_reshard.layout.geometry import box_numel
 from megatron_reshard.refit.delta import TrainBase, as_tensor
 
-NONE, POSITIONS, BITMASK, DENSE = 0, 1, 2, 3
-ENCODINGS = {NONE: "none", POSITIONS: "positions", BITMASK: "bitmask", DENSE: "dense"}
-HEADER_BYTES = 3 * 8
+NONE, POSITIONS, BITMASK, DENSE, GAPS = 0, 1, 2, 3, 4
+DIFF8 = 8  # flag: values are int8 differences of the bits (new - old)
+KINDS = {NONE: "none", POSITIONS: "positions", BITMASK: "bitmask", DENSE: "dense", GAPS: "gaps"}
+HEADER_WORDS = 2
+HEADER_BYTES = HEADER_WORDS * 8  # per region
+GAP_SKIP = 255  # a 0 byte in GAPS: advance this far, no value
 _TAG = 0
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
@@ -48,24 +69,35 @@ class DeltaTransportError(RefitError):
     """A delta message that does not fit the receiver's view (bad or mismatched delta)."""
 
 
+def encoding_name(enc: int) -> str:
+    name = KINDS.get(enc & 7, f"unknown {enc}")
+    return name + "+diff8" if enc & DIFF8 and enc & 7 not in (NONE, DENSE) else name
+
+
 @dataclass
 class DeltaTally:
     """What the delta transport moved on this rank in one refit."""
 
     params: int = 0          # params of this rank moved as deltas
-    ops: int = 0             # message pairs this rank took part in
+    ops: int = 0             # regions this rank sent (src) or received (dst)
+    messages: int = 0        # messages this rank sent (src) or received (dst), headers included
     wire_bytes: int = 0      # header + payload bytes this rank sent (src) or received (dst)
-    full_bytes: int = 0      # what a full refit would have moved for the same ops
+    full_bytes: int = 0      # what a full refit would have moved for the same regions
     forwarded_bytes: int = 0  # dst: header + payload bytes sent on to replicas (phase 1)
     held_bytes: int = 0      # this rank's owned boxes of those params (RefitStats.local_bytes)
     changed: int = 0         # elements that changed
     encodings: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
-        return {"params": self.params, "ops": self.ops, "wire_bytes": self.wire_bytes,
-                "full_bytes": self.full_bytes, "held_bytes": self.held_bytes,
-                "forwarded_bytes": self.forwarded_bytes, "changed": self.changed,
-                "encodings": dict(self.encodings)}
+        return {"params": self.params, "ops": self.ops, "messages": self.messages,
+                "wire_bytes": self.wire_bytes, "full_bytes": self.full_bytes,
+                "held_bytes": self.held_bytes, "forwarded_bytes": self.forwarded_bytes,
+                "changed": self.changed, "encodings": dict(self.encodings)}
+
+
+def _ones(mask: torch.Tensor) -> int:
+    """True elements of a bool tensor (``count_nonzero``: a bool ``sum`` widens to int64)."""
+    return int(torch.count_nonzero(mask))
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -77,50 +109,116 @@ def index_bytes(numel: int) -> int:
     return 4 if numel < (1 << 31) else 8
 
 
-def pick_encoding(numel: int, count: int, itemsize: int) -> int:
-    """The cheapest encoding of ``count`` changed elements of ``numel`` (ties: fewer steps)."""
+def _idx_dtype(numel: int) -> torch.dtype:
+    return torch.int32 if index_bytes(numel) == 4 else torch.int64
+
+
+def encoding_sizes(numel: int, count: int, itemsize: int, skips: int = 0,
+                   escapes: Optional[int] = None) -> dict[int, int]:
+    """Payload bytes of each encoding of ``count`` changed elements of ``numel`` (``skips``:
+    the GAPS skip bytes; ``escapes``: how many differences do not fit DIFF8's byte, None:
+    no DIFF8 variants)."""
     if count == 0:
-        return NONE
-    sizes = {DENSE: numel * itemsize,
-             BITMASK: (numel + 7) // 8 + count * itemsize,
-             POSITIONS: count * (index_bytes(numel) + itemsize)}
-    return min(sizes, key=lambda k: (sizes[k], -k))
+        return {NONE: 0}
+    index = {BITMASK: (numel + 7) // 8, POSITIONS: count * index_bytes(numel),
+             GAPS: count + skips}
+    sizes = {DENSE: numel * itemsize}
+    for kind, nbytes in index.items():
+        sizes[kind] = nbytes + count * itemsize
+        if escapes is not None:
+            sizes[kind | DIFF8] = nbytes + count + escapes * itemsize
+    return sizes
+
+
+def pick_encoding(numel: int, count: int, itemsize: int, skips: int = 0,
+                  escapes: Optional[int] = None) -> int:
+    """The cheapest encoding (ties: the simplest to apply, dense first)."""
+    sizes = encoding_sizes(numel, count, itemsize, skips, escapes)
+    order = (NONE, DENSE, BITMASK, POSITIONS, GAPS)
+    return min(sizes, key=lambda k: (sizes[k], order.index(k & 7)))
+
+
+def _gaps(pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distances of sorted positions (the first from -1), and the skip bytes each needs."""
+    gaps = torch.diff(pos, prepend=pos.new_full((1,), -1))
+    return gaps, (gaps - 1) // GAP_SKIP
+
+
+def _gap_bytes(gaps: torch.Tensor, skips: torch.Tensor, nskip: int) -> torch.Tensor:
+    """GAPS bytes: per position, its skip bytes (0) then its remaining distance."""
+    out = torch.zeros(gaps.numel() + nskip, dtype=torch.uint8, device=gaps.device)
+    at = torch.cumsum(skips + 1, 0) - 1  # where each value's own gap byte lands
+    out[at] = (gaps - GAP_SKIP * skips).to(torch.uint8)
+    return out
+
+
+def _pack_bits(mask: torch.Tensor) -> torch.Tensor:
+    """A bool tensor as bits, little-endian within a byte: each 8 bools (one byte each, 0 or
+    1) read as one int64 and multiplied so that byte k's bit lands on bit 56 + k."""
+    pad = (-mask.numel()) % 8
+    if pad:
+        mask = torch.cat([mask, mask.new_zeros(pad)])
+    words = mask.view(torch.uint8).view(torch.int64)
+    return ((words * 0x0102040810204080) >> 56).to(torch.uint8)
 
 
 def encode(new: torch.Tensor, old: torch.Tensor) -> tuple[int, int, Optional[torch.Tensor]]:
     """``(count, encoding, payload)`` of the elements of ``new`` whose bits differ from
     ``old`` (same shape and dtype); payload None when nothing changed."""
-    flat_new = new.contiguous().reshape(-1)
-    changed = (_bits(new).reshape(-1) != _bits(old).reshape(-1))
-    count = int(changed.sum())
-    numel = flat_new.numel()
-    enc = pick_encoding(numel, count, new.element_size())
-    if enc == NONE:
+    nb, ob = _bits(new).reshape(-1), _bits(old).reshape(-1)
+    changed = nb != ob
+    count = _ones(changed)
+    if count == 0:
         return 0, NONE, None
-    if enc == DENSE:
-        return count, enc, flat_new.view(torch.uint8)
-    values = flat_new[changed].view(torch.uint8)
-    if enc == POSITIONS:
-        idx_dtype = torch.int32 if index_bytes(numel) == 4 else torch.int64
-        pos = changed.nonzero().reshape(-1).to(idx_dtype).view(torch.uint8)
-        return count, enc, torch.cat([pos, values])
-    pad = (-numel) % 8
-    bits = torch.cat([changed, changed.new_zeros(pad)]) if pad else changed
-    mask = (bits.reshape(-1, 8).to(torch.uint8) * _BIT_WEIGHTS.to(bits.device)).sum(
-        1, dtype=torch.uint8)
-    return count, enc, torch.cat([mask, values])
+    numel, itemsize = nb.numel(), new.element_size()
+    if count * (itemsize + 1) >= numel * itemsize:  # nothing sparse beats dense here
+        return count, DENSE, nb.view(torch.uint8)
+    pos = changed.nonzero().reshape(-1)
+    picked = nb[pos]
+    step = picked.to(torch.int64) - ob[pos].to(torch.int64)
+    escaped = (step < -127) | (step > 127)
+    gaps, skips = _gaps(pos)
+    nskip = int(skips.sum())
+    enc = pick_encoding(numel, count, itemsize, nskip, _ones(escaped))
+    kind = enc & 7
+    if kind == DENSE:
+        return count, DENSE, nb.view(torch.uint8)
+    if enc & DIFF8:
+        small = torch.where(escaped, -128, step).to(torch.int8).view(torch.uint8)
+        values = torch.cat([small, picked[escaped].view(torch.uint8)])
+    else:
+        values = picked.view(torch.uint8)
+    if kind == POSITIONS:
+        index = pos.to(_idx_dtype(numel)).view(torch.uint8)
+    elif kind == GAPS:
+        index = _gap_bytes(gaps, skips, nskip)
+    else:
+        index = _pack_bits(changed)
+    return count, enc, torch.cat([index, values])
 
 
 def payload_bytes(numel: int, count: int, enc: int, itemsize: int) -> int:
+    """The least payload a header of this encoding can announce (GAPS skips and DIFF8
+    escapes come on top)."""
     if enc == NONE:
         return 0
-    if enc == DENSE:
-        return numel * itemsize
-    if enc == BITMASK:
-        return (numel + 7) // 8 + count * itemsize
-    if enc == POSITIONS:
-        return count * (index_bytes(numel) + itemsize)
-    raise DeltaTransportError(f"unknown delta encoding {enc}")
+    sizes = encoding_sizes(numel, count, itemsize, 0, 0)
+    if enc not in sizes:
+        raise DeltaTransportError(f"unknown delta encoding {enc}")
+    return sizes[enc]
+
+
+def header_problem(numel: int, itemsize: int, count: int, enc: int, nbytes: int) -> str:
+    """Why a region's header cannot be right for a box of ``numel`` elements ('' if it can)."""
+    if enc & 7 not in KINDS or (enc & DIFF8 and enc & 7 in (NONE, DENSE)) or enc >= 16:
+        return f"unknown encoding {enc}"
+    if not (0 <= count <= numel) or (count == 0) != (enc == NONE):
+        return f"count {count} for {numel} elements with encoding {encoding_name(enc)}"
+    want = payload_bytes(numel, count, enc, itemsize)
+    most = want + (numel if enc & 7 == GAPS else 0) + (count * itemsize if enc & DIFF8 else 0)
+    if want <= nbytes <= most:
+        return ""
+    return f"{nbytes} payload bytes, expected {want}" + (f" .. {most}" if most > want else "")
 
 
 def _typed(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -131,30 +229,96 @@ def _typed(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return raw.view(dtype)
 
 
+def _positions(kind: int, index: torch.Tensor, numel: int, count: int) -> torch.Tensor:
+    """The changed positions (int64, or a bool mask for BITMASK) an index part names."""
+    if kind == POSITIONS:
+        pos = _typed(index, _idx_dtype(numel)).to(torch.int64)
+        if count and (bool(pos.min() < 0) or bool(pos.max() >= numel)):
+            raise DeltaTransportError(f"a positions delta names elements outside its "
+                                      f"{numel}-element box")
+        return pos
+    if kind == GAPS:
+        steps = torch.where(index == 0, GAP_SKIP, index.to(torch.int64))
+        pos = (torch.cumsum(steps, 0) - 1)[index != 0]
+        if pos.numel() != count or (count and int(pos[-1]) >= numel):
+            raise DeltaTransportError(f"a gaps delta names {pos.numel()} elements (header: "
+                                      f"{count}) reaching past its {numel}-element box")
+        return pos
+    bits = (index.unsqueeze(1) & _BIT_WEIGHTS.to(index.device)).ne(0).reshape(-1)
+    if bool(bits[numel:].any()) or _ones(bits) != count:
+        raise DeltaTransportError(f"a bitmask delta sets {_ones(bits[:numel])} bits "
+                                  f"(past the box: {_ones(bits[numel:])}) but its header "
+                                  f"says {count}")
+    return bits[:numel]
+
+
+def _index_bytes(kind: int, diff8: bool, payload: torch.Tensor, numel: int, count: int,
+                 itemsize: int) -> int:
+    """Where a payload's index part ends."""
+    if kind == POSITIONS:
+        return count * index_bytes(numel)
+    if kind == BITMASK:
+        return (numel + 7) // 8
+    if not diff8:  # GAPS, whole values: they fill the rest
+        return payload.numel() - count * itemsize
+    # GAPS + DIFF8: the gaps end at their count-th non-zero byte (a value's own gap is >= 1)
+    seen = torch.cumsum(payload.ne(0).to(torch.int64), 0)
+    end = _ones(seen < count) + 1
+    if end > payload.numel():
+        raise DeltaTransportError(f"a gaps delta of {count} elements holds fewer gap bytes")
+    return end
+
+
 def apply(view: torch.Tensor, count: int, enc: int, payload: Optional[torch.Tensor]) -> None:
-    """Write a received delta into ``view`` in place (any strides)."""
+    """Write a received delta into ``view`` in place (any strides). ``view`` must hold the
+    base the delta was cut from (DIFF8 values add to its bits)."""
     if enc == NONE:
         return
-    numel = view.numel()
+    numel, itemsize = view.numel(), view.element_size()
     if enc == DENSE:
-        view.copy_(payload.view(view.dtype).reshape(view.shape))
+        view.copy_(_typed(payload, view.dtype).reshape(view.shape))
         return
+    kind, diff8 = enc & 7, bool(enc & DIFF8)
+    nindex = _index_bytes(kind, diff8, payload, numel, count, itemsize)
+    pos = _positions(kind, payload[:nindex], numel, count)
     flat = view.contiguous().reshape(-1)  # a copy for a strided view, written back below
-    if enc == POSITIONS:
-        nidx = count * index_bytes(numel)
-        idx_dtype = torch.int32 if index_bytes(numel) == 4 else torch.int64
-        pos = _typed(payload[:nidx], idx_dtype).to(torch.int64)
-        flat[pos] = _typed(payload[nidx:], view.dtype)
+    fb = flat.view(_INT_OF_SIZE[itemsize])
+    raw = payload[nindex:]
+    if diff8:
+        small = raw[:count].view(torch.int8)
+        escaped = small == -128
+        whole = raw[count:]
+        if whole.numel() != _ones(escaped) * itemsize:
+            raise DeltaTransportError(f"a delta of {count} differences with "
+                                      f"{_ones(escaped)} escapes carries {whole.numel()} "
+                                      f"bytes of whole values")
+        if kind == BITMASK:
+            pos = pos.nonzero().reshape(-1)
+        got = fb[pos]
+        stepped = (got.to(torch.int64) + small.to(torch.int64)).to(fb.dtype)
+        fb[pos] = torch.where(escaped, got, stepped)
+        if whole.numel():
+            fb[pos[escaped]] = _typed(whole, fb.dtype)
     else:
-        nmask = (numel + 7) // 8
-        weights = _BIT_WEIGHTS.to(payload.device)
-        bits = (payload[:nmask].unsqueeze(1) & weights).ne(0).reshape(-1)[:numel]
-        if int(bits.sum()) != count:
-            raise DeltaTransportError(f"a bitmask delta sets {int(bits.sum())} bits but its "
-                                      f"header says {count}")
-        flat[bits] = _typed(payload[nmask:], view.dtype)
+        if raw.numel() != count * itemsize:
+            raise DeltaTransportError(f"a delta of {count} values carries {raw.numel()} bytes")
+        fb[pos] = _typed(raw, fb.dtype)
     if not view.is_contiguous():  # ``flat`` was a copy
         view.copy_(flat.reshape(view.shape))
+
+
+@dataclass
+class _Region:
+    """One plan op of one param, as this rank sees it."""
+
+    name: str
+    peer: int             # the other end (group rank)
+    box: tuple
+    view: Optional[torch.Tensor] = None   # dst: where it lands
+    count: int = 0        # src: what was cut
+    enc: int = NONE
+    payload: Optional[torch.Tensor] = None
+    full: int = 0         # bytes of the box
 
 
 class DeltaMover:
@@ -169,93 +333,151 @@ class DeltaMover:
         self.base = base
         self.tally = DeltaTally()
         self._ctl = control_device(group)
-
-    def _wait(self, work, what: str) -> None:
-        wait_works([work], self.group, what)
+        self._p2p = P2PTransport(group, self._ctl)
 
     def move(self, index: int, name: str, buf: Any) -> None:
-        """Param ``index`` (``name``) of the stage; ``buf``: this rank's side (or None)."""
-        plan = self.plans[index]
-        local = None if buf is None else as_tensor(buf)
-        if local is not None:
-            self.tally.params += 1
-            own = (plan.src if self.side == "src" else plan.dst).get(self.rank)
-            if own is not None:
-                self.tally.held_bytes += sum(box_numel(p.box) for p in own.pieces) * \
-                    local.element_size()
-        base = None
-        if self.side == "src" and local is not None:
-            base = self.base.tensors.get(index)
-            if base is None or base.shape != local.shape or base.dtype != local.dtype:
-                raise DeltaTransportError(f"{name}: src group rank {self.rank} holds no base of "
-                                          f"its local view {list(local.shape)} for a delta refit")
-        # phase 1 (replica completion): a member forwards the stripe it received as a
-        # delta of its own; the old bits of that stripe are kept until then
-        old_stripes = {}
-        if self.side == "dst" and local is not None:
-            for k, op in enumerate(plan.ops):
-                if op.phase == 1 and op.src == self.rank:
-                    piece = plan.dst[self.rank].pieces[op.src_piece]
-                    old_stripes[k] = local[piece.index(op.box)].clone()
-        for k, op in enumerate(plan.ops):
-            if op.phase == 0 and op.src == self.rank and self.side == "src":
-                piece = plan.src[self.rank].pieces[op.src_piece]
-                idx = piece.index(op.box)
-                self._send(name, op, local[idx], base[idx])
-            elif op.phase == 1 and op.src == self.rank and self.side == "dst":
-                piece = plan.dst[self.rank].pieces[op.src_piece]
-                self._send(name, op, local[piece.index(op.box)], old_stripes.pop(k),
-                           forwarded=True)
-            elif op.dst == self.rank and self.side == "dst":
-                piece = plan.dst[self.rank].pieces[op.dst_piece]
-                self._recv(name, op, local[piece.index(op.box)])
-        if base is not None:  # the bits just sent become the base (valid at the commit)
-            base.copy_(local)
+        """One param alone (a batch of one)."""
+        self.move_batch([(index, name, buf)])
 
-    def _send(self, name: str, op, new: torch.Tensor, old: torch.Tensor,
-              forwarded: bool = False) -> None:
+    def move_batch(self, items: list) -> None:
+        """The eligible params of one batch: ``(index, name, buf)`` each, ``buf`` this
+        rank's side of param ``index`` (or None), in stage order."""
+        sends: list[_Region] = []
+        recvs: list[_Region] = []
+        forwards: list[tuple[_Region, torch.Tensor]] = []  # phase 1: (region, old stripe)
+        late: list[_Region] = []                           # phase 1 receives
+        bases = []
+        for index, name, buf in items:
+            plan = self.plans[index]
+            local = None if buf is None else as_tensor(buf)
+            if local is not None:
+                self.tally.params += 1
+                own = (plan.src if self.side == "src" else plan.dst).get(self.rank)
+                if own is not None:
+                    self.tally.held_bytes += sum(box_numel(p.box) for p in own.pieces) * \
+                        local.element_size()
+            if self.side == "src":
+                if local is None:
+                    continue
+                base = self.base.tensors.get(index)
+                if base is None or base.shape != local.shape or base.dtype != local.dtype:
+                    raise DeltaTransportError(
+                        f"{name}: src group rank {self.rank} holds no base of its local view "
+                        f"{list(local.shape)} for a delta refit")
+                for op in plan.ops:
+                    if op.phase == 0 and op.src == self.rank:
+                        idx = plan.src[self.rank].pieces[op.src_piece].index(op.box)
+                        sends.append(self._cut(name, op.dst, op.box, local[idx], base[idx]))
+                bases.append((base, local))
+                continue
+            if local is None:
+                continue
+            for op in plan.ops:
+                if op.phase == 1 and op.src == self.rank:
+                    view = local[plan.dst[self.rank].pieces[op.src_piece].index(op.box)]
+                    # the stripe's old bits, kept until phase 0 rewrote it
+                    forwards.append((_Region(name, op.dst, op.box, view), view.clone()))
+                elif op.dst == self.rank:
+                    view = local[plan.dst[self.rank].pieces[op.dst_piece].index(op.box)]
+                    (recvs if op.phase == 0 else late).append(_Region(name, op.src, op.box, view))
+        self._exchange(sends, recvs)
+        for base, local in bases:  # the bits just sent become the base (valid at the commit)
+            base.copy_(local)
+        if forwards or late:
+            cut = [self._cut(r.name, r.peer, r.box, r.view, old, forwarded=True)
+                   for r, old in forwards]
+            self._exchange(cut, late, forwarded=True)
+
+    def _cut(self, name: str, peer: int, box, new: torch.Tensor, old: torch.Tensor,
+             forwarded: bool = False) -> _Region:
         old = old.to(new.device) if old.device != new.device else old
         count, enc, payload = encode(new, old)
-        nbytes = 0 if payload is None else payload.numel()
-        header = torch.tensor([count, enc, nbytes], dtype=torch.int64, device=self._ctl)
-        self._wait(self.group.send([header], op.dst, _TAG), f"the delta header of {name}")
-        if payload is not None:
-            self._wait(self.group.send([payload.contiguous()], op.dst, _TAG),
-                       f"the delta of {name}")
+        region = _Region(name, peer, box, None, count, enc, payload,
+                         new.numel() * new.element_size())
+        if not forwarded:
+            self._count(region, 0 if payload is None else payload.numel())
+        return region
+
+    def _exchange(self, sends: list[_Region], recvs: list[_Region],
+                  forwarded: bool = False) -> None:
+        """Two rounds: every peer's headers, then every peer's payloads (one message each)."""
+        out = _by_peer(sends)
+        into = _by_peer(recvs)
+        headers_out, payloads_out = {}, {}
+        for peer, regions in out.items():
+            words = [w for r in regions for w in
+                     (r.count * 16 + r.enc, 0 if r.payload is None else r.payload.numel())]
+            headers_out[peer] = torch.tensor(words, dtype=torch.int64, device=self._ctl)
+            parts = [r.payload.reshape(-1) for r in regions if r.payload is not None]
+            if parts:
+                payloads_out[peer] = parts[0].contiguous() if len(parts) == 1 else torch.cat(parts)
+        headers_in = {peer: torch.empty(HEADER_WORDS * len(regions), dtype=torch.int64,
+                                        device=self._ctl) for peer, regions in into.items()}
+        with self._p2p.round():
+            for peer, header in headers_out.items():
+                self._p2p.send(header, peer, _TAG)
+            for peer, header in headers_in.items():
+                self._p2p.recv(header, peer, _TAG)
+        announced = {peer: self._check(into[peer], header.tolist())
+                     for peer, header in headers_in.items()}
+        payloads_in = {peer: torch.empty(sum(n for _, _, n in got), dtype=torch.uint8,
+                                         device=into[peer][0].view.device)
+                       for peer, got in announced.items() if any(n for _, _, n in got)}
+        with self._p2p.round():
+            for peer, payload in payloads_out.items():
+                self._p2p.send(payload, peer, _TAG)
+            for peer, payload in payloads_in.items():
+                self._p2p.recv(payload, peer, _TAG)
+        for peer, got in announced.items():
+            at = 0
+            for region, (count, enc, nbytes) in zip(into[peer], got):
+                part = payloads_in[peer][at:at + nbytes] if nbytes else None
+                at += nbytes
+                apply(region.view, count, enc, part)
+                region.count, region.enc = count, enc
+                self._count(region, nbytes)
+        # src: the messages it sent; dst: those it received (forwards count as forwarded)
+        self.tally.messages += len(headers_in) + len(payloads_in) + \
+            (0 if forwarded else len(headers_out) + len(payloads_out))
         if forwarded:
-            self.tally.forwarded_bytes += HEADER_BYTES + nbytes
-            return
-        self._count(op, new, count, enc, nbytes)
+            self.tally.forwarded_bytes += sum(HEADER_BYTES + (0 if r.payload is None else
+                                                              r.payload.numel()) for r in sends)
 
-    def _recv(self, name: str, op, view: torch.Tensor) -> None:
-        header = torch.empty(3, dtype=torch.int64, device=self._ctl)
-        self._wait(self.group.recv([header], op.src, _TAG), f"the delta header of {name}")
-        count, enc, nbytes = (int(x) for x in header.tolist())
-        numel = box_numel(op.box)
-        want = payload_bytes(numel, count, enc, view.element_size()) \
-            if enc in ENCODINGS and 0 <= count <= numel else -1
-        if want != nbytes:
-            # the peer is still consistent (it sent what it announced): raise here, the
-            # fault board tells the others
-            raise DeltaTransportError(
-                f"{name}: dst group rank {self.rank} got a delta header from group rank "
-                f"{op.src} for box {list(op.box)} ({numel} elements) with count {count}, "
-                f"encoding {enc}, {nbytes} bytes; expected {want} bytes")
-        payload = None
-        if nbytes:
-            payload = torch.empty(nbytes, dtype=torch.uint8, device=view.device)
-            self._wait(self.group.recv([payload], op.src, _TAG), f"the delta of {name}")
-        apply(view, count, enc, payload)
-        self._count(op, view, count, enc, nbytes)
+    def _check(self, regions: list[_Region], words: list[int]) -> list[tuple[int, int, int]]:
+        """Each region's ``(count, encoding, payload bytes)``; a header that cannot fit its
+        box is refused before any payload is received."""
+        out = []
+        for k, region in enumerate(regions):
+            word, nbytes = words[2 * k], words[2 * k + 1]
+            count, enc = word >> 4, word & 15
+            numel = box_numel(region.box)
+            why = header_problem(numel, region.view.element_size(), count, enc, nbytes)
+            if why:
+                # the peer is still consistent (it sent what it announced): raise here, the
+                # fault board tells the others
+                raise DeltaTransportError(
+                    f"{region.name}: dst group rank {self.rank} got a delta header from group "
+                    f"rank {region.peer} for box {list(region.box)} ({numel} elements) that "
+                    f"does not fit: {why}")
+            out.append((count, enc, nbytes))
+        return out
 
-    def _count(self, op, t: torch.Tensor, count: int, enc: int, nbytes: int) -> None:
+    def _count(self, region: _Region, nbytes: int) -> None:
         self.tally.ops += 1
         self.tally.wire_bytes += HEADER_BYTES + nbytes
-        self.tally.full_bytes += math.prod(t.shape) * t.element_size()
-        self.tally.changed += count
-        key = ENCODINGS[enc]
+        self.tally.full_bytes += region.full or (region.view.numel() * region.view.element_size())
+        self.tally.changed += region.count
+        key = encoding_name(region.enc)
         self.tally.encodings[key] = self.tally.encodings.get(key, 0) + 1
 
 
-__all__ = ["BITMASK", "DENSE", "DeltaMover", "DeltaTally", "DeltaTransportError", "NONE",
-           "POSITIONS", "apply", "encode", "pick_encoding"]
+def _by_peer(regions: list[_Region]) -> dict[int, list[_Region]]:
+    out: dict[int, list[_Region]] = {}
+    for r in regions:
+        out.setdefault(r.peer, []).append(r)
+    return dict(sorted(out.items()))
+
+
+__all__ = ["BITMASK", "DENSE", "DIFF8", "DeltaMover", "DeltaTally", "DeltaTransportError", "GAPS",
+           "NONE", "POSITIONS", "apply", "encode", "encoding_name", "encoding_sizes",
+           "header_problem", "payload_bytes", "pick_encoding"]

@@ -468,13 +468,15 @@ class _DeltaStage:
         if self.mover is None:
             return batch.transfers
         bufs = {o.index: o.ctx.buf for o in batch.opened}
-        rest = []
+        rest, items = [], []
         for offset, transfer in enumerate(batch.transfers):
             index = batch.start + offset
             if self.plans[index] is None:
                 rest.append(transfer)
             else:
-                self.mover.move(index, params[index].name, bufs.get(index))
+                items.append((index, params[index].name, bufs.get(index)))
+        if items:  # one exchange per batch: two messages per peer (refit.delta_transport)
+            self.mover.move_batch(items)
         return rest
 
     def keep(self, batch: _OpenBatch) -> None:
@@ -485,8 +487,8 @@ class _DeltaStage:
 
 
 def _merged(tallies: list[dict]) -> dict:
-    counts = ("params", "ops", "wire_bytes", "full_bytes", "held_bytes", "forwarded_bytes",
-              "changed")
+    counts = ("params", "ops", "messages", "wire_bytes", "full_bytes", "held_bytes",
+              "forwarded_bytes", "changed")
     out = {**{k: 0 for k in counts}, "encodings": {}}
     for t in tallies:
         for k in counts:

@@ -170,11 +170,16 @@ def run_training_rank(rank: int, cfg: RefitRunConfig, control, device: torch.dev
                                    label=f"refit group of PP stage {source.stage}",
                                    transport=cfg.transport)
         sender = RefitSender(source, group, device=device, num_streams=cfg.num_streams,
-                             staging_bytes=cfg.staging_bytes, verify_checksums=cfg.verify)
+                             staging_bytes=cfg.staging_bytes, verify_checksums=cfg.verify,
+                             delta=cfg.delta)
     setup_s = time.perf_counter() - t0
     refits = []
     for step in range(cfg.refits):
-        if step:
+        if step and cfg.update == "adam":
+            from megatron_reshard.testing.optimizer_steps import adam_step_
+
+            adam_step_(model, step)
+        elif step:
             perturb_(model, step)
             if cfg.train_precision == "fp8_blockwise":  # an optimizer step re-quantizes
                 attach_blockwise_fp8_(model)

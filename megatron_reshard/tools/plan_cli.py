@@ -101,6 +101,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--planner", choices=["both", "default", "link-aware"], default="both",
                         help="which planner's figures to show: the refit's default planner, "
                              "the link-aware one, or both side by side")
+    parser.add_argument("--changed", type=float, default=None, metavar="FRACTION",
+                        help="estimate a delta refit (RefitSender(delta=...)) where this "
+                             "fraction of the elements changed since the last refit (0.01: "
+                             "1%%; at RL learning rates 1-2%% per step, docs/MEASUREMENTS.md); "
+                             "default: a full refit")
     link = parser.add_argument_group("link model (defaults: H100 nodes, NVLink 4, one 400 Gb/s NIC per GPU)")
     link.add_argument("--gpus-per-node", type=int, default=DEFAULT_LINK["gpus_per_node"],
                       help="GPUs per node, joined by NVLink")
@@ -151,6 +156,9 @@ def problems_of(args: argparse.Namespace):
             out.append(f"{option} {value}: expected a number > 0")
     if not args.latency_us >= 0:
         out.append(f"--latency-us {args.latency_us}: expected a number >= 0")
+    changed = getattr(args, "changed", None)
+    if changed is not None and not 0 <= changed <= 1:
+        out.append(f"--changed {changed}: expected a fraction between 0 and 1 (0.01 for 1%)")
     cfg = _model_of(args, out)
     if cfg and int(cfg["num_hidden_layers"]) > MAX_LAYERS:
         where = "--layers" if args.layers is not None else "the model's num_hidden_layers"
@@ -251,8 +259,8 @@ def run(args: argparse.Namespace) -> int:
             return _fail([f"--plot {args.plot}: needs matplotlib (pip install 'megatron-reshard[plot]')"])
     link = LinkModel(args.gpus_per_node, args.nvlink_gbps, args.net_gbps, args.latency_us)
     which = {"both": (False, True), "default": (False,), "link-aware": (True,)}[args.planner]
-    sims = [simulate(model_label(args), cfg, lay, link, args.others, aware, args.wire)
-            for aware in which]
+    sims = [simulate(model_label(args), cfg, lay, link, args.others, aware, args.wire,
+                     changed=args.changed) for aware in which]
     if args.json:
         print(json.dumps({"model": model_label(args),
                           "layout_text": lay.describe(bool(num_experts(cfg))),
@@ -294,6 +302,11 @@ def _print_table(args, cfg, lay, sims) -> None:
           f"{c['other_params']} others {how} ({b(c['other_bytes'])})"
           + (", linear weights as block FP8" if args.wire == "fp8" else ""))
     print(f"link model: {sims[0].link.describe()}")
+    if args.changed is not None:
+        print(f"a delta refit: {100 * args.changed:g}% of the elements changed (the engine's "
+              f"regions as deltas: headers, the cheapest encoding, two messages per rank pair "
+              f"per batch; busiest generation rank: "
+              f"{max(s.to_plain()['busiest_gen_messages'] for s in sims)} messages)")
     for s in sims:
         p = s.to_plain()
         pl = p["planning_s"]

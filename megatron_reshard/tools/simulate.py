@@ -18,6 +18,14 @@ The gather + broadcast baseline under the same model: each param is gathered who
 training ranks (all-gather over the ranks that shard it) and broadcast from one training
 rank to every generation rank (a pipelined broadcast: every generation rank receives the
 whole model through its NIC); gather and broadcast do not overlap.
+
+Delta refits (``changed``: the fraction of elements whose bits changed since the last
+refit, spread at random): every engine region carries a 16-byte header and the expected
+size of its cheapest encoding (``refit.delta_transport``: gaps, a bitmask, positions or
+dense; values as one byte, ``DIFF8``, with ``escape`` of the changed elements sent whole),
+and messages are two per pair of ranks per batch in which the pair has regions (headers,
+payloads), batches cut as the refit loop cuts them (``batch_bytes`` of global bytes). The
+packed broadcast of the others (``others="broadcast"``) stays full, as in the library.
 """
 
 from __future__ import annotations
@@ -32,6 +40,9 @@ from megatron_reshard.layout.geometry import box_numel
 from megatron_reshard.engine.link_costs import LinkCosts
 from megatron_reshard.engine.param_plan import ParamPlan
 from megatron_reshard.engine.plan import Planner, gc_paused
+from megatron_reshard.refit.delta_transport import GAP_SKIP, HEADER_BYTES
+from megatron_reshard.refit.loop import DEFAULT_BATCH_BYTES
+from megatron_reshard.refit.order import byte_bounds
 
 from .plan_inputs import RefitParallelism, StagePlanInput, count_params, stage_inputs
 
@@ -96,6 +107,24 @@ def _global(group_rank: int, stage: int, stage_world: int) -> tuple:
     return ("gen", group_rank - stage_world)
 
 
+DIFF8_ESCAPES = 0.002  # changed elements a one-byte difference cannot carry (measured: 0.13-0.24%)
+
+
+def delta_bytes_per_element(changed: float, itemsize: float,
+                            escape: float = DIFF8_ESCAPES) -> float:
+    """Expected wire bytes per element of a region (header aside) when ``changed`` of its
+    elements changed at random: the cheapest of the delta encodings."""
+    if changed <= 0:
+        return 0.0
+    if changed >= 1:
+        return float(itemsize)
+    q = (1.0 - changed) ** GAP_SKIP  # a gap longer than one skip byte covers
+    skips = q / (1.0 - q) if q < 1 else float("inf")  # expected skip bytes per changed element
+    value = min(float(itemsize), 1.0 + escape * itemsize)
+    return min(float(itemsize), 1 / 8 + changed * value, changed * (4 + value),
+               changed * (1 + skips + value))
+
+
 def plan_pairs(plan: ParamPlan) -> dict:
     """(src, dst) group ranks -> (elements, ops) of one plan; local copies left out."""
     out: dict = {}
@@ -128,11 +157,15 @@ class Simulation:
     gather_broadcast_s: float
     gather_s: float
     broadcast_s: float
+    changed: Optional[float] = None  # a delta refit of this changed fraction (None: full)
 
     def to_plain(self) -> dict:
         t, rank, what = self.loads.time_s(self.link)
         return {
             "model": self.model, "layout": self.parallelism.to_plain(), "others": self.others,
+            "mode": "full" if self.changed is None else "delta", "changed": self.changed,
+            "busiest_gen_messages": max((n for r, n in self.loads.msgs.items() if r[0] == "gen"),
+                                        default=0),
             "planner": "link-aware" if self.link_aware else "default", "wire": self.wire,
             "link_model": vars(self.link) | {"text": self.link.describe()},
             "params": self.counts, "fingerprint": self.fingerprint,
@@ -178,12 +211,14 @@ def link_costs(lay: RefitParallelism, link: LinkModel,
 
 
 def simulate(model: str, cfg: Mapping[str, Any], lay: RefitParallelism, link: LinkModel,
-             others: str = "sharded", link_aware: bool = False, wire: str = "bf16"
+             others: str = "sharded", link_aware: bool = False, wire: str = "bf16",
+             changed: Optional[float] = None, batch_bytes: int = DEFAULT_BATCH_BYTES
              ) -> Simulation:
     """Plan and account the whole job (see the module docstring for the model).
 
     ``link_aware``: plan with the link model (``Planner(costs=link_costs(...))``) instead of
-    the default planner the refit uses today."""
+    the default planner the refit uses today. ``changed``: account a delta refit of that
+    changed fraction instead of a full one."""
     stages = stage_inputs(lay, cfg, others, wire)
     costs = link_costs(lay, link, stages) if link_aware else None
 
@@ -219,6 +254,11 @@ def simulate(model: str, cfg: Mapping[str, Any], lay: RefitParallelism, link: Li
                 if p.key is not None:
                     plan = planner.plan(p.key)
                     fp.update(f"{stage}\x00{p.name}\x00{plan.fingerprint}\x01".encode())
+            if changed is not None:
+                ops += _add_delta(st, stage, planner, pairs_of, changed, batch_bytes, lay, link,
+                                  loads, sent, received, from_peers)
+                _add_packed_broadcast(st, stage, lay, link, loads, sent, received)
+                continue
             for (key, itemsize), count in sorted(st.key_counts().items(), key=lambda kv: repr(kv[0])):
                 plan = planner.plan(key)
                 pairs = pairs_of.get(key)
@@ -239,7 +279,37 @@ def simulate(model: str, cfg: Mapping[str, Any], lay: RefitParallelism, link: Li
     gather_s, broadcast_s = gather_broadcast_s(stages, lay, link)
     return Simulation(lay, model, others, wire, link_aware, link, counts, dict(sent), dict(received),
                       dict(from_peers), loads, fp.hexdigest(), plan_s_one_rank, plan_s_job,
-                      len(planner), ops, gather_s + broadcast_s, gather_s, broadcast_s)
+                      len(planner), ops, gather_s + broadcast_s, gather_s, broadcast_s, changed)
+
+
+def _add_delta(st: StagePlanInput, stage: int, planner: Planner, pairs_of: dict, changed: float,
+               batch_bytes: int, lay: RefitParallelism, link: LinkModel, loads: Loads,
+               sent: dict, received: dict, from_peers: dict) -> int:
+    """One stage's engine params as a delta refit (module docstring); returns its regions."""
+    sw = lay.stage_world
+    keyed = [p for p in st.params if p.key is not None]
+    regions = 0
+    for start, stop in byte_bounds([p.nbytes for p in keyed], batch_bytes):
+        pairs_in_batch = set()
+        for p in keyed[start:stop]:
+            pairs = pairs_of.get(p.key)
+            if pairs is None:
+                pairs = pairs_of[p.key] = plan_pairs(planner.plan(p.key))
+            per_element = delta_bytes_per_element(changed, p.itemsize)
+            for (s, d), (numel, n_ops) in pairs.items():
+                src, dst = _global(s, stage, sw), _global(d, stage, sw)
+                nbytes = round(numel * per_element + HEADER_BYTES * n_ops)
+                loads.add(src, dst, nbytes, _node(src, link) == _node(dst, link), 0)
+                if src[0] == "train":
+                    sent[src[1]] += nbytes
+                else:
+                    from_peers[dst[1]] += nbytes
+                received[dst[1]] += nbytes
+                regions += n_ops
+                pairs_in_batch.add((src, dst))
+        for src, dst in pairs_in_batch:  # a header message and a payload message
+            loads.add(src, dst, 0, True, 2)
+    return regions
 
 
 def _add_packed_broadcast(st: StagePlanInput, stage: int, lay: RefitParallelism, link: LinkModel,

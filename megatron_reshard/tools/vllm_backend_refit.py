@@ -128,6 +128,8 @@ def _gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Mapping[st
                     raise
                 out["mismatch"] = {"error": str(exc), "weights": exc.weights}
             out["versions"].append(engine.refit_weights_state()["version"])
+            out.setdefault("reports", []).append(  # the report keys of delta refits
+                {k: engine.report().get(k) for k in ("mode", "full_bytes", "bytes_received")})
             full = torch.load(io.BytesIO(control.get(f"full/{step}")), weights_only=True)
             del oracle
             oracle = vm.loaded_model(new_config(), full)
