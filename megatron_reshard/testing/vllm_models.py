@@ -90,6 +90,7 @@ def _install_cpu_shims() -> None:
     cpu_moe.CPUUnquantizedExperts.process_weights_after_loading = \
         FusedMoEExperts.process_weights_after_loading
     _honour_flashinfer_moe_backend()
+    _honour_block_fp8_kernels()
     for arch, module in ARCHITECTURE_MODULES.items():
         cls = getattr(importlib.import_module(f"vllm.model_executor.models.{module}"), arch)
         ModelRegistry.register_model(arch, cls)
@@ -137,6 +138,55 @@ def _honour_flashinfer_moe_backend() -> None:
 
     method.select_unquantized_moe_backend = select
     method.UnquantizedFusedMoEMethod._init_moe_kernel = init_kernel
+
+
+# vLLM's block-FP8 linear kernel a GPU worker would pick, by class name (the CPU shim builds
+# it directly: vLLM's choice on this CPU finds none, its AMX kernel needing Sapphire Rapids)
+FP8_LINEAR_KERNEL = "CutlassFp8BlockScaledMMKernel"
+FP8_LINEAR_KERNEL_MODULES = {"CutlassFp8BlockScaledMMKernel": "cutlass",
+                             "TritonFp8BlockScaledMMKernel": "triton",
+                             "DeepGemmFp8BlockScaledMMKernel": "deep_gemm"}
+
+
+def _honour_block_fp8_kernels() -> None:
+    """Block-FP8 layers on the CPU as a GPU worker builds them: ``Fp8LinearMethod`` gets the
+    kernel object ``FP8_LINEAR_KERNEL`` names (its post-load step is vLLM's), and
+    ``Fp8MoEMethod`` the FP8 MoE backend ``--moe-backend`` asks for (vLLM's own choice on
+    the CPU would take its CPU experts), its CUDA kernel object not built. Allocation,
+    loading and the post-load conversion (``convert_to_fp8_moe_kernel_format``) are vLLM's."""
+    from vllm.model_executor.layers.fused_moe.oracle import fp8 as oracle
+    from vllm.model_executor.layers.quantization import fp8 as method
+
+    choose = method.select_fp8_moe_backend
+    build = method.Fp8MoEMethod._init_moe_kernel
+
+    def init_linear_kernel(activation_quant_key, weight_quant_key, input_dtype, out_dtype,
+                           weight_shape, force_kernel=None, module_name=None):
+        from vllm.model_executor.kernels.linear.scaled_mm.ScaledMMLinearKernel import (
+            FP8ScaledMMLinearLayerConfig)
+
+        module = importlib.import_module("vllm.model_executor.kernels.linear.scaled_mm."
+                                         + FP8_LINEAR_KERNEL_MODULES[FP8_LINEAR_KERNEL])
+        return getattr(module, FP8_LINEAR_KERNEL)(FP8ScaledMMLinearLayerConfig(
+            weight_quant_key=weight_quant_key, activation_quant_key=activation_quant_key,
+            input_dtype=input_dtype, out_dtype=out_dtype, weight_shape=weight_shape))
+
+    def select(config, weight_key, activation_key, allow_vllm_cutlass=False):
+        if config.moe_backend not in (None, "auto"):
+            return oracle.map_fp8_backend(config.moe_backend), None
+        return choose(config=config, weight_key=weight_key, activation_key=activation_key,
+                      allow_vllm_cutlass=allow_vllm_cutlass)
+
+    def init_kernel(self, layer) -> None:
+        if self.experts_cls is None:  # a backend the shim chose: its kernel needs CUDA
+            self.moe_quant_config = self.get_fused_moe_quant_config(layer)
+            self.moe_kernel = _NoCudaKernel()
+            return
+        build(self, layer)
+
+    method.init_fp8_linear_kernel = init_linear_kernel
+    method.select_fp8_moe_backend = select
+    method.Fp8MoEMethod._init_moe_kernel = init_kernel
 
 
 def write_model_dir(hf_config: Mapping[str, Any], root: Optional[str] = None) -> str:
