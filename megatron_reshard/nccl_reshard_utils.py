@@ -5,8 +5,8 @@ seed works by changing one import. Torch + stdlib only. The transfer kernel
 (``xferdtensor``, ``DTensorRef``) lives in ``megatron_reshard.engine``, as in the seed.
 """
 
-from megatron_reshard.placements import MeshInfo, build_mesh_info
-from megatron_reshard.placements import restore_placement as _restore_placement  # the seed name
+from megatron_reshard.layout.placements import MeshInfo, build_mesh_info
+from megatron_reshard.layout.placements import restore_placement as _restore_placement  # the seed name
 from megatron_reshard.wire.placement_rules import (
     COLUMN_PARALLEL_SUFFIXES,
     FFN_GROUPED_EXPERT_SUFFIXES,

@@ -20,6 +20,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from megatron_reshard.errors import BadInputError, BadInputTypeError
+
 # Generation precisions the refit can serve: BF16 spellings, or FP8.
 GEN_PRECISIONS = (None, "auto", "bf16", "bfloat16", "fp8")
 
@@ -46,7 +48,7 @@ def _policy(master_config: Any) -> Any:
         return _section(master_config, "policy")
     if hasattr(master_config, "policy"):
         return _section(master_config, "policy")
-    raise TypeError(
+    raise BadInputTypeError(
         "check_nccl_reshard_refit_support: master_config must be a mapping with a 'policy' key "
         f"or an object with a .policy attribute; got {type(master_config).__name__}"
     )
@@ -189,5 +191,5 @@ def check_nccl_reshard_refit_support(master_config: Any) -> None:
     problems = nccl_reshard_refit_violations(master_config)
     if problems:
         lines = "\n".join(f"  - {p}" for p in problems)
-        raise ValueError(f"nccl_reshard refit is not supported with this config "
+        raise BadInputError(f"nccl_reshard refit is not supported with this config "
                          f"({len(problems)} problem{'s' if len(problems) != 1 else ''}):\n{lines}")

@@ -54,7 +54,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from megatron_reshard.errors import MegatronReshardError
+from megatron_reshard.errors import BadInputError, CallOrderError, MegatronReshardError
 from megatron_reshard.receiver.worker import _PREPARE_OPTIONS, MegatronReshardWorkerExtension
 
 logger = logging.getLogger(__name__)
@@ -101,10 +101,10 @@ def _check_per_stage(cls: str, name: str, value: Any, *, lo: int, hi: Optional[i
         raise _field_error(cls, name, shape + " (at least one stage)", value)
     for stage, v in items:
         if stage != "*" and not (_is_int(stage) or (isinstance(stage, str) and stage.isdigit())):
-            raise ValueError(f"{cls}.{name}: stage keys must be ints >= 0, found {stage!r}")
+            raise BadInputError(f"{cls}.{name}: stage keys must be ints >= 0, found {stage!r}")
         if not _is_int(v) or v < lo or (hi is not None and v > hi):
             where = "" if stage == "*" else f"[{stage}]"
-            raise ValueError(f"{cls}.{name}{where}: expected {what}, found {v!r}")
+            raise BadInputError(f"{cls}.{name}{where}: expected {what}, found {v!r}")
 
 
 @dataclass
@@ -140,7 +140,7 @@ class MegatronReshardInitInfo(WeightTransferInitInfo):
             raise _field_error(cls, "payload", "the refit payload as a dict (or its msgpack bytes)",
                                self.payload)
         if isinstance(self.payload, dict) and "schema_version" not in self.payload:
-            raise ValueError(f"{cls}.payload: expected a refit payload (a dict with "
+            raise BadInputError(f"{cls}.payload: expected a refit payload (a dict with "
                              f"'schema_version'), found a dict with keys "
                              f"{sorted(map(str, self.payload))[:8]}")
         if self.group_rank is not None and (not _is_int(self.group_rank) or self.group_rank < 0):
@@ -156,7 +156,7 @@ class MegatronReshardInitInfo(WeightTransferInitInfo):
                 raise _field_error(cls, "prepare_options", "a dict or None", self.prepare_options)
             unknown = sorted(set(self.prepare_options) - set(_PREPARE_OPTIONS))
             if unknown:
-                raise ValueError(f"{cls}.prepare_options: unknown options {unknown}; "
+                raise BadInputError(f"{cls}.prepare_options: unknown options {unknown}; "
                                  f"known: {list(_PREPARE_OPTIONS)}")
 
 
@@ -217,20 +217,20 @@ class MegatronReshardWeightTransferEngine(
 
     def parse_init_info(self, init_dict: dict[str, Any]) -> MegatronReshardInitInfo:
         if not isinstance(init_dict, Mapping):
-            raise ValueError(f"Invalid init_info for {type(self).__name__}: expected a dict with "
+            raise BadInputError(f"Invalid init_info for {type(self).__name__}: expected a dict with "
                              f"fields {_fields_text(self.init_info_cls)}, found "
                              f"{type(init_dict).__name__}")
         try:
             return super().parse_init_info(dict(init_dict))
         except ValueError as exc:
-            raise ValueError(f"{exc} (fields: {_fields_text(self.init_info_cls)}; ? = optional)") \
+            raise BadInputError(f"{exc} (fields: {_fields_text(self.init_info_cls)}; ? = optional)") \
                 from exc.__cause__ or exc
 
     def parse_update_info(self, update_dict: dict[str, Any]) -> MegatronReshardUpdateInfo:
         if update_dict is None:
             update_dict = {}
         if not isinstance(update_dict, Mapping):
-            raise ValueError(f"Invalid update_info for {type(self).__name__}: expected a dict "
+            raise BadInputError(f"Invalid update_info for {type(self).__name__}: expected a dict "
                              f"with fields {_fields_text(self.update_info_cls)}, found "
                              f"{type(update_dict).__name__}")
         return super().parse_update_info(dict(update_dict))
@@ -246,7 +246,7 @@ class MegatronReshardWeightTransferEngine(
 
             payload = decode_payload(bytes(payload))
         if self._update is not None:
-            raise RuntimeError("init_transfer_engine called during a weight update; finish it "
+            raise CallOrderError("init_transfer_engine called during a weight update; finish it "
                                "(or let it fail) first")
         self._timeout_s = float(init_info.timeout_s)
         self.summary = None
@@ -259,10 +259,10 @@ class MegatronReshardWeightTransferEngine(
 
     def start_weight_update(self) -> None:
         if self.summary is None:
-            raise RuntimeError("start_weight_update before init_weight_transfer_engine: the "
+            raise CallOrderError("start_weight_update before init_weight_transfer_engine: the "
                                "engine has no refit groups or payload yet")
         if self._update is not None:
-            raise RuntimeError("start_weight_update while a weight update is open; call "
+            raise CallOrderError("start_weight_update while a weight update is open; call "
                                "finish_weight_update first")
         self._update = {"committed": [], "version_before": self.refit_weights_state()["version"]}
 
@@ -273,7 +273,7 @@ class MegatronReshardWeightTransferEngine(
 
     def receive_weights(self, update_info: MegatronReshardUpdateInfo) -> None:
         if self._update is None:
-            raise RuntimeError("update_weights outside a weight update: call start_weight_update "
+            raise CallOrderError("update_weights outside a weight update: call start_weight_update "
                                "first")
         try:
             stats = self.worker.refit()

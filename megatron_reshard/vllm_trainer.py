@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine
 
-from megatron_reshard.errors import MegatronReshardError
+from megatron_reshard.errors import BadInputError, BadInputTypeError, MegatronReshardError
 from megatron_reshard.groups.comm import create_refit_group, destroy_refit_group
 from megatron_reshard.groups.faults import post_failure
 from megatron_reshard.megatron.sender import RefitSender
@@ -116,7 +116,7 @@ class MegatronReshardTrainerInitInfo(TrainerInitInfo):
                 raise _field_error("worker_options", "a dict or None", self.worker_options)
             shared = sorted(set(self.worker_options) & set(_SHARED_OPTIONS))
             if shared:
-                raise ValueError(f"MegatronReshardTrainerInitInfo.worker_options: {shared} are "
+                raise BadInputError(f"MegatronReshardTrainerInitInfo.worker_options: {shared} are "
                                  f"this init info's own fields (the sender and the workers must "
                                  f"agree on them); set them there")
         for name in ("num_streams", "batch_bytes", "staging_bytes"):
@@ -173,14 +173,14 @@ class MegatronReshardTrainerWeightTransferEngine(
                      source: Optional[MegatronRefitSource] = None
                      ) -> "MegatronReshardTrainerWeightTransferEngine":
         if not isinstance(init_info, MegatronReshardTrainerInitInfo):
-            raise TypeError(f"{cls.__name__}.trainer_init: expected a "
+            raise BadInputTypeError(f"{cls.__name__}.trainer_init: expected a "
                             f"MegatronReshardTrainerInitInfo, found {type(init_info).__name__}")
         if not isinstance(source, MegatronRefitSource):
-            raise TypeError(f"{cls.__name__}.trainer_init(source=...): expected a "
+            raise BadInputTypeError(f"{cls.__name__}.trainer_init(source=...): expected a "
                             f"megatron_reshard MegatronRefitSource (the backend sends Megatron "
                             f"shards as they lie), found {type(source).__name__}")
         if dist.is_initialized() and dist.get_rank() != init_info.rank:
-            raise ValueError(f"MegatronReshardTrainerInitInfo.rank: expected this process's "
+            raise BadInputError(f"MegatronReshardTrainerInitInfo.rank: expected this process's "
                              f"rank in the training world ({dist.get_rank()}), found "
                              f"{init_info.rank}")
         # identical on every rank (same init info, same payload): all raise alike, before any

@@ -113,7 +113,7 @@ def wire(c: dict, layers: int, train: dict | None, gen: dict | None, dtype) -> t
     from torch.distributed.tensor import Replicate, Shard
 
     from megatron_reshard.engine import Transfer
-    from megatron_reshard.placements import MeshInfo
+    from megatron_reshard.layout.placements import MeshInfo
 
     src_mesh, dst_mesh = MeshInfo(torch.tensor([0])), MeshInfo(torch.tensor([1]))
     h, kv, hd, q_per = c["h"], c["kv"], c["hd"], c["heads"] // c["kv"]
@@ -333,7 +333,7 @@ def run(rank: int, args, port: int, results) -> None:
     from megatron_reshard.groups.comm import create_refit_group, destroy_refit_group
     from megatron_reshard.engine import Planner
     from megatron_reshard.engine.host_flags import READY, HostFlags
-    from megatron_reshard.engine.transports import transport_of
+    from megatron_reshard.engine.refit_transport import transport_of
 
     device = torch.device(args.device if args.device == "cpu" else "cuda:0")
     _WaitClock.install(steps=args.timeline)

@@ -77,7 +77,7 @@ def local_cases(args, device, measure) -> list[dict]:
     from torch.distributed.tensor import Replicate, Shard
 
     from megatron_reshard.engine import Planner, Transfer, xfer_batch
-    from megatron_reshard.placements import MeshInfo
+    from megatron_reshard.layout.placements import MeshInfo
 
     me = MeshInfo(torch.tensor([0]))
     n = 1024 if args.small else 16384
@@ -126,7 +126,7 @@ def pack_cases(args, device, measure) -> list[dict]:
     from megatron_reshard.engine.plan import layout_key
     from megatron_reshard.engine.program import Program
     from megatron_reshard.engine.schedule import build_schedule
-    from megatron_reshard.placements import MeshInfo
+    from megatron_reshard.layout.placements import MeshInfo
 
     n = 1024 if args.small else 16384
     both = MeshInfo(torch.tensor([0, 1]))
@@ -162,7 +162,7 @@ def host_cases(args, device) -> list[dict]:
     from torch.distributed.tensor import Replicate, Shard
 
     from megatron_reshard.engine import Planner, Transfer, xfer_batch
-    from megatron_reshard.placements import MeshInfo
+    from megatron_reshard.layout.placements import MeshInfo
 
     me = MeshInfo(torch.tensor([0]))
     rep, s0, s1 = (Replicate(),), (Shard(0),), (Shard(1),)

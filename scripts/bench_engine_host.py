@@ -38,7 +38,7 @@ def _transfers(case: str, n: int, rank: int) -> list:
     from torch.distributed.tensor import Replicate, Shard
 
     from megatron_reshard.engine import Transfer
-    from megatron_reshard.placements import MeshInfo
+    from megatron_reshard.layout.placements import MeshInfo
 
     one0, one1 = MeshInfo(torch.tensor([0])), MeshInfo(torch.tensor([1]))
     both = MeshInfo(torch.tensor([0, 1]))

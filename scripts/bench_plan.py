@@ -29,7 +29,7 @@ from megatron_reshard.engine import Transfer
 from megatron_reshard.engine.batch import light_key
 from megatron_reshard.engine.plan import Planner, gc_paused, layout_key
 from megatron_reshard.engine.schedule import build_schedule
-from megatron_reshard.placements import MeshInfo
+from megatron_reshard.layout.placements import MeshInfo
 
 
 def _layouts(n: int, distinct: bool):

@@ -61,7 +61,7 @@ def _bit_exact(transfers, c: dict, layers: int, device, dtype, added: int) -> bo
 def run(rank: int, args, case: str, port: int, results) -> None:
     from megatron_reshard.groups.comm import create_refit_group
     from megatron_reshard.engine import Planner
-    from megatron_reshard.engine.transports import transport_of
+    from megatron_reshard.engine.refit_transport import transport_of
 
     import faulthandler
 

@@ -21,7 +21,7 @@ from megatron_reshard.refit.commit import commit_refit
 from megatron_reshard.engine import Planner, Transfer, xfer_batch
 from megatron_reshard.groups.faults import wait_device
 from megatron_reshard.refit.integrity import box_checksum
-from megatron_reshard.placements import MeshInfo
+from megatron_reshard.layout.placements import MeshInfo
 from megatron_reshard.tools.worlds import free_ports
 
 

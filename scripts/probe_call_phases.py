@@ -24,8 +24,8 @@ import torch.distributed as dist
 
 from megatron_reshard.engine import Planner, Transfer, xfer_batch
 from megatron_reshard.engine import execute as ex
-from megatron_reshard.engine.geometry import rank_box
-from megatron_reshard.placements import MeshInfo
+from megatron_reshard.layout.geometry import rank_box
+from megatron_reshard.layout.placements import MeshInfo
 from megatron_reshard.tools.bench.patterns import pattern_values
 from megatron_reshard.tools.bench.timing import synchronize
 from megatron_reshard.tools.bench.transfer_cases import build_cases

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_reshard.engine.agree import Vote, conclude, start
-from megatron_reshard.engine.transport import P2PTransport
+from megatron_reshard.engine.p2p import P2PTransport
 from megatron_reshard.tools.launch_env import apply_nccl_defaults
 
 

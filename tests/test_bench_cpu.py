@@ -18,12 +18,12 @@ from megatron_reshard.tools.bench import (BaselineGroups, BaselineParam, Column,
                                           measure_raw_p2p, pattern_values, raw_p2p, time_collective,
                                           write_report)
 from megatron_reshard.tools.bench.baselines import p2p_messages
-from megatron_reshard.engine.geometry import rank_box
+from megatron_reshard.layout.geometry import rank_box
 from megatron_reshard.tools.bench.env_options import apply_env
 from megatron_reshard.tools.bench.transfer_cases import build_cases, parse_size
 from megatron_reshard.tools.bench.transfer_main import build_parser
 from megatron_reshard.tools.bench.transfer_run import COLUMNS
-from megatron_reshard.placements import MeshInfo
+from megatron_reshard.layout.placements import MeshInfo
 from megatron_reshard.tools.worlds import init_gloo_world
 
 CPU = torch.device("cpu")
@@ -225,7 +225,7 @@ def test_cli_pieces_sizes_env_and_cases():
 
 
 def test_the_bench_cuts_shards_with_the_engines_torch_chunk_rules():
-    # the bench's shards come from engine.geometry.rank_box (it had its own copy)
+    # the bench's shards come from layout.geometry.rank_box (it had its own copy)
     mesh = MeshInfo(torch.tensor([2, 3, 4]))
     from torch.distributed.tensor import Replicate, Shard
 

@@ -53,8 +53,8 @@ def _changed_views_job(job, bad_side, overlap):
 
     from megatron_reshard.groups.comm import create_refit_group, destroy_refit_group
     from megatron_reshard.engine import Planner, Transfer
-    from megatron_reshard.engine.transports import transport_of
-    from megatron_reshard.placements import MeshInfo
+    from megatron_reshard.engine.refit_transport import transport_of
+    from megatron_reshard.layout.placements import MeshInfo
 
     train = job.rank == 0
     group = create_refit_group("127.0.0.1", job.ports[0], job.rank, 2, "gloo", 60.0,

@@ -23,9 +23,9 @@ def _refit(rank: int, port: int):
     from torch.distributed.tensor import Replicate
 
     from megatron_reshard.engine import Planner, Transfer
-    from megatron_reshard.engine.transports import transport_of
+    from megatron_reshard.engine.refit_transport import transport_of
     from megatron_reshard.groups.comm import create_refit_group, destroy_refit_group
-    from megatron_reshard.placements import MeshInfo
+    from megatron_reshard.layout.placements import MeshInfo
 
     train, device = rank == 0, torch.device("cuda:0")
     group = create_refit_group("127.0.0.1", port, rank, 2, "gloo", 60.0,

@@ -14,7 +14,7 @@ def _two_worlds_then_refit(job):
     from torch.distributed.tensor import Shard
 
     from megatron_reshard.engine import Transfer, xfer_batch
-    from megatron_reshard.placements import MeshInfo
+    from megatron_reshard.layout.placements import MeshInfo
 
     side = job.rank // 2  # ranks 0-1: "train" world, ranks 2-3: "generation" world
     store = dist.TCPStore(job.host, job.ports[side], 2, job.rank % 2 == 0,

@@ -5,7 +5,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from megatron_reshard.engine import DTensorRef, Planner, Transfer, xfer_batch, xferdtensor
-from megatron_reshard.placements import MeshInfo
+from megatron_reshard.layout.placements import MeshInfo
 from megatron_reshard.tools.worlds import init_gloo_world
 from vote_count import VoteCount
 

@@ -21,7 +21,7 @@ class _DeviceMeshLike:
 
 
 def _mesh(kind, ranks):
-    from megatron_reshard.placements import MeshInfo
+    from megatron_reshard.layout.placements import MeshInfo
 
     if kind == "tensor":
         return torch.tensor(ranks)

@@ -51,7 +51,7 @@ def _look_alikes(job, kind):
     from torch.distributed.tensor import Shard
 
     from megatron_reshard.engine import xferdtensor
-    from megatron_reshard.placements import MeshInfo
+    from megatron_reshard.layout.placements import MeshInfo
     from megatron_reshard.tools.worlds import init_gloo_world
 
     init_gloo_world(job, timeout_s=30)
@@ -75,7 +75,7 @@ def _plain_tensor(job):
     from torch.distributed.tensor import Shard
 
     from megatron_reshard.engine import xferdtensor
-    from megatron_reshard.placements import MeshInfo
+    from megatron_reshard.layout.placements import MeshInfo
     from megatron_reshard.tools.worlds import init_gloo_world
 
     init_gloo_world(job, timeout_s=30)

@@ -8,7 +8,7 @@ from torch.distributed.tensor import Replicate, Shard
 from megatron_reshard.engine import Planner, Transfer
 from megatron_reshard.engine.fuse import FUSE_MAX_BYTES, plan_fusion, shift_dims
 from megatron_reshard.engine.plan import layout_key
-from megatron_reshard.placements import MeshInfo, PaddedShard
+from megatron_reshard.layout.placements import MeshInfo, PaddedShard
 
 
 def _plans(transfers, planner):

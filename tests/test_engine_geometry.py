@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed.tensor import Replicate, Shard
 
-from megatron_reshard.engine.geometry import (REPLICATE, Piece, box_intersect, mesh_coords,
+from megatron_reshard.layout.geometry import (REPLICATE, Piece, box_intersect, mesh_coords,
                                               placement_dims, shard_box, shard_ownerships)
 
 

@@ -11,7 +11,7 @@ from megatron_reshard.engine.batch import kept_rows, layout_rows
 from megatron_reshard.engine.checks import check_local, expected, local_ok
 from megatron_reshard.engine.members import stride_keys
 from megatron_reshard.engine.plan import layout_key
-from megatron_reshard.placements import MeshInfo
+from megatron_reshard.layout.placements import MeshInfo
 
 BF16 = torch.bfloat16
 

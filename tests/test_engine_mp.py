@@ -13,7 +13,7 @@ DTYPES = ["float32", "bfloat16", "float16", "float8_e4m3fn", "int64", "uint8", "
 
 
 def _mesh(shape, ranks):
-    from megatron_reshard.placements import MeshInfo
+    from megatron_reshard.layout.placements import MeshInfo
 
     return MeshInfo(torch.tensor(ranks, dtype=torch.int64).reshape(shape))
 

@@ -8,10 +8,10 @@ from hypothesis import strategies as st
 from torch.distributed.tensor import Replicate, Shard
 
 from megatron_reshard.engine.schedule import build_schedule, cut_box
-from megatron_reshard.engine.geometry import REPLICATE, box_numel
+from megatron_reshard.layout.geometry import REPLICATE, box_numel
 from megatron_reshard.engine.param_plan import build_plan
 from megatron_reshard.engine.plan import Planner, layout_key
-from megatron_reshard.placements import MeshInfo
+from megatron_reshard.layout.placements import MeshInfo
 from hash_seeds import outputs_under_two_hash_seeds
 
 

@@ -1,14 +1,17 @@
 """Every error the library defines derives from one root, and keeps the built-in base its
 callers caught before the root existed."""
 
+import ast
 import importlib
 import importlib.util
 import inspect
+import pathlib
 import pkgutil
 
 import pytest
 
 import megatron_reshard
+import megatron_reshard.errors
 from megatron_reshard.errors import MegatronReshardError
 
 # Tooling and test fixtures are not the library (docs/DESIGN.md, "Modules")
@@ -53,8 +56,8 @@ def test_every_library_error_derives_from_the_root(name, request):
     ("megatron_reshard.wire.check.RefitPayloadError", ValueError),
     ("megatron_reshard.receiver.targets.TargetError", ValueError),
     ("megatron_reshard.fp8.plan.Fp8SplitError", ValueError),
-    ("megatron_reshard.placements.MeshSizeError", ValueError),
-    ("megatron_reshard.placements.MeshSizeError", AssertionError),  # the seed asserted
+    ("megatron_reshard.layout.placements.MeshSizeError", ValueError),
+    ("megatron_reshard.layout.placements.MeshSizeError", AssertionError),  # the seed asserted
     ("megatron_reshard.groups.faults.RefitError", RuntimeError),
     ("megatron_reshard.groups.faults.RefitTimeout", TimeoutError),
     ("megatron_reshard.refit.loop.PlanMismatchError", RuntimeError),
@@ -74,3 +77,45 @@ def test_a_plan_mismatch_is_a_refit_error():
 
 def test_the_root_is_public():
     assert megatron_reshard.MegatronReshardError is MegatronReshardError
+
+
+# ---- no raise site bypasses the root -----------------------------------------------------
+
+BUILTINS = ("ValueError", "TypeError", "KeyError", "RuntimeError", "TimeoutError")
+
+
+def _bare_raises(source: str) -> list[int]:
+    """Lines of ``source`` that raise one of ``BUILTINS`` itself rather than a library class."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Raise) and node.exc is not None:
+            exc = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
+            if isinstance(exc, ast.Name) and exc.id in BUILTINS:
+                lines.append(node.lineno)
+    return lines
+
+
+def test_the_raise_scan_sees_bare_builtins():
+    assert _bare_raises("def f():\n    raise ValueError('x')\n") == [2]
+    assert _bare_raises("def f():\n    raise BadInputError('x')\n") == []
+
+
+def test_no_library_module_raises_a_bare_builtin():
+    root = pathlib.Path(megatron_reshard.__file__).parent
+    offenders = {}
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if rel.parts[0] in ("tools", "testing"):
+            continue
+        found = _bare_raises(path.read_text())
+        if found:
+            offenders[rel.as_posix()] = found
+    assert offenders == {}, f"raise sites that bypass MegatronReshardError: {offenders}"
+
+
+@pytest.mark.parametrize("name, builtin", [
+    ("BadInputError", ValueError), ("BadInputTypeError", TypeError),
+    ("MissingEntryError", KeyError), ("CallOrderError", RuntimeError)])
+def test_the_general_errors_keep_their_builtin(name, builtin):
+    cls = getattr(megatron_reshard.errors, name)
+    assert issubclass(cls, MegatronReshardError) and issubclass(cls, builtin)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_reshard.groups.comm import create_refit_group
-from megatron_reshard.engine.transport import all_gather_ints
+from megatron_reshard.groups.collectives import all_gather_ints
 from megatron_reshard.groups.faults import PeerFailure, RefitError
 from megatron_reshard.receiver import MegatronReshardWorkerExtension
 from megatron_reshard.testing.vllm_like import (

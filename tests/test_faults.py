@@ -153,7 +153,7 @@ def _gen(job, control, plan, gen_rank):
             want = json.loads(control.get(key))
             versions[k] = sorted(n for n in actual if want.get(n) == actual[n])
     fault_at = float(control.get("fault_at")) if control.check(["fault_at"]) else None
-    from megatron_reshard.engine.transports import transport_of
+    from megatron_reshard.engine.refit_transport import transport_of
 
     transports = sorted({transport_of(g).name
                          for g in worker._refit_state()["groups"].values()})

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-from megatron_reshard.engine.geometry import box_index, rank_region
+from megatron_reshard.layout.geometry import box_index, rank_region
 from megatron_reshard.fp8.plan import (
     Fp8SplitError,
     plan_block_fp8,
@@ -17,7 +17,7 @@ from megatron_reshard.fp8.plan import (
     scale_layout_problems,
     scale_placements,
 )
-from megatron_reshard.placements import BlockShard, PaddedShard, build_mesh_info
+from megatron_reshard.layout.placements import BlockShard, PaddedShard, build_mesh_info
 from megatron_reshard.wire.metadata import (
     build_nccl_reshard_refit_info,
     restore_refit_info_placements,

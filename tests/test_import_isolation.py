@@ -15,7 +15,7 @@ BLOCKED = ("megatron", "transformer_engine", "msgspec")
 REQUIRED = [
     "megatron_reshard",
     "megatron_reshard.errors",
-    "megatron_reshard.placements",
+    "megatron_reshard.layout.placements",
     "megatron_reshard.wire.placement_rules",
     "megatron_reshard.wire.spec",
     "megatron_reshard.wire.metadata",

@@ -17,7 +17,7 @@ from megatron_reshard.refit.integrity import (
     mismatches,
     source_overlaps,
 )
-from megatron_reshard.placements import MeshInfo
+from megatron_reshard.layout.placements import MeshInfo
 
 
 def _plan(shape=(10, 6)):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from megatron_reshard.placements import build_mesh_info
+from megatron_reshard.layout.placements import build_mesh_info
 from megatron_reshard.megatron.parallel import (
     RankCoords,
     TrainParallelism,

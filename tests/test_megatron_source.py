@@ -23,7 +23,7 @@ pytestmark = pytest.mark.filterwarnings("ignore")
 
 
 def chunk_of(full: torch.Tensor, mesh: torch.Tensor, placements, rank: int) -> torch.Tensor:
-    from megatron_reshard.placements import BlockShard
+    from megatron_reshard.layout.placements import BlockShard
 
     coord = (mesh == rank).nonzero()[0].tolist()
     region = full
@@ -40,7 +40,7 @@ def chunk_of(full: torch.Tensor, mesh: torch.Tensor, placements, rank: int) -> t
 
 def padded_rows_of(full: torch.Tensor, mesh: torch.Tensor, placements, rank: int):
     """(owned rows of ``full``, padded chunk size) for a vocab PaddedShard over one axis."""
-    from megatron_reshard.placements import PaddedShard
+    from megatron_reshard.layout.placements import PaddedShard
 
     coord = (mesh == rank).nonzero()[0].tolist()
     axis, p = next((a, p) for a, p in enumerate(placements) if isinstance(p, PaddedShard))
@@ -77,7 +77,7 @@ def _storages(model) -> set[int]:
 
 
 def _check_source(job, spec_kwargs, family, gen_parallelism, gen_world_size, layout):
-    from megatron_reshard.placements import build_mesh_info
+    from megatron_reshard.layout.placements import build_mesh_info
     from megatron_reshard.testing.megatron_models import TinyGPTSpec, build_gpt_model
     from megatron_reshard.megatron.payload import decode_payload
     from megatron_reshard.testing.megatron_reference import gather_full_hf_state_dict

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-from megatron_reshard.placements import MeshInfo
+from megatron_reshard.layout.placements import MeshInfo
 from megatron_reshard.wire.metadata import (
     _INDIVIDUAL_EXPERT_RE,
     _LAYER_RE,

@@ -5,8 +5,8 @@ import torch
 from torch.distributed.tensor import Replicate
 
 from megatron_reshard.engine import Transfer, xfer_batch
-from megatron_reshard.engine.geometry import rank_region
-from megatron_reshard.placements import (
+from megatron_reshard.layout.geometry import rank_region
+from megatron_reshard.layout.placements import (
     MeshInfo,
     PaddedShard,
     placements_to_plain,

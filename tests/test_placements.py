@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-from megatron_reshard.placements import (
+from megatron_reshard.layout.placements import (
     MeshInfo,
     MeshSizeError,
     build_mesh_info,

@@ -9,9 +9,9 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from megatron_reshard.groups.comm import create_refit_group
-from megatron_reshard.placements import MeshInfo
+from megatron_reshard.layout.placements import MeshInfo
 from megatron_reshard.wire.metadata import build_nccl_reshard_refit_info
-from megatron_reshard.engine.geometry import box_index, rank_box
+from megatron_reshard.layout.geometry import box_index, rank_box
 from megatron_reshard.refit.loop import PlanMismatchError, RefitLoop
 from megatron_reshard.refit.order import batch_bounds, misc_items_by_stage, plan_fingerprint, stage_params
 from megatron_reshard.wire.spec import HFToLocalParamMap, LocalParamSpec, RefitCtx

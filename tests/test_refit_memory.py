@@ -6,7 +6,7 @@ import torch
 
 from megatron_reshard.groups.comm import create_refit_group
 from megatron_reshard.wire.metadata import build_nccl_reshard_refit_info
-from megatron_reshard.engine.geometry import box_index, rank_box
+from megatron_reshard.layout.geometry import box_index, rank_box
 from megatron_reshard.refit.loop import RefitLoop
 from megatron_reshard.refit.order import stage_params
 from megatron_reshard.wire.spec import HFToLocalParamMap, LocalParamSpec

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_reshard.engine.geometry import REPLICATE, box_numel
+from megatron_reshard.layout.geometry import REPLICATE, box_numel
 from megatron_reshard.engine.link_costs import LinkCosts
 from megatron_reshard.engine.param_plan import build_plan
 from megatron_reshard.engine.plan import Planner
@@ -57,7 +57,7 @@ def _small_gqa(**over):
 
 
 def _gen_box(key, gen_rank):
-    from megatron_reshard.engine.geometry import shard_ownerships
+    from megatron_reshard.layout.geometry import shard_ownerships
 
     shape, *_, d_shape, d_ranks, d_dims = key
     own = shard_ownerships(shape, d_shape, d_ranks, d_dims)[gen_rank]

@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch.distributed.tensor import Shard
 
-from megatron_reshard.engine.geometry import rank_region, shard_ownerships
-from megatron_reshard.placements import BlockShard, build_mesh_info
+from megatron_reshard.layout.geometry import rank_region, shard_ownerships
+from megatron_reshard.layout.placements import BlockShard, build_mesh_info
 from megatron_reshard.megatron.qkv import megatron_qkv_blocks, megatron_qkv_layout
 from megatron_reshard.testing.vllm_like import expected_vllm_shard, random_hf_state_dict
 from megatron_reshard.tools.plan_inputs import RefitParallelism, parallelism_problems, stage_inputs
@@ -94,7 +94,7 @@ def test_plan_takes_uneven_gen_ep_in_vllms_blocks():
 
 
 def test_block_shard_wire_form_round_trips_and_bad_blocks_are_named():
-    from megatron_reshard.placements import MeshInfo, placements_to_plain, restore_placement
+    from megatron_reshard.layout.placements import MeshInfo, placements_to_plain, restore_placement
 
     pl = BlockShard(0, (2, 2, 1, 1))
     assert placements_to_plain([pl]) == [{"dim": 0, "blocks": [2, 2, 1, 1]}]

@@ -14,7 +14,7 @@ from .execute import xfer_batch
 from .param_plan import ParamPlan, build_plan
 from .plan import Planner, layout_key
 from .reference import xfer_batch_reference
-from .transport import P2PTransport
+from .p2p import P2PTransport
 
 __all__ = ["DTensorRef", "Transfer", "xferdtensor", "xfer_batch", "xfer_batch_reference",
            "Planner", "ParamPlan", "build_plan", "layout_key", "P2PTransport"]

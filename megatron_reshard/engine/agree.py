@@ -22,10 +22,11 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 
+from megatron_reshard.errors import BadInputError
 from megatron_reshard.groups.faults import boards_of, wait_event, wait_works
 
 from .checks import Problem
-from .transport import P2PTransport
+from .p2p import P2PTransport
 
 NO_VOTE = -(2 ** 62)  # a slot pair a rank abstains from (below every real value)
 MAX_NDIM = 8          # dims of the first transfer's global shape carried by the vote
@@ -183,14 +184,14 @@ def _raise_problems(vote: Vote, tally: Tally, description: Description,
                 if r != me and texts[r].replace(f"rank {r}", f"rank {me}") == mine]
         others = [f"rank {r}: {texts[r]}" for r, _ in tally.failed
                   if r != me and r not in same]
-        raise ValueError(f"{where}: {mine}" + (f" (the same on ranks {same})" if same else "")
+        raise BadInputError(f"{where}: {mine}" + (f" (the same on ranks {same})" if same else "")
                          + (f" (also failed on {_listed(others)})" if others else "")
                          + "; no data was moved")
     names = description.names
     who = [f"rank {r} rejected " + (f"param {names[i]!r}" if i is not None and i < len(names)
                                     else "the call") + f": {texts[r]}"
            for r, i in tally.failed]
-    raise ValueError(f"{where} on rank {me}: {_listed(who)}; no data was moved")
+    raise BadInputError(f"{where} on rank {me}: {_listed(who)}; no data was moved")
 
 
 def _raise_staging(vote: Vote, transport: P2PTransport, where: str) -> None:
@@ -199,7 +200,7 @@ def _raise_staging(vote: Vote, transport: P2PTransport, where: str) -> None:
     row[me] = vote.staging
     row = _allreduce_plain(row, transport)
     seen = "; ".join(f"{v} on {_ranks_text(rs)}" for v, rs in _ranks_by_value(row))
-    raise ValueError(f"{where} on rank {me}: ranks disagree on staging_bytes (every rank "
+    raise BadInputError(f"{where} on rank {me}: ranks disagree on staging_bytes (every rank "
                      f"must pass the same, the rounds are cut by it): found {seen}; no data "
                      f"was moved")
 
@@ -244,7 +245,7 @@ def _raise_disagreement(vote: Vote, description: Description,
     expected, *found = [rs for _, rs in _ranks_by_value(row, skip=-1)]
     parts = [f"expected (as on ranks {expected}) {texts[min(expected)]}"]
     parts += [f"found on {_ranks_text(rs)} {texts[min(rs)]}" for rs in found]
-    raise ValueError(f"{where} on rank {me}: ranks disagree on the batch description at "
+    raise BadInputError(f"{where} on rank {me}: ranks disagree on the batch description at "
                      f"param {name!r} (index {first} of the batch): " + "; ".join(parts)
                      + "; no data was moved")
 

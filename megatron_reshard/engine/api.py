@@ -9,9 +9,10 @@ import torch
 
 from .checks import Problem
 from .execute import run_batch, xfer_batch
-from .geometry import shard_ownerships
+from megatron_reshard.errors import BadInputError
+from megatron_reshard.layout.geometry import shard_ownerships
 from .plan import Planner, _mesh_key, layout_key
-from .transport import resolve_group
+from megatron_reshard.groups.collectives import resolve_group
 
 
 @dataclass
@@ -127,7 +128,7 @@ def _unwrap(x, side: str, where: str) -> Optional[_Local]:
         return None
     local, shape = getattr(x, "_local_tensor", None), getattr(x, "shape", None)
     if not isinstance(local, torch.Tensor) or shape is None:
-        raise ValueError(f"{where}: {side} must be a DTensor, a DTensorRef or an object with "
+        raise BadInputError(f"{where}: {side} must be a DTensor, a DTensorRef or an object with "
                          f"._local_tensor (a torch.Tensor) and .shape (the global shape), "
                          f"found {type(x).__name__}")
     return _Local(local, tuple(int(n) for n in shape))

@@ -15,6 +15,8 @@ import torch
 
 from .members import is_members, members_problem
 
+from megatron_reshard.errors import BadInputError
+
 
 @dataclass(frozen=True)
 class Problem:
@@ -36,7 +38,7 @@ def check_mesh_ranks(side: str, mesh_shape: tuple, ranks: Sequence[int], world: 
     expected = f"expected distinct ranks in [0, {world}) (group size {world})"
     bad = sorted({r for r in ranks if r < 0 or r >= world})
     if bad:
-        raise ValueError(f"{where}: {side} mesh has ranks outside the group: {expected}, "
+        raise BadInputError(f"{where}: {side} mesh has ranks outside the group: {expected}, "
                          f"found {bad} in mesh {list(ranks)} of shape {mesh_shape}")
     seen, dup = set(), []
     for r in ranks:
@@ -44,7 +46,7 @@ def check_mesh_ranks(side: str, mesh_shape: tuple, ranks: Sequence[int], world: 
             dup.append(r)
         seen.add(r)
     if dup:
-        raise ValueError(f"{where}: {side} mesh has duplicate ranks: {expected}, found "
+        raise BadInputError(f"{where}: {side} mesh has duplicate ranks: {expected}, found "
                          f"{dup} more than once in mesh {list(ranks)} of shape {mesh_shape}")
 
 

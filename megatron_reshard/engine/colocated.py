@@ -69,6 +69,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from megatron_reshard.errors import BadInputError
 from megatron_reshard.groups.faults import RefitError, board_of, wait_device
 
 from . import agree as agreement
@@ -81,7 +82,7 @@ from .host_flags import READY, VERDICT, HostFlags
 from .execute import _describe, _Rejected  # the engine's batch description, reused as is
 from .members import LISTS, is_members
 from .plan import Planner
-from .transport import P2PTransport
+from .p2p import P2PTransport
 
 _CACHE = 64          # copy batches kept per transport (one per batch and generation)
 NAP_S = 5e-5         # longest nap of the device waits on a refit's critical path
@@ -122,7 +123,7 @@ class ColocatedTransport:
         rank once the batch before this one was read, so that one batch's host work runs
         while the previous batch's copies run; ``flush`` completes them all."""
         if group is not self.group:
-            raise ValueError("ColocatedTransport.move: called with another group than its own")
+            raise BadInputError("ColocatedTransport.move: called with another group than its own")
         # not ``planner or Planner()``: an empty Planner is falsy (``__len__``), and a fresh
         # one per call re-planned every batch (plan, fusion) on every refit
         self._guarded(self._move, transfers, stream, staging_bytes,
@@ -208,7 +209,7 @@ class ColocatedTransport:
         failed = [r for r in range(world) if words[r] & 1]
         if failed:
             mine = f": {problem.text()}" if problem is not None else ""
-            raise ValueError(f"colocated refit: group ranks {failed} found a problem with "
+            raise BadInputError(f"colocated refit: group ranks {failed} found a problem with "
                              f"their local tensors (this is group rank {me}){mine}")
         event = None
         if dests and not redo:

@@ -35,7 +35,7 @@ import torch
 from megatron_reshard.groups.faults import RefitError
 
 from .copies import MEMCPY_BYTES, as_bits
-from .geometry import box_intersect, box_numel
+from megatron_reshard.layout.geometry import box_intersect, box_numel
 from .kernel_copies import KernelCopies, Replayed
 from .members import is_members
 

@@ -34,8 +34,9 @@ from .members import stride_keys, with_members
 from .plan import Planner, gc_paused, layout_key
 from .schedule import build_schedule
 from .sequence import CallSequence
-from .transport import P2PTransport, backend_name, resolve_group
-from ..errors import MegatronReshardError
+from .p2p import P2PTransport
+from megatron_reshard.groups.collectives import backend_name, resolve_group
+from ..errors import BadInputError, MegatronReshardError
 from ..groups.faults import RefitError
 
 MIN_STAGING_BYTES = 64
@@ -126,7 +127,7 @@ def _describe(transfers, world: int, me: int, staging_bytes: int, backend: str,
             where = f"param {getattr(t, 'name', f'#{i}')!r} on rank {me}"
             try:
                 if t.dtype is None:
-                    raise ValueError(f"{where}: dtype is required, found None")
+                    raise BadInputError(f"{where}: dtype is required, found None")
 
                 def build(t=t, where=where):
                     key = layout_key(t.global_shape, t.src_mesh, t.src_placements,
@@ -207,7 +208,7 @@ def _call(transfers, group, stream, staging_bytes: int, planner: Planner, backen
         key = _sequence_key(batch, staging_bytes)
         if history.predicts(key):
             if problem is not None:  # this rank's tensors changed since the batch agreed
-                raise ValueError(f"xfer_batch: {problem.text()} (agree=False: peers are "
+                raise BadInputError(f"xfer_batch: {problem.text()} (agree=False: peers are "
                                  f"not told and wait for the group's timeout)")
             try:
                 _execute(batch, xfers, me, with_members(tensors), strides, transport, stream,

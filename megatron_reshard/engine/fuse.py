@@ -31,7 +31,7 @@ import torch
 
 from .checks import picker
 from .copies import as_bits
-from .geometry import REPLICATE, box_numel
+from megatron_reshard.layout.geometry import REPLICATE, box_numel
 from .members import any_members, is_members
 from .param_plan import LayoutKey, ParamPlan
 from .plan import Planner

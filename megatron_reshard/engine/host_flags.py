@@ -46,6 +46,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from megatron_reshard.errors import BadInputError
 from megatron_reshard.groups.faults import POLL_S, RefitError, RefitTimeout
 
 from .shared_memory import StorageHandle, export_storage, open_storage, view_of
@@ -117,7 +118,7 @@ class HostFlags:
     def arrive(self, column: int, payload: int = 0, seq: Optional[int] = None) -> None:
         """This rank's word in ``column`` for the current batch (or batch ``seq``)."""
         if not 0 <= payload < (1 << PAYLOAD_BITS):
-            raise ValueError(f"HostFlags.arrive: payload {payload} does not fit "
+            raise BadInputError(f"HostFlags.arrive: payload {payload} does not fit "
                              f"{PAYLOAD_BITS} bits")
         self._open()
         self._words[COLUMNS * self.rank + column] = ((self._seq if seq is None else seq) << 32

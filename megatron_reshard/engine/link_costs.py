@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
-from .geometry import box_numel
+from megatron_reshard.layout.geometry import box_numel
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from .geometry import box_numel
+from megatron_reshard.layout.geometry import box_numel
 
 
 def is_members(x) -> bool:

@@ -14,7 +14,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from .plan import Planner
-from .transport import P2PTransport
+from .p2p import P2PTransport
 
 
 class EarlyPack(NamedTuple):

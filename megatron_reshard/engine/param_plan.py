@@ -36,7 +36,7 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Mapping, NamedTuple, Optional
 
-from .geometry import Box, Ownership, box_intersect, box_numel, shard_ownerships
+from megatron_reshard.layout.geometry import Box, Ownership, box_intersect, box_numel, shard_ownerships
 from .link_costs import LinkCosts, RankLoads, splits
 
 

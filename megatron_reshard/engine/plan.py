@@ -16,7 +16,8 @@ from typing import NamedTuple, Optional, Sequence
 
 import torch
 
-from .geometry import placement_dims
+from megatron_reshard.errors import BadInputError
+from megatron_reshard.layout.geometry import placement_dims
 from .link_costs import LinkCosts
 from .param_plan import LayoutKey, ParamPlan, build_plan
 from .plan_check import check_writes_exactly_once
@@ -28,13 +29,13 @@ def layout_key(global_shape: Sequence[int], src_mesh, src_placements, dst_mesh,
     """Plain-data key of a layout pair; validates placements against shape and meshes."""
     shape = tuple(int(n) for n in global_shape)
     if any(n < 0 for n in shape):
-        raise ValueError(f"{where}: global_shape must be non-negative, found {shape}")
+        raise BadInputError(f"{where}: global_shape must be non-negative, found {shape}")
     parts = []
     for side, mesh, placements in (("src", src_mesh, src_placements),
                                    ("dst", dst_mesh, dst_placements)):
         mshape, ranks = _mesh_key(mesh)
         if len(placements) != len(mshape):
-            raise ValueError(f"{where}: {side} placement count != mesh ndim: expected "
+            raise BadInputError(f"{where}: {side} placement count != mesh ndim: expected "
                              f"{len(mshape)} placements for mesh shape {mshape}, found "
                              f"{len(placements)} ({list(placements)})")
         parts += [mshape, ranks, placement_dims(placements, len(shape), f"{where}: {side}")]

@@ -7,7 +7,7 @@ never bad input, and nothing has moved yet.
 from __future__ import annotations
 
 from ..errors import MegatronReshardError
-from .geometry import Box, box_intersect, box_numel
+from megatron_reshard.layout.geometry import Box, box_intersect, box_numel
 from .param_plan import ParamPlan
 
 

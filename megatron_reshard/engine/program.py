@@ -20,7 +20,7 @@ from .plan import Planner
 from .resolve import resolve
 from .schedule import Schedule
 from .steps import StagePlan
-from .transport import P2PTransport
+from .p2p import P2PTransport
 
 
 def _bits(tensors, k: int, cache: dict) -> int:

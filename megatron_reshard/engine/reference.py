@@ -14,9 +14,9 @@ from typing import Sequence
 
 import torch
 
-from .geometry import shard_ownerships
+from megatron_reshard.layout.geometry import shard_ownerships
 from .plan import layout_key
-from .transport import resolve_group
+from megatron_reshard.groups.collectives import resolve_group
 
 
 def xfer_batch_reference(transfers: Sequence, group=None, *, stream=None, staging_bytes=None,

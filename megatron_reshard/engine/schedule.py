@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple, Optional, Sequence
 
-from .geometry import Box, box_numel, box_shape
+from megatron_reshard.layout.geometry import Box, box_numel, box_shape
 from .param_plan import ParamPlan
 
 ALIGN = 16  # staged segments start at multiples of this many bytes in their message

@@ -36,9 +36,9 @@ from typing import Any, Optional, Sequence
 
 from torch.distributed.tensor import Replicate, Shard
 
-from megatron_reshard.engine.geometry import box_numel, rank_region
-from megatron_reshard.errors import MegatronReshardError
-from megatron_reshard.placements import BlockShard, PaddedShard
+from megatron_reshard.layout.geometry import box_numel, rank_region
+from megatron_reshard.errors import BadInputError
+from megatron_reshard.layout.placements import BlockShard, PaddedShard
 from megatron_reshard.fp8.quant import BLOCK_FP8_TILE, blockwise_scale_shape, owns_whole_blocks
 from megatron_reshard.vllm_layout.dense import is_qkv_per_group, per_group_as_hf_rows
 from megatron_reshard.wire.records import ParamRecord, RefitPayload
@@ -53,7 +53,7 @@ MXFP8_TILE = (1, 32)  # MXFP8: one E8M0 scale per 32 elements of a row
 LINEAR_WEIGHT_RE = re.compile(r"\.(?:q|k|v|o|gate|up|down)_proj\.weight$")
 
 
-class Fp8SplitError(MegatronReshardError, ValueError):
+class Fp8SplitError(BadInputError):
     """A generation split cuts a 128×128 FP8 tile (raised before any communication)."""
 
 

@@ -37,6 +37,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from megatron_reshard.errors import BadInputError, BadInputTypeError
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 BLOCK_FP8_TILE = (128, 128)
@@ -51,14 +53,14 @@ def _ceil_div(a: int, b: int) -> int:
 def blockwise_scale_shape(shape: torch.Size | tuple, tile: tuple[int, int] = BLOCK_FP8_TILE) -> tuple:
     """Shape of ``scale_inv`` for a weight of ``shape``: tiles over the last two dims."""
     if len(shape) < 2:
-        raise ValueError(f"block FP8 needs a weight of at least 2 dims, got shape {tuple(shape)}")
+        raise BadInputError(f"block FP8 needs a weight of at least 2 dims, got shape {tuple(shape)}")
     return (*shape[:-2], _ceil_div(shape[-2], tile[0]), _ceil_div(shape[-1], tile[1]))
 
 
 def mxfp8_scale_shape(shape: torch.Size | tuple) -> tuple:
     """Shape of the E8M0 scales for a weight of ``shape``: one per 32 elements of the last dim."""
     if len(shape) < 1:
-        raise ValueError("MXFP8 needs a weight of at least 1 dim, got a scalar")
+        raise BadInputError("MXFP8 needs a weight of at least 1 dim, got a scalar")
     return (*shape[:-1], _ceil_div(shape[-1], MXFP8_BLOCK))
 
 
@@ -67,7 +69,7 @@ def owns_whole_blocks(offset: int, length: int, global_length: int, block: int) 
     whole quantization blocks (the global last block may be partial), so it can be quantized
     on its own and give the bytes and scales of the same blocks of the full tensor."""
     if not (0 <= offset and 0 <= length and offset + length <= global_length):
-        raise ValueError(f"shard [{offset}, {offset + length}) is not inside a dim of {global_length}")
+        raise BadInputError(f"shard [{offset}, {offset + length}) is not inside a dim of {global_length}")
     end = offset + length
     return offset % block == 0 and (end % block == 0 or end == global_length)
 
@@ -97,7 +99,7 @@ def quantize_blockwise_fp8(weight: torch.Tensor, *, pow2_scales: bool = False,
     of ``blockwise_scale_shape(weight.shape, tile)``, on ``weight``'s device.
     """
     if not weight.is_floating_point():
-        raise TypeError(f"quantize_blockwise_fp8: expected a floating-point weight, got {weight.dtype}")
+        raise BadInputTypeError(f"quantize_blockwise_fp8: expected a floating-point weight, got {weight.dtype}")
     scale_shape = blockwise_scale_shape(weight.shape, tile)
     *lead, n, k = weight.shape
     tn, tk = tile
@@ -127,7 +129,7 @@ def dequantize_blockwise_fp8(weight_fp8: torch.Tensor, scale_inv: torch.Tensor,
     """``weight_fp8 * scale_inv`` per tile, in fp32, returned as ``dtype``."""
     expected = blockwise_scale_shape(weight_fp8.shape, tile)
     if tuple(scale_inv.shape) != expected:
-        raise ValueError(f"dequantize_blockwise_fp8: scale_inv shape {tuple(scale_inv.shape)} does not "
+        raise BadInputError(f"dequantize_blockwise_fp8: scale_inv shape {tuple(scale_inv.shape)} does not "
                          f"match weight shape {tuple(weight_fp8.shape)}: expected {expected}")
     n, k = weight_fp8.shape[-2:]
     scales = scale_inv.float().repeat_interleave(tile[0], dim=-2)[..., :n, :]
@@ -142,7 +144,7 @@ def quantize_mxfp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     E8M0 biased exponents of ``mxfp8_scale_shape(weight.shape)``.
     """
     if not weight.is_floating_point():
-        raise TypeError(f"quantize_mxfp8: expected a floating-point weight, got {weight.dtype}")
+        raise BadInputTypeError(f"quantize_mxfp8: expected a floating-point weight, got {weight.dtype}")
     scale_shape = mxfp8_scale_shape(weight.shape)
     k = weight.shape[-1]
     nb = scale_shape[-1]
@@ -159,7 +161,7 @@ def dequantize_mxfp8(weight_fp8: torch.Tensor, scales: torch.Tensor,
     """``weight_fp8 * 2^(scale - 127)`` per 32-element block, in fp32, returned as ``dtype``."""
     expected = mxfp8_scale_shape(weight_fp8.shape)
     if tuple(scales.shape) != expected or scales.dtype != torch.uint8:
-        raise ValueError(f"dequantize_mxfp8: scales {tuple(scales.shape)} {scales.dtype} do not match "
+        raise BadInputError(f"dequantize_mxfp8: scales {tuple(scales.shape)} {scales.dtype} do not match "
                          f"weight shape {tuple(weight_fp8.shape)}: expected {expected} torch.uint8")
     k = weight_fp8.shape[-1]
     factors = torch.exp2(scales.float() - E8M0_BIAS).repeat_interleave(MXFP8_BLOCK, dim=-1)[..., :k]
@@ -173,4 +175,4 @@ def fp8_bytes(shape: torch.Size | tuple, fmt: str) -> int:
         return n + 4 * math.prod(blockwise_scale_shape(shape))
     if fmt == "mxfp8":
         return n + math.prod(mxfp8_scale_shape(shape))
-    raise ValueError(f"fp8_bytes: unknown format {fmt!r}; expected 'block_fp8' or 'mxfp8'")
+    raise BadInputError(f"fp8_bytes: unknown format {fmt!r}; expected 'block_fp8' or 'mxfp8'")

@@ -4,7 +4,7 @@ Torch + stdlib only. ``comm`` builds the refit group over training + generation 
 an explicit TCPStore and tears it down; ``faults`` gives every group a fault board, so a
 rank that fails tells every peer, and every wait on a group polls that board instead of
 hanging. A group carries the name of the transport its ranks agreed on at join
-(``comm.TRANSPORT_NAMES``); the engine builds the transport itself (``engine.transports``).
+(``comm.TRANSPORT_NAMES``); the engine builds the transport itself (``engine.refit_transport``).
 This package imports nothing of the engine: the engine sits above it.
 """
 

@@ -22,11 +22,12 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_reshard.errors import BadInputError
 from megatron_reshard.groups import at_exit
 from megatron_reshard.groups.faults import (POLL_S, POST_S, FaultBoard, RefitError, RefitTimeout,
                                            attach_board, board_of, failed_groups_sockets)
 
-# The transports a refit group can agree on at join (``engine.transports`` builds each one
+# The transports a refit group can agree on at join (``engine.refit_transport`` builds each one
 # for the group on first use; the group itself only carries the agreed name).
 TRANSPORT_NAMES = ("p2p", "colocated")
 DEFAULT_TRANSPORT = "p2p"
@@ -47,7 +48,7 @@ _AT_DESTROY: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 def check_transport_name(name: str) -> str:
     if name not in TRANSPORT_NAMES:
-        raise ValueError(f"unknown refit transport {name!r}: expected one of {TRANSPORT_NAMES}")
+        raise BadInputError(f"unknown refit transport {name!r}: expected one of {TRANSPORT_NAMES}")
     return name
 
 
@@ -87,7 +88,7 @@ def create_refit_group(host: str, port: int, rank: int, world_size: int,
     raises on every rank at once with what each rank said. The group gets a fault board
     (``megatron_reshard.groups.faults``): its waits raise instead of hanging when a peer fails.
 
-    ``transport`` (one of ``TRANSPORT_NAMES``; ``engine.transports.transport_of`` builds it
+    ``transport`` (one of ``TRANSPORT_NAMES``; ``engine.refit_transport.transport_of`` builds it
     for the group on first use): how the group moves bytes, "p2p" (point-to-point
     over the group) or "colocated" (copies out of the training ranks' mapped memory; the
     group then carries control messages only, over gloo). None follows the ranks that
@@ -95,13 +96,13 @@ def create_refit_group(host: str, port: int, rank: int, world_size: int,
     join; nobody chose: "p2p".
     """
     if backend not in ("gloo", "nccl"):
-        raise ValueError(f"create_refit_group: backend must be 'gloo' or 'nccl', found {backend!r}")
+        raise BadInputError(f"create_refit_group: backend must be 'gloo' or 'nccl', found {backend!r}")
     if not 0 <= rank < world_size:
-        raise ValueError(f"create_refit_group: rank {rank} outside [0, {world_size})")
+        raise BadInputError(f"create_refit_group: rank {rank} outside [0, {world_size})")
     if transport is not None:
         check_transport_name(transport)
         if transport == "colocated" and backend != "gloo":
-            raise ValueError(f"create_refit_group: the colocated transport talks over gloo "
+            raise BadInputError(f"create_refit_group: the colocated transport talks over gloo "
                              f"(its data never crosses the group), found backend {backend!r}")
     label = label or f"refit group at {host}:{port}"
     who = who or f"group rank {rank} of the {label}"

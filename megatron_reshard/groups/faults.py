@@ -127,7 +127,7 @@ class FaultBoard:
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         call = _STORE_CALLS.submit(fn)
         if not call.wait(timeout_s):
-            raise TimeoutError(f"the group's store did not answer within {timeout_s:g} s")
+            raise RefitTimeout(f"the group's store did not answer within {timeout_s:g} s")
         return call.result()
 
     # -- reading -------------------------------------------------------------------------

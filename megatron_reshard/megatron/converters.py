@@ -17,6 +17,7 @@ from typing import Mapping, Optional, Sequence
 
 import torch
 
+from megatron_reshard.errors import BadInputError, MissingEntryError
 from megatron_reshard.megatron import gpt_oss
 from megatron_reshard.megatron.families import FAMILIES, Rule
 
@@ -93,7 +94,7 @@ class NameConverter:
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
-            raise ValueError(f"unknown model family {self.family!r}; known: {sorted(FAMILIES)}")
+            raise BadInputError(f"unknown model family {self.family!r}; known: {sorted(FAMILIES)}")
         self._top, self._layer = FAMILIES[self.family]
 
     def convert(self, name: str) -> Optional[Converted]:
@@ -107,11 +108,11 @@ class NameConverter:
         if m is None:
             found = _first_match(self._top, name)
             if found is None:
-                raise KeyError(name)
+                raise MissingEntryError(name)
             return Converted(name, found[0].kind, tuple(found[0].targets))
         local_layer, rest = int(m.group(1)), m.group(2)
         if local_layer not in self.global_layer:
-            raise KeyError(f"{name} (local layer {local_layer} has no global layer number)")
+            raise MissingEntryError(f"{name} (local layer {local_layer} has no global layer number)")
         layer = self.global_layer[local_layer]
         found = _first_match(self._layer, rest)
         if found is not None:
@@ -129,12 +130,12 @@ class NameConverter:
                 return Converted(name, rule.kind, tuple(t.format(layer=layer, expert=expert) for t in targets))
             if rule.kind in ("grouped_fc1", "grouped_fc2"):
                 if self.num_local_experts < 1:
-                    raise KeyError(f"{name} (grouped experts need num_local_experts)")
+                    raise MissingEntryError(f"{name} (grouped experts need num_local_experts)")
                 names = tuple(t.format(layer=layer, expert=self.expert_offset + e)
                               for e in range(self.num_local_experts) for t in targets)
                 return Converted(name, rule.kind, names)
             return Converted(name, rule.kind, tuple(t.format(layer=layer) for t in targets))
-        raise KeyError(name)
+        raise MissingEntryError(name)
 
     def convert_all(self, names: Sequence[str]) -> tuple[list[Converted], list[str]]:
         """Convert every name; return (conversions, unknown names) so callers report all at once."""
@@ -180,7 +181,7 @@ def hf_global_shapes(conv: Converted, local_shape: Sequence[int], dims: ModelDim
         q = dims.num_attention_heads * dims.head_dim
         kv = dims.num_query_groups * dims.head_dim
         if shape[0] * t != q + 2 * kv:
-            raise ValueError(f"{conv.megatron_name}: {shape[0]}·{t} rows, expected (nh + 2·nkv)·hd = {q + 2 * kv}")
+            raise BadInputError(f"{conv.megatron_name}: {shape[0]}·{t} rows, expected (nh + 2·nkv)·hd = {q + 2 * kv}")
         return dict(zip(conv.hf_names, ([q, *shape[1:]], [kv, *shape[1:]], [kv, *shape[1:]])))
     if kind in ("fc1", "expert_fc1"):
         rows = shape[0] * (t if kind == "fc1" else 1)
@@ -197,7 +198,7 @@ def hf_global_shapes(conv: Converted, local_shape: Sequence[int], dims: ModelDim
     if kind == "grouped_fc2":  # weight2 [E_l * I, H]
         per = shape[0] // dims.num_local_experts
         return {n: [shape[1], per] for n in conv.hf_names}
-    raise ValueError(f"{conv.megatron_name}: no shape rule for kind {kind!r}")
+    raise BadInputError(f"{conv.megatron_name}: no shape rule for kind {kind!r}")
 
 
 def local_views(conv: Converted, tensor: torch.Tensor, dims: ModelDims) -> dict[str, torch.Tensor]:
@@ -232,7 +233,7 @@ def local_views(conv: Converted, tensor: torch.Tensor, dims: ModelDims) -> dict[
         e_l = dims.num_local_experts
         per_expert = tensor.view(e_l, -1, tensor.shape[1])  # [E_l, I, H]
         return {name: per_expert[e].t() for e, name in enumerate(conv.hf_names)}
-    raise ValueError(f"{conv.megatron_name}: kind {kind!r} has no rank-local HF view")
+    raise BadInputError(f"{conv.megatron_name}: kind {kind!r} has no rank-local HF view")
 
 
 def full_from_tp_chunks(conv: Converted, chunks: Sequence[torch.Tensor], dims: ModelDims) -> dict[str, torch.Tensor]:
@@ -269,4 +270,4 @@ def full_from_tp_chunks(conv: Converted, chunks: Sequence[torch.Tensor], dims: M
         return local_views(conv, chunks[0], dims)
     if kind in gpt_oss.KINDS:
         return {conv.hf_names[0]: gpt_oss.full_tensor(kind, chunks[0])}
-    raise ValueError(f"{conv.megatron_name}: no full-tensor rule for kind {kind!r}")
+    raise BadInputError(f"{conv.megatron_name}: no full-tensor rule for kind {kind!r}")

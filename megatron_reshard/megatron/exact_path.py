@@ -11,7 +11,7 @@ from typing import Callable, Mapping, Optional, Sequence
 
 from torch.distributed.tensor import Replicate, Shard
 
-from megatron_reshard.placements import MeshInfo, PaddedShard
+from megatron_reshard.layout.placements import MeshInfo, PaddedShard
 from megatron_reshard.megatron.converters import ModelDims
 from megatron_reshard.megatron.parallel import StageMeshes
 from megatron_reshard.megatron.qkv import heads_of, megatron_qkv_layout, qkv_group_shape, which_qkv

@@ -15,6 +15,8 @@ from typing import Iterable, Mapping
 import torch
 import torch.distributed as dist
 
+from megatron_reshard.errors import BadInputError
+
 _EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")
 
 
@@ -37,7 +39,7 @@ def share_expert_tensors(out: dict[str, torch.Tensor], names: Iterable[str],
         owner = int(m.group(1)) // experts_per_rank
         if owner == me:
             if name not in out:
-                raise ValueError(f"EP rank {me} should hold {name} (experts "
+                raise BadInputError(f"EP rank {me} should hold {name} (experts "
                                  f"{me * experts_per_rank}..{(me + 1) * experts_per_rank - 1}) "
                                  f"but its model has no such tensor")
             tensor = out[name].contiguous()

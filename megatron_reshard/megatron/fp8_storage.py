@@ -22,6 +22,7 @@ from typing import Any, Optional
 
 import torch
 
+from megatron_reshard.errors import BadInputError
 from megatron_reshard.fp8.quant import blockwise_scale_shape
 
 
@@ -33,7 +34,7 @@ class BlockwiseFp8Weight:
     def __post_init__(self):
         expected = blockwise_scale_shape(self.data.shape)
         if self.data.dtype != torch.float8_e4m3fn or tuple(self.scale_inv.shape) != expected:
-            raise ValueError(f"blockwise FP8 weight: data {self.data.dtype} {list(self.data.shape)} "
+            raise BadInputError(f"blockwise FP8 weight: data {self.data.dtype} {list(self.data.shape)} "
                              f"with scale_inv {list(self.scale_inv.shape)}; expected "
                              f"torch.float8_e4m3fn data and scale_inv {list(expected)}")
 
@@ -50,7 +51,7 @@ def read_te_blockwise_fp8_untested(param: Any) -> Optional[BlockwiseFp8Weight]:
         return None
     data, scale_inv = getattr(param, "_rowwise_data", None), getattr(param, "_rowwise_scale_inv", None)
     if data is None or scale_inv is None or not getattr(param, "_is_2D_scaled", True):
-        raise ValueError(f"Float8BlockwiseQTensor of shape {list(param.shape)} has no row-wise 2-D "
+        raise BadInputError(f"Float8BlockwiseQTensor of shape {list(param.shape)} has no row-wise 2-D "
                          f"blockwise data (the refit needs 128x128 block scales)")
     rows, cols = blockwise_scale_shape(data.shape)
     return BlockwiseFp8Weight(data.view(torch.float8_e4m3fn), scale_inv[:rows, :cols])

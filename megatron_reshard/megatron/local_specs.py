@@ -15,7 +15,8 @@ from typing import Collection, Mapping, Optional, Sequence
 
 import torch
 
-from megatron_reshard.engine.geometry import rank_region
+from megatron_reshard.errors import BadInputError
+from megatron_reshard.layout.geometry import rank_region
 from megatron_reshard.wire.placement_rules import is_nccl_reshard_param
 from megatron_reshard.megatron.converters import Converted, ModelDims, local_views
 from megatron_reshard.megatron.qkv import qkv_views
@@ -100,7 +101,7 @@ def local_param_specs(info: RefitPayload, views: Mapping[str, torch.Tensor], sta
         else:
             specs[name] = spec
     if problems:
-        raise ValueError("local views do not match the refit info:\n  - " + "\n  - ".join(problems))
+        raise BadInputError("local views do not match the refit info:\n  - " + "\n  - ".join(problems))
     return specs
 
 

@@ -24,7 +24,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from megatron_reshard.placements import MeshInfo, build_mesh_info
+from megatron_reshard.errors import BadInputError
+from megatron_reshard.layout.placements import MeshInfo, build_mesh_info
 
 
 @dataclass(frozen=True)
@@ -161,12 +162,12 @@ def _grid(members: dict[int, tuple[Any, int]], n_cols: int, what: str, stage: in
     for local, (row_key, col) in members.items():
         row = rows.setdefault(row_key, {})
         if col in row:
-            raise ValueError(f"{what} mesh of PP stage {stage}: stage-local ranks {row[col]} and {local} "
+            raise BadInputError(f"{what} mesh of PP stage {stage}: stage-local ranks {row[col]} and {local} "
                              f"both claim row {row_key} column {col}")
         row[col] = local
     for row_key, row in rows.items():
         if sorted(row) != list(range(n_cols)):
-            raise ValueError(f"{what} mesh of PP stage {stage}: row {row_key} has columns {sorted(row)}, "
+            raise BadInputError(f"{what} mesh of PP stage {stage}: row {row_key} has columns {sorted(row)}, "
                              f"expected 0..{n_cols - 1}")
     ordered = sorted(rows.values(), key=lambda row: min(row.values()))
     return torch.tensor([[row[c] for c in range(n_cols)] for row in ordered], dtype=torch.int64)
@@ -175,13 +176,13 @@ def _grid(members: dict[int, tuple[Any, int]], n_cols: int, what: str, stage: in
 def build_stage_meshes(all_coords: Sequence[RankCoords], par: TrainParallelism) -> list[StageMeshes]:
     """Per-stage non-expert and expert meshes from every train rank's reported coordinates."""
     if len(all_coords) != par.world_size:
-        raise ValueError(f"got coordinates of {len(all_coords)} ranks, the train world has {par.world_size}")
+        raise BadInputError(f"got coordinates of {len(all_coords)} ranks, the train world has {par.world_size}")
     out = []
     for stage in range(par.pp):
         members = sorted((c for c in all_coords if c.pp == stage), key=lambda c: c.rank)
         expected = par.world_size // par.pp
         if len(members) != expected:
-            raise ValueError(f"PP stage {stage} has {len(members)} ranks {[c.rank for c in members]}, "
+            raise BadInputError(f"PP stage {stage} has {len(members)} ranks {[c.rank for c in members]}, "
                              f"expected world_size/pp = {expected}")
         ranks = tuple(c.rank for c in members)
         dense = _grid({i: ((c.dp, c.cp), c.tp) for i, c in enumerate(members)}, par.tp, "non-expert", stage)

@@ -25,6 +25,7 @@ from typing import Any
 
 import msgspec
 
+from megatron_reshard.errors import BadInputError
 from megatron_reshard.wire.metadata import SCHEMA_VERSION, make_nccl_reshard_refit_info_wire_safe
 from megatron_reshard.wire.records import RefitPayload
 
@@ -40,7 +41,7 @@ def build_payload(refit_info: Any, *, train_layout: dict, gen_layout: dict, hf_c
                else make_nccl_reshard_refit_info_wire_safe(refit_info))
     clash = sorted(set(payload) & set(EXTRA_KEYS))
     if clash:
-        raise ValueError(f"refit info already has payload keys {clash}")
+        raise BadInputError(f"refit info already has payload keys {clash}")
     payload.update(
         schema_version=SCHEMA_VERSION,
         train_layout=dict(train_layout),
@@ -63,15 +64,15 @@ def decode_payload(data: bytes) -> dict[str, Any]:
     try:
         payload = msgspec.msgpack.decode(data)
     except (msgspec.DecodeError, TypeError) as exc:
-        raise ValueError(f"refit payload: not a valid msgpack message ({len(data)} bytes"
+        raise BadInputError(f"refit payload: not a valid msgpack message ({len(data)} bytes"
                          f"{', truncated or corrupted' if data else ''}): {exc}") from None
     if not isinstance(payload, dict):
-        raise ValueError(f"refit payload: expected a map, got {type(payload).__name__}")
+        raise BadInputError(f"refit payload: expected a map, got {type(payload).__name__}")
     version = payload.get("schema_version")
     if version != SCHEMA_VERSION:
-        raise ValueError(f"refit payload: schema_version {version!r} is not supported "
+        raise BadInputError(f"refit payload: schema_version {version!r} is not supported "
                          f"(this build reads version {SCHEMA_VERSION})")
     missing = [k for k in ("per_layer_params", "layer_names", *EXTRA_KEYS) if k not in payload]
     if missing:
-        raise ValueError(f"refit payload: missing keys {missing}")
+        raise BadInputError(f"refit payload: missing keys {missing}")
     return payload

@@ -16,7 +16,7 @@ from typing import Any, Sequence
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-from megatron_reshard.placements import BlockShard, MeshInfo
+from megatron_reshard.layout.placements import BlockShard, MeshInfo
 from megatron_reshard.vllm_layout.dense import AttentionHeads
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from megatron_reshard.errors import BadInputError
 from megatron_reshard.megatron.model_info import HF_LAYER
 from megatron_reshard.megatron.parallel import RankCoords
 from megatron_reshard.wire.metadata import extract_layer_name
@@ -51,7 +52,7 @@ def merge_reports(reports: Sequence[dict[str, Any]], all_coords: Sequence[RankCo
     for layer, stage in layer_stage.items():
         stage_of_key.setdefault(f"model.layers.{layer}", stage)
     if problems:
-        raise ValueError("inconsistent model across train ranks:\n  - " + "\n  - ".join(problems))
+        raise BadInputError("inconsistent model across train ranks:\n  - " + "\n  - ".join(problems))
     order = {name: i for i, name in enumerate(merged)}
     ordered = dict(sorted(merged.items(), key=lambda kv: (_layer_sort_key(kv[0]), order[kv[0]])))
     return ordered, stage_of_key

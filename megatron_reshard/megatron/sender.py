@@ -18,7 +18,7 @@ import math
 import torch
 
 from megatron_reshard.groups.faults import RefitError, fault_scope
-from megatron_reshard.engine.transports import transport_of
+from megatron_reshard.engine.refit_transport import transport_of
 from megatron_reshard.refit.delta import DeltaConfig, TrainBase, src_vote
 from megatron_reshard.refit.packed import broadcast_packed, pack_entries
 from megatron_reshard.refit.loop import DEFAULT_BATCH_BYTES, DEFAULT_STAGING_BYTES, RefitLoop

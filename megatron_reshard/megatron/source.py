@@ -51,8 +51,9 @@ from typing import Any, Iterable, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_reshard.errors import BadInputError
 from megatron_reshard.fp8.plan import GEN_QUANT_FORMATS, plan_block_fp8, plan_mxfp8
-from megatron_reshard.placements import build_mesh_info
+from megatron_reshard.layout.placements import build_mesh_info
 from megatron_reshard.wire.placement_rules import is_expert_param, is_nccl_reshard_param
 from megatron_reshard.megatron import mla, nemotron_h, unsupported_families
 from megatron_reshard.megatron.converters import (
@@ -157,7 +158,7 @@ class MegatronRefitSource:
             except (re.error, TypeError) as err:
                 problems.append(f"packed_params={packed_params!r} is not a regular expression ({err})")
         if problems:
-            raise ValueError("cannot build the Megatron refit source:\n  - " + "\n  - ".join(problems))
+            raise BadInputError("cannot build the Megatron refit source:\n  - " + "\n  - ".join(problems))
         assert par is not None and coords is not None and bare is not None
 
         self.model = bare
@@ -228,13 +229,13 @@ class MegatronRefitSource:
 
         all_problems = [p for r in reports for p in r["problems"]]
         if all_problems:
-            raise ValueError("cannot build the Megatron refit source:\n  - " + "\n  - ".join(all_problems))
+            raise BadInputError("cannot build the Megatron refit source:\n  - " + "\n  - ".join(all_problems))
         self._all_coords = [coords_from_plain(r["coords"]) for r in reports]
         self.rank_order = describe_rank_order(self._all_coords, par)
         try:
             self.stages: list[StageMeshes] = build_stage_meshes(self._all_coords, par)
         except ValueError as err:
-            raise ValueError(f"unsupported Megatron rank order (found: {self.rank_order}): {err}") from None
+            raise BadInputError(f"unsupported Megatron rank order (found: {self.rank_order}): {err}") from None
         self.stage = coords.pp
         self.stage_local_rank = self.stages[self.stage].local_rank(coords.rank)
         return reports
@@ -279,7 +280,7 @@ class MegatronRefitSource:
         if self.gen_quant is not None:  # the payload's entries say where each weight is quantized
             if self.gen_quant == "mxfp8":  # quantized on the receiver (NeMo-RL's is_mx path)
                 if train_fp8:
-                    raise ValueError(f"gen_quant='mxfp8' with weights held in blockwise FP8 for "
+                    raise BadInputError(f"gen_quant='mxfp8' with weights held in blockwise FP8 for "
                                      f"training ({len(train_fp8)}, e.g. {min(train_fp8)}): MXFP8 "
                                      f"generation is quantized from BF16 training weights only")
                 info, self.fp8_counts = plan_mxfp8(info, par.world_size // par.pp)
@@ -289,7 +290,7 @@ class MegatronRefitSource:
             planned = {p.name for p in info.params()}
             packed = sorted(train_fp8 - planned)
             if packed:  # the packed path sends full BF16 tensors: the FP8 bytes would be lost
-                raise ValueError(f"weights held in blockwise FP8 for training must take the exact "
+                raise BadInputError(f"weights held in blockwise FP8 for training must take the exact "
                                  f"path, but these would go packed: {packed}")
         self.gen_records: RefitPayload = info  # what the generation side gets (FP8 planned)
 
@@ -323,7 +324,7 @@ class MegatronRefitSource:
             stage = self.stages[p.stage]
             live = stage.expert if is_expert_param(p.name) else stage.dense
             if live.shape != p.src_mesh_info.shape:
-                raise ValueError(f"{p.name}: live train mesh {live} does not have the shape of the "
+                raise BadInputError(f"{p.name}: live train mesh {live} does not have the shape of the "
                                  f"refit info's {p.src_mesh_info} (rank order {self.rank_order})")
             return dataclasses.replace(p, src_mesh_info=live)
 

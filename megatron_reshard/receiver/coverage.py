@@ -15,6 +15,7 @@ from __future__ import annotations
 from fnmatch import fnmatchcase
 from typing import Iterable, Mapping, Optional, Sequence
 
+from megatron_reshard.errors import BadInputTypeError
 from megatron_reshard.receiver.targets import TargetError
 
 
@@ -29,7 +30,7 @@ def parse_keep_as_loaded(value: Optional[Iterable[str]]) -> tuple[str, ...]:
     if value is None:
         return ()
     if isinstance(value, (str, bytes)) or not all(isinstance(v, str) and v for v in value):
-        raise TypeError(f"keep_as_loaded: expected a list of vLLM param names or fnmatch "
+        raise BadInputTypeError(f"keep_as_loaded: expected a list of vLLM param names or fnmatch "
                         f"patterns, found {value!r}")
     return tuple(value)
 

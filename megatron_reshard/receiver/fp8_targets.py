@@ -35,7 +35,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from megatron_reshard.engine.geometry import box_shape, rank_box
+from megatron_reshard.layout.geometry import box_shape, rank_box
 from megatron_reshard.fp8.plan import MXFP8_TILE, SCALE_SUFFIX, tile_box
 from megatron_reshard.fp8.quant import (
     BLOCK_FP8_TILE,

@@ -13,7 +13,7 @@ from typing import Iterable, Mapping, Sequence
 
 import torch
 
-from megatron_reshard.engine.geometry import box_index, box_numel
+from megatron_reshard.layout.geometry import box_index, box_numel
 from megatron_reshard.receiver.fp8_targets import fp8_scale_pieces, quantize_into
 from megatron_reshard.receiver.targets import TargetPlan, VllmTargets, check_wire_dtype
 

@@ -14,7 +14,7 @@ from typing import Any, Mapping, Optional
 import torch
 from torch.distributed.tensor import Shard
 
-from megatron_reshard.placements import BlockShard
+from megatron_reshard.layout.placements import BlockShard
 from megatron_reshard.vllm_layout import padded_vocab_rows
 from megatron_reshard.wire.check import RefitPayloadError
 from megatron_reshard.wire.placement_rules import is_expert_param

@@ -33,7 +33,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from megatron_reshard.errors import MegatronReshardError
+from megatron_reshard.errors import BadInputError
 from megatron_reshard.vllm_layout.kernel_order import PADDING, KernelOrder, is_checkpoint_order
 
 # quant methods whose params stay in checkpoint order after vLLM's post-load step on GPUs
@@ -51,7 +51,7 @@ _PROBE_EXPERTS = 2
 _learned: dict[tuple, Any] = {}  # (backend, shapes, ...) -> tuple of terms per tensor, or why not
 
 
-class KernelLayoutError(MegatronReshardError, ValueError):
+class KernelLayoutError(BadInputError):
     """A target's storage is in an order the refit does not know (raised before any communication)."""
 
 
@@ -88,7 +88,7 @@ def _run_coded(convert: Callable, shapes: list[tuple[int, ...]], device, digit: 
     ins = [_codes(math.prod(s), digit, reverse).reshape(s).to(device) for s in shapes]
     outs = convert(*ins)
     if len(outs) != len(shapes) or any(tuple(o.shape) != s for o, s in zip(outs, shapes)):
-        raise ValueError(f"the conversion returned shapes {[tuple(o.shape) for o in outs]} "
+        raise BadInputError(f"the conversion returned shapes {[tuple(o.shape) for o in outs]} "
                          f"for {shapes} (not checkpoint-shaped storage)")
     return [_read_codes(o) for o in outs]
 
@@ -109,16 +109,16 @@ def learn_order(convert: Callable, shapes: list[tuple[int, ...]], device=None
         for g in got + [check[k]]:
             if not torch.equal(g == 0, zero) or bool(((g[~zero] < _CODE_BASE)
                                                       | (g[~zero] >= _CODE_BASE + (1 << _DIGIT_BITS))).any()):
-                raise ValueError(f"tensor {k}: the conversion computes values (not a "
+                raise BadInputError(f"tensor {k}: the conversion computes values (not a "
                                  f"rearrangement of the elements)")
         source = sum((g - _CODE_BASE) << (_DIGIT_BITS * d) for d, g in enumerate(got))
         source = torch.where(zero, torch.full_like(source, -1), source)
         placed = source[~zero]
         if bool((placed >= numel).any()) or placed.unique().numel() != placed.numel():
-            raise ValueError(f"tensor {k}: the conversion duplicates or invents elements")
+            raise BadInputError(f"tensor {k}: the conversion duplicates or invents elements")
         expected = (_CODE_BASE + (numel - 1 - placed) % (1 << _DIGIT_BITS))
         if not torch.equal(check[k][~zero], expected):
-            raise ValueError(f"tensor {k}: another coding of the values lands elsewhere "
+            raise BadInputError(f"tensor {k}: another coding of the values lands elsewhere "
                              f"(the order depends on the values)")
         where = torch.full((numel,), PADDING, dtype=torch.int64)
         where[placed] = torch.nonzero(~zero).view(-1)
@@ -130,7 +130,7 @@ def _separate(where: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
     """Terms per dim with ``where == sum(terms)`` at every placed element."""
     origin = int(where.reshape(-1)[0])
     if origin < 0:
-        raise ValueError(f"tensor {k}: its first element is not kept")
+        raise BadInputError(f"tensor {k}: its first element is not kept")
     terms = []
     for d in range(where.dim()):
         axis = where[tuple(slice(None) if i == d else 0 for i in range(where.dim()))]
@@ -151,7 +151,7 @@ def _separate(where: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
     placed = where >= 0
     if not torch.equal(placed, valid.expand_as(where)) or \
             not torch.equal(where[placed], total.expand_as(where)[placed]):
-        raise ValueError(f"tensor {k}: the order is not separable per dim")
+        raise BadInputError(f"tensor {k}: the order is not separable per dim")
     return tuple(terms)
 
 
@@ -161,7 +161,7 @@ def _expert_terms(probe: tuple[torch.Tensor, ...], num_experts: int, device) -> 
     per_expert = math.prod(t.numel() for t in probe[1:])
     origin = int(probe[0][0])  # where expert 0's first element went: into the next dim's term
     if not torch.equal(probe[0] - origin, torch.arange(probe[0].numel(), dtype=torch.int64) * per_expert):
-        raise ValueError("experts are not kept in their own slots")
+        raise BadInputError("experts are not kept in their own slots")
     experts = torch.arange(num_experts, dtype=torch.int64) * per_expert
     rows = torch.where(probe[1] == PADDING, probe[1], probe[1] + origin)
     return tuple(t.to(device) for t in (experts, rows) + tuple(probe[2:]))

@@ -11,7 +11,7 @@ from typing import Any, Callable, Mapping, Optional
 
 import torch
 
-from megatron_reshard.engine.transport import control_device
+from megatron_reshard.groups.collectives import control_device
 from megatron_reshard.refit.packed import broadcast_packed, pack_entries
 from megatron_reshard.refit.order import MiscItem
 

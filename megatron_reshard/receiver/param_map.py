@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from megatron_reshard.engine.geometry import box_index, rank_box
-from megatron_reshard.placements import PaddedShard
+from megatron_reshard.layout.geometry import box_index, rank_box
+from megatron_reshard.layout.placements import PaddedShard
 from megatron_reshard.receiver.fp8_targets import fp8_receive_spec
 from megatron_reshard.receiver.targets import (
     TargetError,

@@ -16,7 +16,8 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
 import torch
 
-from megatron_reshard.engine.transport import group_rank, group_size
+from megatron_reshard.errors import BadInputError
+from megatron_reshard.groups.collectives import group_rank, group_size
 from megatron_reshard.groups.faults import RefitError, fault_scope
 from megatron_reshard.wire.metadata import SUPPORTED_SCHEMA_VERSIONS
 from megatron_reshard.receiver.coverage import kept_as_loaded, parse_keep_as_loaded
@@ -97,7 +98,7 @@ class ReceiverSession:
                  keep_as_loaded, storage_orders) -> None:
         ranks = {s: group_rank(g) for s, g in self.groups.items()}
         if len(set(ranks.values())) > 1:
-            raise ValueError(f"this generation rank has different ranks in the refit groups: {ranks}")
+            raise BadInputError(f"this generation rank has different ranks in the refit groups: {ranks}")
         self.rank_in_group = next(iter(ranks.values())) if ranks else 0
         where = f"refit group rank {self.rank_in_group}"
         self.where = where
@@ -109,22 +110,22 @@ class ReceiverSession:
         pp_size = self.payload.pp_size
         missing = sorted(set(range(pp_size)) - set(self.groups))
         if missing:
-            raise ValueError(f"{where}: no refit group for PP stage(s) {missing} (payload has "
+            raise BadInputError(f"{where}: no refit group for PP stage(s) {missing} (payload has "
                              f"pp_size={pp_size}; a generation rank takes part in every stage)")
         stage_world = self.payload.train_world_size // pp_size
         gen_world = self.payload.gen_world_size
         for stage, group in self.groups.items():
             if group_size(group) != stage_world + gen_world:
-                raise ValueError(f"{where}: the group of stage {stage} has {group_size(group)} ranks, "
+                raise BadInputError(f"{where}: the group of stage {stage} has {group_size(group)} ranks, "
                                  f"the payload needs {stage_world} train + {gen_world} gen ranks")
         self.gen_rank = self.rank_in_group - stage_world
         if not 0 <= self.gen_rank < gen_world:
-            raise ValueError(f"{where} is not a generation rank (train ranks are 0..{stage_world - 1}, "
+            raise BadInputError(f"{where} is not a generation rank (train ranks are 0..{stage_world - 1}, "
                              f"generation ranks {stage_world}..{stage_world + gen_world - 1})")
         tp = self.payload.gen_tp_size
         ep = gen_ep_size(self.payload)
         if vllm_tp is not None and tuple(vllm_tp) != (self.gen_rank % tp, tp):
-            raise ValueError(f"{where}: the payload places gen rank {self.gen_rank} at TP rank "
+            raise BadInputError(f"{where}: the payload places gen rank {self.gen_rank} at TP rank "
                              f"{self.gen_rank % tp} of {tp}, but vLLM reports TP rank {vllm_tp[0]} "
                              f"of {vllm_tp[1]} here; the refit group ranks must follow vLLM's TP order")
         try:

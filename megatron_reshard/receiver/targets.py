@@ -32,8 +32,8 @@ from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 
-from megatron_reshard.engine.geometry import Box, box_index, box_shape
-from megatron_reshard.errors import MegatronReshardError
+from megatron_reshard.layout.geometry import Box, box_index, box_shape
+from megatron_reshard.errors import BadInputError, BadInputTypeError
 from megatron_reshard.wire.spec import LocalParamSpec, RefitCtx
 from megatron_reshard.vllm_layout import gpt_oss, mla
 from megatron_reshard.vllm_layout import moe as vllm_moe
@@ -48,7 +48,7 @@ _EXPERT_RE = re.compile(
     r"^(?P<prefix>.*\.experts)\.(?:(?P<index>\d+)\.)?(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 
 
-class TargetError(MegatronReshardError, ValueError):
+class TargetError(BadInputError):
     """An HF param cannot be mapped onto this rank's vLLM storage (raised before any communication)."""
 
 
@@ -89,7 +89,7 @@ def _as_dict(named: Union[Mapping[str, torch.Tensor], Iterable[tuple[str, torch.
     out: dict[str, torch.Tensor] = {}
     for name, tensor in items:
         if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"target {name!r} is a {type(tensor).__name__}, not a tensor")
+            raise BadInputTypeError(f"target {name!r} is a {type(tensor).__name__}, not a tensor")
         out[name] = tensor.detach()  # same storage; writes land in the parameter
     return out
 
@@ -115,10 +115,10 @@ class VllmTargets:
                               label: str = "", orders: Optional[Mapping[str, KernelOrder]] = None
                               ) -> "VllmTargets":
         if not 0 <= tp_rank < tp_size:
-            raise ValueError(f"tp_rank={tp_rank} is not in 0..{tp_size - 1}")
+            raise BadInputError(f"tp_rank={tp_rank} is not in 0..{tp_size - 1}")
         ep_rank = tp_rank % ep_size if ep_rank is None else ep_rank
         if not 0 <= ep_rank < ep_size:
-            raise ValueError(f"ep_rank={ep_rank} is not in 0..{ep_size - 1}")
+            raise BadInputError(f"ep_rank={ep_rank} is not in 0..{ep_size - 1}")
         return cls(_as_dict(named), dict(hf_config or {}), tp_rank, tp_size, ep_rank, ep_size, label,
                    dict(orders or {}))
 

@@ -29,6 +29,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
 
+from megatron_reshard.errors import BadInputError, BadInputTypeError, CallOrderError
 from megatron_reshard.groups.comm import create_refit_group, destroy_refit_group
 from megatron_reshard.groups.faults import fault_scope
 from megatron_reshard.receiver.derived import (
@@ -50,7 +51,7 @@ def _per_stage(value: Union[Sequence, Mapping, int], what: str) -> dict[int, Any
         return {int(k): v for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return dict(enumerate(value))
-    raise TypeError(f"{what} must be a list (index = PP stage) or a dict stage -> value, "
+    raise BadInputTypeError(f"{what} must be a list (index = PP stage) or a dict stage -> value, "
                     f"got {type(value).__name__}")
 
 
@@ -109,7 +110,7 @@ class MegatronReshardWorkerExtension:
     def _refit_session(self) -> ReceiverSession:
         session = self._refit_state()["session"]
         if session is None:
-            raise RuntimeError("refit called before prepare_refit(payload)")
+            raise CallOrderError("refit called before prepare_refit(payload)")
         return session
 
     # -- phases --------------------------------------------------------------------------
@@ -126,7 +127,7 @@ class MegatronReshardWorkerExtension:
         import torch.distributed as dist
 
         if not dist.is_initialized():
-            raise RuntimeError("init_refit_groups(group_rank=None) needs vLLM's or the default "
+            raise CallOrderError("init_refit_groups(group_rank=None) needs vLLM's or the default "
                                "torch.distributed world to derive this worker's rank; pass "
                                "group_rank or override get_refit_gen_coords()")
         return dist.get_rank(), dist.get_world_size()
@@ -143,12 +144,12 @@ class MegatronReshardWorkerExtension:
         sizes = ({s: int(group_sizes) for s in ports} if isinstance(group_sizes, int)
                  else _per_stage(group_sizes, "group_sizes"))
         if set(sizes) != set(ports):
-            raise ValueError(f"ports_by_stage has stages {sorted(ports)}, group_sizes has {sorted(sizes)}")
+            raise BadInputError(f"ports_by_stage has stages {sorted(ports)}, group_sizes has {sorted(sizes)}")
         if group_rank is None:
             gen_rank, gen_world = self.get_refit_gen_coords()
             derived = {s: n - gen_world + gen_rank for s, n in sizes.items()}
             if len(set(derived.values())) != 1:
-                raise ValueError(f"group_sizes {sizes} give this worker (gen rank {gen_rank} of "
+                raise BadInputError(f"group_sizes {sizes} give this worker (gen rank {gen_rank} of "
                                  f"{gen_world}) different ranks per stage {derived}; every stage "
                                  f"group needs the same number of training ranks")
             group_rank = next(iter(derived.values()))
@@ -173,11 +174,11 @@ class MegatronReshardWorkerExtension:
         weights) are never refit targets and need no listing."""
         state = self._refit_state()
         if state["groups"] is None:
-            raise RuntimeError("prepare_refit called before init_refit_groups")
+            raise CallOrderError("prepare_refit called before init_refit_groups")
         options = dict(options or {})
         unknown = sorted(set(options) - set(_PREPARE_OPTIONS))
         if unknown:
-            raise ValueError(f"unknown prepare_refit options {unknown}; known: {list(_PREPARE_OPTIONS)}")
+            raise BadInputError(f"unknown prepare_refit options {unknown}; known: {list(_PREPARE_OPTIONS)}")
         state["session"] = None
         model = self.get_refit_model()
         derived = derived_param_names(model)  # recomputed after each refit, never received

@@ -13,8 +13,8 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_reshard.engine.geometry import Box
-from megatron_reshard.engine.transport import all_reduce, control_device, group_size
+from megatron_reshard.layout.geometry import Box
+from megatron_reshard.groups.collectives import all_reduce, control_device, group_size
 from megatron_reshard.refit.integrity import (MODULUS, ChecksumTable, box_checksum, mismatches,
                                         source_overlaps)
 

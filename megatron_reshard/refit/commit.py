@@ -20,7 +20,7 @@ from typing import Any, Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_reshard.engine.transport import all_reduce, control_device, group_rank
+from megatron_reshard.groups.collectives import all_reduce, control_device, group_rank
 
 NO_VERSION = -(1 << 62)  # what a generation rank votes for the version (MAX ignores it)
 CHECKSUM_MISMATCH = 1

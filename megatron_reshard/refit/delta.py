@@ -27,7 +27,8 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
 
-from megatron_reshard.engine.geometry import rank_region
+from megatron_reshard.errors import BadInputError
+from megatron_reshard.layout.geometry import rank_region
 from megatron_reshard.engine.param_plan import ParamPlan, build_plan
 from megatron_reshard.engine.plan import layout_key
 from megatron_reshard.refit.commit import NO_VERSION
@@ -47,9 +48,9 @@ class DeltaConfig:
 
     def __post_init__(self):
         if int(self.budget_bytes) < 0:
-            raise ValueError(f"DeltaConfig.budget_bytes must be >= 0, got {self.budget_bytes}")
+            raise BadInputError(f"DeltaConfig.budget_bytes must be >= 0, got {self.budget_bytes}")
         if self.keep not in KEEP_PLACES:
-            raise ValueError(f"DeltaConfig.keep must be one of {KEEP_PLACES}, got {self.keep!r}")
+            raise BadInputError(f"DeltaConfig.keep must be one of {KEEP_PLACES}, got {self.keep!r}")
 
     @classmethod
     def of(cls, delta: Union[bool, "DeltaConfig", None]) -> Optional["DeltaConfig"]:
@@ -60,7 +61,7 @@ class DeltaConfig:
             return cls()
         if isinstance(delta, cls):
             return delta
-        raise ValueError(f"delta must be False, True or a DeltaConfig, got {delta!r}")
+        raise BadInputError(f"delta must be False, True or a DeltaConfig, got {delta!r}")
 
 
 # -- eligibility (payload-derived: the same on every rank) -------------------------

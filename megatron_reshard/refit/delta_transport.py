@@ -30,9 +30,9 @@ from typing import Any, Optional
 
 import torch
 
-from megatron_reshard.engine.geometry import box_numel
+from megatron_reshard.layout.geometry import box_numel
 from megatron_reshard.engine.param_plan import ParamPlan
-from megatron_reshard.engine.transport import control_device
+from megatron_reshard.groups.collectives import control_device
 from megatron_reshard.groups.faults import RefitError, wait_works
 from megatron_reshard.refit.delta import TrainBase, as_tensor
 

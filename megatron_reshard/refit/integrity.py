@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 from torch.distributed.tensor import Replicate
 
-from megatron_reshard.engine.geometry import Box, box_intersect, box_numel, rank_region
+from megatron_reshard.layout.geometry import Box, box_intersect, box_numel, rank_region
 
 if TYPE_CHECKING:  # a type only: the wire records import nothing of this module
     from megatron_reshard.wire.records import ParamRecord

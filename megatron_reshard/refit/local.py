@@ -11,7 +11,8 @@ from typing import Any, Iterable, NamedTuple, Optional, Sequence
 
 import torch
 
-from megatron_reshard.engine.geometry import Box, rank_region
+from megatron_reshard.errors import BadInputError
+from megatron_reshard.layout.geometry import Box, rank_region
 from megatron_reshard.engine.members import members_problem
 from megatron_reshard.wire.spec import HFToLocalParamMap, LocalParamSpec
 from megatron_reshard.wire.records import ParamRecord
@@ -43,7 +44,7 @@ def local_params(params: Sequence[ParamRecord], local_map: HFToLocalParamMap, si
         name = p.name
         spec = local_map.get(name)
         if spec is None:
-            raise ValueError(f"{name}: no local spec on {side} group rank {rank} of stage "
+            raise BadInputError(f"{name}: no local spec on {side} group rank {rank} of stage "
                              f"{stage}, which holds region {list(box)} of this param")
         if spec.pre is None:
             _check_base(name, where, spec.base, box, tuple(local_shape), p.torch_dtype)
@@ -60,18 +61,18 @@ def _check_base(name: str, where: str, base: Any, box: Box, local_shape: tuple,
             else "cpu"
         why = members_problem(base, local_shape, dtype, device)
         if why:
-            raise ValueError(f"{name}: {where} holds region {list(box)} as a list of tensors: "
+            raise BadInputError(f"{name}: {where} holds region {list(box)} as a list of tensors: "
                              f"expected {why}")
         return
     if not isinstance(base, torch.Tensor):
-        raise ValueError(f"{name}: {where} has a spec without pre hook whose base is "
+        raise BadInputError(f"{name}: {where} has a spec without pre hook whose base is "
                          f"{type(base).__name__}, not a tensor")
     if tuple(base.shape) != local_shape:
-        raise ValueError(f"{name}: {where} holds region {list(box)} in a local tensor of shape "
+        raise BadInputError(f"{name}: {where} holds region {list(box)} in a local tensor of shape "
                          f"{list(local_shape)}, but its local tensor has shape "
                          f"{list(base.shape)}")
     if base.dtype != dtype:
-        raise ValueError(f"{name}: {where}: wire dtype {dtype} but local tensor dtype "
+        raise BadInputError(f"{name}: {where}: wire dtype {dtype} but local tensor dtype "
                          f"{base.dtype}")
 
 

@@ -52,10 +52,11 @@ from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence, Union
 import torch
 
 from megatron_reshard.engine import Planner, Transfer
-from megatron_reshard.engine.transports import transport_of
-from megatron_reshard.engine.geometry import box_shape
+from megatron_reshard.engine.refit_transport import transport_of
+from megatron_reshard.layout.geometry import box_shape
 from megatron_reshard.engine.plan import gc_paused
-from megatron_reshard.engine.transport import all_gather_ints, control_device, group_rank
+from megatron_reshard.errors import BadInputError
+from megatron_reshard.groups.collectives import all_gather_ints, control_device, group_rank
 from megatron_reshard.groups.faults import RefitError, wait_device
 from megatron_reshard.refit.checksums import SourceOverlaps, StageChecksums
 from megatron_reshard.refit.local import LocalParam, first_tensor_is_cuda, local_params
@@ -162,11 +163,11 @@ class RefitLoop:
         verify_checksums: bool = False,
     ):
         if side not in SIDES:
-            raise ValueError(f"side must be one of {SIDES}, got {side!r}")
+            raise BadInputError(f"side must be one of {SIDES}, got {side!r}")
         if num_streams < 1:
-            raise ValueError(f"num_streams must be >= 1, got {num_streams}")
+            raise BadInputError(f"num_streams must be >= 1, got {num_streams}")
         if batch_bytes < 1:
-            raise ValueError(f"batch_bytes must be >= 1, got {batch_bytes}")
+            raise BadInputError(f"batch_bytes must be >= 1, got {batch_bytes}")
         self.side = side
         self.local_map = local_map
         self.num_streams = num_streams
@@ -180,7 +181,7 @@ class RefitLoop:
         pp_size = info.pp_size
         for stage in self.groups:
             if not 0 <= stage < pp_size:
-                raise ValueError(f"refit group given for stage {stage}, but the payload has "
+                raise BadInputError(f"refit group given for stage {stage}, but the payload has "
                                  f"pp_size={pp_size}")
         self.stages: dict[int, list[ParamRecord]] = {s: all_stages.get(s, []) for s in sorted(self.groups)}
         self.misc_items = None if misc_items is None else {
@@ -260,7 +261,7 @@ class RefitLoop:
         ``xfer_batch_reference`` takes the same keywords.
         """
         # without a substitute, each group's own transport moves its batches (p2p or
-        # colocated, chosen when the group was made: engine.transports)
+        # colocated, chosen when the group was made: engine.refit_transport)
         fn = self._xfer_batch
         if self._planner is None:
             self._planner = Planner()
@@ -315,7 +316,7 @@ class RefitLoop:
             self.verify_plan()
         if mode == "delta" and self.delta_plans is None:
             if self.side == "src":
-                raise ValueError("a delta refit on a training-side loop without enable_delta()")
+                raise BadInputError("a delta refit on a training-side loop without enable_delta()")
             self.enable_delta()  # the generation side plans on its first delta refit
         with gc_paused():  # many small objects per param; GC passes would walk the caches
             return self._run(synchronize, on_write, mode)

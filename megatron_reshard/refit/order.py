@@ -13,7 +13,7 @@ from typing import Any, Mapping, NamedTuple, Optional, Sequence
 
 import torch
 
-from megatron_reshard.placements import placements_to_plain
+from megatron_reshard.layout.placements import placements_to_plain
 from megatron_reshard.wire.metadata import dtype_from_str
 from megatron_reshard.wire.records import ParamRecord, RefitPayload
 

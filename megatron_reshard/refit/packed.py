@@ -15,6 +15,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_reshard.errors import BadInputError, MissingEntryError
 from megatron_reshard.groups.faults import wait_works
 
 
@@ -73,9 +74,9 @@ def pack(entries: Sequence[PackedEntry], tensors: dict[str, torch.Tensor],
     for entry in entries:
         t = tensors.get(entry.name)
         if t is None:
-            raise KeyError(f"packed broadcast: no tensor for {entry.name!r}")
+            raise MissingEntryError(f"packed broadcast: no tensor for {entry.name!r}")
         if tuple(t.shape) != entry.shape or t.dtype != entry.dtype:
-            raise ValueError(f"packed broadcast: {entry.name!r} expected shape {list(entry.shape)} "
+            raise BadInputError(f"packed broadcast: {entry.name!r} expected shape {list(entry.shape)} "
                              f"dtype {entry.dtype}, found shape {list(t.shape)} dtype {t.dtype}")
         # copy straight into the buffer: a strided view (a de-interleaved q/k/v) needs no
         # contiguous temporary
@@ -103,7 +104,7 @@ def broadcast_packed(entries: Sequence[PackedEntry], group: Optional[dist.Proces
     rank = dist.get_rank() if group is None else group.rank()
     if rank == root:
         if tensors is None:
-            raise ValueError(f"packed broadcast: rank {rank} is the root but has no tensors")
+            raise BadInputError(f"packed broadcast: rank {rank} is the root but has no tensors")
         flat = pack(entries, tensors, device)
     else:
         flat = torch.empty(buffer_bytes(entries), dtype=torch.uint8, device=device)

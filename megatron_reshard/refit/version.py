@@ -23,13 +23,13 @@ from typing import Any, Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_reshard.engine.transport import all_reduce, control_device
-from megatron_reshard.errors import MegatronReshardError
+from megatron_reshard.groups.collectives import all_reduce, control_device
+from megatron_reshard.errors import BadInputError
 from megatron_reshard.refit.commit import NO_VERSION
 from megatron_reshard.refit.delta import VOTE_WIDTH, decide_mode, dst_vote, src_vote
 
 
-class VersionRefused(MegatronReshardError, ValueError):
+class VersionRefused(BadInputError):
     """The refit's version does not increase the weights' version (or the training ranks
     disagree on it); refused on every rank before any byte moved."""
 
@@ -92,7 +92,7 @@ def agree_version(groups: Mapping[int, Any], *, side: str, version: Optional[int
     if delta_vote is None:
         delta_vote = src_vote(False, 0, None) if side == "src" else dst_vote(1, None)
     if len(delta_vote) != VOTE_WIDTH:
-        raise ValueError(f"delta_vote has {len(delta_vote)} columns, expected {VOTE_WIDTH}")
+        raise BadInputError(f"delta_vote has {len(delta_vote)} columns, expected {VOTE_WIDTH}")
     decisions, modes = {}, {}
     for stage in sorted(groups):
         group = groups[stage]

@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_reshard.engine.transports import transport_of
+from megatron_reshard.engine.refit_transport import transport_of
 from megatron_reshard.receiver import MegatronReshardWorkerExtension
 from megatron_reshard.wire.records import RefitPayload
 from megatron_reshard.tools.run_config import RefitRunConfig, model_preset

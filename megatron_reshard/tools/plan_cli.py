@@ -355,7 +355,7 @@ def _count(n: int) -> str:
 def _print_matrix(args, cfg, lay) -> None:
     """Per stage, MiB per (sender, receiver) group-rank pair of the bulk params, as the
     default planner plans them; and the per-param lines with --verbose."""
-    from megatron_reshard.engine.geometry import box_numel
+    from megatron_reshard.layout.geometry import box_numel
     from megatron_reshard.engine.plan import Planner
     from megatron_reshard.tools.plan_inputs import stage_inputs
 

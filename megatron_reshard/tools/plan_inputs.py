@@ -23,10 +23,10 @@ from typing import Any, Mapping, NamedTuple, Optional, Sequence
 
 import torch
 
-from megatron_reshard.engine.geometry import REPLICATE
+from megatron_reshard.layout.geometry import REPLICATE
 from megatron_reshard.engine.param_plan import LayoutKey
 from megatron_reshard.engine.plan import layout_key
-from megatron_reshard.placements import MeshInfo, build_mesh_info
+from megatron_reshard.layout.placements import MeshInfo, build_mesh_info
 from megatron_reshard.wire.placement_rules import is_nccl_reshard_param
 from megatron_reshard.megatron.qkv import megatron_qkv_layout
 from megatron_reshard.wire.metadata import build_nccl_reshard_refit_info, extract_layer_name

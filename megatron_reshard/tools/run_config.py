@@ -104,7 +104,7 @@ class RefitRunConfig:
     # "fp8_blockwise": linear weights held in blockwise FP8 for training (testing.fp8_training,
     # the CPU stand-in for TE fp8_param); needs gen_precision "fp8"
     train_precision: str = "bf16"
-    # how the refit groups move bytes (engine.transports): None = the default ("p2p"),
+    # how the refit groups move bytes (engine.refit_transport): None = the default ("p2p"),
     # "colocated" = copies out of the training ranks' mapped memory (gloo only)
     transport: Optional[str] = None
 

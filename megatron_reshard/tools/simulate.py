@@ -28,7 +28,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
-from megatron_reshard.engine.geometry import box_numel
+from megatron_reshard.layout.geometry import box_numel
 from megatron_reshard.engine.link_costs import LinkCosts
 from megatron_reshard.engine.param_plan import ParamPlan
 from megatron_reshard.engine.plan import Planner, gc_paused

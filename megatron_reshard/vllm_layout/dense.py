@@ -23,7 +23,8 @@ from typing import Any, Mapping, Optional, Sequence
 
 from torch.distributed.tensor import Replicate, Shard
 
-from megatron_reshard.placements import MeshInfo
+from megatron_reshard.errors import BadInputError
+from megatron_reshard.layout.placements import MeshInfo
 from megatron_reshard.vllm_layout import gpt_oss
 
 VOCAB_PADDING = 64
@@ -155,7 +156,7 @@ def per_group_as_hf_rows(shape: Sequence[int], region: Sequence) -> tuple[tuple,
     (g0, g1), (a, b), *rest = region
     per_group = int(shape[1])
     if g1 - g0 > 1 and (a, b) != (0, per_group):
-        raise ValueError(f"region {[list(r) for r in region]} of the per-group form "
+        raise BadInputError(f"region {[list(r) for r in region]} of the per-group form "
                          f"{list(shape)} is not one block of HF rows")
     rows = (g0 * per_group + a, (g1 - 1) * per_group + b) if g1 > g0 else (0, 0)
     return ((int(shape[0]) * per_group, *(int(n) for n in shape[2:])),

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from torch.distributed.tensor import Shard
 
-from megatron_reshard.placements import BlockShard
+from megatron_reshard.layout.placements import BlockShard
 
 W13 = "w13_weight"
 W2 = "w2_weight"

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional
 
-from megatron_reshard.errors import MegatronReshardError
+from megatron_reshard.errors import BadInputError
 from megatron_reshard.wire.metadata import dtype_from_str
 
 
-class RefitPayloadError(MegatronReshardError, ValueError):
+class RefitPayloadError(BadInputError):
     """The refit payload is malformed or does not fit this refit group."""
 
 

@@ -30,8 +30,9 @@ from typing import Any, Optional
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
+from megatron_reshard.errors import BadInputError, BadInputTypeError, MissingEntryError
 from megatron_reshard.vllm_layout.moe import expert_gen_placement
-from megatron_reshard.placements import (
+from megatron_reshard.layout.placements import (
     BlockShard,
     MeshInfo,
     PaddedShard,
@@ -83,7 +84,7 @@ def dtype_from_str(dtype: Any) -> torch.dtype:
     try:
         return _STR_TO_DTYPE[dtype]
     except (KeyError, TypeError):
-        raise ValueError(
+        raise BadInputError(
             f"unknown dtype {dtype!r}: expected one of {sorted(k for k in _STR_TO_DTYPE if k.startswith('torch.'))}"
         ) from None
 
@@ -106,7 +107,7 @@ def group_expert_params_in_metadata(
 
     def add_grouped(name: str, entry: dict[str, Any], source: str) -> None:
         if name in grouped:
-            raise ValueError(f"grouped expert entry {name!r} produced twice (second time from {source!r})")
+            raise BadInputError(f"grouped expert entry {name!r} produced twice (second time from {source!r})")
         grouped[name] = entry
 
     for name, meta in state_dict_metadata.items():
@@ -122,7 +123,7 @@ def group_expert_params_in_metadata(
                 add_grouped(f"{prefix}.down_proj.weight", {**meta, "shape": shape, _GROUPED_TAG: "down_proj"}, name)
                 continue
             if len(shape) != 3 or shape[1] % 2:
-                raise ValueError(
+                raise BadInputError(
                     f"{name}: pre-grouped gate_up_proj must be [E, 2*I, H] with an even middle dim, got {shape}"
                 )
             half = [shape[0], shape[1] // 2, shape[2]]
@@ -138,13 +139,13 @@ def group_expert_params_in_metadata(
         indices = sorted(experts)
         if indices != list(range(len(indices))):
             missing = sorted(set(range(indices[-1] + 1)) - set(indices))
-            raise ValueError(f"{prefix}.<i>.{proj}.weight: experts {missing} are missing (have {indices})")
+            raise BadInputError(f"{prefix}.<i>.{proj}.weight: experts {missing} are missing (have {indices})")
         first_name, first = experts[0]
         shape, dtype = list(first["shape"]), first.get("dtype")
         for idx in indices:
             name, meta = experts[idx]
             if list(meta["shape"]) != shape or meta.get("dtype") != dtype:
-                raise ValueError(
+                raise BadInputError(
                     f"{name}: every expert of {prefix}.<i>.{proj}.weight must match {first_name} "
                     f"(shape {shape}, dtype {dtype}); got shape {list(meta['shape'])}, dtype {meta.get('dtype')}"
                 )
@@ -156,7 +157,7 @@ def group_expert_params_in_metadata(
 
     clash = sorted(set(grouped) & set(passthrough))
     if clash:
-        raise ValueError(f"grouped expert entries clash with existing params: {clash}")
+        raise BadInputError(f"grouped expert entries clash with existing params: {clash}")
     return {**passthrough, **grouped}
 
 
@@ -183,7 +184,7 @@ def extract_layer_name(param_name: str) -> str:
 def _parallel_size(parallelism: dict[str, int], key: str, side: str) -> int:
     value = parallelism.get(key, 1)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{side}_parallelism[{key!r}] must be a positive int, got {value!r}")
+        raise BadInputError(f"{side}_parallelism[{key!r}] must be a positive int, got {value!r}")
     return value
 
 
@@ -204,7 +205,7 @@ def build_nccl_reshard_refit_info(
     """
     for what, size in (("train_world_size", train_world_size), ("gen_world_size", gen_world_size)):
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(f"{what} must be a positive int, got {size!r}")
+            raise BadInputError(f"{what} must be a positive int, got {size!r}")
     tp = _parallel_size(train_parallelism, "tp_size", "train")
     ep = _parallel_size(train_parallelism, "ep_size", "train")
     pp = _parallel_size(train_parallelism, "pp_size", "train")
@@ -212,16 +213,16 @@ def build_nccl_reshard_refit_info(
     gen_ep = _parallel_size(gen_parallelism, "ep_size", "gen")
     gen_pp = _parallel_size(gen_parallelism, "pp_size", "gen")
     if gen_pp != 1:
-        raise ValueError(f"gen_parallelism['pp_size'] must be 1 (generation pipeline parallelism is not supported), got {gen_pp}")
+        raise BadInputError(f"gen_parallelism['pp_size'] must be 1 (generation pipeline parallelism is not supported), got {gen_pp}")
     if train_world_size % pp:
-        raise ValueError(f"train_world_size={train_world_size} is not divisible by train pp_size={pp}")
+        raise BadInputError(f"train_world_size={train_world_size} is not divisible by train pp_size={pp}")
     stage_world = train_world_size // pp
 
     def sized(fn, what):
         try:
             return fn()
         except ValueError as err:
-            raise ValueError(f"{what}: {err}") from None
+            raise BadInputError(f"{what}: {err}") from None
 
     src_dense, src_dense_map = sized(lambda: build_mesh_info(stage_world, 0, tp_size=tp), "train non-expert mesh")
     src_expert, src_expert_map = sized(lambda: build_mesh_info(stage_world, 0, ep_size=ep), "train expert mesh")
@@ -237,10 +238,10 @@ def build_nccl_reshard_refit_info(
 
     if pp > 1:
         if layer_to_pp_stage is None:
-            raise ValueError(f"train pp_size={pp} > 1 needs layer_to_pp_stage (layer name -> PP stage)")
+            raise BadInputError(f"train pp_size={pp} > 1 needs layer_to_pp_stage (layer name -> PP stage)")
         for layer, stage in layer_to_pp_stage.items():
             if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < pp:
-                raise ValueError(f"layer_to_pp_stage[{layer!r}] = {stage!r} is not a stage in 0..{pp - 1}")
+                raise BadInputError(f"layer_to_pp_stage[{layer!r}] = {stage!r} is not a stage in 0..{pp - 1}")
 
     layer_names: list[str] = []
     for name in state_dict_metadata:
@@ -255,7 +256,7 @@ def build_nccl_reshard_refit_info(
         try:
             dtype = str(dtype_from_str(meta["dtype"]))
         except ValueError as err:
-            raise ValueError(f"{name}: {err}") from None
+            raise BadInputError(f"{name}: {err}") from None
         expert = is_expert_param(name)
         src_mesh, src_map = (src_expert, src_expert_map) if expert else (src_dense, src_dense_map)
         dst_mesh, dst_map = (dst_expert, dst_expert_map) if expert else (dst_dense, dst_dense_map)
@@ -273,7 +274,7 @@ def build_nccl_reshard_refit_info(
             info["dst_placements"][dst_map["ep"]] = expert_gen_placement(shape[0], gen_ep)
         if pp > 1:
             if layer not in layer_to_pp_stage:
-                raise KeyError(
+                raise MissingEntryError(
                     f"layer {layer!r} (param {name!r}) is missing from layer_to_pp_stage; "
                     f"every layer key of the given params needs a PP stage"
                 )
@@ -307,7 +308,7 @@ def _to_wire(value: Any, path: str) -> Any:
         return str(value)
     if isinstance(value, (str, int, float, bool)) or value is None:
         return value
-    raise TypeError(f"refit_info{path}: {type(value).__name__} cannot go on the wire (plain data only)")
+    raise BadInputTypeError(f"refit_info{path}: {type(value).__name__} cannot go on the wire (plain data only)")
 
 
 def make_nccl_reshard_refit_info_wire_safe(refit_info: dict) -> dict:
@@ -323,7 +324,7 @@ def _restore_mesh(mesh: Any) -> Any:
         return MeshInfo(torch.tensor(mesh["mesh"], dtype=torch.int64))
     if isinstance(mesh, dict) and "_mesh" in mesh:
         return MeshInfo(torch.tensor(mesh["_mesh"], dtype=torch.int64))
-    raise TypeError(f"cannot restore a mesh from {mesh!r}: expected MeshInfo or {{'mesh': nested list}}")
+    raise BadInputTypeError(f"cannot restore a mesh from {mesh!r}: expected MeshInfo or {{'mesh': nested list}}")
 
 
 def restore_refit_info_placements(refit_info: dict) -> dict:

@@ -3,7 +3,7 @@ how each is split over a mesh's TP / EP axes.
 
 Torch + stdlib only. These are the rules of NeMo-RL's ``nccl_reshard_utils`` (the
 seed-compatible module re-exports them under the seed's names): placements are decided
-from HF names alone. The placement types themselves are in ``megatron_reshard.placements``.
+from HF names alone. The placement types themselves are in ``megatron_reshard.layout.placements``.
 """
 
 from __future__ import annotations

@@ -31,7 +31,8 @@ from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import torch
 
-from megatron_reshard.placements import MeshInfo, placements_to_plain, restore_placement
+from megatron_reshard.errors import BadInputError, BadInputTypeError
+from megatron_reshard.layout.placements import MeshInfo, placements_to_plain, restore_placement
 from megatron_reshard.wire.metadata import (
     SUPPORTED_SCHEMA_VERSIONS,
     _restore_mesh,
@@ -170,14 +171,14 @@ def _misc_records(other: Any, pp_size: int) -> tuple[MiscRecord, ...]:
     out, seen = [], set()
     for name, entry in entries:
         if not isinstance(name, str) or name in seen:
-            raise ValueError(f"other_params: entry {entry!r} has a missing or repeated name")
+            raise BadInputError(f"other_params: entry {entry!r} has a missing or repeated name")
         seen.add(name)
         stage = entry.get("pp_stage")
         if stage is None and pp_size > 1:
-            raise ValueError(f"other_params[{name!r}] has no 'pp_stage' but the payload has "
+            raise BadInputError(f"other_params[{name!r}] has no 'pp_stage' but the payload has "
                              f"pp_size={pp_size}")
         if stage is not None and not 0 <= int(stage) < pp_size:
-            raise ValueError(f"other_params[{name!r}]: pp_stage={stage} is not in 0..{pp_size - 1}")
+            raise BadInputError(f"other_params[{name!r}]: pp_stage={stage} is not in 0..{pp_size - 1}")
         dtype_from_str(entry["dtype"])  # an unknown dtype is refused here, not mid-refit
         out.append(MiscRecord(name, _shape(entry["shape"]), str(entry["dtype"]),
                               None if stage is None else int(stage)))
@@ -222,13 +223,13 @@ class RefitPayload:
         if isinstance(info, cls):
             return info
         if not isinstance(info, Mapping):
-            raise TypeError(f"refit info is a {type(info).__name__}, expected a map")
+            raise BadInputTypeError(f"refit info is a {type(info).__name__}, expected a map")
         pp = int(info.get("pp_size", 1))
         per_layer = info.get("per_layer_params", {})
         listed = list(info.get("layer_names", []))
         unlisted = [layer for layer, ps in per_layer.items() if ps and layer not in set(listed)]
         if unlisted:
-            raise ValueError(f"refit payload: per_layer_params has layers missing from "
+            raise BadInputError(f"refit payload: per_layer_params has layers missing from "
                              f"layer_names: {unlisted}")
         records = {layer: tuple(ParamRecord.from_entry(p) for p in ps)
                    for layer, ps in per_layer.items()}
@@ -256,7 +257,7 @@ class RefitPayload:
         validate_payload(payload, where)
         version = payload.get("schema_version")
         if version not in SUPPORTED_SCHEMA_VERSIONS:
-            raise ValueError(f"refit payload on {where}: unsupported schema_version {version!r} "
+            raise BadInputError(f"refit payload on {where}: unsupported schema_version {version!r} "
                              f"(this receiver reads {list(SUPPORTED_SCHEMA_VERSIONS)})")
         return cls.of(payload)
 

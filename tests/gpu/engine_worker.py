@@ -21,7 +21,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from megatron_reshard.groups.comm import create_refit_group, destroy_refit_group
 from megatron_reshard.engine import Planner, Transfer, xfer_batch, xfer_batch_reference
-from megatron_reshard.placements import MeshInfo
+from megatron_reshard.layout.placements import MeshInfo
 
 RANK = int(os.environ["RANK"])
 WORLD = int(os.environ["WORLD_SIZE"])

@@ -415,7 +415,7 @@ def _init_with_an_uncovered_param(job, prepare_options):
     from vllm.config.weight_transfer import WeightTransferConfig
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-    from megatron_reshard.engine.transport import all_gather_ints
+    from megatron_reshard.groups.collectives import all_gather_ints
     from megatron_reshard.groups.comm import create_refit_group
     from megatron_reshard.testing.vllm_like import (build_plain_payload, build_vllm_like_model,
                                                     random_hf_state_dict)

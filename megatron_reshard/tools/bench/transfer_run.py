@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Shard
 
-from megatron_reshard.engine.geometry import rank_box
-from megatron_reshard.placements import MeshInfo
+from megatron_reshard.layout.geometry import rank_box
+from megatron_reshard.layout.placements import MeshInfo
 
 from .baselines import BaselineGroups, BaselineParam, gather_broadcast, raw_p2p
 from .memory import measure_peak_extra

@@ -18,7 +18,8 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-from megatron_reshard.placements import BlockShard, PaddedShard
+from megatron_reshard.errors import BadInputError
+from megatron_reshard.layout.placements import BlockShard, PaddedShard
 
 Box = tuple  # tuple[tuple[int, int], ...]
 REPLICATE = -1  # plain form of Replicate() in a placement tuple
@@ -123,16 +124,16 @@ def placement_dims(placements: Sequence, ndim: int, where: str = "placements") -
             if p.get("blocks") is not None:
                 padded = tuple(int(n) for n in p["blocks"])
         else:
-            raise ValueError(f"{where}: unsupported placement {p!r} (only Shard, PaddedShard, "
+            raise BadInputError(f"{where}: unsupported placement {p!r} (only Shard, PaddedShard, "
                              "BlockShard and Replicate)")
         if not -ndim <= d < ndim:
-            raise ValueError(f"{where}: invalid shard dim: Shard({d}) on a tensor of {ndim} "
+            raise BadInputError(f"{where}: invalid shard dim: Shard({d}) on a tensor of {ndim} "
                              f"dims (expected a dim in [{-ndim}, {ndim}))")
         out.append(d % ndim if padded is None else (d % ndim, padded))
     dims = [e[0] if isinstance(e, tuple) else e for e in out]
     for e in out:
         if isinstance(e, tuple) and dims.count(e[0]) > 1:
-            raise ValueError(f"{where}: a padded or block shard of dim {e[0]} must be the only "
+            raise BadInputError(f"{where}: a padded or block shard of dim {e[0]} must be the only "
                              f"placement sharding that dim, found {list(placements)}")
     return tuple(out)
 
@@ -164,7 +165,7 @@ def shard_box(global_shape: Sequence[int], mesh_shape: Sequence[int], coord: Seq
         if isinstance(d, tuple) and isinstance(d[1], tuple):  # block shard: explicit sizes
             d, sizes = d
             if len(sizes) != mesh_shape[axis] or sum(sizes) != global_shape[d]:
-                raise ValueError(f"block shard of dim {d}: {len(sizes)} block sizes {list(sizes)} "
+                raise BadInputError(f"block shard of dim {d}: {len(sizes)} block sizes {list(sizes)} "
                                  f"for a mesh axis of {mesh_shape[axis]} and a dim of "
                                  f"{global_shape[d]}: expected one size per coordinate, adding "
                                  f"up to the dim")
@@ -194,7 +195,7 @@ def shard_box(global_shape: Sequence[int], mesh_shape: Sequence[int], coord: Seq
 
 def _padded_chunk(size: int, padded: int, parts: int) -> int:
     if padded < size or padded % parts:
-        raise ValueError(f"padded shard: padded size {padded} must be >= the real size {size} "
+        raise BadInputError(f"padded shard: padded size {padded} must be >= the real size {size} "
                          f"and divisible by the mesh axis size {parts}")
     return padded // parts
 
@@ -217,7 +218,7 @@ def rank_region(global_shape: Sequence[int], mesh, placements: Sequence, rank: i
     if coord is None:
         return None
     if len(placements) != mesh.ndim:
-        raise ValueError(f"{len(placements)} placements for a {mesh.ndim}-D mesh {mesh!r}")
+        raise BadInputError(f"{len(placements)} placements for a {mesh.ndim}-D mesh {mesh!r}")
     shape = tuple(int(n) for n in global_shape)
     dims = placement_dims(placements, len(shape))
     box = shard_box(shape, mesh.shape, coord, dims)

@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-from megatron_reshard.errors import MegatronReshardError
+from megatron_reshard.errors import BadInputError, BadInputTypeError
 
 # Order in which parallel dims are emitted by build_mesh_info (first = innermost axis).
 MESH_DIM_ORDER = ("tp", "ep", "dp", "pp")
@@ -35,11 +35,11 @@ class MeshInfo:
             mesh = mesh.reshape(1)
         ranks = mesh.flatten().tolist()
         if not ranks:
-            raise ValueError("MeshInfo: a mesh needs at least one rank")
+            raise BadInputError("MeshInfo: a mesh needs at least one rank")
         if len(set(ranks)) != len(ranks):
-            raise ValueError(f"MeshInfo: ranks must be unique, got {ranks}")
+            raise BadInputError(f"MeshInfo: ranks must be unique, got {ranks}")
         if any(r < 0 for r in ranks):
-            raise ValueError(f"MeshInfo: ranks must be >= 0, got {ranks}")
+            raise BadInputError(f"MeshInfo: ranks must be >= 0, got {ranks}")
         self._mesh = mesh
         self._key: Optional[tuple] = None  # the rank tensor is never mutated through MeshInfo
 
@@ -80,7 +80,7 @@ class MeshInfo:
         return f"MeshInfo({self._mesh.tolist()})"
 
 
-class MeshSizeError(MegatronReshardError, ValueError, AssertionError):
+class MeshSizeError(BadInputError, AssertionError):
     """Parallel sizes that do not tile the GPU count.
 
     Also an ``AssertionError`` because the seed asserts this condition, so callers written
@@ -101,9 +101,9 @@ def build_mesh_info(
     sizes = {"tp": tp_size, "ep": ep_size, "pp": pp_size}
     for name, size in {**{f"{k}_size": v for k, v in sizes.items()}, "num_gpus": num_gpus}.items():
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(f"build_mesh_info: {name} must be a positive int, got {size!r}")
+            raise BadInputError(f"build_mesh_info: {name} must be a positive int, got {size!r}")
     if isinstance(rank_offset, bool) or not isinstance(rank_offset, int) or rank_offset < 0:
-        raise ValueError(f"build_mesh_info: rank_offset must be a non-negative int, got {rank_offset!r}")
+        raise BadInputError(f"build_mesh_info: rank_offset must be a non-negative int, got {rank_offset!r}")
     model_parallel = tp_size * ep_size * pp_size
     dp_size = num_gpus // model_parallel
     if dp_size * model_parallel != num_gpus:
@@ -154,7 +154,7 @@ class BlockShard:
     def __post_init__(self) -> None:
         object.__setattr__(self, "sizes", tuple(int(s) for s in self.sizes))
         if not self.sizes or any(s < 0 for s in self.sizes):
-            raise ValueError(f"BlockShard({self.dim}): block sizes must be >= 0, one per mesh "
+            raise BadInputError(f"BlockShard({self.dim}): block sizes must be >= 0, one per mesh "
                              f"coordinate; found {list(self.sizes)}")
 
 
@@ -173,7 +173,7 @@ def placements_to_plain(placements: Sequence) -> list[dict]:
         elif isinstance(p, Replicate):
             out.append({})
         else:
-            raise TypeError(f"unsupported placement {p!r}: only Shard, PaddedShard, "
+            raise BadInputTypeError(f"unsupported placement {p!r}: only Shard, PaddedShard, "
                             "BlockShard and Replicate are supported")
     return out
 
