@@ -40,6 +40,11 @@ from megatron_reshard.receiver.derived import (
 from megatron_reshard.receiver.kernel_layouts import storage_orders
 from megatron_reshard.receiver.misc_transport import receive_misc_packed
 from megatron_reshard.receiver.session import ReceiverSession
+from megatron_reshard.receiver.staged_conversion import (
+    StagedConversionError,
+    StagedConversions,
+    staged_layers,
+)
 from megatron_reshard.receiver.state import WeightState
 
 _PREPARE_OPTIONS = ("num_streams", "batch_bytes", "staging_bytes", "strided_in_place",
@@ -184,11 +189,16 @@ class MegatronReshardWorkerExtension:
         derived = derived_param_names(model)  # recomputed after each refit, never received
         targets = [(n, p) for n, p in model.named_parameters() if n not in derived]
         with fault_scope(state["groups"].values()):  # a refusal reaches the training ranks too
-            orders = storage_orders(model, skip=derived)  # how vLLM's post-load stored them
+            # layers vLLM's post-load converts by computing (block FP8): received in
+            # checkpoint order, converted by vLLM's code after each refit
+            staged = staged_layers(model, skip=derived)
+            orders = storage_orders(model, skip=derived,  # how vLLM's post-load stored them
+                                    staged={layer.name for layer in staged})
         session = ReceiverSession(payload, targets, state["groups"],
                                   receive_misc=self.receive_misc, vllm_tp=self.get_refit_tp_coords(),
                                   weights=state["weights"], storage_orders=orders, **options)
         state["session"] = session
+        state["staged"] = StagedConversions(staged)
         report = session.report()
         return {k: report[k] for k in ("rank_in_group", "gen_rank", "tp_rank", "tp_size", "ep_rank",
                                        "ep_size", "params", "misc_params", "plan_fingerprints",
@@ -204,6 +214,7 @@ class MegatronReshardWorkerExtension:
         session = self._refit_session()
         stats = session.refit()
         model = self.get_refit_model()
+        self._convert_staged(session, stats)  # before MLA's refresh, as vLLM's loader orders them
         try:
             stats["derived_refreshed"] = refresh_derived_weights(
                 model, session.targets.params.values(), self.get_refit_act_dtype())
@@ -213,6 +224,24 @@ class MegatronReshardWorkerExtension:
             weights.failed(str(err))
             raise
         return stats
+
+    def _convert_staged(self, session: ReceiverSession, stats: dict) -> None:
+        """vLLM's own conversion of the layers the refit wrote in checkpoint order
+        (``receiver.staged_conversion``), layer by layer into the same storage."""
+        staged = self._refit_state().get("staged")
+        if staged is None or not staged.layers:
+            return
+        try:
+            staged.received(session.targets.params.values())
+            stats["staged_converted"] = staged.convert()
+        except StagedConversionError as err:
+            weights = self._refit_state()["weights"]
+            weights.writing(sorted(staged.param_names))
+            weights.failed(str(err))
+            raise
+        finally:
+            session.forget_delta_base()  # converted bytes are no base for a delta
+        stats["staged_conversion"] = staged.report()
 
     def refit_weights_state(self) -> dict:
         """The weights' version and consistency (``receiver.state.WeightState.as_dict``):
@@ -248,4 +277,6 @@ class MegatronReshardWorkerExtension:
         state = self._refit_state()
         if state["session"] is None:
             return {"prepared": False, "weights": state["weights"].as_dict()}
-        return {"prepared": True, **state["session"].report()}
+        staged = state.get("staged")
+        return {"prepared": True, **state["session"].report(),
+                **({"staged_conversion": staged.report()} if staged and staged.layers else {})}

@@ -283,6 +283,26 @@ def loaded_model(config, full_hf: Mapping[str, torch.Tensor], may_miss=()) -> to
     return model
 
 
+def fp8_quantization_config(ignored_layers=()) -> dict:
+    """The ``quantization_config`` of a block-FP8 checkpoint (DeepSeek-V3's / Qwen3-FP8's);
+    ``ignored_layers``: modules kept unquantized (the MoE routers)."""
+    return {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+            "weight_block_size": [128, 128], "ignored_layers": list(ignored_layers)}
+
+
+def fp8_checkpoint(full_hf: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The block-FP8 checkpoint of full HF tensors (``testing.fp8_reference``'s independent
+    tile quantizer): ``<name>`` in float8_e4m3fn and ``<name>_scale_inv`` per linear weight."""
+    from megatron_reshard.testing.fp8_reference import quantize_full_hf
+
+    quantized, scales, plain = quantize_full_hf(full_hf)
+    out = dict(plain)
+    for name, q in quantized.items():
+        out[name] = q.view(torch.float8_e4m3fn)
+        out[name + "_scale_inv"] = scales[name]
+    return out
+
+
 def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter and buffer of ``model`` by name (tied ones under each name)."""
     out = dict(model.named_parameters(remove_duplicate=False))
@@ -309,5 +329,6 @@ def _same_bits(x: torch.Tensor, y: torch.Tensor) -> bool:
 
 
 __all__ = ["ARCHITECTURE_MODULES", "CPU_FLASHINFER_MOE_BACKENDS", "bitwise_differences", "build_model", "dummy_loaded_model",
+           "fp8_checkpoint", "fp8_quantization_config",
            "loaded_model", "model_tensors", "post_process", "set_vllm_cpu_environment",
            "vllm_config_for", "vllm_parallel_state", "write_model_dir"]
