@@ -189,7 +189,7 @@ class StagedConversions:
     layers: list[StagedLayer]
     converted: dict[str, int] = field(default_factory=dict)  # layer -> refits converted
     _pending: set = field(default_factory=set)
-    stats: dict = field(default_factory=lambda: {"layers": 0, "peak_staging_bytes": 0,
+    stats: dict = field(default_factory=lambda: {"conversions": 0, "peak_staging_bytes": 0,
                                                  "convert_s": 0.0, "max_layer_s": 0.0})
 
     @property
@@ -222,7 +222,7 @@ class StagedConversions:
             self._pending.discard(layer.name)
             self.converted[layer.name] = self.converted.get(layer.name, 0) + 1
             dt = time.perf_counter() - t0
-            self.stats["layers"] += 1
+            self.stats["conversions"] += 1
             self.stats["convert_s"] += dt
             self.stats["max_layer_s"] = max(self.stats["max_layer_s"], dt)
             self.stats["peak_staging_bytes"] = max(self.stats["peak_staging_bytes"], extra)

@@ -276,11 +276,18 @@ def loaded_model(config, full_hf: Mapping[str, torch.Tensor], may_miss=()) -> to
     model = build_model(config)
     with set_current_vllm_config(config):
         loaded = model.load_weights(iter(full_hf.items()))
-    missing = sorted({n for n, _ in model.named_parameters()} - set(loaded or ()) - set(may_miss))
+    missing = sorted(n for n in {n for n, _ in model.named_parameters()} - set(loaded or ()) - set(may_miss)
+                     if not n.endswith(KV_CACHE_SCALES))
     if loaded is not None and missing:
         raise AssertionError(f"vLLM's load_weights left params unloaded: {missing}")
     post_process(model, config)
     return model
+
+
+# an FP8 model's KV-cache scales: not in a checkpoint that has none (vLLM keeps its default),
+# randomised by the dummy loader, unused with --kv-cache-dtype auto; never refit targets
+KV_CACHE_SCALES = tuple(f".attn.{s}" for s in ("q_scale", "k_scale", "v_scale", "prob_scale",
+                                               "_q_scale", "_k_scale", "_v_scale", "_prob_scale"))
 
 
 def fp8_quantization_config(ignored_layers=()) -> dict:
@@ -329,6 +336,6 @@ def _same_bits(x: torch.Tensor, y: torch.Tensor) -> bool:
 
 
 __all__ = ["ARCHITECTURE_MODULES", "CPU_FLASHINFER_MOE_BACKENDS", "bitwise_differences", "build_model", "dummy_loaded_model",
-           "fp8_checkpoint", "fp8_quantization_config",
+           "KV_CACHE_SCALES", "fp8_checkpoint", "fp8_quantization_config",
            "loaded_model", "model_tensors", "post_process", "set_vllm_cpu_environment",
            "vllm_config_for", "vllm_parallel_state", "write_model_dir"]

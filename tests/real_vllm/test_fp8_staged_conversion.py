@@ -1,0 +1,90 @@
+"""Refits into block-FP8 layers whose vLLM post-load step computes (``receiver.staged_conversion``).
+
+The generation ranks build vLLM 0.33's own Qwen3-MoE class from a block-FP8 config
+(``weight_block_size`` [128, 128], routers unquantized) with the FP8 MoE backend
+``--moe-backend flashinfer_cutlass`` (Hopper's choice under EP: w13 and its scales
+swapped to [up; gate], block scales clamped) and the CUTLASS block-FP8 linear kernel;
+the CPU shim in ``testing.vllm_models`` only builds those kernel objects without CUDA.
+The refit receives the FP8 bytes and scales in checkpoint order into vLLM's storage and
+runs vLLM's own conversion of each layer after every refit. Two refits with changed
+weights, each compared bit for bit with a second vLLM model loaded by vLLM's
+``load_weights`` from the block-FP8 checkpoint of the same full tensors
+(``testing.fp8_reference``'s tile quantizer) and the same post-load. One generation rank
+skips the conversion of one layer on purpose; the comparison must report exactly it.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm.distributed")  # the real vLLM, installed in the vLLM test venv
+pytest.importorskip("compressed_tensors")  # vLLM's quantization registry imports it
+
+from test_real_vllm import REFITS, Family, _build, layout, vllm_config_json  # noqa: E402
+from hf_configs import TINY_MODEL  # noqa: E402
+from megatron_reshard.testing import vllm_models as vm  # noqa: E402
+from megatron_reshard.testing.vllm_refit import vllm_refit_job  # noqa: E402
+from megatron_reshard.tools.run_config import RefitRunConfig  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+# every per-rank q / k / v / gate / up / down and expert slice whole 128x128 tiles under
+# train TP2 EP2 and gen TP2: head_dim 128, hidden 128, intermediate 256 (128 per rank)
+QWEN3_MOE_FP8 = Family(dict(TINY_MODEL, family="qwen3_moe", qk_layernorm=True, hidden_size=128,
+                            head_dim=128, num_attention_heads=2, num_query_groups=2,
+                            ffn_hidden_size=256, num_moe_experts=8, moe_ffn_hidden_size=256,
+                            moe_layer_freq=[0, 1, 1, 1]),
+                       "Qwen3MoeForCausalLM", dict(attention_bias=False), ())
+MOE_LAYERS = (1, 2, 3)
+PLANTED_RANK = 1
+
+
+def fp8_config_json() -> dict:
+    return dict(vllm_config_json(QWEN3_MOE_FP8), quantization_config=vm.fp8_quantization_config(
+        [f"model.layers.{i}.mlp.gate" for i in MOE_LAYERS]))
+
+
+def _cfg(**extra) -> RefitRunConfig:
+    return RefitRunConfig(model="dense", model_overrides=dict(QWEN3_MOE_FP8.model), refits=REFITS,
+                          verify=False, dtype="bfloat16", quiet=True, timeout_s=120,
+                          gen_precision="fp8", **layout("tp2 ep2", "tp2"), **extra)
+
+
+@pytest.fixture(scope="module")
+def cutlass_fp8(pool):
+    cfg = _cfg()
+    results = pool.run(vllm_refit_job, cfg.train_world + cfg.gen_world, cfg, fp8_config_json(),
+                       model_builder=_build, moe_backend="flashinfer_cutlass",
+                       plant_staged_error_on=PLANTED_RANK, num_ports=cfg.train_pp + 2, timeout_s=480)
+    return [r for r in results if r["role"] == "gen"]
+
+
+def test_fp8_refit_through_vllms_conversion_is_bit_equal_to_vllms_own_loading(cutlass_fp8):
+    for g in cutlass_fp8:
+        if g["rank"] == PLANTED_RANK:
+            continue
+        who = f"gen rank {g['rank']}"
+        assert g["kernel_orders"] == {}, who  # nothing written through a learned order
+        staged = g["report"]["staged_conversion"]
+        assert sorted(staged["backends"]) == ["Fp8LinearMethod:CutlassFp8BlockScaledMMKernel",
+                                              "Fp8MoEMethod:FLASHINFER_CUTLASS"], (who, staged)
+        assert len(staged["layers"]) == 4 * 2 + 1 * 2 + len(MOE_LAYERS), (who, staged["layers"])
+        assert staged["conversions"] == REFITS * len(staged["layers"]), (who, staged)
+        # every staged layer converted once per refit, and the swap needed staging
+        assert staged["layers"] and staged["peak_staging_bytes"] > 0, (who, staged)
+        for stats in g["refits"]:
+            assert sorted(stats["staged_converted"]) == sorted(staged["layers"]), who
+        assert g["differences"] == [[]] * REFITS, f"{who}: differs from vLLM: {g['differences']}"
+        assert g["moved"] == [[]] * REFITS, f"{who}: params moved to new storage: {g['moved']}"
+        assert g["kv_scales_changed"] == [[]] * REFITS, who
+        assert g["weights"]["state"] == "consistent" and g["weights"]["version"] == REFITS, who
+
+
+def test_a_skipped_conversion_fails_the_comparison(cutlass_fp8):
+    """Gen rank 1 takes its first FP8 expert layer as checkpoint order (its conversion
+    skipped): after every refit the comparison with vLLM reports exactly that layer's w13
+    and its scales (FlashInfer CUTLASS swaps both; w2 and its scales it keeps)."""
+    planted = next(g for g in cutlass_fp8 if g["rank"] == PLANTED_RANK)
+    layer = "model.layers.1.mlp.experts.routed_experts"
+    assert planted["differences"] == [[f"{layer}.w13_weight", f"{layer}.w13_weight_scale_inv"]] * REFITS, \
+        planted["differences"]
