@@ -46,8 +46,8 @@ STAGED_METHODS = (FP8_MOE_METHOD, FP8_LINEAR_METHOD)
 # / XPU / AITER repack with device ops of their platform; the dry run decides the rest)
 STAGED_FP8_MOE_BACKENDS = ("FLASHINFER_CUTLASS", "FLASHINFER_TRTLLM", "TRITON", "BATCHED_TRITON",
                            "DEEPGEMM", "BATCHED_DEEPGEMM")
-FP8_MOE_SETTING = ("start vLLM with --moe-backend flashinfer_cutlass, flashinfer_trtllm or "
-                   "triton (KernelConfig.moe_backend), or serve it unquantized")
+FP8_MOE_SETTING = ("start vLLM with --moe-backend flashinfer_cutlass or triton "
+                   "(KernelConfig.moe_backend), or serve it unquantized")
 FP8_LINEAR_SETTING = ("let vLLM pick the CUTLASS or Triton block-FP8 linear kernel (on "
                       "Hopper/Blackwell: VLLM_USE_DEEP_GEMM=0), or serve it unquantized "
                       "(drop --quantization)")
@@ -89,6 +89,12 @@ def _fp8_moe_layer(name: str, module: torch.nn.Module, method: Any) -> StagedLay
         raise refusal(name, method, backend, "vLLM's convert_to_fp8_moe_kernel_format or the "
                       f"layer's {list(_MOE_LEAVES)} were not found where vLLM 0.33 keeps them",
                       FP8_MOE_SETTING)
+    w13, w2 = tensors[0], tensors[1]
+    if w13.dim() != 3 or w2.dim() != 3 or w13.shape[1] != 2 * w2.shape[2] or w13.shape[2] != w2.shape[1]:
+        raise refusal(name, method, backend, f"vLLM holds w13_weight as {list(w13.shape)} and "
+                      f"w2_weight as {list(w2.shape)} after loading: the kernel's own shape, not "
+                      f"checkpoint-shaped [experts, 2 x intermediate, hidden] / [experts, hidden, "
+                      f"intermediate] storage the refit can receive into", FP8_MOE_SETTING)
     if any(getattr(module, b, None) is not None for b in ("w13_bias", "w2_bias", "w13_input_scale")):
         raise refusal(name, method, backend, "the layer has expert biases or static input "
                       "scales, whose conversion the refit does not run", FP8_MOE_SETTING)

@@ -88,3 +88,50 @@ def test_a_skipped_conversion_fails_the_comparison(cutlass_fp8):
     layer = "model.layers.1.mlp.experts.routed_experts"
     assert planted["differences"] == [[f"{layer}.w13_weight", f"{layer}.w13_weight_scale_inv"]] * REFITS, \
         planted["differences"]
+
+
+# FP8 MoE backends whose conversion does not run on this CPU or repacks with its own device
+# kernels: DeepGEMM (its scale layout needs the deep_gemm package), Marlin, ROCm AITER,
+# Humming, vLLM's CPU and XPU experts
+NOT_HERE = ("DEEPGEMM", "MARLIN", "AITER", "HUMMING", "CPU", "XPU")
+
+
+def test_fp8_backends_whose_conversion_cannot_run_here_are_refused(pool):
+    from megatron_reshard.testing.vllm_staged_checks import fp8_refusals_job
+
+    (out,) = pool.run(fp8_refusals_job, 1, fp8_config_json(), NOT_HERE, num_ports=1, timeout_s=300)
+    assert ("model.layers.1.mlp.experts.routed_experts", "Fp8MoEMethod", "FLASHINFER_CUTLASS") \
+        in [tuple(s) for s in out["staged"]]
+    for backend in NOT_HERE:
+        message = out["refused"][backend]
+        assert message is not None, backend
+        assert "model.layers.1.mlp.experts.routed_experts: quant method Fp8MoEMethod, " \
+               f"kernel backend {backend}:" in message, message
+        assert "--moe-backend flashinfer_cutlass or triton" in message, message
+    assert "does not run on this cpu device" in out["refused"]["DEEPGEMM"], out["refused"]["DEEPGEMM"]
+    marlin = out["marlin_linear"]
+    assert marlin and "model.layers.0.self_attn.qkv_proj: quant method Fp8LinearMethod" in marlin
+    assert "Marlin" in marlin and "drop --quantization" in marlin, marlin
+    # block-FP8 TRTLLM keeps its experts in its own 4-D shape: refused, shape named
+    trtllm = out["trtllm"]
+    assert trtllm and "kernel backend FLASHINFER_TRTLLM" in trtllm and "w13_weight as [8, 1, 512, 128]" in trtllm, trtllm
+    # the learned orders alone (no staged path) still refuse every FP8 layer
+    assert out["orders_alone"] and "Fp8" in out["orders_alone"], out["orders_alone"]
+
+
+def test_a_refused_fp8_backend_stops_every_rank_at_prepare_refit(pool):
+    """Block-FP8 experts under FlashInfer TRTLLM: every generation rank refuses at
+    ``prepare_refit`` naming layer, method, backend and setting, and the training ranks
+    raise the same refusal (fault boards); no byte moves."""
+    from megatron_reshard.tools.worlds import RankFailure
+
+    cfg = _cfg()
+    results = pool.run(vllm_refit_job, cfg.train_world + cfg.gen_world, cfg, fp8_config_json(),
+                       model_builder=_build, moe_backend="flashinfer_trtllm",
+                       num_ports=cfg.train_pp + 2, timeout_s=480, return_failures=True)
+    assert all(isinstance(r, RankFailure) for r in results), results
+    for r in results:
+        assert "kernel backend FLASHINFER_TRTLLM" in r.text and "--moe-backend" in r.text, \
+            (r.rank, r.text[-2000:])
+    gens = [r for r in results if r.rank >= cfg.train_world]
+    assert all("prepare_refit" in r.text and "KernelLayoutError" in r.text for r in gens)
