@@ -135,3 +135,20 @@ def test_a_refused_fp8_backend_stops_every_rank_at_prepare_refit(pool):
             (r.rank, r.text[-2000:])
     gens = [r for r in results if r.rank >= cfg.train_world]
     assert all("prepare_refit" in r.text and "KernelLayoutError" in r.text for r in gens)
+
+
+@pytest.mark.parametrize("transport", ["colocated", "p2p"])
+def test_fp8_through_the_weight_transfer_backend(pool, transport):
+    """The other front door (vLLM's weight-transfer engine, driven as vLLM's GPU worker
+    drives it), over both transports: two refits into block-FP8 layers converted by vLLM's
+    own code, bit-equal to vLLM's own loading of the FP8 checkpoint."""
+    from megatron_reshard.testing.vllm_backend_refit import backend_refit_job
+
+    cfg = _cfg(transport=transport)
+    results = pool.run(backend_refit_job, cfg.train_world + cfg.gen_world, cfg, fp8_config_json(),
+                       moe_backend="flashinfer_cutlass", num_ports=cfg.train_pp + 2, timeout_s=480)
+    assert {r["transport"] for r in results if r["role"] == "train"} == {transport}
+    for g in (r for r in results if r["role"] == "gen"):
+        assert g["engine"] == "MegatronReshardWeightTransferEngine"
+        assert g["differences"] == [[]] * REFITS, (g["rank"], g["differences"])
+        assert g["versions"] == list(range(1, REFITS + 1)), g["rank"]
