@@ -216,8 +216,10 @@ class MegatronReshardWorkerExtension:
         model = self.get_refit_model()
         self._convert_staged(session, stats)  # before MLA's refresh, as vLLM's loader orders them
         try:
+            stats["derived_staging"] = {}
             stats["derived_refreshed"] = refresh_derived_weights(
-                model, session.targets.params.values(), self.get_refit_act_dtype())
+                model, session.targets.params.values(), self.get_refit_act_dtype(),
+                stats=stats["derived_staging"])
         except DerivedWeightsError as err:
             weights = self._refit_state()["weights"]
             weights.writing(n for n, _ in model.named_parameters() if "kv_b_proj" in n)

@@ -152,3 +152,41 @@ def test_fp8_through_the_weight_transfer_backend(pool, transport):
         assert g["engine"] == "MegatronReshardWeightTransferEngine"
         assert g["differences"] == [[]] * REFITS, (g["rank"], g["differences"])
         assert g["versions"] == list(range(1, REFITS + 1)), g["rank"]
+
+
+# DeepSeek-V3's MLA at tiny scale in block FP8: every q_a / kv_a (kv_lora + rope) / q_b /
+# kv_b / o_proj part and every per-rank expert and shared-expert slice whole 128x128 tiles
+DEEPSEEK_FP8 = Family(dict(TINY_MODEL, family="deepseek_v3", hidden_size=128, num_attention_heads=2,
+                           ffn_hidden_size=256, num_moe_experts=8, moe_ffn_hidden_size=256,
+                           moe_shared_expert_intermediate_size=256, moe_layer_freq=[0, 1, 1, 1],
+                           multi_latent_attention=True, q_lora_rank=128, kv_lora_rank=128,
+                           qk_head_dim=128, qk_pos_emb_head_dim=128, v_head_dim=128,
+                           moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                           moe_router_topk_scaling_factor=2.5, layernorm_epsilon=1e-6),
+                      "DeepseekV3ForCausalLM", dict(topk_method="noaux_tc", scoring_func="sigmoid"), ())
+
+
+def test_mla_over_fp8_kv_b_proj_is_derived_after_its_conversion(pool):
+    """DeepSeek-V3's MLA with a block-FP8 ``kv_b_proj``: vLLM's MLA post-load absorbs the
+    dequantized ``kv_b_proj`` into ``W_UK_T`` / ``W_UV`` copies. After each refit the worker
+    converts the FP8 layers first (vLLM's own code), then re-derives every MLA layer into
+    its storage, as vLLM's loader orders them: two refits bit-equal to vLLM's own loading
+    of the FP8 checkpoint, derived tensors included."""
+    hf = dict(vllm_config_json(DEEPSEEK_FP8), quantization_config=vm.fp8_quantization_config(
+        [f"model.layers.{i}.mlp.gate" for i in MOE_LAYERS]))
+    cfg = RefitRunConfig(model="dense", model_overrides=dict(DEEPSEEK_FP8.model), refits=REFITS,
+                         verify=False, dtype="bfloat16", quiet=True, timeout_s=120,
+                         gen_precision="fp8", **layout("tp2 ep2", "tp2"))
+    results = pool.run(vllm_refit_job, cfg.train_world + cfg.gen_world, cfg, hf,
+                       model_builder=_build, moe_backend="flashinfer_cutlass",
+                       num_ports=cfg.train_pp + 2, timeout_s=480)
+    for g in (r for r in results if r["role"] == "gen"):
+        who = f"gen rank {g['rank']}"
+        staged = g["report"]["staged_conversion"]
+        assert "model.layers.0.self_attn.kv_b_proj" in staged["layers"], (who, staged["layers"])
+        for stats in g["refits"]:
+            assert len(stats["derived_refreshed"]) == 4, (who, stats["derived_refreshed"])
+            assert "peak_staging_bytes" in stats["derived_staging"], (who, stats)
+        assert g["differences"] == [[]] * REFITS, f"{who}: differs from vLLM: {g['differences']}"
+        assert g["moved"] == [[]] * REFITS, f"{who}: params moved to new storage: {g['moved']}"
+        assert g["weights"]["state"] == "consistent", who
