@@ -79,8 +79,8 @@ def _plant_order_error():
 
     learned = worker_module.storage_orders
 
-    def planted(model, skip=()):
-        orders = dict(learned(model, skip=skip))
+    def planted(model, skip=(), staged=()):
+        orders = dict(learned(model, skip=skip, staged=staged))
         name = min(orders)
         terms = list(orders[name].terms)
         rows = terms[1].clone()

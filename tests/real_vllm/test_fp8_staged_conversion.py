@@ -90,6 +90,20 @@ def test_a_skipped_conversion_fails_the_comparison(cutlass_fp8):
         planted["differences"]
 
 
+
+def test_fp8_triton_experts_take_the_staged_path_at_no_cost(pool):
+    """Block-FP8 experts under Triton (Hopper without EP): vLLM's conversion returns its
+    input, so the staged path converts in place with no staging; two refits bit-equal."""
+    cfg = _cfg()
+    results = pool.run(vllm_refit_job, cfg.train_world + cfg.gen_world, cfg, fp8_config_json(),
+                       model_builder=_build, moe_backend="triton", num_ports=cfg.train_pp + 2,
+                       timeout_s=480)
+    for g in (r for r in results if r["role"] == "gen"):
+        staged = g["report"]["staged_conversion"]
+        assert "Fp8MoEMethod:TRITON" in staged["backends"], staged
+        assert staged["peak_staging_bytes"] == 0, staged
+        assert g["differences"] == [[]] * REFITS, (g["rank"], g["differences"])
+
 # FP8 MoE backends whose conversion does not run on this CPU or repacks with its own device
 # kernels: DeepGEMM (its scale layout needs the deep_gemm package), Marlin, ROCm AITER,
 # Humming, vLLM's CPU and XPU experts
