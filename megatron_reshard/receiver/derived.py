@@ -17,6 +17,10 @@ had, so captured CUDA graphs keep reading the right addresses. The refresh check
 every written ``kv_b_proj`` must belong to a refreshed layer, else ``DerivedWeightsError``
 and the weights are marked inconsistent.
 
+It runs after ``receiver.staged_conversion`` has converted the refitted block-FP8 layers
+(an FP8 ``kv_b_proj`` included), as vLLM's loader runs the quant methods' post-load before
+the attention layers'; vLLM then dequantizes the converted ``kv_b_proj``.
+
 Nothing else is re-run, and never an expert layer: vLLM's MoE post-load converts the
 storage it is given (FlashInfer CUTLASS swaps w13's halves, TRTLLM permutes into its block
 layout), so re-running it on converted storage would convert twice. The refit writes

@@ -9,7 +9,9 @@ walks the live modules and answers, per param the refit may write:
   experts do not prepack the weights after loading, as on vLLM's real CPU platform they do);
 - a value-independent rearrangement (a ``vllm_layout.kernel_order.KernelOrder`` in the
   result): unquantized MoE with FlashInfer CUTLASS or FlashInfer TRTLLM;
-- anything else (quantized MoE, FP8 and other quantized linear layers, the MoE backends
+- block-FP8 layers named in ``staged``: written in checkpoint order, converted after each
+  refit by vLLM's own code (``receiver.staged_conversion``);
+- anything else (other quantized MoE and linear layers, the MoE backends
   whose conversion this file does not run: MoonEP, AITER, XPU, TPU, out-of-tree):
   ``KernelLayoutError`` naming the layer, its quant method, its kernel backend and the
   vLLM setting that selects a supported one. Never written blind.
@@ -262,8 +264,9 @@ def storage_orders(model: torch.nn.Module, skip: Any = (), staged: Any = ()) -> 
                                or method))
         raise refusal(name, method, backend,
                       "vLLM's post-load step of quantized layers may transpose, repack or "
-                      "requantize weights and scales per kernel; no such conversion is "
-                      "verified for the refit in vLLM 0.33",
+                      "requantize weights and scales per kernel; no order is learned for them "
+                      "(block-FP8 layers are converted by receiver.staged_conversion, which "
+                      "the worker runs; no other quantized method is)",
                       "serve this model unquantized (drop --quantization)"
                       + (f", and {MOE_SETTING}" if is_moe else ""))
     return orders
