@@ -4,7 +4,8 @@ converted by vLLM's own code, layer by layer, in the storage vLLM holds.
 Torch + stdlib only. Block-FP8 layers (``Fp8MoEMethod`` / ``Fp8LinearMethod`` with
 ``weight_block_size``) are converted after loading per kernel: FlashInfer CUTLASS swaps
 w13 and its scales to [up; gate] and clamps every block scale to at least 1e-10; TRTLLM
-also shuffles the weights into its block-major layout; DeepGEMM requantizes to power-of-two
+also shuffles the weights into a block-major layout of another shape (refused: no
+checkpoint-shaped storage to receive into); DeepGEMM requantizes to power-of-two
 (E8M0) scales and lays the scales out for TMA; Triton and the CUTLASS / Triton block-FP8
 linear kernels keep checkpoint order. A coded-value probe (``kernel_layouts.learn_order``)
 cannot prove such a conversion value-independent (coded values never reach a clamp at
