@@ -59,6 +59,7 @@ class Experts(nn.Module):
         self.w13_weight_scale_inv = nn.Parameter(torch.ones(E, 2, 1), requires_grad=False)
         self.w2_weight_scale_inv = nn.Parameter(torch.ones(E, 1, 1), requires_grad=False)
         self.quant_method = Fp8MoEMethod(backend)
+        self.hidden_size, self.intermediate_size_per_partition = H, I
 
 
 def _model(backend: Backend = Backend.FLASHINFER_CUTLASS) -> nn.Module:

@@ -4,8 +4,8 @@ converted by vLLM's own code, layer by layer, in the storage vLLM holds.
 Torch + stdlib only. Block-FP8 layers (``Fp8MoEMethod`` / ``Fp8LinearMethod`` with
 ``weight_block_size``) are converted after loading per kernel: FlashInfer CUTLASS swaps
 w13 and its scales to [up; gate] and clamps every block scale to at least 1e-10; TRTLLM
-also shuffles the weights into a block-major layout of another shape (refused: no
-checkpoint-shaped storage to receive into); DeepGEMM requantizes to power-of-two
+also shuffles the weights into a block-major 4-D layout of as many elements; DeepGEMM
+requantizes to power-of-two
 (E8M0) scales and lays the scales out for TMA; Triton and the CUTLASS / Triton block-FP8
 linear kernels keep checkpoint order. A coded-value probe (``kernel_layouts.learn_order``)
 cannot prove such a conversion value-independent (coded values never reach a clamp at
@@ -17,8 +17,9 @@ cannot prove such a conversion value-independent (coded values never reach a cla
    the params' own shapes and dtypes; anything else is a ``KernelLayoutError`` naming the
    layer, quant method, backend and the vLLM setting that selects a supported one.
 2. The refit writes those params in checkpoint order into vLLM's storage itself (no
-   ``KernelOrder``): the storage is the staging area, so no second copy of the layer
-   exists while bytes arrive.
+   ``KernelOrder``; where vLLM re-allocated a param in a kernel's own shape, through a
+   checkpoint-shaped view of it): the storage is the staging area, so no second copy of
+   the layer exists while bytes arrive.
 3. ``StagedConversions.convert()`` (after the refit's receive) runs vLLM's conversion of
    each layer on that storage and copies the result back into the same addresses, one layer
    at a time; the extra memory is what vLLM's conversion allocates for one layer (its peak
@@ -63,7 +64,9 @@ class StagedConversionError(RefitError):
 @dataclass
 class StagedLayer:
     """One layer converted after each refit: its params (full names, in the order the
-    conversion takes and returns them) over vLLM's live storage, and the conversion."""
+    conversion takes and returns them) over vLLM's live storage, and the conversion.
+    ``received_as``: the same storage in checkpoint shape, where the refit writes (the
+    params themselves where vLLM keeps checkpoint shapes)."""
 
     name: str
     method: str
@@ -71,6 +74,16 @@ class StagedLayer:
     params: tuple[str, ...]
     tensors: tuple[torch.Tensor, ...]
     run: Callable[[tuple[torch.Tensor, ...]], tuple[torch.Tensor, ...]]
+    received_as: tuple[torch.Tensor, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.received_as:
+            self.received_as = tuple(t.data for t in self.tensors)
+
+    def receive_views(self) -> dict[str, torch.Tensor]:
+        """``{param name: checkpoint-shaped view}`` where vLLM holds another shape."""
+        return {n: v for n, v, t in zip(self.params, self.received_as, self.tensors)
+                if tuple(v.shape) != tuple(t.shape)}
 
 
 def _fp8_moe_layer(name: str, module: torch.nn.Module, method: Any) -> StagedLayer:
@@ -90,12 +103,7 @@ def _fp8_moe_layer(name: str, module: torch.nn.Module, method: Any) -> StagedLay
         raise refusal(name, method, backend, "vLLM's convert_to_fp8_moe_kernel_format or the "
                       f"layer's {list(_MOE_LEAVES)} were not found where vLLM 0.33 keeps them",
                       FP8_MOE_SETTING)
-    w13, w2 = tensors[0], tensors[1]
-    if w13.dim() != 3 or w2.dim() != 3 or w13.shape[1] != 2 * w2.shape[2] or w13.shape[2] != w2.shape[1]:
-        raise refusal(name, method, backend, f"vLLM holds w13_weight as {list(w13.shape)} and "
-                      f"w2_weight as {list(w2.shape)} after loading: the kernel's own shape, not "
-                      f"checkpoint-shaped [experts, 2 x intermediate, hidden] / [experts, hidden, "
-                      f"intermediate] storage the refit can receive into", FP8_MOE_SETTING)
+    received_as = _checkpoint_views(name, module, method, backend, tensors)
     if any(getattr(module, b, None) is not None for b in ("w13_bias", "w2_bias", "w13_input_scale")):
         raise refusal(name, method, backend, "the layer has expert biases or static input "
                       "scales, whose conversion the refit does not run", FP8_MOE_SETTING)
@@ -107,7 +115,37 @@ def _fp8_moe_layer(name: str, module: torch.nn.Module, method: Any) -> StagedLay
         return (out[0], out[1], out[2], out[3])
 
     prefix = f"{name}." if name else ""
-    return StagedLayer(name, kind, backend, tuple(prefix + leaf for leaf in _MOE_LEAVES), tensors, run)
+    return StagedLayer(name, kind, backend, tuple(prefix + leaf for leaf in _MOE_LEAVES), tensors,
+                       run, received_as)
+
+
+def _checkpoint_views(name: str, module: torch.nn.Module, method: Any, backend: str,
+                      tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """The experts' storage in checkpoint shape: the params themselves, or, where vLLM
+    re-allocated them in a kernel's own shape (TRTLLM's block-major 4-D experts), a view of
+    that contiguous storage with the checkpoint's shape and as many elements: the refit
+    writes checkpoint order there, vLLM's conversion reads it (the dry run checks that the
+    conversion of that shape gives exactly the shape vLLM holds)."""
+    w13, w2 = tensors[0], tensors[1]
+    experts = w13.shape[0]
+    # vLLM's RoutedExperts keeps both sizes (after its own round-up); else w2's own shape
+    hidden = int(getattr(module, "hidden_size", 0) or (w2.shape[1] if w2.dim() == 3 else 0))
+    inter = int(getattr(module, "intermediate_size_per_partition", 0)
+                or (w2.shape[2] if w2.dim() == 3 else 0))
+    shards = int(getattr(getattr(method, "moe", None), "w13_num_shards", 2))
+    shapes = ((experts, shards * inter, hidden), (experts, hidden, inter))
+    views = []
+    for leaf, t, shape in zip(_MOE_LEAVES, (w13, w2), shapes):
+        if tuple(t.shape) == shape:
+            views.append(t.data)
+            continue
+        if t.numel() != experts * shape[1] * shape[2] or not t.is_contiguous():
+            raise refusal(name, method, backend, f"vLLM holds {leaf} as {list(t.shape)} after "
+                          f"loading: neither the checkpoint's {list(shape)} nor contiguous "
+                          f"storage of as many elements the refit could receive into",
+                          FP8_MOE_SETTING)
+        views.append(t.data.view(shape))
+    return tuple(views) + tuple(t.data for t in tensors[2:])
 
 
 def _fp8_linear_layer(name: str, module: torch.nn.Module, method: Any) -> StagedLayer:
@@ -150,16 +188,16 @@ def _dry_run(layer: StagedLayer) -> None:
     """vLLM's conversion once on a throwaway copy (one expert of an MoE layer): it must run
     here and give back the params' shapes and dtypes. Cached per layer kind and shape."""
     moe = layer.method == FP8_MOE_METHOD
-    copies = tuple((t.data[:1] if moe else t.data).clone() for t in layer.tensors)
+    copies = tuple((t[:1] if moe else t).clone() for t in layer.received_as)
+    held = [((1,) + tuple(t.shape[1:]) if moe else tuple(t.shape), t.dtype) for t in layer.tensors]
     key = (layer.method, layer.backend, tuple(tuple(c.shape) for c in copies),
-           tuple(c.dtype for c in copies), copies[0].device.type)
+           tuple(c.dtype for c in copies), tuple(held), copies[0].device.type)
     if key not in _dry_runs:
         try:
             outs = layer.run(copies)
-            bad = [(tuple(o.shape), o.dtype) for o, c in zip(outs, copies)
-                   if tuple(o.shape) != tuple(c.shape) or o.dtype != c.dtype]
-            _dry_runs[key] = (f"it returned {bad} for the params {[(tuple(c.shape), c.dtype) for c in copies]} "
-                              f"(not the storage vLLM holds)") if bad else None
+            bad = [(tuple(o.shape), o.dtype) for o, h in zip(outs, held) if (tuple(o.shape), o.dtype) != h]
+            _dry_runs[key] = (f"it returned {bad} where vLLM holds {held} (not the storage "
+                              f"vLLM holds)") if bad else None
         except Exception as exc:  # vLLM's code does not run here: refuse, say why
             _dry_runs[key] = f"it does not run on this {copies[0].device.type} device ({type(exc).__name__}: {exc})"
     why = _dry_runs[key]
@@ -241,7 +279,7 @@ class StagedConversions:
         """vLLM's conversion on the live storage; results copied back into it. Returns the
         bytes the conversion held apart from the storage (this layer's staging)."""
         try:
-            outs = layer.run(tuple(t.data for t in layer.tensors))
+            outs = layer.run(layer.received_as)
         except Exception as exc:
             raise StagedConversionError(f"{layer.name}: vLLM's {layer.backend} conversion "
                                         f"failed after the refit: {type(exc).__name__}: {exc}") from exc

@@ -187,13 +187,16 @@ class MegatronReshardWorkerExtension:
         state["session"] = None
         model = self.get_refit_model()
         derived = derived_param_names(model)  # recomputed after each refit, never received
-        targets = [(n, p) for n, p in model.named_parameters() if n not in derived]
         with fault_scope(state["groups"].values()):  # a refusal reaches the training ranks too
             # layers vLLM's post-load converts by computing (block FP8): received in
             # checkpoint order, converted by vLLM's code after each refit
             staged = staged_layers(model, skip=derived)
             orders = storage_orders(model, skip=derived,  # how vLLM's post-load stored them
                                     staged={layer.name for layer in staged})
+        # a staged param vLLM re-allocated in a kernel's shape is received through a
+        # checkpoint-shaped view of its storage
+        views = {n: v for layer in staged for n, v in layer.receive_views().items()}
+        targets = [(n, views.get(n, p)) for n, p in model.named_parameters() if n not in derived]
         session = ReceiverSession(payload, targets, state["groups"],
                                   receive_misc=self.receive_misc, vllm_tp=self.get_refit_tp_coords(),
                                   weights=state["weights"], storage_orders=orders, **options)

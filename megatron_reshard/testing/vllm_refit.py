@@ -134,6 +134,8 @@ def _vllm_gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Mappi
                 method = getattr(module, "quant_method", None)
                 if hasattr(method, "unquantized_backend"):
                     method.unquantized_backend = type(method.unquantized_backend)[as_moe_backend]
+                if hasattr(method, "fp8_backend"):  # vLLM's Fp8MoeBackend names
+                    method.fp8_backend = type(method.fp8_backend)[as_moe_backend]
         out["copied_derived"] = _copy_derived_weights(model) if copy_derived else 0
         addresses = {n: t.data_ptr() for n, t in vm.model_tensors(model).items()}
         worker = ModuleWorker(model)
@@ -239,7 +241,7 @@ def vllm_refit_job(job, cfg: RefitRunConfig, hf_config: Mapping[str, Any],
     ``testing.vllm_models``); ``plant_order_error_on``: that gen rank's receiver takes a
     wrong kernel order (two rows exchanged), which the comparison must report;
     ``as_moe_backend``: the generation models' MoE layers report that backend (a name of
-    vLLM's ``UnquantizedMoeBackend``) to the receiver; ``plant_staged_error_on``: that gen
+    vLLM's ``UnquantizedMoeBackend``, or ``Fp8MoeBackend`` for FP8 layers) to the receiver; ``plant_staged_error_on``: that gen
     rank skips vLLM's conversion of its first FP8 expert layer (``hf_config`` with a
     ``quantization_config``: vLLM's block-FP8 model, the oracle loading the block-FP8
     checkpoint of the full tensors)."""

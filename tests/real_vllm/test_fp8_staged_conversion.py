@@ -91,6 +91,26 @@ def test_a_skipped_conversion_fails_the_comparison(cutlass_fp8):
 
 
 
+@pytest.mark.parametrize("gen", ["tp2", "tp2 ep2"])
+def test_fp8_trtllm_experts_are_received_through_a_checkpoint_shaped_view(pool, gen):
+    """Block-FP8 experts under FlashInfer TRTLLM (Blackwell's default): vLLM re-allocates
+    them in TRTLLM's block-major 4-D shape; the refit writes checkpoint order through a
+    checkpoint-shaped view of that storage and runs vLLM's conversion into it. Gen TP2 and
+    vLLM EP, two refits each, bit-equal to vLLM's own loading, no param moved."""
+    cfg = RefitRunConfig(model="dense", model_overrides=dict(QWEN3_MOE_FP8.model), refits=REFITS,
+                         verify=False, dtype="bfloat16", quiet=True, timeout_s=120,
+                         gen_precision="fp8", **layout("tp2 ep2", gen))
+    results = pool.run(vllm_refit_job, cfg.train_world + cfg.gen_world, cfg, fp8_config_json(),
+                       model_builder=_build, moe_backend="flashinfer_trtllm",
+                       num_ports=cfg.train_pp + 2, timeout_s=480)
+    for g in (r for r in results if r["role"] == "gen"):
+        staged = g["report"]["staged_conversion"]
+        assert "Fp8MoEMethod:FLASHINFER_TRTLLM" in staged["backends"], staged
+        assert staged["peak_staging_bytes"] > 0, staged
+        assert g["differences"] == [[]] * REFITS, (g["rank"], g["differences"])
+        assert g["moved"] == [[]] * REFITS, (g["rank"], g["moved"])
+
+
 def test_fp8_triton_experts_take_the_staged_path_at_no_cost(pool):
     """Block-FP8 experts under Triton (Hopper without EP): vLLM's conversion returns its
     input, so the staged path converts in place with no staging; two refits bit-equal."""
@@ -126,26 +146,28 @@ def test_fp8_backends_whose_conversion_cannot_run_here_are_refused(pool):
     marlin = out["marlin_linear"]
     assert marlin and "model.layers.0.self_attn.qkv_proj: quant method Fp8LinearMethod" in marlin
     assert "Marlin" in marlin and "drop --quantization" in marlin, marlin
-    # block-FP8 TRTLLM keeps its experts in its own 4-D shape: refused, shape named
-    trtllm = out["trtllm"]
-    assert trtllm and "kernel backend FLASHINFER_TRTLLM" in trtllm and "w13_weight as [8, 1, 512, 128]" in trtllm, trtllm
+    # block-FP8 TRTLLM re-allocates its experts in its own 4-D shape: received through a
+    # checkpoint-shaped view of that storage, not refused
+    assert out["trtllm"] is None, out["trtllm"]
     # the learned orders alone (no staged path) still refuse every FP8 layer
     assert out["orders_alone"] and "Fp8" in out["orders_alone"], out["orders_alone"]
 
 
 def test_a_refused_fp8_backend_stops_every_rank_at_prepare_refit(pool):
-    """Block-FP8 experts under FlashInfer TRTLLM: every generation rank refuses at
-    ``prepare_refit`` naming layer, method, backend and setting, and the training ranks
-    raise the same refusal (fault boards); no byte moves."""
+    """Block-FP8 experts that report the Marlin backend (vLLM's choice on GPUs without FP8
+    hardware): every generation rank refuses at ``prepare_refit`` naming layer, method,
+    backend and setting, and the training ranks raise the same refusal (fault boards); no
+    byte moves."""
     from megatron_reshard.tools.worlds import RankFailure
 
     cfg = _cfg()
     results = pool.run(vllm_refit_job, cfg.train_world + cfg.gen_world, cfg, fp8_config_json(),
-                       model_builder=_build, moe_backend="flashinfer_trtllm",
-                       num_ports=cfg.train_pp + 2, timeout_s=480, return_failures=True)
+                       model_builder=_build, moe_backend="flashinfer_cutlass",
+                       as_moe_backend="MARLIN", num_ports=cfg.train_pp + 2, timeout_s=480,
+                       return_failures=True)
     assert all(isinstance(r, RankFailure) for r in results), results
     for r in results:
-        assert "kernel backend FLASHINFER_TRTLLM" in r.text and "--moe-backend" in r.text, \
+        assert "kernel backend MARLIN" in r.text and "--moe-backend" in r.text, \
             (r.rank, r.text[-2000:])
     gens = [r for r in results if r.rank >= cfg.train_world]
     assert all("prepare_refit" in r.text and "KernelLayoutError" in r.text for r in gens)
