@@ -119,5 +119,5 @@ def test_a_conversion_that_cannot_run_here_is_refused_before_any_byte_moves(back
         staged_layers(model)
     message = str(err.value)
     assert message.startswith(f"experts: quant method Fp8MoEMethod, kernel backend {backend.name}:"), message
-    assert why in message and "--moe-backend flashinfer_cutlass or triton" in message, message
+    assert why in message and "--moe-backend flashinfer_cutlass, flashinfer_trtllm or triton" in message, message
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())  # dry run on a copy

@@ -48,8 +48,8 @@ STAGED_METHODS = (FP8_MOE_METHOD, FP8_LINEAR_METHOD)
 # / XPU / AITER repack with device ops of their platform; the dry run decides the rest)
 STAGED_FP8_MOE_BACKENDS = ("FLASHINFER_CUTLASS", "FLASHINFER_TRTLLM", "TRITON", "BATCHED_TRITON",
                            "DEEPGEMM", "BATCHED_DEEPGEMM")
-FP8_MOE_SETTING = ("start vLLM with --moe-backend flashinfer_cutlass or triton "
-                   "(KernelConfig.moe_backend), or serve it unquantized")
+FP8_MOE_SETTING = ("start vLLM with --moe-backend flashinfer_cutlass, flashinfer_trtllm or "
+                   "triton (KernelConfig.moe_backend), or serve it unquantized")
 FP8_LINEAR_SETTING = ("let vLLM pick the CUTLASS or Triton block-FP8 linear kernel (on "
                       "Hopper/Blackwell: VLLM_USE_DEEP_GEMM=0), or serve it unquantized "
                       "(drop --quantization)")

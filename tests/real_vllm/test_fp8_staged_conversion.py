@@ -141,7 +141,7 @@ def test_fp8_backends_whose_conversion_cannot_run_here_are_refused(pool):
         assert message is not None, backend
         assert "model.layers.1.mlp.experts.routed_experts: quant method Fp8MoEMethod, " \
                f"kernel backend {backend}:" in message, message
-        assert "--moe-backend flashinfer_cutlass or triton" in message, message
+        assert "--moe-backend flashinfer_cutlass, flashinfer_trtllm or triton" in message, message
     assert "does not run on this cpu device" in out["refused"]["DEEPGEMM"], out["refused"]["DEEPGEMM"]
     marlin = out["marlin_linear"]
     assert marlin and "model.layers.0.self_attn.qkv_proj: quant method Fp8LinearMethod" in marlin
