@@ -318,8 +318,8 @@ def _cpu_prepack_refusal(model_dir: str, storage_orders, error) -> Optional[str]
 def _quantized_refusals(model: torch.nn.Module, storage_orders, error) -> dict:
     """The refusal of block-FP8 layers: vLLM's ``Fp8MoEMethod`` (its backend set to FlashInfer
     CUTLASS, Hopper's EP default) on the first expert layer, then ``Fp8LinearMethod`` on the
-    first linear layer, each in turn in place of the live method (FP8 layers do not build
-    on this CPU: README); ``{"moe" | "linear": message or None}``."""
+    first linear layer, each in turn in place of the live method: the learned orders alone
+    refuse them (the worker's staged path converts them); ``{"moe" | "linear": message or None}``."""
     from vllm.model_executor.layers.fused_moe.oracle.fp8 import Fp8MoeBackend
     from vllm.model_executor.layers.quantization.fp8 import Fp8LinearMethod, Fp8MoEMethod
 

@@ -13,7 +13,8 @@ given a wrong mapping on purpose, which the comparison must report.
 Backends whose conversion cannot run here are refused before any byte moves
 (``receiver.kernel_layouts``): checked on vLLM's live layer with its backend set as ROCm,
 XPU or MoonEP would select it, and with vLLM's block-FP8 methods in place of the live ones
-(FP8 layers do not build on this CPU).
+(the learned orders alone never write FP8 layers: the worker converts those by vLLM's own
+code, ``tests/real_vllm/test_fp8_staged_conversion.py``).
 """
 
 from __future__ import annotations
