@@ -17,6 +17,10 @@ had, so captured CUDA graphs keep reading the right addresses. The refresh check
 every written ``kv_b_proj`` must belong to a refreshed layer, else ``DerivedWeightsError``
 and the weights are marked inconsistent.
 
+It runs after ``receiver.staged_conversion`` has converted the refitted block-FP8 layers
+(an FP8 ``kv_b_proj`` included), as vLLM's loader runs the quant methods' post-load before
+the attention layers'; vLLM then dequantizes the converted ``kv_b_proj``.
+
 Nothing else is re-run, and never an expert layer: vLLM's MoE post-load converts the
 storage it is given (FlashInfer CUTLASS swaps w13's halves, TRTLLM permutes into its block
 layout), so re-running it on converted storage would convert twice. The refit writes
@@ -31,6 +35,7 @@ the ``MLAAttention`` layer itself (``...self_attn.mla_attn.mla_attn``), listed b
 
 from __future__ import annotations
 
+import time
 from typing import Any, Collection, Optional
 
 import torch
@@ -88,8 +93,10 @@ def _derived_storage(holder: Any) -> dict[str, torch.Tensor]:
             if isinstance(t := getattr(holder, a, None), torch.Tensor)}
 
 
-def _keep_storage(holder: Any, before: dict[str, torch.Tensor], layer_name: str) -> None:
-    """Put each recomputed tensor back into the storage it had before (same address)."""
+def _keep_storage(holder: Any, before: dict[str, torch.Tensor], layer_name: str) -> int:
+    """Put each recomputed tensor back into the storage it had before (same address).
+    Returns the bytes vLLM's recomputation held apart from that storage (its staging)."""
+    staged = 0
     for attr, old in before.items():
         new = getattr(holder, attr, None)
         if isinstance(new, torch.Tensor) and new.data_ptr() == old.data_ptr() \
@@ -102,21 +109,30 @@ def _keep_storage(holder: Any, before: dict[str, torch.Tensor], layer_name: str)
                 f"{(tuple(old.shape), old.dtype)}; it cannot be refreshed in place")
         with torch.no_grad():
             old.copy_(new)
+        staged += new.numel() * new.element_size()
         if isinstance(new, torch.nn.Parameter):
             new.data = old  # the same Parameter object, over its old storage
         else:
             setattr(holder, attr, old)
+    return staged
 
 
 def refresh_derived_weights(model: torch.nn.Module, written: Collection[torch.Tensor],
-                            act_dtype: Optional[torch.dtype] = None) -> list[str]:
+                            act_dtype: Optional[torch.dtype] = None,
+                            stats: Optional[dict] = None) -> list[str]:
     """Recompute what vLLM derived from the refitted params ``written`` (the tensors the
     refit wrote); returns the names of the refreshed layers.
 
     ``act_dtype`` is vLLM's model dtype (``model_config.dtype``, what vLLM passes at load);
     by default the dtype of the layer's ``W_UV`` (vLLM casts the absorbed weights to it).
     Raises ``DerivedWeightsError`` when a written ``kv_b_proj`` has no layer to refresh or a
-    result cannot go back into its storage."""
+    result cannot go back into its storage. ``stats`` (a dict) gets ``peak_staging_bytes``
+    (the most one layer's recomputation held apart from its storage) and ``max_layer_s``.
+
+    Runs after ``receiver.staged_conversion`` has converted the refitted linear layers
+    (an FP8 ``kv_b_proj`` included), as vLLM's loader runs the quant methods' post-load
+    before the attention layers'. Deriving is a function of ``kv_b_proj`` alone, so a
+    second run gives the same bytes: nothing is converted twice."""
     # by address: the receiver holds its targets as tensors over the params' storage
     written_at = {t.data_ptr() for t in written}
     refreshed, done = [], set()
@@ -127,9 +143,13 @@ def refresh_derived_weights(model: torch.nn.Module, written: Collection[torch.Te
             continue
         before = _derived_storage(holder)
         dtype = act_dtype or getattr(holder, "W_UV", getattr(holder, "W_UK_T", weight)).dtype
+        t0 = time.perf_counter()
         with torch.no_grad():
             holder.process_weights_after_loading(dtype)
-        _keep_storage(holder, before, name)
+        staged = _keep_storage(holder, before, name)
+        if stats is not None:
+            stats["peak_staging_bytes"] = max(stats.get("peak_staging_bytes", 0), staged)
+            stats["max_layer_s"] = max(stats.get("max_layer_s", 0.0), time.perf_counter() - t0)
         refreshed.append(name)
         done.add(weight.data_ptr())
     orphans = sorted(n for n, p in model.named_parameters() if n.endswith("kv_b_proj.weight")

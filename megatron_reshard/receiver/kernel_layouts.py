@@ -9,7 +9,9 @@ walks the live modules and answers, per param the refit may write:
   experts do not prepack the weights after loading, as on vLLM's real CPU platform they do);
 - a value-independent rearrangement (a ``vllm_layout.kernel_order.KernelOrder`` in the
   result): unquantized MoE with FlashInfer CUTLASS or FlashInfer TRTLLM;
-- anything else (quantized MoE, FP8 and other quantized linear layers, the MoE backends
+- block-FP8 layers named in ``staged``: written in checkpoint order, converted after each
+  refit by vLLM's own code (``receiver.staged_conversion``);
+- anything else (other quantized MoE and linear layers, the MoE backends
   whose conversion this file does not run: MoonEP, AITER, XPU, TPU, out-of-tree):
   ``KernelLayoutError`` naming the layer, its quant method, its kernel backend and the
   vLLM setting that selects a supported one. Never written blind.
@@ -64,7 +66,8 @@ def _backend_name(method: Any) -> str:
     return str(getattr(backend, "name", backend))
 
 
-def _refuse(layer: str, method: Any, backend: str, why: str, setting: str) -> KernelLayoutError:
+def refusal(layer: str, method: Any, backend: str, why: str, setting: str) -> KernelLayoutError:
+    """The refusal of one layer: its name, quant method, kernel backend, why, what to set."""
     return KernelLayoutError(f"{layer}: quant method {_name(method)}, kernel backend {backend}: "
                              f"{why}; the refit refuses it rather than write bytes in an order "
                              f"vLLM does not read. To refit this model, {setting}")
@@ -183,17 +186,17 @@ def _moe_orders(layer_name: str, module: torch.nn.Module, method: Any,
                 params: dict[str, torch.Tensor]) -> dict[str, KernelOrder]:
     backend = _backend_name(method)
     if backend not in PROBED_MOE_BACKENDS:
-        raise _refuse(layer_name, method, backend, "this backend's post-load step changes the "
+        raise refusal(layer_name, method, backend, "this backend's post-load step changes the "
                       "expert storage in ways the refit does not run (it is not vLLM's "
                       "convert_to_unquantized_kernel_format alone)", MOE_SETTING)
     if backend == "CPU" and _experts_finish_loading(method):
-        raise _refuse(layer_name, method, backend, "vLLM's CPU experts prepack w13/w2 into "
+        raise refusal(layer_name, method, backend, "vLLM's CPU experts prepack w13/w2 into "
                       "their own layout after loading (vllm._C)", "refit a GPU worker")
     convert = getattr(sys.modules.get(type(method).__module__), "convert_to_unquantized_kernel_format", None)
     config = getattr(module, "moe_config", None)
     w13, w2 = params.get("w13_weight"), params.get("w2_weight")
     if convert is None or config is None or w13 is None or w2 is None:
-        raise _refuse(layer_name, method, backend, "vLLM's conversion function, the layer's "
+        raise refusal(layer_name, method, backend, "vLLM's conversion function, the layer's "
                       "moe_config or its w13/w2 weights were not found where vLLM 0.33 keeps "
                       "them", MOE_SETTING)
     shapes = [(min(_PROBE_EXPERTS, w13.shape[0]),) + tuple(w13.shape[1:]),
@@ -212,31 +215,34 @@ def _moe_orders(layer_name: str, module: torch.nn.Module, method: Any,
             _learned[key] = f"{type(exc).__name__}: {exc}"
     learned = _learned[key]
     if isinstance(learned, str):
-        raise _refuse(layer_name, method, backend, f"its conversion could not be learned "
+        raise refusal(layer_name, method, backend, f"its conversion could not be learned "
                       f"({learned})", MOE_SETTING)
     orders = {}
     for leaf, weight, probe in (("w13_weight", w13, learned[0]), ("w2_weight", w2, learned[1])):
         try:
             terms = _expert_terms(probe, weight.shape[0], weight.device)
         except ValueError as err:
-            raise _refuse(layer_name, method, backend, str(err), MOE_SETTING) from None
+            raise refusal(layer_name, method, backend, str(err), MOE_SETTING) from None
         if is_checkpoint_order(terms):
             continue
         if not weight.is_contiguous():
-            raise _refuse(layer_name, method, backend, f"{leaf} is not contiguous storage",
+            raise refusal(layer_name, method, backend, f"{leaf} is not contiguous storage",
                           MOE_SETTING)
         orders[leaf] = KernelOrder(backend, terms)
     biases = [b for b in ("w13_bias", "w2_bias") if b in params]
     if orders and biases:
-        raise _refuse(layer_name, method, backend, f"the layer has {biases}, whose order under "
+        raise refusal(layer_name, method, backend, f"the layer has {biases}, whose order under "
                       f"this backend the refit does not know", MOE_SETTING)
     return orders
 
 
-def storage_orders(model: torch.nn.Module, skip: Any = ()) -> dict[str, KernelOrder]:
+def storage_orders(model: torch.nn.Module, skip: Any = (), staged: Any = ()) -> dict[str, KernelOrder]:
     """``{param name: KernelOrder}`` of the params vLLM stores out of checkpoint order;
     raises ``KernelLayoutError`` for a layer whose storage order is not known. ``skip``:
-    param names the refit never writes (vLLM's derived weights)."""
+    param names the refit never writes (vLLM's derived weights); ``staged``: names of the
+    layers the refit writes in checkpoint order and converts with vLLM's own code after
+    each refit (``receiver.staged_conversion``)."""
+    staged = set(staged)
     orders: dict[str, KernelOrder] = {}
     for name, module in model.named_modules():
         method = getattr(module, "quant_method", None)
@@ -246,7 +252,7 @@ def storage_orders(model: torch.nn.Module, skip: Any = ()) -> dict[str, KernelOr
             continue
         prefix = f"{name}." if name else ""
         kind = _name(method)
-        if kind in ORDER_KEEPING_METHODS:
+        if kind in ORDER_KEEPING_METHODS or name in staged:
             continue
         if kind == UNQUANTIZED_MOE_METHOD:
             orders.update({prefix + leaf: o for leaf, o in
@@ -256,10 +262,11 @@ def storage_orders(model: torch.nn.Module, skip: Any = ()) -> dict[str, KernelOr
         backend = str(getattr(getattr(method, "fp8_backend", None), "name", None)
                       or _name(getattr(method, "moe_kernel", None) or getattr(method, "kernel", None)
                                or method))
-        raise _refuse(name, method, backend,
+        raise refusal(name, method, backend,
                       "vLLM's post-load step of quantized layers may transpose, repack or "
-                      "requantize weights and scales per kernel; no such conversion is "
-                      "verified for the refit in vLLM 0.33",
+                      "requantize weights and scales per kernel; no order is learned for them "
+                      "(block-FP8 layers are converted by receiver.staged_conversion, which "
+                      "the worker runs; no other quantized method is)",
                       "serve this model unquantized (drop --quantization)"
                       + (f", and {MOE_SETTING}" if is_moe else ""))
     return orders
@@ -273,4 +280,4 @@ def padding_rows(order: Optional[KernelOrder], dim: int) -> Optional[int]:
     return int(pad[0]) if pad.numel() else None
 
 
-__all__ = ["KernelLayoutError", "learn_order", "padding_rows", "storage_orders"]
+__all__ = ["KernelLayoutError", "learn_order", "padding_rows", "refusal", "storage_orders"]

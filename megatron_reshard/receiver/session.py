@@ -257,6 +257,11 @@ class ReceiverSession:
         code = dst_ready_code(self._delta_version, self.weights, hooked)
         return dst_vote(code, self._delta_version)
 
+    def forget_delta_base(self) -> None:
+        """The storage no longer holds the committed bytes as they arrived (vLLM's own
+        conversion rewrote some: ``receiver.staged_conversion``): the next refit is full."""
+        self._delta_version = None
+
     def release_staging(self) -> None:
         """Give back the CUDA staging memory kept between refits (see RefitLoop)."""
         self.loop.release_staging()

@@ -32,6 +32,11 @@ from megatron_reshard.receiver.derived import (
 )
 from megatron_reshard.receiver.kernel_layouts import storage_orders
 from megatron_reshard.receiver.session import ReceiverSession
+from megatron_reshard.receiver.staged_conversion import (
+    StagedConversionError,
+    StagedConversions,
+    staged_layers,
+)
 from megatron_reshard.receiver.state import WeightState
 from megatron_reshard.refit.loop import DEFAULT_BATCH_BYTES, DEFAULT_STAGING_BYTES
 
@@ -192,6 +197,7 @@ class RefitWorkerState:
         self.group_rank: Optional[int] = None
         self.session: Optional[ReceiverSession] = None
         self.options: Optional[PrepareOptions] = None  # the session's
+        self.staged: Optional[StagedConversions] = None  # the session's layers vLLM converts
         self.weights = WeightState()  # the model's: outlives groups and sessions
 
     def require_session(self) -> ReceiverSession:
@@ -241,16 +247,24 @@ class RefitWorkerState:
         if unknown:  # a caller's typo: refused here, before the groups hear of it
             raise BadInputError(f"unknown prepare_refit options {unknown}; known: "
                                 f"{list(PrepareOptions.NAMES)}")
-        self.session = self.options = None
+        self.session = self.options = self.staged = None
         derived = derived_param_names(model)  # recomputed after each refit, never received
-        targets = [(n, p) for n, p in model.named_parameters() if n not in derived]
         with fault_scope(self.groups.values()):  # a refusal reaches the training ranks too
             checked = PrepareOptions.of(options)
-            orders = storage_orders(model, skip=derived)  # how vLLM's post-load stored them
+            # layers vLLM's post-load converts by computing (block FP8): received in
+            # checkpoint order, converted by vLLM's code after each refit
+            staged = staged_layers(model, skip=derived)
+            orders = storage_orders(model, skip=derived,  # how vLLM's post-load stored them
+                                    staged={layer.name for layer in staged})
+        # a staged param vLLM re-allocated in a kernel's shape is received through a
+        # checkpoint-shaped view of its storage
+        views = {n: v for layer in staged for n, v in layer.receive_views().items()}
+        targets = [(n, views.get(n, p)) for n, p in model.named_parameters() if n not in derived]
         self.session = ReceiverSession(payload, targets, self.groups, receive_misc=receive_misc,
                                        vllm_tp=vllm_tp, weights=self.weights,
                                        storage_orders=orders, **checked.as_dict())
         self.options = checked
+        self.staged = StagedConversions(staged)
         return PrepareSummary.of_report(self.session.report())
 
     def refit(self, model: torch.nn.Module, act_dtype: Optional[torch.dtype]) -> RefitResult:
@@ -259,8 +273,11 @@ class RefitWorkerState:
         inconsistent."""
         session = self.require_session()
         stats = session.refit()
+        self._convert_staged(session, stats)  # before MLA's refresh, as vLLM's loader orders them
         try:
-            refreshed = refresh_derived_weights(model, session.targets.params.values(), act_dtype)
+            stats["derived_staging"] = {}
+            refreshed = refresh_derived_weights(model, session.targets.params.values(), act_dtype,
+                                                stats=stats["derived_staging"])
         except DerivedWeightsError as err:
             self.weights.writing(n for n, _ in model.named_parameters() if "kv_b_proj" in n)
             self.weights.failed(str(err))
@@ -270,6 +287,22 @@ class RefitWorkerState:
                            refit_s=stats["refit_s"], derived_refreshed=tuple(refreshed),
                            stats=MappingProxyType(dict(stats)))
 
+    def _convert_staged(self, session: ReceiverSession, stats: dict) -> None:
+        """vLLM's own conversion of the layers the refit wrote in checkpoint order
+        (``receiver.staged_conversion``), layer by layer into the same storage."""
+        if self.staged is None or not self.staged.layers:
+            return
+        try:
+            self.staged.received(session.targets.params.values())
+            stats["staged_converted"] = self.staged.convert()
+        except StagedConversionError as err:
+            self.weights.writing(sorted(self.staged.param_names))
+            self.weights.failed(str(err))
+            raise
+        finally:
+            session.forget_delta_base()  # converted bytes are no base for a delta
+        stats["staged_conversion"] = self.staged.report()
+
     def release_staging(self) -> None:
         if self.session is not None:
             self.session.release_staging()
@@ -277,6 +310,7 @@ class RefitWorkerState:
     def destroy_groups(self, timeout_s: float) -> None:
         """Shut the groups down (every rank of each group does the same) and drop the session."""
         groups, self.groups, self.session, self.options = self.groups or {}, None, None, None
+        self.staged = None
         for stage in sorted(groups):
             destroy_refit_group(groups[stage], timeout_s)
 
@@ -284,7 +318,9 @@ class RefitWorkerState:
         """Plain-data summary: params, bytes received, timings, target params left unwritten."""
         if self.session is None:
             return {"prepared": False, "weights": self.weights.as_dict()}
-        return {"prepared": True, **self.session.report()}
+        staged = self.staged
+        return {"prepared": True, **self.session.report(),
+                **({"staged_conversion": staged.report()} if staged and staged.layers else {})}
 
 
 __all__ = ["GroupsJoined", "MiscReceiver", "PrepareOptions", "PrepareSummary", "RefitResult",

@@ -90,6 +90,7 @@ def _install_cpu_shims() -> None:
     cpu_moe.CPUUnquantizedExperts.process_weights_after_loading = \
         FusedMoEExperts.process_weights_after_loading
     _honour_flashinfer_moe_backend()
+    _honour_block_fp8_kernels()
     for arch, module in ARCHITECTURE_MODULES.items():
         cls = getattr(importlib.import_module(f"vllm.model_executor.models.{module}"), arch)
         ModelRegistry.register_model(arch, cls)
@@ -137,6 +138,55 @@ def _honour_flashinfer_moe_backend() -> None:
 
     method.select_unquantized_moe_backend = select
     method.UnquantizedFusedMoEMethod._init_moe_kernel = init_kernel
+
+
+# vLLM's block-FP8 linear kernel a GPU worker would pick, by class name (the CPU shim builds
+# it directly: vLLM's choice on this CPU finds none, its AMX kernel needing Sapphire Rapids)
+FP8_LINEAR_KERNEL = "CutlassFp8BlockScaledMMKernel"
+FP8_LINEAR_KERNEL_MODULES = {"CutlassFp8BlockScaledMMKernel": "cutlass",
+                             "TritonFp8BlockScaledMMKernel": "triton",
+                             "DeepGemmFp8BlockScaledMMKernel": "deep_gemm"}
+
+
+def _honour_block_fp8_kernels() -> None:
+    """Block-FP8 layers on the CPU as a GPU worker builds them: ``Fp8LinearMethod`` gets the
+    kernel object ``FP8_LINEAR_KERNEL`` names (its post-load step is vLLM's), and
+    ``Fp8MoEMethod`` the FP8 MoE backend ``--moe-backend`` asks for (vLLM's own choice on
+    the CPU would take its CPU experts), its CUDA kernel object not built. Allocation,
+    loading and the post-load conversion (``convert_to_fp8_moe_kernel_format``) are vLLM's."""
+    from vllm.model_executor.layers.fused_moe.oracle import fp8 as oracle
+    from vllm.model_executor.layers.quantization import fp8 as method
+
+    choose = method.select_fp8_moe_backend
+    build = method.Fp8MoEMethod._init_moe_kernel
+
+    def init_linear_kernel(activation_quant_key, weight_quant_key, input_dtype, out_dtype,
+                           weight_shape, force_kernel=None, module_name=None):
+        from vllm.model_executor.kernels.linear.scaled_mm.ScaledMMLinearKernel import (
+            FP8ScaledMMLinearLayerConfig)
+
+        module = importlib.import_module("vllm.model_executor.kernels.linear.scaled_mm."
+                                         + FP8_LINEAR_KERNEL_MODULES[FP8_LINEAR_KERNEL])
+        return getattr(module, FP8_LINEAR_KERNEL)(FP8ScaledMMLinearLayerConfig(
+            weight_quant_key=weight_quant_key, activation_quant_key=activation_quant_key,
+            input_dtype=input_dtype, out_dtype=out_dtype, weight_shape=weight_shape))
+
+    def select(config, weight_key, activation_key, allow_vllm_cutlass=False):
+        if config.moe_backend not in (None, "auto"):
+            return oracle.map_fp8_backend(config.moe_backend), None
+        return choose(config=config, weight_key=weight_key, activation_key=activation_key,
+                      allow_vllm_cutlass=allow_vllm_cutlass)
+
+    def init_kernel(self, layer) -> None:
+        if self.experts_cls is None:  # a backend the shim chose: its kernel needs CUDA
+            self.moe_quant_config = self.get_fused_moe_quant_config(layer)
+            self.moe_kernel = _NoCudaKernel()
+            return
+        build(self, layer)
+
+    method.init_fp8_linear_kernel = init_linear_kernel
+    method.select_fp8_moe_backend = select
+    method.Fp8MoEMethod._init_moe_kernel = init_kernel
 
 
 def write_model_dir(hf_config: Mapping[str, Any], root: Optional[str] = None) -> str:
@@ -226,11 +276,38 @@ def loaded_model(config, full_hf: Mapping[str, torch.Tensor], may_miss=()) -> to
     model = build_model(config)
     with set_current_vllm_config(config):
         loaded = model.load_weights(iter(full_hf.items()))
-    missing = sorted({n for n, _ in model.named_parameters()} - set(loaded or ()) - set(may_miss))
+    missing = sorted(n for n in {n for n, _ in model.named_parameters()} - set(loaded or ()) - set(may_miss)
+                     if not n.endswith(KV_CACHE_SCALES))
     if loaded is not None and missing:
         raise AssertionError(f"vLLM's load_weights left params unloaded: {missing}")
     post_process(model, config)
     return model
+
+
+# an FP8 model's KV-cache scales: not in a checkpoint that has none (vLLM keeps its default),
+# randomised by the dummy loader, unused with --kv-cache-dtype auto; never refit targets
+KV_CACHE_SCALES = tuple(f".attn.{s}" for s in ("q_scale", "k_scale", "v_scale", "prob_scale",
+                                               "_q_scale", "_k_scale", "_v_scale", "_prob_scale"))
+
+
+def fp8_quantization_config(ignored_layers=()) -> dict:
+    """The ``quantization_config`` of a block-FP8 checkpoint (DeepSeek-V3's / Qwen3-FP8's);
+    ``ignored_layers``: modules kept unquantized (the MoE routers)."""
+    return {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+            "weight_block_size": [128, 128], "ignored_layers": list(ignored_layers)}
+
+
+def fp8_checkpoint(full_hf: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The block-FP8 checkpoint of full HF tensors (``testing.fp8_reference``'s independent
+    tile quantizer): ``<name>`` in float8_e4m3fn and ``<name>_scale_inv`` per linear weight."""
+    from megatron_reshard.testing.fp8_reference import quantize_full_hf
+
+    quantized, scales, plain = quantize_full_hf(full_hf)
+    out = dict(plain)
+    for name, q in quantized.items():
+        out[name] = q.view(torch.float8_e4m3fn)
+        out[name + "_scale_inv"] = scales[name]
+    return out
 
 
 def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -259,5 +336,6 @@ def _same_bits(x: torch.Tensor, y: torch.Tensor) -> bool:
 
 
 __all__ = ["ARCHITECTURE_MODULES", "CPU_FLASHINFER_MOE_BACKENDS", "bitwise_differences", "build_model", "dummy_loaded_model",
+           "KV_CACHE_SCALES", "fp8_checkpoint", "fp8_quantization_config",
            "loaded_model", "model_tensors", "post_process", "set_vllm_cpu_environment",
            "vllm_config_for", "vllm_parallel_state", "write_model_dir"]

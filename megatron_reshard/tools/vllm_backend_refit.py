@@ -131,9 +131,11 @@ def _gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Mapping[st
             out.setdefault("reports", []).append(  # the report keys of delta refits
                 {k: engine.report().get(k) for k in ("mode", "full_bytes", "bytes_received")})
             full = torch.load(io.BytesIO(control.get(f"full/{step}")), weights_only=True)
+            fp8 = "quantization_config" in hf_config  # vLLM loads the block-FP8 checkpoint
             del oracle
-            oracle = vm.loaded_model(new_config(), full)
-            out["differences"].append(vm.bitwise_differences(model, oracle))
+            oracle = vm.loaded_model(new_config(), vm.fp8_checkpoint(full) if fp8 else full)
+            out["differences"].append([n for n in vm.bitwise_differences(model, oracle)
+                                       if not (fp8 and n.endswith(vm.KV_CACHE_SCALES))])
             # a long run says how far it got (every progress_s, on generation rank 0)
             if progress_s is not None and gen_rank == 0 and (
                     time.monotonic() - said_at >= progress_s or version == cfg.refits):

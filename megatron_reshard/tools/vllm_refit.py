@@ -74,13 +74,13 @@ def _copy_derived_weights(model: torch.nn.Module) -> int:
 def _plant_order_error():
     """A mapping error on purpose: the receiver's storage orders with two rows of the first
     kernel-ordered target exchanged (the comparison with vLLM must see it)."""
-    from megatron_reshard.receiver import worker as worker_module
+    from megatron_reshard.receiver import worker_state as worker_module
     from megatron_reshard.vllm_layout.kernel_order import KernelOrder
 
     learned = worker_module.storage_orders
 
-    def planted(model, skip=()):
-        orders = dict(learned(model, skip=skip))
+    def planted(model, skip=(), staged=()):
+        orders = dict(learned(model, skip=skip, staged=staged))
         name = min(orders)
         terms = list(orders[name].terms)
         rows = terms[1].clone()
@@ -92,11 +92,28 @@ def _plant_order_error():
     return worker_module, learned, planted
 
 
+def _plant_staged_error():
+    """A mapping error on purpose for a staged layer: the first FP8 expert layer is taken
+    as stored in checkpoint order (its conversion skipped), as a refit that did not know
+    vLLM's FP8 post-load would write it; the comparison with vLLM must see it."""
+    from megatron_reshard.receiver import worker_state as worker_module
+
+    learned = worker_module.staged_layers
+
+    def planted(model, skip=()):
+        layers = learned(model, skip=skip)
+        moe = next(layer for layer in layers if layer.method == "Fp8MoEMethod")
+        moe.run = lambda ins: ins
+        return layers
+
+    return worker_module, learned, planted
+
+
 def _vllm_gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Mapping[str, Any],
                    vllm_port: int, plant_fault: bool, copy_derived: bool,
                    keep_as_loaded: Optional[list] = None,
                    moe_backend: Optional[str] = None, plant_order_error: bool = False,
-                   as_moe_backend: Optional[str] = None) -> dict:
+                   as_moe_backend: Optional[str] = None, plant_staged_error: bool = False) -> dict:
     from megatron_reshard.wire.codec import decode_payload
     from megatron_reshard.receiver.coverage import UncoveredParamsError
     from megatron_reshard.testing import vllm_models as vm
@@ -117,6 +134,8 @@ def _vllm_gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Mappi
                 method = getattr(module, "quant_method", None)
                 if hasattr(method, "unquantized_backend"):
                     method.unquantized_backend = type(method.unquantized_backend)[as_moe_backend]
+                if hasattr(method, "fp8_backend"):  # vLLM's Fp8MoeBackend names
+                    method.fp8_backend = type(method.fp8_backend)[as_moe_backend]
         out["copied_derived"] = _copy_derived_weights(model) if copy_derived else 0
         addresses = {n: t.data_ptr() for n, t in vm.model_tensors(model).items()}
         worker = ModuleWorker(model)
@@ -128,6 +147,9 @@ def _vllm_gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Mappi
         if plant_order_error:
             module, learned, planted = _plant_order_error()
             module.storage_orders = planted
+        if plant_staged_error:
+            staged_module, staged_learned, staged_planted = _plant_staged_error()
+            staged_module.staged_layers = staged_planted
         try:
             out["summary"] = worker.prepare_refit(payload, options)
         except UncoveredParamsError as exc:  # the case under test; the training ranks raise it too
@@ -137,12 +159,18 @@ def _vllm_gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Mappi
         finally:
             if plant_order_error:
                 module.storage_orders = learned
+            if plant_staged_error:
+                staged_module.staged_layers = staged_learned
         session = worker.refit_worker_state.require_session()
         out["kernel_orders"] = {n: o.backend for n, o in session.targets.orders.items()}
         out["setup_s"] = time.perf_counter() - t0
         # params the payload leaves as loaded (the user's list): no oracle loads them, so
         # they are compared with what they held before the refits
         kept = out["summary"]["kept_as_loaded"]
+        # an FP8 model's KV-cache scales: no refit target, no checkpoint value (vm.KV_CACHE_SCALES)
+        kv_scales = {n: tensor_digest(t) for n, t in vm.model_tensors(model).items()
+                     if n.endswith(vm.KV_CACHE_SCALES)}
+        out["kv_scales_changed"] = []
         live = dict(model.named_parameters())
         before = {n: tensor_digest(live[n]) for n in kept}
         out["kept_changed"] = []
@@ -151,9 +179,13 @@ def _vllm_gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Mappi
             worker.check_refit_weights_consistent()
             out["refits"].append(stats)
             full = torch.load(io.BytesIO(control.get(f"full/{step}")), weights_only=True)
+            if "quantization_config" in hf_config:  # vLLM loads the block-FP8 checkpoint
+                full = vm.fp8_checkpoint(full)
             oracle = vm.loaded_model(new_config(), full, may_miss=kept)
             out["differences"].append([n for n in vm.bitwise_differences(model, oracle)
-                                       if n not in kept])
+                                       if n not in kept and n not in kv_scales])
+            out["kv_scales_changed"].append(sorted(n for n, t in vm.model_tensors(model).items()
+                                                   if n in kv_scales and tensor_digest(t) != kv_scales[n]))
             out["kept_changed"].append(sorted(n for n in kept if tensor_digest(live[n]) != before[n]))
             out["moved"].append(sorted(n for n, t in vm.model_tensors(model).items()
                                        if addresses.get(n) != t.data_ptr()))
@@ -197,7 +229,8 @@ def vllm_refit_job(job, cfg: RefitRunConfig, hf_config: Mapping[str, Any],
                    model_builder=None, plant_fault: bool = False, copy_derived: bool = False,
                    keep_as_loaded: Optional[list] = None,
                    moe_backend: Optional[str] = None, plant_order_error_on: Optional[int] = None,
-                   as_moe_backend: Optional[str] = None) -> dict:
+                   as_moe_backend: Optional[str] = None,
+                   plant_staged_error_on: Optional[int] = None) -> dict:
     """Pool job (``WorkerPool.run(..., num_ports=cfg.train_pp + 2)``): process ``job.rank`` of
     a launch of ``train_world + gen_world``; the last port is vLLM's generation world.
     ``plant_fault``: gen rank 0 checks that the comparison sees a flipped bit;
@@ -208,7 +241,10 @@ def vllm_refit_job(job, cfg: RefitRunConfig, hf_config: Mapping[str, Any],
     ``testing.vllm_models``); ``plant_order_error_on``: that gen rank's receiver takes a
     wrong kernel order (two rows exchanged), which the comparison must report;
     ``as_moe_backend``: the generation models' MoE layers report that backend (a name of
-    vLLM's ``UnquantizedMoeBackend``) to the receiver."""
+    vLLM's ``UnquantizedMoeBackend``, or ``Fp8MoeBackend`` for FP8 layers) to the receiver; ``plant_staged_error_on``: that gen
+    rank skips vLLM's conversion of its first FP8 expert layer (``hf_config`` with a
+    ``quantization_config``: vLLM's block-FP8 model, the oracle loading the block-FP8
+    checkpoint of the full tensors)."""
     cfg = RefitRunConfig(**{**cfg.__dict__, "ports": tuple(job.ports[: 1 + cfg.train_pp])})
     control = dist.TCPStore(cfg.host, cfg.ports[0], cfg.train_world + cfg.gen_world, job.rank == 0,
                             timeout=timedelta(seconds=cfg.timeout_s))
@@ -218,7 +254,8 @@ def vllm_refit_job(job, cfg: RefitRunConfig, hf_config: Mapping[str, Any],
     gen_rank = job.rank - cfg.train_world
     return _vllm_gen_rank(gen_rank, cfg, control, hf_config, job.ports[1 + cfg.train_pp],
                           plant_fault, copy_derived, keep_as_loaded, moe_backend,
-                          plant_order_error_on == gen_rank, as_moe_backend)
+                          plant_order_error_on == gen_rank, as_moe_backend,
+                          plant_staged_error_on == gen_rank)
 
 
 
@@ -281,8 +318,8 @@ def _cpu_prepack_refusal(model_dir: str, storage_orders, error) -> Optional[str]
 def _quantized_refusals(model: torch.nn.Module, storage_orders, error) -> dict:
     """The refusal of block-FP8 layers: vLLM's ``Fp8MoEMethod`` (its backend set to FlashInfer
     CUTLASS, Hopper's EP default) on the first expert layer, then ``Fp8LinearMethod`` on the
-    first linear layer, each in turn in place of the live method (FP8 layers do not build
-    on this CPU: README); ``{"moe" | "linear": message or None}``."""
+    first linear layer, each in turn in place of the live method: the learned orders alone
+    refuse them (the worker's staged path converts them); ``{"moe" | "linear": message or None}``."""
     from vllm.model_executor.layers.fused_moe.oracle.fp8 import Fp8MoeBackend
     from vllm.model_executor.layers.quantization.fp8 import Fp8LinearMethod, Fp8MoEMethod
 

@@ -13,7 +13,8 @@ given a wrong mapping on purpose, which the comparison must report.
 Backends whose conversion cannot run here are refused before any byte moves
 (``receiver.kernel_layouts``): checked on vLLM's live layer with its backend set as ROCm,
 XPU or MoonEP would select it, and with vLLM's block-FP8 methods in place of the live ones
-(FP8 layers do not build on this CPU).
+(the learned orders alone never write FP8 layers: the worker converts those by vLLM's own
+code, ``tests/real_vllm/test_fp8_staged_conversion.py``).
 """
 
 from __future__ import annotations
@@ -162,3 +163,22 @@ def test_a_refused_backend_stops_every_rank_at_prepare_refit(pool):
         assert "kernel backend AITER" in r.text and "--moe-backend" in r.text, (r.rank, r.text[-2000:])
     gens = [r for r in results if r.rank >= cfg.train_world]
     assert all("prepare_refit" in r.text and "KernelLayoutError" in r.text for r in gens)
+
+
+@pytest.mark.parametrize("transport", ["colocated", "p2p"])
+def test_cutlass_through_the_weight_transfer_backend(pool, transport):
+    """FlashInfer CUTLASS (w13 as [up; gate], written through strided views) through vLLM's
+    weight-transfer engine over both transports: two refits bit-equal to vLLM's loading."""
+    from megatron_reshard.testing.vllm_backend_refit import backend_refit_job
+
+    cfg = RefitRunConfig(model="dense", model_overrides=dict(QWEN3_MOE.model), refits=REFITS,
+                         verify=False, dtype="bfloat16", quiet=True, timeout_s=120,
+                         transport=transport, **layout("tp2 ep2", "tp2"))
+    results = pool.run(backend_refit_job, cfg.train_world + cfg.gen_world, cfg,
+                       vllm_config_json(QWEN3_MOE), moe_backend="flashinfer_cutlass",
+                       num_ports=cfg.train_pp + 2, timeout_s=420)
+    assert {r["transport"] for r in results if r["role"] == "train"} == {transport}
+    for g in (r for r in results if r["role"] == "gen"):
+        assert g["engine"] == "MegatronReshardWeightTransferEngine"
+        assert g["differences"] == [[]] * REFITS, (g["rank"], g["differences"])
+        assert g["versions"] == list(range(1, REFITS + 1)), g["rank"]

@@ -1,0 +1,312 @@
+"""Layers whose vLLM post-load step computes values: received in checkpoint order, then
+converted by vLLM's own code, layer by layer, in the storage vLLM holds.
+
+Torch + stdlib only. Block-FP8 layers (``Fp8MoEMethod`` / ``Fp8LinearMethod`` with
+``weight_block_size``) are converted after loading per kernel: FlashInfer CUTLASS swaps
+w13 and its scales to [up; gate] and clamps every block scale to at least 1e-10; TRTLLM
+also shuffles the weights into a block-major 4-D layout of as many elements; DeepGEMM
+requantizes to power-of-two
+(E8M0) scales and lays the scales out for TMA; Triton and the CUTLASS / Triton block-FP8
+linear kernels keep checkpoint order. A coded-value probe (``kernel_layouts.learn_order``)
+cannot prove such a conversion value-independent (coded values never reach a clamp at
+1e-10), so every block-FP8 layer takes this path:
+
+1. ``staged_layers(model)`` (at ``prepare_refit``, before any byte moves) finds each FP8
+   layer, its backend and vLLM's conversion of it, and runs that conversion once on a
+   throwaway copy (one expert of an MoE layer) to show it runs on this device and returns
+   the params' own shapes and dtypes; anything else is a ``KernelLayoutError`` naming the
+   layer, quant method, backend and the vLLM setting that selects a supported one.
+2. The refit writes those params in checkpoint order into vLLM's storage itself (no
+   ``KernelOrder``; where vLLM re-allocated a param in a kernel's own shape, through a
+   checkpoint-shaped view of it): the storage is the staging area, so no second copy of
+   the layer exists while bytes arrive.
+3. ``StagedConversions.convert()`` (after the refit's receive) runs vLLM's conversion of
+   each layer on that storage and copies the result back into the same addresses, one layer
+   at a time; the extra memory is what vLLM's conversion allocates for one layer (its peak
+   is reported). Each layer converts once per refit: a second call finds it converted.
+
+Duck typing only: vLLM's functions are found through the live quant method's module.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Collection, Optional
+
+import torch
+
+from megatron_reshard.groups.faults import RefitError
+from megatron_reshard.receiver.kernel_layouts import KernelLayoutError, refusal
+
+FP8_MOE_METHOD = "Fp8MoEMethod"
+FP8_LINEAR_METHOD = "Fp8LinearMethod"
+STAGED_METHODS = (FP8_MOE_METHOD, FP8_LINEAR_METHOD)
+# FP8 MoE backends whose conversion (``convert_to_fp8_moe_kernel_format``) returns new
+# tensors and leaves the layer alone (HUMMING re-registers the layer's params, MARLIN / CPU
+# / XPU / AITER repack with device ops of their platform; the dry run decides the rest)
+STAGED_FP8_MOE_BACKENDS = ("FLASHINFER_CUTLASS", "FLASHINFER_TRTLLM", "TRITON", "BATCHED_TRITON",
+                           "DEEPGEMM", "BATCHED_DEEPGEMM")
+FP8_MOE_SETTING = ("start vLLM with --moe-backend flashinfer_cutlass, flashinfer_trtllm or "
+                   "triton (KernelConfig.moe_backend), or serve it unquantized")
+FP8_LINEAR_SETTING = ("let vLLM pick the CUTLASS or Triton block-FP8 linear kernel (on "
+                      "Hopper/Blackwell: VLLM_USE_DEEP_GEMM=0), or serve it unquantized "
+                      "(drop --quantization)")
+_MOE_LEAVES = ("w13_weight", "w2_weight", "w13_weight_scale_inv", "w2_weight_scale_inv")
+_LINEAR_LEAVES = ("weight", "weight_scale_inv")
+
+
+class StagedConversionError(RefitError):
+    """vLLM's conversion of a refitted layer failed or could not be put back in place."""
+
+
+@dataclass
+class StagedLayer:
+    """One layer converted after each refit: its params (full names, in the order the
+    conversion takes and returns them) over vLLM's live storage, and the conversion.
+    ``received_as``: the same storage in checkpoint shape, where the refit writes (the
+    params themselves where vLLM keeps checkpoint shapes)."""
+
+    name: str
+    method: str
+    backend: str
+    params: tuple[str, ...]
+    tensors: tuple[torch.Tensor, ...]
+    run: Callable[[tuple[torch.Tensor, ...]], tuple[torch.Tensor, ...]]
+    received_as: tuple[torch.Tensor, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.received_as:
+            self.received_as = tuple(t.data for t in self.tensors)
+
+    def receive_views(self) -> dict[str, torch.Tensor]:
+        """``{param name: checkpoint-shaped view}`` where vLLM holds another shape."""
+        return {n: v for n, v, t in zip(self.params, self.received_as, self.tensors)
+                if tuple(v.shape) != tuple(t.shape)}
+
+
+def _fp8_moe_layer(name: str, module: torch.nn.Module, method: Any) -> StagedLayer:
+    backend = str(getattr(getattr(method, "fp8_backend", None), "name", None))
+    kind = type(method).__name__
+    if getattr(method, "weight_block_size", None) is None:
+        raise refusal(name, method, backend, "per-tensor FP8 experts are requantized per "
+                      "expert after loading (a computation over w1 and w3 together); only "
+                      "block FP8 is converted by the refit", FP8_MOE_SETTING)
+    if backend not in STAGED_FP8_MOE_BACKENDS:
+        raise refusal(name, method, backend, "this backend's conversion repacks the experts "
+                      "with its own device kernels or replaces the layer's params, which the "
+                      "refit does not run", FP8_MOE_SETTING)
+    convert = getattr(sys.modules.get(type(method).__module__), "convert_to_fp8_moe_kernel_format", None)
+    tensors = tuple(getattr(module, leaf, None) for leaf in _MOE_LEAVES)
+    if convert is None or any(not isinstance(t, torch.Tensor) for t in tensors):
+        raise refusal(name, method, backend, "vLLM's convert_to_fp8_moe_kernel_format or the "
+                      f"layer's {list(_MOE_LEAVES)} were not found where vLLM 0.33 keeps them",
+                      FP8_MOE_SETTING)
+    received_as = _checkpoint_views(name, module, method, backend, tensors)
+    if any(getattr(module, b, None) is not None for b in ("w13_bias", "w2_bias", "w13_input_scale")):
+        raise refusal(name, method, backend, "the layer has expert biases or static input "
+                      "scales, whose conversion the refit does not run", FP8_MOE_SETTING)
+
+    def run(ins: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        w13, w2, s13, s2 = ins
+        with torch.no_grad():
+            out = convert(method.fp8_backend, module, w13, w2, s13, s2, None, None)
+        return (out[0], out[1], out[2], out[3])
+
+    prefix = f"{name}." if name else ""
+    return StagedLayer(name, kind, backend, tuple(prefix + leaf for leaf in _MOE_LEAVES), tensors,
+                       run, received_as)
+
+
+def _checkpoint_views(name: str, module: torch.nn.Module, method: Any, backend: str,
+                      tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """The experts' storage in checkpoint shape: the params themselves, or, where vLLM
+    re-allocated them in a kernel's own shape (TRTLLM's block-major 4-D experts), a view of
+    that contiguous storage with the checkpoint's shape and as many elements: the refit
+    writes checkpoint order there, vLLM's conversion reads it (the dry run checks that the
+    conversion of that shape gives exactly the shape vLLM holds)."""
+    w13, w2 = tensors[0], tensors[1]
+    experts = w13.shape[0]
+    # vLLM's RoutedExperts keeps both sizes (after its own round-up); else w2's own shape
+    hidden = int(getattr(module, "hidden_size", 0) or (w2.shape[1] if w2.dim() == 3 else 0))
+    inter = int(getattr(module, "intermediate_size_per_partition", 0)
+                or (w2.shape[2] if w2.dim() == 3 else 0))
+    shards = int(getattr(getattr(method, "moe", None), "w13_num_shards", 2))
+    shapes = ((experts, shards * inter, hidden), (experts, hidden, inter))
+    views = []
+    for leaf, t, shape in zip(_MOE_LEAVES, (w13, w2), shapes):
+        if tuple(t.shape) == shape:
+            views.append(t.data)
+            continue
+        if t.numel() != experts * shape[1] * shape[2] or not t.is_contiguous():
+            raise refusal(name, method, backend, f"vLLM holds {leaf} as {list(t.shape)} after "
+                          f"loading: neither the checkpoint's {list(shape)} nor contiguous "
+                          f"storage of as many elements the refit could receive into",
+                          FP8_MOE_SETTING)
+        views.append(t.data.view(shape))
+    return tuple(views) + tuple(t.data for t in tensors[2:])
+
+
+def _fp8_linear_layer(name: str, module: torch.nn.Module, method: Any) -> StagedLayer:
+    kernel = getattr(method, "fp8_linear", None)
+    backend = type(kernel).__name__ if kernel is not None else "None"
+    kind = type(method).__name__
+    if getattr(method, "weight_block_size", None) is None:
+        raise refusal(name, method, backend, "per-tensor FP8 linear weights are requantized "
+                      "over their fused parts after loading; only block FP8 is converted by "
+                      "the refit", FP8_LINEAR_SETTING)
+    if getattr(method, "use_marlin", False) or not callable(getattr(kernel, "process_weights_after_loading", None)):
+        raise refusal(name, method, backend, "the Marlin kernel repacks the weight with its own "
+                      "device kernel", FP8_LINEAR_SETTING)
+    tensors = tuple(getattr(module, leaf, None) for leaf in _LINEAR_LEAVES)
+    if any(not isinstance(t, torch.Tensor) for t in tensors):
+        raise refusal(name, method, backend, f"the layer's {list(_LINEAR_LEAVES)} were not "
+                      f"found where vLLM 0.33 keeps them", FP8_LINEAR_SETTING)
+
+    def run(ins: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        # the kernel's post-load step replaces the layer's params: it gets a shell holding
+        # the layer's attributes and these tensors, never the live layer
+        shell = torch.nn.Module()
+        shell.__dict__.update({k: v for k, v in module.__dict__.items() if not k.startswith("_")
+                               and k != "training"})
+        for leaf, t in zip(_LINEAR_LEAVES, ins):
+            shell.register_parameter(leaf, torch.nn.Parameter(t.data, requires_grad=False))
+        shell.input_scale = None
+        with torch.no_grad():
+            kernel.process_weights_after_loading(shell)
+        return tuple(getattr(shell, leaf).data for leaf in _LINEAR_LEAVES)
+
+    prefix = f"{name}." if name else ""
+    return StagedLayer(name, kind, backend, tuple(prefix + leaf for leaf in _LINEAR_LEAVES), tensors, run)
+
+
+_dry_runs: dict[tuple, Optional[str]] = {}  # (method, backend, shapes, dtypes, device) -> why not
+
+
+def _dry_run(layer: StagedLayer) -> None:
+    """vLLM's conversion once on a throwaway copy (one expert of an MoE layer): it must run
+    here and give back the params' shapes and dtypes. Cached per layer kind and shape."""
+    moe = layer.method == FP8_MOE_METHOD
+    copies = tuple((t[:1] if moe else t).clone() for t in layer.received_as)
+    held = [((1,) + tuple(t.shape[1:]) if moe else tuple(t.shape), t.dtype) for t in layer.tensors]
+    key = (layer.method, layer.backend, tuple(tuple(c.shape) for c in copies),
+           tuple(c.dtype for c in copies), tuple(held), copies[0].device.type)
+    if key not in _dry_runs:
+        try:
+            outs = layer.run(copies)
+            bad = [(tuple(o.shape), o.dtype) for o, h in zip(outs, held) if (tuple(o.shape), o.dtype) != h]
+            _dry_runs[key] = (f"it returned {bad} where vLLM holds {held} (not the storage "
+                              f"vLLM holds)") if bad else None
+        except Exception as exc:  # vLLM's code does not run here: refuse, say why
+            _dry_runs[key] = f"it does not run on this {copies[0].device.type} device ({type(exc).__name__}: {exc})"
+    why = _dry_runs[key]
+    if why is not None:
+        setting = FP8_MOE_SETTING if moe else FP8_LINEAR_SETTING
+        raise KernelLayoutError(f"{layer.name}: quant method {layer.method}, kernel backend "
+                                f"{layer.backend}: vLLM's conversion after loading cannot be "
+                                f"re-run for the refit: {why}; the refit refuses it rather than "
+                                f"write bytes vLLM does not read. To refit this model, {setting}")
+
+
+def staged_layers(model: torch.nn.Module, skip: Collection[str] = ()) -> list[StagedLayer]:
+    """The layers the refit converts with vLLM's own code after each refit (block FP8);
+    raises ``KernelLayoutError`` for an FP8 layer whose conversion cannot run here."""
+    out = []
+    for name, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        kind = type(method).__name__
+        if kind not in STAGED_METHODS:
+            continue
+        prefix = f"{name}." if name else ""
+        if not any(prefix + n not in skip for n, _ in module.named_parameters(recurse=False)):
+            continue
+        layer = (_fp8_moe_layer if kind == FP8_MOE_METHOD else _fp8_linear_layer)(name, module, method)
+        _dry_run(layer)
+        out.append(layer)
+    return out
+
+
+@dataclass
+class StagedConversions:
+    """Runs each staged layer's conversion once per refit, in place (see the module doc)."""
+
+    layers: list[StagedLayer]
+    converted: dict[str, int] = field(default_factory=dict)  # layer -> refits converted
+    _pending: set = field(default_factory=set)
+    stats: dict = field(default_factory=lambda: {"conversions": 0, "peak_staging_bytes": 0,
+                                                 "convert_s": 0.0, "max_layer_s": 0.0})
+
+    @property
+    def param_names(self) -> set[str]:
+        return {n for layer in self.layers for n in layer.params}
+
+    def received(self, written: Collection[torch.Tensor]) -> None:
+        """The refit wrote these tensors in checkpoint order: their layers need converting.
+        A layer written only in part cannot be converted (the rest is in kernel order)."""
+        at = {t.data_ptr() for t in written}
+        for layer in self.layers:
+            hit = [n for n, t in zip(layer.params, layer.tensors) if t.data_ptr() in at]
+            if hit and len(hit) != len(layer.params):
+                raise StagedConversionError(
+                    f"{layer.name}: the refit wrote {hit} but not the rest of "
+                    f"{list(layer.params)}; vLLM's {layer.backend} conversion needs the whole "
+                    f"layer in checkpoint order")
+            if hit:
+                self._pending.add(layer.name)
+
+    def convert(self) -> list[str]:
+        """Convert every layer received since its last conversion, layer by layer; returns
+        their names. A converted layer is never converted again until it is received again."""
+        done = []
+        for layer in self.layers:
+            if layer.name not in self._pending:
+                continue
+            t0 = time.perf_counter()
+            extra = self._convert(layer)
+            self._pending.discard(layer.name)
+            self.converted[layer.name] = self.converted.get(layer.name, 0) + 1
+            dt = time.perf_counter() - t0
+            self.stats["conversions"] += 1
+            self.stats["convert_s"] += dt
+            self.stats["max_layer_s"] = max(self.stats["max_layer_s"], dt)
+            self.stats["peak_staging_bytes"] = max(self.stats["peak_staging_bytes"], extra)
+            done.append(layer.name)
+        return done
+
+    @staticmethod
+    def _convert(layer: StagedLayer) -> int:
+        """vLLM's conversion on the live storage; results copied back into it. Returns the
+        bytes the conversion held apart from the storage (this layer's staging)."""
+        try:
+            outs = layer.run(layer.received_as)
+        except Exception as exc:
+            raise StagedConversionError(f"{layer.name}: vLLM's {layer.backend} conversion "
+                                        f"failed after the refit: {type(exc).__name__}: {exc}") from exc
+        live_storage = {t.untyped_storage().data_ptr() for t in layer.tensors}
+        extra = 0
+        staged = []
+        for name, live, out in zip(layer.params, layer.tensors, outs):
+            if tuple(out.shape) != tuple(live.shape) or out.dtype != live.dtype:
+                raise StagedConversionError(f"{name}: vLLM's {layer.backend} conversion returned "
+                                            f"{tuple(out.shape)} {out.dtype}, vLLM holds "
+                                            f"{tuple(live.shape)} {live.dtype}")
+            same = out.data_ptr() == live.data_ptr() and out.stride() == live.stride()
+            if not same and out.untyped_storage().data_ptr() in live_storage:
+                out = out.clone()  # a view of the storage it is about to overwrite
+            extra += 0 if same else out.numel() * out.element_size()
+            staged.append((live, out, same))
+        with torch.no_grad():
+            for live, out, same in staged:
+                if not same:
+                    live.copy_(out)
+        return extra
+
+    def report(self) -> dict:
+        return {"layers": [layer.name for layer in self.layers],
+                "backends": sorted({f"{layer.method}:{layer.backend}" for layer in self.layers}),
+                **self.stats}
+
+
+__all__ = ["STAGED_METHODS", "StagedConversionError", "StagedConversions", "StagedLayer",
+           "staged_layers"]

@@ -1,0 +1,67 @@
+"""What ``receiver.staged_conversion`` says of vLLM's own block-FP8 layers: a pool job.
+
+One process builds vLLM 0.33's block-FP8 model on the CPU (``testing.vllm_models``' shim)
+with FlashInfer CUTLASS experts, lists its staged layers, then sets the live layers'
+backend to each FP8 MoE backend whose conversion cannot run here (as another platform or
+setting would select it) and asks again; then builds the same model with FlashInfer
+TRTLLM experts (vLLM stores block-FP8 experts in TRTLLM's own 4-D shape). Imports vLLM
+lazily: the module itself needs only torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional
+
+import torch
+
+
+def _refusal(model: torch.nn.Module) -> Optional[str]:
+    from megatron_reshard.receiver.kernel_layouts import KernelLayoutError
+    from megatron_reshard.receiver.staged_conversion import staged_layers
+
+    try:
+        staged_layers(model)
+        return None
+    except KernelLayoutError as err:
+        return str(err)
+
+
+def fp8_refusals_job(job, hf_config: Mapping[str, Any], moe_backends: tuple = ()) -> dict:
+    """Pool job (one process, ``num_ports=1``): ``{"staged": [(layer, method, backend)],
+    "refused": {backend: message or None}, "marlin_linear": message, "trtllm": message,
+    "orders_alone": message}``."""
+    from megatron_reshard.receiver.kernel_layouts import KernelLayoutError, storage_orders
+    from megatron_reshard.receiver.staged_conversion import staged_layers
+    from megatron_reshard.testing import vllm_models as vm
+
+    model_dir = vm.write_model_dir(hf_config)
+    config = vm.vllm_config_for(model_dir, 1, moe_backend="flashinfer_cutlass")
+    out: dict[str, Any] = {"refused": {}}
+    with vm.vllm_parallel_state(config, 0, 1, job.ports[0]):
+        model = vm.dummy_loaded_model(config)
+        out["staged"] = [(layer.name, layer.method, layer.backend) for layer in staged_layers(model)]
+        moe = [m.quant_method for m in model.modules()
+               if type(getattr(m, "quant_method", None)).__name__ == "Fp8MoEMethod"]
+        chosen = moe[0].fp8_backend
+        for name in moe_backends:
+            for method in moe:
+                method.fp8_backend = type(chosen)[name]
+            out["refused"][name] = _refusal(model)
+        for method in moe:
+            method.fp8_backend = chosen
+        linear = next(m.quant_method for m in model.modules()
+                      if type(getattr(m, "quant_method", None)).__name__ == "Fp8LinearMethod")
+        linear.use_marlin = True  # vLLM's choice on GPUs without FP8 hardware
+        out["marlin_linear"] = _refusal(model)
+        linear.use_marlin = False
+        try:  # the order alone, without the staged path, never writes FP8 layers
+            storage_orders(model)
+            out["orders_alone"] = None
+        except KernelLayoutError as err:
+            out["orders_alone"] = str(err)
+        trtllm = vm.dummy_loaded_model(vm.vllm_config_for(model_dir, 1, moe_backend="flashinfer_trtllm"))
+        out["trtllm"] = _refusal(trtllm)
+    return out
+
+
+__all__ = ["fp8_refusals_job"]

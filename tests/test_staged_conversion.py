@@ -1,0 +1,123 @@
+"""The staged path's own rules, on CPU without vLLM: each written layer converted once per
+refit into the same storage, a layer written in part refused, a conversion that cannot run
+here or changes the storage's shape refused before any byte moves.
+
+The expert layer below stands in for vLLM's block-FP8 ``Fp8MoEMethod`` (duck-typed by its
+class name, its conversion looked up in its class's module, as the receiver finds vLLM's);
+its conversion does what FlashInfer CUTLASS's does (w13 and its scales as [up; gate],
+block scales clamped in place). vLLM's own layers and conversions are checked bit for bit
+in ``tests/real_vllm/test_fp8_staged_conversion.py``."""
+
+import enum
+
+import pytest
+import torch
+from torch import nn
+
+from megatron_reshard.receiver.kernel_layouts import KernelLayoutError
+from megatron_reshard.receiver.staged_conversion import (
+    StagedConversionError,
+    StagedConversions,
+    staged_layers,
+)
+
+E, I, H = 2, 4, 3
+
+
+class Backend(enum.Enum):
+    FLASHINFER_CUTLASS = "flashinfer_cutlass"
+    DEEPGEMM = "deep_gemm"
+    MARLIN = "marlin"
+    TRITON = "triton"
+
+
+def _swap(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, 2, x.shape[-2] // 2, x.shape[-1]).flip(dims=[1]).reshape(x.shape)
+
+
+def convert_to_fp8_moe_kernel_format(backend, layer, w13, w2, s13, s2, in13, in2):
+    if backend is Backend.DEEPGEMM:
+        raise ImportError("deep_gemm")  # as on a machine without the package
+    if backend is Backend.TRITON:
+        return w13, w2[..., :1], s13, s2  # a result of another shape
+    s13, s2 = _swap(s13), s2
+    s13.clamp_(min=1e-10)
+    s2.clamp_(min=1e-10)
+    return _swap(w13), w2, s13, s2
+
+
+class Fp8MoEMethod:
+    def __init__(self, backend: Backend):
+        self.fp8_backend, self.weight_block_size = backend, [128, 128]
+
+
+class Experts(nn.Module):
+    def __init__(self, backend: Backend = Backend.FLASHINFER_CUTLASS):
+        super().__init__()
+        self.w13_weight = nn.Parameter(torch.zeros(E, 2 * I, H), requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.zeros(E, H, I), requires_grad=False)
+        self.w13_weight_scale_inv = nn.Parameter(torch.ones(E, 2, 1), requires_grad=False)
+        self.w2_weight_scale_inv = nn.Parameter(torch.ones(E, 1, 1), requires_grad=False)
+        self.quant_method = Fp8MoEMethod(backend)
+        self.hidden_size, self.intermediate_size_per_partition = H, I
+
+
+def _model(backend: Backend = Backend.FLASHINFER_CUTLASS) -> nn.Module:
+    model = nn.Module()
+    model.experts = Experts(backend)
+    return model
+
+
+def _receive(model: nn.Module) -> dict:
+    """What a refit writes: checkpoint order, a scale of 0 (an all-zero tile) included."""
+    sent = {n: torch.arange(p.numel(), dtype=p.dtype).reshape(p.shape) for n, p in model.named_parameters()}
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(sent[n])
+    return sent
+
+
+def test_each_written_layer_is_converted_once_into_its_storage():
+    model = _model()
+    staged = StagedConversions(staged_layers(model))
+    addresses = {n: p.data_ptr() for n, p in model.named_parameters()}
+    sent = _receive(model)
+    staged.received(list(model.parameters()))
+    assert staged.convert() == ["experts"]
+    live = dict(model.named_parameters())
+    assert torch.equal(live["experts.w13_weight"], _swap(sent["experts.w13_weight"]))
+    assert torch.equal(live["experts.w13_weight_scale_inv"],
+                       _swap(sent["experts.w13_weight_scale_inv"]).clamp(min=1e-10))
+    assert live["experts.w2_weight_scale_inv"].min() == torch.tensor(1e-10)  # the clamp: values change
+    assert {n: p.data_ptr() for n, p in model.named_parameters()} == addresses
+    # a second call (or vLLM's post-load re-run by mistake) finds nothing to convert
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    assert staged.convert() == []
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    report = staged.report()
+    assert report["conversions"] == 1 and report["backends"] == ["Fp8MoEMethod:FLASHINFER_CUTLASS"]
+    assert report["peak_staging_bytes"] == (E * 2 * I * H + E * 2) * 4  # w13 and its scales, new
+
+
+def test_a_layer_written_in_part_is_refused():
+    model = _model()
+    staged = StagedConversions(staged_layers(model))
+    with pytest.raises(StagedConversionError, match=r"experts: the refit wrote \['experts.w13_weight'\]"):
+        staged.received([model.experts.w13_weight])
+    assert staged.convert() == []
+
+
+@pytest.mark.parametrize("backend, why", [
+    (Backend.MARLIN, "repacks the experts with its own device kernels"),
+    (Backend.DEEPGEMM, "does not run on this cpu device (ImportError: deep_gemm)"),
+    (Backend.TRITON, "it returned [((1, 3, 1), torch.float32)]"),
+])
+def test_a_conversion_that_cannot_run_here_is_refused_before_any_byte_moves(backend, why):
+    model = _model(backend)
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    with pytest.raises(KernelLayoutError) as err:
+        staged_layers(model)
+    message = str(err.value)
+    assert message.startswith(f"experts: quant method Fp8MoEMethod, kernel backend {backend.name}:"), message
+    assert why in message and "--moe-backend flashinfer_cutlass, flashinfer_trtllm or triton" in message, message
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())  # dry run on a copy
