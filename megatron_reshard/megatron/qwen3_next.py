@@ -110,3 +110,21 @@ def hf_shapes(kind: str, local_shape: Sequence[int], tp: int, d: Optional[Linear
     if kind == "gdn_in_proj":
         return [[2 * kd + 2 * vd, *rest], [2 * d.num_value_heads, *rest]]
     return [[2 * kd + vd, *rest]]  # gdn_conv1d
+
+
+def hf_config_keys(config: Any) -> dict:
+    """The HF Qwen3-Next keys the receiver reads (conv1d segments, gated q rows); {} for a
+    model without Gated-DeltaNet layers or the attention output gate."""
+    out: dict = {}
+    d = LinearAttentionDims.from_config(config)
+    if d is not None:
+        freq = config.linear_attention_freq  # megatron-core's get_linear_attention_pattern
+        linear = ([bool(x) for x in freq] if isinstance(freq, list)
+                  else [(i + 1) % int(freq) != 0 for i in range(int(config.num_layers))])
+        out["layer_types"] = ["linear_attention" if x else "full_attention" for x in linear]
+        out.update(linear_num_key_heads=d.num_key_heads, linear_num_value_heads=d.num_value_heads,
+                   linear_key_head_dim=d.key_head_dim, linear_value_head_dim=d.value_head_dim,
+                   linear_conv_kernel_dim=int(config.linear_conv_kernel_dim))
+    if getattr(config, "attention_output_gate", False):
+        out["attn_output_gate"] = True
+    return out

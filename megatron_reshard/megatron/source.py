@@ -55,7 +55,7 @@ from megatron_reshard.errors import BadInputError
 from megatron_reshard.fp8.plan import GEN_QUANT_FORMATS, plan_block_fp8, plan_mxfp8
 from megatron_reshard.layout.placements import build_mesh_info
 from megatron_reshard.wire.placement_rules import is_expert_param, is_nccl_reshard_param
-from megatron_reshard.megatron import mla, nemotron_h, unsupported_families
+from megatron_reshard.megatron import mla, nemotron_h, qwen3_next, unsupported_families
 from megatron_reshard.megatron.converters import (
     Converted,
     ModelDims,
@@ -146,7 +146,7 @@ class MegatronRefitSource:
             family = chosen
             problems += mla.unsupported_features(config)
             problems += nemotron_h.unsupported(bare, family)
-            problems += unsupported_families.layer_problems(config)
+            problems += unsupported_families.layer_problems(config, family)
             padded = int(getattr(bare, "vocab_size", 0) or 0)
             if vocab_size is None:
                 vocab_size = padded
@@ -178,6 +178,7 @@ class MegatronRefitSource:
             vocab_size=self.vocab_size,
             gated=bool(config.gated_linear_unit),
             num_local_experts=self.num_local_experts,
+            linear=qwen3_next.LinearAttentionDims.from_config(config),
         )
 
     def _convert_local_params(self) -> dict:
@@ -250,7 +251,9 @@ class MegatronRefitSource:
         # as padded shards (Megatron's and vLLM's paddings differ; padding never travels).
         self.vocab_metadata = {n: m for n, m in metadata.items() if n in VOCAB_PARAMS}
         # Attention output, norms and router have plain layouts on both sides: exact path too.
-        grouped_qkv = qkv_groups_fit(self.dims, self.layout.tp, int(self.gen_parallelism.get("tp_size", 1)))
+        # gated attention's q/k/v (Qwen3-Next) are not in the per-group form: packed
+        grouped_qkv = qkv_groups_fit(self.dims, self.layout.tp, int(self.gen_parallelism.get("tp_size", 1))) \
+            and not getattr(self.config, "attention_output_gate", False)
         forced = re.compile(packed_params) if packed_params else None
         self.exact_extra_metadata = {n: m for n, m in metadata.items()
                                      if not is_nccl_reshard_param(n)

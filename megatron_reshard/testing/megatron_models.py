@@ -162,16 +162,13 @@ def transformer_config(spec: TinyGPTSpec):
             moe_router_topk_scaling_factor=spec.moe_router_topk_scaling_factor,
         )
     if spec.experimental_attention_variant:
-        # GatedDeltaNet.reset_parameters forks the CUDA RNG tracker whatever
-        # use_cpu_initialization says; fill_distinct_ sets every param anyway
         kwargs.update(experimental_attention_variant=spec.experimental_attention_variant,
                       linear_attention_freq=spec.linear_attention_freq,
                       linear_conv_kernel_dim=spec.linear_conv_kernel_dim,
                       linear_key_head_dim=spec.linear_key_head_dim,
                       linear_value_head_dim=spec.linear_value_head_dim,
                       linear_num_key_heads=spec.linear_num_key_heads,
-                      linear_num_value_heads=spec.linear_num_value_heads,
-                      perform_initialization=False)
+                      linear_num_value_heads=spec.linear_num_value_heads)
     if spec.attention_output_gate:
         kwargs.update(attention_output_gate=True)
     if spec.multi_latent_attention:
@@ -196,7 +193,7 @@ def build_gpt_model(spec: TinyGPTSpec):
         layer_spec = gated_delta_net_block_spec(config, layer_spec)
     with _cuda_device_is_cpu(spec.multi_latent_attention or spec.moe_router_enable_expert_bias
                              or spec.softmax_type != "vanilla" or gdn), \
-            _mla_without_te(spec.multi_latent_attention), _fla_checked_at_forward(gdn):
+            _mla_without_te(spec.multi_latent_attention), _gated_delta_net_on_cpu(gdn):
         model = _gpt_model(GPTModel, config, layer_spec, spec, ps)
     fill_distinct_(model, spec.seed)
     return model
@@ -242,10 +239,13 @@ def gated_delta_net_block_spec(config, block):
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     gdn = ModuleSpec(module=GatedDeltaNet, submodules=GatedDeltaNetSubmodules(
         in_proj=ColumnParallelLinear, out_norm=WrappedTorchNorm, out_proj=RowParallelLinear))
-    pattern = get_linear_attention_pattern(config)
+    # the block spec holds this PP stage's layers: the pattern from its first global layer on
+    offset = get_transformer_layer_offset(config)
+    pattern = get_linear_attention_pattern(config)[offset:]
     # the local block spec shares one layer spec object between layers: copy, then replace
     layers = [dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules, self_attention=gdn))
               if linear else layer for layer, linear in zip(block.layer_specs, pattern)]
@@ -253,24 +253,32 @@ def gated_delta_net_block_spec(config, block):
 
 
 @contextlib.contextmanager
-def _fla_checked_at_forward(active: bool):
-    """megatron-core 0.16.1's ``GatedDeltaNet.__init__`` raises ImportError when the
-    flash-linear-attention package (``fla``, Triton kernels: CUDA) is absent, though only
-    its forward calls ``fla`` (``chunk_gated_delta_rule``, ``l2norm``); construction and the
-    parameters need none of it. While such a model is built ``HAVE_FLA`` says True; a
-    forward still fails where ``fla`` is absent (``chunk_gated_delta_rule`` is None).
-    Restored on exit."""
+def _gated_delta_net_on_cpu(active: bool):
+    """What megatron-core 0.16.1's ``GatedDeltaNet.__init__`` needs beyond the CPU build,
+    though a refit needs only its parameters (restored on exit):
+
+    - it raises ImportError when the flash-linear-attention package (``fla``: Triton
+      kernels, CUDA) is absent (``ssm/gated_delta_net.py``, ``if not HAVE_FLA``), though
+      only ``forward`` calls ``fla`` (``chunk_gated_delta_rule``, ``l2norm``): while the
+      model is built ``HAVE_FLA`` says True; a forward still fails without ``fla``;
+    - its ``reset_parameters`` forks the CUDA RNG tracker (``get_cuda_rng_tracker().fork()``)
+      whatever ``use_cpu_initialization`` says, which has no state without CUDA: it is
+      skipped (``fill_distinct_`` then sets every parameter, these included);
+    - ``conv1d``, ``dt_bias`` and ``A_log`` are placed on ``torch.cuda.current_device()``
+      (``_cuda_device_is_cpu`` answers the CPU).
+    """
     if not active:
         yield
         return
     from megatron.core.ssm import gated_delta_net
 
-    saved = gated_delta_net.HAVE_FLA
+    saved = gated_delta_net.HAVE_FLA, gated_delta_net.GatedDeltaNet.reset_parameters
     gated_delta_net.HAVE_FLA = True
+    gated_delta_net.GatedDeltaNet.reset_parameters = lambda self: None
     try:
         yield
     finally:
-        gated_delta_net.HAVE_FLA = saved
+        gated_delta_net.HAVE_FLA, gated_delta_net.GatedDeltaNet.reset_parameters = saved
 
 
 @contextlib.contextmanager
