@@ -63,7 +63,7 @@ def _is_deepseek(c: Mapping[str, Any]) -> bool:
 
 def _float32_param(c: Mapping[str, Any], name: str) -> bool:
     """Params vLLM holds in float32 whatever the model dtype."""
-    return name.endswith("e_score_correction_bias") or (
+    return name.endswith(("e_score_correction_bias", ".linear_attn.A_log")) or (
         c.get("family") == "glm4_moe" and name.endswith(".mlp.gate.weight"))
 
 
@@ -312,7 +312,8 @@ def expected_vllm_shard(hf_config: Mapping[str, Any], vllm_name: str,
                 per_expert.append(split_rows(hf[f"{base}.up_proj.weight"]))
         return torch.stack(per_expert)
     if ".linear_attn." in vllm_name:
-        return _gated_delta_net_expected(c, vllm_name, hf, r, T)
+        part = _gated_delta_net_expected(c, vllm_name, hf, r, T)
+        return part.float() if _float32_param(c, vllm_name) else part
     if vllm_name.endswith("qkv_proj.weight") or vllm_name.endswith("qkv_proj.bias"):
         base, kind = vllm_name.rsplit(".qkv_proj.", 1)
         q, k, v = (hf[f"{base}.{x}_proj.{kind}"] for x in "qkv")
@@ -372,8 +373,7 @@ def _gated_delta_net_expected(c: Mapping[str, Any], name: str, hf: Mapping[str, 
         return full
     if name.endswith("out_proj.weight"):
         return torch.chunk(full, T, dim=1)[r]
-    part = torch.chunk(full, T)[r]
-    return part.float() if name.endswith("A_log") else part
+    return torch.chunk(full, T)[r]  # A_log widened by the caller (_float32_param)
 
 
 # ---- gpt-oss (GptOssForCausalLM): vLLM renames embed_tokens -> embedding and self_attn ->

@@ -39,6 +39,15 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
                 moe_layer_freq=[0, 1, 1, 1], vocab_size=500, add_qkv_bias=True, rotary_percent=0.5,
                 moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
                 moe_router_topk_scaling_factor=2.5),
+    # Qwen3-Next-shaped: megatron-core's GatedDeltaNet in three of four layers, gated full
+    # attention in the fourth, 8 experts + a gated shared expert
+    "qwen3-next": dict(family="qwen3_next", num_layers=4, hidden_size=64, num_attention_heads=8,
+                       num_query_groups=2, head_dim=16, ffn_hidden_size=128, num_moe_experts=8,
+                       moe_ffn_hidden_size=32, moe_shared_expert_intermediate_size=32,
+                       moe_shared_expert_gate=True, vocab_size=500, qk_layernorm=True,
+                       experimental_attention_variant="gated_delta_net", linear_attention_freq=4,
+                       attention_output_gate=True, linear_num_key_heads=4, linear_num_value_heads=8,
+                       linear_key_head_dim=16, linear_value_head_dim=16),
 }
 
 # --gen-precision fp8: the preset's dims made whole 128x128 blocks per TP shard (head_dim
