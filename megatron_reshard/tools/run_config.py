@@ -48,6 +48,14 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
                        experimental_attention_variant="gated_delta_net", linear_attention_freq=4,
                        attention_output_gate=True, linear_num_key_heads=4, linear_num_value_heads=8,
                        linear_key_head_dim=16, linear_value_head_dim=16),
+    # gpt-oss-shaped: sinks, a bias on every linear and the router, alternating sliding
+    # windows, gpt-oss's clamped GLU; 8 experts of 128 (vLLM's swigluoai experts want I/TP a
+    # multiple of 32)
+    "gpt-oss": dict(family="gpt_oss", num_layers=4, hidden_size=64, num_attention_heads=8,
+                    num_query_groups=4, head_dim=16, ffn_hidden_size=128, num_moe_experts=8,
+                    moe_ffn_hidden_size=128, vocab_size=500, softmax_type="learnable",
+                    add_bias_linear=True, window_size=(15, 0), window_attn_skip_freq=2,
+                    gpt_oss_activation=True),
 }
 
 # --gen-precision fp8: the preset's dims made whole 128x128 blocks per TP shard (head_dim
