@@ -174,6 +174,9 @@ class VllmTargets:
         heads_problem = mla.heads_split_problem(hf_name, self.hf_config, self.tp_size)
         if heads_problem:
             raise TargetError(f"{hf_name}: {heads_problem} (on {self.where()})")
+        linear_problem = gated_delta_net.split_problem(hf_name, self.hf_config, self.tp_size)
+        if linear_problem:
+            raise TargetError(f"{hf_name}: {linear_problem} (on {self.where()})")
         if hf_name in self.params and gated_delta_net.CONV1D_RE.search(hf_name):
             return self._conv1d(hf_name, shape)
         if hf_name in self.params:

@@ -239,9 +239,14 @@ def _split_refusals(cfg: RefitRunConfig) -> dict[str, Any]:
     uneven_pp = (m.get("num_layers_in_first_pipeline_stage")
                  or m.get("num_layers_in_last_pipeline_stage"))
 
+    # Qwen3-Next: both sides split Gated-DeltaNet by whole key-head groups
+    linear_heads = m.get("linear_num_key_heads") if m.get("experimental_attention_variant") else None
+
     def tp_common(t: int) -> Optional[str]:
         if heads % t:
             return f"does not divide its {heads} attention heads"
+        if linear_heads and linear_heads % t:
+            return f"does not divide its {linear_heads} Gated-DeltaNet key heads"
         if ffn and ffn % t:
             return f"does not divide its FFN size {ffn}"
         if shared and shared % t:

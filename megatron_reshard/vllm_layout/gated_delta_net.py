@@ -53,3 +53,18 @@ def attention_heads(hf_config: Mapping[str, Any]) -> AttentionHeads:
     if hf_config.get("attn_output_gate"):
         return replace(heads, num_heads=2 * heads.num_heads)
     return heads
+
+
+_GDN_RE = re.compile(r"\.linear_attn\.")
+
+
+def split_problem(hf_name: str, hf_config: Mapping[str, Any], tp_size: int) -> Optional[str]:
+    """Why vLLM cannot hold a Gated-DeltaNet param over ``tp_size`` ranks (None: it can):
+    each rank takes whole key-head groups (``fix_query_key_value_ordering`` reads
+    ``num_k_heads // tp_size`` of them)."""
+    if not _GDN_RE.search(hf_name):
+        return None
+    nk = hf_config.get("linear_num_key_heads")
+    if nk and int(nk) % tp_size:
+        return f"its {nk} Gated-DeltaNet key heads do not split over tp_size={tp_size}"
+    return None

@@ -288,6 +288,15 @@ def test_gpt_oss_sends_only_its_experts_as_full_tensors(refitted):
 # ---- end gpt-oss
 
 
+def test_qwen3_next_sends_only_its_gated_delta_net_and_gated_attention_params_packed(refitted):
+    """Qwen3-Next's packed (full-tensor) params on every gen rank are exactly the 7 params of
+    each of the 3 Gated-DeltaNet layers and the gated q/k/v of the full-attention layer;
+    everything else (experts, shared expert, norms, o_proj, vocab) takes the exact path."""
+    for index in range(len(FAMILIES["qwen3_next"].layouts)):
+        for g in refitted("qwen3_next", index):
+            assert g["summary"]["misc_params"] == 3 * 7 + 3, (index, g["rank"], g["summary"])
+
+
 def test_vllms_qwen3_5_classes_do_not_import_here_which_blocks_that_family():
     """Pins the blocker the Qwen3.5 refusal names (``megatron.unsupported_families``): vLLM
     0.33's Qwen3.5 module imports its vision tower, which needs torchvision (no CPU build for
