@@ -41,7 +41,8 @@ $(VLLM_VENV)/.installed: pyproject.toml Makefile
 	$(VPIP) --no-deps xgrammar==0.2.8 apache-tvm-ffi==0.1.11
 	# FlashInfer's MoE permutation helpers run on CPU tensors: vLLM's TRTLLM conversion in tests
 	$(VPIP) --no-deps flashinfer-python==0.7.2.post1 nvidia-ml-py
-	# vLLM's quantization registry imports them: block-FP8 models build in the real-vLLM tests
+	# vLLM's quantization registry imports them (block-FP8 models build in the real-vLLM tests),
+	# and so does vLLM 0.33's Gated-DeltaNet layer (Qwen3-Next); loguru is their one missing dep
 	$(VPIP) --no-deps compressed-tensors==0.17.0 loguru==0.7.3
 	$(VPIP) pytest hypothesis "megatron-core>=0.16.1"
 	$(VPIP) --no-deps -e .

@@ -181,6 +181,17 @@ def _hf_config(model: str) -> dict:
                     vocab_size=p["vocab_size"], attention_bias=True, router_expert_bias=True,
                     shared_expert_intermediate_size=p["moe_shared_expert_intermediate_size"],
                     tie_word_embeddings=False)
+    if p.get("family") == "qwen3_next":  # Gated-DeltaNet in layer 0, gated attention in 1
+        return dict(family="qwen3_next", hidden_size=p["hidden_size"],
+                    num_attention_heads=p["num_attention_heads"],
+                    num_key_value_heads=p["num_query_groups"], head_dim=p["head_dim"],
+                    intermediate_size=p["ffn_hidden_size"], moe_intermediate_size=p["moe_ffn_hidden_size"],
+                    num_experts=p["num_moe_experts"], num_hidden_layers=2, vocab_size=p["vocab_size"],
+                    qk_norm=True, attn_output_gate=True, layer_types=["linear_attention", "full_attention"],
+                    shared_expert_intermediate_size=p["moe_shared_expert_intermediate_size"],
+                    linear_conv_kernel_dim=4, tie_word_embeddings=False,
+                    **{k: p[k] for k in ("linear_num_key_heads", "linear_num_value_heads",
+                                         "linear_key_head_dim", "linear_value_head_dim")})
     return dict(hidden_size=p["hidden_size"], num_attention_heads=p["num_attention_heads"],
                 num_key_value_heads=p["num_query_groups"],
                 intermediate_size=p["ffn_hidden_size"],

@@ -1,10 +1,11 @@
-"""Qwen3-Next / Qwen3.5 text are refused, precisely, before any collective.
+"""Qwen3.5 text is refused, precisely, before any collective; Qwen3-Next's hybrid layers are
+refused under any other family name.
 
-What blocks them is pinned here too: megatron-core 0.16.1 builds its Gated-DeltaNet block
-spec only with Transformer Engine (absent on this CPU machine), so the day a CPU build works
-the first test fails and says so. The refusals run on real megatron-core models (CPU, gloo,
-two ranks): Qwen3-Next's gated full attention (``attention_output_gate``) builds with the
-local spec; a Gated-DeltaNet config is a real ``TransformerConfig`` megatron-core validates.
+Pinned here too: megatron-core 0.16.1's own Gated-DeltaNet block spec asserts Transformer
+Engine (absent on this CPU machine), which is why the tests build GatedDeltaNet with local
+modules (``testing.megatron_models.gated_delta_net_block_spec``). The refusals run on real
+megatron-core models (CPU, gloo, two ranks): gated full attention (``attention_output_gate``)
+with the local spec; a Gated-DeltaNet model with megatron-core's own ``GatedDeltaNet``.
 """
 
 from __future__ import annotations
@@ -24,14 +25,16 @@ SPEC = dict(num_layers=4, hidden_size=32, num_attention_heads=4, num_query_group
 GDN = dict(experimental_attention_variant="gated_delta_net", linear_attention_freq=4,
            linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
            linear_num_key_heads=2, linear_num_value_heads=4)
+GDN_SPEC = dict(GDN, attention_output_gate=True)
 
 
-def test_qwen3_next_families_are_named_as_not_supported_yet_and_not_as_unknown():
-    for family in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"):
+def test_qwen3_5_families_are_named_as_not_supported_yet_and_not_as_unknown():
+    for family in ("qwen3_5_text", "qwen3_5_moe_text"):
         assert family in NOT_YET_SUPPORTED and family not in FAMILIES
         msg = family_problem(family)
         assert f"model family {family!r} is not supported yet" in msg
-        assert "Transformer Engine" in msg and "in_proj_qkvz" in msg and "A_log" in msg
+        assert "torchvision" in msg and "in_proj_qkv" in msg and "family='qwen3_next'" in msg
+    assert family_problem("qwen3_next") is None and "qwen3_next" in FAMILIES
     assert family_problem("glm4_moe") is None and family_problem("qwen3") is None
 
 
@@ -45,7 +48,7 @@ def _refusals(job):
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     from megatron_reshard.megatron.source import MegatronRefitSource
-    from megatron_reshard.testing.megatron_models import TinyGPTSpec, transformer_config
+    from megatron_reshard.testing.megatron_models import TinyGPTSpec, build_gpt_model, transformer_config
 
     init_gloo_world(job)
     ps.initialize_model_parallel(tensor_model_parallel_size=2, distributed_timeout_minutes=1)
@@ -68,25 +71,31 @@ def _refusals(job):
     gated = model_of(dataclasses.replace(base, attention_output_gate=True))
     out["gated_qkv_rows"] = int(gated.decoder.layers[0].self_attention.linear_qkv.weight.shape[0])
     attempt("gated_attention", gated, family="qwen3")
-    attempt("named_family", model_of(base), family="qwen3_next")
+    attempt("named_family", model_of(base), family="qwen3_5_text")
+    attempt("ungated_qwen3_next", model_of(base), family="qwen3_next")
     gdn_config = dataclasses.replace(base, **GDN)  # megatron-core validates the fields
     try:
         get_transformer_block_with_experimental_attention_variant_spec(gdn_config)
         out["gdn_spec"] = None
     except (AssertionError, NameError, ImportError) as err:
         out["gdn_spec"] = f"{type(err).__name__}: {err}"
-    attempt("gated_delta_net", model_of(gdn_config))
+    gdn = build_gpt_model(TinyGPTSpec(**SPEC, **GDN_SPEC))
+    out["gdn_layers"] = [type(layer.self_attention).__name__ for layer in gdn.decoder.layers]
+    attempt("gated_delta_net", gdn, family="qwen3")
     dist.barrier()  # no rank was left inside a collective
     return out
 
 
 def test_gated_and_linear_attention_models_are_refused_on_every_rank(pool):
     for rank, r in enumerate(pool.run(_refusals, 2)):
-        # megatron-core 0.16.1 cannot build a Gated-DeltaNet block on CPU (no Transformer
-        # Engine): its TE spec provider is not defined
+        # megatron-core 0.16.1's own Gated-DeltaNet block spec needs Transformer Engine (its
+        # TE spec provider is not defined here); the local-module spec builds the real layers
         assert r["gdn_spec"] is not None and "TESpecProvider" in r["gdn_spec"], r["gdn_spec"]
+        assert r["gdn_layers"] == ["GatedDeltaNet"] * 3 + ["SelfAttention"], r["gdn_layers"]
         # the gate doubles the q rows of this rank's linear_qkv: 2 q heads x 16 x 2 + k + v
         assert r["gated_qkv_rows"] == 2 * 16 * 2 + 2 * 16
         assert "attention_output_gate=True" in r["gated_attention"], (rank, r["gated_attention"])
-        assert "model family 'qwen3_next' is not supported yet" in r["named_family"], rank
+        assert "model family 'qwen3_5_text' is not supported yet" in r["named_family"], rank
+        assert "expects attention_output_gate=True" in r["ungated_qwen3_next"], rank
         assert "experimental_attention_variant='gated_delta_net'" in r["gated_delta_net"], rank
+        assert "pass family='qwen3_next'" in r["gated_delta_net"], rank

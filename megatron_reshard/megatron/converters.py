@@ -18,10 +18,10 @@ from typing import Mapping, Optional, Sequence
 import torch
 
 from megatron_reshard.errors import BadInputError, MissingEntryError
-from megatron_reshard.megatron import gpt_oss
+from megatron_reshard.megatron import gpt_oss, qwen3_next
 from megatron_reshard.megatron.families import FAMILIES, Rule
 
-TP_SHARDED_KINDS = {"column": 0, "row": 1, "vocab": 0, "qkv": 0, "fc1": 0}
+TP_SHARDED_KINDS = {"column": 0, "row": 1, "vocab": 0, "qkv": 0, "fc1": 0, **qwen3_next.TP_DIMS}
 EXPERT_KINDS = ("expert_fc1", "expert_fc2", "grouped_fc1", "grouped_fc2", *gpt_oss.KINDS)
 
 _WRAPPER_PREFIX = re.compile(r"^(?:module\.)+")
@@ -162,6 +162,7 @@ class ModelDims:
     vocab_size: int
     gated: bool
     num_local_experts: int = 0
+    linear: Optional[qwen3_next.LinearAttentionDims] = None  # Gated-DeltaNet layers (Qwen3-Next)
 
 
 def hf_global_shapes(conv: Converted, local_shape: Sequence[int], dims: ModelDims) -> dict[str, list[int]]:
@@ -192,6 +193,9 @@ def hf_global_shapes(conv: Converted, local_shape: Sequence[int], dims: ModelDim
         return {conv.hf_names[0]: shape}
     if kind in gpt_oss.KINDS:
         return {conv.hf_names[0]: gpt_oss.hf_shape(kind, shape)}
+    if kind in qwen3_next.KINDS:
+        return dict(zip(conv.hf_names, qwen3_next.hf_shapes(
+            kind, shape, t, dims.linear, dims.num_attention_heads, dims.num_query_groups, dims.head_dim)))
     if kind == "grouped_fc1":  # weight1 [H, E_l * (2)I]
         per = shape[1] // dims.num_local_experts // (2 if dims.gated else 1)
         return {n: [per, shape[0]] for n in conv.hf_names}
@@ -270,4 +274,14 @@ def full_from_tp_chunks(conv: Converted, chunks: Sequence[torch.Tensor], dims: M
         return local_views(conv, chunks[0], dims)
     if kind in gpt_oss.KINDS:
         return {conv.hf_names[0]: gpt_oss.full_tensor(kind, chunks[0])}
+    if kind == "gated_qkv":
+        return dict(zip(conv.hf_names, qwen3_next.gated_qkv_full(
+            chunks, dims.num_attention_heads, dims.num_query_groups, dims.head_dim)))
+    if kind in qwen3_next.KINDS:
+        if dims.linear is None:
+            raise BadInputError(f"{conv.megatron_name}: a Gated-DeltaNet param, but the model "
+                                f"dims carry no linear-attention geometry")
+        if kind == "gdn_in_proj":
+            return dict(zip(conv.hf_names, qwen3_next.in_proj_full(chunks, dims.linear)))
+        return {conv.hf_names[0]: qwen3_next.conv1d_full(chunks, dims.linear)}
     raise BadInputError(f"{conv.megatron_name}: no full-tensor rule for kind {kind!r}")

@@ -27,6 +27,9 @@ Kinds (T = TP size; experts are never TP-sharded here because expert-TP > 1 is r
 ``skip``        not a weight (``_extra_state``)
 ``oss_*``       gpt-oss experts, one whole expert each: interleaved gate/up, transposed
                 weights (``megatron.gpt_oss``); full tensors only
+``gdn_*``       Qwen3-Next's Gated-DeltaNet ``in_proj`` (-> ``in_proj_qkvz``, ``in_proj_ba``)
+                and ``conv1d``; ``gated_qkv``: ``linear_qkv`` with the attention output
+                gate (``megatron.qwen3_next``); full tensors only
 ``mamba_*``     Nemotron-H's fused Mamba-2 ``in_proj`` / ``conv1d``: names only (the
                 family is refused, ``megatron.nemotron_h``)
 ==============  ====================================================================
@@ -241,3 +244,34 @@ NEMOTRON_H_RULES = SKIP_RULES + _rules(
 )
 FAMILIES["nemotron_h"] = (NEMOTRON_H_TOP_RULES, NEMOTRON_H_RULES)
 # ---- end Nemotron-H
+
+
+# ---- Qwen3-Next / Qwen3.5 text (megatron-core GPTModel with its own ``GatedDeltaNet`` layers,
+# ``experimental_attention_variant="gated_delta_net"``, and ``attention_output_gate`` on the
+# full-attention layers; HF/vLLM Qwen3NextForCausalLM). The tensor rules of the ``gdn_*`` /
+# ``gated_qkv`` kinds are in ``megatron.qwen3_next``; A_log / dt_bias are per value head
+# (TP dim 0), the gated norm is per channel of one head (replicated). MoE: Qwen2-MoE's names
+# (``shared_expert``, ``shared_expert_gate``). The refit still refuses these families
+# (``megatron.unsupported_families`` says what is left); the rules are checked on real
+# megatron-core models against vLLM's own ``load_weights``.
+LINEAR = LAYER + ".linear_attn."
+_GATED_DELTA_NET_RULES = _rules(
+    (r"self_attention\.in_proj\.weight", "gdn_in_proj",
+     [LINEAR + "in_proj_qkvz.weight", LINEAR + "in_proj_ba.weight"]),
+    # Transformer-Engine spec: the input norm fused into in_proj
+    (r"self_attention\.in_proj\.layer_norm_weight", "replicated", [LAYER + ".input_layernorm.weight"]),
+    (r"self_attention\.conv1d\.weight", "gdn_conv1d", [LINEAR + "conv1d.weight"]),
+    (r"self_attention\.A_log", "column", [LINEAR + "A_log"]),
+    (r"self_attention\.dt_bias", "column", [LINEAR + "dt_bias"]),
+    (r"self_attention\.out_norm\.weight", "replicated", [LINEAR + "norm.weight"]),
+    (r"self_attention\.out_proj\.weight", "row", [LINEAR + "out_proj.weight"]),
+    # full attention with the output gate: q_proj rows [q_h ; gate_h] per head
+    (r"self_attention\.linear_qkv\.weight", "gated_qkv",
+     [ATTN + "q_proj.weight", ATTN + "k_proj.weight", ATTN + "v_proj.weight"]),
+)
+_QWEN_SHARED_EXPERT = _shared_expert_rules("shared_expert") + _rules(
+    (r"mlp\.shared_experts\.gate_weight", "replicated", [LAYER + ".mlp.shared_expert_gate.weight"]),
+)
+FAMILIES["qwen3_next"] = (TOP_RULES, SKIP_RULES + _GATED_DELTA_NET_RULES + NORM_RULES + ATTENTION_RULES
+                          + DENSE_MLP_RULES + MOE_RULES + _QWEN_SHARED_EXPERT)
+# ---- end Qwen3-Next

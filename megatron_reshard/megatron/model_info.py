@@ -11,7 +11,7 @@ from typing import Any, Iterable, Optional
 
 import torch
 
-from megatron_reshard.megatron import mla
+from megatron_reshard.megatron import mla, qwen3_next
 
 HF_CONFIG_KEYS = (
     "family", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -22,6 +22,9 @@ HF_CONFIG_KEYS = (
     # MLA (DeepSeek-V3 family; absent for GQA models) and the router's score-correction bias
     "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
     "router_expert_bias",
+    # Qwen3-Next (absent without Gated-DeltaNet layers / the attention output gate)
+    "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+    "linear_conv_kernel_dim", "attn_output_gate", "layer_types",
 )
 
 HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -42,6 +45,8 @@ def unwrap_model(model: Any) -> tuple[Optional[torch.nn.Module], list[str]]:
 
 def infer_family(config: Any) -> Optional[str]:
     """A family from the TransformerConfig alone, when unambiguous (MoE with shared experts is not)."""
+    if getattr(config, "experimental_attention_variant", None) == "gated_delta_net":
+        return "qwen3_next"  # Gated-DeltaNet layers: Qwen3-Next's names
     if getattr(config, "multi_latent_attention", False):
         return "deepseek_v3"  # MLA: the DeepSeek-V3 names (Kimi-K2 uses them too)
     if getattr(config, "num_moe_experts", None):
@@ -90,4 +95,5 @@ def hf_config(model: torch.nn.Module, family: str, vocab_size: int, hf_names: It
         "torch_dtype": str(c.params_dtype),
         "router_expert_bias": bool(getattr(c, "moe_router_enable_expert_bias", False)),
         **mla.hf_config_keys(c),
+        **qwen3_next.hf_config_keys(c),
     }

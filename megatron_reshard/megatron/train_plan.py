@@ -35,7 +35,7 @@ import torch.distributed as dist
 from megatron_reshard.errors import BadInputError, BadInputTypeError
 from megatron_reshard.fp8.plan import GEN_QUANT_FORMATS, plan_block_fp8, plan_mxfp8
 from megatron_reshard.layout.placements import build_mesh_info
-from megatron_reshard.megatron import mla, nemotron_h, unsupported_families
+from megatron_reshard.megatron import mla, nemotron_h, qwen3_next, unsupported_families
 from megatron_reshard.megatron.converters import Converted, ModelDims, NameConverter, hf_global_shapes
 from megatron_reshard.megatron.exact_path import VOCAB_PARAMS, add_exact_extras
 from megatron_reshard.megatron.families import FAMILIES
@@ -213,7 +213,7 @@ def check_inputs(model: Any, gen: GenTarget, family: Optional[str], vocab_size: 
         family = chosen
         problems += mla.unsupported_features(config)
         problems += nemotron_h.unsupported(bare, family)
-        problems += unsupported_families.layer_problems(config)
+        problems += unsupported_families.layer_problems(config, family)
         padded = int(getattr(bare, "vocab_size", 0) or 0)
         if vocab_size is None:
             vocab_size = padded
@@ -237,6 +237,7 @@ def check_inputs(model: Any, gen: GenTarget, family: Optional[str], vocab_size: 
         vocab_size=int(vocab_size),  # type: ignore[arg-type]
         gated=bool(config.gated_linear_unit),
         num_local_experts=num_local_experts,
+        linear=qwen3_next.LinearAttentionDims.from_config(config),
     )
     return ModelFacts(model=bare, config=config, family=family,  # type: ignore[arg-type]
                       layout=par, coords=coords, vocab_size=int(vocab_size),  # type: ignore[arg-type]
@@ -310,7 +311,9 @@ def sort_params(facts: ModelFacts, placement: RankPlacement, reports: list, gen:
     padded shards, q/k/v per KV group, direct and MLA params), packed others."""
     metadata, stage_of_key = merge_reports(reports, list(placement.all_coords),
                                            int(facts.config.num_layers))
-    grouped_qkv = qkv_groups_fit(facts.dims, facts.layout.tp, gen.tp)
+    # gated attention's q/k/v (Qwen3-Next) are not in the per-group form: packed
+    grouped_qkv = (qkv_groups_fit(facts.dims, facts.layout.tp, gen.tp)
+                   and not getattr(facts.config, "attention_output_gate", False))
     forced = re.compile(packed_params) if packed_params else None
     # Vocab matrices are the largest params outside the FFN; attention output, norms and
     # router have plain layouts on both sides: all take the exact path.

@@ -1,33 +1,34 @@
 """Model families and Megatron-Core layers the refit refuses, with what blocks each.
 
 Checked before any collective (``MegatronRefitSource._check_inputs``): a named family that
-is not supported yet, and the layers of a hybrid model whatever family is named, since a
-gated or linear attention layer would otherwise reach the converter as plain attention
-(``attention_output_gate`` makes ``linear_qkv`` carry a gate per head that vLLM's
-``qkv_proj`` does not have).
+is not supported yet, and the hybrid-model layers of a model whose family has no rules for
+them, since a gated or linear attention layer would otherwise reach the converter as plain
+attention (``attention_output_gate`` makes ``linear_qkv`` carry a gate per head that a
+plain ``qkv_proj`` does not have). Qwen3-Next (``family="qwen3_next"``) has those rules
+(``megatron.qwen3_next``).
 """
 
 from __future__ import annotations
 
 from typing import Any, Optional
 
-_QWEN3_NEXT_BLOCKERS = (
-    "megatron-core 0.16.1 builds Gated-DeltaNet layers only with Transformer Engine (its "
-    "experimental attention block spec asserts transformer_impl='transformer_engine'), so no "
-    "real model of the family can be built and checked on a CPU machine; the converter rules "
-    "for GatedDeltaNet's in_proj (q/k/v/z/b/a rows, vLLM's per-key-head interleave of "
-    "in_proj_qkvz / in_proj_ba over TP), conv1d, A_log, dt_bias and the gated norm, and for "
-    "the output gate that attention_output_gate adds to linear_qkv, are not written; and vLLM "
-    "0.33's qwen3_next / qwen3_5 model modules do not import in the project's vLLM test "
-    "environment (their Gated-DeltaNet layer imports compressed_tensors, not installed), so "
-    "no refit could be checked against vLLM's own loading either")
+_QWEN3_5_BLOCKERS = (
+    "vLLM 0.33's Qwen3.5 module (models/qwen3_5.py) imports its vision tower (qwen3_vl -> "
+    "transformers' Qwen2-VL image processor -> torchvision), and torchvision has no CPU build "
+    "for torch 2.13 (PyPI's wheel is CUDA-linked: 'operator torchvision::nms does not exist'), "
+    "so no refit can be checked against vLLM's own Qwen3.5 classes here; Qwen3.5's checkpoint "
+    "also names the Gated-DeltaNet projections apart (in_proj_qkv, in_proj_z, in_proj_b, "
+    "in_proj_a, loaded flat, not per key head), for which no converter rule is written. "
+    "Qwen3-Next's layers are the same: family='qwen3_next' refits")
 
-#: HF ``model_type`` -> why the refit refuses it (Qwen3.5's text types share Qwen3-Next's layers)
+#: HF ``model_type`` -> why the refit refuses it
 NOT_YET_SUPPORTED: dict[str, str] = {
-    "qwen3_next": _QWEN3_NEXT_BLOCKERS,
-    "qwen3_5_text": _QWEN3_NEXT_BLOCKERS,
-    "qwen3_5_moe_text": _QWEN3_NEXT_BLOCKERS,
+    "qwen3_5_text": _QWEN3_5_BLOCKERS,
+    "qwen3_5_moe_text": _QWEN3_5_BLOCKERS,
 }
+
+#: families whose rules convert Gated-DeltaNet layers and the attention output gate
+HYBRID_FAMILIES = ("qwen3_next",)
 
 
 def family_problem(family: Optional[str]) -> Optional[str]:
@@ -37,15 +38,25 @@ def family_problem(family: Optional[str]) -> Optional[str]:
     return f"model family {family!r} is not supported yet: {NOT_YET_SUPPORTED[family]}"
 
 
-def layer_problems(config: Any) -> list[str]:
-    """The hybrid-model layers a ``TransformerConfig`` asks for that the refit cannot convert."""
+def layer_problems(config: Any, family: Optional[str] = None) -> list[str]:
+    """The hybrid-model layers a ``TransformerConfig`` asks for that ``family``'s rules
+    cannot convert."""
     out = []
     variant = getattr(config, "experimental_attention_variant", None)
+    gated = bool(getattr(config, "attention_output_gate", False))
+    if family in HYBRID_FAMILIES:
+        if variant not in (None, "gated_delta_net"):
+            out.append(f"experimental_attention_variant={variant!r} is not supported: only "
+                       "'gated_delta_net' (Qwen3-Next's linear attention) has converter rules")
+        if not gated:
+            out.append(f"family={family!r} expects attention_output_gate=True (Qwen3-Next's full "
+                       "attention layers gate their output; vLLM's qkv_proj holds the gate rows)")
+        return out
     if variant is not None:
-        out.append(f"experimental_attention_variant={variant!r} (Qwen3-Next / Qwen3.5 linear "
-                   "attention) is not supported yet: its layers have no converter rules")
-    if getattr(config, "attention_output_gate", False):
-        out.append("attention_output_gate=True (Qwen3-Next / Qwen3.5 gated full attention) is not "
-                   "supported yet: linear_qkv carries an output gate per head that no converter "
-                   "rule splits off")
+        out.append(f"experimental_attention_variant={variant!r} (Qwen3-Next linear attention) "
+                   "is not supported for this family: pass family='qwen3_next'")
+    if gated:
+        out.append("attention_output_gate=True (Qwen3-Next gated full attention) is not supported "
+                   "for this family: linear_qkv carries an output gate per head; pass "
+                   "family='qwen3_next'")
     return out

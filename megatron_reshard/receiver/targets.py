@@ -37,7 +37,7 @@ from megatron_reshard.errors import BadInputError, BadInputTypeError
 from megatron_reshard.wire.expert_names import EXPERT_WEIGHT_RE
 from megatron_reshard.wire.extras import HFConfig
 from megatron_reshard.wire.spec import LocalParamSpec, RefitCtx
-from megatron_reshard.vllm_layout import gpt_oss, mla
+from megatron_reshard.vllm_layout import gated_delta_net, gpt_oss, mla
 from megatron_reshard.vllm_layout import moe as vllm_moe
 from megatron_reshard.vllm_layout.dense import (GATE_UP_RE, QKV_RE, VOCAB_PADDING,
                                                 AttentionHeads, gate_up_rows,
@@ -174,6 +174,11 @@ class VllmTargets:
         heads_problem = mla.heads_split_problem(hf_name, self.hf_config, self.tp_size)
         if heads_problem:
             raise TargetError(f"{hf_name}: {heads_problem} (on {self.where()})")
+        linear_problem = gated_delta_net.split_problem(hf_name, self.hf_config, self.tp_size)
+        if linear_problem:
+            raise TargetError(f"{hf_name}: {linear_problem} (on {self.where()})")
+        if hf_name in self.params and gated_delta_net.CONV1D_RE.search(hf_name):
+            return self._conv1d(hf_name, shape)
         if hf_name in self.params:
             return self._direct(hf_name, shape)
         m = EXPERT_WEIGHT_RE.match(hf_name)
@@ -264,9 +269,23 @@ class VllmTargets:
         plan.pieces.append(Piece(target, ((lo, hi), (0, shape[1])), _full(shape)))
         return plan
 
+    def _conv1d(self, name: str, shape: tuple[int, ...]) -> TargetPlan:
+        """Qwen3-Next's conv1d: three segments split over TP (``vllm_layout.gated_delta_net``)."""
+        pieces = gated_delta_net.conv1d_pieces(self.hf_config, self.tp_size, self.tp_rank)
+        if pieces is None:
+            raise TargetError(f"{name}: hf_config lacks the linear_* dims, or a segment does not "
+                              f"split over tp_size={self.tp_size} (on {self.where()})")
+        expected = (pieces[-1][0][1],) + shape[1:]
+        if tuple(self.params[name].shape) != expected:
+            raise self._shape_error(name, name, expected, "[q_r; k_r; v_r] conv channels")
+        plan = TargetPlan(name, shape)
+        for t_rows, h_rows in pieces:
+            plan.pieces.append(Piece(name, (t_rows,) + _full(shape[1:]), (h_rows,) + _full(shape[1:])))
+        return plan
+
     def _heads(self, name: str) -> AttentionHeads:
         try:
-            return AttentionHeads.from_hf_config(self.hf_config)
+            return gated_delta_net.attention_heads(self.hf_config)
         except KeyError as err:
             raise TargetError(f"{name}: hf_config lacks {err} needed to slice qkv_proj") from None
 

@@ -74,6 +74,16 @@ class TinyGPTSpec:
     gpt_oss_activation: bool = False
     # GLM-4.5: RoPE over the first rotary_percent of each head (HF partial_rotary_factor)
     rotary_percent: float = 1.0
+    # Qwen3-Next: megatron-core's own Gated-DeltaNet layers ("gated_delta_net"; one full
+    # attention layer every linear_attention_freq layers) and the attention output gate
+    experimental_attention_variant: Optional[str] = None
+    linear_attention_freq: Optional[int] = None
+    attention_output_gate: bool = False
+    linear_conv_kernel_dim: int = 4
+    linear_key_head_dim: int = 16
+    linear_value_head_dim: int = 16
+    linear_num_key_heads: int = 2
+    linear_num_value_heads: int = 4
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp_size: int) -> int:
@@ -151,6 +161,16 @@ def transformer_config(spec: TinyGPTSpec):
             moe_router_enable_expert_bias=spec.moe_router_enable_expert_bias,
             moe_router_topk_scaling_factor=spec.moe_router_topk_scaling_factor,
         )
+    if spec.experimental_attention_variant:
+        kwargs.update(experimental_attention_variant=spec.experimental_attention_variant,
+                      linear_attention_freq=spec.linear_attention_freq,
+                      linear_conv_kernel_dim=spec.linear_conv_kernel_dim,
+                      linear_key_head_dim=spec.linear_key_head_dim,
+                      linear_value_head_dim=spec.linear_value_head_dim,
+                      linear_num_key_heads=spec.linear_num_key_heads,
+                      linear_num_value_heads=spec.linear_num_value_heads)
+    if spec.attention_output_gate:
+        kwargs.update(attention_output_gate=True)
     if spec.multi_latent_attention:
         return MLATransformerConfig(**kwargs)
     return TransformerConfig(**kwargs)
@@ -168,9 +188,12 @@ def build_gpt_model(spec: TinyGPTSpec):
     if spec.multi_latent_attention:
         for layer in layer_spec.layer_specs:
             layer.submodules.self_attention.submodules.core_attention = _mla_local_core_attention()
+    gdn = spec.experimental_attention_variant == "gated_delta_net"
+    if gdn:
+        layer_spec = gated_delta_net_block_spec(config, layer_spec)
     with _cuda_device_is_cpu(spec.multi_latent_attention or spec.moe_router_enable_expert_bias
-                             or spec.softmax_type != "vanilla"), \
-            _mla_without_te(spec.multi_latent_attention):
+                             or spec.softmax_type != "vanilla" or gdn), \
+            _mla_without_te(spec.multi_latent_attention), _gated_delta_net_on_cpu(gdn):
         model = _gpt_model(GPTModel, config, layer_spec, spec, ps)
     fill_distinct_(model, spec.seed)
     return model
@@ -193,6 +216,69 @@ def _cuda_device_is_cpu(active: bool):
         yield
     finally:
         torch.cuda.current_device = saved  # type: ignore[assignment]
+
+
+def gated_delta_net_block_spec(config, block):
+    """``block`` (the local GPT decoder spec) with megatron-core's own ``GatedDeltaNet`` in
+    the linear-attention layers of ``config``'s pattern (``get_linear_attention_pattern``).
+
+    megatron-core 0.16.1's hybrid block spec
+    (``get_transformer_block_with_experimental_attention_variant_spec``) asserts
+    ``transformer_impl == "transformer_engine"`` and builds its GDN ``in_proj`` from TE's
+    ``TELayerNormColumnParallelLinear`` (the input norm fused in). This is the same layer
+    with the local modules the local GPT spec uses: ``in_proj`` a ``ColumnParallelLinear``
+    after the layer's own ``input_layernorm``, ``out_norm`` ``WrappedTorchNorm``, ``out_proj``
+    a ``RowParallelLinear``. Layers of the pattern's full attention keep the local spec.
+    """
+    import dataclasses
+
+    from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
+        get_linear_attention_pattern,
+    )
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    gdn = ModuleSpec(module=GatedDeltaNet, submodules=GatedDeltaNetSubmodules(
+        in_proj=ColumnParallelLinear, out_norm=WrappedTorchNorm, out_proj=RowParallelLinear))
+    # the block spec holds this PP stage's layers: the pattern from its first global layer on
+    offset = get_transformer_layer_offset(config)
+    pattern = get_linear_attention_pattern(config)[offset:]
+    # the local block spec shares one layer spec object between layers: copy, then replace
+    layers = [dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules, self_attention=gdn))
+              if linear else layer for layer, linear in zip(block.layer_specs, pattern)]
+    return dataclasses.replace(block, layer_specs=layers)
+
+
+@contextlib.contextmanager
+def _gated_delta_net_on_cpu(active: bool):
+    """What megatron-core 0.16.1's ``GatedDeltaNet.__init__`` needs beyond the CPU build,
+    though a refit needs only its parameters (restored on exit):
+
+    - it raises ImportError when the flash-linear-attention package (``fla``: Triton
+      kernels, CUDA) is absent (``ssm/gated_delta_net.py``, ``if not HAVE_FLA``), though
+      only ``forward`` calls ``fla`` (``chunk_gated_delta_rule``, ``l2norm``): while the
+      model is built ``HAVE_FLA`` says True; a forward still fails without ``fla``;
+    - its ``reset_parameters`` forks the CUDA RNG tracker (``get_cuda_rng_tracker().fork()``)
+      whatever ``use_cpu_initialization`` says, which has no state without CUDA: it is
+      skipped (``fill_distinct_`` then sets every parameter, these included);
+    - ``conv1d``, ``dt_bias`` and ``A_log`` are placed on ``torch.cuda.current_device()``
+      (``_cuda_device_is_cpu`` answers the CPU).
+    """
+    if not active:
+        yield
+        return
+    from megatron.core.ssm import gated_delta_net
+
+    saved = gated_delta_net.HAVE_FLA, gated_delta_net.GatedDeltaNet.reset_parameters
+    gated_delta_net.HAVE_FLA = True
+    gated_delta_net.GatedDeltaNet.reset_parameters = lambda self: None
+    try:
+        yield
+    finally:
+        gated_delta_net.HAVE_FLA, gated_delta_net.GatedDeltaNet.reset_parameters = saved
 
 
 @contextlib.contextmanager

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 SHARED_EXPERT_PREFIX = {"qwen2_moe": "shared_expert", "deepseek_v3": "shared_experts",
-                        "glm4_moe": "shared_experts"}
+                        "glm4_moe": "shared_experts", "qwen3_next": "shared_expert"}
 
 
 # MLA (DeepSeek-V3 names). The down projections are column-parallel in the local spec: the
@@ -58,6 +58,61 @@ def _gpt_oss_tensor(out: dict, p: str, rest: str, full: torch.Tensor, first_expe
     out[f"{q}.gate_up_proj" + ("_bias" if e.group(3) == "bias" else "")] = \
         mixed.t().contiguous() if e.group(3) == "weight" else mixed
     return True
+
+
+def _qwen3_next_tensor(out: dict, p: str, rest: str, parts: list, full: torch.Tensor, cfg) -> bool:
+    """Qwen3-Next's Gated-DeltaNet and gated-attention names; False when ``rest`` is not one
+    of them. Explicit loops over the TP parts and the key heads / KV groups."""
+    la = f"{p}.linear_attn"
+    simple = {"self_attention.A_log": "A_log", "self_attention.dt_bias": "dt_bias",
+              "self_attention.out_norm.weight": "norm.weight", "self_attention.out_proj.weight": "out_proj.weight"}
+    if rest in simple:
+        out[f"{la}.{simple[rest]}"] = full
+        return True
+    nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv, tp = cfg.linear_key_head_dim, cfg.linear_value_head_dim, len(parts)
+    sizes = [nk * dk // tp, nk * dk // tp, nv * dv // tp, nv * dv // tp, nv // tp, nv // tp]
+    if rest in ("self_attention.in_proj.weight", "self_attention.conv1d.weight"):
+        streams: list[list[torch.Tensor]] = [[] for _ in sizes]  # q, k, v, z, b, a over all ranks
+        for part in parts:  # each TP rank: [q_r, k_r, v_r, z_r, b_r, a_r] (conv1d: q, k, v)
+            row = 0
+            for i, size in enumerate(sizes if rest.endswith("in_proj.weight") else sizes[:3]):
+                streams[i].append(part[row:row + size])
+                row += size
+            assert row == part.shape[0], (rest, row, part.shape)
+        q, k, v, z, b, a = (torch.cat(s) if s else None for s in streams)
+        if rest.endswith("conv1d.weight"):
+            out[f"{la}.conv1d.weight"] = torch.cat([q, k, v])
+            return True
+        per = nv // nk
+        qkvz, ba = [], []
+        for g in range(nk):  # the checkpoint: per key head [q_g, k_g, v_g, z_g] and [b_g, a_g]
+            qkvz += [q[g * dk:(g + 1) * dk], k[g * dk:(g + 1) * dk],
+                     v[g * per * dv:(g + 1) * per * dv], z[g * per * dv:(g + 1) * per * dv]]
+            ba += [b[g * per:(g + 1) * per], a[g * per:(g + 1) * per]]
+        out[f"{la}.in_proj_qkvz.weight"] = torch.cat(qkvz)
+        out[f"{la}.in_proj_ba.weight"] = torch.cat(ba)
+        return True
+    if rest == "self_attention.linear_qkv.weight":
+        nh, ng, hd = cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels
+        per_group = nh // ng
+        q_rows, k_rows, v_rows, row = [], [], [], 0
+        for _ in range(ng):  # Megatron, per KV group: [q heads, gate heads, k, v]
+            qs = [full[row + j * hd:row + (j + 1) * hd] for j in range(per_group)]
+            row += per_group * hd
+            gates = [full[row + j * hd:row + (j + 1) * hd] for j in range(per_group)]
+            row += per_group * hd
+            for qh, gh in zip(qs, gates):  # the checkpoint's q_proj: per head [q_h; gate_h]
+                q_rows += [qh, gh]
+            k_rows.append(full[row:row + hd])
+            v_rows.append(full[row + hd:row + 2 * hd])
+            row += 2 * hd
+        assert row == full.shape[0], (row, full.shape)
+        out[f"{p}.self_attn.q_proj.weight"] = torch.cat(q_rows)
+        out[f"{p}.self_attn.k_proj.weight"] = torch.cat(k_rows)
+        out[f"{p}.self_attn.v_proj.weight"] = torch.cat(v_rows)
+        return True
+    return False
 
 
 def _bare(model: Any) -> torch.nn.Module:
@@ -129,8 +184,10 @@ def gather_full_hf_state_dict(model: Any, *, family: str, vocab_size: Optional[i
     for name, param in tensors:
         t = param.detach()
         if getattr(param, "tensor_model_parallel", False) and ".experts." not in name:
-            full_parts = _tp_gather(t, param.partition_dim)
-            full = torch.cat(full_parts, dim=param.partition_dim)
+            # GatedDeltaNet's conv1d / A_log / dt_bias carry no partition_dim: dim 0
+            dim = getattr(param, "partition_dim", 0)
+            full_parts = _tp_gather(t, dim)
+            full = torch.cat(full_parts, dim=dim)
         elif name.endswith("core_attention.softmax_offset"):
             # gpt-oss sinks: one per local head, no TP attribute (Megatron's sharded_state_dict
             # splits them on dim 0)
@@ -159,6 +216,8 @@ def gather_full_hf_state_dict(model: Any, *, family: str, vocab_size: Optional[i
             out[f"{p}.input_layernorm.weight"] = full
         elif rest in ("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"):
             out[f"{p}.post_attention_layernorm.weight"] = full
+        elif family == "qwen3_next" and _qwen3_next_tensor(out, p, rest, full_parts, full, cfg):
+            pass
         elif rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
             kind = rest.rsplit(".", 1)[1]
             q, k, v = split_qkv(full, nh, nkv, hd)

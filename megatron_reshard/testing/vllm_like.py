@@ -69,7 +69,7 @@ def _is_deepseek(c: Mapping[str, Any]) -> bool:
 
 def _float32_param(c: Mapping[str, Any], name: str) -> bool:
     """Params vLLM holds in float32 whatever the model dtype."""
-    return name.endswith("e_score_correction_bias") or (
+    return name.endswith(("e_score_correction_bias", ".linear_attn.A_log")) or (
         c.get("family") == "glm4_moe" and name.endswith(".mlp.gate.weight"))
 
 
@@ -129,14 +129,17 @@ def vllm_param_shapes(hf_config: Mapping[str, Any], tp_rank: int, tp_size: int, 
     for i in range(c["num_hidden_layers"]):
         p = f"model.layers.{i}"
         shapes[f"{p}.input_layernorm.weight"] = (H,)
-        if c.get("kv_lora_rank"):
+        if _is_linear_attention(c, i):
+            shapes.update(_gated_delta_net_shapes(c, p, T))
+        elif c.get("kv_lora_rank"):
             shapes.update(_mla_shapes(c, p, T, full=False))
         else:
-            shapes[f"{p}.self_attn.qkv_proj.weight"] = ((nh // T + 2 * kv_per_rank) * hd, H)
+            q_heads = nh * (2 if c.get("attn_output_gate") else 1)  # the gate rows count as heads
+            shapes[f"{p}.self_attn.qkv_proj.weight"] = ((q_heads // T + 2 * kv_per_rank) * hd, H)
             if c.get("attention_bias"):
                 shapes[f"{p}.self_attn.qkv_proj.bias"] = ((nh // T + 2 * kv_per_rank) * hd,)
             shapes[f"{p}.self_attn.o_proj.weight"] = (H, nh * hd // T)
-        if c["qk_norm"] and not c.get("kv_lora_rank"):
+        if c["qk_norm"] and not c.get("kv_lora_rank") and not _is_linear_attention(c, i):
             shapes[f"{p}.self_attn.q_norm.weight"] = (hd,)
             shapes[f"{p}.self_attn.k_norm.weight"] = (hd,)
         shapes[f"{p}.post_attention_layernorm.weight"] = (H,)
@@ -220,15 +223,18 @@ def hf_param_shapes(hf_config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
     for i in range(c["num_hidden_layers"]):
         p = f"model.layers.{i}"
         shapes[f"{p}.input_layernorm.weight"] = (H,)
-        if c.get("kv_lora_rank"):
+        if _is_linear_attention(c, i):
+            shapes.update(_gated_delta_net_shapes(c, p, 1))
+        elif c.get("kv_lora_rank"):
             shapes.update(_mla_shapes(c, p, 1, full=True))
         else:
-            for proj, rows in (("q", nh * hd), ("k", nkv * hd), ("v", nkv * hd)):
+            q_rows = nh * hd * (2 if c.get("attn_output_gate") else 1)  # [q_h; gate_h] per head
+            for proj, rows in (("q", q_rows), ("k", nkv * hd), ("v", nkv * hd)):
                 shapes[f"{p}.self_attn.{proj}_proj.weight"] = (rows, H)
                 if c.get("attention_bias"):
                     shapes[f"{p}.self_attn.{proj}_proj.bias"] = (rows,)
             shapes[f"{p}.self_attn.o_proj.weight"] = (H, nh * hd)
-        if c["qk_norm"] and not c.get("kv_lora_rank"):
+        if c["qk_norm"] and not c.get("kv_lora_rank") and not _is_linear_attention(c, i):
             shapes[f"{p}.self_attn.q_norm.weight"] = (hd,)
             shapes[f"{p}.self_attn.k_norm.weight"] = (hd,)
         shapes[f"{p}.post_attention_layernorm.weight"] = (H,)
@@ -313,6 +319,9 @@ def expected_vllm_shard(hf_config: Mapping[str, Any], vllm_name: str,
             else:
                 per_expert.append(split_rows(hf[f"{base}.up_proj.weight"]))
         return torch.stack(per_expert)
+    if ".linear_attn." in vllm_name:
+        part = _gated_delta_net_expected(c, vllm_name, hf, r, T)
+        return part.float() if _float32_param(c, vllm_name) else part
     if vllm_name.endswith("qkv_proj.weight") or vllm_name.endswith("qkv_proj.bias"):
         base, kind = vllm_name.rsplit(".qkv_proj.", 1)
         q, k, v = (hf[f"{base}.{x}_proj.{kind}"] for x in "qkv")
@@ -338,6 +347,41 @@ def expected_vllm_shard(hf_config: Mapping[str, Any], vllm_name: str,
     if _float32_param(c, vllm_name):
         return hf[vllm_name].float()  # widened as vLLM's load_weights copies it
     return hf[vllm_name]  # replicated: norms, router, shared_expert_gate
+
+
+# ---- Qwen3-Next (Qwen3NextForCausalLM): Gated-DeltaNet layers where ``layer_types`` says
+# "linear_attention": in_proj_qkvz / in_proj_ba split on rows as the checkpoint holds them,
+# conv1d's q, k, v segments each split, A_log (float32) / dt_bias per value head, the gated
+# norm replicated, out_proj row parallel. Gated attention: q_proj rows [q_h; gate_h] per head.
+def _is_linear_attention(c: Mapping[str, Any], layer: int) -> bool:
+    types = c.get("layer_types")
+    return bool(types) and types[layer] == "linear_attention"
+
+
+def _gated_delta_net_shapes(c: Mapping[str, Any], p: str, T: int) -> dict[str, tuple[int, ...]]:
+    H = c["hidden_size"]
+    kd = c["linear_num_key_heads"] * c["linear_key_head_dim"]
+    vd = c["linear_num_value_heads"] * c["linear_value_head_dim"]
+    nv = c["linear_num_value_heads"]
+    la = f"{p}.linear_attn"
+    return {f"{la}.in_proj_qkvz.weight": ((2 * kd + 2 * vd) // T, H), f"{la}.in_proj_ba.weight": (2 * nv // T, H),
+            f"{la}.conv1d.weight": ((2 * kd + vd) // T, 1, c["linear_conv_kernel_dim"]),
+            f"{la}.A_log": (nv // T,), f"{la}.dt_bias": (nv // T,),
+            f"{la}.norm.weight": (c["linear_value_head_dim"],), f"{la}.out_proj.weight": (H, vd // T)}
+
+
+def _gated_delta_net_expected(c: Mapping[str, Any], name: str, hf: Mapping[str, torch.Tensor],
+                              r: int, T: int) -> torch.Tensor:
+    full = hf[name]
+    if name.endswith("conv1d.weight"):
+        kd = c["linear_num_key_heads"] * c["linear_key_head_dim"]
+        q, k, v = full[:kd], full[kd:2 * kd], full[2 * kd:]
+        return torch.cat([torch.chunk(t, T)[r] for t in (q, k, v)])
+    if name.endswith("norm.weight"):
+        return full
+    if name.endswith("out_proj.weight"):
+        return torch.chunk(full, T, dim=1)[r]
+    return torch.chunk(full, T)[r]  # A_log widened by the caller (_float32_param)
 
 
 # ---- gpt-oss (GptOssForCausalLM): vLLM renames embed_tokens -> embedding and self_attn ->

@@ -53,6 +53,7 @@ ARCHITECTURE_MODULES = {
     "DeepseekV3ForCausalLM": "deepseek_v2",
     "GptOssForCausalLM": "gpt_oss",
     "Glm4MoeForCausalLM": "glm4_moe",
+    "Qwen3NextForCausalLM": "qwen3_next",  # its Gated-DeltaNet layer imports compressed_tensors
 }
 _SHIMS_INSTALLED = False
 CPU_EXPERTS_PREPACK = None  # vLLM's own post-load step of its CPU experts, kept aside by the shim

@@ -279,6 +279,25 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _print_packed(cfg, others: str) -> None:
+    """The family's params the refit always sends packed (Qwen3-Next's Gated-DeltaNet and
+    gated q/k/v, gpt-oss's experts), and the exact-path share of bytes that leaves."""
+    import math
+
+    from megatron_reshard.tools.presets import hf_params, travels_packed
+    from megatron_reshard.tools.simulate import describe_bytes as b
+
+    params = hf_params(cfg)
+    packed = [p for p in params if travels_packed(cfg, p.name)]
+    if not packed or others == "broadcast":
+        return
+    size = lambda ps: sum(math.prod(p.shape) * (4 if p.dtype == "torch.float32" else 2)  # noqa: E731
+                          for p in ps)
+    print(f"of these, {len(packed)} HF weights travel packed whatever the layout (full tensors "
+          f"from each stage's first training rank: {b(size(packed))}); exact-path share of "
+          f"bytes {100 * (1 - size(packed) / size(params)):.1f}%")
+
+
 def _print_table(args, cfg, lay, sims) -> None:
     from megatron_reshard.tools.simulate import describe_bytes as b
 
@@ -301,6 +320,7 @@ def _print_table(args, cfg, lay, sims) -> None:
           f"{c['bulk_params']} {ffn} params through the engine ({b(c['bulk_bytes'])}) + "
           f"{c['other_params']} others {how} ({b(c['other_bytes'])})"
           + (", linear weights as block FP8" if args.wire == "fp8" else ""))
+    _print_packed(cfg, args.others)
     print(f"link model: {sims[0].link.describe()}")
     if args.changed is not None:
         print(f"a delta refit: {100 * args.changed:g}% of the elements changed (the engine's "

@@ -35,7 +35,7 @@ from megatron_reshard.vllm_layout.dense import (QKV_PARAM_RE, AttentionHeads, pa
                                                 qkv_gen_layout)
 
 from .plan_layout import RefitParallelism, parallelism_problems, stage_layer_counts
-from .presets import attention_heads, hf_params, is_mla
+from .presets import attention_heads, hf_params, is_mla, travels_packed
 
 # RefitParallelism and parallelism_problems live in plan_layout (no torch); importable here too
 __all__ = ["RefitParallelism", "SimParam", "StagePlanInput", "count_params", "parallelism_problems",
@@ -138,7 +138,8 @@ def stage_inputs(lay: RefitParallelism, cfg: Mapping[str, Any], others: str = "s
         if is_nccl_reshard_param(p.name):
             continue
         stage = stage_map[extract_layer_name(p.name)]
-        key = rules.key(p.name, p.shape) if others == "sharded" else None
+        sharded = others == "sharded" and not travels_packed(cfg, p.name)
+        key = rules.key(p.name, p.shape) if sharded else None
         out[stage].params.append(
             SimParam(p.name, p.shape, _wire_itemsize(p.name, p.dtype, wire), key, False))
     return out

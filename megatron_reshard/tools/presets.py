@@ -14,6 +14,7 @@ prediction layer is left out: the refit skips ``mtp.`` params.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Mapping, NamedTuple
 
 FULL_SIZE: dict[str, dict[str, Any]] = {
@@ -55,6 +56,26 @@ FULL_SIZE: dict[str, dict[str, Any]] = {
         intermediate_size=12288, first_k_dense_replace=3, n_routed_experts=160,
         n_shared_experts=1, moe_intermediate_size=1536, vocab_size=151552,
         tie_word_embeddings=False),
+    # Qwen3-Next (model_type qwen3_next; MTP layer not counted: vLLM loads it as a draft
+    # model): Gated-DeltaNet in three of four layers, gated full attention in the fourth,
+    # 512 experts + a gated shared expert on every layer
+    "qwen3-next-80b-a3b": dict(  # Qwen/Qwen3-Next-80B-A3B-Instruct
+        model_type="qwen3_next", hidden_size=2048, num_hidden_layers=48, num_attention_heads=16,
+        num_key_value_heads=2, head_dim=256, qk_norm=True, intermediate_size=5120,
+        num_experts=512, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+        linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=4,
+        vocab_size=151936, tie_word_embeddings=False),
+    # gpt-oss (model_type gpt_oss; BF16 weights: the MXFP4 checkpoint dequantized): biases on
+    # q/k/v/o and the router, per-head sinks, experts with fused, interleaved gate_up_proj
+    "gpt-oss-20b": dict(  # openai/gpt-oss-20b
+        model_type="gpt_oss", hidden_size=2880, num_hidden_layers=24, num_attention_heads=64,
+        num_key_value_heads=8, head_dim=64, attention_bias=True, intermediate_size=2880,
+        num_experts=32, moe_intermediate_size=2880, vocab_size=201088, tie_word_embeddings=False),
+    "gpt-oss-120b": dict(  # openai/gpt-oss-120b
+        model_type="gpt_oss", hidden_size=2880, num_hidden_layers=36, num_attention_heads=64,
+        num_key_value_heads=8, head_dim=64, attention_bias=True, intermediate_size=2880,
+        num_experts=128, moe_intermediate_size=2880, vocab_size=201088, tie_word_embeddings=False),
 }
 
 
@@ -91,6 +112,14 @@ def demo_config(model: str) -> dict[str, Any]:
         cfg.update(model_type="glm4_moe", n_routed_experts=cfg.pop("num_experts"),
                    first_k_dense_replace=freq.index(1), attention_bias=bool(p.get("add_qkv_bias")),
                    n_shared_experts=p["moe_shared_expert_intermediate_size"] // p["moe_ffn_hidden_size"])
+    if p.get("family") == "qwen3_next":  # the qwen3-next preset, under HF Qwen3-Next names
+        cfg.update(model_type="qwen3_next", full_attention_interval=p["linear_attention_freq"],
+                   shared_expert_intermediate_size=p["moe_shared_expert_intermediate_size"],
+                   linear_conv_kernel_dim=p.get("linear_conv_kernel_dim", 4),
+                   **{k: p[k] for k in ("linear_num_key_heads", "linear_num_value_heads",
+                                        "linear_key_head_dim", "linear_value_head_dim")})
+    if p.get("family") == "gpt_oss":  # the gpt-oss preset, under HF gpt-oss names
+        cfg.update(model_type="gpt_oss", attention_bias=True)
     return cfg
 
 
@@ -166,7 +195,10 @@ def hf_params(cfg: Mapping[str, Any]) -> list[HFParam]:
             out.append(HFParam(f"{p}.{suffix}", shape, dtype))
 
         add("input_layernorm.weight", (H,))
-        if is_mla(cfg):
+        if is_linear_attention_layer(cfg, i):
+            for suffix, shape, dtype in gated_delta_net_params(cfg):
+                add(suffix, shape, dtype)
+        elif is_mla(cfg):
             ql, kvl = cfg["q_lora_rank"], cfg["kv_lora_rank"]
             nope, rope, vd = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
             if ql:
@@ -181,17 +213,30 @@ def hf_params(cfg: Mapping[str, Any]) -> list[HFParam]:
             add("self_attn.o_proj.weight", (H, nh * vd))
         else:
             hd = int(cfg.get("head_dim") or H // nh)
-            for proj, rows in (("q", nh * hd), ("k", nkv * hd), ("v", nkv * hd)):
+            gate = 2 if cfg.get("model_type") == "qwen3_next" else 1  # q_proj: [q_h; gate_h] per head
+            for proj, rows in (("q", gate * nh * hd), ("k", nkv * hd), ("v", nkv * hd)):
                 add(f"self_attn.{proj}_proj.weight", (rows, H))
                 if cfg.get("attention_bias"):
                     add(f"self_attn.{proj}_proj.bias", (rows,))
             add("self_attn.o_proj.weight", (H, nh * hd))
+            if cfg.get("model_type") == "gpt_oss":  # o_proj's bias, one sink per head
+                add("self_attn.o_proj.bias", (H,))
+                add("self_attn.sinks", (nh,))
             if cfg.get("qk_norm"):
                 add("self_attn.q_norm.weight", (hd,))
                 add("self_attn.k_norm.weight", (hd,))
         add("post_attention_layernorm.weight", (H,))
         if is_moe_layer(cfg, i):
             E, inter = num_experts(cfg), int(cfg["moe_intermediate_size"])
+            if cfg.get("model_type") == "gpt_oss":  # its router is mlp.router, with a bias
+                add("mlp.router.weight", (E, H))
+                add("mlp.router.bias", (E,))
+                for e in range(E):
+                    add(f"mlp.experts.{e}.gate_up_proj", (H, 2 * inter))
+                    add(f"mlp.experts.{e}.gate_up_proj_bias", (2 * inter,))
+                    add(f"mlp.experts.{e}.down_proj", (inter, H))
+                    add(f"mlp.experts.{e}.down_proj_bias", (H,))
+                continue
             add("mlp.gate.weight", (E, H))
             if cfg.get("topk_method") == "noaux_tc" or cfg.get("model_type") == "glm4_moe":
                 add("mlp.gate.e_score_correction_bias", (E,), fp32)
@@ -200,7 +245,13 @@ def hf_params(cfg: Mapping[str, Any]) -> list[HFParam]:
                 add(f"mlp.experts.{e}.up_proj.weight", (inter, H))
                 add(f"mlp.experts.{e}.down_proj.weight", (H, inter))
             shared = int(cfg.get("n_shared_experts") or 0) * inter
-            if shared:
+            if cfg.get("model_type") == "qwen3_next":  # Qwen2-MoE's names, a gated shared expert
+                qs = int(cfg["shared_expert_intermediate_size"])
+                add("mlp.shared_expert.gate_proj.weight", (qs, H))
+                add("mlp.shared_expert.up_proj.weight", (qs, H))
+                add("mlp.shared_expert.down_proj.weight", (H, qs))
+                add("mlp.shared_expert_gate.weight", (1, H))
+            elif shared:
                 add("mlp.shared_experts.gate_proj.weight", (shared, H))
                 add("mlp.shared_experts.up_proj.weight", (shared, H))
                 add("mlp.shared_experts.down_proj.weight", (H, shared))
@@ -213,6 +264,38 @@ def hf_params(cfg: Mapping[str, Any]) -> list[HFParam]:
     if not cfg.get("tie_word_embeddings"):
         out.append(HFParam("lm_head.weight", (V, H), bf16))
     return out
+
+
+def is_linear_attention_layer(cfg: Mapping[str, Any], layer: int) -> bool:
+    """Qwen3-Next: every ``full_attention_interval``-th layer is full attention, the others
+    Gated-DeltaNet (HF's ``layer_types`` default)."""
+    every = int(cfg.get("full_attention_interval") or 0)
+    return cfg.get("model_type") == "qwen3_next" and bool(every) and (layer + 1) % every != 0
+
+
+def gated_delta_net_params(cfg: Mapping[str, Any]) -> list[tuple[str, tuple, str]]:
+    """(suffix, shape, dtype) of one Gated-DeltaNet layer's params, as the checkpoint has them."""
+    H = int(cfg["hidden_size"])
+    nk, nv = int(cfg["linear_num_key_heads"]), int(cfg["linear_num_value_heads"])
+    kd, vd = nk * int(cfg["linear_key_head_dim"]), nv * int(cfg["linear_value_head_dim"])
+    la, bf16 = "linear_attn", "torch.bfloat16"
+    return [(f"{la}.in_proj_qkvz.weight", (2 * kd + 2 * vd, H), bf16),
+            (f"{la}.in_proj_ba.weight", (2 * nv, H), bf16),
+            (f"{la}.conv1d.weight", (2 * kd + vd, 1, int(cfg["linear_conv_kernel_dim"])), bf16),
+            (f"{la}.A_log", (nv,), bf16), (f"{la}.dt_bias", (nv,), bf16),
+            (f"{la}.norm.weight", (int(cfg["linear_value_head_dim"]),), bf16),
+            (f"{la}.out_proj.weight", (H, vd), bf16)]
+
+
+def travels_packed(cfg: Mapping[str, Any], name: str) -> bool:
+    """Params the refit sends as full tensors (the packed path) whatever the layout:
+    Qwen3-Next's Gated-DeltaNet params and gated q/k/v (``megatron.qwen3_next``), gpt-oss's
+    experts (``megatron.gpt_oss``)."""
+    if cfg.get("model_type") == "qwen3_next":
+        return ".linear_attn." in name or re.search(r"\.self_attn\.[qkv]_proj\.", name) is not None
+    if cfg.get("model_type") == "gpt_oss":
+        return ".mlp.experts." in name
+    return False
 
 
 # ---- Llama presets, published default layouts, configs read from files (plan) ----------
@@ -253,6 +336,11 @@ PUBLISHED_LAYOUTS: dict[str, dict[str, int]] = {
     "llama-3.1-8b": _layout(8, 2, 1, 1, 8, 1, 1),
     "llama-3.1-70b": _layout(32, 8, 2, 1, 32, 4, 1),
     "llama-3.1-405b": _layout(128, 8, 8, 1, 128, 16, 1),
+    # vLLM's own recipes serve Qwen3-Next-80B with TP4 and gpt-oss-120b (BF16) on 4 GPUs,
+    # gpt-oss-20b on one; training by the rule above (Megatron EP over the experts)
+    "qwen3-next-80b-a3b": _layout(32, 2, 2, 8, 32, 4, 4),
+    "gpt-oss-20b": _layout(8, 1, 1, 8, 8, 1, 1),
+    "gpt-oss-120b": _layout(32, 2, 2, 8, 32, 4, 4),
 }
 
 # The HF config.json keys that decide parameter shapes (the rest of a config is ignored)

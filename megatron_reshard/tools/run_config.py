@@ -39,6 +39,23 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
                 moe_layer_freq=[0, 1, 1, 1], vocab_size=500, add_qkv_bias=True, rotary_percent=0.5,
                 moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
                 moe_router_topk_scaling_factor=2.5),
+    # Qwen3-Next-shaped: megatron-core's GatedDeltaNet in three of four layers, gated full
+    # attention in the fourth, 8 experts + a gated shared expert
+    "qwen3-next": dict(family="qwen3_next", num_layers=4, hidden_size=64, num_attention_heads=8,
+                       num_query_groups=2, head_dim=16, ffn_hidden_size=128, num_moe_experts=8,
+                       moe_ffn_hidden_size=32, moe_shared_expert_intermediate_size=32,
+                       moe_shared_expert_gate=True, vocab_size=500, qk_layernorm=True,
+                       experimental_attention_variant="gated_delta_net", linear_attention_freq=4,
+                       attention_output_gate=True, linear_num_key_heads=4, linear_num_value_heads=8,
+                       linear_key_head_dim=16, linear_value_head_dim=16),
+    # gpt-oss-shaped: sinks, a bias on every linear and the router, alternating sliding
+    # windows, gpt-oss's clamped GLU; 8 experts of 128 (vLLM's swigluoai experts want I/TP a
+    # multiple of 32)
+    "gpt-oss": dict(family="gpt_oss", num_layers=4, hidden_size=64, num_attention_heads=8,
+                    num_query_groups=4, head_dim=16, ffn_hidden_size=128, num_moe_experts=8,
+                    moe_ffn_hidden_size=128, vocab_size=500, softmax_type="learnable",
+                    add_bias_linear=True, window_size=(15, 0), window_attn_skip_freq=2,
+                    gpt_oss_activation=True),
 }
 
 # --gen-precision fp8: the preset's dims made whole 128x128 blocks per TP shard (head_dim
@@ -227,9 +244,14 @@ def _split_refusals(cfg: RefitRunConfig) -> dict[str, Any]:
     uneven_pp = (m.get("num_layers_in_first_pipeline_stage")
                  or m.get("num_layers_in_last_pipeline_stage"))
 
+    # Qwen3-Next: both sides split Gated-DeltaNet by whole key-head groups
+    linear_heads = m.get("linear_num_key_heads") if m.get("experimental_attention_variant") else None
+
     def tp_common(t: int) -> Optional[str]:
         if heads % t:
             return f"does not divide its {heads} attention heads"
+        if linear_heads and linear_heads % t:
+            return f"does not divide its {linear_heads} Gated-DeltaNet key heads"
         if ffn and ffn % t:
             return f"does not divide its FFN size {ffn}"
         if shared and shared % t:

@@ -13,6 +13,8 @@ training side when it describes the destination of each parameter
 - ``mla`` (kept free for the MLA attention layout).
 - ``gpt_oss``: GptOss's renames (``embedding``, ``attn``), sinks, and its experts (w13 rows
   = the checkpoint's interleaved gate/up columns, transposed; w2_bias on MoE TP rank 0).
+- ``gated_delta_net``: Qwen3-Next's conv1d segments per TP rank, its gated q rows, and the
+  whole key-head groups each rank must hold.
 - ``float32_params``: the params vLLM holds in float32 whatever the model dtype (GLM-4.5's
   router), which the receiver widens on write.
 """

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import re
 
-FLOAT32_PARAM_RE = re.compile(r"\.mlp\.gate\.(?:weight|e_score_correction_bias)$")
+# Qwen3-Next: the Gated-DeltaNet layer's A_log (``qwen_gdn_linear_attn.py``) likewise
+FLOAT32_PARAM_RE = re.compile(r"\.mlp\.gate\.(?:weight|e_score_correction_bias)$|\.linear_attn\.A_log$")
 
 # wire dtype names -> target dtype names it is widened into exactly (every value representable)
 WIDENING = {"torch.bfloat16": ("torch.float32",), "torch.float16": ("torch.float32",)}

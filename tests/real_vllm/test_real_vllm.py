@@ -69,6 +69,18 @@ _GPT_OSS = dict(TINY_MODEL, family="gpt_oss", head_dim=16, num_query_groups=4, n
                 softmax_type="learnable", add_bias_linear=True, window_size=(15, 0),
                 window_attn_skip_freq=2, gpt_oss_activation=True)
 # ---- end gpt-oss
+# ---- Qwen3-Next: megatron-core's own GatedDeltaNet in three of four layers (vLLM's
+# layer_types from full_attention_interval), the attention output gate on the fourth, MoE
+# with a gated shared expert (Qwen2-MoE's names). 4 key / 8 value heads: vLLM TP 4 keeps whole
+# key-head groups per rank
+_QWEN3_NEXT_LINEAR = dict(linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=4,
+                          linear_num_value_heads=8, linear_conv_kernel_dim=4)
+_QWEN3_NEXT = dict(TINY_MODEL, family="qwen3_next", qk_layernorm=True, head_dim=16, **_MOE,
+                   moe_shared_expert_intermediate_size=32, moe_shared_expert_gate=True,
+                   experimental_attention_variant="gated_delta_net", linear_attention_freq=4,
+                   attention_output_gate=True, **_QWEN3_NEXT_LINEAR)
+_QWEN3_NEXT_HF = dict(_QWEN3_NEXT_LINEAR, full_attention_interval=4, partial_rotary_factor=1.0)
+# ---- end Qwen3-Next
 
 FAMILIES = {
     "llama": Family(dict(TINY_MODEL, family="llama"), "LlamaForCausalLM",
@@ -119,6 +131,13 @@ FAMILIES = {
     "glm4_moe-qk-norm-uneven-pp": Family(dict(_GLM, qk_layernorm=True,
                                               num_layers_in_first_pipeline_stage=3),
                                          "Glm4MoeForCausalLM", {}, (("tp2 pp2 ep2", "tp2"),)),
+    # ---- Qwen3-Next
+    "qwen3_next": Family(_QWEN3_NEXT, "Qwen3NextForCausalLM", _QWEN3_NEXT_HF,
+                         (("tp2 pp2 ep2", "tp2 ep2"), ("tp1 ep2", "tp4"), ("tp4 ep2", "tp1 x2"))),
+    # uneven train stages: one layer on the first, three (two linear, the gated full) on the last
+    "qwen3_next-uneven-pp": Family(dict(_QWEN3_NEXT, num_layers_in_first_pipeline_stage=1),
+                                   "Qwen3NextForCausalLM", _QWEN3_NEXT_HF, (("tp1 pp2", "tp2"),)),
+    # ---- end Qwen3-Next
 }
 CASES = [(f, i) for f in FAMILIES for i in range(len(FAMILIES[f].layouts))]
 # checks that ride on a case's job (one pool job each saved): gen rank 0 of the first
@@ -269,13 +288,23 @@ def test_gpt_oss_sends_only_its_experts_as_full_tensors(refitted):
 # ---- end gpt-oss
 
 
-def test_vllms_qwen3_next_classes_do_not_import_here_which_blocks_that_family():
-    """Pins one blocker the Qwen3-Next refusal names (``megatron.unsupported_families``):
-    vLLM 0.33's Gated-DeltaNet layer imports ``compressed_tensors``, absent from this venv.
-    The day it imports, this fails: the family can then be checked against vLLM here."""
+def test_qwen3_next_sends_only_its_gated_delta_net_and_gated_attention_params_packed(refitted):
+    """Qwen3-Next's packed (full-tensor) params on every gen rank are exactly the 7 params of
+    each of the 3 Gated-DeltaNet layers and the gated q/k/v of the full-attention layer;
+    everything else (experts, shared expert, norms, o_proj, vocab) takes the exact path."""
+    for index in range(len(FAMILIES["qwen3_next"].layouts)):
+        for g in refitted("qwen3_next", index):
+            assert g["summary"]["misc_params"] == 3 * 7 + 3, (index, g["rank"], g["summary"])
+
+
+def test_vllms_qwen3_5_classes_do_not_import_here_which_blocks_that_family():
+    """Pins the blocker the Qwen3.5 refusal names (``megatron.unsupported_families``): vLLM
+    0.33's Qwen3.5 module imports its vision tower, which needs torchvision (no CPU build for
+    torch 2.13). The day it imports, this fails: the family can then be checked here.
+    Qwen3-Next's module imports (compressed-tensors is installed: the Makefile)."""
     from megatron_reshard.megatron.unsupported_families import family_problem
 
-    for module in ("qwen3_next", "qwen3_5"):
-        with pytest.raises(ModuleNotFoundError, match="compressed_tensors"):
-            importlib.import_module(f"vllm.model_executor.models.{module}")
-    assert "compressed_tensors" in family_problem("qwen3_next")
+    importlib.import_module("vllm.model_executor.models.qwen3_next")
+    with pytest.raises(ModuleNotFoundError, match="torchvision"):
+        importlib.import_module("vllm.model_executor.models.qwen3_5")
+    assert "torchvision" in family_problem("qwen3_5_text")

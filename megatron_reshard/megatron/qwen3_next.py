@@ -1,0 +1,130 @@
+"""Qwen3-Next's Gated-DeltaNet and gated-attention tensors: Megatron-Core's layout to the HF
+checkpoint's, from the TP chunks of one parameter.
+
+No Megatron import. Facts, megatron-core 0.16.1 (``ssm/gated_delta_net.py``,
+``transformer/attention.py``) against the Qwen3-Next checkpoint (as vLLM 0.33's
+``QwenGatedDeltaNetAttention.fix_query_key_value_ordering`` reads it):
+
+- GDN ``in_proj`` (ColumnParallelLinear): TP rank r holds ``[q_r, k_r, v_r, z_r, b_r, a_r]``
+  (its key heads' q and k, its value heads' v, z, b, a; ``GatedDeltaNet.forward`` splits
+  it so). The checkpoint's ``in_proj_qkvz`` holds, per key head g, ``[q_g, k_g, v_g, z_g]``
+  (v and z of the value heads of g), and ``in_proj_ba`` per key head ``[b_g, a_g]``.
+- GDN ``conv1d.weight [C/T, 1, K]``: channels ``[q_r, k_r, v_r]``; the checkpoint's are
+  ``[q, k, v]`` over all heads.
+- ``linear_qkv`` with ``attention_output_gate``: per KV group ``[q heads, gate heads, k, v]``
+  (``Attention.get_query_key_value_tensors``); the checkpoint's ``q_proj`` holds per query
+  head ``[q_h ; gate_h]``, ``k_proj`` / ``v_proj`` as usual.
+
+None of these is a view of the Megatron tensor (interleaves across the TP chunks), so the
+``gdn_*`` / ``gated_qkv`` params travel as full tensors (the packed path).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+
+from megatron_reshard.errors import BadInputError
+
+KINDS = ("gdn_in_proj", "gdn_conv1d", "gated_qkv")
+TP_DIMS = {kind: 0 for kind in KINDS}
+
+
+@dataclass(frozen=True)
+class LinearAttentionDims:
+    """Gated-DeltaNet geometry (HF ``linear_*`` keys; Megatron's config fields of the same name)."""
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+
+    @classmethod
+    def from_config(cls, config: Any) -> Optional["LinearAttentionDims"]:
+        """From a ``TransformerConfig``; None without Gated-DeltaNet layers."""
+        if getattr(config, "experimental_attention_variant", None) != "gated_delta_net":
+            return None
+        return cls(int(config.linear_num_key_heads), int(config.linear_num_value_heads),
+                   int(config.linear_key_head_dim), int(config.linear_value_head_dim))
+
+    @property
+    def per_key_head(self) -> int:
+        """Value heads per key head."""
+        return self.num_value_heads // self.num_key_heads
+
+    def segments(self, tp: int) -> list[int]:
+        """Rows of one TP rank's ``in_proj``: q, k, v, z, b, a."""
+        kd = self.num_key_heads * self.key_head_dim // tp
+        vd = self.num_value_heads * self.value_head_dim // tp
+        nv = self.num_value_heads // tp
+        return [kd, kd, vd, vd, nv, nv]
+
+
+def _split_chunks(chunks: Sequence[torch.Tensor], sizes: Sequence[int]) -> list[torch.Tensor]:
+    """Each TP chunk split into ``sizes`` rows; the parts of one kind joined over TP."""
+    parts = [c.split(list(sizes), dim=0) for c in chunks]
+    return [torch.cat([p[i] for p in parts], 0) for i in range(len(sizes))]
+
+
+def in_proj_full(chunks: Sequence[torch.Tensor], d: LinearAttentionDims) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF ``(in_proj_qkvz, in_proj_ba)`` from the TP chunks of Megatron's ``in_proj``."""
+    q, k, v, z, b, a = _split_chunks(chunks, d.segments(len(chunks)))
+    nk, r, rest = d.num_key_heads, d.per_key_head, q.shape[1:]
+    by_key_head = lambda t: t.reshape(nk, -1, *rest)  # noqa: E731 (rows of one key head together)
+    qkvz = torch.cat([by_key_head(t) for t in (q, k, v, z)], 1).reshape(-1, *rest)
+    ba = torch.cat([b.reshape(nk, r, *rest), a.reshape(nk, r, *rest)], 1).reshape(-1, *rest)
+    return qkvz, ba
+
+
+def conv1d_full(chunks: Sequence[torch.Tensor], d: LinearAttentionDims) -> torch.Tensor:
+    """HF ``conv1d.weight`` ``[q; k; v]`` channels from Megatron's per-rank ``[q_r; k_r; v_r]``."""
+    return torch.cat(_split_chunks(chunks, d.segments(len(chunks))[:3]), 0)
+
+
+def gated_qkv_full(chunks: Sequence[torch.Tensor], num_heads: int, num_groups: int, head_dim: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """HF ``(q_proj, k_proj, v_proj)`` of a gated ``linear_qkv``: q_proj rows ``[q_h; gate_h]``
+    per query head."""
+    full = torch.cat(list(chunks), 0)
+    rest = full.shape[1:]
+    p = num_heads // num_groups
+    grouped = full.reshape(num_groups, 2 * p + 2, head_dim, *rest)
+    q, gate, k, v = grouped.split([p, p, 1, 1], dim=1)
+    q_gate = torch.stack([q, gate], 2)  # [groups, p, 2, hd, ...]: per head q then its gate
+    return (q_gate.reshape(num_heads * 2 * head_dim, *rest), k.reshape(num_groups * head_dim, *rest),
+            v.reshape(num_groups * head_dim, *rest))
+
+
+def hf_shapes(kind: str, local_shape: Sequence[int], tp: int, d: Optional[LinearAttentionDims],
+              num_heads: int, num_groups: int, head_dim: int) -> list[list[int]]:
+    """Global HF shapes (in target order) of one rank's Megatron tensor of ``kind``."""
+    rest = [int(s) for s in local_shape[1:]]
+    if kind == "gated_qkv":
+        return [[2 * num_heads * head_dim, *rest], [num_groups * head_dim, *rest],
+                [num_groups * head_dim, *rest]]
+    if d is None:
+        raise BadInputError(f"{kind}: the model config has no Gated-DeltaNet dims")
+    kd, vd = d.num_key_heads * d.key_head_dim, d.num_value_heads * d.value_head_dim
+    if kind == "gdn_in_proj":
+        return [[2 * kd + 2 * vd, *rest], [2 * d.num_value_heads, *rest]]
+    return [[2 * kd + vd, *rest]]  # gdn_conv1d
+
+
+def hf_config_keys(config: Any) -> dict:
+    """The HF Qwen3-Next keys the receiver reads (conv1d segments, gated q rows); {} for a
+    model without Gated-DeltaNet layers or the attention output gate."""
+    out: dict = {}
+    d = LinearAttentionDims.from_config(config)
+    if d is not None:
+        freq = config.linear_attention_freq  # megatron-core's get_linear_attention_pattern
+        linear = ([bool(x) for x in freq] if isinstance(freq, list)
+                  else [(i + 1) % int(freq) != 0 for i in range(int(config.num_layers))])
+        out["layer_types"] = ["linear_attention" if x else "full_attention" for x in linear]
+        out.update(linear_num_key_heads=d.num_key_heads, linear_num_value_heads=d.num_value_heads,
+                   linear_key_head_dim=d.key_head_dim, linear_value_head_dim=d.value_head_dim,
+                   linear_conv_kernel_dim=int(config.linear_conv_kernel_dim))
+    if getattr(config, "attention_output_gate", False):
+        out["attn_output_gate"] = True
+    return out

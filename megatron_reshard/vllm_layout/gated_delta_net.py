@@ -1,0 +1,70 @@
+"""vLLM's per-rank layout of Qwen3-Next's Gated-DeltaNet and gated-attention weights.
+
+Facts (vLLM 0.33, ``layers/mamba/gdn/qwen_gdn_linear_attn.py`` with
+``gqa_interleaved_layout=True``, and ``models/qwen3_next.py``):
+
+- ``in_proj_qkvz`` / ``in_proj_ba`` are MergedColumnParallelLinear with ONE output shard
+  each, so rank r holds the r-th row chunk of the checkpoint tensor (whole key-head groups,
+  the checkpoint's per-group interleave kept): the plain dim-0 split.
+- ``conv1d.weight [C/T, 1, K]`` is loaded by ``mamba_v2_sharded_weight_loader`` with the
+  three segments (q: key_dim, k: key_dim, v: value_dim) of the checkpoint's channels, each
+  split over TP: rank r holds ``[q_r; k_r; v_r]``.
+- ``A_log [nv/T]`` (float32 whatever the model dtype) and ``dt_bias [nv/T]``: dim-0 split;
+  ``norm.weight`` (one head's channels) replicated; ``out_proj`` row parallel.
+- Gated full attention: ``qkv_proj`` is a QKVParallelLinear over ``2 * num_heads`` "heads"
+  (``total_num_heads * (1 + attn_output_gate)``), so the checkpoint's ``q_proj`` rows
+  ``[q_h; gate_h]`` per head split like the q rows of twice as many heads.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+from typing import Any, Mapping, Optional
+
+from megatron_reshard.vllm_layout.dense import AttentionHeads
+
+CONV1D_RE = re.compile(r"\.linear_attn\.conv1d\.weight$")
+
+
+def conv1d_pieces(hf_config: Mapping[str, Any], tp_size: int, tp_rank: int
+                  ) -> Optional[list[tuple[tuple[int, int], tuple[int, int]]]]:
+    """(target rows, checkpoint rows) of each segment of rank ``tp_rank``'s conv1d; None
+    when ``hf_config`` lacks the linear-attention dims or a segment does not split."""
+    try:
+        key_dim = int(hf_config["linear_num_key_heads"]) * int(hf_config["linear_key_head_dim"])
+        value_dim = int(hf_config["linear_num_value_heads"]) * int(hf_config["linear_value_head_dim"])
+    except (KeyError, TypeError):
+        return None
+    out, at = [], 0
+    for lo, size in ((0, key_dim), (key_dim, key_dim), (2 * key_dim, value_dim)):
+        if size % tp_size:
+            return None
+        part = size // tp_size
+        out.append(((at, at + part), (lo + tp_rank * part, lo + (tp_rank + 1) * part)))
+        at += part
+    return out
+
+
+def attention_heads(hf_config: Mapping[str, Any]) -> AttentionHeads:
+    """The q/k/v geometry of ``qkv_proj``: with ``attn_output_gate`` the q rows hold each
+    head's gate too, laid out as twice as many heads."""
+    heads = AttentionHeads.from_hf_config(hf_config)
+    if hf_config.get("attn_output_gate"):
+        return replace(heads, num_heads=2 * heads.num_heads)
+    return heads
+
+
+_GDN_RE = re.compile(r"\.linear_attn\.")
+
+
+def split_problem(hf_name: str, hf_config: Mapping[str, Any], tp_size: int) -> Optional[str]:
+    """Why vLLM cannot hold a Gated-DeltaNet param over ``tp_size`` ranks (None: it can):
+    each rank takes whole key-head groups (``fix_query_key_value_ordering`` reads
+    ``num_k_heads // tp_size`` of them)."""
+    if not _GDN_RE.search(hf_name):
+        return None
+    nk = hf_config.get("linear_num_key_heads")
+    if nk and int(nk) % tp_size:
+        return f"its {nk} Gated-DeltaNet key heads do not split over tp_size={tp_size}"
+    return None
