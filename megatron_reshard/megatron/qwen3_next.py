@@ -121,10 +121,10 @@ def hf_config_keys(config: Any) -> dict:
         freq = config.linear_attention_freq  # megatron-core's get_linear_attention_pattern
         linear = ([bool(x) for x in freq] if isinstance(freq, list)
                   else [(i + 1) % int(freq) != 0 for i in range(int(config.num_layers))])
-        out["layer_types"] = ["linear_attention" if x else "full_attention" for x in linear]
-        out.update(linear_num_key_heads=d.num_key_heads, linear_num_value_heads=d.num_value_heads,
+        out.update(layer_types=["linear_attention" if x else "full_attention" for x in linear],
+                   linear_num_key_heads=d.num_key_heads, linear_num_value_heads=d.num_value_heads,
                    linear_key_head_dim=d.key_head_dim, linear_value_head_dim=d.value_head_dim,
                    linear_conv_kernel_dim=int(config.linear_conv_kernel_dim))
     if getattr(config, "attention_output_gate", False):
-        out["attn_output_gate"] = True
+        out.update(attn_output_gate=True)
     return out

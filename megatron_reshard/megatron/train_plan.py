@@ -81,14 +81,14 @@ class GenTarget:
         if not isinstance(gen_parallelism, Mapping):
             raise BadInputTypeError(f"gen_parallelism: expected a dict with tp_size / ep_size / "
                                     f"pp_size, found {type(gen_parallelism).__name__}")
-        sizes = {}
+        sizes = []  # tp, ep, pp, gen world
         for key, value in (*((k, gen_parallelism.get(k, 1)) for k in ("tp_size", "ep_size", "pp_size")),
                            ("gen_world_size", gen_world_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 where = key if key == "gen_world_size" else f"gen_parallelism[{key!r}]"
                 raise BadInputError(f"{where} must be a positive int, got {value!r}")
-            sizes[key] = value
-        return cls(sizes["tp_size"], sizes["ep_size"], sizes["pp_size"], sizes["gen_world_size"], quant)
+            sizes.append(value)
+        return cls(*sizes, quant)
 
     def as_parallelism(self) -> dict[str, int]:
         """The seed's ``gen_parallelism`` dict form."""

@@ -47,7 +47,7 @@ from typing import Any, Optional
 
 import torch
 
-from megatron_reshard.engine.p2p import P2PTransport
+from megatron_reshard.engine.p2p import P2PChannel
 from megatron_reshard.engine.param_plan import ParamPlan
 from megatron_reshard.groups.collectives import control_device
 from megatron_reshard.groups.faults import RefitError
@@ -333,7 +333,7 @@ class DeltaMover:
         self.base = base
         self.tally = DeltaTally()
         self._ctl = control_device(group)
-        self._p2p = P2PTransport(group, self._ctl)
+        self._p2p = P2PChannel(group, self._ctl)
 
     def move(self, index: int, name: str, buf: Any) -> None:
         """One param alone (a batch of one)."""

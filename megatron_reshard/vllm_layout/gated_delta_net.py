@@ -20,21 +20,21 @@ from __future__ import annotations
 
 import re
 from dataclasses import replace
-from typing import Any, Mapping, Optional
+from typing import Any, Optional
 
 from megatron_reshard.vllm_layout.dense import AttentionHeads
 
 CONV1D_RE = re.compile(r"\.linear_attn\.conv1d\.weight$")
 
 
-def conv1d_pieces(hf_config: Mapping[str, Any], tp_size: int, tp_rank: int
+def conv1d_pieces(hf_config: Any, tp_size: int, tp_rank: int
                   ) -> Optional[list[tuple[tuple[int, int], tuple[int, int]]]]:
     """(target rows, checkpoint rows) of each segment of rank ``tp_rank``'s conv1d; None
     when ``hf_config`` lacks the linear-attention dims or a segment does not split."""
     try:
-        key_dim = int(hf_config["linear_num_key_heads"]) * int(hf_config["linear_key_head_dim"])
-        value_dim = int(hf_config["linear_num_value_heads"]) * int(hf_config["linear_value_head_dim"])
-    except (KeyError, TypeError):
+        key_dim = int(hf_config.linear_num_key_heads) * int(hf_config.linear_key_head_dim)
+        value_dim = int(hf_config.linear_num_value_heads) * int(hf_config.linear_value_head_dim)
+    except TypeError:  # a size the payload lacks (None)
         return None
     out, at = [], 0
     for lo, size in ((0, key_dim), (key_dim, key_dim), (2 * key_dim, value_dim)):
@@ -46,11 +46,11 @@ def conv1d_pieces(hf_config: Mapping[str, Any], tp_size: int, tp_rank: int
     return out
 
 
-def attention_heads(hf_config: Mapping[str, Any]) -> AttentionHeads:
+def attention_heads(hf_config: Any) -> AttentionHeads:
     """The q/k/v geometry of ``qkv_proj``: with ``attn_output_gate`` the q rows hold each
     head's gate too, laid out as twice as many heads."""
     heads = AttentionHeads.from_hf_config(hf_config)
-    if hf_config.get("attn_output_gate"):
+    if hf_config.attn_output_gate:
         return replace(heads, num_heads=2 * heads.num_heads)
     return heads
 
@@ -58,13 +58,13 @@ def attention_heads(hf_config: Mapping[str, Any]) -> AttentionHeads:
 _GDN_RE = re.compile(r"\.linear_attn\.")
 
 
-def split_problem(hf_name: str, hf_config: Mapping[str, Any], tp_size: int) -> Optional[str]:
+def split_problem(hf_name: str, hf_config: Any, tp_size: int) -> Optional[str]:
     """Why vLLM cannot hold a Gated-DeltaNet param over ``tp_size`` ranks (None: it can):
     each rank takes whole key-head groups (``fix_query_key_value_ordering`` reads
     ``num_k_heads // tp_size`` of them)."""
     if not _GDN_RE.search(hf_name):
         return None
-    nk = hf_config.get("linear_num_key_heads")
+    nk = hf_config.linear_num_key_heads
     if nk and int(nk) % tp_size:
         return f"its {nk} Gated-DeltaNet key heads do not split over tp_size={tp_size}"
     return None

@@ -114,6 +114,14 @@ class HFConfig(PlainRecord):
     qk_nope_head_dim: Optional[int] = None
     qk_rope_head_dim: Optional[int] = None
     v_head_dim: Optional[int] = None
+    # Qwen3-Next (Gated-DeltaNet layers, the attention output gate)
+    linear_num_key_heads: Optional[int] = None
+    linear_num_value_heads: Optional[int] = None
+    linear_key_head_dim: Optional[int] = None
+    linear_value_head_dim: Optional[int] = None
+    linear_conv_kernel_dim: Optional[int] = None
+    attn_output_gate: Optional[bool] = None
+    layer_types: Optional[tuple[str, ...]] = None
 
 
 @dataclass(frozen=True)
