@@ -135,7 +135,8 @@ class RefitGroup:
             return self._meet_at_shutdown(timeout_s)
         finally:
             self.board, self.transport = None, None
-            self.threads.close(join_s=1.0)  # a call still stuck in one ends when it returns
+            self.threads.close(join_s=10.0)  # (idle ones end at once; a stuck call's thread
+            # ends when the call returns, and is not waited for)
 
     def _meet_at_shutdown(self, timeout_s: float) -> int:
         board, store, world = self.board, self.store, self.world
