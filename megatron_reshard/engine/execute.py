@@ -68,8 +68,9 @@ def xfer_batch(transfers: Sequence, group=None, *, stream=None,
     the same list (names, shapes, dtypes, layouts, order) and the same ``staging_bytes``; a
     rank passes ``None`` for a side it does not hold. ``dst`` tensors are written in place.
     Pass one ``Planner`` across calls to reuse plans, schedules and execution programs (a
-    warm call then costs a few µs per param on the host). Raises ``ValueError`` on every rank before any data moves when any
-    rank's input is invalid. ``backend``: "python" or "auto", both run this engine.
+    warm call then costs a few µs per param on the host). Raises ``ValueError`` on every
+    rank before any data moves when any rank's input is invalid. ``backend``: "python" or
+    "auto", both run this engine.
 
     ``agree=False`` skips the agreement step (one small all-reduce and the call's only
     host sync) when this call is the one the group's history of calls through this
