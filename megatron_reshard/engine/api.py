@@ -11,7 +11,7 @@ from .checks import Problem
 from .execute import run_batch, xfer_batch
 from megatron_reshard.errors import BadInputError
 from megatron_reshard.layout.geometry import shard_ownerships
-from .plan import Planner, _mesh_key, layout_key
+from .plan import Planner, mesh_key, layout_key
 from megatron_reshard.groups.collectives import resolve_group
 
 
@@ -111,7 +111,7 @@ def _some_rank_outside(src_mesh, dst_mesh, group) -> bool:
     """Whether a rank of ``group`` is in neither mesh (True where a mesh is unreadable:
     the call then votes, and the description step reports it)."""
     try:
-        ranks = set(_mesh_key(src_mesh)[1]) | set(_mesh_key(dst_mesh)[1])
+        ranks = set(mesh_key(src_mesh)[1]) | set(mesh_key(dst_mesh)[1])
     except Exception:
         return True
     return not ranks.issuperset(range(resolve_group(group).size()))
@@ -142,7 +142,7 @@ def _member_without_tensors(src_mesh, src_placements, dst_mesh, dst_placements, 
     for side, mesh, placements in (("src", src_mesh, src_placements),
                                    ("dst", dst_mesh, dst_placements)):
         try:
-            _, ranks = _mesh_key(mesh)
+            _, ranks = mesh_key(mesh)
         except Exception:
             return None  # the description step reports an unreadable mesh
         if me not in ranks:

@@ -15,7 +15,7 @@ import torch
 
 from .agree import Description, hash_ints
 from .checks import expected
-from .plan import _mesh_key, batch_fingerprint
+from .plan import mesh_key, batch_fingerprint
 from .program import Program
 from .schedule import Schedule
 
@@ -40,10 +40,10 @@ def light_key(transfers, world: int) -> Optional[tuple]:
             sm, dm = t.src_mesh, t.dst_mesh
             sk = mesh_keys.get(id(sm))
             if sk is None:
-                sk = mesh_keys[id(sm)] = _mesh_key(sm)
+                sk = mesh_keys[id(sm)] = mesh_key(sm)
             dk = mesh_keys.get(id(dm))
             if dk is None:
-                dk = mesh_keys[id(dm)] = _mesh_key(dm)
+                dk = mesh_keys[id(dm)] = mesh_key(dm)
             lay = (tuple(map(int, t.global_shape)), sk, tuple(t.src_placements),
                    dk, tuple(t.dst_placements), world)
             items.append(LightItem(t.name, t.dtype, lay))

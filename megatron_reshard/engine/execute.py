@@ -61,12 +61,16 @@ def xfer_batch(transfers: Sequence, group=None, *, stream=None,
                backend: str = "python", agree: bool = True) -> None:
     """Move every transfer of the batch from its source layout to its destination layout.
 
-    Every rank of ``group`` calls with the same list (names, shapes, dtypes, layouts,
-    order) and the same ``staging_bytes``; a rank passes ``None`` for a side it does not
-    hold. ``dst`` tensors are written in place. Pass one ``Planner`` across calls to reuse
-    plans, schedules and execution programs (a warm call then costs a few µs per param
-    on the host). Raises ``ValueError`` on every rank before any data moves when any
-    rank's input is invalid. ``backend``: "python" or "auto", both run this engine.
+    ``group``: a torch process group (registered with c10d or not), a refit group
+    (``groups.RefitGroup``: its waits then poll its fault board) or None (the default
+    world); the engine uses only ``rank()``, ``size()``, ``send``, ``recv``, ``allreduce``,
+    ``name()`` and, on NCCL, the coalescing calls of it. Every rank of ``group`` calls with
+    the same list (names, shapes, dtypes, layouts, order) and the same ``staging_bytes``; a
+    rank passes ``None`` for a side it does not hold. ``dst`` tensors are written in place.
+    Pass one ``Planner`` across calls to reuse plans, schedules and execution programs (a
+    warm call then costs a few µs per param on the host). Raises ``ValueError`` on every
+    rank before any data moves when any rank's input is invalid. ``backend``: "python" or
+    "auto", both run this engine.
 
     ``agree=False`` skips the agreement step (one small all-reduce and the call's only
     host sync) when this call is the one the group's history of calls through this

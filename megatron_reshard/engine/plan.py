@@ -34,7 +34,7 @@ def layout_key(global_shape: Sequence[int], src_mesh, src_placements, dst_mesh,
     parts = []
     for side, mesh, placements in (("src", src_mesh, src_placements),
                                    ("dst", dst_mesh, dst_placements)):
-        mshape, ranks = _mesh_key(mesh)
+        mshape, ranks = mesh_key(mesh)
         if len(placements) != len(mshape):
             raise BadInputError(f"{where}: {side} placement count != mesh ndim: expected "
                              f"{len(mshape)} placements for mesh shape {mshape}, found "
@@ -43,7 +43,8 @@ def layout_key(global_shape: Sequence[int], src_mesh, src_placements, dst_mesh,
     return LayoutKey(shape, *parts)
 
 
-def _mesh_key(mesh) -> tuple:
+def mesh_key(mesh) -> tuple:
+    """A mesh as plain data: (its shape, its ranks in row-major order)."""
     if hasattr(mesh, "key"):
         return mesh.key()
     t = mesh.mesh if hasattr(mesh, "mesh") else mesh

@@ -43,7 +43,7 @@ class RefitGroup:
         self.board: Optional[FaultBoard] = board    # None once destroyed
         self.threads = threads        # where its store calls and Work waits run
         self.is_host = is_host        # this rank hosts the store
-        self.world = board.world
+        self.world, self._rank = board.world, board.rank
         self.label, self.who = board.label, board.who
         self.transport_name = transport_name    # agreed at join (comm.TRANSPORT_NAMES)
         self.transport: Any = None    # built on first use (transport_for); closed by destroy
@@ -98,7 +98,7 @@ class RefitGroup:
 
     def __repr__(self) -> str:
         state = "destroyed" if self.destroyed else self.transport_name
-        return f"RefitGroup({self.label!r}, rank {self.rank()} of {self.world}, {state})"
+        return f"RefitGroup({self.label!r}, rank {self._rank} of {self.world}, {state})"
 
     # -- what the group owns ------------------------------------------------------------
 
@@ -135,7 +135,8 @@ class RefitGroup:
             return self._meet_at_shutdown(timeout_s)
         finally:
             self.board, self.transport = None, None
-            self.threads.close(join_s=1.0)  # a call still stuck in one ends when it returns
+            self.threads.close(join_s=10.0)  # (idle ones end at once; a stuck call's thread
+            # ends when the call returns, and is not waited for)
 
     def _meet_at_shutdown(self, timeout_s: float) -> int:
         board, store, world = self.board, self.store, self.world
