@@ -194,6 +194,11 @@ class RefitWorkerState:
         self.options: Optional[PrepareOptions] = None  # the session's
         self.weights = WeightState()  # the model's: outlives groups and sessions
 
+    def require_groups(self) -> dict[int, Any]:
+        if self.groups is None:
+            raise CallOrderError("prepare_refit called before init_refit_groups")
+        return self.groups
+
     def require_session(self) -> ReceiverSession:
         if self.session is None:
             raise CallOrderError("refit called before prepare_refit(payload)")
@@ -235,8 +240,7 @@ class RefitWorkerState:
         """Map ``payload`` onto ``model``'s storage (no communication). A refusal is posted
         on the groups' fault boards, so the training ranks raise it too. Params vLLM derives
         itself (MLA's absorbed weights) are never targets."""
-        if self.groups is None:
-            raise CallOrderError("prepare_refit called before init_refit_groups")
+        groups = self.require_groups()
         unknown = PrepareOptions.unknown(options or {})
         if unknown:  # a caller's typo: refused here, before the groups hear of it
             raise BadInputError(f"unknown prepare_refit options {unknown}; known: "
@@ -244,10 +248,10 @@ class RefitWorkerState:
         self.session = self.options = None
         derived = derived_param_names(model)  # recomputed after each refit, never received
         targets = [(n, p) for n, p in model.named_parameters() if n not in derived]
-        with fault_scope(self.groups.values()):  # a refusal reaches the training ranks too
+        with fault_scope(groups.values()):  # a refusal reaches the training ranks too
             checked = PrepareOptions.of(options)
             orders = storage_orders(model, skip=derived)  # how vLLM's post-load stored them
-        self.session = ReceiverSession(payload, targets, self.groups, receive_misc=receive_misc,
+        self.session = ReceiverSession(payload, targets, groups, receive_misc=receive_misc,
                                        vllm_tp=vllm_tp, weights=self.weights,
                                        storage_orders=orders, **checked.as_dict())
         self.options = checked
