@@ -349,6 +349,11 @@ def _bad_inputs(job):
     from megatron_reshard.testing.megatron_models import build_mamba_model_without_mamba_layers
     attempt("nemotron_h_family", model, family="nemotron_h", vocab_size=spec.vocab_size)
     attempt("mamba_model", build_mamba_model_without_mamba_layers())
+    try:  # the generation sizes are checked before anything else
+        MegatronRefitSource(model, gen_parallelism={"tp_size": 0, "ep_size": 1}, gen_world_size=2)
+        messages["gen_tp_zero"] = None
+    except ValueError as err:
+        messages["gen_tp_zero"] = str(err)
     dist.barrier()  # nobody was left inside a collective
     return messages
 
@@ -370,6 +375,7 @@ def test_bad_input_raises_one_clear_error_on_every_rank(pool):
             err = m[key]
             assert err is not None and "Nemotron-H / megatron-core MambaModel is not supported yet" in err, (key, err)
             assert "in_proj ([z, x, B, C, dt] per TP rank)" in err and "TENorm" in err, err
+        assert m["gen_tp_zero"] == "gen_parallelism['tp_size'] must be a positive int, got 0"
 
 
 def test_sender_refuses_anything_but_the_train_side_plan():

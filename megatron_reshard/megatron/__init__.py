@@ -11,6 +11,11 @@ construction::
     param_map = source.build_hf_to_local_param_map()    # HFToLocalParamMap of live views
     others = source.gather_other_params()               # {hf_name: full tensor}, this stage
     hf_config = source.hf_config                        # plain dict, keys in source.HF_CONFIG_KEYS
+    plan = source.plan                                  # the frozen TrainSidePlan behind them all
+    sender = RefitSender(source, group)                 # megatron.sender; takes the source or plan
+
+The source is a thin face over ``train_plan.build_train_side_plan`` (a chain of plain
+functions returning one frozen ``TrainSidePlan``).
 
 Submodules import ``megatron.core`` only when used. The payload's codec is
 ``megatron_reshard.wire.codec`` (the receiver decodes payloads without Megatron);
@@ -19,7 +24,8 @@ Submodules import ``megatron.core`` only when used. The payload's codec is
 
 from __future__ import annotations
 
-__all__ = ["MegatronRefitSource", "HF_CONFIG_KEYS", "decode_payload", "encode_payload"]
+__all__ = ["MegatronRefitSource", "HF_CONFIG_KEYS", "TrainSidePlan", "build_train_side_plan",
+           "decode_payload", "encode_payload"]
 
 
 # Lazy on purpose (optional dependencies, not a cycle): importing this package must not
@@ -29,6 +35,10 @@ def __getattr__(name: str):
         from megatron_reshard.megatron import source
 
         return source.MegatronRefitSource
+    if name in ("TrainSidePlan", "build_train_side_plan"):
+        from megatron_reshard.megatron import train_plan
+
+        return getattr(train_plan, name)
     if name == "HF_CONFIG_KEYS":
         from megatron_reshard.megatron import model_info
 

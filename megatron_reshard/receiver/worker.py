@@ -112,7 +112,9 @@ class MegatronReshardWorkerExtension:
         patterns that the payload does not write and may keep what was loaded (any other
         such param is refused here, on every rank; see ``receiver.coverage``). Params vLLM
         derives itself (MLA's absorbed weights) are never refit targets and need no listing."""
-        return self.refit_worker_state.prepare(
+        state = self.refit_worker_state
+        state.require_groups()  # before asking for the model: the call order's error first
+        return state.prepare(
             self.get_refit_model(), payload, options, receive_misc=self.receive_misc,
             vllm_tp=self.get_refit_tp_coords()).as_dict()
 

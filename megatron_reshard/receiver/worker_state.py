@@ -200,6 +200,11 @@ class RefitWorkerState:
         self.staged: Optional[StagedConversions] = None  # the session's layers vLLM converts
         self.weights = WeightState()  # the model's: outlives groups and sessions
 
+    def require_groups(self) -> dict[int, Any]:
+        if self.groups is None:
+            raise CallOrderError("prepare_refit called before init_refit_groups")
+        return self.groups
+
     def require_session(self) -> ReceiverSession:
         if self.session is None:
             raise CallOrderError("refit called before prepare_refit(payload)")
@@ -241,15 +246,14 @@ class RefitWorkerState:
         """Map ``payload`` onto ``model``'s storage (no communication). A refusal is posted
         on the groups' fault boards, so the training ranks raise it too. Params vLLM derives
         itself (MLA's absorbed weights) are never targets."""
-        if self.groups is None:
-            raise CallOrderError("prepare_refit called before init_refit_groups")
+        groups = self.require_groups()
         unknown = PrepareOptions.unknown(options or {})
         if unknown:  # a caller's typo: refused here, before the groups hear of it
             raise BadInputError(f"unknown prepare_refit options {unknown}; known: "
                                 f"{list(PrepareOptions.NAMES)}")
         self.session = self.options = self.staged = None
         derived = derived_param_names(model)  # recomputed after each refit, never received
-        with fault_scope(self.groups.values()):  # a refusal reaches the training ranks too
+        with fault_scope(groups.values()):  # a refusal reaches the training ranks too
             checked = PrepareOptions.of(options)
             # layers vLLM's post-load converts by computing (block FP8): received in
             # checkpoint order, converted by vLLM's code after each refit
@@ -260,7 +264,7 @@ class RefitWorkerState:
         # checkpoint-shaped view of its storage
         views = {n: v for layer in staged for n, v in layer.receive_views().items()}
         targets = [(n, views.get(n, p)) for n, p in model.named_parameters() if n not in derived]
-        self.session = ReceiverSession(payload, targets, self.groups, receive_misc=receive_misc,
+        self.session = ReceiverSession(payload, targets, groups, receive_misc=receive_misc,
                                        vllm_tp=vllm_tp, weights=self.weights,
                                        storage_orders=orders, **checked.as_dict())
         self.options = checked

@@ -74,7 +74,7 @@ def _copy_derived_weights(model: torch.nn.Module) -> int:
 def _plant_order_error():
     """A mapping error on purpose: the receiver's storage orders with two rows of the first
     kernel-ordered target exchanged (the comparison with vLLM must see it)."""
-    from megatron_reshard.receiver import worker_state as worker_module
+    from megatron_reshard.receiver import worker_state as worker_module  # calls storage_orders
     from megatron_reshard.vllm_layout.kernel_order import KernelOrder
 
     learned = worker_module.storage_orders

@@ -191,6 +191,29 @@ def test_lifecycle_out_of_order_is_refused(engine):
         engine.finish_weight_update()
 
 
+def test_engine_and_worker_extension_compose_one_worker_state(engine):
+    """Neither adapter subclasses the other: both hold a ``RefitWorkerState`` (the
+    extension creates its own on first use, vLLM running no ``__init__`` of it) and answer
+    RPCs with plain dicts made from it."""
+    from megatron_reshard.receiver import MegatronReshardWorkerExtension
+    from megatron_reshard.receiver.worker_state import RefitWorkerState
+
+    class VllmWorker(MegatronReshardWorkerExtension):  # as worker_extension_cls mixes it in
+        def __init__(self):
+            pass
+
+    worker = VllmWorker()
+    assert not isinstance(engine, MegatronReshardWorkerExtension)
+    assert type(engine.state) is RefitWorkerState and engine.state.groups is None
+    assert type(worker.refit_worker_state) is RefitWorkerState
+    assert worker.refit_worker_state is worker.refit_worker_state  # one per worker
+    fresh = RefitWorkerState().weights.as_dict()
+    assert engine.refit_weights_state() == worker.refit_weights_state() == fresh
+    assert engine.report() == worker.report() == {"prepared": False, "weights": fresh}
+    with pytest.raises(RuntimeError, match="prepare_refit called before init_refit_groups"):
+        worker.prepare_refit({"schema_version": 1})
+
+
 # ---- the trainer side through vLLM's trainer factory (this process) ----------------------
 
 TRAINER_GOOD = dict(host="127.0.0.1", ports_by_stage=[29500], group_backend="gloo", rank=0)
