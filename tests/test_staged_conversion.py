@@ -26,6 +26,7 @@ E, I, H = 2, 4, 3
 
 class Backend(enum.Enum):
     FLASHINFER_CUTLASS = "flashinfer_cutlass"
+    FLASHINFER_TRTLLM = "flashinfer_trtllm"
     DEEPGEMM = "deep_gemm"
     MARLIN = "marlin"
     TRITON = "triton"
@@ -40,10 +41,17 @@ def convert_to_fp8_moe_kernel_format(backend, layer, w13, w2, s13, s2, in13, in2
         raise ImportError("deep_gemm")  # as on a machine without the package
     if backend is Backend.TRITON:
         return w13, w2[..., :1], s13, s2  # a result of another shape
+    if backend is Backend.FLASHINFER_TRTLLM:  # a kernel's own 4-D shape of as many elements
+        return _blocked(_swap(w13)), _blocked(w2), _swap(s13), s2
     s13, s2 = _swap(s13), s2
     s13.clamp_(min=1e-10)
     s2.clamp_(min=1e-10)
     return _swap(w13), w2, s13, s2
+
+
+def _blocked(w: torch.Tensor) -> torch.Tensor:
+    """[E, M, K] -> [E, K, M, 1]: columns first, as a block-major layout with blocks of 1."""
+    return w.permute(0, 2, 1).unsqueeze(-1).contiguous()
 
 
 class Fp8MoEMethod:
@@ -121,3 +129,29 @@ def test_a_conversion_that_cannot_run_here_is_refused_before_any_byte_moves(back
     assert message.startswith(f"experts: quant method Fp8MoEMethod, kernel backend {backend.name}:"), message
     assert why in message and "--moe-backend flashinfer_cutlass, flashinfer_trtllm or triton" in message, message
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())  # dry run on a copy
+
+
+def test_storage_vllm_holds_in_a_kernels_shape_is_received_through_a_checkpoint_shaped_view():
+    """As vLLM re-allocates block-FP8 TRTLLM experts ([E, K/128, M, 128]): the refit writes
+    checkpoint order through a view of that storage in the checkpoint's shape, and the
+    conversion's result lands in the same storage."""
+    model = _model(Backend.FLASHINFER_TRTLLM)
+    with torch.no_grad():  # what vLLM's load left: the params in the kernel's shape
+        for leaf, shape in (("w13_weight", (E, H, 2 * I, 1)), ("w2_weight", (E, I, H, 1))):
+            getattr(model.experts, leaf).data = torch.zeros(shape)
+    (layer,) = staged_layers(model)
+    views = layer.receive_views()
+    assert {n: tuple(v.shape) for n, v in views.items()} == {
+        "experts.w13_weight": (E, 2 * I, H), "experts.w2_weight": (E, H, I)}
+    live = dict(model.named_parameters())
+    assert all(v.data_ptr() == live[n].data_ptr() for n, v in views.items())
+    sent = {n: torch.arange(v.numel(), dtype=v.dtype).reshape(v.shape) for n, v in views.items()}
+    with torch.no_grad():
+        for n, v in views.items():
+            v.copy_(sent[n])
+    staged = StagedConversions([layer])
+    staged.received(list(model.parameters()))
+    assert staged.convert() == ["experts"]
+    assert torch.equal(live["experts.w13_weight"], _blocked(_swap(sent["experts.w13_weight"])))
+    assert torch.equal(live["experts.w2_weight"], _blocked(sent["experts.w2_weight"]))
+    assert all(v.data_ptr() == live[n].data_ptr() for n, v in views.items())
