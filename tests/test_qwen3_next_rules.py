@@ -26,7 +26,7 @@ def test_te_and_local_spec_names_both_convert():
         "decoder.layers.0.input_layernorm.weight": ("replicated", ("model.layers.4.input_layernorm.weight",)),
         "decoder.layers.0.self_attention.in_proj.weight": (
             "gdn_in_proj", ("model.layers.4.linear_attn.in_proj_qkvz.weight", "model.layers.4.linear_attn.in_proj_ba.weight")),
-        "decoder.layers.0.self_attention.out_norm.weight": ("replicated", ("model.layers.4.linear_attn.norm.weight",)),
+        "decoder.layers.0.self_attention.out_norm.weight": ("gdn_norm", ("model.layers.4.linear_attn.norm.weight",)),
         "decoder.layers.0.self_attention.A_log": ("column", ("model.layers.4.linear_attn.A_log",)),
         "decoder.layers.1.self_attention.linear_qkv.layer_norm_weight": ("replicated", ("model.layers.7.input_layernorm.weight",)),
         "decoder.layers.1.self_attention.linear_qkv.weight": (
@@ -95,3 +95,19 @@ def test_gated_qkv_puts_each_heads_gate_after_its_query():
         assert q.tolist() == [[w, h, i] for h in range(nh) for w in (0, 1) for i in range(hd)]
         assert k.tolist() == [[2, g, i] for g in range(ng) for i in range(hd)]
         assert v.tolist() == [[3, g, i] for g in range(ng) for i in range(hd)]
+
+
+def test_the_gated_norm_gains_one_where_megatrons_norms_are_zero_centred():
+    """Qwen3-Next is trained with ``layernorm_zero_centered_gamma`` (Megatron's out_norm then
+    computes x·(1+w)); the checkpoint's gated norm computes x·w. Without zero-centred norms
+    (the local spec's torch norm) the weight is copied."""
+    from dataclasses import replace
+
+    w = torch.tensor([-1.0, 0.0, 0.5, 2.0], dtype=torch.bfloat16)
+    conv = NameConverter("qwen3_next", {0: 0}).convert("decoder.layers.0.self_attention.out_norm.weight")
+    assert conv.kind == "gdn_norm" and conv.tp_dim is None
+    plain = full_from_tp_chunks(conv, [w], ModelDims(2, 4, 2, 8, 100, True, linear=LINEAR))
+    assert torch.equal(plain[conv.hf_names[0]], w)
+    centred = ModelDims(2, 4, 2, 8, 100, True, linear=replace(LINEAR, out_norm_offset=1.0))
+    got = full_from_tp_chunks(conv, [w], centred)[conv.hf_names[0]]
+    assert got.dtype == torch.bfloat16 and got.tolist() == [0.0, 1.0, 1.5, 3.0]
