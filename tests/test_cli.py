@@ -257,7 +257,7 @@ def test_every_help_shows_the_defaults(command):
     assert out.returncode == 0
     text = " ".join(out.stdout.split())
     expected = {(): [], ("demo",): ["--refits REFITS refits to run", "(default: 3)",
-                                    "(default: moe)", "1 for dense, 2 for glm, 2 for moe",
+                                    "(default: moe)", "1 for dense, 2 for glm, 2 for gpt-oss, 2 for moe",
                                     "(default: 120.0)"],
                 ("bench",): ["(default: 4)"],
                 ("plan",): ["(default: moe)", "--gen-tp GEN_TP default: the model's, listed below",

@@ -82,6 +82,12 @@ def _refusals(job):
     gdn = build_gpt_model(TinyGPTSpec(**SPEC, **GDN_SPEC))
     out["gdn_layers"] = [type(layer.self_attention).__name__ for layer in gdn.decoder.layers]
     attempt("gated_delta_net", gdn, family="qwen3")
+    try:  # no family named: a Gated-DeltaNet config is Qwen3-Next's
+        out["inferred_family"] = MegatronRefitSource(
+            gdn, gen_parallelism={"tp_size": 2, "ep_size": 1, "pp_size": 1}, gen_world_size=2,
+            vocab_size=200).family
+    except ValueError as err:
+        out["inferred_family"] = str(err)
     dist.barrier()  # no rank was left inside a collective
     return out
 
@@ -99,3 +105,4 @@ def test_gated_and_linear_attention_models_are_refused_on_every_rank(pool):
         assert "expects attention_output_gate=True" in r["ungated_qwen3_next"], rank
         assert "experimental_attention_variant='gated_delta_net'" in r["gated_delta_net"], rank
         assert "pass family='qwen3_next'" in r["gated_delta_net"], rank
+        assert r["inferred_family"] == "qwen3_next", (rank, r["inferred_family"])

@@ -27,8 +27,8 @@ Kinds (T = TP size; experts are never TP-sharded here because expert-TP > 1 is r
 ``skip``        not a weight (``_extra_state``)
 ``oss_*``       gpt-oss experts, one whole expert each: interleaved gate/up, transposed
                 weights (``megatron.gpt_oss``); full tensors only
-``gdn_*``       Qwen3-Next's Gated-DeltaNet ``in_proj`` (-> ``in_proj_qkvz``, ``in_proj_ba``)
-                and ``conv1d``; ``gated_qkv``: ``linear_qkv`` with the attention output
+``gdn_*``       Qwen3-Next's Gated-DeltaNet ``in_proj`` (-> ``in_proj_qkvz``, ``in_proj_ba``),
+                ``conv1d`` and gated norm (+1 under zero-centred norms); ``gated_qkv``: ``linear_qkv`` with the attention output
                 gate (``megatron.qwen3_next``); full tensors only
 ``mamba_*``     Nemotron-H's fused Mamba-2 ``in_proj`` / ``conv1d``: names only (the
                 family is refused, ``megatron.nemotron_h``)
@@ -263,7 +263,8 @@ _GATED_DELTA_NET_RULES = _rules(
     (r"self_attention\.conv1d\.weight", "gdn_conv1d", [LINEAR + "conv1d.weight"]),
     (r"self_attention\.A_log", "column", [LINEAR + "A_log"]),
     (r"self_attention\.dt_bias", "column", [LINEAR + "dt_bias"]),
-    (r"self_attention\.out_norm\.weight", "replicated", [LINEAR + "norm.weight"]),
+    # the gated norm: plus one where Megatron's norms are zero-centred (megatron.qwen3_next)
+    (r"self_attention\.out_norm\.weight", "gdn_norm", [LINEAR + "norm.weight"]),
     (r"self_attention\.out_proj\.weight", "row", [LINEAR + "out_proj.weight"]),
     # full attention with the output gate: q_proj rows [q_h ; gate_h] per head
     (r"self_attention\.linear_qkv\.weight", "gated_qkv",

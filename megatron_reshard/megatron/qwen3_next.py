@@ -15,8 +15,13 @@ No Megatron import. Facts, megatron-core 0.16.1 (``ssm/gated_delta_net.py``,
   (``Attention.get_query_key_value_tensors``); the checkpoint's ``q_proj`` holds per query
   head ``[q_h ; gate_h]``, ``k_proj`` / ``v_proj`` as usual.
 
-None of these is a view of the Megatron tensor (interleaves across the TP chunks), so the
-``gdn_*`` / ``gated_qkv`` params travel as full tensors (the packed path).
+- The gated norm (``out_norm``): built like every norm of the model, so with
+  ``layernorm_zero_centered_gamma`` (how Qwen3-Next is trained: its other norms are
+  zero-centred in the checkpoint too) Megatron computes ``x·(1+w)``, while the checkpoint's
+  (and vLLM's ``RMSNormGated``) computes ``x·w``: the HF weight is Megatron's plus one.
+
+None of these is a view of the Megatron tensor (interleaves across the TP chunks, the +1),
+so the ``gdn_*`` / ``gated_qkv`` params travel as full tensors (the packed path).
 """
 
 from __future__ import annotations
@@ -28,8 +33,8 @@ import torch
 
 from megatron_reshard.errors import BadInputError
 
-KINDS = ("gdn_in_proj", "gdn_conv1d", "gated_qkv")
-TP_DIMS = {kind: 0 for kind in KINDS}
+KINDS = ("gdn_in_proj", "gdn_conv1d", "gated_qkv", "gdn_norm")
+TP_DIMS = {kind: 0 for kind in KINDS[:3]}  # gdn_norm: replicated
 
 
 @dataclass(frozen=True)
@@ -40,6 +45,7 @@ class LinearAttentionDims:
     num_value_heads: int
     key_head_dim: int
     value_head_dim: int
+    out_norm_offset: float = 0.0  # 1.0 when Megatron's norms are zero-centred (see above)
 
     @classmethod
     def from_config(cls, config: Any) -> Optional["LinearAttentionDims"]:
@@ -47,7 +53,8 @@ class LinearAttentionDims:
         if getattr(config, "experimental_attention_variant", None) != "gated_delta_net":
             return None
         return cls(int(config.linear_num_key_heads), int(config.linear_num_value_heads),
-                   int(config.linear_key_head_dim), int(config.linear_value_head_dim))
+                   int(config.linear_key_head_dim), int(config.linear_value_head_dim),
+                   1.0 if getattr(config, "layernorm_zero_centered_gamma", False) else 0.0)
 
     @property
     def per_key_head(self) -> int:
@@ -83,6 +90,14 @@ def conv1d_full(chunks: Sequence[torch.Tensor], d: LinearAttentionDims) -> torch
     return torch.cat(_split_chunks(chunks, d.segments(len(chunks))[:3]), 0)
 
 
+def out_norm_full(weight: torch.Tensor, d: LinearAttentionDims) -> torch.Tensor:
+    """HF ``linear_attn.norm.weight`` from Megatron's ``out_norm.weight`` (``x·w`` in the
+    checkpoint; plus one when Megatron's norms are zero-centred), in float32 arithmetic."""
+    if not d.out_norm_offset:
+        return weight
+    return (weight.float() + d.out_norm_offset).to(weight.dtype)
+
+
 def gated_qkv_full(chunks: Sequence[torch.Tensor], num_heads: int, num_groups: int, head_dim: int
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """HF ``(q_proj, k_proj, v_proj)`` of a gated ``linear_qkv``: q_proj rows ``[q_h; gate_h]``
@@ -104,6 +119,8 @@ def hf_shapes(kind: str, local_shape: Sequence[int], tp: int, d: Optional[Linear
     if kind == "gated_qkv":
         return [[2 * num_heads * head_dim, *rest], [num_groups * head_dim, *rest],
                 [num_groups * head_dim, *rest]]
+    if kind == "gdn_norm":
+        return [[int(local_shape[0]), *rest]]
     if d is None:
         raise BadInputError(f"{kind}: the model config has no Gated-DeltaNet dims")
     kd, vd = d.num_key_heads * d.key_head_dim, d.num_value_heads * d.value_head_dim

@@ -65,7 +65,11 @@ def _qwen3_next_tensor(out: dict, p: str, rest: str, parts: list, full: torch.Te
     of them. Explicit loops over the TP parts and the key heads / KV groups."""
     la = f"{p}.linear_attn"
     simple = {"self_attention.A_log": "A_log", "self_attention.dt_bias": "dt_bias",
-              "self_attention.out_norm.weight": "norm.weight", "self_attention.out_proj.weight": "out_proj.weight"}
+              "self_attention.out_proj.weight": "out_proj.weight"}
+    if rest == "self_attention.out_norm.weight":  # the checkpoint's gated norm is x·w
+        zero_centred = getattr(cfg, "layernorm_zero_centered_gamma", False)
+        out[f"{la}.norm.weight"] = (full.float() + 1).to(full.dtype) if zero_centred else full
+        return True
     if rest in simple:
         out[f"{la}.{simple[rest]}"] = full
         return True

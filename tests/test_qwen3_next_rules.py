@@ -1,0 +1,113 @@
+"""Qwen3-Next's converter rules at name and tensor level (no model, no vLLM).
+
+Names: megatron-core 0.16.1's Transformer-Engine spec (which cannot be built without TE)
+fuses each layer's input norm into the first linear (``in_proj.layer_norm_weight`` for
+Gated-DeltaNet, ``linear_qkv.layer_norm_weight`` for attention) and names grouped experts
+``linear_fc1.weight<i>``; the local spec keeps ``input_layernorm``. Both convert. Tensors:
+rows labelled by what they are (stream, head, row) go through the TP-chunk rules, and each
+HF row must carry the label the checkpoint layout puts there.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_reshard.megatron.converters import ModelDims, NameConverter, full_from_tp_chunks, hf_global_shapes
+from megatron_reshard.megatron.qwen3_next import LinearAttentionDims
+
+NK, NV, DK, DV = 4, 8, 3, 2  # key heads, value heads, their dims
+LINEAR = LinearAttentionDims(NK, NV, DK, DV)
+
+
+def test_te_and_local_spec_names_both_convert():
+    conv = NameConverter("qwen3_next", {0: 4, 1: 7}, num_local_experts=2, expert_offset=2)
+    expect = {
+        "decoder.layers.0.self_attention.in_proj.layer_norm_weight": ("replicated", ("model.layers.4.input_layernorm.weight",)),
+        "decoder.layers.0.input_layernorm.weight": ("replicated", ("model.layers.4.input_layernorm.weight",)),
+        "decoder.layers.0.self_attention.in_proj.weight": (
+            "gdn_in_proj", ("model.layers.4.linear_attn.in_proj_qkvz.weight", "model.layers.4.linear_attn.in_proj_ba.weight")),
+        "decoder.layers.0.self_attention.out_norm.weight": ("gdn_norm", ("model.layers.4.linear_attn.norm.weight",)),
+        "decoder.layers.0.self_attention.A_log": ("column", ("model.layers.4.linear_attn.A_log",)),
+        "decoder.layers.1.self_attention.linear_qkv.layer_norm_weight": ("replicated", ("model.layers.7.input_layernorm.weight",)),
+        "decoder.layers.1.self_attention.linear_qkv.weight": (
+            "gated_qkv", tuple(f"model.layers.7.self_attn.{x}_proj.weight" for x in "qkv")),
+        "decoder.layers.1.mlp.experts.linear_fc2.weight1": ("expert_fc2", ("model.layers.7.mlp.experts.3.down_proj.weight",)),
+        "decoder.layers.1.mlp.shared_experts.gate_weight": ("replicated", ("model.layers.7.mlp.shared_expert_gate.weight",)),
+        "decoder.layers.1.mlp.shared_experts.linear_fc1.weight": (
+            "fc1", ("model.layers.7.mlp.shared_expert.gate_proj.weight", "model.layers.7.mlp.shared_expert.up_proj.weight")),
+    }
+    for name, (kind, hf) in expect.items():
+        got = conv.convert(name)
+        assert (got.kind, got.hf_names) == (kind, hf), name
+
+
+def _labelled(streams: list[tuple[str, int, int]], tp: int) -> list[torch.Tensor]:
+    """Megatron's in_proj TP chunks, one row per (stream, head, row) label, as rank r holds
+    them: each stream's heads of rank r in order, streams one after the other."""
+    chunks = []
+    for r in range(tp):
+        rows = []
+        for code, heads, dim in streams:
+            for h in range(heads * r // tp, heads * (r + 1) // tp):
+                rows += [[code, h, i] for i in range(dim)]
+        chunks.append(torch.tensor(rows, dtype=torch.float32))
+    return chunks
+
+
+def test_in_proj_and_conv1d_rows_land_where_the_checkpoint_has_them():
+    streams = [(0, NK, DK), (1, NK, DK), (2, NV, DV), (3, NV, DV), (4, NV, 1), (5, NV, 1)]  # q k v z b a
+    per = NV // NK
+    expected_qkvz, expected_ba = [], []
+    for g in range(NK):
+        expected_qkvz += [[0, g, i] for i in range(DK)] + [[1, g, i] for i in range(DK)]
+        expected_qkvz += [[2, h, i] for h in range(g * per, (g + 1) * per) for i in range(DV)]
+        expected_qkvz += [[3, h, i] for h in range(g * per, (g + 1) * per) for i in range(DV)]
+        expected_ba += [[4, h, 0] for h in range(g * per, (g + 1) * per)]
+        expected_ba += [[5, h, 0] for h in range(g * per, (g + 1) * per)]
+    expected_conv = ([[0, g, i] for g in range(NK) for i in range(DK)] + [[1, g, i] for g in range(NK) for i in range(DK)]
+                     + [[2, h, i] for h in range(NV) for i in range(DV)])
+    for tp in (1, 2, 4):
+        dims = ModelDims(tp, 4, 2, 8, 100, True, linear=LINEAR)
+        conv = NameConverter("qwen3_next", {0: 0}).convert("decoder.layers.0.self_attention.in_proj.weight")
+        chunks = _labelled(streams, tp)
+        full = full_from_tp_chunks(conv, chunks, dims)
+        qkvz, ba = full[conv.hf_names[0]], full[conv.hf_names[1]]
+        assert qkvz.tolist() == expected_qkvz and ba.tolist() == expected_ba, tp
+        assert hf_global_shapes(conv, chunks[0].shape, dims) == {n: list(t.shape) for n, t in full.items()}
+        c1 = NameConverter("qwen3_next", {0: 0}).convert("decoder.layers.0.self_attention.conv1d.weight")
+        conv_chunks = _labelled(streams[:3], tp)
+        assert full_from_tp_chunks(c1, conv_chunks, dims)[c1.hf_names[0]].tolist() == expected_conv, tp
+
+
+def test_gated_qkv_puts_each_heads_gate_after_its_query():
+    nh, ng, hd = 4, 2, 2
+    per = nh // ng
+    groups = []
+    for g in range(ng):  # Megatron, per KV group: q heads, gate heads, k, v
+        groups += [[0, g * per + j, i] for j in range(per) for i in range(hd)]
+        groups += [[1, g * per + j, i] for j in range(per) for i in range(hd)]
+        groups += [[2, g, i] for i in range(hd)] + [[3, g, i] for i in range(hd)]
+    rows = torch.tensor(groups, dtype=torch.float32)
+    for tp in (1, 2):
+        dims = ModelDims(tp, nh, ng, hd, 100, True)
+        conv = NameConverter("qwen3_next", {0: 0}).convert("decoder.layers.0.self_attention.linear_qkv.weight")
+        q, k, v = full_from_tp_chunks(conv, list(rows.chunk(tp)), dims).values()
+        assert q.tolist() == [[w, h, i] for h in range(nh) for w in (0, 1) for i in range(hd)]
+        assert k.tolist() == [[2, g, i] for g in range(ng) for i in range(hd)]
+        assert v.tolist() == [[3, g, i] for g in range(ng) for i in range(hd)]
+
+
+def test_the_gated_norm_gains_one_where_megatrons_norms_are_zero_centred():
+    """Qwen3-Next is trained with ``layernorm_zero_centered_gamma`` (Megatron's out_norm then
+    computes x·(1+w)); the checkpoint's gated norm computes x·w. Without zero-centred norms
+    (the local spec's torch norm) the weight is copied."""
+    from dataclasses import replace
+
+    w = torch.tensor([-1.0, 0.0, 0.5, 2.0], dtype=torch.bfloat16)
+    conv = NameConverter("qwen3_next", {0: 0}).convert("decoder.layers.0.self_attention.out_norm.weight")
+    assert conv.kind == "gdn_norm" and conv.tp_dim is None
+    plain = full_from_tp_chunks(conv, [w], ModelDims(2, 4, 2, 8, 100, True, linear=LINEAR))
+    assert torch.equal(plain[conv.hf_names[0]], w)
+    centred = ModelDims(2, 4, 2, 8, 100, True, linear=replace(LINEAR, out_norm_offset=1.0))
+    got = full_from_tp_chunks(conv, [w], centred)[conv.hf_names[0]]
+    assert got.dtype == torch.bfloat16 and got.tolist() == [0.0, 1.0, 1.5, 3.0]
