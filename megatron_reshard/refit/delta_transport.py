@@ -34,6 +34,7 @@ from megatron_reshard.layout.geometry import box_numel
 from megatron_reshard.engine.param_plan import ParamPlan
 from megatron_reshard.groups.collectives import control_device
 from megatron_reshard.groups.faults import RefitError, wait_works
+from megatron_reshard.refit import delta_kernels
 from megatron_reshard.refit.delta import TrainBase, as_tensor
 
 NONE, POSITIONS, BITMASK, DENSE = 0, 1, 2, 3
@@ -90,6 +91,8 @@ def pick_encoding(numel: int, count: int, itemsize: int) -> int:
 def encode(new: torch.Tensor, old: torch.Tensor) -> tuple[int, int, Optional[torch.Tensor]]:
     """``(count, encoding, payload)`` of the elements of ``new`` whose bits differ from
     ``old`` (same shape and dtype); payload None when nothing changed."""
+    if delta_kernels.usable(new):  # CUDA: two Triton launches (refit.delta_kernels)
+        return delta_kernels.encode(new, old, pick_encoding)
     flat_new = new.contiguous().reshape(-1)
     changed = (_bits(new).reshape(-1) != _bits(old).reshape(-1))
     count = int(changed.sum())
@@ -135,6 +138,13 @@ def apply(view: torch.Tensor, count: int, enc: int, payload: Optional[torch.Tens
     """Write a received delta into ``view`` in place (any strides)."""
     if enc == NONE:
         return
+    if delta_kernels.usable(view):  # CUDA: Triton kernels (refit.delta_kernels)
+        try:
+            if delta_kernels.apply(view, count, enc, payload):
+                return
+        except delta_kernels.BadDelta as exc:
+            raise DeltaTransportError(f"a delta for a view of shape {list(view.shape)}: "
+                                      f"{exc}") from None
     numel = view.numel()
     if enc == DENSE:
         view.copy_(payload.view(view.dtype).reshape(view.shape))

@@ -1,0 +1,299 @@
+"""Cutting and applying delta refits on CUDA tensors with Triton kernels (issue 35).
+
+Torch + stdlib only: Triton, which the CUDA builds of torch ship, loads lazily, and
+``refit.delta_transport`` keeps its torch path where it is absent (CPU tensors, CPU builds)
+or switched off (``MEGATRON_RESHARD_DELTA_KERNELS=0``). The wire format is
+``delta_transport``'s (positions + values, bitmask + values, dense), byte for byte.
+
+Why kernels: the torch path builds a bool mask, a ``nonzero``, an int64 index and a gather
+(or for the bitmask: bytes widened eight-fold and summed), several passes over the region
+each. Here a cut is two launches: ``mark`` reads new and old once (bits as integers, so
+NaN payloads and -0.0 compare exactly), writes the bitmask and one count per block of
+``BLOCK`` elements; after one host read of the total (the header needs it), ``compact``
+reads the bitmask and only the changed values (masked loads) and writes positions and
+values at each block's offset (an exclusive cumsum of the counts) plus its rank inside the
+block (``tl.cumsum``). An apply is one launch for positions (bad positions are counted,
+never stored: the caller raises) and two for a bitmask (counts per block, then the
+writes). Values that start on an odd byte (after an odd-sized bitmask) move as bytes.
+
+A strided view is handled when it folds into rows of unit stride (``rows_form``: a TP
+shard's column block); any other goes through the torch path.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple, Optional
+
+import torch
+
+BLOCK = 4096  # elements per program (a multiple of 8: whole bitmask bytes)
+_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+NONE, POSITIONS, BITMASK, DENSE = 0, 1, 2, 3  # refit.delta_transport's codes
+
+
+def enabled() -> bool:
+    """Whether the kernels may be used (``MEGATRON_RESHARD_DELTA_KERNELS=0``: no)."""
+    return os.environ.get("MEGATRON_RESHARD_DELTA_KERNELS", "1") != "0"
+
+
+def usable(t: torch.Tensor) -> bool:
+    """Whether ``t``'s deltas go through the kernels: a CUDA tensor of 1, 2, 4 or 8 bytes
+    an element, with Triton present and the kernels switched on."""
+    return (t.is_cuda and t.element_size() in _INTS and enabled()
+            and _kernels() is not None)
+
+
+class Rows(NamedTuple):
+    """A view as ``rows`` x ``cols`` elements, unit stride along cols, ``stride`` between
+    rows (a contiguous view: one row)."""
+
+    rows: int
+    cols: int
+    stride: int
+
+
+def rows_form(view: torch.Tensor) -> Optional[Rows]:
+    """The view as rows of unit stride, or None when its dims do not fold so."""
+    dims = []
+    for n, s in zip(view.shape, view.stride()):
+        if n == 1:
+            continue
+        if dims and dims[-1][1] == s * n:
+            dims[-1] = (dims[-1][0] * n, s)
+        else:
+            dims.append((n, s))
+    if not dims:
+        return Rows(1, max(1, view.numel()), 0)
+    if dims[-1][1] != 1 or len(dims) > 2:
+        return None
+    if len(dims) == 1:
+        return Rows(1, dims[0][0], 0)
+    return Rows(dims[0][0], dims[1][0], dims[0][1])
+
+
+def index_bytes(numel: int) -> int:
+    return 4 if numel < (1 << 31) else 8
+
+
+# -- cut ------------------------------------------------------------------------------
+
+def _flat_bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(_INTS[t.element_size()]).reshape(-1)
+
+
+def mark(new: torch.Tensor, old: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(bitmask bytes of the changed elements, changed count per block), one launch."""
+    a, b = _flat_bits(new), _flat_bits(old.to(new.device))
+    n = a.numel()
+    blocks = max(1, -(-n // BLOCK))
+    mask = torch.empty(blocks * BLOCK // 8, dtype=torch.uint8, device=a.device)
+    counts = torch.empty(blocks, dtype=torch.int64, device=a.device)
+    _kernels().mark[(blocks,)](a, b, n, mask, counts, BLOCK=BLOCK)
+    return mask, counts
+
+
+def encode(new: torch.Tensor, old: torch.Tensor, pick) -> tuple[int, int, Optional[torch.Tensor]]:
+    """``delta_transport.encode`` on CUDA: ``(count, encoding, payload)``; ``pick`` is the
+    transport's ``pick_encoding(numel, count, itemsize)``."""
+    a = _flat_bits(new)
+    n, item = a.numel(), new.element_size()
+    mask, counts = mark(new, old)
+    offsets = torch.cumsum(counts, 0)
+    count = int(offsets[-1])  # the one host read: the header and the encoding need it
+    enc = pick(n, count, item)
+    if enc == NONE:
+        return 0, NONE, None
+    if enc == DENSE:
+        return count, enc, a.view(torch.uint8)
+    starts = offsets - counts
+    if enc == POSITIONS:
+        head = count * index_bytes(n)
+        payload = torch.empty(head + count * item, dtype=torch.uint8, device=a.device)
+        pos = payload[:head].view(torch.int32 if index_bytes(n) == 4 else torch.int64)
+    else:
+        head = (n + 7) // 8
+        payload = torch.empty(head + count * item, dtype=torch.uint8, device=a.device)
+        payload[:head].copy_(mask[:head])
+        pos = payload[:0].view(torch.int32)  # unused
+    _compact(a, mask, starts, payload, head, pos, enc == POSITIONS, item)
+    return count, enc, payload
+
+
+def _compact(a, mask, starts, payload, head: int, pos, write_pos: bool, item: int) -> None:
+    n = a.numel()
+    aligned = head % item == 0
+    values = payload[head:].view(a.dtype) if aligned else payload[head:]
+    _kernels().compact[(starts.numel(),)](a, n, mask, starts, pos, values, WRITE_POS=write_pos,
+                                          ALIGNED=aligned, ITEM=item, BLOCK=BLOCK)
+
+
+# -- apply ----------------------------------------------------------------------------
+
+class BadDelta(Exception):
+    """A payload that does not fit the view: ``delta_transport`` turns it into its error."""
+
+
+def apply(view: torch.Tensor, count: int, enc: int, payload: torch.Tensor) -> bool:
+    """Write a delta into ``view`` in place; False when the view does not fold into rows
+    (the caller takes the torch path). Raises ``BadDelta`` for positions outside the view
+    or a bitmask whose set bits disagree with ``count`` (nothing written then for the
+    bitmask; the positions inside the view are written)."""
+    form = rows_form(view)
+    if form is None:
+        return False
+    target = view.view(_INTS[view.element_size()])
+    numel, item = view.numel(), view.element_size()
+    if enc == DENSE:
+        target.copy_(payload.view(target.dtype).reshape(view.shape))  # bits, never floats
+        return True
+    k = _kernels()
+    if enc == POSITIONS:
+        head = count * index_bytes(numel)
+        pos = payload[:head].view(torch.int32 if index_bytes(numel) == 4 else torch.int64)
+        aligned = head % item == 0
+        values = payload[head:].view(target.dtype) if aligned else payload[head:]
+        bad = torch.zeros(1, dtype=torch.int64, device=view.device)
+        k.apply_positions[(max(1, -(-count // BLOCK)),)](
+            target, pos, values, count, numel, form.cols, form.stride, bad,
+            ALIGNED=aligned, ITEM=item, BLOCK=BLOCK)
+        if int(bad):
+            raise BadDelta(f"{int(bad)} of {count} positions fall outside the view's "
+                           f"{numel} elements")
+        return True
+    head = (numel + 7) // 8
+    blocks = max(1, -(-numel // BLOCK))
+    counts = torch.empty(blocks, dtype=torch.int64, device=view.device)
+    k.count_bits[(blocks,)](payload, numel, counts, BLOCK=BLOCK)
+    offsets = torch.cumsum(counts, 0)
+    got = int(offsets[-1])
+    if got != count:
+        raise BadDelta(f"a bitmask delta sets {got} bits but its header says {count}")
+    aligned = head % item == 0
+    values = payload[head:].view(target.dtype) if aligned else payload[head:]
+    k.apply_bitmask[(blocks,)](target, payload, offsets - counts, values, numel, form.cols,
+                               form.stride, ALIGNED=aligned, ITEM=item, BLOCK=BLOCK)
+    return True
+
+
+# -- the kernels ----------------------------------------------------------------------
+
+class _Kernels(NamedTuple):
+    mark: object
+    compact: object
+    count_bits: object
+    apply_positions: object
+    apply_bitmask: object
+
+
+_BUILT: list = []
+
+
+def _kernels() -> Optional[_Kernels]:
+    if _BUILT:
+        return _BUILT[0]
+    try:
+        import triton
+        import triton.language as tl
+    except Exception:  # noqa: BLE001 - CPU builds of torch ship no Triton
+        _BUILT.append(None)
+        return None
+
+    @triton.jit
+    def _unpack(mask, block, n, BLOCK: tl.constexpr):
+        # the block's bits as one int32 per element (0 past n)
+        byte = tl.load(mask + block * (BLOCK // 8) + tl.arange(0, BLOCK // 8)).to(tl.int32)
+        bits = (byte[:, None] >> tl.arange(0, 8)[None, :]) & 1
+        bits = tl.reshape(bits, (BLOCK,))
+        i = block * BLOCK + tl.arange(0, BLOCK)
+        return tl.where(i < n, bits, 0), i
+
+    @triton.jit
+    def _put(out, o, v, keep, ALIGNED: tl.constexpr, ITEM: tl.constexpr):
+        # store value v (integer bits) at element o of out; bytes when out is unaligned
+        if ALIGNED:
+            tl.store(out + o, v, mask=keep)
+        else:
+            for k in tl.static_range(ITEM):
+                tl.store(out + o * ITEM + k, ((v >> (8 * k)) & 0xFF).to(tl.uint8), mask=keep)
+
+    @triton.jit
+    def _get(src, o, keep, like, ALIGNED: tl.constexpr, ITEM: tl.constexpr):
+        # the value at element o of src (integer bits of like's type); bytes when unaligned
+        if ALIGNED:
+            return tl.load(src + o, mask=keep, other=0)
+        v = tl.zeros_like(like).to(tl.int64)
+        for k in tl.static_range(ITEM):
+            byte = tl.load(src + o * ITEM + k, mask=keep, other=0).to(tl.int64)
+            v = v | (byte << (8 * k))
+        return v.to(like.dtype)
+
+    # the kernels find the helpers they call among the module's globals, not in closures
+    globals().update(_unpack=_unpack, _put=_put, _get=_get)
+
+    @triton.jit
+    def mark(a, b, n, mask, counts, BLOCK: tl.constexpr):
+        block = tl.program_id(0).to(tl.int64)
+        i = block * BLOCK + tl.arange(0, BLOCK)
+        inside = i < n
+        d = (tl.load(a + i, mask=inside, other=0) != tl.load(b + i, mask=inside, other=0))
+        d = d.to(tl.int32)
+        tl.store(counts + block, tl.sum(d, axis=0).to(tl.int64))
+        packed = tl.sum(tl.reshape(d, (BLOCK // 8, 8)) << tl.arange(0, 8)[None, :], axis=1)
+        tl.store(mask + block * (BLOCK // 8) + tl.arange(0, BLOCK // 8), packed.to(tl.uint8))
+
+    @triton.jit
+    def compact(a, n, mask, starts, pos, values, WRITE_POS: tl.constexpr,
+                ALIGNED: tl.constexpr, ITEM: tl.constexpr, BLOCK: tl.constexpr):
+        block = tl.program_id(0).to(tl.int64)
+        bits, i = _unpack(mask, block, n, BLOCK)
+        keep = bits != 0
+        o = tl.load(starts + block) + tl.cumsum(bits, axis=0).to(tl.int64) - 1
+        v = tl.load(a + i, mask=keep, other=0)
+        if WRITE_POS:
+            tl.store(pos + o, i.to(pos.dtype.element_ty), mask=keep)
+        _put(values, o, v, keep, ALIGNED, ITEM)
+
+    @triton.jit
+    def count_bits(payload, n, counts, BLOCK: tl.constexpr):
+        block = tl.program_id(0).to(tl.int64)
+        # the payload's bitmask is (n + 7) // 8 bytes: read no further
+        j = block * (BLOCK // 8) + tl.arange(0, BLOCK // 8)
+        byte = tl.load(payload + j, mask=j < (n + 7) // 8, other=0).to(tl.int32)
+        bits = tl.reshape((byte[:, None] >> tl.arange(0, 8)[None, :]) & 1, (BLOCK,))
+        i = block * BLOCK + tl.arange(0, BLOCK)
+        tl.store(counts + block, tl.sum(tl.where(i < n, bits, 0), axis=0).to(tl.int64))
+
+    @triton.jit
+    def apply_positions(target, pos, values, count, n, cols, stride, bad,
+                        ALIGNED: tl.constexpr, ITEM: tl.constexpr, BLOCK: tl.constexpr):
+        k = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        live = k < count
+        p = tl.load(pos + k, mask=live, other=0).to(tl.int64)
+        fits = live & (p >= 0) & (p < n)
+        tl.atomic_add(bad, tl.sum((live & ~fits).to(tl.int64), axis=0))
+        like = tl.zeros((BLOCK,), dtype=target.dtype.element_ty)
+        v = _get(values, k, live, like, ALIGNED, ITEM)
+        tl.store(target + (p // cols) * stride + p % cols, v, mask=fits)
+
+    @triton.jit
+    def apply_bitmask(target, payload, starts, values, n, cols, stride,
+                      ALIGNED: tl.constexpr, ITEM: tl.constexpr, BLOCK: tl.constexpr):
+        block = tl.program_id(0).to(tl.int64)
+        j = block * (BLOCK // 8) + tl.arange(0, BLOCK // 8)
+        byte = tl.load(payload + j, mask=j < (n + 7) // 8, other=0).to(tl.int32)
+        bits = tl.reshape((byte[:, None] >> tl.arange(0, 8)[None, :]) & 1, (BLOCK,))
+        i = block * BLOCK + tl.arange(0, BLOCK)
+        bits = tl.where(i < n, bits, 0)
+        keep = bits != 0
+        o = tl.load(starts + block) + tl.cumsum(bits, axis=0).to(tl.int64) - 1
+        like = tl.zeros((BLOCK,), dtype=target.dtype.element_ty)
+        v = _get(values, o, keep, like, ALIGNED, ITEM)
+        tl.store(target + (i // cols) * stride + i % cols, v, mask=keep)
+
+    _BUILT.append(_Kernels(mark, compact, count_bits, apply_positions, apply_bitmask))
+    return _BUILT[0]
+
+
+__all__ = ["BLOCK", "BadDelta", "Rows", "apply", "enabled", "encode", "mark", "rows_form",
+           "usable"]
