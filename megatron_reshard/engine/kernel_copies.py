@@ -31,6 +31,7 @@ Copies move integer bits, never float values: CUDA's float copies rewrite NaN pa
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, replace
 from typing import NamedTuple, Optional
 
 import torch
@@ -198,7 +199,8 @@ class TileTable:
 _INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-class PermutedRows(NamedTuple):
+@dataclass(frozen=True, eq=False)
+class PermutedRows:
     """A destination box of ``storage`` in a permuted-row order: element ``(o, i, c)`` of
     the ``[len(outer), len(inner), cols]`` box lies ``first + outer[o] + inner[i] +
     (c // width) * apart + c % width`` elements after ``storage``'s first element
@@ -234,8 +236,8 @@ class PermutedRows(NamedTuple):
         (o0, o1), (i0, i1), (c0, c1) = box
         if c0 % self.width or (c1 - c0) % self.width:
             return None
-        return self._replace(first=self.first + (c0 // self.width) * self.apart,
-                             outer=self.outer[o0:o1], inner=self.inner[i0:i1], cols=c1 - c0)
+        return replace(self, first=self.first + (c0 // self.width) * self.apart,
+                       outer=self.outer[o0:o1], inner=self.inner[i0:i1], cols=c1 - c0)
 
     def offsets(self) -> torch.Tensor:
         """Every element's storage offset, box-shaped (the torch path; the kernel needs none)."""
@@ -254,7 +256,7 @@ class PermutedRows(NamedTuple):
         """One box per index of the outer dim (a stacked destination read from members)."""
         if dim != 0:
             raise BadInputError(f"PermutedRows unbinds along dim 0 only, not {dim}")
-        return [self._replace(outer=self.outer[o:o + 1]) for o in range(self.shape[0])]
+        return [replace(self, outer=self.outer[o:o + 1]) for o in range(self.shape[0])]
 
 
 def _src3(src: torch.Tensor, shape: tuple) -> Optional[torch.Tensor]:
