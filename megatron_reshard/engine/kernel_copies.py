@@ -540,7 +540,7 @@ def triton_kernels() -> Optional[_Kernels]:
                     + (b * tl.load(m + 5))[None, :, None]) * UNIT + k
         s = base + ((tl.load(offs + 2 * pair + 1) + srow)[:, None, None]
                     + (b * (W // UNIT))[None, :, None]) * UNIT + k
-        mask = live[:, None, None] & (b < runs)[None, :, None] & (k < W)
+        mask = live[:, None, None] & (b < runs)[None, :, None]  # broadcast along the run
         tl.store(d, tl.load(s, mask=mask), mask=mask)
 
     _BUILT.append(_Kernels(copy_blocks, copy_tiles, copy_permuted))

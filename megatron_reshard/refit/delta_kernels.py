@@ -221,12 +221,14 @@ def _kernels() -> Optional[_Kernels]:
     def _get(src, o, keep, like, ALIGNED: tl.constexpr, ITEM: tl.constexpr):
         # the value at element o of src (integer bits of like's type); bytes when unaligned
         if ALIGNED:
-            return tl.load(src + o, mask=keep, other=0)
-        v = tl.zeros_like(like).to(tl.int64)
-        for k in tl.static_range(ITEM):
-            byte = tl.load(src + o * ITEM + k, mask=keep, other=0).to(tl.int64)
-            v = v | (byte << (8 * k))
-        return v.to(like.dtype)
+            v = tl.load(src + o, mask=keep, other=0)
+        else:
+            w = tl.zeros_like(like).to(tl.int64)
+            for k in tl.static_range(ITEM):
+                byte = tl.load(src + o * ITEM + k, mask=keep, other=0).to(tl.int64)
+                w = w | (byte << (8 * k))
+            v = w.to(like.dtype)
+        return v
 
     # the kernels find the helpers they call among the module's globals, not in closures
     globals().update(_unpack=_unpack, _put=_put, _get=_get)
