@@ -60,7 +60,16 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--torch-iters", type=int, default=3)
     ap.add_argument("--rates", default=",".join(map(str, RATES)))
+    ap.add_argument("--block", type=int, default=0, help="elements per program (0: default)")
+    ap.add_argument("--warps", type=int, default=0, help="warps per program (0: default)")
+    ap.add_argument("--no-torch", action="store_true", help="skip timing the torch path")
     args = ap.parse_args(argv)
+    from megatron_reshard.refit import delta_kernels
+
+    if args.block:
+        delta_kernels.BLOCK = args.block
+    if args.warps:
+        delta_kernels.WARPS = args.warps
     dev = torch.device("cuda")
     cols = 4096
     rows = args.mib * 2**20 // 2 // cols
@@ -86,7 +95,9 @@ def main(argv=None) -> int:
             payload is None if t_payload is None else torch.equal(payload, t_payload))
         del t_payload
         cut_s = _median_s(lambda: encode(new, old), args.iters)
-        cut_torch_s = _torch_path(lambda: _median_s(lambda: encode(new, old), args.torch_iters))
+        mark_s = _median_s(lambda: delta_kernels.mark(new, old), args.iters)
+        cut_torch_s = float("inf") if args.no_torch else _torch_path(
+            lambda: _median_s(lambda: encode(new, old), args.torch_iters))
         exact = same_payload
         timings = {}
         for name, view in (("contiguous", flat), ("column block", block)):
@@ -98,12 +109,13 @@ def main(argv=None) -> int:
         view.copy_(old)
         _torch_path(lambda: apply(view, count, enc, payload))
         exact &= torch.equal(view.view(torch.int16), new.view(torch.int16))
-        apply_torch_s = _torch_path(
+        apply_torch_s = float("inf") if args.no_torch else _torch_path(
             lambda: _median_s(lambda: apply(view, count, enc, payload), args.torch_iters))
         gb = nbytes / 1e9
         out.append({"rate": rate, "changed": count, "encoding": ENCODINGS[enc],
                     "payload_mib": 0 if payload is None else payload.numel() / 2**20,
-                    "cut_gbps": gb / cut_s, "cut_torch_gbps": gb / cut_torch_s,
+                    "cut_gbps": gb / cut_s, "mark_gbps": gb / mark_s,
+                    "cut_torch_gbps": gb / cut_torch_s,
                     "apply_gbps": gb / timings["contiguous"],
                     "apply_block_gbps": gb / timings["column block"],
                     "apply_torch_gbps": gb / apply_torch_s,
@@ -112,14 +124,16 @@ def main(argv=None) -> int:
         del new, payload
     print(f"delta cut / apply on {torch.cuda.get_device_name(dev)}, torch {torch.__version__}, "
           f"region {args.mib} MiB bf16 [{rows}, {cols}], median of {args.iters} "
-          f"(torch path: {args.torch_iters}); memcpy {gb / memcpy_s:.0f} GB/s")
-    print(f"{'rate':>6} {'encoding':9} {'payload MiB':>11} {'cut GB/s':>9} {'cut/mc':>7} "
+          f"(torch path: {args.torch_iters}); memcpy {gb / memcpy_s:.0f} GB/s; "
+          f"{delta_kernels.BLOCK} elements, {delta_kernels.WARPS} warps a program")
+    print(f"{'rate':>6} {'encoding':9} {'payload MiB':>11} {'cut GB/s':>9} {'cut/mc':>7} {'mark/mc':>7} "
           f"{'apply GB/s':>10} {'apply/mc':>8} {'block/mc':>8} {'cut+apply/mc':>12} "
           f"{'torch cut/mc':>12} {'torch apply/mc':>14} exact")
     for r in out:
         mc = r["memcpy_gbps"]
         print(f"{100 * r['rate']:5.1f}% {r['encoding']:9} {r['payload_mib']:11.1f} "
-              f"{r['cut_gbps']:9.0f} {100 * r['cut_gbps'] / mc:6.0f}% {r['apply_gbps']:10.0f} "
+              f"{r['cut_gbps']:9.0f} {100 * r['cut_gbps'] / mc:6.0f}% {100 * r['mark_gbps'] / mc:6.0f}% "
+              f"{r['apply_gbps']:10.0f} "
               f"{100 * r['apply_gbps'] / mc:7.0f}% {100 * r['apply_block_gbps'] / mc:7.0f}% "
               f"{100 * r['cut_apply_gbps'] / mc:11.0f}% {100 * r['cut_torch_gbps'] / mc:11.0f}% "
               f"{100 * r['apply_torch_gbps'] / mc:13.0f}% {r['bit_exact']}")

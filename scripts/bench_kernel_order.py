@@ -181,9 +181,20 @@ def main(argv=None) -> int:
     b.add_argument("--orders", required=True)
     b.add_argument("--iters", type=int, default=10)
     b.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    b.add_argument("--tile-kib", type=int, default=0, help="the permuted-row kernel's bytes "
+                   "per program (0: its default)")
+    b.add_argument("--warps", type=int, default=0, help="its warps per program (0: default)")
     args = ap.parse_args(argv)
     if args.cmd == "learn":
         return learn(args.out)
+    from megatron_reshard.engine.kernel_copies import PermutedTable
+
+    if args.tile_kib:
+        PermutedTable.TILE_BYTES = args.tile_kib << 10
+    if args.warps:
+        PermutedTable.WARPS = args.warps
+    print(f"permuted-row kernel: {PermutedTable.TILE_BYTES >> 10} KiB a program, "
+          f"{PermutedTable.WARPS} warps")
     return bench(args.orders, args.iters, torch.device(args.device))
 
 

@@ -276,6 +276,7 @@ class PermutedTable:
     ``TileTable``'s) so that each run moves in 16-byte vectors."""
 
     TILE_BYTES = 32 << 10
+    WARPS = 4
 
     def __init__(self, kernels, itemsize: int, unit: int, width: int, pairs: list,
                  device: torch.device):
@@ -308,7 +309,7 @@ class PermutedTable:
     def run(self) -> None:
         self.kernel[self.grid](self.base, self.offs, self.meta, self.outer, self.inner,
                                self.first, self.pair_of, UNIT=self.unit, W=self.width,
-                               BR=self.br, NB=self.nb)
+                               BR=self.br, NB=self.nb, num_warps=self.WARPS)
 
 
 def _permuted_unit(dst: PermutedRows, src: torch.Tensor, multiples: dict) -> int:

@@ -28,6 +28,7 @@ from typing import NamedTuple, Optional
 import torch
 
 BLOCK = 4096  # elements per program (a multiple of 8: whole bitmask bytes)
+WARPS = 4
 _INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 NONE, POSITIONS, BITMASK, DENSE = 0, 1, 2, 3  # refit.delta_transport's codes
 
@@ -89,7 +90,7 @@ def mark(new: torch.Tensor, old: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     blocks = max(1, -(-n // BLOCK))
     mask = torch.empty(blocks * BLOCK // 8, dtype=torch.uint8, device=a.device)
     counts = torch.empty(blocks, dtype=torch.int64, device=a.device)
-    _kernels().mark[(blocks,)](a, b, n, mask, counts, BLOCK=BLOCK)
+    _kernels().mark[(blocks,)](a, b, n, mask, counts, BLOCK=BLOCK, num_warps=WARPS)
     return mask, counts
 
 
@@ -124,8 +125,9 @@ def _compact(a, mask, starts, payload, head: int, pos, write_pos: bool, item: in
     n = a.numel()
     aligned = head % item == 0
     values = payload[head:].view(a.dtype) if aligned else payload[head:]
-    _kernels().compact[(starts.numel(),)](a, n, mask, starts, pos, values, WRITE_POS=write_pos,
-                                          ALIGNED=aligned, ITEM=item, BLOCK=BLOCK)
+    _kernels().compact[(starts.numel(),)](a, n, mask, mask.numel(), starts, pos, values,
+                                          WRITE_POS=write_pos, ALIGNED=aligned, ITEM=item,
+                                          BLOCK=BLOCK, num_warps=WARPS)
 
 
 # -- apply ----------------------------------------------------------------------------
@@ -156,7 +158,7 @@ def apply(view: torch.Tensor, count: int, enc: int, payload: torch.Tensor) -> bo
         bad = torch.zeros(1, dtype=torch.int64, device=view.device)
         k.apply_positions[(max(1, -(-count // BLOCK)),)](
             target, pos, values, count, numel, form.cols, form.stride, bad,
-            ALIGNED=aligned, ITEM=item, BLOCK=BLOCK)
+            ALIGNED=aligned, ITEM=item, BLOCK=BLOCK, num_warps=WARPS)
         if int(bad):
             raise BadDelta(f"{int(bad)} of {count} positions fall outside the view's "
                            f"{numel} elements")
@@ -164,7 +166,7 @@ def apply(view: torch.Tensor, count: int, enc: int, payload: torch.Tensor) -> bo
     head = (numel + 7) // 8
     blocks = max(1, -(-numel // BLOCK))
     counts = torch.empty(blocks, dtype=torch.int64, device=view.device)
-    k.count_bits[(blocks,)](payload, numel, counts, BLOCK=BLOCK)
+    k.count_bits[(blocks,)](payload, numel, counts, BLOCK=BLOCK, num_warps=WARPS)
     offsets = torch.cumsum(counts, 0)
     got = int(offsets[-1])
     if got != count:
@@ -172,7 +174,8 @@ def apply(view: torch.Tensor, count: int, enc: int, payload: torch.Tensor) -> bo
     aligned = head % item == 0
     values = payload[head:].view(target.dtype) if aligned else payload[head:]
     k.apply_bitmask[(blocks,)](target, payload, offsets - counts, values, numel, form.cols,
-                               form.stride, ALIGNED=aligned, ITEM=item, BLOCK=BLOCK)
+                               form.stride, ALIGNED=aligned, ITEM=item, BLOCK=BLOCK,
+                               num_warps=WARPS)
     return True
 
 
@@ -199,14 +202,29 @@ def _kernels() -> Optional[_Kernels]:
         _BUILT.append(None)
         return None
 
+    # Every block is a [BLOCK // 8, 8] tile: row k holds elements 8k..8k+7, the bits of
+    # bitmask byte k, so packing and unpacking stay inside a thread (no reshape across
+    # threads), and a rank in the block is a cumsum along the 8 plus one along the rows.
+
     @triton.jit
-    def _unpack(mask, block, n, BLOCK: tl.constexpr):
-        # the block's bits as one int32 per element (0 past n)
-        byte = tl.load(mask + block * (BLOCK // 8) + tl.arange(0, BLOCK // 8)).to(tl.int32)
-        bits = (byte[:, None] >> tl.arange(0, 8)[None, :]) & 1
-        bits = tl.reshape(bits, (BLOCK,))
-        i = block * BLOCK + tl.arange(0, BLOCK)
-        return tl.where(i < n, bits, 0), i
+    def _elements(block, BLOCK: tl.constexpr):
+        return (block * BLOCK + tl.arange(0, BLOCK // 8)[:, None] * 8
+                + tl.arange(0, 8)[None, :])
+
+    @triton.jit
+    def _bits(mask, block, n, limit, BLOCK: tl.constexpr):
+        # the block's bits as one int32 per element (0 past n), and the elements
+        j = block * (BLOCK // 8) + tl.arange(0, BLOCK // 8)
+        byte = tl.load(mask + j, mask=j < limit, other=0).to(tl.int32)
+        i = _elements(block, BLOCK)
+        bits = tl.where(i < n, (byte[:, None] >> tl.arange(0, 8)[None, :]) & 1, 0)
+        return bits, i
+
+    @triton.jit
+    def _ranks(bits):
+        # each element's 1-based rank among the set bits of its block, row-major
+        row = tl.sum(bits, axis=1)
+        return (tl.cumsum(row, axis=0) - row)[:, None] + tl.cumsum(bits, axis=1)
 
     @triton.jit
     def _put(out, o, v, keep, ALIGNED: tl.constexpr, ITEM: tl.constexpr):
@@ -231,26 +249,26 @@ def _kernels() -> Optional[_Kernels]:
         return v
 
     # the kernels find the helpers they call among the module's globals, not in closures
-    globals().update(_unpack=_unpack, _put=_put, _get=_get)
+    globals().update(_elements=_elements, _bits=_bits, _ranks=_ranks, _put=_put, _get=_get)
 
     @triton.jit
     def mark(a, b, n, mask, counts, BLOCK: tl.constexpr):
         block = tl.program_id(0).to(tl.int64)
-        i = block * BLOCK + tl.arange(0, BLOCK)
+        i = _elements(block, BLOCK)
         inside = i < n
         d = (tl.load(a + i, mask=inside, other=0) != tl.load(b + i, mask=inside, other=0))
         d = d.to(tl.int32)
-        tl.store(counts + block, tl.sum(d, axis=0).to(tl.int64))
-        packed = tl.sum(tl.reshape(d, (BLOCK // 8, 8)) << tl.arange(0, 8)[None, :], axis=1)
+        packed = tl.sum(d << tl.arange(0, 8)[None, :], axis=1)
         tl.store(mask + block * (BLOCK // 8) + tl.arange(0, BLOCK // 8), packed.to(tl.uint8))
+        tl.store(counts + block, tl.sum(tl.sum(d, axis=1), axis=0).to(tl.int64))
 
     @triton.jit
-    def compact(a, n, mask, starts, pos, values, WRITE_POS: tl.constexpr,
+    def compact(a, n, mask, limit, starts, pos, values, WRITE_POS: tl.constexpr,
                 ALIGNED: tl.constexpr, ITEM: tl.constexpr, BLOCK: tl.constexpr):
         block = tl.program_id(0).to(tl.int64)
-        bits, i = _unpack(mask, block, n, BLOCK)
+        bits, i = _bits(mask, block, n, limit, BLOCK)
         keep = bits != 0
-        o = tl.load(starts + block) + tl.cumsum(bits, axis=0).to(tl.int64) - 1
+        o = tl.load(starts + block) + _ranks(bits).to(tl.int64) - 1
         v = tl.load(a + i, mask=keep, other=0)
         if WRITE_POS:
             tl.store(pos + o, i.to(pos.dtype.element_ty), mask=keep)
@@ -260,11 +278,8 @@ def _kernels() -> Optional[_Kernels]:
     def count_bits(payload, n, counts, BLOCK: tl.constexpr):
         block = tl.program_id(0).to(tl.int64)
         # the payload's bitmask is (n + 7) // 8 bytes: read no further
-        j = block * (BLOCK // 8) + tl.arange(0, BLOCK // 8)
-        byte = tl.load(payload + j, mask=j < (n + 7) // 8, other=0).to(tl.int32)
-        bits = tl.reshape((byte[:, None] >> tl.arange(0, 8)[None, :]) & 1, (BLOCK,))
-        i = block * BLOCK + tl.arange(0, BLOCK)
-        tl.store(counts + block, tl.sum(tl.where(i < n, bits, 0), axis=0).to(tl.int64))
+        bits, i = _bits(payload, block, n, (n + 7) // 8, BLOCK)
+        tl.store(counts + block, tl.sum(tl.sum(bits, axis=1), axis=0).to(tl.int64))
 
     @triton.jit
     def apply_positions(target, pos, values, count, n, cols, stride, bad,
@@ -282,14 +297,10 @@ def _kernels() -> Optional[_Kernels]:
     def apply_bitmask(target, payload, starts, values, n, cols, stride,
                       ALIGNED: tl.constexpr, ITEM: tl.constexpr, BLOCK: tl.constexpr):
         block = tl.program_id(0).to(tl.int64)
-        j = block * (BLOCK // 8) + tl.arange(0, BLOCK // 8)
-        byte = tl.load(payload + j, mask=j < (n + 7) // 8, other=0).to(tl.int32)
-        bits = tl.reshape((byte[:, None] >> tl.arange(0, 8)[None, :]) & 1, (BLOCK,))
-        i = block * BLOCK + tl.arange(0, BLOCK)
-        bits = tl.where(i < n, bits, 0)
+        bits, i = _bits(payload, block, n, (n + 7) // 8, BLOCK)
         keep = bits != 0
-        o = tl.load(starts + block) + tl.cumsum(bits, axis=0).to(tl.int64) - 1
-        like = tl.zeros((BLOCK,), dtype=target.dtype.element_ty)
+        o = tl.load(starts + block) + _ranks(bits).to(tl.int64) - 1
+        like = tl.zeros((BLOCK // 8, 8), dtype=target.dtype.element_ty)
         v = _get(values, o, keep, like, ALIGNED, ITEM)
         tl.store(target + (i // cols) * stride + i % cols, v, mask=keep)
 
