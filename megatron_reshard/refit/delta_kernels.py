@@ -158,7 +158,7 @@ def apply(view: torch.Tensor, count: int, enc: int, payload: torch.Tensor) -> bo
         bad = torch.zeros(1, dtype=torch.int64, device=view.device)
         k.apply_positions[(max(1, -(-count // BLOCK)),)](
             target, pos, values, count, numel, form.cols, form.stride, bad,
-            ALIGNED=aligned, ITEM=item, BLOCK=BLOCK, num_warps=WARPS)
+            CONTIG=form.rows == 1, ALIGNED=aligned, ITEM=item, BLOCK=BLOCK, num_warps=WARPS)
         if int(bad):
             raise BadDelta(f"{int(bad)} of {count} positions fall outside the view's "
                            f"{numel} elements")
@@ -174,8 +174,8 @@ def apply(view: torch.Tensor, count: int, enc: int, payload: torch.Tensor) -> bo
     aligned = head % item == 0
     values = payload[head:].view(target.dtype) if aligned else payload[head:]
     k.apply_bitmask[(blocks,)](target, payload, offsets - counts, values, numel, form.cols,
-                               form.stride, ALIGNED=aligned, ITEM=item, BLOCK=BLOCK,
-                               num_warps=WARPS)
+                               form.stride, CONTIG=form.rows == 1, ROW8=form.cols % 8 == 0,
+                               ALIGNED=aligned, ITEM=item, BLOCK=BLOCK, num_warps=WARPS)
     return True
 
 
@@ -206,58 +206,66 @@ def _kernels() -> Optional[_Kernels]:
     # bitmask byte k, so packing and unpacking stay inside a thread (no reshape across
     # threads), and a rank in the block is a cumsum along the 8 plus one along the rows.
 
-    @triton.jit
-    def _elements(block, BLOCK: tl.constexpr):
-        return (block * BLOCK + tl.arange(0, BLOCK // 8)[:, None] * 8
-                + tl.arange(0, 8)[None, :])
+    # Every block is a [BLOCK // 8, 8] tile: row k holds elements 8k..8k+7, the bits of
+    # bitmask byte k, so packing and unpacking stay inside a thread (no reshape across
+    # threads), and a rank in the block is a cumsum along the 8 plus one along the rows.
+    # Offsets inside a block are int32 from pointers moved to the block once (64-bit
+    # arithmetic and division per element cost more than the bytes).
 
     @triton.jit
-    def _bits(mask, block, n, limit, BLOCK: tl.constexpr):
-        # the block's bits as one int32 per element (0 past n), and the elements
+    def _local(BLOCK: tl.constexpr):
+        return tl.arange(0, BLOCK // 8)[:, None] * 8 + tl.arange(0, 8)[None, :]
+
+    @triton.jit
+    def _bits(mask, block, left, limit, BLOCK: tl.constexpr):
+        # the block's bits as one int32 per element (0 past the region: ``left`` elements
+        # remain from the block's first), and their offsets in the block
         j = block * (BLOCK // 8) + tl.arange(0, BLOCK // 8)
         byte = tl.load(mask + j, mask=j < limit, other=0).to(tl.int32)
-        i = _elements(block, BLOCK)
-        bits = tl.where(i < n, (byte[:, None] >> tl.arange(0, 8)[None, :]) & 1, 0)
-        return bits, i
+        loc = _local(BLOCK)
+        bits = tl.where(loc < left, (byte[:, None] >> tl.arange(0, 8)[None, :]) & 1, 0)
+        return bits, loc
 
     @triton.jit
     def _ranks(bits):
-        # each element's 1-based rank among the set bits of its block, row-major
+        # each element's 0-based rank among the set bits of its block, row-major
         row = tl.sum(bits, axis=1)
-        return (tl.cumsum(row, axis=0) - row)[:, None] + tl.cumsum(bits, axis=1)
+        return (tl.cumsum(row, axis=0) - row)[:, None] + tl.cumsum(bits, axis=1) - 1
 
     @triton.jit
-    def _put(out, o, v, keep, ALIGNED: tl.constexpr, ITEM: tl.constexpr):
-        # store value v (integer bits) at element o of out; bytes when out is unaligned
+    def _put(out, start, o, v, keep, ALIGNED: tl.constexpr, ITEM: tl.constexpr):
+        # store value v (integer bits) at element start + o of out; bytes when unaligned
         if ALIGNED:
-            tl.store(out + o, v, mask=keep)
+            tl.store(out + start + o, v, mask=keep)
         else:
             for k in tl.static_range(ITEM):
-                tl.store(out + o * ITEM + k, ((v >> (8 * k)) & 0xFF).to(tl.uint8), mask=keep)
+                tl.store(out + start * ITEM + o * ITEM + k, ((v >> (8 * k)) & 0xFF).to(tl.uint8),
+                         mask=keep)
 
     @triton.jit
-    def _get(src, o, keep, like, ALIGNED: tl.constexpr, ITEM: tl.constexpr):
-        # the value at element o of src (integer bits of like's type); bytes when unaligned
+    def _get(src, start, o, keep, like, ALIGNED: tl.constexpr, ITEM: tl.constexpr):
+        # the value at element start + o of src (bits of like's type); bytes when unaligned
         if ALIGNED:
-            v = tl.load(src + o, mask=keep, other=0)
+            v = tl.load(src + start + o, mask=keep, other=0)
         else:
             w = tl.zeros_like(like).to(tl.int64)
             for k in tl.static_range(ITEM):
-                byte = tl.load(src + o * ITEM + k, mask=keep, other=0).to(tl.int64)
-                w = w | (byte << (8 * k))
+                byte = tl.load(src + start * ITEM + o * ITEM + k, mask=keep, other=0)
+                w = w | (byte.to(tl.int64) << (8 * k))
             v = w.to(like.dtype)
         return v
 
     # the kernels find the helpers they call among the module's globals, not in closures
-    globals().update(_elements=_elements, _bits=_bits, _ranks=_ranks, _put=_put, _get=_get)
+    globals().update(_local=_local, _bits=_bits, _ranks=_ranks, _put=_put, _get=_get)
 
     @triton.jit
     def mark(a, b, n, mask, counts, BLOCK: tl.constexpr):
         block = tl.program_id(0).to(tl.int64)
-        i = _elements(block, BLOCK)
-        inside = i < n
-        d = (tl.load(a + i, mask=inside, other=0) != tl.load(b + i, mask=inside, other=0))
-        d = d.to(tl.int32)
+        first = block * BLOCK
+        loc = _local(BLOCK)
+        inside = loc < n - first
+        d = (tl.load(a + first + loc, mask=inside, other=0)
+             != tl.load(b + first + loc, mask=inside, other=0)).to(tl.int32)
         packed = tl.sum(d << tl.arange(0, 8)[None, :], axis=1)
         tl.store(mask + block * (BLOCK // 8) + tl.arange(0, BLOCK // 8), packed.to(tl.uint8))
         tl.store(counts + block, tl.sum(tl.sum(d, axis=1), axis=0).to(tl.int64))
@@ -266,43 +274,59 @@ def _kernels() -> Optional[_Kernels]:
     def compact(a, n, mask, limit, starts, pos, values, WRITE_POS: tl.constexpr,
                 ALIGNED: tl.constexpr, ITEM: tl.constexpr, BLOCK: tl.constexpr):
         block = tl.program_id(0).to(tl.int64)
-        bits, i = _bits(mask, block, n, limit, BLOCK)
+        first = block * BLOCK
+        bits, loc = _bits(mask, block, n - first, limit, BLOCK)
         keep = bits != 0
-        o = tl.load(starts + block) + _ranks(bits).to(tl.int64) - 1
-        v = tl.load(a + i, mask=keep, other=0)
+        start = tl.load(starts + block)
+        o = _ranks(bits)
+        v = tl.load(a + first + loc, mask=keep, other=0)
         if WRITE_POS:
-            tl.store(pos + o, i.to(pos.dtype.element_ty), mask=keep)
-        _put(values, o, v, keep, ALIGNED, ITEM)
+            tl.store(pos + start + o, (first + loc).to(pos.dtype.element_ty), mask=keep)
+        _put(values, start, o, v, keep, ALIGNED, ITEM)
 
     @triton.jit
     def count_bits(payload, n, counts, BLOCK: tl.constexpr):
         block = tl.program_id(0).to(tl.int64)
         # the payload's bitmask is (n + 7) // 8 bytes: read no further
-        bits, i = _bits(payload, block, n, (n + 7) // 8, BLOCK)
+        bits, loc = _bits(payload, block, n - block * BLOCK, (n + 7) // 8, BLOCK)
         tl.store(counts + block, tl.sum(tl.sum(bits, axis=1), axis=0).to(tl.int64))
 
     @triton.jit
-    def apply_positions(target, pos, values, count, n, cols, stride, bad,
+    def apply_positions(target, pos, values, count, n, cols, stride, bad, CONTIG: tl.constexpr,
                         ALIGNED: tl.constexpr, ITEM: tl.constexpr, BLOCK: tl.constexpr):
-        k = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        live = k < count
-        p = tl.load(pos + k, mask=live, other=0).to(tl.int64)
+        first = tl.program_id(0).to(tl.int64) * BLOCK
+        k = tl.arange(0, BLOCK)
+        live = k < count - first
+        p = tl.load(pos + first + k, mask=live, other=0).to(tl.int64)
         fits = live & (p >= 0) & (p < n)
         tl.atomic_add(bad, tl.sum((live & ~fits).to(tl.int64), axis=0))
         like = tl.zeros((BLOCK,), dtype=target.dtype.element_ty)
-        v = _get(values, k, live, like, ALIGNED, ITEM)
-        tl.store(target + (p // cols) * stride + p % cols, v, mask=fits)
+        v = _get(values, first, k, live, like, ALIGNED, ITEM)
+        if CONTIG:
+            tl.store(target + p, v, mask=fits)
+        else:
+            tl.store(target + (p // cols) * stride + p % cols, v, mask=fits)
 
     @triton.jit
-    def apply_bitmask(target, payload, starts, values, n, cols, stride,
-                      ALIGNED: tl.constexpr, ITEM: tl.constexpr, BLOCK: tl.constexpr):
+    def apply_bitmask(target, payload, starts, values, n, cols, stride, CONTIG: tl.constexpr,
+                      ROW8: tl.constexpr, ALIGNED: tl.constexpr, ITEM: tl.constexpr,
+                      BLOCK: tl.constexpr):
         block = tl.program_id(0).to(tl.int64)
-        bits, i = _bits(payload, block, n, (n + 7) // 8, BLOCK)
+        first = block * BLOCK
+        bits, loc = _bits(payload, block, n - first, (n + 7) // 8, BLOCK)
         keep = bits != 0
-        o = tl.load(starts + block) + _ranks(bits).to(tl.int64) - 1
+        o = _ranks(bits)
         like = tl.zeros((BLOCK // 8, 8), dtype=target.dtype.element_ty)
-        v = _get(values, o, keep, like, ALIGNED, ITEM)
-        tl.store(target + (i // cols) * stride + i % cols, v, mask=keep)
+        v = _get(values, tl.load(starts + block), o, keep, like, ALIGNED, ITEM)
+        if CONTIG:
+            tl.store(target + first + loc, v, mask=keep)
+        elif ROW8:  # cols % 8 == 0: the 8 elements of a tile row share a row of the view
+            g = first + tl.arange(0, BLOCK // 8) * 8
+            at = (g // cols) * stride + g % cols
+            tl.store(target + at[:, None] + tl.arange(0, 8)[None, :], v, mask=keep)
+        else:
+            i = first + loc
+            tl.store(target + (i // cols) * stride + i % cols, v, mask=keep)
 
     _BUILT.append(_Kernels(mark, compact, count_bits, apply_positions, apply_bitmask))
     return _BUILT[0]
