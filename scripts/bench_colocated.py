@@ -395,6 +395,10 @@ def run(rank: int, args, port: int, results) -> None:
     from megatron_reshard.engine.refit_transport import transport_of
 
     device = torch.device(args.device if args.device == "cpu" else "cuda:0")
+    if args.permuted_tile_kib:  # an experiment: the permuted-row kernel's bytes a program
+        from megatron_reshard.engine.kernel_copies import PermutedTable
+
+        PermutedTable.TILE_BYTES = args.permuted_tile_kib << 10
     _WaitClock.install(steps=args.timeline)
     if args.train_nap_s and rank == 0:  # an experiment: the training rank naps, never spins
         from megatron_reshard.engine import host_flags
@@ -542,6 +546,8 @@ def main(argv=None) -> int:
     ap.add_argument("--orders", default="", help="expert storage orders to refit into as "
                     "well, same run: a file of scripts/bench_kernel_order.py learn (the real "
                     "shapes), or 'synthetic' (FlashInfer-like orders for any shape)")
+    ap.add_argument("--permuted-tile-kib", type=int, default=0, help="experiment: the "
+                    "permuted-row kernel's bytes per program (0: its default)")
     ap.add_argument("--order-backends", nargs="+",
                     default=["checkpoint", "flashinfer_trtllm", "flashinfer_cutlass"])
     ap.add_argument("--port", type=int, default=29611)
