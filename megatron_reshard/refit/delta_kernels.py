@@ -27,6 +27,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from megatron_reshard.errors import MegatronReshardError
+
 BLOCK = 4096  # elements per program (a multiple of 8: whole bitmask bytes)
 WARPS = 4
 _INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -132,7 +134,7 @@ def _compact(a, mask, starts, payload, head: int, pos, write_pos: bool, item: in
 
 # -- apply ----------------------------------------------------------------------------
 
-class BadDelta(Exception):
+class BadDelta(MegatronReshardError, ValueError):
     """A payload that does not fit the view: ``delta_transport`` turns it into its error."""
 
 
