@@ -107,9 +107,65 @@ def gen_buffers(c: dict, layers: int, device, dtype) -> dict:
     return out
 
 
-def wire(c: dict, layers: int, train: dict | None, gen: dict | None, dtype) -> tuple:
+def synthetic_orders(c: dict, device) -> dict:
+    """Expert orders shaped like FlashInfer's for the ``--small`` slice (the learned ones fit
+    the real shapes only): ``flashinfer_trtllm``, rows permuted and 16-column blocks stored
+    block-major; ``flashinfer_cutlass``, w13 as [up; gate]."""
+    from megatron_reshard.vllm_layout.kernel_order import KernelOrder, contiguous_terms
+
+    def blocks(shape, seed):
+        e, r, cols = shape
+        slot = torch.randperm(r, generator=torch.Generator().manual_seed(seed))
+        i = torch.arange(cols)
+        return KernelOrder("trtllm-like", (torch.arange(e) * r * cols, slot * 16,
+                                           (i // 16) * r * 16 + i % 16))
+
+    w13 = (c["experts"], 2 * c["effn"], c["h"])
+    w2 = (c["experts"], c["h"], c["effn"])
+    e, r, cols = w13
+    swap = contiguous_terms(w13)
+    rows = ((torch.arange(r) + r // 2) % r) * cols
+    out = {"flashinfer_trtllm": {"w13": blocks(w13, 1), "w2": blocks(w2, 2)},
+           "flashinfer_cutlass": {"w13": KernelOrder("cutlass-like", (swap[0], rows, swap[2]))}}
+    return {b: {k: o.to(device) for k, o in got.items()} for b, got in out.items()}
+
+
+def learned_orders(path: str, device) -> dict:
+    """``{backend: {"w13" | "w2": KernelOrder}}`` from ``scripts/bench_kernel_order.py learn``."""
+    from megatron_reshard.vllm_layout.kernel_order import KernelOrder
+
+    out: dict = {}
+    for key, item in torch.load(path, weights_only=False).items():
+        backend, leaf = key.split("/")
+        order = KernelOrder(item["backend"], tuple(item["terms"])).to(device)
+        out.setdefault(backend, {})[leaf.split("_")[0]] = order
+    return out
+
+
+def ordered_dst(storage: torch.Tensor, order, box):
+    """The destination of ``box`` of ``storage`` stored in ``order`` (None: checkpoint
+    order): a strided view where the order keeps one, else its permuted rows."""
+    if order is None:
+        return storage[tuple(slice(a, b) for a, b in box)]
+    view = order.view(storage, box)
+    return view if view is not None else order.permuted_rows(storage, box)
+
+
+def read_back(dst) -> torch.Tensor:
+    """A destination's elements in checkpoint order (a view, or gathered through the order)."""
+    from megatron_reshard.engine.kernel_copies import PermutedRows
+
+    if isinstance(dst, PermutedRows):
+        return dst.storage.view(-1)[dst.offsets().view(-1)].view(dst.shape)
+    return dst
+
+
+def wire(c: dict, layers: int, train: dict | None, gen: dict | None, dtype,
+         orders: dict | None = None) -> tuple:
     """The refit tensors (name, global shape, src view, dst view): ``train``/``gen`` is
-    None on the other process. Returns (all transfers, the expert transfers of layer 0)."""
+    None on the other process; ``orders``: the experts' storage orders (``{"w13": order,
+    "w2": order}``, a kernel's; None: checkpoint order). Returns (all transfers, the
+    expert transfers of layer 0)."""
     from torch.distributed.tensor import Replicate, Shard
 
     from megatron_reshard.engine import Transfer
@@ -145,13 +201,16 @@ def wire(c: dict, layers: int, train: dict | None, gen: dict | None, dtype) -> t
             e, f = c["experts"], c["effn"]
             add(f"{i}.router", (e, h), lambda i=i: T[f"{i}.router"], lambda i=i: G[f"{i}.gate"])
             bucket = experts if i == 0 else None
+            o13, o2 = (orders or {}).get("w13"), (orders or {}).get("w2")
             for part, lo in (("gate", 0), ("up", f)):
                 add(f"{i}.experts.{part}", (e, f, h),
                     lambda i=i, lo=lo: [T[f"{i}.e{k}.fc1"][lo:lo + f] for k in range(e)],
-                    lambda i=i, lo=lo: G[f"{i}.w13"][:, lo:lo + f], shard=True, bucket=bucket)
+                    lambda i=i, lo=lo: ordered_dst(G[f"{i}.w13"], o13, ((0, e), (lo, lo + f), (0, h))),
+                    shard=True, bucket=bucket)
             add(f"{i}.experts.down", (e, h, f),
                 lambda i=i: [T[f"{i}.e{k}.fc2"] for k in range(e)],
-                lambda i=i: G[f"{i}.w2"], shard=True, bucket=bucket)
+                lambda i=i: ordered_dst(G[f"{i}.w2"], o2, ((0, e), (0, h), (0, f))),
+                shard=True, bucket=bucket)
         else:
             n = c["ffn"]
             for part, lo in (("gate", 0), ("up", n)):
@@ -336,6 +395,10 @@ def run(rank: int, args, port: int, results) -> None:
     from megatron_reshard.engine.refit_transport import transport_of
 
     device = torch.device(args.device if args.device == "cpu" else "cuda:0")
+    if args.permuted_tile_kib:  # an experiment: the permuted-row kernel's bytes a program
+        from megatron_reshard.engine.kernel_copies import PermutedTable
+
+        PermutedTable.TILE_BYTES = args.permuted_tile_kib << 10
     _WaitClock.install(steps=args.timeline)
     if args.train_nap_s and rank == 0:  # an experiment: the training rank naps, never spins
         from megatron_reshard.engine import host_flags
@@ -356,8 +419,17 @@ def run(rank: int, args, port: int, results) -> None:
         c = (SMALL if args.small else SLICES)[name]
         train = train_buffers(c, args.layers, device, dtype) if rank == 0 else None
         gen = gen_buffers(c, args.layers, device, dtype) if rank == 1 else None
-        transfers, experts = wire(c, args.layers, train, gen, dtype)
-        for label, params in (("refit", transfers), ("experts", experts)):
+        paths = []
+        for backend in (args.order_backends if c["experts"] else ["checkpoint"]):
+            orders = None
+            if backend != "checkpoint":
+                known = (synthetic_orders(c, device) if args.orders == "synthetic"
+                         else learned_orders(args.orders, device))
+                orders = known[backend]
+            transfers, experts = wire(c, args.layers, train, gen, dtype, orders)
+            tag = "" if backend == "checkpoint" else f"[{backend}]"
+            paths += [(f"refit{tag}", transfers, orders), (f"experts{tag}", experts, orders)]
+        for label, params, orders in paths:
             if not params:
                 continue
             planner = Planner()
@@ -415,7 +487,9 @@ def run(rank: int, args, port: int, results) -> None:
             for t in params:  # bit for bit, against the sources regenerated here
                 want = by_name[t.name]
                 want = torch.stack(want) if isinstance(want, list) else want
-                assert torch.equal(t.dst.reshape(want.shape), want), f"{name}: {t.name} differs"
+                got = read_back(t.dst).reshape(want.shape)
+                assert torch.equal(got.view(torch.int16), want.view(torch.int16)), \
+                    f"{name} {label}: {t.name} differs"
             del ref, expect, by_name
             pairs = sum(b.pairs for b in transport._batches.values())
             k = len(transport._batches)
@@ -441,6 +515,8 @@ def run(rank: int, args, port: int, results) -> None:
                 _WaitClock.events = []
             raw_s = _memcpy_s(nbytes, device, args.iters)
             results.put((rank, name, label, {
+                "expert_order": ",".join(sorted({o.backend for o in (orders or {}).values()}))
+                or "checkpoint",
                 "mib": nbytes / 2**20, "params": len(params), "batches": len(batches),
                 "copy_pairs": pairs,
                 "memcpy_gbps": nbytes / raw_s / 1e9,
@@ -467,6 +543,13 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-mib", type=float, default=512, help="cut the refit into batches "
                     "of this size, as the refit loop does (its default batch_bytes: 512 MiB); "
                     "0: one batch")
+    ap.add_argument("--orders", default="", help="expert storage orders to refit into as "
+                    "well, same run: a file of scripts/bench_kernel_order.py learn (the real "
+                    "shapes), or 'synthetic' (FlashInfer-like orders for any shape)")
+    ap.add_argument("--permuted-tile-kib", type=int, default=0, help="experiment: the "
+                    "permuted-row kernel's bytes per program (0: its default)")
+    ap.add_argument("--order-backends", nargs="+",
+                    default=["checkpoint", "flashinfer_trtllm", "flashinfer_cutlass"])
     ap.add_argument("--port", type=int, default=29611)
     ap.add_argument("--json", default="")
     ap.add_argument("--no-align", action="store_true", help="time each refit from the "
@@ -479,6 +562,8 @@ def main(argv=None) -> int:
                     "generation rank's copies, in a refit and alone (summaries printed)")
     ap.add_argument("--profile", default="", help="folder for a cProfile of each rank's refits")
     args = ap.parse_args(argv)
+    if not args.orders:
+        args.order_backends = ["checkpoint"]
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     procs = [ctx.Process(target=run, args=(r, args, args.port, results)) for r in (0, 1)]

@@ -13,12 +13,19 @@ post-load conversion, the CPU shims of ``testing/vllm_models.py``) and saves the
 (``receiver.kernel_layouts.storage_orders``).
 
 ``bench`` times, per backend and tensor, what a refit does with one received box per
-HF projection (w13: the gate rows, then the up rows; w2: the whole tensor), all experts:
-the write in checkpoint order (a copy into the storage's view), the write through the
-learned order (``VllmTargets.write``: a strided view where the order keeps one, else a
-scatter; the refit receives such a box into a buffer first), and a plain memcpy of the
-same bytes, all measured in the same run (median of ``--iters``). Results are checked
-bit for bit: the written storage read back through the order equals the values.
+HF projection (w13: the gate rows, then the up rows; w2: the whole tensor), all experts,
+all measured in the same run (median of ``--iters``):
+
+- ``checkpoint``: the write in checkpoint order, through the engine's copy kernels
+  (``engine.kernel_copies.KernelCopies`` of the storage's view), and as torch's ``copy_``;
+- ``through the order``: the write straight into the learned order, built once as a
+  refit's copy batch is: the copy kernels of the strided view where the order keeps one
+  (CUTLASS), else the permuted-row kernel (``PermutedTable``: TRTLLM), no staging buffer;
+- ``scatter``: ``KernelOrder.scatter`` of a received box (host index math each call);
+- a plain memcpy of the same bytes.
+
+Results are checked bit for bit: the written storage read back through the order equals
+the values.
 """
 
 from __future__ import annotations
@@ -77,6 +84,7 @@ def _median_s(fn, iters: int, device) -> float:
 
 
 def bench(orders_file: str, iters: int, device: torch.device) -> int:
+    from megatron_reshard.engine.kernel_copies import KernelCopies, permuted_tables
     from megatron_reshard.vllm_layout.kernel_order import KernelOrder
 
     saved = torch.load(orders_file, weights_only=False)
@@ -96,22 +104,39 @@ def bench(orders_file: str, iters: int, device: torch.device) -> int:
                   for box in boxes]
         nbytes = sum(v.numel() * v.element_size() for v in values)
 
-        def through_order():
-            for box, v in zip(boxes, values):
-                view = order.view(storage, box)
-                if view is not None:
-                    view.copy_(v)
-                else:
-                    order.scatter(storage, box, v)
+        views = [order.view(storage, box) for box in boxes]
+        pairs, permuted = [], []
+        for box, view, v in zip(boxes, views, values):
+            if view is not None:
+                pairs.append((view, v))
+            else:
+                permuted.append((order.permuted_rows(storage, box), v))
+        direct = KernelCopies(pairs, device)
+        tables, rest = permuted_tables(permuted, device)
+        assert not rest and not direct.rest, "a box the kernels do not take"
 
-        def checkpoint_order():
+        def through_order():
+            direct.run()
+            for table in tables:
+                table.run()
+
+        def scatter():
+            for box, v in zip(boxes, values):
+                order.scatter(storage, box, v)
+
+        ckpt_kernels = KernelCopies([(plain[tuple(slice(a, b) for a, b in box)], v)
+                                     for box, v in zip(boxes, values)], device)
+
+        def checkpoint_torch():
             for box, v in zip(boxes, values):
                 plain[tuple(slice(a, b) for a, b in box)].copy_(v)
 
         src = torch.empty(nbytes, dtype=torch.uint8, device=device)
         dst = torch.empty_like(src)
+        scatter_s = _median_s(scatter, iters, device)
         through_s = _median_s(through_order, iters, device)
-        ckpt_s = _median_s(checkpoint_order, iters, device)
+        ckpt_s = _median_s(ckpt_kernels.run, iters, device)
+        ckpt_torch_s = _median_s(checkpoint_torch, iters, device)
         memcpy_s = _median_s(lambda: dst.copy_(src), iters, device)
         # bit for bit: each element read back where the order put it
         exact = True
@@ -119,20 +144,29 @@ def bench(orders_file: str, iters: int, device: torch.device) -> int:
             idx = [order.terms[d][a:b] for d, (a, b) in enumerate(box)]
             flat = (idx[0].view(-1, 1, 1) + idx[1].view(1, -1, 1) + idx[2].view(1, 1, -1))
             exact &= torch.equal(storage.view(-1)[flat.view(-1)].view(v.shape), v)
-        views = all(order.view(storage, box) is not None for box in boxes)
+        # the scatter's result too (it ran first; the direct writes rewrote the same bytes)
+        storage.zero_()
+        scatter()
+        for box, v in zip(boxes, values):
+            idx = [order.terms[d][a:b] for d, (a, b) in enumerate(box)]
+            flat = (idx[0].view(-1, 1, 1) + idx[1].view(1, -1, 1) + idx[2].view(1, 1, -1))
+            exact &= torch.equal(storage.view(-1)[flat.view(-1)].view(v.shape), v)
         gb = nbytes / 1e9
         rows.append({"backend": item["backend"], "tensor": leaf, "shape": list(shape),
-                     "padded_rows": rows_ckpt, "mib": nbytes / 2**20, "written_as": "strided views" if views else "scatter",
+                     "padded_rows": rows_ckpt, "mib": nbytes / 2**20,
+                     "written_as": "strided views" if not permuted else "permuted rows",
                      "through_order_gbps": gb / through_s, "checkpoint_order_gbps": gb / ckpt_s,
+                     "checkpoint_torch_gbps": gb / ckpt_torch_s, "scatter_gbps": gb / scatter_s,
                      "memcpy_gbps": gb / memcpy_s, "through_vs_checkpoint": ckpt_s / through_s,
                      "through_vs_memcpy": memcpy_s / through_s, "bit_exact": bool(exact)})
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"writes through the learned expert orders, {name}, torch {torch.__version__}, median of {iters}")
-    print(f"{'backend':20} {'tensor':10} {'MiB':>7} {'written as':14} {'order GB/s':>10} {'ckpt GB/s':>10} "
-          f"{'memcpy GB/s':>11} {'order/ckpt':>10} {'order/memcpy':>12} exact")
+    print(f"{'backend':20} {'tensor':10} {'MiB':>5} {'written as':14} {'order GB/s':>10} {'ckpt GB/s':>9} "
+          f"{'ckpt torch':>10} {'scatter':>8} {'memcpy':>7} {'order/ckpt':>10} {'order/memcpy':>12} exact")
     for r in rows:
-        print(f"{r['backend']:20} {r['tensor']:10} {r['mib']:7.0f} {r['written_as']:14} "
-              f"{r['through_order_gbps']:10.1f} {r['checkpoint_order_gbps']:10.1f} {r['memcpy_gbps']:11.1f} "
+        print(f"{r['backend']:20} {r['tensor']:10} {r['mib']:5.0f} {r['written_as']:14} "
+              f"{r['through_order_gbps']:10.1f} {r['checkpoint_order_gbps']:9.1f} "
+              f"{r['checkpoint_torch_gbps']:10.1f} {r['scatter_gbps']:8.1f} {r['memcpy_gbps']:7.1f} "
               f"{100 * r['through_vs_checkpoint']:9.0f}% {100 * r['through_vs_memcpy']:11.0f}% {r['bit_exact']}")
     print(json.dumps(rows))
     return 0 if all(r["bit_exact"] for r in rows) else 1
@@ -147,9 +181,20 @@ def main(argv=None) -> int:
     b.add_argument("--orders", required=True)
     b.add_argument("--iters", type=int, default=10)
     b.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    b.add_argument("--tile-kib", type=int, default=0, help="the permuted-row kernel's bytes "
+                   "per program (0: its default)")
+    b.add_argument("--warps", type=int, default=0, help="its warps per program (0: default)")
     args = ap.parse_args(argv)
     if args.cmd == "learn":
         return learn(args.out)
+    from megatron_reshard.engine.kernel_copies import PermutedTable
+
+    if args.tile_kib:
+        PermutedTable.TILE_BYTES = args.tile_kib << 10
+    if args.warps:
+        PermutedTable.WARPS = args.warps
+    print(f"permuted-row kernel: {PermutedTable.TILE_BYTES >> 10} KiB a program, "
+          f"{PermutedTable.WARPS} warps")
     return bench(args.orders, args.iters, torch.device(args.device))
 
 

@@ -1,6 +1,8 @@
 """``scripts/bench_colocated.py`` runs on CPU (shared memory): two processes, the 30B-shaped
-small slice cut into several batches (as the refit loop cuts), every case checked bit for
-bit by the script itself, and the timeline lists both ranks' steps."""
+small slice cut into several batches (as the refit loop cuts), into checkpoint-order
+expert storage and into FlashInfer-like orders (``--orders synthetic``: TRTLLM's permuted
+rows, CUTLASS's [up; gate]), every case checked bit for bit by the script itself, and the
+timeline lists both ranks' steps."""
 
 import json
 import subprocess
@@ -17,11 +19,14 @@ def test_the_colocated_benchmark_runs_on_cpu_with_its_timeline(tmp_path):
     # the timeout only keeps a hang from blocking the suite; nothing here measures time
     done = subprocess.run([sys.executable, "scripts/bench_colocated.py", "--device", "cpu",
                            "--small", "--iters", "2", "--warmup", "1", "--timeline", "--batch-mib", "0.1",
-                           "--cases", "qwen3_30b_a3b", "--port", str(free_ports(1)[0]), "--json", str(out)],
+                           "--cases", "qwen3_30b_a3b", "--port", str(free_ports(1)[0]), "--json", str(out),
+                           "--orders", "synthetic"],
                           capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = {r["path"]: r for r in json.loads(out.read_text())["rows"]}
-    assert set(rows) == {"refit", "experts"}
+    assert set(rows) == {f"{p}{o}" for p in ("refit", "experts")
+                         for o in ("", "[flashinfer_trtllm]", "[flashinfer_cutlass]")}
+    assert rows["refit[flashinfer_trtllm]"]["expert_order"] == "trtllm-like"
     for row in rows.values():
         assert row["refit_ms"] > 0 and row["memcpy_gbps"] > 0 and row["copy_pairs"] > 0
         assert row["train_host_ms"] >= 0  # both ranks reported

@@ -13,6 +13,7 @@ from typing import Callable, NamedTuple, Optional, Sequence, Union
 
 import torch
 
+from .kernel_copies import PermutedRows
 from .members import is_members, members_problem
 
 from megatron_reshard.errors import BadInputError
@@ -62,10 +63,11 @@ def describe_tensor(t) -> str:
                                      if isinstance(t, torch.Tensor) else repr(type(t)))
 
 
-def check_local(transfers, plans, me: int,
-                device_type: str) -> tuple[Optional[Problem], Optional[torch.device]]:
+def check_local(transfers, plans, me: int, device_type: str, permuted_dst: bool = False
+                ) -> tuple[Optional[Problem], Optional[torch.device]]:
     """This rank's first problem with its tensors (side membership, shape, dtype, device),
-    and the device of its tensors."""
+    and the device of its tensors. ``permuted_dst``: a destination may also be a
+    ``kernel_copies.PermutedRows`` (the colocated transport writes those)."""
     device = None
     for i, (t, plan) in enumerate(zip(transfers, plans)):
         for side, tensor, owns in (("src", t.src, plan.src), ("dst", t.dst, plan.dst)):
@@ -91,7 +93,8 @@ def check_local(transfers, plans, me: int,
                                    f"the batch's other tensors on this rank), found "
                                    f"{tensor[0].device}"), device
                 continue
-            if not isinstance(tensor, torch.Tensor):
+            permuted = permuted_dst and side == "dst" and isinstance(tensor, PermutedRows)
+            if not isinstance(tensor, torch.Tensor) and not permuted:
                 return Problem(i, f"{where}: {side} must be a torch.Tensor or a list of "
                                f"them, found {type(tensor)}"), device
             if tuple(tensor.shape) != own.local_shape:

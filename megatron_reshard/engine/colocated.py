@@ -77,6 +77,7 @@ from .agree import Description, Vote
 from .checks import check_local, local_ok
 from .colocated_completion import Completions
 from .colocated_copies import CopyBatch, read_pairs
+from .kernel_copies import PermutedRows
 from .colocated_views import MappedViews, PublishedViews
 from .describe import Rejected, describe_batch
 from .host_flags import READY, VERDICT, HostFlags
@@ -263,7 +264,8 @@ class ColocatedTransport:
             # signature (the same object when nothing changed) is one identity check
             return None, checked
         ok, _ = local_ok(transfers, batch.expected, device_type, [])
-        problem = None if ok else check_local(transfers, batch.plans, self.me, device_type)[0]
+        problem = None if ok else check_local(transfers, batch.plans, self.me, device_type,
+                                              permuted_dst=True)[0]
         if problem is None and signature is not None:
             self._checked[batch.fp] = signature
         return problem, signature
@@ -320,6 +322,9 @@ def _signature(tensors: list) -> Optional[tuple]:
     for x in tensors:
         if x is None:
             kinds.append(-1)
+        elif type(x) is PermutedRows:  # a kernel's order: its storage, box and tables
+            kinds.append((x.storage.data_ptr(), x.first, x.outer.data_ptr(), x.inner.data_ptr(),
+                          x.shape, x.width, x.apart, x.dtype, x.device))
         elif type(x) in LISTS:
             kinds.append(len(x))
             flat += x
@@ -346,7 +351,7 @@ def _first_device(items) -> Optional[torch.device]:
             if x:
                 return x[0].device
             continue
-        if isinstance(x, torch.Tensor):
+        if isinstance(x, (torch.Tensor, PermutedRows)):
             return x.device
     return None
 

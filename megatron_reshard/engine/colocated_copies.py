@@ -36,14 +36,20 @@ from megatron_reshard.groups.faults import RefitError
 
 from .copies import MEMCPY_BYTES, as_bits
 from megatron_reshard.layout.geometry import box_intersect, box_numel
-from .kernel_copies import KernelCopies, Replayed
+from .kernel_copies import KernelCopies, PermutedRows, Replayed, permuted_tables
 from .members import is_members
 
 
 def _views(x, piece, sub) -> list:
     """Views of ``sub`` (a box inside ``piece.box``) in local ``x``: one tensor, or one per
-    index of dim 0 when ``x`` is a list of members."""
+    index of dim 0 when ``x`` is a list of members; a permuted-row destination's sub-box."""
     idx = piece.index(sub)
+    if isinstance(x, PermutedRows):
+        got = x.sub([(i.start, i.stop) for i in idx])
+        if got is None:
+            raise RefitError(f"colocated refit: box {list(sub)} cuts a run of a permuted-row "
+                             f"destination ({x.width} elements a run)")
+        return [got]
     if is_members(x):
         first = idx[0]
         return [x[k][idx[1:]] for k in range(first.start, first.stop, first.step)]
@@ -96,6 +102,8 @@ SPLIT_MOST = 1024  # leading-dim splits of one strided pair into contiguous sub-
 def _contiguous_parts(dst: torch.Tensor, src: torch.Tensor) -> list:
     """The pair cut along its leading dims until both sides are contiguous (q/k/v blocks
     of Megatron's interleaved rows: one contiguous block per KV group), or as it is."""
+    if isinstance(dst, PermutedRows):
+        return [(dst, src)]
     parts = [(dst, src)]
     while not all(d.is_contiguous() and s.is_contiguous() for d, s in parts):
         if parts[0][0].dim() < 2 or len(parts) * parts[0][0].shape[0] > SPLIT_MOST:
@@ -111,6 +119,11 @@ class CopyBatch:
         self.device = device
         parts = [p for whole in pairs for p in _contiguous_parts(*whole) if p[0].numel()]
         cuda = device.type == "cuda"
+        # destinations in a kernel's permuted-row order: one launch per kind, written
+        # straight from the sources (kernel_copies.PermutedTable); torch scatters elsewhere
+        permuted = [p for p in parts if isinstance(p[0], PermutedRows)]
+        parts = [p for p in parts if not isinstance(p[0], PermutedRows)]
+        self.permuted, self.permuted_rest = permuted_tables(permuted, device)
         # the 8-byte aligned contiguous pairs in one launch when there are several, the
         # strided ones that fold into tiles in one per kind (kernel_copies.py); the rest as
         # a memcpy per large contiguous pair, else foreach copies of integer views
@@ -124,13 +137,13 @@ class CopyBatch:
             else:  # CUDA foreach of a float dtype rewrites NaN payloads: copy bits
                 self.dsts.append(as_bits(dst) if cuda else dst)
                 self.srcs.append(as_bits(src) if cuda else src)
-        self.pairs = len(parts)
+        self.pairs = len(parts) + len(permuted)
         # the kernels and foreach copies captured once (after the first, eager run) and
         # replayed: one cheap launch
         # held weakly: a cycle would keep a done batch's tensors alive until a gc pass
         small = weakref.WeakMethod(self._small)
-        self.replayed = Replayed(lambda: small()(), device,
-                                 after=1 if self.kernels.tables or self.dsts else 0)
+        self.replayed = Replayed(lambda: small()(), device, after=1 if (
+            self.kernels.tables or self.dsts or self.permuted) else 0)
 
     @property
     def graph(self):
@@ -150,9 +163,13 @@ class CopyBatch:
     def run(self) -> None:
         for dst, src in self.memcpy:
             dst.copy_(src)
+        for dst, src in self.permuted_rest:
+            dst.write(src)
         self.replayed()
 
     def _small(self) -> None:
+        for table in self.permuted:
+            table.run()
         self.kernels.run()
         if self.dsts:
             torch._foreach_copy_(self.dsts, self.srcs)

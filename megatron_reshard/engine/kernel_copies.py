@@ -17,6 +17,12 @@ they; the pairs' views are kept with them, so the addresses stay valid):
   stride, read from a source of unit stride along the same dim (``ROWS``: column blocks of
   a wider tensor) or along another one (``TRANSPOSED``: a transposed storage, which
   torch copies element by element at ~15% of a memcpy; the tile is turned on chip).
+- ``PermutedTable``: destinations whose rows are permuted (``PermutedRows``: a GPU
+  kernel's own order of an expert tensor, e.g. FlashInfer TRTLLM's block layout, which no
+  strided view describes): each row's address is read from the order's term tables and
+  its runs of ``width`` contiguous elements are stored ``apart``; the source is read in
+  checkpoint order. One pass, as a plain tile copy, instead of a staging buffer and a
+  scatter.
 
 Copies move integer bits, never float values: CUDA's float copies rewrite NaN payloads
 (copies.py).
@@ -25,9 +31,12 @@ Copies move integer bits, never float values: CUDA's float copies rewrite NaN pa
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, replace
 from typing import NamedTuple, Optional
 
 import torch
+
+from megatron_reshard.errors import BadInputError
 
 ROWS, TRANSPOSED = 0, 1
 
@@ -190,6 +199,166 @@ class TileTable:
 _INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
+@dataclass(frozen=True, eq=False)
+class PermutedRows:
+    """A destination box of ``storage`` in a permuted-row order: element ``(o, i, c)`` of
+    the ``[len(outer), len(inner), cols]`` box lies ``first + outer[o] + inner[i] +
+    (c // width) * apart + c % width`` elements after ``storage``'s first element
+    (``outer`` / ``inner``: int64 offset tables on the storage's device). Built by
+    ``vllm_layout.kernel_order.KernelOrder.permuted_rows``."""
+
+    storage: torch.Tensor
+    first: int
+    outer: torch.Tensor
+    inner: torch.Tensor
+    width: int
+    apart: int
+    cols: int
+
+    @property
+    def shape(self) -> tuple:
+        return (int(self.outer.numel()), int(self.inner.numel()), self.cols)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.storage.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.storage.device
+
+    def numel(self) -> int:
+        return self.shape[0] * self.shape[1] * self.cols
+
+    def sub(self, box) -> Optional["PermutedRows"]:
+        """The sub-box ``((o0, o1), (i0, i1), (c0, c1))`` (relative), or None where its
+        columns do not start and end on whole runs."""
+        (o0, o1), (i0, i1), (c0, c1) = box
+        if c0 % self.width or (c1 - c0) % self.width:
+            return None
+        return replace(self, first=self.first + (c0 // self.width) * self.apart,
+                       outer=self.outer[o0:o1], inner=self.inner[i0:i1], cols=c1 - c0)
+
+    def offsets(self) -> torch.Tensor:
+        """Every element's storage offset, box-shaped (the torch path; the kernel needs none)."""
+        c = torch.arange(self.cols, dtype=torch.int64, device=self.outer.device)
+        cols = (c // self.width) * self.apart + c % self.width
+        return (self.first + self.outer.view(-1, 1, 1) + self.inner.view(1, -1, 1)
+                + cols.view(1, 1, -1))
+
+    def write(self, values: torch.Tensor) -> None:
+        """``values`` (the box, checkpoint order) into the storage with torch ops: where the
+        kernel does not run (CPU tensors, no Triton)."""
+        flat = self.storage.view(-1)
+        flat.index_copy_(0, self.offsets().view(-1), values.reshape(-1).to(flat.dtype))
+
+    def unbind(self, dim: int = 0) -> list:
+        """One box per index of the outer dim (a stacked destination read from members)."""
+        if dim != 0:
+            raise BadInputError(f"PermutedRows unbinds along dim 0 only, not {dim}")
+        return [replace(self, outer=self.outer[o:o + 1]) for o in range(self.shape[0])]
+
+
+def _src3(src: torch.Tensor, shape: tuple) -> Optional[torch.Tensor]:
+    """``src`` as the ``[outer, inner, cols]`` box it fills, or None."""
+    if tuple(src.shape) == shape:
+        return src
+    if src.dim() == 2 and shape[0] == 1 and tuple(src.shape) == shape[1:]:
+        return src.unsqueeze(0)
+    return None
+
+
+class PermutedTable:
+    """Copies into ``PermutedRows`` destinations of one element size, run width and vector
+    unit in one Triton launch: a program per tile of ``BR`` rows x ``NB`` runs of some
+    pair. Row addresses come from the order's tables (two loads per row), so the copy reads
+    the source once and writes every element once; offsets are kept in vector units (as
+    ``TileTable``'s) so that each run moves in 16-byte vectors."""
+
+    TILE_BYTES = 32 << 10
+    WARPS = 4
+
+    def __init__(self, kernels, itemsize: int, unit: int, width: int, pairs: list,
+                 device: torch.device):
+        self.kernel, self.unit, self.width = kernels.copy_permuted, unit, width
+        first_dst = pairs[0][0]
+        self.base = first_dst.storage.view(_INTS[itemsize])
+        base, step = self.base.data_ptr(), unit * itemsize
+        runs_most = max(d.cols // width for d, _ in pairs)
+        self.nb = min(1 << max(0, (runs_most - 1).bit_length()),
+                      max(1, self.TILE_BYTES // (width * itemsize)))
+        self.br = max(1, self.TILE_BYTES // (width * itemsize * self.nb))
+        offs, meta, outer, inner, tiles = [], [], [], [], []
+        for d, s in pairs:
+            start = d.storage.data_ptr() + d.first * itemsize
+            offs += [(start - base) // step, (s.data_ptr() - base) // step]
+            runs = d.cols // width
+            meta.append((d.shape[0], d.shape[1], runs, s.stride(0) // unit, s.stride(1) // unit,
+                         d.apart // unit, 0, 0))
+            outer.append(d.outer.data_ptr())
+            inner.append(d.inner.data_ptr())
+            tiles.append(-(-d.shape[0] * d.shape[1] // self.br) * -(-runs // self.nb))
+        self.offs = _table(offs, torch.int64, device)
+        self.meta = _table(meta, torch.int64, device)
+        self.outer = _table(outer, torch.int64, device)
+        self.inner = _table(inner, torch.int64, device)
+        self.first, self.pair_of = _program_map(tiles, device)
+        self.grid = (sum(tiles),)
+        self._keep = pairs
+
+    def run(self) -> None:
+        self.kernel[self.grid](self.base, self.offs, self.meta, self.outer, self.inner,
+                               self.first, self.pair_of, UNIT=self.unit, W=self.width,
+                               BR=self.br, NB=self.nb, num_warps=self.WARPS)
+
+
+def _permuted_unit(dst: PermutedRows, src: torch.Tensor, multiples: dict) -> int:
+    """Elements per 16 bytes when every address, stride and term of the pair is a multiple
+    of 16 bytes, else 1 (``multiples``: the term tables already checked, by address)."""
+    size = dst.storage.element_size()
+    unit = VECTOR // size
+    if unit < 2 or dst.width % unit:
+        return 1
+    start = dst.storage.data_ptr() + dst.first * size
+    if (start | src.data_ptr()) % VECTOR or dst.apart % unit \
+            or src.stride(0) % unit or src.stride(1) % unit:
+        return 1
+    for terms in (dst.outer, dst.inner):
+        key = (terms.data_ptr(), terms.numel(), unit)
+        if key not in multiples:
+            multiples[key] = not bool((terms % unit).any())
+        if not multiples[key]:
+            return 1
+    return unit
+
+
+def permuted_tables(pairs: list, device: torch.device) -> tuple[list, list]:
+    """``(tables, rest)``: the ``(PermutedRows, src)`` pairs the kernel takes, one table per
+    element size, run width and vector unit; ``rest``: those it cannot (no kernels, a
+    source whose last dim is not unit-stride, a run width that is no power of two)."""
+    kernels = kernels_for(device)
+    if kernels is None or not pairs or (device.type == "cuda" and device.index is not None
+                                        and device.index != torch.cuda.current_device()):
+        return [], list(pairs)
+    groups, rest, multiples = {}, [], {}
+    for d, s in pairs:
+        s3 = _src3(s, d.shape)
+        w = d.width
+        if (s3 is None or d.numel() == 0 or w & (w - 1) or s3.dtype != d.dtype
+                or (d.cols > 1 and s3.stride(2) != 1)):
+            rest.append((d, s))
+            continue
+        size = d.storage.element_size()
+        if s3.data_ptr() % size:
+            rest.append((d, s))
+            continue
+        unit = _permuted_unit(d, s3, multiples)
+        groups.setdefault((size, unit, w), []).append((d, s3))
+    tables = [PermutedTable(kernels, size, unit, w, got, device)
+              for (size, unit, w), got in groups.items()]
+    return tables, rest
+
+
 class KernelCopies:
     """The pairs of a batch that the kernels take: the 8-byte aligned contiguous ones in a
     ``BlockTable`` (at least ``min_blocks`` of them, else they are left), the strided ones
@@ -289,6 +458,7 @@ def kernels_enabled() -> bool:
 class _Kernels(NamedTuple):
     copy_blocks: object
     copy_tiles: object
+    copy_permuted: object
 
 
 _BUILT: list = []
@@ -345,5 +515,34 @@ def triton_kernels() -> Optional[_Kernels]:
             s = src + r[:, None] + c[None, :] * (tl.load(m + 5) * UNIT)
         tl.store(d, tl.load(s, mask=mask), mask=mask)
 
-    _BUILT.append(_Kernels(copy_blocks, copy_tiles))
+    @triton.jit
+    def copy_permuted(base, offs, meta, outer_ptrs, inner_ptrs, first, pair_of,
+                      UNIT: tl.constexpr, W: tl.constexpr, BR: tl.constexpr, NB: tl.constexpr):
+        # meta per pair: outer, inner, runs, src outer and inner strides, apart (units)
+        tile = tl.program_id(0)
+        pair = tl.load(pair_of + tile)
+        m = meta + pair * 8
+        inner_n, runs = tl.load(m + 1), tl.load(m + 2)
+        rows = tl.load(m) * inner_n
+        tiles_c = (runs + NB - 1) // NB
+        t = (tile - tl.load(first + pair)).to(tl.int64)
+        tr = t // tiles_c
+        i = tr * BR + tl.arange(0, BR)
+        b = (t - tr * tiles_c) * NB + tl.arange(0, NB)
+        live = i < rows
+        o = i // inner_n
+        r = i - o * inner_n
+        outer = tl.load(outer_ptrs + pair).to(tl.pointer_type(tl.int64))
+        inner = tl.load(inner_ptrs + pair).to(tl.pointer_type(tl.int64))
+        row = (tl.load(outer + o, mask=live, other=0) + tl.load(inner + r, mask=live, other=0)) // UNIT
+        srow = o * tl.load(m + 3) + r * tl.load(m + 4)
+        k = tl.arange(0, W)[None, None, :]
+        d = base + ((tl.load(offs + 2 * pair) + row)[:, None, None]
+                    + (b * tl.load(m + 5))[None, :, None]) * UNIT + k
+        s = base + ((tl.load(offs + 2 * pair + 1) + srow)[:, None, None]
+                    + (b * (W // UNIT))[None, :, None]) * UNIT + k
+        mask = live[:, None, None] & (b < runs)[None, :, None]  # broadcast along the run
+        tl.store(d, tl.load(s, mask=mask), mask=mask)
+
+    _BUILT.append(_Kernels(copy_blocks, copy_tiles, copy_permuted))
     return _BUILT[0]

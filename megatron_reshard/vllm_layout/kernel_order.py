@@ -10,8 +10,13 @@ vLLM's own conversion code).
 
 A box of checkpoint elements whose terms are arithmetic progressions is a strided view of
 the storage (``view``: the engine writes it in place, as for checkpoint order: the
-CUTLASS swap is only other row offsets); any other box is received whole and put in place
-by ``scatter`` (TRTLLM). A term of -1 marks padding vLLM keeps (zero): never written.
+CUTLASS swap is only other row offsets). Any other box whose last dim is stored in runs of
+contiguous elements a fixed distance apart (TRTLLM: 64-element blocks, its rows permuted)
+is a permutation of rows: ``permuted_rows`` describes it for the copy kernels
+(``engine.kernel_copies.PermutedRows``), which write each row's runs straight from the
+source in checkpoint order, one pass like a plain copy; ``scatter`` puts a received box in
+place through the same kernel on CUDA (torch's ``index_copy_`` elsewhere). A term of -1
+marks padding vLLM keeps (zero): never written.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import torch
 Box = Sequence[tuple[int, int]]
 PADDING = -1
 _SCATTER_ELEMENTS = 1 << 22  # indices built per scatter step (32 MiB of int64)
+_RUN_MOST = 64  # elements per run a contiguous last dim is cut into (bf16: 128 bytes)
 
 
 @dataclass(frozen=True)
@@ -64,8 +70,56 @@ class KernelOrder:
             return None
         return storage.as_strided(size, stride, storage.storage_offset() + first)
 
+    def column_runs(self, box: Box) -> Optional[tuple[int, int, int]]:
+        """``(first, width, apart)``: the box's last-dim offsets as runs of ``width``
+        contiguous elements (a power of two), ``apart`` from run to run, the first at
+        ``first``; None where they are not so (or reach padding)."""
+        a, b = box[-1]
+        n = b - a
+        if n <= 0:
+            return None
+        cols = self.terms[-1][a:b]
+        first = int(cols[0])
+        if first < 0:
+            return None
+        jumps = torch.nonzero(cols[1:] - cols[:-1] != 1).view(-1)
+        if not jumps.numel():  # one run: cut it at the widest power of two dividing it
+            width = min(n & -n, _RUN_MOST)
+            return first, width, width
+        width = int(jumps[0]) + 1
+        if width & (width - 1) or n % width:
+            return None
+        apart = int(cols[width]) - first
+        i = torch.arange(n, device=cols.device)
+        if apart < width or not torch.equal(cols, first + (i // width) * apart + i % width):
+            return None
+        return first, width, apart
+
+    def permuted_rows(self, storage: torch.Tensor, box: Box):
+        """``box`` (2 or 3 dims) as an ``engine.kernel_copies.PermutedRows`` of ``storage``
+        (3 dims: ``[1, rows, cols]`` for a 2-dim box), or None where its last dim is not
+        stored in runs or a leading dim reaches padding. Index math on the host, once per
+        box (a few device reads); the copies then need none."""
+        from megatron_reshard.engine.kernel_copies import PermutedRows
+
+        if len(box) != len(self.terms) or len(box) not in (2, 3):
+            return None
+        runs = self.column_runs(box)
+        if runs is None:
+            return None
+        lead = [t[a:b] for t, (a, b) in zip(self.terms[:-1], box[:-1])]
+        if any(bool((t < 0).any()) for t in lead):
+            return None
+        if len(lead) == 1:
+            lead.insert(0, torch.zeros(1, dtype=torch.int64, device=lead[0].device))
+        first, width, apart = runs
+        return PermutedRows(storage, first, lead[0], lead[1], width, apart,
+                            box[-1][1] - box[-1][0])
+
     def scatter(self, storage: torch.Tensor, box: Box, values: torch.Tensor) -> None:
         """Write ``values`` (the box's shape, checkpoint order) into ``storage``."""
+        if storage.is_cuda and self._scatter_by_kernel(storage, box, values):
+            return
         if self._scatter_rows_of_blocks(storage, box, values):
             return
         flat = storage.view(-1)
@@ -81,6 +135,20 @@ class KernelOrder:
             index = (rows.view(-1, 1) + inner.reshape(1, -1)).reshape(-1)
             flat.index_copy_(0, index, src[lo:lo + step].reshape(-1))
 
+
+    def _scatter_by_kernel(self, storage: torch.Tensor, box: Box, values: torch.Tensor) -> bool:
+        """The copy kernel of permuted rows (``engine.kernel_copies``): one pass."""
+        from megatron_reshard.engine.kernel_copies import permuted_tables
+
+        rows = self.permuted_rows(storage, box)
+        if rows is None:
+            return False
+        tables, rest = permuted_tables([(rows, values.reshape(rows.shape))], storage.device)
+        if rest:
+            return False
+        for table in tables:
+            table.run()
+        return True
 
     def _scatter_rows_of_blocks(self, storage: torch.Tensor, box: Box, values: torch.Tensor) -> bool:
         """The common case without index arithmetic per element: a 3-D box whose last dim

@@ -1,0 +1,145 @@
+"""What cutting and applying a delta costs on one GPU (issue 35), against a device memcpy.
+
+    python scripts/bench_delta_gpu.py [--mib 1024] [--iters 10]
+
+Torch only (Triton from the CUDA build of torch). For each change rate (default 0.1%, 1%,
+1.8% measured by ``scripts/measure_change_rate.py``, 5%, 30%): a bf16 region of ``--mib``
+MiB (``old``) and ``new`` with that fraction of its elements changed (one bit flipped, at
+random places). Timed, median of ``--iters`` with the device synchronised (a cut includes
+its one host read of the count):
+
+- ``cut``: ``refit.delta_transport.encode(new, old)`` (the Triton kernels of
+  ``refit.delta_kernels``), and the torch path (``MEGATRON_RESHARD_DELTA_KERNELS=0``);
+- ``apply``: ``apply`` of that payload into a contiguous copy of ``old`` and into a column
+  block (half the columns of a [rows, 2 x cols] tensor), and the torch path's apply;
+- ``memcpy``: ``dst.copy_(src)`` of the region's bytes.
+
+GB/s are of the region scanned (its bytes / time). ``cut+apply``: the region over the sum
+of both times. Each payload is checked byte for byte against the torch path's, and each
+apply bit for bit against ``new``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+RATES = (0.001, 0.01, 0.018, 0.05, 0.30)
+
+
+def _median_s(fn, iters: int) -> float:
+    times = []
+    for _ in range(iters + 2):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[2:])
+
+
+def _torch_path(fn):
+    os.environ["MEGATRON_RESHARD_DELTA_KERNELS"] = "0"
+    try:
+        return fn()
+    finally:
+        del os.environ["MEGATRON_RESHARD_DELTA_KERNELS"]
+
+
+def main(argv=None) -> int:
+    from megatron_reshard.refit.delta_transport import ENCODINGS, apply, encode
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--mib", type=int, default=1024)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--torch-iters", type=int, default=3)
+    ap.add_argument("--rates", default=",".join(map(str, RATES)))
+    ap.add_argument("--block", type=int, default=0, help="elements per program (0: default)")
+    ap.add_argument("--warps", type=int, default=0, help="warps per program (0: default)")
+    ap.add_argument("--no-torch", action="store_true", help="skip timing the torch path")
+    args = ap.parse_args(argv)
+    from megatron_reshard.refit import delta_kernels
+
+    if args.block:
+        delta_kernels.BLOCK = args.block
+    if args.warps:
+        delta_kernels.WARPS = args.warps
+    dev = torch.device("cuda")
+    cols = 4096
+    rows = args.mib * 2**20 // 2 // cols
+    n, nbytes = rows * cols, rows * cols * 2
+    g = torch.Generator(device=dev).manual_seed(0)
+    old = torch.randint(-2**15, 2**15, (rows, cols), dtype=torch.int16, device=dev,
+                        generator=g).view(torch.bfloat16)
+    src = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    memcpy_s = _median_s(lambda: dst.copy_(src), args.iters)
+    flat = old.clone()
+    wide = torch.empty(rows, 2 * cols, dtype=torch.bfloat16, device=dev)
+    block = wide[:, cols // 2: cols // 2 + cols]
+    out = []
+    for rate in (float(r) for r in args.rates.split(",")):
+        new = old.clone()
+        pick = torch.rand((rows, cols), device=dev, generator=g) < rate
+        new.view(torch.int16)[pick] ^= 1
+        del pick
+        count, enc, payload = encode(new, old)
+        t_count, t_enc, t_payload = _torch_path(lambda: encode(new, old))
+        same_payload = (count, enc) == (t_count, t_enc) and (
+            payload is None if t_payload is None else torch.equal(payload, t_payload))
+        del t_payload
+        cut_s = _median_s(lambda: encode(new, old), args.iters)
+        mark_s = _median_s(lambda: delta_kernels.mark(new, old), args.iters)
+        cut_torch_s = float("inf") if args.no_torch else _torch_path(
+            lambda: _median_s(lambda: encode(new, old), args.torch_iters))
+        exact = same_payload
+        timings = {}
+        for name, view in (("contiguous", flat), ("column block", block)):
+            view.copy_(old)
+            apply(view, count, enc, payload)
+            exact &= torch.equal(view.view(torch.int16), new.view(torch.int16))
+            timings[name] = _median_s(lambda: apply(view, count, enc, payload), args.iters)
+        view = flat
+        view.copy_(old)
+        _torch_path(lambda: apply(view, count, enc, payload))
+        exact &= torch.equal(view.view(torch.int16), new.view(torch.int16))
+        apply_torch_s = float("inf") if args.no_torch else _torch_path(
+            lambda: _median_s(lambda: apply(view, count, enc, payload), args.torch_iters))
+        gb = nbytes / 1e9
+        out.append({"rate": rate, "changed": count, "encoding": ENCODINGS[enc],
+                    "payload_mib": 0 if payload is None else payload.numel() / 2**20,
+                    "cut_gbps": gb / cut_s, "mark_gbps": gb / mark_s,
+                    "cut_torch_gbps": gb / cut_torch_s,
+                    "apply_gbps": gb / timings["contiguous"],
+                    "apply_block_gbps": gb / timings["column block"],
+                    "apply_torch_gbps": gb / apply_torch_s,
+                    "cut_apply_gbps": gb / (cut_s + timings["contiguous"]),
+                    "memcpy_gbps": gb / memcpy_s, "bit_exact": bool(exact)})
+        del new, payload
+    print(f"delta cut / apply on {torch.cuda.get_device_name(dev)}, torch {torch.__version__}, "
+          f"region {args.mib} MiB bf16 [{rows}, {cols}], median of {args.iters} "
+          f"(torch path: {args.torch_iters}); memcpy {gb / memcpy_s:.0f} GB/s; "
+          f"{delta_kernels.BLOCK} elements, {delta_kernels.WARPS} warps a program")
+    print(f"{'rate':>6} {'encoding':9} {'payload MiB':>11} {'cut GB/s':>9} {'cut/mc':>7} {'mark/mc':>7} "
+          f"{'apply GB/s':>10} {'apply/mc':>8} {'block/mc':>8} {'cut+apply/mc':>12} "
+          f"{'torch cut/mc':>12} {'torch apply/mc':>14} exact")
+    for r in out:
+        mc = r["memcpy_gbps"]
+        print(f"{100 * r['rate']:5.1f}% {r['encoding']:9} {r['payload_mib']:11.1f} "
+              f"{r['cut_gbps']:9.0f} {100 * r['cut_gbps'] / mc:6.0f}% {100 * r['mark_gbps'] / mc:6.0f}% "
+              f"{r['apply_gbps']:10.0f} "
+              f"{100 * r['apply_gbps'] / mc:7.0f}% {100 * r['apply_block_gbps'] / mc:7.0f}% "
+              f"{100 * r['cut_apply_gbps'] / mc:11.0f}% {100 * r['cut_torch_gbps'] / mc:11.0f}% "
+              f"{100 * r['apply_torch_gbps'] / mc:13.0f}% {r['bit_exact']}")
+    print(json.dumps(out))
+    return 0 if all(r["bit_exact"] for r in out) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

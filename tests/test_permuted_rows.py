@@ -1,0 +1,181 @@
+"""Writing straight into a kernel's permuted-row order (issue 34): ``KernelOrder
+.permuted_rows`` (index math, CPU) and the copy kernel of ``engine.kernel_copies``
+(``PermutedTable``), bit for bit against the conversion the order was learned from.
+
+The orders are learned (``receiver.kernel_layouts.learn_order``) from conversions written
+for the test: a padded row permutation into column blocks (the shape of FlashInfer
+TRTLLM's block layout) and a half swap (FlashInfer CUTLASS's [up; gate]). The kernel
+tests run on CUDA, or on CPU tensors under ``TRITON_INTERPRET=1`` with Triton installed;
+else they skip.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from megatron_reshard.engine import kernel_copies
+from megatron_reshard.engine.colocated_copies import CopyBatch
+from megatron_reshard.engine.kernel_copies import PermutedRows, permuted_tables
+from megatron_reshard.receiver.kernel_layouts import learn_order
+from megatron_reshard.vllm_layout.kernel_order import KernelOrder, contiguous_terms
+
+E, R, C, KEEP, B = 3, 32, 128, 12, 16  # experts, rows (two halves), columns, kept rows, block
+ROWS = torch.randperm(R, generator=torch.Generator().manual_seed(5))
+
+
+def blocks(w):
+    """Zero rows KEEP.. of each half, permute rows, store B-column blocks block-major."""
+    w = w.clone()
+    w[:, KEEP:R // 2] = 0
+    w[:, R // 2 + KEEP:] = 0
+    w = w[:, ROWS]
+    return w.reshape(w.shape[0], R, C // B, B).permute(0, 2, 1, 3).contiguous().reshape(w.shape)
+
+
+def half_swap(w):
+    return w.reshape(w.shape[0], 2, -1, w.shape[-1]).flip(1).reshape(w.shape)
+
+
+def _order(convert) -> KernelOrder:
+    return KernelOrder("test", learn_order(lambda a: [convert(a)], [(E, R, C)])[0])
+
+
+BOXES = [((0, E), (0, KEEP), (0, C)), ((0, E), (R // 2, R // 2 + KEEP), (0, C))]
+
+
+def _values(w, box):
+    return w[tuple(slice(a, b) for a, b in box)]
+
+
+def _bits(t):
+    return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
+
+
+def test_column_runs_of_a_block_layout_and_of_checkpoint_order():
+    order = _order(blocks)
+    assert order.column_runs(BOXES[0]) == (0, B, R * B)
+    assert order.column_runs(((0, E), (0, KEEP), (B, 3 * B))) == (R * B, B, R * B)
+    assert order.column_runs(((0, E), (0, KEEP), (4, C))) is None  # cuts a run
+    plain = KernelOrder("plain", contiguous_terms((E, R, C)))
+    assert plain.column_runs(((0, E), (0, R), (0, 96))) == (0, 32, 32)  # 96 = 3 x 32
+
+
+@pytest.mark.parametrize("convert", [blocks, half_swap])
+def test_permuted_rows_write_the_conversions_bytes(convert):
+    """The torch path of ``PermutedRows`` (what runs where the kernel does not), whole boxes
+    and per expert as members arrive, against the conversion itself."""
+    order, w = _order(convert), torch.randn(E, R, C).to(torch.bfloat16)
+    want = convert(w)
+    for boxes in (BOXES, [((e, e + 1), r, c) for e in range(E) for _, r, c in BOXES]):
+        storage = torch.zeros_like(w)
+        for box in boxes:
+            rows = order.permuted_rows(storage, box)
+            assert rows is not None and rows.shape == tuple(b - a for a, b in box)
+            rows.write(_values(w, box))
+        if convert is blocks:
+            assert torch.equal(_bits(storage), _bits(want))
+        else:  # the half swap: only the rows of the boxes were written
+            sel = [r for _, (a, b), _ in BOXES for r in range(a, b)]
+            got = storage.reshape(E, 2, R // 2, C).flip(1).reshape(E, R, C)
+            assert torch.equal(_bits(got[:, sel]), _bits(w[:, sel]))
+    if convert is blocks:  # a box reaching the padding vLLM keeps
+        assert order.permuted_rows(torch.zeros_like(w), ((0, E), (0, KEEP + 1), (0, C))) is None
+
+
+def test_a_planted_row_error_is_visible():
+    order = _order(blocks)
+    rows = order.terms[1].clone()
+    rows[[0, 1]] = rows[[1, 0]]
+    bad = KernelOrder("test", (order.terms[0], rows, order.terms[2]))
+    w = torch.randn(E, R, C).to(torch.bfloat16)
+    storage = torch.zeros_like(w)
+    for box in BOXES:
+        bad.permuted_rows(storage, box).write(_values(w, box))
+    assert not torch.equal(_bits(storage), _bits(blocks(w)))
+
+
+def _device():
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if os.environ.get("TRITON_INTERPRET") == "1" and kernel_copies.triton_kernels():
+        return torch.device("cpu")
+    pytest.skip("needs CUDA with Triton (or TRITON_INTERPRET=1 with Triton installed)")
+
+
+@pytest.fixture
+def device(monkeypatch):
+    dev = _device()
+    if dev.type == "cpu":  # the interpreter runs the kernels on CPU tensors
+        monkeypatch.setattr(kernel_copies, "kernels_for", lambda d: kernel_copies.triton_kernels())
+    return dev
+
+
+def _nan_bits(shape, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, 256, (torch.Size(shape).numel() * dtype.itemsize,), dtype=torch.uint8,
+                      generator=g)
+    if dtype.itemsize == 2:
+        x.view(torch.int16)[:4] = torch.tensor([0x7F81, -0x8000, 0x7FC1, -1], dtype=torch.int16)
+    return x.view(dtype).view(shape)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("convert", [blocks, half_swap])
+def test_the_kernel_writes_the_conversions_bytes(device, dtype, convert):
+    """Sources as a column block of a wider tensor (rows not contiguous) and as one tensor
+    per expert (members), NaN payloads among the bits; the kernel is the only writer."""
+    order = _order(convert)
+    order = KernelOrder(order.backend, tuple(t.to(device) for t in order.terms))
+    w = _nan_bits((E, R, C), dtype, 1)
+    wide = torch.zeros(E, R, C + 2 * B, dtype=dtype)
+    wide[:, :, B:B + C] = w
+    src = wide.to(device)[:, :, B:B + C]
+    storage = torch.zeros((E, R, C), dtype=dtype, device=device)
+    pairs = []
+    for box in BOXES:
+        rows = order.permuted_rows(storage, box)
+        pairs += [(rows, _values(src, box))]
+        # per expert, as a stacked destination filled from members
+        pairs += list(zip(rows.unbind(0), [_values(src, box)[e] for e in range(E)]))
+    tables, rest = permuted_tables(pairs, device)
+    assert rest == [] and tables
+    for t in tables:
+        t.run()
+    want = convert(w)
+    if convert is blocks:
+        assert torch.equal(_bits(storage.cpu()), _bits(want))
+    else:
+        sel = [r for _, (a, b), _ in BOXES for r in range(a, b)]
+        got = storage.cpu().reshape(E, 2, R // 2, C).flip(1).reshape(E, R, C)
+        assert torch.equal(_bits(got[:, sel]), _bits(w[:, sel]))
+
+
+def test_scatter_and_the_colocated_copy_batch_take_the_kernel(device):
+    """``KernelOrder.scatter`` on the device and a colocated ``CopyBatch`` whose destination
+    is a ``PermutedRows`` (twice: the second run replays its CUDA graph on CUDA)."""
+    order = _order(blocks)
+    order = KernelOrder(order.backend, tuple(t.to(device) for t in order.terms))
+    w = _nan_bits((E, R, C), torch.bfloat16, 2).to(device)
+    want = blocks(w.cpu())
+    storage = torch.zeros_like(w)
+    for box in BOXES:
+        if device.type == "cuda":
+            order.scatter(storage, box, _values(w, box))
+        else:
+            assert order._scatter_by_kernel(storage, box, _values(w, box))
+    assert torch.equal(_bits(storage.cpu()), _bits(want))
+    storage.zero_()
+    members = [w[e] for e in range(E)]
+    pairs = []
+    for _, rows, cols in BOXES:
+        dst = order.permuted_rows(storage, ((0, E), rows, cols))
+        pairs += list(zip(dst.unbind(0), [m[rows[0]:rows[1]] for m in members]))
+    batch = CopyBatch(pairs, device)
+    assert batch.permuted and not batch.permuted_rest
+    for _ in range(2):
+        storage.zero_()
+        batch.run()
+        assert torch.equal(_bits(storage.cpu()), _bits(want))
