@@ -120,7 +120,7 @@ def _train(job, control, plan):
 
 
 def _gen(job, control, plan, gen_rank):
-    from megatron_reshard.megatron.payload import decode_payload
+    from megatron_reshard.wire.codec import decode_payload
     from megatron_reshard.testing.vllm_like import build_vllm_like_model
 
     _world(job, control, "gen", gen_rank, GEN)

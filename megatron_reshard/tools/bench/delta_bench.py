@@ -146,7 +146,7 @@ def _raw(group, control, gen: int, opts: dict) -> dict:
 
 
 def _gen(job, control, gen_rank: int, opts: dict) -> dict:
-    from megatron_reshard.megatron.payload import decode_payload
+    from megatron_reshard.wire.codec import decode_payload
     from megatron_reshard.testing.vllm_like import build_vllm_like_model
     from megatron_reshard.tools.e2e import ModuleWorker
 
@@ -176,7 +176,7 @@ def _gen(job, control, gen_rank: int, opts: dict) -> dict:
 
 
 def _raw_recv(worker, gen_rank: int, opts: dict, reports: list) -> None:
-    group = worker._refit_state()["groups"][0]  # the worker's refit group (stage 0)
+    group = worker.refit_worker_state.groups[0]  # the worker's refit group (stage 0)
     for row in reports:
         n = max(1, row["bytes_received"])
         for _ in range(opts["iters"]):
