@@ -130,7 +130,8 @@ class RefitSender:
                "bulk_s": done.bulk_s, "misc_s": done.misc_s,
                "refit_s": done.bulk_s + done.misc_s, "version": version,
                "mode": done.mode, "full_reason": done.full_reason,
-               "bytes_sent": done.bulk_bytes_moved + misc}
+               "bytes_sent": done.bulk_bytes_moved + misc,
+               "planner": "default" if self.loop.costs[self.stage] is None else "link"}
         if self.base is not None:
             out["delta"] = done.bulk.delta
             out["base"] = self.base.report()

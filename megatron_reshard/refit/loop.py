@@ -133,7 +133,8 @@ def plan_mismatch_text(names: Sequence[str], rows: Sequence[Sequence[int]]) -> s
             continue
         label, hint = _PART_HINTS.get(name, (name, f"pass the same {name} on every rank"))
         if name == "planner":
-            shown = {PLANNERS[v] if 0 <= v < len(PLANNERS) else v: r for v, r in by_value.items()}
+            shown = {repr(PLANNERS[v]) if 0 <= v < len(PLANNERS) else v: r
+                     for v, r in by_value.items()}
         elif name == "checksums":
             shown = {bool(v): r for v, r in by_value.items()}
         elif name == "misc_items":
