@@ -182,8 +182,8 @@ def test_the_test_layout_plans_differ_and_the_counts_are_reported(runs, capsys):
     keys = [layout_key(t.global_shape, t.src_mesh, t.src_placements, t.dst_mesh,
                        t.dst_placements) for t in bulk_transfers(stage_params(payload)[0])]
     nodes = [node_code("train-node")] + [node_code(f"gen-node-{g % 2}") for g in range(GEN)]
-    costs = choose_costs("auto", nodes, 1)
-    assert costs is not None and choose_costs("auto", [nodes[1]] * 5, 1) is None
+    costs = choose_costs("auto", nodes, 1.0)
+    assert costs is not None and choose_costs("auto", [nodes[1]] * 5, 1.0) is None
     plain = _messages(build_plan(k) for k in keys)
     link = _messages(build_plan(k, costs) for k in keys)
     with capsys.disabled():

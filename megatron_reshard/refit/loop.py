@@ -111,14 +111,25 @@ def node_code(node: Optional[str]) -> int:
     return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little") & ((1 << 62) - 1)
 
 
-def choose_costs(planner: str, nodes: Sequence[int], pp_size: int) -> Optional[LinkCosts]:
+def choose_costs(planner: str, nodes: Sequence[int], dst_weight: float) -> Optional[LinkCosts]:
     """The link model a group's plans use, from what every rank of it agreed on: its
     ranks' node codes by group rank. None: the default planner. ``"auto"`` is link-aware
     when the group spans more than one node (docs/DESIGN.md, "Which planner a refit uses").
-    A destination's links carry every training stage's group (``dst_weight=pp_size``)."""
+    ``dst_weight``: how many stages' traffic a destination's links carry
+    (``stage_weight``)."""
     if planner == "default" or (planner == "auto" and len(set(nodes)) < 2):
         return None
-    return LinkCosts(tuple(enumerate(int(n) for n in nodes)), dst_weight=float(pp_size))
+    return LinkCosts(tuple(enumerate(int(n) for n in nodes)), dst_weight=dst_weight)
+
+
+def stage_weight(stages: Mapping[int, Sequence[ParamRecord]]) -> float:
+    """A generation rank takes part in every stage's group, a training rank in its own:
+    the job's bulk bytes over the heaviest stage's (the PP size when stages are even), as
+    the simulator weighs them (``tools.simulate.link_costs``). Payload-derived."""
+    sizes = [sum(math.prod(p.global_shape) * p.torch_dtype.itemsize for p in ps)
+             for ps in stages.values()]
+    top = max(sizes, default=0)
+    return round(sum(sizes) / top, 3) if top else 1.0
 
 
 def plan_mismatch_text(names: Sequence[str], rows: Sequence[Sequence[int]]) -> str:
@@ -219,7 +230,8 @@ class RefitLoop:
             dict(groups) if isinstance(groups, Mapping) else dict(enumerate(groups)))
         info = RefitPayload.of(refit_info)  # records (a refit info dict is parsed here)
         all_stages = info.stage_params()
-        pp_size = self.pp_size = info.pp_size
+        pp_size = info.pp_size
+        self._dst_weight = stage_weight(all_stages)
         for stage in self.groups:
             if not 0 <= stage < pp_size:
                 raise BadInputError(f"refit group given for stage {stage}, but the payload has "
@@ -308,7 +320,7 @@ class RefitLoop:
                     f"refit plan mismatch in the group of PP stage {stage} (seen from {self.side} "
                     f"group rank {self._ranks[stage]}): "
                     f"{plan_mismatch_text(list(parts), [row[1:-1] for row in seen])}")
-            costs = choose_costs(self.planner, [row[-1] for row in seen], self.pp_size)
+            costs = choose_costs(self.planner, [row[-1] for row in seen], self._dst_weight)
             if costs != self.costs[stage]:
                 self.costs[stage], self._planners[stage] = costs, Planner(costs)
         if self.delta_plans is not None and any(c is not None for c in self.costs.values()):
