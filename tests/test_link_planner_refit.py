@@ -10,6 +10,8 @@ and ``planner="auto"`` must pick the link-aware planner. Three refits (full, del
 delta), each compared bit for bit with the independent oracle's expected shards. Then
 new groups where the training side asks for ``planner="default"``: every rank raises a
 ``PlanMismatchError`` naming the planner, and the weights keep the last refit's bits.
+A second layout, PP2 -> TP2 (two refit groups, so one planner per stage, each with its
+own group's nodes), runs the same refits.
 """
 
 import json
@@ -28,12 +30,15 @@ from two_worlds import join_world
 GEN = 4
 TIMEOUT_S = 60.0
 REFITS = 3
-CFG = RefitRunConfig(model="dense", train_world=1, train_tp=1, train_pp=1, train_ep=1,
-                     gen_world=GEN, gen_tp=GEN, gen_ep=1)
 
 
-def _node(job) -> str:
-    return "train-node" if job.rank == 0 else f"gen-node-{(job.rank - 1) % 2}"
+def _cfg(train: int, gen: int) -> RefitRunConfig:
+    return RefitRunConfig(model="dense", train_world=train, train_tp=1, train_pp=train,
+                          train_ep=1, gen_world=gen, gen_tp=gen, gen_ep=1)
+
+
+def _node(job, train: int) -> str:
+    return "train-node" if job.rank < train else f"gen-node-{(job.rank - train) % 2}"
 
 
 def _change(model, step: int) -> None:
@@ -51,13 +56,14 @@ def _catch(fn):
         return {"mode": "failed", "type": type(exc).__name__, "error": str(exc)}
 
 
-def _job(job):
-    control, side, rank = join_world(job, 1, GEN)
-    return _train(job, control) if side == "train" else _gen(job, control, rank)
+def _job(job, train, gen):
+    control, side, rank = join_world(job, train, gen)
+    return _train(job, control, train, gen) if side == "train" else \
+        _gen(job, control, rank, train, gen)
 
 
 @torch.no_grad()
-def _train(job, control):
+def _train(job, control, train, gen):
     from megatron.core import parallel_state as ps
 
     from megatron_reshard.groups.comm import create_refit_group, destroy_refit_group
@@ -67,24 +73,27 @@ def _train(job, control):
     from megatron_reshard.testing.megatron_models import TinyGPTSpec, build_gpt_model
     from megatron_reshard.testing.megatron_reference import gather_full_hf_state_dict
 
-    ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+    ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=train,
                                  distributed_timeout_minutes=1)
     preset = dict(MODEL_PRESETS["dense"], num_layers=2)
     family = preset.pop("family")
     spec = TinyGPTSpec(dtype="bfloat16", **preset)
     torch.manual_seed(0)
     model = build_gpt_model(spec).to(dtype=torch.bfloat16)
-    source = MegatronRefitSource(model, gen_parallelism={"tp_size": GEN, "ep_size": 1,
+    source = MegatronRefitSource(model, gen_parallelism={"tp_size": gen, "ep_size": 1,
                                                          "pp_size": 1},
-                                 gen_world_size=GEN, family=family, vocab_size=spec.vocab_size)
-    control.set("payload", source.payload_bytes())
+                                 gen_world_size=gen, family=family, vocab_size=spec.vocab_size)
+    if job.rank == 0:
+        control.set("payload", source.payload_bytes())
 
     def group(round_: int):
-        return create_refit_group(job.host, job.ports[1 + round_], 0, 1 + GEN, "gloo",
-                                  TIMEOUT_S, who="train rank 0", label="refit group")
+        return create_refit_group(job.host, job.ports[1 + round_ * train + source.stage],
+                                  source.stage_local_rank, 1 + gen, "gloo", TIMEOUT_S,
+                                  who=f"train rank {job.rank}",
+                                  label=f"refit group of PP stage {source.stage}")
 
     g = group(0)
-    sender = RefitSender(source, g, verify_checksums=True, planner="auto", node=_node(job),
+    sender = RefitSender(source, g, verify_checksums=True, planner="auto", node=_node(job, train),
                          delta=DeltaConfig(keep="pinned"))
     out = {"refits": []}
     for step in range(REFITS):
@@ -92,31 +101,34 @@ def _train(job, control):
             _change(model, step)
         out["refits"].append(_catch(sender.refit))
         full = gather_full_hf_state_dict(model, family=family, vocab_size=spec.vocab_size)
-        _publish_expected(CFG, control, source.hf_config, full, step)
+        if job.rank == 0:
+            _publish_expected(_cfg(train, gen), control, source.hf_config, full, step)
     destroy_refit_group(g, TIMEOUT_S)
     _change(model, REFITS)  # bits the refused refit must not deliver
     g = group(1)
-    other = RefitSender(source, g, verify_checksums=True, planner="default", node=_node(job))
+    other = RefitSender(source, g, verify_checksums=True, planner="default",
+                        node=_node(job, train))
     out["refused"] = _catch(other.refit)
     destroy_refit_group(g, TIMEOUT_S)
     return out
 
 
 @torch.no_grad()
-def _gen(job, control, gen_rank):
+def _gen(job, control, gen_rank, train, gen):
     from megatron_reshard.testing.vllm_like import build_vllm_like_model
     from megatron_reshard.wire.codec import decode_payload
 
     control.wait(["payload"])
     payload = decode_payload(control.get("payload"))
-    model = build_vllm_like_model(payload["hf_config"], gen_rank, GEN, 1, torch.bfloat16)
+    model = build_vllm_like_model(payload["hf_config"], gen_rank, gen, 1, torch.bfloat16)
     worker = ModuleWorker(model)
-    options = {"verify_checksums": True, "planner": "auto", "node": _node(job)}
+    options = {"verify_checksums": True, "planner": "auto", "node": _node(job, train)}
 
     def digests():
         return {n: tensor_digest(p) for n, p in model.named_parameters()}
 
-    worker.init_refit_groups(job.host, [job.ports[1]], 1 + gen_rank, 1 + GEN, "gloo", TIMEOUT_S)
+    ports = [job.ports[1 + s] for s in range(train)]
+    worker.init_refit_groups(job.host, ports, 1 + gen_rank, 1 + gen, "gloo", TIMEOUT_S)
     worker.prepare_refit(payload, options)
     out = {"refits": [], "mismatched": [], "payload": control.get("payload")}
     for step in range(REFITS):
@@ -128,7 +140,8 @@ def _gen(job, control, gen_rank):
                                         if expected.get(n) != actual.get(n)))
     worker.destroy_refit_groups(TIMEOUT_S)
     before = digests()
-    worker.init_refit_groups(job.host, [job.ports[2]], 1 + gen_rank, 1 + GEN, "gloo", TIMEOUT_S)
+    ports = [job.ports[1 + train + s] for s in range(train)]
+    worker.init_refit_groups(job.host, ports, 1 + gen_rank, 1 + gen, "gloo", TIMEOUT_S)
     worker.prepare_refit(payload, options)
     out["refused"] = _catch(worker.refit)
     out["unchanged"] = digests() == before
@@ -139,18 +152,29 @@ def _gen(job, control, gen_rank):
 
 @pytest.fixture(scope="module")
 def runs(pool):
-    return pool.run(_job, 1 + GEN, num_ports=3, timeout_s=400)
+    return pool.run(_job, 1 + GEN, 1, GEN, num_ports=3, timeout_s=400)
 
 
-def test_link_aware_refits_are_bit_exact_full_and_delta(runs):
-    train, gens = runs[0], runs[1:]
-    modes = [r["mode"] for r in train["refits"]]
-    assert modes == ["full", "delta", "delta"], train["refits"]
-    assert all(r["planner"] == "link" for r in train["refits"]), train["refits"]
+@pytest.fixture(scope="module")
+def pp2(pool):
+    return pool.run(_job, 2 + 2, 2, 2, num_ports=5, timeout_s=400)
+
+
+@pytest.mark.parametrize("layout", ["runs", "pp2"])
+def test_link_aware_refits_are_bit_exact_full_and_delta(layout, request):
+    res = request.getfixturevalue(layout)
+    train = 1 if layout == "runs" else 2
+    trains, gens = res[:train], res[train:]
+    modes = [r["mode"] for r in trains[0]["refits"]]
+    assert modes == ["full", "delta", "delta"], trains[0]["refits"]
+    for t in trains:
+        assert [r["mode"] for r in t["refits"]] == modes
+        assert all(r["planner"] == "link" for r in t["refits"]), t["refits"]
     for gen in gens:
         assert gen["mismatched"] == [[]] * REFITS, gen["mismatched"]
         assert [r["mode"] for r in gen["refits"]] == modes
-        assert all(r["planners"] == {0: "link"} for r in gen["refits"]), gen["refits"]
+        assert all(r["planners"] == {s: "link" for s in range(train)}
+                   for r in gen["refits"]), gen["refits"]
 
 
 def test_a_side_with_another_planner_is_refused_by_name_before_bytes_move(runs):
