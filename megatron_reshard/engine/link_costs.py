@@ -1,6 +1,7 @@
 """The planner's optional link model: how replicas of a destination region complete.
 
-With a ``LinkCosts`` (``Planner(costs=...)``, off by default) ``build_plan`` may split a
+With a ``LinkCosts`` (``Planner(costs=...)``; real refits pass one when
+the refit group spans more than one node, ``refit.loop.choose_costs``) ``build_plan`` may split a
 destination group into parts (``splits``) and keeps the split with the lowest estimated
 time of its busiest rank (``RankLoads``), given the loads of the groups planned before it.
 """

@@ -21,7 +21,8 @@ a plan reads a replicated piece fewer times than it has holders (training DP rep
 feeding one generation replica), each large read is split into one stripe per holder, so
 that every replica sends its share instead of the first one sending everything.
 
-With a ``LinkCosts`` (``Planner(costs=...)``, off by default; ``link_costs.py``) a
+With a ``LinkCosts`` (``Planner(costs=...)``, ``link_costs.py``; real refits use one when the
+group spans nodes, ``refit.loop.choose_costs``) a
 destination group may instead be split into parts, each served from the sources and
 completed inside itself: one part per node (replicas on one node complete over NVLink,
 each node pulling the region once) or one part per member (every member served directly, no phase 1: cheaper

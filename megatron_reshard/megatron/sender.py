@@ -39,13 +39,19 @@ class RefitSender:
                  device: Optional[torch.device] = None, num_streams: int = 2, batch_bytes: int = DEFAULT_BATCH_BYTES,
                  staging_bytes: int = DEFAULT_STAGING_BYTES,
                  verify_checksums: bool = False,
-                 delta: Union[bool, DeltaConfig] = False):
+                 delta: Union[bool, DeltaConfig] = False, planner: str = "auto",
+                 node: Optional[str] = None):
         """``verify_checksums`` must match the generation side's choice (plan fingerprint).
         ``delta`` (experimental, off by default): ``True`` (a ``DeltaConfig()``: 1 GiB of
         base per rank, kept beside the weights) or a ``DeltaConfig``: once a refit
         committed, later refits send only the changed elements of the params the plan moves
         in one hop, when every rank can prove the base (``refit.delta``); else full, the
         reason in the result.
+
+        ``planner`` (``"auto"``, ``"link"`` or ``"default"``) must match the generation
+        side's; ``node`` names this rank's node (default: the host name): with ``"auto"``
+        the link-aware planner plans a group that spans more than one node (docs/DESIGN.md,
+        "Which planner a refit uses").
 
         ``source``: a ``MegatronRefitSource`` or its ``plan``; anything else raises
         ``BadInputTypeError``. Errors here are posted on the group's fault board, so the
@@ -68,15 +74,21 @@ class RefitSender:
             self.loop = RefitLoop(info, local_param_map(plan), "src",
                                   {self.stage: group}, num_streams=num_streams,
                                   batch_bytes=batch_bytes, staging_bytes=staging_bytes,
-                                  misc_items=misc, verify_checksums=verify_checksums)
-            self.base: Optional[TrainBase] = None  # the bits last sent (delta refits)
+                                  misc_items=misc, verify_checksums=verify_checksums,
+                                  planner=planner, node=node)
             if self.delta is not None:
                 self.loop.enable_delta(lambda *a: TrainBase(self.delta, *a))
-                self.base = self.loop.delta_bases[self.stage]
             self.protocol = RefitProtocol("src", self.loop, {self.stage: group},
                                           {self.stage: self.misc_items}, staging_bytes,
                                           self.pp_size)
         self.is_misc_root = plan.stage_local_rank == 0
+
+    @property
+    def base(self) -> Optional[TrainBase]:
+        """The bits last sent (delta refits): the loop's, which plans them again once the
+        plan check picked the link-aware planner."""
+        bases = self.loop.delta_bases
+        return None if bases is None else bases[self.stage]
 
     def refit(self, version: Optional[int] = None, *, allow_version_reuse: bool = False) -> dict:
         """Send every param once, then commit (``refit.protocol`` states the order).
@@ -118,7 +130,8 @@ class RefitSender:
                "bulk_s": done.bulk_s, "misc_s": done.misc_s,
                "refit_s": done.bulk_s + done.misc_s, "version": version,
                "mode": done.mode, "full_reason": done.full_reason,
-               "bytes_sent": done.bulk_bytes_moved + misc}
+               "bytes_sent": done.bulk_bytes_moved + misc,
+               "planner": "default" if self.loop.costs[self.stage] is None else "link"}
         if self.base is not None:
             out["delta"] = done.bulk.delta
             out["base"] = self.base.report()
@@ -130,7 +143,7 @@ class RefitSender:
             return src_vote(False, 0, None)
         if self.base is not None and transport_of(self.group).name != "p2p":
             # the colocated transport reads at memcpy speed: keep no base for it
-            self.base = self.loop.delta_plans = self.loop.delta_bases = None
+            self.loop.delta_plans = self.loop.delta_bases = None
         if self.base is None:
             return src_vote(True, 3, None)
         return src_vote(True, self.base.no_base_code(), self.base.version)

@@ -55,6 +55,8 @@ class ReceiverSession:
         weights: Optional[WeightState] = None,
         keep_as_loaded: Optional[Iterable[str]] = None,
         storage_orders: Optional[Mapping[str, Any]] = None,
+        planner: str = "auto",
+        node: Optional[str] = None,
     ):
         """``vllm_tp``: ``(tp_rank, tp_size)`` as the serving engine reports it, if known; the
         payload's placement of this rank must agree (else data would land on the wrong rank).
@@ -64,6 +66,9 @@ class ReceiverSession:
         ``keep_as_loaded``: vLLM param names (or fnmatch patterns) the payload does not
         write and that may keep what was loaded (``receiver.coverage``); any other param
         the payload leaves unwritten is refused here.
+        ``planner`` (``"auto"``, ``"link"``, ``"default"``) must match the training side's;
+        ``node`` names this rank's node (default: the host name; docs/DESIGN.md, "Which
+        planner a refit uses").
         ``storage_orders``: the targets vLLM stores in a kernel's order
         (``receiver.kernel_layouts.storage_orders`` of the model).
 
@@ -78,7 +83,7 @@ class ReceiverSession:
                           strided_in_place=strided_in_place, xfer_batch=xfer_batch,
                           vllm_tp=vllm_tp, verify_checksums=verify_checksums,
                           keep_as_loaded=parse_keep_as_loaded(keep_as_loaded),
-                          storage_orders=storage_orders)
+                          storage_orders=storage_orders, planner=planner, node=node)
         self.receive_misc = receive_misc or receive_misc_packed
         self.staging_bytes = staging_bytes
         self.protocol = RefitProtocol("dst", self.loop, self.groups, self.misc_items,
@@ -95,7 +100,7 @@ class ReceiverSession:
 
     def _prepare(self, payload, named_parameters, *, num_streams, batch_bytes, staging_bytes,
                  strided_in_place, xfer_batch, vllm_tp, verify_checksums,
-                 keep_as_loaded, storage_orders) -> None:
+                 keep_as_loaded, storage_orders, planner="auto", node=None) -> None:
         ranks = {s: group_rank(g) for s, g in self.groups.items()}
         if len(set(ranks.values())) > 1:
             raise BadInputError(f"this generation rank has different ranks in the refit groups: {ranks}")
@@ -141,7 +146,8 @@ class ReceiverSession:
         self.loop = RefitLoop(self.payload, self.local_map, "dst", self.groups,
                               num_streams=num_streams, batch_bytes=batch_bytes,
                               staging_bytes=staging_bytes, misc_items=self.misc_items,
-                              xfer_batch=xfer_batch, verify_checksums=verify_checksums)
+                              xfer_batch=xfer_batch, verify_checksums=verify_checksums,
+                              planner=planner, node=node)
         self.pp_size = pp_size
         # the weight state names the model's own (vLLM) params: what the storage holds
         self._targets_of = {plan.hf_name: sorted({piece.target for piece in plan.pieces}
@@ -241,6 +247,8 @@ class ReceiverSession:
                 "bulk_s": done.bulk_s, "misc_s": done.misc_s,
                 "stages": done.bulk.as_dict()["stages"],
                 "checksums": self.loop.verify_checksums,
+                "planners": {s: "default" if c is None else "link"
+                             for s, c in self.loop.costs.items()},
                 "version": done.outcome.version, "refit_s": time.perf_counter() - t0}
         self.stats["refits"] += 1
         self.stats["total_refit_s"] += last["refit_s"]

@@ -108,7 +108,8 @@ class MegatronReshardWorkerExtension:
 
         ``options`` (``receiver.worker_state.PrepareOptions``'s fields): ``num_streams``,
         ``batch_bytes``, ``staging_bytes``, ``strided_in_place``, ``verify_checksums``
-        (must match the sender's) and ``keep_as_loaded``: vLLM param names or fnmatch
+        (must match the sender's), ``planner`` and ``node`` (the planner must match the
+        sender's; docs/DESIGN.md, "Which planner a refit uses") and ``keep_as_loaded``: vLLM param names or fnmatch
         patterns that the payload does not write and may keep what was loaded (any other
         such param is refused here, on every rank; see ``receiver.coverage``). Params vLLM
         derives itself (MLA's absorbed weights) are never refit targets and need no listing."""

@@ -49,7 +49,9 @@ class PrepareOptions:
     """``prepare_refit``'s options. ``verify_checksums``, ``batch_bytes`` and
     ``staging_bytes`` enter the plan fingerprint: they must match the sender's.
     ``keep_as_loaded``: vLLM param names or fnmatch patterns the payload does not write
-    and that may keep what was loaded (``receiver.coverage``)."""
+    and that may keep what was loaded (``receiver.coverage``). ``planner`` (``"auto"``,
+    ``"link"``, ``"default"``) must match the sender's; ``node``: this rank's node name
+    (None: the host name; docs/DESIGN.md, "Which planner a refit uses")."""
 
     num_streams: int = 2
     batch_bytes: int = DEFAULT_BATCH_BYTES
@@ -57,9 +59,12 @@ class PrepareOptions:
     strided_in_place: bool = True
     verify_checksums: bool = False
     keep_as_loaded: tuple[str, ...] = ()
+    planner: str = "auto"
+    node: Optional[str] = None
 
     NAMES: ClassVar[tuple[str, ...]] = ("num_streams", "batch_bytes", "staging_bytes",
-                                        "strided_in_place", "verify_checksums", "keep_as_loaded")
+                                        "strided_in_place", "verify_checksums", "keep_as_loaded",
+                                        "planner", "node")
 
     @classmethod
     def unknown(cls, options: Mapping) -> list:

@@ -32,6 +32,13 @@ Decisions:
   predicts (all but the first batch of each group in the second run, all of them after),
   which removes a host sync per batch. A ``pre`` hook that later returns a differently
   shaped buffer then raises on its own rank only (its peers wait for the group's timeout).
+- Which planner plans the params (``planner``, docs/DESIGN.md "Which planner a refit
+  uses"): ``"default"`` (today's plans), ``"link"`` (``engine.link_costs``: replicas
+  complete per node or are served directly) or ``"auto"`` (link-aware when the group spans
+  more than one node). The inputs are agreed in ``verify_plan``'s all-gather, before any
+  byte moves: every rank's option (refused by name when they differ) and its node (a hash of
+  ``node``, the host name by default); every rank then builds the same ``LinkCosts`` and so
+  the same plans, one ``Planner`` per stage (each group has its own ranks' nodes).
 - The params outside the bulk path ("other_params") can be made part of the fingerprint
   (``misc_items``) so a disagreement on the packed broadcast's entries is also caught at
   setup; both sides must then pass ``refit.order.misc_items_by_stage(info)``.
@@ -43,7 +50,9 @@ receiver both run it.
 
 from __future__ import annotations
 
+import hashlib
 import math
+import socket
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -52,6 +61,8 @@ from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence, Union
 import torch
 
 from megatron_reshard.engine import Planner, Transfer
+from megatron_reshard.engine.link_costs import LinkCosts
+from megatron_reshard.engine.plan import layout_key
 from megatron_reshard.engine.refit_transport import transport_of
 from megatron_reshard.layout.geometry import box_shape
 from megatron_reshard.engine.plan import gc_paused
@@ -68,6 +79,7 @@ from megatron_reshard.wire.records import ParamRecord, RefitPayload
 SIDES = ("src", "dst")
 DEFAULT_BATCH_BYTES = 512 << 20
 DEFAULT_STAGING_BYTES = 256 << 20
+PLANNERS = ("default", "link", "auto")  # codes 0, 1, 2 in the plan check's row
 
 
 class PlanMismatchError(RefitError):
@@ -86,7 +98,38 @@ _PART_HINTS = {
                                       "(RefitSender(verify_checksums=...) on the training "
                                       "side, prepare_refit's {'verify_checksums': ...} on "
                                       "the generation side)"),
+    "planner": ("planner", "pass the same planner on both sides (RefitSender(planner=...) "
+                           "on the training side, ReceiverSession(planner=...) / "
+                           "prepare_refit's {'planner': ...} on the generation side)"),
 }
+
+
+def node_code(node: Optional[str]) -> int:
+    """A 62-bit code of a node's name (the host name when None): equal names, equal codes
+    on every process, so the ranks of a group can tell who shares a node."""
+    name = socket.gethostname() if node is None else str(node)
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little") & ((1 << 62) - 1)
+
+
+def choose_costs(planner: str, nodes: Sequence[int], dst_weight: float) -> Optional[LinkCosts]:
+    """The link model a group's plans use, from what every rank of it agreed on: its
+    ranks' node codes by group rank. None: the default planner. ``"auto"`` is link-aware
+    when the group spans more than one node (docs/DESIGN.md, "Which planner a refit uses").
+    ``dst_weight``: how many stages' traffic a destination's links carry
+    (``stage_weight``)."""
+    if planner == "default" or (planner == "auto" and len(set(nodes)) < 2):
+        return None
+    return LinkCosts(tuple(enumerate(int(n) for n in nodes)), dst_weight=dst_weight)
+
+
+def stage_weight(stages: Mapping[int, Sequence[ParamRecord]]) -> float:
+    """A generation rank takes part in every stage's group, a training rank in its own:
+    the job's bulk bytes over the heaviest stage's (the PP size when stages are even), as
+    the simulator weighs them (``tools.simulate.link_costs``). Payload-derived."""
+    sizes = [sum(math.prod(p.global_shape) * p.torch_dtype.itemsize for p in ps)
+             for ps in stages.values()]
+    top = max(sizes, default=0)
+    return round(sum(sizes) / top, 3) if top else 1.0
 
 
 def plan_mismatch_text(names: Sequence[str], rows: Sequence[Sequence[int]]) -> str:
@@ -100,7 +143,10 @@ def plan_mismatch_text(names: Sequence[str], rows: Sequence[Sequence[int]]) -> s
         if len(by_value) < 2:
             continue
         label, hint = _PART_HINTS.get(name, (name, f"pass the same {name} on every rank"))
-        if name == "checksums":
+        if name == "planner":
+            shown = {repr(PLANNERS[v]) if 0 <= v < len(PLANNERS) else v: r
+                     for v, r in by_value.items()}
+        elif name == "checksums":
             shown = {bool(v): r for v, r in by_value.items()}
         elif name == "misc_items":
             shown = {("none given" if v < 0 else f"{v:#x}"): r for v, r in by_value.items()}
@@ -161,6 +207,8 @@ class RefitLoop:
         misc_items: Optional[Mapping[int, Sequence[MiscItem]]] = None,
         xfer_batch: Optional[Callable[..., None]] = None,
         verify_checksums: bool = False,
+        planner: str = "auto",
+        node: Optional[str] = None,
     ):
         if side not in SIDES:
             raise BadInputError(f"side must be one of {SIDES}, got {side!r}")
@@ -168,6 +216,10 @@ class RefitLoop:
             raise BadInputError(f"num_streams must be >= 1, got {num_streams}")
         if batch_bytes < 1:
             raise BadInputError(f"batch_bytes must be >= 1, got {batch_bytes}")
+        if planner not in PLANNERS:
+            raise BadInputError(f"planner must be one of {PLANNERS}, got {planner!r}")
+        self.planner = planner
+        self._node = node_code(node)
         self.side = side
         self.local_map = local_map
         self.num_streams = num_streams
@@ -179,6 +231,7 @@ class RefitLoop:
         info = RefitPayload.of(refit_info)  # records (a refit info dict is parsed here)
         all_stages = info.stage_params()
         pp_size = info.pp_size
+        self._dst_weight = stage_weight(all_stages)
         for stage in self.groups:
             if not 0 <= stage < pp_size:
                 raise BadInputError(f"refit group given for stage {stage}, but the payload has "
@@ -195,7 +248,8 @@ class RefitLoop:
             s: bulk_transfers(ps) for s, ps in self.stages.items()}
         # batch cut points and staging size shape the engine calls: they must match too
         must_match = {"batch_bytes": batch_bytes, "staging_bytes": staging_bytes,
-                      "checksums": int(verify_checksums)}
+                      "checksums": int(verify_checksums),
+                      "planner": PLANNERS.index(planner)}
         self.verify_checksums = verify_checksums
         self._overlaps = SourceOverlaps(self.stages, self._ranks)
         self.fingerprints = {s: plan_fingerprint(ps, None if self.misc_items is None
@@ -206,7 +260,10 @@ class RefitLoop:
                                           else self.misc_items[s], must_match)
                             for s, ps in self.stages.items()}
         self._verified = False
-        self._planner = None
+        # one planner per stage: its group's nodes shape its plans (set in verify_plan)
+        self._planners: dict[int, Planner] = {s: Planner() for s in self.stages}
+        self.costs: dict[int, Optional[LinkCosts]] = {s: None for s in self.stages}
+        self._make_base: Optional[Callable[..., Any]] = None
         self._agreed = False  # set once a run went through: later runs skip the agreement
         self._stream_pool: Optional[list] = None
         # delta refits (refit.delta): off until enable_delta; plans of the eligible params
@@ -216,11 +273,23 @@ class RefitLoop:
     def enable_delta(self, make_base: Optional[Callable[..., Any]] = None) -> None:
         """Plan which params can move as deltas (payload-derived, alike on every rank);
         ``make_base(stage, records, plans, rank, dtypes)``: the training side's base keeper."""
-        from megatron_reshard.refit.delta import eligible_plans
-        self.delta_plans = {s: eligible_plans(t) for s, t in self._transfers.items()}
-        if make_base is not None:
-            self.delta_bases = {s: make_base(s, self.stages[s], self.delta_plans[s],
-                                             self._ranks[s], [t.dtype for t in self._transfers[s]])
+        self._make_base = make_base
+        self._plan_delta()
+
+    def _plan_delta(self) -> None:
+        """Delta plans (and the training side's bases) from the stages' planners: again
+        once ``verify_plan`` picked the link-aware planner, before any byte moved."""
+        from megatron_reshard.refit.delta import eligible
+        self.delta_plans = {}
+        for s, transfers in self._transfers.items():
+            plans = self._planners[s].plan_all([layout_key(
+                t.global_shape, t.src_mesh, t.src_placements, t.dst_mesh, t.dst_placements,
+                f"delta: {t.name}") for t in transfers])
+            self.delta_plans[s] = [p if eligible(p) else None for p in plans]
+        if self._make_base is not None:
+            self.delta_bases = {s: self._make_base(s, self.stages[s], self.delta_plans[s],
+                                                   self._ranks[s],
+                                                   [t.dtype for t in self._transfers[s]])
                                 for s in self.stages}
 
     def delta_held(self) -> bool:
@@ -239,17 +308,28 @@ class RefitLoop:
 
         A small all-gather per group, issued in stage order: every rank of a group reaches
         it, so a mismatch is reported everywhere instead of hanging in a transfer.
+        The same all-gather carries each rank's node code: with the planner option agreed,
+        every rank derives the same ``LinkCosts`` (``choose_costs``), hence the same plans.
         """
         for stage, group in self.groups.items():
             parts = self._plan_parts[stage]
             mine = [self.fingerprints[stage], len(self.stages[stage]), *parts.values()]
-            seen = all_gather_ints(mine, group)
-            if any(row != mine for row in seen):
+            seen = all_gather_ints([*mine, self._node], group)
+            if any(row[:-1] != mine for row in seen):
                 raise PlanMismatchError(
                     f"refit plan mismatch in the group of PP stage {stage} (seen from {self.side} "
                     f"group rank {self._ranks[stage]}): "
-                    f"{plan_mismatch_text(list(parts), [row[1:] for row in seen])}")
+                    f"{plan_mismatch_text(list(parts), [row[1:-1] for row in seen])}")
+            costs = choose_costs(self.planner, [row[-1] for row in seen], self._dst_weight)
+            if costs != self.costs[stage]:
+                self.costs[stage], self._planners[stage] = costs, Planner(costs)
+        if self.delta_plans is not None and any(c is not None for c in self.costs.values()):
+            self._plan_delta()  # planned before the check (the sender's base): again
         self._verified = True
+
+    def planner_of(self, stage: int) -> Planner:
+        """The planner of a stage's group (link-aware once ``verify_plan`` chose it)."""
+        return self._planners[stage]
 
     # -- run -----------------------------------------------------------------------
 
@@ -263,18 +343,17 @@ class RefitLoop:
         # without a substitute, each group's own transport moves its batches (p2p or
         # colocated, chosen when the group was made: engine.refit_transport)
         fn = self._xfer_batch
-        if self._planner is None:
-            self._planner = Planner()
         # The engine's agreement step (a small all-reduce and a host sync per batch) guards
         # the first run; once every batch went through on every rank, later runs repeat
         # the same batches in the same order, so the engine skips it for each batch its
         # group's history predicts and the host can queue batches ahead of the GPU.
         agree = not self._agreed
 
-        def call(transfers, group, stream):
+        def call(transfers, stage, stream):
+            group, planner = self.groups[stage], self._planners[stage]
             if fn is not None:
                 fn(transfers, group, stream=stream, staging_bytes=self.staging_bytes,
-                   planner=self._planner, agree=agree)
+                   planner=planner, agree=agree)
                 return
             # overlap: a stage's batches run back to back (``_run`` flushes after the last),
             # so the colocated transport lets one batch's host work run during the copies
@@ -282,7 +361,7 @@ class RefitLoop:
             # kept alive by the transport until read)
             transport_of(group).move(transfers, group, stream=stream,
                                      staging_bytes=self.staging_bytes,
-                                     planner=self._planner, agree=agree, overlap=True)
+                                     planner=planner, agree=agree, overlap=True)
 
         return call, Transfer
 
@@ -324,8 +403,8 @@ class RefitLoop:
     def release_staging(self) -> None:
         """Give back the engine's CUDA staging slots kept between refits (at most two of
         ``staging_bytes / 2`` per stage stream); the next refit allocates them again."""
-        if self._planner is not None:
-            self._planner.release_staging()
+        for planner in self._planners.values():
+            planner.release_staging()
 
     def _run(self, synchronize: bool, on_write, mode: str = "full") -> RefitStats:
         xfer, transfer_cls = self._engine()
@@ -384,7 +463,7 @@ class RefitLoop:
         if run.delta is not None:  # delta refit: the eligible params move here, not below
             transfers = run.delta.move(batch, run.params)
         if transfers:
-            run.xfer(transfers, self.groups[run.stage], run.stream)
+            run.xfer(transfers, run.stage, run.stream)
         if run.delta is not None:
             run.delta.keep(batch)
         run.stats.batches += 1

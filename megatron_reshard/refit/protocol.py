@@ -9,7 +9,9 @@ collective of one side meets its peer on the other:
    refit's version must increase the weights' version; a refusal is raised on every rank
    alike before any byte moves, and leaves the groups usable;
 1. the first refit only: the plan fingerprints compared over each group
-   (``RefitLoop.verify_plan``: one small all-gather per group, stage order);
+   (``RefitLoop.verify_plan``: one small all-gather per group, stage order), the planner
+   option among them; the same gather carries each rank's node, from which every rank of
+   the group derives the same link model and so the same plans (``refit.loop``);
 2. the bulk params of every stage the rank takes part in (``RefitLoop.run``);
 3. per stage in order, the stage's other params (payload ``other_params``) in chunks of at
    most ``staging_bytes`` (``packed.chunk_items``, the same cuts on both sides), each
