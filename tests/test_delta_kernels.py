@@ -43,13 +43,14 @@ def _device():
     pytest.skip("needs CUDA with Triton (or TRITON_INTERPRET=1 with Triton installed)")
 
 
-@pytest.fixture
-def device(monkeypatch):
+@pytest.fixture(params=[True, False], ids=["fused", "two-pass"])
+def device(monkeypatch, request):
     """The device the kernels run on; every kernel entry point is watched, so a test can
     tell that the kernels (not the torch path) did the work."""
     dev = _device()
     if dev.type == "cpu":  # the interpreter runs the kernels on CPU tensors
         monkeypatch.setattr(delta_kernels, "usable", lambda t: delta_kernels.enabled())
+    monkeypatch.setattr(delta_kernels, "FUSED", request.param)
     calls = []
     for name in ("mark", "changed", "bitmask_counts", "bitmask_positions", "apply_bitmask"):
         real = getattr(delta_kernels, name)

@@ -29,6 +29,7 @@ import torch
 
 
 BLOCK = 4096  # elements per program (a multiple of 8: whole bitmask bytes)
+FUSED = True  # mark packs each block's changes itself (``changed`` then moves only those)
 WARPS = 4
 _INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -79,27 +80,48 @@ def _flat_bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(_INTS[t.element_size()]).reshape(-1)
 
 
-def mark(new: torch.Tensor, old: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(bitmask bytes of the changed elements, changed count per block), one launch."""
+class Marked(NamedTuple):
+    """What ``mark`` found: the bitmask (whole blocks of bytes; bits past the region 0),
+    the changed count per block, and, when ``FUSED``, each block's changed positions (in
+    the block, int32) and values packed at the block's own start (scratch)."""
+
+    mask: torch.Tensor
+    counts: torch.Tensor
+    spos: Optional[torch.Tensor]
+    svals: Optional[torch.Tensor]
+
+
+def mark(new: torch.Tensor, old: torch.Tensor) -> Marked:
+    """Compare the bits of ``new`` and ``old`` (one launch, each read once)."""
     a, b = _flat_bits(new), _flat_bits(old.to(new.device))
     n = a.numel()
     blocks = max(1, -(-n // BLOCK))
     mask = torch.empty(blocks * BLOCK // 8, dtype=torch.uint8, device=a.device)
     counts = torch.empty(blocks, dtype=torch.int64, device=a.device)
-    _kernels().mark[(blocks,)](a, b, n, mask, counts, BLOCK=BLOCK, num_warps=WARPS)
-    return mask, counts
+    spos = torch.empty(n if FUSED else 0, dtype=torch.int32, device=a.device)
+    svals = torch.empty(n if FUSED else 0, dtype=a.dtype, device=a.device)
+    _kernels().mark[(blocks,)](a, b, n, mask, counts, spos, svals, FUSED=FUSED, BLOCK=BLOCK,
+                               num_warps=WARPS)
+    return Marked(mask, counts, spos if FUSED else None, svals if FUSED else None)
 
 
-def changed(a: torch.Tensor, mask: torch.Tensor, counts: torch.Tensor,
-            count: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int64 positions, values) of the ``count`` changed elements of the flat bits ``a``,
-    from ``mark``'s bitmask and counts: one launch, each block at its offset."""
+def changed(a: torch.Tensor, marked: Marked, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int64 positions, values) of the ``count`` changed elements of the flat bits ``a``
+    that ``marked`` found: one launch, each block's at its offset (an exclusive cumsum of
+    the counts). Fused: the blocks' scratch moved into place (only changed elements read);
+    else the bitmask read again and the changed values loaded from ``a``."""
+    counts = marked.counts
     starts = torch.cumsum(counts, 0) - counts
     pos = torch.empty(count, dtype=torch.int64, device=a.device)
     values = torch.empty(count, dtype=a.dtype, device=a.device)
-    _kernels().compact[(counts.numel(),)](a, a.numel(), mask, mask.numel(), starts, pos, values,
-                                          WRITE_VALUES=True, ALIGNED=True, ITEM=a.element_size(),
-                                          BLOCK=BLOCK, num_warps=WARPS)
+    k = _kernels()
+    if marked.spos is not None:
+        k.gather[(counts.numel(),)](marked.spos, marked.svals, counts, starts, pos, values,
+                                    BLOCK=BLOCK, num_warps=WARPS)
+        return pos, values
+    k.compact[(counts.numel(),)](a, a.numel(), marked.mask, marked.mask.numel(), starts, pos,
+                                 values, WRITE_VALUES=True, ALIGNED=True, ITEM=a.element_size(),
+                                 BLOCK=BLOCK, num_warps=WARPS)
     return pos, values
 
 
@@ -146,6 +168,7 @@ def apply_bitmask(view: torch.Tensor, index: torch.Tensor, values: torch.Tensor,
 
 class _Kernels(NamedTuple):
     mark: object
+    gather: object
     compact: object
     count_bits: object
     apply_bitmask: object
@@ -217,16 +240,32 @@ def _kernels() -> Optional[_Kernels]:
     globals().update(_local=_local, _bits=_bits, _ranks=_ranks, _put=_put, _get=_get)
 
     @triton.jit
-    def mark(a, b, n, mask, counts, BLOCK: tl.constexpr):
+    def mark(a, b, n, mask, counts, spos, svals, FUSED: tl.constexpr, BLOCK: tl.constexpr):
         block = tl.program_id(0).to(tl.int64)
         first = block * BLOCK
         loc = _local(BLOCK)
         inside = loc < n - first
-        d = (tl.load(a + first + loc, mask=inside, other=0)
-             != tl.load(b + first + loc, mask=inside, other=0)).to(tl.int32)
+        va = tl.load(a + first + loc, mask=inside, other=0)
+        d = (va != tl.load(b + first + loc, mask=inside, other=0)).to(tl.int32)
         packed = tl.sum(d << tl.arange(0, 8)[None, :], axis=1)
         tl.store(mask + block * (BLOCK // 8) + tl.arange(0, BLOCK // 8), packed.to(tl.uint8))
         tl.store(counts + block, tl.sum(tl.sum(d, axis=1), axis=0).to(tl.int64))
+        if FUSED:  # the block's changes, packed at its own start: rank o among them
+            keep = d != 0
+            o = _ranks(d)
+            tl.store(spos + first + o, loc, mask=keep)
+            tl.store(svals + first + o, va, mask=keep)
+
+    @triton.jit
+    def gather(spos, svals, counts, starts, pos, values, BLOCK: tl.constexpr):
+        block = tl.program_id(0).to(tl.int64)
+        first = block * BLOCK
+        k = tl.arange(0, BLOCK)
+        live = k < tl.load(counts + block)
+        start = tl.load(starts + block)
+        p = tl.load(spos + first + k, mask=live, other=0)
+        tl.store(pos + start + k, first + p.to(tl.int64), mask=live)
+        tl.store(values + start + k, tl.load(svals + first + k, mask=live, other=0), mask=live)
 
     @triton.jit
     def compact(a, n, mask, limit, starts, pos, values, WRITE_VALUES: tl.constexpr,
@@ -270,9 +309,9 @@ def _kernels() -> Optional[_Kernels]:
             i = first + loc
             tl.store(target + (i // cols) * stride + i % cols, v, mask=keep)
 
-    _BUILT.append(_Kernels(mark, compact, count_bits, apply_bitmask))
+    _BUILT.append(_Kernels(mark, gather, compact, count_bits, apply_bitmask))
     return _BUILT[0]
 
 
-__all__ = ["BLOCK", "Rows", "apply_bitmask", "bitmask_counts", "bitmask_positions", "changed",
+__all__ = ["BLOCK", "FUSED", "Marked", "Rows", "apply_bitmask", "bitmask_counts", "bitmask_positions", "changed",
            "enabled", "mark", "rows_form", "usable"]

@@ -170,8 +170,8 @@ def encode(new: torch.Tensor, old: torch.Tensor) -> tuple[int, int, Optional[tor
     numel, itemsize = nb.numel(), new.element_size()
     gpu = delta_kernels.usable(new)  # CUDA: the Triton kernels scan the region (same bytes)
     if gpu:
-        mask, counts = delta_kernels.mark(nb, ob)
-        count = int(counts.sum())
+        marked = delta_kernels.mark(nb, ob)
+        count = int(marked.counts.sum())  # the one host read: the header needs it
     else:
         changed = nb != ob
         count = _ones(changed)
@@ -180,7 +180,7 @@ def encode(new: torch.Tensor, old: torch.Tensor) -> tuple[int, int, Optional[tor
     if count * (itemsize + 1) >= numel * itemsize:  # nothing sparse beats dense here
         return count, DENSE, nb.view(torch.uint8)
     if gpu:
-        pos, picked = delta_kernels.changed(nb, mask, counts, count)
+        pos, picked = delta_kernels.changed(nb, marked, count)
     else:
         pos = changed.nonzero().reshape(-1)
         picked = nb[pos]
@@ -202,7 +202,7 @@ def encode(new: torch.Tensor, old: torch.Tensor) -> tuple[int, int, Optional[tor
     elif kind == GAPS:
         index = _gap_bytes(gaps, skips, nskip)
     else:
-        index = mask[:(numel + 7) // 8] if gpu else _pack_bits(changed)
+        index = marked.mask[:(numel + 7) // 8] if gpu else _pack_bits(changed)
     return count, enc, torch.cat([index, values])
 
 
