@@ -52,7 +52,8 @@ def device(monkeypatch, request):
         monkeypatch.setattr(delta_kernels, "usable", lambda t: delta_kernels.enabled())
     monkeypatch.setattr(delta_kernels, "FUSED", request.param)
     calls = []
-    for name in ("mark", "changed", "bitmask_counts", "bitmask_positions", "apply_bitmask"):
+    for name in ("mark", "changed", "bitmask_counts", "bitmask_positions", "apply_bitmask",
+                 "rows_form"):
         real = getattr(delta_kernels, name)
 
         def watched(*args, _real=real, _name=name, **kw):
@@ -160,10 +161,27 @@ def test_every_encoding_matches_and_applies_into_a_strided_view(device, monkeypa
     assert torch.equal(view.view(torch.int16).cpu(), new.view(torch.int16).cpu())
     assert not bool(wide[:, :16].view(torch.int16).any())
     assert not bool(wide[:, 16 + cols:].view(torch.int16).any())
+    if forced != DENSE:  # the rows written where they lie, not through a copy of the view
+        assert "rows_form" in calls
     if forced == BITMASK:  # whole values: the kernel writes them into the view
         assert "apply_bitmask" in calls
     if forced == BITMASK | DIFF8:
         assert "bitmask_positions" in calls
+
+
+@pytest.mark.parametrize("forced", [GAPS | DIFF8, BITMASK, BITMASK | DIFF8])
+def test_a_view_that_does_not_fold_into_rows_is_written_through_a_copy(device, monkeypatch,
+                                                                       forced):
+    dev, _ = device
+    new, old = _pair(64 * 40, 0.05, 2, 3, dev, escapes=0.1)
+    new, old = new.view(64, 40), old.view(64, 40)
+    monkeypatch.setattr(dt, "pick_encoding", lambda *a, **k: forced)
+    count, enc, payload = encode(new, old)
+    view = torch.zeros(40, 64, dtype=torch.int16, device=dev).t()  # unit stride down columns
+    assert rows_form(view) is None
+    view.copy_(old)
+    apply(view, count, enc, payload)
+    assert torch.equal(view.cpu(), new.cpu())
 
 
 def test_bad_bitmask_deltas_are_refused_before_anything_is_written(device):

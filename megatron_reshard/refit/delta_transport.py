@@ -295,8 +295,13 @@ def apply(view: torch.Tensor, count: int, enc: int, payload: Optional[torch.Tens
             return
     else:
         pos = _positions(kind, payload[:nindex], numel, count)
-    flat = view.contiguous().reshape(-1)  # a copy for a strided view, written back below
-    fb = flat.view(_INT_OF_SIZE[itemsize])
+    rows = _rows_in_place(view)
+    if rows is not None:  # CUDA, a strided view of rows: written where it lies, no copy
+        fb, pos = rows(pos)
+        flat = None
+    else:
+        flat = view.contiguous().reshape(-1)  # a copy for a strided view, written back below
+        fb = flat.view(_INT_OF_SIZE[itemsize])
     raw = payload[nindex:]
     if diff8:
         small = raw[:count].view(torch.int8)
@@ -317,8 +322,28 @@ def apply(view: torch.Tensor, count: int, enc: int, payload: Optional[torch.Tens
         if raw.numel() != count * itemsize:
             raise DeltaTransportError(f"a delta of {count} values carries {raw.numel()} bytes")
         fb[pos] = _typed(raw, fb.dtype)
-    if not view.is_contiguous():  # ``flat`` was a copy
+    if flat is not None and not view.is_contiguous():  # ``flat`` was a copy
         view.copy_(flat.reshape(view.shape))
+
+
+def _rows_in_place(view: torch.Tensor):
+    """On CUDA, for a strided view that folds into rows of unit stride (a TP column
+    shard): a function turning positions in the view into ``(bits of the memory the rows
+    span, positions there)``, so that the changed elements are written in place instead
+    of through a copy of the whole view and back. None: no such view, or not on CUDA."""
+    if view.is_contiguous() or not delta_kernels.usable(view):
+        return None
+    form = delta_kernels.rows_form(view)
+    if form is None:
+        return None
+    span = view.as_strided(((form.rows - 1) * form.stride + form.cols,), (1,))
+    bits = span.view(_INT_OF_SIZE[view.element_size()])
+
+    def place(pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if pos.dtype == torch.bool:
+            pos = pos.nonzero().reshape(-1)
+        return bits, pos // form.cols * form.stride + pos % form.cols
+    return place
 
 
 def _bitmask_on_gpu(view: torch.Tensor, count: int, diff8: bool, payload: torch.Tensor,
