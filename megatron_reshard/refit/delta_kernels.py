@@ -1,23 +1,25 @@
-"""Cutting and applying delta refits on CUDA tensors with Triton kernels (issue 35).
+"""The region-wide scans of delta refits on CUDA tensors, as Triton kernels (issue 35).
 
 Torch + stdlib only: Triton, which the CUDA builds of torch ship, loads lazily, and
 ``refit.delta_transport`` keeps its torch path where it is absent (CPU tensors, CPU builds)
-or switched off (``MEGATRON_RESHARD_DELTA_KERNELS=0``). The wire format is
-``delta_transport``'s (positions + values, bitmask + values, dense), byte for byte.
+or switched off (``MEGATRON_RESHARD_DELTA_KERNELS=0``). ``delta_transport.encode`` /
+``apply`` call these for CUDA tensors and do the rest (GAPS bytes, DIFF8 steps, escapes)
+with torch ops on the changed elements only, so the payload is the torch path's, byte for
+byte.
 
-Why kernels: the torch path builds a bool mask, a ``nonzero``, an int64 index and a gather
-(or for the bitmask: bytes widened eight-fold and summed), several passes over the region
-each. Here a cut is two launches: ``mark`` reads new and old once (bits as integers, so
-NaN payloads and -0.0 compare exactly), writes the bitmask and one count per block of
-``BLOCK`` elements; after one host read of the total (the header needs it), ``compact``
-reads the bitmask and only the changed values (masked loads) and writes positions and
-values at each block's offset (an exclusive cumsum of the counts) plus its rank inside the
-block (``tl.cumsum``). An apply is one launch for positions (bad positions are counted,
-never stored: the caller raises) and two for a bitmask (counts per block, then the
-writes). Values that start on an odd byte (after an odd-sized bitmask) move as bytes.
+Cut: ``mark`` reads new and old once (bits as integers, so NaN payloads and -0.0 compare
+exactly), writes the bitmask (the wire's BITMASK index as it is) and one count per block
+of ``BLOCK`` elements; after one host read of the total (the header needs it),
+``changed`` writes the int64 positions and the values of the changed elements, each block
+at its offset (an exclusive cumsum of the counts) plus its rank inside the block
+(``tl.cumsum``): ``compact`` reads the bitmask again and only the changed values (masked
+loads). ``FUSED``: ``mark`` packs each block's changes into scratch itself and ``gather``
+moves only those (measured slower on H200: the scratch writes cost ``mark`` a third).
 
-A strided view is handled when it folds into rows of unit stride (``rows_form``: a TP
-shard's column block); any other goes through the torch path.
+Apply of a BITMASK delta: ``bitmask_counts`` (checked against the header before any
+write), then ``apply_bitmask`` writes whole values into the view, or ``bitmask_positions``
+gives the positions for DIFF8's steps. A strided view is handled when it folds into rows
+of unit stride (``rows_form``: a TP shard's column block).
 """
 
 from __future__ import annotations
