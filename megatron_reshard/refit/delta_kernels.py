@@ -315,5 +315,5 @@ def _kernels() -> Optional[_Kernels]:
     return _BUILT[0]
 
 
-__all__ = ["BLOCK", "FUSED", "Marked", "Rows", "apply_bitmask", "bitmask_counts", "bitmask_positions", "changed",
-           "enabled", "mark", "rows_form", "usable"]
+__all__ = ["BLOCK", "FUSED", "Marked", "Rows", "apply_bitmask", "bitmask_counts",
+           "bitmask_positions", "changed", "enabled", "mark", "rows_form", "usable"]
