@@ -1,20 +1,23 @@
-"""The GPU cut and apply of delta refits (``refit/delta_kernels.py``) against the torch path
-of ``refit.delta_transport`` (the oracle): payloads byte for byte, every encoding, element
-sizes 1-8 (values after an odd-sized bitmask or positions move as bytes), NaN payloads and
--0.0, strided destination views (bytes outside untouched), bad deltas refused. The kernel
-tests run on CUDA, or on CPU tensors under ``TRITON_INTERPRET=1`` with Triton installed;
-else they skip. ``rows_form`` is index math: CPU."""
+"""The GPU cut and apply of delta refits (``refit/delta_kernels.py``, reached through
+``refit.delta_transport.encode``/``apply`` for CUDA tensors) against the torch path of the
+same functions (``MEGATRON_RESHARD_DELTA_KERNELS=0``, the oracle): payloads byte for byte in
+every encoding of the wire format (POSITIONS, GAPS, BITMASK, DENSE, with and without DIFF8,
+escapes included), element sizes 1-8, NaN payloads and -0.0, strided destination views
+(bytes outside untouched), bad bitmask deltas refused. The kernel tests run on CUDA, or on
+CPU tensors under ``TRITON_INTERPRET=1`` with Triton installed; else they skip.
+``rows_form`` is index math: CPU."""
 
 import os
 
 import pytest
 import torch
 
+import megatron_reshard.refit.delta_transport as dt
 from megatron_reshard.refit import delta_kernels
 from megatron_reshard.refit.delta_kernels import Rows, rows_form
-from megatron_reshard.refit.delta_transport import (BITMASK, DENSE, NONE, POSITIONS,
-                                                    DeltaTransportError, apply, encode,
-                                                    payload_bytes)
+from megatron_reshard.refit.delta_transport import (BITMASK, DENSE, DIFF8, GAPS, NONE,
+                                                    POSITIONS, DeltaTransportError, apply,
+                                                    encode)
 
 INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -40,24 +43,39 @@ def _device():
     pytest.skip("needs CUDA with Triton (or TRITON_INTERPRET=1 with Triton installed)")
 
 
-@pytest.fixture
-def device(monkeypatch):
+@pytest.fixture(params=[True, False], ids=["fused", "two-pass"])
+def device(monkeypatch, request):
+    """The device the kernels run on; every kernel entry point is watched, so a test can
+    tell that the kernels (not the torch path) did the work."""
     dev = _device()
     if dev.type == "cpu":  # the interpreter runs the kernels on CPU tensors
-        monkeypatch.setattr(delta_kernels, "usable", lambda t: True)
-    return dev
+        monkeypatch.setattr(delta_kernels, "usable", lambda t: delta_kernels.enabled())
+    monkeypatch.setattr(delta_kernels, "FUSED", request.param)
+    calls = []
+    for name in ("mark", "changed", "bitmask_counts", "bitmask_positions", "apply_bitmask",
+                 "rows_form"):
+        real = getattr(delta_kernels, name)
+
+        def watched(*args, _real=real, _name=name, **kw):
+            calls.append(_name)
+            return _real(*args, **kw)
+        monkeypatch.setattr(delta_kernels, name, watched)
+    return dev, calls
 
 
-def _pair(n, fraction, itemsize, seed, device):
+def _pair(n, fraction, itemsize, seed, device, escapes=0.0):
     """(new, old) as integer bits: random old (NaN payloads and -0.0 among bf16), new with
-    ``fraction`` of the elements flipped in their lowest bit."""
+    ``fraction`` of the elements changed, most in their lowest bit (a DIFF8 step of one),
+    ``escapes`` of those by a step too large for DIFF8's byte."""
     g = torch.Generator().manual_seed(seed)
     old = torch.randint(0, 256, (n * itemsize,), dtype=torch.uint8, generator=g).view(INTS[itemsize])
     if itemsize == 2:
         old[:4] = torch.tensor([0x7F81, -0x8000, 0x7FC1, 0], dtype=torch.int16)
     new = old.clone()
     pick = torch.rand(n, generator=g) < fraction
-    new[pick] ^= 1
+    big = pick & (torch.rand(n, generator=g) < escapes)
+    new[pick & ~big] ^= 1
+    new[big] ^= 0x80 if itemsize == 1 else 1 << (8 * itemsize - 2)
     return new.to(device), old.to(device)
 
 
@@ -65,75 +83,124 @@ def _as(x, itemsize):
     return x.view({2: torch.bfloat16, 4: torch.float32, 8: torch.float64}.get(itemsize, x.dtype))
 
 
-def _reference(new, old, monkeypatch):
+def _torch_path(monkeypatch, fn, *args):
     monkeypatch.setenv("MEGATRON_RESHARD_DELTA_KERNELS", "0")
     try:
-        return encode(new, old)
+        return fn(*args)
     finally:
         monkeypatch.delenv("MEGATRON_RESHARD_DELTA_KERNELS")
 
 
-@pytest.mark.parametrize("n, fraction, itemsize", [
-    (10_000, 0.001, 2), (9_001, 0.05, 2), (5_003, 0.3, 4), (777, 0.02, 8), (333, 0.5, 1),
-    (4096 * 3, 0.0, 2), (1000, 1.0, 2)])
-def test_cut_and_apply_match_the_torch_path_bit_for_bit(device, monkeypatch, n, fraction, itemsize):
-    new, old = _pair(n, fraction, itemsize, n, device)
-    new, old = _as(new, itemsize), _as(old, itemsize)
-    want = _reference(new.cpu(), old.cpu(), monkeypatch)
-    got = encode(new, old)
-    assert got[:2] == want[:2]
+def _same_cut(got, want):
+    assert got[:2] == want[:2], (dt.encoding_name(got[1]), dt.encoding_name(want[1]))
     assert (got[2] is None) == (want[2] is None)
     if want[2] is not None:
-        assert torch.equal(got[2].cpu(), want[2])
-    count, enc, payload = got
-    # applied into a column block of a wider tensor: only the view changes
+        assert torch.equal(got[2].cpu(), want[2].cpu())
+
+
+def _apply_into_column_block(new, old, count, enc, payload, device):
+    """Apply into a row of a column block of a wider tensor: only the view changes."""
+    n = new.numel()
     wide = torch.zeros(3, n + 5, dtype=new.dtype, device=device)
     view = wide[:, 2:n + 2][1]
-    view.copy_(old)
+    view.copy_(old.reshape(-1))
     before = wide.clone()
     apply(view, count, enc, payload)
-    assert torch.equal(view.view(INTS[itemsize]).cpu(), new.view(INTS[itemsize]).cpu())
+    bits = INTS[new.element_size()]
+    assert torch.equal(view.view(bits).cpu(), new.reshape(-1).view(bits).cpu())
     rest = torch.ones_like(wide, dtype=torch.bool)
     rest[1, 2:n + 2] = False
-    assert torch.equal(wide.view(INTS[itemsize])[rest].cpu(), before.view(INTS[itemsize])[rest].cpu())
+    assert torch.equal(wide.view(bits)[rest].cpu(), before.view(bits)[rest].cpu())
+
+
+@pytest.mark.parametrize("n, fraction, itemsize, escapes, want", [
+    (20_000, 0.001, 2, 0.0, GAPS | DIFF8),
+    (20_000, 0.001, 2, 0.5, GAPS | DIFF8),   # long gaps: skip bytes
+    (9_001, 0.05, 2, 0.05, GAPS | DIFF8),
+    (9_001, 0.3, 2, 0.0, BITMASK | DIFF8),
+    (5_003, 0.3, 4, 0.9, BITMASK),           # most steps escape: whole values
+    (777, 0.02, 8, 0.0, GAPS | DIFF8),
+    (333, 0.2, 1, 0.3, None),
+    (4096 * 3, 0.0, 2, 0.0, NONE),
+    (1000, 1.0, 2, 0.0, DENSE)])
+def test_cut_is_the_torch_paths_bytes_and_applies(device, monkeypatch, n, fraction, itemsize,
+                                                  escapes, want):
+    dev, calls = device
+    new, old = _pair(n, fraction, itemsize, n, dev, escapes)
+    new, old = _as(new, itemsize), _as(old, itemsize)
+    got = encode(new, old)
+    _same_cut(got, _torch_path(monkeypatch, encode, new.cpu(), old.cpu()))
+    assert want is None or got[1] == want, dt.encoding_name(got[1])
+    assert "mark" in calls
+    _apply_into_column_block(new, old, *got, dev)
+    if got[1] & 7 == BITMASK:
+        assert "bitmask_counts" in calls
 
 
 @pytest.mark.parametrize("cols", [90, 96])  # rows of the view cut tile rows of 8, or not
-@pytest.mark.parametrize("forced", [POSITIONS, BITMASK, DENSE])
-def test_every_encoding_applies_into_a_strided_view(device, monkeypatch, forced, cols):
-    """Each encoding forced (the cheapest is not always the one under test), cut by the
-    kernels, applied into a [rows, cols] block of a wider tensor."""
-    import megatron_reshard.refit.delta_transport as dt
-
-    new, old = _pair(64 * cols, 0.03, 2, 7, device)
+@pytest.mark.parametrize("forced", [POSITIONS, POSITIONS | DIFF8, GAPS, GAPS | DIFF8, BITMASK,
+                                    BITMASK | DIFF8, DENSE])
+def test_every_encoding_matches_and_applies_into_a_strided_view(device, monkeypatch, forced, cols):
+    """Each encoding forced on both paths (the cheapest is not always the one under test),
+    cut by the kernels, compared with the torch path's bytes, applied into a [rows, cols]
+    block of a wider tensor."""
+    dev, calls = device
+    new, old = _pair(64 * cols, 0.03, 2, 7, dev, escapes=0.1)
     new, old = _as(new, 2).view(64, cols), _as(old, 2).view(64, cols)
-    monkeypatch.setattr(dt, "pick_encoding", lambda numel, count, item: forced)
-    count, enc, payload = encode(new, old)
-    assert enc == forced and payload.numel() == payload_bytes(new.numel(), count, enc, 2)
-    wide = torch.zeros(64, 128, dtype=new.dtype, device=device)
+    monkeypatch.setattr(dt, "pick_encoding", lambda *a, **k: forced)
+    got = encode(new, old)
+    assert got[1] == forced
+    _same_cut(got, _torch_path(monkeypatch, encode, new.cpu(), old.cpu()))
+    if forced != DENSE:
+        assert "changed" in calls
+    count, enc, payload = got
+    wide = torch.zeros(64, 128, dtype=new.dtype, device=dev)
     view = wide[:, 16:16 + cols]
     view.copy_(old)
     apply(view, count, enc, payload)
     assert torch.equal(view.view(torch.int16).cpu(), new.view(torch.int16).cpu())
     assert not bool(wide[:, :16].view(torch.int16).any())
     assert not bool(wide[:, 16 + cols:].view(torch.int16).any())
+    if forced != DENSE:  # the rows written where they lie, not through a copy of the view
+        assert "rows_form" in calls
+    if forced == BITMASK:  # whole values: the kernel writes them into the view
+        assert "apply_bitmask" in calls
+    if forced == BITMASK | DIFF8:
+        assert "bitmask_positions" in calls
 
 
-def test_bad_deltas_are_refused(device):
-    view = torch.zeros(100, dtype=torch.bfloat16, device=device)
-    positions = torch.tensor([3, 100], dtype=torch.int32).view(torch.uint8)
-    values = torch.tensor([1.0, 2.0], dtype=torch.bfloat16).view(torch.uint8)
-    with pytest.raises(DeltaTransportError, match="1 of 2 positions fall outside"):
-        apply(view, 2, POSITIONS, torch.cat([positions, values]).to(device))
+@pytest.mark.parametrize("forced", [GAPS | DIFF8, BITMASK, BITMASK | DIFF8])
+def test_a_view_that_does_not_fold_into_rows_is_written_through_a_copy(device, monkeypatch,
+                                                                       forced):
+    dev, _ = device
+    new, old = _pair(64 * 40, 0.05, 2, 3, dev, escapes=0.1)
+    new, old = new.view(64, 40), old.view(64, 40)
+    monkeypatch.setattr(dt, "pick_encoding", lambda *a, **k: forced)
+    count, enc, payload = encode(new, old)
+    view = torch.zeros(40, 64, dtype=torch.int16, device=dev).t()  # unit stride down columns
+    assert rows_form(view) is None
+    view.copy_(old)
+    apply(view, count, enc, payload)
+    assert torch.equal(view.cpu(), new.cpu())
+
+
+def test_bad_bitmask_deltas_are_refused_before_anything_is_written(device):
+    dev, _ = device
+    view = torch.zeros(100, dtype=torch.bfloat16, device=dev)
+    values = torch.zeros(6, dtype=torch.uint8)
     mask = torch.zeros(13, dtype=torch.uint8)
     mask[0] = 0b101  # two bits set, the header says three
-    with pytest.raises(DeltaTransportError, match="sets 2 bits but its header says 3"):
-        apply(view, 3, BITMASK, torch.cat([mask, torch.zeros(6, dtype=torch.uint8)]).to(device))
-    assert not bool(view.view(torch.int16)[:3].any())  # nothing of the bitmask was written
-    assert enc_none_is_a_no_op(view)
-
-
-def enc_none_is_a_no_op(view) -> bool:
-    before = view.clone()
+    with pytest.raises(DeltaTransportError, match=r"sets 2 bits \(past the box: 0\) but its "
+                                                  r"header says 3"):
+        apply(view, 3, BITMASK, torch.cat([mask, values]).to(dev))
+    mask[0] = 0b1
+    mask[12] = 0b10000  # element 100 of a 100-element box
+    with pytest.raises(DeltaTransportError, match=r"past the box: 1"):
+        apply(view, 2, BITMASK, torch.cat([mask, values[:4]]).to(dev))
+    mask[12] = 0
+    mask[0] = 0b11
+    with pytest.raises(DeltaTransportError, match="2 values carries 6 bytes"):
+        apply(view, 2, BITMASK, torch.cat([mask, values]).to(dev))
+    assert not bool(view.view(torch.int16).any())  # nothing was written
     apply(view, 0, NONE, None)
-    return torch.equal(before.view(torch.int16), view.view(torch.int16))
+    assert not bool(view.view(torch.int16).any())

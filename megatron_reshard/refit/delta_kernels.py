@@ -1,23 +1,25 @@
-"""Cutting and applying delta refits on CUDA tensors with Triton kernels (issue 35).
+"""The region-wide scans of delta refits on CUDA tensors, as Triton kernels (issue 35).
 
 Torch + stdlib only: Triton, which the CUDA builds of torch ship, loads lazily, and
 ``refit.delta_transport`` keeps its torch path where it is absent (CPU tensors, CPU builds)
-or switched off (``MEGATRON_RESHARD_DELTA_KERNELS=0``). The wire format is
-``delta_transport``'s (positions + values, bitmask + values, dense), byte for byte.
+or switched off (``MEGATRON_RESHARD_DELTA_KERNELS=0``). ``delta_transport.encode`` /
+``apply`` call these for CUDA tensors and do the rest (GAPS bytes, DIFF8 steps, escapes)
+with torch ops on the changed elements only, so the payload is the torch path's, byte for
+byte.
 
-Why kernels: the torch path builds a bool mask, a ``nonzero``, an int64 index and a gather
-(or for the bitmask: bytes widened eight-fold and summed), several passes over the region
-each. Here a cut is two launches: ``mark`` reads new and old once (bits as integers, so
-NaN payloads and -0.0 compare exactly), writes the bitmask and one count per block of
-``BLOCK`` elements; after one host read of the total (the header needs it), ``compact``
-reads the bitmask and only the changed values (masked loads) and writes positions and
-values at each block's offset (an exclusive cumsum of the counts) plus its rank inside the
-block (``tl.cumsum``). An apply is one launch for positions (bad positions are counted,
-never stored: the caller raises) and two for a bitmask (counts per block, then the
-writes). Values that start on an odd byte (after an odd-sized bitmask) move as bytes.
+Cut: ``mark`` reads new and old once (bits as integers, so NaN payloads and -0.0 compare
+exactly), writes the bitmask (the wire's BITMASK index as it is) and one count per block
+of ``BLOCK`` elements; after one host read of the total (the header needs it),
+``changed`` writes the int64 positions and the values of the changed elements, each block
+at its offset (an exclusive cumsum of the counts) plus its rank inside the block
+(``tl.cumsum``): ``compact`` reads the bitmask again and only the changed values (masked
+loads). ``FUSED``: ``mark`` packs each block's changes into scratch itself and ``gather``
+moves only those (measured slower on H200: the scratch writes cost ``mark`` a third).
 
-A strided view is handled when it folds into rows of unit stride (``rows_form``: a TP
-shard's column block); any other goes through the torch path.
+Apply of a BITMASK delta: ``bitmask_counts`` (checked against the header before any
+write), then ``apply_bitmask`` writes whole values into the view, or ``bitmask_positions``
+gives the positions for DIFF8's steps. A strided view is handled when it folds into rows
+of unit stride (``rows_form``: a TP shard's column block).
 """
 
 from __future__ import annotations
@@ -27,12 +29,11 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from megatron_reshard.errors import MegatronReshardError
 
 BLOCK = 4096  # elements per program (a multiple of 8: whole bitmask bytes)
+FUSED = False  # True: mark packs each block's changes itself (measured slower on H200)
 WARPS = 4
 _INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-NONE, POSITIONS, BITMASK, DENSE = 0, 1, 2, 3  # refit.delta_transport's codes
 
 
 def enabled() -> bool:
@@ -75,109 +76,93 @@ def rows_form(view: torch.Tensor) -> Optional[Rows]:
     return Rows(dims[0][0], dims[1][0], dims[0][1])
 
 
-def index_bytes(numel: int) -> int:
-    return 4 if numel < (1 << 31) else 8
-
-
 # -- cut ------------------------------------------------------------------------------
 
 def _flat_bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(_INTS[t.element_size()]).reshape(-1)
 
 
-def mark(new: torch.Tensor, old: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(bitmask bytes of the changed elements, changed count per block), one launch."""
+class Marked(NamedTuple):
+    """What ``mark`` found: the bitmask (whole blocks of bytes; bits past the region 0),
+    the changed count per block, and, when ``FUSED``, each block's changed positions (in
+    the block, int32) and values packed at the block's own start (scratch)."""
+
+    mask: torch.Tensor
+    counts: torch.Tensor
+    spos: Optional[torch.Tensor]
+    svals: Optional[torch.Tensor]
+
+
+def mark(new: torch.Tensor, old: torch.Tensor) -> Marked:
+    """Compare the bits of ``new`` and ``old`` (one launch, each read once)."""
     a, b = _flat_bits(new), _flat_bits(old.to(new.device))
     n = a.numel()
     blocks = max(1, -(-n // BLOCK))
     mask = torch.empty(blocks * BLOCK // 8, dtype=torch.uint8, device=a.device)
     counts = torch.empty(blocks, dtype=torch.int64, device=a.device)
-    _kernels().mark[(blocks,)](a, b, n, mask, counts, BLOCK=BLOCK, num_warps=WARPS)
-    return mask, counts
+    spos = torch.empty(n if FUSED else 0, dtype=torch.int32, device=a.device)
+    svals = torch.empty(n if FUSED else 0, dtype=a.dtype, device=a.device)
+    _kernels().mark[(blocks,)](a, b, n, mask, counts, spos, svals, FUSED=FUSED, BLOCK=BLOCK,
+                               num_warps=WARPS)
+    return Marked(mask, counts, spos if FUSED else None, svals if FUSED else None)
 
 
-def encode(new: torch.Tensor, old: torch.Tensor, pick) -> tuple[int, int, Optional[torch.Tensor]]:
-    """``delta_transport.encode`` on CUDA: ``(count, encoding, payload)``; ``pick`` is the
-    transport's ``pick_encoding(numel, count, itemsize)``."""
-    a = _flat_bits(new)
-    n, item = a.numel(), new.element_size()
-    mask, counts = mark(new, old)
-    offsets = torch.cumsum(counts, 0)
-    count = int(offsets[-1])  # the one host read: the header and the encoding need it
-    enc = pick(n, count, item)
-    if enc == NONE:
-        return 0, NONE, None
-    if enc == DENSE:
-        return count, enc, a.view(torch.uint8)
-    starts = offsets - counts
-    if enc == POSITIONS:
-        head = count * index_bytes(n)
-        payload = torch.empty(head + count * item, dtype=torch.uint8, device=a.device)
-        pos = payload[:head].view(torch.int32 if index_bytes(n) == 4 else torch.int64)
-    else:
-        head = (n + 7) // 8
-        payload = torch.empty(head + count * item, dtype=torch.uint8, device=a.device)
-        payload[:head].copy_(mask[:head])
-        pos = payload[:0].view(torch.int32)  # unused
-    _compact(a, mask, starts, payload, head, pos, enc == POSITIONS, item)
-    return count, enc, payload
-
-
-def _compact(a, mask, starts, payload, head: int, pos, write_pos: bool, item: int) -> None:
-    n = a.numel()
-    aligned = head % item == 0
-    values = payload[head:].view(a.dtype) if aligned else payload[head:]
-    _kernels().compact[(starts.numel(),)](a, n, mask, mask.numel(), starts, pos, values,
-                                          WRITE_POS=write_pos, ALIGNED=aligned, ITEM=item,
-                                          BLOCK=BLOCK, num_warps=WARPS)
+def changed(a: torch.Tensor, marked: Marked, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int64 positions, values) of the ``count`` changed elements of the flat bits ``a``
+    that ``marked`` found: one launch, each block's at its offset (an exclusive cumsum of
+    the counts). Fused: the blocks' scratch moved into place (only changed elements read);
+    else the bitmask read again and the changed values loaded from ``a``."""
+    counts = marked.counts
+    starts = torch.cumsum(counts, 0) - counts
+    pos = torch.empty(count, dtype=torch.int64, device=a.device)
+    values = torch.empty(count, dtype=a.dtype, device=a.device)
+    k = _kernels()
+    if marked.spos is not None:
+        k.gather[(counts.numel(),)](marked.spos, marked.svals, counts, starts, pos, values,
+                                    BLOCK=BLOCK, num_warps=WARPS)
+        return pos, values
+    k.compact[(counts.numel(),)](a, a.numel(), marked.mask, marked.mask.numel(), starts, pos,
+                                 values, WRITE_VALUES=True, ALIGNED=True, ITEM=a.element_size(),
+                                 BLOCK=BLOCK, num_warps=WARPS)
+    return pos, values
 
 
 # -- apply ----------------------------------------------------------------------------
 
-class BadDelta(MegatronReshardError, ValueError):
-    """A payload that does not fit the view: ``delta_transport`` turns it into its error."""
+def bitmask_counts(index: torch.Tensor, numel: int) -> torch.Tensor:
+    """Set bits per block of a bitmask of ``numel`` elements (bits past them ignored)."""
+    blocks = max(1, -(-numel // BLOCK))
+    counts = torch.empty(blocks, dtype=torch.int64, device=index.device)
+    _kernels().count_bits[(blocks,)](index, numel, counts, BLOCK=BLOCK, num_warps=WARPS)
+    return counts
 
 
-def apply(view: torch.Tensor, count: int, enc: int, payload: torch.Tensor) -> bool:
-    """Write a delta into ``view`` in place; False when the view does not fold into rows
-    (the caller takes the torch path). Raises ``BadDelta`` for positions outside the view
-    or a bitmask whose set bits disagree with ``count`` (nothing written then for the
-    bitmask; the positions inside the view are written)."""
+def bitmask_positions(index: torch.Tensor, numel: int, counts: torch.Tensor,
+                      count: int) -> torch.Tensor:
+    """The int64 positions of a bitmask's set bits (``count``: their checked total)."""
+    starts = torch.cumsum(counts, 0) - counts
+    pos = torch.empty(count, dtype=torch.int64, device=index.device)
+    _kernels().compact[(counts.numel(),)](index, numel, index, index.numel(), starts, pos, pos,
+                                          WRITE_VALUES=False, ALIGNED=True, ITEM=8,
+                                          BLOCK=BLOCK, num_warps=WARPS)
+    return pos
+
+
+def apply_bitmask(view: torch.Tensor, index: torch.Tensor, values: torch.Tensor,
+                  counts: torch.Tensor) -> bool:
+    """Write whole values (bytes) at a bitmask's set bits into ``view`` in place; False
+    when the view does not fold into rows (the caller takes the torch path)."""
     form = rows_form(view)
     if form is None:
         return False
-    target = view.view(_INTS[view.element_size()])
-    numel, item = view.numel(), view.element_size()
-    if enc == DENSE:
-        target.copy_(payload.view(target.dtype).reshape(view.shape))  # bits, never floats
-        return True
-    k = _kernels()
-    if enc == POSITIONS:
-        head = count * index_bytes(numel)
-        pos = payload[:head].view(torch.int32 if index_bytes(numel) == 4 else torch.int64)
-        aligned = head % item == 0
-        values = payload[head:].view(target.dtype) if aligned else payload[head:]
-        bad = torch.zeros(1, dtype=torch.int64, device=view.device)
-        k.apply_positions[(max(1, -(-count // BLOCK)),)](
-            target, pos, values, count, numel, form.cols, form.stride, bad,
-            CONTIG=form.rows == 1, ALIGNED=aligned, ITEM=item, BLOCK=BLOCK, num_warps=WARPS)
-        if int(bad):
-            raise BadDelta(f"{int(bad)} of {count} positions fall outside the view's "
-                           f"{numel} elements")
-        return True
-    head = (numel + 7) // 8
-    blocks = max(1, -(-numel // BLOCK))
-    counts = torch.empty(blocks, dtype=torch.int64, device=view.device)
-    k.count_bits[(blocks,)](payload, numel, counts, BLOCK=BLOCK, num_warps=WARPS)
-    offsets = torch.cumsum(counts, 0)
-    got = int(offsets[-1])
-    if got != count:
-        raise BadDelta(f"a bitmask delta sets {got} bits but its header says {count}")
-    aligned = head % item == 0
-    values = payload[head:].view(target.dtype) if aligned else payload[head:]
-    k.apply_bitmask[(blocks,)](target, payload, offsets - counts, values, numel, form.cols,
-                               form.stride, CONTIG=form.rows == 1, ROW8=form.cols % 8 == 0,
-                               ALIGNED=aligned, ITEM=item, BLOCK=BLOCK, num_warps=WARPS)
+    item = view.element_size()
+    target = view.view(_INTS[item])
+    aligned = values.storage_offset() % item == 0
+    vals = values.view(target.dtype) if aligned else values
+    _kernels().apply_bitmask[(counts.numel(),)](
+        target, index, torch.cumsum(counts, 0) - counts, vals, view.numel(), form.cols,
+        form.stride, CONTIG=form.rows == 1, ROW8=form.cols % 8 == 0, ALIGNED=aligned,
+        ITEM=item, BLOCK=BLOCK, num_warps=WARPS)
     return True
 
 
@@ -185,9 +170,9 @@ def apply(view: torch.Tensor, count: int, enc: int, payload: torch.Tensor) -> bo
 
 class _Kernels(NamedTuple):
     mark: object
+    gather: object
     compact: object
     count_bits: object
-    apply_positions: object
     apply_bitmask: object
 
 
@@ -203,10 +188,6 @@ def _kernels() -> Optional[_Kernels]:
     except Exception:  # noqa: BLE001 - CPU builds of torch ship no Triton
         _BUILT.append(None)
         return None
-
-    # Every block is a [BLOCK // 8, 8] tile: row k holds elements 8k..8k+7, the bits of
-    # bitmask byte k, so packing and unpacking stay inside a thread (no reshape across
-    # threads), and a rank in the block is a cumsum along the 8 plus one along the rows.
 
     # Every block is a [BLOCK // 8, 8] tile: row k holds elements 8k..8k+7, the bits of
     # bitmask byte k, so packing and unpacking stay inside a thread (no reshape across
@@ -261,19 +242,35 @@ def _kernels() -> Optional[_Kernels]:
     globals().update(_local=_local, _bits=_bits, _ranks=_ranks, _put=_put, _get=_get)
 
     @triton.jit
-    def mark(a, b, n, mask, counts, BLOCK: tl.constexpr):
+    def mark(a, b, n, mask, counts, spos, svals, FUSED: tl.constexpr, BLOCK: tl.constexpr):
         block = tl.program_id(0).to(tl.int64)
         first = block * BLOCK
         loc = _local(BLOCK)
         inside = loc < n - first
-        d = (tl.load(a + first + loc, mask=inside, other=0)
-             != tl.load(b + first + loc, mask=inside, other=0)).to(tl.int32)
+        va = tl.load(a + first + loc, mask=inside, other=0)
+        d = (va != tl.load(b + first + loc, mask=inside, other=0)).to(tl.int32)
         packed = tl.sum(d << tl.arange(0, 8)[None, :], axis=1)
         tl.store(mask + block * (BLOCK // 8) + tl.arange(0, BLOCK // 8), packed.to(tl.uint8))
         tl.store(counts + block, tl.sum(tl.sum(d, axis=1), axis=0).to(tl.int64))
+        if FUSED:  # the block's changes, packed at its own start: rank o among them
+            keep = d != 0
+            o = _ranks(d)
+            tl.store(spos + first + o, loc, mask=keep)
+            tl.store(svals + first + o, va, mask=keep)
 
     @triton.jit
-    def compact(a, n, mask, limit, starts, pos, values, WRITE_POS: tl.constexpr,
+    def gather(spos, svals, counts, starts, pos, values, BLOCK: tl.constexpr):
+        block = tl.program_id(0).to(tl.int64)
+        first = block * BLOCK
+        k = tl.arange(0, BLOCK)
+        live = k < tl.load(counts + block)
+        start = tl.load(starts + block)
+        p = tl.load(spos + first + k, mask=live, other=0)
+        tl.store(pos + start + k, first + p.to(tl.int64), mask=live)
+        tl.store(values + start + k, tl.load(svals + first + k, mask=live, other=0), mask=live)
+
+    @triton.jit
+    def compact(a, n, mask, limit, starts, pos, values, WRITE_VALUES: tl.constexpr,
                 ALIGNED: tl.constexpr, ITEM: tl.constexpr, BLOCK: tl.constexpr):
         block = tl.program_id(0).to(tl.int64)
         first = block * BLOCK
@@ -281,10 +278,10 @@ def _kernels() -> Optional[_Kernels]:
         keep = bits != 0
         start = tl.load(starts + block)
         o = _ranks(bits)
-        v = tl.load(a + first + loc, mask=keep, other=0)
-        if WRITE_POS:
-            tl.store(pos + start + o, (first + loc).to(pos.dtype.element_ty), mask=keep)
-        _put(values, start, o, v, keep, ALIGNED, ITEM)
+        tl.store(pos + start + o, (first + loc).to(pos.dtype.element_ty), mask=keep)
+        if WRITE_VALUES:
+            v = tl.load(a + first + loc, mask=keep, other=0)
+            _put(values, start, o, v, keep, ALIGNED, ITEM)
 
     @triton.jit
     def count_bits(payload, n, counts, BLOCK: tl.constexpr):
@@ -292,22 +289,6 @@ def _kernels() -> Optional[_Kernels]:
         # the payload's bitmask is (n + 7) // 8 bytes: read no further
         bits, loc = _bits(payload, block, n - block * BLOCK, (n + 7) // 8, BLOCK)
         tl.store(counts + block, tl.sum(tl.sum(bits, axis=1), axis=0).to(tl.int64))
-
-    @triton.jit
-    def apply_positions(target, pos, values, count, n, cols, stride, bad, CONTIG: tl.constexpr,
-                        ALIGNED: tl.constexpr, ITEM: tl.constexpr, BLOCK: tl.constexpr):
-        first = tl.program_id(0).to(tl.int64) * BLOCK
-        k = tl.arange(0, BLOCK)
-        live = k < count - first
-        p = tl.load(pos + first + k, mask=live, other=0).to(tl.int64)
-        fits = live & (p >= 0) & (p < n)
-        tl.atomic_add(bad, tl.sum((live & ~fits).to(tl.int64), axis=0))
-        like = tl.zeros((BLOCK,), dtype=target.dtype.element_ty)
-        v = _get(values, first, k, live, like, ALIGNED, ITEM)
-        if CONTIG:
-            tl.store(target + p, v, mask=fits)
-        else:
-            tl.store(target + (p // cols) * stride + p % cols, v, mask=fits)
 
     @triton.jit
     def apply_bitmask(target, payload, starts, values, n, cols, stride, CONTIG: tl.constexpr,
@@ -330,9 +311,9 @@ def _kernels() -> Optional[_Kernels]:
             i = first + loc
             tl.store(target + (i // cols) * stride + i % cols, v, mask=keep)
 
-    _BUILT.append(_Kernels(mark, compact, count_bits, apply_positions, apply_bitmask))
+    _BUILT.append(_Kernels(mark, gather, compact, count_bits, apply_bitmask))
     return _BUILT[0]
 
 
-__all__ = ["BLOCK", "BadDelta", "Rows", "apply", "enabled", "encode", "mark", "rows_form",
-           "usable"]
+__all__ = ["BLOCK", "FUSED", "Marked", "Rows", "apply_bitmask", "bitmask_counts",
+           "bitmask_positions", "changed", "enabled", "mark", "rows_form", "usable"]

@@ -52,6 +52,7 @@ from megatron_reshard.engine.param_plan import ParamPlan
 from megatron_reshard.groups.collectives import control_device
 from megatron_reshard.groups.faults import RefitError
 from megatron_reshard.layout.geometry import box_numel
+from megatron_reshard.refit import delta_kernels
 from megatron_reshard.refit.delta import TrainBase, as_tensor
 
 NONE, POSITIONS, BITMASK, DENSE, GAPS = 0, 1, 2, 3, 4
@@ -166,15 +167,23 @@ def encode(new: torch.Tensor, old: torch.Tensor) -> tuple[int, int, Optional[tor
     """``(count, encoding, payload)`` of the elements of ``new`` whose bits differ from
     ``old`` (same shape and dtype); payload None when nothing changed."""
     nb, ob = _bits(new).reshape(-1), _bits(old).reshape(-1)
-    changed = nb != ob
-    count = _ones(changed)
+    numel, itemsize = nb.numel(), new.element_size()
+    gpu = delta_kernels.usable(new)  # CUDA: the Triton kernels scan the region (same bytes)
+    if gpu:
+        marked = delta_kernels.mark(nb, ob)
+        count = int(marked.counts.sum())  # the one host read: the header needs it
+    else:
+        changed = nb != ob
+        count = _ones(changed)
     if count == 0:
         return 0, NONE, None
-    numel, itemsize = nb.numel(), new.element_size()
     if count * (itemsize + 1) >= numel * itemsize:  # nothing sparse beats dense here
         return count, DENSE, nb.view(torch.uint8)
-    pos = changed.nonzero().reshape(-1)
-    picked = nb[pos]
+    if gpu:
+        pos, picked = delta_kernels.changed(nb, marked, count)
+    else:
+        pos = changed.nonzero().reshape(-1)
+        picked = nb[pos]
     step = picked.to(torch.int64) - ob[pos].to(torch.int64)
     escaped = (step < -127) | (step > 127)
     gaps, skips = _gaps(pos)
@@ -193,7 +202,7 @@ def encode(new: torch.Tensor, old: torch.Tensor) -> tuple[int, int, Optional[tor
     elif kind == GAPS:
         index = _gap_bytes(gaps, skips, nskip)
     else:
-        index = _pack_bits(changed)
+        index = marked.mask[:(numel + 7) // 8] if gpu else _pack_bits(changed)
     return count, enc, torch.cat([index, values])
 
 
@@ -280,9 +289,19 @@ def apply(view: torch.Tensor, count: int, enc: int, payload: Optional[torch.Tens
         return
     kind, diff8 = enc & 7, bool(enc & DIFF8)
     nindex = _index_bytes(kind, diff8, payload, numel, count, itemsize)
-    pos = _positions(kind, payload[:nindex], numel, count)
-    flat = view.contiguous().reshape(-1)  # a copy for a strided view, written back below
-    fb = flat.view(_INT_OF_SIZE[itemsize])
+    if kind == BITMASK and delta_kernels.usable(view):
+        pos = _bitmask_on_gpu(view, count, diff8, payload, nindex)
+        if pos is None:  # whole values, written by the kernel
+            return
+    else:
+        pos = _positions(kind, payload[:nindex], numel, count)
+    rows = _rows_in_place(view)
+    if rows is not None:  # CUDA, a strided view of rows: written where it lies, no copy
+        fb, pos = rows(pos)
+        flat = None
+    else:
+        flat = view.contiguous().reshape(-1)  # a copy for a strided view, written back below
+        fb = flat.view(_INT_OF_SIZE[itemsize])
     raw = payload[nindex:]
     if diff8:
         small = raw[:count].view(torch.int8)
@@ -292,7 +311,7 @@ def apply(view: torch.Tensor, count: int, enc: int, payload: Optional[torch.Tens
             raise DeltaTransportError(f"a delta of {count} differences with "
                                       f"{_ones(escaped)} escapes carries {whole.numel()} "
                                       f"bytes of whole values")
-        if kind == BITMASK:
+        if pos.dtype == torch.bool:
             pos = pos.nonzero().reshape(-1)
         got = fb[pos]
         stepped = (got.to(torch.int64) + small.to(torch.int64)).to(fb.dtype)
@@ -303,8 +322,51 @@ def apply(view: torch.Tensor, count: int, enc: int, payload: Optional[torch.Tens
         if raw.numel() != count * itemsize:
             raise DeltaTransportError(f"a delta of {count} values carries {raw.numel()} bytes")
         fb[pos] = _typed(raw, fb.dtype)
-    if not view.is_contiguous():  # ``flat`` was a copy
+    if flat is not None and not view.is_contiguous():  # ``flat`` was a copy
         view.copy_(flat.reshape(view.shape))
+
+
+def _rows_in_place(view: torch.Tensor):
+    """On CUDA, for a strided view that folds into rows of unit stride (a TP column
+    shard): a function turning positions in the view into ``(bits of the memory the rows
+    span, positions there)``, so that the changed elements are written in place instead
+    of through a copy of the whole view and back. None: no such view, or not on CUDA."""
+    if view.is_contiguous() or not delta_kernels.usable(view):
+        return None
+    form = delta_kernels.rows_form(view)
+    if form is None:
+        return None
+    span = view.as_strided(((form.rows - 1) * form.stride + form.cols,), (1,))
+    bits = span.view(_INT_OF_SIZE[view.element_size()])
+
+    def place(pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if pos.dtype == torch.bool:
+            pos = pos.nonzero().reshape(-1)
+        return bits, pos // form.cols * form.stride + pos % form.cols
+    return place
+
+
+def _bitmask_on_gpu(view: torch.Tensor, count: int, diff8: bool, payload: torch.Tensor,
+                    nindex: int) -> Optional[torch.Tensor]:
+    """A BITMASK delta on CUDA: the bits counted and checked by a kernel; whole values
+    written by a kernel (None returned), else the int64 positions for ``apply``'s DIFF8
+    steps (the kernel that would scatter them cannot fold this view: positions too)."""
+    numel, itemsize = view.numel(), view.element_size()
+    index = payload[:nindex]
+    counts = delta_kernels.bitmask_counts(index, numel)
+    got = int(counts.sum())
+    past = _ones((index[-1:] >> (numel % 8)).ne(0)) if numel % 8 else 0
+    if got != count or past:
+        raise DeltaTransportError(f"a bitmask delta sets {got + past} bits (past the box: "
+                                  f"{past}) but its header says {count}")
+    if not diff8:
+        values = payload[nindex:]
+        if values.numel() != count * itemsize:
+            raise DeltaTransportError(f"a delta of {count} values carries {values.numel()} "
+                                      f"bytes")
+        if delta_kernels.apply_bitmask(view, index, values, counts):
+            return None
+    return delta_kernels.bitmask_positions(index, numel, counts, count)
 
 
 @dataclass
