@@ -49,7 +49,7 @@ def _check_reports(reports: list) -> None:
                                                  ("qwen3_moe", "tp2 pp2 ep2", "tp2")])
 def test_delta_refits_through_the_worker_extension_equal_vllms_own_loading(
         pool, family_id, train, gen):
-    from megatron_reshard.testing.vllm_refit import vllm_refit_job
+    from megatron_reshard.tools.vllm_refit import vllm_refit_job
 
     family = FAMILIES[family_id]
     cfg = _cfg(family, train, gen, verify=True)
@@ -72,7 +72,7 @@ def test_delta_refits_through_the_worker_extension_equal_vllms_own_loading(
 
 
 def test_delta_refits_through_the_weight_transfer_backend_equal_vllms_own_loading(pool):
-    from megatron_reshard.testing.vllm_backend_refit import backend_refit_job
+    from megatron_reshard.tools.vllm_backend_refit import backend_refit_job
 
     family = FAMILIES["qwen3"]
     cfg = _cfg(family, "tp2", "tp2", verify=False)

@@ -23,7 +23,7 @@ pytest.importorskip("compressed_tensors")  # vLLM's quantization registry import
 from test_real_vllm import REFITS, Family, _build, layout, vllm_config_json  # noqa: E402
 from hf_configs import TINY_MODEL  # noqa: E402
 from megatron_reshard.testing import vllm_models as vm  # noqa: E402
-from megatron_reshard.testing.vllm_refit import vllm_refit_job  # noqa: E402
+from megatron_reshard.tools.vllm_refit import vllm_refit_job  # noqa: E402
 from megatron_reshard.tools.run_config import RefitRunConfig  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -178,7 +178,7 @@ def test_fp8_through_the_weight_transfer_backend(pool, transport):
     """The other front door (vLLM's weight-transfer engine, driven as vLLM's GPU worker
     drives it), over both transports: two refits into block-FP8 layers converted by vLLM's
     own code, bit-equal to vLLM's own loading of the FP8 checkpoint."""
-    from megatron_reshard.testing.vllm_backend_refit import backend_refit_job
+    from megatron_reshard.tools.vllm_backend_refit import backend_refit_job
 
     cfg = _cfg(transport=transport)
     results = pool.run(backend_refit_job, cfg.train_world + cfg.gen_world, cfg, fp8_config_json(),

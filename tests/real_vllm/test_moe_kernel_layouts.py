@@ -169,7 +169,7 @@ def test_a_refused_backend_stops_every_rank_at_prepare_refit(pool):
 def test_cutlass_through_the_weight_transfer_backend(pool, transport):
     """FlashInfer CUTLASS (w13 as [up; gate], written through strided views) through vLLM's
     weight-transfer engine over both transports: two refits bit-equal to vLLM's loading."""
-    from megatron_reshard.testing.vllm_backend_refit import backend_refit_job
+    from megatron_reshard.tools.vllm_backend_refit import backend_refit_job
 
     cfg = RefitRunConfig(model="dense", model_overrides=dict(QWEN3_MOE.model), refits=REFITS,
                          verify=False, dtype="bfloat16", quiet=True, timeout_s=120,
