@@ -372,6 +372,15 @@ def _gated_delta_net_shapes(c: Mapping[str, Any], p: str, T: int) -> dict[str, t
 
 def _gated_delta_net_expected(c: Mapping[str, Any], name: str, hf: Mapping[str, torch.Tensor],
                               r: int, T: int) -> torch.Tensor:
+    la = name.rsplit(".", 2)[0]
+    if name.endswith("in_proj_qkvz.weight") and name not in hf:
+        # Qwen3.5: flat q, k, v, z streams, each split over TP: rank r holds [q_r; k_r; v_r; z_r]
+        kd = c["linear_num_key_heads"] * c["linear_key_head_dim"]
+        qkv = hf[f"{la}.in_proj_qkv.weight"]
+        streams = (qkv[:kd], qkv[kd:2 * kd], qkv[2 * kd:], hf[f"{la}.in_proj_z.weight"])
+        return torch.cat([torch.chunk(t, T)[r] for t in streams])
+    if name.endswith("in_proj_ba.weight") and name not in hf:  # Qwen3.5: [b_r; a_r]
+        return torch.cat([torch.chunk(hf[f"{la}.in_proj_{w}.weight"], T)[r] for w in "ba"])
     full = hf[name]
     if name.endswith("conv1d.weight"):
         kd = c["linear_num_key_heads"] * c["linear_key_head_dim"]
