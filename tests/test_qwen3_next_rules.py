@@ -148,3 +148,27 @@ def test_qwen3_5_in_proj_streams_come_out_flat_and_land_in_vllms_output_shards()
                     for (t0, t1), (h0, h1) in pieces:
                         held[key][t0:t1] = full[la + f"in_proj_{w}.weight"][h0:h1]
                 assert torch.equal(torch.cat([held["in_proj_qkvz"], held["in_proj_ba"]]), chunks[r]), (tp, r)
+
+
+def test_plan_reads_a_multimodal_qwen3_5_moe_config_as_its_text_model():
+    """``plan --hf-config``: a Qwen3.5-MoE config.json (text_config inside the multimodal
+    one, layer_types spelled out, no dense intermediate_size) gives the flat in_proj names on
+    the linear-attention layers, and only the GDN params + gated q/k/v travel packed."""
+    import json
+
+    from megatron_reshard.tools.presets import config_from_hf_json, hf_params, travels_packed
+
+    text = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=16, vocab_size=300, num_experts=4, moe_intermediate_size=32,
+                shared_expert_intermediate_size=32, linear_num_key_heads=2, linear_num_value_heads=4,
+                linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+                layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"])
+    cfg, problems = config_from_hf_json(json.dumps(dict(model_type="qwen3_5_moe", text_config=text)), "c")
+    assert problems == [] and cfg["model_type"] == "qwen3_5_moe_text"
+    params = {p.name: p.shape for p in hf_params(cfg)}
+    assert params["model.layers.2.linear_attn.in_proj_qkv.weight"] == (2 * 32 + 32, 64)
+    assert params["model.layers.2.linear_attn.in_proj_b.weight"] == (4, 64)
+    assert "model.layers.1.linear_attn.in_proj_z.weight" not in params
+    assert params["model.layers.1.self_attn.q_proj.weight"] == (2 * 4 * 16, 64)  # [q_h; gate_h]
+    assert params["model.layers.3.mlp.shared_expert_gate.weight"] == (1, 64)
+    assert sum(travels_packed(cfg, n) for n in params) == 2 * 9 + 2 * 3
