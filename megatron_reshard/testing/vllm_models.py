@@ -127,10 +127,11 @@ def _vision_imports_without_torchvision():
 
     try:
         importlib.import_module("torchvision")
+    except ImportError:  # not installed (this machine); a broken install raises on, unchanged
+        pass
+    else:
         yield
         return
-    except ImportError:
-        pass
     from transformers.utils import import_utils
 
     import_utils.is_torchvision_available()  # caches False before the stand-ins exist
