@@ -181,8 +181,8 @@ def _hf_config(model: str) -> dict:
                     vocab_size=p["vocab_size"], attention_bias=True, router_expert_bias=True,
                     shared_expert_intermediate_size=p["moe_shared_expert_intermediate_size"],
                     tie_word_embeddings=False)
-    if p.get("family") == "qwen3_next":  # Gated-DeltaNet in layer 0, gated attention in 1
-        return dict(family="qwen3_next", hidden_size=p["hidden_size"],
+    if p.get("family") in ("qwen3_next", "qwen3_5_moe_text"):  # Gated-DeltaNet in layer 0, gated attention in 1
+        return dict(family=p["family"], hidden_size=p["hidden_size"],
                     num_attention_heads=p["num_attention_heads"],
                     num_key_value_heads=p["num_query_groups"], head_dim=p["head_dim"],
                     intermediate_size=p["ffn_hidden_size"], moe_intermediate_size=p["moe_ffn_hidden_size"],

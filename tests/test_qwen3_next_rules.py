@@ -111,3 +111,64 @@ def test_the_gated_norm_gains_one_where_megatrons_norms_are_zero_centred():
     centred = ModelDims(2, 4, 2, 8, 100, True, linear=replace(LINEAR, out_norm_offset=1.0))
     got = full_from_tp_chunks(conv, [w], centred)[conv.hf_names[0]]
     assert got.dtype == torch.bfloat16 and got.tolist() == [0.0, 1.0, 1.5, 3.0]
+
+
+def test_qwen3_5_in_proj_streams_come_out_flat_and_land_in_vllms_output_shards():
+    """Qwen3.5 (``qwen3_5_text`` / ``qwen3_5_moe_text``): Megatron's in_proj becomes the flat
+    ``in_proj_qkv`` [q; k; v], ``in_proj_z``, ``in_proj_b``, ``in_proj_a`` over all heads,
+    and vLLM's rank r takes [q_r; k_r; v_r; z_r] of in_proj_qkvz and [b_r; a_r] of
+    in_proj_ba, which is Megatron's rank-r chunk itself."""
+    from megatron_reshard.vllm_layout.gated_delta_net import flat_in_proj_pieces
+    from megatron_reshard.wire.extras import HFConfig
+
+    streams = [(0, NK, DK), (1, NK, DK), (2, NV, DV), (3, NV, DV), (4, NV, 1), (5, NV, 1)]  # q k v z b a
+    every = lambda code, heads, dim: [[code, h, i] for h in range(heads) for i in range(dim)]  # noqa: E731
+    hf_config = HFConfig.of(dict(linear_num_key_heads=NK, linear_num_value_heads=NV,
+                                 linear_key_head_dim=DK, linear_value_head_dim=DV))
+    for family in ("qwen3_5_text", "qwen3_5_moe_text"):
+        conv = NameConverter(family, {0: 5}).convert("decoder.layers.0.self_attention.in_proj.weight")
+        la = "model.layers.5.linear_attn."
+        assert (conv.kind, conv.hf_names) == ("gdn_in_proj_flat", tuple(
+            la + f"in_proj_{w}.weight" for w in ("qkv", "z", "b", "a")))
+        for tp in (1, 2, 4):
+            dims = ModelDims(tp, 4, 2, 8, 100, True, linear=LINEAR)
+            chunks = _labelled(streams, tp)
+            full = full_from_tp_chunks(conv, chunks, dims)
+            assert full[la + "in_proj_qkv.weight"].tolist() == every(*streams[0]) + every(*streams[1]) + every(*streams[2])
+            for w, s in (("z", 3), ("b", 4), ("a", 5)):
+                assert full[la + f"in_proj_{w}.weight"].tolist() == every(*streams[s]), (w, tp)
+            assert hf_global_shapes(conv, chunks[0].shape, dims) == {n: list(t.shape) for n, t in full.items()}
+            for r in range(tp):  # vLLM's rank r, filled from the flat tensors, is Megatron's chunk r
+                qkvz_rows, ba_rows = 2 * (NK * DK + NV * DV) // tp, 2 * NV // tp
+                held = {"in_proj_qkvz": torch.zeros(qkvz_rows, 3), "in_proj_ba": torch.zeros(ba_rows, 3)}
+                for w in ("qkv", "z", "b", "a"):
+                    target, rows, pieces = flat_in_proj_pieces(la + f"in_proj_{w}.weight", hf_config, tp, r)
+                    key = target.rsplit(".", 2)[1]
+                    assert rows == held[key].shape[0]
+                    for (t0, t1), (h0, h1) in pieces:
+                        held[key][t0:t1] = full[la + f"in_proj_{w}.weight"][h0:h1]
+                assert torch.equal(torch.cat([held["in_proj_qkvz"], held["in_proj_ba"]]), chunks[r]), (tp, r)
+
+
+def test_plan_reads_a_multimodal_qwen3_5_moe_config_as_its_text_model():
+    """``plan --hf-config``: a Qwen3.5-MoE config.json (text_config inside the multimodal
+    one, layer_types spelled out, no dense intermediate_size) gives the flat in_proj names on
+    the linear-attention layers, and only the GDN params + gated q/k/v travel packed."""
+    import json
+
+    from megatron_reshard.tools.presets import config_from_hf_json, hf_params, travels_packed
+
+    text = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=16, vocab_size=300, num_experts=4, moe_intermediate_size=32,
+                shared_expert_intermediate_size=32, linear_num_key_heads=2, linear_num_value_heads=4,
+                linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+                layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"])
+    cfg, problems = config_from_hf_json(json.dumps(dict(model_type="qwen3_5_moe", text_config=text)), "c")
+    assert problems == [] and cfg["model_type"] == "qwen3_5_moe_text"
+    params = {p.name: p.shape for p in hf_params(cfg)}
+    assert params["model.layers.2.linear_attn.in_proj_qkv.weight"] == (2 * 32 + 32, 64)
+    assert params["model.layers.2.linear_attn.in_proj_b.weight"] == (4, 64)
+    assert "model.layers.1.linear_attn.in_proj_z.weight" not in params
+    assert params["model.layers.1.self_attn.q_proj.weight"] == (2 * 4 * 16, 64)  # [q_h; gate_h]
+    assert params["model.layers.3.mlp.shared_expert_gate.weight"] == (1, 64)
+    assert sum(travels_packed(cfg, n) for n in params) == 2 * 9 + 2 * 3

@@ -1,5 +1,5 @@
-"""Qwen3.5 text is refused, precisely, before any collective; Qwen3-Next's hybrid layers are
-refused under any other family name.
+"""The multimodal Qwen3.5 types are refused, precisely, before any collective (the text
+types refit); Qwen3-Next's hybrid layers are refused under any other family name.
 
 Pinned here too: megatron-core 0.16.1's own Gated-DeltaNet block spec asserts Transformer
 Engine (absent on this CPU machine), which is why the tests build GatedDeltaNet with local
@@ -28,13 +28,14 @@ GDN = dict(experimental_attention_variant="gated_delta_net", linear_attention_fr
 GDN_SPEC = dict(GDN, attention_output_gate=True)
 
 
-def test_qwen3_5_families_are_named_as_not_supported_yet_and_not_as_unknown():
-    for family in ("qwen3_5_text", "qwen3_5_moe_text"):
+def test_multimodal_qwen3_5_is_named_as_not_supported_yet_and_its_text_model_refits():
+    for family in ("qwen3_5", "qwen3_5_moe"):
         assert family in NOT_YET_SUPPORTED and family not in FAMILIES
         msg = family_problem(family)
         assert f"model family {family!r} is not supported yet" in msg
-        assert "torchvision" in msg and "in_proj_qkv" in msg and "family='qwen3_next'" in msg
-    assert family_problem("qwen3_next") is None and "qwen3_next" in FAMILIES
+        assert "vision tower" in msg and "family='qwen3_5_text'" in msg
+    for family in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"):
+        assert family_problem(family) is None and family in FAMILIES
     assert family_problem("glm4_moe") is None and family_problem("qwen3") is None
 
 
@@ -71,7 +72,7 @@ def _refusals(job):
     gated = model_of(dataclasses.replace(base, attention_output_gate=True))
     out["gated_qkv_rows"] = int(gated.decoder.layers[0].self_attention.linear_qkv.weight.shape[0])
     attempt("gated_attention", gated, family="qwen3")
-    attempt("named_family", model_of(base), family="qwen3_5_text")
+    attempt("named_family", model_of(base), family="qwen3_5")
     attempt("ungated_qwen3_next", model_of(base), family="qwen3_next")
     gdn_config = dataclasses.replace(base, **GDN)  # megatron-core validates the fields
     try:
@@ -101,7 +102,7 @@ def test_gated_and_linear_attention_models_are_refused_on_every_rank(pool):
         # the gate doubles the q rows of this rank's linear_qkv: 2 q heads x 16 x 2 + k + v
         assert r["gated_qkv_rows"] == 2 * 16 * 2 + 2 * 16
         assert "attention_output_gate=True" in r["gated_attention"], (rank, r["gated_attention"])
-        assert "model family 'qwen3_5_text' is not supported yet" in r["named_family"], rank
+        assert "model family 'qwen3_5' is not supported yet" in r["named_family"], rank
         assert "expects attention_output_gate=True" in r["ungated_qwen3_next"], rank
         assert "experimental_attention_variant='gated_delta_net'" in r["gated_delta_net"], rank
         assert "pass family='qwen3_next'" in r["gated_delta_net"], rank

@@ -283,6 +283,8 @@ def full_from_tp_chunks(conv: Converted, chunks: Sequence[torch.Tensor], dims: M
                                 f"dims carry no linear-attention geometry")
         if kind == "gdn_in_proj":
             return dict(zip(conv.hf_names, qwen3_next.in_proj_full(chunks, dims.linear)))
+        if kind == "gdn_in_proj_flat":
+            return dict(zip(conv.hf_names, qwen3_next.in_proj_flat_full(chunks, dims.linear)))
         if kind == "gdn_norm":
             return {conv.hf_names[0]: qwen3_next.out_norm_full(chunks[0], dims.linear)}
         return {conv.hf_names[0]: qwen3_next.conv1d_full(chunks, dims.linear)}

@@ -27,7 +27,8 @@ Kinds (T = TP size; experts are never TP-sharded here because expert-TP > 1 is r
 ``skip``        not a weight (``_extra_state``)
 ``oss_*``       gpt-oss experts, one whole expert each: interleaved gate/up, transposed
                 weights (``megatron.gpt_oss``); full tensors only
-``gdn_*``       Qwen3-Next's Gated-DeltaNet ``in_proj`` (-> ``in_proj_qkvz``, ``in_proj_ba``),
+``gdn_*``       Qwen3-Next's Gated-DeltaNet ``in_proj`` (-> ``in_proj_qkvz``, ``in_proj_ba``;
+                Qwen3.5: ``gdn_in_proj_flat`` -> ``in_proj_qkv``, ``_z``, ``_b``, ``_a``),
                 ``conv1d`` and gated norm (+1 under zero-centred norms); ``gated_qkv``: ``linear_qkv`` with the attention output
                 gate (``megatron.qwen3_next``); full tensors only
 ``mamba_*``     Nemotron-H's fused Mamba-2 ``in_proj`` / ``conv1d``: names only (the
@@ -251,9 +252,8 @@ FAMILIES["nemotron_h"] = (NEMOTRON_H_TOP_RULES, NEMOTRON_H_RULES)
 # full-attention layers; HF/vLLM Qwen3NextForCausalLM). The tensor rules of the ``gdn_*`` /
 # ``gated_qkv`` kinds are in ``megatron.qwen3_next``; A_log / dt_bias are per value head
 # (TP dim 0), the gated norm is per channel of one head (replicated). MoE: Qwen2-MoE's names
-# (``shared_expert``, ``shared_expert_gate``). The refit still refuses these families
-# (``megatron.unsupported_families`` says what is left); the rules are checked on real
-# megatron-core models against vLLM's own ``load_weights``.
+# (``shared_expert``, ``shared_expert_gate``). The rules are checked on real megatron-core
+# models against vLLM's own ``load_weights`` (tests/real_vllm).
 LINEAR = LAYER + ".linear_attn."
 _GATED_DELTA_NET_RULES = _rules(
     (r"self_attention\.in_proj\.weight", "gdn_in_proj",
@@ -275,4 +275,17 @@ _QWEN_SHARED_EXPERT = _shared_expert_rules("shared_expert") + _rules(
 )
 FAMILIES["qwen3_next"] = (TOP_RULES, SKIP_RULES + _GATED_DELTA_NET_RULES + NORM_RULES + ATTENTION_RULES
                           + DENSE_MLP_RULES + MOE_RULES + _QWEN_SHARED_EXPERT)
+# Qwen3.5 text (HF model_type ``qwen3_5_text`` dense, ``qwen3_5_moe_text`` MoE; vLLM
+# Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM): Qwen3-Next's layers, the in_proj streams
+# named apart and flat (``gdn_in_proj_flat``, ``megatron.qwen3_next``)
+_QWEN3_5_IN_PROJ = _rules(
+    (r"self_attention\.in_proj\.weight", "gdn_in_proj_flat",
+     [LINEAR + "in_proj_qkv.weight", LINEAR + "in_proj_z.weight", LINEAR + "in_proj_b.weight",
+      LINEAR + "in_proj_a.weight"]),
+)
+_QWEN3_5_RULES = (SKIP_RULES + _QWEN3_5_IN_PROJ
+                  + tuple(r for r in _GATED_DELTA_NET_RULES if r.kind != "gdn_in_proj")
+                  + NORM_RULES + ATTENTION_RULES + DENSE_MLP_RULES)
+FAMILIES["qwen3_5_text"] = (TOP_RULES, _QWEN3_5_RULES)
+FAMILIES["qwen3_5_moe_text"] = (TOP_RULES, _QWEN3_5_RULES + MOE_RULES + _QWEN_SHARED_EXPERT)
 # ---- end Qwen3-Next

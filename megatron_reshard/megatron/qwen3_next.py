@@ -9,6 +9,10 @@ No Megatron import. Facts, megatron-core 0.16.1 (``ssm/gated_delta_net.py``,
   (its key heads' q and k, its value heads' v, z, b, a; ``GatedDeltaNet.forward`` splits
   it so). The checkpoint's ``in_proj_qkvz`` holds, per key head g, ``[q_g, k_g, v_g, z_g]``
   (v and z of the value heads of g), and ``in_proj_ba`` per key head ``[b_g, a_g]``.
+- Qwen3.5's checkpoint names the same projections apart and flat (no per-key-head
+  interleave): ``in_proj_qkv`` ``[q; k; v]``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``
+  over all heads (vLLM 0.33 ``models/qwen3_5.py``, ``gqa_interleaved_layout=False``):
+  kind ``gdn_in_proj_flat``.
 - GDN ``conv1d.weight [C/T, 1, K]``: channels ``[q_r, k_r, v_r]``; the checkpoint's are
   ``[q, k, v]`` over all heads.
 - ``linear_qkv`` with ``attention_output_gate``: per KV group ``[q heads, gate heads, k, v]``
@@ -33,8 +37,8 @@ import torch
 
 from megatron_reshard.errors import BadInputError
 
-KINDS = ("gdn_in_proj", "gdn_conv1d", "gated_qkv", "gdn_norm")
-TP_DIMS = {kind: 0 for kind in KINDS[:3]}  # gdn_norm: replicated
+KINDS = ("gdn_in_proj", "gdn_conv1d", "gated_qkv", "gdn_norm", "gdn_in_proj_flat")
+TP_DIMS = {kind: 0 for kind in KINDS if kind != "gdn_norm"}  # gdn_norm: replicated
 
 
 @dataclass(frozen=True)
@@ -85,6 +89,14 @@ def in_proj_full(chunks: Sequence[torch.Tensor], d: LinearAttentionDims) -> tupl
     return qkvz, ba
 
 
+def in_proj_flat_full(chunks: Sequence[torch.Tensor], d: LinearAttentionDims
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Qwen3.5's ``(in_proj_qkv, in_proj_z, in_proj_b, in_proj_a)`` from the TP chunks of
+    Megatron's ``in_proj``: each stream joined over TP, q, k, v stacked."""
+    q, k, v, z, b, a = _split_chunks(chunks, d.segments(len(chunks)))
+    return torch.cat([q, k, v], 0), z, b, a
+
+
 def conv1d_full(chunks: Sequence[torch.Tensor], d: LinearAttentionDims) -> torch.Tensor:
     """HF ``conv1d.weight`` ``[q; k; v]`` channels from Megatron's per-rank ``[q_r; k_r; v_r]``."""
     return torch.cat(_split_chunks(chunks, d.segments(len(chunks))[:3]), 0)
@@ -126,11 +138,13 @@ def hf_shapes(kind: str, local_shape: Sequence[int], tp: int, d: Optional[Linear
     kd, vd = d.num_key_heads * d.key_head_dim, d.num_value_heads * d.value_head_dim
     if kind == "gdn_in_proj":
         return [[2 * kd + 2 * vd, *rest], [2 * d.num_value_heads, *rest]]
+    if kind == "gdn_in_proj_flat":
+        return [[2 * kd + vd, *rest], [vd, *rest], [d.num_value_heads, *rest], [d.num_value_heads, *rest]]
     return [[2 * kd + vd, *rest]]  # gdn_conv1d
 
 
 def hf_config_keys(config: Any) -> dict:
-    """The HF Qwen3-Next keys the receiver reads (conv1d segments, gated q rows); {} for a
+    """The HF Qwen3-Next / Qwen3.5 keys the receiver reads (conv1d segments, gated q rows); {} for a
     model without Gated-DeltaNet layers or the attention output gate."""
     out: dict = {}
     d = LinearAttentionDims.from_config(config)

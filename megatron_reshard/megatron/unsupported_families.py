@@ -4,31 +4,30 @@ Checked before any collective (``MegatronRefitSource._check_inputs``): a named f
 is not supported yet, and the hybrid-model layers of a model whose family has no rules for
 them, since a gated or linear attention layer would otherwise reach the converter as plain
 attention (``attention_output_gate`` makes ``linear_qkv`` carry a gate per head that a
-plain ``qkv_proj`` does not have). Qwen3-Next (``family="qwen3_next"``) has those rules
-(``megatron.qwen3_next``).
+plain ``qkv_proj`` does not have). Qwen3-Next (``family="qwen3_next"``) and Qwen3.5 text
+(``"qwen3_5_text"``, ``"qwen3_5_moe_text"``) have those rules (``megatron.qwen3_next``).
 """
 
 from __future__ import annotations
 
 from typing import Any, Optional
 
-_QWEN3_5_BLOCKERS = (
-    "vLLM 0.33's Qwen3.5 module (models/qwen3_5.py) imports its vision tower (qwen3_vl -> "
-    "transformers' Qwen2-VL image processor -> torchvision), and torchvision has no CPU build "
-    "for torch 2.13 (PyPI's wheel is CUDA-linked: 'operator torchvision::nms does not exist'), "
-    "so no refit can be checked against vLLM's own Qwen3.5 classes here; Qwen3.5's checkpoint "
-    "also names the Gated-DeltaNet projections apart (in_proj_qkv, in_proj_z, in_proj_b, "
-    "in_proj_a, loaded flat, not per key head), for which no converter rule is written. "
-    "Qwen3-Next's layers are the same: family='qwen3_next' refits")
+_QWEN3_5_MULTIMODAL = (
+    "this HF model_type is the multimodal Qwen3.5 (vLLM's Qwen3_5(Moe)ForConditionalGeneration: "
+    "a vision tower beside the language model, checkpoint names under "
+    "'model.language_model.'); a megatron-core GPTModel holds the language model only: refit it "
+    "as the text model, family='qwen3_5_text' (dense) or 'qwen3_5_moe_text' (MoE), into vLLM's "
+    "Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM")
 
-#: HF ``model_type`` -> why the refit refuses it
+#: HF ``model_type`` -> why the refit refuses it (Qwen3.5 text, ``qwen3_5_text`` /
+#: ``qwen3_5_moe_text``, refits: ``families`` has its flat in_proj names)
 NOT_YET_SUPPORTED: dict[str, str] = {
-    "qwen3_5_text": _QWEN3_5_BLOCKERS,
-    "qwen3_5_moe_text": _QWEN3_5_BLOCKERS,
+    "qwen3_5": _QWEN3_5_MULTIMODAL,
+    "qwen3_5_moe": _QWEN3_5_MULTIMODAL,
 }
 
 #: families whose rules convert Gated-DeltaNet layers and the attention output gate
-HYBRID_FAMILIES = ("qwen3_next",)
+HYBRID_FAMILIES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 
 
 def family_problem(family: Optional[str]) -> Optional[str]:
@@ -47,14 +46,15 @@ def layer_problems(config: Any, family: Optional[str] = None) -> list[str]:
     if family in HYBRID_FAMILIES:
         if variant not in (None, "gated_delta_net"):
             out.append(f"experimental_attention_variant={variant!r} is not supported: only "
-                       "'gated_delta_net' (Qwen3-Next's linear attention) has converter rules")
+                       "'gated_delta_net' (Qwen3-Next / Qwen3.5 linear attention) has converter rules")
         if not gated:
             out.append(f"family={family!r} expects attention_output_gate=True (Qwen3-Next's full "
                        "attention layers gate their output; vLLM's qkv_proj holds the gate rows)")
         return out
     if variant is not None:
         out.append(f"experimental_attention_variant={variant!r} (Qwen3-Next linear attention) "
-                   "is not supported for this family: pass family='qwen3_next'")
+                   "is not supported for this family: pass family='qwen3_next' (or Qwen3.5's "
+                   "'qwen3_5_text' / 'qwen3_5_moe_text')")
     if gated:
         out.append("attention_output_gate=True (Qwen3-Next gated full attention) is not supported "
                    "for this family: linear_qkv carries an output gate per head; pass "

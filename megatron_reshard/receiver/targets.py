@@ -179,6 +179,9 @@ class VllmTargets:
             raise TargetError(f"{hf_name}: {linear_problem} (on {self.where()})")
         if hf_name in self.params and gated_delta_net.CONV1D_RE.search(hf_name):
             return self._conv1d(hf_name, shape)
+        flat = gated_delta_net.flat_in_proj_pieces(hf_name, self.hf_config, self.tp_size, self.tp_rank)
+        if flat and flat[0] in self.params:
+            return self._flat_in_proj(hf_name, shape, *flat)
         if hf_name in self.params:
             return self._direct(hf_name, shape)
         m = EXPERT_WEIGHT_RE.match(hf_name)
@@ -281,6 +284,21 @@ class VllmTargets:
         plan = TargetPlan(name, shape)
         for t_rows, h_rows in pieces:
             plan.pieces.append(Piece(name, (t_rows,) + _full(shape[1:]), (h_rows,) + _full(shape[1:])))
+        return plan
+
+    def _flat_in_proj(self, name: str, shape: tuple[int, ...], target: str, rows: int,
+                      pieces: list) -> TargetPlan:
+        """Qwen3.5's flat in_proj streams into their output shards of ``in_proj_qkvz`` /
+        ``in_proj_ba`` (``vllm_layout.gated_delta_net``)."""
+        expected = (rows,) + shape[1:]
+        if tuple(self.params[target].shape) != expected:
+            raise self._shape_error(name, target, expected, "[q_r; k_r; v_r; z_r] / [b_r; a_r]")
+        if shape[0] != sum(h[1] - h[0] for _, h in pieces) * self.tp_size:
+            raise TargetError(f"{name}: HF shape {list(shape)} does not match the linear_* dims "
+                              f"of hf_config (on {self.where()})")
+        plan = TargetPlan(name, shape)
+        for t_rows, h_rows in pieces:
+            plan.pieces.append(Piece(target, (t_rows,) + _full(shape[1:]), (h_rows,) + _full(shape[1:])))
         return plan
 
     def _heads(self, name: str) -> AttentionHeads:

@@ -15,7 +15,10 @@ import torch
 import torch.distributed as dist
 
 SHARED_EXPERT_PREFIX = {"qwen2_moe": "shared_expert", "deepseek_v3": "shared_experts",
-                        "glm4_moe": "shared_experts", "qwen3_next": "shared_expert"}
+                        "glm4_moe": "shared_experts", "qwen3_next": "shared_expert",
+                        "qwen3_5_moe_text": "shared_expert"}
+# Qwen3.5 text: Qwen3-Next's layers, its checkpoint's in_proj streams flat and named apart
+QWEN3_5_FAMILIES = ("qwen3_5_text", "qwen3_5_moe_text")
 
 
 # MLA (DeepSeek-V3 names). The down projections are column-parallel in the local spec: the
@@ -60,9 +63,11 @@ def _gpt_oss_tensor(out: dict, p: str, rest: str, full: torch.Tensor, first_expe
     return True
 
 
-def _qwen3_next_tensor(out: dict, p: str, rest: str, parts: list, full: torch.Tensor, cfg) -> bool:
-    """Qwen3-Next's Gated-DeltaNet and gated-attention names; False when ``rest`` is not one
-    of them. Explicit loops over the TP parts and the key heads / KV groups."""
+def _qwen3_next_tensor(out: dict, p: str, rest: str, parts: list, full: torch.Tensor, cfg,
+                       flat: bool = False) -> bool:
+    """Qwen3-Next's Gated-DeltaNet and gated-attention names (``flat``: Qwen3.5's in_proj
+    names); False when ``rest`` is not one of them. Explicit loops over the TP parts and the
+    key heads / KV groups."""
     la = f"{p}.linear_attn"
     simple = {"self_attention.A_log": "A_log", "self_attention.dt_bias": "dt_bias",
               "self_attention.out_proj.weight": "out_proj.weight"}
@@ -87,6 +92,12 @@ def _qwen3_next_tensor(out: dict, p: str, rest: str, parts: list, full: torch.Te
         q, k, v, z, b, a = (torch.cat(s) if s else None for s in streams)
         if rest.endswith("conv1d.weight"):
             out[f"{la}.conv1d.weight"] = torch.cat([q, k, v])
+            return True
+        if flat:  # Qwen3.5: each stream whole, q, k, v stacked
+            out[f"{la}.in_proj_qkv.weight"] = torch.cat([q, k, v])
+            out[f"{la}.in_proj_z.weight"] = z
+            out[f"{la}.in_proj_b.weight"] = b
+            out[f"{la}.in_proj_a.weight"] = a
             return True
         per = nv // nk
         qkvz, ba = [], []
@@ -220,7 +231,8 @@ def gather_full_hf_state_dict(model: Any, *, family: str, vocab_size: Optional[i
             out[f"{p}.input_layernorm.weight"] = full
         elif rest in ("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"):
             out[f"{p}.post_attention_layernorm.weight"] = full
-        elif family == "qwen3_next" and _qwen3_next_tensor(out, p, rest, full_parts, full, cfg):
+        elif family in ("qwen3_next", *QWEN3_5_FAMILIES) and _qwen3_next_tensor(
+                out, p, rest, full_parts, full, cfg, flat=family in QWEN3_5_FAMILIES):
             pass
         elif rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
             kind = rest.rsplit(".", 1)[1]

@@ -225,6 +225,8 @@ def hf_param_shapes(hf_config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
         shapes[f"{p}.input_layernorm.weight"] = (H,)
         if _is_linear_attention(c, i):
             shapes.update(_gated_delta_net_shapes(c, p, 1))
+            if c.get("family") in ("qwen3_5_text", "qwen3_5_moe_text"):
+                shapes.update(_flat_in_proj_shapes(shapes, c, p))
         elif c.get("kv_lora_rank"):
             shapes.update(_mla_shapes(c, p, 1, full=True))
         else:
@@ -370,8 +372,28 @@ def _gated_delta_net_shapes(c: Mapping[str, Any], p: str, T: int) -> dict[str, t
             f"{la}.norm.weight": (c["linear_value_head_dim"],), f"{la}.out_proj.weight": (H, vd // T)}
 
 
+def _flat_in_proj_shapes(shapes: dict, c: Mapping[str, Any], p: str) -> dict[str, tuple[int, ...]]:
+    """Qwen3.5's checkpoint: in_proj_qkvz / in_proj_ba (dropped from ``shapes``) as the flat
+    in_proj_qkv [q; k; v], in_proj_z, in_proj_b, in_proj_a."""
+    la, H = f"{p}.linear_attn", c["hidden_size"]
+    del shapes[f"{la}.in_proj_qkvz.weight"], shapes[f"{la}.in_proj_ba.weight"]
+    kd = c["linear_num_key_heads"] * c["linear_key_head_dim"]
+    vd, nv = c["linear_num_value_heads"] * c["linear_value_head_dim"], c["linear_num_value_heads"]
+    return {f"{la}.in_proj_qkv.weight": (2 * kd + vd, H), f"{la}.in_proj_z.weight": (vd, H),
+            f"{la}.in_proj_b.weight": (nv, H), f"{la}.in_proj_a.weight": (nv, H)}
+
+
 def _gated_delta_net_expected(c: Mapping[str, Any], name: str, hf: Mapping[str, torch.Tensor],
                               r: int, T: int) -> torch.Tensor:
+    la = name.rsplit(".", 2)[0]
+    if name.endswith("in_proj_qkvz.weight") and name not in hf:
+        # Qwen3.5: flat q, k, v, z streams, each split over TP: rank r holds [q_r; k_r; v_r; z_r]
+        kd = c["linear_num_key_heads"] * c["linear_key_head_dim"]
+        qkv = hf[f"{la}.in_proj_qkv.weight"]
+        streams = (qkv[:kd], qkv[kd:2 * kd], qkv[2 * kd:], hf[f"{la}.in_proj_z.weight"])
+        return torch.cat([torch.chunk(t, T)[r] for t in streams])
+    if name.endswith("in_proj_ba.weight") and name not in hf:  # Qwen3.5: [b_r; a_r]
+        return torch.cat([torch.chunk(hf[f"{la}.in_proj_{w}.weight"], T)[r] for w in "ba"])
     full = hf[name]
     if name.endswith("conv1d.weight"):
         kd = c["linear_num_key_heads"] * c["linear_key_head_dim"]

@@ -29,6 +29,17 @@ place, each shim explained there):
   (``maybe_roundup_sizes``) and the post-load conversion
   (``convert_to_unquantized_kernel_format``, FlashInfer's permutation helpers on CPU).
 
+- vLLM's Qwen3.5 module (``models/qwen3_5.py``, text classes and multimodal ones in one file)
+  imports its vision model ``qwen3_vl``, which imports transformers'
+  ``image_processing_qwen2_vl``, whose first lines run
+  ``from torchvision.transforms.v2 import functional as tvF``. torchvision is not installed
+  here (PyPI's wheel is CUDA-linked and does not load on this CPU torch). The import runs
+  with that one module (and its parents) as empty stand-ins, removed again afterwards;
+  ``tvF`` is used only inside the image processor's methods and string annotations, never
+  by the text models, and transformers' "is torchvision available" answer (False) is
+  cached before, so no other import takes a torchvision path. The text classes built and
+  loaded are vLLM's own (``_vision_imports_without_torchvision``).
+
 Imports vLLM lazily (inside functions): the module itself needs only torch.
 """
 
@@ -54,6 +65,8 @@ ARCHITECTURE_MODULES = {
     "GptOssForCausalLM": "gpt_oss",
     "Glm4MoeForCausalLM": "glm4_moe",
     "Qwen3NextForCausalLM": "qwen3_next",  # its Gated-DeltaNet layer imports compressed_tensors
+    "Qwen3_5ForCausalLM": "qwen3_5",  # imported under _vision_imports_without_torchvision
+    "Qwen3_5MoeForCausalLM": "qwen3_5",
 }
 _SHIMS_INSTALLED = False
 CPU_EXPERTS_PREPACK = None  # vLLM's own post-load step of its CPU experts, kept aside by the shim
@@ -93,9 +106,53 @@ def _install_cpu_shims() -> None:
     _honour_flashinfer_moe_backend()
     _honour_block_fp8_kernels()
     for arch, module in ARCHITECTURE_MODULES.items():
-        cls = getattr(importlib.import_module(f"vllm.model_executor.models.{module}"), arch)
+        with _vision_imports_without_torchvision():
+            cls = getattr(importlib.import_module(f"vllm.model_executor.models.{module}"), arch)
         ModelRegistry.register_model(arch, cls)
     _SHIMS_INSTALLED = True
+
+
+# the torchvision modules transformers' Qwen2-VL image processor imports at module level
+TORCHVISION_STAND_INS = ("torchvision", "torchvision.transforms", "torchvision.transforms.v2",
+                         "torchvision.transforms.v2.functional")
+
+
+@contextlib.contextmanager
+def _vision_imports_without_torchvision():
+    """Empty stand-ins for ``TORCHVISION_STAND_INS`` while vLLM's Qwen3.5 module imports (see
+    the module docstring); nothing when torchvision imports or is already imported."""
+    import importlib.machinery
+    import sys
+    import types
+
+    try:
+        importlib.import_module("torchvision")
+    except ImportError:  # not installed (this machine); a broken install raises on, unchanged
+        pass
+    else:
+        yield
+        return
+    from transformers.utils import import_utils
+
+    import_utils.is_torchvision_available()  # caches False before the stand-ins exist
+    import_utils.is_torchvision_v2_available()
+    added = []
+    for name in TORCHVISION_STAND_INS:
+        if name in sys.modules:
+            continue
+        module = types.ModuleType(name)
+        module.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
+        module.__path__ = []
+        sys.modules[name] = module
+        added.append(name)
+        parent, _, child = name.rpartition(".")
+        if parent:
+            setattr(sys.modules[parent], child, module)
+    try:
+        yield
+    finally:
+        for name in added:
+            sys.modules.pop(name, None)
 
 
 # vLLM's --moe-backend values whose conversion runs on the CPU (FlashInfer's helpers do)

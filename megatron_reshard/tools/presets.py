@@ -178,6 +178,11 @@ def attention_heads(cfg: Mapping[str, Any]) -> tuple[int, int]:
     return nh, nh if is_mla(cfg) else int(cfg.get("num_key_value_heads") or nh)
 
 
+# HF model_types with Gated-DeltaNet layers and gated full attention (Qwen3.5: flat in_proj)
+QWEN3_5_TYPES = ("qwen3_5_text", "qwen3_5_moe_text")
+GATED_DELTA_NET_TYPES = ("qwen3_next", *QWEN3_5_TYPES)
+
+
 def is_moe_layer(cfg: Mapping[str, Any], layer: int) -> bool:
     return bool(num_experts(cfg)) and layer >= int(cfg.get("first_k_dense_replace") or 0)
 
@@ -213,7 +218,7 @@ def hf_params(cfg: Mapping[str, Any]) -> list[HFParam]:
             add("self_attn.o_proj.weight", (H, nh * vd))
         else:
             hd = int(cfg.get("head_dim") or H // nh)
-            gate = 2 if cfg.get("model_type") == "qwen3_next" else 1  # q_proj: [q_h; gate_h] per head
+            gate = 2 if cfg.get("model_type") in GATED_DELTA_NET_TYPES else 1  # q_proj: [q_h; gate_h] per head
             for proj, rows in (("q", gate * nh * hd), ("k", nkv * hd), ("v", nkv * hd)):
                 add(f"self_attn.{proj}_proj.weight", (rows, H))
                 if cfg.get("attention_bias"):
@@ -245,7 +250,7 @@ def hf_params(cfg: Mapping[str, Any]) -> list[HFParam]:
                 add(f"mlp.experts.{e}.up_proj.weight", (inter, H))
                 add(f"mlp.experts.{e}.down_proj.weight", (H, inter))
             shared = int(cfg.get("n_shared_experts") or 0) * inter
-            if cfg.get("model_type") == "qwen3_next":  # Qwen2-MoE's names, a gated shared expert
+            if cfg.get("model_type") in GATED_DELTA_NET_TYPES:  # Qwen2-MoE's names, a gated shared expert
                 qs = int(cfg["shared_expert_intermediate_size"])
                 add("mlp.shared_expert.gate_proj.weight", (qs, H))
                 add("mlp.shared_expert.up_proj.weight", (qs, H))
@@ -269,8 +274,12 @@ def hf_params(cfg: Mapping[str, Any]) -> list[HFParam]:
 def is_linear_attention_layer(cfg: Mapping[str, Any], layer: int) -> bool:
     """Qwen3-Next: every ``full_attention_interval``-th layer is full attention, the others
     Gated-DeltaNet (HF's ``layer_types`` default)."""
+    if cfg.get("model_type") not in GATED_DELTA_NET_TYPES:
+        return False
+    if cfg.get("layer_types"):  # spelled out (Qwen3.5's config.json)
+        return cfg["layer_types"][layer] == "linear_attention"
     every = int(cfg.get("full_attention_interval") or 0)
-    return cfg.get("model_type") == "qwen3_next" and bool(every) and (layer + 1) % every != 0
+    return bool(every) and (layer + 1) % every != 0
 
 
 def gated_delta_net_params(cfg: Mapping[str, Any]) -> list[tuple[str, tuple, str]]:
@@ -279,8 +288,13 @@ def gated_delta_net_params(cfg: Mapping[str, Any]) -> list[tuple[str, tuple, str
     nk, nv = int(cfg["linear_num_key_heads"]), int(cfg["linear_num_value_heads"])
     kd, vd = nk * int(cfg["linear_key_head_dim"]), nv * int(cfg["linear_value_head_dim"])
     la, bf16 = "linear_attn", "torch.bfloat16"
-    return [(f"{la}.in_proj_qkvz.weight", (2 * kd + 2 * vd, H), bf16),
-            (f"{la}.in_proj_ba.weight", (2 * nv, H), bf16),
+    if cfg.get("model_type") in QWEN3_5_TYPES:  # the in_proj streams flat and named apart
+        in_proj = [(f"{la}.in_proj_qkv.weight", (2 * kd + vd, H), bf16), (f"{la}.in_proj_z.weight", (vd, H), bf16),
+                   (f"{la}.in_proj_b.weight", (nv, H), bf16), (f"{la}.in_proj_a.weight", (nv, H), bf16)]
+    else:
+        in_proj = [(f"{la}.in_proj_qkvz.weight", (2 * kd + 2 * vd, H), bf16),
+                   (f"{la}.in_proj_ba.weight", (2 * nv, H), bf16)]
+    return [*in_proj,
             (f"{la}.conv1d.weight", (2 * kd + vd, 1, int(cfg["linear_conv_kernel_dim"])), bf16),
             (f"{la}.A_log", (nv,), bf16), (f"{la}.dt_bias", (nv,), bf16),
             (f"{la}.norm.weight", (int(cfg["linear_value_head_dim"]),), bf16),
@@ -291,7 +305,7 @@ def travels_packed(cfg: Mapping[str, Any], name: str) -> bool:
     """Params the refit sends as full tensors (the packed path) whatever the layout:
     Qwen3-Next's Gated-DeltaNet params and gated q/k/v (``megatron.qwen3_next``), gpt-oss's
     experts (``megatron.gpt_oss``)."""
-    if cfg.get("model_type") == "qwen3_next":
+    if cfg.get("model_type") in GATED_DELTA_NET_TYPES:
         return ".linear_attn." in name or re.search(r"\.self_attn\.[qkv]_proj\.", name) is not None
     if cfg.get("model_type") == "gpt_oss":
         return ".mlp.experts." in name
@@ -352,6 +366,12 @@ HF_SHAPE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads",
                  "qk_rope_head_dim", "v_head_dim")
 HF_REQUIRED_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads",
                     "intermediate_size", "vocab_size")
+# Gated-DeltaNet models (their model_type, kept): the linear-attention keys; multimodal
+# Qwen3.5 configs are read as their text model
+GATED_DELTA_NET_KEYS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                        "linear_value_head_dim", "linear_conv_kernel_dim", "full_attention_interval",
+                        "layer_types", "shared_expert_intermediate_size")
+_TEXT_MODEL_TYPES = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 _QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")  # Qwen3 configs imply q/k norms, no key says so
 
 
@@ -368,11 +388,17 @@ def config_from_hf_json(text: str, source: str) -> tuple[dict[str, Any], list[st
         return {}, [f"{source}: expected a JSON object"]
     if "hidden_size" not in raw and isinstance(raw.get("text_config"), dict):
         raw = {**raw["text_config"], "model_type": raw.get("model_type")}
-    missing = [k for k in HF_REQUIRED_KEYS if not isinstance(raw.get(k), int)]
+    model_type = _TEXT_MODEL_TYPES.get(raw.get("model_type"), raw.get("model_type"))
+    all_moe = model_type == "qwen3_5_moe_text"  # no dense MLP: no intermediate_size
+    missing = [k for k in HF_REQUIRED_KEYS if not isinstance(raw.get(k), int)
+               and not (all_moe and k == "intermediate_size")]
     if missing:
         return {}, [f"{source}: expected integer keys {', '.join(missing)} (HF config.json names)"]
     cfg = {k: raw[k] for k in HF_SHAPE_KEYS if raw.get(k) is not None}
     cfg.setdefault("tie_word_embeddings", False)
+    if model_type in GATED_DELTA_NET_TYPES:
+        cfg.update(model_type=model_type, **{k: raw[k] for k in GATED_DELTA_NET_KEYS if raw.get(k) is not None})
+        cfg.setdefault("qk_norm", True)  # Qwen3-Next / Qwen3.5: q/k norms, no key says so
     if "qk_norm" not in cfg and raw.get("model_type") in _QK_NORM_MODEL_TYPES:
         cfg["qk_norm"] = True
     if num_experts(cfg) and "moe_intermediate_size" not in cfg:

@@ -48,6 +48,15 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
                        experimental_attention_variant="gated_delta_net", linear_attention_freq=4,
                        attention_output_gate=True, linear_num_key_heads=4, linear_num_value_heads=8,
                        linear_key_head_dim=16, linear_value_head_dim=16),
+    # Qwen3.5-MoE-shaped (qwen3_5_moe_text): Qwen3-Next's layers, the checkpoint's in_proj
+    # streams flat and named apart (in_proj_qkv / _z / _b / _a)
+    "qwen3.5": dict(family="qwen3_5_moe_text", num_layers=4, hidden_size=64, num_attention_heads=8,
+                    num_query_groups=2, head_dim=16, ffn_hidden_size=128, num_moe_experts=8,
+                    moe_ffn_hidden_size=32, moe_shared_expert_intermediate_size=32,
+                    moe_shared_expert_gate=True, vocab_size=500, qk_layernorm=True,
+                    experimental_attention_variant="gated_delta_net", linear_attention_freq=4,
+                    attention_output_gate=True, linear_num_key_heads=4, linear_num_value_heads=8,
+                    linear_key_head_dim=16, linear_value_head_dim=16),
     # gpt-oss-shaped: sinks, a bias on every linear and the router, alternating sliding
     # windows, gpt-oss's clamped GLU; 8 experts of 128 (vLLM's swigluoai experts want I/TP a
     # multiple of 32)

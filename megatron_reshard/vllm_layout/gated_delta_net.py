@@ -9,6 +9,12 @@ Facts (vLLM 0.33, ``layers/mamba/gdn/qwen_gdn_linear_attn.py`` with
 - ``conv1d.weight [C/T, 1, K]`` is loaded by ``mamba_v2_sharded_weight_loader`` with the
   three segments (q: key_dim, k: key_dim, v: value_dim) of the checkpoint's channels, each
   split over TP: rank r holds ``[q_r; k_r; v_r]``.
+- Qwen3.5 (``models/qwen3_5.py``, ``gqa_interleaved_layout=False``): ``in_proj_qkvz`` is a
+  MergedColumnParallelLinear of four output shards (key_dim, key_dim, value_dim,
+  value_dim) and ``in_proj_ba`` of two (nv, nv); the checkpoint's flat ``in_proj_qkv``
+  fills shards 0-2 (its q, k, v segments each split over TP), ``in_proj_z`` shard 3,
+  ``in_proj_b`` / ``in_proj_a`` shards 0 / 1: rank r holds ``[q_r; k_r; v_r; z_r]`` and
+  ``[b_r; a_r]``.
 - ``A_log [nv/T]`` (float32 whatever the model dtype) and ``dt_bias [nv/T]``: dim-0 split;
   ``norm.weight`` (one head's channels) replicated; ``out_proj`` row parallel.
 - Gated full attention: ``qkv_proj`` is a QKVParallelLinear over ``2 * num_heads`` "heads"
@@ -44,6 +50,40 @@ def conv1d_pieces(hf_config: Any, tp_size: int, tp_rank: int
         out.append(((at, at + part), (lo + tp_rank * part, lo + (tp_rank + 1) * part)))
         at += part
     return out
+
+
+FLAT_IN_PROJ_RE = re.compile(r"^(?P<prefix>.*\.linear_attn)\.in_proj_(?P<which>qkv|z|b|a)\.weight$")
+
+
+def flat_in_proj_pieces(hf_name: str, hf_config: Any, tp_size: int, tp_rank: int
+                        ) -> Optional[tuple[str, int, list[tuple[tuple[int, int], tuple[int, int]]]]]:
+    """Qwen3.5's flat ``in_proj_{qkv,z,b,a}``: (vLLM target, its rows on this rank,
+    [(target rows, checkpoint rows)]); None for any other name, or when hf_config lacks the
+    linear-attention dims or a segment does not split over ``tp_size``."""
+    m = FLAT_IN_PROJ_RE.match(hf_name)
+    if m is None:
+        return None
+    try:
+        key_dim = int(hf_config.linear_num_key_heads) * int(hf_config.linear_key_head_dim)
+        value_dim = int(hf_config.linear_num_value_heads) * int(hf_config.linear_value_head_dim)
+        nv = int(hf_config.linear_num_value_heads)
+    except TypeError:
+        return None
+    if m["which"] in ("b", "a"):
+        target, shards = f"{m['prefix']}.in_proj_ba.weight", [nv, nv]
+        which = [0] if m["which"] == "b" else [1]
+    else:
+        target, shards = f"{m['prefix']}.in_proj_qkvz.weight", [key_dim, key_dim, value_dim, value_dim]
+        which = [0, 1, 2] if m["which"] == "qkv" else [3]
+    if any(n % tp_size for n in shards):
+        return None
+    pieces, hf_at = [], 0
+    for i in which:  # the checkpoint tensor holds shards ``which`` whole, in order
+        part = shards[i] // tp_size
+        at = sum(n // tp_size for n in shards[:i])
+        pieces.append(((at, at + part), (hf_at + tp_rank * part, hf_at + (tp_rank + 1) * part)))
+        hf_at += shards[i]
+    return target, sum(shards) // tp_size, pieces
 
 
 def attention_heads(hf_config: Any) -> AttentionHeads:

@@ -13,8 +13,8 @@ gate and v of the full-attention layer from Megatron's ``get_query_key_value_ten
 against vLLM's ``_project_qkv_gate``; conv1d channels of each TP rank against the rows
 vLLM's own conv1d loader gives a TP rank. Bit for bit.
 
-This checks names and layouts, not a refit: the family is still refused
-(``megatron.unsupported_families`` says what is left).
+This checks names and layouts on each side's own reading; the refits themselves are
+checked in ``test_real_vllm.py``.
 """
 
 from __future__ import annotations

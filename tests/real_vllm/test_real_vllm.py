@@ -81,6 +81,13 @@ _QWEN3_NEXT = dict(TINY_MODEL, family="qwen3_next", qk_layernorm=True, head_dim=
                    attention_output_gate=True, **_QWEN3_NEXT_LINEAR)
 _QWEN3_NEXT_HF = dict(_QWEN3_NEXT_LINEAR, full_attention_interval=4, partial_rotary_factor=1.0)
 # ---- end Qwen3-Next
+# ---- Qwen3.5 text: Qwen3-Next's layers, the checkpoint's in_proj streams flat and named apart
+# (in_proj_qkv / _z / _b / _a, which vLLM stacks into its in_proj_qkvz / in_proj_ba shards);
+# the MoE model has MoE in every layer and the gated shared expert, the dense one a gated MLP
+_QWEN3_5_MOE = dict(_QWEN3_NEXT, family="qwen3_5_moe_text")
+_QWEN3_5 = dict(_QWEN3_5_MOE, family="qwen3_5_text", **{k: TINY_MODEL[k] for k in (
+    "num_moe_experts", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_shared_expert_gate")})
+# ---- end Qwen3.5
 
 FAMILIES = {
     "llama": Family(dict(TINY_MODEL, family="llama"), "LlamaForCausalLM",
@@ -138,6 +145,15 @@ FAMILIES = {
     "qwen3_next-uneven-pp": Family(dict(_QWEN3_NEXT, num_layers_in_first_pipeline_stage=1),
                                    "Qwen3NextForCausalLM", _QWEN3_NEXT_HF, (("tp1 pp2", "tp2"),)),
     # ---- end Qwen3-Next
+    # ---- Qwen3.5 text
+    "qwen3_5_moe_text": Family(_QWEN3_5_MOE, "Qwen3_5MoeForCausalLM", _QWEN3_NEXT_HF,
+                               (("tp2 pp2 ep2", "tp2 ep2"), ("tp1 ep2", "tp4"), ("tp4 ep2", "tp1 x2"))),
+    "qwen3_5_text": Family(_QWEN3_5, "Qwen3_5ForCausalLM", _QWEN3_NEXT_HF,
+                           (("tp2 pp2", "tp2"), ("tp1 pp2", "tp4"), ("tp4", "tp1 x2"))),
+    # uneven train stages: one layer on the first, three on the last
+    "qwen3_5_text-uneven-pp": Family(dict(_QWEN3_5, num_layers_in_first_pipeline_stage=1),
+                                     "Qwen3_5ForCausalLM", _QWEN3_NEXT_HF, (("tp2 pp2", "tp2"),)),
+    # ---- end Qwen3.5
 }
 CASES = [(f, i) for f in FAMILIES for i in range(len(FAMILIES[f].layouts))]
 # checks that ride on a case's job (one pool job each saved): gen rank 0 of the first
@@ -297,14 +313,28 @@ def test_qwen3_next_sends_only_its_gated_delta_net_and_gated_attention_params_pa
             assert g["summary"]["misc_params"] == 3 * 7 + 3, (index, g["rank"], g["summary"])
 
 
-def test_vllms_qwen3_5_classes_do_not_import_here_which_blocks_that_family():
-    """Pins the blocker the Qwen3.5 refusal names (``megatron.unsupported_families``): vLLM
-    0.33's Qwen3.5 module imports its vision tower, which needs torchvision (no CPU build for
-    torch 2.13). The day it imports, this fails: the family can then be checked here.
-    Qwen3-Next's module imports (compressed-tensors is installed: the Makefile)."""
-    from megatron_reshard.megatron.unsupported_families import family_problem
+def test_qwen3_5_sends_only_its_gated_delta_net_and_gated_attention_params_packed(refitted):
+    """Qwen3.5's packed (full-tensor) params: the 9 checkpoint params of each of the 3
+    Gated-DeltaNet layers (Qwen3-Next's 7 with in_proj as 4 flat streams, not 2), and the
+    gated q/k/v; everything else takes the exact path."""
+    for family in ("qwen3_5_moe_text", "qwen3_5_text"):
+        for g in refitted(family, 0):
+            assert g["summary"]["misc_params"] == 3 * 9 + 3, (family, g["rank"], g["summary"])
+
+
+def test_vllms_qwen3_5_module_imports_only_under_the_torchvision_stand_ins():
+    """Pins the shim ``testing.vllm_models`` documents: vLLM 0.33's Qwen3.5 module imports
+    its vision tower, which needs torchvision (not installed here); under the stand-ins it
+    imports, and afterwards torchvision is absent again."""
+    import sys
+
+    from megatron_reshard.testing import vllm_models as vm
 
     importlib.import_module("vllm.model_executor.models.qwen3_next")
-    with pytest.raises(ModuleNotFoundError, match="torchvision"):
-        importlib.import_module("vllm.model_executor.models.qwen3_5")
-    assert "torchvision" in family_problem("qwen3_5_text")
+    if "vllm.model_executor.models.qwen3_5" not in sys.modules:
+        with pytest.raises(ModuleNotFoundError, match="torchvision"):
+            importlib.import_module("vllm.model_executor.models.qwen3_5")
+    with vm._vision_imports_without_torchvision():
+        module = importlib.import_module("vllm.model_executor.models.qwen3_5")
+    assert module.Qwen3_5ForCausalLM and module.Qwen3_5MoeForCausalLM
+    assert not any(name.startswith("torchvision") for name in sys.modules)
