@@ -12,6 +12,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+# The Qwen3-Next / Qwen3.5 presets share their sizes (below)
+_QWEN3_NEXT = dict(family="qwen3_next", num_layers=4, hidden_size=64, num_attention_heads=8,
+                   num_query_groups=2, head_dim=16, ffn_hidden_size=128, num_moe_experts=8,
+                   moe_ffn_hidden_size=32, moe_shared_expert_intermediate_size=32,
+                   moe_shared_expert_gate=True, vocab_size=500, qk_layernorm=True,
+                   experimental_attention_variant="gated_delta_net", linear_attention_freq=4,
+                   attention_output_gate=True, linear_num_key_heads=4, linear_num_value_heads=8,
+                   linear_key_head_dim=16, linear_value_head_dim=16)
+
 # Model presets: tiny Qwen3-shaped models (GQA, QK norm), a Qwen2-shaped dense model (GQA,
 # q/k/v biases) and a DeepSeek-V3-shaped one (MLA with q LoRA, sigmoid routing with
 # score-correction bias, a shared expert, first layer dense). Plain data: crosses into workers.
@@ -41,22 +50,10 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
                 moe_router_topk_scaling_factor=2.5),
     # Qwen3-Next-shaped: megatron-core's GatedDeltaNet in three of four layers, gated full
     # attention in the fourth, 8 experts + a gated shared expert
-    "qwen3-next": dict(family="qwen3_next", num_layers=4, hidden_size=64, num_attention_heads=8,
-                       num_query_groups=2, head_dim=16, ffn_hidden_size=128, num_moe_experts=8,
-                       moe_ffn_hidden_size=32, moe_shared_expert_intermediate_size=32,
-                       moe_shared_expert_gate=True, vocab_size=500, qk_layernorm=True,
-                       experimental_attention_variant="gated_delta_net", linear_attention_freq=4,
-                       attention_output_gate=True, linear_num_key_heads=4, linear_num_value_heads=8,
-                       linear_key_head_dim=16, linear_value_head_dim=16),
+    "qwen3-next": _QWEN3_NEXT,
     # Qwen3.5-MoE-shaped (qwen3_5_moe_text): Qwen3-Next's layers, the checkpoint's in_proj
     # streams flat and named apart (in_proj_qkv / _z / _b / _a)
-    "qwen3.5": dict(family="qwen3_5_moe_text", num_layers=4, hidden_size=64, num_attention_heads=8,
-                    num_query_groups=2, head_dim=16, ffn_hidden_size=128, num_moe_experts=8,
-                    moe_ffn_hidden_size=32, moe_shared_expert_intermediate_size=32,
-                    moe_shared_expert_gate=True, vocab_size=500, qk_layernorm=True,
-                    experimental_attention_variant="gated_delta_net", linear_attention_freq=4,
-                    attention_output_gate=True, linear_num_key_heads=4, linear_num_value_heads=8,
-                    linear_key_head_dim=16, linear_value_head_dim=16),
+    "qwen3.5": {**_QWEN3_NEXT, "family": "qwen3_5_moe_text"},
     # gpt-oss-shaped: sinks, a bias on every linear and the router, alternating sliding
     # windows, gpt-oss's clamped GLU; 8 experts of 128 (vLLM's swigluoai experts want I/TP a
     # multiple of 32)
