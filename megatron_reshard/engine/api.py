@@ -8,7 +8,7 @@ from typing import Any, NamedTuple, Optional, Sequence
 import torch
 
 from .checks import Problem
-from .execute import run_batch, xfer_batch
+from .execute import run_batch
 from megatron_reshard.errors import BadInputError
 from megatron_reshard.layout.geometry import shard_ownerships
 from .plan import Planner, mesh_key, layout_key

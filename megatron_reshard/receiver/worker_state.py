@@ -17,7 +17,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, fields
 from types import MappingProxyType
-from typing import Any, Callable, ClassVar, Iterable, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, ClassVar, Mapping, Optional, Sequence, Union
 
 import torch
 

@@ -41,7 +41,6 @@ before its payload is received (``DeltaTransportError``).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 

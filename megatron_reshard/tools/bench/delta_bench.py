@@ -31,7 +31,6 @@ import statistics
 import time
 import zlib
 from datetime import timedelta
-from typing import Optional
 
 import torch
 import torch.distributed as dist
