@@ -53,12 +53,12 @@ from megatron_reshard.groups.faults import post_failure
 from megatron_reshard.megatron.sender import RefitSender
 from megatron_reshard.megatron.source import MegatronRefitSource
 from megatron_reshard.refit.delta import DeltaConfig
-from megatron_reshard.refit.loop import DEFAULT_BATCH_BYTES, DEFAULT_STAGING_BYTES
+from megatron_reshard.refit.loop import DEFAULT_BATCH_BYTES, DEFAULT_STAGING_BYTES, PLANNERS
 from megatron_reshard.vllm_api.backend import MegatronReshardInitInfo
 from megatron_reshard.vllm_api.plugin import BACKEND_NAME, register
 
 # the options that enter the plan fingerprint: the trainer's values go to the workers
-_SHARED_OPTIONS = ("batch_bytes", "staging_bytes", "verify_checksums")
+_SHARED_OPTIONS = ("batch_bytes", "staging_bytes", "verify_checksums", "planner")
 _PAYLOAD_FORMATS = ("msgpack", "plain")
 # how long rank 0 waits past the refit for the workers' answer: their refit is bounded by the
 # group's timeout, so an answer later than that means a worker that never entered it
@@ -84,8 +84,10 @@ class MegatronReshardTrainerInitInfo(TrainerInitInfo):
     stage's first training rank, hosts its store). ``group_backend``: the refit groups' torch
     backend ("nccl" or "gloo"); ``transport``: "p2p", "colocated" or None (the library's
     default). ``device``: the sender's device (default: the current CUDA device with NCCL,
-    else CPU). ``num_streams``, ``batch_bytes``, ``staging_bytes``, ``verify_checksums``: the
-    sender's options; the last three are sent to the workers too. ``worker_options``: the
+    else CPU). ``num_streams``, ``batch_bytes``, ``staging_bytes``, ``verify_checksums``,
+    ``planner`` (``"auto"``, ``"link"``, ``"default"``): the sender's options; all but
+    ``num_streams`` are sent to the workers too. ``node``: this training rank's node name for
+    the planner (None: the host name; docs/DESIGN.md, "Which planner a refit uses"). ``worker_options``: the
     workers' other ``prepare_refit`` options (e.g. ``num_streams``, ``strided_in_place``).
     ``payload_format``: "msgpack" (bytes, the default) or "plain" (the payload as a dict).
     ``delta``: the sender's ``RefitSender(delta=...)`` (experimental; ``False``, ``True`` or a
@@ -108,6 +110,8 @@ class MegatronReshardTrainerInitInfo(TrainerInitInfo):
     worker_options: Optional[dict] = None
     payload_format: str = "msgpack"
     delta: Union[bool, DeltaConfig] = False
+    planner: str = "auto"
+    node: Optional[str] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
@@ -128,6 +132,10 @@ class MegatronReshardTrainerInitInfo(TrainerInitInfo):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise _field_error(name, "an int >= 1", value)
+        if self.planner not in PLANNERS:
+            raise _field_error("planner", f"one of {list(PLANNERS)}", self.planner)
+        if self.node is not None and not isinstance(self.node, str):
+            raise _field_error("node", "a node name (str) or None", self.node)
         if not (isinstance(self.delta, (bool, DeltaConfig))):
             raise _field_error("delta", "False, True or a megatron_reshard.refit.delta.DeltaConfig",
                                self.delta)
@@ -232,7 +240,8 @@ class MegatronReshardTrainerWeightTransferEngine(
         self.sender = RefitSender(source, self.group, device=self.device,
                                   num_streams=info.num_streams, batch_bytes=info.batch_bytes,
                                   staging_bytes=info.staging_bytes,
-                                  verify_checksums=info.verify_checksums, delta=info.delta)
+                                  verify_checksums=info.verify_checksums, delta=info.delta,
+                                  planner=info.planner, node=info.node)
 
     def send_weights(self, version: Optional[int] = None) -> None:
         """One weight update: every rank sends its shards; rank 0 drives the workers through

@@ -244,6 +244,10 @@ def test_the_trainer_factory_knows_our_engine_by_name():
     (dict(worker_options=[1]), ["worker_options", "[1]"]),
     (dict(batch_bytes=0), ["batch_bytes", ">= 1", "found 0"]),
     (dict(delta="yes"), ["delta", "DeltaConfig", "'yes'"]),
+    (dict(planner="fast"), ["planner", "'auto'", "'fast'"]),
+    (dict(node=3), ["node", "found 3"]),
+    # the planner enters the plan fingerprint: the trainer's value goes to the workers
+    (dict(worker_options={"planner": "link"}), ["worker_options", "planner", "own fields"]),
 ])
 def test_bad_trainer_init_info_names_the_field(change, words):
     from megatron_reshard.vllm_api.trainer import MegatronReshardTrainerInitInfo
