@@ -31,7 +31,7 @@ import torch.distributed as dist
 from megatron_reshard.tools.e2e import tensor_digest
 from megatron_reshard.tools.worlds import RankFailure
 from test_faults import GEN, MARGIN_S, TIMEOUT_S, TRAIN, _check_all_or_nothing, _expected, \
-    _Worker, _world
+    _prepared_gen_worker, _world
 from two_worlds import dense_pp2_source
 
 pytestmark = pytest.mark.slow
@@ -120,18 +120,7 @@ def _train(job, control, plan):
 
 
 def _gen(job, control, plan, gen_rank):
-    from megatron_reshard.wire.codec import decode_payload
-    from megatron_reshard.testing.vllm_like import build_vllm_like_model
-
-    _world(job, control, "gen", gen_rank, GEN)
-    payload = decode_payload(control.get("payload"))
-    if "worker" not in _GEN_STATE or plan.get("fresh_gen"):
-        model = build_vllm_like_model(payload["hf_config"], gen_rank, GEN, 1, torch.bfloat16)
-        _GEN_STATE.update(worker=_Worker(model), model=model)
-    worker, model = _GEN_STATE["worker"], _GEN_STATE["model"]
-    worker.init_refit_groups(job.host, [job.ports[1], job.ports[2]], 1 + gen_rank, 1 + GEN,
-                             "gloo", TIMEOUT_S)
-    worker.prepare_refit(payload, {"verify_checksums": True})
+    worker, model = _prepared_gen_worker(job, control, plan, gen_rank, _GEN_STATE)
     step = {"k": 0}
     if plan.get("victim") == job.rank:
         _arm(plan, control, lambda: step["k"], "apply")

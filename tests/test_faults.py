@@ -118,19 +118,26 @@ class _Worker(MegatronReshardWorkerExtension):
         return self._model
 
 
-def _gen(job, control, plan, gen_rank):
+def _prepared_gen_worker(job, control, plan, gen_rank, state: dict):
+    """This generation rank's worker (kept in ``state`` across jobs unless ``fresh_gen``),
+    joined to both stages' groups and prepared with the payload the training side published."""
     from megatron_reshard.wire.codec import decode_payload
     from megatron_reshard.testing.vllm_like import build_vllm_like_model
 
     _world(job, control, "gen", gen_rank, GEN)
     payload = decode_payload(control.get("payload"))
-    if "worker" not in _GEN_STATE or plan.get("fresh_gen"):
+    if "worker" not in state or plan.get("fresh_gen"):
         model = build_vllm_like_model(payload["hf_config"], gen_rank, GEN, 1, torch.bfloat16)
-        _GEN_STATE.update(worker=_Worker(model), model=model)
-    worker, model = _GEN_STATE["worker"], _GEN_STATE["model"]
+        state.update(worker=_Worker(model), model=model)
+    worker, model = state["worker"], state["model"]
     worker.init_refit_groups(job.host, [job.ports[1], job.ports[2]], 1 + gen_rank, 1 + GEN,
                              "gloo", TIMEOUT_S)
     worker.prepare_refit(payload, {"verify_checksums": True})
+    return worker, model
+
+
+def _gen(job, control, plan, gen_rank):
+    worker, model = _prepared_gen_worker(job, control, plan, gen_rank, _GEN_STATE)
     step = {"k": 0}
     if plan.get("victim") == job.rank:
         _arm_victim(worker.refit_worker_state.require_session().loop, plan, control, lambda: step["k"])

@@ -11,16 +11,15 @@ else they skip.
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
-from megatron_reshard.engine import kernel_copies
 from megatron_reshard.engine.colocated_copies import CopyBatch
-from megatron_reshard.engine.kernel_copies import PermutedRows, permuted_tables
+from megatron_reshard.engine.kernel_copies import permuted_tables
 from megatron_reshard.receiver.kernel_layouts import learn_order
 from megatron_reshard.vllm_layout.kernel_order import KernelOrder, contiguous_terms
+from test_kernel_copies import device  # noqa: F401 - the kernels' device fixture (CUDA or interpreter)
 
 E, R, C, KEEP, B = 3, 32, 128, 12, 16  # experts, rows (two halves), columns, kept rows, block
 ROWS = torch.randperm(R, generator=torch.Generator().manual_seed(5))
@@ -97,20 +96,6 @@ def test_a_planted_row_error_is_visible():
     assert not torch.equal(_bits(storage), _bits(blocks(w)))
 
 
-def _device():
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    if os.environ.get("TRITON_INTERPRET") == "1" and kernel_copies.triton_kernels():
-        return torch.device("cpu")
-    pytest.skip("needs CUDA with Triton (or TRITON_INTERPRET=1 with Triton installed)")
-
-
-@pytest.fixture
-def device(monkeypatch):
-    dev = _device()
-    if dev.type == "cpu":  # the interpreter runs the kernels on CPU tensors
-        monkeypatch.setattr(kernel_copies, "kernels_for", lambda d: kernel_copies.triton_kernels())
-    return dev
 
 
 def _nan_bits(shape, dtype, seed):
