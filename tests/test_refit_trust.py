@@ -14,6 +14,11 @@ job, three rounds of refit groups:
 3. a restarted trainer (new sender, new groups, no history) sending version 4 to workers
    that hold 6 is refused by what the workers hold; its default version is 7; resending 7
    with ``allow_version_reuse=True`` commits.
+4. on round 3's groups, which already refitted: the generation ranks ``prepare_refit``
+   again (a new session: it has not compared plans yet) and the senders refit (version 8);
+   then stage 0's training rank alone builds a new sender on its group, stage 1's keeps
+   its own, and they refit (version 9). Each time exactly the groups holding a rank that
+   has not checked the plan run the check on every rank, and both refits commit.
 """
 
 import time
@@ -50,13 +55,15 @@ def _train(job, control):
     if job.rank == 0:
         control.set("payload", source.payload_bytes())
 
+    groups = {}
+
     def sender(round_: int) -> RefitSender:
-        group = create_refit_group(job.host, job.ports[2 * round_ - 1 + source.stage],
-                                   source.stage_local_rank, 1 + GEN, "gloo", TIMEOUT_S,
-                                   who=f"train rank {job.rank}",
-                                   label=f"refit group of PP stage {source.stage}")
+        groups[round_] = create_refit_group(job.host, job.ports[2 * round_ - 1 + source.stage],
+                                            source.stage_local_rank, 1 + GEN, "gloo", TIMEOUT_S,
+                                            who=f"train rank {job.rank}",
+                                            label=f"refit group of PP stage {source.stage}")
         # the sender takes the source or its frozen plan (round 2 exercises the plan)
-        return RefitSender(source.plan if round_ == 2 else source, group)
+        return RefitSender(source.plan if round_ == 2 else source, groups[round_])
 
     s1 = sender(1)
     out = {"round1": _catch(lambda: s1.refit(version=1))}
@@ -69,6 +76,9 @@ def _train(job, control):
     s3 = sender(3)
     out["round3"] = [_catch(lambda: s3.refit(version=4)), _catch(s3.refit),
                      _catch(lambda: s3.refit(version=7, allow_version_reuse=True))]
+    out["round4"] = [_catch(s3.refit)]  # the generation ranks prepared again
+    s4 = RefitSender(source, groups[3]) if source.stage == 0 else s3
+    out["round4"].append(_catch(s4.refit))
     return out
 
 
@@ -111,6 +121,9 @@ def _gen(job, control, gen_rank):
     worker.prepare_refit(payload, {"keep_as_loaded": KEEP})
     out["round3"] = [_catch(worker.refit) for _ in range(3)]
     out["state3"] = worker.refit_weights_state()
+    worker.prepare_refit(payload, {"keep_as_loaded": KEEP})  # same groups, a new session
+    out["round4"] = [_catch(worker.refit) for _ in range(2)]
+    out["state4"] = worker.refit_weights_state()
     params = dict(model.named_parameters())
     out["kept_nan"] = {n: bool(torch.isnan(params[n]).all()) for n in EXTRA}
     out["written"] = sorted(n for n, p in params.items() if n not in EXTRA and not torch.isnan(p).any())
@@ -180,3 +193,17 @@ def test_a_restarted_trainer_is_checked_against_the_version_the_workers_hold(tru
         assert reused["error"] is None and reused["value"]["version"] == 7, (who, reused)
     for gen in trust[TRAIN:]:
         assert gen["state3"]["version"] == 7 and gen["state3"]["refits"] == 4, gen["state3"]
+
+
+def test_a_new_session_or_sender_on_groups_that_refitted_checks_the_plan_and_goes_on(trust):
+    for who, res in enumerate(trust):
+        again, new_sender = res["round4"]
+        assert again["error"] is None and again["value"]["version"] == 8, (who, again)
+        assert new_sender["error"] is None and new_sender["value"]["version"] == 9, (who, new_sender)
+    for gen in trust[TRAIN:]:
+        assert gen["state4"]["version"] == 9 and gen["state4"]["state"] == "consistent", gen["state4"]
+    # the generation ranks' new session: both groups checked the plan; then only stage 0's
+    # group (its new sender)
+    assert all(t["round4"][0]["value"]["verify_s"] is not None for t in trust[:TRAIN])
+    train0, train1 = trust[0]["round4"][1]["value"], trust[1]["round4"][1]["value"]
+    assert train0["verify_s"] is not None and train1["verify_s"] is None, (train0, train1)

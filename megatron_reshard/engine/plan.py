@@ -157,6 +157,11 @@ class Planner:
             got = self._sequences.setdefault(scope, CallSequence())
         return got
 
+    def forget_calls(self) -> None:
+        """Drop the call histories: the next calls vote. Every rank of a group does this at
+        the same point (a peer that joined anew has no history to predict from)."""
+        self._sequences.clear()
+
     def batch(self, scope: Any, key: tuple) -> Optional[object]:
         """Cached per-batch state for ``key`` in ``scope`` (one group), or None."""
         return self._batches.get(scope, {}).get(key)

@@ -303,8 +303,9 @@ class RefitLoop:
         """Whether the plan fingerprints were compared already (``verify_plan``)."""
         return self._verified
 
-    def verify_plan(self) -> None:
-        """Compare plan fingerprints over every group; PlanMismatchError on all ranks if they differ.
+    def verify_plan(self, stages: Optional[Sequence[int]] = None) -> None:
+        """Compare plan fingerprints over the groups of ``stages`` (None: every group);
+        PlanMismatchError on all ranks if they differ.
 
         A small all-gather per group, issued in stage order: every rank of a group reaches
         it, so a mismatch is reported everywhere instead of hanging in a transfer.
@@ -312,6 +313,8 @@ class RefitLoop:
         every rank derives the same ``LinkCosts`` (``choose_costs``), hence the same plans.
         """
         for stage, group in self.groups.items():
+            if stages is not None and stage not in stages:
+                continue
             parts = self._plan_parts[stage]
             mine = [self.fingerprints[stage], len(self.stages[stage]), *parts.values()]
             seen = all_gather_ints([*mine, self._node], group)
@@ -323,6 +326,9 @@ class RefitLoop:
             costs = choose_costs(self.planner, [row[-1] for row in seen], self._dst_weight)
             if costs != self.costs[stage]:
                 self.costs[stage], self._planners[stage] = costs, Planner(costs)
+            # a rank that checks the plan anew has no call history: on every rank of the
+            # group the next engine calls vote instead of skipping what a history predicts
+            self._planners[stage].forget_calls()  # this stage's planner serves only its group
         if self.delta_plans is not None and any(c is not None for c in self.costs.values()):
             self._plan_delta()  # planned before the check (the sender's base): again
         self._verified = True

@@ -8,7 +8,8 @@ collective of one side meets its peer on the other:
 0. the version check (``version.agree_version``: one small all-reduce per group): the
    refit's version must increase the weights' version; a refusal is raised on every rank
    alike before any byte moves, and leaves the groups usable;
-1. the first refit only: the plan fingerprints compared over each group
+1. in the groups where some rank has not done so yet (a new sender or session: the
+   version check says which), the plan fingerprints compared over the group
    (``RefitLoop.verify_plan``: one small all-gather per group, stage order), the planner
    option among them; the same gather carries each rank's node, from which every rank of
    the group derives the same link model and so the same plans (``refit.loop``);
@@ -106,10 +107,11 @@ class RefitProtocol:
                 on_failure(self.broken)
             raise
 
-    def verify_plan(self) -> float:
-        """Step 1 on its own (communication: one small all-gather per group); seconds."""
+    def verify_plan(self, stages: Optional[Sequence[int]] = None) -> float:
+        """Step 1 on its own over the groups of ``stages`` (None: every group; communication:
+        one small all-gather per group); seconds."""
         t0 = time.perf_counter()
-        self.loop.verify_plan()
+        self.loop.verify_plan(stages)
         return time.perf_counter() - t0
 
     def run(self, move_chunk: MoveChunk, *, version: Optional[int] = None,
@@ -118,7 +120,7 @@ class RefitProtocol:
             on_write: Optional[Callable[[list[str]], None]] = None,
             on_failure: Optional[Callable[[str], None]] = None,
             delta_vote: Optional[list] = None) -> RefitRound:
-        """Steps 0 to 4 (1: first refit only). ``version``: what the training side sends
+        """Steps 0 to 4 (1: where some rank of a group has not checked the plan). ``version``: what the training side sends
         (None: the default, see ``refit.version``; always None on the generation side),
         ``allow_version_reuse`` and ``last_version`` (its sender's last) likewise;
         ``held_version``: the generation side's weights' version. ``device``: waited for
@@ -131,11 +133,12 @@ class RefitProtocol:
             agreed = agree_version(self.groups, side=self.side, version=version,
                                    allow_reuse=allow_version_reuse, held=held_version,
                                    last_sent=last_version, pp_size=self.pp_size,
-                                   delta_vote=delta_vote)
+                                   delta_vote=delta_vote, plan_unchecked=not self.loop.verified)
         if agreed.refused:  # every rank alike, nothing moved: the groups stay usable
             raise VersionRefused(agreed.refused)
         with self._latching(on_failure):
-            verify_s = None if self.loop.verified else self.verify_plan()
+            # the groups where some rank (this one or a peer) has not checked the plan yet
+            verify_s = self.verify_plan(agreed.check_plan) if agreed.check_plan else None
             t0 = time.perf_counter()
             bulk = self.loop.run(on_write=on_write, mode=agreed.mode)
             t1 = time.perf_counter()

@@ -10,7 +10,10 @@ restarted trainer with no history is checked against what the generation side ho
 Every rank computes the same decision from the same sums: the refit's version (the given
 one, or one more than the highest of the sender's last and the weights' version), or a
 refusal naming both versions. With training PP > 1 a second round tells each group what
-the generation ranks saw in the other groups. A refusal is raised on every rank alike,
+the generation ranks saw in the other groups. The same vote says which groups hold a rank
+that has not compared plan fingerprints yet (a new sender, or a ``prepare_refit`` again on
+groups that already refitted): every rank of exactly those groups runs the plan check
+before the bulk, so neither side waits in a check the other skipped. A refusal is raised on every rank alike,
 outside any fault scope: nothing moved, the groups stay usable, and a refit with a higher
 version (or ``allow_version_reuse=True``) may follow.
 """
@@ -41,6 +44,7 @@ class VersionDecision:
     mode: str = "full"      # "delta" only when every rank of every group holds the base
     full_reason: Optional[str] = None  # why full (refit.delta's vote), None for a delta
     base: Optional[int] = None         # the version a delta is cut from
+    check_plan: tuple[int, ...] = ()   # the stages whose groups run the plan check first
 
 
 def _row(side: str, version: Optional[int], allow_reuse: bool, held: Optional[int],
@@ -84,24 +88,29 @@ def _decide(stage: int, row: list[int]) -> VersionDecision:
 def agree_version(groups: Mapping[int, Any], *, side: str, version: Optional[int] = None,
                   allow_reuse: bool = False, held: Optional[int] = None,
                   last_sent: Optional[int] = None, pp_size: int = 1,
-                  delta_vote: Optional[list] = None) -> VersionDecision:
+                  delta_vote: Optional[list] = None, plan_unchecked: bool = False
+                  ) -> VersionDecision:
     """Vote over every group (stage order) and return the common decision (module doc).
     ``version``/``allow_reuse``/``last_sent``: the training side's; ``held``: the
-    generation side's weights' version. ``delta_vote``: this rank's columns of the mode
+    generation side's weights' version; ``plan_unchecked``: this rank has not compared plan
+    fingerprints over its groups yet. ``delta_vote``: this rank's columns of the mode
     vote (``refit.delta.src_vote`` / ``dst_vote``; None: no delta from this rank)."""
     if delta_vote is None:
         delta_vote = src_vote(False, 0, None) if side == "src" else dst_vote(1, None)
     if len(delta_vote) != VOTE_WIDTH:
         raise BadInputError(f"delta_vote has {len(delta_vote)} columns, expected {VOTE_WIDTH}")
-    decisions, modes = {}, {}
+    decisions, modes, check_plan = {}, {}, []
     for stage in sorted(groups):
         group = groups[stage]
-        vote = torch.tensor(_row(side, version, allow_reuse, held, last_sent) + list(delta_vote),
+        vote = torch.tensor(_row(side, version, allow_reuse, held, last_sent)
+                            + [int(bool(plan_unchecked))] + list(delta_vote),
                             dtype=torch.int64, device=control_device(group))
         all_reduce(vote, group, dist.ReduceOp.MAX, "the version check")
         row = vote.tolist()
         decisions[stage] = _decide(stage, row[:8])
-        modes[stage] = decide_mode(row[8:], f"stage {stage}'s refit group")
+        if row[8]:
+            check_plan.append(stage)
+        modes[stage] = decide_mode(row[9:], f"stage {stage}'s refit group")
     refused = [d.refused for d in decisions.values() if d.refused]
     versions = sorted({d.version for d in decisions.values() if not d.refused})
     if not refused and len(versions) > 1:
@@ -124,11 +133,13 @@ def agree_version(groups: Mapping[int, Any], *, side: str, version: Optional[int
             if full_elsewhere and not full:
                 full = ["another PP stage's refit group needs a full refit"]
     if refused:
-        return VersionDecision(None, "; ".join(refused))
+        return VersionDecision(None, "; ".join(refused), check_plan=tuple(check_plan))
     version_ = versions[0] if versions else None
     if full:
-        return VersionDecision(version_, full_reason="; ".join(dict.fromkeys(full)))
-    return VersionDecision(version_, mode="delta", base=bases[0] if bases else None)
+        return VersionDecision(version_, full_reason="; ".join(dict.fromkeys(full)),
+                               check_plan=tuple(check_plan))
+    return VersionDecision(version_, mode="delta", base=bases[0] if bases else None,
+                           check_plan=tuple(check_plan))
 
 
 __all__ = ["VersionDecision", "VersionRefused", "agree_version"]
