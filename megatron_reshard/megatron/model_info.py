@@ -43,15 +43,28 @@ def unwrap_model(model: Any) -> tuple[Optional[torch.nn.Module], list[str]]:
     return model, []
 
 
-def infer_family(config: Any) -> Optional[str]:
-    """A family from the TransformerConfig alone, when unambiguous (MoE with shared experts is not)."""
+def why_no_family(config: Any) -> str:
+    """Why the config alone cannot name the family ('' when it can)."""
     if getattr(config, "experimental_attention_variant", None) == "gated_delta_net":
-        return "qwen3_next"  # Gated-DeltaNet layers: Qwen3-Next's names
+        # the same megatron-core layers, named per checkpoint: in_proj_qkvz / in_proj_ba
+        # (Qwen3-Next) or the flat in_proj_qkv, in_proj_z, in_proj_b, in_proj_a (Qwen3.5)
+        return ("a Gated-DeltaNet model (Qwen3-Next and Qwen3.5 checkpoints name its "
+                "projections differently)")
+    if getattr(config, "num_moe_experts", None) and \
+            getattr(config, "moe_shared_expert_intermediate_size", None) and \
+            not getattr(config, "multi_latent_attention", False):
+        return "a MoE model with shared experts"
+    return ""
+
+
+def infer_family(config: Any) -> Optional[str]:
+    """A family from the TransformerConfig alone, when unambiguous; None when not (see
+    ``why_no_family``)."""
+    if why_no_family(config):
+        return None
     if getattr(config, "multi_latent_attention", False):
         return "deepseek_v3"  # MLA: the DeepSeek-V3 names (Kimi-K2 uses them too)
     if getattr(config, "num_moe_experts", None):
-        if getattr(config, "moe_shared_expert_intermediate_size", None):
-            return None
         return "qwen3_moe"
     if getattr(config, "qk_layernorm", False):
         return "qwen3"

@@ -40,7 +40,8 @@ from megatron_reshard.megatron.converters import Converted, ModelDims, NameConve
 from megatron_reshard.megatron.exact_path import VOCAB_PARAMS, add_exact_extras
 from megatron_reshard.megatron.families import FAMILIES
 from megatron_reshard.megatron.fp8_source import grouped_name, train_fp8_views
-from megatron_reshard.megatron.model_info import hf_config, infer_family, named_tensors, unwrap_model
+from megatron_reshard.megatron.model_info import (hf_config, infer_family, named_tensors, unwrap_model,
+                                                  why_no_family)
 from megatron_reshard.megatron.parallel import (
     RankCoords,
     StageMeshes,
@@ -206,7 +207,7 @@ def check_inputs(model: Any, gen: GenTarget, family: Optional[str], vocab_size: 
         if refused is not None:
             problems.append(refused)
         elif chosen is None:
-            problems.append("cannot infer the model family of a MoE model with shared experts: pass "
+            problems.append(f"cannot infer the model family of {why_no_family(config)}: pass "
                             f"family= one of {sorted(FAMILIES)}")
         elif chosen not in FAMILIES:
             problems.append(f"unknown model family {chosen!r}: known families are {sorted(FAMILIES)}")
