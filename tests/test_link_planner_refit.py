@@ -24,7 +24,7 @@ from megatron_reshard.engine.param_plan import build_plan
 from megatron_reshard.engine.plan import layout_key
 from megatron_reshard.refit.loop import PLANNERS, choose_costs, node_code, plan_mismatch_text
 from megatron_reshard.tools.e2e import ModuleWorker, _publish_expected, tensor_digest
-from megatron_reshard.tools.run_config import MODEL_PRESETS, RefitRunConfig
+from megatron_reshard.tools.run_config import RefitRunConfig
 from two_worlds import join_world
 
 GEN = 4
@@ -64,25 +64,13 @@ def _job(job, train, gen):
 
 @torch.no_grad()
 def _train(job, control, train, gen):
-    from megatron.core import parallel_state as ps
-
     from megatron_reshard.groups.comm import create_refit_group, destroy_refit_group
-    from megatron_reshard.megatron import MegatronRefitSource
     from megatron_reshard.megatron.sender import RefitSender
     from megatron_reshard.refit.delta import DeltaConfig
-    from megatron_reshard.testing.megatron_models import TinyGPTSpec, build_gpt_model
     from megatron_reshard.testing.megatron_reference import gather_full_hf_state_dict
+    from megatron_reshard.tools.tiny_source import tiny_source
 
-    ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=train,
-                                 distributed_timeout_minutes=1)
-    preset = dict(MODEL_PRESETS["dense"], num_layers=2)
-    family = preset.pop("family")
-    spec = TinyGPTSpec(dtype="bfloat16", **preset)
-    torch.manual_seed(0)
-    model = build_gpt_model(spec).to(dtype=torch.bfloat16)
-    source = MegatronRefitSource(model, gen_parallelism={"tp_size": gen, "ep_size": 1,
-                                                         "pp_size": 1},
-                                 gen_world_size=gen, family=family, vocab_size=spec.vocab_size)
+    model, source, family, vocab_size = tiny_source("dense", gen, pp=train, seed=0, num_layers=2)
     if job.rank == 0:
         control.set("payload", source.payload_bytes())
 
@@ -100,7 +88,7 @@ def _train(job, control, train, gen):
         if step:
             _change(model, step)
         out["refits"].append(_catch(sender.refit))
-        full = gather_full_hf_state_dict(model, family=family, vocab_size=spec.vocab_size)
+        full = gather_full_hf_state_dict(model, family=family, vocab_size=vocab_size)
         if job.rank == 0:
             _publish_expected(_cfg(train, gen), control, source.hf_config, full, step)
     destroy_refit_group(g, TIMEOUT_S)

@@ -69,27 +69,15 @@ def change_(model, fraction: float, step: int, how: str) -> int:
 
 
 def _train(job, control, opts: dict) -> dict:
-    from megatron.core import parallel_state as ps
-
     from megatron_reshard.groups.comm import create_refit_group, destroy_refit_group
-    from megatron_reshard.megatron import MegatronRefitSource
     from megatron_reshard.megatron.sender import RefitSender
     from megatron_reshard.refit.delta import DeltaConfig
-    from megatron_reshard.testing.megatron_models import TinyGPTSpec, build_gpt_model
-    from megatron_reshard.tools.run_config import MODEL_PRESETS
+    from megatron_reshard.tools.tiny_source import tiny_source
 
     gen = opts["gen"]
-    ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-                                 distributed_timeout_minutes=2)
-    preset = dict(MODEL_PRESETS["dense"], num_layers=opts["layers"], hidden_size=opts["hidden"],
-                  ffn_hidden_size=opts["ffn"], vocab_size=opts["vocab"])
-    family = preset.pop("family")
-    spec = TinyGPTSpec(dtype="bfloat16", **preset)
-    torch.manual_seed(0)
-    model = build_gpt_model(spec).to(dtype=torch.bfloat16)
-    source = MegatronRefitSource(model, gen_parallelism={"tp_size": gen, "ep_size": 1,
-                                                         "pp_size": 1},
-                                 gen_world_size=gen, family=family, vocab_size=spec.vocab_size)
+    model, source, _, _ = tiny_source("dense", gen, seed=0, timeout_minutes=2,
+                                      num_layers=opts["layers"], hidden_size=opts["hidden"],
+                                      ffn_hidden_size=opts["ffn"], vocab_size=opts["vocab"])
     control.set("payload", source.payload_bytes())
     group = create_refit_group(job.host, job.ports[1], 0, 1 + gen, "gloo", TIMEOUT_S,
                                who="train rank 0", label="refit group")
