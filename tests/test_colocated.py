@@ -11,14 +11,17 @@ pytestmark = pytest.mark.slow
 
 
 def test_colocated_refits_are_bit_exact_and_committed(pool):
-    results, _ = _run(pool, refits=2, tag="coloc", transport="colocated", fresh_gen=True)
+    # before the third refit the generation ranks prepare again on the same groups: the
+    # new session's plan check and first batches are voted on every rank, and it goes on
+    results, _ = _run(pool, refits=3, tag="coloc", transport="colocated", fresh_gen=True,
+                      prepare_again_before=3)
     for r in (0, 1):
         assert results[r]["error"] is None, results[r]
     for r in (2, 3):
         gen = results[r]
         assert gen["error"] is None, gen["error"]
-        assert gen["state"]["state"] == "consistent" and gen["state"]["version"] == 2, gen
-        assert set(gen["versions"][2]) == set(gen["names"])  # every param bit-exact
+        assert gen["state"]["state"] == "consistent" and gen["state"]["version"] == 3, gen
+        assert set(gen["versions"][3]) == set(gen["names"])  # every param bit-exact
         assert gen["transports"] == ["colocated"]  # chosen by the trainer, followed here
         _check_all_or_nothing(gen)
 

@@ -137,6 +137,8 @@ def _prepared_gen_worker(job, control, plan, gen_rank, state: dict):
 
 
 def _gen(job, control, plan, gen_rank):
+    from megatron_reshard.wire.codec import decode_payload
+
     worker, model = _prepared_gen_worker(job, control, plan, gen_rank, _GEN_STATE)
     step = {"k": 0}
     if plan.get("victim") == job.rank:
@@ -144,6 +146,8 @@ def _gen(job, control, plan, gen_rank):
     error, failed_at, done = None, None, 0
     for k in range(1, plan["refits"] + 1):
         step["k"] = k
+        if k == plan.get("prepare_again_before"):  # a new session on groups that refitted
+            worker.prepare_refit(decode_payload(control.get("payload")), {"verify_checksums": True})
         try:
             worker.refit()
             done = k

@@ -264,7 +264,9 @@ class RefitLoop:
         self._planners: dict[int, Planner] = {s: Planner() for s in self.stages}
         self.costs: dict[int, Optional[LinkCosts]] = {s: None for s in self.stages}
         self._make_base: Optional[Callable[..., Any]] = None
-        self._agreed = False  # set once a run went through: later runs skip the agreement
+        # stages whose batches went through once on every rank of the group: later runs
+        # skip the engine's agreement (until a plan check there says a rank is new)
+        self._agreed_stages: set[int] = set()
         self._stream_pool: Optional[list] = None
         # delta refits (refit.delta): off until enable_delta; plans of the eligible params
         self.delta_plans: Optional[dict[int, list]] = None
@@ -326,9 +328,10 @@ class RefitLoop:
             costs = choose_costs(self.planner, [row[-1] for row in seen], self._dst_weight)
             if costs != self.costs[stage]:
                 self.costs[stage], self._planners[stage] = costs, Planner(costs)
-            # a rank that checks the plan anew has no call history: on every rank of the
-            # group the next engine calls vote instead of skipping what a history predicts
+            # a rank that checks the plan anew has no call history and has not agreed on any
+            # batch: on every rank of the group the next engine calls vote again
             self._planners[stage].forget_calls()  # this stage's planner serves only its group
+            self._agreed_stages.discard(stage)
         if self.delta_plans is not None and any(c is not None for c in self.costs.values()):
             self._plan_delta()  # planned before the check (the sender's base): again
         self._verified = True
@@ -353,10 +356,11 @@ class RefitLoop:
         # the first run; once every batch went through on every rank, later runs repeat
         # the same batches in the same order, so the engine skips it for each batch its
         # group's history predicts and the host can queue batches ahead of the GPU.
-        agree = not self._agreed
+        agreed = self._agreed_stages
 
         def call(transfers, stage, stream):
             group, planner = self.groups[stage], self._planners[stage]
+            agree = stage not in agreed
             if fn is not None:
                 fn(transfers, group, stream=stream, staging_bytes=self.staging_bytes,
                    planner=planner, agree=agree)
@@ -443,7 +447,7 @@ class RefitLoop:
             current.wait_stream(stream)
         if synchronize and streams:
             wait_device(current.device, self.groups.values(), "the end of the refit")
-        self._agreed = True
+        self._agreed_stages.update(self.groups)
         stats.seconds = time.perf_counter() - t0
         stats.mode = mode
         if mode == "delta":
