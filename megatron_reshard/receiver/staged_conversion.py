@@ -23,7 +23,8 @@ cannot prove such a conversion value-independent (coded values never reach a cla
 3. ``StagedConversions.convert()`` (after the refit's receive) runs vLLM's conversion of
    each layer on that storage and copies the result back into the same addresses, one layer
    at a time; the extra memory is what vLLM's conversion allocates for one layer (its peak
-   is reported). Each layer converts once per refit: a second call finds it converted.
+   is reported, overall and per layer: ``report()["per_layer"]``). Each layer converts
+   once per refit: a second call finds it converted.
 
 Duck typing only: vLLM's functions are found through the live quant method's module.
 """
@@ -79,6 +80,11 @@ class StagedLayer:
     def __post_init__(self) -> None:
         if not self.received_as:
             self.received_as = tuple(t.data for t in self.tensors)
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes vLLM holds for this layer's converted params."""
+        return sum(t.numel() * t.element_size() for t in self.tensors)
 
     def receive_views(self) -> dict[str, torch.Tensor]:
         """``{param name: checkpoint-shaped view}`` where vLLM holds another shape."""
@@ -236,6 +242,9 @@ class StagedConversions:
     _pending: set = field(default_factory=set)
     stats: dict = field(default_factory=lambda: {"conversions": 0, "peak_staging_bytes": 0,
                                                  "convert_s": 0.0, "max_layer_s": 0.0})
+    # layer -> its own figures: bytes it holds, staging of its last and largest conversion,
+    # time of its last conversion and over all of them
+    per_layer: dict = field(default_factory=dict)
 
     @property
     def param_names(self) -> set[str]:
@@ -271,6 +280,14 @@ class StagedConversions:
             self.stats["convert_s"] += dt
             self.stats["max_layer_s"] = max(self.stats["max_layer_s"], dt)
             self.stats["peak_staging_bytes"] = max(self.stats["peak_staging_bytes"], extra)
+            own = self.per_layer.setdefault(layer.name, {
+                "backend": f"{layer.method}:{layer.backend}", "layer_bytes": layer.nbytes,
+                "conversions": 0, "staging_bytes": 0, "peak_staging_bytes": 0,
+                "convert_s": 0.0, "total_convert_s": 0.0})
+            own["conversions"] += 1
+            own["staging_bytes"], own["convert_s"] = extra, dt
+            own["peak_staging_bytes"] = max(own["peak_staging_bytes"], extra)
+            own["total_convert_s"] += dt
             done.append(layer.name)
         return done
 
@@ -305,7 +322,7 @@ class StagedConversions:
     def report(self) -> dict:
         return {"layers": [layer.name for layer in self.layers],
                 "backends": sorted({f"{layer.method}:{layer.backend}" for layer in self.layers}),
-                **self.stats}
+                **self.stats, "per_layer": {n: dict(v) for n, v in self.per_layer.items()}}
 
 
 __all__ = ["STAGED_METHODS", "StagedConversionError", "StagedConversions", "StagedLayer",

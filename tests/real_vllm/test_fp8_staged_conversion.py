@@ -15,6 +15,9 @@ skips the conversion of one layer on purpose; the comparison must report exactly
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import pytest
 
 pytest.importorskip("vllm.distributed")  # the real vLLM, installed in the vLLM test venv
@@ -37,6 +40,36 @@ QWEN3_MOE_FP8 = Family(dict(TINY_MODEL, family="qwen3_moe", qk_layernorm=True, h
                        "Qwen3MoeForCausalLM", dict(attention_bias=False), ())
 MOE_LAYERS = (1, 2, 3)
 PLANTED_RANK = 1
+BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "bench_staged_conversion.py")
+
+
+def _bench():
+    """scripts/bench_staged_conversion.py as a module (its table of a gen rank's result)."""
+    spec = importlib.util.spec_from_file_location("bench_staged_conversion", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _check_staged_table(g: dict, staging: bool) -> dict:
+    """The bench's per-layer figures of one gen rank, checked against what the refit did:
+    one row per staged layer, each converted once per refit, its bytes those vLLM holds
+    for the layer, the totals their sums; ``staging``: whether any conversion needed
+    bytes apart (FlashInfer's swap does, Triton's identity never)."""
+    layers = g["report"]["staged_conversion"]["layers"]
+    table = _bench().staged_table(g)
+    rows, totals = table["rows"], table["totals"]
+    assert [r["layer"] for r in rows] == layers, rows
+    assert all(r["conversions"] == REFITS for r in rows), rows
+    assert all(r["layer_bytes"] > 0 and r["convert_s"] >= 0 and r["peak_staging_bytes"] >= 0
+               for r in rows), rows
+    assert all(r["peak_staging_bytes"] <= r["layer_bytes"] for r in rows), rows
+    assert totals["peak_staging_bytes"] == max(r["peak_staging_bytes"] for r in rows), totals
+    assert totals["layer_bytes"] == sum(r["layer_bytes"] for r in rows), totals
+    assert 0 < totals["convert_share"] < 1 and totals["refits"] == REFITS, totals
+    assert (totals["sum_staging_bytes"] > 0) == staging, rows
+    assert table["rows"][0]["layer"] in _bench().format_table("t", table)
+    return table
 
 
 def fp8_config_json() -> dict:
@@ -78,6 +111,21 @@ def test_fp8_refit_through_vllms_conversion_is_bit_equal_to_vllms_own_loading(cu
         assert g["moved"] == [[]] * REFITS, f"{who}: params moved to new storage: {g['moved']}"
         assert g["kv_scales_changed"] == [[]] * REFITS, who
         assert g["weights"]["state"] == "consistent" and g["weights"]["version"] == REFITS, who
+
+
+def test_the_staging_cost_is_reported_per_layer(cutlass_fp8):
+    """report()'s per-layer figures, as scripts/bench_staged_conversion.py prints them:
+    FlashInfer CUTLASS stages the swapped w13 and its scales of each expert layer (the
+    w13 share of the layer: 2/3 of its FP8 bytes) and nothing for the linear layers,
+    whose CUTLASS block kernel keeps the bytes."""
+    g = next(g for g in cutlass_fp8 if g["rank"] != PLANTED_RANK)
+    rows = {r["layer"]: r for r in _check_staged_table(g, staging=True)["rows"]}
+    for i in MOE_LAYERS:
+        moe = rows[f"model.layers.{i}.mlp.experts.routed_experts"]
+        assert moe["backend"] == "Fp8MoEMethod:FLASHINFER_CUTLASS", moe
+        assert moe["peak_staging_bytes"] > moe["layer_bytes"] // 2, moe
+    linear = [r for r in rows.values() if r["backend"].startswith("Fp8LinearMethod")]
+    assert linear and all(r["peak_staging_bytes"] == 0 for r in linear), linear
 
 
 def test_a_skipped_conversion_fails_the_comparison(cutlass_fp8):
@@ -123,6 +171,7 @@ def test_fp8_triton_experts_take_the_staged_path_at_no_cost(pool):
         assert "Fp8MoEMethod:TRITON" in staged["backends"], staged
         assert staged["peak_staging_bytes"] == 0, staged
         assert g["differences"] == [[]] * REFITS, (g["rank"], g["differences"])
+        _check_staged_table(g, staging=False)  # zero on every row of the bench's table
 
 # FP8 MoE backends whose conversion does not run on this CPU or repacks with its own device
 # kernels: DeepGEMM (its scale layout needs the deep_gemm package), Marlin, ROCm AITER,
