@@ -202,6 +202,40 @@ def test_fp8_backends_whose_conversion_cannot_run_here_are_refused(pool):
     assert out["orders_alone"] and "Fp8" in out["orders_alone"], out["orders_alone"]
 
 
+def test_per_tensor_and_online_fp8_are_refused_naming_what_to_change(pool):
+    """Per-tensor FP8 (a checkpoint without ``weight_block_size``) and vLLM's online FP8
+    (``--quantization fp8_per_tensor`` on the BF16 checkpoint, and ``fp8``, which vLLM 0.33
+    maps to it): vLLM's post-load quantizes with ``vllm._C``'s ``scaled_fp8_quant``, which
+    does not run on this CPU (shown on the per-tensor checkpoint's own post-load), so no
+    oracle can check a refit of them: the live layers are refused, the message naming the
+    layer, vLLM's quant method, the kernel backend and the setting to change."""
+    from megatron_reshard.testing.vllm_staged_checks import per_tensor_refusals_job
+
+    per_tensor = {k: v for k, v in vm.fp8_quantization_config().items() if k != "weight_block_size"}
+    per_tensor["ignored_layers"] = [f"model.layers.{i}.mlp.gate" for i in MOE_LAYERS]
+    (out,) = pool.run(per_tensor_refusals_job, 1, vllm_config_json(QWEN3_MOE_FP8), per_tensor,
+                      num_ports=1, timeout_s=300)
+    checkpoint = out["checkpoint"]
+    assert {"Fp8LinearMethod", "Fp8MoEMethod"} <= set(checkpoint["methods"]), checkpoint
+    assert checkpoint["post_load"] and "scaled_fp8_quant" in checkpoint["post_load"], checkpoint
+    message = checkpoint["refused"]
+    assert message and message.startswith("model.layers.0.self_attn.qkv_proj: quant method "
+                                          "Fp8LinearMethod, kernel backend "
+                                          "CutlassFP8ScaledMMLinearKernel: per-tensor"), message
+    for label in ("online:fp8", "online:fp8_per_tensor"):
+        case = out[label]
+        assert {"Fp8PerTensorOnlineLinearMethod", "Fp8PerTensorOnlineMoEMethod"} <= \
+            set(case["methods"]), (label, case["methods"])
+        message = case["refused"]
+        assert message and message.startswith(
+            "model.layers.0.self_attn.qkv_proj: quant method Fp8PerTensorOnlineLinearMethod, "
+            "kernel backend CutlassFP8ScaledMMLinearKernel: vLLM quantizes this layer's BF16 "
+            "weights while loading"), (label, message)
+    for case in out.values():
+        assert "drop --quantization" in case["refused"] and 'gen_quant="block_fp8"' in \
+            case["refused"], case["refused"]
+
+
 def test_a_refused_fp8_backend_stops_every_rank_at_prepare_refit(pool):
     """Block-FP8 experts that report the Marlin backend (vLLM's choice on GPUs without FP8
     hardware): every generation rank refuses at ``prepare_refit`` naming layer, method,
