@@ -15,12 +15,12 @@ from typing import Any, Mapping, Optional
 import torch
 
 
-def _refusal(model: torch.nn.Module) -> Optional[str]:
+def _refusal(model: torch.nn.Module, skip=()) -> Optional[str]:
     from megatron_reshard.receiver.kernel_layouts import KernelLayoutError
     from megatron_reshard.receiver.staged_conversion import staged_layers
 
     try:
-        staged_layers(model)
+        staged_layers(model, skip=skip)
         return None
     except KernelLayoutError as err:
         return str(err)
@@ -69,9 +69,10 @@ def per_tensor_refusals_job(job, hf_config: Mapping[str, Any], fp8_quant_config:
     """Pool job (one process, ``num_ports=1``): vLLM's model built from a per-tensor FP8
     checkpoint (``hf_config`` with ``fp8_quant_config``) and, from the BF16 checkpoint, with
     each of vLLM's ``--quantization`` values in ``online``. Per case ``{"methods": {quant
-    method: first layer}, "refused": message or None, "post_load": vLLM's post-load error
-    or None}``; the post-load runs on the dummy-loaded per-tensor checkpoint only (online
-    layers are quantized while loading, the same code)."""
+    method: first layer}, "refused": message or None, "moe_refused": the message when only
+    the expert layers are asked about, "post_load": vLLM's post-load error or None}``; the
+    post-load runs on the dummy-loaded per-tensor checkpoint only (online layers are
+    quantized while loading, the same code)."""
     from megatron_reshard.testing import vllm_models as vm
 
     out: dict[str, Any] = {}
@@ -87,7 +88,9 @@ def per_tensor_refusals_job(job, hf_config: Mapping[str, Any], fp8_quant_config:
                 method = getattr(module, "quant_method", None)
                 if method is not None and any(True for _ in module.parameters(recurse=False)):
                     methods.setdefault(type(method).__name__, name)
-            case = {"methods": methods, "refused": _refusal(model), "post_load": None}
+            not_experts = {n for n, _ in model.named_parameters() if ".experts." not in n}
+            case = {"methods": methods, "refused": _refusal(model),
+                    "moe_refused": _refusal(model, skip=not_experts), "post_load": None}
             if quantization is None:
                 from vllm.model_executor.model_loader.dummy_loader import DummyModelLoader
 

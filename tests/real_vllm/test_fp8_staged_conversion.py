@@ -231,9 +231,16 @@ def test_per_tensor_and_online_fp8_are_refused_naming_what_to_change(pool):
             "model.layers.0.self_attn.qkv_proj: quant method Fp8PerTensorOnlineLinearMethod, "
             "kernel backend CutlassFP8ScaledMMLinearKernel: vLLM quantizes this layer's BF16 "
             "weights while loading"), (label, message)
+    experts = "model.layers.1.mlp.experts.routed_experts: quant method "
+    assert out["checkpoint"]["moe_refused"].startswith(
+        experts + "Fp8MoEMethod, kernel backend FLASHINFER_CUTLASS: per-tensor"), out["checkpoint"]
+    for label in ("online:fp8", "online:fp8_per_tensor"):
+        assert out[label]["moe_refused"].startswith(
+            experts + "Fp8PerTensorOnlineMoEMethod, kernel backend FLASHINFER_CUTLASS: vLLM "
+            "quantizes"), (label, out[label]["moe_refused"])
     for case in out.values():
-        assert "drop --quantization" in case["refused"] and 'gen_quant="block_fp8"' in \
-            case["refused"], case["refused"]
+        for message in (case["refused"], case["moe_refused"]):
+            assert "drop --quantization" in message and 'gen_quant="block_fp8"' in message, message
 
 
 def test_a_refused_fp8_backend_stops_every_rank_at_prepare_refit(pool):
