@@ -105,6 +105,26 @@ def test_each_written_layer_is_converted_once_into_its_storage():
     report = staged.report()
     assert report["conversions"] == 1 and report["backends"] == ["Fp8MoEMethod:FLASHINFER_CUTLASS"]
     assert report["peak_staging_bytes"] == (E * 2 * I * H + E * 2) * 4  # w13 and its scales, new
+    own = report["per_layer"]["experts"]
+    assert own["layer_bytes"] == (E * 2 * I * H + E * H * I + E * 2 + E) * 4  # every param, float32
+    assert own["peak_staging_bytes"] == own["staging_bytes"] == report["peak_staging_bytes"]
+    assert own["conversions"] == 1 and own["total_convert_s"] == own["convert_s"] >= 0
+
+
+def test_per_layer_figures_add_up_over_refits():
+    """Two refits: the layer's own staging peak and conversion count follow each refit;
+    the report's totals are those of its layers."""
+    model = _model()
+    staged = StagedConversions(staged_layers(model))
+    for _ in range(2):
+        _receive(model)
+        staged.received(list(model.parameters()))
+        staged.convert()
+    report = staged.report()
+    own = report["per_layer"]["experts"]
+    assert own["conversions"] == report["conversions"] == 2
+    assert own["total_convert_s"] == pytest.approx(report["convert_s"])
+    assert own["peak_staging_bytes"] == report["peak_staging_bytes"] > 0
 
 
 def test_a_layer_written_in_part_is_refused():

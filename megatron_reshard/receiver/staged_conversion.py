@@ -23,7 +23,14 @@ cannot prove such a conversion value-independent (coded values never reach a cla
 3. ``StagedConversions.convert()`` (after the refit's receive) runs vLLM's conversion of
    each layer on that storage and copies the result back into the same addresses, one layer
    at a time; the extra memory is what vLLM's conversion allocates for one layer (its peak
-   is reported). Each layer converts once per refit: a second call finds it converted.
+   is reported, overall and per layer: ``report()["per_layer"]``). Each layer converts
+   once per refit: a second call finds it converted.
+
+Per-tensor FP8 and vLLM's online quantization (a BF16 checkpoint quantized by vLLM while
+loading: ``--quantization fp8_per_tensor``, or ``fp8`` on a BF16 checkpoint, which vLLM 0.33
+maps to it) are refused at ``prepare_refit``: their conversion quantizes with
+``vllm._C.scaled_fp8_quant`` (absent from every CPU build, so no oracle checks it here) and,
+online, from BF16 bytes that vLLM's storage (FP8) cannot hold while they arrive.
 
 Duck typing only: vLLM's functions are found through the live quant method's module.
 """
@@ -53,6 +60,14 @@ FP8_MOE_SETTING = ("start vLLM with --moe-backend flashinfer_cutlass, flashinfer
 FP8_LINEAR_SETTING = ("let vLLM pick the CUTLASS or Triton block-FP8 linear kernel (on "
                       "Hopper/Blackwell: VLLM_USE_DEEP_GEMM=0), or serve it unquantized "
                       "(drop --quantization)")
+# per-tensor FP8 (a checkpoint's, or vLLM's online quantization of a BF16 one): what a
+# user changes to refit the model
+PER_TENSOR_SETTING = ("serve the policy in BF16 (drop --quantization), or give vLLM a "
+                      "block-FP8 quantization_config (weight_block_size [128, 128]) and refit "
+                      "with gen_quant=\"block_fp8\" (the trainer quantizes)")
+# vLLM's online quantization methods (their layers are allocated on the meta device and
+# quantized by vLLM while loading), by base class name
+ONLINE_BASES = ("OnlineLinearBase", "OnlineMoEMethodBase")
 _MOE_LEAVES = ("w13_weight", "w2_weight", "w13_weight_scale_inv", "w2_weight_scale_inv")
 _LINEAR_LEAVES = ("weight", "weight_scale_inv")
 
@@ -80,6 +95,11 @@ class StagedLayer:
         if not self.received_as:
             self.received_as = tuple(t.data for t in self.tensors)
 
+    @property
+    def nbytes(self) -> int:
+        """The bytes vLLM holds for this layer's converted params."""
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
     def receive_views(self) -> dict[str, torch.Tensor]:
         """``{param name: checkpoint-shaped view}`` where vLLM holds another shape."""
         return {n: v for n, v, t in zip(self.params, self.received_as, self.tensors)
@@ -91,8 +111,10 @@ def _fp8_moe_layer(name: str, module: torch.nn.Module, method: Any) -> StagedLay
     kind = type(method).__name__
     if getattr(method, "weight_block_size", None) is None:
         raise refusal(name, method, backend, "per-tensor FP8 experts are requantized per "
-                      "expert after loading (a computation over w1 and w3 together); only "
-                      "block FP8 is converted by the refit", FP8_MOE_SETTING)
+                      "expert after loading to one scale over w1 and w3 (vllm._C's "
+                      "scaled_fp8_quant, which no CPU build of vLLM 0.33 has, so no oracle "
+                      "checks a refit of it here); only block FP8 is converted by the refit",
+                      PER_TENSOR_SETTING)
     if backend not in STAGED_FP8_MOE_BACKENDS:
         raise refusal(name, method, backend, "this backend's conversion repacks the experts "
                       "with its own device kernels or replaces the layer's params, which the "
@@ -154,8 +176,10 @@ def _fp8_linear_layer(name: str, module: torch.nn.Module, method: Any) -> Staged
     kind = type(method).__name__
     if getattr(method, "weight_block_size", None) is None:
         raise refusal(name, method, backend, "per-tensor FP8 linear weights are requantized "
-                      "over their fused parts after loading; only block FP8 is converted by "
-                      "the refit", FP8_LINEAR_SETTING)
+                      "after loading to one scale over their fused parts (vllm._C's "
+                      "scaled_fp8_quant, which no CPU build of vLLM 0.33 has, so no oracle "
+                      "checks a refit of it here) and transposed; only block FP8 is "
+                      "converted by the refit", PER_TENSOR_SETTING)
     if getattr(method, "use_marlin", False) or not callable(getattr(kernel, "process_weights_after_loading", None)):
         raise refusal(name, method, backend, "the Marlin kernel repacks the weight with its own "
                       "device kernel", FP8_LINEAR_SETTING)
@@ -209,18 +233,41 @@ def _dry_run(layer: StagedLayer) -> None:
                                 f"write bytes vLLM does not read. To refit this model, {setting}")
 
 
+def _is_online(method: Any) -> bool:
+    return any(c.__name__ in ONLINE_BASES for c in type(method).__mro__)
+
+
+def _online_refusal(name: str, method: Any) -> KernelLayoutError:
+    """vLLM's online quantization (``--quantization fp8_per_tensor``, ``fp8`` on a BF16
+    checkpoint, ``fp8_per_block``, MXFP8, ...): the layer holds what vLLM computed from BF16
+    weights while loading, scales from the whole tensor across its TP ranks included."""
+    kernel = getattr(method, "fp8_backend", None) or getattr(method, "fp8_linear", None)
+    backend = (str(getattr(kernel, "name", None) or type(kernel).__name__) if kernel is not None
+               else "None")
+    return refusal(name, method, backend, "vLLM quantizes this layer's BF16 weights while "
+                   "loading (online quantization: the layer holds vLLM's quantized bytes "
+                   "and scales, not the checkpoint's); the refit would have to receive BF16 "
+                   "apart from vLLM's storage and re-run that quantization (per-tensor: "
+                   "vllm._C's scaled_fp8_quant and an all-reduce of the scale over vLLM's "
+                   "TP group), which it does not", PER_TENSOR_SETTING)
+
+
 def staged_layers(model: torch.nn.Module, skip: Collection[str] = ()) -> list[StagedLayer]:
     """The layers the refit converts with vLLM's own code after each refit (block FP8);
-    raises ``KernelLayoutError`` for an FP8 layer whose conversion cannot run here."""
+    raises ``KernelLayoutError`` for an FP8 layer whose conversion cannot run here or is
+    not re-run by the refit (per-tensor FP8, vLLM's online quantization)."""
     out = []
     for name, module in model.named_modules():
         method = getattr(module, "quant_method", None)
         kind = type(method).__name__
-        if kind not in STAGED_METHODS:
+        online = _is_online(method)
+        if kind not in STAGED_METHODS and not online:
             continue
         prefix = f"{name}." if name else ""
         if not any(prefix + n not in skip for n, _ in module.named_parameters(recurse=False)):
             continue
+        if online:
+            raise _online_refusal(name, method)
         layer = (_fp8_moe_layer if kind == FP8_MOE_METHOD else _fp8_linear_layer)(name, module, method)
         _dry_run(layer)
         out.append(layer)
@@ -236,6 +283,9 @@ class StagedConversions:
     _pending: set = field(default_factory=set)
     stats: dict = field(default_factory=lambda: {"conversions": 0, "peak_staging_bytes": 0,
                                                  "convert_s": 0.0, "max_layer_s": 0.0})
+    # layer -> its own figures: bytes it holds, staging of its last and largest conversion,
+    # time of its last conversion and over all of them
+    per_layer: dict = field(default_factory=dict)
 
     @property
     def param_names(self) -> set[str]:
@@ -271,6 +321,14 @@ class StagedConversions:
             self.stats["convert_s"] += dt
             self.stats["max_layer_s"] = max(self.stats["max_layer_s"], dt)
             self.stats["peak_staging_bytes"] = max(self.stats["peak_staging_bytes"], extra)
+            own = self.per_layer.setdefault(layer.name, {
+                "backend": f"{layer.method}:{layer.backend}", "layer_bytes": layer.nbytes,
+                "conversions": 0, "staging_bytes": 0, "peak_staging_bytes": 0,
+                "convert_s": 0.0, "total_convert_s": 0.0})
+            own["conversions"] += 1
+            own["staging_bytes"], own["convert_s"] = extra, dt
+            own["peak_staging_bytes"] = max(own["peak_staging_bytes"], extra)
+            own["total_convert_s"] += dt
             done.append(layer.name)
         return done
 
@@ -305,7 +363,7 @@ class StagedConversions:
     def report(self) -> dict:
         return {"layers": [layer.name for layer in self.layers],
                 "backends": sorted({f"{layer.method}:{layer.backend}" for layer in self.layers}),
-                **self.stats}
+                **self.stats, "per_layer": {n: dict(v) for n, v in self.per_layer.items()}}
 
 
 __all__ = ["STAGED_METHODS", "StagedConversionError", "StagedConversions", "StagedLayer",

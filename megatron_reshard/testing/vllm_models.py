@@ -203,17 +203,25 @@ def _honour_flashinfer_moe_backend() -> None:
 FP8_LINEAR_KERNEL = "CutlassFp8BlockScaledMMKernel"
 FP8_LINEAR_KERNEL_MODULES = {"CutlassFp8BlockScaledMMKernel": "cutlass",
                              "TritonFp8BlockScaledMMKernel": "triton",
-                             "DeepGemmFp8BlockScaledMMKernel": "deep_gemm"}
+                             "DeepGemmFp8BlockScaledMMKernel": "deep_gemm",
+                             "CutlassFP8ScaledMMLinearKernel": "cutlass"}
+# the per-tensor / per-channel FP8 linear kernel a CUDA worker with CUTLASS picks
+FP8_PER_TENSOR_LINEAR_KERNEL = "CutlassFP8ScaledMMLinearKernel"
 
 
 def _honour_block_fp8_kernels() -> None:
-    """Block-FP8 layers on the CPU as a GPU worker builds them: ``Fp8LinearMethod`` gets the
-    kernel object ``FP8_LINEAR_KERNEL`` names (its post-load step is vLLM's), and
-    ``Fp8MoEMethod`` the FP8 MoE backend ``--moe-backend`` asks for (vLLM's own choice on
-    the CPU would take its CPU experts), its CUDA kernel object not built. Allocation,
-    loading and the post-load conversion (``convert_to_fp8_moe_kernel_format``) are vLLM's."""
+    """FP8 layers on the CPU as a GPU worker builds them: ``Fp8LinearMethod`` gets the
+    kernel object ``FP8_LINEAR_KERNEL`` names (``FP8_PER_TENSOR_LINEAR_KERNEL`` for
+    per-tensor / per-channel weights; its post-load step is vLLM's), and ``Fp8MoEMethod``
+    the FP8 MoE backend ``--moe-backend`` asks for (vLLM's own choice on the CPU would take
+    its CPU experts), its CUDA kernel object not built. vLLM's online FP8 methods
+    (``--quantization fp8_per_tensor`` / ``fp8_per_block``, and ``fp8`` on a BF16
+    checkpoint) get the same choices, so that they build here (their post-load
+    quantization is vLLM's: per-tensor needs ``vllm._C``, absent here). Allocation, loading
+    and the post-load conversion (``convert_to_fp8_moe_kernel_format``) are vLLM's."""
     from vllm.model_executor.layers.fused_moe.oracle import fp8 as oracle
     from vllm.model_executor.layers.quantization import fp8 as method
+    from vllm.model_executor.layers.quantization.online import fp8 as online
 
     choose = method.select_fp8_moe_backend
     build = method.Fp8MoEMethod._init_moe_kernel
@@ -223,11 +231,25 @@ def _honour_block_fp8_kernels() -> None:
         from vllm.model_executor.kernels.linear.scaled_mm.ScaledMMLinearKernel import (
             FP8ScaledMMLinearLayerConfig)
 
+        block = activation_quant_key.scale.group_shape.is_per_group()
+        name = FP8_LINEAR_KERNEL if block else FP8_PER_TENSOR_LINEAR_KERNEL
         module = importlib.import_module("vllm.model_executor.kernels.linear.scaled_mm."
-                                         + FP8_LINEAR_KERNEL_MODULES[FP8_LINEAR_KERNEL])
-        return getattr(module, FP8_LINEAR_KERNEL)(FP8ScaledMMLinearLayerConfig(
+                                         + FP8_LINEAR_KERNEL_MODULES[name])
+        config = FP8ScaledMMLinearLayerConfig(
             weight_quant_key=weight_quant_key, activation_quant_key=activation_quant_key,
-            input_dtype=input_dtype, out_dtype=out_dtype, weight_shape=weight_shape))
+            input_dtype=input_dtype, out_dtype=out_dtype, weight_shape=weight_shape)
+        cls = getattr(module, name)
+        if block:
+            return cls(config)
+        # its constructor asserts CUTLASS FP8 support (CUDA): asked of the class, answered
+        # yes for this one construction
+        supported = vars(cls)["is_supported"]
+        cls.is_supported = classmethod(lambda c, compute_capability=None: (True, None))
+        try:
+            return cls(config, layer_param_names=[  # as vLLM builds it
+                "weight", "weight_scale", "input_scale", "input_scale_ub"])
+        finally:
+            cls.is_supported = supported
 
     def select(config, weight_key, activation_key, allow_vllm_cutlass=False):
         if config.moe_backend not in (None, "auto"):
@@ -245,6 +267,8 @@ def _honour_block_fp8_kernels() -> None:
     method.init_fp8_linear_kernel = init_linear_kernel
     method.select_fp8_moe_backend = select
     method.Fp8MoEMethod._init_moe_kernel = init_kernel
+    online.init_fp8_linear_kernel = init_linear_kernel
+    online.select_fp8_moe_backend = select
 
 
 def write_model_dir(hf_config: Mapping[str, Any], root: Optional[str] = None) -> str:

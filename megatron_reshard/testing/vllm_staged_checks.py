@@ -15,12 +15,12 @@ from typing import Any, Mapping, Optional
 import torch
 
 
-def _refusal(model: torch.nn.Module) -> Optional[str]:
+def _refusal(model: torch.nn.Module, skip=()) -> Optional[str]:
     from megatron_reshard.receiver.kernel_layouts import KernelLayoutError
     from megatron_reshard.receiver.staged_conversion import staged_layers
 
     try:
-        staged_layers(model)
+        staged_layers(model, skip=skip)
         return None
     except KernelLayoutError as err:
         return str(err)
@@ -64,4 +64,43 @@ def fp8_refusals_job(job, hf_config: Mapping[str, Any], moe_backends: tuple = ()
     return out
 
 
-__all__ = ["fp8_refusals_job"]
+def per_tensor_refusals_job(job, hf_config: Mapping[str, Any], fp8_quant_config: Mapping[str, Any],
+                            online: tuple = ("fp8", "fp8_per_tensor")) -> dict:
+    """Pool job (one process, ``num_ports=1``): vLLM's model built from a per-tensor FP8
+    checkpoint (``hf_config`` with ``fp8_quant_config``) and, from the BF16 checkpoint, with
+    each of vLLM's ``--quantization`` values in ``online``. Per case ``{"methods": {quant
+    method: first layer}, "refused": message or None, "moe_refused": the message when only
+    the expert layers are asked about, "post_load": vLLM's post-load error or None}``; the
+    post-load runs on the dummy-loaded per-tensor checkpoint only (online layers are
+    quantized while loading, the same code)."""
+    from megatron_reshard.testing import vllm_models as vm
+
+    out: dict[str, Any] = {}
+    cases = [("checkpoint", dict(hf_config, quantization_config=dict(fp8_quant_config)), None)]
+    cases += [(f"online:{q}", dict(hf_config), q) for q in online]
+    for label, hf, quantization in cases:
+        config = vm.vllm_config_for(vm.write_model_dir(hf), 1, quantization=quantization,
+                                    moe_backend="flashinfer_cutlass")
+        with vm.vllm_parallel_state(config, 0, 1, job.ports[0]):
+            model = vm.build_model(config)
+            methods: dict[str, str] = {}
+            for name, module in model.named_modules():
+                method = getattr(module, "quant_method", None)
+                if method is not None and any(True for _ in module.parameters(recurse=False)):
+                    methods.setdefault(type(method).__name__, name)
+            not_experts = {n for n, _ in model.named_parameters() if ".experts." not in n}
+            case = {"methods": methods, "refused": _refusal(model),
+                    "moe_refused": _refusal(model, skip=not_experts), "post_load": None}
+            if quantization is None:
+                from vllm.model_executor.model_loader.dummy_loader import DummyModelLoader
+
+                DummyModelLoader(config.load_config).load_weights(model, config.model_config)
+                try:
+                    vm.post_process(model, config)
+                except Exception as exc:  # what this CPU cannot run (the finding under test)
+                    case["post_load"] = f"{type(exc).__name__}: {exc}"
+            out[label] = case
+    return out
+
+
+__all__ = ["fp8_refusals_job", "per_tensor_refusals_job"]

@@ -15,6 +15,9 @@ skips the conversion of one layer on purpose; the comparison must report exactly
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import pytest
 
 pytest.importorskip("vllm.distributed")  # the real vLLM, installed in the vLLM test venv
@@ -37,6 +40,36 @@ QWEN3_MOE_FP8 = Family(dict(TINY_MODEL, family="qwen3_moe", qk_layernorm=True, h
                        "Qwen3MoeForCausalLM", dict(attention_bias=False), ())
 MOE_LAYERS = (1, 2, 3)
 PLANTED_RANK = 1
+BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "bench_staged_conversion.py")
+
+
+def _bench():
+    """scripts/bench_staged_conversion.py as a module (its table of a gen rank's result)."""
+    spec = importlib.util.spec_from_file_location("bench_staged_conversion", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _check_staged_table(g: dict, staging: bool) -> dict:
+    """The bench's per-layer figures of one gen rank, checked against what the refit did:
+    one row per staged layer, each converted once per refit, its bytes those vLLM holds
+    for the layer, the totals their sums; ``staging``: whether any conversion needed
+    bytes apart (FlashInfer's swap does, Triton's identity never)."""
+    layers = g["report"]["staged_conversion"]["layers"]
+    table = _bench().staged_table(g)
+    rows, totals = table["rows"], table["totals"]
+    assert [r["layer"] for r in rows] == layers, rows
+    assert all(r["conversions"] == REFITS for r in rows), rows
+    assert all(r["layer_bytes"] > 0 and r["convert_s"] >= 0 and r["peak_staging_bytes"] >= 0
+               for r in rows), rows
+    assert all(r["peak_staging_bytes"] <= r["layer_bytes"] for r in rows), rows
+    assert totals["peak_staging_bytes"] == max(r["peak_staging_bytes"] for r in rows), totals
+    assert totals["layer_bytes"] == sum(r["layer_bytes"] for r in rows), totals
+    assert 0 < totals["convert_share"] < 1 and totals["refits"] == REFITS, totals
+    assert (totals["sum_staging_bytes"] > 0) == staging, rows
+    assert table["rows"][0]["layer"] in _bench().format_table("t", table)
+    return table
 
 
 def fp8_config_json() -> dict:
@@ -80,6 +113,21 @@ def test_fp8_refit_through_vllms_conversion_is_bit_equal_to_vllms_own_loading(cu
         assert g["weights"]["state"] == "consistent" and g["weights"]["version"] == REFITS, who
 
 
+def test_the_staging_cost_is_reported_per_layer(cutlass_fp8):
+    """report()'s per-layer figures, as scripts/bench_staged_conversion.py prints them:
+    FlashInfer CUTLASS stages the swapped w13 and its scales of each expert layer (the
+    w13 share of the layer: 2/3 of its FP8 bytes) and nothing for the linear layers,
+    whose CUTLASS block kernel keeps the bytes."""
+    g = next(g for g in cutlass_fp8 if g["rank"] != PLANTED_RANK)
+    rows = {r["layer"]: r for r in _check_staged_table(g, staging=True)["rows"]}
+    for i in MOE_LAYERS:
+        moe = rows[f"model.layers.{i}.mlp.experts.routed_experts"]
+        assert moe["backend"] == "Fp8MoEMethod:FLASHINFER_CUTLASS", moe
+        assert moe["peak_staging_bytes"] > moe["layer_bytes"] // 2, moe
+    linear = [r for r in rows.values() if r["backend"].startswith("Fp8LinearMethod")]
+    assert linear and all(r["peak_staging_bytes"] == 0 for r in linear), linear
+
+
 def test_a_skipped_conversion_fails_the_comparison(cutlass_fp8):
     """Gen rank 1 takes its first FP8 expert layer as checkpoint order (its conversion
     skipped): after every refit the comparison with vLLM reports exactly that layer's w13
@@ -109,6 +157,10 @@ def test_fp8_trtllm_experts_are_received_through_a_checkpoint_shaped_view(pool, 
         assert staged["peak_staging_bytes"] > 0, staged
         assert g["differences"] == [[]] * REFITS, (g["rank"], g["differences"])
         assert g["moved"] == [[]] * REFITS, (g["rank"], g["moved"])
+        rows = _check_staged_table(g, staging=True)["rows"]
+        # TRTLLM's shuffle returns every weight anew: all of an expert layer but w2's scales
+        experts = [r for r in rows if r["backend"] == "Fp8MoEMethod:FLASHINFER_TRTLLM"]
+        assert experts and all(r["peak_staging_bytes"] > 0.9 * r["layer_bytes"] for r in experts), experts
 
 
 def test_fp8_triton_experts_take_the_staged_path_at_no_cost(pool):
@@ -123,6 +175,7 @@ def test_fp8_triton_experts_take_the_staged_path_at_no_cost(pool):
         assert "Fp8MoEMethod:TRITON" in staged["backends"], staged
         assert staged["peak_staging_bytes"] == 0, staged
         assert g["differences"] == [[]] * REFITS, (g["rank"], g["differences"])
+        _check_staged_table(g, staging=False)  # zero on every row of the bench's table
 
 # FP8 MoE backends whose conversion does not run on this CPU or repacks with its own device
 # kernels: DeepGEMM (its scale layout needs the deep_gemm package), Marlin, ROCm AITER,
@@ -151,6 +204,57 @@ def test_fp8_backends_whose_conversion_cannot_run_here_are_refused(pool):
     assert out["trtllm"] is None, out["trtllm"]
     # the learned orders alone (no staged path) still refuse every FP8 layer
     assert out["orders_alone"] and "Fp8" in out["orders_alone"], out["orders_alone"]
+
+
+def test_per_tensor_and_online_fp8_are_refused_naming_what_to_change(pool):
+    """Per-tensor FP8 (a checkpoint without ``weight_block_size``) and vLLM's online FP8
+    (``--quantization fp8_per_tensor`` on the BF16 checkpoint, and ``fp8``, which vLLM 0.33
+    maps to it): vLLM's post-load quantizes with ``vllm._C``'s ``scaled_fp8_quant``, which
+    does not run on this CPU (shown on the per-tensor checkpoint's own post-load), so no
+    oracle can check a refit of them; online ``fp8_per_block`` is refused by the same rule
+    (see DESIGN "Value transforms"). The live layers are refused, the message naming the
+    layer, vLLM's quant method, the kernel backend and the setting to change."""
+    from megatron_reshard.testing.vllm_staged_checks import per_tensor_refusals_job
+
+    per_tensor = {k: v for k, v in vm.fp8_quantization_config().items() if k != "weight_block_size"}
+    per_tensor["ignored_layers"] = [f"model.layers.{i}.mlp.gate" for i in MOE_LAYERS]
+    (out,) = pool.run(per_tensor_refusals_job, 1, vllm_config_json(QWEN3_MOE_FP8), per_tensor,
+                      ("fp8", "fp8_per_tensor", "fp8_per_block"), num_ports=1, timeout_s=300)
+    checkpoint = out["checkpoint"]
+    assert {"Fp8LinearMethod", "Fp8MoEMethod"} <= set(checkpoint["methods"]), checkpoint
+    assert checkpoint["post_load"] and "scaled_fp8_quant" in checkpoint["post_load"], checkpoint
+    message = checkpoint["refused"]
+    assert message and message.startswith("model.layers.0.self_attn.qkv_proj: quant method "
+                                          "Fp8LinearMethod, kernel backend "
+                                          "CutlassFP8ScaledMMLinearKernel: per-tensor"), message
+    for label in ("online:fp8", "online:fp8_per_tensor"):
+        case = out[label]
+        assert {"Fp8PerTensorOnlineLinearMethod", "Fp8PerTensorOnlineMoEMethod"} <= \
+            set(case["methods"]), (label, case["methods"])
+        message = case["refused"]
+        assert message and message.startswith(
+            "model.layers.0.self_attn.qkv_proj: quant method Fp8PerTensorOnlineLinearMethod, "
+            "kernel backend CutlassFP8ScaledMMLinearKernel: vLLM quantizes this layer's BF16 "
+            "weights while loading"), (label, message)
+    experts = "model.layers.1.mlp.experts.routed_experts: quant method "
+    assert out["checkpoint"]["moe_refused"].startswith(
+        experts + "Fp8MoEMethod, kernel backend FLASHINFER_CUTLASS: per-tensor"), out["checkpoint"]
+    for label in ("online:fp8", "online:fp8_per_tensor"):
+        assert out[label]["moe_refused"].startswith(
+            experts + "Fp8PerTensorOnlineMoEMethod, kernel backend FLASHINFER_CUTLASS: vLLM "
+            "quantizes"), (label, out[label]["moe_refused"])
+    # vLLM's online block FP8 (whose quantization would run here): refused by the same rule,
+    # its BF16 bytes having no place in vLLM's FP8 storage while the refit arrives
+    block = out["online:fp8_per_block"]
+    assert block["refused"].startswith(
+        "model.layers.0.self_attn.qkv_proj: quant method Fp8PerBlockOnlineLinearMethod, kernel "
+        "backend CutlassFp8BlockScaledMMKernel: vLLM quantizes"), block["refused"]
+    assert block["moe_refused"].startswith(
+        experts + "Fp8PerBlockOnlineMoEMethod, kernel backend FLASHINFER_CUTLASS: vLLM "
+        "quantizes"), block["moe_refused"]
+    for case in out.values():
+        for message in (case["refused"], case["moe_refused"]):
+            assert "drop --quantization" in message and 'gen_quant="block_fp8"' in message, message
 
 
 def test_a_refused_fp8_backend_stops_every_rank_at_prepare_refit(pool):
