@@ -111,13 +111,13 @@ def test_full_hf_weights_quantize_into_fp8_storage_as_the_oracle_says(tp_size, e
                                else want), name
 
 
-def test_the_oracle_quantizes_a_tile_as_nemo_rl_numerics_say():
+def test_the_oracle_quantizes_a_tile_as_vllm_online_numerics_say():
     w = torch.zeros(130, 3)
     w[0, 0], w[129, 2] = 2.0, -0.5  # two row tiles: amax 2 and 0.5
     q, s = reference_block_fp8(w)
-    assert torch.equal(s, 1 / torch.tensor([[224.0], [896.0]]))  # scale = (1 / amax) * 448
+    assert torch.equal(s, 1 / torch.tensor([[224.0], [896.0]]))  # scale_inv = amax / 448
     assert q[0, 0].float() == 448 and q[129, 2].float() == -448
-    assert reference_block_fp8(torch.zeros(4, 4))[1].item() == 1.0  # amax 0: scale 1
+    assert reference_block_fp8(torch.zeros(4, 4))[1].item() == (torch.tensor(1e-4) / 448).item()  # vLLM's amax floor
 
 
 def _fp8_targets(tp_rank: int, tp_size: int, **override):

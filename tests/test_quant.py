@@ -2,7 +2,9 @@
 
 The reference works element by element on Python floats: fp32 rounding through ``struct``,
 the e4m3 byte by nearest-value search over all 127 finite non-negative e4m3 values (ties to
-the even byte), block amaxes by explicit loops. It shares no code with the module; the
+the even byte), block amaxes by explicit loops. Block FP8's numerics are vLLM 0.33's online
+block quantization (``tests/real_vllm/test_online_fp8.py`` checks the module against vLLM's
+own function). It shares no code with the module; the
 comparison is byte for byte (weights) and bit for bit (scales).
 """
 
@@ -79,15 +81,21 @@ def ref_block_fp8(matrix: list, pow2: bool = False):
             if pow2:
                 e = -127 if amax == 0 else max(-127, min(127, ceil_log2(f32(amax / 448.0))))
                 scale = 1.0 if e == -127 else 2.0**-e
-            else:
-                # 448 / amax as two fp32 roundings: the reciprocal, then the product.
-                scale = f32(f32(1.0 / amax) * 448.0) if amax != 0 else math.inf
-                if not (math.isfinite(scale) and scale > 0):
-                    scale = 1.0
-            scale_inv[bi // 128][bj // 128] = f32(1.0 / scale)
+                scale_inv[bi // 128][bj // 128] = f32(1.0 / scale)
+            else:  # vLLM's online block quantization: sf = max(amax, 1e-4) / 448, w * (1 / sf)
+                scale = f32(1.0 / block_scale_inv(amax))
+                scale_inv[bi // 128][bj // 128] = block_scale_inv(amax)
             for i, j in cells:
                 q[i][j] = e4m3_byte(clamp448(f32(matrix[i][j] * scale)))
     return q, scale_inv
+
+
+AMAX_FLOOR = f32(1e-4)
+
+
+def block_scale_inv(amax: float) -> float:
+    """A tile's fp32 scale_inv: its amax (at least fp32(1e-4)) / 448, rounded once."""
+    return f32(max(amax, AMAX_FLOOR) / 448.0)
 
 
 def ref_mxfp8(row: list):
@@ -170,11 +178,11 @@ def test_block_fp8_power_of_two_scales_match_the_reference(shape):
     assert bool((mantissas == 0.5).all())
 
 
-def test_block_fp8_zero_tile_has_unit_scale_and_zero_bytes():
+def test_block_fp8_zero_tile_has_the_floor_scale_and_zero_bytes():
     w = torch.zeros(130, 5, dtype=torch.bfloat16)
     w[129, 4] = 3.0
     q, scale_inv = quantize_blockwise_fp8(w)
-    assert scale_inv.tolist() == [[1.0], [f32(1.0 / f32(f32(1.0 / 3.0) * 448.0))]]
+    assert scale_inv.tolist() == [[f32(f32(1e-4) / 448.0)], [f32(3.0 / 448.0)]]
     assert as_bytes(q)[0] == [0] * 5
     assert as_bytes(q)[129][4] == e4m3_byte(448.0) == 0x7E
 
@@ -185,8 +193,19 @@ def test_block_fp8_edge_tile_amax_uses_only_its_own_elements():
     w[128, 128] = 0.5
     w[0, 128] = 100.0  # tile (0, 1): independent of the tile (1, 1)
     _, scale_inv = quantize_blockwise_fp8(w)
-    assert scale_inv[1, 1].item() == f32(1.0 / f32(f32(1.0 / 0.5) * 448.0))
-    assert scale_inv[0, 1].item() == f32(1.0 / f32(f32(1.0 / 100.0) * 448.0))
+    assert scale_inv[1, 1].item() == f32(0.5 / 448.0)
+    assert scale_inv[0, 1].item() == f32(100.0 / 448.0)
+
+
+def test_block_fp8_tiles_below_the_amax_floor_share_its_scale():
+    # amax 1e-5 and 0 both take vLLM's floor 1e-4; the bytes are w * 448 / 1e-4
+    w = torch.zeros(256, 4)
+    w[0, 0], w[128, 1] = 1e-5, -5e-5
+    q, scale_inv = quantize_blockwise_fp8(w)
+    assert scale_inv.flatten().tolist() == [f32(f32(1e-4) / 448.0)] * 2
+    inverse = f32(1.0 / f32(f32(1e-4) / 448.0))
+    assert as_bytes(q)[0][0] == e4m3_byte(f32(f32(1e-5) * inverse))
+    assert as_bytes(q)[128][1] == e4m3_byte(f32(f32(-5e-5) * inverse))
 
 
 def test_block_fp8_round_trip_error_is_within_half_an_e4m3_step():

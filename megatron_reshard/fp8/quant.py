@@ -8,16 +8,18 @@ receiver). What each format is:
   [128, 128]): ``weight`` in ``float8_e4m3fn`` with the shape of the high-precision weight
   and ``weight_scale_inv`` in fp32 with one entry per 128×128 tile of the last two dims
   (``ceil(N/128) × ceil(K/128)``; leading dims, e.g. MoE experts, are kept). Dequantized,
-  ``w ≈ weight * weight_scale_inv[i // 128, j // 128]``. Per tile, in fp32, as NeMo-RL's
-  refit quantizer computes it: ``scale = (1 / amax) * 448`` (each step rounded to fp32, which
-  is what torch does for ``448 / amax``), ``weight = e4m3(clamp(w * scale, ±448))``,
-  ``scale_inv = 1 / scale``; a scale that is not finite and positive (amax 0, amax so
-  small that ``1 / amax`` overflows, or inf) becomes 1. With ``pow2_scales`` (DeepGEMM's
+  ``w ≈ weight * weight_scale_inv[i // 128, j // 128]``. Per tile, in fp32, exactly as
+  vLLM 0.33 quantizes a BF16 checkpoint online (``--quantization fp8_per_block``: its
+  ``per_block_cast_to_fp8`` without UE8M0), so that a refit gives the bytes vLLM would
+  hold: ``scale_inv = max(amax, 1e-4) / 448`` and ``weight = e4m3(w * (1 / scale_inv))``
+  (the same torch expressions, so the same rounding on each device: a true division on
+  CPU, a multiply by the reciprocal where CUDA divides by a scalar). A zero tile gets
+  ``scale_inv = 1e-4 / 448`` and zero bytes. With ``pow2_scales`` (DeepGEMM's
   UE8M0 scales) the scale is the power of two ``2^-ceil(log2(amax / 448))``, its exponent
-  clamped to [-127, 127], and 1 when it clamps to -127. One deliberate difference from NeMo-RL: a partial edge tile
-  takes its amax from its own elements only (NeMo-RL pads with the tensor's last element),
-  so a shard that owns whole tiles quantizes to exactly the bytes of the same tiles of
-  the full tensor (see ``owns_whole_blocks``).
+  clamped to [-127, 127], and 1 when it clamps to -127. A partial edge tile takes its amax
+  from its own elements only (vLLM pads with zeros, which leave the amax alone), so a shard
+  that owns whole tiles quantizes to exactly the bytes of the same tiles of the full tensor
+  (see ``owns_whole_blocks``).
 - **MXFP8** (OCP microscaling, as vLLM's torch MXFP8 quantizer): blocks of 32 consecutive
   elements of the last dim, each with one E8M0 scale byte ``s`` (power of two
   ``2^(s - 127)``, ``s = clamp(ceil(log2(amax / 448)) + 127, 0, 254)``, amax at least the
@@ -44,6 +46,7 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 BLOCK_FP8_TILE = (128, 128)
 MXFP8_BLOCK = 32
 E8M0_BIAS = 127
+AMAX_FLOOR = 1e-4  # vLLM's per_block_cast_to_fp8 clamps every tile's amax up to this
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -113,14 +116,15 @@ def quantize_blockwise_fp8(weight: torch.Tensor, *, pow2_scales: bool = False,
         exponent = torch.where(amax == 0, -E8M0_BIAS, exponent).clamp(-E8M0_BIAS, E8M0_BIAS)
         # The clamped-out exponent -127 means "tiny or zero tile": no scaling, as NeMo-RL does.
         scale = torch.where(exponent == -E8M0_BIAS, 1.0, _pow2(-exponent))
-    else:
-        # NeMo-RL writes ``448 / amax``, which torch runs as ``reciprocal(amax) * 448`` (two
-        # roundings); spelled out here so the bytes stay the same.
-        scale = torch.reciprocal(amax) * FP8_MAX
-        scale = torch.where(torch.isfinite(scale) & (scale > 0), scale, 1.0)
-    q = _to_e4m3(tiles * scale).reshape(padded.shape)[..., :n, :k]
-    scale_inv = torch.reciprocal(scale).reshape(scale_shape)
-    return q.contiguous(), scale_inv.contiguous()
+        q = _to_e4m3(tiles * scale).reshape(padded.shape)[..., :n, :k]
+        return q.contiguous(), torch.reciprocal(scale).reshape(scale_shape).contiguous()
+    # vLLM's expressions, operand for operand: ``amax / 448`` with a Python float (CUDA runs
+    # it as a multiply by the reciprocal, the CPU as a true division) and ``1.0 / sf``
+    # (torch's ``reciprocal``); the clamp to ±448 changes no byte (|w| * (1 / sf) rounds
+    # to at most 448 in e4m3) and keeps a stray value finite.
+    scale_inv = amax.clamp(min=AMAX_FLOOR) / FP8_MAX
+    q = _to_e4m3(tiles * (1.0 / scale_inv)).reshape(padded.shape)[..., :n, :k]
+    return q.contiguous(), scale_inv.reshape(scale_shape).contiguous()
 
 
 def dequantize_blockwise_fp8(weight_fp8: torch.Tensor, scale_inv: torch.Tensor,

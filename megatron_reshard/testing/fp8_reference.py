@@ -4,10 +4,11 @@ Torch only, and independent of the code under test (``megatron_reshard.fp8.quant
 ``fp8.plan``, ``receiver.fp8_targets``): the quantizer here walks the 128×128 tiles of a
 full HF tensor one by one, and the vLLM layout is the BF16 oracle's slicing
 (``vllm_like.expected_vllm_shard``) applied to the full quantized tensors, and to the full
-scale tensors with every dim counted in tiles. Numerics, per tile in fp32 (NeMo-RL's refit
-quantizer, the one vLLM's block-FP8 loader expects): ``scale = (1 / amax) * 448``, 1 when
-that is not finite and positive; ``weight = e4m3(clamp(w * scale, ±448))``; ``scale_inv =
-1 / scale``; a partial edge tile takes its amax from its own elements.
+scale tensors with every dim counted in tiles. Numerics, per tile (vLLM 0.33's online
+block quantization, ``per_block_cast_to_fp8``, as it runs on the CPU), each step rounded
+once to fp32 from exact float64 arithmetic: ``scale_inv = max(amax, fp32(1e-4)) / 448``,
+``weight = e4m3(clamp(w * (1 / scale_inv), ±448))``; a partial edge tile takes its amax
+from its own elements.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from megatron_reshard.testing.vllm_like import _cfg, expected_vllm_shard, vllm_p
 
 TILE = 128
 E4M3_MAX = 448.0
+AMAX_FLOOR = 1e-4  # vLLM's floor on a tile's amax
 # vLLM params a block-FP8 model holds in float8_e4m3fn (with a ``_scale_inv`` sibling)
 VLLM_FP8_PARAM_RE = re.compile(r"(?:_proj\.weight|\.w13_weight|\.w2_weight)$")
 HF_LINEAR_RE = re.compile(r"_proj(?:_with_mqa)?\.weight$")  # MLA: kv_a_proj_with_mqa too
@@ -56,16 +58,16 @@ def reference_block_fp8(weight: torch.Tensor, pow2: bool = False) -> tuple[torch
     *lead, n, k = w.shape
     q = torch.empty(w.shape, dtype=torch.float8_e4m3fn)
     scale_inv = torch.empty((*lead, math.ceil(n / TILE), math.ceil(k / TILE)), dtype=torch.float32)
+    floor = torch.tensor(AMAX_FLOOR, dtype=torch.float32).double()
     for bi, i in enumerate(range(0, n, TILE)):
         for bj, j in enumerate(range(0, k, TILE)):
-            tile = w[..., i:i + TILE, j:j + TILE]
-            amax = tile.abs().flatten(-2).max(dim=-1).values
-            one = torch.ones_like(amax)
-            scale = (one / amax) * torch.tensor(E4M3_MAX, dtype=torch.float32)
-            scale = torch.where(torch.isfinite(scale) & (scale > 0), scale, one)
-            scaled = tile * scale[..., None, None]
+            tile = w[..., i:i + TILE, j:j + TILE].double()
+            amax = torch.maximum(tile.abs().flatten(-2).max(dim=-1).values, floor)
+            sf = (amax / E4M3_MAX).float()  # one rounding: float64 holds the exact quotient's bits
+            inverse = (1.0 / sf.double()).float().double()
+            scaled = (tile * inverse[..., None, None]).float()
             q[..., i:i + TILE, j:j + TILE] = scaled.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-            scale_inv[..., bi, bj] = one / scale
+            scale_inv[..., bi, bj] = sf
     return q, scale_inv
 
 

@@ -171,6 +171,11 @@ class _NoCudaKernel:
             return None
 
 
+class _NoCudaExperts:
+    """The kernel class the shim gives vLLM's online FP8 MoE methods for a backend it chose
+    (their post-load step asserts one); ``make_fp8_moe_kernel`` then builds ``_NoCudaKernel``."""
+
+
 def _honour_flashinfer_moe_backend() -> None:
     """Let ``UnquantizedFusedMoEMethod`` take a FlashInfer backend on the CPU (see the
     module docstring); other backends go through vLLM's own choice unchanged."""
@@ -217,7 +222,8 @@ def _honour_block_fp8_kernels() -> None:
     its CPU experts), its CUDA kernel object not built. vLLM's online FP8 methods
     (``--quantization fp8_per_tensor`` / ``fp8_per_block``, and ``fp8`` on a BF16
     checkpoint) get the same choices, so that they build here (their post-load
-    quantization is vLLM's: per-tensor needs ``vllm._C``, absent here). Allocation, loading
+    quantization is vLLM's: per-tensor needs ``vllm._C``, absent here; per-block runs), the
+    online MoE kernel object (CUDA) not built either. Allocation, loading
     and the post-load conversion (``convert_to_fp8_moe_kernel_format``) are vLLM's."""
     from vllm.model_executor.layers.fused_moe.oracle import fp8 as oracle
     from vllm.model_executor.layers.quantization import fp8 as method
@@ -264,11 +270,25 @@ def _honour_block_fp8_kernels() -> None:
             return
         build(self, layer)
 
+    make_kernel = oracle.make_fp8_moe_kernel
+
+    def online_select(config, weight_key, activation_key, allow_vllm_cutlass=False):
+        # vLLM's online MoE methods assert a kernel class before building the kernel
+        backend, experts = select(config, weight_key, activation_key, allow_vllm_cutlass)
+        return backend, (_NoCudaExperts if experts is None else experts)
+
+    def make_online_kernel(moe_quant_config, moe_config, experts_cls, fp8_backend,
+                           routing_tables=None):
+        if experts_cls is _NoCudaExperts:
+            return _NoCudaKernel()
+        return make_kernel(moe_quant_config, moe_config, experts_cls, fp8_backend, routing_tables)
+
     method.init_fp8_linear_kernel = init_linear_kernel
     method.select_fp8_moe_backend = select
     method.Fp8MoEMethod._init_moe_kernel = init_kernel
     online.init_fp8_linear_kernel = init_linear_kernel
-    online.select_fp8_moe_backend = select
+    online.select_fp8_moe_backend = online_select
+    oracle.make_fp8_moe_kernel = make_online_kernel  # online._setup_kernel imports it per call
 
 
 def write_model_dir(hf_config: Mapping[str, Any], root: Optional[str] = None) -> str:
