@@ -26,11 +26,22 @@ cannot prove such a conversion value-independent (coded values never reach a cla
    is reported, overall and per layer: ``report()["per_layer"]``). Each layer converts
    once per refit: a second call finds it converted.
 
-Per-tensor FP8 and vLLM's online quantization (a BF16 checkpoint quantized by vLLM while
-loading: ``--quantization fp8_per_tensor``, or ``fp8`` on a BF16 checkpoint, which vLLM 0.33
-maps to it) are refused at ``prepare_refit``: their conversion quantizes with
-``vllm._C.scaled_fp8_quant`` (absent from every CPU build, so no oracle checks it here) and,
-online, from BF16 bytes that vLLM's storage (FP8) cannot hold while they arrive.
+vLLM's online block FP8 (``--quantization fp8_per_block``: a BF16 checkpoint quantized by
+vLLM while loading, ``Fp8PerBlockOnline{Linear,MoE}Method``) holds after loading exactly
+what a block-FP8 checkpoint layer holds: ``weight`` ``float8_e4m3fn`` of the (per-rank)
+checkpoint shape and ``weight_scale_inv`` fp32 ``[ceil(N/128), ceil(K/128)]`` (experts:
+``[E, ...]`` of each), taken from vLLM's ``per_block_cast_to_fp8`` (no UE8M0), then the
+same kernel conversion (``convert_to_fp8_moe_kernel_format`` / the linear kernel's post-load
+step). The sender quantizes with those numerics (``fp8.quant``) in tiles of the full
+tensor, which are vLLM's per-rank tiles wherever a rank's part is whole tiles (checked per
+piece by ``receiver.fp8_targets``), so such layers take this same path, provided the
+payload was planned for block FP8 (``check_online_payload``: a BF16 payload, or weights
+sent in their training FP8 bytes, are refused).
+
+Per-tensor FP8 and the other online methods (``--quantization fp8_per_tensor``, or ``fp8``
+on a BF16 checkpoint, which vLLM 0.33 maps to it; per channel, MXFP8, ...) are refused at
+``prepare_refit``: their conversion quantizes with ``vllm._C.scaled_fp8_quant`` (absent
+from every CPU build, so no oracle checks it here) or from scales over the whole tensor.
 
 Duck typing only: vLLM's functions are found through the live quant method's module.
 """
@@ -46,6 +57,7 @@ import torch
 
 from megatron_reshard.groups.faults import RefitError
 from megatron_reshard.receiver.kernel_layouts import KernelLayoutError, refusal
+from megatron_reshard.wire.records import RefitPayload
 
 FP8_MOE_METHOD = "Fp8MoEMethod"
 FP8_LINEAR_METHOD = "Fp8LinearMethod"
@@ -68,6 +80,14 @@ PER_TENSOR_SETTING = ("serve the policy in BF16 (drop --quantization), or give v
 # vLLM's online quantization methods (their layers are allocated on the meta device and
 # quantized by vLLM while loading), by base class name
 ONLINE_BASES = ("OnlineLinearBase", "OnlineMoEMethodBase")
+# the online methods whose layers hold block FP8 after loading (``--quantization fp8_per_block``)
+ONLINE_BLOCK_LINEAR_METHOD = "Fp8PerBlockOnlineLinearMethod"
+ONLINE_BLOCK_MOE_METHOD = "Fp8PerBlockOnlineMoEMethod"
+MOE_METHODS = (FP8_MOE_METHOD, ONLINE_BLOCK_MOE_METHOD)
+LINEAR_METHODS = (FP8_LINEAR_METHOD, ONLINE_BLOCK_LINEAR_METHOD)
+ONLINE_SETTING = ("serve it with --quantization fp8_per_block and refit with "
+                  "gen_quant=\"block_fp8\" (the trainer quantizes as vLLM does), or serve the "
+                  "policy in BF16 (drop --quantization)")
 _MOE_LEAVES = ("w13_weight", "w2_weight", "w13_weight_scale_inv", "w2_weight_scale_inv")
 _LINEAR_LEAVES = ("weight", "weight_scale_inv")
 
@@ -119,7 +139,12 @@ def _fp8_moe_layer(name: str, module: torch.nn.Module, method: Any) -> StagedLay
         raise refusal(name, method, backend, "this backend's conversion repacks the experts "
                       "with its own device kernels or replaces the layer's params, which the "
                       "refit does not run", FP8_MOE_SETTING)
-    convert = getattr(sys.modules.get(type(method).__module__), "convert_to_fp8_moe_kernel_format", None)
+    # the checkpoint method's module imports it; the online one imports it per call, from
+    # the module that defines the backends
+    convert = next((f for f in (getattr(sys.modules.get(type(owner).__module__),
+                                        "convert_to_fp8_moe_kernel_format", None)
+                                for owner in (method, getattr(method, "fp8_backend", None)))
+                    if f is not None), None)
     tensors = tuple(getattr(module, leaf, None) for leaf in _MOE_LEAVES)
     if convert is None or any(not isinstance(t, torch.Tensor) for t in tensors):
         raise refusal(name, method, backend, "vLLM's convert_to_fp8_moe_kernel_format or the "
@@ -180,7 +205,8 @@ def _fp8_linear_layer(name: str, module: torch.nn.Module, method: Any) -> Staged
                       "scaled_fp8_quant, which no CPU build of vLLM 0.33 has, so no oracle "
                       "checks a refit of it here) and transposed; only block FP8 is "
                       "converted by the refit", PER_TENSOR_SETTING)
-    if getattr(method, "use_marlin", False) or not callable(getattr(kernel, "process_weights_after_loading", None)):
+    if (getattr(method, "use_marlin", False) or "Marlin" in backend
+            or not callable(getattr(kernel, "process_weights_after_loading", None))):
         raise refusal(name, method, backend, "the Marlin kernel repacks the weight with its own "
                       "device kernel", FP8_LINEAR_SETTING)
     tensors = tuple(getattr(module, leaf, None) for leaf in _LINEAR_LEAVES)
@@ -211,7 +237,7 @@ _dry_runs: dict[tuple, Optional[str]] = {}  # (method, backend, shapes, dtypes, 
 def _dry_run(layer: StagedLayer) -> None:
     """vLLM's conversion once on a throwaway copy (one expert of an MoE layer): it must run
     here and give back the params' shapes and dtypes. Cached per layer kind and shape."""
-    moe = layer.method == FP8_MOE_METHOD
+    moe = layer.method in MOE_METHODS
     copies = tuple((t[:1] if moe else t).clone() for t in layer.received_as)
     held = [((1,) + tuple(t.shape[1:]) if moe else tuple(t.shape), t.dtype) for t in layer.tensors]
     key = (layer.method, layer.backend, tuple(tuple(c.shape) for c in copies),
@@ -238,9 +264,10 @@ def _is_online(method: Any) -> bool:
 
 
 def _online_refusal(name: str, method: Any) -> KernelLayoutError:
-    """vLLM's online quantization (``--quantization fp8_per_tensor``, ``fp8`` on a BF16
-    checkpoint, ``fp8_per_block``, MXFP8, ...): the layer holds what vLLM computed from BF16
-    weights while loading, scales from the whole tensor across its TP ranks included."""
+    """vLLM's online quantization other than per block (``--quantization fp8_per_tensor``,
+    ``fp8`` on a BF16 checkpoint, per channel, MXFP8, ...): the layer holds what vLLM computed
+    from BF16 weights while loading, scales from the whole tensor across its TP ranks
+    included."""
     kernel = getattr(method, "fp8_backend", None) or getattr(method, "fp8_linear", None)
     backend = (str(getattr(kernel, "name", None) or type(kernel).__name__) if kernel is not None
                else "None")
@@ -249,7 +276,38 @@ def _online_refusal(name: str, method: Any) -> KernelLayoutError:
                    "and scales, not the checkpoint's); the refit would have to receive BF16 "
                    "apart from vLLM's storage and re-run that quantization (per-tensor: "
                    "vllm._C's scaled_fp8_quant and an all-reduce of the scale over vLLM's "
-                   "TP group), which it does not", PER_TENSOR_SETTING)
+                   "TP group), which it does only for online block FP8", ONLINE_SETTING)
+
+
+def check_online_payload(layers: Collection[StagedLayer], payload: Any) -> None:
+    """Online block-FP8 layers hold vLLM's quantization of BF16 weights: the refit writes
+    them only from a payload planned for block FP8 (``gen_quant="block_fp8"``: the sender
+    or the receiver quantizes with vLLM's numerics). Raises ``KernelLayoutError`` (before
+    any byte moves) for a BF16 payload or weights sent in their training FP8 bytes
+    (power-of-two scales, not vLLM's)."""
+    online = [layer for layer in layers if layer.method in (ONLINE_BLOCK_LINEAR_METHOD,
+                                                            ONLINE_BLOCK_MOE_METHOD)]
+    if not online:
+        return
+    info = RefitPayload.of(payload)
+    fmt = (info.gen_quant or {}).get("format")
+    first = online[0]
+    where = (f"{first.name}: quant method {first.method}, kernel backend {first.backend} "
+             f"(vLLM's --quantization fp8_per_block, {len(online)} such layers)")
+    if fmt != "block_fp8":
+        raise KernelLayoutError(
+            f"{where}: vLLM quantized this layer online from BF16 into block FP8, and the "
+            f"refit payload is planned for {fmt or 'BF16'} (gen_quant={fmt!r}); to refit this "
+            f"model, build the trainer's source with gen_quant=\"block_fp8\" (the trainer "
+            f"quantizes exactly as vLLM does), or serve the policy in BF16 (drop --quantization)")
+    trained = sorted(p.name for p in info.params() if p.gen_quant == "train_fp8")
+    if trained:
+        raise KernelLayoutError(
+            f"{where}: the payload sends {trained[:3]}{' ...' if len(trained) > 3 else ''} "
+            f"as their training FP8 bytes (power-of-two scales), but vLLM's online "
+            f"quantization of the same values gives other bytes and scales; to refit this "
+            f"model, serve it from a block-FP8 checkpoint (quantization_config "
+            f"weight_block_size [128, 128]) or train in BF16")
 
 
 def staged_layers(model: torch.nn.Module, skip: Collection[str] = ()) -> list[StagedLayer]:
@@ -266,9 +324,9 @@ def staged_layers(model: torch.nn.Module, skip: Collection[str] = ()) -> list[St
         prefix = f"{name}." if name else ""
         if not any(prefix + n not in skip for n, _ in module.named_parameters(recurse=False)):
             continue
-        if online:
+        if online and kind not in (ONLINE_BLOCK_LINEAR_METHOD, ONLINE_BLOCK_MOE_METHOD):
             raise _online_refusal(name, method)
-        layer = (_fp8_moe_layer if kind == FP8_MOE_METHOD else _fp8_linear_layer)(name, module, method)
+        layer = (_fp8_moe_layer if kind in MOE_METHODS else _fp8_linear_layer)(name, module, method)
         _dry_run(layer)
         out.append(layer)
     return out
@@ -367,4 +425,4 @@ class StagedConversions:
 
 
 __all__ = ["STAGED_METHODS", "StagedConversionError", "StagedConversions", "StagedLayer",
-           "staged_layers"]
+           "check_online_payload", "staged_layers"]

@@ -35,6 +35,7 @@ from megatron_reshard.receiver.session import ReceiverSession
 from megatron_reshard.receiver.staged_conversion import (
     StagedConversionError,
     StagedConversions,
+    check_online_payload,
     staged_layers,
 )
 from megatron_reshard.receiver.state import WeightState
@@ -263,6 +264,7 @@ class RefitWorkerState:
             # layers vLLM's post-load converts by computing (block FP8): received in
             # checkpoint order, converted by vLLM's code after each refit
             staged = staged_layers(model, skip=derived)
+            check_online_payload(staged, payload)  # vLLM's online block FP8: planned for it?
             orders = storage_orders(model, skip=derived,  # how vLLM's post-load stored them
                                     staged={layer.name for layer in staged})
         # a staged param vLLM re-allocated in a kernel's shape is received through a

@@ -103,4 +103,44 @@ def per_tensor_refusals_job(job, hf_config: Mapping[str, Any], fp8_quant_config:
     return out
 
 
-__all__ = ["fp8_refusals_job", "per_tensor_refusals_job"]
+def online_block_job(job, hf_config: Mapping[str, Any], moe_backend: str = "flashinfer_cutlass") -> dict:
+    """Pool job (one process, ``num_ports=1``): vLLM's model of the BF16 checkpoint with
+    ``--quantization fp8_per_block`` (dummy load, vLLM's own online quantization and
+    post-load). ``{"staged": [(layer, method, backend)], "held": {param: (shape, dtype)} of
+    every staged param, "bf16_payload" / "train_fp8_payload" / "block_payload":
+    what ``check_online_payload`` says of a payload planned for BF16, for block FP8 with a
+    weight in its training FP8 bytes, and for block FP8 (None: accepted)}``."""
+    from megatron_reshard.receiver.kernel_layouts import KernelLayoutError
+    from megatron_reshard.receiver.staged_conversion import check_online_payload, staged_layers
+    from megatron_reshard.testing import vllm_models as vm
+    from megatron_reshard.wire.records import ParamRecord, RefitPayload
+
+    config = vm.vllm_config_for(vm.write_model_dir(hf_config), 1, quantization="fp8_per_block",
+                                moe_backend=moe_backend)
+    out: dict[str, Any] = {}
+    with vm.vllm_parallel_state(config, 0, 1, job.ports[0]):
+        model = vm.dummy_loaded_model(config)
+        layers = staged_layers(model)
+        out["staged"] = [(layer.name, layer.method, layer.backend) for layer in layers]
+        out["held"] = {n: (tuple(t.shape), str(t.dtype)) for layer in layers
+                       for n, t in zip(layer.params, layer.tensors)}
+        weight = next(n for n in layer.params if n.endswith("weight"))
+        trained = ParamRecord(weight, (1, 1), "torch.float8_e4m3fn", None, (), None, (),
+                              gen_quant="train_fp8")
+        payloads = {"bf16_payload": RefitPayload(layer_names=(), per_layer_params={}),
+                    "train_fp8_payload": RefitPayload(
+                        layer_names=("l",), per_layer_params={"l": (trained,)},
+                        gen_quant={"format": "block_fp8", "block": [128, 128]}),
+                    "block_payload": RefitPayload(layer_names=(), per_layer_params={},
+                                                  gen_quant={"format": "block_fp8",
+                                                             "block": [128, 128]})}
+        for key, payload in payloads.items():
+            try:
+                check_online_payload(layers, payload)
+                out[key] = None
+            except KernelLayoutError as err:
+                out[key] = str(err)
+    return out
+
+
+__all__ = ["fp8_refusals_job", "online_block_job", "per_tensor_refusals_job"]

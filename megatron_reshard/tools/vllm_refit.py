@@ -102,7 +102,7 @@ def _plant_staged_error():
 
     def planted(model, skip=()):
         layers = learned(model, skip=skip)
-        moe = next(layer for layer in layers if layer.method == "Fp8MoEMethod")
+        moe = next(layer for layer in layers if "MoE" in layer.method)  # checkpoint or online
         moe.run = lambda ins: ins
         return layers
 
@@ -113,7 +113,8 @@ def _vllm_gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Mappi
                    vllm_port: int, plant_fault: bool, copy_derived: bool,
                    keep_as_loaded: Optional[list] = None,
                    moe_backend: Optional[str] = None, plant_order_error: bool = False,
-                   as_moe_backend: Optional[str] = None, plant_staged_error: bool = False) -> dict:
+                   as_moe_backend: Optional[str] = None, plant_staged_error: bool = False,
+                   quantization: Optional[str] = None) -> dict:
     from megatron_reshard.wire.codec import decode_payload
     from megatron_reshard.receiver.coverage import UncoveredParamsError
     from megatron_reshard.testing import vllm_models as vm
@@ -123,7 +124,7 @@ def _vllm_gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Mappi
     model_dir = vm.write_model_dir(hf_config)
     # one config per model instance: vLLM registers each attention layer in its config
     new_config = lambda: vm.vllm_config_for(model_dir, cfg.gen_tp, ep=cfg.gen_ep > 1,  # noqa: E731
-                                            moe_backend=moe_backend)
+                                            moe_backend=moe_backend, quantization=quantization)
     config = new_config()
     out: dict[str, Any] = {"role": "gen", "rank": gen_rank, "refits": [], "differences": [],
                            "stand_in_differences": [], "moved": [], "planted": None}
@@ -230,7 +231,8 @@ def vllm_refit_job(job, cfg: RefitRunConfig, hf_config: Mapping[str, Any],
                    keep_as_loaded: Optional[list] = None,
                    moe_backend: Optional[str] = None, plant_order_error_on: Optional[int] = None,
                    as_moe_backend: Optional[str] = None,
-                   plant_staged_error_on: Optional[int] = None) -> dict:
+                   plant_staged_error_on: Optional[int] = None,
+                   quantization: Optional[str] = None) -> dict:
     """Pool job (``WorkerPool.run(..., num_ports=cfg.train_pp + 2)``): process ``job.rank`` of
     a launch of ``train_world + gen_world``; the last port is vLLM's generation world.
     ``plant_fault``: gen rank 0 checks that the comparison sees a flipped bit;
@@ -244,7 +246,9 @@ def vllm_refit_job(job, cfg: RefitRunConfig, hf_config: Mapping[str, Any],
     vLLM's ``UnquantizedMoeBackend``, or ``Fp8MoeBackend`` for FP8 layers) to the receiver; ``plant_staged_error_on``: that gen
     rank skips vLLM's conversion of its first FP8 expert layer (``hf_config`` with a
     ``quantization_config``: vLLM's block-FP8 model, the oracle loading the block-FP8
-    checkpoint of the full tensors)."""
+    checkpoint of the full tensors); ``quantization``: vLLM's ``--quantization`` of the
+    generation models (``"fp8_per_block"``: vLLM quantizes the BF16 weights online, the
+    oracle loading the BF16 tensors)."""
     cfg = RefitRunConfig(**{**cfg.__dict__, "ports": tuple(job.ports[: 1 + cfg.train_pp])})
     control = dist.TCPStore(cfg.host, cfg.ports[0], cfg.train_world + cfg.gen_world, job.rank == 0,
                             timeout=timedelta(seconds=cfg.timeout_s))
@@ -255,7 +259,7 @@ def vllm_refit_job(job, cfg: RefitRunConfig, hf_config: Mapping[str, Any],
     return _vllm_gen_rank(gen_rank, cfg, control, hf_config, job.ports[1 + cfg.train_pp],
                           plant_fault, copy_derived, keep_as_loaded, moe_backend,
                           plant_order_error_on == gen_rank, as_moe_backend,
-                          plant_staged_error_on == gen_rank)
+                          plant_staged_error_on == gen_rank, quantization)
 
 
 

@@ -1,0 +1,184 @@
+"""Refits into vLLM's online block FP8 (``--quantization fp8_per_block``): a BF16 checkpoint
+that vLLM quantizes while loading (``receiver.staged_conversion``, DESIGN "Value transforms").
+
+First the quantizer: ``fp8.quant.quantize_blockwise_fp8`` (what the sender and the receiver
+run) and the tests' oracle ``testing.fp8_reference.reference_block_fp8``, each against
+vLLM's own ``per_block_cast_to_fp8`` (the function vLLM's online layers call), byte for
+byte and bit for bit, on random and edge inputs.
+
+Then the refit: the generation ranks build vLLM 0.33's Qwen3-MoE (one dense layer, three
+expert layers) from the BF16 config with ``quantization="fp8_per_block"`` (vLLM's dummy
+load quantizes online and runs its post-load); the trainer plans ``gen_quant="block_fp8"``.
+Two refits with changed weights from real megatron-core, each compared bit for bit with a
+second vLLM model loaded by vLLM's ``load_weights`` from the BF16 HF tensors with the same
+online quantization and post-load. FP8 MoE backends: FlashInfer CUTLASS (its conversion
+swaps w13 and clamps the scales; one gen rank skips it on purpose and must be caught),
+Triton (identity) and FlashInfer TRTLLM (block-major 4-D experts, gen TP and vLLM EP).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("vllm.distributed")  # the real vLLM, installed in the vLLM test venv
+pytest.importorskip("compressed_tensors")  # vLLM's quantization registry imports it
+
+from test_fp8_staged_conversion import MOE_LAYERS, QWEN3_MOE_FP8, _check_staged_table  # noqa: E402
+from test_real_vllm import REFITS, _build, layout, vllm_config_json  # noqa: E402
+from megatron_reshard.fp8.quant import quantize_blockwise_fp8  # noqa: E402
+from megatron_reshard.testing.fp8_reference import reference_block_fp8  # noqa: E402
+from megatron_reshard.tools.run_config import RefitRunConfig  # noqa: E402
+from megatron_reshard.tools.vllm_refit import vllm_refit_job  # noqa: E402
+
+PLANTED_RANK = 1
+LINEAR = "Fp8PerBlockOnlineLinearMethod:CutlassFp8BlockScaledMMKernel"
+
+
+def _edge_inputs() -> dict[str, torch.Tensor]:
+    """BF16 matrices (vLLM quantizes the BF16 checkpoint): random with magnitudes changing
+    from tile to tile, partial edge tiles, zeros, values under vLLM's amax floor, the bf16
+    extremes (largest finite, smallest subnormal) and a tile whose amax is exactly 448."""
+    g = torch.Generator().manual_seed(34)
+    out = {}
+    for shape in [(256, 384), (300, 200), (129, 127), (1, 1), (8, 128), (3, 1000)]:
+        w = torch.randn(shape, generator=g)
+        rows = torch.arange(shape[0]).reshape(-1, 1) // 64
+        cols = torch.arange(shape[1]).reshape(1, -1) // 16
+        out[f"random{shape}"] = (w * torch.pow(10.0, ((rows * 7 + cols * 3) % 11 - 5).float())).bfloat16()
+    big = torch.finfo(torch.bfloat16).max
+    tiny = 2.0 ** -133  # the smallest bf16 subnormal
+    mixed = torch.zeros(300, 260, dtype=torch.bfloat16)
+    mixed[:128, 128:256] = torch.randn(128, 128, generator=g).bfloat16() * 1e-6  # under the floor
+    mixed[128:256, :128] = big
+    mixed[128:256, 128:256] = -big
+    mixed[256:, :128] = tiny
+    mixed[256:, 256:] = torch.randn(44, 4, generator=g).bfloat16() * big / 4
+    mixed[0, 0] = 1e-4  # the floor itself
+    out["mixed"] = mixed
+    exact = torch.randn(130, 130, generator=g).clamp(-1, 1).bfloat16()
+    exact[5, 5] = 448.0
+    out["amax 448"] = exact
+    out["zeros"] = torch.zeros(128, 256, dtype=torch.bfloat16)
+    return out
+
+
+def test_the_block_quantizer_and_the_oracle_are_bit_identical_to_vllms():
+    from vllm.utils.deep_gemm import per_block_cast_to_fp8
+
+    for label, w in _edge_inputs().items():
+        want_q, want_s = per_block_cast_to_fp8(w, block_size=[128, 128], use_ue8m0=False)
+        assert want_s.dtype == torch.float32 and want_q.dtype == torch.float8_e4m3fn, label
+        for who, (q, s) in (("fp8.quant", quantize_blockwise_fp8(w)),
+                            ("fp8_reference", reference_block_fp8(w))):
+            assert q.shape == want_q.shape and s.shape == want_s.shape, (label, who)
+            assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)), (label, who)
+            assert torch.equal(s.view(torch.int32), want_s.view(torch.int32)), (label, who)
+    # experts quantized as one [E, N, K] tensor: each expert's bytes are vLLM's of it alone
+    experts = torch.stack([_edge_inputs()["random(300, 200)"]] * 2) * torch.tensor([1.0, 3.0]).reshape(2, 1, 1)
+    q, s = quantize_blockwise_fp8(experts.bfloat16())
+    for e in range(2):
+        want_q, want_s = per_block_cast_to_fp8(experts[e].bfloat16(), block_size=[128, 128])
+        assert torch.equal(q[e].view(torch.uint8), want_q.view(torch.uint8)), e
+        assert torch.equal(s[e], want_s), e
+
+
+def test_a_changed_quantizer_is_caught():
+    """The comparison above sees one rounding step of difference: a scale computed as the
+    reciprocal of 448 / amax (the numerics before vLLM's) differs from vLLM's bytes."""
+    from vllm.utils.deep_gemm import per_block_cast_to_fp8
+
+    w = _edge_inputs()["random(256, 384)"]
+    want_q, want_s = per_block_cast_to_fp8(w, block_size=[128, 128])
+    amax = w.float().reshape(2, 128, 3, 128).abs().amax(dim=(1, 3))
+    other = torch.reciprocal(torch.reciprocal(amax) * 448.0)
+    assert not torch.equal(other, want_s)
+
+
+def _cfg(gen: str = "tp2", gen_precision: str = "fp8") -> RefitRunConfig:
+    return RefitRunConfig(model="dense", model_overrides=dict(QWEN3_MOE_FP8.model), refits=REFITS,
+                          verify=False, dtype="bfloat16", quiet=True, timeout_s=120,
+                          gen_precision=gen_precision, **layout("tp2 ep2", gen))
+
+
+def _online_refit(pool, moe_backend: str, gen: str = "tp2", **options) -> list[dict]:
+    cfg = _cfg(gen)
+    results = pool.run(vllm_refit_job, cfg.train_world + cfg.gen_world, cfg,
+                       vllm_config_json(QWEN3_MOE_FP8), model_builder=_build,
+                       moe_backend=moe_backend, quantization="fp8_per_block",
+                       num_ports=cfg.train_pp + 2, timeout_s=600, **options)
+    return [r for r in results if r["role"] == "gen"]
+
+
+def _check_bit_equal(g: dict, moe: str) -> dict:
+    who = f"gen rank {g['rank']}"
+    staged = g["report"]["staged_conversion"]
+    assert sorted(staged["backends"]) == sorted([LINEAR, f"Fp8PerBlockOnlineMoEMethod:{moe}"]), (who, staged)
+    # every linear layer (routers included: vLLM quantizes them too) and every expert layer
+    assert len(staged["layers"]) == 4 + 4 * len(MOE_LAYERS), (who, staged["layers"])
+    assert staged["conversions"] == REFITS * len(staged["layers"]), (who, staged)
+    for stats in g["refits"]:
+        assert sorted(stats["staged_converted"]) == sorted(staged["layers"]), who
+    assert g["differences"] == [[]] * REFITS, f"{who}: differs from vLLM: {g['differences']}"
+    assert g["moved"] == [[]] * REFITS, f"{who}: params moved to new storage: {g['moved']}"
+    assert g["weights"]["state"] == "consistent" and g["weights"]["version"] == REFITS, who
+    return staged
+
+
+@pytest.fixture(scope="module")
+def cutlass_online(pool):
+    return _online_refit(pool, "flashinfer_cutlass", plant_staged_error_on=PLANTED_RANK)
+
+
+def test_online_block_fp8_refit_is_bit_equal_to_vllms_online_loading(cutlass_online):
+    for g in cutlass_online:
+        if g["rank"] != PLANTED_RANK:
+            staged = _check_bit_equal(g, "FLASHINFER_CUTLASS")
+            assert staged["peak_staging_bytes"] > 0, staged  # the swap of w13 and its scales
+            _check_staged_table(g, staging=True)
+
+
+def test_a_skipped_conversion_of_an_online_layer_fails_the_comparison(cutlass_online):
+    planted = next(g for g in cutlass_online if g["rank"] == PLANTED_RANK)
+    layer = "model.layers.1.mlp.experts.routed_experts"
+    assert planted["differences"] == [[f"{layer}.w13_weight", f"{layer}.w13_weight_scale_inv"]] * REFITS, \
+        planted["differences"]
+
+
+def test_online_block_fp8_triton_experts(pool):
+    for g in _online_refit(pool, "triton"):
+        staged = _check_bit_equal(g, "TRITON")
+        assert staged["peak_staging_bytes"] == 0, staged  # Triton's conversion is the identity
+
+
+def test_online_block_fp8_trtllm_experts_under_vllm_ep(pool):
+    for g in _online_refit(pool, "flashinfer_trtllm", gen="tp2 ep2"):
+        staged = _check_bit_equal(g, "FLASHINFER_TRTLLM")
+        assert staged["peak_staging_bytes"] > 0, staged
+
+
+def test_what_an_online_block_layer_holds_and_which_payloads_it_takes(pool):
+    """After vLLM's online quantization a layer holds block FP8 as a checkpoint would
+    (float8_e4m3fn weights of the checkpoint's shape, fp32 scale_inv per 128x128 tile,
+    experts [E, ...]); a payload planned for BF16, or one sending training FP8 bytes, is
+    refused naming the layer and gen_quant="block_fp8"; a block-FP8 payload is taken."""
+    from megatron_reshard.testing.vllm_staged_checks import online_block_job
+
+    (out,) = pool.run(online_block_job, 1, vllm_config_json(QWEN3_MOE_FP8), num_ports=1,
+                      timeout_s=300)
+    methods = {m for _, m, _ in out["staged"]}
+    assert methods == {"Fp8PerBlockOnlineLinearMethod", "Fp8PerBlockOnlineMoEMethod"}, out["staged"]
+    held = out["held"]
+    assert held["model.layers.0.self_attn.qkv_proj.weight"] == ((768, 128), "torch.float8_e4m3fn")
+    assert held["model.layers.0.self_attn.qkv_proj.weight_scale_inv"] == ((6, 1), "torch.float32")
+    assert held["model.layers.1.mlp.gate.weight"] == ((8, 128), "torch.float8_e4m3fn")
+    experts = "model.layers.1.mlp.experts.routed_experts."
+    assert held[experts + "w13_weight"] == ((8, 512, 128), "torch.float8_e4m3fn")
+    assert held[experts + "w13_weight_scale_inv"] == ((8, 4, 1), "torch.float32")
+    assert held[experts + "w2_weight_scale_inv"] == ((8, 1, 2), "torch.float32")
+    message = out["bf16_payload"]
+    assert message and message.startswith("model.layers.0.self_attn.qkv_proj: quant method "
+                                          "Fp8PerBlockOnlineLinearMethod"), message
+    assert "planned for BF16" in message and 'gen_quant="block_fp8"' in message, message
+    assert "training FP8 bytes" in out["train_fp8_payload"], out["train_fp8_payload"]
+    assert out["block_payload"] is None, out["block_payload"]
