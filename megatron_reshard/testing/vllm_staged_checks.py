@@ -124,7 +124,7 @@ def online_block_job(job, hf_config: Mapping[str, Any], moe_backend: str = "flas
         out["staged"] = [(layer.name, layer.method, layer.backend) for layer in layers]
         out["held"] = {n: (tuple(t.shape), str(t.dtype)) for layer in layers
                        for n, t in zip(layer.params, layer.tensors)}
-        weight = next(n for n in layer.params if n.endswith("weight"))
+        weight = layers[0].params[0]
         trained = ParamRecord(weight, (1, 1), "torch.float8_e4m3fn", None, (), None, (),
                               gen_quant="train_fp8")
         payloads = {"bf16_payload": RefitPayload(layer_names=(), per_layer_params={}),
