@@ -211,15 +211,15 @@ def test_per_tensor_and_online_fp8_are_refused_naming_what_to_change(pool):
     (``--quantization fp8_per_tensor`` on the BF16 checkpoint, and ``fp8``, which vLLM 0.33
     maps to it): vLLM's post-load quantizes with ``vllm._C``'s ``scaled_fp8_quant``, which
     does not run on this CPU (shown on the per-tensor checkpoint's own post-load), so no
-    oracle can check a refit of them; online ``fp8_per_block`` is refused by the same rule
-    (see DESIGN "Value transforms"). The live layers are refused, the message naming the
-    layer, vLLM's quant method, the kernel backend and the setting to change."""
+    oracle can check a refit of them (online ``fp8_per_block`` is refitted:
+    ``test_online_fp8.py``). The live layers are refused, the message naming the layer,
+    vLLM's quant method, the kernel backend and the setting to change."""
     from megatron_reshard.testing.vllm_staged_checks import per_tensor_refusals_job
 
     per_tensor = {k: v for k, v in vm.fp8_quantization_config().items() if k != "weight_block_size"}
     per_tensor["ignored_layers"] = [f"model.layers.{i}.mlp.gate" for i in MOE_LAYERS]
     (out,) = pool.run(per_tensor_refusals_job, 1, vllm_config_json(QWEN3_MOE_FP8), per_tensor,
-                      ("fp8", "fp8_per_tensor", "fp8_per_block"), num_ports=1, timeout_s=300)
+                      ("fp8", "fp8_per_tensor"), num_ports=1, timeout_s=300)
     checkpoint = out["checkpoint"]
     assert {"Fp8LinearMethod", "Fp8MoEMethod"} <= set(checkpoint["methods"]), checkpoint
     assert checkpoint["post_load"] and "scaled_fp8_quant" in checkpoint["post_load"], checkpoint
@@ -243,15 +243,6 @@ def test_per_tensor_and_online_fp8_are_refused_naming_what_to_change(pool):
         assert out[label]["moe_refused"].startswith(
             experts + "Fp8PerTensorOnlineMoEMethod, kernel backend FLASHINFER_CUTLASS: vLLM "
             "quantizes"), (label, out[label]["moe_refused"])
-    # vLLM's online block FP8 (whose quantization would run here): refused by the same rule,
-    # its BF16 bytes having no place in vLLM's FP8 storage while the refit arrives
-    block = out["online:fp8_per_block"]
-    assert block["refused"].startswith(
-        "model.layers.0.self_attn.qkv_proj: quant method Fp8PerBlockOnlineLinearMethod, kernel "
-        "backend CutlassFp8BlockScaledMMKernel: vLLM quantizes"), block["refused"]
-    assert block["moe_refused"].startswith(
-        experts + "Fp8PerBlockOnlineMoEMethod, kernel backend FLASHINFER_CUTLASS: vLLM "
-        "quantizes"), block["moe_refused"]
     for case in out.values():
         for message in (case["refused"], case["moe_refused"]):
             assert "drop --quantization" in message and 'gen_quant="block_fp8"' in message, message

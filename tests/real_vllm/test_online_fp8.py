@@ -182,3 +182,22 @@ def test_what_an_online_block_layer_holds_and_which_payloads_it_takes(pool):
     assert "planned for BF16" in message and 'gen_quant="block_fp8"' in message, message
     assert "training FP8 bytes" in out["train_fp8_payload"], out["train_fp8_payload"]
     assert out["block_payload"] is None, out["block_payload"]
+
+
+def test_a_bf16_payload_into_online_fp8_stops_every_rank_at_prepare_refit(pool):
+    """The trainer left gen_quant unset (a BF16 payload) while vLLM quantizes online: every
+    generation rank refuses at ``prepare_refit`` naming the layer and gen_quant="block_fp8",
+    the training ranks raise the same refusal (fault boards); no byte moves."""
+    from megatron_reshard.tools.worlds import RankFailure
+
+    cfg = _cfg(gen_precision="bf16")
+    results = pool.run(vllm_refit_job, cfg.train_world + cfg.gen_world, cfg,
+                       vllm_config_json(QWEN3_MOE_FP8), model_builder=_build,
+                       moe_backend="flashinfer_cutlass", quantization="fp8_per_block",
+                       num_ports=cfg.train_pp + 2, timeout_s=600, return_failures=True)
+    assert all(isinstance(r, RankFailure) for r in results), results
+    for r in results:
+        assert "Fp8PerBlockOnlineLinearMethod" in r.text and 'gen_quant="block_fp8"' in r.text, \
+            (r.rank, r.text[-2000:])
+    gens = [r for r in results if r.rank >= cfg.train_world]
+    assert gens and all("prepare_refit" in r.text and "KernelLayoutError" in r.text for r in gens)
