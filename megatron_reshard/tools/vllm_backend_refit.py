@@ -93,7 +93,8 @@ def _engine_for(config, model):
 
 def _gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Mapping[str, Any],
               vllm_port: int, mismatch_rank: Optional[int], fail_extra: bool,
-              moe_backend: Optional[str] = None, progress_s: Optional[float] = None) -> dict:
+              moe_backend: Optional[str] = None, progress_s: Optional[float] = None,
+              quantization: Optional[str] = None) -> dict:
     from megatron_reshard.wire.codec import decode_payload
     from megatron_reshard.testing import vllm_models as vm
     from megatron_reshard.vllm_api.backend import WeightUpdateError, WeightVersionMismatch
@@ -101,7 +102,7 @@ def _gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Mapping[st
     payload = decode_payload(control.get("payload"))
     model_dir = vm.write_model_dir(hf_config)
     new_config = lambda: vm.vllm_config_for(model_dir, cfg.gen_tp, ep=cfg.gen_ep > 1,  # noqa: E731
-                                            moe_backend=moe_backend)
+                                            moe_backend=moe_backend, quantization=quantization)
     config = new_config()
     out: dict[str, Any] = {"role": "gen", "rank": gen_rank, "differences": [], "versions": [],
                            "mismatch": None, "failed": None, "progress": []}
@@ -364,7 +365,7 @@ def _served_gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Map
 def backend_refit_job(job, cfg: RefitRunConfig, hf_config: Mapping[str, Any],
                       mismatch_rank: Optional[int] = None, fail_extra: bool = False,
                       driver: str = "worker", moe_backend: Optional[str] = None,
-                      progress_s: Optional[float] = None) -> dict:
+                      progress_s: Optional[float] = None, quantization: Optional[str] = None) -> dict:
     """Pool job (``WorkerPool.run(..., num_ports=cfg.train_pp + 2)``, ``3 * train_pp + 2`` for
     driver "trainer" with ``fail_extra``): process ``job.rank`` of a launch of
     ``train_world + gen_world``; port ``1 + train_pp`` is vLLM's generation world, the ones
@@ -373,7 +374,8 @@ def backend_refit_job(job, cfg: RefitRunConfig, hf_config: Mapping[str, Any],
     trainer API on the training side, the client's calls on the generation side).
     ``moe_backend``: vLLM's ``--moe-backend`` of the generation model (driver "worker");
     ``progress_s``: generation rank 0 prints a progress line at most that often (and after
-    the last refit); None: silent."""
+    the last refit); None: silent. ``quantization``: vLLM's ``--quantization`` of the
+    generation model (driver "worker"; ``"fp8_per_block"``: quantized online from BF16)."""
     if driver not in ("worker", "trainer") or (driver == "trainer" and mismatch_rank is not None):
         raise ValueError(f"backend_refit_job: driver must be 'worker' or 'trainer' (the trainer "
                          f"sends the version it commits: no mismatch_rank), found {driver!r}, "
@@ -403,7 +405,7 @@ def backend_refit_job(job, cfg: RefitRunConfig, hf_config: Mapping[str, Any],
     else:
         out = _gen_rank(job.rank - cfg.train_world, cfg, control, hf_config,
                         job.ports[1 + cfg.train_pp], mismatch_rank, fail_extra, moe_backend,
-                        progress_s)
+                        progress_s, quantization)
     out["s"] = time.perf_counter() - t0
     return out
 

@@ -201,3 +201,21 @@ def test_a_bf16_payload_into_online_fp8_stops_every_rank_at_prepare_refit(pool):
             (r.rank, r.text[-2000:])
     gens = [r for r in results if r.rank >= cfg.train_world]
     assert gens and all("prepare_refit" in r.text and "KernelLayoutError" in r.text for r in gens)
+
+
+@pytest.mark.parametrize("transport", ["colocated", "p2p"])
+def test_online_block_fp8_through_the_weight_transfer_backend(pool, transport):
+    """The other front door (vLLM's weight-transfer engine, driven as vLLM's GPU worker
+    drives it), over both transports: two refits into online block-FP8 layers, bit-equal
+    to vLLM's own online loading of the BF16 tensors."""
+    from megatron_reshard.tools.vllm_backend_refit import backend_refit_job
+
+    cfg = RefitRunConfig(**{**_cfg().__dict__, "transport": transport})
+    results = pool.run(backend_refit_job, cfg.train_world + cfg.gen_world, cfg,
+                       vllm_config_json(QWEN3_MOE_FP8), moe_backend="flashinfer_cutlass",
+                       quantization="fp8_per_block", num_ports=cfg.train_pp + 2, timeout_s=600)
+    assert {r["transport"] for r in results if r["role"] == "train"} == {transport}
+    for g in (r for r in results if r["role"] == "gen"):
+        assert g["engine"] == "MegatronReshardWeightTransferEngine"
+        assert g["differences"] == [[]] * REFITS, (g["rank"], g["differences"])
+        assert g["versions"] == list(range(1, REFITS + 1)), g["rank"]
