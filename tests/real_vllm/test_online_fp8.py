@@ -219,3 +219,25 @@ def test_online_block_fp8_through_the_weight_transfer_backend(pool, transport):
         assert g["engine"] == "MegatronReshardWeightTransferEngine"
         assert g["differences"] == [[]] * REFITS, (g["rank"], g["differences"])
         assert g["versions"] == list(range(1, REFITS + 1)), g["rank"]
+
+
+def test_experts_vllm_pads_to_whole_tiles_are_refused_before_any_byte_moves(pool):
+    """A per-rank expert intermediate size that is not whole tiles (192): vLLM's online MoE
+    method pads it to 256 (zeros between gate and up), storage the refit does not write
+    through; every rank stops while mapping (a TargetError naming w13 and both shapes),
+    never a silent write."""
+    from megatron_reshard.tools.worlds import RankFailure
+
+    padded = dict(QWEN3_MOE_FP8.model, moe_ffn_hidden_size=192)
+    cfg = RefitRunConfig(model="dense", model_overrides=padded, refits=REFITS, verify=False,
+                         dtype="bfloat16", quiet=True, timeout_s=120, gen_precision="fp8",
+                         **layout("tp2 ep2", "tp1"))
+    family = type(QWEN3_MOE_FP8)(padded, QWEN3_MOE_FP8.hf_class, QWEN3_MOE_FP8.hf_extra, ())
+    results = pool.run(vllm_refit_job, cfg.train_world + cfg.gen_world, cfg,
+                       vllm_config_json(family), model_builder=_build, moe_backend="triton",
+                       quantization="fp8_per_block", num_ports=cfg.train_pp + 2, timeout_s=600,
+                       return_failures=True)
+    assert all(isinstance(r, RankFailure) for r in results), results
+    for r in results:
+        assert "TargetError" in r.text and "routed_experts.w13_weight' has shape [8, 512, 128], " \
+               "expected [8, 384, 128]" in r.text, (r.rank, r.text[-2000:])
