@@ -75,10 +75,11 @@ def test_the_block_quantizer_and_the_oracle_are_bit_identical_to_vllms():
             assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)), (label, who)
             assert torch.equal(s.view(torch.int32), want_s.view(torch.int32)), (label, who)
     # experts quantized as one [E, N, K] tensor: each expert's bytes are vLLM's of it alone
-    experts = torch.stack([_edge_inputs()["random(300, 200)"]] * 2) * torch.tensor([1.0, 3.0]).reshape(2, 1, 1)
-    q, s = quantize_blockwise_fp8(experts.bfloat16())
+    one = _edge_inputs()["random(300, 200)"]
+    experts = torch.stack([one, (one.float() * 3).bfloat16()])
+    q, s = quantize_blockwise_fp8(experts)
     for e in range(2):
-        want_q, want_s = per_block_cast_to_fp8(experts[e].bfloat16(), block_size=[128, 128])
+        want_q, want_s = per_block_cast_to_fp8(experts[e], block_size=[128, 128])
         assert torch.equal(q[e].view(torch.uint8), want_q.view(torch.uint8)), e
         assert torch.equal(s[e], want_s), e
 
