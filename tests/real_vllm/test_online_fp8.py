@@ -242,3 +242,4 @@ def test_experts_vllm_pads_to_whole_tiles_are_refused_before_any_byte_moves(pool
     for r in results:
         assert "TargetError" in r.text and "routed_experts.w13_weight' has shape [8, 512, 128], " \
                "expected [8, 384, 128]" in r.text, (r.rank, r.text[-2000:])
+
