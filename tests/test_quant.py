@@ -310,3 +310,34 @@ def test_fp8_bytes_count_weights_and_scales():
     assert fp8_bytes((4, 65), "mxfp8") == 4 * 65 + 4 * 3
     with pytest.raises(ValueError, match="'nvfp4'"):
         fp8_bytes((4, 4), "nvfp4")
+
+
+def test_the_oracles_cuda_variant_divides_as_cuda_does():
+    """On CUDA torch runs ``amax / 448`` (a Python-scalar divisor, vLLM's and ours) as
+    ``amax * fp32(1 / 448)``: the oracle models it for refits quantized on a GPU. Some amax
+    values round differently from the true division (that is why it matters)."""
+    from megatron_reshard.testing.fp8_reference import reference_block_fp8
+
+    w = weights((256, 384), torch.bfloat16, seed=34).float()
+    amaxes = [max(abs(x) for r in w[i:i + 128].tolist() for x in r[j:j + 128])
+              for i in (0, 128) for j in (0, 128, 256)]
+    q, s = reference_block_fp8(w, device_type="cuda")
+    inverse = f32(1.0 / 448.0)
+    assert s.flatten().tolist() == [f32(max(a, AMAX_FLOOR) * inverse) for a in amaxes]
+    assert as_bytes(q) == ref_cuda_block_fp8(w.tolist())
+    grid = torch.linspace(1, 2, 4097)
+    assert not torch.equal(grid * inverse, grid / 448.0)
+
+
+def ref_cuda_block_fp8(matrix: list) -> list:
+    """The bytes of ``ref_block_fp8`` with CUDA's scale: fp32(amax * fp32(1/448))."""
+    n, k = len(matrix), len(matrix[0])
+    q = [[0] * k for _ in range(n)]
+    for bi in range(0, n, 128):
+        for bj in range(0, k, 128):
+            cells = [(i, j) for i in range(bi, min(bi + 128, n)) for j in range(bj, min(bj + 128, k))]
+            amax = max(abs(matrix[i][j]) for i, j in cells)
+            scale = f32(1.0 / f32(max(amax, AMAX_FLOOR) * f32(1.0 / 448.0)))
+            for i, j in cells:
+                q[i][j] = e4m3_byte(clamp448(f32(matrix[i][j] * scale)))
+    return q

@@ -24,6 +24,7 @@ from megatron_reshard.testing.vllm_like import _cfg, expected_vllm_shard, vllm_p
 TILE = 128
 E4M3_MAX = 448.0
 AMAX_FLOOR = 1e-4  # vLLM's floor on a tile's amax
+CUDA_INV_448 = float(torch.tensor(1 / E4M3_MAX, dtype=torch.float32))  # CUDA's scalar divisor, inverted
 # vLLM params a block-FP8 model holds in float8_e4m3fn (with a ``_scale_inv`` sibling)
 VLLM_FP8_PARAM_RE = re.compile(r"(?:_proj\.weight|\.w13_weight|\.w2_weight)$")
 HF_LINEAR_RE = re.compile(r"_proj(?:_with_mqa)?\.weight$")  # MLA: kv_a_proj_with_mqa too
@@ -37,11 +38,15 @@ def _pow2_scale(amax: float) -> float:
     return 2.0 ** ((9 if mantissa <= 0.875 else 8) - exponent)  # 448 = 0.875 * 2^9
 
 
-def reference_block_fp8(weight: torch.Tensor, pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def reference_block_fp8(weight: torch.Tensor, pow2: bool = False,
+                        device_type: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """(float8_e4m3fn weight, fp32 scale_inv) of a ``[..., N, K]`` tensor, tile by tile.
 
     ``pow2``: power-of-two scales (the largest with ``amax * scale <= 448``), as Transformer
-    Engine's blockwise recipe keeps training weights (2-D tiles only)."""
+    Engine's blockwise recipe keeps training weights (2-D tiles only). ``device_type``: where
+    the quantizer under test ran: ``amax / 448`` is a true division on the CPU but
+    ``amax * fp32(1 / 448)`` on CUDA (torch divides by a Python scalar that way there, in
+    vLLM as in the trainer)."""
     if pow2:
         w = weight.detach().to("cpu", torch.float32)
         n, k = w.shape
@@ -63,7 +68,10 @@ def reference_block_fp8(weight: torch.Tensor, pow2: bool = False) -> tuple[torch
         for bj, j in enumerate(range(0, k, TILE)):
             tile = w[..., i:i + TILE, j:j + TILE].double()
             amax = torch.maximum(tile.abs().flatten(-2).max(dim=-1).values, floor)
-            sf = (amax / E4M3_MAX).float()  # one rounding: float64 holds the exact quotient's bits
+            if device_type == "cuda":
+                sf = (amax * CUDA_INV_448).float()  # the product is exact in float64
+            else:
+                sf = (amax / E4M3_MAX).float()  # one rounding: float64 holds the exact quotient's bits
             inverse = (1.0 / sf.double()).float().double()
             scaled = (tile * inverse[..., None, None]).float()
             q[..., i:i + TILE, j:j + TILE] = scaled.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
@@ -119,12 +127,13 @@ def vllm_fp8_param_specs(hf_config: Mapping[str, Any], tp_rank: int, tp_size: in
 
 
 def quantize_full_hf(full_hf_tensors: Mapping[str, torch.Tensor], fmt: str = "block_fp8",
-                     pow2: bool = False) -> tuple[dict, dict, dict]:
-    """(FP8 bytes as uint8, scales, the unquantized rest) of full HF tensors."""
+                     pow2: bool = False, device_type: str = "cpu") -> tuple[dict, dict, dict]:
+    """(FP8 bytes as uint8, scales, the unquantized rest) of full HF tensors; ``device_type``:
+    where the quantizer under test runs (``reference_block_fp8``)."""
     bytes_, scales, plain = {}, {}, {}
     for name, t in full_hf_tensors.items():
         if HF_LINEAR_RE.search(name) and t.dim() >= 2:
-            q, s = reference_mxfp8(t) if fmt == "mxfp8" else reference_block_fp8(t, pow2=pow2)
+            q, s = reference_mxfp8(t) if fmt == "mxfp8" else reference_block_fp8(t, pow2=pow2, device_type=device_type)
             bytes_[name], scales[name] = q.view(torch.uint8), s
         else:
             plain[name] = t

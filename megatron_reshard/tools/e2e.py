@@ -216,9 +216,11 @@ def _publish_expected(cfg: RefitRunConfig, control, hf_config: dict, full: dict,
     from megatron_reshard.testing.fp8_reference import expected_vllm_fp8_params, quantize_full_hf
     from megatron_reshard.testing.vllm_like import expected_vllm_shard, vllm_param_shapes
 
+    # where the sender quantized: torch divides by a scalar differently on CUDA (fp8_reference)
+    device_type = next((v.device.type for v in full.values()), "cpu")
     full = {k: v.to("cpu") for k, v in full.items()}
     pow2 = cfg.train_precision == "fp8_blockwise"
-    quantized = quantize_full_hf(full, cfg.gen_quant, pow2) if cfg.gen_quant else None
+    quantized = quantize_full_hf(full, cfg.gen_quant, pow2, device_type) if cfg.gen_quant else None
     for g in range(cfg.gen_world):
         tp_rank = g % cfg.gen_tp
         if cfg.gen_quant:  # the independent quantizer on the full HF tensors, then sliced
