@@ -86,13 +86,17 @@ class DeltaTally:
     forwarded_bytes: int = 0  # dst: header + payload bytes sent on to replicas (phase 1)
     held_bytes: int = 0      # this rank's owned boxes of those params (RefitStats.local_bytes)
     changed: int = 0         # elements that changed
+    # params of this rank that went full inside the delta refit (not eligible: a local
+    # copy, or a weight the generation side quantizes, ``refit.delta.record_eligible``)
+    full_params: int = 0
     encodings: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return {"params": self.params, "ops": self.ops, "messages": self.messages,
                 "wire_bytes": self.wire_bytes, "full_bytes": self.full_bytes,
                 "held_bytes": self.held_bytes, "forwarded_bytes": self.forwarded_bytes,
-                "changed": self.changed, "encodings": dict(self.encodings)}
+                "changed": self.changed, "full_params": self.full_params,
+                "encodings": dict(self.encodings)}
 
 
 def _ones(mask: torch.Tensor) -> int:
