@@ -16,6 +16,8 @@ refits the training model takes real AdamW steps (FP32 masters, lr 1e-6:
   of it makes every refit full, on every rank, saying why.
 """
 
+import functools
+
 import pytest
 
 from megatron_reshard.refit.delta import DeltaConfig
@@ -34,15 +36,24 @@ def _digests(ctx):
     return {n: tensor_digest(p) for n, p in ctx["model"].named_parameters()}
 
 
-def _refit_job(job, cfg):
+def _refit_job(job, cfg, lr):
+    """One rank of the run; the optimizer steps at learning rate ``lr`` (the pool's worker
+    gets its ``adam_step_`` back afterwards)."""
+    from megatron_reshard.testing import optimizer_steps
+
     cfg = RefitRunConfig(**{**cfg.__dict__, "ports": job.ports[: 1 + cfg.train_pp]})
-    return run_rank(job.rank, cfg, after_refits=_digests)
+    step = optimizer_steps.adam_step_
+    optimizer_steps.adam_step_ = functools.partial(step, lr=lr)
+    try:
+        return run_rank(job.rank, cfg, after_refits=_digests)
+    finally:
+        optimizer_steps.adam_step_ = step
 
 
-def _run(pool, refits=REFITS, delta=True, **layout):
+def _run(pool, refits=REFITS, delta=True, lr=1e-6, **layout):
     cfg = RefitRunConfig(**{"refits": refits, "quiet": True, "timeout_s": 60, "gen_precision": "fp8",
                             "delta": delta, "update": "adam", **layout})
-    results = pool.run(_refit_job, cfg.train_world + cfg.gen_world, cfg, timeout_s=300)
+    results = pool.run(_refit_job, cfg.train_world + cfg.gen_world, cfg, lr, timeout_s=300)
     return ([r for r in results if r["role"] == "train"],
             [r for r in results if r["role"] == "gen"])
 
@@ -128,15 +139,19 @@ def test_a_base_budget_one_byte_short_of_the_fp8_base_makes_every_refit_full(poo
 
 
 def test_moe_experts_quantized_by_the_sender_go_as_deltas_bit_exact(pool):
-    trains, gens = _run(pool, refits=3, model="moe", train_world=4, train_tp=2, train_pp=1,
-                        train_ep=2, gen_world=2, gen_tp=2)
+    # lr 1e-3: ~9% of the elements change, so FP8 bytes move in bitmask regions with
+    # DIFF8 steps (one byte per changed e4m3 byte either way; the encoder picks)
+    trains, gens = _run(pool, refits=3, lr=1e-3, model="moe", train_world=4, train_tp=2,
+                        train_pp=1, train_ep=2, gen_world=2, gen_tp=2)
     _check_exact(gens, 3)
     for rank in trains + gens:
         assert _modes(rank) == ["full", "delta", "delta"], [r["full_reason"] for r in rank["refits"]]
     for gen in gens:
         for row in gen["refits"][1:]:
-            assert row["delta"]["full_params"] == 0
-            assert 0 < row["bytes_received"] < 0.04 * row["full_bytes"], row
+            d = row["delta"]
+            assert d["full_params"] == 0 and d["changed"] > 0.02 * d["full_bytes"], d
+            assert any(k.startswith("bitmask") for k in d["encodings"]), d["encodings"]
+            assert 0 < row["bytes_received"] < 0.25 * row["full_bytes"], row
 
 
 def test_weights_the_generation_side_quantizes_go_full_inside_a_delta_refit(pool):
@@ -171,7 +186,7 @@ def test_mxfp8_weights_all_go_full_the_rest_as_deltas(pool):
 def test_blockwise_fp8_training_bytes_go_as_deltas_bit_exact(pool):
     # the training side's own FP8 bytes and power-of-two scales, re-quantized after each
     # optimizer step (testing.fp8_training), diffed against those it last sent
-    trains, gens = _run(pool, refits=3, train_precision="fp8_blockwise", **DENSE_TP2)
+    trains, gens = _run(pool, refits=3, lr=1e-4, train_precision="fp8_blockwise", **DENSE_TP2)
     _check_exact(gens, 3)
     for rank in trains + gens:
         assert _modes(rank) == ["full", "delta", "delta"], [r["full_reason"] for r in rank["refits"]]
@@ -179,3 +194,5 @@ def test_blockwise_fp8_training_bytes_go_as_deltas_bit_exact(pool):
         for row in train["refits"][1:]:
             assert row["delta"]["params"] == row["bulk_params"], row["delta"]
             assert row["bytes_sent"] < 0.04 * train["refits"][0]["bytes_sent"], row
+
+
