@@ -127,7 +127,10 @@ DST_NOT_READY = {1: "a generation rank's session has not committed a refit yet (
                  3: "a generation rank's weights changed version since its session's last "
                     "refit",
                  4: "a generation rank holds a delta param through a hook or a list of "
-                    "tensors (not its storage in place)"}
+                    "tensors (not its storage in place)",
+                 5: "vLLM's own conversion rewrote a generation rank's storage after the "
+                    "last refit (receiver.staged_conversion: block FP8), so it does not "
+                    "hold the bytes a delta is cut from"}
 
 
 def _pair(version: Optional[int]) -> list[int]:
@@ -260,15 +263,17 @@ def as_tensor(buf: Any) -> torch.Tensor:
     return buf
 
 
-def dst_ready_code(session_version: Optional[int], weights: Any, hooked: bool) -> int:
+def dst_ready_code(session_version: Optional[int], weights: Any, hooked: bool,
+                   rewritten: bool = False) -> int:
     """0 when this generation rank's storage is the base of version ``session_version``,
-    else the reason's code (``DST_NOT_READY``)."""
+    else the reason's code (``DST_NOT_READY``); ``rewritten``: the session forgot its base
+    because vLLM's conversion rewrote the storage after its last commit."""
     if hooked:
         return 4
     if not weights.consistent:
         return 2
     if session_version is None:
-        return 1
+        return 5 if rewritten else 1
     if weights.version != session_version:
         return 3
     return 0
