@@ -19,8 +19,12 @@ refits the training model takes real AdamW steps (FP32 masters, lr 1e-6:
 import functools
 
 import pytest
+import torch
 
+from megatron_reshard.fp8.quant import quantize_blockwise_fp8
 from megatron_reshard.refit.delta import DeltaConfig
+from megatron_reshard.refit.delta_transport import (DIFF8, apply, encode, encoding_name,
+                                                    encoding_sizes)
 from megatron_reshard.tools.e2e import run_rank, tensor_digest
 from megatron_reshard.tools.run_config import RefitRunConfig
 
@@ -139,8 +143,8 @@ def test_a_base_budget_one_byte_short_of_the_fp8_base_makes_every_refit_full(poo
 
 
 def test_moe_experts_quantized_by_the_sender_go_as_deltas_bit_exact(pool):
-    # lr 1e-3: ~9% of the elements change, so FP8 bytes move in bitmask regions with
-    # DIFF8 steps (one byte per changed e4m3 byte either way; the encoder picks)
+    # lr 1e-3: ~9% of the elements change, so regions go as bitmasks (FP8 bytes whole,
+    # BF16 values as DIFF8 steps)
     trains, gens = _run(pool, refits=3, lr=1e-3, model="moe", train_world=4, train_tp=2,
                         train_pp=1, train_ep=2, gen_world=2, gen_tp=2)
     _check_exact(gens, 3)
@@ -196,3 +200,39 @@ def test_blockwise_fp8_training_bytes_go_as_deltas_bit_exact(pool):
             assert row["bytes_sent"] < 0.04 * train["refits"][0]["bytes_sent"], row
 
 
+
+
+@pytest.mark.parametrize("lr", [1e-2, 5e-2, 0.25])  # gaps, bitmask, dense
+def test_fp8_bytes_and_scales_of_a_step_land_bit_exact_in_strided_views(lr):
+    """One process: a [384, 256] weight quantized before and after a step of relative size
+    ``lr`` on ~30% of its elements (BF16 keeps 8 bits of precision, e4m3 4: only steps of
+    about 1% move FP8 bytes when a value is cut alone); its e4m3 bytes and fp32 scales cut as deltas and
+    applied into strided views (a TP column shard of a larger storage) give the new bytes
+    and scales bit for bit, the storage around them untouched. 1-byte elements never take
+    DIFF8 (a difference costs the byte it replaces); the payload is the smallest of the
+    other encodings."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(384, 256, generator=g).to(torch.bfloat16)
+    pick = torch.rand(w.shape, generator=g) < 0.3
+    stepped = torch.where(pick, w * (1 + lr), w).to(torch.bfloat16)
+    (old_q, old_s), (new_q, new_s) = quantize_blockwise_fp8(w), quantize_blockwise_fp8(stepped)
+    # the scales change only where a tile's amax did (not at all at the smallest steps)
+    assert lr < 0.25 or not torch.equal(old_s, new_s)
+    for old, new in ((old_q, new_q), (old_s, new_s)):
+        count, enc, payload = encode(new, old)
+        bits = new.view(torch.uint8 if new.element_size() == 1 else torch.int32)
+        before = old.view(bits.dtype)
+        assert count == int((bits != before).sum())
+        if new.element_size() == 1:
+            assert count > 0
+            assert not enc & DIFF8, encoding_name(enc)
+            pos = (bits != before).reshape(-1).nonzero().reshape(-1)
+            skips = int(((torch.diff(pos, prepend=torch.tensor([-1])) - 1) // 255).sum())
+            assert payload.numel() == min(encoding_sizes(new.numel(), count, 1, skips).values())
+        storage = torch.zeros(old.shape[0], 3 * old.shape[1], dtype=old.dtype)
+        view = storage[:, old.shape[1]:2 * old.shape[1]]
+        view.copy_(old)
+        apply(view, count, enc, payload)
+        assert torch.equal(view.contiguous().view(bits.dtype), bits)
+        rest = torch.cat([storage[:, :old.shape[1]], storage[:, 2 * old.shape[1]:]], 1)
+        assert not rest.view(bits.dtype).any()

@@ -20,9 +20,10 @@ Encodings (the low 3 bits; the sender picks the smallest, exact sizes, no round 
 - ``DENSE``: the whole box;
 - ``NONE``: nothing changed (header only).
 
-then the values. Flag ``DIFF8`` (bit 3): the values are int8 differences of the elements'
-bits taken as integers (new - old); a difference outside -127..127 is sent as -128 and its
-element's whole value follows after all the differences, in order. An optimizer step at RL
+then the values. Flag ``DIFF8`` (bit 3; never for 1-byte elements such as FP8 bytes,
+where a difference costs as much as the value): the values are int8 differences of the
+elements' bits taken as integers (new - old); a difference outside -127..127 is sent as
+-128 and its element's whole value follows after all the differences, in order. An optimizer step at RL
 learning rates moves a BF16 weight by one unit in the last place (88% of the changed
 elements in ``scripts/measure_change_rate.py``, 99.8% within 127), so a value costs about
 1 byte instead of 2. The receiver adds them to the bits it holds, which are the base (the
@@ -187,11 +188,14 @@ def encode(new: torch.Tensor, old: torch.Tensor) -> tuple[int, int, Optional[tor
     else:
         pos = changed.nonzero().reshape(-1)
         picked = nb[pos]
-    step = picked.to(torch.int64) - ob[pos].to(torch.int64)
-    escaped = (step < -127) | (step > 127)
     gaps, skips = _gaps(pos)
     nskip = int(skips.sum())
-    enc = pick_encoding(numel, count, itemsize, nskip, _ones(escaped))
+    if itemsize == 1:  # FP8 bytes: a difference costs the byte it replaces (no DIFF8)
+        enc = pick_encoding(numel, count, itemsize, nskip)
+    else:
+        step = picked.to(torch.int64) - ob[pos].to(torch.int64)
+        escaped = (step < -127) | (step > 127)
+        enc = pick_encoding(numel, count, itemsize, nskip, _ones(escaped))
     kind = enc & 7
     if kind == DENSE:
         return count, DENSE, nb.view(torch.uint8)
