@@ -9,10 +9,10 @@ refit (``refit.delta_transport`` moves them). It needs a *base* on both sides:
 - the generation side's base is its own storage, valid while the session that committed
   version B still sees consistent weights at B (``dst_vote``).
 
-Which params can go as a delta (``eligible``) depends on the payload only, so every rank
-decides alike: a plan whose ops are all one hop from a source to a destination (no local
-copy, no replica completion inside a destination group). Others travel full, inside the
-same refit, through the engine. The mode itself is voted in the version check
+Which params can go as a delta (``delta_plans``) depends on the payload only, so every
+rank decides alike: a plan with no local copy (``eligible``), and not a weight the
+generation side quantizes from BF16 (``record_eligible``: it holds no BF16 base). Others
+travel full, inside the same refit, through the engine. The mode itself is voted in the version check
 (``refit.version``) with the columns built here: delta only if every training rank holds
 a base of version B and every generation rank of every group holds consistent weights
 committed at B by this session; anything else is a full refit with the reason, on every
@@ -29,8 +29,7 @@ import torch
 
 from megatron_reshard.errors import BadInputError
 from megatron_reshard.layout.geometry import rank_region
-from megatron_reshard.engine.param_plan import ParamPlan, build_plan
-from megatron_reshard.engine.plan import layout_key
+from megatron_reshard.engine.param_plan import ParamPlan
 from megatron_reshard.refit.commit import NO_VERSION
 
 KEEP_PLACES = ("device", "pinned")
@@ -66,12 +65,6 @@ class DeltaConfig:
 
 # -- eligibility (payload-derived: the same on every rank) -------------------------
 
-def param_plan(bulk: Any) -> ParamPlan:
-    """The engine's plan of one bulk transfer (``refit.order.BulkTransfer``)."""
-    return build_plan(layout_key(bulk.global_shape, bulk.src_mesh, bulk.src_placements,
-                                 bulk.dst_mesh, bulk.dst_placements, f"delta: {bulk.name}"))
-
-
 def eligible(plan: ParamPlan) -> bool:
     """No local copy: every op a send between two ranks, from a source (phase 0) or, for
     replica completion, from the destination member that received the stripe (phase 1,
@@ -100,15 +93,6 @@ def delta_plans(records: Sequence[Any], plans: Sequence[ParamPlan]) -> list[Opti
     """Per bulk param of a stage: its plan when it goes as a delta, else None (full)."""
     return [plan if eligible(plan) and record_eligible(rec) else None
             for rec, plan in zip(records, plans)]
-
-
-def eligible_plans(transfers: Sequence[Any]) -> list[Optional[ParamPlan]]:
-    """Per bulk transfer of a stage: its plan when it can go as a delta, else None."""
-    out = []
-    for bulk in transfers:
-        plan = param_plan(bulk)
-        out.append(plan if eligible(plan) else None)
-    return out
 
 
 # -- the vote (columns appended to the version check's row, reduced by MAX) ----------
@@ -300,4 +284,4 @@ def dst_hooked(mine_by_stage: Mapping[int, Sequence[Any]],
 
 __all__ = ["DEFAULT_BUDGET_BYTES", "DeltaConfig", "ModeDecision", "TrainBase", "VOTE_WIDTH",
            "decide_mode", "delta_plans", "dst_hooked", "dst_ready_code", "dst_vote",
-           "eligible", "eligible_plans", "record_eligible", "src_vote"]
+           "eligible", "record_eligible", "src_vote"]
