@@ -23,10 +23,10 @@ Encodings (the low 3 bits; the sender picks the smallest, exact sizes, no round 
 then the values. Flag ``DIFF8`` (bit 3; never for 1-byte elements such as FP8 bytes,
 where a difference costs as much as the value): the values are int8 differences of the
 elements' bits taken as integers (new - old); a difference outside -127..127 is sent as
--128 and its element's whole value follows after all the differences, in order. An optimizer step at RL
-learning rates moves a BF16 weight by one unit in the last place (88% of the changed
-elements in ``scripts/measure_change_rate.py``, 99.8% within 127), so a value costs about
-1 byte instead of 2. The receiver adds them to the bits it holds, which are the base (the
+-128 and its element's whole value follows after all the differences, in order. An
+optimizer step at RL learning rates moves a BF16 weight by one unit in the last place
+(88% of the changed elements in ``scripts/measure_change_rate.py``, 99.8% within 127), so
+a value costs about 1 byte instead of 2. The receiver adds them to the bits it holds, which are the base (the
 version vote proved it; a wrong base gives wrong bits that the checksums catch, as with
 any delta).
 

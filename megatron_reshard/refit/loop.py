@@ -294,7 +294,7 @@ class RefitLoop:
 
     def delta_held(self) -> bool:
         """Whether this rank holds a param other than as its storage in place (no plans
-        needed: every param of a p2p refit group is eligible, ``refit.delta.eligible``)."""
+        needed: the params a record sends full are skipped, ``refit.delta.dst_hooked``)."""
         from megatron_reshard.refit.delta import dst_hooked
         return dst_hooked(self._mine, self.stages)
 
