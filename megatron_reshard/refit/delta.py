@@ -13,10 +13,10 @@ Which params can go as a delta (``delta_plans``) depends on the payload only, so
 rank decides alike: a plan with no local copy (``eligible``), and not a weight the
 generation side quantizes from BF16 (``record_eligible``: it holds no BF16 base). Others
 travel full, inside the same refit, through the engine. The mode itself is voted in the
-version check (``refit.version``) with the columns built here: delta only if every training rank holds
-a base of version B and every generation rank of every group holds consistent weights
-committed at B by this session; anything else is a full refit with the reason, on every
-rank alike.
+version check (``refit.version``) with the columns built here: delta only if every
+training rank holds a base of version B and every generation rank of every group holds
+consistent weights committed at B by this session; anything else is a full refit with the
+reason, on every rank alike.
 """
 
 from __future__ import annotations

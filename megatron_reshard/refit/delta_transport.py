@@ -26,9 +26,9 @@ elements' bits taken as integers (new - old); a difference outside -127..127 is 
 -128 and its element's whole value follows after all the differences, in order. An
 optimizer step at RL learning rates moves a BF16 weight by one unit in the last place
 (88% of the changed elements in ``scripts/measure_change_rate.py``, 99.8% within 127), so
-a value costs about 1 byte instead of 2. The receiver adds them to the bits it holds, which are the base (the
-version vote proved it; a wrong base gives wrong bits that the checksums catch, as with
-any delta).
+a value costs about 1 byte instead of 2. The receiver adds them to the bits it holds,
+which are the base (the version vote proved it; a wrong base gives wrong bits that the
+checksums catch, as with any delta).
 
 The receiver learns each region's encoding from the header and writes the values in place
 into its destination view. Every rank walks the same plan in the same order: per batch,
