@@ -55,8 +55,8 @@ def _refit_job(job, cfg, lr):
 
 
 def _run(pool, refits=REFITS, delta=True, lr=1e-6, **layout):
-    cfg = RefitRunConfig(**{"refits": refits, "quiet": True, "timeout_s": 60, "gen_precision": "fp8",
-                            "delta": delta, "update": "adam", **layout})
+    cfg = RefitRunConfig(**{"refits": refits, "quiet": True, "timeout_s": 60,
+                            "gen_precision": "fp8", "delta": delta, "update": "adam", **layout})
     results = pool.run(_refit_job, cfg.train_world + cfg.gen_world, cfg, lr, timeout_s=300)
     return ([r for r in results if r["role"] == "train"],
             [r for r in results if r["role"] == "gen"])
@@ -64,6 +64,10 @@ def _run(pool, refits=REFITS, delta=True, lr=1e-6, **layout):
 
 def _modes(rank):
     return [r["mode"] for r in rank["refits"]]
+
+
+def _reasons(rank):
+    return [r["full_reason"] for r in rank["refits"]]
 
 
 def _check_exact(gens, refits):
@@ -81,7 +85,7 @@ def test_sender_quantized_fp8_goes_as_deltas_bit_exact_every_refit(dense):
     _check_exact(gens, REFITS)
     expected = ["full"] + ["delta"] * (REFITS - 1)
     for rank in trains + gens:
-        assert _modes(rank) == expected, [r["full_reason"] for r in rank["refits"]]
+        assert _modes(rank) == expected, _reasons(rank)
     for train in trains:
         full = train["refits"][0]
         for row in train["refits"][1:]:
@@ -149,7 +153,7 @@ def test_moe_experts_quantized_by_the_sender_go_as_deltas_bit_exact(pool):
                         train_pp=1, train_ep=2, gen_world=2, gen_tp=2)
     _check_exact(gens, 3)
     for rank in trains + gens:
-        assert _modes(rank) == ["full", "delta", "delta"], [r["full_reason"] for r in rank["refits"]]
+        assert _modes(rank) == ["full", "delta", "delta"], _reasons(rank)
     for gen in gens:
         for row in gen["refits"][1:]:
             d = row["delta"]
@@ -166,7 +170,7 @@ def test_weights_the_generation_side_quantizes_go_full_inside_a_delta_refit(pool
                         train_world=4, train_tp=4, train_pp=1, train_ep=1, gen_world=2, gen_tp=2)
     _check_exact(gens, 3)
     for rank in trains + gens:
-        assert _modes(rank) == ["full", "delta", "delta"], [r["full_reason"] for r in rank["refits"]]
+        assert _modes(rank) == ["full", "delta", "delta"], _reasons(rank)
     for gen in gens:
         for row in gen["refits"][1:]:
             d = row["delta"]
@@ -181,7 +185,7 @@ def test_mxfp8_weights_all_go_full_the_rest_as_deltas(pool):
     trains, gens = _run(pool, refits=3, gen_precision="mxfp8", **DENSE_TP2)
     _check_exact(gens, 3)
     for rank in trains + gens:
-        assert _modes(rank) == ["full", "delta", "delta"], [r["full_reason"] for r in rank["refits"]]
+        assert _modes(rank) == ["full", "delta", "delta"], _reasons(rank)
     for gen in gens:
         d = gen["refits"][-1]["delta"]
         assert d["full_params"] == 2 * 7 and d["params"] > 0, d  # q k v o gate up down, 2 layers
@@ -193,7 +197,7 @@ def test_blockwise_fp8_training_bytes_go_as_deltas_bit_exact(pool):
     trains, gens = _run(pool, refits=3, lr=1e-4, train_precision="fp8_blockwise", **DENSE_TP2)
     _check_exact(gens, 3)
     for rank in trains + gens:
-        assert _modes(rank) == ["full", "delta", "delta"], [r["full_reason"] for r in rank["refits"]]
+        assert _modes(rank) == ["full", "delta", "delta"], _reasons(rank)
     for train in trains:
         for row in train["refits"][1:]:
             assert row["delta"]["params"] == row["bulk_params"], row["delta"]
@@ -206,11 +210,11 @@ def test_blockwise_fp8_training_bytes_go_as_deltas_bit_exact(pool):
 def test_fp8_bytes_and_scales_of_a_step_land_bit_exact_in_strided_views(lr):
     """One process: a [384, 256] weight quantized before and after a step of relative size
     ``lr`` on ~30% of its elements (BF16 keeps 8 bits of precision, e4m3 4: only steps of
-    about 1% move FP8 bytes when a value is cut alone); its e4m3 bytes and fp32 scales cut as deltas and
-    applied into strided views (a TP column shard of a larger storage) give the new bytes
-    and scales bit for bit, the storage around them untouched. 1-byte elements never take
-    DIFF8 (a difference costs the byte it replaces); the payload is the smallest of the
-    other encodings."""
+    about 1% move FP8 bytes when a value is cut alone); its e4m3 bytes and fp32 scales cut
+    as deltas and applied into strided views (a TP column shard of a larger storage) give
+    the new bytes and scales bit for bit, the storage around them untouched. 1-byte
+    elements never take DIFF8 (a difference costs the byte it replaces); the payload is the
+    smallest of the other encodings."""
     g = torch.Generator().manual_seed(3)
     w = torch.randn(384, 256, generator=g).to(torch.bfloat16)
     pick = torch.rand(w.shape, generator=g) < 0.3
