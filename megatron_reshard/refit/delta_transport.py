@@ -20,14 +20,15 @@ Encodings (the low 3 bits; the sender picks the smallest, exact sizes, no round 
 - ``DENSE``: the whole box;
 - ``NONE``: nothing changed (header only).
 
-then the values. Flag ``DIFF8`` (bit 3): the values are int8 differences of the elements'
-bits taken as integers (new - old); a difference outside -127..127 is sent as -128 and its
-element's whole value follows after all the differences, in order. An optimizer step at RL
-learning rates moves a BF16 weight by one unit in the last place (88% of the changed
-elements in ``scripts/measure_change_rate.py``, 99.8% within 127), so a value costs about
-1 byte instead of 2. The receiver adds them to the bits it holds, which are the base (the
-version vote proved it; a wrong base gives wrong bits that the checksums catch, as with
-any delta).
+then the values. Flag ``DIFF8`` (bit 3; never for 1-byte elements such as FP8 bytes,
+where a difference costs as much as the value): the values are int8 differences of the
+elements' bits taken as integers (new - old); a difference outside -127..127 is sent as
+-128 and its element's whole value follows after all the differences, in order. An
+optimizer step at RL learning rates moves a BF16 weight by one unit in the last place
+(88% of the changed elements in ``scripts/measure_change_rate.py``, 99.8% within 127), so
+a value costs about 1 byte instead of 2. The receiver adds them to the bits it holds,
+which are the base (the version vote proved it; a wrong base gives wrong bits that the
+checksums catch, as with any delta).
 
 The receiver learns each region's encoding from the header and writes the values in place
 into its destination view. Every rank walks the same plan in the same order: per batch,
@@ -86,13 +87,17 @@ class DeltaTally:
     forwarded_bytes: int = 0  # dst: header + payload bytes sent on to replicas (phase 1)
     held_bytes: int = 0      # this rank's owned boxes of those params (RefitStats.local_bytes)
     changed: int = 0         # elements that changed
+    # params of this rank that went full inside the delta refit (not eligible: a local
+    # copy, or a weight the generation side quantizes, ``refit.delta.record_eligible``)
+    full_params: int = 0
     encodings: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return {"params": self.params, "ops": self.ops, "messages": self.messages,
                 "wire_bytes": self.wire_bytes, "full_bytes": self.full_bytes,
                 "held_bytes": self.held_bytes, "forwarded_bytes": self.forwarded_bytes,
-                "changed": self.changed, "encodings": dict(self.encodings)}
+                "changed": self.changed, "full_params": self.full_params,
+                "encodings": dict(self.encodings)}
 
 
 def _ones(mask: torch.Tensor) -> int:
@@ -183,11 +188,14 @@ def encode(new: torch.Tensor, old: torch.Tensor) -> tuple[int, int, Optional[tor
     else:
         pos = changed.nonzero().reshape(-1)
         picked = nb[pos]
-    step = picked.to(torch.int64) - ob[pos].to(torch.int64)
-    escaped = (step < -127) | (step > 127)
     gaps, skips = _gaps(pos)
     nskip = int(skips.sum())
-    enc = pick_encoding(numel, count, itemsize, nskip, _ones(escaped))
+    if itemsize == 1:  # FP8 bytes: a difference costs the byte it replaces (no DIFF8)
+        enc = pick_encoding(numel, count, itemsize, nskip)
+    else:
+        step = picked.to(torch.int64) - ob[pos].to(torch.int64)
+        escaped = (step < -127) | (step > 127)
+        enc = pick_encoding(numel, count, itemsize, nskip, _ones(escaped))
     kind = enc & 7
     if kind == DENSE:
         return count, DENSE, nb.view(torch.uint8)

@@ -87,3 +87,32 @@ def test_delta_refits_through_the_weight_transfer_backend_equal_vllms_own_loadin
         assert gen["differences"] == [[]] * REFITS, gen["differences"]
         assert gen["versions"] == list(range(1, REFITS + 1))
         _check_reports(gen["reports"])
+
+
+def test_block_fp8_layers_converted_by_vllm_stay_full_and_say_why(pool):
+    """Block-FP8 Qwen3-MoE (Triton experts, CUTLASS block linear kernel): every FP8 layer
+    is converted by vLLM's own code after each refit (``receiver.staged_conversion``), so
+    the storage is no proven base for a delta: the sender asks for deltas, every refit is
+    full on every rank, the reason names the conversion, each bit-equal to vLLM's own
+    loading of the block-FP8 checkpoint."""
+    pytest.importorskip("compressed_tensors")  # vLLM's quantization registry imports it
+    from megatron_reshard.tools.vllm_refit import vllm_refit_job
+    from test_fp8_staged_conversion import QWEN3_MOE_FP8, fp8_config_json
+
+    cfg = RefitRunConfig(model="dense", model_overrides=dict(QWEN3_MOE_FP8.model), refits=3,
+                         verify=False, dtype="bfloat16", quiet=True, timeout_s=120, delta=True,
+                         update="adam", gen_precision="fp8", **layout("tp2 ep2", "tp2"))
+    results = pool.run(vllm_refit_job, cfg.train_world + cfg.gen_world, cfg, fp8_config_json(),
+                       model_builder=_build, moe_backend="triton", num_ports=cfg.train_pp + 2,
+                       timeout_s=480)
+    for res in results:
+        if res["role"] == "train":
+            assert [r["mode"] for r in res["refits"]] == ["full"] * 3
+            for r in res["refits"][1:]:
+                assert "vLLM's own conversion rewrote" in r["full_reason"], r["full_reason"]
+            continue
+        assert res["differences"] == [[]] * 3, res["differences"]
+        assert res["report"]["staged_conversion"]["conversions"] > 0
+        assert [r["mode"] for r in res["refits"]] == ["full"] * 3
+        assert all("vLLM's own conversion rewrote" in r["full_reason"] for r in res["refits"][1:])
+        assert res["weights"]["state"] == "consistent" and res["weights"]["version"] == 3
