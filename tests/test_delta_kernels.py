@@ -212,17 +212,23 @@ def _forced(monkeypatch, enc):
     monkeypatch.setattr(dt, "pick_encoding", lambda *a, **k: enc)
 
 
+@pytest.mark.parametrize("block, tile, chunk", [(4096, 1024, 2048), (64, 2, 16), (32, 1, 8)],
+                         ids=["default", "many-tiles", "a-tile-a-block"])
 @pytest.mark.parametrize("forced", [GAPS | DIFF8, GAPS, POSITIONS | DIFF8])
-def test_gaps_longer_than_a_byte_across_blocks(device, monkeypatch, forced):
+def test_gaps_longer_than_a_byte_across_blocks(device, monkeypatch, forced, block, tile,
+                                               chunk):
     """Hand-placed changes: the first 600 elements in (skip bytes before the first value),
     gaps of exactly 255, 256 and 510 (one byte, one skip, one skip and 255), pairs across
-    the kernels' block boundaries, a gap over a whole empty block, the region's last
-    element; some by steps that escape DIFF8's byte."""
+    the kernels' block boundaries, a gap over whole empty blocks (and, with small blocks
+    and tiles, across and over the tiles the offsets are summed in; the apply's chunks
+    small too), the region's last element; some by steps that escape DIFF8's byte."""
     dev, calls = device
-    block = delta_kernels.BLOCK
-    n = 3 * block + 5
-    at = [600, 855, 1111, 1621, 1622, 1629, block - 1, block, 2 * block - 3, 3 * block + 1,
-          n - 1]
+    monkeypatch.setattr(delta_kernels, "BLOCK", block)
+    monkeypatch.setattr(delta_kernels, "_TILE", tile)
+    monkeypatch.setattr(delta_kernels, "CHUNK", chunk)
+    n = max(3 * block + 5, 2000)
+    at = sorted({600, 855, 1111, 1621, 1622, 1629, block - 1, block, 2 * block - 3,
+                 3 * block + 1, n - 1})
     old = torch.arange(n, dtype=torch.int16) * 7
     new = old.clone()
     new[at] += 1

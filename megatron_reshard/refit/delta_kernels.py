@@ -116,18 +116,25 @@ class Cut:
         blocks = max(1, -(-self.n // BLOCK))
         dev = a.device
         self.mask = torch.empty(blocks * BLOCK // 8, dtype=torch.uint8, device=dev)
-        # rows: changed, escapes, gap bytes (skips first, then changed + skips)
+        # per block: changed, escapes, gap bytes; then their offsets (exclusive)
         self.stats = torch.empty(3, blocks, dtype=torch.int64, device=dev)
+        self.starts = torch.empty(3, blocks, dtype=torch.int64, device=dev)
         firsts = torch.empty(blocks, dtype=torch.int64, device=dev)
         lasts = torch.empty(blocks, dtype=torch.int64, device=dev)
+        self.before = torch.empty(blocks, dtype=torch.int64, device=dev)  # last change before
+        tiles = -(-blocks // _TILE)
+        figures = torch.empty(5, tiles, dtype=torch.int64, device=dev)
+        totals = torch.empty(3, dtype=torch.int64, device=dev)
         k = _kernels()
-        k.cut_mark[(blocks,)](a, b, self.n, self.mask, self.stats, firsts, lasts, blocks,
-                              STEP=_step_type(a.element_size()), BLOCK=BLOCK, num_warps=WARPS)
-        self.reach = torch.cummax(lasts, 0).values  # the last change up to each block
-        k.cut_blocks[(-(-blocks // _TILE),)](self.stats, firsts, self.reach, blocks,
-                                             TILE=_TILE, num_warps=4)
-        self.ends = torch.cumsum(self.stats, 1)
-        self.count, self.escapes, gap_bytes = self.ends[:, -1].tolist()  # the one host read
+        k.cut_mark[(blocks,)](a, b, self.n, self.mask.view(torch.int16), self.stats, firsts,
+                              lasts, blocks, STEP=_step_type(a.element_size()), BLOCK=BLOCK,
+                              num_warps=WARPS)
+        k.cut_tiles[(tiles,)](self.stats, firsts, lasts, self.before, figures, blocks, tiles,
+                              TILE=_TILE, num_warps=4)
+        k.cut_offsets[(tiles,)](self.stats, self.before, figures, self.starts, totals, blocks,
+                                tiles, TILE=_TILE, MAXT=max(16, 1 << (tiles - 1).bit_length()),
+                                num_warps=4)
+        self.count, self.escapes, gap_bytes = totals.tolist()  # the one host read
         self.skips = gap_bytes - self.count
         self.blocks = blocks
 
@@ -151,7 +158,8 @@ class Cut:
             values, aligned = _as_values(out[nindex:], item)
             escapes, esc_aligned = out, True
         _kernels().cut_write[(self.blocks,)](
-            self.a, self.b, self.mask, self.stats, self.ends, self.reach, self.blocks, where,
+            self.a, self.b, self.mask.view(torch.int16), self.stats, self.starts, self.before,
+            self.blocks, where,
             values, escapes, INDEX={"gaps": 2, "positions": 1, "bitmask": 0}[index],
             DIFF8=diff8, ALIGNED=aligned, ESC_ALIGNED=esc_aligned,
             STEP=_step_type(item), ITEM=item, BLOCK=BLOCK, num_warps=WARPS)
@@ -178,7 +186,7 @@ def apply_sparse(view: torch.Tensor, count: int, gaps: bool, diff8: bool,
         chunks = max(1, -(-nbytes // CHUNK))
         sums = torch.empty(3, chunks, dtype=torch.int64, device=dev)
         k.gap_sums[(chunks,)](payload, nbytes, sums, chunks, CHUNK=CHUNK, num_warps=APPLY_WARPS)
-        ends = torch.cumsum(sums, 1)
+        ends = torch.cumsum(sums.view(-1), 0)  # one flat scan (the kernels take each row apart)
         vend = 0 if diff8 else nbytes - count * item
         found = torch.zeros(6, dtype=torch.int64, device=dev)
         k.gap_locate[(chunks,)](payload, nbytes, count, ends, chunks, max(vend, 0), found,
@@ -206,8 +214,9 @@ def apply_sparse(view: torch.Tensor, count: int, gaps: bool, diff8: bool,
         k.pos_sums[(chunks,)](index, payload[start:], count, numel, sums, chunks, DIFF8=diff8,
                               ALIGNED=index_aligned, IDX=index_size, CHUNK=CHUNK,
                               num_warps=APPLY_WARPS)
-        ends = torch.cumsum(sums, 1)
-        bad, escapes = ends[:, -1].tolist()  # the one host read
+        ends = torch.cumsum(sums.view(-1), 0)
+        bad, upto = ends.view(2, chunks)[:, -1].tolist()  # the one host read
+        escapes = upto - bad
         if bad:
             raise _bad_delta(f"a positions delta names elements outside its {numel}-element box")
         scan, before = count, 0
@@ -273,7 +282,8 @@ def apply_bitmask(view: torch.Tensor, index: torch.Tensor, values: torch.Tensor,
 
 class _Kernels(NamedTuple):
     cut_mark: object
-    cut_blocks: object
+    cut_tiles: object
+    cut_offsets: object
     cut_write: object
     gap_sums: object
     gap_locate: object
@@ -308,21 +318,27 @@ def _kernels() -> Optional[_Kernels]:
         return tl.arange(0, BLOCK // 8)[:, None] * 8 + tl.arange(0, 8)[None, :]
 
     @triton.jit
-    def _popcount(x):  # set bits of a byte (int32)
-        x = x - ((x >> 1) & 0x55)
-        x = (x & 0x33) + ((x >> 2) & 0x33)
-        return (x + (x >> 4)) & 0x0F
+    def _lanes(BLOCK: tl.constexpr):
+        return tl.arange(0, BLOCK // 16)[:, None] * 16 + tl.arange(0, 16)[None, :]
 
     @triton.jit
-    def _bit_index(one):  # which bit a byte's single set bit is (0 for none)
-        return (((one & 0xF0) != 0).to(tl.int32) * 4 + ((one & 0xCC) != 0).to(tl.int32) * 2
-                + ((one & 0xAA) != 0).to(tl.int32))
+    def _popcount(x):  # set bits of a 16-bit word (int32)
+        x = x - ((x >> 1) & 0x5555)
+        x = (x & 0x3333) + ((x >> 2) & 0x3333)
+        x = (x + (x >> 4)) & 0x0F0F
+        return (x + (x >> 8)) & 0x1F
 
     @triton.jit
-    def _top_bit(x):  # a byte's highest set bit alone
+    def _bit_index(one):  # which bit a word's single set bit is (0 for none)
+        return (((one & 0xFF00) != 0).to(tl.int32) * 8 + ((one & 0xF0F0) != 0).to(tl.int32) * 4
+                + ((one & 0xCCCC) != 0).to(tl.int32) * 2 + ((one & 0xAAAA) != 0).to(tl.int32))
+
+    @triton.jit
+    def _top_bit(x):  # a word's highest set bit alone
         x = x | (x >> 1)
         x = x | (x >> 2)
         x = x | (x >> 4)
+        x = x | (x >> 8)
         return x ^ (x >> 1)
 
     @triton.jit
@@ -331,16 +347,29 @@ def _kernels() -> Optional[_Kernels]:
         return tl.maximum(av, bv), tl.maximum(av, bp)
 
     @triton.jit
-    def _rows_before(byte, BLOCK: tl.constexpr):
-        # per row of a block: its first changed element (block-local), and the last
-        # changed element of the rows before it (-1: none in this block)
-        rows = tl.arange(0, BLOCK // 8)
-        has = byte != 0
-        lo = rows * 8 + _bit_index(byte & -byte)
-        last = tl.where(has, rows * 8 + _bit_index(_top_bit(byte)), -1)
-        _, prev = tl.associative_scan((last, tl.full((BLOCK // 8,), -1, tl.int32)), 0,
+    def _words_before(word, BLOCK: tl.constexpr):
+        # per 16-element word of a block: its first changed element (block-local), and
+        # the last changed element of the words before it (-1: none in this block)
+        w = tl.arange(0, BLOCK // 16)
+        has = word != 0
+        lo = w * 16 + _bit_index(word & -word)
+        last = tl.where(has, w * 16 + _bit_index(_top_bit(word)), -1)
+        _, prev = tl.associative_scan((last, tl.full((BLOCK // 16,), -1, tl.int32)), 0,
                                       _max_before)
         return has, lo, last, prev
+
+    @triton.jit
+    def _row(ends, K: tl.constexpr, chunks, j):
+        # row K of per-chunk figures summed by one flat cumsum: its inclusive sum at j
+        if K == 0:
+            v = tl.load(ends + j)
+        else:
+            v = tl.load(ends + K * chunks + j) - tl.load(ends + K * chunks - 1)
+        return v
+
+    @triton.jit
+    def _row_before(ends, K: tl.constexpr, chunks, j):
+        return tl.where(j > 0, _row(ends, K, chunks, tl.maximum(j - 1, 0)), 0)
 
     @triton.jit
     def _bits(mask, block, left, limit, BLOCK: tl.constexpr):
@@ -382,39 +411,41 @@ def _kernels() -> Optional[_Kernels]:
         return v
 
     @triton.jit
-    def _count_before(p, ends, x, CHUNK: tl.constexpr, ESCAPES: tl.constexpr):
+    def _count_before(p, ends, chunks, x, CHUNK: tl.constexpr, ESCAPES: tl.constexpr):
         # bytes of p[0:x) that are not 0 (or, ESCAPES, that are 0x80: a DIFF8 escape),
-        # from the inclusive per-chunk counts ``ends`` and the partial chunk
+        # from the per-chunk counts (``ends`` row 0, or row 2) and the partial chunk
         c = x // CHUNK
-        base = tl.where(c > 0, tl.load(ends + tl.maximum(c - 1, 0)), 0)
+        base = _row_before(ends, 2 if ESCAPES else 0, chunks, c)
         i = c * CHUNK + tl.arange(0, CHUNK)
         y = tl.load(p + i, mask=i < x, other=0).to(tl.int32)
         hit = (y == 128) if ESCAPES else (y != 0)
         return base + tl.sum((hit & (i < x)).to(tl.int64))
 
     # the kernels find the helpers they call among the module's globals, not in closures
-    globals().update(_local=_local, _popcount=_popcount, _bit_index=_bit_index,
-                     _top_bit=_top_bit, _max_before=_max_before, _rows_before=_rows_before,
+    globals().update(_local=_local, _lanes=_lanes, _popcount=_popcount, _bit_index=_bit_index,
+                     _top_bit=_top_bit, _max_before=_max_before, _words_before=_words_before,
+                     _row=_row, _row_before=_row_before,
                      _bits=_bits, _ranks=_ranks, _put=_put, _get=_get,
                      _count_before=_count_before)
 
     @triton.jit
     def cut_mark(a, b, n, mask, stats, firsts, lasts, blocks, STEP: tl.constexpr,
                  BLOCK: tl.constexpr):
+        # mask: the bitmask as int16 words (16 elements each, little-endian: the wire's bytes)
         block = tl.program_id(0).to(tl.int64)
         first = block * BLOCK
-        loc = _local(BLOCK)
+        loc = _lanes(BLOCK)
         inside = loc < n - first
         va = tl.load(a + first + loc, mask=inside, other=0)
         vb = tl.load(b + first + loc, mask=inside, other=0)
         d = va != vb
         step = va.to(STEP) - vb.to(STEP)
         escaped = d & ((step < -127) | (step > 127))
-        byte = tl.sum(d.to(tl.int32) << tl.arange(0, 8)[None, :], axis=1)
-        tl.store(mask + block * (BLOCK // 8) + tl.arange(0, BLOCK // 8), byte.to(tl.uint8))
-        has, lo, last, prev = _rows_before(byte, BLOCK)
+        word = tl.sum(d.to(tl.int32) << tl.arange(0, 16)[None, :], axis=1)
+        tl.store(mask + block * (BLOCK // 16) + tl.arange(0, BLOCK // 16), word.to(tl.int16))
+        has, lo, last, prev = _words_before(word, BLOCK)
         skips = tl.where(has & (prev >= 0), (lo - prev - 1) // 255, 0)
-        tl.store(stats + block, tl.sum(_popcount(byte)).to(tl.int64))
+        tl.store(stats + block, tl.sum(_popcount(word)).to(tl.int64))
         tl.store(stats + blocks + block, tl.sum(tl.sum(escaped.to(tl.int32), axis=1)).to(tl.int64))
         tl.store(stats + 2 * blocks + block, tl.sum(skips).to(tl.int64))
         tl.store(firsts + block, first + tl.min(tl.where(has, lo, BLOCK)))
@@ -422,52 +453,97 @@ def _kernels() -> Optional[_Kernels]:
         tl.store(lasts + block, tl.where(top >= 0, first + top, -1))
 
     @triton.jit
-    def cut_blocks(stats, firsts, reach, blocks, TILE: tl.constexpr):
-        # each block's gap bytes: its changes, their skips, and the skips of the gap from
-        # the last change before the block (-1 when none: the first gap counts from -1)
-        i = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
+    def cut_tiles(stats, firsts, lasts, before, tiles, blocks, ntiles, TILE: tl.constexpr):
+        # per tile of TILE blocks: each block's last change before it inside the tile
+        # (-1: none), its gap bytes but for the skips from the tiles before, and the
+        # tile's sums, first and last change
+        t = tl.program_id(0).to(tl.int64)
+        i = t * TILE + tl.arange(0, TILE)
         live = i < blocks
         count = tl.load(stats + i, mask=live, other=0)
-        before = tl.load(reach + i - 1, mask=live & (i > 0), other=-1)
-        gap = tl.load(firsts + i, mask=live, other=0) - before
-        skips = tl.load(stats + 2 * blocks + i, mask=live, other=0)
-        total = count + skips + tl.where(count > 0, (gap - 1) // 255, 0)
-        tl.store(stats + 2 * blocks + i, total, mask=live)
+        first = tl.load(firsts + i, mask=live, other=0)
+        last = tl.load(lasts + i, mask=live, other=-1)
+        _, prev = tl.associative_scan((last, tl.full((TILE,), -1, tl.int64)), 0, _max_before)
+        gaps = count + tl.load(stats + 2 * blocks + i, mask=live, other=0) + tl.where(
+            (count > 0) & (prev >= 0), (first - prev - 1) // 255, 0)
+        tl.store(stats + 2 * blocks + i, gaps, mask=live)
+        tl.store(before + i, prev, mask=live)
+        tl.store(tiles + t, tl.sum(count))
+        tl.store(tiles + ntiles + t, tl.sum(tl.load(stats + blocks + i, mask=live, other=0)))
+        tl.store(tiles + 2 * ntiles + t, tl.sum(gaps))
+        tl.store(tiles + 3 * ntiles + t, tl.min(tl.where(count > 0, first, 1 << 62)))
+        tl.store(tiles + 4 * ntiles + t, tl.max(last))
 
     @triton.jit
-    def cut_write(a, b, mask, stats, ends, reach, blocks, index, values, escapes,
+    def cut_offsets(stats, before, tiles, starts, totals, blocks, ntiles, TILE: tl.constexpr,
+                    MAXT: tl.constexpr):
+        # each block's offsets (exclusive: values, escapes, gap bytes) and the last change
+        # before it; the tiles' figures are few, every program scans them all
+        t = tl.program_id(0).to(tl.int64)
+        j = tl.arange(0, MAXT)
+        there = j < ntiles
+        tc = tl.load(tiles + j, mask=there, other=0)
+        te = tl.load(tiles + ntiles + j, mask=there, other=0)
+        tlast = tl.load(tiles + 4 * ntiles + j, mask=there, other=-1)
+        _, tprev = tl.associative_scan((tlast, tl.full((MAXT,), -1, tl.int64)), 0, _max_before)
+        tskip = tl.where(tc > 0, (tl.load(tiles + 3 * ntiles + j, mask=there, other=0)
+                                  - tprev - 1) // 255, 0)
+        tg = tl.load(tiles + 2 * ntiles + j, mask=there, other=0) + tskip
+        if t == 0:
+            tl.store(totals, tl.sum(tc))
+            tl.store(totals + 1, tl.sum(te))
+            tl.store(totals + 2, tl.sum(tg))
+        earlier = j < t
+        mine = j == t
+        i = t * TILE + tl.arange(0, TILE)
+        live = i < blocks
+        count = tl.load(stats + i, mask=live, other=0)
+        esc = tl.load(stats + blocks + i, mask=live, other=0)
+        gaps = tl.load(stats + 2 * blocks + i, mask=live, other=0)
+        prev = tl.load(before + i, mask=live, other=0)
+        gaps += tl.where((count > 0) & (prev < 0), tl.sum(tl.where(mine, tskip, 0)), 0)
+        prev = tl.where(prev < 0, tl.sum(tl.where(mine, tprev, 0)), prev)
+        tl.store(before + i, prev, mask=live)
+        tl.store(starts + i, tl.sum(tl.where(earlier, tc, 0)) + tl.cumsum(count, 0) - count,
+                 mask=live)
+        tl.store(starts + blocks + i, tl.sum(tl.where(earlier, te, 0)) + tl.cumsum(esc, 0) - esc,
+                 mask=live)
+        tl.store(starts + 2 * blocks + i, tl.sum(tl.where(earlier, tg, 0)) + tl.cumsum(gaps, 0)
+                 - gaps, mask=live)
+
+    @triton.jit
+    def cut_write(a, b, mask, stats, starts, before, blocks, index, values, escapes,
                   INDEX: tl.constexpr, DIFF8: tl.constexpr, ALIGNED: tl.constexpr,
                   ESC_ALIGNED: tl.constexpr, STEP: tl.constexpr, ITEM: tl.constexpr,
                   BLOCK: tl.constexpr):
-        # INDEX: 0 none (a bitmask, copied apart), 1 positions, 2 gaps
+        # INDEX: 0 none (a bitmask, copied apart), 1 positions, 2 gaps. A lane is a word of
+        # the bitmask (16 elements); step k handles the k-th change of every word.
         block = tl.program_id(0).to(tl.int64)
         count = tl.load(stats + block)
         if count > 0:
             first = block * BLOCK
-            rows = tl.arange(0, BLOCK // 8)
-            byte = tl.load(mask + block * (BLOCK // 8) + rows).to(tl.int32)
-            pop = _popcount(byte)
+            w = tl.arange(0, BLOCK // 16)
+            word = tl.load(mask + block * (BLOCK // 16) + w).to(tl.int32) & 0xFFFF
+            pop = _popcount(word)
             most = tl.max(pop)
-            rank = (tl.load(ends + block) - count) + (tl.cumsum(pop, 0) - pop)  # int64
-            prevk = rows
-            skipped = rows
+            rank = tl.load(starts + block) + (tl.cumsum(pop, 0) - pop)  # int64
+            prevk = w
+            skipped = w
             gstart = block
             byte0 = block
             if INDEX == 2:
-                has, lo, last, prevk = _rows_before(byte, BLOCK)
+                has, lo, last, prevk = _words_before(word, BLOCK)
                 skipped = tl.cumsum(tl.where(has & (prevk >= 0), (lo - prevk - 1) // 255, 0), 0)
-                before = tl.where(block > 0, tl.load(reach + tl.maximum(block - 1, 0)), -1)
-                gap0 = first + tl.min(tl.where(has, lo, BLOCK)) - before
+                gap0 = first + tl.min(tl.where(has, lo, BLOCK)) - tl.load(before + block)
                 skip0 = (gap0 - 1) // 255
                 byte0 = gap0 - 255 * skip0
-                gstart = (tl.load(ends + 2 * blocks + block) - tl.load(stats + 2 * blocks + block)
-                          + skip0 - (tl.load(ends + block) - count))
-            flags = tl.zeros((BLOCK // 8,), tl.int32)  # DIFF8: which changes of a row escaped
-            rem = byte
-            for k in tl.static_range(8):
+                gstart = tl.load(starts + 2 * blocks + block) + skip0 - tl.load(starts + block)
+            flags = tl.zeros((BLOCK // 16,), tl.int32)  # DIFF8: which changes of a word escaped
+            rem = word
+            for k in tl.static_range(16):
                 if k < most:
                     live = rem != 0
-                    loc = rows * 8 + _bit_index(rem & -rem)
+                    loc = w * 16 + _bit_index(rem & -rem)
                     at = first + loc
                     va = tl.load(a + at, mask=live, other=0)
                     o = rank + k
@@ -490,14 +566,13 @@ def _kernels() -> Optional[_Kernels]:
                         _put(values, 0, o, va, live, ALIGNED, ITEM)
                     rem = rem & (rem - 1)
             if DIFF8:
-                nesc = tl.load(stats + blocks + block)
-                if nesc > 0:  # whole values of the escapes, in order
+                if tl.load(stats + blocks + block) > 0:  # whole values of the escapes, in order
                     epop = _popcount(flags)
-                    erank = (tl.load(ends + blocks + block) - nesc) + (tl.cumsum(epop, 0) - epop)
-                    rem = byte
-                    for k in tl.static_range(8):
+                    erank = tl.load(starts + blocks + block) + (tl.cumsum(epop, 0) - epop)
+                    rem = word
+                    for k in tl.static_range(16):
                         if k < most:
-                            loc = rows * 8 + _bit_index(rem & -rem)
+                            loc = w * 16 + _bit_index(rem & -rem)
                             hit = (rem != 0) & (((flags >> k) & 1) != 0)
                             va = tl.load(a + first + loc, mask=hit, other=0)
                             er = erank + _popcount(flags & ((1 << k) - 1))
@@ -523,7 +598,7 @@ def _kernels() -> Optional[_Kernels]:
         # bytes before the differences]; the chunk holding the count-th value writes it
         j = tl.program_id(0).to(tl.int64)
         if j == 0:
-            tl.store(out + 4, _count_before(p, ends, vend, CHUNK, False))
+            tl.store(out + 4, _count_before(p, ends, chunks, vend, CHUNK, False))
         seen0 = tl.where(j > 0, tl.load(ends + tl.maximum(j - 1, 0)), 0)
         if (seen0 < count) & (tl.load(ends + j) >= count):
             i = j * CHUNK + tl.arange(0, CHUNK)
@@ -532,11 +607,11 @@ def _kernels() -> Optional[_Kernels]:
             nz = (y != 0) & live
             hit = nz & (seen0 + tl.cumsum(nz.to(tl.int64), 0) == count)
             q = tl.sum(tl.where(hit, i, 0))
-            walked = tl.where(j > 0, tl.load(ends + chunks + tl.maximum(j - 1, 0)), 0)
+            walked = _row_before(ends, 1, chunks, j)
             last = walked + tl.sum(tl.where(live & (i <= q), tl.where(y == 0, 255, y), 0)) - 1
             g = q + 1
-            e0 = _count_before(p, ends + 2 * chunks, g, CHUNK, True)
-            e1 = _count_before(p, ends + 2 * chunks, tl.minimum(g + count, nbytes), CHUNK, True)
+            e0 = _count_before(p, ends, chunks, g, CHUNK, True)
+            e1 = _count_before(p, ends, chunks, tl.minimum(g + count, nbytes), CHUNK, True)
             tl.store(out, (tl.sum(hit.to(tl.int32)) == 1).to(tl.int64))
             tl.store(out + 1, q)
             tl.store(out + 2, last)
@@ -572,7 +647,7 @@ def _kernels() -> Optional[_Kernels]:
             y = tl.load(index + i, mask=live, other=0).to(tl.int32)
             keep = (y != 0) & live
             r0 = tl.where(j > 0, tl.load(ends + tl.maximum(j - 1, 0)), 0)
-            walked = tl.where(j > 0, tl.load(ends + chunks + tl.maximum(j - 1, 0)), 0)
+            walked = _row_before(ends, 1, chunks, j)
             at = walked + tl.cumsum(tl.where(live, tl.where(y == 0, 255, y), 0), 0) - 1
             r = r0 + tl.cumsum(keep.to(tl.int32), 0) - 1
         else:
@@ -589,9 +664,9 @@ def _kernels() -> Optional[_Kernels]:
             small = tl.load(values + r, mask=keep, other=0).to(tl.int8, bitcast=True)
             esc = keep & (small == -128)
             if GAPS:  # escapes among the differences before this chunk's first
-                e0 = _count_before(p, ends + 2 * chunks, scan + r0, CHUNK, True) - before
+                e0 = _count_before(p, ends, chunks, scan + r0, CHUNK, True) - before
             else:
-                e0 = tl.where(j > 0, tl.load(ends + chunks + tl.maximum(j - 1, 0)), 0)
+                e0 = _row_before(ends, 1, chunks, j)
             er = e0 + tl.cumsum(esc.to(tl.int32), 0) - 1
             old = tl.load(target + addr, mask=keep & ~esc, other=0)
             stepped = (old.to(STEP) + small.to(STEP)).to(target.dtype.element_ty)
@@ -638,7 +713,7 @@ def _kernels() -> Optional[_Kernels]:
             i = first + loc
             tl.store(target + (i // cols) * stride + i % cols, v, mask=keep)
 
-    _BUILT.append(_Kernels(cut_mark, cut_blocks, cut_write, gap_sums, gap_locate, pos_sums,
+    _BUILT.append(_Kernels(cut_mark, cut_tiles, cut_offsets, cut_write, gap_sums, gap_locate, pos_sums,
                            apply_index, compact, count_bits, apply_bitmask))
     return _BUILT[0]
 
