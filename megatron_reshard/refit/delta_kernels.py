@@ -8,18 +8,19 @@ the torch path's, byte for byte; every apply is bit-exact.
 Cut (``Cut``): ``cut_mark`` reads new and old once (bits as integers, so NaN payloads and
 -0.0 compare exactly) and writes the bitmask (the wire's BITMASK index as it is) and, per
 block of ``BLOCK`` elements, its changed count, its DIFF8 escapes, the GAPS skip bytes
-between its own changes, and its first and last changed position. A running max of the
-last positions (torch) gives each block the change before it, ``cut_blocks`` adds the
-skip bytes of that boundary gap, and one cumsum over the blocks gives each block its
+between its own changes, and its first and last changed position. Two small kernels over
+those figures (``cut_tiles`` per tile of blocks, ``cut_offsets`` over the few tiles) give
+each block the change before it (so the skip bytes of the gap across its boundary) and its
 offsets in the payload's sections; the totals are the one host read (the header and the
 choice of encoding need them). ``cut_write`` then writes the payload of the chosen
 encoding (GAPS or POSITIONS index, DIFF8 differences and escapes or whole values), each
-block at its offsets. It walks the bitmask a byte (8 elements) per lane and the changed
-elements of a byte in turn, so its cost follows the changed rows, not the region.
+block at its offsets. It walks the bitmask a 16-element word per lane and the changes of
+a word in turn (bit tricks, no per-element work), so its cost follows the changed words,
+not the region.
 
 Apply (``apply_sparse``, GAPS or POSITIONS, with DIFF8 or whole values): a pass over the
 index (``gap_sums`` / ``pos_sums``: per chunk, the positions it advances, its values, its
-escapes, bad positions), one cumsum, for GAPS ``gap_locate`` (where the gaps end, the last
+escapes, bad positions), one flat cumsum, for GAPS ``gap_locate`` (where the gaps end, the last
 position, the escapes announced), one host read to check all of it before anything is
 written, then ``apply_index`` decodes each chunk's positions and adds the differences (or
 writes the values) in place. BITMASK: ``bitmask_counts`` (checked against the header),
@@ -36,11 +37,11 @@ from typing import NamedTuple, Optional
 import torch
 
 
-BLOCK = 4096  # elements per program of the cut (a multiple of 8: whole bitmask bytes)
+BLOCK = 4096  # elements per program of the cut (a multiple of 16: whole bitmask words)
 WARPS = 4
 CHUNK = 2048  # index entries (GAPS: payload bytes) per program of the apply
 APPLY_WARPS = 4
-_TILE = 1024  # blocks per program of the small passes over per-block figures
+_TILE = 1024  # blocks per program of the passes over per-block figures (cut_tiles)
 _INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -445,9 +446,12 @@ def _kernels() -> Optional[_Kernels]:
         tl.store(mask + block * (BLOCK // 16) + tl.arange(0, BLOCK // 16), word.to(tl.int16))
         has, lo, last, prev = _words_before(word, BLOCK)
         skips = tl.where(has & (prev >= 0), (lo - prev - 1) // 255, 0)
-        tl.store(stats + block, tl.sum(_popcount(word)).to(tl.int64))
-        tl.store(stats + blocks + block, tl.sum(tl.sum(escaped.to(tl.int32), axis=1)).to(tl.int64))
-        tl.store(stats + 2 * blocks + block, tl.sum(skips).to(tl.int64))
+        # one reduction for three sums: changed and escapes (< 2**16 each), skips above
+        both = (_popcount(word) + (tl.sum(escaped.to(tl.int32), axis=1) << 16)).to(tl.int64)
+        sums = tl.sum(both + (skips.to(tl.int64) << 32))
+        tl.store(stats + block, sums & 0xFFFF)
+        tl.store(stats + blocks + block, (sums >> 16) & 0xFFFF)
+        tl.store(stats + 2 * blocks + block, sums >> 32)
         tl.store(firsts + block, first + tl.min(tl.where(has, lo, BLOCK)))
         top = tl.max(last)
         tl.store(lasts + block, tl.where(top >= 0, first + top, -1))
@@ -526,18 +530,23 @@ def _kernels() -> Optional[_Kernels]:
             word = tl.load(mask + block * (BLOCK // 16) + w).to(tl.int32) & 0xFFFF
             pop = _popcount(word)
             most = tl.max(pop)
-            rank = tl.load(starts + block) + (tl.cumsum(pop, 0) - pop)  # int64
             prevk = w
             skipped = w
             gstart = block
             byte0 = block
             if INDEX == 2:
                 has, lo, last, prevk = _words_before(word, BLOCK)
-                skipped = tl.cumsum(tl.where(has & (prevk >= 0), (lo - prevk - 1) // 255, 0), 0)
+                # one scan for the ranks and the skips (each < 2**16 in a block)
+                skip = tl.where(has & (prevk >= 0), (lo - prevk - 1) // 255, 0)
+                both = tl.cumsum(pop + (skip << 16), 0)
+                rank = tl.load(starts + block) + ((both & 0xFFFF) - pop)
+                skipped = both >> 16
                 gap0 = first + tl.min(tl.where(has, lo, BLOCK)) - tl.load(before + block)
                 skip0 = (gap0 - 1) // 255
                 byte0 = gap0 - 255 * skip0
                 gstart = tl.load(starts + 2 * blocks + block) + skip0 - tl.load(starts + block)
+            else:
+                rank = tl.load(starts + block) + (tl.cumsum(pop, 0) - pop)  # int64
             flags = tl.zeros((BLOCK // 16,), tl.int32)  # DIFF8: which changes of a word escaped
             rem = word
             for k in tl.static_range(16):
