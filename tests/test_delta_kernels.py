@@ -2,10 +2,13 @@
 ``refit.delta_transport.encode``/``apply`` for CUDA tensors) against the torch path of the
 same functions (``MEGATRON_RESHARD_DELTA_KERNELS=0``, the oracle): payloads byte for byte in
 every encoding of the wire format (POSITIONS, GAPS, BITMASK, DENSE, with and without DIFF8,
-escapes included), element sizes 1-8, NaN payloads and -0.0, strided destination views
-(bytes outside untouched), bad bitmask deltas refused. The kernel tests run on CUDA, or on
-CPU tensors under ``TRITON_INTERPRET=1`` with Triton installed; else they skip.
-``rows_form`` is index math: CPU."""
+escapes included), element sizes 1-8 (fp8, bf16, fp32), NaN payloads and -0.0, skip bytes
+across the cut's blocks and tiles and the apply's chunks, every element changed, every
+step escaping, payloads at odd offsets, strided destination views (bytes outside
+untouched), bad bitmask / gaps / positions deltas refused unwritten by both paths. Small
+blocks, tiles and chunks (module constants) stand in for big regions. The kernel tests run
+on CUDA, or on CPU tensors under ``TRITON_INTERPRET=1`` with Triton installed; else they
+skip. ``rows_form`` is index math: CPU."""
 
 import os
 
