@@ -172,22 +172,16 @@ def encode(new: torch.Tensor, old: torch.Tensor) -> tuple[int, int, Optional[tor
     ``old`` (same shape and dtype); payload None when nothing changed."""
     nb, ob = _bits(new).reshape(-1), _bits(old).reshape(-1)
     numel, itemsize = nb.numel(), new.element_size()
-    gpu = delta_kernels.usable(new)  # CUDA: the Triton kernels scan the region (same bytes)
-    if gpu:
-        marked = delta_kernels.mark(nb, ob)
-        count = int(marked.counts.sum())  # the one host read: the header needs it
-    else:
-        changed = nb != ob
-        count = _ones(changed)
+    if delta_kernels.usable(new):  # CUDA: the Triton kernels cut it (the same bytes)
+        return _encode_on_gpu(nb, ob)
+    changed = nb != ob
+    count = _ones(changed)
     if count == 0:
         return 0, NONE, None
     if count * (itemsize + 1) >= numel * itemsize:  # nothing sparse beats dense here
         return count, DENSE, nb.view(torch.uint8)
-    if gpu:
-        pos, picked = delta_kernels.changed(nb, marked, count)
-    else:
-        pos = changed.nonzero().reshape(-1)
-        picked = nb[pos]
+    pos = changed.nonzero().reshape(-1)
+    picked = nb[pos]
     gaps, skips = _gaps(pos)
     nskip = int(skips.sum())
     if itemsize == 1:  # FP8 bytes: a difference costs the byte it replaces (no DIFF8)
@@ -209,8 +203,26 @@ def encode(new: torch.Tensor, old: torch.Tensor) -> tuple[int, int, Optional[tor
     elif kind == GAPS:
         index = _gap_bytes(gaps, skips, nskip)
     else:
-        index = marked.mask[:(numel + 7) // 8] if gpu else _pack_bits(changed)
+        index = _pack_bits(changed)
     return count, enc, torch.cat([index, values])
+
+
+def _encode_on_gpu(nb: torch.Tensor, ob: torch.Tensor) -> tuple[int, int, Optional[torch.Tensor]]:
+    """``encode`` by the kernels: the totals read once, the same choice, the same bytes."""
+    numel, itemsize = nb.numel(), nb.element_size()
+    cut = delta_kernels.Cut(nb, ob)
+    count = cut.count
+    if count == 0:
+        return 0, NONE, None
+    if count * (itemsize + 1) >= numel * itemsize:
+        return count, DENSE, nb.view(torch.uint8)
+    # FP8 bytes: a difference costs the byte it replaces (no DIFF8), as on the CPU path
+    enc = pick_encoding(numel, count, itemsize, cut.skips, None if itemsize == 1 else cut.escapes)
+    kind = enc & 7
+    if kind == DENSE:
+        return count, DENSE, nb.view(torch.uint8)
+    index = {POSITIONS: "positions", GAPS: "gaps", BITMASK: "bitmask"}[kind]
+    return count, enc, cut.payload(index, bool(enc & DIFF8), index_bytes(numel))
 
 
 def payload_bytes(numel: int, count: int, enc: int, itemsize: int) -> int:
@@ -295,6 +307,9 @@ def apply(view: torch.Tensor, count: int, enc: int, payload: Optional[torch.Tens
         view.copy_(_typed(payload, view.dtype).reshape(view.shape))
         return
     kind, diff8 = enc & 7, bool(enc & DIFF8)
+    if kind in (GAPS, POSITIONS) and delta_kernels.usable(view) and delta_kernels.apply_sparse(
+            view, count, kind == GAPS, diff8, payload, index_bytes(numel)):
+        return  # checked, decoded and written in place by the kernels
     nindex = _index_bytes(kind, diff8, payload, numel, count, itemsize)
     if kind == BITMASK and delta_kernels.usable(view):
         pos = _bitmask_on_gpu(view, count, diff8, payload, nindex)
@@ -373,7 +388,10 @@ def _bitmask_on_gpu(view: torch.Tensor, count: int, diff8: bool, payload: torch.
                                       f"bytes")
         if delta_kernels.apply_bitmask(view, index, values, counts):
             return None
-    return delta_kernels.bitmask_positions(index, numel, counts, count)
+    pos = delta_kernels.bitmask_positions(index, numel, counts, count)
+    if diff8 and delta_kernels.apply_sparse(view, count, False, True, payload[nindex:], 8, pos):
+        return None
+    return pos
 
 
 @dataclass
