@@ -167,6 +167,12 @@ def _pack_bits(mask: torch.Tensor) -> torch.Tensor:
     return ((words * 0x0102040810204080) >> 56).to(torch.uint8)
 
 
+def _steps(picked: torch.Tensor, was: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """DIFF8's differences of the changed elements' bits, and which do not fit its byte."""
+    step = picked.to(torch.int64) - was.to(torch.int64)
+    return step, (step < -127) | (step > 127)
+
+
 def encode(new: torch.Tensor, old: torch.Tensor) -> tuple[int, int, Optional[torch.Tensor]]:
     """``(count, encoding, payload)`` of the elements of ``new`` whose bits differ from
     ``old`` (same shape and dtype); payload None when nothing changed."""
@@ -184,16 +190,16 @@ def encode(new: torch.Tensor, old: torch.Tensor) -> tuple[int, int, Optional[tor
     picked = nb[pos]
     gaps, skips = _gaps(pos)
     nskip = int(skips.sum())
-    if itemsize == 1:  # FP8 bytes: a difference costs the byte it replaces (no DIFF8)
-        enc = pick_encoding(numel, count, itemsize, nskip)
-    else:
-        step = picked.to(torch.int64) - ob[pos].to(torch.int64)
-        escaped = (step < -127) | (step > 127)
-        enc = pick_encoding(numel, count, itemsize, nskip, _ones(escaped))
+    step = escaped = None
+    if itemsize > 1:  # FP8 bytes: a difference costs the byte it replaces (no DIFF8)
+        step, escaped = _steps(picked, ob[pos])
+    enc = pick_encoding(numel, count, itemsize, nskip, None if escaped is None else _ones(escaped))
     kind = enc & 7
     if kind == DENSE:
         return count, DENSE, nb.view(torch.uint8)
     if enc & DIFF8:
+        if escaped is None:  # chosen for FP8 bytes only where a test forces it
+            step, escaped = _steps(picked, ob[pos])
         small = torch.where(escaped, -128, step).to(torch.int8).view(torch.uint8)
         values = torch.cat([small, picked[escaped].view(torch.uint8)])
     else:
