@@ -116,6 +116,50 @@ def local_cases(args, device, measure) -> list[dict]:
     return rows
 
 
+def profile_list_case(args, device) -> None:
+    """Where one call of the experts-as-a-list local copy spends its host time: CPU time
+    of the calling thread per call, then cProfile's top functions over 200 calls."""
+    import cProfile
+    import pstats
+
+    from torch.distributed.tensor import Replicate, Shard
+
+    from megatron_reshard.engine import Planner, Transfer, xfer_batch
+    from megatron_reshard.layout.placements import MeshInfo
+
+    me = MeshInfo(torch.tensor([0]))
+    e, r, c = (8, 64, 48) if args.small else (128, 2048, 768)
+    bf16 = torch.bfloat16
+    s = [torch.randn(r, c, device=device).to(bf16) for _ in range(e)]
+    d = torch.empty(e, r, c, dtype=bf16, device=device)
+    t = Transfer("experts", (e, r, c), bf16, me, (Shard(0),), me, (Replicate(),), s, d)
+    planner = Planner()
+
+    def call():
+        xfer_batch([t], None, planner=planner, agree=False)
+    for _ in range(5):
+        call()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    host = []
+    for _ in range(50):
+        c0 = time.thread_time()
+        call()
+        host.append(time.thread_time() - c0)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    print(f"experts as a list: host CPU time per call {1e6 * statistics.median(host):.1f} µs "
+          f"(median of 50)")
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(200):
+        call()
+    prof.disable()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    pstats.Stats(prof).sort_stats("tottime").print_stats(14)
+
+
 def pack_cases(args, device, measure) -> list[dict]:
     """The staging copies of rank 0 of 2-rank reshards, without the wire: the strided
     pack of S(0) -> S(1) (its source's column block for the peer) and the strided
@@ -216,6 +260,8 @@ def main(argv=None) -> int:
     ap.add_argument("--queued", type=int, default=8,
                     help="calls back to back for the queued figure")
     ap.add_argument("--json", default=None, help="also write the rows here")
+    ap.add_argument("--profile", action="store_true",
+                    help="first profile the host time of the experts-as-a-list call")
     args = ap.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda":
@@ -238,6 +284,8 @@ def main(argv=None) -> int:
     print(f"engine, one process on {name}, torch {torch.__version__}, copy kernels {kernels}, "
           f"{time.strftime('%Y-%m-%d %H:%M:%S')}",
           flush=True)
+    if args.profile:
+        profile_list_case(args, device)
     copies = local_cases(args, device, measure) + pack_cases(args, device, measure)
     print(f"{'case':<28}{'MiB':>9}{'engine ms':>11}{'GB/s':>9}{'memcpy ms':>11}{'GB/s':>9}"
           f"{'engine/memcpy':>15}{'queued':>8}")

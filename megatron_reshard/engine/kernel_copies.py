@@ -65,24 +65,36 @@ def aligned_words(dst: torch.Tensor, src: torch.Tensor) -> bool:
 class BlockTable:
     """Contiguous, 8-byte aligned copies of any sizes in one Triton launch: one program per
     ``BLOCK`` words of some pair, found through a device map of program -> pair (4 bytes
-    per 32 KiB copied), so no program idles on a short pair."""
+    per 32 KiB copied), so no program idles on a short pair. Addresses are offsets from
+    one base tensor and sizes are counts, both in units of ``unit`` words (2: every pair
+    16-byte aligned with a size of whole 16 bytes): the compiler then knows each pointer
+    and mask to hold 16-byte vectors (a pointer read from a table tells it nothing)."""
 
     BLOCK = 4096  # 8-byte words per program
+    WARPS = 4
+    STREAM = False  # evict-first loads, streaming stores (an experiment: bench flags)
+    VECTORS = True  # 16-byte units where the pairs allow (False: words; an experiment)
 
     def __init__(self, kernels, pairs: list, device: torch.device):
         words = [d.numel() * d.element_size() // 8 for d, _ in pairs]
+        aligned = all((d.data_ptr() | s.data_ptr()) % VECTOR == 0 for d, s in pairs)
+        self.unit = 2 if self.VECTORS and aligned and all(w % 2 == 0 for w in words) else 1
+        self.base = pairs[0][0].view(-1).view(torch.int64)
+        base, step = self.base.data_ptr(), 8 * self.unit
+        offs = [x for d, s in pairs for x in ((d.data_ptr() - base) // step,
+                                              (s.data_ptr() - base) // step)]
         self.kernel = kernels.copy_blocks
-        self.dst_ptrs = _table([d.data_ptr() for d, _ in pairs], torch.int64, device)
-        self.src_ptrs = _table([s.data_ptr() for _, s in pairs], torch.int64, device)
-        self.words = _table(words, torch.int64, device)
+        self.offs = _table(offs, torch.int64, device)
+        self.words = _table([w // self.unit for w in words], torch.int64, device)
         blocks = [-(-w // self.BLOCK) for w in words]
         self.first, self.pair_of = _program_map(blocks, device)
         self.grid = (sum(blocks),)
         self._keep = pairs  # the views (and their storages) outlive the table
 
     def run(self) -> None:
-        self.kernel[self.grid](self.dst_ptrs, self.src_ptrs, self.words, self.first,
-                               self.pair_of, BLOCK=self.BLOCK)
+        self.kernel[self.grid](self.base, self.offs, self.words, self.first, self.pair_of,
+                               BLOCK=self.BLOCK, UNIT=self.unit, STREAM=self.STREAM,
+                               num_warps=self.WARPS)
 
 
 class Tiled(NamedTuple):
@@ -273,10 +285,20 @@ class PermutedTable:
     unit in one Triton launch: a program per tile of ``BR`` rows x ``NB`` runs of some
     pair. Row addresses come from the order's tables (two loads per row), so the copy reads
     the source once and writes every element once; offsets are kept in vector units (as
-    ``TileTable``'s) so that each run moves in 16-byte vectors."""
+    ``TileTable``'s) so that each run moves in 16-byte vectors.
+
+    The tile's shape decides how far apart its bytes land: a row's runs go to as many
+    column blocks (``apart`` elements apart), while the rows of one run go to the slots
+    of one block, which the kernels' orders keep in groups (FlashInfer TRTLLM: 8 or 32
+    checkpoint rows to consecutive slots). A tile of ``ROWS`` rows and the runs that fill
+    ``TILE_BYTES`` reads ``ROWS`` pieces of the source and writes ``NB`` pieces of about
+    as many slots into each block; ``NB``, a power of two, divides every pair's runs
+    (w2's 12 runs: 4 at most), so no lane is masked off at a row's end."""
 
     TILE_BYTES = 32 << 10
+    ROWS = 8       # rows per tile (at least; more where the runs per tile are few)
     WARPS = 4
+    STREAM = False  # evict-first loads, streaming stores (an experiment: bench flags)
 
     def __init__(self, kernels, itemsize: int, unit: int, width: int, pairs: list,
                  device: torch.device):
@@ -284,20 +306,21 @@ class PermutedTable:
         first_dst = pairs[0][0]
         self.base = first_dst.storage.view(_INTS[itemsize])
         base, step = self.base.data_ptr(), unit * itemsize
-        runs_most = max(d.cols // width for d, _ in pairs)
-        self.nb = min(1 << max(0, (runs_most - 1).bit_length()),
-                      max(1, self.TILE_BYTES // (width * itemsize)))
-        self.br = max(1, self.TILE_BYTES // (width * itemsize * self.nb))
+        run_bytes = width * itemsize
+        runs = [d.cols // width for d, _ in pairs]
+        common = min(n & -n for n in runs)  # the largest power of two dividing them all
+        self.nb = max(1, min(common, self.TILE_BYTES // (run_bytes * self.ROWS)))
+        self.br = max(1, self.TILE_BYTES // (run_bytes * self.nb))
         offs, meta, outer, inner, tiles = [], [], [], [], []
         for d, s in pairs:
             start = d.storage.data_ptr() + d.first * itemsize
             offs += [(start - base) // step, (s.data_ptr() - base) // step]
-            runs = d.cols // width
-            meta.append((d.shape[0], d.shape[1], runs, s.stride(0) // unit, s.stride(1) // unit,
+            n = d.cols // width
+            meta.append((d.shape[0], d.shape[1], n, s.stride(0) // unit, s.stride(1) // unit,
                          d.apart // unit, 0, 0))
             outer.append(d.outer.data_ptr())
             inner.append(d.inner.data_ptr())
-            tiles.append(-(-d.shape[0] * d.shape[1] // self.br) * -(-runs // self.nb))
+            tiles.append(-(-d.shape[0] * d.shape[1] // self.br) * -(-n // self.nb))
         self.offs = _table(offs, torch.int64, device)
         self.meta = _table(meta, torch.int64, device)
         self.outer = _table(outer, torch.int64, device)
@@ -309,7 +332,8 @@ class PermutedTable:
     def run(self) -> None:
         self.kernel[self.grid](self.base, self.offs, self.meta, self.outer, self.inner,
                                self.first, self.pair_of, UNIT=self.unit, W=self.width,
-                               BR=self.br, NB=self.nb, num_warps=self.WARPS)
+                               BR=self.br, NB=self.nb, STREAM=self.STREAM,
+                               num_warps=self.WARPS)
 
 
 def _permuted_unit(dst: PermutedRows, src: torch.Tensor, multiples: dict) -> int:
@@ -478,15 +502,21 @@ def triton_kernels() -> Optional[_Kernels]:
         return None
 
     @triton.jit
-    def copy_blocks(dst_ptrs, src_ptrs, words, first, pair_of, BLOCK: tl.constexpr):
+    def copy_blocks(base, offs, words, first, pair_of, BLOCK: tl.constexpr,
+                    UNIT: tl.constexpr, STREAM: tl.constexpr):
+        # offsets and sizes in UNITs of words: multiples of UNIT once multiplied back
         block = tl.program_id(0)
         pair = tl.load(pair_of + block)
-        n = tl.load(words + pair)
-        offs = (block - tl.load(first + pair)).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        src = tl.load(src_ptrs + pair).to(tl.pointer_type(tl.int64))
-        dst = tl.load(dst_ptrs + pair).to(tl.pointer_type(tl.int64))
-        tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+        n = tl.load(words + pair) * UNIT
+        offs_in = (block - tl.load(first + pair)).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs_in < n
+        dst = base + tl.load(offs + 2 * pair) * UNIT
+        src = base + tl.load(offs + 2 * pair + 1) * UNIT
+        if STREAM:
+            got = tl.load(src + offs_in, mask=mask, eviction_policy="evict_first")
+            tl.store(dst + offs_in, got, mask=mask, cache_modifier=".cs")
+        else:
+            tl.store(dst + offs_in, tl.load(src + offs_in, mask=mask), mask=mask)
 
     @triton.jit
     def copy_tiles(base, offs, meta, first, pair_of, KIND: tl.constexpr, UNIT: tl.constexpr,
@@ -517,7 +547,8 @@ def triton_kernels() -> Optional[_Kernels]:
 
     @triton.jit
     def copy_permuted(base, offs, meta, outer_ptrs, inner_ptrs, first, pair_of,
-                      UNIT: tl.constexpr, W: tl.constexpr, BR: tl.constexpr, NB: tl.constexpr):
+                      UNIT: tl.constexpr, W: tl.constexpr, BR: tl.constexpr, NB: tl.constexpr,
+                      STREAM: tl.constexpr):
         # meta per pair: outer, inner, runs, src outer and inner strides, apart (units)
         tile = tl.program_id(0)
         pair = tl.load(pair_of + tile)
@@ -542,7 +573,11 @@ def triton_kernels() -> Optional[_Kernels]:
         s = base + ((tl.load(offs + 2 * pair + 1) + srow)[:, None, None]
                     + (b * (W // UNIT))[None, :, None]) * UNIT + k
         mask = live[:, None, None] & (b < runs)[None, :, None]  # broadcast along the run
-        tl.store(d, tl.load(s, mask=mask), mask=mask)
+        if STREAM:
+            got = tl.load(s, mask=mask, eviction_policy="evict_first")
+            tl.store(d, got, mask=mask, cache_modifier=".cs")
+        else:
+            tl.store(d, tl.load(s, mask=mask), mask=mask)
 
     _BUILT.append(_Kernels(copy_blocks, copy_tiles, copy_permuted))
     return _BUILT[0]
