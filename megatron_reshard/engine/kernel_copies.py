@@ -358,7 +358,7 @@ def _permuted_unit(dst: PermutedRows, src: torch.Tensor, multiples: dict) -> int
 
 def permuted_tables(pairs: list, device: torch.device) -> tuple[list, list]:
     """``(tables, rest)``: the ``(PermutedRows, src)`` pairs the kernel takes, one table per
-    element size, run width and vector unit; ``rest``: those it cannot (no kernels, a
+    element size, run width, vector unit and power of two dividing the runs; ``rest``: those it cannot (no kernels, a
     source whose last dim is not unit-stride, a run width that is no power of two)."""
     kernels = kernels_for(device)
     if kernels is None or not pairs or (device.type == "cuda" and device.index is not None
@@ -377,9 +377,11 @@ def permuted_tables(pairs: list, device: torch.device) -> tuple[list, list]:
             rest.append((d, s))
             continue
         unit = _permuted_unit(d, s3, multiples)
-        groups.setdefault((size, unit, w), []).append((d, s3))
+        runs = d.cols // w
+        # pairs whose runs share their largest power-of-two divisor share a tile shape
+        groups.setdefault((size, unit, w, runs & -runs), []).append((d, s3))
     tables = [PermutedTable(kernels, size, unit, w, got, device)
-              for (size, unit, w), got in groups.items()]
+              for (size, unit, w, _), got in groups.items()]
     return tables, rest
 
 
