@@ -157,7 +157,8 @@ def profile_list_case(args, device) -> None:
     prof.disable()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    pstats.Stats(prof).sort_stats("tottime").print_stats(14)
+    pstats.Stats(prof).sort_stats("tottime").print_stats(12)
+    pstats.Stats(prof).sort_stats("cumulative").print_stats(22)
 
 
 def pack_cases(args, device, measure) -> list[dict]:
