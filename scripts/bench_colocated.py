@@ -403,10 +403,6 @@ def run(rank: int, args, port: int, results) -> None:
         from megatron_reshard.engine.kernel_copies import PermutedTable
 
         PermutedTable.ROWS = args.permuted_rows
-    if args.permuted_stream:  # an experiment: streaming hints on its loads and stores
-        from megatron_reshard.engine.kernel_copies import PermutedTable
-
-        PermutedTable.STREAM = True
     _WaitClock.install(steps=args.timeline)
     if args.train_nap_s and rank == 0:  # an experiment: the training rank naps, never spins
         from megatron_reshard.engine import host_flags
@@ -558,8 +554,6 @@ def main(argv=None) -> int:
                     "permuted-row kernel's bytes per program (0: its default)")
     ap.add_argument("--permuted-rows", type=int, default=0, help="experiment: the "
                     "permuted-row kernel's rows per tile (0: its default)")
-    ap.add_argument("--permuted-stream", action="store_true", help="experiment: "
-                    "evict-first loads and streaming stores in the permuted-row kernel")
     ap.add_argument("--order-backends", nargs="+",
                     default=["checkpoint", "flashinfer_trtllm", "flashinfer_cutlass"])
     ap.add_argument("--port", type=int, default=29611)

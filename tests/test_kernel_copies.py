@@ -122,29 +122,11 @@ def test_large_pairs_span_many_programs_and_tiles(device):
               _bits((n, n), torch.float32, device, 3))]
     kernels = KernelCopies(pairs, device)
     units = sorted(getattr(t, "unit", 0) for t in kernels.tables)
-    # a block table of words (an odd count: no 16-byte vectors); tiles of 2 and 1 bytes,
-    # 16-byte vectors of fp32 and bf16
-    assert not kernels.rest and units == [1, 1, 1, 4, 8]
+    # a block table; tiles of 2 and 1 bytes, 16-byte vectors of fp32 and bf16
+    assert not kernels.rest and units == [0, 1, 1, 4, 8]
     kernels.run()
     for k, (dst, src) in enumerate(pairs):
         assert _equal(dst, src), k
-
-
-def test_block_table_moves_16_byte_vectors_where_every_pair_allows(device):
-    """Pairs of whole 16 bytes at 16-byte aligned addresses: counted in 16-byte units;
-    one pair 8 bytes off (or of an odd word count) puts the whole table back in words."""
-    n = BlockTable.BLOCK * 2 + 6  # words: ragged against the block, even
-    for off, want in ((0, 2), (1, 1)):
-        dst = torch.zeros(n + 1, dtype=torch.int64, device=device)[off:off + n]
-        pairs = [(dst, _bits((n,), torch.int64, device, 7)),
-                 (torch.zeros(34, dtype=torch.int64, device=device),
-                  _bits((34,), torch.int64, device, 8))]
-        kernels = KernelCopies(pairs, device)
-        assert [type(t) for t in kernels.tables] == [BlockTable]
-        assert kernels.tables[0].unit == want
-        kernels.run()
-        for k, (d, s) in enumerate(pairs):
-            assert _equal(d, s), (off, k)
 
 
 def test_an_engine_batch_hands_its_pairs_to_the_kernels_and_keeps_the_rest(device):

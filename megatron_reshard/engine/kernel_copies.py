@@ -65,36 +65,24 @@ def aligned_words(dst: torch.Tensor, src: torch.Tensor) -> bool:
 class BlockTable:
     """Contiguous, 8-byte aligned copies of any sizes in one Triton launch: one program per
     ``BLOCK`` words of some pair, found through a device map of program -> pair (4 bytes
-    per 32 KiB copied), so no program idles on a short pair. Addresses are offsets from
-    one base tensor and sizes are counts, both in units of ``unit`` words (2: every pair
-    16-byte aligned with a size of whole 16 bytes): the compiler then knows each pointer
-    and mask to hold 16-byte vectors (a pointer read from a table tells it nothing)."""
+    per 32 KiB copied), so no program idles on a short pair."""
 
     BLOCK = 4096  # 8-byte words per program
-    WARPS = 4
-    STREAM = False  # evict-first loads, streaming stores (an experiment: bench flags)
-    VECTORS = True  # 16-byte units where the pairs allow (False: words; an experiment)
 
     def __init__(self, kernels, pairs: list, device: torch.device):
         words = [d.numel() * d.element_size() // 8 for d, _ in pairs]
-        aligned = all((d.data_ptr() | s.data_ptr()) % VECTOR == 0 for d, s in pairs)
-        self.unit = 2 if self.VECTORS and aligned and all(w % 2 == 0 for w in words) else 1
-        self.base = pairs[0][0].view(-1).view(torch.int64)
-        base, step = self.base.data_ptr(), 8 * self.unit
-        offs = [x for d, s in pairs for x in ((d.data_ptr() - base) // step,
-                                              (s.data_ptr() - base) // step)]
         self.kernel = kernels.copy_blocks
-        self.offs = _table(offs, torch.int64, device)
-        self.words = _table([w // self.unit for w in words], torch.int64, device)
+        self.dst_ptrs = _table([d.data_ptr() for d, _ in pairs], torch.int64, device)
+        self.src_ptrs = _table([s.data_ptr() for _, s in pairs], torch.int64, device)
+        self.words = _table(words, torch.int64, device)
         blocks = [-(-w // self.BLOCK) for w in words]
         self.first, self.pair_of = _program_map(blocks, device)
         self.grid = (sum(blocks),)
         self._keep = pairs  # the views (and their storages) outlive the table
 
     def run(self) -> None:
-        self.kernel[self.grid](self.base, self.offs, self.words, self.first, self.pair_of,
-                               BLOCK=self.BLOCK, UNIT=self.unit, STREAM=self.STREAM,
-                               num_warps=self.WARPS)
+        self.kernel[self.grid](self.dst_ptrs, self.src_ptrs, self.words, self.first,
+                               self.pair_of, BLOCK=self.BLOCK)
 
 
 class Tiled(NamedTuple):
@@ -295,10 +283,12 @@ class PermutedTable:
     as many slots into each block; ``NB``, a power of two, divides every pair's runs
     (w2's 12 runs: 4 at most), so no lane is masked off at a row's end."""
 
-    TILE_BYTES = 32 << 10
-    ROWS = 8       # rows per tile (at least; more where the runs per tile are few)
+    # measured on one H200 (docs/MEASUREMENTS.md), TRTLLM's w13 and w2 of a 30B-A3B layer
+    # per expert: 16 KiB tiles of 32 rows x 4 runs 97-98% of the checkpoint-order copy,
+    # 32 KiB of 8 rows x 32 runs (the earlier shape) 91-95%, streaming hints 92-94%
+    TILE_BYTES = 16 << 10
+    ROWS = 32  # rows per tile (at least; more where the runs per tile are few)
     WARPS = 4
-    STREAM = False  # evict-first loads, streaming stores (an experiment: bench flags)
 
     def __init__(self, kernels, itemsize: int, unit: int, width: int, pairs: list,
                  device: torch.device):
@@ -332,8 +322,7 @@ class PermutedTable:
     def run(self) -> None:
         self.kernel[self.grid](self.base, self.offs, self.meta, self.outer, self.inner,
                                self.first, self.pair_of, UNIT=self.unit, W=self.width,
-                               BR=self.br, NB=self.nb, STREAM=self.STREAM,
-                               num_warps=self.WARPS)
+                               BR=self.br, NB=self.nb, num_warps=self.WARPS)
 
 
 def _permuted_unit(dst: PermutedRows, src: torch.Tensor, multiples: dict) -> int:
@@ -358,8 +347,9 @@ def _permuted_unit(dst: PermutedRows, src: torch.Tensor, multiples: dict) -> int
 
 def permuted_tables(pairs: list, device: torch.device) -> tuple[list, list]:
     """``(tables, rest)``: the ``(PermutedRows, src)`` pairs the kernel takes, one table per
-    element size, run width, vector unit and power of two dividing the runs; ``rest``: those it cannot (no kernels, a
-    source whose last dim is not unit-stride, a run width that is no power of two)."""
+    element size, run width, vector unit and power of two dividing the runs; ``rest``:
+    those it cannot (no kernels, a source whose last dim is not unit-stride, a run width
+    that is no power of two)."""
     kernels = kernels_for(device)
     if kernels is None or not pairs or (device.type == "cuda" and device.index is not None
                                         and device.index != torch.cuda.current_device()):
@@ -504,21 +494,15 @@ def triton_kernels() -> Optional[_Kernels]:
         return None
 
     @triton.jit
-    def copy_blocks(base, offs, words, first, pair_of, BLOCK: tl.constexpr,
-                    UNIT: tl.constexpr, STREAM: tl.constexpr):
-        # offsets and sizes in UNITs of words: multiples of UNIT once multiplied back
+    def copy_blocks(dst_ptrs, src_ptrs, words, first, pair_of, BLOCK: tl.constexpr):
         block = tl.program_id(0)
         pair = tl.load(pair_of + block)
-        n = tl.load(words + pair) * UNIT
-        offs_in = (block - tl.load(first + pair)).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs_in < n
-        dst = base + tl.load(offs + 2 * pair) * UNIT
-        src = base + tl.load(offs + 2 * pair + 1) * UNIT
-        if STREAM:
-            got = tl.load(src + offs_in, mask=mask, eviction_policy="evict_first")
-            tl.store(dst + offs_in, got, mask=mask, cache_modifier=".cs")
-        else:
-            tl.store(dst + offs_in, tl.load(src + offs_in, mask=mask), mask=mask)
+        n = tl.load(words + pair)
+        offs = (block - tl.load(first + pair)).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        src = tl.load(src_ptrs + pair).to(tl.pointer_type(tl.int64))
+        dst = tl.load(dst_ptrs + pair).to(tl.pointer_type(tl.int64))
+        tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
 
     @triton.jit
     def copy_tiles(base, offs, meta, first, pair_of, KIND: tl.constexpr, UNIT: tl.constexpr,
@@ -549,8 +533,7 @@ def triton_kernels() -> Optional[_Kernels]:
 
     @triton.jit
     def copy_permuted(base, offs, meta, outer_ptrs, inner_ptrs, first, pair_of,
-                      UNIT: tl.constexpr, W: tl.constexpr, BR: tl.constexpr, NB: tl.constexpr,
-                      STREAM: tl.constexpr):
+                      UNIT: tl.constexpr, W: tl.constexpr, BR: tl.constexpr, NB: tl.constexpr):
         # meta per pair: outer, inner, runs, src outer and inner strides, apart (units)
         tile = tl.program_id(0)
         pair = tl.load(pair_of + tile)
@@ -575,11 +558,7 @@ def triton_kernels() -> Optional[_Kernels]:
         s = base + ((tl.load(offs + 2 * pair + 1) + srow)[:, None, None]
                     + (b * (W // UNIT))[None, :, None]) * UNIT + k
         mask = live[:, None, None] & (b < runs)[None, :, None]  # broadcast along the run
-        if STREAM:
-            got = tl.load(s, mask=mask, eviction_policy="evict_first")
-            tl.store(d, got, mask=mask, cache_modifier=".cs")
-        else:
-            tl.store(d, tl.load(s, mask=mask), mask=mask)
+        tl.store(d, tl.load(s, mask=mask), mask=mask)
 
     _BUILT.append(_Kernels(copy_blocks, copy_tiles, copy_permuted))
     return _BUILT[0]
