@@ -191,3 +191,71 @@ def test_tiles_of_any_shape_cover_column_sub_boxes(device, monkeypatch, rows_per
         t.run()
     want = blocks(w.cpu())
     assert torch.equal(_bits(storage.cpu()), _bits(want))
+
+
+def _engine_into_rows(job, cases):
+    """Ranks 0-2 of a gloo world: for each case, the training side shards an expert tensor
+    over ``src`` ranks, the generation side (``dst`` ranks, replicated) writes it into a
+    storage in the ``blocks`` order through ``PermutedRows`` destinations: local copies
+    where a rank is on both sides, staged unpacks of what it receives. Two calls per
+    case with new values (the second runs the kept program and copy batches). Returns each
+    generation rank's storages (bits) and what it was sent."""
+    from megatron_reshard.engine import Planner, Transfer, xfer_batch
+    from megatron_reshard.layout.placements import MeshInfo
+    from megatron_reshard.tools.worlds import init_gloo_world
+    from torch.distributed.tensor import Replicate, Shard
+
+    init_gloo_world(job)
+    order = _order(blocks)
+    planner, out = Planner(), []
+    for src_ranks, shard_dim, dst_ranks, fused in cases:
+        got = []
+        for call in range(2):
+            transfers, storages, sent = [], [], []
+            for p in range(2 if fused else 1):  # two small params of one layout fuse
+                w = _nan_bits((E, R, C), torch.bfloat16, 10 * call + p)
+                sent.append(w)
+                src = dst = None
+                if job.rank in src_ranks:
+                    n = len(src_ranks)
+                    part = src_ranks.index(job.rank)
+                    src = w.tensor_split(n, dim=shard_dim)[part].contiguous()
+                storage = torch.zeros(E, R, C, dtype=torch.bfloat16)
+                storages.append(storage)
+                if job.rank in dst_ranks:
+                    dst = order.permuted_rows(storage, BOXES[p % 2])
+                box_w = _values(w, BOXES[p % 2])
+                t = Transfer(f"experts{p}", tuple(box_w.shape), torch.bfloat16,
+                             MeshInfo(torch.tensor(src_ranks)), [Shard(shard_dim)],
+                             MeshInfo(torch.tensor(dst_ranks)), [Replicate()],
+                             src if src is None else box_w.tensor_split(
+                                 len(src_ranks), dim=shard_dim)[src_ranks.index(job.rank)],
+                             dst)
+                transfers.append(t)
+            xfer_batch(transfers, None, planner=planner, staging_bytes=1 << 20)
+            got.append(([_bits(s) for s in storages], [_bits(w) for w in sent]))
+        out.append(got)
+    return out
+
+
+@pytest.mark.parametrize("cases", [
+    # rows split over two training ranks, one of them also a generation rank (a local copy
+    # and a staged unpack on it, unpacks only on the other)
+    [([0, 1], 1, [1, 2], False)],
+    # columns split in three: pieces that cut the 16-column runs (the index-copy path)
+    # and two small params of one layout, fused (their image written into the order)
+    [([0, 1, 2], 2, [1, 2], False), ([0], 1, [1, 2], True)],
+])
+def test_the_engine_unpacks_and_copies_straight_into_permuted_rows(pool, cases):
+    """Over a real gloo group: the generation ranks' storages equal the conversion
+    (``blocks``) of what was sent, bit for bit, padding untouched, after each call."""
+    results = pool.run(_engine_into_rows, 3, cases, timeout_s=120)
+    for rank in (1, 2):
+        for (_, _, dst_ranks, _), calls in zip(cases, results[rank]):
+            for storages, sent in calls:
+                for p, (got, w) in enumerate(zip(storages, sent)):
+                    box = BOXES[p % 2]
+                    full = torch.zeros(E, R, C, dtype=torch.bfloat16)
+                    full[tuple(slice(a, b) for a, b in box)] = \
+                        _values(w.view(torch.bfloat16), box)
+                    assert torch.equal(got, _bits(blocks(full))), (rank, p)

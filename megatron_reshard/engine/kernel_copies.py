@@ -248,15 +248,69 @@ class PermutedRows:
 
     def write(self, values: torch.Tensor) -> None:
         """``values`` (the box, checkpoint order) into the storage with torch ops: where the
-        kernel does not run (CPU tensors, no Triton)."""
-        flat = self.storage.view(-1)
-        flat.index_copy_(0, self.offsets().view(-1), values.reshape(-1).to(flat.dtype))
+        kernel does not run (CPU tensors, no Triton); as integers where the dtypes agree
+        (bits, NaN payloads included)."""
+        _index_write(self.storage, self.offsets().view(-1), values)
+
+    def read(self) -> torch.Tensor:
+        """The box's elements in checkpoint order (a gather: checksums, tests)."""
+        return self.storage.view(-1)[self.offsets().view(-1)].view(self.shape)
+
+    def key(self) -> tuple:
+        """What a kept copy batch compares between calls, as a tensor's ``data_ptr``: the
+        storage, the first element and the term tables (by address) with the geometry."""
+        return (self.storage.data_ptr(), self.first, self.outer.data_ptr(), self.outer.numel(),
+                self.inner.data_ptr(), self.inner.numel(), self.width, self.apart, self.cols)
+
+    def box(self, index: tuple) -> "PermutedRows | ScatteredRows":
+        """The elements ``index`` (three slices) selects: a ``PermutedRows`` where they
+        form a box whose columns start and end on whole runs, else their offsets."""
+        if all(sl.step in (None, 1) for sl in index):
+            got = self.sub([(sl.start, sl.stop) for sl in index])
+            if got is not None:
+                return got
+        return ScatteredRows(self.storage, self.offsets()[index])
 
     def unbind(self, dim: int = 0) -> list:
         """One box per index of the outer dim (a stacked destination read from members)."""
         if dim != 0:
             raise BadInputError(f"PermutedRows unbinds along dim 0 only, not {dim}")
         return [replace(self, outer=self.outer[o:o + 1]) for o in range(self.shape[0])]
+
+
+@dataclass(frozen=True, eq=False)
+class ScatteredRows:
+    """A box of a ``PermutedRows`` that cuts its runs: each element's storage offset
+    (box-shaped), written with torch ops (a process-group piece that splits a run; rare)."""
+
+    storage: torch.Tensor
+    index: torch.Tensor
+
+    @property
+    def shape(self) -> tuple:
+        return tuple(self.index.shape)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.storage.dtype
+
+    def key(self) -> tuple:
+        return (self.storage.data_ptr(), self.index.data_ptr(), self.shape)
+
+    def write(self, values: torch.Tensor) -> None:
+        _index_write(self.storage, self.index.reshape(-1), values)
+
+    def read(self) -> torch.Tensor:
+        return self.storage.view(-1)[self.index.reshape(-1)].view(self.shape)
+
+
+def _index_write(storage: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:
+    flat = storage.view(-1)
+    if values.dtype == flat.dtype and flat.element_size() in _INTS:
+        ints = _INTS[flat.element_size()]
+        flat.view(ints).index_copy_(0, index, values.reshape(-1).view(ints))
+        return
+    flat.index_copy_(0, index, values.reshape(-1).to(flat.dtype))
 
 
 def _src3(src: torch.Tensor, shape: tuple) -> Optional[torch.Tensor]:
