@@ -259,3 +259,38 @@ def test_the_engine_unpacks_and_copies_straight_into_permuted_rows(pool, cases):
                     full[tuple(slice(a, b) for a, b in box)] = \
                         _values(w.view(torch.bfloat16), box)
                     assert torch.equal(got, _bits(blocks(full))), (rank, p)
+
+
+def test_an_engine_copy_batch_writes_permuted_rows_through_the_kernel(device):
+    """The engine's ``Copies`` with permuted-row destinations (local copies and unpacks
+    of the process-group path): whole boxes go to the permuted-row kernel, a box that cuts
+    runs to the index copy, a tensor read from the order (a forwarded send) to a gather;
+    three runs (the third replays the batch's CUDA graph on CUDA), bit for bit."""
+    from megatron_reshard.engine.copies import Copies
+
+    order = _order(blocks)
+    order = KernelOrder(order.backend, tuple(t.to(device) for t in order.terms))
+    w = _nan_bits((E, R, C), torch.bfloat16, 4).to(device)
+    storage = torch.zeros_like(w)
+    copies = Copies()
+    for e, rows, _ in BOXES:  # each box in two, cut at column 40 (inside a run)
+        dst = order.permuted_rows(storage, (e, rows, (0, C)))
+        copies.exact(dst.box((slice(0, E), slice(0, rows[1] - rows[0]), slice(0, 40))),
+                     _values(w, (e, rows, (0, 40))))
+        copies.exact(dst.box((slice(0, E), slice(0, rows[1] - rows[0]), slice(40, C))),
+                     _values(w, (e, rows, (40, C))))
+    copies.exact(order.permuted_rows(storage, BOXES[0]).box(
+        (slice(0, E), slice(0, KEEP), slice(B, 3 * B))), _values(w, (BOXES[0][0], BOXES[0][1],
+                                                                       (B, 3 * B))))
+    back = torch.zeros(E, KEEP, C, dtype=torch.bfloat16, device=device)
+    reader = Copies()
+    reader.exact(back, order.permuted_rows(storage, BOXES[1]))
+    want = blocks(w.cpu())
+    for _ in range(3):
+        storage.zero_()
+        copies.run()
+        assert torch.equal(_bits(storage.cpu()), _bits(want))
+        reader.run()
+        assert torch.equal(_bits(back.cpu()), _bits(_values(w, BOXES[1]).cpu()))
+    if device.type == "cuda" or copies.row_tables:  # the kernel took the whole-run boxes
+        assert len(copies.row_tables) == 1 and len(copies.rows) == 4
