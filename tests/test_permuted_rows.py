@@ -294,3 +294,25 @@ def test_an_engine_copy_batch_writes_permuted_rows_through_the_kernel(device):
         assert torch.equal(_bits(back.cpu()), _bits(_values(w, BOXES[1]).cpu()))
     if device.type == "cuda" or copies.row_tables:  # the kernel took the whole-run boxes
         assert len(copies.row_tables) == 1 and len(copies.rows) == 4
+
+
+def test_the_colocated_copy_batch_takes_boxes_that_cut_runs():
+    """A colocated read whose box cuts the order's runs (a train split off the 16-column
+    blocks): its elements' offsets, filled per expert from members, written by index
+    copies; the rest of the box through the permuted rows. Bit for bit."""
+    from megatron_reshard.engine.colocated_copies import _paired
+
+    order = _order(blocks)
+    w = _nan_bits((E, R, C), torch.bfloat16, 5)
+    storage = torch.zeros_like(w)
+    pairs = []
+    for e, rows, _ in BOXES:
+        dst = order.permuted_rows(storage, (e, rows, (0, C)))
+        n = rows[1] - rows[0]
+        for c0, c1 in ((0, 40), (40, C)):
+            members = [w[k, rows[0]:rows[1], c0:c1] for k in range(E)]
+            pairs += _paired([dst.box((slice(0, E), slice(0, n), slice(c0, c1)))], members)
+    batch = CopyBatch(pairs, torch.device("cpu"))
+    assert batch.pairs == 4 * E
+    batch.run()
+    assert torch.equal(_bits(storage), _bits(blocks(w)))

@@ -64,7 +64,7 @@ class FlatRef(NamedTuple):
 
 class RowsRef(NamedTuple):
     """A box of tensor ``k`` of the call, a destination in a kernel's permuted-row order
-    (``kernel_copies.PermutedRows``); ``view``: the box, relative to the local tensor."""
+    (``kernel_copies.PermutedRows``); ``view``: the piece's slices of it."""
 
     k: int
     view: tuple
@@ -178,8 +178,8 @@ class Copies:
     def exact(self, dst, src: torch.Tensor) -> None:
         """A typed pair as it is (the caller has made words of it where it could), copied
         as integers of its element size; ``dst`` may be a box in a kernel's permuted-row
-        order (``kernel_copies.PermutedRows``, or ``ScatteredRows`` where it cuts runs), and
-    so may ``src`` (a phase-1 send forwarding what a generation rank received)."""
+        order (``kernel_copies.PermutedRows``, or ``ScatteredRows`` where it cuts runs),
+        and so may ``src`` (a phase-1 send forwarding what a generation rank received)."""
         if not isinstance(dst, torch.Tensor):
             self.rows.append((dst, src))
             return

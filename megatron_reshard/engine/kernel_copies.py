@@ -290,18 +290,24 @@ class ScatteredRows:
     def shape(self) -> tuple:
         return tuple(self.index.shape)
 
+    def numel(self) -> int:
+        return self.index.numel()
+
     @property
     def dtype(self) -> torch.dtype:
         return self.storage.dtype
-
-    def key(self) -> tuple:
-        return (self.storage.data_ptr(), self.index.data_ptr(), self.shape)
 
     def write(self, values: torch.Tensor) -> None:
         _index_write(self.storage, self.index.reshape(-1), values)
 
     def read(self) -> torch.Tensor:
         return self.storage.view(-1)[self.index.reshape(-1)].view(self.shape)
+
+    def unbind(self, dim: int = 0) -> list:
+        """One box per index of dim 0 (filled from members, as ``PermutedRows.unbind``)."""
+        if dim != 0:
+            raise BadInputError(f"ScatteredRows unbinds along dim 0 only, not {dim}")
+        return [ScatteredRows(self.storage, self.index[o:o + 1]) for o in range(self.shape[0])]
 
 
 def _index_write(storage: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:
