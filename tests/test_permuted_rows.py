@@ -316,3 +316,22 @@ def test_the_colocated_copy_batch_takes_boxes_that_cut_runs():
     assert batch.pairs == 4 * E
     batch.run()
     assert torch.equal(_bits(storage), _bits(blocks(w)))
+
+
+def test_checksums_read_a_permuted_row_destination_in_checkpoint_order():
+    """``verify_checksums`` on a generation rank whose buffer is the order's storage: the
+    box's checksum is that of its checkpoint-order values, and a planted wrong row (its
+    bytes in another slot) changes it."""
+    from megatron_reshard.refit.checksums import buffer_checksum
+
+    order = _order(blocks)
+    w = _nan_bits((E, R, C), torch.bfloat16, 6)
+    storage = torch.zeros_like(w)
+    box = BOXES[1]
+    rows = order.permuted_rows(storage, box)
+    rows.write(_values(w, box))
+    origin = tuple(a for a, _ in box)
+    want = buffer_checksum(_values(w, box).clone(), box, origin)
+    assert torch.equal(buffer_checksum(rows, box, origin), want)
+    storage.view(-1)[rows.offsets()[0, 0]] = storage.view(-1)[rows.offsets()[0, 1]]
+    assert not torch.equal(buffer_checksum(rows, box, origin), want)
