@@ -399,6 +399,10 @@ def run(rank: int, args, port: int, results) -> None:
         from megatron_reshard.engine.kernel_copies import PermutedTable
 
         PermutedTable.TILE_BYTES = args.permuted_tile_kib << 10
+    if args.permuted_rows:  # an experiment: the permuted-row kernel's rows per tile
+        from megatron_reshard.engine.kernel_copies import PermutedTable
+
+        PermutedTable.ROWS = args.permuted_rows
     _WaitClock.install(steps=args.timeline)
     if args.train_nap_s and rank == 0:  # an experiment: the training rank naps, never spins
         from megatron_reshard.engine import host_flags
@@ -548,6 +552,8 @@ def main(argv=None) -> int:
                     "shapes), or 'synthetic' (FlashInfer-like orders for any shape)")
     ap.add_argument("--permuted-tile-kib", type=int, default=0, help="experiment: the "
                     "permuted-row kernel's bytes per program (0: its default)")
+    ap.add_argument("--permuted-rows", type=int, default=0, help="experiment: the "
+                    "permuted-row kernel's rows per tile (0: its default)")
     ap.add_argument("--order-backends", nargs="+",
                     default=["checkpoint", "flashinfer_trtllm", "flashinfer_cutlass"])
     ap.add_argument("--port", type=int, default=29611)

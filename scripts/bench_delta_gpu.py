@@ -8,9 +8,10 @@ MiB (``old``) and ``new`` with that fraction of its elements changed (one bit fl
 random places). Timed, median of ``--iters`` with the device synchronised (a cut includes
 its one host read of the count):
 
-- ``cut``: ``refit.delta_transport.encode(new, old)`` (on CUDA: ``mark`` and ``changed``
-  of ``refit.delta_kernels``, then torch ops on the changed set: DIFF8 steps, GAPS bytes),
-  the torch path (``MEGATRON_RESHARD_DELTA_KERNELS=0``), and ``mark`` alone;
+- ``cut``: ``refit.delta_transport.encode(new, old)`` (on CUDA: ``refit.delta_kernels.Cut``,
+  whose scan of the region and host read of the totals are also timed alone as ``find``,
+  its one kernel over the region, ``cut_mark``, alone as ``scan``, then its ``payload``),
+  and the torch path (``MEGATRON_RESHARD_DELTA_KERNELS=0``);
 - ``apply``: ``apply`` of that payload into a contiguous copy of ``old`` and into a column
   block (half the columns of a [rows, 2 x cols] tensor), and the torch path's apply;
 - ``memcpy``: ``dst.copy_(src)`` of the region's bytes.
@@ -53,6 +54,22 @@ def _torch_path(fn):
         del os.environ["MEGATRON_RESHARD_DELTA_KERNELS"]
 
 
+def _scan_alone(delta_kernels, new, old):
+    """A launch of the cut's region scan alone (``cut_mark``), its outputs allocated once:
+    the bound the rest of the cut adds to."""
+    import triton.language as tl
+
+    a, b = new.view(torch.int16).reshape(-1), old.view(torch.int16).reshape(-1)
+    block = delta_kernels.BLOCK
+    blocks = -(-a.numel() // block)
+    mask = torch.empty(blocks * block // 16, dtype=torch.int16, device=a.device)
+    stats = torch.empty(3, blocks, dtype=torch.int64, device=a.device)
+    firsts, lasts = torch.empty_like(stats[0]), torch.empty_like(stats[0])
+    mark = delta_kernels._kernels().cut_mark
+    return lambda: mark[(blocks,)](a, b, a.numel(), mask, stats, firsts, lasts, blocks,
+                                   STEP=tl.int32, BLOCK=block, num_warps=delta_kernels.WARPS)
+
+
 def main(argv=None) -> int:
     from megatron_reshard.refit.delta_transport import apply, encode, encoding_name
 
@@ -63,8 +80,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rates", default=",".join(map(str, RATES)))
     ap.add_argument("--block", type=int, default=0, help="elements per program (0: default)")
     ap.add_argument("--warps", type=int, default=0, help="warps per program (0: default)")
-    ap.add_argument("--two-pass", action="store_true",
-                    help="mark then compact (no per-block scratch written by mark)")
+    ap.add_argument("--chunk", type=int, default=0, help="index entries per program of the "
+                    "apply (0: default)")
     ap.add_argument("--no-torch", action="store_true", help="skip timing the torch path")
     args = ap.parse_args(argv)
     from megatron_reshard.refit import delta_kernels
@@ -73,7 +90,8 @@ def main(argv=None) -> int:
         delta_kernels.BLOCK = args.block
     if args.warps:
         delta_kernels.WARPS = args.warps
-    delta_kernels.FUSED = not args.two_pass
+    if args.chunk:
+        delta_kernels.CHUNK = args.chunk
     dev = torch.device("cuda")
     cols = 4096
     rows = args.mib * 2**20 // 2 // cols
@@ -99,7 +117,8 @@ def main(argv=None) -> int:
             payload is None if t_payload is None else torch.equal(payload, t_payload))
         del t_payload
         cut_s = _median_s(lambda: encode(new, old), args.iters)
-        mark_s = _median_s(lambda: delta_kernels.mark(new, old), args.iters)
+        find_s = _median_s(lambda: delta_kernels.Cut(new, old), args.iters)
+        scan_s = _median_s(_scan_alone(delta_kernels, new, old), args.iters)
         cut_torch_s = float("inf") if args.no_torch else _torch_path(
             lambda: _median_s(lambda: encode(new, old), args.torch_iters))
         exact = same_payload
@@ -118,7 +137,7 @@ def main(argv=None) -> int:
         gb = nbytes / 1e9
         out.append({"rate": rate, "changed": count, "encoding": encoding_name(enc),
                     "payload_mib": 0 if payload is None else payload.numel() / 2**20,
-                    "cut_gbps": gb / cut_s, "mark_gbps": gb / mark_s,
+                    "cut_gbps": gb / cut_s, "find_gbps": gb / find_s, "scan_gbps": gb / scan_s,
                     "cut_torch_gbps": gb / cut_torch_s,
                     "apply_gbps": gb / timings["contiguous"],
                     "apply_block_gbps": gb / timings["column block"],
@@ -129,15 +148,15 @@ def main(argv=None) -> int:
     print(f"delta cut / apply on {torch.cuda.get_device_name(dev)}, torch {torch.__version__}, "
           f"region {args.mib} MiB bf16 [{rows}, {cols}], median of {args.iters} "
           f"(torch path: {args.torch_iters}); memcpy {gb / memcpy_s:.0f} GB/s; "
-          f"{delta_kernels.BLOCK} elements, {delta_kernels.WARPS} warps a program, "
-          f"{'fused mark' if delta_kernels.FUSED else 'two-pass'} cut")
-    print(f"{'rate':>6} {'encoding':14} {'payload MiB':>11} {'cut GB/s':>9} {'cut/mc':>7} {'mark/mc':>7} "
+          f"cut: {delta_kernels.BLOCK} elements, {delta_kernels.WARPS} warps a program; apply: "
+          f"{delta_kernels.CHUNK} entries, {delta_kernels.APPLY_WARPS} warps")
+    print(f"{'rate':>6} {'encoding':14} {'payload MiB':>11} {'cut GB/s':>9} {'cut/mc':>7} {'scan/mc':>7} {'find/mc':>7} "
           f"{'apply GB/s':>10} {'apply/mc':>8} {'block/mc':>8} {'cut+apply/mc':>12} "
           f"{'torch cut/mc':>12} {'torch apply/mc':>14} exact")
     for r in out:
         mc = r["memcpy_gbps"]
         print(f"{100 * r['rate']:5.1f}% {r['encoding']:14} {r['payload_mib']:11.1f} "
-              f"{r['cut_gbps']:9.0f} {100 * r['cut_gbps'] / mc:6.0f}% {100 * r['mark_gbps'] / mc:6.0f}% "
+              f"{r['cut_gbps']:9.0f} {100 * r['cut_gbps'] / mc:6.0f}% {100 * r['scan_gbps'] / mc:6.0f}% {100 * r['find_gbps'] / mc:6.0f}% "
               f"{r['apply_gbps']:10.0f} "
               f"{100 * r['apply_gbps'] / mc:7.0f}% {100 * r['apply_block_gbps'] / mc:7.0f}% "
               f"{100 * r['cut_apply_gbps'] / mc:11.0f}% {100 * r['cut_torch_gbps'] / mc:11.0f}% "

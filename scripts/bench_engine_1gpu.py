@@ -116,6 +116,51 @@ def local_cases(args, device, measure) -> list[dict]:
     return rows
 
 
+def profile_list_case(args, device) -> None:
+    """Where one call of the experts-as-a-list local copy spends its host time: CPU time
+    of the calling thread per call, then cProfile's top functions over 200 calls."""
+    import cProfile
+    import pstats
+
+    from torch.distributed.tensor import Replicate, Shard
+
+    from megatron_reshard.engine import Planner, Transfer, xfer_batch
+    from megatron_reshard.layout.placements import MeshInfo
+
+    me = MeshInfo(torch.tensor([0]))
+    e, r, c = (8, 64, 48) if args.small else (128, 2048, 768)
+    bf16 = torch.bfloat16
+    s = [torch.randn(r, c, device=device).to(bf16) for _ in range(e)]
+    d = torch.empty(e, r, c, dtype=bf16, device=device)
+    t = Transfer("experts", (e, r, c), bf16, me, (Shard(0),), me, (Replicate(),), s, d)
+    planner = Planner()
+
+    def call():
+        xfer_batch([t], None, planner=planner, agree=False)
+    for _ in range(5):
+        call()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    host = []
+    for _ in range(50):
+        c0 = time.thread_time()
+        call()
+        host.append(time.thread_time() - c0)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    print(f"experts as a list: host CPU time per call {1e6 * statistics.median(host):.1f} µs "
+          f"(median of 50)")
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(200):
+        call()
+    prof.disable()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    pstats.Stats(prof).sort_stats("tottime").print_stats(12)
+    pstats.Stats(prof).sort_stats("cumulative").print_stats(22)
+
+
 def pack_cases(args, device, measure) -> list[dict]:
     """The staging copies of rank 0 of 2-rank reshards, without the wire: the strided
     pack of S(0) -> S(1) (its source's column block for the peer) and the strided
@@ -154,6 +199,84 @@ def pack_cases(args, device, measure) -> list[dict]:
 
         rows.append(_row(f"{what[:-1]}_strided_{len(plans)}_rounds", nbytes, run, device,
                          measure, args))
+    return rows
+
+
+def _block_order(e: int, r: int, c: int, device):
+    """A FlashInfer-TRTLLM-like order of an ``[e, r, c]`` expert tensor: each group of 32
+    rows interleaved (row j to slot (j % 4) * 8 + j // 4, as TRTLLM's w2), columns in
+    blocks of 64 elements (16 for the small shapes) stored block-major."""
+    from megatron_reshard.vllm_layout.kernel_order import KernelOrder
+
+    width = 64 if c % 64 == 0 else 16
+    j = torch.arange(r)
+    slot = (j // 32) * 32 + (j % 32 % 4) * 8 + j % 32 // 4
+    cols = torch.arange(c)
+    terms = (torch.arange(e) * r * c, slot * width, (cols // width) * r * width + cols % width)
+    return KernelOrder("trtllm-like", terms).to(device)
+
+
+def ordered_cases(args, device, measure) -> list[dict]:
+    """The process-group path into a kernel's permuted-row order (issue 34): a rank's
+    experts as a list copied locally into a TRTLLM-like order, and the staged unpack of
+    the peer's half of each expert's rows (rank 0 of S(1) -> S(0) on two ranks, without
+    the wire), each beside the same into checkpoint order; bit-checked through the order."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    from megatron_reshard.engine import Planner, Transfer, xfer_batch
+    from megatron_reshard.engine.plan import layout_key
+    from megatron_reshard.engine.program import Program
+    from megatron_reshard.engine.schedule import build_schedule
+    from megatron_reshard.layout.placements import MeshInfo
+
+    e, r, c = (8, 64, 48) if args.small else (128, 2048, 768)
+    bf16 = torch.bfloat16
+    order = _block_order(e, r, c, device)
+    box = ((0, e), (0, r), (0, c))
+    me = MeshInfo(torch.tensor([0]))
+    rows = []
+    src = [torch.randn(r, c, device=device).to(bf16) for _ in range(e)]
+    for name, ordered in (("local_list_checkpoint", False), ("local_list_ordered", True)):
+        storage = torch.zeros(e, r, c, dtype=bf16, device=device)
+        dst = order.permuted_rows(storage, box) if ordered else storage
+        t = Transfer(name, (e, r, c), bf16, me, (Shard(0),), me, (Replicate(),), src, dst)
+        planner = Planner()
+        rows.append(_row(name, storage.numel() * 2,
+                         lambda: xfer_batch([t], None, planner=planner, agree=False),
+                         device, measure, args))
+        got = dst.read() if ordered else storage
+        assert torch.equal(got.view(torch.int16), torch.stack(src).view(torch.int16)), name
+    both = MeshInfo(torch.tensor([0, 1]))
+    whole = torch.randn(e, r, c, device=device).to(bf16)
+    budget = args.staging_mib << 20
+    got = []
+    for name, ordered in (("unpack_rows_checkpoint", False), ("unpack_rows_ordered", True)):
+        storage = torch.zeros(e // 2, r, c, dtype=bf16, device=device)
+        dst = (order.permuted_rows(storage, ((0, e // 2), (0, r), (0, c))) if ordered
+               else storage)
+        t = Transfer("w", (e, r, c), bf16, both, (Shard(1),), both, (Shard(0),),
+                     whole[:, : r // 2].contiguous(), dst)
+        plan = Planner().plan(layout_key((e, r, c), both, (Shard(1),), both, (Shard(0),)))
+        prog = Program(build_schedule([plan], [2], 0, budget, {(0, 1)}), [t], [plan], 0)
+        tensors = [t.src, dst]
+        plans = [rd.unpacks for rd in prog.rounds if rd.unpacks]
+        buf = torch.empty(max(rd.nbytes for rd in prog.rounds), dtype=torch.uint8,
+                          device=device)
+        nbytes = sum(nb for p in plans for _, _, nb in p.flat) + sum(
+            math.prod(shape) * dtype.itemsize for p in plans for _, dtype, shape, *_ in p.typed)
+        # the same bytes in the buffer for both cases: as if the peer's rows had arrived
+        g = torch.Generator(device=device).manual_seed(7)
+        buf.copy_(torch.randint(0, 256, buf.shape, dtype=torch.uint8, device=device,
+                                generator=g))
+
+        def run(plans=plans, prog=prog, tensors=tensors, buf=buf):
+            for p in plans:
+                prog.stage(buf, p, tensors, pack=False)
+
+        rows.append(_row(name, nbytes, run, device, measure, args))
+        got.append(dst.read() if ordered else storage)
+    # the same unpack into two layouts: equal element for element (bits)
+    assert torch.equal(got[0].view(torch.int16), got[1].view(torch.int16)), "unpack differs"
     return rows
 
 
@@ -216,6 +339,8 @@ def main(argv=None) -> int:
     ap.add_argument("--queued", type=int, default=8,
                     help="calls back to back for the queued figure")
     ap.add_argument("--json", default=None, help="also write the rows here")
+    ap.add_argument("--profile", action="store_true",
+                    help="first profile the host time of the experts-as-a-list call")
     args = ap.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda":
@@ -238,7 +363,10 @@ def main(argv=None) -> int:
     print(f"engine, one process on {name}, torch {torch.__version__}, copy kernels {kernels}, "
           f"{time.strftime('%Y-%m-%d %H:%M:%S')}",
           flush=True)
-    copies = local_cases(args, device, measure) + pack_cases(args, device, measure)
+    if args.profile:
+        profile_list_case(args, device)
+    copies = (local_cases(args, device, measure) + pack_cases(args, device, measure)
+              + ordered_cases(args, device, measure))
     print(f"{'case':<28}{'MiB':>9}{'engine ms':>11}{'GB/s':>9}{'memcpy ms':>11}{'GB/s':>9}"
           f"{'engine/memcpy':>15}{'queued':>8}")
     for r in copies:

@@ -4,6 +4,8 @@
     .venv-vllm/bin/python scripts/bench_kernel_order.py learn --out orders.pt
     # 2. on a GPU (torch only): time the writes
     python scripts/bench_kernel_order.py bench --orders orders.pt
+    # or the permuted-row kernel's tile shapes on a colocated refit's per-expert writes
+    python scripts/bench_kernel_order.py sweep --orders orders.pt
 
 ``learn`` builds one Qwen3-30B-A3B MoE layer (128 experts, hidden 2048, expert
 intermediate 768: one generation rank at TP1) in vLLM 0.33 on the CPU with
@@ -172,6 +174,94 @@ def bench(orders_file: str, iters: int, device: torch.device) -> int:
     return 0 if all(r["bit_exact"] for r in rows) else 1
 
 
+def sweep(orders_file: str, iters: int, device: torch.device) -> int:
+    """The permuted-row kernel's tile shapes (rows per tile, bytes per tile, warps) on
+    the writes a colocated refit issues for one TRTLLM layer: per expert, w13's gate and
+    up rows and w2, each from its own source tensor (the training rank's experts);
+    checkpoint order: the same pairs into contiguous expert slices (``BlockTable``).
+    Every configuration bit-checked; median of ``iters``, same run, against a memcpy."""
+    from megatron_reshard.engine.kernel_copies import BlockTable, KernelCopies, PermutedTable
+    from megatron_reshard.engine.kernel_copies import permuted_tables
+    from megatron_reshard.vllm_layout.kernel_order import KernelOrder
+
+    saved = torch.load(orders_file, weights_only=False)
+    order_pairs, ckpt_pairs, checks, plains = [], [], [], []
+    for leaf in ("w13_weight", "w2_weight"):
+        item = saved[f"flashinfer_trtllm/{leaf}"]
+        order = KernelOrder(item["backend"], tuple(item["terms"])).to(device)
+        shape = tuple(item["shape"])
+        storage = torch.zeros(shape, dtype=torch.bfloat16, device=device)
+        plain = torch.zeros(shape, dtype=torch.bfloat16, device=device)
+        plains.append(plain)
+        boxes = ([((0, E), (0, I), (0, H)), ((0, E), (I, 2 * I), (0, H))]
+                 if leaf == "w13_weight" else [((0, E), (0, H), (0, I))])
+        for box in boxes:
+            rows = order.permuted_rows(storage, box)
+            srcs = [torch.randn([b - a for a, b in box[1:]], device=device).to(torch.bfloat16)
+                    for _ in range(E)]
+            order_pairs += list(zip(rows.unbind(0), srcs))
+            (r0, r1), (c0, c1) = box[1], box[2]
+            ckpt_pairs += [(plain[e, r0:r1, c0:c1], s) for e, s in enumerate(srcs)]
+            checks.append((order, storage, box, torch.stack(srcs)))
+    nbytes = sum(s.numel() * s.element_size() for _, s in order_pairs)
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    memcpy_s = _median_s(lambda: dst.copy_(src), iters, device)
+
+    def order_exact() -> bool:
+        ok = True
+        for order, storage, box, values in checks:
+            idx = [order.terms[d][a:b] for d, (a, b) in enumerate(box)]
+            flat = (idx[0].view(-1, 1, 1) + idx[1].view(1, -1, 1) + idx[2].view(1, 1, -1))
+            ok &= torch.equal(storage.view(-1)[flat.view(-1)].view(values.shape), values)
+        return bool(ok)
+
+    def ckpt_exact() -> bool:
+        return all(torch.equal(d, s) for d, s in ckpt_pairs)
+
+    def timed(fn, check) -> tuple:
+        for x in [c[1] for c in checks] + plains:
+            x.zero_()
+        s = _median_s(fn, iters, device)
+        return s, check()
+
+    def set_attrs(cls, **kw) -> dict:
+        old = {k: getattr(cls, k) for k in kw}
+        for k, v in kw.items():
+            setattr(cls, k, v)
+        return old
+
+    print(f"sweep, {torch.cuda.get_device_name(device)}, torch {torch.__version__}, "
+          f"{nbytes / 2**20:.0f} MiB, memcpy {nbytes / memcpy_s / 1e9:.0f} GB/s, median of {iters}")
+    results = []
+    kernels = KernelCopies(ckpt_pairs, device)
+    assert not kernels.rest and [type(t) for t in kernels.tables] == [BlockTable]
+    t, ok = timed(kernels.run, ckpt_exact)
+    results.append(("checkpoint order: BlockTable", {}, t, ok))
+    permuted_configs = [dict(ROWS=r, TILE_BYTES=k << 10, WARPS=w)
+                        for k, r, w in ((32, 8, 4), (32, 16, 4), (32, 32, 4), (32, 64, 4),
+                                        (16, 8, 4), (16, 16, 4), (16, 32, 4), (16, 64, 4),
+                                        (8, 8, 4), (8, 16, 4), (8, 32, 4), (16, 32, 2),
+                                        (16, 32, 8))]
+    for cfg in permuted_configs:
+        old = set_attrs(PermutedTable, **cfg)
+        tables, rest = permuted_tables(order_pairs, device)
+        assert not rest
+        set_attrs(PermutedTable, **old)
+
+        def run(tables=tables):
+            for table in tables:
+                table.run()
+        t, ok = timed(run, order_exact)
+        shape = ", ".join(f"{tb.br}x{tb.nb}" for tb in tables)
+        results.append((f"TRTLLM PermutedTable ({shape})", cfg, t, ok))
+    ckpt_best = results[0][2]
+    for name, cfg, t, ok in results:
+        print(f"{name:44} {cfg}  {nbytes / t / 1e9:7.0f} GB/s  {memcpy_s / t:6.1%} of memcpy"
+              f"  {ckpt_best / t:6.1%} of checkpoint order  exact={ok}")
+    return 0 if all(ok for *_, ok in results) else 1
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -184,17 +274,25 @@ def main(argv=None) -> int:
     b.add_argument("--tile-kib", type=int, default=0, help="the permuted-row kernel's bytes "
                    "per program (0: its default)")
     b.add_argument("--warps", type=int, default=0, help="its warps per program (0: default)")
+    b.add_argument("--rows", type=int, default=0, help="its rows per tile (0: default)")
+    c = sub.add_parser("sweep", help="tile shapes of the permuted-row kernel")
+    c.add_argument("--orders", required=True)
+    c.add_argument("--iters", type=int, default=20)
     args = ap.parse_args(argv)
     if args.cmd == "learn":
         return learn(args.out)
+    if args.cmd == "sweep":
+        return sweep(args.orders, args.iters, torch.device("cuda"))
     from megatron_reshard.engine.kernel_copies import PermutedTable
 
     if args.tile_kib:
         PermutedTable.TILE_BYTES = args.tile_kib << 10
     if args.warps:
         PermutedTable.WARPS = args.warps
+    if args.rows:
+        PermutedTable.ROWS = args.rows
     print(f"permuted-row kernel: {PermutedTable.TILE_BYTES >> 10} KiB a program, "
-          f"{PermutedTable.WARPS} warps")
+          f"{PermutedTable.ROWS} rows a tile, {PermutedTable.WARPS} warps")
     return bench(args.orders, args.iters, torch.device(args.device))
 
 

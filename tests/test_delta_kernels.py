@@ -2,10 +2,13 @@
 ``refit.delta_transport.encode``/``apply`` for CUDA tensors) against the torch path of the
 same functions (``MEGATRON_RESHARD_DELTA_KERNELS=0``, the oracle): payloads byte for byte in
 every encoding of the wire format (POSITIONS, GAPS, BITMASK, DENSE, with and without DIFF8,
-escapes included), element sizes 1-8, NaN payloads and -0.0, strided destination views
-(bytes outside untouched), bad bitmask deltas refused. The kernel tests run on CUDA, or on
-CPU tensors under ``TRITON_INTERPRET=1`` with Triton installed; else they skip.
-``rows_form`` is index math: CPU."""
+escapes included), element sizes 1-8 (fp8, bf16, fp32), NaN payloads and -0.0, skip bytes
+across the cut's blocks and tiles and the apply's chunks, every element changed, every
+step escaping, payloads at odd offsets, strided destination views (bytes outside
+untouched), bad bitmask / gaps / positions deltas refused unwritten by both paths. Small
+blocks, tiles and chunks (module constants) stand in for big regions. The kernel tests run
+on CUDA, or on CPU tensors under ``TRITON_INTERPRET=1`` with Triton installed; else they
+skip. ``rows_form`` is index math: CPU."""
 
 import os
 
@@ -43,16 +46,15 @@ def _device():
     pytest.skip("needs CUDA with Triton (or TRITON_INTERPRET=1 with Triton installed)")
 
 
-@pytest.fixture(params=[True, False], ids=["fused", "two-pass"])
-def device(monkeypatch, request):
+@pytest.fixture
+def device(monkeypatch):
     """The device the kernels run on; every kernel entry point is watched, so a test can
     tell that the kernels (not the torch path) did the work."""
     dev = _device()
     if dev.type == "cpu":  # the interpreter runs the kernels on CPU tensors
         monkeypatch.setattr(delta_kernels, "usable", lambda t: delta_kernels.enabled())
-    monkeypatch.setattr(delta_kernels, "FUSED", request.param)
     calls = []
-    for name in ("mark", "changed", "bitmask_counts", "bitmask_positions", "apply_bitmask",
+    for name in ("Cut", "apply_sparse", "bitmask_counts", "bitmask_positions", "apply_bitmask",
                  "rows_form"):
         real = getattr(delta_kernels, name)
 
@@ -70,7 +72,7 @@ def _pair(n, fraction, itemsize, seed, device, escapes=0.0):
     g = torch.Generator().manual_seed(seed)
     old = torch.randint(0, 256, (n * itemsize,), dtype=torch.uint8, generator=g).view(INTS[itemsize])
     if itemsize == 2:
-        old[:4] = torch.tensor([0x7F81, -0x8000, 0x7FC1, 0], dtype=torch.int16)
+        old[:4] = torch.tensor([0x7F81, -0x8000, 0x7FC1, 0], dtype=torch.int16)[:n]
     new = old.clone()
     pick = torch.rand(n, generator=g) < fraction
     big = pick & (torch.rand(n, generator=g) < escapes)
@@ -131,10 +133,12 @@ def test_cut_is_the_torch_paths_bytes_and_applies(device, monkeypatch, n, fracti
     got = encode(new, old)
     _same_cut(got, _torch_path(monkeypatch, encode, new.cpu(), old.cpu()))
     assert want is None or got[1] == want, dt.encoding_name(got[1])
-    assert "mark" in calls
+    assert "Cut" in calls
     _apply_into_column_block(new, old, *got, dev)
     if got[1] & 7 == BITMASK:
         assert "bitmask_counts" in calls
+    if got[1] & 7 in (GAPS, POSITIONS):
+        assert "apply_sparse" in calls
 
 
 @pytest.mark.parametrize("cols", [90, 96])  # rows of the view cut tile rows of 8, or not
@@ -151,8 +155,7 @@ def test_every_encoding_matches_and_applies_into_a_strided_view(device, monkeypa
     got = encode(new, old)
     assert got[1] == forced
     _same_cut(got, _torch_path(monkeypatch, encode, new.cpu(), old.cpu()))
-    if forced != DENSE:
-        assert "changed" in calls
+    assert "Cut" in calls
     count, enc, payload = got
     wide = torch.zeros(64, 128, dtype=new.dtype, device=dev)
     view = wide[:, 16:16 + cols]
@@ -167,6 +170,8 @@ def test_every_encoding_matches_and_applies_into_a_strided_view(device, monkeypa
         assert "apply_bitmask" in calls
     if forced == BITMASK | DIFF8:
         assert "bitmask_positions" in calls
+    if forced & 7 in (GAPS, POSITIONS) or forced == BITMASK | DIFF8:
+        assert "apply_sparse" in calls
 
 
 @pytest.mark.parametrize("forced", [GAPS | DIFF8, BITMASK, BITMASK | DIFF8])
@@ -204,3 +209,121 @@ def test_bad_bitmask_deltas_are_refused_before_anything_is_written(device):
     assert not bool(view.view(torch.int16).any())  # nothing was written
     apply(view, 0, NONE, None)
     assert not bool(view.view(torch.int16).any())
+
+
+def _forced(monkeypatch, enc):
+    monkeypatch.setattr(dt, "pick_encoding", lambda *a, **k: enc)
+
+
+@pytest.mark.parametrize("block, tile, chunk", [(4096, 1024, 2048), (64, 2, 16), (32, 1, 8)],
+                         ids=["default", "many-tiles", "a-tile-a-block"])
+@pytest.mark.parametrize("forced", [GAPS | DIFF8, GAPS, POSITIONS | DIFF8])
+def test_gaps_longer_than_a_byte_across_blocks(device, monkeypatch, forced, block, tile,
+                                               chunk):
+    """Hand-placed changes: the first 600 elements in (skip bytes before the first value),
+    gaps of exactly 255, 256 and 510 (one byte, one skip, one skip and 255), pairs across
+    the kernels' block boundaries, a gap over whole empty blocks (and, with small blocks
+    and tiles, across and over the tiles the offsets are summed in; the apply's chunks
+    small too), the region's last element; some by steps that escape DIFF8's byte."""
+    dev, calls = device
+    monkeypatch.setattr(delta_kernels, "BLOCK", block)
+    monkeypatch.setattr(delta_kernels, "_TILE", tile)
+    monkeypatch.setattr(delta_kernels, "CHUNK", chunk)
+    n = max(3 * block + 5, 2000)
+    at = sorted({600, 855, 1111, 1621, 1622, 1629, block - 1, block, 2 * block - 3,
+                 3 * block + 1, n - 1})
+    old = torch.arange(n, dtype=torch.int16) * 7
+    new = old.clone()
+    new[at] += 1
+    new[[1111, 1622, n - 1]] += 1000  # escapes, the last one in the region's last element
+    new, old = new.view(torch.bfloat16).to(dev), old.view(torch.bfloat16).to(dev)
+    _forced(monkeypatch, forced)
+    got = encode(new, old)
+    _same_cut(got, _torch_path(monkeypatch, encode, new.cpu(), old.cpu()))
+    assert got[0] == len(at)
+    _apply_into_column_block(new, old, *got, dev)
+    assert "apply_sparse" in calls
+
+
+@pytest.mark.parametrize("forced", [GAPS | DIFF8, POSITIONS, BITMASK | DIFF8])
+def test_every_element_changed_and_every_step_escaping(device, monkeypatch, forced):
+    dev, _ = device
+    for n, escapes in ((4099, 0.0), (17, 1.0), (1, 1.0), (7, 0.5)):
+        new, old = _pair(n, 1.0, 2, n, dev, escapes)
+        new, old = _as(new, 2), _as(old, 2)
+        _forced(monkeypatch, forced)
+        got = encode(new, old)
+        _same_cut(got, _torch_path(monkeypatch, encode, new.cpu(), old.cpu()))
+        assert got[0] == n
+        _apply_into_column_block(new, old, *got, dev)
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.bfloat16, torch.float32,
+                                   torch.int64])
+@pytest.mark.parametrize("forced", [GAPS | DIFF8, POSITIONS | DIFF8, GAPS])
+def test_element_types(device, monkeypatch, dtype, forced):
+    """fp8 (the wire's block-FP8 bytes), bf16, fp32, 8-byte elements; 5% changed, a fifth
+    of them escaping (values sent whole, at offsets no element boundary need align)."""
+    dev, _ = device
+    item = torch.empty((), dtype=dtype).element_size()
+    new, old = _pair(3001, 0.05, item, item, dev, escapes=0.2)
+    new, old = new.view(dtype), old.view(dtype)
+    _forced(monkeypatch, forced)
+    got = encode(new, old)
+    _same_cut(got, _torch_path(monkeypatch, encode, new.cpu(), old.cpu()))
+    view = old.clone()
+    apply(view, *got)
+    assert torch.equal(view.view(INTS[item]).cpu(), new.view(INTS[item]).cpu())
+
+
+@pytest.mark.parametrize("forced", [GAPS, POSITIONS, POSITIONS | DIFF8, GAPS | DIFF8])
+def test_a_payload_at_an_odd_offset_of_its_message(device, monkeypatch, forced):
+    """Regions share one payload message: a region's bytes may start anywhere in it."""
+    dev, _ = device
+    new, old = _pair(2000, 0.04, 4, 11, dev, escapes=0.1)
+    new, old = new.view(torch.float32), old.view(torch.float32)
+    _forced(monkeypatch, forced)
+    count, enc, payload = encode(new, old)
+    message = torch.cat([torch.zeros(3, dtype=torch.uint8, device=dev), payload])
+    view = old.clone()
+    apply(view, count, enc, message[3:])
+    assert torch.equal(view.view(torch.int32).cpu(), new.view(torch.int32).cpu())
+
+
+def _gaps_payload(gap_bytes, diffs, whole=b""):
+    return torch.tensor(list(gap_bytes) + [d & 0xFF for d in diffs] + list(whole),
+                        dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("count, enc, payload, match", [
+    (3, GAPS | DIFF8, _gaps_payload([0, 0, 0], [0, 0, 0]), "3 elements holds fewer gap bytes"),
+    (2, GAPS | DIFF8, _gaps_payload([0, 0, 50, 1], [1, 1]), r"names 2 elements \(header: 2\) "
+                                                        r"reaching past its 500-element box"),
+    (2, GAPS | DIFF8, _gaps_payload([3, 4], [-128, 1]), "2 differences with 1 escapes carries "
+                                                        "0 bytes of whole values"),
+    (2, GAPS | DIFF8, _gaps_payload([3, 4], [1, 1], b"\x01\x02"),
+     "2 differences with 0 escapes carries 2 bytes"),
+    (2, GAPS, _gaps_payload([3, 4, 5], [], b"\x01\x02\x03\x04"),
+     r"names 3 elements \(header: 2\)"),
+    (2, POSITIONS | DIFF8, torch.tensor([3, 500], dtype=torch.int32).view(torch.uint8).tolist()
+     + [1, 1], "names elements outside its 500-element box"),
+    (2, POSITIONS | DIFF8, torch.tensor([3, -1], dtype=torch.int32).view(torch.uint8).tolist()
+     + [1, 1], "outside"),
+])
+def test_bad_sparse_deltas_are_refused_before_anything_is_written(device, count, enc, payload,
+                                                                  match):
+    """GAPS / POSITIONS deltas whose structure does not fit their box or their header:
+    refused by the kernel path's checks, as by the torch path, nothing written."""
+    dev, calls = device
+    payload = torch.as_tensor(payload, dtype=torch.uint8)
+    for path in ("kernels", "torch"):
+        view = torch.zeros(500, dtype=torch.bfloat16, device=dev if path == "kernels" else "cpu")
+        if path == "torch":
+            os.environ["MEGATRON_RESHARD_DELTA_KERNELS"] = "0"
+        try:
+            with pytest.raises(DeltaTransportError, match=match):
+                apply(view, count, enc, payload.to(view.device))
+        finally:
+            os.environ.pop("MEGATRON_RESHARD_DELTA_KERNELS", None)
+        assert not bool(view.view(torch.int16).any())
+    assert "apply_sparse" in calls

@@ -164,3 +164,174 @@ def test_scatter_and_the_colocated_copy_batch_take_the_kernel(device):
         storage.zero_()
         batch.run()
         assert torch.equal(_bits(storage.cpu()), _bits(want))
+
+
+@pytest.mark.parametrize("rows_per_tile", [1, 8, 64])
+@pytest.mark.parametrize("col_boxes", [[(0, 3 * B), (3 * B, 6 * B), (6 * B, C)],
+                                       [(0, 6 * B), (6 * B, C)]])
+def test_tiles_of_any_shape_cover_column_sub_boxes(device, monkeypatch, rows_per_tile,
+                                                   col_boxes):
+    """Column sub-boxes of 3, 3 and 2 runs, or of 6 and 2 runs (tiles of 2 runs: a power
+    of two dividing both), with tiles from one row to more rows than a box holds."""
+    from megatron_reshard.engine.kernel_copies import PermutedTable
+
+    monkeypatch.setattr(PermutedTable, "ROWS", rows_per_tile)
+    order = _order(blocks)
+    order = KernelOrder(order.backend, tuple(t.to(device) for t in order.terms))
+    w = _nan_bits((E, R, C), torch.bfloat16, 3).to(device)
+    storage = torch.zeros_like(w)
+    pairs = [(order.permuted_rows(storage, (e, r, c)), _values(w, (e, r, c)))
+             for e, r, _ in BOXES for c in col_boxes]
+    tables, rest = permuted_tables(pairs, device)
+    # 3, 3 and 2 runs: a table of odd run counts (tiles of one run) and one of 2 runs
+    # (tiles of 2); 6 and 2 runs: one table, tiles of 2
+    assert rest == [] and len(tables) == (2 if col_boxes[0][1] == 3 * B else 1)
+    assert sorted(t.nb for t in tables) == ([1, 2] if col_boxes[0][1] == 3 * B else [2])
+    for t in tables:
+        t.run()
+    want = blocks(w.cpu())
+    assert torch.equal(_bits(storage.cpu()), _bits(want))
+
+
+def _engine_into_rows(job, cases):
+    """Ranks 0-2 of a gloo world: for each case, the training side shards an expert tensor
+    over ``src`` ranks, the generation side (``dst`` ranks, replicated) writes it into a
+    storage in the ``blocks`` order through ``PermutedRows`` destinations: local copies
+    where a rank is on both sides, staged unpacks of what it receives. Two calls per
+    case with new values (the second runs the kept program and copy batches). Returns each
+    generation rank's storages (bits) and what it was sent."""
+    from megatron_reshard.engine import Planner, Transfer, xfer_batch
+    from megatron_reshard.layout.placements import MeshInfo
+    from megatron_reshard.tools.worlds import init_gloo_world
+    from torch.distributed.tensor import Replicate, Shard
+
+    init_gloo_world(job)
+    order = _order(blocks)
+    planner, out = Planner(), []
+    for src_ranks, shard_dim, dst_ranks, fused in cases:
+        got = []
+        for call in range(2):
+            transfers, storages, sent = [], [], []
+            for p in range(2 if fused else 1):  # two small params of one layout fuse
+                w = _nan_bits((E, R, C), torch.bfloat16, 10 * call + p)
+                sent.append(w)
+                src = dst = None
+                if job.rank in src_ranks:
+                    n = len(src_ranks)
+                    part = src_ranks.index(job.rank)
+                    src = w.tensor_split(n, dim=shard_dim)[part].contiguous()
+                storage = torch.zeros(E, R, C, dtype=torch.bfloat16)
+                storages.append(storage)
+                if job.rank in dst_ranks:
+                    dst = order.permuted_rows(storage, BOXES[p % 2])
+                box_w = _values(w, BOXES[p % 2])
+                t = Transfer(f"experts{p}", tuple(box_w.shape), torch.bfloat16,
+                             MeshInfo(torch.tensor(src_ranks)), [Shard(shard_dim)],
+                             MeshInfo(torch.tensor(dst_ranks)), [Replicate()],
+                             src if src is None else box_w.tensor_split(
+                                 len(src_ranks), dim=shard_dim)[src_ranks.index(job.rank)],
+                             dst)
+                transfers.append(t)
+            xfer_batch(transfers, None, planner=planner, staging_bytes=1 << 20)
+            got.append(([_bits(s) for s in storages], [_bits(w) for w in sent]))
+        out.append(got)
+    return out
+
+
+@pytest.mark.parametrize("cases", [
+    # rows split over two training ranks, one of them also a generation rank (a local copy
+    # and a staged unpack on it, unpacks only on the other)
+    [([0, 1], 1, [1, 2], False)],
+    # columns split in three: pieces that cut the 16-column runs (the index-copy path)
+    # and two small params of one layout, fused (their image written into the order)
+    [([0, 1, 2], 2, [1, 2], False), ([0], 1, [1, 2], True)],
+])
+def test_the_engine_unpacks_and_copies_straight_into_permuted_rows(pool, cases):
+    """Over a real gloo group: the generation ranks' storages equal the conversion
+    (``blocks``) of what was sent, bit for bit, padding untouched, after each call."""
+    results = pool.run(_engine_into_rows, 3, cases, timeout_s=120)
+    for rank in (1, 2):
+        for (_, _, dst_ranks, _), calls in zip(cases, results[rank]):
+            for storages, sent in calls:
+                for p, (got, w) in enumerate(zip(storages, sent)):
+                    box = BOXES[p % 2]
+                    full = torch.zeros(E, R, C, dtype=torch.bfloat16)
+                    full[tuple(slice(a, b) for a, b in box)] = \
+                        _values(w.view(torch.bfloat16), box)
+                    assert torch.equal(got, _bits(blocks(full))), (rank, p)
+
+
+def test_an_engine_copy_batch_writes_permuted_rows_through_the_kernel(device):
+    """The engine's ``Copies`` with permuted-row destinations (local copies and unpacks
+    of the process-group path): whole boxes go to the permuted-row kernel, a box that cuts
+    runs to the index copy, a tensor read from the order (a forwarded send) to a gather;
+    three runs (the third replays the batch's CUDA graph on CUDA), bit for bit."""
+    from megatron_reshard.engine.copies import Copies
+
+    order = _order(blocks)
+    order = KernelOrder(order.backend, tuple(t.to(device) for t in order.terms))
+    w = _nan_bits((E, R, C), torch.bfloat16, 4).to(device)
+    storage = torch.zeros_like(w)
+    copies = Copies()
+    for e, rows, _ in BOXES:  # each box in two, cut at column 40 (inside a run)
+        dst = order.permuted_rows(storage, (e, rows, (0, C)))
+        copies.exact(dst.box((slice(0, E), slice(0, rows[1] - rows[0]), slice(0, 40))),
+                     _values(w, (e, rows, (0, 40))))
+        copies.exact(dst.box((slice(0, E), slice(0, rows[1] - rows[0]), slice(40, C))),
+                     _values(w, (e, rows, (40, C))))
+    copies.exact(order.permuted_rows(storage, BOXES[0]).box(
+        (slice(0, E), slice(0, KEEP), slice(B, 3 * B))), _values(w, (BOXES[0][0], BOXES[0][1],
+                                                                       (B, 3 * B))))
+    back = torch.zeros(E, KEEP, C, dtype=torch.bfloat16, device=device)
+    reader = Copies()
+    reader.exact(back, order.permuted_rows(storage, BOXES[1]))
+    want = blocks(w.cpu())
+    for _ in range(3):
+        storage.zero_()
+        copies.run()
+        assert torch.equal(_bits(storage.cpu()), _bits(want))
+        reader.run()
+        assert torch.equal(_bits(back.cpu()), _bits(_values(w, BOXES[1]).cpu()))
+    if device.type == "cuda" or copies.row_tables:  # the kernel took the whole-run boxes
+        assert len(copies.row_tables) == 1 and len(copies.rows) == 4
+
+
+def test_the_colocated_copy_batch_takes_boxes_that_cut_runs():
+    """A colocated read whose box cuts the order's runs (a train split off the 16-column
+    blocks): its elements' offsets, filled per expert from members, written by index
+    copies; the rest of the box through the permuted rows. Bit for bit."""
+    from megatron_reshard.engine.colocated_copies import _paired
+
+    order = _order(blocks)
+    w = _nan_bits((E, R, C), torch.bfloat16, 5)
+    storage = torch.zeros_like(w)
+    pairs = []
+    for e, rows, _ in BOXES:
+        dst = order.permuted_rows(storage, (e, rows, (0, C)))
+        n = rows[1] - rows[0]
+        for c0, c1 in ((0, 40), (40, C)):
+            members = [w[k, rows[0]:rows[1], c0:c1] for k in range(E)]
+            pairs += _paired([dst.box((slice(0, E), slice(0, n), slice(c0, c1)))], members)
+    batch = CopyBatch(pairs, torch.device("cpu"))
+    assert batch.pairs == 4 * E
+    batch.run()
+    assert torch.equal(_bits(storage), _bits(blocks(w)))
+
+
+def test_checksums_read_a_permuted_row_destination_in_checkpoint_order():
+    """``verify_checksums`` on a generation rank whose buffer is the order's storage: the
+    box's checksum is that of its checkpoint-order values, and a planted wrong row (its
+    bytes in another slot) changes it."""
+    from megatron_reshard.refit.checksums import buffer_checksum
+
+    order = _order(blocks)
+    w = _nan_bits((E, R, C), torch.bfloat16, 6)
+    storage = torch.zeros_like(w)
+    box = BOXES[1]
+    rows = order.permuted_rows(storage, box)
+    rows.write(_values(w, box))
+    origin = tuple(a for a, _ in box)
+    want = buffer_checksum(_values(w, box).clone(), box, origin)
+    assert torch.equal(buffer_checksum(rows, box, origin), want)
+    storage.view(-1)[rows.offsets()[0, 0]] = storage.view(-1)[rows.offsets()[0, 1]]
+    assert not torch.equal(buffer_checksum(rows, box, origin), want)

@@ -30,6 +30,8 @@ class Backend(enum.Enum):
     DEEPGEMM = "deep_gemm"
     MARLIN = "marlin"
     TRITON = "triton"
+    BATCHED_TRITON = "batched_triton"  # stands in for an identity conversion
+    BATCHED_DEEPGEMM = "batched_deep_gemm"  # one that writes its inputs in place
 
 
 def _swap(x: torch.Tensor) -> torch.Tensor:
@@ -41,6 +43,11 @@ def convert_to_fp8_moe_kernel_format(backend, layer, w13, w2, s13, s2, in13, in2
         raise ImportError("deep_gemm")  # as on a machine without the package
     if backend is Backend.TRITON:
         return w13, w2[..., :1], s13, s2  # a result of another shape
+    if backend is Backend.BATCHED_TRITON:
+        return w13, w2, s13, s2  # vLLM's Triton experts: the inputs handed back
+    if backend is Backend.BATCHED_DEEPGEMM:
+        s13.clamp_(min=1e-10)  # in place: here the scales are >= 1, no byte changes
+        return w13, w2, s13, s2
     if backend is Backend.FLASHINFER_TRTLLM:  # a kernel's own 4-D shape of as many elements
         return _blocked(_swap(w13)), _blocked(w2), _swap(s13), s2
     s13, s2 = _swap(s13), s2
@@ -175,3 +182,24 @@ def test_storage_vllm_holds_in_a_kernels_shape_is_received_through_a_checkpoint_
     assert torch.equal(live["experts.w13_weight"], _blocked(_swap(sent["experts.w13_weight"])))
     assert torch.equal(live["experts.w2_weight"], _blocked(sent["experts.w2_weight"]))
     assert all(v.data_ptr() == live[n].data_ptr() for n, v in views.items())
+
+
+@pytest.mark.parametrize("backend, kept", [
+    (Backend.BATCHED_TRITON, True),       # the inputs handed back, no byte touched
+    (Backend.FLASHINFER_CUTLASS, False),  # new tensors copied back
+    (Backend.BATCHED_DEEPGEMM, False),    # inputs handed back, but written in place
+])
+def test_only_an_identity_conversion_keeps_the_storage_a_delta_base(backend, kept):
+    """A delta refit is cut from the bytes as they arrived: after a conversion that changed
+    nothing (found by the dry run and again by the live call) the storage still holds them;
+    after any other, even one that wrote values equal to the old ones, it does not."""
+    model = _model(backend)
+    staged = StagedConversions(staged_layers(model))
+    assert staged.layers[0].identity is (backend is Backend.BATCHED_TRITON)
+    sent = _receive(model)
+    staged.received(list(model.parameters()))
+    assert staged.convert() == ["experts"]
+    assert staged.rewrote is (not kept)
+    if kept:
+        assert all(torch.equal(p, sent[n]) for n, p in model.named_parameters())
+        assert staged.report()["peak_staging_bytes"] == 0

@@ -36,7 +36,8 @@ from megatron_reshard.groups.faults import RefitError
 
 from .copies import MEMCPY_BYTES, as_bits
 from megatron_reshard.layout.geometry import box_intersect, box_numel
-from .kernel_copies import KernelCopies, PermutedRows, Replayed, permuted_tables
+from .kernel_copies import (KernelCopies, PermutedRows, Replayed, ScatteredRows,
+                            permuted_tables)
 from .members import is_members
 
 
@@ -44,12 +45,8 @@ def _views(x, piece, sub) -> list:
     """Views of ``sub`` (a box inside ``piece.box``) in local ``x``: one tensor, or one per
     index of dim 0 when ``x`` is a list of members; a permuted-row destination's sub-box."""
     idx = piece.index(sub)
-    if isinstance(x, PermutedRows):
-        got = x.sub([(i.start, i.stop) for i in idx])
-        if got is None:
-            raise RefitError(f"colocated refit: box {list(sub)} cuts a run of a permuted-row "
-                             f"destination ({x.width} elements a run)")
-        return [got]
+    if isinstance(x, PermutedRows):  # (a box that cuts its runs: their offsets)
+        return [x.box(idx)]
     if is_members(x):
         first = idx[0]
         return [x[k][idx[1:]] for k in range(first.start, first.stop, first.step)]
@@ -102,7 +99,7 @@ SPLIT_MOST = 1024  # leading-dim splits of one strided pair into contiguous sub-
 def _contiguous_parts(dst: torch.Tensor, src: torch.Tensor) -> list:
     """The pair cut along its leading dims until both sides are contiguous (q/k/v blocks
     of Megatron's interleaved rows: one contiguous block per KV group), or as it is."""
-    if isinstance(dst, PermutedRows):
+    if isinstance(dst, (PermutedRows, ScatteredRows)):
         return [(dst, src)]
     parts = [(dst, src)]
     while not all(d.is_contiguous() and s.is_contiguous() for d, s in parts):
@@ -122,8 +119,10 @@ class CopyBatch:
         # destinations in a kernel's permuted-row order: one launch per kind, written
         # straight from the sources (kernel_copies.PermutedTable); torch scatters elsewhere
         permuted = [p for p in parts if isinstance(p[0], PermutedRows)]
-        parts = [p for p in parts if not isinstance(p[0], PermutedRows)]
+        scattered = [p for p in parts if isinstance(p[0], ScatteredRows)]
+        parts = [p for p in parts if isinstance(p[0], torch.Tensor)]
         self.permuted, self.permuted_rest = permuted_tables(permuted, device)
+        self.permuted_rest += scattered
         # the 8-byte aligned contiguous pairs in one launch when there are several, the
         # strided ones that fold into tiles in one per kind (kernel_copies.py); the rest as
         # a memcpy per large contiguous pair, else foreach copies of integer views
@@ -137,7 +136,7 @@ class CopyBatch:
             else:  # CUDA foreach of a float dtype rewrites NaN payloads: copy bits
                 self.dsts.append(as_bits(dst) if cuda else dst)
                 self.srcs.append(as_bits(src) if cuda else src)
-        self.pairs = len(parts) + len(permuted)
+        self.pairs = len(parts) + len(permuted) + len(scattered)
         # the kernels and foreach copies captured once (after the first, eager run) and
         # replayed: one cheap launch
         # held weakly: a cycle would keep a done batch's tensors alive until a gc pass

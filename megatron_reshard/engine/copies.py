@@ -62,12 +62,28 @@ class FlatRef(NamedTuple):
     delta: int
 
 
-def typed_view(tensors: list, ref: TypedRef) -> torch.Tensor:
+class RowsRef(NamedTuple):
+    """A box of tensor ``k`` of the call, a destination in a kernel's permuted-row order
+    (``kernel_copies.PermutedRows``); ``view``: the piece's slices of it."""
+
+    k: int
+    view: tuple
+
+
+def typed_view(tensors: list, ref: TypedRef):
     x = tensors[ref.k]
     v = ref.view
     if v is None:
         return x
+    if type(ref) is RowsRef:
+        return x.box(v)
     return x.as_strided(v.size, v.stride, x.storage_offset() + v.delta)
+
+
+def address(x) -> object:
+    """What a kept batch compares between calls: a tensor's ``data_ptr``, or the
+    ``key`` of a permuted-row destination."""
+    return x.data_ptr() if isinstance(x, torch.Tensor) else x.key()
 
 
 def flat_view(tensors: list, ref: FlatRef) -> torch.Tensor:
@@ -136,6 +152,11 @@ class Copies:
     def __init__(self) -> None:
         self.flat_dst, self.flat_src, self.typed_dst, self.typed_src = [], [], [], []
         self.word_dst, self.word_src, self.memcpy = [], [], []
+        # destinations in a kernel's permuted-row order: the permuted-row kernel on CUDA
+        # (one pass from the source, kernel_copies.PermutedTable), else torch's index copy
+        self.rows: list = []
+        self.row_tables: list = []
+        self.rows_read: list = []  # (tensor, rows): gathered by torch (forwarded sends)
         self.kernels: Optional[KernelCopies] = None  # set at the first run
         self._launch = None  # what runs after the memcpys (set at the first run)
 
@@ -154,9 +175,17 @@ class Copies:
     def typed(self, dst: torch.Tensor, src: torch.Tensor, w: int) -> None:
         self.exact(*words_pair(dst, src, w))
 
-    def exact(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+    def exact(self, dst, src: torch.Tensor) -> None:
         """A typed pair as it is (the caller has made words of it where it could), copied
-        as integers of its element size."""
+        as integers of its element size; ``dst`` may be a box in a kernel's permuted-row
+        order (``kernel_copies.PermutedRows``, or ``ScatteredRows`` where it cuts runs),
+        and so may ``src`` (a phase-1 send forwarding what a generation rank received)."""
+        if not isinstance(dst, torch.Tensor):
+            self.rows.append((dst, src))
+            return
+        if not isinstance(src, torch.Tensor):  # a generation rank forwards what it holds
+            self.rows_read.append((dst, src))
+            return
         self.typed_dst.append(as_bits(dst))
         self.typed_src.append(as_bits(src))
 
@@ -177,23 +206,30 @@ class Copies:
             dst.copy_(src)
         if self._launch is None:
             self.kernels = self._to_kernels()
+            self._rows_to_kernels()
             # a kept batch (program.py) runs on every call: from its third run on, its
             # launches replay as one CUDA graph (the host's cost of a Triton launch would
             # show on small batches); run once or twice, it pays no capture. The replay
             # holds the batch weakly: a cycle would keep a dropped batch's views (staging
             # buffers among them) alive until a gc pass (the CPU memory test saw 2.7x).
-            if self.kernels.tables:
+            if self.kernels.tables or self.row_tables:
                 issue = weakref.WeakMethod(self._issue)
                 self._launch = kernel_copies.Replayed(lambda: issue()(), self.kernels.device,
                                                       after=2)
             else:
                 self._launch = False
+        for dst, src in self.rows:  # torch's index copies allocate: never in a graph
+            dst.write(src)
+        for dst, src in self.rows_read:
+            as_bits(dst).copy_(as_bits(src.read()))
         if self._launch is False:
             self._issue()
         else:
             self._launch()
 
     def _issue(self) -> None:
+        for table in self.row_tables:
+            table.run()
         self.kernels.run()
         if self.word_dst:
             torch._foreach_copy_(self.word_dst, self.word_src)
@@ -201,6 +237,16 @@ class Copies:
             torch._foreach_copy_(self.flat_dst, self.flat_src)
         if self.typed_dst:
             torch._foreach_copy_(self.typed_dst, self.typed_src)
+
+    def _rows_to_kernels(self) -> None:
+        """The permuted-row pairs the kernel takes, moved out of ``rows`` (CUDA only)."""
+        whole = [(d, s) for d, s in self.rows if isinstance(d, kernel_copies.PermutedRows)]
+        if not whole or kernel_copies.kernels_for(whole[0][0].device) is None:
+            return
+        self.row_tables, rest = kernel_copies.permuted_tables(whole, whole[0][0].device)
+        left = {id(d) for d, _ in rest}
+        self.rows = [(d, s) for d, s in self.rows
+                     if id(d) in left or not isinstance(d, kernel_copies.PermutedRows)]
 
     def _to_kernels(self) -> KernelCopies:
         """The pairs the copy kernels take, moved out of the foreach lists (none off CUDA,

@@ -31,6 +31,7 @@ from .batch import Batch
 from .checks import Problem, check_local, local_ok
 from .describe import MIN_STAGING_BYTES, Rejected, describe_batch
 from .fuse import fused_tensors, scatter
+from .kernel_copies import PermutedRows
 from .members import stride_keys, with_members
 from .plan import Planner, gc_paused
 from .schedule import build_schedule
@@ -127,8 +128,9 @@ def _call(transfers, group, stream, staging_bytes: int, planner: Planner, backen
             problem = rejected.problem
     if batch is not None and problem is None:
         ok, device = local_ok(transfers, batch.expected, device_type, tensors)
-        if not ok:  # rare: rerun the detailed checks for the message
-            problem, device = check_local(transfers, batch.plans, me, device_type)
+        if not ok:  # lists, permuted rows, or a problem: the detailed checks
+            problem, device = check_local(transfers, batch.plans, me, device_type,
+                                          permuted_dst=True)
     channel = P2PChannel(group, device if problem is None else None)
     ctx = torch.cuda.stream(stream) if stream is not None else nullcontext()
     # What the schedule and program run: the transfers themselves, or with small params
@@ -253,6 +255,8 @@ def _record_stream(tensors, stream) -> None:
     """Keep the CUDA tensors (members of lists too) from reuse until ``stream`` is past
     this point, whichever stream allocated them."""
     for x in with_members(list(tensors)):
+        if isinstance(x, PermutedRows):
+            x = x.storage
         if isinstance(x, torch.Tensor) and x.is_cuda:
             x.record_stream(stream)
 

@@ -173,7 +173,11 @@ def scatter(work: list) -> None:
     """Copy each received image into its members' destinations, as integers on CUDA
     (a float copy there rewrites NaN payloads)."""
     for image, outs in work:
-        if any_members(outs):  # a destination given as a list of members
+        if not all(isinstance(o, torch.Tensor) or is_members(o) for o in outs):
+            # destinations in a kernel's permuted-row order among them (small params)
+            for o, part in zip(outs, image.unbind(0)):
+                _write_one(o, part)
+        elif any_members(outs):  # a destination given as a list of members
             pairs = [(m, p) for o, part in zip(outs, as_bits(image).unbind(0))
                      for m, p in (zip(o, part.unbind(0)) if is_members(o) else [(o, part)])]
             torch._foreach_copy_([as_bits(m) for m, _ in pairs], [p for _, p in pairs])
@@ -183,3 +187,15 @@ def scatter(work: list) -> None:
             torch.unbind_copy(image, 0, out=list(outs))
         else:  # CUDA: multi-tensor copy kernels
             torch._foreach_copy_([as_bits(o) for o in outs], as_bits(image).unbind(0))
+
+
+def _write_one(out, part: torch.Tensor) -> None:
+    """One member's image into its destination: a tensor, a list of members, or a box in a
+    kernel's permuted-row order (``kernel_copies.PermutedRows``)."""
+    if is_members(out):
+        for m, p in zip(out, part.unbind(0)):
+            as_bits(m).copy_(as_bits(p))
+    elif isinstance(out, torch.Tensor):
+        as_bits(out).copy_(as_bits(part))
+    else:
+        out.write(part)

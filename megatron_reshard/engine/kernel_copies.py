@@ -248,15 +248,75 @@ class PermutedRows:
 
     def write(self, values: torch.Tensor) -> None:
         """``values`` (the box, checkpoint order) into the storage with torch ops: where the
-        kernel does not run (CPU tensors, no Triton)."""
-        flat = self.storage.view(-1)
-        flat.index_copy_(0, self.offsets().view(-1), values.reshape(-1).to(flat.dtype))
+        kernel does not run (CPU tensors, no Triton); as integers where the dtypes agree
+        (bits, NaN payloads included)."""
+        _index_write(self.storage, self.offsets().view(-1), values)
+
+    def read(self) -> torch.Tensor:
+        """The box's elements in checkpoint order (a gather: checksums, tests)."""
+        return self.storage.view(-1)[self.offsets().view(-1)].view(self.shape)
+
+    def key(self) -> tuple:
+        """What a kept copy batch compares between calls, as a tensor's ``data_ptr``: the
+        storage, the first element and the term tables (by address) with the geometry."""
+        return (self.storage.data_ptr(), self.first, self.outer.data_ptr(), self.outer.numel(),
+                self.inner.data_ptr(), self.inner.numel(), self.width, self.apart, self.cols)
+
+    def box(self, index: tuple) -> "PermutedRows | ScatteredRows":
+        """The elements ``index`` (three slices) selects: a ``PermutedRows`` where they
+        form a box whose columns start and end on whole runs, else their offsets."""
+        if all(sl.step in (None, 1) for sl in index):
+            got = self.sub([(sl.start, sl.stop) for sl in index])
+            if got is not None:
+                return got
+        return ScatteredRows(self.storage, self.offsets()[index])
 
     def unbind(self, dim: int = 0) -> list:
         """One box per index of the outer dim (a stacked destination read from members)."""
         if dim != 0:
             raise BadInputError(f"PermutedRows unbinds along dim 0 only, not {dim}")
         return [replace(self, outer=self.outer[o:o + 1]) for o in range(self.shape[0])]
+
+
+@dataclass(frozen=True, eq=False)
+class ScatteredRows:
+    """A box of a ``PermutedRows`` that cuts its runs: each element's storage offset
+    (box-shaped), written with torch ops (a process-group piece that splits a run; rare)."""
+
+    storage: torch.Tensor
+    index: torch.Tensor
+
+    @property
+    def shape(self) -> tuple:
+        return tuple(self.index.shape)
+
+    def numel(self) -> int:
+        return self.index.numel()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.storage.dtype
+
+    def write(self, values: torch.Tensor) -> None:
+        _index_write(self.storage, self.index.reshape(-1), values)
+
+    def read(self) -> torch.Tensor:
+        return self.storage.view(-1)[self.index.reshape(-1)].view(self.shape)
+
+    def unbind(self, dim: int = 0) -> list:
+        """One box per index of dim 0 (filled from members, as ``PermutedRows.unbind``)."""
+        if dim != 0:
+            raise BadInputError(f"ScatteredRows unbinds along dim 0 only, not {dim}")
+        return [ScatteredRows(self.storage, self.index[o:o + 1]) for o in range(self.shape[0])]
+
+
+def _index_write(storage: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:
+    flat = storage.view(-1)
+    if values.dtype == flat.dtype and flat.element_size() in _INTS:
+        ints = _INTS[flat.element_size()]
+        flat.view(ints).index_copy_(0, index, values.reshape(-1).view(ints))
+        return
+    flat.index_copy_(0, index, values.reshape(-1).to(flat.dtype))
 
 
 def _src3(src: torch.Tensor, shape: tuple) -> Optional[torch.Tensor]:
@@ -273,9 +333,21 @@ class PermutedTable:
     unit in one Triton launch: a program per tile of ``BR`` rows x ``NB`` runs of some
     pair. Row addresses come from the order's tables (two loads per row), so the copy reads
     the source once and writes every element once; offsets are kept in vector units (as
-    ``TileTable``'s) so that each run moves in 16-byte vectors."""
+    ``TileTable``'s) so that each run moves in 16-byte vectors.
 
-    TILE_BYTES = 32 << 10
+    The tile's shape decides how far apart its bytes land: a row's runs go to as many
+    column blocks (``apart`` elements apart), while the rows of one run go to the slots
+    of one block, which the kernels' orders keep in groups (FlashInfer TRTLLM: 8 or 32
+    checkpoint rows to consecutive slots). A tile of ``ROWS`` rows and the runs that fill
+    ``TILE_BYTES`` reads ``ROWS`` pieces of the source and writes ``NB`` pieces of about
+    as many slots into each block; ``NB``, a power of two, divides every pair's runs
+    (w2's 12 runs: 4 at most), so no lane is masked off at a row's end."""
+
+    # measured on one H200 (docs/MEASUREMENTS.md), TRTLLM's w13 and w2 of a 30B-A3B layer
+    # per expert: 16 KiB tiles of 32 rows x 4 runs 97-98% of the checkpoint-order copy,
+    # 32 KiB of 8 rows x 32 runs (the earlier shape) 91-95%, streaming hints 92-94%
+    TILE_BYTES = 16 << 10
+    ROWS = 32  # rows per tile (at least; more where the runs per tile are few)
     WARPS = 4
 
     def __init__(self, kernels, itemsize: int, unit: int, width: int, pairs: list,
@@ -284,20 +356,21 @@ class PermutedTable:
         first_dst = pairs[0][0]
         self.base = first_dst.storage.view(_INTS[itemsize])
         base, step = self.base.data_ptr(), unit * itemsize
-        runs_most = max(d.cols // width for d, _ in pairs)
-        self.nb = min(1 << max(0, (runs_most - 1).bit_length()),
-                      max(1, self.TILE_BYTES // (width * itemsize)))
-        self.br = max(1, self.TILE_BYTES // (width * itemsize * self.nb))
+        run_bytes = width * itemsize
+        runs = [d.cols // width for d, _ in pairs]
+        common = min(n & -n for n in runs)  # the largest power of two dividing them all
+        self.nb = max(1, min(common, self.TILE_BYTES // (run_bytes * self.ROWS)))
+        self.br = max(1, self.TILE_BYTES // (run_bytes * self.nb))
         offs, meta, outer, inner, tiles = [], [], [], [], []
         for d, s in pairs:
             start = d.storage.data_ptr() + d.first * itemsize
             offs += [(start - base) // step, (s.data_ptr() - base) // step]
-            runs = d.cols // width
-            meta.append((d.shape[0], d.shape[1], runs, s.stride(0) // unit, s.stride(1) // unit,
+            n = d.cols // width
+            meta.append((d.shape[0], d.shape[1], n, s.stride(0) // unit, s.stride(1) // unit,
                          d.apart // unit, 0, 0))
             outer.append(d.outer.data_ptr())
             inner.append(d.inner.data_ptr())
-            tiles.append(-(-d.shape[0] * d.shape[1] // self.br) * -(-runs // self.nb))
+            tiles.append(-(-d.shape[0] * d.shape[1] // self.br) * -(-n // self.nb))
         self.offs = _table(offs, torch.int64, device)
         self.meta = _table(meta, torch.int64, device)
         self.outer = _table(outer, torch.int64, device)
@@ -334,8 +407,9 @@ def _permuted_unit(dst: PermutedRows, src: torch.Tensor, multiples: dict) -> int
 
 def permuted_tables(pairs: list, device: torch.device) -> tuple[list, list]:
     """``(tables, rest)``: the ``(PermutedRows, src)`` pairs the kernel takes, one table per
-    element size, run width and vector unit; ``rest``: those it cannot (no kernels, a
-    source whose last dim is not unit-stride, a run width that is no power of two)."""
+    element size, run width, vector unit and power of two dividing the runs; ``rest``:
+    those it cannot (no kernels, a source whose last dim is not unit-stride, a run width
+    that is no power of two)."""
     kernels = kernels_for(device)
     if kernels is None or not pairs or (device.type == "cuda" and device.index is not None
                                         and device.index != torch.cuda.current_device()):
@@ -353,9 +427,11 @@ def permuted_tables(pairs: list, device: torch.device) -> tuple[list, list]:
             rest.append((d, s))
             continue
         unit = _permuted_unit(d, s3, multiples)
-        groups.setdefault((size, unit, w), []).append((d, s3))
+        runs = d.cols // w
+        # pairs whose runs share their largest power-of-two divisor share a tile shape
+        groups.setdefault((size, unit, w, runs & -runs), []).append((d, s3))
     tables = [PermutedTable(kernels, size, unit, w, got, device)
-              for (size, unit, w), got in groups.items()]
+              for (size, unit, w, _), got in groups.items()]
     return tables, rest
 
 

@@ -22,29 +22,35 @@ import torch
 
 from megatron_reshard.layout.geometry import box_numel
 
+from .kernel_copies import PermutedRows
+
 
 def is_members(x) -> bool:
     return isinstance(x, (list, tuple))
 
 
 def stride_key(x) -> Optional[tuple]:
-    """What a program's cache key records of a tensor: its stride, or its members'."""
+    """What a program's cache key records of a tensor: its stride, or its members', or
+    that it is a destination in a kernel's permuted-row order (``kernel_copies``)."""
     if x is None:
         return None
     if is_members(x):
         return ("members",) + tuple(map(torch.Tensor.stride, x))
+    if isinstance(x, PermutedRows):
+        return ("rows",)
     return x.stride()
 
 
 LISTS = frozenset((list, tuple))
+_NOT_TENSORS = LISTS | {PermutedRows}
 
 
 def stride_keys(tensors: list) -> tuple:
     """What a program's cache key records of the call's tensors (``stride_key`` of each).
-    Without lists among them, only the strides of the tensors held, mapped in C: within
-    one batch the places of None are fixed (the local checks passed), and a key with a
-    list of members (a "members" entry) differs from any of these."""
-    if any_members(tensors):
+    Without lists or permuted rows among them, only the strides of the tensors held,
+    mapped in C: within one batch the places of None are fixed (the local checks passed),
+    and a key with a "members" or "rows" entry differs from any of these."""
+    if not _NOT_TENSORS.isdisjoint(map(type, tensors)):
         return tuple([stride_key(x) for x in tensors])
     return tuple(map(torch.Tensor.stride, [x for x in tensors if x is not None]))
 

@@ -14,7 +14,7 @@ import torch
 
 from . import overlap
 from .checks import picker
-from .copies import Copies, address_bits, as_bits, as_words, flat_view, typed_view
+from .copies import Copies, address, address_bits, as_bits, as_words, flat_view, typed_view
 from .overlap import EarlyPack
 from .plan import Planner
 from .resolve import resolve
@@ -37,7 +37,9 @@ class Program:
 
     def __init__(self, sched: Schedule, transfers, plans, me: int) -> None:
         self._side = None  # CUDA side stream for pack/unpack, created on first use
-        self.local, self.rounds = resolve(sched, transfers, plans, me)
+        self.local, self.rounds, rows = resolve(sched, transfers, plans, me)
+        # a kept batch's tensors compared by address; a permuted-row destination by its key
+        self._address = address if rows else torch.Tensor.data_ptr
         self.staged = any(r.packs or r.unpacks for r in self.rounds)  # else: no staging
         # whole tensor to whole tensor, as they are: gathered in C on each call, no
         # Python step per copy (the other local steps make views)
@@ -65,7 +67,7 @@ class Program:
         views hold the last call's tensors alive until the next call or ``release``."""
         if not self.local:
             return
-        addresses = tuple(map(torch.Tensor.data_ptr, self._local_pick(tensors)))
+        addresses = tuple(map(self._address, self._local_pick(tensors)))
         kept = self._local_batch
         if kept is None or kept[0] != addresses:
             kept = self._local_batch = (addresses, self._local_batch_for(tensors))
@@ -106,7 +108,7 @@ class Program:
         if ks is None:
             ks = self._stage_ks[id(plan)] = plan.ks if plan.elements is not None else sorted(
                 {c.ref.k for c in (*plan.flat, *plan.typed)})
-        addresses = (buf.data_ptr(), *[tensors[k].data_ptr() for k in ks])
+        addresses = (buf.data_ptr(), *[self._address(tensors[k]) for k in ks])
         kept = self._staged.get((id(plan), pack))
         if kept is None or kept[0] != addresses:
             kept = self._staged[(id(plan), pack)] = (

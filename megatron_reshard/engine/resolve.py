@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
-from .copies import WIDEN_BYTES, FlatRef, Strided, TypedRef, word_bytes
+from .copies import WIDEN_BYTES, FlatRef, RowsRef, Strided, TypedRef, word_bytes
+from .kernel_copies import PermutedRows
 from megatron_reshard.layout.geometry import box_shape
 from .members import is_members, per_member_segments, unit_boxes
 from .schedule import Schedule, align, is_contiguous
@@ -28,8 +29,11 @@ class ViewGeom(NamedTuple):
     delta: int                  # storage offset from the tensor's
     nbytes: int                 # bytes of the view
     words: int                  # strided views: the word size to copy in (``word_bytes``)
+    rows: Optional[tuple] = None  # slices of a permuted-row destination (never contiguous)
 
     def typed(self, k: int) -> TypedRef:
+        if self.rows is not None:
+            return RowsRef(k, self.rows)
         return TypedRef(k, self.strided)
 
     def flat(self, k: int) -> FlatRef:
@@ -46,6 +50,7 @@ class TensorView(NamedTuple):
 class Resolved(NamedTuple):
     local: tuple     # tuple[LocalStep, ...]
     rounds: tuple    # tuple[RoundProgram, ...]
+    rows: frozenset = frozenset()  # k of the destinations in a permuted-row order
 
 
 class _Views:
@@ -56,6 +61,7 @@ class _Views:
         self.transfers, self.plans, self.me = transfers, plans, me
         self.shapes, self.strides = {}, {}
         self.bases = {}  # k of a list of members (members.py) -> index of its first member
+        self.rows = set()  # k of a destination in a kernel's permuted-row order
         count = 2 * len(transfers)
         for ti, t in enumerate(transfers):
             for side, x in ((0, t.src), (1, t.dst)):
@@ -67,6 +73,10 @@ class _Views:
                     for e, m in enumerate(x):
                         self.shapes[self.bases[k] + e] = tuple(m.shape)
                         self.strides[self.bases[k] + e] = m.stride()
+                    continue
+                if isinstance(x, PermutedRows):
+                    self.rows.add(k)
+                    self.shapes[k], self.strides[k] = tuple(x.shape), None
                     continue
                 self.shapes[k], self.strides[k] = tuple(x.shape), x.stride()
         self.geometry: dict = {}
@@ -94,6 +104,12 @@ class _Views:
               member: bool) -> ViewGeom:
         index = self.own(ti, side).pieces[piece].index(box)
         size = tuple(e - s for s, e in box)
+        itemsize = self.transfers[ti].dtype.itemsize
+        if k in self.rows:  # staged or copied into the order, never a message's buffer
+            numel = 1
+            for n in size:
+                numel *= n
+            return ViewGeom(False, None, numel, 0, numel * itemsize, 0, index)
         st_k = self.strides[k]
         if member:  # the view keeps dim 0, of one index, over the member's dims
             st_k = (0, *st_k)
@@ -105,7 +121,6 @@ class _Views:
             numel *= n
         whole = delta == 0 and size == self.shapes[k] and stride == tuple(self.strides[k])
         simple = whole and len(size) == 1 and stride == (1,)
-        itemsize = self.transfers[ti].dtype.itemsize
         return ViewGeom(is_contiguous(size, stride), None if whole else Strided(size, stride, delta),
                         None if simple else numel, delta, numel * itemsize,
                         word_bytes(size, stride, itemsize))
@@ -167,4 +182,5 @@ def resolve(sched: Schedule, transfers, plans, me: int) -> Resolved:
     views = _Views(transfers, plans, me)
     local = tuple(_local_step(views, m._replace(box=b))
                   for m in sched.local for b in views.cut(m.ti, m.box))
-    return Resolved(local, tuple(_round(views, rnd) for rnd in sched.rounds))
+    return Resolved(local, tuple(_round(views, rnd) for rnd in sched.rounds),
+                    frozenset(views.rows))

@@ -11,7 +11,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .copies import FlatRef, TypedRef
+from .copies import FlatRef, Strided, TypedRef
 
 
 class LocalStep(NamedTuple):
@@ -90,7 +90,9 @@ def stage_plan(segs: list, total: int) -> Optional[StagePlan]:
         if seg.flat:
             flat.append(FlatCopy(piece, seg.ref, seg.nbytes))
         else:
-            skew = 0 if seg.ref.view is None else seg.ref.view.delta * seg.dtype.itemsize
+            # (a permuted-row destination's ref holds slices: no offset, no words)
+            skew = 0 if not isinstance(seg.ref.view, Strided) else \
+                seg.ref.view.delta * seg.dtype.itemsize
             typed.append(TypedCopy(piece, seg.dtype, seg.shape, seg.ref, seg.words, skew))
     if cursor < total:
         sizes.append(total - cursor)

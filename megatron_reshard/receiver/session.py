@@ -95,6 +95,7 @@ class ReceiverSession:
         # other than in place (the loop plans the deltas on its first delta refit)
         self._delta_version: Optional[int] = None
         self._delta_hooked: Optional[bool] = None
+        self._delta_rewritten = False  # vLLM's conversion rewrote the committed bytes
         self.stats: dict[str, Any] = {"refits": 0, "prepare_s": time.perf_counter() - t0,
                                       "verify_s": None, "last": None, "total_refit_s": 0.0}
 
@@ -239,6 +240,7 @@ class ReceiverSession:
                              f"{self.weights.as_dict()['state']}")
         self.weights.committed(done.outcome.version, names, not_refitted=self.kept_as_loaded)
         self._delta_version = done.outcome.version
+        self._delta_rewritten = False
         full_bytes = done.bulk.local_bytes + tally["misc_bytes"]
         last = {"mode": done.mode, "full_reason": done.full_reason,
                 "bytes_received": done.bulk_bytes_moved + tally["misc_bytes"],
@@ -262,13 +264,14 @@ class ReceiverSession:
             if self._delta_hooked is None:
                 self._delta_hooked = self.loop.delta_held()
             hooked = self._delta_hooked
-        code = dst_ready_code(self._delta_version, self.weights, hooked)
+        code = dst_ready_code(self._delta_version, self.weights, hooked, self._delta_rewritten)
         return dst_vote(code, self._delta_version)
 
     def forget_delta_base(self) -> None:
         """The storage no longer holds the committed bytes as they arrived (vLLM's own
         conversion rewrote some: ``receiver.staged_conversion``): the next refit is full."""
         self._delta_version = None
+        self._delta_rewritten = True
 
     def release_staging(self) -> None:
         """Give back the CUDA staging memory kept between refits (see RefitLoop)."""

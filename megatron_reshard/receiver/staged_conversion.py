@@ -110,6 +110,10 @@ class StagedLayer:
     tensors: tuple[torch.Tensor, ...]
     run: Callable[[tuple[torch.Tensor, ...]], tuple[torch.Tensor, ...]]
     received_as: tuple[torch.Tensor, ...] = ()
+    # the dry run found vLLM's conversion of this kind of layer to hand back its inputs,
+    # bytes unchanged (Triton experts, the block linear kernels): the storage keeps the
+    # bytes as they arrived, so it stays a base for delta refits
+    identity: bool = False
 
     def __post_init__(self) -> None:
         if not self.received_as:
@@ -231,26 +235,40 @@ def _fp8_linear_layer(name: str, module: torch.nn.Module, method: Any) -> Staged
     return StagedLayer(name, kind, backend, tuple(prefix + leaf for leaf in _LINEAR_LEAVES), tensors, run)
 
 
-_dry_runs: dict[tuple, Optional[str]] = {}  # (method, backend, shapes, dtypes, device) -> why not
+# (method, backend, shapes, dtypes, device) -> (why not, or None; whether an identity)
+_dry_runs: dict[tuple, tuple[Optional[str], bool]] = {}
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.stride() == b.stride() and a.shape == b.shape
 
 
 def _dry_run(layer: StagedLayer) -> None:
     """vLLM's conversion once on a throwaway copy (one expert of an MoE layer): it must run
-    here and give back the params' shapes and dtypes. Cached per layer kind and shape."""
+    here and give back the params' shapes and dtypes. Also learns whether it is an identity
+    (each input handed back, bytes unchanged: ``StagedLayer.identity``). Cached per layer
+    kind and shape."""
     moe = layer.method in MOE_METHODS
     copies = tuple((t[:1] if moe else t).clone() for t in layer.received_as)
     held = [((1,) + tuple(t.shape[1:]) if moe else tuple(t.shape), t.dtype) for t in layer.tensors]
     key = (layer.method, layer.backend, tuple(tuple(c.shape) for c in copies),
            tuple(c.dtype for c in copies), tuple(held), copies[0].device.type)
     if key not in _dry_runs:
+        before = tuple(c.clone() for c in copies)
+        versions = [c._version for c in copies]
         try:
             outs = layer.run(copies)
             bad = [(tuple(o.shape), o.dtype) for o, h in zip(outs, held) if (tuple(o.shape), o.dtype) != h]
-            _dry_runs[key] = (f"it returned {bad} where vLLM holds {held} (not the storage "
-                              f"vLLM holds)") if bad else None
+            # handed back as they came: no new tensor, no in-place op, not a byte changed
+            identity = not bad and all(
+                _same_tensor(o, c) and c._version == v and torch.equal(c.view(torch.uint8), b.view(torch.uint8))
+                for o, c, b, v in zip(outs, copies, before, versions))
+            _dry_runs[key] = ((f"it returned {bad} where vLLM holds {held} (not the storage "
+                               f"vLLM holds)") if bad else None, identity)
         except Exception as exc:  # vLLM's code does not run here: refuse, say why
-            _dry_runs[key] = f"it does not run on this {copies[0].device.type} device ({type(exc).__name__}: {exc})"
-    why = _dry_runs[key]
+            _dry_runs[key] = (f"it does not run on this {copies[0].device.type} device "
+                              f"({type(exc).__name__}: {exc})", False)
+    why, layer.identity = _dry_runs[key]
     if why is not None:
         setting = FP8_MOE_SETTING if moe else FP8_LINEAR_SETTING
         raise KernelLayoutError(f"{layer.name}: quant method {layer.method}, kernel backend "
@@ -344,6 +362,8 @@ class StagedConversions:
     # layer -> its own figures: bytes it holds, staging of its last and largest conversion,
     # time of its last conversion and over all of them
     per_layer: dict = field(default_factory=dict)
+    # the last convert() changed some layer's bytes (not every conversion an identity)
+    rewrote: bool = False
 
     @property
     def param_names(self) -> set[str]:
@@ -366,12 +386,17 @@ class StagedConversions:
     def convert(self) -> list[str]:
         """Convert every layer received since its last conversion, layer by layer; returns
         their names. A converted layer is never converted again until it is received again."""
-        done = []
+        done, rewrote = [], False
         for layer in self.layers:
             if layer.name not in self._pending:
                 continue
             t0 = time.perf_counter()
-            extra = self._convert(layer)
+            try:
+                extra, kept = self._convert(layer)
+            except BaseException:
+                self.rewrote = True  # whatever it left, it is no base
+                raise
+            rewrote = rewrote or not kept
             self._pending.discard(layer.name)
             self.converted[layer.name] = self.converted.get(layer.name, 0) + 1
             dt = time.perf_counter() - t0
@@ -388,12 +413,16 @@ class StagedConversions:
             own["peak_staging_bytes"] = max(own["peak_staging_bytes"], extra)
             own["total_convert_s"] += dt
             done.append(layer.name)
+        self.rewrote = rewrote
         return done
 
     @staticmethod
-    def _convert(layer: StagedLayer) -> int:
+    def _convert(layer: StagedLayer) -> tuple[int, bool]:
         """vLLM's conversion on the live storage; results copied back into it. Returns the
-        bytes the conversion held apart from the storage (this layer's staging)."""
+        bytes the conversion held apart from the storage (this layer's staging) and whether
+        the bytes are kept as they arrived: a conversion the dry run found to be an identity
+        that again handed back every input with no in-place write (version counters)."""
+        versions = [t._version for t in layer.received_as]
         try:
             outs = layer.run(layer.received_as)
         except Exception as exc:
@@ -412,11 +441,14 @@ class StagedConversions:
                 out = out.clone()  # a view of the storage it is about to overwrite
             extra += 0 if same else out.numel() * out.element_size()
             staged.append((live, out, same))
+        kept = (layer.identity and all(same for _, _, same in staged)
+                and all(_same_tensor(o, t) and t._version == v
+                         for o, t, v in zip(outs, layer.received_as, versions)))
         with torch.no_grad():
             for live, out, same in staged:
                 if not same:
                     live.copy_(out)
-        return extra
+        return extra, kept
 
     def report(self) -> dict:
         return {"layers": [layer.name for layer in self.layers],

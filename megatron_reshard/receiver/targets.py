@@ -134,6 +134,14 @@ class VllmTargets:
             return self.params[piece.target][box_index(piece.target_region)]
         return order.view(self.params[piece.target], piece.target_region)
 
+    def permuted_rows(self, piece: Piece):
+        """The target box (three dims) as an ``engine.kernel_copies.PermutedRows`` of the
+        storage where a kernel's order keeps it in permuted rows, else None."""
+        order = self.orders.get(piece.target)
+        if order is None or len(piece.target_region) != 3:
+            return None
+        return order.permuted_rows(self.params[piece.target], piece.target_region)
+
     def view(self, piece: Piece) -> torch.Tensor:
         view = self.strided_view(piece)
         if view is None:
@@ -509,11 +517,17 @@ class VllmTargets:
 def receive_spec(targets: VllmTargets, piece: Piece, strided_in_place: bool = True,
                  wire_dtype: Optional[torch.dtype] = None) -> LocalParamSpec:
     """The receive recipe for one target box: in place when possible, else buffer + copy-back
-    (a strided box the caller wants contiguous, a box a kernel's order scatters, or a
-    target wider than the wire dtype: the buffer holds the wire dtype)."""
+    (a strided box the caller wants contiguous, a box a kernel's order scatters that no
+    permuted-row destination describes, or a target wider than the wire dtype: the buffer
+    holds the wire dtype). A box a kernel's order keeps in permuted rows (FlashInfer
+    TRTLLM's experts) is handed to the engine as an ``engine.kernel_copies.PermutedRows``:
+    it unpacks and copies into the order in one pass, no buffer."""
     view = targets.strided_view(piece)
     if view is None:
         target = targets.params[piece.target]
+        rows = targets.permuted_rows(piece)
+        if rows is not None and (wire_dtype is None or wire_dtype == target.dtype):
+            return LocalParamSpec(base=rows)
 
         def pre_scatter(_base) -> RefitCtx:
             return RefitCtx(buf=torch.empty(box_shape(piece.target_region),

@@ -307,11 +307,15 @@ class RefitWorkerState:
             self.staged.received(session.targets.params.values())
             stats["staged_converted"] = self.staged.convert()
         except StagedConversionError as err:
+            session.forget_delta_base()
             self.weights.writing(sorted(self.staged.param_names))
             self.weights.failed(str(err))
             raise
-        finally:
-            session.forget_delta_base()  # converted bytes are no base for a delta
+        except BaseException:
+            session.forget_delta_base()
+            raise
+        if self.staged.rewrote:  # converted bytes are no base for a delta; an identity's are
+            session.forget_delta_base()
         stats["staged_conversion"] = self.staged.report()
 
     def release_staging(self) -> None:

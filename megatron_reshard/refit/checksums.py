@@ -13,6 +13,7 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_reshard.engine.kernel_copies import PermutedRows
 from megatron_reshard.layout.geometry import Box
 from megatron_reshard.groups.collectives import all_reduce, control_device, group_size
 from megatron_reshard.refit.integrity import (MODULUS, ChecksumTable, box_checksum, mismatches,
@@ -22,6 +23,8 @@ from megatron_reshard.refit.integrity import (MODULUS, ChecksumTable, box_checks
 def buffer_checksum(buf, box: Box, origin: tuple) -> torch.Tensor:
     """``box_checksum`` of a tensor, or of a list of tensors (one per index of dim 0): the
     checksum is a sum over the box's elements, so it is the sum of the members' parts."""
+    if isinstance(buf, PermutedRows):  # a kernel's order: its elements gathered back
+        buf = buf.read()
     if not isinstance(buf, (list, tuple)):
         return box_checksum(buf, box, origin)
     total = None

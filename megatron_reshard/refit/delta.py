@@ -9,14 +9,14 @@ refit (``refit.delta_transport`` moves them). It needs a *base* on both sides:
 - the generation side's base is its own storage, valid while the session that committed
   version B still sees consistent weights at B (``dst_vote``).
 
-Which params can go as a delta (``eligible``) depends on the payload only, so every rank
-decides alike: a plan whose ops are all one hop from a source to a destination (no local
-copy, no replica completion inside a destination group). Others travel full, inside the
-same refit, through the engine. The mode itself is voted in the version check
-(``refit.version``) with the columns built here: delta only if every training rank holds
-a base of version B and every generation rank of every group holds consistent weights
-committed at B by this session; anything else is a full refit with the reason, on every
-rank alike.
+Which params can go as a delta (``delta_plans``) depends on the payload only, so every
+rank decides alike: a plan with no local copy (``eligible``), and not a weight the
+generation side quantizes from BF16 (``record_eligible``: it holds no BF16 base). Others
+travel full, inside the same refit, through the engine. The mode itself is voted in the
+version check (``refit.version``) with the columns built here: delta only if every
+training rank holds a base of version B and every generation rank of every group holds
+consistent weights committed at B by this session; anything else is a full refit with the
+reason, on every rank alike.
 """
 
 from __future__ import annotations
@@ -29,8 +29,7 @@ import torch
 
 from megatron_reshard.errors import BadInputError
 from megatron_reshard.layout.geometry import rank_region
-from megatron_reshard.engine.param_plan import ParamPlan, build_plan
-from megatron_reshard.engine.plan import layout_key
+from megatron_reshard.engine.param_plan import ParamPlan
 from megatron_reshard.refit.commit import NO_VERSION
 
 KEEP_PLACES = ("device", "pinned")
@@ -66,12 +65,6 @@ class DeltaConfig:
 
 # -- eligibility (payload-derived: the same on every rank) -------------------------
 
-def param_plan(bulk: Any) -> ParamPlan:
-    """The engine's plan of one bulk transfer (``refit.order.BulkTransfer``)."""
-    return build_plan(layout_key(bulk.global_shape, bulk.src_mesh, bulk.src_placements,
-                                 bulk.dst_mesh, bulk.dst_placements, f"delta: {bulk.name}"))
-
-
 def eligible(plan: ParamPlan) -> bool:
     """No local copy: every op a send between two ranks, from a source (phase 0) or, for
     replica completion, from the destination member that received the stripe (phase 1,
@@ -80,13 +73,26 @@ def eligible(plan: ParamPlan) -> bool:
     return bool(plan.ops) and all(op.src != op.dst for op in plan.ops)
 
 
-def eligible_plans(transfers: Sequence[Any]) -> list[Optional[ParamPlan]]:
-    """Per bulk transfer of a stage: its plan when it can go as a delta, else None."""
-    out = []
-    for bulk in transfers:
-        plan = param_plan(bulk)
-        out.append(plan if eligible(plan) else None)
-    return out
+# Where the generation side quantizes a weight (block FP8 or MXFP8 from BF16 on the wire:
+# ``fp8.plan``, ``"gen_quant": "receiver"``) it holds FP8 bytes and scales, never the BF16
+# a delta would be cut from: applying a BF16 delta would need a BF16 copy of the region on
+# the generation rank (2 bytes per element beside the 1-byte FP8 storage) and a tile's
+# scale follows the amax of all its elements, so every touched tile is quantized again.
+# Such a weight goes full (BF16 through the engine, quantized on write) inside a delta
+# refit; the sender-quantized ones (FP8 bytes + scales on the wire) are diffed as bytes.
+RECEIVER_QUANTIZED = "receiver"
+
+
+def record_eligible(record: Any) -> bool:
+    """Whether a payload record may go as a delta at all (payload-derived: alike on every
+    rank): not a weight the generation side quantizes from BF16."""
+    return getattr(record, "gen_quant", None) != RECEIVER_QUANTIZED
+
+
+def delta_plans(records: Sequence[Any], plans: Sequence[ParamPlan]) -> list[Optional[ParamPlan]]:
+    """Per bulk param of a stage: its plan when it goes as a delta, else None (full)."""
+    return [plan if eligible(plan) and record_eligible(rec) else None
+            for rec, plan in zip(records, plans)]
 
 
 # -- the vote (columns appended to the version check's row, reduced by MAX) ----------
@@ -105,7 +111,10 @@ DST_NOT_READY = {1: "a generation rank's session has not committed a refit yet (
                  3: "a generation rank's weights changed version since its session's last "
                     "refit",
                  4: "a generation rank holds a delta param through a hook or a list of "
-                    "tensors (not its storage in place)"}
+                    "tensors (not its storage in place)",
+                 5: "vLLM's own conversion rewrote a generation rank's storage after the "
+                    "last refit (receiver.staged_conversion: block FP8), so it does not "
+                    "hold the bytes a delta is cut from"}
 
 
 def _pair(version: Optional[int]) -> list[int]:
@@ -238,28 +247,35 @@ def as_tensor(buf: Any) -> torch.Tensor:
     return buf
 
 
-def dst_ready_code(session_version: Optional[int], weights: Any, hooked: bool) -> int:
+def dst_ready_code(session_version: Optional[int], weights: Any, hooked: bool,
+                   rewritten: bool = False) -> int:
     """0 when this generation rank's storage is the base of version ``session_version``,
-    else the reason's code (``DST_NOT_READY``)."""
+    else the reason's code (``DST_NOT_READY``); ``rewritten``: the session forgot its base
+    because vLLM's conversion rewrote the storage after its last commit."""
     if hooked:
         return 4
     if not weights.consistent:
         return 2
     if session_version is None:
-        return 1
+        return 5 if rewritten else 1
     if weights.version != session_version:
         return 3
     return 0
 
 
-def dst_hooked(mine_by_stage: Mapping[int, Sequence[Any]]) -> bool:
+def dst_hooked(mine_by_stage: Mapping[int, Sequence[Any]],
+               records_by_stage: Optional[Mapping[int, Sequence[Any]]] = None) -> bool:
     """Whether this generation rank holds a bulk param other than as a plain tensor of its
     storage (a pre hook, or a list of tensors): a delta needs the old bits in place. All
-    held params count (not only the eligible ones): no plan is built for the vote, so a
-    refit whose sender does not ask for deltas costs nothing more."""
-    for mine in mine_by_stage.values():
-        for held in mine:
+    held params count (not only the eligible ones: no plan is built for the vote, so a
+    refit whose sender does not ask for deltas costs nothing more), except those whose
+    record already sends them full (``record_eligible``: a weight this rank quantizes)."""
+    for stage, mine in mine_by_stage.items():
+        records = None if records_by_stage is None else records_by_stage.get(stage)
+        for i, held in enumerate(mine):
             if held is None:
+                continue
+            if records is not None and not record_eligible(records[i]):
                 continue
             if held.spec.pre is not None or not isinstance(held.spec.base, torch.Tensor):
                 return True
@@ -267,5 +283,5 @@ def dst_hooked(mine_by_stage: Mapping[int, Sequence[Any]]) -> bool:
 
 
 __all__ = ["DEFAULT_BUDGET_BYTES", "DeltaConfig", "ModeDecision", "TrainBase", "VOTE_WIDTH",
-           "decide_mode", "dst_hooked", "dst_ready_code", "dst_vote", "eligible",
-           "eligible_plans", "src_vote"]
+           "decide_mode", "delta_plans", "dst_hooked", "dst_ready_code", "dst_vote",
+           "eligible", "record_eligible", "src_vote"]

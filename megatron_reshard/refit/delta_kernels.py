@@ -2,24 +2,31 @@
 
 Torch + stdlib only: Triton, which the CUDA builds of torch ship, loads lazily, and
 ``refit.delta_transport`` keeps its torch path where it is absent (CPU tensors, CPU builds)
-or switched off (``MEGATRON_RESHARD_DELTA_KERNELS=0``). ``delta_transport.encode`` /
-``apply`` call these for CUDA tensors and do the rest (GAPS bytes, DIFF8 steps, escapes)
-with torch ops on the changed elements only, so the payload is the torch path's, byte for
-byte.
+or switched off (``MEGATRON_RESHARD_DELTA_KERNELS=0``). Every payload the kernels write is
+the torch path's, byte for byte; every apply is bit-exact.
 
-Cut: ``mark`` reads new and old once (bits as integers, so NaN payloads and -0.0 compare
-exactly), writes the bitmask (the wire's BITMASK index as it is) and one count per block
-of ``BLOCK`` elements; after one host read of the total (the header needs it),
-``changed`` writes the int64 positions and the values of the changed elements, each block
-at its offset (an exclusive cumsum of the counts) plus its rank inside the block
-(``tl.cumsum``): ``compact`` reads the bitmask again and only the changed values (masked
-loads). ``FUSED``: ``mark`` packs each block's changes into scratch itself and ``gather``
-moves only those (measured slower on H200: the scratch writes cost ``mark`` a third).
+Cut (``Cut``): ``cut_mark`` reads new and old once (bits as integers, so NaN payloads and
+-0.0 compare exactly) and writes the bitmask (the wire's BITMASK index as it is) and, per
+block of ``BLOCK`` elements, its changed count, its DIFF8 escapes, the GAPS skip bytes
+between its own changes, and its first and last changed position. Two small kernels over
+those figures (``cut_tiles`` per tile of blocks, ``cut_offsets`` over the few tiles) give
+each block the change before it (so the skip bytes of the gap across its boundary) and its
+offsets in the payload's sections; the totals are the one host read (the header and the
+choice of encoding need them). ``cut_write`` then writes the payload of the chosen
+encoding (GAPS or POSITIONS index, DIFF8 differences and escapes or whole values), each
+block at its offsets. It walks the bitmask a 16-element word per lane and the changes of
+a word in turn (bit tricks, no per-element work), so its cost follows the changed words,
+not the region.
 
-Apply of a BITMASK delta: ``bitmask_counts`` (checked against the header before any
-write), then ``apply_bitmask`` writes whole values into the view, or ``bitmask_positions``
-gives the positions for DIFF8's steps. A strided view is handled when it folds into rows
-of unit stride (``rows_form``: a TP shard's column block).
+Apply (``apply_sparse``, GAPS or POSITIONS, with DIFF8 or whole values): a pass over the
+index (``gap_sums`` / ``pos_sums``: per chunk, the positions it advances, its values, its
+escapes, bad positions), one flat cumsum, for GAPS ``gap_locate`` (where the gaps end, the last
+position, the escapes announced), one host read to check all of it before anything is
+written, then ``apply_index`` decodes each chunk's positions and adds the differences (or
+writes the values) in place. BITMASK: ``bitmask_counts`` (checked against the header),
+then ``apply_bitmask`` writes whole values, or ``bitmask_positions`` feeds the DIFF8 steps
+to ``apply_sparse``. A strided view is handled when it folds into rows of unit stride
+(``rows_form``: a TP shard's column block); any other view takes the torch path.
 """
 
 from __future__ import annotations
@@ -30,9 +37,11 @@ from typing import NamedTuple, Optional
 import torch
 
 
-BLOCK = 4096  # elements per program (a multiple of 8: whole bitmask bytes)
-FUSED = False  # True: mark packs each block's changes itself (measured slower on H200)
+BLOCK = 4096  # elements per program of the cut (a multiple of 16: whole bitmask words)
 WARPS = 4
+CHUNK = 2048  # index entries (GAPS: payload bytes) per program of the apply
+APPLY_WARPS = 4
+_TILE = 1024  # blocks per program of the passes over per-block figures (cut_tiles)
 _INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -76,58 +85,163 @@ def rows_form(view: torch.Tensor) -> Optional[Rows]:
     return Rows(dims[0][0], dims[1][0], dims[0][1])
 
 
+def _bad_delta(message: str) -> Exception:
+    # imported here: delta_transport imports this module
+    from megatron_reshard.refit.delta_transport import DeltaTransportError
+    return DeltaTransportError(message)
+
+
+def _step_type(item: int):
+    import triton.language as tl
+    return tl.int32 if item <= 2 else tl.int64  # new - old of the bits, without overflow
+
+
+def _as_values(raw: torch.Tensor, item: int) -> tuple[torch.Tensor, bool]:
+    """Bytes of a payload section as elements when they start on an element boundary."""
+    if raw.numel() % item == 0 and raw.storage_offset() % item == 0 and raw.data_ptr() % item == 0:
+        return raw.view(_INTS[item]), True
+    return raw, False
+
+
 # -- cut ------------------------------------------------------------------------------
 
-def _flat_bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(_INTS[t.element_size()]).reshape(-1)
+class Cut:
+    """One region's changes found (``cut_mark`` and the per-block offsets) and its totals
+    read: ``count``, ``skips`` (GAPS skip bytes), ``escapes`` (DIFF8). ``payload`` writes
+    the chosen encoding."""
 
+    def __init__(self, new: torch.Tensor, old: torch.Tensor):
+        a = new.contiguous().view(_INTS[new.element_size()]).reshape(-1)
+        b = old.to(new.device).contiguous().view(a.dtype).reshape(-1)
+        self.a, self.b, self.n = a, b, a.numel()
+        blocks = max(1, -(-self.n // BLOCK))
+        dev = a.device
+        self.mask = torch.empty(blocks * BLOCK // 8, dtype=torch.uint8, device=dev)
+        # per block: changed, escapes, gap bytes; then their offsets (exclusive)
+        self.stats = torch.empty(3, blocks, dtype=torch.int64, device=dev)
+        self.starts = torch.empty(3, blocks, dtype=torch.int64, device=dev)
+        firsts = torch.empty(blocks, dtype=torch.int64, device=dev)
+        lasts = torch.empty(blocks, dtype=torch.int64, device=dev)
+        self.before = torch.empty(blocks, dtype=torch.int64, device=dev)  # last change before
+        tiles = -(-blocks // _TILE)
+        figures = torch.empty(5, tiles, dtype=torch.int64, device=dev)
+        totals = torch.empty(3, dtype=torch.int64, device=dev)
+        k = _kernels()
+        k.cut_mark[(blocks,)](a, b, self.n, self.mask.view(torch.int16), self.stats, firsts,
+                              lasts, blocks, STEP=_step_type(a.element_size()), BLOCK=BLOCK,
+                              num_warps=WARPS)
+        k.cut_tiles[(tiles,)](self.stats, firsts, lasts, self.before, figures, blocks, tiles,
+                              TILE=_TILE, num_warps=4)
+        k.cut_offsets[(tiles,)](self.stats, self.before, figures, self.starts, totals, blocks,
+                                tiles, TILE=_TILE, MAXT=max(16, 1 << (tiles - 1).bit_length()),
+                                num_warps=4)
+        self.count, self.escapes, gap_bytes = totals.tolist()  # the one host read
+        self.skips = gap_bytes - self.count
+        self.blocks = blocks
 
-class Marked(NamedTuple):
-    """What ``mark`` found: the bitmask (whole blocks of bytes; bits past the region 0),
-    the changed count per block, and, when ``FUSED``, each block's changed positions (in
-    the block, int32) and values packed at the block's own start (scratch)."""
-
-    mask: torch.Tensor
-    counts: torch.Tensor
-    spos: Optional[torch.Tensor]
-    svals: Optional[torch.Tensor]
-
-
-def mark(new: torch.Tensor, old: torch.Tensor) -> Marked:
-    """Compare the bits of ``new`` and ``old`` (one launch, each read once)."""
-    a, b = _flat_bits(new), _flat_bits(old.to(new.device))
-    n = a.numel()
-    blocks = max(1, -(-n // BLOCK))
-    mask = torch.empty(blocks * BLOCK // 8, dtype=torch.uint8, device=a.device)
-    counts = torch.empty(blocks, dtype=torch.int64, device=a.device)
-    spos = torch.empty(n if FUSED else 0, dtype=torch.int32, device=a.device)
-    svals = torch.empty(n if FUSED else 0, dtype=a.dtype, device=a.device)
-    _kernels().mark[(blocks,)](a, b, n, mask, counts, spos, svals, FUSED=FUSED, BLOCK=BLOCK,
-                               num_warps=WARPS)
-    return Marked(mask, counts, spos if FUSED else None, svals if FUSED else None)
-
-
-def changed(a: torch.Tensor, marked: Marked, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int64 positions, values) of the ``count`` changed elements of the flat bits ``a``
-    that ``marked`` found: one launch, each block's at its offset (an exclusive cumsum of
-    the counts). Fused: the blocks' scratch moved into place (only changed elements read);
-    else the bitmask read again and the changed values loaded from ``a``."""
-    counts = marked.counts
-    starts = torch.cumsum(counts, 0) - counts
-    pos = torch.empty(count, dtype=torch.int64, device=a.device)
-    values = torch.empty(count, dtype=a.dtype, device=a.device)
-    k = _kernels()
-    if marked.spos is not None:
-        k.gather[(counts.numel(),)](marked.spos, marked.svals, counts, starts, pos, values,
-                                    BLOCK=BLOCK, num_warps=WARPS)
-        return pos, values
-    k.compact[(counts.numel(),)](a, a.numel(), marked.mask, marked.mask.numel(), starts, pos,
-                                 values, WRITE_VALUES=True, ALIGNED=True, ITEM=a.element_size(),
-                                 BLOCK=BLOCK, num_warps=WARPS)
-    return pos, values
+    def payload(self, index: str, diff8: bool, index_size: int = 4) -> torch.Tensor:
+        """The payload with index ``"gaps"``, ``"positions"`` (``index_size`` bytes each)
+        or ``"bitmask"``, then DIFF8 differences and escapes or whole values."""
+        item, count = self.a.element_size(), self.count
+        nindex = {"gaps": count + self.skips, "positions": count * index_size,
+                  "bitmask": (self.n + 7) // 8}[index]
+        nvalues = count + self.escapes * item if diff8 else count * item
+        out = torch.empty(nindex + nvalues, dtype=torch.uint8, device=self.a.device)
+        if index == "gaps" and self.skips:
+            out[:nindex].zero_()  # the skip bytes
+        if index == "bitmask":
+            out[:nindex].copy_(self.mask[:nindex])
+        where = out[:nindex].view(_INTS[index_size]) if index == "positions" else out
+        if diff8:
+            values, aligned = out[nindex:nindex + count], True
+            escapes, esc_aligned = _as_values(out[nindex + count:], item)
+        else:
+            values, aligned = _as_values(out[nindex:], item)
+            escapes, esc_aligned = out, True
+        _kernels().cut_write[(self.blocks,)](
+            self.a, self.b, self.mask.view(torch.int16), self.stats, self.starts, self.before,
+            self.blocks, where,
+            values, escapes, INDEX={"gaps": 2, "positions": 1, "bitmask": 0}[index],
+            DIFF8=diff8, ALIGNED=aligned, ESC_ALIGNED=esc_aligned,
+            STEP=_step_type(item), ITEM=item, BLOCK=BLOCK, num_warps=WARPS)
+        return out
 
 
 # -- apply ----------------------------------------------------------------------------
+
+def apply_sparse(view: torch.Tensor, count: int, gaps: bool, diff8: bool,
+                 payload: torch.Tensor, index_size: int,
+                 positions: Optional[torch.Tensor] = None) -> bool:
+    """Write a GAPS or POSITIONS delta (``positions``: int64 positions given apart, the
+    payload then holding only the values) into ``view`` in place; False when the view does
+    not fold into rows (the caller takes the torch path). A delta whose structure does not
+    fit is refused (``DeltaTransportError``) before anything is written."""
+    form = rows_form(view)
+    if form is None:
+        return False
+    numel, item = view.numel(), view.element_size()
+    nbytes = payload.numel()
+    k = _kernels()
+    dev = payload.device
+    if gaps:
+        chunks = max(1, -(-nbytes // CHUNK))
+        sums = torch.empty(3, chunks, dtype=torch.int64, device=dev)
+        k.gap_sums[(chunks,)](payload, nbytes, sums, chunks, CHUNK=CHUNK, num_warps=APPLY_WARPS)
+        ends = torch.cumsum(sums.view(-1), 0)  # one flat scan (the kernels take each row apart)
+        vend = 0 if diff8 else nbytes - count * item
+        found = torch.zeros(6, dtype=torch.int64, device=dev)
+        k.gap_locate[(chunks,)](payload, nbytes, count, ends, chunks, max(vend, 0), found,
+                                CHUNK=CHUNK, num_warps=APPLY_WARPS)
+        ok, last_byte, last, escapes, named, before = found.tolist()  # the one host read
+        if not diff8 and (vend < 0 or named != count):
+            raise _bad_delta(f"a gaps delta names {named} elements (header: {count}) "
+                             f"reaching past its {numel}-element box")
+        if not ok or (diff8 and last_byte + 1 + count > nbytes):
+            raise _bad_delta(f"a gaps delta of {count} elements holds fewer gap bytes")
+        if last >= numel:
+            raise _bad_delta(f"a gaps delta names {count} elements (header: {count}) "
+                             f"reaching past its {numel}-element box")
+        scan = last_byte + 1
+        start = scan if diff8 else vend
+        index, index_aligned = payload, True
+    else:
+        if positions is None:
+            index, index_aligned = _as_values(payload[:count * index_size], index_size)
+            start = count * index_size
+        else:
+            index, index_aligned, index_size, start = positions, True, 8, 0
+        chunks = max(1, -(-count // CHUNK))
+        sums = torch.empty(2, chunks, dtype=torch.int64, device=dev)
+        k.pos_sums[(chunks,)](index, payload[start:], count, numel, sums, chunks, DIFF8=diff8,
+                              ALIGNED=index_aligned, IDX=index_size, CHUNK=CHUNK,
+                              num_warps=APPLY_WARPS)
+        ends = torch.cumsum(sums.view(-1), 0)
+        bad, upto = ends.view(2, chunks)[:, -1].tolist()  # the one host read
+        escapes = upto - bad
+        if bad:
+            raise _bad_delta(f"a positions delta names elements outside its {numel}-element box")
+        scan, before = count, 0
+    whole = nbytes - start - count * (1 if diff8 else item)
+    if diff8 and whole != escapes * item:
+        raise _bad_delta(f"a delta of {count} differences with {escapes} escapes carries "
+                         f"{whole} bytes of whole values")
+    if not diff8 and whole != 0:
+        raise _bad_delta(f"a delta of {count} values carries {nbytes - start} bytes")
+    target = view.view(_INTS[item])
+    if diff8:
+        values, aligned = payload[start:start + count], True
+        escaped, esc_aligned = _as_values(payload[start + count:], item)
+    else:
+        values, aligned = _as_values(payload[start:], item)
+        escaped, esc_aligned = payload, True
+    grid = max(1, -(-scan // CHUNK))
+    k.apply_index[(grid,)](
+        target, index, values, escaped, scan, payload if gaps else index, ends, chunks, before,
+        form.cols, form.stride, GAPS=gaps, DIFF8=diff8, IDX_ALIGNED=index_aligned,
+        IDX=index_size, ALIGNED=aligned, ESC_ALIGNED=esc_aligned, CONTIG=form.rows == 1,
+        STEP=_step_type(item), ITEM=item, CHUNK=CHUNK, num_warps=APPLY_WARPS)
+    return True
+
 
 def bitmask_counts(index: torch.Tensor, numel: int) -> torch.Tensor:
     """Set bits per block of a bitmask of ``numel`` elements (bits past them ignored)."""
@@ -142,8 +256,7 @@ def bitmask_positions(index: torch.Tensor, numel: int, counts: torch.Tensor,
     """The int64 positions of a bitmask's set bits (``count``: their checked total)."""
     starts = torch.cumsum(counts, 0) - counts
     pos = torch.empty(count, dtype=torch.int64, device=index.device)
-    _kernels().compact[(counts.numel(),)](index, numel, index, index.numel(), starts, pos, pos,
-                                          WRITE_VALUES=False, ALIGNED=True, ITEM=8,
+    _kernels().compact[(counts.numel(),)](index, numel, index.numel(), starts, pos,
                                           BLOCK=BLOCK, num_warps=WARPS)
     return pos
 
@@ -169,8 +282,14 @@ def apply_bitmask(view: torch.Tensor, index: torch.Tensor, values: torch.Tensor,
 # -- the kernels ----------------------------------------------------------------------
 
 class _Kernels(NamedTuple):
-    mark: object
-    gather: object
+    cut_mark: object
+    cut_tiles: object
+    cut_offsets: object
+    cut_write: object
+    gap_sums: object
+    gap_locate: object
+    pos_sums: object
+    apply_index: object
     compact: object
     count_bits: object
     apply_bitmask: object
@@ -189,15 +308,69 @@ def _kernels() -> Optional[_Kernels]:
         _BUILT.append(None)
         return None
 
-    # Every block is a [BLOCK // 8, 8] tile: row k holds elements 8k..8k+7, the bits of
-    # bitmask byte k, so packing and unpacking stay inside a thread (no reshape across
-    # threads), and a rank in the block is a cumsum along the 8 plus one along the rows.
-    # Offsets inside a block are int32 from pointers moved to the block once (64-bit
-    # arithmetic and division per element cost more than the bytes).
+    # The cut's blocks are [BLOCK // 8, 8] tiles: row k holds elements 8k..8k+7, the bits
+    # of bitmask byte k, so packing stays inside a thread and whatever depends on the
+    # order of changes (ranks, gaps) is worked out per byte (a row), the changes inside a
+    # byte by bit tricks. Offsets inside a block are int32 from pointers moved to the
+    # block once (64-bit arithmetic per element costs more than the bytes).
 
     @triton.jit
     def _local(BLOCK: tl.constexpr):
         return tl.arange(0, BLOCK // 8)[:, None] * 8 + tl.arange(0, 8)[None, :]
+
+    @triton.jit
+    def _lanes(BLOCK: tl.constexpr):
+        return tl.arange(0, BLOCK // 16)[:, None] * 16 + tl.arange(0, 16)[None, :]
+
+    @triton.jit
+    def _popcount(x):  # set bits of a 16-bit word (int32)
+        x = x - ((x >> 1) & 0x5555)
+        x = (x & 0x3333) + ((x >> 2) & 0x3333)
+        x = (x + (x >> 4)) & 0x0F0F
+        return (x + (x >> 8)) & 0x1F
+
+    @triton.jit
+    def _bit_index(one):  # which bit a word's single set bit is (0 for none)
+        return (((one & 0xFF00) != 0).to(tl.int32) * 8 + ((one & 0xF0F0) != 0).to(tl.int32) * 4
+                + ((one & 0xCCCC) != 0).to(tl.int32) * 2 + ((one & 0xAAAA) != 0).to(tl.int32))
+
+    @triton.jit
+    def _top_bit(x):  # a word's highest set bit alone
+        x = x | (x >> 1)
+        x = x | (x >> 2)
+        x = x | (x >> 4)
+        x = x | (x >> 8)
+        return x ^ (x >> 1)
+
+    @triton.jit
+    def _max_before(av, ap, bv, bp):
+        # scan of (max, max before the last): the second half is an exclusive running max
+        return tl.maximum(av, bv), tl.maximum(av, bp)
+
+    @triton.jit
+    def _words_before(word, BLOCK: tl.constexpr):
+        # per 16-element word of a block: its first changed element (block-local), and
+        # the last changed element of the words before it (-1: none in this block)
+        w = tl.arange(0, BLOCK // 16)
+        has = word != 0
+        lo = w * 16 + _bit_index(word & -word)
+        last = tl.where(has, w * 16 + _bit_index(_top_bit(word)), -1)
+        _, prev = tl.associative_scan((last, tl.full((BLOCK // 16,), -1, tl.int32)), 0,
+                                      _max_before)
+        return has, lo, last, prev
+
+    @triton.jit
+    def _row(ends, K: tl.constexpr, chunks, j):
+        # row K of per-chunk figures summed by one flat cumsum: its inclusive sum at j
+        if K == 0:
+            v = tl.load(ends + j)
+        else:
+            v = tl.load(ends + K * chunks + j) - tl.load(ends + K * chunks - 1)
+        return v
+
+    @triton.jit
+    def _row_before(ends, K: tl.constexpr, chunks, j):
+        return tl.where(j > 0, _row(ends, K, chunks, tl.maximum(j - 1, 0)), 0)
 
     @triton.jit
     def _bits(mask, block, left, limit, BLOCK: tl.constexpr):
@@ -229,7 +402,7 @@ def _kernels() -> Optional[_Kernels]:
     def _get(src, start, o, keep, like, ALIGNED: tl.constexpr, ITEM: tl.constexpr):
         # the value at element start + o of src (bits of like's type); bytes when unaligned
         if ALIGNED:
-            v = tl.load(src + start + o, mask=keep, other=0)
+            v = tl.load(src + start + o, mask=keep, other=0).to(like.dtype)
         else:
             w = tl.zeros_like(like).to(tl.int64)
             for k in tl.static_range(ITEM):
@@ -238,50 +411,288 @@ def _kernels() -> Optional[_Kernels]:
             v = w.to(like.dtype)
         return v
 
+    @triton.jit
+    def _count_before(p, ends, chunks, x, CHUNK: tl.constexpr, ESCAPES: tl.constexpr):
+        # bytes of p[0:x) that are not 0 (or, ESCAPES, that are 0x80: a DIFF8 escape),
+        # from the per-chunk counts (``ends`` row 0, or row 2) and the partial chunk
+        c = x // CHUNK
+        base = _row_before(ends, 2 if ESCAPES else 0, chunks, c)
+        i = c * CHUNK + tl.arange(0, CHUNK)
+        y = tl.load(p + i, mask=i < x, other=0).to(tl.int32)
+        hit = (y == 128) if ESCAPES else (y != 0)
+        return base + tl.sum((hit & (i < x)).to(tl.int64))
+
     # the kernels find the helpers they call among the module's globals, not in closures
-    globals().update(_local=_local, _bits=_bits, _ranks=_ranks, _put=_put, _get=_get)
+    globals().update(_local=_local, _lanes=_lanes, _popcount=_popcount, _bit_index=_bit_index,
+                     _top_bit=_top_bit, _max_before=_max_before, _words_before=_words_before,
+                     _row=_row, _row_before=_row_before,
+                     _bits=_bits, _ranks=_ranks, _put=_put, _get=_get,
+                     _count_before=_count_before)
 
     @triton.jit
-    def mark(a, b, n, mask, counts, spos, svals, FUSED: tl.constexpr, BLOCK: tl.constexpr):
+    def cut_mark(a, b, n, mask, stats, firsts, lasts, blocks, STEP: tl.constexpr,
+                 BLOCK: tl.constexpr):
+        # mask: the bitmask as int16 words (16 elements each, little-endian: the wire's bytes)
         block = tl.program_id(0).to(tl.int64)
         first = block * BLOCK
-        loc = _local(BLOCK)
+        loc = _lanes(BLOCK)
         inside = loc < n - first
         va = tl.load(a + first + loc, mask=inside, other=0)
-        d = (va != tl.load(b + first + loc, mask=inside, other=0)).to(tl.int32)
-        packed = tl.sum(d << tl.arange(0, 8)[None, :], axis=1)
-        tl.store(mask + block * (BLOCK // 8) + tl.arange(0, BLOCK // 8), packed.to(tl.uint8))
-        tl.store(counts + block, tl.sum(tl.sum(d, axis=1), axis=0).to(tl.int64))
-        if FUSED:  # the block's changes, packed at its own start: rank o among them
-            keep = d != 0
-            o = _ranks(d)
-            tl.store(spos + first + o, loc, mask=keep)
-            tl.store(svals + first + o, va, mask=keep)
+        vb = tl.load(b + first + loc, mask=inside, other=0)
+        d = va != vb
+        step = va.to(STEP) - vb.to(STEP)
+        escaped = d & ((step < -127) | (step > 127))
+        word = tl.sum(d.to(tl.int32) << tl.arange(0, 16)[None, :], axis=1)
+        tl.store(mask + block * (BLOCK // 16) + tl.arange(0, BLOCK // 16), word.to(tl.int16))
+        has, lo, last, prev = _words_before(word, BLOCK)
+        skips = tl.where(has & (prev >= 0), (lo - prev - 1) // 255, 0)
+        # one reduction for three sums: changed and escapes (< 2**16 each), skips above
+        both = (_popcount(word) + (tl.sum(escaped.to(tl.int32), axis=1) << 16)).to(tl.int64)
+        sums = tl.sum(both + (skips.to(tl.int64) << 32))
+        tl.store(stats + block, sums & 0xFFFF)
+        tl.store(stats + blocks + block, (sums >> 16) & 0xFFFF)
+        tl.store(stats + 2 * blocks + block, sums >> 32)
+        tl.store(firsts + block, first + tl.min(tl.where(has, lo, BLOCK)))
+        top = tl.max(last)
+        tl.store(lasts + block, tl.where(top >= 0, first + top, -1))
 
     @triton.jit
-    def gather(spos, svals, counts, starts, pos, values, BLOCK: tl.constexpr):
+    def cut_tiles(stats, firsts, lasts, before, tiles, blocks, ntiles, TILE: tl.constexpr):
+        # per tile of TILE blocks: each block's last change before it inside the tile
+        # (-1: none), its gap bytes but for the skips from the tiles before, and the
+        # tile's sums, first and last change
+        t = tl.program_id(0).to(tl.int64)
+        i = t * TILE + tl.arange(0, TILE)
+        live = i < blocks
+        count = tl.load(stats + i, mask=live, other=0)
+        first = tl.load(firsts + i, mask=live, other=0)
+        last = tl.load(lasts + i, mask=live, other=-1)
+        _, prev = tl.associative_scan((last, tl.full((TILE,), -1, tl.int64)), 0, _max_before)
+        gaps = count + tl.load(stats + 2 * blocks + i, mask=live, other=0) + tl.where(
+            (count > 0) & (prev >= 0), (first - prev - 1) // 255, 0)
+        tl.store(stats + 2 * blocks + i, gaps, mask=live)
+        tl.store(before + i, prev, mask=live)
+        tl.store(tiles + t, tl.sum(count))
+        tl.store(tiles + ntiles + t, tl.sum(tl.load(stats + blocks + i, mask=live, other=0)))
+        tl.store(tiles + 2 * ntiles + t, tl.sum(gaps))
+        tl.store(tiles + 3 * ntiles + t, tl.min(tl.where(count > 0, first, 1 << 62)))
+        tl.store(tiles + 4 * ntiles + t, tl.max(last))
+
+    @triton.jit
+    def cut_offsets(stats, before, tiles, starts, totals, blocks, ntiles, TILE: tl.constexpr,
+                    MAXT: tl.constexpr):
+        # each block's offsets (exclusive: values, escapes, gap bytes) and the last change
+        # before it; the tiles' figures are few, every program scans them all
+        t = tl.program_id(0).to(tl.int64)
+        j = tl.arange(0, MAXT)
+        there = j < ntiles
+        tc = tl.load(tiles + j, mask=there, other=0)
+        te = tl.load(tiles + ntiles + j, mask=there, other=0)
+        tlast = tl.load(tiles + 4 * ntiles + j, mask=there, other=-1)
+        _, tprev = tl.associative_scan((tlast, tl.full((MAXT,), -1, tl.int64)), 0, _max_before)
+        tskip = tl.where(tc > 0, (tl.load(tiles + 3 * ntiles + j, mask=there, other=0)
+                                  - tprev - 1) // 255, 0)
+        tg = tl.load(tiles + 2 * ntiles + j, mask=there, other=0) + tskip
+        if t == 0:
+            tl.store(totals, tl.sum(tc))
+            tl.store(totals + 1, tl.sum(te))
+            tl.store(totals + 2, tl.sum(tg))
+        earlier = j < t
+        mine = j == t
+        i = t * TILE + tl.arange(0, TILE)
+        live = i < blocks
+        count = tl.load(stats + i, mask=live, other=0)
+        esc = tl.load(stats + blocks + i, mask=live, other=0)
+        gaps = tl.load(stats + 2 * blocks + i, mask=live, other=0)
+        prev = tl.load(before + i, mask=live, other=0)
+        gaps += tl.where((count > 0) & (prev < 0), tl.sum(tl.where(mine, tskip, 0)), 0)
+        prev = tl.where(prev < 0, tl.sum(tl.where(mine, tprev, 0)), prev)
+        tl.store(before + i, prev, mask=live)
+        tl.store(starts + i, tl.sum(tl.where(earlier, tc, 0)) + tl.cumsum(count, 0) - count,
+                 mask=live)
+        tl.store(starts + blocks + i, tl.sum(tl.where(earlier, te, 0)) + tl.cumsum(esc, 0) - esc,
+                 mask=live)
+        tl.store(starts + 2 * blocks + i, tl.sum(tl.where(earlier, tg, 0)) + tl.cumsum(gaps, 0)
+                 - gaps, mask=live)
+
+    @triton.jit
+    def cut_write(a, b, mask, stats, starts, before, blocks, index, values, escapes,
+                  INDEX: tl.constexpr, DIFF8: tl.constexpr, ALIGNED: tl.constexpr,
+                  ESC_ALIGNED: tl.constexpr, STEP: tl.constexpr, ITEM: tl.constexpr,
+                  BLOCK: tl.constexpr):
+        # INDEX: 0 none (a bitmask, copied apart), 1 positions, 2 gaps. A lane is a word of
+        # the bitmask (16 elements); step k handles the k-th change of every word.
         block = tl.program_id(0).to(tl.int64)
-        first = block * BLOCK
-        k = tl.arange(0, BLOCK)
-        live = k < tl.load(counts + block)
-        start = tl.load(starts + block)
-        p = tl.load(spos + first + k, mask=live, other=0)
-        tl.store(pos + start + k, first + p.to(tl.int64), mask=live)
-        tl.store(values + start + k, tl.load(svals + first + k, mask=live, other=0), mask=live)
+        count = tl.load(stats + block)
+        if count > 0:
+            first = block * BLOCK
+            w = tl.arange(0, BLOCK // 16)
+            word = tl.load(mask + block * (BLOCK // 16) + w).to(tl.int32) & 0xFFFF
+            pop = _popcount(word)
+            most = tl.max(pop)
+            prevk = w
+            skipped = w
+            gstart = block
+            byte0 = block
+            if INDEX == 2:
+                has, lo, last, prevk = _words_before(word, BLOCK)
+                # one scan for the ranks and the skips (each < 2**16 in a block)
+                skip = tl.where(has & (prevk >= 0), (lo - prevk - 1) // 255, 0)
+                both = tl.cumsum(pop + (skip << 16), 0)
+                rank = tl.load(starts + block) + ((both & 0xFFFF) - pop)
+                skipped = both >> 16
+                gap0 = first + tl.min(tl.where(has, lo, BLOCK)) - tl.load(before + block)
+                skip0 = (gap0 - 1) // 255
+                byte0 = gap0 - 255 * skip0
+                gstart = tl.load(starts + 2 * blocks + block) + skip0 - tl.load(starts + block)
+            else:
+                rank = tl.load(starts + block) + (tl.cumsum(pop, 0) - pop)  # int64
+            flags = tl.zeros((BLOCK // 16,), tl.int32)  # DIFF8: which changes of a word escaped
+            rem = word
+            for k in tl.static_range(16):
+                if k < most:
+                    live = rem != 0
+                    loc = w * 16 + _bit_index(rem & -rem)
+                    at = first + loc
+                    va = tl.load(a + at, mask=live, other=0)
+                    o = rank + k
+                    if INDEX == 1:
+                        tl.store(index + o, at.to(index.dtype.element_ty), mask=live)
+                    if INDEX == 2:
+                        gap = loc - prevk
+                        if k == 0:
+                            gap = tl.where(prevk >= 0, gap - 255 * ((gap - 1) // 255), byte0)
+                        tl.store(index + gstart + o + skipped, gap.to(tl.uint8), mask=live)
+                        prevk = tl.where(live, loc, prevk)
+                    if DIFF8:
+                        vb = tl.load(b + at, mask=live, other=0)
+                        step = va.to(STEP) - vb.to(STEP)
+                        esc = live & ((step < -127) | (step > 127))
+                        small = tl.where(esc, -128, step).to(tl.int8)
+                        tl.store(values + o, small.to(tl.uint8, bitcast=True), mask=live)
+                        flags = flags | (esc.to(tl.int32) << k)
+                    else:
+                        _put(values, 0, o, va, live, ALIGNED, ITEM)
+                    rem = rem & (rem - 1)
+            if DIFF8:
+                if tl.load(stats + blocks + block) > 0:  # whole values of the escapes, in order
+                    epop = _popcount(flags)
+                    erank = tl.load(starts + blocks + block) + (tl.cumsum(epop, 0) - epop)
+                    rem = word
+                    for k in tl.static_range(16):
+                        if k < most:
+                            loc = w * 16 + _bit_index(rem & -rem)
+                            hit = (rem != 0) & (((flags >> k) & 1) != 0)
+                            va = tl.load(a + first + loc, mask=hit, other=0)
+                            er = erank + _popcount(flags & ((1 << k) - 1))
+                            _put(escapes, 0, er, va, hit, ESC_ALIGNED, ITEM)
+                            rem = rem & (rem - 1)
 
     @triton.jit
-    def compact(a, n, mask, limit, starts, pos, values, WRITE_VALUES: tl.constexpr,
-                ALIGNED: tl.constexpr, ITEM: tl.constexpr, BLOCK: tl.constexpr):
+    def gap_sums(p, nbytes, sums, chunks, CHUNK: tl.constexpr):
+        # per chunk of payload bytes: non-zero bytes (values), the distance they advance
+        # (a 0 byte: 255), 0x80 bytes (escapes, where they are differences)
+        j = tl.program_id(0).to(tl.int64)
+        i = j * CHUNK + tl.arange(0, CHUNK)
+        live = i < nbytes
+        y = tl.load(p + i, mask=live, other=0).to(tl.int32)
+        tl.store(sums + j, tl.sum(((y != 0) & live).to(tl.int32)).to(tl.int64))
+        tl.store(sums + chunks + j, tl.sum(tl.where(live, tl.where(y == 0, 255, y), 0)).to(tl.int64))
+        tl.store(sums + 2 * chunks + j, tl.sum((y == 128).to(tl.int32)).to(tl.int64))
+
+    @triton.jit
+    def gap_locate(p, nbytes, count, ends, chunks, vend, out, CHUNK: tl.constexpr):
+        # out (zeroed before): [found, the byte of the count-th value, its position, the
+        # escapes among the count bytes after it, the values named before ``vend``, 0x80
+        # bytes before the differences]; the chunk holding the count-th value writes it
+        j = tl.program_id(0).to(tl.int64)
+        if j == 0:
+            tl.store(out + 4, _count_before(p, ends, chunks, vend, CHUNK, False))
+        seen0 = tl.where(j > 0, tl.load(ends + tl.maximum(j - 1, 0)), 0)
+        if (seen0 < count) & (tl.load(ends + j) >= count):
+            i = j * CHUNK + tl.arange(0, CHUNK)
+            live = i < nbytes
+            y = tl.load(p + i, mask=live, other=0).to(tl.int32)
+            nz = (y != 0) & live
+            hit = nz & (seen0 + tl.cumsum(nz.to(tl.int64), 0) == count)
+            q = tl.sum(tl.where(hit, i, 0))
+            walked = _row_before(ends, 1, chunks, j)
+            last = walked + tl.sum(tl.where(live & (i <= q), tl.where(y == 0, 255, y), 0)) - 1
+            g = q + 1
+            e0 = _count_before(p, ends, chunks, g, CHUNK, True)
+            e1 = _count_before(p, ends, chunks, tl.minimum(g + count, nbytes), CHUNK, True)
+            tl.store(out, (tl.sum(hit.to(tl.int32)) == 1).to(tl.int64))
+            tl.store(out + 1, q)
+            tl.store(out + 2, last)
+            tl.store(out + 3, e1 - e0)
+            tl.store(out + 5, e0)
+
+    @triton.jit
+    def pos_sums(index, values, count, numel, sums, chunks, DIFF8: tl.constexpr,
+                 ALIGNED: tl.constexpr, IDX: tl.constexpr, CHUNK: tl.constexpr):
+        # per chunk of positions: those outside the box, and (DIFF8) the escapes
+        j = tl.program_id(0).to(tl.int64)
+        i = j * CHUNK + tl.arange(0, CHUNK)
+        live = i < count
+        pos = _get(index, 0, i, live, tl.zeros((CHUNK,), tl.int64), ALIGNED, IDX)
+        tl.store(sums + j, tl.sum((live & ((pos < 0) | (pos >= numel))).to(tl.int32)).to(tl.int64))
+        esc = tl.zeros((CHUNK,), tl.int32)
+        if DIFF8:
+            esc = (tl.load(values + i, mask=live, other=0).to(tl.int32) == 128).to(tl.int32)
+        tl.store(sums + chunks + j, tl.sum(esc).to(tl.int64))
+
+    @triton.jit
+    def apply_index(target, index, values, escapes, scan, p, ends, chunks, before, cols,
+                    stride, GAPS: tl.constexpr, DIFF8: tl.constexpr, IDX_ALIGNED: tl.constexpr,
+                    IDX: tl.constexpr, ALIGNED: tl.constexpr, ESC_ALIGNED: tl.constexpr,
+                    CONTIG: tl.constexpr, STEP: tl.constexpr, ITEM: tl.constexpr,
+                    CHUNK: tl.constexpr):
+        # one chunk of the index (GAPS: payload bytes up to ``scan``; POSITIONS: ``scan``
+        # positions): its positions, the values' ranks, the escapes' ranks, then in place
+        j = tl.program_id(0).to(tl.int64)
+        i = j * CHUNK + tl.arange(0, CHUNK)
+        if GAPS:
+            live = i < scan
+            y = tl.load(index + i, mask=live, other=0).to(tl.int32)
+            keep = (y != 0) & live
+            r0 = tl.where(j > 0, tl.load(ends + tl.maximum(j - 1, 0)), 0)
+            walked = _row_before(ends, 1, chunks, j)
+            at = walked + tl.cumsum(tl.where(live, tl.where(y == 0, 255, y), 0), 0) - 1
+            r = r0 + tl.cumsum(keep.to(tl.int32), 0) - 1
+        else:
+            keep = i < scan
+            r0 = j * CHUNK
+            r = i
+            at = _get(index, 0, i, keep, tl.zeros((CHUNK,), tl.int64), IDX_ALIGNED, IDX)
+        if CONTIG:
+            addr = at
+        else:
+            addr = (at // cols) * stride + at % cols
+        like = tl.zeros((CHUNK,), target.dtype.element_ty)
+        if DIFF8:
+            small = tl.load(values + r, mask=keep, other=0).to(tl.int8, bitcast=True)
+            esc = keep & (small == -128)
+            if GAPS:  # escapes among the differences before this chunk's first
+                e0 = _count_before(p, ends, chunks, scan + r0, CHUNK, True) - before
+            else:
+                e0 = _row_before(ends, 1, chunks, j)
+            er = e0 + tl.cumsum(esc.to(tl.int32), 0) - 1
+            old = tl.load(target + addr, mask=keep & ~esc, other=0)
+            stepped = (old.to(STEP) + small.to(STEP)).to(target.dtype.element_ty)
+            whole = _get(escapes, 0, er, esc, like, ESC_ALIGNED, ITEM)
+            v = tl.where(esc, whole, stepped)
+        else:
+            v = _get(values, 0, r, keep, like, ALIGNED, ITEM)
+        tl.store(target + addr, v, mask=keep)
+
+    @triton.jit
+    def compact(mask, n, limit, starts, pos, BLOCK: tl.constexpr):
+        # the positions of a bitmask's set bits, each block's at its offset
         block = tl.program_id(0).to(tl.int64)
         first = block * BLOCK
         bits, loc = _bits(mask, block, n - first, limit, BLOCK)
-        keep = bits != 0
-        start = tl.load(starts + block)
         o = _ranks(bits)
-        tl.store(pos + start + o, (first + loc).to(pos.dtype.element_ty), mask=keep)
-        if WRITE_VALUES:
-            v = tl.load(a + first + loc, mask=keep, other=0)
-            _put(values, start, o, v, keep, ALIGNED, ITEM)
+        tl.store(pos + tl.load(starts + block) + o, first + loc, mask=bits != 0)
 
     @triton.jit
     def count_bits(payload, n, counts, BLOCK: tl.constexpr):
@@ -311,9 +722,10 @@ def _kernels() -> Optional[_Kernels]:
             i = first + loc
             tl.store(target + (i // cols) * stride + i % cols, v, mask=keep)
 
-    _BUILT.append(_Kernels(mark, gather, compact, count_bits, apply_bitmask))
+    _BUILT.append(_Kernels(cut_mark, cut_tiles, cut_offsets, cut_write, gap_sums, gap_locate, pos_sums,
+                           apply_index, compact, count_bits, apply_bitmask))
     return _BUILT[0]
 
 
-__all__ = ["BLOCK", "FUSED", "Marked", "Rows", "apply_bitmask", "bitmask_counts",
-           "bitmask_positions", "changed", "enabled", "mark", "rows_form", "usable"]
+__all__ = ["BLOCK", "CHUNK", "Cut", "Rows", "apply_bitmask", "apply_sparse", "bitmask_counts",
+           "bitmask_positions", "enabled", "rows_form", "usable"]

@@ -20,14 +20,15 @@ Encodings (the low 3 bits; the sender picks the smallest, exact sizes, no round 
 - ``DENSE``: the whole box;
 - ``NONE``: nothing changed (header only).
 
-then the values. Flag ``DIFF8`` (bit 3): the values are int8 differences of the elements'
-bits taken as integers (new - old); a difference outside -127..127 is sent as -128 and its
-element's whole value follows after all the differences, in order. An optimizer step at RL
-learning rates moves a BF16 weight by one unit in the last place (88% of the changed
-elements in ``scripts/measure_change_rate.py``, 99.8% within 127), so a value costs about
-1 byte instead of 2. The receiver adds them to the bits it holds, which are the base (the
-version vote proved it; a wrong base gives wrong bits that the checksums catch, as with
-any delta).
+then the values. Flag ``DIFF8`` (bit 3; never for 1-byte elements such as FP8 bytes,
+where a difference costs as much as the value): the values are int8 differences of the
+elements' bits taken as integers (new - old); a difference outside -127..127 is sent as
+-128 and its element's whole value follows after all the differences, in order. An
+optimizer step at RL learning rates moves a BF16 weight by one unit in the last place
+(88% of the changed elements in ``scripts/measure_change_rate.py``, 99.8% within 127), so
+a value costs about 1 byte instead of 2. The receiver adds them to the bits it holds,
+which are the base (the version vote proved it; a wrong base gives wrong bits that the
+checksums catch, as with any delta).
 
 The receiver learns each region's encoding from the header and writes the values in place
 into its destination view. Every rank walks the same plan in the same order: per batch,
@@ -86,13 +87,17 @@ class DeltaTally:
     forwarded_bytes: int = 0  # dst: header + payload bytes sent on to replicas (phase 1)
     held_bytes: int = 0      # this rank's owned boxes of those params (RefitStats.local_bytes)
     changed: int = 0         # elements that changed
+    # params of this rank that went full inside the delta refit (not eligible: a local
+    # copy, or a weight the generation side quantizes, ``refit.delta.record_eligible``)
+    full_params: int = 0
     encodings: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return {"params": self.params, "ops": self.ops, "messages": self.messages,
                 "wire_bytes": self.wire_bytes, "full_bytes": self.full_bytes,
                 "held_bytes": self.held_bytes, "forwarded_bytes": self.forwarded_bytes,
-                "changed": self.changed, "encodings": dict(self.encodings)}
+                "changed": self.changed, "full_params": self.full_params,
+                "encodings": dict(self.encodings)}
 
 
 def _ones(mask: torch.Tensor) -> int:
@@ -162,36 +167,39 @@ def _pack_bits(mask: torch.Tensor) -> torch.Tensor:
     return ((words * 0x0102040810204080) >> 56).to(torch.uint8)
 
 
+def _steps(picked: torch.Tensor, was: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """DIFF8's differences of the changed elements' bits, and which do not fit its byte."""
+    step = picked.to(torch.int64) - was.to(torch.int64)
+    return step, (step < -127) | (step > 127)
+
+
 def encode(new: torch.Tensor, old: torch.Tensor) -> tuple[int, int, Optional[torch.Tensor]]:
     """``(count, encoding, payload)`` of the elements of ``new`` whose bits differ from
     ``old`` (same shape and dtype); payload None when nothing changed."""
     nb, ob = _bits(new).reshape(-1), _bits(old).reshape(-1)
     numel, itemsize = nb.numel(), new.element_size()
-    gpu = delta_kernels.usable(new)  # CUDA: the Triton kernels scan the region (same bytes)
-    if gpu:
-        marked = delta_kernels.mark(nb, ob)
-        count = int(marked.counts.sum())  # the one host read: the header needs it
-    else:
-        changed = nb != ob
-        count = _ones(changed)
+    if delta_kernels.usable(new):  # CUDA: the Triton kernels cut it (the same bytes)
+        return _encode_on_gpu(nb, ob)
+    changed = nb != ob
+    count = _ones(changed)
     if count == 0:
         return 0, NONE, None
     if count * (itemsize + 1) >= numel * itemsize:  # nothing sparse beats dense here
         return count, DENSE, nb.view(torch.uint8)
-    if gpu:
-        pos, picked = delta_kernels.changed(nb, marked, count)
-    else:
-        pos = changed.nonzero().reshape(-1)
-        picked = nb[pos]
-    step = picked.to(torch.int64) - ob[pos].to(torch.int64)
-    escaped = (step < -127) | (step > 127)
+    pos = changed.nonzero().reshape(-1)
+    picked = nb[pos]
     gaps, skips = _gaps(pos)
     nskip = int(skips.sum())
-    enc = pick_encoding(numel, count, itemsize, nskip, _ones(escaped))
+    step = escaped = None
+    if itemsize > 1:  # FP8 bytes: a difference costs the byte it replaces (no DIFF8)
+        step, escaped = _steps(picked, ob[pos])
+    enc = pick_encoding(numel, count, itemsize, nskip, None if escaped is None else _ones(escaped))
     kind = enc & 7
     if kind == DENSE:
         return count, DENSE, nb.view(torch.uint8)
     if enc & DIFF8:
+        if escaped is None:  # chosen for FP8 bytes only where a test forces it
+            step, escaped = _steps(picked, ob[pos])
         small = torch.where(escaped, -128, step).to(torch.int8).view(torch.uint8)
         values = torch.cat([small, picked[escaped].view(torch.uint8)])
     else:
@@ -201,8 +209,26 @@ def encode(new: torch.Tensor, old: torch.Tensor) -> tuple[int, int, Optional[tor
     elif kind == GAPS:
         index = _gap_bytes(gaps, skips, nskip)
     else:
-        index = marked.mask[:(numel + 7) // 8] if gpu else _pack_bits(changed)
+        index = _pack_bits(changed)
     return count, enc, torch.cat([index, values])
+
+
+def _encode_on_gpu(nb: torch.Tensor, ob: torch.Tensor) -> tuple[int, int, Optional[torch.Tensor]]:
+    """``encode`` by the kernels: the totals read once, the same choice, the same bytes."""
+    numel, itemsize = nb.numel(), nb.element_size()
+    cut = delta_kernels.Cut(nb, ob)
+    count = cut.count
+    if count == 0:
+        return 0, NONE, None
+    if count * (itemsize + 1) >= numel * itemsize:
+        return count, DENSE, nb.view(torch.uint8)
+    # FP8 bytes: a difference costs the byte it replaces (no DIFF8), as on the CPU path
+    enc = pick_encoding(numel, count, itemsize, cut.skips, None if itemsize == 1 else cut.escapes)
+    kind = enc & 7
+    if kind == DENSE:
+        return count, DENSE, nb.view(torch.uint8)
+    index = {POSITIONS: "positions", GAPS: "gaps", BITMASK: "bitmask"}[kind]
+    return count, enc, cut.payload(index, bool(enc & DIFF8), index_bytes(numel))
 
 
 def payload_bytes(numel: int, count: int, enc: int, itemsize: int) -> int:
@@ -287,6 +313,9 @@ def apply(view: torch.Tensor, count: int, enc: int, payload: Optional[torch.Tens
         view.copy_(_typed(payload, view.dtype).reshape(view.shape))
         return
     kind, diff8 = enc & 7, bool(enc & DIFF8)
+    if kind in (GAPS, POSITIONS) and delta_kernels.usable(view) and delta_kernels.apply_sparse(
+            view, count, kind == GAPS, diff8, payload, index_bytes(numel)):
+        return  # checked, decoded and written in place by the kernels
     nindex = _index_bytes(kind, diff8, payload, numel, count, itemsize)
     if kind == BITMASK and delta_kernels.usable(view):
         pos = _bitmask_on_gpu(view, count, diff8, payload, nindex)
@@ -365,7 +394,10 @@ def _bitmask_on_gpu(view: torch.Tensor, count: int, diff8: bool, payload: torch.
                                       f"bytes")
         if delta_kernels.apply_bitmask(view, index, values, counts):
             return None
-    return delta_kernels.bitmask_positions(index, numel, counts, count)
+    pos = delta_kernels.bitmask_positions(index, numel, counts, count)
+    if diff8 and delta_kernels.apply_sparse(view, count, False, True, payload[nindex:], 8, pos):
+        return None
+    return pos
 
 
 @dataclass

@@ -14,6 +14,7 @@ import torch
 from megatron_reshard.errors import BadInputError
 from megatron_reshard.layout.geometry import Box, rank_region
 from megatron_reshard.engine.members import members_problem
+from megatron_reshard.engine.kernel_copies import PermutedRows
 from megatron_reshard.wire.spec import HFToLocalParamMap, LocalParamSpec
 from megatron_reshard.wire.records import ParamRecord
 
@@ -55,7 +56,8 @@ def local_params(params: Sequence[ParamRecord], local_map: HFToLocalParamMap, si
 def _check_base(name: str, where: str, base: Any, box: Box, local_shape: tuple,
                 dtype: torch.dtype) -> None:
     """A hook-free spec's ``base``: a tensor of this rank's local shape and the wire dtype,
-    or a list of tensors, one per index of dim 0 (the engine's members, engine/members.py)."""
+    a list of tensors, one per index of dim 0 (the engine's members, engine/members.py),
+    or a box in a kernel's permuted-row order (engine/kernel_copies.PermutedRows)."""
     if isinstance(base, (list, tuple)):
         device = base[0].device.type if len(base) and isinstance(base[0], torch.Tensor) \
             else "cpu"
@@ -64,7 +66,7 @@ def _check_base(name: str, where: str, base: Any, box: Box, local_shape: tuple,
             raise BadInputError(f"{name}: {where} holds region {list(box)} as a list of tensors: "
                              f"expected {why}")
         return
-    if not isinstance(base, torch.Tensor):
+    if not isinstance(base, (torch.Tensor, PermutedRows)):
         raise BadInputError(f"{name}: {where} has a spec without pre hook whose base is "
                          f"{type(base).__name__}, not a tensor")
     if tuple(base.shape) != local_shape:
@@ -85,6 +87,8 @@ def first_tensor_is_cuda(mine: Iterable[Optional[LocalParam]]) -> Optional[bool]
         base = entry.spec.base
         if isinstance(base, (list, tuple)) and base:
             base = base[0]
+        if isinstance(base, PermutedRows):
+            base = base.storage
         if isinstance(base, torch.Tensor):
             return base.is_cuda
     return None

@@ -281,13 +281,13 @@ class RefitLoop:
     def _plan_delta(self) -> None:
         """Delta plans (and the training side's bases) from the stages' planners: again
         once ``verify_plan`` picked the link-aware planner, before any byte moved."""
-        from megatron_reshard.refit.delta import eligible
+        from megatron_reshard.refit.delta import delta_plans
         self.delta_plans = {}
         for s, transfers in self._transfers.items():
             plans = self._planners[s].plan_all([layout_key(
                 t.global_shape, t.src_mesh, t.src_placements, t.dst_mesh, t.dst_placements,
                 f"delta: {t.name}") for t in transfers])
-            self.delta_plans[s] = [p if eligible(p) else None for p in plans]
+            self.delta_plans[s] = delta_plans(self.stages[s], plans)
         if self._make_base is not None:
             self.delta_bases = {s: self._make_base(s, self.stages[s], self.delta_plans[s],
                                                    self._ranks[s],
@@ -296,9 +296,9 @@ class RefitLoop:
 
     def delta_held(self) -> bool:
         """Whether this rank holds a param other than as its storage in place (no plans
-        needed: every param of a p2p refit group is eligible, ``refit.delta.eligible``)."""
+        needed: the params a record sends full are skipped, ``refit.delta.dst_hooked``)."""
         from megatron_reshard.refit.delta import dst_hooked
-        return dst_hooked(self._mine)
+        return dst_hooked(self._mine, self.stages)
 
     @property
     def verified(self) -> bool:
@@ -562,6 +562,7 @@ class _DeltaStage:
             index = batch.start + offset
             if self.plans[index] is None:
                 rest.append(transfer)
+                self.mover.tally.full_params += index in bufs
             else:
                 items.append((index, params[index].name, bufs.get(index)))
         if items:  # one exchange per batch: two messages per peer (refit.delta_transport)
@@ -577,7 +578,7 @@ class _DeltaStage:
 
 def _merged(tallies: list[dict]) -> dict:
     counts = ("params", "ops", "messages", "wire_bytes", "full_bytes", "held_bytes",
-              "forwarded_bytes", "changed")
+              "forwarded_bytes", "changed", "full_params")
     out = {**{k: 0 for k in counts}, "encodings": {}}
     for t in tallies:
         for k in counts:

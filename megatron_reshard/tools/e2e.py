@@ -181,8 +181,8 @@ def run_training_rank(rank: int, cfg: RefitRunConfig, control, device: torch.dev
             adam_step_(model, step)
         elif step:
             perturb_(model, step)
-            if cfg.train_precision == "fp8_blockwise":  # an optimizer step re-quantizes
-                attach_blockwise_fp8_(model)
+        if step and cfg.train_precision == "fp8_blockwise":  # an optimizer step re-quantizes
+            attach_blockwise_fp8_(model)
         if engine is not None:
             engine.send_weights()
             stats = engine.last_refit

@@ -87,3 +87,41 @@ def test_delta_refits_through_the_weight_transfer_backend_equal_vllms_own_loadin
         assert gen["differences"] == [[]] * REFITS, gen["differences"]
         assert gen["versions"] == list(range(1, REFITS + 1))
         _check_reports(gen["reports"])
+
+
+@pytest.mark.parametrize("moe_backend", ["triton", "flashinfer_cutlass"])
+def test_block_fp8_deltas_only_where_vllms_conversion_keeps_the_bytes(pool, moe_backend):
+    """Block-FP8 Qwen3-MoE, the CUTLASS block linear kernel, Adam steps, deltas asked for.
+    vLLM's own conversion runs after each refit (``receiver.staged_conversion``). With
+    Triton experts every conversion hands back its inputs untouched (learned by the dry run,
+    checked again on each live call): the storage keeps the bytes as they arrived, so the
+    refits after the first go as deltas. FlashInfer CUTLASS swaps w13 and clamps its scales:
+    every refit is full on every rank and the reason names the conversion. Each refit is
+    bit-equal to vLLM's own loading of the block-FP8 checkpoint."""
+    pytest.importorskip("compressed_tensors")  # vLLM's quantization registry imports it
+    if moe_backend == "flashinfer_cutlass":
+        pytest.importorskip("flashinfer")
+    from megatron_reshard.tools.vllm_refit import vllm_refit_job
+    from test_fp8_staged_conversion import QWEN3_MOE_FP8, fp8_config_json
+
+    cfg = RefitRunConfig(model="dense", model_overrides=dict(QWEN3_MOE_FP8.model), refits=3,
+                         verify=False, dtype="bfloat16", quiet=True, timeout_s=120, delta=True,
+                         update="adam", gen_precision="fp8", **layout("tp2 ep2", "tp2"))
+    results = pool.run(vllm_refit_job, cfg.train_world + cfg.gen_world, cfg, fp8_config_json(),
+                       model_builder=_build, moe_backend=moe_backend, num_ports=cfg.train_pp + 2,
+                       timeout_s=480)
+    kept = moe_backend == "triton"
+    modes = ["full", "delta", "delta"] if kept else ["full"] * 3
+    for res in results:
+        refits = res["refits"]
+        assert [r["mode"] for r in refits] == modes, [(r["mode"], r["full_reason"]) for r in refits]
+        if not kept:
+            for r in refits[1:]:
+                assert "vLLM's own conversion rewrote" in r["full_reason"], r["full_reason"]
+        if res["role"] == "train":
+            continue
+        assert res["differences"] == [[]] * 3, res["differences"]
+        assert res["report"]["staged_conversion"]["conversions"] > 0
+        if kept:
+            assert all(r["bytes_received"] < r["full_bytes"] for r in refits[1:]), refits
+        assert res["weights"]["state"] == "consistent" and res["weights"]["version"] == 3
