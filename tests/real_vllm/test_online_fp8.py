@@ -243,3 +243,22 @@ def test_experts_vllm_pads_to_whole_tiles_are_refused_before_any_byte_moves(pool
         assert "TargetError" in r.text and "routed_experts.w13_weight' has shape [8, 512, 128], " \
                "expected [8, 384, 128]" in r.text, (r.rank, r.text[-2000:])
 
+
+
+def test_online_block_fp8_deltas_stay_full_while_routers_are_quantized_on_receive(pool):
+    """Online block FP8 with Triton experts (an identity conversion), Adam steps, deltas
+    asked for. vLLM quantizes the routers too, which the plan sends in BF16 and the
+    receiver quantizes through a hook: no storage to diff in place, so every refit is full,
+    the reason says why, and each is bit-equal to vLLM's own online loading."""
+    cfg = RefitRunConfig(**{**_cfg().__dict__, "refits": 3, "delta": True, "update": "adam"})
+    results = pool.run(vllm_refit_job, cfg.train_world + cfg.gen_world, cfg,
+                       vllm_config_json(QWEN3_MOE_FP8), model_builder=_build,
+                       moe_backend="triton", quantization="fp8_per_block",
+                       num_ports=cfg.train_pp + 2, timeout_s=600)
+    for res in results:
+        refits = res["refits"]
+        assert [r["mode"] for r in refits] == ["full"] * 3, refits
+        for r in refits[1:]:
+            assert "holds a delta param through a hook" in r["full_reason"], r["full_reason"]
+        if res["role"] == "gen":
+            assert res["differences"] == [[]] * 3, res["differences"]
