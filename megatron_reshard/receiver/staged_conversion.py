@@ -84,7 +84,6 @@ ONLINE_BASES = ("OnlineLinearBase", "OnlineMoEMethodBase")
 ONLINE_BLOCK_LINEAR_METHOD = "Fp8PerBlockOnlineLinearMethod"
 ONLINE_BLOCK_MOE_METHOD = "Fp8PerBlockOnlineMoEMethod"
 MOE_METHODS = (FP8_MOE_METHOD, ONLINE_BLOCK_MOE_METHOD)
-LINEAR_METHODS = (FP8_LINEAR_METHOD, ONLINE_BLOCK_LINEAR_METHOD)
 ONLINE_SETTING = ("serve it with --quantization fp8_per_block and refit with "
                   "gen_quant=\"block_fp8\" (the trainer quantizes as vLLM does), or serve the "
                   "policy in BF16 (drop --quantization)")
