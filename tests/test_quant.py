@@ -341,3 +341,18 @@ def ref_cuda_block_fp8(matrix: list) -> list:
             for i, j in cells:
                 q[i][j] = e4m3_byte(clamp448(f32(matrix[i][j] * scale)))
     return q
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_the_quantizer_on_a_gpu_gives_the_oracles_cuda_bytes():
+    """A trainer quantizing on its GPU sends what the oracle's CUDA variant (and so a GPU
+    vLLM quantizing online) computes: bytes and scales bit for bit, partial tiles and
+    experts included."""
+    from megatron_reshard.testing.fp8_reference import reference_block_fp8
+
+    for shape, seed in (((256, 384), 35), ((300, 200), 36), ((3, 130, 260), 37)):
+        w = weights(shape, torch.bfloat16, seed=seed)
+        q, s = quantize_blockwise_fp8(w.cuda())
+        rq, rs = reference_block_fp8(w.float(), device_type="cuda")
+        assert torch.equal(q.cpu().view(torch.uint8), rq.view(torch.uint8)), shape
+        assert torch.equal(s.cpu(), rs), shape
