@@ -103,6 +103,14 @@ def _as_values(raw: torch.Tensor, item: int) -> tuple[torch.Tensor, bool]:
     return raw, False
 
 
+def _value_sections(values: torch.Tensor, count: int, item: int, diff8: bool) -> tuple:
+    """``(values, aligned, escapes, escapes aligned)`` of a payload's value bytes: DIFF8's
+    one byte per change then the escaped values whole, or the values whole (no escapes)."""
+    if diff8:
+        return (values[:count], True, *_as_values(values[count:], item))
+    return (*_as_values(values, item), values, True)
+
+
 # -- cut ------------------------------------------------------------------------------
 
 class Cut:
@@ -152,12 +160,7 @@ class Cut:
         if index == "bitmask":
             out[:nindex].copy_(self.mask[:nindex])
         where = out[:nindex].view(_INTS[index_size]) if index == "positions" else out
-        if diff8:
-            values, aligned = out[nindex:nindex + count], True
-            escapes, esc_aligned = _as_values(out[nindex + count:], item)
-        else:
-            values, aligned = _as_values(out[nindex:], item)
-            escapes, esc_aligned = out, True
+        values, aligned, escapes, esc_aligned = _value_sections(out[nindex:], count, item, diff8)
         _kernels().cut_write[(self.blocks,)](
             self.a, self.b, self.mask.view(torch.int16), self.stats, self.starts, self.before,
             self.blocks, where,
@@ -228,12 +231,7 @@ def apply_sparse(view: torch.Tensor, count: int, gaps: bool, diff8: bool,
     if not diff8 and whole != 0:
         raise _bad_delta(f"a delta of {count} values carries {nbytes - start} bytes")
     target = view.view(_INTS[item])
-    if diff8:
-        values, aligned = payload[start:start + count], True
-        escaped, esc_aligned = _as_values(payload[start + count:], item)
-    else:
-        values, aligned = _as_values(payload[start:], item)
-        escaped, esc_aligned = payload, True
+    values, aligned, escaped, esc_aligned = _value_sections(payload[start:], count, item, diff8)
     grid = max(1, -(-scan // CHUNK))
     k.apply_index[(grid,)](
         target, index, values, escaped, scan, payload if gaps else index, ends, chunks, before,
