@@ -1,7 +1,7 @@
 """Host-side cost of the engine's ``xfer_batch`` for many small params (CPU, 2-rank gloo).
 
     .venv/bin/python scripts/bench_engine_host.py [--params 1000] [--iters 20] [--profile]
-        [--cases members_local members_unpack --members 128 --skip-vote]
+        [--cases members_local members_unpack --members 128 --skip-vote] [--ranks 1]
 
 Small tensors make the byte movement negligible, so the time per call is the engine's
 Python overhead: validation, planning, agreement, scheduling, views, packing. Cases:
@@ -40,7 +40,7 @@ import torch.distributed as dist
 import torch.multiprocessing as tmp
 
 
-def _transfers(case: str, n: int, rank: int) -> list:
+def _transfers(case: str, n: int, rank: int, world: int = 2) -> list:
     from torch.distributed.tensor import Replicate, Shard
 
     from megatron_reshard.engine import Transfer
@@ -51,7 +51,7 @@ def _transfers(case: str, n: int, rank: int) -> list:
     # placements as a refit loop passes them: the same tuples on every call
     rep, s0, s1 = (Replicate(),), (Shard(0),), (Shard(1),)
     if case.startswith("members"):
-        return [_members_transfer(case, n, rank, one0, one1, both)]
+        return [_members_transfer(case, n, rank, one0, one1, both, world)]
     kinds = {"rr_cross": ["rr"], "s0_s1": ["s01"], "mixed": ["rr", "s01", "rs"]}[case]
     out = []
     for i in range(n):
@@ -75,14 +75,18 @@ def _transfers(case: str, n: int, rank: int) -> list:
     return out
 
 
-def _members_transfer(case: str, e: int, rank: int, one0, one1, both):
-    """One param of ``e`` experts [4, 8] bf16 per rank, a list of members on one side."""
+def _members_transfer(case: str, e: int, rank: int, one0, one1, both, world: int):
+    """One param of ``e`` experts [4, 8] bf16 per rank, a list of members on one side
+    (``--ranks 1``: members_local on rank 0 alone, as bench_engine_1gpu's list case)."""
     from torch.distributed.tensor import Replicate, Shard
 
     from megatron_reshard.engine import Transfer
 
     bf16 = torch.bfloat16
     members = [torch.randn(4, 8).to(bf16) for _ in range(e)]
+    if world == 1:
+        return Transfer("experts", (e, 4, 8), bf16, one0, (Shard(0),), one0, (Replicate(),),
+                        members, torch.empty(e, 4, 8, dtype=bf16))
     if case == "members_local":
         return Transfer("experts", (2 * e, 4, 8), bf16, both, (Shard(0),), both, (Shard(0),),
                         members, torch.empty(e, 4, 8, dtype=bf16))
@@ -116,9 +120,9 @@ def _worker(rank: int, world: int, port: int, args) -> None:
     group = dist.group.WORLD
     rows = []
     for case in args.cases:
-        xfer_batch(_transfers(case, 1, rank), group)  # warm torch/gloo, not the caches
+        xfer_batch(_transfers(case, 1, rank, world), group)  # warm torch/gloo, not the caches
         per_call = case.startswith("members")  # one param of --members experts
-        ts = _transfers(case, args.members if per_call else args.params, rank)
+        ts = _transfers(case, args.members if per_call else args.params, rank, world)
         # A full GC pass (~100 ms with these tensors alive) otherwise lands in a random call.
         gc.collect()
         planner = Planner()
@@ -142,7 +146,7 @@ def _worker(rank: int, world: int, port: int, args) -> None:
             print(f"---- cProfile, rank {rank}, warm calls of {case} ----\n{s.getvalue()}",
                   flush=True)
     if rank == 0:
-        print(f"{args.params} params per xfer_batch, 2-rank gloo, µs per param; members_*: "
+        print(f"{args.params} params per xfer_batch, {world}-rank gloo, µs per param; members_*: "
               f"µs per call of one param of {args.members} experts (warm: median of "
               f"{args.iters})")
         print(f"{'':<15} {'---------- wall ----------':>32} {'---- main-thread CPU -----':>32}")
@@ -161,6 +165,7 @@ def main(argv=None) -> int:
                     help="also: members_local members_unpack")
     ap.add_argument("--skip-vote", action="store_true",
                     help="warm calls with agree=False (the refit loop's repeated calls)")
+    ap.add_argument("--ranks", type=int, default=2, choices=(1, 2))
     ap.add_argument("--members", type=int, default=128, help="experts per members_* call")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--profile-rank", type=int, default=0, choices=(0, 1))
@@ -168,7 +173,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from megatron_reshard.tools.worlds import free_ports
 
-    tmp.spawn(_worker, args=(2, free_ports(1)[0], args), nprocs=2, join=True)
+    if args.ranks == 1 and set(args.cases) != {"members_local"}:
+        ap.error("--ranks 1 runs members_local only")
+    tmp.spawn(_worker, args=(args.ranks, free_ports(1)[0], args), nprocs=args.ranks, join=True)
     return 0
 
 
