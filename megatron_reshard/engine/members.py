@@ -169,17 +169,24 @@ def _probe_guards():
     except Exception:
         return None
     try:
-        base = [torch.zeros(2, 4, dtype=torch.bfloat16), torch.zeros(2, 4, dtype=torch.bfloat16)]
-        guard = _guard(TensorGuards, base)
-        moved = torch.zeros(2, 4, dtype=torch.bfloat16)
-        moved.data = torch.zeros(4, 2, dtype=torch.bfloat16).t()
-        changed = [torch.zeros(4, 2, dtype=torch.bfloat16).t(), torch.zeros(2, 4),
-                   torch.zeros(2, 2, dtype=torch.bfloat16), moved,
-                   torch.zeros(2, 4, dtype=torch.bfloat16, device="meta"),
-                   torch.nn.Parameter(torch.zeros(2, 4, dtype=torch.bfloat16)), None]
-        if not guard.check(*base) or any(guard.check(base[0], c) for c in changed):
-            return None
+        with torch.inference_mode(False):  # a first use in inference mode decides alike
+            return _probed(TensorGuards)
     except Exception:
+        return None
+
+
+def _probed(TensorGuards):
+    """``TensorGuards`` if a guard of two [2, 4] bf16 tensors accepts them and refuses,
+    in the second place, each change the checks read; else None."""
+    bf16 = torch.bfloat16
+    base = [torch.zeros(2, 4, dtype=bf16), torch.zeros(2, 4, dtype=bf16)]
+    guard = _guard(TensorGuards, base)
+    moved = torch.zeros(2, 4, dtype=bf16)
+    moved.data = torch.zeros(4, 2, dtype=bf16).t()
+    changed = [torch.zeros(4, 2, dtype=bf16).t(), torch.zeros(2, 4), torch.zeros(2, 2, dtype=bf16),
+               moved, torch.zeros(2, 4, dtype=bf16, device="meta"),
+               torch.nn.Parameter(torch.zeros(2, 4, dtype=bf16)), None]
+    if not guard.check(*base) or any(guard.check(base[0], c) for c in changed):
         return None
     return TensorGuards
 
