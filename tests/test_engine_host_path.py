@@ -261,6 +261,11 @@ def test_the_member_guard_is_used_here_and_refuses_every_change_the_checks_read(
     assert not known.matches(experts[:-1]) and not known.matches(experts + experts[:1])
     # a new storage of the same metadata matches: its address is the kept copies' to check
     assert known.matches([torch.randn(4, 6).to(BF16) for _ in range(5)])
+    import weakref
+
+    held = [weakref.ref(m) for m in experts]
+    del experts, changed, member, transposed, repointed, in_place
+    assert all(r() is None for r in held)  # the guard keeps no member alive
 
 
 def test_a_warm_list_of_members_follows_new_members_and_refuses_bad_ones_alike():
