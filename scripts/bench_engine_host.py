@@ -1,6 +1,7 @@
 """Host-side cost of the engine's ``xfer_batch`` for many small params (CPU, 2-rank gloo).
 
     .venv/bin/python scripts/bench_engine_host.py [--params 1000] [--iters 20] [--profile]
+        [--cases members_local members_unpack --members 128 --skip-vote] [--ranks 1]
 
 Small tensors make the byte movement negligible, so the time per call is the engine's
 Python overhead: validation, planning, agreement, scheduling, views, packing. Cases:
@@ -9,6 +10,11 @@ Python overhead: validation, planning, agreement, scheduling, views, packing. Ca
 - ``s0_s1``:    [64,64] bf16 Shard(0) on ranks [0,1] -> Shard(1) on [0,1] (a local copy
   and a strided, staged exchange per param);
 - ``mixed``:    alternating the two above plus Replicate -> Shard(0) fp32 [256,16].
+- ``members_local``:  one param per call, a rank's ``--members`` experts [4,8] bf16 given as
+  a list, Shard(0) on [0,1] -> Shard(0) on [0,1] (one local copy per member);
+- ``members_unpack``: one param per call, [E,4,8] bf16 Replicate on rank 0 -> Replicate on
+  rank 1 given as a list of E members (one message, unpacked per member).
+  These two print µs per call, not per param.
 
 Per case: the first call with a fresh Planner (cold: plans + schedule built), then the
 median of ``--iters`` calls reusing that Planner (warm; what the refit loop does), and the
@@ -34,7 +40,7 @@ import torch.distributed as dist
 import torch.multiprocessing as tmp
 
 
-def _transfers(case: str, n: int, rank: int) -> list:
+def _transfers(case: str, n: int, rank: int, world: int = 2) -> list:
     from torch.distributed.tensor import Replicate, Shard
 
     from megatron_reshard.engine import Transfer
@@ -44,6 +50,8 @@ def _transfers(case: str, n: int, rank: int) -> list:
     both = MeshInfo(torch.tensor([0, 1]))
     # placements as a refit loop passes them: the same tuples on every call
     rep, s0, s1 = (Replicate(),), (Shard(0),), (Shard(1),)
+    if case.startswith("members"):
+        return [_members_transfer(case, n, rank, one0, one1, both, world)]
     kinds = {"rr_cross": ["rr"], "s0_s1": ["s01"], "mixed": ["rr", "s01", "rs"]}[case]
     out = []
     for i in range(n):
@@ -65,6 +73,26 @@ def _transfers(case: str, n: int, rank: int) -> list:
             dst = torch.empty(128, 16)
         out.append(Transfer(f"p{i}.{kind}", shape, dtype, sm, sp, dm, dp, src, dst))
     return out
+
+
+def _members_transfer(case: str, e: int, rank: int, one0, one1, both, world: int):
+    """One param of ``e`` experts [4, 8] bf16 per rank, a list of members on one side
+    (``--ranks 1``: members_local on rank 0 alone, as bench_engine_1gpu's list case)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    from megatron_reshard.engine import Transfer
+
+    bf16 = torch.bfloat16
+    members = [torch.randn(4, 8).to(bf16) for _ in range(e)]
+    if world == 1:
+        return Transfer("experts", (e, 4, 8), bf16, one0, (Shard(0),), one0, (Replicate(),),
+                        members, torch.empty(e, 4, 8, dtype=bf16))
+    if case == "members_local":
+        return Transfer("experts", (2 * e, 4, 8), bf16, both, (Shard(0),), both, (Shard(0),),
+                        members, torch.empty(e, 4, 8, dtype=bf16))
+    return Transfer("experts", (e, 4, 8), bf16, one0, (Replicate(),), one1, (Replicate(),),
+                    torch.randn(e, 4, 8).to(bf16) if rank == 0 else None,
+                    members if rank == 1 else None)
 
 
 def _timed(fn, group) -> tuple[float, float]:
@@ -92,8 +120,9 @@ def _worker(rank: int, world: int, port: int, args) -> None:
     group = dist.group.WORLD
     rows = []
     for case in args.cases:
-        xfer_batch(_transfers(case, 1, rank), group)  # warm torch/gloo, not the caches
-        ts = _transfers(case, args.params, rank)
+        xfer_batch(_transfers(case, 1, rank, world), group)  # warm torch/gloo, not the caches
+        per_call = case.startswith("members")  # one param of --members experts
+        ts = _transfers(case, args.members if per_call else args.params, rank, world)
         # A full GC pass (~100 ms with these tensors alive) otherwise lands in a random call.
         gc.collect()
         planner = Planner()
@@ -103,12 +132,13 @@ def _worker(rank: int, world: int, port: int, args) -> None:
         for _ in range(args.iters):
             if prof is not None:
                 prof.enable()
-            warm.append(_timed(lambda: xfer_batch(ts, group, planner=planner), group))
+            warm.append(_timed(lambda: xfer_batch(ts, group, planner=planner,
+                                                  agree=not args.skip_vote), group))
             if prof is not None:
                 prof.disable()
         fresh = [_timed(lambda: xfer_batch(ts, group), group)
                  for _ in range(max(1, args.iters // 4))]
-        us = 1e6 / args.params
+        us = 1e6 / (1 if per_call else args.params)
         rows.append((case, *(x * us for x in (*cold, *_median(warm), *_median(fresh)))))
         if prof is not None:
             s = io.StringIO()
@@ -116,12 +146,13 @@ def _worker(rank: int, world: int, port: int, args) -> None:
             print(f"---- cProfile, rank {rank}, warm calls of {case} ----\n{s.getvalue()}",
                   flush=True)
     if rank == 0:
-        print(f"{args.params} params per xfer_batch, 2-rank gloo, µs per param "
-              f"(warm: median of {args.iters})")
-        print(f"{'':<10} {'---------- wall ----------':>32} {'---- main-thread CPU -----':>32}")
-        print(f"{'case':<10}" + f"{'cold':>10} {'warm':>10} {'no planner':>10}  " * 2)
+        print(f"{args.params} params per xfer_batch, {world}-rank gloo, µs per param; members_*: "
+              f"µs per call of one param of {args.members} experts (warm: median of "
+              f"{args.iters})")
+        print(f"{'':<15} {'---------- wall ----------':>32} {'---- main-thread CPU -----':>32}")
+        print(f"{'case':<15}" + f"{'cold':>10} {'warm':>10} {'no planner':>10}  " * 2)
         for case, cw, cc, ww, wc, fw, fc in rows:
-            print(f"{case:<10}{cw:>10.1f} {ww:>10.1f} {fw:>10.1f}  {cc:>10.1f} {wc:>10.1f} "
+            print(f"{case:<15}{cw:>10.1f} {ww:>10.1f} {fw:>10.1f}  {cc:>10.1f} {wc:>10.1f} "
                   f"{fc:>10.1f}")
     dist.destroy_process_group()
 
@@ -130,14 +161,21 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--params", type=int, default=1000)
     ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--cases", nargs="+", default=["rr_cross", "s0_s1", "mixed"])
+    ap.add_argument("--cases", nargs="+", default=["rr_cross", "s0_s1", "mixed"],
+                    help="also: members_local members_unpack")
+    ap.add_argument("--skip-vote", action="store_true",
+                    help="warm calls with agree=False (the refit loop's repeated calls)")
+    ap.add_argument("--ranks", type=int, default=2, choices=(1, 2))
+    ap.add_argument("--members", type=int, default=128, help="experts per members_* call")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--profile-rank", type=int, default=0, choices=(0, 1))
     ap.add_argument("--top", type=int, default=25, help="profile rows to print")
     args = ap.parse_args(argv)
     from megatron_reshard.tools.worlds import free_ports
 
-    tmp.spawn(_worker, args=(2, free_ports(1)[0], args), nprocs=2, join=True)
+    if args.ranks == 1 and set(args.cases) != {"members_local"}:
+        ap.error("--ranks 1 runs members_local only")
+    tmp.spawn(_worker, args=(args.ranks, free_ports(1)[0], args), nprocs=args.ranks, join=True)
     return 0
 
 

@@ -231,3 +231,84 @@ def test_cuda_staging_copies_keep_their_views_and_follow_new_tensors():
             assert bool((new[:, n // 2:] == 2.0).all())
         prog.release()
         assert not prog._staged
+
+
+# ---- lists of members on a warm call (members.KnownMembers) ---------------------------
+
+
+def test_the_member_guard_is_used_here_and_refuses_every_change_the_checks_read():
+    from megatron_reshard.engine.members import known_members
+
+    experts = [torch.randn(4, 6).to(BF16) for _ in range(5)]
+    known = known_members(experts)
+    assert known is not None, "this torch's TensorGuards failed the probe: no fast path"
+    assert known.matches(experts) and known.matches(tuple(experts))
+    assert known.key == ("members",) + ((6, 1),) * 5 and known.device == torch.device("cpu")
+    transposed = torch.randn(6, 4).to(BF16).t()
+    repointed = torch.randn(4, 6).to(BF16)
+    repointed.data = torch.randn(6, 4).to(BF16).t()  # same object, new strides
+    in_place = torch.randn(4, 6).to(BF16)
+    in_place.as_strided_((4, 6), (1, 4))
+    for name, member in (("strides", transposed), ("data", repointed),
+                         ("as_strided_", in_place), ("dtype", torch.randn(4, 6)),
+                         ("shape", torch.randn(4, 5).to(BF16)),
+                         ("device", torch.empty(4, 6, dtype=BF16, device="meta")),
+                         ("type", torch.nn.Parameter(torch.randn(4, 6).to(BF16))),
+                         ("not a tensor", None)):
+        changed = list(experts)
+        changed[3] = member
+        assert not known.matches(changed), name
+    assert not known.matches(experts[:-1]) and not known.matches(experts + experts[:1])
+    # a new storage of the same metadata matches: its address is the kept copies' to check
+    assert known.matches([torch.randn(4, 6).to(BF16) for _ in range(5)])
+    import weakref
+
+    held = [weakref.ref(m) for m in experts]
+    del experts, changed, member, transposed, repointed, in_place
+    assert all(r() is None for r in held)  # the guard keeps no member alive
+
+
+def test_a_warm_list_of_members_follows_new_members_and_refuses_bad_ones_alike():
+    from megatron_reshard.engine import xfer_batch
+
+    group, me = _one_rank_group(), MeshInfo(torch.tensor([0]))
+    experts = [torch.randn(4, 6).to(BF16) for _ in range(5)]
+    dst = torch.zeros(5, 4, 6, dtype=BF16)
+    t = Transfer("w", (5, 4, 6), BF16, me, [Shard(0)], me, [Replicate()], experts, dst)
+    planner = Planner()
+
+    def call(agree=False):
+        dst.zero_()
+        xfer_batch([t], group, planner=planner, agree=agree)
+        return torch.equal(dst, torch.stack([m.contiguous() for m in experts]))
+
+    assert call(agree=True) and call()
+    (batch,) = [b for bs in planner._batches.values() for b in bs.values()]
+    (known,) = batch.expected.members.values()
+    assert call() and batch.expected.members[0] is known  # matched, not checked again
+    experts[1] = torch.randn(6, 4).to(BF16).t()  # a swapped member of other strides
+    assert call() and batch.expected.members[0] is not known
+    experts[2].data = torch.randn(4, 6).to(BF16)  # same object, a new storage
+    assert call()
+    experts[3].as_strided_((4, 6), (1, 4))  # same object, same storage, new strides
+    assert call()
+    t.src = tuple(experts)  # the same members as a tuple
+    assert call()
+    t.src = experts
+    for name, bad, message in (
+            ("dtype", lambda: experts.__setitem__(0, torch.randn(4, 6)),
+             "member 0 of shape (4, 6) and dtype torch.bfloat16, found (4, 6) torch.float32"),
+            ("length", lambda: experts.pop(), "5 members"),
+            ("data", lambda: setattr(experts[4], "data", torch.randn(4, 5).to(BF16)),
+             "member 4 of shape (4, 6) and dtype torch.bfloat16, found (4, 5)")):
+        good, storage = list(experts), experts[4].data
+        bad()
+        for agree in (True, False):  # the vote's error, and a skipped vote's own
+            with pytest.raises(ValueError) as err:
+                call(agree=agree)
+            assert "param 'w' on rank 0: wrong src members" in str(err.value), name
+            assert message in str(err.value), (name, str(err.value))
+        if name == "data":
+            experts[4].data = storage
+        experts[:] = good
+        assert call(agree=True) and call(), name

@@ -14,7 +14,7 @@ from typing import Callable, NamedTuple, Optional, Sequence, Union
 import torch
 
 from .kernel_copies import PermutedRows
-from .members import is_members, members_problem
+from .members import LISTS, is_members, known_members, members_problem
 
 from megatron_reshard.errors import BadInputError
 
@@ -133,13 +133,14 @@ class Expected(NamedTuple):
     absent: Callable[[Sequence], tuple]  # picks those it must not (None)
     shapes: list                         # local shape of each held tensor
     dtypes: list                         # its dtype
+    members: dict                        # place in held -> KnownMembers of the last list there
 
 
 def expected(shapes: list, dtypes: list) -> Expected:
     """``Expected`` from per-tensor shapes and dtypes (None: no tensor there)."""
     held = [k for k, shape in enumerate(shapes) if shape is not None]
     return Expected(picker(held), picker([k for k, s in enumerate(shapes) if s is None]),
-                    [shapes[k] for k in held], [dtypes[k] for k in held])
+                    [shapes[k] for k in held], [dtypes[k] for k in held], {})
 
 
 _SRC, _DST = attrgetter("src"), attrgetter("dst")
@@ -147,11 +148,13 @@ _SHAPE, _DTYPE, _IS_CPU, _DEVICE = (attrgetter("shape"), attrgetter("dtype"),
                                     attrgetter("is_cpu"), attrgetter("device"))
 
 
-def local_ok(transfers, expect: Expected, device_type: str,
-             tensors: list) -> tuple[bool, Optional[torch.device]]:
+def local_ok(transfers, expect: Expected, device_type: str, tensors: list,
+             member_keys: Optional[dict] = None) -> tuple[bool, Optional[torch.device]]:
     """Fast form of ``check_local``'s verdict and device (same checks, no messages): each
     check one pass in C (``map`` of an attribute getter, compared as lists). ``tensors``:
-    this rank's tensors are appended to it, two per transfer (src, dst)."""
+    this rank's tensors are appended to it, two per transfer (src, dst). Lists of members
+    are checked against the last list that passed at their place (``KnownMembers``; their
+    stride keys go into ``member_keys``, by id of the list)."""
     start = len(tensors)
     tensors += [None] * (2 * len(transfers))
     tensors[start::2] = map(_SRC, transfers)
@@ -160,8 +163,11 @@ def local_ok(transfers, expect: Expected, device_type: str,
     held, absent = expect.held(mine), expect.absent(mine)
     if absent and set(map(type, absent)) != {type(None)}:
         return False, None
-    if not all(issubclass(k, torch.Tensor) for k in set(map(type, held))):
-        return False, None  # a None, or a list of members (check_local knows them)
+    types = set(map(type, held))
+    if not all(issubclass(k, torch.Tensor) for k in types):
+        if types.isdisjoint(LISTS):
+            return False, None  # a None or another object: check_local names it
+        return _with_members(held, expect, device_type, member_keys)
     if list(map(_SHAPE, held)) != expect.shapes or list(map(_DTYPE, held)) != expect.dtypes:
         return False, None
     if not held:
@@ -171,3 +177,38 @@ def local_ok(transfers, expect: Expected, device_type: str,
     devices = set(map(_DEVICE, held))
     device = devices.pop()
     return not devices and device.type == device_type, device
+
+
+def _with_members(held: tuple, expect: Expected, device_type: str,
+                  member_keys: Optional[dict]) -> tuple[bool, Optional[torch.device]]:
+    """``local_ok`` where lists of members are held: each list matched against the
+    ``KnownMembers`` of its place (one C++ pass over its members) or checked in full and
+    remembered; the tensors as ``local_ok`` does. False: ``check_local`` decides."""
+    devices, rest, shapes, dtypes = set(), [], [], []
+    for j, x in enumerate(held):
+        if type(x) not in LISTS:
+            rest.append(x)
+            shapes.append(expect.shapes[j])
+            dtypes.append(expect.dtypes[j])
+            continue
+        known = expect.members.get(j)
+        if known is None or not known.matches(x):
+            if members_problem(x, expect.shapes[j], expect.dtypes[j], device_type) is not None:
+                return False, None
+            known = known_members(x)
+            if known is None:
+                expect.members.pop(j, None)
+                return False, None  # no guard for it here: check_local checks it
+            expect.members[j] = known
+        devices.add(known.device)
+        if member_keys is not None:
+            member_keys[id(x)] = known.key
+    if not all(isinstance(x, torch.Tensor) for x in rest):
+        return False, None
+    if list(map(_SHAPE, rest)) != shapes or list(map(_DTYPE, rest)) != dtypes:
+        return False, None
+    devices.update(map(_DEVICE, rest))
+    if len(devices) != 1:
+        return False, None
+    device = devices.pop()
+    return device.type == device_type, device

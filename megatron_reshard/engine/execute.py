@@ -120,6 +120,7 @@ def _call(transfers, group, stream, staging_bytes: int, planner: Planner, backen
     device_type = "cuda" if backend_name(group) == "nccl" else "cpu"
     batch = device = strides = None
     tensors: list = []  # this rank's tensors, two per transfer: src at 2 * ti, dst at 2 * ti + 1
+    member_keys: dict = {}  # id of a list of members -> its stride key (checks.local_ok)
     if problem is None:
         try:
             batch = describe_batch(transfers, world, me, staging_bytes, backend, planner,
@@ -127,7 +128,7 @@ def _call(transfers, group, stream, staging_bytes: int, planner: Planner, backen
         except Rejected as rejected:
             problem = rejected.problem
     if batch is not None and problem is None:
-        ok, device = local_ok(transfers, batch.expected, device_type, tensors)
+        ok, device = local_ok(transfers, batch.expected, device_type, tensors, member_keys)
         if not ok:  # lists, permuted rows, or a problem: the detailed checks
             problem, device = check_local(transfers, batch.plans, me, device_type,
                                           permuted_dst=True)
@@ -143,7 +144,7 @@ def _call(transfers, group, stream, staging_bytes: int, planner: Planner, backen
                                                      tensors)
             if stream is not None:  # the caller's tensors are read (stack) and written
                 _record_stream([x for t in transfers for x in (t.src, t.dst)], stream)
-        strides = stride_keys(tensors)
+        strides = stride_keys(tensors, member_keys)
 
     # agree=False: no vote for the call the group's history predicts (sequence.py); its
     # schedule is cached on every rank alike. Any other call (a fresh planner, a new batch,

@@ -14,9 +14,9 @@ from it unless its box lies in one member.
 
 from __future__ import annotations
 
-from itertools import repeat
+from itertools import chain, repeat
 from operator import attrgetter
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -45,12 +45,16 @@ LISTS = frozenset((list, tuple))
 _NOT_TENSORS = LISTS | {PermutedRows}
 
 
-def stride_keys(tensors: list) -> tuple:
+def stride_keys(tensors: list, known: Optional[dict] = None) -> tuple:
     """What a program's cache key records of the call's tensors (``stride_key`` of each).
     Without lists or permuted rows among them, only the strides of the tensors held,
     mapped in C: within one batch the places of None are fixed (the local checks passed),
-    and a key with a "members" or "rows" entry differs from any of these."""
+    and a key with a "members" or "rows" entry differs from any of these. ``known``:
+    id of a list -> its key, found by this call's checks (``KnownMembers``)."""
     if not _NOT_TENSORS.isdisjoint(map(type, tensors)):
+        if known:
+            return tuple([known[id(x)] if id(x) in known else stride_key(x)
+                          for x in tensors])
         return tuple([stride_key(x) for x in tensors])
     return tuple(map(torch.Tensor.stride, [x for x in tensors if x is not None]))
 
@@ -65,7 +69,7 @@ def with_members(tensors: list) -> list:
     (the order ``Program`` numbers them in)."""
     if not any_members(tensors):
         return tensors
-    return tensors + [m for x in tensors if type(x) in LISTS for m in x]
+    return tensors + list(chain.from_iterable([x for x in tensors if type(x) in LISTS]))
 
 
 def unit_boxes(box: tuple) -> list:
@@ -106,6 +110,85 @@ def members_problem(x, shape: tuple, dtype: torch.dtype, device_type: str) -> Op
         if m.device.type != device_type or m.device != x[0].device:
             return f"members on one {device_type} device, found member {e} on {m.device}"
     return None
+
+
+class KnownMembers(NamedTuple):
+    """A list of members that passed ``members_problem`` once, and what the checks derived
+    from it. A later list ``matches`` when its length and every member's Python type,
+    dtype, device, shape, strides, dispatch keys and requires_grad equal those seen then:
+    everything ``members_problem`` and ``stride_key`` read, so the verdict (none), the
+    device and the stride key carry over. Addresses are not in it: a kept batch of copies
+    compares them on every call (program.py)."""
+
+    guard: object          # torch's compiled tensor-metadata check, built from the members
+    n: int
+    device: torch.device
+    key: tuple             # stride_key of the list
+
+    def matches(self, x) -> bool:
+        try:
+            return len(x) == self.n and self.guard.check(*x)
+        except Exception:  # a member of a type the guard cannot read: the full checks
+            return False
+
+
+def known_members(x) -> Optional[KnownMembers]:
+    """``KnownMembers`` of a list that passed ``members_problem`` (None where this torch
+    has no usable guard: every call then checks each member in Python)."""
+    guards = _guards()
+    if guards is None or not len(x):
+        return None
+    try:
+        guard = _guard(guards, x)
+    except Exception:
+        return None
+    return KnownMembers(guard, len(x), x[0].device, stride_key(x)) if guard.check(*x) else None
+
+
+def _guard(guards, x):
+    return guards(*x, dynamic_dims_sizes=[list(m.shape) for m in x],
+                  dynamic_dims_strides=[list(m.stride()) for m in x])
+
+
+_GUARDS: list = []  # [TensorGuards or None], decided at the first use
+
+
+def _guards():
+    """torch's ``TensorGuards`` (torch.compile's check of tensor metadata, in C++: ~0.1 µs
+    a member against ~0.3 µs for ``members_problem``'s getters), or None. It is a private
+    class: used only after it is seen, here, to accept the same metadata and to refuse a
+    changed shape, stride, dtype, device, type and a re-pointed ``.data``."""
+    if not _GUARDS:
+        _GUARDS.append(_probe_guards())
+    return _GUARDS[0]
+
+
+def _probe_guards():
+    try:
+        from torch._C._dynamo.guards import TensorGuards
+    except Exception:
+        return None
+    try:
+        with torch.inference_mode(False):  # a first use in inference mode decides alike
+            return _probed(TensorGuards)
+    except Exception:
+        return None
+
+
+def _probed(TensorGuards):
+    """``TensorGuards`` if a guard of two [2, 4] bf16 tensors accepts them and refuses,
+    in the second place, each change the checks read; else None."""
+    bf16 = torch.bfloat16
+    base = [torch.zeros(2, 4, dtype=bf16), torch.zeros(2, 4, dtype=bf16)]
+    guard = _guard(TensorGuards, base)
+    moved = torch.zeros(2, 4, dtype=bf16)
+    moved.data = torch.zeros(4, 2, dtype=bf16).t()
+    changed = [torch.zeros(4, 2, dtype=bf16).t(), torch.zeros(2, 4), torch.zeros(2, 2, dtype=bf16),
+               moved, torch.zeros(2, 4, dtype=bf16, device="meta"),
+               torch.nn.Parameter(torch.zeros(2, 4, dtype=bf16)), None]
+    if not guard.check(*base) or any(guard.check(base[0], c) for c in changed):
+        return None
+    return TensorGuards
 
 
 def per_member_segments(sg, members: bool, itemsize: int) -> list:

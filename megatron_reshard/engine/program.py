@@ -54,7 +54,7 @@ class Program:
         self._local_pick = picker(self._local_ks)
         self._local_batch: Optional[tuple] = None
         self._staged: dict = {}    # (id(stage plan), pack) -> (addresses, Copies), CUDA
-        self._stage_ks: dict = {}  # id(stage plan) -> the tensors it reads or writes
+        self._stage_ks: dict = {}  # id(stage plan) -> picker of the tensors it reads or writes
 
     # ---- copies -----------------------------------------------------------------------
 
@@ -104,11 +104,12 @@ class Program:
             if batch is not None:
                 batch.run()
             return
-        ks = self._stage_ks.get(id(plan))
-        if ks is None:
-            ks = self._stage_ks[id(plan)] = plan.ks if plan.elements is not None else sorted(
-                {c.ref.k for c in (*plan.flat, *plan.typed)})
-        addresses = (buf.data_ptr(), *[self._address(tensors[k]) for k in ks])
+        pick = self._stage_ks.get(id(plan))
+        if pick is None:  # gathered in C on each call (a rank's 128 experts, unpacked)
+            pick = self._stage_ks[id(plan)] = picker(
+                plan.ks if plan.elements is not None else
+                sorted({c.ref.k for c in (*plan.flat, *plan.typed)}))
+        addresses = (buf.data_ptr(), *map(self._address, pick(tensors)))
         kept = self._staged.get((id(plan), pack))
         if kept is None or kept[0] != addresses:
             kept = self._staged[(id(plan), pack)] = (
