@@ -132,6 +132,15 @@ def test_a_payload_that_reaches_outside_its_box_is_refused():
         apply(old.clone(), 4, BITMASK, torch.cat([mask, torch.zeros(8, dtype=torch.uint8)]))
 
 
+def test_a_diff8_delta_short_of_its_differences_is_refused_unwritten():
+    old = torch.zeros(100, dtype=torch.bfloat16)
+    view = old.clone()
+    gaps = torch.tensor([1, 2, 3], dtype=torch.uint8)  # positions 0, 2, 5
+    with pytest.raises(DeltaTransportError, match="3 differences carries 2 bytes"):
+        apply(view, 3, GAPS | DIFF8, torch.cat([gaps, torch.tensor([1, 1], dtype=torch.uint8)]))
+    assert torch.equal(view, old)
+
+
 def _reduce(*rows):
     return [max(col) for col in zip(*rows)]
 

@@ -332,6 +332,9 @@ def apply(view: torch.Tensor, count: int, enc: int, payload: Optional[torch.Tens
         fb = flat.view(_INT_OF_SIZE[itemsize])
     raw = payload[nindex:]
     if diff8:
+        if raw.numel() < count:
+            raise DeltaTransportError(f"a delta of {count} differences carries {raw.numel()} "
+                                      f"bytes after its index")
         small = raw[:count].view(torch.int8)
         escaped = small == -128
         whole = raw[count:]
