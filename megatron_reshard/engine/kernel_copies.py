@@ -37,6 +37,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from megatron_reshard.errors import BadInputError
+from .triton_build import built_once
 
 ROWS, TRANSPOSED = 0, 1
 
@@ -537,21 +538,7 @@ class _Kernels(NamedTuple):
     copy_permuted: object
 
 
-_BUILT: list = []
-
-
-def triton_kernels() -> Optional[_Kernels]:
-    """The copy kernels (built once); None when Triton is absent or they are switched off."""
-    if not kernels_enabled():
-        return None
-    if _BUILT:
-        return _BUILT[0]
-    try:
-        import triton
-        import triton.language as tl
-    except Exception:  # noqa: BLE001 - CPU builds of torch ship no Triton
-        _BUILT.append(None)
-        return None
+def _build(triton, tl) -> _Kernels:
 
     @triton.jit
     def copy_blocks(dst_ptrs, src_ptrs, words, first, pair_of, BLOCK: tl.constexpr):
@@ -620,5 +607,12 @@ def triton_kernels() -> Optional[_Kernels]:
         mask = live[:, None, None] & (b < runs)[None, :, None]  # broadcast along the run
         tl.store(d, tl.load(s, mask=mask), mask=mask)
 
-    _BUILT.append(_Kernels(copy_blocks, copy_tiles, copy_permuted))
-    return _BUILT[0]
+    return _Kernels(copy_blocks, copy_tiles, copy_permuted)
+
+
+_built = built_once(_build)
+
+
+def triton_kernels() -> Optional[_Kernels]:
+    """The copy kernels (built once); None when Triton is absent or they are switched off."""
+    return _built() if kernels_enabled() else None

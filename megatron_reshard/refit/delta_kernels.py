@@ -36,6 +36,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from megatron_reshard.engine.triton_build import built_once
+
 
 BLOCK = 4096  # elements per program of the cut (a multiple of 16: whole bitmask words)
 WARPS = 4
@@ -293,18 +295,7 @@ class _Kernels(NamedTuple):
     apply_bitmask: object
 
 
-_BUILT: list = []
-
-
-def _kernels() -> Optional[_Kernels]:
-    if _BUILT:
-        return _BUILT[0]
-    try:
-        import triton
-        import triton.language as tl
-    except Exception:  # noqa: BLE001 - CPU builds of torch ship no Triton
-        _BUILT.append(None)
-        return None
+def _build(triton, tl) -> _Kernels:
 
     # The cut's blocks are [BLOCK // 8, 8] tiles: row k holds elements 8k..8k+7, the bits
     # of bitmask byte k, so packing stays inside a thread and whatever depends on the
@@ -720,9 +711,11 @@ def _kernels() -> Optional[_Kernels]:
             i = first + loc
             tl.store(target + (i // cols) * stride + i % cols, v, mask=keep)
 
-    _BUILT.append(_Kernels(cut_mark, cut_tiles, cut_offsets, cut_write, gap_sums, gap_locate, pos_sums,
-                           apply_index, compact, count_bits, apply_bitmask))
-    return _BUILT[0]
+    return _Kernels(cut_mark, cut_tiles, cut_offsets, cut_write, gap_sums, gap_locate, pos_sums,
+                    apply_index, compact, count_bits, apply_bitmask)
+
+
+_kernels = built_once(_build)
 
 
 __all__ = ["BLOCK", "CHUNK", "Cut", "Rows", "apply_bitmask", "apply_sparse", "bitmask_counts",
