@@ -324,7 +324,7 @@ def test_unknown_options_are_refused_outside_the_benchmarks():
     assert out.returncode == 2 and "--bogus" in out.stderr
 
 
-DENSE_DEMO = ["demo", "--model", "dense", "--refits", "2", "--json"]
+DENSE_DEMO = ["demo", "--model", "dense", "--refits", "3", "--delta", "--update", "adam", "--json"]
 
 
 @pytest.mark.slow
@@ -332,14 +332,26 @@ DENSE_DEMO = ["demo", "--model", "dense", "--refits", "2", "--json"]
 def test_demo_of_the_dense_model_runs_with_its_own_defaults_and_reports_json():
     """The README's `demo --model dense`, as a user starts it (its own processes), with
     `--json`: one summary object of a verified refit (the pool-based e2e tests cover the
-    other models and layouts; one demo subprocess is enough for the command itself)."""
+    other models and layouts; one demo subprocess is enough for the command itself), with
+    `--delta --update adam`: Adam steps between refits, the second and third sent as deltas."""
     out = _cli(*DENSE_DEMO, timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
-    assert summary["verified"] is True and summary["refits"] == 2
+    assert summary["verified"] is True and summary["refits"] == 3
+    assert summary["modes"] == ["full", "delta", "delta"], summary["full_reasons"]
+    assert summary["full_reasons"][1:] == [None, None]
+    for got in summary["bytes_received"].values():  # bytes into each gen rank, per refit
+        assert all(0 < b < got[0] / 25 for b in got[1:]), got
     assert summary["layout"]["train"] == {"world": 4, "tp": 2, "pp": 2, "ep": 1}
     assert summary["params"] > 0 and 0 < summary["exact_path_fraction"] <= 1
     assert set(summary["bytes_per_gen_rank"]) == {"0", "1"}
+
+
+def test_delta_and_update_reach_the_run_config():
+    cfg = config_from_args(_parse_demo("--delta", "--update", "adam"), ports=(0, 0, 0))
+    assert (cfg.delta, cfg.update) == (True, "adam") and cfg.problems() == []
+    plain = config_from_args(_parse_demo(), ports=(0, 0, 0))
+    assert (plain.delta, plain.update) == (False, "perturb")
 
 
 def test_packed_params_reaches_the_run_config_and_a_bad_regex_is_refused():

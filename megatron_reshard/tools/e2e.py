@@ -333,6 +333,12 @@ def summarize(cfg: RefitRunConfig, results: list[dict]) -> dict:
                         "mismatched": sorted({n for bad in r["mismatches"] for n in bad})})
     total = sum(g["bytes"] for g in per_gen)
     refit_s = [max(r["refits"][i]["refit_s"] for r in results) for i in range(cfg.refits)]
+    # per refit, what the training ranks agreed (full or delta, and why full) and the bytes
+    # that really reached each generation rank
+    trains = [r for r in results if r["role"] == "train"]
+    modes = [sorted({r["refits"][i].get("mode", "full") for r in results})
+             for i in range(cfg.refits)]
+    received = {str(r["rank"]): [s.get("bytes_received") for s in r["refits"]] for r in gens}
     return {
         "verified": bool(cfg.verify) and all(r["verified"] for r in gens),
         "refits": cfg.refits,
@@ -343,6 +349,10 @@ def summarize(cfg: RefitRunConfig, results: list[dict]) -> dict:
         "refit_s": refit_s,
         "per_gen_rank": per_gen,
         "gen_precision": cfg.gen_precision,
+        "modes": ["/".join(m) for m in modes],
+        "full_reasons": [trains[0]["refits"][i].get("full_reason") if trains else None
+                         for i in range(cfg.refits)],
+        "bytes_received": received,
         # bytes received over what the same refit in the training dtype would land
         "bytes_vs_unquantized": (total / sum(g["unquantized_bytes"] for g in per_gen)) if total else 0.0,
         "layout": {"model": cfg.model, "train": {"world": cfg.train_world, "tp": cfg.train_tp,

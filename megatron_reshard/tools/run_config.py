@@ -367,7 +367,9 @@ def config_from_args(args, ports: tuple) -> RefitRunConfig:
                           staging_mib=args.staging_mib, quiet=getattr(args, "json", False),
                           packed_params=getattr(args, "packed_params", None),
                           gen_precision=getattr(args, "gen_precision", "bf16"),
-                          train_precision=getattr(args, "train_precision", "bf16"))
+                          train_precision=getattr(args, "train_precision", "bf16"),
+                          delta=getattr(args, "delta", False),
+                          update=getattr(args, "update", "perturb"))
 
 
 def add_run_arguments(parser) -> None:
@@ -426,6 +428,13 @@ def add_run_arguments(parser) -> None:
                              "side (a plain-tensor stand-in for Megatron fp8_param with TE's "
                              "blockwise recipe); their bytes and scales move as they are; needs "
                              "--gen-precision fp8 (default: %(default)s)")
+    parser.add_argument("--delta", action="store_true",
+                        help="RefitSender(delta=True): from the second committed refit on, send "
+                             "only the changed elements (experimental, process-group path)")
+    parser.add_argument("--update", choices=["perturb", "adam"], default=d.update,
+                        help="between refits: perturb every weight, or take Adam steps over "
+                             "FP32 master weights (few BF16 bits change, as in RL) "
+                             "(default: %(default)s)")
     parser.add_argument("--timeout-s", type=float, default=d.timeout_s,
                         help="seconds every process group and store waits before failing "
                              "(default: %(default)s)")
