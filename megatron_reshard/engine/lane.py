@@ -1,0 +1,115 @@
+"""A repeated call's fast lane: the call that went through last, matched in one C++ pass.
+
+A refit loop calls the same batch with the same tensors again and again (``agree=False``
+from its second refit on). The warm path still derives, per call, what the last call
+derived already: the local checks' verdict (shapes, dtypes, devices, types), the program
+key (strides), and the kept copies' addresses (``program.py``). On one H200 that host
+work ran before the first copy of every call: ~35 µs for one tensor, ~85 µs for a rank's
+128 experts given as a list, against copies of ~0.2-0.3 ms (docs/MEASUREMENTS.md).
+
+A ``Lane`` keeps, per batch, what the last call that skipped its vote was given: one
+torch ``TensorGuards`` (torch.compile's C++ check of tensor metadata, members.py) built
+from every tensor it held and every member of its lists, in order, the places of its
+``None``s and lists, and, where its program is local copies only, every tensor's address
+and the kept batch of copies. A call that matches all of it (same types, shapes, strides,
+dtypes, devices, dispatch keys and ``requires_grad``, same addresses) would pass every
+check and resolve to the same program and the same views: it runs them at once. Any
+difference misses the lane and takes the full path, whose checks raise the usual errors
+(a miss costs one guard check; the lane is rebuilt once such a call goes through).
+"""
+
+from __future__ import annotations
+
+from itertools import chain, repeat
+from operator import attrgetter, is_
+from typing import NamedTuple, Optional
+
+import torch
+
+from .members import LISTS, _guards
+
+_SRC, _DST = attrgetter("src"), attrgetter("dst")
+_DATA_PTR = torch.Tensor.data_ptr
+
+
+def call_tensors(transfers) -> list:
+    """The call's tensors, two per transfer (src, dst), as ``checks.local_ok`` lists them."""
+    tensors = [None] * (2 * len(transfers))
+    tensors[0::2] = map(_SRC, transfers)
+    tensors[1::2] = map(_DST, transfers)
+    return tensors
+
+
+def _length(x) -> int:
+    return len(x) if type(x) in LISTS else -1
+
+
+class Lane(NamedTuple):
+    """What a batch's last skipped call was given, and what it ran (see the module doc)."""
+
+    guard: object              # TensorGuards of the flat tensors (held, members in place)
+    lengths: Optional[tuple]   # per held item, its list's length or -1; None: no lists
+    sched: object              # the batch's schedule it ran under
+    program: object            # the program it ran
+    strides: tuple             # that program's key
+    device: torch.device
+    addresses: Optional[tuple]  # local copies only: data_ptr of each flat tensor
+    copies: object             # local copies only: the program's kept batch it ran
+
+    def flat(self, tensors: list, expect) -> Optional[list]:
+        """The flat tensors of a call whose ``tensors`` match the lane's (None: a miss)."""
+        held = expect.held(tensors)
+        absent = expect.absent(tensors)
+        if absent and not all(map(is_, absent, repeat(None))):
+            return None
+        if self.lengths is None:
+            flat = held
+        elif tuple(map(_length, held)) != self.lengths:
+            return None
+        else:
+            flat = list(chain.from_iterable([x if type(x) in LISTS else (x,) for x in held]))
+        try:
+            return flat if self.guard.check(*flat) else None
+        except Exception:  # noqa: BLE001 - an object the guard cannot read: a miss
+            return None
+
+    def same_copies(self, flat) -> bool:
+        """Whether the kept copies it ran are the program's still, for these addresses."""
+        kept = self.program.kept_local()
+        return (kept is self.copies and kept is not None
+                and tuple(map(_DATA_PTR, flat)) == self.addresses)
+
+
+def lane_for(tensors: list, expect, sched, program, strides: tuple, device,
+             old: Optional[Lane] = None) -> Optional[Lane]:
+    """The lane of a call that went through with ``tensors`` (checked), or None where a
+    held object is neither a tensor nor a list of them (a permuted-row destination) or
+    this torch has no usable guard. ``old``: a lane whose guard matches these tensors
+    already (only their addresses changed): its guard is reused."""
+    guards = _guards()
+    if guards is None:
+        return None
+    held = expect.held(tensors)
+    types = set(map(type, held))
+    lists = not types.isdisjoint(LISTS)
+    if lists:
+        flat = list(chain.from_iterable([x if type(x) in LISTS else (x,) for x in held]))
+        types = set(map(type, flat))
+    else:
+        flat = list(held)
+    if not flat or not all(issubclass(k, torch.Tensor) for k in types):
+        return None
+    lengths = tuple(map(_length, held)) if lists else None
+    if old is not None and old.lengths == lengths and old.flat(tensors, expect) is not None:
+        guard = old.guard
+    else:
+        try:
+            guard = guards(*flat, dynamic_dims_sizes=[list(x.shape) for x in flat],
+                           dynamic_dims_strides=[list(x.stride()) for x in flat])
+            if not guard.check(*flat):
+                return None
+        except Exception:  # noqa: BLE001 - no lane, the full path
+            return None
+    copies = program.kept_local()
+    addresses = tuple(map(_DATA_PTR, flat)) if copies is not None else None
+    return Lane(guard, lengths, sched, program, strides, device, addresses, copies)
