@@ -270,7 +270,9 @@ def breakdown_cases(args, device) -> None:
                   + [type(x).__name__ for x in kept[0].row_tables]) if kept else []
         print(f"{name:<14}{row[0]:>9.3f}{row[1]:>9.1f}{row[2]:>10.3f}{row[3]:>9.1f}"
               f"{row[4]:>10.3f}{row[5]:>9.1f}{row[6]:>10.3f}{row[7]:>9.1f}  {tables} "
-              f"graph={bool(graph)}", flush=True)
+              f"graph={bool(graph)}"
+              + (f" ({kept[0]._launch.error})" if kept and kept[0]._launch
+                 and kept[0]._launch.error else ""), flush=True)
         marks, undo = _host_marks()
         got: dict = {}
         for _ in range(30):
