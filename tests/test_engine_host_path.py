@@ -433,3 +433,41 @@ def test_voted_calls_keep_no_lane():
     assert call(agree=True) and call(agree=True)
     assert _only_batch(planner).lane is None  # agree=True: every call votes, full path
     assert call() and _only_batch(planner).lane is not None
+
+
+def test_a_lane_into_permuted_rows_follows_a_new_box_and_refuses_a_bad_one():
+    from megatron_reshard.engine import xfer_batch
+    from megatron_reshard.vllm_layout.kernel_order import KernelOrder
+
+    group, me = _one_rank_group(), MeshInfo(torch.tensor([0]))
+    e, r, c = 4, 8, 6
+    rows = torch.arange(r).flip(0)  # each expert's rows reversed: no strided view is this
+    order = KernelOrder("reversed", (torch.arange(e) * r * c, rows * c, torch.arange(c)))
+    experts = [torch.randn(r, c).to(BF16) for _ in range(e)]
+    box = ((0, e), (0, r), (0, c))
+    t = Transfer("w", (e, r, c), BF16, me, [Shard(0)], me, [Replicate()], experts,
+                 order.permuted_rows(torch.zeros(e, r, c, dtype=BF16), box))
+    planner = Planner()
+
+    def call(agree=False):
+        t.dst.storage.zero_()
+        xfer_batch([t], group, planner=planner, agree=agree)
+        return torch.equal(t.dst.read(), torch.stack(experts))
+
+    assert call(agree=True) and call() and call()
+    batch = _only_batch(planner)
+    lane = batch.lane
+    assert lane is not None and lane.copies is not None
+    assert call() and batch.lane is lane  # run through the lane
+    old = t.dst.storage
+    t.dst = order.permuted_rows(torch.zeros(e, r, c, dtype=BF16), box)  # a new storage
+    old.zero_()
+    assert call() and not old.any() and batch.lane is not lane
+    good = t.dst
+    t.dst = order.permuted_rows(torch.zeros(e, r, c, dtype=torch.float16), box)
+    with pytest.raises(ValueError) as err:
+        call()
+    assert ("param 'w' on rank 0: wrong dst dtype: expected torch.bfloat16, found "
+            "torch.float16" in str(err.value)), str(err.value)
+    t.dst = good
+    assert call(agree=True) and call() and call()

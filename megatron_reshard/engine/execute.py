@@ -124,8 +124,10 @@ def _run(transfers, group, stream, staging_bytes: int, planner: Optional[Planner
 def _call(transfers, group, stream, staging_bytes: int, planner: Planner, backend: str,
           agree: bool, described: bool, problem: Optional[Problem],
           history: CallSequence) -> None:
-    me, world = group.rank(), group.size()
-    backend_of = backend_name(group)
+    facts = history.group_facts
+    if facts is None:
+        facts = history.group_facts = (group.rank(), group.size(), backend_name(group))
+    me, world, backend_of = facts
     device_type = "cuda" if backend_of == "nccl" else "cpu"
     batch = device = strides = None
     tensors: list = []  # this rank's tensors, two per transfer: src at 2 * ti, dst at 2 * ti + 1

@@ -9,9 +9,10 @@ work ran before the first copy of every call: ~35 µs for one tensor, ~85 µs fo
 
 A ``Lane`` keeps, per batch, what the last call that skipped its vote was given: one
 torch ``TensorGuards`` (torch.compile's C++ check of tensor metadata, members.py) built
-from every tensor it held and every member of its lists, in order, the places of its
-``None``s and lists, and, where its program is local copies only, every tensor's address
-and the kept batch of copies. A call that matches all of it (same types, shapes, strides,
+from every tensor it held, every member of its lists and the storage and term tables of
+its permuted-row destinations, in order, the places of its ``None``s and lists (and the
+boxes' scalars), and, where its program is local copies only, every tensor's address and
+the kept batch of copies. A call that matches all of it (same types, shapes, strides,
 dtypes, devices, dispatch keys and ``requires_grad``, same addresses) would pass every
 check and resolve to the same program and the same views: it runs them at once. Any
 difference misses the lane and takes the full path, whose checks raise the usual errors
@@ -20,13 +21,16 @@ difference misses the lane and takes the full path, whose checks raise the usual
 
 from __future__ import annotations
 
-from itertools import chain, repeat
+from itertools import repeat
 from operator import attrgetter, is_
 from typing import NamedTuple, Optional
 
 import torch
 
+from .kernel_copies import PermutedRows
 from .members import LISTS, _guards
+
+_NOT_TENSORS = LISTS | {PermutedRows}
 
 _SRC, _DST = attrgetter("src"), attrgetter("dst")
 _DATA_PTR = torch.Tensor.data_ptr
@@ -40,15 +44,31 @@ def call_tensors(transfers) -> list:
     return tensors
 
 
-def _length(x) -> int:
-    return len(x) if type(x) in LISTS else -1
+def _flatten(held) -> tuple[list, list]:
+    """``held`` with every list's members in its place and every permuted-row destination's
+    storage and term tables in its place, and per held item what else must match: a
+    list's length, a permuted-row box's scalars, -1 for a tensor (a loop: ~5x faster
+    than chaining for the few items a call holds)."""
+    flat, shape = [], []
+    for x in held:
+        kind = type(x)
+        if kind in LISTS:
+            flat += x
+            shape.append(len(x))
+        elif kind is PermutedRows:  # as its key(): addresses, sizes (the guard) and these
+            flat += (x.storage, x.outer, x.inner)
+            shape.append((x.first, x.width, x.apart, x.cols))
+        else:
+            flat.append(x)
+            shape.append(-1)
+    return flat, shape
 
 
 class Lane(NamedTuple):
     """What a batch's last skipped call was given, and what it ran (see the module doc)."""
 
     guard: object              # TensorGuards of the flat tensors (held, members in place)
-    lengths: Optional[tuple]   # per held item, its list's length or -1; None: no lists
+    lengths: Optional[list]    # per held item, _flatten's shape; None: tensors only
     sched: object              # the batch's schedule it ran under
     program: object            # the program it ran
     strides: tuple             # that program's key
@@ -64,10 +84,10 @@ class Lane(NamedTuple):
             return None
         if self.lengths is None:
             flat = held
-        elif tuple(map(_length, held)) != self.lengths:
-            return None
         else:
-            flat = list(chain.from_iterable([x if type(x) in LISTS else (x,) for x in held]))
+            flat, lengths = _flatten(held)
+            if lengths != self.lengths:
+                return None
         try:
             return flat if self.guard.check(*flat) else None
         except Exception:  # noqa: BLE001 - an object the guard cannot read: a miss
@@ -83,23 +103,22 @@ class Lane(NamedTuple):
 def lane_for(tensors: list, expect, sched, program, strides: tuple, device,
              old: Optional[Lane] = None) -> Optional[Lane]:
     """The lane of a call that went through with ``tensors`` (checked), or None where a
-    held object is neither a tensor nor a list of them (a permuted-row destination) or
-    this torch has no usable guard. ``old``: a lane whose guard matches these tensors
+    held object is no tensor, list of them or permuted-row box, or this torch has no
+    usable guard. ``old``: a lane whose guard matches these tensors
     already (only their addresses changed): its guard is reused."""
     guards = _guards()
     if guards is None:
         return None
     held = expect.held(tensors)
     types = set(map(type, held))
-    lists = not types.isdisjoint(LISTS)
-    if lists:
-        flat = list(chain.from_iterable([x if type(x) in LISTS else (x,) for x in held]))
-        types = set(map(type, flat))
-    else:
+    lengths = None
+    if types.isdisjoint(_NOT_TENSORS):
         flat = list(held)
+    else:
+        flat, lengths = _flatten(held)
+        types = set(map(type, flat))
     if not flat or not all(issubclass(k, torch.Tensor) for k in types):
         return None
-    lengths = tuple(map(_length, held)) if lists else None
     if old is not None and old.lengths == lengths and old.flat(tensors, expect) is not None:
         guard = old.guard
     else:
