@@ -191,6 +191,11 @@ def _host_marks():
             wrap(execute, "stride_keys", "strides"), wrap(execute, "_execute", "execute"),
             wrap(copies.Copies, "run", "copies.run"),
             wrap(kernel_copies.Replayed, "__call__", "launch")]
+    try:  # a repeated call's lane (engine/lane.py): its guard check, then its addresses
+        from megatron_reshard.engine import lane
+    except ImportError:
+        return marks, undo
+    undo += [wrap(lane.Lane, "flat", "lane.guard"), wrap(lane.Lane, "same_copies", "lane.addr")]
     return marks, undo
 
 
