@@ -471,3 +471,17 @@ def test_a_lane_into_permuted_rows_follows_a_new_box_and_refuses_a_bad_one():
             "torch.float16" in str(err.value)), str(err.value)
     t.dst = good
     assert call(agree=True) and call() and call()
+
+
+def test_release_staging_drops_the_lane_and_the_copies_it_kept():
+    import weakref
+
+    ts, experts, planner, call = _lane_case()
+    assert call(agree=True) and call() and call()
+    lane = _only_batch(planner).lane
+    assert lane is not None
+    kept = weakref.ref(lane.copies)  # its views hold the last call's tensors
+    del lane
+    planner.release_staging()
+    assert _only_batch(planner).lane is None and kept() is None
+    assert call() and call() and _only_batch(planner).lane is not None
