@@ -179,7 +179,7 @@ def _call(transfers, group, stream, staging_bytes: int, planner: Planner, backen
                     exc.add_note(_SKIPPED_NOTE)
                 raise
             history.record(key)
-            _keep_lane(batch, tensors, prog, strides, device)
+            _keep_lane(batch, tensors, prog, device)
             return
     vote = Vote(problem, len(transfers), staging_bytes,
                 batch.fp if described and batch is not None else None,
@@ -235,7 +235,7 @@ def _call(transfers, group, stream, staging_bytes: int, planner: Planner, backen
     _execute(prog, with_members(tensors), channel, stream, planner, early, work)
     history.record(_sequence_key(batch, staging_bytes))
     if not agree:
-        _keep_lane(batch, tensors, prog, strides, device)
+        _keep_lane(batch, tensors, prog, device)
 
 
 def _lane_call(lane: Lane, batch: Batch, transfers, group, backend: str, stream,
@@ -270,14 +270,14 @@ def _lane_call(lane: Lane, batch: Batch, transfers, group, backend: str, stream,
     return True
 
 
-def _keep_lane(batch: Batch, tensors: list, prog, strides: tuple, device) -> None:
+def _keep_lane(batch: Batch, tensors: list, prog, device) -> None:
     """After a call with ``agree=False`` went through: its lane, for the next such call
     (none for a fused batch: its stacks and scatters take the full path)."""
-    if batch.fusion is not None or strides is None:
+    if batch.fusion is not None:
         batch.lane = None
         return
     old = batch.lane if batch.lane is not None and batch.lane.program is prog else None
-    batch.lane = lane_for(tensors, batch.expected, batch.sched, prog, strides, device, old)
+    batch.lane = lane_for(tensors, batch.expected, batch.sched, prog, device, old)
 
 
 def _sequence_key(batch: Batch, staging_bytes: int) -> tuple:

@@ -28,7 +28,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from .kernel_copies import PermutedRows
-from .members import LISTS, _guards
+from .members import LISTS, tensor_guards
 
 _NOT_TENSORS = LISTS | {PermutedRows}
 
@@ -49,29 +49,29 @@ def _flatten(held) -> tuple[list, list]:
     storage and term tables in its place, and per held item what else must match: a
     list's length, a permuted-row box's scalars, -1 for a tensor (a loop: ~5x faster
     than chaining for the few items a call holds)."""
-    flat, shape = [], []
+    flat, structure = [], []
     for x in held:
         kind = type(x)
         if kind in LISTS:
             flat += x
-            shape.append(len(x))
+            structure.append(len(x))
         elif kind is PermutedRows:  # as its key(): addresses, sizes (the guard) and these
             flat += (x.storage, x.outer, x.inner)
-            shape.append((x.first, x.width, x.apart, x.cols))
+            structure.append((x.first, x.width, x.apart, x.cols))
         else:
             flat.append(x)
-            shape.append(-1)
-    return flat, shape
+            structure.append(-1)
+    return flat, structure
 
 
 class Lane(NamedTuple):
     """What a batch's last skipped call was given, and what it ran (see the module doc)."""
 
     guard: object              # TensorGuards of the flat tensors (held, members in place)
-    lengths: Optional[list]    # per held item, _flatten's shape; None: tensors only
+    structure: Optional[list]  # per held item, what _flatten says must match; None:
+                               # tensors only
     sched: object              # the batch's schedule it ran under
-    program: object            # the program it ran
-    strides: tuple             # that program's key
+    program: object            # the program it ran (for the strides the guard holds)
     device: torch.device
     addresses: Optional[tuple]  # local copies only: data_ptr of each flat tensor
     copies: object             # local copies only: the program's kept batch it ran
@@ -82,11 +82,11 @@ class Lane(NamedTuple):
         absent = expect.absent(tensors)
         if absent and not all(map(is_, absent, repeat(None))):
             return None
-        if self.lengths is None:
+        if self.structure is None:
             flat = held
         else:
-            flat, lengths = _flatten(held)
-            if lengths != self.lengths:
+            flat, structure = _flatten(held)
+            if structure != self.structure:
                 return None
         try:
             return flat if self.guard.check(*flat) else None
@@ -100,26 +100,27 @@ class Lane(NamedTuple):
                 and tuple(map(_DATA_PTR, flat)) == self.addresses)
 
 
-def lane_for(tensors: list, expect, sched, program, strides: tuple, device,
+def lane_for(tensors: list, expect, sched, program, device,
              old: Optional[Lane] = None) -> Optional[Lane]:
-    """The lane of a call that went through with ``tensors`` (checked), or None where a
-    held object is no tensor, list of them or permuted-row box, or this torch has no
-    usable guard. ``old``: a lane whose guard matches these tensors
-    already (only their addresses changed): its guard is reused."""
-    guards = _guards()
+    """The lane of a call that went through with ``tensors`` (checked) and ran
+    ``program``, or None where a held object is no tensor, list of them or permuted-row
+    box, or this torch has no usable guard. ``old``: the lane of the same program, whose
+    guard is reused where it matches these tensors (only addresses changed)."""
+    guards = tensor_guards()
     if guards is None:
         return None
     held = expect.held(tensors)
     types = set(map(type, held))
-    lengths = None
+    structure = None
     if types.isdisjoint(_NOT_TENSORS):
         flat = list(held)
     else:
-        flat, lengths = _flatten(held)
+        flat, structure = _flatten(held)
         types = set(map(type, flat))
     if not flat or not all(issubclass(k, torch.Tensor) for k in types):
         return None
-    if old is not None and old.lengths == lengths and old.flat(tensors, expect) is not None:
+    if (old is not None and old.structure == structure
+            and old.flat(tensors, expect) is not None):
         guard = old.guard
     else:
         try:
@@ -131,4 +132,4 @@ def lane_for(tensors: list, expect, sched, program, strides: tuple, device,
             return None
     copies = program.kept_local()
     addresses = tuple(map(_DATA_PTR, flat)) if copies is not None else None
-    return Lane(guard, lengths, sched, program, strides, device, addresses, copies)
+    return Lane(guard, structure, sched, program, device, addresses, copies)
