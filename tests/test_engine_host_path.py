@@ -1,6 +1,7 @@
 """The warm call's fast host path (issue 15): the local checks mapped in C give the detailed
 checks' verdict, the cached layout rows and program keys catch what changed, and a warm
-batch whose inputs change in place is still exact or refused on every rank."""
+batch whose inputs change in place is still exact or refused on every rank; a repeated
+call's lane (issue 35, engine/lane.py) misses on every such change."""
 
 import pytest
 import torch
@@ -485,3 +486,25 @@ def test_release_staging_drops_the_lane_and_the_copies_it_kept():
     planner.release_staging()
     assert _only_batch(planner).lane is None and kept() is None
     assert call() and call() and _only_batch(planner).lane is not None
+
+
+@pytest.mark.parametrize("case", ["dst", "src", "dtype", "shape"])
+def test_the_fast_checks_give_the_detailed_verdict_on_permuted_rows(case):
+    from megatron_reshard.vllm_layout.kernel_order import KernelOrder
+
+    me = MeshInfo(torch.tensor([0]))
+    e, r, c = 2, 4, 6
+    order = KernelOrder("reversed", (torch.arange(e) * r * c, torch.arange(r).flip(0) * c,
+                                     torch.arange(c)))
+    dtype = torch.float16 if case == "dtype" else BF16
+    box = ((0, e), (0, r - 1 if case == "shape" else r), (0, c))
+    rows = order.permuted_rows(torch.zeros(e, r, c, dtype=dtype), box)
+    experts = torch.zeros(e, r, c, dtype=BF16)
+    t = Transfer("w", (e, r, c), BF16, me, [Shard(0)], me, [Replicate()],
+                 rows if case == "src" else experts, experts if case == "src" else rows)
+    plans = _plans([t])
+    ok, device = local_ok([t], _expected([t], plans, 0), "cpu", [])
+    problem, _ = check_local([t], plans, 0, "cpu", permuted_dst=True)
+    assert ok == (problem is None) == (case == "dst"), problem
+    if ok:
+        assert device == torch.device("cpu")
