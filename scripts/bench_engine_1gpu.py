@@ -161,6 +161,177 @@ def profile_list_case(args, device) -> None:
     pstats.Stats(prof).sort_stats("cumulative").print_stats(22)
 
 
+def _kept_copies(planner):
+    """The kept local-copy batches (``copies.Copies``) of a planner's programs."""
+    return [prog._local_batch[1] for batches in planner._batches.values()
+            for batch in batches.values() for prog in batch.programs.values()
+            if prog._local_batch is not None]
+
+
+def _host_marks():
+    """Wrap the steps of a warm call (bench only) so that each records when it starts and
+    ends on the host: ``marks`` is cleared before a call and read after it."""
+    from megatron_reshard.engine import copies, execute, kernel_copies
+
+    marks = []
+
+    def wrap(owner, name, label):
+        fn = getattr(owner, name)
+
+        def timed(*a, **k):
+            marks.append((label + ">", time.perf_counter()))
+            try:
+                return fn(*a, **k)
+            finally:
+                marks.append((label + "<", time.perf_counter()))
+        setattr(owner, name, timed)
+        return owner, name, fn
+
+    undo = [wrap(execute, "describe_batch", "describe"), wrap(execute, "local_ok", "checks"),
+            wrap(execute, "stride_keys", "strides"), wrap(execute, "_execute", "execute"),
+            wrap(copies.Copies, "run", "copies.run"),
+            wrap(kernel_copies.Replayed, "__call__", "launch")]
+    try:  # a repeated call's lane (engine/lane.py): its guard check, then its addresses
+        from megatron_reshard.engine import lane
+    except ImportError:
+        return marks, undo
+    undo += [wrap(lane.Lane, "flat", "lane.guard"), wrap(lane.Lane, "same_copies", "lane.addr")]
+    return marks, undo
+
+
+def _event_ms(fn, device, n: int) -> tuple[float, float]:
+    """(median event ms, median host µs) of ``fn`` from an idle device."""
+    ev, host = [], []
+    cuda = device.type == "cuda"
+    for _ in range(n):
+        if cuda:
+            start, end = (torch.cuda.Event(enable_timing=True),
+                          torch.cuda.Event(enable_timing=True))
+            torch.cuda.synchronize(device)
+            start.record()
+        t0 = time.perf_counter()
+        fn()
+        host.append(time.perf_counter() - t0)
+        if cuda:
+            end.record()
+            end.synchronize()
+            ev.append(start.elapsed_time(end))
+    return statistics.median(ev) if cuda else 1e3 * statistics.median(host), \
+        1e6 * statistics.median(host)
+
+
+def breakdown_cases(args, device) -> None:
+    """Where one call's time goes on CUDA, per local case: the call (event ms from an idle
+    device, host µs until it returns), its kept launch alone (the CUDA graph replay), the
+    same kernels launched eagerly, and a memcpy of the same bytes; then when each step of
+    the call starts and ends on the host (µs after the call starts, medians)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    from megatron_reshard.engine import Planner, Transfer, xfer_batch
+    from megatron_reshard.layout.placements import MeshInfo
+
+    me = MeshInfo(torch.tensor([0]))
+    n = 1024 if args.small else 16384
+    e, r, c = (8, 64, 48) if args.small else (128, 2048, 768)
+    bf16 = torch.bfloat16
+    src = torch.randn(n, n, device=device).to(bf16)
+    experts = [torch.randn(r, c, device=device).to(bf16) for _ in range(e)]
+    order = _block_order(e, r, c, device)
+    cases = {
+        "contiguous": (src, torch.empty_like(src), (Shard(0),), (Shard(0),)),
+        "strided_dst": (src, torch.empty(n, n, dtype=bf16, device=device).t(),
+                        (Shard(0),), (Shard(1),)),
+        "column_block": (src, torch.empty(n, 2 * n, dtype=bf16, device=device)[:, n:],
+                         (Shard(0),), (Shard(1),)),
+        "experts_list": (experts, torch.empty(e, r, c, dtype=bf16, device=device),
+                         (Shard(0),), (Replicate(),)),
+        "list_ordered": (experts, order.permuted_rows(
+            torch.empty(e, r, c, dtype=bf16, device=device), ((0, e), (0, r), (0, c))),
+            (Shard(0),), (Replicate(),)),
+    }
+    print(f"{'case':<14}{'call ms':>9}{'host µs':>9}{'replay ms':>10}{'host µs':>9}"
+          f"{'eager ms':>10}{'host µs':>9}{'memcpy ms':>10}{'host µs':>9}  kernels")
+    timelines = {}
+    for name, (s, d, sp, dp) in cases.items():
+        shape = (len(s), *s[0].shape) if isinstance(s, list) else tuple(s.shape)
+        t = Transfer(name, shape, bf16, me, sp, me, dp, s, d)
+        planner = Planner()
+
+        def call(t=t, planner=planner):
+            xfer_batch([t], None, planner=planner, agree=False)
+        for _ in range(6):
+            call()
+        kept = _kept_copies(planner)
+        nbytes = math.prod(shape) * 2
+        a = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        b = torch.empty_like(a)
+        row = [*_event_ms(call, device, 30)]
+        graph = kept and kept[0]._launch and kept[0]._launch.graph is not None
+        row += [*_event_ms(kept[0]._launch, device, 30)] if graph else [math.nan, math.nan]
+        row += ([*_event_ms(kept[0]._issue, device, 30)] if kept and kept[0]._launch is not None
+                else [math.nan, math.nan])
+        row += [*_event_ms(lambda: b.copy_(a), device, 30)]
+        tables = ([type(x).__name__ for x in kept[0].kernels.tables]
+                  + [type(x).__name__ for x in kept[0].row_tables]) if kept else []
+        print(f"{name:<14}{row[0]:>9.3f}{row[1]:>9.1f}{row[2]:>10.3f}{row[3]:>9.1f}"
+              f"{row[4]:>10.3f}{row[5]:>9.1f}{row[6]:>10.3f}{row[7]:>9.1f}  {tables} "
+              f"graph={bool(graph)}"
+              + (f" ({kept[0]._launch.error})" if kept and kept[0]._launch
+                 and kept[0]._launch.error else ""), flush=True)
+        marks, undo = _host_marks()
+        got: dict = {}
+        for _ in range(30):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            marks.clear()
+            t0 = time.perf_counter()
+            call()
+            t1 = time.perf_counter()
+            for label, at in marks:
+                got.setdefault(label, []).append(1e6 * (at - t0))
+            got.setdefault("return", []).append(1e6 * (t1 - t0))
+        for owner, attr, fn in undo:
+            setattr(owner, attr, fn)
+        timelines[name] = {k: statistics.median(v) for k, v in got.items()}
+        del t, kept, a, b
+    print("host timeline of a warm call, µs after it starts (medians of 30; '>' enters, "
+          "'<' leaves)")
+    for name, marks in timelines.items():
+        print(f"  {name:<14}" + "  ".join(f"{k} {v:.1f}" for k, v in marks.items()))
+    if args.trace and device.type == "cuda":
+        _trace(cases, args, device)
+
+
+def _trace(cases, args, device) -> None:
+    """torch.profiler traces (Chrome JSON) of three warm calls of the column block and
+    the experts list, each from an idle device."""
+    import os
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from megatron_reshard.engine import Planner, Transfer, xfer_batch
+    from megatron_reshard.layout.placements import MeshInfo
+
+    me = MeshInfo(torch.tensor([0]))
+    os.makedirs(args.trace, exist_ok=True)
+    for name in ("column_block", "experts_list", "contiguous"):
+        s, d, sp, dp = cases[name]
+        shape = (len(s), *s[0].shape) if isinstance(s, list) else tuple(s.shape)
+        t = Transfer(name, shape, torch.bfloat16, me, sp, me, dp, s, d)
+        planner = Planner()
+        for _ in range(6):
+            xfer_batch([t], None, planner=planner, agree=False)
+        torch.cuda.synchronize(device)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                torch.cuda.synchronize(device)
+                xfer_batch([t], None, planner=planner, agree=False)
+            torch.cuda.synchronize(device)
+        prof.export_chrome_trace(os.path.join(args.trace, f"{name}.json"))
+        print(f"---- {name}: torch.profiler, 3 calls ----")
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=8))
+
+
 def pack_cases(args, device, measure) -> list[dict]:
     """The staging copies of rank 0 of 2-rank reshards, without the wire: the strided
     pack of S(0) -> S(1) (its source's column block for the peer) and the strided
@@ -341,6 +512,11 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None, help="also write the rows here")
     ap.add_argument("--profile", action="store_true",
                     help="first profile the host time of the experts-as-a-list call")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="first break one call of each local case down (host steps, "
+                    "graph replay, eager launch, memcpy)")
+    ap.add_argument("--trace", default=None,
+                    help="with --breakdown: torch.profiler traces into this folder")
     args = ap.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda":
@@ -365,6 +541,8 @@ def main(argv=None) -> int:
           flush=True)
     if args.profile:
         profile_list_case(args, device)
+    if args.breakdown:
+        breakdown_cases(args, device)
     copies = (local_cases(args, device, measure) + pack_cases(args, device, measure)
               + ordered_cases(args, device, measure))
     print(f"{'case':<28}{'MiB':>9}{'engine ms':>11}{'GB/s':>9}{'memcpy ms':>11}{'GB/s':>9}"

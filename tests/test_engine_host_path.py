@@ -1,6 +1,7 @@
 """The warm call's fast host path (issue 15): the local checks mapped in C give the detailed
 checks' verdict, the cached layout rows and program keys catch what changed, and a warm
-batch whose inputs change in place is still exact or refused on every rank."""
+batch whose inputs change in place is still exact or refused on every rank; a repeated
+call's lane (issue 35, engine/lane.py) misses on every such change."""
 
 import pytest
 import torch
@@ -312,3 +313,198 @@ def test_a_warm_list_of_members_follows_new_members_and_refuses_bad_ones_alike()
             experts[4].data = storage
         experts[:] = good
         assert call(agree=True) and call(), name
+
+
+# ---- a repeated call's lane (lane.py) -------------------------------------------------
+
+
+def _only_batch(planner):
+    (batch,) = [b for bs in planner._batches.values() for b in bs.values()]
+    return batch
+
+
+def _lane_case(device="cpu", stream=None):
+    """A rank's 5 experts given as a list -> a stacked destination, plus a column block
+    of a wider tensor, called again and again with ``agree=False`` on one rank."""
+    from megatron_reshard.engine import xfer_batch
+
+    group, me = _one_rank_group() if device == "cpu" else _one_rank_nccl(), \
+        MeshInfo(torch.tensor([0]))
+    experts = [torch.randn(4, 6, device=device).to(BF16) for _ in range(5)]
+    dst = torch.zeros(5, 4, 6, dtype=BF16, device=device)
+    wide = torch.zeros(8, 12, dtype=BF16, device=device)
+    square = torch.randn(8, 6, device=device).to(BF16)
+    ts = [Transfer("w", (5, 4, 6), BF16, me, [Shard(0)], me, [Replicate()], experts, dst),
+          Transfer("b", (8, 6), BF16, me, [Shard(0)], me, [Shard(1)], square, wide[:, 6:])]
+    planner = Planner()
+
+    def call(agree=False):
+        for t in ts:
+            if t.dst is not None:
+                t.dst.zero_()
+        xfer_batch(ts, group, planner=planner, agree=agree, stream=stream)
+        if device != "cpu":
+            torch.cuda.synchronize()
+        return (torch.equal(ts[0].dst, torch.stack([m.contiguous() for m in experts]))
+                and torch.equal(ts[1].dst, ts[1].src))
+
+    return ts, experts, planner, call
+
+
+def _one_rank_nccl():
+    import os
+
+    import torch.distributed as dist
+
+    from megatron_reshard.tools.worlds import free_ports
+
+    store = dist.TCPStore("127.0.0.1", free_ports(1)[0], 1, True)
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    return dist.ProcessGroupNCCL(store, 0, 1)
+
+
+def _lane_follows_changes_and_refuses_bad_input(device="cpu", stream=None):
+    ts, experts, planner, call = _lane_case(device, stream)
+    assert call(agree=True) and call() and call()
+    batch = _only_batch(planner)
+    lane = batch.lane
+    assert lane is not None and lane.copies is not None  # local copies only: kept copies
+    experts[2].fill_(3.0)  # new values, same tensors: the lane runs them
+    assert call() and call() and batch.lane is lane
+    # each change below misses the lane; the full path copies exactly, and a new lane
+    # follows (its guard kept where only an address changed)
+    experts[1] = torch.randn(4, 6, device=device).to(BF16)  # a new member, same metadata
+    assert call() and batch.lane is not lane and batch.lane.guard is lane.guard
+    lane = batch.lane
+    experts[2].data = torch.randn(4, 6, device=device).to(BF16)  # re-pointed in place
+    assert call() and batch.lane is not lane
+    lane = batch.lane
+    experts[3] = torch.randn(6, 4, device=device).to(BF16).t()  # re-strided member
+    assert call() and batch.lane.guard is not lane.guard and call()
+    lane = batch.lane
+    old_dst = ts[1].dst
+    ts[1].dst = torch.zeros(8, 12, dtype=BF16, device=device)[:, :6]  # a new column block
+    old_dst.zero_()
+    assert call() and not old_dst.any() and batch.lane is not lane
+    ts[1].dst.as_strided_((8, 6), (1, 8))  # re-strided destination, in place
+    assert call() and call()
+    # bad input is refused with the full path's errors, lane or not
+    for name, bad, where, message in (
+            ("member dtype", lambda: experts.__setitem__(0, torch.randn(4, 6, device=device)),
+             "param 'w' on rank 0: wrong src members",
+             "member 0 of shape (4, 6) and dtype torch.bfloat16, found (4, 6) torch.float32"),
+            ("member shape", lambda: setattr(experts[4], "data",
+                                             torch.randn(4, 5, device=device).to(BF16)),
+             "param 'w' on rank 0: wrong src members", "found (4, 5)"),
+            ("dst dtype", lambda: setattr(ts[1], "dst", torch.zeros(
+                8, 6, dtype=torch.float16, device=device)),
+             "param 'b' on rank 0", "expected torch.bfloat16, found torch.float16"),
+            ("dst swapped for None", lambda: setattr(ts[0], "dst", None),
+             "param 'w' on rank 0", "dst missing")):
+        good, storage, dst = list(experts), experts[4].data, (ts[0].dst, ts[1].dst)
+        assert call() and call() and batch.lane is not None
+        bad()
+        with pytest.raises(ValueError) as err:
+            call()
+        assert where in str(err.value) and message in str(err.value), (name, str(err.value))
+        experts[4].data = storage
+        experts[:] = good
+        ts[0].dst, ts[1].dst = dst
+        assert call(agree=True) and call(), name
+
+
+def test_a_repeated_calls_lane_follows_every_change_and_refuses_bad_input():
+    _lane_follows_changes_and_refuses_bad_input()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("on_stream", [False, True])
+def test_a_repeated_calls_lane_on_cuda_replays_and_follows_changes(on_stream):
+    stream = torch.cuda.Stream() if on_stream else None
+    _lane_follows_changes_and_refuses_bad_input("cuda", stream)
+    ts, experts, planner, call = _lane_case("cuda", stream)
+    for _ in range(4):
+        assert call()
+    lane = _only_batch(planner).lane
+    assert lane is not None and lane.copies._launch.graph is not None  # a graph replay
+
+
+def test_voted_calls_keep_no_lane():
+    ts, experts, planner, call = _lane_case()
+    assert call(agree=True) and call(agree=True)
+    assert _only_batch(planner).lane is None  # agree=True: every call votes, full path
+    assert call() and _only_batch(planner).lane is not None
+
+
+def test_a_lane_into_permuted_rows_follows_a_new_box_and_refuses_a_bad_one():
+    from megatron_reshard.engine import xfer_batch
+    from megatron_reshard.vllm_layout.kernel_order import KernelOrder
+
+    group, me = _one_rank_group(), MeshInfo(torch.tensor([0]))
+    e, r, c = 4, 8, 6
+    rows = torch.arange(r).flip(0)  # each expert's rows reversed: no strided view is this
+    order = KernelOrder("reversed", (torch.arange(e) * r * c, rows * c, torch.arange(c)))
+    experts = [torch.randn(r, c).to(BF16) for _ in range(e)]
+    box = ((0, e), (0, r), (0, c))
+    t = Transfer("w", (e, r, c), BF16, me, [Shard(0)], me, [Replicate()], experts,
+                 order.permuted_rows(torch.zeros(e, r, c, dtype=BF16), box))
+    planner = Planner()
+
+    def call(agree=False):
+        t.dst.storage.zero_()
+        xfer_batch([t], group, planner=planner, agree=agree)
+        return torch.equal(t.dst.read(), torch.stack(experts))
+
+    assert call(agree=True) and call() and call()
+    batch = _only_batch(planner)
+    lane = batch.lane
+    assert lane is not None and lane.copies is not None
+    assert call() and batch.lane is lane  # run through the lane
+    old = t.dst.storage
+    t.dst = order.permuted_rows(torch.zeros(e, r, c, dtype=BF16), box)  # a new storage
+    old.zero_()
+    assert call() and not old.any() and batch.lane is not lane
+    good = t.dst
+    t.dst = order.permuted_rows(torch.zeros(e, r, c, dtype=torch.float16), box)
+    with pytest.raises(ValueError) as err:
+        call()
+    assert ("param 'w' on rank 0: wrong dst dtype: expected torch.bfloat16, found "
+            "torch.float16" in str(err.value)), str(err.value)
+    t.dst = good
+    assert call(agree=True) and call() and call()
+
+
+def test_release_staging_drops_the_lane_and_the_copies_it_kept():
+    import weakref
+
+    ts, experts, planner, call = _lane_case()
+    assert call(agree=True) and call() and call()
+    lane = _only_batch(planner).lane
+    assert lane is not None
+    kept = weakref.ref(lane.copies)  # its views hold the last call's tensors
+    del lane
+    planner.release_staging()
+    assert _only_batch(planner).lane is None and kept() is None
+    assert call() and call() and _only_batch(planner).lane is not None
+
+
+@pytest.mark.parametrize("case", ["dst", "src", "dtype", "shape"])
+def test_the_fast_checks_give_the_detailed_verdict_on_permuted_rows(case):
+    from megatron_reshard.vllm_layout.kernel_order import KernelOrder
+
+    me = MeshInfo(torch.tensor([0]))
+    e, r, c = 2, 4, 6
+    order = KernelOrder("reversed", (torch.arange(e) * r * c, torch.arange(r).flip(0) * c,
+                                     torch.arange(c)))
+    dtype = torch.float16 if case == "dtype" else BF16
+    box = ((0, e), (0, r - 1 if case == "shape" else r), (0, c))
+    rows = order.permuted_rows(torch.zeros(e, r, c, dtype=dtype), box)
+    experts = torch.zeros(e, r, c, dtype=BF16)
+    t = Transfer("w", (e, r, c), BF16, me, [Shard(0)], me, [Replicate()],
+                 rows if case == "src" else experts, experts if case == "src" else rows)
+    plans = _plans([t])
+    ok, device = local_ok([t], _expected([t], plans, 0), "cpu", [])
+    problem, _ = check_local([t], plans, 0, "cpu", permuted_dst=True)
+    assert ok == (problem is None) == (case == "dst"), problem
+    if ok:
+        assert device == torch.device("cpu")

@@ -121,6 +121,7 @@ class Batch:
         self.programs: dict = {}
         self.fusion = None  # fuse.Fusion: small params of one layout moved as one
         self._strided: dict = {}  # strides -> this rank's non-standard tensors (k)
+        self.lane = None  # lane.Lane: the last call that skipped its vote, to match at once
 
     def strided_of(self, strides: tuple, tensors: list) -> "StridedTensors":
         """This rank's tensors that are not standard-contiguous (cached per strides)."""

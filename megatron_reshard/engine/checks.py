@@ -134,16 +134,19 @@ class Expected(NamedTuple):
     shapes: list                         # local shape of each held tensor
     dtypes: list                         # its dtype
     members: dict                        # place in held -> KnownMembers of the last list there
+    dsts: frozenset                      # places in held of destinations (permuted rows)
 
 
 def expected(shapes: list, dtypes: list) -> Expected:
     """``Expected`` from per-tensor shapes and dtypes (None: no tensor there)."""
     held = [k for k, shape in enumerate(shapes) if shape is not None]
     return Expected(picker(held), picker([k for k, s in enumerate(shapes) if s is None]),
-                    [shapes[k] for k in held], [dtypes[k] for k in held], {})
+                    [shapes[k] for k in held], [dtypes[k] for k in held], {},
+                    frozenset(j for j, k in enumerate(held) if k % 2))
 
 
 _SRC, _DST = attrgetter("src"), attrgetter("dst")
+_LISTS_OR_ROWS = LISTS | {PermutedRows}
 _SHAPE, _DTYPE, _IS_CPU, _DEVICE = (attrgetter("shape"), attrgetter("dtype"),
                                     attrgetter("is_cpu"), attrgetter("device"))
 
@@ -165,7 +168,7 @@ def local_ok(transfers, expect: Expected, device_type: str, tensors: list,
         return False, None
     types = set(map(type, held))
     if not all(issubclass(k, torch.Tensor) for k in types):
-        if types.isdisjoint(LISTS):
+        if types.isdisjoint(_LISTS_OR_ROWS):
             return False, None  # a None or another object: check_local names it
         return _with_members(held, expect, device_type, member_keys)
     if list(map(_SHAPE, held)) != expect.shapes or list(map(_DTYPE, held)) != expect.dtypes:
@@ -181,11 +184,19 @@ def local_ok(transfers, expect: Expected, device_type: str, tensors: list,
 
 def _with_members(held: tuple, expect: Expected, device_type: str,
                   member_keys: Optional[dict]) -> tuple[bool, Optional[torch.device]]:
-    """``local_ok`` where lists of members are held: each list matched against the
-    ``KnownMembers`` of its place (one C++ pass over its members) or checked in full and
-    remembered; the tensors as ``local_ok`` does. False: ``check_local`` decides."""
+    """``local_ok`` where lists of members or destinations in permuted-row order are held:
+    each list matched against the ``KnownMembers`` of its place (one C++ pass over its
+    members) or checked in full and remembered; a permuted-row destination by its shape,
+    dtype and device, as ``check_local`` checks it; the tensors as ``local_ok`` does.
+    False: ``check_local`` decides."""
     devices, rest, shapes, dtypes = set(), [], [], []
     for j, x in enumerate(held):
+        if type(x) is PermutedRows:
+            if (j not in expect.dsts or tuple(x.shape) != expect.shapes[j]
+                    or x.dtype != expect.dtypes[j]):
+                return False, None
+            devices.add(x.device)
+            continue
         if type(x) not in LISTS:
             rest.append(x)
             shapes.append(expect.shapes[j])

@@ -214,8 +214,11 @@ class Copies:
             # buffers among them) alive until a gc pass (the CPU memory test saw 2.7x).
             if self.kernels.tables or self.row_tables:
                 issue = weakref.WeakMethod(self._issue)
-                self._launch = kernel_copies.Replayed(lambda: issue()(), self.kernels.device,
-                                                      after=2)
+                # the tables' device (a batch of permuted rows alone has no KernelCopies
+                # tables, and its empty KernelCopies names the CPU: it was never captured)
+                device = (self.kernels.device if self.kernels.tables
+                          else self.row_tables[0].base.device)
+                self._launch = kernel_copies.Replayed(lambda: issue()(), device, after=2)
             else:
                 self._launch = False
         for dst, src in self.rows:  # torch's index copies allocate: never in a graph

@@ -135,7 +135,7 @@ class KnownMembers(NamedTuple):
 def known_members(x) -> Optional[KnownMembers]:
     """``KnownMembers`` of a list that passed ``members_problem`` (None where this torch
     has no usable guard: every call then checks each member in Python)."""
-    guards = _guards()
+    guards = tensor_guards()
     if guards is None or not len(x):
         return None
     try:
@@ -153,7 +153,7 @@ def _guard(guards, x):
 _GUARDS: list = []  # [TensorGuards or None], decided at the first use
 
 
-def _guards():
+def tensor_guards():
     """torch's ``TensorGuards`` (torch.compile's check of tensor metadata, in C++: ~0.1 µs
     a member against ~0.3 µs for ``members_problem``'s getters), or None. It is a private
     class: used only after it is seen, here, to accept the same metadata and to refuse a

@@ -45,9 +45,11 @@ class P2PChannel:
     """send / recv / round and the vote's all-reduce over one group on one device (see the
     module docstring)."""
 
-    def __init__(self, group, device: Optional[torch.device] = None):
+    def __init__(self, group, device: Optional[torch.device] = None,
+                 backend: Optional[str] = None):
+        """``backend``: ``backend_name(group)`` where the caller knows it already."""
         self.group = resolve_group(group)
-        self.backend = backend_name(self.group)
+        self.backend = backend if backend is not None else backend_name(self.group)
         self.device = torch.device(device) if device is not None else (
             torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl"
             else torch.device("cpu"))

@@ -219,11 +219,12 @@ class Planner:
 
     def release_staging(self) -> None:
         """Drop the kept CUDA staging slots (the allocator reuses them once the streams
-        that used them are past) and the programs' kept local-copy views, which hold the
-        last call's tensors."""
+        that used them are past) and the programs' kept local-copy views and the batches'
+        lanes, which hold the last call's tensors."""
         self._staging.clear()
         for batches in self._batches.values():  # the batches found by rows are here too
             for batch in batches.values():
+                batch.lane = None  # it holds a kept batch of copies too (lane.py)
                 for program in batch.programs.values():
                     program.release()
 

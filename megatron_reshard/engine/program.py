@@ -73,6 +73,13 @@ class Program:
             kept = self._local_batch = (addresses, self._local_batch_for(tensors))
         kept[1].run()
 
+    def kept_local(self) -> Optional[Copies]:
+        """The kept batch of local copies where they are all this program runs (no
+        rounds), else None (``lane.py`` runs it again for the same tensors)."""
+        if self.rounds or self._local_batch is None:
+            return None
+        return self._local_batch[1]
+
     def release(self) -> None:
         """Drop the kept batches of copies (and the tensors and slots they hold)."""
         self._local_batch = None

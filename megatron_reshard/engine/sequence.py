@@ -32,6 +32,9 @@ class CallSequence:
     def __init__(self) -> None:
         self.last: Optional[Hashable] = None
         self.successor: dict = {}
+        # (rank, size, backend name) of the group, read at its first call: a group's own
+        # facts, fixed for its life (a warm call saves the three lookups, ~1 µs)
+        self.group_facts: Optional[tuple] = None
 
     def predicts(self, key: Hashable) -> bool:
         """Whether ``key`` is the call this history says comes next."""
