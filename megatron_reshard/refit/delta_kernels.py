@@ -44,6 +44,8 @@ WARPS = 4
 CHUNK = 2048  # index entries (GAPS: payload bytes) per program of the apply
 APPLY_WARPS = 4
 _TILE = 1024  # blocks per program of the passes over per-block figures (cut_tiles)
+SLOT_ENTRIES = 2048  # slot entries per program of slot_write (whole blocks' slots)
+SLOT_WARPS = 4
 _INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -93,6 +95,12 @@ def _bad_delta(message: str) -> Exception:
     return DeltaTransportError(message)
 
 
+def _cap() -> int:
+    """Changes a block's slot holds: a 16th of its elements (3 bytes each: 3/16 of a byte an
+    element of scratch), room for 6% changed."""
+    return max(1, BLOCK // 16)
+
+
 def _step_type(item: int):
     import triton.language as tl
     return tl.int32 if item <= 2 else tl.int64  # new - old of the bits, without overflow
@@ -125,29 +133,35 @@ class Cut:
         b = old.to(new.device).contiguous().view(a.dtype).reshape(-1)
         self.a, self.b, self.n = a, b, a.numel()
         blocks = max(1, -(-self.n // BLOCK))
+        cap = _cap()
         dev = a.device
         self.mask = torch.empty(blocks * BLOCK // 8, dtype=torch.uint8, device=dev)
         # per block: changed, escapes, gap bytes; then their offsets (exclusive)
         self.stats = torch.empty(3, blocks, dtype=torch.int64, device=dev)
         self.starts = torch.empty(3, blocks, dtype=torch.int64, device=dev)
+        # the slots: per block, room for ``cap`` changes (in-block position, DIFF8 byte)
+        self.slot_pos = torch.empty(blocks * cap, dtype=torch.int16, device=dev)
+        self.slot_byte = torch.empty(blocks * cap, dtype=torch.uint8, device=dev)
         firsts = torch.empty(blocks, dtype=torch.int64, device=dev)
         lasts = torch.empty(blocks, dtype=torch.int64, device=dev)
         self.before = torch.empty(blocks, dtype=torch.int64, device=dev)  # last change before
         tiles = -(-blocks // _TILE)
-        figures = torch.empty(5, tiles, dtype=torch.int64, device=dev)
-        totals = torch.empty(3, dtype=torch.int64, device=dev)
+        figures = torch.empty(6, tiles, dtype=torch.int64, device=dev)
+        totals = torch.empty(4, dtype=torch.int64, device=dev)
         k = _kernels()
         k.cut_mark[(blocks,)](a, b, self.n, self.mask.view(torch.int16), self.stats, firsts,
-                              lasts, blocks, STEP=_step_type(a.element_size()), BLOCK=BLOCK,
+                              lasts, self.slot_pos, self.slot_byte, blocks,
+                              STEP=_step_type(a.element_size()), BLOCK=BLOCK, CAP=cap,
                               num_warps=WARPS)
         k.cut_tiles[(tiles,)](self.stats, firsts, lasts, self.before, figures, blocks, tiles,
-                              TILE=_TILE, num_warps=4)
+                              TILE=_TILE, CAP=cap, num_warps=4)
         k.cut_offsets[(tiles,)](self.stats, self.before, figures, self.starts, totals, blocks,
                                 tiles, TILE=_TILE, MAXT=max(16, 1 << (tiles - 1).bit_length()),
                                 num_warps=4)
-        self.count, self.escapes, gap_bytes = totals.tolist()  # the one host read
+        # the one host read
+        self.count, self.escapes, gap_bytes, self.overflowed = totals.tolist()
         self.skips = gap_bytes - self.count
-        self.blocks = blocks
+        self.blocks, self.cap = blocks, cap
 
     def payload(self, index: str, diff8: bool, index_size: int = 4) -> torch.Tensor:
         """The payload with index ``"gaps"``, ``"positions"`` (``index_size`` bytes each)
@@ -163,12 +177,21 @@ class Cut:
             out[:nindex].copy_(self.mask[:nindex])
         where = out[:nindex].view(_INTS[index_size]) if index == "positions" else out
         values, aligned, escapes, esc_aligned = _value_sections(out[nindex:], count, item, diff8)
-        _kernels().cut_write[(self.blocks,)](
-            self.a, self.b, self.mask.view(torch.int16), self.stats, self.starts, self.before,
-            self.blocks, where,
-            values, escapes, INDEX={"gaps": 2, "positions": 1, "bitmask": 0}[index],
-            DIFF8=diff8, ALIGNED=aligned, ESC_ALIGNED=esc_aligned,
-            STEP=_step_type(item), ITEM=item, BLOCK=BLOCK, num_warps=WARPS)
+        args = dict(INDEX={"gaps": 2, "positions": 1, "bitmask": 0}[index], DIFF8=diff8,
+                    ALIGNED=aligned, ESC_ALIGNED=esc_aligned, ITEM=item, BLOCK=BLOCK,
+                    CAP=self.cap)
+        k = _kernels()
+        if self.overflowed < self.blocks:  # the blocks whose changes fit their slot
+            group = max(1, SLOT_ENTRIES // self.cap)
+            k.slot_write[(-(-self.blocks // group),)](
+                self.a, self.stats, self.starts, self.before, self.blocks, self.slot_pos,
+                self.slot_byte, where, values, escapes, GROUP=group, num_warps=SLOT_WARPS,
+                **args)
+        if self.overflowed:  # the others from new and old
+            k.cut_write[(self.blocks,)](
+                self.a, self.b, self.mask.view(torch.int16), self.stats, self.starts,
+                self.before, self.blocks, where, values, escapes, STEP=_step_type(item),
+                num_warps=WARPS, **args)
         return out
 
 
@@ -286,6 +309,7 @@ class _Kernels(NamedTuple):
     cut_tiles: object
     cut_offsets: object
     cut_write: object
+    slot_write: object
     gap_sums: object
     gap_locate: object
     pos_sums: object
@@ -419,34 +443,61 @@ def _build(triton, tl) -> _Kernels:
                      _count_before=_count_before)
 
     @triton.jit
-    def cut_mark(a, b, n, mask, stats, firsts, lasts, blocks, STEP: tl.constexpr,
-                 BLOCK: tl.constexpr):
-        # mask: the bitmask as int16 words (16 elements each, little-endian: the wire's bytes)
+    def cut_mark(a, b, n, mask, stats, firsts, lasts, slot_pos, slot_byte, blocks,
+                 STEP: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr):
+        # mask: the bitmask as int16 words (16 elements each, little-endian: the wire's
+        # bytes). Per element only the compare and the packing into words; the rest per
+        # word, or per change: a block of at most CAP changes puts them in its slot
+        # (in-block position, DIFF8 byte) from the copies of new and old the loads just
+        # brought into the caches, so the payload is written from the slots alone
         block = tl.program_id(0).to(tl.int64)
         first = block * BLOCK
+        pa = a + first
+        pb = b + first
         loc = _lanes(BLOCK)
         inside = loc < n - first
-        va = tl.load(a + first + loc, mask=inside, other=0)
-        vb = tl.load(b + first + loc, mask=inside, other=0)
+        va = tl.load(pa + loc, mask=inside, other=0)
+        vb = tl.load(pb + loc, mask=inside, other=0)
         d = va != vb
-        step = va.to(STEP) - vb.to(STEP)
-        escaped = d & ((step < -127) | (step > 127))
         word = tl.sum(d.to(tl.int32) << tl.arange(0, 16)[None, :], axis=1)
         tl.store(mask + block * (BLOCK // 16) + tl.arange(0, BLOCK // 16), word.to(tl.int16))
         has, lo, last, prev = _words_before(word, BLOCK)
-        skips = tl.where(has & (prev >= 0), (lo - prev - 1) // 255, 0)
-        # one reduction for three sums: changed and escapes (< 2**16 each), skips above
-        both = (_popcount(word) + (tl.sum(escaped.to(tl.int32), axis=1) << 16)).to(tl.int64)
-        sums = tl.sum(both + (skips.to(tl.int64) << 32))
-        tl.store(stats + block, sums & 0xFFFF)
-        tl.store(stats + blocks + block, (sums >> 16) & 0xFFFF)
-        tl.store(stats + 2 * blocks + block, sums >> 32)
+        skips = tl.sum(tl.where(has & (prev >= 0), (lo - prev - 1) // 255, 0))
+        pop = _popcount(word)
+        count = tl.sum(pop)
+        if count <= CAP:
+            w = tl.arange(0, BLOCK // 16)
+            at = block * CAP + (tl.cumsum(pop, 0) - pop)
+            most = tl.max(pop)
+            rem = word
+            escaped = tl.zeros((BLOCK // 16,), tl.int32)
+            for k in tl.static_range(16):
+                if k < most:
+                    live = rem != 0
+                    one = w * 16 + _bit_index(rem & -rem)
+                    x = tl.load(pa + one, mask=live, other=0)
+                    y = tl.load(pb + one, mask=live, other=0)
+                    step = x.to(STEP) - y.to(STEP)
+                    esc = live & ((step < -127) | (step > 127))
+                    small = tl.where(esc, -128, step).to(tl.int8)
+                    tl.store(slot_pos + at + k, one.to(tl.int16), mask=live)
+                    tl.store(slot_byte + at + k, small.to(tl.uint8, bitcast=True), mask=live)
+                    escaped += esc.to(tl.int32)
+                    rem = rem & (rem - 1)
+            escapes = tl.sum(escaped)
+        else:  # overflowed: cut_write reads new and old again; the escapes per element
+            step = va.to(STEP) - vb.to(STEP)
+            escapes = tl.sum(tl.sum((d & ((step < -127) | (step > 127))).to(tl.int32), axis=1))
+        tl.store(stats + block, count.to(tl.int64))
+        tl.store(stats + blocks + block, escapes.to(tl.int64))
+        tl.store(stats + 2 * blocks + block, skips.to(tl.int64))
         tl.store(firsts + block, first + tl.min(tl.where(has, lo, BLOCK)))
         top = tl.max(last)
         tl.store(lasts + block, tl.where(top >= 0, first + top, -1))
 
     @triton.jit
-    def cut_tiles(stats, firsts, lasts, before, tiles, blocks, ntiles, TILE: tl.constexpr):
+    def cut_tiles(stats, firsts, lasts, before, tiles, blocks, ntiles, TILE: tl.constexpr,
+                  CAP: tl.constexpr):
         # per tile of TILE blocks: each block's last change before it inside the tile
         # (-1: none), its gap bytes but for the skips from the tiles before, and the
         # tile's sums, first and last change
@@ -466,6 +517,7 @@ def _build(triton, tl) -> _Kernels:
         tl.store(tiles + 2 * ntiles + t, tl.sum(gaps))
         tl.store(tiles + 3 * ntiles + t, tl.min(tl.where(count > 0, first, 1 << 62)))
         tl.store(tiles + 4 * ntiles + t, tl.max(last))
+        tl.store(tiles + 5 * ntiles + t, tl.sum((count > CAP).to(tl.int64)))
 
     @triton.jit
     def cut_offsets(stats, before, tiles, starts, totals, blocks, ntiles, TILE: tl.constexpr,
@@ -486,6 +538,7 @@ def _build(triton, tl) -> _Kernels:
             tl.store(totals, tl.sum(tc))
             tl.store(totals + 1, tl.sum(te))
             tl.store(totals + 2, tl.sum(tg))
+            tl.store(totals + 3, tl.sum(tl.load(tiles + 5 * ntiles + j, mask=there, other=0)))
         earlier = j < t
         mine = j == t
         i = t * TILE + tl.arange(0, TILE)
@@ -508,12 +561,13 @@ def _build(triton, tl) -> _Kernels:
     def cut_write(a, b, mask, stats, starts, before, blocks, index, values, escapes,
                   INDEX: tl.constexpr, DIFF8: tl.constexpr, ALIGNED: tl.constexpr,
                   ESC_ALIGNED: tl.constexpr, STEP: tl.constexpr, ITEM: tl.constexpr,
-                  BLOCK: tl.constexpr):
-        # INDEX: 0 none (a bitmask, copied apart), 1 positions, 2 gaps. A lane is a word of
-        # the bitmask (16 elements); step k handles the k-th change of every word.
+                  BLOCK: tl.constexpr, CAP: tl.constexpr):
+        # the blocks over CAP changes (slot_write writes the others). INDEX: 0 none (a
+        # bitmask, copied apart), 1 positions, 2 gaps. A lane is a word of the bitmask (16
+        # elements); step k handles the k-th change of every word.
         block = tl.program_id(0).to(tl.int64)
         count = tl.load(stats + block)
-        if count > 0:
+        if count > CAP:
             first = block * BLOCK
             w = tl.arange(0, BLOCK // 16)
             word = tl.load(mask + block * (BLOCK // 16) + w).to(tl.int32) & 0xFFFF
@@ -576,6 +630,44 @@ def _build(triton, tl) -> _Kernels:
                             er = erank + _popcount(flags & ((1 << k) - 1))
                             _put(escapes, 0, er, va, hit, ESC_ALIGNED, ITEM)
                             rem = rem & (rem - 1)
+
+    @triton.jit
+    def slot_write(a, stats, starts, before, blocks, slot_pos, slot_byte, index, values,
+                   escapes, INDEX: tl.constexpr, DIFF8: tl.constexpr, ALIGNED: tl.constexpr,
+                   ESC_ALIGNED: tl.constexpr, ITEM: tl.constexpr, BLOCK: tl.constexpr,
+                   CAP: tl.constexpr, GROUP: tl.constexpr):
+        # GROUP blocks of at most CAP changes a program, as [GROUP, CAP] slot entries: the
+        # payload from the slots (gaps from consecutive positions, ranks by cumsums); new
+        # is read only for whole values (escapes, or no DIFF8)
+        g = tl.program_id(0).to(tl.int64) * GROUP + tl.arange(0, GROUP)
+        there = g < blocks
+        count = tl.load(stats + g, mask=there, other=0)
+        r = tl.arange(0, CAP)[None, :]
+        live = (there & (count <= CAP))[:, None] & (r < count[:, None])
+        o = g[:, None] * CAP + r
+        pos = tl.load(slot_pos + o, mask=live, other=0).to(tl.int32) & 0xFFFF
+        at = g[:, None] * BLOCK + pos
+        rank = tl.load(starts + g, mask=there, other=0)[:, None] + r
+        if INDEX == 1:
+            tl.store(index + rank, at.to(index.dtype.element_ty), mask=live)
+        if INDEX == 2:
+            prior = tl.load(slot_pos + o - 1, mask=live & (r > 0), other=0).to(tl.int32) & 0xFFFF
+            gap = tl.where(r > 0, (pos - prior).to(tl.int64),
+                           at - tl.load(before + g, mask=there, other=0)[:, None])
+            skip = (gap - 1) // 255
+            byte = tl.load(starts + 2 * blocks + g, mask=there, other=0)[:, None] + r + tl.cumsum(
+                skip, 1)
+            tl.store(index + byte, (gap - 255 * skip).to(tl.uint8), mask=live)
+        if DIFF8:
+            small = tl.load(slot_byte + o, mask=live, other=0)
+            tl.store(values + rank, small, mask=live)
+            esc = live & (small == 128)
+            if tl.sum(tl.sum(esc.to(tl.int32), axis=1), axis=0) > 0:  # escapes' whole values
+                e = esc.to(tl.int64)
+                er = tl.load(starts + blocks + g, mask=there, other=0)[:, None] + tl.cumsum(e, 1) - e
+                _put(escapes, 0, er, tl.load(a + at, mask=esc, other=0), esc, ESC_ALIGNED, ITEM)
+        else:
+            _put(values, 0, rank, tl.load(a + at, mask=live, other=0), live, ALIGNED, ITEM)
 
     @triton.jit
     def gap_sums(p, nbytes, sums, chunks, CHUNK: tl.constexpr):
@@ -711,7 +803,7 @@ def _build(triton, tl) -> _Kernels:
             i = first + loc
             tl.store(target + (i // cols) * stride + i % cols, v, mask=keep)
 
-    return _Kernels(cut_mark, cut_tiles, cut_offsets, cut_write, gap_sums, gap_locate, pos_sums,
+    return _Kernels(cut_mark, cut_tiles, cut_offsets, cut_write, slot_write, gap_sums, gap_locate, pos_sums,
                     apply_index, compact, count_bits, apply_bitmask)
 
 
