@@ -211,6 +211,7 @@ def apply_sparse(view: torch.Tensor, count: int, gaps: bool, diff8: bool,
     nbytes = payload.numel()
     k = _kernels()
     dev = payload.device
+    target = view.view(_INTS[item])
     if gaps:
         chunks = max(1, -(-nbytes // CHUNK))
         sums = torch.empty(3, chunks, dtype=torch.int64, device=dev)
@@ -220,6 +221,14 @@ def apply_sparse(view: torch.Tensor, count: int, gaps: bool, diff8: bool,
         found = torch.zeros(6, dtype=torch.int64, device=dev)
         k.gap_locate[(chunks,)](payload, nbytes, count, ends, chunks, max(vend, 0), found,
                                 CHUNK=CHUNK, num_warps=APPLY_WARPS)
+        if vend >= 0:
+            # no host read before: apply_gaps checks ``found`` itself and writes nothing
+            # unless the delta fits, so the launches queue back to back
+            values, aligned = (payload, True) if diff8 else _as_values(payload[vend:], item)
+            k.apply_gaps[(chunks,)](
+                target, payload, nbytes, count, numel, found, ends, chunks, values, form.cols,
+                form.stride, DIFF8=diff8, ALIGNED=aligned, CONTIG=form.rows == 1,
+                STEP=_step_type(item), ITEM=item, CHUNK=CHUNK, num_warps=APPLY_WARPS)
         ok, last_byte, last, escapes, named, before = found.tolist()  # the one host read
         if not diff8 and (vend < 0 or named != count):
             raise _bad_delta(f"a gaps delta names {named} elements (header: {count}) "
@@ -229,40 +238,38 @@ def apply_sparse(view: torch.Tensor, count: int, gaps: bool, diff8: bool,
         if last >= numel:
             raise _bad_delta(f"a gaps delta names {count} elements (header: {count}) "
                              f"reaching past its {numel}-element box")
-        scan = last_byte + 1
-        start = scan if diff8 else vend
-        index, index_aligned = payload, True
+        whole = nbytes - last_byte - 1 - count
+        if diff8 and whole != escapes * item:
+            raise _bad_delta(f"a delta of {count} differences with {escapes} escapes carries "
+                             f"{whole} bytes of whole values")
+        return True
+    if positions is None:
+        index, index_aligned = _as_values(payload[:count * index_size], index_size)
+        start = count * index_size
     else:
-        if positions is None:
-            index, index_aligned = _as_values(payload[:count * index_size], index_size)
-            start = count * index_size
-        else:
-            index, index_aligned, index_size, start = positions, True, 8, 0
-        chunks = max(1, -(-count // CHUNK))
-        sums = torch.empty(2, chunks, dtype=torch.int64, device=dev)
-        k.pos_sums[(chunks,)](index, payload[start:], count, numel, sums, chunks, DIFF8=diff8,
-                              ALIGNED=index_aligned, IDX=index_size, CHUNK=CHUNK,
-                              num_warps=APPLY_WARPS)
-        ends = torch.cumsum(sums.view(-1), 0)
-        bad, upto = ends.view(2, chunks)[:, -1].tolist()  # the one host read
-        escapes = upto - bad
-        if bad:
-            raise _bad_delta(f"a positions delta names elements outside its {numel}-element box")
-        scan, before = count, 0
+        index, index_aligned, index_size, start = positions, True, 8, 0
+    chunks = max(1, -(-count // CHUNK))
+    sums = torch.empty(2, chunks, dtype=torch.int64, device=dev)
+    k.pos_sums[(chunks,)](index, payload[start:], count, numel, sums, chunks, DIFF8=diff8,
+                          ALIGNED=index_aligned, IDX=index_size, CHUNK=CHUNK,
+                          num_warps=APPLY_WARPS)
+    ends = torch.cumsum(sums.view(-1), 0)
+    bad, upto = ends.view(2, chunks)[:, -1].tolist()  # the one host read
+    escapes = upto - bad
+    if bad:
+        raise _bad_delta(f"a positions delta names elements outside its {numel}-element box")
     whole = nbytes - start - count * (1 if diff8 else item)
     if diff8 and whole != escapes * item:
         raise _bad_delta(f"a delta of {count} differences with {escapes} escapes carries "
                          f"{whole} bytes of whole values")
     if not diff8 and whole != 0:
         raise _bad_delta(f"a delta of {count} values carries {nbytes - start} bytes")
-    target = view.view(_INTS[item])
     values, aligned, escaped, esc_aligned = _value_sections(payload[start:], count, item, diff8)
-    grid = max(1, -(-scan // CHUNK))
-    k.apply_index[(grid,)](
-        target, index, values, escaped, scan, payload if gaps else index, ends, chunks, before,
-        form.cols, form.stride, GAPS=gaps, DIFF8=diff8, IDX_ALIGNED=index_aligned,
-        IDX=index_size, ALIGNED=aligned, ESC_ALIGNED=esc_aligned, CONTIG=form.rows == 1,
-        STEP=_step_type(item), ITEM=item, CHUNK=CHUNK, num_warps=APPLY_WARPS)
+    k.apply_index[(chunks,)](
+        target, index, values, escaped, count, ends, chunks, form.cols, form.stride,
+        DIFF8=diff8, IDX_ALIGNED=index_aligned, IDX=index_size, ALIGNED=aligned,
+        ESC_ALIGNED=esc_aligned, CONTIG=form.rows == 1, STEP=_step_type(item), ITEM=item,
+        CHUNK=CHUNK, num_warps=APPLY_WARPS)
     return True
 
 
@@ -313,6 +320,7 @@ class _Kernels(NamedTuple):
     gap_sums: object
     gap_locate: object
     pos_sums: object
+    apply_gaps: object
     apply_index: object
     compact: object
     count_bits: object
@@ -723,47 +731,75 @@ def _build(triton, tl) -> _Kernels:
         tl.store(sums + chunks + j, tl.sum(esc).to(tl.int64))
 
     @triton.jit
-    def apply_index(target, index, values, escapes, scan, p, ends, chunks, before, cols,
-                    stride, GAPS: tl.constexpr, DIFF8: tl.constexpr, IDX_ALIGNED: tl.constexpr,
-                    IDX: tl.constexpr, ALIGNED: tl.constexpr, ESC_ALIGNED: tl.constexpr,
-                    CONTIG: tl.constexpr, STEP: tl.constexpr, ITEM: tl.constexpr,
-                    CHUNK: tl.constexpr):
-        # one chunk of the index (GAPS: payload bytes up to ``scan``; POSITIONS: ``scan``
-        # positions): its positions, the values' ranks, the escapes' ranks, then in place
+    def apply_gaps(target, p, nbytes, count, numel, found, ends, chunks, values, cols, stride,
+                   DIFF8: tl.constexpr, ALIGNED: tl.constexpr, CONTIG: tl.constexpr,
+                   STEP: tl.constexpr, ITEM: tl.constexpr, CHUNK: tl.constexpr):
+        # one chunk of a GAPS payload's gap bytes: its positions, the values' ranks, the
+        # escapes' ranks, then in place. ``found`` (gap_locate's) is checked here, by every
+        # program, as the host checks it after: a delta that does not fit writes nothing.
+        # DIFF8: the differences follow the gaps (at ``scan``), the escapes' whole values
+        # them (bytes: no alignment known on the host); else whole values in ``values``
         j = tl.program_id(0).to(tl.int64)
-        i = j * CHUNK + tl.arange(0, CHUNK)
-        if GAPS:
+        scan = tl.load(found + 1) + 1
+        good = (tl.load(found) != 0) & (tl.load(found + 2) < numel)
+        if DIFF8:
+            good = good & (scan + count <= nbytes) & (
+                nbytes - scan - count == tl.load(found + 3) * ITEM)
+        else:
+            good = good & (tl.load(found + 4) == count)
+        if good & (j * CHUNK < scan):
+            i = j * CHUNK + tl.arange(0, CHUNK)
             live = i < scan
-            y = tl.load(index + i, mask=live, other=0).to(tl.int32)
+            y = tl.load(p + i, mask=live, other=0).to(tl.int32)
             keep = (y != 0) & live
             r0 = tl.where(j > 0, tl.load(ends + tl.maximum(j - 1, 0)), 0)
             walked = _row_before(ends, 1, chunks, j)
             at = walked + tl.cumsum(tl.where(live, tl.where(y == 0, 255, y), 0), 0) - 1
             r = r0 + tl.cumsum(keep.to(tl.int32), 0) - 1
-        else:
-            keep = i < scan
-            r0 = j * CHUNK
-            r = i
-            at = _get(index, 0, i, keep, tl.zeros((CHUNK,), tl.int64), IDX_ALIGNED, IDX)
+            if CONTIG:
+                addr = at
+            else:
+                addr = (at // cols) * stride + at % cols
+            like = tl.zeros((CHUNK,), target.dtype.element_ty)
+            if DIFF8:
+                small = tl.load(p + scan + r, mask=keep, other=0).to(tl.int8, bitcast=True)
+                esc = keep & (small == -128)
+                # escapes among the differences before this chunk's first
+                e0 = _count_before(p, ends, chunks, scan + r0, CHUNK, True) - tl.load(found + 5)
+                er = e0 + tl.cumsum(esc.to(tl.int32), 0) - 1
+                old = tl.load(target + addr, mask=keep & ~esc, other=0)
+                stepped = (old.to(STEP) + small.to(STEP)).to(target.dtype.element_ty)
+                whole = _get(p + scan + count, 0, er, esc, like, False, ITEM)
+                v = tl.where(esc, whole, stepped)
+            else:
+                v = _get(values, 0, r, keep, like, ALIGNED, ITEM)
+            tl.store(target + addr, v, mask=keep)
+
+    @triton.jit
+    def apply_index(target, index, values, escapes, count, ends, chunks, cols, stride,
+                    DIFF8: tl.constexpr, IDX_ALIGNED: tl.constexpr, IDX: tl.constexpr,
+                    ALIGNED: tl.constexpr, ESC_ALIGNED: tl.constexpr, CONTIG: tl.constexpr,
+                    STEP: tl.constexpr, ITEM: tl.constexpr, CHUNK: tl.constexpr):
+        # one chunk of ``count`` positions: the escapes' ranks, then in place
+        j = tl.program_id(0).to(tl.int64)
+        i = j * CHUNK + tl.arange(0, CHUNK)
+        keep = i < count
+        at = _get(index, 0, i, keep, tl.zeros((CHUNK,), tl.int64), IDX_ALIGNED, IDX)
         if CONTIG:
             addr = at
         else:
             addr = (at // cols) * stride + at % cols
         like = tl.zeros((CHUNK,), target.dtype.element_ty)
         if DIFF8:
-            small = tl.load(values + r, mask=keep, other=0).to(tl.int8, bitcast=True)
+            small = tl.load(values + i, mask=keep, other=0).to(tl.int8, bitcast=True)
             esc = keep & (small == -128)
-            if GAPS:  # escapes among the differences before this chunk's first
-                e0 = _count_before(p, ends, chunks, scan + r0, CHUNK, True) - before
-            else:
-                e0 = _row_before(ends, 1, chunks, j)
-            er = e0 + tl.cumsum(esc.to(tl.int32), 0) - 1
+            er = _row_before(ends, 1, chunks, j) + tl.cumsum(esc.to(tl.int32), 0) - 1
             old = tl.load(target + addr, mask=keep & ~esc, other=0)
             stepped = (old.to(STEP) + small.to(STEP)).to(target.dtype.element_ty)
             whole = _get(escapes, 0, er, esc, like, ESC_ALIGNED, ITEM)
             v = tl.where(esc, whole, stepped)
         else:
-            v = _get(values, 0, r, keep, like, ALIGNED, ITEM)
+            v = _get(values, 0, i, keep, like, ALIGNED, ITEM)
         tl.store(target + addr, v, mask=keep)
 
     @triton.jit
@@ -803,8 +839,9 @@ def _build(triton, tl) -> _Kernels:
             i = first + loc
             tl.store(target + (i // cols) * stride + i % cols, v, mask=keep)
 
-    return _Kernels(cut_mark, cut_tiles, cut_offsets, cut_write, slot_write, gap_sums, gap_locate, pos_sums,
-                    apply_index, compact, count_bits, apply_bitmask)
+    return _Kernels(cut_mark, cut_tiles, cut_offsets, cut_write, slot_write, gap_sums,
+                    gap_locate, pos_sums, apply_gaps, apply_index, compact, count_bits,
+                    apply_bitmask)
 
 
 _kernels = built_once(_build)
