@@ -7,7 +7,8 @@ Rungs (per program ``BLOCK`` elements of new and old): ``read`` (both loaded, on
 stored), ``mark`` (+ compare, packed into 16-bit words, the bitmask stored), ``count``
 (+ the changed count), ``skips`` (+ the word-level scan for GAPS skips, first and last
 change), ``old`` (the cut_mark before slots: + DIFF8 escapes per element), ``new``
-(``delta_kernels``' cut_mark: + the changes compacted into the block's slot). Then the
+(``delta_kernels``' cut_mark: + the block's non-zero words listed, its changes put in its
+slot from them). Then the
 apply's parts at the same rates. Medians of ``--iters`` CUDA-event timings.
 """
 
@@ -137,12 +138,13 @@ def main():
         print(f"-- {100 * rate:.1f}% changed: ms (share of memcpy)")
         for block in (int(x) for x in args.blocks.split(",")):
             blocks = -(-n // block)
-            cap = block // 16
+            cap = block // 32
             mask = torch.empty(blocks * block // 16, dtype=torch.int16, device=dev)
             out = torch.empty(5 * blocks, dtype=torch.int64, device=dev)
             stats = torch.empty(3, blocks, dtype=torch.int64, device=dev)
             fl = torch.empty(2, blocks, dtype=torch.int64, device=dev)
             sp = torch.empty(blocks * cap, dtype=torch.int16, device=dev)
+            listed = torch.empty(blocks * cap, dtype=torch.int32, device=dev)
             sb = torch.empty(blocks * cap, dtype=torch.uint8, device=dev)
             k = dk._kernels()
             for warps in (int(x) for x in args.warps.split(",")):
@@ -159,7 +161,8 @@ def main():
                                                     blocks, STEP=tl.int32, BLOCK=block,
                                                     num_warps=warps),
                     "new": lambda: k.cut_mark[(blocks,)](new, old, n, mask, stats, fl[0],
-                                                         fl[1], sp, sb, blocks, STEP=tl.int32,
+                                                         fl[1], listed, sp, sb, blocks,
+                                                         STEP=tl.int32,
                                                          BLOCK=block, CAP=cap,
                                                          num_warps=warps),
                 }

@@ -119,6 +119,7 @@ def _apply_into_column_block(new, old, count, enc, payload, device):
     (20_000, 0.001, 2, 0.0, GAPS | DIFF8),
     (20_000, 0.001, 2, 0.5, GAPS | DIFF8),   # long gaps: skip bytes
     (9_001, 0.05, 2, 0.05, GAPS | DIFF8),
+    (40_000, 0.018, 2, 0.01, GAPS | DIFF8),  # the measured Adam rate: every block slotted
     (9_001, 0.3, 2, 0.0, BITMASK | DIFF8),
     (5_003, 0.3, 4, 0.9, BITMASK),           # most steps escape: whole values
     (777, 0.02, 8, 0.0, GAPS | DIFF8),
@@ -243,6 +244,40 @@ def test_gaps_longer_than_a_byte_across_blocks(device, monkeypatch, forced, bloc
     assert got[0] == len(at)
     _apply_into_column_block(new, old, *got, dev)
     assert "apply_sparse" in calls
+
+
+@pytest.mark.parametrize("forced", [GAPS | DIFF8, GAPS, POSITIONS, POSITIONS | DIFF8, BITMASK,
+                                    BITMASK | DIFF8])
+def test_blocks_in_their_slots_and_over_them(device, monkeypatch, forced):
+    """The cut puts a block's changes in its slot when they are at most ``_cap()`` (8 for
+    blocks of 256) and reads new and old again for the others: blocks exactly at the cap
+    and one over it, 8 and 16 changes in one 16-element word, a run of empty blocks then a
+    change at a block's first element, changes at blocks' last elements, escapes inside
+    slots and inside overflowed blocks, a partial last block."""
+    dev, _ = device
+    monkeypatch.setattr(delta_kernels, "BLOCK", 256)
+    monkeypatch.setattr(delta_kernels, "_TILE", 4)
+    monkeypatch.setattr(delta_kernels, "CHUNK", 64)
+    assert delta_kernels._cap() == 8
+    n = 9 * 256 + 37
+    at = ([0, 3, 40, 41, 100, 200, 254, 255]                    # block 0: 8, at the cap
+          + [256 + 16 * i for i in range(9)]                     # block 1: 9, over it
+          + [5 * 256, 5 * 256 + 17, 5 * 256 + 18, 6 * 256 - 1]   # blocks 2-4 empty
+          + [6 * 256 + 32 + i for i in range(8)]                 # block 6: 8 in one word
+          + [7 * 256 + 64 + i for i in range(16)]                # block 7: 16 in one word
+          + [8 * 256 + 255, n - 1])                              # a block's last, the end
+    escaped = [3, 255, 256 + 32, 5 * 256, 6 * 256 + 35, 7 * 256 + 70, n - 1]
+    old = (torch.arange(n, dtype=torch.int32) * 37 % 30011).to(torch.int16)
+    new = old.clone()
+    new[at] += 1
+    new[escaped] += 700
+    new, old = new.view(torch.bfloat16).to(dev), old.view(torch.bfloat16).to(dev)
+    cut = delta_kernels.Cut(new, old)
+    assert (cut.count, cut.escapes, cut.overflowed) == (len(at), len(escaped), 2)
+    _forced(monkeypatch, forced)
+    got = encode(new, old)
+    _same_cut(got, _torch_path(monkeypatch, encode, new.cpu(), old.cpu()))
+    _apply_into_column_block(new, old, *got, dev)
 
 
 @pytest.mark.parametrize("forced", [GAPS | DIFF8, POSITIONS, BITMASK | DIFF8])

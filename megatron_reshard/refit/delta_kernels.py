@@ -96,9 +96,9 @@ def _bad_delta(message: str) -> Exception:
 
 
 def _cap() -> int:
-    """Changes a block's slot holds: a 16th of its elements (3 bytes each: 3/16 of a byte an
-    element of scratch), room for 6% changed."""
-    return max(1, BLOCK // 16)
+    """Changes a block's slot holds: a 32nd of its elements (room for 3% changed); scratch
+    per element of the region: 1/8 byte of bitmask, 7/32 of listed words and slot."""
+    return max(1, BLOCK // 32)
 
 
 def _step_type(item: int):
@@ -134,24 +134,26 @@ class Cut:
         self.a, self.b, self.n = a, b, a.numel()
         blocks = max(1, -(-self.n // BLOCK))
         cap = _cap()
-        dev = a.device
-        self.mask = torch.empty(blocks * BLOCK // 8, dtype=torch.uint8, device=dev)
-        # per block: changed, escapes, gap bytes; then their offsets (exclusive)
-        self.stats = torch.empty(3, blocks, dtype=torch.int64, device=dev)
-        self.starts = torch.empty(3, blocks, dtype=torch.int64, device=dev)
-        # the slots: per block, room for ``cap`` changes (in-block position, DIFF8 byte)
-        self.slot_pos = torch.empty(blocks * cap, dtype=torch.int16, device=dev)
-        self.slot_byte = torch.empty(blocks * cap, dtype=torch.uint8, device=dev)
-        firsts = torch.empty(blocks, dtype=torch.int64, device=dev)
-        lasts = torch.empty(blocks, dtype=torch.int64, device=dev)
-        self.before = torch.empty(blocks, dtype=torch.int64, device=dev)  # last change before
         tiles = -(-blocks // _TILE)
-        figures = torch.empty(6, tiles, dtype=torch.int64, device=dev)
-        totals = torch.empty(4, dtype=torch.int64, device=dev)
+        dev = a.device
+        # two allocations for all the scratch (host time per call counts at these speeds):
+        # per block its non-zero words listed (int32), its bitmask bytes, its slot
+        # (int16 positions, DIFF8 bytes); then the int64 figures
+        raw = torch.empty(blocks * (7 * cap + BLOCK // 8), dtype=torch.uint8, device=dev)
+        words, rest = raw.split([4 * blocks * cap, blocks * (3 * cap + BLOCK // 8)])
+        self.mask, pos, self.slot_byte = rest.split([blocks * BLOCK // 8, 2 * blocks * cap,
+                                                     blocks * cap])
+        self.slot_pos = pos.view(torch.int16)
+        figs = torch.empty(9 * blocks + 6 * tiles + 4, dtype=torch.int64, device=dev)
+        # per block: changed, escapes, gap bytes; then their offsets (exclusive); the first
+        # and last change; the last change before it
+        stats, starts, firsts, lasts, self.before, figures, totals = figs.split(
+            [3 * blocks, 3 * blocks, blocks, blocks, blocks, 6 * tiles, 4])
+        self.stats, self.starts = stats.view(3, blocks), starts.view(3, blocks)
         k = _kernels()
         k.cut_mark[(blocks,)](a, b, self.n, self.mask.view(torch.int16), self.stats, firsts,
-                              lasts, self.slot_pos, self.slot_byte, blocks,
-                              STEP=_step_type(a.element_size()), BLOCK=BLOCK, CAP=cap,
+                              lasts, words.view(torch.int32), self.slot_pos, self.slot_byte,
+                              blocks, STEP=_step_type(a.element_size()), BLOCK=BLOCK, CAP=cap,
                               num_warps=WARPS)
         k.cut_tiles[(tiles,)](self.stats, firsts, lasts, self.before, figures, blocks, tiles,
                               TILE=_TILE, CAP=cap, num_warps=4)
@@ -451,13 +453,15 @@ def _build(triton, tl) -> _Kernels:
                      _count_before=_count_before)
 
     @triton.jit
-    def cut_mark(a, b, n, mask, stats, firsts, lasts, slot_pos, slot_byte, blocks,
+    def cut_mark(a, b, n, mask, stats, firsts, lasts, words, slot_pos, slot_byte, blocks,
                  STEP: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr):
         # mask: the bitmask as int16 words (16 elements each, little-endian: the wire's
-        # bytes). Per element only the compare and the packing into words; the rest per
-        # word, or per change: a block of at most CAP changes puts them in its slot
-        # (in-block position, DIFF8 byte) from the copies of new and old the loads just
-        # brought into the caches, so the payload is written from the slots alone
+        # bytes). Per element only the compare and the packing into words. A block of at
+        # most CAP changes (so at most CAP non-zero words) then lists its non-zero words
+        # (``words``: index << 16 | bits, in order), and one lane per listed word puts its
+        # changes in the block's slot (in-block position, DIFF8 byte) from the copies of
+        # new and old the loads just brought into the caches: the payload is written from
+        # the slots alone. A block over CAP (dense changes) takes the per-element path.
         block = tl.program_id(0).to(tl.int64)
         first = block * BLOCK
         pa = a + first
@@ -466,41 +470,62 @@ def _build(triton, tl) -> _Kernels:
         inside = loc < n - first
         va = tl.load(pa + loc, mask=inside, other=0)
         vb = tl.load(pb + loc, mask=inside, other=0)
-        d = va != vb
-        word = tl.sum(d.to(tl.int32) << tl.arange(0, 16)[None, :], axis=1)
-        tl.store(mask + block * (BLOCK // 16) + tl.arange(0, BLOCK // 16), word.to(tl.int16))
-        has, lo, last, prev = _words_before(word, BLOCK)
-        skips = tl.sum(tl.where(has & (prev >= 0), (lo - prev - 1) // 255, 0))
+        word = tl.sum((va != vb).to(tl.int32) << tl.arange(0, 16)[None, :], axis=1)
+        w = tl.arange(0, BLOCK // 16)
+        tl.store(mask + block * (BLOCK // 16) + w, word.to(tl.int16))
         pop = _popcount(word)
         count = tl.sum(pop)
         if count <= CAP:
-            w = tl.arange(0, BLOCK // 16)
-            at = block * CAP + (tl.cumsum(pop, 0) - pop)
-            most = tl.max(pop)
-            rem = word
-            escaped = tl.zeros((BLOCK // 16,), tl.int32)
+            nz = (word != 0).to(tl.int32)
+            listed = words + block * CAP
+            tl.store(listed + tl.cumsum(nz, 0) - nz, (w << 16) | word, mask=nz != 0)
+            tl.debug_barrier()  # the list, written by all the block's threads, read back
+            lane = tl.arange(0, CAP)
+            on = lane < tl.sum(nz)
+            e = tl.load(listed + lane, mask=on, other=0, cache_modifier=".cg")
+            pe = tl.load(listed + lane - 1, mask=on & (lane > 0), other=0, cache_modifier=".cg")
+            bits = e & 0xFFFF
+            lo = (e >> 16) * 16 + _bit_index(bits & -bits)
+            hi = (e >> 16) * 16 + _bit_index(_top_bit(bits))
+            prior = (pe >> 16) * 16 + _bit_index(_top_bit(pe & 0xFFFF))
+            skips = tl.sum(tl.where(on & (lane > 0), (lo - prior - 1) // 255, 0))
+            low = tl.min(tl.where(on, lo, BLOCK))
+            top = tl.max(tl.where(on, hi, -1))
+            wpop = _popcount(bits)
+            rank = tl.cumsum(wpop, 0) - wpop
+            most = tl.max(wpop)
+            sp = slot_pos + block * CAP
+            sb = slot_byte + block * CAP
+            rem = bits
+            escaped = tl.zeros((CAP,), tl.int32)
             for k in tl.static_range(16):
                 if k < most:
                     live = rem != 0
-                    one = w * 16 + _bit_index(rem & -rem)
+                    one = (e >> 16) * 16 + _bit_index(rem & -rem)
                     x = tl.load(pa + one, mask=live, other=0)
                     y = tl.load(pb + one, mask=live, other=0)
                     step = x.to(STEP) - y.to(STEP)
                     esc = live & ((step < -127) | (step > 127))
                     small = tl.where(esc, -128, step).to(tl.int8)
-                    tl.store(slot_pos + at + k, one.to(tl.int16), mask=live)
-                    tl.store(slot_byte + at + k, small.to(tl.uint8, bitcast=True), mask=live)
+                    tl.store(sp + rank + k, one.to(tl.int16), mask=live)
+                    tl.store(sb + rank + k, small.to(tl.uint8, bitcast=True), mask=live)
                     escaped += esc.to(tl.int32)
                     rem = rem & (rem - 1)
             escapes = tl.sum(escaped)
-        else:  # overflowed: cut_write reads new and old again; the escapes per element
-            step = va.to(STEP) - vb.to(STEP)
-            escapes = tl.sum(tl.sum((d & ((step < -127) | (step > 127))).to(tl.int32), axis=1))
+        else:  # over CAP: cut_write reads new and old again; escapes and skips per element
+            xa = tl.load(pa + loc, mask=inside, other=0)
+            xb = tl.load(pb + loc, mask=inside, other=0)
+            step = xa.to(STEP) - xb.to(STEP)
+            escapes = tl.sum(tl.sum(((xa != xb) & ((step < -127) | (step > 127))).to(tl.int32),
+                                    axis=1))
+            has, lo, last, prev = _words_before(word, BLOCK)
+            skips = tl.sum(tl.where(has & (prev >= 0), (lo - prev - 1) // 255, 0))
+            low = tl.min(tl.where(has, lo, BLOCK))
+            top = tl.max(last)
         tl.store(stats + block, count.to(tl.int64))
         tl.store(stats + blocks + block, escapes.to(tl.int64))
         tl.store(stats + 2 * blocks + block, skips.to(tl.int64))
-        tl.store(firsts + block, first + tl.min(tl.where(has, lo, BLOCK)))
-        top = tl.max(last)
+        tl.store(firsts + block, first + low)
         tl.store(lasts + block, tl.where(top >= 0, first + top, -1))
 
     @triton.jit
