@@ -86,6 +86,8 @@ def main(argv=None) -> int:
     ap.add_argument("--warps", type=int, default=0, help="warps per program (0: default)")
     ap.add_argument("--chunk", type=int, default=0, help="index entries per program of the "
                     "apply (0: default)")
+    ap.add_argument("--apply-warps", type=int, default=0, help="warps per program of the "
+                    "apply (0: default)")
     ap.add_argument("--no-torch", action="store_true", help="skip timing the torch path")
     args = ap.parse_args(argv)
     from megatron_reshard.refit import delta_kernels
@@ -96,6 +98,8 @@ def main(argv=None) -> int:
         delta_kernels.WARPS = args.warps
     if args.chunk:
         delta_kernels.CHUNK = args.chunk
+    if args.apply_warps:
+        delta_kernels.APPLY_WARPS = args.apply_warps
     dev = torch.device("cuda")
     cols = 4096
     rows = args.mib * 2**20 // 2 // cols

@@ -185,13 +185,14 @@ def main():
             "apply (wall)": (_wall_ms, lambda: apply(view, count, enc, payload)),
             "encode (wall)": (_wall_ms, lambda: encode(new, old)),
             "Cut (wall)": (_wall_ms, lambda: dk.Cut(new, old)),
-            "gap_sums": (_ms, lambda: k.gap_sums[(chunks,)](payload, nbytes, sums, chunks,
+            "gap_sums": (_ms, lambda: k.gap_sums[(chunks,)](payload, nbytes, sums, chunks, found,
                                                             CHUNK=dk.CHUNK, num_warps=4)),
             "cumsum": (_ms, lambda: torch.cumsum(sums.view(-1), 0)),
             "gap_locate": (_ms, lambda: k.gap_locate[(chunks,)](
                 payload, nbytes, count, ends, chunks, 0, found, CHUNK=dk.CHUNK, num_warps=4)),
         }
-        k.gap_sums[(chunks,)](payload, nbytes, sums, chunks, CHUNK=dk.CHUNK, num_warps=4)
+        k.gap_sums[(chunks,)](payload, nbytes, sums, chunks, found, CHUNK=dk.CHUNK,
+                              num_warps=4)
         torch.cumsum(sums.view(-1), 0, out=ends)
         k.gap_locate[(chunks,)](payload, nbytes, count, ends, chunks, 0, found, CHUNK=dk.CHUNK,
                                 num_warps=4)

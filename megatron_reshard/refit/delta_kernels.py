@@ -216,11 +216,12 @@ def apply_sparse(view: torch.Tensor, count: int, gaps: bool, diff8: bool,
     target = view.view(_INTS[item])
     if gaps:
         chunks = max(1, -(-nbytes // CHUNK))
-        sums = torch.empty(3, chunks, dtype=torch.int64, device=dev)
-        k.gap_sums[(chunks,)](payload, nbytes, sums, chunks, CHUNK=CHUNK, num_warps=APPLY_WARPS)
-        ends = torch.cumsum(sums.view(-1), 0)  # one flat scan (the kernels take each row apart)
+        scratch = torch.empty(3 * chunks + 6, dtype=torch.int64, device=dev)
+        sums, found = scratch.split([3 * chunks, 6])
+        k.gap_sums[(chunks,)](payload, nbytes, sums, chunks, found, CHUNK=CHUNK,
+                              num_warps=APPLY_WARPS)
+        ends = torch.cumsum(sums, 0)  # one flat scan (the kernels take each row apart)
         vend = 0 if diff8 else nbytes - count * item
-        found = torch.zeros(6, dtype=torch.int64, device=dev)
         k.gap_locate[(chunks,)](payload, nbytes, count, ends, chunks, max(vend, 0), found,
                                 CHUNK=CHUNK, num_warps=APPLY_WARPS)
         if vend >= 0:
@@ -679,18 +680,23 @@ def _build(triton, tl) -> _Kernels:
         live = (there & (count <= CAP))[:, None] & (r < count[:, None])
         o = g[:, None] * CAP + r
         pos = tl.load(slot_pos + o, mask=live, other=0).to(tl.int32) & 0xFFFF
-        at = g[:, None] * BLOCK + pos
         rank = tl.load(starts + g, mask=there, other=0)[:, None] + r
         if INDEX == 1:
-            tl.store(index + rank, at.to(index.dtype.element_ty), mask=live)
+            tl.store(index + rank, (g[:, None] * BLOCK + pos).to(index.dtype.element_ty),
+                     mask=live)
         if INDEX == 2:
+            # in-block gaps in int32; the first change's (from the change before the block,
+            # maybe blocks away) per block
             prior = tl.load(slot_pos + o - 1, mask=live & (r > 0), other=0).to(tl.int32) & 0xFFFF
-            gap = tl.where(r > 0, (pos - prior).to(tl.int64),
-                           at - tl.load(before + g, mask=there, other=0)[:, None])
-            skip = (gap - 1) // 255
-            byte = tl.load(starts + 2 * blocks + g, mask=there, other=0)[:, None] + r + tl.cumsum(
-                skip, 1)
-            tl.store(index + byte, (gap - 255 * skip).to(tl.uint8), mask=live)
+            gap = pos - prior
+            skip = tl.where(r > 0, (gap - 1) // 255, 0)
+            gap0 = g * BLOCK + tl.sum(tl.where(r == 0, pos, 0), axis=1) - tl.load(
+                before + g, mask=there, other=0)
+            skip0 = (gap0 - 1) // 255
+            byte = tl.where(r > 0, gap - 255 * skip, (gap0 - 255 * skip0).to(tl.int32)[:, None])
+            spot = (tl.load(starts + 2 * blocks + g, mask=there, other=0) + skip0)[:, None] + (
+                r + tl.cumsum(skip, 1))
+            tl.store(index + spot, byte.to(tl.uint8), mask=live)
         if DIFF8:
             small = tl.load(slot_byte + o, mask=live, other=0)
             tl.store(values + rank, small, mask=live)
@@ -698,15 +704,20 @@ def _build(triton, tl) -> _Kernels:
             if tl.sum(tl.sum(esc.to(tl.int32), axis=1), axis=0) > 0:  # escapes' whole values
                 e = esc.to(tl.int64)
                 er = tl.load(starts + blocks + g, mask=there, other=0)[:, None] + tl.cumsum(e, 1) - e
+                at = g[:, None] * BLOCK + pos
                 _put(escapes, 0, er, tl.load(a + at, mask=esc, other=0), esc, ESC_ALIGNED, ITEM)
         else:
+            at = g[:, None] * BLOCK + pos
             _put(values, 0, rank, tl.load(a + at, mask=live, other=0), live, ALIGNED, ITEM)
 
     @triton.jit
-    def gap_sums(p, nbytes, sums, chunks, CHUNK: tl.constexpr):
+    def gap_sums(p, nbytes, sums, chunks, found, CHUNK: tl.constexpr):
         # per chunk of payload bytes: non-zero bytes (values), the distance they advance
-        # (a 0 byte: 255), 0x80 bytes (escapes, where they are differences)
+        # (a 0 byte: 255), 0x80 bytes (escapes, where they are differences); program 0
+        # zeroes ``found`` for gap_locate
         j = tl.program_id(0).to(tl.int64)
+        if j == 0:
+            tl.store(found + tl.arange(0, 8), tl.zeros((8,), tl.int64), mask=tl.arange(0, 8) < 6)
         i = j * CHUNK + tl.arange(0, CHUNK)
         live = i < nbytes
         y = tl.load(p + i, mask=live, other=0).to(tl.int32)
