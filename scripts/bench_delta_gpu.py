@@ -66,7 +66,7 @@ def _scan_alone(delta_kernels, new, old):
     stats = torch.empty(3, blocks, dtype=torch.int64, device=a.device)
     firsts, lasts = torch.empty_like(stats[0]), torch.empty_like(stats[0])
     slot_pos = torch.empty(blocks * cap, dtype=torch.int16, device=a.device)
-    words = torch.empty(blocks * cap, dtype=torch.int32, device=a.device)
+    words = torch.empty(blocks * cap, dtype=torch.int64, device=a.device)
     slot_byte = torch.empty(blocks * cap, dtype=torch.uint8, device=a.device)
     mark = delta_kernels._kernels().cut_mark
     return lambda: mark[(blocks,)](a, b, a.numel(), mask, stats, firsts, lasts, words,

@@ -144,7 +144,7 @@ def main():
             stats = torch.empty(3, blocks, dtype=torch.int64, device=dev)
             fl = torch.empty(2, blocks, dtype=torch.int64, device=dev)
             sp = torch.empty(blocks * cap, dtype=torch.int16, device=dev)
-            listed = torch.empty(blocks * cap, dtype=torch.int32, device=dev)
+            listed = torch.empty(blocks * cap, dtype=torch.int64, device=dev)
             sb = torch.empty(blocks * cap, dtype=torch.uint8, device=dev)
             k = dk._kernels()
             for warps in (int(x) for x in args.warps.split(",")):

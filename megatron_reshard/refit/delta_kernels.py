@@ -97,8 +97,17 @@ def _bad_delta(message: str) -> Exception:
 
 def _cap() -> int:
     """Changes a block's slot holds: a 32nd of its elements (room for 3% changed); scratch
-    per element of the region: 1/8 byte of bitmask, 7/32 of listed words and slot."""
+    per element of the region: 1/8 byte of bitmask, 11/32 of listed words and slot."""
     return max(1, BLOCK // 32)
+
+
+def _pack(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Elements the scan compares a 32-bit word at a time (0: one at a time): 1-, 2- and
+    4-byte elements whose count and both addresses allow it."""
+    pack = 4 // a.element_size() if a.element_size() <= 4 else 0
+    if not pack or a.numel() % pack or a.data_ptr() % 4 or b.data_ptr() % 4:
+        return 0
+    return pack
 
 
 def _step_type(item: int):
@@ -137,10 +146,10 @@ class Cut:
         tiles = -(-blocks // _TILE)
         dev = a.device
         # two allocations for all the scratch (host time per call counts at these speeds):
-        # per block its non-zero words listed (int32), its bitmask bytes, its slot
+        # per block its non-zero words listed (int64), its bitmask bytes, its slot
         # (int16 positions, DIFF8 bytes); then the int64 figures
-        raw = torch.empty(blocks * (7 * cap + BLOCK // 8), dtype=torch.uint8, device=dev)
-        words, rest = raw.split([4 * blocks * cap, blocks * (3 * cap + BLOCK // 8)])
+        raw = torch.empty(blocks * (11 * cap + BLOCK // 8), dtype=torch.uint8, device=dev)
+        words, rest = raw.split([8 * blocks * cap, blocks * (3 * cap + BLOCK // 8)])
         self.mask, pos, self.slot_byte = rest.split([blocks * BLOCK // 8, 2 * blocks * cap,
                                                      blocks * cap])
         self.slot_pos = pos.view(torch.int16)
@@ -151,10 +160,12 @@ class Cut:
             [3 * blocks, 3 * blocks, blocks, blocks, blocks, 6 * tiles, 4])
         self.stats, self.starts = stats.view(3, blocks), starts.view(3, blocks)
         k = _kernels()
-        k.cut_mark[(blocks,)](a, b, self.n, self.mask.view(torch.int16), self.stats, firsts,
-                              lasts, words.view(torch.int32), self.slot_pos, self.slot_byte,
-                              blocks, STEP=_step_type(a.element_size()), BLOCK=BLOCK, CAP=cap,
-                              num_warps=WARPS)
+        pack = _pack(a, b)
+        a32, b32 = (a.view(torch.int32), b.view(torch.int32)) if pack else (a, b)
+        k.cut_mark[(blocks,)](a, b, a32, b32, self.n, self.mask.view(torch.int16), self.stats,
+                              firsts, lasts, words.view(torch.int64), self.slot_pos,
+                              self.slot_byte, blocks, STEP=_step_type(a.element_size()),
+                              BLOCK=BLOCK, CAP=cap, PACK=pack, num_warps=WARPS)
         k.cut_tiles[(tiles,)](self.stats, firsts, lasts, self.before, figures, blocks, tiles,
                               TILE=_TILE, CAP=cap, num_warps=4)
         k.cut_offsets[(tiles,)](self.stats, self.before, figures, self.starts, totals, blocks,
@@ -367,6 +378,10 @@ def _build(triton, tl) -> _Kernels:
         return x ^ (x >> 1)
 
     @triton.jit
+    def _sum_max(a0, a1, b0, b1):
+        return a0 + b0, tl.maximum(a1, b1)
+
+    @triton.jit
     def _max_before(av, ap, bv, bp):
         # scan of (max, max before the last): the second half is an exclusive running max
         return tl.maximum(av, bv), tl.maximum(av, bp)
@@ -448,14 +463,16 @@ def _build(triton, tl) -> _Kernels:
 
     # the kernels find the helpers they call among the module's globals, not in closures
     globals().update(_local=_local, _lanes=_lanes, _popcount=_popcount, _bit_index=_bit_index,
-                     _top_bit=_top_bit, _max_before=_max_before, _words_before=_words_before,
+                     _top_bit=_top_bit, _max_before=_max_before, _sum_max=_sum_max,
+                     _words_before=_words_before,
                      _row=_row, _row_before=_row_before,
                      _bits=_bits, _ranks=_ranks, _put=_put, _get=_get,
                      _count_before=_count_before)
 
     @triton.jit
-    def cut_mark(a, b, n, mask, stats, firsts, lasts, words, slot_pos, slot_byte, blocks,
-                 STEP: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr):
+    def cut_mark(a, b, a32, b32, n, mask, stats, firsts, lasts, words, slot_pos, slot_byte,
+                 blocks, STEP: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr,
+                 PACK: tl.constexpr):
         # mask: the bitmask as int16 words (16 elements each, little-endian: the wire's
         # bytes). Per element only the compare and the packing into words. A block of at
         # most CAP changes (so at most CAP non-zero words) then lists its non-zero words
@@ -469,32 +486,55 @@ def _build(triton, tl) -> _Kernels:
         pb = b + first
         loc = _lanes(BLOCK)
         inside = loc < n - first
-        va = tl.load(pa + loc, mask=inside, other=0)
-        vb = tl.load(pb + loc, mask=inside, other=0)
-        word = tl.sum((va != vb).to(tl.int32) << tl.arange(0, 16)[None, :], axis=1)
+        if PACK > 0:
+            # PACK elements a 32-bit word (n a multiple of PACK, both 4-byte aligned): one
+            # xor for PACK elements, each element's bit from its bits of the xor (the
+            # compare and the packing are the whole per-element cost of the scan)
+            UNITS: tl.constexpr = 16 // PACK
+            u = tl.arange(0, BLOCK // 16)[:, None] * UNITS + tl.arange(0, UNITS)[None, :]
+            there = u < (n - first) // PACK
+            x = (tl.load(a32 + first // PACK + u, mask=there, other=0)
+                 ^ tl.load(b32 + first // PACK + u, mask=there, other=0))
+            if PACK == 1:
+                flags = (x != 0).to(tl.int32)
+            else:
+                flags = ((x & ((1 << (32 // PACK)) - 1)) != 0).to(tl.int32)
+                for i in tl.static_range(1, PACK):
+                    flags |= (((x >> (i * (32 // PACK))) & ((1 << (32 // PACK)) - 1)) != 0
+                              ).to(tl.int32) << i
+            word = tl.sum(flags << (tl.arange(0, UNITS)[None, :] * PACK), axis=1)
+        else:
+            va = tl.load(pa + loc, mask=inside, other=0)
+            vb = tl.load(pb + loc, mask=inside, other=0)
+            word = tl.sum((va != vb).to(tl.int32) << tl.arange(0, 16)[None, :], axis=1)
         w = tl.arange(0, BLOCK // 16)
         tl.store(mask + block * (BLOCK // 16) + w, word.to(tl.int16))
         pop = _popcount(word)
-        count = tl.sum(pop)
+        # few reductions across the warps (each a round through shared memory and two
+        # barriers): changes and non-zero words packed in one sum, with the most changes
+        # of a word (the loop below) in the same pass
+        both = pop + ((word != 0).to(tl.int32) << 16)
+        total, most = tl.reduce((both, pop), 0, _sum_max)
+        count = total & 0xFFFF
         if count <= CAP:
-            nz = (word != 0).to(tl.int32)
+            # list the non-zero words: rank of their first change << 32 | index << 16 | bits
+            ahead = tl.cumsum(both, 0) - both
             listed = words + block * CAP
-            tl.store(listed + tl.cumsum(nz, 0) - nz, (w << 16) | word, mask=nz != 0)
+            tl.store(listed + (ahead >> 16), ((ahead & 0xFFFF).to(tl.int64) << 32)
+                     | ((w << 16) | word).to(tl.int64), mask=word != 0)
             tl.debug_barrier()  # the list, written by all the block's threads, read back
+            nnz = total >> 16
             lane = tl.arange(0, CAP)
-            on = lane < tl.sum(nz)
+            on = lane < nnz
             e = tl.load(listed + lane, mask=on, other=0, cache_modifier=".cg")
-            pe = tl.load(listed + lane - 1, mask=on & (lane > 0), other=0, cache_modifier=".cg")
-            bits = e & 0xFFFF
-            lo = (e >> 16) * 16 + _bit_index(bits & -bits)
-            hi = (e >> 16) * 16 + _bit_index(_top_bit(bits))
+            pe = tl.load(listed + lane - 1, mask=on & (lane > 0), other=0,
+                         cache_modifier=".cg").to(tl.int32)
+            rank = (e >> 32).to(tl.int32)
+            bits = e.to(tl.int32) & 0xFFFF
+            base = (e.to(tl.int32) >> 16) * 16
             prior = (pe >> 16) * 16 + _bit_index(_top_bit(pe & 0xFFFF))
-            skips = tl.sum(tl.where(on & (lane > 0), (lo - prior - 1) // 255, 0))
-            low = tl.min(tl.where(on, lo, BLOCK))
-            top = tl.max(tl.where(on, hi, -1))
-            wpop = _popcount(bits)
-            rank = tl.cumsum(wpop, 0) - wpop
-            most = tl.max(wpop)
+            skip = tl.where(on & (lane > 0), (base + _bit_index(bits & -bits) - prior - 1) // 255,
+                            0)
             sp = slot_pos + block * CAP
             sb = slot_byte + block * CAP
             rem = bits
@@ -502,7 +542,7 @@ def _build(triton, tl) -> _Kernels:
             for k in tl.static_range(16):
                 if k < most:
                     live = rem != 0
-                    one = (e >> 16) * 16 + _bit_index(rem & -rem)
+                    one = base + _bit_index(rem & -rem)
                     x = tl.load(pa + one, mask=live, other=0)
                     y = tl.load(pb + one, mask=live, other=0)
                     step = x.to(STEP) - y.to(STEP)
@@ -512,17 +552,27 @@ def _build(triton, tl) -> _Kernels:
                     tl.store(sb + rank + k, small.to(tl.uint8, bitcast=True), mask=live)
                     escaped += esc.to(tl.int32)
                     rem = rem & (rem - 1)
-            escapes = tl.sum(escaped)
+            # skips (< 2**16 in a block) and escapes in one sum; the first and last change
+            # from the list's ends
+            packed = tl.sum(skip + (escaped << 16))
+            skips = packed & 0xFFFF
+            escapes = packed >> 16
+            ends = tl.load(listed, mask=nnz > 0, other=0, cache_modifier=".cg").to(tl.int32)
+            low = tl.where(nnz > 0, (ends >> 16) * 16 + _bit_index(ends & -ends & 0xFFFF), BLOCK)
+            ends = tl.load(listed + tl.maximum(nnz - 1, 0), mask=nnz > 0, other=0,
+                           cache_modifier=".cg").to(tl.int32)
+            top = tl.where(nnz > 0, (ends >> 16) * 16 + _bit_index(_top_bit(ends & 0xFFFF)), -1)
         else:  # over CAP: cut_write reads new and old again; escapes and skips per element
+            # (names apart from the other branch's: Triton types a name once per if)
             xa = tl.load(pa + loc, mask=inside, other=0)
             xb = tl.load(pb + loc, mask=inside, other=0)
-            step = xa.to(STEP) - xb.to(STEP)
-            escapes = tl.sum(tl.sum(((xa != xb) & ((step < -127) | (step > 127))).to(tl.int32),
+            steps = xa.to(STEP) - xb.to(STEP)
+            escapes = tl.sum(tl.sum(((xa != xb) & ((steps < -127) | (steps > 127))).to(tl.int32),
                                     axis=1))
-            has, lo, last, prev = _words_before(word, BLOCK)
-            skips = tl.sum(tl.where(has & (prev >= 0), (lo - prev - 1) // 255, 0))
-            low = tl.min(tl.where(has, lo, BLOCK))
-            top = tl.max(last)
+            has, wlo, whi, prev = _words_before(word, BLOCK)
+            skips = tl.sum(tl.where(has & (prev >= 0), (wlo - prev - 1) // 255, 0))
+            low = tl.min(tl.where(has, wlo, BLOCK))
+            top = tl.max(whi)
         tl.store(stats + block, count.to(tl.int64))
         tl.store(stats + blocks + block, escapes.to(tl.int64))
         tl.store(stats + 2 * blocks + block, skips.to(tl.int64))
