@@ -69,8 +69,11 @@ def _scan_alone(delta_kernels, new, old):
     words = torch.empty(blocks * cap, dtype=torch.int64, device=a.device)
     slot_byte = torch.empty(blocks * cap, dtype=torch.uint8, device=a.device)
     mark = delta_kernels._kernels().cut_mark
-    return lambda: mark[(blocks,)](a, b, a.numel(), mask, stats, firsts, lasts, words,
-                                   slot_pos, slot_byte, blocks, STEP=tl.int32, BLOCK=block, CAP=cap,
+    pack = delta_kernels._pack(a, b)
+    a32, b32 = (a.view(torch.int32), b.view(torch.int32)) if pack else (a, b)
+    return lambda: mark[(blocks,)](a, b, a32, b32, a.numel(),
+                                   mask, stats, firsts, lasts, words, slot_pos, slot_byte,
+                                   blocks, STEP=tl.int32, BLOCK=block, CAP=cap, PACK=pack,
                                    num_warps=delta_kernels.WARPS)
 
 

@@ -8,7 +8,8 @@ stored), ``mark`` (+ compare, packed into 16-bit words, the bitmask stored), ``c
 (+ the changed count), ``skips`` (+ the word-level scan for GAPS skips, first and last
 change), ``old`` (the cut_mark before slots: + DIFF8 escapes per element), ``new``
 (``delta_kernels``' cut_mark: + the block's non-zero words listed, its changes put in its
-slot from them). Then the
+slot from them; elements compared two a 32-bit word), ``new, element path`` (the same, one
+element at a time). Then the
 apply's parts at the same rates. Medians of ``--iters`` CUDA-event timings.
 """
 
@@ -118,7 +119,7 @@ def main():
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--rates", default="0.01,0.018")
     ap.add_argument("--blocks", default="2048,4096,8192")
-    ap.add_argument("--warps", default="4,8")
+    ap.add_argument("--warps", default="2,4,8")
     args = ap.parse_args()
     dev = torch.device("cuda")
     n = args.mib * 2**20 // 2
@@ -160,11 +161,14 @@ def main():
                     "old": lambda: l_old[(blocks,)](new, old, n, mask, stats, fl[0], fl[1],
                                                     blocks, STEP=tl.int32, BLOCK=block,
                                                     num_warps=warps),
-                    "new": lambda: k.cut_mark[(blocks,)](new, old, n, mask, stats, fl[0],
-                                                         fl[1], listed, sp, sb, blocks,
-                                                         STEP=tl.int32,
-                                                         BLOCK=block, CAP=cap,
-                                                         num_warps=warps),
+                    "new": lambda: k.cut_mark[(blocks,)](new, old, new.view(torch.int32),
+                                                         old.view(torch.int32), n, mask, stats,
+                                                         fl[0], fl[1], listed, sp, sb, blocks,
+                                                         STEP=tl.int32, BLOCK=block, CAP=cap,
+                                                         PACK=2, num_warps=warps),
+                    "new, element path": lambda: k.cut_mark[(blocks,)](
+                        new, old, new, old, n, mask, stats, fl[0], fl[1], listed, sp, sb, blocks,
+                        STEP=tl.int32, BLOCK=block, CAP=cap, PACK=0, num_warps=warps),
                 }
                 row = []
                 for name, fn in rungs.items():

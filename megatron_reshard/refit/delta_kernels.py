@@ -44,7 +44,8 @@ WARPS = 4
 CHUNK = 2048  # index entries (GAPS: payload bytes) per program of the apply
 APPLY_WARPS = 4
 _TILE = 1024  # blocks per program of the passes over per-block figures (cut_tiles)
-SLOT_ENTRIES = 2048  # slot entries per program of slot_write (whole blocks' slots)
+SLOT_ENTRIES = 2048  # slot entries per step of a slot_write program
+SLOT_SUB = 32  # of each block's slot a step
 SLOT_WARPS = 4
 _INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -195,11 +196,12 @@ class Cut:
                     CAP=self.cap)
         k = _kernels()
         if self.overflowed < self.blocks:  # the blocks whose changes fit their slot
-            group = max(1, SLOT_ENTRIES // self.cap)
+            sub = min(SLOT_SUB, self.cap)
+            group = SLOT_ENTRIES // sub
             k.slot_write[(-(-self.blocks // group),)](
                 self.a, self.stats, self.starts, self.before, self.blocks, self.slot_pos,
-                self.slot_byte, where, values, escapes, GROUP=group, num_warps=SLOT_WARPS,
-                **args)
+                self.slot_byte, where, values, escapes, GROUP=group, SUB=sub,
+                num_warps=SLOT_WARPS, **args)
         if self.overflowed:  # the others from new and old
             k.cut_write[(self.blocks,)](
                 self.a, self.b, self.mask.view(torch.int16), self.stats, self.starts,
@@ -493,14 +495,14 @@ def _build(triton, tl) -> _Kernels:
             UNITS: tl.constexpr = 16 // PACK
             u = tl.arange(0, BLOCK // 16)[:, None] * UNITS + tl.arange(0, UNITS)[None, :]
             there = u < (n - first) // PACK
-            x = (tl.load(a32 + first // PACK + u, mask=there, other=0)
-                 ^ tl.load(b32 + first // PACK + u, mask=there, other=0))
+            xor = (tl.load(a32 + first // PACK + u, mask=there, other=0)
+                   ^ tl.load(b32 + first // PACK + u, mask=there, other=0))
             if PACK == 1:
-                flags = (x != 0).to(tl.int32)
+                flags = (xor != 0).to(tl.int32)
             else:
-                flags = ((x & ((1 << (32 // PACK)) - 1)) != 0).to(tl.int32)
+                flags = ((xor & ((1 << (32 // PACK)) - 1)) != 0).to(tl.int32)
                 for i in tl.static_range(1, PACK):
-                    flags |= (((x >> (i * (32 // PACK))) & ((1 << (32 // PACK)) - 1)) != 0
+                    flags |= (((xor >> (i * (32 // PACK))) & ((1 << (32 // PACK)) - 1)) != 0
                               ).to(tl.int32) << i
             word = tl.sum(flags << (tl.arange(0, UNITS)[None, :] * PACK), axis=1)
         else:
@@ -543,9 +545,9 @@ def _build(triton, tl) -> _Kernels:
                 if k < most:
                     live = rem != 0
                     one = base + _bit_index(rem & -rem)
-                    x = tl.load(pa + one, mask=live, other=0)
-                    y = tl.load(pb + one, mask=live, other=0)
-                    step = x.to(STEP) - y.to(STEP)
+                    got = tl.load(pa + one, mask=live, other=0)
+                    was = tl.load(pb + one, mask=live, other=0)
+                    step = got.to(STEP) - was.to(STEP)
                     esc = live & ((step < -127) | (step > 127))
                     small = tl.where(esc, -128, step).to(tl.int8)
                     tl.store(sp + rank + k, one.to(tl.int16), mask=live)
@@ -719,46 +721,59 @@ def _build(triton, tl) -> _Kernels:
     def slot_write(a, stats, starts, before, blocks, slot_pos, slot_byte, index, values,
                    escapes, INDEX: tl.constexpr, DIFF8: tl.constexpr, ALIGNED: tl.constexpr,
                    ESC_ALIGNED: tl.constexpr, ITEM: tl.constexpr, BLOCK: tl.constexpr,
-                   CAP: tl.constexpr, GROUP: tl.constexpr):
-        # GROUP blocks of at most CAP changes a program, as [GROUP, CAP] slot entries: the
-        # payload from the slots (gaps from consecutive positions, ranks by cumsums); new
-        # is read only for whole values (escapes, or no DIFF8)
+                   CAP: tl.constexpr, GROUP: tl.constexpr, SUB: tl.constexpr):
+        # GROUP blocks of at most CAP changes a program: the payload from their slots
+        # (gaps from consecutive positions, ranks by cumsums), SUB slot entries of each
+        # block a step, as many steps as the most changes among them (not CAP: lanes
+        # cost, masked or not); new is read only for whole values (escapes, or no DIFF8)
         g = tl.program_id(0).to(tl.int64) * GROUP + tl.arange(0, GROUP)
         there = g < blocks
-        count = tl.load(stats + g, mask=there, other=0)
-        r = tl.arange(0, CAP)[None, :]
-        live = (there & (count <= CAP))[:, None] & (r < count[:, None])
-        o = g[:, None] * CAP + r
-        pos = tl.load(slot_pos + o, mask=live, other=0).to(tl.int32) & 0xFFFF
-        rank = tl.load(starts + g, mask=there, other=0)[:, None] + r
-        if INDEX == 1:
-            tl.store(index + rank, (g[:, None] * BLOCK + pos).to(index.dtype.element_ty),
-                     mask=live)
+        count = tl.load(stats + g, mask=there, other=0).to(tl.int32)
+        count = tl.where(there & (count <= CAP), count, 0)  # over CAP: cut_write's
+        rank0 = tl.load(starts + g, mask=there, other=0)
+        esc0 = tl.load(starts + blocks + g, mask=there, other=0)
         if INDEX == 2:
-            # in-block gaps in int32; the first change's (from the change before the block,
-            # maybe blocks away) per block
-            prior = tl.load(slot_pos + o - 1, mask=live & (r > 0), other=0).to(tl.int32) & 0xFFFF
-            gap = pos - prior
-            skip = tl.where(r > 0, (gap - 1) // 255, 0)
-            gap0 = g * BLOCK + tl.sum(tl.where(r == 0, pos, 0), axis=1) - tl.load(
-                before + g, mask=there, other=0)
+            # the first change's gap (from the change before the block, maybe blocks away)
+            first = tl.load(slot_pos + g * CAP, mask=count > 0, other=0).to(tl.int32) & 0xFFFF
+            gap0 = g * BLOCK + first - tl.load(before + g, mask=there, other=0)
             skip0 = (gap0 - 1) // 255
-            byte = tl.where(r > 0, gap - 255 * skip, (gap0 - 255 * skip0).to(tl.int32)[:, None])
-            spot = (tl.load(starts + 2 * blocks + g, mask=there, other=0) + skip0)[:, None] + (
-                r + tl.cumsum(skip, 1))
-            tl.store(index + spot, byte.to(tl.uint8), mask=live)
-        if DIFF8:
-            small = tl.load(slot_byte + o, mask=live, other=0)
-            tl.store(values + rank, small, mask=live)
-            esc = live & (small == 128)
-            if tl.sum(tl.sum(esc.to(tl.int32), axis=1), axis=0) > 0:  # escapes' whole values
-                e = esc.to(tl.int64)
-                er = tl.load(starts + blocks + g, mask=there, other=0)[:, None] + tl.cumsum(e, 1) - e
+            byte0 = (gap0 - 255 * skip0).to(tl.int32)
+            spot0 = tl.load(starts + 2 * blocks + g, mask=there, other=0) + skip0
+        most = tl.max(count, axis=0)
+        c = most * 0
+        while c < most:  # (a while: the interpreter takes no tensor as a range's bound)
+            r = c + tl.arange(0, SUB)[None, :]
+            live = r < count[:, None]
+            o = g[:, None] * CAP + r
+            pos = tl.load(slot_pos + o, mask=live, other=0).to(tl.int32) & 0xFFFF
+            rank = rank0[:, None] + r
+            if INDEX == 1:
+                tl.store(index + rank, (g[:, None] * BLOCK + pos).to(index.dtype.element_ty),
+                         mask=live)
+            if INDEX == 2:  # in-block gaps in int32
+                prior = tl.load(slot_pos + o - 1, mask=live & (r > 0), other=0).to(
+                    tl.int32) & 0xFFFF
+                gap = pos - prior
+                skip = tl.where(live & (r > 0), (gap - 1) // 255, 0)
+                byte = tl.where(r > 0, gap - 255 * skip, byte0[:, None])
+                tl.store(index + spot0[:, None] + r + tl.cumsum(skip, 1), byte.to(tl.uint8),
+                         mask=live)
+                spot0 += tl.sum(skip, 1)
+            if DIFF8:
+                small = tl.load(slot_byte + o, mask=live, other=0)
+                tl.store(values + rank, small, mask=live)
+                esc = live & (small == 128)
+                e = esc.to(tl.int32)
+                if tl.sum(tl.sum(e, axis=1), axis=0) > 0:  # escapes' whole values
+                    er = esc0[:, None] + tl.cumsum(e, 1) - e
+                    at = g[:, None] * BLOCK + pos
+                    _put(escapes, 0, er, tl.load(a + at, mask=esc, other=0), esc, ESC_ALIGNED,
+                         ITEM)
+                esc0 += tl.sum(e, 1)
+            else:
                 at = g[:, None] * BLOCK + pos
-                _put(escapes, 0, er, tl.load(a + at, mask=esc, other=0), esc, ESC_ALIGNED, ITEM)
-        else:
-            at = g[:, None] * BLOCK + pos
-            _put(values, 0, rank, tl.load(a + at, mask=live, other=0), live, ALIGNED, ITEM)
+                _put(values, 0, rank, tl.load(a + at, mask=live, other=0), live, ALIGNED, ITEM)
+            c += SUB
 
     @triton.jit
     def gap_sums(p, nbytes, sums, chunks, found, CHUNK: tl.constexpr):
