@@ -2,14 +2,15 @@
 kernels over the same 1 GiB pair, each a step more of the cut's work, against a memcpy.
 
     python scripts/bench_delta_scan_ladder.py [--mib 1024] [--rates 0.01,0.018]
+        [--configs 4096:4,2048:1] [--rungs read,count,skips,old,new,new-elem]
 
 Rungs (per program ``BLOCK`` elements of new and old): ``read`` (both loaded, one sum
 stored), ``mark`` (+ compare, packed into 16-bit words, the bitmask stored), ``count``
 (+ the changed count), ``skips`` (+ the word-level scan for GAPS skips, first and last
 change), ``old`` (the cut_mark before slots: + DIFF8 escapes per element), ``new``
 (``delta_kernels``' cut_mark: + the block's non-zero words listed, its changes put in its
-slot from them; elements compared two a 32-bit word), ``new, element path`` (the same, one
-element at a time). Then the
+slot from them; elements compared two a 32-bit word), ``new-elem`` (the same, one element
+at a time). Then the
 apply's parts at the same rates. Medians of ``--iters`` CUDA-event timings.
 """
 
@@ -118,8 +119,9 @@ def main():
     ap.add_argument("--mib", type=int, default=1024)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--rates", default="0.01,0.018")
-    ap.add_argument("--blocks", default="2048,4096,8192")
-    ap.add_argument("--warps", default="2,4,8")
+    ap.add_argument("--configs", default="2048:1,2048:2,4096:2,4096:4,8192:4,8192:8",
+                    help="BLOCK:warps of the scan")
+    ap.add_argument("--rungs", default="read,count,skips,old,new,new-elem")
     args = ap.parse_args()
     dev = torch.device("cuda")
     n = args.mib * 2**20 // 2
@@ -137,7 +139,7 @@ def main():
         new = old.clone()
         new[torch.rand(n, device=dev, generator=g) < rate] ^= 1
         print(f"-- {100 * rate:.1f}% changed: ms (share of memcpy)")
-        for block in (int(x) for x in args.blocks.split(",")):
+        for block, warps in (map(int, c.split(":")) for c in args.configs.split(",")):
             blocks = -(-n // block)
             cap = block // 32
             mask = torch.empty(blocks * block // 16, dtype=torch.int16, device=dev)
@@ -148,7 +150,7 @@ def main():
             listed = torch.empty(blocks * cap, dtype=torch.int64, device=dev)
             sb = torch.empty(blocks * cap, dtype=torch.uint8, device=dev)
             k = dk._kernels()
-            for warps in (int(x) for x in args.warps.split(",")):
+            if True:
                 rungs = {
                     "read": lambda: l_read[(blocks,)](new, old, n, out, BLOCK=block,
                                                       num_warps=warps),
@@ -166,12 +168,13 @@ def main():
                                                          fl[0], fl[1], listed, sp, sb, blocks,
                                                          STEP=tl.int32, BLOCK=block, CAP=cap,
                                                          PACK=2, num_warps=warps),
-                    "new, element path": lambda: k.cut_mark[(blocks,)](
+                    "new-elem": lambda: k.cut_mark[(blocks,)](
                         new, old, new, old, n, mask, stats, fl[0], fl[1], listed, sp, sb, blocks,
                         STEP=tl.int32, BLOCK=block, CAP=cap, PACK=0, num_warps=warps),
                 }
                 row = []
-                for name, fn in rungs.items():
+                wanted = args.rungs.split(",")
+                for name, fn in ((k_, f) for k_, f in rungs.items() if k_ in wanted):
                     t = _ms(fn, args.iters)
                     row.append(f"{name} {t:.3f} ({100 * mc / t:.0f}%)")
                 print(f"BLOCK {block:5d} warps {warps}: " + "  ".join(row), flush=True)
