@@ -17,7 +17,8 @@ its one host read of the count):
 - ``memcpy``: ``dst.copy_(src)`` of the region's bytes.
 
 GB/s are of the region scanned (its bytes / time). ``cut+apply``: the region over the sum
-of both times. Each payload is checked byte for byte against the torch path's, and each
+of both times. The last columns give the parts in µs: ``cut``, ``scan``, ``find``, ``write``
+(the payload written from one ``Cut``), ``apply`` (contiguous). Each payload is checked byte for byte against the torch path's, and each
 apply bit for bit against ``new``.
 """
 

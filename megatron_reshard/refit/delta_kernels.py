@@ -6,24 +6,32 @@ or switched off (``MEGATRON_RESHARD_DELTA_KERNELS=0``). Every payload the kernel
 the torch path's, byte for byte; every apply is bit-exact.
 
 Cut (``Cut``): ``cut_mark`` reads new and old once (bits as integers, so NaN payloads and
--0.0 compare exactly) and writes the bitmask (the wire's BITMASK index as it is) and, per
-block of ``BLOCK`` elements, its changed count, its DIFF8 escapes, the GAPS skip bytes
-between its own changes, and its first and last changed position. Two small kernels over
-those figures (``cut_tiles`` per tile of blocks, ``cut_offsets`` over the few tiles) give
-each block the change before it (so the skip bytes of the gap across its boundary) and its
-offsets in the payload's sections; the totals are the one host read (the header and the
-choice of encoding need them). ``cut_write`` then writes the payload of the chosen
-encoding (GAPS or POSITIONS index, DIFF8 differences and escapes or whole values), each
-block at its offsets. It walks the bitmask a 16-element word per lane and the changes of
-a word in turn (bit tricks, no per-element work), so its cost follows the changed words,
-not the region.
+-0.0 compare exactly; 1-, 2- and 4-byte elements a 32-bit word at a time) and writes the
+bitmask (the wire's BITMASK index as it is); per element nothing else, the scan being
+bound by its instructions as much as by its bytes. A block of ``BLOCK`` elements with at
+most ``_cap()`` changes (a 32nd of its elements) then lists its non-zero 16-element words
+and, one lane a listed word, puts each change in the block's slot (in-block position, DIFF8
+byte) from the copies of new and old its loads just brought into the caches, and counts
+its escapes and skip bytes from the list; a block over the cap (dense changes) counts them
+per element. Two small kernels over the per-block figures (``cut_tiles`` per tile of
+blocks, ``cut_offsets`` over the few tiles) give each block the change before it (so the
+skip bytes of the gap across its boundary) and its offsets in the payload's sections; the
+totals are the one host read (the header and the choice of encoding need them).
+``slot_write`` then writes the chosen encoding (GAPS or POSITIONS index, DIFF8 differences
+and escapes or whole values) from the slots, each block at its offsets, reading new only
+for whole values; ``cut_write`` writes the blocks over the cap from the bitmask and new and
+old (a 16-element word a lane, the changes of a word in turn). Scratch per element of the
+region: 1/8 byte of bitmask, 11/32 of listed words and slots, freed with the ``Cut``.
 
-Apply (``apply_sparse``, GAPS or POSITIONS, with DIFF8 or whole values): a pass over the
-index (``gap_sums`` / ``pos_sums``: per chunk, the positions it advances, its values, its
-escapes, bad positions), one flat cumsum, for GAPS ``gap_locate`` (where the gaps end, the last
-position, the escapes announced), one host read to check all of it before anything is
-written, then ``apply_index`` decodes each chunk's positions and adds the differences (or
-writes the values) in place. BITMASK: ``bitmask_counts`` (checked against the header),
+Apply (``apply_sparse``, GAPS or POSITIONS, with DIFF8 or whole values): GAPS: ``gap_sums``
+(per chunk of payload bytes: values, the distance advanced, 0x80 bytes), one flat cumsum,
+``gap_locate`` (where the gaps end, the last position, the escapes announced), then
+``apply_gaps`` checks those figures itself, as the host checks them after, and writes
+nothing unless all of them hold: the launches queue without a host round trip, and the one
+host read after them raises for a delta that did not fit (nothing written). POSITIONS:
+``pos_sums`` (per chunk: bad positions, escapes), a cumsum, the host read and checks, then
+``apply_index``. Both decode each chunk's positions and add the differences (or write
+the values) in place. BITMASK: ``bitmask_counts`` (checked against the header),
 then ``apply_bitmask`` writes whole values, or ``bitmask_positions`` feeds the DIFF8 steps
 to ``apply_sparse``. A strided view is handled when it folds into rows of unit stride
 (``rows_form``: a TP shard's column block); any other view takes the torch path.
@@ -39,7 +47,7 @@ import torch
 from megatron_reshard.engine.triton_build import built_once
 
 
-BLOCK = 4096  # elements per program of the cut (a multiple of 16: whole bitmask words)
+BLOCK = 4096  # elements per program of the cut: a power of two, 32 to 32768 (16-bit slots)
 WARPS = 4
 CHUNK = 2048  # index entries (GAPS: payload bytes) per program of the apply
 APPLY_WARPS = 4
