@@ -10,14 +10,15 @@ its one host read of the count):
 
 - ``cut``: ``refit.delta_transport.encode(new, old)`` (on CUDA: ``refit.delta_kernels.Cut``,
   whose scan of the region and host read of the totals are also timed alone as ``find``,
-  its one kernel over the region, ``cut_mark``, alone as ``scan``, then its ``payload``),
-  and the torch path (``MEGATRON_RESHARD_DELTA_KERNELS=0``);
+  its one kernel over the region, ``cut_mark``, alone as ``scan``, then its ``payload``
+  alone as ``write``), and the torch path (``MEGATRON_RESHARD_DELTA_KERNELS=0``);
 - ``apply``: ``apply`` of that payload into a contiguous copy of ``old`` and into a column
   block (half the columns of a [rows, 2 x cols] tensor), and the torch path's apply;
 - ``memcpy``: ``dst.copy_(src)`` of the region's bytes.
 
 GB/s are of the region scanned (its bytes / time). ``cut+apply``: the region over the sum
-of both times. Each payload is checked byte for byte against the torch path's, and each
+of both times. The last columns give the parts in µs: ``cut``, ``scan``, ``find``, ``write``
+(the payload written from one ``Cut``), ``apply`` (contiguous). Each payload is checked byte for byte against the torch path's, and each
 apply bit for bit against ``new``.
 """
 
@@ -60,14 +61,21 @@ def _scan_alone(delta_kernels, new, old):
     import triton.language as tl
 
     a, b = new.view(torch.int16).reshape(-1), old.view(torch.int16).reshape(-1)
-    block = delta_kernels.BLOCK
+    block, cap = delta_kernels.BLOCK, delta_kernels._cap()
     blocks = -(-a.numel() // block)
     mask = torch.empty(blocks * block // 16, dtype=torch.int16, device=a.device)
     stats = torch.empty(3, blocks, dtype=torch.int64, device=a.device)
     firsts, lasts = torch.empty_like(stats[0]), torch.empty_like(stats[0])
+    slot_pos = torch.empty(blocks * cap, dtype=torch.int16, device=a.device)
+    words = torch.empty(blocks * cap, dtype=torch.int64, device=a.device)
+    slot_byte = torch.empty(blocks * cap, dtype=torch.uint8, device=a.device)
     mark = delta_kernels._kernels().cut_mark
-    return lambda: mark[(blocks,)](a, b, a.numel(), mask, stats, firsts, lasts, blocks,
-                                   STEP=tl.int32, BLOCK=block, num_warps=delta_kernels.WARPS)
+    pack = delta_kernels._pack(a, b)
+    a32, b32 = (a.view(torch.int32), b.view(torch.int32)) if pack else (a, b)
+    return lambda: mark[(blocks,)](a, b, a32, b32, a.numel(),
+                                   mask, stats, firsts, lasts, words, slot_pos, slot_byte,
+                                   blocks, STEP=tl.int32, BLOCK=block, CAP=cap, PACK=pack,
+                                   num_warps=delta_kernels.WARPS)
 
 
 def main(argv=None) -> int:
@@ -82,6 +90,8 @@ def main(argv=None) -> int:
     ap.add_argument("--warps", type=int, default=0, help="warps per program (0: default)")
     ap.add_argument("--chunk", type=int, default=0, help="index entries per program of the "
                     "apply (0: default)")
+    ap.add_argument("--apply-warps", type=int, default=0, help="warps per program of the "
+                    "apply (0: default)")
     ap.add_argument("--no-torch", action="store_true", help="skip timing the torch path")
     args = ap.parse_args(argv)
     from megatron_reshard.refit import delta_kernels
@@ -92,6 +102,8 @@ def main(argv=None) -> int:
         delta_kernels.WARPS = args.warps
     if args.chunk:
         delta_kernels.CHUNK = args.chunk
+    if args.apply_warps:
+        delta_kernels.APPLY_WARPS = args.apply_warps
     dev = torch.device("cuda")
     cols = 4096
     rows = args.mib * 2**20 // 2 // cols
@@ -119,6 +131,12 @@ def main(argv=None) -> int:
         cut_s = _median_s(lambda: encode(new, old), args.iters)
         find_s = _median_s(lambda: delta_kernels.Cut(new, old), args.iters)
         scan_s = _median_s(_scan_alone(delta_kernels, new, old), args.iters)
+        write_s = 0.0
+        if count and enc & 7 != 3:  # not DENSE: the payload written from one cut
+            cut = delta_kernels.Cut(new, old)
+            index = {1: "positions", 2: "bitmask", 4: "gaps"}[enc & 7]
+            write_s = _median_s(lambda: cut.payload(index, bool(enc & 8)), args.iters)
+            del cut
         cut_torch_s = float("inf") if args.no_torch else _torch_path(
             lambda: _median_s(lambda: encode(new, old), args.torch_iters))
         exact = same_payload
@@ -138,6 +156,8 @@ def main(argv=None) -> int:
         out.append({"rate": rate, "changed": count, "encoding": encoding_name(enc),
                     "payload_mib": 0 if payload is None else payload.numel() / 2**20,
                     "cut_gbps": gb / cut_s, "find_gbps": gb / find_s, "scan_gbps": gb / scan_s,
+                    "cut_us": 1e6 * cut_s, "scan_us": 1e6 * scan_s, "find_us": 1e6 * find_s,
+                    "write_us": 1e6 * write_s, "apply_us": 1e6 * timings["contiguous"],
                     "cut_torch_gbps": gb / cut_torch_s,
                     "apply_gbps": gb / timings["contiguous"],
                     "apply_block_gbps": gb / timings["column block"],
@@ -152,7 +172,8 @@ def main(argv=None) -> int:
           f"{delta_kernels.CHUNK} entries, {delta_kernels.APPLY_WARPS} warps")
     print(f"{'rate':>6} {'encoding':14} {'payload MiB':>11} {'cut GB/s':>9} {'cut/mc':>7} {'scan/mc':>7} {'find/mc':>7} "
           f"{'apply GB/s':>10} {'apply/mc':>8} {'block/mc':>8} {'cut+apply/mc':>12} "
-          f"{'torch cut/mc':>12} {'torch apply/mc':>14} exact")
+          f"{'torch cut/mc':>12} {'torch apply/mc':>14} exact   "
+          f"µs: {'cut':>6} {'scan':>6} {'find':>6} {'write':>6} {'apply':>6}")
     for r in out:
         mc = r["memcpy_gbps"]
         print(f"{100 * r['rate']:5.1f}% {r['encoding']:14} {r['payload_mib']:11.1f} "
@@ -160,7 +181,9 @@ def main(argv=None) -> int:
               f"{r['apply_gbps']:10.0f} "
               f"{100 * r['apply_gbps'] / mc:7.0f}% {100 * r['apply_block_gbps'] / mc:7.0f}% "
               f"{100 * r['cut_apply_gbps'] / mc:11.0f}% {100 * r['cut_torch_gbps'] / mc:11.0f}% "
-              f"{100 * r['apply_torch_gbps'] / mc:13.0f}% {r['bit_exact']}")
+              f"{100 * r['apply_torch_gbps'] / mc:13.0f}% {str(r['bit_exact']):5}       "
+              f"{r['cut_us']:6.0f} {r['scan_us']:6.0f} {r['find_us']:6.0f} {r['write_us']:6.0f} "
+              f"{r['apply_us']:6.0f}")
     print(json.dumps(out))
     return 0 if all(r["bit_exact"] for r in out) else 1
 

@@ -119,6 +119,7 @@ def _apply_into_column_block(new, old, count, enc, payload, device):
     (20_000, 0.001, 2, 0.0, GAPS | DIFF8),
     (20_000, 0.001, 2, 0.5, GAPS | DIFF8),   # long gaps: skip bytes
     (9_001, 0.05, 2, 0.05, GAPS | DIFF8),
+    (40_000, 0.018, 2, 0.01, GAPS | DIFF8),  # the measured Adam rate: every block slotted
     (9_001, 0.3, 2, 0.0, BITMASK | DIFF8),
     (5_003, 0.3, 4, 0.9, BITMASK),           # most steps escape: whole values
     (777, 0.02, 8, 0.0, GAPS | DIFF8),
@@ -245,6 +246,42 @@ def test_gaps_longer_than_a_byte_across_blocks(device, monkeypatch, forced, bloc
     assert "apply_sparse" in calls
 
 
+@pytest.mark.parametrize("tail", [37, 40])  # odd: compared an element at a time; even: two
+@pytest.mark.parametrize("forced", [GAPS | DIFF8, GAPS, POSITIONS, POSITIONS | DIFF8, BITMASK,
+                                    BITMASK | DIFF8])
+def test_blocks_in_their_slots_and_over_them(device, monkeypatch, forced, tail):
+    """The cut puts a block's changes in its slot when they are at most ``_cap()`` (8 for
+    blocks of 256) and reads new and old again for the others: blocks exactly at the cap
+    and one over it, 8 and 16 changes in one 16-element word, a run of empty blocks then a
+    change at a block's first element, changes at blocks' last elements, escapes inside
+    slots and inside overflowed blocks, a partial last block."""
+    dev, _ = device
+    monkeypatch.setattr(delta_kernels, "BLOCK", 256)
+    monkeypatch.setattr(delta_kernels, "_TILE", 4)
+    monkeypatch.setattr(delta_kernels, "CHUNK", 64)
+    assert delta_kernels._cap() == 8
+    n = 9 * 256 + tail
+    at = ([0, 3, 40, 41, 100, 200, 254, 255]                    # block 0: 8, at the cap
+          + [256 + 16 * i for i in range(9)]                     # block 1: 9, over it
+          + [5 * 256, 5 * 256 + 17, 5 * 256 + 18, 6 * 256 - 1]   # blocks 2-4 empty
+          + [6 * 256 + 32 + i for i in range(8)]                 # block 6: 8 in one word
+          + [7 * 256 + 64 + i for i in range(16)]                # block 7: 16 in one word
+          + [8 * 256 + 255, n - 1])                              # a block's last, the end
+    escaped = [3, 255, 256 + 32, 5 * 256, 6 * 256 + 35, 7 * 256 + 70, n - 1]
+    old = (torch.arange(n, dtype=torch.int32) * 37 % 30011).to(torch.int16)
+    new = old.clone()
+    new[at] += 1
+    new[escaped] += 700
+    new, old = new.view(torch.bfloat16).to(dev), old.view(torch.bfloat16).to(dev)
+    assert delta_kernels._pack(new, old) == (2 if tail % 2 == 0 else 0)
+    cut = delta_kernels.Cut(new, old)
+    assert (cut.count, cut.escapes, cut.overflowed) == (len(at), len(escaped), 2)
+    _forced(monkeypatch, forced)
+    got = encode(new, old)
+    _same_cut(got, _torch_path(monkeypatch, encode, new.cpu(), old.cpu()))
+    _apply_into_column_block(new, old, *got, dev)
+
+
 @pytest.mark.parametrize("forced", [GAPS | DIFF8, POSITIONS, BITMASK | DIFF8])
 def test_every_element_changed_and_every_step_escaping(device, monkeypatch, forced):
     dev, _ = device
@@ -260,13 +297,14 @@ def test_every_element_changed_and_every_step_escaping(device, monkeypatch, forc
 
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.bfloat16, torch.float32,
                                    torch.int64])
+@pytest.mark.parametrize("n", [3000, 3001])  # a multiple of 4 elements: compared 4 bytes at a time
 @pytest.mark.parametrize("forced", [GAPS | DIFF8, POSITIONS | DIFF8, GAPS])
-def test_element_types(device, monkeypatch, dtype, forced):
+def test_element_types(device, monkeypatch, dtype, forced, n):
     """fp8 (the wire's block-FP8 bytes), bf16, fp32, 8-byte elements; 5% changed, a fifth
     of them escaping (values sent whole, at offsets no element boundary need align)."""
     dev, _ = device
     item = torch.empty((), dtype=dtype).element_size()
-    new, old = _pair(3001, 0.05, item, item, dev, escapes=0.2)
+    new, old = _pair(n, 0.05, item, item, dev, escapes=0.2)
     new, old = new.view(dtype), old.view(dtype)
     _forced(monkeypatch, forced)
     got = encode(new, old)

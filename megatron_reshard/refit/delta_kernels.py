@@ -6,24 +6,32 @@ or switched off (``MEGATRON_RESHARD_DELTA_KERNELS=0``). Every payload the kernel
 the torch path's, byte for byte; every apply is bit-exact.
 
 Cut (``Cut``): ``cut_mark`` reads new and old once (bits as integers, so NaN payloads and
--0.0 compare exactly) and writes the bitmask (the wire's BITMASK index as it is) and, per
-block of ``BLOCK`` elements, its changed count, its DIFF8 escapes, the GAPS skip bytes
-between its own changes, and its first and last changed position. Two small kernels over
-those figures (``cut_tiles`` per tile of blocks, ``cut_offsets`` over the few tiles) give
-each block the change before it (so the skip bytes of the gap across its boundary) and its
-offsets in the payload's sections; the totals are the one host read (the header and the
-choice of encoding need them). ``cut_write`` then writes the payload of the chosen
-encoding (GAPS or POSITIONS index, DIFF8 differences and escapes or whole values), each
-block at its offsets. It walks the bitmask a 16-element word per lane and the changes of
-a word in turn (bit tricks, no per-element work), so its cost follows the changed words,
-not the region.
+-0.0 compare exactly; 1-, 2- and 4-byte elements a 32-bit word at a time) and writes the
+bitmask (the wire's BITMASK index as it is); per element nothing else, the scan being
+bound by its instructions as much as by its bytes. A block of ``BLOCK`` elements with at
+most ``_cap()`` changes (a 32nd of its elements) then lists its non-zero 16-element words
+and, one lane a listed word, puts each change in the block's slot (in-block position, DIFF8
+byte) from the copies of new and old its loads just brought into the caches, and counts
+its escapes and skip bytes from the list; a block over the cap (dense changes) counts them
+per element. Two small kernels over the per-block figures (``cut_tiles`` per tile of
+blocks, ``cut_offsets`` over the few tiles) give each block the change before it (so the
+skip bytes of the gap across its boundary) and its offsets in the payload's sections; the
+totals are the one host read (the header and the choice of encoding need them).
+``slot_write`` then writes the chosen encoding (GAPS or POSITIONS index, DIFF8 differences
+and escapes or whole values) from the slots, each block at its offsets, reading new only
+for whole values; ``cut_write`` writes the blocks over the cap from the bitmask and new and
+old (a 16-element word a lane, the changes of a word in turn). Scratch per element of the
+region: 1/8 byte of bitmask, 11/32 of listed words and slots, freed with the ``Cut``.
 
-Apply (``apply_sparse``, GAPS or POSITIONS, with DIFF8 or whole values): a pass over the
-index (``gap_sums`` / ``pos_sums``: per chunk, the positions it advances, its values, its
-escapes, bad positions), one flat cumsum, for GAPS ``gap_locate`` (where the gaps end, the last
-position, the escapes announced), one host read to check all of it before anything is
-written, then ``apply_index`` decodes each chunk's positions and adds the differences (or
-writes the values) in place. BITMASK: ``bitmask_counts`` (checked against the header),
+Apply (``apply_sparse``, GAPS or POSITIONS, with DIFF8 or whole values): GAPS: ``gap_sums``
+(per chunk of payload bytes: values, the distance advanced, 0x80 bytes), one flat cumsum,
+``gap_locate`` (where the gaps end, the last position, the escapes announced), then
+``apply_gaps`` checks those figures itself, as the host checks them after, and writes
+nothing unless all of them hold: the launches queue without a host round trip, and the one
+host read after them raises for a delta that did not fit (nothing written). POSITIONS:
+``pos_sums`` (per chunk: bad positions, escapes), a cumsum, the host read and checks, then
+``apply_index``. Both decode each chunk's positions and add the differences (or write
+the values) in place. BITMASK: ``bitmask_counts`` (checked against the header),
 then ``apply_bitmask`` writes whole values, or ``bitmask_positions`` feeds the DIFF8 steps
 to ``apply_sparse``. A strided view is handled when it folds into rows of unit stride
 (``rows_form``: a TP shard's column block); any other view takes the torch path.
@@ -39,11 +47,14 @@ import torch
 from megatron_reshard.engine.triton_build import built_once
 
 
-BLOCK = 4096  # elements per program of the cut (a multiple of 16: whole bitmask words)
+BLOCK = 4096  # elements per program of the cut: a power of two, 32 to 32768 (16-bit slots)
 WARPS = 4
 CHUNK = 2048  # index entries (GAPS: payload bytes) per program of the apply
 APPLY_WARPS = 4
 _TILE = 1024  # blocks per program of the passes over per-block figures (cut_tiles)
+SLOT_ENTRIES = 2048  # slot entries per step of a slot_write program
+SLOT_SUB = 32  # of each block's slot a step
+SLOT_WARPS = 4
 _INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -93,6 +104,21 @@ def _bad_delta(message: str) -> Exception:
     return DeltaTransportError(message)
 
 
+def _cap() -> int:
+    """Changes a block's slot holds: a 32nd of its elements (room for 3% changed); scratch
+    per element of the region: 1/8 byte of bitmask, 11/32 of listed words and slot."""
+    return max(1, BLOCK // 32)
+
+
+def _pack(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Elements the scan compares a 32-bit word at a time (0: one at a time): 1-, 2- and
+    4-byte elements whose count and both addresses allow it."""
+    pack = 4 // a.element_size() if a.element_size() <= 4 else 0
+    if not pack or a.numel() % pack or a.data_ptr() % 4 or b.data_ptr() % 4:
+        return 0
+    return pack
+
+
 def _step_type(item: int):
     import triton.language as tl
     return tl.int32 if item <= 2 else tl.int64  # new - old of the bits, without overflow
@@ -125,29 +151,39 @@ class Cut:
         b = old.to(new.device).contiguous().view(a.dtype).reshape(-1)
         self.a, self.b, self.n = a, b, a.numel()
         blocks = max(1, -(-self.n // BLOCK))
-        dev = a.device
-        self.mask = torch.empty(blocks * BLOCK // 8, dtype=torch.uint8, device=dev)
-        # per block: changed, escapes, gap bytes; then their offsets (exclusive)
-        self.stats = torch.empty(3, blocks, dtype=torch.int64, device=dev)
-        self.starts = torch.empty(3, blocks, dtype=torch.int64, device=dev)
-        firsts = torch.empty(blocks, dtype=torch.int64, device=dev)
-        lasts = torch.empty(blocks, dtype=torch.int64, device=dev)
-        self.before = torch.empty(blocks, dtype=torch.int64, device=dev)  # last change before
+        cap = _cap()
         tiles = -(-blocks // _TILE)
-        figures = torch.empty(5, tiles, dtype=torch.int64, device=dev)
-        totals = torch.empty(3, dtype=torch.int64, device=dev)
+        dev = a.device
+        # two allocations for all the scratch (host time per call counts at these speeds):
+        # per block its non-zero words listed (int64), its bitmask bytes, its slot
+        # (int16 positions, DIFF8 bytes); then the int64 figures
+        raw = torch.empty(blocks * (11 * cap + BLOCK // 8), dtype=torch.uint8, device=dev)
+        words, rest = raw.split([8 * blocks * cap, blocks * (3 * cap + BLOCK // 8)])
+        self.mask, pos, self.slot_byte = rest.split([blocks * BLOCK // 8, 2 * blocks * cap,
+                                                     blocks * cap])
+        self.slot_pos = pos.view(torch.int16)
+        figs = torch.empty(9 * blocks + 6 * tiles + 4, dtype=torch.int64, device=dev)
+        # per block: changed, escapes, gap bytes; then their offsets (exclusive); the first
+        # and last change; the last change before it
+        stats, starts, firsts, lasts, self.before, figures, totals = figs.split(
+            [3 * blocks, 3 * blocks, blocks, blocks, blocks, 6 * tiles, 4])
+        self.stats, self.starts = stats.view(3, blocks), starts.view(3, blocks)
         k = _kernels()
-        k.cut_mark[(blocks,)](a, b, self.n, self.mask.view(torch.int16), self.stats, firsts,
-                              lasts, blocks, STEP=_step_type(a.element_size()), BLOCK=BLOCK,
-                              num_warps=WARPS)
+        pack = _pack(a, b)
+        a32, b32 = (a.view(torch.int32), b.view(torch.int32)) if pack else (a, b)
+        k.cut_mark[(blocks,)](a, b, a32, b32, self.n, self.mask.view(torch.int16), self.stats,
+                              firsts, lasts, words.view(torch.int64), self.slot_pos,
+                              self.slot_byte, blocks, STEP=_step_type(a.element_size()),
+                              BLOCK=BLOCK, CAP=cap, PACK=pack, num_warps=WARPS)
         k.cut_tiles[(tiles,)](self.stats, firsts, lasts, self.before, figures, blocks, tiles,
-                              TILE=_TILE, num_warps=4)
+                              TILE=_TILE, CAP=cap, num_warps=4)
         k.cut_offsets[(tiles,)](self.stats, self.before, figures, self.starts, totals, blocks,
                                 tiles, TILE=_TILE, MAXT=max(16, 1 << (tiles - 1).bit_length()),
                                 num_warps=4)
-        self.count, self.escapes, gap_bytes = totals.tolist()  # the one host read
+        # the one host read
+        self.count, self.escapes, gap_bytes, self.overflowed = totals.tolist()
         self.skips = gap_bytes - self.count
-        self.blocks = blocks
+        self.blocks, self.cap = blocks, cap
 
     def payload(self, index: str, diff8: bool, index_size: int = 4) -> torch.Tensor:
         """The payload with index ``"gaps"``, ``"positions"`` (``index_size`` bytes each)
@@ -163,12 +199,22 @@ class Cut:
             out[:nindex].copy_(self.mask[:nindex])
         where = out[:nindex].view(_INTS[index_size]) if index == "positions" else out
         values, aligned, escapes, esc_aligned = _value_sections(out[nindex:], count, item, diff8)
-        _kernels().cut_write[(self.blocks,)](
-            self.a, self.b, self.mask.view(torch.int16), self.stats, self.starts, self.before,
-            self.blocks, where,
-            values, escapes, INDEX={"gaps": 2, "positions": 1, "bitmask": 0}[index],
-            DIFF8=diff8, ALIGNED=aligned, ESC_ALIGNED=esc_aligned,
-            STEP=_step_type(item), ITEM=item, BLOCK=BLOCK, num_warps=WARPS)
+        args = dict(INDEX={"gaps": 2, "positions": 1, "bitmask": 0}[index], DIFF8=diff8,
+                    ALIGNED=aligned, ESC_ALIGNED=esc_aligned, ITEM=item, BLOCK=BLOCK,
+                    CAP=self.cap)
+        k = _kernels()
+        if self.overflowed < self.blocks:  # the blocks whose changes fit their slot
+            sub = min(SLOT_SUB, self.cap)
+            group = SLOT_ENTRIES // sub
+            k.slot_write[(-(-self.blocks // group),)](
+                self.a, self.stats, self.starts, self.before, self.blocks, self.slot_pos,
+                self.slot_byte, where, values, escapes, GROUP=group, SUB=sub,
+                num_warps=SLOT_WARPS, **args)
+        if self.overflowed:  # the others from new and old
+            k.cut_write[(self.blocks,)](
+                self.a, self.b, self.mask.view(torch.int16), self.stats, self.starts,
+                self.before, self.blocks, where, values, escapes, STEP=_step_type(item),
+                num_warps=WARPS, **args)
         return out
 
 
@@ -188,15 +234,25 @@ def apply_sparse(view: torch.Tensor, count: int, gaps: bool, diff8: bool,
     nbytes = payload.numel()
     k = _kernels()
     dev = payload.device
+    target = view.view(_INTS[item])
     if gaps:
         chunks = max(1, -(-nbytes // CHUNK))
-        sums = torch.empty(3, chunks, dtype=torch.int64, device=dev)
-        k.gap_sums[(chunks,)](payload, nbytes, sums, chunks, CHUNK=CHUNK, num_warps=APPLY_WARPS)
-        ends = torch.cumsum(sums.view(-1), 0)  # one flat scan (the kernels take each row apart)
+        scratch = torch.empty(3 * chunks + 6, dtype=torch.int64, device=dev)
+        sums, found = scratch.split([3 * chunks, 6])
+        k.gap_sums[(chunks,)](payload, nbytes, sums, chunks, found, CHUNK=CHUNK,
+                              num_warps=APPLY_WARPS)
+        ends = torch.cumsum(sums, 0)  # one flat scan (the kernels take each row apart)
         vend = 0 if diff8 else nbytes - count * item
-        found = torch.zeros(6, dtype=torch.int64, device=dev)
         k.gap_locate[(chunks,)](payload, nbytes, count, ends, chunks, max(vend, 0), found,
                                 CHUNK=CHUNK, num_warps=APPLY_WARPS)
+        if vend >= 0:
+            # no host read before: apply_gaps checks ``found`` itself and writes nothing
+            # unless the delta fits, so the launches queue back to back
+            values, aligned = (payload, True) if diff8 else _as_values(payload[vend:], item)
+            k.apply_gaps[(chunks,)](
+                target, payload, nbytes, count, numel, found, ends, chunks, values, form.cols,
+                form.stride, DIFF8=diff8, ALIGNED=aligned, CONTIG=form.rows == 1,
+                STEP=_step_type(item), ITEM=item, CHUNK=CHUNK, num_warps=APPLY_WARPS)
         ok, last_byte, last, escapes, named, before = found.tolist()  # the one host read
         if not diff8 and (vend < 0 or named != count):
             raise _bad_delta(f"a gaps delta names {named} elements (header: {count}) "
@@ -206,40 +262,38 @@ def apply_sparse(view: torch.Tensor, count: int, gaps: bool, diff8: bool,
         if last >= numel:
             raise _bad_delta(f"a gaps delta names {count} elements (header: {count}) "
                              f"reaching past its {numel}-element box")
-        scan = last_byte + 1
-        start = scan if diff8 else vend
-        index, index_aligned = payload, True
+        whole = nbytes - last_byte - 1 - count
+        if diff8 and whole != escapes * item:
+            raise _bad_delta(f"a delta of {count} differences with {escapes} escapes carries "
+                             f"{whole} bytes of whole values")
+        return True
+    if positions is None:
+        index, index_aligned = _as_values(payload[:count * index_size], index_size)
+        start = count * index_size
     else:
-        if positions is None:
-            index, index_aligned = _as_values(payload[:count * index_size], index_size)
-            start = count * index_size
-        else:
-            index, index_aligned, index_size, start = positions, True, 8, 0
-        chunks = max(1, -(-count // CHUNK))
-        sums = torch.empty(2, chunks, dtype=torch.int64, device=dev)
-        k.pos_sums[(chunks,)](index, payload[start:], count, numel, sums, chunks, DIFF8=diff8,
-                              ALIGNED=index_aligned, IDX=index_size, CHUNK=CHUNK,
-                              num_warps=APPLY_WARPS)
-        ends = torch.cumsum(sums.view(-1), 0)
-        bad, upto = ends.view(2, chunks)[:, -1].tolist()  # the one host read
-        escapes = upto - bad
-        if bad:
-            raise _bad_delta(f"a positions delta names elements outside its {numel}-element box")
-        scan, before = count, 0
+        index, index_aligned, index_size, start = positions, True, 8, 0
+    chunks = max(1, -(-count // CHUNK))
+    sums = torch.empty(2, chunks, dtype=torch.int64, device=dev)
+    k.pos_sums[(chunks,)](index, payload[start:], count, numel, sums, chunks, DIFF8=diff8,
+                          ALIGNED=index_aligned, IDX=index_size, CHUNK=CHUNK,
+                          num_warps=APPLY_WARPS)
+    ends = torch.cumsum(sums.view(-1), 0)
+    bad, upto = ends.view(2, chunks)[:, -1].tolist()  # the one host read
+    escapes = upto - bad
+    if bad:
+        raise _bad_delta(f"a positions delta names elements outside its {numel}-element box")
     whole = nbytes - start - count * (1 if diff8 else item)
     if diff8 and whole != escapes * item:
         raise _bad_delta(f"a delta of {count} differences with {escapes} escapes carries "
                          f"{whole} bytes of whole values")
     if not diff8 and whole != 0:
         raise _bad_delta(f"a delta of {count} values carries {nbytes - start} bytes")
-    target = view.view(_INTS[item])
     values, aligned, escaped, esc_aligned = _value_sections(payload[start:], count, item, diff8)
-    grid = max(1, -(-scan // CHUNK))
-    k.apply_index[(grid,)](
-        target, index, values, escaped, scan, payload if gaps else index, ends, chunks, before,
-        form.cols, form.stride, GAPS=gaps, DIFF8=diff8, IDX_ALIGNED=index_aligned,
-        IDX=index_size, ALIGNED=aligned, ESC_ALIGNED=esc_aligned, CONTIG=form.rows == 1,
-        STEP=_step_type(item), ITEM=item, CHUNK=CHUNK, num_warps=APPLY_WARPS)
+    k.apply_index[(chunks,)](
+        target, index, values, escaped, count, ends, chunks, form.cols, form.stride,
+        DIFF8=diff8, IDX_ALIGNED=index_aligned, IDX=index_size, ALIGNED=aligned,
+        ESC_ALIGNED=esc_aligned, CONTIG=form.rows == 1, STEP=_step_type(item), ITEM=item,
+        CHUNK=CHUNK, num_warps=APPLY_WARPS)
     return True
 
 
@@ -286,9 +340,11 @@ class _Kernels(NamedTuple):
     cut_tiles: object
     cut_offsets: object
     cut_write: object
+    slot_write: object
     gap_sums: object
     gap_locate: object
     pos_sums: object
+    apply_gaps: object
     apply_index: object
     compact: object
     count_bits: object
@@ -330,6 +386,10 @@ def _build(triton, tl) -> _Kernels:
         x = x | (x >> 4)
         x = x | (x >> 8)
         return x ^ (x >> 1)
+
+    @triton.jit
+    def _sum_max(a0, a1, b0, b1):
+        return a0 + b0, tl.maximum(a1, b1)
 
     @triton.jit
     def _max_before(av, ap, bv, bp):
@@ -413,40 +473,125 @@ def _build(triton, tl) -> _Kernels:
 
     # the kernels find the helpers they call among the module's globals, not in closures
     globals().update(_local=_local, _lanes=_lanes, _popcount=_popcount, _bit_index=_bit_index,
-                     _top_bit=_top_bit, _max_before=_max_before, _words_before=_words_before,
+                     _top_bit=_top_bit, _max_before=_max_before, _sum_max=_sum_max,
+                     _words_before=_words_before,
                      _row=_row, _row_before=_row_before,
                      _bits=_bits, _ranks=_ranks, _put=_put, _get=_get,
                      _count_before=_count_before)
 
     @triton.jit
-    def cut_mark(a, b, n, mask, stats, firsts, lasts, blocks, STEP: tl.constexpr,
-                 BLOCK: tl.constexpr):
-        # mask: the bitmask as int16 words (16 elements each, little-endian: the wire's bytes)
+    def cut_mark(a, b, a32, b32, n, mask, stats, firsts, lasts, words, slot_pos, slot_byte,
+                 blocks, STEP: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr,
+                 PACK: tl.constexpr):
+        # mask: the bitmask as int16 words (16 elements each, little-endian: the wire's
+        # bytes). Per element only the compare and the packing into words. A block of at
+        # most CAP changes (so at most CAP non-zero words) then lists its non-zero words
+        # (``words``: index << 16 | bits, in order), and one lane per listed word puts its
+        # changes in the block's slot (in-block position, DIFF8 byte) from the copies of
+        # new and old the loads just brought into the caches: the payload is written from
+        # the slots alone. A block over CAP (dense changes) takes the per-element path.
         block = tl.program_id(0).to(tl.int64)
         first = block * BLOCK
+        pa = a + first
+        pb = b + first
         loc = _lanes(BLOCK)
         inside = loc < n - first
-        va = tl.load(a + first + loc, mask=inside, other=0)
-        vb = tl.load(b + first + loc, mask=inside, other=0)
-        d = va != vb
-        step = va.to(STEP) - vb.to(STEP)
-        escaped = d & ((step < -127) | (step > 127))
-        word = tl.sum(d.to(tl.int32) << tl.arange(0, 16)[None, :], axis=1)
-        tl.store(mask + block * (BLOCK // 16) + tl.arange(0, BLOCK // 16), word.to(tl.int16))
-        has, lo, last, prev = _words_before(word, BLOCK)
-        skips = tl.where(has & (prev >= 0), (lo - prev - 1) // 255, 0)
-        # one reduction for three sums: changed and escapes (< 2**16 each), skips above
-        both = (_popcount(word) + (tl.sum(escaped.to(tl.int32), axis=1) << 16)).to(tl.int64)
-        sums = tl.sum(both + (skips.to(tl.int64) << 32))
-        tl.store(stats + block, sums & 0xFFFF)
-        tl.store(stats + blocks + block, (sums >> 16) & 0xFFFF)
-        tl.store(stats + 2 * blocks + block, sums >> 32)
-        tl.store(firsts + block, first + tl.min(tl.where(has, lo, BLOCK)))
-        top = tl.max(last)
+        if PACK > 0:
+            # PACK elements a 32-bit word (n a multiple of PACK, both 4-byte aligned): one
+            # xor for PACK elements, each element's bit from its bits of the xor (the
+            # compare and the packing are the whole per-element cost of the scan)
+            UNITS: tl.constexpr = 16 // PACK
+            u = tl.arange(0, BLOCK // 16)[:, None] * UNITS + tl.arange(0, UNITS)[None, :]
+            there = u < (n - first) // PACK
+            xor = (tl.load(a32 + first // PACK + u, mask=there, other=0)
+                   ^ tl.load(b32 + first // PACK + u, mask=there, other=0))
+            if PACK == 1:
+                flags = (xor != 0).to(tl.int32)
+            else:
+                flags = ((xor & ((1 << (32 // PACK)) - 1)) != 0).to(tl.int32)
+                for i in tl.static_range(1, PACK):
+                    flags |= (((xor >> (i * (32 // PACK))) & ((1 << (32 // PACK)) - 1)) != 0
+                              ).to(tl.int32) << i
+            word = tl.sum(flags << (tl.arange(0, UNITS)[None, :] * PACK), axis=1)
+        else:
+            va = tl.load(pa + loc, mask=inside, other=0)
+            vb = tl.load(pb + loc, mask=inside, other=0)
+            word = tl.sum((va != vb).to(tl.int32) << tl.arange(0, 16)[None, :], axis=1)
+        w = tl.arange(0, BLOCK // 16)
+        tl.store(mask + block * (BLOCK // 16) + w, word.to(tl.int16))
+        pop = _popcount(word)
+        # few reductions across the warps (each a round through shared memory and two
+        # barriers): changes and non-zero words packed in one sum, with the most changes
+        # of a word (the loop below) in the same pass
+        both = pop + ((word != 0).to(tl.int32) << 16)
+        total, most = tl.reduce((both, pop), 0, _sum_max)
+        count = total & 0xFFFF
+        if count <= CAP:
+            # list the non-zero words: rank of their first change << 32 | index << 16 | bits
+            ahead = tl.cumsum(both, 0) - both
+            listed = words + block * CAP
+            tl.store(listed + (ahead >> 16), ((ahead & 0xFFFF).to(tl.int64) << 32)
+                     | ((w << 16) | word).to(tl.int64), mask=word != 0)
+            tl.debug_barrier()  # the list, written by all the block's threads, read back
+            nnz = total >> 16
+            lane = tl.arange(0, CAP)
+            on = lane < nnz
+            e = tl.load(listed + lane, mask=on, other=0, cache_modifier=".cg")
+            pe = tl.load(listed + lane - 1, mask=on & (lane > 0), other=0,
+                         cache_modifier=".cg").to(tl.int32)
+            rank = (e >> 32).to(tl.int32)
+            bits = e.to(tl.int32) & 0xFFFF
+            base = (e.to(tl.int32) >> 16) * 16
+            prior = (pe >> 16) * 16 + _bit_index(_top_bit(pe & 0xFFFF))
+            skip = tl.where(on & (lane > 0), (base + _bit_index(bits & -bits) - prior - 1) // 255,
+                            0)
+            sp = slot_pos + block * CAP
+            sb = slot_byte + block * CAP
+            rem = bits
+            escaped = tl.zeros((CAP,), tl.int32)
+            for k in tl.static_range(16):
+                if k < most:
+                    live = rem != 0
+                    one = base + _bit_index(rem & -rem)
+                    got = tl.load(pa + one, mask=live, other=0)
+                    was = tl.load(pb + one, mask=live, other=0)
+                    step = got.to(STEP) - was.to(STEP)
+                    esc = live & ((step < -127) | (step > 127))
+                    small = tl.where(esc, -128, step).to(tl.int8)
+                    tl.store(sp + rank + k, one.to(tl.int16), mask=live)
+                    tl.store(sb + rank + k, small.to(tl.uint8, bitcast=True), mask=live)
+                    escaped += esc.to(tl.int32)
+                    rem = rem & (rem - 1)
+            # skips (< 2**16 in a block) and escapes in one sum; the first and last change
+            # from the list's ends
+            packed = tl.sum(skip + (escaped << 16))
+            skips = packed & 0xFFFF
+            escapes = packed >> 16
+            ends = tl.load(listed, mask=nnz > 0, other=0, cache_modifier=".cg").to(tl.int32)
+            low = tl.where(nnz > 0, (ends >> 16) * 16 + _bit_index(ends & -ends & 0xFFFF), BLOCK)
+            ends = tl.load(listed + tl.maximum(nnz - 1, 0), mask=nnz > 0, other=0,
+                           cache_modifier=".cg").to(tl.int32)
+            top = tl.where(nnz > 0, (ends >> 16) * 16 + _bit_index(_top_bit(ends & 0xFFFF)), -1)
+        else:  # over CAP: cut_write reads new and old again; escapes and skips per element
+            # (names apart from the other branch's: Triton types a name once per if)
+            xa = tl.load(pa + loc, mask=inside, other=0)
+            xb = tl.load(pb + loc, mask=inside, other=0)
+            steps = xa.to(STEP) - xb.to(STEP)
+            escapes = tl.sum(tl.sum(((xa != xb) & ((steps < -127) | (steps > 127))).to(tl.int32),
+                                    axis=1))
+            has, wlo, whi, prev = _words_before(word, BLOCK)
+            skips = tl.sum(tl.where(has & (prev >= 0), (wlo - prev - 1) // 255, 0))
+            low = tl.min(tl.where(has, wlo, BLOCK))
+            top = tl.max(whi)
+        tl.store(stats + block, count.to(tl.int64))
+        tl.store(stats + blocks + block, escapes.to(tl.int64))
+        tl.store(stats + 2 * blocks + block, skips.to(tl.int64))
+        tl.store(firsts + block, first + low)
         tl.store(lasts + block, tl.where(top >= 0, first + top, -1))
 
     @triton.jit
-    def cut_tiles(stats, firsts, lasts, before, tiles, blocks, ntiles, TILE: tl.constexpr):
+    def cut_tiles(stats, firsts, lasts, before, tiles, blocks, ntiles, TILE: tl.constexpr,
+                  CAP: tl.constexpr):
         # per tile of TILE blocks: each block's last change before it inside the tile
         # (-1: none), its gap bytes but for the skips from the tiles before, and the
         # tile's sums, first and last change
@@ -466,6 +611,7 @@ def _build(triton, tl) -> _Kernels:
         tl.store(tiles + 2 * ntiles + t, tl.sum(gaps))
         tl.store(tiles + 3 * ntiles + t, tl.min(tl.where(count > 0, first, 1 << 62)))
         tl.store(tiles + 4 * ntiles + t, tl.max(last))
+        tl.store(tiles + 5 * ntiles + t, tl.sum((count > CAP).to(tl.int64)))
 
     @triton.jit
     def cut_offsets(stats, before, tiles, starts, totals, blocks, ntiles, TILE: tl.constexpr,
@@ -486,6 +632,7 @@ def _build(triton, tl) -> _Kernels:
             tl.store(totals, tl.sum(tc))
             tl.store(totals + 1, tl.sum(te))
             tl.store(totals + 2, tl.sum(tg))
+            tl.store(totals + 3, tl.sum(tl.load(tiles + 5 * ntiles + j, mask=there, other=0)))
         earlier = j < t
         mine = j == t
         i = t * TILE + tl.arange(0, TILE)
@@ -508,12 +655,13 @@ def _build(triton, tl) -> _Kernels:
     def cut_write(a, b, mask, stats, starts, before, blocks, index, values, escapes,
                   INDEX: tl.constexpr, DIFF8: tl.constexpr, ALIGNED: tl.constexpr,
                   ESC_ALIGNED: tl.constexpr, STEP: tl.constexpr, ITEM: tl.constexpr,
-                  BLOCK: tl.constexpr):
-        # INDEX: 0 none (a bitmask, copied apart), 1 positions, 2 gaps. A lane is a word of
-        # the bitmask (16 elements); step k handles the k-th change of every word.
+                  BLOCK: tl.constexpr, CAP: tl.constexpr):
+        # the blocks over CAP changes (slot_write writes the others). INDEX: 0 none (a
+        # bitmask, copied apart), 1 positions, 2 gaps. A lane is a word of the bitmask (16
+        # elements); step k handles the k-th change of every word.
         block = tl.program_id(0).to(tl.int64)
         count = tl.load(stats + block)
-        if count > 0:
+        if count > CAP:
             first = block * BLOCK
             w = tl.arange(0, BLOCK // 16)
             word = tl.load(mask + block * (BLOCK // 16) + w).to(tl.int32) & 0xFFFF
@@ -578,10 +726,71 @@ def _build(triton, tl) -> _Kernels:
                             rem = rem & (rem - 1)
 
     @triton.jit
-    def gap_sums(p, nbytes, sums, chunks, CHUNK: tl.constexpr):
+    def slot_write(a, stats, starts, before, blocks, slot_pos, slot_byte, index, values,
+                   escapes, INDEX: tl.constexpr, DIFF8: tl.constexpr, ALIGNED: tl.constexpr,
+                   ESC_ALIGNED: tl.constexpr, ITEM: tl.constexpr, BLOCK: tl.constexpr,
+                   CAP: tl.constexpr, GROUP: tl.constexpr, SUB: tl.constexpr):
+        # GROUP blocks of at most CAP changes a program: the payload from their slots
+        # (gaps from consecutive positions, ranks by cumsums), SUB slot entries of each
+        # block a step, as many steps as the most changes among them (not CAP: lanes
+        # cost, masked or not); new is read only for whole values (escapes, or no DIFF8)
+        g = tl.program_id(0).to(tl.int64) * GROUP + tl.arange(0, GROUP)
+        there = g < blocks
+        count = tl.load(stats + g, mask=there, other=0).to(tl.int32)
+        count = tl.where(there & (count <= CAP), count, 0)  # over CAP: cut_write's
+        rank0 = tl.load(starts + g, mask=there, other=0)
+        esc0 = tl.load(starts + blocks + g, mask=there, other=0)
+        if INDEX == 2:
+            # the first change's gap (from the change before the block, maybe blocks away)
+            first = tl.load(slot_pos + g * CAP, mask=count > 0, other=0).to(tl.int32) & 0xFFFF
+            gap0 = g * BLOCK + first - tl.load(before + g, mask=there, other=0)
+            skip0 = (gap0 - 1) // 255
+            byte0 = (gap0 - 255 * skip0).to(tl.int32)
+            spot0 = tl.load(starts + 2 * blocks + g, mask=there, other=0) + skip0
+        most = tl.max(count, axis=0)
+        c = most * 0
+        while c < most:  # (a while: the interpreter takes no tensor as a range's bound)
+            r = c + tl.arange(0, SUB)[None, :]
+            live = r < count[:, None]
+            o = g[:, None] * CAP + r
+            pos = tl.load(slot_pos + o, mask=live, other=0).to(tl.int32) & 0xFFFF
+            rank = rank0[:, None] + r
+            if INDEX == 1:
+                tl.store(index + rank, (g[:, None] * BLOCK + pos).to(index.dtype.element_ty),
+                         mask=live)
+            if INDEX == 2:  # in-block gaps in int32
+                prior = tl.load(slot_pos + o - 1, mask=live & (r > 0), other=0).to(
+                    tl.int32) & 0xFFFF
+                gap = pos - prior
+                skip = tl.where(live & (r > 0), (gap - 1) // 255, 0)
+                byte = tl.where(r > 0, gap - 255 * skip, byte0[:, None])
+                tl.store(index + spot0[:, None] + r + tl.cumsum(skip, 1), byte.to(tl.uint8),
+                         mask=live)
+                spot0 += tl.sum(skip, 1)
+            if DIFF8:
+                small = tl.load(slot_byte + o, mask=live, other=0)
+                tl.store(values + rank, small, mask=live)
+                esc = live & (small == 128)
+                e = esc.to(tl.int32)
+                if tl.sum(tl.sum(e, axis=1), axis=0) > 0:  # escapes' whole values
+                    er = esc0[:, None] + tl.cumsum(e, 1) - e
+                    at = g[:, None] * BLOCK + pos
+                    _put(escapes, 0, er, tl.load(a + at, mask=esc, other=0), esc, ESC_ALIGNED,
+                         ITEM)
+                esc0 += tl.sum(e, 1)
+            else:
+                at = g[:, None] * BLOCK + pos
+                _put(values, 0, rank, tl.load(a + at, mask=live, other=0), live, ALIGNED, ITEM)
+            c += SUB
+
+    @triton.jit
+    def gap_sums(p, nbytes, sums, chunks, found, CHUNK: tl.constexpr):
         # per chunk of payload bytes: non-zero bytes (values), the distance they advance
-        # (a 0 byte: 255), 0x80 bytes (escapes, where they are differences)
+        # (a 0 byte: 255), 0x80 bytes (escapes, where they are differences); program 0
+        # zeroes ``found`` for gap_locate
         j = tl.program_id(0).to(tl.int64)
+        if j == 0:
+            tl.store(found + tl.arange(0, 8), tl.zeros((8,), tl.int64), mask=tl.arange(0, 8) < 6)
         i = j * CHUNK + tl.arange(0, CHUNK)
         live = i < nbytes
         y = tl.load(p + i, mask=live, other=0).to(tl.int32)
@@ -631,47 +840,75 @@ def _build(triton, tl) -> _Kernels:
         tl.store(sums + chunks + j, tl.sum(esc).to(tl.int64))
 
     @triton.jit
-    def apply_index(target, index, values, escapes, scan, p, ends, chunks, before, cols,
-                    stride, GAPS: tl.constexpr, DIFF8: tl.constexpr, IDX_ALIGNED: tl.constexpr,
-                    IDX: tl.constexpr, ALIGNED: tl.constexpr, ESC_ALIGNED: tl.constexpr,
-                    CONTIG: tl.constexpr, STEP: tl.constexpr, ITEM: tl.constexpr,
-                    CHUNK: tl.constexpr):
-        # one chunk of the index (GAPS: payload bytes up to ``scan``; POSITIONS: ``scan``
-        # positions): its positions, the values' ranks, the escapes' ranks, then in place
+    def apply_gaps(target, p, nbytes, count, numel, found, ends, chunks, values, cols, stride,
+                   DIFF8: tl.constexpr, ALIGNED: tl.constexpr, CONTIG: tl.constexpr,
+                   STEP: tl.constexpr, ITEM: tl.constexpr, CHUNK: tl.constexpr):
+        # one chunk of a GAPS payload's gap bytes: its positions, the values' ranks, the
+        # escapes' ranks, then in place. ``found`` (gap_locate's) is checked here, by every
+        # program, as the host checks it after: a delta that does not fit writes nothing.
+        # DIFF8: the differences follow the gaps (at ``scan``), the escapes' whole values
+        # them (bytes: no alignment known on the host); else whole values in ``values``
         j = tl.program_id(0).to(tl.int64)
-        i = j * CHUNK + tl.arange(0, CHUNK)
-        if GAPS:
+        scan = tl.load(found + 1) + 1
+        good = (tl.load(found) != 0) & (tl.load(found + 2) < numel)
+        if DIFF8:
+            good = good & (scan + count <= nbytes) & (
+                nbytes - scan - count == tl.load(found + 3) * ITEM)
+        else:
+            good = good & (tl.load(found + 4) == count)
+        if good & (j * CHUNK < scan):
+            i = j * CHUNK + tl.arange(0, CHUNK)
             live = i < scan
-            y = tl.load(index + i, mask=live, other=0).to(tl.int32)
+            y = tl.load(p + i, mask=live, other=0).to(tl.int32)
             keep = (y != 0) & live
             r0 = tl.where(j > 0, tl.load(ends + tl.maximum(j - 1, 0)), 0)
             walked = _row_before(ends, 1, chunks, j)
             at = walked + tl.cumsum(tl.where(live, tl.where(y == 0, 255, y), 0), 0) - 1
             r = r0 + tl.cumsum(keep.to(tl.int32), 0) - 1
-        else:
-            keep = i < scan
-            r0 = j * CHUNK
-            r = i
-            at = _get(index, 0, i, keep, tl.zeros((CHUNK,), tl.int64), IDX_ALIGNED, IDX)
+            if CONTIG:
+                addr = at
+            else:
+                addr = (at // cols) * stride + at % cols
+            like = tl.zeros((CHUNK,), target.dtype.element_ty)
+            if DIFF8:
+                small = tl.load(p + scan + r, mask=keep, other=0).to(tl.int8, bitcast=True)
+                esc = keep & (small == -128)
+                # escapes among the differences before this chunk's first
+                e0 = _count_before(p, ends, chunks, scan + r0, CHUNK, True) - tl.load(found + 5)
+                er = e0 + tl.cumsum(esc.to(tl.int32), 0) - 1
+                old = tl.load(target + addr, mask=keep & ~esc, other=0)
+                stepped = (old.to(STEP) + small.to(STEP)).to(target.dtype.element_ty)
+                whole = _get(p + scan + count, 0, er, esc, like, False, ITEM)
+                v = tl.where(esc, whole, stepped)
+            else:
+                v = _get(values, 0, r, keep, like, ALIGNED, ITEM)
+            tl.store(target + addr, v, mask=keep)
+
+    @triton.jit
+    def apply_index(target, index, values, escapes, count, ends, chunks, cols, stride,
+                    DIFF8: tl.constexpr, IDX_ALIGNED: tl.constexpr, IDX: tl.constexpr,
+                    ALIGNED: tl.constexpr, ESC_ALIGNED: tl.constexpr, CONTIG: tl.constexpr,
+                    STEP: tl.constexpr, ITEM: tl.constexpr, CHUNK: tl.constexpr):
+        # one chunk of ``count`` positions: the escapes' ranks, then in place
+        j = tl.program_id(0).to(tl.int64)
+        i = j * CHUNK + tl.arange(0, CHUNK)
+        keep = i < count
+        at = _get(index, 0, i, keep, tl.zeros((CHUNK,), tl.int64), IDX_ALIGNED, IDX)
         if CONTIG:
             addr = at
         else:
             addr = (at // cols) * stride + at % cols
         like = tl.zeros((CHUNK,), target.dtype.element_ty)
         if DIFF8:
-            small = tl.load(values + r, mask=keep, other=0).to(tl.int8, bitcast=True)
+            small = tl.load(values + i, mask=keep, other=0).to(tl.int8, bitcast=True)
             esc = keep & (small == -128)
-            if GAPS:  # escapes among the differences before this chunk's first
-                e0 = _count_before(p, ends, chunks, scan + r0, CHUNK, True) - before
-            else:
-                e0 = _row_before(ends, 1, chunks, j)
-            er = e0 + tl.cumsum(esc.to(tl.int32), 0) - 1
+            er = _row_before(ends, 1, chunks, j) + tl.cumsum(esc.to(tl.int32), 0) - 1
             old = tl.load(target + addr, mask=keep & ~esc, other=0)
             stepped = (old.to(STEP) + small.to(STEP)).to(target.dtype.element_ty)
             whole = _get(escapes, 0, er, esc, like, ESC_ALIGNED, ITEM)
             v = tl.where(esc, whole, stepped)
         else:
-            v = _get(values, 0, r, keep, like, ALIGNED, ITEM)
+            v = _get(values, 0, i, keep, like, ALIGNED, ITEM)
         tl.store(target + addr, v, mask=keep)
 
     @triton.jit
@@ -711,8 +948,9 @@ def _build(triton, tl) -> _Kernels:
             i = first + loc
             tl.store(target + (i // cols) * stride + i % cols, v, mask=keep)
 
-    return _Kernels(cut_mark, cut_tiles, cut_offsets, cut_write, gap_sums, gap_locate, pos_sums,
-                    apply_index, compact, count_bits, apply_bitmask)
+    return _Kernels(cut_mark, cut_tiles, cut_offsets, cut_write, slot_write, gap_sums,
+                    gap_locate, pos_sums, apply_gaps, apply_index, compact, count_bits,
+                    apply_bitmask)
 
 
 _kernels = built_once(_build)
