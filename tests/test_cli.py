@@ -354,6 +354,15 @@ def test_delta_and_update_reach_the_run_config():
     assert (plain.delta, plain.update) == (False, "perturb")
 
 
+def test_gloo_with_cuda_tensors_is_refused_before_processes_start_but_colocated_takes_it():
+    # seen on one H200: every param refused at the first batch (gloo moves CPU tensors)
+    problems = RefitRunConfig(backend="gloo", device="cuda", ports=(0, 0, 0)).problems()
+    assert any(p.startswith("--backend gloo: expected --device cpu") for p in problems)
+    colocated = RefitRunConfig(backend="gloo", device="cuda", transport="colocated",
+                               ports=(0, 0, 0))
+    assert not any("--backend gloo" in p for p in colocated.problems())
+
+
 def test_packed_params_reaches_the_run_config_and_a_bad_regex_is_refused():
     cfg = config_from_args(_parse_demo("--packed-params", r"self_attn\.[qkv]_proj"), ports=(0, 0, 0))
     assert cfg.packed_params == r"self_attn\.[qkv]_proj" and cfg.problems() == []

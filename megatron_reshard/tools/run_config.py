@@ -202,6 +202,11 @@ def _basic_problems(cfg: RefitRunConfig) -> list[str]:
         out.append(f"--device {cfg.device!r}: expected cpu or cuda")
     elif cfg.backend == "nccl" and cfg.device != "cuda":
         out.append(f"--backend nccl: expected --device cuda, found --device {cfg.device}")
+    elif cfg.backend == "gloo" and cfg.device == "cuda" and cfg.transport != "colocated":
+        # gloo moves CPU tensors only; the engine would refuse every param at the first batch
+        out.append("--backend gloo: expected --device cpu (gloo moves CPU tensors; CUDA "
+                   "tensors go over --backend nccl, or the colocated transport), found "
+                   "--device cuda")
     if cfg.train_precision not in ("bf16", "fp8_blockwise"):
         out.append(f"--train-precision {cfg.train_precision!r}: expected bf16 or fp8_blockwise")
     elif cfg.train_precision == "fp8_blockwise" and cfg.gen_precision != "fp8":
