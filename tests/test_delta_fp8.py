@@ -75,6 +75,16 @@ def _check_exact(gens, refits):
         assert gen["mismatches"] == [[]] * refits, (gen["rank"], gen["mismatches"])
 
 
+def _full_then_deltas(pool, **run):
+    """Three refits with Adam steps between: each bit-exact, the first full and the next
+    two deltas on every rank of both sides; ``(trains, gens)``."""
+    trains, gens = _run(pool, refits=3, **run)
+    _check_exact(gens, 3)
+    for rank in trains + gens:
+        assert _modes(rank) == ["full", "delta", "delta"], _reasons(rank)
+    return trains, gens
+
+
 @pytest.fixture(scope="module")
 def dense(pool):
     return _run(pool, **DENSE_TP2)
@@ -149,11 +159,8 @@ def test_a_base_budget_one_byte_short_of_the_fp8_base_makes_every_refit_full(poo
 def test_moe_experts_quantized_by_the_sender_go_as_deltas_bit_exact(pool):
     # lr 1e-3: ~9% of the elements change, so regions go as bitmasks (FP8 bytes whole,
     # BF16 values as DIFF8 steps)
-    trains, gens = _run(pool, refits=3, lr=1e-3, model="moe", train_world=4, train_tp=2,
-                        train_pp=1, train_ep=2, gen_world=2, gen_tp=2)
-    _check_exact(gens, 3)
-    for rank in trains + gens:
-        assert _modes(rank) == ["full", "delta", "delta"], _reasons(rank)
+    trains, gens = _full_then_deltas(pool, lr=1e-3, model="moe", train_world=4, train_tp=2,
+                                     train_pp=1, train_ep=2, gen_world=2, gen_tp=2)
     for gen in gens:
         for row in gen["refits"][1:]:
             d = row["delta"]
@@ -166,11 +173,9 @@ def test_weights_the_generation_side_quantizes_go_full_inside_a_delta_refit(pool
     # 1 KV head over train TP4: q and k rows cut 128-row blocks on the training ranks, so
     # they travel in BF16 and the generation ranks quantize them (gen_quant "receiver");
     # v and the FFN are whole blocks, quantized by the sender (test_fp8_refit)
-    trains, gens = _run(pool, refits=3, model="dense", model_overrides={"num_query_groups": 1},
-                        train_world=4, train_tp=4, train_pp=1, train_ep=1, gen_world=2, gen_tp=2)
-    _check_exact(gens, 3)
-    for rank in trains + gens:
-        assert _modes(rank) == ["full", "delta", "delta"], _reasons(rank)
+    trains, gens = _full_then_deltas(pool, model="dense",
+                                     model_overrides={"num_query_groups": 1}, train_world=4,
+                                     train_tp=4, train_pp=1, train_ep=1, gen_world=2, gen_tp=2)
     for gen in gens:
         for row in gen["refits"][1:]:
             d = row["delta"]
@@ -182,10 +187,7 @@ def test_weights_the_generation_side_quantizes_go_full_inside_a_delta_refit(pool
 
 def test_mxfp8_weights_all_go_full_the_rest_as_deltas(pool):
     # MXFP8: every linear weight travels in BF16 and the receiver quantizes it
-    trains, gens = _run(pool, refits=3, gen_precision="mxfp8", **DENSE_TP2)
-    _check_exact(gens, 3)
-    for rank in trains + gens:
-        assert _modes(rank) == ["full", "delta", "delta"], _reasons(rank)
+    trains, gens = _full_then_deltas(pool, gen_precision="mxfp8", **DENSE_TP2)
     for gen in gens:
         d = gen["refits"][-1]["delta"]
         assert d["full_params"] == 2 * 7 and d["params"] > 0, d  # q k v o gate up down, 2 layers
@@ -194,16 +196,12 @@ def test_mxfp8_weights_all_go_full_the_rest_as_deltas(pool):
 def test_blockwise_fp8_training_bytes_go_as_deltas_bit_exact(pool):
     # the training side's own FP8 bytes and power-of-two scales, re-quantized after each
     # optimizer step (testing.fp8_training), diffed against those it last sent
-    trains, gens = _run(pool, refits=3, lr=1e-4, train_precision="fp8_blockwise", **DENSE_TP2)
-    _check_exact(gens, 3)
-    for rank in trains + gens:
-        assert _modes(rank) == ["full", "delta", "delta"], _reasons(rank)
+    trains, gens = _full_then_deltas(pool, lr=1e-4, train_precision="fp8_blockwise",
+                                     **DENSE_TP2)
     for train in trains:
         for row in train["refits"][1:]:
             assert row["delta"]["params"] == row["bulk_params"], row["delta"]
             assert row["bytes_sent"] < 0.04 * train["refits"][0]["bytes_sent"], row
-
-
 
 
 @pytest.mark.parametrize("lr", [1e-2, 5e-2, 0.25])  # gaps, bitmask, dense
