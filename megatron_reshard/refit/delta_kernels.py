@@ -461,6 +461,22 @@ def _build(triton, tl) -> _Kernels:
         return v
 
     @triton.jit
+    def _write_at(target, at, keep, v, small, esc, cols, stride, CONTIG: tl.constexpr,
+                  DIFF8: tl.constexpr, STEP: tl.constexpr):
+        # a chunk's changes in place at element positions ``at`` of a view folded into rows
+        # (CONTIG: one row): the values ``v``, or (DIFF8) old + ``small`` where not
+        # ``esc``, the escapes' whole values ``v`` where it is
+        if CONTIG:
+            addr = at
+        else:
+            addr = (at // cols) * stride + at % cols
+        if DIFF8:
+            old = tl.load(target + addr, mask=keep & ~esc, other=0)
+            stepped = (old.to(STEP) + small.to(STEP)).to(target.dtype.element_ty)
+            v = tl.where(esc, v, stepped)
+        tl.store(target + addr, v, mask=keep)
+
+    @triton.jit
     def _count_before(p, ends, chunks, x, CHUNK: tl.constexpr, ESCAPES: tl.constexpr):
         # bytes of p[0:x) that are not 0 (or, ESCAPES, that are 0x80: a DIFF8 escape),
         # from the per-chunk counts (``ends`` row 0, or row 2) and the partial chunk
@@ -477,7 +493,7 @@ def _build(triton, tl) -> _Kernels:
                      _words_before=_words_before,
                      _row=_row, _row_before=_row_before,
                      _bits=_bits, _ranks=_ranks, _put=_put, _get=_get,
-                     _count_before=_count_before)
+                     _count_before=_count_before, _write_at=_write_at)
 
     @triton.jit
     def cut_mark(a, b, a32, b32, n, mask, stats, firsts, lasts, words, slot_pos, slot_byte,
@@ -865,24 +881,19 @@ def _build(triton, tl) -> _Kernels:
             walked = _row_before(ends, 1, chunks, j)
             at = walked + tl.cumsum(tl.where(live, tl.where(y == 0, 255, y), 0), 0) - 1
             r = r0 + tl.cumsum(keep.to(tl.int32), 0) - 1
-            if CONTIG:
-                addr = at
-            else:
-                addr = (at // cols) * stride + at % cols
             like = tl.zeros((CHUNK,), target.dtype.element_ty)
+            small = keep  # DIFF8 sets both, below
+            esc = keep
             if DIFF8:
                 small = tl.load(p + scan + r, mask=keep, other=0).to(tl.int8, bitcast=True)
                 esc = keep & (small == -128)
                 # escapes among the differences before this chunk's first
                 e0 = _count_before(p, ends, chunks, scan + r0, CHUNK, True) - tl.load(found + 5)
                 er = e0 + tl.cumsum(esc.to(tl.int32), 0) - 1
-                old = tl.load(target + addr, mask=keep & ~esc, other=0)
-                stepped = (old.to(STEP) + small.to(STEP)).to(target.dtype.element_ty)
-                whole = _get(p + scan + count, 0, er, esc, like, False, ITEM)
-                v = tl.where(esc, whole, stepped)
+                v = _get(p + scan + count, 0, er, esc, like, False, ITEM)
             else:
                 v = _get(values, 0, r, keep, like, ALIGNED, ITEM)
-            tl.store(target + addr, v, mask=keep)
+            _write_at(target, at, keep, v, small, esc, cols, stride, CONTIG, DIFF8, STEP)
 
     @triton.jit
     def apply_index(target, index, values, escapes, count, ends, chunks, cols, stride,
@@ -894,22 +905,17 @@ def _build(triton, tl) -> _Kernels:
         i = j * CHUNK + tl.arange(0, CHUNK)
         keep = i < count
         at = _get(index, 0, i, keep, tl.zeros((CHUNK,), tl.int64), IDX_ALIGNED, IDX)
-        if CONTIG:
-            addr = at
-        else:
-            addr = (at // cols) * stride + at % cols
         like = tl.zeros((CHUNK,), target.dtype.element_ty)
+        small = keep  # DIFF8 sets both, below
+        esc = keep
         if DIFF8:
             small = tl.load(values + i, mask=keep, other=0).to(tl.int8, bitcast=True)
             esc = keep & (small == -128)
             er = _row_before(ends, 1, chunks, j) + tl.cumsum(esc.to(tl.int32), 0) - 1
-            old = tl.load(target + addr, mask=keep & ~esc, other=0)
-            stepped = (old.to(STEP) + small.to(STEP)).to(target.dtype.element_ty)
-            whole = _get(escapes, 0, er, esc, like, ESC_ALIGNED, ITEM)
-            v = tl.where(esc, whole, stepped)
+            v = _get(escapes, 0, er, esc, like, ESC_ALIGNED, ITEM)
         else:
             v = _get(values, 0, i, keep, like, ALIGNED, ITEM)
-        tl.store(target + addr, v, mask=keep)
+        _write_at(target, at, keep, v, small, esc, cols, stride, CONTIG, DIFF8, STEP)
 
     @triton.jit
     def compact(mask, n, limit, starts, pos, BLOCK: tl.constexpr):
