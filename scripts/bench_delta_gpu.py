@@ -92,6 +92,11 @@ def main(argv=None) -> int:
                     "apply (0: default)")
     ap.add_argument("--apply-warps", type=int, default=0, help="warps per program of the "
                     "apply (0: default)")
+    ap.add_argument("--slot-entries", type=int, default=0, help="slot entries per step of a "
+                    "slot_write program (0: default)")
+    ap.add_argument("--slot-sub", type=int, default=0, help="of each block's slot a step (0: default)")
+    ap.add_argument("--slot-warps", type=int, default=0, help="warps per slot_write program "
+                    "(0: default)")
     ap.add_argument("--no-torch", action="store_true", help="skip timing the torch path")
     args = ap.parse_args(argv)
     from megatron_reshard.refit import delta_kernels
@@ -104,6 +109,10 @@ def main(argv=None) -> int:
         delta_kernels.CHUNK = args.chunk
     if args.apply_warps:
         delta_kernels.APPLY_WARPS = args.apply_warps
+    for flag, name in ((args.slot_entries, "SLOT_ENTRIES"), (args.slot_sub, "SLOT_SUB"),
+                       (args.slot_warps, "SLOT_WARPS")):
+        if flag:
+            setattr(delta_kernels, name, flag)
     dev = torch.device("cuda")
     cols = 4096
     rows = args.mib * 2**20 // 2 // cols
@@ -169,7 +178,9 @@ def main(argv=None) -> int:
           f"region {args.mib} MiB bf16 [{rows}, {cols}], median of {args.iters} "
           f"(torch path: {args.torch_iters}); memcpy {gb / memcpy_s:.0f} GB/s; "
           f"cut: {delta_kernels.BLOCK} elements, {delta_kernels.WARPS} warps a program; apply: "
-          f"{delta_kernels.CHUNK} entries, {delta_kernels.APPLY_WARPS} warps")
+          f"{delta_kernels.CHUNK} entries, {delta_kernels.APPLY_WARPS} warps; slots: "
+          f"{delta_kernels.SLOT_ENTRIES} entries ({delta_kernels.SLOT_SUB} a block), "
+          f"{delta_kernels.SLOT_WARPS} warps")
     print(f"{'rate':>6} {'encoding':14} {'payload MiB':>11} {'cut GB/s':>9} {'cut/mc':>7} {'scan/mc':>7} {'find/mc':>7} "
           f"{'apply GB/s':>10} {'apply/mc':>8} {'block/mc':>8} {'cut+apply/mc':>12} "
           f"{'torch cut/mc':>12} {'torch apply/mc':>14} exact   "

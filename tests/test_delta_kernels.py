@@ -295,6 +295,54 @@ def test_every_element_changed_and_every_step_escaping(device, monkeypatch, forc
         _apply_into_column_block(new, old, *got, dev)
 
 
+@pytest.mark.parametrize("n, fraction, itemsize, escapes, want", [
+    (20_000, 0.01, 2, 0.0, GAPS | DIFF8),
+    (20_000, 0.0005, 2, 0.0, POSITIONS | DIFF8),
+    (20_000, 0.01, 4, 0.3, GAPS | DIFF8),
+    (20_000, 0.01, 1, 0.3, GAPS),             # 1-byte elements: no DIFF8
+    (20_000, 0.0005, 1, 0.0, POSITIONS),
+    (20_000, 0.02, 2, 0.9, GAPS),             # most steps escape: whole values, not guessed
+    (2_000, 0.0, 2, 0.0, NONE)])
+def test_the_cut_writes_the_chosen_payload_before_it_reads_its_totals(
+        device, monkeypatch, n, fraction, itemsize, escapes, want):
+    """The device chooses the encoding as ``pick_encoding`` does, and where the slots give
+    it the payload is written in the cut's own queue (``speculated``), the torch path's
+    bytes; encode() returns that payload with no second pass."""
+    dev, _ = device
+    new, old = _pair(n, fraction, itemsize, n + itemsize, dev, escapes)
+    cut = delta_kernels.Cut(new, old, dt.index_bytes(n))
+    host = dt.pick_encoding(n, cut.count, itemsize, cut.skips,
+                            None if itemsize == 1 else cut.escapes) if cut.count else NONE
+    assert (cut.chosen, host) == (want, want)
+    guessed = want in ((GAPS | DIFF8, POSITIONS | DIFF8) if itemsize > 1 else (GAPS, POSITIONS))
+    assert (cut.speculated is not None) == guessed
+    second = []
+    cls = type(cut)  # (the fixture watches delta_kernels.Cut through a function)
+    monkeypatch.setattr(cls, "payload", lambda self, *a, _real=cls.payload: second.append(a)
+                        or _real(self, *a))
+    got = encode(_as(new, itemsize), _as(old, itemsize))
+    want_cut = _torch_path(monkeypatch, encode, _as(new, itemsize).cpu(), _as(old, itemsize).cpu())
+    _same_cut(got, want_cut)
+    if guessed:
+        assert torch.equal(cut.speculated[1].cpu(), want_cut[2].cpu())
+    assert bool(second) == (want not in (NONE,) and not guessed)
+    if got[2] is not None:
+        _apply_into_column_block(_as(new, itemsize), _as(old, itemsize), *got, dev)
+
+
+def test_a_payload_over_the_room_of_the_guess_takes_the_second_pass(device, monkeypatch):
+    """A payload larger than ``Cut.room()`` is not written speculatively; the second pass
+    writes it, the same bytes."""
+    dev, _ = device
+    new, old = _pair(20_000, 0.01, 2, 5, dev)
+    cls = type(delta_kernels.Cut(new, old))
+    monkeypatch.setattr(cls, "room", lambda self: 64)
+    cut = delta_kernels.Cut(new, old)
+    assert cut.chosen == GAPS | DIFF8 and cut.speculated is None
+    got = encode(_as(new, 2), _as(old, 2))
+    _same_cut(got, _torch_path(monkeypatch, encode, _as(new, 2).cpu(), _as(old, 2).cpu()))
+
+
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.bfloat16, torch.float32,
                                    torch.int64])
 @pytest.mark.parametrize("n", [3000, 3001])  # a multiple of 4 elements: compared 4 bytes at a time

@@ -52,9 +52,16 @@ WARPS = 4
 CHUNK = 2048  # index entries (GAPS: payload bytes) per program of the apply
 APPLY_WARPS = 4
 _TILE = 1024  # blocks per program of the passes over per-block figures (cut_tiles)
-SLOT_ENTRIES = 2048  # slot entries per step of a slot_write program
+SLOT_ENTRIES = 1024  # slot entries per step of a slot_write program
 SLOT_SUB = 32  # of each block's slot a step
-SLOT_WARPS = 4
+SLOT_WARPS = 8  # (2048 entries on 4 warps spilled registers: twice the time on an H200)
+_ROOM = 16  # a speculative payload takes up to 1/_ROOM of the region's bytes (Cut.room)
+_ZB = 8192  # bytes per program of zero_gaps
+# the encodings a cut writes before the host reads its totals (Cut, speculate): those the
+# slots give, with DIFF8 but for 1-byte elements (delta_transport's codes: GAPS 4,
+# POSITIONS 1, DIFF8 8), each with its INDEX (2 gaps, 1 positions) for slot_write
+_SPECULATED = {True: ((12, 2), (9, 1)), False: ((4, 2), (1, 1))}
+_SPECULATED_CODES = {k: {enc for enc, _ in v} for k, v in _SPECULATED.items()}
 _INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -119,6 +126,14 @@ def _pack(a: torch.Tensor, b: torch.Tensor) -> int:
     return pack
 
 
+def _flat_bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bits as a flat tensor of integers (``t`` itself when it is one already)."""
+    ints = _INTS[t.element_size()]
+    if t.dtype is ints and t.dim() == 1 and t.is_contiguous():
+        return t
+    return t.contiguous().view(ints).reshape(-1)
+
+
 def _step_type(item: int):
     import triton.language as tl
     return tl.int32 if item <= 2 else tl.int64  # new - old of the bits, without overflow
@@ -143,13 +158,19 @@ def _value_sections(values: torch.Tensor, count: int, item: int, diff8: bool) ->
 
 class Cut:
     """One region's changes found (``cut_mark`` and the per-block offsets) and its totals
-    read: ``count``, ``skips`` (GAPS skip bytes), ``escapes`` (DIFF8). ``payload`` writes
-    the chosen encoding."""
+    read: ``count``, ``skips`` (GAPS skip bytes), ``escapes`` (DIFF8), ``chosen`` (the
+    encoding the device chose from them, as ``delta_transport.pick_encoding``), and ``speculated``:
+    ``(encoding, payload)`` written in the same queue before that read (``speculate``), the
+    encoding the device chose as ``delta_transport.pick_encoding`` does, or None where it
+    chose none that the slots give or the payload did not fit ``room()``. ``payload``
+    writes any encoding after the read."""
 
-    def __init__(self, new: torch.Tensor, old: torch.Tensor):
-        a = new.contiguous().view(_INTS[new.element_size()]).reshape(-1)
-        b = old.to(new.device).contiguous().view(a.dtype).reshape(-1)
+    def __init__(self, new: torch.Tensor, old: torch.Tensor, index_size: int = 4,
+                 speculate: bool = True):
+        a = _flat_bits(new)
+        b = _flat_bits(old if old.device == new.device else old.to(new.device))
         self.a, self.b, self.n = a, b, a.numel()
+        item = a.element_size()
         blocks = max(1, -(-self.n // BLOCK))
         cap = _cap()
         tiles = -(-blocks // _TILE)
@@ -158,32 +179,67 @@ class Cut:
         # per block its non-zero words listed (int64), its bitmask bytes, its slot
         # (int16 positions, DIFF8 bytes); then the int64 figures
         raw = torch.empty(blocks * (11 * cap + BLOCK // 8), dtype=torch.uint8, device=dev)
-        words, rest = raw.split([8 * blocks * cap, blocks * (3 * cap + BLOCK // 8)])
-        self.mask, pos, self.slot_byte = rest.split([blocks * BLOCK // 8, 2 * blocks * cap,
-                                                     blocks * cap])
+        words, self.mask, pos, self.slot_byte = raw.split(
+            [8 * blocks * cap, blocks * BLOCK // 8, 2 * blocks * cap, blocks * cap])
         self.slot_pos = pos.view(torch.int16)
-        figs = torch.empty(9 * blocks + 6 * tiles + 4, dtype=torch.int64, device=dev)
-        # per block: changed, escapes, gap bytes; then their offsets (exclusive); the first
-        # and last change; the last change before it
-        stats, starts, firsts, lasts, self.before, figures, totals = figs.split(
-            [3 * blocks, 3 * blocks, blocks, blocks, blocks, 6 * tiles, 4])
-        self.stats, self.starts = stats.view(3, blocks), starts.view(3, blocks)
+        figs = torch.empty(9 * blocks + 6 * tiles + 6, dtype=torch.int64, device=dev)
+        # per block: changed, escapes, gap bytes (3 rows); then their offsets (exclusive);
+        # the first and last change; the last change before it; per tile figures; the
+        # totals (changed, escapes, gap bytes, blocks over the cap, encoding, its bytes)
+        self.stats, self.starts, firsts, lasts, self.before, figures, totals = figs.split(
+            [3 * blocks, 3 * blocks, blocks, blocks, blocks, 6 * tiles, 6])
         k = _kernels()
         pack = _pack(a, b)
         a32, b32 = (a.view(torch.int32), b.view(torch.int32)) if pack else (a, b)
+        step = _step_type(item)
         k.cut_mark[(blocks,)](a, b, a32, b32, self.n, self.mask.view(torch.int16), self.stats,
                               firsts, lasts, words.view(torch.int64), self.slot_pos,
-                              self.slot_byte, blocks, STEP=_step_type(a.element_size()),
-                              BLOCK=BLOCK, CAP=cap, PACK=pack, num_warps=WARPS)
+                              self.slot_byte, blocks, STEP=step, BLOCK=BLOCK, CAP=cap,
+                              PACK=pack, num_warps=WARPS)
         k.cut_tiles[(tiles,)](self.stats, firsts, lasts, self.before, figures, blocks, tiles,
                               TILE=_TILE, CAP=cap, num_warps=4)
         k.cut_offsets[(tiles,)](self.stats, self.before, figures, self.starts, totals, blocks,
-                                tiles, TILE=_TILE, MAXT=max(16, 1 << (tiles - 1).bit_length()),
-                                num_warps=4)
-        # the one host read
-        self.count, self.escapes, gap_bytes, self.overflowed = totals.tolist()
-        self.skips = gap_bytes - self.count
+                                tiles, self.n, TILE=_TILE,
+                                MAXT=max(16, 1 << (tiles - 1).bit_length()), ITEM=item,
+                                IDX=index_size, num_warps=4)
         self.blocks, self.cap = blocks, cap
+        room, out = self.room(), None
+        if speculate:
+            # the payload in the same queue, for each encoding the slots can give, each
+            # launch writing only if the device chose it: no host round trip between the
+            # scan and the payload (the host reads the totals once, after both)
+            out = torch.empty(room, dtype=torch.uint8, device=dev)
+            for enc, index in _SPECULATED[item > 1]:
+                if index == 2:
+                    k.zero_gaps[(-(-room // _ZB),)](out, totals, room, ENC=enc, ZB=_ZB,
+                                                    num_warps=4)
+                where = out if index == 2 else out.view(_INTS[index_size])
+                self._slots(where, out, out, index, enc > 8, False, False, totals, room,
+                            enc, index_size)
+        # the one host read
+        (self.count, self.escapes, gap_bytes, self.overflowed, enc,
+         size) = totals.tolist()
+        self.skips = gap_bytes - self.count
+        self.chosen, self.speculated = enc, None
+        if (out is not None and not self.overflowed and size <= room
+                and enc in _SPECULATED_CODES[item > 1]):
+            self.speculated = (enc, out[:size])
+
+    def room(self) -> int:
+        """Bytes a speculative payload may take: a 16th of the region's (a multiple of 8),
+        GAPS + DIFF8 of bf16 at up to ~6% changed; the rest take the second pass."""
+        return max(4096, -(-self.n * self.a.element_size() // _ROOM // 8) * 8)
+
+    def _slots(self, where, values, escapes, index, diff8, aligned, esc_aligned, totals,
+               room, enc, index_size):
+        sub = min(SLOT_SUB, self.cap)
+        group = SLOT_ENTRIES // sub
+        _kernels().slot_write[(-(-self.blocks // group),)](
+            self.a, self.stats, self.starts, self.before, self.blocks, self.slot_pos,
+            self.slot_byte, where, values, escapes, totals, room, INDEX=index, DIFF8=diff8,
+            ALIGNED=aligned, ESC_ALIGNED=esc_aligned, ITEM=self.a.element_size(),
+            BLOCK=BLOCK, CAP=self.cap, GROUP=group, SUB=sub, SPEC=enc > 0, ENC=enc,
+            IDX=index_size, num_warps=SLOT_WARPS)
 
     def payload(self, index: str, diff8: bool, index_size: int = 4) -> torch.Tensor:
         """The payload with index ``"gaps"``, ``"positions"`` (``index_size`` bytes each)
@@ -202,16 +258,11 @@ class Cut:
         args = dict(INDEX={"gaps": 2, "positions": 1, "bitmask": 0}[index], DIFF8=diff8,
                     ALIGNED=aligned, ESC_ALIGNED=esc_aligned, ITEM=item, BLOCK=BLOCK,
                     CAP=self.cap)
-        k = _kernels()
         if self.overflowed < self.blocks:  # the blocks whose changes fit their slot
-            sub = min(SLOT_SUB, self.cap)
-            group = SLOT_ENTRIES // sub
-            k.slot_write[(-(-self.blocks // group),)](
-                self.a, self.stats, self.starts, self.before, self.blocks, self.slot_pos,
-                self.slot_byte, where, values, escapes, GROUP=group, SUB=sub,
-                num_warps=SLOT_WARPS, **args)
+            self._slots(where, values, escapes, args["INDEX"], diff8, aligned, esc_aligned,
+                        self.stats, 0, 0, index_size)
         if self.overflowed:  # the others from new and old
-            k.cut_write[(self.blocks,)](
+            _kernels().cut_write[(self.blocks,)](
                 self.a, self.b, self.mask.view(torch.int16), self.stats, self.starts,
                 self.before, self.blocks, where, values, escapes, STEP=_step_type(item),
                 num_warps=WARPS, **args)
@@ -340,6 +391,7 @@ class _Kernels(NamedTuple):
     cut_tiles: object
     cut_offsets: object
     cut_write: object
+    zero_gaps: object
     slot_write: object
     gap_sums: object
     gap_locate: object
@@ -487,13 +539,43 @@ def _build(triton, tl) -> _Kernels:
         hit = (y == 128) if ESCAPES else (y != 0)
         return base + tl.sum((hit & (i < x)).to(tl.int64))
 
+    @triton.jit
+    def _cheaper(best, enc, index, count, escapes, CODE: tl.constexpr, ITEM: tl.constexpr):
+        # (bytes, encoding) of the cheaper of best and an index of ``index`` bytes with
+        # whole values, then with DIFF8 (none for 1-byte elements); ties keep the first
+        whole = index + count * ITEM
+        enc = tl.where(whole < best, CODE, enc)
+        best = tl.minimum(whole, best)
+        if ITEM > 1:
+            small = index + count + escapes * ITEM
+            enc = tl.where(small < best, CODE + 8, enc)
+            best = tl.minimum(small, best)
+        return best, enc
+
+    @triton.jit
+    def _choose(n, count, escapes, gap_bytes, ITEM: tl.constexpr, IDX: tl.constexpr):
+        # ``delta_transport.pick_encoding`` on the device: (encoding, payload bytes) of the
+        # cheapest, ties to the one it lists first (dense 3, bitmask 2, positions 1, gaps
+        # 4; whole values before DIFF8, +8); dense also where the host's encode() takes it
+        # before asking (count * (ITEM + 1) >= n * ITEM); none (0) for no change
+        best = n * ITEM
+        enc = best * 0 + 3
+        best, enc = _cheaper(best, enc, (n + 7) // 8, count, escapes, 2, ITEM)
+        best, enc = _cheaper(best, enc, count * IDX, count, escapes, 1, ITEM)
+        best, enc = _cheaper(best, enc, gap_bytes, count, escapes, 4, ITEM)
+        dense = count * (ITEM + 1) >= n * ITEM
+        enc = tl.where(count == 0, 0, tl.where(dense, 3, enc))
+        best = tl.where(count == 0, 0, tl.where(dense, n * ITEM, best))
+        return enc, best
+
     # the kernels find the helpers they call among the module's globals, not in closures
     globals().update(_local=_local, _lanes=_lanes, _popcount=_popcount, _bit_index=_bit_index,
                      _top_bit=_top_bit, _max_before=_max_before, _sum_max=_sum_max,
                      _words_before=_words_before,
                      _row=_row, _row_before=_row_before,
                      _bits=_bits, _ranks=_ranks, _put=_put, _get=_get,
-                     _count_before=_count_before, _write_at=_write_at)
+                     _count_before=_count_before, _write_at=_write_at, _cheaper=_cheaper,
+                     _choose=_choose)
 
     @triton.jit
     def cut_mark(a, b, a32, b32, n, mask, stats, firsts, lasts, words, slot_pos, slot_byte,
@@ -630,10 +712,12 @@ def _build(triton, tl) -> _Kernels:
         tl.store(tiles + 5 * ntiles + t, tl.sum((count > CAP).to(tl.int64)))
 
     @triton.jit
-    def cut_offsets(stats, before, tiles, starts, totals, blocks, ntiles, TILE: tl.constexpr,
-                    MAXT: tl.constexpr):
+    def cut_offsets(stats, before, tiles, starts, totals, blocks, ntiles, n,
+                    TILE: tl.constexpr, MAXT: tl.constexpr, ITEM: tl.constexpr,
+                    IDX: tl.constexpr):
         # each block's offsets (exclusive: values, escapes, gap bytes) and the last change
-        # before it; the tiles' figures are few, every program scans them all
+        # before it; the tiles' figures are few, every program scans them all. Program 0
+        # writes the totals and the encoding ``pick_encoding`` would choose from them
         t = tl.program_id(0).to(tl.int64)
         j = tl.arange(0, MAXT)
         there = j < ntiles
@@ -649,6 +733,9 @@ def _build(triton, tl) -> _Kernels:
             tl.store(totals + 1, tl.sum(te))
             tl.store(totals + 2, tl.sum(tg))
             tl.store(totals + 3, tl.sum(tl.load(tiles + 5 * ntiles + j, mask=there, other=0)))
+            enc, size = _choose(n, tl.sum(tc), tl.sum(te), tl.sum(tg), ITEM, IDX)
+            tl.store(totals + 4, enc)
+            tl.store(totals + 5, size)
         earlier = j < t
         mine = j == t
         i = t * TILE + tl.arange(0, TILE)
@@ -742,16 +829,41 @@ def _build(triton, tl) -> _Kernels:
                             rem = rem & (rem - 1)
 
     @triton.jit
+    def zero_gaps(out, totals, room, ENC: tl.constexpr, ZB: tl.constexpr):
+        # before a speculative GAPS write (slot_write, SPEC): the gap section's skip bytes
+        # are 0s; zero the whole section (its value bytes are written over after)
+        j = tl.program_id(0).to(tl.int64) * ZB + tl.arange(0, ZB)
+        go = ((tl.load(totals + 4) == ENC) & (tl.load(totals + 3) == 0)
+              & (tl.load(totals + 5) <= room))
+        tl.store(out + j, tl.zeros((ZB,), tl.uint8), mask=go & (j < tl.load(totals + 2)))
+
+    @triton.jit
     def slot_write(a, stats, starts, before, blocks, slot_pos, slot_byte, index, values,
-                   escapes, INDEX: tl.constexpr, DIFF8: tl.constexpr, ALIGNED: tl.constexpr,
-                   ESC_ALIGNED: tl.constexpr, ITEM: tl.constexpr, BLOCK: tl.constexpr,
-                   CAP: tl.constexpr, GROUP: tl.constexpr, SUB: tl.constexpr):
+                   escapes, totals, room, INDEX: tl.constexpr, DIFF8: tl.constexpr,
+                   ALIGNED: tl.constexpr, ESC_ALIGNED: tl.constexpr, ITEM: tl.constexpr,
+                   BLOCK: tl.constexpr, CAP: tl.constexpr, GROUP: tl.constexpr,
+                   SUB: tl.constexpr, SPEC: tl.constexpr, ENC: tl.constexpr,
+                   IDX: tl.constexpr):
         # GROUP blocks of at most CAP changes a program: the payload from their slots
         # (gaps from consecutive positions, ranks by cumsums), SUB slot entries of each
         # block a step, as many steps as the most changes among them (not CAP: lanes
-        # cost, masked or not); new is read only for whole values (escapes, or no DIFF8)
+        # cost, masked or not); new is read only for whole values (escapes, or no DIFF8).
+        # SPEC: launched before the host knows the totals; writes only where the device's
+        # choice (``totals``, cut_offsets) is this encoding, no block overflowed and the
+        # payload fits ``room`` bytes; the sections' offsets come from the totals
+        # (``values`` and ``escapes`` are then the payload's first byte, written bytewise)
         g = tl.program_id(0).to(tl.int64) * GROUP + tl.arange(0, GROUP)
         there = g < blocks
+        if SPEC:
+            go = ((tl.load(totals + 4) == ENC) & (tl.load(totals + 3) == 0)
+                  & (tl.load(totals + 5) <= room))
+            there = there & go
+            total = tl.load(totals)
+            nindex = total * IDX
+            if INDEX == 2:
+                nindex = tl.load(totals + 2)
+            values += nindex
+            escapes = values + total
         count = tl.load(stats + g, mask=there, other=0).to(tl.int32)
         count = tl.where(there & (count <= CAP), count, 0)  # over CAP: cut_write's
         rank0 = tl.load(starts + g, mask=there, other=0)
@@ -954,7 +1066,7 @@ def _build(triton, tl) -> _Kernels:
             i = first + loc
             tl.store(target + (i // cols) * stride + i % cols, v, mask=keep)
 
-    return _Kernels(cut_mark, cut_tiles, cut_offsets, cut_write, slot_write, gap_sums,
+    return _Kernels(cut_mark, cut_tiles, cut_offsets, cut_write, zero_gaps, slot_write, gap_sums,
                     gap_locate, pos_sums, apply_gaps, apply_index, compact, count_bits,
                     apply_bitmask)
 

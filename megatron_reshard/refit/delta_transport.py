@@ -216,7 +216,7 @@ def encode(new: torch.Tensor, old: torch.Tensor) -> tuple[int, int, Optional[tor
 def _encode_on_gpu(nb: torch.Tensor, ob: torch.Tensor) -> tuple[int, int, Optional[torch.Tensor]]:
     """``encode`` by the kernels: the totals read once, the same choice, the same bytes."""
     numel, itemsize = nb.numel(), nb.element_size()
-    cut = delta_kernels.Cut(nb, ob)
+    cut = delta_kernels.Cut(nb, ob, index_bytes(numel))
     count = cut.count
     if count == 0:
         return 0, NONE, None
@@ -227,6 +227,8 @@ def _encode_on_gpu(nb: torch.Tensor, ob: torch.Tensor) -> tuple[int, int, Option
     kind = enc & 7
     if kind == DENSE:
         return count, DENSE, nb.view(torch.uint8)
+    if cut.speculated is not None and cut.speculated[0] == enc:
+        return count, enc, cut.speculated[1]  # written before the totals were read
     index = {POSITIONS: "positions", GAPS: "gaps", BITMASK: "bitmask"}[kind]
     return count, enc, cut.payload(index, bool(enc & DIFF8), index_bytes(numel))
 
