@@ -330,6 +330,27 @@ def test_the_cut_writes_the_chosen_payload_before_it_reads_its_totals(
         _apply_into_column_block(_as(new, itemsize), _as(old, itemsize), *got, dev)
 
 
+def test_a_guessed_gaps_payload_writes_its_skip_bytes_as_zeros(device, monkeypatch):
+    """Skip bytes (gaps over 255, and the gap before a block's first change, blocks away)
+    in a GAPS payload written before the totals were read: every new tensor the cut takes
+    starts as garbage (0x5A bytes), so a skip byte left unwritten would show."""
+    dev, _ = device
+    n = 40_000
+    at = list(range(0, 8000, 40)) + [8000 + 255, 8000 + 766, 9000, 15_000, 30_000, n - 1]
+    old = (torch.arange(n, dtype=torch.int32) * 37 % 30011).to(torch.int16)
+    new = old.clone()
+    new[at] += 1
+    new, old = new.to(dev), old.to(dev)
+    real = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: real(*a, **k).fill_(0x5A))
+    cut = delta_kernels.Cut(new, old, 4)
+    assert cut.chosen == GAPS | DIFF8 and cut.speculated is not None and cut.skips > 0
+    monkeypatch.setattr(torch, "empty", real)
+    want = _torch_path(monkeypatch, encode, _as(new, 2).cpu(), _as(old, 2).cpu())
+    assert want[1] == GAPS | DIFF8
+    assert torch.equal(cut.speculated[1].cpu(), want[2])
+
+
 def test_a_payload_over_the_room_of_the_guess_takes_the_second_pass(device, monkeypatch):
     """A payload larger than ``Cut.room()`` is not written speculatively; the second pass
     writes it, the same bytes."""

@@ -56,7 +56,7 @@ SLOT_ENTRIES = 1024  # slot entries per step of a slot_write program
 SLOT_SUB = 32  # of each block's slot a step
 SLOT_WARPS = 8  # (2048 entries on 4 warps spilled registers: twice the time on an H200)
 _ROOM = 16  # a speculative payload takes up to 1/_ROOM of the region's bytes (Cut.room)
-_ZB = 8192  # bytes per program of zero_gaps
+_ZB = 4096  # bytes a step of slot_write's zeroing of a speculative gap section
 # the encodings a cut writes before the host reads its totals (Cut, speculate): those the
 # slots give, with DIFF8 but for 1-byte elements (delta_transport's codes: GAPS 4,
 # POSITIONS 1, DIFF8 8), each with its INDEX (2 gaps, 1 positions) for slot_write
@@ -210,9 +210,6 @@ class Cut:
             # scan and the payload (the host reads the totals once, after both)
             out = torch.empty(room, dtype=torch.uint8, device=dev)
             for enc, index in _SPECULATED[item > 1]:
-                if index == 2:
-                    k.zero_gaps[(-(-room // _ZB),)](out, totals, room, ENC=enc, ZB=_ZB,
-                                                    num_warps=4)
                 where = out if index == 2 else out.view(_INTS[index_size])
                 self._slots(where, out, out, index, enc > 8, False, False, totals, room,
                             enc, index_size)
@@ -239,7 +236,7 @@ class Cut:
             self.slot_byte, where, values, escapes, totals, room, INDEX=index, DIFF8=diff8,
             ALIGNED=aligned, ESC_ALIGNED=esc_aligned, ITEM=self.a.element_size(),
             BLOCK=BLOCK, CAP=self.cap, GROUP=group, SUB=sub, SPEC=enc > 0, ENC=enc,
-            IDX=index_size, num_warps=SLOT_WARPS)
+            IDX=index_size, ZB=_ZB, num_warps=SLOT_WARPS)
 
     def payload(self, index: str, diff8: bool, index_size: int = 4) -> torch.Tensor:
         """The payload with index ``"gaps"``, ``"positions"`` (``index_size`` bytes each)
@@ -391,7 +388,6 @@ class _Kernels(NamedTuple):
     cut_tiles: object
     cut_offsets: object
     cut_write: object
-    zero_gaps: object
     slot_write: object
     gap_sums: object
     gap_locate: object
@@ -829,21 +825,12 @@ def _build(triton, tl) -> _Kernels:
                             rem = rem & (rem - 1)
 
     @triton.jit
-    def zero_gaps(out, totals, room, ENC: tl.constexpr, ZB: tl.constexpr):
-        # before a speculative GAPS write (slot_write, SPEC): the gap section's skip bytes
-        # are 0s; zero the whole section (its value bytes are written over after)
-        j = tl.program_id(0).to(tl.int64) * ZB + tl.arange(0, ZB)
-        go = ((tl.load(totals + 4) == ENC) & (tl.load(totals + 3) == 0)
-              & (tl.load(totals + 5) <= room))
-        tl.store(out + j, tl.zeros((ZB,), tl.uint8), mask=go & (j < tl.load(totals + 2)))
-
-    @triton.jit
     def slot_write(a, stats, starts, before, blocks, slot_pos, slot_byte, index, values,
                    escapes, totals, room, INDEX: tl.constexpr, DIFF8: tl.constexpr,
                    ALIGNED: tl.constexpr, ESC_ALIGNED: tl.constexpr, ITEM: tl.constexpr,
                    BLOCK: tl.constexpr, CAP: tl.constexpr, GROUP: tl.constexpr,
                    SUB: tl.constexpr, SPEC: tl.constexpr, ENC: tl.constexpr,
-                   IDX: tl.constexpr):
+                   IDX: tl.constexpr, ZB: tl.constexpr):
         # GROUP blocks of at most CAP changes a program: the payload from their slots
         # (gaps from consecutive positions, ranks by cumsums), SUB slot entries of each
         # block a step, as many steps as the most changes among them (not CAP: lanes
@@ -864,6 +851,19 @@ def _build(triton, tl) -> _Kernels:
                 nindex = tl.load(totals + 2)
             values += nindex
             escapes = values + total
+            if INDEX == 2:
+                # the group's share of the gap section, [its first block's offset, the next
+                # group's), zeroed first: its skip bytes are 0s, its value bytes come below
+                g0 = tl.program_id(0).to(tl.int64) * GROUP
+                lo = tl.load(starts + 2 * blocks + g0)
+                hi = tl.load(starts + 2 * blocks + tl.minimum(g0 + GROUP, blocks - 1))
+                hi = tl.where(go, tl.where(g0 + GROUP < blocks, hi, tl.load(totals + 2)), lo)
+                z = lo
+                while z < hi:
+                    zj = z + tl.arange(0, ZB)
+                    tl.store(index + zj, tl.zeros((ZB,), tl.uint8), mask=zj < hi)
+                    z += ZB
+                tl.debug_barrier()  # the zeros before any value byte of the group
         count = tl.load(stats + g, mask=there, other=0).to(tl.int32)
         count = tl.where(there & (count <= CAP), count, 0)  # over CAP: cut_write's
         rank0 = tl.load(starts + g, mask=there, other=0)
@@ -1066,7 +1066,7 @@ def _build(triton, tl) -> _Kernels:
             i = first + loc
             tl.store(target + (i // cols) * stride + i % cols, v, mask=keep)
 
-    return _Kernels(cut_mark, cut_tiles, cut_offsets, cut_write, zero_gaps, slot_write, gap_sums,
+    return _Kernels(cut_mark, cut_tiles, cut_offsets, cut_write, slot_write, gap_sums,
                     gap_locate, pos_sums, apply_gaps, apply_index, compact, count_bits,
                     apply_bitmask)
 
