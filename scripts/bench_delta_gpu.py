@@ -9,17 +9,20 @@ random places). Timed, median of ``--iters`` with the device synchronised (a cut
 its one host read of the count):
 
 - ``cut``: ``refit.delta_transport.encode(new, old)`` (on CUDA: ``refit.delta_kernels.Cut``,
-  whose scan of the region and host read of the totals are also timed alone as ``find``,
-  its one kernel over the region, ``cut_mark``, alone as ``scan``, then its ``payload``
-  alone as ``write``), and the torch path (``MEGATRON_RESHARD_DELTA_KERNELS=0``);
+  whose scan of the region, the payload it writes before its one host read where the
+  device's choice allows, and that read are also timed alone as ``find``; its one kernel
+  over the region, ``cut_mark``, alone as ``scan``; the second pass, ``Cut.payload``,
+  alone as ``write``: the path of a payload not written before the read), and the torch
+  path (``MEGATRON_RESHARD_DELTA_KERNELS=0``);
 - ``apply``: ``apply`` of that payload into a contiguous copy of ``old`` and into a column
   block (half the columns of a [rows, 2 x cols] tensor), and the torch path's apply;
 - ``memcpy``: ``dst.copy_(src)`` of the region's bytes.
 
 GB/s are of the region scanned (its bytes / time). ``cut+apply``: the region over the sum
 of both times. The last columns give the parts in µs: ``cut``, ``scan``, ``find``, ``write``
-(the payload written from one ``Cut``), ``apply`` (contiguous). Each payload is checked byte for byte against the torch path's, and each
-apply bit for bit against ``new``.
+(the second pass from one ``Cut``), ``apply`` (contiguous). Each payload is checked byte
+for byte against the torch path's, and each apply bit for bit against ``new``. The GPU's
+clock varies between runs (cut + apply ±10%): compare figures of one run, or several.
 """
 
 from __future__ import annotations

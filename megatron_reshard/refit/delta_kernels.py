@@ -15,13 +15,17 @@ byte) from the copies of new and old its loads just brought into the caches, and
 its escapes and skip bytes from the list; a block over the cap (dense changes) counts them
 per element. Two small kernels over the per-block figures (``cut_tiles`` per tile of
 blocks, ``cut_offsets`` over the few tiles) give each block the change before it (so the
-skip bytes of the gap across its boundary) and its offsets in the payload's sections; the
-totals are the one host read (the header and the choice of encoding need them).
-``slot_write`` then writes the chosen encoding (GAPS or POSITIONS index, DIFF8 differences
-and escapes or whole values) from the slots, each block at its offsets, reading new only
-for whole values; ``cut_write`` writes the blocks over the cap from the bitmask and new and
-old (a 16-element word a lane, the changes of a word in turn). Scratch per element of the
-region: 1/8 byte of bitmask, 11/32 of listed words and slots, freed with the ``Cut``.
+skip bytes of the gap across its boundary) and its offsets in the payload's sections, and
+choose the encoding from the totals as ``delta_transport.pick_encoding`` does.
+``slot_write`` writes that encoding (GAPS or POSITIONS index, DIFF8 differences and
+escapes or whole values) from the slots, each block at its offsets, reading new only for
+whole values, in the same queue, before the host reads the totals (the one host read):
+launched for each encoding the slots give, a launch writes only if the device chose it,
+no block went over its slot and the payload fits ``Cut.room()``; otherwise ``payload``
+writes it after the read (``slot_write`` from the slots, ``cut_write`` the blocks over the
+cap from the bitmask and new and old: a 16-element word a lane, the changes of a word in
+turn). Scratch per element of the region: 1/8 byte of bitmask, 11/32 of listed words and
+slots, freed with the ``Cut``.
 
 Apply (``apply_sparse``, GAPS or POSITIONS, with DIFF8 or whole values): GAPS: ``gap_sums``
 (per chunk of payload bytes: values, the distance advanced, 0x80 bytes), one flat cumsum,
