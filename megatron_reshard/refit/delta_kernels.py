@@ -61,7 +61,7 @@ SLOT_SUB = 32  # of each block's slot a step
 SLOT_WARPS = 8  # (2048 entries on 4 warps spilled registers: twice the time on an H200)
 _ROOM = 16  # a speculative payload takes up to 1/_ROOM of the region's bytes (Cut.room)
 _ZB = 4096  # bytes a step of slot_write's zeroing of a speculative gap section
-# the encodings a cut writes before the host reads its totals (Cut, speculate): those the
+# the encodings a cut writes before the host reads its totals (Cut.speculated): those the
 # slots give, with DIFF8 but for 1-byte elements (delta_transport's codes: GAPS 4,
 # POSITIONS 1, DIFF8 8), each with its INDEX (2 gaps, 1 positions) for slot_write
 _SPECULATED = {True: ((12, 2), (9, 1)), False: ((4, 2), (1, 1))}
@@ -162,15 +162,13 @@ def _value_sections(values: torch.Tensor, count: int, item: int, diff8: bool) ->
 
 class Cut:
     """One region's changes found (``cut_mark`` and the per-block offsets) and its totals
-    read: ``count``, ``skips`` (GAPS skip bytes), ``escapes`` (DIFF8), ``chosen`` (the
-    encoding the device chose from them, as ``delta_transport.pick_encoding``), and ``speculated``:
-    ``(encoding, payload)`` written in the same queue before that read (``speculate``), the
-    encoding the device chose as ``delta_transport.pick_encoding`` does, or None where it
-    chose none that the slots give or the payload did not fit ``room()``. ``payload``
-    writes any encoding after the read."""
+    read once: ``count``, ``skips`` (GAPS skip bytes), ``escapes`` (DIFF8), ``chosen`` (the
+    encoding the device chose from them, as ``delta_transport.pick_encoding`` does) and
+    ``speculated``: ``(encoding, payload)`` written in the same queue before that read, or
+    None where the slots do not give the chosen encoding or its payload overran
+    ``room()``. ``payload`` writes any encoding after the read."""
 
-    def __init__(self, new: torch.Tensor, old: torch.Tensor, index_size: int = 4,
-                 speculate: bool = True):
+    def __init__(self, new: torch.Tensor, old: torch.Tensor, index_size: int = 4):
         a = _flat_bits(new)
         b = _flat_bits(old if old.device == new.device else old.to(new.device))
         self.a, self.b, self.n = a, b, a.numel()
@@ -207,23 +205,21 @@ class Cut:
                                 MAXT=max(16, 1 << (tiles - 1).bit_length()), ITEM=item,
                                 IDX=index_size, num_warps=4)
         self.blocks, self.cap = blocks, cap
-        room, out = self.room(), None
-        if speculate:
-            # the payload in the same queue, for each encoding the slots can give, each
-            # launch writing only if the device chose it: no host round trip between the
-            # scan and the payload (the host reads the totals once, after both)
-            out = torch.empty(room, dtype=torch.uint8, device=dev)
-            for enc, index in _SPECULATED[item > 1]:
-                where = out if index == 2 else out.view(_INTS[index_size])
-                self._slots(where, out, out, index, enc > 8, False, False, totals, room,
-                            enc, index_size)
+        # the payload in the same queue, for each encoding the slots can give, each launch
+        # writing only if the device chose it: no host round trip between the scan and the
+        # payload (the host reads the totals once, after both)
+        room = self.room()
+        out = torch.empty(room, dtype=torch.uint8, device=dev)
+        for enc, index in _SPECULATED[item > 1]:
+            where = out if index == 2 else out.view(_INTS[index_size])
+            self._slots(where, out, out, index, enc > 8, False, False, totals, room, enc,
+                        index_size)
         # the one host read
         (self.count, self.escapes, gap_bytes, self.overflowed, enc,
          size) = totals.tolist()
         self.skips = gap_bytes - self.count
         self.chosen, self.speculated = enc, None
-        if (out is not None and not self.overflowed and size <= room
-                and enc in _SPECULATED_CODES[item > 1]):
+        if not self.overflowed and size <= room and enc in _SPECULATED_CODES[item > 1]:
             self.speculated = (enc, out[:size])
 
     def room(self) -> int:
