@@ -416,6 +416,10 @@ def _gaps_payload(gap_bytes, diffs, whole=b""):
      + [1, 1], "names elements outside its 500-element box"),
     (2, POSITIONS | DIFF8, torch.tensor([3, -1], dtype=torch.int32).view(torch.uint8).tolist()
      + [1, 1], "outside"),
+    (2, POSITIONS | DIFF8, torch.tensor([3, 4], dtype=torch.int32).view(torch.uint8).tolist()
+     + [0x80, 1], "2 differences with 1 escapes carries 0 bytes of whole values"),
+    (2, POSITIONS | DIFF8, torch.tensor([3, 4], dtype=torch.int32).view(torch.uint8).tolist()
+     + [1], "2 differences carries 1 bytes after its index"),
 ])
 def test_bad_sparse_deltas_are_refused_before_anything_is_written(device, count, enc, payload,
                                                                   match):

@@ -33,11 +33,11 @@ Apply (``apply_sparse``, GAPS or POSITIONS, with DIFF8 or whole values): GAPS: `
 ``apply_gaps`` checks those figures itself, as the host checks them after, and writes
 nothing unless all of them hold: the launches queue without a host round trip, and the one
 host read after them raises for a delta that did not fit (nothing written). POSITIONS:
-``pos_sums`` (per chunk: bad positions, escapes), a cumsum, the host read and checks, then
-``apply_index``. Both decode each chunk's positions and add the differences (or write
-the values) in place. BITMASK: ``bitmask_counts`` (checked against the header),
-then ``apply_bitmask`` writes whole values, or ``bitmask_positions`` feeds the DIFF8 steps
-to ``apply_sparse``. A strided view is handled when it folds into rows of unit stride
+``pos_sums`` (per chunk: bad positions, escapes), a cumsum, then ``apply_index``, which
+checks those sums itself and writes nothing unless they hold; the host read after. Both
+decode each chunk's positions and add the differences (or write the values) in place.
+BITMASK: ``bitmask_counts`` (checked against the header), then ``apply_bitmask`` writes
+whole values, or ``bitmask_positions`` feeds the DIFF8 steps to ``apply_sparse``. A strided view is handled when it folds into rows of unit stride
 (``rows_form``: a TP shard's column block); any other view takes the torch path.
 """
 
@@ -320,28 +320,33 @@ def apply_sparse(view: torch.Tensor, count: int, gaps: bool, diff8: bool,
         start = count * index_size
     else:
         index, index_aligned, index_size, start = positions, True, 8, 0
+    whole = nbytes - start - count * (1 if diff8 else item)
+    if diff8 and whole < 0:
+        raise _bad_delta(f"a delta of {count} differences carries {nbytes - start} bytes "
+                         f"after its index")
+    if not diff8 and whole != 0:
+        raise _bad_delta(f"a delta of {count} values carries {nbytes - start} bytes")
     chunks = max(1, -(-count // CHUNK))
     sums = torch.empty(2, chunks, dtype=torch.int64, device=dev)
     k.pos_sums[(chunks,)](index, payload[start:], count, numel, sums, chunks, DIFF8=diff8,
                           ALIGNED=index_aligned, IDX=index_size, CHUNK=CHUNK,
                           num_warps=APPLY_WARPS)
     ends = torch.cumsum(sums.view(-1), 0)
+    # no host read before: apply_index checks the positions and the escapes itself and
+    # writes nothing unless they hold, so the launches queue back to back
+    values, aligned, escaped, esc_aligned = _value_sections(payload[start:], count, item, diff8)
+    k.apply_index[(chunks,)](
+        target, index, values, escaped, count, ends, chunks, form.cols, form.stride, whole,
+        DIFF8=diff8, IDX_ALIGNED=index_aligned, IDX=index_size, ALIGNED=aligned,
+        ESC_ALIGNED=esc_aligned, CONTIG=form.rows == 1, STEP=_step_type(item), ITEM=item,
+        CHUNK=CHUNK, num_warps=APPLY_WARPS)
     bad, upto = ends.view(2, chunks)[:, -1].tolist()  # the one host read
     escapes = upto - bad
     if bad:
         raise _bad_delta(f"a positions delta names elements outside its {numel}-element box")
-    whole = nbytes - start - count * (1 if diff8 else item)
     if diff8 and whole != escapes * item:
         raise _bad_delta(f"a delta of {count} differences with {escapes} escapes carries "
                          f"{whole} bytes of whole values")
-    if not diff8 and whole != 0:
-        raise _bad_delta(f"a delta of {count} values carries {nbytes - start} bytes")
-    values, aligned, escaped, esc_aligned = _value_sections(payload[start:], count, item, diff8)
-    k.apply_index[(chunks,)](
-        target, index, values, escaped, count, ends, chunks, form.cols, form.stride,
-        DIFF8=diff8, IDX_ALIGNED=index_aligned, IDX=index_size, ALIGNED=aligned,
-        ESC_ALIGNED=esc_aligned, CONTIG=form.rows == 1, STEP=_step_type(item), ITEM=item,
-        CHUNK=CHUNK, num_warps=APPLY_WARPS)
     return True
 
 
@@ -1008,14 +1013,21 @@ def _build(triton, tl) -> _Kernels:
             _write_at(target, at, keep, v, small, esc, cols, stride, CONTIG, DIFF8, STEP)
 
     @triton.jit
-    def apply_index(target, index, values, escapes, count, ends, chunks, cols, stride,
+    def apply_index(target, index, values, escapes, count, ends, chunks, cols, stride, whole,
                     DIFF8: tl.constexpr, IDX_ALIGNED: tl.constexpr, IDX: tl.constexpr,
                     ALIGNED: tl.constexpr, ESC_ALIGNED: tl.constexpr, CONTIG: tl.constexpr,
                     STEP: tl.constexpr, ITEM: tl.constexpr, CHUNK: tl.constexpr):
-        # one chunk of ``count`` positions: the escapes' ranks, then in place
+        # one chunk of ``count`` positions: the escapes' ranks, then in place. pos_sums'
+        # totals (``ends``: positions outside the box, then escapes) are checked here, by
+        # every program, as the host checks them after: a delta that does not fit its box
+        # or its ``whole`` bytes of escaped values writes nothing
         j = tl.program_id(0).to(tl.int64)
+        bad = tl.load(ends + chunks - 1)
+        good = bad == 0
+        if DIFF8:
+            good = good & (whole == (tl.load(ends + 2 * chunks - 1) - bad) * ITEM)
         i = j * CHUNK + tl.arange(0, CHUNK)
-        keep = i < count
+        keep = (i < count) & good
         at = _get(index, 0, i, keep, tl.zeros((CHUNK,), tl.int64), IDX_ALIGNED, IDX)
         like = tl.zeros((CHUNK,), target.dtype.element_ty)
         small = keep  # DIFF8 sets both, below
