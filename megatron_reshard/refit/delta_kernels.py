@@ -37,8 +37,9 @@ host read after them raises for a delta that did not fit (nothing written). POSI
 checks those sums itself and writes nothing unless they hold; the host read after. Both
 decode each chunk's positions and add the differences (or write the values) in place.
 BITMASK: ``bitmask_counts`` (checked against the header), then ``apply_bitmask`` writes
-whole values, or ``bitmask_positions`` feeds the DIFF8 steps to ``apply_sparse``. A strided view is handled when it folds into rows of unit stride
-(``rows_form``: a TP shard's column block); any other view takes the torch path.
+whole values, or ``bitmask_positions`` feeds the DIFF8 steps to ``apply_sparse``. A
+strided view is handled when it folds into rows of unit stride (``rows_form``: a TP shard's
+column block); any other view takes the torch path.
 """
 
 from __future__ import annotations
