@@ -442,8 +442,8 @@ def _build(triton, tl) -> _Kernels:
         return x ^ (x >> 1)
 
     @triton.jit
-    def _sum_max(a0, a1, b0, b1):
-        return a0 + b0, tl.maximum(a1, b1)
+    def _sum_max_min_max(a0, a1, a2, a3, b0, b1, b2, b3):
+        return a0 + b0, tl.maximum(a1, b1), tl.minimum(a2, b2), tl.maximum(a3, b3)
 
     @triton.jit
     def _max_before(av, ap, bv, bp):
@@ -572,7 +572,8 @@ def _build(triton, tl) -> _Kernels:
 
     # the kernels find the helpers they call among the module's globals, not in closures
     globals().update(_local=_local, _lanes=_lanes, _popcount=_popcount, _bit_index=_bit_index,
-                     _top_bit=_top_bit, _max_before=_max_before, _sum_max=_sum_max,
+                     _top_bit=_top_bit, _max_before=_max_before,
+                     _sum_max_min_max=_sum_max_min_max,
                      _words_before=_words_before,
                      _row=_row, _row_before=_row_before,
                      _bits=_bits, _ranks=_ranks, _put=_put, _get=_get,
@@ -624,7 +625,10 @@ def _build(triton, tl) -> _Kernels:
         # barriers): changes and non-zero words packed in one sum, with the most changes
         # of a word (the loop below) in the same pass
         both = pop + ((word != 0).to(tl.int32) << 16)
-        total, most = tl.reduce((both, pop), 0, _sum_max)
+        # the block's first and last change in the same pass (block-local; none: BLOCK, -1)
+        low = tl.where(word != 0, w * 16 + _bit_index(word & -word), BLOCK)
+        top = tl.where(word != 0, w * 16 + _bit_index(_top_bit(word)), -1)
+        total, most, low, top = tl.reduce((both, pop, low, top), 0, _sum_max_min_max)
         count = total & 0xFFFF
         if count <= CAP:
             # list the non-zero words: rank of their first change << 32 | index << 16 | bits
@@ -667,11 +671,6 @@ def _build(triton, tl) -> _Kernels:
             packed = tl.sum(skip + (escaped << 16))
             skips = packed & 0xFFFF
             escapes = packed >> 16
-            ends = tl.load(listed, mask=nnz > 0, other=0, cache_modifier=".cg").to(tl.int32)
-            low = tl.where(nnz > 0, (ends >> 16) * 16 + _bit_index(ends & -ends & 0xFFFF), BLOCK)
-            ends = tl.load(listed + tl.maximum(nnz - 1, 0), mask=nnz > 0, other=0,
-                           cache_modifier=".cg").to(tl.int32)
-            top = tl.where(nnz > 0, (ends >> 16) * 16 + _bit_index(_top_bit(ends & 0xFFFF)), -1)
         else:  # over CAP: cut_write reads new and old again; escapes and skips per element
             # (names apart from the other branch's: Triton types a name once per if)
             xa = tl.load(pa + loc, mask=inside, other=0)
@@ -679,10 +678,8 @@ def _build(triton, tl) -> _Kernels:
             steps = xa.to(STEP) - xb.to(STEP)
             escapes = tl.sum(tl.sum(((xa != xb) & ((steps < -127) | (steps > 127))).to(tl.int32),
                                     axis=1))
-            has, wlo, whi, prev = _words_before(word, BLOCK)
+            has, wlo, _, prev = _words_before(word, BLOCK)
             skips = tl.sum(tl.where(has & (prev >= 0), (wlo - prev - 1) // 255, 0))
-            low = tl.min(tl.where(has, wlo, BLOCK))
-            top = tl.max(whi)
         tl.store(stats + block, count.to(tl.int64))
         tl.store(stats + blocks + block, escapes.to(tl.int64))
         tl.store(stats + 2 * blocks + block, skips.to(tl.int64))
