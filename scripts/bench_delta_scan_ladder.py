@@ -41,7 +41,9 @@ def l_read(a, b, n, out, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def l_mark(a, b, n, mask, out, BLOCK: tl.constexpr, RUNG: tl.constexpr):
+def _marked_block(a, b, n, mask, BLOCK: tl.constexpr):
+    # a program's block of new and old as [BLOCK // 16, 16] tiles, compared, its bitmask
+    # words stored: (block, first element, new, old, changed, words)
     block = tl.program_id(0).to(tl.int64)
     first = block * BLOCK
     loc = _lanes(BLOCK)
@@ -51,6 +53,12 @@ def l_mark(a, b, n, mask, out, BLOCK: tl.constexpr, RUNG: tl.constexpr):
     d = va != vb
     word = tl.sum(d.to(tl.int32) << tl.arange(0, 16)[None, :], axis=1)
     tl.store(mask + block * (BLOCK // 16) + tl.arange(0, BLOCK // 16), word.to(tl.int16))
+    return block, first, va, vb, d, word
+
+
+@triton.jit
+def l_mark(a, b, n, mask, out, BLOCK: tl.constexpr, RUNG: tl.constexpr):
+    block, first, va, vb, d, word = _marked_block(a, b, n, mask, BLOCK)
     if RUNG >= 1:
         tl.store(out + block, tl.sum(_popcount(word)))
     if RUNG >= 2:
@@ -63,17 +71,9 @@ def l_mark(a, b, n, mask, out, BLOCK: tl.constexpr, RUNG: tl.constexpr):
 
 @triton.jit
 def l_old(a, b, n, mask, stats, firsts, lasts, blocks, STEP: tl.constexpr, BLOCK: tl.constexpr):
-    block = tl.program_id(0).to(tl.int64)
-    first = block * BLOCK
-    loc = _lanes(BLOCK)
-    inside = loc < n - first
-    va = tl.load(a + first + loc, mask=inside, other=0)
-    vb = tl.load(b + first + loc, mask=inside, other=0)
-    d = va != vb
+    block, first, va, vb, d, word = _marked_block(a, b, n, mask, BLOCK)
     step = va.to(STEP) - vb.to(STEP)
     escaped = d & ((step < -127) | (step > 127))
-    word = tl.sum(d.to(tl.int32) << tl.arange(0, 16)[None, :], axis=1)
-    tl.store(mask + block * (BLOCK // 16) + tl.arange(0, BLOCK // 16), word.to(tl.int16))
     has, lo, last, prev = _words_before(word, BLOCK)
     skips = tl.where(has & (prev >= 0), (lo - prev - 1) // 255, 0)
     both = (_popcount(word) + (tl.sum(escaped.to(tl.int32), axis=1) << 16)).to(tl.int64)
