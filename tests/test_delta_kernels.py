@@ -438,3 +438,71 @@ def test_bad_sparse_deltas_are_refused_before_anything_is_written(device, count,
             os.environ.pop("MEGATRON_RESHARD_DELTA_KERNELS", None)
         assert not bool(view.view(torch.int16).any())
     assert "apply_sparse" in calls
+
+
+_REGIONS = [  # (n, fraction, itemsize, escapes): a batch's regions of several kinds
+    (20_000, 0.01, 2, 0.01), (4096 * 3, 0.0, 2, 0.0), (40_000, 0.018, 2, 0.01),
+    (9_001, 0.3, 2, 0.0), (777, 0.02, 8, 0.0), (333, 0.2, 1, 0.3), (1000, 1.0, 2, 0.0),
+    (40_000, 0.001, 4, 0.5)]
+
+
+def _regions(dev):
+    return [_pair(n, f, item, seed, dev, esc) for seed, (n, f, item, esc) in enumerate(_REGIONS)]
+
+
+@pytest.mark.parametrize("group_bytes", [1 << 30, 50_000])  # one host read, or several
+def test_regions_cut_together_are_each_regions_own_bytes(device, monkeypatch, group_bytes):
+    """``encode_many`` (the mover's cut: one host read per group of regions) gives each
+    region the torch path's ``encode`` of it alone, byte for byte."""
+    dev, calls = device
+    monkeypatch.setattr(dt, "GROUP_BYTES", group_bytes)
+    groups = []
+    real = delta_kernels.cut_many
+    monkeypatch.setattr(delta_kernels, "cut_many",
+                        lambda pairs, sizes: groups.append(len(pairs)) or real(pairs, sizes))
+    pairs = _regions(dev)
+    got = dt.encode_many(pairs)
+    for (new, old), cut in zip(pairs, got):
+        _same_cut(cut, _torch_path(monkeypatch, encode, new.cpu(), old.cpu()))
+    # a group ends once its regions reach GROUP_BYTES (bytes: 40,000, 24,576 | 80,000 | ...)
+    assert groups == ([len(pairs)] if group_bytes >= 1 << 30 else [2, 1, 5]), groups
+
+
+def test_regions_applied_together_are_checked_under_their_labels(device, monkeypatch):
+    """``apply_many`` writes each region bit-exact (a row of a column block each); a bad
+    delta among them is refused under its label, its view untouched, the regions before it
+    written, on the kernels' path (one host read after all the launches) as on the torch
+    path."""
+    dev, calls = device
+    bad = 2  # a GAPS + DIFF8 region, its header one change more than its payload carries
+    for path in ("kernels", "torch"):
+        where = dev if path == "kernels" else torch.device("cpu")
+        pairs = _regions(where)
+        cuts = _torch_path(monkeypatch, lambda: [encode(n.cpu(), o.cpu()) for n, o in pairs])
+        assert cuts[bad][1] == GAPS | DIFF8
+        walls = [torch.zeros(3, new.numel() + 5, dtype=new.dtype, device=where)
+                 for new, _ in pairs]
+        views = [wall[1, 2:new.numel() + 2] for wall, (new, _) in zip(walls, pairs)]
+        labels = [f"region {k}" for k in range(len(pairs))]
+
+        def items(wrong):
+            out = [(view, count + (k == wrong), enc, None if p is None else p.to(where))
+                   for k, (view, (count, enc, p)) in enumerate(zip(views, cuts))]
+            for view, (_, old) in zip(views, pairs):
+                view.copy_(old)
+            return out
+        if path == "torch":
+            monkeypatch.setenv("MEGATRON_RESHARD_DELTA_KERNELS", "0")
+        try:
+            with pytest.raises(DeltaTransportError, match=f"^region {bad}: "):
+                dt.apply_many(items(bad), labels)
+            for k, ((new, old), view) in enumerate(zip(pairs, views)):
+                if k <= bad:
+                    assert torch.equal(view.cpu(), (old if k == bad else new).cpu()), (path, k)
+            dt.apply_many(items(None), labels)
+        finally:
+            monkeypatch.delenv("MEGATRON_RESHARD_DELTA_KERNELS", raising=False)
+        for (new, _), view, wall in zip(pairs, views, walls):
+            assert torch.equal(view.cpu(), new.cpu()), path
+            assert not bool(wall[0].any()) and not bool(wall[2].any())
+    assert "rows_form" in calls  # the kernels wrote the rows where they lie

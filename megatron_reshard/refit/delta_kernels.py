@@ -167,9 +167,14 @@ class Cut:
     encoding the device chose from them, as ``delta_transport.pick_encoding`` does) and
     ``speculated``: ``(encoding, payload)`` written in the same queue before that read, or
     None where the slots do not give the chosen encoding or its payload overran
-    ``room()``. ``payload`` writes any encoding after the read."""
+    ``room()``. ``payload`` writes any encoding after the read.
 
-    def __init__(self, new: torch.Tensor, old: torch.Tensor, index_size: int = 4):
+    ``totals``: a row of 6 int64 on the device shared with other cuts (``cut_many``): the
+    kernels are launched and the read left to the caller, who passes the row's figures to
+    ``finish``."""
+
+    def __init__(self, new: torch.Tensor, old: torch.Tensor, index_size: int = 4,
+                 totals: Optional[torch.Tensor] = None):
         a = _flat_bits(new)
         b = _flat_bits(old if old.device == new.device else old.to(new.device))
         self.a, self.b, self.n = a, b, a.numel()
@@ -185,12 +190,14 @@ class Cut:
         words, self.mask, pos, self.slot_byte = raw.split(
             [8 * blocks * cap, blocks * BLOCK // 8, 2 * blocks * cap, blocks * cap])
         self.slot_pos = pos.view(torch.int16)
-        figs = torch.empty(9 * blocks + 6 * tiles + 6, dtype=torch.int64, device=dev)
+        read_here = totals is None
+        figs = torch.empty(9 * blocks + 6 * tiles + 6 * read_here, dtype=torch.int64, device=dev)
         # per block: changed, escapes, gap bytes (3 rows); then their offsets (exclusive);
         # the first and last change; the last change before it; per tile figures; the
         # totals (changed, escapes, gap bytes, blocks over the cap, encoding, its bytes)
-        self.stats, self.starts, firsts, lasts, self.before, figures, totals = figs.split(
-            [3 * blocks, 3 * blocks, blocks, blocks, blocks, 6 * tiles, 6])
+        self.stats, self.starts, firsts, lasts, self.before, figures, *own = figs.split(
+            [3 * blocks, 3 * blocks, blocks, blocks, blocks, 6 * tiles] + [6] * read_here)
+        totals = own[0] if read_here else totals
         k = _kernels()
         pack = _pack(a, b)
         a32, b32 = (a.view(torch.int32), b.view(torch.int32)) if pack else (a, b)
@@ -210,18 +217,23 @@ class Cut:
         # writing only if the device chose it: no host round trip between the scan and the
         # payload (the host reads the totals once, after both)
         room = self.room()
-        out = torch.empty(room, dtype=torch.uint8, device=dev)
+        self._out = torch.empty(room, dtype=torch.uint8, device=dev)
         for enc, index in _SPECULATED[item > 1]:
-            where = out if index == 2 else out.view(_INTS[index_size])
-            self._slots(where, out, out, index, enc > 8, False, False, totals, room, enc,
-                        index_size)
-        # the one host read
-        (self.count, self.escapes, gap_bytes, self.overflowed, enc,
-         size) = totals.tolist()
+            where = self._out if index == 2 else self._out.view(_INTS[index_size])
+            self._slots(where, self._out, self._out, index, enc > 8, False, False, totals,
+                        room, enc, index_size)
+        if read_here:
+            self.finish(totals.tolist())  # the one host read
+
+    def finish(self, totals: list) -> None:
+        """Take the totals the host read: the 6 figures of this cut's ``totals`` row."""
+        self.count, self.escapes, gap_bytes, self.overflowed, enc, size = totals
         self.skips = gap_bytes - self.count
         self.chosen, self.speculated = enc, None
-        if not self.overflowed and size <= room and enc in _SPECULATED_CODES[item > 1]:
-            self.speculated = (enc, out[:size])
+        speculated = _SPECULATED_CODES[self.a.element_size() > 1]
+        if not self.overflowed and size <= self.room() and enc in speculated:
+            self.speculated = (enc, self._out[:size])
+        self._out = None  # the payload, if any, holds its bytes
 
     def room(self) -> int:
         """Bytes a speculative payload may take: a 16th of the region's (a multiple of 8),
@@ -267,7 +279,32 @@ class Cut:
         return out
 
 
+def cut_many(pairs: list, index_sizes: list[int]) -> list[Cut]:
+    """A ``Cut`` of each ``(new, old)`` pair with one host read for them all: every cut's
+    kernels queue back to back, so the host's launches of one region overlap the device's
+    work on the ones before, and the device drains once. The scratch of every cut lives
+    until the read: callers bound the regions' bytes (``delta_transport.encode_many``)."""
+    if not pairs:
+        return []
+    totals = torch.empty(len(pairs), 6, dtype=torch.int64, device=pairs[0][0].device)
+    cuts = [Cut(new, old, size, totals[k]) for k, ((new, old), size) in
+            enumerate(zip(pairs, index_sizes))]
+    for cut, figures in zip(cuts, totals.tolist()):  # the one host read
+        cut.finish(figures)
+    return cuts
+
+
 # -- apply ----------------------------------------------------------------------------
+
+class Pending(NamedTuple):
+    """A sparse apply launched and not yet checked: ``check`` takes the host's read of
+    ``figures`` (a small int64 tensor on the device) and raises for a delta that did not
+    fit (the kernels wrote nothing of it). ``delta_transport.apply_many`` reads the figures
+    of many at once."""
+
+    figures: torch.Tensor
+    check: object
+
 
 def apply_sparse(view: torch.Tensor, count: int, gaps: bool, diff8: bool,
                  payload: torch.Tensor, index_size: int,
@@ -276,9 +313,21 @@ def apply_sparse(view: torch.Tensor, count: int, gaps: bool, diff8: bool,
     payload then holding only the values) into ``view`` in place; False when the view does
     not fold into rows (the caller takes the torch path). A delta whose structure does not
     fit is refused (``DeltaTransportError``) before anything is written."""
+    pending = launch_sparse(view, count, gaps, diff8, payload, index_size, positions)
+    if pending is None:
+        return False
+    pending.check(pending.figures.tolist())  # the one host read
+    return True
+
+
+def launch_sparse(view: torch.Tensor, count: int, gaps: bool, diff8: bool,
+                  payload: torch.Tensor, index_size: int,
+                  positions: Optional[torch.Tensor] = None) -> Optional[Pending]:
+    """``apply_sparse``'s launches, its check left to the caller (``Pending``); None when
+    the view does not fold into rows. A structure wrong on its face raises at once."""
     form = rows_form(view)
     if form is None:
-        return False
+        return None
     numel, item = view.numel(), view.element_size()
     nbytes = payload.numel()
     k = _kernels()
@@ -302,20 +351,22 @@ def apply_sparse(view: torch.Tensor, count: int, gaps: bool, diff8: bool,
                 target, payload, nbytes, count, numel, found, ends, chunks, values, form.cols,
                 form.stride, DIFF8=diff8, ALIGNED=aligned, CONTIG=form.rows == 1,
                 STEP=_step_type(item), ITEM=item, CHUNK=CHUNK, num_warps=APPLY_WARPS)
-        ok, last_byte, last, escapes, named, before = found.tolist()  # the one host read
-        if not diff8 and (vend < 0 or named != count):
-            raise _bad_delta(f"a gaps delta names {named} elements (header: {count}) "
-                             f"reaching past its {numel}-element box")
-        if not ok or (diff8 and last_byte + 1 + count > nbytes):
-            raise _bad_delta(f"a gaps delta of {count} elements holds fewer gap bytes")
-        if last >= numel:
-            raise _bad_delta(f"a gaps delta names {count} elements (header: {count}) "
-                             f"reaching past its {numel}-element box")
-        whole = nbytes - last_byte - 1 - count
-        if diff8 and whole != escapes * item:
-            raise _bad_delta(f"a delta of {count} differences with {escapes} escapes carries "
-                             f"{whole} bytes of whole values")
-        return True
+
+        def check_gaps(figures: list) -> None:
+            ok, last_byte, last, escapes, named, before = figures
+            if not diff8 and (vend < 0 or named != count):
+                raise _bad_delta(f"a gaps delta names {named} elements (header: {count}) "
+                                 f"reaching past its {numel}-element box")
+            if not ok or (diff8 and last_byte + 1 + count > nbytes):
+                raise _bad_delta(f"a gaps delta of {count} elements holds fewer gap bytes")
+            if last >= numel:
+                raise _bad_delta(f"a gaps delta names {count} elements (header: {count}) "
+                                 f"reaching past its {numel}-element box")
+            whole = nbytes - last_byte - 1 - count
+            if diff8 and whole != escapes * item:
+                raise _bad_delta(f"a delta of {count} differences with {escapes} escapes "
+                                 f"carries {whole} bytes of whole values")
+        return Pending(found, check_gaps)
     if positions is None:
         index, index_aligned = _as_values(payload[:count * index_size], index_size)
         start = count * index_size
@@ -341,14 +392,16 @@ def apply_sparse(view: torch.Tensor, count: int, gaps: bool, diff8: bool,
         DIFF8=diff8, IDX_ALIGNED=index_aligned, IDX=index_size, ALIGNED=aligned,
         ESC_ALIGNED=esc_aligned, CONTIG=form.rows == 1, STEP=_step_type(item), ITEM=item,
         CHUNK=CHUNK, num_warps=APPLY_WARPS)
-    bad, upto = ends.view(2, chunks)[:, -1].tolist()  # the one host read
-    escapes = upto - bad
-    if bad:
-        raise _bad_delta(f"a positions delta names elements outside its {numel}-element box")
-    if diff8 and whole != escapes * item:
-        raise _bad_delta(f"a delta of {count} differences with {escapes} escapes carries "
-                         f"{whole} bytes of whole values")
-    return True
+
+    def check_positions(figures: list) -> None:
+        bad, upto = figures
+        escapes = upto - bad
+        if bad:
+            raise _bad_delta(f"a positions delta names elements outside its {numel}-element box")
+        if diff8 and whole != escapes * item:
+            raise _bad_delta(f"a delta of {count} differences with {escapes} escapes carries "
+                             f"{whole} bytes of whole values")
+    return Pending(ends.view(2, chunks)[:, -1], check_positions)
 
 
 def bitmask_counts(index: torch.Tensor, numel: int) -> torch.Tensor:
@@ -1084,5 +1137,6 @@ def _build(triton, tl) -> _Kernels:
 _kernels = built_once(_build)
 
 
-__all__ = ["BLOCK", "CHUNK", "Cut", "Rows", "apply_bitmask", "apply_sparse", "bitmask_counts",
-           "bitmask_positions", "enabled", "rows_form", "usable"]
+__all__ = ["BLOCK", "CHUNK", "Cut", "Pending", "Rows", "apply_bitmask", "apply_sparse",
+           "bitmask_counts", "bitmask_positions", "cut_many", "enabled", "launch_sparse",
+           "rows_form", "usable"]

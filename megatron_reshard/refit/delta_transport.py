@@ -42,6 +42,7 @@ before its payload is received (``DeltaTransportError``).
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -215,8 +216,46 @@ def encode(new: torch.Tensor, old: torch.Tensor) -> tuple[int, int, Optional[tor
 
 def _encode_on_gpu(nb: torch.Tensor, ob: torch.Tensor) -> tuple[int, int, Optional[torch.Tensor]]:
     """``encode`` by the kernels: the totals read once, the same choice, the same bytes."""
+    return _encoded(delta_kernels.Cut(nb, ob, index_bytes(nb.numel())), nb)
+
+
+# regions cut between two host reads (``encode_many``): their scratch (~0.6 byte an
+# element with the speculated payload's room) lives until the read
+GROUP_BYTES = 1 << 30
+
+
+def encode_many(pairs: list) -> list[tuple[int, int, Optional[torch.Tensor]]]:
+    """``encode`` of each ``(new, old)`` pair. On CUDA the kernels cut up to
+    ``GROUP_BYTES`` of regions between two host reads (``delta_kernels.cut_many``): the
+    host's launches for one region overlap the device's work on the ones before."""
+    out: list = [None] * len(pairs)
+    group: list = []  # (k, new bits, old bits)
+
+    def flush() -> None:
+        cuts = delta_kernels.cut_many([(nb, ob) for _, nb, ob in group],
+                                      [index_bytes(nb.numel()) for _, nb, _ in group])
+        for (k, nb, _), cut in zip(group, cuts):
+            out[k] = _encoded(cut, nb)
+        group.clear()
+
+    held = 0
+    for k, (new, old) in enumerate(pairs):
+        if not delta_kernels.usable(new):
+            out[k] = encode(new, old)
+            continue
+        group.append((k, _bits(new).reshape(-1), _bits(old).reshape(-1)))
+        held += new.numel() * new.element_size()
+        if held >= GROUP_BYTES:
+            flush()
+            held = 0
+    if group:
+        flush()
+    return out
+
+
+def _encoded(cut: "delta_kernels.Cut", nb: torch.Tensor) -> tuple[int, int, Optional[torch.Tensor]]:
+    """``(count, encoding, payload)`` of a cut whose totals the host has read."""
     numel, itemsize = nb.numel(), nb.element_size()
-    cut = delta_kernels.Cut(nb, ob, index_bytes(numel))
     count = cut.count
     if count == 0:
         return 0, NONE, None
@@ -303,6 +342,44 @@ def _index_bytes(kind: int, diff8: bool, payload: torch.Tensor, numel: int, coun
     if end > payload.numel():
         raise DeltaTransportError(f"a gaps delta of {count} elements holds fewer gap bytes")
     return end
+
+
+def apply_many(items: list, labels: Optional[list[str]] = None) -> None:
+    """``apply`` of each ``(view, count, encoding, payload)``. On CUDA the sparse ones
+    (GAPS, POSITIONS) are launched back to back and checked with one host read after the
+    last: a bad delta is refused unwritten, as by ``apply``, the others of the list
+    written. ``labels``: each item's name for its error (param, ranks, box)."""
+    pending = []  # (item, launched apply)
+    for k, (view, count, enc, payload) in enumerate(items):
+        kind = enc & 7
+        with _labelled(labels, k):
+            if kind in (GAPS, POSITIONS) and delta_kernels.usable(view):
+                launched = delta_kernels.launch_sparse(
+                    view, count, kind == GAPS, bool(enc & DIFF8), payload,
+                    index_bytes(view.numel()))
+                if launched is not None:
+                    pending.append((k, launched))
+                    continue
+            apply(view, count, enc, payload)
+    if not pending:
+        return
+    figures = torch.cat([p.figures for _, p in pending]).tolist()  # the one host read
+    at = 0
+    for k, p in pending:
+        n = p.figures.numel()
+        with _labelled(labels, k):
+            p.check(figures[at:at + n])
+        at += n
+
+
+@contextmanager
+def _labelled(labels: Optional[list[str]], k: int):
+    try:
+        yield
+    except DeltaTransportError as e:
+        if labels is None:
+            raise
+        raise DeltaTransportError(f"{labels[k]}: {e}") from None
 
 
 def apply(view: torch.Tensor, count: int, enc: int, payload: Optional[torch.Tensor]) -> None:
@@ -440,7 +517,7 @@ class DeltaMover:
     def move_batch(self, items: list) -> None:
         """The eligible params of one batch: ``(index, name, buf)`` each, ``buf`` this
         rank's side of param ``index`` (or None), in stage order."""
-        sends: list[_Region] = []
+        cuts: list[tuple] = []  # (name, peer, box, new, old) of each phase 0 send
         recvs: list[_Region] = []
         forwards: list[tuple[_Region, torch.Tensor]] = []  # phase 1: (region, old stripe)
         late: list[_Region] = []                           # phase 1 receives
@@ -465,7 +542,7 @@ class DeltaMover:
                 for op in plan.ops:
                     if op.phase == 0 and op.src == self.rank:
                         idx = plan.src[self.rank].pieces[op.src_piece].index(op.box)
-                        sends.append(self._cut(name, op.dst, op.box, local[idx], base[idx]))
+                        cuts.append((name, op.dst, op.box, local[idx], base[idx]))
                 bases.append((base, local))
                 continue
             if local is None:
@@ -478,23 +555,27 @@ class DeltaMover:
                 elif op.dst == self.rank:
                     view = local[plan.dst[self.rank].pieces[op.dst_piece].index(op.box)]
                     (recvs if op.phase == 0 else late).append(_Region(name, op.src, op.box, view))
-        self._exchange(sends, recvs)
+        self._exchange(self._cut(cuts), recvs)
         for base, local in bases:  # the bits just sent become the base (valid at the commit)
             base.copy_(local)
         if forwards or late:
-            cut = [self._cut(r.name, r.peer, r.box, r.view, old, forwarded=True)
-                   for r, old in forwards]
+            cut = self._cut([(r.name, r.peer, r.box, r.view, old) for r, old in forwards],
+                            forwarded=True)
             self._exchange(cut, late, forwarded=True)
 
-    def _cut(self, name: str, peer: int, box, new: torch.Tensor, old: torch.Tensor,
-             forwarded: bool = False) -> _Region:
-        old = old.to(new.device) if old.device != new.device else old
-        count, enc, payload = encode(new, old)
-        region = _Region(name, peer, box, None, count, enc, payload,
-                         new.numel() * new.element_size())
-        if not forwarded:
-            self._count(region, 0 if payload is None else payload.numel())
-        return region
+    def _cut(self, wanted: list[tuple], forwarded: bool = False) -> list[_Region]:
+        """The regions ``(name, peer, box, new, old)`` cut (``encode_many``: on CUDA one
+        host read per group of regions)."""
+        pairs = [(new, old.to(new.device) if old.device != new.device else old)
+                 for _, _, _, new, old in wanted]
+        out = []
+        for (name, peer, box, new, _), (count, enc, payload) in zip(wanted, encode_many(pairs)):
+            region = _Region(name, peer, box, None, count, enc, payload,
+                             new.numel() * new.element_size())
+            if not forwarded:
+                self._count(region, 0 if payload is None else payload.numel())
+            out.append(region)
+        return out
 
     def _exchange(self, sends: list[_Region], recvs: list[_Region],
                   forwarded: bool = False) -> None:
@@ -526,14 +607,18 @@ class DeltaMover:
                 self._p2p.send(payload, peer, _TAG)
             for peer, payload in payloads_in.items():
                 self._p2p.recv(payload, peer, _TAG)
+        writes, labels = [], []
         for peer, got in announced.items():
             at = 0
             for region, (count, enc, nbytes) in zip(into[peer], got):
                 part = payloads_in[peer][at:at + nbytes] if nbytes else None
                 at += nbytes
-                apply(region.view, count, enc, part)
+                writes.append((region.view, count, enc, part))
+                labels.append(f"{region.name}: dst group rank {self.rank}, delta from group "
+                              f"rank {region.peer} for box {list(region.box)}")
                 region.count, region.enc = count, enc
                 self._count(region, nbytes)
+        apply_many(writes, labels)  # on CUDA: one host read for the batch's checks
         # src: the messages it sent; dst: those it received (forwards count as forwarded)
         self.tally.messages += len(headers_in) + len(payloads_in) + \
             (0 if forwarded else len(headers_out) + len(payloads_out))
@@ -577,5 +662,5 @@ def _by_peer(regions: list[_Region]) -> dict[int, list[_Region]]:
 
 
 __all__ = ["BITMASK", "DENSE", "DIFF8", "DeltaMover", "DeltaTally", "DeltaTransportError", "GAPS",
-           "NONE", "POSITIONS", "apply", "encode", "encoding_name", "encoding_sizes",
-           "header_problem", "payload_bytes", "pick_encoding"]
+           "NONE", "POSITIONS", "apply", "apply_many", "encode", "encode_many", "encoding_name",
+           "encoding_sizes", "header_problem", "payload_bytes", "pick_encoding"]
