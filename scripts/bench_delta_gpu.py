@@ -16,7 +16,10 @@ its one host read of the count):
   path (``MEGATRON_RESHARD_DELTA_KERNELS=0``);
 - ``apply``: ``apply`` of that payload into a contiguous copy of ``old`` and into a column
   block (half the columns of a [rows, 2 x cols] tensor), and the torch path's apply;
-- ``memcpy``: ``dst.copy_(src)`` of the region's bytes.
+- ``memcpy``: ``dst.copy_(src)`` of the region's bytes;
+- with ``--regions K,...``: the same bytes as K regions (row blocks) of one batch, as the
+  delta mover takes them: ``encode_many`` (one host read per group of regions) and
+  ``apply_many`` (one host read after all the launches), timed whole.
 
 GB/s are of the region scanned (its bytes / time). ``cut+apply``: the region over the sum
 of both times. The last columns give the parts in µs: ``cut``, ``scan``, ``find``, ``write``
@@ -82,7 +85,8 @@ def _scan_alone(delta_kernels, new, old):
 
 
 def main(argv=None) -> int:
-    from megatron_reshard.refit.delta_transport import apply, encode, encoding_name
+    from megatron_reshard.refit.delta_transport import (apply, apply_many, encode, encode_many,
+                                                        encoding_name)
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--mib", type=int, default=1024)
@@ -101,6 +105,8 @@ def main(argv=None) -> int:
     ap.add_argument("--slot-warps", type=int, default=0, help="warps per slot_write program "
                     "(0: default)")
     ap.add_argument("--no-torch", action="store_true", help="skip timing the torch path")
+    ap.add_argument("--regions", default="", help="also time the region as K regions of one "
+                    "batch, for each K of this comma list")
     args = ap.parse_args(argv)
     from megatron_reshard.refit import delta_kernels
 
@@ -165,6 +171,20 @@ def main(argv=None) -> int:
         apply_torch_s = float("inf") if args.no_torch else _torch_path(
             lambda: _median_s(lambda: apply(view, count, enc, payload), args.torch_iters))
         gb = nbytes / 1e9
+        batched = {}
+        for k in (int(x) for x in args.regions.split(",") if x):
+            pairs = list(zip(new.chunk(k), old.chunk(k)))
+            cuts = encode_many(pairs)
+            views = list(flat.chunk(k))
+            flat.copy_(old)
+            apply_many([(v, *c) for v, c in zip(views, cuts)])
+            exact &= torch.equal(flat.view(torch.int16), new.view(torch.int16))
+            exact &= all(c[:2] == encode(n, o)[:2] for c, (n, o) in zip(cuts, pairs))
+            many_cut_s = _median_s(lambda: encode_many(pairs), args.iters)
+            many_apply_s = _median_s(lambda: apply_many([(v, *c) for v, c in zip(views, cuts)]),
+                                     args.iters)
+            batched[k] = (many_cut_s, many_apply_s)
+            del cuts, pairs
         out.append({"rate": rate, "changed": count, "encoding": encoding_name(enc),
                     "payload_mib": 0 if payload is None else payload.numel() / 2**20,
                     "cut_gbps": gb / cut_s, "find_gbps": gb / find_s, "scan_gbps": gb / scan_s,
@@ -175,7 +195,10 @@ def main(argv=None) -> int:
                     "apply_block_gbps": gb / timings["column block"],
                     "apply_torch_gbps": gb / apply_torch_s,
                     "cut_apply_gbps": gb / (cut_s + timings["contiguous"]),
-                    "memcpy_gbps": gb / memcpy_s, "bit_exact": bool(exact)})
+                    "memcpy_gbps": gb / memcpy_s, "bit_exact": bool(exact),
+                    "batched": {k: {"cut_us": 1e6 * c, "apply_us": 1e6 * a,
+                                    "cut_apply_of_memcpy": memcpy_s / (c + a)}
+                                for k, (c, a) in batched.items()}})
         del new, payload
     print(f"delta cut / apply on {torch.cuda.get_device_name(dev)}, torch {torch.__version__}, "
           f"region {args.mib} MiB bf16 [{rows}, {cols}], median of {args.iters} "
@@ -198,6 +221,13 @@ def main(argv=None) -> int:
               f"{100 * r['apply_torch_gbps'] / mc:13.0f}% {str(r['bit_exact']):5}       "
               f"{r['cut_us']:6.0f} {r['scan_us']:6.0f} {r['find_us']:6.0f} {r['write_us']:6.0f} "
               f"{r['apply_us']:6.0f}")
+    if args.regions:
+        print(f"as K regions of one batch (encode_many / apply_many): µs cut, apply; cut+apply/mc")
+        for r in out:
+            cells = "  ".join(f"K={k}: {b['cut_us']:6.0f} {b['apply_us']:6.0f} "
+                              f"{100 * b['cut_apply_of_memcpy']:4.0f}%"
+                              for k, b in r["batched"].items())
+            print(f"{100 * r['rate']:5.1f}%  {cells}")
     print(json.dumps(out))
     return 0 if all(r["bit_exact"] for r in out) else 1
 
