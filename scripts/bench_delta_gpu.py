@@ -19,7 +19,8 @@ its one host read of the count):
 - ``memcpy``: ``dst.copy_(src)`` of the region's bytes;
 - with ``--regions K,...``: the same bytes as K regions (row blocks) of one batch, as the
   delta mover takes them: ``encode_many`` (one host read per group of regions) and
-  ``apply_many`` (one host read after all the launches), timed whole.
+  ``apply_many`` (one host read after all the launches), timed whole, and the same K
+  regions one at a time (``encode`` / ``apply`` each, a host read each: the mover before).
 
 GB/s are of the region scanned (its bytes / time). ``cut+apply``: the region over the sum
 of both times. The last columns give the parts in µs: ``cut``, ``scan``, ``find``, ``write``
@@ -183,7 +184,10 @@ def main(argv=None) -> int:
             many_cut_s = _median_s(lambda: encode_many(pairs), args.iters)
             many_apply_s = _median_s(lambda: apply_many([(v, *c) for v, c in zip(views, cuts)]),
                                      args.iters)
-            batched[k] = (many_cut_s, many_apply_s)
+            one_cut_s = _median_s(lambda: [encode(n, o) for n, o in pairs], args.iters)
+            one_apply_s = _median_s(lambda: [apply(v, *c) for v, c in zip(views, cuts)],
+                                    args.iters)
+            batched[k] = (many_cut_s, many_apply_s, one_cut_s, one_apply_s)
             del cuts, pairs
         out.append({"rate": rate, "changed": count, "encoding": encoding_name(enc),
                     "payload_mib": 0 if payload is None else payload.numel() / 2**20,
@@ -197,8 +201,11 @@ def main(argv=None) -> int:
                     "cut_apply_gbps": gb / (cut_s + timings["contiguous"]),
                     "memcpy_gbps": gb / memcpy_s, "bit_exact": bool(exact),
                     "batched": {k: {"cut_us": 1e6 * c, "apply_us": 1e6 * a,
-                                    "cut_apply_of_memcpy": memcpy_s / (c + a)}
-                                for k, (c, a) in batched.items()}})
+                                    "cut_apply_of_memcpy": memcpy_s / (c + a),
+                                    "one_at_a_time_cut_us": 1e6 * c1,
+                                    "one_at_a_time_apply_us": 1e6 * a1,
+                                    "one_at_a_time_of_memcpy": memcpy_s / (c1 + a1)}
+                                for k, (c, a, c1, a1) in batched.items()}})
         del new, payload
     print(f"delta cut / apply on {torch.cuda.get_device_name(dev)}, torch {torch.__version__}, "
           f"region {args.mib} MiB bf16 [{rows}, {cols}], median of {args.iters} "
@@ -222,10 +229,13 @@ def main(argv=None) -> int:
               f"{r['cut_us']:6.0f} {r['scan_us']:6.0f} {r['find_us']:6.0f} {r['write_us']:6.0f} "
               f"{r['apply_us']:6.0f}")
     if args.regions:
-        print(f"as K regions of one batch (encode_many / apply_many): µs cut, apply; cut+apply/mc")
+        print("as K regions of one batch: µs cut, apply, cut+apply/mc grouped (encode_many / "
+              "apply_many) | one at a time (encode / apply)")
         for r in out:
             cells = "  ".join(f"K={k}: {b['cut_us']:6.0f} {b['apply_us']:6.0f} "
-                              f"{100 * b['cut_apply_of_memcpy']:4.0f}%"
+                              f"{100 * b['cut_apply_of_memcpy']:3.0f}% | "
+                              f"{b['one_at_a_time_cut_us']:6.0f} {b['one_at_a_time_apply_us']:6.0f} "
+                              f"{100 * b['one_at_a_time_of_memcpy']:3.0f}%"
                               for k, b in r["batched"].items())
             print(f"{100 * r['rate']:5.1f}%  {cells}")
     print(json.dumps(out))
