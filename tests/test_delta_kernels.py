@@ -55,7 +55,7 @@ def device(monkeypatch):
         monkeypatch.setattr(delta_kernels, "usable", lambda t: delta_kernels.enabled())
     calls = []
     for name in ("Cut", "apply_sparse", "bitmask_counts", "bitmask_positions", "apply_bitmask",
-                 "rows_form"):
+                 "rows_form", "launch_small"):
         real = getattr(delta_kernels, name)
 
         def watched(*args, _real=real, _name=name, **kw):
@@ -427,17 +427,21 @@ def test_bad_sparse_deltas_are_refused_before_anything_is_written(device, count,
     refused by the kernel path's checks, as by the torch path, nothing written."""
     dev, calls = device
     payload = torch.as_tensor(payload, dtype=torch.uint8)
-    for path in ("kernels", "torch"):
-        view = torch.zeros(500, dtype=torch.bfloat16, device=dev if path == "kernels" else "cpu")
+    for path in ("kernels", "torch", "a group"):  # a group: apply_many (GAPS: launch_small)
+        view = torch.zeros(500, dtype=torch.bfloat16, device=dev if path != "torch" else "cpu")
         if path == "torch":
             os.environ["MEGATRON_RESHARD_DELTA_KERNELS"] = "0"
         try:
             with pytest.raises(DeltaTransportError, match=match):
-                apply(view, count, enc, payload.to(view.device))
+                if path == "a group":
+                    dt.apply_many([(view, count, enc, payload.to(view.device))])
+                else:
+                    apply(view, count, enc, payload.to(view.device))
         finally:
             os.environ.pop("MEGATRON_RESHARD_DELTA_KERNELS", None)
         assert not bool(view.view(torch.int16).any())
     assert "apply_sparse" in calls
+    assert ("launch_small" in calls) == (enc & 7 == GAPS)
 
 
 _REGIONS = [  # (n, fraction, itemsize, escapes): a batch's regions of several kinds
@@ -506,3 +510,49 @@ def test_regions_applied_together_are_checked_under_their_labels(device, monkeyp
             assert torch.equal(view.cpu(), new.cpu()), path
             assert not bool(wall[0].any()) and not bool(wall[2].any())
     assert "rows_form" in calls  # the kernels wrote the rows where they lie
+    assert "launch_small" in calls  # the small GAPS deltas: one launch, a program each
+
+
+@pytest.mark.parametrize("itemsize, diff8, escapes", [
+    (2, True, 0.0), (2, True, 0.2), (4, True, 0.5), (8, True, 0.1), (1, False, 0.0),
+    (2, False, 0.0), (4, False, 0.0)])
+def test_small_gaps_deltas_apply_as_one_group(device, monkeypatch, itemsize, diff8, escapes):
+    """GAPS deltas with small payloads (``launch_small``: one program each, its payload in
+    chunks of 64 bytes here) at odd offsets of one message, into contiguous views and
+    column blocks of wider tensors, long gaps (skip bytes) among them: bit-exact, bytes
+    outside the views untouched."""
+    dev, calls = device
+    monkeypatch.setattr(delta_kernels, "CHUNK", 64)
+    enc = GAPS | (DIFF8 if diff8 else 0)
+    monkeypatch.setattr(dt, "pick_encoding", lambda *a, **k: enc)
+    cases = [(96 * 40, 0.02), (96 * 70, 0.002), (96 * 9, 0.3), (96 * 300, 0.0005)]
+    pairs = [_pair(n, f, itemsize, 11 + k, torch.device("cpu"), escapes)
+             for k, (n, f) in enumerate(cases)]
+    cuts = _torch_path(monkeypatch, lambda: [encode(n, o) for n, o in pairs])
+    assert all(c[1] == enc for c in cuts)
+    message = torch.cat([torch.tensor([7], dtype=torch.uint8)] + [c[2] for c in cuts]).to(dev)
+    walls, views, items, at = [], [], [], 1
+    for k, ((new, old), (count, _, payload)) in enumerate(zip(pairs, cuts)):
+        if k % 2:  # a column block of a wider tensor
+            wall = torch.zeros(new.numel() // 96, 96 + 9, dtype=new.dtype, device=dev)
+            view = wall[:, 5:101]
+        else:  # a contiguous stretch of a longer one
+            wall = torch.zeros(new.numel() + 9, dtype=new.dtype, device=dev)
+            view = wall[5:5 + new.numel()]
+        view.copy_(old.to(dev).view(view.shape))
+        walls.append(wall)
+        views.append(view)
+        items.append((view, count, enc, message[at:at + payload.numel()]))
+        at += payload.numel()
+    before = [w.clone() for w in walls]
+    dt.apply_many(items, [f"region {k}" for k in range(len(items))])
+    assert "launch_small" in calls
+    for (new, _), view, wall, was in zip(pairs, views, walls, before):
+        bits = INTS[itemsize]
+        assert torch.equal(view.reshape(-1).view(bits).cpu(), new.view(bits))
+        outside = torch.ones_like(wall, dtype=torch.bool)
+        if wall.dim() == 2:
+            outside[:, 5:101] = False
+        else:
+            outside[5:5 + new.numel()] = False
+        assert torch.equal(wall.view(bits)[outside].cpu(), was.view(bits)[outside].cpu())

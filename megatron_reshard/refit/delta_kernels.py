@@ -351,22 +351,7 @@ def launch_sparse(view: torch.Tensor, count: int, gaps: bool, diff8: bool,
                 target, payload, nbytes, count, numel, found, ends, chunks, values, form.cols,
                 form.stride, DIFF8=diff8, ALIGNED=aligned, CONTIG=form.rows == 1,
                 STEP=_step_type(item), ITEM=item, CHUNK=CHUNK, num_warps=APPLY_WARPS)
-
-        def check_gaps(figures: list) -> None:
-            ok, last_byte, last, escapes, named, before = figures
-            if not diff8 and (vend < 0 or named != count):
-                raise _bad_delta(f"a gaps delta names {named} elements (header: {count}) "
-                                 f"reaching past its {numel}-element box")
-            if not ok or (diff8 and last_byte + 1 + count > nbytes):
-                raise _bad_delta(f"a gaps delta of {count} elements holds fewer gap bytes")
-            if last >= numel:
-                raise _bad_delta(f"a gaps delta names {count} elements (header: {count}) "
-                                 f"reaching past its {numel}-element box")
-            whole = nbytes - last_byte - 1 - count
-            if diff8 and whole != escapes * item:
-                raise _bad_delta(f"a delta of {count} differences with {escapes} escapes "
-                                 f"carries {whole} bytes of whole values")
-        return Pending(found, check_gaps)
+        return Pending(found, _gaps_check(count, numel, nbytes, item, diff8, vend))
     if positions is None:
         index, index_aligned = _as_values(payload[:count * index_size], index_size)
         start = count * index_size
@@ -402,6 +387,72 @@ def launch_sparse(view: torch.Tensor, count: int, gaps: bool, diff8: bool,
             raise _bad_delta(f"a delta of {count} differences with {escapes} escapes carries "
                              f"{whole} bytes of whole values")
     return Pending(ends.view(2, chunks)[:, -1], check_positions)
+
+
+def _gaps_check(count: int, numel: int, nbytes: int, item: int, diff8: bool, vend: int):
+    """The host's check of a GAPS apply's figures (``gap_locate``'s or ``apply_small``'s:
+    found, the gaps' last byte, the last position, escapes, values named, ...)."""
+    def check(figures: list) -> None:
+        ok, last_byte, last, escapes, named, _ = figures
+        if not diff8 and (vend < 0 or named != count):
+            raise _bad_delta(f"a gaps delta names {named} elements (header: {count}) "
+                             f"reaching past its {numel}-element box")
+        if not ok or (diff8 and last_byte + 1 + count > nbytes):
+            raise _bad_delta(f"a gaps delta of {count} elements holds fewer gap bytes")
+        if last >= numel:
+            raise _bad_delta(f"a gaps delta names {count} elements (header: {count}) "
+                             f"reaching past its {numel}-element box")
+        whole = nbytes - last_byte - 1 - count
+        if diff8 and whole != escapes * item:
+            raise _bad_delta(f"a delta of {count} differences with {escapes} escapes "
+                             f"carries {whole} bytes of whole values")
+    return check
+
+
+# a GAPS payload of at most this many bytes is applied by one program of a group
+# (``launch_small``): below it the per-region launches of ``launch_sparse`` cost more
+# host time than the device spends on the region
+SMALL_BYTES = 1 << 16
+
+
+def small_gaps(view: torch.Tensor, count: int, diff8: bool, payload: torch.Tensor) -> bool:
+    """Whether this GAPS delta goes through ``launch_small``."""
+    nbytes = payload.numel()
+    return (nbytes <= SMALL_BYTES and rows_form(view) is not None
+            and (diff8 or nbytes >= count * view.element_size()))
+
+
+def launch_small(items: list) -> list[Pending]:
+    """GAPS deltas ``(view, count, diff8, payload)`` (each ``small_gaps``) applied with one
+    launch per element size and DIFF8 flag, a program per delta (``apply_small``); their
+    ``Pending`` checks in order. The kernel checks each delta itself, as ``apply_gaps``
+    does, and writes nothing of one that does not fit."""
+    import triton.language as tl
+    groups: dict = {}
+    for k, (view, _, diff8, _) in enumerate(items):
+        groups.setdefault((view.element_size(), diff8), []).append(k)
+    out: list = [None] * len(items)
+    for (item, diff8), ks in groups.items():
+        rows = []
+        for k in ks:
+            view, count, _, payload = items[k]
+            form = rows_form(view)
+            vend = 0 if diff8 else payload.numel() - count * item
+            rows += [payload.data_ptr(), payload.numel(), count, view.numel(), view.data_ptr(),
+                     form.cols, form.stride, vend]
+        dev = items[ks[0]][0].device
+        table = torch.tensor(rows, dtype=torch.int64).to(dev, non_blocking=True)
+        figures = torch.empty(len(ks), 6, dtype=torch.int64, device=dev)
+        ty = {1: tl.uint8, 2: tl.int16, 4: tl.int32, 8: tl.int64}[item]
+        _kernels().apply_small[(len(ks),)](table, figures, TY=ty, DIFF8=diff8,
+                                           STEP=_step_type(item), ITEM=item, CHUNK=CHUNK,
+                                           num_warps=APPLY_WARPS)
+        for r, k in enumerate(ks):
+            view, count, _, payload = items[k]
+            vend = 0 if diff8 else payload.numel() - count * item
+            out[k] = Pending(figures[r], _gaps_check(count, view.numel(), payload.numel(),
+                                                     item, diff8, vend))
+    return out
 
 
 def bitmask_counts(index: torch.Tensor, numel: int) -> torch.Tensor:
@@ -452,6 +503,7 @@ class _Kernels(NamedTuple):
     gap_locate: object
     pos_sums: object
     apply_gaps: object
+    apply_small: object
     apply_index: object
     compact: object
     count_bits: object
@@ -1064,6 +1116,91 @@ def _build(triton, tl) -> _Kernels:
             _write_at(target, at, keep, v, small, esc, cols, stride, CONTIG, DIFF8, STEP)
 
     @triton.jit
+    def apply_small(table, figures, TY: tl.constexpr, DIFF8: tl.constexpr,
+                    STEP: tl.constexpr, ITEM: tl.constexpr, CHUNK: tl.constexpr):
+        # one GAPS delta of a group a program (its row of ``table``: payload address,
+        # bytes, count, numel, target address, cols, stride, where whole values start
+        # without DIFF8), its prefix sums carried through loops over its payload instead
+        # of a scan across programs: one launch for many small regions. Its figures are
+        # gap_locate's (the host checks them after); nothing is written unless they hold
+        row = table + tl.program_id(0).to(tl.int64) * 8
+        p = tl.load(row).to(tl.pointer_type(tl.uint8))
+        nbytes = tl.load(row + 1)
+        count = tl.load(row + 2)
+        numel = tl.load(row + 3)
+        target = tl.load(row + 4).to(tl.pointer_type(TY))
+        cols = tl.load(row + 5)
+        stride = tl.load(row + 6)
+        vend = tl.load(row + 7)
+        # where the gaps end (the count-th non-zero byte), the position it names, and the
+        # values named before ``vend``
+        zero = count * 0
+        seen, walked, named, q, last = zero, zero, zero, zero - 1, zero - 1
+        off = zero
+        while off < nbytes:
+            i = off + tl.arange(0, CHUNK)
+            live = i < nbytes
+            y = tl.load(p + i, mask=live, other=0).to(tl.int32)
+            nz = (y != 0) & live
+            adv = tl.where(live, tl.where(y == 0, 255, y), 0).to(tl.int64)
+            hit = nz & (seen + tl.cumsum(nz.to(tl.int64), 0) == count)
+            if tl.sum(hit.to(tl.int32)) > 0:
+                q = tl.sum(tl.where(hit, i, 0))
+                last = walked + tl.sum(tl.where(i <= q, adv, 0)) - 1
+            named += tl.sum((nz & (i < vend)).to(tl.int64))
+            seen += tl.sum(nz.to(tl.int64))
+            walked += tl.sum(adv)
+            off += CHUNK
+        g = q + 1  # DIFF8: the differences' first byte
+        escapes = zero
+        if DIFF8:
+            off = g
+            upto = tl.minimum(g + count, nbytes)
+            while off < upto:
+                i = off + tl.arange(0, CHUNK)
+                y = tl.load(p + i, mask=i < upto, other=0).to(tl.int32)
+                escapes += tl.sum(((y == 128) & (i < upto)).to(tl.int64))
+                off += CHUNK
+        good = (q >= 0) & (last < numel)
+        if DIFF8:
+            good = good & (g + count <= nbytes) & (nbytes - g - count == escapes * ITEM)
+        else:
+            good = good & (named == count)
+        out = figures + tl.program_id(0).to(tl.int64) * 6
+        tl.store(out, (q >= 0).to(tl.int64))
+        tl.store(out + 1, q)
+        tl.store(out + 2, last)
+        tl.store(out + 3, escapes)
+        tl.store(out + 4, named)
+        tl.store(out + 5, zero)
+        if good:
+            seen, walked, esc_seen = zero, zero, zero
+            off = zero
+            while off < g:
+                i = off + tl.arange(0, CHUNK)
+                live = i < g
+                y = tl.load(p + i, mask=live, other=0).to(tl.int32)
+                keep = (y != 0) & live
+                adv = tl.where(live, tl.where(y == 0, 255, y), 0).to(tl.int64)
+                at = walked + tl.cumsum(adv, 0) - 1
+                r = seen + tl.cumsum(keep.to(tl.int64), 0) - 1
+                like = tl.zeros((CHUNK,), TY)
+                small = keep  # DIFF8 sets both, below
+                esc = keep
+                if DIFF8:
+                    small = tl.load(p + g + r, mask=keep, other=0).to(tl.int8, bitcast=True)
+                    esc = keep & (small == -128)
+                    er = esc_seen + tl.cumsum(esc.to(tl.int64), 0) - 1
+                    v = _get(p + g + count, 0, er, esc, like, False, ITEM)
+                    esc_seen += tl.sum(esc.to(tl.int64))
+                else:
+                    v = _get(p + vend, 0, r, keep, like, False, ITEM)
+                _write_at(target, at, keep, v, small, esc, cols, stride, False, DIFF8, STEP)
+                seen += tl.sum(keep.to(tl.int64))
+                walked += tl.sum(adv)
+                off += CHUNK
+
+    @triton.jit
     def apply_index(target, index, values, escapes, count, ends, chunks, cols, stride, whole,
                     DIFF8: tl.constexpr, IDX_ALIGNED: tl.constexpr, IDX: tl.constexpr,
                     ALIGNED: tl.constexpr, ESC_ALIGNED: tl.constexpr, CONTIG: tl.constexpr,
@@ -1130,13 +1267,13 @@ def _build(triton, tl) -> _Kernels:
             tl.store(target + (i // cols) * stride + i % cols, v, mask=keep)
 
     return _Kernels(cut_mark, cut_tiles, cut_offsets, cut_write, slot_write, gap_sums,
-                    gap_locate, pos_sums, apply_gaps, apply_index, compact, count_bits,
-                    apply_bitmask)
+                    gap_locate, pos_sums, apply_gaps, apply_small, apply_index, compact,
+                    count_bits, apply_bitmask)
 
 
 _kernels = built_once(_build)
 
 
 __all__ = ["BLOCK", "CHUNK", "Cut", "Pending", "Rows", "apply_bitmask", "apply_sparse",
-           "bitmask_counts", "bitmask_positions", "cut_many", "enabled", "launch_sparse",
-           "rows_form", "usable"]
+           "bitmask_counts", "bitmask_positions", "cut_many", "enabled", "launch_small",
+           "launch_sparse", "rows_form", "small_gaps", "usable"]

@@ -346,13 +346,19 @@ def _index_bytes(kind: int, diff8: bool, payload: torch.Tensor, numel: int, coun
 
 def apply_many(items: list, labels: Optional[list[str]] = None) -> None:
     """``apply`` of each ``(view, count, encoding, payload)``. On CUDA the sparse ones
-    (GAPS, POSITIONS) are launched back to back and checked with one host read after the
+    (GAPS, POSITIONS) are launched back to back, GAPS deltas of small payloads all in one
+    launch (``delta_kernels.launch_small``), and checked with one host read after the
     last: a bad delta is refused unwritten, as by ``apply``, the others of the list
     written. ``labels``: each item's name for its error (param, ranks, box)."""
     pending = []  # (item, launched apply)
+    small = []    # GAPS deltas with small payloads: one launch for all (a program each)
     for k, (view, count, enc, payload) in enumerate(items):
         kind = enc & 7
         with _labelled(labels, k):
+            if kind == GAPS and delta_kernels.usable(view) and delta_kernels.small_gaps(
+                    view, count, bool(enc & DIFF8), payload):
+                small.append((k, (view, count, bool(enc & DIFF8), payload)))
+                continue
             if kind in (GAPS, POSITIONS) and delta_kernels.usable(view):
                 launched = delta_kernels.launch_sparse(
                     view, count, kind == GAPS, bool(enc & DIFF8), payload,
@@ -361,6 +367,9 @@ def apply_many(items: list, labels: Optional[list[str]] = None) -> None:
                     pending.append((k, launched))
                     continue
             apply(view, count, enc, payload)
+    if small:
+        launched = delta_kernels.launch_small([item for _, item in small])
+        pending += [(k, p) for (k, _), p in zip(small, launched)]
     if not pending:
         return
     figures = torch.cat([p.figures for _, p in pending]).tolist()  # the one host read
