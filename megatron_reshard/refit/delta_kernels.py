@@ -36,6 +36,10 @@ host read after them raises for a delta that did not fit (nothing written). POSI
 ``pos_sums`` (per chunk: bad positions, escapes), a cumsum, then ``apply_index``, which
 checks those sums itself and writes nothing unless they hold; the host read after. Both
 decode each chunk's positions and add the differences (or write the values) in place.
+GAPS deltas of small payloads (``SMALL_BYTES``) given together (``launch_small``, from
+``delta_transport.apply_many``): ``apply_small``, one launch for the group, a program a
+delta, which walks its payload in chunks with its sums carried in the loop (no scan across
+programs), checks the figures as ``apply_gaps`` does and writes nothing unless they hold.
 BITMASK: ``bitmask_counts`` (checked against the header), then ``apply_bitmask`` writes
 whole values, or ``bitmask_positions`` feeds the DIFF8 steps to ``apply_sparse``. A
 strided view is handled when it folds into rows of unit stride (``rows_form``: a TP shard's
