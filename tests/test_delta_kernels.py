@@ -51,6 +51,7 @@ def device(monkeypatch):
     """The device the kernels run on; every kernel entry point is watched, so a test can
     tell that the kernels (not the torch path) did the work."""
     dev = _device()
+    monkeypatch.setenv("MEGATRON_RESHARD_DELTA_SMALL_APPLY", "1")  # apply_small under test
     if dev.type == "cpu":  # the interpreter runs the kernels on CPU tensors
         monkeypatch.setattr(delta_kernels, "usable", lambda t: delta_kernels.enabled())
     calls = []
@@ -556,3 +557,5 @@ def test_small_gaps_deltas_apply_as_one_group(device, monkeypatch, itemsize, dif
         else:
             outside[5:5 + new.numel()] = False
         assert torch.equal(wall.view(bits)[outside].cpu(), was.view(bits)[outside].cpu())
+    monkeypatch.delenv("MEGATRON_RESHARD_DELTA_SMALL_APPLY")  # off unless switched on
+    assert not delta_kernels.small_gaps(*items[0][:2], diff8, items[0][3])

@@ -39,7 +39,8 @@ decode each chunk's positions and add the differences (or write the values) in p
 GAPS deltas of small payloads (``SMALL_BYTES``) given together (``launch_small``, from
 ``delta_transport.apply_many``): ``apply_small``, one launch for the group, a program a
 delta, which walks its payload in chunks with its sums carried in the loop (no scan across
-programs), checks the figures as ``apply_gaps`` does and writes nothing unless they hold.
+programs), checks the figures as ``apply_gaps`` does and writes nothing unless they hold
+(off unless ``MEGATRON_RESHARD_DELTA_SMALL_APPLY=1`` until it has run on a GPU).
 BITMASK: ``bitmask_counts`` (checked against the header), then ``apply_bitmask`` writes
 whole values, or ``bitmask_positions`` feeds the DIFF8 steps to ``apply_sparse``. A
 strided view is handled when it folds into rows of unit stride (``rows_form``: a TP shard's
@@ -419,10 +420,16 @@ def _gaps_check(count: int, numel: int, nbytes: int, item: int, diff8: bool, ven
 SMALL_BYTES = 1 << 16
 
 
+def small_enabled() -> bool:
+    """Whether ``launch_small`` may be used: ``MEGATRON_RESHARD_DELTA_SMALL_APPLY=1``. Off
+    by default until it has run on a GPU (the interpreter and an sm_90 compile only)."""
+    return os.environ.get("MEGATRON_RESHARD_DELTA_SMALL_APPLY", "0") == "1"
+
+
 def small_gaps(view: torch.Tensor, count: int, diff8: bool, payload: torch.Tensor) -> bool:
     """Whether this GAPS delta goes through ``launch_small``."""
     nbytes = payload.numel()
-    return (nbytes <= SMALL_BYTES and rows_form(view) is not None
+    return (small_enabled() and nbytes <= SMALL_BYTES and rows_form(view) is not None
             and (diff8 or nbytes >= count * view.element_size()))
 
 
