@@ -686,6 +686,15 @@ def _build(triton, tl) -> _Kernels:
         best = tl.where(count == 0, 0, tl.where(dense, n * ITEM, best))
         return enc, best
 
+    @triton.jit
+    def _gap_chunk(p, off, end, CHUNK: tl.constexpr):
+        # the gap bytes p[off:off + CHUNK) short of ``end``: their places, which name a
+        # value (not 0), and how far each advances (a 0 byte: 255)
+        i = off + tl.arange(0, CHUNK)
+        live = i < end
+        y = tl.load(p + i, mask=live, other=0).to(tl.int32)
+        return i, (y != 0) & live, tl.where(live, tl.where(y == 0, 255, y), 0).to(tl.int64)
+
     # the kernels find the helpers they call among the module's globals, not in closures
     globals().update(_local=_local, _lanes=_lanes, _popcount=_popcount, _bit_index=_bit_index,
                      _top_bit=_top_bit, _max_before=_max_before,
@@ -694,7 +703,7 @@ def _build(triton, tl) -> _Kernels:
                      _row=_row, _row_before=_row_before,
                      _bits=_bits, _ranks=_ranks, _put=_put, _get=_get,
                      _count_before=_count_before, _write_at=_write_at, _cheaper=_cheaper,
-                     _choose=_choose)
+                     _choose=_choose, _gap_chunk=_gap_chunk)
 
     @triton.jit
     def cut_mark(a, b, a32, b32, n, mask, stats, firsts, lasts, words, slot_pos, slot_byte,
@@ -1149,11 +1158,7 @@ def _build(triton, tl) -> _Kernels:
         seen, walked, named, q, last = zero, zero, zero, zero - 1, zero - 1
         off = zero
         while off < nbytes:
-            i = off + tl.arange(0, CHUNK)
-            live = i < nbytes
-            y = tl.load(p + i, mask=live, other=0).to(tl.int32)
-            nz = (y != 0) & live
-            adv = tl.where(live, tl.where(y == 0, 255, y), 0).to(tl.int64)
+            i, nz, adv = _gap_chunk(p, off, nbytes, CHUNK)
             hit = nz & (seen + tl.cumsum(nz.to(tl.int64), 0) == count)
             if tl.sum(hit.to(tl.int32)) > 0:
                 q = tl.sum(tl.where(hit, i, 0))
@@ -1188,11 +1193,7 @@ def _build(triton, tl) -> _Kernels:
             seen, walked, esc_seen = zero, zero, zero
             off = zero
             while off < g:
-                i = off + tl.arange(0, CHUNK)
-                live = i < g
-                y = tl.load(p + i, mask=live, other=0).to(tl.int32)
-                keep = (y != 0) & live
-                adv = tl.where(live, tl.where(y == 0, 255, y), 0).to(tl.int64)
+                i, keep, adv = _gap_chunk(p, off, g, CHUNK)
                 at = walked + tl.cumsum(adv, 0) - 1
                 r = seen + tl.cumsum(keep.to(tl.int64), 0) - 1
                 like = tl.zeros((CHUNK,), TY)
