@@ -473,12 +473,14 @@ def test_regions_cut_together_are_each_regions_own_bytes(device, monkeypatch, gr
     assert groups == ([len(pairs)] if group_bytes >= 1 << 30 else [2, 1, 5]), groups
 
 
-def test_regions_applied_together_are_checked_under_their_labels(device, monkeypatch):
+@pytest.mark.parametrize("small", ["1", "0"])  # small GAPS payloads by apply_small, or not
+def test_regions_applied_together_are_checked_under_their_labels(device, monkeypatch, small):
     """``apply_many`` writes each region bit-exact (a row of a column block each); a bad
     delta among them is refused under its label, its view untouched, the regions before it
     written, on the kernels' path (one host read after all the launches) as on the torch
     path."""
     dev, calls = device
+    monkeypatch.setenv("MEGATRON_RESHARD_DELTA_SMALL_APPLY", small)
     bad = 2  # a GAPS + DIFF8 region, its header one change more than its payload carries
     for path in ("kernels", "torch"):
         where = dev if path == "kernels" else torch.device("cpu")
@@ -511,7 +513,8 @@ def test_regions_applied_together_are_checked_under_their_labels(device, monkeyp
             assert torch.equal(view.cpu(), new.cpu()), path
             assert not bool(wall[0].any()) and not bool(wall[2].any())
     assert "rows_form" in calls  # the kernels wrote the rows where they lie
-    assert "launch_small" in calls  # the small GAPS deltas: one launch, a program each
+    # the small GAPS deltas: one launch, a program each (or each its own launches)
+    assert ("launch_small" in calls) == (small == "1")
 
 
 @pytest.mark.parametrize("itemsize, diff8, escapes", [
