@@ -444,13 +444,14 @@ def launch_small(items: list) -> list[Pending]:
         groups.setdefault((view.element_size(), diff8), []).append(k)
     out: list = [None] * len(items)
     for (item, diff8), ks in groups.items():
-        rows = []
+        rows, checks = [], []
         for k in ks:
             view, count, _, payload = items[k]
             form = rows_form(view)
             vend = 0 if diff8 else payload.numel() - count * item
             rows += [payload.data_ptr(), payload.numel(), count, view.numel(), view.data_ptr(),
                      form.cols, form.stride, vend]
+            checks.append(_gaps_check(count, view.numel(), payload.numel(), item, diff8, vend))
         dev = items[ks[0]][0].device
         table = torch.tensor(rows, dtype=torch.int64).to(dev, non_blocking=True)
         figures = torch.empty(len(ks), 6, dtype=torch.int64, device=dev)
@@ -458,11 +459,8 @@ def launch_small(items: list) -> list[Pending]:
         _kernels().apply_small[(len(ks),)](table, figures, TY=ty, DIFF8=diff8,
                                            STEP=_step_type(item), ITEM=item, CHUNK=CHUNK,
                                            num_warps=APPLY_WARPS)
-        for r, k in enumerate(ks):
-            view, count, _, payload = items[k]
-            vend = 0 if diff8 else payload.numel() - count * item
-            out[k] = Pending(figures[r], _gaps_check(count, view.numel(), payload.numel(),
-                                                     item, diff8, vend))
+        for r, (k, check) in enumerate(zip(ks, checks)):
+            out[k] = Pending(figures[r], check)
     return out
 
 

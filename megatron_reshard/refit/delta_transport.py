@@ -353,16 +353,15 @@ def apply_many(items: list, labels: Optional[list[str]] = None) -> None:
     pending = []  # (item, launched apply)
     small = []    # GAPS deltas with small payloads: one launch for all (a program each)
     for k, (view, count, enc, payload) in enumerate(items):
-        kind = enc & 7
+        kind, diff8 = enc & 7, bool(enc & DIFF8)
         with _labelled(labels, k):
             if kind == GAPS and delta_kernels.usable(view) and delta_kernels.small_gaps(
-                    view, count, bool(enc & DIFF8), payload):
-                small.append((k, (view, count, bool(enc & DIFF8), payload)))
+                    view, count, diff8, payload):
+                small.append((k, (view, count, diff8, payload)))
                 continue
             if kind in (GAPS, POSITIONS) and delta_kernels.usable(view):
                 launched = delta_kernels.launch_sparse(
-                    view, count, kind == GAPS, bool(enc & DIFF8), payload,
-                    index_bytes(view.numel()))
+                    view, count, kind == GAPS, diff8, payload, index_bytes(view.numel()))
                 if launched is not None:
                     pending.append((k, launched))
                     continue
