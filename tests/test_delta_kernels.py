@@ -55,7 +55,7 @@ def device(monkeypatch):
     if dev.type == "cpu":  # the interpreter runs the kernels on CPU tensors
         monkeypatch.setattr(delta_kernels, "usable", lambda t: delta_kernels.enabled())
     calls = []
-    for name in ("Cut", "apply_sparse", "bitmask_counts", "bitmask_positions", "apply_bitmask",
+    for name in ("cut_many", "apply_sparse", "bitmask_counts", "bitmask_positions", "apply_bitmask",
                  "rows_form", "launch_small"):
         real = getattr(delta_kernels, name)
 
@@ -135,7 +135,7 @@ def test_cut_is_the_torch_paths_bytes_and_applies(device, monkeypatch, n, fracti
     got = encode(new, old)
     _same_cut(got, _torch_path(monkeypatch, encode, new.cpu(), old.cpu()))
     assert want is None or got[1] == want, dt.encoding_name(got[1])
-    assert "Cut" in calls
+    assert "cut_many" in calls
     _apply_into_column_block(new, old, *got, dev)
     if got[1] & 7 == BITMASK:
         assert "bitmask_counts" in calls
@@ -157,7 +157,7 @@ def test_every_encoding_matches_and_applies_into_a_strided_view(device, monkeypa
     got = encode(new, old)
     assert got[1] == forced
     _same_cut(got, _torch_path(monkeypatch, encode, new.cpu(), old.cpu()))
-    assert "Cut" in calls
+    assert "cut_many" in calls
     count, enc, payload = got
     wide = torch.zeros(64, 128, dtype=new.dtype, device=dev)
     view = wide[:, 16:16 + cols]
@@ -275,7 +275,7 @@ def test_blocks_in_their_slots_and_over_them(device, monkeypatch, forced, tail):
     new[escaped] += 700
     new, old = new.view(torch.bfloat16).to(dev), old.view(torch.bfloat16).to(dev)
     assert delta_kernels._pack(new, old) == (2 if tail % 2 == 0 else 0)
-    cut = delta_kernels.Cut(new, old)
+    cut = delta_kernels.cut(new, old)
     assert (cut.count, cut.escapes, cut.overflowed) == (len(at), len(escaped), 2)
     _forced(monkeypatch, forced)
     got = encode(new, old)
@@ -311,14 +311,14 @@ def test_the_cut_writes_the_chosen_payload_before_it_reads_its_totals(
     bytes; encode() returns that payload with no second pass."""
     dev, _ = device
     new, old = _pair(n, fraction, itemsize, n + itemsize, dev, escapes)
-    cut = delta_kernels.Cut(new, old, dt.index_bytes(n))
+    cut = delta_kernels.cut(new, old, dt.index_bytes(n))
     host = dt.pick_encoding(n, cut.count, itemsize, cut.skips,
                             None if itemsize == 1 else cut.escapes) if cut.count else NONE
     assert (cut.chosen, host) == (want, want)
     guessed = want in ((GAPS | DIFF8, POSITIONS | DIFF8) if itemsize > 1 else (GAPS, POSITIONS))
     assert (cut.speculated is not None) == guessed
     second = []
-    cls = type(cut)  # (the fixture watches delta_kernels.Cut through a function)
+    cls = type(cut)
     monkeypatch.setattr(cls, "payload", lambda self, *a, _real=cls.payload: second.append(a)
                         or _real(self, *a))
     got = encode(_as(new, itemsize), _as(old, itemsize))
@@ -344,7 +344,7 @@ def test_a_guessed_gaps_payload_writes_its_skip_bytes_as_zeros(device, monkeypat
     new, old = new.to(dev), old.to(dev)
     real = torch.empty
     monkeypatch.setattr(torch, "empty", lambda *a, **k: real(*a, **k).fill_(0x5A))
-    cut = delta_kernels.Cut(new, old, 4)
+    cut = delta_kernels.cut(new, old, 4)
     assert cut.chosen == GAPS | DIFF8 and cut.speculated is not None and cut.skips > 0
     monkeypatch.setattr(torch, "empty", real)
     want = _torch_path(monkeypatch, encode, _as(new, 2).cpu(), _as(old, 2).cpu())
@@ -353,13 +353,12 @@ def test_a_guessed_gaps_payload_writes_its_skip_bytes_as_zeros(device, monkeypat
 
 
 def test_a_payload_over_the_room_of_the_guess_takes_the_second_pass(device, monkeypatch):
-    """A payload larger than ``Cut.room()`` is not written speculatively; the second pass
+    """A payload larger than its room (``_room``) is not written speculatively; the second pass
     writes it, the same bytes."""
     dev, _ = device
     new, old = _pair(20_000, 0.01, 2, 5, dev)
-    cls = type(delta_kernels.Cut(new, old))
-    monkeypatch.setattr(cls, "room", lambda self: 64)
-    cut = delta_kernels.Cut(new, old)
+    monkeypatch.setattr(delta_kernels, "_room", lambda n, item: 64)
+    cut = delta_kernels.cut(new, old)
     assert cut.chosen == GAPS | DIFF8 and cut.speculated is None
     got = encode(_as(new, 2), _as(old, 2))
     _same_cut(got, _torch_path(monkeypatch, encode, _as(new, 2).cpu(), _as(old, 2).cpu()))
@@ -471,6 +470,51 @@ def test_regions_cut_together_are_each_regions_own_bytes(device, monkeypatch, gr
         _same_cut(cut, _torch_path(monkeypatch, encode, new.cpu(), old.cpu()))
     # a group ends once its regions reach GROUP_BYTES (bytes: 40,000, 24,576 | 80,000 | ...)
     assert groups == ([len(pairs)] if group_bytes >= 1 << 30 else [2, 1, 5]), groups
+
+
+@pytest.mark.parametrize("forced", [None, GAPS | DIFF8, GAPS, POSITIONS, BITMASK | DIFF8])
+def test_regions_of_one_batch_are_cut_by_the_same_launches(device, monkeypatch, forced):
+    """One batch (``_Batch``: one launch of each cut kernel for its regions) of bf16
+    regions of 1 to 17 blocks of 256 (tiles of 4 blocks, slot_write programs of 2): each
+    region's blocks, tiles and programs numbered after the previous region's, its offsets,
+    gaps and positions its own; regions are views at odd places of two buffers (one batch
+    not 16-byte aligned), one with every block over its slot, one unchanged, gaps across
+    blocks, tiles and region ends. Each payload is the torch path's for the region alone,
+    written before the read (``forced`` None: the device's choice) or by the second pass
+    (a region's programs and blocks from its first)."""
+    dev, _ = device
+    monkeypatch.setattr(delta_kernels, "BLOCK", 256)
+    monkeypatch.setattr(delta_kernels, "_TILE", 4)
+    monkeypatch.setattr(delta_kernels, "SLOT_ENTRIES", 16)
+    batches = []
+    real = delta_kernels._Batch
+    monkeypatch.setattr(delta_kernels, "_Batch",
+                        lambda members, *a: batches.append(len(members)) or real(members, *a))
+    g = torch.Generator().manual_seed(3)
+    olds = torch.randint(-2**15, 2**15, (2, 20_000), dtype=torch.int16, generator=g)
+    news = olds.clone()
+    flip = torch.rand(news.shape, generator=g)
+    news[flip < 0.02] ^= 1
+    news[flip < 0.002] ^= 0x4000  # escapes
+    news[:, 15_000:15_500] ^= 3   # every block over its slot
+    news[:, 4_000:6_000] = olds[:, 4_000:6_000]  # gaps over whole blocks and tiles
+    news[:, 10_000:13_000] = olds[:, 10_000:13_000]  # a region unchanged
+    spans = [(0, 256), (256, 2_560 + 37), (3_000, 7_168), (7_168, 10_000),
+             (10_250, 12_750), (14_900, 15_600), (15_604, 19_990)]
+    pairs = []
+    for row, shift in ((0, 0), (1, 1)):  # row 1: every view an element later (unaligned)
+        for lo, hi in spans:
+            pairs.append((_as(news[row, lo + shift:hi + shift], 2).to(dev),
+                          _as(olds[row, lo + shift:hi + shift], 2).to(dev)))
+    if forced is not None:
+        _forced(monkeypatch, forced)
+    got = dt.encode_many(pairs)
+    for (new, old), cut in zip(pairs, got):
+        _same_cut(cut, _torch_path(monkeypatch, encode, new.cpu(), old.cpu()))
+    packs = [delta_kernels._pack(delta_kernels._flat_bits(n), delta_kernels._flat_bits(o))
+             for n, o in pairs]
+    assert sorted(batches) == sorted([packs.count(p) for p in set(packs)]), (batches, packs)
+    assert max(batches) >= 6
 
 
 @pytest.mark.parametrize("small", ["1", "0"])  # small GAPS payloads by apply_small, or not

@@ -166,100 +166,53 @@ def _value_sections(values: torch.Tensor, count: int, item: int, diff8: bool) ->
 
 # -- cut ------------------------------------------------------------------------------
 
+# a region's row of a cut batch's table (int64), read by the kernels at these places:
+# 0 new's offset from the batch's base (elements), 1 old's, 2 elements, 3 its first block
+# in the batch, 4 blocks, 5 first tile, 6 tiles, 7 first slot_write program, 8 its
+# speculated payload's offset in the batch's buffer (bytes), 9 that payload's room, 10 its
+# row of the totals, 11 and 12 new's and old's offsets in 32-bit words (where packed)
+_ROW = 13
+
+
+def _room(n: int, item: int) -> int:
+    """Bytes a speculative payload may take: a 16th of the region's (a multiple of 8),
+    GAPS + DIFF8 of bf16 at up to ~6% changed; the rest take the second pass."""
+    return max(4096, -(-n * item // _ROOM // 8) * 8)
+
+
 class Cut:
-    """One region's changes found (``cut_mark`` and the per-block offsets) and its totals
-    read once: ``count``, ``skips`` (GAPS skip bytes), ``escapes`` (DIFF8), ``chosen`` (the
-    encoding the device chose from them, as ``delta_transport.pick_encoding`` does) and
-    ``speculated``: ``(encoding, payload)`` written in the same queue before that read, or
-    None where the slots do not give the chosen encoding or its payload overran
-    ``room()``. ``payload`` writes any encoding after the read.
+    """One region's changes found (``cut_mark`` and the per-block offsets) and its totals,
+    taken by ``finish`` from the host's one read of a batch's: ``count``, ``skips`` (GAPS
+    skip bytes), ``escapes`` (DIFF8), ``chosen`` (the encoding the device chose from them,
+    as ``delta_transport.pick_encoding`` does) and ``speculated``: ``(encoding, payload)``
+    written in the same queue before that read, or None where the slots do not give the
+    chosen encoding or its payload overran its room (``_room``). ``payload`` writes any
+    encoding after the read. Made by ``cut_many`` (``cut``: one region alone)."""
 
-    ``totals``: a row of 6 int64 on the device shared with other cuts (``cut_many``): the
-    kernels are launched and the read left to the caller, who passes the row's figures to
-    ``finish``."""
-
-    def __init__(self, new: torch.Tensor, old: torch.Tensor, index_size: int = 4,
-                 totals: Optional[torch.Tensor] = None):
-        a = _flat_bits(new)
-        b = _flat_bits(old if old.device == new.device else old.to(new.device))
+    def __init__(self, batch: "_Batch", a: torch.Tensor, b: torch.Tensor, row: list):
         self.a, self.b, self.n = a, b, a.numel()
-        item = a.element_size()
-        blocks = max(1, -(-self.n // BLOCK))
-        cap = _cap()
-        tiles = -(-blocks // _TILE)
-        dev = a.device
-        # two allocations for all the scratch (host time per call counts at these speeds):
-        # per block its non-zero words listed (int64), its bitmask bytes, its slot
-        # (int16 positions, DIFF8 bytes); then the int64 figures
-        raw = torch.empty(blocks * (11 * cap + BLOCK // 8), dtype=torch.uint8, device=dev)
-        words, self.mask, pos, self.slot_byte = raw.split(
-            [8 * blocks * cap, blocks * BLOCK // 8, 2 * blocks * cap, blocks * cap])
-        self.slot_pos = pos.view(torch.int16)
-        read_here = totals is None
-        figs = torch.empty(9 * blocks + 6 * tiles + 6 * read_here, dtype=torch.int64, device=dev)
-        # per block: changed, escapes, gap bytes (3 rows); then their offsets (exclusive);
-        # the first and last change; the last change before it; per tile figures; the
-        # totals (changed, escapes, gap bytes, blocks over the cap, encoding, its bytes)
-        self.stats, self.starts, firsts, lasts, self.before, figures, *own = figs.split(
-            [3 * blocks, 3 * blocks, blocks, blocks, blocks, 6 * tiles] + [6] * read_here)
-        totals = own[0] if read_here else totals
-        k = _kernels()
-        pack = _pack(a, b)
-        a32, b32 = (a.view(torch.int32), b.view(torch.int32)) if pack else (a, b)
-        step = _step_type(item)
-        k.cut_mark[(blocks,)](a, b, a32, b32, self.n, self.mask.view(torch.int16), self.stats,
-                              firsts, lasts, words.view(torch.int64), self.slot_pos,
-                              self.slot_byte, blocks, STEP=step, BLOCK=BLOCK, CAP=cap,
-                              PACK=pack, num_warps=WARPS)
-        k.cut_tiles[(tiles,)](self.stats, firsts, lasts, self.before, figures, blocks, tiles,
-                              TILE=_TILE, CAP=cap, num_warps=4)
-        k.cut_offsets[(tiles,)](self.stats, self.before, figures, self.starts, totals, blocks,
-                                tiles, self.n, TILE=_TILE,
-                                MAXT=max(16, 1 << (tiles - 1).bit_length()), ITEM=item,
-                                IDX=index_size, num_warps=4)
-        self.blocks, self.cap = blocks, cap
-        # the payload in the same queue, for each encoding the slots can give, each launch
-        # writing only if the device chose it: no host round trip between the scan and the
-        # payload (the host reads the totals once, after both)
-        room = self.room()
-        self._out = torch.empty(room, dtype=torch.uint8, device=dev)
-        for enc, index in _SPECULATED[item > 1]:
-            where = self._out if index == 2 else self._out.view(_INTS[index_size])
-            self._slots(where, self._out, self._out, index, enc > 8, False, False, totals,
-                        room, enc, index_size)
-        if read_here:
-            self.finish(totals.tolist())  # the one host read
+        self._batch = batch
+        self._block0, self.blocks, self._program0 = row[3], row[4], row[7]
+        self._out_at, self._room = row[8], row[9]
 
     def finish(self, totals: list) -> None:
-        """Take the totals the host read: the 6 figures of this cut's ``totals`` row."""
+        """Take the totals the host read: the 6 figures of this cut's row."""
         self.count, self.escapes, gap_bytes, self.overflowed, enc, size = totals
         self.skips = gap_bytes - self.count
         self.chosen, self.speculated = enc, None
-        speculated = _SPECULATED_CODES[self.a.element_size() > 1]
-        if not self.overflowed and size <= self.room() and enc in speculated:
-            self.speculated = (enc, self._out[:size])
-        self._out = None  # the payload, if any, holds its bytes
+        if (not self.overflowed and size <= self._room
+                and enc in _SPECULATED_CODES[self.a.element_size() > 1]):
+            self.speculated = (enc, self._batch.out[self._out_at:self._out_at + size])
 
-    def room(self) -> int:
-        """Bytes a speculative payload may take: a 16th of the region's (a multiple of 8),
-        GAPS + DIFF8 of bf16 at up to ~6% changed; the rest take the second pass."""
-        return max(4096, -(-self.n * self.a.element_size() // _ROOM // 8) * 8)
-
-    def _slots(self, where, values, escapes, index, diff8, aligned, esc_aligned, totals,
-               room, enc, index_size):
-        sub = min(SLOT_SUB, self.cap)
-        group = SLOT_ENTRIES // sub
-        _kernels().slot_write[(-(-self.blocks // group),)](
-            self.a, self.stats, self.starts, self.before, self.blocks, self.slot_pos,
-            self.slot_byte, where, values, escapes, totals, room, INDEX=index, DIFF8=diff8,
-            ALIGNED=aligned, ESC_ALIGNED=esc_aligned, ITEM=self.a.element_size(),
-            BLOCK=BLOCK, CAP=self.cap, GROUP=group, SUB=sub, SPEC=enc > 0, ENC=enc,
-            IDX=index_size, ZB=_ZB, num_warps=SLOT_WARPS)
+    @property
+    def mask(self) -> torch.Tensor:
+        """The region's bitmask bytes (its blocks' words, the wire's BITMASK index)."""
+        return self._batch.mask[self._block0 * BLOCK // 8:(self._block0 + self.blocks) * BLOCK // 8]
 
     def payload(self, index: str, diff8: bool, index_size: int = 4) -> torch.Tensor:
         """The payload with index ``"gaps"``, ``"positions"`` (``index_size`` bytes each)
         or ``"bitmask"``, then DIFF8 differences and escapes or whole values."""
-        item, count = self.a.element_size(), self.count
+        item, count, batch = self.a.element_size(), self.count, self._batch
         nindex = {"gaps": count + self.skips, "positions": count * index_size,
                   "bitmask": (self.n + 7) // 8}[index]
         nvalues = count + self.escapes * item if diff8 else count * item
@@ -270,33 +223,143 @@ class Cut:
             out[:nindex].copy_(self.mask[:nindex])
         where = out[:nindex].view(_INTS[index_size]) if index == "positions" else out
         values, aligned, escapes, esc_aligned = _value_sections(out[nindex:], count, item, diff8)
-        args = dict(INDEX={"gaps": 2, "positions": 1, "bitmask": 0}[index], DIFF8=diff8,
-                    ALIGNED=aligned, ESC_ALIGNED=esc_aligned, ITEM=item, BLOCK=BLOCK,
-                    CAP=self.cap)
+        code = {"gaps": 2, "positions": 1, "bitmask": 0}[index]
         if self.overflowed < self.blocks:  # the blocks whose changes fit their slot
-            self._slots(where, values, escapes, args["INDEX"], diff8, aligned, esc_aligned,
-                        self.stats, 0, 0, index_size)
+            programs = -(-self.blocks // batch.group)
+            batch.slots(programs, self._program0, where, values, escapes, code, diff8,
+                        aligned, esc_aligned, 0, index_size)
         if self.overflowed:  # the others from new and old
             _kernels().cut_write[(self.blocks,)](
-                self.a, self.b, self.mask.view(torch.int16), self.stats, self.starts,
-                self.before, self.blocks, where, values, escapes, STEP=_step_type(item),
-                num_warps=WARPS, **args)
+                self.a, self.b, batch.mask16, batch.stats, batch.starts, batch.before,
+                batch.blocks, self._block0, where, values, escapes, INDEX=code, DIFF8=diff8,
+                ALIGNED=aligned, ESC_ALIGNED=esc_aligned, STEP=_step_type(item), ITEM=item,
+                BLOCK=BLOCK, CAP=batch.cap, num_warps=WARPS)
         return out
 
 
+class _Batch:
+    """The regions of one element size, packing and index size cut together: one table,
+    one scratch and one buffer of speculated payloads for them all, each kernel launched
+    once for the batch (a region's blocks, tiles and slot_write programs numbered after
+    the previous region's; ``ids`` names each one's region). Lives while a ``Cut`` of it
+    does: a speculated payload is a view of ``out``."""
+
+    def __init__(self, members: list, pack: int, index_size: int, totals: torch.Tensor):
+        a0 = members[0][1]
+        item, dev = a0.element_size(), a0.device
+        self.cap = cap = _cap()
+        self.sub = min(SLOT_SUB, cap)
+        self.group = SLOT_ENTRIES // self.sub
+        self.item, self.index_size, self.totals = item, index_size, totals
+        self.base = a0
+        # a region's new and old as element offsets from ``base``: 16-byte aligned (the
+        # kernels' vector loads) where every one is
+        base_at = a0.data_ptr()
+        rows, counts, aligned = [], [[], [], []], base_at % 16 == 0
+        blocks = tiles = programs = out = 0
+        for k, a, b in members:
+            n = a.numel()
+            nblocks = max(1, -(-n // BLOCK))
+            ntiles = -(-nblocks // _TILE)
+            nprograms = -(-nblocks // self.group)
+            room = _room(n, item)
+            da, db = a.data_ptr() - base_at, b.data_ptr() - base_at
+            aligned = aligned and da % 16 == 0 and db % 16 == 0
+            rows += [da // item, db // item, n, blocks, nblocks, tiles, ntiles, programs, out,
+                     room, k, da // 4, db // 4]
+            for c, x in zip(counts, (nblocks, ntiles, nprograms)):
+                c.append(x)
+            blocks, tiles, programs, out = (blocks + nblocks, tiles + ntiles,
+                                            programs + nprograms, out + room)
+        self.rows = [rows[r * _ROW:(r + 1) * _ROW] for r in range(len(members))]
+        self.blocks, self.tiles, self.programs = blocks, tiles, programs
+        self.align = 16 // item if aligned else 1
+        self.maxt = max(16, 1 << (max(counts[1]) - 1).bit_length())
+        nr = len(members)
+        up = torch.tensor(rows + list(range(nr)) * 3 + counts[0] + counts[1] + counts[2],
+                          dtype=torch.int64).to(dev, non_blocking=True)
+        self.table = up[:nr * _ROW]
+        # each block's, tile's and slot_write program's region, in that order
+        self.ids = torch.repeat_interleave(up[nr * _ROW:nr * (_ROW + 3)], up[nr * (_ROW + 3):],
+                                           output_size=blocks + tiles + programs)
+        # two allocations for all the scratch (host time per call counts at these speeds):
+        # per block its non-zero words listed (int64), its bitmask bytes, its slot (int16
+        # positions, DIFF8 bytes); then the int64 figures
+        raw = torch.empty(blocks * (11 * cap + BLOCK // 8), dtype=torch.uint8, device=dev)
+        words, self.mask, pos, self.slot_byte = raw.split(
+            [8 * blocks * cap, blocks * BLOCK // 8, 2 * blocks * cap, blocks * cap])
+        self.mask16, self.slot_pos = self.mask.view(torch.int16), pos.view(torch.int16)
+        # per block: changed, escapes, gap bytes (3 rows); then their offsets (exclusive);
+        # the first and last change; the last change before it; per tile figures
+        self.stats, self.starts, firsts, lasts, self.before, figures = torch.empty(
+            9 * blocks + 6 * tiles, dtype=torch.int64, device=dev).split(
+            [3 * blocks, 3 * blocks, blocks, blocks, blocks, 6 * tiles])
+        self.out = torch.empty(out, dtype=torch.uint8, device=dev)
+        k = _kernels()
+        step = _step_type(item)
+        k.cut_mark[(blocks,)](a0, a0.view(torch.int32) if pack else a0, self.table, self.ids,
+                              self.mask16, self.stats, firsts, lasts, words.view(torch.int64),
+                              self.slot_pos, self.slot_byte, blocks, STEP=step, BLOCK=BLOCK,
+                              CAP=cap, PACK=pack, ITEM=item, AL=self.align, num_warps=WARPS)
+        k.cut_tiles[(tiles,)](self.table, self.ids, self.stats, firsts, lasts, self.before,
+                              figures, blocks, tiles, TILE=_TILE, CAP=cap, num_warps=4)
+        k.cut_offsets[(tiles,)](self.table, self.ids, self.stats, self.before, figures,
+                                self.starts, totals, blocks, tiles, TILE=_TILE, MAXT=self.maxt,
+                                ITEM=item, IDX=index_size, num_warps=4)
+        # each region's payload in the same queue, for each encoding the slots can give,
+        # each launch writing only where the device chose it: no host round trip between
+        # the scan and the payload (the host reads the totals once, after both)
+        for enc, index in _SPECULATED[item > 1]:
+            where = self.out if index == 2 else self.out.view(_INTS[index_size])
+            self.slots(programs, 0, where, self.out, self.out, index, enc > 8, False, False,
+                       enc, index_size)
+
+    def slots(self, programs, program0, where, values, escapes, index, diff8, aligned,
+              esc_aligned, enc, index_size):
+        """``slot_write`` over ``programs`` of the batch's from ``program0``: ``enc`` > 0,
+        every region's speculated payload (if chosen) in ``out``; else one region's payload
+        into ``where``, ``values`` and ``escapes``."""
+        _kernels().slot_write[(programs,)](
+            self.base, self.table, self.ids, self.stats, self.starts, self.before, self.blocks,
+            self.tiles, program0, self.slot_pos, self.slot_byte, where, values, escapes,
+            self.totals, INDEX=index, DIFF8=diff8, ALIGNED=aligned, ESC_ALIGNED=esc_aligned,
+            ITEM=self.item, BLOCK=BLOCK, CAP=self.cap, GROUP=self.group, SUB=self.sub,
+            SPEC=enc > 0, ENC=enc, IDX=index_size, ZB=_ZB, AL=self.align,
+            num_warps=SLOT_WARPS)
+
+
+def _tl_type(item: int):
+    import triton.language as tl
+    return {1: tl.uint8, 2: tl.int16, 4: tl.int32, 8: tl.int64}[item]
+
+
 def cut_many(pairs: list, index_sizes: list[int]) -> list[Cut]:
-    """A ``Cut`` of each ``(new, old)`` pair with one host read for them all: every cut's
-    kernels queue back to back, so the host's launches of one region overlap the device's
-    work on the ones before, and the device drains once. The scratch of every cut lives
-    until the read: callers bound the regions' bytes (``delta_transport.encode_many``)."""
+    """A ``Cut`` of each ``(new, old)`` pair with one host read for them all: the regions
+    of one element size, packing and index size go as one batch (``_Batch``: each kernel
+    launched once for the batch), and the device drains once. The scratch of every cut
+    lives until the read: callers bound the regions' bytes (``delta_transport.encode_many``)."""
     if not pairs:
         return []
-    totals = torch.empty(len(pairs), 6, dtype=torch.int64, device=pairs[0][0].device)
-    cuts = [Cut(new, old, size, totals[k]) for k, ((new, old), size) in
-            enumerate(zip(pairs, index_sizes))]
+    dev = pairs[0][0].device
+    totals = torch.empty(len(pairs), 6, dtype=torch.int64, device=dev)
+    batches: dict = {}
+    for k, ((new, old), size) in enumerate(zip(pairs, index_sizes)):
+        a = _flat_bits(new)
+        b = _flat_bits(old if old.device == a.device else old.to(a.device))
+        batches.setdefault((a.element_size(), _pack(a, b), size), []).append((k, a, b))
+    cuts: list = [None] * len(pairs)
+    for (_, pack, size), members in batches.items():
+        batch = _Batch(members, pack, size, totals)
+        for (k, a, b), row in zip(members, batch.rows):
+            cuts[k] = Cut(batch, a, b, row)
     for cut, figures in zip(cuts, totals.tolist()):  # the one host read
         cut.finish(figures)
     return cuts
+
+
+def cut(new: torch.Tensor, old: torch.Tensor, index_size: int = 4) -> Cut:
+    """``cut_many`` of one region."""
+    return cut_many([(new, old)], [index_size])[0]
 
 
 # -- apply ----------------------------------------------------------------------------
@@ -685,6 +748,24 @@ def _build(triton, tl) -> _Kernels:
         return enc, best
 
     @triton.jit
+    def _region(base, row, col, AL: tl.constexpr):
+        # a region of a cut batch: ``base`` moved by the offset at ``col`` of its table row
+        # (``_ROW``); AL > 1: every region's offset is a multiple of AL (16 bytes), which
+        # the compiler needs to know to vectorise the loads
+        off = tl.load(row + col)
+        if AL > 1:
+            off = tl.multiple_of(off, AL)
+        return base + off
+
+    @triton.jit
+    def _tile_blocks(table, ids, blocks, t, TILE: tl.constexpr):
+        # the blocks of tile t of a cut batch (its region's, in the batch's numbering)
+        row = table + tl.load(ids + blocks + t) * 13
+        b0 = tl.load(row + 3)
+        i = b0 + (t - tl.load(row + 5)) * TILE + tl.arange(0, TILE)
+        return i, i < b0 + tl.load(row + 4)
+
+    @triton.jit
     def _gap_chunk(p, off, end, CHUNK: tl.constexpr):
         # the gap bytes p[off:off + CHUNK) short of ``end``: their places, which name a
         # value (not 0), and how far each advances (a 0 byte: 255)
@@ -701,12 +782,13 @@ def _build(triton, tl) -> _Kernels:
                      _row=_row, _row_before=_row_before,
                      _bits=_bits, _ranks=_ranks, _put=_put, _get=_get,
                      _count_before=_count_before, _write_at=_write_at, _cheaper=_cheaper,
-                     _choose=_choose, _gap_chunk=_gap_chunk)
+                     _choose=_choose, _gap_chunk=_gap_chunk, _region=_region,
+                     _tile_blocks=_tile_blocks)
 
     @triton.jit
-    def cut_mark(a, b, a32, b32, n, mask, stats, firsts, lasts, words, slot_pos, slot_byte,
-                 blocks, STEP: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr,
-                 PACK: tl.constexpr):
+    def cut_mark(base, base32, table, ids, mask, stats, firsts, lasts, words, slot_pos,
+                 slot_byte, blocks, STEP: tl.constexpr, BLOCK: tl.constexpr,
+                 CAP: tl.constexpr, PACK: tl.constexpr, ITEM: tl.constexpr, AL: tl.constexpr):
         # mask: the bitmask as int16 words (16 elements each, little-endian: the wire's
         # bytes). Per element only the compare and the packing into words. A block of at
         # most CAP changes (so at most CAP non-zero words) then lists its non-zero words
@@ -714,10 +796,13 @@ def _build(triton, tl) -> _Kernels:
         # changes in the block's slot (in-block position, DIFF8 byte) from the copies of
         # new and old the loads just brought into the caches: the payload is written from
         # the slots alone. A block over CAP (dense changes) takes the per-element path.
+        # a block of the batch (``_Batch``), its region's new and old from the table
         block = tl.program_id(0).to(tl.int64)
-        first = block * BLOCK
-        pa = a + first
-        pb = b + first
+        row = table + tl.load(ids + block) * 13
+        n = tl.load(row + 2)
+        first = (block - tl.load(row + 3)) * BLOCK
+        pa = _region(base, row, 0, AL) + first
+        pb = _region(base, row, 1, AL) + first
         loc = _lanes(BLOCK)
         inside = loc < n - first
         if PACK > 0:
@@ -727,8 +812,10 @@ def _build(triton, tl) -> _Kernels:
             UNITS: tl.constexpr = 16 // PACK
             u = tl.arange(0, BLOCK // 16)[:, None] * UNITS + tl.arange(0, UNITS)[None, :]
             there = u < (n - first) // PACK
-            xor = (tl.load(a32 + first // PACK + u, mask=there, other=0)
-                   ^ tl.load(b32 + first // PACK + u, mask=there, other=0))
+            a32 = _region(base32, row, 11, AL * ITEM // 4) + first // PACK
+            b32 = _region(base32, row, 12, AL * ITEM // 4) + first // PACK
+            xor = (tl.load(a32 + u, mask=there, other=0)
+                   ^ tl.load(b32 + u, mask=there, other=0))
             if PACK == 1:
                 flags = (xor != 0).to(tl.int32)
             else:
@@ -810,14 +897,13 @@ def _build(triton, tl) -> _Kernels:
         tl.store(lasts + block, tl.where(top >= 0, first + top, -1))
 
     @triton.jit
-    def cut_tiles(stats, firsts, lasts, before, tiles, blocks, ntiles, TILE: tl.constexpr,
-                  CAP: tl.constexpr):
-        # per tile of TILE blocks: each block's last change before it inside the tile
-        # (-1: none), its gap bytes but for the skips from the tiles before, and the
-        # tile's sums, first and last change
+    def cut_tiles(table, ids, stats, firsts, lasts, before, tiles, blocks, ntiles,
+                  TILE: tl.constexpr, CAP: tl.constexpr):
+        # per tile of TILE blocks of a region: each block's last change before it inside
+        # the tile (-1: none), its gap bytes but for the skips from the tiles before, and
+        # the tile's sums, first and last change
         t = tl.program_id(0).to(tl.int64)
-        i = t * TILE + tl.arange(0, TILE)
-        live = i < blocks
+        i, live = _tile_blocks(table, ids, blocks, t, TILE)
         count = tl.load(stats + i, mask=live, other=0)
         first = tl.load(firsts + i, mask=live, other=0)
         last = tl.load(lasts + i, mask=live, other=-1)
@@ -834,34 +920,37 @@ def _build(triton, tl) -> _Kernels:
         tl.store(tiles + 5 * ntiles + t, tl.sum((count > CAP).to(tl.int64)))
 
     @triton.jit
-    def cut_offsets(stats, before, tiles, starts, totals, blocks, ntiles, n,
+    def cut_offsets(table, ids, stats, before, tiles, starts, totals, blocks, ntiles,
                     TILE: tl.constexpr, MAXT: tl.constexpr, ITEM: tl.constexpr,
                     IDX: tl.constexpr):
-        # each block's offsets (exclusive: values, escapes, gap bytes) and the last change
-        # before it; the tiles' figures are few, every program scans them all. Program 0
-        # writes the totals and the encoding ``pick_encoding`` would choose from them
+        # each block's offsets in its region's payload (exclusive: values, escapes, gap
+        # bytes) and the last change before it; a region's tiles' figures are few, each
+        # of its programs scans them all. Its first writes its totals and the encoding
+        # ``pick_encoding`` would choose from them
         t = tl.program_id(0).to(tl.int64)
+        row = table + tl.load(ids + blocks + t) * 13
+        t0 = tl.load(row + 5)
         j = tl.arange(0, MAXT)
-        there = j < ntiles
-        tc = tl.load(tiles + j, mask=there, other=0)
-        te = tl.load(tiles + ntiles + j, mask=there, other=0)
-        tlast = tl.load(tiles + 4 * ntiles + j, mask=there, other=-1)
+        there = j < tl.load(row + 6)
+        tc = tl.load(tiles + t0 + j, mask=there, other=0)
+        te = tl.load(tiles + ntiles + t0 + j, mask=there, other=0)
+        tlast = tl.load(tiles + 4 * ntiles + t0 + j, mask=there, other=-1)
         _, tprev = tl.associative_scan((tlast, tl.full((MAXT,), -1, tl.int64)), 0, _max_before)
-        tskip = tl.where(tc > 0, (tl.load(tiles + 3 * ntiles + j, mask=there, other=0)
+        tskip = tl.where(tc > 0, (tl.load(tiles + 3 * ntiles + t0 + j, mask=there, other=0)
                                   - tprev - 1) // 255, 0)
-        tg = tl.load(tiles + 2 * ntiles + j, mask=there, other=0) + tskip
-        if t == 0:
-            tl.store(totals, tl.sum(tc))
-            tl.store(totals + 1, tl.sum(te))
-            tl.store(totals + 2, tl.sum(tg))
-            tl.store(totals + 3, tl.sum(tl.load(tiles + 5 * ntiles + j, mask=there, other=0)))
-            enc, size = _choose(n, tl.sum(tc), tl.sum(te), tl.sum(tg), ITEM, IDX)
-            tl.store(totals + 4, enc)
-            tl.store(totals + 5, size)
-        earlier = j < t
-        mine = j == t
-        i = t * TILE + tl.arange(0, TILE)
-        live = i < blocks
+        tg = tl.load(tiles + 2 * ntiles + t0 + j, mask=there, other=0) + tskip
+        if t == t0:
+            out = totals + tl.load(row + 10) * 6
+            tl.store(out, tl.sum(tc))
+            tl.store(out + 1, tl.sum(te))
+            tl.store(out + 2, tl.sum(tg))
+            tl.store(out + 3, tl.sum(tl.load(tiles + 5 * ntiles + t0 + j, mask=there, other=0)))
+            enc, size = _choose(tl.load(row + 2), tl.sum(tc), tl.sum(te), tl.sum(tg), ITEM, IDX)
+            tl.store(out + 4, enc)
+            tl.store(out + 5, size)
+        earlier = j < t - t0
+        mine = j == t - t0
+        i, live = _tile_blocks(table, ids, blocks, t, TILE)
         count = tl.load(stats + i, mask=live, other=0)
         esc = tl.load(stats + blocks + i, mask=live, other=0)
         gaps = tl.load(stats + 2 * blocks + i, mask=live, other=0)
@@ -877,17 +966,18 @@ def _build(triton, tl) -> _Kernels:
                  - gaps, mask=live)
 
     @triton.jit
-    def cut_write(a, b, mask, stats, starts, before, blocks, index, values, escapes,
+    def cut_write(a, b, mask, stats, starts, before, blocks, block0, index, values, escapes,
                   INDEX: tl.constexpr, DIFF8: tl.constexpr, ALIGNED: tl.constexpr,
                   ESC_ALIGNED: tl.constexpr, STEP: tl.constexpr, ITEM: tl.constexpr,
                   BLOCK: tl.constexpr, CAP: tl.constexpr):
         # the blocks over CAP changes (slot_write writes the others). INDEX: 0 none (a
         # bitmask, copied apart), 1 positions, 2 gaps. A lane is a word of the bitmask (16
-        # elements); step k handles the k-th change of every word.
-        block = tl.program_id(0).to(tl.int64)
+        # elements); step k handles the k-th change of every word. One region's blocks
+        # (from ``block0`` of its batch's, ``_Batch``).
+        block = tl.program_id(0).to(tl.int64) + block0
         count = tl.load(stats + block)
         if count > CAP:
-            first = block * BLOCK
+            first = (block - block0) * BLOCK
             w = tl.arange(0, BLOCK // 16)
             word = tl.load(mask + block * (BLOCK // 16) + w).to(tl.int32) & 0xFFFF
             pop = _popcount(word)
@@ -951,26 +1041,42 @@ def _build(triton, tl) -> _Kernels:
                             rem = rem & (rem - 1)
 
     @triton.jit
-    def slot_write(a, stats, starts, before, blocks, slot_pos, slot_byte, index, values,
-                   escapes, totals, room, INDEX: tl.constexpr, DIFF8: tl.constexpr,
-                   ALIGNED: tl.constexpr, ESC_ALIGNED: tl.constexpr, ITEM: tl.constexpr,
-                   BLOCK: tl.constexpr, CAP: tl.constexpr, GROUP: tl.constexpr,
-                   SUB: tl.constexpr, SPEC: tl.constexpr, ENC: tl.constexpr,
-                   IDX: tl.constexpr, ZB: tl.constexpr):
+    def slot_write(base, table, ids, stats, starts, before, blocks, ntiles, program0, slot_pos,
+                   slot_byte, index, values, escapes, totals, INDEX: tl.constexpr,
+                   DIFF8: tl.constexpr, ALIGNED: tl.constexpr, ESC_ALIGNED: tl.constexpr,
+                   ITEM: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr,
+                   GROUP: tl.constexpr, SUB: tl.constexpr, SPEC: tl.constexpr,
+                   ENC: tl.constexpr, IDX: tl.constexpr, ZB: tl.constexpr, AL: tl.constexpr):
         # GROUP blocks of at most CAP changes a program: the payload from their slots
         # (gaps from consecutive positions, ranks by cumsums), SUB slot entries of each
         # block a step, as many steps as the most changes among them (not CAP: lanes
         # cost, masked or not); new is read only for whole values (escapes, or no DIFF8).
-        # SPEC: launched before the host knows the totals; writes only where the device's
-        # choice (``totals``, cut_offsets) is this encoding, no block overflowed and the
-        # payload fits ``room`` bytes; the sections' offsets come from the totals
-        # (``values`` and ``escapes`` are then the payload's first byte, written bytewise)
-        g = tl.program_id(0).to(tl.int64) * GROUP + tl.arange(0, GROUP)
-        there = g < blocks
+        # SPEC: every region of the batch, launched before the host knows the totals;
+        # writes a region's payload only where the device's choice (its ``totals`` row,
+        # cut_offsets) is this encoding, no block overflowed and the payload fits its
+        # room, at its offset in the batch's buffer (``index``, ``values`` and
+        # ``escapes``); the sections' offsets come from the totals (``values`` and
+        # ``escapes`` are then the payload's first byte, written bytewise). Else one
+        # region's programs from ``program0``, into its payload's sections.
+        p = tl.program_id(0).to(tl.int64) + program0
+        row = table + tl.load(ids + blocks + ntiles + p) * 13
+        a = _region(base, row, 0, AL)
+        b0 = tl.load(row + 3)
+        end = b0 + tl.load(row + 4)
+        g0 = b0 + (p - tl.load(row + 7)) * GROUP
+        g = g0 + tl.arange(0, GROUP)
+        there = g < end
         if SPEC:
+            totals += tl.load(row + 10) * 6
             go = ((tl.load(totals + 4) == ENC) & (tl.load(totals + 3) == 0)
-                  & (tl.load(totals + 5) <= room))
+                  & (tl.load(totals + 5) <= tl.load(row + 9)))
             there = there & go
+            at = tl.load(row + 8)
+            values += at
+            if INDEX == 1:
+                index += at // IDX
+            else:
+                index += at
             total = tl.load(totals)
             nindex = total * IDX
             if INDEX == 2:
@@ -980,10 +1086,9 @@ def _build(triton, tl) -> _Kernels:
             if INDEX == 2:
                 # the group's share of the gap section, [its first block's offset, the next
                 # group's), zeroed first: its skip bytes are 0s, its value bytes come below
-                g0 = tl.program_id(0).to(tl.int64) * GROUP
                 lo = tl.load(starts + 2 * blocks + g0)
-                hi = tl.load(starts + 2 * blocks + tl.minimum(g0 + GROUP, blocks - 1))
-                hi = tl.where(go, tl.where(g0 + GROUP < blocks, hi, tl.load(totals + 2)), lo)
+                hi = tl.load(starts + 2 * blocks + tl.minimum(g0 + GROUP, end - 1))
+                hi = tl.where(go, tl.where(g0 + GROUP < end, hi, tl.load(totals + 2)), lo)
                 z = lo
                 while z < hi:
                     zj = z + tl.arange(0, ZB)
@@ -997,7 +1102,7 @@ def _build(triton, tl) -> _Kernels:
         if INDEX == 2:
             # the first change's gap (from the change before the block, maybe blocks away)
             first = tl.load(slot_pos + g * CAP, mask=count > 0, other=0).to(tl.int32) & 0xFFFF
-            gap0 = g * BLOCK + first - tl.load(before + g, mask=there, other=0)
+            gap0 = (g - b0) * BLOCK + first - tl.load(before + g, mask=there, other=0)
             skip0 = (gap0 - 1) // 255
             byte0 = (gap0 - 255 * skip0).to(tl.int32)
             spot0 = tl.load(starts + 2 * blocks + g, mask=there, other=0) + skip0
@@ -1010,8 +1115,8 @@ def _build(triton, tl) -> _Kernels:
             pos = tl.load(slot_pos + o, mask=live, other=0).to(tl.int32) & 0xFFFF
             rank = rank0[:, None] + r
             if INDEX == 1:
-                tl.store(index + rank, (g[:, None] * BLOCK + pos).to(index.dtype.element_ty),
-                         mask=live)
+                tl.store(index + rank, ((g[:, None] - b0) * BLOCK + pos).to(
+                    index.dtype.element_ty), mask=live)
             if INDEX == 2:  # in-block gaps in int32
                 prior = tl.load(slot_pos + o - 1, mask=live & (r > 0), other=0).to(
                     tl.int32) & 0xFFFF
@@ -1028,12 +1133,12 @@ def _build(triton, tl) -> _Kernels:
                 e = esc.to(tl.int32)
                 if tl.sum(tl.sum(e, axis=1), axis=0) > 0:  # escapes' whole values
                     er = esc0[:, None] + tl.cumsum(e, 1) - e
-                    at = g[:, None] * BLOCK + pos
+                    at = (g[:, None] - b0) * BLOCK + pos
                     _put(escapes, 0, er, tl.load(a + at, mask=esc, other=0), esc, ESC_ALIGNED,
                          ITEM)
                 esc0 += tl.sum(e, 1)
             else:
-                at = g[:, None] * BLOCK + pos
+                at = (g[:, None] - b0) * BLOCK + pos
                 _put(values, 0, rank, tl.load(a + at, mask=live, other=0), live, ALIGNED, ITEM)
             c += SUB
 

@@ -216,7 +216,7 @@ def encode(new: torch.Tensor, old: torch.Tensor) -> tuple[int, int, Optional[tor
 
 def _encode_on_gpu(nb: torch.Tensor, ob: torch.Tensor) -> tuple[int, int, Optional[torch.Tensor]]:
     """``encode`` by the kernels: the totals read once, the same choice, the same bytes."""
-    return _encoded(delta_kernels.Cut(nb, ob, index_bytes(nb.numel())), nb)
+    return _encoded(delta_kernels.cut(nb, ob, index_bytes(nb.numel())), nb)
 
 
 # regions cut between two host reads (``encode_many``): their scratch (~0.6 byte an
