@@ -251,11 +251,11 @@ class _Batch:
         self.sub = min(SLOT_SUB, cap)
         self.group = SLOT_ENTRIES // self.sub
         self.item, self.index_size, self.totals = item, index_size, totals
-        self.base = a0
-        # a region's new and old as element offsets from ``base``: 16-byte aligned (the
-        # kernels' vector loads) where every one is
-        base_at = a0.data_ptr()
-        rows, counts, aligned = [], [[], [], []], base_at % 16 == 0
+        self.anchor = a0
+        # a region's new and old as element offsets from ``anchor``; AL: whether every
+        # one is 16-byte aligned (see ``_region``)
+        at0 = a0.data_ptr()
+        rows, counts, aligned = [], [[], [], []], at0 % 16 == 0
         blocks = tiles = programs = out = 0
         for k, a, b in members:
             n = a.numel()
@@ -263,7 +263,7 @@ class _Batch:
             ntiles = -(-nblocks // _TILE)
             nprograms = -(-nblocks // self.group)
             room = _room(n, item)
-            da, db = a.data_ptr() - base_at, b.data_ptr() - base_at
+            da, db = a.data_ptr() - at0, b.data_ptr() - at0
             aligned = aligned and da % 16 == 0 and db % 16 == 0
             rows += [da // item, db // item, n, blocks, nblocks, tiles, ntiles, programs, out,
                      room, k, da // 4, db // 4]
@@ -320,7 +320,7 @@ class _Batch:
         every region's speculated payload (if chosen) in ``out``; else one region's payload
         into ``where``, ``values`` and ``escapes``."""
         _kernels().slot_write[(programs,)](
-            self.base, self.table, self.ids, self.stats, self.starts, self.before, self.blocks,
+            self.anchor, self.table, self.ids, self.stats, self.starts, self.before, self.blocks,
             self.tiles, program0, self.slot_pos, self.slot_byte, where, values, escapes,
             self.totals, INDEX=index, DIFF8=diff8, ALIGNED=aligned, ESC_ALIGNED=esc_aligned,
             ITEM=self.item, BLOCK=BLOCK, CAP=self.cap, GROUP=self.group, SUB=self.sub,
@@ -748,14 +748,16 @@ def _build(triton, tl) -> _Kernels:
         return enc, best
 
     @triton.jit
-    def _region(base, row, col, AL: tl.constexpr):
-        # a region of a cut batch: ``base`` moved by the offset at ``col`` of its table row
-        # (``_ROW``); AL > 1: every region's offset is a multiple of AL (16 bytes), which
-        # the compiler needs to know to vectorise the loads
+    def _region(anchor, row, col, AL: tl.constexpr):
+        # a region of a cut batch: ``anchor`` (a kernel argument) moved by the offset at
+        # ``col`` of its table row (``_ROW``). AL > 1: every offset is a multiple of AL (16
+        # bytes): with the anchor's own alignment the compiler then keeps the addresses of
+        # a block's loads in far fewer registers (cut_mark for sm_90: 96 against 140, as
+        # few as with the region's own tensor as the argument)
         off = tl.load(row + col)
         if AL > 1:
             off = tl.multiple_of(off, AL)
-        return base + off
+        return anchor + off
 
     @triton.jit
     def _tile_blocks(table, ids, blocks, t, TILE: tl.constexpr):
@@ -786,7 +788,7 @@ def _build(triton, tl) -> _Kernels:
                      _tile_blocks=_tile_blocks)
 
     @triton.jit
-    def cut_mark(base, base32, table, ids, mask, stats, firsts, lasts, words, slot_pos,
+    def cut_mark(anchor, anchor32, table, ids, mask, stats, firsts, lasts, words, slot_pos,
                  slot_byte, blocks, STEP: tl.constexpr, BLOCK: tl.constexpr,
                  CAP: tl.constexpr, PACK: tl.constexpr, ITEM: tl.constexpr, AL: tl.constexpr):
         # mask: the bitmask as int16 words (16 elements each, little-endian: the wire's
@@ -801,8 +803,8 @@ def _build(triton, tl) -> _Kernels:
         row = table + tl.load(ids + block) * 13
         n = tl.load(row + 2)
         first = (block - tl.load(row + 3)) * BLOCK
-        pa = _region(base, row, 0, AL) + first
-        pb = _region(base, row, 1, AL) + first
+        pa = _region(anchor, row, 0, AL) + first
+        pb = _region(anchor, row, 1, AL) + first
         loc = _lanes(BLOCK)
         inside = loc < n - first
         if PACK > 0:
@@ -812,8 +814,8 @@ def _build(triton, tl) -> _Kernels:
             UNITS: tl.constexpr = 16 // PACK
             u = tl.arange(0, BLOCK // 16)[:, None] * UNITS + tl.arange(0, UNITS)[None, :]
             there = u < (n - first) // PACK
-            a32 = _region(base32, row, 11, AL * ITEM // 4) + first // PACK
-            b32 = _region(base32, row, 12, AL * ITEM // 4) + first // PACK
+            a32 = _region(anchor32, row, 11, AL * ITEM // 4) + first // PACK
+            b32 = _region(anchor32, row, 12, AL * ITEM // 4) + first // PACK
             xor = (tl.load(a32 + u, mask=there, other=0)
                    ^ tl.load(b32 + u, mask=there, other=0))
             if PACK == 1:
@@ -1041,7 +1043,7 @@ def _build(triton, tl) -> _Kernels:
                             rem = rem & (rem - 1)
 
     @triton.jit
-    def slot_write(base, table, ids, stats, starts, before, blocks, ntiles, program0, slot_pos,
+    def slot_write(anchor, table, ids, stats, starts, before, blocks, ntiles, program0, slot_pos,
                    slot_byte, index, values, escapes, totals, INDEX: tl.constexpr,
                    DIFF8: tl.constexpr, ALIGNED: tl.constexpr, ESC_ALIGNED: tl.constexpr,
                    ITEM: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr,
@@ -1060,7 +1062,7 @@ def _build(triton, tl) -> _Kernels:
         # region's programs from ``program0``, into its payload's sections.
         p = tl.program_id(0).to(tl.int64) + program0
         row = table + tl.load(ids + blocks + ntiles + p) * 13
-        a = _region(base, row, 0, AL)
+        a = _region(anchor, row, 0, AL)
         b0 = tl.load(row + 3)
         end = b0 + tl.load(row + 4)
         g0 = b0 + (p - tl.load(row + 7)) * GROUP
@@ -1071,12 +1073,12 @@ def _build(triton, tl) -> _Kernels:
             go = ((tl.load(totals + 4) == ENC) & (tl.load(totals + 3) == 0)
                   & (tl.load(totals + 5) <= tl.load(row + 9)))
             there = there & go
-            at = tl.load(row + 8)
-            values += at
+            put_at = tl.load(row + 8)
+            values += put_at
             if INDEX == 1:
-                index += at // IDX
+                index += put_at // IDX
             else:
-                index += at
+                index += put_at
             total = tl.load(totals)
             nindex = total * IDX
             if INDEX == 2:
