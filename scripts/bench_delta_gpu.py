@@ -8,7 +8,7 @@ MiB (``old``) and ``new`` with that fraction of its elements changed (one bit fl
 random places). Timed, median of ``--iters`` with the device synchronised (a cut includes
 its one host read of the count):
 
-- ``cut``: ``refit.delta_transport.encode(new, old)`` (on CUDA: ``refit.delta_kernels.Cut``,
+- ``cut``: ``refit.delta_transport.encode(new, old)`` (on CUDA: ``refit.delta_kernels.cut``,
   whose scan of the region, the payload it writes before its one host read where the
   device's choice allows, and that read are also timed alone as ``find``; its one kernel
   over the region, ``cut_mark``, alone as ``scan``; the second pass, ``Cut.payload``,
@@ -63,26 +63,11 @@ def _torch_path(fn):
 
 
 def _scan_alone(delta_kernels, new, old):
-    """A launch of the cut's region scan alone (``cut_mark``), its outputs allocated once:
-    the bound the rest of the cut adds to."""
-    import triton.language as tl
-
+    """A launch of the cut's region scan alone (``cut_mark``), its batch's table and scratch
+    made once: the bound the rest of the cut adds to."""
     a, b = new.view(torch.int16).reshape(-1), old.view(torch.int16).reshape(-1)
-    block, cap = delta_kernels.BLOCK, delta_kernels._cap()
-    blocks = -(-a.numel() // block)
-    mask = torch.empty(blocks * block // 16, dtype=torch.int16, device=a.device)
-    stats = torch.empty(3, blocks, dtype=torch.int64, device=a.device)
-    firsts, lasts = torch.empty_like(stats[0]), torch.empty_like(stats[0])
-    slot_pos = torch.empty(blocks * cap, dtype=torch.int16, device=a.device)
-    words = torch.empty(blocks * cap, dtype=torch.int64, device=a.device)
-    slot_byte = torch.empty(blocks * cap, dtype=torch.uint8, device=a.device)
-    mark = delta_kernels._kernels().cut_mark
-    pack = delta_kernels._pack(a, b)
-    a32, b32 = (a.view(torch.int32), b.view(torch.int32)) if pack else (a, b)
-    return lambda: mark[(blocks,)](a, b, a32, b32, a.numel(),
-                                   mask, stats, firsts, lasts, words, slot_pos, slot_byte,
-                                   blocks, STEP=tl.int32, BLOCK=block, CAP=cap, PACK=pack,
-                                   num_warps=delta_kernels.WARPS)
+    totals = torch.empty(1, 6, dtype=torch.int64, device=a.device)
+    return delta_kernels._Batch([(0, a, b)], delta_kernels._pack(a, b), 4, totals).mark
 
 
 def main(argv=None) -> int:
@@ -148,11 +133,11 @@ def main(argv=None) -> int:
             payload is None if t_payload is None else torch.equal(payload, t_payload))
         del t_payload
         cut_s = _median_s(lambda: encode(new, old), args.iters)
-        find_s = _median_s(lambda: delta_kernels.Cut(new, old), args.iters)
+        find_s = _median_s(lambda: delta_kernels.cut(new, old), args.iters)
         scan_s = _median_s(_scan_alone(delta_kernels, new, old), args.iters)
         write_s = 0.0
         if count and enc & 7 != 3:  # not DENSE: the payload written from one cut
-            cut = delta_kernels.Cut(new, old)
+            cut = delta_kernels.cut(new, old)
             index = {1: "positions", 2: "bitmask", 4: "gaps"}[enc & 7]
             write_s = _median_s(lambda: cut.payload(index, bool(enc & 8)), args.iters)
             del cut

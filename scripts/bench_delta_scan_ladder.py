@@ -86,6 +86,22 @@ def l_old(a, b, n, mask, stats, firsts, lasts, blocks, STEP: tl.constexpr, BLOCK
     tl.store(lasts + block, tl.where(top >= 0, first + top, -1))
 
 
+def _cut_mark(new, old, block, warps, pack):
+    """The library's ``cut_mark`` over one region at ``block`` x ``warps``, its batch (table
+    and scratch) made once; ``pack`` 0: an element at a time."""
+    def sized(fn):
+        saved = dk.BLOCK, dk.WARPS
+        dk.BLOCK, dk.WARPS = block, warps
+        try:
+            return fn()
+        finally:
+            dk.BLOCK, dk.WARPS = saved
+    a, b = new.view(torch.int16).reshape(-1), old.view(torch.int16).reshape(-1)
+    totals = torch.empty(1, 6, dtype=torch.int64, device=a.device)
+    batch = sized(lambda: dk._Batch([(0, a, b)], pack, 4, totals))
+    return lambda: sized(batch.mark)
+
+
 def _ms(fn, iters):
     fn()
     torch.cuda.synchronize()
@@ -141,14 +157,10 @@ def main():
         print(f"-- {100 * rate:.1f}% changed: ms (share of memcpy)")
         for block, warps in (map(int, c.split(":")) for c in args.configs.split(",")):
             blocks = -(-n // block)
-            cap = block // 32
             mask = torch.empty(blocks * block // 16, dtype=torch.int16, device=dev)
             out = torch.empty(5 * blocks, dtype=torch.int64, device=dev)
             stats = torch.empty(3, blocks, dtype=torch.int64, device=dev)
             fl = torch.empty(2, blocks, dtype=torch.int64, device=dev)
-            sp = torch.empty(blocks * cap, dtype=torch.int16, device=dev)
-            listed = torch.empty(blocks * cap, dtype=torch.int64, device=dev)
-            sb = torch.empty(blocks * cap, dtype=torch.uint8, device=dev)
             k = dk._kernels()
             if True:
                 rungs = {
@@ -163,14 +175,8 @@ def main():
                     "old": lambda: l_old[(blocks,)](new, old, n, mask, stats, fl[0], fl[1],
                                                     blocks, STEP=tl.int32, BLOCK=block,
                                                     num_warps=warps),
-                    "new": lambda: k.cut_mark[(blocks,)](new, old, new.view(torch.int32),
-                                                         old.view(torch.int32), n, mask, stats,
-                                                         fl[0], fl[1], listed, sp, sb, blocks,
-                                                         STEP=tl.int32, BLOCK=block, CAP=cap,
-                                                         PACK=2, num_warps=warps),
-                    "new-elem": lambda: k.cut_mark[(blocks,)](
-                        new, old, new, old, n, mask, stats, fl[0], fl[1], listed, sp, sb, blocks,
-                        STEP=tl.int32, BLOCK=block, CAP=cap, PACK=0, num_warps=warps),
+                    "new": _cut_mark(new, old, block, warps, 2),
+                    "new-elem": _cut_mark(new, old, block, warps, 0),
                 }
                 row = []
                 wanted = args.rungs.split(",")
@@ -191,7 +197,7 @@ def main():
         parts = {
             "apply (wall)": (_wall_ms, lambda: apply(view, count, enc, payload)),
             "encode (wall)": (_wall_ms, lambda: encode(new, old)),
-            "Cut (wall)": (_wall_ms, lambda: dk.Cut(new, old)),
+            "Cut (wall)": (_wall_ms, lambda: dk.cut(new, old)),
             "gap_sums": (_ms, lambda: k.gap_sums[(chunks,)](payload, nbytes, sums, chunks, found,
                                                             CHUNK=dk.CHUNK, num_warps=4)),
             "cumsum": (_ms, lambda: torch.cumsum(sums.view(-1), 0)),
@@ -206,7 +212,7 @@ def main():
         parts["apply_gaps"] = (_ms, lambda: k.apply_gaps[(chunks,)](
             view, payload, nbytes, count, n, found, ends, chunks, payload, 1, 0, DIFF8=True,
             ALIGNED=True, CONTIG=True, STEP=tl.int32, ITEM=2, CHUNK=dk.CHUNK, num_warps=4))
-        cut = dk.Cut(new, old)
+        cut = dk.cut(new, old)
         parts["payload (wall)"] = (_wall_ms, lambda: cut.payload("gaps", True))
         print(f"   payload {nbytes / 2**20:.1f} MiB ({count} changed); " + "  ".join(
             f"{name} {how(fn, args.iters):.3f}" for name, (how, fn) in parts.items()))

@@ -286,23 +286,21 @@ class _Batch:
         # per block its non-zero words listed (int64), its bitmask bytes, its slot (int16
         # positions, DIFF8 bytes); then the int64 figures
         raw = torch.empty(blocks * (11 * cap + BLOCK // 8), dtype=torch.uint8, device=dev)
-        words, self.mask, pos, self.slot_byte = raw.split(
+        self.words, self.mask, pos, self.slot_byte = raw.split(
             [8 * blocks * cap, blocks * BLOCK // 8, 2 * blocks * cap, blocks * cap])
         self.mask16, self.slot_pos = self.mask.view(torch.int16), pos.view(torch.int16)
         # per block: changed, escapes, gap bytes (3 rows); then their offsets (exclusive);
         # the first and last change; the last change before it; per tile figures
-        self.stats, self.starts, firsts, lasts, self.before, figures = torch.empty(
+        self.stats, self.starts, self.firsts, self.lasts, self.before, figures = torch.empty(
             9 * blocks + 6 * tiles, dtype=torch.int64, device=dev).split(
             [3 * blocks, 3 * blocks, blocks, blocks, blocks, 6 * tiles])
         self.out = torch.empty(out, dtype=torch.uint8, device=dev)
+        self.pack = pack
+        self.mark()
         k = _kernels()
-        step = _step_type(item)
-        k.cut_mark[(blocks,)](a0, a0.view(torch.int32) if pack else a0, self.table, self.ids,
-                              self.mask16, self.stats, firsts, lasts, words.view(torch.int64),
-                              self.slot_pos, self.slot_byte, blocks, STEP=step, BLOCK=BLOCK,
-                              CAP=cap, PACK=pack, ITEM=item, AL=self.align, num_warps=WARPS)
-        k.cut_tiles[(tiles,)](self.table, self.ids, self.stats, firsts, lasts, self.before,
-                              figures, blocks, tiles, TILE=_TILE, CAP=cap, num_warps=4)
+        k.cut_tiles[(tiles,)](self.table, self.ids, self.stats, self.firsts, self.lasts,
+                              self.before, figures, blocks, tiles, TILE=_TILE, CAP=cap,
+                              num_warps=4)
         k.cut_offsets[(tiles,)](self.table, self.ids, self.stats, self.before, figures,
                                 self.starts, totals, blocks, tiles, TILE=_TILE, MAXT=self.maxt,
                                 ITEM=item, IDX=index_size, num_warps=4)
@@ -313,6 +311,15 @@ class _Batch:
             where = self.out if index == 2 else self.out.view(_INTS[index_size])
             self.slots(programs, 0, where, self.out, self.out, index, enc > 8, False, False,
                        enc, index_size)
+
+    def mark(self) -> None:
+        """``cut_mark`` over the batch's blocks (the scan of new and old)."""
+        a0 = self.anchor
+        _kernels().cut_mark[(self.blocks,)](
+            a0, a0.view(torch.int32) if self.pack else a0, self.table, self.ids, self.mask16,
+            self.stats, self.firsts, self.lasts, self.words.view(torch.int64), self.slot_pos,
+            self.slot_byte, self.blocks, STEP=_step_type(self.item), BLOCK=BLOCK, CAP=self.cap,
+            PACK=self.pack, ITEM=self.item, AL=self.align, num_warps=WARPS)
 
     def slots(self, programs, program0, where, values, escapes, index, diff8, aligned,
               esc_aligned, enc, index_size):
