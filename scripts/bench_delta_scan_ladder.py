@@ -185,27 +185,26 @@ def main():
         nbytes = payload.numel()
         k = dk._kernels()
         got = {}  # the batch-of-one table launch_gaps_many would send
-        dk._gaps_groups([(view, count, True, payload)],
-                        lambda table, ids, found, chunks, *_: got.update(
-                            table=table, ids=ids, found=found, chunks=chunks), ids=True)
-        table, ids, found, chunks = got["table"], got["ids"], got["found"], got["chunks"]
+        dk._gaps_groups([(view, count, True, payload)], lambda table, found, chunks, *_:
+                        got.update(table=table, found=found, chunks=chunks))
+        table, found, chunks = got["table"], got["found"], got["chunks"]
         sums = torch.zeros(3 * chunks, dtype=torch.int64, device=dev)
         ends = torch.cumsum(sums, 0)
         parts = {
             "apply (wall)": (_wall_ms, lambda: apply(view, count, enc, payload)),
             "encode (wall)": (_wall_ms, lambda: encode(new, old)),
             "Cut (wall)": (_wall_ms, lambda: dk.Cut(new, old)),
-            "gap_sums": (_ms, lambda: k.gap_sums[(chunks,)](table, ids, sums, found, chunks,
+            "gap_sums": (_ms, lambda: k.gap_sums[(chunks,)](table, 1, sums, found, chunks,
                                                             CHUNK=dk.CHUNK, num_warps=4)),
             "cumsum": (_ms, lambda: torch.cumsum(sums, 0)),
             "gap_locate": (_ms, lambda: k.gap_locate[(chunks,)](
-                table, ids, ends, found, chunks, CHUNK=dk.CHUNK, num_warps=4)),
+                table, 1, ends, found, chunks, CHUNK=dk.CHUNK, num_warps=4)),
         }
-        k.gap_sums[(chunks,)](table, ids, sums, found, chunks, CHUNK=dk.CHUNK, num_warps=4)
+        k.gap_sums[(chunks,)](table, 1, sums, found, chunks, CHUNK=dk.CHUNK, num_warps=4)
         torch.cumsum(sums, 0, out=ends)
-        k.gap_locate[(chunks,)](table, ids, ends, found, chunks, CHUNK=dk.CHUNK, num_warps=4)
+        k.gap_locate[(chunks,)](table, 1, ends, found, chunks, CHUNK=dk.CHUNK, num_warps=4)
         parts["apply_gaps"] = (_ms, lambda: k.apply_gaps[(chunks,)](
-            table, ids, ends, found, chunks, TY=tl.int16, DIFF8=True, STEP=tl.int32, ITEM=2,
+            table, 1, ends, found, chunks, TY=tl.int16, DIFF8=True, STEP=tl.int32, ITEM=2,
             CHUNK=dk.CHUNK, num_warps=4))
         cut = dk.Cut(new, old)
         parts["payload (wall)"] = (_wall_ms, lambda: cut.payload("gaps", True))

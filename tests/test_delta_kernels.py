@@ -664,13 +664,13 @@ def test_a_bad_gaps_delta_in_a_batch_is_refused_and_the_others_written(device, m
     monkeypatch.setenv("MEGATRON_RESHARD_DELTA_SMALL_APPLY", "0")
     _forced(monkeypatch, enc)
     pairs = [_pair(n, 0.05, 2, 60 + k, torch.device("cpu"), 0.1) for k, n in
-             enumerate((3000, 100, 5000))]
+             enumerate((3000, 100, 5000, 300, 700, 2000, 150))]
     cuts = _torch_path(monkeypatch, lambda: [encode(n, o) for n, o in pairs])
     bad = torch.zeros(500, dtype=torch.int16, device=dev)
     views = [old.clone().to(dev) for _, old in pairs]
     items = [(v, c, e, p.to(dev)) for v, (c, e, p) in zip(views, cuts)]
-    items.insert(1, (bad, count, enc, torch.as_tensor(payload, dtype=torch.uint8).to(dev)))
-    with pytest.raises(DeltaTransportError, match=f"^region 1: .*{match}"):
+    items.insert(3, (bad, count, enc, torch.as_tensor(payload, dtype=torch.uint8).to(dev)))
+    with pytest.raises(DeltaTransportError, match=f"^region 3: .*{match}"):
         dt.apply_many(items, [f"region {k}" for k in range(len(items))])
     assert "launch_gaps_many" in calls
     assert not bool(bad.any())

@@ -29,12 +29,12 @@ slots, freed with the ``Cut``.
 
 Apply (``apply_sparse``, GAPS or POSITIONS, with DIFF8 or whole values): GAPS, a batch of
 deltas at once (``launch_gaps_many``; one delta is a batch of one): their payloads' chunks
-numbered across the batch, a program a chunk finding its delta (an int32 per chunk) and
-the delta's row of a table (addresses, sizes, its first chunk); ``gap_sums`` (per chunk:
-values, the distance advanced, 0x80 bytes), one flat cumsum for the batch (each delta's
-sums by subtracting the sum before its first chunk), ``gap_locate`` (per delta: where the
-gaps end, the last position, the escapes announced), then ``apply_gaps`` checks its
-delta's figures itself, as the host checks them after, and writes nothing of a delta
+numbered across the batch, a program a chunk finding its delta (a binary search of their
+first chunks) and its row of a table (addresses, sizes, first chunk); ``gap_sums`` (per
+chunk: values, the distance advanced, 0x80 bytes), one flat cumsum for the batch (a
+delta's sums by subtracting the sum before its first chunk), ``gap_locate`` (per delta:
+where the gaps end, the last position, the escapes announced), then ``apply_gaps`` checks
+its delta's figures itself, as the host checks them after, and writes nothing of a delta
 unless all of them hold: three launches for the batch, no host round trip, and the one
 host read after them raises for a delta that did not fit (nothing of it written). POSITIONS:
 ``pos_sums`` (per chunk: bad positions, escapes), a cumsum, then ``apply_index``, which
@@ -425,49 +425,50 @@ def launch_small(items: list) -> list[Pending]:
     launch per element size and DIFF8 flag, a program per delta (``apply_small``); their
     ``Pending`` checks in order. The kernel checks each delta itself, as ``apply_gaps``
     does, and writes nothing of one that does not fit."""
-    def launch(table, ids, figures, chunks, ty, item, diff8):
+    def launch(table, figures, chunks, ty, item, diff8):
         _kernels().apply_small[(figures.shape[0],)](table, figures, TY=ty, DIFF8=diff8,
                                                     STEP=_step_type(item), ITEM=item,
                                                     CHUNK=CHUNK, num_warps=APPLY_WARPS)
-    return _gaps_groups(items, launch, ids=False)
+    return _gaps_groups(items, launch)
 
 
 def launch_gaps_many(items: list) -> list[Pending]:
     """GAPS deltas ``(view, count, diff8, payload)`` (each view folding into rows, any
     payload) applied with three launches (``gap_sums``, ``gap_locate``, ``apply_gaps``)
     and one flat cumsum per element size and DIFF8 flag, however many deltas: their chunks
-    numbered across the batch, each program finding its delta in the table; their
-    ``Pending`` checks in order. ``apply_gaps`` checks each delta's figures itself and
-    writes nothing of one that does not fit."""
-    def launch(table, ids, figures, chunks, ty, item, diff8):
-        k = _kernels()
+    numbered across the batch, each program finding its delta in the table (a binary
+    search of the deltas' first chunks); their ``Pending`` checks in order. ``apply_gaps``
+    checks each delta's figures itself and writes nothing of one that does not fit."""
+    def launch(table, figures, chunks, ty, item, diff8):
+        k, deltas = _kernels(), figures.shape[0]
         sums = torch.empty(3 * chunks, dtype=torch.int64, device=figures.device)
-        k.gap_sums[(chunks,)](table, ids, sums, figures, chunks, CHUNK=CHUNK,
+        k.gap_sums[(chunks,)](table, deltas, sums, figures, chunks, CHUNK=CHUNK,
                               num_warps=APPLY_WARPS)
         ends = torch.cumsum(sums, 0)  # one flat scan (the kernels take each delta apart)
-        k.gap_locate[(chunks,)](table, ids, ends, figures, chunks, CHUNK=CHUNK,
+        k.gap_locate[(chunks,)](table, deltas, ends, figures, chunks, CHUNK=CHUNK,
                                 num_warps=APPLY_WARPS)
         # no host read before: apply_gaps checks the figures itself and writes nothing of
         # a delta unless it fits, so the launches queue back to back
-        k.apply_gaps[(chunks,)](table, ids, ends, figures, chunks, TY=ty, DIFF8=diff8,
+        k.apply_gaps[(chunks,)](table, deltas, ends, figures, chunks, TY=ty, DIFF8=diff8,
                                 STEP=_step_type(item), ITEM=item, CHUNK=CHUNK,
                                 num_warps=APPLY_WARPS)
-    return _gaps_groups(items, launch, ids=True)
+    return _gaps_groups(items, launch)
 
 
-def _gaps_groups(items: list, launch, ids: bool) -> list[Pending]:
-    """GAPS deltas grouped by element size and DIFF8 flag, each group's table (a row per
-    delta: payload address, bytes, count, numel, target address, cols, stride, where
-    whole values start without DIFF8 (< 0: short), its first chunk) and, ``ids``, each
-    chunk's delta (int32) sent in one copy; ``launch(table, ids, figures, chunks, TY,
-    item, diff8)`` writes each delta's 6 figures; their ``Pending`` in the items' order."""
+def _gaps_groups(items: list, launch) -> list[Pending]:
+    """GAPS deltas grouped by element size and DIFF8 flag, each group's table sent in one
+    copy (a row per delta: payload address, bytes, count, numel, target address, cols,
+    stride, where whole values start without DIFF8 (< 0: short), its first chunk);
+    ``launch(table, figures, chunks, TY, item, diff8)`` writes each delta's 6 figures;
+    their ``Pending`` in the items' order. (A delta id per chunk, built here, cost more
+    host time than the whole table: the kernels search the first chunks instead.)"""
     import triton.language as tl
     groups: dict = {}
     for k, (view, _, diff8, _) in enumerate(items):
         groups.setdefault((view.element_size(), diff8), []).append(k)
     out: list = [None] * len(items)
     for (item, diff8), ks in groups.items():
-        rows, checks, spans, chunks = [], [], [], 0
+        rows, checks, chunks = [], [], 0
         for k in ks:
             view, count, _, payload = items[k]
             form = rows_form(view)
@@ -475,22 +476,13 @@ def _gaps_groups(items: list, launch, ids: bool) -> list[Pending]:
             vend = 0 if diff8 else nbytes - count * item
             rows += [payload.data_ptr(), nbytes, count, view.numel(), view.data_ptr(),
                      form.cols, form.stride, vend, chunks]
-            spans.append(max(1, -(-nbytes // CHUNK)))
-            chunks += spans[-1]
+            chunks += max(1, -(-nbytes // CHUNK))
             checks.append(_gaps_check(count, view.numel(), nbytes, item, diff8, vend))
-        host = torch.tensor(rows, dtype=torch.int64)
-        if ids:  # int32 pairs in int64 words, after the rows
-            which = torch.repeat_interleave(torch.arange(len(ks), dtype=torch.int32),
-                                            torch.tensor(spans))
-            host = torch.cat([host, torch.nn.functional.pad(which, (0, chunks % 2)).view(
-                torch.int64)])
         dev = items[ks[0]][0].device
-        sent = host.to(dev, non_blocking=True)
-        table = sent[:len(rows)]
-        which = sent[len(rows):].view(torch.int32) if ids else None
+        table = torch.tensor(rows, dtype=torch.int64).to(dev, non_blocking=True)
         figures = torch.empty(len(ks), 6, dtype=torch.int64, device=dev)
         ty = {1: tl.uint8, 2: tl.int16, 4: tl.int32, 8: tl.int64}[item]
-        launch(table, which, figures, chunks, ty, item, diff8)
+        launch(table, figures, chunks, ty, item, diff8)
         for r, (k, check) in enumerate(zip(ks, checks)):
             out[k] = Pending(figures[r], check)
     return out
@@ -618,6 +610,19 @@ def _build(triton, tl) -> _Kernels:
                 - tl.where(lo > 0, tl.load(ends + tl.maximum(lo - 1, 0)), 0))
 
     @triton.jit
+    def _delta_of(table, deltas, j):
+        # the delta whose chunks hold chunk j: the last row of a GAPS table whose first
+        # chunk is not after j (a binary search; no load for a batch of one)
+        lo = j * 0
+        hi = lo + deltas
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            after = tl.load(table + mid * 9 + 8) > j
+            lo = tl.where(after, lo, mid)
+            hi = tl.where(after, mid, hi)
+        return lo
+
+    @triton.jit
     def _gaps_row(table, d):
         # delta d's row of a GAPS table (_gaps_groups): payload address, bytes, count,
         # numel, target address, cols, stride, vend, first chunk
@@ -736,7 +741,7 @@ def _build(triton, tl) -> _Kernels:
                      _top_bit=_top_bit, _max_before=_max_before,
                      _sum_max_min_max=_sum_max_min_max,
                      _words_before=_words_before,
-                     _row_before=_row_before, _gaps_row=_gaps_row,
+                     _row_before=_row_before, _delta_of=_delta_of, _gaps_row=_gaps_row,
                      _bits=_bits, _ranks=_ranks, _put=_put, _get=_get,
                      _count_before=_count_before, _write_at=_write_at, _cheaper=_cheaper,
                      _choose=_choose, _gap_chunk=_gap_chunk)
@@ -1076,13 +1081,13 @@ def _build(triton, tl) -> _Kernels:
             c += SUB
 
     @triton.jit
-    def gap_sums(table, ids, sums, figures, chunks, CHUNK: tl.constexpr):
-        # per chunk of a delta's payload bytes (chunks numbered across the batch, ``ids``
-        # their deltas): non-zero bytes (values), the distance they advance (a 0 byte:
-        # 255), 0x80 bytes (escapes, where they are differences); a delta's first chunk
-        # zeroes its ``figures`` row for gap_locate
+    def gap_sums(table, deltas, sums, figures, chunks, CHUNK: tl.constexpr):
+        # per chunk of a delta's payload bytes (chunks numbered across the batch): non-zero
+        # bytes (values), the distance they advance (a 0 byte: 255), 0x80 bytes (escapes,
+        # where they are differences); a delta's first chunk zeroes its ``figures`` row
+        # for gap_locate
         j = tl.program_id(0).to(tl.int64)
-        d = tl.load(ids + j).to(tl.int64)
+        d = _delta_of(table, deltas, j)
         pa, nbytes, _, _, _, _, _, _, first = _gaps_row(table, d)
         if j == first:
             tl.store(figures + d * 6 + tl.arange(0, 8), tl.zeros((8,), tl.int64),
@@ -1095,13 +1100,13 @@ def _build(triton, tl) -> _Kernels:
         tl.store(sums + 2 * chunks + j, tl.sum((y == 128).to(tl.int32)).to(tl.int64))
 
     @triton.jit
-    def gap_locate(table, ids, ends, figures, chunks, CHUNK: tl.constexpr):
+    def gap_locate(table, deltas, ends, figures, chunks, CHUNK: tl.constexpr):
         # a delta's figures (zeroed before): [found, the byte of the count-th value, its
         # position, the escapes among the count bytes after it, the values named before
         # ``vend``, 0x80 bytes before the differences]; the chunk holding the count-th
         # value writes them
         j = tl.program_id(0).to(tl.int64)
-        d = tl.load(ids + j).to(tl.int64)
+        d = _delta_of(table, deltas, j)
         pa, nbytes, count, _, _, _, _, vend, first = _gaps_row(table, d)
         p = pa.to(tl.pointer_type(tl.uint8))
         out = figures + d * 6
@@ -1143,7 +1148,7 @@ def _build(triton, tl) -> _Kernels:
         tl.store(sums + chunks + j, tl.sum(esc).to(tl.int64))
 
     @triton.jit
-    def apply_gaps(table, ids, ends, figures, chunks, TY: tl.constexpr, DIFF8: tl.constexpr,
+    def apply_gaps(table, deltas, ends, figures, chunks, TY: tl.constexpr, DIFF8: tl.constexpr,
                    STEP: tl.constexpr, ITEM: tl.constexpr, CHUNK: tl.constexpr):
         # one chunk of a delta's gap bytes: its positions, the values' ranks, the escapes'
         # ranks, then in place. Its delta's figures (gap_locate's) are checked here, by
@@ -1151,7 +1156,7 @@ def _build(triton, tl) -> _Kernels:
         # nothing. DIFF8: the differences follow the gaps (at ``scan``), the escapes' whole
         # values them (bytes: no alignment known); else whole values from ``vend``
         j = tl.program_id(0).to(tl.int64)
-        d = tl.load(ids + j).to(tl.int64)
+        d = _delta_of(table, deltas, j)
         pa, nbytes, count, numel, ta, cols, stride, vend, first = _gaps_row(table, d)
         p = pa.to(tl.pointer_type(tl.uint8))
         found = figures + d * 6
