@@ -189,29 +189,29 @@ def main():
         count, enc, payload = encode(new, old)
         view = old.clone()
         nbytes = payload.numel()
-        chunks = -(-nbytes // dk.CHUNK)
-        sums = torch.empty(3, chunks, dtype=torch.int64, device=dev)
-        ends = torch.cumsum(sums.view(-1), 0)
-        found = torch.zeros(6, dtype=torch.int64, device=dev)
         k = dk._kernels()
+        got = {}  # the batch-of-one table launch_gaps_many would send
+        dk._gaps_groups([(view, count, True, payload)], lambda table, found, chunks, *_:
+                        got.update(table=table, found=found, chunks=chunks))
+        table, found, chunks = got["table"], got["found"], got["chunks"]
+        sums = torch.zeros(3 * chunks, dtype=torch.int64, device=dev)
+        ends = torch.cumsum(sums, 0)
         parts = {
             "apply (wall)": (_wall_ms, lambda: apply(view, count, enc, payload)),
             "encode (wall)": (_wall_ms, lambda: encode(new, old)),
             "Cut (wall)": (_wall_ms, lambda: dk.cut(new, old)),
-            "gap_sums": (_ms, lambda: k.gap_sums[(chunks,)](payload, nbytes, sums, chunks, found,
+            "gap_sums": (_ms, lambda: k.gap_sums[(chunks,)](table, 1, sums, found, chunks,
                                                             CHUNK=dk.CHUNK, num_warps=4)),
-            "cumsum": (_ms, lambda: torch.cumsum(sums.view(-1), 0)),
+            "cumsum": (_ms, lambda: torch.cumsum(sums, 0)),
             "gap_locate": (_ms, lambda: k.gap_locate[(chunks,)](
-                payload, nbytes, count, ends, chunks, 0, found, CHUNK=dk.CHUNK, num_warps=4)),
+                table, 1, ends, found, chunks, CHUNK=dk.CHUNK, num_warps=4)),
         }
-        k.gap_sums[(chunks,)](payload, nbytes, sums, chunks, found, CHUNK=dk.CHUNK,
-                              num_warps=4)
-        torch.cumsum(sums.view(-1), 0, out=ends)
-        k.gap_locate[(chunks,)](payload, nbytes, count, ends, chunks, 0, found, CHUNK=dk.CHUNK,
-                                num_warps=4)
+        k.gap_sums[(chunks,)](table, 1, sums, found, chunks, CHUNK=dk.CHUNK, num_warps=4)
+        torch.cumsum(sums, 0, out=ends)
+        k.gap_locate[(chunks,)](table, 1, ends, found, chunks, CHUNK=dk.CHUNK, num_warps=4)
         parts["apply_gaps"] = (_ms, lambda: k.apply_gaps[(chunks,)](
-            view, payload, nbytes, count, n, found, ends, chunks, payload, 1, 0, DIFF8=True,
-            ALIGNED=True, CONTIG=True, STEP=tl.int32, ITEM=2, CHUNK=dk.CHUNK, num_warps=4))
+            table, 1, ends, found, chunks, TY=tl.int16, DIFF8=True, STEP=tl.int32, ITEM=2,
+            CHUNK=dk.CHUNK, num_warps=4))
         cut = dk.cut(new, old)
         parts["payload (wall)"] = (_wall_ms, lambda: cut.payload("gaps", True))
         print(f"   payload {nbytes / 2**20:.1f} MiB ({count} changed); " + "  ".join(

@@ -55,8 +55,8 @@ def device(monkeypatch):
     if dev.type == "cpu":  # the interpreter runs the kernels on CPU tensors
         monkeypatch.setattr(delta_kernels, "usable", lambda t: delta_kernels.enabled())
     calls = []
-    for name in ("cut_many", "apply_sparse", "bitmask_counts", "bitmask_positions", "apply_bitmask",
-                 "rows_form", "launch_small"):
+    for name in ("cut_many", "apply_sparse", "bitmask_counts", "bitmask_positions",
+                 "apply_bitmask", "rows_form", "launch_small", "launch_gaps_many"):
         real = getattr(delta_kernels, name)
 
         def watched(*args, _real=real, _name=name, **kw):
@@ -561,6 +561,41 @@ def test_regions_applied_together_are_checked_under_their_labels(device, monkeyp
     assert ("launch_small" in calls) == (small == "1")
 
 
+def _placed(pairs, cuts, where):
+    """Each region's old bits in a view of a wall of 3s (even regions: a stretch of a
+    longer tensor, odd: a column block 96 wide of a wider one), its payload at an odd
+    offset of one message: ``(walls, views, apply_many's items)``."""
+    message = torch.cat([torch.tensor([7], dtype=torch.uint8)] + [c[2].cpu() for c in cuts])
+    message = message.to(where)
+    walls, views, items, at = [], [], [], 1
+    for k, ((new, old), (count, enc, payload)) in enumerate(zip(pairs, cuts)):
+        if k % 2:
+            wall = torch.full((new.numel() // 96, 96 + 9), 3, dtype=new.dtype, device=where)
+            view = wall[:, 5:101]
+        else:
+            wall = torch.full((new.numel() + 9,), 3, dtype=new.dtype, device=where)
+            view = wall[5:5 + new.numel()]
+        view.copy_(old.to(where).view(view.shape))
+        walls.append(wall)
+        views.append(view)
+        items.append((view, count, enc, message[at:at + payload.numel()]))
+        at += payload.numel()
+    return walls, views, items
+
+
+def _assert_written(pairs, views, walls, before):
+    """Each view holds its region's new bits, its wall's other bytes as they were."""
+    for (new, _), view, wall, was in zip(pairs, views, walls, before):
+        bits = INTS[new.element_size()]
+        assert torch.equal(view.reshape(-1).view(bits).cpu(), new.view(bits))
+        outside = torch.ones_like(wall, dtype=torch.bool)
+        if wall.dim() == 2:
+            outside[:, 5:101] = False
+        else:
+            outside[5:5 + new.numel()] = False
+        assert torch.equal(wall.view(bits)[outside].cpu(), was.view(bits)[outside].cpu())
+
+
 @pytest.mark.parametrize("itemsize, diff8, escapes", [
     (2, True, 0.0), (2, True, 0.2), (4, True, 0.5), (8, True, 0.1), (1, False, 0.0),
     (2, False, 0.0), (4, False, 0.0)])
@@ -578,31 +613,110 @@ def test_small_gaps_deltas_apply_as_one_group(device, monkeypatch, itemsize, dif
              for k, (n, f) in enumerate(cases)]
     cuts = _torch_path(monkeypatch, lambda: [encode(n, o) for n, o in pairs])
     assert all(c[1] == enc for c in cuts)
-    message = torch.cat([torch.tensor([7], dtype=torch.uint8)] + [c[2] for c in cuts]).to(dev)
-    walls, views, items, at = [], [], [], 1
-    for k, ((new, old), (count, _, payload)) in enumerate(zip(pairs, cuts)):
-        if k % 2:  # a column block of a wider tensor
-            wall = torch.zeros(new.numel() // 96, 96 + 9, dtype=new.dtype, device=dev)
-            view = wall[:, 5:101]
-        else:  # a contiguous stretch of a longer one
-            wall = torch.zeros(new.numel() + 9, dtype=new.dtype, device=dev)
-            view = wall[5:5 + new.numel()]
-        view.copy_(old.to(dev).view(view.shape))
-        walls.append(wall)
-        views.append(view)
-        items.append((view, count, enc, message[at:at + payload.numel()]))
-        at += payload.numel()
+    walls, views, items = _placed(pairs, cuts, dev)
     before = [w.clone() for w in walls]
     dt.apply_many(items, [f"region {k}" for k in range(len(items))])
     assert "launch_small" in calls
-    for (new, _), view, wall, was in zip(pairs, views, walls, before):
-        bits = INTS[itemsize]
-        assert torch.equal(view.reshape(-1).view(bits).cpu(), new.view(bits))
-        outside = torch.ones_like(wall, dtype=torch.bool)
-        if wall.dim() == 2:
-            outside[:, 5:101] = False
-        else:
-            outside[5:5 + new.numel()] = False
-        assert torch.equal(wall.view(bits)[outside].cpu(), was.view(bits)[outside].cpu())
+    _assert_written(pairs, views, walls, before)
     monkeypatch.delenv("MEGATRON_RESHARD_DELTA_SMALL_APPLY")  # off unless switched on
     assert not delta_kernels.small_gaps(*items[0][:2], diff8, items[0][3])
+
+
+def _launches(monkeypatch):
+    """The GAPS apply kernels' launches, by name, as they are made."""
+    real, log = delta_kernels._kernels(), []
+
+    class Counted:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            log.append(self.name)
+            return getattr(real, self.name)[grid]
+    names = ("gap_sums", "gap_locate", "apply_gaps", "apply_small")
+    counted = real._replace(**{name: Counted(name) for name in names})
+    monkeypatch.setattr(delta_kernels, "_kernels", lambda: counted)
+    return log
+
+
+_GAPS_BATCH = [  # (n: a multiple of 96, fraction, itemsize, DIFF8, escapes)
+    (96 * 2, 0.05, 2, True, 0.0),      # a payload under one chunk
+    (96 * 300, 0.02, 2, True, 0.1),    # many chunks, escapes
+    (96 * 300, 0.0005, 2, True, 0.0),  # long gaps: skip bytes
+    (96 * 40, 0.1, 1, False, 0.0),
+    (96 * 120, 0.004, 1, False, 0.0),
+    (96 * 70, 0.05, 4, True, 0.5),
+    (96 * 70, 0.03, 4, False, 0.0),
+    (96 * 9, 0.3, 8, True, 0.2),
+    (96 * 50, 0.01, 8, False, 0.0),
+    (96 * 200, 0.002, 2, False, 0.0),
+    (96 * 3, 0.5, 2, False, 0.0)]
+
+
+@pytest.mark.parametrize("small", ["0", "mixed"])  # mixed: the smallest by launch_small
+def test_gaps_deltas_of_any_size_apply_as_one_batch(device, monkeypatch, small):
+    """GAPS deltas of payloads from under one chunk to many (chunks of 64 bytes here),
+    1-8 byte elements, with and without DIFF8, escapes and skip bytes, at odd offsets of
+    one message, into contiguous stretches and column blocks of wider tensors, through
+    ``apply_many``: three launches per element size and DIFF8 flag for the whole batch,
+    each region bit-exact (the torch path's apply), bytes outside the views untouched."""
+    dev, calls = device
+    monkeypatch.setattr(delta_kernels, "CHUNK", 64)
+    monkeypatch.setenv("MEGATRON_RESHARD_DELTA_SMALL_APPLY", "1" if small == "mixed" else "0")
+    monkeypatch.setattr(delta_kernels, "SMALL_BYTES", 200)  # mixed: a few by launch_small
+    pairs, cuts = [], []
+    for k, (n, f, item, diff8, esc) in enumerate(_GAPS_BATCH):
+        new, old = _pair(n, f, item, 40 + k, torch.device("cpu"), esc)
+        _forced(monkeypatch, GAPS | (DIFF8 if diff8 else 0))
+        cuts.append(_torch_path(monkeypatch, encode, new, old))
+        assert cuts[-1][1] == GAPS | (DIFF8 if diff8 else 0)
+        pairs.append((new, old))
+    sizes = [c[2].numel() for c in cuts]
+    assert min(sizes) < 64 and max(sizes) > 20 * 64, sizes
+    walls, views, items = _placed(pairs, cuts, dev)
+    before = [w.clone() for w in walls]
+    log = _launches(monkeypatch)
+    dt.apply_many(items, [f"region {k}" for k in range(len(pairs))])
+    groups = {(item, diff8) for _, _, item, diff8, _ in _GAPS_BATCH}
+    if small == "mixed":
+        assert "launch_small" in calls and log.count("apply_small") <= len(groups)
+    assert all(log.count(name) == len(groups) for name in ("gap_sums", "gap_locate",
+                                                            "apply_gaps")), log
+    _assert_written(pairs, views, walls, before)
+    # the torch path's apply writes the same walls
+    cpu_walls, _, cpu_items = _placed(pairs, cuts, torch.device("cpu"))
+    _torch_path(monkeypatch, dt.apply_many, cpu_items)
+    for wall, want in zip(walls, cpu_walls):
+        assert torch.equal(wall.cpu(), want)
+
+
+@pytest.mark.parametrize("count, enc, payload, match", [
+    (3, GAPS | DIFF8, _gaps_payload([0, 0, 0], [0, 0, 0]), "3 elements holds fewer gap bytes"),
+    (2, GAPS | DIFF8, _gaps_payload([0, 0, 50, 1], [1, 1]), "reaching past its 500-element"),
+    (2, GAPS | DIFF8, _gaps_payload([3, 4], [-128, 1]), "1 escapes carries 0 bytes"),
+    (2, GAPS | DIFF8, _gaps_payload([3, 4], [1, 1], b"\x01\x02"), "0 escapes carries 2 bytes"),
+    (2, GAPS, _gaps_payload([3, 4, 5], [], b"\x01\x02\x03\x04"), r"names 3 elements"),
+    (3, GAPS, _gaps_payload([1, 1, 1], [], b"\x01\x02"), r"names 0 elements \(header: 3\)")])
+def test_a_bad_gaps_delta_in_a_batch_is_refused_and_the_others_written(device, monkeypatch,
+                                                                       count, enc, payload,
+                                                                       match):
+    """A bad GAPS delta among good ones of its element size and DIFF8 flag (one batch of
+    ``launch_gaps_many``, their chunks in one launch): refused under its label, nothing of
+    it written, every other region of the batch written."""
+    dev, calls = device
+    monkeypatch.setattr(delta_kernels, "CHUNK", 64)
+    monkeypatch.setenv("MEGATRON_RESHARD_DELTA_SMALL_APPLY", "0")
+    _forced(monkeypatch, enc)
+    pairs = [_pair(n, 0.05, 2, 60 + k, torch.device("cpu"), 0.1) for k, n in
+             enumerate((3000, 100, 5000, 300, 700, 2000, 150))]
+    cuts = _torch_path(monkeypatch, lambda: [encode(n, o) for n, o in pairs])
+    bad = torch.zeros(500, dtype=torch.int16, device=dev)
+    views = [old.clone().to(dev) for _, old in pairs]
+    items = [(v, c, e, p.to(dev)) for v, (c, e, p) in zip(views, cuts)]
+    items.insert(3, (bad, count, enc, torch.as_tensor(payload, dtype=torch.uint8).to(dev)))
+    with pytest.raises(DeltaTransportError, match=f"^region 3: .*{match}"):
+        dt.apply_many(items, [f"region {k}" for k in range(len(items))])
+    assert "launch_gaps_many" in calls
+    assert not bool(bad.any())
+    for (new, _), view in zip(pairs, views):
+        assert torch.equal(view.cpu(), new)

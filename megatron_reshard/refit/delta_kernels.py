@@ -27,12 +27,16 @@ cap from the bitmask and new and old: a 16-element word a lane, the changes of a
 turn). Scratch per element of the region: 1/8 byte of bitmask, 11/32 of listed words and
 slots, freed with the ``Cut``.
 
-Apply (``apply_sparse``, GAPS or POSITIONS, with DIFF8 or whole values): GAPS: ``gap_sums``
-(per chunk of payload bytes: values, the distance advanced, 0x80 bytes), one flat cumsum,
-``gap_locate`` (where the gaps end, the last position, the escapes announced), then
-``apply_gaps`` checks those figures itself, as the host checks them after, and writes
-nothing unless all of them hold: the launches queue without a host round trip, and the one
-host read after them raises for a delta that did not fit (nothing written). POSITIONS:
+Apply (``apply_sparse``, GAPS or POSITIONS, with DIFF8 or whole values): GAPS, a batch of
+deltas at once (``launch_gaps_many``; one delta is a batch of one): their payloads' chunks
+numbered across the batch, a program a chunk finding its delta (a binary search of their
+first chunks) and its row of a table (addresses, sizes, first chunk); ``gap_sums`` (per
+chunk: values, the distance advanced, 0x80 bytes), one flat cumsum for the batch (a
+delta's sums by subtracting the sum before its first chunk), ``gap_locate`` (per delta:
+where the gaps end, the last position, the escapes announced), then ``apply_gaps`` checks
+its delta's figures itself, as the host checks them after, and writes nothing of a delta
+unless all of them hold: three launches for the batch, no host round trip, and the one
+host read after them raises for a delta that did not fit (nothing of it written). POSITIONS:
 ``pos_sums`` (per chunk: bad positions, escapes), a cumsum, then ``apply_index``, which
 checks those sums itself and writes nothing unless they hold; the host read after. Both
 decode each chunk's positions and add the differences (or write the values) in place.
@@ -403,30 +407,13 @@ def launch_sparse(view: torch.Tensor, count: int, gaps: bool, diff8: bool,
     form = rows_form(view)
     if form is None:
         return None
+    if gaps:  # a batch of one
+        return launch_gaps_many([(view, count, diff8, payload)])[0]
     numel, item = view.numel(), view.element_size()
     nbytes = payload.numel()
     k = _kernels()
     dev = payload.device
     target = view.view(_INTS[item])
-    if gaps:
-        chunks = max(1, -(-nbytes // CHUNK))
-        scratch = torch.empty(3 * chunks + 6, dtype=torch.int64, device=dev)
-        sums, found = scratch.split([3 * chunks, 6])
-        k.gap_sums[(chunks,)](payload, nbytes, sums, chunks, found, CHUNK=CHUNK,
-                              num_warps=APPLY_WARPS)
-        ends = torch.cumsum(sums, 0)  # one flat scan (the kernels take each row apart)
-        vend = 0 if diff8 else nbytes - count * item
-        k.gap_locate[(chunks,)](payload, nbytes, count, ends, chunks, max(vend, 0), found,
-                                CHUNK=CHUNK, num_warps=APPLY_WARPS)
-        if vend >= 0:
-            # no host read before: apply_gaps checks ``found`` itself and writes nothing
-            # unless the delta fits, so the launches queue back to back
-            values, aligned = (payload, True) if diff8 else _as_values(payload[vend:], item)
-            k.apply_gaps[(chunks,)](
-                target, payload, nbytes, count, numel, found, ends, chunks, values, form.cols,
-                form.stride, DIFF8=diff8, ALIGNED=aligned, CONTIG=form.rows == 1,
-                STEP=_step_type(item), ITEM=item, CHUNK=CHUNK, num_warps=APPLY_WARPS)
-        return Pending(found, _gaps_check(count, numel, nbytes, item, diff8, vend))
     if positions is None:
         index, index_aligned = _as_values(payload[:count * index_size], index_size)
         start = count * index_size
@@ -508,27 +495,64 @@ def launch_small(items: list) -> list[Pending]:
     launch per element size and DIFF8 flag, a program per delta (``apply_small``); their
     ``Pending`` checks in order. The kernel checks each delta itself, as ``apply_gaps``
     does, and writes nothing of one that does not fit."""
+    def launch(table, figures, chunks, ty, item, diff8):
+        _kernels().apply_small[(figures.shape[0],)](table, figures, TY=ty, DIFF8=diff8,
+                                                    STEP=_step_type(item), ITEM=item,
+                                                    CHUNK=CHUNK, num_warps=APPLY_WARPS)
+    return _gaps_groups(items, launch)
+
+
+def launch_gaps_many(items: list) -> list[Pending]:
+    """GAPS deltas ``(view, count, diff8, payload)`` (each view folding into rows, any
+    payload) applied with three launches (``gap_sums``, ``gap_locate``, ``apply_gaps``)
+    and one flat cumsum per element size and DIFF8 flag, however many deltas: their chunks
+    numbered across the batch, each program finding its delta in the table (a binary
+    search of the deltas' first chunks); their ``Pending`` checks in order. ``apply_gaps``
+    checks each delta's figures itself and writes nothing of one that does not fit."""
+    def launch(table, figures, chunks, ty, item, diff8):
+        k, deltas = _kernels(), figures.shape[0]
+        sums = torch.empty(3 * chunks, dtype=torch.int64, device=figures.device)
+        k.gap_sums[(chunks,)](table, deltas, sums, figures, chunks, CHUNK=CHUNK,
+                              num_warps=APPLY_WARPS)
+        ends = torch.cumsum(sums, 0)  # one flat scan (the kernels take each delta apart)
+        k.gap_locate[(chunks,)](table, deltas, ends, figures, chunks, CHUNK=CHUNK,
+                                num_warps=APPLY_WARPS)
+        # no host read before: apply_gaps checks the figures itself and writes nothing of
+        # a delta unless it fits, so the launches queue back to back
+        k.apply_gaps[(chunks,)](table, deltas, ends, figures, chunks, TY=ty, DIFF8=diff8,
+                                STEP=_step_type(item), ITEM=item, CHUNK=CHUNK,
+                                num_warps=APPLY_WARPS)
+    return _gaps_groups(items, launch)
+
+
+def _gaps_groups(items: list, launch) -> list[Pending]:
+    """GAPS deltas grouped by element size and DIFF8 flag, each group's table sent in one
+    copy (a row per delta: payload address, bytes, count, numel, target address, cols,
+    stride, where whole values start without DIFF8 (< 0: short), its first chunk);
+    ``launch(table, figures, chunks, TY, item, diff8)`` writes each delta's 6 figures;
+    their ``Pending`` in the items' order. (A delta id per chunk, built here, cost more
+    host time than the whole table: the kernels search the first chunks instead.)"""
     import triton.language as tl
     groups: dict = {}
     for k, (view, _, diff8, _) in enumerate(items):
         groups.setdefault((view.element_size(), diff8), []).append(k)
     out: list = [None] * len(items)
     for (item, diff8), ks in groups.items():
-        rows, checks = [], []
+        rows, checks, chunks = [], [], 0
         for k in ks:
             view, count, _, payload = items[k]
             form = rows_form(view)
-            vend = 0 if diff8 else payload.numel() - count * item
-            rows += [payload.data_ptr(), payload.numel(), count, view.numel(), view.data_ptr(),
-                     form.cols, form.stride, vend]
-            checks.append(_gaps_check(count, view.numel(), payload.numel(), item, diff8, vend))
+            nbytes = payload.numel()
+            vend = 0 if diff8 else nbytes - count * item
+            rows += [payload.data_ptr(), nbytes, count, view.numel(), view.data_ptr(),
+                     form.cols, form.stride, vend, chunks]
+            chunks += max(1, -(-nbytes // CHUNK))
+            checks.append(_gaps_check(count, view.numel(), nbytes, item, diff8, vend))
         dev = items[ks[0]][0].device
         table = torch.tensor(rows, dtype=torch.int64).to(dev, non_blocking=True)
         figures = torch.empty(len(ks), 6, dtype=torch.int64, device=dev)
         ty = {1: tl.uint8, 2: tl.int16, 4: tl.int32, 8: tl.int64}[item]
-        _kernels().apply_small[(len(ks),)](table, figures, TY=ty, DIFF8=diff8,
-                                           STEP=_step_type(item), ITEM=item, CHUNK=CHUNK,
-                                           num_warps=APPLY_WARPS)
+        launch(table, figures, chunks, ty, item, diff8)
         for r, (k, check) in enumerate(zip(ks, checks)):
             out[k] = Pending(figures[r], check)
     return out
@@ -647,17 +671,35 @@ def _build(triton, tl) -> _Kernels:
         return has, lo, last, prev
 
     @triton.jit
-    def _row(ends, K: tl.constexpr, chunks, j):
-        # row K of per-chunk figures summed by one flat cumsum: its inclusive sum at j
-        if K == 0:
-            v = tl.load(ends + j)
-        else:
-            v = tl.load(ends + K * chunks + j) - tl.load(ends + K * chunks - 1)
-        return v
+    def _row_before(ends, K: tl.constexpr, chunks, first, j):
+        # row K of per-chunk figures summed by one flat cumsum: its sum over chunks
+        # [first, j) (a delta's, from its first chunk: the scan segmented by subtraction)
+        hi = K * chunks + j
+        lo = K * chunks + first
+        return (tl.where(hi > 0, tl.load(ends + tl.maximum(hi - 1, 0)), 0)
+                - tl.where(lo > 0, tl.load(ends + tl.maximum(lo - 1, 0)), 0))
 
     @triton.jit
-    def _row_before(ends, K: tl.constexpr, chunks, j):
-        return tl.where(j > 0, _row(ends, K, chunks, tl.maximum(j - 1, 0)), 0)
+    def _delta_of(table, deltas, j):
+        # the delta whose chunks hold chunk j: the last row of a GAPS table whose first
+        # chunk is not after j (a binary search; no load for a batch of one)
+        lo = j * 0
+        hi = lo + deltas
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            after = tl.load(table + mid * 9 + 8) > j
+            lo = tl.where(after, lo, mid)
+            hi = tl.where(after, mid, hi)
+        return lo
+
+    @triton.jit
+    def _gaps_row(table, d):
+        # delta d's row of a GAPS table (_gaps_groups): payload address, bytes, count,
+        # numel, target address, cols, stride, vend, first chunk
+        row = table + d * 9
+        return (tl.load(row), tl.load(row + 1), tl.load(row + 2), tl.load(row + 3),
+                tl.load(row + 4), tl.load(row + 5), tl.load(row + 6), tl.load(row + 7),
+                tl.load(row + 8))
 
     @triton.jit
     def _bits(mask, block, left, limit, BLOCK: tl.constexpr):
@@ -715,11 +757,12 @@ def _build(triton, tl) -> _Kernels:
         tl.store(target + addr, v, mask=keep)
 
     @triton.jit
-    def _count_before(p, ends, chunks, x, CHUNK: tl.constexpr, ESCAPES: tl.constexpr):
+    def _count_before(p, ends, chunks, first, x, CHUNK: tl.constexpr, ESCAPES: tl.constexpr):
         # bytes of p[0:x) that are not 0 (or, ESCAPES, that are 0x80: a DIFF8 escape),
-        # from the per-chunk counts (``ends`` row 0, or row 2) and the partial chunk
+        # from the per-chunk counts (``ends`` row 0, or row 2; p's from ``first``) and the
+        # partial chunk
         c = x // CHUNK
-        base = _row_before(ends, 2 if ESCAPES else 0, chunks, c)
+        base = _row_before(ends, 2 if ESCAPES else 0, chunks, first, first + c)
         i = c * CHUNK + tl.arange(0, CHUNK)
         y = tl.load(p + i, mask=i < x, other=0).to(tl.int32)
         hit = (y == 128) if ESCAPES else (y != 0)
@@ -788,7 +831,7 @@ def _build(triton, tl) -> _Kernels:
                      _top_bit=_top_bit, _max_before=_max_before,
                      _sum_max_min_max=_sum_max_min_max,
                      _words_before=_words_before,
-                     _row=_row, _row_before=_row_before,
+                     _row_before=_row_before, _delta_of=_delta_of, _gaps_row=_gaps_row,
                      _bits=_bits, _ranks=_ranks, _put=_put, _get=_get,
                      _count_before=_count_before, _write_at=_write_at, _cheaper=_cheaper,
                      _choose=_choose, _gap_chunk=_gap_chunk, _region=_region,
@@ -1152,41 +1195,52 @@ def _build(triton, tl) -> _Kernels:
             c += SUB
 
     @triton.jit
-    def gap_sums(p, nbytes, sums, chunks, found, CHUNK: tl.constexpr):
-        # per chunk of payload bytes: non-zero bytes (values), the distance they advance
-        # (a 0 byte: 255), 0x80 bytes (escapes, where they are differences); program 0
-        # zeroes ``found`` for gap_locate
+    def gap_sums(table, deltas, sums, figures, chunks, CHUNK: tl.constexpr):
+        # per chunk of a delta's payload bytes (chunks numbered across the batch): non-zero
+        # bytes (values), the distance they advance (a 0 byte: 255), 0x80 bytes (escapes,
+        # where they are differences); a delta's first chunk zeroes its ``figures`` row
+        # for gap_locate
         j = tl.program_id(0).to(tl.int64)
-        if j == 0:
-            tl.store(found + tl.arange(0, 8), tl.zeros((8,), tl.int64), mask=tl.arange(0, 8) < 6)
-        i = j * CHUNK + tl.arange(0, CHUNK)
+        d = _delta_of(table, deltas, j)
+        pa, nbytes, _, _, _, _, _, _, first = _gaps_row(table, d)
+        if j == first:
+            tl.store(figures + d * 6 + tl.arange(0, 8), tl.zeros((8,), tl.int64),
+                     mask=tl.arange(0, 8) < 6)
+        i = (j - first) * CHUNK + tl.arange(0, CHUNK)
         live = i < nbytes
-        y = tl.load(p + i, mask=live, other=0).to(tl.int32)
+        y = tl.load(pa.to(tl.pointer_type(tl.uint8)) + i, mask=live, other=0).to(tl.int32)
         tl.store(sums + j, tl.sum(((y != 0) & live).to(tl.int32)).to(tl.int64))
         tl.store(sums + chunks + j, tl.sum(tl.where(live, tl.where(y == 0, 255, y), 0)).to(tl.int64))
         tl.store(sums + 2 * chunks + j, tl.sum((y == 128).to(tl.int32)).to(tl.int64))
 
     @triton.jit
-    def gap_locate(p, nbytes, count, ends, chunks, vend, out, CHUNK: tl.constexpr):
-        # out (zeroed before): [found, the byte of the count-th value, its position, the
-        # escapes among the count bytes after it, the values named before ``vend``, 0x80
-        # bytes before the differences]; the chunk holding the count-th value writes it
+    def gap_locate(table, deltas, ends, figures, chunks, CHUNK: tl.constexpr):
+        # a delta's figures (zeroed before): [found, the byte of the count-th value, its
+        # position, the escapes among the count bytes after it, the values named before
+        # ``vend``, 0x80 bytes before the differences]; the chunk holding the count-th
+        # value writes them
         j = tl.program_id(0).to(tl.int64)
-        if j == 0:
-            tl.store(out + 4, _count_before(p, ends, chunks, vend, CHUNK, False))
-        seen0 = tl.where(j > 0, tl.load(ends + tl.maximum(j - 1, 0)), 0)
-        if (seen0 < count) & (tl.load(ends + j) >= count):
-            i = j * CHUNK + tl.arange(0, CHUNK)
+        d = _delta_of(table, deltas, j)
+        pa, nbytes, count, _, _, _, _, vend, first = _gaps_row(table, d)
+        p = pa.to(tl.pointer_type(tl.uint8))
+        out = figures + d * 6
+        if j == first:
+            tl.store(out + 4, _count_before(p, ends, chunks, first, tl.maximum(vend, 0), CHUNK,
+                                            False))
+        seen0 = _row_before(ends, 0, chunks, first, j)
+        if (seen0 < count) & (_row_before(ends, 0, chunks, first, j + 1) >= count):
+            i = (j - first) * CHUNK + tl.arange(0, CHUNK)
             live = i < nbytes
             y = tl.load(p + i, mask=live, other=0).to(tl.int32)
             nz = (y != 0) & live
             hit = nz & (seen0 + tl.cumsum(nz.to(tl.int64), 0) == count)
             q = tl.sum(tl.where(hit, i, 0))
-            walked = _row_before(ends, 1, chunks, j)
+            walked = _row_before(ends, 1, chunks, first, j)
             last = walked + tl.sum(tl.where(live & (i <= q), tl.where(y == 0, 255, y), 0)) - 1
             g = q + 1
-            e0 = _count_before(p, ends, chunks, g, CHUNK, True)
-            e1 = _count_before(p, ends, chunks, tl.minimum(g + count, nbytes), CHUNK, True)
+            e0 = _count_before(p, ends, chunks, first, g, CHUNK, True)
+            e1 = _count_before(p, ends, chunks, first, tl.minimum(g + count, nbytes), CHUNK,
+                               True)
             tl.store(out, (tl.sum(hit.to(tl.int32)) == 1).to(tl.int64))
             tl.store(out + 1, q)
             tl.store(out + 2, last)
@@ -1208,62 +1262,67 @@ def _build(triton, tl) -> _Kernels:
         tl.store(sums + chunks + j, tl.sum(esc).to(tl.int64))
 
     @triton.jit
-    def apply_gaps(target, p, nbytes, count, numel, found, ends, chunks, values, cols, stride,
-                   DIFF8: tl.constexpr, ALIGNED: tl.constexpr, CONTIG: tl.constexpr,
+    def apply_gaps(table, deltas, ends, figures, chunks, TY: tl.constexpr, DIFF8: tl.constexpr,
                    STEP: tl.constexpr, ITEM: tl.constexpr, CHUNK: tl.constexpr):
-        # one chunk of a GAPS payload's gap bytes: its positions, the values' ranks, the
-        # escapes' ranks, then in place. ``found`` (gap_locate's) is checked here, by every
-        # program, as the host checks it after: a delta that does not fit writes nothing.
-        # DIFF8: the differences follow the gaps (at ``scan``), the escapes' whole values
-        # them (bytes: no alignment known on the host); else whole values in ``values``
+        # one chunk of a delta's gap bytes: its positions, the values' ranks, the escapes'
+        # ranks, then in place. Its delta's figures (gap_locate's) are checked here, by
+        # every program, as the host checks them after: a delta that does not fit writes
+        # nothing. DIFF8: the differences follow the gaps (at ``scan``), the escapes' whole
+        # values them (bytes: no alignment known); else whole values from ``vend``
         j = tl.program_id(0).to(tl.int64)
+        d = _delta_of(table, deltas, j)
+        pa, nbytes, count, numel, ta, cols, stride, vend, first = _gaps_row(table, d)
+        p = pa.to(tl.pointer_type(tl.uint8))
+        found = figures + d * 6
         scan = tl.load(found + 1) + 1
         good = (tl.load(found) != 0) & (tl.load(found + 2) < numel)
         if DIFF8:
             good = good & (scan + count <= nbytes) & (
                 nbytes - scan - count == tl.load(found + 3) * ITEM)
         else:
-            good = good & (tl.load(found + 4) == count)
-        if good & (j * CHUNK < scan):
-            i = j * CHUNK + tl.arange(0, CHUNK)
+            good = good & (vend >= 0) & (tl.load(found + 4) == count)
+        c = j - first
+        if good & (c * CHUNK < scan):
+            i = c * CHUNK + tl.arange(0, CHUNK)
             live = i < scan
             y = tl.load(p + i, mask=live, other=0).to(tl.int32)
             keep = (y != 0) & live
-            r0 = tl.where(j > 0, tl.load(ends + tl.maximum(j - 1, 0)), 0)
-            walked = _row_before(ends, 1, chunks, j)
+            r0 = _row_before(ends, 0, chunks, first, j)
+            walked = _row_before(ends, 1, chunks, first, j)
             at = walked + tl.cumsum(tl.where(live, tl.where(y == 0, 255, y), 0), 0) - 1
             r = r0 + tl.cumsum(keep.to(tl.int32), 0) - 1
-            like = tl.zeros((CHUNK,), target.dtype.element_ty)
+            like = tl.zeros((CHUNK,), TY)
             small = keep  # DIFF8 sets both, below
             esc = keep
             if DIFF8:
                 small = tl.load(p + scan + r, mask=keep, other=0).to(tl.int8, bitcast=True)
                 esc = keep & (small == -128)
                 # escapes among the differences before this chunk's first
-                e0 = _count_before(p, ends, chunks, scan + r0, CHUNK, True) - tl.load(found + 5)
+                e0 = (_count_before(p, ends, chunks, first, scan + r0, CHUNK, True)
+                      - tl.load(found + 5))
                 er = e0 + tl.cumsum(esc.to(tl.int32), 0) - 1
                 v = _get(p + scan + count, 0, er, esc, like, False, ITEM)
+            elif (pa + vend) % ITEM == 0:  # values on an element boundary: a load each
+                v = _get((pa + vend).to(tl.pointer_type(TY)), 0, r, keep, like, True, ITEM)
             else:
-                v = _get(values, 0, r, keep, like, ALIGNED, ITEM)
-            _write_at(target, at, keep, v, small, esc, cols, stride, CONTIG, DIFF8, STEP)
+                v = _get(p + vend, 0, r, keep, like, False, ITEM)
+            target = ta.to(tl.pointer_type(TY))
+            if numel <= cols:  # one row (no division per element)
+                _write_at(target, at, keep, v, small, esc, cols, stride, True, DIFF8, STEP)
+            else:
+                _write_at(target, at, keep, v, small, esc, cols, stride, False, DIFF8, STEP)
 
     @triton.jit
     def apply_small(table, figures, TY: tl.constexpr, DIFF8: tl.constexpr,
                     STEP: tl.constexpr, ITEM: tl.constexpr, CHUNK: tl.constexpr):
-        # one GAPS delta of a group a program (its row of ``table``: payload address,
-        # bytes, count, numel, target address, cols, stride, where whole values start
-        # without DIFF8), its prefix sums carried through loops over its payload instead
-        # of a scan across programs: one launch for many small regions. Its figures are
-        # gap_locate's (the host checks them after); nothing is written unless they hold
-        row = table + tl.program_id(0).to(tl.int64) * 8
-        p = tl.load(row).to(tl.pointer_type(tl.uint8))
-        nbytes = tl.load(row + 1)
-        count = tl.load(row + 2)
-        numel = tl.load(row + 3)
-        target = tl.load(row + 4).to(tl.pointer_type(TY))
-        cols = tl.load(row + 5)
-        stride = tl.load(row + 6)
-        vend = tl.load(row + 7)
+        # one GAPS delta of a group a program (its row of ``table``, _gaps_row), its
+        # prefix sums carried through loops over its payload instead of a scan across
+        # programs: one launch for many small regions. Its figures are gap_locate's (the
+        # host checks them after); nothing is written unless they hold
+        pa, nbytes, count, numel, ta, cols, stride, vend, _ = _gaps_row(
+            table, tl.program_id(0).to(tl.int64))
+        p = pa.to(tl.pointer_type(tl.uint8))
+        target = ta.to(tl.pointer_type(TY))
         # where the gaps end (the count-th non-zero byte), the position it names, and the
         # values named before ``vend``
         zero = count * 0
@@ -1347,7 +1406,7 @@ def _build(triton, tl) -> _Kernels:
         if DIFF8:
             small = tl.load(values + i, mask=keep, other=0).to(tl.int8, bitcast=True)
             esc = keep & (small == -128)
-            er = _row_before(ends, 1, chunks, j) + tl.cumsum(esc.to(tl.int32), 0) - 1
+            er = _row_before(ends, 1, chunks, 0, j) + tl.cumsum(esc.to(tl.int32), 0) - 1
             v = _get(escapes, 0, er, esc, like, ESC_ALIGNED, ITEM)
         else:
             v = _get(values, 0, i, keep, like, ALIGNED, ITEM)
@@ -1399,5 +1458,5 @@ _kernels = built_once(_build)
 
 
 __all__ = ["BLOCK", "CHUNK", "Cut", "Pending", "Rows", "apply_bitmask", "apply_sparse",
-           "bitmask_counts", "bitmask_positions", "cut_many", "enabled", "launch_small",
-           "launch_sparse", "rows_form", "small_gaps", "usable"]
+           "bitmask_counts", "bitmask_positions", "cut_many", "enabled", "launch_gaps_many",
+           "launch_small", "launch_sparse", "rows_form", "small_gaps", "usable"]

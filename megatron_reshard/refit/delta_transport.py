@@ -347,28 +347,32 @@ def _index_bytes(kind: int, diff8: bool, payload: torch.Tensor, numel: int, coun
 def apply_many(items: list, labels: Optional[list[str]] = None) -> None:
     """``apply`` of each ``(view, count, encoding, payload)``. On CUDA the sparse ones
     (GAPS, POSITIONS) are launched back to back, GAPS deltas of small payloads all in one
-    launch (``delta_kernels.launch_small``), and checked with one host read after the
-    last: a bad delta is refused unwritten, as by ``apply``, the others of the list
-    written. ``labels``: each item's name for its error (param, ranks, box)."""
+    launch (``delta_kernels.launch_small``), the other GAPS deltas in three
+    (``delta_kernels.launch_gaps_many``), and checked with one host read after the last:
+    a bad delta is refused unwritten, as by ``apply``, the others of the list written.
+    ``labels``: each item's name for its error (param, ranks, box)."""
     pending = []  # (item, launched apply)
     small = []    # GAPS deltas with small payloads: one launch for all (a program each)
+    gaps = []     # the other GAPS deltas: three launches for all (a program a chunk)
     for k, (view, count, enc, payload) in enumerate(items):
         kind, diff8 = enc & 7, bool(enc & DIFF8)
         with _labelled(labels, k):
-            if kind == GAPS and delta_kernels.usable(view) and delta_kernels.small_gaps(
-                    view, count, diff8, payload):
-                small.append((k, (view, count, diff8, payload)))
+            if kind == GAPS and delta_kernels.usable(view) and (
+                    delta_kernels.rows_form(view) is not None):
+                group = small if delta_kernels.small_gaps(view, count, diff8, payload) else gaps
+                group.append((k, (view, count, diff8, payload)))
                 continue
-            if kind in (GAPS, POSITIONS) and delta_kernels.usable(view):
+            if kind == POSITIONS and delta_kernels.usable(view):
                 launched = delta_kernels.launch_sparse(
-                    view, count, kind == GAPS, diff8, payload, index_bytes(view.numel()))
+                    view, count, False, diff8, payload, index_bytes(view.numel()))
                 if launched is not None:
                     pending.append((k, launched))
                     continue
             apply(view, count, enc, payload)
-    if small:
-        launched = delta_kernels.launch_small([item for _, item in small])
-        pending += [(k, p) for (k, _), p in zip(small, launched)]
+    for group, launch in ((small, delta_kernels.launch_small),
+                          (gaps, delta_kernels.launch_gaps_many)):
+        if group:
+            pending += list(zip([k for k, _ in group], launch([item for _, item in group])))
     if not pending:
         return
     figures = torch.cat([p.figures for _, p in pending]).tolist()  # the one host read
