@@ -5,7 +5,11 @@ Torch + stdlib only: Triton, which the CUDA builds of torch ship, loads lazily, 
 or switched off (``MEGATRON_RESHARD_DELTA_KERNELS=0``). Every payload the kernels write is
 the torch path's, byte for byte; every apply is bit-exact.
 
-Cut (``Cut``): ``cut_mark`` reads new and old once (bits as integers, so NaN payloads and
+Cut (``cut_many``, ``Cut``): the regions of one element size go as a batch (``_Batch``),
+each kernel launched once for all of them: their blocks, tiles and slot_write programs
+numbered one region after another, each program finding its region in a table (addresses
+as offsets from an argument, so the compiler still knows their alignment). ``cut_mark``
+reads new and old once (bits as integers, so NaN payloads and
 -0.0 compare exactly; 1-, 2- and 4-byte elements a 32-bit word at a time) and writes the
 bitmask (the wire's BITMASK index as it is); per element nothing else, the scan being
 bound by its instructions as much as by its bytes. A block of ``BLOCK`` elements with at
@@ -21,11 +25,12 @@ choose the encoding from the totals as ``delta_transport.pick_encoding`` does.
 escapes or whole values) from the slots, each block at its offsets, reading new only for
 whole values, in the same queue, before the host reads the totals (the one host read):
 launched for each encoding the slots give, a launch writes only if the device chose it,
-no block went over its slot and the payload fits ``Cut.room()``; otherwise ``payload``
+no block went over its slot and the payload fits its room (``_room``); otherwise ``payload``
 writes it after the read (``slot_write`` from the slots, ``cut_write`` the blocks over the
 cap from the bitmask and new and old: a 16-element word a lane, the changes of a word in
 turn). Scratch per element of the region: 1/8 byte of bitmask, 11/32 of listed words and
-slots, freed with the ``Cut``.
+slots, and up to 1/16 of its bytes for the speculated payload, freed with the batch's last
+``Cut`` (and payload).
 
 Apply (``apply_sparse``, GAPS or POSITIONS, with DIFF8 or whole values): GAPS, a batch of
 deltas at once (``launch_gaps_many``; one delta is a batch of one): their payloads' chunks
