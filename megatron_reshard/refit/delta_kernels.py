@@ -176,7 +176,7 @@ def _value_sections(values: torch.Tensor, count: int, item: int, diff8: bool) ->
 # -- cut ------------------------------------------------------------------------------
 
 # a region's row of a cut batch's table (int64), read by the kernels at these places:
-# 0 new's offset from the batch's base (elements), 1 old's, 2 elements, 3 its first block
+# 0 new's offset from the batch's anchor (elements), 1 old's, 2 elements, 3 its first block
 # in the batch, 4 blocks, 5 first tile, 6 tiles, 7 first slot_write program, 8 its
 # speculated payload's offset in the batch's buffer (bytes), 9 that payload's room, 10 its
 # row of the totals, 11 and 12 new's and old's offsets in 32-bit words (where packed)
@@ -342,11 +342,6 @@ class _Batch:
             ITEM=self.item, BLOCK=BLOCK, CAP=self.cap, GROUP=self.group, SUB=self.sub,
             SPEC=enc > 0, ENC=enc, IDX=index_size, ZB=_ZB, AL=self.align,
             num_warps=SLOT_WARPS)
-
-
-def _tl_type(item: int):
-    import triton.language as tl
-    return {1: tl.uint8, 2: tl.int16, 4: tl.int32, 8: tl.int64}[item]
 
 
 def cut_many(pairs: list, index_sizes: list[int]) -> list[Cut]:
