@@ -640,6 +640,29 @@ def _launches(monkeypatch):
     return log
 
 
+def _batch_cuts(monkeypatch, batch, kind, seed):
+    """A pair for each ``(n, fraction (0: one change), itemsize, DIFF8, escapes)`` of
+    ``batch`` and the torch path's cut of it in ``kind`` (+ DIFF8 where it says)."""
+    pairs, cuts = [], []
+    for k, (n, f, item, diff8, esc) in enumerate(batch):
+        new, old = _pair(n, f, item, seed + k, torch.device("cpu"), esc)
+        if not f:
+            new[n // 2] ^= 1
+        _forced(monkeypatch, kind | (DIFF8 if diff8 else 0))
+        cuts.append(_torch_path(monkeypatch, encode, new, old))
+        assert cuts[-1][1] == kind | (DIFF8 if diff8 else 0)
+        pairs.append((new, old))
+    return pairs, cuts
+
+
+def _torch_writes_the_same(monkeypatch, pairs, cuts, walls):
+    """The torch path's ``apply_many`` of the same cuts writes the same walls."""
+    cpu_walls, _, cpu_items = _placed(pairs, cuts, torch.device("cpu"))
+    _torch_path(monkeypatch, dt.apply_many, cpu_items)
+    for wall, want in zip(walls, cpu_walls):
+        assert torch.equal(wall.cpu(), want)
+
+
 _GAPS_BATCH = [  # (n: a multiple of 96, fraction, itemsize, DIFF8, escapes)
     (96 * 2, 0.05, 2, True, 0.0),      # a payload under one chunk
     (96 * 300, 0.02, 2, True, 0.1),    # many chunks, escapes
@@ -665,13 +688,7 @@ def test_gaps_deltas_of_any_size_apply_as_one_batch(device, monkeypatch, small):
     monkeypatch.setattr(delta_kernels, "CHUNK", 64)
     monkeypatch.setenv("MEGATRON_RESHARD_DELTA_SMALL_APPLY", "1" if small == "mixed" else "0")
     monkeypatch.setattr(delta_kernels, "SMALL_BYTES", 200)  # mixed: a few by launch_small
-    pairs, cuts = [], []
-    for k, (n, f, item, diff8, esc) in enumerate(_GAPS_BATCH):
-        new, old = _pair(n, f, item, 40 + k, torch.device("cpu"), esc)
-        _forced(monkeypatch, GAPS | (DIFF8 if diff8 else 0))
-        cuts.append(_torch_path(monkeypatch, encode, new, old))
-        assert cuts[-1][1] == GAPS | (DIFF8 if diff8 else 0)
-        pairs.append((new, old))
+    pairs, cuts = _batch_cuts(monkeypatch, _GAPS_BATCH, GAPS, 40)
     sizes = [c[2].numel() for c in cuts]
     assert min(sizes) < 64 and max(sizes) > 20 * 64, sizes
     walls, views, items = _placed(pairs, cuts, dev)
@@ -684,11 +701,7 @@ def test_gaps_deltas_of_any_size_apply_as_one_batch(device, monkeypatch, small):
     assert all(log.count(name) == len(groups) for name in ("gap_sums", "gap_locate",
                                                             "apply_gaps")), log
     _assert_written(pairs, views, walls, before)
-    # the torch path's apply writes the same walls
-    cpu_walls, _, cpu_items = _placed(pairs, cuts, torch.device("cpu"))
-    _torch_path(monkeypatch, dt.apply_many, cpu_items)
-    for wall, want in zip(walls, cpu_walls):
-        assert torch.equal(wall.cpu(), want)
+    _torch_writes_the_same(monkeypatch, pairs, cuts, walls)
 
 
 @pytest.mark.parametrize("count, enc, payload, match", [
@@ -760,15 +773,7 @@ def test_positions_deltas_apply_as_one_batch(device, monkeypatch, index_size):
     8 (boxes past 2**31 elements) through ``launch_positions_many``."""
     dev, calls = device
     monkeypatch.setattr(delta_kernels, "CHUNK", 64)
-    pairs, cuts = [], []
-    for k, (n, f, item, diff8, esc) in enumerate(_POS_BATCH):
-        new, old = _pair(n, f, item, 80 + k, torch.device("cpu"), esc)
-        if not f:
-            new[n // 2] ^= 1
-        _forced(monkeypatch, POSITIONS | (DIFF8 if diff8 else 0))
-        cuts.append(_torch_path(monkeypatch, encode, new, old))
-        assert cuts[-1][1] == POSITIONS | (DIFF8 if diff8 else 0)
-        pairs.append((new, old))
+    pairs, cuts = _batch_cuts(monkeypatch, _POS_BATCH, POSITIONS, 80)
     counts = [c[0] for c in cuts]
     assert min(counts) == 1 and max(counts) > 4 * 64, counts
     walls, views, items = _placed(pairs, cuts, dev)
@@ -791,11 +796,7 @@ def test_positions_deltas_apply_as_one_batch(device, monkeypatch, index_size):
     groups = {(item, diff8) for _, _, item, diff8, _ in _POS_BATCH}
     assert all(log.count(name) == len(groups) for name in ("pos_sums", "apply_index")), log
     _assert_written(pairs, views, walls, before)
-    # the torch path's apply writes the same walls
-    cpu_walls, _, cpu_items = _placed(pairs, cuts, torch.device("cpu"))
-    _torch_path(monkeypatch, dt.apply_many, cpu_items)
-    for wall, want in zip(walls, cpu_walls):
-        assert torch.equal(wall.cpu(), want)
+    _torch_writes_the_same(monkeypatch, pairs, cuts, walls)
 
 
 def _positions_payload(positions, values):
