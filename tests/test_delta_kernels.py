@@ -56,7 +56,8 @@ def device(monkeypatch):
         monkeypatch.setattr(delta_kernels, "usable", lambda t: delta_kernels.enabled())
     calls = []
     for name in ("cut_many", "apply_sparse", "bitmask_counts", "bitmask_positions",
-                 "apply_bitmask", "rows_form", "launch_small", "launch_gaps_many"):
+                 "apply_bitmask", "rows_form", "launch_small", "launch_gaps_many",
+                 "launch_positions_many"):
         real = getattr(delta_kernels, name)
 
         def watched(*args, _real=real, _name=name, **kw):
@@ -623,7 +624,7 @@ def test_small_gaps_deltas_apply_as_one_group(device, monkeypatch, itemsize, dif
 
 
 def _launches(monkeypatch):
-    """The GAPS apply kernels' launches, by name, as they are made."""
+    """The sparse apply kernels' launches, by name, as they are made."""
     real, log = delta_kernels._kernels(), []
 
     class Counted:
@@ -633,10 +634,33 @@ def _launches(monkeypatch):
         def __getitem__(self, grid):
             log.append(self.name)
             return getattr(real, self.name)[grid]
-    names = ("gap_sums", "gap_locate", "apply_gaps", "apply_small")
+    names = ("gap_sums", "gap_locate", "apply_gaps", "apply_small", "pos_sums", "apply_index")
     counted = real._replace(**{name: Counted(name) for name in names})
     monkeypatch.setattr(delta_kernels, "_kernels", lambda: counted)
     return log
+
+
+def _batch_cuts(monkeypatch, batch, kind, seed):
+    """A pair for each ``(n, fraction (0: one change), itemsize, DIFF8, escapes)`` of
+    ``batch`` and the torch path's cut of it in ``kind`` (+ DIFF8 where it says)."""
+    pairs, cuts = [], []
+    for k, (n, f, item, diff8, esc) in enumerate(batch):
+        new, old = _pair(n, f, item, seed + k, torch.device("cpu"), esc)
+        if not f:
+            new[n // 2] ^= 1
+        _forced(monkeypatch, kind | (DIFF8 if diff8 else 0))
+        cuts.append(_torch_path(monkeypatch, encode, new, old))
+        assert cuts[-1][1] == kind | (DIFF8 if diff8 else 0)
+        pairs.append((new, old))
+    return pairs, cuts
+
+
+def _torch_writes_the_same(monkeypatch, pairs, cuts, walls):
+    """The torch path's ``apply_many`` of the same cuts writes the same walls."""
+    cpu_walls, _, cpu_items = _placed(pairs, cuts, torch.device("cpu"))
+    _torch_path(monkeypatch, dt.apply_many, cpu_items)
+    for wall, want in zip(walls, cpu_walls):
+        assert torch.equal(wall.cpu(), want)
 
 
 _GAPS_BATCH = [  # (n: a multiple of 96, fraction, itemsize, DIFF8, escapes)
@@ -664,13 +688,7 @@ def test_gaps_deltas_of_any_size_apply_as_one_batch(device, monkeypatch, small):
     monkeypatch.setattr(delta_kernels, "CHUNK", 64)
     monkeypatch.setenv("MEGATRON_RESHARD_DELTA_SMALL_APPLY", "1" if small == "mixed" else "0")
     monkeypatch.setattr(delta_kernels, "SMALL_BYTES", 200)  # mixed: a few by launch_small
-    pairs, cuts = [], []
-    for k, (n, f, item, diff8, esc) in enumerate(_GAPS_BATCH):
-        new, old = _pair(n, f, item, 40 + k, torch.device("cpu"), esc)
-        _forced(monkeypatch, GAPS | (DIFF8 if diff8 else 0))
-        cuts.append(_torch_path(monkeypatch, encode, new, old))
-        assert cuts[-1][1] == GAPS | (DIFF8 if diff8 else 0)
-        pairs.append((new, old))
+    pairs, cuts = _batch_cuts(monkeypatch, _GAPS_BATCH, GAPS, 40)
     sizes = [c[2].numel() for c in cuts]
     assert min(sizes) < 64 and max(sizes) > 20 * 64, sizes
     walls, views, items = _placed(pairs, cuts, dev)
@@ -683,11 +701,7 @@ def test_gaps_deltas_of_any_size_apply_as_one_batch(device, monkeypatch, small):
     assert all(log.count(name) == len(groups) for name in ("gap_sums", "gap_locate",
                                                             "apply_gaps")), log
     _assert_written(pairs, views, walls, before)
-    # the torch path's apply writes the same walls
-    cpu_walls, _, cpu_items = _placed(pairs, cuts, torch.device("cpu"))
-    _torch_path(monkeypatch, dt.apply_many, cpu_items)
-    for wall, want in zip(walls, cpu_walls):
-        assert torch.equal(wall.cpu(), want)
+    _torch_writes_the_same(monkeypatch, pairs, cuts, walls)
 
 
 @pytest.mark.parametrize("count, enc, payload, match", [
@@ -720,3 +734,129 @@ def test_a_bad_gaps_delta_in_a_batch_is_refused_and_the_others_written(device, m
     assert not bool(bad.any())
     for (new, _), view in zip(pairs, views):
         assert torch.equal(view.cpu(), new)
+
+
+def _positions_message(cuts, size):
+    """The cuts' POSITIONS payloads with their index as ``size``-byte positions, one
+    after another from an odd offset of one message: ``(message, [(at, bytes)])``."""
+    parts, spans, at = [torch.tensor([7], dtype=torch.uint8)], [], 1
+    for count, _, payload in cuts:
+        index = payload[:count * 4].view(torch.int32).to(INTS[size]).view(torch.uint8)
+        parts += [index, payload[count * 4:]]
+        spans.append((at, index.numel() + payload.numel() - count * 4))
+        at += spans[-1][1]
+    return torch.cat(parts), spans
+
+
+_POS_BATCH = [  # (n: a multiple of 96, fraction (0: one change), itemsize, DIFF8, escapes)
+    (96 * 2, 0.0, 2, True, 0.0),       # a single change
+    (96 * 2, 0.05, 2, True, 0.0),      # under one chunk
+    (96 * 300, 0.01, 2, True, 0.1),    # many chunks, escapes
+    (96 * 200, 0.004, 2, False, 0.0),
+    (96 * 40, 0.05, 1, False, 0.0),
+    (96 * 120, 0.01, 1, False, 0.0),
+    (96 * 70, 0.03, 4, True, 0.5),
+    (96 * 3, 0.0, 4, True, 0.0),
+    (96 * 70, 0.02, 4, False, 0.0),
+    (96 * 9, 0.1, 8, True, 0.2),
+    (96 * 50, 0.02, 8, False, 0.0)]
+
+
+@pytest.mark.parametrize("index_size", [4, 8])
+def test_positions_deltas_apply_as_one_batch(device, monkeypatch, index_size):
+    """POSITIONS deltas of 1 to many chunks of positions (chunks of 64 here), 1-8 byte
+    elements, with and without DIFF8, escapes, their payloads at odd offsets of one
+    message (indexes and values on and off element boundaries), into contiguous
+    stretches and column blocks of wider tensors: two launches per element size, DIFF8
+    flag and index size for the whole batch, each region bit-exact, bytes outside the
+    views untouched. Index size 4 through ``apply_many``, against the torch path's walls;
+    8 (boxes past 2**31 elements) through ``launch_positions_many``."""
+    dev, calls = device
+    monkeypatch.setattr(delta_kernels, "CHUNK", 64)
+    pairs, cuts = _batch_cuts(monkeypatch, _POS_BATCH, POSITIONS, 80)
+    counts = [c[0] for c in cuts]
+    assert min(counts) == 1 and max(counts) > 4 * 64, counts
+    walls, views, items = _placed(pairs, cuts, dev)
+    before = [w.clone() for w in walls]
+    log = _launches(monkeypatch)
+    if index_size == 4:
+        dt.apply_many(items, [f"region {k}" for k in range(len(pairs))])
+        assert "launch_positions_many" in calls
+        at = [p.data_ptr() % 4 for _, _, _, p in items]
+    else:
+        message, spans = _positions_message(cuts, 8)
+        message = message.to(dev)
+        batch = [(view, count, bool(enc & DIFF8), message[a:a + size], 8)
+                 for view, (count, enc, _), (a, size) in zip(views, cuts, spans)]
+        pending = delta_kernels.launch_positions_many(batch)
+        for p, got in zip(pending, torch.cat([p.figures for p in pending]).view(-1, 2).tolist()):
+            p.check(got)
+        at = [a % 8 for a, _ in spans]
+    assert len(set(at)) > 1, at  # index sections on and off their element boundary
+    groups = {(item, diff8) for _, _, item, diff8, _ in _POS_BATCH}
+    assert all(log.count(name) == len(groups) for name in ("pos_sums", "apply_index")), log
+    _assert_written(pairs, views, walls, before)
+    _torch_writes_the_same(monkeypatch, pairs, cuts, walls)
+
+
+def _positions_payload(positions, values):
+    return (torch.tensor(positions, dtype=torch.int32).view(torch.uint8).tolist()
+            + [v & 0xFF for v in values])
+
+
+@pytest.mark.parametrize("count, enc, payload, match", [
+    (2, POSITIONS | DIFF8, _positions_payload([3, 500], [1, 1]), "outside its 500-element"),
+    (2, POSITIONS | DIFF8, _positions_payload([3, -1], [1, 1]), "outside its 500-element"),
+    (2, POSITIONS, _positions_payload([499, 500], [1, 2, 3, 4]), "outside its 500-element"),
+    (2, POSITIONS | DIFF8, _positions_payload([3, 4], [-128, 1]), "1 escapes carries 0 bytes"),
+    (2, POSITIONS | DIFF8, _positions_payload([3, 4], [1, 1, 1, 2]),
+     "0 escapes carries 2 bytes"),
+    (2, POSITIONS | DIFF8, _positions_payload([3, 4], [-128, -128, 1, 2]),
+     "2 escapes carries 2 bytes")])
+def test_bad_positions_deltas_in_a_batch_are_refused_and_the_others_written(
+        device, monkeypatch, count, enc, payload, match):
+    """Bad POSITIONS deltas among good ones of their element size and DIFF8 flag (one
+    batch of ``launch_positions_many``, their chunks in one launch of each kernel): the
+    first refused under its label, nothing of either written, every other region of the
+    batch written."""
+    dev, calls = device
+    monkeypatch.setattr(delta_kernels, "CHUNK", 64)
+    _forced(monkeypatch, enc)
+    pairs = [_pair(n, 0.05, 2, 60 + k, torch.device("cpu"), 0.1) for k, n in
+             enumerate((3000, 100, 5000, 300, 700, 2000, 150))]
+    cuts = _torch_path(monkeypatch, lambda: [encode(n, o) for n, o in pairs])
+    assert all(c[1] == enc for c in cuts)
+    bads = [torch.zeros(500, dtype=torch.int16, device=dev) for _ in range(2)]
+    views = [old.clone().to(dev) for _, old in pairs]
+    items = [(v, c, e, p.to(dev)) for v, (c, e, p) in zip(views, cuts)]
+    for at, bad in zip((3, 6), bads):
+        items.insert(at, (bad, count, enc, torch.as_tensor(payload, dtype=torch.uint8).to(dev)))
+    log = _launches(monkeypatch)
+    with pytest.raises(DeltaTransportError, match=f"^region 3: .*{match}"):
+        dt.apply_many(items, [f"region {k}" for k in range(len(items))])
+    assert "launch_positions_many" in calls and log == ["pos_sums", "apply_index"], log
+    assert not any(bool(bad.any()) for bad in bads)
+    for (new, _), view in zip(pairs, views):
+        assert torch.equal(view.cpu(), new)
+
+
+def test_a_positions_delta_wrong_on_its_face_is_refused_before_the_batch_launches(device):
+    """A POSITIONS + DIFF8 delta shorter than its index and count (``_bad_delta`` on the
+    host): refused under its label before any launch, nothing of the batch written."""
+    dev, _ = device
+    good = torch.zeros(500, dtype=torch.int16, device=dev)
+    bad = torch.zeros(500, dtype=torch.int16, device=dev)
+    items = [(good, 2, POSITIONS | DIFF8, torch.tensor(_positions_payload([3, 4], [1, 1]),
+                                                       dtype=torch.uint8).to(dev)),
+             (bad, 2, POSITIONS | DIFF8, torch.tensor(_positions_payload([3, 4], [1]),
+                                                      dtype=torch.uint8).to(dev))]
+    with pytest.raises(DeltaTransportError,
+                       match="^region 1: a delta of 2 differences carries 1 bytes after its "
+                             "index"):
+        dt.apply_many(items, ["region 0", "region 1"])
+    assert not bool(good.any()) and not bool(bad.any())
+    with pytest.raises(DeltaTransportError, match="2 differences carries 1 bytes"):
+        delta_kernels.launch_positions_many([(v, c, True, p, 4) for v, c, _, p in items])
+    assert not bool(good.any())
+    dt.apply_many(items[:1])
+    assert good[3:5].tolist() == [1, 1] and not bool(good[:3].any())

@@ -158,6 +158,11 @@ def _step_type(item: int):
     return tl.int32 if item <= 2 else tl.int64  # new - old of the bits, without overflow
 
 
+def _tl_type(item: int):
+    import triton.language as tl
+    return {1: tl.uint8, 2: tl.int16, 4: tl.int32, 8: tl.int64}[item]
+
+
 def _as_values(raw: torch.Tensor, item: int) -> tuple[torch.Tensor, bool]:
     """Bytes of a payload section as elements when they start on an element boundary."""
     if raw.numel() % item == 0 and raw.storage_offset() % item == 0 and raw.data_ptr() % item == 0:
@@ -403,52 +408,88 @@ def launch_sparse(view: torch.Tensor, count: int, gaps: bool, diff8: bool,
                   payload: torch.Tensor, index_size: int,
                   positions: Optional[torch.Tensor] = None) -> Optional[Pending]:
     """``apply_sparse``'s launches, its check left to the caller (``Pending``); None when
-    the view does not fold into rows. A structure wrong on its face raises at once."""
-    form = rows_form(view)
-    if form is None:
+    the view does not fold into rows. A structure wrong on its face raises at once. A
+    batch of one (``launch_gaps_many``, ``launch_positions_many``; ``positions``: the
+    same table, its index address the int64 positions')."""
+    if rows_form(view) is None:
         return None
-    if gaps:  # a batch of one
+    if gaps:
         return launch_gaps_many([(view, count, diff8, payload)])[0]
-    numel, item = view.numel(), view.element_size()
-    nbytes = payload.numel()
-    k = _kernels()
-    dev = payload.device
-    target = view.view(_INTS[item])
     if positions is None:
-        index, index_aligned = _as_values(payload[:count * index_size], index_size)
-        start = count * index_size
-    else:
-        index, index_aligned, index_size, start = positions, True, 8, 0
-    whole = nbytes - start - count * (1 if diff8 else item)
+        return launch_positions_many([(view, count, diff8, payload, index_size)])[0]
+    return _launch_positions([(view, count, diff8, positions.data_ptr(), payload.data_ptr(),
+                               payload.numel(), 8)])[0]
+
+
+def positions_whole(view: torch.Tensor, count: int, diff8: bool, nvalues: int) -> int:
+    """The bytes of escaped values of a POSITIONS delta of ``count`` changes whose index
+    is followed by ``nvalues`` bytes (DIFF8: its differences, then those); raises for a
+    delta wrong on its face (too few bytes, or whole values of the wrong size)."""
+    whole = nvalues - count * (1 if diff8 else view.element_size())
     if diff8 and whole < 0:
-        raise _bad_delta(f"a delta of {count} differences carries {nbytes - start} bytes "
+        raise _bad_delta(f"a delta of {count} differences carries {nvalues} bytes "
                          f"after its index")
     if not diff8 and whole != 0:
-        raise _bad_delta(f"a delta of {count} values carries {nbytes - start} bytes")
-    chunks = max(1, -(-count // CHUNK))
-    sums = torch.empty(2, chunks, dtype=torch.int64, device=dev)
-    k.pos_sums[(chunks,)](index, payload[start:], count, numel, sums, chunks, DIFF8=diff8,
-                          ALIGNED=index_aligned, IDX=index_size, CHUNK=CHUNK,
-                          num_warps=APPLY_WARPS)
-    ends = torch.cumsum(sums.view(-1), 0)
-    # no host read before: apply_index checks the positions and the escapes itself and
-    # writes nothing unless they hold, so the launches queue back to back
-    values, aligned, escaped, esc_aligned = _value_sections(payload[start:], count, item, diff8)
-    k.apply_index[(chunks,)](
-        target, index, values, escaped, count, ends, chunks, form.cols, form.stride, whole,
-        DIFF8=diff8, IDX_ALIGNED=index_aligned, IDX=index_size, ALIGNED=aligned,
-        ESC_ALIGNED=esc_aligned, CONTIG=form.rows == 1, STEP=_step_type(item), ITEM=item,
-        CHUNK=CHUNK, num_warps=APPLY_WARPS)
+        raise _bad_delta(f"a delta of {count} values carries {nvalues} bytes")
+    return whole
 
-    def check_positions(figures: list) -> None:
-        bad, upto = figures
-        escapes = upto - bad
-        if bad:
-            raise _bad_delta(f"a positions delta names elements outside its {numel}-element box")
-        if diff8 and whole != escapes * item:
-            raise _bad_delta(f"a delta of {count} differences with {escapes} escapes carries "
-                             f"{whole} bytes of whole values")
-    return Pending(ends.view(2, chunks)[:, -1], check_positions)
+
+def launch_positions_many(items: list) -> list[Pending]:
+    """POSITIONS deltas ``(view, count, diff8, payload, index_size)`` (each view folding
+    into rows) applied with two launches (``pos_sums``, ``apply_index``) and one flat
+    cumsum per element size, DIFF8 flag and index size, however many deltas: their chunks
+    of positions numbered across the batch, each program finding its delta in the table
+    (the binary search of ``launch_gaps_many``); their ``Pending`` checks in order. A
+    delta wrong on its face raises before anything is launched; ``apply_index`` checks
+    each delta's sums itself and writes nothing of one that does not fit."""
+    return _launch_positions([(view, count, diff8, payload.data_ptr(),
+                               payload.data_ptr() + count * size, payload.numel() - count * size,
+                               size) for view, count, diff8, payload, size in items])
+
+
+def _launch_positions(deltas: list) -> list[Pending]:
+    """``launch_positions_many`` of ``(view, count, diff8, index address, values address,
+    value bytes, index size)``: the index (``index size`` bytes a position) and the
+    values (DIFF8: a byte each, then the escapes' whole values) apart, so that the
+    positions of a bitmask (int64, a tensor of their own) take the same table. A table
+    row: index address, values address, count, numel, target address, cols, stride,
+    escaped values' bytes, first chunk; each address's alignment is read on the device
+    (an aligned load where a section starts on an element boundary, bytes otherwise)."""
+    wholes = [positions_whole(view, count, diff8, nvalues)  # all before any launch
+              for view, count, diff8, _, _, nvalues, _ in deltas]
+
+    def key(delta):
+        return delta[0].element_size(), delta[2], delta[6]
+
+    def row(delta, first):
+        view, count, diff8, index_at, values_at, _, _, whole = delta
+        numel, item = view.numel(), view.element_size()
+        form = rows_form(view)
+
+        def check_positions(figures: list) -> None:
+            bad, escapes = figures
+            if bad:
+                raise _bad_delta(f"a positions delta names elements outside its "
+                                 f"{numel}-element box")
+            if diff8 and whole != escapes * item:
+                raise _bad_delta(f"a delta of {count} differences with {escapes} escapes "
+                                 f"carries {whole} bytes of whole values")
+        return ([index_at, values_at, count, numel, view.data_ptr(), form.cols, form.stride,
+                 whole, first], max(1, -(-count // CHUNK)), check_positions)
+
+    def launch(table, figures, chunks, ty, item, diff8, size):
+        k, n = _kernels(), figures.shape[0]
+        sums = torch.empty(2 * chunks, dtype=torch.int64, device=figures.device)
+        it = _tl_type(size)
+        k.pos_sums[(chunks,)](table, n, sums, chunks, DIFF8=diff8, IT=it, IDX=size,
+                              CHUNK=CHUNK, num_warps=APPLY_WARPS)
+        ends = torch.cumsum(sums, 0)  # one flat scan (the kernels take each delta apart)
+        # no host read before: apply_index checks the positions and the escapes itself and
+        # writes nothing of a delta unless they hold, so the launches queue back to back
+        k.apply_index[(chunks,)](table, n, ends, figures, chunks, TY=ty, IT=it, DIFF8=diff8,
+                                 STEP=_step_type(item), ITEM=item, IDX=size, CHUNK=CHUNK,
+                                 num_warps=APPLY_WARPS)
+    return _table_groups([(*d, w) for d, w in zip(deltas, wholes)], key, row, 2, launch)
 
 
 def _gaps_check(count: int, numel: int, nbytes: int, item: int, diff8: bool, vend: int):
@@ -526,33 +567,45 @@ def launch_gaps_many(items: list) -> list[Pending]:
 
 
 def _gaps_groups(items: list, launch) -> list[Pending]:
-    """GAPS deltas grouped by element size and DIFF8 flag, each group's table sent in one
-    copy (a row per delta: payload address, bytes, count, numel, target address, cols,
-    stride, where whole values start without DIFF8 (< 0: short), its first chunk);
-    ``launch(table, figures, chunks, TY, item, diff8)`` writes each delta's 6 figures;
-    their ``Pending`` in the items' order. (A delta id per chunk, built here, cost more
-    host time than the whole table: the kernels search the first chunks instead.)"""
-    import triton.language as tl
+    """GAPS deltas grouped by element size and DIFF8 flag (``_table_groups``), a row per
+    delta: payload address, bytes, count, numel, target address, cols, stride, where
+    whole values start without DIFF8 (< 0: short), its first chunk; ``launch(table,
+    figures, chunks, TY, item, diff8)`` writes each delta's 6 figures."""
+    def key(delta):
+        return delta[0].element_size(), delta[2]
+
+    def row(delta, first):
+        view, count, diff8, payload = delta
+        form, nbytes, item = rows_form(view), payload.numel(), view.element_size()
+        vend = 0 if diff8 else nbytes - count * item
+        return ([payload.data_ptr(), nbytes, count, view.numel(), view.data_ptr(), form.cols,
+                 form.stride, vend, first], max(1, -(-nbytes // CHUNK)),
+                _gaps_check(count, view.numel(), nbytes, item, diff8, vend))
+    return _table_groups(items, key, row, 6, launch)
+
+
+def _table_groups(items: list, key, row, nfigures: int, launch) -> list[Pending]:
+    """Deltas grouped by ``key(item)`` (element size first), each group's table sent in
+    one copy: ``row(item, first chunk)`` gives a delta's row (its first chunk last, where
+    the kernels' binary search reads it), its chunks and its host check;
+    ``launch(table, figures, chunks, TY, *key)`` writes each delta's ``nfigures``
+    figures; their ``Pending`` in the items' order. (A delta id per chunk, built here,
+    cost more host time than the whole table: the kernels search the first chunks.)"""
     groups: dict = {}
-    for k, (view, _, diff8, _) in enumerate(items):
-        groups.setdefault((view.element_size(), diff8), []).append(k)
+    for k, item in enumerate(items):
+        groups.setdefault(key(item), []).append(k)
     out: list = [None] * len(items)
-    for (item, diff8), ks in groups.items():
+    for group, ks in groups.items():
         rows, checks, chunks = [], [], 0
         for k in ks:
-            view, count, _, payload = items[k]
-            form = rows_form(view)
-            nbytes = payload.numel()
-            vend = 0 if diff8 else nbytes - count * item
-            rows += [payload.data_ptr(), nbytes, count, view.numel(), view.data_ptr(),
-                     form.cols, form.stride, vend, chunks]
-            chunks += max(1, -(-nbytes // CHUNK))
-            checks.append(_gaps_check(count, view.numel(), nbytes, item, diff8, vend))
-        dev = items[ks[0]][0].device
+            cells, n, check = row(items[k], chunks)
+            rows += cells
+            chunks += n
+            checks.append(check)
+        dev = items[ks[0]][0].device  # the first delta's view
         table = torch.tensor(rows, dtype=torch.int64).to(dev, non_blocking=True)
-        figures = torch.empty(len(ks), 6, dtype=torch.int64, device=dev)
-        ty = {1: tl.uint8, 2: tl.int16, 4: tl.int32, 8: tl.int64}[item]
-        launch(table, figures, chunks, ty, item, diff8)
+        figures = torch.empty(len(ks), nfigures, dtype=torch.int64, device=dev)
+        launch(table, figures, chunks, _tl_type(group[0]), *group)
         for r, (k, check) in enumerate(zip(ks, checks)):
             out[k] = Pending(figures[r], check)
     return out
@@ -681,8 +734,9 @@ def _build(triton, tl) -> _Kernels:
 
     @triton.jit
     def _delta_of(table, deltas, j):
-        # the delta whose chunks hold chunk j: the last row of a GAPS table whose first
-        # chunk is not after j (a binary search; no load for a batch of one)
+        # the delta whose chunks hold chunk j: the last row of a GAPS or POSITIONS table
+        # (_table_groups) whose first chunk is not after j (a binary search; no load for a
+        # batch of one)
         lo = j * 0
         hi = lo + deltas
         while hi - lo > 1:
@@ -693,9 +747,11 @@ def _build(triton, tl) -> _Kernels:
         return lo
 
     @triton.jit
-    def _gaps_row(table, d):
-        # delta d's row of a GAPS table (_gaps_groups): payload address, bytes, count,
-        # numel, target address, cols, stride, vend, first chunk
+    def _delta_row(table, d):
+        # delta d's row of a table: GAPS (_gaps_groups) payload address, bytes, count,
+        # numel, target address, cols, stride, vend, first chunk; POSITIONS
+        # (_launch_positions) index address, values address, count, numel, target
+        # address, cols, stride, escaped values' bytes, first chunk
         row = table + d * 9
         return (tl.load(row), tl.load(row + 1), tl.load(row + 2), tl.load(row + 3),
                 tl.load(row + 4), tl.load(row + 5), tl.load(row + 6), tl.load(row + 7),
@@ -738,6 +794,17 @@ def _build(triton, tl) -> _Kernels:
                 byte = tl.load(src + start * ITEM + o * ITEM + k, mask=keep, other=0)
                 w = w | (byte.to(tl.int64) << (8 * k))
             v = w.to(like.dtype)
+        return v
+
+    @triton.jit
+    def _get_at(addr, o, keep, like, TY: tl.constexpr, ITEM: tl.constexpr):
+        # element o (TY, ITEM bytes) of the section at byte address ``addr`` (a table's:
+        # its alignment known on the device only), as like's type: a load of TY each where
+        # the section starts on an element boundary, bytes otherwise
+        if addr % ITEM == 0:
+            v = _get(addr.to(tl.pointer_type(TY)), 0, o, keep, like, True, ITEM)
+        else:
+            v = _get(addr.to(tl.pointer_type(tl.uint8)), 0, o, keep, like, False, ITEM)
         return v
 
     @triton.jit
@@ -831,8 +898,8 @@ def _build(triton, tl) -> _Kernels:
                      _top_bit=_top_bit, _max_before=_max_before,
                      _sum_max_min_max=_sum_max_min_max,
                      _words_before=_words_before,
-                     _row_before=_row_before, _delta_of=_delta_of, _gaps_row=_gaps_row,
-                     _bits=_bits, _ranks=_ranks, _put=_put, _get=_get,
+                     _row_before=_row_before, _delta_of=_delta_of, _delta_row=_delta_row,
+                     _bits=_bits, _ranks=_ranks, _put=_put, _get=_get, _get_at=_get_at,
                      _count_before=_count_before, _write_at=_write_at, _cheaper=_cheaper,
                      _choose=_choose, _gap_chunk=_gap_chunk, _region=_region,
                      _tile_blocks=_tile_blocks)
@@ -1202,7 +1269,7 @@ def _build(triton, tl) -> _Kernels:
         # for gap_locate
         j = tl.program_id(0).to(tl.int64)
         d = _delta_of(table, deltas, j)
-        pa, nbytes, _, _, _, _, _, _, first = _gaps_row(table, d)
+        pa, nbytes, _, _, _, _, _, _, first = _delta_row(table, d)
         if j == first:
             tl.store(figures + d * 6 + tl.arange(0, 8), tl.zeros((8,), tl.int64),
                      mask=tl.arange(0, 8) < 6)
@@ -1221,7 +1288,7 @@ def _build(triton, tl) -> _Kernels:
         # value writes them
         j = tl.program_id(0).to(tl.int64)
         d = _delta_of(table, deltas, j)
-        pa, nbytes, count, _, _, _, _, vend, first = _gaps_row(table, d)
+        pa, nbytes, count, _, _, _, _, vend, first = _delta_row(table, d)
         p = pa.to(tl.pointer_type(tl.uint8))
         out = figures + d * 6
         if j == first:
@@ -1248,17 +1315,20 @@ def _build(triton, tl) -> _Kernels:
             tl.store(out + 5, e0)
 
     @triton.jit
-    def pos_sums(index, values, count, numel, sums, chunks, DIFF8: tl.constexpr,
-                 ALIGNED: tl.constexpr, IDX: tl.constexpr, CHUNK: tl.constexpr):
-        # per chunk of positions: those outside the box, and (DIFF8) the escapes
+    def pos_sums(table, deltas, sums, chunks, DIFF8: tl.constexpr, IT: tl.constexpr,
+                 IDX: tl.constexpr, CHUNK: tl.constexpr):
+        # per chunk of a delta's positions (chunks numbered across the batch): those
+        # outside its box, and (DIFF8) the escapes
         j = tl.program_id(0).to(tl.int64)
-        i = j * CHUNK + tl.arange(0, CHUNK)
+        pi, pv, count, numel, _, _, _, _, first = _delta_row(table, _delta_of(table, deltas, j))
+        i = (j - first) * CHUNK + tl.arange(0, CHUNK)
         live = i < count
-        pos = _get(index, 0, i, live, tl.zeros((CHUNK,), tl.int64), ALIGNED, IDX)
+        pos = _get_at(pi, i, live, tl.zeros((CHUNK,), tl.int64), IT, IDX)
         tl.store(sums + j, tl.sum((live & ((pos < 0) | (pos >= numel))).to(tl.int32)).to(tl.int64))
         esc = tl.zeros((CHUNK,), tl.int32)
         if DIFF8:
-            esc = (tl.load(values + i, mask=live, other=0).to(tl.int32) == 128).to(tl.int32)
+            y = tl.load(pv.to(tl.pointer_type(tl.uint8)) + i, mask=live, other=0)
+            esc = (y.to(tl.int32) == 128).to(tl.int32)
         tl.store(sums + chunks + j, tl.sum(esc).to(tl.int64))
 
     @triton.jit
@@ -1271,7 +1341,7 @@ def _build(triton, tl) -> _Kernels:
         # values them (bytes: no alignment known); else whole values from ``vend``
         j = tl.program_id(0).to(tl.int64)
         d = _delta_of(table, deltas, j)
-        pa, nbytes, count, numel, ta, cols, stride, vend, first = _gaps_row(table, d)
+        pa, nbytes, count, numel, ta, cols, stride, vend, first = _delta_row(table, d)
         p = pa.to(tl.pointer_type(tl.uint8))
         found = figures + d * 6
         scan = tl.load(found + 1) + 1
@@ -1302,10 +1372,8 @@ def _build(triton, tl) -> _Kernels:
                       - tl.load(found + 5))
                 er = e0 + tl.cumsum(esc.to(tl.int32), 0) - 1
                 v = _get(p + scan + count, 0, er, esc, like, False, ITEM)
-            elif (pa + vend) % ITEM == 0:  # values on an element boundary: a load each
-                v = _get((pa + vend).to(tl.pointer_type(TY)), 0, r, keep, like, True, ITEM)
             else:
-                v = _get(p + vend, 0, r, keep, like, False, ITEM)
+                v = _get_at(pa + vend, r, keep, like, TY, ITEM)
             target = ta.to(tl.pointer_type(TY))
             if numel <= cols:  # one row (no division per element)
                 _write_at(target, at, keep, v, small, esc, cols, stride, True, DIFF8, STEP)
@@ -1315,11 +1383,11 @@ def _build(triton, tl) -> _Kernels:
     @triton.jit
     def apply_small(table, figures, TY: tl.constexpr, DIFF8: tl.constexpr,
                     STEP: tl.constexpr, ITEM: tl.constexpr, CHUNK: tl.constexpr):
-        # one GAPS delta of a group a program (its row of ``table``, _gaps_row), its
+        # one GAPS delta of a group a program (its row of ``table``, _delta_row), its
         # prefix sums carried through loops over its payload instead of a scan across
         # programs: one launch for many small regions. Its figures are gap_locate's (the
         # host checks them after); nothing is written unless they hold
-        pa, nbytes, count, numel, ta, cols, stride, vend, _ = _gaps_row(
+        pa, nbytes, count, numel, ta, cols, stride, vend, _ = _delta_row(
             table, tl.program_id(0).to(tl.int64))
         p = pa.to(tl.pointer_type(tl.uint8))
         target = ta.to(tl.pointer_type(TY))
@@ -1384,33 +1452,44 @@ def _build(triton, tl) -> _Kernels:
                 off += CHUNK
 
     @triton.jit
-    def apply_index(target, index, values, escapes, count, ends, chunks, cols, stride, whole,
-                    DIFF8: tl.constexpr, IDX_ALIGNED: tl.constexpr, IDX: tl.constexpr,
-                    ALIGNED: tl.constexpr, ESC_ALIGNED: tl.constexpr, CONTIG: tl.constexpr,
-                    STEP: tl.constexpr, ITEM: tl.constexpr, CHUNK: tl.constexpr):
-        # one chunk of ``count`` positions: the escapes' ranks, then in place. pos_sums'
-        # totals (``ends``: positions outside the box, then escapes) are checked here, by
-        # every program, as the host checks them after: a delta that does not fit its box
-        # or its ``whole`` bytes of escaped values writes nothing
+    def apply_index(table, deltas, ends, figures, chunks, TY: tl.constexpr, IT: tl.constexpr,
+                    DIFF8: tl.constexpr, STEP: tl.constexpr, ITEM: tl.constexpr,
+                    IDX: tl.constexpr, CHUNK: tl.constexpr):
+        # one chunk of a delta's positions: the escapes' ranks, then in place. pos_sums'
+        # sums over the delta's chunks (positions outside the box, escapes) are checked
+        # here, by every program, as the host checks them after (its first chunk writes
+        # them in the delta's ``figures`` row): a delta that does not fit its box or its
+        # ``whole`` bytes of escaped values writes nothing
         j = tl.program_id(0).to(tl.int64)
-        bad = tl.load(ends + chunks - 1)
+        d = _delta_of(table, deltas, j)
+        pi, pv, count, numel, ta, cols, stride, whole, first = _delta_row(table, d)
+        last = first + tl.maximum((count + CHUNK - 1) // CHUNK, 1)
+        bad = _row_before(ends, 0, chunks, first, last)
+        escapes = _row_before(ends, 1, chunks, first, last)
+        if j == first:
+            tl.store(figures + d * 2, bad)
+            tl.store(figures + d * 2 + 1, escapes)
         good = bad == 0
         if DIFF8:
-            good = good & (whole == (tl.load(ends + 2 * chunks - 1) - bad) * ITEM)
-        i = j * CHUNK + tl.arange(0, CHUNK)
+            good = good & (whole == escapes * ITEM)
+        i = (j - first) * CHUNK + tl.arange(0, CHUNK)
         keep = (i < count) & good
-        at = _get(index, 0, i, keep, tl.zeros((CHUNK,), tl.int64), IDX_ALIGNED, IDX)
-        like = tl.zeros((CHUNK,), target.dtype.element_ty)
+        at = _get_at(pi, i, keep, tl.zeros((CHUNK,), tl.int64), IT, IDX)
+        like = tl.zeros((CHUNK,), TY)
         small = keep  # DIFF8 sets both, below
         esc = keep
         if DIFF8:
-            small = tl.load(values + i, mask=keep, other=0).to(tl.int8, bitcast=True)
+            small = tl.load(pv.to(tl.pointer_type(tl.int8)) + i, mask=keep, other=0)
             esc = keep & (small == -128)
-            er = _row_before(ends, 1, chunks, 0, j) + tl.cumsum(esc.to(tl.int32), 0) - 1
-            v = _get(escapes, 0, er, esc, like, ESC_ALIGNED, ITEM)
+            er = _row_before(ends, 1, chunks, first, j) + tl.cumsum(esc.to(tl.int32), 0) - 1
+            v = _get_at(pv + count, er, esc, like, TY, ITEM)
         else:
-            v = _get(values, 0, i, keep, like, ALIGNED, ITEM)
-        _write_at(target, at, keep, v, small, esc, cols, stride, CONTIG, DIFF8, STEP)
+            v = _get_at(pv, i, keep, like, TY, ITEM)
+        target = ta.to(tl.pointer_type(TY))
+        if numel <= cols:  # one row (no division per element)
+            _write_at(target, at, keep, v, small, esc, cols, stride, True, DIFF8, STEP)
+        else:
+            _write_at(target, at, keep, v, small, esc, cols, stride, False, DIFF8, STEP)
 
     @triton.jit
     def compact(mask, n, limit, starts, pos, BLOCK: tl.constexpr):

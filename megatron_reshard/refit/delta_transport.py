@@ -348,40 +348,48 @@ def apply_many(items: list, labels: Optional[list[str]] = None) -> None:
     """``apply`` of each ``(view, count, encoding, payload)``. On CUDA the sparse ones
     (GAPS, POSITIONS) are launched back to back, GAPS deltas of small payloads all in one
     launch (``delta_kernels.launch_small``), the other GAPS deltas in three
-    (``delta_kernels.launch_gaps_many``), and checked with one host read after the last:
-    a bad delta is refused unwritten, as by ``apply``, the others of the list written.
-    ``labels``: each item's name for its error (param, ranks, box)."""
-    pending = []  # (item, launched apply)
-    small = []    # GAPS deltas with small payloads: one launch for all (a program each)
-    gaps = []     # the other GAPS deltas: three launches for all (a program a chunk)
+    (``delta_kernels.launch_gaps_many``), POSITIONS deltas in two
+    (``delta_kernels.launch_positions_many``), and checked with one host read after the
+    last: a bad delta is refused unwritten, as by ``apply``, the others of the list
+    written (one wrong on its face is refused before the groups launch). ``labels``: each
+    item's name for its error (param, ranks, box)."""
+    small = []      # GAPS deltas with small payloads: one launch for all (a program each)
+    gaps = []       # the other GAPS deltas: three launches for all (a program a chunk)
+    positions = []  # POSITIONS deltas: two launches for all (a program a chunk)
     for k, (view, count, enc, payload) in enumerate(items):
         kind, diff8 = enc & 7, bool(enc & DIFF8)
         with _labelled(labels, k):
-            if kind == GAPS and delta_kernels.usable(view) and (
+            if kind in (GAPS, POSITIONS) and delta_kernels.usable(view) and (
                     delta_kernels.rows_form(view) is not None):
-                group = small if delta_kernels.small_gaps(view, count, diff8, payload) else gaps
-                group.append((k, (view, count, diff8, payload)))
+                if kind == POSITIONS:
+                    size = index_bytes(view.numel())
+                    # on its face (too few bytes, ...): refused here, under its label
+                    delta_kernels.positions_whole(view, count, diff8,
+                                                  payload.numel() - count * size)
+                    positions.append((k, (view, count, diff8, payload, size)))
+                elif delta_kernels.small_gaps(view, count, diff8, payload):
+                    small.append((k, (view, count, diff8, payload)))
+                else:
+                    gaps.append((k, (view, count, diff8, payload)))
                 continue
-            if kind == POSITIONS and delta_kernels.usable(view):
-                launched = delta_kernels.launch_sparse(
-                    view, count, False, diff8, payload, index_bytes(view.numel()))
-                if launched is not None:
-                    pending.append((k, launched))
-                    continue
             apply(view, count, enc, payload)
+    pending = []  # (item, launched apply)
     for group, launch in ((small, delta_kernels.launch_small),
-                          (gaps, delta_kernels.launch_gaps_many)):
+                          (gaps, delta_kernels.launch_gaps_many),
+                          (positions, delta_kernels.launch_positions_many)):
         if group:
             pending += list(zip([k for k, _ in group], launch([item for _, item in group])))
     if not pending:
         return
     figures = torch.cat([p.figures for _, p in pending]).tolist()  # the one host read
-    at = 0
+    checks, at = [], 0
     for k, p in pending:
         n = p.figures.numel()
-        with _labelled(labels, k):
-            p.check(figures[at:at + n])
+        checks.append((k, p.check, figures[at:at + n]))
         at += n
+    for k, check, got in sorted(checks, key=lambda c: c[0]):  # the list's first bad raises
+        with _labelled(labels, k):
+            check(got)
 
 
 @contextmanager
