@@ -184,8 +184,8 @@ def _value_sections(values: torch.Tensor, count: int, item: int, diff8: bool) ->
 # 0 new's offset from the batch's anchor (elements), 1 old's, 2 elements, 3 its first block
 # in the batch, 4 blocks, 5 first tile, 6 tiles, 7 first slot_write program, 8 its
 # speculated payload's offset in the batch's buffer (bytes), 9 that payload's room, 10 its
-# row of the totals, 11 and 12 new's and old's offsets in 32-bit words (where packed)
-_ROW = 13
+# row of the totals
+_ROW = 11
 
 
 def _room(n: int, item: int) -> int:
@@ -280,7 +280,7 @@ class _Batch:
             da, db = a.data_ptr() - at0, b.data_ptr() - at0
             aligned = aligned and da % 16 == 0 and db % 16 == 0
             rows += [da // item, db // item, n, blocks, nblocks, tiles, ntiles, programs, out,
-                     room, k, da // 4, db // 4]
+                     room, k]
             for c, x in zip(counts, (nblocks, ntiles, nprograms)):
                 c.append(x)
             blocks, tiles, programs, out = (blocks + nblocks, tiles + ntiles,
@@ -305,13 +305,21 @@ class _Batch:
         self.mask16, self.slot_pos = self.mask.view(torch.int16), pos.view(torch.int16)
         # per block: changed, escapes, gap bytes (3 rows); then their offsets (exclusive);
         # the first and last change; the last change before it; per tile figures
-        self.stats, self.starts, self.firsts, self.lasts, self.before, figures = torch.empty(
-            9 * blocks + 6 * tiles, dtype=torch.int64, device=dev).split(
-            [3 * blocks, 3 * blocks, blocks, blocks, blocks, 6 * tiles])
+        # the first and last change; the last change before it; per tile figures; per block
+        # where cut_mark starts (several regions: cut_spots)
+        self.one = len(members) == 1
+        spots = 0 if self.one else 4 * blocks
+        (self.stats, self.starts, self.firsts, self.lasts, self.before, figures,
+         self.spots) = torch.empty(9 * blocks + 6 * tiles + spots, dtype=torch.int64,
+                                   device=dev).split([3 * blocks, 3 * blocks, blocks, blocks,
+                                                      blocks, 6 * tiles, spots])
         self.out = torch.empty(out, dtype=torch.uint8, device=dev)
         self.pack = pack
-        self.mark()
         k = _kernels()
+        if not self.one:
+            k.cut_spots[(-(-blocks // 1024),)](self.table, self.ids, self.spots, blocks,
+                                               BLOCK=BLOCK, N=1024, num_warps=4)
+        self.mark()
         k.cut_tiles[(tiles,)](self.table, self.ids, self.stats, self.firsts, self.lasts,
                               self.before, figures, blocks, tiles, TILE=_TILE, CAP=cap,
                               num_warps=4)
@@ -328,12 +336,12 @@ class _Batch:
 
     def mark(self) -> None:
         """``cut_mark`` over the batch's blocks (the scan of new and old)."""
-        a0 = self.anchor
+        a0, (n1, old1) = self.anchor, (self.rows[0][2], self.rows[0][1])
         _kernels().cut_mark[(self.blocks,)](
-            a0, a0.view(torch.int32) if self.pack else a0, self.table, self.ids, self.mask16,
+            a0, a0.view(torch.int32) if self.pack else a0, self.spots, n1, old1, self.mask16,
             self.stats, self.firsts, self.lasts, self.words.view(torch.int64), self.slot_pos,
             self.slot_byte, self.blocks, STEP=_step_type(self.item), BLOCK=BLOCK, CAP=self.cap,
-            PACK=self.pack, ITEM=self.item, AL=self.align, num_warps=WARPS)
+            PACK=self.pack, ITEM=self.item, AL=self.align, ONE=self.one, num_warps=WARPS)
 
     def slots(self, programs, program0, where, values, escapes, index, diff8, aligned,
               esc_aligned, enc, index_size):
@@ -650,6 +658,7 @@ def apply_bitmask(view: torch.Tensor, index: torch.Tensor, values: torch.Tensor,
 # -- the kernels ----------------------------------------------------------------------
 
 class _Kernels(NamedTuple):
+    cut_spots: object
     cut_mark: object
     cut_tiles: object
     cut_offsets: object
@@ -879,7 +888,7 @@ def _build(triton, tl) -> _Kernels:
     @triton.jit
     def _tile_blocks(table, ids, blocks, t, TILE: tl.constexpr):
         # the blocks of tile t of a cut batch (its region's, in the batch's numbering)
-        row = table + tl.load(ids + blocks + t) * 13
+        row = table + tl.load(ids + blocks + t) * 11
         b0 = tl.load(row + 3)
         i = b0 + (t - tl.load(row + 5)) * TILE + tl.arange(0, TILE)
         return i, i < b0 + tl.load(row + 4)
@@ -905,9 +914,10 @@ def _build(triton, tl) -> _Kernels:
                      _tile_blocks=_tile_blocks)
 
     @triton.jit
-    def cut_mark(anchor, anchor32, table, ids, mask, stats, firsts, lasts, words, slot_pos,
-                 slot_byte, blocks, STEP: tl.constexpr, BLOCK: tl.constexpr,
-                 CAP: tl.constexpr, PACK: tl.constexpr, ITEM: tl.constexpr, AL: tl.constexpr):
+    def cut_mark(anchor, anchor32, spots, n1, old1, mask, stats, firsts, lasts, words,
+                 slot_pos, slot_byte, blocks, STEP: tl.constexpr, BLOCK: tl.constexpr,
+                 CAP: tl.constexpr, PACK: tl.constexpr, ITEM: tl.constexpr, AL: tl.constexpr,
+                 ONE: tl.constexpr):
         # mask: the bitmask as int16 words (16 elements each, little-endian: the wire's
         # bytes). Per element only the compare and the packing into words. A block of at
         # most CAP changes (so at most CAP non-zero words) then lists its non-zero words
@@ -915,24 +925,44 @@ def _build(triton, tl) -> _Kernels:
         # changes in the block's slot (in-block position, DIFF8 byte) from the copies of
         # new and old the loads just brought into the caches: the payload is written from
         # the slots alone. A block over CAP (dense changes) takes the per-element path.
-        # a block of the batch (``_Batch``), its region's new and old from the table
+        # A block of the batch (``_Batch``): where its new and old start (offsets from the
+        # anchor), the elements left in its region from there, its first element in the
+        # region. ONE (a batch of one region, the anchor its new): from the arguments, no
+        # load before the scan's; else from ``spots`` (cut_spots): one round of loads
+        # (the table through the block's region id took two: ~20% of the scan's time)
         block = tl.program_id(0).to(tl.int64)
-        row = table + tl.load(ids + block) * 13
-        n = tl.load(row + 2)
-        first = (block - tl.load(row + 3)) * BLOCK
-        pa = _region(anchor, row, 0, AL) + first
-        pb = _region(anchor, row, 1, AL) + first
+        if ONE:
+            first = block * BLOCK
+            oa = first
+            ob = old1 + first
+            left = n1 - first
+        else:
+            spot = spots + block * 4
+            oa = tl.load(spot)
+            ob = tl.load(spot + 1)
+            left = tl.load(spot + 2)
+            first = tl.load(spot + 3)
+        if AL > 1:  # see _region
+            oa = tl.multiple_of(oa, AL)
+            ob = tl.multiple_of(ob, AL)
+        pa = anchor + oa
+        pb = anchor + ob
         loc = _lanes(BLOCK)
-        inside = loc < n - first
+        inside = loc < left
         if PACK > 0:
             # PACK elements a 32-bit word (n a multiple of PACK, both 4-byte aligned): one
             # xor for PACK elements, each element's bit from its bits of the xor (the
             # compare and the packing are the whole per-element cost of the scan)
             UNITS: tl.constexpr = 16 // PACK
             u = tl.arange(0, BLOCK // 16)[:, None] * UNITS + tl.arange(0, UNITS)[None, :]
-            there = u < (n - first) // PACK
-            a32 = _region(anchor32, row, 11, AL * ITEM // 4) + first // PACK
-            b32 = _region(anchor32, row, 12, AL * ITEM // 4) + first // PACK
+            there = u < left // PACK
+            oa32 = oa * ITEM // 4
+            ob32 = ob * ITEM // 4
+            if AL > 1:
+                oa32 = tl.multiple_of(oa32, AL * ITEM // 4)
+                ob32 = tl.multiple_of(ob32, AL * ITEM // 4)
+            a32 = anchor32 + oa32
+            b32 = anchor32 + ob32
             xor = (tl.load(a32 + u, mask=there, other=0)
                    ^ tl.load(b32 + u, mask=there, other=0))
             if PACK == 1:
@@ -1016,6 +1046,21 @@ def _build(triton, tl) -> _Kernels:
         tl.store(lasts + block, tl.where(top >= 0, first + top, -1))
 
     @triton.jit
+    def cut_spots(table, ids, spots, blocks, BLOCK: tl.constexpr, N: tl.constexpr):
+        # for cut_mark, per block of a batch of several regions (N a program): where its
+        # new and old start (offsets from the anchor), the elements left in its region
+        # from its first, and that first (region-local)
+        i = tl.program_id(0).to(tl.int64) * N + tl.arange(0, N)
+        live = i < blocks
+        row = table + tl.load(ids + i, mask=live, other=0) * 11
+        first = (i - tl.load(row + 3, mask=live, other=0)) * BLOCK
+        spot = spots + i * 4
+        tl.store(spot, tl.load(row, mask=live, other=0) + first, mask=live)
+        tl.store(spot + 1, tl.load(row + 1, mask=live, other=0) + first, mask=live)
+        tl.store(spot + 2, tl.load(row + 2, mask=live, other=0) - first, mask=live)
+        tl.store(spot + 3, first, mask=live)
+
+    @triton.jit
     def cut_tiles(table, ids, stats, firsts, lasts, before, tiles, blocks, ntiles,
                   TILE: tl.constexpr, CAP: tl.constexpr):
         # per tile of TILE blocks of a region: each block's last change before it inside
@@ -1047,7 +1092,7 @@ def _build(triton, tl) -> _Kernels:
         # of its programs scans them all. Its first writes its totals and the encoding
         # ``pick_encoding`` would choose from them
         t = tl.program_id(0).to(tl.int64)
-        row = table + tl.load(ids + blocks + t) * 13
+        row = table + tl.load(ids + blocks + t) * 11
         t0 = tl.load(row + 5)
         j = tl.arange(0, MAXT)
         there = j < tl.load(row + 6)
@@ -1178,7 +1223,7 @@ def _build(triton, tl) -> _Kernels:
         # ``escapes`` are then the payload's first byte, written bytewise). Else one
         # region's programs from ``program0``, into its payload's sections.
         p = tl.program_id(0).to(tl.int64) + program0
-        row = table + tl.load(ids + blocks + ntiles + p) * 13
+        row = table + tl.load(ids + blocks + ntiles + p) * 11
         a = _region(anchor, row, 0, AL)
         b0 = tl.load(row + 3)
         end = b0 + tl.load(row + 4)
@@ -1528,7 +1573,7 @@ def _build(triton, tl) -> _Kernels:
             i = first + loc
             tl.store(target + (i // cols) * stride + i % cols, v, mask=keep)
 
-    return _Kernels(cut_mark, cut_tiles, cut_offsets, cut_write, slot_write, gap_sums,
+    return _Kernels(cut_spots, cut_mark, cut_tiles, cut_offsets, cut_write, slot_write, gap_sums,
                     gap_locate, pos_sums, apply_gaps, apply_small, apply_index, compact,
                     count_bits, apply_bitmask)
 
