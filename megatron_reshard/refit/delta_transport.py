@@ -42,7 +42,6 @@ before its payload is received (``DeltaTransportError``).
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -356,9 +355,10 @@ def apply_many(items: list, labels: Optional[list[str]] = None) -> None:
     small = []      # GAPS deltas with small payloads: one launch for all (a program each)
     gaps = []       # the other GAPS deltas: three launches for all (a program a chunk)
     positions = []  # POSITIONS deltas: two launches for all (a program a chunk)
-    for k, (view, count, enc, payload) in enumerate(items):
-        kind, diff8 = enc & 7, bool(enc & DIFF8)
-        with _labelled(labels, k):
+    k = 0
+    try:  # (not a context manager an item: its cost counts a region at a time)
+        for k, (view, count, enc, payload) in enumerate(items):
+            kind, diff8 = enc & 7, bool(enc & DIFF8)
             if kind in (GAPS, POSITIONS) and delta_kernels.usable(view) and (
                     delta_kernels.rows_form(view) is not None):
                 if kind == POSITIONS:
@@ -373,6 +373,8 @@ def apply_many(items: list, labels: Optional[list[str]] = None) -> None:
                     gaps.append((k, (view, count, diff8, payload)))
                 continue
             apply(view, count, enc, payload)
+    except DeltaTransportError as e:
+        raise _labelled(labels, k, e) from None
     pending = []  # (item, launched apply)
     for group, launch in ((small, delta_kernels.launch_small),
                           (gaps, delta_kernels.launch_gaps_many),
@@ -388,18 +390,15 @@ def apply_many(items: list, labels: Optional[list[str]] = None) -> None:
         checks.append((k, p.check, figures[at:at + n]))
         at += n
     for k, check, got in sorted(checks, key=lambda c: c[0]):  # the list's first bad raises
-        with _labelled(labels, k):
+        try:
             check(got)
+        except DeltaTransportError as e:
+            raise _labelled(labels, k, e) from None
 
 
-@contextmanager
-def _labelled(labels: Optional[list[str]], k: int):
-    try:
-        yield
-    except DeltaTransportError as e:
-        if labels is None:
-            raise
-        raise DeltaTransportError(f"{labels[k]}: {e}") from None
+def _labelled(labels: Optional[list[str]], k: int, e: DeltaTransportError) -> DeltaTransportError:
+    """``e`` under item ``k``'s label (param, ranks, box), if there are labels."""
+    return e if labels is None else DeltaTransportError(f"{labels[k]}: {e}")
 
 
 def apply(view: torch.Tensor, count: int, enc: int, payload: Optional[torch.Tensor]) -> None:
