@@ -267,12 +267,13 @@ class _Batch:
         self.cap = cap = _cap()
         self.sub = min(SLOT_SUB, cap)
         self.group = SLOT_ENTRIES // self.sub
-        self.item, self.index_size, self.totals = item, index_size, totals
+        self.item, self.totals = item, totals
         self.anchor = a0
         # a region's new and old as element offsets from ``anchor``; AL: whether every
         # one is 16-byte aligned (see ``_region``)
         at0 = a0.data_ptr()
-        rows, counts, aligned = [], [[], [], []], at0 % 16 == 0
+        self.rows = rows = []  # a list of _ROW figures a region
+        counts, aligned = [[], [], []], at0 % 16 == 0
         blocks = tiles = programs = out = 0
         for k, a, b in members:
             n = a.numel()
@@ -282,18 +283,18 @@ class _Batch:
             room = _room(n, item)
             da, db = a.data_ptr() - at0, b.data_ptr() - at0
             aligned = aligned and da % 16 == 0 and db % 16 == 0
-            rows += [da // item, db // item, n, blocks, nblocks, tiles, ntiles, programs, out,
-                     room, k]
+            rows.append([da // item, db // item, n, blocks, nblocks, tiles, ntiles, programs,
+                         out, room, k])
             for c, x in zip(counts, (nblocks, ntiles, nprograms)):
                 c.append(x)
             blocks, tiles, programs, out = (blocks + nblocks, tiles + ntiles,
                                             programs + nprograms, out + room)
-        self.rows = [rows[r * _ROW:(r + 1) * _ROW] for r in range(len(members))]
-        self.blocks, self.tiles, self.programs = blocks, tiles, programs
+        self.blocks, self.tiles = blocks, tiles
         self.align = 16 // item if aligned else 1
-        self.maxt = max(16, 1 << (max(counts[1]) - 1).bit_length())
+        maxt = max(16, 1 << (max(counts[1]) - 1).bit_length())
         nr = len(members)
-        up = torch.tensor(rows + list(range(nr)) * 3 + counts[0] + counts[1] + counts[2],
+        flat = [x for row in rows for x in row]
+        up = torch.tensor(flat + list(range(nr)) * 3 + counts[0] + counts[1] + counts[2],
                           dtype=torch.int64).to(dev, non_blocking=True)
         self.table = up[:nr * _ROW]
         # each block's, tile's and slot_write program's region, in that order
@@ -327,7 +328,7 @@ class _Batch:
                               self.before, figures, blocks, tiles, TILE=_TILE, CAP=cap,
                               num_warps=4)
         k.cut_offsets[(tiles,)](self.table, self.ids, self.stats, self.before, figures,
-                                self.starts, totals, blocks, tiles, TILE=_TILE, MAXT=self.maxt,
+                                self.starts, totals, blocks, tiles, TILE=_TILE, MAXT=maxt,
                                 ITEM=item, IDX=index_size, num_warps=4)
         # each region's payload in the same queue, for each encoding the slots can give,
         # each launch writing only where the device chose it: no host round trip between
