@@ -308,7 +308,6 @@ class _Batch:
             [8 * blocks * cap, blocks * BLOCK // 8, 2 * blocks * cap, blocks * cap])
         self.mask16, self.slot_pos = self.mask.view(torch.int16), pos.view(torch.int16)
         # per block: changed, escapes, gap bytes (3 rows); then their offsets (exclusive);
-        # the first and last change; the last change before it; per tile figures
         # the first and last change; the last change before it; per tile figures; per block
         # where cut_mark starts (several regions: cut_spots)
         self.one = len(members) == 1

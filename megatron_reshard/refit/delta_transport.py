@@ -355,6 +355,7 @@ def apply_many(items: list, labels: Optional[list[str]] = None) -> None:
     small = []      # GAPS deltas with small payloads: one launch for all (a program each)
     gaps = []       # the other GAPS deltas: three launches for all (a program a chunk)
     positions = []  # POSITIONS deltas: two launches for all (a program a chunk)
+    small_on = delta_kernels.small_enabled()  # (read once: host time a region counts)
     k = 0
     try:  # (not a context manager an item: its cost counts a region at a time)
         for k, (view, count, enc, payload) in enumerate(items):
@@ -367,7 +368,7 @@ def apply_many(items: list, labels: Optional[list[str]] = None) -> None:
                     delta_kernels.positions_whole(view, count, diff8,
                                                   payload.numel() - count * size)
                     positions.append((k, (view, count, diff8, payload, size)))
-                elif delta_kernels.small_gaps(view, count, diff8, payload):
+                elif small_on and delta_kernels.small_gaps(view, count, diff8, payload):
                     small.append((k, (view, count, diff8, payload)))
                 else:
                     gaps.append((k, (view, count, diff8, payload)))
