@@ -51,12 +51,11 @@ def device(monkeypatch):
     """The device the kernels run on; every kernel entry point is watched, so a test can
     tell that the kernels (not the torch path) did the work."""
     dev = _device()
-    monkeypatch.setenv("MEGATRON_RESHARD_DELTA_SMALL_APPLY", "1")  # apply_small under test
     if dev.type == "cpu":  # the interpreter runs the kernels on CPU tensors
         monkeypatch.setattr(delta_kernels, "usable", lambda t: delta_kernels.enabled())
     calls = []
     for name in ("cut_many", "apply_sparse", "bitmask_counts", "bitmask_positions",
-                 "apply_bitmask", "rows_form", "launch_small", "launch_gaps_many",
+                 "apply_bitmask", "rows_form", "launch_gaps_many",
                  "launch_positions_many"):
         real = getattr(delta_kernels, name)
 
@@ -428,7 +427,7 @@ def test_bad_sparse_deltas_are_refused_before_anything_is_written(device, count,
     refused by the kernel path's checks, as by the torch path, nothing written."""
     dev, calls = device
     payload = torch.as_tensor(payload, dtype=torch.uint8)
-    for path in ("kernels", "torch", "a group"):  # a group: apply_many (GAPS: launch_small)
+    for path in ("kernels", "torch", "a group"):  # a group: apply_many
         view = torch.zeros(500, dtype=torch.bfloat16, device=dev if path != "torch" else "cpu")
         if path == "torch":
             os.environ["MEGATRON_RESHARD_DELTA_KERNELS"] = "0"
@@ -442,7 +441,6 @@ def test_bad_sparse_deltas_are_refused_before_anything_is_written(device, count,
             os.environ.pop("MEGATRON_RESHARD_DELTA_KERNELS", None)
         assert not bool(view.view(torch.int16).any())
     assert "apply_sparse" in calls
-    assert ("launch_small" in calls) == (enc & 7 == GAPS)
 
 
 _REGIONS = [  # (n, fraction, itemsize, escapes): a batch's regions of several kinds
@@ -518,14 +516,12 @@ def test_regions_of_one_batch_are_cut_by_the_same_launches(device, monkeypatch, 
     assert max(batches) >= 6
 
 
-@pytest.mark.parametrize("small", ["1", "0"])  # small GAPS payloads by apply_small, or not
-def test_regions_applied_together_are_checked_under_their_labels(device, monkeypatch, small):
+def test_regions_applied_together_are_checked_under_their_labels(device, monkeypatch):
     """``apply_many`` writes each region bit-exact (a row of a column block each); a bad
     delta among them is refused under its label, its view untouched, the regions before it
     written, on the kernels' path (one host read after all the launches) as on the torch
     path."""
     dev, calls = device
-    monkeypatch.setenv("MEGATRON_RESHARD_DELTA_SMALL_APPLY", small)
     bad = 2  # a GAPS + DIFF8 region, its header one change more than its payload carries
     for path in ("kernels", "torch"):
         where = dev if path == "kernels" else torch.device("cpu")
@@ -558,8 +554,7 @@ def test_regions_applied_together_are_checked_under_their_labels(device, monkeyp
             assert torch.equal(view.cpu(), new.cpu()), path
             assert not bool(wall[0].any()) and not bool(wall[2].any())
     assert "rows_form" in calls  # the kernels wrote the rows where they lie
-    # the small GAPS deltas: one launch, a program each (or each its own launches)
-    assert ("launch_small" in calls) == (small == "1")
+    assert "launch_gaps_many" in calls
 
 
 def _placed(pairs, cuts, where):
@@ -597,32 +592,6 @@ def _assert_written(pairs, views, walls, before):
         assert torch.equal(wall.view(bits)[outside].cpu(), was.view(bits)[outside].cpu())
 
 
-@pytest.mark.parametrize("itemsize, diff8, escapes", [
-    (2, True, 0.0), (2, True, 0.2), (4, True, 0.5), (8, True, 0.1), (1, False, 0.0),
-    (2, False, 0.0), (4, False, 0.0)])
-def test_small_gaps_deltas_apply_as_one_group(device, monkeypatch, itemsize, diff8, escapes):
-    """GAPS deltas with small payloads (``launch_small``: one program each, its payload in
-    chunks of 64 bytes here) at odd offsets of one message, into contiguous views and
-    column blocks of wider tensors, long gaps (skip bytes) among them: bit-exact, bytes
-    outside the views untouched."""
-    dev, calls = device
-    monkeypatch.setattr(delta_kernels, "CHUNK", 64)
-    enc = GAPS | (DIFF8 if diff8 else 0)
-    monkeypatch.setattr(dt, "pick_encoding", lambda *a, **k: enc)
-    cases = [(96 * 40, 0.02), (96 * 70, 0.002), (96 * 9, 0.3), (96 * 300, 0.0005)]
-    pairs = [_pair(n, f, itemsize, 11 + k, torch.device("cpu"), escapes)
-             for k, (n, f) in enumerate(cases)]
-    cuts = _torch_path(monkeypatch, lambda: [encode(n, o) for n, o in pairs])
-    assert all(c[1] == enc for c in cuts)
-    walls, views, items = _placed(pairs, cuts, dev)
-    before = [w.clone() for w in walls]
-    dt.apply_many(items, [f"region {k}" for k in range(len(items))])
-    assert "launch_small" in calls
-    _assert_written(pairs, views, walls, before)
-    monkeypatch.delenv("MEGATRON_RESHARD_DELTA_SMALL_APPLY")  # off unless switched on
-    assert not delta_kernels.small_gaps(*items[0][:2], diff8, items[0][3])
-
-
 def _launches(monkeypatch):
     """The sparse apply kernels' launches, by name, as they are made."""
     real, log = delta_kernels._kernels(), []
@@ -634,7 +603,7 @@ def _launches(monkeypatch):
         def __getitem__(self, grid):
             log.append(self.name)
             return getattr(real, self.name)[grid]
-    names = ("gap_sums", "gap_locate", "apply_gaps", "apply_small", "pos_sums", "apply_index")
+    names = ("gap_sums", "gap_locate", "apply_gaps", "pos_sums", "apply_index")
     counted = real._replace(**{name: Counted(name) for name in names})
     monkeypatch.setattr(delta_kernels, "_kernels", lambda: counted)
     return log
@@ -677,8 +646,7 @@ _GAPS_BATCH = [  # (n: a multiple of 96, fraction, itemsize, DIFF8, escapes)
     (96 * 3, 0.5, 2, False, 0.0)]
 
 
-@pytest.mark.parametrize("small", ["0", "mixed"])  # mixed: the smallest by launch_small
-def test_gaps_deltas_of_any_size_apply_as_one_batch(device, monkeypatch, small):
+def test_gaps_deltas_of_any_size_apply_as_one_batch(device, monkeypatch):
     """GAPS deltas of payloads from under one chunk to many (chunks of 64 bytes here),
     1-8 byte elements, with and without DIFF8, escapes and skip bytes, at odd offsets of
     one message, into contiguous stretches and column blocks of wider tensors, through
@@ -686,8 +654,6 @@ def test_gaps_deltas_of_any_size_apply_as_one_batch(device, monkeypatch, small):
     each region bit-exact (the torch path's apply), bytes outside the views untouched."""
     dev, calls = device
     monkeypatch.setattr(delta_kernels, "CHUNK", 64)
-    monkeypatch.setenv("MEGATRON_RESHARD_DELTA_SMALL_APPLY", "1" if small == "mixed" else "0")
-    monkeypatch.setattr(delta_kernels, "SMALL_BYTES", 200)  # mixed: a few by launch_small
     pairs, cuts = _batch_cuts(monkeypatch, _GAPS_BATCH, GAPS, 40)
     sizes = [c[2].numel() for c in cuts]
     assert min(sizes) < 64 and max(sizes) > 20 * 64, sizes
@@ -696,8 +662,6 @@ def test_gaps_deltas_of_any_size_apply_as_one_batch(device, monkeypatch, small):
     log = _launches(monkeypatch)
     dt.apply_many(items, [f"region {k}" for k in range(len(pairs))])
     groups = {(item, diff8) for _, _, item, diff8, _ in _GAPS_BATCH}
-    if small == "mixed":
-        assert "launch_small" in calls and log.count("apply_small") <= len(groups)
     assert all(log.count(name) == len(groups) for name in ("gap_sums", "gap_locate",
                                                             "apply_gaps")), log
     _assert_written(pairs, views, walls, before)
@@ -719,7 +683,6 @@ def test_a_bad_gaps_delta_in_a_batch_is_refused_and_the_others_written(device, m
     it written, every other region of the batch written."""
     dev, calls = device
     monkeypatch.setattr(delta_kernels, "CHUNK", 64)
-    monkeypatch.setenv("MEGATRON_RESHARD_DELTA_SMALL_APPLY", "0")
     _forced(monkeypatch, enc)
     pairs = [_pair(n, 0.05, 2, 60 + k, torch.device("cpu"), 0.1) for k, n in
              enumerate((3000, 100, 5000, 300, 700, 2000, 150))]

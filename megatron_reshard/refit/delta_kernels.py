@@ -47,12 +47,6 @@ the same way (``launch_positions_many``, a batch of deltas through the same kind
 ``apply_index``, which checks its delta's sums itself and writes nothing unless they hold;
 the host read after. Both decode each chunk's positions and add the differences (or write
 the values) in place.
-GAPS deltas of small payloads (``SMALL_BYTES``) given together (``launch_small``, from
-``delta_transport.apply_many``): ``apply_small``, one launch for the group, a program a
-delta, which walks its payload in chunks with its sums carried in the loop (no scan across
-programs), checks the figures as ``apply_gaps`` does and writes nothing unless they hold
-(off unless ``MEGATRON_RESHARD_DELTA_SMALL_APPLY=1``: it passes its tests on an H100, and
-no gain over ``launch_gaps_many`` was measured yet).
 BITMASK: ``bitmask_counts`` (checked against the header), then ``apply_bitmask`` writes
 whole values, or ``bitmask_positions`` feeds the DIFF8 steps to ``apply_sparse``. A
 strided view is handled when it folds into rows of unit stride (``rows_form``: a TP shard's
@@ -504,7 +498,7 @@ def _launch_positions(deltas: list) -> list[Pending]:
 
 
 def _gaps_check(count: int, numel: int, nbytes: int, item: int, diff8: bool, vend: int):
-    """The host's check of a GAPS apply's figures (``gap_locate``'s or ``apply_small``'s:
+    """The host's check of a GAPS apply's figures (``gap_locate``'s:
     found, the gaps' last byte, the last position, escapes, values named, ...)."""
     def check(figures: list) -> None:
         ok, last_byte, last, escapes, named, _ = figures
@@ -521,38 +515,6 @@ def _gaps_check(count: int, numel: int, nbytes: int, item: int, diff8: bool, ven
             raise _bad_delta(f"a delta of {count} differences with {escapes} escapes "
                              f"carries {whole} bytes of whole values")
     return check
-
-
-# a GAPS payload of at most this many bytes is applied by one program of a group
-# (``launch_small``): below it the per-region launches of ``launch_sparse`` cost more
-# host time than the device spends on the region
-SMALL_BYTES = 1 << 16
-
-
-def small_enabled() -> bool:
-    """Whether ``launch_small`` may be used: ``MEGATRON_RESHARD_DELTA_SMALL_APPLY=1``. Off
-    by default: it passes its tests on an H100, but ``launch_gaps_many`` takes the same
-    deltas in three launches a batch, and no gain of one program a delta was measured."""
-    return os.environ.get("MEGATRON_RESHARD_DELTA_SMALL_APPLY", "0") == "1"
-
-
-def small_gaps(view: torch.Tensor, count: int, diff8: bool, payload: torch.Tensor) -> bool:
-    """Whether this GAPS delta goes through ``launch_small``."""
-    nbytes = payload.numel()
-    return (small_enabled() and nbytes <= SMALL_BYTES and rows_form(view) is not None
-            and (diff8 or nbytes >= count * view.element_size()))
-
-
-def launch_small(items: list) -> list[Pending]:
-    """GAPS deltas ``(view, count, diff8, payload)`` (each ``small_gaps``) applied with one
-    launch per element size and DIFF8 flag, a program per delta (``apply_small``); their
-    ``Pending`` checks in order. The kernel checks each delta itself, as ``apply_gaps``
-    does, and writes nothing of one that does not fit."""
-    def launch(table, figures, chunks, ty, item, diff8):
-        _kernels().apply_small[(figures.shape[0],)](table, figures, TY=ty, DIFF8=diff8,
-                                                    STEP=_step_type(item), ITEM=item,
-                                                    CHUNK=CHUNK, num_warps=APPLY_WARPS)
-    return _gaps_groups(items, launch)
 
 
 def launch_gaps_many(items: list) -> list[Pending]:
@@ -672,7 +634,6 @@ class _Kernels(NamedTuple):
     gap_locate: object
     pos_sums: object
     apply_gaps: object
-    apply_small: object
     apply_index: object
     compact: object
     count_bits: object
@@ -897,15 +858,6 @@ def _build(triton, tl) -> _Kernels:
         i = b0 + (t - tl.load(row + 5)) * TILE + tl.arange(0, TILE)
         return i, i < b0 + tl.load(row + 4)
 
-    @triton.jit
-    def _gap_chunk(p, off, end, CHUNK: tl.constexpr):
-        # the gap bytes p[off:off + CHUNK) short of ``end``: their places, which name a
-        # value (not 0), and how far each advances (a 0 byte: 255)
-        i = off + tl.arange(0, CHUNK)
-        live = i < end
-        y = tl.load(p + i, mask=live, other=0).to(tl.int32)
-        return i, (y != 0) & live, tl.where(live, tl.where(y == 0, 255, y), 0).to(tl.int64)
-
     # the kernels find the helpers they call among the module's globals, not in closures
     globals().update(_local=_local, _lanes=_lanes, _popcount=_popcount, _bit_index=_bit_index,
                      _top_bit=_top_bit, _max_before=_max_before,
@@ -914,7 +866,7 @@ def _build(triton, tl) -> _Kernels:
                      _row_before=_row_before, _delta_of=_delta_of, _delta_row=_delta_row,
                      _bits=_bits, _ranks=_ranks, _put=_put, _get=_get, _get_at=_get_at,
                      _count_before=_count_before, _write_at=_write_at, _cheaper=_cheaper,
-                     _choose=_choose, _gap_chunk=_gap_chunk, _region=_region,
+                     _choose=_choose, _region=_region,
                      _tile_blocks=_tile_blocks)
 
     @triton.jit
@@ -1430,77 +1382,6 @@ def _build(triton, tl) -> _Kernels:
                 _write_at(target, at, keep, v, small, esc, cols, stride, False, DIFF8, STEP)
 
     @triton.jit
-    def apply_small(table, figures, TY: tl.constexpr, DIFF8: tl.constexpr,
-                    STEP: tl.constexpr, ITEM: tl.constexpr, CHUNK: tl.constexpr):
-        # one GAPS delta of a group a program (its row of ``table``, _delta_row), its
-        # prefix sums carried through loops over its payload instead of a scan across
-        # programs: one launch for many small regions. Its figures are gap_locate's (the
-        # host checks them after); nothing is written unless they hold
-        pa, nbytes, count, numel, ta, cols, stride, vend, _ = _delta_row(
-            table, tl.program_id(0).to(tl.int64))
-        p = pa.to(tl.pointer_type(tl.uint8))
-        target = ta.to(tl.pointer_type(TY))
-        # where the gaps end (the count-th non-zero byte), the position it names, and the
-        # values named before ``vend``
-        zero = count * 0
-        seen, walked, named, q, last = zero, zero, zero, zero - 1, zero - 1
-        off = zero
-        while off < nbytes:
-            i, nz, adv = _gap_chunk(p, off, nbytes, CHUNK)
-            hit = nz & (seen + tl.cumsum(nz.to(tl.int64), 0) == count)
-            if tl.sum(hit.to(tl.int32)) > 0:
-                q = tl.sum(tl.where(hit, i, 0))
-                last = walked + tl.sum(tl.where(i <= q, adv, 0)) - 1
-            named += tl.sum((nz & (i < vend)).to(tl.int64))
-            seen += tl.sum(nz.to(tl.int64))
-            walked += tl.sum(adv)
-            off += CHUNK
-        g = q + 1  # DIFF8: the differences' first byte
-        escapes = zero
-        if DIFF8:
-            off = g
-            upto = tl.minimum(g + count, nbytes)
-            while off < upto:
-                i = off + tl.arange(0, CHUNK)
-                y = tl.load(p + i, mask=i < upto, other=0).to(tl.int32)
-                escapes += tl.sum(((y == 128) & (i < upto)).to(tl.int64))
-                off += CHUNK
-        good = (q >= 0) & (last < numel)
-        if DIFF8:
-            good = good & (g + count <= nbytes) & (nbytes - g - count == escapes * ITEM)
-        else:
-            good = good & (named == count)
-        out = figures + tl.program_id(0).to(tl.int64) * 6
-        tl.store(out, (q >= 0).to(tl.int64))
-        tl.store(out + 1, q)
-        tl.store(out + 2, last)
-        tl.store(out + 3, escapes)
-        tl.store(out + 4, named)
-        tl.store(out + 5, zero)
-        if good:
-            seen, walked, esc_seen = zero, zero, zero
-            off = zero
-            while off < g:
-                i, keep, adv = _gap_chunk(p, off, g, CHUNK)
-                at = walked + tl.cumsum(adv, 0) - 1
-                r = seen + tl.cumsum(keep.to(tl.int64), 0) - 1
-                like = tl.zeros((CHUNK,), TY)
-                small = keep  # DIFF8 sets both, below
-                esc = keep
-                if DIFF8:
-                    small = tl.load(p + g + r, mask=keep, other=0).to(tl.int8, bitcast=True)
-                    esc = keep & (small == -128)
-                    er = esc_seen + tl.cumsum(esc.to(tl.int64), 0) - 1
-                    v = _get(p + g + count, 0, er, esc, like, False, ITEM)
-                    esc_seen += tl.sum(esc.to(tl.int64))
-                else:
-                    v = _get(p + vend, 0, r, keep, like, False, ITEM)
-                _write_at(target, at, keep, v, small, esc, cols, stride, False, DIFF8, STEP)
-                seen += tl.sum(keep.to(tl.int64))
-                walked += tl.sum(adv)
-                off += CHUNK
-
-    @triton.jit
     def apply_index(table, deltas, ends, figures, chunks, TY: tl.constexpr, IT: tl.constexpr,
                     DIFF8: tl.constexpr, STEP: tl.constexpr, ITEM: tl.constexpr,
                     IDX: tl.constexpr, CHUNK: tl.constexpr):
@@ -1578,8 +1459,8 @@ def _build(triton, tl) -> _Kernels:
             tl.store(target + (i // cols) * stride + i % cols, v, mask=keep)
 
     return _Kernels(cut_spots, cut_mark, cut_tiles, cut_offsets, cut_write, slot_write, gap_sums,
-                    gap_locate, pos_sums, apply_gaps, apply_small, apply_index, compact,
-                    count_bits, apply_bitmask)
+                    gap_locate, pos_sums, apply_gaps, apply_index, compact, count_bits,
+                    apply_bitmask)
 
 
 _kernels = built_once(_build)
@@ -1587,4 +1468,4 @@ _kernels = built_once(_build)
 
 __all__ = ["BLOCK", "CHUNK", "Cut", "Pending", "Rows", "apply_bitmask", "apply_sparse",
            "bitmask_counts", "bitmask_positions", "cut_many", "enabled", "launch_gaps_many",
-           "launch_small", "launch_sparse", "rows_form", "small_gaps", "usable"]
+           "launch_sparse", "rows_form", "usable"]

@@ -345,17 +345,14 @@ def _index_bytes(kind: int, diff8: bool, payload: torch.Tensor, numel: int, coun
 
 def apply_many(items: list, labels: Optional[list[str]] = None) -> None:
     """``apply`` of each ``(view, count, encoding, payload)``. On CUDA the sparse ones
-    (GAPS, POSITIONS) are launched back to back, GAPS deltas of small payloads all in one
-    launch (``delta_kernels.launch_small``), the other GAPS deltas in three
-    (``delta_kernels.launch_gaps_many``), POSITIONS deltas in two
+    (GAPS, POSITIONS) are launched back to back, the GAPS deltas in three launches
+    (``delta_kernels.launch_gaps_many``), the POSITIONS deltas in two
     (``delta_kernels.launch_positions_many``), and checked with one host read after the
     last: a bad delta is refused unwritten, as by ``apply``, the others of the list
     written (one wrong on its face is refused before the groups launch). ``labels``: each
     item's name for its error (param, ranks, box)."""
-    small = []      # GAPS deltas with small payloads: one launch for all (a program each)
-    gaps = []       # the other GAPS deltas: three launches for all (a program a chunk)
+    gaps = []       # GAPS deltas: three launches for all (a program a chunk)
     positions = []  # POSITIONS deltas: two launches for all (a program a chunk)
-    small_on = delta_kernels.small_enabled()  # (read once: host time a region counts)
     k = 0
     try:  # (not a context manager an item: its cost counts a region at a time)
         for k, (view, count, enc, payload) in enumerate(items):
@@ -368,8 +365,6 @@ def apply_many(items: list, labels: Optional[list[str]] = None) -> None:
                     delta_kernels.positions_whole(view, count, diff8,
                                                   payload.numel() - count * size)
                     positions.append((k, (view, count, diff8, payload, size)))
-                elif small_on and delta_kernels.small_gaps(view, count, diff8, payload):
-                    small.append((k, (view, count, diff8, payload)))
                 else:
                     gaps.append((k, (view, count, diff8, payload)))
                 continue
@@ -377,8 +372,7 @@ def apply_many(items: list, labels: Optional[list[str]] = None) -> None:
     except DeltaTransportError as e:
         raise _labelled(labels, k, e) from None
     pending = []  # (item, launched apply)
-    for group, launch in ((small, delta_kernels.launch_small),
-                          (gaps, delta_kernels.launch_gaps_many),
+    for group, launch in ((gaps, delta_kernels.launch_gaps_many),
                           (positions, delta_kernels.launch_positions_many)):
         if group:
             pending += list(zip([k for k, _ in group], launch([item for _, item in group])))
