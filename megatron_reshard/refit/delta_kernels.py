@@ -185,6 +185,17 @@ def _value_sections(values: torch.Tensor, count: int, item: int, diff8: bool) ->
 _ROW = 11
 
 
+_ZEROS: dict = {}  # per device, int64 zeros kept for one-region batches' ids (grown)
+
+
+def _zeros(n: int, dev: torch.device) -> torch.Tensor:
+    """``n`` int64 zeros on ``dev``, a view of a buffer kept between calls (never written)."""
+    kept = _ZEROS.get(dev)
+    if kept is None or kept.numel() < n:
+        kept = _ZEROS[dev] = torch.zeros(max(n, 1 << 16), dtype=torch.int64, device=dev)
+    return kept[:n]
+
+
 def _room(n: int, item: int) -> int:
     """Bytes a speculative payload may take: a 16th of the region's (a multiple of 8),
     GAPS + DIFF8 of bf16 at up to ~6% changed; the rest take the second pass."""
@@ -286,14 +297,6 @@ class _Batch:
         self.blocks, self.tiles = blocks, tiles
         self.align = 16 // item if aligned else 1
         maxt = max(16, 1 << (max(counts[1]) - 1).bit_length())
-        nr = len(members)
-        flat = [x for row in rows for x in row]
-        up = torch.tensor(flat + list(range(nr)) * 3 + counts[0] + counts[1] + counts[2],
-                          dtype=torch.int64).to(dev, non_blocking=True)
-        self.table = up[:nr * _ROW]
-        # each block's, tile's and slot_write program's region, in that order
-        self.ids = torch.repeat_interleave(up[nr * _ROW:nr * (_ROW + 3)], up[nr * (_ROW + 3):],
-                                           output_size=blocks + tiles + programs)
         # two allocations for all the scratch (host time per call counts at these speeds):
         # per block its non-zero words listed (int64), its bitmask bytes, its slot (int16
         # positions, DIFF8 bytes); then the int64 figures
@@ -304,19 +307,31 @@ class _Batch:
         # per block: changed, escapes, gap bytes (3 rows); then their offsets (exclusive);
         # the first and last change; the last change before it; per tile figures; per block
         # where cut_mark starts (several regions: cut_spots)
-        self.one = len(members) == 1
+        nr = len(members)
+        self.one = nr == 1
         spots = 0 if self.one else 4 * blocks
         (self.stats, self.starts, self.firsts, self.lasts, self.before, figures,
          self.spots) = torch.empty(9 * blocks + 6 * tiles + spots, dtype=torch.int64,
                                    device=dev).split([3 * blocks, 3 * blocks, blocks, blocks,
                                                       blocks, 6 * tiles, spots])
-        self.out = torch.empty(out, dtype=torch.uint8, device=dev)
         self.pack = pack
         k = _kernels()
+        if self.one:  # the scan needs no table: it starts before the table is even built
+            self.mark()
+        up = torch.tensor([x for row in rows for x in row]
+                          + ([] if self.one else list(range(nr)) * 3 + sum(counts, [])),
+                          dtype=torch.int64).to(dev, non_blocking=True)
+        self.table = up[:nr * _ROW]
+        # each block's, tile's and slot_write program's region, in that order (one region:
+        # all 0, from a kept buffer: no op)
+        self.ids = (_zeros(blocks + tiles + programs, dev) if self.one else
+                    torch.repeat_interleave(up[nr * _ROW:nr * (_ROW + 3)], up[nr * (_ROW + 3):],
+                                            output_size=blocks + tiles + programs))
+        self.out = torch.empty(out, dtype=torch.uint8, device=dev)
         if not self.one:
             k.cut_spots[(-(-blocks // 1024),)](self.table, self.ids, self.spots, blocks,
                                                BLOCK=BLOCK, N=1024, num_warps=4)
-        self.mark()
+            self.mark()
         k.cut_tiles[(tiles,)](self.table, self.ids, self.stats, self.firsts, self.lasts,
                               self.before, figures, blocks, tiles, TILE=_TILE, CAP=cap,
                               num_warps=4)
