@@ -189,7 +189,9 @@ _ZEROS: dict = {}  # per device, int64 zeros kept for one-region batches' ids (g
 
 
 def _zeros(n: int, dev: torch.device) -> torch.Tensor:
-    """``n`` int64 zeros on ``dev``, a view of a buffer kept between calls (never written)."""
+    """``n`` int64 zeros on ``dev``, a view of a buffer kept between calls and never written.
+    Made (or grown) in the stream of the cut that first needs it, whose one host read waits
+    for it: later cuts, in any stream of this thread, read it filled."""
     kept = _ZEROS.get(dev)
     if kept is None or kept.numel() < n:
         kept = _ZEROS[dev] = torch.zeros(max(n, 1 << 16), dtype=torch.int64, device=dev)
