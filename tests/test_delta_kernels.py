@@ -441,6 +441,7 @@ def test_bad_sparse_deltas_are_refused_before_anything_is_written(device, count,
             os.environ.pop("MEGATRON_RESHARD_DELTA_KERNELS", None)
         assert not bool(view.view(torch.int16).any())
     assert "apply_sparse" in calls
+    assert ("launch_gaps_many" in calls) == (enc & 7 == GAPS)
 
 
 _REGIONS = [  # (n, fraction, itemsize, escapes): a batch's regions of several kinds
