@@ -109,6 +109,27 @@ def test_the_cheapest_encoding_is_picked():
     assert pick_encoding(7, 1, 4) == BITMASK  # 5 bytes, as GAPS: a tie goes to the simpler
 
 
+def test_the_picked_encoding_is_the_least_of_the_sizes_with_its_ties():
+    """``pick_encoding`` against a search of ``encoding_sizes``: the least bytes, ties to
+    the simpler kind (dense, bitmask, positions, gaps), whole values before DIFF8; small
+    boxes so that ties are common."""
+    order = (NONE, DENSE, BITMASK, POSITIONS, GAPS)
+    seen = set()
+    for numel in (1, 7, 8, 9, 40, 1000):
+        for count in range(0, min(numel, 40) + 1):
+            for itemsize in (1, 2, 4):
+                for skips in (0, 1, 3):
+                    for escapes in (None, 0, 1, count):
+                        sizes = encoding_sizes(numel, count, itemsize, skips, escapes)
+                        want = min(sizes, key=lambda k: (sizes[k], order.index(k & 7),
+                                                         k & DIFF8))
+                        got = pick_encoding(numel, count, itemsize, skips, escapes)
+                        assert got == want, (numel, count, itemsize, skips, escapes, sizes)
+                        seen.add(got)
+    assert seen == {NONE, DENSE, BITMASK, POSITIONS, GAPS, BITMASK | DIFF8,
+                    POSITIONS | DIFF8, GAPS | DIFF8}, seen
+
+
 @pytest.mark.parametrize("count,enc,nbytes,why", [
     (3, 7, 100, "unknown encoding"), (3, 20, 100, "unknown encoding"),
     (0, GAPS, 0, "count 0"), (2000, POSITIONS, 12000, "count 2000"),

@@ -137,10 +137,20 @@ def encoding_sizes(numel: int, count: int, itemsize: int, skips: int = 0,
 
 def pick_encoding(numel: int, count: int, itemsize: int, skips: int = 0,
                   escapes: Optional[int] = None) -> int:
-    """The cheapest encoding (ties: the simplest to apply, dense first)."""
-    sizes = encoding_sizes(numel, count, itemsize, skips, escapes)
-    order = (NONE, DENSE, BITMASK, POSITIONS, GAPS)
-    return min(sizes, key=lambda k: (sizes[k], order.index(k & 7)))
+    """The cheapest encoding of ``encoding_sizes`` (ties: the simplest to apply, dense
+    first, whole values before DIFF8). Written out as the kernels' ``_choose`` is, not as a
+    search of that dict: it runs once a region on the host's path."""
+    if count == 0:
+        return NONE
+    best, enc = numel * itemsize, DENSE
+    for kind, index in ((BITMASK, (numel + 7) // 8), (POSITIONS, count * index_bytes(numel)),
+                        (GAPS, count + skips)):
+        whole = index + count * itemsize
+        if whole < best:
+            best, enc = whole, kind
+        if escapes is not None and index + count + escapes * itemsize < best:
+            best, enc = index + count + escapes * itemsize, kind | DIFF8
+    return enc
 
 
 def _gaps(pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
