@@ -1,11 +1,15 @@
-"""The host's Python time per region of a batch's cut, launches left out (CPU).
+"""The host's Python time per region of a batch's cut and apply, launches left out (CPU).
 
     python scripts/bench_delta_host.py [--regions 16,256] [--elements 65536]
 
-Runs ``delta_kernels.cut_many`` on CPU tensors with every Triton launch replaced by a
+Runs ``delta_kernels.cut_many``, ``delta_transport.encode_many`` and
+``delta_transport.apply_many`` on CPU tensors with every Triton launch replaced by a
 no-op: what is left is the host's own work per region (tables, allocations, views, the
-``Cut`` objects), the part that the launches do not explain. Each Triton launch then
-adds its own host cost (~16-25 µs on an H100's host, MEASUREMENTS) once per batch.
+``Cut`` objects, the encoding's choice, the apply's rows and checks), the part that the
+launches do not explain. The totals a cut would read are set to 1% of each region changed
+(a GAPS + DIFF8 payload, written before the read), and the apply's checks pass: the
+figures are of the host's path, not of any result. Each Triton launch then adds its own
+host cost (~16-90 µs on the GPU machines' hosts, MEASUREMENTS) once per batch.
 Compare figures of one machine: this counts Python and torch's CPU allocator.
 """
 
@@ -17,7 +21,7 @@ import time
 
 import torch
 
-from megatron_reshard.refit import delta_kernels
+from megatron_reshard.refit import delta_kernels, delta_transport
 
 
 class _NoLaunch:
@@ -28,6 +32,16 @@ class _NoLaunch:
         return lambda *args, **kwargs: None
 
 
+def _per_region_us(fn, regions: int, iters: int) -> float:
+    fn()
+    walls = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        walls.append(time.perf_counter() - t0)
+    return 1e6 * statistics.median(walls) / regions
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--regions", default="16,256")
@@ -36,17 +50,28 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)  # (two threads on a busy 2-core host: ms-long stalls in ops)
     delta_kernels._kernels = lambda: _NoLaunch()
-    delta_kernels._step_type = lambda item: None
+    delta_kernels._step_type = delta_kernels._tl_type = lambda item: None
+    delta_transport.delta_kernels.usable = lambda t: True  # CPU tensors take the kernels' path
+    delta_kernels._gaps_check = lambda *a: (lambda figures: None)
+    count = max(1, args.elements // 100)
+    finish = delta_kernels.Cut.finish
+    delta_kernels.Cut.finish = lambda cut, totals: finish(
+        cut, [count, 0, count, 0, delta_transport.GAPS | delta_transport.DIFF8, 2 * count])
     for k in (int(x) for x in args.regions.split(",")):
-        new = torch.zeros(k * args.elements, dtype=torch.int16)
+        new = torch.zeros(k * args.elements, dtype=torch.bfloat16)
         pairs = list(zip(new.chunk(k), torch.zeros_like(new).chunk(k)))
-        walls = []
-        for _ in range(args.iters):
-            t0 = time.perf_counter()
-            delta_kernels.cut_many(pairs, [4] * k)
-            walls.append(time.perf_counter() - t0)
-        print(f"K={k:5d} regions of {args.elements} elements: cut_many "
-              f"{1e6 * statistics.median(walls) / k:7.1f} µs a region (host, no launches)")
+        items = [(view, count, delta_transport.GAPS | delta_transport.DIFF8,
+                  torch.ones(2 * count, dtype=torch.uint8)) for view in new.chunk(k)]
+        bits = [(a.view(torch.int16), b.view(torch.int16)) for a, b in pairs]  # as encode_many's
+        figures = {
+            "cut_many": _per_region_us(lambda: delta_kernels.cut_many(bits, [4] * k), k,
+                                       args.iters),
+            "encode_many": _per_region_us(lambda: delta_transport.encode_many(pairs), k,
+                                          args.iters),
+            "apply_many": _per_region_us(lambda: delta_transport.apply_many(items), k,
+                                         args.iters)}
+        print(f"K={k:5d} regions of {args.elements} elements, µs a region (host, no launches): "
+              + ", ".join(f"{name} {us:.1f}" for name, us in figures.items()))
     return 0
 
 

@@ -2,6 +2,11 @@
 refit is a delta, the bytes each generation rank received follow the changed fraction,
 and the table renders."""
 
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 from megatron_reshard.tools.bench.delta_bench import default_opts, run, table
 
 
@@ -21,3 +26,18 @@ def test_the_delta_bench_reports_bytes_messages_and_times_per_fraction(pool):
         assert r["refit_s"] > 0 and r["raw_s"] > 0
     text = table(summary)
     assert "| 1% | delta |" in text and "| 100% | delta |" in text
+
+
+def test_the_host_bench_prints_each_step_a_region():
+    """scripts/bench_delta_host.py (in its own process: it swaps the kernels for no-ops)
+    prints a figure for the cut, the encode and the apply at each batch size."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_delta_host.py"
+    out = subprocess.run([sys.executable, str(script), "--regions", "1,3", "--elements",
+                          "5000", "--iters", "1"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = [line for line in out.stdout.splitlines() if line.startswith("K=")]
+    assert len(lines) == 2, out.stdout
+    for line in lines:
+        figures = dict(re.findall(r"(\w+_many) ([0-9.]+)", line))
+        assert sorted(figures) == ["apply_many", "cut_many", "encode_many"], line
+        assert all(float(v) > 0 for v in figures.values()), line
