@@ -118,6 +118,19 @@ def _idx_dtype(numel: int) -> torch.dtype:
     return torch.int32 if index_bytes(numel) == 4 else torch.int64
 
 
+def _candidates(numel: int, count: int, itemsize: int, skips: int,
+                escapes: Optional[int]):
+    """``(encoding, payload bytes)`` of each encoding of a change, simplest to apply first
+    (dense, bitmask, positions, gaps; whole values before DIFF8): the order that breaks a
+    tie between equal sizes."""
+    yield DENSE, numel * itemsize
+    for kind, index in ((BITMASK, (numel + 7) // 8), (POSITIONS, count * index_bytes(numel)),
+                        (GAPS, count + skips)):
+        yield kind, index + count * itemsize
+        if escapes is not None:
+            yield kind | DIFF8, index + count + escapes * itemsize
+
+
 def encoding_sizes(numel: int, count: int, itemsize: int, skips: int = 0,
                    escapes: Optional[int] = None) -> dict[int, int]:
     """Payload bytes of each encoding of ``count`` changed elements of ``numel`` (``skips``:
@@ -125,31 +138,20 @@ def encoding_sizes(numel: int, count: int, itemsize: int, skips: int = 0,
     no DIFF8 variants)."""
     if count == 0:
         return {NONE: 0}
-    index = {BITMASK: (numel + 7) // 8, POSITIONS: count * index_bytes(numel),
-             GAPS: count + skips}
-    sizes = {DENSE: numel * itemsize}
-    for kind, nbytes in index.items():
-        sizes[kind] = nbytes + count * itemsize
-        if escapes is not None:
-            sizes[kind | DIFF8] = nbytes + count + escapes * itemsize
-    return sizes
+    return dict(_candidates(numel, count, itemsize, skips, escapes))
 
 
 def pick_encoding(numel: int, count: int, itemsize: int, skips: int = 0,
                   escapes: Optional[int] = None) -> int:
-    """The cheapest encoding of ``encoding_sizes`` (ties: the simplest to apply, dense
-    first, whole values before DIFF8). Written out as the kernels' ``_choose`` is, not as a
-    search of that dict: it runs once a region on the host's path."""
+    """The cheapest encoding (ties: the simplest to apply, as ``_candidates`` lists them),
+    as the kernels' ``_choose`` picks it: a first minimum, no search of a dict with a key
+    function (it runs once a region on the host's path)."""
     if count == 0:
         return NONE
-    best, enc = numel * itemsize, DENSE
-    for kind, index in ((BITMASK, (numel + 7) // 8), (POSITIONS, count * index_bytes(numel)),
-                        (GAPS, count + skips)):
-        whole = index + count * itemsize
-        if whole < best:
-            best, enc = whole, kind
-        if escapes is not None and index + count + escapes * itemsize < best:
-            best, enc = index + count + escapes * itemsize, kind | DIFF8
+    best, enc = None, NONE
+    for kind, nbytes in _candidates(numel, count, itemsize, skips, escapes):
+        if best is None or nbytes < best:
+            best, enc = nbytes, kind
     return enc
 
 
