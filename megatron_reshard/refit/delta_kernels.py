@@ -150,6 +150,15 @@ def _flat_bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(ints).reshape(-1)
 
 
+def _upload(values: list, dev: torch.device) -> torch.Tensor:
+    """``values`` as int64 on ``dev``. To a GPU through pinned memory: a copy from pageable
+    memory may wait for the kernels already queued (the one-region cut uploads its table
+    behind its scan), a pinned one is queued behind them and returns (torch's host
+    allocator keeps the pinned block until the copy is done)."""
+    host = torch.tensor(values, dtype=torch.int64, pin_memory=dev.type == "cuda")
+    return host.to(dev, non_blocking=True)
+
+
 def _step_type(item: int):
     import triton.language as tl
     return tl.int32 if item <= 2 else tl.int64  # new - old of the bits, without overflow
@@ -320,9 +329,8 @@ class _Batch:
         k = _kernels()
         if self.one:  # the scan needs no table: it starts before the table is even built
             self.mark()
-        up = torch.tensor([x for row in rows for x in row]
-                          + ([] if self.one else list(range(nr)) * 3 + sum(counts, [])),
-                          dtype=torch.int64).to(dev, non_blocking=True)
+        up = _upload([x for row in rows for x in row]
+                     + ([] if self.one else list(range(nr)) * 3 + sum(counts, [])), dev)
         self.table = up[:nr * _ROW]
         # each block's, tile's and slot_write program's region, in that order (one region:
         # all 0, from a kept buffer: no op)
@@ -594,7 +602,7 @@ def _table_groups(items: list, key, row, nfigures: int, launch) -> list[Pending]
             chunks += n
             checks.append(check)
         dev = items[ks[0]][0].device  # the first delta's view
-        table = torch.tensor(rows, dtype=torch.int64).to(dev, non_blocking=True)
+        table = _upload(rows, dev)
         figures = torch.empty(len(ks), nfigures, dtype=torch.int64, device=dev)
         launch(table, figures, chunks, _tl_type(group[0]), *group)
         for r, (k, check) in enumerate(zip(ks, checks)):
