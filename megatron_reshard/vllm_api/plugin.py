@@ -15,24 +15,47 @@ nothing of vLLM; ``register()`` does.
 
 from __future__ import annotations
 
+import logging
+
+_log = logging.getLogger(__name__)
+
 BACKEND_NAME = "megatron_reshard"
 ENGINE_MODULE = "megatron_reshard.vllm_api.backend"
 ENGINE_CLASS = "MegatronReshardWeightTransferEngine"
 TRAINER_MODULE = "megatron_reshard.vllm_api.trainer"
 TRAINER_CLASS = "MegatronReshardTrainerWeightTransferEngine"
+# the registries in vllm.distributed.weight_transfer.factory; the trainer one exists from vLLM 0.26
+WORKER_REGISTRY = "WeightTransferEngineFactory"
+TRAINER_REGISTRY = "WeightTransferTrainerFactory"
 
 
 def register() -> None:
-    """Register the backend with vLLM's ``WeightTransferEngineFactory`` and
-    ``WeightTransferTrainerFactory``; idempotent (vLLM may load its plugins more than once
-    per process, and its registries refuse a name twice)."""
-    from vllm.distributed.weight_transfer.factory import (
-        WeightTransferEngineFactory,
-        WeightTransferTrainerFactory,
-    )
+    """Register the backend with every weight-transfer registry the running vLLM has;
+    idempotent (vLLM may load its plugins more than once per process, and its registries
+    refuse a name twice).
 
-    _register_once(WeightTransferEngineFactory, ENGINE_MODULE, ENGINE_CLASS)
-    _register_once(WeightTransferTrainerFactory, TRAINER_MODULE, TRAINER_CLASS)
+    vLLM runs this in every process it starts, whether or not the backend is selected, so it
+    never raises: a plugin that raises here makes every ``LLM(...)`` fail. vLLM 0.25 has the
+    worker registry (``WeightTransferEngineFactory``) but no trainer registry
+    (``WeightTransferTrainerFactory``, from 0.26): what is missing is logged and skipped.
+    """
+    try:
+        from vllm.distributed.weight_transfer import factory
+    except Exception as exc:  # a vLLM without weight transfer: nothing to register into
+        _log.warning("megatron_reshard: this vLLM has no weight-transfer registry (%s); "
+                     "backend %r not registered", exc, BACKEND_NAME)
+        return
+    for registry, module, cls in ((WORKER_REGISTRY, ENGINE_MODULE, ENGINE_CLASS),
+                                  (TRAINER_REGISTRY, TRAINER_MODULE, TRAINER_CLASS)):
+        target = getattr(factory, registry, None)
+        if target is None:
+            _log.info("megatron_reshard: this vLLM has no %s; %s not registered", registry, cls)
+            continue
+        try:
+            _register_once(target, module, cls)
+        except Exception as exc:  # never into vLLM's plugin loader
+            _log.warning("megatron_reshard: registering %s with %s failed: %r",
+                         cls, registry, exc)
 
 
 def _register_once(factory, module: str, cls: str) -> None:
