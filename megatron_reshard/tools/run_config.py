@@ -238,6 +238,7 @@ def _split_refusals(cfg: RefitRunConfig) -> dict[str, Any]:
     (gen EP 1) and the padded vocab rows; gen EP is at most the experts (vLLM gives the
     first ranks one expert more when they do not divide).
     """
+    from megatron_reshard.megatron.gen_split import gen_tp_problem
     from megatron_reshard.vllm_layout import padded_vocab_rows
 
     m = model_preset(cfg)
@@ -281,8 +282,9 @@ def _split_refusals(cfg: RefitRunConfig) -> dict[str, Any]:
         return tp_common(t)
 
     def gen_tp(t: int) -> Optional[str]:
-        if kv % t if t <= kv else t % kv:
-            return f"neither divides nor is a multiple of its {kv} KV heads"
+        attention = gen_tp_problem(t, heads, heads if mla_down else kv, linear_heads or 0)
+        if attention is not None:  # the library's own check (MegatronRefitSource runs it)
+            return f"does not split its attention: {attention}"
         if experts and cfg.gen_ep == 1 and expert_ffn % t:
             return (f"does not divide its expert FFN size {expert_ffn} (with --gen-ep 1 every "
                     "rank holds a TP slice of every expert)")
