@@ -53,7 +53,8 @@ def sweep_summary(rows: list[dict]) -> dict:
     """Counts over the rows and whether the sweep passed (``ok``)."""
     ran = [r for r in rows if "refused" not in r]
     mismatched = [r for r in ran if not r["verified"]]
-    off_path = [r for r in ran if r["exact_path_fraction"] < 1.0 and not packed_by_design(r["model"])]
+    off_path = [r for r in ran
+                if r["exact_path_fraction"] < 1.0 and not packed_by_design(r["model"])]
     below: dict[str, float] = {}
     for r in ran:
         if r["exact_path_fraction"] < 1.0 and packed_by_design(r["model"]):
@@ -93,7 +94,8 @@ def _row_text(row: dict) -> str:
     where = f"{row['model']:10} train TP{row['train_tp']}"
     if "refused" in row:
         return f"{where} -> gen TP{row['gen_tp']}: refused by the demo ({row['refused']})"
-    design = " (by design)" if row["exact_path_fraction"] < 1.0 and packed_by_design(row["model"]) else ""
+    below = row["exact_path_fraction"] < 1.0 and packed_by_design(row["model"])
+    design = " (by design)" if below else ""
     return (f"{where} EP{row['train_ep']} -> gen TP{row['gen_tp']}: "
             f"{'bit-exact' if row['verified'] else 'MISMATCH'}, exact path "
             f"{row['exact_path_fraction']:.1%}{design}, {row['packed_params']} packed")
