@@ -40,7 +40,7 @@ def check_host(cls: str, value: Any) -> None:
 
 def check_choice(cls: str, name: str, value: Any, choices: Iterable[Any]) -> None:
     choices = list(choices)
-    if value not in choices or isinstance(value, bool):
+    if value not in choices:
         raise field_error(cls, name, f"one of {choices}", value)
 
 
