@@ -2,7 +2,8 @@
 from layouts alone (no GPU, no communication, no Megatron model).
 
 Takes a model preset (the demo's small models, or full-size Qwen3-8B, Qwen3-30B-A3B,
-Qwen3-235B-A22B, DeepSeek-V3, Kimi-K2, Llama-3.1 8B/70B/405B shapes from their HF configs)
+Qwen3-235B-A22B, Qwen3-Next-80B-A3B, DeepSeek-V3, Kimi-K2, GLM-4.5(-Air), gpt-oss-20b/120b,
+Llama-3.1 8B/70B/405B shapes from their HF configs)
 or any model's HF config.json (--hf-config: hidden size, layers, heads, experts... as the
 file states them), and a training layout (TP, CP, EP, PP; DP from the world size) ->
 generation layout (TP, EP, DP replicas). Any size not given comes from the model's default

@@ -159,7 +159,8 @@ def default_plan_parallelism(cfg: Mapping[str, Any], model: str = "") -> dict[st
 
 def describe_plan_parallelism(sizes: Mapping[str, int]) -> str:
     """One line of default parallel sizes, in the options' terms (for --help)."""
-    return (f"train {sizes['train_world']} ranks TP{sizes['train_tp']} "
+    cp = f" CP{sizes['train_cp']}" if sizes.get("train_cp", 1) != 1 else ""
+    return (f"train {sizes['train_world']} ranks TP{sizes['train_tp']}{cp} "
             f"PP{sizes['train_pp']} EP{sizes['train_ep']} -> gen {sizes['gen_world']} "
             f"ranks TP{sizes['gen_tp']} EP{sizes['gen_ep']}")
 
@@ -301,6 +302,11 @@ def gated_delta_net_params(cfg: Mapping[str, Any]) -> list[tuple[str, tuple, str
             (f"{la}.out_proj.weight", (H, vd), bf16)]
 
 
+# HF model_types (the same names as the library's families) with params that travel packed
+# whatever the layout (travels_packed): their exact-path share is below 100% by design
+PACKED_BY_DESIGN_TYPES = (*GATED_DELTA_NET_TYPES, "gpt_oss")
+
+
 def travels_packed(cfg: Mapping[str, Any], name: str) -> bool:
     """Params the refit sends as full tensors (the packed path) whatever the layout:
     Qwen3-Next's Gated-DeltaNet params and gated q/k/v (``megatron.qwen3_next``), gpt-oss's
@@ -329,8 +335,8 @@ LLAMA_FULL_SIZE: dict[str, dict[str, Any]] = {
 
 
 def _layout(train_world: int, train_tp: int, train_pp: int, train_ep: int, gen_world: int,
-            gen_tp: int, gen_ep: int) -> dict[str, int]:
-    return dict(train_world=train_world, train_tp=train_tp, train_cp=1, train_pp=train_pp,
+            gen_tp: int, gen_ep: int, train_cp: int = 1) -> dict[str, int]:
+    return dict(train_world=train_world, train_tp=train_tp, train_cp=train_cp, train_pp=train_pp,
                 train_ep=train_ep, gen_world=gen_world, gen_tp=gen_tp, gen_ep=gen_ep)
 
 
@@ -355,6 +361,16 @@ PUBLISHED_LAYOUTS: dict[str, dict[str, int]] = {
     "qwen3-next-80b-a3b": _layout(32, 2, 2, 8, 32, 4, 4),
     "gpt-oss-20b": _layout(8, 1, 1, 8, 8, 1, 1),
     "gpt-oss-120b": _layout(32, 2, 2, 8, 32, 4, 4),
+    # GLM-4.5 as slime (the RL framework GLM-4.5 was post-trained with) runs it in its
+    # 64xH100 example (THUDM/slime, docs/en/examples/glm4.5-355B-A32B.md): Megatron TP8
+    # PP4 CP2 EP16; rollout engines of 32 GPUs (SGLang there; here vLLM TP32 with expert
+    # parallelism, as for DeepSeek-V3), 2 replicas
+    "glm-4.5": _layout(64, 8, 4, 16, 64, 32, 32, train_cp=2),
+    # GLM-4.5-Air: training as Megatron Bridge's parallelism guide (the Megatron backend of
+    # NeMo-RL; NVIDIA/skills nemo-mbridge-perf-parallelism-strategies) sizes it, TP1 PP4
+    # EP8 (46 layers: split as Megatron splits them); generation as zai-org's GLM-4.5
+    # README serves the BF16 Air model, vLLM on 4 H100s (TP4), 8 replicas
+    "glm-4.5-air": _layout(32, 1, 4, 8, 32, 4, 1),
 }
 
 # The HF config.json keys that decide parameter shapes (the rest of a config is ignored)

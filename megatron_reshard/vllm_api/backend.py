@@ -67,10 +67,12 @@ from megatron_reshard.receiver.worker_state import (
     vllm_gen_coords,
     vllm_tp_coords,
 )
+from megatron_reshard.vllm_api import init_checks
+from megatron_reshard.vllm_api.init_checks import field_error as _field_error
+from megatron_reshard.vllm_api.init_checks import is_int as _is_int
+from megatron_reshard.wire.codec import decode_payload
 
 logger = logging.getLogger(__name__)
-
-_GROUP_BACKENDS = ("nccl", "gloo")
 
 
 class WeightUpdateError(MegatronReshardError, RuntimeError):
@@ -84,38 +86,6 @@ class WeightUpdateError(MegatronReshardError, RuntimeError):
 
 class WeightVersionMismatch(WeightUpdateError):
     """The refit committed a version other than the one the caller expected."""
-
-
-def _field_error(cls: str, name: str, expected: str, value: Any) -> BadInputError:
-    return BadInputError(f"{cls}.{name}: expected {expected}, found {value!r} "
-                      f"({type(value).__name__})")
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _check_per_stage(cls: str, name: str, value: Any, *, lo: int, hi: Optional[int],
-                     scalar_ok: bool) -> None:
-    what = (f"an int in [{lo}, {hi}]" if hi is not None else f"an int >= {lo}")
-    shape = ("a list (index = PP stage) or a dict stage -> value of " + what
-             + (", or one such int for every stage" if scalar_ok else ""))
-    if scalar_ok and _is_int(value):
-        items = [("*", value)]
-    elif isinstance(value, Mapping):
-        items = list(value.items())
-    elif isinstance(value, (list, tuple)):
-        items = list(enumerate(value))
-    else:
-        raise _field_error(cls, name, shape, value)
-    if not items:
-        raise _field_error(cls, name, shape + " (at least one stage)", value)
-    for stage, v in items:
-        if stage != "*" and not (_is_int(stage) or (isinstance(stage, str) and stage.isdigit())):
-            raise BadInputError(f"{cls}.{name}: stage keys must be ints >= 0, found {stage!r}")
-        if not _is_int(v) or v < lo or (hi is not None and v > hi):
-            where = "" if stage == "*" else f"[{stage}]"
-            raise BadInputError(f"{cls}.{name}{where}: expected {what}, found {v!r}")
 
 
 @dataclass
@@ -143,33 +113,18 @@ class MegatronReshardInitInfo(WeightTransferInitInfo):
 
     def __post_init__(self) -> None:
         cls = type(self).__name__
-        if not isinstance(self.host, str) or not self.host:
-            raise _field_error(cls, "host", "a non-empty host name or address", self.host)
-        _check_per_stage(cls, "ports_by_stage", self.ports_by_stage, lo=1, hi=65535,
-                         scalar_ok=False)
-        _check_per_stage(cls, "group_sizes", self.group_sizes, lo=2, hi=None, scalar_ok=True)
-        if not isinstance(self.payload, (dict, bytes, bytearray)):
-            raise _field_error(cls, "payload", "the refit payload as a dict (or its msgpack bytes)",
-                               self.payload)
-        if isinstance(self.payload, dict) and "schema_version" not in self.payload:
-            raise BadInputError(f"{cls}.payload: expected a refit payload (a dict with "
-                             f"'schema_version'), found a dict with keys "
-                             f"{sorted(map(str, self.payload))[:8]}")
+        init_checks.check_host(cls, self.host)
+        init_checks.check_ports_by_stage(cls, self.ports_by_stage)
+        init_checks.check_per_stage_ints(cls, "group_sizes", self.group_sizes, lo=2,
+                                         scalar_ok=True)
+        init_checks.check_payload(cls, self.payload, decode_payload)
         if self.group_rank is not None and (not _is_int(self.group_rank) or self.group_rank < 0):
             raise _field_error(cls, "group_rank", "None (derive from vLLM's rank) or an int >= 0",
                                self.group_rank)
-        if self.backend not in _GROUP_BACKENDS:
-            raise _field_error(cls, "backend", f"one of {list(_GROUP_BACKENDS)}", self.backend)
-        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) \
-                or not self.timeout_s > 0:
-            raise _field_error(cls, "timeout_s", "a number of seconds > 0", self.timeout_s)
-        if self.prepare_options is not None:
-            if not isinstance(self.prepare_options, Mapping):
-                raise _field_error(cls, "prepare_options", "a dict or None", self.prepare_options)
-            unknown = PrepareOptions.unknown(self.prepare_options)
-            if unknown:
-                raise BadInputError(f"{cls}.prepare_options: unknown options {unknown}; "
-                                    f"known: {list(PrepareOptions.NAMES)}")
+        init_checks.check_choice(cls, "backend", self.backend, init_checks.GROUP_BACKENDS)
+        init_checks.check_timeout_s(cls, self.timeout_s)
+        init_checks.check_options(cls, "prepare_options", self.prepare_options,
+                                  PrepareOptions.NAMES)
 
 
 @dataclass
