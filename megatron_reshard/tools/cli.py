@@ -151,6 +151,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         apply_launch_defaults()
     if args.command == "demo":
+        from megatron_reshard.tools import demo_options
+
+        problems = demo_options.problems(args)  # before the demo and its worker pool load
+        if problems:
+            return fail("demo", problems)
         from megatron_reshard.tools import demo
 
         return demo.run(args)

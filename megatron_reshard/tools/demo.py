@@ -13,6 +13,7 @@ import time
 
 from megatron_reshard.tools.e2e import run_rank, summarize
 from megatron_reshard.tools.run_config import config_from_args
+from megatron_reshard.tools.worlds import WorkerPool, free_ports
 
 
 def _job(job, cfg):
@@ -67,23 +68,14 @@ def print_summary(summary: dict) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the demo; returns the exit status (2 at once, before any process, on a bad layout)."""
+    """Run the demo (its options checked first: ``demo_options.problems``); returns the exit status."""
     probe = config_from_args(args, ports=(0,) * (1 + max(args.train_pp, 0)))
-    problems = probe.problems()
-    if problems:
-        from megatron_reshard.tools.cli import fail
-
-        return fail("demo", problems)
-    from megatron_reshard.tools.worlds import WorkerPool
-
     nprocs = probe.train_world + probe.gen_world
     if not args.json:
         print(f"[demo] starting {probe.train_world} training + {probe.gen_world} generation "
               f"processes (spawned, {probe.backend}, loopback)", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     with WorkerPool(nprocs) as pool:
-        from megatron_reshard.tools.worlds import free_ports
-
         cfg = config_from_args(args, ports=free_ports(1 + args.train_pp))
         results = pool.run(_job, nprocs, cfg, timeout_s=cfg.timeout_s * 3, num_ports=1)
     summary = summarize(cfg, results)

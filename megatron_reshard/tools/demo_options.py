@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_reshard.tools.run_config import add_run_arguments
+from megatron_reshard.tools.run_config import add_run_arguments, config_from_args
 
 # (This module is the demo's help text and options, apart from ``demo``, which runs it: the
 # CLI builds its parser from them without importing torch, so ``--help`` is fast.)
@@ -34,4 +34,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="print the summary as one JSON object on stdout (progress is silent)")
 
 
-__all__ = ["add_arguments"]
+def problems(args: argparse.Namespace) -> list[str]:
+    """What is wrong with the demo's options, the layout against the model included; found
+    before any process starts (ports are picked only once the options pass)."""
+    return config_from_args(args, ports=(0,) * (1 + max(args.train_pp, 0))).problems()
+
+
+__all__ = ["add_arguments", "problems"]
