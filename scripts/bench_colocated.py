@@ -153,7 +153,7 @@ def ordered_dst(storage: torch.Tensor, order, box):
 
 def read_back(dst) -> torch.Tensor:
     """A destination's elements in checkpoint order (a view, or gathered through the order)."""
-    from megatron_reshard.engine.kernel_copies import PermutedRows
+    from megatron_reshard.layout.permuted_rows import PermutedRows
 
     if isinstance(dst, PermutedRows):
         return dst.storage.view(-1)[dst.offsets().view(-1)].view(dst.shape)

@@ -13,7 +13,7 @@ from typing import Callable, NamedTuple, Optional, Sequence, Union
 
 import torch
 
-from .kernel_copies import PermutedRows
+from megatron_reshard.layout.permuted_rows import PermutedRows
 from .members import LISTS, is_members, known_members, members_problem
 
 from megatron_reshard.errors import BadInputError
@@ -67,7 +67,7 @@ def check_local(transfers, plans, me: int, device_type: str, permuted_dst: bool 
                 ) -> tuple[Optional[Problem], Optional[torch.device]]:
     """This rank's first problem with its tensors (side membership, shape, dtype, device),
     and the device of its tensors. ``permuted_dst``: a destination may also be a
-    ``kernel_copies.PermutedRows`` (the colocated transport writes those)."""
+    ``layout.permuted_rows.PermutedRows`` (the colocated transport writes those)."""
     device = None
     for i, (t, plan) in enumerate(zip(transfers, plans)):
         for side, tensor, owns in (("src", t.src, plan.src), ("dst", t.dst, plan.dst)):

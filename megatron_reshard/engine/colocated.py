@@ -77,7 +77,7 @@ from .agree import Description, Vote
 from .checks import check_local, local_ok
 from .colocated_completion import Completions
 from .colocated_copies import CopyBatch, read_pairs
-from .kernel_copies import PermutedRows
+from megatron_reshard.layout.permuted_rows import PermutedRows
 from .colocated_views import MappedViews, PublishedViews
 from .describe import Rejected, describe_batch
 from .host_flags import READY, VERDICT, HostFlags

@@ -36,8 +36,8 @@ from megatron_reshard.groups.faults import RefitError
 
 from .copies import MEMCPY_BYTES, as_bits
 from megatron_reshard.layout.geometry import box_intersect, box_numel
-from .kernel_copies import (KernelCopies, PermutedRows, Replayed, ScatteredRows,
-                            permuted_tables)
+from megatron_reshard.layout.permuted_rows import PermutedRows, ScatteredRows
+from .kernel_copies import KernelCopies, Replayed, permuted_tables
 from .members import is_members
 
 

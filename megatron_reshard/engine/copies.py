@@ -25,6 +25,7 @@ import torch
 
 from . import kernel_copies
 from .kernel_copies import KernelCopies
+from megatron_reshard.layout.permuted_rows import PermutedRows
 
 MEMCPY_BYTES = 16 << 20
 # Integer dtypes of each element size: the views every copy batch runs on. On CUDA
@@ -64,7 +65,7 @@ class FlatRef(NamedTuple):
 
 class RowsRef(NamedTuple):
     """A box of tensor ``k`` of the call, a destination in a kernel's permuted-row order
-    (``kernel_copies.PermutedRows``); ``view``: the piece's slices of it."""
+    (``layout.permuted_rows.PermutedRows``); ``view``: the piece's slices of it."""
 
     k: int
     view: tuple
@@ -178,7 +179,7 @@ class Copies:
     def exact(self, dst, src: torch.Tensor) -> None:
         """A typed pair as it is (the caller has made words of it where it could), copied
         as integers of its element size; ``dst`` may be a box in a kernel's permuted-row
-        order (``kernel_copies.PermutedRows``, or ``ScatteredRows`` where it cuts runs),
+        order (``layout.permuted_rows.PermutedRows``, or ``ScatteredRows`` where it cuts runs),
         and so may ``src`` (a phase-1 send forwarding what a generation rank received)."""
         if not isinstance(dst, torch.Tensor):
             self.rows.append((dst, src))
@@ -243,13 +244,13 @@ class Copies:
 
     def _rows_to_kernels(self) -> None:
         """The permuted-row pairs the kernel takes, moved out of ``rows`` (CUDA only)."""
-        whole = [(d, s) for d, s in self.rows if isinstance(d, kernel_copies.PermutedRows)]
+        whole = [(d, s) for d, s in self.rows if isinstance(d, PermutedRows)]
         if not whole or kernel_copies.kernels_for(whole[0][0].device) is None:
             return
         self.row_tables, rest = kernel_copies.permuted_tables(whole, whole[0][0].device)
         left = {id(d) for d, _ in rest}
         self.rows = [(d, s) for d, s in self.rows
-                     if id(d) in left or not isinstance(d, kernel_copies.PermutedRows)]
+                     if id(d) in left or not isinstance(d, PermutedRows)]
 
     def _to_kernels(self) -> KernelCopies:
         """The pairs the copy kernels take, moved out of the foreach lists (none off CUDA,

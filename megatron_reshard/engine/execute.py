@@ -32,7 +32,7 @@ from .batch import Batch
 from .checks import Problem, check_local, local_ok
 from .describe import MIN_STAGING_BYTES, Rejected, describe_batch
 from .fuse import fused_tensors, scatter
-from .kernel_copies import PermutedRows
+from megatron_reshard.layout.permuted_rows import PermutedRows
 from .lane import Lane, call_tensors, lane_for
 from .members import stride_keys, with_members
 from .plan import Planner

@@ -191,7 +191,7 @@ def scatter(work: list) -> None:
 
 def _write_one(out, part: torch.Tensor) -> None:
     """One member's image into its destination: a tensor, a list of members, or a box in a
-    kernel's permuted-row order (``kernel_copies.PermutedRows``)."""
+    kernel's permuted-row order (``layout.permuted_rows.PermutedRows``)."""
     if is_members(out):
         for m, p in zip(out, part.unbind(0)):
             as_bits(m).copy_(as_bits(p))

@@ -27,7 +27,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .kernel_copies import PermutedRows
+from megatron_reshard.layout.permuted_rows import PermutedRows
 from .members import LISTS, tensor_guards
 
 _NOT_TENSORS = LISTS | {PermutedRows}

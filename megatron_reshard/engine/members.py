@@ -22,7 +22,7 @@ import torch
 
 from megatron_reshard.layout.geometry import box_numel
 
-from .kernel_copies import PermutedRows
+from megatron_reshard.layout.permuted_rows import PermutedRows
 
 
 def is_members(x) -> bool:

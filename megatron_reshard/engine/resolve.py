@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import NamedTuple, Optional
 
 from .copies import WIDEN_BYTES, FlatRef, RowsRef, Strided, TypedRef, word_bytes
-from .kernel_copies import PermutedRows
+from megatron_reshard.layout.permuted_rows import PermutedRows
 from megatron_reshard.layout.geometry import box_shape
 from .members import is_members, per_member_segments, unit_boxes
 from .schedule import Schedule, align, is_contiguous

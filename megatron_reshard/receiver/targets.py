@@ -135,7 +135,7 @@ class VllmTargets:
         return order.view(self.params[piece.target], piece.target_region)
 
     def permuted_rows(self, piece: Piece):
-        """The target box (three dims) as an ``engine.kernel_copies.PermutedRows`` of the
+        """The target box (three dims) as an ``layout.permuted_rows.PermutedRows`` of the
         storage where a kernel's order keeps it in permuted rows, else None."""
         order = self.orders.get(piece.target)
         if order is None or len(piece.target_region) != 3:
@@ -520,7 +520,7 @@ def receive_spec(targets: VllmTargets, piece: Piece, strided_in_place: bool = Tr
     (a strided box the caller wants contiguous, a box a kernel's order scatters that no
     permuted-row destination describes, or a target wider than the wire dtype: the buffer
     holds the wire dtype). A box a kernel's order keeps in permuted rows (FlashInfer
-    TRTLLM's experts) is handed to the engine as an ``engine.kernel_copies.PermutedRows``:
+    TRTLLM's experts) is handed to the engine as an ``layout.permuted_rows.PermutedRows``:
     it unpacks and copies into the order in one pass, no buffer."""
     view = targets.strided_view(piece)
     if view is None:

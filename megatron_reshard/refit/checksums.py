@@ -13,7 +13,7 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_reshard.engine.kernel_copies import PermutedRows
+from megatron_reshard.layout.permuted_rows import PermutedRows
 from megatron_reshard.layout.geometry import Box
 from megatron_reshard.groups.collectives import all_reduce, control_device, group_size
 from megatron_reshard.refit.integrity import (MODULUS, ChecksumTable, box_checksum, mismatches,

@@ -14,7 +14,7 @@ import torch
 from megatron_reshard.errors import BadInputError
 from megatron_reshard.layout.geometry import Box, rank_region
 from megatron_reshard.engine.members import members_problem
-from megatron_reshard.engine.kernel_copies import PermutedRows
+from megatron_reshard.layout.permuted_rows import PermutedRows
 from megatron_reshard.wire.spec import HFToLocalParamMap, LocalParamSpec
 from megatron_reshard.wire.records import ParamRecord
 
@@ -57,7 +57,7 @@ def _check_base(name: str, where: str, base: Any, box: Box, local_shape: tuple,
                 dtype: torch.dtype) -> None:
     """A hook-free spec's ``base``: a tensor of this rank's local shape and the wire dtype,
     a list of tensors, one per index of dim 0 (the engine's members, engine/members.py),
-    or a box in a kernel's permuted-row order (engine/kernel_copies.PermutedRows)."""
+    or a box in a kernel's permuted-row order (layout/permuted_rows.PermutedRows)."""
     if isinstance(base, (list, tuple)):
         device = base[0].device.type if len(base) and isinstance(base[0], torch.Tensor) \
             else "cpu"

@@ -13,7 +13,7 @@ the storage (``view``: the engine writes it in place, as for checkpoint order: t
 CUTLASS swap is only other row offsets). Any other box whose last dim is stored in runs of
 contiguous elements a fixed distance apart (TRTLLM: 64-element blocks, its rows permuted)
 is a permutation of rows: ``permuted_rows`` describes it for the copy kernels
-(``engine.kernel_copies.PermutedRows``), which write each row's runs straight from the
+(``layout.permuted_rows.PermutedRows``), which write each row's runs straight from the
 source in checkpoint order, one pass like a plain copy; ``scatter`` puts a received box in
 place through the same kernel on CUDA (torch's ``index_copy_`` elsewhere). A term of -1
 marks padding vLLM keeps (zero): never written.
@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
+
+from megatron_reshard.layout.permuted_rows import PermutedRows
 
 Box = Sequence[tuple[int, int]]
 PADDING = -1
@@ -96,12 +98,10 @@ class KernelOrder:
         return first, width, apart
 
     def permuted_rows(self, storage: torch.Tensor, box: Box):
-        """``box`` (2 or 3 dims) as an ``engine.kernel_copies.PermutedRows`` of ``storage``
+        """``box`` (2 or 3 dims) as a ``layout.permuted_rows.PermutedRows`` of ``storage``
         (3 dims: ``[1, rows, cols]`` for a 2-dim box), or None where its last dim is not
         stored in runs or a leading dim reaches padding. Index math on the host, once per
         box (a few device reads); the copies then need none."""
-        from megatron_reshard.engine.kernel_copies import PermutedRows
-
         if len(box) != len(self.terms) or len(box) not in (2, 3):
             return None
         runs = self.column_runs(box)
@@ -138,6 +138,8 @@ class KernelOrder:
 
     def _scatter_by_kernel(self, storage: torch.Tensor, box: Box, values: torch.Tensor) -> bool:
         """The copy kernel of permuted rows (``engine.kernel_copies``): one pass."""
+        # imported where a CUDA storage is written: the engine package costs ~1.5 s to
+        # import, which vllm_layout and wire (its importer) do not pay otherwise
         from megatron_reshard.engine.kernel_copies import permuted_tables
 
         rows = self.permuted_rows(storage, box)
