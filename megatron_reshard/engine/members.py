@@ -150,7 +150,10 @@ def _guard(guards, x):
                   dynamic_dims_strides=[list(m.stride()) for m in x])
 
 
-_GUARDS: list = []  # [TensorGuards or None], decided at the first use
+# [TensorGuards or None], decided at the first use. Kept for the process: whether torch's
+# private class is there and checks what it must is a fact of the torch build, which does
+# not change while the process runs; one entry, no bound needed
+_GUARDS: list = []
 
 
 def tensor_guards():

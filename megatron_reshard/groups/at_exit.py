@@ -94,7 +94,11 @@ class FailedGroup(Protocol):
     threads: DaemonThreads           # where its calls ran
 
 
-_failed: list = []  # FailedGroup boards whose abandoned calls may still be in flight
+# FailedGroup boards whose abandoned calls may still be in flight. Kept for the process on
+# purpose: the exit hook must reach them at interpreter exit, whenever the group failed.
+# Bounded by the calls still running: each new entry first drops every board whose threads
+# have all returned
+_failed: list = []
 
 
 def remember_failed(board: FailedGroup) -> None:

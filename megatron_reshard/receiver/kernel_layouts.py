@@ -36,6 +36,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from megatron_reshard.errors import BadInputError
+from megatron_reshard.receiver.bounded_cache import BoundedCache
 from megatron_reshard.vllm_layout.kernel_order import PADDING, KernelOrder, is_checkpoint_order
 
 # quant methods whose params stay in checkpoint order after vLLM's post-load step on GPUs
@@ -50,7 +51,10 @@ _DIGIT_BITS = 13
 _CODE_BASE = 0x4000  # bf16 bit patterns 0x4000 + digit: positive normal numbers
 _PROBE_EXPERTS = 2
 
-_learned: dict[tuple, Any] = {}  # (backend, shapes, ...) -> tuple of terms per tensor, or why not
+# (backend, shapes, ...) -> tuple of terms per tensor, or why not. Kept for the process: a
+# learned order depends only on the key and on vLLM's conversion code, which does not change
+# while the process runs; bounded, as it is keyed by shapes (a few per model)
+_learned: BoundedCache = BoundedCache(limit=64)
 
 
 class KernelLayoutError(BadInputError):

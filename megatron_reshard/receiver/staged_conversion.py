@@ -56,6 +56,7 @@ from typing import Any, Callable, Collection, Optional
 import torch
 
 from megatron_reshard.groups.faults import RefitError
+from megatron_reshard.receiver.bounded_cache import BoundedCache
 from megatron_reshard.receiver.kernel_layouts import KernelLayoutError, refusal
 from megatron_reshard.wire.records import RefitPayload
 
@@ -234,8 +235,10 @@ def _fp8_linear_layer(name: str, module: torch.nn.Module, method: Any) -> Staged
     return StagedLayer(name, kind, backend, tuple(prefix + leaf for leaf in _LINEAR_LEAVES), tensors, run)
 
 
-# (method, backend, shapes, dtypes, device) -> (why not, or None; whether an identity)
-_dry_runs: dict[tuple, tuple[Optional[str], bool]] = {}
+# (method, backend, shapes, dtypes, device) -> (why not, or None; whether an identity).
+# Kept for the process: the verdict depends only on the key and on vLLM's conversion code,
+# which does not change while the process runs; bounded, as it is keyed by shapes
+_dry_runs: BoundedCache = BoundedCache(limit=256)
 
 
 def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -56,6 +56,9 @@ _DTYPE_NAMES = (
     "int64", "long", "int32", "int", "int16", "short", "int8", "uint8", "bool",
     "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu",
 )
+# Built once at import from the names above (the ones this torch build has), never added to
+# afterwards: a constant table of the process's torch, so process lifetime is right and its
+# size is fixed (two spellings per name)
 _STR_TO_DTYPE: dict[str, torch.dtype] = {}
 for _name in _DTYPE_NAMES:
     _dtype = getattr(torch, _name, None)
