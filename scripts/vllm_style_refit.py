@@ -43,6 +43,7 @@ from megatron_reshard.tools.e2e import run_training_rank, tensor_digest
 from megatron_reshard.tools.launch_env import apply_launch_defaults
 from megatron_reshard.tools.run_config import add_run_arguments, config_from_args
 from megatron_reshard.tools.supervise import write_progress
+from megatron_reshard.wire.records import RefitPayload
 
 
 def _ports(base: int, train_pp: int) -> dict:
@@ -199,7 +200,8 @@ def gen_launcher(args: argparse.Namespace) -> int:
     driver = Driver(args.gen_world, args)
     summary = {"launcher": "gen", "versions": [], "mismatched": [], "worker_pids": []}
     try:
-        driver.collective_rpc("load_model", (payload["hf_config"], args.gen_tp, args.gen_ep, args.dtype))
+        hf_config = RefitPayload.of(payload).hf_config.to_plain()  # the record's plain form
+        driver.collective_rpc("load_model", (hf_config, args.gen_tp, args.gen_ep, args.dtype))
         driver.collective_rpc("init_refit_groups", ("127.0.0.1", ports["stages"], None,
                                                     stage_world + args.gen_world, args.backend,
                                                     args.timeout_s))

@@ -35,6 +35,16 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from megatron_reshard.groups.comm import create_refit_group, destroy_refit_group
+from megatron_reshard.megatron.sender import RefitSender
+from megatron_reshard.refit.delta import DeltaConfig
+from megatron_reshard.testing.vllm_like import build_vllm_like_model
+from megatron_reshard.tools.e2e import ModuleWorker
+from megatron_reshard.tools.tiny_source import tiny_source
+from megatron_reshard.tools.worlds import WorkerPool
+from megatron_reshard.wire.codec import decode_payload
+from megatron_reshard.wire.records import RefitPayload
+
 FRACTIONS = (0.001, 0.01, 0.018, 0.05, 0.3, 1.0)
 TIMEOUT_S = 120.0
 
@@ -69,11 +79,6 @@ def change_(model, fraction: float, step: int, how: str) -> int:
 
 
 def _train(job, control, opts: dict) -> dict:
-    from megatron_reshard.groups.comm import create_refit_group, destroy_refit_group
-    from megatron_reshard.megatron.sender import RefitSender
-    from megatron_reshard.refit.delta import DeltaConfig
-    from megatron_reshard.tools.tiny_source import tiny_source
-
     gen = opts["gen"]
     model, source, _, _ = tiny_source("dense", gen, seed=0, timeout_minutes=2,
                                       num_layers=opts["layers"], hidden_size=opts["hidden"],
@@ -133,14 +138,10 @@ def _raw(group, control, gen: int, opts: dict) -> dict:
 
 
 def _gen(job, control, gen_rank: int, opts: dict) -> dict:
-    from megatron_reshard.wire.codec import decode_payload
-    from megatron_reshard.testing.vllm_like import build_vllm_like_model
-    from megatron_reshard.tools.e2e import ModuleWorker
-
     gen = opts["gen"]
     control.wait(["payload"])
     payload = decode_payload(control.get("payload"))
-    model = build_vllm_like_model(payload["hf_config"], gen_rank, gen, 1, torch.bfloat16)
+    model = build_vllm_like_model(RefitPayload.of(payload).hf_config, gen_rank, gen, 1, torch.bfloat16)
     worker = ModuleWorker(model)
     worker.init_refit_groups(job.host, [job.ports[1]], 1 + gen_rank, 1 + gen, "gloo", TIMEOUT_S)
     worker.prepare_refit(payload, {"verify_checksums": opts["checksums"]})
@@ -223,8 +224,6 @@ def table(summary: dict) -> str:
 
 
 def run(opts: dict, pool=None) -> dict:
-    from megatron_reshard.tools.worlds import WorkerPool
-
     own = pool is None
     pool = pool or WorkerPool(1 + opts["gen"])
     try:
