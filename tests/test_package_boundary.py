@@ -210,3 +210,49 @@ def test_no_import_loop_between_modules():
     found = {(loop[0], loop[1]) for loop in loops}
     assert found - _LOOPS_LEFT == set(), f"import loops between modules: {loops}"
     assert _LOOPS_LEFT - found == set(), f"loops gone: drop them from _LOOPS_LEFT: {_LOOPS_LEFT - found}"
+
+
+# ---- function-local imports of the library's own modules: each with its reason -------------
+
+def _function_local_imports() -> set[tuple[str, str]]:
+    """(library file, module) for each import of a ``megatron_reshard`` module made inside a
+    function of a library file."""
+    found = set()
+    for path in _library_files():
+        rel = path.relative_to(PACKAGE)
+        package = ".".join(("megatron_reshard",) + rel.parent.parts)
+        for fn in ast.walk(ast.parse(path.read_text())):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for node in fn.body:
+                    for inner in ast.walk(node):
+                        if isinstance(inner, (ast.Import, ast.ImportFrom)):
+                            names = _imported_modules(ast.unparse(inner), package)
+                            base = names[0]
+                            if base.startswith("megatron_reshard"):
+                                found.add((rel.as_posix(), base))
+    return found
+
+
+# Each one and why it cannot be at the top; a new one needs a reason here (and at its line).
+_LAZY_IMPORTS = {
+    ("__init__.py", "megatron_reshard"): "the engine's names on first use: the package root "
+                                         "imports no torch (the CLI's --help, vLLM's plugin loader)",
+    ("megatron/__init__.py", "megatron_reshard.megatron"): "its names on use: importing the "
+                                                           "package must not import megatron.core",
+    ("megatron/__init__.py", "megatron_reshard.wire"): "(same)",
+    ("megatron/gen_split.py", "megatron_reshard.vllm_layout.dense"): "torch only when a size is "
+                                                                     "checked (the demo's parser)",
+    ("megatron/gen_split.py", "megatron_reshard.megatron.model_info"): "(same)",
+    ("vllm_layout/kernel_order.py", "megatron_reshard.engine.kernel_copies"): "the engine "
+        "package (~1.5 s) only where a CUDA storage is written; wire and vllm_layout load without it",
+    ("vllm_api/backend.py", "megatron_reshard.wire.codec"): "msgspec only where bytes arrive",
+    ("refit/loop.py", "megatron_reshard.refit.delta"): "issue 56: the delta package",
+    ("refit/loop.py", "megatron_reshard.refit.delta_transport"): "issue 56: the delta package",
+    ("refit/delta_kernels.py", "megatron_reshard.refit.delta_transport"): "issue 56: a loop",
+}
+
+
+def test_every_function_local_import_of_the_library_has_its_reason():
+    found = _function_local_imports()
+    assert found == set(_LAZY_IMPORTS), (f"new: {sorted(found - set(_LAZY_IMPORTS))}; "
+                                         f"gone: {sorted(set(_LAZY_IMPORTS) - found)}")
