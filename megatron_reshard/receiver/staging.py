@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import threading
 import time
+from contextlib import nullcontext
 from typing import Any, Callable, Iterable, Mapping, Optional
 
 import torch
@@ -215,7 +216,7 @@ class StagedRefits:
         try:
             if self._stream is not None:
                 torch.cuda.set_device(self._stream.device)
-            with torch.cuda.stream(self._stream) if self._stream is not None else _nothing():
+            with torch.cuda.stream(self._stream) if self._stream is not None else nullcontext():
                 t0 = time.perf_counter()
                 _copy_all(list(self.staging.values()),
                           [self.live[n] for n in self.staging])  # the mirror: base N
@@ -309,14 +310,6 @@ class StagedRefits:
         self.phase = "idle"
         self.weights.reset()
         return self.state()
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
