@@ -18,12 +18,13 @@ weights), then:
   "generation" passes (``x @ W.T`` over every 2-D live param: reads of the weights being
   served) until the transfer has committed; then ``flip_staged_refit()``: the pause;
 - ``staged_budget``: staged with ``staging_budget_bytes`` = half the model: the rest is
-  received in place inside the pause.
+  received in place inside the pause (from the first batch of ``--batch-mib`` that holds
+  an in-place param on).
 
 Reported (median of ``--iters`` per mode): the pause, the pause as % of the in-place one,
 the flip's copy time against ``dst.copy_(src)`` of one buffer of the same bytes in the same
 run (GB/s, ratio), staging bytes, and the generation pass time during the transfer against
-the same passes with no transfer (the slowdown). The last refit is checked bit for bit
+the same passes with no transfer just before each staged refit (the slowdown). The last refit is checked bit for bit
 against the reference (full HF tensors sliced by vLLM's layout).
 """
 
@@ -106,7 +107,7 @@ def _train(job, args, control, device, transport, total):
     control.set("payload", source.payload_bytes())
     group = create_refit_group(job.host, job.ports[1], 0, 2, "gloo", args.timeout,
                                who="train rank 0", transport=transport)
-    sender = RefitSender(source, group, device=device)
+    sender = RefitSender(source, group, device=device, batch_bytes=args.batch_mib << 20)
     with torch.no_grad():
         for k in range(total):
             perturb_(model, k + 1)
@@ -147,15 +148,20 @@ def _gen(job, args, control, device, transport):
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     weights = [p for p in model.parameters() if p.dim() == 2]
     xs = [torch.randn(args.batch, w.shape[1], dtype=w.dtype, device=device) for w in weights]
-    idle = [_generation_pass(weights, xs, device) for _ in range(args.passes)]
+    _generation_pass(weights, xs, device)  # first touch
+    idle = []
     rows = {m: [] for m in MODES}
     k = 0
     for mode in MODES:
-        options = {} if mode == "in_place" else {"staged": True}
+        options = {"batch_bytes": args.batch_mib << 20}
+        if mode != "in_place":
+            options["staged"] = True
         if mode == "staged_budget":
             options["staging_budget_bytes"] = model_bytes // 2
         worker.prepare_refit(payload, options)
         for _ in range(args.iters):
+            if mode == "staged":  # the same passes with no transfer, next to the busy ones
+                idle += [_generation_pass(weights, xs, device) for _ in range(args.passes)]
             _barrier(control, f"go/{k}")
             k += 1
             if mode == "in_place":
@@ -242,7 +248,11 @@ def main(argv=None) -> int:
     ap.add_argument("--ffn", type=int, default=4096)
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--iters", type=int, default=3)
-    ap.add_argument("--passes", type=int, default=5, help="idle generation passes (baseline)")
+    ap.add_argument("--passes", type=int, default=5,
+                    help="generation passes with no transfer before each staged refit")
+    ap.add_argument("--batch-mib", type=int, default=64,
+                    help="the refit loop's batch_bytes on both sides (MiB): the gate of "
+                         "staged_budget waits at the first batch holding an in-place param")
     ap.add_argument("--batch", type=int, default=4, help="rows of a generation pass's input")
     ap.add_argument("--timeout", type=float, default=300.0)
     ap.add_argument("--json", action="store_true", help="print the raw rows too")

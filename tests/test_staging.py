@@ -14,11 +14,13 @@ from megatron_reshard.receiver.state import WeightState
 from megatron_reshard.receiver.worker_state import PrepareOptions
 
 
-def test_the_budget_stages_first_fit_in_model_order():
+def test_the_budget_stages_the_longest_prefix_that_fits():
     params = {"a": torch.empty(100, dtype=torch.uint8), "b": torch.empty(50, dtype=torch.uint8),
               "c": torch.empty(20, dtype=torch.uint8)}
     assert plan_staging(params, None) == (["a", "b", "c"], [])
-    assert plan_staging(params, 120) == (["a", "c"], ["b"])
+    assert plan_staging(params, 170) == (["a", "b", "c"], [])
+    # "c" would fit after "b" is left out, but "b" is received inside the pause anyway
+    assert plan_staging(params, 120) == (["a"], ["b", "c"])
     assert plan_staging(params, 0) == ([], ["a", "b", "c"])
 
 

@@ -47,18 +47,21 @@ def tensor_bytes(t: torch.Tensor) -> int:
 
 def plan_staging(params: Mapping[str, torch.Tensor],
                  budget_bytes: Optional[int]) -> tuple[list[str], list[str]]:
-    """``(staged, in_place)`` param names: first fit in model order within ``budget_bytes``
-    (None: every param is staged)."""
+    """``(staged, in_place)`` param names: the longest prefix in model order that fits
+    ``budget_bytes`` is staged, the rest is in place (None: every param is staged).
+
+    A prefix, not a first fit: the refit waits for the pause before the first batch that
+    holds an in-place param, and everything it receives after that lands inside the
+    pause whether staged or not; so the budget is best spent on the params that arrive
+    first (the loop sends a stage's params in payload order, roughly the model's)."""
     if budget_bytes is None:
         return list(params), []
-    staged, in_place, left = [], [], int(budget_bytes)
-    for name, t in params.items():
-        if tensor_bytes(t) <= left:
-            staged.append(name)
-            left -= tensor_bytes(t)
-        else:
-            in_place.append(name)
-    return staged, in_place
+    names, left = list(params), int(budget_bytes)
+    for i, name in enumerate(names):
+        left -= tensor_bytes(params[name])
+        if left < 0:
+            return names[:i], names[i:]
+    return names, []
 
 
 def check_budget(value: Any) -> Optional[int]:
