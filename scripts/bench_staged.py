@@ -24,8 +24,9 @@ weights), then:
 Reported (median of ``--iters`` per mode): the pause, the pause as % of the in-place one,
 the flip's copy time against ``dst.copy_(src)`` of one buffer of the same bytes in the same
 run (GB/s, ratio), staging bytes, and the generation pass time during the transfer against
-the same passes with no transfer just before each staged refit (the slowdown). The last refit is checked bit for bit
-against the reference (full HF tensors sliced by vLLM's layout).
+the same passes with no transfer just before each staged refit (the slowdown). The last
+refit is checked bit for bit against the reference (full HF tensors sliced by vLLM's
+layout).
 """
 
 from __future__ import annotations

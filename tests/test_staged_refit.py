@@ -9,6 +9,7 @@ bit-exact at N+1 against the reference (full HF tensors sliced by vLLM's layout)
 every phase (a training rank killed mid-transfer, a training rank killed at the commit
 vote, a checksum mismatch voted down, a generation peer killed mid-transfer, a discard)
 leave the live weights consistent at N, bit-exact, on every surviving generation rank.
+The blocking ``refit()`` of a staged session stages and flips in one call.
 """
 
 import json
@@ -155,6 +156,14 @@ def _staged_refits(control, plan, gen_rank, worker, model, step):
         step["k"] = k
         before = live()  # version k - 1 (or what was loaded)
         control.wait([f"{plan['tag']}/expected/{k}/{gen_rank}"], timedelta(seconds=60))
+        if plan.get("blocking_at") == k:  # refit() of a staged session: stage, then flip
+            control.set(f"{plan['tag']}/started/{k}/{gen_rank}", "1")
+            out = worker.refit()
+            expected = want(k)
+            rows.append({"k": k, "blocking": True, "version": out["version"],
+                         "flip": out["staged"], "exact": sorted(
+                             n for n, d in live().items() if expected.get(n) == d)})
+            continue
         started = worker.start_staged_refit()
         row = {"k": k, "phase_at_start": started["phase"], "reads": 0, "reads_receiving": 0,
                "live_changed_before_flip": []}
@@ -220,12 +229,16 @@ def _check_row_exact(gen, row):
 
 @pytest.mark.parametrize("delta", [False, True])
 def test_staged_refits_are_bit_exact_after_the_flip_and_invisible_before(pool, delta):
-    results = _run(pool, refits=3, delta=delta, tag=f"exact{delta}", seed=1 + delta)
+    results = _run(pool, refits=4, delta=delta, tag=f"exact{delta}", seed=1 + delta,
+                   blocking_at=4)
     for r in range(TRAIN):
         assert results[r]["error"] is None, results[r]
     for r in range(TRAIN, TRAIN + GEN):
         gen = results[r]
         assert gen["error"] is None, gen
+        blocking = gen["rows"].pop()  # the last one through refit(): staged, flipped at once
+        assert blocking["version"] == 4 and blocking["flip"]["phase"] == "idle", blocking
+        assert set(blocking["exact"]) == set(gen["names"])
         for row in gen["rows"]:
             _check_row_exact(gen, row)
             assert row["waited_phase"] == "staged" and row["in_place_params"] == []
@@ -234,7 +247,7 @@ def test_staged_refits_are_bit_exact_after_the_flip_and_invisible_before(pool, d
         want_modes = ["full", "delta", "delta"] if delta else ["full"] * 3
         assert [row["mode"] for row in gen["rows"]] == want_modes, gen["rows"]
         state = gen["state"]
-        assert state["state"] == "consistent" and state["version"] == 3
+        assert state["state"] == "consistent" and state["version"] == 4
         assert state["staged"]["phase"] == "idle" and state["staged"]["staged_version"] is None
 
 

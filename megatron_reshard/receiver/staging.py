@@ -177,12 +177,13 @@ class StagedRefits:
         """Plain data: the phase, the live and staged versions, staging memory, timings."""
         commit = self.weights.commit
         devices = sorted({str(t.device) for t in self.staging.values()})
+        error = None if self.error is None else f"{type(self.error).__name__}: {self.error}"
         return {"phase": self.phase, "live_version": self.weights.live.version,
                 "staged_version": commit[0] if commit and self.phase == "staged" else None,
                 "staging_bytes": self.staged_bytes, "staging_devices": devices,
                 "budget_bytes": self.budget_bytes, "in_place_params": list(self.in_place),
                 "in_place_bytes": self.in_place_bytes,
-                "error": None if self.error is None else f"{type(self.error).__name__}: {self.error}",
+                "error": error,
                 **self.stats}
 
     # -- the transfer, on its own thread ----------------------------------------------------
