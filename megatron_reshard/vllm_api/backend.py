@@ -136,7 +136,8 @@ class MegatronReshardInitInfo(WeightTransferInitInfo):
     fields (``num_streams``, ``batch_bytes``, ``staging_bytes``,
     ``strided_in_place``, ``verify_checksums``, ``keep_as_loaded``; ``verify_checksums``
     must match the sender's; ``keep_as_loaded`` lists the vLLM params the payload does not
-    write that may keep what was loaded, any other such param is refused at init).
+    write that may keep what was loaded, any other such param is refused at init;
+    ``staged``, ``staging_budget_bytes``: staged refits, ``receiver.staging``).
     """
 
     host: str

@@ -61,3 +61,26 @@ def test_a_staged_refit_broken_part_way_leaves_version_n_live_and_consistent(sta
         assert w["state"] == "consistent" and w["version"] == REFITS, w
         assert w["overwritten"] == [] and w["staged"]["phase"] == "failed", w
         assert f["differ_from_last_good"] == [], f  # bit-equal to vLLM's load of version N
+
+
+@pytest.mark.slow
+def test_staged_mode_with_vllms_online_fp8_layers_is_refused_at_init_on_every_rank(pool):
+    """vLLM's online block FP8 converts its layers in their storage after each refit
+    (``receiver.staged_conversion``): no staging for that. Every generation rank refuses
+    at init naming the layers; the training ranks raise the same refusal (fault boards)."""
+    pytest.importorskip("compressed_tensors")  # vLLM's quantization registry imports it
+    from test_online_fp8 import QWEN3_MOE_FP8, _cfg
+
+    from megatron_reshard.tools.vllm_backend_refit import backend_refit_job
+    from megatron_reshard.tools.worlds import RankFailure
+
+    cfg = _cfg()
+    results = pool.run(backend_refit_job, cfg.train_world + cfg.gen_world, cfg,
+                       vllm_config_json(QWEN3_MOE_FP8), moe_backend="flashinfer_cutlass",
+                       quantization="fp8_per_block", staged=True, num_ports=cfg.train_pp + 2,
+                       timeout_s=600, return_failures=True)
+    assert all(isinstance(r, RankFailure) for r in results), results
+    for r in results:
+        assert "a staged refit cannot stage that" in r.text, (r.rank, r.text[-2000:])
+    gens = [r for r in results if r.rank >= cfg.train_world]
+    assert gens and all("prepare_refit option staged" in r.text for r in gens)
