@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from megatron_reshard.errors import BadInputError, CallOrderError
-from megatron_reshard.receiver.staging import StagedRefitError, StagedRefits, plan_staging
+from megatron_reshard.receiver.staging import (StagedRefitError, StagedRefits, StagedRefitTimeout,
+                                               plan_staging)
 from megatron_reshard.receiver.state import WeightState
 from megatron_reshard.receiver.worker_state import PrepareOptions
 
@@ -75,6 +76,8 @@ def test_a_staged_version_goes_live_only_at_the_flip_in_place():
     stager.start(session)
     with pytest.raises(CallOrderError, match="is running"):
         stager.start(session)
+    with pytest.raises(StagedRefitTimeout, match="still receiving after 0.05 s"):
+        stager.wait(0.05)
     session.release.set()
     assert stager.wait(10)["phase"] == "staged"
     assert all(bool((t == 0).all()) for t in live.values())  # still version 1

@@ -41,6 +41,10 @@ class StagedRefitError(RefitError):
     """A staged refit failed or was discarded; the message says what the live weights hold."""
 
 
+class StagedRefitTimeout(StagedRefitError, TimeoutError):
+    """A caller's wait for the staged refit ran out; the refit goes on."""
+
+
 def tensor_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -260,7 +264,7 @@ class StagedRefits:
         if self.phase == "idle":
             raise CallOrderError(f"{self.where}: no staged refit started (start_staged_refit)")
         if not self._ready.wait(timeout_s):
-            raise TimeoutError(f"{self.where}: the staged refit is still receiving after "
+            raise StagedRefitTimeout(f"{self.where}: the staged refit is still receiving after "
                                f"{timeout_s} s")
         self._raise_if_failed()
         return self.state()
@@ -309,7 +313,7 @@ class StagedRefits:
             self._abort.set()
             self._thread.join(timeout_s)
             if self._thread.is_alive():
-                raise TimeoutError(f"{self.where}: the staged refit did not stop within "
+                raise StagedRefitTimeout(f"{self.where}: the staged refit did not stop within "
                                    f"{timeout_s} s")
         self.phase = "idle"
         self.weights.reset()
@@ -328,5 +332,5 @@ def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
                 d.copy_(s)
 
 
-__all__ = ["PHASES", "StagedRefitError", "StagedRefits", "StagedWeights", "check_budget",
-           "plan_staging"]
+__all__ = ["PHASES", "StagedRefitError", "StagedRefitTimeout", "StagedRefits", "StagedWeights",
+           "check_budget", "plan_staging"]
