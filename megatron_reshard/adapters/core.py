@@ -192,7 +192,13 @@ class TrainEnd:
                 gen_world_size=o.gen_world_size, family=o.family, vocab_size=o.vocab_size)
         s = self.source
         if s.stage_local_rank == 0 and self.port is None:
-            self.port = free_port(self.host)
+            if o.ports is None:
+                self.port = free_port(self.host)
+            elif len(o.ports) != s.layout.pp:
+                raise BadInputError(f"{self.key}.ports: {len(o.ports)} ports for {s.layout.pp} "
+                                    f"PP stages (one per stage)")
+            else:
+                self.port = o.ports[s.stage]
         return {MARK: 1, "side": "train", "stage": s.stage, "pp": s.layout.pp,
                 "stage_local_rank": s.stage_local_rank,
                 "stage_world": s.layout.world_size // s.layout.pp,

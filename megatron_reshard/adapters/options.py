@@ -25,6 +25,8 @@ class AdapterOptions:
     rollout world the framework reports must equal it). ``family`` / ``vocab_size``: as
     ``MegatronRefitSource`` takes them. ``host``: where the refit groups' stores listen (the
     machine of each PP stage's first training rank; None: that rank's address).
+    ``ports``: one store port per PP stage (None: each stage's first training rank picks a
+    free one).
     ``model`` / ``target``: ``"module:function"`` returning the training model (Megatron
     chunks) / the vLLM model to write into; None: taken from the framework's worker that
     calls the engine (``adapters.locate``). ``keep_as_loaded``: vLLM params the payload does
@@ -37,6 +39,7 @@ class AdapterOptions:
     vocab_size: Optional[int] = None
     group_backend: str = "nccl"
     host: Optional[str] = None
+    ports: Optional[tuple] = None
     timeout_s: float = 600.0
     verify_checksums: bool = False
     model: Optional[str] = None
@@ -49,7 +52,7 @@ class AdapterOptions:
         """``kwargs``: the options dict; ``key``: its path in the framework's configuration
         (for the errors); ``framework_keys``: keys the framework adds itself (ignored)."""
         known = ("gen_tp", "gen_world_size", "family", "vocab_size", "group_backend", "host",
-                 "timeout_s", "verify_checksums", "model", "target", "keep_as_loaded")
+                 "ports", "timeout_s", "verify_checksums", "model", "target", "keep_as_loaded")
         unknown = sorted(set(kwargs) - set(known) - set(framework_keys))
         if unknown:
             raise BadInputError(f"{key}: unknown option(s) {unknown}; known: {list(known)}")
@@ -79,6 +82,10 @@ class AdapterOptions:
         host = kwargs.get("host")
         if host is not None and (not isinstance(host, str) or not host):
             raise bad("host", "a host name or address, or None")
+        ports = kwargs.get("ports")
+        if ports is not None and (isinstance(ports, (str, bytes)) or not all(
+                _is_int(p) and 0 < p < 65536 for p in ports) or not ports):
+            raise bad("ports", "a list of ports (one per PP stage) or None")
         timeout = kwargs.get("timeout_s", 600.0)
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
             raise bad("timeout_s", "a number of seconds > 0")
@@ -93,7 +100,8 @@ class AdapterOptions:
         if isinstance(keep, str) or not all(isinstance(k, str) for k in keep):
             raise bad("keep_as_loaded", "a list of vLLM param names or fnmatch patterns")
         return cls(gen_tp=gen_tp, gen_world_size=gen_world, family=family, vocab_size=vocab,
-                   group_backend=backend, host=host, timeout_s=float(timeout),
+                   group_backend=backend, host=host,
+                   ports=None if ports is None else tuple(ports), timeout_s=float(timeout),
                    verify_checksums=verify, model=kwargs.get("model"),
                    target=kwargs.get("target"), keep_as_loaded=tuple(keep))
 
