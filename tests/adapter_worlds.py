@@ -34,19 +34,20 @@ def engine_options(job, family: Optional[str] = None, vocab_size: Optional[int] 
 
 
 def start(job) -> tuple[Any, str, int, dict]:
-    """Join this process's world; training ranks build the model. Returns (control, side,
-    rank in side, facts): training facts ``model``, ``family``, ``vocab_size``; both sides
-    learn ``family`` and ``vocab_size`` through the store (the framework's config has them)."""
+    """Join this process's world. Training ranks build the Megatron model; generation ranks
+    their vLLM-layout model (NaN-filled: a param left unwritten shows), as a vLLM worker
+    holds its own before any refit. Returns (control, side, rank in side, facts): ``model``,
+    ``family``, ``vocab_size`` (the generation side learns the last two through the store,
+    as the framework's config would give them)."""
     control, side, rank = join_world(job, TRAIN, GEN)
-    facts: dict = {}
     if side == "train":
-        model, _, family, vocab = dense_pp2_source(GEN, num_layers=2)
-        facts = {"model": model, "family": family, "vocab_size": vocab}
+        model, source, family, vocab = dense_pp2_source(GEN, num_layers=2)
         if rank == 0:
-            control.set("model_facts", pickle.dumps((family, vocab)))
-    else:
-        facts["family"], facts["vocab_size"] = pickle.loads(control.get("model_facts"))
-    return control, side, rank, facts
+            control.set("model_facts", pickle.dumps((source.hf_config, family, vocab)))
+        return control, side, rank, {"model": model, "family": family, "vocab_size": vocab}
+    hf_config, family, vocab = pickle.loads(control.get("model_facts"))
+    return control, side, rank, {"model": build_target(hf_config, rank), "family": family,
+                                 "vocab_size": vocab}
 
 
 def exchange_metadata(control, job, mine: Any, step: int) -> list:
@@ -58,16 +59,11 @@ def exchange_metadata(control, job, mine: Any, step: int) -> list:
     return [pickle.loads(control.get(k)) for k in keys]
 
 
-def build_target(metadata: list, gen_rank: int) -> torch.nn.Module:
-    """The generation rank's vLLM-layout model (NaN-filled: a param left unwritten shows),
-    from the payload training rank 0 published in its metadata."""
+def build_target(hf_config: dict, gen_rank: int) -> torch.nn.Module:
+    """The generation rank's vLLM-layout model, NaN-filled; ``current_target()`` returns it."""
     from megatron_reshard.testing.vllm_like import build_vllm_like_model
-    from megatron_reshard.wire import RefitPayload
-    from megatron_reshard.wire.codec import decode_payload
 
     global _TARGET
-    payload = next(m["payload"] for m in metadata[:TRAIN] if m.get("payload"))
-    hf_config = RefitPayload.of(decode_payload(payload)).hf_config
     _TARGET = build_vllm_like_model(hf_config, gen_rank, GEN, 1, torch.bfloat16)
     with torch.no_grad():
         for p in _TARGET.parameters():
@@ -84,20 +80,13 @@ def publish_reference(control, rank: int, model, family: str, vocab_size: int, s
     full = gather_full_hf_state_dict(model, family=family, vocab_size=vocab_size)
     if rank != 0:
         return
-    hf_config = control_hf_config(control)
+    hf_config = pickle.loads(control.get("model_facts"))[0]
     for g in range(GEN):
         expected = {n: expected_vllm_shard(hf_config, n, full, g, GEN)
                     for n in vllm_param_shapes(hf_config, g, GEN)}
         buffer = io.BytesIO()
         torch.save(expected, buffer)
         control.set(f"expected/{step}/{g}", buffer.getvalue())
-
-
-def control_hf_config(control) -> dict:
-    from megatron_reshard.wire import RefitPayload
-    from megatron_reshard.wire.codec import decode_payload
-
-    return RefitPayload.of(decode_payload(pickle.loads(control.get("meta/0/0"))["payload"])).hf_config
 
 
 def mismatches(control, gen_rank: int, step: int, model: torch.nn.Module) -> list[str]:

@@ -29,7 +29,7 @@ if SRC not in sys.path:
 
 from nemo_rl.utils.checkpoint_engines.base import CheckpointEngine, create_checkpoint_engine  # noqa: E402
 
-from adapter_worlds import (GEN, TRAIN, RaisingWeights, build_target, engine_options,  # noqa: E402
+from adapter_worlds import (GEN, TRAIN, RaisingWeights, engine_options,  # noqa: E402
                             exchange_metadata, mismatches, publish_reference, start)
 from megatron_reshard.errors import BadInputError  # noqa: E402
 
@@ -63,17 +63,16 @@ def test_bad_options_name_the_key(options, match):
         nemo_engine(options)
 
 
-def test_a_missing_model_names_the_option_to_set():
+def test_a_rollout_worker_without_a_model_refuses_at_prepare_naming_the_option():
+    # no Megatron parallel state here: the rollout side; no caller holds a vLLM model
+    engine = nemo_engine({"gen_tp": 2})
+    with pytest.raises(BadInputError, match=rf"{KEY}\.target: not set, and no caller holds "
+                                            r"the vLLM model to write into"):
+        engine.prepare()
     engine = nemo_engine({"gen_tp": 2, "target": "adapter_worlds:current_target"})
-    engine.prepare()  # no Megatron parallel state here: the rollout side
-    metadata = [{"megatron_reshard": 1, "side": "train", "stage": 0, "pp": 1,
-                 "stage_local_rank": 0, "stage_world": 1, "host": "127.0.0.1", "port": 1,
-                 "gen_world_size": 2, "payload": b"x"}] + [{"megatron_reshard": 1,
-                                                            "side": "rollout"}] * 2
     with pytest.raises(BadInputError, match=rf"{KEY}\.target: adapter_worlds:current_target "
                                             r"returned None"):
-        engine.init_rollout_process_group(rollout_rank=0, train_world_size=1,
-                                          rollout_world_size=2, metadata=metadata)
+        engine.prepare()
 
 
 class _PolicyWorker:
@@ -108,6 +107,11 @@ class _VllmWorker:
     def init_checkpoint_engine(self, engine_kwargs):
         self.checkpoint_engine = nemo_engine(engine_kwargs)
 
+    def prepare_checkpoint_engine(self):
+        import torch.distributed as dist
+
+        return {**self.checkpoint_engine.prepare(), "rank": dist.get_rank()}
+
     def init_checkpoint_engine_process_group(self, rank, train_world_size, rollout_world_size,
                                              metadata):
         self.checkpoint_engine.init_rollout_process_group(
@@ -136,16 +140,15 @@ def _nemo_job(job, src):
         asyncio.run(worker.checkpoint_engine_rpc("init_checkpoint_engine", engine_kwargs=options))
         mine = asyncio.run(worker.checkpoint_engine_rpc("prepare_checkpoint_engine"))
     else:
-        worker = _VllmWorker(None)
+        worker = _VllmWorker(facts["model"])
         worker.init_checkpoint_engine(options)
-        mine = {**worker.checkpoint_engine.prepare(), "rank": dist.get_rank()}
+        mine = worker.prepare_checkpoint_engine()
     metadata = exchange_metadata(control, job, mine, 0)
     topology = {"metadata": metadata, "train_world_size": TRAIN, "rollout_world_size": GEN}
     if side == "train":
         asyncio.run(worker.checkpoint_engine_rpc("init_checkpoint_engine_process_group",
                                                  **topology))
     else:
-        worker.model_runner.model = model = build_target(metadata, rank)
         worker.init_checkpoint_engine_process_group(dist.get_rank(), **topology)
     for step in range(REFITS):
         if side == "train":
@@ -159,7 +162,7 @@ def _nemo_job(job, src):
         else:
             assert asyncio.run(worker.update_weights_from_checkpoint_engine())
             out["versions"].append(worker.checkpoint_engine.last_refit["version"])
-            out["mismatches"].append(mismatches(control, rank, step, model))
+            out["mismatches"].append(mismatches(control, rank, step, facts["model"]))
     if side == "gen":
         out["loaded"] = worker.loaded
         worker.checkpoint_engine.finalize()

@@ -36,7 +36,7 @@ from verl.utils.config import omega_conf_to_dataclass  # noqa: E402
 from verl.utils.import_utils import import_external_libs  # noqa: E402
 from verl.workers.config import CheckpointEngineConfig  # noqa: E402
 
-from adapter_worlds import (GEN, TRAIN, RaisingWeights, build_target, engine_options,  # noqa: E402
+from adapter_worlds import (GEN, TRAIN, RaisingWeights, engine_options,  # noqa: E402
                             exchange_metadata, mismatches, publish_reference, start)
 from megatron_reshard.errors import BadInputError  # noqa: E402
 
@@ -137,6 +137,15 @@ class _ServerAdapter:
         self.wire_formats.append(wire_format)
 
 
+def test_verls_rollout_worker_without_a_vllm_model_refuses_at_prepare_naming_target():
+    # verl's stock CheckpointEngineWorker: vLLM's model lives in other processes
+    worker = CheckpointEngineWorker.__new__(CheckpointEngineWorker)
+    worker.checkpoint_engine, worker.server_adapter = verl_engine({"gen_tp": 2}), _ServerAdapter()
+    with pytest.raises(BadInputError, match=rf"{KEY}\.target: not set, and no caller holds the "
+                                            r"vLLM model .*CheckpointEngineWorker"):
+        CheckpointEngineWorker.execute_checkpoint_engine.__wrapped__(worker, "prepare")
+
+
 def _verl_job(job, site):
     if site not in sys.path:
         sys.path.append(site)
@@ -159,8 +168,6 @@ def _verl_job(job, site):
         metadata = exchange_metadata(control, job, execute("prepare"), step)
         actor_kwargs, rollout_kwargs = type(engine).build_topology(TRAIN, GEN, metadata)
         mine = actor_kwargs if side == "train" else rollout_kwargs
-        if side == "gen" and step == 0:
-            model = build_target(metadata, rank)
         execute("init_process_group", **{k: v[rank] for k, v in mine.items()})
         if side == "train":
             if step:
@@ -174,7 +181,7 @@ def _verl_job(job, site):
             asyncio.run(CheckpointEngineWorker.update_weights.__wrapped__(
                 worker, global_steps=step + 1))
             out["versions"].append(engine.last_refit["version"])
-            out["mismatches"].append(mismatches(control, rank, step, model))
+            out["mismatches"].append(mismatches(control, rank, step, facts["model"]))
         execute("finalize")
         out.setdefault("groups", []).append(id(engine.ends.train.group if side == "train"
                                                else engine.ends.rollout.state.groups))

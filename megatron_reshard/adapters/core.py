@@ -244,21 +244,23 @@ class RolloutEnd:
         self.rank: Optional[int] = None
         self.last: Optional[RefitResult] = None
 
-    @staticmethod
-    def prepare() -> dict:
+    def prepare(self, model_paths: Sequence[str]) -> dict:
+        """Find the model now: a rollout worker without one refuses before any group forms."""
+        if self.model is None:
+            self.model = locate_model(self.options.target, model_paths, f"{self.key}.target",
+                                      "the vLLM model to write into")
         return {MARK: 1, "side": "rollout"}
 
-    def join(self, topology: Topology, rollout_rank: int, model_paths: Sequence[str]) -> None:
+    def join(self, topology: Topology, rollout_rank: int) -> None:
         if not 0 <= rollout_rank < topology.gen_world:
             raise BadInputError(f"rollout rank {rollout_rank} outside the {topology.gen_world} "
                                 f"rollout workers")
         if self.topology == topology and self.rank == rollout_rank:
             return
         self.close()
-        o = self.options
         if self.model is None:
-            self.model = locate_model(o.target, model_paths, f"{self.key}.target",
-                                      "the vLLM model to write into")
+            raise CallOrderError("init before prepare: the rollout end has no model yet")
+        o = self.options
         size = topology.stage_world + topology.gen_world
         self.state.join_groups(topology.host, list(topology.ports),
                                topology.stage_world + rollout_rank, size, o.group_backend,
@@ -303,7 +305,7 @@ class AdapterEnds:
             self.train = self.train or TrainEnd(self.options, self.key)
             return self.train.prepare(TRAIN_MODEL_PATHS)
         self.rollout = self.rollout or RolloutEnd(self.options, self.key)
-        return self.rollout.prepare()
+        return self.rollout.prepare(ROLLOUT_MODEL_PATHS)
 
     def join(self, topology: Topology, rollout_rank: Optional[int]) -> None:
         """Join the refit groups: ``rollout_rank`` None on a training worker."""
@@ -319,7 +321,7 @@ class AdapterEnds:
                 raise BadInputError("a rollout worker (no Megatron parallel state) was given no "
                                     "rollout rank: the framework placed it among the training "
                                     "workers")
-            self.rollout.join(topology, rollout_rank, ROLLOUT_MODEL_PATHS)
+            self.rollout.join(topology, rollout_rank)
 
     async def send(self, weights: Any, version: Optional[int]) -> dict:
         """One refit from this training rank. ``weights``, the framework's iterator of full
