@@ -209,3 +209,52 @@ def test_two_refits_through_verls_own_calls_are_bit_exact(pool):
         assert r["wire_formats"] == ["named_tensors"] * REFITS
     for r in results:  # the second update reused the groups the first one joined
         assert r["groups"][0] == r["groups"][1]
+
+
+def _catch(fn):
+    try:
+        fn()
+        return None
+    except Exception as exc:  # noqa: BLE001 - the error is the result
+        return f"{type(exc).__name__}: {exc}"
+
+
+def _refusal_job(job, site):
+    """The vLLM model holds a param no payload entry writes: the rollout workers refuse at
+    ``init_process_group``, and the actor workers' update raises it (the fault board)."""
+    if site not in sys.path:
+        sys.path.append(site)
+    import torch
+
+    control, side, rank, facts = start(job)
+    options = engine_options(job, facts["family"], facts["vocab_size"])
+    if side == "train":
+        engine = verl_engine(options, actor_rank=rank)
+        worker = _ActorWorker(engine, facts["model"])
+        execute = worker.execute_checkpoint_engine
+    else:
+        facts["model"].get_submodule("model.norm").register_parameter(
+            "extra_scale", torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16),
+                                              requires_grad=False))
+        engine = verl_engine(options)
+        worker = CheckpointEngineWorker.__new__(CheckpointEngineWorker)
+        worker.checkpoint_engine, worker.server_adapter = engine, _ServerAdapter()
+        execute = CheckpointEngineWorker.execute_checkpoint_engine.__wrapped__.__get__(worker)
+    metadata = exchange_metadata(control, job, execute("prepare"), 0)
+    actor_kwargs, rollout_kwargs = type(engine).build_topology(TRAIN, GEN, metadata)
+    mine = actor_kwargs if side == "train" else rollout_kwargs
+    out = {"side": side, "init": _catch(lambda: execute(
+        "init_process_group", **{k: v[rank] for k, v in mine.items()}))}
+    if side == "train":
+        out["update"] = _catch(lambda: asyncio.run(worker.update_weights(global_steps=1)))
+    _catch(engine.shutdown)
+    return out
+
+
+def test_a_refusal_on_the_rollout_side_reaches_the_actor_workers(pool):
+    results = pool.run(_refusal_job, TRAIN + GEN, SITE, num_ports=3, timeout_s=300)
+    for r in results[TRAIN:]:
+        assert r["init"] is not None and "model.norm.extra_scale" in r["init"], r
+    for r in results[:TRAIN]:
+        assert r["init"] is None, r  # the actor workers joined; their refit learns of it
+        assert r["update"] is not None and "model.norm.extra_scale" in r["update"], r
