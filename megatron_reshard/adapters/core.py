@@ -248,7 +248,8 @@ class RolloutEnd:
         """Find the model now: a rollout worker without one refuses before any group forms."""
         if self.model is None:
             self.model = locate_model(self.options.target, model_paths, f"{self.key}.target",
-                                      "the vLLM model to write into")
+                                      "the vLLM model to write into (this process has no "
+                                      "Megatron parallel state: taken for a rollout worker)")
         return {MARK: 1, "side": "rollout"}
 
     def join(self, topology: Topology, rollout_rank: int) -> None:
