@@ -93,6 +93,8 @@ def _train_meta(stage, local, payload=None, host="10.0.0.1"):
 
 
 def test_build_topology_refuses_a_rollout_world_the_config_does_not_name():
+    # the class as verl's driver gets it (CheckpointEngineManager.__init__)
+    import_external_libs("megatron_reshard.adapters.verl")
     cls = CheckpointEngineRegistry.get("megatron_reshard")
     metadata = [_train_meta(0, 0, b"p"), _train_meta(1, 0)] + [_meta("rollout")] * 3
     with pytest.raises(BadInputError, match=rf"{KEY}\.gen_world_size: 2, but the framework has 3"):
