@@ -24,16 +24,25 @@ if not SRC or not os.path.isdir(os.path.join(SRC, "nemo_rl")):
     pytest.skip("NeMo-RL is not on the package index: set MEGATRON_RESHARD_NEMO_RL_SRC to a "
                 "snapshot of github.com/NVIDIA-NeMo/RL (the folder holding nemo_rl/)",
                 allow_module_level=True)
-if SRC not in sys.path:
-    sys.path.append(SRC)
-
+sys.path.append(SRC)  # only while this module imports and runs (below)
 from nemo_rl.utils.checkpoint_engines.base import CheckpointEngine, create_checkpoint_engine  # noqa: E402
+
+sys.path.remove(SRC)
 
 from adapter_worlds import (GEN, TRAIN, RaisingWeights, engine_options,  # noqa: E402
                             exchange_metadata, mismatches, publish_reference, start)
 from megatron_reshard.errors import BadInputError  # noqa: E402
 
 TRANSPORT = "megatron_reshard.adapters.nemo_rl:MegatronReshardCheckpointEngine"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _nemo_rl_on_path():
+    sys.path.append(SRC)
+    yield
+    sys.path.remove(SRC)
+
+
 KEY = re.escape(f"policy.generation.refit_cfg['{TRANSPORT}']")  # as a regex
 REFITS = 2
 

@@ -26,15 +26,25 @@ SITE = os.environ.get("MEGATRON_RESHARD_VERL_SITE",
 if not os.path.isdir(os.path.join(SITE, "verl")):
     pytest.skip(f"verl 0.9.1 is not installed at {SITE}: run `make install-verl`",
                 allow_module_level=True)
-if SITE not in sys.path:
-    sys.path.append(SITE)  # after the main venv's packages: never shadows one of them
-
+# on sys.path only while this module imports and runs (after the main venv's packages, so
+# never shadowing one of them): the rest of the suite sees the main venv as it is
+sys.path.append(SITE)
 from omegaconf import OmegaConf  # noqa: E402
 from verl.checkpoint_engine import CheckpointEngine, CheckpointEngineRegistry  # noqa: E402
 from verl.checkpoint_engine.base import CheckpointEngineWorker  # noqa: E402
 from verl.utils.config import omega_conf_to_dataclass  # noqa: E402
 from verl.utils.import_utils import import_external_libs  # noqa: E402
 from verl.workers.config import CheckpointEngineConfig  # noqa: E402
+
+sys.path.remove(SITE)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _verl_on_path():
+    sys.path.append(SITE)
+    yield
+    sys.path.remove(SITE)
+
 
 from adapter_worlds import (GEN, TRAIN, RaisingWeights, engine_options,  # noqa: E402
                             exchange_metadata, mismatches, publish_reference, start)
