@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 
 from megatron_reshard.adapters.options import AdapterOptions, load_function
 from megatron_reshard.errors import BadInputError, CallOrderError
@@ -181,8 +182,6 @@ class TrainEnd:
         self.sender: Optional[RefitSender] = None
 
     def prepare(self, model_paths: Sequence[str]) -> dict:
-        import torch.distributed as dist  # a training worker: initialized by the framework
-
         o = self.options
         if self.source is None:
             model = locate_model(o.model, model_paths, f"{self.key}.model",
