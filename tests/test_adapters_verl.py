@@ -99,7 +99,7 @@ def _meta(side, **kw):
 
 def _train_meta(stage, local, payload=None, host="10.0.0.1"):
     return _meta("train", stage=stage, pp=2, stage_local_rank=local, stage_world=1, host=host,
-                 port=29500 + stage, gen_world_size=2, payload=payload)
+                 port=29500 + stage, gen_world=2, payload=payload)
 
 
 def test_build_topology_refuses_a_rollout_world_the_config_does_not_name():

@@ -144,7 +144,7 @@ class Topology:
             raise BadInputError(f"{key}.host: the first training ranks of the PP stages are on "
                                 f"{sorted(hosts)}; the refit groups' stores need one host")
         payloads = [m["payload"] for m in train if m.get("payload") is not None]
-        gen_world = train[0]["gen_world_size"]
+        gen_world = train[0]["gen_world"]
         if rollout_world != gen_world:
             raise BadInputError(f"{key}.gen_world_size: {gen_world}, but the framework has "
                                 f"{rollout_world} rollout workers")
@@ -201,7 +201,7 @@ class TrainEnd:
         return {MARK: 1, "side": "train", "stage": s.stage, "pp": s.layout.pp,
                 "stage_local_rank": s.stage_local_rank,
                 "stage_world": s.layout.world_size // s.layout.pp,
-                "host": self.host, "port": self.port, "gen_world_size": o.gen_world_size,
+                "host": self.host, "port": self.port, "gen_world": o.gen_world_size,
                 "payload": s.payload_bytes() if dist.get_rank() == 0 else None}
 
     def join(self, topology: Topology) -> None:

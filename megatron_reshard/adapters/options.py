@@ -57,53 +57,57 @@ class AdapterOptions:
         if unknown:
             raise BadInputError(f"{key}: unknown option(s) {unknown}; known: {list(known)}")
 
+        def option(name: str, default: Any = None) -> Any:
+            # the framework's options dict (some names are the payload's too: not a payload read)
+            return kwargs.get(name, default)
+
         def bad(name: str, expected: str) -> BadInputError:
-            value = kwargs.get(name)
+            value = option(name)
             return BadInputError(f"{key}.{name}: expected {expected}, found {value!r} "
                                  f"({type(value).__name__})")
 
         if "gen_tp" not in kwargs:
             raise BadInputError(f"{key}.gen_tp: required (vLLM's tensor_parallel_size), not set")
-        gen_tp = kwargs["gen_tp"]
+        gen_tp = option("gen_tp")
         if not _is_int(gen_tp) or gen_tp < 1:
             raise bad("gen_tp", "an int >= 1")
-        gen_world = kwargs.get("gen_world_size", gen_tp)
+        gen_world = option("gen_world_size", gen_tp)
         if not _is_int(gen_world) or gen_world < gen_tp or gen_world % gen_tp:
             raise bad("gen_world_size", f"a multiple of gen_tp ({gen_tp})")
-        family = kwargs.get("family")
+        family = option("family")
         if family is not None and not isinstance(family, str):
             raise bad("family", "a model family name (str) or None")
-        vocab = kwargs.get("vocab_size")
+        vocab = option("vocab_size")
         if vocab is not None and (not _is_int(vocab) or vocab < 1):
             raise bad("vocab_size", "an int >= 1 or None")
-        backend = kwargs.get("group_backend", "nccl")
+        backend = option("group_backend", "nccl")
         if backend not in _GROUP_BACKENDS:
             raise bad("group_backend", f"one of {list(_GROUP_BACKENDS)}")
-        host = kwargs.get("host")
+        host = option("host")
         if host is not None and (not isinstance(host, str) or not host):
             raise bad("host", "a host name or address, or None")
-        ports = kwargs.get("ports")
+        ports = option("ports")
         if ports is not None and (isinstance(ports, (str, bytes)) or not all(
                 _is_int(p) and 0 < p < 65536 for p in ports) or not ports):
             raise bad("ports", "a list of ports (one per PP stage) or None")
-        timeout = kwargs.get("timeout_s", 600.0)
+        timeout = option("timeout_s", 600.0)
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
             raise bad("timeout_s", "a number of seconds > 0")
-        verify = kwargs.get("verify_checksums", False)
+        verify = option("verify_checksums", False)
         if not isinstance(verify, bool):
             raise bad("verify_checksums", "true or false")
         for name in ("model", "target"):
-            value = kwargs.get(name)
+            value = option(name)
             if value is not None and (not isinstance(value, str) or value.count(":") != 1):
                 raise bad(name, "a 'module:function' path or None")
-        keep = kwargs.get("keep_as_loaded", ())
+        keep = option("keep_as_loaded", ())
         if isinstance(keep, str) or not all(isinstance(k, str) for k in keep):
             raise bad("keep_as_loaded", "a list of vLLM param names or fnmatch patterns")
         return cls(gen_tp=gen_tp, gen_world_size=gen_world, family=family, vocab_size=vocab,
                    group_backend=backend, host=host,
                    ports=None if ports is None else tuple(ports), timeout_s=float(timeout),
-                   verify_checksums=verify, model=kwargs.get("model"),
-                   target=kwargs.get("target"), keep_as_loaded=tuple(keep))
+                   verify_checksums=verify, model=option("model"),
+                   target=option("target"), keep_as_loaded=tuple(keep))
 
 
 def load_function(path: str, key: str) -> Callable[[], Any]:
