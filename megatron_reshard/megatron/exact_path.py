@@ -15,6 +15,7 @@ from megatron_reshard.layout.placements import MeshInfo, PaddedShard
 from megatron_reshard.megatron.converters import ModelDims
 from megatron_reshard.megatron.parallel import StageMeshes
 from megatron_reshard.megatron.qkv import heads_of, megatron_qkv_layout, qkv_group_shape, which_qkv
+from megatron_reshard.vllm_layout import gpt_oss
 from megatron_reshard.wire.metadata import extract_layer_name
 from megatron_reshard.vllm_layout.dense import QKV_PARAM_RE, padded_vocab_rows, qkv_gen_layout, tp_dim_of
 from megatron_reshard.wire.records import ParamRecord, RefitPayload
@@ -26,6 +27,14 @@ def _tp_placements(mesh: MeshInfo, dims: dict, tp_dim) -> list:
     placements: list = [Replicate() for _ in range(mesh.ndim)]
     if tp_dim is not None and "tp" in dims:
         placements[dims["tp"]] = Shard(tp_dim)
+    return placements
+
+
+def _ep_placements(mesh: MeshInfo, dims: dict) -> list:
+    """Megatron's experts (dim 0 of an ``[E, ...]`` tensor) in contiguous blocks over EP."""
+    placements: list = [Replicate() for _ in range(mesh.ndim)]
+    if "ep" in dims:
+        placements[dims["ep"]] = Shard(0)
     return placements
 
 
@@ -42,17 +51,19 @@ def _padded_layout(mesh: MeshInfo, tp_axis: Optional[int], padded: int) -> tuple
 def add_exact_extras(info: RefitPayload, extras: Mapping[str, dict], stage_of_key: Mapping[str, int],
                      stages: Sequence[StageMeshes], gen: tuple[MeshInfo, dict], *,
                      padded_train_vocab: int, dims: ModelDims, pp: int,
-                     mla_tp_dims: Callable[[str], Optional[tuple[Optional[int], Optional[int]]]]
-                     ) -> RefitPayload:
+                     mla_tp_dims: Callable[[str], Optional[tuple[Optional[int], Optional[int]]]],
+                     gen_expert: Optional[tuple[MeshInfo, dict]] = None) -> RefitPayload:
     """The refit info with the params beyond the seed's bulk set that the engine moves too
     appended (``extras``: name -> HF metadata, model order; the input is not changed).
 
     Vocab matrices: padded shards on both sides (Megatron's padded vocab split over TP;
     vLLM's vocab padded to 64 split over gen TP). q/k/v weights: per KV group
     (``qkv_gen_layout``). MLA params: the TP dims ``mla_tp_dims`` gives. Direct params
-    (``tp_dim_of``): the same TP dim on both sides, or replicated. Train meshes are the
-    stage's live dense mesh (``stages``), gen ones ``gen`` (mesh, dims); embeddings go
-    first in ``layer_names``, new layer keys after the rest.
+    (``tp_dim_of``): the same TP dim on both sides, or replicated. gpt-oss's experts in
+    vLLM's wire form: the stage's live expert mesh (whole experts over EP) to vLLM's
+    (``gen_expert`` with EP, else ``gen``; ``vllm_layout.gpt_oss.gen_placements``). Train
+    meshes are the stage's live dense mesh (``stages``), gen ones ``gen`` (mesh, dims);
+    embeddings go first in ``layer_names``, new layer keys after the rest.
     """
     gen_mesh, gen_dims = gen
     layer_names = list(info.layer_names)
@@ -62,7 +73,12 @@ def add_exact_extras(info: RefitPayload, extras: Mapping[str, dict], stage_of_ke
         stage = stage_of_key[key]
         meshes = stages[stage]
         global_shape = tuple(meta["shape"])
-        if name in VOCAB_PARAMS:
+        oss = gpt_oss.WIRE_RE.match(name)
+        if oss:
+            src_mesh, src_pl = meshes.expert, _ep_placements(meshes.expert, meshes.expert_dims)
+            dst_mesh, dst_dims = gen_expert or gen
+            dst_pl = gpt_oss.gen_placements(oss["leaf"], global_shape, dst_mesh.shape, dst_dims)
+        elif name in VOCAB_PARAMS:
             vocab = int(meta["shape"][0])
             src_mesh, src_pl = _padded_layout(meshes.dense, meshes.dense_dims.get("tp"), padded_train_vocab)
             dst_mesh, dst_pl = _padded_layout(gen_mesh, gen_dims.get("tp"),

@@ -17,6 +17,7 @@ import torch
 from megatron_reshard.errors import BadInputError
 from megatron_reshard.layout.geometry import rank_region
 from megatron_reshard.wire.placement_rules import is_nccl_reshard_param
+from megatron_reshard.megatron import gpt_oss
 from megatron_reshard.megatron.converters import Converted, ModelDims, local_views
 from megatron_reshard.megatron.qkv import qkv_views
 from megatron_reshard.wire.spec import LocalParamSpec
@@ -53,6 +54,8 @@ def local_hf_views(converted: Sequence[tuple[Converted, torch.Tensor]], exact_ex
         if not any(is_nccl_reshard_param(n) for n in conv.hf_names):
             continue
         views.update(local_views(conv, tensor.detach(), dims))
+    for name, members in gpt_oss.wire_members(converted, exact_extra).items():
+        views[name] = stacked_spec(members).base  # gpt-oss's experts: a list, or one view
     return views
 
 
@@ -74,7 +77,9 @@ def local_param_specs(info: RefitPayload, views: Mapping[str, torch.Tensor], sta
             if view is None:
                 problems.append(f"{name}: {me} holds no local tensor for it")
                 continue
-            spec, shape, dtype = LocalParamSpec(base=view), list(view.shape), view.dtype
+            first = view[0] if isinstance(view, list) else view  # gpt-oss's experts: members
+            shape = [len(view), *first.shape] if isinstance(view, list) else list(view.shape)
+            spec, dtype = LocalParamSpec(base=view), first.dtype
         else:
             prefix = name[: -len(f".{proj}.weight")]
             members = sorted(

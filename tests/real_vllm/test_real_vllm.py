@@ -293,14 +293,15 @@ def test_vllm_params_kept_as_loaded_are_reported_and_keep_their_bytes(pool):
 
 
 # ---- gpt-oss
-def test_gpt_oss_sends_only_its_experts_as_full_tensors(refitted):
-    """Everything of gpt-oss but the experts takes the exact path: the packed (full-tensor)
-    params of every gen rank are exactly the 4 expert tensors x 8 experts x 4 layers, and
-    the w2_bias of MoE TP ranks > 0 is vLLM's zero (part of the bit-equal check above)."""
-    for index in range(len(FAMILIES["gpt_oss"].layouts)):
-        for g in refitted("gpt_oss", index):
-            assert g["summary"]["misc_params"] == 4 * 8 * 4, (index, g["rank"], g["summary"])
-            assert all(s["misc_bytes"] > 0 and s["bulk_bytes"] > 0 for s in g["refits"]), g["refits"]
+def test_gpt_oss_sends_every_param_shard_to_shard(refitted):
+    """gpt-oss's experts too take the exact path, in vLLM's wire form (interleaved gate/up,
+    transposed storage, biases): no gen rank receives a full (packed) tensor, and the
+    w2_bias of MoE TP ranks > 0 is vLLM's zero (part of the bit-equal check above)."""
+    for family, index in [("gpt_oss", i) for i in range(len(FAMILIES["gpt_oss"].layouts))] + [
+            ("gpt_oss-uneven-pp", 0)]:
+        for g in refitted(family, index):
+            assert g["summary"]["misc_params"] == 0, (family, index, g["rank"], g["summary"])
+            assert all(s["misc_bytes"] == 0 and s["bulk_bytes"] > 0 for s in g["refits"]), g["refits"]
 # ---- end gpt-oss
 
 
