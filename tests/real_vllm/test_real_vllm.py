@@ -302,6 +302,19 @@ def test_gpt_oss_sends_every_param_shard_to_shard(refitted):
         for g in refitted(family, index):
             assert g["summary"]["misc_params"] == 0, (family, index, g["rank"], g["summary"])
             assert all(s["misc_bytes"] == 0 and s["bulk_bytes"] > 0 for s in g["refits"]), g["refits"]
+
+
+def test_gpt_oss_a_planted_interleave_error_is_seen(pool):
+    """The comparison sees a wrong interleave: training ranks that send Megatron's
+    ``[gate ; up]`` rows as if interleaved leave exactly the w13 weights and biases of every
+    MoE layer different from vLLM's own loading (gen TP 4: each rank's share cut mid-gate)."""
+    gens = run_case(pool, "gpt_oss", 1, plant_interleave_error=True)
+    layers = FAMILIES["gpt_oss"].model["num_layers"]
+    for g in gens:
+        for bad in g["differences"]:
+            flat = sorted(n.replace(".routed_experts.", ".") for n in bad)  # nested or not
+            assert flat == sorted(f"model.layers.{i}.mlp.experts.{leaf}" for i in range(layers)
+                                  for leaf in ("w13_bias", "w13_weight")), (g["rank"], bad)
 # ---- end gpt-oss
 
 
