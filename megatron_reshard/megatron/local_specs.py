@@ -17,7 +17,7 @@ import torch
 from megatron_reshard.errors import BadInputError
 from megatron_reshard.layout.geometry import rank_region
 from megatron_reshard.wire.placement_rules import is_nccl_reshard_param
-from megatron_reshard.megatron import gpt_oss
+from megatron_reshard.megatron import gpt_oss, qwen3_next
 from megatron_reshard.megatron.converters import Converted, ModelDims, local_views
 from megatron_reshard.megatron.qkv import qkv_views
 from megatron_reshard.wire.spec import LocalParamSpec
@@ -37,6 +37,11 @@ def local_hf_views(converted: Sequence[tuple[Converted, torch.Tensor]], exact_ex
     set and the extras named in ``exact_extra``."""
     views: dict[str, torch.Tensor] = {}
     for conv, tensor in converted:
+        if conv.kind == "gdn_in_proj_flat" and dims.linear is not None:
+            # Qwen3.5's streams: row blocks of the rank's in_proj (megatron.qwen3_next)
+            views.update(qwen3_next.stream_views(conv.hf_names, tensor.detach(), dims.linear,
+                                                 dims.tp_size))
+            continue
         if len(conv.hf_names) == 1 and conv.hf_names[0] in exact_extra:
             # vocab: the padded local shard; direct params: the TP chunk or the replica
             views[conv.hf_names[0]] = tensor.detach()

@@ -24,14 +24,21 @@ No Megatron import. Facts, megatron-core 0.16.1 (``ssm/gated_delta_net.py``,
   zero-centred in the checkpoint too) Megatron computes ``x·(1+w)``, while the checkpoint's
   (and vLLM's ``RMSNormGated``) computes ``x·w``: the HF weight is Megatron's plus one.
 
-None of these is a view of the Megatron tensor (interleaves across the TP chunks, the +1),
-so the ``gdn_*`` / ``gated_qkv`` params travel as full tensors (the packed path).
+Qwen3-Next's ``in_proj_qkvz`` / ``in_proj_ba``, the conv1d channels, the gated q/k/v and the
+gated norm are no view of the Megatron tensor (interleaves across the TP chunks, the +1):
+those travel as full tensors (the packed path). Qwen3.5's flat streams are: each of q, k,
+v, z, b, a is a contiguous row block of every rank's ``in_proj`` (``stream_views``), split
+over TP on its rows on both sides, so they take the exact path, in_proj_qkv as its three
+segments apart (``stream_metadata``: wire names ``in_proj_q`` / ``_k`` / ``_v``; the
+receiver's targets: ``vllm_layout.gated_delta_net``). A_log, dt_bias (per value head) and
+out_proj (row parallel) are split alike on both sides too (``vllm_layout.dense``).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
@@ -95,6 +102,36 @@ def in_proj_flat_full(chunks: Sequence[torch.Tensor], d: LinearAttentionDims
     Megatron's ``in_proj``: each stream joined over TP, q, k, v stacked."""
     q, k, v, z, b, a = _split_chunks(chunks, d.segments(len(chunks)))
     return torch.cat([q, k, v], 0), z, b, a
+
+
+_FLAT_QKV = re.compile(r"^(?P<prefix>.*\.linear_attn\.in_proj_)qkv\.weight$")
+
+
+def stream_metadata(metadata: Mapping[str, dict], d: LinearAttentionDims,
+                    keep_packed: Callable[[str], bool]) -> dict[str, dict]:
+    """``metadata`` with each Qwen3.5 ``in_proj_qkv`` entry replaced by its q, k and v
+    segments (``in_proj_q`` / ``_k`` / ``_v``, in its place), unless ``keep_packed`` matches it."""
+    out: dict = {}
+    kd, vd = d.num_key_heads * d.key_head_dim, d.num_value_heads * d.value_head_dim
+    for name, meta in metadata.items():
+        m = _FLAT_QKV.match(name)
+        if m is None or keep_packed(name):
+            out[name] = meta
+            continue
+        rest = list(meta["shape"][1:])
+        for which, rows in (("q", kd), ("k", kd), ("v", vd)):
+            out[f"{m['prefix']}{which}.weight"] = {**meta, "shape": [rows, *rest]}
+    return out
+
+
+def stream_views(hf_names: Sequence[str], tensor: torch.Tensor, d: LinearAttentionDims, tp: int
+                 ) -> dict[str, torch.Tensor]:
+    """This rank's q, k, v, z, b, a rows of Megatron's ``in_proj`` (views), under the exact
+    path's names (``hf_names``: the converter's in_proj_qkv, _z, _b, _a)."""
+    qkv, z, b, a = hf_names
+    prefix = _FLAT_QKV.match(qkv)["prefix"]
+    names = [f"{prefix}q.weight", f"{prefix}k.weight", f"{prefix}v.weight", z, b, a]
+    return dict(zip(names, tensor.split(d.segments(tp), dim=0)))
 
 
 def conv1d_full(chunks: Sequence[torch.Tensor], d: LinearAttentionDims) -> torch.Tensor:

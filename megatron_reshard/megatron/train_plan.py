@@ -318,8 +318,11 @@ def sort_params(facts: ModelFacts, placement: RankPlacement, reports: list, gen:
                    and not getattr(facts.config, "attention_output_gate", False))
     forced = re.compile(packed_params) if packed_params else None
     hf_metadata = metadata
+    keep_packed = lambda n: bool(forced and forced.search(n))  # noqa: E731
     if facts.family == "gpt_oss":  # experts in vLLM's wire form (megatron.gpt_oss)
-        metadata = gpt_oss.wire_metadata(metadata, lambda n: bool(forced and forced.search(n)))
+        metadata = gpt_oss.wire_metadata(metadata, keep_packed)
+    if facts.dims.linear is not None:  # Qwen3.5's in_proj_qkv as its 3 segments (megatron.qwen3_next)
+        metadata = qwen3_next.stream_metadata(metadata, facts.dims.linear, keep_packed)
     # Vocab matrices are the largest params outside the FFN; attention output, norms and
     # router have plain layouts on both sides: all take the exact path.
     exact_extra = {n: m for n, m in metadata.items()

@@ -49,6 +49,12 @@ TP_DIM_RULES: tuple[tuple[re.Pattern, Optional[int]], ...] = (
     # over TP; gate/up land in its gate_up_proj
     (re.compile(r"\.mlp\.shared_experts?\.(?:gate|up)_proj\.weight$"), 0),
     (re.compile(r"\.mlp\.shared_experts?\.down_proj\.weight$"), 1),
+    # Gated-DeltaNet (vllm_layout.gated_delta_net): per value head A_log / dt_bias, the
+    # row-parallel out_proj; Qwen3.5's flat in_proj streams (q, k, v: the wire names of
+    # in_proj_qkv's three segments) land in their output shards of in_proj_qkvz / in_proj_ba
+    (re.compile(r"\.linear_attn\.(?:A_log|dt_bias)$"), 0),
+    (re.compile(r"\.linear_attn\.out_proj\.weight$"), 1),
+    (re.compile(r"\.linear_attn\.in_proj_(?:q|k|v|z|b|a)\.weight$"), 0),
 ) + gpt_oss.TP_DIM_RULES
 NOT_LISTED = -1
 

@@ -319,21 +319,25 @@ def test_gpt_oss_a_planted_interleave_error_is_seen(pool):
 
 
 def test_qwen3_next_sends_only_its_gated_delta_net_and_gated_attention_params_packed(refitted):
-    """Qwen3-Next's packed (full-tensor) params on every gen rank are exactly the 7 params of
-    each of the 3 Gated-DeltaNet layers and the gated q/k/v of the full-attention layer;
-    everything else (experts, shared expert, norms, o_proj, vocab) takes the exact path."""
+    """Qwen3-Next's packed (full-tensor) params on every gen rank are exactly the 4 params of
+    each of the 3 Gated-DeltaNet layers that are no view of Megatron's (in_proj_qkvz,
+    in_proj_ba, conv1d, the gated norm) and the gated q/k/v of the full-attention layer;
+    everything else (A_log, dt_bias, out_proj, experts, shared expert, norms, o_proj, vocab)
+    takes the exact path."""
     for index in range(len(FAMILIES["qwen3_next"].layouts)):
         for g in refitted("qwen3_next", index):
-            assert g["summary"]["misc_params"] == 3 * 7 + 3, (index, g["rank"], g["summary"])
+            assert g["summary"]["misc_params"] == 3 * 4 + 3, (index, g["rank"], g["summary"])
 
 
-def test_qwen3_5_sends_only_its_gated_delta_net_and_gated_attention_params_packed(refitted):
-    """Qwen3.5's packed (full-tensor) params: the 9 checkpoint params of each of the 3
-    Gated-DeltaNet layers (Qwen3-Next's 7 with in_proj as 4 flat streams, not 2), and the
-    gated q/k/v; everything else takes the exact path."""
-    for family in ("qwen3_5_moe_text", "qwen3_5_text"):
-        for g in refitted(family, 0):
-            assert g["summary"]["misc_params"] == 3 * 9 + 3, (family, g["rank"], g["summary"])
+def test_qwen3_5_sends_its_in_proj_streams_shard_to_shard(refitted):
+    """Qwen3.5's packed (full-tensor) params: conv1d and the gated norm of each of the 3
+    Gated-DeltaNet layers, and the gated q/k/v; its in_proj streams (in_proj_qkv as q, k, v
+    apart, in_proj_z, _b, _a), A_log, dt_bias and out_proj take the exact path, at equal and
+    at different TP sizes."""
+    for family, index in (("qwen3_5_moe_text", 0), ("qwen3_5_moe_text", 1), ("qwen3_5_text", 2),
+                          ("qwen3_5_text-uneven-pp", 0)):
+        for g in refitted(family, index):
+            assert g["summary"]["misc_params"] == 3 * 2 + 3, (family, g["rank"], g["summary"])
 
 
 def test_vllms_qwen3_5_module_imports_only_under_the_torchvision_stand_ins():
