@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import math
 import os
 
 import pytest
@@ -20,6 +21,8 @@ from megatron_reshard.megatron.converters import ModelDims, NameConverter, full_
 from megatron_reshard.receiver.full_weights import coverage_gaps, load_full_weights, plan_full_weights
 from megatron_reshard.receiver.targets import TargetError, VllmTargets, bulk_receive_plan
 from megatron_reshard.testing.vllm_like import build_vllm_like_model, expected_vllm_shard
+from megatron_reshard.tools.plan_inputs import RefitParallelism, stage_inputs
+from megatron_reshard.tools.presets import PUBLISHED_LAYOUTS, hf_params, model_config, travels_packed
 from megatron_reshard.vllm_layout import gpt_oss as vllm_gpt_oss
 from megatron_reshard.vllm_layout.gpt_oss import gen_placements
 
@@ -272,3 +275,19 @@ def test_nemotron_h_names_match_megatron_cores_mamba_spec_and_mixer():
     assert "import triton" in mixer or "triton" in mixer.split("class MambaMixer")[0]
     assert "device=torch.cuda.current_device()" in mixer and "get_cuda_rng_tracker().fork()" in mixer
     assert "self.final_norm = TENorm(" in _megatron_source("ssm/mamba_block.py")
+
+
+@pytest.mark.parametrize("model", ["gpt-oss-20b", "gpt-oss-120b"])
+def test_plan_sends_every_gpt_oss_byte_shard_to_shard(model):
+    """At the published layouts, the plan's inputs hold no packed param: every expert in
+    vLLM's wire form (4 tensors per layer), each with the layouts the refit sends it in, and
+    every byte of the checkpoint accounted for."""
+    cfg = model_config(model)
+    lay = RefitParallelism(**PUBLISHED_LAYOUTS[model])
+    stages = stage_inputs(lay, cfg)
+    sims = [p for st in stages.values() for p in st.params]
+    assert all(p.key is not None for p in sims)
+    assert not any(travels_packed(cfg, p.name) for p in hf_params(cfg))
+    wire = [p for p in sims if vllm_gpt_oss.WIRE_RE.match(p.name)]
+    assert len(wire) == 4 * cfg["num_hidden_layers"] and all(p.bulk for p in wire)
+    assert sum(p.numel for p in sims) == sum(math.prod(p.shape) for p in hf_params(cfg))

@@ -76,6 +76,19 @@ FULL_SIZE: dict[str, dict[str, Any]] = {
         model_type="gpt_oss", hidden_size=2880, num_hidden_layers=36, num_attention_heads=64,
         num_key_value_heads=8, head_dim=64, attention_bias=True, intermediate_size=2880,
         num_experts=128, moe_intermediate_size=2880, vocab_size=201088, tie_word_embeddings=False),
+    # ---- Qwen3.5 (model_type qwen3_5_moe: its text_config, read as qwen3_5_moe_text; MTP layer
+    # not counted). Sizes: Qwen/Qwen3.5-35B-A3B's published config.json text_config, as
+    # THUDM/slime's scripts/models/qwen3.5-35B-A3B.sh restates them for Megatron: 40 layers,
+    # Gated-DeltaNet in three of four, gated full attention in the fourth, 256 experts + a
+    # gated shared expert on every layer
+    "qwen3.5-35b-a3b": dict(  # Qwen/Qwen3.5-35B-A3B
+        model_type="qwen3_5_moe_text", hidden_size=2048, num_hidden_layers=40,
+        num_attention_heads=16, num_key_value_heads=2, head_dim=256, qk_norm=True,
+        num_experts=256, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+        linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=4,
+        vocab_size=248320, tie_word_embeddings=False),
+    # ---- end Qwen3.5
 }
 
 
@@ -301,14 +314,20 @@ def gated_delta_net_params(cfg: Mapping[str, Any]) -> list[tuple[str, tuple, str
             (f"{la}.out_proj.weight", (H, vd), bf16)]
 
 
+# Gated-DeltaNet params that are no view of Megatron's (``megatron.qwen3_next``): Qwen3-Next's
+# per-key-head in_proj, both families' conv1d channels and gated norm (x·w in the checkpoint)
+_GDN_PACKED = re.compile(r"\.linear_attn\.(?:in_proj_qkvz|in_proj_ba|conv1d|norm)\.weight$")
+
+
 def travels_packed(cfg: Mapping[str, Any], name: str) -> bool:
-    """Params the refit sends as full tensors (the packed path) whatever the layout:
-    Qwen3-Next's Gated-DeltaNet params and gated q/k/v (``megatron.qwen3_next``), gpt-oss's
-    experts (``megatron.gpt_oss``)."""
+    """Params the refit sends as full tensors (the packed path) whatever the layout: of
+    Qwen3-Next / Qwen3.5, the Gated-DeltaNet params that are no view of Megatron's and the
+    gated q/k/v (``megatron.qwen3_next``; Qwen3.5's in_proj streams, A_log, dt_bias and
+    out_proj travel shard to shard). gpt-oss's experts travel shard to shard in vLLM's wire
+    form (``megatron.gpt_oss``)."""
     if cfg.get("model_type") in GATED_DELTA_NET_TYPES:
-        return ".linear_attn." in name or re.search(r"\.self_attn\.[qkv]_proj\.", name) is not None
-    if cfg.get("model_type") == "gpt_oss":
-        return ".mlp.experts." in name
+        return (_GDN_PACKED.search(name) is not None
+                or re.search(r"\.self_attn\.[qkv]_proj\.", name) is not None)
     return False
 
 
@@ -355,6 +374,8 @@ PUBLISHED_LAYOUTS: dict[str, dict[str, int]] = {
     "qwen3-next-80b-a3b": _layout(32, 2, 2, 8, 32, 4, 4),
     "gpt-oss-20b": _layout(8, 1, 1, 8, 8, 1, 1),
     "gpt-oss-120b": _layout(32, 2, 2, 8, 32, 4, 4),
+    # Qwen3.5-35B-A3B: Qwen3-30B-A3B's layout (the same size class)
+    "qwen3.5-35b-a3b": _layout(16, 2, 1, 8, 16, 4, 4),
 }
 
 # The HF config.json keys that decide parameter shapes (the rest of a config is ignored)
