@@ -1,6 +1,7 @@
 """Train and generation layouts of the params the source moves shard to shard beyond the
 seed's bulk set (the "exact extras"): vocab matrices as padded shards, q/k/v per KV group,
-MLA params, and the direct params of ``vllm_layout.dense.TP_DIM_RULES``.
+MLA params, and the direct params of ``vllm_layout.dense.TP_DIM_RULES``; gated q/k/v
+(the attention output gate) per KV group too, q in ``qwen3_next.gated_q_group_shape``.
 
 No Megatron import: it works on the refit info, the live stage meshes and ``ModelDims``.
 """
@@ -14,6 +15,7 @@ from torch.distributed.tensor import Replicate, Shard
 from megatron_reshard.layout.placements import MeshInfo, PaddedShard
 from megatron_reshard.megatron.converters import ModelDims
 from megatron_reshard.megatron.parallel import StageMeshes
+from megatron_reshard.megatron.qwen3_next import gated_q_group_shape
 from megatron_reshard.megatron.qkv import heads_of, megatron_qkv_layout, qkv_group_shape, which_qkv
 from megatron_reshard.vllm_layout import gpt_oss
 from megatron_reshard.wire.metadata import extract_layer_name
@@ -88,8 +90,12 @@ def add_exact_extras(info: RefitPayload, extras: Mapping[str, dict], stage_of_ke
             src_mesh, src_pl = meshes.dense, _tp_placements(meshes.dense, meshes.dense_dims, src_dim)
             dst_mesh, dst_pl = gen_mesh, _tp_placements(gen_mesh, gen_dims, dst_dim)
         elif QKV_PARAM_RE.search(name):
-            global_shape = qkv_group_shape(dims.num_query_groups, meta["shape"])
             which = which_qkv(name)
+            if which == "q" and meta["shape"][0] == 2 * dims.num_attention_heads * dims.head_dim:
+                # the attention output gate: q_proj rows [q_h; gate_h] per head (qwen3_next)
+                global_shape = gated_q_group_shape(dims.num_query_groups, dims.head_dim, meta["shape"])
+            else:
+                global_shape = qkv_group_shape(dims.num_query_groups, meta["shape"])
             src_mesh, src_pl = megatron_qkv_layout(meshes.dense, meshes.dense_dims,
                                                     heads_of(dims), which)
             dst_mesh, dst_pl = qkv_gen_layout(gen_mesh, gen_dims, dims.num_query_groups,

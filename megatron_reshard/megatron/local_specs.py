@@ -50,6 +50,11 @@ def local_hf_views(converted: Sequence[tuple[Converted, torch.Tensor]], exact_ex
             # shared experts: gate and up are the row halves of the rank's linear_fc1
             views.update(local_views(conv, tensor.detach(), dims))
             continue
+        if conv.kind == "gated_qkv" and conv.hf_names[0] in exact_extra:
+            views.update(qwen3_next.gated_qkv_views(
+                conv.hf_names, tensor.detach(), dims.num_attention_heads, dims.num_query_groups,
+                dims.head_dim, dims.tp_size))
+            continue
         if conv.kind == "qkv" and conv.hf_names[0] in exact_extra:
             views.update(qkv_views(conv.hf_names, tensor.detach(), dims, tp_rank))
             continue

@@ -161,6 +161,27 @@ def gated_qkv_full(chunks: Sequence[torch.Tensor], num_heads: int, num_groups: i
             v.reshape(num_groups * head_dim, *rest))
 
 
+def gated_q_group_shape(num_groups: int, head_dim: int, hf_shape: Sequence[int]
+                        ) -> tuple[int, ...]:
+    """A gated ``q_proj`` (rows ``[q_h; gate_h]`` per head) per KV group: ``[nkv, heads per
+    group, 2, head_dim, *rest]``, a row-major reshape of the HF tensor, the form in which
+    Megatron's ``[q heads | gate heads]`` rows of a group are a view."""
+    rows, rest = int(hf_shape[0]), [int(n) for n in hf_shape[1:]]
+    return (num_groups, rows // num_groups // (2 * head_dim), 2, head_dim, *rest)
+
+
+def gated_qkv_views(hf_names: Sequence[str], tensor: torch.Tensor, num_heads: int, num_groups: int,
+                    head_dim: int, tp: int) -> dict[str, torch.Tensor]:
+    """This rank's q (gated form, ``gated_q_group_shape``), k and v (``[groups, head_dim,
+    ...]``) of a gated ``linear_qkv`` holding whole KV groups (TP <= nkv), as views: a group's
+    rows are ``[q heads | gate heads | k | v]``."""
+    p, rest = num_heads // num_groups, tuple(tensor.shape[1:])
+    grouped = tensor.view(num_groups // tp, 2 * p + 2, head_dim, *rest)
+    q_gate = grouped[:, :2 * p].unflatten(1, (2, p)).transpose(1, 2)  # [g, p, 2, hd, ...]
+    q_name, k_name, v_name = hf_names
+    return {q_name: q_gate, k_name: grouped[:, 2 * p], v_name: grouped[:, 2 * p + 1]}
+
+
 def hf_shapes(kind: str, local_shape: Sequence[int], tp: int, d: Optional[LinearAttentionDims],
               num_heads: int, num_groups: int, head_dim: int) -> list[list[int]]:
     """Global HF shapes (in target order) of one rank's Megatron tensor of ``kind``."""

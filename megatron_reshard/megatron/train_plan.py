@@ -313,9 +313,13 @@ def sort_params(facts: ModelFacts, placement: RankPlacement, reports: list, gen:
     padded shards, q/k/v per KV group, direct and MLA params), packed others."""
     metadata, stage_of_key = merge_reports(reports, list(placement.all_coords),
                                            int(facts.config.num_layers))
-    # gated attention's q/k/v (Qwen3-Next) are not in the per-group form: packed
-    grouped_qkv = (qkv_groups_fit(facts.dims, facts.layout.tp, gen.tp)
-                   and not getattr(facts.config, "attention_output_gate", False))
+    # gated attention's q/k/v (Qwen3-Next, Qwen3.5): per group where each train rank holds
+    # whole KV groups (weights; ``qwen3_next.gated_qkv_views``), else packed
+    grouped_qkv = qkv_groups_fit(facts.dims, facts.layout.tp, gen.tp)
+    if getattr(facts.config, "attention_output_gate", False):
+        nkv = facts.dims.num_query_groups
+        grouped_qkv = (grouped_qkv and facts.layout.tp <= nkv and nkv % facts.layout.tp == 0
+                       and not getattr(facts.config, "add_qkv_bias", False))
     forced = re.compile(packed_params) if packed_params else None
     hf_metadata = metadata
     keep_packed = lambda n: bool(forced and forced.search(n))  # noqa: E731

@@ -279,7 +279,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_packed(cfg, others: str) -> None:
+def _print_packed(cfg, others: str, train_tp: int) -> None:
     """The family's params the refit always sends packed (Qwen3-Next's Gated-DeltaNet and
     gated q/k/v, gpt-oss's experts), and the exact-path share of bytes that leaves."""
     import math
@@ -288,7 +288,7 @@ def _print_packed(cfg, others: str) -> None:
     from megatron_reshard.tools.simulate import describe_bytes as b
 
     params = hf_params(cfg)
-    packed = [p for p in params if travels_packed(cfg, p.name)]
+    packed = [p for p in params if travels_packed(cfg, p.name, train_tp)]
     if others == "broadcast":
         return
     if not packed:
@@ -323,7 +323,7 @@ def _print_table(args, cfg, lay, sims) -> None:
           f"{c['bulk_params']} {ffn} params through the engine ({b(c['bulk_bytes'])}) + "
           f"{c['other_params']} others {how} ({b(c['other_bytes'])})"
           + (", linear weights as block FP8" if args.wire == "fp8" else ""))
-    _print_packed(cfg, args.others)
+    _print_packed(cfg, args.others, lay.train_tp)
     print(f"link model: {sims[0].link.describe()}")
     if args.changed is not None:
         print(f"a delta refit: {100 * args.changed:g}% of the elements changed (the engine's "

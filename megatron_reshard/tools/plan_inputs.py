@@ -151,7 +151,7 @@ def stage_inputs(lay: RefitParallelism, cfg: Mapping[str, Any], others: str = "s
         if is_nccl_reshard_param(p.name) or p.name in oss.get("consumed", ()):
             continue
         stage = stage_map[extract_layer_name(p.name)]
-        sharded = others == "sharded" and not travels_packed(cfg, p.name)
+        sharded = others == "sharded" and not travels_packed(cfg, p.name, lay.train_tp)
         key = rules.key(p.name, p.shape) if sharded else None
         out[stage].params.append(
             SimParam(p.name, p.shape, _wire_itemsize(p.name, p.dtype, wire), key, False))

@@ -319,15 +319,17 @@ def gated_delta_net_params(cfg: Mapping[str, Any]) -> list[tuple[str, tuple, str
 _GDN_PACKED = re.compile(r"\.linear_attn\.(?:in_proj_qkvz|in_proj_ba|conv1d|norm)\.weight$")
 
 
-def travels_packed(cfg: Mapping[str, Any], name: str) -> bool:
-    """Params the refit sends as full tensors (the packed path) whatever the layout: of
-    Qwen3-Next / Qwen3.5, the Gated-DeltaNet params that are no view of Megatron's and the
-    gated q/k/v (``megatron.qwen3_next``; Qwen3.5's in_proj streams, A_log, dt_bias and
-    out_proj travel shard to shard). gpt-oss's experts travel shard to shard in vLLM's wire
-    form (``megatron.gpt_oss``)."""
+def travels_packed(cfg: Mapping[str, Any], name: str, train_tp: int = 1) -> bool:
+    """Params the refit sends as full tensors (the packed path) at training TP ``train_tp``:
+    of Qwen3-Next / Qwen3.5, the Gated-DeltaNet params that are no view of Megatron's, and
+    the gated q/k/v where a training rank cuts a KV group (``megatron.qwen3_next``; Qwen3.5's
+    in_proj streams, A_log, dt_bias, out_proj and the gated q/k/v of whole KV groups travel
+    shard to shard). gpt-oss's experts travel shard to shard in vLLM's wire form
+    (``megatron.gpt_oss``)."""
     if cfg.get("model_type") in GATED_DELTA_NET_TYPES:
+        cut = train_tp > attention_heads(cfg)[1]
         return (_GDN_PACKED.search(name) is not None
-                or re.search(r"\.self_attn\.[qkv]_proj\.", name) is not None)
+                or (cut and re.search(r"\.self_attn\.[qkv]_proj\.", name) is not None))
     return False
 
 

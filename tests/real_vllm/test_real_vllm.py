@@ -318,26 +318,36 @@ def test_gpt_oss_a_planted_interleave_error_is_seen(pool):
 # ---- end gpt-oss
 
 
-def test_qwen3_next_sends_only_its_gated_delta_net_and_gated_attention_params_packed(refitted):
+def _gated_qkv_packed(family: str, index: int) -> int:
+    """The gated q/k/v travel per KV group where each train rank holds whole KV groups
+    (train TP <= 2 here), else packed (3 params of the one full-attention layer)."""
+    train_tp = layout(*FAMILIES[family].layouts[index])["train_tp"]
+    return 0 if train_tp <= FAMILIES[family].model["num_query_groups"] else 3
+
+
+def test_qwen3_next_sends_only_its_gated_delta_net_params_packed(refitted):
     """Qwen3-Next's packed (full-tensor) params on every gen rank are exactly the 4 params of
     each of the 3 Gated-DeltaNet layers that are no view of Megatron's (in_proj_qkvz,
-    in_proj_ba, conv1d, the gated norm) and the gated q/k/v of the full-attention layer;
-    everything else (A_log, dt_bias, out_proj, experts, shared expert, norms, o_proj, vocab)
-    takes the exact path."""
+    in_proj_ba, conv1d, the gated norm), and the gated q/k/v where a train rank cuts a KV
+    group; everything else (A_log, dt_bias, out_proj, gated q/k/v per KV group, experts,
+    shared expert, norms, o_proj, vocab) takes the exact path."""
     for index in range(len(FAMILIES["qwen3_next"].layouts)):
         for g in refitted("qwen3_next", index):
-            assert g["summary"]["misc_params"] == 3 * 4 + 3, (index, g["rank"], g["summary"])
+            assert g["summary"]["misc_params"] == 3 * 4 + _gated_qkv_packed("qwen3_next", index), (
+                index, g["rank"], g["summary"])
 
 
-def test_qwen3_5_sends_its_in_proj_streams_shard_to_shard(refitted):
+def test_qwen3_5_sends_its_in_proj_streams_and_gated_qkv_shard_to_shard(refitted):
     """Qwen3.5's packed (full-tensor) params: conv1d and the gated norm of each of the 3
-    Gated-DeltaNet layers, and the gated q/k/v; its in_proj streams (in_proj_qkv as q, k, v
-    apart, in_proj_z, _b, _a), A_log, dt_bias and out_proj take the exact path, at equal and
-    at different TP sizes."""
-    for family, index in (("qwen3_5_moe_text", 0), ("qwen3_5_moe_text", 1), ("qwen3_5_text", 2),
-                          ("qwen3_5_text-uneven-pp", 0)):
+    Gated-DeltaNet layers (and the gated q/k/v where a train rank cuts a KV group); its
+    in_proj streams (in_proj_qkv as q, k, v apart, in_proj_z, _b, _a), A_log, dt_bias,
+    out_proj and the gated q/k/v per KV group take the exact path, at equal and different
+    TP sizes (gen TP 4 > 2 KV heads: a group's heads split, k/v replicated)."""
+    for family, index in (("qwen3_5_moe_text", 0), ("qwen3_5_moe_text", 1), ("qwen3_5_moe_text", 2),
+                          ("qwen3_5_text", 1), ("qwen3_5_text-uneven-pp", 0)):
         for g in refitted(family, index):
-            assert g["summary"]["misc_params"] == 3 * 2 + 3, (family, g["rank"], g["summary"])
+            assert g["summary"]["misc_params"] == 3 * 2 + _gated_qkv_packed(family, index), (
+                family, index, g["rank"], g["summary"])
 
 
 def test_vllms_qwen3_5_module_imports_only_under_the_torchvision_stand_ins():
