@@ -42,6 +42,10 @@ def local_hf_views(converted: Sequence[tuple[Converted, torch.Tensor]], exact_ex
             views.update(qwen3_next.stream_views(conv.hf_names, tensor.detach(), dims.linear,
                                                  dims.tp_size))
             continue
+        if conv.kind == "gdn_conv1d" and dims.linear is not None:  # q, k, v channels apart
+            views.update(qwen3_next.conv1d_stream_views(conv.hf_names[0], tensor.detach(),
+                                                        dims.linear, dims.tp_size))
+            continue
         if len(conv.hf_names) == 1 and conv.hf_names[0] in exact_extra:
             # vocab: the padded local shard; direct params: the TP chunk or the replica
             views[conv.hf_names[0]] = tensor.detach()

@@ -24,9 +24,11 @@ No Megatron import. Facts, megatron-core 0.16.1 (``ssm/gated_delta_net.py``,
   zero-centred in the checkpoint too) Megatron computes ``x·(1+w)``, while the checkpoint's
   (and vLLM's ``RMSNormGated``) computes ``x·w``: the HF weight is Megatron's plus one.
 
-Qwen3-Next's ``in_proj_qkvz`` / ``in_proj_ba``, the conv1d channels, the gated q/k/v and the
-gated norm are no view of the Megatron tensor (interleaves across the TP chunks, the +1):
-those travel as full tensors (the packed path). Qwen3.5's flat streams are: each of q, k,
+Qwen3-Next's ``in_proj_qkvz`` / ``in_proj_ba`` and the gated norm are no view of the
+Megatron tensor (interleaves across the TP chunks, the +1): those travel as full tensors
+(the packed path). The conv1d channels' segments are each split over TP on both sides:
+sent apart (``conv1d_q`` / ``_k`` / ``_v``) they travel shard to shard. So do the gated
+q/k/v per KV group where each train rank holds whole groups (``gated_qkv_views``). Qwen3.5's flat streams are: each of q, k,
 v, z, b, a is a contiguous row block of every rank's ``in_proj`` (``stream_views``), split
 over TP on its rows on both sides, so they take the exact path, in_proj_qkv as its three
 segments apart (``stream_metadata``: wire names ``in_proj_q`` / ``_k`` / ``_v``; the
@@ -105,23 +107,35 @@ def in_proj_flat_full(chunks: Sequence[torch.Tensor], d: LinearAttentionDims
 
 
 _FLAT_QKV = re.compile(r"^(?P<prefix>.*\.linear_attn\.in_proj_)qkv\.weight$")
+_CONV1D = re.compile(r"^(?P<prefix>.*\.linear_attn\.conv1d)\.weight$")
 
 
 def stream_metadata(metadata: Mapping[str, dict], d: LinearAttentionDims,
                     keep_packed: Callable[[str], bool]) -> dict[str, dict]:
-    """``metadata`` with each Qwen3.5 ``in_proj_qkv`` entry replaced by its q, k and v
-    segments (``in_proj_q`` / ``_k`` / ``_v``, in its place), unless ``keep_packed`` matches it."""
+    """``metadata`` with each Qwen3.5 ``in_proj_qkv`` entry, and each ``conv1d`` entry (both
+    families), replaced by its q, k and v segments (``in_proj_q`` / ``_k`` / ``_v``,
+    ``conv1d_q`` / ...; in its place), unless ``keep_packed`` matches it."""
     out: dict = {}
     kd, vd = d.num_key_heads * d.key_head_dim, d.num_value_heads * d.value_head_dim
     for name, meta in metadata.items():
         m = _FLAT_QKV.match(name)
-        if m is None or keep_packed(name):
+        c = _CONV1D.match(name)
+        if (m is None and c is None) or keep_packed(name):
             out[name] = meta
             continue
         rest = list(meta["shape"][1:])
+        prefix = m["prefix"] if m else f"{c['prefix']}_"
         for which, rows in (("q", kd), ("k", kd), ("v", vd)):
-            out[f"{m['prefix']}{which}.weight"] = {**meta, "shape": [rows, *rest]}
+            out[f"{prefix}{which}.weight"] = {**meta, "shape": [rows, *rest]}
     return out
+
+
+def conv1d_stream_views(hf_name: str, tensor: torch.Tensor, d: LinearAttentionDims, tp: int
+                        ) -> dict[str, torch.Tensor]:
+    """This rank's q, k, v channels of Megatron's ``conv1d`` (views), under the exact path's
+    names (``conv1d_q`` / ``_k`` / ``_v``)."""
+    prefix = _CONV1D.match(hf_name)["prefix"]
+    return dict(zip((f"{prefix}_{w}.weight" for w in "qkv"), tensor.split(d.segments(tp)[:3], dim=0)))
 
 
 def stream_views(hf_names: Sequence[str], tensor: torch.Tensor, d: LinearAttentionDims, tp: int

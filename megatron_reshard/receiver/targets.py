@@ -162,6 +162,9 @@ class VllmTargets:
             raise TargetError(f"{hf_name}: {linear_problem} (on {self.where()})")
         if hf_name in self.params and gated_delta_net.CONV1D_RE.search(hf_name):
             return self._conv1d(hf_name, shape)
+        stream = gated_delta_net.conv1d_stream_piece(hf_name, self.hf_config, self.tp_size, self.tp_rank)
+        if stream and stream[0] in self.params:
+            return self._conv1d_stream(hf_name, shape, *stream)
         flat = gated_delta_net.flat_in_proj_pieces(hf_name, self.hf_config, self.tp_size, self.tp_rank)
         if flat and flat[0] in self.params:
             return self._flat_in_proj(hf_name, shape, *flat)
@@ -267,6 +270,19 @@ class VllmTargets:
         plan = TargetPlan(name, shape)
         for t_rows, h_rows in pieces:
             plan.pieces.append(Piece(name, (t_rows,) + full_region(shape[1:]), (h_rows,) + full_region(shape[1:])))
+        return plan
+
+    def _conv1d_stream(self, name: str, shape: tuple[int, ...], target: str,
+                       t_rows: tuple[int, int], h_rows: tuple[int, int]) -> TargetPlan:
+        """One conv1d segment sent apart into its rows of vLLM's conv1d (Qwen3-Next, Qwen3.5)."""
+        if shape[0] != (h_rows[1] - h_rows[0]) * self.tp_size or \
+                tuple(self.params[target].shape[1:]) != shape[1:]:
+            raise TargetError(f"{name}: HF shape {list(shape)} does not match the linear_* dims "
+                              f"of hf_config or {target!r} {list(self.params[target].shape)} "
+                              f"(on {self.where()})")
+        plan = TargetPlan(name, shape)
+        plan.pieces.append(Piece(target, (t_rows,) + full_region(shape[1:]),
+                                 (h_rows,) + full_region(shape[1:])))
         return plan
 
     def _flat_in_proj(self, name: str, shape: tuple[int, ...], target: str, rows: int,

@@ -43,8 +43,9 @@ from .presets import attention_heads, hf_params, is_mla, travels_packed
 
 # Gated-DeltaNet params split on their rows on both sides: Qwen3.5's in_proj streams (the
 # refit sends in_proj_qkv as its q, k, v segments, each split over TP: per rank, the same
-# bytes as one split of the whole), A_log and dt_bias (per value head)
-GDN_ROWS = re.compile(r"\.linear_attn\.(?:in_proj_(?:qkv|z|b|a)\.weight|A_log|dt_bias)$")
+# bytes as one split of the whole), the conv1d channels likewise, A_log and dt_bias (per
+# value head)
+GDN_ROWS = re.compile(r"\.linear_attn\.(?:in_proj_(?:qkv|z|b|a)\.weight|conv1d\.weight|A_log|dt_bias)$")
 REPLICATE_PLACEMENT = Replicate()
 
 # RefitParallelism and parallelism_problems live in plan_layout (no torch); importable here too

@@ -315,8 +315,8 @@ def gated_delta_net_params(cfg: Mapping[str, Any]) -> list[tuple[str, tuple, str
 
 
 # Gated-DeltaNet params that are no view of Megatron's (``megatron.qwen3_next``): Qwen3-Next's
-# per-key-head in_proj, both families' conv1d channels and gated norm (x·w in the checkpoint)
-_GDN_PACKED = re.compile(r"\.linear_attn\.(?:in_proj_qkvz|in_proj_ba|conv1d|norm)\.weight$")
+# per-key-head in_proj, both families' gated norm (x·w in the checkpoint)
+_GDN_PACKED = re.compile(r"\.linear_attn\.(?:in_proj_qkvz|in_proj_ba|norm)\.weight$")
 
 
 def travels_packed(cfg: Mapping[str, Any], name: str, train_tp: int = 1) -> bool:

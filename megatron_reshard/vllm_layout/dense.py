@@ -55,6 +55,8 @@ TP_DIM_RULES: tuple[tuple[re.Pattern, Optional[int]], ...] = (
     (re.compile(r"\.linear_attn\.(?:A_log|dt_bias)$"), 0),
     (re.compile(r"\.linear_attn\.out_proj\.weight$"), 1),
     (re.compile(r"\.linear_attn\.in_proj_(?:q|k|v|z|b|a)\.weight$"), 0),
+    # the conv1d channels' segments sent apart (conv1d_q / _k / _v), each split over TP
+    (re.compile(r"\.linear_attn\.conv1d_(?:q|k|v)\.weight$"), 0),
 ) + gpt_oss.TP_DIM_RULES
 NOT_LISTED = -1
 

@@ -56,6 +56,25 @@ def conv1d_pieces(hf_config: Any, tp_size: int, tp_rank: int
 
 
 # the checkpoint's streams, and the exact path's wire names of in_proj_qkv's segments (q, k, v)
+# the exact path's wire names of the conv1d channels' three segments (q, k, v)
+CONV1D_STREAM_RE = re.compile(r"^(?P<prefix>.*\.linear_attn)\.conv1d_(?P<which>q|k|v)\.weight$")
+
+
+def conv1d_stream_piece(hf_name: str, hf_config: Any, tp_size: int, tp_rank: int
+                        ) -> Optional[tuple[str, tuple[int, int], tuple[int, int]]]:
+    """A conv1d segment sent apart (``conv1d_q`` / ``_k`` / ``_v``: all channels of that
+    segment): (vLLM's ``conv1d.weight``, its rows on this rank, the rows of the segment it
+    receives); None for any other name, or where ``conv1d_pieces`` has none."""
+    m = CONV1D_STREAM_RE.match(hf_name)
+    pieces = conv1d_pieces(hf_config, tp_size, tp_rank) if m else None
+    if pieces is None:
+        return None
+    segment = "qkv".index(m["which"])
+    t_rows, (lo, hi) = pieces[segment]
+    start = pieces[segment][1][0] - tp_rank * (hi - lo)  # the segment's first checkpoint row
+    return f"{m['prefix']}.conv1d.weight", t_rows, (lo - start, hi - start)
+
+
 FLAT_IN_PROJ_RE = re.compile(r"^(?P<prefix>.*\.linear_attn)\.in_proj_(?P<which>qkv|z|b|a|q|k|v)\.weight$")
 _SHARDS_OF = {"qkv": [0, 1, 2], "q": [0], "k": [1], "v": [2], "z": [3], "b": [0], "a": [1]}
 

@@ -326,27 +326,27 @@ def _gated_qkv_packed(family: str, index: int) -> int:
 
 
 def test_qwen3_next_sends_only_its_gated_delta_net_params_packed(refitted):
-    """Qwen3-Next's packed (full-tensor) params on every gen rank are exactly the 4 params of
+    """Qwen3-Next's packed (full-tensor) params on every gen rank are exactly the 3 params of
     each of the 3 Gated-DeltaNet layers that are no view of Megatron's (in_proj_qkvz,
-    in_proj_ba, conv1d, the gated norm), and the gated q/k/v where a train rank cuts a KV
-    group; everything else (A_log, dt_bias, out_proj, gated q/k/v per KV group, experts,
+    in_proj_ba, the gated norm), and the gated q/k/v where a train rank cuts a KV group;
+    everything else (conv1d by segment, A_log, dt_bias, out_proj, gated q/k/v per KV group, experts,
     shared expert, norms, o_proj, vocab) takes the exact path."""
     for index in range(len(FAMILIES["qwen3_next"].layouts)):
         for g in refitted("qwen3_next", index):
-            assert g["summary"]["misc_params"] == 3 * 4 + _gated_qkv_packed("qwen3_next", index), (
+            assert g["summary"]["misc_params"] == 3 * 3 + _gated_qkv_packed("qwen3_next", index), (
                 index, g["rank"], g["summary"])
 
 
 def test_qwen3_5_sends_its_in_proj_streams_and_gated_qkv_shard_to_shard(refitted):
-    """Qwen3.5's packed (full-tensor) params: conv1d and the gated norm of each of the 3
-    Gated-DeltaNet layers (and the gated q/k/v where a train rank cuts a KV group); its
-    in_proj streams (in_proj_qkv as q, k, v apart, in_proj_z, _b, _a), A_log, dt_bias,
+    """Qwen3.5's packed (full-tensor) params: the gated norm of each of the 3 Gated-DeltaNet
+    layers (and the gated q/k/v where a train rank cuts a KV group); its in_proj streams
+    (in_proj_qkv as q, k, v apart, in_proj_z, _b, _a), conv1d by segment, A_log, dt_bias,
     out_proj and the gated q/k/v per KV group take the exact path, at equal and different
     TP sizes (gen TP 4 > 2 KV heads: a group's heads split, k/v replicated)."""
     for family, index in (("qwen3_5_moe_text", 0), ("qwen3_5_moe_text", 1), ("qwen3_5_moe_text", 2),
                           ("qwen3_5_text", 1), ("qwen3_5_text-uneven-pp", 0)):
         for g in refitted(family, index):
-            assert g["summary"]["misc_params"] == 3 * 2 + _gated_qkv_packed(family, index), (
+            assert g["summary"]["misc_params"] == 3 * 1 + _gated_qkv_packed(family, index), (
                 family, index, g["rank"], g["summary"])
 
 
