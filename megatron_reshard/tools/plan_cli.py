@@ -296,7 +296,7 @@ def _print_packed(cfg, others: str, train_tp: int) -> None:
         return
     size = lambda ps: sum(math.prod(p.shape) * (4 if p.dtype == "torch.float32" else 2)  # noqa: E731
                           for p in ps)
-    print(f"of these, {len(packed)} HF weights travel packed whatever the layout (full tensors "
+    print(f"of these, {len(packed)} HF weights travel packed at this layout (full tensors "
           f"from each stage's first training rank: {b(size(packed))}); exact-path share of "
           f"bytes {100 * (1 - size(packed) / size(params)):.1f}%")
 
