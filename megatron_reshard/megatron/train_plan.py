@@ -319,18 +319,22 @@ def sort_params(facts: ModelFacts, placement: RankPlacement, reports: list, gen:
     if getattr(facts.config, "attention_output_gate", False):
         nkv = facts.dims.num_query_groups
         grouped_qkv = (grouped_qkv and facts.layout.tp <= nkv and nkv % facts.layout.tp == 0
-                       and not getattr(facts.config, "add_qkv_bias", False))
+                       and not getattr(facts.config, "add_qkv_bias", False) and gen.quant is None)
     forced = re.compile(packed_params) if packed_params else None
     hf_metadata = metadata
     keep_packed = lambda n: bool(forced and forced.search(n))  # noqa: E731
-    if facts.family == "gpt_oss":  # experts in vLLM's wire form (megatron.gpt_oss)
+    # the wire forms of gpt-oss's experts and of the Gated-DeltaNet streams are planned for a
+    # generation model in the training dtype: with FP8 generation those params stay packed
+    # (quantized on write from full tensors), as before these forms existed
+    bf16_forms = gen.quant is None
+    if facts.family == "gpt_oss" and bf16_forms:  # experts in vLLM's wire form (megatron.gpt_oss)
         metadata = gpt_oss.wire_metadata(metadata, keep_packed)
-    if facts.dims.linear is not None:  # Qwen3.5's in_proj_qkv as its 3 segments (megatron.qwen3_next)
+    if facts.dims.linear is not None and bf16_forms:  # streams by segment (megatron.qwen3_next)
         metadata = qwen3_next.stream_metadata(metadata, facts.dims.linear, keep_packed)
     # Vocab matrices are the largest params outside the FFN; attention output, norms and
     # router have plain layouts on both sides: all take the exact path.
     exact_extra = {n: m for n, m in metadata.items()
-                   if not is_nccl_reshard_param(n)
+                   if not is_nccl_reshard_param(n) and (bf16_forms or ".linear_attn." not in n)
                    and not (forced and forced.search(n))
                    and (n in VOCAB_PARAMS or tp_dim_of(n) != NOT_LISTED
                         or (grouped_qkv and QKV_PARAM_RE.search(n))
