@@ -5,7 +5,7 @@ Runs on CPU (gloo, spawned workers, one pool for all runs). Training: TP ranks o
 EP2 for the MoE presets at even TP, else EP1); generation: TP ranks only. Prints one row
 per layout, then one summary line: layouts checked, bit-exact, refused by the demo's
 checks, and the families below 100% exact path by design (Qwen3-Next / Qwen3.5's
-Gated-DeltaNet and gated q/k/v, gpt-oss's experts: ``presets.PACKED_BY_DESIGN_TYPES``).
+gated norm, Qwen3-Next's per-key-head in_proj: ``presets.PACKED_BY_DESIGN_TYPES``).
 
 Exit status 0 when every layout is bit-exact or refused, and every family outside those
 moves every byte on the exact path; 1 otherwise (a mismatch, or a byte off the exact path

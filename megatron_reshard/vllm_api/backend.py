@@ -30,6 +30,13 @@ Lifecycle (vLLM worker call → engine → receiver):
   none) checks the committed version too.
 - ``shutdown_weight_transfer_engine()`` → ``RefitWorkerState.destroy_groups``.
 
+Staged refits (``prepare_options={"staged": True}``, ``receiver.staging``):
+``update_weights({"staged": True})`` starts the receive into staging tensors on the worker's
+own thread and returns, so vLLM's engine loop keeps generating from the live weights;
+``finish_weight_update()`` (called inside ``pause_generation(mode="keep")``) flips the
+staged version into vLLM's storage in place. A failure before the flip leaves the live
+weights consistent at their version (README, "Staged refits").
+
 The weight state (``refit_weights_state()``: ``consistent``/``inconsistent``, ``version``,
 ``started_from``, ``overwritten``, ...) belongs to the engine and outlives refit groups, so a
 restarted trainer (``shutdown`` + ``init_transfer_engine`` on new ports) is seen to restore
@@ -99,7 +106,8 @@ class MegatronReshardInitInfo(WeightTransferInitInfo):
     fields (``num_streams``, ``batch_bytes``, ``staging_bytes``,
     ``strided_in_place``, ``verify_checksums``, ``keep_as_loaded``; ``verify_checksums``
     must match the sender's; ``keep_as_loaded`` lists the vLLM params the payload does not
-    write that may keep what was loaded, any other such param is refused at init).
+    write that may keep what was loaded, any other such param is refused at init;
+    ``staged``, ``staging_budget_bytes``: staged refits, ``receiver.staging``).
     """
 
     host: str
@@ -131,9 +139,12 @@ class MegatronReshardInitInfo(WeightTransferInitInfo):
 class MegatronReshardUpdateInfo(WeightTransferUpdateInfo):
     """What ``update_weights(update_info)`` takes: nothing is needed (the payload fixed the
     transfer at init); ``version``, if given, is the weight version the training side's
-    ``RefitSender.refit(version=...)`` sends, checked against the committed one."""
+    ``RefitSender.refit(version=...)`` sends, checked against the committed one.
+    ``staged``: start a staged refit and return (the engine was prepared with
+    ``prepare_options={"staged": True}``); ``finish_weight_update`` flips it."""
 
     version: Optional[int] = None
+    staged: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.version, str) and self.version.lstrip("-").isdigit():
@@ -141,6 +152,8 @@ class MegatronReshardUpdateInfo(WeightTransferUpdateInfo):
         if self.version is not None and not _is_int(self.version):
             raise _field_error(type(self).__name__, "version", "None or an int (the trainer's "
                                "refit version)", self.version)
+        if not isinstance(self.staged, bool):
+            raise _field_error(type(self).__name__, "staged", "True or False", self.staged)
 
 
 def _fields_text(cls) -> str:
@@ -167,6 +180,7 @@ class MegatronReshardWeightTransferEngine(
         self.last_refit: Optional[RefitResult] = None
         self._timeout_s = 60.0
         self._update: Optional[list[int]] = None  # the open update: versions committed in it
+        self._staged: Optional[MegatronReshardUpdateInfo] = None  # started, not flipped yet
 
     # -- typed infos -------------------------------------------------------------------
 
@@ -235,6 +249,13 @@ class MegatronReshardWeightTransferEngine(
         if self._update is None:
             raise CallOrderError("update_weights outside a weight update: call start_weight_update "
                                "first")
+        if self._staged is not None:
+            raise CallOrderError("update_weights while a staged refit of this update waits for "
+                                 "its flip: call finish_weight_update (inside the pause) first")
+        if update_info.staged:
+            self.state.require_stager().start(self.state.require_session())
+            self._staged = update_info
+            return
         try:
             result = self.state.refit(self.model, getattr(self.model_config, "dtype", None))
         except Exception as exc:
@@ -243,6 +264,9 @@ class MegatronReshardWeightTransferEngine(
             raise WeightUpdateError(
                 f"megatron_reshard refit failed ({type(exc).__name__}: {exc}); the weights are "
                 f"{_state_text(weights)}", weights) from exc
+        self._committed(result, update_info)
+
+    def _committed(self, result: RefitResult, update_info: MegatronReshardUpdateInfo) -> None:
         self.last_refit = result
         self._update.append(result.version)
         if update_info.version is not None and result.version != update_info.version:
@@ -252,7 +276,22 @@ class MegatronReshardWeightTransferEngine(
                 f"update_info.version: expected {update_info.version}, the trainer committed "
                 f"version {result.version}; the weights are {_state_text(weights)}", weights)
 
+    def _flip(self) -> None:
+        """The staged refit of this update goes live (waits for its transfer first)."""
+        info, self._staged = self._staged, None
+        try:
+            result = self.state.flip_staged(self.model, getattr(self.model_config, "dtype", None))
+        except Exception as exc:
+            self._update = None
+            weights = self.refit_weights_state()
+            raise WeightUpdateError(
+                f"megatron_reshard staged refit failed ({type(exc).__name__}: {exc}); the "
+                f"weights are {_state_text(weights)}", weights) from exc
+        self._committed(result, info)
+
     def finish_weight_update(self, weight_version: Union[int, str, None] = None) -> None:
+        if self._staged is not None and self._update is not None:
+            self._flip()  # inside the caller's pause: local copies only
         update, self._update = self._update, None
         state = self.state.weights
         weights = state.as_dict()  # what the errors carry
@@ -276,7 +315,7 @@ class MegatronReshardWeightTransferEngine(
                     weights)
 
     def shutdown(self) -> None:
-        self._update = None
+        self._update = self._staged = None
         if self.state.groups is not None:
             self.state.destroy_groups(self._timeout_s)
         self.summary = None
@@ -286,7 +325,7 @@ class MegatronReshardWeightTransferEngine(
     def refit_weights_state(self) -> dict:
         """``WeightState.as_dict()`` (as the worker extension's); reach it through vLLM with
         ``llm.collective_rpc(lambda w: w.weight_transfer_engine.refit_weights_state())``."""
-        return self.state.weights.as_dict()
+        return self.state.weights_state()
 
     def check_refit_weights_consistent(self) -> None:
         self.state.weights.require_consistent()
