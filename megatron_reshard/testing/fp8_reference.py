@@ -19,14 +19,12 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from megatron_reshard.testing.vllm_like import _cfg, expected_vllm_shard, vllm_param_shapes
+from megatron_reshard.testing.vllm_like import (FORMATS, MX_BLOCK, TILE, _cfg, expected_vllm_shard,
+                                                vllm_fp8_param_specs)
 
-TILE = 128
 E4M3_MAX = 448.0
 AMAX_FLOOR = 1e-4  # vLLM's floor on a tile's amax
 CUDA_INV_448 = float(torch.tensor(1 / E4M3_MAX, dtype=torch.float32))  # CUDA's scalar divisor, inverted
-# vLLM params a block-FP8 model holds in float8_e4m3fn (with a ``_scale_inv`` sibling)
-VLLM_FP8_PARAM_RE = re.compile(r"(?:_proj\.weight|\.w13_weight|\.w2_weight)$")
 HF_LINEAR_RE = re.compile(r"_proj(?:_with_mqa)?\.weight$")  # MLA: kv_a_proj_with_mqa too
 
 
@@ -79,12 +77,6 @@ def reference_block_fp8(weight: torch.Tensor, pow2: bool = False,
     return q, scale_inv
 
 
-MX_BLOCK = 32
-# per format: scale suffix, scale dtype, tile (rows, cols)
-FORMATS = {"block_fp8": ("_scale_inv", torch.float32, (TILE, TILE)),
-           "mxfp8": ("_scale", torch.uint8, (1, MX_BLOCK))}
-
-
 def reference_mxfp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(float8_e4m3fn weight, uint8 E8M0 scales) per 32 elements of a row: the scale is the
     smallest power of two ``2^j`` with ``amax <= 448 * 2^j`` (amax at least the smallest
@@ -105,25 +97,6 @@ def reference_mxfp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             -E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
         scales[..., b] = biased.to(torch.uint8)
     return q, scales
-
-
-def vllm_fp8_param_specs(hf_config: Mapping[str, Any], tp_rank: int, tp_size: int, ep_size: int = 1,
-                         ep_rank: Optional[int] = None, dtype: torch.dtype = torch.bfloat16,
-                         fmt: str = "block_fp8") -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Names, shapes and dtypes of an FP8 vLLM model's params on one rank: linear and expert
-    weights in float8_e4m3fn plus their scales (block FP8: ``<name>_scale_inv``, fp32, one per
-    128x128 tile; MXFP8: ``<name>_scale``, uint8 E8M0, one per 32 elements of a row); the rest
-    in ``dtype``."""
-    suffix, sdtype, (tr, tc) = FORMATS[fmt]
-    out = {}
-    for name, shape in vllm_param_shapes(hf_config, tp_rank, tp_size, ep_size, ep_rank).items():
-        if VLLM_FP8_PARAM_RE.search(name):
-            out[name] = (shape, torch.float8_e4m3fn)
-            tiles = (*shape[:-2], math.ceil(shape[-2] / tr), math.ceil(shape[-1] / tc))
-            out[name + suffix] = (tiles, sdtype)
-        else:
-            out[name] = (shape, dtype)
-    return out
 
 
 def quantize_full_hf(full_hf_tensors: Mapping[str, torch.Tensor], fmt: str = "block_fp8",
@@ -172,5 +145,4 @@ def expected_vllm_fp8_params(hf_config: Mapping[str, Any], full_hf_tensors: Mapp
 
 __all__ = [
     "quantize_full_hf", "reference_mxfp8", "expected_vllm_fp8_params", "reference_block_fp8",
-    "vllm_fp8_param_specs"
 ]

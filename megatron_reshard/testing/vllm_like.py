@@ -27,6 +27,7 @@ no shared-expert gate), and the router ``mlp.gate.weight`` held in float32 too (
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any, Mapping, Optional
 
@@ -173,6 +174,35 @@ def vllm_param_shapes(hf_config: Mapping[str, Any], tp_rank: int, tp_size: int, 
     return shapes
 
 
+# A vLLM FP8 model's params: linear and expert weights in float8_e4m3fn (this pattern),
+# each with its scales (per format: scale suffix, scale dtype, tile (rows, cols)); the
+# quantizers that fill them: ``testing.fp8_reference``
+VLLM_FP8_PARAM_RE = re.compile(r"(?:_proj\.weight|\.w13_weight|\.w2_weight)$")
+TILE = 128
+MX_BLOCK = 32
+FORMATS = {"block_fp8": ("_scale_inv", torch.float32, (TILE, TILE)),
+           "mxfp8": ("_scale", torch.uint8, (1, MX_BLOCK))}
+
+
+def vllm_fp8_param_specs(hf_config: Mapping[str, Any], tp_rank: int, tp_size: int, ep_size: int = 1,
+                         ep_rank: Optional[int] = None, dtype: torch.dtype = torch.bfloat16,
+                         fmt: str = "block_fp8") -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Names, shapes and dtypes of an FP8 vLLM model's params on one rank: linear and expert
+    weights in float8_e4m3fn plus their scales (block FP8: ``<name>_scale_inv``, fp32, one per
+    128x128 tile; MXFP8: ``<name>_scale``, uint8 E8M0, one per 32 elements of a row); the rest
+    in ``dtype``."""
+    suffix, sdtype, (tr, tc) = FORMATS[fmt]
+    out = {}
+    for name, shape in vllm_param_shapes(hf_config, tp_rank, tp_size, ep_size, ep_rank).items():
+        if VLLM_FP8_PARAM_RE.search(name):
+            out[name] = (shape, torch.float8_e4m3fn)
+            tiles = (*shape[:-2], math.ceil(shape[-2] / tr), math.ceil(shape[-1] / tc))
+            out[name + suffix] = (tiles, sdtype)
+        else:
+            out[name] = (shape, dtype)
+    return out
+
+
 def build_vllm_like_model(hf_config: Mapping[str, Any], tp_rank: int, tp_size: int, ep_size: int = 1,
                           dtype: torch.dtype = torch.bfloat16, *, ep_rank: Optional[int] = None,
                           routed_experts_nesting: bool = False,
@@ -181,7 +211,7 @@ def build_vllm_like_model(hf_config: Mapping[str, Any], tp_rank: int, tp_size: i
     """An ``nn.Module`` with vLLM's per-rank parameter names and shapes, filled with NaN.
 
     ``quant="block_fp8"``: linear and expert weights in float8_e4m3fn with their fp32
-    ``_scale_inv`` (``testing.fp8_reference.vllm_fp8_param_specs``), the rest in ``dtype``.
+    ``_scale_inv`` (``vllm_fp8_param_specs``), the rest in ``dtype``.
     ``hf_config``: a map, or a payload's ``wire.HFConfig``.
     """
     hf_config = _as_map(hf_config)
@@ -189,8 +219,6 @@ def build_vllm_like_model(hf_config: Mapping[str, Any], tp_rank: int, tp_size: i
     shapes = vllm_param_shapes(hf_config, tp_rank, tp_size, ep_size, ep_rank, routed_experts_nesting)
     dtypes = {name: dtype for name in shapes}
     if quant in ("block_fp8", "mxfp8"):
-        from megatron_reshard.testing.fp8_reference import vllm_fp8_param_specs
-
         specs = vllm_fp8_param_specs(hf_config, tp_rank, tp_size, ep_size, ep_rank, dtype, quant)
         shapes = {name: shape for name, (shape, _) in specs.items()}
         dtypes = {name: d for name, (_, d) in specs.items()}
