@@ -194,7 +194,9 @@ def _value_sections(values: torch.Tensor, count: int, item: int, diff8: bool) ->
 _ROW = 11
 
 
-_ZEROS: dict = {}  # per device, int64 zeros kept for one-region batches' ids (grown)
+# per device, int64 zeros kept for one-region batches' ids (grown, never written). Kept for
+# the process: zeros stay zeros; one buffer per device, as large as the largest batch's ids
+_ZEROS: dict = {}
 
 
 def _zeros(n: int, dev: torch.device) -> torch.Tensor:
