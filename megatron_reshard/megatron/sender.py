@@ -25,6 +25,9 @@ from megatron_reshard.refit.packed import broadcast_packed, pack_entries
 from megatron_reshard.refit.loop import DEFAULT_BATCH_BYTES, DEFAULT_STAGING_BYTES, RefitLoop
 from megatron_reshard.refit.order import misc_items_by_stage
 from megatron_reshard.refit.protocol import RefitProtocol
+from megatron_reshard.refit.version import Refusal
+from megatron_reshard.errors import BadInputError
+from megatron_reshard.megatron.live_views import BoundTensors
 from megatron_reshard.megatron.source import gather_other_params, local_param_map, plan_of
 
 if TYPE_CHECKING:
@@ -82,6 +85,7 @@ class RefitSender:
                                           {self.stage: self.misc_items}, staging_bytes,
                                           self.pp_size)
         self.is_misc_root = plan.stage_local_rank == 0
+        self._bound = BoundTensors(plan)  # the model tensors the loop's views are cut from
 
     @property
     def base(self) -> Optional[TrainBase]:
@@ -106,12 +110,13 @@ class RefitSender:
         """
         self.protocol.check_usable(lambda why: f"the refit group of stage {self.stage} failed in "
                                    f"an earlier refit ({why}); create a new refit group and sender")
+        rebound, refusal = self._follow_model()
         try:
             done = self.protocol.run(
                 self._send_chunk, version=None if version is None else int(version),
                 allow_version_reuse=allow_version_reuse,
                 last_version=self.version if self._sent_any else None, device=self.device,
-                delta_vote=self._delta_vote())
+                delta_vote=self._delta_vote(), refusal=refusal)
         except RefitError:
             if self.base is not None:
                 self.base.dropped()
@@ -132,11 +137,41 @@ class RefitSender:
                "verify_s": done.verify_s,  # None: no rank of the group needed the plan check
                "mode": done.mode, "full_reason": done.full_reason,
                "bytes_sent": done.bulk_bytes_moved + misc,
-               "planner": "default" if self.loop.costs[self.stage] is None else "link"}
+               "planner": "default" if self.loop.costs[self.stage] is None else "link",
+               "rebound": rebound}  # model tensors that had moved: the views cut again
         if self.base is not None:
             out["delta"] = done.bulk.delta
             out["base"] = self.base.report()
         return out
+
+    def _follow_model(self) -> tuple[int, Optional[Refusal]]:
+        """Every refit reads the model's current storage (``megatron.live_views``): the
+        views re-cut where the model's tensors moved since the last refit; (how many moved,
+        None), or (0, the refusal) where they changed beyond that. Local: the version
+        check's vote carries the refusal, and the re-check of the plan a re-bind asks for,
+        to every rank of the group."""
+        moved = self._bound.check()
+        if moved is None:
+            return 0, None
+        if not moved.refusals:
+            try:
+                rebound = self._bound.rebound()
+                self.loop.rebind(local_param_map(rebound[0]))
+                self._bound.accept(rebound)
+                self.plan = rebound[0]
+                return len(moved.moved), None
+            except BadInputError as exc:  # cut as at construction: said the same way
+                problems, refused = (str(exc),), set(moved.moved)
+        else:
+            problems, refused = moved.refusals, set(moved.refused)
+        names = self.loop.param_names()[self.stage]
+        bad = {n for conv, _ in self.plan.local.converted if conv.megatron_name in refused
+               for n in conv.hf_names}
+        index = next((i for i, n in enumerate(names) if n in bad), -1)
+        return 0, Refusal(f"refit refused before any byte moved: the model's tensors on "
+                          f"{self.plan.where()} changed since its MegatronRefitSource was "
+                          f"built: " + "; ".join(problems) + ". Build a new MegatronRefitSource "
+                          f"and RefitSender for the model as it is now", index)
 
     def _delta_vote(self) -> list:
         """This rank's columns of the delta/full vote (``refit.delta``)."""

@@ -294,6 +294,21 @@ class RefitLoop:
                                                    [t.dtype for t in self._transfers[s]])
                                 for s in self.stages}
 
+    def param_names(self) -> dict[int, list[str]]:
+        """The bulk param names of each of this rank's stages, in the payload's order (the
+        same on every rank of a group: a stage index names a param everywhere)."""
+        return {s: [p.name for p in ps] for s, ps in self.stages.items()}
+
+    def rebind(self, local_map: HFToLocalParamMap) -> None:
+        """Take this rank's params from ``local_map`` from now on (the training side's
+        tensors moved: ``megatron.live_views``), checked as in the constructor. The next
+        run checks the plan again, so every rank of the group agrees its batches anew
+        (the version check's vote tells the peers; ``refit.protocol``)."""
+        mine = {s: local_params(ps, local_map, self.side, self._ranks[s], s)
+                for s, ps in self.stages.items()}
+        self.local_map, self._mine = local_map, mine
+        self._verified = False
+
     def delta_held(self) -> bool:
         """Whether this rank holds a param other than as its storage in place (no plans
         needed: the params a record sends full are skipped, ``refit.delta.dst_hooked``)."""

@@ -43,7 +43,7 @@ from megatron_reshard.groups.faults import RefitError, fault_scope, wait_device
 from megatron_reshard.refit.packed import chunk_items
 from megatron_reshard.refit.loop import RefitLoop, RefitStats
 from megatron_reshard.refit.order import MiscItem
-from megatron_reshard.refit.version import VersionRefused, agree_version
+from megatron_reshard.refit.version import Refusal, agree_version
 
 # move_chunk(stage, items): one packed broadcast of those items of the stage, this side's part
 MoveChunk = Callable[[int, list[MiscItem]], None]
@@ -119,7 +119,7 @@ class RefitProtocol:
             held_version: Optional[int] = None, device: Optional[torch.device] = None,
             on_write: Optional[Callable[[list[str]], None]] = None,
             on_failure: Optional[Callable[[str], None]] = None,
-            delta_vote: Optional[list] = None) -> RefitRound:
+            delta_vote: Optional[list] = None, refusal: Optional[Refusal] = None) -> RefitRound:
         """Steps 0 to 4 (1: where some rank of a group has not checked the plan). ``version``: what the training side sends
         (None: the default, see ``refit.version``; always None on the generation side),
         ``allow_version_reuse`` and ``last_version`` (its sender's last) likewise;
@@ -128,14 +128,17 @@ class RefitProtocol:
         (the receiver's weight state); ``on_failure(reason)``: after the latch is set,
         before the error propagates. ``VersionRefused`` when step 0 refuses.
         ``delta_vote``: this rank's columns of the delta/full vote taken with step 0
-        (``refit.delta``); the bulk step then runs in the agreed mode."""
+        (``refit.delta``); the bulk step then runs in the agreed mode. ``refusal``: this
+        training rank cannot send its tensors as they are (``megatron.live_views``): every
+        rank raises ``TensorsRefused`` at step 0."""
         with self._latching(on_failure):
             agreed = agree_version(self.groups, side=self.side, version=version,
                                    allow_reuse=allow_version_reuse, held=held_version,
                                    last_sent=last_version, pp_size=self.pp_size,
-                                   delta_vote=delta_vote, plan_unchecked=not self.loop.verified)
+                                   delta_vote=delta_vote, plan_unchecked=not self.loop.verified,
+                                   refusal=refusal, param_names=self.loop.param_names())
         if agreed.refused:  # every rank alike, nothing moved: the groups stay usable
-            raise VersionRefused(agreed.refused)
+            raise agreed.error(agreed.refused)
         with self._latching(on_failure):
             # the groups where some rank (this one or a peer) has not checked the plan yet
             verify_s = self.verify_plan(agreed.check_plan) if agreed.check_plan else None
