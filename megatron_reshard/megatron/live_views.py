@@ -61,14 +61,16 @@ class BoundTensors:
     def __init__(self, plan: TrainSidePlan):
         self.plan = plan
         self._names = [conv.megatron_name for conv, _ in plan.local.converted]
+        self._slots = _slots(plan.facts.model, self._names)
         # taken now: a tensor moved by ``param.data = ...`` is the same object afterwards
         self._signature = signature([t for _, t in plan.local.converted])
         self.rebinds = 0  # how many refits found moved tensors and re-cut the views
 
     def current(self) -> list[Optional[torch.Tensor]]:
-        """The model's tensors now, by the names the plan converted."""
-        by_name = dict(named_tensors(self.plan.facts.model))
-        return [by_name.get(n) for n in self._names]
+        """The model's tensors now, by the names the plan converted: each read from its
+        module's own table (``_parameters`` / ``_buffers``, where ``param.data = ...`` and
+        ``_apply`` leave or put it), not by walking the model (~6 µs a param, measured)."""
+        return [table.get(key) for table, key in self._slots]
 
     def check(self) -> Optional[Moved]:
         """None when every view still aliases the model's storage, else what moved."""
@@ -110,6 +112,21 @@ class BoundTensors:
     def accept(self, rebound: tuple[TrainSidePlan, tuple]) -> None:
         self.plan, self._signature = rebound
         self.rebinds += 1
+
+
+def _slots(model: torch.nn.Module, names: Sequence[str]) -> list[tuple[dict, str]]:
+    """Per Megatron name (``model_info.named_tensors``): the module table that holds it and
+    its key there."""
+    tensors = dict(named_tensors(model))
+    out = []
+    for name in names:
+        prefix, _, leaf = name.rpartition(".")
+        module = model.get_submodule(prefix) if prefix else model
+        table = module._parameters if leaf in module._parameters else module._buffers
+        if table.get(leaf) is not tensors.get(name):
+            raise AssertionError(f"{name}: not where named_tensors found it")  # a model bug
+        out.append((table, leaf))
+    return out
 
 
 __all__ = ["BoundTensors", "Moved", "signature"]
