@@ -6,13 +6,13 @@ construction. Between refits an RL loop may move them: ``Module.to()`` / ``.cuda
 views then still point at the old storage (they keep it alive), and a refit would send
 bytes the model no longer holds while every check passes.
 
-So each refit starts with ``BoundTensors.check()``: the model's tensors read again by name
-(``model_info.named_tensors``: a replaced ``Parameter`` object is seen too) and compared
+So each refit starts with ``BoundTensors.check()``: the model's tensors read again from
+their modules' tables (a replaced ``Parameter`` object is seen too) and compared
 with those the views were cut from, in one ``==`` of two tuples gathered by ``map`` in C
 (object, address, shape, stride, dtype, device of every tensor). Equal: the views alias
 the model's storage (the old storage is kept alive by the views, so no new tensor can
 take its address). Different: the views are cut again the way the source cut them
-(``rebind``), or, where that would not hold the refit's payload (a tensor gone, or its
+(``rebound``), or, where that would not hold the refit's payload (a tensor gone, or its
 shape or dtype changed: the payload was built for the old ones), the refit is refused
 before any byte moves (``Moved.refusals``, voted in the version check so every rank of
 the group refuses alike). Cost measured in docs/MEASUREMENTS.md ("Moved parameters").
