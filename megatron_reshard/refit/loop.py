@@ -70,6 +70,7 @@ from megatron_reshard.errors import BadInputError
 from megatron_reshard.groups.collectives import all_gather_ints, control_device, group_rank
 from megatron_reshard.groups.faults import RefitError, wait_device
 from megatron_reshard.refit.checksums import SourceOverlaps, StageChecksums
+from megatron_reshard.refit.delta import record_eligible
 from megatron_reshard.refit.local import LocalParam, first_tensor_is_cuda, local_params
 from megatron_reshard.refit.order import (MiscItem, BulkTransfer, batch_bounds, plan_fingerprint,
                                           plan_parts, bulk_transfers)
@@ -293,6 +294,18 @@ class RefitLoop:
                                                    self._ranks[s],
                                                    [t.dtype for t in self._transfers[s]])
                                 for s in self.stages}
+
+    def held_in_place(self) -> list[tuple[str, torch.Tensor]]:
+        """(name, tensor) of every bulk param this rank holds as a plain tensor of its
+        storage and that may take deltas (``refit.delta.record_eligible``): what a delta
+        writes into on the generation side (its base, ``refit.base_digest``)."""
+        out = []
+        for stage, mine in self._mine.items():
+            for record, held in zip(self.stages[stage], mine):
+                if held is not None and held.spec.pre is None and record_eligible(record) \
+                        and isinstance(held.spec.base, torch.Tensor):
+                    out.append((record.name, held.spec.base))
+        return out
 
     def param_names(self) -> dict[int, list[str]]:
         """The bulk param names of each of this rank's stages, in the payload's order (the

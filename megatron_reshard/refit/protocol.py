@@ -61,6 +61,7 @@ class RefitRound:
     version: Optional[int] = None  # what the version check agreed on
     mode: str = "full"             # "delta": agreed by every rank in the version check
     full_reason: Optional[str] = None  # why full (refit.delta), None for a delta refit
+    delta_wanted: bool = False         # the training side asks for deltas: keep a base
 
     @property
     def bulk_bytes_moved(self) -> int:
@@ -156,7 +157,7 @@ class RefitProtocol:
                                    checksum_failed=bool(bulk.checksum_mismatches),
                                    pp_size=self.pp_size)
         return RefitRound(bulk, outcome, verify_s, t1 - t0, t2 - t1, agreed.version,
-                          agreed.mode, agreed.full_reason)
+                          agreed.mode, agreed.full_reason, agreed.delta_wanted)
 
 
 __all__ = ["MoveChunk", "RefitProtocol", "RefitRound"]

@@ -64,6 +64,7 @@ class VersionDecision:
     full_reason: Optional[str] = None  # why full (refit.delta's vote), None for a delta
     base: Optional[int] = None         # the version a delta is cut from
     check_plan: tuple[int, ...] = ()   # the stages whose groups run the plan check first
+    delta_wanted: bool = False         # the training side asks for deltas (refit.delta)
     error: type = VersionRefused       # what a refusal raises (TensorsRefused: a training
                                        # rank's tensors changed beyond re-binding)
 
@@ -174,15 +175,16 @@ def agree_version(groups: Mapping[int, Any], *, side: str, version: Optional[int
                            "(see the errors there)"]
             if full_elsewhere and not full:
                 full = ["another PP stage's refit group needs a full refit"]
+    wanted = any(m.wanted for m in modes.values())
     if refused:
         return VersionDecision(None, "; ".join(refused), check_plan=tuple(check_plan),
-                               error=error)
+                               delta_wanted=wanted, error=error)
     version_ = versions[0] if versions else None
     if full:
         return VersionDecision(version_, full_reason="; ".join(dict.fromkeys(full)),
-                               check_plan=tuple(check_plan))
+                               check_plan=tuple(check_plan), delta_wanted=wanted)
     return VersionDecision(version_, mode="delta", base=bases[0] if bases else None,
-                           check_plan=tuple(check_plan))
+                           check_plan=tuple(check_plan), delta_wanted=wanted)
 
 
 __all__ = ["RefitRefused", "Refusal", "TensorsRefused", "VersionDecision", "VersionRefused",
