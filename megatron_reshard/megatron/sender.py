@@ -21,6 +21,7 @@ import torch
 from megatron_reshard.groups.faults import RefitError, fault_scope
 from megatron_reshard.engine.refit_transport import transport_of
 from megatron_reshard.refit.delta import DeltaConfig, TrainBase, src_vote
+from megatron_reshard.refit.finite import all_finite
 from megatron_reshard.refit.packed import broadcast_packed, pack_entries
 from megatron_reshard.refit.loop import DEFAULT_BATCH_BYTES, DEFAULT_STAGING_BYTES, RefitLoop
 from megatron_reshard.refit.order import misc_items_by_stage
@@ -43,7 +44,7 @@ class RefitSender:
                  staging_bytes: int = DEFAULT_STAGING_BYTES,
                  verify_checksums: bool = False,
                  delta: Union[bool, DeltaConfig] = False, planner: str = "auto",
-                 node: Optional[str] = None):
+                 node: Optional[str] = None, check_finite: bool = False):
         """``verify_checksums`` must match the generation side's choice (plan fingerprint).
         ``delta`` (experimental, off by default): ``True`` (a ``DeltaConfig()``: 1 GiB of
         base per rank, kept beside the weights) or a ``DeltaConfig``: once a refit
@@ -55,6 +56,11 @@ class RefitSender:
         side's; ``node`` names this rank's node (default: the host name): with ``"auto"``
         the link-aware planner plans a group that spans more than one node (docs/DESIGN.md,
         "Which planner a refit uses").
+
+        ``check_finite`` (off by default: a pass over the weights): NaN or Inf in a weight
+        sent makes the refit fail its commit on every rank, naming the param and this rank
+        (``refit.finite``; taken in the checksums' pass when ``verify_checksums``); the
+        generation side then holds no committed version of those weights.
 
         ``source``: a ``MegatronRefitSource`` or its ``plan``; anything else raises
         ``BadInputTypeError``. Errors here are posted on the group's fault board, so the
@@ -78,7 +84,7 @@ class RefitSender:
                                   {self.stage: group}, num_streams=num_streams,
                                   batch_bytes=batch_bytes, staging_bytes=staging_bytes,
                                   misc_items=misc, verify_checksums=verify_checksums,
-                                  planner=planner, node=node)
+                                  planner=planner, node=node, check_finite=check_finite)
             if self.delta is not None:
                 self.loop.enable_delta(lambda *a: TrainBase(self.delta, *a))
             self.protocol = RefitProtocol("src", self.loop, {self.stage: group},
@@ -86,6 +92,9 @@ class RefitSender:
                                           self.pp_size)
         self.is_misc_root = plan.stage_local_rank == 0
         self._bound = BoundTensors(plan)  # the model tensors the loop's views are cut from
+        self.check_finite = check_finite
+        self._misc_at = {name: i for i, (name, _, _) in enumerate(self.misc_items)}
+        self._misc_nonfinite: dict[int, list[int]] = {}  # this refit's, by misc position
 
     @property
     def base(self) -> Optional[TrainBase]:
@@ -111,12 +120,14 @@ class RefitSender:
         self.protocol.check_usable(lambda why: f"the refit group of stage {self.stage} failed in "
                                    f"an earlier refit ({why}); create a new refit group and sender")
         rebound, refusal = self._follow_model()
+        self._misc_nonfinite = {self.stage: []}
         try:
             done = self.protocol.run(
                 self._send_chunk, version=None if version is None else int(version),
                 allow_version_reuse=allow_version_reuse,
                 last_version=self.version if self._sent_any else None, device=self.device,
-                delta_vote=self._delta_vote(), refusal=refusal)
+                delta_vote=self._delta_vote(), refusal=refusal,
+                misc_nonfinite=self._misc_nonfinite)
         except RefitError:
             if self.base is not None:
                 self.base.dropped()
@@ -192,6 +203,10 @@ class RefitSender:
         full = gather_other_params(self.plan, names)
         tensors = ({name: full[name].to(self.device) for name in names}
                    if self.is_misc_root else None)
+        if self.check_finite and tensors is not None:
+            flags = {name: all_finite(t) for name, t in tensors.items()}
+            self._misc_nonfinite[stage] += [self._misc_at[n] for n, f in flags.items()
+                                            if f is not None and not bool(f)]
         broadcast_packed(pack_entries(chunk), self.group, 0, self.device, tensors)
 
     def release_staging(self) -> None:

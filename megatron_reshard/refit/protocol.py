@@ -38,7 +38,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
-from megatron_reshard.refit.commit import CommitOutcome, commit_refit
+from megatron_reshard.refit.commit import CommitOutcome, Findings, commit_refit
 from megatron_reshard.groups.faults import RefitError, fault_scope, wait_device
 from megatron_reshard.refit.packed import chunk_items
 from megatron_reshard.refit.loop import RefitLoop, RefitStats
@@ -120,7 +120,8 @@ class RefitProtocol:
             held_version: Optional[int] = None, device: Optional[torch.device] = None,
             on_write: Optional[Callable[[list[str]], None]] = None,
             on_failure: Optional[Callable[[str], None]] = None,
-            delta_vote: Optional[list] = None, refusal: Optional[Refusal] = None) -> RefitRound:
+            delta_vote: Optional[list] = None, refusal: Optional[Refusal] = None,
+            misc_nonfinite: Optional[Mapping[int, Sequence[int]]] = None) -> RefitRound:
         """Steps 0 to 4 (1: where some rank of a group has not checked the plan). ``version``: what the training side sends
         (None: the default, see ``refit.version``; always None on the generation side),
         ``allow_version_reuse`` and ``last_version`` (its sender's last) likewise;
@@ -131,7 +132,9 @@ class RefitProtocol:
         ``delta_vote``: this rank's columns of the delta/full vote taken with step 0
         (``refit.delta``); the bulk step then runs in the agreed mode. ``refusal``: this
         training rank cannot send its tensors as they are (``megatron.live_views``): every
-        rank raises ``TensorsRefused`` at step 0."""
+        rank raises ``TensorsRefused`` at step 0. ``misc_nonfinite``: stage -> positions
+        among the stage's other params that held NaN or Inf (``check_finite``), read at
+        step 4 (filled by ``move_chunk``)."""
         with self._latching(on_failure):
             agreed = agree_version(self.groups, side=self.side, version=version,
                                    allow_reuse=allow_version_reuse, held=held_version,
@@ -155,9 +158,26 @@ class RefitProtocol:
             outcome = commit_refit(self.groups, side=self.side,
                                    version=agreed.version if self.side == "src" else None,
                                    checksum_failed=bool(bulk.checksum_mismatches),
-                                   pp_size=self.pp_size)
+                                   pp_size=self.pp_size,
+                                   findings=self._findings(bulk, misc_nonfinite or {}))
         return RefitRound(bulk, outcome, verify_s, t1 - t0, t2 - t1, agreed.version,
                           agreed.mode, agreed.full_reason, agreed.delta_wanted)
+
+
+    def _findings(self, bulk: RefitStats, misc_nonfinite: Mapping[int, Sequence[int]]
+                  ) -> Findings:
+        """What this rank found, by stage index (``commit.Findings``): a stage's bulk params
+        in the payload's order, then its other params."""
+        names = self.loop.param_names()
+        checksum, nonfinite = {}, {}
+        for stage in self.groups:
+            bulk_names = names.get(stage, [])
+            bad = set(bulk.checksum_mismatches)
+            checksum[stage] = [i for i, n in enumerate(bulk_names) if n in bad]
+            nonfinite[stage] = list(bulk.nonfinite.get(stage, ())) + [
+                len(bulk_names) + i for i in misc_nonfinite.get(stage, ())]
+            names[stage] = bulk_names + [n for n, _, _ in self.misc_items.get(stage, ())]
+        return Findings(checksum, nonfinite, names)
 
 
 __all__ = ["MoveChunk", "RefitProtocol", "RefitRound"]
