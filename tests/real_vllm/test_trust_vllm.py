@@ -84,3 +84,14 @@ def test_a_base_written_outside_the_refits_makes_the_refit_full_and_exact(pool):
         if res["role"] == "train":
             continue
         assert refits[2]["written_outside"] == ([WRITTEN] if res["rank"] == 0 else [])
+
+
+def test_the_trainer_init_info_takes_check_finite_and_refuses_a_non_bool():
+    from megatron_reshard.errors import BadInputError
+    from megatron_reshard.vllm_api.trainer import MegatronReshardTrainerInitInfo
+
+    good = dict(host="127.0.0.1", ports_by_stage=[29600], rank=0)
+    assert MegatronReshardTrainerInitInfo(**good, check_finite=True).check_finite is True
+    assert MegatronReshardTrainerInitInfo(**good).check_finite is False  # opt-in
+    with pytest.raises(BadInputError, match="check_finite: expected True or False"):
+        MegatronReshardTrainerInitInfo(**good, check_finite="yes")
