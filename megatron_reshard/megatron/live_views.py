@@ -27,6 +27,7 @@ from typing import NamedTuple, Optional, Sequence
 
 import torch
 
+from megatron_reshard.errors import BadInputError
 from megatron_reshard.megatron.fp8_source import train_fp8_views
 from megatron_reshard.megatron.model_info import named_tensors
 from megatron_reshard.megatron.train_plan import TrainSidePlan
@@ -123,8 +124,10 @@ def _slots(model: torch.nn.Module, names: Sequence[str]) -> list[tuple[dict, str
         prefix, _, leaf = name.rpartition(".")
         module = model.get_submodule(prefix) if prefix else model
         table = module._parameters if leaf in module._parameters else module._buffers
-        if table.get(leaf) is not tensors.get(name):
-            raise AssertionError(f"{name}: not where named_tensors found it")  # a model bug
+        if table.get(leaf) is not tensors.get(name):  # a module that lends others its params
+            raise BadInputError(f"{name}: the model's named_parameters() gives a tensor that "
+                                f"its module {prefix or 'the model'} does not hold as {leaf!r}; "
+                                f"the refit cannot tell when it moves")
         out.append((table, leaf))
     return out
 

@@ -91,7 +91,8 @@ class RefitSender:
                                           {self.stage: self.misc_items}, staging_bytes,
                                           self.pp_size)
         self.is_misc_root = plan.stage_local_rank == 0
-        self._bound = BoundTensors(plan)  # the model tensors the loop's views are cut from
+        with fault_scope([group]):
+            self._bound = BoundTensors(plan)  # the model tensors the loop's views are cut from
         self.check_finite = check_finite
         self._misc_at = {name: i for i, (name, _, _) in enumerate(self.misc_items)}
         self._misc_nonfinite: dict[int, list[int]] = {}  # this refit's, by misc position
