@@ -13,7 +13,9 @@ with ``check_finite=True``, end-to-end checksums on and off. Refits:
 4. training rank 1 holds a NaN in one weight: the commit fails on every rank, each error
    naming the param, the training rank and ``check_finite``; the generation side's weights
    are inconsistent, never committed;
-5. clean again: committed.
+5. clean again: committed;
+6. training rank 1 holds an Inf in the final norm, which this source sends in the packed
+   broadcast (``packed_params``): the commit fails the same way, naming it.
 """
 
 import time
@@ -28,7 +30,9 @@ TRAIN, GEN = 2, 2
 TIMEOUT_S = 60.0
 TARGET_HF = "model.layers.1.mlp.down_proj.weight"      # stage 1's
 TARGET = "decoder.layers.0.mlp.linear_fc2.weight"      # its Megatron name on training rank 1
-REFITS = 5
+PACKED_HF = "model.norm.weight"                       # sent packed, from training rank 1
+PACKED = "decoder.final_layernorm.weight"
+REFITS = 6
 
 
 def _catch(fn):
@@ -48,7 +52,8 @@ def _train(job, control, checksums):
     from megatron_reshard.groups.comm import create_refit_group, destroy_refit_group
     from megatron_reshard.megatron.sender import RefitSender
 
-    model, source, _, _ = dense_pp2_source(GEN, num_layers=2, seed=0)
+    model, source, _, _ = dense_pp2_source(GEN, num_layers=2, seed=0,
+                                           packed_params=r"^model\.norm\.weight$")
     if job.rank == 0:
         control.set("payload", source.payload_bytes())
     group = create_refit_group(job.host, job.ports[1 + source.stage], source.stage_local_rank,
@@ -64,6 +69,9 @@ def _train(job, control, checksums):
         if step == 4 and job.rank == 1:
             with torch.no_grad():
                 weight.view(-1)[5] = 0.25
+        if step == 5 and job.rank == 1:
+            with torch.no_grad():
+                dict(model.named_parameters())[PACKED].view(-1)[3] = float("inf")
         out.append(_catch(sender.refit))
         control.set(f"sent/{step}/{job.rank}", "1")
     destroy_refit_group(group, TIMEOUT_S)
@@ -148,3 +156,13 @@ def test_nan_in_a_training_weight_fails_the_commit_naming_param_and_rank(runs):
         state = gen["states"][3]
         assert state["state"] == "inconsistent", state
         assert gen["states"][4]["state"] == "consistent", gen["states"][4]
+
+
+def test_inf_in_a_packed_param_fails_the_commit_naming_it(runs):
+    checksums, results = runs
+    for who, res in enumerate(results):
+        row = _rows(res, who)[5]
+        assert not row["ok"], (who, row)
+        err = row["error"]
+        assert "NaN or Inf" in err and PACKED_HF in err, (who, err)
+        assert "training group rank 0 of stage 1" in err, (who, err)

@@ -74,7 +74,8 @@ from megatron_reshard.refit.delta import record_eligible
 from megatron_reshard.refit.finite import FiniteCheck, all_finite
 from megatron_reshard.refit.local import LocalParam, first_tensor_is_cuda, local_params
 from megatron_reshard.refit.plan_text import PLANNERS, plan_mismatch_text
-from megatron_reshard.refit.order import (MiscItem, BulkTransfer, batch_bounds, plan_fingerprint,
+from megatron_reshard.refit.order import (MiscItem, BulkTransfer, batch_bounds, misc_items_by_stage,
+                                          plan_fingerprint,
                                           plan_parts, bulk_transfers)
 from megatron_reshard.wire.spec import HFToLocalParamMap, LocalParamSpec
 from megatron_reshard.wire.records import ParamRecord, RefitPayload
@@ -193,6 +194,7 @@ class RefitLoop:
             dict(groups) if isinstance(groups, Mapping) else dict(enumerate(groups)))
         info = RefitPayload.of(refit_info)  # records (a refit info dict is parsed here)
         all_stages = self._all_stages = info.stage_params()
+        self._all_misc = misc_items_by_stage(info)
         pp_size = info.pp_size
         self._dst_weight = stage_weight(all_stages)
         for stage in self.groups:
@@ -270,10 +272,15 @@ class RefitLoop:
                     out.append((record.name, held.spec.base))
         return out
 
-    def param_names(self) -> dict[int, list[str]]:
+    def param_names(self, other: bool = False) -> dict[int, list[str]]:
         """The bulk param names of each stage of the payload, in its order (the same on
-        every rank: a stage index names a param everywhere)."""
-        return {s: [p.name for p in ps] for s, ps in self._all_stages.items()}
+        every rank: a stage index names a param everywhere); ``other``: each stage's other
+        params follow (payload ``other_params``, ``order.misc_items_by_stage``)."""
+        names = {s: [p.name for p in ps] for s, ps in self._all_stages.items()}
+        if other:
+            for s, items in self._all_misc.items():
+                names.setdefault(s, []).extend(name for name, _, _ in items)
+        return names
 
     def rebind(self, local_map: HFToLocalParamMap) -> None:
         """Take this rank's params from ``local_map`` from now on (the training side's

@@ -168,16 +168,15 @@ class RefitProtocol:
                   ) -> Findings:
         """What this rank found, by stage index (``commit.Findings``): a stage's bulk params
         in the payload's order, then its other params."""
-        names = self.loop.param_names()
+        bulk_names = self.loop.param_names()
         checksum, nonfinite = {}, {}
+        bad = set(bulk.checksum_mismatches)
         for stage in self.groups:
-            bulk_names = names.get(stage, [])
-            bad = set(bulk.checksum_mismatches)
-            checksum[stage] = [i for i, n in enumerate(bulk_names) if n in bad]
+            names = bulk_names.get(stage, [])
+            checksum[stage] = [i for i, n in enumerate(names) if n in bad]
             nonfinite[stage] = list(bulk.nonfinite.get(stage, ())) + [
-                len(bulk_names) + i for i in misc_nonfinite.get(stage, ())]
-            names[stage] = bulk_names + [n for n, _, _ in self.misc_items.get(stage, ())]
-        return Findings(checksum, nonfinite, names)
+                len(names) + i for i in misc_nonfinite.get(stage, ())]
+        return Findings(checksum, nonfinite, self.loop.param_names(other=True))
 
 
 __all__ = ["MoveChunk", "RefitProtocol", "RefitRound"]
