@@ -64,7 +64,9 @@ class BoundTensors:
         self._names = [conv.megatron_name for conv, _ in plan.local.converted]
         self._slots = _slots(plan.facts.model, self._names)
         # taken now: a tensor moved by ``param.data = ...`` is the same object afterwards
-        self._signature = signature([t for _, t in plan.local.converted])
+        bound = [t for _, t in plan.local.converted]
+        self._signature = signature(bound)
+        self._places = _places(bound)
         self.rebinds = 0  # how many refits found moved tensors and re-cut the views
 
     def current(self) -> list[Optional[torch.Tensor]]:
@@ -91,8 +93,14 @@ class BoundTensors:
                 refused.append(name)
                 refusals.append(f"{name} on {where}: now {new.dtype} {list(new.shape)}, but the "
                                 f"refit payload was built for {dtype} {list(shape)}")
-            elif tuple(zip(*signature([new])))[0] != was[i]:
+            elif tuple(zip(*signature([new])))[0] != was[i] and _places([new])[0] != self._places[i]:
                 moved.append(name)
+        if not moved and not refused:
+            # only addresses changed, each storage the same: its memory was reallocated in
+            # place (``share_memory_()``, as the colocated transport's CPU stand-in does,
+            # or ``resize_``) and the views, cut from the same storage, followed it
+            self._signature = got
+            return None
         return Moved(tuple(moved), tuple(refused), tuple(refusals))
 
     def rebound(self) -> tuple[TrainSidePlan, tuple]:
@@ -112,7 +120,23 @@ class BoundTensors:
 
     def accept(self, rebound: tuple[TrainSidePlan, tuple]) -> None:
         self.plan, self._signature = rebound
+        self._places = _places([t for _, t in self.plan.local.converted])
         self.rebinds += 1
+
+
+def _places(tensors: Sequence[torch.Tensor]) -> list[tuple]:
+    """Per tensor: its storage (the C object, alive while the views hold it: no other
+    storage can take its address), offset, shape, stride and dtype; equal means the views
+    cut from it still alias it, wherever that storage's memory now lives."""
+    return [_place(t) for t in tensors]
+
+
+def _place(t: torch.Tensor) -> tuple:
+    try:
+        return (t.untyped_storage()._cdata, t.storage_offset(), tuple(t.shape), t.stride(),
+                t.dtype)
+    except (RuntimeError, NotImplementedError, AttributeError):  # no plain storage: never
+        return (object(),)                                       # equal, so re-cut
 
 
 def _slots(model: torch.nn.Module, names: Sequence[str]) -> list[tuple[dict, str]]:
