@@ -12,6 +12,9 @@ For one generation rank's share of the weights (bf16 tensors of the given total 
   back is only found after the delta landed (a failed refit, not a full one);
 - baseline: one copy of the same bytes (same run).
 
+Wall time and this process's CPU time (both threads) are printed: under load the CPU time is
+the steadier of the two.
+
     python scripts/bench_delta_base.py            # 256 MiB in 64 tensors
     python scripts/bench_delta_base.py --mib 8 --repeat 3   # smoke
 """
@@ -28,13 +31,13 @@ from megatron_reshard.refit.base_digest import digests
 from megatron_reshard.refit.integrity import box_checksum
 
 
-def _median_s(fn, repeat: int) -> float:
+def _median_s(fn, repeat: int, clock=time.perf_counter) -> float:
     fn()
     times = []
     for _ in range(repeat):
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     return statistics.median(times)
 
 
@@ -52,6 +55,12 @@ def main() -> None:
     def checksums():
         return [box_checksum(t, ((0, t.shape[0]), (0, t.shape[1])), (0, 0)) for t in tensors]
 
+    # CPU time of this process too: on a shared host the wall clock mostly measures the
+    # neighbours (the figures to compare under load)
+    cpu = {name: _median_s(fn, args.repeat, time.process_time) for name, fn in (
+        ("digest", lambda: digests(tensors).tolist()),
+        ("checksum", lambda: torch.stack(checksums()).tolist()),
+        ("copy", lambda: [t.clone() for t in tensors]))}
     one_digest = _median_s(lambda: digests(tensors).tolist(), args.repeat)
     one_checksum = _median_s(lambda: torch.stack(checksums()).tolist(), args.repeat)
     copy = _median_s(lambda: [t.clone() for t in tensors], args.repeat)
@@ -65,6 +74,9 @@ def main() -> None:
           f"= {digest_way / copy:.2f} copies; forced checksums (1 pass each side) "
           f"{checksum_way * 1e3:.1f} ms = {checksum_way / copy:.2f} copies; "
           f"checksums / digests = {checksum_way / digest_way:.2f}")
+    print(f"CPU time of one pass (this process): digest {cpu['digest'] * 1e3:.1f} ms, checksum "
+          f"{cpu['checksum'] * 1e3:.1f} ms, copy {cpu['copy'] * 1e3:.1f} ms; checksum / digest "
+          f"{cpu['checksum'] / cpu['digest']:.2f}")
 
 
 if __name__ == "__main__":

@@ -13,9 +13,9 @@ verification") has the measured choice against forcing the end-to-end checksums 
 The digest is a position-weighted sum of the bytes, read as 32-bit words where the tensor
 allows (contiguous, 4-byte aligned, a whole number of words: no conversion pass) else as
 one integer per element (its bit pattern) widened to int32. The words are laid out in rows
-of ``COLS``; word ``(r, c)`` weighs ``w[c] * v(r)``, both odd (``w`` fixed pseudo-random,
-``v`` a multiplicative hash of the row), each row's sum taken in wrapping int32 and the row
-sums weighed in wrapping int64. A changed word changes it (an odd weight times a non-zero
+of ``COLS``; word ``(r, c)`` of pass ``k`` (``ROWS`` rows a pass) weighs
+``w[c] * v[r] * (2k + 1)``, all odd and fixed pseudo-random, each row's sum taken in
+wrapping int32 and the row sums weighed in wrapping int64. A changed word changes it (an odd weight times a non-zero
 change is non-zero modulo 2^32), and a swap or a shift almost surely does. Why rows: on
 CPU torch reduces along the last dim many times faster than over a whole tensor (measured:
 docs/DESIGN.md). It guards against accidents, not against an adversary.
@@ -30,17 +30,19 @@ import torch
 COLS = 1024           # words per row
 ROWS = 4096           # rows per pass (bounds the temporaries: 16 MiB of int32)
 _WIDE = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
-_WEIGHTS: dict[torch.device, torch.Tensor] = {}
-_ROW_MUL = 0x9E3779B1  # odd: row r weighs (r * _ROW_MUL + _ROW_ADD) | 1
-_ROW_ADD = 0x7F4A7C15
+_WEIGHTS: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+_TAIL = 0x9E3779B97F4A7C15 - (1 << 64)  # odd, as an int64: the weight of the short last row
 
 
-def _weights(device: torch.device) -> torch.Tensor:
+def _weights(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The column weights (int32, ``COLS``) and the row weights of a pass (int64,
+    ``ROWS``), odd, fixed, made once per device."""
     got = _WEIGHTS.get(device)
     if got is None:
         g = torch.Generator().manual_seed(0x5EED_D16E)
         w = torch.randint(-(1 << 31), 1 << 31, (COLS,), generator=g, dtype=torch.int32) | 1
-        got = _WEIGHTS[device] = w.to(device)
+        v = torch.randint(-(1 << 62), 1 << 62, (ROWS,), generator=g, dtype=torch.int64) | 1
+        got = _WEIGHTS[device] = (w.to(device), v.to(device))
     return got
 
 
@@ -58,24 +60,25 @@ def _words(t: torch.Tensor) -> torch.Tensor:
 
 
 def tensor_digest(t: torch.Tensor) -> torch.Tensor:
-    """An int64 scalar on ``t``'s device (no host sync)."""
+    """An int64 scalar on ``t``'s device (no host sync; five kernels for a tensor of at
+    most ``ROWS`` rows of words)."""
     words = _words(t)
-    device = words.device
-    w = _weights(device)
+    w, v = _weights(words.device)
     full = words.numel() // COLS
-    total = torch.zeros((), dtype=torch.int64, device=device)
     grid = words[:full * COLS].view(full, COLS)
-    for r0 in range(0, full, ROWS):
+    parts = []
+    for k, r0 in enumerate(range(0, full, ROWS)):
         rows = grid[r0:r0 + ROWS]
-        sums = (rows * w).sum(-1, dtype=torch.int32).to(torch.int64)
-        v = (torch.arange(r0, r0 + rows.shape[0], dtype=torch.int64, device=device)
-             * _ROW_MUL + _ROW_ADD) | 1
-        total += (sums * v).sum()
+        sums = (rows * w).sum(-1, dtype=torch.int32)
+        part = (sums.to(torch.int64) * v[:rows.shape[0]]).sum()
+        parts.append(part if k == 0 else part * (2 * k + 1))  # each pass's own odd factor
     tail = words[full * COLS:]
     if tail.numel():  # the last, short row
-        v = (full * _ROW_MUL + _ROW_ADD) | 1
-        total += (tail * w[:tail.numel()]).sum(dtype=torch.int32).to(torch.int64) * v
-    return total
+        part = (tail * w[:tail.numel()]).sum(dtype=torch.int32).to(torch.int64)
+        parts.append(part * _TAIL)
+    if not parts:
+        return torch.zeros((), dtype=torch.int64, device=words.device)
+    return parts[0] if len(parts) == 1 else torch.stack(parts).sum()
 
 
 def digests(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
