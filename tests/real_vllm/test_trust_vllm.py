@@ -9,7 +9,7 @@ vLLM's own loading (every parameter and buffer bit for bit, after every refit).
    Before the fix every refit after the first sent the weights from before the move.
 2. A delta base written outside the refits (checksums off, the default): before refit 3,
    generation rank 0 writes two elements of a param; that refit goes full on every rank,
-   naming why, and every refit equals vLLM's own loading. Before the fix the deltas landed
+   naming why, and every refit equals vLLM's own loading. Through both front doors too. Before the fix the deltas landed
    on the written bytes and the param stayed wrong.
 """
 
@@ -84,6 +84,25 @@ def test_a_base_written_outside_the_refits_makes_the_refit_full_and_exact(pool):
         if res["role"] == "train":
             continue
         assert refits[2]["written_outside"] == ([WRITTEN] if res["rank"] == 0 else [])
+
+
+def test_a_base_written_outside_the_refits_through_the_backend_makes_the_refit_full(pool):
+    from megatron_reshard.tools.vllm_backend_refit import backend_refit_job
+
+    cfg = _cfg(verify=False)
+    results = pool.run(backend_refit_job, cfg.train_world + cfg.gen_world, cfg,
+                       vllm_config_json(FAMILIES["qwen3"]), driver="worker",
+                       write_outside_on=(0, 2, WRITTEN), num_ports=cfg.train_pp + 2,
+                       timeout_s=600)
+    for res in sorted(results, key=lambda r: r["role"] == "train"):  # generation ranks first
+        if res["role"] == "train":
+            assert [r["mode"] for r in res["refits"]] == ["full", "delta", "full"]
+            continue
+        assert res["differences"] == [[]] * REFITS, res["differences"]
+        reports = res["reports"]
+        assert [r["mode"] for r in reports] == ["full", "delta", "full"], reports
+        assert "written outside the refits" in reports[2]["full_reason"], reports[2]
+        assert reports[2]["written_outside"] == ([WRITTEN] if res["rank"] == 0 else [])
 
 
 def test_the_trainer_init_info_takes_check_finite_and_refuses_a_non_bool():
