@@ -128,7 +128,8 @@ class RefitProtocol:
         ``held_version``: the generation side's weights' version. ``device``: waited for
         after each packed chunk when CUDA; ``on_write(names)``: before params are written
         (the receiver's weight state); ``on_failure(reason)``: after the latch is set,
-        before the error propagates. ``VersionRefused`` when step 0 refuses.
+        before the error propagates. A ``RefitRefused`` (``VersionRefused``, ``TensorsRefused``)
+        when step 0 refuses.
         ``delta_vote``: this rank's columns of the delta/full vote taken with step 0
         (``refit.delta``); the bulk step then runs in the agreed mode. ``refusal``: this
         training rank cannot send its tensors as they are (``megatron.live_views``): every
@@ -162,7 +163,6 @@ class RefitProtocol:
                                    findings=self._findings(bulk, misc_nonfinite or {}))
         return RefitRound(bulk, outcome, verify_s, t1 - t0, t2 - t1, agreed.version,
                           agreed.mode, agreed.full_reason, agreed.delta_wanted)
-
 
     def _findings(self, bulk: RefitStats, misc_nonfinite: Mapping[int, Sequence[int]]
                   ) -> Findings:

@@ -13,7 +13,10 @@ refusal naming both versions. With training PP > 1 a second round tells each gro
 the generation ranks saw in the other groups. The same vote says which groups hold a rank
 that has not compared plan fingerprints yet (a new sender, or a ``prepare_refit`` again on
 groups that already refitted): every rank of exactly those groups runs the plan check
-before the bulk, so neither side waits in a check the other skipped. A refusal is raised on every rank alike,
+before the bulk, so neither side waits in a check the other skipped. A training rank
+whose model tensors changed beyond what its sender can follow (``megatron.live_views``)
+votes its group rank and the first such param's stage index: every rank of its group
+raises ``TensorsRefused`` naming both (other groups learn it in the second round). A refusal is raised on every rank alike,
 outside any fault scope: nothing moved, the groups stay usable, and a refit with a higher
 version (or ``allow_version_reuse=True``) may follow.
 """
