@@ -16,9 +16,10 @@ groups that already refitted): every rank of exactly those groups runs the plan 
 before the bulk, so neither side waits in a check the other skipped. A training rank
 whose model tensors changed beyond what its sender can follow (``megatron.live_views``)
 votes its group rank and the first such param's stage index: every rank of its group
-raises ``TensorsRefused`` naming both (other groups learn it in the second round). A refusal is raised on every rank alike,
-outside any fault scope: nothing moved, the groups stay usable, and a refit with a higher
-version (or ``allow_version_reuse=True``) may follow.
+raises ``TensorsRefused`` naming both (other groups learn it in the second round). A
+refusal is raised on every rank alike, outside any fault scope: nothing moved, the groups
+stay usable, and a refit with a higher version (or ``allow_version_reuse=True``), or with
+the tensors back as they were, may follow.
 """
 
 from __future__ import annotations
