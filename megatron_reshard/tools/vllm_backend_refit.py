@@ -431,7 +431,7 @@ def backend_refit_job(job, cfg: RefitRunConfig, hf_config: Mapping[str, Any],
         out = _gen_rank(job.rank - cfg.train_world, cfg, control, hf_config,
                         job.ports[1 + cfg.train_pp], mismatch_rank, fail_extra, moe_backend,
                         progress_s, quantization, staged,
-                        write_outside_on[1:] if write_outside_on and
+                        write_outside=write_outside_on[1:] if write_outside_on and
                         write_outside_on[0] == job.rank - cfg.train_world else None)
     out["s"] = time.perf_counter() - t0
     return out

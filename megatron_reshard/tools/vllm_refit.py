@@ -295,7 +295,7 @@ def vllm_refit_job(job, cfg: RefitRunConfig, hf_config: Mapping[str, Any],
                           plant_fault, copy_derived, keep_as_loaded, moe_backend,
                           plant_order_error_on == gen_rank, as_moe_backend,
                           plant_staged_error_on == gen_rank, quantization,
-                          write_outside_on[1:] if write_outside_on and
+                          write_outside=write_outside_on[1:] if write_outside_on and
                           write_outside_on[0] == gen_rank else None)
 
 
