@@ -81,6 +81,10 @@ def local_param_specs(info: RefitPayload, views: Mapping[str, torch.Tensor], sta
     problem is listed in one ``ValueError``."""
     specs: dict[str, LocalParamSpec] = {}
     problems: list[str] = []
+    experts: dict[tuple[str, str], list[tuple[int, torch.Tensor]]] = {}  # grouped once
+    for n, v in views.items():
+        if m := PER_EXPERT_RE.match(n):
+            experts.setdefault((m["prefix"], m["proj"]), []).append((int(m["index"]), v))
     for p in info.params():
         if p.stage != stage:
             continue
@@ -96,10 +100,7 @@ def local_param_specs(info: RefitPayload, views: Mapping[str, torch.Tensor], sta
             spec, dtype = LocalParamSpec(base=view), first.dtype
         else:
             prefix = name[: -len(f".{proj}.weight")]
-            members = sorted(
-                (int(m["index"]), v) for n, v in views.items()
-                if (m := PER_EXPERT_RE.match(n)) and m["prefix"] == prefix and m["proj"] == proj
-            )
+            members = sorted(experts.get((prefix, proj), ()), key=lambda iv: iv[0])
             if not members:
                 problems.append(f"{name}: {me} holds no local expert for it")
                 continue

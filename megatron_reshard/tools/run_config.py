@@ -156,6 +156,9 @@ class RefitRunConfig:
     # weight changes (tools.e2e.perturb_)
     delta: Any = False
     update: str = "perturb"
+    # before each weight change the training ranks move their params to new memory
+    # (testing.moves: "apply", "data", "data_rank0"); None: they stay where they are
+    move: Optional[str] = None
 
     @property
     def gen_quant(self):

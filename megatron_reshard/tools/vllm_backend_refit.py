@@ -94,7 +94,8 @@ def _engine_for(config, model):
 def _gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Mapping[str, Any],
               vllm_port: int, mismatch_rank: Optional[int], fail_extra: bool,
               moe_backend: Optional[str] = None, progress_s: Optional[float] = None,
-              quantization: Optional[str] = None, staged: bool = False) -> dict:
+              quantization: Optional[str] = None, staged: bool = False,
+              write_outside: Optional[tuple[int, str]] = None) -> dict:
     from megatron_reshard.tools.e2e import tensor_digest
     from megatron_reshard.wire.codec import decode_payload
     from megatron_reshard.testing import vllm_models as vm
@@ -122,6 +123,10 @@ def _gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Mapping[st
         for step in range(cfg.refits):
             version = step + 1
             mismatch = mismatch_rank == gen_rank and step == cfg.refits - 1
+            if write_outside is not None and step == write_outside[0]:
+                with torch.no_grad():  # two elements written outside the refits
+                    flat = dict(model.named_parameters())[write_outside[1]].view(-1)
+                    flat[7:9] = flat[7:9] * 2 + 1
             engine.start_weight_update()
             try:
                 before = ({n: tensor_digest(p) for n, p in model.named_parameters()}
@@ -139,7 +144,8 @@ def _gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Mapping[st
                 out["mismatch"] = {"error": str(exc), "weights": exc.weights}
             out["versions"].append(engine.refit_weights_state()["version"])
             out.setdefault("reports", []).append(  # the report keys of delta refits
-                {k: engine.report().get(k) for k in ("mode", "full_bytes", "bytes_received")})
+                {k: engine.report().get(k) for k in ("mode", "full_bytes", "bytes_received",
+                                                     "full_reason", "written_outside")})
             full = torch.load(io.BytesIO(control.get(f"full/{step}")), weights_only=True)
             fp8 = "quantization_config" in hf_config  # vLLM loads the block-FP8 checkpoint
             del oracle
@@ -378,7 +384,8 @@ def backend_refit_job(job, cfg: RefitRunConfig, hf_config: Mapping[str, Any],
                       mismatch_rank: Optional[int] = None, fail_extra: bool = False,
                       driver: str = "worker", moe_backend: Optional[str] = None,
                       progress_s: Optional[float] = None, quantization: Optional[str] = None,
-                      staged: bool = False) -> dict:
+                      staged: bool = False,
+                      write_outside_on: Optional[tuple[int, int, str]] = None) -> dict:
     """Pool job (``WorkerPool.run(..., num_ports=cfg.train_pp + 2)``, ``3 * train_pp + 2`` for
     driver "trainer" with ``fail_extra``): process ``job.rank`` of a launch of
     ``train_world + gen_world``; port ``1 + train_pp`` is vLLM's generation world, the ones
@@ -391,7 +398,9 @@ def backend_refit_job(job, cfg: RefitRunConfig, hf_config: Mapping[str, Any],
     generation model (driver "worker"; ``"fp8_per_block"``: quantized online from BF16).
     ``staged`` (driver "worker"): staged refits (``update_weights({"staged": True})``, then
     ``finish_weight_update`` flips); ``changed_before_flip`` lists, per refit, the live params
-    that changed before the flip (none may)."""
+    that changed before the flip (none may). ``write_outside_on``: (gen rank, refit index,
+    vLLM param name), driver "worker": before that refit, that gen rank writes two elements
+    of the param outside the refits."""
     if driver not in ("worker", "trainer") or (driver == "trainer" and mismatch_rank is not None):
         raise ValueError(f"backend_refit_job: driver must be 'worker' or 'trainer' (the trainer "
                          f"sends the version it commits: no mismatch_rank), found {driver!r}, "
@@ -421,7 +430,9 @@ def backend_refit_job(job, cfg: RefitRunConfig, hf_config: Mapping[str, Any],
     else:
         out = _gen_rank(job.rank - cfg.train_world, cfg, control, hf_config,
                         job.ports[1 + cfg.train_pp], mismatch_rank, fail_extra, moe_backend,
-                        progress_s, quantization, staged)
+                        progress_s, quantization, staged,
+                        write_outside=write_outside_on[1:] if write_outside_on and
+                        write_outside_on[0] == job.rank - cfg.train_world else None)
     out["s"] = time.perf_counter() - t0
     return out
 

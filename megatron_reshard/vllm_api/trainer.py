@@ -93,7 +93,9 @@ class MegatronReshardTrainerInitInfo(TrainerInitInfo):
     ``payload_format``: "msgpack" (bytes, the default) or "plain" (the payload as a dict).
     ``delta``: the sender's ``RefitSender(delta=...)`` (experimental; ``False``, ``True`` or a
     ``refit.delta.DeltaConfig``): later updates send only the changed elements where every
-    rank can prove the base; the workers need no option for it.
+    rank can prove the base; the workers need no option for it. ``check_finite``: the
+    sender's ``RefitSender(check_finite=...)`` (NaN/Inf in a weight fails the update on
+    every rank, naming the param).
     """
 
     backend: ClassVar[str] = BACKEND_NAME
@@ -113,6 +115,7 @@ class MegatronReshardTrainerInitInfo(TrainerInitInfo):
     delta: Union[bool, DeltaConfig] = False
     planner: str = "auto"
     node: Optional[str] = None
+    check_finite: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
@@ -143,6 +146,8 @@ class MegatronReshardTrainerInitInfo(TrainerInitInfo):
         if not (isinstance(self.delta, (bool, DeltaConfig))):
             raise _field_error("delta", "False, True or a megatron_reshard.refit.delta.DeltaConfig",
                                self.delta)
+        if not isinstance(self.check_finite, bool):
+            raise _field_error("check_finite", "True or False", self.check_finite)
 
     def port_of(self, stage: int) -> int:
         ports = self.ports_by_stage
@@ -245,7 +250,8 @@ class MegatronReshardTrainerWeightTransferEngine(
                                   num_streams=info.num_streams, batch_bytes=info.batch_bytes,
                                   staging_bytes=info.staging_bytes,
                                   verify_checksums=info.verify_checksums, delta=info.delta,
-                                  planner=info.planner, node=info.node)
+                                  planner=info.planner, node=info.node,
+                                  check_finite=info.check_finite)
 
     def send_weights(self, version: Optional[int] = None) -> None:
         """One weight update: every rank sends its shards; rank 0 drives the workers through
