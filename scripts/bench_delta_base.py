@@ -3,7 +3,7 @@
 
 For one generation rank's share of the weights (bf16 tensors of the given total size):
 
-- base digests (``refit.base_digest``, what the library does): the generation rank
+- base digests (``delta.base_digest``, what the library does): the generation rank
   digests the storage a delta writes into twice per refit (the check before the vote, the
   new base after the commit); the training side does nothing;
 - checksums forced on in delta mode (``refit.integrity.box_checksum``, the end-to-end
@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from megatron_reshard.refit.base_digest import digests
+from megatron_reshard.delta.base_digest import digests
 from megatron_reshard.refit.integrity import box_checksum
 
 

@@ -8,7 +8,7 @@ MiB (``old``) and ``new`` with that fraction of its elements changed (one bit fl
 random places). Timed, median of ``--iters`` with the device synchronised (a cut includes
 its one host read of the count):
 
-- ``cut``: ``refit.delta_transport.encode(new, old)`` (on CUDA: ``refit.delta_kernels.cut``,
+- ``cut``: ``delta.encoding.encode(new, old)`` (on CUDA: ``delta.kernels.cut``,
   whose scan of the region, the payload it writes before its one host read where the
   device's choice allows, and that read are also timed alone as ``find``; its one kernel
   over the region, ``cut_mark``, alone as ``scan``; the second pass, ``Cut.payload``,
@@ -71,8 +71,8 @@ def _scan_alone(delta_kernels, new, old):
 
 
 def main(argv=None) -> int:
-    from megatron_reshard.refit.delta_transport import (apply, apply_many, encode, encode_many,
-                                                        encoding_name)
+    from megatron_reshard.delta.encoding import apply, apply_many, encode, encode_many
+    from megatron_reshard.delta.wire_format import encoding_name
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--mib", type=int, default=1024)
@@ -94,16 +94,17 @@ def main(argv=None) -> int:
     ap.add_argument("--regions", default="", help="also time the region as K regions of one "
                     "batch, for each K of this comma list")
     args = ap.parse_args(argv)
-    from megatron_reshard.refit import delta_kernels
+    from megatron_reshard.delta import kernel_apply
+    from megatron_reshard.delta import kernels as delta_kernels
 
     if args.block:
         delta_kernels.BLOCK = args.block
     if args.warps:
         delta_kernels.WARPS = args.warps
     if args.chunk:
-        delta_kernels.CHUNK = args.chunk
+        kernel_apply.CHUNK = args.chunk
     if args.apply_warps:
-        delta_kernels.APPLY_WARPS = args.apply_warps
+        kernel_apply.APPLY_WARPS = args.apply_warps
     for flag, name in ((args.slot_entries, "SLOT_ENTRIES"), (args.slot_sub, "SLOT_SUB"),
                        (args.slot_warps, "SLOT_WARPS")):
         if flag:
@@ -196,7 +197,7 @@ def main(argv=None) -> int:
           f"region {args.mib} MiB bf16 [{rows}, {cols}], median of {args.iters} "
           f"(torch path: {args.torch_iters}); memcpy {gb / memcpy_s:.0f} GB/s; "
           f"cut: {delta_kernels.BLOCK} elements, {delta_kernels.WARPS} warps a program; apply: "
-          f"{delta_kernels.CHUNK} entries, {delta_kernels.APPLY_WARPS} warps; slots: "
+          f"{kernel_apply.CHUNK} entries, {kernel_apply.APPLY_WARPS} warps; slots: "
           f"{delta_kernels.SLOT_ENTRIES} entries ({delta_kernels.SLOT_SUB} a block), "
           f"{delta_kernels.SLOT_WARPS} warps")
     print(f"{'rate':>6} {'encoding':14} {'payload MiB':>11} {'cut GB/s':>9} {'cut/mc':>7} {'scan/mc':>7} {'find/mc':>7} "

@@ -2,8 +2,8 @@
 
     python scripts/bench_delta_host.py [--regions 16,256] [--elements 65536]
 
-Runs ``delta_kernels.cut_many``, ``delta_transport.encode_many`` and
-``delta_transport.apply_many`` on CPU tensors with every Triton launch replaced by a
+Runs ``delta.kernels.cut_many``, ``delta.encoding.encode_many`` and
+``delta.encoding.apply_many`` on CPU tensors with every Triton launch replaced by a
 no-op: what is left is the host's own work per region (tables, allocations, views, the
 ``Cut`` objects, the encoding's choice, the apply's rows and checks), the part that the
 launches do not explain. The totals a cut would read are set to 1% of each region changed
@@ -21,7 +21,9 @@ import time
 
 import torch
 
-from megatron_reshard.refit import delta_kernels, delta_transport
+from megatron_reshard.delta import encoding, kernel_apply
+from megatron_reshard.delta import kernels as delta_kernels
+from megatron_reshard.delta.wire_format import DIFF8, GAPS
 
 
 class _NoLaunch:
@@ -50,25 +52,26 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)  # (two threads on a busy 2-core host: ms-long stalls in ops)
     delta_kernels._kernels = lambda: _NoLaunch()
-    delta_kernels._step_type = delta_kernels._tl_type = lambda item: None
-    delta_transport.delta_kernels.usable = lambda t: True  # CPU tensors take the kernels' path
-    delta_kernels._gaps_check = lambda *a: (lambda figures: None)
+    for module in (delta_kernels, kernel_apply):  # the apply's host side imports them by name
+        module._step_type = module._tl_type = lambda item: None
+    delta_kernels.usable = lambda t: True  # CPU tensors take the kernels' path
+    kernel_apply._gaps_check = lambda *a: (lambda figures: None)
     count = max(1, args.elements // 100)
     finish = delta_kernels.Cut.finish
     delta_kernels.Cut.finish = lambda cut, totals: finish(
-        cut, [count, 0, count, 0, delta_transport.GAPS | delta_transport.DIFF8, 2 * count])
+        cut, [count, 0, count, 0, GAPS | DIFF8, 2 * count])
     for k in (int(x) for x in args.regions.split(",")):
         new = torch.zeros(k * args.elements, dtype=torch.bfloat16)
         pairs = list(zip(new.chunk(k), torch.zeros_like(new).chunk(k)))
-        items = [(view, count, delta_transport.GAPS | delta_transport.DIFF8,
+        items = [(view, count, GAPS | DIFF8,
                   torch.ones(2 * count, dtype=torch.uint8)) for view in new.chunk(k)]
         bits = [(a.view(torch.int16), b.view(torch.int16)) for a, b in pairs]  # as encode_many's
         figures = {
             "cut_many": _per_region_us(lambda: delta_kernels.cut_many(bits, [4] * k), k,
                                        args.iters),
-            "encode_many": _per_region_us(lambda: delta_transport.encode_many(pairs), k,
+            "encode_many": _per_region_us(lambda: encoding.encode_many(pairs), k,
                                           args.iters),
-            "apply_many": _per_region_us(lambda: delta_transport.apply_many(items), k,
+            "apply_many": _per_region_us(lambda: encoding.apply_many(items), k,
                                          args.iters)}
         print(f"K={k:5d} regions of {args.elements} elements, µs a region (host, no launches): "
               + ", ".join(f"{name} {us:.1f}" for name, us in figures.items()))

@@ -8,7 +8,7 @@ Rungs (per program ``BLOCK`` elements of new and old): ``read`` (both loaded, on
 stored), ``mark`` (+ compare, packed into 16-bit words, the bitmask stored), ``count``
 (+ the changed count), ``skips`` (+ the word-level scan for GAPS skips, first and last
 change), ``old`` (the cut_mark before slots: + DIFF8 escapes per element), ``new``
-(``delta_kernels``' cut_mark: + the block's non-zero words listed, its changes put in its
+(``delta.kernels``' cut_mark: + the block's non-zero words listed, its changes put in its
 slot from them; elements compared two a 32-bit word), ``new-elem`` (the same, one element
 at a time). Then the
 apply's parts at the same rates. Medians of ``--iters`` CUDA-event timings.
@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron_reshard.refit import delta_kernels as dk
+from megatron_reshard.delta import kernels as dk
 
 dk._kernels()  # builds the helpers into dk's globals
 _lanes, _words_before, _popcount = dk._lanes, dk._words_before, dk._popcount
@@ -185,7 +185,7 @@ def main():
                     row.append(f"{name} {t:.3f} ({100 * mc / t:.0f}%)")
                 print(f"BLOCK {block:5d} warps {warps}: " + "  ".join(row), flush=True)
         # the apply's parts (default constants)
-        from megatron_reshard.refit.delta_transport import apply, encode
+        from megatron_reshard.delta.encoding import apply, encode
         count, enc, payload = encode(new, old)
         view = old.clone()
         nbytes = payload.numel()

@@ -7,7 +7,7 @@ sketch and of ``MegatronReshardTrainerInitInfo``). Between refits ~2% of the tra
 weights change. After refit 2, generation rank 0 changes two elements of a param's storage
 behind the refits' back (a user, a post-load step, a bug). Before the fix the next two
 delta refits applied their deltas onto those bytes, left them wrong for good and reported
-``consistent``. Now the session's base digest (``refit.base_digest``, taken at the last
+``consistent``. Now the session's base digest (``delta.base_digest``, taken at the last
 commit) differs, the refit goes full on every rank with the reason, generation rank 0's
 report names the param, and every refit is bit-exact against the reference (full HF
 tensors gathered by the independent oracle, sliced by the vLLM layout).

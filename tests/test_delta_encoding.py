@@ -1,4 +1,4 @@
-"""The delta encodings (refit.delta_transport) and the mode vote (refit.delta), one process.
+"""The delta encodings (delta.encoding) and the mode vote (refit.delta_vote), one process.
 
 Each encoding is cut from a real (new, old) pair and applied to a copy of ``old`` held in a
 strided view of a larger tensor: the result must equal ``new`` bit for bit, including NaN
@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from megatron_reshard.refit.commit import NO_VERSION
-from megatron_reshard.refit.delta import (DeltaConfig, decide_mode, dst_vote, src_vote)
-from megatron_reshard.refit.delta_transport import (BITMASK, DENSE, DIFF8, GAPS, NONE,
-                                                    POSITIONS, DeltaTransportError, apply,
-                                                    encode, encoding_name, encoding_sizes,
-                                                    header_problem, payload_bytes,
-                                                    pick_encoding)
+from megatron_reshard.delta import DeltaConfig
+from megatron_reshard.refit.delta_vote import decide_mode, dst_vote, src_vote
+from megatron_reshard.delta.encoding import (apply, encode, encoding_sizes, header_problem,
+                                             payload_bytes, pick_encoding)
+from megatron_reshard.delta.wire_format import (BITMASK, DENSE, DIFF8, GAPS, NONE, POSITIONS,
+                                                DeltaTransportError, encoding_name)
 
 
 def _bits(t):

@@ -54,7 +54,7 @@ def _arm(plan, control, step, what: str) -> None:
     """In the victim process: kill or stop it inside the delta transport's ``what``
     (``encode`` on a training rank, ``apply`` on a generation rank) at refit
     ``plan["at_refit"]``, after a seeded number of regions."""
-    import megatron_reshard.refit.delta_transport as dt
+    import megatron_reshard.delta.encoding as dt
 
     inner = getattr(dt, what)
     after = random.Random(plan["seed"]).randrange(1, 6)

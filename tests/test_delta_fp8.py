@@ -1,4 +1,4 @@
-"""Delta refits into block-FP8 generation storage (refit.delta, fp8.plan), end to end on CPU.
+"""Delta refits into block-FP8 generation storage (the delta package, fp8.plan), end to end on CPU.
 
 Real processes: real megatron-core training ranks (BF16, or blockwise-FP8 training weights),
 vLLM-layout FP8 storage on the generation ranks, gloo. The senders ask for deltas; between
@@ -22,9 +22,9 @@ import pytest
 import torch
 
 from megatron_reshard.fp8.quant import quantize_blockwise_fp8
-from megatron_reshard.refit.delta import DeltaConfig
-from megatron_reshard.refit.delta_transport import (DIFF8, apply, encode, encoding_name,
-                                                    encoding_sizes)
+from megatron_reshard.delta import DeltaConfig
+from megatron_reshard.delta.encoding import apply, encode, encoding_sizes
+from megatron_reshard.delta.wire_format import DIFF8, encoding_name
 from megatron_reshard.tools.e2e import run_rank, tensor_digest
 from megatron_reshard.tools.run_config import RefitRunConfig
 

@@ -1,5 +1,5 @@
-"""The GPU cut and apply of delta refits (``refit/delta_kernels.py``, reached through
-``refit.delta_transport.encode``/``apply`` for CUDA tensors) against the torch path of the
+"""The GPU cut and apply of delta refits (``delta/kernels.py``, ``delta/kernel_apply.py``,
+reached through ``delta.encoding.encode``/``apply`` for CUDA tensors) against the torch path of the
 same functions (``MEGATRON_RESHARD_DELTA_KERNELS=0``, the oracle): payloads byte for byte in
 every encoding of the wire format (POSITIONS, GAPS, BITMASK, DENSE, with and without DIFF8,
 escapes included), element sizes 1-8 (fp8, bf16, fp32), NaN payloads and -0.0, skip bytes
@@ -15,12 +15,13 @@ import os
 import pytest
 import torch
 
-import megatron_reshard.refit.delta_transport as dt
-from megatron_reshard.refit import delta_kernels
-from megatron_reshard.refit.delta_kernels import Rows, rows_form
-from megatron_reshard.refit.delta_transport import (BITMASK, DENSE, DIFF8, GAPS, NONE,
-                                                    POSITIONS, DeltaTransportError, apply,
-                                                    encode)
+import megatron_reshard.delta.encoding as dt
+from megatron_reshard.delta import kernel_apply
+from megatron_reshard.delta import kernels as delta_kernels
+from megatron_reshard.delta.encoding import apply, encode
+from megatron_reshard.delta.kernels import Rows, rows_form
+from megatron_reshard.delta.wire_format import (BITMASK, DENSE, DIFF8, GAPS, NONE, POSITIONS,
+                                                DeltaTransportError)
 
 INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -57,12 +58,13 @@ def device(monkeypatch):
     for name in ("cut_many", "apply_sparse", "bitmask_counts", "bitmask_positions",
                  "apply_bitmask", "rows_form", "launch_gaps_many",
                  "launch_positions_many"):
-        real = getattr(delta_kernels, name)
+        module = kernel_apply if hasattr(kernel_apply, name) else delta_kernels  # its home
+        real = getattr(module, name)
 
         def watched(*args, _real=real, _name=name, **kw):
             calls.append(_name)
             return _real(*args, **kw)
-        monkeypatch.setattr(delta_kernels, name, watched)
+        monkeypatch.setattr(module, name, watched)
     return dev, calls
 
 
@@ -230,7 +232,7 @@ def test_gaps_longer_than_a_byte_across_blocks(device, monkeypatch, forced, bloc
     dev, calls = device
     monkeypatch.setattr(delta_kernels, "BLOCK", block)
     monkeypatch.setattr(delta_kernels, "_TILE", tile)
-    monkeypatch.setattr(delta_kernels, "CHUNK", chunk)
+    monkeypatch.setattr(kernel_apply, "CHUNK", chunk)
     n = max(3 * block + 5, 2000)
     at = sorted({600, 855, 1111, 1621, 1622, 1629, block - 1, block, 2 * block - 3,
                  3 * block + 1, n - 1})
@@ -259,7 +261,7 @@ def test_blocks_in_their_slots_and_over_them(device, monkeypatch, forced, tail):
     dev, _ = device
     monkeypatch.setattr(delta_kernels, "BLOCK", 256)
     monkeypatch.setattr(delta_kernels, "_TILE", 4)
-    monkeypatch.setattr(delta_kernels, "CHUNK", 64)
+    monkeypatch.setattr(kernel_apply, "CHUNK", 64)
     assert delta_kernels._cap() == 8
     n = 9 * 256 + tail
     at = ([0, 3, 40, 41, 100, 200, 254, 255]                    # block 0: 8, at the cap
@@ -654,7 +656,7 @@ def test_gaps_deltas_of_any_size_apply_as_one_batch(device, monkeypatch):
     ``apply_many``: three launches per element size and DIFF8 flag for the whole batch,
     each region bit-exact (the torch path's apply), bytes outside the views untouched."""
     dev, calls = device
-    monkeypatch.setattr(delta_kernels, "CHUNK", 64)
+    monkeypatch.setattr(kernel_apply, "CHUNK", 64)
     pairs, cuts = _batch_cuts(monkeypatch, _GAPS_BATCH, GAPS, 40)
     sizes = [c[2].numel() for c in cuts]
     assert min(sizes) < 64 and max(sizes) > 20 * 64, sizes
@@ -683,7 +685,7 @@ def test_a_bad_gaps_delta_in_a_batch_is_refused_and_the_others_written(device, m
     ``launch_gaps_many``, their chunks in one launch): refused under its label, nothing of
     it written, every other region of the batch written."""
     dev, calls = device
-    monkeypatch.setattr(delta_kernels, "CHUNK", 64)
+    monkeypatch.setattr(kernel_apply, "CHUNK", 64)
     _forced(monkeypatch, enc)
     pairs = [_pair(n, 0.05, 2, 60 + k, torch.device("cpu"), 0.1) for k, n in
              enumerate((3000, 100, 5000, 300, 700, 2000, 150))]
@@ -736,7 +738,7 @@ def test_positions_deltas_apply_as_one_batch(device, monkeypatch, index_size):
     views untouched. Index size 4 through ``apply_many``, against the torch path's walls;
     8 (boxes past 2**31 elements) through ``launch_positions_many``."""
     dev, calls = device
-    monkeypatch.setattr(delta_kernels, "CHUNK", 64)
+    monkeypatch.setattr(kernel_apply, "CHUNK", 64)
     pairs, cuts = _batch_cuts(monkeypatch, _POS_BATCH, POSITIONS, 80)
     counts = [c[0] for c in cuts]
     assert min(counts) == 1 and max(counts) > 4 * 64, counts
@@ -752,7 +754,7 @@ def test_positions_deltas_apply_as_one_batch(device, monkeypatch, index_size):
         message = message.to(dev)
         batch = [(view, count, bool(enc & DIFF8), message[a:a + size], 8)
                  for view, (count, enc, _), (a, size) in zip(views, cuts, spans)]
-        pending = delta_kernels.launch_positions_many(batch)
+        pending = kernel_apply.launch_positions_many(batch)
         for p, got in zip(pending, torch.cat([p.figures for p in pending]).view(-1, 2).tolist()):
             p.check(got)
         at = [a % 8 for a, _ in spans]
@@ -784,7 +786,7 @@ def test_bad_positions_deltas_in_a_batch_are_refused_and_the_others_written(
     first refused under its label, nothing of either written, every other region of the
     batch written."""
     dev, calls = device
-    monkeypatch.setattr(delta_kernels, "CHUNK", 64)
+    monkeypatch.setattr(kernel_apply, "CHUNK", 64)
     _forced(monkeypatch, enc)
     pairs = [_pair(n, 0.05, 2, 60 + k, torch.device("cpu"), 0.1) for k, n in
              enumerate((3000, 100, 5000, 300, 700, 2000, 150))]
@@ -820,7 +822,7 @@ def test_a_positions_delta_wrong_on_its_face_is_refused_before_the_batch_launche
         dt.apply_many(items, ["region 0", "region 1"])
     assert not bool(good.any()) and not bool(bad.any())
     with pytest.raises(DeltaTransportError, match="2 differences carries 1 bytes"):
-        delta_kernels.launch_positions_many([(v, c, True, p, 4) for v, c, _, p in items])
+        kernel_apply.launch_positions_many([(v, c, True, p, 4) for v, c, _, p in items])
     assert not bool(good.any())
     dt.apply_many(items[:1])
     assert good[3:5].tolist() == [1, 1] and not bool(good[:3].any())

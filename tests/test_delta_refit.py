@@ -1,4 +1,4 @@
-"""Delta refits (refit.delta): bit-exact, smaller, and full whenever the base is unproven.
+"""Delta refits (the delta package): bit-exact, smaller, and full whenever the base is unproven.
 
 Real processes: a real megatron-core model (dense, Qwen3-shaped, bf16) on 2 training ranks
 (PP2: two refit groups) and 2 generation ranks (TP2, vLLM-layout model). The senders ask
@@ -22,7 +22,7 @@ ranks (k/v: the plan sends each member a stripe and the members exchange them, p
 forwarded as deltas) while q, o and the MLP go one hop. Six refits, with the
 end-to-end checksums on (they cover the resulting regions, deltas or not). Before the
 fourth, generation rank 1 writes 16 elements of a delta param's storage behind the
-refit's back: its base digest (refit.base_digest) no longer matches the one taken at the
+refit's back: its base digest (delta.base_digest) no longer matches the one taken at the
 last commit, so that refit goes full on every rank, naming why, before any delta lands,
 and is bit-exact; the fifth and sixth are deltas again.
 """
@@ -92,7 +92,7 @@ def _train(job, control, layout):
     from megatron_reshard.groups.comm import create_refit_group, destroy_refit_group
     from megatron_reshard.megatron import MegatronRefitSource
     from megatron_reshard.megatron.sender import RefitSender
-    from megatron_reshard.refit.delta import DeltaConfig
+    from megatron_reshard.delta import DeltaConfig
     from megatron_reshard.testing.megatron_models import TinyGPTSpec, build_gpt_model
     from megatron_reshard.testing.megatron_reference import gather_full_hf_state_dict
 

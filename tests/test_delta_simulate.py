@@ -4,7 +4,8 @@ the real encoder, and the accounting of bytes and messages against the full refi
 import pytest
 import torch
 
-from megatron_reshard.refit.delta_transport import HEADER_BYTES, encode
+from megatron_reshard.delta.encoding import encode
+from megatron_reshard.delta.wire_format import HEADER_BYTES
 from megatron_reshard.tools.plan_inputs import RefitParallelism
 from megatron_reshard.tools.simulate import LinkModel, delta_bytes_per_element, simulate
 

@@ -66,7 +66,7 @@ def _job(job, train, gen):
 def _train(job, control, train, gen):
     from megatron_reshard.groups.comm import create_refit_group, destroy_refit_group
     from megatron_reshard.megatron.sender import RefitSender
-    from megatron_reshard.refit.delta import DeltaConfig
+    from megatron_reshard.delta import DeltaConfig
     from megatron_reshard.testing.megatron_reference import gather_full_hf_state_dict
     from megatron_reshard.tools.tiny_source import tiny_source
 

@@ -198,17 +198,13 @@ def _module_imports() -> dict[str, dict[str, set[str]]]:
     return edges
 
 
-# loops still to be taken apart (issue 56): each must still be there, so the list only shrinks
-_LOOPS_LEFT = {("megatron_reshard.refit.delta_kernels", "megatron_reshard.refit.delta_transport")}
-
-
 def test_no_import_loop_between_modules():
     # e.g. tools.cli -> tools.demo -> tools.cli (the demo's option errors printed by cli.fail):
     # the CLI asks the demo for its problems and prints them itself
+    # (issue 56 took apart the last three: this one, refit.delta_kernels <-> delta_transport
+    # and testing.fp8_reference <-> testing.vllm_like)
     loops = _loops(_module_imports())
-    found = {(loop[0], loop[1]) for loop in loops}
-    assert found - _LOOPS_LEFT == set(), f"import loops between modules: {loops}"
-    assert _LOOPS_LEFT - found == set(), f"loops gone: drop them from _LOOPS_LEFT: {_LOOPS_LEFT - found}"
+    assert loops == [], f"import loops between modules: {loops}"
 
 
 # ---- function-local imports of the library's own modules: each with its reason -------------
@@ -245,9 +241,6 @@ _LAZY_IMPORTS = {
     ("vllm_layout/kernel_order.py", "megatron_reshard.engine.kernel_copies"): "the engine "
         "package (~1.5 s) only where a CUDA storage is written; wire and vllm_layout load without it",
     ("vllm_api/backend.py", "megatron_reshard.wire.codec"): "msgspec only where bytes arrive",
-    ("refit/loop.py", "megatron_reshard.refit.delta"): "issue 56: the delta package",
-    ("refit/loop.py", "megatron_reshard.refit.delta_transport"): "issue 56: the delta package",
-    ("refit/delta_kernels.py", "megatron_reshard.refit.delta_transport"): "issue 56: a loop",
 }
 
 

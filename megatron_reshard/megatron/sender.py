@@ -20,7 +20,8 @@ import torch
 
 from megatron_reshard.groups.faults import RefitError, fault_scope
 from megatron_reshard.engine.refit_transport import transport_of
-from megatron_reshard.refit.delta import DeltaConfig, TrainBase, src_vote
+from megatron_reshard.delta.bases import DeltaConfig, TrainBase
+from megatron_reshard.refit.delta_vote import src_vote
 from megatron_reshard.refit.finite import all_finite
 from megatron_reshard.refit.packed import broadcast_packed, pack_entries
 from megatron_reshard.refit.loop import DEFAULT_BATCH_BYTES, DEFAULT_STAGING_BYTES, RefitLoop
@@ -49,7 +50,7 @@ class RefitSender:
         ``delta`` (experimental, off by default): ``True`` (a ``DeltaConfig()``: 1 GiB of
         base per rank, kept beside the weights) or a ``DeltaConfig``: once a refit
         committed, later refits send only the changed elements of the params the plan moves
-        in one hop, when every rank can prove the base (``refit.delta``); else full, the
+        in one hop, when every rank can prove the base (``refit.delta_vote``); else full, the
         reason in the result.
 
         ``planner`` (``"auto"``, ``"link"`` or ``"default"``) must match the generation
@@ -186,7 +187,7 @@ class RefitSender:
                           f"and RefitSender for the model as it is now", index)
 
     def _delta_vote(self) -> list:
-        """This rank's columns of the delta/full vote (``refit.delta``)."""
+        """This rank's columns of the delta/full vote (``refit.delta_vote``)."""
         if self.delta is None:
             return src_vote(False, 0, None)
         if self.base is not None and transport_of(self.group).name != "p2p":

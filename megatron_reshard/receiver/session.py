@@ -27,8 +27,8 @@ from megatron_reshard.receiver.misc_transport import MiscReceiver, receive_misc_
 from megatron_reshard.receiver.param_map import build_receiver_param_map
 from megatron_reshard.receiver.state import WeightState
 from megatron_reshard.receiver.targets import TargetError, VllmTargets
-from megatron_reshard.refit.base_digest import digests
-from megatron_reshard.refit.delta import dst_ready_code, dst_vote
+from megatron_reshard.delta.base_digest import digests
+from megatron_reshard.refit.delta_vote import dst_ready_code, dst_vote
 from megatron_reshard.refit.loop import DEFAULT_BATCH_BYTES, DEFAULT_STAGING_BYTES, RefitLoop
 from megatron_reshard.refit.order import misc_items_by_stage
 from megatron_reshard.refit.protocol import RefitProtocol
@@ -91,14 +91,14 @@ class ReceiverSession:
                                       staging_bytes, self.pp_size)
         self._misc_plan_of = {stage: dict(zip((name for name, _, _ in items), self.misc_plans[stage]))
                               for stage, items in self.misc_items.items()}
-        # delta refits (refit.delta): the version this session last committed (its storage
+        # delta refits (the delta package): the version this session last committed (its storage
         # is then the base of a delta cut from it), and whether it holds a bulk param
         # other than in place (the loop plans the deltas on its first delta refit)
         self._delta_version: Optional[int] = None
         self._delta_hooked: Optional[bool] = None
         self._delta_rewritten = False  # vLLM's conversion rewrote the committed bytes
         # the digests of the storage a delta writes into, taken at the last commit of a
-        # refit whose sender asks for deltas (refit.base_digest); checked before the next
+        # refit whose sender asks for deltas (delta.base_digest); checked before the next
         self._base_digests: Optional[torch.Tensor] = None
         self._written_outside: list[str] = []  # what the last check found changed
         self.stats: dict[str, Any] = {"refits": 0, "prepare_s": time.perf_counter() - t0,
@@ -267,7 +267,7 @@ class ReceiverSession:
         return dict(last)
 
     def _delta_vote(self) -> list:
-        """This rank's columns of the delta/full vote (``refit.delta``)."""
+        """This rank's columns of the delta/full vote (``refit.delta_vote``)."""
         if self._base_written_outside():  # this rank's base is gone: the refit goes full
             self._delta_version = self._base_digests = None
             return dst_vote(6, None)
@@ -281,7 +281,7 @@ class ReceiverSession:
 
     def _base_written_outside(self) -> bool:
         """Whether the storage a delta would write into differs from what the last commit
-        left there (``refit.base_digest``: one pass over it, one host sync); the params
+        left there (``delta.base_digest``: one pass over it, one host sync); the params
         that differ are kept for the report."""
         self._written_outside = []
         if self._delta_version is None or self._base_digests is None:

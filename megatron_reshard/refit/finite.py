@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import torch
 
-from megatron_reshard.engine.kernel_copies import PermutedRows
+from megatron_reshard.layout.permuted_rows import PermutedRows
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 

@@ -70,7 +70,8 @@ from megatron_reshard.errors import BadInputError
 from megatron_reshard.groups.collectives import all_gather_ints, control_device, group_rank
 from megatron_reshard.groups.faults import RefitError, wait_device
 from megatron_reshard.refit.checksums import SourceOverlaps, StageChecksums
-from megatron_reshard.refit.delta import record_eligible
+from megatron_reshard.delta.eligible import delta_plans, dst_hooked, record_eligible
+from megatron_reshard.delta.mover import DeltaMover
 from megatron_reshard.refit.finite import FiniteCheck, all_finite
 from megatron_reshard.refit.local import LocalParam, first_tensor_is_cuda, local_params
 from megatron_reshard.refit.plan_text import PLANNERS, plan_mismatch_text
@@ -135,7 +136,7 @@ class RefitStats:
     checksum_mismatches: list[str] = field(default_factory=list)
     # training side with check_finite: stage -> indexes of the params holding NaN or Inf
     nonfinite: dict[int, list[int]] = field(default_factory=dict)
-    mode: str = "full"       # "delta": the eligible params moved as deltas (refit.delta)
+    mode: str = "full"       # "delta": the eligible params moved as deltas (the delta package)
     delta: Optional[dict] = None  # delta refit: what the delta transport moved on this rank
 
     @property
@@ -234,7 +235,7 @@ class RefitLoop:
         # skip the engine's agreement (until a plan check there says a rank is new)
         self._agreed_stages: set[int] = set()
         self._stream_pool: Optional[list] = None
-        # delta refits (refit.delta): off until enable_delta; plans of the eligible params
+        # delta refits (the delta package): off until enable_delta; plans of the eligible params
         self.delta_plans: Optional[dict[int, list]] = None
         self.delta_bases: Optional[dict[int, Any]] = None  # src: stage -> TrainBase
 
@@ -247,7 +248,6 @@ class RefitLoop:
     def _plan_delta(self) -> None:
         """Delta plans (and the training side's bases) from the stages' planners: again
         once ``verify_plan`` picked the link-aware planner, before any byte moved."""
-        from megatron_reshard.refit.delta import delta_plans
         self.delta_plans = {}
         for s, transfers in self._transfers.items():
             plans = self._planners[s].plan_all([layout_key(
@@ -262,8 +262,8 @@ class RefitLoop:
 
     def held_in_place(self) -> list[tuple[str, torch.Tensor]]:
         """(name, tensor) of every bulk param this rank holds as a plain tensor of its
-        storage and that may take deltas (``refit.delta.record_eligible``): what a delta
-        writes into on the generation side (its base, ``refit.base_digest``)."""
+        storage and that may take deltas (``delta.eligible.record_eligible``): what a delta
+        writes into on the generation side (its base, ``delta.base_digest``)."""
         out = []
         for stage, mine in self._mine.items():
             for record, held in zip(self.stages[stage], mine):
@@ -294,8 +294,7 @@ class RefitLoop:
 
     def delta_held(self) -> bool:
         """Whether this rank holds a param other than as its storage in place (no plans
-        needed: the params a record sends full are skipped, ``refit.delta.dst_hooked``)."""
-        from megatron_reshard.refit.delta import dst_hooked
+        needed: the params a record sends full are skipped, ``delta.eligible.dst_hooked``)."""
         return dst_hooked(self._mine, self.stages)
 
     @property
@@ -397,7 +396,7 @@ class RefitLoop:
         ``on_write(names)`` (destination side) is called before the engine may write the
         named params' storage: a failure after that leaves those params overwritten.
         ``mode="delta"`` (agreed on every rank by the version check) moves the eligible
-        params through ``refit.delta_transport``, the others through the engine.
+        params through ``delta.mover``, the others through the engine.
         """
         if not self._verified:
             self.verify_plan()
@@ -461,7 +460,6 @@ class RefitLoop:
         (full mode, training side); None when delta refits are off."""
         if self.delta_plans is None:
             return None
-        from megatron_reshard.refit.delta_transport import DeltaMover
         base = None if self.delta_bases is None else self.delta_bases.get(stage)
         mover = DeltaMover(self.side, self.groups[stage], self._ranks[stage],
                            self.delta_plans[stage], base) if mode == "delta" else None
@@ -528,7 +526,7 @@ class _StageRun:
     stats: StageStats
     on_write: Optional[Callable[[list[str]], None]]
     checks: Optional[StageChecksums]  # with checksums on
-    delta: Optional["_DeltaStage"] = None  # delta refits enabled (refit.delta)
+    delta: Optional["_DeltaStage"] = None  # delta refits enabled (the delta package)
     finite: Optional[FiniteCheck] = None  # check_finite without checksums (refit.finite)
 
 
@@ -571,7 +569,7 @@ class _DeltaStage:
                 self.mover.tally.full_params += index in bufs
             else:
                 items.append((index, params[index].name, bufs.get(index)))
-        if items:  # one exchange per batch: two messages per peer (refit.delta_transport)
+        if items:  # one exchange per batch: two messages per peer (delta.mover)
             self.mover.move_batch(items)
         return rest
 

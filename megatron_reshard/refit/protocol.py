@@ -60,7 +60,7 @@ class RefitRound:
     misc_s: float
     version: Optional[int] = None  # what the version check agreed on
     mode: str = "full"             # "delta": agreed by every rank in the version check
-    full_reason: Optional[str] = None  # why full (refit.delta), None for a delta refit
+    full_reason: Optional[str] = None  # why full (refit.delta_vote), None for a delta refit
     delta_wanted: bool = False         # the training side asks for deltas: keep a base
 
     @property
@@ -131,7 +131,7 @@ class RefitProtocol:
         before the error propagates. A ``RefitRefused`` (``VersionRefused``, ``TensorsRefused``)
         when step 0 refuses.
         ``delta_vote``: this rank's columns of the delta/full vote taken with step 0
-        (``refit.delta``); the bulk step then runs in the agreed mode. ``refusal``: this
+        (``refit.delta_vote``); the bulk step then runs in the agreed mode. ``refusal``: this
         training rank cannot send its tensors as they are (``megatron.live_views``): every
         rank raises ``TensorsRefused`` at step 0. ``misc_nonfinite``: stage -> positions
         among the stage's other params that held NaN or Inf (``check_finite``), read at

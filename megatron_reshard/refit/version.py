@@ -33,7 +33,7 @@ import torch.distributed as dist
 from megatron_reshard.groups.collectives import all_reduce, control_device, group_rank
 from megatron_reshard.errors import BadInputError
 from megatron_reshard.refit.commit import NO_VERSION
-from megatron_reshard.refit.delta import VOTE_WIDTH, decide_mode, dst_vote, src_vote
+from megatron_reshard.refit.delta_vote import VOTE_WIDTH, decide_mode, dst_vote, src_vote
 
 
 class RefitRefused(BadInputError):
@@ -65,10 +65,10 @@ class VersionDecision:
     version: Optional[int]  # the version this refit carries (None when refused)
     refused: str = ""       # why not, the same on every rank of a group
     mode: str = "full"      # "delta" only when every rank of every group holds the base
-    full_reason: Optional[str] = None  # why full (refit.delta's vote), None for a delta
+    full_reason: Optional[str] = None  # why full (refit.delta_vote), None for a delta
     base: Optional[int] = None         # the version a delta is cut from
     check_plan: tuple[int, ...] = ()   # the stages whose groups run the plan check first
-    delta_wanted: bool = False         # the training side asks for deltas (refit.delta)
+    delta_wanted: bool = False         # the training side asks for deltas (the delta package)
     error: type = VersionRefused       # what a refusal raises (TensorsRefused: a training
                                        # rank's tensors changed beyond re-binding)
 
@@ -121,7 +121,7 @@ def agree_version(groups: Mapping[int, Any], *, side: str, version: Optional[int
     ``version``/``allow_reuse``/``last_sent``: the training side's; ``held``: the
     generation side's weights' version; ``plan_unchecked``: this rank has not compared plan
     fingerprints over its groups yet. ``delta_vote``: this rank's columns of the mode
-    vote (``refit.delta.src_vote`` / ``dst_vote``; None: no delta from this rank).
+    vote (``refit.delta_vote.src_vote`` / ``dst_vote``; None: no delta from this rank).
     ``refusal``: this training rank refuses the refit (its tensors changed beyond
     re-binding); every rank of its group then refuses, naming the rank and the param
     (``param_names``: the bulk param names per stage, as the payload orders them)."""

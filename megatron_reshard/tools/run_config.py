@@ -150,7 +150,7 @@ class RefitRunConfig:
     # how the refit groups move bytes (engine.refit_transport): None = the default ("p2p"),
     # "colocated" = copies out of the training ranks' mapped memory (gloo only)
     transport: Optional[str] = None
-    # the senders' RefitSender(delta=...): False, True or a refit.delta.DeltaConfig (stdlib
+    # the senders' RefitSender(delta=...): False, True or a delta.DeltaConfig (stdlib
     # here: any value the sender takes); "adam": between refits the training model takes
     # Adam steps over FP32 master weights (testing.optimizer_steps), "perturb": every
     # weight changes (tools.e2e.perturb_)

@@ -21,7 +21,7 @@ whole model through its NIC); gather and broadcast do not overlap.
 
 Delta refits (``changed``: the fraction of elements whose bits changed since the last
 refit, spread at random): every engine region carries a 16-byte header and the expected
-size of its cheapest encoding (``refit.delta_transport``: gaps, a bitmask, positions or
+size of its cheapest encoding (``delta.encoding``: gaps, a bitmask, positions or
 dense; values as one byte, ``DIFF8``, with ``escape`` of the changed elements sent whole),
 and messages are two per pair of ranks per batch in which the pair has regions (headers,
 payloads), batches cut as the refit loop cuts them (``batch_bytes`` of global bytes). The
@@ -40,7 +40,7 @@ from megatron_reshard.layout.geometry import box_numel
 from megatron_reshard.engine.link_costs import LinkCosts
 from megatron_reshard.engine.param_plan import ParamPlan
 from megatron_reshard.engine.plan import Planner, gc_paused
-from megatron_reshard.refit.delta_transport import GAP_SKIP, HEADER_BYTES
+from megatron_reshard.delta.wire_format import GAP_SKIP, HEADER_BYTES
 from megatron_reshard.refit.loop import DEFAULT_BATCH_BYTES
 from megatron_reshard.refit.order import byte_bounds
 

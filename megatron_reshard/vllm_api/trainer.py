@@ -52,7 +52,7 @@ from megatron_reshard.groups.comm import TRANSPORT_NAMES, create_refit_group, de
 from megatron_reshard.groups.faults import post_failure
 from megatron_reshard.megatron.sender import RefitSender
 from megatron_reshard.megatron.source import MegatronRefitSource
-from megatron_reshard.refit.delta import DeltaConfig
+from megatron_reshard.delta import DeltaConfig
 from megatron_reshard.refit.loop import DEFAULT_BATCH_BYTES, DEFAULT_STAGING_BYTES, PLANNERS
 from megatron_reshard.receiver.worker_state import PrepareOptions
 from megatron_reshard.vllm_api import init_checks
@@ -92,7 +92,7 @@ class MegatronReshardTrainerInitInfo(TrainerInitInfo):
     workers' other ``prepare_refit`` options (e.g. ``num_streams``, ``strided_in_place``).
     ``payload_format``: "msgpack" (bytes, the default) or "plain" (the payload as a dict).
     ``delta``: the sender's ``RefitSender(delta=...)`` (experimental; ``False``, ``True`` or a
-    ``refit.delta.DeltaConfig``): later updates send only the changed elements where every
+    ``delta.DeltaConfig``): later updates send only the changed elements where every
     rank can prove the base; the workers need no option for it. ``check_finite``: the
     sender's ``RefitSender(check_finite=...)`` (NaN/Inf in a weight fails the update on
     every rank, naming the param).
@@ -144,7 +144,7 @@ class MegatronReshardTrainerInitInfo(TrainerInitInfo):
         if self.node is not None and not isinstance(self.node, str):
             raise _field_error("node", "a node name (str) or None", self.node)
         if not (isinstance(self.delta, (bool, DeltaConfig))):
-            raise _field_error("delta", "False, True or a megatron_reshard.refit.delta.DeltaConfig",
+            raise _field_error("delta", "False, True or a megatron_reshard.delta.DeltaConfig",
                                self.delta)
         if not isinstance(self.check_finite, bool):
             raise _field_error("check_finite", "True or False", self.check_finite)

@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from megatron_reshard.groups.comm import create_refit_group, destroy_refit_group
 from megatron_reshard.megatron.sender import RefitSender
-from megatron_reshard.refit.delta import DeltaConfig
+from megatron_reshard.delta import DeltaConfig
 from megatron_reshard.testing.vllm_like import build_vllm_like_model
 from megatron_reshard.tools.e2e import ModuleWorker
 from megatron_reshard.tools.tiny_source import tiny_source
