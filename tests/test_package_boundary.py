@@ -230,16 +230,18 @@ def _function_local_imports() -> set[tuple[str, str]]:
 
 # Each one and why it cannot be at the top; a new one needs a reason here (and at its line).
 _LAZY_IMPORTS = {
-    ("__init__.py", "megatron_reshard"): "the engine's names on first use: the package root "
-                                         "imports no torch (the CLI's --help, vLLM's plugin loader)",
+    ("__init__.py", "megatron_reshard"):
+        "the engine's names on first use: the package root imports no torch (the CLI's "
+        "--help, vLLM's plugin loader)",
     ("megatron/__init__.py", "megatron_reshard.megatron"): "its names on use: importing the "
                                                            "package must not import megatron.core",
     ("megatron/__init__.py", "megatron_reshard.wire"): "(same)",
     ("megatron/gen_split.py", "megatron_reshard.vllm_layout.dense"): "torch only when a size is "
                                                                      "checked (the demo's parser)",
     ("megatron/gen_split.py", "megatron_reshard.megatron.model_info"): "(same)",
-    ("vllm_layout/kernel_order.py", "megatron_reshard.engine.kernel_copies"): "the engine "
-        "package (~1.5 s) only where a CUDA storage is written; wire and vllm_layout load without it",
+    ("vllm_layout/kernel_order.py", "megatron_reshard.engine.kernel_copies"):
+        "the engine package (~1.5 s) only where a CUDA storage is written; wire and "
+        "vllm_layout load without it",
     ("vllm_api/backend.py", "megatron_reshard.wire.codec"): "msgspec only where bytes arrive",
 }
 

@@ -200,7 +200,7 @@ class Cut:
     """One region's changes found (``cut_mark`` and the per-block offsets) and its totals,
     taken by ``finish`` from the host's one read of a batch's: ``count``, ``skips`` (GAPS
     skip bytes), ``escapes`` (DIFF8), ``chosen`` (the encoding the device chose from them,
-    as ``delta_transport.pick_encoding`` does) and ``speculated``: ``(encoding, payload)``
+    as ``encoding.pick_encoding`` does) and ``speculated``: ``(encoding, payload)``
     written in the same queue before that read, or None where the slots do not give the
     chosen encoding or its payload overran its room (``_room``). ``payload`` writes any
     encoding after the read. Made by ``cut_many`` (``cut``: one region alone)."""
@@ -366,7 +366,7 @@ def cut_many(pairs: list, index_sizes: list[int]) -> list[Cut]:
     """A ``Cut`` of each ``(new, old)`` pair with one host read for them all: the regions
     of one element size, packing and index size go as one batch (``_Batch``: each kernel
     launched once for the batch), and the device drains once. The scratch of every cut
-    lives until the read: callers bound the regions' bytes (``delta_transport.encode_many``)."""
+    lives until the read: callers bound the regions' bytes (``encoding.encode_many``)."""
     if not pairs:
         return []
     dev = pairs[0][0].device

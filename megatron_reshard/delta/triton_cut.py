@@ -87,7 +87,7 @@ def build(triton, tl) -> dict:
 
     @triton.jit
     def _choose(n, count, escapes, gap_bytes, ITEM: tl.constexpr, IDX: tl.constexpr):
-        # ``delta_transport.pick_encoding`` on the device: (encoding, payload bytes) of the
+        # ``encoding.pick_encoding`` on the device: (encoding, payload bytes) of the
         # cheapest, ties to the one it lists first (dense 3, bitmask 2, positions 1, gaps
         # 4; whole values before DIFF8, +8); dense also where the host's encode() takes it
         # before asking (count * (ITEM + 1) >= n * ITEM); none (0) for no change
