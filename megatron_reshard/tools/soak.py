@@ -107,6 +107,7 @@ class Soak:
         self._last_progress = 0.0
         self._switched = -1
         self.aborted: Optional[str] = None
+        self.repaired = False
 
     # ------------------------------------------------------------------ worlds and groups
 
@@ -264,9 +265,16 @@ class Soak:
             self._one("train", "save", {"path": os.path.join(self.workdir, f"ckpt_{self.model}.pt"),
                                         "version": version})
             self.checkpoints[self.model] = version
-        if silent:  # repair, so that one silent fault is counted once: a new source
-            self._one("train", "rebind", {})
-            self.rebuild()
+        if silent:  # repair, so that one silent fault is counted once
+            self.tally.ok("silent_refits")
+            self._repair()
+
+    def _repair(self) -> None:
+        """A new source over the training params as they are now, new groups: the next
+        refit is full and reads the model's current storage."""
+        self._one("train", "rebind", {})
+        self.rebuild()
+        self.repaired = True
 
     def _check_gens(self, replies: dict, where: str) -> bool:
         exact = True
@@ -346,7 +354,10 @@ class Soak:
         elif kind == "params_moved":
             self._one("train", "move_params", {})
             self.faults[kind] += 1
+            self.repaired = False
             self.refit(where=kind)
+            if not self.repaired and self.procs["train"].alive():
+                self._repair()  # the sender may still read the storage the params left
         elif kind == "gen_reload":
             g = self.rng.choice(self.gens)
             self._one(g, "reload", {"payload": self.payloads[self.model],
@@ -430,7 +441,7 @@ class Soak:
                "committed": self.committed, "modes": dict(self.modes),
                "faults": sum(self.faults.values()), "faults_by_kind": dict(self.faults),
                "armed_not_fired": dict(self.not_fired),
-               "silent_outcomes": self.tally.counts["silent_wrong_weights"],
+               "silent_outcomes": self.tally.counts["silent_refits"],
                "hangs": self.tally.counts["hangs"],
                **self.tally.as_dict(), "leaks": leak_slopes(self.procs.lives),
                "processes_started": len(self.procs.lives), "aborted": self.aborted}
@@ -452,7 +463,7 @@ class Soak:
         v = self.tally.violations()
         print(f"soak: {self.refits}/{self.cfg.refits} refits ({self.committed} committed, "
               f"{self.modes['delta']} delta), {sum(self.faults.values())}/{self.cfg.faults} faults, "
-              f"silent {self.tally.counts['silent_wrong_weights']}, hangs "
+              f"silent {self.tally.counts['silent_refits']}, hangs "
               f"{self.tally.counts['hangs']}, violations {sum(v.values())} {v or ''}, "
               f"{self.model}, {now - self.t0:.0f} s", file=sys.stderr, flush=True)
 

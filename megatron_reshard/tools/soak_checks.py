@@ -43,12 +43,17 @@ class Tally:
         self.counts: Counter = Counter()
         self.examples: dict[str, list] = {}
         self.silent_by_fault: Counter = Counter()
+        self.by_cause: dict[str, Counter] = {}  # violation -> the fault it followed -> count
 
     def ok(self, name: str, n: int = 1) -> None:
         self.counts[name] += n
 
-    def bad(self, name: str, example: Any) -> None:
+    def bad(self, name: str, example: Any, cause: Optional[str] = None) -> None:
+        """One violation of ``name``; ``cause``: the fault it followed (None: no fault)."""
         self.counts[name] += 1
+        if cause is None and isinstance(example, dict):
+            cause = example.get("where")  # the soak's step: a fault's kind, or "refit"
+        self.by_cause.setdefault(name, Counter())[cause or "none"] += 1
         kept = self.examples.setdefault(name, [])
         if len(kept) < EXAMPLES:
             kept.append(example)
@@ -59,6 +64,7 @@ class Tally:
     def as_dict(self) -> dict:
         return {"counters": {k: self.counts[k] for k in sorted(set(self.counts) | set(self.VIOLATIONS))},
                 "violations": self.violations(), "silent_by_fault": dict(self.silent_by_fault),
+                "violations_by_fault": {k: dict(v) for k, v in self.by_cause.items()},
                 "examples": self.examples}
 
 
@@ -79,7 +85,7 @@ def check_weights(tally: Tally, gen_rank: int, reply: Mapping, refs: Mapping[int
         if wrong:
             tally.bad("silent_wrong_weights", {"where": where, "gen_rank": gen_rank,
                                                "version": version, "params": wrong[:5],
-                                               "of": len(wrong), "after_fault": cause})
+                                               "of": len(wrong), "after_fault": cause}, cause)
             tally.silent_by_fault[cause or "none"] += 1
             return False
         tally.ok("weights_exact")
@@ -94,7 +100,7 @@ def check_weights(tally: Tally, gen_rank: int, reply: Mapping, refs: Mapping[int
     if wrong:
         tally.bad("inconsistent_state_wrong", {"where": where, "gen_rank": gen_rank,
                                                "started_from": base, "params": wrong[:5],
-                                               "after_fault": cause})
+                                               "after_fault": cause}, cause)
         return False
     tally.ok("weights_inconsistent_said")
     return True
