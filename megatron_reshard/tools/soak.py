@@ -39,6 +39,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
+from megatron_reshard.groups.faults import RETIRE_MARGIN_S
 from megatron_reshard.tools.soak_checks import (MARGIN_S, Tally, check_delta_base, check_survivor,
                                                 check_version, check_weights, leak_slopes)
 from megatron_reshard.tools.soak_options import FAULT_KINDS
@@ -68,6 +69,7 @@ class SoakConfig:
     sample_every: int = 10
     ckpt_every: int = 5
     kinds: tuple = FAULTS
+    transports: tuple = ("p2p", "colocated")  # on CPU, picked per group build (GPU: colocated)
     checksums: str = "mixed"  # "on", "off" or "mixed" (seeded, per group build)
     delta: float = 0.8        # the chance a group build asks for delta refits
     lr: float = 1e-6
@@ -101,6 +103,8 @@ class Soak:
         self.expect_full = True
         self.refits = self.committed = 0
         self.modes: Counter = Counter()
+        self.full_reasons: Counter = Counter()
+        self.builds: Counter = Counter()  # group builds by transport and options
         self.faults: Counter = Counter()         # injected (fired) per kind
         self.not_fired: Counter = Counter()
         self.t0 = time.time()
@@ -108,6 +112,8 @@ class Soak:
         self._switched = -1
         self.aborted: Optional[str] = None
         self.repaired = False
+        self.last_failure = 0.0   # when a refit group last failed
+        self.settle_s = 0.0       # time spent waiting for failed groups before samples
 
     # ------------------------------------------------------------------ worlds and groups
 
@@ -146,7 +152,7 @@ class Soak:
         given that payload instead, which it must refuse, and every rank must then fail."""
         cfg = self.cfg
         build = {"port": free_ports(1)[0], "timeout_s": cfg.timeout_s, "seed": self.rng.randrange(1 << 30),
-                 "transport": "colocated" if cfg.device == "cuda" else self.rng.choice(["p2p", "colocated"]),
+                 "transport": "colocated" if cfg.device == "cuda" else self.rng.choice(cfg.transports),
                  "verify": {"on": True, "off": False}.get(cfg.checksums, self.rng.random() < 0.5),
                  "delta": self.rng.random() < cfg.delta}
         payload = self.payloads[self.model]
@@ -159,6 +165,8 @@ class Soak:
                                       verify=build["verify"], payload=given, seed=build["seed"]))
         replies, _ = self.procs.call(cmds, CALL_S)
         self.build, self.sender_base, self.plan_checked = build, None, False
+        self.builds[f"{build['transport']}{'+delta' if build['delta'] else ''}"
+                    f"{'+checksums' if build['verify'] else ''}"] += 1
         self.expect_full = True
         failed = {n: r for n, r in replies.items() if r["status"] != "ok"}
         if bad is None:
@@ -245,6 +253,8 @@ class Soak:
         train = replies["train"]["result"]
         self.committed += 1
         self.modes[train["mode"]] += 1
+        if train["mode"] == "full":  # why, in the words of the library (its first clause)
+            self.full_reasons[str(train["full_reason"]).split(";")[0].split(":")[0][:80]] += 1
         if train["version"] != version:
             self.tally.bad("version_mismatch", {"where": where, "sent": version, "train": train})
         if train["mode"] == "delta" and self.expect_full:
@@ -324,6 +334,7 @@ class Soak:
     def _recover(self, replies: dict, where: str) -> None:
         """Restart what died (a dead or stopped training rank from its last checkpoint, a
         generation rank fresh), then rebuild the groups everywhere."""
+        self.last_failure = time.time()
         dead = [n for n, r in replies.items() if r["status"] in ("died", "missing")]
         dead += [n for n, p in self.procs.by_name.items() if not p.alive() and n not in dead]
         for name in dead:
@@ -415,7 +426,7 @@ class Soak:
                 else:
                     self.refit()
                 if self.refits % cfg.sample_every == 0:
-                    self.procs.sample(self.refits)
+                    self.sample()
                 self.progress()
         except Exception:  # noqa: BLE001 - the soak's own failure ends it with its report
             self.aborted = traceback.format_exc()[-4000:]
@@ -433,18 +444,31 @@ class Soak:
             self.start_gen(g, fresh=False)
         self.rebuild()
 
+    def sample(self) -> None:
+        """Leak figures of every rank, taken once the groups that failed last have been let
+        go: a failed gloo group is held until its abandoned operations end (the group's
+        timeout + ``faults.RETIRE_MARGIN_S``), so a sample taken sooner counts its threads
+        and sockets, which are not leaked."""
+        settle = self.last_failure + self.cfg.timeout_s + RETIRE_MARGIN_S + 1.0 - time.time()
+        if settle > 0:
+            time.sleep(settle)
+            self.settle_s += settle
+        self.procs.sample(self.refits)
+
     # --------------------------------------------------------------------------- report
 
     def report(self) -> dict:
         out = {"config": {k: v for k, v in asdict(self.cfg).items() if k != "extra"},
                "elapsed_s": round(time.time() - self.t0, 1), "refits": self.refits,
                "committed": self.committed, "modes": dict(self.modes),
+               "full_reasons": dict(self.full_reasons), "builds": self.builds,
                "faults": sum(self.faults.values()), "faults_by_kind": dict(self.faults),
                "armed_not_fired": dict(self.not_fired),
                "silent_outcomes": self.tally.counts["silent_refits"],
                "hangs": self.tally.counts["hangs"],
                **self.tally.as_dict(), "leaks": leak_slopes(self.procs.lives),
-               "processes_started": len(self.procs.lives), "aborted": self.aborted}
+               "processes_started": len(self.procs.lives),
+               "sample_settle_s": round(self.settle_s, 1), "aborted": self.aborted}
         if self.cfg.report:
             with open(self.cfg.report + ".tmp", "w") as f:
                 json.dump(out, f, indent=1, default=str)
@@ -507,6 +531,7 @@ def run(args) -> int:
                      device=args.device, timeout_s=args.timeout_s,
                      models=tuple(args.models.split(",")), switch_every=args.switch_every,
                      sample_every=args.sample_every, kinds=kinds, checksums=args.checksums,
+                     transports=tuple(args.transports.split(",")),
                      max_minutes=args.max_minutes, report=args.report, progress_s=args.progress_s)
     report = run_soak(cfg)
     for line in summary_lines(report):

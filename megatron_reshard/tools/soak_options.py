@@ -25,6 +25,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="refits between leak samples (RSS, fds, threads, children, GPU memory)")
     p.add_argument("--kinds", default="", help=f"comma-separated fault kinds (default: all): "
                                                f"{', '.join(FAULT_KINDS)}")
+    p.add_argument("--transports", default="p2p,colocated",
+                   help="on CPU, the transports a group build picks from (a GPU: colocated)")
     p.add_argument("--checksums", choices=("on", "off", "mixed"), default="mixed",
                    help="verify_checksums on both sides; mixed: seeded per group build")
     p.add_argument("--max-minutes", type=float, default=None,

@@ -130,7 +130,18 @@ def sample() -> dict:
     child processes, CUDA memory where there is a GPU."""
     with open("/proc/self/status") as f:
         rss = next(int(line.split()[1]) for line in f if line.startswith("VmRSS"))
-    out = {"rss_mib": rss / 1024, "fds": len(os.listdir("/proc/self/fd")),
+    kinds = {"sockets": 0, "shm": 0}
+    fds = os.listdir("/proc/self/fd")
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:"):
+            kinds["sockets"] += 1
+        elif target.startswith("/dev/shm/") or "(deleted)" in target:
+            kinds["shm"] += 1
+    out = {"rss_mib": rss / 1024, "fds": len(fds), **kinds,
            "threads": len(os.listdir("/proc/self/task")), "children": _children(os.getpid())}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         out["gpu_alloc_mib"] = torch.cuda.memory_allocated() / 2**20
@@ -160,8 +171,12 @@ class TrainRank:
         self.conn, self.gen, self.device = conn, gen, torch.device(device)
         if not dist.is_initialized():  # the training world: this process alone
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        ps.destroy_model_parallel()
-        ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+        # once per process: every model (re)built here runs TP1 PP1 EP1, and each
+        # initialize_model_parallel leaves ~50 threads and ~70 fds of gloo groups behind that
+        # destroy_model_parallel does not end (megatron-core 0.16; a job does it once)
+        if not ps.model_parallel_is_initialized():
+            ps.initialize_model_parallel(tensor_model_parallel_size=1,
+                                         pipeline_model_parallel_size=1)
         preset = dict(MODEL_PRESETS[model])
         self.family = preset.pop("family")
         spec = TinyGPTSpec(dtype="bfloat16", **preset)
