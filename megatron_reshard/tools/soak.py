@@ -67,6 +67,7 @@ class SoakConfig:
     models: tuple = ("dense", "moe")
     switch_every: int = 100
     sample_every: int = 10
+    settle_samples: bool = True  # wait for failed groups to be let go before a sample
     ckpt_every: int = 5
     kinds: tuple = FAULTS
     transports: tuple = ("p2p", "colocated")  # on CPU, picked per group build (GPU: colocated)
@@ -450,7 +451,7 @@ class Soak:
         timeout + ``faults.RETIRE_MARGIN_S``), so a sample taken sooner counts its threads
         and sockets, which are not leaked."""
         settle = self.last_failure + self.cfg.timeout_s + RETIRE_MARGIN_S + 1.0 - time.time()
-        if settle > 0:
+        if settle > 0 and self.cfg.settle_samples:
             time.sleep(settle)
             self.settle_s += settle
         self.procs.sample(self.refits)
