@@ -13,6 +13,7 @@ its parent the time, then kills (SIGKILL) or stops (SIGSTOP) itself.
 
 from __future__ import annotations
 
+import gc
 import os
 import random
 import signal
@@ -20,6 +21,7 @@ import threading
 import time
 import traceback
 import warnings
+from collections import Counter
 from typing import Any, Optional
 
 import torch
@@ -143,6 +145,11 @@ def sample() -> dict:
             kinds["shm"] += 1
     out = {"rss_mib": rss / 1024, "fds": len(fds), **kinds,
            "threads": len(os.listdir("/proc/self/task")), "children": _children(os.getpid())}
+    # refit groups still alive (a group let go of is collected; one held past its failure's
+    # retirement is a leak), and the TCPStores among them
+    alive = Counter(type(o).__name__ for o in gc.get_objects()
+                    if type(o).__name__ in ("RefitGroup", "TCPStore", "FaultBoard"))
+    out.update(groups_alive=alive["RefitGroup"], boards_alive=alive["FaultBoard"])
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         out["gpu_alloc_mib"] = torch.cuda.memory_allocated() / 2**20
         out["gpu_reserved_mib"] = torch.cuda.memory_reserved() / 2**20
