@@ -5,6 +5,7 @@ fault (``megatron_reshard.tools.soak``); plus the checks themselves on hand-made
 so that each can be seen to fail."""
 
 import pytest
+import torch
 
 from megatron_reshard.tools.soak import FAULTS, ISSUE_50, SoakConfig, run_soak
 from megatron_reshard.tools.soak_checks import (Tally, check_delta_base, check_survivor,
@@ -178,3 +179,14 @@ def test_a_destroyed_refit_group_is_let_go_without_the_cyclic_collector(pool):
     # and sockets climb with each rebuild
     alive = pool.run(_groups_let_go, 3, num_ports=4, timeout_s=240)
     assert alive == [0, 0, 0], alive
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_an_adam_step_on_a_model_on_the_gpu():
+    # the GPU soak steps a model on cuda:0; the seeded gradients were left on the host
+    from megatron_reshard.testing.optimizer_steps import adam_step_
+
+    model = torch.nn.Linear(64, 64).to("cuda", torch.bfloat16)
+    before = model.weight.detach().clone()
+    adam_step_(model, 1, lr=1e-2)
+    assert not torch.equal(before, model.weight.detach())
