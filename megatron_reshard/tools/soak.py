@@ -36,7 +36,7 @@ import tempfile
 import time
 import traceback
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Optional
 
 from megatron_reshard.groups.faults import RETIRE_MARGIN_S
@@ -79,7 +79,6 @@ class SoakConfig:
     report: Optional[str] = None
     workdir: Optional[str] = None
     quiet: bool = False
-    extra: dict = field(default_factory=dict)
 
 
 class Soak:
@@ -459,7 +458,7 @@ class Soak:
     # --------------------------------------------------------------------------- report
 
     def report(self) -> dict:
-        out = {"config": {k: v for k, v in asdict(self.cfg).items() if k != "extra"},
+        out = {"config": asdict(self.cfg),
                "elapsed_s": round(time.time() - self.t0, 1), "refits": self.refits,
                "committed": self.committed, "modes": dict(self.modes),
                "full_reasons": dict(self.full_reasons), "builds": self.builds,

@@ -9,6 +9,9 @@ joins refit groups, takes Adam steps, computes the independent reference of its 
 checkpoints and refits; a generation rank holds a vLLM-layout model behind the worker
 extension. Faults are armed per refit: at a phase of the refit protocol the victim tells
 its parent the time, then kills (SIGKILL) or stops (SIGSTOP) itself.
+
+Megatron and the testing references are imported inside the roles, not here: the soak's
+parent imports this module (the spawn target) and never builds a model.
 """
 
 from __future__ import annotations
