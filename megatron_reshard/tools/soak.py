@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import sys
 import tempfile
 import time
@@ -433,6 +434,8 @@ class Soak:
         finally:
             report = self.report()
             self.procs.close()
+            if self.cfg.workdir is None:  # the checkpoints' temporary folder
+                shutil.rmtree(self.workdir, ignore_errors=True)
         self.progress(final=True)
         return report
 
