@@ -243,7 +243,10 @@ class Soak:
             for n, r in replies.items():
                 if r["status"] == "missing":
                     self.tally.bad("hangs", {"where": where, "rank": n, "no_fault": True})
-            self.tally.ok("refits_failed_without_signal")
+            # not a violation (a tampered base under checksums fails loudly), but say why
+            self.tally.bad("refits_failed_without_signal", {
+                "where": where, "cause": self.cause,
+                "errors": {n: e["error"][:200] for n, e in errors.items() if e}})
             self._check_gens(replies, where)
             self._recover(replies, where)
             return replies
