@@ -53,9 +53,10 @@ class Tally:
         self.counts[name] += 1
         if cause is None and isinstance(example, dict):
             cause = example.get("where")  # the soak's step: a fault's kind, or "refit"
-        self.by_cause.setdefault(name, Counter())[cause or "none"] += 1
+        causes = self.by_cause.setdefault(name, Counter())
+        causes[cause or "none"] += 1
         kept = self.examples.setdefault(name, [])
-        if len(kept) < EXAMPLES:
+        if len(kept) < EXAMPLES or causes[cause or "none"] == 1:  # each cause's first too
             kept.append(example)
 
     def violations(self) -> dict[str, int]:
