@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Optional, Union
 
+import functools
 import math
 
 import torch
@@ -87,7 +88,10 @@ class RefitSender:
                                   misc_items=misc, verify_checksums=verify_checksums,
                                   planner=planner, node=node, check_finite=check_finite)
             if self.delta is not None:
-                self.loop.enable_delta(lambda *a: TrainBase(self.delta, *a))
+                # the config, not self: a closure over the sender, kept by its own loop,
+                # is a reference cycle that holds the refit group (its store's thread and
+                # sockets) after destroy_refit_group until the cyclic collector runs
+                self.loop.enable_delta(functools.partial(TrainBase, self.delta))
             self.protocol = RefitProtocol("src", self.loop, {self.stage: group},
                                           {self.stage: self.misc_items}, staging_bytes,
                                           self.pp_size)

@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Shard-to-shard weight refit from Megatron-Core training ranks into "
                     "vLLM-layout generation ranks.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,bench,plan}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,bench,plan,soak}")
 
     from megatron_reshard.tools import demo_options
 
@@ -79,6 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan_cli.add_arguments(plan)
     plan.formatter_class = HelpFormatter  # after add_arguments, which sets its own
+    from megatron_reshard.tools import soak_options
+
+    soak_options.add_arguments(sub.add_parser("soak", help="refits in a loop with faults at "
+                                              "random points, every invariant checked (issue 52)",
+                                              description=soak_options.DESCRIPTION,
+                                              formatter_class=HelpFormatter))
     for command in (parser, *sub.choices.values()):
         _give_defaults_a_help_line(command)
     return parser
@@ -175,6 +181,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from megatron_reshard.tools import plan_cli
 
         return plan_cli.run(args)
+    if args.command == "soak":
+        from megatron_reshard.tools import soak
+
+        return soak.run(args)
     return 2
 
 
