@@ -30,7 +30,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-import megatron_reshard.refit.delta_transport as delta_transport
+import megatron_reshard.delta.encoding as delta_encoding
 import megatron_reshard.refit.protocol as protocol
 from megatron_reshard.groups.comm import create_refit_group, destroy_refit_group
 from megatron_reshard.receiver import MegatronReshardWorkerExtension
@@ -94,8 +94,8 @@ def install_phase_hooks() -> None:
     _wrap(protocol, "agree_version", "version_vote")
     _wrap(protocol, "commit_refit", "commit")
     _wrap(RefitLoop, "verify_plan", "plan_check")
-    _wrap(delta_transport, "encode", "delta")   # a training rank: cutting the regions
-    _wrap(delta_transport, "apply", "delta")    # a generation rank: applying them
+    _wrap(delta_encoding, "encode", "delta")   # a training rank: cutting the regions
+    _wrap(delta_encoding, "apply", "delta")    # a generation rank: applying them
 
 
 def arm_bytes(loop: RefitLoop, seed: int) -> None:
