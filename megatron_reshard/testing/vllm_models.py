@@ -29,6 +29,14 @@ place, each shim explained there):
   (``maybe_roundup_sizes``) and the post-load conversion
   (``convert_to_unquantized_kernel_format``, FlashInfer's permutation helpers on CPU).
 
+- vLLM 0.34's x86 CPU platform refuses to configure without Triton
+  (``CpuPlatform.check_and_update_config``: "vLLM on x86 CPUs requires Triton
+  (triton-cpu)"; 0.33 and older only warned). triton-cpu is not on the package index, and
+  nothing the tests run executes a Triton kernel (no forward pass: model classes are built,
+  loaded and post-processed). That one check runs with ``vllm.triton_utils.HAS_TRITON``
+  answered True, restored right after; every module that imported the flag keeps False
+  (``_cpu_platform_without_triton``; nothing where the running vLLM has Triton).
+
 - vLLM's Qwen3.5 module (``models/qwen3_5.py``, text classes and multimodal ones in one file)
   imports its vision model ``qwen3_vl``, which imports transformers'
   ``image_processing_qwen2_vl``, whose first lines run
@@ -103,6 +111,7 @@ def _install_cpu_shims() -> None:
     CPU_EXPERTS_PREPACK = cpu_moe.CPUUnquantizedExperts.process_weights_after_loading
     cpu_moe.CPUUnquantizedExperts.process_weights_after_loading = \
         FusedMoEExperts.process_weights_after_loading
+    cpu_platform_without_triton()
     _honour_flashinfer_moe_backend()
     _honour_block_fp8_kernels()
     for arch, module in ARCHITECTURE_MODULES.items():
@@ -110,6 +119,27 @@ def _install_cpu_shims() -> None:
             cls = getattr(importlib.import_module(f"vllm.model_executor.models.{module}"), arch)
         ModelRegistry.register_model(arch, cls)
     _SHIMS_INSTALLED = True
+
+
+def cpu_platform_without_triton() -> None:
+    """Let vLLM's CPU platform configure a ``VllmConfig`` without triton-cpu (see the module
+    docstring); idempotent, and nothing where Triton is there."""
+    import vllm.triton_utils as triton_utils
+    from vllm.platforms.cpu import CpuPlatform
+
+    check = CpuPlatform.check_and_update_config
+    if triton_utils.HAS_TRITON or getattr(check, "without_triton", False):
+        return
+
+    def check_without_triton(cls, vllm_config) -> None:
+        triton_utils.HAS_TRITON = True
+        try:
+            check.__func__(cls, vllm_config)
+        finally:
+            triton_utils.HAS_TRITON = False
+
+    check_without_triton.without_triton = True
+    CpuPlatform.check_and_update_config = classmethod(check_without_triton)
 
 
 # the torchvision modules transformers' Qwen2-VL image processor imports at module level
@@ -439,7 +469,8 @@ def _same_bits(x: torch.Tensor, y: torch.Tensor) -> bool:
     return torch.equal(as_bytes(x), as_bytes(y))
 
 
-__all__ = ["ARCHITECTURE_MODULES", "CPU_FLASHINFER_MOE_BACKENDS", "bitwise_differences", "build_model", "dummy_loaded_model",
+__all__ = ["ARCHITECTURE_MODULES", "CPU_FLASHINFER_MOE_BACKENDS", "bitwise_differences", "build_model",
+           "cpu_platform_without_triton", "dummy_loaded_model",
            "KV_CACHE_SCALES", "fp8_checkpoint", "fp8_quantization_config",
            "loaded_model", "model_tensors", "post_process", "set_vllm_cpu_environment",
            "vllm_config_for", "vllm_parallel_state", "write_model_dir"]

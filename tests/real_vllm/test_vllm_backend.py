@@ -34,7 +34,8 @@ import pytest
 
 pytest.importorskip("vllm.distributed")  # the real vLLM, installed in the vLLM test venv
 
-from megatron_reshard.testing.vllm_models import set_vllm_cpu_environment  # noqa: E402
+from megatron_reshard.testing.vllm_models import (  # noqa: E402
+    cpu_platform_without_triton, set_vllm_cpu_environment)
 
 set_vllm_cpu_environment()
 
@@ -122,6 +123,7 @@ def engine():
 
     from megatron_reshard.vllm_api.plugin import register
 
+    cpu_platform_without_triton()  # VllmConfig() configures vLLM's CPU platform
     register()
     register()  # idempotent: vLLM may load its plugins more than once per process
     eng = WeightTransferEngineFactory.create_engine(
@@ -471,6 +473,7 @@ def _init_with_an_uncovered_param(job, prepare_options):
     model = build_vllm_like_model(_COVER_CFG, 0, 1, 1, torch.bfloat16)
     model.get_submodule("model.norm").register_parameter(
         "extra_scale", torch.nn.Parameter(torch.ones(64, dtype=torch.bfloat16), requires_grad=False))
+    cpu_platform_without_triton()  # VllmConfig() configures vLLM's CPU platform
     register()
     eng = WeightTransferEngineFactory.create_engine(
         WeightTransferConfig(backend="megatron_reshard"), VllmConfig(), torch.device("cpu"), model)
