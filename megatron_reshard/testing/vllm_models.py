@@ -29,6 +29,14 @@ place, each shim explained there):
   (``maybe_roundup_sizes``) and the post-load conversion
   (``convert_to_unquantized_kernel_format``, FlashInfer's permutation helpers on CPU).
 
+- vLLM's CPU platform is chosen through vLLM's own platform-plugin hook (entry-point group
+  ``vllm.platform_plugins``; ``cpu_platform_plugin`` answers ``CpuPlatform`` when
+  ``VLLM_TARGET_DEVICE=cpu``), declared by a metadata-only folder that
+  ``set_vllm_cpu_environment`` puts on ``sys.path`` and ``PYTHONPATH``. vLLM 0.25 picks its
+  CPU platform only for a CPU build (the installed version string holds "cpu") or macOS, and
+  resolves the platform while ``import vllm`` runs: the CUDA wheel installed here would get
+  ``UnspecifiedPlatform`` ("Failed to infer device type"). From 0.26 ``VLLM_TARGET_DEVICE``
+  alone picks it; the plugin names the same class there.
 - vLLM 0.34's x86 CPU platform refuses to configure without Triton
   (``CpuPlatform.check_and_update_config``: "vLLM on x86 CPUs requires Triton
   (triton-cpu)"; 0.33 and older only warned). triton-cpu is not on the package index, and
@@ -57,6 +65,7 @@ import contextlib
 import importlib
 import json
 import os
+import sys
 import tempfile
 from typing import Any, Mapping, Optional
 
@@ -78,14 +87,52 @@ ARCHITECTURE_MODULES = {
 }
 _SHIMS_INSTALLED = False
 CPU_EXPERTS_PREPACK = None  # vLLM's own post-load step of its CPU experts, kept aside by the shim
+CPU_PLATFORM_CHECK = None  # vLLM's own CpuPlatform.check_and_update_config, kept aside by the shim
 
 
 def set_vllm_cpu_environment() -> None:
-    """Environment vLLM needs on a CPU-only machine; call before the first vLLM import."""
+    """Environment vLLM needs on a CPU-only machine, its CPU platform chosen through a
+    platform plugin (see the module docstring); call before the first vLLM import. Spawned
+    processes and subprocesses inherit both."""
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # else: UnspecifiedPlatform
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_CACHE_ROOT", tempfile.mkdtemp(prefix="vllm-cache-"))
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    _declare_cpu_platform_plugin()
+
+
+# the entry-point group of vLLM's platform plugins (vllm.platforms.PLATFORM_PLUGINS_GROUP)
+PLATFORM_PLUGINS_GROUP = "vllm.platform_plugins"
+CPU_PLATFORM = "vllm.platforms.cpu.CpuPlatform"
+_PLUGIN_SITE = "MEGATRON_RESHARD_VLLM_CPU_PLUGIN_SITE"  # env: the folder, made once per run
+
+
+def cpu_platform_plugin() -> Optional[str]:
+    """vLLM's platform plugin hook: its CPU platform, when ``VLLM_TARGET_DEVICE=cpu``."""
+    return CPU_PLATFORM if os.environ.get("VLLM_TARGET_DEVICE") == "cpu" else None
+
+
+def _declare_cpu_platform_plugin() -> None:
+    """A folder holding only the metadata of a distribution that declares
+    ``cpu_platform_plugin`` in ``PLATFORM_PLUGINS_GROUP``, on ``sys.path`` and
+    ``PYTHONPATH`` (vLLM reads plugins through ``importlib.metadata``)."""
+    site = os.environ.get(_PLUGIN_SITE)
+    if site is None:
+        site = tempfile.mkdtemp(prefix="vllm-cpu-platform-")
+        info = os.path.join(site, "megatron_reshard_test_cpu_platform-0.0.dist-info")
+        os.mkdir(info)
+        with open(os.path.join(info, "METADATA"), "w") as f:
+            f.write("Metadata-Version: 2.1\nName: megatron-reshard-test-cpu-platform\n"
+                    "Version: 0.0\n")
+        with open(os.path.join(info, "entry_points.txt"), "w") as f:
+            f.write(f"[{PLATFORM_PLUGINS_GROUP}]\n"
+                    f"megatron_reshard_test_cpu = {__name__}:cpu_platform_plugin\n")
+        os.environ[_PLUGIN_SITE] = site
+    if site not in sys.path:
+        sys.path.append(site)
+    paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    if site not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (*paths, site) if p)
 
 
 def _install_cpu_shims() -> None:
@@ -127,9 +174,11 @@ def cpu_platform_without_triton() -> None:
     import vllm.triton_utils as triton_utils
     from vllm.platforms.cpu import CpuPlatform
 
+    global CPU_PLATFORM_CHECK
     check = CpuPlatform.check_and_update_config
     if triton_utils.HAS_TRITON or getattr(check, "without_triton", False):
         return
+    CPU_PLATFORM_CHECK = check
 
     def check_without_triton(cls, vllm_config) -> None:
         triton_utils.HAS_TRITON = True
@@ -152,7 +201,6 @@ def _vision_imports_without_torchvision():
     """Empty stand-ins for ``TORCHVISION_STAND_INS`` while vLLM's Qwen3.5 module imports (see
     the module docstring); nothing when torchvision imports or is already imported."""
     import importlib.machinery
-    import sys
     import types
 
     try:
@@ -470,7 +518,7 @@ def _same_bits(x: torch.Tensor, y: torch.Tensor) -> bool:
 
 
 __all__ = ["ARCHITECTURE_MODULES", "CPU_FLASHINFER_MOE_BACKENDS", "bitwise_differences", "build_model",
-           "cpu_platform_without_triton", "dummy_loaded_model",
+           "cpu_platform_plugin", "cpu_platform_without_triton", "dummy_loaded_model",
            "KV_CACHE_SCALES", "fp8_checkpoint", "fp8_quantization_config",
            "loaded_model", "model_tensors", "post_process", "set_vllm_cpu_environment",
            "vllm_config_for", "vllm_parallel_state", "write_model_dir"]
