@@ -29,6 +29,7 @@ through the live objects, never imported here.
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 import sys
 from typing import Any, Callable, Optional
@@ -182,6 +183,20 @@ def _experts_finish_loading(method: Any) -> bool:
         vars(roots[0])["process_weights_after_loading"]
 
 
+# the one variant of vLLM 0.25's CPU MoE path (``method.cpu_fused_moe``) that computes through
+# views of w13/w2 as loaded; its others (SGL, grouped GEMM, oneDNN) pack or drop them
+_OLD_CPU_KEEPING_FORWARD = "forward_torch"
+
+
+def _old_cpu_path_repacks(method: Any) -> bool:
+    """vLLM 0.25's CPU MoE (no ``moe_kernel``; ``cpu_fused_moe`` set after loading): whether
+    it holds anything but w13/w2 in checkpoint order."""
+    if not hasattr(method, "cpu_fused_moe"):
+        return False
+    forward = getattr(method.cpu_fused_moe, "forward_method", None)
+    return getattr(forward, "__name__", None) != _OLD_CPU_KEEPING_FORWARD
+
+
 def _moe_orders(layer_name: str, module: torch.nn.Module, method: Any,
                 params: dict[str, torch.Tensor]) -> dict[str, KernelOrder]:
     backend = _backend_name(method)
@@ -189,7 +204,7 @@ def _moe_orders(layer_name: str, module: torch.nn.Module, method: Any,
         raise refusal(layer_name, method, backend, "this backend's post-load step changes the "
                       "expert storage in ways the refit does not run (it is not vLLM's "
                       "convert_to_unquantized_kernel_format alone)", MOE_SETTING)
-    if backend == "CPU" and _experts_finish_loading(method):
+    if backend == "CPU" and (_experts_finish_loading(method) or _old_cpu_path_repacks(method)):
         raise refusal(layer_name, method, backend, "vLLM's CPU experts prepack w13/w2 into "
                       "their own layout after loading (vllm._C)", "refit a GPU worker")
     convert = getattr(sys.modules.get(type(method).__module__), "convert_to_unquantized_kernel_format", None)
@@ -205,10 +220,13 @@ def _moe_orders(layer_name: str, module: torch.nn.Module, method: Any,
            getattr(config, "intermediate_size_per_partition_unpadded", None),
            getattr(config, "intermediate_size_per_partition", None))
     if key not in _learned:
+        # vLLM 0.33 passes the layer (None: no layer to write); vLLM 0.25 has no such argument
+        extra = {"layer": None} if "layer" in inspect.signature(convert).parameters else {}
+
         def run(a: torch.Tensor, b: torch.Tensor):
             a, b = a.to(w13.dtype), b.to(w2.dtype)
             with torch.no_grad():  # a throwaway copy of the config: the TRTLLM path writes it
-                return convert(method.unquantized_backend, copy.copy(config), a, b, layer=None)
+                return convert(method.unquantized_backend, copy.copy(config), a, b, **extra)
         try:
             _learned[key] = learn_order(run, shapes, w13.device)
         except Exception as exc:  # vLLM's code failed or did not rearrange: refuse, say why

@@ -21,6 +21,11 @@ place, each shim explained there):
 - Each architecture's class is registered in-process: vLLM otherwise inspects every
   architecture once in a subprocess (10-22 s each on 2 cores) to keep CUDA out of the
   parent, which a CPU-only process does not need.
+- vLLM 0.25's CPU MoE takes its older path (``UnquantizedFusedMoEMethod`` with
+  ``cpu_fused_moe.CPUFusedMOE``, no ``CPUUnquantizedExperts``): without ``vllm._C``'s
+  ``prepack_moe_weight`` (the CUDA wheel lacks it) and with ``VLLM_CPU_SGL_KERNEL`` off it
+  keeps w13/w2 in checkpoint order and computes through views of them, so no shim is needed
+  there (``receiver.kernel_layouts`` refuses the prepacking variants of that path).
 - A FlashInfer unquantized MoE backend (``moe_backend="flashinfer_cutlass"`` /
   ``"flashinfer_trtllm"``, vLLM's ``--moe-backend``) is honoured on the CPU: vLLM's own
   backend choice would refuse it (no CUDA), so ``select_unquantized_moe_backend`` returns
@@ -155,9 +160,10 @@ def _install_cpu_shims() -> None:
     from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEExperts
 
     global CPU_EXPERTS_PREPACK
-    CPU_EXPERTS_PREPACK = cpu_moe.CPUUnquantizedExperts.process_weights_after_loading
-    cpu_moe.CPUUnquantizedExperts.process_weights_after_loading = \
-        FusedMoEExperts.process_weights_after_loading
+    if hasattr(cpu_moe, "CPUUnquantizedExperts"):  # vLLM 0.25: the old CPU path, see above
+        CPU_EXPERTS_PREPACK = cpu_moe.CPUUnquantizedExperts.process_weights_after_loading
+        cpu_moe.CPUUnquantizedExperts.process_weights_after_loading = \
+            FusedMoEExperts.process_weights_after_loading
     cpu_platform_without_triton()
     _honour_flashinfer_moe_backend()
     _honour_block_fp8_kernels()
@@ -260,6 +266,8 @@ def _honour_flashinfer_moe_backend() -> None:
     from vllm.model_executor.layers.fused_moe import unquantized_fused_moe_method as method
     from vllm.model_executor.layers.fused_moe.oracle import unquantized as oracle
 
+    if not hasattr(method.UnquantizedFusedMoEMethod, "_init_moe_kernel"):
+        return  # vLLM 0.25: the FlashInfer-on-CPU checks run on the newest vLLM only
     choose = method.select_unquantized_moe_backend
     build = method.UnquantizedFusedMoEMethod._init_moe_kernel
     flashinfer = {oracle.UnquantizedMoeBackend.FLASHINFER_CUTLASS,
@@ -307,6 +315,8 @@ def _honour_block_fp8_kernels() -> None:
     from vllm.model_executor.layers.quantization import fp8 as method
     from vllm.model_executor.layers.quantization.online import fp8 as online
 
+    if not hasattr(method.Fp8MoEMethod, "_init_moe_kernel"):
+        return  # vLLM 0.25: the FP8 checks run on the newest vLLM only
     choose = method.select_fp8_moe_backend
     build = method.Fp8MoEMethod._init_moe_kernel
 
