@@ -159,8 +159,9 @@ FAMILIES = {
 }
 CASES = [(f, i) for f in FAMILIES for i in range(len(FAMILIES[f].layouts))]
 # the cases that also run against the oldest supported vLLM (make test-vllm-oldest): a dense
-# model, an MoE model (its first layout plants a fault, below) and MLA's derived weights
-RANGE_CASES = (("qwen3", 0), ("qwen3_moe", 0), ("deepseek_v3", 0))
+# model and an MoE model (its first layout plants a fault, below). Not MLA: vLLM 0.25's CPU
+# platform has no MLA backend ("MLA is not supported on CPU")
+RANGE_CASES = (("qwen3", 0), ("qwen3_moe", 0))
 # checks that ride on a case's job (one pool job each saved): gen rank 0 of the first
 # Qwen3-MoE layout plants a bit flip after its last refit; the second DeepSeek-V3 layout
 # gives MLA's absorbed weights storage of their own (as vLLM does for an FP8 kv_b_proj)
