@@ -254,6 +254,28 @@ def _moe_orders(layer_name: str, module: torch.nn.Module, method: Any,
     return orders
 
 
+# the checkpoint scales of vLLM's KV-cache quant method (Fp8KVCacheMethod, ...): single
+# float32 values, never reordered; vLLM 0.34 keeps them as params after loading (0.33 deleted them)
+KV_CACHE_METHOD_SUFFIX = "KVCacheMethod"
+KV_CACHE_SCALE_PARAMS = frozenset({"k_scale", "v_scale", "q_scale", "prob_scale"})
+
+
+def _kv_cache_scales_only(method: Any, params: dict[str, torch.Tensor]) -> bool:
+    return _name(method).endswith(KV_CACHE_METHOD_SUFFIX) and set(params) <= KV_CACHE_SCALE_PARAMS \
+        and all(p.numel() == 1 for p in params.values())
+
+
+def kv_cache_scale_names(model: torch.nn.Module) -> set[str]:
+    """Names of the KV-cache scale params of vLLM's attention layers: no refit target (the
+    training side has none; vLLM's own weight update keeps them as loaded too)."""
+    out = set()
+    for name, module in model.named_modules():
+        params = dict(module.named_parameters(recurse=False))
+        if params and _kv_cache_scales_only(getattr(module, "quant_method", None), params):
+            out.update(f"{name}.{n}" if name else n for n in params)
+    return out
+
+
 def storage_orders(model: torch.nn.Module, skip: Any = (), staged: Any = ()) -> dict[str, KernelOrder]:
     """``{param name: KernelOrder}`` of the params vLLM stores out of checkpoint order;
     raises ``KernelLayoutError`` for a layer whose storage order is not known. ``skip``:
@@ -270,7 +292,7 @@ def storage_orders(model: torch.nn.Module, skip: Any = (), staged: Any = ()) -> 
             continue
         prefix = f"{name}." if name else ""
         kind = _name(method)
-        if kind in ORDER_KEEPING_METHODS or name in staged:
+        if kind in ORDER_KEEPING_METHODS or name in staged or _kv_cache_scales_only(method, params):
             continue
         if kind == UNQUANTIZED_MOE_METHOD:
             orders.update({prefix + leaf: o for leaf, o in
@@ -298,4 +320,5 @@ def padding_rows(order: Optional[KernelOrder], dim: int) -> Optional[int]:
     return int(pad[0]) if pad.numel() else None
 
 
-__all__ = ["KernelLayoutError", "learn_order", "padding_rows", "refusal", "storage_orders"]
+__all__ = ["KernelLayoutError", "kv_cache_scale_names", "learn_order", "padding_rows", "refusal",
+           "storage_orders"]

@@ -30,7 +30,7 @@ from megatron_reshard.receiver.derived import (
     derived_param_names,
     refresh_derived_weights,
 )
-from megatron_reshard.receiver.kernel_layouts import storage_orders
+from megatron_reshard.receiver.kernel_layouts import kv_cache_scale_names, storage_orders
 from megatron_reshard.receiver.session import ReceiverSession
 from megatron_reshard.receiver.staged_conversion import (
     StagedConversionError,
@@ -270,7 +270,10 @@ class RefitWorkerState:
         # a staged param vLLM re-allocated in a kernel's shape is received through a
         # checkpoint-shaped view of its storage
         views = {n: v for layer in staged for n, v in layer.receive_views().items()}
-        targets = [(n, views.get(n, p)) for n, p in model.named_parameters() if n not in derived]
+        # vLLM 0.34 keeps its KV-cache scales as params after loading (0.33 deleted them)
+        never_received = derived | kv_cache_scale_names(model)
+        targets = [(n, views.get(n, p)) for n, p in model.named_parameters()
+                   if n not in never_received]
         self.session = ReceiverSession(payload, targets, groups, receive_misc=receive_misc,
                                        vllm_tp=vllm_tp, weights=self.weights,
                                        storage_orders=orders, **checked.as_dict())

@@ -254,6 +254,10 @@ class _NoCudaKernel:
         def process_weights_after_loading(layer) -> None:
             return None
 
+        @staticmethod
+        def keep_constants(layer) -> None:  # vLLM 0.34: no kernel built, nothing it allocated
+            return None
+
 
 class _NoCudaExperts:
     """The kernel class the shim gives vLLM's online FP8 MoE methods for a backend it chose
