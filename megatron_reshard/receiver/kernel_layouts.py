@@ -171,18 +171,6 @@ def _expert_terms(probe: tuple[torch.Tensor, ...], num_experts: int, device) -> 
     return tuple(t.to(device) for t in (experts, rows) + tuple(probe[2:]))
 
 
-def _experts_finish_loading(method: Any) -> bool:
-    """Whether the MoE kernel's experts run a post-load step of their own (one that
-    overrides their root class's, a no-op in vLLM 0.33) after the conversion."""
-    experts = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
-    if experts is None:
-        return False
-    cls = experts if isinstance(experts, type) else type(experts)
-    roots = [c for c in reversed(cls.__mro__) if "process_weights_after_loading" in vars(c)]
-    return bool(roots) and getattr(cls, "process_weights_after_loading") is not \
-        vars(roots[0])["process_weights_after_loading"]
-
-
 # the one variant of vLLM 0.25's CPU MoE path (``method.cpu_fused_moe``) that computes through
 # views of w13/w2 as loaded; its others (SGL, grouped GEMM, oneDNN) pack or drop them
 _OLD_CPU_KEEPING_FORWARD = "forward_torch"
@@ -195,6 +183,28 @@ def _old_cpu_path_repacks(method: Any) -> bool:
         return False
     forward = getattr(method.cpu_fused_moe, "forward_method", None)
     return getattr(forward, "__name__", None) != _OLD_CPU_KEEPING_FORWARD
+
+
+def _experts_finish_loading(method: Any) -> bool:
+    """Whether the MoE kernel's experts run a post-load step of their own (one that
+    overrides their root class's, a no-op in vLLM 0.33) after the conversion."""
+    experts = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
+    if experts is None:
+        return False
+    cls = experts if isinstance(experts, type) else type(experts)
+    roots = [c for c in reversed(cls.__mro__) if "process_weights_after_loading" in vars(c)]
+    return bool(roots) and getattr(cls, "process_weights_after_loading") is not \
+        vars(roots[0])["process_weights_after_loading"]
+
+
+def _layer_argument(convert: Callable) -> dict:
+    """``layer=None`` where vLLM's conversion takes the layer (0.33: MoonEP reads it),
+    nothing where it does not (0.25.1's takes the backend, config and weights only)."""
+    try:
+        takes = "layer" in inspect.signature(convert).parameters
+    except (TypeError, ValueError):  # no signature to read: call it as the newer vLLM does
+        takes = True
+    return {"layer": None} if takes else {}
 
 
 def _moe_orders(layer_name: str, module: torch.nn.Module, method: Any,
@@ -220,8 +230,7 @@ def _moe_orders(layer_name: str, module: torch.nn.Module, method: Any,
            getattr(config, "intermediate_size_per_partition_unpadded", None),
            getattr(config, "intermediate_size_per_partition", None))
     if key not in _learned:
-        # vLLM 0.33 passes the layer (None: no layer to write); vLLM 0.25 has no such argument
-        extra = {"layer": None} if "layer" in inspect.signature(convert).parameters else {}
+        extra = _layer_argument(convert)
 
         def run(a: torch.Tensor, b: torch.Tensor):
             a, b = a.to(w13.dtype), b.to(w2.dtype)
