@@ -259,6 +259,7 @@ class RefitWorkerState:
                                 f"{list(PrepareOptions.NAMES)}")
         self.session = self.options = self.staged = None
         derived = derived_param_names(model)  # recomputed after each refit, never received
+        derived |= kv_cache_scale_names(model)  # no weights: vLLM 0.34 keeps them as params
         with fault_scope(groups.values()):  # a refusal reaches the training ranks too
             checked = PrepareOptions.of(options)
             # layers vLLM's post-load converts by computing (block FP8): received in
@@ -270,10 +271,7 @@ class RefitWorkerState:
         # a staged param vLLM re-allocated in a kernel's shape is received through a
         # checkpoint-shaped view of its storage
         views = {n: v for layer in staged for n, v in layer.receive_views().items()}
-        # vLLM 0.34 keeps its KV-cache scales as params after loading (0.33 deleted them)
-        never_received = derived | kv_cache_scale_names(model)
-        targets = [(n, views.get(n, p)) for n, p in model.named_parameters()
-                   if n not in never_received]
+        targets = [(n, views.get(n, p)) for n, p in model.named_parameters() if n not in derived]
         self.session = ReceiverSession(payload, targets, groups, receive_misc=receive_misc,
                                        vllm_tp=vllm_tp, weights=self.weights,
                                        storage_orders=orders, **checked.as_dict())
