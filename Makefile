@@ -51,7 +51,19 @@ define vllm_venv
 	touch $(1)/.installed
 endef
 
-.PHONY: install install-vllm install-vllm-oldest test test-main test-vllm test-vllm-oldest demo bench clean
+# verl 0.9.1 for the adapter tests (tests/test_adapters_verl.py), beside the main venv (the
+# test appends it to sys.path): verl and only what its checkpoint-engine modules import,
+# without its declared dependencies (transformers 5.x, CUDA wheels), each pinned
+VERL_SITE := .verl-site
+VERL_PKGS := verl==0.9.1 ray==2.60.0 protobuf==7.36.2 msgpack==1.2.4 jsonschema==4.26.0 \
+	jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1 attrs==26.1.0 \
+	click==8.5.1 cloudpickle==3.1.3 codetiming==1.4.0 omegaconf==2.4.0 orjson==3.13.0 \
+	pydantic==2.14.4 pydantic-core==2.50.5 typing-inspection==0.4.5 annotated-types==0.8.0 \
+	tensordict==0.10.0 pyvers==0.2.3 uvicorn==0.55.0 fastapi==0.136.3 starlette==1.10.0 \
+	annotated-doc==0.0.7 anyio==4.16.0
+
+.PHONY: install install-vllm install-vllm-oldest install-verl test test-main test-vllm \
+	test-vllm-oldest demo bench clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -70,12 +82,18 @@ install: $(VENV)/.installed
 
 install-vllm: $(VLLM_VENV)/.installed
 
+$(VERL_SITE)/.installed: Makefile
+	$(PY) -m pip install -q --no-deps --upgrade --target $(VERL_SITE) $(VERL_PKGS)
+	touch $@
+
+install-verl: install $(VERL_SITE)/.installed
+
 install-vllm-oldest: $(VLLM_OLD_VENV)/.installed
 
 # the whole suite: the main tests, then the real-vLLM tests in each end of the vLLM range
 test: test-main test-vllm test-vllm-oldest
 
-test-main: install
+test-main: install install-verl
 	$(PY) -m pytest -q
 
 test-vllm: install-vllm
@@ -88,4 +106,4 @@ demo: install
 	$(VENV)/bin/megatron-reshard demo
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_OLD_VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_OLD_VENV) $(VERL_SITE) build *.egg-info .pytest_cache

@@ -8,7 +8,9 @@ Qwen3-shaped slice (per layer: interleaved ``linear_qkv`` [nkv, (q/kv + 2) * hea
 ``linear_proj``, norms, router, and either the dense ``linear_fc1`` [2 * FFN, H] / ``fc2``
 or 128 experts each with its own ``fc1`` [2 * 768, H] / ``fc2`` [H, 768]; embedding and
 output layer). Process 1 plays the generation rank: vLLM's storage (``qkv_proj``,
-``gate_up_proj``, stacked ``w13`` [E, 2 * 768, H] / ``w2`` [E, H, 768]). They form a
+``gate_up_proj``, stacked ``w13`` [E, 2 * 768, H] / ``w2`` [E, H, 768]). The
+``gpt_oss_120b`` case has gpt-oss-120b's experts instead (128 of 2880, biased), sent in
+vLLM's wire form (w13 seen as [E, I, 2, H]: gate and up interleaved). They form a
 refit group with ``transport="colocated"`` and move the refit tensors as the refit loop
 hands them over (wire forms: q/k/v per KV group, gate/up as the halves of fc1, experts as
 lists of per-expert views), cut as the loop cuts a stage (``--batch-mib``, default its
@@ -50,9 +52,17 @@ SLICES = {  # hidden, heads, kv heads, head_dim, dense FFN or (experts, expert F
                           vocab=151936),
     "qwen3_8b": dict(h=4096, heads=32, kv=8, hd=128, ffn=12288, experts=0, effn=0,
                      vocab=151936),
+    # gpt-oss-120b's experts (openai/gpt-oss-120b: 128 of I = H = 2880 per layer, 6.4 GB a
+    # layer: at most 2 layers, so both sides and the check fit one 80 GB GPU), in vLLM's
+    # wire form: interleaved w13 / its bias, w2 / its bias; attention as the Qwen slices
+    # (gpt-oss's q/k/v biases, o_proj bias and sinks, small, left out)
+    "gpt_oss_120b": dict(h=2880, heads=64, kv=8, hd=64, ffn=None, experts=128, effn=2880,
+                         vocab=201088, oss=True, max_layers=2),
 }
 SMALL = {"qwen3_30b_a3b": dict(h=64, heads=8, kv=2, hd=16, ffn=None, experts=8, effn=32, vocab=500),
-         "qwen3_8b": dict(h=64, heads=8, kv=2, hd=16, ffn=160, experts=0, effn=0, vocab=500)}
+         "qwen3_8b": dict(h=64, heads=8, kv=2, hd=16, ffn=160, experts=0, effn=0, vocab=500),
+         "gpt_oss_120b": dict(h=64, heads=8, kv=2, hd=16, ffn=None, experts=8, effn=64, vocab=500,
+                              oss=True, max_layers=2)}
 
 
 def _fill(shape, seed: int, device, dtype) -> torch.Tensor:
@@ -80,6 +90,9 @@ def train_buffers(c: dict, layers: int, device, dtype) -> dict:
             for e in range(c["experts"]):
                 make(f"{i}.e{e}.fc1", (2 * c["effn"], h))
                 make(f"{i}.e{e}.fc2", (h, c["effn"]))
+                if c.get("oss"):  # gpt-oss: a bias on each
+                    make(f"{i}.e{e}.fc1b", (2 * c["effn"],))
+                    make(f"{i}.e{e}.fc2b", (h,))
         else:
             make(f"{i}.fc1", (2 * c["ffn"], h))
             make(f"{i}.fc2", (h, c["ffn"]))
@@ -101,6 +114,9 @@ def gen_buffers(c: dict, layers: int, device, dtype) -> dict:
             out[f"{i}.gate"] = torch.empty(e, h, device=device, dtype=dtype)
             out[f"{i}.w13"] = torch.empty(e, 2 * f, h, device=device, dtype=dtype)
             out[f"{i}.w2"] = torch.empty(e, h, f, device=device, dtype=dtype)
+            if c.get("oss"):
+                out[f"{i}.w13b"] = torch.empty(e, 2 * f, device=device, dtype=dtype)
+                out[f"{i}.w2b"] = torch.empty(e, h, device=device, dtype=dtype)
         else:
             out[f"{i}.gate_up"] = torch.empty(2 * c["ffn"], h, device=device, dtype=dtype)
             out[f"{i}.down"] = torch.empty(h, c["ffn"], device=device, dtype=dtype)
@@ -201,6 +217,9 @@ def wire(c: dict, layers: int, train: dict | None, gen: dict | None, dtype,
             e, f = c["experts"], c["effn"]
             add(f"{i}.router", (e, h), lambda i=i: T[f"{i}.router"], lambda i=i: G[f"{i}.gate"])
             bucket = experts if i == 0 else None
+            if c.get("oss"):
+                _oss_experts(add, T, G, i, e, f, h, bucket)
+                continue
             o13, o2 = (orders or {}).get("w13"), (orders or {}).get("w2")
             for part, lo in (("gate", 0), ("up", f)):
                 add(f"{i}.experts.{part}", (e, f, h),
@@ -219,6 +238,22 @@ def wire(c: dict, layers: int, train: dict | None, gen: dict | None, dtype,
             add(f"{i}.down", (h, n), lambda i=i: T[f"{i}.fc2"], lambda i=i: G[f"{i}.down"])
     add("lm_head", (c["vocab"], h), lambda: T["output"], lambda: G["lm_head"])
     return out, experts
+
+
+def _oss_experts(add, T: dict, G: dict, i: int, e: int, f: int, h: int, bucket) -> None:
+    """gpt-oss's experts as the refit sends them (``vllm_layout.gpt_oss``'s wire form): each
+    Megatron expert tensor through the library's own view (``megatron.gpt_oss.wire_view``),
+    vLLM's w13 seen as [E, I, 2, H] (gate and up interleaved), biases alike."""
+    from megatron_reshard.megatron.gpt_oss import wire_view
+
+    for leaf, shape, kind, src, dst, view in (
+            ("w13", (e, f, 2, h), "oss_fc1", "fc1", "w13", (e, f, 2, h)),
+            ("w13_bias", (e, f, 2), "oss_fc1_bias", "fc1b", "w13b", (e, f, 2)),
+            ("w2", (e, h, f), "oss_fc2", "fc2", "w2", (e, h, f)),
+            ("w2_bias", (e, h), "oss_fc2_bias", "fc2b", "w2b", (e, h))):
+        add(f"{i}.experts.{leaf}", shape,
+            lambda kind=kind, src=src: [wire_view(kind, T[f"{i}.e{k}.{src}"]) for k in range(e)],
+            lambda dst=dst, view=view: G[f"{i}.{dst}"].view(view), shard=True, bucket=bucket)
 
 
 def _nbytes(transfers) -> int:
@@ -421,16 +456,18 @@ def run(rank: int, args, port: int, results) -> None:
                                                  key="bench/start")
     for name in args.cases:
         c = (SMALL if args.small else SLICES)[name]
-        train = train_buffers(c, args.layers, device, dtype) if rank == 0 else None
-        gen = gen_buffers(c, args.layers, device, dtype) if rank == 1 else None
+        layers = min(args.layers, c.get("max_layers", args.layers))
+        train = train_buffers(c, layers, device, dtype) if rank == 0 else None
+        gen = gen_buffers(c, layers, device, dtype) if rank == 1 else None
         paths = []
-        for backend in (args.order_backends if c["experts"] else ["checkpoint"]):
+        # gpt-oss's experts: checkpoint order only (the refit refuses a kernel's order there)
+        for backend in (args.order_backends if c["experts"] and not c.get("oss") else ["checkpoint"]):
             orders = None
             if backend != "checkpoint":
                 known = (synthetic_orders(c, device) if args.orders == "synthetic"
                          else learned_orders(args.orders, device))
                 orders = known[backend]
-            transfers, experts = wire(c, args.layers, train, gen, dtype, orders)
+            transfers, experts = wire(c, layers, train, gen, dtype, orders)
             tag = "" if backend == "checkpoint" else f"[{backend}]"
             paths += [(f"refit{tag}", transfers, orders), (f"experts{tag}", experts, orders)]
         for label, params, orders in paths:
@@ -485,8 +522,8 @@ def run(rank: int, args, port: int, results) -> None:
                     "train_host_ms": 1e3 * statistics.median(host[args.warmup:])}))
                 continue
             nbytes = _nbytes(params)
-            ref = train_buffers(c, args.layers, device, dtype)  # the same values, regenerated
-            expect, _ = wire(c, args.layers, ref, None, dtype)
+            ref = train_buffers(c, layers, device, dtype)  # the same values, regenerated
+            expect, _ = wire(c, layers, ref, None, dtype)
             by_name = {t.name: t.src for t in expect}
             for t in params:  # bit for bit, against the sources regenerated here
                 want = by_name[t.name]

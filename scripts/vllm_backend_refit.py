@@ -34,6 +34,8 @@ import argparse
 import json
 import sys
 
+from megatron_reshard.tools.cli import HelpFormatter  # the docstring as written; defaults shown
+
 # the tiny Qwen3 of tests/real_vllm (megatron-core overrides, and the HF config vLLM reads)
 MODEL = {"num_layers": 4, "hidden_size": 64, "num_attention_heads": 8, "num_query_groups": 2,
          "ffn_hidden_size": 128, "vocab_size": 500, "qk_layernorm": True, "add_qkv_bias": False,
@@ -49,13 +51,18 @@ HF_CONFIG = {"vocab_size": 500, "hidden_size": 64, "intermediate_size": 128,
 def main(argv: list | None = None, pool=None) -> int:
     """Run the example; ``pool`` (a ``WorkerPool``) lends its workers instead of new ones
     (the test suite shares its pool: vLLM's import costs 6-10 s a process)."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--refits", type=int, default=2)
-    p.add_argument("--train-tp", type=int, default=2, choices=[1, 2])
-    p.add_argument("--gen-tp", type=int, default=2, choices=[1, 2])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument("--refits", type=int, default=2,
+                   help="refits through the backend, each compared with vLLM's load_weights")
+    p.add_argument("--train-tp", type=int, default=2, choices=[1, 2],
+                   help="training TP size (one training rank per TP rank, PP1)")
+    p.add_argument("--gen-tp", type=int, default=2, choices=[1, 2],
+                   help="vLLM TP size (one generation rank per TP rank)")
     p.add_argument("--fail-extra", action="store_true",
-                   help="one more refit, broken part-way by training rank 0")
-    p.add_argument("--timeout-s", type=float, default=60.0)
+                   help="one more refit, broken part-way by training rank 0; prints the weight "
+                        "state each generation rank is left with")
+    p.add_argument("--timeout-s", type=float, default=60.0,
+                   help="the refit groups' timeout: a rank waiting longer fails")
     p.add_argument("--progress-s", type=float, default=10.0,
                    help="generation rank 0 prints how far the run got at most this often")
     args = p.parse_args(argv)

@@ -35,3 +35,21 @@ def test_the_colocated_benchmark_runs_on_cpu_with_its_timeline(tmp_path):
                  "train.describe", "train.ready", "train.check", "train.verdict",
                  "train.copied"):
         assert f"  {step} " in done.stdout, step
+
+
+def test_the_gpt_oss_case_moves_its_experts_in_vllms_wire_form_on_cpu(tmp_path):
+    """The gpt-oss-120b-shaped case (small): biased experts through the library's own
+    views into w13 seen as [E, I, 2, H], checked bit for bit by the script (it exits
+    non-zero on a difference); checkpoint order only."""
+    out = tmp_path / "o.json"
+    done = subprocess.run([sys.executable, "scripts/bench_colocated.py", "--device", "cpu",
+                           "--small", "--iters", "2", "--warmup", "1", "--batch-mib", "0.1",
+                           "--cases", "gpt_oss_120b", "--port", str(free_ports(1)[0]),
+                           "--json", str(out)],
+                          capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = {r["path"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"refit", "experts"}
+    assert rows["experts"]["params"] == 4  # w13, w13_bias, w2, w2_bias of one layer
+    assert rows["refit"]["params"] == 2 * 12 and rows["refit"]["batches"] > 1
+    assert all(r["refit_ms"] > 0 and r["copy_pairs"] > 0 for r in rows.values())

@@ -18,12 +18,17 @@ from megatron_reshard.errors import MegatronReshardError
 NOT_LIBRARY = ("megatron_reshard.tools", "megatron_reshard.testing")
 # imported only where vLLM is installed (the vLLM weight-transfer backend)
 NEEDS_VLLM = ("megatron_reshard.vllm_api.backend", "megatron_reshard.vllm_api.trainer")
+# imported only where their RL framework is installed (docs/ADAPTERS.md)
+NEEDS_FRAMEWORK = {"megatron_reshard.adapters.verl": "verl",
+                   "megatron_reshard.adapters.nemo_rl": "nemo_rl"}
 
 def _library_modules():
     for info in pkgutil.walk_packages(megatron_reshard.__path__, "megatron_reshard."):
         if info.name.startswith(NOT_LIBRARY):
             continue
         if info.name in NEEDS_VLLM and importlib.util.find_spec("vllm") is None:
+            continue
+        if info.name in NEEDS_FRAMEWORK and importlib.util.find_spec(NEEDS_FRAMEWORK[info.name]) is None:
             continue
         yield importlib.import_module(info.name)
 
@@ -54,7 +59,7 @@ def test_every_library_error_derives_from_the_root(name, request):
 
 @pytest.mark.parametrize("name, builtin", [
     ("megatron_reshard.wire.check.RefitPayloadError", ValueError),
-    ("megatron_reshard.receiver.targets.TargetError", ValueError),
+    ("megatron_reshard.receiver.target_plan.TargetError", ValueError),  # receiver.targets re-exports it
     ("megatron_reshard.fp8.plan.Fp8SplitError", ValueError),
     ("megatron_reshard.layout.placements.MeshSizeError", ValueError),
     ("megatron_reshard.layout.placements.MeshSizeError", AssertionError),  # the seed asserted

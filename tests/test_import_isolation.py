@@ -31,6 +31,7 @@ REQUIRED = [
     "megatron_reshard.receiver.incoming",
     "megatron_reshard.receiver.param_map",
     "megatron_reshard.receiver.misc_transport",
+    "megatron_reshard.vllm_api.init_checks",  # both init infos' checks (vLLM-free too)
 ]
 OPTIONAL = [
     "megatron_reshard.engine",

@@ -306,3 +306,26 @@ def test_wire_fp8_help_says_what_the_refit_does():
     text = " ".join(_help().stdout.split())
     assert "does not quantize yet" not in text
     assert "as the refit sends them to a block-FP8 generation model" in text
+
+
+def test_every_full_size_preset_defaults_to_its_users_layout_not_the_demos():
+    """GLM-4.5 and GLM-4.5-Air fell back to the demo's 4 -> 2 ranks (657 GiB into 2 GPUs,
+    issue 50 item 3); each full-size preset has its published layout (presets.py names the
+    source of each)."""
+    from megatron_reshard.tools.presets import (DEMO_PLAN_PARALLELISM, FULL_SIZE,
+                                                LLAMA_FULL_SIZE, PUBLISHED_LAYOUTS)
+
+    for model in [*FULL_SIZE, *LLAMA_FULL_SIZE]:
+        assert model in PUBLISHED_LAYOUTS, model
+        sizes = default_plan_parallelism(model_config(model), model)
+        assert sizes["train_world"] > DEMO_PLAN_PARALLELISM["train_world"], (model, sizes)
+    # slime's GLM-4.5 RL example: Megatron TP8 PP4 CP2 EP16 on 64 GPUs, 32-GPU rollout engines
+    assert default_plan_parallelism(model_config("glm-4.5"), "glm-4.5") == dict(
+        train_world=64, train_tp=8, train_cp=2, train_pp=4, train_ep=16, gen_world=64,
+        gen_tp=32, gen_ep=32)
+    # Megatron Bridge's TP1 PP4 EP8 for training; vLLM TP4 per replica, as zai-org serves it
+    assert default_plan_parallelism(model_config("glm-4.5-air"), "glm-4.5-air") == dict(
+        train_world=32, train_tp=1, train_cp=1, train_pp=4, train_ep=8, gen_world=32,
+        gen_tp=4, gen_ep=1)
+    assert "TP8 CP2 PP4 EP16" in describe_plan_parallelism(
+        default_plan_parallelism(model_config("glm-4.5"), "glm-4.5"))

@@ -10,6 +10,7 @@ HF row must carry the label the checkpoint layout puts there.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from megatron_reshard.megatron.converters import ModelDims, NameConverter, full_from_tp_chunks, hf_global_shapes
@@ -153,7 +154,8 @@ def test_qwen3_5_in_proj_streams_come_out_flat_and_land_in_vllms_output_shards()
 def test_plan_reads_a_multimodal_qwen3_5_moe_config_as_its_text_model():
     """``plan --hf-config``: a Qwen3.5-MoE config.json (text_config inside the multimodal
     one, layer_types spelled out, no dense intermediate_size) gives the flat in_proj names on
-    the linear-attention layers, and only the GDN params + gated q/k/v travel packed."""
+    the linear-attention layers, and only the gated norm of the GDN layers travels packed,
+    and the gated q/k/v where a training rank cuts a KV group (train TP 4 > 2)."""
     import json
 
     from megatron_reshard.tools.presets import config_from_hf_json, hf_params, travels_packed
@@ -171,4 +173,66 @@ def test_plan_reads_a_multimodal_qwen3_5_moe_config_as_its_text_model():
     assert "model.layers.1.linear_attn.in_proj_z.weight" not in params
     assert params["model.layers.1.self_attn.q_proj.weight"] == (2 * 4 * 16, 64)  # [q_h; gate_h]
     assert params["model.layers.3.mlp.shared_expert_gate.weight"] == (1, 64)
-    assert sum(travels_packed(cfg, n) for n in params) == 2 * 9 + 2 * 3
+    assert sum(travels_packed(cfg, n) for n in params) == 2
+    assert sum(travels_packed(cfg, n, train_tp=4) for n in params) == 2 + 2 * 3
+
+
+def test_exact_path_views_are_each_ranks_rows_of_the_streams_and_gated_groups():
+    """The exact path's views (no copy): each rank's rows of Qwen3.5's in_proj streams and of
+    the conv1d segments are that rank's TP chunk of the checkpoint stream (q, k, v of
+    in_proj_qkv apart); a gated linear_qkv seen per KV group is the checkpoint's q_proj rows
+    reshaped to [nkv, heads, 2, head_dim, ...] (q then its gate per head), k and v per group."""
+    from megatron_reshard.megatron import qwen3_next as q3
+
+    streams = [(0, NK, DK), (1, NK, DK), (2, NV, DV), (3, NV, DV), (4, NV, 1), (5, NV, 1)]
+    names = [f"model.layers.0.linear_attn.in_proj_{s}.weight" for s in ("qkv", "z", "b", "a")]
+    for tp in (1, 2, 4):
+        dims = ModelDims(tp, 4, 2, 8, 100, True, linear=LINEAR)
+        conv = NameConverter("qwen3_5_text", {0: 0}).convert("decoder.layers.0.self_attention.in_proj.weight")
+        chunks = _labelled(streams, tp)
+        qkv, z, b, a = full_from_tp_chunks(conv, chunks, dims).values()
+        kd = NK * DK
+        hf = {"q": qkv[:kd], "k": qkv[kd:2 * kd], "v": qkv[2 * kd:], "z": z, "b": b, "a": a}
+        for r in range(tp):
+            views = q3.stream_views(names, chunks[r], LINEAR, tp)
+            for which, full in hf.items():
+                name = f"model.layers.0.linear_attn.in_proj_{which}.weight"
+                assert torch.equal(views[name], full.chunk(tp)[r]), (tp, r, which)
+                assert views[name].data_ptr() >= chunks[r].data_ptr()
+            conv_rows = _labelled(streams[:3], tp)[r]
+            segs = q3.conv1d_stream_views("model.layers.0.linear_attn.conv1d.weight", conv_rows, LINEAR, tp)
+            for which in "qkv":
+                assert torch.equal(segs[f"model.layers.0.linear_attn.conv1d_{which}.weight"],
+                                   hf[which].chunk(tp)[r]), (tp, r, which)
+    nh, ng, hd = 4, 2, 2
+    per = nh // ng
+    groups = []
+    for g in range(ng):  # Megatron, per KV group: q heads, gate heads, k, v
+        groups += [[0, g * per + j, i] for j in range(per) for i in range(hd)]
+        groups += [[1, g * per + j, i] for j in range(per) for i in range(hd)]
+        groups += [[2, g, i] for i in range(hd)] + [[3, g, i] for i in range(hd)]
+    rows = torch.tensor(groups, dtype=torch.float32)
+    for tp in (1, 2):
+        conv = NameConverter("qwen3_next", {0: 0}).convert("decoder.layers.0.self_attention.linear_qkv.weight")
+        q, k, v = full_from_tp_chunks(conv, list(rows.chunk(tp)), ModelDims(tp, nh, ng, hd, 100, True)).values()
+        wire_q = q.reshape(q3.gated_q_group_shape(ng, hd, q.shape))
+        for r, chunk in enumerate(rows.chunk(tp)):
+            views = q3.gated_qkv_views(conv.hf_names, chunk, nh, ng, hd, tp)
+            got_q, got_k, got_v = (views[n] for n in conv.hf_names)
+            assert torch.equal(got_q, wire_q.chunk(tp)[r]), (tp, r)
+            assert torch.equal(got_k, k.view(ng, hd, 3).chunk(tp)[r]), (tp, r)
+            assert torch.equal(got_v, v.view(ng, hd, 3).chunk(tp)[r]), (tp, r)
+
+
+def test_a_gated_q_region_reads_as_one_block_of_checkpoint_rows():
+    from megatron_reshard.errors import BadInputError
+    from megatron_reshard.vllm_layout.dense import is_qkv_per_group, per_group_as_hf_rows
+
+    shape = (2, 4, 2, 8, 16)  # nkv, heads per group, q/gate, head_dim, hidden
+    assert is_qkv_per_group("model.layers.3.self_attn.q_proj.weight", shape)
+    assert not is_qkv_per_group("model.layers.3.self_attn.k_proj.weight", shape)
+    # a group's heads split over two ranks (vLLM TP 4 > 2 KV heads): rank 3 holds heads 2..3 of group 1
+    hf_shape, rows = per_group_as_hf_rows(shape, ((1, 2), (2, 4), (0, 2), (0, 8), (0, 16)))
+    assert hf_shape == (2 * 4 * 16, 16) and rows == ((4 * 16 + 2 * 16, 4 * 16 + 4 * 16), (0, 16))
+    with pytest.raises(BadInputError, match="cuts a head"):
+        per_group_as_hf_rows(shape, ((0, 1), (0, 4), (0, 1), (0, 8), (0, 16)))

@@ -77,6 +77,9 @@ def create_refit_group(host: str, port: int, rank: int, world_size: int,
     label = label or f"refit group at {host}:{port}"
     who = who or f"group rank {rank} of the {label}"
     timeout = timedelta(seconds=timeout_s)
+    # one deadline for the whole join: reaching the store, then waiting for the peers (and
+    # the host's linger after a failed join) all fit in timeout_s, never one after another
+    deadline = time.monotonic() + timeout_s
     server = rank == 0 if is_store_server is None else is_store_server
     try:
         raw, store_sockets = at_exit.opened_sockets(
@@ -90,7 +93,7 @@ def create_refit_group(host: str, port: int, rank: int, world_size: int,
     threads = DaemonThreads("refit-group")  # the group's: its store calls and Work waits
     board = FaultBoard(store, rank, world_size, who, label, timeout_s, threads, backend)
     try:
-        chosen = _join(board, backend, transport)
+        chosen = _join(board, backend, transport, deadline)
     except BaseException:
         threads.close()  # the group never came to be: nobody else would end them
         raise
@@ -112,31 +115,30 @@ def create_refit_group(host: str, port: int, rank: int, world_size: int,
 NCCL_TIMEOUT_MARGIN_S = 10.0
 
 
-def _join(board: FaultBoard, backend: str, transport: Optional[str] = None) -> str:
+def _join(board: FaultBoard, backend: str, transport: Optional[str], deadline: float) -> str:
     """Every rank posts what it believes the group is; each reads all posts until the group
-    is complete. A disagreement (size, backend, transport, a rank number twice or out of
-    range) is posted on the board, so every rank raises it within a poll. Returns the
-    group's transport."""
+    is complete or ``deadline`` (``time.monotonic()``) passes. A disagreement (size,
+    backend, transport, a rank number twice or out of range) is posted on the board, so
+    every rank raises it within a poll. Returns the group's transport."""
     store, rank, world = board.store, board.rank, board.world
     mine = {"rank": rank, "world": world, "backend": backend, "who": board.who,
             "transport": transport}
     seq = int(store.add("join/count", 1))
     store.set(f"join/{seq}", json.dumps(mine))
     try:
-        seen = _join_until_complete(board, mine)
+        seen = _join_until_complete(board, mine, deadline)
     except RefitError:
-        _linger_if_host(board)
+        _linger_if_host(board, deadline)
         raise
     board.names = {r: s["who"] for r, s in seen.items()}  # errors name a silent peer
     chosen = {s.get("transport") for s in seen.values()} - {None}
     return chosen.pop() if chosen else DEFAULT_TRANSPORT
 
 
-def _join_until_complete(board: FaultBoard, mine: dict) -> dict:
+def _join_until_complete(board: FaultBoard, mine: dict, deadline: float) -> dict:
     store, world = board.store, board.world
     seen: dict[int, dict] = {}
     read = 0
-    deadline = time.monotonic() + board.timeout_s
     while True:
         board.raise_if_failed("joining the group")
         count = int(store.add("join/count", 0))
@@ -164,14 +166,15 @@ def _join_until_complete(board: FaultBoard, mine: dict) -> dict:
 JOIN_LINGER_S = 5.0
 
 
-def _linger_if_host(board: FaultBoard) -> None:
+def _linger_if_host(board: FaultBoard, join_deadline: float) -> None:
     """A failed join: every rank counts itself out; the rank hosting the store waits (a
-    few seconds at most) for the others, so that slower ranks still read why."""
+    few seconds at most, never past the join's deadline) for the others, so that slower
+    ranks still read why."""
     try:
         board.store.add("join/failed", 1)
         if board.rank != 0:
             return
-        deadline = time.monotonic() + min(JOIN_LINGER_S, board.timeout_s)
+        deadline = min(time.monotonic() + JOIN_LINGER_S, join_deadline)
         while int(board.store.add("join/failed", 0)) < board.world and time.monotonic() < deadline:
             time.sleep(POLL_S)
     except Exception:  # noqa: BLE001 - best effort: the store may be gone already

@@ -17,6 +17,7 @@ import torch
 from megatron_reshard.errors import BadInputError
 from megatron_reshard.layout.geometry import rank_region
 from megatron_reshard.wire.placement_rules import is_nccl_reshard_param
+from megatron_reshard.megatron import gpt_oss, qwen3_next
 from megatron_reshard.megatron.converters import Converted, ModelDims, local_views
 from megatron_reshard.megatron.qkv import qkv_views
 from megatron_reshard.wire.spec import LocalParamSpec
@@ -36,6 +37,15 @@ def local_hf_views(converted: Sequence[tuple[Converted, torch.Tensor]], exact_ex
     set and the extras named in ``exact_extra``."""
     views: dict[str, torch.Tensor] = {}
     for conv, tensor in converted:
+        if conv.kind == "gdn_in_proj_flat" and dims.linear is not None:
+            # Qwen3.5's streams: row blocks of the rank's in_proj (megatron.qwen3_next)
+            views.update(qwen3_next.stream_views(conv.hf_names, tensor.detach(), dims.linear,
+                                                 dims.tp_size))
+            continue
+        if conv.kind == "gdn_conv1d" and dims.linear is not None:  # q, k, v channels apart
+            views.update(qwen3_next.conv1d_stream_views(conv.hf_names[0], tensor.detach(),
+                                                        dims.linear, dims.tp_size))
+            continue
         if len(conv.hf_names) == 1 and conv.hf_names[0] in exact_extra:
             # vocab: the padded local shard; direct params: the TP chunk or the replica
             views[conv.hf_names[0]] = tensor.detach()
@@ -43,6 +53,11 @@ def local_hf_views(converted: Sequence[tuple[Converted, torch.Tensor]], exact_ex
         if conv.kind == "fc1" and all(n in exact_extra for n in conv.hf_names):
             # shared experts: gate and up are the row halves of the rank's linear_fc1
             views.update(local_views(conv, tensor.detach(), dims))
+            continue
+        if conv.kind == "gated_qkv" and conv.hf_names[0] in exact_extra:
+            views.update(qwen3_next.gated_qkv_views(
+                conv.hf_names, tensor.detach(), dims.num_attention_heads, dims.num_query_groups,
+                dims.head_dim, dims.tp_size))
             continue
         if conv.kind == "qkv" and conv.hf_names[0] in exact_extra:
             views.update(qkv_views(conv.hf_names, tensor.detach(), dims, tp_rank))
@@ -53,6 +68,8 @@ def local_hf_views(converted: Sequence[tuple[Converted, torch.Tensor]], exact_ex
         if not any(is_nccl_reshard_param(n) for n in conv.hf_names):
             continue
         views.update(local_views(conv, tensor.detach(), dims))
+    for name, members in gpt_oss.wire_members(converted, exact_extra).items():
+        views[name] = stacked_spec(members).base  # gpt-oss's experts: a list, or one view
     return views
 
 
@@ -64,6 +81,10 @@ def local_param_specs(info: RefitPayload, views: Mapping[str, torch.Tensor], sta
     problem is listed in one ``ValueError``."""
     specs: dict[str, LocalParamSpec] = {}
     problems: list[str] = []
+    experts: dict[tuple[str, str], list[tuple[int, torch.Tensor]]] = {}  # grouped once
+    for n, v in views.items():
+        if m := PER_EXPERT_RE.match(n):
+            experts.setdefault((m["prefix"], m["proj"]), []).append((int(m["index"]), v))
     for p in info.params():
         if p.stage != stage:
             continue
@@ -74,13 +95,12 @@ def local_param_specs(info: RefitPayload, views: Mapping[str, torch.Tensor], sta
             if view is None:
                 problems.append(f"{name}: {me} holds no local tensor for it")
                 continue
-            spec, shape, dtype = LocalParamSpec(base=view), list(view.shape), view.dtype
+            first = view[0] if isinstance(view, list) else view  # gpt-oss's experts: members
+            shape = [len(view), *first.shape] if isinstance(view, list) else list(view.shape)
+            spec, dtype = LocalParamSpec(base=view), first.dtype
         else:
             prefix = name[: -len(f".{proj}.weight")]
-            members = sorted(
-                (int(m["index"]), v) for n, v in views.items()
-                if (m := PER_EXPERT_RE.match(n)) and m["prefix"] == prefix and m["proj"] == proj
-            )
+            members = sorted(experts.get((prefix, proj), ()), key=lambda iv: iv[0])
             if not members:
                 problems.append(f"{name}: {me} holds no local expert for it")
                 continue

@@ -24,14 +24,23 @@ No Megatron import. Facts, megatron-core 0.16.1 (``ssm/gated_delta_net.py``,
   zero-centred in the checkpoint too) Megatron computes ``x·(1+w)``, while the checkpoint's
   (and vLLM's ``RMSNormGated``) computes ``x·w``: the HF weight is Megatron's plus one.
 
-None of these is a view of the Megatron tensor (interleaves across the TP chunks, the +1),
-so the ``gdn_*`` / ``gated_qkv`` params travel as full tensors (the packed path).
+Qwen3-Next's ``in_proj_qkvz`` / ``in_proj_ba`` and the gated norm are no view of the
+Megatron tensor (interleaves across the TP chunks, the +1): those travel as full tensors
+(the packed path). The conv1d channels' segments are each split over TP on both sides:
+sent apart (``conv1d_q`` / ``_k`` / ``_v``) they travel shard to shard. So do the gated
+q/k/v per KV group where each train rank holds whole groups (``gated_qkv_views``). Qwen3.5's flat streams are: each of q, k,
+v, z, b, a is a contiguous row block of every rank's ``in_proj`` (``stream_views``), split
+over TP on its rows on both sides, so they take the exact path, in_proj_qkv as its three
+segments apart (``stream_metadata``: wire names ``in_proj_q`` / ``_k`` / ``_v``; the
+receiver's targets: ``vllm_layout.gated_delta_net``). A_log, dt_bias (per value head) and
+out_proj (row parallel) are split alike on both sides too (``vllm_layout.dense``).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
@@ -97,6 +106,48 @@ def in_proj_flat_full(chunks: Sequence[torch.Tensor], d: LinearAttentionDims
     return torch.cat([q, k, v], 0), z, b, a
 
 
+_FLAT_QKV = re.compile(r"^(?P<prefix>.*\.linear_attn\.in_proj_)qkv\.weight$")
+_CONV1D = re.compile(r"^(?P<prefix>.*\.linear_attn\.conv1d)\.weight$")
+
+
+def stream_metadata(metadata: Mapping[str, dict], d: LinearAttentionDims,
+                    keep_packed: Callable[[str], bool]) -> dict[str, dict]:
+    """``metadata`` with each Qwen3.5 ``in_proj_qkv`` entry, and each ``conv1d`` entry (both
+    families), replaced by its q, k and v segments (``in_proj_q`` / ``_k`` / ``_v``,
+    ``conv1d_q`` / ...; in its place), unless ``keep_packed`` matches it."""
+    out: dict = {}
+    kd, vd = d.num_key_heads * d.key_head_dim, d.num_value_heads * d.value_head_dim
+    for name, meta in metadata.items():
+        m = _FLAT_QKV.match(name)
+        c = _CONV1D.match(name)
+        if (m is None and c is None) or keep_packed(name):
+            out[name] = meta
+            continue
+        rest = list(meta["shape"][1:])
+        prefix = m["prefix"] if m else f"{c['prefix']}_"
+        for which, rows in (("q", kd), ("k", kd), ("v", vd)):
+            out[f"{prefix}{which}.weight"] = {**meta, "shape": [rows, *rest]}
+    return out
+
+
+def conv1d_stream_views(hf_name: str, tensor: torch.Tensor, d: LinearAttentionDims, tp: int
+                        ) -> dict[str, torch.Tensor]:
+    """This rank's q, k, v channels of Megatron's ``conv1d`` (views), under the exact path's
+    names (``conv1d_q`` / ``_k`` / ``_v``)."""
+    prefix = _CONV1D.match(hf_name)["prefix"]
+    return dict(zip((f"{prefix}_{w}.weight" for w in "qkv"), tensor.split(d.segments(tp)[:3], dim=0)))
+
+
+def stream_views(hf_names: Sequence[str], tensor: torch.Tensor, d: LinearAttentionDims, tp: int
+                 ) -> dict[str, torch.Tensor]:
+    """This rank's q, k, v, z, b, a rows of Megatron's ``in_proj`` (views), under the exact
+    path's names (``hf_names``: the converter's in_proj_qkv, _z, _b, _a)."""
+    qkv, z, b, a = hf_names
+    prefix = _FLAT_QKV.match(qkv)["prefix"]
+    names = [f"{prefix}q.weight", f"{prefix}k.weight", f"{prefix}v.weight", z, b, a]
+    return dict(zip(names, tensor.split(d.segments(tp), dim=0)))
+
+
 def conv1d_full(chunks: Sequence[torch.Tensor], d: LinearAttentionDims) -> torch.Tensor:
     """HF ``conv1d.weight`` ``[q; k; v]`` channels from Megatron's per-rank ``[q_r; k_r; v_r]``."""
     return torch.cat(_split_chunks(chunks, d.segments(len(chunks))[:3]), 0)
@@ -122,6 +173,27 @@ def gated_qkv_full(chunks: Sequence[torch.Tensor], num_heads: int, num_groups: i
     q_gate = torch.stack([q, gate], 2)  # [groups, p, 2, hd, ...]: per head q then its gate
     return (q_gate.reshape(num_heads * 2 * head_dim, *rest), k.reshape(num_groups * head_dim, *rest),
             v.reshape(num_groups * head_dim, *rest))
+
+
+def gated_q_group_shape(num_groups: int, head_dim: int, hf_shape: Sequence[int]
+                        ) -> tuple[int, ...]:
+    """A gated ``q_proj`` (rows ``[q_h; gate_h]`` per head) per KV group: ``[nkv, heads per
+    group, 2, head_dim, *rest]``, a row-major reshape of the HF tensor, the form in which
+    Megatron's ``[q heads | gate heads]`` rows of a group are a view."""
+    rows, rest = int(hf_shape[0]), [int(n) for n in hf_shape[1:]]
+    return (num_groups, rows // num_groups // (2 * head_dim), 2, head_dim, *rest)
+
+
+def gated_qkv_views(hf_names: Sequence[str], tensor: torch.Tensor, num_heads: int, num_groups: int,
+                    head_dim: int, tp: int) -> dict[str, torch.Tensor]:
+    """This rank's q (gated form, ``gated_q_group_shape``), k and v (``[groups, head_dim,
+    ...]``) of a gated ``linear_qkv`` holding whole KV groups (TP <= nkv), as views: a group's
+    rows are ``[q heads | gate heads | k | v]``."""
+    p, rest = num_heads // num_groups, tuple(tensor.shape[1:])
+    grouped = tensor.view(num_groups // tp, 2 * p + 2, head_dim, *rest)
+    q_gate = grouped[:, :2 * p].unflatten(1, (2, p)).transpose(1, 2)  # [g, p, 2, hd, ...]
+    q_name, k_name, v_name = hf_names
+    return {q_name: q_gate, k_name: grouped[:, 2 * p], v_name: grouped[:, 2 * p + 1]}
 
 
 def hf_shapes(kind: str, local_shape: Sequence[int], tp: int, d: Optional[LinearAttentionDims],

@@ -21,10 +21,14 @@ import torch
 from megatron_reshard.groups.faults import RefitError, fault_scope
 from megatron_reshard.engine.refit_transport import transport_of
 from megatron_reshard.refit.delta import DeltaConfig, TrainBase, src_vote
+from megatron_reshard.refit.finite import all_finite
 from megatron_reshard.refit.packed import broadcast_packed, pack_entries
 from megatron_reshard.refit.loop import DEFAULT_BATCH_BYTES, DEFAULT_STAGING_BYTES, RefitLoop
 from megatron_reshard.refit.order import misc_items_by_stage
 from megatron_reshard.refit.protocol import RefitProtocol
+from megatron_reshard.refit.version import Refusal
+from megatron_reshard.errors import BadInputError
+from megatron_reshard.megatron.live_views import BoundTensors
 from megatron_reshard.megatron.source import gather_other_params, local_param_map, plan_of
 
 if TYPE_CHECKING:
@@ -40,7 +44,7 @@ class RefitSender:
                  staging_bytes: int = DEFAULT_STAGING_BYTES,
                  verify_checksums: bool = False,
                  delta: Union[bool, DeltaConfig] = False, planner: str = "auto",
-                 node: Optional[str] = None):
+                 node: Optional[str] = None, check_finite: bool = False):
         """``verify_checksums`` must match the generation side's choice (plan fingerprint).
         ``delta`` (experimental, off by default): ``True`` (a ``DeltaConfig()``: 1 GiB of
         base per rank, kept beside the weights) or a ``DeltaConfig``: once a refit
@@ -52,6 +56,11 @@ class RefitSender:
         side's; ``node`` names this rank's node (default: the host name): with ``"auto"``
         the link-aware planner plans a group that spans more than one node (docs/DESIGN.md,
         "Which planner a refit uses").
+
+        ``check_finite`` (off by default: a pass over the weights): NaN or Inf in a weight
+        sent makes the refit fail its commit on every rank, naming the param and this rank
+        (``refit.finite``; taken in the checksums' pass when ``verify_checksums``); the
+        generation side then holds no committed version of those weights.
 
         ``source``: a ``MegatronRefitSource`` or its ``plan``; anything else raises
         ``BadInputTypeError``. Errors here are posted on the group's fault board, so the
@@ -75,13 +84,18 @@ class RefitSender:
                                   {self.stage: group}, num_streams=num_streams,
                                   batch_bytes=batch_bytes, staging_bytes=staging_bytes,
                                   misc_items=misc, verify_checksums=verify_checksums,
-                                  planner=planner, node=node)
+                                  planner=planner, node=node, check_finite=check_finite)
             if self.delta is not None:
                 self.loop.enable_delta(lambda *a: TrainBase(self.delta, *a))
             self.protocol = RefitProtocol("src", self.loop, {self.stage: group},
                                           {self.stage: self.misc_items}, staging_bytes,
                                           self.pp_size)
         self.is_misc_root = plan.stage_local_rank == 0
+        with fault_scope([group]):
+            self._bound = BoundTensors(plan)  # the model tensors the loop's views are cut from
+        self.check_finite = check_finite
+        self._misc_at = {name: i for i, (name, _, _) in enumerate(self.misc_items)}
+        self._misc_nonfinite: dict[int, list[int]] = {}  # this refit's, by misc position
 
     @property
     def base(self) -> Optional[TrainBase]:
@@ -106,12 +120,15 @@ class RefitSender:
         """
         self.protocol.check_usable(lambda why: f"the refit group of stage {self.stage} failed in "
                                    f"an earlier refit ({why}); create a new refit group and sender")
+        rebound, refusal = self._follow_model()
+        self._misc_nonfinite = {self.stage: []}
         try:
             done = self.protocol.run(
                 self._send_chunk, version=None if version is None else int(version),
                 allow_version_reuse=allow_version_reuse,
                 last_version=self.version if self._sent_any else None, device=self.device,
-                delta_vote=self._delta_vote())
+                delta_vote=self._delta_vote(), refusal=refusal,
+                misc_nonfinite=self._misc_nonfinite)
         except RefitError:
             if self.base is not None:
                 self.base.dropped()
@@ -132,11 +149,41 @@ class RefitSender:
                "verify_s": done.verify_s,  # None: no rank of the group needed the plan check
                "mode": done.mode, "full_reason": done.full_reason,
                "bytes_sent": done.bulk_bytes_moved + misc,
-               "planner": "default" if self.loop.costs[self.stage] is None else "link"}
+               "planner": "default" if self.loop.costs[self.stage] is None else "link",
+               "rebound": rebound}  # model tensors that had moved: the views cut again
         if self.base is not None:
             out["delta"] = done.bulk.delta
             out["base"] = self.base.report()
         return out
+
+    def _follow_model(self) -> tuple[int, Optional[Refusal]]:
+        """Every refit reads the model's current storage (``megatron.live_views``): the
+        views re-cut where the model's tensors moved since the last refit; (how many moved,
+        None), or (0, the refusal) where they changed beyond that. Local: the version
+        check's vote carries the refusal, and the re-check of the plan a re-bind asks for,
+        to every rank of the group."""
+        moved = self._bound.check()
+        if moved is None:
+            return 0, None
+        if not moved.refusals:
+            try:
+                rebound = self._bound.rebound()
+                self.loop.rebind(local_param_map(rebound[0]))
+                self._bound.accept(rebound)
+                self.plan = rebound[0]
+                return len(moved.moved), None
+            except BadInputError as exc:  # cut as at construction: said the same way
+                problems, refused = (str(exc),), set(moved.moved)
+        else:
+            problems, refused = moved.refusals, set(moved.refused)
+        names = self.loop.param_names()[self.stage]
+        bad = {n for conv, _ in self.plan.local.converted if conv.megatron_name in refused
+               for n in conv.hf_names}
+        index = next((i for i, n in enumerate(names) if n in bad), -1)
+        return 0, Refusal(f"refit refused before any byte moved: the model's tensors on "
+                          f"{self.plan.where()} changed since its MegatronRefitSource was "
+                          f"built: " + "; ".join(problems) + ". Build a new MegatronRefitSource "
+                          f"and RefitSender for the model as it is now", index)
 
     def _delta_vote(self) -> list:
         """This rank's columns of the delta/full vote (``refit.delta``)."""
@@ -157,6 +204,10 @@ class RefitSender:
         full = gather_other_params(self.plan, names)
         tensors = ({name: full[name].to(self.device) for name in names}
                    if self.is_misc_root else None)
+        if self.check_finite and tensors is not None:
+            flags = {name: all_finite(t) for name, t in tensors.items()}
+            self._misc_nonfinite[stage] += [self._misc_at[n] for n, f in flags.items()
+                                            if f is not None and not bool(f)]
         broadcast_packed(pack_entries(chunk), self.group, 0, self.device, tensors)
 
     def release_staging(self) -> None:

@@ -58,6 +58,7 @@ from megatron_reshard.errors import BadInputTypeError
 from megatron_reshard.megatron.converters import full_from_tp_chunks
 from megatron_reshard.megatron.expert_others import share_expert_tensors
 from megatron_reshard.megatron.fp8_source import fp8_sender_specs
+from megatron_reshard.megatron.gen_split import check_gen_attention_split
 from megatron_reshard.megatron.local_specs import local_hf_views, local_param_specs, stacked_spec
 from megatron_reshard.megatron.model_info import HF_CONFIG_KEYS
 from megatron_reshard.megatron.parallel import StageMeshes, TrainParallelism
@@ -81,6 +82,7 @@ class MegatronRefitSource:
         ``gen_quant="block_fp8"`` / ``"mxfp8"``: the generation model holds its linear
         weights in that FP8 format (``megatron_reshard.fp8.plan``); None: the same dtype as
         training. Collective over the train world (``train_plan.build_train_side_plan``)."""
+        check_gen_attention_split(model, gen_parallelism)  # before any collective
         self.plan: TrainSidePlan = build_train_side_plan(
             model, gen_parallelism=gen_parallelism, gen_world_size=gen_world_size, family=family,
             vocab_size=vocab_size, packed_params=packed_params, gen_quant=gen_quant)

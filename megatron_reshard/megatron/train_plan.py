@@ -35,7 +35,7 @@ import torch.distributed as dist
 from megatron_reshard.errors import BadInputError, BadInputTypeError
 from megatron_reshard.fp8.plan import GEN_QUANT_FORMATS, plan_block_fp8, plan_mxfp8
 from megatron_reshard.layout.placements import build_mesh_info
-from megatron_reshard.megatron import mla, nemotron_h, qwen3_next, unsupported_families
+from megatron_reshard.megatron import gpt_oss, mla, nemotron_h, qwen3_next, unsupported_families
 from megatron_reshard.megatron.converters import Converted, ModelDims, NameConverter, hf_global_shapes
 from megatron_reshard.megatron.exact_path import VOCAB_PARAMS, add_exact_extras
 from megatron_reshard.megatron.families import FAMILIES
@@ -55,6 +55,7 @@ from megatron_reshard.megatron.parallel import (
 from megatron_reshard.wire.codec import build_payload, encode_payload
 from megatron_reshard.megatron.qkv import qkv_groups_fit
 from megatron_reshard.megatron.rank_reports import merge_reports
+from megatron_reshard.vllm_layout import gpt_oss as gpt_oss_wire
 from megatron_reshard.vllm_layout.dense import NOT_LISTED, QKV_PARAM_RE, tp_dim_of
 from megatron_reshard.wire.metadata import build_nccl_reshard_refit_info, extract_layer_name
 from megatron_reshard.wire.placement_rules import is_expert_param, is_nccl_reshard_param
@@ -312,18 +313,33 @@ def sort_params(facts: ModelFacts, placement: RankPlacement, reports: list, gen:
     padded shards, q/k/v per KV group, direct and MLA params), packed others."""
     metadata, stage_of_key = merge_reports(reports, list(placement.all_coords),
                                            int(facts.config.num_layers))
-    # gated attention's q/k/v (Qwen3-Next) are not in the per-group form: packed
-    grouped_qkv = (qkv_groups_fit(facts.dims, facts.layout.tp, gen.tp)
-                   and not getattr(facts.config, "attention_output_gate", False))
+    # gated attention's q/k/v (Qwen3-Next, Qwen3.5): per group where each train rank holds
+    # whole KV groups (weights; ``qwen3_next.gated_qkv_views``), else packed
+    grouped_qkv = qkv_groups_fit(facts.dims, facts.layout.tp, gen.tp)
+    if getattr(facts.config, "attention_output_gate", False):
+        nkv = facts.dims.num_query_groups
+        grouped_qkv = (grouped_qkv and facts.layout.tp <= nkv and nkv % facts.layout.tp == 0
+                       and not getattr(facts.config, "add_qkv_bias", False) and gen.quant is None)
     forced = re.compile(packed_params) if packed_params else None
+    hf_metadata = metadata
+    keep_packed = lambda n: bool(forced and forced.search(n))  # noqa: E731
+    # the wire forms of gpt-oss's experts and of the Gated-DeltaNet streams are planned for a
+    # generation model in the training dtype: with FP8 generation those params stay packed
+    # (quantized on write from full tensors), as before these forms existed
+    bf16_forms = gen.quant is None
+    if facts.family == "gpt_oss" and bf16_forms:  # experts in vLLM's wire form (megatron.gpt_oss)
+        metadata = gpt_oss.wire_metadata(metadata, keep_packed)
+    if facts.dims.linear is not None and bf16_forms:  # streams by segment (megatron.qwen3_next)
+        metadata = qwen3_next.stream_metadata(metadata, facts.dims.linear, keep_packed)
     # Vocab matrices are the largest params outside the FFN; attention output, norms and
     # router have plain layouts on both sides: all take the exact path.
     exact_extra = {n: m for n, m in metadata.items()
-                   if not is_nccl_reshard_param(n)
+                   if not is_nccl_reshard_param(n) and (bf16_forms or ".linear_attn." not in n)
                    and not (forced and forced.search(n))
                    and (n in VOCAB_PARAMS or tp_dim_of(n) != NOT_LISTED
                         or (grouped_qkv and QKV_PARAM_RE.search(n))
-                        or facts.mla_tp_dims(n) is not None)}
+                        or facts.mla_tp_dims(n) is not None
+                        or gpt_oss_wire.WIRE_RE.match(n) is not None)}
     return ParamSets(
         layer_to_pp_stage=_frozen_map(stage_of_key),
         bulk=_frozen_map({n: m for n, m in metadata.items() if is_nccl_reshard_param(n)}),
@@ -331,7 +347,7 @@ def sort_params(facts: ModelFacts, placement: RankPlacement, reports: list, gen:
         exact_extra=_frozen_map(exact_extra),
         other=_frozen_map({n: m for n, m in metadata.items()
                            if not is_nccl_reshard_param(n) and n not in exact_extra}),
-        hf_config=_frozen_map(hf_config(facts.model, facts.family, facts.vocab_size, metadata)),
+        hf_config=_frozen_map(hf_config(facts.model, facts.family, facts.vocab_size, hf_metadata)),
         train_fp8=frozenset(n for r in reports for n in r["fp8"]),
     )
 
@@ -352,6 +368,8 @@ def build_records(facts: ModelFacts, placement: RankPlacement, params: ParamSets
     stage_world = par.world_size // par.pp
     info = add_exact_extras(info, dict(params.exact_extra), stage_of_key, list(placement.stages),
                             build_mesh_info(gen.world_size, stage_world, tp_size=gen.tp),
+                            gen_expert=(build_mesh_info(gen.world_size, stage_world, ep_size=gen.ep)
+                                        if gen.ep > 1 else None),
                             padded_train_vocab=int(facts.model.vocab_size), dims=facts.dims,
                             pp=par.pp, mla_tp_dims=facts.mla_tp_dims)
     if gen.quant is None:

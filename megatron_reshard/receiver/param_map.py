@@ -68,6 +68,8 @@ def build_receiver_param_map(payload: RefitPayload, targets: VllmTargets, rank_i
                 targets.params[target][box_index(box)].zero_()
             specs.specs[p.name] = LocalParamSpec(base=targets.params[plan.pieces[0].target])
         else:
+            for target, box in plan.zero:  # an empty region: the target holds zero (gpt-oss's
+                targets.params[target][box_index(box)].zero_()  # w2_bias past MoE TP rank 0)
             specs.specs[p.name] = receive_spec(targets, plan.pieces[0], strided_in_place,
                                                wire_dtype=p.torch_dtype)
         plans.append(plan)

@@ -27,6 +27,7 @@ from megatron_reshard.receiver.misc_transport import MiscReceiver, receive_misc_
 from megatron_reshard.receiver.param_map import build_receiver_param_map
 from megatron_reshard.receiver.state import WeightState
 from megatron_reshard.receiver.targets import TargetError, VllmTargets
+from megatron_reshard.refit.base_digest import digests
 from megatron_reshard.refit.delta import dst_ready_code, dst_vote
 from megatron_reshard.refit.loop import DEFAULT_BATCH_BYTES, DEFAULT_STAGING_BYTES, RefitLoop
 from megatron_reshard.refit.order import misc_items_by_stage
@@ -96,6 +97,10 @@ class ReceiverSession:
         self._delta_version: Optional[int] = None
         self._delta_hooked: Optional[bool] = None
         self._delta_rewritten = False  # vLLM's conversion rewrote the committed bytes
+        # the digests of the storage a delta writes into, taken at the last commit of a
+        # refit whose sender asks for deltas (refit.base_digest); checked before the next
+        self._base_digests: Optional[torch.Tensor] = None
+        self._written_outside: list[str] = []  # what the last check found changed
         self.stats: dict[str, Any] = {"refits": 0, "prepare_s": time.perf_counter() - t0,
                                       "verify_s": None, "last": None, "total_refit_s": 0.0}
 
@@ -216,7 +221,7 @@ class ReceiverSession:
         on_cuda = torch.cuda.is_available() and any(t.is_cuda for t in self.targets.params.values())
 
         def failed(reason: str) -> None:
-            self._delta_version = None  # the storage is no base any more
+            self._delta_version = self._base_digests = None  # the storage is no base any more
             self.weights.failed(reason)
 
         try:
@@ -225,7 +230,7 @@ class ReceiverSession:
                 on_failure=failed, delta_vote=self._delta_vote(),
                 device=torch.device("cuda", torch.cuda.current_device()) if on_cuda else None)
         except RefitError:
-            self._delta_version = None
+            self._delta_version = self._base_digests = None
             raise
         if done.verify_s is not None:
             self.stats["verify_s"] = done.verify_s
@@ -239,10 +244,14 @@ class ReceiverSession:
             raise RefitError(f"refit failed its commit: {reason}. The weights are "
                              f"{self.weights.as_dict()['state']}")
         self.weights.committed(done.outcome.version, names, not_refitted=self.kept_as_loaded)
-        self._delta_version = done.outcome.version
+        # the base of the next delta: kept only where the training side asks for deltas
+        self._base_digests = (digests([t for _, t in self.loop.held_in_place()])
+                              if done.delta_wanted else None)
+        self._delta_version = done.outcome.version if done.delta_wanted else None
         self._delta_rewritten = False
         full_bytes = done.bulk.local_bytes + tally["misc_bytes"]
         last = {"mode": done.mode, "full_reason": done.full_reason,
+                "written_outside": list(self._written_outside),
                 "bytes_received": done.bulk_bytes_moved + tally["misc_bytes"],
                 "full_bytes": full_bytes, "delta": done.bulk.delta,"bulk_params": done.bulk.params, "bulk_bytes": done.bulk.local_bytes,
                 "misc_params": sum(len(i) for i in self.misc_items.values()), **tally,
@@ -259,6 +268,9 @@ class ReceiverSession:
 
     def _delta_vote(self) -> list:
         """This rank's columns of the delta/full vote (``refit.delta``)."""
+        if self._base_written_outside():  # this rank's base is gone: the refit goes full
+            self._delta_version = self._base_digests = None
+            return dst_vote(6, None)
         hooked = False
         if self._delta_version is not None:
             if self._delta_hooked is None:
@@ -266,6 +278,19 @@ class ReceiverSession:
             hooked = self._delta_hooked
         code = dst_ready_code(self._delta_version, self.weights, hooked, self._delta_rewritten)
         return dst_vote(code, self._delta_version)
+
+    def _base_written_outside(self) -> bool:
+        """Whether the storage a delta would write into differs from what the last commit
+        left there (``refit.base_digest``: one pass over it, one host sync); the params
+        that differ are kept for the report."""
+        self._written_outside = []
+        if self._delta_version is None or self._base_digests is None:
+            return False
+        held = self.loop.held_in_place()
+        now = digests([t for _, t in held])
+        changed = (now.to(self._base_digests.device) != self._base_digests).nonzero()
+        self._written_outside = [held[i][0] for i in changed.flatten().tolist()]
+        return bool(self._written_outside)
 
     def forget_delta_base(self) -> None:
         """The storage no longer holds the committed bytes as they arrived (vLLM's own
@@ -295,6 +320,11 @@ class ReceiverSession:
             "bytes_received": last.get("bytes_received", 0),
             "full_bytes": last.get("full_bytes", 0),
             "mode": last.get("mode"),
+            # why the last refit was full (None: a delta refit, or none yet)
+            "full_reason": last.get("full_reason"),
+            # params whose storage was written outside the refits before the last one
+            # (found by the base digests: that refit went full)
+            "written_outside": last.get("written_outside", []),
             "misc_wire_bytes": last.get("misc_wire_bytes", 0),
             "refits": self.stats["refits"],
             "weights": self.weights.as_dict(),

@@ -32,7 +32,9 @@ from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 
-from megatron_reshard.layout.geometry import Box, box_index, box_shape
+from megatron_reshard.layout.geometry import Box, box_index, box_numel, box_shape
+from megatron_reshard.receiver.gpt_oss_targets import oss_expert_plan, oss_wire_plan
+from megatron_reshard.receiver.target_plan import Piece, TargetError, TargetPlan, full_region
 from megatron_reshard.errors import BadInputError, BadInputTypeError
 from megatron_reshard.wire.expert_names import EXPERT_WEIGHT_RE
 from megatron_reshard.wire.extras import HFConfig
@@ -45,41 +47,6 @@ from megatron_reshard.vllm_layout.dense import (GATE_UP_RE, QKV_RE, VOCAB_PADDIN
 from megatron_reshard.vllm_layout.kernel_order import PADDING, KernelOrder
 from megatron_reshard.vllm_layout.float32_params import may_widen
 from megatron_reshard.vllm_layout.moe import expert_block
-
-
-class TargetError(BadInputError):
-    """An HF param cannot be mapped onto this rank's vLLM storage (raised before any communication)."""
-
-
-@dataclass(frozen=True)
-class Piece:
-    """``target[target_region]`` receives ``hf[hf_region]`` (same number of elements)."""
-
-    target: str
-    target_region: Box
-    hf_region: Box
-    # the HF box holds the target box transposed (its last two dims; gpt-oss's experts):
-    # full-tensor path only
-    transposed: bool = False
-
-
-@dataclass
-class TargetPlan:
-    """Everything one HF param writes on this rank."""
-
-    hf_name: str
-    hf_shape: tuple[int, ...]
-    pieces: list[Piece] = field(default_factory=list)
-    zero: list[tuple[str, Box]] = field(default_factory=list)  # target boxes to zero-fill
-    note: str = ""  # why there is nothing to write (e.g. tied lm_head, experts of another rank)
-    # block-FP8 targets (receiver.fp8_targets): piece index -> its box of the scale param
-    scales: dict[int, Piece] = field(default_factory=dict)
-    # target boxes a kernel's padding fills, kept as vLLM holds them (never written)
-    kept: list[tuple[str, Box]] = field(default_factory=list)
-
-
-def _full(shape: Sequence[int]) -> Box:
-    return tuple((0, int(n)) for n in shape)
 
 
 def _as_dict(named: Union[Mapping[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]]
@@ -107,6 +74,8 @@ class VllmTargets:
     # targets vLLM stores in a kernel's order (receiver.kernel_layouts), by param name
     orders: dict[str, KernelOrder] = field(default_factory=dict)
     _renames: Optional[bool] = field(default=None, repr=False)  # gpt-oss's vLLM names
+    _oss_experts = oss_expert_plan  # gpt-oss's experts (receiver.gpt_oss_targets)
+    _oss_wire_experts = oss_wire_plan
 
     @classmethod
     def from_named_parameters(cls, named, hf_config: Union[HFConfig, Mapping[str, Any], None],
@@ -130,9 +99,12 @@ class VllmTargets:
     def strided_view(self, piece: Piece) -> Optional[torch.Tensor]:
         """The target box as a view of the storage; None where a kernel's order scatters it."""
         order = self.orders.get(piece.target)
+        target = self.params[piece.target]
+        if piece.target_shape is not None:  # no kernel order: refused by _oss_wire_experts
+            target = target.view(piece.target_shape)
         if order is None:
-            return self.params[piece.target][box_index(piece.target_region)]
-        return order.view(self.params[piece.target], piece.target_region)
+            return target[box_index(piece.target_region)]
+        return order.view(target, piece.target_region)
 
     def permuted_rows(self, piece: Piece):
         """The target box (three dims) as an ``engine.kernel_copies.PermutedRows`` of the
@@ -170,8 +142,11 @@ class VllmTargets:
             return self._resolve(hf_name, hf_shape)
         # gpt-oss: vLLM's names (vllm_layout.gpt_oss), the plan keeps the HF name
         m = gpt_oss.EXPERT_RE.match(hf_name)
+        wire = gpt_oss.WIRE_RE.match(hf_name)
         if m:
             plan = self._oss_experts(hf_name, tuple(int(s) for s in hf_shape), m)
+        elif wire:
+            plan = self._oss_wire_experts(hf_name, tuple(int(s) for s in hf_shape), wire)
         else:
             plan = self._resolve(gpt_oss.vllm_name(hf_name), hf_shape)
         plan.hf_name = hf_name
@@ -187,6 +162,9 @@ class VllmTargets:
             raise TargetError(f"{hf_name}: {linear_problem} (on {self.where()})")
         if hf_name in self.params and gated_delta_net.CONV1D_RE.search(hf_name):
             return self._conv1d(hf_name, shape)
+        stream = gated_delta_net.conv1d_stream_piece(hf_name, self.hf_config, self.tp_size, self.tp_rank)
+        if stream and stream[0] in self.params:
+            return self._conv1d_stream(hf_name, shape, *stream)
         flat = gated_delta_net.flat_in_proj_pieces(hf_name, self.hf_config, self.tp_size, self.tp_rank)
         if flat and flat[0] in self.params:
             return self._flat_in_proj(hf_name, shape, *flat)
@@ -237,7 +215,7 @@ class VllmTargets:
         tshape = tuple(target.shape)
         plan = TargetPlan(name, shape)
         if tshape == shape:
-            plan.pieces.append(Piece(name, _full(tshape), _full(shape)))
+            plan.pieces.append(Piece(name, full_region(tshape), full_region(shape)))
             return plan
         differ = [d for d in range(len(shape)) if len(tshape) == len(shape) and tshape[d] != shape[d]]
         if len(differ) != 1:
@@ -246,18 +224,18 @@ class VllmTargets:
         d = differ[0]
         chunk, total, r = tshape[d], shape[d], self.tp_rank
         if chunk * self.tp_size == total:
-            hf = list(_full(shape))
+            hf = list(full_region(shape))
             hf[d] = (r * chunk, (r + 1) * chunk)
-            plan.pieces.append(Piece(name, _full(tshape), tuple(hf)))
+            plan.pieces.append(Piece(name, full_region(tshape), tuple(hf)))
             return plan
         if d == 0 and chunk * self.tp_size == padded_vocab_rows(total) and len(shape) >= 1:
             # vocab rows padded to a multiple of 64, split evenly; padding rows are zero
             (lo, hi), _ = vocab_rows_of_rank(total, self.tp_size, r)
             if hi > lo:
-                plan.pieces.append(Piece(name, ((0, hi - lo),) + _full(tshape[1:]),
-                                         ((lo, hi),) + _full(shape[1:])))
+                plan.pieces.append(Piece(name, ((0, hi - lo),) + full_region(tshape[1:]),
+                                         ((lo, hi),) + full_region(shape[1:])))
             if hi - lo < chunk:
-                plan.zero.append((name, ((hi - lo, chunk),) + _full(tshape[1:])))
+                plan.zero.append((name, ((hi - lo, chunk),) + full_region(tshape[1:])))
             return plan
         expected = list(shape)
         expected[d] = f"{total}/{self.tp_size}"
@@ -277,7 +255,7 @@ class VllmTargets:
                               f"of {target!r} (q_lora_rank, kv_lora_rank, qk_rope_head_dim "
                               f"of hf_config)")
         plan = TargetPlan(name, shape)
-        plan.pieces.append(Piece(target, ((lo, hi), (0, shape[1])), _full(shape)))
+        plan.pieces.append(Piece(target, ((lo, hi), (0, shape[1])), full_region(shape)))
         return plan
 
     def _conv1d(self, name: str, shape: tuple[int, ...]) -> TargetPlan:
@@ -291,7 +269,20 @@ class VllmTargets:
             raise self._shape_error(name, name, expected, "[q_r; k_r; v_r] conv channels")
         plan = TargetPlan(name, shape)
         for t_rows, h_rows in pieces:
-            plan.pieces.append(Piece(name, (t_rows,) + _full(shape[1:]), (h_rows,) + _full(shape[1:])))
+            plan.pieces.append(Piece(name, (t_rows,) + full_region(shape[1:]), (h_rows,) + full_region(shape[1:])))
+        return plan
+
+    def _conv1d_stream(self, name: str, shape: tuple[int, ...], target: str,
+                       t_rows: tuple[int, int], h_rows: tuple[int, int]) -> TargetPlan:
+        """One conv1d segment sent apart into its rows of vLLM's conv1d (Qwen3-Next, Qwen3.5)."""
+        if shape[0] != (h_rows[1] - h_rows[0]) * self.tp_size or \
+                tuple(self.params[target].shape[1:]) != shape[1:]:
+            raise TargetError(f"{name}: HF shape {list(shape)} does not match the linear_* dims "
+                              f"of hf_config or {target!r} {list(self.params[target].shape)} "
+                              f"(on {self.where()})")
+        plan = TargetPlan(name, shape)
+        plan.pieces.append(Piece(target, (t_rows,) + full_region(shape[1:]),
+                                 (h_rows,) + full_region(shape[1:])))
         return plan
 
     def _flat_in_proj(self, name: str, shape: tuple[int, ...], target: str, rows: int,
@@ -306,7 +297,7 @@ class VllmTargets:
                               f"of hf_config (on {self.where()})")
         plan = TargetPlan(name, shape)
         for t_rows, h_rows in pieces:
-            plan.pieces.append(Piece(target, (t_rows,) + _full(shape[1:]), (h_rows,) + _full(shape[1:])))
+            plan.pieces.append(Piece(target, (t_rows,) + full_region(shape[1:]), (h_rows,) + full_region(shape[1:])))
         return plan
 
     def _heads(self, name: str) -> AttentionHeads:
@@ -337,7 +328,7 @@ class VllmTargets:
                                     f"{k1 - k0} KV heads of dim {heads.head_dim}")
         t_rows, h_rows = heads.qkv_piece(which, T, r)
         plan = TargetPlan(name, shape)
-        plan.pieces.append(Piece(target, (t_rows,) + _full(shape[1:]), (h_rows,) + _full(shape[1:])))
+        plan.pieces.append(Piece(target, (t_rows,) + full_region(shape[1:]), (h_rows,) + full_region(shape[1:])))
         return plan
 
     def _gate_up(self, name: str, shape: tuple[int, ...], m: re.Match) -> TargetPlan:
@@ -351,7 +342,7 @@ class VllmTargets:
             raise self._shape_error(name, target, expected, "[gate_r ; up_r]")
         t_rows, h_rows = gate_up_rows(m["which"], rows, T, r)
         plan = TargetPlan(name, shape)
-        plan.pieces.append(Piece(target, (t_rows,) + _full(shape[1:]), (h_rows,) + _full(shape[1:])))
+        plan.pieces.append(Piece(target, (t_rows,) + full_region(shape[1:]), (h_rows,) + full_region(shape[1:])))
         return plan
 
     def _expert_target(self, name: str, prefix: str, proj: str) -> str:
@@ -456,61 +447,6 @@ class VllmTargets:
                               f"{self.where()} pads its intermediate dim from row {first}, but "
                               f"this rank holds {ip} rows of the checkpoint (allocated {alloc})")
         return alloc
-    def _oss_experts(self, name: str, shape: tuple[int, ...], m: re.Match) -> TargetPlan:
-        """One gpt-oss expert's ``gate_up_proj [H, 2I]`` / ``down_proj [I, H]`` or their biases
-        into vLLM's w13 / w2 (``vllm_layout.gpt_oss``): weights transposed, w2_bias zero
-        on MoE TP ranks > 0."""
-        proj, bias, e = m["proj"], bool(m["bias"]), int(m["index"])
-        candidates = gpt_oss.expert_targets(m["prefix"], proj, bias)
-        found = [c for c in candidates if c in self.params]
-        if not found:
-            raise TargetError(f"{name}: missing target on {self.where()}: expected vLLM param "
-                              f"{candidates[0]!r} or {candidates[1]!r}")
-        target = found[0]
-        num_experts = int(self.hf_config.num_experts or 0)
-        if not num_experts:
-            raise TargetError(f"{name}: per-expert HF name needs hf_config's num_experts")
-        e_lo, e_hi = (expert_block(num_experts, self.ep_rank, self.ep_size) if self.ep_size > 1
-                      else (0, num_experts))
-        plan = TargetPlan(name, shape)
-        if not e_lo <= e < e_hi:
-            plan.note = f"expert {e} lives on another EP rank (this rank: {e_lo}..{e_hi - 1})"
-            return plan
-        tp_parts, tp_r = vllm_moe.expert_tp_split(self.ep_size, self.tp_size, self.tp_rank)
-        hidden = int(self.hf_config.hidden_size or 0)
-        inter = int(self.hf_config.moe_intermediate_size or 0)
-        hf_expected = {("gate_up_proj", False): (hidden, 2 * inter), ("gate_up_proj", True): (2 * inter,),
-                       ("down_proj", False): (inter, hidden), ("down_proj", True): (hidden,)}[proj, bias]
-        if shape != hf_expected:
-            raise TargetError(f"{name}: HF shape {list(shape)}, expected {list(hf_expected)} "
-                              f"(hidden_size {hidden}, moe_intermediate_size {inter} of hf_config)")
-        if not inter or inter % tp_parts:
-            raise TargetError(f"{name}: expert intermediate size {inter} does not split over "
-                              f"tp_size={tp_parts}")
-        ip = inter // tp_parts
-        lo, hi = gpt_oss.inter_columns(proj, ip, tp_r)
-        local_e = e_hi - e_lo
-        el = (e - e_lo, e - e_lo + 1)
-        if proj == "gate_up_proj" and not bias:  # [H, 2I] -> w13[e] [2I_p, H]
-            expected, t_box, h_box = (local_e, 2 * ip, shape[0]), (el, (0, 2 * ip), (0, shape[0])), \
-                ((0, shape[0]), (lo, hi))
-        elif proj == "gate_up_proj":  # [2I] -> w13_bias[e] [2I_p]
-            expected, t_box, h_box = (local_e, 2 * ip), (el, (0, 2 * ip)), ((lo, hi),)
-        elif not bias:  # [I, H] -> w2[e] [H, I_p]
-            expected, t_box, h_box = (local_e, shape[1], ip), (el, (0, shape[1]), (0, ip)), \
-                ((lo, hi), (0, shape[1]))
-        else:  # [H] -> w2_bias[e] [H], zero on MoE TP ranks > 0
-            expected, t_box, h_box = (local_e, shape[0]), (el, (0, shape[0])), ((0, shape[0]),)
-        if tuple(self.params[target].shape) != expected:
-            raise self._shape_error(name, target, expected, f"gpt-oss experts with E={num_experts}, "
-                                    f"ep_size={self.ep_size}, expert tp_size={tp_parts}")
-        if bias and proj == "down_proj" and gpt_oss.down_bias_is_zero(tp_r):
-            plan.zero.append((target, t_box))
-        else:
-            plan.pieces.append(Piece(target, t_box, h_box, transposed=not bias))
-        return plan
-
-
 # ------------------------------------------------------------------------- bulk mapping
 
 
@@ -585,7 +521,9 @@ def bulk_receive_plan(targets: VllmTargets, hf_name: str, global_shape: Sequence
     if any(p.transposed for p in plan.pieces):
         raise TargetError(f"{hf_name}: vLLM holds it transposed on {targets.where()}; it can "
                           f"only arrive as a full tensor (packed path), not shard to shard")
-    if (plan.zero and not padded) or len(plan.pieces) != 1 or plan.pieces[0].hf_region != tuple(region):
+    zero_only = box_numel(region) == 0  # an empty block: the target holds zero (gpt-oss's w2_bias)
+    if (plan.zero and not (padded or zero_only)) or len(plan.pieces) != 1 \
+            or plan.pieces[0].hf_region != tuple(region):
         want = [list(p.hf_region) for p in plan.pieces]
         raise TargetError(
             f"{hf_name}: the payload delivers region {list(region)} to {targets.where()}, but "

@@ -12,7 +12,13 @@ Torch + stdlib only. Phases, each with plain-data arguments and results:
 3. ``refit()`` receives the weights and commits (first call also compares plan
    fingerprints); the weights' version advances only when every rank got every param,
    and only upwards (``refit.version``: a lower one is refused before bytes move).
-4. ``report()`` returns what was received, how long it took and the weights' state;
+4. staged refits (``prepare_refit(payload, {"staged": True})``, ``receiver.staging``):
+   ``start_staged_refit()`` starts the receive into staging tensors on the worker's own
+   thread and returns; vLLM keeps generating from the live weights; ``wait_staged_refit()``
+   until staged; ``flip_staged_refit()`` inside vLLM's pause makes it live (local copies);
+   ``discard_staged_refit()`` drops it. A failure before the flip leaves the live weights
+   consistent at their version.
+5. ``report()`` returns what was received, how long it took and the weights' state;
    ``refit_weights_state()`` / ``check_refit_weights_consistent()`` tell whether a failed
    refit left mixed weights (see ``receiver.state``).
 
@@ -129,12 +135,39 @@ class MegatronReshardWorkerExtension:
         return self.refit_worker_state.refit(self.get_refit_model(),
                                              self.get_refit_act_dtype()).as_dict()
 
+    def start_staged_refit(self) -> dict:
+        """Start a staged refit (the worker was prepared with ``{"staged": True}``): the
+        receive runs on its own thread (and CUDA stream) into staging tensors and this call
+        returns at once, so vLLM's engine loop keeps scheduling. Returns the staged state."""
+        state = self.refit_worker_state
+        return state.require_stager().start(state.require_session())
+
+    def wait_staged_refit(self, timeout_s: Optional[float] = None) -> dict:
+        """Block until the started refit is staged (committed everywhere, not live yet), or
+        waits for the pause to write the params beyond the staging budget; raises if it
+        failed (the live weights are then as ``refit_weights_state()`` says: consistent
+        unless an in-place param was written)."""
+        return self.refit_worker_state.require_stager().wait(timeout_s)
+
+    def flip_staged_refit(self) -> dict:
+        """Inside vLLM's pause: the staged version goes live (copies into vLLM's storage in
+        place, then the weights vLLM derives from it); waits for the transfer first if it
+        is still running. Returns the refit's numbers, ``staged`` with the flip's."""
+        return self.refit_worker_state.flip_staged(self.get_refit_model(),
+                                                   self.get_refit_act_dtype()).as_dict()
+
+    def discard_staged_refit(self, timeout_s: Optional[float] = 60.0) -> dict:
+        """Drop the staged version (or stop the running staged refit at its next batch: the
+        peers fail too); the live weights stay as they are."""
+        return self.refit_worker_state.require_stager().discard(timeout_s)
+
     def refit_weights_state(self) -> dict:
         """The weights' version and consistency (``receiver.state.WeightState.as_dict``):
         ``{"state": "consistent" | "inconsistent", "version", "started_from",
         "overwritten": [names], "not_refitted": [names kept as loaded], "refits",
-        "failed_refits", "last_error"}``."""
-        return self.refit_worker_state.weights.as_dict()
+        "failed_refits", "last_error"}``, and with a staged session ``staged``: its phase
+        and staged version (``receiver.staging.StagedRefits.state``)."""
+        return self.refit_worker_state.weights_state()
 
     def check_refit_weights_consistent(self) -> None:
         """Raise ``InconsistentWeightsError`` while a failed refit left mixed weights: call

@@ -38,6 +38,7 @@ from megatron_reshard.receiver.staged_conversion import (
     check_online_payload,
     staged_layers,
 )
+from megatron_reshard.receiver.staging import StagedRefits, check_budget
 from megatron_reshard.receiver.state import WeightState
 from megatron_reshard.refit.loop import DEFAULT_BATCH_BYTES, DEFAULT_STAGING_BYTES
 
@@ -52,7 +53,9 @@ class PrepareOptions:
     ``keep_as_loaded``: vLLM param names or fnmatch patterns the payload does not write
     and that may keep what was loaded (``receiver.coverage``). ``planner`` (``"auto"``,
     ``"link"``, ``"default"``) must match the sender's; ``node``: this rank's node name
-    (None: the host name; docs/DESIGN.md, "Which planner a refit uses")."""
+    (None: the host name; docs/DESIGN.md, "Which planner a refit uses"). ``staged``: refits
+    land in staging tensors and go live at a flip (``receiver.staging``), at most
+    ``staging_budget_bytes`` of them (None: all; the rest written in place in the pause)."""
 
     num_streams: int = 2
     batch_bytes: int = DEFAULT_BATCH_BYTES
@@ -62,10 +65,13 @@ class PrepareOptions:
     keep_as_loaded: tuple[str, ...] = ()
     planner: str = "auto"
     node: Optional[str] = None
+    staged: bool = False
+    staging_budget_bytes: Optional[int] = None
 
     NAMES: ClassVar[tuple[str, ...]] = ("num_streams", "batch_bytes", "staging_bytes",
                                         "strided_in_place", "verify_checksums", "keep_as_loaded",
-                                        "planner", "node")
+                                        "planner", "node", "staged", "staging_budget_bytes")
+    _NOT_SESSION: ClassVar[tuple[str, ...]] = ("staged", "staging_budget_bytes")
 
     @classmethod
     def unknown(cls, options: Mapping) -> list:
@@ -81,10 +87,18 @@ class PrepareOptions:
             raise BadInputError(f"unknown {where} options {unknown}; known: {list(cls.NAMES)}")
         if "keep_as_loaded" in options:
             options["keep_as_loaded"] = parse_keep_as_loaded(options["keep_as_loaded"])
+        if not isinstance(options.get("staged", False), bool):
+            raise BadInputError(f"{where} option staged: expected True or False, found "
+                                f"{options['staged']!r}")
+        check_budget(options.get("staging_budget_bytes"))
         return cls(**options)
 
     def as_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def session_options(self) -> dict[str, Any]:
+        """The options ``ReceiverSession`` takes (the staged ones are the worker's)."""
+        return {k: v for k, v in self.as_dict().items() if k not in self._NOT_SESSION}
 
 
 @dataclass(frozen=True)
@@ -204,12 +218,19 @@ class RefitWorkerState:
         self.session: Optional[ReceiverSession] = None
         self.options: Optional[PrepareOptions] = None  # the session's
         self.staged: Optional[StagedConversions] = None  # the session's layers vLLM converts
+        self.stager: Optional[StagedRefits] = None  # staging tensors (``staged`` option)
         self.weights = WeightState()  # the model's: outlives groups and sessions
 
     def require_groups(self) -> dict[int, Any]:
         if self.groups is None:
             raise CallOrderError("prepare_refit called before init_refit_groups")
         return self.groups
+
+    def require_no_staged_refit(self, what: str) -> None:
+        """Refuse ``what`` while a staged refit's thread runs (it uses the groups and session)."""
+        if self.stager is not None and self.stager.phase in ("receiving", "waiting_for_pause"):
+            raise CallOrderError(f"{what} while a staged refit is running; flip or discard it "
+                                 f"first")
 
     def require_session(self) -> ReceiverSession:
         if self.session is None:
@@ -224,6 +245,7 @@ class RefitWorkerState:
         ``group_rank=None``: ``group_size - gen_world + gen_rank`` from ``gen_coords()``,
         the training ranks of a stage coming first in its group. Drops the session."""
         ports = _per_stage(ports_by_stage, "ports_by_stage")
+        self.require_no_staged_refit("init_refit_groups")
         sizes = ({s: int(group_sizes) for s in ports} if isinstance(group_sizes, int)
                  else _per_stage(group_sizes, "group_sizes"))
         if set(sizes) != set(ports):
@@ -244,7 +266,7 @@ class RefitWorkerState:
                 float(timeout_s), who=f"generation worker at refit group rank {group_rank}",
                 label=f"refit group of PP stage {stage}")
         self.groups, self.group_rank = groups, int(group_rank)
-        self.session = self.options = None
+        self.session = self.options = self.stager = None
         return GroupsJoined(tuple(sorted(groups)), int(group_rank))
 
     def prepare(self, model: torch.nn.Module, payload: Any, options: Optional[Mapping] = None, *,
@@ -253,11 +275,12 @@ class RefitWorkerState:
         on the groups' fault boards, so the training ranks raise it too. Params vLLM derives
         itself (MLA's absorbed weights) are never targets."""
         groups = self.require_groups()
+        self.require_no_staged_refit("prepare_refit")
         unknown = PrepareOptions.unknown(options or {})
         if unknown:  # a caller's typo: refused here, before the groups hear of it
             raise BadInputError(f"unknown prepare_refit options {unknown}; known: "
                                 f"{list(PrepareOptions.NAMES)}")
-        self.session = self.options = self.staged = None
+        self.session = self.options = self.staged = self.stager = None
         derived = derived_param_names(model)  # recomputed after each refit, never received
         derived |= kv_cache_scale_names(model)  # no weights: vLLM 0.34 keeps them as params
         with fault_scope(groups.values()):  # a refusal reaches the training ranks too
@@ -268,27 +291,68 @@ class RefitWorkerState:
             check_online_payload(staged, payload)  # vLLM's online block FP8: planned for it?
             orders = storage_orders(model, skip=derived,  # how vLLM's post-load stored them
                                     staged={layer.name for layer in staged})
-        # a staged param vLLM re-allocated in a kernel's shape is received through a
-        # checkpoint-shaped view of its storage
-        views = {n: v for layer in staged for n, v in layer.receive_views().items()}
-        targets = [(n, views.get(n, p)) for n, p in model.named_parameters() if n not in derived]
-        self.session = ReceiverSession(payload, targets, groups, receive_misc=receive_misc,
-                                       vllm_tp=vllm_tp, weights=self.weights,
-                                       storage_orders=orders, **checked.as_dict())
-        self.options = checked
+            # a staged param vLLM re-allocated in a kernel's shape is received through a
+            # checkpoint-shaped view of its storage
+            views = {n: v for layer in staged for n, v in layer.receive_views().items()}
+            targets = [(n, views.get(n, p)) for n, p in model.named_parameters()
+                       if n not in derived]
+            stager = self._stager(checked, staged, targets)
+        self.session = ReceiverSession(payload, stager.targets(targets) if stager else targets,
+                                       groups, receive_misc=receive_misc, vllm_tp=vllm_tp,
+                                       weights=stager.weights if stager else self.weights,
+                                       storage_orders=orders, **checked.session_options())
+        if stager is not None:
+            stager.session_prepared()
+        self.options, self.stager = checked, stager
         self.staged = StagedConversions(staged)
         return PrepareSummary.of_report(self.session.report())
+
+    def _stager(self, checked: PrepareOptions, staged: list, targets: list
+                ) -> Optional[StagedRefits]:
+        """The staging tensors of a ``staged`` session (None otherwise)."""
+        if not checked.staged:
+            return None
+        if staged:
+            names = ", ".join(sorted(layer.name for layer in staged)[:4])
+            raise BadInputError(f"prepare_refit option staged: layers vLLM converts after "
+                                f"loading ({names}) are converted in their storage after each "
+                                f"refit; a staged refit cannot stage that (docs/DESIGN.md, "
+                                f"'Staged refits')")
+        return StagedRefits(dict(targets), self.weights, checked.staging_budget_bytes,
+                            where=f"generation worker at refit group rank {self.group_rank}")
+
+    def require_stager(self) -> StagedRefits:
+        self.require_session()
+        if self.stager is None:
+            raise CallOrderError("a staged refit needs prepare_refit(payload, "
+                                 "{'staged': True, ...})")
+        return self.stager
 
     def refit(self, model: torch.nn.Module, act_dtype: Optional[torch.dtype]) -> RefitResult:
         """Receive every param once and commit, then recompute the weights vLLM derives
         from them (``receiver.derived``); if that fails the weights are marked
-        inconsistent."""
+        inconsistent. A ``staged`` session stages, then flips at once."""
         session = self.require_session()
+        if self.stager is not None:
+            self.stager.start(session)
+            return self.flip_staged(model, act_dtype)
         stats = session.refit()
         self._convert_staged(session, stats)  # before MLA's refresh, as vLLM's loader orders them
+        return self._refreshed(model, session.targets.params.values(), act_dtype, stats)
+
+    def flip_staged(self, model: torch.nn.Module, act_dtype: Optional[torch.dtype]
+                    ) -> RefitResult:
+        """Inside vLLM's pause: the staged version goes live (``StagedRefits.flip``), then
+        the weights vLLM derives from it are recomputed."""
+        stager = self.require_stager()
+        stats = stager.flip()
+        return self._refreshed(model, stager.live.values(), act_dtype, stats)
+
+    def _refreshed(self, model: torch.nn.Module, written, act_dtype: Optional[torch.dtype],
+                   stats: dict) -> RefitResult:
         try:
             stats["derived_staging"] = {}
-            refreshed = refresh_derived_weights(model, session.targets.params.values(), act_dtype,
+            refreshed = refresh_derived_weights(model, written, act_dtype,
                                                 stats=stats["derived_staging"])
         except DerivedWeightsError as err:
             self.weights.writing(n for n, _ in model.named_parameters() if "kv_b_proj" in n)
@@ -326,7 +390,9 @@ class RefitWorkerState:
     def destroy_groups(self, timeout_s: float) -> None:
         """Shut the groups down (every rank of each group does the same) and drop the session."""
         groups, self.groups, self.session, self.options = self.groups or {}, None, None, None
-        self.staged = None
+        if self.stager is not None:
+            self.stager.discard(timeout_s)
+        self.staged = self.stager = None
         for stage in sorted(groups):
             destroy_refit_group(groups[stage], timeout_s)
 
@@ -336,7 +402,16 @@ class RefitWorkerState:
             return {"prepared": False, "weights": self.weights.as_dict()}
         staged = self.staged
         return {"prepared": True, **self.session.report(),
-                **({"staged_conversion": staged.report()} if staged and staged.layers else {})}
+                **({"staged_conversion": staged.report()} if staged and staged.layers else {}),
+                **({"staged_refit": self.stager.state()} if self.stager else {})}
+
+    def weights_state(self) -> dict:
+        """The live weights' state; with a staged session also ``staged`` (its phase and
+        staged version: ``StagedRefits.state``)."""
+        out = self.weights.as_dict()
+        if self.stager is not None:
+            out["staged"] = self.stager.state()
+        return out
 
 
 __all__ = ["GroupsJoined", "MiscReceiver", "PrepareOptions", "PrepareSummary", "RefitResult",

@@ -4,13 +4,17 @@ Torch + stdlib only (the receiver imports it). ``protocol`` states the order of 
 once; ``loop`` walks a stage's bulk params through the engine (``local`` checks this rank's
 side first, ``order`` derives the transfer order from the payload alone); ``packed`` moves
 the small full tensors as one buffer; ``checksums`` and ``integrity`` check the bytes end to
-end; ``version`` is the check that opens every refit, ``commit`` the vote that ends it.
+end; ``version`` is the check that opens every refit, ``commit`` the vote that ends it;
+``base_digest`` proves a delta's base on the generation side, ``finite`` is the opt-in
+NaN/Inf check of the training weights.
 """
 
 from megatron_reshard.refit.commit import CommitOutcome, commit_refit
 from megatron_reshard.refit.loop import PlanMismatchError, RefitLoop, RefitStats
 from megatron_reshard.refit.protocol import RefitProtocol, RefitRound
-from megatron_reshard.refit.version import VersionRefused, agree_version
+from megatron_reshard.refit.version import (RefitRefused, TensorsRefused, VersionRefused,
+                                            agree_version)
 
-__all__ = ["CommitOutcome", "PlanMismatchError", "RefitLoop", "RefitProtocol", "RefitRound",
-           "RefitStats", "VersionRefused", "agree_version", "commit_refit"]
+__all__ = ["CommitOutcome", "PlanMismatchError", "RefitLoop", "RefitProtocol", "RefitRefused",
+           "RefitRound", "RefitStats", "TensorsRefused", "VersionRefused", "agree_version",
+           "commit_refit"]

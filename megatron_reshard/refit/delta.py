@@ -114,7 +114,11 @@ DST_NOT_READY = {1: "a generation rank's session has not committed a refit yet (
                     "tensors (not its storage in place)",
                  5: "vLLM's own conversion rewrote a generation rank's storage after the "
                     "last refit (receiver.staged_conversion: block FP8), so it does not "
-                    "hold the bytes a delta is cut from"}
+                    "hold the bytes a delta is cut from",
+                 6: "a generation rank's storage of a delta param was written outside the "
+                    "refits since its last committed refit (its base digest differs: "
+                    "refit.base_digest), so a delta would land on other bytes than the "
+                    "sender's base"}
 
 
 def _pair(version: Optional[int]) -> list[int]:
@@ -138,13 +142,15 @@ class ModeDecision:
     mode: str                     # "full" or "delta"
     full_reason: Optional[str]    # why full (None for a delta refit)
     base: Optional[int] = None    # the version a delta is cut from
+    wanted: bool = True           # the training side asks for deltas (a base is worth keeping)
 
 
 def decide_mode(cols: Sequence[int], where: str) -> ModeDecision:
     """The mode from one group's reduced columns (the same on every rank of the group)."""
     wants, not_wants, no_base, s_max, s_negmin, not_ready, d_max, d_negmin = cols
     if not wants:
-        return ModeDecision("full", "delta refits are off (RefitSender(delta=False))")
+        return ModeDecision("full", "delta refits are off (RefitSender(delta=False))",
+                            wanted=False)
     if not_wants:
         return ModeDecision("full", f"the training ranks of {where} disagree on delta")
     # every side's reason is said (a new sender on new groups: both sides lack a base)
@@ -251,7 +257,8 @@ def dst_ready_code(session_version: Optional[int], weights: Any, hooked: bool,
                    rewritten: bool = False) -> int:
     """0 when this generation rank's storage is the base of version ``session_version``,
     else the reason's code (``DST_NOT_READY``); ``rewritten``: the session forgot its base
-    because vLLM's conversion rewrote the storage after its last commit."""
+    because vLLM's conversion rewrote the storage after its last commit. (Code 6, the
+    storage written outside the refits, is the session's own finding: its base digests.)"""
     if hooked:
         return 4
     if not weights.consistent:

@@ -23,7 +23,7 @@ own regions, which it compares with the checksum of what it received.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 from torch.distributed.tensor import Replicate
@@ -36,6 +36,7 @@ if TYPE_CHECKING:  # a type only: the wire records import nothing of this module
 MODULUS = (1 << 31) - 1
 CHUNK_ELEMENTS = 1 << 22
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def _weights(start: int, stop: int, dim: int, device: torch.device) -> torch.Tensor:
@@ -45,9 +46,12 @@ def _weights(start: int, stop: int, dim: int, device: torch.device) -> torch.Ten
     return mixed | 1
 
 
-def box_checksum(local: torch.Tensor, box: Box, origin: Sequence[int]) -> torch.Tensor:
+def box_checksum(local: torch.Tensor, box: Box, origin: Sequence[int],
+                 finite: Optional[list] = None) -> torch.Tensor:
     """Checksum (an int64 scalar tensor on ``local``'s device) of global box ``box``, whose
-    element at global index ``g`` is ``local[g - origin]``."""
+    element at global index ``g`` is ``local[g - origin]``. ``finite``: a list that gets,
+    per chunk of a float box, whether its elements are all finite (a bool tensor: the
+    ``check_finite`` test in the same pass over the chunk, ``refit.finite``)."""
     if box_numel(box) == 0:
         return torch.zeros((), dtype=torch.int64, device=local.device)
     view = local[tuple(slice(a - o, b - o) for (a, b), o in zip(box, origin))]
@@ -58,7 +62,10 @@ def box_checksum(local: torch.Tensor, box: Box, origin: Sequence[int]) -> torch.
     weights = [_weights(a, b, d, local.device) for d, (a, b) in enumerate(box)]
     total = torch.zeros((), dtype=torch.int64, device=local.device)
     rows = max(1, CHUNK_ELEMENTS // max(1, box_numel(box) // max(1, bits.shape[0])))
+    floats = finite is not None and view.dtype in _FLOATS
     for r0 in range(0, bits.shape[0], rows):
+        if floats:
+            finite.append(torch.isfinite(view[r0:r0 + rows]).all())
         part = bits[r0:r0 + rows].to(torch.int64).remainder_(MODULUS)
         # contract the last dim first: (x · w_last).sum(-1), then the next one, ...
         for d in range(part.dim() - 1, 0, -1):

@@ -70,8 +70,12 @@ from megatron_reshard.errors import BadInputError
 from megatron_reshard.groups.collectives import all_gather_ints, control_device, group_rank
 from megatron_reshard.groups.faults import RefitError, wait_device
 from megatron_reshard.refit.checksums import SourceOverlaps, StageChecksums
+from megatron_reshard.refit.delta import record_eligible
+from megatron_reshard.refit.finite import FiniteCheck, all_finite
 from megatron_reshard.refit.local import LocalParam, first_tensor_is_cuda, local_params
-from megatron_reshard.refit.order import (MiscItem, BulkTransfer, batch_bounds, plan_fingerprint,
+from megatron_reshard.refit.plan_text import PLANNERS, plan_mismatch_text
+from megatron_reshard.refit.order import (MiscItem, BulkTransfer, batch_bounds, misc_items_by_stage,
+                                          plan_fingerprint,
                                           plan_parts, bulk_transfers)
 from megatron_reshard.wire.spec import HFToLocalParamMap, LocalParamSpec
 from megatron_reshard.wire.records import ParamRecord, RefitPayload
@@ -79,29 +83,11 @@ from megatron_reshard.wire.records import ParamRecord, RefitPayload
 SIDES = ("src", "dst")
 DEFAULT_BATCH_BYTES = 512 << 20
 DEFAULT_STAGING_BYTES = 256 << 20
-PLANNERS = ("default", "link", "auto")  # codes 0, 1, 2 in the plan check's row
 
 
 class PlanMismatchError(RefitError):
     """Ranks of one refit group derived different transfer lists from their payloads (a
     failed refit setup, hence a ``RefitError``; still a ``RuntimeError`` as before)."""
-
-
-# what each part of a plan is called where the user sets it, and what to do when it differs
-_PART_HINTS = {
-    "transfers": ("the ordered transfer list", "build every rank's plan from the same payload"),
-    "misc_items": ("misc_items", "pass misc_items (refit.order.misc_items_by_stage) on both "
-                                 "sides, or on neither"),
-    "batch_bytes": ("batch_bytes", "pass the same batch_bytes on every rank"),
-    "staging_bytes": ("staging_bytes", "pass the same staging_bytes on every rank"),
-    "checksums": ("verify_checksums", "pass the same verify_checksums on both sides "
-                                      "(RefitSender(verify_checksums=...) on the training "
-                                      "side, prepare_refit's {'verify_checksums': ...} on "
-                                      "the generation side)"),
-    "planner": ("planner", "pass the same planner on both sides (RefitSender(planner=...) "
-                           "on the training side, ReceiverSession(planner=...) / "
-                           "prepare_refit's {'planner': ...} on the generation side)"),
-}
 
 
 def node_code(node: Optional[str]) -> int:
@@ -132,34 +118,6 @@ def stage_weight(stages: Mapping[int, Sequence[ParamRecord]]) -> float:
     return round(sum(sizes) / top, 3) if top else 1.0
 
 
-def plan_mismatch_text(names: Sequence[str], rows: Sequence[Sequence[int]]) -> str:
-    """Name exactly the plan parts that differ between group ranks: ``rows[r]`` is group
-    rank r's ``[transfer count, *part values]`` in the order of ``names``."""
-    out = []
-    for i, name in enumerate(names, start=1):
-        by_value: dict[int, list[int]] = {}
-        for rank, row in enumerate(rows):
-            by_value.setdefault(row[i], []).append(rank)
-        if len(by_value) < 2:
-            continue
-        label, hint = _PART_HINTS.get(name, (name, f"pass the same {name} on every rank"))
-        if name == "planner":
-            shown = {repr(PLANNERS[v]) if 0 <= v < len(PLANNERS) else v: r
-                     for v, r in by_value.items()}
-        elif name == "checksums":
-            shown = {bool(v): r for v, r in by_value.items()}
-        elif name == "misc_items":
-            shown = {("none given" if v < 0 else f"{v:#x}"): r for v, r in by_value.items()}
-        elif name == "transfers":
-            counts = {rank: row[0] for rank, row in enumerate(rows)}
-            shown = {f"{v:#x} ({counts[r[0]]} transfers)": r for v, r in by_value.items()}
-        else:
-            shown = by_value
-        values = "; ".join(f"{v} on group rank(s) {r}" for v, r in shown.items())
-        out.append(f"{label} differs ({values}): {hint}")
-    return ". ".join(out) or "the plan fingerprints differ (no single part does)"
-
-
 @dataclass
 class StageStats:
     stage: int
@@ -175,6 +133,8 @@ class RefitStats:
     seconds: float = 0.0     # wall time of run(), device work included when synchronize=True
     # destination side with checksums on: params whose received bytes differ from the sources'
     checksum_mismatches: list[str] = field(default_factory=list)
+    # training side with check_finite: stage -> indexes of the params holding NaN or Inf
+    nonfinite: dict[int, list[int]] = field(default_factory=dict)
     mode: str = "full"       # "delta": the eligible params moved as deltas (refit.delta)
     delta: Optional[dict] = None  # delta refit: what the delta transport moved on this rank
 
@@ -209,7 +169,11 @@ class RefitLoop:
         verify_checksums: bool = False,
         planner: str = "auto",
         node: Optional[str] = None,
+        check_finite: bool = False,
     ):
+        """``check_finite`` (training side): every buffer sent is checked for NaN and Inf
+        (``refit.finite``; in the checksums' pass where they run); the run's stats list the
+        params that hold one (``RefitStats.nonfinite``)."""
         if side not in SIDES:
             raise BadInputError(f"side must be one of {SIDES}, got {side!r}")
         if num_streams < 1:
@@ -229,7 +193,8 @@ class RefitLoop:
         self.groups: dict[int, Optional[Any]] = (
             dict(groups) if isinstance(groups, Mapping) else dict(enumerate(groups)))
         info = RefitPayload.of(refit_info)  # records (a refit info dict is parsed here)
-        all_stages = info.stage_params()
+        all_stages = self._all_stages = info.stage_params()
+        self._all_misc = misc_items_by_stage(info)
         pp_size = info.pp_size
         self._dst_weight = stage_weight(all_stages)
         for stage in self.groups:
@@ -251,6 +216,7 @@ class RefitLoop:
                       "checksums": int(verify_checksums),
                       "planner": PLANNERS.index(planner)}
         self.verify_checksums = verify_checksums
+        self.check_finite = check_finite and side == "src"
         self._overlaps = SourceOverlaps(self.stages, self._ranks)
         self.fingerprints = {s: plan_fingerprint(ps, None if self.misc_items is None
                                                  else self.misc_items[s], must_match)
@@ -293,6 +259,38 @@ class RefitLoop:
                                                    self._ranks[s],
                                                    [t.dtype for t in self._transfers[s]])
                                 for s in self.stages}
+
+    def held_in_place(self) -> list[tuple[str, torch.Tensor]]:
+        """(name, tensor) of every bulk param this rank holds as a plain tensor of its
+        storage and that may take deltas (``refit.delta.record_eligible``): what a delta
+        writes into on the generation side (its base, ``refit.base_digest``)."""
+        out = []
+        for stage, mine in self._mine.items():
+            for record, held in zip(self.stages[stage], mine):
+                if held is not None and held.spec.pre is None and record_eligible(record) \
+                        and isinstance(held.spec.base, torch.Tensor):
+                    out.append((record.name, held.spec.base))
+        return out
+
+    def param_names(self, other: bool = False) -> dict[int, list[str]]:
+        """The bulk param names of each stage of the payload, in its order (the same on
+        every rank: a stage index names a param everywhere); ``other``: each stage's other
+        params follow (payload ``other_params``, ``order.misc_items_by_stage``)."""
+        names = {s: [p.name for p in ps] for s, ps in self._all_stages.items()}
+        if other:
+            for s, items in self._all_misc.items():
+                names.setdefault(s, []).extend(name for name, _, _ in items)
+        return names
+
+    def rebind(self, local_map: HFToLocalParamMap) -> None:
+        """Take this rank's params from ``local_map`` from now on (the training side's
+        tensors moved: ``megatron.live_views``), checked as in the constructor. The next
+        run checks the plan again, so every rank of the group agrees its batches anew
+        (the version check's vote tells the peers; ``refit.protocol``)."""
+        mine = {s: local_params(ps, local_map, self.side, self._ranks[s], s)
+                for s, ps in self.stages.items()}
+        self.local_map, self._mine = local_map, mine
+        self._verified = False
 
     def delta_held(self) -> bool:
         """Whether this rank holds a param other than as its storage in place (no plans
@@ -427,10 +425,12 @@ class RefitLoop:
             stream = streams[index % len(streams)] if streams else None
             if stream is not None:
                 stream.wait_stream(current)
+            finite = FiniteCheck() if self.check_finite else None
             checks = StageChecksums(self.side, stage, self.groups[stage], self._ranks[stage],
-                                    params, self._overlaps) if self.verify_checksums else None
+                                    params, self._overlaps, finite) if self.verify_checksums else None
             run = _StageRun(stage, params, stream, xfer, transfer_cls, StageStats(stage), on_write,
-                            checks, self._delta_stage(stage, mode))
+                            checks, self._delta_stage(stage, mode),
+                            finite if checks is None else None)
             if run.delta is not None and run.delta.mover is not None:
                 delta_runs.append(run.delta)
             ts = time.perf_counter()
@@ -441,6 +441,8 @@ class RefitLoop:
                     transport_of(self.groups[stage]).flush()
                 if run.checks is not None:
                     stats.checksum_mismatches += run.checks.check()
+                if finite is not None:
+                    stats.nonfinite[stage] = finite.bad()
             run.stats.seconds = time.perf_counter() - ts
             stats.stages.append(run.stats)
         for stream in streams:
@@ -481,6 +483,9 @@ class RefitLoop:
             mine = self._mine[run.stage]
             for o in batch.opened:
                 run.checks.add(o.index, mine[o.index].box, o.ctx.buf)
+        elif run.finite is not None:  # no checksum pass to share: a pass of its own
+            for o in batch.opened:
+                run.finite.add(o.index, all_finite(o.ctx.buf))
         for o in batch.opened:
             o.spec.finish(o.ctx)
 
@@ -524,6 +529,7 @@ class _StageRun:
     on_write: Optional[Callable[[list[str]], None]]
     checks: Optional[StageChecksums]  # with checksums on
     delta: Optional["_DeltaStage"] = None  # delta refits enabled (refit.delta)
+    finite: Optional[FiniteCheck] = None  # check_finite without checksums (refit.finite)
 
 
 class _Opened(NamedTuple):

@@ -38,12 +38,12 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
-from megatron_reshard.refit.commit import CommitOutcome, commit_refit
+from megatron_reshard.refit.commit import CommitOutcome, Findings, commit_refit
 from megatron_reshard.groups.faults import RefitError, fault_scope, wait_device
 from megatron_reshard.refit.packed import chunk_items
 from megatron_reshard.refit.loop import RefitLoop, RefitStats
 from megatron_reshard.refit.order import MiscItem
-from megatron_reshard.refit.version import VersionRefused, agree_version
+from megatron_reshard.refit.version import Refusal, agree_version
 
 # move_chunk(stage, items): one packed broadcast of those items of the stage, this side's part
 MoveChunk = Callable[[int, list[MiscItem]], None]
@@ -61,6 +61,7 @@ class RefitRound:
     version: Optional[int] = None  # what the version check agreed on
     mode: str = "full"             # "delta": agreed by every rank in the version check
     full_reason: Optional[str] = None  # why full (refit.delta), None for a delta refit
+    delta_wanted: bool = False         # the training side asks for deltas: keep a base
 
     @property
     def bulk_bytes_moved(self) -> int:
@@ -119,23 +120,30 @@ class RefitProtocol:
             held_version: Optional[int] = None, device: Optional[torch.device] = None,
             on_write: Optional[Callable[[list[str]], None]] = None,
             on_failure: Optional[Callable[[str], None]] = None,
-            delta_vote: Optional[list] = None) -> RefitRound:
+            delta_vote: Optional[list] = None, refusal: Optional[Refusal] = None,
+            misc_nonfinite: Optional[Mapping[int, Sequence[int]]] = None) -> RefitRound:
         """Steps 0 to 4 (1: where some rank of a group has not checked the plan). ``version``: what the training side sends
         (None: the default, see ``refit.version``; always None on the generation side),
         ``allow_version_reuse`` and ``last_version`` (its sender's last) likewise;
         ``held_version``: the generation side's weights' version. ``device``: waited for
         after each packed chunk when CUDA; ``on_write(names)``: before params are written
         (the receiver's weight state); ``on_failure(reason)``: after the latch is set,
-        before the error propagates. ``VersionRefused`` when step 0 refuses.
+        before the error propagates. A ``RefitRefused`` (``VersionRefused``, ``TensorsRefused``)
+        when step 0 refuses.
         ``delta_vote``: this rank's columns of the delta/full vote taken with step 0
-        (``refit.delta``); the bulk step then runs in the agreed mode."""
+        (``refit.delta``); the bulk step then runs in the agreed mode. ``refusal``: this
+        training rank cannot send its tensors as they are (``megatron.live_views``): every
+        rank raises ``TensorsRefused`` at step 0. ``misc_nonfinite``: stage -> positions
+        among the stage's other params that held NaN or Inf (``check_finite``), read at
+        step 4 (filled by ``move_chunk``)."""
         with self._latching(on_failure):
             agreed = agree_version(self.groups, side=self.side, version=version,
                                    allow_reuse=allow_version_reuse, held=held_version,
                                    last_sent=last_version, pp_size=self.pp_size,
-                                   delta_vote=delta_vote, plan_unchecked=not self.loop.verified)
+                                   delta_vote=delta_vote, plan_unchecked=not self.loop.verified,
+                                   refusal=refusal, param_names=self.loop.param_names())
         if agreed.refused:  # every rank alike, nothing moved: the groups stay usable
-            raise VersionRefused(agreed.refused)
+            raise agreed.error(agreed.refused)
         with self._latching(on_failure):
             # the groups where some rank (this one or a peer) has not checked the plan yet
             verify_s = self.verify_plan(agreed.check_plan) if agreed.check_plan else None
@@ -151,9 +159,24 @@ class RefitProtocol:
             outcome = commit_refit(self.groups, side=self.side,
                                    version=agreed.version if self.side == "src" else None,
                                    checksum_failed=bool(bulk.checksum_mismatches),
-                                   pp_size=self.pp_size)
+                                   pp_size=self.pp_size,
+                                   findings=self._findings(bulk, misc_nonfinite or {}))
         return RefitRound(bulk, outcome, verify_s, t1 - t0, t2 - t1, agreed.version,
-                          agreed.mode, agreed.full_reason)
+                          agreed.mode, agreed.full_reason, agreed.delta_wanted)
+
+    def _findings(self, bulk: RefitStats, misc_nonfinite: Mapping[int, Sequence[int]]
+                  ) -> Findings:
+        """What this rank found, by stage index (``commit.Findings``): a stage's bulk params
+        in the payload's order, then its other params."""
+        bulk_names = self.loop.param_names()
+        checksum, nonfinite = {}, {}
+        bad = set(bulk.checksum_mismatches)
+        for stage in self.groups:
+            names = bulk_names.get(stage, [])
+            checksum[stage] = [i for i, n in enumerate(names) if n in bad]
+            nonfinite[stage] = list(bulk.nonfinite.get(stage, ())) + [
+                len(names) + i for i in misc_nonfinite.get(stage, ())]
+        return Findings(checksum, nonfinite, self.loop.param_names(other=True))
 
 
 __all__ = ["MoveChunk", "RefitProtocol", "RefitRound"]

@@ -13,28 +13,51 @@ refusal naming both versions. With training PP > 1 a second round tells each gro
 the generation ranks saw in the other groups. The same vote says which groups hold a rank
 that has not compared plan fingerprints yet (a new sender, or a ``prepare_refit`` again on
 groups that already refitted): every rank of exactly those groups runs the plan check
-before the bulk, so neither side waits in a check the other skipped. A refusal is raised on every rank alike,
-outside any fault scope: nothing moved, the groups stay usable, and a refit with a higher
-version (or ``allow_version_reuse=True``) may follow.
+before the bulk, so neither side waits in a check the other skipped. A training rank
+whose model tensors changed beyond what its sender can follow (``megatron.live_views``)
+votes its group rank and the first such param's stage index: every rank of its group
+raises ``TensorsRefused`` naming both (other groups learn it in the second round). A
+refusal is raised on every rank alike, outside any fault scope: nothing moved, the groups
+stay usable, and a refit with a higher version (or ``allow_version_reuse=True``), or with
+the tensors back as they were, may follow.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from megatron_reshard.groups.collectives import all_reduce, control_device
+from megatron_reshard.groups.collectives import all_reduce, control_device, group_rank
 from megatron_reshard.errors import BadInputError
 from megatron_reshard.refit.commit import NO_VERSION
 from megatron_reshard.refit.delta import VOTE_WIDTH, decide_mode, dst_vote, src_vote
 
 
-class VersionRefused(BadInputError):
+class RefitRefused(BadInputError):
+    """A refit refused by the version check on every rank alike, before any byte moved;
+    the groups stay usable."""
+
+
+class VersionRefused(RefitRefused):
     """The refit's version does not increase the weights' version (or the training ranks
     disagree on it); refused on every rank before any byte moved."""
+
+
+class TensorsRefused(RefitRefused):
+    """A training rank's model tensors changed in a way its sender cannot follow (a param
+    gone, or its shape or dtype changed since the source was built: ``megatron.live_views``);
+    refused on every rank before any byte moved."""
+
+
+class Refusal(NamedTuple):
+    """A training rank's reason to refuse the refit (its own text), and the stage index of
+    the first bulk param it names (-1: none), which every rank of the group can name."""
+
+    text: str
+    param_index: int = -1
 
 
 @dataclass(frozen=True)
@@ -45,6 +68,9 @@ class VersionDecision:
     full_reason: Optional[str] = None  # why full (refit.delta's vote), None for a delta
     base: Optional[int] = None         # the version a delta is cut from
     check_plan: tuple[int, ...] = ()   # the stages whose groups run the plan check first
+    delta_wanted: bool = False         # the training side asks for deltas (refit.delta)
+    error: type = VersionRefused       # what a refusal raises (TensorsRefused: a training
+                                       # rank's tensors changed beyond re-binding)
 
 
 def _row(side: str, version: Optional[int], allow_reuse: bool, held: Optional[int],
@@ -88,30 +114,46 @@ def _decide(stage: int, row: list[int]) -> VersionDecision:
 def agree_version(groups: Mapping[int, Any], *, side: str, version: Optional[int] = None,
                   allow_reuse: bool = False, held: Optional[int] = None,
                   last_sent: Optional[int] = None, pp_size: int = 1,
-                  delta_vote: Optional[list] = None, plan_unchecked: bool = False
-                  ) -> VersionDecision:
+                  delta_vote: Optional[list] = None, plan_unchecked: bool = False,
+                  refusal: Optional[Refusal] = None,
+                  param_names: Optional[Mapping[int, Sequence[str]]] = None) -> VersionDecision:
     """Vote over every group (stage order) and return the common decision (module doc).
     ``version``/``allow_reuse``/``last_sent``: the training side's; ``held``: the
     generation side's weights' version; ``plan_unchecked``: this rank has not compared plan
     fingerprints over its groups yet. ``delta_vote``: this rank's columns of the mode
-    vote (``refit.delta.src_vote`` / ``dst_vote``; None: no delta from this rank)."""
+    vote (``refit.delta.src_vote`` / ``dst_vote``; None: no delta from this rank).
+    ``refusal``: this training rank refuses the refit (its tensors changed beyond
+    re-binding); every rank of its group then refuses, naming the rank and the param
+    (``param_names``: the bulk param names per stage, as the payload orders them)."""
     if delta_vote is None:
         delta_vote = src_vote(False, 0, None) if side == "src" else dst_vote(1, None)
     if len(delta_vote) != VOTE_WIDTH:
         raise BadInputError(f"delta_vote has {len(delta_vote)} columns, expected {VOTE_WIDTH}")
-    decisions, modes, check_plan = {}, {}, []
+    decisions, modes, check_plan, tensors = {}, {}, [], []
     for stage in sorted(groups):
         group = groups[stage]
+        mine = [0, 0] if refusal is None else [group_rank(group) + 1, refusal.param_index + 1]
         vote = torch.tensor(_row(side, version, allow_reuse, held, last_sent)
-                            + [int(bool(plan_unchecked))] + list(delta_vote),
+                            + [int(bool(plan_unchecked))] + list(delta_vote) + mine,
                             dtype=torch.int64, device=control_device(group))
         all_reduce(vote, group, dist.ReduceOp.MAX, "the version check")
         row = vote.tolist()
         decisions[stage] = _decide(stage, row[:8])
         if row[8]:
             check_plan.append(stage)
-        modes[stage] = decide_mode(row[9:], f"stage {stage}'s refit group")
-    refused = [d.refused for d in decisions.values() if d.refused]
+        modes[stage] = decide_mode(row[9:9 + VOTE_WIDTH], f"stage {stage}'s refit group")
+        rank_plus_one, index_plus_one = row[9 + VOTE_WIDTH:]
+        if rank_plus_one:
+            names = (param_names or {}).get(stage, ())
+            named = (f" ({names[index_plus_one - 1]} among them)"
+                     if 0 < index_plus_one <= len(names) else "")
+            tensors.append(refusal.text if refusal is not None else
+                           f"training group rank {rank_plus_one - 1} of stage {stage}'s refit "
+                           f"group holds model tensors its sender cannot send as they are "
+                           f"now{named}: see the error there")
+    # tensors a training rank cannot send come first: nothing may move from such a rank
+    refused = list(dict.fromkeys(tensors)) + [d.refused for d in decisions.values() if d.refused]
+    error = TensorsRefused if tensors else VersionRefused
     versions = sorted({d.version for d in decisions.values() if not d.refused})
     if not refused and len(versions) > 1:
         refused = [f"the stages' refit groups carry different versions: {versions}"]
@@ -122,24 +164,32 @@ def agree_version(groups: Mapping[int, Any], *, side: str, version: Optional[int
     if pp_size > 1:  # tell each group's training ranks what the other stages' groups decided
         for stage in sorted(groups):
             group = groups[stage]
-            flag = torch.tensor([1 if (side == "dst" and refused) else 0,
+            flag = torch.tensor([(2 if tensors else 1) if (side == "dst" and refused) else 0,
                                  1 if (side == "dst" and full) else 0], dtype=torch.int64,
                                 device=control_device(group))
             all_reduce(flag, group, dist.ReduceOp.MAX, "the version check (all stages)")
             refused_elsewhere, full_elsewhere = flag.tolist()
-            if refused_elsewhere and not refused:
+            if refused_elsewhere == 2 and not refused:
+                refused = ["a training rank of another PP stage's refit group holds model "
+                           "tensors its sender cannot send as they are now (see the errors "
+                           "there)"]
+                error = TensorsRefused
+            elif refused_elsewhere and not refused:
                 refused = ["the refit's version was refused in another PP stage's refit group "
                            "(see the errors there)"]
             if full_elsewhere and not full:
                 full = ["another PP stage's refit group needs a full refit"]
+    wanted = any(m.wanted for m in modes.values())
     if refused:
-        return VersionDecision(None, "; ".join(refused), check_plan=tuple(check_plan))
+        return VersionDecision(None, "; ".join(refused), check_plan=tuple(check_plan),
+                               delta_wanted=wanted, error=error)
     version_ = versions[0] if versions else None
     if full:
         return VersionDecision(version_, full_reason="; ".join(dict.fromkeys(full)),
-                               check_plan=tuple(check_plan))
+                               check_plan=tuple(check_plan), delta_wanted=wanted)
     return VersionDecision(version_, mode="delta", base=bases[0] if bases else None,
-                           check_plan=tuple(check_plan))
+                           check_plan=tuple(check_plan), delta_wanted=wanted)
 
 
-__all__ = ["VersionDecision", "VersionRefused", "agree_version"]
+__all__ = ["RefitRefused", "Refusal", "TensorsRefused", "VersionDecision", "VersionRefused",
+           "agree_version"]

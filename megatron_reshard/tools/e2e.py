@@ -175,6 +175,10 @@ def run_training_rank(rank: int, cfg: RefitRunConfig, control, device: torch.dev
     setup_s = time.perf_counter() - t0
     refits = []
     for step in range(cfg.refits):
+        if step and cfg.move is not None:  # an RL loop's offload / onload between refits
+            from megatron_reshard.testing.moves import move_params_
+
+            move_params_(model, cfg.move, rank)
         if step and cfg.update == "adam":
             from megatron_reshard.testing.optimizer_steps import adam_step_
 

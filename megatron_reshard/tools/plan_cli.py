@@ -2,7 +2,8 @@
 from layouts alone (no GPU, no communication, no Megatron model).
 
 Takes a model preset (the demo's small models, or full-size Qwen3-8B, Qwen3-30B-A3B,
-Qwen3-235B-A22B, DeepSeek-V3, Kimi-K2, Llama-3.1 8B/70B/405B shapes from their HF configs)
+Qwen3-235B-A22B, Qwen3-Next-80B-A3B, DeepSeek-V3, Kimi-K2, GLM-4.5(-Air), gpt-oss-20b/120b,
+Llama-3.1 8B/70B/405B shapes from their HF configs)
 or any model's HF config.json (--hf-config: hidden size, layers, heads, experts... as the
 file states them), and a training layout (TP, CP, EP, PP; DP from the world size) ->
 generation layout (TP, EP, DP replicas). Any size not given comes from the model's default
@@ -279,7 +280,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_packed(cfg, others: str) -> None:
+def _print_packed(cfg, others: str, train_tp: int) -> None:
     """The family's params the refit always sends packed (Qwen3-Next's Gated-DeltaNet and
     gated q/k/v, gpt-oss's experts), and the exact-path share of bytes that leaves."""
     import math
@@ -288,12 +289,15 @@ def _print_packed(cfg, others: str) -> None:
     from megatron_reshard.tools.simulate import describe_bytes as b
 
     params = hf_params(cfg)
-    packed = [p for p in params if travels_packed(cfg, p.name)]
-    if not packed or others == "broadcast":
+    packed = [p for p in params if travels_packed(cfg, p.name, train_tp)]
+    if others == "broadcast":
+        return
+    if not packed:
+        print("every HF weight travels shard to shard: exact-path share of bytes 100.0%")
         return
     size = lambda ps: sum(math.prod(p.shape) * (4 if p.dtype == "torch.float32" else 2)  # noqa: E731
                           for p in ps)
-    print(f"of these, {len(packed)} HF weights travel packed whatever the layout (full tensors "
+    print(f"of these, {len(packed)} HF weights travel packed at this layout (full tensors "
           f"from each stage's first training rank: {b(size(packed))}); exact-path share of "
           f"bytes {100 * (1 - size(packed) / size(params)):.1f}%")
 
@@ -320,7 +324,7 @@ def _print_table(args, cfg, lay, sims) -> None:
           f"{c['bulk_params']} {ffn} params through the engine ({b(c['bulk_bytes'])}) + "
           f"{c['other_params']} others {how} ({b(c['other_bytes'])})"
           + (", linear weights as block FP8" if args.wire == "fp8" else ""))
-    _print_packed(cfg, args.others)
+    _print_packed(cfg, args.others, lay.train_tp)
     print(f"link model: {sims[0].link.describe()}")
     if args.changed is not None:
         print(f"a delta refit: {100 * args.changed:g}% of the elements changed (the engine's "

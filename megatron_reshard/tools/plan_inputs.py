@@ -17,25 +17,36 @@ broadcast per stage from the stage's first training rank.
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Mapping, NamedTuple, Optional, Sequence
 
 import torch
+from torch.distributed.tensor import Replicate, Shard
 
 from megatron_reshard.layout.geometry import REPLICATE
 from megatron_reshard.engine.param_plan import LayoutKey
 from megatron_reshard.engine.plan import layout_key
 from megatron_reshard.layout.placements import MeshInfo, build_mesh_info
 from megatron_reshard.wire.placement_rules import is_nccl_reshard_param
+from megatron_reshard.megatron import gpt_oss
 from megatron_reshard.megatron.qkv import megatron_qkv_layout
 from megatron_reshard.wire.metadata import build_nccl_reshard_refit_info, extract_layer_name
 from megatron_reshard.wire.records import RefitPayload
+from megatron_reshard.vllm_layout import gpt_oss as vllm_gpt_oss
 from megatron_reshard.vllm_layout.dense import (QKV_PARAM_RE, AttentionHeads, padded_vocab_rows,
                                                 qkv_gen_layout)
 
 from .plan_layout import RefitParallelism, parallelism_problems, stage_layer_counts
 from .presets import attention_heads, hf_params, is_mla, travels_packed
+
+# Gated-DeltaNet params split on their rows on both sides: Qwen3.5's in_proj streams (the
+# refit sends in_proj_qkv as its q, k, v segments, each split over TP: per rank, the same
+# bytes as one split of the whole), the conv1d channels likewise, A_log and dt_bias (per
+# value head)
+GDN_ROWS = re.compile(r"\.linear_attn\.(?:in_proj_(?:qkv|z|b|a)\.weight|conv1d\.weight|A_log|dt_bias)$")
+REPLICATE_PLACEMENT = Replicate()
 
 # RefitParallelism and parallelism_problems live in plan_layout (no torch); importable here too
 __all__ = ["RefitParallelism", "SimParam", "StagePlanInput", "count_params", "parallelism_problems",
@@ -134,15 +145,46 @@ def stage_inputs(lay: RefitParallelism, cfg: Mapping[str, Any], others: str = "s
         out[p.stage].params.append(
             SimParam(p.name, p.global_shape, _wire_itemsize(p.name, p.dtype, wire), key, True))
     rules = _OtherRules(lay, cfg)
+    oss = _gpt_oss_experts(lay, params, wire) if others == "sharded" else {}
+    for name, sim in oss.get("wire", {}).items():
+        out[stage_map[extract_layer_name(name)]].params.append(sim)
     for p in params:
-        if is_nccl_reshard_param(p.name):
+        if is_nccl_reshard_param(p.name) or p.name in oss.get("consumed", ()):
             continue
         stage = stage_map[extract_layer_name(p.name)]
-        sharded = others == "sharded" and not travels_packed(cfg, p.name)
+        sharded = others == "sharded" and not travels_packed(cfg, p.name, lay.train_tp)
         key = rules.key(p.name, p.shape) if sharded else None
         out[stage].params.append(
             SimParam(p.name, p.shape, _wire_itemsize(p.name, p.dtype, wire), key, False))
     return out
+
+
+def _gpt_oss_experts(lay: RefitParallelism, params: Sequence, wire: str) -> dict:
+    """gpt-oss's experts as the refit sends them: vLLM's wire form (``megatron.gpt_oss``),
+    whole experts over Megatron's EP to vLLM's (``vllm_layout.gpt_oss.gen_placements``).
+    ``{"wire": {name: SimParam}, "consumed": per-expert HF names}`` ({} for other models)."""
+    meta = {p.name: {"shape": list(p.shape), "dtype": p.dtype} for p in params}
+    grouped = gpt_oss.wire_metadata(meta, lambda n: False)
+    names = [n for n in grouped if vllm_gpt_oss.WIRE_RE.match(n)]
+    if not names:
+        return {}
+    sw = lay.stage_world
+    src_mesh, src_dims = build_mesh_info(sw, 0, ep_size=lay.train_ep)
+    src_pl = [REPLICATE_PLACEMENT] * src_mesh.ndim
+    if "ep" in src_dims:
+        src_pl[src_dims["ep"]] = Shard(0)
+    dst_mesh, dst_dims = (build_mesh_info(lay.gen_world, sw, ep_size=lay.gen_ep) if lay.gen_ep > 1
+                          else build_mesh_info(lay.gen_world, sw, tp_size=lay.gen_tp))
+    out = {}
+    for name in names:
+        shape, dtype = tuple(grouped[name]["shape"]), grouped[name]["dtype"]
+        dst_pl = vllm_gpt_oss.gen_placements(vllm_gpt_oss.WIRE_RE.match(name)["leaf"], shape,
+                                             dst_mesh.shape, dst_dims)
+        key = layout_key(shape, src_mesh, src_pl, dst_mesh, dst_pl, name)
+        # the weights are projections (block FP8 with --wire fp8), the biases stay as they are
+        itemsize = _wire_itemsize(name.replace("_weight", "_proj.weight"), dtype, wire)
+        out[name] = SimParam(name, shape, itemsize, key, True)
+    return {"wire": out, "consumed": set(meta) - set(grouped)}
 
 
 class _OtherRules:
@@ -177,8 +219,11 @@ class _OtherRules:
                                                 "kv_b_proj.weight", "gate_proj.weight",
                                                 "up_proj.weight")):
             src_dim = dst_dim = 0
-        elif len(shape) == 2 and name.endswith(("o_proj.weight", "down_proj.weight")):
+        elif len(shape) == 2 and name.endswith(("o_proj.weight", "down_proj.weight",
+                                                  "linear_attn.out_proj.weight")):
             src_dim = dst_dim = 1
+        elif GDN_ROWS.search(name):  # rows split alike on both sides (vllm_layout.dense)
+            src_dim = dst_dim = 0
         # q_a_proj, kv_a_proj_with_mqa, norms, router weight and bias: replicated
         src = _placed(self.src, src_dim)
         dst = _placed(self.dst, dst_dim)

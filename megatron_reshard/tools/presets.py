@@ -76,6 +76,19 @@ FULL_SIZE: dict[str, dict[str, Any]] = {
         model_type="gpt_oss", hidden_size=2880, num_hidden_layers=36, num_attention_heads=64,
         num_key_value_heads=8, head_dim=64, attention_bias=True, intermediate_size=2880,
         num_experts=128, moe_intermediate_size=2880, vocab_size=201088, tie_word_embeddings=False),
+    # ---- Qwen3.5 (model_type qwen3_5_moe: its text_config, read as qwen3_5_moe_text; MTP layer
+    # not counted). Sizes: Qwen/Qwen3.5-35B-A3B's published config.json text_config, as
+    # THUDM/slime's scripts/models/qwen3.5-35B-A3B.sh restates them for Megatron: 40 layers,
+    # Gated-DeltaNet in three of four, gated full attention in the fourth, 256 experts + a
+    # gated shared expert on every layer
+    "qwen3.5-35b-a3b": dict(  # Qwen/Qwen3.5-35B-A3B
+        model_type="qwen3_5_moe_text", hidden_size=2048, num_hidden_layers=40,
+        num_attention_heads=16, num_key_value_heads=2, head_dim=256, qk_norm=True,
+        num_experts=256, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+        linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=4,
+        vocab_size=248320, tie_word_embeddings=False),
+    # ---- end Qwen3.5
 }
 
 
@@ -159,7 +172,8 @@ def default_plan_parallelism(cfg: Mapping[str, Any], model: str = "") -> dict[st
 
 def describe_plan_parallelism(sizes: Mapping[str, int]) -> str:
     """One line of default parallel sizes, in the options' terms (for --help)."""
-    return (f"train {sizes['train_world']} ranks TP{sizes['train_tp']} "
+    cp = f" CP{sizes['train_cp']}" if sizes.get("train_cp", 1) != 1 else ""
+    return (f"train {sizes['train_world']} ranks TP{sizes['train_tp']}{cp} "
             f"PP{sizes['train_pp']} EP{sizes['train_ep']} -> gen {sizes['gen_world']} "
             f"ranks TP{sizes['gen_tp']} EP{sizes['gen_ep']}")
 
@@ -301,14 +315,26 @@ def gated_delta_net_params(cfg: Mapping[str, Any]) -> list[tuple[str, tuple, str
             (f"{la}.out_proj.weight", (H, vd), bf16)]
 
 
-def travels_packed(cfg: Mapping[str, Any], name: str) -> bool:
-    """Params the refit sends as full tensors (the packed path) whatever the layout:
-    Qwen3-Next's Gated-DeltaNet params and gated q/k/v (``megatron.qwen3_next``), gpt-oss's
-    experts (``megatron.gpt_oss``)."""
+# HF model_types (the same names as the library's families) with params that travel packed
+# whatever the layout (travels_packed): their exact-path share is below 100% by design
+PACKED_BY_DESIGN_TYPES = GATED_DELTA_NET_TYPES
+
+# Gated-DeltaNet params that are no view of Megatron's (``megatron.qwen3_next``): Qwen3-Next's
+# per-key-head in_proj, both families' gated norm (x·w in the checkpoint)
+_GDN_PACKED = re.compile(r"\.linear_attn\.(?:in_proj_qkvz|in_proj_ba|norm)\.weight$")
+
+
+def travels_packed(cfg: Mapping[str, Any], name: str, train_tp: int = 1) -> bool:
+    """Params the refit sends as full tensors (the packed path) at training TP ``train_tp``:
+    of Qwen3-Next / Qwen3.5, the Gated-DeltaNet params that are no view of Megatron's, and
+    the gated q/k/v where a training rank cuts a KV group (``megatron.qwen3_next``; Qwen3.5's
+    in_proj streams, A_log, dt_bias, out_proj and the gated q/k/v of whole KV groups travel
+    shard to shard). gpt-oss's experts travel shard to shard in vLLM's wire form
+    (``megatron.gpt_oss``)."""
     if cfg.get("model_type") in GATED_DELTA_NET_TYPES:
-        return ".linear_attn." in name or re.search(r"\.self_attn\.[qkv]_proj\.", name) is not None
-    if cfg.get("model_type") == "gpt_oss":
-        return ".mlp.experts." in name
+        cut = train_tp > attention_heads(cfg)[1]
+        return (_GDN_PACKED.search(name) is not None
+                or (cut and re.search(r"\.self_attn\.[qkv]_proj\.", name) is not None))
     return False
 
 
@@ -329,8 +355,8 @@ LLAMA_FULL_SIZE: dict[str, dict[str, Any]] = {
 
 
 def _layout(train_world: int, train_tp: int, train_pp: int, train_ep: int, gen_world: int,
-            gen_tp: int, gen_ep: int) -> dict[str, int]:
-    return dict(train_world=train_world, train_tp=train_tp, train_cp=1, train_pp=train_pp,
+            gen_tp: int, gen_ep: int, train_cp: int = 1) -> dict[str, int]:
+    return dict(train_world=train_world, train_tp=train_tp, train_cp=train_cp, train_pp=train_pp,
                 train_ep=train_ep, gen_world=gen_world, gen_tp=gen_tp, gen_ep=gen_ep)
 
 
@@ -355,6 +381,18 @@ PUBLISHED_LAYOUTS: dict[str, dict[str, int]] = {
     "qwen3-next-80b-a3b": _layout(32, 2, 2, 8, 32, 4, 4),
     "gpt-oss-20b": _layout(8, 1, 1, 8, 8, 1, 1),
     "gpt-oss-120b": _layout(32, 2, 2, 8, 32, 4, 4),
+    # GLM-4.5 as slime (the RL framework GLM-4.5 was post-trained with) runs it in its
+    # 64xH100 example (THUDM/slime, docs/en/examples/glm4.5-355B-A32B.md): Megatron TP8
+    # PP4 CP2 EP16; rollout engines of 32 GPUs (SGLang there; here vLLM TP32 with expert
+    # parallelism, as for DeepSeek-V3), 2 replicas
+    "glm-4.5": _layout(64, 8, 4, 16, 64, 32, 32, train_cp=2),
+    # GLM-4.5-Air: training as Megatron Bridge's parallelism guide (the Megatron backend of
+    # NeMo-RL; NVIDIA/skills nemo-mbridge-perf-parallelism-strategies) sizes it, TP1 PP4
+    # EP8 (46 layers: split as Megatron splits them); generation as zai-org's GLM-4.5
+    # README serves the BF16 Air model, vLLM on 4 H100s (TP4), 8 replicas
+    "glm-4.5-air": _layout(32, 1, 4, 8, 32, 4, 1),
+    # Qwen3.5-35B-A3B: Qwen3-30B-A3B's layout (the same size class)
+    "qwen3.5-35b-a3b": _layout(16, 2, 1, 8, 16, 4, 4),
 }
 
 # The HF config.json keys that decide parameter shapes (the rest of a config is ignored)

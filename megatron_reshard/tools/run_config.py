@@ -64,6 +64,26 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
                     gpt_oss_activation=True),
 }
 
+# What each preset is, for the demo's --help and error messages (one entry per preset: a
+# test holds the two dicts to the same keys)
+MODEL_ABOUT: dict[str, str] = {
+    "moe": "Qwen3-MoE-shaped, 8 experts, GQA",
+    "dense": "Qwen3-shaped, GQA",
+    "qwen2": "Qwen2-shaped, GQA, q/k/v biases",
+    "deepseek": "DeepSeek-V3-shaped: MLA, 8 experts + a shared one, first layer dense",
+    "glm": "GLM-4.5-shaped: GQA with q/k/v biases, 8 experts + a shared one, first layer dense",
+    "qwen3-next": "Qwen3-Next-shaped: Gated-DeltaNet in 3 of 4 layers, gated attention, "
+                  "8 experts + a gated shared one",
+    "qwen3.5": "Qwen3.5-MoE-shaped: Qwen3-Next's layers, the in_proj streams named apart",
+    "gpt-oss": "gpt-oss-shaped: sinks, biases, sliding windows, 8 experts",
+}
+
+
+def describe_models() -> str:
+    """The presets and what each is, one clause per preset (``--model``'s help)."""
+    return "; ".join(f"{name} ({MODEL_ABOUT[name]})" for name in MODEL_PRESETS)
+
+
 # --gen-precision fp8: the preset's dims made whole 128x128 blocks per TP shard (head_dim
 # 128, hidden 256, FFN 512 / experts 256), as vLLM's block-FP8 layers require; for MLA
 # (deepseek) the q/kv up-projections' rows per head 128 + 64, v 64 per head, q LoRA rank 128
@@ -136,6 +156,9 @@ class RefitRunConfig:
     # weight changes (tools.e2e.perturb_)
     delta: Any = False
     update: str = "perturb"
+    # before each weight change the training ranks move their params to new memory
+    # (testing.moves: "apply", "data", "data_rank0"); None: they stay where they are
+    move: Optional[str] = None
 
     @property
     def gen_quant(self):
@@ -238,6 +261,7 @@ def _split_refusals(cfg: RefitRunConfig) -> dict[str, Any]:
     (gen EP 1) and the padded vocab rows; gen EP is at most the experts (vLLM gives the
     first ranks one expert more when they do not divide).
     """
+    from megatron_reshard.megatron.gen_split import gen_tp_problem
     from megatron_reshard.vllm_layout import padded_vocab_rows
 
     m = model_preset(cfg)
@@ -281,8 +305,9 @@ def _split_refusals(cfg: RefitRunConfig) -> dict[str, Any]:
         return tp_common(t)
 
     def gen_tp(t: int) -> Optional[str]:
-        if kv % t if t <= kv else t % kv:
-            return f"neither divides nor is a multiple of its {kv} KV heads"
+        attention = gen_tp_problem(t, heads, heads if mla_down else kv, linear_heads or 0)
+        if attention is not None:  # the library's own check (MegatronRefitSource runs it)
+            return f"does not split its attention: {attention}"
         if experts and cfg.gen_ep == 1 and expert_ffn % t:
             return (f"does not divide its expert FFN size {expert_ffn} (with --gen-ep 1 every "
                     "rank holds a TP slice of every expert)")
@@ -382,11 +407,7 @@ def add_run_arguments(parser) -> None:
     d = RefitRunConfig()
     ep_defaults = ", ".join(f"{default_train_ep(m)} for {m}" for m in sorted(MODEL_PRESETS))
     parser.add_argument("--model", choices=sorted(MODEL_PRESETS), default=d.model,
-                        help="tiny model: moe (Qwen3-MoE-shaped, 8 experts, GQA), dense "
-                             "(Qwen3-shaped, GQA), qwen2 (Qwen2-shaped, GQA, q/k/v biases) or "
-                             "deepseek (DeepSeek-V3-shaped: MLA, 8 experts + a shared one, first "
-                             "layer dense) or glm (GLM-4.5-shaped: GQA with q/k/v biases, 8 experts "
-                             "+ a shared one, first layer dense) (default: %(default)s)")
+                        help=f"tiny model: {describe_models()} (default: %(default)s)")
     parser.add_argument("--train-world", type=int, default=d.train_world,
                         help="training ranks (default: %(default)s)")
     parser.add_argument("--train-tp", type=int, default=d.train_tp,

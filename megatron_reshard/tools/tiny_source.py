@@ -10,10 +10,11 @@ import torch
 
 
 def tiny_source(preset_name: str, gen_tp: int, *, pp: int = 1, seed: Optional[int] = None,
-                timeout_minutes: int = 1, **overrides):
+                timeout_minutes: int = 1, packed_params: Optional[str] = None, **overrides):
     """Under a training world of ``pp`` ranks (TP1, PP ``pp``): the demo preset's model (bf16,
     ``overrides`` applied to the preset, weights seeded by ``seed`` when given) and its
-    ``MegatronRefitSource`` for gen TP ``gen_tp``; returns (model, source, family, vocab_size)."""
+    ``MegatronRefitSource`` for gen TP ``gen_tp`` (``packed_params``: the source's option);
+    returns (model, source, family, vocab_size)."""
     from megatron.core import parallel_state as ps
 
     from megatron_reshard.megatron import MegatronRefitSource
@@ -31,7 +32,8 @@ def tiny_source(preset_name: str, gen_tp: int, *, pp: int = 1, seed: Optional[in
     model = build_gpt_model(spec).to(dtype=torch.bfloat16)
     keep_expert_bias_fp32_(model)  # a no-op without a router bias
     source = MegatronRefitSource(model, gen_parallelism={"tp_size": gen_tp, "ep_size": 1, "pp_size": 1},
-                                 gen_world_size=gen_tp, family=family, vocab_size=spec.vocab_size)
+                                 gen_world_size=gen_tp, family=family, vocab_size=spec.vocab_size,
+                                 packed_params=packed_params)
     return model, source, family, spec.vocab_size
 
 

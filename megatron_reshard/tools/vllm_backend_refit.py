@@ -95,7 +95,9 @@ def _engine_for(config, model):
 def _gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Mapping[str, Any],
               vllm_port: int, mismatch_rank: Optional[int], fail_extra: bool,
               moe_backend: Optional[str] = None, progress_s: Optional[float] = None,
-              quantization: Optional[str] = None) -> dict:
+              quantization: Optional[str] = None, staged: bool = False,
+              write_outside: Optional[tuple[int, str]] = None) -> dict:
+    from megatron_reshard.tools.e2e import tensor_digest
     from megatron_reshard.wire.codec import decode_payload
     from megatron_reshard.testing import vllm_models as vm
     from megatron_reshard.vllm_api.backend import WeightUpdateError, WeightVersionMismatch
@@ -115,15 +117,27 @@ def _gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Mapping[st
         init_info = {"host": cfg.host, "ports_by_stage": list(cfg.ports[1:1 + cfg.train_pp]),
                      "group_sizes": cfg.stage_world + cfg.gen_world, "payload": payload,
                      "group_rank": None, "backend": cfg.backend, "timeout_s": cfg.timeout_s,
-                     "prepare_options": {"verify_checksums": cfg.verify}}
+                     "prepare_options": {"verify_checksums": cfg.verify,
+                                         **({"staged": True} if staged else {})}}
         engine.init_transfer_engine(engine.parse_init_info(init_info))  # as vLLM's worker
         oracle = None
         for step in range(cfg.refits):
             version = step + 1
             mismatch = mismatch_rank == gen_rank and step == cfg.refits - 1
+            if write_outside is not None and step == write_outside[0]:
+                with torch.no_grad():  # two elements written outside the refits
+                    flat = dict(model.named_parameters())[write_outside[1]].view(-1)
+                    flat[7:9] = flat[7:9] * 2 + 1
             engine.start_weight_update()
             try:
-                engine.update_weights({"version": version + (MISMATCH_OFFSET if mismatch else 0)})
+                before = ({n: tensor_digest(p) for n, p in model.named_parameters()}
+                          if staged else {})
+                engine.update_weights({"version": version + (MISMATCH_OFFSET if mismatch else 0),
+                                       **({"staged": True} if staged else {})})
+                if staged:  # update_weights returned at once; staged, the live params are N
+                    engine.state.require_stager().wait(cfg.timeout_s)
+                    out.setdefault("changed_before_flip", []).append(
+                        [n for n, p in model.named_parameters() if tensor_digest(p) != before[n]])
                 engine.finish_weight_update()
             except WeightVersionMismatch as exc:
                 if not mismatch:
@@ -131,7 +145,8 @@ def _gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Mapping[st
                 out["mismatch"] = {"error": str(exc), "weights": exc.weights}
             out["versions"].append(engine.refit_weights_state()["version"])
             out.setdefault("reports", []).append(  # the report keys of delta refits
-                {k: engine.report().get(k) for k in ("mode", "full_bytes", "bytes_received")})
+                {k: engine.report().get(k) for k in ("mode", "full_bytes", "bytes_received",
+                                                     "full_reason", "written_outside")})
             full = torch.load(io.BytesIO(control.get(f"full/{step}")), weights_only=True)
             fp8 = "quantization_config" in hf_config  # vLLM loads the block-FP8 checkpoint
             del oracle
@@ -151,7 +166,10 @@ def _gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Mapping[st
         if fail_extra:
             engine.start_weight_update()
             try:
-                engine.update_weights({"version": cfg.refits + 1})
+                engine.update_weights({"version": cfg.refits + 1,
+                                       **({"staged": True} if staged else {})})
+                if staged:  # the failure comes out of the flip
+                    engine.finish_weight_update()
             except WeightUpdateError as exc:
                 bad = vm.bitwise_differences(model, oracle)  # against the last good refit
                 try:
@@ -371,7 +389,9 @@ def _served_gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Map
 def backend_refit_job(job, cfg: RefitRunConfig, hf_config: Mapping[str, Any],
                       mismatch_rank: Optional[int] = None, fail_extra: bool = False,
                       driver: str = "worker", moe_backend: Optional[str] = None,
-                      progress_s: Optional[float] = None, quantization: Optional[str] = None) -> dict:
+                      progress_s: Optional[float] = None, quantization: Optional[str] = None,
+                      staged: bool = False,
+                      write_outside_on: Optional[tuple[int, int, str]] = None) -> dict:
     """Pool job (``WorkerPool.run(..., num_ports=cfg.train_pp + 2)``, ``3 * train_pp + 2`` for
     driver "trainer" with ``fail_extra``): process ``job.rank`` of a launch of
     ``train_world + gen_world``; port ``1 + train_pp`` is vLLM's generation world, the ones
@@ -381,7 +401,12 @@ def backend_refit_job(job, cfg: RefitRunConfig, hf_config: Mapping[str, Any],
     ``moe_backend``: vLLM's ``--moe-backend`` of the generation model (driver "worker");
     ``progress_s``: generation rank 0 prints a progress line at most that often (and after
     the last refit); None: silent. ``quantization``: vLLM's ``--quantization`` of the
-    generation model (driver "worker"; ``"fp8_per_block"``: quantized online from BF16)."""
+    generation model (driver "worker"; ``"fp8_per_block"``: quantized online from BF16).
+    ``staged`` (driver "worker"): staged refits (``update_weights({"staged": True})``, then
+    ``finish_weight_update`` flips); ``changed_before_flip`` lists, per refit, the live params
+    that changed before the flip (none may). ``write_outside_on``: (gen rank, refit index,
+    vLLM param name), driver "worker": before that refit, that gen rank writes two elements
+    of the param outside the refits."""
     if driver not in ("worker", "trainer") or (driver == "trainer" and mismatch_rank is not None):
         raise ValueError(f"backend_refit_job: driver must be 'worker' or 'trainer' (the trainer "
                          f"sends the version it commits: no mismatch_rank), found {driver!r}, "
@@ -411,7 +436,9 @@ def backend_refit_job(job, cfg: RefitRunConfig, hf_config: Mapping[str, Any],
     else:
         out = _gen_rank(job.rank - cfg.train_world, cfg, control, hf_config,
                         job.ports[1 + cfg.train_pp], mismatch_rank, fail_extra, moe_backend,
-                        progress_s, quantization)
+                        progress_s, quantization, staged,
+                        write_outside=write_outside_on[1:] if write_outside_on and
+                        write_outside_on[0] == job.rank - cfg.train_world else None)
     out["s"] = time.perf_counter() - t0
     return out
 

@@ -17,6 +17,7 @@ the stand-in is shown to agree with vLLM on names, shapes and bytes.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import time
@@ -109,12 +110,35 @@ def _plant_staged_error():
     return worker_module, learned, planted
 
 
+@contextlib.contextmanager
+def _planted_interleave_error(on: bool):
+    """A mapping error on purpose while it is active: gpt-oss's training-side views read
+    Megatron's ``[gate ; up]`` rows as if they were interleaved already (the comparison with
+    vLLM must see it). Restored on exit: pool workers run later jobs."""
+    from megatron_reshard.megatron import gpt_oss
+
+    right = gpt_oss.wire_view
+
+    def planted(kind: str, tensor: torch.Tensor) -> torch.Tensor:
+        if kind in ("oss_fc1", "oss_fc1_bias"):
+            return tensor.view(tensor.shape[0] // 2, 2, *tensor.shape[1:])
+        return right(kind, tensor)
+
+    gpt_oss.wire_view = planted if on else right
+    try:
+        yield
+    finally:
+        gpt_oss.wire_view = right
+
+
 def _vllm_gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Mapping[str, Any],
                    vllm_port: int, plant_fault: bool, copy_derived: bool,
                    keep_as_loaded: Optional[list] = None,
                    moe_backend: Optional[str] = None, plant_order_error: bool = False,
                    as_moe_backend: Optional[str] = None, plant_staged_error: bool = False,
-                   quantization: Optional[str] = None) -> dict:
+                   quantization: Optional[str] = None,
+                   plant_interleave_error: bool = False,
+                   write_outside: Optional[tuple[int, str]] = None) -> dict:
     from megatron_reshard.wire.codec import decode_payload
     from megatron_reshard.receiver.coverage import UncoveredParamsError
     from megatron_reshard.testing import vllm_models as vm
@@ -176,6 +200,10 @@ def _vllm_gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Mappi
         before = {n: tensor_digest(live[n]) for n in kept}
         out["kept_changed"] = []
         for step in range(cfg.refits):
+            if write_outside is not None and step == write_outside[0]:
+                with torch.no_grad():  # two elements written outside the refits
+                    flat = live[write_outside[1]].view(-1)
+                    flat[7:9] = flat[7:9] * 2 + 1
             stats = worker.refit()
             worker.check_refit_weights_consistent()
             out["refits"].append(stats)
@@ -232,7 +260,9 @@ def vllm_refit_job(job, cfg: RefitRunConfig, hf_config: Mapping[str, Any],
                    moe_backend: Optional[str] = None, plant_order_error_on: Optional[int] = None,
                    as_moe_backend: Optional[str] = None,
                    plant_staged_error_on: Optional[int] = None,
-                   quantization: Optional[str] = None) -> dict:
+                   quantization: Optional[str] = None,
+                   plant_interleave_error: bool = False,
+                   write_outside_on: Optional[tuple[int, int, str]] = None) -> dict:
     """Pool job (``WorkerPool.run(..., num_ports=cfg.train_pp + 2)``): process ``job.rank`` of
     a launch of ``train_world + gen_world``; the last port is vLLM's generation world.
     ``plant_fault``: gen rank 0 checks that the comparison sees a flipped bit;
@@ -248,18 +278,25 @@ def vllm_refit_job(job, cfg: RefitRunConfig, hf_config: Mapping[str, Any],
     ``quantization_config``: vLLM's block-FP8 model, the oracle loading the block-FP8
     checkpoint of the full tensors); ``quantization``: vLLM's ``--quantization`` of the
     generation models (``"fp8_per_block"``: vLLM quantizes the BF16 weights online, the
-    oracle loading the BF16 tensors)."""
+    oracle loading the BF16 tensors); ``plant_interleave_error``: the training ranks send
+    gpt-oss's gate/up rows uninterleaved (``_planted_interleave_error``);
+    ``write_outside_on``: (gen rank, refit index, vLLM param name): before that refit, that
+    gen rank writes two elements of the param outside the refits (a delta's base no longer
+    what was committed)."""
     cfg = RefitRunConfig(**{**cfg.__dict__, "ports": tuple(job.ports[: 1 + cfg.train_pp])})
     control = dist.TCPStore(cfg.host, cfg.ports[0], cfg.train_world + cfg.gen_world, job.rank == 0,
                             timeout=timedelta(seconds=cfg.timeout_s))
     if job.rank < cfg.train_world:
-        return run_training_rank(job.rank, cfg, control, torch.device("cpu"), model_builder,
-                                 after_each_refit=publish_full_hf)
+        with _planted_interleave_error(plant_interleave_error):
+            return run_training_rank(job.rank, cfg, control, torch.device("cpu"), model_builder,
+                                     after_each_refit=publish_full_hf)
     gen_rank = job.rank - cfg.train_world
     return _vllm_gen_rank(gen_rank, cfg, control, hf_config, job.ports[1 + cfg.train_pp],
                           plant_fault, copy_derived, keep_as_loaded, moe_backend,
                           plant_order_error_on == gen_rank, as_moe_backend,
-                          plant_staged_error_on == gen_rank, quantization)
+                          plant_staged_error_on == gen_rank, quantization,
+                          write_outside=write_outside_on[1:] if write_outside_on and
+                          write_outside_on[0] == gen_rank else None)
 
 
 

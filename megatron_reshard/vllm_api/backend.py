@@ -30,6 +30,13 @@ Lifecycle (vLLM worker call → engine → receiver):
   none) checks the committed version too.
 - ``shutdown_weight_transfer_engine()`` → ``RefitWorkerState.destroy_groups``.
 
+Staged refits (``prepare_options={"staged": True}``, ``receiver.staging``):
+``update_weights({"staged": True})`` starts the receive into staging tensors on the worker's
+own thread and returns, so vLLM's engine loop keeps generating from the live weights;
+``finish_weight_update()`` (called inside ``pause_generation(mode="keep")``) flips the
+staged version into vLLM's storage in place. A failure before the flip leaves the live
+weights consistent at their version (README, "Staged refits").
+
 The weight state (``refit_weights_state()``: ``consistent``/``inconsistent``, ``version``,
 ``started_from``, ``overwritten``, ...) belongs to the engine and outlives refit groups, so a
 restarted trainer (``shutdown`` + ``init_transfer_engine`` on new ports) is seen to restore
@@ -67,10 +74,12 @@ from megatron_reshard.receiver.worker_state import (
     vllm_gen_coords,
     vllm_tp_coords,
 )
+from megatron_reshard.vllm_api import init_checks
+from megatron_reshard.vllm_api.init_checks import field_error as _field_error
+from megatron_reshard.vllm_api.init_checks import is_int as _is_int
+from megatron_reshard.wire.codec import decode_payload
 
 logger = logging.getLogger(__name__)
-
-_GROUP_BACKENDS = ("nccl", "gloo")
 
 
 class WeightUpdateError(MegatronReshardError, RuntimeError):
@@ -86,38 +95,6 @@ class WeightVersionMismatch(WeightUpdateError):
     """The refit committed a version other than the one the caller expected."""
 
 
-def _field_error(cls: str, name: str, expected: str, value: Any) -> BadInputError:
-    return BadInputError(f"{cls}.{name}: expected {expected}, found {value!r} "
-                      f"({type(value).__name__})")
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _check_per_stage(cls: str, name: str, value: Any, *, lo: int, hi: Optional[int],
-                     scalar_ok: bool) -> None:
-    what = (f"an int in [{lo}, {hi}]" if hi is not None else f"an int >= {lo}")
-    shape = ("a list (index = PP stage) or a dict stage -> value of " + what
-             + (", or one such int for every stage" if scalar_ok else ""))
-    if scalar_ok and _is_int(value):
-        items = [("*", value)]
-    elif isinstance(value, Mapping):
-        items = list(value.items())
-    elif isinstance(value, (list, tuple)):
-        items = list(enumerate(value))
-    else:
-        raise _field_error(cls, name, shape, value)
-    if not items:
-        raise _field_error(cls, name, shape + " (at least one stage)", value)
-    for stage, v in items:
-        if stage != "*" and not (_is_int(stage) or (isinstance(stage, str) and stage.isdigit())):
-            raise BadInputError(f"{cls}.{name}: stage keys must be ints >= 0, found {stage!r}")
-        if not _is_int(v) or v < lo or (hi is not None and v > hi):
-            where = "" if stage == "*" else f"[{stage}]"
-            raise BadInputError(f"{cls}.{name}{where}: expected {what}, found {v!r}")
-
-
 @dataclass
 class MegatronReshardInitInfo(WeightTransferInitInfo):
     """What ``init_weight_transfer_engine(init_info)`` takes (plain data: dicts over HTTP).
@@ -129,7 +106,8 @@ class MegatronReshardInitInfo(WeightTransferInitInfo):
     fields (``num_streams``, ``batch_bytes``, ``staging_bytes``,
     ``strided_in_place``, ``verify_checksums``, ``keep_as_loaded``; ``verify_checksums``
     must match the sender's; ``keep_as_loaded`` lists the vLLM params the payload does not
-    write that may keep what was loaded, any other such param is refused at init).
+    write that may keep what was loaded, any other such param is refused at init;
+    ``staged``, ``staging_budget_bytes``: staged refits, ``receiver.staging``).
     """
 
     host: str
@@ -143,42 +121,30 @@ class MegatronReshardInitInfo(WeightTransferInitInfo):
 
     def __post_init__(self) -> None:
         cls = type(self).__name__
-        if not isinstance(self.host, str) or not self.host:
-            raise _field_error(cls, "host", "a non-empty host name or address", self.host)
-        _check_per_stage(cls, "ports_by_stage", self.ports_by_stage, lo=1, hi=65535,
-                         scalar_ok=False)
-        _check_per_stage(cls, "group_sizes", self.group_sizes, lo=2, hi=None, scalar_ok=True)
-        if not isinstance(self.payload, (dict, bytes, bytearray)):
-            raise _field_error(cls, "payload", "the refit payload as a dict (or its msgpack bytes)",
-                               self.payload)
-        if isinstance(self.payload, dict) and "schema_version" not in self.payload:
-            raise BadInputError(f"{cls}.payload: expected a refit payload (a dict with "
-                             f"'schema_version'), found a dict with keys "
-                             f"{sorted(map(str, self.payload))[:8]}")
+        init_checks.check_host(cls, self.host)
+        init_checks.check_ports_by_stage(cls, self.ports_by_stage)
+        init_checks.check_per_stage_ints(cls, "group_sizes", self.group_sizes, lo=2,
+                                         scalar_ok=True)
+        init_checks.check_payload(cls, self.payload, decode_payload)
         if self.group_rank is not None and (not _is_int(self.group_rank) or self.group_rank < 0):
             raise _field_error(cls, "group_rank", "None (derive from vLLM's rank) or an int >= 0",
                                self.group_rank)
-        if self.backend not in _GROUP_BACKENDS:
-            raise _field_error(cls, "backend", f"one of {list(_GROUP_BACKENDS)}", self.backend)
-        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) \
-                or not self.timeout_s > 0:
-            raise _field_error(cls, "timeout_s", "a number of seconds > 0", self.timeout_s)
-        if self.prepare_options is not None:
-            if not isinstance(self.prepare_options, Mapping):
-                raise _field_error(cls, "prepare_options", "a dict or None", self.prepare_options)
-            unknown = PrepareOptions.unknown(self.prepare_options)
-            if unknown:
-                raise BadInputError(f"{cls}.prepare_options: unknown options {unknown}; "
-                                    f"known: {list(PrepareOptions.NAMES)}")
+        init_checks.check_choice(cls, "backend", self.backend, init_checks.GROUP_BACKENDS)
+        init_checks.check_timeout_s(cls, self.timeout_s)
+        init_checks.check_options(cls, "prepare_options", self.prepare_options,
+                                  PrepareOptions.NAMES)
 
 
 @dataclass
 class MegatronReshardUpdateInfo(WeightTransferUpdateInfo):
     """What ``update_weights(update_info)`` takes: nothing is needed (the payload fixed the
     transfer at init); ``version``, if given, is the weight version the training side's
-    ``RefitSender.refit(version=...)`` sends, checked against the committed one."""
+    ``RefitSender.refit(version=...)`` sends, checked against the committed one.
+    ``staged``: start a staged refit and return (the engine was prepared with
+    ``prepare_options={"staged": True}``); ``finish_weight_update`` flips it."""
 
     version: Optional[int] = None
+    staged: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.version, str) and self.version.lstrip("-").isdigit():
@@ -186,6 +152,8 @@ class MegatronReshardUpdateInfo(WeightTransferUpdateInfo):
         if self.version is not None and not _is_int(self.version):
             raise _field_error(type(self).__name__, "version", "None or an int (the trainer's "
                                "refit version)", self.version)
+        if not isinstance(self.staged, bool):
+            raise _field_error(type(self).__name__, "staged", "True or False", self.staged)
 
 
 def _fields_text(cls) -> str:
@@ -212,6 +180,7 @@ class MegatronReshardWeightTransferEngine(
         self.last_refit: Optional[RefitResult] = None
         self._timeout_s = 60.0
         self._update: Optional[list[int]] = None  # the open update: versions committed in it
+        self._staged: Optional[MegatronReshardUpdateInfo] = None  # started, not flipped yet
 
     # -- typed infos -------------------------------------------------------------------
 
@@ -280,6 +249,13 @@ class MegatronReshardWeightTransferEngine(
         if self._update is None:
             raise CallOrderError("update_weights outside a weight update: call start_weight_update "
                                "first")
+        if self._staged is not None:
+            raise CallOrderError("update_weights while a staged refit of this update waits for "
+                                 "its flip: call finish_weight_update (inside the pause) first")
+        if update_info.staged:
+            self.state.require_stager().start(self.state.require_session())
+            self._staged = update_info
+            return
         try:
             result = self.state.refit(self.model, getattr(self.model_config, "dtype", None))
         except Exception as exc:
@@ -288,6 +264,9 @@ class MegatronReshardWeightTransferEngine(
             raise WeightUpdateError(
                 f"megatron_reshard refit failed ({type(exc).__name__}: {exc}); the weights are "
                 f"{_state_text(weights)}", weights) from exc
+        self._committed(result, update_info)
+
+    def _committed(self, result: RefitResult, update_info: MegatronReshardUpdateInfo) -> None:
         self.last_refit = result
         self._update.append(result.version)
         if update_info.version is not None and result.version != update_info.version:
@@ -297,7 +276,22 @@ class MegatronReshardWeightTransferEngine(
                 f"update_info.version: expected {update_info.version}, the trainer committed "
                 f"version {result.version}; the weights are {_state_text(weights)}", weights)
 
+    def _flip(self) -> None:
+        """The staged refit of this update goes live (waits for its transfer first)."""
+        info, self._staged = self._staged, None
+        try:
+            result = self.state.flip_staged(self.model, getattr(self.model_config, "dtype", None))
+        except Exception as exc:
+            self._update = None
+            weights = self.refit_weights_state()
+            raise WeightUpdateError(
+                f"megatron_reshard staged refit failed ({type(exc).__name__}: {exc}); the "
+                f"weights are {_state_text(weights)}", weights) from exc
+        self._committed(result, info)
+
     def finish_weight_update(self, weight_version: Union[int, str, None] = None) -> None:
+        if self._staged is not None and self._update is not None:
+            self._flip()  # inside the caller's pause: local copies only
         update, self._update = self._update, None
         state = self.state.weights
         weights = state.as_dict()  # what the errors carry
@@ -321,7 +315,7 @@ class MegatronReshardWeightTransferEngine(
                     weights)
 
     def shutdown(self) -> None:
-        self._update = None
+        self._update = self._staged = None
         if self.state.groups is not None:
             self.state.destroy_groups(self._timeout_s)
         self.summary = None
@@ -331,7 +325,7 @@ class MegatronReshardWeightTransferEngine(
     def refit_weights_state(self) -> dict:
         """``WeightState.as_dict()`` (as the worker extension's); reach it through vLLM with
         ``llm.collective_rpc(lambda w: w.weight_transfer_engine.refit_weights_state())``."""
-        return self.state.weights.as_dict()
+        return self.state.weights_state()
 
     def check_refit_weights_consistent(self) -> None:
         self.state.weights.require_consistent()

@@ -48,12 +48,14 @@ import torch.distributed as dist
 from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine
 
 from megatron_reshard.errors import BadInputError, BadInputTypeError, MegatronReshardError
-from megatron_reshard.groups.comm import create_refit_group, destroy_refit_group
+from megatron_reshard.groups.comm import TRANSPORT_NAMES, create_refit_group, destroy_refit_group
 from megatron_reshard.groups.faults import post_failure
 from megatron_reshard.megatron.sender import RefitSender
 from megatron_reshard.megatron.source import MegatronRefitSource
 from megatron_reshard.refit.delta import DeltaConfig
 from megatron_reshard.refit.loop import DEFAULT_BATCH_BYTES, DEFAULT_STAGING_BYTES, PLANNERS
+from megatron_reshard.receiver.worker_state import PrepareOptions
+from megatron_reshard.vllm_api import init_checks
 from megatron_reshard.vllm_api.backend import MegatronReshardInitInfo
 from megatron_reshard.vllm_api.plugin import BACKEND_NAME, register
 
@@ -70,8 +72,7 @@ class TrainerWeightTransferError(MegatronReshardError, RuntimeError):
 
 
 def _field_error(name: str, expected: str, value: Any) -> BadInputError:
-    return BadInputError(f"MegatronReshardTrainerInitInfo.{name}: expected {expected}, found "
-                      f"{value!r} ({type(value).__name__})")
+    return init_checks.field_error("MegatronReshardTrainerInitInfo", name, expected, value)
 
 
 @dataclass
@@ -92,7 +93,9 @@ class MegatronReshardTrainerInitInfo(TrainerInitInfo):
     ``payload_format``: "msgpack" (bytes, the default) or "plain" (the payload as a dict).
     ``delta``: the sender's ``RefitSender(delta=...)`` (experimental; ``False``, ``True`` or a
     ``refit.delta.DeltaConfig``): later updates send only the changed elements where every
-    rank can prove the base; the workers need no option for it.
+    rank can prove the base; the workers need no option for it. ``check_finite``: the
+    sender's ``RefitSender(check_finite=...)`` (NaN/Inf in a weight fails the update on
+    every rank, naming the param).
     """
 
     backend: ClassVar[str] = BACKEND_NAME
@@ -112,22 +115,26 @@ class MegatronReshardTrainerInitInfo(TrainerInitInfo):
     delta: Union[bool, DeltaConfig] = False
     planner: str = "auto"
     node: Optional[str] = None
+    check_finite: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
             raise _field_error("rank", "this process's rank in the training world (an int "
                                ">= 0)", self.rank)
-        if self.payload_format not in _PAYLOAD_FORMATS:
-            raise _field_error("payload_format", f"one of {list(_PAYLOAD_FORMATS)}",
-                               self.payload_format)
-        if self.worker_options is not None:
-            if not isinstance(self.worker_options, Mapping):
-                raise _field_error("worker_options", "a dict or None", self.worker_options)
-            shared = sorted(set(self.worker_options) & set(_SHARED_OPTIONS))
-            if shared:
-                raise BadInputError(f"MegatronReshardTrainerInitInfo.worker_options: {shared} are "
-                                 f"this init info's own fields (the sender and the workers must "
-                                 f"agree on them); set them there")
+        # the fields the workers' init info has too: the same checks, in one place
+        cls = type(self).__name__
+        init_checks.check_host(cls, self.host)
+        init_checks.check_ports_by_stage(cls, self.ports_by_stage)
+        init_checks.check_choice(cls, "group_backend", self.group_backend,
+                                 init_checks.GROUP_BACKENDS)
+        init_checks.check_timeout_s(cls, self.timeout_s)
+        init_checks.check_options(cls, "worker_options", self.worker_options,
+                                  PrepareOptions.NAMES, reserved=_SHARED_OPTIONS)
+        init_checks.check_choice(cls, "transport", self.transport, (None, *TRANSPORT_NAMES))
+        if self.transport == "colocated" and self.group_backend != "gloo":
+            raise _field_error("group_backend", "'gloo' with transport='colocated' (its data "
+                               "never crosses the group)", self.group_backend)
+        init_checks.check_choice(cls, "payload_format", self.payload_format, _PAYLOAD_FORMATS)
         for name in ("num_streams", "batch_bytes", "staging_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -139,6 +146,8 @@ class MegatronReshardTrainerInitInfo(TrainerInitInfo):
         if not (isinstance(self.delta, (bool, DeltaConfig))):
             raise _field_error("delta", "False, True or a megatron_reshard.refit.delta.DeltaConfig",
                                self.delta)
+        if not isinstance(self.check_finite, bool):
+            raise _field_error("check_finite", "True or False", self.check_finite)
 
     def port_of(self, stage: int) -> int:
         ports = self.ports_by_stage
@@ -241,7 +250,8 @@ class MegatronReshardTrainerWeightTransferEngine(
                                   num_streams=info.num_streams, batch_bytes=info.batch_bytes,
                                   staging_bytes=info.staging_bytes,
                                   verify_checksums=info.verify_checksums, delta=info.delta,
-                                  planner=info.planner, node=info.node)
+                                  planner=info.planner, node=info.node,
+                                  check_finite=info.check_finite)
 
     def send_weights(self, version: Optional[int] = None) -> None:
         """One weight update: every rank sends its shards; rank 0 drives the workers through

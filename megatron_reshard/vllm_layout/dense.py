@@ -49,6 +49,14 @@ TP_DIM_RULES: tuple[tuple[re.Pattern, Optional[int]], ...] = (
     # over TP; gate/up land in its gate_up_proj
     (re.compile(r"\.mlp\.shared_experts?\.(?:gate|up)_proj\.weight$"), 0),
     (re.compile(r"\.mlp\.shared_experts?\.down_proj\.weight$"), 1),
+    # Gated-DeltaNet (vllm_layout.gated_delta_net): per value head A_log / dt_bias, the
+    # row-parallel out_proj; Qwen3.5's flat in_proj streams (q, k, v: the wire names of
+    # in_proj_qkv's three segments) land in their output shards of in_proj_qkvz / in_proj_ba
+    (re.compile(r"\.linear_attn\.(?:A_log|dt_bias)$"), 0),
+    (re.compile(r"\.linear_attn\.out_proj\.weight$"), 1),
+    (re.compile(r"\.linear_attn\.in_proj_(?:q|k|v|z|b|a)\.weight$"), 0),
+    # the conv1d channels' segments sent apart (conv1d_q / _k / _v), each split over TP
+    (re.compile(r"\.linear_attn\.conv1d_(?:q|k|v)\.weight$"), 0),
 ) + gpt_oss.TP_DIM_RULES
 NOT_LISTED = -1
 
@@ -150,9 +158,13 @@ def gate_up_rows(which: str, rows: int, tp_size: int, tp_rank: int
 
 def is_qkv_per_group(name: str, global_shape: Sequence[int]) -> bool:
     """Whether a refit entry is a q/k/v weight or bias in the per-KV-group form
-    ``[nkv, rows per group, *rest]``: one dim more than the HF tensor."""
+    ``[nkv, rows per group, *rest]``: one dim more than the HF tensor; or a gated q_proj
+    (attention output gate, rows ``[q_h; gate_h]`` per head) in the form ``[nkv, heads per
+    group, 2, head_dim, *rest]``: three dims more."""
     m = QKV_PARAM_RE.search(name)
-    return m is not None and len(global_shape) == (3 if name.endswith(".weight") else 2)
+    tail = 1 if name.endswith(".weight") else 0
+    return m is not None and (len(global_shape) == 2 + tail
+                              or (".q_proj." in name and len(global_shape) == 4 + tail))
 
 
 def per_group_as_hf_rows(shape: Sequence[int], region: Sequence) -> tuple[tuple, tuple]:
@@ -160,7 +172,16 @@ def per_group_as_hf_rows(shape: Sequence[int], region: Sequence) -> tuple[tuple,
     row-major reshape of the HF tensor's rows) and a region of it, in HF rows:
     ``(hf_shape, hf_region)``. The one home of this conversion (receiver mapping, FP8
     planning and FP8 targets all use it). The region must be one contiguous block of HF
-    rows, as the payload's per-group layouts give (``qkv_gen_layout``); ValueError else."""
+    rows, as the payload's per-group layouts give (``qkv_gen_layout``); ValueError else.
+    The gated q form ``[nkv, heads, 2, head_dim, *rest]`` counts its dim 1 in heads of
+    ``2 * head_dim`` rows (the region whole on dims 2 and 3)."""
+    if len(shape) >= 4:  # the gated q form: heads of 2 * head_dim rows on dim 1
+        unit = 2 * int(shape[3])
+        if tuple(tuple(r) for r in region[2:4]) != ((0, 2), (0, int(shape[3]))):
+            raise BadInputError(f"region {[list(r) for r in region]} of the gated per-group "
+                                f"form {list(shape)} cuts a head")
+        shape = (shape[0], int(shape[1]) * unit, *shape[4:])
+        region = (region[0], (region[1][0] * unit, region[1][1] * unit), *region[4:])
     (g0, g1), (a, b), *rest = region
     per_group = int(shape[1])
     if g1 - g0 > 1 and (a, b) != (0, per_group):

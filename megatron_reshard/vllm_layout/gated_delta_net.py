@@ -14,7 +14,10 @@ Facts (vLLM 0.33, ``layers/mamba/gdn/qwen_gdn_linear_attn.py`` with
   value_dim) and ``in_proj_ba`` of two (nv, nv); the checkpoint's flat ``in_proj_qkv``
   fills shards 0-2 (its q, k, v segments each split over TP), ``in_proj_z`` shard 3,
   ``in_proj_b`` / ``in_proj_a`` shards 0 / 1: rank r holds ``[q_r; k_r; v_r; z_r]`` and
-  ``[b_r; a_r]``.
+  ``[b_r; a_r]``. Each stream (in_proj_qkv's q, k and v segments apart: the exact path's
+  wire names ``in_proj_q`` / ``_k`` / ``_v``) is thus split over TP on its rows, as
+  Megatron's ``in_proj`` splits it (``megatron.qwen3_next``): shard to shard at any pair
+  of TP sizes that split the key heads.
 - ``A_log [nv/T]`` (float32 whatever the model dtype) and ``dt_bias [nv/T]``: dim-0 split;
   ``norm.weight`` (one head's channels) replicated; ``out_proj`` row parallel.
 - Gated full attention: ``qkv_proj`` is a QKVParallelLinear over ``2 * num_heads`` "heads"
@@ -52,7 +55,28 @@ def conv1d_pieces(hf_config: Any, tp_size: int, tp_rank: int
     return out
 
 
-FLAT_IN_PROJ_RE = re.compile(r"^(?P<prefix>.*\.linear_attn)\.in_proj_(?P<which>qkv|z|b|a)\.weight$")
+# the checkpoint's streams, and the exact path's wire names of in_proj_qkv's segments (q, k, v)
+# the exact path's wire names of the conv1d channels' three segments (q, k, v)
+CONV1D_STREAM_RE = re.compile(r"^(?P<prefix>.*\.linear_attn)\.conv1d_(?P<which>q|k|v)\.weight$")
+
+
+def conv1d_stream_piece(hf_name: str, hf_config: Any, tp_size: int, tp_rank: int
+                        ) -> Optional[tuple[str, tuple[int, int], tuple[int, int]]]:
+    """A conv1d segment sent apart (``conv1d_q`` / ``_k`` / ``_v``: all channels of that
+    segment): (vLLM's ``conv1d.weight``, its rows on this rank, the rows of the segment it
+    receives); None for any other name, or where ``conv1d_pieces`` has none."""
+    m = CONV1D_STREAM_RE.match(hf_name)
+    pieces = conv1d_pieces(hf_config, tp_size, tp_rank) if m else None
+    if pieces is None:
+        return None
+    segment = "qkv".index(m["which"])
+    t_rows, (lo, hi) = pieces[segment]
+    start = pieces[segment][1][0] - tp_rank * (hi - lo)  # the segment's first checkpoint row
+    return f"{m['prefix']}.conv1d.weight", t_rows, (lo - start, hi - start)
+
+
+FLAT_IN_PROJ_RE = re.compile(r"^(?P<prefix>.*\.linear_attn)\.in_proj_(?P<which>qkv|z|b|a|q|k|v)\.weight$")
+_SHARDS_OF = {"qkv": [0, 1, 2], "q": [0], "k": [1], "v": [2], "z": [3], "b": [0], "a": [1]}
 
 
 def flat_in_proj_pieces(hf_name: str, hf_config: Any, tp_size: int, tp_rank: int
@@ -69,12 +93,11 @@ def flat_in_proj_pieces(hf_name: str, hf_config: Any, tp_size: int, tp_rank: int
         nv = int(hf_config.linear_num_value_heads)
     except TypeError:
         return None
+    which = _SHARDS_OF[m["which"]]
     if m["which"] in ("b", "a"):
         target, shards = f"{m['prefix']}.in_proj_ba.weight", [nv, nv]
-        which = [0] if m["which"] == "b" else [1]
     else:
         target, shards = f"{m['prefix']}.in_proj_qkvz.weight", [key_dim, key_dim, value_dim, value_dim]
-        which = [0, 1, 2] if m["which"] == "qkv" else [3]
     if any(n % tp_size for n in shards):
         return None
     pieces, hf_at = [], 0

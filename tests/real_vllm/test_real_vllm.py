@@ -302,33 +302,61 @@ def test_vllm_params_kept_as_loaded_are_reported_and_keep_their_bytes(pool):
 
 
 # ---- gpt-oss
-def test_gpt_oss_sends_only_its_experts_as_full_tensors(refitted):
-    """Everything of gpt-oss but the experts takes the exact path: the packed (full-tensor)
-    params of every gen rank are exactly the 4 expert tensors x 8 experts x 4 layers, and
-    the w2_bias of MoE TP ranks > 0 is vLLM's zero (part of the bit-equal check above)."""
-    for index in range(len(FAMILIES["gpt_oss"].layouts)):
-        for g in refitted("gpt_oss", index):
-            assert g["summary"]["misc_params"] == 4 * 8 * 4, (index, g["rank"], g["summary"])
-            assert all(s["misc_bytes"] > 0 and s["bulk_bytes"] > 0 for s in g["refits"]), g["refits"]
+def test_gpt_oss_sends_every_param_shard_to_shard(refitted):
+    """gpt-oss's experts too take the exact path, in vLLM's wire form (interleaved gate/up,
+    transposed storage, biases): no gen rank receives a full (packed) tensor, and the
+    w2_bias of MoE TP ranks > 0 is vLLM's zero (part of the bit-equal check above)."""
+    for family, index in [("gpt_oss", i) for i in range(len(FAMILIES["gpt_oss"].layouts))] + [
+            ("gpt_oss-uneven-pp", 0)]:
+        for g in refitted(family, index):
+            assert g["summary"]["misc_params"] == 0, (family, index, g["rank"], g["summary"])
+            assert all(s["misc_bytes"] == 0 and s["bulk_bytes"] > 0 for s in g["refits"]), g["refits"]
+
+
+def test_gpt_oss_a_planted_interleave_error_is_seen(pool):
+    """The comparison sees a wrong interleave: training ranks that send Megatron's
+    ``[gate ; up]`` rows as if interleaved leave exactly the w13 weights and biases of every
+    MoE layer different from vLLM's own loading (gen TP 4: each rank's share cut mid-gate)."""
+    gens = run_case(pool, "gpt_oss", 1, plant_interleave_error=True)
+    layers = FAMILIES["gpt_oss"].model["num_layers"]
+    for g in gens:
+        for bad in g["differences"]:
+            flat = sorted(n.replace(".routed_experts.", ".") for n in bad)  # nested or not
+            assert flat == sorted(f"model.layers.{i}.mlp.experts.{leaf}" for i in range(layers)
+                                  for leaf in ("w13_bias", "w13_weight")), (g["rank"], bad)
 # ---- end gpt-oss
 
 
-def test_qwen3_next_sends_only_its_gated_delta_net_and_gated_attention_params_packed(refitted):
-    """Qwen3-Next's packed (full-tensor) params on every gen rank are exactly the 7 params of
-    each of the 3 Gated-DeltaNet layers and the gated q/k/v of the full-attention layer;
-    everything else (experts, shared expert, norms, o_proj, vocab) takes the exact path."""
+def _gated_qkv_packed(family: str, index: int) -> int:
+    """The gated q/k/v travel per KV group where each train rank holds whole KV groups
+    (train TP <= 2 here), else packed (3 params of the one full-attention layer)."""
+    train_tp = layout(*FAMILIES[family].layouts[index])["train_tp"]
+    return 0 if train_tp <= FAMILIES[family].model["num_query_groups"] else 3
+
+
+def test_qwen3_next_sends_only_its_gated_delta_net_params_packed(refitted):
+    """Qwen3-Next's packed (full-tensor) params on every gen rank are exactly the 3 params of
+    each of the 3 Gated-DeltaNet layers that are no view of Megatron's (in_proj_qkvz,
+    in_proj_ba, the gated norm), and the gated q/k/v where a train rank cuts a KV group;
+    everything else (conv1d by segment, A_log, dt_bias, out_proj, gated q/k/v per KV group, experts,
+    shared expert, norms, o_proj, vocab) takes the exact path."""
     for index in range(len(FAMILIES["qwen3_next"].layouts)):
         for g in refitted("qwen3_next", index):
-            assert g["summary"]["misc_params"] == 3 * 7 + 3, (index, g["rank"], g["summary"])
+            assert g["summary"]["misc_params"] == 3 * 3 + _gated_qkv_packed("qwen3_next", index), (
+                index, g["rank"], g["summary"])
 
 
-def test_qwen3_5_sends_only_its_gated_delta_net_and_gated_attention_params_packed(refitted):
-    """Qwen3.5's packed (full-tensor) params: the 9 checkpoint params of each of the 3
-    Gated-DeltaNet layers (Qwen3-Next's 7 with in_proj as 4 flat streams, not 2), and the
-    gated q/k/v; everything else takes the exact path."""
-    for family in ("qwen3_5_moe_text", "qwen3_5_text"):
-        for g in refitted(family, 0):
-            assert g["summary"]["misc_params"] == 3 * 9 + 3, (family, g["rank"], g["summary"])
+def test_qwen3_5_sends_its_in_proj_streams_and_gated_qkv_shard_to_shard(refitted):
+    """Qwen3.5's packed (full-tensor) params: the gated norm of each of the 3 Gated-DeltaNet
+    layers (and the gated q/k/v where a train rank cuts a KV group); its in_proj streams
+    (in_proj_qkv as q, k, v apart, in_proj_z, _b, _a), conv1d by segment, A_log, dt_bias,
+    out_proj and the gated q/k/v per KV group take the exact path, at equal and different
+    TP sizes (gen TP 4 > 2 KV heads: a group's heads split, k/v replicated)."""
+    for family, index in (("qwen3_5_moe_text", 0), ("qwen3_5_moe_text", 1), ("qwen3_5_moe_text", 2),
+                          ("qwen3_5_text", 1), ("qwen3_5_text-uneven-pp", 0)):
+        for g in refitted(family, index):
+            assert g["summary"]["misc_params"] == 3 * 1 + _gated_qkv_packed(family, index), (
+                family, index, g["rank"], g["summary"])
 
 
 def test_vllms_qwen3_5_module_imports_only_under_the_torchvision_stand_ins():

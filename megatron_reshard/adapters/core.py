@@ -1,0 +1,351 @@
+"""What the framework adapters share: which side a process is on, where its model is, the
+refit topology carried by the frameworks' metadata lists, and the two ends of a refit.
+
+The ends are thin: the training end is ``MegatronRefitSource`` + ``RefitSender`` on one
+refit group per PP stage (``groups.create_refit_group``), the rollout end is the
+receiver's ``RefitWorkerState`` (the state vLLM's worker extension and weight-transfer
+backend hold) writing into the vLLM model's own storage. The frameworks only decide when
+each phase runs.
+
+Phases, as both frameworks order them: ``prepare`` on every worker returns plain metadata
+(the training side's payload, the stores' host and ports); the framework hands every
+worker the whole list, from which ``Topology.of`` reads the refit groups; ``join`` on each
+side; then one ``send`` / ``receive`` pair per weight update.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import sys
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_reshard.adapters.options import AdapterOptions, load_function
+from megatron_reshard.errors import BadInputError, CallOrderError
+from megatron_reshard.groups import create_refit_group, destroy_refit_group
+from megatron_reshard.megatron import MegatronRefitSource
+from megatron_reshard.megatron.sender import RefitSender
+from megatron_reshard.receiver.misc_transport import receive_misc_packed
+from megatron_reshard.receiver.worker_state import (
+    RefitResult, RefitWorkerState, model_device, vllm_tp_coords)
+from megatron_reshard.wire.codec import decode_payload
+
+MARK = "megatron_reshard"  # in every metadata entry: a list from another engine is refused
+_ADAPTERS_DIR = os.path.dirname(os.path.abspath(__file__))
+_CALLER_FRAMES = 16
+# where the frameworks' workers keep the model, on the object that calls the engine:
+TRAIN_MODEL_PATHS = ("actor.engine.module",  # verl's ActorRolloutRefWorker (Megatron chunks)
+                     "model")                # NeMo-RL's Megatron policy worker
+ROLLOUT_MODEL_PATHS = ("model_runner.model",)  # a vLLM worker (NeMo-RL runs the engine there)
+
+
+def is_training_process() -> bool:
+    """Megatron's parallel state is initialized here: a training worker. The same engine
+    class and options reach both sides, so this is how an engine learns its side."""
+    ps = sys.modules.get("megatron.core.parallel_state")
+    return ps is not None and bool(ps.model_parallel_is_initialized())
+
+
+def _attr_path(owner: Any, path: str) -> Any:
+    for name in path.split("."):
+        owner = getattr(owner, name, None)
+        if owner is None:
+            return None
+    return owner
+
+
+def find_on_caller(paths: Sequence[str]) -> tuple[Any, str]:
+    """The first of ``paths`` (attribute chains) held by the ``self`` of a frame that calls
+    into the adapters (the framework's worker); (None, what was looked at) if none."""
+    frame, seen = sys._getframe(1), []
+    for _ in range(_CALLER_FRAMES):
+        if frame is None:
+            break
+        owner = frame.f_locals.get("self")
+        if owner is not None and not frame.f_code.co_filename.startswith(_ADAPTERS_DIR):
+            for path in paths:
+                value = _attr_path(owner, path)
+                if isinstance(value, torch.nn.Module) or (
+                        isinstance(value, (list, tuple)) and value
+                        and all(isinstance(v, torch.nn.Module) for v in value)):
+                    return value, ""
+            seen.append(type(owner).__name__)
+        frame = frame.f_back
+    return None, ", ".join(dict.fromkeys(seen)) or "none"
+
+
+def locate_model(option: Optional[str], paths: Sequence[str], key: str, what: str) -> Any:
+    """The model an end works on: the ``"module:function"`` option if set, else the calling
+    worker's (``paths``); an error names the option to set."""
+    if option is not None:
+        model = load_function(option, key)()
+        if model is None:
+            raise BadInputError(f"{key}: {option} returned None, expected {what}")
+        return model
+    model, seen = find_on_caller(paths)
+    if model is None:
+        raise BadInputError(f"{key}: not set, and no caller holds {what} at {list(paths)} "
+                            f"(callers' types: {seen}); set {key} to a 'module:function' "
+                            f"returning it")
+    return model
+
+
+def free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def this_host() -> str:
+    return socket.gethostbyname(socket.gethostname())
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The refit groups, read from the framework's metadata list (training entries first):
+    one group per PP stage of ``stage_world`` training ranks + ``gen_world`` rollout ranks,
+    its store at ``host:ports[stage]``."""
+
+    host: str
+    ports: tuple
+    stage_world: int
+    gen_world: int
+    payload: bytes
+
+    @classmethod
+    def of(cls, metadata: Sequence[Any], train_world: int, rollout_world: int,
+           key: str) -> "Topology":
+        if len(metadata) != train_world + rollout_world:
+            raise BadInputError(f"metadata: {len(metadata)} entries for {train_world} training "
+                                f"+ {rollout_world} rollout workers")
+        sides = [m.get("side") if isinstance(m, dict) and m.get(MARK) else None
+                 for m in metadata]
+        if None in sides:
+            raise BadInputError(f"metadata[{sides.index(None)}]: not from a megatron_reshard "
+                                f"engine ({metadata[sides.index(None)]!r:.200})")
+        expected = ["train"] * train_world + ["rollout"] * rollout_world
+        if sides != expected:
+            raise BadInputError(f"metadata sides {sides}, expected {expected}: a training "
+                                f"worker without Megatron's parallel state, or a rollout "
+                                f"worker with it")
+        train = metadata[:train_world]
+        first = {m["stage"]: m for m in train if m["stage_local_rank"] == 0}
+        pp, stage_world = train[0]["pp"], train[0]["stage_world"]
+        if sorted(first) != list(range(pp)) or pp * stage_world != train_world:
+            raise BadInputError(f"metadata: training ranks by stage {sorted(first)} do not make "
+                                f"PP {pp} x {stage_world} ranks = {train_world} workers")
+        hosts = {m["host"] for m in first.values()}
+        if len(hosts) != 1:
+            raise BadInputError(f"{key}.host: the first training ranks of the PP stages are on "
+                                f"{sorted(hosts)}; the refit groups' stores need one host")
+        payloads = [m["payload"] for m in train if m.get("payload") is not None]
+        gen_world = train[0]["gen_world"]
+        if rollout_world != gen_world:
+            raise BadInputError(f"{key}.gen_world_size: {gen_world}, but the framework has "
+                                f"{rollout_world} rollout workers")
+        if len(payloads) != 1:
+            raise BadInputError(f"metadata: {len(payloads)} payloads, expected one (training "
+                                f"rank 0's)")
+        return cls(host=hosts.pop(), ports=tuple(first[s]["port"] for s in range(pp)),
+                   stage_world=stage_world, gen_world=gen_world, payload=payloads[0])
+
+    def as_dict(self) -> dict:
+        """Plain data, for frameworks that hand each worker its own arguments."""
+        return {"host": self.host, "ports": list(self.ports), "stage_world": self.stage_world,
+                "gen_world": self.gen_world, "payload": self.payload}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Topology":
+        return cls(host=d["host"], ports=tuple(d["ports"]), stage_world=d["stage_world"],
+                   gen_world=d["gen_world"], payload=d["payload"])
+
+
+class TrainEnd:
+    """A training rank's end: its source (built once, on the first ``prepare``: collective
+    over the training world), its stage's refit group and sender (kept across updates)."""
+
+    def __init__(self, options: AdapterOptions, key: str, device: Optional[torch.device] = None):
+        self.options, self.key = options, key
+        self.device = device or (torch.device("cuda", torch.cuda.current_device())
+                                 if options.group_backend == "nccl" and torch.cuda.is_available()
+                                 else torch.device("cpu"))
+        self.source: Optional[MegatronRefitSource] = None
+        self.port: Optional[int] = None
+        self.host = options.host or this_host()
+        self.topology: Optional[Topology] = None
+        self.group: Any = None
+        self.sender: Optional[RefitSender] = None
+
+    def prepare(self, model_paths: Sequence[str]) -> dict:
+        o = self.options
+        if self.source is None:
+            model = locate_model(o.model, model_paths, f"{self.key}.model",
+                                 "the Megatron model (chunks)")
+            self.source = MegatronRefitSource(
+                model, gen_parallelism={"tp_size": o.gen_tp, "ep_size": 1, "pp_size": 1},
+                gen_world_size=o.gen_world_size, family=o.family, vocab_size=o.vocab_size)
+        s = self.source
+        if s.stage_local_rank == 0 and self.port is None:
+            if o.ports is None:
+                self.port = free_port(self.host)
+            elif len(o.ports) != s.layout.pp:
+                raise BadInputError(f"{self.key}.ports: {len(o.ports)} ports for {s.layout.pp} "
+                                    f"PP stages (one per stage)")
+            else:
+                self.port = o.ports[s.stage]
+        return {MARK: 1, "side": "train", "stage": s.stage, "pp": s.layout.pp,
+                "stage_local_rank": s.stage_local_rank,
+                "stage_world": s.layout.world_size // s.layout.pp,
+                "host": self.host, "port": self.port, "gen_world": o.gen_world_size,
+                "payload": s.payload_bytes() if dist.get_rank() == 0 else None}
+
+    def join(self, topology: Topology) -> None:
+        if self.source is None:
+            raise CallOrderError("init before prepare: the training end has no source yet")
+        if self.group is not None and topology == self.topology:
+            return  # the framework re-sends the same topology every update: keep the group
+        self.close()
+        s, o = self.source, self.options
+        self.group = create_refit_group(
+            topology.host, topology.ports[s.stage], s.stage_local_rank,
+            topology.stage_world + topology.gen_world, o.group_backend, o.timeout_s,
+            device=self.device if self.device.type == "cuda" else None,
+            label=f"refit group of PP stage {s.stage}")
+        self.sender = RefitSender(s, self.group, device=self.device,
+                                  verify_checksums=o.verify_checksums)
+        self.topology = topology
+
+    def send(self, version: Optional[int]) -> dict:
+        if self.sender is None:
+            raise CallOrderError("send_weights before the refit groups were joined "
+                                 "(init_process_group)")
+        return self.sender.refit(version)
+
+    def close(self) -> None:
+        group, self.group, self.sender, self.topology = self.group, None, None, None
+        if group is not None:
+            destroy_refit_group(group, self.options.timeout_s)
+
+
+class RolloutEnd:
+    """A rollout rank's end: the receiver's worker state writing into the vLLM model."""
+
+    def __init__(self, options: AdapterOptions, key: str):
+        self.options, self.key = options, key
+        self.state = RefitWorkerState()
+        self.model: Optional[torch.nn.Module] = None
+        self.topology: Optional[Topology] = None
+        self.rank: Optional[int] = None
+        self.last: Optional[RefitResult] = None
+
+    def prepare(self, model_paths: Sequence[str]) -> dict:
+        """Find the model now: a rollout worker without one refuses before any group forms."""
+        if self.model is None:
+            self.model = locate_model(self.options.target, model_paths, f"{self.key}.target",
+                                      "the vLLM model to write into (this process has no "
+                                      "Megatron parallel state: taken for a rollout worker)")
+        return {MARK: 1, "side": "rollout"}
+
+    def join(self, topology: Topology, rollout_rank: int) -> None:
+        if not 0 <= rollout_rank < topology.gen_world:
+            raise BadInputError(f"rollout rank {rollout_rank} outside the {topology.gen_world} "
+                                f"rollout workers")
+        if self.topology == topology and self.rank == rollout_rank:
+            return
+        self.close()
+        if self.model is None:
+            raise CallOrderError("init before prepare: the rollout end has no model yet")
+        o = self.options
+        size = topology.stage_world + topology.gen_world
+        self.state.join_groups(topology.host, list(topology.ports),
+                               topology.stage_world + rollout_rank, size, o.group_backend,
+                               o.timeout_s)
+        model = self.model
+        self.state.prepare(model, decode_payload(topology.payload),
+                           {"verify_checksums": o.verify_checksums,
+                            "keep_as_loaded": list(o.keep_as_loaded)},
+                           receive_misc=lambda stage, group, items: receive_misc_packed(
+                               stage, group, items, model_device(model)),
+                           vllm_tp=vllm_tp_coords())
+        self.topology, self.rank = topology, rollout_rank
+
+    def receive(self, version: Optional[int] = None) -> RefitResult:
+        """One refit into the model; with ``version`` the committed one must equal it."""
+        if self.model is None or self.state.session is None:
+            raise CallOrderError("receive_weights before the refit groups were joined "
+                                 "(init_process_group)")
+        self.last = self.state.refit(self.model, None)
+        if version is not None and self.last.version != version:
+            raise BadInputError(f"the refit committed version {self.last.version}, the "
+                                f"framework announced {version}")
+        return self.last
+
+    def close(self) -> None:
+        if self.state.groups is not None:
+            self.state.destroy_groups(self.options.timeout_s)
+        self.topology = self.rank = None
+
+
+class AdapterEnds:
+    """The end of this process (training or rollout, told by Megatron's parallel state),
+    as both framework engines drive it; ``key`` is the options' configuration path."""
+
+    def __init__(self, options: AdapterOptions, key: str):
+        self.options, self.key = options, key
+        self.train: Optional[TrainEnd] = None
+        self.rollout: Optional[RolloutEnd] = None
+
+    def prepare(self) -> dict:
+        if is_training_process():
+            self.train = self.train or TrainEnd(self.options, self.key)
+            return self.train.prepare(TRAIN_MODEL_PATHS)
+        self.rollout = self.rollout or RolloutEnd(self.options, self.key)
+        return self.rollout.prepare(ROLLOUT_MODEL_PATHS)
+
+    def join(self, topology: Topology, rollout_rank: Optional[int]) -> None:
+        """Join the refit groups: ``rollout_rank`` None on a training worker."""
+        if (self.train is None) == (self.rollout is None):
+            raise CallOrderError("init_process_group before prepare")
+        if self.train is not None:
+            if rollout_rank is not None:
+                raise BadInputError(f"a training worker (Megatron's parallel state is "
+                                    f"initialized) was given rollout rank {rollout_rank}")
+            self.train.join(topology)
+        else:
+            if rollout_rank is None:
+                raise BadInputError("a rollout worker (no Megatron parallel state) was given no "
+                                    "rollout rank: the framework placed it among the training "
+                                    "workers")
+            self.rollout.join(topology, rollout_rank)
+
+    async def send(self, weights: Any, version: Optional[int]) -> dict:
+        """One refit from this training rank. ``weights``, the framework's iterator of full
+        tensors, is closed unread: the gathers that would build them never start (the same
+        on every training rank, so no collective is left half-entered)."""
+        close = getattr(weights, "close", None)
+        if callable(close):
+            close()
+        if self.train is None:
+            raise CallOrderError("send_weights on a worker that prepared no training end")
+        stats = await asyncio.to_thread(self.train.send, version)
+        return {f"megatron_reshard/{k}": v for k, v in stats.items()
+                if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+    async def receive(self, version: Optional[int]) -> RefitResult:
+        if self.rollout is None:
+            raise CallOrderError("receive_weights on a worker that prepared no rollout end")
+        return await asyncio.to_thread(self.rollout.receive, version)
+
+    def close(self) -> None:
+        for end in (self.train, self.rollout):
+            if end is not None:
+                end.close()
+
+
+__all__ = ["AdapterEnds", "TrainEnd", "RolloutEnd", "Topology", "is_training_process", "find_on_caller",
+           "locate_model", "TRAIN_MODEL_PATHS", "ROLLOUT_MODEL_PATHS", "MARK"]

@@ -1,0 +1,336 @@
+"""Staged refits: receive version N+1 beside generation, verify it, flip it in (issue 53).
+
+Torch + stdlib only. A worker prepared with ``staged=True`` maps the payload onto staging
+tensors (one per vLLM param: same shape, dtype, strides and device) instead of vLLM's
+storage, so the whole refit (plans, engine, deltas, checksums, commit vote) runs unchanged
+while vLLM keeps generating from the live params. ``StagedRefits`` owns those tensors and
+the refit's thread:
+
+- ``start(session)``: fill the staging tensors from the live params (the mirror: a delta
+  applies into it exactly as into the storage), then ``session.refit()``, all on a daemon
+  thread (and, on a GPU, its own CUDA stream); returns at once.
+- ``wait()``: until the version is staged (committed everywhere, not yet live), or the
+  refit waits for the pause to write the params that did not fit the budget.
+- ``flip()``: lets those in-place params through, waits for the commit, copies staging
+  into the live params in place (addresses kept: CUDA graphs), advances the live version.
+- ``discard()``: drops a staged version, or stops a running refit at its next batch.
+
+A failure before the flip leaves the live weights consistent at N: only in-place params
+(those beyond ``staging_budget_bytes``) are ever written before it, and only after the
+pause began (``StagedWeights.writing`` gates them). docs/DESIGN.md, "Staged refits".
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import nullcontext
+from typing import Any, Callable, Iterable, Mapping, Optional
+
+import torch
+
+from megatron_reshard.errors import BadInputError, CallOrderError
+from megatron_reshard.groups.faults import RefitError
+from megatron_reshard.receiver.state import WeightState
+
+PHASES = ("idle", "receiving", "waiting_for_pause", "staged", "failed")
+_POLL_S = 0.05
+
+
+class StagedRefitError(RefitError):
+    """A staged refit failed or was discarded; the message says what the live weights hold."""
+
+
+class StagedRefitTimeout(StagedRefitError, TimeoutError):
+    """A caller's wait for the staged refit ran out; the refit goes on."""
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def plan_staging(params: Mapping[str, torch.Tensor],
+                 budget_bytes: Optional[int]) -> tuple[list[str], list[str]]:
+    """``(staged, in_place)`` param names: the longest prefix in model order that fits
+    ``budget_bytes`` is staged, the rest is in place (None: every param is staged).
+
+    A prefix, not a first fit: the refit waits for the pause before the first batch that
+    holds an in-place param, and everything it receives after that lands inside the
+    pause whether staged or not; so the budget is best spent on the params that arrive
+    first (the loop sends a stage's params in payload order, roughly the model's)."""
+    if budget_bytes is None:
+        return list(params), []
+    names, left = list(params), int(budget_bytes)
+    for i, name in enumerate(names):
+        left -= tensor_bytes(params[name])
+        if left < 0:
+            return names[:i], names[i:]
+    return names, []
+
+
+def check_budget(value: Any) -> Optional[int]:
+    """``staging_budget_bytes`` checked: None or an int >= 0."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise BadInputError(f"prepare_refit option staging_budget_bytes: expected None or an int "
+                            f">= 0 (bytes of staging memory), found {value!r}")
+    return value
+
+
+class StagedWeights:
+    """The weight state a staged session sees (duck-types ``WeightState`` for it).
+
+    Its version and consistency are the live weights' (the version check and the delta
+    vote see what vLLM serves); ``writing`` forwards only in-place params to the live
+    state, after ``gate()`` (the pause); ``committed`` records the staged version, the flip
+    applies it to the live state; ``failed`` touches the live state only if an in-place
+    param was written."""
+
+    def __init__(self, live: WeightState, in_place: Iterable[str],
+                 gate: Callable[[], None], check_abort: Callable[[], None]):
+        self.live = live
+        self.in_place = frozenset(in_place)
+        self._gate = gate
+        self._check_abort = check_abort
+        self.reset()
+
+    def reset(self) -> None:
+        self.written_in_place: set = set()
+        self.commit: Optional[tuple[Optional[int], list, tuple]] = None
+        self.error: Optional[str] = None
+
+    @property
+    def version(self) -> Optional[int]:
+        return self.live.version
+
+    @property
+    def consistent(self) -> bool:
+        return self.live.consistent
+
+    def writing(self, names: Iterable[str]) -> None:
+        self._check_abort()
+        in_place = [n for n in names if n in self.in_place]
+        if in_place:
+            self._gate()
+            self.written_in_place.update(in_place)
+            self.live.writing(in_place)
+
+    def committed(self, version: Optional[int], names: Iterable[str],
+                  not_refitted: Iterable[str] = ()) -> None:
+        self.commit = (version, list(names), tuple(not_refitted))
+
+    def failed(self, error: str) -> None:
+        self.error = error
+        if self.written_in_place:
+            self.live.failed(error)
+
+    def as_dict(self) -> dict:
+        return self.live.as_dict()
+
+    def require_consistent(self) -> None:
+        self.live.require_consistent()
+
+
+class StagedRefits:
+    """One worker's staging tensors and its staged refit in progress (see module doc)."""
+
+    def __init__(self, live: Mapping[str, torch.Tensor], weights: WeightState,
+                 budget_bytes: Optional[int] = None, where: str = "this rank"):
+        self.live = dict(live)
+        self.where = where
+        self.budget_bytes = check_budget(budget_bytes)
+        staged, in_place = plan_staging(self.live, self.budget_bytes)
+        # same strides as the param: the flip is a straight copy of its bytes
+        self.staging = {n: torch.empty_like(self.live[n]) for n in staged}
+        _copy_all(list(self.staging.values()), [self.live[n] for n in staged])
+        self.in_place = in_place
+        self.weights = StagedWeights(weights, in_place, self._gate, self._check_abort)
+        self.phase = "idle"
+        self.result: Optional[dict] = None
+        self.error: Optional[BaseException] = None
+        self.stats: dict[str, Any] = {}
+        self._thread: Optional[threading.Thread] = None
+        self._paused = threading.Event()  # the flip began: in-place params may be written
+        self._ready = threading.Event()   # staged, failed, or waiting at the gate
+        self._abort = threading.Event()
+        self._stream = None
+
+    # -- what the session maps and what the state reports ---------------------------------
+
+    def targets(self, named: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        """The session's targets: the staging tensor of a staged param, else the param."""
+        return [(n, self.staging.get(n, t)) for n, t in named]
+
+    def session_prepared(self) -> None:
+        """After the session's construction: it zeroed the vocab padding rows of its targets
+        once (``receiver.param_map``; they never travel), here the staging tensors; give
+        the live params the same bytes, as an in-place session's preparation does (the
+        other bytes are the live ones: the staging tensors were copied from them)."""
+        _copy_all([self.live[n] for n in self.staging], list(self.staging.values()))
+
+    @property
+    def staged_bytes(self) -> int:
+        return sum(tensor_bytes(t) for t in self.staging.values())
+
+    @property
+    def in_place_bytes(self) -> int:
+        return sum(tensor_bytes(self.live[n]) for n in self.in_place)
+
+    def state(self) -> dict:
+        """Plain data: the phase, the live and staged versions, staging memory, timings."""
+        commit = self.weights.commit
+        devices = sorted({str(t.device) for t in self.staging.values()})
+        error = None if self.error is None else f"{type(self.error).__name__}: {self.error}"
+        return {"phase": self.phase, "live_version": self.weights.live.version,
+                "staged_version": commit[0] if commit and self.phase == "staged" else None,
+                "staging_bytes": self.staged_bytes, "staging_devices": devices,
+                "budget_bytes": self.budget_bytes, "in_place_params": list(self.in_place),
+                "in_place_bytes": self.in_place_bytes,
+                "error": error,
+                **self.stats}
+
+    # -- the transfer, on its own thread ----------------------------------------------------
+
+    def start(self, session: Any) -> dict:
+        """Start ``session.refit()`` into the staging tensors on a daemon thread; returns at
+        once (the state). Refused while one runs or a staged version waits for its flip."""
+        if self.phase in ("receiving", "waiting_for_pause"):
+            raise CallOrderError(f"{self.where}: a staged refit is running; wait for it and "
+                                 f"flip (or discard) it before starting another")
+        if self.phase == "staged":
+            raise CallOrderError(f"{self.where}: version {self.weights.commit[0]} is staged and "
+                                 f"not live yet; flip or discard it before starting another")
+        self.weights.reset()
+        self.result = self.error = None
+        self.stats = {}
+        self._paused.clear()
+        self._ready.clear()
+        self._abort.clear()
+        on_cuda = any(t.is_cuda for t in self.live.values())
+        if on_cuda and self._stream is None:
+            device = next(t.device for t in self.live.values() if t.is_cuda)
+            self._stream = torch.cuda.Stream(device=device)
+        if self._stream is not None:  # the last flip's copies out of staging come first
+            self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
+        self.phase = "receiving"
+        self.stats["started_at"] = time.time()
+        self._thread = threading.Thread(target=self._run, args=(session,), daemon=True,
+                                        name="megatron_reshard staged refit")
+        self._thread.start()
+        return self.state()
+
+    def _run(self, session: Any) -> None:
+        try:
+            if self._stream is not None:
+                torch.cuda.set_device(self._stream.device)
+            with torch.cuda.stream(self._stream) if self._stream is not None else nullcontext():
+                t0 = time.perf_counter()
+                _copy_all(list(self.staging.values()),
+                          [self.live[n] for n in self.staging])  # the mirror: base N
+                self.stats["mirror_s"] = time.perf_counter() - t0
+                result = session.refit()
+                if self._stream is not None:
+                    self._stream.synchronize()
+            self.stats["transfer_s"] = time.perf_counter() - t0
+            self.result = result
+            self.phase = "staged"
+        except BaseException as exc:  # noqa: BLE001 - handed to wait/flip, which raise it
+            self.error = exc
+            self.phase = "failed"
+        finally:
+            self._ready.set()
+
+    def _gate(self) -> None:
+        """Called (on the transfer thread) before a batch holding an in-place param: wait for
+        the flip, since the live storage may only change inside the pause."""
+        if self._paused.is_set():
+            return
+        self.phase = "waiting_for_pause"
+        self._ready.set()
+        while not self._paused.wait(_POLL_S):
+            self._check_abort()
+        self._check_abort()
+        self.phase = "receiving"
+
+    def _check_abort(self) -> None:
+        if self._abort.is_set():
+            raise StagedRefitError(f"{self.where}: the staged refit was discarded before it "
+                                   f"finished; the live weights are untouched")
+
+    def wait(self, timeout_s: Optional[float] = None) -> dict:
+        """Until staged (or waiting for the pause to write the in-place params); raises
+        ``StagedRefitError`` if it failed. The state."""
+        if self.phase == "idle":
+            raise CallOrderError(f"{self.where}: no staged refit started (start_staged_refit)")
+        if not self._ready.wait(timeout_s):
+            raise StagedRefitTimeout(f"{self.where}: the staged refit is still receiving after "
+                               f"{timeout_s} s")
+        self._raise_if_failed()
+        return self.state()
+
+    def _raise_if_failed(self) -> None:
+        if self.phase == "failed":
+            live = self.weights.live.as_dict()
+            held = (f"consistent at version {live['version']}" if live["state"] == "consistent"
+                    else f"inconsistent (in-place params {live['overwritten']} were written)")
+            raise StagedRefitError(f"{self.where}: the staged refit failed before its flip "
+                                   f"({type(self.error).__name__}: {self.error}); the live "
+                                   f"weights are {held}") from self.error
+
+    # -- the pause --------------------------------------------------------------------------
+
+    def flip(self) -> dict:
+        """Inside the pause: let the in-place params through, wait for the commit, copy
+        staging into the live params in place, advance the live version. Returns the
+        session's refit numbers with ``staged`` (this flip's)."""
+        if self.phase == "idle":
+            raise CallOrderError(f"{self.where}: no staged refit to flip (start_staged_refit)")
+        t0 = time.perf_counter()
+        self._paused.set()
+        self._thread.join()
+        t1 = time.perf_counter()
+        self._raise_if_failed()
+        names = list(self.staging)
+        _copy_all([self.live[n] for n in names], [self.staging[n] for n in names])
+        if any(t.is_cuda for t in self.staging.values()):
+            torch.cuda.current_stream(self._stream.device).synchronize()
+        t2 = time.perf_counter()
+        version, written, not_refitted = self.weights.commit
+        self.weights.live.committed(version, written, not_refitted=not_refitted)
+        self.phase = "idle"
+        self.stats.update(flip_wait_s=t1 - t0, flip_copy_s=t2 - t1, flip_s=t2 - t0,
+                          flip_bytes=self.staged_bytes)
+        out = dict(self.result)
+        out["staged"] = {**self.state(), "version": version}
+        return out
+
+    def discard(self, timeout_s: Optional[float] = None) -> dict:
+        """Drop the staged version (the live weights stay as they are), stopping a running
+        refit at its next batch (a failure posted on the fault boards: the peers fail too).
+        The state."""
+        if self._thread is not None and self._thread.is_alive():
+            self._abort.set()
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                raise StagedRefitTimeout(f"{self.where}: the staged refit did not stop within "
+                                   f"{timeout_s} s")
+        self.phase = "idle"
+        self.weights.reset()
+        return self.state()
+
+
+def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """``dst[i].copy_(src[i])`` for all i; one fused call per device where torch has it."""
+    if not dst:
+        return
+    with torch.no_grad():
+        if hasattr(torch, "_foreach_copy_"):
+            torch._foreach_copy_(dst, src)
+        else:
+            for d, s in zip(dst, src):
+                d.copy_(s)
+
+
+__all__ = ["PHASES", "StagedRefitError", "StagedRefitTimeout", "StagedRefits", "StagedWeights",
+           "check_budget", "plan_staging"]

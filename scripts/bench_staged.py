@@ -1,0 +1,280 @@
+"""Staged refits against in-place ones (issue 53): the generation pause, the flip against a
+memcpy of the same bytes, staging memory, and generation's speed while the transfer runs.
+
+    python scripts/bench_staged.py                    # CPU: two worlds (1 train, 1 gen rank)
+    python scripts/bench_staged.py --small            # CPU smoke (a tiny model)
+    python scripts/bench_staged.py --device cuda      # one GPU, colocated (CUDA IPC)
+
+Process 0 is a training world of one rank (a real megatron-core Qwen3-shaped model, PP1
+TP1, ``RefitSender``); process 1 a generation world of one rank (vLLM's per-rank params,
+``testing.vllm_like``, through the worker extension ``tools.e2e.ModuleWorker``). On a GPU
+both share the device and the refit group moves bytes with the colocated transport. Both
+ranks meet at a barrier before each refit (the training rank has already changed its
+weights), then:
+
+- ``in_place``: the generation rank calls ``refit()``; generation would stop for all of it:
+  the pause is that call's time;
+- ``staged``: ``start_staged_refit()`` returns at once; meanwhile the generation rank runs
+  "generation" passes (``x @ W.T`` over every 2-D live param: reads of the weights being
+  served) until the transfer has committed; then ``flip_staged_refit()``: the pause;
+- ``staged_budget``: staged with ``staging_budget_bytes`` = half the model: the rest is
+  received in place inside the pause (from the first batch of ``--batch-mib`` that holds
+  an in-place param on).
+
+Reported (median of ``--iters`` per mode): the pause, the pause as % of the in-place one,
+the flip's copy time against ``dst.copy_(src)`` of one buffer of the same bytes in the same
+run (GB/s, ratio), staging bytes, and the generation pass time during the transfer against
+the same passes with no transfer just before each staged refit (the slowdown). The last
+refit is checked bit for bit against the reference (full HF tensors sliced by vLLM's
+layout).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+MODES = ("in_place", "staged", "staged_budget")
+
+
+def _barrier(control, name: str, n: int = 2) -> None:
+    control.add(name, 1)
+    while int(control.add(name, 0)) < n:
+        time.sleep(0.001)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _job(job, args):
+    warnings_off()
+    control = dist.TCPStore(job.host, job.ports[0], 2, job.rank == 0,
+                            timeout=timedelta(seconds=args.timeout))
+    side = "train" if job.rank == 0 else "gen"
+    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"world/{side}", control), rank=0,
+                            world_size=1, timeout=timedelta(seconds=args.timeout))
+    transport = "colocated" if device.type == "cuda" else None
+    total = len(MODES) * args.iters
+    if side == "train":
+        return _train(job, args, control, device, transport, total)
+    return _gen(job, args, control, device, transport)
+
+
+def warnings_off() -> None:
+    import warnings
+
+    warnings.filterwarnings("ignore", category=UserWarning)
+
+
+def _model_overrides(args) -> dict:
+    if args.small:
+        return {}
+    return dict(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=16,
+                num_query_groups=4, ffn_hidden_size=args.ffn, vocab_size=args.vocab)
+
+
+def _train(job, args, control, device, transport, total):
+    from megatron.core import parallel_state as ps
+
+    from megatron_reshard.groups.comm import create_refit_group, destroy_refit_group
+    from megatron_reshard.megatron import MegatronRefitSource
+    from megatron_reshard.megatron.sender import RefitSender
+    from megatron_reshard.testing.megatron_models import TinyGPTSpec, build_gpt_model
+    from megatron_reshard.testing.megatron_reference import gather_full_hf_state_dict
+    from megatron_reshard.testing.vllm_like import expected_vllm_shard, vllm_param_shapes
+    from megatron_reshard.tools.e2e import perturb_, tensor_digest
+    from megatron_reshard.tools.run_config import MODEL_PRESETS
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    preset = dict(MODEL_PRESETS["dense"], **_model_overrides(args))
+    family = preset.pop("family")
+    spec = TinyGPTSpec(dtype="bfloat16", **preset)
+    torch.manual_seed(0)
+    model = build_gpt_model(spec).to(device=device, dtype=torch.bfloat16)
+    source = MegatronRefitSource(model, gen_parallelism={"tp_size": 1, "ep_size": 1, "pp_size": 1},
+                                 gen_world_size=1, family=family, vocab_size=spec.vocab_size)
+    control.set("payload", source.payload_bytes())
+    group = create_refit_group(job.host, job.ports[1], 0, 2, "gloo", args.timeout,
+                               who="train rank 0", transport=transport)
+    sender = RefitSender(source, group, device=device, batch_bytes=args.batch_mib << 20)
+    with torch.no_grad():
+        for k in range(total):
+            perturb_(model, k + 1)
+            _barrier(control, f"go/{k}")
+            sender.refit()
+    full = gather_full_hf_state_dict(model, family=family, vocab_size=spec.vocab_size)
+    full = {n: t.to("cpu") for n, t in full.items()}
+    control.set("expected", json.dumps({
+        n: tensor_digest(expected_vllm_shard(source.hf_config, n, full, 0, 1, 1))
+        for n in vllm_param_shapes(source.hf_config, 0, 1, 1)}))
+    _barrier(control, "end")
+    destroy_refit_group(group, args.timeout)
+    return {"params": sum(p.numel() for p in model.parameters())}
+
+
+def _generation_pass(weights: list, xs: list, device) -> float:
+    """One "generation" pass: every 2-D live param read by a small matmul; seconds."""
+    t0 = time.perf_counter()
+    for w, x in zip(weights, xs):
+        torch.matmul(x, w.t())
+    _sync(device)
+    return time.perf_counter() - t0
+
+
+def _gen(job, args, control, device, transport):
+    from megatron_reshard.testing.vllm_like import build_vllm_like_model
+    from megatron_reshard.tools.e2e import ModuleWorker, tensor_digest
+    from megatron_reshard.wire.codec import decode_payload
+
+    control.wait(["payload"], timedelta(seconds=args.timeout))
+    payload = decode_payload(control.get("payload"))
+    model = build_vllm_like_model(payload["hf_config"], 0, 1, 1, torch.bfloat16, device=device)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_()
+    worker = ModuleWorker(model)
+    worker.init_refit_groups(job.host, [job.ports[1]], 1, 2, "gloo", args.timeout)
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    weights = [p for p in model.parameters() if p.dim() == 2]
+    xs = [torch.randn(args.batch, w.shape[1], dtype=w.dtype, device=device) for w in weights]
+    _generation_pass(weights, xs, device)  # first touch
+    idle = []
+    rows = {m: [] for m in MODES}
+    k = 0
+    for mode in MODES:
+        options = {"batch_bytes": args.batch_mib << 20}
+        if mode != "in_place":
+            options["staged"] = True
+        if mode == "staged_budget":
+            options["staging_budget_bytes"] = model_bytes // 2
+        worker.prepare_refit(payload, options)
+        for _ in range(args.iters):
+            if mode == "staged":  # the same passes with no transfer, next to the busy ones
+                idle += [_generation_pass(weights, xs, device) for _ in range(args.passes)]
+            _barrier(control, f"go/{k}")
+            k += 1
+            if mode == "in_place":
+                t0 = time.perf_counter()
+                worker.refit()
+                _sync(device)
+                rows[mode].append({"pause_s": time.perf_counter() - t0})
+                continue
+            t0 = time.perf_counter()
+            worker.start_staged_refit()
+            passes = []
+            while worker.refit_weights_state()["staged"]["phase"] == "receiving":
+                passes.append(_generation_pass(weights, xs, device))
+            state = worker.wait_staged_refit(args.timeout)
+            ready_s = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            out = worker.flip_staged_refit()
+            pause = time.perf_counter() - t1
+            flip = out["staged"]
+            rows[mode].append({"pause_s": pause, "ready_s": ready_s, "passes": passes,
+                               "flip_copy_s": flip["flip_copy_s"], "flip_bytes": flip["flip_bytes"],
+                               "staging_bytes": state["staging_bytes"],
+                               "in_place_bytes": state["in_place_bytes"],
+                               "mirror_s": flip.get("mirror_s")})
+    # the flip's copy against one memcpy of the same bytes, same run
+    nbytes = rows["staged"][-1]["flip_bytes"]
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_(0, 255)
+    dst = torch.empty_like(src)
+    memcpy = []
+    for _ in range(max(3, args.iters)):
+        _sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        memcpy.append(time.perf_counter() - t0)
+    control.wait(["expected"], timedelta(seconds=args.timeout))
+    want = json.loads(control.get("expected"))
+    wrong = sorted(n for n, p in model.named_parameters() if want.get(n) != tensor_digest(p))
+    _barrier(control, "end")
+    return {"rows": rows, "idle_pass_s": idle, "memcpy_s": memcpy, "model_bytes": model_bytes,
+            "wrong": wrong, "names": len(want)}
+
+
+def _median(xs):
+    return statistics.median(xs) if xs else float("nan")
+
+
+def summarize(gen: dict) -> dict:
+    rows = gen["rows"]
+    in_place = _median([r["pause_s"] for r in rows["in_place"]])
+    out = {"model_bytes": gen["model_bytes"], "in_place_pause_ms": in_place * 1e3,
+           "bit_exact": not gen["wrong"], "wrong": gen["wrong"][:5]}
+    idle = _median(gen["idle_pass_s"])
+    memcpy = _median(gen["memcpy_s"])
+    for mode in ("staged", "staged_budget"):
+        rs = rows[mode]
+        pause = _median([r["pause_s"] for r in rs])
+        copy = _median([r["flip_copy_s"] for r in rs])
+        busy = [p for r in rs for p in r["passes"]]
+        out[mode] = {
+            "pause_ms": pause * 1e3, "pause_pct_of_in_place": 100 * pause / in_place,
+            "ready_ms": _median([r["ready_s"] for r in rs]) * 1e3,
+            "flip_copy_ms": copy * 1e3, "flip_bytes": rs[-1]["flip_bytes"],
+            "staging_bytes": rs[-1]["staging_bytes"], "in_place_bytes": rs[-1]["in_place_bytes"],
+            "generation_passes_during_transfer": len(busy),
+            "pass_ms_during_transfer": _median(busy) * 1e3,
+        }
+        if mode == "staged":
+            gbps = rs[-1]["flip_bytes"] / copy / 1e9
+            out[mode].update(flip_gbps=gbps, memcpy_ms=memcpy * 1e3,
+                             memcpy_gbps=rs[-1]["flip_bytes"] / memcpy / 1e9,
+                             flip_vs_memcpy=memcpy / copy)
+    out["pass_ms_idle"] = idle * 1e3
+    out["slowdown_during_transfer"] = out["staged"]["pass_ms_during_transfer"] / (idle * 1e3)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--small", action="store_true", help="the tiny test model")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--ffn", type=int, default=4096)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--passes", type=int, default=5,
+                    help="generation passes with no transfer before each staged refit")
+    ap.add_argument("--batch-mib", type=int, default=64,
+                    help="the refit loop's batch_bytes on both sides (MiB): the gate of "
+                         "staged_budget waits at the first batch holding an in-place param")
+    ap.add_argument("--batch", type=int, default=4, help="rows of a generation pass's input")
+    ap.add_argument("--timeout", type=float, default=300.0)
+    ap.add_argument("--json", action="store_true", help="print the raw rows too")
+    args = ap.parse_args(argv)
+    from megatron_reshard.tools.worlds import WorkerPool
+
+    pool = WorkerPool(2)
+    try:
+        results = pool.run(_job, 2, args, num_ports=2, timeout_s=args.timeout * 4)
+    finally:
+        pool.close()
+    gen = results[1]
+    summary = summarize(gen)
+    env = {"torch": torch.__version__, "device": args.device,
+           "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None,
+           "model_params": results[0]["params"], "iters": args.iters}
+    print(json.dumps({"env": env, **summary}, indent=1))
+    if args.json:
+        print(json.dumps(gen["rows"]))
+    return 0 if summary["bit_exact"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
