@@ -48,7 +48,8 @@ place, each shim explained there):
   nothing the tests run executes a Triton kernel (no forward pass: model classes are built,
   loaded and post-processed). That one check runs with ``vllm.triton_utils.HAS_TRITON``
   answered True, restored right after; every module that imported the flag keeps False
-  (``_cpu_platform_without_triton``; nothing where the running vLLM has Triton).
+  (``cpu_platform_without_triton``, installed by ``set_vllm_cpu_environment``; nothing where
+  the running vLLM has Triton).
 
 - vLLM's Qwen3.5 module (``models/qwen3_5.py``, text classes and multimodal ones in one file)
   imports its vision model ``qwen3_vl``, which imports transformers'
@@ -97,13 +98,18 @@ CPU_PLATFORM_CHECK = None  # vLLM's own CpuPlatform.check_and_update_config, kep
 
 def set_vllm_cpu_environment() -> None:
     """Environment vLLM needs on a CPU-only machine, its CPU platform chosen through a
-    platform plugin (see the module docstring); call before the first vLLM import. Spawned
-    processes and subprocesses inherit both."""
+    platform plugin and configurable without triton-cpu (see the module docstring); call
+    before the first vLLM import. Spawned processes and subprocesses inherit the first two."""
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # else: UnspecifiedPlatform
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_CACHE_ROOT", tempfile.mkdtemp(prefix="vllm-cache-"))
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     _declare_cpu_platform_plugin()
+    try:  # every VllmConfig() of the process then configures the CPU platform (vLLM 0.34)
+        cpu_platform_without_triton()
+    except ModuleNotFoundError as exc:  # the main test venv: no vLLM
+        if exc.name != "vllm":
+            raise
 
 
 # the entry-point group of vLLM's platform plugins (vllm.platforms.PLATFORM_PLUGINS_GROUP)
