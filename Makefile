@@ -6,22 +6,50 @@ PY := $(VENV)/bin/python
 # would pull a multi-GB CUDA build. On a GPU machine, install torch first and skip this.
 TORCH_SPEC ?= torch==2.13.0
 
-# The real-vLLM tests (tests/real_vllm) run in a venv of their own: vLLM 0.33 needs transformers
-# 5.x, the transformers oracle of the main suite pins 4.57. vLLM is installed without its
-# declared dependencies (they pull a CUDA torch and ~9 GB of NVIDIA libraries): only the
-# Python packages its model classes and configs import (docs/DESIGN.md, "Real vLLM in the tests").
+# The real-vLLM tests (tests/real_vllm) run in venvs of their own, one per end of the supported
+# vLLM range (0.25.1 .. 0.34.0): vLLM needs transformers 5.x, the transformers oracle of the main
+# suite pins 4.57. vLLM is installed without its declared dependencies (they pull a CUDA torch and
+# ~9 GB of NVIDIA libraries): only the Python packages its model classes and configs import, at
+# the bounds of that version's METADATA (docs/DESIGN.md, "Real vLLM in the tests").
+# The newest supported vLLM runs all of tests/real_vllm.
 VLLM_VENV := .venv-vllm
 VPY := $(VLLM_VENV)/bin/python
-VLLM_SPEC ?= vllm==0.33.0
+VLLM_SPEC ?= vllm==0.34.0
+# The oldest supported vLLM runs the subset marked `vllm_range` (dense + MoE models, the plugin).
+VLLM_OLD_VENV := .venv-vllm-0.25
+VOPY := $(VLLM_OLD_VENV)/bin/python
+VLLM_OLD_SPEC ?= vllm==0.25.1
 # vLLM goes in without its declared dependencies, so every later install would print pip's
 # 30-line "dependency resolver does not currently take into account ..." list of them;
 # --no-warn-conflicts drops that list only (errors still print and fail the recipe)
-VPIP := $(VPY) -m pip install -q --no-warn-conflicts
-VLLM_DEPS := numpy "transformers>=5.16.1,<5.21" pydantic regex cachetools psutil sentencepiece \
+PIP_Q := -m pip install -q --no-warn-conflicts
+# what every vLLM of the range imports for its model classes and configs
+VLLM_COMMON_DEPS := numpy pydantic regex cachetools psutil sentencepiece \
 	requests tqdm blake3 py-cpuinfo tokenizers safetensors protobuf msgspec cloudpickle pyzmq \
 	einops pyyaml filelock typing_extensions cbor2 pybase64 ijson setproctitle \
 	partial-json-parser jsonschema prometheus_client aiohttp pillow watchfiles \
-	python-json-logger "oss-harmony>=0.0.11" openai uvloop "fastapi<0.137" "llguidance>=1.7,<1.8"
+	python-json-logger openai uvloop "fastapi<0.137" "llguidance>=1.7,<1.8"
+# per version, from its wheel's METADATA: transformers bounds, the harmony package, and the
+# pinned no-deps extras (vLLM's quantization registry and Qwen3-Next import compressed-tensors;
+# loguru is its one missing dependency; FlashInfer's MoE permutation helpers run on CPU tensors)
+VLLM_DEPS := $(VLLM_COMMON_DEPS) "transformers>=5.16.1,<5.23" "oss-harmony>=0.0.11"
+VLLM_NODEPS := xgrammar==0.2.8 apache-tvm-ffi==0.1.11 flashinfer-python==0.7.2.post1 nvidia-ml-py \
+	compressed-tensors==0.17.0 loguru==0.7.3
+VLLM_OLD_DEPS := $(VLLM_COMMON_DEPS) "transformers>=5.5.3,<5.23" "openai-harmony>=0.0.3"
+VLLM_OLD_NODEPS := xgrammar==0.2.8 apache-tvm-ffi==0.1.9 compressed-tensors==0.17.0 loguru==0.7.3
+
+# $(call vllm_venv,venv,vllm spec,deps,no-deps packages): a real-vLLM venv, CPU torch
+define vllm_venv
+	test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
+	$(1)/bin/python -m pip install -q --upgrade pip
+	$(1)/bin/python -m pip install -q "$(TORCH_SPEC)"
+	$(1)/bin/python $(PIP_Q) --no-deps "$(2)"
+	$(1)/bin/python $(PIP_Q) $(3)
+	$(1)/bin/python $(PIP_Q) --no-deps $(4)
+	$(1)/bin/python $(PIP_Q) pytest hypothesis "megatron-core>=0.16.1"
+	$(1)/bin/python $(PIP_Q) --no-deps -e .
+	touch $(1)/.installed
+endef
 
 # verl 0.9.1 for the adapter tests (tests/test_adapters_verl.py), beside the main venv (the
 # test appends it to sys.path): verl and only what its checkpoint-engine modules import,
@@ -34,7 +62,8 @@ VERL_PKGS := verl==0.9.1 ray==2.60.0 protobuf==7.36.2 msgpack==1.2.4 jsonschema=
 	tensordict==0.10.0 pyvers==0.2.3 uvicorn==0.55.0 fastapi==0.136.3 starlette==1.10.0 \
 	annotated-doc==0.0.7 anyio==4.16.0
 
-.PHONY: install install-vllm install-verl test test-main test-vllm demo bench clean
+.PHONY: install install-vllm install-vllm-oldest install-verl test test-main test-vllm \
+	test-vllm-oldest demo bench clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -44,20 +73,10 @@ $(VENV)/.installed: pyproject.toml Makefile
 	touch $@
 
 $(VLLM_VENV)/.installed: pyproject.toml Makefile
-	test -x $(VPY) || $(PYTHON) -m venv $(VLLM_VENV)
-	$(VPY) -m pip install -q --upgrade pip
-	$(VPY) -m pip install -q "$(TORCH_SPEC)"
-	$(VPIP) --no-deps "$(VLLM_SPEC)"
-	$(VPIP) $(VLLM_DEPS)
-	$(VPIP) --no-deps xgrammar==0.2.8 apache-tvm-ffi==0.1.11
-	# FlashInfer's MoE permutation helpers run on CPU tensors: vLLM's TRTLLM conversion in tests
-	$(VPIP) --no-deps flashinfer-python==0.7.2.post1 nvidia-ml-py
-	# vLLM's quantization registry imports them (block-FP8 models build in the real-vLLM tests),
-	# and so does vLLM 0.33's Gated-DeltaNet layer (Qwen3-Next); loguru is their one missing dep
-	$(VPIP) --no-deps compressed-tensors==0.17.0 loguru==0.7.3
-	$(VPIP) pytest hypothesis "megatron-core>=0.16.1"
-	$(VPIP) --no-deps -e .
-	touch $@
+	$(call vllm_venv,$(VLLM_VENV),$(VLLM_SPEC),$(VLLM_DEPS),$(VLLM_NODEPS))
+
+$(VLLM_OLD_VENV)/.installed: pyproject.toml Makefile
+	$(call vllm_venv,$(VLLM_OLD_VENV),$(VLLM_OLD_SPEC),$(VLLM_OLD_DEPS),$(VLLM_OLD_NODEPS))
 
 install: $(VENV)/.installed
 
@@ -69,8 +88,10 @@ $(VERL_SITE)/.installed: Makefile
 
 install-verl: install $(VERL_SITE)/.installed
 
-# the whole suite: the main tests, then the real-vLLM tests in their venv
-test: test-main test-vllm
+install-vllm-oldest: $(VLLM_OLD_VENV)/.installed
+
+# the whole suite: the main tests, then the real-vLLM tests in each end of the vLLM range
+test: test-main test-vllm test-vllm-oldest
 
 test-main: install install-verl
 	$(PY) -m pytest -q
@@ -78,8 +99,11 @@ test-main: install install-verl
 test-vllm: install-vllm
 	$(VPY) -m pytest -q tests/real_vllm
 
+test-vllm-oldest: install-vllm-oldest
+	$(VOPY) -m pytest -q -m vllm_range tests/real_vllm
+
 demo: install
 	$(VENV)/bin/megatron-reshard demo
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(VERL_SITE) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_OLD_VENV) $(VERL_SITE) build *.egg-info .pytest_cache

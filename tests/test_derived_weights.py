@@ -112,3 +112,26 @@ def test_a_layer_holding_expert_weights_is_never_re_processed():
     assert [name for name, _, _ in mla_layers(model)] == []
     del layer.w13_weight
     assert [name for name, _, _ in mla_layers(model)] == ["layers.0.attn"]
+
+
+class _StandInMlaImplOwnDtype(_StandInMlaImpl):
+    """vLLM 0.34's form: the post-load step takes no dtype (the layer keeps its own)."""
+
+    act_dtype = torch.float32
+
+    def process_weights_after_loading(self) -> None:  # noqa: D102 - same step, no argument
+        super().process_weights_after_loading(self.act_dtype)
+
+
+def test_a_post_load_step_without_a_dtype_argument_is_called_without_one():
+    model = _model(1)
+    layer = model.layers[0]
+    layer.attn.impl = _StandInMlaImplOwnDtype(layer.kv_b_proj, 2, 2, 3)
+    layer.attn.impl.process_weights_after_loading()  # model load
+    with torch.no_grad():
+        layer.kv_b_proj.weight.mul_(3.0)
+    assert refresh_derived_weights(model, _written(model), act_dtype=torch.bfloat16) == ["layers.0.attn"]
+    fresh = _StandInMlaImplOwnDtype(layer.kv_b_proj, 2, 2, 3)
+    fresh.process_weights_after_loading()
+    assert layer.attn.impl.calls == 2 and layer.attn.impl.W_UV.dtype == torch.float32
+    assert torch.equal(layer.attn.impl.W_UV, fresh.W_UV)

@@ -35,6 +35,7 @@ the ``MLAAttention`` layer itself (``...self_attn.mla_attn.mla_attn``), listed b
 
 from __future__ import annotations
 
+import inspect
 import time
 from typing import Any, Collection, Optional
 
@@ -145,7 +146,7 @@ def refresh_derived_weights(model: torch.nn.Module, written: Collection[torch.Te
         dtype = act_dtype or getattr(holder, "W_UV", getattr(holder, "W_UK_T", weight)).dtype
         t0 = time.perf_counter()
         with torch.no_grad():
-            holder.process_weights_after_loading(dtype)
+            _post_load(holder, dtype)
         staged = _keep_storage(holder, before, name)
         if stats is not None:
             stats["peak_staging_bytes"] = max(stats.get("peak_staging_bytes", 0), staged)
@@ -160,6 +161,15 @@ def refresh_derived_weights(model: torch.nn.Module, written: Collection[torch.Te
             f"recompute {' / '.join(_MARKERS)} from; vLLM would keep generating from the old "
             f"attention weights (this vLLM version keeps them where the refit does not look)")
     return refreshed
+
+
+def _post_load(holder: Any, dtype: torch.dtype) -> None:
+    """The holder's own post-load step: vLLM 0.33 and older pass the model dtype, vLLM 0.34's
+    ``MLAAttention`` takes no argument (it reads its own ``act_dtype``)."""
+    if inspect.signature(holder.process_weights_after_loading).parameters:
+        holder.process_weights_after_loading(dtype)
+    else:
+        holder.process_weights_after_loading()
 
 
 def _looks_like_vllm(model: torch.nn.Module) -> bool:

@@ -29,6 +29,7 @@ through the live objects, never imported here.
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 import sys
 from typing import Any, Callable, Optional
@@ -174,6 +175,20 @@ def _expert_terms(probe: tuple[torch.Tensor, ...], num_experts: int, device) -> 
     return tuple(t.to(device) for t in (experts, rows) + tuple(probe[2:]))
 
 
+# the one variant of vLLM 0.25's CPU MoE path (``method.cpu_fused_moe``) that computes through
+# views of w13/w2 as loaded; its others (SGL, grouped GEMM, oneDNN) pack or drop them
+_OLD_CPU_KEEPING_FORWARD = "forward_torch"
+
+
+def _old_cpu_path_repacks(method: Any) -> bool:
+    """vLLM 0.25's CPU MoE (no ``moe_kernel``; ``cpu_fused_moe`` set after loading): whether
+    it holds anything but w13/w2 in checkpoint order."""
+    if not hasattr(method, "cpu_fused_moe"):
+        return False
+    forward = getattr(method.cpu_fused_moe, "forward_method", None)
+    return getattr(forward, "__name__", None) != _OLD_CPU_KEEPING_FORWARD
+
+
 def _experts_finish_loading(method: Any) -> bool:
     """Whether the MoE kernel's experts run a post-load step of their own (one that
     overrides their root class's, a no-op in vLLM 0.33) after the conversion."""
@@ -186,6 +201,16 @@ def _experts_finish_loading(method: Any) -> bool:
         vars(roots[0])["process_weights_after_loading"]
 
 
+def _layer_argument(convert: Callable) -> dict:
+    """``layer=None`` where vLLM's conversion takes the layer (0.33: MoonEP reads it),
+    nothing where it does not (0.25.1's takes the backend, config and weights only)."""
+    try:
+        takes = "layer" in inspect.signature(convert).parameters
+    except (TypeError, ValueError):  # no signature to read: call it as the newer vLLM does
+        takes = True
+    return {"layer": None} if takes else {}
+
+
 def _moe_orders(layer_name: str, module: torch.nn.Module, method: Any,
                 params: dict[str, torch.Tensor]) -> dict[str, KernelOrder]:
     backend = _backend_name(method)
@@ -193,7 +218,7 @@ def _moe_orders(layer_name: str, module: torch.nn.Module, method: Any,
         raise refusal(layer_name, method, backend, "this backend's post-load step changes the "
                       "expert storage in ways the refit does not run (it is not vLLM's "
                       "convert_to_unquantized_kernel_format alone)", MOE_SETTING)
-    if backend == "CPU" and _experts_finish_loading(method):
+    if backend == "CPU" and (_experts_finish_loading(method) or _old_cpu_path_repacks(method)):
         raise refusal(layer_name, method, backend, "vLLM's CPU experts prepack w13/w2 into "
                       "their own layout after loading (vllm._C)", "refit a GPU worker")
     convert = getattr(sys.modules.get(type(method).__module__), "convert_to_unquantized_kernel_format", None)
@@ -209,10 +234,12 @@ def _moe_orders(layer_name: str, module: torch.nn.Module, method: Any,
            getattr(config, "intermediate_size_per_partition_unpadded", None),
            getattr(config, "intermediate_size_per_partition", None))
     if key not in _learned:
+        extra = _layer_argument(convert)
+
         def run(a: torch.Tensor, b: torch.Tensor):
             a, b = a.to(w13.dtype), b.to(w2.dtype)
             with torch.no_grad():  # a throwaway copy of the config: the TRTLLM path writes it
-                return convert(method.unquantized_backend, copy.copy(config), a, b, layer=None)
+                return convert(method.unquantized_backend, copy.copy(config), a, b, **extra)
         try:
             _learned[key] = learn_order(run, shapes, w13.device)
         except Exception as exc:  # vLLM's code failed or did not rearrange: refuse, say why
@@ -240,6 +267,28 @@ def _moe_orders(layer_name: str, module: torch.nn.Module, method: Any,
     return orders
 
 
+# the checkpoint scales of vLLM's KV-cache quant method (Fp8KVCacheMethod, ...): single
+# float32 values, never reordered; vLLM 0.34 keeps them as params after loading (0.33 deleted them)
+KV_CACHE_METHOD_SUFFIX = "KVCacheMethod"
+KV_CACHE_SCALE_PARAMS = frozenset({"k_scale", "v_scale", "q_scale", "prob_scale"})
+
+
+def _kv_cache_scales_only(method: Any, params: dict[str, torch.Tensor]) -> bool:
+    return _name(method).endswith(KV_CACHE_METHOD_SUFFIX) and set(params) <= KV_CACHE_SCALE_PARAMS \
+        and all(p.numel() == 1 for p in params.values())
+
+
+def kv_cache_scale_names(model: torch.nn.Module) -> set[str]:
+    """Names of the KV-cache scale params of vLLM's attention layers: no refit target (the
+    training side has none; vLLM's own weight update keeps them as loaded too)."""
+    out = set()
+    for name, module in model.named_modules():
+        params = dict(module.named_parameters(recurse=False))
+        if params and _kv_cache_scales_only(getattr(module, "quant_method", None), params):
+            out.update(f"{name}.{n}" if name else n for n in params)
+    return out
+
+
 def storage_orders(model: torch.nn.Module, skip: Any = (), staged: Any = ()) -> dict[str, KernelOrder]:
     """``{param name: KernelOrder}`` of the params vLLM stores out of checkpoint order;
     raises ``KernelLayoutError`` for a layer whose storage order is not known. ``skip``:
@@ -256,7 +305,7 @@ def storage_orders(model: torch.nn.Module, skip: Any = (), staged: Any = ()) -> 
             continue
         prefix = f"{name}." if name else ""
         kind = _name(method)
-        if kind in ORDER_KEEPING_METHODS or name in staged:
+        if kind in ORDER_KEEPING_METHODS or name in staged or _kv_cache_scales_only(method, params):
             continue
         if kind == UNQUANTIZED_MOE_METHOD:
             orders.update({prefix + leaf: o for leaf, o in
@@ -284,4 +333,5 @@ def padding_rows(order: Optional[KernelOrder], dim: int) -> Optional[int]:
     return int(pad[0]) if pad.numel() else None
 
 
-__all__ = ["KernelLayoutError", "learn_order", "padding_rows", "refusal", "storage_orders"]
+__all__ = ["KernelLayoutError", "kv_cache_scale_names", "learn_order", "padding_rows", "refusal",
+           "storage_orders"]

@@ -30,7 +30,7 @@ from megatron_reshard.receiver.derived import (
     derived_param_names,
     refresh_derived_weights,
 )
-from megatron_reshard.receiver.kernel_layouts import storage_orders
+from megatron_reshard.receiver.kernel_layouts import kv_cache_scale_names, storage_orders
 from megatron_reshard.receiver.session import ReceiverSession
 from megatron_reshard.receiver.staged_conversion import (
     StagedConversionError,
@@ -282,6 +282,7 @@ class RefitWorkerState:
                                 f"{list(PrepareOptions.NAMES)}")
         self.session = self.options = self.staged = self.stager = None
         derived = derived_param_names(model)  # recomputed after each refit, never received
+        derived |= kv_cache_scale_names(model)  # no weights: vLLM 0.34 keeps them as params
         with fault_scope(groups.values()):  # a refusal reaches the training ranks too
             checked = PrepareOptions.of(options)
             # layers vLLM's post-load converts by computing (block FP8): received in

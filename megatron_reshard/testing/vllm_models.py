@@ -21,6 +21,11 @@ place, each shim explained there):
 - Each architecture's class is registered in-process: vLLM otherwise inspects every
   architecture once in a subprocess (10-22 s each on 2 cores) to keep CUDA out of the
   parent, which a CPU-only process does not need.
+- vLLM 0.25's CPU MoE takes its older path (``UnquantizedFusedMoEMethod`` with
+  ``cpu_fused_moe.CPUFusedMOE``, no ``CPUUnquantizedExperts``): without ``vllm._C``'s
+  ``prepack_moe_weight`` (the CUDA wheel lacks it) and with ``VLLM_CPU_SGL_KERNEL`` off it
+  keeps w13/w2 in checkpoint order and computes through views of them, so no shim is needed
+  there (``receiver.kernel_layouts`` refuses the prepacking variants of that path).
 - A FlashInfer unquantized MoE backend (``moe_backend="flashinfer_cutlass"`` /
   ``"flashinfer_trtllm"``, vLLM's ``--moe-backend``) is honoured on the CPU: vLLM's own
   backend choice would refuse it (no CUDA), so ``select_unquantized_moe_backend`` returns
@@ -28,6 +33,23 @@ place, each shim explained there):
   decides the stored bytes is vLLM's own: the allocation with its padding
   (``maybe_roundup_sizes``) and the post-load conversion
   (``convert_to_unquantized_kernel_format``, FlashInfer's permutation helpers on CPU).
+
+- vLLM's CPU platform is chosen through vLLM's own platform-plugin hook (entry-point group
+  ``vllm.platform_plugins``; ``cpu_platform_plugin`` answers ``CpuPlatform`` when
+  ``VLLM_TARGET_DEVICE=cpu``), declared by a metadata-only folder that
+  ``set_vllm_cpu_environment`` puts on ``sys.path`` and ``PYTHONPATH``. vLLM 0.25 picks its
+  CPU platform only for a CPU build (the installed version string holds "cpu") or macOS, and
+  resolves the platform while ``import vllm`` runs: the CUDA wheel installed here would get
+  ``UnspecifiedPlatform`` ("Failed to infer device type"). From 0.26 ``VLLM_TARGET_DEVICE``
+  alone picks it; the plugin names the same class there.
+- vLLM 0.34's x86 CPU platform refuses to configure without Triton
+  (``CpuPlatform.check_and_update_config``: "vLLM on x86 CPUs requires Triton
+  (triton-cpu)"; 0.33 and older only warned). triton-cpu is not on the package index, and
+  nothing the tests run executes a Triton kernel (no forward pass: model classes are built,
+  loaded and post-processed). That one check runs with ``vllm.triton_utils.HAS_TRITON``
+  answered True, restored right after; every module that imported the flag keeps False
+  (``cpu_platform_without_triton``, installed by ``set_vllm_cpu_environment``; nothing where
+  the running vLLM has Triton).
 
 - vLLM's Qwen3.5 module (``models/qwen3_5.py``, text classes and multimodal ones in one file)
   imports its vision model ``qwen3_vl``, which imports transformers'
@@ -49,6 +71,7 @@ import contextlib
 import importlib
 import json
 import os
+import sys
 import tempfile
 from typing import Any, Mapping, Optional
 
@@ -70,14 +93,57 @@ ARCHITECTURE_MODULES = {
 }
 _SHIMS_INSTALLED = False
 CPU_EXPERTS_PREPACK = None  # vLLM's own post-load step of its CPU experts, kept aside by the shim
+CPU_PLATFORM_CHECK = None  # vLLM's own CpuPlatform.check_and_update_config, kept aside by the shim
 
 
 def set_vllm_cpu_environment() -> None:
-    """Environment vLLM needs on a CPU-only machine; call before the first vLLM import."""
+    """Environment vLLM needs on a CPU-only machine, its CPU platform chosen through a
+    platform plugin and configurable without triton-cpu (see the module docstring); call
+    before the first vLLM import. Spawned processes and subprocesses inherit the first two."""
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # else: UnspecifiedPlatform
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_CACHE_ROOT", tempfile.mkdtemp(prefix="vllm-cache-"))
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    _declare_cpu_platform_plugin()
+    try:  # every VllmConfig() of the process then configures the CPU platform (vLLM 0.34)
+        cpu_platform_without_triton()
+    except ModuleNotFoundError as exc:  # the main test venv: no vLLM
+        if exc.name != "vllm":
+            raise
+
+
+# the entry-point group of vLLM's platform plugins (vllm.platforms.PLATFORM_PLUGINS_GROUP)
+PLATFORM_PLUGINS_GROUP = "vllm.platform_plugins"
+CPU_PLATFORM = "vllm.platforms.cpu.CpuPlatform"
+_PLUGIN_SITE = "MEGATRON_RESHARD_VLLM_CPU_PLUGIN_SITE"  # env: the folder, made once per run
+
+
+def cpu_platform_plugin() -> Optional[str]:
+    """vLLM's platform plugin hook: its CPU platform, when ``VLLM_TARGET_DEVICE=cpu``."""
+    return CPU_PLATFORM if os.environ.get("VLLM_TARGET_DEVICE") == "cpu" else None
+
+
+def _declare_cpu_platform_plugin() -> None:
+    """A folder holding only the metadata of a distribution that declares
+    ``cpu_platform_plugin`` in ``PLATFORM_PLUGINS_GROUP``, on ``sys.path`` and
+    ``PYTHONPATH`` (vLLM reads plugins through ``importlib.metadata``)."""
+    site = os.environ.get(_PLUGIN_SITE)
+    if site is None:
+        site = tempfile.mkdtemp(prefix="vllm-cpu-platform-")
+        info = os.path.join(site, "megatron_reshard_test_cpu_platform-0.0.dist-info")
+        os.mkdir(info)
+        with open(os.path.join(info, "METADATA"), "w") as f:
+            f.write("Metadata-Version: 2.1\nName: megatron-reshard-test-cpu-platform\n"
+                    "Version: 0.0\n")
+        with open(os.path.join(info, "entry_points.txt"), "w") as f:
+            f.write(f"[{PLATFORM_PLUGINS_GROUP}]\n"
+                    f"megatron_reshard_test_cpu = {__name__}:cpu_platform_plugin\n")
+        os.environ[_PLUGIN_SITE] = site
+    if site not in sys.path:
+        sys.path.append(site)
+    paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    if site not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (*paths, site) if p)
 
 
 def _install_cpu_shims() -> None:
@@ -100,9 +166,11 @@ def _install_cpu_shims() -> None:
     from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEExperts
 
     global CPU_EXPERTS_PREPACK
-    CPU_EXPERTS_PREPACK = cpu_moe.CPUUnquantizedExperts.process_weights_after_loading
-    cpu_moe.CPUUnquantizedExperts.process_weights_after_loading = \
-        FusedMoEExperts.process_weights_after_loading
+    if hasattr(cpu_moe, "CPUUnquantizedExperts"):  # vLLM 0.25: the old CPU path, see above
+        CPU_EXPERTS_PREPACK = cpu_moe.CPUUnquantizedExperts.process_weights_after_loading
+        cpu_moe.CPUUnquantizedExperts.process_weights_after_loading = \
+            FusedMoEExperts.process_weights_after_loading
+    cpu_platform_without_triton()
     _honour_flashinfer_moe_backend()
     _honour_block_fp8_kernels()
     for arch, module in ARCHITECTURE_MODULES.items():
@@ -110,6 +178,29 @@ def _install_cpu_shims() -> None:
             cls = getattr(importlib.import_module(f"vllm.model_executor.models.{module}"), arch)
         ModelRegistry.register_model(arch, cls)
     _SHIMS_INSTALLED = True
+
+
+def cpu_platform_without_triton() -> None:
+    """Let vLLM's CPU platform configure a ``VllmConfig`` without triton-cpu (see the module
+    docstring); idempotent, and nothing where Triton is there."""
+    import vllm.triton_utils as triton_utils
+    from vllm.platforms.cpu import CpuPlatform
+
+    global CPU_PLATFORM_CHECK
+    check = CpuPlatform.check_and_update_config
+    if triton_utils.HAS_TRITON or getattr(check, "without_triton", False):
+        return
+    CPU_PLATFORM_CHECK = check
+
+    def check_without_triton(cls, vllm_config) -> None:
+        triton_utils.HAS_TRITON = True
+        try:
+            check.__func__(cls, vllm_config)
+        finally:
+            triton_utils.HAS_TRITON = False
+
+    check_without_triton.without_triton = True
+    CpuPlatform.check_and_update_config = classmethod(check_without_triton)
 
 
 # the torchvision modules transformers' Qwen2-VL image processor imports at module level
@@ -122,7 +213,6 @@ def _vision_imports_without_torchvision():
     """Empty stand-ins for ``TORCHVISION_STAND_INS`` while vLLM's Qwen3.5 module imports (see
     the module docstring); nothing when torchvision imports or is already imported."""
     import importlib.machinery
-    import sys
     import types
 
     try:
@@ -170,6 +260,10 @@ class _NoCudaKernel:
         def process_weights_after_loading(layer) -> None:
             return None
 
+        @staticmethod
+        def keep_constants(layer) -> None:  # vLLM 0.34: no kernel built, nothing it allocated
+            return None
+
 
 class _NoCudaExperts:
     """The kernel class the shim gives vLLM's online FP8 MoE methods for a backend it chose
@@ -182,6 +276,8 @@ def _honour_flashinfer_moe_backend() -> None:
     from vllm.model_executor.layers.fused_moe import unquantized_fused_moe_method as method
     from vllm.model_executor.layers.fused_moe.oracle import unquantized as oracle
 
+    if not hasattr(method.UnquantizedFusedMoEMethod, "_init_moe_kernel"):
+        return  # vLLM 0.25: the FlashInfer-on-CPU checks run on the newest vLLM only
     choose = method.select_unquantized_moe_backend
     build = method.UnquantizedFusedMoEMethod._init_moe_kernel
     flashinfer = {oracle.UnquantizedMoeBackend.FLASHINFER_CUTLASS,
@@ -229,6 +325,8 @@ def _honour_block_fp8_kernels() -> None:
     from vllm.model_executor.layers.quantization import fp8 as method
     from vllm.model_executor.layers.quantization.online import fp8 as online
 
+    if not hasattr(method.Fp8MoEMethod, "_init_moe_kernel"):
+        return  # vLLM 0.25: the FP8 checks run on the newest vLLM only
     choose = method.select_fp8_moe_backend
     build = method.Fp8MoEMethod._init_moe_kernel
 
@@ -380,7 +478,10 @@ def loaded_model(config, full_hf: Mapping[str, torch.Tensor], may_miss=()) -> to
     built = {n for n, _ in model.named_parameters()}
     with set_current_vllm_config(config):
         loaded = model.load_weights(iter(full_hf.items()))
-    missing = sorted(n for n in built - set(loaded or ()) - set(may_miss)
+    reported = set(loaded or ())
+    # vLLM 0.25's MoE runner reports its experts' params one level up (without routed_experts)
+    reported |= {n.replace(".mlp.experts.", ".mlp.experts.routed_experts.") for n in reported}
+    missing = sorted(n for n in built - reported - set(may_miss)
                      if not n.endswith(KV_CACHE_SCALES))
     if loaded is not None and missing:
         raise AssertionError(f"vLLM's load_weights left params unloaded: {missing}")
@@ -439,7 +540,8 @@ def _same_bits(x: torch.Tensor, y: torch.Tensor) -> bool:
     return torch.equal(as_bytes(x), as_bytes(y))
 
 
-__all__ = ["ARCHITECTURE_MODULES", "CPU_FLASHINFER_MOE_BACKENDS", "bitwise_differences", "build_model", "dummy_loaded_model",
+__all__ = ["ARCHITECTURE_MODULES", "CPU_FLASHINFER_MOE_BACKENDS", "bitwise_differences", "build_model",
+           "cpu_platform_plugin", "cpu_platform_without_triton", "dummy_loaded_model",
            "KV_CACHE_SCALES", "fp8_checkpoint", "fp8_quantization_config",
            "loaded_model", "model_tensors", "post_process", "set_vllm_cpu_environment",
            "vllm_config_for", "vllm_parallel_state", "write_model_dir"]

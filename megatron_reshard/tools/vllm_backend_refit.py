@@ -33,6 +33,7 @@ with vLLM's loading as well).
 
 from __future__ import annotations
 
+import contextlib
 import io
 import pickle
 import sys
@@ -309,6 +310,11 @@ def _vllm_worker(config, gen_rank: int, engine, model):
     worker.weight_transfer_engine = engine
     worker._weight_update_active = False
     worker._weight_update_is_draft = False
+    # vLLM 0.34: the targets a started update may leave incomplete, and the KV-cache loan
+    # its start enters (none here: the stand-in model runner has no extensible KV cache)
+    worker._incomplete_weight_updates = set()
+    worker._kv_cache_reclaimable = False
+    worker._weight_update_kv_cache_loan = contextlib.ExitStack()
     worker.model_runner = _ModelRunner(model)
     return worker
 

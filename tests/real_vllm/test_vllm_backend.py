@@ -34,32 +34,43 @@ import pytest
 
 pytest.importorskip("vllm.distributed")  # the real vLLM, installed in the vLLM test venv
 
-from megatron_reshard.testing.vllm_models import set_vllm_cpu_environment  # noqa: E402
+from megatron_reshard.testing.vllm_models import (  # noqa: E402
+    cpu_platform_without_triton, set_vllm_cpu_environment)
 
 set_vllm_cpu_environment()
 
 from test_real_vllm import FAMILIES, layout, vllm_config_json  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+VLLM_VERSION = tuple(int(p) for p in importlib.metadata.version("vllm").split(".")[:2])
 GROUP = "vllm.general_plugins"
 ENTRY = "megatron_reshard.vllm_api.plugin:register"
 
 _PROBE = """
-import json, os
+import json, logging, os
 from megatron_reshard.testing.vllm_models import set_vllm_cpu_environment
 set_vllm_cpu_environment()
 import importlib.metadata as md
 from vllm.plugins import load_general_plugins
-from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory as F
-from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory as T
-before = "megatron_reshard" in F._registry or "megatron_reshard" in T._registry
+from vllm.distributed.weight_transfer import factory
+F = factory.WeightTransferEngineFactory
+T = getattr(factory, "WeightTransferTrainerFactory", None)  # from vLLM 0.26
+before = "megatron_reshard" in F._registry or (T is not None and "megatron_reshard" in T._registry)
+warnings = []
+class Keep(logging.Handler):
+    def emit(self, record):
+        if record.levelno >= logging.WARNING:
+            warnings.append(record.getMessage())
+logging.getLogger("megatron_reshard").addHandler(Keep())
 load_general_plugins()
 eps = [e.value for e in md.entry_points(group="vllm.general_plugins") if e.name == "megatron_reshard"]
 print("PROBE " + json.dumps({"before": before, "after": "megatron_reshard" in F._registry,
                              "entry_points": eps, "cls": F._registry["megatron_reshard"]().__name__
                              if "megatron_reshard" in F._registry else None,
+                             "trainer_registry": T is not None,
                              "trainer_cls": T._registry["megatron_reshard"]().__name__
-                             if "megatron_reshard" in T._registry else None}))
+                             if T is not None and "megatron_reshard" in T._registry else None,
+                             "warnings": warnings}))
 """
 
 
@@ -75,11 +86,13 @@ def _probe(extra_path: str | None = None) -> dict:
     return json.loads(line.split(" ", 1)[1])
 
 
+@pytest.mark.vllm_range
 def test_pyproject_declares_the_entry_point():
     meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert meta["project"]["entry-points"][GROUP] == {"megatron_reshard": ENTRY}
 
 
+@pytest.mark.vllm_range
 def test_load_general_plugins_registers_the_backend_from_the_entry_point():
     """A dist whose metadata is this checkout's entry point (what ``pip install`` writes);
     vLLM's plugin loader finds it and our register() runs."""
@@ -96,9 +109,14 @@ def test_load_general_plugins_registers_the_backend_from_the_entry_point():
     assert got["before"] is False  # vLLM alone does not know the name
     assert got["after"] is True and ENTRY in got["entry_points"], got
     assert got["cls"] == "MegatronReshardWeightTransferEngine"
-    assert got["trainer_cls"] == "MegatronReshardTrainerWeightTransferEngine"  # same name
+    assert got["warnings"] == [], got  # every registry this vLLM has took the backend
+    # the trainer registry exists from vLLM 0.26: where it does, it knows the same name
+    assert got["trainer_registry"] is (VLLM_VERSION >= (0, 26)), got
+    assert got["trainer_cls"] == ("MegatronReshardTrainerWeightTransferEngine"
+                                  if got["trainer_registry"] else None), got
 
 
+@pytest.mark.vllm_range
 def test_the_installed_dist_registers_the_backend():
     dist = importlib.metadata.distribution("megatron-reshard")
     if not any(e.group == GROUP and e.value == ENTRY for e in dist.entry_points):
@@ -122,6 +140,7 @@ def engine():
 
     from megatron_reshard.vllm_api.plugin import register
 
+    cpu_platform_without_triton()  # VllmConfig() configures vLLM's CPU platform
     register()
     register()  # idempotent: vLLM may load its plugins more than once per process
     eng = WeightTransferEngineFactory.create_engine(
@@ -471,6 +490,7 @@ def _init_with_an_uncovered_param(job, prepare_options):
     model = build_vllm_like_model(_COVER_CFG, 0, 1, 1, torch.bfloat16)
     model.get_submodule("model.norm").register_parameter(
         "extra_scale", torch.nn.Parameter(torch.ones(64, dtype=torch.bfloat16), requires_grad=False))
+    cpu_platform_without_triton()  # VllmConfig() configures vLLM's CPU platform
     register()
     eng = WeightTransferEngineFactory.create_engine(
         WeightTransferConfig(backend="megatron_reshard"), VllmConfig(), torch.device("cpu"), model)
