@@ -33,7 +33,8 @@ def adam_step_(model: torch.nn.Module, step: int, lr: float = 1e-6) -> None:
     masters = opt.param_groups[0]["params"]
     for name, master in zip(names, masters):
         g = torch.Generator().manual_seed(zlib.crc32(f"{step}:{name}".encode()))
-        master.grad = torch.randn(master.shape, generator=g)
+        # drawn on the CPU (the same gradients on every device), then moved to the master's
+        master.grad = torch.randn(master.shape, generator=g).to(master.device)
     opt.step()
     for name, master in zip(names, masters):
         params[name].data.copy_(master.to(params[name].dtype))
