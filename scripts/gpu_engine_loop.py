@@ -85,7 +85,13 @@ def hf_config(spec: dict, arch: str) -> dict:
 # ---- run inside the vLLM worker through collective_rpc (the worker is the first argument)
 
 def _model(worker):
-    return worker.model_runner.model
+    return worker.model_runner.get_model()  # under a CUDA-graph wrapper, if any
+
+
+def _inner(worker):
+    """The GPU ``Worker`` itself: collective_rpc hands over vLLM's ``WorkerWrapperBase``,
+    which reads through to it but keeps attributes set on it for itself."""
+    return getattr(worker, "worker", worker)
 
 
 def rpc_snapshot(worker) -> dict:
@@ -139,7 +145,7 @@ def rpc_describe(worker) -> dict:
     cc = worker.vllm_config.compilation_config
     return {"engine": type(worker.weight_transfer_engine).__name__, "moe": moe, "linear": linear,
             "cudagraph_mode": str(cc.cudagraph_mode), "compilation_mode": str(cc.mode),
-            "graph_sizes": list(cc.cudagraph_capture_sizes or [])[:8]}
+            "graph_sizes": list(getattr(cc, "cudagraph_capture_sizes", None) or [])[:8]}
 
 
 def rpc_engine_state(worker) -> dict:
@@ -148,13 +154,14 @@ def rpc_engine_state(worker) -> dict:
 
 def rpc_swap_engine(worker, to: str) -> str:
     """``to="ipc"``: vLLM's own IPC engine on the same model (ours kept aside); "ours": back."""
+    worker = _inner(worker)
     if to == "ipc":
         from vllm.config import WeightTransferConfig
 
         ipc = import_ipc_engine().IPCWeightTransferEngine
         worker._megatron_reshard_engine = worker.weight_transfer_engine
         worker.weight_transfer_engine = ipc(WeightTransferConfig(backend="ipc"), worker.vllm_config,
-                                            worker.device, worker.model_runner.get_model())
+                                            worker.device, _model(worker))
     else:
         worker.weight_transfer_engine = worker._megatron_reshard_engine
     return type(worker.weight_transfer_engine).__name__
