@@ -152,6 +152,10 @@ def rpc_engine_state(worker) -> dict:
     return worker.weight_transfer_engine.refit_weights_state()
 
 
+def rpc_shutdown_engine(worker) -> None:
+    _inner(worker).weight_transfer_engine.shutdown()
+
+
 def rpc_swap_engine(worker, to: str) -> str:
     """``to="ipc"``: vLLM's own IPC engine on the same model (ours kept aside); "ours": back."""
     worker = _inner(worker)
@@ -392,7 +396,8 @@ class Loop:
             self.report["planted"] = self.verify(f"refit {self.version}, planted", plant=target)
         if self.args.speed:
             self.speed(self.args.speed)
-        self.cmd.put(("stop",))
+        self.cmd.put(("stop",))  # both sides leave the refit group together
+        self.llm.collective_rpc(rpc_shutdown_engine)
         self.trainer.join(timeout=60)
 
     def ipc_refit(self) -> dict:
