@@ -248,7 +248,7 @@ class Loop:
         self.cmd, self.res = ctx.Queue(), ctx.Queue()
         cfg = {"device": "cuda:0", "world_port": world_port, "refit_port": refit_port,
                "spec": self.spec, "family": self.family, "gen_quant": self.gen_quant,
-               "timeout_s": self.args.timeout_s}
+               "timeout_s": self.args.timeout_s, "lr": self.args.lr}
         self.trainer = ctx.Process(target=trainer_main, args=(cfg, self.cmd, self.res), daemon=True)
         self.trainer.start()
         model_dir = tempfile.mkdtemp(prefix="engine_loop_")
@@ -341,6 +341,8 @@ class Loop:
         changed = (None if self.last_snapshot is None
                    else len(differences(self.last_snapshot, refitted)))
         self.last_snapshot = reference
+        outputs_moved = None if self.last_gen is None else ref_gen[1] != self.last_gen[1]
+        self.last_gen = ref_gen
         out = {"label": label, "differ": bad, "moved": moved, "tokens_equal": gen[0] == ref_gen[0],
                "logprobs_equal": gen[1] == ref_gen[1], "tensors": len(reference),
                "changed_since_last_refit": changed, "reload_s": reload_s,
@@ -352,6 +354,9 @@ class Loop:
                        moved[:6])
             self.check(f"{label}: greedy tokens and logprobs equal the reference's",
                        out["tokens_equal"] and out["logprobs_equal"], f"first {gen[0][0][:8]}")
+            if outputs_moved is not None:  # the engine computes with the new weights (with
+                # CUDA graphs: the captured graphs read the storage the refit wrote)
+                self.check(f"{label}: logprobs changed since the last refit", outputs_moved)
             self.check(f"{label}: weight state consistent", out["state"] == "consistent",
                        out["state"])
         else:
@@ -361,7 +366,7 @@ class Loop:
 
     # -- the cases
     def run(self) -> None:
-        self.last_snapshot = None
+        self.last_snapshot = self.last_gen = None
         self.start()
         rpc = self.llm.collective_rpc
         for i in range(self.args.refits):
@@ -410,7 +415,9 @@ class Loop:
         self.llm.finish_weight_update()
         t1 = time.perf_counter()
         sent = self.expect("ipc_sent")
-        return {"pause_s": t1 - t0, "refit_s": t1 - sent["t0"],
+        # from the full HF tensors on the trainer's GPU (the oracle's gather goes through the
+        # CPU, which a trainer's conversion would not: timed apart)
+        return {"pause_s": t1 - t0, "refit_s": t1 - sent["gathered"],
                 "trainer_gather_s": sent["gathered"] - sent["t0"]}
 
     def speed(self, iters: int) -> None:
@@ -457,6 +464,8 @@ def main(argv=None) -> int:
     p.add_argument("--refits", type=int, default=4, help="checked refits (>= 3: both sleeps)")
     p.add_argument("--speed", type=int, default=0, help="timed refits of each backend")
     p.add_argument("--timeout-s", type=float, default=120.0)
+    p.add_argument("--lr", type=float, default=1e-3,
+                   help="AdamW learning rate of the steps (large enough to change greedy tokens)")
     p.add_argument("--json", default=None, help="write the report here too")
     args = p.parse_args(argv)
     loop = Loop(args)

@@ -8,7 +8,8 @@ and, once told to connect, the refit group (two ranks: this one and the vLLM wor
 and a ``RefitSender``. Then it serves the loop's commands from ``cmd`` and answers on
 ``res`` (``(kind, value)`` tuples; any exception is answered as ``("error", traceback)``):
 
-- ``("step", k)``: one AdamW step over FP32 masters (``testing.optimizer_steps``);
+- ``("step", k)``: one AdamW step over FP32 masters (``testing.optimizer_steps``, learning
+  rate ``cfg["lr"]``);
 - ``("refit", version)``: ``sender.refit(version)`` while the loop drives vLLM's
   ``start_weight_update`` / ``update_weights`` / ``finish_weight_update``;
 - ``("full",)``: the full HF tensors of the current weights (``megatron_reference``'s
@@ -108,7 +109,7 @@ def _serve(cfg: dict, cmd, res) -> None:
             sender = RefitSender(source, group, device=device)
             res.put(("ready", None))
         elif kind == "step":
-            adam_step_(model, rest[0])
+            adam_step_(model, rest[0], lr=cfg["lr"])
             _sync(device)
             res.put(("stepped", rest[0]))
         elif kind == "refit":
@@ -134,7 +135,8 @@ def _send_ipc(full_hf, cmd, res, device) -> None:
     engine = import_ipc_engine().IPCWeightTransferEngine
     _sync(device)
     start = time.perf_counter()
-    full = full_hf()
+    # the oracle's gather returns CPU tensors: on the GPU again, where a trainer holds them
+    full = {k: v.to(device) for k, v in full_hf().items()}
     _sync(device)
     gathered = time.perf_counter()
 

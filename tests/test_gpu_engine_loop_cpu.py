@@ -42,7 +42,7 @@ def test_the_loops_trainer_refits_a_receiver_bit_exact_over_the_colocated_transp
     ctx = mp.get_context("spawn")
     cmd, res = ctx.Queue(), ctx.Queue()
     cfg = {"device": "cpu", "world_port": world_port, "refit_port": refit_port, "spec": spec,
-           "family": family, "gen_quant": None, "timeout_s": 60}
+           "family": family, "gen_quant": None, "timeout_s": 60, "lr": 1e-3}
     trainer = ctx.Process(target=trainer_main, args=(cfg, cmd, res), daemon=True)
     trainer.start()
     try:

@@ -29,6 +29,7 @@ through the live objects, never imported here.
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 import sys
 from typing import Any, Callable, Optional
@@ -182,6 +183,16 @@ def _experts_finish_loading(method: Any) -> bool:
         vars(roots[0])["process_weights_after_loading"]
 
 
+def _layer_argument(convert: Callable) -> dict:
+    """``layer=None`` where vLLM's conversion takes the layer (0.33: MoonEP reads it),
+    nothing where it does not (0.25.1's takes the backend, config and weights only)."""
+    try:
+        takes = "layer" in inspect.signature(convert).parameters
+    except (TypeError, ValueError):  # no signature to read: call it as the newer vLLM does
+        takes = True
+    return {"layer": None} if takes else {}
+
+
 def _moe_orders(layer_name: str, module: torch.nn.Module, method: Any,
                 params: dict[str, torch.Tensor]) -> dict[str, KernelOrder]:
     backend = _backend_name(method)
@@ -205,10 +216,12 @@ def _moe_orders(layer_name: str, module: torch.nn.Module, method: Any,
            getattr(config, "intermediate_size_per_partition_unpadded", None),
            getattr(config, "intermediate_size_per_partition", None))
     if key not in _learned:
+        extra = _layer_argument(convert)
+
         def run(a: torch.Tensor, b: torch.Tensor):
             a, b = a.to(w13.dtype), b.to(w2.dtype)
             with torch.no_grad():  # a throwaway copy of the config: the TRTLLM path writes it
-                return convert(method.unquantized_backend, copy.copy(config), a, b, layer=None)
+                return convert(method.unquantized_backend, copy.copy(config), a, b, **extra)
         try:
             _learned[key] = learn_order(run, shapes, w13.device)
         except Exception as exc:  # vLLM's code failed or did not rearrange: refuse, say why
