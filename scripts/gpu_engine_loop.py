@@ -3,6 +3,7 @@
     source /tmp/vsite.env     # vLLM 0.25.1 on the GPU machine (../shared/gpu_vllm)
     python scripts/gpu_engine_loop.py --model dense --graphs off [--refits 3] [--speed 5]
     bash scripts/gpu_engine_loop.sh   # every case, one process each (docs/GPU_ENGINE.md)
+    python scripts/gpu_engine_loop.py --model moe --tp 2   # 2 GPUs: Megatron TP2 -> vLLM TP2
 
 One process per case. The training process (``gpu_engine_trainer.py``: megatron-core, local
 spec, BF16) is spawned first; then this process starts a vLLM ``LLM`` (engine core
@@ -26,6 +27,8 @@ then one more refit with a planted fault (one byte of one parameter changed afte
 refit), which the comparison must report, alone. ``--speed N``: N refits of this backend
 and N of vLLM's ``ipc`` backend (swapped into the same worker; the trainer sends full HF
 tensors through CUDA IPC handles) alternated, against a device memcpy of the same bytes.
+With ``--tp N`` (N GPUs; written, not yet run: no multi-GPU machine was lent) one trainer per
+GPU runs Megatron TP N and vLLM runs TP N; each worker is compared with its own reload.
 Prints one line per check, ``ENGINE_LOOP {json}`` last; exit 0 when every check held.
 """
 
@@ -62,6 +65,7 @@ LARGE = {"dense": dict(num_layers=8, hidden_size=2048, num_attention_heads=16, n
                      moe_ffn_hidden_size=768, moe_router_topk=8)}
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], [100, 37, 999, 5], list(range(50, 82))]
 GEN_TOKENS = 16
+TRAINER_DEVICE = "cuda"  # the trainers' device type (one device each)
 QUANT = {"none": (None, None), "fp8_per_block": ("fp8_per_block", "block_fp8")}  # vLLM's, ours
 
 
@@ -108,11 +112,14 @@ def rpc_pointers(worker) -> dict:
 
 
 def rpc_plant(worker, name: str) -> int:
-    """Flip the lowest bit of the middle byte of param ``name`` (any dtype)."""
+    """On worker 0, flip the lowest bit of the middle byte of param ``name`` (any dtype)."""
+    if _inner(worker).rank != 0:
+        return -1
     flat = dict(_model(worker).named_parameters())[name].data.view(-1).view(torch.uint8)
     i = flat.numel() // 2
     flat[i] ^= 1
-    torch.cuda.synchronize()
+    if flat.is_cuda:
+        torch.cuda.synchronize(flat.device)
     return i
 
 
@@ -211,25 +218,40 @@ class Loop:
         self.vllm_quant, self.gen_quant = QUANT[args.quant]
         self.report: dict = {"case": vars(args), "checks": [], "refits": [], "ok": True}
         self.version = 0
+        self.last_snapshot = self.last_gen = None
 
-    # -- trainer protocol
-    def expect(self, kind: str, timeout_s: float = 300.0):
+    # -- the trainers (one per GPU): each has its command queue and its answer queue
+    def send(self, *command, ranks=None) -> None:
+        for rank in (range(len(self.cmds)) if ranks is None else ranks):
+            self.cmds[rank].put(command)
+
+    def expect(self, kind: str, ranks=None, timeout_s: float = 300.0) -> list:
+        """Each trainer's (of ``ranks``, default all) answer ``kind``, in rank order."""
+        return [self._answer(r, kind, timeout_s)
+                for r in (range(len(self.ress)) if ranks is None else ranks)]
+
+    def _answer(self, rank: int, kind: str, timeout_s: float):
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                got, value = self.res.get(timeout=1.0)
+                got, value = self.ress[rank].get(timeout=1.0)
             except queue.Empty:
-                if not self.trainer.is_alive():
-                    raise RuntimeError(f"the trainer exited ({self.trainer.exitcode}) while "
-                                       f"{kind!r} was awaited")
+                if not self.trainers[rank].is_alive():
+                    raise RuntimeError(f"trainer rank {rank} exited "
+                                       f"({self.trainers[rank].exitcode}) while {kind!r} was awaited")
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"no {kind!r} from the trainer in {timeout_s:g} s")
+                    raise TimeoutError(f"no {kind!r} from trainer rank {rank} in {timeout_s:g} s")
                 continue
             if got == "error":
-                raise RuntimeError(f"the trainer failed:\n{value}")
+                raise RuntimeError(f"trainer rank {rank} failed:\n{value}")
             if got != kind:
-                raise RuntimeError(f"trainer: expected {kind!r}, found {got!r}")
+                raise RuntimeError(f"trainer rank {rank}: expected {kind!r}, found {got!r}")
             return value
+
+    # -- the workers: one dict over all of them, names prefixed by the worker's rank
+    def gather(self, fn, *args) -> dict:
+        return {f"w{i}/{k}": v for i, out in enumerate(self.llm.collective_rpc(fn, args=args))
+                for k, v in out.items()}
 
     def say(self, text: str) -> None:
         print(f"[{time.strftime('%H:%M:%S')}] {text}", flush=True)
@@ -243,33 +265,44 @@ class Loop:
     def start(self) -> None:
         from megatron_reshard.tools.worlds import free_ports
 
+        tp = self.args.tp
         world_port, refit_port = free_ports(2)
         ctx = mp.get_context("spawn")
-        self.cmd, self.res = ctx.Queue(), ctx.Queue()
-        cfg = {"device": "cuda:0", "world_port": world_port, "refit_port": refit_port,
-               "spec": self.spec, "family": self.family, "gen_quant": self.gen_quant,
-               "timeout_s": self.args.timeout_s, "lr": self.args.lr}
-        self.trainer = ctx.Process(target=trainer_main, args=(cfg, self.cmd, self.res), daemon=True)
-        self.trainer.start()
+        self.cmds = [ctx.Queue() for _ in range(tp)]
+        self.ress = [ctx.Queue() for _ in range(tp)]
+        self.trainers = []
+        for rank in range(tp):
+            cfg = {"device": f"{TRAINER_DEVICE}:{rank}", "rank": rank, "world": tp, "world_port": world_port,
+                   "refit_port": refit_port, "spec": self.spec, "family": self.family,
+                   "gen_quant": self.gen_quant, "timeout_s": self.args.timeout_s,
+                   "lr": self.args.lr}
+            self.trainers.append(ctx.Process(target=trainer_main, daemon=True,
+                                             args=(cfg, self.cmds[rank], self.ress[rank])))
+            self.trainers[-1].start()
         model_dir = tempfile.mkdtemp(prefix="engine_loop_")
         with open(os.path.join(model_dir, "config.json"), "w") as f:
             json.dump(hf_config(self.spec, self.arch), f)
+        # vLLM's worker processes (TP > 1) unpickle the rpc functions: they import this folder
+        here = os.path.dirname(os.path.abspath(__file__))
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH"))
+                                                   if p)
         t0 = time.perf_counter()
         import vllm
         from vllm import LLM
         from vllm.config import WeightTransferConfig
         from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-        built = self.expect("payload")  # the trainer's memory is in place before vLLM's profile
-        self.model_bytes = built["bytes"]
+        built = self.expect("payload")[0]  # the trainers' memory is in place before vLLM's profile
+        self.model_bytes = built["bytes"]  # of rank 0's shards
         self.say(f"vllm {vllm.__version__}, torch {torch.__version__}, "
-                 f"{torch.cuda.get_device_name()}; trainer: {self.args.model} model, "
-                 f"{built['params']} params, built in {built['build_s']:.1f} s")
+                 f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU'}; trainer: {self.args.model} model, TP{tp}, "
+                 f"{built['params']} params on rank 0, built in {built['build_s']:.1f} s")
         graphs = self.args.graphs
         kw = dict(model=model_dir, skip_tokenizer_init=True, load_format="dummy", dtype="bfloat16",
                   seed=0, gpu_memory_utilization=0.25, max_model_len=256, max_num_seqs=8,
                   max_num_batched_tokens=512, enable_sleep_mode=True, enable_prefix_caching=False,
                   enforce_eager=graphs == "off", quantization=self.vllm_quant,
+                  tensor_parallel_size=tp,
                   weight_transfer_config=WeightTransferConfig(backend="megatron_reshard"))
         if graphs == "on":  # full CUDA graphs for decode, without torch.compile
             kw["compilation_config"] = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
@@ -283,22 +316,22 @@ class Loop:
         self.check("vLLM's plugin loader registered megatron_reshard and the worker built it",
                    "megatron_reshard" in WeightTransferEngineFactory._registry
                    and desc["engine"] == "MegatronReshardWeightTransferEngine", desc["engine"])
-        self.cmd.put(("connect",))
+        self.send("connect")
         t2 = time.perf_counter()
         self.llm.init_weight_transfer_engine({"init_info": {
-            "host": "127.0.0.1", "ports_by_stage": [cfg["refit_port"]], "group_sizes": 2,
+            "host": "127.0.0.1", "ports_by_stage": [refit_port], "group_sizes": 2 * tp,
             "payload": built["payload"], "backend": "gloo", "timeout_s": self.args.timeout_s}})
         self.expect("ready")
         self.say(f"init_weight_transfer_engine: {time.perf_counter() - t2:.2f} s")
 
     # -- one refit through LLM's weight-transfer methods
     def step(self) -> None:
-        self.cmd.put(("step", self.version + 1))
+        self.send("step", self.version + 1)
         self.expect("stepped")
 
     def refit(self) -> dict:
         self.version += 1
-        self.cmd.put(("refit", self.version))
+        self.send("refit", self.version)
         t0 = time.perf_counter()
         self.llm.start_weight_update()
         self.llm.update_weights({"update_info": {"version": self.version}})
@@ -307,8 +340,8 @@ class Loop:
         sent = self.expect("refitted")
         self.llm.reset_prefix_cache()
         return {"version": self.version, "pause_s": t1 - t0,
-                "refit_s": max(t1, sent["t1"]) - min(t0, sent["t0"]),
-                "sender_refit_s": sent.get("refit_s")}
+                "refit_s": max([t1] + [s["t1"] for s in sent]) - min([t0] + [s["t0"] for s in sent]),
+                "sender_refit_s": max(s.get("refit_s", 0.0) for s in sent)}
 
     def generate(self) -> tuple:
         from vllm import SamplingParams
@@ -323,30 +356,31 @@ class Loop:
     def verify(self, label: str, plant: str | None = None) -> dict:
         """The engine after the refit against vLLM's own loading of the same step."""
         rpc = self.llm.collective_rpc
-        self.cmd.put(("full",))
-        full = self.expect("full")
-        ptrs = rpc(rpc_pointers)[0]
+        self.send("full")
+        full = self.expect("full")[0]
+        ptrs = self.gather(rpc_pointers)
         if plant is not None:
             rpc(rpc_plant, args=(plant,))
-        refitted = rpc(rpc_snapshot)[0]
+        refitted = self.gather(rpc_snapshot)
         gen = self.generate()
         t0 = time.perf_counter()
         rpc("reload_weights", kwargs={"weights_iterator": list(full.items())})
         reload_s = time.perf_counter() - t0
         self.llm.reset_prefix_cache()
-        reference = rpc(rpc_snapshot)[0]
+        reference = self.gather(rpc_snapshot)
         ref_gen = self.generate()
-        moved = sorted(n for n, v in rpc(rpc_pointers)[0].items() if ptrs.get(n) != v)
+        moved = sorted(n for n, v in self.gather(rpc_pointers).items() if ptrs.get(n) != v)
         bad = differences(refitted, reference)
         changed = (None if self.last_snapshot is None
                    else len(differences(self.last_snapshot, refitted)))
         self.last_snapshot = reference
         outputs_moved = None if self.last_gen is None else ref_gen[1] != self.last_gen[1]
         self.last_gen = ref_gen
+        states = sorted({s["state"] for s in rpc(rpc_engine_state)})
         out = {"label": label, "differ": bad, "moved": moved, "tokens_equal": gen[0] == ref_gen[0],
                "logprobs_equal": gen[1] == ref_gen[1], "tensors": len(reference),
                "changed_since_last_refit": changed, "reload_s": reload_s,
-               "tokens": gen[0][0][:8], "state": rpc(rpc_engine_state)[0]["state"]}
+               "tokens": gen[0][0][:8], "state": "/".join(states)}
         if plant is None:
             self.check(f"{label}: {len(reference)} params+buffers bit-equal to vLLM's reload_weights"
                        f" ({changed} changed since the last refit)", not bad, bad[:6])
@@ -357,29 +391,26 @@ class Loop:
             if outputs_moved is not None:  # the engine computes with the new weights (with
                 # CUDA graphs: the captured graphs read the storage the refit wrote)
                 self.check(f"{label}: logprobs changed since the last refit", outputs_moved)
-            self.check(f"{label}: weight state consistent", out["state"] == "consistent",
-                       out["state"])
+            self.check(f"{label}: weight state consistent", states == ["consistent"], states)
         else:
-            self.check(f"{label}: the planted fault in {plant} is reported, alone",
-                       bad == [f"param:{plant}"], bad[:6])
+            self.check(f"{label}: the planted fault in worker 0's {plant} is reported, alone",
+                       bad == [f"w0/param:{plant}"], bad[:6])
         return out
 
     # -- the cases
     def run(self) -> None:
-        self.last_snapshot = self.last_gen = None
         self.start()
-        rpc = self.llm.collective_rpc
         for i in range(self.args.refits):
             level = {1: 1, 2: 2}.get(i, 0)
             if level:
-                before = rpc(rpc_pointers)[0]
+                before = self.gather(rpc_pointers)
                 asleep_from = self.last_snapshot
                 self.llm.sleep(level=level)
                 self.step()  # the trainer trains while vLLM sleeps
                 self.llm.wake_up(tags=["weights"])
-                woke = rpc(rpc_snapshot)[0]
-                lost = len([n for n in differences(asleep_from, woke) if n.startswith("param:")])
-                same_place = rpc(rpc_pointers)[0] == before
+                woke = self.gather(rpc_snapshot)
+                lost = len([n for n in differences(asleep_from, woke) if "/param:" in n])
+                same_place = self.gather(rpc_pointers) == before
                 self.check(f"sleep(level={level}) + wake_up(weights): tensors at the same "
                            f"addresses ({lost} params lost their values while asleep)",
                            same_place and (level == 2 or lost == 0))
@@ -396,41 +427,43 @@ class Loop:
         if self.args.refits:
             self.step()
             self.refit()
-            names = [n for n in self.last_snapshot if n.startswith("param:")]
-            target = next((n for n in names if ".mlp." in n and "layers.2." in n), names[-1])[6:]
+            names = [n.split("/param:", 1)[1] for n in self.last_snapshot
+                     if n.startswith("w0/param:")]
+            target = next((n for n in names if ".mlp." in n and "layers.2." in n), names[-1])
             self.report["planted"] = self.verify(f"refit {self.version}, planted", plant=target)
         if self.args.speed:
             self.speed(self.args.speed)
-        self.cmd.put(("stop",))  # both sides leave the refit group together
+        self.send("stop")  # both sides leave the refit group together
         self.llm.collective_rpc(rpc_shutdown_engine)
-        self.trainer.join(timeout=60)
+        for t in self.trainers:
+            t.join(timeout=60)
 
     def ipc_refit(self) -> dict:
-        self.cmd.put(("ipc",))
-        update = self.expect("ipc_update")
+        self.send("ipc")
+        update = self.expect("ipc_update", ranks=[0])[0]
         t0 = time.perf_counter()
         self.llm.start_weight_update()
         self.llm.update_weights({"update_info": update})
-        self.cmd.put(("ipc_done",))
+        self.send("ipc_done", ranks=[0])
         self.llm.finish_weight_update()
         t1 = time.perf_counter()
         sent = self.expect("ipc_sent")
-        # from the full HF tensors on the trainer's GPU (the oracle's gather goes through the
+        # from the full HF tensors on the trainers' GPUs (the oracle's gather goes through the
         # CPU, which a trainer's conversion would not: timed apart)
-        return {"pause_s": t1 - t0, "refit_s": t1 - sent["gathered"],
-                "trainer_gather_s": sent["gathered"] - sent["t0"]}
+        return {"pause_s": t1 - t0, "refit_s": t1 - max(s["gathered"] for s in sent),
+                "trainer_gather_s": max(s["gathered"] - s["t0"] for s in sent)}
 
     def speed(self, iters: int) -> None:
         rpc = self.llm.collective_rpc
         ours, ipc = [], []
-        before = rpc(rpc_pointers)[0]
+        before = self.gather(rpc_pointers)
         for _ in range(iters + 1):  # the first of each warms up
             ours.append(self.refit())
             rpc(rpc_swap_engine, args=("ipc",))
             ipc.append(self.ipc_refit())
             rpc(rpc_swap_engine, args=("ours",))
         ours, ipc = ours[1:], ipc[1:]
-        self.check("vLLM's ipc backend wrote in place too", rpc(rpc_pointers)[0] == before)
+        self.check("vLLM's ipc backend wrote in place too", self.gather(rpc_pointers) == before)
         if self.args.refits:
             self.step()
         self.refit()
@@ -440,7 +473,9 @@ class Loop:
         table = {"bytes": self.model_bytes, "memcpy_ms": copy_s * 1e3,
                  "ours_refit_ms": med(ours, "refit_s") * 1e3, "ours_pause_ms": med(ours, "pause_s") * 1e3,
                  "ipc_refit_ms": med(ipc, "refit_s") * 1e3, "ipc_pause_ms": med(ipc, "pause_s") * 1e3,
-                 "ipc_trainer_gather_ms": med(ipc, "trainer_gather_s") * 1e3, "iters": iters}
+                 "ipc_trainer_gather_ms": med(ipc, "trainer_gather_s") * 1e3, "iters": iters,
+                 "ours_ms": [r["refit_s"] * 1e3 for r in ours],
+                 "ipc_ms": [r["refit_s"] * 1e3 for r in ipc]}
         self.report["speed"] = table
         self.say("| what | median ms | × memcpy | vs ipc |\n|---|---|---|---|")
         for name, key, ref in (("this backend: refit", "ours_refit_ms", "ipc_refit_ms"),
@@ -463,6 +498,8 @@ def main(argv=None) -> int:
                    help="large: real layer shapes, for --speed (with --refits 0)")
     p.add_argument("--refits", type=int, default=4, help="checked refits (>= 3: both sleeps)")
     p.add_argument("--speed", type=int, default=0, help="timed refits of each backend")
+    p.add_argument("--tp", type=int, default=1,
+                   help="GPUs: Megatron TP and vLLM TP over all of them (one trainer per GPU)")
     p.add_argument("--timeout-s", type=float, default=120.0)
     p.add_argument("--lr", type=float, default=1e-3,
                    help="AdamW learning rate of the steps (large enough to change greedy tokens)")

@@ -1,11 +1,12 @@
-"""The training process of ``gpu_engine_loop.py``: real megatron-core, one GPU shared with vLLM.
+"""The training processes of ``gpu_engine_loop.py``: real megatron-core, GPUs shared with vLLM.
 
-Spawned by the loop (``torch.multiprocessing``, spawn) before the ``LLM`` starts, so its
-memory is in place when vLLM measures what is free. It builds a Qwen3-shaped megatron-core
-GPT model (local layer spec, BF16; ``testing.megatron_models``), its ``MegatronRefitSource``
-and, once told to connect, the refit group (two ranks: this one and the vLLM worker,
-``transport="colocated"``: the worker copies out of this process's memory over CUDA IPC)
-and a ``RefitSender``. Then it serves the loop's commands from ``cmd`` and answers on
+One process per GPU (``cfg["rank"]`` of ``cfg["world"]``, Megatron TP over all of them),
+spawned by the loop (``torch.multiprocessing``, spawn) before the ``LLM`` starts, so their
+memory is in place when vLLM measures what is free. Each builds its part of a Qwen3-shaped
+megatron-core GPT model (local layer spec, BF16; ``testing.megatron_models``), its
+``MegatronRefitSource`` (vLLM TP = the training world) and, once told to connect, joins the
+refit group (the training ranks, then the vLLM workers; ``transport="colocated"``: the
+workers copy out of the training processes' memory over CUDA IPC) with a ``RefitSender``. Then it serves the loop's commands from ``cmd`` and answers on
 ``res`` (``(kind, value)`` tuples; any exception is answered as ``("error", traceback)``):
 
 - ``("step", k)``: one AdamW step over FP32 masters (``testing.optimizer_steps``, learning
@@ -13,11 +14,12 @@ and a ``RefitSender``. Then it serves the loop's commands from ``cmd`` and answe
 - ``("refit", version)``: ``sender.refit(version)`` while the loop drives vLLM's
   ``start_weight_update`` / ``update_weights`` / ``finish_weight_update``;
 - ``("full",)``: the full HF tensors of the current weights (``megatron_reference``'s
-  gather, an oracle independent of the refit path), on the CPU, for vLLM's own loader;
+  gather, an oracle independent of the refit path; a collective of the training world),
+  on the CPU, for vLLM's own loader (rank 0 answers them, the others None);
 - ``("ipc",)``: the same weights through vLLM's ``ipc`` backend, as its trainer side sends
-  them (``IPCWeightTransferEngine.trainer_send_weights`` over the full HF tensors; each
-  update is handed to the loop, which calls ``LLM.update_weights`` and answers
-  ``("ipc_done",)``);
+  them (``IPCWeightTransferEngine.trainer_send_weights`` over the full HF tensors on each
+  rank's GPU; rank 0 hands each update to the loop, which calls ``LLM.update_weights`` and
+  answers ``("ipc_done",)``);
 - ``("stop",)``.
 """
 
@@ -78,16 +80,22 @@ def _serve(cfg: dict, cmd, res) -> None:
     from megatron_reshard.testing.optimizer_steps import adam_step_
 
     t0 = time.perf_counter()
+    rank, world = cfg.get("rank", 0), cfg.get("world", 1)
     device = torch.device(cfg["device"])
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    store = dist.TCPStore("127.0.0.1", cfg["world_port"], 1, True, timeout=timedelta(seconds=60))
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    store = dist.TCPStore("127.0.0.1", cfg["world_port"], world, rank == 0,
+                          timeout=timedelta(seconds=60))
+    # one GPU: gloo (nothing crosses devices); more: NCCL for the TP gathers of CUDA tensors
+    backend = "nccl" if world > 1 and device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                            **({"device_id": device} if backend == "nccl" else {}))
+    ps.initialize_model_parallel(tensor_model_parallel_size=world, pipeline_model_parallel_size=1)
     spec = TinyGPTSpec(dtype="bfloat16", **cfg["spec"])
     model = build_gpt_model(spec).to(device=device, dtype=torch.bfloat16)
-    source = MegatronRefitSource(model, gen_parallelism={"tp_size": 1, "ep_size": 1, "pp_size": 1},
-                                 gen_world_size=1, family=cfg["family"],
+    source = MegatronRefitSource(model, gen_parallelism={"tp_size": world, "ep_size": 1,
+                                                         "pp_size": 1},
+                                 gen_world_size=world, family=cfg["family"],
                                  vocab_size=spec.vocab_size, gen_quant=cfg["gen_quant"])
     params = sum(p.numel() for p in model.parameters())
     res.put(("payload", {"payload": source.payload_bytes(), "params": params,
@@ -103,8 +111,8 @@ def _serve(cfg: dict, cmd, res) -> None:
         if kind == "stop":
             break
         if kind == "connect":  # blocks until the vLLM worker joins (its init_weight_transfer_engine)
-            group = create_refit_group("127.0.0.1", cfg["refit_port"], 0, 2, "gloo",
-                                       cfg["timeout_s"], who="the megatron-core trainer",
+            group = create_refit_group("127.0.0.1", cfg["refit_port"], rank, 2 * world, "gloo",
+                                       cfg["timeout_s"], who=f"megatron-core trainer rank {rank}",
                                        label="colocated refit group", transport="colocated")
             sender = RefitSender(source, group, device=device)
             res.put(("ready", None))
@@ -120,7 +128,9 @@ def _serve(cfg: dict, cmd, res) -> None:
             res.put(("refitted", {"t0": start, "t1": end, **{k: v for k, v in stats.items()
                                                              if isinstance(v, (int, float, str))}}))
         elif kind == "full":
-            res.put(("full", {k: v.detach().to("cpu").clone() for k, v in full_hf().items()}))
+            full = full_hf()
+            res.put(("full", {k: v.detach().to("cpu").clone() for k, v in full.items()}
+                     if rank == 0 else None))
         elif kind == "ipc":
             _send_ipc(full_hf, cmd, res, device)
         else:
@@ -140,7 +150,7 @@ def _send_ipc(full_hf, cmd, res, device) -> None:
     _sync(device)
     gathered = time.perf_counter()
 
-    def send(update_info) -> None:
+    def send(update_info) -> None:  # rank 0 (vLLM's trainer side sends from rank 0 only)
         res.put(("ipc_update", dataclasses.asdict(update_info)))
         kind, *_ = cmd.get()  # the loop's update_weights returned: the handles may go
         if kind != "ipc_done":
