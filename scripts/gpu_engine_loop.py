@@ -429,7 +429,8 @@ class Loop:
             self.refit()
             names = [n.split("/param:", 1)[1] for n in self.last_snapshot
                      if n.startswith("w0/param:")]
-            target = next((n for n in names if ".mlp." in n and "layers.2." in n), names[-1])
+            layer2 = [n for n in names if "layers.2.mlp." in n] or names
+            target = next((n for n in layer2 if "experts" in n), layer2[0])  # experts first
             self.report["planted"] = self.verify(f"refit {self.version}, planted", plant=target)
         if self.args.speed:
             self.speed(self.args.speed)
