@@ -11,6 +11,11 @@ what the running vLLM has, not at its version string, and says which versions di
   backend's ``vllm_api.trainer``) and the worker engine has no such method.
 - ``HAS_TRAINER_API``: vLLM's trainer-side registry (``WeightTransferTrainerFactory``)
   exists (0.26 and later).
+
+Two differences live in the receiver instead, which imports no vLLM and reaches vLLM's
+code through the live model only: ``receiver.kernel_layouts`` calls vLLM's MoE conversion
+with a ``layer`` argument only where it takes one (0.25.1's does not), and
+``receiver.staged_conversion`` knows 0.25.1's name of the online FP8 linear base class.
 """
 
 from __future__ import annotations
