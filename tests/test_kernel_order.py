@@ -121,3 +121,42 @@ def test_block_aligned_boxes_take_one_row_copy_and_others_the_general_scatter():
     halves = [((0, E), rows, cols) for rows in ((0, KEEP), (R // 2, R // 2 + KEEP))
               for cols in ((0, 12), (12, C))]
     assert torch.equal(_bits(_write_through(order, w, halves)), _bits(padded_blocks(w)))
+
+
+def _moe_method_in_module(convert):
+    """An unquantized MoE method (Triton backend) whose module holds ``convert`` under vLLM's
+    name for it, as vLLM's ``unquantized_fused_moe_method`` module does."""
+    import enum
+    import sys
+    import types
+
+    module = types.ModuleType("fake_vllm_moe_method")
+    module.convert_to_unquantized_kernel_format = convert
+    backend = enum.Enum("UnquantizedMoeBackend", "TRITON FLASHINFER_CUTLASS").TRITON
+    method = type("UnquantizedFusedMoEMethod", (), {"__module__": module.__name__,
+                                                     "unquantized_backend": backend})()
+    sys.modules[module.__name__] = module
+    return method
+
+
+@pytest.mark.parametrize("version", ["0.25.1", "0.33"])
+def test_vllms_conversion_is_called_with_the_arguments_it_takes(version, monkeypatch):
+    """vLLM 0.33's conversion takes ``layer=`` (MoonEP reads it), 0.25.1's does not: both are
+    learned (Triton keeps checkpoint order: nothing to write differently), none refused."""
+    import types
+
+    from megatron_reshard.receiver import kernel_layouts
+
+    if version == "0.25.1":
+        def convert(backend, moe_config, w13_weight, w2_weight):
+            return w13_weight.contiguous(), w2_weight.contiguous()
+    else:
+        def convert(backend, moe_config, w13_weight, w2_weight, layer=None):
+            assert layer is None
+            return w13_weight.contiguous(), w2_weight.contiguous()
+    monkeypatch.setattr(kernel_layouts, "_learned", {})  # learned per call, not cached
+    method = _moe_method_in_module(convert)
+    module = types.SimpleNamespace(moe_config=types.SimpleNamespace(is_act_and_mul=True))
+    params = {"w13_weight": torch.zeros(4, 2 * 8, 16, dtype=torch.bfloat16),
+              "w2_weight": torch.zeros(4, 16, 8, dtype=torch.bfloat16)}
+    assert kernel_layouts._moe_orders("model.layers.0.mlp.experts", module, method, params) == {}

@@ -203,3 +203,16 @@ def test_only_an_identity_conversion_keeps_the_storage_a_delta_base(backend, kep
     if kept:
         assert all(torch.equal(p, sent[n]) for n, p in model.named_parameters())
         assert staged.report()["peak_staging_bytes"] == 0
+
+
+def test_vllm_online_linear_methods_are_seen_under_either_versions_base_name():
+    """vLLM 0.33's online linear methods derive from ``OnlineLinearBase``, 0.25.1's from
+    ``_Fp8OnlineLinearBase``: both are vLLM's online quantization (refused or staged as
+    such), never taken for a plain layer."""
+    from megatron_reshard.receiver.staged_conversion import _is_online
+
+    for base_name in ("OnlineLinearBase", "_Fp8OnlineLinearBase"):
+        base = type(base_name, (), {})
+        method = type("Fp8PerTensorOnlineLinearMethod", (base,), {})()
+        assert _is_online(method), base_name
+    assert not _is_online(type("UnquantizedLinearMethod", (), {})())

@@ -80,7 +80,8 @@ PER_TENSOR_SETTING = ("serve the policy in BF16 (drop --quantization), or give v
                       "with gen_quant=\"block_fp8\" (the trainer quantizes)")
 # vLLM's online quantization methods (their layers are allocated on the meta device and
 # quantized by vLLM while loading), by base class name
-ONLINE_BASES = ("OnlineLinearBase", "OnlineMoEMethodBase")
+# (vLLM 0.25.1 names the linear one ``_Fp8OnlineLinearBase``)
+ONLINE_BASES = ("OnlineLinearBase", "_Fp8OnlineLinearBase", "OnlineMoEMethodBase")
 # the online methods whose layers hold block FP8 after loading (``--quantization fp8_per_block``)
 ONLINE_BLOCK_LINEAR_METHOD = "Fp8PerBlockOnlineLinearMethod"
 ONLINE_BLOCK_MOE_METHOD = "Fp8PerBlockOnlineMoEMethod"

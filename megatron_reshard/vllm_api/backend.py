@@ -65,6 +65,7 @@ from vllm.distributed.weight_transfer.base import (
 
 from megatron_reshard.errors import BadInputError, CallOrderError, MegatronReshardError
 from megatron_reshard.receiver.misc_transport import receive_misc_packed
+from megatron_reshard.vllm_api.compat import WorkerEngineCompat
 from megatron_reshard.receiver.worker_state import (
     PrepareOptions,
     PrepareSummary,
@@ -163,8 +164,11 @@ def _fields_text(cls) -> str:
 
 
 class MegatronReshardWeightTransferEngine(
+        WorkerEngineCompat,
         WeightTransferEngine[MegatronReshardInitInfo, MegatronReshardUpdateInfo]):
-    """vLLM weight-transfer engine over megatron_reshard's receiver (see module doc)."""
+    """vLLM weight-transfer engine over megatron_reshard's receiver (see module doc).
+    ``WorkerEngineCompat``: what the running vLLM's base class asks beyond this class
+    (``vllm_api.compat``)."""
 
     init_info_cls = MegatronReshardInitInfo
     update_info_cls = MegatronReshardUpdateInfo

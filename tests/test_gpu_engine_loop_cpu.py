@@ -1,0 +1,109 @@
+"""The CPU half of scripts/gpu_engine_loop.py (the GPU run is in docs/GPU_ENGINE.md).
+
+The training process of the loop (``scripts/gpu_engine_trainer.py``: real megatron-core,
+spawned, serving the loop's commands over queues) runs here on the CPU, and this process
+plays the vLLM worker with the receiver over the same colocated refit group (shared host
+memory standing in for CUDA IPC): two refits, an AdamW step between them, each bit-equal
+to the expected vLLM shards sliced from the trainer's own full HF tensors (its ``full``
+answer). Also the loop's comparison (``differences``) and its HF config."""
+
+import os
+import sys
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
+
+import gpu_engine_loop as loop  # noqa: E402
+from gpu_engine_trainer import trainer_main  # noqa: E402
+from hf_configs import hf_config_kwargs  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+def _answer(res, kind):
+    got, value = res.get(timeout=120)
+    assert got == kind, value
+    return value
+
+
+def test_the_loops_trainer_refits_a_receiver_bit_exact_over_the_colocated_transport():
+    from megatron_reshard.testing.vllm_like import build_vllm_like_model, expected_vllm_shard
+    from megatron_reshard.tools.e2e import ModuleWorker
+    from megatron_reshard.tools.worlds import free_ports
+    from megatron_reshard.wire.codec import decode_payload
+    from megatron_reshard.wire.records import RefitPayload
+
+    spec, family, _ = loop.MODELS["moe"]
+    spec = dict(spec, num_layers=2, hidden_size=64, num_moe_experts=8)
+    world_port, refit_port = free_ports(2)
+    ctx = mp.get_context("spawn")
+    cmd, res = ctx.Queue(), ctx.Queue()
+    cfg = {"device": "cpu", "world_port": world_port, "refit_port": refit_port, "spec": spec,
+           "family": family, "gen_quant": None, "timeout_s": 60, "lr": 1e-3}
+    trainer = ctx.Process(target=trainer_main, args=(cfg, cmd, res), daemon=True)
+    trainer.start()
+    try:
+        payload = decode_payload(_answer(res, "payload")["payload"])
+        hf = RefitPayload.of(payload).hf_config
+        model = build_vllm_like_model(hf, 0, 1, 1, torch.bfloat16, device=torch.device("cpu"))
+        worker = ModuleWorker(model)
+        cmd.put(("connect",))
+        worker.init_refit_groups("127.0.0.1", [refit_port], 1, 2, "gloo", 60)
+        worker.prepare_refit(payload, {})
+        _answer(res, "ready")
+        before = None
+        for version in (1, 2):
+            if version > 1:
+                cmd.put(("step", version))
+                _answer(res, "stepped")
+            cmd.put(("refit", version))
+            assert worker.refit()["version"] == version
+            sent = _answer(res, "refitted")
+            assert sent["t1"] >= sent["t0"]
+            cmd.put(("full",))
+            full = _answer(res, "full")
+            got = {n: p.detach().clone() for n, p in model.named_parameters()}
+            bad = [n for n, t in got.items()
+                   if not torch.equal(t, expected_vllm_shard(hf, n, full, 0, 1, 1))]
+            assert bad == [], f"refit {version}: {bad}"
+            if before is not None:  # the optimizer step changed what the refit wrote (the
+                # large matrices: at an lr of 1e-6 few BF16 elements move, a small tensor's may not)
+                changed = loop.differences(before, got)
+                assert {n for n in got if "experts" in n or "qkv" in n} <= set(changed), changed
+            before = got
+        cmd.put(("stop",))  # both sides leave the group together
+        worker.destroy_refit_groups(60)
+        trainer.join(60)
+        assert trainer.exitcode == 0
+    finally:
+        if trainer.is_alive():
+            trainer.kill()
+
+
+def test_the_comparison_sees_one_flipped_bit_a_dtype_a_shape_and_a_missing_name():
+    a = {"w": torch.randn(4, 3).bfloat16(), "s": torch.tensor(1.5), "b": torch.ones(2)}
+    b = {k: v.clone() for k, v in a.items()}
+    assert loop.differences(a, b) == []
+    b["w"].view(-1).view(torch.uint8)[5] ^= 1
+    b["s"] = b["s"].double()
+    b["b"] = torch.ones(1, 2)
+    b["extra"] = torch.zeros(())
+    assert loop.differences(a, b) == ["extra", "b", "s", "w"]
+    nan = {"x": torch.tensor([float("nan")])}
+    assert loop.differences(nan, {"x": nan["x"].clone()}) == []  # bits, not values
+
+
+@pytest.mark.parametrize("model", sorted(loop.MODELS))
+def test_the_loops_hf_config_is_the_tests_mapping_of_the_same_spec(model):
+    spec, _, arch = loop.MODELS[model]
+    mine = loop.hf_config(spec, arch)
+    m = {**dict(num_moe_experts=None, moe_ffn_hidden_size=None, moe_router_topk=2,
+                moe_shared_expert_intermediate_size=None, moe_layer_freq=1, tie_embeddings=False),
+         **spec}
+    theirs = hf_config_kwargs(m, arch, dict(attention_bias=False))
+    skip = {"max_position_embeddings", "attention_dropout", "attn_implementation"}
+    assert {k: v for k, v in theirs.items() if k not in skip} == \
+        {k: mine[k] for k in theirs if k not in skip}
