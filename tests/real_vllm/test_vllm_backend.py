@@ -154,6 +154,7 @@ GOOD = dict(host="127.0.0.1", ports_by_stage=[29500, 29501], group_sizes=[3, 3],
             payload={"schema_version": 1}, backend="gloo", timeout_s=30.0)
 
 
+@pytest.mark.vllm_range
 def test_create_engine_builds_ours(engine):
     from megatron_reshard.vllm_api.backend import (MegatronReshardInitInfo, MegatronReshardUpdateInfo,
                                                    MegatronReshardWeightTransferEngine)
@@ -180,6 +181,7 @@ def test_create_engine_builds_ours(engine):
     (dict(prepare_options={"num_stream": 2}), ["prepare_options", "num_stream", "num_streams"]),
     (dict(hots="x"), ["hots", "fields: host"]),
 ])
+@pytest.mark.vllm_range
 def test_bad_init_info_names_the_field(engine, change, words):
     with pytest.raises(ValueError) as err:
         engine.parse_init_info({**GOOD, **change})
@@ -194,6 +196,7 @@ def test_missing_init_field_is_named(engine):
 
 @pytest.mark.parametrize("bad,words", [({"version": 1.5}, ["version", "1.5"]),
                                        ({"versoin": 2}, ["versoin"]), ([1], ["dict", "list"])])
+@pytest.mark.vllm_range
 def test_bad_update_info_names_the_field(engine, bad, words):
     with pytest.raises(ValueError) as err:
         engine.parse_update_info(bad)
@@ -201,6 +204,7 @@ def test_bad_update_info_names_the_field(engine, bad, words):
         assert w in str(err.value), (w, str(err.value))
 
 
+@pytest.mark.vllm_range
 def test_lifecycle_out_of_order_is_refused(engine):
     with pytest.raises(RuntimeError, match="before init_weight_transfer_engine"):
         engine.start_weight_update()
@@ -210,6 +214,7 @@ def test_lifecycle_out_of_order_is_refused(engine):
         engine.finish_weight_update()
 
 
+@pytest.mark.vllm_range
 def test_engine_and_worker_extension_compose_one_worker_state(engine):
     """Neither adapter subclasses the other: both hold a ``RefitWorkerState`` (the
     extension creates its own on first use, vLLM running no ``__init__`` of it) and answer
