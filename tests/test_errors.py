@@ -17,7 +17,8 @@ from megatron_reshard.errors import MegatronReshardError
 # Tooling and test fixtures are not the library (docs/DESIGN.md, "Modules")
 NOT_LIBRARY = ("megatron_reshard.tools", "megatron_reshard.testing")
 # imported only where vLLM is installed (the vLLM weight-transfer backend)
-NEEDS_VLLM = ("megatron_reshard.vllm_api.backend", "megatron_reshard.vllm_api.trainer")
+NEEDS_VLLM = ("megatron_reshard.vllm_api.backend", "megatron_reshard.vllm_api.compat",
+              "megatron_reshard.vllm_api.trainer")
 # imported only where their RL framework is installed (docs/ADAPTERS.md)
 NEEDS_FRAMEWORK = {"megatron_reshard.adapters.verl": "verl",
                    "megatron_reshard.adapters.nemo_rl": "nemo_rl"}

@@ -7,13 +7,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from megatron_reshard.errors import BadInputError
+
 
 class BoundedCache(dict):
     """``dict`` whose insert of a new key beyond ``limit`` drops the oldest key first."""
 
     def __init__(self, limit: int) -> None:
         if limit < 1:
-            raise ValueError(f"BoundedCache limit {limit}: expected an integer >= 1")
+            raise BadInputError(f"BoundedCache limit {limit}: expected an integer >= 1")
         super().__init__()
         self.limit = limit
 
