@@ -263,12 +263,15 @@ class MegatronReshardWeightTransferEngine(
         try:
             result = self.state.refit(self.model, getattr(self.model_config, "dtype", None))
         except Exception as exc:
-            self._update = None
-            weights = self.refit_weights_state()
-            raise WeightUpdateError(
-                f"megatron_reshard refit failed ({type(exc).__name__}: {exc}); the weights are "
-                f"{_state_text(weights)}", weights) from exc
+            raise self._update_failed("refit", exc) from exc
         self._committed(result, update_info)
+
+    def _update_failed(self, what: str, exc: Exception) -> WeightUpdateError:
+        """The update ends here: the error, carrying the weight state the failure left."""
+        self._update = None
+        weights = self.refit_weights_state()
+        return WeightUpdateError(f"megatron_reshard {what} failed ({type(exc).__name__}: {exc}); "
+                                 f"the weights are {_state_text(weights)}", weights)
 
     def _committed(self, result: RefitResult, update_info: MegatronReshardUpdateInfo) -> None:
         self.last_refit = result
@@ -286,11 +289,7 @@ class MegatronReshardWeightTransferEngine(
         try:
             result = self.state.flip_staged(self.model, getattr(self.model_config, "dtype", None))
         except Exception as exc:
-            self._update = None
-            weights = self.refit_weights_state()
-            raise WeightUpdateError(
-                f"megatron_reshard staged refit failed ({type(exc).__name__}: {exc}); the "
-                f"weights are {_state_text(weights)}", weights) from exc
+            raise self._update_failed("staged refit", exc) from exc
         self._committed(result, info)
 
     def finish_weight_update(self, weight_version: Union[int, str, None] = None) -> None:
