@@ -28,14 +28,14 @@ def sweep():
 
 def test_a_clean_sweep_with_a_family_packed_by_design_exits_0_with_a_summary():
     env = {**os.environ, "PYTHONPATH": str(SCRIPT.parents[1])}
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--models", "dense,gpt-oss",
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--models", "dense,qwen3.5",
                            "--tp", "1,3"], capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     last = proc.stdout.strip().splitlines()[-1]
     assert last == ("exact_path_sweep: 8 layouts checked: 2 bit-exact, 6 refused by the demo's "
-                    "checks; below 100% exact path by design: gpt-oss (lowest "
+                    "checks; below 100% exact path by design: qwen3.5 (lowest "
                     + last.split("(lowest ")[1]), last
-    assert "gpt-oss    train TP1 EP1 -> gen TP1: bit-exact" in proc.stdout, proc.stdout
+    assert "qwen3.5    train TP1 EP1 -> gen TP1: bit-exact" in proc.stdout, proc.stdout
     assert "(by design)" in proc.stdout
 
 
