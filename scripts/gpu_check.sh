@@ -14,7 +14,14 @@
 # on 4 GPUs, the pytest refit layouts. Prints one line (or table) per step; full logs and
 # the benchmark reports land in OUT. NVLink multicast stays off (shared hosts).
 set -u
+case "${1:-}" in
+  -h|--help) sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+esac
 NPROC=${1:-4}
+if [[ ! $NPROC =~ ^[0-9]+$ ]] || (( NPROC < 2 )); then
+  echo "gpu_check.sh: NPROC: expected the number of GPUs (2 or 4), found '$NPROC' (--help)" >&2
+  exit 2
+fi
 OUT=${2:-bench_out/gpu_check}
 STEPS=",${3:-engine,refit,fp8,transfer,bench_refit,pytest,cuda_unit,faults},"
 mkdir -p "$OUT"
