@@ -80,15 +80,21 @@ def test_in_proj_and_conv1d_rows_land_where_the_checkpoint_has_them():
         assert full_from_tp_chunks(c1, conv_chunks, dims)[c1.hf_names[0]].tolist() == expected_conv, tp
 
 
-def test_gated_qkv_puts_each_heads_gate_after_its_query():
-    nh, ng, hd = 4, 2, 2
+def _gated_qkv_rows(nh: int, ng: int, hd: int) -> torch.Tensor:
+    """Megatron's gated linear_qkv rows, each labelled [stream (q, gate, k, v), head, dim]:
+    per KV group its q heads, their gate heads, then k and v."""
     per = nh // ng
     groups = []
-    for g in range(ng):  # Megatron, per KV group: q heads, gate heads, k, v
+    for g in range(ng):
         groups += [[0, g * per + j, i] for j in range(per) for i in range(hd)]
         groups += [[1, g * per + j, i] for j in range(per) for i in range(hd)]
         groups += [[2, g, i] for i in range(hd)] + [[3, g, i] for i in range(hd)]
-    rows = torch.tensor(groups, dtype=torch.float32)
+    return torch.tensor(groups, dtype=torch.float32)
+
+
+def test_gated_qkv_puts_each_heads_gate_after_its_query():
+    nh, ng, hd = 4, 2, 2
+    rows = _gated_qkv_rows(nh, ng, hd)
     for tp in (1, 2):
         dims = ModelDims(tp, nh, ng, hd, 100, True)
         conv = NameConverter("qwen3_next", {0: 0}).convert("decoder.layers.0.self_attention.linear_qkv.weight")
@@ -205,13 +211,7 @@ def test_exact_path_views_are_each_ranks_rows_of_the_streams_and_gated_groups():
                 assert torch.equal(segs[f"model.layers.0.linear_attn.conv1d_{which}.weight"],
                                    hf[which].chunk(tp)[r]), (tp, r, which)
     nh, ng, hd = 4, 2, 2
-    per = nh // ng
-    groups = []
-    for g in range(ng):  # Megatron, per KV group: q heads, gate heads, k, v
-        groups += [[0, g * per + j, i] for j in range(per) for i in range(hd)]
-        groups += [[1, g * per + j, i] for j in range(per) for i in range(hd)]
-        groups += [[2, g, i] for i in range(hd)] + [[3, g, i] for i in range(hd)]
-    rows = torch.tensor(groups, dtype=torch.float32)
+    rows = _gated_qkv_rows(nh, ng, hd)
     for tp in (1, 2):
         conv = NameConverter("qwen3_next", {0: 0}).convert("decoder.layers.0.self_attention.linear_qkv.weight")
         q, k, v = full_from_tp_chunks(conv, list(rows.chunk(tp)), ModelDims(tp, nh, ng, hd, 100, True)).values()
