@@ -4,6 +4,7 @@ engine's copy batches and the colocated transport's alike. The CUDA tests skip w
 device; with ``TRITON_INTERPRET=1`` and Triton installed they run on CPU tensors too."""
 
 import os
+import threading
 
 import pytest
 import torch
@@ -187,3 +188,25 @@ def test_words_of_a_column_block_go_as_int64_rows(device):
     assert isinstance(table, TileTable) and table.kind == ROWS and d.dtype == torch.int64
     kernels.run()
     assert _equal(dst, src)
+
+
+def test_copies_replayed_off_the_main_thread_stay_eager():
+    """A staged refit receives on its own thread beside generation: recording a CUDA graph
+    there makes the generating thread's device-wide sync fail (seen on an H100), so off the
+    main thread ``Replayed`` never records. (On this CPU-only torch, a recording attempt
+    raises at its first CUDA call: the old code failed here.)"""
+    calls, errors = [], []
+
+    def on_a_side_thread():
+        try:
+            replayed = kernel_copies.Replayed(lambda: calls.append(1), torch.device("cuda"), after=1)
+            for _ in range(3):
+                replayed()
+            errors.append(replayed.graph)
+        except Exception as exc:  # noqa: BLE001 - reported by the assert below
+            errors.append(exc)
+
+    worker = threading.Thread(target=on_a_side_thread)
+    worker.start()
+    worker.join(timeout=30)
+    assert errors == [None] and len(calls) == 3

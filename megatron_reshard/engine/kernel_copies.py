@@ -31,6 +31,7 @@ Copies move integer bits, never float values: CUDA's float copies rewrite NaN pa
 from __future__ import annotations
 
 import os
+import threading
 from typing import NamedTuple, Optional
 
 import torch
@@ -361,9 +362,12 @@ class Replayed:
     recorded as a CUDA graph after its ``after``-th eager call (0: never) and replayed
     from then on: one replay costs the host ~5 µs, a Triton launch 13-24 µs and a foreach
     copy ~10 (one H200, docs/MEASUREMENTS.md). Recorded on a side stream in thread-local
-    mode, so another thread's CUDA calls (a vLLM worker's) are not disturbed; when that
-    fails, ``error`` says why and the calls stay eager. The graph holds raw addresses: its
-    owner keeps every tensor it reads and writes alive."""
+    mode; when that fails, ``error`` says why and the calls stay eager. Recorded only on the
+    main thread: a refit on another thread runs beside generation (a staged refit's
+    receive), and a capture in progress makes a device-wide sync on the generating thread
+    fail ("operation not permitted when stream is capturing", seen on an H100 under
+    scripts/bench_staged.py), so off the main thread the calls stay eager. The graph holds
+    raw addresses: its owner keeps every tensor it reads and writes alive."""
 
     def __init__(self, fn, device: torch.device, after: int):
         self.fn, self.device, self.after = fn, device, after
@@ -377,7 +381,8 @@ class Replayed:
             return
         self.fn()
         self.runs += 1
-        if self.runs == self.after and self.device.type == "cuda":
+        if (self.runs == self.after and self.device.type == "cuda"
+                and threading.current_thread() is threading.main_thread()):
             self.graph = self._capture()
 
     def _capture(self):
