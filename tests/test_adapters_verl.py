@@ -199,13 +199,30 @@ def test_the_vllm_server_option_names_its_key_when_ray_is_absent_or_it_is_bad():
     with pytest.raises(BadInputError, match=rf"{KEY}\.vllm_server: expected the Ray actor name"):
         verl_engine({"gen_tp": 2, "vllm_server": 3})
     clear_hand_off()
-    engine = verl_engine({"gen_tp": 2, "vllm_server": "vllm_server_0_0"})
-    assert engine.wire_format == "named_tensors"  # nothing prepared yet
-    engine.prepare()  # the rollout side beside the server: no model needed
-    assert engine.wire_format == "delta_flush"
+    # not in a Ray worker: the name cannot be looked up; refused at prepare (no group yet)
+    with pytest.raises(BadInputError, match=rf"{KEY}\.vllm_server: 'vllm_server_0_0' names a "
+                                            r"Ray actor, but Ray is not initialized"):
+        verl_engine({"gen_tp": 2, "vllm_server": "vllm_server_0_0"}).prepare()
     with pytest.raises(BadInputError, match=rf"{KEY}\.gen_world_size: 4, but a rollout side "
                                             r"driving verl's vLLM server refits one server"):
         verl_engine({"gen_tp": 2, "gen_world_size": 4, "vllm_server": "s"}).prepare()
+
+
+def test_an_engine_driving_a_handed_vllm_server_tells_verl_delta_flush():
+    """verl's ServerAdapter reads a "delta_flush" stream before any RPC of its own
+    (docs/ADAPTERS.md); an engine writing in place keeps "named_tensors"."""
+    class Handle:  # a Ray actor handle's face
+        collective_rpc = SimpleNamespace(remote=lambda *a, **k: None)
+
+    clear_hand_off()
+    hand_off(vllm_server=Handle())
+    try:
+        engine = verl_engine({"gen_tp": 2})
+        assert engine.wire_format == "named_tensors"  # nothing prepared yet
+        engine.prepare()  # the rollout side beside the server: no model needed
+        assert engine.wire_format == "delta_flush"
+    finally:
+        clear_hand_off()
 
 
 def _verl_job(job, site):

@@ -70,6 +70,8 @@ class ServerRolloutEnd:
                                 f"side driving verl's vLLM server refits one server (one replica "
                                 f"of gen_tp = {o.gen_tp} workers): vLLM derives each worker's "
                                 f"refit-group rank from its rank within its replica")
+        if self.server is None:  # every rank: a bad name is refused before any group forms
+            self.server = server_from(o.vllm_server, f"{self.key}.vllm_server")
         return {MARK: 1, "side": "rollout"}
 
     def _call(self, method: str, **kwargs: Any) -> Any:
@@ -88,7 +90,7 @@ class ServerRolloutEnd:
         if rollout_rank != 0:
             return  # rollout rank 0's calls reach every vLLM worker of the server
         if self.server is None:
-            self.server = server_from(self.options.vllm_server, f"{self.key}.vllm_server")
+            raise CallOrderError("init_process_group before prepare: no vLLM server yet")
         o = self.options
         init_info = {"host": topology.host, "ports_by_stage": list(topology.ports),
                      "group_sizes": topology.stage_world + topology.gen_world,
