@@ -221,6 +221,9 @@ def test_an_engine_driving_a_handed_vllm_server_tells_verl_delta_flush():
         assert engine.wire_format == "named_tensors"  # nothing prepared yet
         engine.prepare()  # the rollout side beside the server: no model needed
         assert engine.wire_format == "delta_flush"
+        with pytest.raises(BadInputError, match=rf"{KEY}\.target / {KEY}\.vllm_server: both "
+                                                r"given"):
+            verl_engine({"gen_tp": 2, "target": "adapter_worlds:current_target"}).prepare()
     finally:
         clear_hand_off()
 

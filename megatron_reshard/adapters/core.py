@@ -190,9 +190,15 @@ class AdapterEnds:
         """In vLLM's process (a ``target``): write into its model; beside verl's vLLM server
         (a ``vllm_server``): drive vLLM's workers. Neither: refuse, naming both keys."""
         o = self.options
-        if o.target is not None or handed("target") is not None:
+        target = o.target is not None or handed("target") is not None
+        server = o.vllm_server is not None or handed("vllm_server") is not None
+        if target and server:
+            raise BadInputError(f"{self.key}.target / {self.key}.vllm_server: both given (set or "
+                                f"handed off); a rollout worker either writes into the vLLM "
+                                f"model it holds or drives verl's vLLM server, not both")
+        if target:
             return RolloutEnd(o, self.key)
-        if o.vllm_server is not None or handed("vllm_server") is not None:
+        if server:
             return ServerRolloutEnd(o, self.key)
         raise BadInputError(
             f"{self.key}.target / {self.key}.vllm_server: neither set, and nothing was handed "
