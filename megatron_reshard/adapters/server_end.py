@@ -23,6 +23,8 @@ replica of ``gen_tp`` workers) per refit.
 
 from __future__ import annotations
 
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
 from megatron_reshard.adapters.handoff import handed
@@ -85,7 +87,7 @@ class ServerRolloutEnd:
                                 f"rollout workers")
         if self.topology == topology and self.rank == rollout_rank:
             return  # verl re-sends the same topology every update: the groups stay
-        self.close()
+        self.close(wait=True)  # new groups (a restarted trainer): the old ones go first
         self.topology, self.rank = topology, rollout_rank
         if rollout_rank != 0:
             return  # rollout rank 0's calls reach every vLLM worker of the server
@@ -127,12 +129,25 @@ class ServerRolloutEnd:
         self.updates += 1
         return {"version": version, "drove_vllm_server": True, "updates": self.updates}
 
-    def close(self) -> None:
-        """Release the vLLM workers' refit groups (fired: verl's shutdown does not wait)."""
+    def close(self, wait: bool = False) -> None:
+        """Release the vLLM workers' refit groups: fired (verl's ``shutdown`` does not wait),
+        or with ``wait`` finished before returning (a re-join must not overtake it)."""
         if self.rank == 0 and (self.joined or self.joining is not None):
-            self._call("shutdown_weight_transfer_engine")
+            call = self._call("shutdown_weight_transfer_engine")
+            if wait:
+                _wait(call)
         self.topology = self.rank = self.joining = None
         self.joined = False
+
+
+def _wait(call: Any) -> Any:
+    """The result of an awaitable call (a Ray ``ObjectRef``) from synchronous code: awaited on
+    a thread of its own, since verl runs the engine's synchronous methods on its event loop."""
+    async def result() -> Any:
+        return await call
+
+    with ThreadPoolExecutor(max_workers=1) as thread:
+        return thread.submit(asyncio.run, result()).result()
 
 
 __all__ = ["ServerRolloutEnd", "server_from"]
