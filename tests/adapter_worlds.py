@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 import torch
 
+from megatron_reshard.adapters import clear_hand_off
 from two_worlds import dense_pp2_source, join_world
 
 TRAIN, GEN = 2, 2
@@ -39,6 +40,7 @@ def start(job) -> tuple[Any, str, int, dict]:
     holds its own before any refit. Returns (control, side, rank in side, facts): ``model``,
     ``family``, ``vocab_size`` (the generation side learns the last two through the store,
     as the framework's config would give them)."""
+    clear_hand_off()  # a pool process runs many jobs: nothing handed by an earlier one stays
     control, side, rank = join_world(job, TRAIN, GEN)
     if side == "train":
         model, source, family, vocab = dense_pp2_source(GEN, num_layers=2)

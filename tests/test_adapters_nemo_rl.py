@@ -31,6 +31,7 @@ sys.path.remove(SRC)
 
 from adapter_worlds import (GEN, TRAIN, RaisingWeights, engine_options,  # noqa: E402
                             exchange_metadata, mismatches, publish_reference, start)
+from megatron_reshard.adapters import clear_hand_off, hand_off  # noqa: E402
 from megatron_reshard.errors import BadInputError  # noqa: E402
 
 TRANSPORT = "megatron_reshard.adapters.nemo_rl:MegatronReshardCheckpointEngine"
@@ -73,11 +74,14 @@ def test_bad_options_name_the_key(options, match):
 
 
 def test_a_rollout_worker_without_a_model_refuses_at_prepare_naming_the_option():
-    # no Megatron parallel state here: the rollout side; no caller holds a vLLM model
+    # no Megatron parallel state here: the rollout side; nothing handed to this process
+    clear_hand_off()
     engine = nemo_engine({"gen_tp": 2})
-    with pytest.raises(BadInputError, match=rf"{KEY}\.target: not set, and no caller holds "
-                                            r"the vLLM model to write into"):
+    with pytest.raises(BadInputError, match=rf"{KEY}\.target / {KEY}\.vllm_server: neither "
+                                            r"set, and nothing was handed"):
         engine.prepare()
+    with pytest.raises(BadInputError, match=rf"{KEY}\.vllm_server: verl only"):
+        nemo_engine({"gen_tp": 2, "vllm_server": "vllm_server_0_0"})
     engine = nemo_engine({"gen_tp": 2, "target": "adapter_worlds:current_target"})
     with pytest.raises(BadInputError, match=rf"{KEY}\.target: adapter_worlds:current_target "
                                             r"returned None"):
@@ -86,11 +90,13 @@ def test_a_rollout_worker_without_a_model_refuses_at_prepare_naming_the_option()
 
 class _PolicyWorker:
     """A Megatron policy worker's face (``model``, ``rank``); ``checkpoint_engine_rpc``
-    restates PolicyCheckpointEngineMixin's calls of the engine."""
+    restates PolicyCheckpointEngineMixin's calls of the engine; ``hand_off``: the one line
+    a worker subclass adds once its model is built (docs/ADAPTERS.md)."""
 
     def __init__(self, model, rank):
         self.model, self.rank, self.checkpoint_engine = model, rank, None
         self.weights = RaisingWeights()
+        hand_off(model=self.model)
 
     async def checkpoint_engine_rpc(self, method, **kwargs):
         if method == "init_checkpoint_engine":
@@ -106,12 +112,13 @@ class _PolicyWorker:
 
 
 class _VllmWorker:
-    """A vLLM worker's face (``model_runner.model``, where the engine finds the model);
+    """A vLLM worker's face (``model_runner.model``, handed to the engine with ``hand_off``);
     ``update_weights_from_checkpoint_engine`` restates VllmCheckpointEngineMixin's loop."""
 
     def __init__(self, model):
         self.model_runner = type("ModelRunner", (), {"model": model})()
         self.checkpoint_engine, self.loaded = None, []
+        hand_off(target=self.model_runner.model)
 
     def init_checkpoint_engine(self, engine_kwargs):
         self.checkpoint_engine = nemo_engine(engine_kwargs)
@@ -142,7 +149,7 @@ def _nemo_job(job, src):
 
     control, side, rank, facts = start(job)
     options = engine_options(job, facts["family"], facts["vocab_size"])
-    del options["target"]  # both models are found on the workers, where NeMo-RL keeps them
+    del options["target"]  # both models are handed off by the workers (the call, not the key)
     out = {"side": side, "rank": rank, "mismatches": [], "versions": [], "closed": []}
     if side == "train":
         worker = _PolicyWorker(facts["model"], dist.get_rank())

@@ -48,6 +48,8 @@ def _verl_on_path():
 
 from adapter_worlds import (GEN, TRAIN, RaisingWeights, engine_options,  # noqa: E402
                             exchange_metadata, mismatches, publish_reference, start)
+from megatron_reshard.adapters import clear_hand_off, hand_off  # noqa: E402
+from megatron_reshard.adapters.core import TrainEnd  # noqa: E402
 from megatron_reshard.errors import BadInputError  # noqa: E402
 
 KEY = "actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.megatron_reshard"
@@ -121,14 +123,21 @@ def test_build_topology_refuses_a_rollout_world_the_config_does_not_name():
 class _ActorWorker:
     """What verl's ActorRolloutRefWorker holds for its engine: ``checkpoint_engine`` and the
     Megatron engine's chunks (``actor.engine.module``); ``execute_checkpoint_engine`` is
-    verl's own body, ``update_weights`` restates its non-"naive" branch."""
+    verl's own body, ``update_weights`` restates its non-"naive" branch. ``hand_off``: the
+    one line a worker subclass adds after verl's ``init_model`` (docs/ADAPTERS.md)."""
 
     execute_checkpoint_engine = CheckpointEngineWorker.execute_checkpoint_engine.__wrapped__
 
-    def __init__(self, engine, model):
+    def __init__(self, engine, model, hand_off_model=True):
         self.checkpoint_engine, self.weights = engine, RaisingWeights()
         self.actor = SimpleNamespace(engine=SimpleNamespace(
             module=[model], get_per_tensor_param=lambda: (self.weights, None)))
+        if hand_off_model:
+            hand_off(model=self.actor.engine.module)
+
+    def prepare_train_end(self, end):
+        """A call from inside the worker (the frame the old lookup searched)."""
+        return end.prepare()
 
     async def update_weights(self, global_steps=None):
         per_tensor_param, _ = self.actor.engine.get_per_tensor_param()
@@ -149,13 +158,74 @@ class _ServerAdapter:
         self.wire_formats.append(wire_format)
 
 
-def test_verls_rollout_worker_without_a_vllm_model_refuses_at_prepare_naming_target():
-    # verl's stock CheckpointEngineWorker: vLLM's model lives in other processes
+def test_verls_rollout_worker_with_nothing_handed_refuses_at_prepare_naming_both_keys():
+    # verl's stock CheckpointEngineWorker: vLLM's model lives in other processes, and the
+    # engine is told neither where to write (target) nor which vLLM server to drive
+    clear_hand_off()
     worker = CheckpointEngineWorker.__new__(CheckpointEngineWorker)
     worker.checkpoint_engine, worker.server_adapter = verl_engine({"gen_tp": 2}), _ServerAdapter()
-    with pytest.raises(BadInputError, match=rf"{KEY}\.target: not set, and no caller holds the "
-                                            r"vLLM model .*CheckpointEngineWorker"):
+    with pytest.raises(BadInputError, match=rf"{KEY}\.target / {KEY}\.vllm_server: neither set, "
+                                            r"and nothing was handed .*hand_off\(target=\.\.\.\)"):
         CheckpointEngineWorker.execute_checkpoint_engine.__wrapped__(worker, "prepare")
+
+
+def test_a_model_held_by_the_calling_worker_but_not_handed_off_is_refused_naming_the_key():
+    """The engine never searches its callers for a model: verl's actor worker holds the
+    chunks at ``actor.engine.module``, but without ``hand_off`` or the ``model`` option the
+    training end refuses, naming both (the frame lookup this replaced took it silently)."""
+    clear_hand_off()
+    engine = verl_engine({"gen_tp": 2, "group_backend": "gloo"}, actor_rank=0)
+    import torch
+
+    worker = _ActorWorker(engine, torch.nn.Linear(2, 2), hand_off_model=False)
+    end = TrainEnd(engine.ends.options, KEY)
+    with pytest.raises(BadInputError, match=rf"{KEY}\.model: not set, and nothing was handed to "
+                                            r"this process: .*hand_off\(model=\.\.\.\)"):
+        worker.prepare_train_end(end)
+
+
+@pytest.mark.parametrize("given,match", [
+    ({"model": "chunks"}, r"hand_off\(model=\.\.\.\): expected a torch.nn.Module or a non-empty list"),
+    ({"model": []}, r"hand_off\(model=\.\.\.\): expected"),
+    ({"target": [1]}, r"hand_off\(target=\.\.\.\): expected the vLLM model"),
+    ({"vllm_server": object()}, r"hand_off\(vllm_server=\.\.\.\): expected a Ray actor handle"),
+])
+def test_hand_off_refuses_what_is_not_a_model_or_server(given, match):
+    with pytest.raises(BadInputError, match=match):
+        hand_off(**given)
+
+
+def test_the_vllm_server_option_names_its_key_when_ray_is_absent_or_it_is_bad():
+    with pytest.raises(BadInputError, match=rf"{KEY}\.vllm_server: expected the Ray actor name"):
+        verl_engine({"gen_tp": 2, "vllm_server": 3})
+    clear_hand_off()
+    # not in a Ray worker: the name cannot be looked up; refused at prepare (no group yet)
+    with pytest.raises(BadInputError, match=rf"{KEY}\.vllm_server: 'vllm_server_0_0' names a "
+                                            r"Ray actor, but Ray is not initialized"):
+        verl_engine({"gen_tp": 2, "vllm_server": "vllm_server_0_0"}).prepare()
+    with pytest.raises(BadInputError, match=rf"{KEY}\.gen_world_size: 4, but a rollout side "
+                                            r"driving verl's vLLM server refits one server"):
+        verl_engine({"gen_tp": 2, "gen_world_size": 4, "vllm_server": "s"}).prepare()
+
+
+def test_an_engine_driving_a_handed_vllm_server_tells_verl_delta_flush():
+    """verl's ServerAdapter reads a "delta_flush" stream before any RPC of its own
+    (docs/ADAPTERS.md); an engine writing in place keeps "named_tensors"."""
+    class Handle:  # a Ray actor handle's face
+        collective_rpc = SimpleNamespace(remote=lambda *a, **k: None)
+
+    clear_hand_off()
+    hand_off(vllm_server=Handle())
+    try:
+        engine = verl_engine({"gen_tp": 2})
+        assert engine.wire_format == "named_tensors"  # nothing prepared yet
+        engine.prepare()  # the rollout side beside the server: no model needed
+        assert engine.wire_format == "delta_flush"
+        with pytest.raises(BadInputError, match=rf"{KEY}\.target / {KEY}\.vllm_server: both "
+                                                r"given"):
+            verl_engine({"gen_tp": 2, "target": "adapter_worlds:current_target"}).prepare()
+    finally:
+        clear_hand_off()
 
 
 def _verl_job(job, site):

@@ -4,7 +4,13 @@
   megatron_reshard.adapters.verl``).
 - ``nemo_rl``: NeMo-RL's ``refit_transport: "megatron_reshard.adapters.nemo_rl:
   MegatronReshardCheckpointEngine"``.
-- ``core`` / ``options``: what both share (no framework import).
+- ``hand_off``: how a worker gives the engines the models they work on (``handoff``).
+- ``core`` / ``options`` / ``topology`` / ``server_end``: what both share (no framework
+  import).
 
 Each framework module imports its framework; importing this package imports neither.
 """
+
+from megatron_reshard.adapters.handoff import clear_hand_off, hand_off
+
+__all__ = ["hand_off", "clear_hand_off"]

@@ -1,11 +1,12 @@
-"""What the framework adapters share: which side a process is on, where its model is, the
-refit topology carried by the frameworks' metadata lists, and the two ends of a refit.
+"""What the framework adapters share: which side a process is on and the ends of a refit
+(the models they work on are handed to them explicitly: ``adapters.handoff``).
 
 The ends are thin: the training end is ``MegatronRefitSource`` + ``RefitSender`` on one
 refit group per PP stage (``groups.create_refit_group``), the rollout end is the
 receiver's ``RefitWorkerState`` (the state vLLM's worker extension and weight-transfer
-backend hold) writing into the vLLM model's own storage. The frameworks only decide when
-each phase runs.
+backend hold) writing into the vLLM model's own storage, or, beside verl's stock vLLM
+server, ``ServerRolloutEnd`` driving that backend in vLLM's workers. The frameworks only
+decide when each phase runs.
 
 Phases, as both frameworks order them: ``prepare`` on every worker returns plain metadata
 (the training side's payload, the stores' host and ports); the framework hands every
@@ -16,16 +17,16 @@ side; then one ``send`` / ``receive`` pair per weight update.
 from __future__ import annotations
 
 import asyncio
-import os
-import socket
 import sys
-from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
 
-from megatron_reshard.adapters.options import AdapterOptions, load_function
+from megatron_reshard.adapters.handoff import handed, model_from
+from megatron_reshard.adapters.options import AdapterOptions
+from megatron_reshard.adapters.server_end import ServerRolloutEnd
+from megatron_reshard.adapters.topology import MARK, Topology, free_port, this_host
 from megatron_reshard.errors import BadInputError, CallOrderError
 from megatron_reshard.groups import create_refit_group, destroy_refit_group
 from megatron_reshard.megatron import MegatronRefitSource
@@ -35,134 +36,12 @@ from megatron_reshard.receiver.worker_state import (
     RefitResult, RefitWorkerState, model_device, vllm_tp_coords)
 from megatron_reshard.wire.codec import decode_payload
 
-MARK = "megatron_reshard"  # in every metadata entry: a list from another engine is refused
-_ADAPTERS_DIR = os.path.dirname(os.path.abspath(__file__))
-_CALLER_FRAMES = 16
-# where the frameworks' workers keep the model, on the object that calls the engine:
-TRAIN_MODEL_PATHS = ("actor.engine.module",  # verl's ActorRolloutRefWorker (Megatron chunks)
-                     "model")                # NeMo-RL's Megatron policy worker
-ROLLOUT_MODEL_PATHS = ("model_runner.model",)  # a vLLM worker (NeMo-RL runs the engine there)
-
 
 def is_training_process() -> bool:
     """Megatron's parallel state is initialized here: a training worker. The same engine
     class and options reach both sides, so this is how an engine learns its side."""
     ps = sys.modules.get("megatron.core.parallel_state")
     return ps is not None and bool(ps.model_parallel_is_initialized())
-
-
-def _attr_path(owner: Any, path: str) -> Any:
-    for name in path.split("."):
-        owner = getattr(owner, name, None)
-        if owner is None:
-            return None
-    return owner
-
-
-def find_on_caller(paths: Sequence[str]) -> tuple[Any, str]:
-    """The first of ``paths`` (attribute chains) held by the ``self`` of a frame that calls
-    into the adapters (the framework's worker); (None, what was looked at) if none."""
-    frame, seen = sys._getframe(1), []
-    for _ in range(_CALLER_FRAMES):
-        if frame is None:
-            break
-        owner = frame.f_locals.get("self")
-        if owner is not None and not frame.f_code.co_filename.startswith(_ADAPTERS_DIR):
-            for path in paths:
-                value = _attr_path(owner, path)
-                if isinstance(value, torch.nn.Module) or (
-                        isinstance(value, (list, tuple)) and value
-                        and all(isinstance(v, torch.nn.Module) for v in value)):
-                    return value, ""
-            seen.append(type(owner).__name__)
-        frame = frame.f_back
-    return None, ", ".join(dict.fromkeys(seen)) or "none"
-
-
-def locate_model(option: Optional[str], paths: Sequence[str], key: str, what: str) -> Any:
-    """The model an end works on: the ``"module:function"`` option if set, else the calling
-    worker's (``paths``); an error names the option to set."""
-    if option is not None:
-        model = load_function(option, key)()
-        if model is None:
-            raise BadInputError(f"{key}: {option} returned None, expected {what}")
-        return model
-    model, seen = find_on_caller(paths)
-    if model is None:
-        raise BadInputError(f"{key}: not set, and no caller holds {what} at {list(paths)} "
-                            f"(callers' types: {seen}); set {key} to a 'module:function' "
-                            f"returning it")
-    return model
-
-
-def free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def this_host() -> str:
-    return socket.gethostbyname(socket.gethostname())
-
-
-@dataclass(frozen=True)
-class Topology:
-    """The refit groups, read from the framework's metadata list (training entries first):
-    one group per PP stage of ``stage_world`` training ranks + ``gen_world`` rollout ranks,
-    its store at ``host:ports[stage]``."""
-
-    host: str
-    ports: tuple
-    stage_world: int
-    gen_world: int
-    payload: bytes
-
-    @classmethod
-    def of(cls, metadata: Sequence[Any], train_world: int, rollout_world: int,
-           key: str) -> "Topology":
-        if len(metadata) != train_world + rollout_world:
-            raise BadInputError(f"metadata: {len(metadata)} entries for {train_world} training "
-                                f"+ {rollout_world} rollout workers")
-        sides = [m.get("side") if isinstance(m, dict) and m.get(MARK) else None
-                 for m in metadata]
-        if None in sides:
-            raise BadInputError(f"metadata[{sides.index(None)}]: not from a megatron_reshard "
-                                f"engine ({metadata[sides.index(None)]!r:.200})")
-        expected = ["train"] * train_world + ["rollout"] * rollout_world
-        if sides != expected:
-            raise BadInputError(f"metadata sides {sides}, expected {expected}: a training "
-                                f"worker without Megatron's parallel state, or a rollout "
-                                f"worker with it")
-        train = metadata[:train_world]
-        first = {m["stage"]: m for m in train if m["stage_local_rank"] == 0}
-        pp, stage_world = train[0]["pp"], train[0]["stage_world"]
-        if sorted(first) != list(range(pp)) or pp * stage_world != train_world:
-            raise BadInputError(f"metadata: training ranks by stage {sorted(first)} do not make "
-                                f"PP {pp} x {stage_world} ranks = {train_world} workers")
-        hosts = {m["host"] for m in first.values()}
-        if len(hosts) != 1:
-            raise BadInputError(f"{key}.host: the first training ranks of the PP stages are on "
-                                f"{sorted(hosts)}; the refit groups' stores need one host")
-        payloads = [m["payload"] for m in train if m.get("payload") is not None]
-        gen_world = train[0]["gen_world"]
-        if rollout_world != gen_world:
-            raise BadInputError(f"{key}.gen_world_size: {gen_world}, but the framework has "
-                                f"{rollout_world} rollout workers")
-        if len(payloads) != 1:
-            raise BadInputError(f"metadata: {len(payloads)} payloads, expected one (training "
-                                f"rank 0's)")
-        return cls(host=hosts.pop(), ports=tuple(first[s]["port"] for s in range(pp)),
-                   stage_world=stage_world, gen_world=gen_world, payload=payloads[0])
-
-    def as_dict(self) -> dict:
-        """Plain data, for frameworks that hand each worker its own arguments."""
-        return {"host": self.host, "ports": list(self.ports), "stage_world": self.stage_world,
-                "gen_world": self.gen_world, "payload": self.payload}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "Topology":
-        return cls(host=d["host"], ports=tuple(d["ports"]), stage_world=d["stage_world"],
-                   gen_world=d["gen_world"], payload=d["payload"])
 
 
 class TrainEnd:
@@ -181,11 +60,11 @@ class TrainEnd:
         self.group: Any = None
         self.sender: Optional[RefitSender] = None
 
-    def prepare(self, model_paths: Sequence[str]) -> dict:
+    def prepare(self) -> dict:
         o = self.options
         if self.source is None:
-            model = locate_model(o.model, model_paths, f"{self.key}.model",
-                                 "the Megatron model (chunks)")
+            model = model_from(o.model, "model", f"{self.key}.model",
+                               "the Megatron model (chunks)")
             self.source = MegatronRefitSource(
                 model, gen_parallelism={"tp_size": o.gen_tp, "ep_size": 1, "pp_size": 1},
                 gen_world_size=o.gen_world_size, family=o.family, vocab_size=o.vocab_size)
@@ -243,12 +122,12 @@ class RolloutEnd:
         self.rank: Optional[int] = None
         self.last: Optional[RefitResult] = None
 
-    def prepare(self, model_paths: Sequence[str]) -> dict:
-        """Find the model now: a rollout worker without one refuses before any group forms."""
+    def prepare(self) -> dict:
+        """Take the model now: a rollout worker without one refuses before any group forms."""
         if self.model is None:
-            self.model = locate_model(self.options.target, model_paths, f"{self.key}.target",
-                                      "the vLLM model to write into (this process has no "
-                                      "Megatron parallel state: taken for a rollout worker)")
+            self.model = model_from(self.options.target, "target", f"{self.key}.target",
+                                    "the vLLM model to write into (this process has no "
+                                    "Megatron parallel state: taken for a rollout worker)")
         return {MARK: 1, "side": "rollout"}
 
     def join(self, topology: Topology, rollout_rank: int) -> None:
@@ -298,14 +177,39 @@ class AdapterEnds:
     def __init__(self, options: AdapterOptions, key: str):
         self.options, self.key = options, key
         self.train: Optional[TrainEnd] = None
-        self.rollout: Optional[RolloutEnd] = None
+        self.rollout: Optional[Union[RolloutEnd, ServerRolloutEnd]] = None
 
     def prepare(self) -> dict:
         if is_training_process():
             self.train = self.train or TrainEnd(self.options, self.key)
-            return self.train.prepare(TRAIN_MODEL_PATHS)
-        self.rollout = self.rollout or RolloutEnd(self.options, self.key)
-        return self.rollout.prepare(ROLLOUT_MODEL_PATHS)
+            return self.train.prepare()
+        self.rollout = self.rollout or self._rollout_end()
+        return self.rollout.prepare()
+
+    def _rollout_end(self) -> Union[RolloutEnd, ServerRolloutEnd]:
+        """In vLLM's process (a ``target``): write into its model; beside verl's vLLM server
+        (a ``vllm_server``): drive vLLM's workers. Neither: refuse, naming both keys."""
+        o = self.options
+        target = o.target is not None or handed("target") is not None
+        server = o.vllm_server is not None or handed("vllm_server") is not None
+        if target and server:
+            raise BadInputError(f"{self.key}.target / {self.key}.vllm_server: both given (set or "
+                                f"handed off); a rollout worker either writes into the vLLM "
+                                f"model it holds or drives verl's vLLM server, not both")
+        if target:
+            return RolloutEnd(o, self.key)
+        if server:
+            return ServerRolloutEnd(o, self.key)
+        raise BadInputError(
+            f"{self.key}.target / {self.key}.vllm_server: neither set, and nothing was handed "
+            f"to this process (it has no Megatron parallel state: a rollout worker). In vLLM's "
+            f"process set target to a 'module:function' returning the vLLM model or call "
+            f"megatron_reshard.adapters.hand_off(target=...); beside verl's vLLM server set "
+            f"vllm_server to its Ray actor name (docs/ADAPTERS.md)")
+
+    @property
+    def drives_vllm_server(self) -> bool:
+        return isinstance(self.rollout, ServerRolloutEnd)
 
     def join(self, topology: Topology, rollout_rank: Optional[int]) -> None:
         """Join the refit groups: ``rollout_rank`` None on a training worker."""
@@ -336,10 +240,13 @@ class AdapterEnds:
         return {f"megatron_reshard/{k}": v for k, v in stats.items()
                 if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
-    async def receive(self, version: Optional[int]) -> RefitResult:
+    async def receive(self, version: Optional[int]) -> dict:
+        """One refit into vLLM's storage; its result as plain data."""
         if self.rollout is None:
             raise CallOrderError("receive_weights on a worker that prepared no rollout end")
-        return await asyncio.to_thread(self.rollout.receive, version)
+        if isinstance(self.rollout, ServerRolloutEnd):
+            return await self.rollout.receive(version)
+        return (await asyncio.to_thread(self.rollout.receive, version)).as_dict()
 
     def close(self) -> None:
         for end in (self.train, self.rollout):
@@ -347,5 +254,4 @@ class AdapterEnds:
                 end.close()
 
 
-__all__ = ["AdapterEnds", "TrainEnd", "RolloutEnd", "Topology", "is_training_process", "find_on_caller",
-           "locate_model", "TRAIN_MODEL_PATHS", "ROLLOUT_MODEL_PATHS", "MARK"]
+__all__ = ["AdapterEnds", "TrainEnd", "RolloutEnd", "Topology", "is_training_process", "MARK"]

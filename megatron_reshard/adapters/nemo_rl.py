@@ -11,7 +11,8 @@ builds the class with ``bucket_size=...`` and the options of its ``refit_cfg`` s
             gen_tp: 2
 
 NeMo-RL runs the rollout side of its checkpoint engines inside vLLM's workers, so the
-engine finds the vLLM model there (``model_runner.model``) and receives every shard straight
+engine writes into the vLLM model handed to it there (``target`` or ``hand_off(target=
+worker.model_runner.model)``: ``adapters.handoff``) and receives every shard straight
 into its storage; ``receive_weight_batches`` then yields no batch for NeMo-RL to load. The
 policy side sends its own Megatron shards and closes NeMo-RL's iterator of full tensors
 unread. ``finalize`` (NeMo-RL's shutdown, or ``release_after_refit``) releases the refit
@@ -26,6 +27,7 @@ from nemo_rl.utils.checkpoint_engines.base import CheckpointEngine
 
 from megatron_reshard.adapters.core import AdapterEnds, Topology
 from megatron_reshard.adapters.options import AdapterOptions
+from megatron_reshard.errors import BadInputError
 
 TRANSPORT = "megatron_reshard.adapters.nemo_rl:MegatronReshardCheckpointEngine"
 CONFIG_KEY = f"policy.generation.refit_cfg[{TRANSPORT!r}]"
@@ -38,8 +40,11 @@ class MegatronReshardCheckpointEngine(CheckpointEngine):
 
     def __init__(self, bucket_size: int, **engine_kwargs: Any) -> None:
         self.bucket_size = bucket_size  # NeMo-RL's: no bucket of full tensors is filled
-        self.ends = AdapterEnds(AdapterOptions.parse(engine_kwargs, CONFIG_KEY, _NEMO_RL_KEYS),
-                                CONFIG_KEY)
+        options = AdapterOptions.parse(engine_kwargs, CONFIG_KEY, _NEMO_RL_KEYS)
+        if options.vllm_server is not None:
+            raise BadInputError(f"{CONFIG_KEY}.vllm_server: verl only; NeMo-RL runs the engine "
+                                f"inside vLLM's workers (set target, or hand_off(target=...))")
+        self.ends = AdapterEnds(options, CONFIG_KEY)
         self.last_refit: Optional[dict] = None
 
     def prepare(self) -> dict:
@@ -62,7 +67,7 @@ class MegatronReshardCheckpointEngine(CheckpointEngine):
         await self.ends.send(weights, None)
 
     async def receive_weight_batches(self) -> AsyncGenerator[list, None]:
-        self.last_refit = (await self.ends.receive(None)).as_dict()
+        self.last_refit = await self.ends.receive(None)
         for batch in ():  # an async generator, as NeMo-RL iterates it: nothing to load
             yield batch
 

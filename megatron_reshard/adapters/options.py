@@ -28,8 +28,9 @@ class AdapterOptions:
     ``ports``: one store port per PP stage (None: each stage's first training rank picks a
     free one).
     ``model`` / ``target``: ``"module:function"`` returning the training model (Megatron
-    chunks) / the vLLM model to write into; None: taken from the framework's worker that
-    calls the engine (``adapters.locate``). ``keep_as_loaded``: vLLM params the payload does
+    chunks) / the vLLM model to write into; None: what ``adapters.hand_off`` gave this
+    process (``adapters.handoff``). ``vllm_server``: the Ray actor name of verl's vLLM server
+    a rollout worker beside it drives (``adapters.server_end``). ``keep_as_loaded``: vLLM params the payload does
     not write that may keep what was loaded (``prepare_refit``'s option).
     """
 
@@ -44,6 +45,7 @@ class AdapterOptions:
     verify_checksums: bool = False
     model: Optional[str] = None
     target: Optional[str] = None
+    vllm_server: Optional[str] = None
     keep_as_loaded: tuple = ()
 
     @classmethod
@@ -52,7 +54,8 @@ class AdapterOptions:
         """``kwargs``: the options dict; ``key``: its path in the framework's configuration
         (for the errors); ``framework_keys``: keys the framework adds itself (ignored)."""
         known = ("gen_tp", "gen_world_size", "family", "vocab_size", "group_backend", "host",
-                 "ports", "timeout_s", "verify_checksums", "model", "target", "keep_as_loaded")
+                 "ports", "timeout_s", "verify_checksums", "model", "target", "vllm_server",
+                 "keep_as_loaded")
         unknown = sorted(set(kwargs) - set(known) - set(framework_keys))
         if unknown:
             raise BadInputError(f"{key}: unknown option(s) {unknown}; known: {list(known)}")
@@ -100,6 +103,10 @@ class AdapterOptions:
             value = option(name)
             if value is not None and (not isinstance(value, str) or value.count(":") != 1):
                 raise bad(name, "a 'module:function' path or None")
+        server = option("vllm_server")
+        if server is not None and (not isinstance(server, str) or not server):
+            raise bad("vllm_server", "the Ray actor name of verl's vLLM server (e.g. "
+                                     "'vllm_server_0_0') or None")
         keep = option("keep_as_loaded", ())
         if isinstance(keep, str) or not all(isinstance(k, str) for k in keep):
             raise bad("keep_as_loaded", "a list of vLLM param names or fnmatch patterns")
@@ -107,7 +114,8 @@ class AdapterOptions:
                    group_backend=backend, host=host,
                    ports=None if ports is None else tuple(ports), timeout_s=float(timeout),
                    verify_checksums=verify, model=option("model"),
-                   target=option("target"), keep_as_loaded=tuple(keep))
+                   target=option("target"), vllm_server=server,
+                   keep_as_loaded=tuple(keep))
 
 
 def load_function(path: str, key: str) -> Callable[[], Any]:

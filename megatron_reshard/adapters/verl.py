@@ -14,11 +14,13 @@ every actor and rollout worker: ``prepare`` → (driver) ``build_topology`` →
 
 What the engine does with each (``adapters.core``): the actor side sends its own Megatron
 shards (``RefitSender``) and closes verl's iterator of gathered full tensors unread; the
-rollout side receives each shard straight into the target model's storage
-(``RefitWorkerState``) and yields no tensors for verl's server adapter to load. The refit
-groups are joined once and kept across updates (``finalize`` keeps them; ``shutdown``
-releases them). Where verl's rollout worker cannot reach vLLM's storage see
-docs/ADAPTERS.md.
+rollout side either receives each shard straight into the target model's storage
+(``RefitWorkerState``; the engine runs in vLLM's process, ``target``) or, beside verl's
+stock vLLM server (``vllm_server``), drives megatron_reshard's weight-transfer backend in
+vLLM's workers through the server's ``collective_rpc`` (``adapters.server_end``); either way
+it yields no tensors for verl's server adapter to load. The refit groups are joined once
+and kept across updates (``finalize`` keeps them; ``shutdown`` releases them). The models
+are handed over explicitly (``adapters.handoff``; docs/ADAPTERS.md).
 """
 
 from __future__ import annotations
@@ -44,6 +46,16 @@ class MegatronReshardCheckpointEngine(CheckpointEngine):
         self.bucket_size, self.is_master = bucket_size, is_master
         self.ends = AdapterEnds(AdapterOptions.parse(engine_kwargs, CONFIG_KEY), CONFIG_KEY)
         self.last_refit: Optional[dict] = None
+
+    @property
+    def wire_format(self) -> str:
+        """What verl's ``CheckpointEngineWorker.update_weights`` tells the server adapter.
+        Driving vLLM's server, "delta_flush": the only format whose vLLM
+        ``ServerAdapter.update_weights`` (``_update_delta_weights``) reads the engine's stream
+        before sending any RPC of its own, so this engine's RPCs run first and the stream
+        ends empty (verl then only sets the global steps); "named_tensors" would first start
+        ``update_weights_from_ipc`` on vLLM's workers, which blocks them until the stream ends."""
+        return "delta_flush" if self.ends.drives_vllm_server else "named_tensors"
 
     def prepare(self) -> dict:
         return self.ends.prepare()
@@ -78,7 +90,7 @@ class MegatronReshardCheckpointEngine(CheckpointEngine):
                               ) -> AsyncGenerator[tuple[str, Any], None]:
         """One refit into the target model; the weights are in place when it returns, so it
         yields nothing for verl's server adapter to load."""
-        self.last_refit = (await self.ends.receive(global_steps)).as_dict()
+        self.last_refit = await self.ends.receive(global_steps)
         for named_tensor in ():  # an async generator, as verl iterates it: nothing to yield
             yield named_tensor
 
