@@ -27,7 +27,7 @@ Targets are chosen by the tensors' shapes, never by model family name.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
 import torch
@@ -39,7 +39,7 @@ from megatron_reshard.errors import BadInputError, BadInputTypeError
 from megatron_reshard.wire.expert_names import EXPERT_WEIGHT_RE
 from megatron_reshard.wire.extras import HFConfig
 from megatron_reshard.wire.spec import LocalParamSpec, RefitCtx
-from megatron_reshard.vllm_layout import gated_delta_net, gpt_oss, mla
+from megatron_reshard.vllm_layout import gated_delta_net, gpt_oss, mamba, mla
 from megatron_reshard.vllm_layout import moe as vllm_moe
 from megatron_reshard.vllm_layout.dense import (GATE_UP_RE, QKV_RE, VOCAB_PADDING,
                                                 AttentionHeads, gate_up_rows,
@@ -124,6 +124,8 @@ class VllmTargets:
 
     def write(self, piece: Piece, values: torch.Tensor) -> None:
         """Write ``values`` (the box's checkpoint-order elements) into the target box."""
+        if piece.transform is not None:
+            values = mamba.TRANSFORMS[piece.transform](values)
         view = self.strided_view(piece)
         if view is not None:
             view.copy_(values.reshape(view.shape))
@@ -136,6 +138,8 @@ class VllmTargets:
 
     def resolve(self, hf_name: str, hf_shape: Sequence[int]) -> TargetPlan:
         """Which target boxes ``hf_name`` (global shape ``hf_shape``) fills on this rank."""
+        if hf_name.startswith(mamba.BACKBONE):  # Nemotron-H's checkpoint names (vllm_layout.mamba)
+            return self._nemotron_h(hf_name, hf_shape)
         if self._renames is None:
             self._renames = gpt_oss.renames_names(self.params)
         if not self._renames:
@@ -150,6 +154,41 @@ class VllmTargets:
         else:
             plan = self._resolve(gpt_oss.vllm_name(hf_name), hf_shape)
         plan.hf_name = hf_name
+        return plan
+
+    def _nemotron_h(self, hf_name: str, hf_shape: Sequence[int]) -> TargetPlan:
+        """A Nemotron-H param under vLLM's name; ``A_log`` written as vLLM's ``A = -exp(A_log)``."""
+        problem = mamba.split_problem(hf_name, self.hf_config, self.tp_size)
+        if problem:
+            raise TargetError(f"{hf_name}: {problem} (on {self.where()})")
+        name = mamba.vllm_name(hf_name)
+        fused = mamba.MIXER_FUSED_RE.match(name)
+        plan = (self._mamba_fused(name, tuple(int(s) for s in hf_shape), fused["which"])
+                if fused and name in self.params else self._resolve(name, hf_shape))
+        if mamba.A_LOG_RE.search(hf_name):
+            plan.pieces = [replace(p, transform=mamba.NEG_EXP) for p in plan.pieces]
+        plan.hf_name = hf_name
+        return plan
+
+    def _mamba_fused(self, name: str, shape: tuple[int, ...], which: str) -> TargetPlan:
+        """A Mamba-2 ``in_proj`` / ``conv1d``: each segment split over TP (a single group's B
+        and C whole on every rank), as vLLM's loader fills it (``vllm_layout.mamba``)."""
+        found = mamba.fused_pieces(which, self.hf_config, self.tp_size, self.tp_rank)
+        if found is None:
+            raise TargetError(f"{name}: hf_config lacks the Mamba dims (mamba_num_heads, "
+                              f"mamba_head_dim, n_groups, ssm_state_size) on {self.where()}")
+        rows, hf_rows, pieces = found
+        if shape[0] != hf_rows:
+            raise TargetError(f"{name}: HF shape {list(shape)} does not have the {hf_rows} rows the "
+                              f"Mamba dims of hf_config give (on {self.where()})")
+        if tuple(self.params[name].shape) != (rows,) + shape[1:]:
+            raise self._shape_error(name, name, (rows,) + shape[1:],
+                                    "[z_r; x_r; B_r; C_r; dt_r] rows" if which == "in_proj.weight"
+                                    else "[x_r; B_r; C_r] channels")
+        plan = TargetPlan(name, shape)
+        rest = full_region(shape[1:])
+        for t_rows, h_rows in pieces:
+            plan.pieces.append(Piece(name, (t_rows,) + rest, (h_rows,) + rest))
         return plan
 
     def _resolve(self, hf_name: str, hf_shape: Sequence[int]) -> TargetPlan:
@@ -518,9 +557,10 @@ def bulk_receive_plan(targets: VllmTargets, hf_name: str, global_shape: Sequence
     shape = tuple(int(s) for s in global_shape)
     plan = targets.resolve(hf_name, shape)
     check_wire_dtype(targets, plan, wire_dtype)
-    if any(p.transposed for p in plan.pieces):
-        raise TargetError(f"{hf_name}: vLLM holds it transposed on {targets.where()}; it can "
-                          f"only arrive as a full tensor (packed path), not shard to shard")
+    if any(p.transposed or p.transform for p in plan.pieces):
+        raise TargetError(f"{hf_name}: vLLM holds it transposed or transformed on "
+                          f"{targets.where()}; it can only arrive as a full tensor (packed "
+                          f"path), not shard to shard")
     zero_only = box_numel(region) == 0  # an empty block: the target holds zero (gpt-oss's w2_bias)
     if (plan.zero and not (padded or zero_only)) or len(plan.pieces) != 1 \
             or plan.pieces[0].hf_region != tuple(region):

@@ -220,3 +220,93 @@ def build_mamba_model(spec: TinyMambaSpec):
     model = model.to(dtype=getattr(torch, spec.dtype))
     fill_distinct_(model, spec.seed)
     return model
+
+
+# ---- the oracle: full HF tensors, written without ``converters`` / ``megatron.mamba``
+_LAYER_NAMES = {
+    "norm.weight": "norm.weight", "input_layernorm.weight": "norm.weight",
+    "pre_mlp_layernorm.weight": "norm.weight",
+    "mixer.A_log": "mixer.A_log", "mixer.D": "mixer.D", "mixer.dt_bias": "mixer.dt_bias",
+    "mixer.norm.weight": "mixer.norm.weight", "mixer.out_proj.weight": "mixer.out_proj.weight",
+    "self_attention.linear_proj.weight": "mixer.o_proj.weight",
+    "mlp.linear_fc1.weight": "mixer.up_proj.weight", "mlp.linear_fc2.weight": "mixer.down_proj.weight",
+}
+
+
+def _tp_parts(param: torch.Tensor) -> list[torch.Tensor]:
+    """Every TP rank's copy of ``param`` (one part when it is not TP-sharded)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    size = ps.get_tensor_model_parallel_world_size()
+    if size == 1 or not getattr(param, "tensor_model_parallel", False):
+        return [param.detach()]
+    parts = [torch.empty_like(param) for _ in range(size)]
+    dist.all_gather(parts, param.detach().contiguous(), group=ps.get_tensor_model_parallel_group())
+    return parts
+
+
+def _by_stream(parts: list[torch.Tensor], rows: list[int]) -> torch.Tensor:
+    """The streams of per-rank ``parts`` (each rank: ``rows`` rows per stream, in order),
+    joined stream after stream, by an explicit loop over streams and ranks."""
+    out = []
+    for s in range(len(rows)):
+        start = sum(rows[:s])
+        for part in parts:
+            out.append(part[start:start + rows[s]])
+    return torch.cat(out, 0)
+
+
+def gather_nemotron_h_hf_state_dict(model, vocab_size: int) -> dict[str, torch.Tensor]:
+    """Every HF tensor of a Nemotron-H ``MambaModel`` (checkpoint names), whole, on every
+    train rank (a collective over the TP and whole training worlds)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    c = model.config
+    out: dict[str, torch.Tensor] = {}
+    for name, param in model.named_parameters():
+        parts = _tp_parts(param)
+        dim = getattr(param, "partition_dim", None)  # conv1d, A_log, D, dt_bias, norm: None (dim 0)
+        dim = 0 if dim is None else dim
+        full = torch.cat(parts, dim) if len(parts) > 1 else parts[0]
+        if name == "embedding.word_embeddings.weight":
+            out["backbone.embeddings.weight"] = full[:vocab_size]
+            continue
+        if name == "output_layer.weight":
+            out["lm_head.weight"] = full[:vocab_size]
+            continue
+        if name == "decoder.final_norm.weight":
+            out["backbone.norm_f.weight"] = full
+            continue
+        layer_index, rest = name.split(".", 3)[2], name.split(".", 3)[3]
+        p = f"backbone.layers.{model.decoder.layers[int(layer_index)].layer_number - 1}"
+        d_inner, g = c.mamba_num_heads * c.mamba_head_dim, c.mamba_num_groups * c.mamba_state_dim
+        if rest == "mixer.in_proj.weight":
+            out[f"{p}.mixer.in_proj.weight"] = _by_stream(
+                parts, [d_inner // tp, d_inner // tp, g // tp, g // tp, c.mamba_num_heads // tp])
+        elif rest in ("mixer.conv1d.weight", "mixer.conv1d.bias"):
+            out[f"{p}.{rest}"] = _by_stream(parts, [d_inner // tp, g // tp, g // tp])
+        elif rest == "self_attention.linear_qkv.weight":  # per KV group [q heads, k, v]
+            hd, nkv = c.kv_channels, c.num_query_groups
+            per = c.num_attention_heads // nkv
+            q, k, v = [], [], []
+            for group in full.split((per + 2) * hd, 0):
+                q.append(group[:per * hd])
+                k.append(group[per * hd:(per + 1) * hd])
+                v.append(group[(per + 1) * hd:])
+            for which, rows in (("q", q), ("k", k), ("v", v)):
+                out[f"{p}.mixer.{which}_proj.weight"] = torch.cat(rows, 0)
+        else:
+            out[f"{p}.{_LAYER_NAMES[rest]}"] = full
+    mine = {n: t.detach().cpu() for n, t in out.items()}
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    merged: dict[str, torch.Tensor] = {}
+    for part in everyone:
+        for n, t in part.items():
+            if n in merged and not torch.equal(merged[n], t):
+                raise ValueError(f"reference: two ranks hold different copies of {n}")
+            merged.setdefault(n, t.clone())
+    return merged
