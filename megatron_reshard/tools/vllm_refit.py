@@ -125,7 +125,7 @@ def _planted_mamba_split_error(on: bool):
 
     def planted(chunks, d):
         z, x, b, c, dt = d.in_proj_rows(len(chunks))
-        swapped = [torch.cat(t.split([z, x, b, c, dt])[i] for i in (0, 1, 3, 2, 4)) for t in chunks]
+        swapped = [torch.cat([t.split([z, x, b, c, dt])[i] for i in (0, 1, 3, 2, 4)]) for t in chunks]
         return right(swapped, d)
 
     mamba.in_proj_full = planted if on else right
