@@ -17,13 +17,17 @@ Nemotron-H checkpoint (as vLLM's ``MambaMixer2`` loads it, ``vllm_layout.mamba``
   ``A_log`` (``vllm_layout.mamba``).
 
 Every stream is a contiguous row block of each rank's tensor split over TP on its rows, so
-no reshuffle is needed beyond joining each stream over the TP chunks.
+no reshuffle is needed beyond joining each stream over the TP chunks; on the exact path each
+stream travels apart (``stream_metadata``, ``stream_views``; wire names ``in_proj_z`` ...
+``in_proj_dt``, ``conv1d_x`` / ``_B`` / ``_C``) shard to shard, where vLLM splits it as
+Megatron does (the generation TP divides the groups).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
@@ -108,3 +112,50 @@ def hf_shape(kind: str, local_shape: Sequence[int], tp: int, d: Optional[MambaDi
         raise BadInputError(f"{name}: {local_shape[0]} rows on this rank, expected {sum(rows)} "
                             f"({' + '.join(map(str, rows))}: {kind} at TP {tp})")
     return [sum(rows) * tp, *[int(s) for s in local_shape[1:]]]
+
+
+# ---- the exact path: each stream of in_proj / conv1d sent apart (wire names below), a row
+# block of every rank's tensor, split over TP on its rows on both sides (vllm_layout.mamba)
+CONV1D_STREAMS = ("x", "B", "C")
+_FUSED = re.compile(r"^(?P<prefix>backbone\.layers\.\d+\.mixer)\.(?P<what>in_proj|conv1d)\.(?P<leaf>weight|bias)$")
+
+
+def stream_names(hf_name: str) -> Optional[list[str]]:
+    """The exact path's wire names of ``in_proj.weight`` (``in_proj_z`` ... ``in_proj_dt``) or
+    ``conv1d.weight`` / ``.bias`` (``conv1d_x`` / ``_B`` / ``_C``); None for any other name."""
+    m = _FUSED.match(hf_name)
+    if m is None:
+        return None
+    streams = IN_PROJ_STREAMS if m["what"] == "in_proj" else CONV1D_STREAMS
+    return [f"{m['prefix']}.{m['what']}_{s}.{m['leaf']}" for s in streams]
+
+
+def streams_travel_apart(d: MambaDims, gen_tp: int) -> bool:
+    """Whether vLLM splits every stream over ``gen_tp`` as Megatron does (TP divides the
+    groups); with one group over several ranks vLLM replicates B and C: sent whole (packed)."""
+    return d.num_groups % gen_tp == 0 and d.num_heads % gen_tp == 0
+
+
+def stream_metadata(metadata: Mapping[str, dict], d: MambaDims, gen_tp: int,
+                    keep_packed: Callable[[str], bool]) -> dict[str, dict]:
+    """``metadata`` with each Mamba ``in_proj`` / ``conv1d`` entry replaced (in its place) by
+    its streams, where they travel apart and ``keep_packed`` does not match it."""
+    if not streams_travel_apart(d, gen_tp):
+        return dict(metadata)
+    out: dict = {}
+    for name, meta in metadata.items():
+        names = stream_names(name)
+        if names is None or keep_packed(name):
+            out[name] = meta
+            continue
+        rows = d.in_proj_rows(1) if len(names) == len(IN_PROJ_STREAMS) else d.conv1d_rows(1)
+        for stream, n in zip(names, rows):
+            out[stream] = {**meta, "shape": [n, *meta["shape"][1:]]}
+    return out
+
+
+def stream_views(hf_name: str, tensor: torch.Tensor, d: MambaDims, tp: int) -> dict[str, torch.Tensor]:
+    """This rank's streams of Megatron's ``in_proj`` / ``conv1d`` (views), by wire name."""
+    names = stream_names(hf_name)
+    rows = d.in_proj_rows(tp) if len(names) == len(IN_PROJ_STREAMS) else d.conv1d_rows(tp)
+    return dict(zip(names, tensor.split(rows, dim=0)))

@@ -29,7 +29,7 @@ HF_CONFIG_KEYS = (
     "mamba_num_heads", "mamba_head_dim", "n_groups", "ssm_state_size",
 )
 
-HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+HF_LAYER = re.compile(r"^(?:model|backbone)\.layers\.(\d+)\.")  # backbone: Nemotron-H
 
 
 def unwrap_model(model: Any) -> tuple[Optional[torch.nn.Module], list[str]]:

@@ -332,6 +332,8 @@ def sort_params(facts: ModelFacts, placement: RankPlacement, reports: list, gen:
         metadata = gpt_oss.wire_metadata(metadata, keep_packed)
     if facts.dims.linear is not None and bf16_forms:  # streams by segment (megatron.qwen3_next)
         metadata = qwen3_next.stream_metadata(metadata, facts.dims.linear, keep_packed)
+    if facts.dims.mamba is not None and bf16_forms:  # Mamba in_proj / conv1d streams (megatron.mamba)
+        metadata = mamba.stream_metadata(metadata, facts.dims.mamba, gen.tp, keep_packed)
     # Vocab matrices are the largest params outside the FFN; attention output, norms and
     # router have plain layouts on both sides: all take the exact path.
     exact_extra = {n: m for n, m in metadata.items()

@@ -162,9 +162,15 @@ class VllmTargets:
         if problem:
             raise TargetError(f"{hf_name}: {problem} (on {self.where()})")
         name = mamba.vllm_name(hf_name)
+        shape = tuple(int(s) for s in hf_shape)
         fused = mamba.MIXER_FUSED_RE.match(name)
-        plan = (self._mamba_fused(name, tuple(int(s) for s in hf_shape), fused["which"])
-                if fused and name in self.params else self._resolve(name, hf_shape))
+        stream = mamba.stream_piece(name, self.hf_config, self.tp_size, self.tp_rank)
+        if fused and name in self.params:
+            plan = self._mamba_fused(name, shape, fused["which"])
+        elif stream and stream[0] in self.params:
+            plan = self._mamba_stream(name, shape, *stream)
+        else:
+            plan = self._resolve(name, hf_shape)
         if mamba.A_LOG_RE.search(hf_name):
             plan.pieces = [replace(p, transform=mamba.NEG_EXP) for p in plan.pieces]
         plan.hf_name = hf_name
@@ -189,6 +195,20 @@ class VllmTargets:
         rest = full_region(shape[1:])
         for t_rows, h_rows in pieces:
             plan.pieces.append(Piece(name, (t_rows,) + rest, (h_rows,) + rest))
+        return plan
+
+    def _mamba_stream(self, name: str, shape: tuple[int, ...], target: str, rows: int,
+                      t_rows: tuple[int, int], h_rows: tuple[int, int], stream_rows: int) -> TargetPlan:
+        """One stream of a Mamba-2 ``in_proj`` / ``conv1d`` sent apart into its rows of vLLM's
+        fused tensor (``vllm_layout.mamba.stream_piece``)."""
+        if shape[0] != stream_rows:
+            raise TargetError(f"{name}: HF shape {list(shape)} does not have the {stream_rows} rows "
+                              f"the Mamba dims of hf_config give (on {self.where()})")
+        if tuple(self.params[target].shape) != (rows,) + shape[1:]:
+            raise self._shape_error(name, target, (rows,) + shape[1:], "the rank's Mamba streams")
+        plan = TargetPlan(name, shape)
+        rest = full_region(shape[1:])
+        plan.pieces.append(Piece(target, (t_rows,) + rest, (h_rows,) + rest))
         return plan
 
     def _resolve(self, hf_name: str, hf_shape: Sequence[int]) -> TargetPlan:

@@ -116,23 +116,31 @@ def _plant_staged_error():
 
 @contextlib.contextmanager
 def _planted_mamba_split_error(on: bool):
-    """A mapping error on purpose while it is active: Nemotron-H's ``in_proj`` joined with
-    each rank's B and C rows exchanged (``megatron.mamba``; the comparison with vLLM must see
-    it). Restored on exit."""
+    """A mapping error on purpose while it is active: Nemotron-H's ``in_proj`` sent with each
+    rank's B and C rows exchanged, as streams (exact path) or whole (``megatron.mamba``); the
+    comparison with vLLM must see it. Restored on exit."""
     from megatron_reshard.megatron import mamba
 
-    right = mamba.in_proj_full
+    right_full, right_views = mamba.in_proj_full, mamba.stream_views
 
-    def planted(chunks, d):
+    def planted_full(chunks, d):
         z, x, b, c, dt = d.in_proj_rows(len(chunks))
         swapped = [torch.cat([t.split([z, x, b, c, dt])[i] for i in (0, 1, 3, 2, 4)]) for t in chunks]
-        return right(swapped, d)
+        return right_full(swapped, d)
 
-    mamba.in_proj_full = planted if on else right
+    def planted_views(hf_name, tensor, d, tp):
+        views = right_views(hf_name, tensor, d, tp)
+        names = list(views)
+        if len(names) == len(mamba.IN_PROJ_STREAMS):  # in_proj: z, x, B, C, dt
+            views[names[2]], views[names[3]] = views[names[3]], views[names[2]]
+        return views
+
+    if on:
+        mamba.in_proj_full, mamba.stream_views = planted_full, planted_views
     try:
         yield
     finally:
-        mamba.in_proj_full = right
+        mamba.in_proj_full, mamba.stream_views = right_full, right_views
 
 
 @contextlib.contextmanager

@@ -84,7 +84,7 @@ def _segments(which: str, heads: int, head_dim: int, groups: int, state: int, tp
     else:  # n_groups == 1: extended to tp groups, the extra ones copies (extra_groups_for_head_shards)
         group = (tp * state, (tp - 1) * state, True)
     inner = (d_inner, 0, False)
-    if which == "in_proj.weight":
+    if which.startswith("in_proj"):
         return [inner, inner, group, group, (heads, 0, False)]
     return [inner, group, group]
 
@@ -108,3 +108,40 @@ def fused_pieces(which: str, hf_config: Any, tp_size: int, tp_rank: int
         boundary += shard
         loaded += full - extra
     return boundary, loaded, pieces
+
+
+# HF name -> the dim vLLM splits over TP (None: replicated), for the Nemotron-H params that
+# Megatron-Core splits the same way (``dense.TP_DIM_RULES``): they travel shard to shard.
+# A_log is not listed (vLLM holds -exp(A_log): full tensors only), nor in_proj / conv1d whole.
+TP_DIM_RULES: tuple[tuple[re.Pattern, Optional[int]], ...] = (
+    (re.compile(r"^backbone\.layers\.\d+\.norm\.weight$"), None),
+    (re.compile(r"^backbone\.norm_f\.weight$"), None),
+    (re.compile(r"^backbone\.layers\.\d+\.mixer\.(?:D|dt_bias|norm\.weight)$"), 0),
+    (re.compile(r"^backbone\.layers\.\d+\.mixer\.(?:out_proj|o_proj)\.weight$"), 1),
+    # the streams of in_proj / conv1d sent apart (megatron.mamba.stream_names)
+    (re.compile(r"^backbone\.layers\.\d+\.mixer\.in_proj_(?:z|x|B|C|dt)\.weight$"), 0),
+    (re.compile(r"^backbone\.layers\.\d+\.mixer\.conv1d_(?:x|B|C)\.(?:weight|bias)$"), 0),
+)
+STREAM_RE = re.compile(r"^(?P<prefix>.*\.mixer)\.(?P<what>in_proj|conv1d)_(?P<which>z|x|B|C|dt)\.(?P<leaf>weight|bias)$")
+_STREAM_INDEX = {"in_proj": ("z", "x", "B", "C", "dt"), "conv1d": ("x", "B", "C")}
+
+
+def stream_piece(name: str, hf_config: Any, tp_size: int, tp_rank: int
+                 ) -> Optional[tuple[str, int, tuple[int, int], tuple[int, int], int]]:
+    """One stream of ``in_proj`` / ``conv1d`` sent apart (vLLM name, ``in_proj_B.weight``):
+    (vLLM's fused target, its rows on this rank, the target rows the stream fills, the
+    stream's rows this rank receives, the stream's total rows); None for any other name or
+    where hf_config lacks the Mamba dims."""
+    m = STREAM_RE.match(name)
+    found = fused_pieces(f"{m['what']}.{m['leaf']}" if m else "", hf_config, tp_size, tp_rank) if m else None
+    if found is None:
+        return None
+    rows, _, pieces = found
+    index = _STREAM_INDEX[m["what"]].index(m["which"])
+    if index >= len(pieces):
+        return None  # conv1d has no z / dt stream
+    segments = _segments(f"{m['what']}.{m['leaf']}", *_dims(hf_config), tp_size)
+    start = sum(full - extra for full, extra, _ in segments[:index])
+    t_rows, (lo, hi) = pieces[index]
+    full, extra, _ = segments[index]
+    return f"{m['prefix']}.{m['what']}.{m['leaf']}", rows, t_rows, (lo - start, hi - start), full - extra

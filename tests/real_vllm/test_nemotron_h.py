@@ -99,9 +99,24 @@ def test_nemotron_h_refit_is_bit_equal_to_vllms_own_loading(refitted, key):
         assert g["summary"]["uncovered_targets"] == {}, who
 
 
-def test_nemotron_h_a_planted_in_proj_split_error_is_seen(pool):
-    """Training ranks that send in_proj with each rank's B and C rows exchanged leave exactly
-    the in_proj of both Mamba layers different from vLLM's own loading."""
-    for g in run_layout(pool, "tp2-to-tp1", plant_mamba_split_error=True):
+def test_nemotron_h_sends_only_a_log_packed_where_vllm_splits_every_stream(refitted):
+    """Every param but A_log (vLLM holds -exp(A_log)) takes the exact path where the gen TP
+    divides the Mamba groups: in_proj and conv1d as their streams (megatron.mamba), q/k/v per
+    KV group, vocab, norms, D, dt_bias, the gated norm, out_proj, MLP. With one group over
+    two gen ranks vLLM replicates B and C: in_proj and conv1d travel whole (packed) too."""
+    for key in LAYOUTS:
+        per_mamba_layer = 4 if key.startswith("one-group") else 1  # A_log (+ in_proj, conv1d w/b)
+        for g in refitted(key):
+            assert g["summary"]["misc_params"] == 2 * per_mamba_layer, (key, g["rank"], g["summary"])
+            assert all(s["bulk_bytes"] > 0 for s in g["refits"]), (key, g["refits"])
+
+
+@pytest.mark.parametrize("key", ["tp2-to-tp1", "one-group-tp1-to-tp2"])
+def test_nemotron_h_a_planted_in_proj_split_error_is_seen(pool, key):
+    """Training ranks that send in_proj with each rank's B and C rows exchanged (as streams on
+    the exact path; whole where one group is replicated) leave exactly the in_proj of both
+    Mamba layers different from vLLM's own loading."""
+    for g in run_layout(pool, key, plant_mamba_split_error=True):
+        assert len(g["differences"]) == REFITS, g["rank"]
         for bad in g["differences"]:
             assert bad == [f"model.layers.{i}.mixer.in_proj.weight" for i in (0, 2)], (g["rank"], bad)
