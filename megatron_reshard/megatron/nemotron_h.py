@@ -8,7 +8,8 @@ before any collective:
 
 - MoE layers (``E`` in the hybrid pattern: Nemotron-3 Nano): their names are in the rules,
   but vLLM's NemotronH MoE is non-gated (squared-ReLU experts, ``is_non_gated_moe``), which
-  vLLM's CPU MoE does not build, so no layout was checked against vLLM;
+  vLLM 0.34's CPU MoE refuses to build (measured: "is_act_and_mul=False is supported only
+  for CUDA, XPU and ROCm"), so no layout was checked against vLLM;
 - Mamba layers without ``mamba_num_heads`` in the config (megatron-core then derives the
   heads from ``hidden_size``; the refit does not guess the geometry);
 - a ``MambaModel`` under another family's names, or ``family="nemotron_h"`` for a model
@@ -21,9 +22,9 @@ from typing import Any, Optional
 
 MOE_LAYERS = (
     "Nemotron-H MoE layers ('E' in the hybrid pattern {pattern!r}) are not supported yet: vLLM's "
-    "NemotronH experts are non-gated (squared ReLU), which vLLM's CPU MoE does not build, so "
-    "their layout has not been checked against vLLM's own loading; Mamba-2, attention and MLP "
-    "layers are supported")
+    "NemotronH experts are non-gated (squared ReLU), which vLLM 0.34's CPU MoE refuses to build "
+    "('is_act_and_mul=False is supported only for CUDA, XPU and ROCm'), so their layout has not "
+    "been checked against vLLM's own loading; Mamba-2, attention and MLP layers are supported")
 NO_GEOMETRY = ("Nemotron-H Mamba layers need mamba_num_heads in the TransformerConfig (found None: "
                "megatron-core derives the heads from hidden_size, which the refit does not guess)")
 

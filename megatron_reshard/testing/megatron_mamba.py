@@ -70,6 +70,7 @@ class TinyMambaSpec:
     mamba_num_groups: int = 2
     mamba_conv_kernel: int = 4
     layernorm_epsilon: float = 1e-5
+    num_moe_experts: Optional[int] = None  # with 'E' layers (Nemotron-3 Nano; refused by the refit)
     num_layers_in_first_pipeline_stage: Optional[int] = None
     num_layers_in_last_pipeline_stage: Optional[int] = None
     dtype: str = "bfloat16"
@@ -143,6 +144,7 @@ def mamba_on_cpu():
 def local_mamba_stack_spec():
     """megatron-core's Mamba stack (Mamba, attention, MLP layers) with local modules."""
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
     from megatron.core.ssm.mamba_block import MambaStack, MambaStackSubmodules
     from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
     from megatron.core.ssm.mlp_layer import MLPLayer
@@ -153,7 +155,8 @@ def local_mamba_stack_spec():
     from megatron.core.transformer.mlp import MLP, MLPSubmodules
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
-    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+    from megatron.core.transformer.transformer_layer import (MoETransformerLayer, TransformerLayer,
+                                                             TransformerLayerSubmodules)
 
     mixer = _import_mixer_module()
     mamba = ModuleSpec(module=MambaLayer, submodules=MambaLayerSubmodules(
@@ -173,8 +176,10 @@ def local_mamba_stack_spec():
         mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
                                                             linear_fc2=RowParallelLinear)),
         mlp_bda=get_bias_dropout_add))
+    moe = ModuleSpec(module=MoETransformerLayer, submodules=TransformerLayerSubmodules(
+        pre_mlp_layernorm=WrappedTorchNorm, mlp=get_moe_module_spec(use_te=False, num_experts=8), mlp_bda=get_bias_dropout_add))
     return ModuleSpec(module=MambaStack, submodules=MambaStackSubmodules(
-        mamba_layer=mamba, attention_layer=attention, mlp_layer=mlp))
+        mamba_layer=mamba, attention_layer=attention, mlp_layer=mlp, moe_layer=moe))
 
 
 def mamba_config(spec: TinyMambaSpec):
@@ -193,6 +198,8 @@ def mamba_config(spec: TinyMambaSpec):
         add_bias_linear=False, normalization="RMSNorm", layernorm_epsilon=spec.layernorm_epsilon,
         mamba_num_heads=spec.mamba_num_heads, mamba_head_dim=spec.mamba_head_dim,
         mamba_state_dim=spec.mamba_state_dim, mamba_num_groups=spec.mamba_num_groups,
+        **(dict(num_moe_experts=spec.num_moe_experts, moe_ffn_hidden_size=spec.ffn_hidden_size,
+                moe_router_topk=2, moe_token_dispatcher_type="allgather") if spec.num_moe_experts else {}),
         use_cpu_initialization=True, params_dtype=dtype, bf16=dtype == torch.bfloat16,
         tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
