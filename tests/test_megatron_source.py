@@ -375,7 +375,7 @@ def test_bad_input_raises_one_clear_error_on_every_rank(pool):
         err = m["unknown_name"]
         assert err is not None and "rank 1: unknown Megatron parameter 'decoder.layers.0.self_attention.mystery'" in err, err
         assert "family='nemotron_h' needs a megatron-core MambaModel, got GPTModel" in m["nemotron_h_family"]
-        assert "pass family='nemotron_h' (got family=None)" in m["mamba_model"], m["mamba_model"]
+        assert "MambaModel refits under Nemotron-H's names only: pass family='nemotron_h'" in m["mamba_model"]
         assert "Nemotron-H MoE layers ('E' in the hybrid pattern 'M*-E') are not supported yet" \
             in m["nemotron_h_moe"], m["nemotron_h_moe"]
         assert m["gen_tp_zero"] == "gen_parallelism['tp_size'] must be a positive int, got 0"

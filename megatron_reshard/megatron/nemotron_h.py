@@ -38,7 +38,7 @@ def unsupported(model: Any, family: Optional[str]) -> list[str]:
         return []
     if family != "nemotron_h":
         return [f"a megatron-core MambaModel refits under Nemotron-H's names only: pass "
-                f"family='nemotron_h' (got family={family!r})"]
+                f"family='nemotron_h' (got family={family!r}, given or inferred from the config)"]
     pattern = str(getattr(getattr(model, "decoder", None), "hybrid_override_pattern", None) or "")
     config = getattr(model, "config", None)
     problems = []
