@@ -133,14 +133,26 @@ def _convert_and_gather(job) -> dict:
         if cv.kind in mamba.KINDS:
             views.update({n: v.clone() for n, v in mamba.stream_views(cv.hf_names[0], local, dims.mamba, 2).items()})
     oracle = gather_nemotron_h_hf_state_dict(model, spec.vocab_size)
+    from megatron_reshard.megatron import MegatronRefitSource
+
+    try:  # 2 Mamba groups over gen TP 4: refused before any collective (attention would split)
+        MegatronRefitSource(model, gen_parallelism={"tp_size": 4, "ep_size": 1}, gen_world_size=4,
+                            family="nemotron_h", vocab_size=spec.vocab_size)
+        refused = None
+    except ValueError as err:
+        refused = str(err)
+    dist.barrier()
     ps.destroy_model_parallel()
     dist.destroy_process_group()
-    return dict(full=full, oracle=oracle, unknown=unknown, views=views, names=sorted(named))
+    return dict(full=full, oracle=oracle, unknown=unknown, views=views, names=sorted(named), refused=refused)
 
 
 def test_converter_on_a_real_mamba_model_matches_the_independent_gather(pool):
     sides = pool.run(_convert_and_gather, 2, timeout_s=300)
     for s in sides:
+        assert s["refused"] == ("gen_parallelism['tp_size']=4: the model's 2 Mamba groups neither split "
+                                "over tp_size=4 nor are one group (vLLM's MambaMixer2 replicates only "
+                                "a single group)"), s["refused"]
         assert s["unknown"] == []
         assert sorted(s["full"]) == sorted(s["oracle"])
         assert [n for n in s["full"] if not torch.equal(s["full"][n], s["oracle"][n])] == []

@@ -29,6 +29,21 @@ NO_GEOMETRY = ("Nemotron-H Mamba layers need mamba_num_heads in the TransformerC
                "megatron-core derives the heads from hidden_size, which the refit does not guess)")
 
 
+def mamba_gen_tp_problem(config: Any, tp: int) -> Optional[str]:
+    """Why vLLM's ``MambaMixer2`` cannot be split over ``tp`` generation ranks (None: it can):
+    it asserts that TP divides the Mamba heads, and divides the groups or the model has one
+    group (replicated). None for a config without Mamba geometry."""
+    heads, groups = getattr(config, "mamba_num_heads", None), getattr(config, "mamba_num_groups", None)
+    if not heads or not groups:
+        return None
+    if int(heads) % tp:
+        return f"the model's {heads} Mamba heads do not split over tp_size={tp}"
+    if int(groups) % tp and int(groups) != 1:
+        return (f"the model's {groups} Mamba groups neither split over tp_size={tp} nor are one "
+                f"group (vLLM's MambaMixer2 replicates only a single group)")
+    return None
+
+
 def unsupported(model: Any, family: Optional[str]) -> list[str]:
     """Why the refit refuses this model under ``family``; [] when it does not."""
     is_mamba = type(model).__name__ == "MambaModel"
