@@ -27,13 +27,14 @@ Targets are chosen by the tensors' shapes, never by model family name.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 
 from megatron_reshard.layout.geometry import Box, box_index, box_numel, box_shape
 from megatron_reshard.receiver.gpt_oss_targets import oss_expert_plan, oss_wire_plan
+from megatron_reshard.receiver.mamba_targets import nemotron_h_plan
 from megatron_reshard.receiver.target_plan import Piece, TargetError, TargetPlan, full_region
 from megatron_reshard.errors import BadInputError, BadInputTypeError
 from megatron_reshard.wire.expert_names import EXPERT_WEIGHT_RE
@@ -76,6 +77,7 @@ class VllmTargets:
     _renames: Optional[bool] = field(default=None, repr=False)  # gpt-oss's vLLM names
     _oss_experts = oss_expert_plan  # gpt-oss's experts (receiver.gpt_oss_targets)
     _oss_wire_experts = oss_wire_plan
+    _nemotron_h = nemotron_h_plan  # Nemotron-H's names and Mamba-2 mixers (receiver.mamba_targets)
 
     @classmethod
     def from_named_parameters(cls, named, hf_config: Union[HFConfig, Mapping[str, Any], None],
@@ -139,7 +141,7 @@ class VllmTargets:
     def resolve(self, hf_name: str, hf_shape: Sequence[int]) -> TargetPlan:
         """Which target boxes ``hf_name`` (global shape ``hf_shape``) fills on this rank."""
         if hf_name.startswith(mamba.BACKBONE):  # Nemotron-H's checkpoint names (vllm_layout.mamba)
-            return self._nemotron_h(hf_name, hf_shape)
+            return self._nemotron_h(hf_name, hf_shape)  # receiver.mamba_targets
         if self._renames is None:
             self._renames = gpt_oss.renames_names(self.params)
         if not self._renames:
@@ -154,61 +156,6 @@ class VllmTargets:
         else:
             plan = self._resolve(gpt_oss.vllm_name(hf_name), hf_shape)
         plan.hf_name = hf_name
-        return plan
-
-    def _nemotron_h(self, hf_name: str, hf_shape: Sequence[int]) -> TargetPlan:
-        """A Nemotron-H param under vLLM's name; ``A_log`` written as vLLM's ``A = -exp(A_log)``."""
-        problem = mamba.split_problem(hf_name, self.hf_config, self.tp_size)
-        if problem:
-            raise TargetError(f"{hf_name}: {problem} (on {self.where()})")
-        name = mamba.vllm_name(hf_name)
-        shape = tuple(int(s) for s in hf_shape)
-        fused = mamba.MIXER_FUSED_RE.match(name)
-        stream = mamba.stream_piece(name, self.hf_config, self.tp_size, self.tp_rank)
-        if fused and name in self.params:
-            plan = self._mamba_fused(name, shape, fused["which"])
-        elif stream and stream[0] in self.params:
-            plan = self._mamba_stream(name, shape, *stream)
-        else:
-            plan = self._resolve(name, hf_shape)
-        if mamba.A_LOG_RE.search(hf_name):
-            plan.pieces = [replace(p, transform=mamba.NEG_EXP) for p in plan.pieces]
-        plan.hf_name = hf_name
-        return plan
-
-    def _mamba_fused(self, name: str, shape: tuple[int, ...], which: str) -> TargetPlan:
-        """A Mamba-2 ``in_proj`` / ``conv1d``: each segment split over TP (a single group's B
-        and C whole on every rank), as vLLM's loader fills it (``vllm_layout.mamba``)."""
-        found = mamba.fused_pieces(which, self.hf_config, self.tp_size, self.tp_rank)
-        if found is None:
-            raise TargetError(f"{name}: hf_config lacks the Mamba dims (mamba_num_heads, "
-                              f"mamba_head_dim, n_groups, ssm_state_size) on {self.where()}")
-        rows, hf_rows, pieces = found
-        if shape[0] != hf_rows:
-            raise TargetError(f"{name}: HF shape {list(shape)} does not have the {hf_rows} rows the "
-                              f"Mamba dims of hf_config give (on {self.where()})")
-        if tuple(self.params[name].shape) != (rows,) + shape[1:]:
-            raise self._shape_error(name, name, (rows,) + shape[1:],
-                                    "[z_r; x_r; B_r; C_r; dt_r] rows" if which == "in_proj.weight"
-                                    else "[x_r; B_r; C_r] channels")
-        plan = TargetPlan(name, shape)
-        rest = full_region(shape[1:])
-        for t_rows, h_rows in pieces:
-            plan.pieces.append(Piece(name, (t_rows,) + rest, (h_rows,) + rest))
-        return plan
-
-    def _mamba_stream(self, name: str, shape: tuple[int, ...], target: str, rows: int,
-                      t_rows: tuple[int, int], h_rows: tuple[int, int], stream_rows: int) -> TargetPlan:
-        """One stream of a Mamba-2 ``in_proj`` / ``conv1d`` sent apart into its rows of vLLM's
-        fused tensor (``vllm_layout.mamba.stream_piece``)."""
-        if shape[0] != stream_rows:
-            raise TargetError(f"{name}: HF shape {list(shape)} does not have the {stream_rows} rows "
-                              f"the Mamba dims of hf_config give (on {self.where()})")
-        if tuple(self.params[target].shape) != (rows,) + shape[1:]:
-            raise self._shape_error(name, target, (rows,) + shape[1:], "the rank's Mamba streams")
-        plan = TargetPlan(name, shape)
-        rest = full_region(shape[1:])
-        plan.pieces.append(Piece(target, (t_rows,) + rest, (h_rows,) + rest))
         return plan
 
     def _resolve(self, hf_name: str, hf_shape: Sequence[int]) -> TargetPlan:
