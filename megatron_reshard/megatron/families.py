@@ -191,8 +191,8 @@ FAMILIES["gpt_oss"] = (TOP_RULES, GPT_OSS_RULES)
 
 
 # ---- Nemotron-H (megatron-core MambaModel, hybrid layer pattern; HF/vLLM NemotronHForCausalLM).
-# Checked on real megatron-core models (local and TE names) against vLLM's own ``load_weights``
-# (tests/real_vllm/test_nemotron_h.py). The Mamba-2 mixer's tensor rules are in
+# Checked on real megatron-core models (the local spec's names; the TE spec's fused-norm names
+# at name level) against vLLM's own ``load_weights`` (tests/real_vllm/test_nemotron_h.py). The Mamba-2 mixer's tensor rules are in
 # ``megatron.mamba``; MoE layers are refused (``megatron.nemotron_h``).
 # Every layer is ``backbone.layers.<i>`` with one ``norm`` and one ``mixer`` (Mamba-2,
 # attention, MLP or MoE, as the pattern says).
