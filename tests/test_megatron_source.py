@@ -345,10 +345,13 @@ def _bad_inputs(job):
     if job.rank == 1:
         model.decoder.layers[0].self_attention.mystery = torch.nn.Parameter(torch.zeros(3))
     attempt("unknown_name", model, family="qwen3_moe", vocab_size=spec.vocab_size)
-    # Nemotron-H: the family by name, and a real (Mamba-layer-free) megatron-core MambaModel
-    from megatron_reshard.testing.megatron_models import build_mamba_model_without_mamba_layers
+    # Nemotron-H: the family for a GPT model, a real MambaModel under no family, and one
+    # with MoE layers (refused: megatron.nemotron_h)
+    from megatron_reshard.testing.megatron_mamba import TinyMambaSpec, build_mamba_model
     attempt("nemotron_h_family", model, family="nemotron_h", vocab_size=spec.vocab_size)
-    attempt("mamba_model", build_mamba_model_without_mamba_layers())
+    mamba_moe = build_mamba_model(TinyMambaSpec(pattern="M*-E", num_moe_experts=4))
+    attempt("mamba_model", mamba_moe)
+    attempt("nemotron_h_moe", mamba_moe, family="nemotron_h")
     try:  # the generation sizes are checked before anything else
         MegatronRefitSource(model, gen_parallelism={"tp_size": 0, "ep_size": 1}, gen_world_size=2)
         messages["gen_tp_zero"] = None
@@ -371,10 +374,10 @@ def test_bad_input_raises_one_clear_error_on_every_rank(pool):
         assert "packed_params='self_attn.(' is not a regular expression" in err
         err = m["unknown_name"]
         assert err is not None and "rank 1: unknown Megatron parameter 'decoder.layers.0.self_attention.mystery'" in err, err
-        for key in ("nemotron_h_family", "mamba_model"):
-            err = m[key]
-            assert err is not None and "Nemotron-H / megatron-core MambaModel is not supported yet" in err, (key, err)
-            assert "in_proj ([z, x, B, C, dt] per TP rank)" in err and "TENorm" in err, err
+        assert "family='nemotron_h' needs a megatron-core MambaModel, got GPTModel" in m["nemotron_h_family"]
+        assert "MambaModel refits under Nemotron-H's names only: pass family='nemotron_h'" in m["mamba_model"]
+        assert "Nemotron-H MoE layers ('E' in the hybrid pattern 'M*-E') are not supported yet" \
+            in m["nemotron_h_moe"], m["nemotron_h_moe"]
         assert m["gen_tp_zero"] == "gen_parallelism['tp_size'] must be a positive int, got 0"
 
 

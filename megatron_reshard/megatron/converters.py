@@ -18,10 +18,11 @@ from typing import Mapping, Optional, Sequence
 import torch
 
 from megatron_reshard.errors import BadInputError, MissingEntryError
-from megatron_reshard.megatron import gpt_oss, qwen3_next
+from megatron_reshard.megatron import gpt_oss, mamba, qwen3_next
 from megatron_reshard.megatron.families import FAMILIES, Rule
 
-TP_SHARDED_KINDS = {"column": 0, "row": 1, "vocab": 0, "qkv": 0, "fc1": 0, **qwen3_next.TP_DIMS}
+TP_SHARDED_KINDS = {"column": 0, "row": 1, "vocab": 0, "qkv": 0, "fc1": 0, **qwen3_next.TP_DIMS,
+                    **mamba.TP_DIMS}
 EXPERT_KINDS = ("expert_fc1", "expert_fc2", "grouped_fc1", "grouped_fc2", *gpt_oss.KINDS)
 
 _WRAPPER_PREFIX = re.compile(r"^(?:module\.)+")
@@ -163,6 +164,7 @@ class ModelDims:
     gated: bool
     num_local_experts: int = 0
     linear: Optional[qwen3_next.LinearAttentionDims] = None  # Gated-DeltaNet layers (Qwen3-Next)
+    mamba: Optional[mamba.MambaDims] = None  # Mamba-2 layers (Nemotron-H)
 
 
 def hf_global_shapes(conv: Converted, local_shape: Sequence[int], dims: ModelDims) -> dict[str, list[int]]:
@@ -193,6 +195,8 @@ def hf_global_shapes(conv: Converted, local_shape: Sequence[int], dims: ModelDim
         return {conv.hf_names[0]: shape}
     if kind in gpt_oss.KINDS:
         return {conv.hf_names[0]: gpt_oss.hf_shape(kind, shape)}
+    if kind in mamba.KINDS:
+        return {conv.hf_names[0]: mamba.hf_shape(kind, shape, t, dims.mamba, conv.megatron_name)}
     if kind in qwen3_next.KINDS:
         return dict(zip(conv.hf_names, qwen3_next.hf_shapes(
             kind, shape, t, dims.linear, dims.num_attention_heads, dims.num_query_groups, dims.head_dim)))
@@ -274,6 +278,8 @@ def full_from_tp_chunks(conv: Converted, chunks: Sequence[torch.Tensor], dims: M
         return local_views(conv, chunks[0], dims)
     if kind in gpt_oss.KINDS:
         return {conv.hf_names[0]: gpt_oss.full_tensor(kind, chunks[0])}
+    if kind in mamba.KINDS:
+        return {conv.hf_names[0]: mamba.full_tensor(kind, chunks, dims.mamba, conv.megatron_name)}
     if kind == "gated_qkv":
         return dict(zip(conv.hf_names, qwen3_next.gated_qkv_full(
             chunks, dims.num_attention_heads, dims.num_query_groups, dims.head_dim)))

@@ -22,7 +22,7 @@ from megatron_reshard.wire.metadata import extract_layer_name
 from megatron_reshard.vllm_layout.dense import QKV_PARAM_RE, padded_vocab_rows, qkv_gen_layout, tp_dim_of
 from megatron_reshard.wire.records import ParamRecord, RefitPayload
 
-VOCAB_PARAMS = ("model.embed_tokens.weight", "lm_head.weight")
+VOCAB_PARAMS = ("model.embed_tokens.weight", "lm_head.weight", "backbone.embeddings.weight")  # last: Nemotron-H
 
 
 def _tp_placements(mesh: MeshInfo, dims: dict, tp_dim) -> list:
@@ -110,7 +110,7 @@ def add_exact_extras(info: RefitPayload, extras: Mapping[str, dict], stage_of_ke
                              dst_placements=tuple(dst_pl), pp_stage=stage if pp > 1 else None)
         per_layer.setdefault(key, []).append(record)
         if key not in layer_names:
-            if name.startswith("model.embed_tokens"):
+            if name.startswith(("model.embed_tokens", "backbone.embeddings")):
                 layer_names.insert(0, key)
             else:
                 layer_names.append(key)

@@ -31,8 +31,8 @@ Kinds (T = TP size; experts are never TP-sharded here because expert-TP > 1 is r
                 Qwen3.5: ``gdn_in_proj_flat`` -> ``in_proj_qkv``, ``_z``, ``_b``, ``_a``),
                 ``conv1d`` and gated norm (+1 under zero-centred norms); ``gated_qkv``: ``linear_qkv`` with the attention output
                 gate (``megatron.qwen3_next``); full tensors only
-``mamba_*``     Nemotron-H's fused Mamba-2 ``in_proj`` / ``conv1d``: names only (the
-                family is refused, ``megatron.nemotron_h``)
+``mamba_*``     Nemotron-H's fused Mamba-2 ``in_proj`` ``[z, x, B, C, dt]`` / ``conv1d``
+                ``[x, B, C]`` per TP rank (``megatron.mamba``)
 ==============  ====================================================================
 """
 
@@ -191,9 +191,9 @@ FAMILIES["gpt_oss"] = (TOP_RULES, GPT_OSS_RULES)
 
 
 # ---- Nemotron-H (megatron-core MambaModel, hybrid layer pattern; HF/vLLM NemotronHForCausalLM).
-# Names only: the refit refuses the family (``megatron.nemotron_h`` says what blocks it);
-# the rules are checked against megatron-core 0.16.1's own Mamba layer spec names
-# (``mamba_layer_specs.mamba_stack_spec``: TE-fused norms) and the local modules' names.
+# Checked on real megatron-core models (the local spec's names; the TE spec's fused-norm names
+# at name level) against vLLM's own ``load_weights`` (tests/real_vllm/test_nemotron_h.py). The Mamba-2 mixer's tensor rules are in
+# ``megatron.mamba``; MoE layers are refused (``megatron.nemotron_h``).
 # Every layer is ``backbone.layers.<i>`` with one ``norm`` and one ``mixer`` (Mamba-2,
 # attention, MLP or MoE, as the pattern says).
 NH_LAYER = "backbone.layers.{layer}"
@@ -212,8 +212,8 @@ NEMOTRON_H_RULES = SKIP_RULES + _rules(
     (r"pre_mlp_layernorm\.weight", "replicated", [NH_LAYER + ".norm.weight"]),
     (r"mlp\.linear_fc1\.layer_norm_weight", "replicated", [NH_LAYER + ".norm.weight"]),
     # Mamba-2 mixer: in_proj rows [z, x, B, C, dt] and conv1d channels [x, B, C] are split
-    # per TP rank segment by segment (no tensor rule yet: mamba_in_proj / mamba_conv1d);
-    # A_log, D, dt_bias per head and the gated norm per channel split on dim 0
+    # per TP rank segment by segment (megatron.mamba); A_log, D, dt_bias per head and the
+    # gated norm per channel (each rank's groups) split on dim 0
     (r"mixer\.in_proj\.weight", "mamba_in_proj", [NH_MIXER + "in_proj.weight"]),
     (r"mixer\.conv1d\.weight", "mamba_conv1d", [NH_MIXER + "conv1d.weight"]),
     (r"mixer\.conv1d\.bias", "mamba_conv1d", [NH_MIXER + "conv1d.bias"]),
@@ -226,8 +226,8 @@ NEMOTRON_H_RULES = SKIP_RULES + _rules(
     (r"self_attention\.linear_qkv\.weight", "qkv",
      [NH_MIXER + "q_proj.weight", NH_MIXER + "k_proj.weight", NH_MIXER + "v_proj.weight"]),
     (r"self_attention\.linear_proj\.weight", "row", [NH_MIXER + "o_proj.weight"]),
-    # MLP layers (squared ReLU, not gated: fc1 is up_proj alone)
-    (r"mlp\.linear_fc1\.weight", "fc1", [NH_MIXER + "gate_proj.weight", NH_MIXER + "up_proj.weight"]),
+    # MLP layers (squared ReLU, not gated: fc1 is up_proj alone, column parallel)
+    (r"mlp\.linear_fc1\.weight", "column", [NH_MIXER + "up_proj.weight"]),
     (r"mlp\.linear_fc2\.weight", "row", [NH_MIXER + "down_proj.weight"]),
     # MoE layers (Nemotron-3 Nano): sigmoid router with score-correction bias, shared expert
     (r"mlp\.router\.weight", "replicated", [NH_MIXER + "gate.weight"]),

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Optional
 
 from megatron_reshard.errors import BadInputError
+from megatron_reshard.megatron import nemotron_h
 
 
 def gen_tp_problem(tp: int, num_heads: int, num_kv_groups: int,
@@ -63,6 +64,8 @@ def check_gen_attention_split(model: Any, gen_parallelism: Any) -> None:
     if config is None or not getattr(config, "num_attention_heads", None):
         return
     why = gen_tp_problem(tp, *attention_sizes(config))
+    if why is None and type(bare).__name__ == "MambaModel":  # Nemotron-H's Mamba-2 layers
+        why = nemotron_h.mamba_gen_tp_problem(config, tp)
     if why is not None:
         raise BadInputError(f"gen_parallelism['tp_size']={tp}: {why}")
 

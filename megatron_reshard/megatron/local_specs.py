@@ -17,7 +17,7 @@ import torch
 from megatron_reshard.errors import BadInputError
 from megatron_reshard.layout.geometry import rank_region
 from megatron_reshard.wire.placement_rules import is_nccl_reshard_param
-from megatron_reshard.megatron import gpt_oss, qwen3_next
+from megatron_reshard.megatron import gpt_oss, mamba, qwen3_next
 from megatron_reshard.megatron.converters import Converted, ModelDims, local_views
 from megatron_reshard.megatron.qkv import qkv_views
 from megatron_reshard.wire.spec import LocalParamSpec
@@ -45,6 +45,11 @@ def local_hf_views(converted: Sequence[tuple[Converted, torch.Tensor]], exact_ex
         if conv.kind == "gdn_conv1d" and dims.linear is not None:  # q, k, v channels apart
             views.update(qwen3_next.conv1d_stream_views(conv.hf_names[0], tensor.detach(),
                                                         dims.linear, dims.tp_size))
+            continue
+        streams = mamba.stream_names(conv.hf_names[0]) if conv.kind in mamba.KINDS else None
+        if streams and dims.mamba is not None and streams[0] in exact_extra:
+            # Nemotron-H's in_proj / conv1d streams: row blocks of the rank's tensor (megatron.mamba)
+            views.update(mamba.stream_views(conv.hf_names[0], tensor.detach(), dims.mamba, dims.tp_size))
             continue
         if len(conv.hf_names) == 1 and conv.hf_names[0] in exact_extra:
             # vocab: the padded local shard; direct params: the TP chunk or the replica

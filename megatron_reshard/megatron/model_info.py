@@ -11,7 +11,7 @@ from typing import Any, Iterable, Optional
 
 import torch
 
-from megatron_reshard.megatron import mla, qwen3_next
+from megatron_reshard.megatron import mamba, mla, qwen3_next
 
 HF_CONFIG_KEYS = (
     "family", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -25,9 +25,11 @@ HF_CONFIG_KEYS = (
     # Qwen3-Next (absent without Gated-DeltaNet layers / the attention output gate)
     "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
     "linear_conv_kernel_dim", "attn_output_gate", "layer_types",
+    # Nemotron-H's Mamba-2 layers (absent without them)
+    "mamba_num_heads", "mamba_head_dim", "n_groups", "ssm_state_size",
 )
 
-HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+HF_LAYER = re.compile(r"^(?:model|backbone)\.layers\.(\d+)\.")  # backbone: Nemotron-H
 
 
 def unwrap_model(model: Any) -> tuple[Optional[torch.nn.Module], list[str]]:
@@ -109,4 +111,5 @@ def hf_config(model: torch.nn.Module, family: str, vocab_size: int, hf_names: It
         "router_expert_bias": bool(getattr(c, "moe_router_enable_expert_bias", False)),
         **mla.hf_config_keys(c),
         **qwen3_next.hf_config_keys(c),
+        **(d.hf_config_keys() if (d := mamba.MambaDims.from_config(c)) is not None else {}),
     }

@@ -21,7 +21,7 @@ def _layer_sort_key(name: str) -> tuple[int, int]:
     m = HF_LAYER.match(name)
     if m is not None:
         return (1, int(m.group(1)))
-    if name.startswith("model.embed_tokens"):
+    if name.startswith(("model.embed_tokens", "backbone.embeddings")):
         return (0, 0)
     if name.startswith("lm_head"):
         return (3, 0)

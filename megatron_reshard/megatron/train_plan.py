@@ -35,7 +35,7 @@ import torch.distributed as dist
 from megatron_reshard.errors import BadInputError, BadInputTypeError
 from megatron_reshard.fp8.plan import GEN_QUANT_FORMATS, plan_block_fp8, plan_mxfp8
 from megatron_reshard.layout.placements import build_mesh_info
-from megatron_reshard.megatron import gpt_oss, mla, nemotron_h, qwen3_next, unsupported_families
+from megatron_reshard.megatron import gpt_oss, mamba, mla, nemotron_h, qwen3_next, unsupported_families
 from megatron_reshard.megatron.converters import Converted, ModelDims, NameConverter, hf_global_shapes
 from megatron_reshard.megatron.exact_path import VOCAB_PARAMS, add_exact_extras
 from megatron_reshard.megatron.families import FAMILIES
@@ -240,6 +240,7 @@ def check_inputs(model: Any, gen: GenTarget, family: Optional[str], vocab_size: 
         gated=bool(config.gated_linear_unit),
         num_local_experts=num_local_experts,
         linear=qwen3_next.LinearAttentionDims.from_config(config),
+        mamba=mamba.MambaDims.from_config(config),
     )
     return ModelFacts(model=bare, config=config, family=family,  # type: ignore[arg-type]
                       layout=par, coords=coords, vocab_size=int(vocab_size),  # type: ignore[arg-type]
@@ -331,6 +332,8 @@ def sort_params(facts: ModelFacts, placement: RankPlacement, reports: list, gen:
         metadata = gpt_oss.wire_metadata(metadata, keep_packed)
     if facts.dims.linear is not None and bf16_forms:  # streams by segment (megatron.qwen3_next)
         metadata = qwen3_next.stream_metadata(metadata, facts.dims.linear, keep_packed)
+    if facts.dims.mamba is not None and bf16_forms:  # Mamba in_proj / conv1d streams (megatron.mamba)
+        metadata = mamba.stream_metadata(metadata, facts.dims.mamba, gen.tp, keep_packed)
     # Vocab matrices are the largest params outside the FFN; attention output, norms and
     # router have plain layouts on both sides: all take the exact path.
     exact_extra = {n: m for n, m in metadata.items()

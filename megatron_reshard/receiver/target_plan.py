@@ -31,6 +31,9 @@ class Piece:
     # the target seen in this shape (a row-major reshape) before the box is taken
     # (gpt-oss's w13 as [E_local, I_p, 2, H]: vllm_layout.gpt_oss.wire_piece)
     target_shape: Optional[tuple] = None
+    # a function of the HF values is written, not the values (``vllm_layout.mamba.TRANSFORMS``:
+    # Nemotron-H's A = -exp(A_log)); only from full tensors (the packed path)
+    transform: Optional[str] = None
 
 
 @dataclass

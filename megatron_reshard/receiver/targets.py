@@ -34,12 +34,13 @@ import torch
 
 from megatron_reshard.layout.geometry import Box, box_index, box_numel, box_shape
 from megatron_reshard.receiver.gpt_oss_targets import oss_expert_plan, oss_wire_plan
+from megatron_reshard.receiver.mamba_targets import nemotron_h_plan
 from megatron_reshard.receiver.target_plan import Piece, TargetError, TargetPlan, full_region
 from megatron_reshard.errors import BadInputError, BadInputTypeError
 from megatron_reshard.wire.expert_names import EXPERT_WEIGHT_RE
 from megatron_reshard.wire.extras import HFConfig
 from megatron_reshard.wire.spec import LocalParamSpec, RefitCtx
-from megatron_reshard.vllm_layout import gated_delta_net, gpt_oss, mla
+from megatron_reshard.vllm_layout import gated_delta_net, gpt_oss, mamba, mla
 from megatron_reshard.vllm_layout import moe as vllm_moe
 from megatron_reshard.vllm_layout.dense import (GATE_UP_RE, QKV_RE, VOCAB_PADDING,
                                                 AttentionHeads, gate_up_rows,
@@ -76,6 +77,7 @@ class VllmTargets:
     _renames: Optional[bool] = field(default=None, repr=False)  # gpt-oss's vLLM names
     _oss_experts = oss_expert_plan  # gpt-oss's experts (receiver.gpt_oss_targets)
     _oss_wire_experts = oss_wire_plan
+    _nemotron_h = nemotron_h_plan  # Nemotron-H's names and Mamba-2 mixers (receiver.mamba_targets)
 
     @classmethod
     def from_named_parameters(cls, named, hf_config: Union[HFConfig, Mapping[str, Any], None],
@@ -124,6 +126,8 @@ class VllmTargets:
 
     def write(self, piece: Piece, values: torch.Tensor) -> None:
         """Write ``values`` (the box's checkpoint-order elements) into the target box."""
+        if piece.transform is not None:
+            values = mamba.TRANSFORMS[piece.transform](values)
         view = self.strided_view(piece)
         if view is not None:
             view.copy_(values.reshape(view.shape))
@@ -136,6 +140,8 @@ class VllmTargets:
 
     def resolve(self, hf_name: str, hf_shape: Sequence[int]) -> TargetPlan:
         """Which target boxes ``hf_name`` (global shape ``hf_shape``) fills on this rank."""
+        if hf_name.startswith(mamba.BACKBONE):  # Nemotron-H's checkpoint names (vllm_layout.mamba)
+            return self._nemotron_h(hf_name, hf_shape)  # receiver.mamba_targets
         if self._renames is None:
             self._renames = gpt_oss.renames_names(self.params)
         if not self._renames:
@@ -518,9 +524,10 @@ def bulk_receive_plan(targets: VllmTargets, hf_name: str, global_shape: Sequence
     shape = tuple(int(s) for s in global_shape)
     plan = targets.resolve(hf_name, shape)
     check_wire_dtype(targets, plan, wire_dtype)
-    if any(p.transposed for p in plan.pieces):
-        raise TargetError(f"{hf_name}: vLLM holds it transposed on {targets.where()}; it can "
-                          f"only arrive as a full tensor (packed path), not shard to shard")
+    if any(p.transposed or p.transform for p in plan.pieces):
+        raise TargetError(f"{hf_name}: vLLM holds it transposed or transformed on "
+                          f"{targets.where()}; it can only arrive as a full tensor (packed "
+                          f"path), not shard to shard")
     zero_only = box_numel(region) == 0  # an empty block: the target holds zero (gpt-oss's w2_bias)
     if (plan.zero and not (padded or zero_only)) or len(plan.pieces) != 1 \
             or plan.pieces[0].hf_region != tuple(region):

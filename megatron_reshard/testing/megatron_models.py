@@ -388,39 +388,3 @@ def fill_distinct_(model, seed: int) -> None:
 
 def model_spec_dict(spec: TinyGPTSpec) -> dict:
     return asdict(spec)
-
-
-# ---- Nemotron-H
-def build_mamba_model_without_mamba_layers(hidden_size: int = 64, num_attention_heads: int = 4):
-    """A real megatron-core ``MambaModel`` (hybrid pattern ``"*-"``: one attention and one
-    MLP layer) as far as it builds on a machine without CUDA: no Mamba layer (its mixer needs
-    triton and mamba_ssm) and no last stage (``MambaStack``'s final norm is always TE's
-    ``TENorm``). Local modules in megatron-core's own Mamba stack submodules; for the
-    Nemotron-H refusal test."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.models.mamba.mamba_model import MambaModel
-    from megatron.core.ssm.mamba_block import MambaStack, MambaStackSubmodules
-    from megatron.core.ssm.mlp_layer import MLPLayer
-    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-    from megatron.core.transformer.mlp import MLP, MLPSubmodules
-    from megatron.core.transformer.spec_utils import ModuleSpec
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
-    from megatron.core.transformer.transformer_config import TransformerConfig
-    from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
-
-    config = TransformerConfig(num_layers=2, hidden_size=hidden_size, num_attention_heads=num_attention_heads,
-                               use_cpu_initialization=True, params_dtype=torch.bfloat16, bf16=True,
-                               normalization="RMSNorm",
-                               tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
-                               pipeline_model_parallel_size=1)
-    mlp = ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
-                                                          linear_fc2=RowParallelLinear))
-    stack = ModuleSpec(module=MambaStack, submodules=MambaStackSubmodules(
-        attention_layer=get_gpt_layer_local_spec(normalization="RMSNorm"),
-        mlp_layer=ModuleSpec(module=MLPLayer, submodules=TransformerLayerSubmodules(
-            pre_mlp_layernorm=WrappedTorchNorm, mlp=mlp, mlp_bda=get_bias_dropout_add))))
-    return MambaModel(config=config, mamba_stack_spec=stack, vocab_size=128, max_sequence_length=64,
-                      hybrid_override_pattern="*-", post_process=False)
-# ---- end Nemotron-H

@@ -34,10 +34,14 @@ from megatron_reshard.tools.run_config import RefitRunConfig
 def publish_full_hf(ctx: dict) -> None:
     """Training side, after each refit: rank 0 publishes the full HF tensors (the reference
     gather, a collective over the training world) as ``full/{step}``."""
+    from megatron_reshard.testing.megatron_mamba import gather_nemotron_h_hf_state_dict
     from megatron_reshard.testing.megatron_reference import gather_full_hf_state_dict
 
-    full = gather_full_hf_state_dict(ctx["model"], family=ctx["family"],
-                                     vocab_size=ctx["spec"].vocab_size)
+    if ctx["family"] == "nemotron_h":  # a MambaModel: its own oracle (testing.megatron_mamba)
+        full = gather_nemotron_h_hf_state_dict(ctx["model"], ctx["spec"].vocab_size)
+    else:
+        full = gather_full_hf_state_dict(ctx["model"], family=ctx["family"],
+                                         vocab_size=ctx["spec"].vocab_size)
     if ctx["rank"] == 0:
         buf = io.BytesIO()
         torch.save({k: v.detach().cpu() for k, v in full.items()}, buf)
@@ -108,6 +112,35 @@ def _plant_staged_error():
         return layers
 
     return worker_module, learned, planted
+
+
+@contextlib.contextmanager
+def _planted_mamba_split_error(on: bool):
+    """A mapping error on purpose while it is active: Nemotron-H's ``in_proj`` sent with each
+    rank's B and C rows exchanged, as streams (exact path) or whole (``megatron.mamba``); the
+    comparison with vLLM must see it. Restored on exit."""
+    from megatron_reshard.megatron import mamba
+
+    right_full, right_views = mamba.in_proj_full, mamba.stream_views
+
+    def planted_full(chunks, d):
+        z, x, b, c, dt = d.in_proj_rows(len(chunks))
+        swapped = [torch.cat([t.split([z, x, b, c, dt])[i] for i in (0, 1, 3, 2, 4)]) for t in chunks]
+        return right_full(swapped, d)
+
+    def planted_views(hf_name, tensor, d, tp):
+        views = right_views(hf_name, tensor, d, tp)
+        names = list(views)
+        if len(names) == len(mamba.IN_PROJ_STREAMS):  # in_proj: z, x, B, C, dt
+            views[names[2]], views[names[3]] = views[names[3]], views[names[2]]
+        return views
+
+    if on:
+        mamba.in_proj_full, mamba.stream_views = planted_full, planted_views
+    try:
+        yield
+    finally:
+        mamba.in_proj_full, mamba.stream_views = right_full, right_views
 
 
 @contextlib.contextmanager
@@ -262,7 +295,8 @@ def vllm_refit_job(job, cfg: RefitRunConfig, hf_config: Mapping[str, Any],
                    plant_staged_error_on: Optional[int] = None,
                    quantization: Optional[str] = None,
                    plant_interleave_error: bool = False,
-                   write_outside_on: Optional[tuple[int, int, str]] = None) -> dict:
+                   write_outside_on: Optional[tuple[int, int, str]] = None,
+                   plant_mamba_split_error: bool = False) -> dict:
     """Pool job (``WorkerPool.run(..., num_ports=cfg.train_pp + 2)``): process ``job.rank`` of
     a launch of ``train_world + gen_world``; the last port is vLLM's generation world.
     ``plant_fault``: gen rank 0 checks that the comparison sees a flipped bit;
@@ -280,6 +314,8 @@ def vllm_refit_job(job, cfg: RefitRunConfig, hf_config: Mapping[str, Any],
     generation models (``"fp8_per_block"``: vLLM quantizes the BF16 weights online, the
     oracle loading the BF16 tensors); ``plant_interleave_error``: the training ranks send
     gpt-oss's gate/up rows uninterleaved (``_planted_interleave_error``);
+    ``plant_mamba_split_error``: they send Nemotron-H's in_proj with B and C exchanged
+    (``_planted_mamba_split_error``);
     ``write_outside_on``: (gen rank, refit index, vLLM param name): before that refit, that
     gen rank writes two elements of the param outside the refits (a delta's base no longer
     what was committed)."""
@@ -287,7 +323,8 @@ def vllm_refit_job(job, cfg: RefitRunConfig, hf_config: Mapping[str, Any],
     control = dist.TCPStore(cfg.host, cfg.ports[0], cfg.train_world + cfg.gen_world, job.rank == 0,
                             timeout=timedelta(seconds=cfg.timeout_s))
     if job.rank < cfg.train_world:
-        with _planted_interleave_error(plant_interleave_error):
+        with _planted_interleave_error(plant_interleave_error), \
+                _planted_mamba_split_error(plant_mamba_split_error):
             return run_training_rank(job.rank, cfg, control, torch.device("cpu"), model_builder,
                                      after_each_refit=publish_full_hf)
     gen_rank = job.rank - cfg.train_world

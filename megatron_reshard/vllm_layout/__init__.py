@@ -15,6 +15,8 @@ training side when it describes the destination of each parameter
   = the checkpoint's interleaved gate/up columns, transposed; w2_bias on MoE TP rank 0).
 - ``gated_delta_net``: Qwen3-Next's conv1d segments per TP rank, its gated q rows, and the
   whole key-head groups each rank must hold.
+- ``mamba``: Nemotron-H's names (``backbone.`` checkpoint names), its Mamba-2 mixers' fused
+  ``in_proj`` / ``conv1d`` per TP rank (one group replicated) and ``A = -exp(A_log)``.
 - ``float32_params``: the params vLLM holds in float32 whatever the model dtype (GLM-4.5's
   router), which the receiver widens on write.
 """

@@ -25,13 +25,14 @@ from torch.distributed.tensor import Replicate, Shard
 
 from megatron_reshard.errors import BadInputError, MissingEntryError
 from megatron_reshard.layout.placements import MeshInfo
-from megatron_reshard.vllm_layout import gpt_oss
+from megatron_reshard.vllm_layout import gpt_oss, mamba
 
 VOCAB_PADDING = 64
 
 QKV_RE = re.compile(r"^(?P<prefix>.*)\.(?P<which>q|k|v)_proj\.(?P<kind>weight|bias)$")
 # q/k/v of self-attention, which the refit sends per KV group (``is_qkv_per_group``)
-QKV_PARAM_RE = re.compile(r"\.self_attn\.[qkv]_proj\.(?:weight|bias)$")
+QKV_PARAM_RE = re.compile(r"\.self_attn\.[qkv]_proj\.(?:weight|bias)$"
+                          r"|^backbone\.layers\.\d+\.mixer\.[qkv]_proj\.(?:weight|bias)$")  # Nemotron-H
 GATE_UP_RE = re.compile(r"^(?P<prefix>.*)\.(?P<which>gate|up)_proj\.(?P<kind>weight|bias)$")
 
 # HF name -> the dim vLLM splits over its TP ranks (None: whole on every rank), for the
@@ -57,7 +58,7 @@ TP_DIM_RULES: tuple[tuple[re.Pattern, Optional[int]], ...] = (
     (re.compile(r"\.linear_attn\.in_proj_(?:q|k|v|z|b|a)\.weight$"), 0),
     # the conv1d channels' segments sent apart (conv1d_q / _k / _v), each split over TP
     (re.compile(r"\.linear_attn\.conv1d_(?:q|k|v)\.weight$"), 0),
-) + gpt_oss.TP_DIM_RULES
+) + gpt_oss.TP_DIM_RULES + mamba.TP_DIM_RULES
 NOT_LISTED = -1
 
 

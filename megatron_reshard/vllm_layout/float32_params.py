@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import re
 
-# Qwen3-Next: the Gated-DeltaNet layer's A_log (``qwen_gdn_linear_attn.py``) likewise
-FLOAT32_PARAM_RE = re.compile(r"\.mlp\.gate\.(?:weight|e_score_correction_bias)$|\.linear_attn\.A_log$")
+# Qwen3-Next: the Gated-DeltaNet layer's A_log (``qwen_gdn_linear_attn.py``) likewise;
+# Nemotron-H: the Mamba-2 mixer's A, which holds -exp(A_log) (``vllm_layout.mamba``)
+FLOAT32_PARAM_RE = re.compile(r"\.mlp\.gate\.(?:weight|e_score_correction_bias)$|\.linear_attn\.A_log$"
+                              r"|\.mixer\.A_log$")
 
 # wire dtype names -> target dtype names it is widened into exactly (every value representable)
 WIDENING = {"torch.bfloat16": ("torch.float32",), "torch.float16": ("torch.float32",)}

@@ -122,6 +122,11 @@ class HFConfig(PlainRecord):
     linear_conv_kernel_dim: Optional[int] = None
     attn_output_gate: Optional[bool] = None
     layer_types: Optional[tuple[str, ...]] = None
+    # Nemotron-H (Mamba-2 layers)
+    mamba_num_heads: Optional[int] = None
+    mamba_head_dim: Optional[int] = None
+    n_groups: Optional[int] = None
+    ssm_state_size: Optional[int] = None
 
 
 @dataclass(frozen=True)
