@@ -93,10 +93,14 @@ def _peer_refusal(kind: int, rank: int, stage: int, named: str) -> str:
             f"nothing moved, see the error there")
 
 
-def _elsewhere_refusal(kind: int) -> str:
-    side, what = _PEER_TEXT[kind]
-    return (f"a {side} rank of another PP stage's refit group {what}: nothing moved, see "
-            f"the errors there")
+def _elsewhere_refusal(first: Sequence[int],
+                       param_names: Optional[Mapping[int, Sequence[str]]]) -> str:
+    """A refusal in another stage's group (``first``: its stage, rank, param index, each
+    plus one, and kind), as the generation ranks passed it on."""
+    stage, rank, index = (v - 1 for v in first[:3])
+    names = (param_names or {}).get(stage, ())
+    named = f" ({names[index]} among them)" if 0 <= index < len(names) else ""
+    return "in another PP stage's refit group: " + _peer_refusal(first[3], rank, stage, named)
 
 
 @dataclass(frozen=True)
@@ -173,6 +177,7 @@ def agree_version(groups: Mapping[int, Any], *, side: str, version: Optional[int
     if len(delta_vote) != VOTE_WIDTH:
         raise BadInputError(f"delta_vote has {len(delta_vote)} columns, expected {VOTE_WIDTH}")
     decisions, modes, check_plan, tensors, kinds = {}, {}, [], [], []
+    first: list[int] = []
     for stage in sorted(groups):
         group = groups[stage]
         mine = [0, 0, 0] if refusal is None else refusal.vote(stage, group_rank(group))
@@ -193,6 +198,8 @@ def agree_version(groups: Mapping[int, Any], *, side: str, version: Optional[int
             tensors.append(refusal.text if refusal is not None else
                            _peer_refusal(kind, rank_plus_one - 1, stage, named))
             kinds.append(kind)
+            # the first by stage, for the other stages' training ranks (second round)
+            first = first or [stage + 1, rank_plus_one, index_plus_one, kind]
     # tensors a rank cannot send or write come first: nothing may move from such a rank
     refused = list(dict.fromkeys(tensors)) + [d.refused for d in decisions.values() if d.refused]
     error = _error_of(kinds) if tensors else VersionRefused
@@ -206,15 +213,16 @@ def agree_version(groups: Mapping[int, Any], *, side: str, version: Optional[int
     if pp_size > 1:  # tell each group's training ranks what the other stages' groups decided
         for stage in sorted(groups):
             group = groups[stage]
-            flag = torch.tensor([(1 + max(kinds) if tensors else 1)
-                                 if (side == "dst" and refused) else 0,
-                                 1 if (side == "dst" and full) else 0], dtype=torch.int64,
-                                device=control_device(group))
+            # every generation rank saw every group's first round: they vote the same
+            named_refusal = first if side == "dst" and first else [0] * 4
+            flag = torch.tensor([1 if (side == "dst" and refused) else 0,
+                                 1 if (side == "dst" and full) else 0, *named_refusal],
+                                dtype=torch.int64, device=control_device(group))
             all_reduce(flag, group, dist.ReduceOp.MAX, "the version check (all stages)")
-            refused_elsewhere, full_elsewhere = flag.tolist()
-            if refused_elsewhere >= 2 and not refused:
-                refused = [_elsewhere_refusal(refused_elsewhere - 1)]
-                error = _error_of([refused_elsewhere - 1])
+            refused_elsewhere, full_elsewhere, *elsewhere = flag.tolist()
+            if elsewhere[0] and not refused:
+                refused = [_elsewhere_refusal(elsewhere, param_names)]
+                error = _error_of([elsewhere[3]])
             elif refused_elsewhere and not refused:
                 refused = ["the refit's version was refused in another PP stage's refit group "
                            "(see the errors there)"]
