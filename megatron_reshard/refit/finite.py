@@ -8,8 +8,9 @@ asked. With ``check_finite`` the training side checks twice:
   bytes (no NaN pattern) and scales (finite and > 0). A rank that finds one refuses the
   refit in the vote (``version.NonFiniteRefused`` on every rank, naming the param and the
   rank): no byte moves, the generation side keeps version N, consistent. Float tensors
-  are reduced per batch by one multi-tensor max-abs (``torch._foreach_norm``, ord inf: NaN
-  and Inf propagate through it), and all batches are read with one host sync.
+  are reduced per batch by one multi-tensor max-abs on CUDA (``torch._foreach_norm``, ord
+  inf: NaN and Inf propagate through it; a float64 sum per tensor on the CPU), all batches
+  read with one host sync.
 - **in the transfer** (``all_finite``, ``FiniteCheck``): every buffer it sends (where the
   end-to-end checksums run, in the same pass over each chunk, ``integrity.box_checksum``;
   the packed other params before their broadcast), which covers what is computed for the
@@ -64,11 +65,19 @@ def _scale_ok(t: torch.Tensor) -> torch.Tensor:
 
 
 def _float_flags(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """One bool per tensor, from one multi-tensor max-abs per batch of ``BATCH``."""
+    """One bool per tensor. On CUDA one fused multi-tensor max-abs per batch of ``BATCH``
+    (``_foreach_norm``, ord inf); on the CPU, where that runs tensor by tensor at several
+    times a copy's cost, a float64 sum per tensor (NaN and Inf propagate; finite values
+    of 32 bits or fewer cannot overflow it): ``scripts/bench_finite_kernels.py``."""
     flags = []
     for lo in range(0, len(tensors), BATCH):
-        norms = torch._foreach_norm(list(tensors[lo:lo + BATCH]), float("inf"))
-        flags.extend(torch.isfinite(torch.stack([n.float() for n in norms])).unbind())
+        batch = list(tensors[lo:lo + BATCH])
+        if batch[0].is_cuda:
+            norms = torch.stack([n.float() for n in torch._foreach_norm(batch, float("inf"))])
+        else:
+            norms = torch.stack([t.sum(dtype=torch.float64) if t.dtype != torch.float64
+                                 else t.abs().amax() for t in batch])
+        flags.extend(torch.isfinite(norms).unbind())
     return flags
 
 
