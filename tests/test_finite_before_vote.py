@@ -27,7 +27,8 @@ NAN, INF = float("nan"), float("inf")
 
 # -- the check itself -----------------------------------------------------------------------
 
-def test_nan_and_inf_in_float_weights_are_found_among_many_batches():
+@pytest.mark.parametrize("fused", [True, False], ids=["foreach_max_abs", "float64_sums"])
+def test_nan_and_inf_in_float_weights_are_found_among_many_batches(fused):
     weights = [torch.randn(8, 8, dtype=torch.bfloat16) for _ in range(BATCH + 40)]
     weights[3][1, 2] = NAN
     weights[BATCH + 7] = weights[BATCH + 7].float()
@@ -36,8 +37,10 @@ def test_nan_and_inf_in_float_weights_are_found_among_many_batches():
     strided[0, 4] = INF  # in the view below (every second column)
     weights.append(strided[:, ::2])
     weights.append(torch.full((3,), 7, dtype=torch.int32))  # not looked at
-    bad, _ = nonfinite(weights)
+    bad, _ = nonfinite(weights, fused=fused)
     assert bad == [3, BATCH + 7, BATCH + 40]
+    huge = [torch.full((4096,), 3.0e38, dtype=torch.bfloat16), torch.full((8,), 3.0e38)]
+    assert nonfinite(huge, fused=fused) == ([], [])  # finite, however large: no overflow
 
 
 def test_fp8_bytes_and_scales_are_checked():

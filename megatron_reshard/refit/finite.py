@@ -64,15 +64,16 @@ def _scale_ok(t: torch.Tensor) -> torch.Tensor:
     return (t.amin() > 0) & torch.isfinite(t.amax())
 
 
-def _float_flags(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def _float_flags(tensors: Sequence[torch.Tensor], fused: Optional[bool]) -> list[torch.Tensor]:
     """One bool per tensor. On CUDA one fused multi-tensor max-abs per batch of ``BATCH``
     (``_foreach_norm``, ord inf); on the CPU, where that runs tensor by tensor at several
     times a copy's cost, a float64 sum per tensor (NaN and Inf propagate; finite values
-    of 32 bits or fewer cannot overflow it): ``scripts/bench_finite_kernels.py``."""
+    of 32 bits or fewer cannot overflow it): ``scripts/bench_finite_kernels.py``.
+    ``fused``: which of the two (None: by the device)."""
     flags = []
     for lo in range(0, len(tensors), BATCH):
         batch = list(tensors[lo:lo + BATCH])
-        if batch[0].is_cuda:
+        if batch[0].is_cuda if fused is None else fused:
             norms = torch.stack([n.float() for n in torch._foreach_norm(batch, float("inf"))])
         else:
             norms = torch.stack([t.sum(dtype=torch.float64) if t.dtype != torch.float64
@@ -81,14 +82,14 @@ def _float_flags(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return flags
 
 
-def nonfinite(weights: Iterable[torch.Tensor], fp8: Iterable[tuple[torch.Tensor, torch.Tensor]] = ()
-              ) -> tuple[list[int], list[int]]:
+def nonfinite(weights: Iterable[torch.Tensor], fp8: Iterable[tuple[torch.Tensor, torch.Tensor]] = (),
+              fused: Optional[bool] = None) -> tuple[list[int], list[int]]:
     """Which ``weights`` hold NaN or Inf, and which FP8-held ``(data, scales)`` pairs hold a
     NaN byte or a scale not finite and > 0: (indexes into each), one host sync for all.
-    Tensors of other dtypes (integers) are not looked at."""
+    Tensors of other dtypes (integers) are not looked at. ``fused``: ``_float_flags``."""
     weights, fp8 = list(weights), list(fp8)
     floats = [i for i, t in enumerate(weights) if t.dtype in FLOATS and t.numel()]
-    flags = _float_flags([weights[i] for i in floats])
+    flags = _float_flags([weights[i] for i in floats], fused)
     owners = list(floats)
     for i, t in enumerate(weights):
         if t.dtype in _FP8_NOT_FINITE and t.numel():
