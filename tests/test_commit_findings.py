@@ -10,12 +10,14 @@ with ``check_finite=True``, end-to-end checksums on and off. Refits:
    fails on every rank, and every rank's error names the param and the generation rank,
    stage 0's training rank included (it learns it through the generation ranks);
 3. a clean refit again: full, committed, bit-exact;
-4. training rank 1 holds a NaN in one weight: the commit fails on every rank, each error
-   naming the param, the training rank and ``check_finite``; the generation side's weights
-   are inconsistent, never committed;
+4. training rank 1 holds a NaN in one weight: the refit is refused on every rank before any
+   byte moves (``NonFiniteRefused``), each error naming the param, the training rank and
+   ``check_finite``; the generation side keeps the version it held, consistent, its
+   weights untouched (before issue 51's round the bytes moved and the commit failed,
+   leaving the weights inconsistent);
 5. clean again: committed;
 6. training rank 1 holds an Inf in the final norm, which this source sends in the packed
-   broadcast (``packed_params``): the commit fails the same way, naming it.
+   broadcast (``packed_params``): refused the same way, naming it.
 """
 
 import time
@@ -102,12 +104,14 @@ def _gen(job, control, gen_rank, checksums):
                              "gloo", TIMEOUT_S)
     worker.prepare_refit(payload, {"verify_checksums": checksums})
     loop = worker.refit_worker_state.session.loop
-    out = {"refits": [], "states": []}
+    out = {"refits": [], "states": [], "unchanged": []}
     for step in range(REFITS):
         corrupt = checksums and step == 1 and gen_rank == 1
         loop._xfer_batch = _corrupting() if corrupt else None
+        before = [p.clone() for p in model.parameters()]
         out["refits"].append(_catch(worker.refit))
         out["states"].append(worker.refit_weights_state())
+        out["unchanged"].append(all(torch.equal(a, b) for a, b in zip(before, model.parameters())))
     control.wait([f"sent/{REFITS - 1}/{r}" for r in range(TRAIN)])
     worker.destroy_refit_groups(TIMEOUT_S)
     time.sleep(0.2)
@@ -144,25 +148,27 @@ def test_a_checksum_mismatch_names_the_param_and_the_rank_on_every_rank(runs):
         assert gen["states"][1]["state"] == "inconsistent", gen["states"][1]
 
 
-def test_nan_in_a_training_weight_fails_the_commit_naming_param_and_rank(runs):
-    checksums, results = runs
+def _refused_before_any_byte_moved(results, step: int, hf_name: str) -> None:
     for who, res in enumerate(results):
-        row = _rows(res, who)[3]
-        assert not row["ok"], (who, row)
+        row = _rows(res, who)[step]
+        assert not row["ok"] and row["type"] == "NonFiniteRefused", (who, row)
         err = row["error"]
-        assert "NaN or Inf" in err and TARGET_HF in err and "check_finite" in err, (who, err)
-        assert "training group rank 0 of stage 1" in err, (who, err)
+        assert "NaN or Inf" in err and hf_name in err and "check_finite" in err, (who, err)
+        assert "before any byte moved" in err or "nothing moved" in err, (who, err)
+        if who != 1:  # the rank that holds it names itself by its PP stage
+            assert "training group rank 0 of stage 1" in err, (who, err)
+    assert "PP stage 1" in results[1][step]["error"], results[1][step]
     for gen in results[TRAIN:]:
-        state = gen["states"][3]
-        assert state["state"] == "inconsistent", state
-        assert gen["states"][4]["state"] == "consistent", gen["states"][4]
+        state = gen["states"][step]
+        assert gen["unchanged"][step], step
+        assert state["state"] == "consistent", state
+        assert state["version"] == gen["states"][step - 1]["version"], gen["states"]
+        assert all(s["state"] == "consistent" for s in gen["states"][step:]), gen["states"]
 
 
-def test_inf_in_a_packed_param_fails_the_commit_naming_it(runs):
-    checksums, results = runs
-    for who, res in enumerate(results):
-        row = _rows(res, who)[5]
-        assert not row["ok"], (who, row)
-        err = row["error"]
-        assert "NaN or Inf" in err and PACKED_HF in err, (who, err)
-        assert "training group rank 0 of stage 1" in err, (who, err)
+def test_nan_in_a_training_weight_refuses_the_refit_before_any_byte_moves(runs):
+    _refused_before_any_byte_moved(runs[1], 3, TARGET_HF)
+
+
+def test_inf_in_a_packed_param_refuses_the_refit_naming_it(runs):
+    _refused_before_any_byte_moved(runs[1], 5, PACKED_HF)

@@ -23,7 +23,7 @@ from megatron_reshard.groups.faults import RefitError, fault_scope
 from megatron_reshard.engine.refit_transport import transport_of
 from megatron_reshard.delta.bases import DeltaConfig, TrainBase
 from megatron_reshard.refit.delta_vote import src_vote
-from megatron_reshard.refit.finite import all_finite
+from megatron_reshard.refit.finite import all_finite, nonfinite_refusal
 from megatron_reshard.refit.packed import broadcast_packed, pack_entries
 from megatron_reshard.refit.loop import DEFAULT_BATCH_BYTES, DEFAULT_STAGING_BYTES, RefitLoop
 from megatron_reshard.refit.order import misc_items_by_stage
@@ -60,9 +60,10 @@ class RefitSender:
         "Which planner a refit uses").
 
         ``check_finite`` (off by default: a pass over the weights): NaN or Inf in a weight
-        sent makes the refit fail its commit on every rank, naming the param and this rank
-        (``refit.finite``; taken in the checksums' pass when ``verify_checksums``); the
-        generation side then holds no committed version of those weights.
+        (or an FP8 scale not finite and > 0) refuses the refit on every rank before any
+        byte moves (``NonFiniteRefused``, naming the param and this rank; the generation
+        side keeps its version, consistent); what the transfer computes after that vote
+        is checked as it is sent and fails the commit (``refit.finite``).
 
         ``source``: a ``MegatronRefitSource`` or its ``plan``; anything else raises
         ``BadInputTypeError``. Errors here are posted on the group's fault board, so the
@@ -126,6 +127,10 @@ class RefitSender:
         self.protocol.check_usable(lambda why: f"the refit group of stage {self.stage} failed in "
                                    f"an earlier refit ({why}); create a new refit group and sender")
         rebound, refusal = self._follow_model()
+        if refusal is None and self.check_finite:  # NaN refuses before any byte moves
+            refusal = nonfinite_refusal(self.plan.local.converted, self.plan.local.fp8_views,
+                                        self.loop.param_names(other=True)[self.stage],
+                                        self.plan.where())
         self._misc_nonfinite = {self.stage: []}
         try:
             done = self.protocol.run(

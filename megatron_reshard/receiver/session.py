@@ -23,6 +23,7 @@ from megatron_reshard.wire.metadata import SUPPORTED_SCHEMA_VERSIONS
 from megatron_reshard.receiver.coverage import kept_as_loaded, parse_keep_as_loaded
 from megatron_reshard.receiver.full_weights import apply_full_weights, coverage_gaps, plan_full_weights
 from megatron_reshard.receiver.incoming import check_gen_tp, gen_ep_size, restore_payload
+from megatron_reshard.receiver.live_targets import LiveTargets
 from megatron_reshard.receiver.misc_transport import MiscReceiver, receive_misc_packed
 from megatron_reshard.receiver.param_map import build_receiver_param_map
 from megatron_reshard.receiver.state import WeightState
@@ -32,6 +33,7 @@ from megatron_reshard.refit.delta_vote import dst_ready_code, dst_vote
 from megatron_reshard.refit.loop import DEFAULT_BATCH_BYTES, DEFAULT_STAGING_BYTES, RefitLoop
 from megatron_reshard.refit.order import misc_items_by_stage
 from megatron_reshard.refit.protocol import RefitProtocol
+from megatron_reshard.refit.version import Refusal
 from megatron_reshard.wire.records import RefitPayload
 from megatron_reshard.wire.check import RefitPayloadError
 
@@ -58,6 +60,7 @@ class ReceiverSession:
         storage_orders: Optional[Mapping[str, Any]] = None,
         planner: str = "auto",
         node: Optional[str] = None,
+        model: Optional[torch.nn.Module] = None,
     ):
         """``vllm_tp``: ``(tp_rank, tp_size)`` as the serving engine reports it, if known; the
         payload's placement of this rank must agree (else data would land on the wrong rank).
@@ -72,6 +75,9 @@ class ReceiverSession:
         planner a refit uses").
         ``storage_orders``: the targets vLLM stores in a kernel's order
         (``receiver.kernel_layouts.storage_orders`` of the model).
+        ``model``: vLLM's model, if known: each refit reads its params again from their
+        modules (``receiver.live_targets``; without it, from the objects given), re-binds
+        the targets vLLM re-allocated and refuses the refit where one changed beyond that.
 
         Any error here is posted on the groups' fault boards: the training ranks, waiting
         for the first refit, raise it too instead of waiting for their timeout."""
@@ -84,7 +90,8 @@ class ReceiverSession:
                           strided_in_place=strided_in_place, xfer_batch=xfer_batch,
                           vllm_tp=vllm_tp, verify_checksums=verify_checksums,
                           keep_as_loaded=parse_keep_as_loaded(keep_as_loaded),
-                          storage_orders=storage_orders, planner=planner, node=node)
+                          storage_orders=storage_orders, planner=planner, node=node,
+                          model=model)
         self.receive_misc = receive_misc or receive_misc_packed
         self.staging_bytes = staging_bytes
         self.protocol = RefitProtocol("dst", self.loop, self.groups, self.misc_items,
@@ -106,7 +113,7 @@ class ReceiverSession:
 
     def _prepare(self, payload, named_parameters, *, num_streams, batch_bytes, staging_bytes,
                  strided_in_place, xfer_batch, vllm_tp, verify_checksums,
-                 keep_as_loaded, storage_orders, planner="auto", node=None) -> None:
+                 keep_as_loaded, storage_orders, planner="auto", node=None, model=None) -> None:
         ranks = {s: group_rank(g) for s, g in self.groups.items()}
         if len(set(ranks.values())) > 1:
             raise BadInputError(f"this generation rank has different ranks in the refit groups: {ranks}")
@@ -146,6 +153,10 @@ class ReceiverSession:
             # fit this model: say so as a payload error, not as an internal failure
             raise RefitPayloadError(f"refit payload on {where}: its params do not fit this "
                                     f"rank's model ({type(exc).__name__}: {exc})") from exc
+        # vLLM's params as the targets were bound to them: checked at every refit
+        self.live = LiveTargets(self.targets.params, named_parameters, model,
+                                f"gen rank {self.gen_rank} ({where})")
+        self._strided_in_place = strided_in_place
         # no param may keep stale bytes behind a committed version unless the user said so
         self.kept_as_loaded = kept_as_loaded(coverage_gaps(self.targets, self._plans()),
                                              keep_as_loaded, f"{where} (gen rank {self.gen_rank})")
@@ -203,6 +214,7 @@ class ReceiverSession:
                                    f"earlier refit ({why}); create new refit groups and a new "
                                    f"session (init_refit_groups + prepare_refit) to refit again")
         t0 = time.perf_counter()
+        rebound, refusal = self._follow_targets()
         names: list[str] = []
         tally = {"misc_bytes": 0, "misc_wire_bytes": 0}
 
@@ -227,7 +239,7 @@ class ReceiverSession:
         try:
             done = self.protocol.run(
                 receive_chunk, held_version=self.weights.version, on_write=writing,
-                on_failure=failed, delta_vote=self._delta_vote(),
+                on_failure=failed, delta_vote=self._delta_vote(), refusal=refusal,
                 device=torch.device("cuda", torch.cuda.current_device()) if on_cuda else None)
         except RefitError:
             self._delta_version = self._base_digests = None
@@ -260,11 +272,47 @@ class ReceiverSession:
                 "checksums": self.loop.verify_checksums,
                 "planners": {s: "default" if c is None else "link"
                              for s, c in self.loop.costs.items()},
-                "version": done.outcome.version, "refit_s": time.perf_counter() - t0}
+                "version": done.outcome.version, "refit_s": time.perf_counter() - t0,
+                "rebound": rebound}  # vLLM params re-allocated since the last refit
         self.stats["refits"] += 1
         self.stats["total_refit_s"] += last["refit_s"]
         self.stats["last"] = last
         return dict(last)
+
+    def _follow_targets(self) -> tuple[int, Optional[Refusal]]:
+        """What the refit writes into must still be vLLM's storage (``receiver.live_targets``):
+        the payload mapped again onto the params vLLM re-allocated since the last refit;
+        (how many, None), or (0, the refusal) where one changed beyond that. Local: the
+        version check's vote carries the refusal, and the plan check a re-bind asks for,
+        to every rank of every group."""
+        changed = self.live.check()
+        if changed is None:
+            return 0, None
+        problems, refused = changed.refusals, set(changed.refused)
+        if not refused:
+            for name, param in changed.moved.items():
+                self.targets.params[name] = param.detach()
+            try:
+                local_map, plans = build_receiver_param_map(
+                    self.payload, self.targets, self.rank_in_group, self._strided_in_place)
+            except BadInputError as exc:  # mapped as at prepare: said the same way
+                problems, refused = (str(exc),), set(changed.moved)
+            else:
+                self.loop.rebind(local_map)
+                self.local_map, self.bulk_plans, self._delta_hooked = local_map, plans, None
+                self.live.accept()
+                return len(changed.moved), None
+        stage, index = -1, -1
+        for s, names in self.loop.param_names().items():
+            index = next((i for i, n in enumerate(names)
+                          if refused & set(self._targets_of.get(n, ()))), -1)
+            if index >= 0:
+                stage = s
+                break
+        return 0, Refusal(f"refit refused before any byte moved: vLLM's params on "
+                          f"{self.live.where} changed since prepare_refit: "
+                          + "; ".join(problems) + ". Call prepare_refit again for the model "
+                          f"as it is now", index, "targets", stage)
 
     def _delta_vote(self) -> list:
         """This rank's columns of the delta/full vote (``refit.delta_vote``)."""
@@ -327,6 +375,8 @@ class ReceiverSession:
             "written_outside": last.get("written_outside", []),
             "misc_wire_bytes": last.get("misc_wire_bytes", 0),
             "refits": self.stats["refits"],
+            # refits that found vLLM's params re-allocated and re-bound the targets
+            "rebinds": self.live.rebinds,
             "weights": self.weights.as_dict(),
             "groups_usable": self._broken is None,
             "timings": {"prepare_s": self.stats["prepare_s"], "verify_s": self.stats["verify_s"],

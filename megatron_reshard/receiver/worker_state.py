@@ -300,7 +300,8 @@ class RefitWorkerState:
         self.session = ReceiverSession(payload, stager.targets(targets) if stager else targets,
                                        groups, receive_misc=receive_misc, vllm_tp=vllm_tp,
                                        weights=stager.weights if stager else self.weights,
-                                       storage_orders=orders, **checked.session_options())
+                                       storage_orders=orders, model=model,
+                                       **checked.session_options())
         if stager is not None:
             stager.session_prepared()
         self.options, self.stager = checked, stager

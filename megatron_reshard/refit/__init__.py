@@ -13,9 +13,9 @@ training weights. Delta refits themselves (bases, encoding, kernels, mover) are 
 from megatron_reshard.refit.commit import CommitOutcome, commit_refit
 from megatron_reshard.refit.loop import PlanMismatchError, RefitLoop, RefitStats
 from megatron_reshard.refit.protocol import RefitProtocol, RefitRound
-from megatron_reshard.refit.version import (RefitRefused, TensorsRefused, VersionRefused,
-                                            agree_version)
+from megatron_reshard.refit.version import (NonFiniteRefused, RefitRefused, TensorsRefused,
+                                            VersionRefused, agree_version)
 
-__all__ = ["CommitOutcome", "PlanMismatchError", "RefitLoop", "RefitProtocol", "RefitRefused",
+__all__ = ["CommitOutcome", "NonFiniteRefused", "PlanMismatchError", "RefitLoop", "RefitProtocol", "RefitRefused",
            "RefitRound", "RefitStats", "TensorsRefused", "VersionRefused", "agree_version",
            "commit_refit"]

@@ -141,7 +141,8 @@ class RefitProtocol:
                                    allow_reuse=allow_version_reuse, held=held_version,
                                    last_sent=last_version, pp_size=self.pp_size,
                                    delta_vote=delta_vote, plan_unchecked=not self.loop.verified,
-                                   refusal=refusal, param_names=self.loop.param_names())
+                                   refusal=refusal,
+                                   param_names=self.loop.param_names(other=True))
         if agreed.refused:  # every rank alike, nothing moved: the groups stay usable
             raise agreed.error(agreed.refused)
         with self._latching(on_failure):

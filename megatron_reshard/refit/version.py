@@ -47,17 +47,60 @@ class VersionRefused(RefitRefused):
 
 
 class TensorsRefused(RefitRefused):
-    """A training rank's model tensors changed in a way its sender cannot follow (a param
-    gone, or its shape or dtype changed since the source was built: ``megatron.live_views``);
-    refused on every rank before any byte moved."""
+    """A rank's tensors changed in a way the refit cannot follow: a training rank's (a
+    param gone, or its shape or dtype changed since the source was built:
+    ``megatron.live_views``) or a generation rank's (a vLLM param re-allocated in another
+    shape, dtype or device since ``prepare_refit``: ``receiver.live_targets``); refused on
+    every rank before any byte moved."""
+
+
+class NonFiniteRefused(RefitRefused):
+    """A training rank's weights hold NaN or Inf (or an FP8 scale is not finite and > 0)
+    and its sender checks them (``check_finite``); refused on every rank before any byte
+    moved: the generation side keeps its version, consistent."""
+
+
+# what a refusal is about -> the code voted (so every rank of a group names it alike)
+REFUSAL_KINDS = {"tensors": 1, "nonfinite": 2, "targets": 3}
 
 
 class Refusal(NamedTuple):
-    """A training rank's reason to refuse the refit (its own text), and the stage index of
-    the first bulk param it names (-1: none), which every rank of the group can name."""
+    """A rank's reason to refuse the refit (its own text), the stage index of the first
+    bulk param it names (-1: none), which every rank of the group can name, and what it is
+    about (``REFUSAL_KINDS``). ``stage``: the stage whose params ``param_index`` counts
+    (None: every group's; a generation rank refuses in every group, its param is in one)."""
 
     text: str
     param_index: int = -1
+    kind: str = "tensors"
+    stage: Optional[int] = None
+
+    def vote(self, stage: int, rank: int) -> list[int]:
+        """This rank's refusal columns in the group of ``stage``: rank, param, kind."""
+        index = self.param_index if self.stage in (None, stage) else -1
+        return [rank + 1, index + 1, REFUSAL_KINDS[self.kind]]
+
+
+# per kind: which side refuses, and what its peers say of it (the refusing rank says more)
+_PEER_TEXT = {1: ("training", "holds model tensors its sender cannot send as they are now"),
+              2: ("training", "holds NaN or Inf in its weights (check_finite)"),
+              3: ("generation", "holds vLLM params that changed since prepare_refit")}
+
+
+def _peer_refusal(kind: int, rank: int, stage: int, named: str) -> str:
+    side, what = _PEER_TEXT[kind]
+    return (f"{side} group rank {rank} of stage {stage}'s refit group {what}{named}: "
+            f"nothing moved, see the error there")
+
+
+def _elsewhere_refusal(first: Sequence[int],
+                       param_names: Optional[Mapping[int, Sequence[str]]]) -> str:
+    """A refusal in another stage's group (``first``: its stage, rank, param index, each
+    plus one, and kind), as the generation ranks passed it on."""
+    stage, rank, index = (v - 1 for v in first[:3])
+    names = (param_names or {}).get(stage, ())
+    named = f" ({names[index]} among them)" if 0 <= index < len(names) else ""
+    return "in another PP stage's refit group: " + _peer_refusal(first[3], rank, stage, named)
 
 
 @dataclass(frozen=True)
@@ -111,6 +154,10 @@ def _decide(stage: int, row: list[int]) -> VersionDecision:
     return VersionDecision(vmax)
 
 
+def _error_of(kinds: Sequence[int]) -> type:
+    return NonFiniteRefused if REFUSAL_KINDS["nonfinite"] in kinds else TensorsRefused
+
+
 def agree_version(groups: Mapping[int, Any], *, side: str, version: Optional[int] = None,
                   allow_reuse: bool = False, held: Optional[int] = None,
                   last_sent: Optional[int] = None, pp_size: int = 1,
@@ -129,10 +176,11 @@ def agree_version(groups: Mapping[int, Any], *, side: str, version: Optional[int
         delta_vote = src_vote(False, 0, None) if side == "src" else dst_vote(1, None)
     if len(delta_vote) != VOTE_WIDTH:
         raise BadInputError(f"delta_vote has {len(delta_vote)} columns, expected {VOTE_WIDTH}")
-    decisions, modes, check_plan, tensors = {}, {}, [], []
+    decisions, modes, check_plan, tensors, kinds = {}, {}, [], [], []
+    first: list[int] = []
     for stage in sorted(groups):
         group = groups[stage]
-        mine = [0, 0] if refusal is None else [group_rank(group) + 1, refusal.param_index + 1]
+        mine = [0, 0, 0] if refusal is None else refusal.vote(stage, group_rank(group))
         vote = torch.tensor(_row(side, version, allow_reuse, held, last_sent)
                             + [int(bool(plan_unchecked))] + list(delta_vote) + mine,
                             dtype=torch.int64, device=control_device(group))
@@ -142,18 +190,19 @@ def agree_version(groups: Mapping[int, Any], *, side: str, version: Optional[int
         if row[8]:
             check_plan.append(stage)
         modes[stage] = decide_mode(row[9:9 + VOTE_WIDTH], f"stage {stage}'s refit group")
-        rank_plus_one, index_plus_one = row[9 + VOTE_WIDTH:]
+        rank_plus_one, index_plus_one, kind = row[9 + VOTE_WIDTH:]
         if rank_plus_one:
             names = (param_names or {}).get(stage, ())
             named = (f" ({names[index_plus_one - 1]} among them)"
                      if 0 < index_plus_one <= len(names) else "")
             tensors.append(refusal.text if refusal is not None else
-                           f"training group rank {rank_plus_one - 1} of stage {stage}'s refit "
-                           f"group holds model tensors its sender cannot send as they are "
-                           f"now{named}: see the error there")
-    # tensors a training rank cannot send come first: nothing may move from such a rank
+                           _peer_refusal(kind, rank_plus_one - 1, stage, named))
+            kinds.append(kind)
+            # the first by stage, for the other stages' training ranks (second round)
+            first = first or [stage + 1, rank_plus_one, index_plus_one, kind]
+    # tensors a rank cannot send or write come first: nothing may move from such a rank
     refused = list(dict.fromkeys(tensors)) + [d.refused for d in decisions.values() if d.refused]
-    error = TensorsRefused if tensors else VersionRefused
+    error = _error_of(kinds) if tensors else VersionRefused
     versions = sorted({d.version for d in decisions.values() if not d.refused})
     if not refused and len(versions) > 1:
         refused = [f"the stages' refit groups carry different versions: {versions}"]
@@ -164,16 +213,16 @@ def agree_version(groups: Mapping[int, Any], *, side: str, version: Optional[int
     if pp_size > 1:  # tell each group's training ranks what the other stages' groups decided
         for stage in sorted(groups):
             group = groups[stage]
-            flag = torch.tensor([(2 if tensors else 1) if (side == "dst" and refused) else 0,
-                                 1 if (side == "dst" and full) else 0], dtype=torch.int64,
-                                device=control_device(group))
+            # every generation rank saw every group's first round: they vote the same
+            named_refusal = first if side == "dst" and first else [0] * 4
+            flag = torch.tensor([1 if (side == "dst" and refused) else 0,
+                                 1 if (side == "dst" and full) else 0, *named_refusal],
+                                dtype=torch.int64, device=control_device(group))
             all_reduce(flag, group, dist.ReduceOp.MAX, "the version check (all stages)")
-            refused_elsewhere, full_elsewhere = flag.tolist()
-            if refused_elsewhere == 2 and not refused:
-                refused = ["a training rank of another PP stage's refit group holds model "
-                           "tensors its sender cannot send as they are now (see the errors "
-                           "there)"]
-                error = TensorsRefused
+            refused_elsewhere, full_elsewhere, *elsewhere = flag.tolist()
+            if elsewhere[0] and not refused:
+                refused = [_elsewhere_refusal(elsewhere, param_names)]
+                error = _error_of([elsewhere[3]])
             elif refused_elsewhere and not refused:
                 refused = ["the refit's version was refused in another PP stage's refit group "
                            "(see the errors there)"]
@@ -191,5 +240,5 @@ def agree_version(groups: Mapping[int, Any], *, side: str, version: Optional[int
                            check_plan=tuple(check_plan), delta_wanted=wanted)
 
 
-__all__ = ["RefitRefused", "Refusal", "TensorsRefused", "VersionDecision", "VersionRefused",
-           "agree_version"]
+__all__ = ["NonFiniteRefused", "REFUSAL_KINDS", "RefitRefused", "Refusal", "TensorsRefused",
+           "VersionDecision", "VersionRefused", "agree_version"]
