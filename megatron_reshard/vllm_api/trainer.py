@@ -94,8 +94,8 @@ class MegatronReshardTrainerInitInfo(TrainerInitInfo):
     ``delta``: the sender's ``RefitSender(delta=...)`` (experimental; ``False``, ``True`` or a
     ``delta.DeltaConfig``): later updates send only the changed elements where every
     rank can prove the base; the workers need no option for it. ``check_finite``: the
-    sender's ``RefitSender(check_finite=...)`` (NaN/Inf in a weight fails the update on
-    every rank, naming the param).
+    sender's ``RefitSender(check_finite=...)`` (NaN/Inf in a weight refuses the update on
+    every rank before any byte moves, naming the param: the workers keep their version).
     """
 
     backend: ClassVar[str] = BACKEND_NAME
