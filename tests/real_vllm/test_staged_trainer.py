@@ -43,8 +43,6 @@ def test_the_trainer_engines_staged_flag_stages_and_flips_bit_equal_to_vllms_loa
         # update_weights returned before the refit: staged, not refitted inside the call
         assert len(g["phase_after_update"]) == REFITS
         assert all(p in ("receiving", "staged") for p in g["phase_after_update"]), g
-        staged = g["weights"]["staged"]
-        assert staged["phase"] == "idle" and staged["flip_copy_bytes"] > 0, staged
 
 
 @pytest.mark.parametrize("options,words", [
