@@ -78,6 +78,12 @@ class StagedDeltas:
     def payload_bytes(self) -> int:
         return sum(0 if r.payload is None else r.payload.numel() for r in self.regions)
 
+    def payload_bytes_by_target(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for r in self.regions:
+            out[r.target] = out.get(r.target, 0) + (0 if r.payload is None else r.payload.numel())
+        return out
+
     def targets(self) -> set:
         return {r.target for r in self.regions}
 

@@ -39,6 +39,7 @@ from megatron_reshard.receiver.staging_tiers import (allocate, bounce_host_specs
 from megatron_reshard.receiver.state import WeightState
 
 PHASES = ("idle", "receiving", "waiting_for_pause", "staged", "failed")
+DENSE_DELTA_FRACTION = 4  # the flip copies a param whose delta payloads pass 1/4 of its bytes
 _POLL_S = 0.05
 
 
@@ -333,10 +334,12 @@ class StagedRefits:
         t4 = time.perf_counter()
         self.phase = "idle"
         copy_bytes = sum(tensor_bytes(self.staging[n]) for n in copy)
+        by_target = self.deltas.payload_bytes_by_target()
+        applied_bytes = sum(by_target[n] for n in deltas)
         self.stats.update(flip_wait_s=t1 - t0, flip_copy_s=t3 - t1, flip_s=t4 - t0,
                           flip_whole_copy_s=t2 - t1, flip_delta_apply_s=t3 - t2,
                           flip_commit_s=t4 - t3,
-                          flip_bytes=copy_bytes + (self.deltas.payload_bytes if deltas else 0),
+                          flip_bytes=copy_bytes + applied_bytes,
                           flip_copy_bytes=copy_bytes, flip_delta_regions=applied,
                           flip_delta_targets=len(deltas))
         out = dict(self.result)
@@ -351,7 +354,11 @@ class StagedRefits:
         if (self.result or {}).get("mode") != "delta":
             return list(self.staging), set()
         full = full_path_targets(self._session)
-        copy = [n for n in self.staging if n in full]
+        # a param whose payloads come near its size is copied whole (the same bytes: staging
+        # holds the deltas applied), a scatter would cost more than the copy
+        dense = {n for n, b in self.deltas.payload_bytes_by_target().items()
+                 if b * DENSE_DELTA_FRACTION >= tensor_bytes(self.staging[n])}
+        copy = [n for n in self.staging if n in full or n in dense]
         return copy, self.deltas.targets() - set(copy)
 
     def discard(self, timeout_s: Optional[float] = None) -> dict:
