@@ -344,6 +344,7 @@ class StagedRefits:
                           flip_delta_targets=len(deltas))
         out = dict(self.result)
         out["staged"] = {**self.state(), "version": version}
+        self.deltas.clear()  # applied: their payloads' memory goes now
         return out
 
     def _flip_plan(self) -> tuple[list[str], set]:
@@ -358,7 +359,9 @@ class StagedRefits:
         # holds the deltas applied), a scatter would cost more than the copy
         dense = {n for n, b in self.deltas.payload_bytes_by_target().items()
                  if b * DENSE_DELTA_FRACTION >= tensor_bytes(self.staging[n])}
-        copy = [n for n in self.staging if n in full or n in dense]
+        # (a host-staged param went full: the bounce is a hook, the delta vote says so)
+        copy = [n for n in self.staging
+                if n in full or n in dense or self.tier_of[n] == "host"]
         return copy, self.deltas.targets() - set(copy)
 
     def discard(self, timeout_s: Optional[float] = None) -> dict:
