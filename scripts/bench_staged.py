@@ -42,13 +42,14 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-MODES = ("in_place", "staged", "staged_budget", "in_place_delta", "staged_delta")
+MODES = ("in_place", "staged", "staged_budget", "in_place_delta", "staged_delta",
+         "staged_delta_copy")
 DELTA_FRACTION = 0.02  # delta modes: one unit in the last place on ~2% of every param
 
 
 def refits_of(mode: str, iters: int) -> int:
     """Refits a mode runs: a delta mode's first one is full (no base yet), not counted."""
-    return iters + 1 if mode.endswith("_delta") else iters
+    return iters + 1 if "_delta" in mode else iters
 
 
 def _change_sparsely(model, step: int) -> None:
@@ -125,7 +126,7 @@ def _train(job, args, control, device, transport):
     k = 0
     with torch.no_grad():
         for mode in MODES:
-            delta = mode.endswith("_delta")
+            delta = "_delta" in mode
             sender = RefitSender(source, group, device=device, batch_bytes=args.batch_mib << 20,
                                  delta=delta)
             for _ in range(refits_of(mode, args.iters)):
@@ -208,6 +209,8 @@ def _gen(job, args, control, device, transport):
             options["staged"] = True
         if mode == "staged_budget":
             options["staging_budget_bytes"] = model_bytes // 2
+        if mode == "staged_delta_copy":  # the same delta refits, flipped as copies
+            options["staged_delta_flip"] = "copy"
         worker.prepare_refit(payload, options)
         for _ in range(refits_of(mode, args.iters)):
             if mode == "staged":  # the same passes with no transfer, next to the busy ones
@@ -249,12 +252,13 @@ def _median(xs):
 
 def _counted(rows: list, mode: str) -> list:
     """A delta mode's rows that moved as deltas (its first refit is full: no base yet)."""
-    return [r for r in rows if r["mode"] == "delta"] if mode.endswith("_delta") else rows
+    return [r for r in rows if r["mode"] == "delta"] if "_delta" in mode else rows
 
 
 def summarize(gen: dict) -> dict:
     rows = {m: _counted(rs, m) for m, rs in gen["rows"].items()}
-    baseline = {"staged": "in_place", "staged_budget": "in_place", "staged_delta": "in_place_delta"}
+    baseline = {"staged": "in_place", "staged_budget": "in_place", "staged_delta": "in_place_delta",
+                "staged_delta_copy": "in_place_delta"}
     out = {"model_bytes": gen["model_bytes"], "bit_exact": not gen["wrong"],
            "wrong": gen["wrong"][:5]}
     for mode in ("in_place", "in_place_delta"):
@@ -298,19 +302,19 @@ def summarize(gen: dict) -> dict:
 
 def breakdown_table(summary: dict) -> str:
     """The pauses side by side, each staged one broken down (ms, medians)."""
-    lines = [f"{'mode':<15}{'pause':>9}{'% base':>8}{'wait':>8}{'copy':>8}{'apply':>8}"
+    lines = [f"{'mode':<18}{'pause':>9}{'% base':>8}{'wait':>8}{'copy':>8}{'apply':>8}"
              f"{'commit':>8}{'outside':>8}{'range':>17}{'load':>6}"]
     for mode in ("in_place", "in_place_delta"):
-        lines.append(f"{mode:<15}{summary[f'{mode}_pause_ms']:>9.1f}"
+        lines.append(f"{mode:<18}{summary[f'{mode}_pause_ms']:>9.1f}"
                      f"{'':>8}{summary[f'{mode}_refits']:>8} refits counted")
-    for mode in ("staged", "staged_budget", "staged_delta"):
+    for mode in ("staged", "staged_budget", "staged_delta", "staged_delta_copy"):
         m = summary[mode]
         if m is None:
-            lines.append(f"{mode:<15}{'none: every refit went full (colocated transport)':>50}")
+            lines.append(f"{mode:<18}{'none: every refit went full (colocated transport)':>50}")
             continue
         b = m["pause_breakdown_ms"]
         lo, hi = m["pause_range_ms"]
-        lines.append(f"{mode:<15}{m['pause_ms']:>9.1f}{m['pause_pct_of_in_place']:>7.1f}%"
+        lines.append(f"{mode:<18}{m['pause_ms']:>9.1f}{m['pause_pct_of_in_place']:>7.1f}%"
                      f"{b['wait']:>8.1f}{b['copy']:>8.1f}{b['apply']:>8.1f}{b['commit']:>8.2f}"
                      f"{b['outside']:>8.2f}{f'{lo:.1f}-{hi:.1f}':>17}{m['load_avg_1min']:>6.1f}")
     return "\n".join(lines)

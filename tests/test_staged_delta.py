@@ -47,6 +47,18 @@ def test_a_staged_delta_refit_applies_its_payloads_at_the_flip(pool):
         assert gen["state"]["state"] == "consistent" and gen["state"]["version"] == 3
 
 
+def test_a_delta_refit_can_flip_as_a_copy_of_the_staged_params(pool):
+    results = _run(pool, refits=2, delta=True, tag="sdeltacopy", seed=14, delta_flip="copy")
+    for r in range(TRAIN, TRAIN + GEN):
+        gen = results[r]
+        assert gen["error"] is None, gen
+        row = gen["rows"][1]
+        assert row["mode"] == "delta" and row["flip"]["delta_flip"] == "copy"
+        _check_row_exact(gen, row)
+        assert row["flip"]["flip_copy_bytes"] == row["staging_bytes"]
+        assert row["flip"]["flip_delta_regions"] == 0
+
+
 def test_a_fault_inside_a_staged_delta_refit_leaves_n_live_and_consistent(pool):
     results = _run(pool, refits=2, delta=True, tag="sdeltakill", seed=12, victim=1,
                    fault="kill_mid")

@@ -130,6 +130,8 @@ def _gen(job, control, plan, gen_rank):
         options["staging_budget_bytes"] = plan["budget"]
     if plan.get("host_budget") is not None:  # tests/test_staged_delta.py: the host tier
         options["host_staging_budget_bytes"] = plan["host_budget"]
+    if plan.get("delta_flip") is not None:   # ... and how a delta refit flips
+        options["staged_delta_flip"] = plan["delta_flip"]
     worker.prepare_refit(payload, options)
     step = {"k": 0}
     if plan.get("victim") == job.rank and plan["fault"] == "kill_mid":

@@ -44,6 +44,9 @@ def test_the_host_budget_is_checked_by_name():
     assert checked.host_staging_budget_bytes == 1 << 20
     assert "host_staging_budget_bytes" not in checked.session_options()
     assert PrepareOptions.of({}).host_staging_budget_bytes == 0
+    with pytest.raises(BadInputError, match="staged_delta_flip: expected one of"):
+        PrepareOptions.of({"staged": True, "staged_delta_flip": "scatter"})
+    assert PrepareOptions.of({}).staged_delta_flip == "apply"
 
 
 def test_a_region_of_a_staging_tensor_is_the_same_region_of_the_live_param():

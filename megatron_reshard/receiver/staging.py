@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional
 
 import torch
 
-from megatron_reshard.errors import CallOrderError
+from megatron_reshard.errors import BadInputError, CallOrderError
 from megatron_reshard.groups.faults import RefitError
 from megatron_reshard.receiver.staged_deltas import StagedDeltas, full_path_targets
 from megatron_reshard.receiver.staging_tiers import (allocate, bounce_host_specs, check_budget,
@@ -40,6 +40,15 @@ from megatron_reshard.receiver.state import WeightState
 
 PHASES = ("idle", "receiving", "waiting_for_pause", "staged", "failed")
 DENSE_DELTA_FRACTION = 4  # the flip copies a param whose delta payloads pass 1/4 of its bytes
+DELTA_FLIPS = ("apply", "copy")
+
+
+def check_delta_flip(value: Any) -> str:
+    """``staged_delta_flip`` checked: one of ``DELTA_FLIPS``."""
+    if value not in DELTA_FLIPS:
+        raise BadInputError(f"prepare_refit option staged_delta_flip: expected one of "
+                            f"{list(DELTA_FLIPS)}, found {value!r}")
+    return value
 _POLL_S = 0.05
 
 
@@ -119,8 +128,12 @@ class StagedRefits:
 
     def __init__(self, live: Mapping[str, torch.Tensor], weights: WeightState,
                  budget_bytes: Optional[int] = None, where: str = "this rank",
-                 host_budget_bytes: Optional[int] = 0):
+                 host_budget_bytes: Optional[int] = 0, delta_flip: str = "apply"):
+        """``delta_flip``: how the flip writes a delta refit: ``"apply"`` its payloads, or
+        ``"copy"`` the staged params whole, as after a full refit (the same bytes; which is
+        faster depends on the device and the regions: docs/MEASUREMENTS.md)."""
         self.live = dict(live)
+        self.delta_flip = check_delta_flip(delta_flip)
         self.where = where
         self.budget_bytes = check_budget(budget_bytes)
         self.host_budget_bytes = check_budget(host_budget_bytes, "host_staging_budget_bytes")
@@ -198,6 +211,7 @@ class StagedRefits:
                 "staged_version": commit[0] if commit and self.phase == "staged" else None,
                 "staging_bytes": self.staged_bytes, "staging_devices": devices,
                 "budget_bytes": self.budget_bytes, "host_budget_bytes": self.host_budget_bytes,
+                "delta_flip": self.delta_flip,
                 "tiers": self.tier_report(),
                 "in_place_params": list(self.in_place),
                 "in_place_bytes": self.in_place_bytes,
@@ -352,7 +366,7 @@ class StagedRefits:
         recorded deltas instead. A full refit copies every staged param; a delta refit
         copies those it also wrote through the full path and applies the deltas of the
         others (a staged param it did not write holds the live bytes already)."""
-        if (self.result or {}).get("mode") != "delta":
+        if (self.result or {}).get("mode") != "delta" or self.delta_flip == "copy":
             return list(self.staging), set()
         full = full_path_targets(self._session)
         # a param whose payloads come near its size is copied whole (the same bytes: staging
@@ -403,5 +417,5 @@ def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
             d.copy_(s, non_blocking=True)
 
 
-__all__ = ["PHASES", "StagedRefitError", "StagedRefitTimeout", "StagedRefits", "StagedWeights",
-           "check_budget", "plan_staging"]
+__all__ = ["DELTA_FLIPS", "PHASES", "StagedRefitError", "StagedRefitTimeout", "StagedRefits",
+           "StagedWeights", "check_budget", "check_delta_flip", "plan_staging"]
