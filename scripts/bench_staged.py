@@ -19,7 +19,19 @@ weights), then:
   served) until the transfer has committed; then ``flip_staged_refit()``: the pause;
 - ``staged_budget``: staged with ``staging_budget_bytes`` = half the model: the rest is
   received in place inside the pause (from the first batch of ``--batch-mib`` that holds
-  an in-place param on).
+  an in-place param on);
+- ``staged_host``: every param staged in host memory (pinned on a GPU), received through
+  the one-batch device bounce (``receiver.staging_tiers``);
+- ``in_place_delta``, ``staged_delta``, ``staged_delta_copy``: the same with a delta sender
+  (one unit in the last place on ~2% of every param between refits; the first refit of
+  each is full and not counted; the colocated transport of one GPU refits in full, so
+  there these report none); ``staged_delta_copy`` flips by copying
+  (``staged_delta_flip="copy"``), ``staged_delta`` by applying the payloads.
+
+Each staged pause is broken down (``wait`` for the transfer thread, ``copy``, ``apply``,
+``commit``, ``outside`` the flip in the worker) with its range over the refits and the
+host's load average. The training rank idles from its refit's end to the generation
+rank's pause end (``--overlap``: it changes its weights for the next refit meanwhile).
 
 Reported (median of ``--iters`` per mode): the pause, the pause as % of the in-place one,
 the flip's copy time against ``dst.copy_(src)`` of one buffer of the same bytes in the same
@@ -42,7 +54,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-MODES = ("in_place", "staged", "staged_budget", "in_place_delta", "staged_delta",
+MODES = ("in_place", "staged", "staged_budget", "staged_host", "in_place_delta", "staged_delta",
          "staged_delta_copy")
 DELTA_FRACTION = 0.02  # delta modes: one unit in the last place on ~2% of every param
 
@@ -209,6 +221,8 @@ def _gen(job, args, control, device, transport):
             options["staged"] = True
         if mode == "staged_budget":
             options["staging_budget_bytes"] = model_bytes // 2
+        if mode == "staged_host":  # every param in (pinned) host memory, through the bounce
+            options.update(staging_budget_bytes=0, host_staging_budget_bytes=None)
         if mode == "staged_delta_copy":  # the same delta refits, flipped as copies
             options["staged_delta_flip"] = "copy"
         worker.prepare_refit(payload, options)
@@ -257,7 +271,8 @@ def _counted(rows: list, mode: str) -> list:
 
 def summarize(gen: dict) -> dict:
     rows = {m: _counted(rs, m) for m, rs in gen["rows"].items()}
-    baseline = {"staged": "in_place", "staged_budget": "in_place", "staged_delta": "in_place_delta",
+    baseline = {"staged": "in_place", "staged_budget": "in_place", "staged_host": "in_place",
+                "staged_delta": "in_place_delta",
                 "staged_delta_copy": "in_place_delta"}
     out = {"model_bytes": gen["model_bytes"], "bit_exact": not gen["wrong"],
            "wrong": gen["wrong"][:5]}
@@ -307,7 +322,7 @@ def breakdown_table(summary: dict) -> str:
     for mode in ("in_place", "in_place_delta"):
         lines.append(f"{mode:<18}{summary[f'{mode}_pause_ms']:>9.1f}"
                      f"{'':>8}{summary[f'{mode}_refits']:>8} refits counted")
-    for mode in ("staged", "staged_budget", "staged_delta", "staged_delta_copy"):
+    for mode in ("staged", "staged_budget", "staged_host", "staged_delta", "staged_delta_copy"):
         m = summary[mode]
         if m is None:
             lines.append(f"{mode:<18}{'none: every refit went full (colocated transport)':>50}")
