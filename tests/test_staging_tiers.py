@@ -149,3 +149,19 @@ def test_a_staged_refit_over_three_tiers_reports_them_and_flips_each():
     out = stager.flip()
     assert all(bool((t == 4).all()) for t in live.values()) and state.version == 2
     assert out["staged"]["flip_copy_bytes"] == 16 + 32
+
+
+def test_a_flip_that_fails_while_writing_says_the_live_weights_are_inconsistent():
+    from megatron_reshard.receiver.staging import StagedRefitError
+
+    live, state = {"a": torch.zeros(4), "b": torch.zeros(8)}, WeightState(1)
+    stager = StagedRefits(live, state)
+    session = _Writer(stager, stager.targets(live.items()), 2.0, 2)
+    session.release.set()
+    stager.start(session)
+    stager.wait(10)
+    stager.staging["b"] = torch.zeros(3)  # a copy that cannot happen (a fault mid-flip)
+    with pytest.raises(StagedRefitError, match="the live weights are inconsistent"):
+        stager.flip()
+    assert not state.consistent and state.overwritten == {"a", "b"} and state.version == 1
+    assert "the flip failed" in state.last_error
