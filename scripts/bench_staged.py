@@ -19,7 +19,19 @@ weights), then:
   served) until the transfer has committed; then ``flip_staged_refit()``: the pause;
 - ``staged_budget``: staged with ``staging_budget_bytes`` = half the model: the rest is
   received in place inside the pause (from the first batch of ``--batch-mib`` that holds
-  an in-place param on).
+  an in-place param on);
+- ``staged_host``: every param staged in host memory (pinned on a GPU), received through
+  the one-batch device bounce (``receiver.staging_tiers``);
+- ``in_place_delta``, ``staged_delta``, ``staged_delta_copy``: the same with a delta sender
+  (one unit in the last place on ~2% of every param between refits; the first refit of
+  each is full and not counted; the colocated transport of one GPU refits in full, so
+  there these report none); ``staged_delta_copy`` flips by copying
+  (``staged_delta_flip="copy"``), ``staged_delta`` by applying the payloads.
+
+Each staged pause is broken down (``wait`` for the transfer thread, ``copy``, ``apply``,
+``commit``, ``outside`` the flip in the worker) with its range over the refits and the
+host's load average. The training rank idles from its refit's end to the generation
+rank's pause end (``--overlap``: it changes its weights for the next refit meanwhile).
 
 Reported (median of ``--iters`` per mode): the pause, the pause as % of the in-place one,
 the flip's copy time against ``dst.copy_(src)`` of one buffer of the same bytes in the same
@@ -33,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -41,7 +54,22 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-MODES = ("in_place", "staged", "staged_budget")
+MODES = ("in_place", "staged", "staged_budget", "staged_host", "in_place_delta", "staged_delta",
+         "staged_delta_copy")
+DELTA_FRACTION = 0.02  # delta modes: one unit in the last place on ~2% of every param
+
+
+def refits_of(mode: str, iters: int) -> int:
+    """Refits a mode runs: a delta mode's first one is full (no base yet), not counted."""
+    return iters + 1 if "_delta" in mode else iters
+
+
+def _change_sparsely(model, step: int) -> None:
+    """One unit in the last place on ~DELTA_FRACTION of every param (seeded, bf16 bits)."""
+    for i, p in enumerate(model.parameters()):
+        g = torch.Generator(device=p.device).manual_seed(step * 100_003 + i)
+        bits = p.data.view(-1).view(torch.int16)
+        bits[torch.rand(bits.numel(), generator=g, device=p.device) < DELTA_FRACTION] += 1
 
 
 def _barrier(control, name: str, n: int = 2) -> None:
@@ -66,9 +94,8 @@ def _job(job, args):
     dist.init_process_group("gloo", store=dist.PrefixStore(f"world/{side}", control), rank=0,
                             world_size=1, timeout=timedelta(seconds=args.timeout))
     transport = "colocated" if device.type == "cuda" else None
-    total = len(MODES) * args.iters
     if side == "train":
-        return _train(job, args, control, device, transport, total)
+        return _train(job, args, control, device, transport)
     return _gen(job, args, control, device, transport)
 
 
@@ -85,7 +112,7 @@ def _model_overrides(args) -> dict:
                 num_query_groups=4, ffn_hidden_size=args.ffn, vocab_size=args.vocab)
 
 
-def _train(job, args, control, device, transport, total):
+def _train(job, args, control, device, transport):
     from megatron.core import parallel_state as ps
 
     from megatron_reshard.groups.comm import create_refit_group, destroy_refit_group
@@ -108,12 +135,19 @@ def _train(job, args, control, device, transport, total):
     control.set("payload", source.payload_bytes())
     group = create_refit_group(job.host, job.ports[1], 0, 2, "gloo", args.timeout,
                                who="train rank 0", transport=transport)
-    sender = RefitSender(source, group, device=device, batch_bytes=args.batch_mib << 20)
+    k = 0
     with torch.no_grad():
-        for k in range(total):
-            perturb_(model, k + 1)
-            _barrier(control, f"go/{k}")
-            sender.refit()
+        for mode in MODES:
+            delta = "_delta" in mode
+            sender = RefitSender(source, group, device=device, batch_bytes=args.batch_mib << 20,
+                                 delta=delta)
+            for _ in range(refits_of(mode, args.iters)):
+                (_change_sparsely if delta else perturb_)(model, k + 1)
+                _barrier(control, f"go/{k}")
+                sender.refit()
+                if not args.overlap:  # idle until the generation side's pause has ended
+                    _barrier(control, f"done/{k}")
+                k += 1
     full = gather_full_hf_state_dict(model, family=family, vocab_size=spec.vocab_size)
     full = {n: t.to("cpu") for n, t in full.items()}
     control.set("expected", json.dumps({
@@ -131,6 +165,34 @@ def _generation_pass(weights: list, xs: list, device) -> float:
         torch.matmul(x, w.t())
     _sync(device)
     return time.perf_counter() - t0
+
+
+def _staged_refit(worker, weights, xs, device, args) -> dict:
+    """One staged refit with generation passes during its transfer; its pause broken down:
+    ``wait`` (the flip joins the transfer thread: the in-place params' receive, or 0),
+    ``copy`` (staged params copied whole), ``apply`` (a delta refit's payloads applied),
+    ``commit`` (the live version advanced), ``outside`` (the worker around the flip: vLLM's
+    derived weights, the result)."""
+    t0 = time.perf_counter()
+    worker.start_staged_refit()
+    passes = []
+    while worker.refit_weights_state()["staged"]["phase"] == "receiving":
+        passes.append(_generation_pass(weights, xs, device))
+    state = worker.wait_staged_refit(args.timeout)
+    ready_s = time.perf_counter() - t0
+    load = os.getloadavg()[0]
+    t1 = time.perf_counter()
+    out = worker.flip_staged_refit()
+    pause = time.perf_counter() - t1
+    flip = out["staged"]
+    return {"pause_s": pause, "ready_s": ready_s, "passes": passes, "mode": out["mode"],
+            "load": load, "flip_copy_s": flip["flip_copy_s"], "flip_bytes": flip["flip_bytes"],
+            "flip_copy_bytes": flip["flip_copy_bytes"],
+            "breakdown_s": {"wait": flip["flip_wait_s"], "copy": flip["flip_whole_copy_s"],
+                            "apply": flip["flip_delta_apply_s"], "commit": flip["flip_commit_s"],
+                            "outside": pause - flip["flip_s"]},
+            "staging_bytes": state["staging_bytes"], "in_place_bytes": state["in_place_bytes"],
+            "mirror_s": flip.get("mirror_s")}
 
 
 def _gen(job, args, control, device, transport):
@@ -155,38 +217,30 @@ def _gen(job, args, control, device, transport):
     k = 0
     for mode in MODES:
         options = {"batch_bytes": args.batch_mib << 20}
-        if mode != "in_place":
+        if mode.startswith("staged"):
             options["staged"] = True
         if mode == "staged_budget":
             options["staging_budget_bytes"] = model_bytes // 2
+        if mode == "staged_host":  # every param in (pinned) host memory, through the bounce
+            options.update(staging_budget_bytes=0, host_staging_budget_bytes=None)
+        if mode == "staged_delta_copy":  # the same delta refits, flipped as copies
+            options["staged_delta_flip"] = "copy"
         worker.prepare_refit(payload, options)
-        for _ in range(args.iters):
+        for _ in range(refits_of(mode, args.iters)):
             if mode == "staged":  # the same passes with no transfer, next to the busy ones
                 idle += [_generation_pass(weights, xs, device) for _ in range(args.passes)]
             _barrier(control, f"go/{k}")
-            k += 1
-            if mode == "in_place":
+            if mode.startswith("in_place"):
                 t0 = time.perf_counter()
-                worker.refit()
+                out = worker.refit()
                 _sync(device)
-                rows[mode].append({"pause_s": time.perf_counter() - t0})
-                continue
-            t0 = time.perf_counter()
-            worker.start_staged_refit()
-            passes = []
-            while worker.refit_weights_state()["staged"]["phase"] == "receiving":
-                passes.append(_generation_pass(weights, xs, device))
-            state = worker.wait_staged_refit(args.timeout)
-            ready_s = time.perf_counter() - t0
-            t1 = time.perf_counter()
-            out = worker.flip_staged_refit()
-            pause = time.perf_counter() - t1
-            flip = out["staged"]
-            rows[mode].append({"pause_s": pause, "ready_s": ready_s, "passes": passes,
-                               "flip_copy_s": flip["flip_copy_s"], "flip_bytes": flip["flip_bytes"],
-                               "staging_bytes": state["staging_bytes"],
-                               "in_place_bytes": state["in_place_bytes"],
-                               "mirror_s": flip.get("mirror_s")})
+                rows[mode].append({"pause_s": time.perf_counter() - t0, "mode": out["mode"],
+                                   "load": os.getloadavg()[0]})
+            else:
+                rows[mode].append(_staged_refit(worker, weights, xs, device, args))
+            if not args.overlap:
+                _barrier(control, f"done/{k}")
+            k += 1
     # the flip's copy against one memcpy of the same bytes, same run
     nbytes = rows["staged"][-1]["flip_bytes"]
     src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_(0, 255)
@@ -210,22 +264,43 @@ def _median(xs):
     return statistics.median(xs) if xs else float("nan")
 
 
+def _counted(rows: list, mode: str) -> list:
+    """A delta mode's rows that moved as deltas (its first refit is full: no base yet)."""
+    return [r for r in rows if r["mode"] == "delta"] if "_delta" in mode else rows
+
+
 def summarize(gen: dict) -> dict:
-    rows = gen["rows"]
-    in_place = _median([r["pause_s"] for r in rows["in_place"]])
-    out = {"model_bytes": gen["model_bytes"], "in_place_pause_ms": in_place * 1e3,
-           "bit_exact": not gen["wrong"], "wrong": gen["wrong"][:5]}
+    rows = {m: _counted(rs, m) for m, rs in gen["rows"].items()}
+    baseline = {"staged": "in_place", "staged_budget": "in_place", "staged_host": "in_place",
+                "staged_delta": "in_place_delta",
+                "staged_delta_copy": "in_place_delta"}
+    out = {"model_bytes": gen["model_bytes"], "bit_exact": not gen["wrong"],
+           "wrong": gen["wrong"][:5]}
+    for mode in ("in_place", "in_place_delta"):
+        out[f"{mode}_pause_ms"] = _median([r["pause_s"] for r in rows[mode]]) * 1e3
+        out[f"{mode}_refits"] = len(rows[mode])
     idle = _median(gen["idle_pass_s"])
     memcpy = _median(gen["memcpy_s"])
-    for mode in ("staged", "staged_budget"):
+    for mode, base in baseline.items():
         rs = rows[mode]
+        if not rs:  # the colocated transport (one GPU) refits in full: no delta to stage
+            out[mode] = None
+            continue
         pause = _median([r["pause_s"] for r in rs])
         copy = _median([r["flip_copy_s"] for r in rs])
         busy = [p for r in rs for p in r["passes"]]
         out[mode] = {
-            "pause_ms": pause * 1e3, "pause_pct_of_in_place": 100 * pause / in_place,
+            "refits": len(rs), "pause_ms": pause * 1e3,
+            "pause_range_ms": [min(r["pause_s"] for r in rs) * 1e3,
+                               max(r["pause_s"] for r in rs) * 1e3],
+            "pause_pct_of_in_place": 100 * pause / (out[f"{base}_pause_ms"] / 1e3),
+            "baseline": base,
+            "pause_breakdown_ms": {part: _median([r["breakdown_s"][part] for r in rs]) * 1e3
+                                   for part in ("wait", "copy", "apply", "commit", "outside")},
+            "load_avg_1min": _median([r["load"] for r in rs]),
             "ready_ms": _median([r["ready_s"] for r in rs]) * 1e3,
             "flip_copy_ms": copy * 1e3, "flip_bytes": rs[-1]["flip_bytes"],
+            "flip_copy_bytes": rs[-1]["flip_copy_bytes"],
             "staging_bytes": rs[-1]["staging_bytes"], "in_place_bytes": rs[-1]["in_place_bytes"],
             "generation_passes_during_transfer": len(busy),
             "pass_ms_during_transfer": _median(busy) * 1e3,
@@ -238,6 +313,26 @@ def summarize(gen: dict) -> dict:
     out["pass_ms_idle"] = idle * 1e3
     out["slowdown_during_transfer"] = out["staged"]["pass_ms_during_transfer"] / (idle * 1e3)
     return out
+
+
+def breakdown_table(summary: dict) -> str:
+    """The pauses side by side, each staged one broken down (ms, medians)."""
+    lines = [f"{'mode':<18}{'pause':>9}{'% base':>8}{'wait':>8}{'copy':>8}{'apply':>8}"
+             f"{'commit':>8}{'outside':>8}{'range':>17}{'load':>6}"]
+    for mode in ("in_place", "in_place_delta"):
+        lines.append(f"{mode:<18}{summary[f'{mode}_pause_ms']:>9.1f}"
+                     f"{'':>8}{summary[f'{mode}_refits']:>8} refits counted")
+    for mode in ("staged", "staged_budget", "staged_host", "staged_delta", "staged_delta_copy"):
+        m = summary[mode]
+        if m is None:
+            lines.append(f"{mode:<18}{'none: every refit went full (colocated transport)':>50}")
+            continue
+        b = m["pause_breakdown_ms"]
+        lo, hi = m["pause_range_ms"]
+        lines.append(f"{mode:<18}{m['pause_ms']:>9.1f}{m['pause_pct_of_in_place']:>7.1f}%"
+                     f"{b['wait']:>8.1f}{b['copy']:>8.1f}{b['apply']:>8.1f}{b['commit']:>8.2f}"
+                     f"{b['outside']:>8.2f}{f'{lo:.1f}-{hi:.1f}':>17}{m['load_avg_1min']:>6.1f}")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
@@ -256,6 +351,9 @@ def main(argv=None) -> int:
                          "staged_budget waits at the first batch holding an in-place param")
     ap.add_argument("--batch", type=int, default=4, help="rows of a generation pass's input")
     ap.add_argument("--timeout", type=float, default=300.0)
+    ap.add_argument("--overlap", action="store_true",
+                    help="the training rank changes its weights for the next refit while the "
+                         "generation rank flips (default: it waits for the pause to end)")
     ap.add_argument("--json", action="store_true", help="print the raw rows too")
     args = ap.parse_args(argv)
     from megatron_reshard.tools.worlds import WorkerPool
@@ -269,8 +367,10 @@ def main(argv=None) -> int:
     summary = summarize(gen)
     env = {"torch": torch.__version__, "device": args.device,
            "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None,
-           "model_params": results[0]["params"], "iters": args.iters}
+           "model_params": results[0]["params"], "iters": args.iters, "overlap": args.overlap,
+           "batch_mib": args.batch_mib}
     print(json.dumps({"env": env, **summary}, indent=1))
+    print(breakdown_table(summary))
     if args.json:
         print(json.dumps(gen["rows"]))
     return 0 if summary["bit_exact"] else 1

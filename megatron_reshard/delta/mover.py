@@ -24,7 +24,7 @@ before its payload is received (``DeltaTransportError``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -83,8 +83,11 @@ class DeltaMover:
     """Moves the eligible params of each batch as deltas, for one side of one stage."""
 
     def __init__(self, side: str, group: Any, rank: int, plans: list[Optional[ParamPlan]],
-                 base: Optional[TrainBase] = None):
+                 base: Optional[TrainBase] = None, on_apply: Optional[Callable] = None):
+        """``on_apply(writes)`` (dst): told each batch's ``(view, count, encoding, payload)``
+        once applied (a staged refit keeps them for its flip, ``receiver.staged_deltas``)."""
         self.side = side
+        self.on_apply = on_apply
         self.group = group
         self.rank = rank
         self.plans = plans
@@ -202,6 +205,8 @@ class DeltaMover:
                 region.count, region.enc = count, enc
                 self._count(region, nbytes)
         apply_many(writes, labels)  # on CUDA: one host read for the batch's checks
+        if self.on_apply is not None:
+            self.on_apply(writes)
         # src: the messages it sent; dst: those it received (forwards count as forwarded)
         self.tally.messages += len(headers_in) + len(payloads_in) + \
             (0 if forwarded else len(headers_out) + len(payloads_out))

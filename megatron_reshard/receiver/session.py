@@ -186,6 +186,10 @@ class ReceiverSession:
         self.misc_plans = {s: plan_full_weights(self.targets, items)
                            for s, items in self.misc_items.items()}
 
+    def targets_written_by(self, hf_names: Iterable[str]) -> set:
+        """The model's params (vLLM names) that the named HF params write on this rank."""
+        return {t for n in hf_names for t in self._targets_of.get(n, ())}
+
     def _plans(self) -> list:
         return list(self.bulk_plans) + [p for ps in self.misc_plans.values() for p in ps]
 

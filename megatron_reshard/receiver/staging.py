@@ -1,8 +1,8 @@
 """Staged refits: receive version N+1 beside generation, verify it, flip it in (issue 53).
 
 Torch + stdlib only. A worker prepared with ``staged=True`` maps the payload onto staging
-tensors (one per vLLM param: same shape, dtype, strides and device) instead of vLLM's
-storage, so the whole refit (plans, engine, deltas, checksums, commit vote) runs unchanged
+tensors (one per vLLM param: same shape, dtype and strides; on the param's device, or in
+pinned host memory, or none: ``staging_tiers``) instead of vLLM's storage, so the whole refit (plans, engine, deltas, checksums, commit vote) runs unchanged
 while vLLM keeps generating from the live params. ``StagedRefits`` owns those tensors and
 the refit's thread:
 
@@ -13,10 +13,12 @@ the refit's thread:
   refit waits for the pause to write the params that did not fit the budget.
 - ``flip()``: lets those in-place params through, waits for the commit, copies staging
   into the live params in place (addresses kept: CUDA graphs), advances the live version.
+  After a delta refit it applies the recorded payloads into the live params instead
+  (``staged_deltas``): the pause writes the changed elements, not every staged byte.
 - ``discard()``: drops a staged version, or stops a running refit at its next batch.
 
 A failure before the flip leaves the live weights consistent at N: only in-place params
-(those beyond ``staging_budget_bytes``) are ever written before it, and only after the
+(those beyond the staging budgets) are ever written before it, and only after the
 pause began (``StagedWeights.writing`` gates them). docs/DESIGN.md, "Staged refits".
 """
 
@@ -31,9 +33,22 @@ import torch
 
 from megatron_reshard.errors import BadInputError, CallOrderError
 from megatron_reshard.groups.faults import RefitError
+from megatron_reshard.receiver.staged_deltas import StagedDeltas, full_path_targets
+from megatron_reshard.receiver.staging_tiers import (allocate, bounce_host_specs, check_budget,
+                                                     plan_tiers, tensor_bytes)
 from megatron_reshard.receiver.state import WeightState
 
 PHASES = ("idle", "receiving", "waiting_for_pause", "staged", "failed")
+DENSE_DELTA_FRACTION = 4  # the flip copies a param whose delta payloads pass 1/4 of its bytes
+DELTA_FLIPS = ("apply", "copy")
+
+
+def check_delta_flip(value: Any) -> str:
+    """``staged_delta_flip`` checked: one of ``DELTA_FLIPS``."""
+    if value not in DELTA_FLIPS:
+        raise BadInputError(f"prepare_refit option staged_delta_flip: expected one of "
+                            f"{list(DELTA_FLIPS)}, found {value!r}")
+    return value
 _POLL_S = 0.05
 
 
@@ -45,37 +60,13 @@ class StagedRefitTimeout(StagedRefitError, TimeoutError):
     """A caller's wait for the staged refit ran out; the refit goes on."""
 
 
-def tensor_bytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
 def plan_staging(params: Mapping[str, torch.Tensor],
                  budget_bytes: Optional[int]) -> tuple[list[str], list[str]]:
-    """``(staged, in_place)`` param names: the longest prefix in model order that fits
-    ``budget_bytes`` is staged, the rest is in place (None: every param is staged).
-
-    A prefix, not a first fit: the refit waits for the pause before the first batch that
-    holds an in-place param, and everything it receives after that lands inside the
-    pause whether staged or not; so the budget is best spent on the params that arrive
-    first (the loop sends a stage's params in payload order, roughly the model's)."""
-    if budget_bytes is None:
-        return list(params), []
-    names, left = list(params), int(budget_bytes)
-    for i, name in enumerate(names):
-        left -= tensor_bytes(params[name])
-        if left < 0:
-            return names[:i], names[i:]
-    return names, []
-
-
-def check_budget(value: Any) -> Optional[int]:
-    """``staging_budget_bytes`` checked: None or an int >= 0."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise BadInputError(f"prepare_refit option staging_budget_bytes: expected None or an int "
-                            f">= 0 (bytes of staging memory), found {value!r}")
-    return value
+    """``(staged, in_place)`` param names with one tier of staging: the longest prefix in
+    model order that fits ``budget_bytes`` is staged, the rest is in place (None: every
+    param is staged). ``staging_tiers.plan_tiers`` with no host tier."""
+    plan = plan_tiers(params, budget_bytes, 0)
+    return plan.device, plan.in_place
 
 
 class StagedWeights:
@@ -136,20 +127,32 @@ class StagedRefits:
     """One worker's staging tensors and its staged refit in progress (see module doc)."""
 
     def __init__(self, live: Mapping[str, torch.Tensor], weights: WeightState,
-                 budget_bytes: Optional[int] = None, where: str = "this rank"):
+                 budget_bytes: Optional[int] = None, where: str = "this rank",
+                 host_budget_bytes: Optional[int] = 0, delta_flip: str = "apply"):
+        """``delta_flip``: how the flip writes a delta refit: ``"apply"`` its payloads, or
+        ``"copy"`` the staged params whole, as after a full refit (the same bytes; which is
+        faster depends on the device and the regions: docs/MEASUREMENTS.md)."""
         self.live = dict(live)
+        self.delta_flip = check_delta_flip(delta_flip)
         self.where = where
         self.budget_bytes = check_budget(budget_bytes)
-        staged, in_place = plan_staging(self.live, self.budget_bytes)
-        # same strides as the param: the flip is a straight copy of its bytes
-        self.staging = {n: torch.empty_like(self.live[n]) for n in staged}
+        self.host_budget_bytes = check_budget(host_budget_bytes, "host_staging_budget_bytes")
+        self.tiers = plan_tiers(self.live, self.budget_bytes, self.host_budget_bytes)
+        self.tier_of = self.tiers.tier_of()
+        staged = self.tiers.device + self.tiers.host
+        self.staging = {n: allocate(self.live[n], self.tier_of[n]) for n in staged}
         _copy_all(list(self.staging.values()), [self.live[n] for n in staged])
-        self.in_place = in_place
-        self.weights = StagedWeights(weights, in_place, self._gate, self._check_abort)
+        _synchronize(self.live.values())
+        self.in_place = self.tiers.in_place
+        self.deltas = StagedDeltas(self.staging, self.live)
+        self.bounce = {"bounced_bytes": 0}  # host tier: bytes received through a device bounce
+        self.bounced_params: list[str] = []
+        self.weights = StagedWeights(weights, self.in_place, self._gate, self._check_abort)
         self.phase = "idle"
         self.result: Optional[dict] = None
         self.error: Optional[BaseException] = None
         self.stats: dict[str, Any] = {}
+        self._session: Any = None
         self._thread: Optional[threading.Thread] = None
         self._paused = threading.Event()  # the flip began: in-place params may be written
         self._ready = threading.Event()   # staged, failed, or waiting at the gate
@@ -162,12 +165,19 @@ class StagedRefits:
         """The session's targets: the staging tensor of a staged param, else the param."""
         return [(n, self.staging.get(n, t)) for n, t in named]
 
-    def session_prepared(self) -> None:
+    def session_prepared(self, session: Any = None) -> None:
         """After the session's construction: it zeroed the vocab padding rows of its targets
         once (``receiver.param_map``; they never travel), here the staging tensors; give
         the live params the same bytes, as an in-place session's preparation does (the
-        other bytes are the live ones: the staging tensors were copied from them)."""
+        other bytes are the live ones: the staging tensors were copied from them). The
+        receive recipes into host-staged params get their device bounce
+        (``staging_tiers.bounce_host_specs``)."""
         _copy_all([self.live[n] for n in self.staging], list(self.staging.values()))
+        _synchronize(self.live.values())
+        host = {n: self.staging[n] for n in self.tiers.host}
+        if session is not None and host:
+            device = self.live[self.tiers.host[0]].device
+            self.bounced_params = bounce_host_specs(session.local_map, host, device, self.bounce)
 
     @property
     def staged_bytes(self) -> int:
@@ -177,16 +187,36 @@ class StagedRefits:
     def in_place_bytes(self) -> int:
         return sum(tensor_bytes(self.live[n]) for n in self.in_place)
 
+    def tier_report(self) -> dict:
+        """Per tier: its params, their bytes, and the budget that bounds it."""
+        budgets = {"device": self.budget_bytes, "host": self.host_budget_bytes,
+                   "in_place": None}
+        out = {}
+        for tier, budget in budgets.items():
+            names = getattr(self.tiers, tier)
+            out[tier] = {"params": len(names), "budget_bytes": budget,
+                         "bytes": sum(tensor_bytes(self.live[n]) for n in names)}
+        out["host"]["pinned"] = any(t.is_pinned() for n, t in self.staging.items()
+                                    if self.tier_of[n] == "host")
+        out["host"]["bounced_params"] = len(self.bounced_params)
+        return out
+
     def state(self) -> dict:
-        """Plain data: the phase, the live and staged versions, staging memory, timings."""
+        """Plain data: the phase, the live and staged versions, staging memory per tier,
+        timings."""
         commit = self.weights.commit
         devices = sorted({str(t.device) for t in self.staging.values()})
         error = None if self.error is None else f"{type(self.error).__name__}: {self.error}"
         return {"phase": self.phase, "live_version": self.weights.live.version,
                 "staged_version": commit[0] if commit and self.phase == "staged" else None,
                 "staging_bytes": self.staged_bytes, "staging_devices": devices,
-                "budget_bytes": self.budget_bytes, "in_place_params": list(self.in_place),
+                "budget_bytes": self.budget_bytes, "host_budget_bytes": self.host_budget_bytes,
+                "delta_flip": self.delta_flip,
+                "tiers": self.tier_report(),
+                "in_place_params": list(self.in_place),
                 "in_place_bytes": self.in_place_bytes,
+                "staged_delta_regions": len(self.deltas.regions),
+                "staged_delta_payload_bytes": self.deltas.payload_bytes,
                 "error": error,
                 **self.stats}
 
@@ -202,8 +232,12 @@ class StagedRefits:
             raise CallOrderError(f"{self.where}: version {self.weights.commit[0]} is staged and "
                                  f"not live yet; flip or discard it before starting another")
         self.weights.reset()
+        self.deltas.clear()
         self.result = self.error = None
         self.stats = {}
+        self._session = session
+        if getattr(session, "loop", None) is not None:  # a delta refit's payloads, for the flip
+            session.loop.on_delta_apply = self.deltas.record
         self._paused.clear()
         self._ready.clear()
         self._abort.clear()
@@ -230,12 +264,13 @@ class StagedRefits:
                           [self.live[n] for n in self.staging])  # the mirror: base N
                 self.stats["mirror_s"] = time.perf_counter() - t0
                 result = session.refit()
-                if self._stream is not None:
-                    self._stream.synchronize()
+                if self._stream is not None:  # the loop's streams too (host tier: D2H copies)
+                    torch.cuda.synchronize(self._stream.device)
             self.stats["transfer_s"] = time.perf_counter() - t0
             self.result = result
             self.phase = "staged"
         except BaseException as exc:  # noqa: BLE001 - handed to wait/flip, which raise it
+            self.deltas.clear()  # never applied: their payloads' memory goes now
             self.error = exc
             self.phase = "failed"
         finally:
@@ -281,9 +316,11 @@ class StagedRefits:
     # -- the pause --------------------------------------------------------------------------
 
     def flip(self) -> dict:
-        """Inside the pause: let the in-place params through, wait for the commit, copy
-        staging into the live params in place, advance the live version. Returns the
-        session's refit numbers with ``staged`` (this flip's)."""
+        """Inside the pause: let the in-place params through, wait for the commit, write the
+        staged version into the live params in place (a full refit: copies of the staged
+        params; a delta refit: its payloads applied, ``receiver.staged_deltas``, and copies
+        of what went full), advance the live version. Returns the session's refit numbers
+        with ``staged`` (this flip's)."""
         if self.phase == "idle":
             raise CallOrderError(f"{self.where}: no staged refit to flip (start_staged_refit)")
         t0 = time.perf_counter()
@@ -291,19 +328,55 @@ class StagedRefits:
         self._thread.join()
         t1 = time.perf_counter()
         self._raise_if_failed()
-        names = list(self.staging)
-        _copy_all([self.live[n] for n in names], [self.staging[n] for n in names])
-        if any(t.is_cuda for t in self.staging.values()):
-            torch.cuda.current_stream(self._stream.device).synchronize()
-        t2 = time.perf_counter()
+        copy, deltas = self._flip_plan()
+        try:
+            _copy_all([self.live[n] for n in copy], [self.staging[n] for n in copy])
+            t2 = time.perf_counter()
+            applied = self.deltas.apply(skip=copy) if deltas else 0
+            if any(t.is_cuda for t in self.live.values()):
+                torch.cuda.current_stream(self._stream.device).synchronize()
+        except BaseException as exc:
+            self.weights.live.writing(copy + sorted(deltas))
+            self.weights.live.failed(f"the flip failed: {type(exc).__name__}: {exc}")
+            self.phase = "idle"
+            raise StagedRefitError(f"{self.where}: the flip failed while writing the live "
+                                   f"params ({type(exc).__name__}: {exc}); the live weights "
+                                   f"are inconsistent") from exc
+        t3 = time.perf_counter()
         version, written, not_refitted = self.weights.commit
         self.weights.live.committed(version, written, not_refitted=not_refitted)
+        t4 = time.perf_counter()
         self.phase = "idle"
-        self.stats.update(flip_wait_s=t1 - t0, flip_copy_s=t2 - t1, flip_s=t2 - t0,
-                          flip_bytes=self.staged_bytes)
+        copy_bytes = sum(tensor_bytes(self.staging[n]) for n in copy)
+        by_target = self.deltas.payload_bytes_by_target()
+        applied_bytes = sum(by_target[n] for n in deltas)
+        self.stats.update(flip_wait_s=t1 - t0, flip_copy_s=t3 - t1, flip_s=t4 - t0,
+                          flip_whole_copy_s=t2 - t1, flip_delta_apply_s=t3 - t2,
+                          flip_commit_s=t4 - t3,
+                          flip_bytes=copy_bytes + applied_bytes,
+                          flip_copy_bytes=copy_bytes, flip_delta_regions=applied,
+                          flip_delta_targets=len(deltas))
         out = dict(self.result)
         out["staged"] = {**self.state(), "version": version}
+        self.deltas.clear()  # applied: their payloads' memory goes now
         return out
+
+    def _flip_plan(self) -> tuple[list[str], set]:
+        """What the flip writes: staged params copied whole, and the params that take their
+        recorded deltas instead. A full refit copies every staged param; a delta refit
+        copies those it also wrote through the full path and applies the deltas of the
+        others (a staged param it did not write holds the live bytes already)."""
+        if (self.result or {}).get("mode") != "delta" or self.delta_flip == "copy":
+            return list(self.staging), set()
+        full = full_path_targets(self._session)
+        # a param whose payloads come near its size is copied whole (the same bytes: staging
+        # holds the deltas applied), a scatter would cost more than the copy
+        dense = {n for n, b in self.deltas.payload_bytes_by_target().items()
+                 if b * DENSE_DELTA_FRACTION >= tensor_bytes(self.staging[n])}
+        # (a host-staged param went full: the bounce is a hook, the delta vote says so)
+        copy = [n for n in self.staging
+                if n in full or n in dense or self.tier_of[n] == "host"]
+        return copy, self.deltas.targets() - set(copy)
 
     def discard(self, timeout_s: Optional[float] = None) -> dict:
         """Drop the staged version (the live weights stay as they are), stopping a running
@@ -317,20 +390,32 @@ class StagedRefits:
                                    f"{timeout_s} s")
         self.phase = "idle"
         self.weights.reset()
+        self.deltas.clear()
         return self.state()
 
 
+def _synchronize(tensors: Iterable[torch.Tensor]) -> None:
+    """Wait for the device of the first CUDA tensor (copies to or from pinned memory)."""
+    device = next((t.device for t in tensors if t.is_cuda), None)
+    if device is not None:
+        torch.cuda.synchronize(device)
+
+
 def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
-    """``dst[i].copy_(src[i])`` for all i; one fused call per device where torch has it."""
-    if not dst:
-        return
+    """``dst[i].copy_(src[i])`` for all i: one fused call for the pairs on one device where
+    torch has it; pairs across devices (the host tier) one by one, asynchronous from and to
+    pinned memory (the caller synchronizes)."""
+    same = [(d, s) for d, s in zip(dst, src) if d.device == s.device]
+    across = [(d, s) for d, s in zip(dst, src) if d.device != s.device]
     with torch.no_grad():
-        if hasattr(torch, "_foreach_copy_"):
-            torch._foreach_copy_(dst, src)
+        if same and hasattr(torch, "_foreach_copy_"):
+            torch._foreach_copy_([d for d, _ in same], [s for _, s in same])
         else:
-            for d, s in zip(dst, src):
+            for d, s in same:
                 d.copy_(s)
+        for d, s in across:
+            d.copy_(s, non_blocking=True)
 
 
-__all__ = ["PHASES", "StagedRefitError", "StagedRefitTimeout", "StagedRefits", "StagedWeights",
-           "check_budget", "plan_staging"]
+__all__ = ["DELTA_FLIPS", "PHASES", "StagedRefitError", "StagedRefitTimeout", "StagedRefits",
+           "StagedWeights", "check_budget", "check_delta_flip", "plan_staging"]

@@ -38,7 +38,7 @@ from megatron_reshard.receiver.staged_conversion import (
     check_online_payload,
     staged_layers,
 )
-from megatron_reshard.receiver.staging import StagedRefits, check_budget
+from megatron_reshard.receiver.staging import StagedRefits, check_budget, check_delta_flip
 from megatron_reshard.receiver.state import WeightState
 from megatron_reshard.refit.loop import DEFAULT_BATCH_BYTES, DEFAULT_STAGING_BYTES
 
@@ -55,7 +55,10 @@ class PrepareOptions:
     ``"link"``, ``"default"``) must match the sender's; ``node``: this rank's node name
     (None: the host name; docs/DESIGN.md, "Which planner a refit uses"). ``staged``: refits
     land in staging tensors and go live at a flip (``receiver.staging``), at most
-    ``staging_budget_bytes`` of them (None: all; the rest written in place in the pause)."""
+    ``staging_budget_bytes`` of them on the params' device (None: all), then at most
+    ``host_staging_budget_bytes`` in pinned host memory (default 0; None: all); the rest
+    written in place in the pause (``receiver.staging_tiers``); ``staged_delta_flip``:
+    the flip of a delta refit applies its payloads (``"apply"``) or copies (``"copy"``)."""
 
     num_streams: int = 2
     batch_bytes: int = DEFAULT_BATCH_BYTES
@@ -67,11 +70,15 @@ class PrepareOptions:
     node: Optional[str] = None
     staged: bool = False
     staging_budget_bytes: Optional[int] = None
+    host_staging_budget_bytes: Optional[int] = 0
+    staged_delta_flip: str = "apply"
 
     NAMES: ClassVar[tuple[str, ...]] = ("num_streams", "batch_bytes", "staging_bytes",
                                         "strided_in_place", "verify_checksums", "keep_as_loaded",
-                                        "planner", "node", "staged", "staging_budget_bytes")
-    _NOT_SESSION: ClassVar[tuple[str, ...]] = ("staged", "staging_budget_bytes")
+                                        "planner", "node", "staged", "staging_budget_bytes",
+                                        "host_staging_budget_bytes", "staged_delta_flip")
+    _NOT_SESSION: ClassVar[tuple[str, ...]] = ("staged", "staging_budget_bytes",
+                                               "host_staging_budget_bytes", "staged_delta_flip")
 
     @classmethod
     def unknown(cls, options: Mapping) -> list:
@@ -91,6 +98,8 @@ class PrepareOptions:
             raise BadInputError(f"{where} option staged: expected True or False, found "
                                 f"{options['staged']!r}")
         check_budget(options.get("staging_budget_bytes"))
+        check_budget(options.get("host_staging_budget_bytes", 0), "host_staging_budget_bytes")
+        check_delta_flip(options.get("staged_delta_flip", "apply"))
         return cls(**options)
 
     def as_dict(self) -> dict[str, Any]:
@@ -303,7 +312,7 @@ class RefitWorkerState:
                                        storage_orders=orders, model=model,
                                        **checked.session_options())
         if stager is not None:
-            stager.session_prepared()
+            stager.session_prepared(self.session)
         self.options, self.stager = checked, stager
         self.staged = StagedConversions(staged)
         return PrepareSummary.of_report(self.session.report())
@@ -320,6 +329,8 @@ class RefitWorkerState:
                                 f"refit; a staged refit cannot stage that (docs/DESIGN.md, "
                                 f"'Staged refits')")
         return StagedRefits(dict(targets), self.weights, checked.staging_budget_bytes,
+                            host_budget_bytes=checked.host_staging_budget_bytes,
+                            delta_flip=checked.staged_delta_flip,
                             where=f"generation worker at refit group rank {self.group_rank}")
 
     def require_stager(self) -> StagedRefits:

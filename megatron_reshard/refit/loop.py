@@ -238,6 +238,8 @@ class RefitLoop:
         # delta refits (the delta package): off until enable_delta; plans of the eligible params
         self.delta_plans: Optional[dict[int, list]] = None
         self.delta_bases: Optional[dict[int, Any]] = None  # src: stage -> TrainBase
+        # dst: told every delta write once applied (``delta.mover``: a staged refit's flip)
+        self.on_delta_apply: Optional[Callable[[list], None]] = None
 
     def enable_delta(self, make_base: Optional[Callable[..., Any]] = None) -> None:
         """Plan which params can move as deltas (payload-derived, alike on every rank);
@@ -462,7 +464,9 @@ class RefitLoop:
             return None
         base = None if self.delta_bases is None else self.delta_bases.get(stage)
         mover = DeltaMover(self.side, self.groups[stage], self._ranks[stage],
-                           self.delta_plans[stage], base) if mode == "delta" else None
+                           self.delta_plans[stage], base,
+                           on_apply=self.on_delta_apply if self.side == "dst" else None
+                           ) if mode == "delta" else None
         return _DeltaStage(self.delta_plans[stage], mover, base)
 
     def _send_batch(self, run: "_StageRun", batch: "_OpenBatch") -> None:

@@ -245,9 +245,10 @@ def _trainer_init(cfg: RefitRunConfig, source, rank: int, ports, **options):
     return WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
 
 
-def _trainer_engine(cfg: RefitRunConfig):
-    """``run_training_rank``'s ``trainer_engine``."""
-    return lambda source, rank: _trainer_init(cfg, source, rank, cfg.ports[1:1 + cfg.train_pp])
+def _trainer_engine(cfg: RefitRunConfig, **options):
+    """``run_training_rank``'s ``trainer_engine`` (``options``: the init info's others)."""
+    return lambda source, rank: _trainer_init(cfg, source, rank, cfg.ports[1:1 + cfg.train_pp],
+                                              **options)
 
 
 REFUSED = {"num_streams": 0}  # the workers refuse it in prepare_refit, after joining the groups
@@ -354,6 +355,9 @@ def _served_gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Map
                 elif method == "update_weights":
                     out["asked_versions"].append(args[0].get("version"))
                     worker.update_weights(args[0])
+                    # "idle" unless the update is staged (still receiving, or staged)
+                    out.setdefault("phase_after_update", []).append(
+                        engine.refit_weights_state().get("staged", {}).get("phase"))
                 elif method == "finish_weight_update":
                     worker.finish_weight_update()
                     out["labels"].append(args[0])  # the LLM's weight version (Ray client)
@@ -402,8 +406,8 @@ def backend_refit_job(job, cfg: RefitRunConfig, hf_config: Mapping[str, Any],
     ``progress_s``: generation rank 0 prints a progress line at most that often (and after
     the last refit); None: silent. ``quantization``: vLLM's ``--quantization`` of the
     generation model (driver "worker"; ``"fp8_per_block"``: quantized online from BF16).
-    ``staged`` (driver "worker"): staged refits (``update_weights({"staged": True})``, then
-    ``finish_weight_update`` flips); ``changed_before_flip`` lists, per refit, the live params
+    ``staged``: staged refits (``update_weights({"staged": True})``, then
+    ``finish_weight_update`` flips; driver "trainer": the init info's ``staged=True``); ``changed_before_flip`` lists, per refit, the live params
     that changed before the flip (none may). ``write_outside_on``: (gen rank, refit index,
     vLLM param name), driver "worker": before that refit, that gen rank writes two elements
     of the param outside the refits."""
@@ -425,8 +429,9 @@ def backend_refit_job(job, cfg: RefitRunConfig, hf_config: Mapping[str, Any],
                         if fail_extra else None)
         out = run_training_rank(job.rank, cfg, control, torch.device("cpu"),
                                 after_each_refit=publish_full_hf, after_refits=after_refits,
-                                trainer_engine=_trainer_engine(cfg) if driver == "trainer"
-                                else None)
+                                trainer_engine=_trainer_engine(
+                                    cfg, **({"staged": True} if staged else {}))
+                                if driver == "trainer" else None)
         out["driver"] = driver
         if driver == "trainer" and job.rank == 0:
             StoreWeightSyncClient(cfg.host, cfg.ports[0], cfg.gen_world, cfg.timeout_s).stop()

@@ -22,7 +22,15 @@ side is ``megatron_reshard.vllm_api.backend``; the mapping of one call onto the 
   (the workers' update is the receiving half of that refit; ``v`` None unless the caller
   gave one: the sender's version check then picks it, the commit vote carries it, and
   workers asked for a version check it), then ``finish_weight_update(weight_version=
-  str(committed))`` (vLLM's engine-level version label).
+  str(committed))`` (vLLM's engine-level version label). With ``staged=True`` the same
+  calls carry ``{"staged": True}``: the workers' ``update_weights`` starts the receive on
+  their own thread and returns, vLLM keeps generating from version N while the refit
+  runs and commits, and ``finish_weight_update`` is the flip (vLLM's engine core runs a
+  worker call between two engine steps, so that call is the pause; requests in flight keep
+  their KV from N, as with ``pause_generation(mode="keep", clear_cache=False)``). vLLM's
+  client protocol has no pause call: for another KV policy, drive the update with
+  ``AsyncLLM`` yourself (README, "Staged refits"). The training side sends exactly as
+  without it: ``RefitSender`` needs no option for a staged refit.
 - ``shutdown()``: rank 0 ``client.shutdown_weight_transfer_engine()`` (where the client has
   it: vLLM's HTTP and Ray clients do) while every rank destroys its refit group.
 
@@ -96,6 +104,12 @@ class MegatronReshardTrainerInitInfo(TrainerInitInfo):
     rank can prove the base; the workers need no option for it. ``check_finite``: the
     sender's ``RefitSender(check_finite=...)`` (NaN/Inf in a weight refuses the update on
     every rank before any byte moves, naming the param: the workers keep their version).
+    ``staged``: staged updates (issue 53): the workers are
+    prepared ``{"staged": True}``, ``update_weights`` returns at once and vLLM keeps
+    generating while the shards travel, ``finish_weight_update`` flips (see the module doc);
+    the sender itself sends exactly as without it. Refused with a device staging budget
+    and a finite host one in ``worker_options`` (params received in place wait for the
+    flip, which this engine calls only after the refit: drive such a flip yourself, README).
     """
 
     backend: ClassVar[str] = BACKEND_NAME
@@ -116,6 +130,7 @@ class MegatronReshardTrainerInitInfo(TrainerInitInfo):
     planner: str = "auto"
     node: Optional[str] = None
     check_finite: bool = False
+    staged: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
@@ -129,7 +144,7 @@ class MegatronReshardTrainerInitInfo(TrainerInitInfo):
                                  init_checks.GROUP_BACKENDS)
         init_checks.check_timeout_s(cls, self.timeout_s)
         init_checks.check_options(cls, "worker_options", self.worker_options,
-                                  PrepareOptions.NAMES, reserved=_SHARED_OPTIONS)
+                                  PrepareOptions.NAMES, reserved=_SHARED_OPTIONS + ("staged",))
         init_checks.check_choice(cls, "transport", self.transport, (None, *TRANSPORT_NAMES))
         if self.transport == "colocated" and self.group_backend != "gloo":
             raise _field_error("group_backend", "'gloo' with transport='colocated' (its data "
@@ -148,6 +163,16 @@ class MegatronReshardTrainerInitInfo(TrainerInitInfo):
                                self.delta)
         if not isinstance(self.check_finite, bool):
             raise _field_error("check_finite", "True or False", self.check_finite)
+        if not isinstance(self.staged, bool):
+            raise _field_error("staged", "True or False", self.staged)
+        options = self.worker_options or {}
+        if self.staged and options.get("staging_budget_bytes") is not None and \
+                options.get("host_staging_budget_bytes", 0) is not None:
+            raise _field_error(
+                "staged", "False with worker_options staging_budget_bytes and "
+                "host_staging_budget_bytes both bounded (a param beyond them is received "
+                "in the pause, which this engine starts only after the refit returns; set one "
+                "budget to None, or drive the flip yourself: README, 'Staged refits')", True)
 
     def port_of(self, stage: int) -> int:
         ports = self.ports_by_stage
@@ -167,7 +192,8 @@ class MegatronReshardTrainerInitInfo(TrainerInitInfo):
             self.port_of(stage)
         payload = source.payload_bytes() if self.payload_format == "msgpack" else source.payload
         options = {**(self.worker_options or {}),
-                   **{name: getattr(self, name) for name in _SHARED_OPTIONS}}
+                   **{name: getattr(self, name) for name in _SHARED_OPTIONS},
+                   "staged": self.staged}
         ports = (dict(self.ports_by_stage) if isinstance(self.ports_by_stage, Mapping)
                  else list(self.ports_by_stage))
         return MegatronReshardInitInfo(
@@ -270,7 +296,9 @@ class MegatronReshardTrainerWeightTransferEngine(
             if self.is_sender:
                 try:
                     self.client.start_weight_update()
-                    answer = pool.submit(self.client.update_weights, {"version": version})
+                    # staged: returns at once, the workers receive beside generation
+                    answer = pool.submit(self.client.update_weights, {
+                        "version": version, **({"staged": True} if self.init_info.staged else {})})
                     answer.add_done_callback(self._post_if_failed)
                 except Exception as exc:  # noqa: BLE001 - the peers must learn of it
                     post_failure([self.group], exc)
