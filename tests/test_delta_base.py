@@ -21,8 +21,8 @@ import torch
 from megatron_reshard.groups.comm import destroy_refit_group
 from megatron_reshard.megatron.sender import RefitSender
 from megatron_reshard.tools.tiny_source import tiny_source
-from two_worlds import (catch, change_sparsely, join_stages, mismatched, publish_reference,
-                        run_two_worlds, stage_group, vllm_like_worker)
+from two_worlds import (catch, change_sparsely, mismatched, prepared_worker, publish_reference,
+                        run_two_worlds, stage_group)
 
 GEN = 2
 TIMEOUT_S = 60.0
@@ -49,8 +49,7 @@ def _train(job, control, rank):
 
 
 def _gen(job, control, gen_rank):
-    worker, model, payload = vllm_like_worker(control, gen_rank, GEN)
-    join_stages(worker, job, gen_rank, GEN, 1, TIMEOUT_S, payload)
+    worker, model, _ = prepared_worker(job, control, gen_rank, GEN, 1, TIMEOUT_S)
     out = {"refits": [], "states": [], "reports": [], "mismatched": []}
     for step in range(REFITS):
         if step == WRITTEN_BEFORE and gen_rank == 0:

@@ -25,8 +25,8 @@ import megatron_reshard.delta.encoding as delta_encoding
 from megatron_reshard.megatron.sender import RefitSender
 from megatron_reshard.tools.worlds import RankFailure
 from two_worlds import (FAULT_MARGIN_S, FAULT_TIMEOUT_S, check_all_or_nothing, dense_pp2_source,
-                        gen_outcome, join_stages, nudge_sparsely, publish_reference,
-                        run_two_worlds, stage_group, strike, vllm_like_worker)
+                        gen_outcome, nudge_sparsely, prepared_worker, publish_reference,
+                        run_two_worlds, stage_group, strike)
 
 pytestmark = pytest.mark.slow
 
@@ -83,10 +83,9 @@ def _train(job, control, rank, plan):
 
 
 def _gen(job, control, gen_rank, plan):
-    worker, model, payload = vllm_like_worker(control, gen_rank, GEN, _GEN_STATE,
-                                              fresh=plan.get("fresh_gen", False))
-    join_stages(worker, job, gen_rank, GEN, TRAIN, FAULT_TIMEOUT_S, payload,
-                {"verify_checksums": True})
+    worker, model, _ = prepared_worker(job, control, gen_rank, GEN, TRAIN, FAULT_TIMEOUT_S,
+                                       {"verify_checksums": True}, _GEN_STATE,
+                                       fresh=plan.get("fresh_gen", False))
     step = {"k": 0}
     if plan.get("victim") == job.rank:
         _arm(plan, control, lambda: step["k"], "apply")

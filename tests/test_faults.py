@@ -19,8 +19,8 @@ from megatron_reshard.megatron.sender import RefitSender
 from megatron_reshard.tools.e2e import perturb_
 from megatron_reshard.tools.worlds import RankFailure
 from two_worlds import (FAULT_MARGIN_S, FAULT_TIMEOUT_S, arm_victim, check_all_or_nothing,
-                        dense_pp2_source, gen_outcome, join_stages, publish_reference,
-                        run_two_worlds, stage_group, vllm_like_worker)
+                        dense_pp2_source, gen_outcome, prepared_worker, publish_reference,
+                        run_two_worlds, stage_group)
 
 pytestmark = pytest.mark.slow
 
@@ -54,10 +54,9 @@ def _train(job, control, rank, plan):
 
 
 def _gen(job, control, gen_rank, plan):
-    worker, model, payload = vllm_like_worker(control, gen_rank, GEN, _GEN_STATE,
-                                              fresh=plan.get("fresh_gen", False))
-    join_stages(worker, job, gen_rank, GEN, TRAIN, FAULT_TIMEOUT_S, payload,
-                {"verify_checksums": True})
+    worker, model, payload = prepared_worker(job, control, gen_rank, GEN, TRAIN, FAULT_TIMEOUT_S,
+                                             {"verify_checksums": True}, _GEN_STATE,
+                                             fresh=plan.get("fresh_gen", False))
     step = {"k": 0}
     if plan.get("victim") == job.rank:
         arm_victim(worker.refit_worker_state.require_session().loop, plan["fault"],

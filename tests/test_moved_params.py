@@ -28,8 +28,8 @@ from megatron_reshard.testing.moves import move_params_
 from megatron_reshard.testing.optimizer_steps import adam_step_
 from megatron_reshard.tools.e2e import run_rank, summarize
 from megatron_reshard.tools.run_config import RefitRunConfig
-from two_worlds import (catch, dense_pp2_source, join_stages, live_digests, mismatched,
-                        publish_reference, run_two_worlds, stage_group, vllm_like_worker)
+from two_worlds import (catch, dense_pp2_source, live_digests, mismatched, prepared_worker,
+                        publish_reference, run_two_worlds, stage_group)
 
 TRAIN, GEN = 2, 2
 TIMEOUT_S = 60.0
@@ -107,8 +107,7 @@ def _train(job, control, rank):
 
 
 def _gen(job, control, gen_rank):
-    worker, model, payload = vllm_like_worker(control, gen_rank, GEN)
-    join_stages(worker, job, gen_rank, GEN, TRAIN, TIMEOUT_S, payload)
+    worker, model, _ = prepared_worker(job, control, gen_rank, GEN, TRAIN, TIMEOUT_S)
     out = {"refits": [], "states": [], "mismatched": []}
     for step in range(4):
         before = live_digests(model)

@@ -22,9 +22,9 @@ from megatron_reshard.megatron.sender import RefitSender
 from megatron_reshard.refit import loop as refit_loop, protocol
 from megatron_reshard.tools.e2e import perturb_
 from megatron_reshard.tools.worlds import RankFailure
-from two_worlds import (FAULT_TIMEOUT_S, arm_victim, dense_pp2_source, gen_outcome, join_stages,
-                        live_digests, nudge_sparsely, publish_reference, run_two_worlds,
-                        stage_group, strike, vllm_like_worker)
+from two_worlds import (FAULT_TIMEOUT_S, arm_victim, dense_pp2_source, gen_outcome, live_digests,
+                        nudge_sparsely, prepared_worker, publish_reference, run_two_worlds,
+                        stage_group, strike)
 
 pytestmark = pytest.mark.slow
 
@@ -89,12 +89,11 @@ def _train(job, control, rank, plan):
 
 
 def _gen(job, control, gen_rank, plan):
-    worker, model, payload = vllm_like_worker(control, gen_rank, GEN, _GEN_STATE,
-                                              fresh=plan.get("fresh_gen", False))
     options = {"verify_checksums": True, "staged": True}
     if plan.get("budget") is not None:
         options["staging_budget_bytes"] = plan["budget"]
-    join_stages(worker, job, gen_rank, GEN, TRAIN, FAULT_TIMEOUT_S, payload, options)
+    worker, model, _ = prepared_worker(job, control, gen_rank, GEN, TRAIN, FAULT_TIMEOUT_S,
+                                       options, _GEN_STATE, fresh=plan.get("fresh_gen", False))
     step = {"k": 0}
     if plan.get("victim") == job.rank and plan["fault"] == "kill_mid":
         arm_victim(worker.refit_worker_state.require_session().loop, "kill", plan["seed"],

@@ -142,6 +142,15 @@ def join_stages(worker, job, gen_rank: int, gen: int, stages: int, timeout_s: fl
     worker.prepare_refit(payload, options)
 
 
+def prepared_worker(job, control, gen_rank: int, gen: int, stages: int, timeout_s: float,
+                    options: dict | None = None, state: dict | None = None, fresh: bool = True):
+    """``vllm_like_worker`` joined to every stage's refit group and prepared (``options``, see
+    ``join_stages``); returns (worker, model, payload)."""
+    worker, model, payload = vllm_like_worker(control, gen_rank, gen, state, fresh)
+    join_stages(worker, job, gen_rank, gen, stages, timeout_s, payload, options)
+    return worker, model, payload
+
+
 def live_digests(model) -> dict:
     return {n: tensor_digest(p) for n, p in model.named_parameters()}
 
