@@ -63,7 +63,7 @@ VERL_PKGS := verl==0.9.1 ray==2.60.0 protobuf==7.36.2 msgpack==1.2.4 jsonschema=
 	annotated-doc==0.0.7 anyio==4.16.0
 
 .PHONY: install install-vllm install-vllm-oldest install-verl test test-main test-vllm \
-	test-vllm-oldest demo bench clean
+	test-vllm-oldest test-vllm-both demo bench clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -90,17 +90,32 @@ install-verl: install $(VERL_SITE)/.installed
 
 install-vllm-oldest: $(VLLM_OLD_VENV)/.installed
 
-# the whole suite: the main tests, then the real-vLLM tests in each end of the vLLM range
-test: test-main test-vllm test-vllm-oldest
+# the whole suite: the main tests beside the real-vLLM tests of both ends of the vLLM range, in
+# two lanes. On 2 cores the main suite alone keeps about one core busy (its multi-process tests
+# wait on timeouts, spawned interpreters and each other; docs/MEASUREMENTS.md), so the vLLM
+# lane runs in the other. Each lane's output is printed when it ends (-O); TEST_LANES=1 runs
+# the three suites one after the other, printing as they go.
+TEST_LANES ?= 2
+test: install install-verl install-vllm install-vllm-oldest
+	$(MAKE) --no-print-directory -j$(TEST_LANES) $(if $(filter 1,$(TEST_LANES)),,-Otarget) \
+		test-main test-vllm-both
+
+# the vLLM lane of `make test`: the newest vLLM's suite, then the oldest's subset
+test-vllm-both: install-vllm install-vllm-oldest
+	$(TEST_VLLM)
+	$(TEST_VLLM_OLDEST)
 
 test-main: install install-verl
 	$(PY) -m pytest -q
 
+TEST_VLLM = $(VPY) -m pytest -q tests/real_vllm
+TEST_VLLM_OLDEST = $(VOPY) -m pytest -q -m vllm_range tests/real_vllm
+
 test-vllm: install-vllm
-	$(VPY) -m pytest -q tests/real_vllm
+	$(TEST_VLLM)
 
 test-vllm-oldest: install-vllm-oldest
-	$(VOPY) -m pytest -q -m vllm_range tests/real_vllm
+	$(TEST_VLLM_OLDEST)
 
 demo: install
 	$(VENV)/bin/megatron-reshard demo

@@ -16,47 +16,29 @@ payload a byte short of what its header announces) is refused by its receiver be
 payload is taken, and every rank fails with that reason; the weights heal the same way.
 """
 
-import json
-import os
 import random
-import signal
 import time
-import zlib
-from datetime import timedelta
 
 import pytest
-import torch
-import torch.distributed as dist
 
-from megatron_reshard.tools.e2e import tensor_digest
+import megatron_reshard.delta.encoding as delta_encoding
+from megatron_reshard.megatron.sender import RefitSender
 from megatron_reshard.tools.worlds import RankFailure
-from test_faults import GEN, MARGIN_S, TIMEOUT_S, TRAIN, _check_all_or_nothing, _expected, \
-    _prepared_gen_worker, _world
-from two_worlds import dense_pp2_source
+from two_worlds import (FAULT_MARGIN_S, FAULT_TIMEOUT_S, check_all_or_nothing, dense_pp2_source,
+                        gen_outcome, nudge_sparsely, prepared_worker, publish_reference,
+                        run_two_worlds, stage_group, strike)
 
 pytestmark = pytest.mark.slow
 
-FRACTION = 0.02
+TRAIN, GEN = 2, 2      # processes per side
 _GEN_STATE: dict = {}  # per generation worker process: model, worker (kept across jobs)
-
-
-def _change_sparsely(model, step: int) -> None:
-    """One unit in the last place up or down on ~FRACTION of every param (seeded)."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            g = torch.Generator().manual_seed(zlib.crc32(f"{step}:{name}".encode()))
-            bits = p.data.view(-1).view(torch.int16)
-            pick = torch.rand(bits.numel(), generator=g) < FRACTION
-            bits[pick] += 1
 
 
 def _arm(plan, control, step, what: str) -> None:
     """In the victim process: kill or stop it inside the delta transport's ``what``
     (``encode`` on a training rank, ``apply`` on a generation rank) at refit
     ``plan["at_refit"]``, after a seeded number of regions."""
-    import megatron_reshard.delta.encoding as dt
-
-    inner = getattr(dt, what)
+    inner = getattr(delta_encoding, what)
     after = random.Random(plan["seed"]).randrange(1, 6)
     seen = {"n": 0}
 
@@ -65,51 +47,32 @@ def _arm(plan, control, step, what: str) -> None:
             seen["n"] += 1
             if seen["n"] > after and plan["fault"] == "lie":
                 count, enc, payload = inner(*args)
-                if count and enc != dt.DENSE and not seen.get("lied"):  # one byte too few
+                if count and enc != delta_encoding.DENSE and not seen.get("lied"):  # 1 byte short
                     seen["lied"] = True
                     control.set("fault_at", repr(time.time()))
                     return count, enc, payload[:-1]
                 return count, enc, payload
             if seen["n"] > after:
-                control.set("fault_at", repr(time.time()))
-                os.kill(os.getpid(), signal.SIGKILL if plan["fault"] == "kill" else signal.SIGSTOP)
+                strike(control, plan["fault"])
         return inner(*args)
 
-    setattr(dt, what, hooked)
+    setattr(delta_encoding, what, hooked)
 
 
-def _job(job, plan):
-    control = dist.TCPStore(job.host, job.ports[0], job.nprocs, job.rank == 0,
-                            timeout=timedelta(seconds=60))
-    if job.rank < TRAIN:
-        return _train(job, control, plan)
-    return _gen(job, control, plan, job.rank - TRAIN)
-
-
-def _train(job, control, plan):
-    from megatron_reshard.groups.comm import create_refit_group
-    from megatron_reshard.megatron.sender import RefitSender
-    from megatron_reshard.testing.megatron_reference import gather_full_hf_state_dict
-
-    _world(job, control, "train", job.rank, TRAIN)
+def _train(job, control, rank, plan):
     model, source, family, vocab_size = dense_pp2_source(GEN)
-    if job.rank == 0:
+    if rank == 0:
         control.set("payload", source.payload_bytes())
-    group = create_refit_group(job.host, job.ports[1 + source.stage], source.stage_local_rank,
-                               1 + GEN, "gloo", TIMEOUT_S, who=f"train rank {job.rank}",
-                               label=f"refit group of PP stage {source.stage}")
-    sender = RefitSender(source, group, verify_checksums=True, delta=True)
+    sender = RefitSender(source, stage_group(job, source, GEN, FAULT_TIMEOUT_S),
+                         verify_checksums=True, delta=True)
     step = {"k": 0}
     if plan.get("victim") == job.rank:
         _arm(plan, control, lambda: step["k"], "encode")
     rows = []
     for k in range(1, plan["refits"] + 1):
         step["k"] = k
-        _change_sparsely(model, plan["tag_seed"] * 100 + k)
-        full = gather_full_hf_state_dict(model, family=family, vocab_size=vocab_size)
-        if job.rank == 0:
-            for g in range(GEN):
-                control.set(f"expected/{k}/{g}", json.dumps(_expected(source.hf_config, full, g)))
+        nudge_sparsely(model, plan["tag_seed"] * 100 + k)
+        publish_reference(job, control, model, family, vocab_size, source.hf_config, k, GEN)
         try:
             out = sender.refit()
         except Exception as exc:  # noqa: BLE001 - what a survivor saw is the test's subject
@@ -119,8 +82,10 @@ def _train(job, control, plan):
     return {"refits": plan["refits"], "error": None, "rows": rows}
 
 
-def _gen(job, control, plan, gen_rank):
-    worker, model = _prepared_gen_worker(job, control, plan, gen_rank, _GEN_STATE)
+def _gen(job, control, gen_rank, plan):
+    worker, model, _ = prepared_worker(job, control, gen_rank, GEN, TRAIN, FAULT_TIMEOUT_S,
+                                       {"verify_checksums": True}, _GEN_STATE,
+                                       fresh=plan.get("fresh_gen", False))
     step = {"k": 0}
     if plan.get("victim") == job.rank:
         _arm(plan, control, lambda: step["k"], "apply")
@@ -133,22 +98,14 @@ def _gen(job, control, plan, gen_rank):
             error, failed_at = f"{type(exc).__name__}: {exc}", time.time()
             break
         rows.append({"mode": out["mode"], "full_reason": out["full_reason"]})
-    actual = {n: tensor_digest(p) for n, p in model.named_parameters()}
-    versions = {}
-    for k in range(1, plan["refits"] + 1):
-        if control.check([f"expected/{k}/{gen_rank}"]):
-            want = json.loads(control.get(f"expected/{k}/{gen_rank}"))
-            versions[k] = sorted(n for n in actual if want.get(n) == actual[n])
-    state = worker.refit_weights_state()
-    fault_at = float(control.get("fault_at")) if control.check(["fault_at"]) else None
     return {"error": error, "failed_at": failed_at, "refits": len(rows), "rows": rows,
-            "state": state, "versions": versions, "names": sorted(actual), "fault_at": fault_at}
+            **gen_outcome(control, gen_rank, worker, model, plan["refits"])}
 
 
 def _run(pool, timeout_s=240, settle_s=None, **plan):
     plan = {"refits": 4, "at_refit": 3, "seed": 0, "tag_seed": 0, **plan}
-    return pool.run(_job, TRAIN + GEN, plan, num_ports=3, timeout_s=timeout_s, grace_s=25,
-                    settle_s=settle_s, return_failures=True)
+    return run_two_worlds(pool, TRAIN, GEN, _train, _gen, plan, num_ports=3, timeout_s=timeout_s,
+                          grace_s=25, settle_s=settle_s, return_failures=True)
 
 
 def test_a_delta_that_does_not_fit_its_box_is_refused_on_every_rank(pool):
@@ -162,7 +119,7 @@ def test_a_delta_that_does_not_fit_its_box_is_refused_on_every_rank(pool):
         assert "does not fit" in error and "payload bytes, expected" in error, (r, error)
     assert any(e.startswith("DeltaTransportError") for e in errors.values()), errors
     for r in range(TRAIN, TRAIN + GEN):
-        _check_all_or_nothing(results[r])
+        check_all_or_nothing(results[r])
     results = _run(pool, refits=2, tag_seed=15, victim=None, fault=None)
     for r in range(TRAIN, TRAIN + GEN):
         gen = results[r]
@@ -187,12 +144,12 @@ def test_a_fault_mid_delta_fails_every_survivor_and_a_full_refit_restores_consis
         assert res["error"] is not None and res["refits"] == 2, res
         # refit 1 full (no base yet), refit 2 a delta: the fault hit a delta refit
         assert [row["mode"] for row in res["rows"]] == ["full", "delta"], res["rows"]
-        assert res["failed_at"] - fault_at < TIMEOUT_S + MARGIN_S, (r, res["error"])
+        assert res["failed_at"] - fault_at < FAULT_TIMEOUT_S + FAULT_MARGIN_S, (r, res["error"])
     for r in survivors:
         if r >= TRAIN:
             gen = results[r]
             assert gen["state"]["started_from"] == 2, gen["state"]
-            _check_all_or_nothing(gen)
+            check_all_or_nothing(gen)
 
     # a restarted training side on new refit groups; the surviving generation workers keep
     # their model (the victim's replacement starts from a fresh one)

@@ -27,17 +27,17 @@ last commit, so that refit goes full on every rank, naming why, before any delta
 and is bit-exact; the fifth and sixth are deltas again.
 """
 
-import json
-import zlib
 import time
 
 import pytest
 import torch
 
-from megatron_reshard.tools.e2e import (ModuleWorker, _publish_expected, keep_expert_bias_fp32_,
-                                        tensor_digest)
-from megatron_reshard.tools.run_config import MODEL_PRESETS, RefitRunConfig
-from two_worlds import join_world
+from megatron_reshard.delta import DeltaConfig
+from megatron_reshard.groups.comm import destroy_refit_group
+from megatron_reshard.megatron.sender import RefitSender
+from megatron_reshard.tools.tiny_source import tiny_source
+from two_worlds import (catch, change_sparsely, join_stages, mismatched, publish_reference,
+                        run_two_worlds, stage_group, vllm_like_worker)
 
 TRAIN, GEN = 2, 2
 TIMEOUT_S = 60.0
@@ -46,7 +46,6 @@ REFITS = 8
 NEW_SESSION_BEFORE = 4  # 0-based refit index before which both sides start anew
 TINY_BUDGET_FROM = 6    # and again, stage 1's sender's budget then 1 byte
 ROUND_STARTS = (0, NEW_SESSION_BEFORE, TINY_BUDGET_FROM)
-FRACTION = 0.02
 # (training ranks = PP stages, generation ranks = gen TP, refits, verify_checksums, model)
 PP2_TO_TP2 = (2, 2, REFITS, False, "dense")
 ONE_TO_TP4 = (1, 4, 6, True, "dense")
@@ -54,66 +53,14 @@ MOE_TO_TP2 = (1, 2, 3, True, "moe")
 TAMPER_BEFORE = 3  # the mixed layout: gen rank 1 writes its storage before this refit
 
 
-def _cfg(layout) -> RefitRunConfig:
-    train, gen, _, _, name = layout
-    return RefitRunConfig(model=name, train_world=train, train_tp=1, train_pp=train,
-                          train_ep=1, gen_world=gen, gen_tp=gen, gen_ep=1)
-
-
-@torch.no_grad()
-def _catch(fn):
-    """The refit's dict, or the error as ``{"mode": "failed", ...}``."""
-    try:
-        return fn()
-    except Exception as exc:  # noqa: BLE001 - the error is the result
-        return {"mode": "failed", "type": type(exc).__name__, "error": str(exc),
-                "full_reason": None}
-
-
-def _change_sparsely(model, step: int) -> None:
-    """Change ~FRACTION of each param's elements (seeded by step and name)."""
-    for name, p in model.named_parameters():
-        g = torch.Generator().manual_seed(zlib.crc32(f"{step}:{name}".encode()))
-        flat = p.data.view(-1)
-        pick = torch.rand(flat.numel(), generator=g) < FRACTION
-        flat[pick] = flat[pick] * 1.5 + 0.0625
-
-
-def _delta_job(job, layout):
-    train, gen = layout[:2]
-    control, side, rank = join_world(job, train, gen)
-    return _train(job, control, layout) if side == "train" else _gen(job, control, rank, layout)
-
-
-def _train(job, control, layout):
+def _train(job, control, rank, layout):
     train, gen, refits, checks, name = layout
-    from megatron.core import parallel_state as ps
-
-    from megatron_reshard.groups.comm import create_refit_group, destroy_refit_group
-    from megatron_reshard.megatron import MegatronRefitSource
-    from megatron_reshard.megatron.sender import RefitSender
-    from megatron_reshard.delta import DeltaConfig
-    from megatron_reshard.testing.megatron_models import TinyGPTSpec, build_gpt_model
-    from megatron_reshard.testing.megatron_reference import gather_full_hf_state_dict
-
-    ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=train,
-                                 distributed_timeout_minutes=1)
-    preset = dict(MODEL_PRESETS[name], num_layers=2)
-    family = preset.pop("family")
-    spec = TinyGPTSpec(dtype="bfloat16", **preset)
-    torch.manual_seed(0)
-    model = build_gpt_model(spec).to(dtype=torch.bfloat16)
-    keep_expert_bias_fp32_(model)
-    source = MegatronRefitSource(model, gen_parallelism={"tp_size": gen, "ep_size": 1, "pp_size": 1},
-                                 gen_world_size=gen, family=family, vocab_size=spec.vocab_size)
-    if job.rank == 0:
+    model, source, family, vocab_size = tiny_source(name, gen, pp=train, seed=0, num_layers=2)
+    if rank == 0:
         control.set("payload", source.payload_bytes())
 
     def start(round_: int, budget: int = 1 << 30):
-        group = create_refit_group(job.host, job.ports[1 + 2 * round_ + source.stage],
-                                   source.stage_local_rank, 1 + gen, "gloo", TIMEOUT_S,
-                                   who=f"train rank {job.rank}",
-                                   label=f"refit group of PP stage {source.stage}")
+        group = stage_group(job, source, gen, TIMEOUT_S, first_port=1 + 2 * round_)
         return group, RefitSender(source, group, verify_checksums=checks,
                                   delta=DeltaConfig(budget_bytes=budget, keep="pinned"))
 
@@ -126,11 +73,9 @@ def _train(job, control, layout):
             tiny = step == TINY_BUDGET_FROM and source.stage == 1
             group, sender = start(round_, 1 if tiny else 1 << 30)
         if step:
-            _change_sparsely(model, step)
-        out.append(_catch(sender.refit))
-        full = gather_full_hf_state_dict(model, family=family, vocab_size=spec.vocab_size)
-        if job.rank == 0:
-            _publish_expected(_cfg(layout), control, source.hf_config, full, step)
+            change_sparsely(model, step)
+        out.append(catch(sender.refit))
+        publish_reference(job, control, model, family, vocab_size, source.hf_config, step, gen)
         control.set(f"sent/{step}/{job.rank}", "1")
     destroy_refit_group(group, TIMEOUT_S)
     return out
@@ -138,18 +83,11 @@ def _train(job, control, layout):
 
 def _gen(job, control, gen_rank, layout):
     train, gen, refits, checks, name = layout
-    from megatron_reshard.wire.codec import decode_payload
-    from megatron_reshard.testing.vllm_like import build_vllm_like_model
-
-    control.wait(["payload"])
-    payload = decode_payload(control.get("payload"))
-    model = build_vllm_like_model(payload["hf_config"], gen_rank, gen, 1, torch.bfloat16)
-    worker = ModuleWorker(model)
+    worker, model, payload = vllm_like_worker(control, gen_rank, gen)
 
     def start(round_: int) -> None:
-        ports = [job.ports[1 + 2 * round_ + stage] for stage in range(train)]
-        worker.init_refit_groups(job.host, ports, 1 + gen_rank, 1 + gen, "gloo", TIMEOUT_S)
-        worker.prepare_refit(payload, {"verify_checksums": checks})
+        join_stages(worker, job, gen_rank, gen, train, TIMEOUT_S, payload,
+                    {"verify_checksums": checks}, first_port=1 + 2 * round_)
 
     start(0)
     out = {"refits": [], "mismatched": [], "reports": [], "states": []}
@@ -161,33 +99,34 @@ def _gen(job, control, gen_rank, layout):
             with torch.no_grad():  # an out-of-band write the refit is not told about
                 flat = dict(model.named_parameters())[TAMPERED].view(-1)
                 flat[:16] = flat[:16] * 2 + 1
-        out["refits"].append(_catch(worker.refit))
+        out["refits"].append(catch(worker.refit))
         out["states"].append(worker.refit_weights_state())
         out["reports"].append(worker.report())
-        control.wait([f"expected/{step}/{gen_rank}"])
-        expected = json.loads(control.get(f"expected/{step}/{gen_rank}"))
-        actual = {n: tensor_digest(p) for n, p in model.named_parameters()}
-        out["mismatched"].append(sorted(n for n in set(expected) | set(actual)
-                                        if expected.get(n) != actual.get(n)))
+        out["mismatched"].append(mismatched(control, step, gen_rank, model))
     control.wait([f"sent/{refits - 1}/{r}" for r in range(train)])
     worker.destroy_refit_groups(TIMEOUT_S)
     time.sleep(0.2)
     return out
 
 
+def _run(pool, layout, num_ports):
+    return run_two_worlds(pool, layout[0], layout[1], _train, _gen, layout, num_ports=num_ports,
+                          timeout_s=400)
+
+
 @pytest.fixture(scope="module")
 def runs(pool):
-    return pool.run(_delta_job, TRAIN + GEN, PP2_TO_TP2, num_ports=7, timeout_s=400)
+    return _run(pool, PP2_TO_TP2, num_ports=7)
 
 
 @pytest.fixture(scope="module")
 def moe(pool):
-    return pool.run(_delta_job, 1 + 2, MOE_TO_TP2, num_ports=3, timeout_s=400)
+    return _run(pool, MOE_TO_TP2, num_ports=3)
 
 
 @pytest.fixture(scope="module")
 def mixed(pool):
-    return pool.run(_delta_job, 1 + 4, ONE_TO_TP4, num_ports=3, timeout_s=400)
+    return _run(pool, ONE_TO_TP4, num_ports=3)
 
 
 def _modes(res):

@@ -17,15 +17,19 @@ refit is refused on every rank before any byte moves, naming the param and the r
 the param is back in bf16 (new memory again) the same groups refit bit-exact.
 """
 
-import json
 import time
 
 import pytest
 import torch
 
-from megatron_reshard.tools.e2e import ModuleWorker, _publish_expected, run_rank, summarize, tensor_digest
+from megatron_reshard.groups.comm import destroy_refit_group
+from megatron_reshard.megatron.sender import RefitSender
+from megatron_reshard.testing.moves import move_params_
+from megatron_reshard.testing.optimizer_steps import adam_step_
+from megatron_reshard.tools.e2e import run_rank, summarize
 from megatron_reshard.tools.run_config import RefitRunConfig
-from two_worlds import dense_pp2_source, join_world
+from two_worlds import (catch, dense_pp2_source, live_digests, mismatched, prepared_worker,
+                        publish_reference, run_two_worlds, stage_group)
 
 TRAIN, GEN = 2, 2
 TIMEOUT_S = 60.0
@@ -77,35 +81,11 @@ WIDENED = "decoder.layers.0.mlp.linear_fc2.weight"   # on training rank 1 (PP st
 WIDENED_HF = "model.layers.1.mlp.down_proj.weight"
 
 
-def _catch(fn):
-    try:
-        return fn()
-    except Exception as exc:  # noqa: BLE001 - the error is the result
-        return {"type": type(exc).__name__, "error": str(exc)}
-
-
-def _refuse_job(job):
-    control, side, rank = join_world(job, TRAIN, GEN)
-    return _train(job, control) if side == "train" else _gen(job, control, rank)
-
-
-def _cfg() -> RefitRunConfig:
-    return RefitRunConfig(**PP2_TO_TP2)
-
-
-def _train(job, control):
-    from megatron_reshard.groups.comm import create_refit_group, destroy_refit_group
-    from megatron_reshard.megatron.sender import RefitSender
-    from megatron_reshard.testing.megatron_reference import gather_full_hf_state_dict
-    from megatron_reshard.testing.moves import move_params_
-    from megatron_reshard.testing.optimizer_steps import adam_step_
-
+def _train(job, control, rank):
     model, source, family, vocab = dense_pp2_source(GEN, num_layers=2, seed=0)
-    if job.rank == 0:
+    if rank == 0:
         control.set("payload", source.payload_bytes())
-    group = create_refit_group(job.host, job.ports[1 + source.stage], source.stage_local_rank,
-                               1 + GEN, "gloo", TIMEOUT_S, who=f"train rank {job.rank}",
-                               label=f"refit group of PP stage {source.stage}")
+    group = stage_group(job, source, GEN, TIMEOUT_S)
     sender = RefitSender(source, group, delta=True)  # checksums off: the README's default
     params = dict(model.named_parameters())
     out = []
@@ -118,41 +98,26 @@ def _train(job, control):
             params[WIDENED].data = params[WIDENED].data.to(torch.bfloat16)
         if step in (1, 3):
             adam_step_(model, step)
-        out.append(_catch(sender.refit))
+        out.append(catch(sender.refit))
         if step != 2:
-            full = gather_full_hf_state_dict(model, family=family, vocab_size=vocab)
-            if job.rank == 0:
-                _publish_expected(_cfg(), control, source.hf_config, full, step)
+            publish_reference(job, control, model, family, vocab, source.hf_config, step, GEN)
         control.set(f"sent/{step}/{job.rank}", "1")
     destroy_refit_group(group, TIMEOUT_S)
     return out
 
 
 def _gen(job, control, gen_rank):
-    from megatron_reshard.wire.codec import decode_payload
-    from megatron_reshard.testing.vllm_like import build_vllm_like_model
-
-    control.wait(["payload"])
-    payload = decode_payload(control.get("payload"))
-    model = build_vllm_like_model(payload["hf_config"], gen_rank, GEN, 1, torch.bfloat16)
-    worker = ModuleWorker(model)
-    worker.init_refit_groups(job.host, [job.ports[1], job.ports[2]], 1 + gen_rank, 1 + GEN,
-                             "gloo", TIMEOUT_S)
-    worker.prepare_refit(payload)
+    worker, model, _ = prepared_worker(job, control, gen_rank, GEN, TRAIN, TIMEOUT_S)
     out = {"refits": [], "states": [], "mismatched": []}
     for step in range(4):
-        before = {n: tensor_digest(p) for n, p in model.named_parameters()}
-        out["refits"].append(_catch(worker.refit))
+        before = live_digests(model)
+        out["refits"].append(catch(worker.refit))
         out["states"].append(worker.refit_weights_state())
         if step == 2:  # refused: nothing may have moved
-            after = {n: tensor_digest(p) for n, p in model.named_parameters()}
+            after = live_digests(model)
             out["mismatched"].append(sorted(n for n in before if before[n] != after[n]))
             continue
-        control.wait([f"expected/{step}/{gen_rank}"])
-        expected = json.loads(control.get(f"expected/{step}/{gen_rank}"))
-        actual = {n: tensor_digest(p) for n, p in model.named_parameters()}
-        out["mismatched"].append(sorted(n for n in set(expected) | set(actual)
-                                        if expected.get(n) != actual.get(n)))
+        out["mismatched"].append(mismatched(control, step, gen_rank, model))
     control.wait([f"sent/3/{r}" for r in range(TRAIN)])
     worker.destroy_refit_groups(TIMEOUT_S)
     time.sleep(0.2)
@@ -161,7 +126,7 @@ def _gen(job, control, gen_rank):
 
 @pytest.fixture(scope="module")
 def refused(pool):
-    return pool.run(_refuse_job, TRAIN + GEN, num_ports=3, timeout_s=300)
+    return run_two_worlds(pool, TRAIN, GEN, _train, _gen, num_ports=3, timeout_s=300)
 
 
 def test_a_move_on_one_training_rank_only_refits_bit_exact_without_checksums(refused):

@@ -15,8 +15,7 @@ gloo, checksums on).
 
 import pytest
 
-from test_staged_refit import _check_row_exact, _run, _survivors_hold_n
-from test_faults import GEN, TRAIN
+from test_staged_refit import GEN, TRAIN, _check_row_exact, _run, _survivors_hold_n
 from megatron_reshard.tools.worlds import RankFailure
 
 pytestmark = pytest.mark.slow

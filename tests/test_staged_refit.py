@@ -13,45 +13,33 @@ The blocking ``refit()`` of a staged session stages and flips in one call.
 """
 
 import json
-import os
-import signal
 import time
 from datetime import timedelta
 
 import pytest
-import torch
-import torch.distributed as dist
 
-from megatron_reshard.tools.e2e import perturb_, tensor_digest
+from megatron_reshard.megatron.sender import RefitSender
+from megatron_reshard.refit import loop as refit_loop, protocol
+from megatron_reshard.tools.e2e import perturb_
 from megatron_reshard.tools.worlds import RankFailure
-from test_delta_faults import _change_sparsely
-from test_faults import GEN, TIMEOUT_S, TRAIN, _arm_victim, _expected, _Worker, _world
-from two_worlds import dense_pp2_source
+from two_worlds import (FAULT_TIMEOUT_S, arm_victim, dense_pp2_source, gen_outcome, live_digests,
+                        nudge_sparsely, prepared_worker, publish_reference, run_two_worlds,
+                        stage_group, strike)
 
 pytestmark = pytest.mark.slow
 
+TRAIN, GEN = 2, 2      # processes per side
 _GEN_STATE: dict = {}  # per generation worker process: model, worker (kept across jobs)
-
-
-def _job(job, plan):
-    control = dist.TCPStore(job.host, job.ports[0], job.nprocs, job.rank == 0,
-                            timeout=timedelta(seconds=60))
-    if job.rank < TRAIN:
-        return _train(job, control, plan)
-    return _gen(job, control, plan, job.rank - TRAIN)
 
 
 def _kill_at_vote(control, step, at_refit):
     """In a training victim: SIGKILL itself when refit ``at_refit`` reaches its commit vote
     (every byte of it already sent)."""
-    import megatron_reshard.refit.protocol as protocol
-
     inner = protocol.commit_refit
 
     def vote(*args, **kwargs):
         if step() == at_refit:
-            control.set("fault_at", repr(time.time()))
-            os.kill(os.getpid(), signal.SIGKILL)
+            strike(control, "kill")
         return inner(*args, **kwargs)
 
     protocol.commit_refit = vote
@@ -61,50 +49,37 @@ def _mismatch_at(step, at_refit):
     """In a generation victim: its end-to-end checksum check reports one mismatch at refit
     ``at_refit`` (what a corrupted byte on the wire would give): the vote fails everywhere.
     Returns the undo (the pool's processes outlive the job)."""
-    from megatron_reshard.refit import loop
-
-    inner = loop.StageChecksums.check
+    inner = refit_loop.StageChecksums.check
 
     def check(self):
         found = inner(self)
         return found + ["injected"] if step() == at_refit else found
 
-    loop.StageChecksums.check = check
-    return lambda: setattr(loop.StageChecksums, "check", inner)
+    refit_loop.StageChecksums.check = check
+    return lambda: setattr(refit_loop.StageChecksums, "check", inner)
 
 
-def _train(job, control, plan):
-    from megatron_reshard.groups.comm import create_refit_group
-    from megatron_reshard.megatron.sender import RefitSender
-    from megatron_reshard.testing.megatron_reference import gather_full_hf_state_dict
-
-    _world(job, control, "train", job.rank, TRAIN)
+def _train(job, control, rank, plan):
     model, source, family, vocab_size = dense_pp2_source(GEN)
-    if job.rank == 0:
+    if rank == 0:
         control.set("payload", source.payload_bytes())
-    group = create_refit_group(job.host, job.ports[1 + source.stage], source.stage_local_rank,
-                               1 + GEN, "gloo", TIMEOUT_S, who=f"train rank {job.rank}",
-                               label=f"refit group of PP stage {source.stage}")
-    sender = RefitSender(source, group, verify_checksums=True, delta=plan["delta"])
+    sender = RefitSender(source, stage_group(job, source, GEN, FAULT_TIMEOUT_S),
+                         verify_checksums=True, delta=plan["delta"])
     step = {"k": 0}
     if plan.get("victim") == job.rank and plan["fault"] == "kill_mid":
-        _arm_victim(sender.loop, {**plan, "fault": "kill"}, control, lambda: step["k"])
+        arm_victim(sender.loop, "kill", plan["seed"], plan["at_refit"], control,
+                   lambda: step["k"])
     if plan.get("victim") == job.rank and plan["fault"] == "kill_vote":
         _kill_at_vote(control, lambda: step["k"], plan["at_refit"])
     rows = []
     for k in range(1, plan["refits"] + 1):
         step["k"] = k
         if k > 1:
-            (_change_sparsely(model, 100 * plan["seed"] + k) if plan["delta"]
+            (nudge_sparsely(model, 100 * plan["seed"] + k) if plan["delta"]
              else perturb_(model, 100 * plan["seed"] + k))
-        full = gather_full_hf_state_dict(model, family=family, vocab_size=vocab_size)
-        if job.rank == 0:
-            for g in range(GEN):
-                control.set(f"{plan['tag']}/expected/{k}/{g}",
-                            json.dumps(_expected(source.hf_config, full, g)))
+        publish_reference(job, control, model, family, vocab_size, source.hf_config, k, GEN)
         # the generation ranks started their staged refit and read their live weights first
-        control.wait([f"{plan['tag']}/started/{k}/{g}" for g in range(GEN)],
-                     timedelta(seconds=60))
+        control.wait([f"started/{k}/{g}" for g in range(GEN)], timedelta(seconds=60))
         try:
             out = sender.refit()
         except Exception as exc:  # noqa: BLE001 - what a survivor saw is the test's subject
@@ -113,18 +88,7 @@ def _train(job, control, plan):
     return {"error": None, "refits": plan["refits"], "rows": rows}
 
 
-def _gen(job, control, plan, gen_rank):
-    from megatron_reshard.testing.vllm_like import build_vllm_like_model
-    from megatron_reshard.wire.codec import decode_payload
-
-    _world(job, control, "gen", gen_rank, GEN)
-    payload = decode_payload(control.get("payload"))
-    if "worker" not in _GEN_STATE or plan.get("fresh_gen"):
-        model = build_vllm_like_model(payload["hf_config"], gen_rank, GEN, 1, torch.bfloat16)
-        _GEN_STATE.update(worker=_Worker(model), model=model)
-    worker, model = _GEN_STATE["worker"], _GEN_STATE["model"]
-    worker.init_refit_groups(job.host, [job.ports[1], job.ports[2]], 1 + gen_rank, 1 + GEN,
-                             "gloo", TIMEOUT_S)
+def _gen(job, control, gen_rank, plan):
     options = {"verify_checksums": True, "staged": True}
     if plan.get("budget") is not None:
         options["staging_budget_bytes"] = plan["budget"]
@@ -132,11 +96,12 @@ def _gen(job, control, plan, gen_rank):
         options["host_staging_budget_bytes"] = plan["host_budget"]
     if plan.get("delta_flip") is not None:   # ... and how a delta refit flips
         options["staged_delta_flip"] = plan["delta_flip"]
-    worker.prepare_refit(payload, options)
+    worker, model, _ = prepared_worker(job, control, gen_rank, GEN, TRAIN, FAULT_TIMEOUT_S,
+                                       options, _GEN_STATE, fresh=plan.get("fresh_gen", False))
     step = {"k": 0}
     if plan.get("victim") == job.rank and plan["fault"] == "kill_mid":
-        _arm_victim(worker.refit_worker_state.require_session().loop,
-                    {**plan, "fault": "kill"}, control, lambda: step["k"])
+        arm_victim(worker.refit_worker_state.require_session().loop, "kill", plan["seed"],
+                   plan["at_refit"], control, lambda: step["k"])
     if plan.get("victim") == job.rank and plan["fault"] == "checksum":
         undo = _mismatch_at(lambda: step["k"], plan["at_refit"])
         try:
@@ -150,18 +115,18 @@ def _staged_refits(control, plan, gen_rank, worker, model, step):
     """The generation rank's refits (see module doc); what it saw, per refit."""
 
     def live() -> dict:
-        return {n: tensor_digest(p) for n, p in model.named_parameters()}
+        return live_digests(model)
 
     def want(k) -> dict:
-        return json.loads(control.get(f"{plan['tag']}/expected/{k}/{gen_rank}"))
+        return json.loads(control.get(f"expected/{k}/{gen_rank}"))
 
     rows, error = [], None
     for k in range(1, plan["refits"] + 1):
         step["k"] = k
         before = live()  # version k - 1 (or what was loaded)
-        control.wait([f"{plan['tag']}/expected/{k}/{gen_rank}"], timedelta(seconds=60))
+        control.wait([f"expected/{k}/{gen_rank}"], timedelta(seconds=60))
         if plan.get("blocking_at") == k:  # refit() of a staged session: stage, then flip
-            control.set(f"{plan['tag']}/started/{k}/{gen_rank}", "1")
+            control.set(f"started/{k}/{gen_rank}", "1")
             out = worker.refit()
             expected = want(k)
             rows.append({"k": k, "blocking": True, "version": out["version"],
@@ -179,7 +144,7 @@ def _staged_refits(control, plan, gen_rank, worker, model, step):
             row["reads"] += 1
             row["reads_receiving"] += phase == "receiving"
             if first:
-                control.set(f"{plan['tag']}/started/{k}/{gen_rank}", "1")
+                control.set(f"started/{k}/{gen_rank}", "1")
                 first = False
             if phase != "receiving":
                 break
@@ -207,22 +172,15 @@ def _staged_refits(control, plan, gen_rank, worker, model, step):
         expected = want(k)
         row["exact"] = sorted(n for n, d in live().items() if expected.get(n) == d)
         rows.append(row)
-    actual = live()
-    versions = {}
-    for k in range(1, plan["refits"] + 1):
-        key = f"{plan['tag']}/expected/{k}/{gen_rank}"
-        if control.check([key]):
-            expected = json.loads(control.get(key))
-            versions[k] = sorted(n for n in actual if expected.get(n) == actual[n])
-    return {"error": error, "rows": rows, "state": worker.refit_weights_state(),
-            "versions": versions, "names": sorted(actual)}
+    return {"error": error, "rows": rows,
+            **gen_outcome(control, gen_rank, worker, model, plan["refits"])}
 
 
 def _run(pool, timeout_s=240, **plan):
-    plan = {"refits": 2, "delta": False, "seed": 0, "tag": "t", "fault": None, "victim": None,
+    plan = {"refits": 2, "delta": False, "seed": 0, "fault": None, "victim": None,
             "at_refit": 2, "fresh_gen": True, **plan}
-    return pool.run(_job, TRAIN + GEN, plan, num_ports=3, timeout_s=timeout_s, grace_s=25,
-                    return_failures=True)
+    return run_two_worlds(pool, TRAIN, GEN, _train, _gen, plan, num_ports=3, timeout_s=timeout_s,
+                          grace_s=25, return_failures=True)
 
 
 def _check_row_exact(gen, row):
@@ -233,8 +191,7 @@ def _check_row_exact(gen, row):
 
 @pytest.mark.parametrize("delta", [False, True])
 def test_staged_refits_are_bit_exact_after_the_flip_and_invisible_before(pool, delta):
-    results = _run(pool, refits=4, delta=delta, tag=f"exact{delta}", seed=1 + delta,
-                   blocking_at=4)
+    results = _run(pool, refits=4, delta=delta, seed=1 + delta, blocking_at=4)
     for r in range(TRAIN):
         assert results[r]["error"] is None, results[r]
     for r in range(TRAIN, TRAIN + GEN):
@@ -258,7 +215,7 @@ def test_staged_refits_are_bit_exact_after_the_flip_and_invisible_before(pool, d
 
 
 def test_a_budget_applies_what_does_not_fit_in_place_inside_the_pause(pool):
-    results = _run(pool, refits=2, tag="budget", seed=3, budget=64 * 1024)
+    results = _run(pool, refits=2, seed=3, budget=64 * 1024)
     for r in range(TRAIN, TRAIN + GEN):
         gen = results[r]
         assert gen["error"] is None, gen
@@ -289,14 +246,14 @@ def _survivors_hold_n(results, victim, n):
 
 @pytest.mark.parametrize("victim,fault", [(1, "kill_mid"), (1, "kill_vote"), (3, "kill_mid")])
 def test_a_killed_peer_at_any_phase_leaves_version_n_live_and_consistent(pool, victim, fault):
-    results = _run(pool, refits=2, tag=f"{fault}{victim}", seed=4 + victim, victim=victim,
+    results = _run(pool, refits=2, seed=4 + victim, victim=victim,
                    fault=fault, delta=fault == "kill_vote")
     assert isinstance(results[victim], RankFailure), results[victim]
     _survivors_hold_n(results, victim, 1)
 
 
 def test_a_checksum_mismatch_voted_down_leaves_n_live_and_consistent(pool):
-    results = _run(pool, refits=2, tag="checksum", seed=7, victim=2, fault="checksum")
+    results = _run(pool, refits=2, seed=7, victim=2, fault="checksum")
     for r in range(TRAIN + GEN):
         assert not isinstance(results[r], RankFailure), results[r]
     for r in range(TRAIN, TRAIN + GEN):
@@ -308,7 +265,7 @@ def test_a_checksum_mismatch_voted_down_leaves_n_live_and_consistent(pool):
 
 
 def test_a_discarded_staged_version_leaves_n_live_and_the_next_refit_is_full(pool):
-    results = _run(pool, refits=3, delta=True, tag="discard", seed=8, discard_at=2)
+    results = _run(pool, refits=3, delta=True, seed=8, discard_at=2)
     for r in range(TRAIN, TRAIN + GEN):
         gen = results[r]
         assert gen["error"] is None, gen
