@@ -331,10 +331,11 @@ def _honour_block_fp8_kernels() -> None:
     from vllm.model_executor.layers.quantization import fp8 as method
     from vllm.model_executor.layers.quantization.online import fp8 as online
 
-    if not hasattr(method.Fp8MoEMethod, "_init_moe_kernel"):
-        return  # vLLM 0.25: the FP8 checks run on the newest vLLM only
+    # vLLM 0.25 builds the MoE kernel in _setup_kernel (make_fp8_moe_kernel, from fp8.py's
+    # names), asserting a kernel class first: the online methods' path below
+    old = not hasattr(method.Fp8MoEMethod, "_init_moe_kernel")
     choose = method.select_fp8_moe_backend
-    build = method.Fp8MoEMethod._init_moe_kernel
+    build = None if old else method.Fp8MoEMethod._init_moe_kernel
 
     def init_linear_kernel(activation_quant_key, weight_quant_key, input_dtype, out_dtype,
                            weight_shape, force_kernel=None, module_name=None):
@@ -382,14 +383,19 @@ def _honour_block_fp8_kernels() -> None:
         return backend, (_NoCudaExperts if experts is None else experts)
 
     def make_online_kernel(moe_quant_config, moe_config, experts_cls, fp8_backend,
-                           routing_tables=None):
+                           routing_tables=None, **layer):  # vLLM 0.25 passes layer=
         if experts_cls is _NoCudaExperts:
             return _NoCudaKernel()
-        return make_kernel(moe_quant_config, moe_config, experts_cls, fp8_backend, routing_tables)
+        return make_kernel(moe_quant_config, moe_config, experts_cls, fp8_backend, routing_tables,
+                           **layer)
 
     method.init_fp8_linear_kernel = init_linear_kernel
-    method.select_fp8_moe_backend = select
-    method.Fp8MoEMethod._init_moe_kernel = init_kernel
+    if old:
+        method.select_fp8_moe_backend = online_select
+        method.make_fp8_moe_kernel = make_online_kernel
+    else:
+        method.select_fp8_moe_backend = select
+        method.Fp8MoEMethod._init_moe_kernel = init_kernel
     online.init_fp8_linear_kernel = init_linear_kernel
     online.select_fp8_moe_backend = online_select
     oracle.make_fp8_moe_kernel = make_online_kernel  # online._setup_kernel imports it per call
@@ -414,8 +420,14 @@ def vllm_config_for(model_dir: str, tp_size: int, ep: bool = False, dtype: str =
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
     _install_cpu_shims()
+    from vllm.config.quantization import resolve_quantization_config
+
+    # what vLLM's EngineArgs passes for an online --quantization shorthand (fp8_per_block);
+    # vLLM 0.25 reads the online quantization's args only from there
+    online = resolve_quantization_config(quantization, None)
     model = ModelConfig(model=model_dir, dtype=dtype, runner="generate", skip_tokenizer_init=True,
-                        enforce_eager=True, max_model_len=64, quantization=quantization)
+                        enforce_eager=True, max_model_len=64, quantization=quantization,
+                        **({"quantization_config": online} if online is not None else {}))
     cpu_mla = getattr(AttentionBackendEnum, "CPU_MLA", None)  # vLLM 0.25: none (the shim)
     attention = AttentionConfig(backend=cpu_mla) if model.use_mla and cpu_mla else AttentionConfig()
     kernel = {"kernel_config": KernelConfig(moe_backend=moe_backend)} if moe_backend else {}
