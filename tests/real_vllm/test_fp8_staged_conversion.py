@@ -92,7 +92,6 @@ def cutlass_fp8(pool):
     return [r for r in results if r["role"] == "gen"]
 
 
-@pytest.mark.vllm_range
 def test_fp8_refit_through_vllms_conversion_is_bit_equal_to_vllms_own_loading(cutlass_fp8):
     for g in cutlass_fp8:
         if g["rank"] == PLANTED_RANK:
@@ -129,7 +128,6 @@ def test_the_staging_cost_is_reported_per_layer(cutlass_fp8):
     assert linear and all(r["peak_staging_bytes"] == 0 for r in linear), linear
 
 
-@pytest.mark.vllm_range
 def test_a_skipped_conversion_fails_the_comparison(cutlass_fp8):
     """Gen rank 1 takes its first FP8 expert layer as checkpoint order (its conversion
     skipped): after every refit the comparison with vLLM reports exactly that layer's w13
