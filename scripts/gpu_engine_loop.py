@@ -28,7 +28,11 @@ refit), which the comparison must report, alone. ``--speed N``: N refits of this
 and N of vLLM's ``ipc`` backend (swapped into the same worker; the trainer sends full HF
 tensors through CUDA IPC handles) alternated, against a device memcpy of the same bytes.
 With ``--tp N`` (N GPUs; written, not yet run: no multi-GPU machine was lent) one trainer per
-GPU runs Megatron TP N and vLLM runs TP N; each worker is compared with its own reload.
+GPU runs Megatron TP N and vLLM runs TP N; each worker is compared with its own reload; the
+model gets max(2, N) KV heads (Megatron TP N splits them; vLLM would replicate, Megatron
+cannot). ``--plan`` (no GPU, no vLLM) spawns the N trainers on the CPU as the run would
+(gloo), checks what each built (the same payload bytes, aimed at vLLM TP N, a refit group of
+2N ranks), runs one optimizer step and the full-tensor gather over them, and prints the plan.
 Prints one line per check, ``ENGINE_LOOP {json}`` last; exit 0 when every check held.
 """
 
@@ -67,6 +71,27 @@ PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], [100, 37, 999, 5], list(range(50, 82))]
 GEN_TOKENS = 16
 TRAINER_DEVICE = "cuda"  # the trainers' device type (one device each)
 QUANT = {"none": (None, None), "fp8_per_block": ("fp8_per_block", "block_fp8")}  # vLLM's, ours
+
+
+def model_spec(model: str, size: str, tp: int) -> dict:
+    """The trainer's TinyGPTSpec fields for ``--model`` / ``--size`` under TP ``tp``: at
+    least one KV head per GPU (Megatron TP splits the KV heads, it cannot replicate them)."""
+    spec = dict(MODELS[model][0], **(LARGE[model] if size == "large" else {}))
+    spec["num_query_groups"] = max(spec["num_query_groups"], tp)
+    return spec
+
+
+def tp_problem(spec: dict, tp: int, gpus: int | None) -> str | None:
+    """Why ``--tp tp`` cannot run this model (``gpus``: the devices there are, None: not
+    asked), or None."""
+    if tp < 1:
+        return f"--tp {tp}: expected at least 1"
+    if spec["num_attention_heads"] % tp:
+        return (f"--tp {tp}: the model's {spec['num_attention_heads']} attention heads do not "
+                f"split over {tp} ranks")
+    if gpus is not None and gpus < tp:
+        return f"--tp {tp}: one GPU per trainer and vLLM worker, {gpus} visible"
+    return None
 
 
 def hf_config(spec: dict, arch: str) -> dict:
@@ -212,9 +237,8 @@ def differences(a: dict, b: dict) -> list:
 class Loop:
     def __init__(self, args):
         self.args = args
-        self.spec, self.family, self.arch = MODELS[args.model]
-        if args.size == "large":
-            self.spec = dict(self.spec, **LARGE[args.model])
+        _, self.family, self.arch = MODELS[args.model]
+        self.spec = model_spec(args.model, args.size, args.tp)
         self.vllm_quant, self.gen_quant = QUANT[args.quant]
         if self.vllm_quant:
             # vLLM quantizes the fused qkv_proj as one tensor in 128-row tiles: k and v of
@@ -266,23 +290,36 @@ class Loop:
         self.say(f"{'ok  ' if ok else 'FAIL'} {name}" + (f": {detail}" if detail != "" else ""))
 
     # -- start
-    def start(self) -> None:
+    def spawn_trainers(self, device_type: str) -> list[dict]:
+        """One training process per rank of Megatron TP ``--tp`` (``device_type`` ``cuda``:
+        rank r on GPU r, where vLLM's worker r runs too); returns their configs."""
         from megatron_reshard.tools.worlds import free_ports
 
         tp = self.args.tp
-        world_port, refit_port = free_ports(2)
+        world_port, self.refit_port = free_ports(2)
         ctx = mp.get_context("spawn")
         self.cmds = [ctx.Queue() for _ in range(tp)]
         self.ress = [ctx.Queue() for _ in range(tp)]
-        self.trainers = []
+        self.trainers, configs = [], []
         for rank in range(tp):
-            cfg = {"device": f"{TRAINER_DEVICE}:{rank}", "rank": rank, "world": tp, "world_port": world_port,
-                   "refit_port": refit_port, "spec": self.spec, "family": self.family,
+            device = f"{device_type}:{rank}" if device_type == "cuda" else device_type
+            cfg = {"device": device, "rank": rank, "world": tp, "world_port": world_port,
+                   "refit_port": self.refit_port, "spec": self.spec, "family": self.family,
                    "gen_quant": self.gen_quant, "timeout_s": self.args.timeout_s,
                    "lr": self.args.lr}
             self.trainers.append(ctx.Process(target=trainer_main, daemon=True,
                                              args=(cfg, self.cmds[rank], self.ress[rank])))
             self.trainers[-1].start()
+            configs.append(cfg)
+        return configs
+
+    def start(self) -> None:
+        tp = self.args.tp
+        problem = tp_problem(self.spec, tp, torch.cuda.device_count())
+        if problem:
+            raise ValueError(problem)
+        self.spawn_trainers(TRAINER_DEVICE)
+        refit_port = self.refit_port
         model_dir = tempfile.mkdtemp(prefix="engine_loop_")
         with open(os.path.join(model_dir, "config.json"), "w") as f:
             json.dump(hf_config(self.spec, self.arch), f)
@@ -443,6 +480,43 @@ class Loop:
         for t in self.trainers:
             t.join(timeout=60)
 
+    def plan(self) -> None:
+        """``--plan``: the run's training side on the CPU, as far as it goes without vLLM."""
+        from megatron_reshard.wire.codec import decode_payload
+        from megatron_reshard.wire.records import RefitPayload
+
+        tp = self.args.tp
+        configs = self.spawn_trainers("cpu")
+        built = self.expect("payload")
+        info = RefitPayload.of(decode_payload(built[0]["payload"]))
+        plan = {"trainers": [{k: c[k] for k in ("rank", "world", "device", "world_port", "refit_port")}
+                             for c in configs],
+                "refit_group": {"size": 2 * tp, "trainers": list(range(tp)),
+                                "vllm_workers": list(range(tp, 2 * tp))},
+                "llm": {"tensor_parallel_size": tp, "quantization": self.vllm_quant},
+                "init_info": {"ports_by_stage": [self.refit_port], "group_sizes": 2 * tp},
+                "model": {k: self.spec[k] for k in ("num_attention_heads", "num_query_groups")},
+                "payload": {"train_world_size": info.train_world_size,
+                            "gen_world_size": info.gen_world_size, "gen_tp_size": info.gen_tp_size,
+                            "bytes": len(built[0]["payload"])}}
+        self.report["plan"] = plan
+        self.say(f"plan: {json.dumps(plan)}")
+        self.check(f"the {tp} trainers built the same payload bytes",
+                   all(b["payload"] == built[0]["payload"] for b in built))
+        self.check(f"the payload aims at vLLM TP{tp} over {tp} workers from Megatron TP{tp}",
+                   (info.gen_tp_size, info.gen_world_size, info.train_world_size) == (tp, tp, tp),
+                   plan["payload"])
+        self.step()
+        self.send("full")
+        full = self.expect("full")
+        self.check("an optimizer step ran on every trainer; rank 0 answers the full tensors",
+                   bool(full[0]) and all(f is None for f in full[1:]), f"{len(full[0] or {})} tensors")
+        self.send("stop")
+        for t in self.trainers:
+            t.join(timeout=60)
+        codes = [t.exitcode for t in self.trainers]
+        self.check("every trainer stopped cleanly", codes == [0] * tp, codes)
+
     def ipc_refit(self) -> dict:
         self.send("ipc")
         update = self.expect("ipc_update", ranks=[0])[0]
@@ -509,10 +583,15 @@ def main(argv=None) -> int:
     p.add_argument("--lr", type=float, default=1e-3,
                    help="AdamW learning rate of the steps (large enough to change greedy tokens)")
     p.add_argument("--json", default=None, help="write the report here too")
+    p.add_argument("--plan", action="store_true",
+                   help="no GPU, no vLLM: the trainers on the CPU, what they build, the plan")
     args = p.parse_args(argv)
+    problem = tp_problem(model_spec(args.model, args.size, args.tp), args.tp, None)
+    if problem:
+        p.error(problem)
     loop = Loop(args)
     try:
-        loop.run()
+        loop.plan() if args.plan else loop.run()
     except Exception as exc:  # noqa: BLE001 - reported with what ran before it
         traceback.print_exc()
         loop.report.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:2000])

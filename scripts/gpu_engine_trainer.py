@@ -1,6 +1,7 @@
 """The training processes of ``gpu_engine_loop.py``: real megatron-core, GPUs shared with vLLM.
 
-One process per GPU (``cfg["rank"]`` of ``cfg["world"]``, Megatron TP over all of them),
+One process per GPU (``cfg["rank"]`` of ``cfg["world"]``, Megatron TP over all of them, and
+Megatron EP over them for an MoE model),
 spawned by the loop (``torch.multiprocessing``, spawn) before the ``LLM`` starts, so their
 memory is in place when vLLM measures what is free. Each builds its part of a Qwen3-shaped
 megatron-core GPT model (local layer spec, BF16; ``testing.megatron_models``), its
@@ -90,7 +91,12 @@ def _serve(cfg: dict, cmd, res) -> None:
     backend = "nccl" if world > 1 and device.type == "cuda" else "gloo"
     dist.init_process_group(backend, store=store, rank=rank, world_size=world,
                             **({"device_id": device} if backend == "nccl" else {}))
-    ps.initialize_model_parallel(tensor_model_parallel_size=world, pipeline_model_parallel_size=1)
+    # experts: Megatron EP over the TP ranks, whole experts per rank (Megatron's default
+    # expert TP = TP, which the refit source refuses)
+    experts = {"expert_model_parallel_size": world, "expert_tensor_parallel_size": 1} \
+        if cfg["spec"].get("num_moe_experts") else {}
+    ps.initialize_model_parallel(tensor_model_parallel_size=world, pipeline_model_parallel_size=1,
+                                 **experts)
     spec = TinyGPTSpec(dtype="bfloat16", **cfg["spec"])
     model = build_gpt_model(spec).to(device=device, dtype=torch.bfloat16)
     source = MegatronRefitSource(model, gen_parallelism={"tp_size": world, "ep_size": 1,

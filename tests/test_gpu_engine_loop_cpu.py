@@ -5,7 +5,8 @@ spawned, serving the loop's commands over queues) runs here on the CPU, and this
 plays the vLLM worker with the receiver over the same colocated refit group (shared host
 memory standing in for CUDA IPC): two refits, an AdamW step between them, each bit-equal
 to the expected vLLM shards sliced from the trainer's own full HF tensors (its ``full``
-answer). Also the loop's comparison (``differences``) and its HF config."""
+answer). Also the loop's comparison (``differences``), its HF config, and ``--tp N --plan``:
+the N trainers of a TP run on the CPU, up to where vLLM would start."""
 
 import os
 import sys
@@ -107,3 +108,30 @@ def test_the_loops_hf_config_is_the_tests_mapping_of_the_same_spec(model):
     skip = {"max_position_embeddings", "attention_dropout", "attn_implementation"}
     assert {k: v for k, v in theirs.items() if k not in skip} == \
         {k: mine[k] for k in theirs if k not in skip}
+
+
+def test_the_tp_plan_runs_on_the_cpu_up_to_vllm(tmp_path):
+    """``--tp 2 --plan``: the two Megatron trainers the TP2 run spawns (TP2, EP2 for the MoE
+    model) build the same payload aimed at vLLM TP2, step and gather, and stop cleanly."""
+    import json
+
+    out = tmp_path / "plan.json"
+    assert loop.main(["--model", "moe", "--tp", "2", "--plan", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["ok"] and len(report["checks"]) == 4, report["checks"]
+    plan = report["plan"]
+    assert plan["refit_group"] == {"size": 4, "trainers": [0, 1], "vllm_workers": [2, 3]}
+    assert plan["payload"]["gen_tp_size"] == plan["llm"]["tensor_parallel_size"] == 2
+    assert [t["rank"] for t in plan["trainers"]] == [0, 1]
+
+
+@pytest.mark.parametrize("tp,groups,problem", [(1, 2, None), (2, 2, None), (4, 4, None),
+                                               (8, 8, None), (3, 3, "attention heads"),
+                                               (0, 2, "at least 1")])
+def test_tp_gives_each_rank_a_kv_head_and_refuses_what_cannot_split(tp, groups, problem):
+    spec = loop.model_spec("dense", "tiny", tp)
+    assert spec["num_query_groups"] == groups
+    found = loop.tp_problem(spec, tp, None)
+    assert (found is None) if problem is None else (problem in found), found
+    if problem is None:
+        assert "2 visible" in loop.tp_problem(spec, 4, 2)  # more ranks than GPUs

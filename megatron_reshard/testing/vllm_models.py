@@ -17,7 +17,9 @@ place, each shim explained there):
   hold for unquantized BF16 weights); the CPU experts keep vLLM's base post-load step (a
   no-op), which is how ``receiver.kernel_layouts`` tells them from vLLM's prepacking ones.
 - MLA attention takes the portable ``CPU_MLA`` backend (hosts with AMX would pick
-  ``AMX_MLA``, which packs ``W_UK``/``W_UV`` too).
+  ``AMX_MLA``, which packs ``W_UK``/``W_UV`` too). vLLM 0.25's CPU platform has no MLA
+  backend: ``testing.vllm_oldest_shims`` builds its MLA layers, with the other 0.25-only
+  differences of the tests (gpt-oss's stacked experts for the oracle).
 - Each architecture's class is registered in-process: vLLM otherwise inspects every
   architecture once in a subprocess (10-22 s each on 2 cores) to keep CUDA out of the
   parent, which a CPU-only process does not need.
@@ -76,6 +78,9 @@ import tempfile
 from typing import Any, Mapping, Optional
 
 import torch
+
+from megatron_reshard.receiver.derived import DERIVED_ATTRIBUTES, mla_layers
+from megatron_reshard.testing import vllm_oldest_shims as oldest_vllm
 
 # architecture -> module of vllm.model_executor.models holding its class
 ARCHITECTURE_MODULES = {
@@ -171,6 +176,7 @@ def _install_cpu_shims() -> None:
         cpu_moe.CPUUnquantizedExperts.process_weights_after_loading = \
             FusedMoEExperts.process_weights_after_loading
     cpu_platform_without_triton()
+    oldest_vllm.mla_without_cpu_backend()
     _honour_flashinfer_moe_backend()
     _honour_block_fp8_kernels()
     for arch, module in ARCHITECTURE_MODULES.items():
@@ -325,10 +331,11 @@ def _honour_block_fp8_kernels() -> None:
     from vllm.model_executor.layers.quantization import fp8 as method
     from vllm.model_executor.layers.quantization.online import fp8 as online
 
-    if not hasattr(method.Fp8MoEMethod, "_init_moe_kernel"):
-        return  # vLLM 0.25: the FP8 checks run on the newest vLLM only
+    # vLLM 0.25 builds the MoE kernel in _setup_kernel (make_fp8_moe_kernel, from fp8.py's
+    # names), asserting a kernel class first: the online methods' path below
+    old = not hasattr(method.Fp8MoEMethod, "_init_moe_kernel")
     choose = method.select_fp8_moe_backend
-    build = method.Fp8MoEMethod._init_moe_kernel
+    build = None if old else method.Fp8MoEMethod._init_moe_kernel
 
     def init_linear_kernel(activation_quant_key, weight_quant_key, input_dtype, out_dtype,
                            weight_shape, force_kernel=None, module_name=None):
@@ -376,14 +383,19 @@ def _honour_block_fp8_kernels() -> None:
         return backend, (_NoCudaExperts if experts is None else experts)
 
     def make_online_kernel(moe_quant_config, moe_config, experts_cls, fp8_backend,
-                           routing_tables=None):
+                           routing_tables=None, **layer):  # vLLM 0.25 passes layer=
         if experts_cls is _NoCudaExperts:
             return _NoCudaKernel()
-        return make_kernel(moe_quant_config, moe_config, experts_cls, fp8_backend, routing_tables)
+        return make_kernel(moe_quant_config, moe_config, experts_cls, fp8_backend, routing_tables,
+                           **layer)
 
     method.init_fp8_linear_kernel = init_linear_kernel
-    method.select_fp8_moe_backend = select
-    method.Fp8MoEMethod._init_moe_kernel = init_kernel
+    if old:
+        method.select_fp8_moe_backend = online_select
+        method.make_fp8_moe_kernel = make_online_kernel
+    else:
+        method.select_fp8_moe_backend = select
+        method.Fp8MoEMethod._init_moe_kernel = init_kernel
     online.init_fp8_linear_kernel = init_linear_kernel
     online.select_fp8_moe_backend = online_select
     oracle.make_fp8_moe_kernel = make_online_kernel  # online._setup_kernel imports it per call
@@ -408,9 +420,16 @@ def vllm_config_for(model_dir: str, tp_size: int, ep: bool = False, dtype: str =
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
     _install_cpu_shims()
+    from vllm.config.quantization import resolve_quantization_config
+
+    # what vLLM's EngineArgs passes for an online --quantization shorthand (fp8_per_block);
+    # vLLM 0.25 reads the online quantization's args only from there
+    online = resolve_quantization_config(quantization, None)
     model = ModelConfig(model=model_dir, dtype=dtype, runner="generate", skip_tokenizer_init=True,
-                        enforce_eager=True, max_model_len=64, quantization=quantization)
-    attention = AttentionConfig(backend=AttentionBackendEnum.CPU_MLA) if model.use_mla else AttentionConfig()
+                        enforce_eager=True, max_model_len=64, quantization=quantization,
+                        **({"quantization_config": online} if online is not None else {}))
+    cpu_mla = getattr(AttentionBackendEnum, "CPU_MLA", None)  # vLLM 0.25: none (the shim)
+    attention = AttentionConfig(backend=cpu_mla) if model.use_mla and cpu_mla else AttentionConfig()
     kernel = {"kernel_config": KernelConfig(moe_backend=moe_backend)} if moe_backend else {}
     return VllmConfig(model_config=model, device_config=DeviceConfig(device="cpu"),
                       load_config=LoadConfig(load_format="dummy"), attention_config=attention,
@@ -476,6 +495,8 @@ def loaded_model(config, full_hf: Mapping[str, torch.Tensor], may_miss=()) -> to
     model = build_model(config)
     # the params as built: vLLM's online quantization adds its scales while loading
     built = {n for n, _ in model.named_parameters()}
+    if oldest_vllm.loads_gpt_oss_experts_stacked(model):
+        full_hf = oldest_vllm.stacked_gpt_oss_experts(full_hf)
     with set_current_vllm_config(config):
         loaded = model.load_weights(iter(full_hf.items()))
     reported = set(loaded or ())
@@ -516,9 +537,17 @@ def fp8_checkpoint(full_hf: Mapping[str, torch.Tensor]) -> dict[str, torch.Tenso
 
 
 def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter and buffer of ``model`` by name (tied ones under each name)."""
+    """Every parameter and buffer of ``model`` by name (tied ones under each name), and the
+    MLA weights vLLM derives after loading where they are plain attributes (vLLM 0.25:
+    ``<layer>.W_UK_T`` / ``W_UV``; 0.34 registers them as parameters, the same names)."""
     out = dict(model.named_parameters(remove_duplicate=False))
     out.update(model.named_buffers(remove_duplicate=False))
+    for name, holder, _ in mla_layers(model):
+        prefix = name if holder is model.get_submodule(name) else f"{name}.impl"
+        for attr in DERIVED_ATTRIBUTES:
+            tensor = getattr(holder, attr, None)
+            if isinstance(tensor, torch.Tensor):
+                out.setdefault(f"{prefix}.{attr}", tensor)
     return out
 
 

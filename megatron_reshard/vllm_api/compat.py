@@ -12,10 +12,21 @@ what the running vLLM has, not at its version string, and says which versions di
 - ``HAS_TRAINER_API``: vLLM's trainer-side registry (``WeightTransferTrainerFactory``)
   exists (0.26 and later).
 
-Two differences live in the receiver instead, which imports no vLLM and reaches vLLM's
-code through the live model only: ``receiver.kernel_layouts`` calls vLLM's MoE conversion
-with a ``layer`` argument only where it takes one (0.25.1's does not), and
-``receiver.staged_conversion`` knows 0.25.1's name of the online FP8 linear base class.
+The differences the receiver meets live in the receiver instead, which imports no vLLM and
+reaches vLLM's code through the live model only (each reads a signature or an attribute,
+never a version string):
+
+- ``receiver.kernel_layouts``: vLLM's MoE conversion gets a ``layer`` argument only where it
+  takes one (0.25.1's does not); 0.25.1's older CPU MoE path (``cpu_fused_moe``) is written
+  where it keeps w13/w2 as loaded and refused where it prepacks them.
+- ``receiver.staged_conversion``: 0.25.1's name of the online FP8 linear base class.
+- ``receiver.derived``: MLA's ``W_UK_T`` / ``W_UV`` are parameters of the ``MLAAttention``
+  layer (0.34.0), plain attributes of it (0.25.1) or of its ``impl`` (older), all found by
+  duck typing; its post-load takes the model dtype (0.25.1) or nothing (0.34.0).
+
+What differs only for the CPU tests (no CPU MLA backend, gpt-oss's stacked experts, the FP8
+kernel hooks) is in ``testing.vllm_oldest_shims`` / ``testing.vllm_models``;
+docs/VLLM_CHECKS.md, "The two ends of the range", lists every difference and its test.
 """
 
 from __future__ import annotations

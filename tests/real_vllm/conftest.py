@@ -11,4 +11,4 @@ set_vllm_cpu_environment()
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "vllm_range: also run against the oldest supported vLLM "
-                                       "(a dense and an MoE model, MLA, the plugin loading)")
+                                       "(one layout per family, FP8, MLA, the plugin loading)")

@@ -131,6 +131,7 @@ def cutlass_online(pool):
     return _online_refit(pool, "flashinfer_cutlass", plant_staged_error_on=PLANTED_RANK)
 
 
+@pytest.mark.vllm_range
 def test_online_block_fp8_refit_is_bit_equal_to_vllms_online_loading(cutlass_online):
     for g in cutlass_online:
         if g["rank"] != PLANTED_RANK:
@@ -139,6 +140,7 @@ def test_online_block_fp8_refit_is_bit_equal_to_vllms_online_loading(cutlass_onl
             _check_staged_table(g, staging=True)
 
 
+@pytest.mark.vllm_range
 def test_a_skipped_conversion_of_an_online_layer_fails_the_comparison(cutlass_online):
     planted = next(g for g in cutlass_online if g["rank"] == PLANTED_RANK)
     layer = "model.layers.1.mlp.experts.routed_experts"

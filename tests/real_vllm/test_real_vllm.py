@@ -159,9 +159,11 @@ FAMILIES = {
 }
 CASES = [(f, i) for f in FAMILIES for i in range(len(FAMILIES[f].layouts))]
 # the cases that also run against the oldest supported vLLM (make test-vllm-oldest): a dense
-# model and an MoE model (its first layout plants a fault, below). Not MLA: vLLM 0.25's CPU
-# platform has no MLA backend ("MLA is not supported on CPU")
-RANGE_CASES = (("qwen3", 0), ("qwen3_moe", 0))
+# model, an MoE model (its first layout plants a fault, below), MLA with its derived weights
+# in storage of their own (testing.vllm_oldest_shims builds 0.25's MLA on the CPU), gpt-oss,
+# GLM-4.5 and Qwen3-Next: one layout each (a few seconds each once the pool is warm)
+RANGE_CASES = (("qwen3", 0), ("qwen3_moe", 0), ("deepseek_v3", 1), ("gpt_oss", 0), ("glm4_moe", 0),
+               ("qwen3_next", 0))
 # checks that ride on a case's job (one pool job each saved): gen rank 0 of the first
 # Qwen3-MoE layout plants a bit flip after its last refit; the second DeepSeek-V3 layout
 # gives MLA's absorbed weights storage of their own (as vLLM does for an FP8 kv_b_proj)
@@ -255,6 +257,7 @@ def test_a_planted_bit_flip_is_seen(refitted):
     assert planted[:-1] == [planted[-1].removeprefix("planted:")]
 
 
+@pytest.mark.vllm_range
 def test_mla_weights_held_as_copies_are_recomputed_in_their_storage(refitted):
     """With an FP8 kv_b_proj vLLM's absorbed W_UK_T / W_UV are copies, not views: given
     storage of their own, they must still equal vLLM's own loading after each refit, at the

@@ -1,6 +1,10 @@
 """What changes across the supported vLLM range (0.25.1 .. 0.34.0) for the receiver, checked
 against the vLLM of the venv (``make test-vllm`` runs the newest, ``make test-vllm-oldest``
-the oldest; docs/DESIGN.md, "Real vLLM in the tests").
+the oldest; docs/DESIGN.md, "Real vLLM in the tests"; docs/VLLM_CHECKS.md, "The two ends of
+the range").
+
+vLLM 0.25 keeps MLA's derived ``W_UK_T`` / ``W_UV`` as plain attributes of the layer (0.34:
+parameters): the bit-for-bit comparison must list them on both.
 
 vLLM 0.25's CPU MoE takes its older path: after loading, ``UnquantizedFusedMoEMethod``
 holds a ``cpu_fused_moe`` object. Only its torch variant (``CPUFusedMOE.forward_torch``, the
@@ -13,6 +17,7 @@ before any byte moves.
 from __future__ import annotations
 
 import pytest
+import torch
 
 pytest.importorskip("vllm.distributed")  # the real vLLM, installed in the vLLM test venv
 
@@ -71,3 +76,46 @@ def test_vllm_0_25_cpu_moe_is_written_in_place_only_where_it_keeps_the_loaded_st
         assert message is not None, name
         assert "model.layers.1.mlp.experts.routed_experts" in message, message
         assert "kernel backend CPU" in message and "prepack" in message, message
+
+
+def _mla_derived_weights_compared(job, hf_config) -> dict:
+    """Pool job (one process): two of vLLM's DeepSeek-V3 models dummy-loaded alike (vLLM's
+    seeded dummy loader); where each version keeps the MLA weights derived from kv_b_proj,
+    and whether the bit-for-bit comparison sees one sign bit flipped in the first's ``W_UV``
+    (given storage of its own first, as vLLM does for an FP8 kv_b_proj)."""
+    from megatron_reshard.receiver.derived import mla_layers
+    from megatron_reshard.testing import vllm_models as vm
+
+    config = vm.vllm_config_for(vm.write_model_dir(hf_config), 1)
+    with vm.vllm_parallel_state(config, 0, 1, job.ports[0]):
+        model = vm.dummy_loaded_model(config)
+        other = vm.dummy_loaded_model(vm.vllm_config_for(vm.write_model_dir(hf_config), 1))
+        layers = mla_layers(model)
+        name, holder, _ = layers[0]
+        out = {"layers": len(layers), "holder": type(holder).__name__,
+               "as_params": sorted(n for n, _ in model.named_parameters() if n.endswith(("W_UK_T", "W_UV"))),
+               "compared": sorted(n for n in vm.model_tensors(model) if n.endswith(("W_UK_T", "W_UV"))),
+               "before": vm.bitwise_differences(model, other)}
+        holder.W_UV.data = holder.W_UV.data.clone()
+        first = (0,) * holder.W_UV.dim()
+        with torch.no_grad():
+            holder.W_UV.data[first] = -holder.W_UV.data[first]  # its sign bit (-0.0 too)
+        out["planted"] = f"{name}.W_UV"
+        out["after"] = vm.bitwise_differences(model, other)
+    return out
+
+
+def test_mla_derived_weights_are_compared_where_this_vllm_keeps_them(pool):
+    """vLLM 0.34 registers W_UK_T / W_UV as parameters of the MLAAttention layer, vLLM 0.25
+    keeps them as plain attributes of it (no parameter lists them): the comparison of the
+    MLA refit cases must cover them on both (``testing.vllm_models.model_tensors``)."""
+    (out,) = pool.run(_mla_derived_weights_compared, 1, vllm_config_json(FAMILIES["deepseek_v3"]),
+                      num_ports=1, timeout_s=300)
+    layers = FAMILIES["deepseek_v3"].model["num_layers"]
+    assert out["layers"] == layers and out["holder"] == "MLAAttention", out
+    expected = sorted(f"model.layers.{i}.self_attn.mla_attn.mla_attn.{w}"
+                      for i in range(layers) for w in ("W_UK_T", "W_UV"))
+    assert out["compared"] == expected, out
+    assert out["as_params"] in ([], expected), out  # 0.25: attributes; 0.34: parameters
+    assert out["before"] == [], out
+    assert out["after"] == [out["planted"]], out
