@@ -16,6 +16,7 @@ import torch
 from megatron_reshard.engine import shm_segment
 from megatron_reshard.engine.shared_memory import (SharedMemoryError, StorageHandle,
                                                    export_storage, open_storage, view_of)
+from megatron_reshard.tools.soak_leaks import Leftovers, figure, orphan_segments, slope_band
 
 OWNERS = 3        # owner processes, each killed after the reader mapped its storage
 ELEMENTS = 4096
@@ -126,3 +127,44 @@ def test_a_mapped_segment_is_the_owners_memory_both_ways():
     assert values[7].item() == -1 and seen[8].item() == -2
     with pytest.raises(SharedMemoryError, match="expected torch's 64-byte header"):
         open_storage(StorageHandle("cpu", handle.key, 8, (handle.args[0], handle.args[1], 8)))
+
+
+# ------------------------------------------------------------- the soak's leak figures
+
+
+def test_a_slope_within_its_noise_band_is_flat_and_a_steady_climb_is_not():
+    noisy = [(r, 100.0 + (3.0 if r % 50 else -3.0)) for r in range(0, 1000, 25)]
+    fig = figure(noisy)
+    assert fig["flat"] and abs(fig["per_1000_refits"]) <= fig["band_2se"], fig
+    climb = [(r, 5 + r // 100 + (1 if r % 50 else 0)) for r in range(0, 1000, 25)]
+    fig = figure(climb)
+    assert not fig["flat"] and fig["per_1000_refits"] == pytest.approx(10, abs=1), fig
+    still = figure([(r, 7) for r in range(0, 100, 10)])
+    assert still["flat"] and still["band_2se"] == 0 and still["per_1000_refits"] == 0
+    assert slope_band([(0, 1.0), (10, 2.0)]) is None
+
+
+def test_leftovers_are_what_survivors_gained_between_settled_samples_per_fault():
+    left = Leftovers()
+    left.settled(0, 0, {("gen", 10): {"sockets": 5, "threads": 7},
+                        ("train", 11): {"sockets": 30, "threads": 70}})
+    # two faults; the training rank died in between (not a survivor) and a new one started
+    left.settled(25, 2, {("gen", 10): {"sockets": 7, "threads": 7},
+                         ("train", 12): {"sockets": 50, "threads": 90}})
+    left.settled(50, 2, {("gen", 10): {"sockets": 8, "threads": 7},
+                         ("train", 12): {"sockets": 50, "threads": 90}})
+    out = left.report()
+    assert out["faults_measured"] == 2 and out["per_fault"]["gen"]["sockets"] == 1.0
+    assert out["per_fault"]["gen"]["threads"] == 0.0 and out["per_fault"]["train"]["sockets"] == 0
+    assert out["worst_window"]["refits"] == 25
+    assert out["without_faults_total"]["gen"]["sockets"] == 1  # a quiet window's growth
+    assert out["without_faults_total"]["train"]["sockets"] == 0
+
+
+def test_dead_processes_segments_are_counted_on_the_host(tmp_path):
+    dead = 2**22 + 12345  # above the default pid_max: no such process
+    (tmp_path / f"torch_{dead}_1_0").write_bytes(b"x" * 2048)
+    (tmp_path / f"torch_{os.getpid()}_1_0").write_bytes(b"x")  # alive: not an orphan
+    (tmp_path / "torch_999_1_0").write_bytes(b"x")              # not one of the soak's
+    out = orphan_segments([dead, os.getpid()], str(tmp_path))
+    assert out == {"orphan_segments": 1, "orphan_segment_mib": round(2048 / 2**20, 3)}

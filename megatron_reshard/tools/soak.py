@@ -42,7 +42,8 @@ from typing import Optional
 
 from megatron_reshard.groups.faults import RETIRE_MARGIN_S
 from megatron_reshard.tools.soak_checks import (MARGIN_S, Tally, check_delta_base, check_survivor,
-                                                check_version, check_weights, leak_slopes)
+                                                check_version, check_weights)
+from megatron_reshard.tools.soak_leaks import Leftovers, leak_slopes, orphan_segments
 from megatron_reshard.tools.soak_options import FAULT_KINDS
 from megatron_reshard.tools.soak_procs import Procs, error_of
 from megatron_reshard.tools.soak_rank import PHASES
@@ -116,6 +117,8 @@ class Soak:
         self.repairing = False
         self.last_failure = 0.0   # when a refit group last failed
         self.settle_s = 0.0       # time spent waiting for failed groups before samples
+        self.leftovers = Leftovers()  # what failed groups left on their survivors
+        self.host_samples: list = []  # (refits, dead ranks' shared memory left on the host)
 
     # ------------------------------------------------------------------ worlds and groups
 
@@ -424,7 +427,7 @@ class Soak:
             for g in self.gens:
                 self.start_gen(g, fresh=True)
             self.rebuild()
-            self.procs.sample(0)
+            self.sample()
             while self.refits < cfg.refits or sum(self.faults.values()) < cfg.faults:
                 if cfg.max_minutes is not None and time.time() - self.t0 > 60 * cfg.max_minutes:
                     break
@@ -467,7 +470,9 @@ class Soak:
         if settle > 0 and self.cfg.settle_samples:
             time.sleep(settle)
             self.settle_s += settle
-        self.procs.sample(self.refits)
+        by_pid = self.procs.sample(self.refits)
+        self.leftovers.settled(self.refits, sum(self.faults.values()), by_pid)
+        self.host_samples.append((self.refits, orphan_segments(p["pid"] for p in self.procs.lives)))
 
     # --------------------------------------------------------------------------- report
 
@@ -480,7 +485,10 @@ class Soak:
                "armed_not_fired": dict(self.not_fired),
                "silent_outcomes": self.tally.counts["silent_refits"],
                "hangs": self.tally.counts["hangs"],
-               **self.tally.as_dict(), "leaks": leak_slopes(self.procs.lives),
+               **self.tally.as_dict(),
+               "leaks": leak_slopes([*self.procs.lives,
+                                     {"role": "host", "samples": self.host_samples}]),
+               "failed_group_leftovers": self.leftovers.report(),
                "processes_started": len(self.procs.lives),
                "sample_settle_s": round(self.settle_s, 1), "aborted": self.aborted}
         if self.cfg.report:
@@ -524,9 +532,16 @@ def summary_lines(report: dict) -> list[str]:
              f"worst survivor failure {c.get('survivor_worst_ms', 0) / 1000:.2f} s after its "
              f"fault (timeout {report['config']['timeout_s']:g} s + {MARGIN_S:g} s)"]
     for role, leak in report["leaks"].items():
-        figs = ", ".join(f"{m} {f['per_1000_refits']:+g}/1000 ({f['first']:g}->{f['last']:g})"
+        figs = ", ".join(f"{m} {f['per_1000_refits']:+g} ± {f['band_2se']:g}/1000"
+                         f"{' (flat)' if f['flat'] else ''} ({f['first']:g}->{f['last']:g})"
                          for m, f in leak["figures"].items())
         lines.append(f"leaks {role} (refits {leak['refits'][0]}-{leak['refits'][1]}): {figs}")
+    left = report.get("failed_group_leftovers")
+    if left and left["faults_measured"]:
+        for role, per in left["per_fault"].items():
+            lines.append(f"failed groups' leftovers per fault on the {role} survivors ("
+                         f"{left['faults_measured']} faults): "
+                         + ", ".join(f"{m} {v:+g}" for m, v in per.items()))
     return lines
 
 

@@ -16,10 +16,12 @@ parent imports this module (the spawn target) and never builds a model.
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import os
 import random
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -130,11 +132,30 @@ def _children(pid: int) -> int:
     return count
 
 
-def sample() -> dict:
-    """What this process holds now: resident memory, fds, threads (native ones included),
-    child processes, CUDA memory where there is a GPU."""
+def _rss_mib() -> float:
     with open("/proc/self/status") as f:
-        rss = next(int(line.split()[1]) for line in f if line.startswith("VmRSS"))
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+def _malloc_trim() -> bool:
+    """Give the C allocator's free memory back to the system (glibc); False elsewhere."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim(0)
+    return True
+
+
+def sample() -> dict:
+    """What this process holds now: resident memory (as it is, and once the C allocator has
+    given back its free memory: ``rss_trimmed_mib``; what only the first has is the
+    allocator's, not a leak), Python's allocated blocks and objects, the bytes of the CPU
+    tensors alive, fds (sockets, shared memory), threads (native ones included), child
+    processes, CUDA memory where there is a GPU."""
+    out = {"rss_mib": _rss_mib()}
+    if _malloc_trim():
+        out["rss_trimmed_mib"] = _rss_mib()
     kinds = {"sockets": 0, "shm": 0}
     fds = os.listdir("/proc/self/fd")
     for fd in fds:
@@ -146,13 +167,27 @@ def sample() -> dict:
             kinds["sockets"] += 1
         elif target.startswith("/dev/shm/") or "(deleted)" in target:
             kinds["shm"] += 1
-    out = {"rss_mib": rss / 1024, "fds": len(fds), **kinds,
-           "threads": len(os.listdir("/proc/self/task")), "children": _children(os.getpid())}
+    out.update(fds=len(fds), **kinds, threads=len(os.listdir("/proc/self/task")),
+               children=_children(os.getpid()))
     # refit groups still alive (a group let go of is collected; one held past its failure's
-    # retirement is a leak), and the TCPStores among them
-    alive = Counter(type(o).__name__ for o in gc.get_objects()
-                    if type(o).__name__ in ("RefitGroup", "TCPStore", "FaultBoard"))
-    out.update(groups_alive=alive["RefitGroup"], boards_alive=alive["FaultBoard"])
+    # retirement is a leak), and the CPU tensors' storages (each counted once)
+    alive: Counter = Counter()
+    storages: dict[int, int] = {}
+    objects = gc.get_objects()
+    for o in objects:
+        name = type(o).__name__
+        if name in ("RefitGroup", "FaultBoard"):
+            alive[name] += 1
+        elif issubclass(type(o), torch.Tensor) and o.device.type == "cpu":  # (type(): no
+            # deprecated module's __class__ is read, which warns)
+            try:
+                st = o.untyped_storage()
+                storages[st.data_ptr()] = st.nbytes()
+            except (RuntimeError, NotImplementedError):  # a tensor without storage
+                pass
+    out.update(groups_alive=alive["RefitGroup"], boards_alive=alive["FaultBoard"],
+               gc_objects=len(objects), py_blocks=sys.getallocatedblocks(),
+               cpu_tensor_mib=sum(storages.values()) / 2**20)
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         out["gpu_alloc_mib"] = torch.cuda.memory_allocated() / 2**20
         out["gpu_reserved_mib"] = torch.cuda.memory_reserved() / 2**20
