@@ -139,6 +139,8 @@ def test_a_slope_within_its_noise_band_is_flat_and_a_steady_climb_is_not():
     climb = [(r, 5 + r // 100 + (1 if r % 50 else 0)) for r in range(0, 1000, 25)]
     fig = figure(climb)
     assert not fig["flat"] and fig["per_1000_refits"] == pytest.approx(10, abs=1), fig
+    warm = figure([(r, 300 + min(r, 200) / 10) for r in range(0, 1000, 25)])  # then flat
+    assert warm["per_1000_refits"] > 5 and warm["late_per_1000_refits"] == 0, warm
     still = figure([(r, 7) for r in range(0, 100, 10)])
     assert still["flat"] and still["band_2se"] == 0 and still["per_1000_refits"] == 0
     assert slope_band([(0, 1.0), (10, 2.0)]) is None

@@ -46,7 +46,7 @@ from megatron_reshard.tools.soak_checks import (MARGIN_S, Tally, check_delta_bas
 from megatron_reshard.tools.soak_leaks import Leftovers, leak_slopes, orphan_segments
 from megatron_reshard.tools.soak_options import FAULT_KINDS
 from megatron_reshard.tools.soak_procs import Procs, error_of
-from megatron_reshard.tools.soak_rank import PHASES
+from megatron_reshard.tools.soak_rank import PHASES, TRACE_ENV
 from megatron_reshard.tools.worlds import free_ports
 from megatron_reshard.wire.codec import decode_payload
 
@@ -81,6 +81,7 @@ class SoakConfig:
     report: Optional[str] = None
     workdir: Optional[str] = None
     quiet: bool = False
+    trace_python_memory: bool = False  # tracemalloc in every rank: the sites that grew
 
 
 class Soak:
@@ -88,6 +89,8 @@ class Soak:
         self.cfg = cfg
         self.rng = random.Random(cfg.seed)
         self.tally = Tally()
+        if cfg.trace_python_memory:  # read by each rank as it starts (spawned: inherited)
+            os.environ[TRACE_ENV] = "1"
         self.procs = Procs()
         self.gens = [f"gen{g}" for g in range(cfg.gen)]
         self.workdir = cfg.workdir or tempfile.mkdtemp(prefix="soak_")
@@ -118,6 +121,7 @@ class Soak:
         self.last_failure = 0.0   # when a refit group last failed
         self.settle_s = 0.0       # time spent waiting for failed groups before samples
         self.leftovers = Leftovers()  # what failed groups left on their survivors
+        self.memory_sites: Optional[dict] = None  # rank -> Python allocation sites that grew
         self.host_samples: list = []  # (refits, dead ranks' shared memory left on the host)
 
     # ------------------------------------------------------------------ worlds and groups
@@ -446,6 +450,8 @@ class Soak:
         except Exception:  # noqa: BLE001 - the soak's own failure ends it with its report
             self.aborted = traceback.format_exc()[-4000:]
         finally:
+            if cfg.trace_python_memory:
+                self.python_memory_sites()
             report = self.report()
             self.procs.close()
             if self.cfg.workdir is None:  # the checkpoints' temporary folder
@@ -474,6 +480,12 @@ class Soak:
         self.leftovers.settled(self.refits, sum(self.faults.values()), by_pid)
         self.host_samples.append((self.refits, orphan_segments(p["pid"] for p in self.procs.lives)))
 
+    def python_memory_sites(self) -> None:
+        """The allocation sites that grew most in each live rank (``--trace-python-memory``)."""
+        replies, _ = self.procs.call({n: ("memory_sites", {}) for n, p in
+                                      self.procs.by_name.items() if p.alive()}, 120.0)
+        self.memory_sites = {n: r.get("result") for n, r in replies.items()}
+
     # --------------------------------------------------------------------------- report
 
     def report(self) -> dict:
@@ -489,6 +501,7 @@ class Soak:
                "leaks": leak_slopes([*self.procs.lives,
                                      {"role": "host", "samples": self.host_samples}]),
                "failed_group_leftovers": self.leftovers.report(),
+               "python_memory_sites": self.memory_sites,
                "processes_started": len(self.procs.lives),
                "sample_settle_s": round(self.settle_s, 1), "aborted": self.aborted}
         if self.cfg.report:
@@ -561,7 +574,8 @@ def run(args) -> int:
                      models=tuple(args.models.split(",")), switch_every=args.switch_every,
                      sample_every=args.sample_every, kinds=kinds, checksums=args.checksums,
                      transports=tuple(args.transports.split(",")),
-                     max_minutes=args.max_minutes, report=args.report, progress_s=args.progress_s)
+                     max_minutes=args.max_minutes, report=args.report, progress_s=args.progress_s,
+                     trace_python_memory=args.trace_python_memory)
     report = run_soak(cfg)
     for line in summary_lines(report):
         print(line, flush=True)

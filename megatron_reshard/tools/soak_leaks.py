@@ -45,14 +45,19 @@ def slope_band(points: Sequence[tuple[float, float]]) -> Optional[tuple[float, f
 
 def figure(points: Sequence[tuple[float, float]]) -> Optional[dict]:
     """One sampled figure: slope per 1,000 refits, ± two standard errors, flat or not,
-    first / last / max value."""
+    the slope over the later half of the samples (a process's warm-up, caches filling,
+    flattens out there; a leak keeps its slope), first / last / max value."""
     fit = slope_band(points)
     if fit is None:
         return None
     k, se = fit[0] * 1000, fit[1] * 1000
+    late = slope_band(points[len(points) // 2:])
     return {"per_1000_refits": round(k, 3), "band_2se": round(2 * se, 3),
-            "flat": abs(k) <= 2 * se, "first": round(points[0][1], 2),
-            "last": round(points[-1][1], 2), "max": round(max(y for _, y in points), 2)}
+            "flat": abs(k) <= 2 * se,
+            "late_per_1000_refits": None if late is None else round(late[0] * 1000, 3),
+            "late_band_2se": None if late is None else round(2 * late[1] * 1000, 3),
+            "first": round(points[0][1], 2), "last": round(points[-1][1], 2),
+            "max": round(max(y for _, y in points), 2)}
 
 
 def leak_slopes(lives: Sequence[Mapping]) -> dict:

@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 import traceback
+import tracemalloc
 import warnings
 from collections import Counter
 from typing import Any, Optional
@@ -45,6 +46,7 @@ HOST = "127.0.0.1"
 SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
 # the protocol's phases a fault can hit (refit.protocol's steps) and which side has each
 PHASES = ("version_vote", "plan_check", "bytes", "delta", "commit")
+TRACE_ENV = "MEGATRON_RESHARD_SOAK_TRACEMALLOC"  # set by the soak's --trace-python-memory
 
 
 # ------------------------------------------------------------------------- fault arming
@@ -192,6 +194,32 @@ def sample() -> dict:
         out["gpu_alloc_mib"] = torch.cuda.memory_allocated() / 2**20
         out["gpu_reserved_mib"] = torch.cuda.memory_reserved() / 2**20
     return out
+
+
+class PyMemory:
+    """Python allocations by site (``tracemalloc``), when the soak asks for them
+    (``--trace-python-memory``; it slows every allocation): the second sample's snapshot
+    is the baseline, ``sites`` the allocation sites that grew most since."""
+
+    first = None
+    samples = 0
+
+    @classmethod
+    def sample(cls) -> dict:
+        if not tracemalloc.is_tracing():
+            return {}
+        cls.samples += 1
+        if cls.samples == 2:  # not the first (before any refit): past the warm-up
+            cls.first = tracemalloc.take_snapshot()
+        return {"py_traced_mib": tracemalloc.get_traced_memory()[0] / 2**20}
+
+    @classmethod
+    def sites(cls, top: int = 12) -> list:
+        if cls.first is None:
+            return []
+        diff = tracemalloc.take_snapshot().compare_to(cls.first, "lineno")
+        return [{"site": str(d.traceback), "grew_kib": round(d.size_diff / 1024, 1),
+                 "blocks": d.count_diff} for d in diff[:top]]
 
 
 # ------------------------------------------------------------------------------- roles
@@ -423,6 +451,8 @@ def rank_main(conn) -> None:
     fired by this process sends ``("fault", {...})`` first."""
     apply_launch_defaults()
     torch.set_num_threads(1)
+    if os.environ.get(TRACE_ENV) == "1":
+        tracemalloc.start()
     # a rebuild after a fault destroys failed groups by design, and megatron-core warns of
     # missing fused kernels on every model build: neither is news in a soak's log
     warnings.filterwarnings("ignore", message="destroy_refit_group")
@@ -448,7 +478,9 @@ def rank_main(conn) -> None:
                 role = (TrainRank if kwargs["role"] == "train" else GenRank)(conn, **kwargs)
                 result = role.describe()
             elif cmd == "sample":
-                result = dict(sample(), py_threads=threading.active_count())
+                result = dict(sample(), py_threads=threading.active_count(), **PyMemory.sample())
+            elif cmd == "memory_sites":
+                result = PyMemory.sites(**kwargs)
             else:
                 result = getattr(role, cmd)(**kwargs)
             conn.send(("ok", result))
@@ -458,4 +490,4 @@ def rank_main(conn) -> None:
                                  "trace": traceback.format_exc()[-3000:]}))
 
 
-__all__ = ["PHASES", "rank_main", "sample"]
+__all__ = ["PHASES", "TRACE_ENV", "PyMemory", "rank_main", "sample"]
