@@ -18,6 +18,9 @@ from typing import Iterable, Mapping, Optional, Sequence
 SHM_DIR = "/dev/shm"
 # per failed group: what a survivor may be left holding once the group has been let go
 LEFTOVER_METRICS = ("threads", "sockets", "fds", "shm", "groups_alive", "children")
+# the figures whose every sample the report keeps (the longest-lived process of each role)
+SERIES = ("rss_mib", "rss_trimmed_mib", "py_blocks", "cpu_tensor_mib", "fds", "sockets",
+          "threads", "orphan_segment_mib")
 _SEGMENT = re.compile(r"torch_(\d+)_")
 
 
@@ -62,8 +65,8 @@ def figure(points: Sequence[tuple[float, float]]) -> Optional[dict]:
 
 def leak_slopes(lives: Sequence[Mapping]) -> dict:
     """Per role, each sampled figure (``figure``) over the longest-lived process of that role
-    (``lives``: {"role", "samples": [(refit, {metric: value})]}), and the span of refits it
-    covers."""
+    (``lives``: {"role", "samples": [(refit, {metric: value})]}), the span of refits it
+    covers, and the samples of the figures in ``SERIES``."""
     out: dict[str, dict] = {}
     for role in sorted({life["role"] for life in lives}):
         longest = max((life for life in lives if life["role"] == role),
@@ -78,7 +81,9 @@ def leak_slopes(lives: Sequence[Mapping]) -> dict:
             if fig is not None:
                 figures[m] = fig
         out[role] = {"refits": [samples[0][0], samples[-1][0]], "samples": len(samples),
-                     "figures": figures}
+                     "figures": figures, "pid": longest.get("pid"),
+                     "series": {m: [[r, round(s[m], 3)] for r, s in samples if m in s]
+                                for m in SERIES if any(m in s for _, s in samples)}}
     return out
 
 
