@@ -199,9 +199,11 @@ def sample() -> dict:
 class PyMemory:
     """Python allocations by site (``tracemalloc``), when the soak asks for them
     (``--trace-python-memory``; it slows every allocation): the second sample's snapshot
-    is the baseline, ``sites`` the allocation sites that grew most since."""
+    is the baseline; ``sites`` the allocation sites that grew most since, and the object
+    types whose count grew most."""
 
     first = None
+    types: Counter = Counter()
     samples = 0
 
     @classmethod
@@ -211,15 +213,24 @@ class PyMemory:
         cls.samples += 1
         if cls.samples == 2:  # not the first (before any refit): past the warm-up
             cls.first = tracemalloc.take_snapshot()
+            cls.types = _object_types()
         return {"py_traced_mib": tracemalloc.get_traced_memory()[0] / 2**20}
 
     @classmethod
     def sites(cls, top: int = 12) -> list:
         if cls.first is None:
             return []
+        now = _object_types()  # (before the comparison's own objects exist)
         diff = tracemalloc.take_snapshot().compare_to(cls.first, "lineno")
-        return [{"site": str(d.traceback), "grew_kib": round(d.size_diff / 1024, 1),
-                 "blocks": d.count_diff} for d in diff[:top]]
+        grew = sorted(((n - cls.types.get(t, 0), t) for t, n in now.items()), reverse=True)
+        return {"sites": [{"site": str(d.traceback), "grew_kib": round(d.size_diff / 1024, 1),
+                           "blocks": d.count_diff} for d in diff[:top]],
+                "types": [{"type": t, "grew": k} for k, t in grew[:top] if k > 0]}
+
+
+def _object_types() -> Counter:
+    """How many objects the cyclic collector tracks, per type name."""
+    return Counter(type(o).__qualname__ for o in gc.get_objects())
 
 
 # ------------------------------------------------------------------------------- roles
