@@ -148,17 +148,19 @@ def test_a_slope_within_its_noise_band_is_flat_and_a_steady_climb_is_not():
 
 def test_leftovers_are_what_survivors_gained_between_settled_samples_per_fault():
     left = Leftovers()
-    left.settled(0, 0, {("gen", 10): {"sockets": 5, "threads": 7},
+    left.settled(0, {}, {("gen", 10): {"sockets": 5, "threads": 7},
                         ("train", 11): {"sockets": 30, "threads": 70}})
     # two faults; the training rank died in between (not a survivor) and a new one started
-    left.settled(25, 2, {("gen", 10): {"sockets": 7, "threads": 7},
-                         ("train", 12): {"sockets": 50, "threads": 90}})
-    left.settled(50, 2, {("gen", 10): {"sockets": 8, "threads": 7},
-                         ("train", 12): {"sockets": 50, "threads": 90}})
+    faults = {"kill_train@commit": 1, "tamper_gen": 1}
+    left.settled(25, faults, {("gen", 10): {"sockets": 7, "threads": 7},
+                              ("train", 12): {"sockets": 50, "threads": 90}})
+    left.settled(50, faults, {("gen", 10): {"sockets": 8, "threads": 7},
+                              ("train", 12): {"sockets": 50, "threads": 90}})
     out = left.report()
     assert out["faults_measured"] == 2 and out["per_fault"]["gen"]["sockets"] == 1.0
     assert out["per_fault"]["gen"]["threads"] == 0.0 and out["per_fault"]["train"]["sockets"] == 0
     assert out["worst_window"]["refits"] == 25
+    assert out["worst_window"]["kinds"] == {"kill_train@commit": 1, "tamper_gen": 1}
     assert out["without_faults_total"]["gen"]["sockets"] == 1  # a quiet window's growth
     assert out["without_faults_total"]["train"]["sockets"] == 0
 

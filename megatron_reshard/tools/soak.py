@@ -477,7 +477,7 @@ class Soak:
             time.sleep(settle)
             self.settle_s += settle
         by_pid = self.procs.sample(self.refits)
-        self.leftovers.settled(self.refits, sum(self.faults.values()), by_pid)
+        self.leftovers.settled(self.refits, self.faults, by_pid)
         self.host_samples.append((self.refits, orphan_segments(p["pid"] for p in self.procs.lives)))
 
     def python_memory_sites(self) -> None:

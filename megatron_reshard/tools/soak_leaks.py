@@ -102,22 +102,26 @@ class Leftovers:
 
     def __init__(self) -> None:
         self.last: dict[tuple, dict] = {}  # (role, pid) -> figures at the last settled sample
-        self.last_faults = 0               # the soak's fault count then
-        self.windows: list[dict] = []      # {"refits", "faults", "grew": {role: {metric: net}}}
+        self.last_faults: dict[str, int] = {}  # the soak's faults by kind then
+        # {"refits", "faults", "kinds": {kind: n}, "grew": {role: {metric: net}}}
+        self.windows: list[dict] = []
 
-    def settled(self, refits: int, faults: int, samples: Mapping[tuple, dict]) -> None:
+    def settled(self, refits: int, faults: Mapping[str, int],
+                samples: Mapping[tuple, dict]) -> None:
         """A settled sample of the live ranks ((role, pid) -> figures) after ``refits``
-        refits and ``faults`` faults in all."""
+        refits and ``faults`` (by kind) in all."""
+        kinds = {k: n - self.last_faults.get(k, 0) for k, n in faults.items()
+                 if n != self.last_faults.get(k, 0)}
         if self.last:
             grew: dict[str, dict] = {}
             for key in sorted(set(self.last) & set(samples)):
                 role = grew.setdefault(key[0], dict.fromkeys(LEFTOVER_METRICS, 0.0))
                 for m in LEFTOVER_METRICS:
                     role[m] += samples[key].get(m, 0) - self.last[key].get(m, 0)
-            self.windows.append({"refits": refits, "faults": faults - self.last_faults,
-                                 "grew": grew})
+            self.windows.append({"refits": refits, "faults": sum(kinds.values()),
+                                 "kinds": kinds, "grew": grew})
         self.last = {key: dict(s) for key, s in samples.items()}
-        self.last_faults = faults
+        self.last_faults = dict(faults)
 
     def report(self) -> dict:
         """Per role: what its survivors gained per fault over the windows with faults, and
