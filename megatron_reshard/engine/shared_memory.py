@@ -5,9 +5,10 @@ travel through a refit group's TCPStore (pickled); file descriptors could not.
 
 - CPU: the storage is moved into shared memory in place (``_share_filename_cpu_``, the
   ``file_system`` strategy of ``torch.multiprocessing``: a named segment plus the
-  ``torch_shm_manager`` that unlinks it when its users are gone). The owner's tensors and
+  ``torch_shm_manager`` that unlinks it when its owner is gone). The owner's tensors and
   views stay valid (same storage object, new data pointer), so a Megatron model can be
-  shared once at setup.
+  shared once at setup. A reader maps the segment by name (``shm_segment``), not through
+  the owner's manager, whose connection torch would keep for the reader's whole life.
 - CUDA: a CUDA IPC handle of the caching allocator's block (``_share_cuda_``, what
   ``torch.multiprocessing`` sends for a CUDA tensor); the reader maps it with
   ``_new_shared_cuda``. The allocator's IPC reference counting keeps the owner from
@@ -29,6 +30,8 @@ from typing import Any, NamedTuple, Optional
 import torch
 
 from megatron_reshard.errors import MegatronReshardError
+
+from . import shm_segment
 
 # the torch version from which expandable segments were seen to work over CUDA IPC here
 EXPANDABLE_IPC_FROM = (2, 11)
@@ -103,6 +106,9 @@ def open_storage(handle: StorageHandle) -> torch.UntypedStorage:
     """Map the owner's storage in this process (the memory stays the owner's)."""
     try:
         if handle.kind == "cpu":
+            _manager, name, nbytes = handle.args
+            if shm_segment.available():  # not through the owner's torch_shm_manager: a
+                return shm_segment.map_segment(name, nbytes)  # connection torch never closes
             return torch.UntypedStorage._new_shared_filename_cpu(*handle.args)
         torch.cuda._lazy_init()
         return torch.UntypedStorage._new_shared_cuda(*handle.args)

@@ -42,10 +42,11 @@ from typing import Optional
 
 from megatron_reshard.groups.faults import RETIRE_MARGIN_S
 from megatron_reshard.tools.soak_checks import (MARGIN_S, Tally, check_delta_base, check_survivor,
-                                                check_version, check_weights, leak_slopes)
+                                                check_version, check_weights)
+from megatron_reshard.tools.soak_leaks import Leftovers, leak_slopes, orphan_segments
 from megatron_reshard.tools.soak_options import FAULT_KINDS
 from megatron_reshard.tools.soak_procs import Procs, error_of
-from megatron_reshard.tools.soak_rank import PHASES
+from megatron_reshard.tools.soak_rank import PHASES, TRACE_ENV
 from megatron_reshard.tools.worlds import free_ports
 from megatron_reshard.wire.codec import decode_payload
 
@@ -80,6 +81,7 @@ class SoakConfig:
     report: Optional[str] = None
     workdir: Optional[str] = None
     quiet: bool = False
+    trace_python_memory: bool = False  # tracemalloc in every rank: the sites that grew
 
 
 class Soak:
@@ -87,6 +89,8 @@ class Soak:
         self.cfg = cfg
         self.rng = random.Random(cfg.seed)
         self.tally = Tally()
+        if cfg.trace_python_memory:  # read by each rank as it starts (spawned: inherited)
+            os.environ[TRACE_ENV] = "1"
         self.procs = Procs()
         self.gens = [f"gen{g}" for g in range(cfg.gen)]
         self.workdir = cfg.workdir or tempfile.mkdtemp(prefix="soak_")
@@ -116,6 +120,9 @@ class Soak:
         self.repairing = False
         self.last_failure = 0.0   # when a refit group last failed
         self.settle_s = 0.0       # time spent waiting for failed groups before samples
+        self.leftovers = Leftovers()  # what failed groups left on their survivors
+        self.memory_sites: Optional[dict] = None  # rank -> Python allocation sites that grew
+        self.host_samples: list = []  # (refits, dead ranks' shared memory left on the host)
 
     # ------------------------------------------------------------------ worlds and groups
 
@@ -424,7 +431,7 @@ class Soak:
             for g in self.gens:
                 self.start_gen(g, fresh=True)
             self.rebuild()
-            self.procs.sample(0)
+            self.sample()
             while self.refits < cfg.refits or sum(self.faults.values()) < cfg.faults:
                 if cfg.max_minutes is not None and time.time() - self.t0 > 60 * cfg.max_minutes:
                     break
@@ -443,6 +450,8 @@ class Soak:
         except Exception:  # noqa: BLE001 - the soak's own failure ends it with its report
             self.aborted = traceback.format_exc()[-4000:]
         finally:
+            if cfg.trace_python_memory:
+                self.python_memory_sites()
             report = self.report()
             self.procs.close()
             if self.cfg.workdir is None:  # the checkpoints' temporary folder
@@ -467,7 +476,15 @@ class Soak:
         if settle > 0 and self.cfg.settle_samples:
             time.sleep(settle)
             self.settle_s += settle
-        self.procs.sample(self.refits)
+        by_pid = self.procs.sample(self.refits)
+        self.leftovers.settled(self.refits, self.faults, by_pid)
+        self.host_samples.append((self.refits, orphan_segments(p["pid"] for p in self.procs.lives)))
+
+    def python_memory_sites(self) -> None:
+        """The allocation sites that grew most in each live rank (``--trace-python-memory``)."""
+        replies, _ = self.procs.call({n: ("memory_sites", {}) for n, p in
+                                      self.procs.by_name.items() if p.alive()}, 120.0)
+        self.memory_sites = {n: r.get("result") for n, r in replies.items()}
 
     # --------------------------------------------------------------------------- report
 
@@ -480,7 +497,11 @@ class Soak:
                "armed_not_fired": dict(self.not_fired),
                "silent_outcomes": self.tally.counts["silent_refits"],
                "hangs": self.tally.counts["hangs"],
-               **self.tally.as_dict(), "leaks": leak_slopes(self.procs.lives),
+               **self.tally.as_dict(),
+               "leaks": leak_slopes([*self.procs.lives,
+                                     {"role": "host", "samples": self.host_samples}]),
+               "failed_group_leftovers": self.leftovers.report(),
+               "python_memory_sites": self.memory_sites,
                "processes_started": len(self.procs.lives),
                "sample_settle_s": round(self.settle_s, 1), "aborted": self.aborted}
         if self.cfg.report:
@@ -524,9 +545,16 @@ def summary_lines(report: dict) -> list[str]:
              f"worst survivor failure {c.get('survivor_worst_ms', 0) / 1000:.2f} s after its "
              f"fault (timeout {report['config']['timeout_s']:g} s + {MARGIN_S:g} s)"]
     for role, leak in report["leaks"].items():
-        figs = ", ".join(f"{m} {f['per_1000_refits']:+g}/1000 ({f['first']:g}->{f['last']:g})"
+        figs = ", ".join(f"{m} {f['per_1000_refits']:+g} ± {f['band_2se']:g}/1000"
+                         f"{' (flat)' if f['flat'] else ''} ({f['first']:g}->{f['last']:g})"
                          for m, f in leak["figures"].items())
         lines.append(f"leaks {role} (refits {leak['refits'][0]}-{leak['refits'][1]}): {figs}")
+    left = report.get("failed_group_leftovers")
+    if left and left["faults_measured"]:
+        for role, per in left["per_fault"].items():
+            lines.append(f"failed groups' leftovers per fault on the {role} survivors ("
+                         f"{left['faults_measured']} faults): "
+                         + ", ".join(f"{m} {v:+g}" for m, v in per.items()))
     return lines
 
 
@@ -546,7 +574,8 @@ def run(args) -> int:
                      models=tuple(args.models.split(",")), switch_every=args.switch_every,
                      sample_every=args.sample_every, kinds=kinds, checksums=args.checksums,
                      transports=tuple(args.transports.split(",")),
-                     max_minutes=args.max_minutes, report=args.report, progress_s=args.progress_s)
+                     max_minutes=args.max_minutes, report=args.report, progress_s=args.progress_s,
+                     trace_python_memory=args.trace_python_memory)
     report = run_soak(cfg)
     for line in summary_lines(report):
         print(line, flush=True)

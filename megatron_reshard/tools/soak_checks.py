@@ -1,5 +1,5 @@
-"""The soak's invariants and leak figures (``tools.soak``): named counters, each check a
-plain function of what the ranks reported.
+"""The soak's invariants (``tools.soak``): named counters, each check a plain function of
+what the ranks reported (the leak figures: ``tools.soak_leaks``).
 
 Invariants (issue 52), checked after every refit and every fault:
 
@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from typing import Any, Iterable, Mapping, Optional, Sequence
+from typing import Any, Iterable, Mapping, Optional
+
+from megatron_reshard.tools.soak_leaks import leak_slopes, slope  # noqa: F401 - re-exported
 
 MARGIN_S = 5.0  # the issue's bound on a survivor's failure: the group's timeout + 5 s
 # words a survivor's error uses when it names what happened to its peer
@@ -151,46 +153,6 @@ def check_survivor(tally: Tally, name: str, reply: Optional[Mapping], fault_at: 
         tally.bad("survivor_no_cause", {"where": where, "rank": name, "error": reply["error"][:300]})
     else:
         tally.ok("survivor_named_cause")
-
-
-# -------------------------------------------------------------------------------- leaks
-
-
-def slope(points: Sequence[tuple[float, float]]) -> Optional[float]:
-    """Least-squares slope of ``(x, y)`` points; None with fewer than 3 or no spread in x."""
-    if len(points) < 3:
-        return None
-    n = len(points)
-    mx = sum(x for x, _ in points) / n
-    my = sum(y for _, y in points) / n
-    sxx = sum((x - mx) ** 2 for x, _ in points)
-    if sxx == 0:
-        return None
-    return sum((x - mx) * (y - my) for x, y in points) / sxx
-
-
-def leak_slopes(lives: Sequence[Mapping]) -> dict:
-    """Per role, the slope per 1,000 refits of each sampled figure over the longest-lived
-    process of that role (``lives``: {"role", "samples": [(refit, {metric: value})]}),
-    with its first and last values and the span of refits it covers."""
-    out: dict[str, dict] = {}
-    for role in sorted({life["role"] for life in lives}):
-        longest = max((life for life in lives if life["role"] == role),
-                      key=lambda life: len(life["samples"]))
-        samples = longest["samples"]
-        if len(samples) < 3:
-            continue
-        metrics = sorted({k for _, s in samples for k in s})
-        figures = {}
-        for m in metrics:
-            pts = [(r, s[m]) for r, s in samples if m in s]
-            k = slope(pts)
-            if k is not None:
-                figures[m] = {"per_1000_refits": round(k * 1000, 3), "first": round(pts[0][1], 2),
-                              "last": round(pts[-1][1], 2), "max": round(max(y for _, y in pts), 2)}
-        out[role] = {"refits": [samples[0][0], samples[-1][0]], "samples": len(samples),
-                     "figures": figures}
-    return out
 
 
 __all__ = ["MARGIN_S", "Tally", "check_delta_base", "check_survivor", "check_version",

@@ -33,6 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="stop after this long, reporting what was reached")
     p.add_argument("--report", default=None, help="write the report as JSON here (kept "
                                                   "up to date while the soak runs)")
+    p.add_argument("--trace-python-memory", action="store_true",
+                   help="trace Python allocations in every rank (tracemalloc; slower) and "
+                        "report the sites that grew most")
     p.add_argument("--progress-s", type=float, default=10.0, help="seconds between progress lines")
     return p
 

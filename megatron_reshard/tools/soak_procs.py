@@ -127,13 +127,18 @@ class Procs:
             replies[name] = {"status": "missing"}
         return replies, fault
 
-    def sample(self, refits: int) -> None:
-        """Each live rank's figures, recorded against the refit count."""
+    def sample(self, refits: int) -> dict[tuple, dict]:
+        """Each live rank's figures, recorded against the refit count; returns them by
+        (role, pid)."""
         replies, _ = self.call({n: ("sample", {}) for n, p in self.by_name.items() if p.alive()},
                                60.0)
+        out = {}
         for name, reply in replies.items():
             if reply["status"] == "ok":
-                self.by_name[name].samples.append((refits, reply["result"]))
+                proc = self.by_name[name]
+                proc.samples.append((refits, reply["result"]))
+                out[(proc.role, proc.pid)] = reply["result"]
+        return out
 
     def close(self) -> None:
         for proc in [*self.by_name.values(), *([self.spare] if self.spare else [])]:

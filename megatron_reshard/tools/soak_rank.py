@@ -16,13 +16,16 @@ parent imports this module (the spawn target) and never builds a model.
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import os
 import random
 import signal
+import sys
 import threading
 import time
 import traceback
+import tracemalloc
 import warnings
 from collections import Counter
 from typing import Any, Optional
@@ -43,6 +46,7 @@ HOST = "127.0.0.1"
 SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
 # the protocol's phases a fault can hit (refit.protocol's steps) and which side has each
 PHASES = ("version_vote", "plan_check", "bytes", "delta", "commit")
+TRACE_ENV = "MEGATRON_RESHARD_SOAK_TRACEMALLOC"  # set by the soak's --trace-python-memory
 
 
 # ------------------------------------------------------------------------- fault arming
@@ -130,11 +134,30 @@ def _children(pid: int) -> int:
     return count
 
 
-def sample() -> dict:
-    """What this process holds now: resident memory, fds, threads (native ones included),
-    child processes, CUDA memory where there is a GPU."""
+def _rss_mib() -> float:
     with open("/proc/self/status") as f:
-        rss = next(int(line.split()[1]) for line in f if line.startswith("VmRSS"))
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+def _malloc_trim() -> bool:
+    """Give the C allocator's free memory back to the system (glibc); False elsewhere."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim(0)
+    return True
+
+
+def sample() -> dict:
+    """What this process holds now: resident memory (as it is, and once the C allocator has
+    given back its free memory: ``rss_trimmed_mib``; what only the first has is the
+    allocator's, not a leak), Python's allocated blocks and objects, the bytes of the CPU
+    tensors alive, fds (sockets, shared memory), threads (native ones included), child
+    processes, CUDA memory where there is a GPU."""
+    out = {"rss_mib": _rss_mib()}
+    if _malloc_trim():
+        out["rss_trimmed_mib"] = _rss_mib()
     kinds = {"sockets": 0, "shm": 0}
     fds = os.listdir("/proc/self/fd")
     for fd in fds:
@@ -146,17 +169,68 @@ def sample() -> dict:
             kinds["sockets"] += 1
         elif target.startswith("/dev/shm/") or "(deleted)" in target:
             kinds["shm"] += 1
-    out = {"rss_mib": rss / 1024, "fds": len(fds), **kinds,
-           "threads": len(os.listdir("/proc/self/task")), "children": _children(os.getpid())}
+    out.update(fds=len(fds), **kinds, threads=len(os.listdir("/proc/self/task")),
+               children=_children(os.getpid()))
     # refit groups still alive (a group let go of is collected; one held past its failure's
-    # retirement is a leak), and the TCPStores among them
-    alive = Counter(type(o).__name__ for o in gc.get_objects()
-                    if type(o).__name__ in ("RefitGroup", "TCPStore", "FaultBoard"))
-    out.update(groups_alive=alive["RefitGroup"], boards_alive=alive["FaultBoard"])
+    # retirement is a leak), and the CPU tensors' storages (each counted once)
+    alive: Counter = Counter()
+    storages: dict[int, int] = {}
+    objects = gc.get_objects()
+    for o in objects:
+        name = type(o).__name__
+        if name in ("RefitGroup", "FaultBoard"):
+            alive[name] += 1
+        elif issubclass(type(o), torch.Tensor) and o.device.type == "cpu":  # (type(): no
+            # deprecated module's __class__ is read, which warns)
+            try:
+                st = o.untyped_storage()
+                storages[st.data_ptr()] = st.nbytes()
+            except (RuntimeError, NotImplementedError):  # a tensor without storage
+                pass
+    out.update(groups_alive=alive["RefitGroup"], boards_alive=alive["FaultBoard"],
+               gc_objects=len(objects), py_blocks=sys.getallocatedblocks(),
+               cpu_tensor_mib=sum(storages.values()) / 2**20)
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         out["gpu_alloc_mib"] = torch.cuda.memory_allocated() / 2**20
         out["gpu_reserved_mib"] = torch.cuda.memory_reserved() / 2**20
     return out
+
+
+class PyMemory:
+    """Python allocations by site (``tracemalloc``), when the soak asks for them
+    (``--trace-python-memory``; it slows every allocation): the second sample's snapshot
+    is the baseline; ``sites`` the allocation sites that grew most since, and the object
+    types whose count grew most."""
+
+    first = None
+    types: Counter = Counter()
+    samples = 0
+
+    @classmethod
+    def sample(cls) -> dict:
+        if not tracemalloc.is_tracing():
+            return {}
+        cls.samples += 1
+        if cls.samples == 2:  # not the first (before any refit): past the warm-up
+            cls.first = tracemalloc.take_snapshot()
+            cls.types = _object_types()
+        return {"py_traced_mib": tracemalloc.get_traced_memory()[0] / 2**20}
+
+    @classmethod
+    def sites(cls, top: int = 12) -> list:
+        if cls.first is None:
+            return []
+        now = _object_types()  # (before the comparison's own objects exist)
+        diff = tracemalloc.take_snapshot().compare_to(cls.first, "lineno")
+        grew = sorted(((n - cls.types.get(t, 0), t) for t, n in now.items()), reverse=True)
+        return {"sites": [{"site": str(d.traceback), "grew_kib": round(d.size_diff / 1024, 1),
+                           "blocks": d.count_diff} for d in diff[:top]],
+                "types": [{"type": t, "grew": k} for k, t in grew[:top] if k > 0]}
+
+
+def _object_types() -> Counter:
+    """How many objects the cyclic collector tracks, per type name."""
+    return Counter(type(o).__qualname__ for o in gc.get_objects())
 
 
 # ------------------------------------------------------------------------------- roles
@@ -388,6 +462,8 @@ def rank_main(conn) -> None:
     fired by this process sends ``("fault", {...})`` first."""
     apply_launch_defaults()
     torch.set_num_threads(1)
+    if os.environ.get(TRACE_ENV) == "1":
+        tracemalloc.start()
     # a rebuild after a fault destroys failed groups by design, and megatron-core warns of
     # missing fused kernels on every model build: neither is news in a soak's log
     warnings.filterwarnings("ignore", message="destroy_refit_group")
@@ -413,7 +489,9 @@ def rank_main(conn) -> None:
                 role = (TrainRank if kwargs["role"] == "train" else GenRank)(conn, **kwargs)
                 result = role.describe()
             elif cmd == "sample":
-                result = dict(sample(), py_threads=threading.active_count())
+                result = dict(sample(), py_threads=threading.active_count(), **PyMemory.sample())
+            elif cmd == "memory_sites":
+                result = PyMemory.sites(**kwargs)
             else:
                 result = getattr(role, cmd)(**kwargs)
             conn.send(("ok", result))
@@ -423,4 +501,4 @@ def rank_main(conn) -> None:
                                  "trace": traceback.format_exc()[-3000:]}))
 
 
-__all__ = ["PHASES", "rank_main", "sample"]
+__all__ = ["PHASES", "TRACE_ENV", "PyMemory", "rank_main", "sample"]
