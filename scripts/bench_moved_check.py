@@ -25,14 +25,11 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from megatron_reshard.tools.bench.timing import median_timer
+
 
 def _median_s(fn, repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return median_timer(torch.device("cpu"))(fn, repeat, 0)
 
 
 def main() -> None:
