@@ -117,6 +117,19 @@ class LiveTargets:
         self._signature = _signature(self.current())
         self.rebinds += 1
 
+    def followed(self, names) -> None:
+        """The caller re-bound these params itself (a staged session's live params behind
+        its staging tensors, ``receiver.staging``): their state now is the bound one."""
+        names = set(names)
+        if not names:
+            return
+        now = self.current()
+        per_param = list(zip(*self._signature))
+        for i, name in enumerate(self._names):
+            if name in names and now[i] is not None:
+                per_param[i] = tuple(zip(*_signature([now[i]])))[0]
+        self._signature = tuple(map(tuple, zip(*per_param)))
+
 
 def _slots(model: Optional[torch.nn.Module], given: Mapping[str, torch.Tensor],
            names: Sequence[str]) -> list[tuple[dict, str]]:

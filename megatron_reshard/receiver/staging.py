@@ -17,6 +17,14 @@ the refit's thread:
   (``staged_deltas``): the pause writes the changed elements, not every staged byte.
 - ``discard()``: drops a staged version, or stops a running refit at its next batch.
 
+vLLM may re-allocate a param between the staged receive and the flip (``param.data =``, a
+new ``Parameter``, ``model.to()``). ``start`` and ``flip`` read vLLM's params again first
+(``receiver.live_targets``, the session's cheap check): a staged param moved in the same
+shape, dtype and device is re-bound (the flip copies staging whole into the new storage);
+at the flip anything else (another shape, dtype or device, a param gone, an in-place param
+moved while its bytes waited for the pause) refuses the flip before any byte of it is
+written: the staged version is discarded, the live weights stay at N.
+
 A failure before the flip leaves the live weights consistent at N: only in-place params
 (those beyond the staging budgets) are ever written before it, and only after the
 pause began (``StagedWeights.writing`` gates them). docs/DESIGN.md, "Staged refits".
@@ -33,6 +41,7 @@ import torch
 
 from megatron_reshard.errors import BadInputError, CallOrderError
 from megatron_reshard.groups.faults import RefitError
+from megatron_reshard.receiver.live_targets import LiveTargets
 from megatron_reshard.receiver.staged_deltas import StagedDeltas, full_path_targets
 from megatron_reshard.receiver.staging_tiers import (allocate, bounce_host_specs, check_budget,
                                                      plan_tiers, tensor_bytes)
@@ -128,11 +137,17 @@ class StagedRefits:
 
     def __init__(self, live: Mapping[str, torch.Tensor], weights: WeightState,
                  budget_bytes: Optional[int] = None, where: str = "this rank",
-                 host_budget_bytes: Optional[int] = 0, delta_flip: str = "apply"):
+                 host_budget_bytes: Optional[int] = 0, delta_flip: str = "apply",
+                 model: Optional[torch.nn.Module] = None):
         """``delta_flip``: how the flip writes a delta refit: ``"apply"`` its payloads, or
         ``"copy"`` the staged params whole, as after a full refit (the same bytes; which is
-        faster depends on the device and the regions: docs/MEASUREMENTS.md)."""
+        faster depends on the device and the regions: docs/MEASUREMENTS.md). ``model``:
+        vLLM's model, whose params ``start`` and ``flip`` read again (else the objects in
+        ``live``)."""
         self.live = dict(live)
+        # vLLM's params as ``live`` was bound to them: read again at start and at the flip
+        self._watch = LiveTargets(self.live, self.live, model, where)
+        self.rebound: list[str] = []  # staged params re-bound since this refit started
         self.delta_flip = check_delta_flip(delta_flip)
         self.where = where
         self.budget_bytes = check_budget(budget_bytes)
@@ -236,6 +251,7 @@ class StagedRefits:
         self.result = self.error = None
         self.stats = {}
         self._session = session
+        self.rebound = sorted(self._follow_live(at_flip=False))
         if getattr(session, "loop", None) is not None:  # a delta refit's payloads, for the flip
             session.loop.on_delta_apply = self.deltas.record
         self._paused.clear()
@@ -306,12 +322,9 @@ class StagedRefits:
 
     def _raise_if_failed(self) -> None:
         if self.phase == "failed":
-            live = self.weights.live.as_dict()
-            held = (f"consistent at version {live['version']}" if live["state"] == "consistent"
-                    else f"inconsistent (in-place params {live['overwritten']} were written)")
             raise StagedRefitError(f"{self.where}: the staged refit failed before its flip "
                                    f"({type(self.error).__name__}: {self.error}); the live "
-                                   f"weights are {held}") from self.error
+                                   f"weights are {self._live_held()}") from self.error
 
     # -- the pause --------------------------------------------------------------------------
 
@@ -324,11 +337,16 @@ class StagedRefits:
         if self.phase == "idle":
             raise CallOrderError(f"{self.where}: no staged refit to flip (start_staged_refit)")
         t0 = time.perf_counter()
+        moved = self._follow_live(at_flip=True)  # before the gate opens: nothing written yet
+        self.rebound = sorted(set(self.rebound) | moved)
         self._paused.set()
         self._thread.join()
         t1 = time.perf_counter()
         self._raise_if_failed()
         copy, deltas = self._flip_plan()
+        # re-bound: their recorded delta views are of the old storage; staging holds N+1 whole
+        copy += [n for n in sorted(moved) if n not in copy]
+        deltas -= moved
         try:
             _copy_all([self.live[n] for n in copy], [self.staging[n] for n in copy])
             t2 = time.perf_counter()
@@ -355,7 +373,7 @@ class StagedRefits:
                           flip_commit_s=t4 - t3,
                           flip_bytes=copy_bytes + applied_bytes,
                           flip_copy_bytes=copy_bytes, flip_delta_regions=applied,
-                          flip_delta_targets=len(deltas))
+                          flip_delta_targets=len(deltas), flip_rebound=list(self.rebound))
         out = dict(self.result)
         out["staged"] = {**self.state(), "version": version}
         self.deltas.clear()  # applied: their payloads' memory goes now
@@ -374,9 +392,46 @@ class StagedRefits:
         dense = {n for n, b in self.deltas.payload_bytes_by_target().items()
                  if b * DENSE_DELTA_FRACTION >= tensor_bytes(self.staging[n])}
         # (a host-staged param went full: the bounce is a hook, the delta vote says so)
+        # (a live param re-bound in other strides: a delta's offsets are staging's, not its)
         copy = [n for n in self.staging
-                if n in full or n in dense or self.tier_of[n] == "host"]
+                if n in full or n in dense or self.tier_of[n] == "host"
+                or self.live[n].stride() != self.staging[n].stride()]
         return copy, self.deltas.targets() - set(copy)
+
+    def _follow_live(self, at_flip: bool) -> set:
+        """vLLM's params read again (``receiver.live_targets``). A staged param moved in the
+        same shape, dtype and device is re-bound here and in the session's check (its
+        target, the staging tensor, stays). At ``start`` the session's own check (voted to
+        every rank) re-binds the moved in-place params and refuses the rest; at the flip
+        anything but a staged param moved discards the staged version and raises, before
+        any byte of the flip is written. The names re-bound."""
+        changed = self._watch.check()
+        if changed is None:
+            return set()
+        moved = {n: t for n, t in changed.moved.items() if n in self.staging}
+        late = [n for n in changed.moved if n not in self.staging]
+        if at_flip and (changed.refused or late):
+            problems = list(changed.refusals) + [
+                f"{n} on {self.where}: vLLM re-allocated it while the staged refit waited for "
+                f"the pause to write it in place (into the storage bound when it started)"
+                for n in late]
+            self.discard()
+            raise StagedRefitError(f"{self.where}: the flip is refused before writing any "
+                                   f"byte: vLLM's params changed since the staged refit "
+                                   f"started: {'; '.join(problems)}. The staged version is "
+                                   f"discarded; the live weights are {self._live_held()}. "
+                                   f"Call prepare_refit again for the model as it is now")
+        self.live.update(changed.moved)  # the same dict as ``self.deltas.live``
+        self._watch.followed(changed.moved)
+        session_live = getattr(self._session, "live", None)
+        if session_live is not None:
+            session_live.followed(moved)
+        return set(changed.moved)
+
+    def _live_held(self) -> str:
+        live = self.weights.live.as_dict()
+        return (f"consistent at version {live['version']}" if live["state"] == "consistent"
+                else f"inconsistent (in-place params {live['overwritten']} were written)")
 
     def discard(self, timeout_s: Optional[float] = None) -> dict:
         """Drop the staged version (the live weights stay as they are), stopping a running

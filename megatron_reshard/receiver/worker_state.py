@@ -305,7 +305,7 @@ class RefitWorkerState:
             views = {n: v for layer in staged for n, v in layer.receive_views().items()}
             targets = [(n, views.get(n, p)) for n, p in model.named_parameters()
                        if n not in derived]
-            stager = self._stager(checked, staged, targets)
+            stager = self._stager(checked, staged, targets, model)
         self.session = ReceiverSession(payload, stager.targets(targets) if stager else targets,
                                        groups, receive_misc=receive_misc, vllm_tp=vllm_tp,
                                        weights=stager.weights if stager else self.weights,
@@ -317,8 +317,8 @@ class RefitWorkerState:
         self.staged = StagedConversions(staged)
         return PrepareSummary.of_report(self.session.report())
 
-    def _stager(self, checked: PrepareOptions, staged: list, targets: list
-                ) -> Optional[StagedRefits]:
+    def _stager(self, checked: PrepareOptions, staged: list, targets: list,
+                model: Optional[torch.nn.Module] = None) -> Optional[StagedRefits]:
         """The staging tensors of a ``staged`` session (None otherwise)."""
         if not checked.staged:
             return None
@@ -330,7 +330,7 @@ class RefitWorkerState:
                                 f"'Staged refits')")
         return StagedRefits(dict(targets), self.weights, checked.staging_budget_bytes,
                             host_budget_bytes=checked.host_staging_budget_bytes,
-                            delta_flip=checked.staged_delta_flip,
+                            delta_flip=checked.staged_delta_flip, model=model,
                             where=f"generation worker at refit group rank {self.group_rank}")
 
     def require_stager(self) -> StagedRefits:
