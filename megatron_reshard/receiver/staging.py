@@ -147,7 +147,7 @@ class StagedRefits:
         self.live = dict(live)
         # vLLM's params as ``live`` was bound to them: read again at start and at the flip
         self._watch = LiveTargets(self.live, self.live, model, where)
-        self.rebound: list[str] = []  # staged params re-bound since this refit started
+        self.rebound: list[str] = []  # params re-bound since this refit started
         self.delta_flip = check_delta_flip(delta_flip)
         self.where = where
         self.budget_bytes = check_budget(budget_bytes)
