@@ -67,7 +67,7 @@ def clear_hand_off() -> None:
 def handed(slot: str) -> Any:
     """What ``hand_off`` gave for ``slot`` (None if nothing)."""
     if slot not in _SLOTS:
-        raise ValueError(f"unknown hand-off slot {slot!r}; known: {list(_SLOTS)}")
+        raise BadInputError(f"unknown hand-off slot {slot!r}; known: {list(_SLOTS)}")
     return _handed.get(slot)
 
 

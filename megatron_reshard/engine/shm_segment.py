@@ -27,6 +27,8 @@ import weakref
 
 import torch
 
+from megatron_reshard.errors import BadInputError
+
 SHM_DIR = "/dev/shm"  # where glibc's shm_open keeps POSIX segments (Linux)
 # torch's header before the data of a file_system segment (at::RefcountedMapAllocator:
 # its reference count, padded to map_alloc_alignment)
@@ -58,7 +60,7 @@ def map_segment(name: bytes, nbytes: int) -> torch.UntypedStorage:
     try:
         size = os.fstat(fd).st_size
         if size != HEADER_BYTES + nbytes:
-            raise ValueError(f"shared segment {path} holds {size} bytes, expected torch's "
+            raise BadInputError(f"shared segment {path} holds {size} bytes, expected torch's "
                              f"{HEADER_BYTES}-byte header and {nbytes} bytes of data")
         if nbytes == 0:
             return torch.UntypedStorage(0)

@@ -18,6 +18,7 @@ from typing import Any, Iterable, Mapping, NamedTuple, Optional
 import torch
 
 from megatron_reshard.delta.encoding import apply_many
+from megatron_reshard.errors import BadInputError
 
 
 class StagedDelta(NamedTuple):
@@ -42,7 +43,7 @@ def live_view(view: torch.Tensor, staging: torch.Tensor, live: torch.Tensor) -> 
               - staging.storage_offset() * staging.element_size()
               + live.storage_offset() * live.element_size())
     if offset % view.element_size():
-        raise ValueError(f"a region at byte {offset} of a {live.dtype} param cannot be seen "
+        raise BadInputError(f"a region at byte {offset} of a {live.dtype} param cannot be seen "
                          f"as {view.dtype}")
     out = torch.empty(0, dtype=view.dtype, device=live.device)
     return out.set_(live.untyped_storage(), offset // view.element_size(), view.size(),
