@@ -37,10 +37,17 @@ class Call:
         return self._done.wait(timeout_s)
 
     def result(self) -> Any:
-        """The value of a finished call, or its exception raised here."""
-        if self._error is not None:
-            raise self._error
-        return self._value
+        """The value of a finished call, or its exception raised here (handed over once,
+        not kept: raised here, it gains the caller's frames, and a ``Call`` still holding it
+        from one of them would be a cycle that keeps every local of the calling frames, a
+        refit group among them, alive until the cyclic collector runs; issue 52)."""
+        error, self._error = self._error, None
+        if error is None:
+            return self._value
+        try:
+            raise error
+        finally:
+            del error  # nor this frame (in the traceback) holding the exception back
 
 
 class DaemonThreads:

@@ -410,21 +410,19 @@ class GenRank:
         Armed.arm(arm)
         if arm and arm["phase"] == "bytes":
             arm_bytes(self.worker.refit_worker_state.require_session().loop, self.seed)
+        error: dict = {}
         try:
             out = self.worker.refit()
-            error = None
         except Exception as exc:  # noqa: BLE001 - the error is part of the result
-            out, error = {}, exc
+            # its text only: the exception kept in a local of this frame, which its
+            # traceback holds, is a cycle keeping the failed group alive (issue 52)
+            out, error = {}, {"error": f"{type(exc).__name__}: {exc}",
+                              "error_type": type(exc).__name__, "at": time.time()}
         finally:
             Armed.arm(None)
-        result = {"before": before, "after": _digests(self.model.named_parameters()),
-                  "state": self.worker.refit_weights_state(), "mode": out.get("mode"),
-                  "version": out.get("version")}
-        if error is not None:
-            result["error"] = f"{type(error).__name__}: {error}"
-            result["error_type"] = type(error).__name__
-            result["at"] = time.time()
-        return result
+        return {"before": before, "after": _digests(self.model.named_parameters()),
+                "state": self.worker.refit_weights_state(), "mode": out.get("mode"),
+                "version": out.get("version"), **error}
 
     def state(self) -> dict:
         return {"state": self.worker.refit_weights_state(),
