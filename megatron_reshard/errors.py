@@ -10,6 +10,8 @@ Stdlib only: the receiver (torch-only inside vLLM workers) and the engine import
 
 from __future__ import annotations
 
+import traceback
+
 
 class MegatronReshardError(Exception):
     """Base of every error of megatron_reshard."""
@@ -34,3 +36,22 @@ class MissingEntryError(MegatronReshardError, KeyError):
 class CallOrderError(MegatronReshardError, RuntimeError):
     """A call made out of its order (a refit before ``prepare_refit``, an update outside
     ``start_weight_update`` / ``finish_weight_update``)."""
+
+
+def kept_without_frames(exc: BaseException) -> BaseException:
+    """``exc``, to be kept past the frame that caught it (a thread's failure handed to a later
+    call), with the tracebacks of it and of the exceptions it chains dropped and their text
+    added as a note. Kept with its frames, it would hold their locals (the object keeping it,
+    a refit group) in a cycle until Python's cyclic collector runs: a failed group's gloo
+    threads and sockets outliving its retirement (issue 52)."""
+    trace = "".join(traceback.format_exception(exc)).rstrip()
+    chained, seen = [exc], set()
+    while chained:
+        error = chained.pop()
+        if error is None or id(error) in seen:
+            continue
+        seen.add(id(error))
+        error.__traceback__ = None
+        chained += [error.__cause__, error.__context__]
+    exc.add_note(f"(where it was raised, on the thread that caught it:)\n{trace}")
+    return exc

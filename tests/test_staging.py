@@ -131,3 +131,23 @@ def test_a_discard_stops_a_refit_waiting_for_the_pause_before_it_writes_in_place
     assert state.consistent and state.version == 1
     assert all(bool((t == 0).all()) for t in live.values())
     assert isinstance(stager.error, StagedRefitError) and "discarded" in str(stager.error)
+
+
+def test_a_failed_staged_refit_keeps_its_error_without_the_threads_frames():
+    """The transfer thread's error is kept for wait / flip; kept with its traceback, its
+    frames (their locals: this stager, the session and its refit groups) would form a cycle
+    holding a failed group's gloo threads and sockets until the cyclic collector runs
+    (issue 52). The text of where it was raised stays, as a note."""
+    live, state = _live(), WeightState(version=1)
+    stager = StagedRefits(live, state)
+    session = _Writer(stager, stager.targets(live.items()), 9.0, 2, fail="vote: no")
+    stager.start(session)
+    session.release.set()
+    with pytest.raises(StagedRefitError, match="live weights are consistent at version 1"):
+        stager.wait(10)
+    chained, error = [], stager.error
+    while error is not None and error not in chained:
+        chained.append(error)
+        error = error.__cause__ or error.__context__
+    assert chained and all(e.__traceback__ is None for e in chained)
+    assert any("Traceback" in note for note in stager.error.__notes__)

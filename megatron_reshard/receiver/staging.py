@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional
 
 import torch
 
-from megatron_reshard.errors import BadInputError, CallOrderError
+from megatron_reshard.errors import BadInputError, CallOrderError, kept_without_frames
 from megatron_reshard.groups.faults import RefitError
 from megatron_reshard.receiver.live_targets import LiveTargets
 from megatron_reshard.receiver.staged_deltas import StagedDeltas, full_path_targets
@@ -287,7 +287,7 @@ class StagedRefits:
             self.phase = "staged"
         except BaseException as exc:  # noqa: BLE001 - handed to wait/flip, which raise it
             self.deltas.clear()  # never applied: their payloads' memory goes now
-            self.error = exc
+            self.error = kept_without_frames(exc)  # its frames would hold this stager's groups
             self.phase = "failed"
         finally:
             self._ready.set()

@@ -253,6 +253,8 @@ class MegatronReshardTrainerWeightTransferEngine(
         except Exception:
             engine._release_after_failed_init()
             raise
+        finally:
+            connect_error = None  # this frame, in its traceback, would hold it: a cycle (issue 52)
         return engine
 
     def _release_after_failed_init(self) -> None:
@@ -315,7 +317,11 @@ class MegatronReshardTrainerWeightTransferEngine(
                     self.client.finish_weight_update(weight_version=str(version))
                 except Exception as exc:  # noqa: BLE001
                     client_error = _text(exc, "finish_weight_update")
-            self._agree(client_error, f"send_weights (version {version if version is not None else 'the sender picks'})", refit_error)
+            try:
+                self._agree(client_error, "send_weights (version "
+                            f"{version if version is not None else 'the sender picks'})", refit_error)
+            finally:
+                refit_error = None  # this frame, in its traceback, would hold it: a cycle (issue 52)
 
     def shutdown(self) -> None:
         """Destroy this rank's refit group; rank 0 has the workers release theirs."""
