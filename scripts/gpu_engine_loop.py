@@ -105,7 +105,7 @@ def tp_problem(spec: dict, tp: int, gpus: int | None) -> str | None:
     return None
 
 
-def _fp8_cut(spec: dict, tp: int) -> str | None:
+def fp8_cut(spec: dict, tp: int) -> str | None:
     """The first weight whose slice on a vLLM TP ``tp`` rank is not whole FP8 tiles, or None."""
     hd = spec["head_dim"]
     split = {"q_proj / o_proj": spec["num_attention_heads"] * hd,
@@ -126,11 +126,11 @@ def quant_problem(model: str, size: str, tp: int, quant: str) -> str | None:
     anything starts: the library would refuse it at the trainers' init), or None."""
     if quant == "none":
         return None
-    cut = _fp8_cut(model_spec(model, size, tp, quant), tp)
+    cut = fp8_cut(model_spec(model, size, tp, quant), tp)
     if cut is None:
         return None
     fits = [t for t in (1, 2, 4, 8) if not tp_problem(model_spec(model, size, t, quant), t, None)
-            and not _fp8_cut(model_spec(model, size, t, quant), t)]
+            and not fp8_cut(model_spec(model, size, t, quant), t)]
     return (f"--quant {quant} --model {model} --size {size} --tp {tp}: {cut}; use --tp "
             f"{' or '.join(map(str, fits)) or '(none fits)'}, --size tiny, or --quant none")
 

@@ -157,28 +157,29 @@ def test_fp8_under_tp_that_cuts_a_tile_is_refused_before_anything_starts(capsys)
     assert loop.model_spec("moe", "tiny", 2) == loop.model_spec("moe", "tiny", 2, "none")
 
 
-@pytest.mark.parametrize("picked", [True, False])
-def test_the_librarys_fp8_plan_takes_the_picked_tp_sizes_and_refuses_the_old_ones(
-        tmp_path, monkeypatch, picked):
+@pytest.mark.parametrize("change,cut", [({}, None), ({"head_dim": 64}, "k_proj"),
+                                        ({"moe_ffn_hidden_size": 128}, "experts")])
+def test_the_librarys_fp8_plan_refuses_what_the_check_refuses(tmp_path, monkeypatch, change, cut):
     """``--model moe --tp 2 --quant fp8_per_block --plan``: the two trainers plan the
     block-FP8 refit with the library (``fp8.plan``), which checks every vLLM rank's slice for
-    whole tiles. The picked sizes pass; the sizes the run had before (head_dim 64, expert
-    intermediate 128: 64 rows per rank) are refused by the library at the trainers' init,
-    the refusal the script's own check now gives before anything starts."""
+    whole tiles. The picked sizes pass; each size the run had before (head_dim 64: 64 KV
+    rows per rank; expert intermediate 128: 64 rows per rank) is refused by the library at
+    the trainers' init, naming the weight the script's own check names before anything starts."""
     import json
 
-    if not picked:
-        old = dict(loop.model_spec("moe", "tiny", 2), head_dim=64)
-        monkeypatch.setattr(loop, "model_spec", lambda *args: dict(old))
-        monkeypatch.setattr(loop, "quant_problem", lambda *args: None)
+    spec = dict(loop.model_spec("moe", "tiny", 2, "fp8_per_block"), **change)
+    found = loop.fp8_cut(spec, 2)
+    assert (found is None) if cut is None else (cut in found), found
+    monkeypatch.setattr(loop, "model_spec", lambda *args: dict(spec))  # past the script's check
+    monkeypatch.setattr(loop, "quant_problem", lambda *args: None)
     out = tmp_path / "plan.json"
     code = loop.main(["--model", "moe", "--tp", "2", "--quant", "fp8_per_block", "--plan",
                       "--json", str(out)])
     report = json.loads(out.read_text())
-    if picked:
+    if cut is None:
         assert code == 0 and report["ok"], report
         assert report["plan"]["llm"] == {"tensor_parallel_size": 2, "quantization": "fp8_per_block"}
     else:
         assert code == 1 and not report["ok"], report
-        assert "Fp8SplitError" in report["error"] and "cuts a 128x128 FP8 block" in report["error"], \
-            report["error"]
+        refused = report["error"][report["error"].index("Fp8SplitError:"):]
+        assert "cuts a 128x128 FP8 block" in refused and cut in refused.split("\n")[1], refused
