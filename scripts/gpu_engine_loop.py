@@ -33,6 +33,8 @@ model gets max(2, N) KV heads (Megatron TP N splits them; vLLM would replicate, 
 cannot). ``--plan`` (no GPU, no vLLM) spawns the N trainers on the CPU as the run would
 (gloo), checks what each built (the same payload bytes, aimed at vLLM TP N, a refit group of
 2N ranks), runs one optimizer step and the full-tensor gather over them, and prints the plan.
+``--quant fp8_per_block`` under ``--tp N``: sizes whose vLLM rank slices are not whole
+128-row FP8 tiles are raised (tiny) or refused before anything starts (``quant_problem``).
 Prints one line per check, ``ENGINE_LOOP {json}`` last; exit 0 when every check held.
 """
 
