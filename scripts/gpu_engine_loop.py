@@ -133,8 +133,9 @@ def quant_problem(model: str, size: str, tp: int, quant: str) -> str | None:
         return None
     fits = [t for t in (1, 2, 4, 8) if not tp_problem(model_spec(model, size, t, quant), t, None)
             and not fp8_cut(model_spec(model, size, t, quant), t)]
+    other = ", --size tiny" if size != "tiny" else ""
     return (f"--quant {quant} --model {model} --size {size} --tp {tp}: {cut}; use --tp "
-            f"{' or '.join(map(str, fits)) or '(none fits)'}, --size tiny, or --quant none")
+            f"{' or '.join(map(str, fits)) or '(none fits)'}{other} or --quant none")
 
 
 def hf_config(spec: dict, arch: str) -> dict:
