@@ -33,6 +33,8 @@ model gets max(2, N) KV heads (Megatron TP N splits them; vLLM would replicate, 
 cannot). ``--plan`` (no GPU, no vLLM) spawns the N trainers on the CPU as the run would
 (gloo), checks what each built (the same payload bytes, aimed at vLLM TP N, a refit group of
 2N ranks), runs one optimizer step and the full-tensor gather over them, and prints the plan.
+``--quant fp8_per_block`` under ``--tp N``: sizes whose vLLM rank slices are not whole
+128-row FP8 tiles are raised (tiny) or refused before anything starts (``quant_problem``).
 Prints one line per check, ``ENGINE_LOOP {json}`` last; exit 0 when every check held.
 """
 
@@ -71,13 +73,24 @@ PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], [100, 37, 999, 5], list(range(50, 82))]
 GEN_TOKENS = 16
 TRAINER_DEVICE = "cuda"  # the trainers' device type (one device each)
 QUANT = {"none": (None, None), "fp8_per_block": ("fp8_per_block", "block_fp8")}  # vLLM's, ours
+FP8_TILE = 128  # vLLM's block FP8: weight_block_size [128, 128]
 
 
-def model_spec(model: str, size: str, tp: int) -> dict:
+def model_spec(model: str, size: str, tp: int, quant: str = "none") -> dict:
     """The trainer's TinyGPTSpec fields for ``--model`` / ``--size`` under TP ``tp``: at
-    least one KV head per GPU (Megatron TP splits the KV heads, it cannot replicate them)."""
+    least one KV head per GPU (Megatron TP splits the KV heads, it cannot replicate them).
+    Under ``--quant fp8_per_block`` each vLLM rank's slice of a linear weight must be whole
+    128-row tiles (vLLM and the library refuse a split that cuts one; at TP1 k and v of
+    2 x 32 rows shared a tile, seen on an H100): the KV rows per rank (head_dim) and, for the
+    tiny model, the MLP and expert intermediate sizes are raised."""
     spec = dict(MODELS[model][0], **(LARGE[model] if size == "large" else {}))
     spec["num_query_groups"] = max(spec["num_query_groups"], tp)
+    if quant != "none":
+        groups_per_rank = max(1, spec["num_query_groups"] // max(tp, 1))
+        spec["head_dim"] = max(spec["head_dim"], FP8_TILE // groups_per_rank)
+        for key in ("ffn_hidden_size", "moe_ffn_hidden_size"):
+            if size == "tiny" and spec.get(key):
+                spec[key] = max(spec[key], FP8_TILE * tp)
     return spec
 
 
@@ -92,6 +105,37 @@ def tp_problem(spec: dict, tp: int, gpus: int | None) -> str | None:
     if gpus is not None and gpus < tp:
         return f"--tp {tp}: one GPU per trainer and vLLM worker, {gpus} visible"
     return None
+
+
+def fp8_cut(spec: dict, tp: int) -> str | None:
+    """The first weight whose slice on a vLLM TP ``tp`` rank is not whole FP8 tiles, or None."""
+    hd = spec["head_dim"]
+    split = {"q_proj / o_proj": spec["num_attention_heads"] * hd,
+             "k_proj / v_proj": spec["num_query_groups"] * hd}
+    if spec.get("num_moe_experts"):  # vLLM TP splits every expert (no EP)
+        split["the experts' gate / up / down"] = spec["moe_ffn_hidden_size"]
+    else:
+        split["gate / up / down_proj"] = spec["ffn_hidden_size"]
+    for name, rows in split.items():
+        if rows % tp or (rows // tp) % FP8_TILE:
+            return (f"{name}: {rows / tp:g} of its {rows} rows per vLLM rank under TP {tp}, "
+                    f"not whole {FP8_TILE}-row FP8 tiles")
+    return None
+
+
+def quant_problem(model: str, size: str, tp: int, quant: str) -> str | None:
+    """Why ``--quant`` cannot run ``--model`` / ``--size`` under ``--tp`` (checked before
+    anything starts: the library would refuse it at the trainers' init), or None."""
+    if quant == "none":
+        return None
+    cut = fp8_cut(model_spec(model, size, tp, quant), tp)
+    if cut is None:
+        return None
+    fits = [t for t in (1, 2, 4, 8) if not tp_problem(model_spec(model, size, t, quant), t, None)
+            and not fp8_cut(model_spec(model, size, t, quant), t)]
+    other = ", --size tiny" if size != "tiny" else ""
+    return (f"--quant {quant} --model {model} --size {size} --tp {tp}: {cut}; use --tp "
+            f"{' or '.join(map(str, fits)) or '(none fits)'}{other} or --quant none")
 
 
 def hf_config(spec: dict, arch: str) -> dict:
@@ -238,12 +282,8 @@ class Loop:
     def __init__(self, args):
         self.args = args
         _, self.family, self.arch = MODELS[args.model]
-        self.spec = model_spec(args.model, args.size, args.tp)
+        self.spec = model_spec(args.model, args.size, args.tp, args.quant)
         self.vllm_quant, self.gen_quant = QUANT[args.quant]
-        if self.vllm_quant:
-            # vLLM quantizes the fused qkv_proj as one tensor in 128-row tiles: k and v of
-            # 2 x 32 rows would share a tile and its scale (refused at init, seen on an H100)
-            self.spec = dict(self.spec, head_dim=max(self.spec["head_dim"], 64))
         self.report: dict = {"case": vars(args), "checks": [], "refits": [], "ok": True}
         self.version = 0
         self.last_snapshot = self.last_gen = None
@@ -586,7 +626,8 @@ def main(argv=None) -> int:
     p.add_argument("--plan", action="store_true",
                    help="no GPU, no vLLM: the trainers on the CPU, what they build, the plan")
     args = p.parse_args(argv)
-    problem = tp_problem(model_spec(args.model, args.size, args.tp), args.tp, None)
+    problem = (tp_problem(model_spec(args.model, args.size, args.tp, args.quant), args.tp, None)
+               or quant_problem(args.model, args.size, args.tp, args.quant))
     if problem:
         p.error(problem)
     loop = Loop(args)

@@ -135,3 +135,51 @@ def test_tp_gives_each_rank_a_kv_head_and_refuses_what_cannot_split(tp, groups, 
     assert (found is None) if problem is None else (problem in found), found
     if problem is None:
         assert "2 visible" in loop.tp_problem(spec, 4, 2)  # more ranks than GPUs
+
+
+def test_fp8_under_tp_that_cuts_a_tile_is_refused_before_anything_starts(capsys):
+    """``--quant fp8_per_block`` with ``--size large --tp 4``: the MoE model's 768 expert
+    rows give each vLLM rank 192, not whole 128-row tiles; the argument check refuses it
+    naming the sizes and the ``--tp`` values that fit (the tiny model's sizes are raised)."""
+    with pytest.raises(SystemExit) as exit_info:
+        loop.main(["--model", "moe", "--size", "large", "--tp", "4", "--quant", "fp8_per_block",
+                   "--plan"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "192 of its 768 rows per vLLM rank under TP 4" in err, err
+    assert "use --tp 1 or 2" in err, err
+    for tp in (1, 2, 4, 8):  # the tiny model: every per-rank slice whole tiles
+        spec = loop.model_spec("moe", "tiny", tp, "fp8_per_block")
+        assert loop.quant_problem("moe", "tiny", tp, "fp8_per_block") is None, tp
+        for rows in (spec["num_query_groups"] * spec["head_dim"], spec["moe_ffn_hidden_size"]):
+            assert rows % (128 * tp) == 0, (tp, spec)
+    assert loop.quant_problem("moe", "large", 4, "none") is None
+    assert loop.model_spec("moe", "tiny", 2) == loop.model_spec("moe", "tiny", 2, "none")
+
+
+@pytest.mark.parametrize("change,cut", [({}, None), ({"head_dim": 64}, "k_proj"),
+                                        ({"moe_ffn_hidden_size": 128}, "experts")])
+def test_the_librarys_fp8_plan_refuses_what_the_check_refuses(tmp_path, monkeypatch, change, cut):
+    """``--model moe --tp 2 --quant fp8_per_block --plan``: the two trainers plan the
+    block-FP8 refit with the library (``fp8.plan``), which checks every vLLM rank's slice for
+    whole tiles. The picked sizes pass; each size the run had before (head_dim 64: 64 KV
+    rows per rank; expert intermediate 128: 64 rows per rank) is refused by the library at
+    the trainers' init, naming the weight the script's own check names before anything starts."""
+    import json
+
+    spec = dict(loop.model_spec("moe", "tiny", 2, "fp8_per_block"), **change)
+    found = loop.fp8_cut(spec, 2)
+    assert (found is None) if cut is None else (cut in found), found
+    monkeypatch.setattr(loop, "model_spec", lambda *args: dict(spec))  # past the script's check
+    monkeypatch.setattr(loop, "quant_problem", lambda *args: None)
+    out = tmp_path / "plan.json"
+    code = loop.main(["--model", "moe", "--tp", "2", "--quant", "fp8_per_block", "--plan",
+                      "--json", str(out)])
+    report = json.loads(out.read_text())
+    if cut is None:
+        assert code == 0 and report["ok"], report
+        assert report["plan"]["llm"] == {"tensor_parallel_size": 2, "quantization": "fp8_per_block"}
+    else:
+        assert code == 1 and not report["ok"], report
+        refused = report["error"][report["error"].index("Fp8SplitError:"):]
+        assert "cuts a 128x128 FP8 block" in refused and cut in refused.split("\n")[1], refused

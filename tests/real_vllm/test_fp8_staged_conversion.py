@@ -30,6 +30,11 @@ from megatron_reshard.tools.vllm_refit import vllm_refit_job  # noqa: E402
 from megatron_reshard.tools.run_config import RefitRunConfig  # noqa: E402
 
 pytestmark = pytest.mark.slow
+# vLLM's FP8 post-load for FlashInfer TRTLLM experts shuffles them with flashinfer's own
+# helpers, which not every vLLM of the range brings (0.25.1's venv has no flashinfer)
+needs_flashinfer = pytest.mark.skipif(
+    importlib.util.find_spec("flashinfer") is None,
+    reason="flashinfer is not installed: vLLM's FP8 FlashInfer TRTLLM post-load needs it")
 
 # every per-rank q / k / v / gate / up / down and expert slice whole 128x128 tiles under
 # train TP2 EP2 and gen TP2: head_dim 128, hidden 128, intermediate 256 (128 per rank)
@@ -139,6 +144,7 @@ def test_a_skipped_conversion_fails_the_comparison(cutlass_fp8):
 
 
 
+@needs_flashinfer
 @pytest.mark.parametrize("gen", ["tp2", "tp2 ep2"])
 def test_fp8_trtllm_experts_are_received_through_a_checkpoint_shaped_view(pool, gen):
     """Block-FP8 experts under FlashInfer TRTLLM (Blackwell's default): vLLM re-allocates
@@ -183,6 +189,7 @@ def test_fp8_triton_experts_take_the_staged_path_at_no_cost(pool):
 NOT_HERE = ("DEEPGEMM", "MARLIN", "AITER", "HUMMING", "CPU", "XPU")
 
 
+@needs_flashinfer  # its last check builds the TRTLLM experts
 def test_fp8_backends_whose_conversion_cannot_run_here_are_refused(pool):
     from megatron_reshard.testing.vllm_staged_checks import fp8_refusals_job
 

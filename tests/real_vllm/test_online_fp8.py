@@ -24,7 +24,8 @@ import torch
 pytest.importorskip("vllm.distributed")  # the real vLLM, installed in the vLLM test venv
 pytest.importorskip("compressed_tensors")  # vLLM's quantization registry imports it
 
-from test_fp8_staged_conversion import MOE_LAYERS, QWEN3_MOE_FP8, _check_staged_table  # noqa: E402
+from test_fp8_staged_conversion import (MOE_LAYERS, QWEN3_MOE_FP8, _check_staged_table,  # noqa: E402
+                                        needs_flashinfer)
 from test_real_vllm import REFITS, _build, layout, vllm_config_json  # noqa: E402
 from megatron_reshard.fp8.quant import quantize_blockwise_fp8  # noqa: E402
 from megatron_reshard.testing.fp8_reference import reference_block_fp8  # noqa: E402
@@ -154,6 +155,7 @@ def test_online_block_fp8_triton_experts(pool):
         assert staged["peak_staging_bytes"] == 0, staged  # Triton's conversion is the identity
 
 
+@needs_flashinfer
 def test_online_block_fp8_trtllm_experts_under_vllm_ep(pool):
     for g in _online_refit(pool, "flashinfer_trtllm", gen="tp2 ep2"):
         staged = _check_bit_equal(g, "FLASHINFER_TRTLLM")
