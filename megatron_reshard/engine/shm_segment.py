@@ -54,14 +54,14 @@ def segment_path(name: bytes) -> str:
 def map_segment(name: bytes, nbytes: int) -> torch.UntypedStorage:
     """The ``nbytes`` of data of the torch ``file_system`` segment ``name``, mapped here
     (read and write, shared with its owner). Raises ``OSError`` if the segment is gone and
-    ``ValueError`` if its size is not torch's header plus ``nbytes``."""
+    ``BadInputError`` (a ``ValueError``) if its size is not torch's header plus ``nbytes``."""
     path = segment_path(name)
     fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)  # no O_CREAT: a freed segment stays freed
     try:
         size = os.fstat(fd).st_size
         if size != HEADER_BYTES + nbytes:
             raise BadInputError(f"shared segment {path} holds {size} bytes, expected torch's "
-                             f"{HEADER_BYTES}-byte header and {nbytes} bytes of data")
+                                f"{HEADER_BYTES}-byte header and {nbytes} bytes of data")
         if nbytes == 0:
             return torch.UntypedStorage(0)
         addr = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
