@@ -32,6 +32,9 @@ import sys
 import tempfile
 import xml.etree.ElementTree as ET
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from run_reference_tests import read_reference_file  # noqa: E402
+
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 VERL_SITE = REPO_ROOT / ".verl-site"
 
@@ -88,15 +91,7 @@ DEPS = ("transformers==5.11.0", "huggingface_hub==1.33.0", "tokenizers==0.22.2",
 
 def read_file(snapshot: pathlib.Path, rel: str, rev: str) -> str:
     """The text of ``rel`` in the snapshot (git directory or work tree)."""
-    if (snapshot / rel).is_file():
-        return (snapshot / rel).read_text()
-    git_dir = snapshot / ".git" if (snapshot / ".git").exists() else snapshot
-    proc = subprocess.run(["git", f"--git-dir={git_dir}", "show", f"{rev}:{rel}"],
-                          capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"run_framework_tests: cannot read {rel} at {rev} from {snapshot}: "
-                         f"{proc.stderr.strip()}")
-    return proc.stdout
+    return read_reference_file(snapshot, rel, rev, who="run_framework_tests")
 
 
 def export_package(snapshot: pathlib.Path, package: str, rev: str, dest: pathlib.Path) -> None:

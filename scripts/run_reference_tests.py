@@ -34,15 +34,17 @@ _ALIAS = (
 )
 
 
-def read_reference_file(snapshot: pathlib.Path, rel: str, rev: str) -> str:
-    """The text of ``rel`` in the snapshot (git directory or work tree)."""
+def read_reference_file(snapshot: pathlib.Path, rel: str, rev: str,
+                        who: str = "run_reference_tests") -> str:
+    """The text of ``rel`` in the snapshot (git directory or work tree); ``who`` opens the
+    error (scripts/run_framework_tests.py reads its snapshots with it too)."""
     if (snapshot / rel).is_file():
         return (snapshot / rel).read_text()
     git_dir = snapshot / ".git" if (snapshot / ".git").exists() else snapshot
     proc = subprocess.run(["git", f"--git-dir={git_dir}", "show", f"{rev}:{rel}"],
                           capture_output=True, text=True)
     if proc.returncode != 0:
-        raise SystemExit(f"run_reference_tests: cannot read {rel} at {rev} from {snapshot}: "
+        raise SystemExit(f"{who}: cannot read {rel} at {rev} from {snapshot}: "
                          f"{proc.stderr.strip()}")
     return proc.stdout
 
