@@ -30,10 +30,9 @@ import pathlib
 import subprocess
 import sys
 import tempfile
-import xml.etree.ElementTree as ET
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from run_reference_tests import read_reference_file  # noqa: E402
+from run_reference_tests import counts, read_reference_file  # noqa: E402
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 VERL_SITE = REPO_ROOT / ".verl-site"
@@ -119,15 +118,6 @@ def stage(tmp: pathlib.Path, framework: str, snapshot: pathlib.Path, rev: str,
             dest.write_text(read_file(snapshot, rel, rev))
         nodes.append(str(dest) + (f"::{inner}" if inner else ""))
     return nodes
-
-
-def counts(junit_xml: pathlib.Path) -> dict[str, int]:
-    suite = ET.parse(junit_xml).getroot()
-    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
-    total = int(suite.get("tests", 0))
-    failed, errors, skipped = (int(suite.get(k, 0)) for k in ("failures", "errors", "skipped"))
-    return {"total": total, "passed": total - failed - errors - skipped,
-            "failed": failed, "errors": errors, "skipped": skipped}
 
 
 def install_deps(deps: pathlib.Path) -> None:
