@@ -23,6 +23,7 @@ pytest.importorskip("vllm.distributed")
 from megatron_reshard.testing.megatron_mamba import TinyMambaSpec  # noqa: E402
 from megatron_reshard.tools.run_config import RefitRunConfig  # noqa: E402
 from megatron_reshard.tools.vllm_refit import vllm_refit_job  # noqa: E402
+from test_real_vllm import check_equal_to_vllm  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore")]
 REFITS = 2
@@ -90,13 +91,7 @@ def refitted(pool):
 def test_nemotron_h_refit_is_bit_equal_to_vllms_own_loading(refitted, key):
     gens = refitted(key)
     for g in gens:
-        who = f"{key} gen rank {g['rank']}"
-        assert len(g["differences"]) == REFITS, who
-        for step, bad in enumerate(g["differences"]):
-            assert bad == [], f"{who}, refit {step + 1}: differs from vLLM's load_weights: {bad}"
-        assert g["moved"] == [[]] * REFITS, f"{who}: params moved to new storage: {g['moved']}"
-        assert g["weights"]["state"] == "consistent" and g["weights"]["version"] == REFITS, who
-        assert g["summary"]["uncovered_targets"] == {}, who
+        check_equal_to_vllm(g, f"{key} gen rank {g['rank']}", REFITS)
 
 
 def test_nemotron_h_sends_only_a_log_packed_where_vllm_splits_every_stream(refitted):

@@ -220,6 +220,17 @@ def refitted(pool):
     return get
 
 
+def check_equal_to_vllm(g: dict, who: str, refits: int = REFITS) -> None:
+    """A generation rank's report after ``refits`` refits: every one bit-equal to vLLM's own
+    ``load_weights``, written in place, committed consistent, no target left unwritten."""
+    assert len(g["differences"]) == refits, who
+    for step, bad in enumerate(g["differences"]):
+        assert bad == [], f"{who}, refit {step + 1}: differs from vLLM's load_weights: {bad}"
+    assert g["moved"] == [[]] * refits, f"{who}: params moved to new storage: {g['moved']}"
+    assert g["weights"]["state"] == "consistent" and g["weights"]["version"] == refits, who
+    assert g["summary"]["uncovered_targets"] == {}, who
+
+
 @pytest.mark.parametrize("family_id,index", [
     pytest.param(f, i, id=f"{f}-{' to '.join(FAMILIES[f].layouts[i])}",
                  marks=[pytest.mark.vllm_range] if (f, i) in RANGE_CASES else [])
@@ -228,12 +239,7 @@ def test_refit_is_bit_equal_to_vllms_own_loading(refitted, family_id, index):
     gens = refitted(family_id, index)
     for g in gens:
         who = f"{family_id} {FAMILIES[family_id].layouts[index]} gen rank {g['rank']}"
-        assert len(g["differences"]) == REFITS, who
-        for step, bad in enumerate(g["differences"]):
-            assert bad == [], f"{who}, refit {step + 1}: differs from vLLM's load_weights: {bad}"
-        assert g["moved"] == [[]] * REFITS, f"{who}: params moved to new storage: {g['moved']}"
-        assert g["weights"]["state"] == "consistent" and g["weights"]["version"] == REFITS, who
-        assert g["summary"]["uncovered_targets"] == {}, who
+        check_equal_to_vllm(g, who)
         # the stand-in's expected shards agree with vLLM's storage, name for name
         assert g["stand_in_differences"] == [[]] * REFITS, f"{who}: {g['stand_in_differences']}"
 
