@@ -224,6 +224,13 @@ def rpc_describe(worker) -> dict:
             "graph_sizes": list(getattr(cc, "cudagraph_capture_sizes", None) or [])[:8]}
 
 
+def rpc_last_phases(worker) -> dict:
+    """Seconds of the last refit's phases inside the worker (``RefitResult.stats``)."""
+    last = _inner(worker).weight_transfer_engine.last_refit
+    keys = ("refit_s", "follow_s", "version_s", "bulk_s", "misc_s", "commit_s", "derived_s")
+    return {k: last.stats.get(k) for k in keys} if last is not None else {}
+
+
 def rpc_engine_state(worker) -> dict:
     return worker.weight_transfer_engine.refit_weights_state()
 
@@ -415,14 +422,18 @@ class Loop:
         self.send("refit", self.version)
         t0 = time.perf_counter()
         self.llm.start_weight_update()
+        ta = time.perf_counter()
         self.llm.update_weights({"update_info": {"version": self.version}})
+        tb = time.perf_counter()
         self.llm.finish_weight_update()
         t1 = time.perf_counter()
         sent = self.expect("refitted")
         self.llm.reset_prefix_cache()
         return {"version": self.version, "pause_s": t1 - t0,
                 "refit_s": max([t1] + [s["t1"] for s in sent]) - min([t0] + [s["t0"] for s in sent]),
-                "sender_refit_s": max(s.get("refit_s", 0.0) for s in sent)}
+                "sender_refit_s": max(s.get("refit_s", 0.0) for s in sent),
+                # where the pause goes: each LLM call as the caller sees it
+                "start_call_s": ta - t0, "update_call_s": tb - ta, "finish_call_s": t1 - tb}
 
     def generate(self) -> tuple:
         from vllm import SamplingParams
@@ -578,6 +589,7 @@ class Loop:
         before = self.gather(rpc_pointers)
         for _ in range(iters + 1):  # the first of each warms up
             ours.append(self.refit())
+            ours[-1]["worker"] = rpc(rpc_last_phases)[0]
             rpc(rpc_swap_engine, args=("ipc",))
             ipc.append(self.ipc_refit())
             rpc(rpc_swap_engine, args=("ours",))
@@ -595,7 +607,15 @@ class Loop:
                  "ipc_trainer_gather_ms": med(ipc, "trainer_gather_s") * 1e3, "iters": iters,
                  "ours_ms": [r["refit_s"] * 1e3 for r in ours],
                  "ipc_ms": [r["refit_s"] * 1e3 for r in ipc]}
+        # the pause of this backend, phase by phase (median ms): the LLM calls as the caller
+        # sees them, inside update_weights the worker's refit and its phases
+        phases = {k: med(ours, k) * 1e3 for k in ("start_call_s", "update_call_s", "finish_call_s")}
+        phases.update({f"worker_{k}": statistics.median(r["worker"][k] or 0.0 for r in ours) * 1e3
+                       for k in ours[0]["worker"]})
+        table["ours_phases_ms"] = phases
         self.report["speed"] = table
+        self.say("phases of this backend's pause (median ms): "
+                 + ", ".join(f"{k} {v:.3f}" for k, v in phases.items()))
         self.say("| what | median ms | × memcpy | vs ipc |\n|---|---|---|---|")
         for name, key, ref in (("this backend: refit", "ours_refit_ms", "ipc_refit_ms"),
                                ("this backend: generation pause", "ours_pause_ms", "ipc_pause_ms"),

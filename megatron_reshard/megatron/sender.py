@@ -156,6 +156,7 @@ class RefitSender:
         out = {"bulk_params": done.bulk.params, "bulk_bytes": done.bulk.local_bytes,
                "bulk_s": done.bulk_s, "misc_s": done.misc_s,
                "refit_s": done.bulk_s + done.misc_s, "version": version,
+               "version_s": done.version_s, "commit_s": done.commit_s,
                "verify_s": done.verify_s,  # None: no rank of the group needed the plan check
                "mode": done.mode, "full_reason": done.full_reason,
                "bytes_sent": done.bulk_bytes_moved + misc,

@@ -219,6 +219,7 @@ class ReceiverSession:
                                    f"session (init_refit_groups + prepare_refit) to refit again")
         t0 = time.perf_counter()
         rebound, refusal = self._follow_targets()
+        follow_s = time.perf_counter() - t0
         names: list[str] = []
         tally = {"misc_bytes": 0, "misc_wire_bytes": 0}
 
@@ -272,6 +273,8 @@ class ReceiverSession:
                 "full_bytes": full_bytes, "delta": done.bulk.delta,"bulk_params": done.bulk.params, "bulk_bytes": done.bulk.local_bytes,
                 "misc_params": sum(len(i) for i in self.misc_items.values()), **tally,
                 "bulk_s": done.bulk_s, "misc_s": done.misc_s,
+                # the rest of refit_s: re-reading vLLM's params, the two votes
+                "follow_s": follow_s, "version_s": done.version_s, "commit_s": done.commit_s,
                 "stages": done.bulk.as_dict()["stages"],
                 "checksums": self.loop.verify_checksums,
                 "planners": {s: "default" if c is None else "link"
@@ -386,6 +389,8 @@ class ReceiverSession:
             "timings": {"prepare_s": self.stats["prepare_s"], "verify_s": self.stats["verify_s"],
                         "last_refit_s": last.get("refit_s"), "last_bulk_s": last.get("bulk_s"),
                         "last_misc_s": last.get("misc_s"),
+                        "last_version_s": last.get("version_s"),
+                        "last_commit_s": last.get("commit_s"),
                         "total_refit_s": self.stats["total_refit_s"]},
             "plan_fingerprints": {str(s): fp for s, fp in self.loop.fingerprints.items()},
             # params the payload does not write (each listed in keep_as_loaded, else

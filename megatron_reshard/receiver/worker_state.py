@@ -15,6 +15,7 @@ Torch + stdlib only (runs inside vLLM workers).
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import dataclass, fields
 from types import MappingProxyType
 from typing import Any, Callable, ClassVar, Mapping, Optional, Sequence, Union
@@ -364,8 +365,10 @@ class RefitWorkerState:
                    stats: dict) -> RefitResult:
         try:
             stats["derived_staging"] = {}
+            t0 = time.perf_counter()
             refreshed = refresh_derived_weights(model, written, act_dtype,
                                                 stats=stats["derived_staging"])
+            stats["derived_s"] = time.perf_counter() - t0
         except DerivedWeightsError as err:
             self.weights.writing(n for n, _ in model.named_parameters() if "kv_b_proj" in n)
             self.weights.failed(str(err))

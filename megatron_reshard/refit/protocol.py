@@ -62,6 +62,8 @@ class RefitRound:
     mode: str = "full"             # "delta": agreed by every rank in the version check
     full_reason: Optional[str] = None  # why full (refit.delta_vote), None for a delta refit
     delta_wanted: bool = False         # the training side asks for deltas: keep a base
+    version_s: float = 0.0  # step 0, the version check's vote (waits for the slowest rank)
+    commit_s: float = 0.0   # step 4, the commit vote
 
     @property
     def bulk_bytes_moved(self) -> int:
@@ -136,6 +138,7 @@ class RefitProtocol:
         rank raises ``TensorsRefused`` at step 0. ``misc_nonfinite``: stage -> positions
         among the stage's other params that held NaN or Inf (``check_finite``), read at
         step 4 (filled by ``move_chunk``)."""
+        tv = time.perf_counter()
         with self._latching(on_failure):
             agreed = agree_version(self.groups, side=self.side, version=version,
                                    allow_reuse=allow_version_reuse, held=held_version,
@@ -143,6 +146,7 @@ class RefitProtocol:
                                    delta_vote=delta_vote, plan_unchecked=not self.loop.verified,
                                    refusal=refusal,
                                    param_names=self.loop.param_names(other=True))
+        version_s = time.perf_counter() - tv
         if agreed.refused:  # every rank alike, nothing moved: the groups stay usable
             raise agreed.error(agreed.refused)
         with self._latching(on_failure):
@@ -163,7 +167,8 @@ class RefitProtocol:
                                    pp_size=self.pp_size,
                                    findings=self._findings(bulk, misc_nonfinite or {}))
         return RefitRound(bulk, outcome, verify_s, t1 - t0, t2 - t1, agreed.version,
-                          agreed.mode, agreed.full_reason, agreed.delta_wanted)
+                          agreed.mode, agreed.full_reason, agreed.delta_wanted,
+                          version_s, time.perf_counter() - t2)
 
     def _findings(self, bulk: RefitStats, misc_nonfinite: Mapping[int, Sequence[int]]
                   ) -> Findings:
