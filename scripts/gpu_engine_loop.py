@@ -274,6 +274,19 @@ def rpc_memcpy(worker, nbytes: int, iters: int) -> float:
 
 # ---- the loop ---------------------------------------------------------------------------
 
+def element_diff(a: torch.Tensor, b: torch.Tensor) -> dict:
+    """How two same-shaped tensors differ: elements, the first positions, values as float."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return {"shape": [list(a.shape), list(b.shape)], "dtype": [str(a.dtype), str(b.dtype)]}
+    raw = lambda t: t.reshape(-1).view(torch.uint8).reshape(t.numel(), -1)  # noqa: E731
+    ne = (raw(a) != raw(b)).any(dim=1)
+    idx = ne.nonzero().flatten()[:8]
+    fa, fb = a.reshape(-1).float(), b.reshape(-1).float()
+    return {"elements": int(ne.sum()), "of": a.numel(), "first": idx.tolist(),
+            "ours": fa[idx].tolist(), "ref": fb[idx].tolist(),
+            "max_abs": float((fa - fb).abs().max())}
+
+
 def differences(a: dict, b: dict) -> list:
     """Names whose bytes, shape or dtype differ (or that only one side has)."""
     bad = sorted(set(a) ^ set(b))
@@ -463,6 +476,13 @@ class Loop:
         ref_gen = self.generate()
         moved = sorted(n for n, v in self.gather(rpc_pointers).items() if ptrs.get(n) != v)
         bad = differences(refitted, reference)
+        if bad and plant is None:  # vLLM's own reload twice: is the reference itself stable?
+            rpc("reload_weights", kwargs={"weights_iterator": list(full.items())})
+            again = self.gather(rpc_snapshot)
+            self.report.setdefault("diagnose", []).append({
+                "label": label, "reload_twice_differs": differences(reference, again)[:6],
+                "elements": {n: element_diff(refitted[n], reference[n]) for n in bad[:4]}})
+            self.say(f"diagnose: {self.report['diagnose'][-1]}")
         changed = (None if self.last_snapshot is None
                    else len(differences(self.last_snapshot, refitted)))
         self.last_snapshot = reference
