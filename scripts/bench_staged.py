@@ -44,6 +44,7 @@ layout).
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import statistics
@@ -84,6 +85,15 @@ def _sync(device: torch.device) -> None:
 
 
 def _job(job, args):
+    if args.hang_dump:  # a run past this prints every thread's stack (GPU runs hung silently)
+        faulthandler.dump_traceback_later(args.hang_dump, repeat=True)
+    try:
+        return _side(job, args)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
+def _side(job, args):
     warnings_off()
     control = dist.TCPStore(job.host, job.ports[0], 2, job.rank == 0,
                             timeout=timedelta(seconds=args.timeout))
@@ -230,6 +240,7 @@ def _gen(job, args, control, device, transport):
             if mode == "staged":  # the same passes with no transfer, next to the busy ones
                 idle += [_generation_pass(weights, xs, device) for _ in range(args.passes)]
             _barrier(control, f"go/{k}")
+            print(f"bench_staged: gen {mode} refit {k} starts", file=sys.stderr, flush=True)
             if mode.startswith("in_place"):
                 t0 = time.perf_counter()
                 out = worker.refit()
@@ -256,6 +267,9 @@ def _gen(job, args, control, device, transport):
     want = json.loads(control.get("expected"))
     wrong = sorted(n for n, p in model.named_parameters() if want.get(n) != tensor_digest(p))
     _barrier(control, "end")
+    # the training rank hosts the group's store: its destroy waits (up to the timeout) for
+    # every rank's; without this one the run sat there for --timeout at its end
+    worker.destroy_refit_groups(args.timeout)
     return {"rows": rows, "idle_pass_s": idle, "memcpy_s": memcpy, "model_bytes": model_bytes,
             "wrong": wrong, "names": len(want)}
 
@@ -355,6 +369,9 @@ def main(argv=None) -> int:
                     help="the training rank changes its weights for the next refit while the "
                          "generation rank flips (default: it waits for the pause to end)")
     ap.add_argument("--json", action="store_true", help="print the raw rows too")
+    ap.add_argument("--hang-dump", type=float, default=120.0,
+                    help="seconds after which each process prints its threads' stacks (again "
+                         "every as many seconds); 0: never")
     args = ap.parse_args(argv)
     from megatron_reshard.tools.worlds import WorkerPool
 

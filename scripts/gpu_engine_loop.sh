@@ -15,6 +15,11 @@ CASES=",${2:-dense_eager,dense_graphs,moe_eager,moe_graphs,moe_fp8,dense_large,m
 WHEELS=${WHEELS:-/tmp/whl}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+# Seen on an H200 (2026-12-07): with DeepGEMM on, vLLM 0.25.1 picks a DeepGEMM FP8 linear
+# kernel for fp8_per_block and JIT-compiles it at warm-up for minutes (moe_fp8 ran past its
+# 200 s); off, it picks CutlassFp8BlockScaledMMKernel and the engine is up in ~35 s. Only
+# the FP8 case's kernels change; BF16 cases do not use DeepGEMM.
+export VLLM_USE_DEEP_GEMM=${VLLM_USE_DEEP_GEMM:-0}
 # shellcheck disable=SC1091
 source /tmp/vsite.env || { echo "no /tmp/vsite.env: run ../shared/gpu_vllm/stage.sh first"; exit 2; }
 if [ ! -f /tmp/mr_site/.done ]; then
