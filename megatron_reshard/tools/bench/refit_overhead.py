@@ -28,7 +28,10 @@ the reference (full HF tensors gathered on the training side, sliced by vLLM's l
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import statistics
 import sys
 import time
@@ -48,12 +51,16 @@ class CallCount:
     """Counts the collective calls made on one refit group object (a spy: each forwards to
     the group's own method) and the colocated transport's shared-memory barrier waits."""
 
-    def __init__(self, group):
+    def __init__(self, group, model=None):
         from megatron_reshard.engine.host_flags import HostFlags
 
         self.counts: Counter = Counter()
         for name in GROUP_CALLS:
             setattr(group, name, self._counting(name, getattr(group, name)))
+        # a wait or a store call handed to one of the group's daemon threads
+        group.threads.submit = self._counting("waiter hand-off", group.threads.submit)
+        if model is not None:  # walks over vLLM's modules (the derived refresh's, ...)
+            model.named_modules = self._counting("module walk", model.named_modules)
         real_wait = HostFlags.wait
 
         def wait(flags, *args, **kwargs):
@@ -170,13 +177,19 @@ def _gen(job, args: dict) -> dict:
     worker.init_refit_groups(job.host, [job.ports[1]], 1, 2, "gloo", TIMEOUT_S)
     worker.prepare_refit(payload, {})
     group = worker.refit_worker_state.groups[0]
-    counter = CallCount(group)
+    counter = CallCount(group, model)
     rows, calls = [], []
-    for _ in range(args["warmup"] + args["refits"]):
+    profile = cProfile.Profile() if args.get("profile") else None
+    for k in range(args["warmup"] + args["refits"]):
         _align(group)
         counter.take()
+        timed_profile = profile is not None and k >= args["warmup"]
         t0 = time.perf_counter()
+        if timed_profile:
+            profile.enable()
         stats = worker.refit()
+        if timed_profile:
+            profile.disable()
         call = time.perf_counter() - t0
         calls.append(counter.take())
         timed = {"follow": stats["follow_s"], "version": stats["version_s"],
@@ -189,8 +202,13 @@ def _gen(job, args: dict) -> dict:
     wrong = sorted(n for n in set(expected) | set(actual) if expected.get(n) != actual.get(n))
     control.set("gen_done", "1")
     worker.destroy_refit_groups(TIMEOUT_S)
+    text = None
+    if profile is not None:
+        out = io.StringIO()
+        pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(args["profile"])
+        text = out.getvalue()
     return {"rows": rows[args["warmup"]:], "calls": calls[args["warmup"]:], "trips": trips,
-            "params": len(actual), "wrong": wrong}
+            "params": len(actual), "wrong": wrong, "profile": text}
 
 
 def _job(job, args: dict) -> dict:
@@ -222,7 +240,9 @@ def report(train: dict, gen: dict) -> str:
     trips = sum(v for k, v in per.items() if k in GROUP_CALLS)
     lines.append(f"per refit on the refit group (gen side): {trips:g} collective round trips "
                  f"({', '.join(f'{k} {v:g}' for k, v in per.items() if k in GROUP_CALLS)}); "
-                 f"{per.get('shm barrier wait', 0):g} shared-memory barrier waits")
+                 f"{per.get('shm barrier wait', 0):g} shared-memory barrier waits, "
+                 f"{per.get('waiter hand-off', 0):g} waits handed to a thread, "
+                 f"{per.get('module walk', 0):g} walks over vLLM's modules")
     tr = gen["trips"]
     lines.append("one round trip on the same group, same run (gen side, median ms):")
     for k, v in tr.items():
@@ -244,14 +264,19 @@ def main(argv=None) -> int:
     ap.add_argument("--refits", type=int, default=60)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--trips", type=int, default=200, help="round trips timed per kind")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="also print the generation side's N costliest functions of the "
+                         "timed refits (cProfile, by own time; the split is then slower)")
     ap.add_argument("--json", default=None, help="also write the raw figures here")
     args = ap.parse_args(argv)
     overrides = {} if args.layers is None else {"num_layers": args.layers}
     plan = {"preset": args.preset, "overrides": overrides, "refits": args.refits,
-            "warmup": args.warmup, "trips": args.trips}
+            "warmup": args.warmup, "trips": args.trips, "profile": args.profile}
     with WorkerPool(2) as pool:
         train, gen = pool.run(_job, 2, plan, num_ports=2, timeout_s=600)
     print(report(train, gen))
+    if gen.get("profile"):
+        print(gen["profile"])
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"train": train, "gen": gen, "plan": plan}, f)
