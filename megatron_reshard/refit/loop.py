@@ -50,9 +50,7 @@ receiver both run it.
 
 from __future__ import annotations
 
-import hashlib
 import math
-import socket
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -62,10 +60,10 @@ import torch
 
 from megatron_reshard.engine import Planner, Transfer
 from megatron_reshard.engine.link_costs import LinkCosts
-from megatron_reshard.engine.plan import layout_key
+from megatron_reshard.refit.link_choice import choose_costs, node_code, stage_weight
+from megatron_reshard.engine.plan import gc_paused, layout_key
 from megatron_reshard.engine.refit_transport import transport_of
 from megatron_reshard.layout.geometry import box_shape
-from megatron_reshard.engine.plan import gc_paused
 from megatron_reshard.errors import BadInputError
 from megatron_reshard.groups.collectives import all_gather_ints, control_device, group_rank
 from megatron_reshard.groups.faults import RefitError, wait_device
@@ -75,9 +73,8 @@ from megatron_reshard.delta.mover import DeltaMover
 from megatron_reshard.refit.finite import FiniteCheck, all_finite
 from megatron_reshard.refit.local import LocalParam, first_tensor_is_cuda, local_params
 from megatron_reshard.refit.plan_text import PLANNERS, plan_mismatch_text
-from megatron_reshard.refit.order import (MiscItem, BulkTransfer, batch_bounds, misc_items_by_stage,
-                                          plan_fingerprint,
-                                          plan_parts, bulk_transfers)
+from megatron_reshard.refit.order import (MiscItem, BulkTransfer, batch_bounds, bulk_transfers,
+                                          misc_items_by_stage, plan_fingerprint, plan_parts)
 from megatron_reshard.wire.spec import HFToLocalParamMap, LocalParamSpec
 from megatron_reshard.wire.records import ParamRecord, RefitPayload
 
@@ -89,34 +86,6 @@ DEFAULT_STAGING_BYTES = 256 << 20
 class PlanMismatchError(RefitError):
     """Ranks of one refit group derived different transfer lists from their payloads (a
     failed refit setup, hence a ``RefitError``; still a ``RuntimeError`` as before)."""
-
-
-def node_code(node: Optional[str]) -> int:
-    """A 62-bit code of a node's name (the host name when None): equal names, equal codes
-    on every process, so the ranks of a group can tell who shares a node."""
-    name = socket.gethostname() if node is None else str(node)
-    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little") & ((1 << 62) - 1)
-
-
-def choose_costs(planner: str, nodes: Sequence[int], dst_weight: float) -> Optional[LinkCosts]:
-    """The link model a group's plans use, from what every rank of it agreed on: its
-    ranks' node codes by group rank. None: the default planner. ``"auto"`` is link-aware
-    when the group spans more than one node (docs/DESIGN.md, "Which planner a refit uses").
-    ``dst_weight``: how many stages' traffic a destination's links carry
-    (``stage_weight``)."""
-    if planner == "default" or (planner == "auto" and len(set(nodes)) < 2):
-        return None
-    return LinkCosts(tuple(enumerate(int(n) for n in nodes)), dst_weight=dst_weight)
-
-
-def stage_weight(stages: Mapping[int, Sequence[ParamRecord]]) -> float:
-    """A generation rank takes part in every stage's group, a training rank in its own:
-    the job's bulk bytes over the heaviest stage's (the PP size when stages are even), as
-    the simulator weighs them (``tools.simulate.link_costs``). Payload-derived."""
-    sizes = [sum(math.prod(p.global_shape) * p.torch_dtype.itemsize for p in ps)
-             for ps in stages.values()]
-    top = max(sizes, default=0)
-    return round(sum(sizes) / top, 3) if top else 1.0
 
 
 @dataclass
@@ -196,6 +165,10 @@ class RefitLoop:
         info = RefitPayload.of(refit_info)  # records (a refit info dict is parsed here)
         all_stages = self._all_stages = info.stage_params()
         self._all_misc = misc_items_by_stage(info)
+        bulk_names = {s: tuple(p.name for p in ps) for s, ps in all_stages.items()}
+        with_other = {s: bulk_names.get(s, ()) + tuple(n for n, _, _ in self._all_misc.get(s, ()))
+                      for s in sorted({*bulk_names, *self._all_misc})}
+        self._names = (bulk_names, with_other)  # param_names(other=False / True)
         pp_size = info.pp_size
         self._dst_weight = stage_weight(all_stages)
         for stage in self.groups:
@@ -212,6 +185,7 @@ class RefitLoop:
             for s, ps in self.stages.items()}
         self._transfers: dict[int, list[BulkTransfer]] = {
             s: bulk_transfers(ps) for s, ps in self.stages.items()}
+        self._owned = self._owned_bytes()
         # batch cut points and staging size shape the engine calls: they must match too
         must_match = {"batch_bytes": batch_bytes, "staging_bytes": staging_bytes,
                       "checksums": int(verify_checksums),
@@ -274,15 +248,11 @@ class RefitLoop:
                     out.append((record.name, held.spec.base))
         return out
 
-    def param_names(self, other: bool = False) -> dict[int, list[str]]:
+    def param_names(self, other: bool = False) -> dict[int, tuple[str, ...]]:
         """The bulk param names of each stage of the payload, in its order (the same on
         every rank: a stage index names a param everywhere); ``other``: each stage's other
         params follow (payload ``other_params``, ``order.misc_items_by_stage``)."""
-        names = {s: [p.name for p in ps] for s, ps in self._all_stages.items()}
-        if other:
-            for s, items in self._all_misc.items():
-                names.setdefault(s, []).extend(name for name, _, _ in items)
-        return names
+        return dict(self._names[other])  # payload-derived: built once (tuples, shared)
 
     def rebind(self, local_map: HFToLocalParamMap) -> None:
         """Take this rank's params from ``local_map`` from now on (the training side's
@@ -292,7 +262,16 @@ class RefitLoop:
         mine = {s: local_params(ps, local_map, self.side, self._ranks[s], s)
                 for s, ps in self.stages.items()}
         self.local_map, self._mine = local_map, mine
+        self._owned = self._owned_bytes()
         self._verified = False
+
+    def _owned_bytes(self) -> dict[int, list[int]]:
+        """Per stage and param: the bytes of this rank's owned box (0: none; a padded
+        shard's padding rows do not travel), for the stats: counted once, not per refit."""
+        return {s: [0 if held is None else
+                    math.prod(box_shape(held.box)) * bulk.dtype.itemsize
+                    for held, bulk in zip(self._mine[s], self._transfers[s])]
+                for s in self.stages}
 
     def delta_held(self) -> bool:
         """Whether this rank holds a param other than as its storage in place (no plans
@@ -495,6 +474,7 @@ class RefitLoop:
         """Run the pre hooks of one batch; its open contexts and its engine transfers."""
         mine = self._mine[run.stage]
         transfers = self._transfers[run.stage]
+        owned = self._owned[run.stage]
         batch = _OpenBatch([], [], start)
         for i in range(start, stop):
             local = None
@@ -507,8 +487,7 @@ class RefitLoop:
                 # the peers inside this batch's collectives)
                 local = ctx.buf
                 run.stats.params += 1
-                # the owned box: padding rows of a padded shard do not travel
-                run.stats.local_bytes += math.prod(box_shape(held.box)) * bulk.dtype.itemsize
+                run.stats.local_bytes += owned[i]
             batch.transfers.append(run.transfer_cls(
                 name=bulk.name, global_shape=bulk.global_shape, dtype=bulk.dtype,
                 src_mesh=bulk.src_mesh, src_placements=bulk.src_placements,

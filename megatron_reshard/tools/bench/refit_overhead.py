@@ -140,12 +140,18 @@ def _train(job, args: dict) -> dict:
     sender = RefitSender(source, group)
     counter = CallCount(group)
     rows, calls = [], []
+    profile = cProfile.Profile() if args.get("profile") else None
     for k in range(1, args["warmup"] + args["refits"] + 1):
         perturb_(model, k)  # in place, as an optimizer step writes
         _align(group)
         counter.take()
+        profiled = profile is not None and k > args["warmup"]
         t0 = time.perf_counter()
+        if profiled:
+            profile.enable()
         out = sender.refit()
+        if profiled:
+            profile.disable()
         call = time.perf_counter() - t0
         calls.append(counter.take())
         timed = {"version": out["version_s"], "bulk": out["bulk_s"], "misc": out["misc_s"],
@@ -162,7 +168,8 @@ def _train(job, args: dict) -> dict:
     control.wait(["gen_done"])
     destroy_refit_group(group, TIMEOUT_S)
     return {"rows": rows[args["warmup"]:], "calls": calls[args["warmup"]:], "trips": trips,
-            "params": len(sender.loop.param_names(other=True)[0])}
+            "params": len(sender.loop.param_names(other=True)[0]),
+            "profile": _profile_text(profile, args.get("profile"))}
 
 
 def _gen(job, args: dict) -> dict:
@@ -183,12 +190,12 @@ def _gen(job, args: dict) -> dict:
     for k in range(args["warmup"] + args["refits"]):
         _align(group)
         counter.take()
-        timed_profile = profile is not None and k >= args["warmup"]
+        profiled = profile is not None and k >= args["warmup"]
         t0 = time.perf_counter()
-        if timed_profile:
+        if profiled:
             profile.enable()
         stats = worker.refit()
-        if timed_profile:
+        if profiled:
             profile.disable()
         call = time.perf_counter() - t0
         calls.append(counter.take())
@@ -202,13 +209,17 @@ def _gen(job, args: dict) -> dict:
     wrong = sorted(n for n in set(expected) | set(actual) if expected.get(n) != actual.get(n))
     control.set("gen_done", "1")
     worker.destroy_refit_groups(TIMEOUT_S)
-    text = None
-    if profile is not None:
-        out = io.StringIO()
-        pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(args["profile"])
-        text = out.getvalue()
     return {"rows": rows[args["warmup"]:], "calls": calls[args["warmup"]:], "trips": trips,
-            "params": len(actual), "wrong": wrong, "profile": text}
+            "params": len(actual), "wrong": wrong,
+            "profile": _profile_text(profile, args.get("profile"))}
+
+
+def _profile_text(profile, top: int):
+    if profile is None:
+        return None
+    out = io.StringIO()
+    pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(top)
+    return out.getvalue()
 
 
 def _job(job, args: dict) -> dict:
@@ -265,7 +276,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--trips", type=int, default=200, help="round trips timed per kind")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
-                    help="also print the generation side's N costliest functions of the "
+                    help="also print each side's N costliest functions of the "
                          "timed refits (cProfile, by own time; the split is then slower)")
     ap.add_argument("--json", default=None, help="also write the raw figures here")
     args = ap.parse_args(argv)
@@ -275,8 +286,10 @@ def main(argv=None) -> int:
     with WorkerPool(2) as pool:
         train, gen = pool.run(_job, 2, plan, num_ports=2, timeout_s=600)
     print(report(train, gen))
-    if gen.get("profile"):
-        print(gen["profile"])
+    for side, result in (("generation", gen), ("training", train)):
+        if result.get("profile"):
+            print(f"--- the {side} side's timed refits, by own time (cProfile)")
+            print(result["profile"])
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"train": train, "gen": gen, "plan": plan}, f)
