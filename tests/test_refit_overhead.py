@@ -2,9 +2,9 @@
 processes: a real megatron-core model on a training rank and the worker extension over a
 vLLM-layout model on a generation rank, one colocated refit group over gloo (the bench
 ``scripts/bench_refit_overhead.py``'s own job, a few refits). Each refit is bit-exact,
-takes exactly two collective round trips (the version vote and the commit vote), waits
-for its votes on the calling thread when the peer is there, and walks no module tree of
-a model without MLA layers. A vote whose peer is gone still fails loudly, not in a hang."""
+takes exactly two collective round trips (the version vote and the commit vote) and no
+store round trip, waits for its votes on the calling thread when the peer is there, and
+walks no module tree of a model without MLA layers. A vote whose peer is gone still fails loudly, not in a hang."""
 
 import time
 
@@ -28,6 +28,9 @@ def test_a_steady_state_refit_is_exact_with_two_votes_and_no_walks_or_hand_offs(
             assert {k: v for k, v in calls.items()
                     if k in ("allreduce", "allgather", "broadcast", "send", "recv")} == \
                 {"allreduce": 2}, calls
+        # the group's store (fault board, colocated tables) is not asked: a refit whose
+        # ranks all arrive in time reads no board
+        assert min(c.get("store call", 0) for c in side["calls"]) == 0, side["calls"]
         # a vote whose peer is there is waited for on the calling thread: in some refit
         # neither vote went to a waiter thread (the old code handed every vote over)
         assert min(c.get("waiter hand-off", 0) for c in side["calls"]) < 2, side["calls"]

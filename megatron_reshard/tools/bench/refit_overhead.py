@@ -59,6 +59,9 @@ class CallCount:
             setattr(group, name, self._counting(name, getattr(group, name)))
         # a wait or a store call handed to one of the group's daemon threads
         group.threads.submit = self._counting("waiter hand-off", group.threads.submit)
+        # the group's TCPStore: its fault board's reads and posts, the colocated
+        # transport's (built on the first refit, from ``group.store``)
+        group.store = group.board.store = _CountingStore(group.store, self)
         if model is not None:  # walks over vLLM's modules (the derived refresh's, ...)
             model.named_modules = self._counting("module walk", model.named_modules)
         real_wait = HostFlags.wait
@@ -78,6 +81,22 @@ class CallCount:
     def take(self) -> dict:
         out, self.counts = dict(self.counts), Counter()
         return out
+
+
+class _CountingStore:
+    """A store that counts each call (one round trip to the store's host) and forwards it."""
+
+    CALLS = ("add", "get", "set", "check", "wait", "compare_set", "delete_key", "multi_get",
+             "multi_set")
+
+    def __init__(self, store, counter: CallCount):
+        self._store, self._counter = store, counter
+
+    def __getattr__(self, name: str):
+        attr = getattr(self._store, name)
+        if name in self.CALLS:
+            return self._counter._counting("store call", attr)
+        return attr
 
 
 def _align(group) -> None:
@@ -253,6 +272,7 @@ def report(train: dict, gen: dict) -> str:
                  f"({', '.join(f'{k} {v:g}' for k, v in per.items() if k in GROUP_CALLS)}); "
                  f"{per.get('shm barrier wait', 0):g} shared-memory barrier waits, "
                  f"{per.get('waiter hand-off', 0):g} waits handed to a thread, "
+                 f"{per.get('store call', 0):g} store calls, "
                  f"{per.get('module walk', 0):g} walks over vLLM's modules")
     tr = gen["trips"]
     lines.append("one round trip on the same group, same run (gen side, median ms):")
