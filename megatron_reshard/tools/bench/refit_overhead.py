@@ -45,6 +45,7 @@ TRAIN_PHASES = ("follow+rest", "version", "bulk", "misc", "commit")
 GEN_PHASES = ("follow", "version", "bulk", "misc", "commit", "derived", "rest")
 GROUP_CALLS = ("allreduce", "allgather", "broadcast", "send", "recv", "barrier")
 TIMEOUT_S = 60.0
+SPIN_S = 2e-3  # faults.SPIN_S, restored after an --ab refit without it
 
 
 class CallCount:
@@ -162,6 +163,7 @@ def _train(job, args: dict) -> dict:
     profile = cProfile.Profile() if args.get("profile") else None
     for k in range(1, args["warmup"] + args["refits"] + 1):
         perturb_(model, k)  # in place, as an optimizer step writes
+        cuts = _set_cuts(args, k - 1)
         _align(group)
         counter.take()
         profiled = profile is not None and k > args["warmup"]
@@ -175,7 +177,8 @@ def _train(job, args: dict) -> dict:
         calls.append(counter.take())
         timed = {"version": out["version_s"], "bulk": out["bulk_s"], "misc": out["misc_s"],
                  "commit": out["commit_s"]}
-        rows.append({"call": call, **timed, "follow+rest": call - sum(timed.values())})
+        rows.append({"call": call, **timed, "follow+rest": call - sum(timed.values()),
+                     "cuts": cuts})
     # the reference of the last refit: full HF tensors, sliced by vLLM's layout
     full = {n: t.cpu() for n, t in
             gather_full_hf_state_dict(model, family=family, vocab_size=vocab).items()}
@@ -206,7 +209,10 @@ def _gen(job, args: dict) -> dict:
     counter = CallCount(group, model)
     rows, calls = [], []
     profile = cProfile.Profile() if args.get("profile") else None
+    underived = worker.refit_worker_state._underived
     for k in range(args["warmup"] + args["refits"]):
+        cuts = _set_cuts(args, k)
+        worker.refit_worker_state._underived = underived if cuts else None
         _align(group)
         counter.take()
         profiled = profile is not None and k >= args["warmup"]
@@ -221,7 +227,7 @@ def _gen(job, args: dict) -> dict:
         timed = {"follow": stats["follow_s"], "version": stats["version_s"],
                  "bulk": stats["bulk_s"], "misc": stats["misc_s"],
                  "commit": stats["commit_s"], "derived": stats["derived_s"]}
-        rows.append({"call": call, **timed, "rest": call - sum(timed.values())})
+        rows.append({"call": call, **timed, "rest": call - sum(timed.values()), "cuts": cuts})
     trips = _round_trips(group, args["trips"])
     expected = json.loads(control.get("expected"))
     actual = {n: tensor_digest(p) for n, p in model.named_parameters()}
@@ -231,6 +237,19 @@ def _gen(job, args: dict) -> dict:
     return {"rows": rows[args["warmup"]:], "calls": calls[args["warmup"]:], "trips": trips,
             "params": len(actual), "wrong": wrong,
             "profile": _profile_text(profile, args.get("profile"))}
+
+
+def _set_cuts(args: dict, index: int) -> bool:
+    """With ``--ab``, every other refit (by index, alike on both sides) runs with this
+    branch's two runtime cuts switched off, as the code before them ran: votes waited for
+    on a waiter thread at once (``faults.SPIN_S = 0``) and the derived refresh's module
+    walks (the worker state's ``_underived`` cleared, on the generation side). Returns
+    whether they are on for this refit."""
+    from megatron_reshard.groups import faults
+
+    on = not (args.get("ab") and index % 2)
+    faults.SPIN_S = SPIN_S if on else 0.0
+    return on
 
 
 def _profile_text(profile, top: int):
@@ -251,38 +270,50 @@ def _medians(rows: list[dict], phases) -> dict:
 
 
 def report(train: dict, gen: dict) -> str:
-    """The tables of one run (see the module docstring)."""
-    t, g = _medians(train["rows"], TRAIN_PHASES), _medians(gen["rows"], GEN_PHASES)
+    """The tables of one run (see the module docstring); with ``--ab`` one per half."""
     floor = gen["trips"]["raw_allgather"]
     lines = [f"refits timed: {len(gen['rows'])}; params: {train['params']} sent, "
-             f"{gen['params']} vLLM params written",
-             "median ms per refit (a refit call, split by phase):",
-             f"  {'side':<6}{'call':>8}" + "".join(f"{p:>12}" for p in GEN_PHASES)]
-    lines.append(f"  {'gen':<6}{g['call']:>8.3f}" + "".join(f"{g[p]:>12.3f}" for p in GEN_PHASES))
-    lines.append(f"  {'train':<6}{t['call']:>8.3f}" + "".join(
-        f"{t[p]:>12.3f}" if p in t else f"{'':>12}" for p in
-        ("follow+rest", "version", "bulk", "misc", "commit")))
-    lines.append("  (train: follow and rest are one column, 'follow+rest')")
+             f"{gen['params']} vLLM params written"]
+    halves = sorted({r["cuts"] for r in gen["rows"]})
+    for on in halves:
+        pick = lambda side: [r for r in side["rows"] if r["cuts"] == on]  # noqa: E731
+        calls = [c for c, r in zip(gen["calls"], gen["rows"]) if r["cuts"] == on]
+        what = "" if len(halves) == 1 else (" with this branch's cuts" if on else
+                                            " with the votes' waiter threads and the derived "
+                                            "walks as before (every other refit)")
+        lines += _table(pick(train), pick(gen), calls, floor, what)
+    tr = gen["trips"]
+    lines.append("one round trip on the same group, same run (gen side, median ms):")
+    for k, v in tr.items():
+        lines.append(f"  {k:<16}{v:>8.3f}   x{v / floor:.2f} of the raw all-gather")
+    lines.append("bit-exact against the reference: " +
+                 ("yes" if not gen["wrong"] else f"NO: {gen['wrong'][:5]}"))
+    return "\n".join(lines)
+
+
+def _table(train_rows: list, gen_rows: list, gen_calls: list, floor: float,
+           what: str) -> list[str]:
+    t, g = _medians(train_rows, TRAIN_PHASES), _medians(gen_rows, GEN_PHASES)
+    lines = [f"median ms per refit{what} ({len(gen_rows)} refits; a refit call, by phase):",
+             f"  {'side':<6}{'call':>8}" + "".join(f"{p:>12}" for p in GEN_PHASES),
+             f"  {'gen':<6}{g['call']:>8.3f}" + "".join(f"{g[p]:>12.3f}" for p in GEN_PHASES),
+             f"  {'train':<6}{t['call']:>8.3f}" + "".join(
+                 f"{t[p]:>12.3f}" for p in ("follow+rest", "version", "bulk", "misc", "commit")),
+             "  (train: follow and rest are one column, 'follow+rest')"]
     calls = Counter()
-    for c in gen["calls"]:
+    for c in gen_calls:
         calls.update(c)
-    per = {k: v / len(gen["calls"]) for k, v in sorted(calls.items())}
+    per = {k: v / len(gen_calls) for k, v in sorted(calls.items())}
     trips = sum(v for k, v in per.items() if k in GROUP_CALLS)
-    lines.append(f"per refit on the refit group (gen side): {trips:g} collective round trips "
+    lines.append(f"  per refit on the refit group (gen side): {trips:g} collective round trips "
                  f"({', '.join(f'{k} {v:g}' for k, v in per.items() if k in GROUP_CALLS)}); "
                  f"{per.get('shm barrier wait', 0):g} shared-memory barrier waits, "
                  f"{per.get('waiter hand-off', 0):g} waits handed to a thread, "
                  f"{per.get('store call', 0):g} store calls, "
                  f"{per.get('module walk', 0):g} walks over vLLM's modules")
-    tr = gen["trips"]
-    lines.append("one round trip on the same group, same run (gen side, median ms):")
-    for k, v in tr.items():
-        lines.append(f"  {k:<16}{v:>8.3f}   x{v / floor:.2f} of the raw all-gather")
-    lines.append(f"votes against the raw all-gather: version x{g['version'] / floor:.2f}, "
-                 f"commit x{g['commit'] / floor:.2f}; the whole call x{g['call'] / floor:.1f}")
-    lines.append("bit-exact against the reference: " +
-                 ("yes" if not gen["wrong"] else f"NO: {gen['wrong'][:5]}"))
-    return "\n".join(lines)
+    lines.append(f"  against the raw all-gather: version vote x{g['version'] / floor:.2f}, "
+                 f"commit vote x{g['commit'] / floor:.2f}, the whole call x{g['call'] / floor:.1f}")
+    return lines
 
 
 def main(argv=None) -> int:
@@ -298,11 +329,14 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="also print each side's N costliest functions of the "
                          "timed refits (cProfile, by own time; the split is then slower)")
+    ap.add_argument("--ab", action="store_true",
+                    help="every other refit without this branch's two runtime cuts (the "
+                         "votes' spin, the derived walk skip): both tables from one run")
     ap.add_argument("--json", default=None, help="also write the raw figures here")
     args = ap.parse_args(argv)
     overrides = {} if args.layers is None else {"num_layers": args.layers}
     plan = {"preset": args.preset, "overrides": overrides, "refits": args.refits,
-            "warmup": args.warmup, "trips": args.trips, "profile": args.profile}
+            "warmup": args.warmup, "trips": args.trips, "profile": args.profile, "ab": args.ab}
     with WorkerPool(2) as pool:
         train, gen = pool.run(_job, 2, plan, num_ports=2, timeout_s=600)
     print(report(train, gen))
