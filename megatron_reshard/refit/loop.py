@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import math
 import time
+from operator import attrgetter
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence, Union
@@ -68,6 +69,7 @@ from megatron_reshard.errors import BadInputError
 from megatron_reshard.groups.collectives import all_gather_ints, control_device, group_rank
 from megatron_reshard.groups.faults import RefitError, wait_device
 from megatron_reshard.refit.checksums import SourceOverlaps, StageChecksums
+from megatron_reshard.refit.delta_stage import DeltaStage, merged_tallies
 from megatron_reshard.delta.eligible import delta_plans, dst_hooked, record_eligible
 from megatron_reshard.delta.mover import DeltaMover
 from megatron_reshard.refit.finite import FiniteCheck, all_finite
@@ -186,6 +188,7 @@ class RefitLoop:
         self._transfers: dict[int, list[BulkTransfer]] = {
             s: bulk_transfers(ps) for s, ps in self.stages.items()}
         self._owned = self._owned_bytes()
+        self._hook_free: dict[tuple[int, int], _KeptBatch] = {}  # (stage, start) -> batch
         # batch cut points and staging size shape the engine calls: they must match too
         must_match = {"batch_bytes": batch_bytes, "staging_bytes": staging_bytes,
                       "checksums": int(verify_checksums),
@@ -262,7 +265,7 @@ class RefitLoop:
         mine = {s: local_params(ps, local_map, self.side, self._ranks[s], s)
                 for s, ps in self.stages.items()}
         self.local_map, self._mine = local_map, mine
-        self._owned = self._owned_bytes()
+        self._owned, self._hook_free = self._owned_bytes(), {}
         self._verified = False
 
     def _owned_bytes(self) -> dict[int, list[int]]:
@@ -433,10 +436,10 @@ class RefitLoop:
         stats.seconds = time.perf_counter() - t0
         stats.mode = mode
         if mode == "delta":
-            stats.delta = _merged([r.mover.tally.as_dict() for r in delta_runs])
+            stats.delta = merged_tallies([r.mover.tally.as_dict() for r in delta_runs])
         return stats
 
-    def _delta_stage(self, stage: int, mode: str) -> Optional["_DeltaStage"]:
+    def _delta_stage(self, stage: int, mode: str) -> Optional[DeltaStage]:
         """What a stage's run does for delta refits: move (delta mode) or keep the base
         (full mode, training side); None when delta refits are off."""
         if self.delta_plans is None:
@@ -446,7 +449,7 @@ class RefitLoop:
                            self.delta_plans[stage], base,
                            on_apply=self.on_delta_apply if self.side == "dst" else None
                            ) if mode == "delta" else None
-        return _DeltaStage(self.delta_plans[stage], mover, base)
+        return DeltaStage(self.delta_plans[stage], mover, base)
 
     def _send_batch(self, run: "_StageRun", batch: "_OpenBatch") -> None:
         """Hand an opened batch to the engine, checksum it if asked, run its post hooks."""
@@ -467,11 +470,20 @@ class RefitLoop:
         elif run.finite is not None:  # no checksum pass to share: a pass of its own
             for o in batch.opened:
                 run.finite.add(o.index, all_finite(o.ctx.buf))
-        for o in batch.opened:
-            o.spec.finish(o.ctx)
+        if batch.hooks:
+            for o in batch.opened:
+                o.spec.finish(o.ctx)
 
     def _open_batch(self, run: "_StageRun", start: int, stop: int) -> "_OpenBatch":
-        """Run the pre hooks of one batch; its open contexts and its engine transfers."""
+        """Run the pre hooks of one batch; its open contexts and its engine transfers. A
+        batch whose params this rank holds have no hooks is opened once and handed out
+        again while each spec keeps its tensor and stays hook-free (one ``==`` of their
+        states: a hook or tensor set on a spec later is seen; ``rebind`` forgets them)."""
+        kept = self._hook_free.get((run.stage, start))
+        if kept is not None and _spec_state(kept.specs) == kept.state:
+            run.stats.params += len(kept.specs)
+            run.stats.local_bytes += kept.nbytes
+            return kept.batch
         mine = self._mine[run.stage]
         transfers = self._transfers[run.stage]
         owned = self._owned[run.stage]
@@ -494,6 +506,12 @@ class RefitLoop:
                 dst_mesh=bulk.dst_mesh, dst_placements=bulk.dst_placements,
                 src=local if self.side == "src" else None,
                 dst=local if self.side == "dst" else None))
+        specs = tuple(o.spec for o in batch.opened)
+        state = _spec_state(specs)
+        if not any(state[0]) and not any(state[1]):  # no pre or post hook: kept
+            batch.hooks = False
+            self._hook_free[(run.stage, start)] = _KeptBatch(
+                batch, specs, state, sum(owned[o.index] for o in batch.opened))
         return batch
 
 
@@ -509,7 +527,7 @@ class _StageRun:
     stats: StageStats
     on_write: Optional[Callable[[list[str]], None]]
     checks: Optional[StageChecksums]  # with checksums on
-    delta: Optional["_DeltaStage"] = None  # delta refits enabled (the delta package)
+    delta: Optional[DeltaStage] = None  # delta refits enabled (the delta package)
     finite: Optional[FiniteCheck] = None  # check_finite without checksums (refit.finite)
 
 
@@ -528,48 +546,24 @@ class _OpenBatch:
     opened: list[_Opened]
     transfers: list
     start: int = 0  # the stage index of the batch's first param
+    hooks: bool = True  # False: no param of it has a pre or post hook (kept, reused)
 
 
-@dataclass
-class _DeltaStage:
-    """One stage's delta work in one run: ``mover`` (delta mode) moves the eligible params;
-    ``base`` (training side, full mode) keeps what the engine sent of them."""
+class _KeptBatch(NamedTuple):
+    """A hook-free batch kept for the next refits: its specs and their state when opened
+    (``_spec_state``), and its owned bytes."""
 
-    plans: list
-    mover: Any
-    base: Any
-
-    def move(self, batch: _OpenBatch, params: list) -> list:
-        """Move the batch's eligible params as deltas; the engine's transfers left."""
-        if self.mover is None:
-            return batch.transfers
-        bufs = {o.index: o.ctx.buf for o in batch.opened}
-        rest, items = [], []
-        for offset, transfer in enumerate(batch.transfers):
-            index = batch.start + offset
-            if self.plans[index] is None:
-                rest.append(transfer)
-                self.mover.tally.full_params += index in bufs
-            else:
-                items.append((index, params[index].name, bufs.get(index)))
-        if items:  # one exchange per batch: two messages per peer (delta.mover)
-            self.mover.move_batch(items)
-        return rest
-
-    def keep(self, batch: _OpenBatch) -> None:
-        if self.mover is None and self.base is not None:
-            for o in batch.opened:
-                if self.plans[o.index] is not None:
-                    self.base.capture(o.index, o.ctx.buf)
+    batch: _OpenBatch
+    specs: tuple
+    state: tuple
+    nbytes: int
 
 
-def _merged(tallies: list[dict]) -> dict:
-    counts = ("params", "ops", "messages", "wire_bytes", "full_bytes", "held_bytes",
-              "forwarded_bytes", "changed", "full_params")
-    out = {**{k: 0 for k in counts}, "encodings": {}}
-    for t in tallies:
-        for k in counts:
-            out[k] += t[k]
-        for k, n in t["encodings"].items():
-            out["encodings"][k] = out["encodings"].get(k, 0) + n
-    return out
+_PRE, _POST, _BASE = attrgetter("pre"), attrgetter("post"), attrgetter("base")
+
+
+def _spec_state(specs: tuple) -> tuple:
+    """What a kept batch depends on, compared in one ``==``: each spec's hooks and the
+    identity of its tensor (held by the kept batch, so no other object takes its id)."""
+    return (tuple(map(_PRE, specs)), tuple(map(_POST, specs)),
+            tuple(map(id, map(_BASE, specs))))
