@@ -73,3 +73,59 @@ def test_a_vote_whose_peer_is_gone_fails_at_once_and_retires_the_group(pool):
     assert out["error"] is not None and "the second vote" in out["error"], out
     assert out["seconds"] < 10.0, out  # the transport's error, not the group's timeout (20 s)
     assert out["retired"] and out["failed"], out
+
+
+# ------------------------------------------------- a hook-free batch kept across refits
+
+
+def _recording_loop():
+    """A destination-side loop over 9 hook-free params, one batch, whose engine calls are
+    recorded (no peers: the plan check is taken as done)."""
+    import torch
+
+    from megatron_reshard.refit.loop import RefitLoop
+    from megatron_reshard.refit.order import stage_params
+    from megatron_reshard.testing.groups import NoCommGroup
+    from megatron_reshard.wire.metadata import build_nccl_reshard_refit_info
+    from megatron_reshard.wire.spec import HFToLocalParamMap, LocalParamSpec
+
+    meta = {f"model.layers.{i}.mlp.{proj}.weight":
+            {"shape": [8, 4] if proj != "down_proj" else [4, 8], "dtype": "torch.float32"}
+            for i in range(3) for proj in ("gate_proj", "up_proj", "down_proj")}
+    info = build_nccl_reshard_refit_info(meta, {"tp_size": 2}, {"tp_size": 2}, 2, 2)
+    specs = HFToLocalParamMap({p.name: LocalParamSpec(base=torch.zeros(4, 4))
+                               for p in stage_params(info)[0]})
+    calls = []
+    loop = RefitLoop(info, specs, "dst", {0: NoCommGroup(3, 4)},
+                     xfer_batch=lambda transfers, group, **kw: calls.append(list(transfers)))
+    loop._verified = True
+    return loop, specs, calls
+
+
+def test_a_hook_free_batch_is_handed_over_again_and_follows_its_specs():
+    import torch
+
+    from megatron_reshard.wire.spec import RefitCtx
+
+    loop, specs, calls = _recording_loop()
+    first = loop.run()
+    loop.run()
+    assert len(calls) == 2 and len(calls[0]) == 9
+    # the same transfers, over the same tensors: not rebuilt per refit
+    assert all(a is b for a, b in zip(calls[0], calls[1]))
+    assert loop.run().local_bytes == first.local_bytes == 9 * 4 * 4 * 4
+    name = "model.layers.1.mlp.up_proj.weight"
+    spec = specs.specs[name]
+    # a tensor put in a spec later is the one written
+    spec.base = fresh = torch.zeros(4, 4)
+    loop.run()
+    assert next(t.dst for t in calls[-1] if t.name == name) is fresh
+    # a pre hook set later runs, and its buffer is the one written; post hooks run
+    bounce, posted = torch.zeros(4, 4), []
+    spec.pre = lambda base: RefitCtx(buf=bounce)
+    spec.post = lambda ctx: posted.append(ctx.buf)
+    loop.run()
+    assert next(t.dst for t in calls[-1] if t.name == name) is bounce and posted == [bounce]
+    spec.pre = spec.post = None
+    loop.run()
+    assert next(t.dst for t in calls[-1] if t.name == name) is fresh and posted == [bounce]
