@@ -209,10 +209,12 @@ def _gen(job, args: dict) -> dict:
     counter = CallCount(group, model)
     rows, calls = [], []
     profile = cProfile.Profile() if args.get("profile") else None
-    underived = worker.refit_worker_state._underived
+    state = worker.refit_worker_state
+    underived = getattr(state, "_underived", None)  # None: a tree before that cut
     for k in range(args["warmup"] + args["refits"]):
         cuts = _set_cuts(args, k)
-        worker.refit_worker_state._underived = underived if cuts else None
+        if underived is not None:
+            state._underived = underived if cuts else None
         _align(group)
         counter.take()
         profiled = profile is not None and k >= args["warmup"]
