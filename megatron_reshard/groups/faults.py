@@ -45,8 +45,9 @@ EVENT_NAP_S = 1e-5     # a device wait's first nap between event queries (then d
 GRACE_S = 0.5          # after a transport error: how long to look for a peer's own report
 POST_S = 2.0           # the longest a failing rank spends telling one group (a stopped store)
 # how long a collective's Work is looked at on the waiting thread before its wait goes to a
-# waiter thread (``wait_collective``): a vote whose peers are there takes 0.1-0.4 ms
-SPIN_S = 2e-3
+# waiter thread (``wait_collective``): a vote whose peers are there takes 0.1-0.4 ms; longer
+# looks took CPU from a late peer on a loaded machine (2 ms: the commit vote slower, measured)
+SPIN_S = 5e-4
 
 
 

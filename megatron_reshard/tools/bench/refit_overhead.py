@@ -45,7 +45,7 @@ TRAIN_PHASES = ("follow+rest", "version", "bulk", "misc", "commit")
 GEN_PHASES = ("follow", "version", "bulk", "misc", "commit", "derived", "rest")
 GROUP_CALLS = ("allreduce", "allgather", "broadcast", "send", "recv", "barrier")
 TIMEOUT_S = 60.0
-SPIN_S = 2e-3  # faults.SPIN_S, restored after an --ab refit without it
+SPIN_S = 5e-4  # faults.SPIN_S's default, restored after an --ab refit without it
 
 
 class CallCount:
@@ -250,7 +250,7 @@ def _set_cuts(args: dict, index: int) -> bool:
     from megatron_reshard.groups import faults
 
     on = not (args.get("ab") and index % 2)
-    faults.SPIN_S = SPIN_S if on else 0.0
+    faults.SPIN_S = args.get("spin_s", SPIN_S) if on else 0.0
     return on
 
 
@@ -334,11 +334,14 @@ def main(argv=None) -> int:
     ap.add_argument("--ab", action="store_true",
                     help="every other refit without this branch's two runtime cuts (the "
                          "votes' spin, the derived walk skip): both tables from one run")
+    ap.add_argument("--spin-ms", type=float, default=SPIN_S * 1e3,
+                    help="faults.SPIN_S for the refits with the cuts on (ms)")
     ap.add_argument("--json", default=None, help="also write the raw figures here")
     args = ap.parse_args(argv)
     overrides = {} if args.layers is None else {"num_layers": args.layers}
     plan = {"preset": args.preset, "overrides": overrides, "refits": args.refits,
-            "warmup": args.warmup, "trips": args.trips, "profile": args.profile, "ab": args.ab}
+            "warmup": args.warmup, "trips": args.trips, "profile": args.profile, "ab": args.ab,
+            "spin_s": args.spin_ms * 1e-3}
     with WorkerPool(2) as pool:
         train, gen = pool.run(_job, 2, plan, num_ports=2, timeout_s=600)
     print(report(train, gen))
