@@ -1,6 +1,6 @@
 """The fixed cost of one refit, phase by phase, on the CPU (issue 51 item 4).
 
-    python scripts/bench_refit_overhead.py [--preset moe] [--refits 60] [--warmup 5]
+    python scripts/bench_refit_overhead.py [--preset moe] [--layers N] [--refits 60] [--ab]
 
 Two worlds of one process each on this machine: a training rank (a demo preset's real
 megatron-core model, TP1 PP1, ``RefitSender``) and a generation rank (the vLLM-layout model
@@ -17,12 +17,16 @@ re-reading the model's / vLLM's tensors; ``version``: the version vote; ``bulk``
 the packed broadcast of the other params; ``commit``: the commit vote; ``derived``: the
 generation side's refresh of derived weights; ``rest``: the call's time outside them), the
 collective round trips one refit issues on the refit group (by kind, counted by a spy on
-the group object: the real call still runs) and the colocated transport's shared-memory
-barrier waits, and, in the same run on the same group, a raw gloo all-gather round trip
-(``pg.allgather(...).wait()``: the floor of one vote) and the library's own
-``all_gather_ints`` / ``all_reduce`` over it (through the fault board's waiter), with
-each vote's ratio to the raw round trip. The last refit is checked bit for bit against
+the group object: the real call still runs), the colocated transport's shared-memory
+barrier waits, the waits handed to the group's daemon threads, the group's store calls and
+the walks over vLLM's modules, and, in the same run on the same group, a raw gloo all-gather
+round trip (``pg.allgather(...).wait()``: the floor of one vote) and the library's own
+``all_gather_ints`` / ``all_reduce`` over it (fault-aware waits), with each vote's ratio
+to the raw round trip. The last refit is checked bit for bit against
 the reference (full HF tensors gathered on the training side, sliced by vLLM's layout).
+``--ab``: every other refit runs with the two runtime cuts of issue 51 item 4 switched off
+(``_set_cuts``), so both tables come from one run; numbers in docs/MEASUREMENTS.md
+("Per-refit fixed cost").
 """
 
 from __future__ import annotations
@@ -263,8 +267,17 @@ def _profile_text(profile, top: int):
 
 
 def _job(job, args: dict) -> dict:
+    from megatron_reshard.engine.host_flags import HostFlags
+    from megatron_reshard.groups import faults
+
     torch.set_num_threads(1)
-    return (_train if job.rank == 0 else _gen)(job, args)
+    # what the spies and ``--ab`` change in this process, given back after the job (the
+    # test suite's pool runs later jobs in the same processes)
+    wait, spin = HostFlags.wait, faults.SPIN_S
+    try:
+        return (_train if job.rank == 0 else _gen)(job, args)
+    finally:
+        HostFlags.wait, faults.SPIN_S = wait, spin
 
 
 def _medians(rows: list[dict], phases) -> dict:
