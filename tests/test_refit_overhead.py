@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from megatron_reshard.tools.bench.refit_overhead import _job
+from megatron_reshard.tools.bench.refit_overhead import _job, report
 from megatron_reshard.tools.worlds import RankFailure
 
 pytestmark = pytest.mark.slow
@@ -37,6 +37,9 @@ def test_a_steady_state_refit_is_exact_with_two_votes_and_no_walks_or_hand_offs(
     # no MLA layer (no kv_b_proj): the derived refresh does not walk vLLM's modules
     assert all(c.get("module walk", 0) == 0 for c in gen["calls"]), gen["calls"]
     assert all(r["derived"] < 1e-3 for r in gen["rows"])
+    text = report(train, gen)  # what the bench prints of this run
+    assert "2 collective round trips (allreduce 2)" in text and "0 walks" in text, text
+    assert "bit-exact against the reference: yes" in text, text
 
 
 def _vote_with_a_dead_peer(job):
