@@ -23,7 +23,7 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 import torch
 
 from megatron_reshard.errors import BadInputError
-from megatron_reshard.groups.faults import boards_of, wait_event, wait_works
+from megatron_reshard.groups.faults import boards_of, wait_collective, wait_event
 
 from .checks import Problem
 from .p2p import P2PChannel
@@ -139,7 +139,7 @@ def conclude(pending: PendingVote, description: Callable[[], Description],
     or the descriptions differ (``description()`` is called only then)."""
     what = "the agreement all-reduce"
     if pending.work is not None:
-        wait_works([pending.work], channel.group, what)
+        wait_collective(pending.work, channel.group, what)
     elif pending.done is not None:  # polled, so that a peer's failure is seen
         wait_event(pending.done, [channel.group], what)
     tally = _unpack(pending.result.tolist(), channel.size())  # CUDA: waits for the stream

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_reshard.groups.collectives import backend_name, resolve_group
-from megatron_reshard.groups.faults import wait_device, wait_works
+from megatron_reshard.groups.faults import wait_collective, wait_device, wait_works
 
 
 def _is_registered_pg(group) -> bool:
@@ -112,6 +112,6 @@ class P2PChannel:
 
     def allreduce_max(self, tensor: torch.Tensor) -> None:
         """In-place MAX all-reduce over the whole group (blocking for the host)."""
-        wait_works([self.start_allreduce_max(tensor)], self.group, "the agreement all-reduce")
+        wait_collective(self.start_allreduce_max(tensor), self.group, "the agreement all-reduce")
         if tensor.is_cuda:
             wait_device(tensor.device, [self.group], "the agreement all-reduce")

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_reshard.errors import BadInputError
-from megatron_reshard.groups.faults import wait_device, wait_works
+from megatron_reshard.groups.faults import wait_collective, wait_device
 
 
 def resolve_group(group):
@@ -67,7 +67,7 @@ def all_reduce(tensor: torch.Tensor, group, op, what: str) -> None:
         return
     opts = dist.AllreduceOptions()
     opts.reduceOp = op
-    wait_works([group.allreduce([tensor], opts)], group, what)
+    wait_collective(group.allreduce([tensor], opts), group, what)
     if tensor.is_cuda:
         wait_device(tensor.device, [group], what)
 
@@ -79,7 +79,7 @@ def all_gather_ints(values, group, what: str = "an all-gather") -> list[list[int
     if group is None:
         dist.all_gather(out, mine)
     else:
-        wait_works([group.allgather([out], [mine])], group, what)
+        wait_collective(group.allgather([out], [mine]), group, what)
         if mine.is_cuda:
             wait_device(mine.device, [group], what)
     return [t.cpu().tolist() for t in out]

@@ -29,6 +29,7 @@ kernels stop.
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Sequence
@@ -43,6 +44,10 @@ POLL_S = 0.05          # how often a waiting rank looks at the board
 EVENT_NAP_S = 1e-5     # a device wait's first nap between event queries (then doubled)
 GRACE_S = 0.5          # after a transport error: how long to look for a peer's own report
 POST_S = 2.0           # the longest a failing rank spends telling one group (a stopped store)
+# how long a collective's Work is looked at on the waiting thread before its wait goes to a
+# waiter thread (``wait_collective``): a vote whose peers are there takes 0.1-0.4 ms; longer
+# looks took CPU from a late peer on a loaded machine (2 ms: the commit vote slower, measured)
+SPIN_S = 5e-4
 
 
 
@@ -310,6 +315,42 @@ def wait_works(works: Sequence[Any], group: Any, what: str,
         raise
 
 
+def wait_collective(work: Any, group: Any, what: str,
+                    peers: Optional[Sequence[int]] = None) -> None:
+    """``wait_works`` for one collective's Work (all-reduce, all-gather, broadcast): the
+    refit's votes. Unlike a send or receive, a gloo collective completes on the backend's
+    own worker thread (``is_completed()`` turns True without ``wait()``), so this thread
+    looks at it for up to ``SPIN_S`` first, yielding the core between looks: a vote whose
+    peers arrive in time then costs no hand-off to a waiter thread and back (~0.15 ms a
+    vote on a loaded CPU, ``scripts/bench_refit_overhead.py``). Past ``SPIN_S`` (a peer
+    late, stopped or gone) the wait is ``wait_works``' own, fault board and deadline
+    included; a Work that completed with an error is reported as ``wait_works`` does."""
+    board = board_of(group)
+    if board is None or board.backend != "gloo" or not _completes_within(work, SPIN_S):
+        wait_works([work], group, what, peers)
+        return
+    try:
+        work.wait()  # completed: returns at once, or raises the transport's error
+    except Exception as exc:  # noqa: BLE001 - the transport's error, re-raised with context
+        try:
+            _raise_transport_error(board, what, peers, exc)
+        except BaseException:
+            retire(group)  # as wait_works: dropping the failed group must not wait
+            raise
+
+
+def _completes_within(work: Any, seconds: float) -> bool:
+    """Whether ``work`` completes within ``seconds`` (looked at between yields)."""
+    if seconds <= 0:
+        return False
+    deadline = time.perf_counter() + seconds
+    while not work.is_completed():
+        if time.perf_counter() > deadline:
+            return False
+        os.sched_yield()
+    return True
+
+
 def _poll_until_done(call, board: FaultBoard, what: str, peers) -> None:
     deadline = time.monotonic() + board.timeout_s
     watched = None  # the peers' beat counts, read once the wait outlasts one poll
@@ -446,4 +487,4 @@ def abort_groups(groups: Iterable[Any]) -> None:
 
 __all__ = ["Fault", "FaultBoard", "PeerFailure", "RefitError", "RefitTimeout",
            "abort_groups", "board_of", "boards_of", "fault_scope", "post_failure", "retire",
-           "wait_device", "wait_event", "wait_works"]
+           "wait_collective", "wait_device", "wait_event", "wait_works"]

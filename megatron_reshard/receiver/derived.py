@@ -79,6 +79,17 @@ def mla_layers(model: torch.nn.Module) -> list[tuple[str, Any, torch.nn.Module]]
     return out
 
 
+def may_derive(model: torch.nn.Module) -> bool:
+    """Whether ``refresh_derived_weights`` can ever find work in ``model``: some module of
+    it is named ``kv_b_proj`` (MLA's; every MLA layer ``mla_layers`` finds keeps one in the
+    module tree, and an orphan is a ``kv_b_proj.weight``). One walk, at ``prepare_refit``:
+    vLLM does not add modules to a loaded model (``receiver.live_targets`` reads the
+    params from the modules' tables bound at prepare on the same ground), so a model
+    without one skips the walks of every refit (~0.4 ms for a 4-layer model on a loaded
+    CPU; more for hundreds of modules, ``scripts/bench_refit_overhead.py``)."""
+    return any(name.rpartition(".")[2] == "kv_b_proj" for name, _ in model.named_modules())
+
+
 def derived_param_names(model: torch.nn.Module) -> set[str]:
     """Names (as ``model.named_parameters()`` lists them) of the params vLLM derives after
     loading: never refit targets, recomputed by ``refresh_derived_weights``."""
@@ -177,5 +188,5 @@ def _looks_like_vllm(model: torch.nn.Module) -> bool:
     return any(n.endswith("mla_attn") for n, _ in model.named_modules())
 
 
-__all__ = ["DERIVED_ATTRIBUTES", "DerivedWeightsError", "derived_param_names", "mla_layers",
-           "refresh_derived_weights"]
+__all__ = ["DERIVED_ATTRIBUTES", "DerivedWeightsError", "derived_param_names", "may_derive",
+           "mla_layers", "refresh_derived_weights"]

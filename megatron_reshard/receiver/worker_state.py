@@ -29,6 +29,7 @@ from megatron_reshard.receiver.coverage import parse_keep_as_loaded
 from megatron_reshard.receiver.derived import (
     DerivedWeightsError,
     derived_param_names,
+    may_derive,
     refresh_derived_weights,
 )
 from megatron_reshard.receiver.kernel_layouts import kv_cache_scale_names, storage_orders
@@ -230,6 +231,8 @@ class RefitWorkerState:
         self.staged: Optional[StagedConversions] = None  # the session's layers vLLM converts
         self.stager: Optional[StagedRefits] = None  # staging tensors (``staged`` option)
         self.weights = WeightState()  # the model's: outlives groups and sessions
+        # the model prepared last, when it has no MLA layer: nothing derived to refresh
+        self._underived: Optional[torch.nn.Module] = None
 
     def require_groups(self) -> dict[int, Any]:
         if self.groups is None:
@@ -291,6 +294,7 @@ class RefitWorkerState:
             raise BadInputError(f"unknown prepare_refit options {unknown}; known: "
                                 f"{list(PrepareOptions.NAMES)}")
         self.session = self.options = self.staged = self.stager = None
+        self._underived = None if may_derive(model) else model
         derived = derived_param_names(model)  # recomputed after each refit, never received
         derived |= kv_cache_scale_names(model)  # no weights: vLLM 0.34 keeps them as params
         with fault_scope(groups.values()):  # a refusal reaches the training ranks too
@@ -366,8 +370,8 @@ class RefitWorkerState:
         try:
             stats["derived_staging"] = {}
             t0 = time.perf_counter()
-            refreshed = refresh_derived_weights(model, written, act_dtype,
-                                                stats=stats["derived_staging"])
+            refreshed = [] if model is self._underived else refresh_derived_weights(
+                model, written, act_dtype, stats=stats["derived_staging"])
             stats["derived_s"] = time.perf_counter() - t0
         except DerivedWeightsError as err:
             self.weights.writing(n for n, _ in model.named_parameters() if "kv_b_proj" in n)
@@ -405,6 +409,7 @@ class RefitWorkerState:
     def destroy_groups(self, timeout_s: float) -> None:
         """Shut the groups down (every rank of each group does the same) and drop the session."""
         groups, self.groups, self.session, self.options = self.groups or {}, None, None, None
+        self._underived = None
         if self.stager is not None:
             self.stager.discard(timeout_s)
         self.staged = self.stager = None

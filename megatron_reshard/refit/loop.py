@@ -50,10 +50,9 @@ receiver both run it.
 
 from __future__ import annotations
 
-import hashlib
 import math
-import socket
 import time
+from operator import attrgetter
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence, Union
@@ -62,22 +61,22 @@ import torch
 
 from megatron_reshard.engine import Planner, Transfer
 from megatron_reshard.engine.link_costs import LinkCosts
-from megatron_reshard.engine.plan import layout_key
+from megatron_reshard.refit.link_choice import choose_costs, node_code, stage_weight
+from megatron_reshard.engine.plan import gc_paused, layout_key
 from megatron_reshard.engine.refit_transport import transport_of
 from megatron_reshard.layout.geometry import box_shape
-from megatron_reshard.engine.plan import gc_paused
 from megatron_reshard.errors import BadInputError
 from megatron_reshard.groups.collectives import all_gather_ints, control_device, group_rank
 from megatron_reshard.groups.faults import RefitError, wait_device
 from megatron_reshard.refit.checksums import SourceOverlaps, StageChecksums
+from megatron_reshard.refit.delta_stage import DeltaStage, merged_tallies
 from megatron_reshard.delta.eligible import delta_plans, dst_hooked, record_eligible
 from megatron_reshard.delta.mover import DeltaMover
 from megatron_reshard.refit.finite import FiniteCheck, all_finite
 from megatron_reshard.refit.local import LocalParam, first_tensor_is_cuda, local_params
 from megatron_reshard.refit.plan_text import PLANNERS, plan_mismatch_text
-from megatron_reshard.refit.order import (MiscItem, BulkTransfer, batch_bounds, misc_items_by_stage,
-                                          plan_fingerprint,
-                                          plan_parts, bulk_transfers)
+from megatron_reshard.refit.order import (MiscItem, BulkTransfer, batch_bounds, bulk_transfers,
+                                          misc_items_by_stage, plan_fingerprint, plan_parts)
 from megatron_reshard.wire.spec import HFToLocalParamMap, LocalParamSpec
 from megatron_reshard.wire.records import ParamRecord, RefitPayload
 
@@ -89,34 +88,6 @@ DEFAULT_STAGING_BYTES = 256 << 20
 class PlanMismatchError(RefitError):
     """Ranks of one refit group derived different transfer lists from their payloads (a
     failed refit setup, hence a ``RefitError``; still a ``RuntimeError`` as before)."""
-
-
-def node_code(node: Optional[str]) -> int:
-    """A 62-bit code of a node's name (the host name when None): equal names, equal codes
-    on every process, so the ranks of a group can tell who shares a node."""
-    name = socket.gethostname() if node is None else str(node)
-    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little") & ((1 << 62) - 1)
-
-
-def choose_costs(planner: str, nodes: Sequence[int], dst_weight: float) -> Optional[LinkCosts]:
-    """The link model a group's plans use, from what every rank of it agreed on: its
-    ranks' node codes by group rank. None: the default planner. ``"auto"`` is link-aware
-    when the group spans more than one node (docs/DESIGN.md, "Which planner a refit uses").
-    ``dst_weight``: how many stages' traffic a destination's links carry
-    (``stage_weight``)."""
-    if planner == "default" or (planner == "auto" and len(set(nodes)) < 2):
-        return None
-    return LinkCosts(tuple(enumerate(int(n) for n in nodes)), dst_weight=dst_weight)
-
-
-def stage_weight(stages: Mapping[int, Sequence[ParamRecord]]) -> float:
-    """A generation rank takes part in every stage's group, a training rank in its own:
-    the job's bulk bytes over the heaviest stage's (the PP size when stages are even), as
-    the simulator weighs them (``tools.simulate.link_costs``). Payload-derived."""
-    sizes = [sum(math.prod(p.global_shape) * p.torch_dtype.itemsize for p in ps)
-             for ps in stages.values()]
-    top = max(sizes, default=0)
-    return round(sum(sizes) / top, 3) if top else 1.0
 
 
 @dataclass
@@ -196,6 +167,10 @@ class RefitLoop:
         info = RefitPayload.of(refit_info)  # records (a refit info dict is parsed here)
         all_stages = self._all_stages = info.stage_params()
         self._all_misc = misc_items_by_stage(info)
+        bulk_names = {s: tuple(p.name for p in ps) for s, ps in all_stages.items()}
+        with_other = {s: bulk_names.get(s, ()) + tuple(n for n, _, _ in self._all_misc.get(s, ()))
+                      for s in sorted({*bulk_names, *self._all_misc})}
+        self._names = (bulk_names, with_other)  # param_names(other=False / True)
         pp_size = info.pp_size
         self._dst_weight = stage_weight(all_stages)
         for stage in self.groups:
@@ -212,6 +187,8 @@ class RefitLoop:
             for s, ps in self.stages.items()}
         self._transfers: dict[int, list[BulkTransfer]] = {
             s: bulk_transfers(ps) for s, ps in self.stages.items()}
+        self._owned = self._owned_bytes()
+        self._hook_free: dict[tuple[int, int], _KeptBatch] = {}  # (stage, start) -> batch
         # batch cut points and staging size shape the engine calls: they must match too
         must_match = {"batch_bytes": batch_bytes, "staging_bytes": staging_bytes,
                       "checksums": int(verify_checksums),
@@ -274,15 +251,11 @@ class RefitLoop:
                     out.append((record.name, held.spec.base))
         return out
 
-    def param_names(self, other: bool = False) -> dict[int, list[str]]:
+    def param_names(self, other: bool = False) -> dict[int, tuple[str, ...]]:
         """The bulk param names of each stage of the payload, in its order (the same on
         every rank: a stage index names a param everywhere); ``other``: each stage's other
         params follow (payload ``other_params``, ``order.misc_items_by_stage``)."""
-        names = {s: [p.name for p in ps] for s, ps in self._all_stages.items()}
-        if other:
-            for s, items in self._all_misc.items():
-                names.setdefault(s, []).extend(name for name, _, _ in items)
-        return names
+        return dict(self._names[other])  # payload-derived: built once (tuples, shared)
 
     def rebind(self, local_map: HFToLocalParamMap) -> None:
         """Take this rank's params from ``local_map`` from now on (the training side's
@@ -292,7 +265,16 @@ class RefitLoop:
         mine = {s: local_params(ps, local_map, self.side, self._ranks[s], s)
                 for s, ps in self.stages.items()}
         self.local_map, self._mine = local_map, mine
+        self._owned, self._hook_free = self._owned_bytes(), {}
         self._verified = False
+
+    def _owned_bytes(self) -> dict[int, list[int]]:
+        """Per stage and param: the bytes of this rank's owned box (0: none; a padded
+        shard's padding rows do not travel), for the stats: counted once, not per refit."""
+        return {s: [0 if held is None else
+                    math.prod(box_shape(held.box)) * bulk.dtype.itemsize
+                    for held, bulk in zip(self._mine[s], self._transfers[s])]
+                for s in self.stages}
 
     def delta_held(self) -> bool:
         """Whether this rank holds a param other than as its storage in place (no plans
@@ -454,10 +436,10 @@ class RefitLoop:
         stats.seconds = time.perf_counter() - t0
         stats.mode = mode
         if mode == "delta":
-            stats.delta = _merged([r.mover.tally.as_dict() for r in delta_runs])
+            stats.delta = merged_tallies([r.mover.tally.as_dict() for r in delta_runs])
         return stats
 
-    def _delta_stage(self, stage: int, mode: str) -> Optional["_DeltaStage"]:
+    def _delta_stage(self, stage: int, mode: str) -> Optional[DeltaStage]:
         """What a stage's run does for delta refits: move (delta mode) or keep the base
         (full mode, training side); None when delta refits are off."""
         if self.delta_plans is None:
@@ -467,7 +449,7 @@ class RefitLoop:
                            self.delta_plans[stage], base,
                            on_apply=self.on_delta_apply if self.side == "dst" else None
                            ) if mode == "delta" else None
-        return _DeltaStage(self.delta_plans[stage], mover, base)
+        return DeltaStage(self.delta_plans[stage], mover, base)
 
     def _send_batch(self, run: "_StageRun", batch: "_OpenBatch") -> None:
         """Hand an opened batch to the engine, checksum it if asked, run its post hooks."""
@@ -488,13 +470,23 @@ class RefitLoop:
         elif run.finite is not None:  # no checksum pass to share: a pass of its own
             for o in batch.opened:
                 run.finite.add(o.index, all_finite(o.ctx.buf))
-        for o in batch.opened:
-            o.spec.finish(o.ctx)
+        if batch.hooks:
+            for o in batch.opened:
+                o.spec.finish(o.ctx)
 
     def _open_batch(self, run: "_StageRun", start: int, stop: int) -> "_OpenBatch":
-        """Run the pre hooks of one batch; its open contexts and its engine transfers."""
+        """Run the pre hooks of one batch; its open contexts and its engine transfers. A
+        batch whose params this rank holds have no hooks is opened once and handed out
+        again while each spec keeps its tensor and stays hook-free (one ``==`` of their
+        states: a hook or tensor set on a spec later is seen; ``rebind`` forgets them)."""
+        kept = self._hook_free.get((run.stage, start))
+        if kept is not None and _spec_state(kept.specs) == kept.state:
+            run.stats.params += len(kept.specs)
+            run.stats.local_bytes += kept.nbytes
+            return kept.batch
         mine = self._mine[run.stage]
         transfers = self._transfers[run.stage]
+        owned = self._owned[run.stage]
         batch = _OpenBatch([], [], start)
         for i in range(start, stop):
             local = None
@@ -507,14 +499,19 @@ class RefitLoop:
                 # the peers inside this batch's collectives)
                 local = ctx.buf
                 run.stats.params += 1
-                # the owned box: padding rows of a padded shard do not travel
-                run.stats.local_bytes += math.prod(box_shape(held.box)) * bulk.dtype.itemsize
+                run.stats.local_bytes += owned[i]
             batch.transfers.append(run.transfer_cls(
                 name=bulk.name, global_shape=bulk.global_shape, dtype=bulk.dtype,
                 src_mesh=bulk.src_mesh, src_placements=bulk.src_placements,
                 dst_mesh=bulk.dst_mesh, dst_placements=bulk.dst_placements,
                 src=local if self.side == "src" else None,
                 dst=local if self.side == "dst" else None))
+        specs = tuple(o.spec for o in batch.opened)
+        state = _spec_state(specs)
+        if not any(state[0]) and not any(state[1]):  # no pre or post hook: kept
+            batch.hooks = False
+            self._hook_free[(run.stage, start)] = _KeptBatch(
+                batch, specs, state, sum(owned[o.index] for o in batch.opened))
         return batch
 
 
@@ -530,7 +527,7 @@ class _StageRun:
     stats: StageStats
     on_write: Optional[Callable[[list[str]], None]]
     checks: Optional[StageChecksums]  # with checksums on
-    delta: Optional["_DeltaStage"] = None  # delta refits enabled (the delta package)
+    delta: Optional[DeltaStage] = None  # delta refits enabled (the delta package)
     finite: Optional[FiniteCheck] = None  # check_finite without checksums (refit.finite)
 
 
@@ -549,48 +546,24 @@ class _OpenBatch:
     opened: list[_Opened]
     transfers: list
     start: int = 0  # the stage index of the batch's first param
+    hooks: bool = True  # False: no param of it has a pre or post hook (kept, reused)
 
 
-@dataclass
-class _DeltaStage:
-    """One stage's delta work in one run: ``mover`` (delta mode) moves the eligible params;
-    ``base`` (training side, full mode) keeps what the engine sent of them."""
+class _KeptBatch(NamedTuple):
+    """A hook-free batch kept for the next refits: its specs and their state when opened
+    (``_spec_state``), and its owned bytes."""
 
-    plans: list
-    mover: Any
-    base: Any
-
-    def move(self, batch: _OpenBatch, params: list) -> list:
-        """Move the batch's eligible params as deltas; the engine's transfers left."""
-        if self.mover is None:
-            return batch.transfers
-        bufs = {o.index: o.ctx.buf for o in batch.opened}
-        rest, items = [], []
-        for offset, transfer in enumerate(batch.transfers):
-            index = batch.start + offset
-            if self.plans[index] is None:
-                rest.append(transfer)
-                self.mover.tally.full_params += index in bufs
-            else:
-                items.append((index, params[index].name, bufs.get(index)))
-        if items:  # one exchange per batch: two messages per peer (delta.mover)
-            self.mover.move_batch(items)
-        return rest
-
-    def keep(self, batch: _OpenBatch) -> None:
-        if self.mover is None and self.base is not None:
-            for o in batch.opened:
-                if self.plans[o.index] is not None:
-                    self.base.capture(o.index, o.ctx.buf)
+    batch: _OpenBatch
+    specs: tuple
+    state: tuple
+    nbytes: int
 
 
-def _merged(tallies: list[dict]) -> dict:
-    counts = ("params", "ops", "messages", "wire_bytes", "full_bytes", "held_bytes",
-              "forwarded_bytes", "changed", "full_params")
-    out = {**{k: 0 for k in counts}, "encodings": {}}
-    for t in tallies:
-        for k in counts:
-            out[k] += t[k]
-        for k, n in t["encodings"].items():
-            out["encodings"][k] = out["encodings"].get(k, 0) + n
-    return out
+_PRE, _POST, _BASE = attrgetter("pre"), attrgetter("post"), attrgetter("base")
+
+
+def _spec_state(specs: tuple) -> tuple:
+    """What a kept batch depends on, compared in one ``==``: each spec's hooks and the
+    identity of its tensor (held by the kept batch, so no other object takes its id)."""
+    return (tuple(map(_PRE, specs)), tuple(map(_POST, specs)),
+            tuple(map(id, map(_BASE, specs))))

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_reshard.errors import BadInputError, MissingEntryError
-from megatron_reshard.groups.faults import wait_works
+from megatron_reshard.groups.faults import wait_collective
 
 
 @dataclass(frozen=True)
@@ -113,5 +113,5 @@ def broadcast_packed(entries: Sequence[PackedEntry], group: Optional[dist.Proces
     else:
         opts = dist.BroadcastOptions()
         opts.rootRank = root
-        wait_works([group.broadcast([flat], opts)], group, "the packed broadcast", [root])
+        wait_collective(group.broadcast([flat], opts), group, "the packed broadcast", [root])
     return unpack(entries, flat)
