@@ -23,7 +23,7 @@ docs/DESIGN.md). It guards against accidents, not against an adversary.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
@@ -88,4 +88,40 @@ def digests(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.stack([tensor_digest(t) for t in tensors])
 
 
-__all__ = ["COLS", "digests", "tensor_digest"]
+class HeldBase(NamedTuple):
+    """A generation rank's delta base as its last commit left it: the params it held in
+    place for deltas (names, in order) and one digest each."""
+
+    names: tuple[str, ...]
+    digests: torch.Tensor
+
+
+class BaseChanges(NamedTuple):
+    """What differs from a ``HeldBase`` now (both empty: the storage is the base)."""
+
+    held_changed: list[str]    # params that entered or left the held set
+    written_outside: list[str]  # params still held whose bytes differ
+
+
+def take_base(held: Sequence[tuple[str, torch.Tensor]]) -> HeldBase:
+    """The base of ``held`` (``RefitLoop.held_in_place``: (name, tensor) pairs)."""
+    return HeldBase(tuple(name for name, _ in held), digests([t for _, t in held]))
+
+
+def base_changes(base: HeldBase, held: Sequence[tuple[str, torch.Tensor]]) -> BaseChanges:
+    """Compare ``held`` now with ``base``, by name. A different set of names (a param
+    re-bound to storage held through a hook, or a hook put on a spec since the commit) is
+    a base that cannot be trusted: the names that changed, and no digest pass (the refit
+    goes full anyway). The same names: those whose digest differs."""
+    names = tuple(name for name, _ in held)
+    if names != base.names:
+        now, was = set(names), set(base.names)
+        # the same set in another order or count (never seen): every name is in question
+        return BaseChanges(sorted(now ^ was) or sorted(now), [])
+    now_digests = digests([t for _, t in held]).to(base.digests.device)
+    differ = (now_digests != base.digests).nonzero().flatten().tolist()
+    return BaseChanges([], [names[i] for i in differ])
+
+
+__all__ = ["COLS", "BaseChanges", "HeldBase", "base_changes", "digests", "take_base",
+           "tensor_digest"]

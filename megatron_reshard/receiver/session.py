@@ -28,7 +28,7 @@ from megatron_reshard.receiver.misc_transport import MiscReceiver, receive_misc_
 from megatron_reshard.receiver.param_map import build_receiver_param_map
 from megatron_reshard.receiver.state import WeightState
 from megatron_reshard.receiver.targets import TargetError, VllmTargets
-from megatron_reshard.delta.base_digest import digests
+from megatron_reshard.delta.base_digest import HeldBase, base_changes, take_base
 from megatron_reshard.refit.delta_vote import dst_ready_code, dst_vote
 from megatron_reshard.refit.loop import DEFAULT_BATCH_BYTES, DEFAULT_STAGING_BYTES, RefitLoop
 from megatron_reshard.refit.order import misc_items_by_stage
@@ -104,10 +104,12 @@ class ReceiverSession:
         self._delta_version: Optional[int] = None
         self._delta_hooked: Optional[bool] = None
         self._delta_rewritten = False  # vLLM's conversion rewrote the committed bytes
-        # the digests of the storage a delta writes into, taken at the last commit of a
-        # refit whose sender asks for deltas (delta.base_digest); checked before the next
-        self._base_digests: Optional[torch.Tensor] = None
+        # the names and digests of the storage a delta writes into, taken at the last
+        # commit of a refit whose sender asks for deltas (delta.base_digest); checked,
+        # by name, before the next
+        self._base_digests: Optional[HeldBase] = None
         self._written_outside: list[str] = []  # what the last check found changed
+        self._held_changed: list[str] = []  # params that entered or left the held set
         self.stats: dict[str, Any] = {"refits": 0, "prepare_s": time.perf_counter() - t0,
                                       "verify_s": None, "last": None, "total_refit_s": 0.0}
 
@@ -262,13 +264,13 @@ class ReceiverSession:
                              f"{self.weights.as_dict()['state']}")
         self.weights.committed(done.outcome.version, names, not_refitted=self.kept_as_loaded)
         # the base of the next delta: kept only where the training side asks for deltas
-        self._base_digests = (digests([t for _, t in self.loop.held_in_place()])
-                              if done.delta_wanted else None)
+        self._base_digests = take_base(self.loop.held_in_place()) if done.delta_wanted else None
         self._delta_version = done.outcome.version if done.delta_wanted else None
         self._delta_rewritten = False
         full_bytes = done.bulk.local_bytes + tally["misc_bytes"]
         last = {"mode": done.mode, "full_reason": done.full_reason,
                 "written_outside": list(self._written_outside),
+                "held_changed": list(self._held_changed),
                 "bytes_received": done.bulk_bytes_moved + tally["misc_bytes"],
                 "full_bytes": full_bytes, "delta": done.bulk.delta,"bulk_params": done.bulk.params, "bulk_bytes": done.bulk.local_bytes,
                 "misc_params": sum(len(i) for i in self.misc_items.values()), **tally,
@@ -323,9 +325,10 @@ class ReceiverSession:
 
     def _delta_vote(self) -> list:
         """This rank's columns of the delta/full vote (``refit.delta_vote``)."""
-        if self._base_written_outside():  # this rank's base is gone: the refit goes full
+        gone = self._base_gone()
+        if gone:  # this rank's base is gone: the refit goes full
             self._delta_version = self._base_digests = None
-            return dst_vote(6, None)
+            return dst_vote(gone, None)
         hooked = False
         if self._delta_version is not None:
             if self._delta_hooked is None:
@@ -334,18 +337,20 @@ class ReceiverSession:
         code = dst_ready_code(self._delta_version, self.weights, hooked, self._delta_rewritten)
         return dst_vote(code, self._delta_version)
 
-    def _base_written_outside(self) -> bool:
-        """Whether the storage a delta would write into differs from what the last commit
-        left there (``delta.base_digest``: one pass over it, one host sync); the params
-        that differ are kept for the report."""
-        self._written_outside = []
+    def _base_gone(self) -> int:
+        """0 while the storage a delta would write into is what the last commit left there
+        (``delta.base_digest``: one pass over it, one host sync), else the vote's code: 7
+        where the params held in place are not those of the base (a re-bind, a hook put
+        on since), 6 where one's bytes differ. The params are kept for the report."""
+        self._written_outside, self._held_changed = [], []
         if self._delta_version is None or self._base_digests is None:
-            return False
-        held = self.loop.held_in_place()
-        now = digests([t for _, t in held])
-        changed = (now.to(self._base_digests.device) != self._base_digests).nonzero()
-        self._written_outside = [held[i][0] for i in changed.flatten().tolist()]
-        return bool(self._written_outside)
+            return 0
+        found = base_changes(self._base_digests, self.loop.held_in_place())
+        self._written_outside, self._held_changed = found.written_outside, found.held_changed
+        if found.held_changed:
+            self._delta_hooked = None  # a spec changed: whether one is hooked is asked again
+            return 7
+        return 6 if found.written_outside else 0
 
     def forget_delta_base(self) -> None:
         """The storage no longer holds the committed bytes as they arrived (vLLM's own
@@ -380,6 +385,9 @@ class ReceiverSession:
             # params whose storage was written outside the refits before the last one
             # (found by the base digests: that refit went full)
             "written_outside": last.get("written_outside", []),
+            # params that entered or left the set held in place for deltas since the
+            # commit before the last refit (a re-bind, a hook): that refit went full
+            "held_changed": last.get("held_changed", []),
             "misc_wire_bytes": last.get("misc_wire_bytes", 0),
             "refits": self.stats["refits"],
             # refits that found vLLM's params re-allocated and re-bound the targets

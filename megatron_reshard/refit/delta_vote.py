@@ -35,7 +35,11 @@ DST_NOT_READY = {1: "a generation rank's session has not committed a refit yet (
                  6: "a generation rank's storage of a delta param was written outside the "
                     "refits since its last committed refit (its base digest differs: "
                     "delta.base_digest), so a delta would land on other bytes than the "
-                    "sender's base"}
+                    "sender's base",
+                 7: "the params a generation rank holds in place for deltas are not those "
+                    "of its last committed refit (a param re-bound to other storage, or "
+                    "given a hook, since: delta.base_digest), so its base cannot be trusted "
+                    "for a delta"}
 
 
 def _pair(version: Optional[int]) -> list[int]:
@@ -92,7 +96,8 @@ def dst_ready_code(session_version: Optional[int], weights: Any, hooked: bool,
     """0 when this generation rank's storage is the base of version ``session_version``,
     else the reason's code (``DST_NOT_READY``); ``rewritten``: the session forgot its base
     because vLLM's conversion rewrote the storage after its last commit. (Code 6, the
-    storage written outside the refits, is the session's own finding: its base digests.)"""
+    storage written outside the refits, and 7, the set of params held in place changed, are
+    the session's own findings: its base digests.)"""
     if hooked:
         return 4
     if not weights.consistent:
