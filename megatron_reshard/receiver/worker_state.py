@@ -37,6 +37,7 @@ from megatron_reshard.receiver.staged_conversion import (
     StagedConversionError,
     StagedConversions,
     check_online_payload,
+    online_quantizers,
     staged_layers,
 )
 from megatron_reshard.receiver.staging import StagedRefits, check_budget, check_delta_flip
@@ -311,6 +312,7 @@ class RefitWorkerState:
                                        groups, receive_misc=receive_misc, vllm_tp=vllm_tp,
                                        weights=stager.weights if stager else self.weights,
                                        storage_orders=orders, model=model,
+                                       block_quantizers=online_quantizers(staged),
                                        **checked.session_options())
         if stager is not None:
             stager.session_prepared(self.session)
