@@ -130,11 +130,9 @@ def quantize_into(targets: VllmTargets, piece: Piece, scale: Piece, values: torc
     """Quantize ``values`` (the HF region of ``piece``) into the FP8 box and its scale box.
     Returns the bytes written."""
     dst = targets.view(piece)
-    online = targets.quantizers.get(piece.target)
-    if online is not None:  # vLLM's online block FP8: vLLM's own function (receiver.online_quant)
-        sdst = targets.view(scale)
-        online.write(values, dst, sdst)
-        return dst.numel() + sdst.numel() * 4
+    if piece.target in targets.quantizers:  # vLLM's online block FP8: vLLM's own function,
+        targets.quantizers.write(targets, piece, scale, values)  # per matrix (online_quant)
+        return dst.numel() + targets.view(scale).numel() * 4
     if targets.params[scale.target].dtype == torch.uint8:  # MXFP8: E8M0 bytes
         q, s = quantize_mxfp8(values.reshape(dst.shape))
     else:

@@ -12,21 +12,31 @@ found through the live quant method's module and looked up at each call (whateve
 loader would call), on the generation device, from the values vLLM's loader would hold
 (cast to the layer's ``params_dtype``), per expert, into the FP8 storage and its scales.
 
-The receiver quantizes a rank's box piece by piece (q, k and v of a fused weight; gate and
-up of ``w13``), each made of whole 128x128 tiles (``fp8_targets.scale_piece`` checks it).
-vLLM's function computes each tile from that tile's values alone (its amax, then an
-elementwise scale and cast), so a piece gives exactly the bytes of the same tiles of the
-whole matrix vLLM quantizes.
+The receiver gets a rank's part of such a weight piece by piece (q, k and v of a fused
+weight; gate and up of ``w13``; one HF param each, in the engine's batches).
+``OnlineBlockFp8`` gathers the BF16 values of each matrix vLLM quantizes (a linear
+weight; one expert of ``w13`` / ``w2``) in a buffer of that matrix, and calls vLLM's
+function on the whole matrix once its last piece arrives: the same call vLLM makes, on
+the same values, so the same bytes, whatever its numerics on this device. At
+``prepare_refit`` the plans must cover each such matrix exactly (``check_coverage``); after
+each receive no matrix may be left incomplete (``finish``). The buffers held at once are
+reported (``report()["peak_pending_bytes"]``): at most about one layer's BF16 weights of
+the online layers, as the payload is ordered by layer.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import sys
+import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import torch
+
+from megatron_reshard.groups.faults import RefitError
+from megatron_reshard.receiver.target_plan import Piece, TargetError
 
 VLLM_BLOCK_QUANTIZER = "per_block_cast_to_fp8"  # vllm.utils.deep_gemm's, imported by online/fp8.py
 ONLINE_GEN_QUANT = "block_fp8_online"  # the trainer's setting (fp8.plan.plan_block_fp8_online)
@@ -74,6 +84,114 @@ def find_block_quantizer(name: str, module: torch.nn.Module, method: Any,
     return VllmBlockQuantizer(name, owner, tuple(tile), dtype), ""
 
 
+class OnlineQuantError(RefitError):
+    """A matrix of an online block-FP8 layer was left incomplete by a refit."""
+
+
+class OnlineBlockFp8:
+    """The online block-FP8 targets of one session, by FP8 param name, and the BF16 matrices
+    being gathered for vLLM's function (see the module doc)."""
+
+    def __init__(self, quantizers: Mapping[str, VllmBlockQuantizer]):
+        self.quantizers = dict(quantizers)
+        self._pending: dict[tuple, list] = {}  # (param, expert or None) -> [buffer, elements]
+        self.stats = {"matrices": 0, "quantize_s": 0.0, "pending_bytes": 0,
+                      "peak_pending_bytes": 0}
+
+    def __contains__(self, target: str) -> bool:
+        return target in self.quantizers
+
+    def __bool__(self) -> bool:
+        return bool(self.quantizers)
+
+    @staticmethod
+    def _matrices(shape: Sequence[int], box: Sequence[tuple[int, int]]) -> list[tuple]:
+        """(matrix key suffix, the box's part in that matrix's [N, K] coordinates, the part's
+        index into the box) for each matrix vLLM quantizes that ``box`` touches."""
+        if len(shape) == 2:
+            return [(None, tuple(box), ())]
+        (e0, e1), rows, cols = box
+        return [(e, (rows, cols), (e - e0,)) for e in range(e0, e1)]
+
+    def check_coverage(self, params: Mapping[str, torch.Tensor], plans: Iterable[Any],
+                       where: str) -> None:
+        """Every matrix of an online param that the plans write at all, written exactly once
+        (else its last piece would never come, or come twice). Raises ``TargetError``."""
+        covered: dict[tuple, int] = {}
+        for plan in plans:
+            for piece in plan.pieces:
+                if piece.target in self.quantizers:
+                    shape = params[piece.target].shape
+                    for e, (rows, cols), _ in self._matrices(shape, piece.target_region):
+                        n = (rows[1] - rows[0]) * (cols[1] - cols[0])
+                        covered[(piece.target, e)] = covered.get((piece.target, e), 0) + n
+        for (target, e), n in sorted(covered.items(), key=str):
+            want = math.prod(params[target].shape[-2:])
+            if n != want:
+                which = f"{target!r}" + ("" if e is None else f" expert {e}")
+                raise TargetError(f"{which} on {where}: vLLM quantizes it online as one "
+                                  f"{list(params[target].shape[-2:])} matrix, so the refit "
+                                  f"gathers all of it before calling vLLM's "
+                                  f"{VLLM_BLOCK_QUANTIZER}; expected {want} elements written "
+                                  f"once, found {n} in the payload's plan")
+
+    def begin(self) -> None:
+        """A refit starts: nothing is pending (a failed refit's buffers are dropped)."""
+        self._pending.clear()
+        self.stats["pending_bytes"] = 0
+
+    def write(self, targets: Any, piece: Any, scale: Any, values: torch.Tensor) -> None:
+        """Take ``values`` (the HF values of ``piece``, a box of an online FP8 param; its
+        scale box ``scale``) into the matrices they belong to; quantize each matrix with
+        vLLM's function into the param and its scales once it is complete."""
+        quantizer = self.quantizers[piece.target]
+        param = targets.params[piece.target]
+        box = piece.target_region
+        vals = values.reshape([b - a for a, b in box])
+        for e, (rows, cols), index in self._matrices(param.shape, box):
+            key = (piece.target, e)
+            if key not in self._pending:
+                buf = torch.empty(param.shape[-2:], dtype=quantizer.dtype, device=param.device)
+                self._pending[key] = [buf, 0]
+                self.stats["pending_bytes"] += buf.numel() * buf.element_size()
+                self.stats["peak_pending_bytes"] = max(self.stats["peak_pending_bytes"],
+                                                       self.stats["pending_bytes"])
+            entry = self._pending[key]
+            entry[0][rows[0]:rows[1], cols[0]:cols[1]].copy_(vals[index] if index else vals)
+            entry[1] += (rows[1] - rows[0]) * (cols[1] - cols[0])
+            if entry[1] == entry[0].numel():
+                self._quantize(targets, piece.target, scale.target, e, entry[0], quantizer)
+                del self._pending[key]
+                self.stats["pending_bytes"] -= entry[0].numel() * entry[0].element_size()
+
+    def _quantize(self, targets: Any, target: str, scale_target: str, e: Optional[int],
+                  matrix: torch.Tensor, quantizer: VllmBlockQuantizer) -> None:
+        t0 = time.perf_counter()
+        param, scales = targets.params[target], targets.params[scale_target]
+        lead = () if e is None else (e,)
+        shape, sshape = param.shape, scales.shape
+        dst = targets.view(Piece(target, tuple([(e, e + 1)] if lead else []) +
+                                 ((0, shape[-2]), (0, shape[-1])), ()))
+        sdst = targets.view(Piece(scale_target, tuple([(e, e + 1)] if lead else []) +
+                                  ((0, sshape[-2]), (0, sshape[-1])), ()))
+        quantizer.write(matrix, dst, sdst)
+        self.stats["matrices"] += 1
+        self.stats["quantize_s"] += time.perf_counter() - t0
+
+    def finish(self, where: str) -> None:
+        """After a refit's receive: every matrix quantized. Raises ``OnlineQuantError``."""
+        if self._pending:
+            left = sorted(f"{t}" + ("" if e is None else f"[{e}]") for t, e in self._pending)
+            self.begin()
+            raise OnlineQuantError(f"{where}: the refit left {len(left)} matrices of layers vLLM "
+                                   f"quantizes online incomplete ({left[:4]}): their FP8 bytes "
+                                   f"are the previous version's; expected every piece the plan "
+                                   f"lists")
+
+    def report(self) -> dict:
+        return dict(self.stats)
+
+
 def sender_quantized_refusal(hf_name: str, target: str, where: str, found: str) -> str:
     """The refusal of FP8 bytes (or their scales) quantized by the sender for an online layer."""
     return (f"{hf_name}: on {where} it lands in {target!r}, a layer vLLM quantizes online "
@@ -84,5 +202,6 @@ def sender_quantized_refusal(hf_name: str, target: str, where: str, found: str) 
             f"{GPU_FINDING}")
 
 
-__all__ = ["GPU_FINDING", "ONLINE_GEN_QUANT", "VLLM_BLOCK_QUANTIZER", "VllmBlockQuantizer",
-           "find_block_quantizer", "sender_quantized_refusal"]
+__all__ = ["GPU_FINDING", "ONLINE_GEN_QUANT", "OnlineBlockFp8", "OnlineQuantError",
+           "VLLM_BLOCK_QUANTIZER", "VllmBlockQuantizer", "find_block_quantizer",
+           "sender_quantized_refusal"]

@@ -32,6 +32,7 @@ from megatron_reshard.receiver.derived import (
     refresh_derived_weights,
 )
 from megatron_reshard.receiver.kernel_layouts import kv_cache_scale_names, storage_orders
+from megatron_reshard.receiver.online_quant import OnlineBlockFp8, OnlineQuantError
 from megatron_reshard.receiver.session import ReceiverSession
 from megatron_reshard.receiver.staged_conversion import (
     StagedConversionError,
@@ -230,6 +231,7 @@ class RefitWorkerState:
         self.options: Optional[PrepareOptions] = None  # the session's
         self.staged: Optional[StagedConversions] = None  # the session's layers vLLM converts
         self.stager: Optional[StagedRefits] = None  # staging tensors (``staged`` option)
+        self.online = OnlineBlockFp8({})  # the session's online block-FP8 params, if any
         self.weights = WeightState()  # the model's: outlives groups and sessions
 
     def require_groups(self) -> dict[int, Any]:
@@ -308,12 +310,21 @@ class RefitWorkerState:
             targets = [(n, views.get(n, p)) for n, p in model.named_parameters()
                        if n not in derived]
             stager = self._stager(checked, staged, targets, model)
+            # vLLM's online block FP8: its matrices quantized by vLLM's function (online_quant)
+            online = OnlineBlockFp8(online_quantizers(staged))
         self.session = ReceiverSession(payload, stager.targets(targets) if stager else targets,
                                        groups, receive_misc=receive_misc, vllm_tp=vllm_tp,
                                        weights=stager.weights if stager else self.weights,
                                        storage_orders=orders, model=model,
-                                       block_quantizers=online_quantizers(staged),
+                                       block_quantizers=online,
                                        **checked.session_options())
+        if online:
+            with fault_scope(groups.values()):  # each matrix written whole, exactly once
+                plans = list(self.session.bulk_plans) + [
+                    p for ps in self.session.misc_plans.values() for p in ps]
+                online.check_coverage(self.session.targets.params, plans,
+                                      self.session.targets.where())
+        self.online = online
         if stager is not None:
             stager.session_prepared(self.session)
         self.options, self.stager = checked, stager
@@ -351,6 +362,7 @@ class RefitWorkerState:
         if self.stager is not None:
             self.stager.start(session)
             return self.flip_staged(model, act_dtype)
+        self.online.begin()
         stats = session.refit()
         self._convert_staged(session, stats)  # before MLA's refresh, as vLLM's loader orders them
         return self._refreshed(model, session.targets.params.values(), act_dtype, stats)
@@ -386,9 +398,10 @@ class RefitWorkerState:
         if self.staged is None or not self.staged.layers:
             return
         try:
+            self.online.finish(session.targets.where())
             self.staged.received(session.targets.params.values())
             stats["staged_converted"] = self.staged.convert()
-        except StagedConversionError as err:
+        except (StagedConversionError, OnlineQuantError) as err:
             session.forget_delta_base()
             self.weights.writing(sorted(self.staged.param_names))
             self.weights.failed(str(err))
@@ -399,6 +412,8 @@ class RefitWorkerState:
         if self.staged.rewrote:  # converted bytes are no base for a delta; an identity's are
             session.forget_delta_base()
         stats["staged_conversion"] = self.staged.report()
+        if self.online:
+            stats["online_quant"] = self.online.report()
 
     def release_staging(self) -> None:
         if self.session is not None:
