@@ -221,6 +221,7 @@ def test_a_bf16_payload_into_online_fp8_stops_every_rank_at_prepare_refit(pool):
     assert gens and all("prepare_refit" in r.text and "KernelLayoutError" in r.text for r in gens)
 
 
+@pytest.mark.vllm_range
 def test_a_sender_quantized_plan_into_online_fp8_is_refused_before_any_byte_moves(pool):
     """The plan before this rule (``gen_quant="block_fp8"``: the trainer quantizes with
     ``fp8.quant``) into vLLM's online block FP8: on an H200 it gave one element of an
@@ -251,6 +252,7 @@ def test_a_sender_quantized_plan_into_online_fp8_is_refused_before_any_byte_move
     assert gens and all("prepare_refit" in r.text for r in gens)
 
 
+@pytest.mark.vllm_range
 def test_the_receivers_bytes_come_from_vllms_own_quantizer(pool):
     """What the GPU showed, made visible on the CPU: vLLM's ``per_block_cast_to_fp8`` (the
     name vLLM's online layers call) replaced in every generation process by a variant one
