@@ -312,19 +312,17 @@ class RefitWorkerState:
             stager = self._stager(checked, staged, targets, model)
             # vLLM's online block FP8: its matrices quantized by vLLM's function (online_quant)
             online = OnlineBlockFp8(online_quantizers(staged))
-        self.session = ReceiverSession(payload, stager.targets(targets) if stager else targets,
-                                       groups, receive_misc=receive_misc, vllm_tp=vllm_tp,
-                                       weights=stager.weights if stager else self.weights,
-                                       storage_orders=orders, model=model,
-                                       block_quantizers=online,
-                                       **checked.session_options())
-        if online:
-            with fault_scope(groups.values()):  # each matrix written whole, exactly once
-                plans = list(self.session.bulk_plans) + [
-                    p for ps in self.session.misc_plans.values() for p in ps]
-                online.check_coverage(self.session.targets.params, plans,
-                                      self.session.targets.where())
-        self.online = online
+        session = ReceiverSession(payload, stager.targets(targets) if stager else targets,
+                                  groups, receive_misc=receive_misc, vllm_tp=vllm_tp,
+                                  weights=stager.weights if stager else self.weights,
+                                  storage_orders=orders, model=model, block_quantizers=online,
+                                  **checked.session_options())
+        if online:  # each online matrix written whole, exactly once (else no session)
+            with fault_scope(groups.values()):
+                plans = list(session.bulk_plans) + [p for ps in session.misc_plans.values()
+                                                    for p in ps]
+                online.check_coverage(session.targets.params, plans, session.targets.where())
+        self.session, self.online = session, online
         if stager is not None:
             stager.session_prepared(self.session)
         self.options, self.stager = checked, stager
