@@ -267,6 +267,20 @@ def test_the_receivers_bytes_come_from_vllms_own_quantizer(pool):
         _check_bit_equal(g, "TRITON")
 
 
+def test_online_block_fp8_weights_on_the_packed_path(pool):
+    """Attention and the experts' down projections sent as full BF16 tensors (the packed
+    path, ``packed_params``): the receiver slices them and gathers vLLM's matrices from them
+    as from the exact path; both refits bit-equal to vLLM's own online loading."""
+    cfg = RefitRunConfig(**{**_cfg().__dict__, "packed_params": r"self_attn\.|down_proj"})
+    results = pool.run(vllm_refit_job, cfg.train_world + cfg.gen_world, cfg,
+                       vllm_config_json(QWEN3_MOE_FP8), model_builder=_build,
+                       moe_backend="triton", quantization="fp8_per_block",
+                       num_ports=cfg.train_pp + 2, timeout_s=600)
+    for g in (r for r in results if r["role"] == "gen"):
+        _check_bit_equal(g, "TRITON")
+        assert all(s["misc_bytes"] > 0 for s in g["refits"]), g["refits"]
+
+
 @pytest.mark.parametrize("transport", ["colocated", "p2p"])
 def test_online_block_fp8_through_the_weight_transfer_backend(pool, transport):
     """The other front door (vLLM's weight-transfer engine, driven as vLLM's GPU worker
