@@ -72,7 +72,7 @@ LARGE = {"dense": dict(num_layers=8, hidden_size=2048, num_attention_heads=16, n
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], [100, 37, 999, 5], list(range(50, 82))]
 GEN_TOKENS = 16
 TRAINER_DEVICE = "cuda"  # the trainers' device type (one device each)
-QUANT = {"none": (None, None), "fp8_per_block": ("fp8_per_block", "block_fp8")}  # vLLM's, ours
+QUANT = {"none": (None, None), "fp8_per_block": ("fp8_per_block", "block_fp8_online")}  # vLLM's, ours
 FP8_TILE = 128  # vLLM's block FP8: weight_block_size [128, 128]
 
 

@@ -19,6 +19,11 @@ records are frozen, the input is not changed) with the bulk entries planned:
 - otherwise the weight travels in BF16 (``"gen_quant": "receiver"``) and the receiver
   quantizes its region (whole tiles, checked above) into the FP8 storage.
 
+vLLM's online block FP8 (``--quantization fp8_per_block``) is planned by
+``plan_block_fp8_online`` (the trainer's ``gen_quant="block_fp8_online"``): every linear
+weight travels in BF16 and the receiver quantizes it with vLLM's own function; a
+sender-quantized weight is refused there (``receiver.online_quant``).
+
 Wire forms whose tiles are not the HF tensor's tiles (q/k/v per KV group with rows per
 group not a multiple of 128) are quantized on the receiver, which sees HF rows.
 
@@ -46,7 +51,7 @@ from megatron_reshard.wire.records import ParamRecord, RefitPayload
 FP8_WIRE_DTYPE = "torch.float8_e4m3fn"
 SCALE_WIRE_DTYPE = "torch.float32"
 SCALE_SUFFIX = "_scale_inv"
-GEN_QUANT_FORMATS = ("block_fp8", "mxfp8")
+GEN_QUANT_FORMATS = ("block_fp8", "block_fp8_online", "mxfp8")
 MXFP8_TILE = (1, 32)  # MXFP8: one E8M0 scale per 32 elements of a row
 
 # linear weights vLLM quantizes (dense, fused parts, grouped experts); not router/gates/vocab
@@ -242,6 +247,19 @@ def plan_mxfp8(info: Any, stage_world: int) -> tuple[RefitPayload, dict]:
                                                     "block": list(MXFP8_TILE)}), counts
 
 
+def plan_block_fp8_online(info: Any, stage_world: int) -> tuple[RefitPayload, dict]:
+    """vLLM's online block FP8 (``--quantization fp8_per_block``: vLLM quantizes the BF16
+    weights itself while loading): every linear weight travels in BF16 and the receiver
+    quantizes its region with vLLM's own ``per_block_cast_to_fp8`` (``receiver.online_quant``:
+    there vLLM's function is the reference, and the trainer's quantizer gave other bytes on
+    a GPU). A generation split that cuts a 128x128 block is refused here, as for
+    ``plan_block_fp8``. Returns the planned refit info and the counts."""
+    planned, counts = plan_block_fp8(info, stage_world, BLOCK_FP8_TILE, sender=False)
+    return dataclasses.replace(planned, gen_quant={"format": "block_fp8",
+                                                    "block": list(BLOCK_FP8_TILE),
+                                                    "quantized_by": "receiver"}), counts
+
+
 def plan_block_fp8(info: Any, stage_world: int, tile: tuple[int, int] = BLOCK_FP8_TILE,
                    train_fp8: frozenset = frozenset(), sender: bool = True
                    ) -> tuple[RefitPayload, dict]:
@@ -315,6 +333,6 @@ def plan_block_fp8(info: Any, stage_world: int, tile: tuple[int, int] = BLOCK_FP
 
 __all__ = [
     "FP8_WIRE_DTYPE", "Fp8SplitError", "GEN_QUANT_FORMATS", "MXFP8_TILE", "SCALE_SUFFIX",
-    "SCALE_WIRE_DTYPE", "is_quantizable", "plan_block_fp8", "plan_mxfp8",
+    "SCALE_WIRE_DTYPE", "is_quantizable", "plan_block_fp8", "plan_block_fp8_online", "plan_mxfp8",
     "scale_layout_problems", "scale_name", "scale_placements", "tile_box",
 ]

@@ -13,7 +13,9 @@ receiver). What each format is:
   ``per_block_cast_to_fp8`` without UE8M0), so that a refit gives the bytes vLLM would
   hold: ``scale_inv = max(amax, 1e-4) / 448`` and ``weight = e4m3(w * (1 / scale_inv))``
   (the same torch expressions, so the same rounding on each device: a true division on
-  CPU, a multiply by the reciprocal where CUDA divides by a scalar). A zero tile gets
+  CPU, a multiply by the reciprocal where CUDA divides by a scalar). Not used for vLLM's
+  online block FP8 any more: there one element in two million came out one step off on an
+  H200, so the receiver calls vLLM's own function (``receiver.online_quant``). A zero tile gets
   ``scale_inv = 1e-4 / 448`` and zero bytes. With ``pow2_scales`` (DeepGEMM's
   UE8M0 scales) the scale is the power of two ``2^-ceil(log2(amax / 448))``, its exponent
   clamped to [-127, 127], and 1 when it clamps to -127. A partial edge tile takes its amax

@@ -80,8 +80,10 @@ class MegatronRefitSource:
         packed broadcast instead of shard to shard (every param has an exact path; this is
         the explicit way back to the broadcast, e.g. to compare the two).
         ``gen_quant="block_fp8"`` / ``"mxfp8"``: the generation model holds its linear
-        weights in that FP8 format (``megatron_reshard.fp8.plan``); None: the same dtype as
-        training. Collective over the train world (``train_plan.build_train_side_plan``)."""
+        weights in that FP8 format (``megatron_reshard.fp8.plan``); ``"block_fp8_online"``:
+        vLLM quantizes a BF16 checkpoint into block FP8 itself (``--quantization
+        fp8_per_block``): BF16 is sent and the generation ranks quantize with vLLM's own
+        function (``receiver.online_quant``); None: the same dtype as training. Collective over the train world (``train_plan.build_train_side_plan``)."""
         check_gen_attention_split(model, gen_parallelism)  # before any collective
         self.plan: TrainSidePlan = build_train_side_plan(
             model, gen_parallelism=gen_parallelism, gen_world_size=gen_world_size, family=family,

@@ -33,7 +33,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_reshard.errors import BadInputError, BadInputTypeError
-from megatron_reshard.fp8.plan import GEN_QUANT_FORMATS, plan_block_fp8, plan_mxfp8
+from megatron_reshard.fp8.plan import (GEN_QUANT_FORMATS, plan_block_fp8, plan_block_fp8_online,
+                                       plan_mxfp8)
 from megatron_reshard.layout.placements import build_mesh_info
 from megatron_reshard.megatron import gpt_oss, mamba, mla, nemotron_h, qwen3_next, unsupported_families
 from megatron_reshard.megatron.converters import Converted, ModelDims, NameConverter, hf_global_shapes
@@ -378,12 +379,14 @@ def build_records(facts: ModelFacts, placement: RankPlacement, params: ParamSets
     if gen.quant is None:
         return info, info, None
     train_fp8 = params.train_fp8
-    if gen.quant == "mxfp8":  # quantized on the receiver (NeMo-RL's is_mx path)
-        if train_fp8:
-            raise BadInputError(f"gen_quant='mxfp8' with weights held in blockwise FP8 for "
-                                f"training ({len(train_fp8)}, e.g. {min(train_fp8)}): MXFP8 "
-                                f"generation is quantized from BF16 training weights only")
-        planned, counts = plan_mxfp8(info, stage_world)
+    if gen.quant in ("mxfp8", "block_fp8_online"):  # quantized on the receiver (NeMo-RL's
+        if train_fp8:                                 # is_mx path; vLLM's online block FP8)
+            raise BadInputError(f"gen_quant={gen.quant!r} with weights held in blockwise FP8 "
+                                f"for training ({len(train_fp8)}, e.g. {min(train_fp8)}): "
+                                f"this generation format is quantized on the receiver from "
+                                f"BF16 training weights only")
+        plan = plan_mxfp8 if gen.quant == "mxfp8" else plan_block_fp8_online
+        planned, counts = plan(info, stage_world)
     else:
         planned, counts = plan_block_fp8(info, stage_world, train_fp8=train_fp8)
     packed = sorted(train_fp8 - {p.name for p in planned.params()})

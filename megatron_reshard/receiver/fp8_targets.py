@@ -18,7 +18,8 @@ expected and what was found, raised while mapping (before any communication).
 Three ways a weight arrives (see ``megatron_reshard.fp8.plan``):
 
 - FP8 bytes (quantized by the sender): received in place; its scales arrive as their own
-  entry ``<name>_scale_inv`` and are received in place into the scale box;
+  entry ``<name>_scale_inv`` and are received in place into the scale box (refused while
+  mapping for a layer vLLM quantizes online: ``receiver.online_quant``);
 - BF16 (the sender's shard does not own whole tiles): received into a scratch buffer of
   the region's size (one param at a time, bounded by the engine's batch), then quantized
   into the FP8 box and its scale box (``quantize_into``);
@@ -26,7 +27,9 @@ Three ways a weight arrives (see ``megatron_reshard.fp8.plan``):
 
 A region made of whole tiles quantizes on its own to exactly the bytes and scales of the
 same tiles of the full tensor (``megatron_reshard.fp8.quant``), so all three give the bytes of
-"quantize the full HF tensor, then slice it by the vLLM layout".
+"quantize the full HF tensor, then slice it by the vLLM layout". A target of a layer vLLM
+quantizes online (``VllmTargets.quantizers``) is quantized with vLLM's own function instead
+(``receiver.online_quant``).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from megatron_reshard.fp8.quant import (
     quantize_blockwise_fp8,
     quantize_mxfp8,
 )
+from megatron_reshard.receiver.online_quant import sender_quantized_refusal
 from megatron_reshard.receiver.targets import (
     Piece,
     TargetError,
@@ -126,6 +130,9 @@ def quantize_into(targets: VllmTargets, piece: Piece, scale: Piece, values: torc
     """Quantize ``values`` (the HF region of ``piece``) into the FP8 box and its scale box.
     Returns the bytes written."""
     dst = targets.view(piece)
+    if piece.target in targets.quantizers:  # vLLM's online block FP8: vLLM's own function,
+        targets.quantizers.write(targets, piece, scale, values)  # per matrix (online_quant)
+        return dst.numel() + targets.view(scale).numel() * 4
     if targets.params[scale.target].dtype == torch.uint8:  # MXFP8: E8M0 bytes
         q, s = quantize_mxfp8(values.reshape(dst.shape))
     else:
@@ -174,6 +181,10 @@ def fp8_receive_spec(targets: VllmTargets, p: ParamRecord, rank_in_group: int,
         raise TargetError(f"{name}: the payload sends block-FP8 bytes but {piece.target!r} on "
                           f"{targets.where()} is an MXFP8 param (scales {scale.target!r}): MXFP8 "
                           f"is quantized on the receiver from BF16")
+    if wire == FP8_DTYPE and piece.target in targets.quantizers:
+        raise TargetError(sender_quantized_refusal(
+            name, piece.target, targets.where(), f"FP8 bytes quantized by the sender (gen_quant "
+            f"{p.gen_quant!r}, wire dtype {p.dtype})"))
     if wire == FP8_DTYPE:
         if per_group:
             return LocalParamSpec(base=targets.view(piece).view(wire_shape)), plan
@@ -218,6 +229,10 @@ def _scale_spec(targets: VllmTargets, p: ParamRecord, region, rank_in_group: int
         raise TargetError(f"{name}: the payload sends block scales but vLLM param "
                           f"{plan.pieces[0].target!r} on {targets.where()} is "
                           f"{targets.params[plan.pieces[0].target].dtype}, not float8_e4m3fn")
+    if plan.pieces[0].target in targets.quantizers:
+        raise TargetError(sender_quantized_refusal(
+            name, plan.pieces[0].target, targets.where(), f"block scales computed by the sender "
+            f"(gen_quant {p.gen_quant!r}) for {weight}"))
     scale = scale_piece(targets, weight, plan.pieces[0], w_shape)
     if targets.params[scale.target].dtype != torch.float32:
         raise TargetError(f"{name}: the payload sends block scales but {scale.target!r} on "

@@ -61,6 +61,7 @@ class ReceiverSession:
         planner: str = "auto",
         node: Optional[str] = None,
         model: Optional[torch.nn.Module] = None,
+        block_quantizers: Optional[Mapping[str, Any]] = None,
     ):
         """``vllm_tp``: ``(tp_rank, tp_size)`` as the serving engine reports it, if known; the
         payload's placement of this rank must agree (else data would land on the wrong rank).
@@ -78,6 +79,8 @@ class ReceiverSession:
         ``model``: vLLM's model, if known: each refit reads its params again from their
         modules (``receiver.live_targets``; without it, from the objects given), re-binds
         the targets vLLM re-allocated and refuses the refit where one changed beyond that.
+        ``block_quantizers``: vLLM's own quantizer of each FP8 param of a layer vLLM
+        quantizes online (``receiver.online_quant``), by param name.
 
         Any error here is posted on the groups' fault boards: the training ranks, waiting
         for the first refit, raise it too instead of waiting for their timeout."""
@@ -91,7 +94,7 @@ class ReceiverSession:
                           vllm_tp=vllm_tp, verify_checksums=verify_checksums,
                           keep_as_loaded=parse_keep_as_loaded(keep_as_loaded),
                           storage_orders=storage_orders, planner=planner, node=node,
-                          model=model)
+                          model=model, block_quantizers=block_quantizers)
         self.receive_misc = receive_misc or receive_misc_packed
         self.staging_bytes = staging_bytes
         self.protocol = RefitProtocol("dst", self.loop, self.groups, self.misc_items,
@@ -115,7 +118,8 @@ class ReceiverSession:
 
     def _prepare(self, payload, named_parameters, *, num_streams, batch_bytes, staging_bytes,
                  strided_in_place, xfer_batch, vllm_tp, verify_checksums,
-                 keep_as_loaded, storage_orders, planner="auto", node=None, model=None) -> None:
+                 keep_as_loaded, storage_orders, planner="auto", node=None, model=None,
+                 block_quantizers=None) -> None:
         ranks = {s: group_rank(g) for s, g in self.groups.items()}
         if len(set(ranks.values())) > 1:
             raise BadInputError(f"this generation rank has different ranks in the refit groups: {ranks}")
@@ -149,7 +153,8 @@ class ReceiverSession:
                              f"{self.gen_rank % tp} of {tp}, but vLLM reports TP rank {vllm_tp[0]} "
                              f"of {vllm_tp[1]} here; the refit group ranks must follow vLLM's TP order")
         try:
-            self._map_targets(tp, ep, named_parameters, strided_in_place, storage_orders)
+            self._map_targets(tp, ep, named_parameters, strided_in_place, storage_orders,
+                              block_quantizers)
         except (IndexError, KeyError, TypeError, AttributeError, ZeroDivisionError) as exc:
             # a payload that passed the structural checks but describes shapes that do not
             # fit this model: say so as a payload error, not as an internal failure
@@ -175,12 +180,12 @@ class ReceiverSession:
                             [p for ps in self.misc_plans.values() for p in ps]}
 
     def _map_targets(self, tp: int, ep: int, named_parameters, strided_in_place: bool,
-                     storage_orders=None) -> None:
+                     storage_orders=None, block_quantizers=None) -> None:
         """Map every param this rank receives onto the model's storage (local work)."""
         self.targets = VllmTargets.from_named_parameters(
             named_parameters, self.payload.hf_config, tp_rank=self.gen_rank % tp,
             tp_size=tp, ep_size=ep, ep_rank=self.gen_rank % ep, label=f"gen rank {self.gen_rank}",
-            orders=storage_orders)
+            orders=storage_orders, quantizers=block_quantizers)
         self.local_map, self.bulk_plans = build_receiver_param_map(
             self.payload, self.targets, self.rank_in_group, strided_in_place)
         misc = misc_items_by_stage(self.payload)

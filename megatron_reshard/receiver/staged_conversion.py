@@ -32,11 +32,11 @@ what a block-FP8 checkpoint layer holds: ``weight`` ``float8_e4m3fn`` of the (pe
 checkpoint shape and ``weight_scale_inv`` fp32 ``[ceil(N/128), ceil(K/128)]`` (experts:
 ``[E, ...]`` of each), taken from vLLM's ``per_block_cast_to_fp8`` (no UE8M0), then the
 same kernel conversion (``convert_to_fp8_moe_kernel_format`` / the linear kernel's post-load
-step). The sender quantizes with those numerics (``fp8.quant``) in tiles of the full
-tensor, which are vLLM's per-rank tiles wherever a rank's part is whole tiles (checked per
-piece by ``receiver.fp8_targets``), so such layers take this same path, provided the
-payload was planned for block FP8 (``check_online_payload``: a BF16 payload, or weights
-sent in their training FP8 bytes, are refused).
+step). Such layers take this same path, with one difference: their bytes are vLLM's own
+function's (``receiver.online_quant``; ``StagedLayer.quantizer``): the payload, planned with
+``gen_quant="block_fp8_online"``, sends their weights in BF16 and the receiver quantizes
+them with that function (``check_online_payload`` refuses a BF16 payload or training FP8
+bytes; ``fp8_targets`` refuses a weight the sender quantized, by name).
 
 Per-tensor FP8 and the other online methods (``--quantization fp8_per_tensor``, or ``fp8``
 on a BF16 checkpoint, which vLLM 0.33 maps to it; per channel, MXFP8, ...) are refused at
@@ -58,6 +58,8 @@ import torch
 from megatron_reshard.groups.faults import RefitError
 from megatron_reshard.receiver.bounded_cache import BoundedCache
 from megatron_reshard.receiver.kernel_layouts import KernelLayoutError, refusal
+from megatron_reshard.receiver.online_quant import (ONLINE_GEN_QUANT, VllmBlockQuantizer,
+                                                     find_block_quantizer)
 from megatron_reshard.wire.records import RefitPayload
 
 FP8_MOE_METHOD = "Fp8MoEMethod"
@@ -87,8 +89,8 @@ ONLINE_BLOCK_LINEAR_METHOD = "Fp8PerBlockOnlineLinearMethod"
 ONLINE_BLOCK_MOE_METHOD = "Fp8PerBlockOnlineMoEMethod"
 MOE_METHODS = (FP8_MOE_METHOD, ONLINE_BLOCK_MOE_METHOD)
 ONLINE_SETTING = ("serve it with --quantization fp8_per_block and refit with "
-                  "gen_quant=\"block_fp8\" (the trainer quantizes as vLLM does), or serve the "
-                  "policy in BF16 (drop --quantization)")
+                  f"gen_quant=\"{ONLINE_GEN_QUANT}\" (BF16 sent, quantized by vLLM's own "
+                  "function here), or serve the policy in BF16 (drop --quantization)")
 _MOE_LEAVES = ("w13_weight", "w2_weight", "w13_weight_scale_inv", "w2_weight_scale_inv")
 _LINEAR_LEAVES = ("weight", "weight_scale_inv")
 
@@ -115,6 +117,9 @@ class StagedLayer:
     # bytes unchanged (Triton experts, the block linear kernels): the storage keeps the
     # bytes as they arrived, so it stays a base for delta refits
     identity: bool = False
+    # an online block-FP8 layer's quantizer (vLLM's own function, receiver.online_quant):
+    # its FP8 weights are received in BF16 and written through it
+    quantizer: Optional[VllmBlockQuantizer] = None
 
     def __post_init__(self) -> None:
         if not self.received_as:
@@ -302,12 +307,12 @@ def _online_refusal(name: str, method: Any) -> KernelLayoutError:
 
 def check_online_payload(layers: Collection[StagedLayer], payload: Any) -> None:
     """Online block-FP8 layers hold vLLM's quantization of BF16 weights: the refit writes
-    them only from a payload planned for block FP8 (``gen_quant="block_fp8"``: the sender
-    or the receiver quantizes with vLLM's numerics). Raises ``KernelLayoutError`` (before
-    any byte moves) for a BF16 payload or weights sent in their training FP8 bytes
-    (power-of-two scales, not vLLM's)."""
-    online = [layer for layer in layers if layer.method in (ONLINE_BLOCK_LINEAR_METHOD,
-                                                            ONLINE_BLOCK_MOE_METHOD)]
+    them only from a payload planned for it (``gen_quant="block_fp8_online"``: BF16 sent,
+    quantized on this rank with vLLM's own function). Raises ``KernelLayoutError`` (before
+    any byte moves) for a BF16 payload or weights sent in their training FP8 bytes; a
+    sender-quantized weight of a ``"block_fp8"`` plan is refused while mapping, by name
+    (``fp8_targets``, ``online_quant.sender_quantized_refusal``)."""
+    online = [layer for layer in layers if layer.quantizer is not None]
     if not online:
         return
     info = RefitPayload.of(payload)
@@ -319,8 +324,9 @@ def check_online_payload(layers: Collection[StagedLayer], payload: Any) -> None:
         raise KernelLayoutError(
             f"{where}: vLLM quantized this layer online from BF16 into block FP8, and the "
             f"refit payload is planned for {fmt or 'BF16'} (gen_quant={fmt!r}); to refit this "
-            f"model, build the trainer's source with gen_quant=\"block_fp8\" (the trainer "
-            f"quantizes exactly as vLLM does), or serve the policy in BF16 (drop --quantization)")
+            f"model, build the trainer's source with gen_quant=\"{ONLINE_GEN_QUANT}\" (BF16 "
+            f"sent, quantized here by vLLM's own function), or serve the policy in BF16 (drop "
+            f"--quantization)")
     trained = sorted(p.name for p in info.params() if p.gen_quant == "train_fp8")
     if trained:
         raise KernelLayoutError(
@@ -329,6 +335,12 @@ def check_online_payload(layers: Collection[StagedLayer], payload: Any) -> None:
             f"quantization of the same values gives other bytes and scales; to refit this "
             f"model, serve it from a block-FP8 checkpoint (quantization_config "
             f"weight_block_size [128, 128]) or train in BF16")
+
+
+def online_quantizers(layers: Collection[StagedLayer]) -> dict[str, VllmBlockQuantizer]:
+    """``{FP8 weight param name: vLLM's quantizer}`` of the online block-FP8 layers."""
+    return {n: layer.quantizer for layer in layers if layer.quantizer is not None
+            for n in layer.params if n.endswith("weight")}
 
 
 def staged_layers(model: torch.nn.Module, skip: Collection[str] = ()) -> list[StagedLayer]:
@@ -348,6 +360,11 @@ def staged_layers(model: torch.nn.Module, skip: Collection[str] = ()) -> list[St
         if online and kind not in (ONLINE_BLOCK_LINEAR_METHOD, ONLINE_BLOCK_MOE_METHOD):
             raise _online_refusal(name, method)
         layer = (_fp8_moe_layer if kind in MOE_METHODS else _fp8_linear_layer)(name, module, method)
+        if online:
+            layer.quantizer, why = find_block_quantizer(name, module, method, (128, 128))
+            if layer.quantizer is None:
+                raise refusal(name, method, layer.backend, f"the refit quantizes this layer's "
+                              f"BF16 weights with vLLM's own function, but {why}", ONLINE_SETTING)
         _dry_run(layer)
         out.append(layer)
     return out
@@ -460,4 +477,4 @@ class StagedConversions:
 
 
 __all__ = ["STAGED_METHODS", "StagedConversionError", "StagedConversions", "StagedLayer",
-           "check_online_payload", "staged_layers"]
+           "check_online_payload", "online_quantizers", "staged_layers"]

@@ -74,6 +74,9 @@ class VllmTargets:
     label: str = ""  # how errors name this rank, e.g. "gen rank 3"
     # targets vLLM stores in a kernel's order (receiver.kernel_layouts), by param name
     orders: dict[str, KernelOrder] = field(default_factory=dict)
+    # FP8 targets of layers vLLM quantizes online (``receiver.online_quant.OnlineBlockFp8``:
+    # ``name in quantizers``), written from BF16 by vLLM's own function; empty: none
+    quantizers: Any = field(default_factory=dict)
     _renames: Optional[bool] = field(default=None, repr=False)  # gpt-oss's vLLM names
     _oss_experts = oss_expert_plan  # gpt-oss's experts (receiver.gpt_oss_targets)
     _oss_wire_experts = oss_wire_plan
@@ -83,15 +86,15 @@ class VllmTargets:
     def from_named_parameters(cls, named, hf_config: Union[HFConfig, Mapping[str, Any], None],
                               tp_rank: int, tp_size: int,
                               ep_size: int = 1, ep_rank: Optional[int] = None,
-                              label: str = "", orders: Optional[Mapping[str, KernelOrder]] = None
-                              ) -> "VllmTargets":
+                              label: str = "", orders: Optional[Mapping[str, KernelOrder]] = None,
+                              quantizers: Any = None) -> "VllmTargets":
         if not 0 <= tp_rank < tp_size:
             raise BadInputError(f"tp_rank={tp_rank} is not in 0..{tp_size - 1}")
         ep_rank = tp_rank % ep_size if ep_rank is None else ep_rank
         if not 0 <= ep_rank < ep_size:
             raise BadInputError(f"ep_rank={ep_rank} is not in 0..{ep_size - 1}")
         return cls(_as_dict(named), HFConfig.of(hf_config), tp_rank, tp_size, ep_rank, ep_size, label,
-                   dict(orders or {}))
+                   dict(orders or {}), quantizers if quantizers is not None else {})
 
     def where(self) -> str:
         """This rank as error messages name it."""

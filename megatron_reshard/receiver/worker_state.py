@@ -33,11 +33,13 @@ from megatron_reshard.receiver.derived import (
     refresh_derived_weights,
 )
 from megatron_reshard.receiver.kernel_layouts import kv_cache_scale_names, storage_orders
+from megatron_reshard.receiver.online_quant import OnlineBlockFp8, OnlineQuantError
 from megatron_reshard.receiver.session import ReceiverSession
 from megatron_reshard.receiver.staged_conversion import (
     StagedConversionError,
     StagedConversions,
     check_online_payload,
+    online_quantizers,
     staged_layers,
 )
 from megatron_reshard.receiver.staging import StagedRefits, check_budget, check_delta_flip
@@ -230,6 +232,7 @@ class RefitWorkerState:
         self.options: Optional[PrepareOptions] = None  # the session's
         self.staged: Optional[StagedConversions] = None  # the session's layers vLLM converts
         self.stager: Optional[StagedRefits] = None  # staging tensors (``staged`` option)
+        self.online = OnlineBlockFp8({})  # the session's online block-FP8 params, if any
         self.weights = WeightState()  # the model's: outlives groups and sessions
         # the model prepared last, when it has no MLA layer: nothing derived to refresh
         self._underived: Optional[torch.nn.Module] = None
@@ -311,11 +314,19 @@ class RefitWorkerState:
             targets = [(n, views.get(n, p)) for n, p in model.named_parameters()
                        if n not in derived]
             stager = self._stager(checked, staged, targets, model)
-        self.session = ReceiverSession(payload, stager.targets(targets) if stager else targets,
-                                       groups, receive_misc=receive_misc, vllm_tp=vllm_tp,
-                                       weights=stager.weights if stager else self.weights,
-                                       storage_orders=orders, model=model,
-                                       **checked.session_options())
+            # vLLM's online block FP8: its matrices quantized by vLLM's function (online_quant)
+            online = OnlineBlockFp8(online_quantizers(staged))
+        session = ReceiverSession(payload, stager.targets(targets) if stager else targets,
+                                  groups, receive_misc=receive_misc, vllm_tp=vllm_tp,
+                                  weights=stager.weights if stager else self.weights,
+                                  storage_orders=orders, model=model, block_quantizers=online,
+                                  **checked.session_options())
+        if online:  # each online matrix written whole, exactly once (else no session)
+            with fault_scope(groups.values()):
+                plans = list(session.bulk_plans) + [p for ps in session.misc_plans.values()
+                                                    for p in ps]
+                online.check_coverage(session.targets.params, plans, session.targets.where())
+        self.session, self.online = session, online
         if stager is not None:
             stager.session_prepared(self.session)
         self.options, self.stager = checked, stager
@@ -353,6 +364,7 @@ class RefitWorkerState:
         if self.stager is not None:
             self.stager.start(session)
             return self.flip_staged(model, act_dtype)
+        self.online.begin()
         stats = session.refit()
         self._convert_staged(session, stats)  # before MLA's refresh, as vLLM's loader orders them
         return self._refreshed(model, session.targets.params.values(), act_dtype, stats)
@@ -388,9 +400,10 @@ class RefitWorkerState:
         if self.staged is None or not self.staged.layers:
             return
         try:
+            self.online.finish(session.targets.where())
             self.staged.received(session.targets.params.values())
             stats["staged_converted"] = self.staged.convert()
-        except StagedConversionError as err:
+        except (StagedConversionError, OnlineQuantError) as err:
             session.forget_delta_base()
             self.weights.writing(sorted(self.staged.param_names))
             self.weights.failed(str(err))
@@ -401,6 +414,8 @@ class RefitWorkerState:
         if self.staged.rewrote:  # converted bytes are no base for a delta; an identity's are
             session.forget_delta_base()
         stats["staged_conversion"] = self.staged.report()
+        if self.online:
+            stats["online_quant"] = self.online.report()
 
     def release_staging(self) -> None:
         if self.session is not None:

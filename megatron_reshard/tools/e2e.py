@@ -224,12 +224,12 @@ def _publish_expected(cfg: RefitRunConfig, control, hf_config: dict, full: dict,
     device_type = next((v.device.type for v in full.values()), "cpu")
     full = {k: v.to("cpu") for k, v in full.items()}
     pow2 = cfg.train_precision == "fp8_blockwise"
-    quantized = quantize_full_hf(full, cfg.gen_quant, pow2, device_type) if cfg.gen_quant else None
+    quantized = quantize_full_hf(full, cfg.gen_storage, pow2, device_type) if cfg.gen_quant else None
     for g in range(cfg.gen_world):
         tp_rank = g % cfg.gen_tp
         if cfg.gen_quant:  # the independent quantizer on the full HF tensors, then sliced
             expected = expected_vllm_fp8_params(hf_config, full, tp_rank, cfg.gen_tp, cfg.gen_ep,
-                                                pow2=pow2, fmt=cfg.gen_quant, quantized=quantized)
+                                                pow2=pow2, fmt=cfg.gen_storage, quantized=quantized)
             control.set(f"expected/{step}/{g}",
                         json.dumps({n: tensor_digest(t) for n, t in expected.items()}))
             continue
@@ -260,7 +260,7 @@ def _gen_rank(gen_rank: int, cfg: RefitRunConfig, control, device: torch.device,
     payload = decode_payload(control.get("payload"))
     tp_rank = gen_rank % cfg.gen_tp
     model = build_vllm_like_model(RefitPayload.of(payload).hf_config, tp_rank, cfg.gen_tp, cfg.gen_ep,
-                                  getattr(torch, cfg.dtype), device=device, quant=cfg.gen_quant)
+                                  getattr(torch, cfg.dtype), device=device, quant=cfg.gen_storage)
     worker = ModuleWorker(model)
     # group_rank=None: each worker derives it from its rank in the generation world, as
     # vLLM workers do when collective_rpc sends every worker the same arguments

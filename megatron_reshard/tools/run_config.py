@@ -95,13 +95,13 @@ FP8_MODEL_OVERRIDES: dict[str, Any] = dict(hidden_size=256, num_attention_heads=
                                            num_layers=2, qk_head_dim=128, qk_pos_emb_head_dim=64,
                                            v_head_dim=64, q_lora_rank=128,
                                            moe_shared_expert_intermediate_size=256)
-GEN_PRECISIONS = ("bf16", "fp8", "mxfp8")
+GEN_PRECISIONS = ("bf16", "fp8", "fp8_online", "mxfp8")
 
 
 def model_preset(cfg: "RefitRunConfig") -> dict[str, Any]:
     """The model's spec values (family included) for this run."""
     preset = dict(MODEL_PRESETS[cfg.model])
-    if cfg.gen_precision in ("fp8", "mxfp8"):
+    if cfg.gen_precision in ("fp8", "fp8_online", "mxfp8"):
         preset.update({k: v for k, v in FP8_MODEL_OVERRIDES.items()
                        if k in preset or k == "head_dim"})
     preset.update(cfg.model_overrides)
@@ -162,7 +162,14 @@ class RefitRunConfig:
 
     @property
     def gen_quant(self):
-        return {"fp8": "block_fp8", "mxfp8": "mxfp8"}.get(self.gen_precision)
+        return {"fp8": "block_fp8", "fp8_online": "block_fp8_online",
+                "mxfp8": "mxfp8"}.get(self.gen_precision)
+
+    @property
+    def gen_storage(self):
+        """The generation model's storage format (None: the training dtype): online block
+        FP8 holds block FP8, quantized on the receiver."""
+        return "block_fp8" if self.gen_quant == "block_fp8_online" else self.gen_quant
 
     @property
     def staging_bytes(self) -> int:
@@ -314,7 +321,7 @@ def _split_refusals(cfg: RefitRunConfig) -> dict[str, Any]:
         if vocab_rows % t:
             return (f"does not divide its {vocab_rows} vocab rows (vocab {m['vocab_size']} "
                     "padded as vLLM pads it)")
-        if cfg.gen_quant == "block_fp8":  # MXFP8 cuts are refused by fp8.plan.plan_mxfp8
+        if cfg.gen_storage == "block_fp8":  # MXFP8 cuts are refused by fp8.plan.plan_mxfp8
             return tp_common(t) or fp8_blocks(t)
         return tp_common(t)
 
@@ -373,7 +380,7 @@ def _model_problems(cfg: RefitRunConfig) -> list[str]:
                        f"{size} {why}")
     m = model_preset(cfg)
     q_lora = m.get("q_lora_rank") if m.get("multi_latent_attention") else None
-    if cfg.gen_quant == "block_fp8" and q_lora and q_lora % 128:
+    if cfg.gen_storage == "block_fp8" and q_lora and q_lora % 128:
         out.append(f"--gen-precision fp8: expected a q_lora_rank that is a multiple of 128 for "
                    f"the {cfg.model} model (vLLM's fused_qkv_a_proj holds q_a's rows above "
                    f"kv_a's, in whole 128-row FP8 blocks); found {q_lora}")
@@ -444,7 +451,10 @@ def add_run_arguments(parser) -> None:
     parser.add_argument("--gen-precision", choices=GEN_PRECISIONS, default=d.gen_precision,
                         help="generation weights: bf16 (the training dtype), fp8 (vLLM block "
                              "FP8, 128x128 e4m3 + fp32 scale_inv; linear weights quantized on the "
-                             "sending side where a shard owns whole blocks, else on the receiver) "
+                             "sending side where a shard owns whole blocks, else on the receiver), "
+                             "fp8_online (the same storage, as vLLM's --quantization "
+                             "fp8_per_block holds it: BF16 sent, quantized by vLLM's own "
+                             "function on the receiver) "
                              "or mxfp8 (e4m3 + E8M0 scale per 32 elements, quantized on the "
                              "receiver); with fp8/mxfp8 the model dims become multiples of 128 "
                              "(default: %(default)s)")

@@ -164,6 +164,35 @@ def _planted_interleave_error(on: bool):
         gpt_oss.wire_view = right
 
 
+@contextlib.contextmanager
+def _patched_block_quantizer(on: bool):
+    """While active, vLLM's ``per_block_cast_to_fp8`` as its online FP8 layers call it (the
+    name in vLLM's ``quantization.online.fp8`` module) is a variant whose result differs in
+    one element of every matrix (byte [0, 0] one step away, never NaN); yields
+    ``{"calls": n}``. vLLM's own online loading (the oracle) and a receiver that calls
+    vLLM's function both take the variant; anything else does not. Restored on exit."""
+    calls = {"calls": 0}
+    if not on:
+        yield calls
+        return
+    from vllm.model_executor.layers.quantization.online import fp8 as online_fp8
+
+    right = online_fp8.per_block_cast_to_fp8
+
+    def variant(x, block_size=None, use_ue8m0=False):
+        q, s = right(x, block_size=block_size, use_ue8m0=use_ue8m0)
+        first = q.view(torch.uint8).view(-1)[:1]
+        first ^= 1 if int(first) & 0x7F != 0x7E else 2  # 0x7F would be NaN
+        calls["calls"] += 1
+        return q, s
+
+    online_fp8.per_block_cast_to_fp8 = variant
+    try:
+        yield calls
+    finally:
+        online_fp8.per_block_cast_to_fp8 = right
+
+
 def _vllm_gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Mapping[str, Any],
                    vllm_port: int, plant_fault: bool, copy_derived: bool,
                    keep_as_loaded: Optional[list] = None,
@@ -171,7 +200,8 @@ def _vllm_gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Mappi
                    as_moe_backend: Optional[str] = None, plant_staged_error: bool = False,
                    quantization: Optional[str] = None,
                    plant_interleave_error: bool = False,
-                   write_outside: Optional[tuple[int, str]] = None) -> dict:
+                   write_outside: Optional[tuple[int, str]] = None,
+                   patch_block_quantizer: bool = False) -> dict:
     from megatron_reshard.wire.codec import decode_payload
     from megatron_reshard.receiver.coverage import UncoveredParamsError
     from megatron_reshard.testing import vllm_models as vm
@@ -184,8 +214,10 @@ def _vllm_gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Mappi
                                             moe_backend=moe_backend, quantization=quantization)
     config = new_config()
     out: dict[str, Any] = {"role": "gen", "rank": gen_rank, "refits": [], "differences": [],
-                           "stand_in_differences": [], "moved": [], "planted": None}
-    with vm.vllm_parallel_state(config, gen_rank, cfg.gen_world, vllm_port):
+                           "stand_in_differences": [], "moved": [], "planted": None,
+                           "patched_calls_in_refits": []}
+    with _patched_block_quantizer(patch_block_quantizer) as patched, \
+            vm.vllm_parallel_state(config, gen_rank, cfg.gen_world, vllm_port):
         model = vm.dummy_loaded_model(config)
         if as_moe_backend:  # the backend another platform would have selected (after loading)
             for module in model.modules():
@@ -237,7 +269,9 @@ def _vllm_gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Mappi
                 with torch.no_grad():  # two elements written outside the refits
                     flat = live[write_outside[1]].view(-1)
                     flat[7:9] = flat[7:9] * 2 + 1
+            calls = patched["calls"]
             stats = worker.refit()
+            out["patched_calls_in_refits"].append(patched["calls"] - calls)
             worker.check_refit_weights_consistent()
             out["refits"].append(stats)
             full = torch.load(io.BytesIO(control.get(f"full/{step}")), weights_only=True)
@@ -296,7 +330,8 @@ def vllm_refit_job(job, cfg: RefitRunConfig, hf_config: Mapping[str, Any],
                    quantization: Optional[str] = None,
                    plant_interleave_error: bool = False,
                    write_outside_on: Optional[tuple[int, int, str]] = None,
-                   plant_mamba_split_error: bool = False) -> dict:
+                   plant_mamba_split_error: bool = False,
+                   patch_block_quantizer: bool = False) -> dict:
     """Pool job (``WorkerPool.run(..., num_ports=cfg.train_pp + 2)``): process ``job.rank`` of
     a launch of ``train_world + gen_world``; the last port is vLLM's generation world.
     ``plant_fault``: gen rank 0 checks that the comparison sees a flipped bit;
@@ -318,7 +353,10 @@ def vllm_refit_job(job, cfg: RefitRunConfig, hf_config: Mapping[str, Any],
     (``_planted_mamba_split_error``);
     ``write_outside_on``: (gen rank, refit index, vLLM param name): before that refit, that
     gen rank writes two elements of the param outside the refits (a delta's base no longer
-    what was committed)."""
+    what was committed);
+    ``patch_block_quantizer``: every generation rank runs with vLLM's online FP8 quantizer
+    replaced by a variant one element off (``_patched_block_quantizer``): the refit and the
+    oracle must still agree, and ``patched_calls_in_refits`` counts the receiver's calls."""
     cfg = RefitRunConfig(**{**cfg.__dict__, "ports": tuple(job.ports[: 1 + cfg.train_pp])})
     control = dist.TCPStore(cfg.host, cfg.ports[0], cfg.train_world + cfg.gen_world, job.rank == 0,
                             timeout=timedelta(seconds=cfg.timeout_s))
@@ -333,7 +371,8 @@ def vllm_refit_job(job, cfg: RefitRunConfig, hf_config: Mapping[str, Any],
                           plant_order_error_on == gen_rank, as_moe_backend,
                           plant_staged_error_on == gen_rank, quantization,
                           write_outside=write_outside_on[1:] if write_outside_on and
-                          write_outside_on[0] == gen_rank else None)
+                          write_outside_on[0] == gen_rank else None,
+                          patch_block_quantizer=patch_block_quantizer)
 
 
 

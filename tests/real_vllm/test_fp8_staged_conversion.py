@@ -250,9 +250,10 @@ def test_per_tensor_and_online_fp8_are_refused_naming_what_to_change(pool):
         assert out[label]["moe_refused"].startswith(
             experts + "Fp8PerTensorOnlineMoEMethod, kernel backend FLASHINFER_CUTLASS: vLLM "
             "quantizes"), (label, out[label]["moe_refused"])
-    for case in out.values():
+    for label, case in out.items():
+        setting = 'gen_quant="block_fp8_online"' if label.startswith("online") else 'gen_quant="block_fp8"'
         for message in (case["refused"], case["moe_refused"]):
-            assert "drop --quantization" in message and 'gen_quant="block_fp8"' in message, message
+            assert "drop --quantization" in message and setting in message, message
 
 
 def test_a_refused_fp8_backend_stops_every_rank_at_prepare_refit(pool):

@@ -8,8 +8,10 @@ byte and bit for bit, on random and edge inputs.
 
 Then the refit: the generation ranks build vLLM 0.33's Qwen3-MoE (one dense layer, three
 expert layers) from the BF16 config with ``quantization="fp8_per_block"`` (vLLM's dummy
-load quantizes online and runs its post-load); the trainer plans ``gen_quant="block_fp8"``.
-Two refits with changed weights from real megatron-core, each compared bit for bit with a
+load quantizes online and runs its post-load); the trainer plans
+``gen_quant="block_fp8_online"``: the weights travel in BF16 and each generation rank
+quantizes them with vLLM's own ``per_block_cast_to_fp8``, matrix by matrix as vLLM does
+(``receiver.online_quant``). Two refits with changed weights from real megatron-core, each compared bit for bit with a
 second vLLM model loaded by vLLM's ``load_weights`` from the BF16 HF tensors with the same
 online quantization and post-load. FP8 MoE backends: FlashInfer CUTLASS (its conversion
 swaps w13 and clamps the scales; one gen rank skips it on purpose and must be caught),
@@ -17,6 +19,8 @@ Triton (identity) and FlashInfer TRTLLM (block-major 4-D experts, gen TP and vLL
 """
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -97,7 +101,7 @@ def test_a_changed_quantizer_is_caught():
     assert not torch.equal(other, want_s)
 
 
-def _cfg(gen: str = "tp2", gen_precision: str = "fp8") -> RefitRunConfig:
+def _cfg(gen: str = "tp2", gen_precision: str = "fp8_online") -> RefitRunConfig:
     return RefitRunConfig(model="dense", model_overrides=dict(QWEN3_MOE_FP8.model), refits=REFITS,
                           verify=False, dtype="bfloat16", quiet=True, timeout_s=120,
                           gen_precision=gen_precision, **layout("tp2 ep2", gen))
@@ -105,6 +109,7 @@ def _cfg(gen: str = "tp2", gen_precision: str = "fp8") -> RefitRunConfig:
 
 def _online_refit(pool, moe_backend: str, gen: str = "tp2", **options) -> list[dict]:
     cfg = _cfg(gen)
+    assert cfg.gen_quant == "block_fp8_online"
     results = pool.run(vllm_refit_job, cfg.train_world + cfg.gen_world, cfg,
                        vllm_config_json(QWEN3_MOE_FP8), model_builder=_build,
                        moe_backend=moe_backend, quantization="fp8_per_block",
@@ -112,7 +117,7 @@ def _online_refit(pool, moe_backend: str, gen: str = "tp2", **options) -> list[d
     return [r for r in results if r["role"] == "gen"]
 
 
-def _check_bit_equal(g: dict, moe: str) -> dict:
+def _check_bit_equal(g: dict, moe: str, local_experts: int = 8) -> dict:
     who = f"gen rank {g['rank']}"
     staged = g["report"]["staged_conversion"]
     assert sorted(staged["backends"]) == sorted([LINEAR, f"Fp8PerBlockOnlineMoEMethod:{moe}"]), (who, staged)
@@ -124,6 +129,14 @@ def _check_bit_equal(g: dict, moe: str) -> dict:
     assert g["differences"] == [[]] * REFITS, f"{who}: differs from vLLM: {g['differences']}"
     assert g["moved"] == [[]] * REFITS, f"{who}: params moved to new storage: {g['moved']}"
     assert g["weights"]["state"] == "consistent" and g["weights"]["version"] == REFITS, who
+    # every online matrix quantized on this rank by vLLM's function, once per refit: the
+    # linear weights (qkv, o, gate_up, down of the dense layer, routers) and each expert's
+    # w13 and w2 (vLLM's function per expert)
+    matrices = 4 + len(MOE_LAYERS) * (3 + 2 * local_experts)
+    for i, stats in enumerate(g["refits"]):
+        online = stats["online_quant"]  # counted over the session
+        assert online["matrices"] == (i + 1) * matrices, (who, online)
+        assert online["pending_bytes"] == 0 and online["peak_pending_bytes"] > 0, (who, online)
     return staged
 
 
@@ -158,7 +171,7 @@ def test_online_block_fp8_triton_experts(pool):
 @needs_flashinfer
 def test_online_block_fp8_trtllm_experts_under_vllm_ep(pool):
     for g in _online_refit(pool, "flashinfer_trtllm", gen="tp2 ep2"):
-        staged = _check_bit_equal(g, "FLASHINFER_TRTLLM")
+        staged = _check_bit_equal(g, "FLASHINFER_TRTLLM", local_experts=4)
         assert staged["peak_staging_bytes"] > 0, staged
 
 
@@ -184,7 +197,7 @@ def test_what_an_online_block_layer_holds_and_which_payloads_it_takes(pool):
     message = out["bf16_payload"]
     assert message and message.startswith("model.layers.0.self_attn.qkv_proj: quant method "
                                           "Fp8PerBlockOnlineLinearMethod"), message
-    assert "planned for BF16" in message and 'gen_quant="block_fp8"' in message, message
+    assert "planned for BF16" in message and 'gen_quant="block_fp8_online"' in message, message
     assert "training FP8 bytes" in out["train_fp8_payload"], out["train_fp8_payload"]
     assert out["block_payload"] is None, out["block_payload"]
 
@@ -202,10 +215,70 @@ def test_a_bf16_payload_into_online_fp8_stops_every_rank_at_prepare_refit(pool):
                        num_ports=cfg.train_pp + 2, timeout_s=600, return_failures=True)
     assert all(isinstance(r, RankFailure) for r in results), results
     for r in results:
-        assert "Fp8PerBlockOnlineLinearMethod" in r.text and 'gen_quant="block_fp8"' in r.text, \
+        assert "Fp8PerBlockOnlineLinearMethod" in r.text and 'gen_quant="block_fp8_online"' in r.text, \
             (r.rank, r.text[-2000:])
     gens = [r for r in results if r.rank >= cfg.train_world]
     assert gens and all("prepare_refit" in r.text and "KernelLayoutError" in r.text for r in gens)
+
+
+@pytest.mark.vllm_range
+def test_a_sender_quantized_plan_into_online_fp8_is_refused_before_any_byte_moves(pool):
+    """The plan before this rule (``gen_quant="block_fp8"``: the trainer quantizes with
+    ``fp8.quant``) into vLLM's online block FP8: on an H200 it gave one element of an
+    expert's w2 one FP8 step off vLLM's own loading, silently. Now every generation rank
+    refuses it while mapping at ``prepare_refit`` (a TargetError naming the param, the
+    rank, what was expected, what was found, the setting and why); the training ranks raise
+    the same refusal (fault boards) and no refit starts."""
+    from megatron_reshard.tools.worlds import RankFailure
+
+    cfg = _cfg(gen_precision="fp8")
+    assert cfg.gen_quant == "block_fp8"
+    results = pool.run(vllm_refit_job, cfg.train_world + cfg.gen_world, cfg,
+                       vllm_config_json(QWEN3_MOE_FP8), model_builder=_build,
+                       moe_backend="triton", quantization="fp8_per_block",
+                       num_ports=cfg.train_pp + 2, timeout_s=600, return_failures=True)
+    assert all(isinstance(r, RankFailure) for r in results), results
+    for r in results:
+        text = r.text
+        assert "TargetError" in text and "a layer vLLM quantizes online" in text, (r.rank, text[-2000:])
+        assert "expected the weight in BF16" in text and "found FP8 bytes quantized by the " \
+               "sender (gen_quant 'sender'" in text, (r.rank, text[-2000:])
+        assert 'gen_quant="block_fp8_online"' in text and "H200" in text, (r.rank, text[-2000:])
+        # the param (HF name), the rank, and the vLLM param it lands in
+        assert re.search(r"TargetError: model\.layers\.\d+\.\S+_proj\.weight: on gen rank \d "
+                         r"\(tp_rank \d of 2, ep_rank 0 of 1\) it lands in 'model\.layers\.", text), \
+            (r.rank, text[text.find("TargetError"):])
+    gens = [r for r in results if r.rank >= cfg.train_world]
+    assert gens and all("prepare_refit" in r.text for r in gens)
+
+
+@pytest.mark.vllm_range
+def test_the_receivers_bytes_come_from_vllms_own_quantizer(pool):
+    """What the GPU showed, made visible on the CPU: vLLM's ``per_block_cast_to_fp8`` (the
+    name vLLM's online layers call) replaced in every generation process by a variant one
+    element off per matrix it quantizes. vLLM's own online loading (the oracle) takes the
+    variant; so must the refit, matrix for matrix: bit-equal again, and the receiver
+    called it once per matrix vLLM quantizes. A refit whose bytes came from any other
+    quantizer (the trainer's ``fp8.quant``, or vLLM's function called on other matrices)
+    differs in those elements."""
+    matrices = 4 + len(MOE_LAYERS) * (3 + 2 * 8)
+    for g in _online_refit(pool, "triton", patch_block_quantizer=True):
+        assert g["patched_calls_in_refits"] == [matrices] * REFITS, g["patched_calls_in_refits"]
+        _check_bit_equal(g, "TRITON")
+
+
+def test_online_block_fp8_weights_on_the_packed_path(pool):
+    """Attention and the experts' down projections sent as full BF16 tensors (the packed
+    path, ``packed_params``): the receiver slices them and gathers vLLM's matrices from them
+    as from the exact path; both refits bit-equal to vLLM's own online loading."""
+    cfg = RefitRunConfig(**{**_cfg().__dict__, "packed_params": r"self_attn\.|down_proj"})
+    results = pool.run(vllm_refit_job, cfg.train_world + cfg.gen_world, cfg,
+                       vllm_config_json(QWEN3_MOE_FP8), model_builder=_build,
+                       moe_backend="triton", quantization="fp8_per_block",
+                       num_ports=cfg.train_pp + 2, timeout_s=600)
+    for g in (r for r in results if r["role"] == "gen"):
+        _check_bit_equal(g, "TRITON")
+        assert all(s["misc_bytes"] > 0 for s in g["refits"]), g["refits"]
 
 
 @pytest.mark.parametrize("transport", ["colocated", "p2p"])
@@ -235,7 +308,7 @@ def test_experts_vllm_pads_to_whole_tiles_are_refused_before_any_byte_moves(pool
 
     padded = dict(QWEN3_MOE_FP8.model, moe_ffn_hidden_size=192)
     cfg = RefitRunConfig(model="dense", model_overrides=padded, refits=REFITS, verify=False,
-                         dtype="bfloat16", quiet=True, timeout_s=120, gen_precision="fp8",
+                         dtype="bfloat16", quiet=True, timeout_s=120, gen_precision="fp8_online",
                          **layout("tp2 ep2", "tp1"))
     family = type(QWEN3_MOE_FP8)(padded, QWEN3_MOE_FP8.hf_class, QWEN3_MOE_FP8.hf_extra, ())
     results = pool.run(vllm_refit_job, cfg.train_world + cfg.gen_world, cfg,
