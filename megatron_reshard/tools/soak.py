@@ -141,8 +141,8 @@ class Soak:
     def start_gen(self, name: str, fresh: bool) -> None:
         if fresh or name not in self.procs.by_name or not self.procs[name].alive():
             self.procs.start(name)
-        self._one(name, "become", dict(role="gen", gen_rank=self.gens.index(name),
-                                       gen=self.cfg.gen, device=self.cfg.device,
+        self._one(name, "become", dict(role="gen", gen_rank=self.gens.index(name), gen=self.cfg.gen,
+                                       device=self.cfg.device, model=self.model,
                                        payload=self.payloads[self.model]))
         self.gen_version[name] = None  # a new worker: a new weight state
         self.written[name] = set()
