@@ -516,6 +516,7 @@ def rank_main(conn) -> None:
     install_phase_hooks()
     conn.send(("ready", {"pid": os.getpid()}))
     role: Any = None
+    turns = 0  # roles taken by this process: past the first, each one is a model switch
     while True:
         try:
             cmd, kwargs = conn.recv()
@@ -528,9 +529,11 @@ def rank_main(conn) -> None:
                 if role is not None:
                     role.drop_groups()
                 role = (TrainRank if kwargs["role"] == "train" else GenRank)(conn, **kwargs)
+                turns += 1
                 result = role.describe()
             elif cmd == "sample":
-                result = dict(sample(), py_threads=threading.active_count(), **PyMemory.sample())
+                result = dict(sample(), py_threads=threading.active_count(), model_turns=turns,
+                              **PyMemory.sample())
             elif cmd == "memory_sites":
                 result = PyMemory.sites(**kwargs)
             else:
