@@ -5,16 +5,16 @@ A slope over a whole run (``soak_leaks.figure``) mixes them: the soak switches m
 every ``--switch-every`` refits and injects faults at random, and each of those rebuilds
 things a plain refit does not. Here each window between two settled samples gives one
 row: the figure's growth over the window on the ranks of a role alive at both ends (their
-mean), against the window's refits, faults and switches; a least-squares fit without an
-intercept, ``growth = a * refits + b * faults + c * switches``, gives each event's share
-with its standard error. A leak in the library's refit path shows in ``a``, one in its
+mean; a process's first window, its warm-up, left out), against the window's refits,
+faults and switches; a least-squares fit without an intercept, ``growth = a * refits +
+b * faults + c * switches``, gives each event's share with its standard error. A leak in the library's refit path shows in ``a``, one in its
 failure and rebuild path in ``b``; what the harness's switches cost is ``c``.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Mapping, Optional, Sequence
+from typing import Iterable, Mapping, Optional, Sequence
 
 GROWTH_METRICS = ("rss_trimmed_mib", "rss_mib")
 TURNS = "model_turns"  # a rank's model turns so far: a live rank's count grows at a switch
@@ -22,11 +22,13 @@ EVENTS = ("per_1000_refits", "per_fault", "per_switch")
 _SCALE = (1000.0, 1.0, 1.0)
 
 
-def window_row(before: Mapping[tuple, dict], after: Mapping[tuple, dict]) -> dict:
+def window_row(before: Mapping[tuple, dict], after: Mapping[tuple, dict],
+               young: Iterable[tuple] = ()) -> dict:
     """One window: per role, the mean growth of each ``GROWTH_METRICS`` figure over the
-    role's ranks ((role, pid) keys) sampled at both ends; and the switches in it (the most
-    model turns any such rank took)."""
-    both = sorted(set(before) & set(after))
+    role's ranks ((role, pid) keys) sampled at both ends, but the ``young`` ones (in their
+    first window: a process's warm-up, its pools' first allocations, is not a leak); and
+    the switches in it (the most model turns any such rank took)."""
+    both = sorted(set(before) & set(after) - set(young))
     growth: dict[str, dict[str, float]] = {}
     for role in sorted({key[0] for key in both}):
         keys = [k for k in both if k[0] == role]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import os
 import re
+from collections import Counter
 from typing import Iterable, Mapping, Optional, Sequence
 
 from megatron_reshard.tools.soak_growth import TURNS, attribute, window_row
@@ -106,6 +107,7 @@ class Leftovers:
         self.last: dict[tuple, dict] = {}  # (role, pid) -> figures at the last settled sample
         self.last_faults: dict[str, int] = {}  # the soak's faults by kind then
         self.last_refits = 0
+        self.sampled: Counter = Counter()  # (role, pid) -> settled samples so far
         # {"refits", "faults", "kinds": {kind: n}, "grew": {role: {metric: net}}}
         self.windows: list[dict] = []
 
@@ -123,7 +125,9 @@ class Leftovers:
                     role[m] += samples[key].get(m, 0) - self.last[key].get(m, 0)
             self.windows.append({"refits": refits, "faults": sum(kinds.values()),
                                  "kinds": kinds, "grew": grew, "span": refits - self.last_refits,
-                                 **window_row(self.last, samples)})
+                                 **window_row(self.last, samples,
+                                              [k for k in samples if self.sampled[k] < 2])})
+        self.sampled.update(samples.keys())
         self.last = {key: dict(s) for key, s in samples.items()}
         self.last_faults, self.last_refits = dict(faults), refits
 
