@@ -210,6 +210,7 @@ def _model_turns(job):
         turn("moe")
         train2, gen2 = turn("dense")
         floats = [p for p in gen2.model.parameters() if p.dtype.is_floating_point]
+        rebuilt = TrainRank(None, model="dense", gen=2, device="cpu", seed=0, rebuild=True)
         return {"train_model_reused": train2.model is train.model,
                 "source_reused": train2.source is train.source,
                 "weights_kept": all(torch.equal(p, stepped[n])
@@ -217,7 +218,8 @@ def _model_turns(job):
                 "steps_kept": getattr(getattr(train2, "turn", None), "steps", 0),
                 "gen_model_reused": gen2.model is gen.model,
                 "gen_as_built": bool(floats) and all(bool(p.isnan().all()) for p in floats),
-                "new_worker": gen2.worker is not gen.worker}
+                "new_worker": gen2.worker is not gen.worker,
+                "rebuilt_on_request": rebuilt.model is not train.model and rebuilt.turn.steps == 0}
     finally:
         Shelf.turns.clear()  # this pool worker runs other tests next
 
@@ -228,7 +230,7 @@ def test_a_model_switch_takes_the_model_this_process_built_before(pool):
     (got,) = pool.run(_model_turns, 1, timeout_s=300)
     assert got == {"train_model_reused": True, "source_reused": True, "weights_kept": True,
                    "steps_kept": 1, "gen_model_reused": True, "gen_as_built": True,
-                   "new_worker": True}, got
+                   "new_worker": True, "rebuilt_on_request": True}, got
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

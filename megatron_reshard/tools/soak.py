@@ -83,6 +83,7 @@ class SoakConfig:
     workdir: Optional[str] = None
     quiet: bool = False
     trace_python_memory: bool = False  # tracemalloc in every rank: the sites that grew
+    rebuild_models: bool = False  # a switch builds its model again (the old way: its cost)
 
 
 class Soak:
@@ -135,6 +136,7 @@ class Soak:
         path = os.path.join(self.workdir, f"ckpt_{self.model}.pt")
         reply = self._one("train", "become", dict(
             role="train", model=self.model, gen=self.cfg.gen, device=self.cfg.device,
+            rebuild=self.cfg.rebuild_models,
             seed=self.cfg.seed, checkpoint=path if checkpoint else None))
         self.payloads[self.model] = decode_payload(reply["payload"])
         return reply
@@ -144,6 +146,7 @@ class Soak:
             self.procs.start(name)
         self._one(name, "become", dict(role="gen", gen_rank=self.gens.index(name), gen=self.cfg.gen,
                                        device=self.cfg.device, model=self.model,
+                                       rebuild=self.cfg.rebuild_models,
                                        payload=self.payloads[self.model]))
         self.gen_version[name] = None  # a new worker: a new weight state
         self.written[name] = set()
@@ -549,7 +552,8 @@ def run(args) -> int:
                      sample_every=args.sample_every, kinds=kinds, checksums=args.checksums,
                      transports=tuple(args.transports.split(",")),
                      max_minutes=args.max_minutes, report=args.report, progress_s=args.progress_s,
-                     trace_python_memory=args.trace_python_memory)
+                     trace_python_memory=args.trace_python_memory,
+                     rebuild_models=args.rebuild_models)
     report = run_soak(cfg)
     for line in summary_lines(report):
         print(line, flush=True)

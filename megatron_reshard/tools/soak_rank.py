@@ -255,7 +255,11 @@ class Shelf:
     turns: dict[tuple, Turn] = {}
 
     @classmethod
-    def take(cls, key: tuple, build) -> Turn:
+    def take(cls, key: tuple, build, rebuild: bool = False) -> Turn:
+        """The model of ``key``, built by ``build`` on its first turn (and on every turn
+        with ``rebuild``: the soak's old way, kept to measure what it costs)."""
+        if rebuild:  # the old way kept no model past its turn
+            cls.turns.clear()
         turn = cls.turns.get(key)
         if turn is None:
             turn = cls.turns[key] = Turn(build())
@@ -271,7 +275,7 @@ class TrainRank:
     """A training world of one rank (TP1 PP1; experts EP1): model, source, sender."""
 
     def __init__(self, conn, *, model: str, gen: int, device: str, seed: int,
-                 checkpoint: Optional[str] = None, **_):
+                 checkpoint: Optional[str] = None, rebuild: bool = False, **_):
         from megatron.core import parallel_state as ps
 
         from megatron_reshard.megatron import MegatronRefitSource
@@ -301,7 +305,7 @@ class TrainRank:
         # a later turn of the model goes on from where its last turn left it: its weights,
         # Adam state, step count and source (the reference is computed from the weights as
         # they are; a new source is the repair after params moved: ``rebind``)
-        self.turn = Shelf.take(("train", model), build)
+        self.turn = Shelf.take(("train", model), build, rebuild)
         self.model = self.turn.model
         self.checkpoint_version = None
         if checkpoint is not None:  # a restart: the weights of an older checkpoint
@@ -411,13 +415,13 @@ class GenRank:
     """A generation rank: a vLLM-layout model of TP ``gen`` behind the worker extension."""
 
     def __init__(self, conn, *, gen_rank: int, gen: int, device: str, payload: dict,
-                 model: str, **_):
+                 model: str, rebuild: bool = False, **_):
         from megatron_reshard.testing.vllm_like import build_vllm_like_model
 
         self.conn, self.gen_rank, self.gen = conn, gen_rank, gen
         self.device = torch.device(device)
         turn = Shelf.take(("gen", model, gen_rank, gen), lambda: build_vllm_like_model(
-            payload["hf_config"], gen_rank, gen, 1, torch.bfloat16, device=self.device))
+            payload["hf_config"], gen_rank, gen, 1, torch.bfloat16, device=self.device), rebuild)
         self.model = turn.model
         if turn.turns > 1:  # what a fresh build holds: NaN (-1 in integer params)
             with torch.no_grad():
