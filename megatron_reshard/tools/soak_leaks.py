@@ -152,8 +152,8 @@ class Leftovers:
                                              for m in LEFTOVER_METRICS} for r in roles},
                 "worst_window": worst and {k: v for k, v in worst.items() if k != "growth"},
                 "growth_by_event": attribute(self.windows),
-                "growth_windows": [{k: w[k] for k in ("refits", "span", "faults", "switches",
-                                                      "growth")} for w in self.windows]}
+                "growth_windows": [{k: w[k] for k in ("refits", "span", "faults", "kinds",
+                                                      "switches", "growth")} for w in self.windows]}
 
 
 def orphan_segments(pids: Iterable[int], shm_dir: str = SHM_DIR) -> dict:
