@@ -59,6 +59,13 @@ def test_a_short_soak_runs_its_refits_and_faults_and_breaks_no_invariant(report)
     # failed groups left per fault
     assert "orphan_segments" in report["leaks"]["host"]["figures"], report["leaks"]
     assert report["failed_group_leftovers"]["faults_measured"] > 0, report["failed_group_leftovers"]
+    # RSS growth told apart by event (tools.soak_growth): the generation ranks live across
+    # the model switch at refit 12, so refits, faults and the switch each get a share
+    left = report["failed_group_leftovers"]
+    assert any(w["switches"] for w in left["growth_windows"]), left["growth_windows"]
+    gen = left["growth_by_event"]["gen"]["rss_trimmed_mib"]
+    assert all(gen[e] is not None and gen[e][1] >= 0
+               for e in ("per_1000_refits", "per_fault", "per_switch")), gen
 
 
 def test_issue_50_faults_leave_no_silent_outcome(report):

@@ -247,10 +247,10 @@ class Turn:
 
 class Shelf:
     """The models this process has built, one per (role, model preset), taken again at the
-    model's later turns. The soak switches models every ``--switch-every`` refits; rebuilding
-    one in the same process at each switch grew its RSS by 2-4 MiB a switch
-    (docs/MEASUREMENTS.md), a cost of the harness that a job, building its model once,
-    never pays, and which blurred the per-refit and per-fault growth the soak measures."""
+    model's later turns. The soak switches models every ``--switch-every`` refits; a job
+    builds its model once, so a soak rank does too, and the growth the soak measures is the
+    library's, not a harness's rebuilds (``--rebuild-models``, the old way, measures what
+    those cost: docs/MEASUREMENTS.md, "the soak's memory slope by event")."""
 
     turns: dict[tuple, Turn] = {}
 
