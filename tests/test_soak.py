@@ -59,6 +59,13 @@ def test_a_short_soak_runs_its_refits_and_faults_and_breaks_no_invariant(report)
     # failed groups left per fault
     assert "orphan_segments" in report["leaks"]["host"]["figures"], report["leaks"]
     assert report["failed_group_leftovers"]["faults_measured"] > 0, report["failed_group_leftovers"]
+    # RSS growth told apart by event (tools.soak_growth): the generation ranks live across
+    # the model switch at refit 12, so refits, faults and the switch each get a share
+    left = report["failed_group_leftovers"]
+    assert any(w["switches"] for w in left["growth_windows"]), left["growth_windows"]
+    gen = left["growth_by_event"]["gen"]["rss_trimmed_mib"]
+    assert all(gen[e] is not None and gen[e][1] >= 0
+               for e in ("per_1000_refits", "per_fault", "per_switch")), gen
 
 
 def test_issue_50_faults_leave_no_silent_outcome(report):
@@ -183,6 +190,54 @@ def test_a_destroyed_refit_group_is_let_go_without_the_cyclic_collector(pool):
     # and sockets climb with each rebuild
     alive = pool.run(_groups_let_go, 3, num_ports=4, timeout_s=240)
     assert alive == [0, 0, 0], alive
+
+
+# ------------------------------------------ a model switch takes the model built before
+
+
+def _model_turns(job):
+    """One soak rank's turns, as model switches give them: dense, MoE, dense again, on the
+    training side and on a generation rank; what the second dense turn got."""
+    from megatron_reshard.tools.soak_rank import GenRank, Shelf, TrainRank
+    from megatron_reshard.wire.codec import decode_payload
+
+    def turn(model):
+        train = TrainRank(None, model=model, gen=2, device="cpu", seed=0)
+        gen = GenRank(None, gen_rank=0, gen=2, device="cpu", model=model,
+                      payload=decode_payload(train.describe()["payload"]))
+        return train, gen
+
+    try:
+        train, gen = turn("dense")
+        train.step(lr=1e-3)
+        stepped = {n: p.detach().clone() for n, p in train.model.named_parameters()}
+        with torch.no_grad():  # what a refit leaves: weights, not the build's NaN
+            for p in gen.model.parameters():
+                p.zero_()
+        turn("moe")
+        train2, gen2 = turn("dense")
+        floats = [p for p in gen2.model.parameters() if p.dtype.is_floating_point]
+        rebuilt = TrainRank(None, model="dense", gen=2, device="cpu", seed=0, rebuild=True)
+        return {"train_model_reused": train2.model is train.model,
+                "source_reused": train2.source is train.source,
+                "weights_kept": all(torch.equal(p, stepped[n])
+                                    for n, p in train2.model.named_parameters()),
+                "steps_kept": getattr(getattr(train2, "turn", None), "steps", 0),
+                "gen_model_reused": gen2.model is gen.model,
+                "gen_as_built": bool(floats) and all(bool(p.isnan().all()) for p in floats),
+                "new_worker": gen2.worker is not gen.worker,
+                "rebuilt_on_request": rebuilt.model is not train.model and rebuilt.turn.steps == 0}
+    finally:
+        Shelf.turns.clear()  # this pool worker runs other tests next
+
+
+def test_a_model_switch_takes_the_model_this_process_built_before(pool):
+    # the soak rebuilt a megatron model and a vLLM-layout model at every switch, in the same
+    # process: RSS steps a job, which builds its model once, never takes (issue 52)
+    (got,) = pool.run(_model_turns, 1, timeout_s=300)
+    assert got == {"train_model_reused": True, "source_reused": True, "weights_kept": True,
+                   "steps_kept": 1, "gen_model_reused": True, "gen_as_built": True,
+                   "new_worker": True, "rebuilt_on_request": True}, got
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

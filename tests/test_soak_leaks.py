@@ -7,6 +7,7 @@ name (``engine.shm_segment``). Counts, not timings."""
 
 import multiprocessing as mp
 import os
+import random
 import signal
 import time
 
@@ -16,6 +17,7 @@ import torch
 from megatron_reshard.engine import shm_segment
 from megatron_reshard.engine.shared_memory import (SharedMemoryError, StorageHandle,
                                                    export_storage, open_storage, view_of)
+from megatron_reshard.tools.soak_growth import least_squares
 from megatron_reshard.tools.soak_leaks import Leftovers, figure, orphan_segments, slope_band
 
 OWNERS = 3        # owner processes, each killed after the reader mapped its storage
@@ -163,6 +165,34 @@ def test_leftovers_are_what_survivors_gained_between_settled_samples_per_fault()
     assert out["worst_window"]["kinds"] == {"kill_train@commit": 1, "tamper_gen": 1}
     assert out["without_faults_total"]["gen"]["sockets"] == 1  # a quiet window's growth
     assert out["without_faults_total"]["train"]["sockets"] == 0
+
+
+def test_growth_is_told_apart_by_event_refits_faults_and_switches():
+    # a rank that grows 8 MiB per 1,000 refits, 0.5 MiB per fault, 3 MiB per model switch,
+    # with +-0.2 MiB of noise, after a warm-up of 10 MiB in its first window (left out):
+    # each share comes back within its band
+    rng = random.Random(0)
+    left, rss, turns, faults = Leftovers(), 300.0, 1, 0
+    left.settled(0, {}, {("gen", 10): {"rss_trimmed_mib": rss, "model_turns": turns}})
+    for refits in range(25, 1025, 25):
+        hit = rng.randrange(4)
+        switch = refits % 100 == 0
+        faults, turns = faults + hit, turns + switch
+        rss += 0.008 * 25 + 0.5 * hit + 3.0 * switch + rng.uniform(-0.2, 0.2) + 10 * (refits == 25)
+        left.settled(refits, {"kill_gen": faults},
+                     {("gen", 10): {"rss_trimmed_mib": rss, "model_turns": turns},
+                      ("train", refits): {"rss_trimmed_mib": 1e3 * refits}})  # a new one each time
+    fig = left.report()["growth_by_event"]["gen"]["rss_trimmed_mib"]
+    for event, want in (("per_1000_refits", 8.0), ("per_fault", 0.5), ("per_switch", 3.0)):
+        value, band = fig[event]
+        assert abs(value - want) <= band < 4, (event, fig)
+    assert fig["windows"] == 39
+    assert "train" not in left.report()["growth_by_event"]  # never alive at both ends
+    # no switch in a run: no share for it, the others still fitted
+    rows = [((25, k % 3, 0), 0.2 + 0.5 * (k % 3)) for k in range(10)]
+    fit = least_squares(rows)
+    assert fit[2] is None and fit[0][0] == pytest.approx(0.008) and fit[1][0] == pytest.approx(0.5)
+    assert least_squares(rows[:2]) is None  # no residual left to estimate the error from
 
 
 def test_dead_processes_segments_are_counted_on_the_host(tmp_path):

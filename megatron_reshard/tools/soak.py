@@ -47,6 +47,7 @@ from megatron_reshard.tools.soak_leaks import Leftovers, leak_slopes, orphan_seg
 from megatron_reshard.tools.soak_options import FAULT_KINDS
 from megatron_reshard.tools.soak_procs import Procs, error_of
 from megatron_reshard.tools.soak_rank import PHASES, TRACE_ENV
+from megatron_reshard.tools.soak_summary import summary_lines
 from megatron_reshard.tools.worlds import free_ports
 from megatron_reshard.wire.codec import decode_payload
 
@@ -82,6 +83,7 @@ class SoakConfig:
     workdir: Optional[str] = None
     quiet: bool = False
     trace_python_memory: bool = False  # tracemalloc in every rank: the sites that grew
+    rebuild_models: bool = False  # a switch builds its model again (the old way: its cost)
 
 
 class Soak:
@@ -134,6 +136,7 @@ class Soak:
         path = os.path.join(self.workdir, f"ckpt_{self.model}.pt")
         reply = self._one("train", "become", dict(
             role="train", model=self.model, gen=self.cfg.gen, device=self.cfg.device,
+            rebuild=self.cfg.rebuild_models,
             seed=self.cfg.seed, checkpoint=path if checkpoint else None))
         self.payloads[self.model] = decode_payload(reply["payload"])
         return reply
@@ -141,8 +144,9 @@ class Soak:
     def start_gen(self, name: str, fresh: bool) -> None:
         if fresh or name not in self.procs.by_name or not self.procs[name].alive():
             self.procs.start(name)
-        self._one(name, "become", dict(role="gen", gen_rank=self.gens.index(name),
-                                       gen=self.cfg.gen, device=self.cfg.device,
+        self._one(name, "become", dict(role="gen", gen_rank=self.gens.index(name), gen=self.cfg.gen,
+                                       device=self.cfg.device, model=self.model,
+                                       rebuild=self.cfg.rebuild_models,
                                        payload=self.payloads[self.model]))
         self.gen_version[name] = None  # a new worker: a new weight state
         self.written[name] = set()
@@ -531,33 +535,6 @@ def run_soak(cfg: SoakConfig) -> dict:
     return Soak(cfg).run()
 
 
-def summary_lines(report: dict) -> list[str]:
-    """The report in a few lines: counts, invariants, leaks."""
-    c = report["counters"]
-    lines = [f"refits {report['refits']} ({report['committed']} committed; modes "
-             f"{report['modes']}), faults {report['faults']}: {report['faults_by_kind']}",
-             f"silent outcomes {report['silent_outcomes']} (by fault: {report['silent_by_fault']}), "
-             f"hangs {report['hangs']}, violations {report['violations'] or 'none'}",
-             "invariants: " + ", ".join(f"{k} {c[k]}" for k in (
-                 "weights_exact", "weights_inconsistent_said", "versions_checked",
-                 "survivor_in_time", "survivor_named_cause", "delta_base_checked",
-                 "old_version_refused", "bad_payload_refused") if k in c),
-             f"worst survivor failure {c.get('survivor_worst_ms', 0) / 1000:.2f} s after its "
-             f"fault (timeout {report['config']['timeout_s']:g} s + {MARGIN_S:g} s)"]
-    for role, leak in report["leaks"].items():
-        figs = ", ".join(f"{m} {f['per_1000_refits']:+g} ± {f['band_2se']:g}/1000"
-                         f"{' (flat)' if f['flat'] else ''} ({f['first']:g}->{f['last']:g})"
-                         for m, f in leak["figures"].items())
-        lines.append(f"leaks {role} (refits {leak['refits'][0]}-{leak['refits'][1]}): {figs}")
-    left = report.get("failed_group_leftovers")
-    if left and left["faults_measured"]:
-        for role, per in left["per_fault"].items():
-            lines.append(f"failed groups' leftovers per fault on the {role} survivors ("
-                         f"{left['faults_measured']} faults): "
-                         + ", ".join(f"{m} {v:+g}" for m, v in per.items()))
-    return lines
-
-
 def run(args) -> int:
     """``megatron-reshard soak`` and ``scripts/soak.py``: run, print the summary, exit 1 on
     any violation."""
@@ -575,7 +552,8 @@ def run(args) -> int:
                      sample_every=args.sample_every, kinds=kinds, checksums=args.checksums,
                      transports=tuple(args.transports.split(",")),
                      max_minutes=args.max_minutes, report=args.report, progress_s=args.progress_s,
-                     trace_python_memory=args.trace_python_memory)
+                     trace_python_memory=args.trace_python_memory,
+                     rebuild_models=args.rebuild_models)
     report = run_soak(cfg)
     for line in summary_lines(report):
         print(line, flush=True)

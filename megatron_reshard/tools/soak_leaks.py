@@ -13,7 +13,10 @@ from __future__ import annotations
 import math
 import os
 import re
+from collections import Counter
 from typing import Iterable, Mapping, Optional, Sequence
+
+from megatron_reshard.tools.soak_growth import TURNS, attribute, window_row
 
 SHM_DIR = "/dev/shm"
 # per failed group: what a survivor may be left holding once the group has been let go
@@ -74,7 +77,7 @@ def leak_slopes(lives: Sequence[Mapping]) -> dict:
         samples = longest["samples"]
         if len(samples) < 3:
             continue
-        metrics = sorted({k for _, s in samples for k in s})
+        metrics = sorted({k for _, s in samples for k in s} - {TURNS})  # a count, not a leak
         figures = {}
         for m in metrics:
             fig = figure([(r, s[m]) for r, s in samples if m in s])
@@ -103,6 +106,8 @@ class Leftovers:
     def __init__(self) -> None:
         self.last: dict[tuple, dict] = {}  # (role, pid) -> figures at the last settled sample
         self.last_faults: dict[str, int] = {}  # the soak's faults by kind then
+        self.last_refits = 0
+        self.sampled: Counter = Counter()  # (role, pid) -> settled samples so far
         # {"refits", "faults", "kinds": {kind: n}, "grew": {role: {metric: net}}}
         self.windows: list[dict] = []
 
@@ -119,9 +124,12 @@ class Leftovers:
                 for m in LEFTOVER_METRICS:
                     role[m] += samples[key].get(m, 0) - self.last[key].get(m, 0)
             self.windows.append({"refits": refits, "faults": sum(kinds.values()),
-                                 "kinds": kinds, "grew": grew})
+                                 "kinds": kinds, "grew": grew, "span": refits - self.last_refits,
+                                 **window_row(self.last, samples,
+                                              [k for k in samples if self.sampled[k] < 2])})
+        self.sampled.update(samples.keys())
         self.last = {key: dict(s) for key, s in samples.items()}
-        self.last_faults = dict(faults)
+        self.last_faults, self.last_refits = dict(faults), refits
 
     def report(self) -> dict:
         """Per role: what its survivors gained per fault over the windows with faults, and
@@ -142,7 +150,10 @@ class Leftovers:
                                   for m in LEFTOVER_METRICS} for r in roles},
                 "without_faults_total": {r: {m: round(total(quiet, r, m), 3)
                                              for m in LEFTOVER_METRICS} for r in roles},
-                "worst_window": worst}
+                "worst_window": worst and {k: v for k, v in worst.items() if k != "growth"},
+                "growth_by_event": attribute(self.windows),
+                "growth_windows": [{k: w[k] for k in ("refits", "span", "faults", "kinds",
+                                                      "switches", "growth")} for w in self.windows]}
 
 
 def orphan_segments(pids: Iterable[int], shm_dir: str = SHM_DIR) -> dict:

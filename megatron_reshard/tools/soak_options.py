@@ -36,6 +36,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--trace-python-memory", action="store_true",
                    help="trace Python allocations in every rank (tracemalloc; slower) and "
                         "report the sites that grew most")
+    p.add_argument("--rebuild-models", action="store_true",
+                   help="build the model again at every switch, in the same process (the "
+                        "soak's old way), to measure what that costs: the report's "
+                        "growth_by_event per_switch")
     p.add_argument("--progress-s", type=float, default=10.0, help="seconds between progress lines")
     return p
 

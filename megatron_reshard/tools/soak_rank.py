@@ -236,6 +236,37 @@ def _object_types() -> Counter:
 # ------------------------------------------------------------------------------- roles
 
 
+class Turn:
+    """A model this process built, with what its turns keep: on a training rank, its step
+    count and its refit source."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model, self.steps, self.turns = model, 0, 0
+        self.source: Any = None
+
+
+class Shelf:
+    """The models this process has built, one per (role, model preset), taken again at the
+    model's later turns. The soak switches models every ``--switch-every`` refits; a job
+    builds its model once, so a soak rank does too, and the growth the soak measures is the
+    library's, not a harness's rebuilds (``--rebuild-models``, the old way, measures what
+    those cost: docs/MEASUREMENTS.md, "the soak's memory slope by event")."""
+
+    turns: dict[tuple, Turn] = {}
+
+    @classmethod
+    def take(cls, key: tuple, build, rebuild: bool = False) -> Turn:
+        """The model of ``key``, built by ``build`` on its first turn (and on every turn
+        with ``rebuild``: the soak's old way, kept to measure what it costs)."""
+        if rebuild:  # the old way kept no model past its turn
+            cls.turns.clear()
+        turn = cls.turns.get(key)
+        if turn is None:
+            turn = cls.turns[key] = Turn(build())
+        turn.turns += 1
+        return turn
+
+
 def _digests(named) -> dict[str, str]:
     return {n: tensor_digest(t) for n, t in named}
 
@@ -244,7 +275,7 @@ class TrainRank:
     """A training world of one rank (TP1 PP1; experts EP1): model, source, sender."""
 
     def __init__(self, conn, *, model: str, gen: int, device: str, seed: int,
-                 checkpoint: Optional[str] = None, **_):
+                 checkpoint: Optional[str] = None, rebuild: bool = False, **_):
         from megatron.core import parallel_state as ps
 
         from megatron_reshard.megatron import MegatronRefitSource
@@ -264,10 +295,18 @@ class TrainRank:
         preset = dict(MODEL_PRESETS[model])
         self.family = preset.pop("family")
         spec = TinyGPTSpec(dtype="bfloat16", **preset)
-        torch.manual_seed(seed)
-        self.model = build_gpt_model(spec).to(dtype=torch.bfloat16)
-        keep_expert_bias_fp32_(self.model)
-        self.model.to(self.device)
+
+        def build() -> torch.nn.Module:
+            torch.manual_seed(seed)
+            built = build_gpt_model(spec).to(dtype=torch.bfloat16)
+            keep_expert_bias_fp32_(built)
+            return built.to(self.device)
+
+        # a later turn of the model goes on from where its last turn left it: its weights,
+        # Adam state, step count and source (the reference is computed from the weights as
+        # they are; a new source is the repair after params moved: ``rebind``)
+        self.turn = Shelf.take(("train", model), build, rebuild)
+        self.model = self.turn.model
         self.checkpoint_version = None
         if checkpoint is not None:  # a restart: the weights of an older checkpoint
             saved = torch.load(checkpoint, weights_only=True)
@@ -278,9 +317,10 @@ class TrainRank:
         self.vocab_size = spec.vocab_size
         self._source_args = dict(gen_parallelism={"tp_size": gen, "ep_size": 1, "pp_size": 1},
                                  gen_world_size=gen, family=self.family, vocab_size=spec.vocab_size)
-        self.source = MegatronRefitSource(self.model, **self._source_args)
+        if self.turn.source is None:
+            self.turn.source = MegatronRefitSource(self.model, **self._source_args)
+        self.source = self.turn.source
         self.group = self.sender = None
-        self.steps = 0
 
     def describe(self) -> dict:
         return {"payload": self.source.payload_bytes(), "pid": os.getpid(),
@@ -311,8 +351,8 @@ class TrainRank:
         """One Adam step; returns the reference of the weights it leaves (``reference``)."""
         from megatron_reshard.testing.optimizer_steps import adam_step_
 
-        self.steps += 1
-        adam_step_(self.model, self.steps, lr=lr)
+        self.turn.steps += 1
+        adam_step_(self.model, self.turn.steps, lr=lr)
         return self.reference()
 
     def reference(self) -> dict:
@@ -350,7 +390,7 @@ class TrainRank:
         from megatron_reshard.megatron import MegatronRefitSource
 
         self.drop_groups()
-        self.source = MegatronRefitSource(self.model, **self._source_args)
+        self.source = self.turn.source = MegatronRefitSource(self.model, **self._source_args)
         return {}
 
     def move_params(self) -> dict:
@@ -374,13 +414,20 @@ class _Worker(MegatronReshardWorkerExtension):
 class GenRank:
     """A generation rank: a vLLM-layout model of TP ``gen`` behind the worker extension."""
 
-    def __init__(self, conn, *, gen_rank: int, gen: int, device: str, payload: dict, **_):
+    def __init__(self, conn, *, gen_rank: int, gen: int, device: str, payload: dict,
+                 model: str, rebuild: bool = False, **_):
         from megatron_reshard.testing.vllm_like import build_vllm_like_model
 
         self.conn, self.gen_rank, self.gen = conn, gen_rank, gen
         self.device = torch.device(device)
-        self.model = build_vllm_like_model(payload["hf_config"], gen_rank, gen, 1,
-                                           torch.bfloat16, device=self.device)
+        turn = Shelf.take(("gen", model, gen_rank, gen), lambda: build_vllm_like_model(
+            payload["hf_config"], gen_rank, gen, 1, torch.bfloat16, device=self.device), rebuild)
+        self.model = turn.model
+        if turn.turns > 1:  # what a fresh build holds: NaN (-1 in integer params)
+            with torch.no_grad():
+                for p in self.model.parameters():
+                    p.fill_(float("nan") if p.dtype.is_floating_point else -1)
+        # a new worker each turn: a new engine over the model's memory, no weight state yet
         self.worker = _Worker(self.model, gen_rank, gen)
         self.has_groups = False
 
@@ -473,6 +520,7 @@ def rank_main(conn) -> None:
     install_phase_hooks()
     conn.send(("ready", {"pid": os.getpid()}))
     role: Any = None
+    turns = 0  # roles taken by this process: past the first, each one is a model switch
     while True:
         try:
             cmd, kwargs = conn.recv()
@@ -485,9 +533,11 @@ def rank_main(conn) -> None:
                 if role is not None:
                     role.drop_groups()
                 role = (TrainRank if kwargs["role"] == "train" else GenRank)(conn, **kwargs)
+                turns += 1
                 result = role.describe()
             elif cmd == "sample":
-                result = dict(sample(), py_threads=threading.active_count(), **PyMemory.sample())
+                result = dict(sample(), py_threads=threading.active_count(), model_turns=turns,
+                              **PyMemory.sample())
             elif cmd == "memory_sites":
                 result = PyMemory.sites(**kwargs)
             else:
