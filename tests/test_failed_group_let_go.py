@@ -13,6 +13,7 @@ import gc
 import multiprocessing as mp
 import os
 import threading
+import time
 import traceback
 import weakref
 
@@ -27,6 +28,7 @@ from megatron_reshard.tools.worlds import free_ports
 GROUP_TIMEOUT_S = 3.0
 WAIT_S = 180.0   # a spawned process's imports on a loaded 2-core machine, then the wait
 JOIN_S = 60.0    # the retired group's hold: the group's timeout + RETIRE_MARGIN_S
+SETTLE_S = 5.0   # for a destroyed backend's native threads to end
 
 
 def _native_threads() -> int:
@@ -67,6 +69,11 @@ def _fail_and_count(rank: int, port: int, out, done, ready) -> None:
     for thread in threading.enumerate():  # the retirement's hold ends by itself: waited out
         if thread.name == "refit-retired-group":
             thread.join(JOIN_S)
+    # a native thread of the destroyed backend may still be on its way out (seen under load:
+    # one more thread for a moment); a thread the group keeps stays, and is counted
+    deadline = time.monotonic() + SETTLE_S
+    while _native_threads() > threads_before and time.monotonic() < deadline:
+        time.sleep(0.05)
     out.put({"error": error, "group_alive": ref() is not None,
              "threads_grown": _native_threads() - threads_before})
     done.set()
