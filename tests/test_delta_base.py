@@ -21,7 +21,7 @@ import torch
 from megatron_reshard.groups.comm import destroy_refit_group
 from megatron_reshard.megatron.sender import RefitSender
 from megatron_reshard.tools.tiny_source import tiny_source
-from two_worlds import (catch, change_sparsely, mismatched, prepared_worker, publish_reference,
+from two_worlds import (catch, change_sparsely, prepared_worker, publish_reference, refit_and_record,
                         run_two_worlds, stage_group)
 
 GEN = 2
@@ -56,11 +56,7 @@ def _gen(job, control, gen_rank):
             with torch.no_grad():  # two elements written outside the refits
                 flat = dict(model.named_parameters())[WRITTEN].view(-1)
                 flat[7:9] = flat[7:9] * 2 + 1
-        out["refits"].append(catch(worker.refit))
-        out["states"].append(worker.refit_weights_state())
-        out["reports"].append(worker.report())
-        out["mismatched"].append(mismatched(control, step, gen_rank, model))
-        control.set(f"checked/{step}/{gen_rank}", "1")
+        refit_and_record(out, worker, control, step, gen_rank, model)
     worker.destroy_refit_groups(TIMEOUT_S)
     time.sleep(0.2)
     return out

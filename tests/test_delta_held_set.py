@@ -31,7 +31,7 @@ from megatron_reshard.delta.base_digest import base_changes, take_base
 from megatron_reshard.groups.comm import destroy_refit_group
 from megatron_reshard.megatron.sender import RefitSender
 from megatron_reshard.tools.tiny_source import tiny_source
-from two_worlds import (catch, change_sparsely, mismatched, prepared_worker, publish_reference,
+from two_worlds import (catch, change_sparsely, prepared_worker, publish_reference, refit_and_record,
                         run_two_worlds, stage_group)
 
 GEN = 2
@@ -76,11 +76,7 @@ def _gen(job, control, gen_rank):
     for step in range(REFITS):
         if gen_rank == MOVER and step in (STRIDED_BEFORE, CONTIGUOUS_BEFORE):
             out["moves"].append(_reallocate(model, column_major=step == STRIDED_BEFORE))
-        out["refits"].append(catch(worker.refit))
-        out["states"].append(worker.refit_weights_state())
-        out["reports"].append(worker.report())
-        out["mismatched"].append(mismatched(control, step, gen_rank, model))
-        control.set(f"checked/{step}/{gen_rank}", "1")
+        refit_and_record(out, worker, control, step, gen_rank, model)
     worker.destroy_refit_groups(TIMEOUT_S)
     time.sleep(0.2)
     return out

@@ -164,6 +164,17 @@ def mismatched(control, step, gen_rank: int, model) -> list:
     return sorted(n for n in set(expected) | set(actual) if expected.get(n) != actual.get(n))
 
 
+def refit_and_record(out: dict, worker, control, step, gen_rank: int, model) -> None:
+    """One refit of a generation rank, recorded in ``out`` (its lists ``refits``, ``states``,
+    ``reports``, ``mismatched``): the outcome, the weight state, the report and the params
+    off the reference of refit ``step``; then tells the training side it was checked."""
+    out["refits"].append(catch(worker.refit))
+    out["states"].append(worker.refit_weights_state())
+    out["reports"].append(worker.report())
+    out["mismatched"].append(mismatched(control, step, gen_rank, model))
+    control.set(f"checked/{step}/{gen_rank}", "1")
+
+
 def versions_held(control, gen_rank: int, actual: dict, steps) -> dict:
     """Per refit of ``steps`` whose reference was published: the params (of the digests
     ``actual``) bit-exact at it."""
