@@ -171,13 +171,7 @@ def _train(job, args: dict) -> dict:
         _align(group)
         counter.take()
         profiled = profile is not None and k > args["warmup"]
-        t0 = time.perf_counter()
-        if profiled:
-            profile.enable()
-        out = sender.refit()
-        if profiled:
-            profile.disable()
-        call = time.perf_counter() - t0
+        out, call = _timed(sender.refit, profile if profiled else None)
         calls.append(counter.take())
         timed = {"version": out["version_s"], "bulk": out["bulk_s"], "misc": out["misc_s"],
                  "commit": out["commit_s"]}
@@ -196,6 +190,19 @@ def _train(job, args: dict) -> dict:
     return {"rows": rows[args["warmup"]:], "calls": calls[args["warmup"]:], "trips": trips,
             "params": len(sender.loop.param_names(other=True)[0]),
             "profile": _profile_text(profile, args.get("profile"))}
+
+
+def _timed(refit, profile) -> tuple:
+    """``refit()``'s result and seconds, under ``profile`` (a ``cProfile.Profile``) if given."""
+    t0 = time.perf_counter()
+    if profile is not None:
+        profile.enable()
+    try:
+        out = refit()
+    finally:
+        if profile is not None:
+            profile.disable()
+    return out, time.perf_counter() - t0
 
 
 def _gen(job, args: dict) -> dict:
@@ -222,13 +229,7 @@ def _gen(job, args: dict) -> dict:
         _align(group)
         counter.take()
         profiled = profile is not None and k >= args["warmup"]
-        t0 = time.perf_counter()
-        if profiled:
-            profile.enable()
-        stats = worker.refit()
-        if profiled:
-            profile.disable()
-        call = time.perf_counter() - t0
+        stats, call = _timed(worker.refit, profile if profiled else None)
         calls.append(counter.take())
         timed = {"follow": stats["follow_s"], "version": stats["version_s"],
                  "bulk": stats["bulk_s"], "misc": stats["misc_s"],
