@@ -112,8 +112,16 @@ def _candidates(shm_dir: str, creators: Optional[Collection[int]]) -> list[tuple
 
 
 def _alive(pid: int) -> bool:
-    """Whether a process ``pid`` exists here (a zombie counts: it is not reaped yet)."""
-    return os.path.exists(f"/proc/{pid}")
+    """Whether a process ``pid`` runs here. A zombie does not: it released its memory
+    without giving its counts back (a SIGKILLed rank its parent has not reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    except (OSError, IndexError):
+        return True  # cannot tell: alive, so its files stay
+    return state not in (b"Z", b"X")
 
 
 def _count(path: str, st: os.stat_result) -> Optional[int]:
