@@ -141,7 +141,8 @@ def test_dead_creators_file_removed_only_when_its_count_is_stuck(capsys):
         assert procs[2].exitcode == 0
         assert not os.path.exists(path_b)
     finally:
-        live.send("stop") if procs[0].is_alive() else None
+        if procs[0].is_alive():
+            live.send("stop")
         for p in procs:
             p.join(WAIT_S / 4)
             if p.is_alive():

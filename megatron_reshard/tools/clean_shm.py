@@ -11,9 +11,9 @@ DESCRIPTION = (
     "List, and with --yes unlink, torch's shared-memory files (/dev/shm/torch_<pid>_*) that "
     "SIGKILLed processes left behind and no survivor will unlink: the creator is dead and the "
     "file's count is stuck above the live mappings of it (a CUDA IPC reference-counter file "
-    "per killed exporter on a GPU).\n\nA dry run by default: each file with its size, its creator, its count and the live "
-    "mappings of it. Only this user's files; a file whose last live mapper would unlink it "
-    "itself is never listed.")
+    "per killed exporter on a GPU).\n\nA dry run by default: each file with its size, its "
+    "creator, its count and the live mappings of it. Only this user's files; a file whose "
+    "last live mapper would unlink it itself is never listed.")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
