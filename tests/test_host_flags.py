@@ -141,11 +141,14 @@ def test_a_dead_peer_is_named_long_before_the_timeout():
         store.wait(["peer_ready"], timedelta(seconds=30))
         flags.next_batch()
         flags.arrive(READY)
+        assert flags.gone_peers() == []
         os.kill(peer.pid, signal.SIGKILL)  # a zombie until reaped: still dead to the waiter
         t0 = time.monotonic()
         with pytest.raises(RefitError, match=r"gen rank 0 \(group rank 1, pid \d+\) exited"):
             flags.wait(READY, "the ready barrier")
         assert time.monotonic() - t0 < 10  # found by its pid, not by the 30 s timeout
+        # whose shared-memory files the colocated transport's close may then remove
+        assert flags.gone_peers() == [peer.pid]
     finally:
         peer.kill()
         peer.wait()

@@ -81,6 +81,7 @@ from megatron_reshard.layout.permuted_rows import PermutedRows
 from .colocated_views import MappedViews, PublishedViews
 from .describe import Rejected, describe_batch
 from .host_flags import READY, VERDICT, HostFlags
+from .ipc_counters import remove_dead_files
 from .members import LISTS, is_members
 from .plan import Planner
 from .p2p import P2PChannel
@@ -137,6 +138,7 @@ class ColocatedTransport:
         self._guarded(self._reads.settle)
 
     def close(self) -> None:
+        gone = self._flags.gone_peers() if self._broken is not None else []
         self._reads.clear()  # before the mappings: no copy of this rank still reads them
         self._flags.close()
         self._batches.clear()
@@ -144,6 +146,9 @@ class ColocatedTransport:
         self._sources.clear()
         self._checked.clear()
         self._stable.clear()
+        if gone:  # a killed peer's CUDA IPC counter files, once no survivor would unlink
+            # them (one listdir; the /proc scan only for a file of theirs)
+            remove_dead_files(creators=gone)
 
     def _guarded(self, fn, *args) -> None:
         if self._broken is not None:

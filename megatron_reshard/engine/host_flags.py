@@ -159,6 +159,11 @@ class HostFlags:
         if self._words is not None:
             self._words[COLUMNS * self.rank + FAILED] = 1
 
+    def gone_peers(self) -> list[int]:
+        """The pids of the peers seen in this pid namespace whose process is gone now."""
+        return [self._peers[r][1] for r in range(len(self._peers))
+                if r != self.rank and self._peers[r][2] is not None and not self._alive(r)]
+
     def close(self) -> None:
         self._words = None  # before the memory it points into
         self._table = self._storage = None

@@ -1,4 +1,4 @@
-"""Command line: ``megatron-reshard demo | bench | plan``.
+"""Command line: ``megatron-reshard demo | bench | plan | soak | clean-shm``.
 
 Each command's module is imported only when it runs, so ``--help`` is fast and the
 package root stays free of Megatron: the parser is built from modules that import no
@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Shard-to-shard weight refit from Megatron-Core training ranks into "
                     "vLLM-layout generation ranks.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,bench,plan,soak}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,bench,plan,soak,clean-shm}")
 
     from megatron_reshard.tools import demo_options
 
@@ -85,6 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
                                               "random points, every invariant checked (issue 52)",
                                               description=soak_options.DESCRIPTION,
                                               formatter_class=HelpFormatter))
+    from megatron_reshard.tools import clean_shm
+
+    clean_shm.add_arguments(sub.add_parser("clean-shm", help="list (--yes: unlink) torch's "
+                                           "/dev/shm files that killed processes left behind",
+                                           description=clean_shm.DESCRIPTION,
+                                           formatter_class=HelpFormatter))
     for command in (parser, *sub.choices.values()):
         _give_defaults_a_help_line(command)
     return parser
@@ -185,6 +191,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from megatron_reshard.tools import soak
 
         return soak.run(args)
+    if args.command == "clean-shm":
+        from megatron_reshard.tools import clean_shm
+
+        return clean_shm.run(args)
     return 2
 
 
