@@ -18,11 +18,7 @@ import time
 import pytest
 import torch
 
-from megatron_reshard.groups.comm import destroy_refit_group
-from megatron_reshard.megatron.sender import RefitSender
-from megatron_reshard.tools.tiny_source import tiny_source
-from two_worlds import (catch, change_sparsely, prepared_worker, publish_reference, refit_and_record,
-                        run_two_worlds, stage_group)
+from two_worlds import prepared_worker, refit_and_record, run_two_worlds, train_sparse_deltas
 
 GEN = 2
 TIMEOUT_S = 60.0
@@ -33,19 +29,7 @@ MODES = ["full", "delta", "full", "delta", "delta"]
 
 
 def _train(job, control, rank):
-    model, source, family, vocab = tiny_source("dense", GEN, seed=0, num_layers=2)
-    control.set("payload", source.payload_bytes())
-    group = stage_group(job, source, GEN, TIMEOUT_S)
-    sender = RefitSender(source, group, delta=True)
-    out = []
-    for step in range(REFITS):
-        if step:
-            change_sparsely(model, step)
-        out.append(catch(sender.refit))
-        publish_reference(job, control, model, family, vocab, source.hf_config, step, GEN)
-    control.wait([f"checked/{REFITS - 1}/{g}" for g in range(GEN)])
-    destroy_refit_group(group, TIMEOUT_S)
-    return out
+    return train_sparse_deltas(job, control, GEN, REFITS, TIMEOUT_S)
 
 
 def _gen(job, control, gen_rank):

@@ -17,11 +17,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from megatron_reshard.groups.comm import create_refit_group
+from megatron_reshard.groups.comm import create_refit_group, destroy_refit_group
+from megatron_reshard.megatron.sender import RefitSender
 from megatron_reshard.testing.megatron_reference import gather_full_hf_state_dict
 from megatron_reshard.testing.vllm_like import (build_vllm_like_model, expected_vllm_shard,
                                                 vllm_param_shapes)
 from megatron_reshard.tools.e2e import ModuleWorker, tensor_digest
+from megatron_reshard.tools.tiny_source import tiny_source
 from megatron_reshard.wire.codec import decode_payload
 from megatron_reshard.wire.spec import RefitCtx
 
@@ -117,6 +119,25 @@ def nudge_sparsely(model, step: int, fraction: float = 0.02) -> None:
 
 
 # -- the generation side -------------------------------------------------------------------
+
+
+def train_sparse_deltas(job, control, gen: int, refits: int, timeout_s: float) -> list:
+    """A training rank of a 2-layer dense model sending deltas: ``refits`` refits, ~2% of
+    every param changed before each but the first, the reference published after each;
+    ends once every generation rank has checked the last. Returns each refit's outcome."""
+    model, source, family, vocab = tiny_source("dense", gen, seed=0, num_layers=2)
+    control.set("payload", source.payload_bytes())
+    group = stage_group(job, source, gen, timeout_s)
+    sender = RefitSender(source, group, delta=True)
+    out = []
+    for step in range(refits):
+        if step:
+            change_sparsely(model, step)
+        out.append(catch(sender.refit))
+        publish_reference(job, control, model, family, vocab, source.hf_config, step, gen)
+    control.wait([f"checked/{refits - 1}/{g}" for g in range(gen)])
+    destroy_refit_group(group, timeout_s)
+    return out
 
 
 def vllm_like_worker(control, gen_rank: int, gen: int, state: dict | None = None,
