@@ -67,6 +67,7 @@ def _vote_with_a_dead_peer(job):
     time.sleep(0.5)
     gc.collect()
     gc.disable()  # the failed group must go without the cyclic collector (issue 52)
+    holds_before = set(threading.enumerate())
     try:
         try:
             all_reduce(vote, group, dist.ReduceOp.MAX, "the second vote")
@@ -77,8 +78,9 @@ def _vote_with_a_dead_peer(job):
         ref = weakref.ref(group)
         destroy_refit_group(group, timeout_s=2.0)
         del group
-        for thread in threading.enumerate():  # the retirement's hold (timeout + 5 s)
-            if thread.name == "refit-retired-group":
+        for thread in threading.enumerate():  # this group's retirement hold (timeout + 5 s);
+            # not those of earlier tests' groups in this reused worker (up to their timeouts)
+            if thread.name == "refit-retired-group" and thread not in holds_before:
                 thread.join(60.0)
         out["group_alive"] = ref() is not None
     finally:

@@ -165,9 +165,11 @@ def _live_mappings(paths: set[str]) -> Optional[dict[str, int]]:
         except OSError:
             try:
                 mine = os.stat(f"/proc/{entry}").st_uid == uid
-                stronger = not _caps(entry) <= _caps("self")
-            except (OSError, ValueError):
+                theirs, ours = _caps(entry), _caps("self")
+            except OSError:
                 continue  # gone meanwhile
+            # capabilities unknown: not known to be stronger (so its maps count as unread)
+            stronger = theirs is not None and ours is not None and not theirs <= ours
             if mine and not stronger:
                 return None
             continue  # another user's process cannot open this user's 0600 files
@@ -182,15 +184,15 @@ def _live_mappings(paths: set[str]) -> Optional[dict[str, int]]:
     return counts
 
 
-def _caps(pid: str) -> set[int]:
+def _caps(pid: str) -> Optional[set[int]]:
     """The permitted capabilities of process ``pid`` (``/proc/<pid>/status``, readable
-    for every process), as a set of bit numbers."""
+    for every process), as a set of bit numbers; None where the status has no such line."""
     with open(f"/proc/{pid}/status") as f:
         for line in f:
             if line.startswith("CapPrm:"):
                 bits = int(line.split()[1], 16)
                 return {i for i in range(bits.bit_length()) if bits >> i & 1}
-    raise ValueError(f"/proc/{pid}/status: no CapPrm line")
+    return None
 
 
 __all__ = ["DeadFile", "remove_dead_files"]
