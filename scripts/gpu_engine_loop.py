@@ -307,6 +307,7 @@ class Loop:
         self.report: dict = {"case": vars(args), "checks": [], "refits": [], "ok": True}
         self.version = 0
         self.last_snapshot = self.last_gen = None
+        self.prepare_options: dict | None = None  # the backend's (scripts/gpu_engine_staged.py)
 
     # -- the trainers (one per GPU): each has its command queue and its answer queue
     def send(self, *command, ranks=None) -> None:
@@ -421,7 +422,8 @@ class Loop:
         t2 = time.perf_counter()
         self.llm.init_weight_transfer_engine({"init_info": {
             "host": "127.0.0.1", "ports_by_stage": [refit_port], "group_sizes": 2 * tp,
-            "payload": built["payload"], "backend": "gloo", "timeout_s": self.args.timeout_s}})
+            "payload": built["payload"], "backend": "gloo", "timeout_s": self.args.timeout_s,
+            "prepare_options": self.prepare_options}})
         self.expect("ready")
         self.say(f"init_weight_transfer_engine: {time.perf_counter() - t2:.2f} s")
 

@@ -7,7 +7,8 @@
 # /tmp/whl), megatron-core 0.19.2 and this package's wheel: installed into /tmp/mr_site, so
 # vLLM's plugin loader finds the package's entry point as a user's install would provide it.
 # CASES (default all): a comma list of dense_eager, dense_graphs, moe_eager, moe_graphs,
-# moe_fp8, dense_large, moe_large. Each case runs under its own time limit; its log and JSON
+# moe_fp8, dense_large, moe_large, staged_moe, staged_moe_large (after moe_large: its
+# in-place pause is the staged figures' baseline). Each case runs under its own time limit; its log and JSON
 # report land in OUT; one summary line per case is printed.
 set -u
 OUT=${1:-${OUT:-/tmp/engine_loop}}
@@ -31,10 +32,11 @@ export VLLM_CACHE_ROOT=/tmp/vllm_cache
 python3 -c "import importlib.metadata as m; print('entry points:', [e.value for e in m.entry_points(group='vllm.general_plugins')])"
 
 run() {  # run NAME LIMIT_S ARGS...: one case, its log and report in OUT
-  local name=$1 limit=$2
+  local name=$1 limit=$2 script=scripts/gpu_engine_loop.py
   shift 2
   [[ $CASES == *",$name,"* ]] || return 0
-  timeout "$limit" python3 scripts/gpu_engine_loop.py "$@" --json "$OUT/$name.json" \
+  [[ $name == staged_* ]] && script=scripts/gpu_engine_staged.py
+  timeout "$limit" python3 "$script" "$@" --json "$OUT/$name.json" \
     > "$OUT/$name.log" 2>&1
   echo "== $name: rc=$? $(grep -c '^\[.*\] ok ' "$OUT/$name.log") ok, $(grep -c '^\[.*\] FAIL' "$OUT/$name.log") FAIL"
   grep -h "FAIL\|Error\|error:\|^| \|engine: \|LLM up" "$OUT/$name.log" | cut -c1-400 | head -16
@@ -47,3 +49,6 @@ run moe_graphs 200 --model moe --graphs on --speed 5
 run moe_fp8 200 --model moe --graphs off --quant fp8_per_block --refits 3
 run dense_large 240 --model dense --graphs on --size large --refits 0 --speed 5
 run moe_large 240 --model moe --graphs on --size large --refits 0 --speed 5
+# staged refits (scripts/gpu_engine_staged.py; the in-place pause from the case above)
+run staged_moe 200 --model moe --graphs on --staged 4
+run staged_moe_large 240 --model moe --graphs on --size large --staged 5 --compare "$OUT/moe_large.json"
