@@ -28,7 +28,9 @@ the last refit: the refit commits, the engine must raise ``WeightVersionMismatch
 and each generation rank reports its weight state, checked against the last good oracle;
 with driver "trainer" then a ``trainer_init`` the workers refuse (``REFUSED``: every
 training rank must raise) and a restarted trainer on fresh groups, whose refit is compared
-with vLLM's loading as well).
+with vLLM's loading as well); ``retry`` (driver "worker", with ``fail_extra``): vLLM's own
+``Worker`` methods drive the engine, the failed update's finish is called again, and the
+generation ranks join a restarted trainer (``_restart_through_worker``).
 """
 
 from __future__ import annotations

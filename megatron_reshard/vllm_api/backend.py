@@ -27,7 +27,13 @@ Lifecycle (vLLM worker call → engine → receiver):
   On failure it raises ``WeightUpdateError`` carrying the weight state.
 - ``finish_weight_update()`` → requires a refit committed in this update and consistent
   weights; ``finish_weight_update(weight_version=N)`` (direct callers; vLLM's worker passes
-  none) checks the committed version too.
+  none) checks the committed version too. It closes the engine's update whether or not it
+  raises, but vLLM's worker keeps its own session open after a finish that raised (0.34.0
+  unless ``VLLM_RELOAD_MODE=direct``; 0.25.1 always) and refuses ``start_weight_update``
+  and ``shutdown_weight_transfer_engine`` until a finish returns. So the next
+  ``finish_weight_update`` after one that raised, with no update open, returns once,
+  logging at WARNING what the weights hold; any other finish without an open update raises.
+  (A failed ``update_weights`` needs no retry: vLLM's worker ends its session itself.)
 - ``shutdown_weight_transfer_engine()`` → ``RefitWorkerState.destroy_groups``.
 
 Staged refits (``prepare_options={"staged": True}``, ``receiver.staging``):
