@@ -443,7 +443,8 @@ def _served_gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Map
     config = new_config()
     out: dict[str, Any] = {"role": "gen", "rank": gen_rank, "differences": [], "versions": [],
                            "asked_versions": [], "labels": [], "calls": [], "failed": None,
-                           "payload_type": None, "errors": [], "after_shutdown": []}
+                           "payload_type": None, "errors": [], "after_shutdown": [],
+                           "closed_after_failure": []}
     wait = timedelta(seconds=cfg.timeout_s * _RPC_TIMEOUT_FACTOR)
     oracle = None
     with vm.vllm_parallel_state(config, gen_rank, cfg.gen_world, vllm_port):
@@ -451,13 +452,15 @@ def _served_gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Map
         engine = _engine_for(config, model)
         out["engine"] = type(engine).__name__
         worker = _vllm_worker(config, gen_rank, engine, model)
-        call = 0
+        call, finish_failed = 0, False
         while True:
             call += 1
             control.wait([f"rpc/{call}"], wait)
             method, args = pickle.loads(control.get(f"rpc/{call}"))
             out["calls"].append(method)
             error = None
+            # the same finish again after a failed one: it closes vLLM's update, no refit
+            closing = method == "finish_weight_update" and finish_failed
             try:
                 if method == "init_weight_transfer_engine":
                     out["payload_type"] = type(args[0]["payload"]).__name__
@@ -468,6 +471,9 @@ def _served_gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Map
                     # "idle" unless the update is staged (still receiving, or staged)
                     out.setdefault("phase_after_update", []).append(
                         engine.refit_weights_state().get("staged", {}).get("phase"))
+                elif method == "finish_weight_update" and closing:
+                    worker.finish_weight_update()
+                    out["closed_after_failure"].append([args[0], engine.refit_weights_state()])
                 elif method == "finish_weight_update":
                     worker.finish_weight_update()
                     out["labels"].append(args[0])  # the LLM's weight version (Ray client)
@@ -489,7 +495,9 @@ def _served_gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Map
             control.set(f"rpc/{call}/{gen_rank}", pickle.dumps(error))
             if method == "stop":
                 break
-            if method == "finish_weight_update" and error is None:
+            if method == "finish_weight_update":
+                finish_failed = error is not None
+            if method == "finish_weight_update" and error is None and not closing:
                 step = len(out["labels"]) - 1
                 out["versions"].append(engine.refit_weights_state()["version"])
                 full = torch.load(io.BytesIO(control.get(f"full/{step}")), weights_only=True)
