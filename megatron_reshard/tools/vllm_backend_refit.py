@@ -516,9 +516,9 @@ def backend_refit_job(job, cfg: RefitRunConfig, hf_config: Mapping[str, Any],
                       write_outside_on: Optional[tuple[int, int, str]] = None,
                       retry: bool = False) -> dict:
     """Pool job (``WorkerPool.run(..., num_ports=cfg.train_pp + 2)``, ``3 * train_pp + 2`` for
-    driver "trainer" with ``fail_extra``, ``2 * train_pp + 2`` with ``retry``): process ``job.rank`` of a launch of
-    ``train_world + gen_world``; port ``1 + train_pp`` is vLLM's generation world, the ones
-    after it the restarted trainers' groups.
+    driver "trainer" with ``fail_extra``, ``2 * train_pp + 2`` with ``retry``): process
+    ``job.rank`` of a launch of ``train_world + gen_world``; port ``1 + train_pp`` is vLLM's
+    generation world, the ones after it the restarted trainers' groups.
     ``driver``: "worker" (each generation rank drives its engine) or "trainer" (vLLM's
     trainer API on the training side, the client's calls on the generation side).
     ``moe_backend``: vLLM's ``--moe-backend`` of the generation model (driver "worker");
