@@ -28,18 +28,21 @@ the last refit: the refit commits, the engine must raise ``WeightVersionMismatch
 and each generation rank reports its weight state, checked against the last good oracle;
 with driver "trainer" then a ``trainer_init`` the workers refuse (``REFUSED``: every
 training rank must raise) and a restarted trainer on fresh groups, whose refit is compared
-with vLLM's loading as well).
+with vLLM's loading as well); ``retry`` (driver "worker", with ``fail_extra``): vLLM's own
+``Worker`` methods drive the engine, the failed update's finish is called again, and the
+generation ranks join a restarted trainer (``_restart_through_worker``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import pickle
 import sys
 import time
 from datetime import timedelta
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -81,6 +84,32 @@ def _failing_refit(ctx: dict) -> dict:
     return {"error": None}
 
 
+def _fail_then_restart(spare_ports):
+    """Training side, driver "worker" with ``retry``: the planted failure
+    (``_failing_refit``), then a restarted sender on fresh groups at ``spare_ports`` (a
+    failed group is never used again) whose full refit of the same weights is published as
+    step ``cfg.refits``."""
+
+    def after_refits(ctx: dict) -> dict:
+        from megatron_reshard.groups.comm import create_refit_group, destroy_refit_group
+        from megatron_reshard.megatron.sender import RefitSender
+
+        cfg, source = ctx["cfg"], ctx["source"]
+        out = _failing_refit(ctx)
+        group = create_refit_group(cfg.host, spare_ports[source.stage], source.stage_local_rank,
+                                   cfg.stage_world + cfg.gen_world, cfg.backend, cfg.timeout_s,
+                                   who=f"restarted train rank {ctx['rank']}",
+                                   transport=cfg.transport)
+        out["restarted"] = RefitSender(source, group, num_streams=cfg.num_streams,
+                                       staging_bytes=cfg.staging_bytes,
+                                       verify_checksums=cfg.verify).refit()
+        publish_full_hf({**ctx, "step": cfg.refits})
+        destroy_refit_group(group, cfg.timeout_s)
+        return out
+
+    return after_refits
+
+
 def _engine_for(config, model):
     from vllm.config.weight_transfer import WeightTransferConfig
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
@@ -92,11 +121,77 @@ def _engine_for(config, model):
         WeightTransferConfig(backend="megatron_reshard"), config, torch.device("cpu"), model)
 
 
+def _error_of(call) -> Optional[str]:
+    try:
+        call()
+    except Exception as exc:  # noqa: BLE001 - the error is the result
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+@contextlib.contextmanager
+def _warnings_of(engine):
+    """The WARNING lines the engine's module logs inside the block."""
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            if record.levelno >= logging.WARNING:
+                lines.append(record.getMessage())
+
+    log, keep = logging.getLogger(type(engine).__module__), Keep()
+    log.addHandler(keep)
+    try:
+        yield lines
+    finally:
+        log.removeHandler(keep)
+
+
+def _unstuck(worker) -> Optional[str]:
+    """vLLM's refusal to start an update while its session stays open (None: it is closed);
+    an open one is then dropped as only a restart of vLLM would, so the launch goes on."""
+    if not worker._weight_update_active:
+        return None
+    refused = _error_of(worker.start_weight_update)
+    worker._weight_update_active = False
+    return refused or "start_weight_update was accepted with the session open"
+
+
+def _restart_through_worker(worker, engine, init_info: dict, ports: Sequence[int],
+                            version: int) -> dict:
+    """Generation side of ``_fail_then_restart``, after the failed update, through vLLM's
+    ``Worker`` only: release the groups, join the restarted trainer's (in place, not staged),
+    an update without a refit (its finish raises; the same call again closes it), then a
+    full refit of ``version``."""
+    out = {"stuck_after_failure": _unstuck(worker),
+           # the engine's own update was closed by the failed finish and its retry
+           "finish_again": _error_of(engine.finish_weight_update)}
+    release = getattr(worker, "shutdown_weight_transfer_engine", engine.shutdown)  # 0.25.1: none
+    release()
+    worker.init_weight_transfer_engine({**init_info, "ports_by_stage": list(ports),
+                                        "prepare_options": {k: v for k, v in
+                                                            init_info["prepare_options"].items()
+                                                            if k != "staged"}})
+    worker.start_weight_update()
+    out["no_refit"] = _error_of(worker.finish_weight_update)
+    out["open_after_no_refit"] = worker._weight_update_active
+    with _warnings_of(engine) as warned:
+        out["no_refit_retry"] = _error_of(worker.finish_weight_update)
+    out["no_refit_retry_warnings"] = warned
+    out["stuck_after_no_refit"] = _unstuck(worker)
+    worker.start_weight_update()
+    worker.update_weights({"version": version})
+    worker.finish_weight_update()
+    out["weights"] = engine.refit_weights_state()
+    return out
+
+
 def _gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Mapping[str, Any],
               vllm_port: int, mismatch_rank: Optional[int], fail_extra: bool,
               moe_backend: Optional[str] = None, progress_s: Optional[float] = None,
               quantization: Optional[str] = None, staged: bool = False,
-              write_outside: Optional[tuple[int, str]] = None) -> dict:
+              write_outside: Optional[tuple[int, str]] = None,
+              retry_ports: Optional[Sequence[int]] = None) -> dict:
     from megatron_reshard.tools.e2e import tensor_digest
     from megatron_reshard.wire.codec import decode_payload
     from megatron_reshard.testing import vllm_models as vm
@@ -114,12 +209,18 @@ def _gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Mapping[st
         model = vm.dummy_loaded_model(config)
         engine = _engine_for(config, model)
         out["engine"] = type(engine).__name__
+        # retry: vLLM's own Worker methods drive the engine, with their session flag
+        worker = None if retry_ports is None else _vllm_worker(config, gen_rank, engine, model)
+        api = engine if worker is None else worker  # start/update/finish_weight_update
         init_info = {"host": cfg.host, "ports_by_stage": list(cfg.ports[1:1 + cfg.train_pp]),
                      "group_sizes": cfg.stage_world + cfg.gen_world, "payload": payload,
                      "group_rank": None, "backend": cfg.backend, "timeout_s": cfg.timeout_s,
                      "prepare_options": {"verify_checksums": cfg.verify,
                                          **({"staged": True} if staged else {})}}
-        engine.init_transfer_engine(engine.parse_init_info(init_info))  # as vLLM's worker
+        if worker is None:
+            engine.init_transfer_engine(engine.parse_init_info(init_info))  # as vLLM's worker
+        else:
+            worker.init_weight_transfer_engine(init_info)
         oracle = None
         for step in range(cfg.refits):
             version = step + 1
@@ -128,17 +229,17 @@ def _gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Mapping[st
                 with torch.no_grad():  # two elements written outside the refits
                     flat = dict(model.named_parameters())[write_outside[1]].view(-1)
                     flat[7:9] = flat[7:9] * 2 + 1
-            engine.start_weight_update()
+            api.start_weight_update()
             try:
                 before = ({n: tensor_digest(p) for n, p in model.named_parameters()}
                           if staged else {})
-                engine.update_weights({"version": version + (MISMATCH_OFFSET if mismatch else 0),
+                api.update_weights({"version": version + (MISMATCH_OFFSET if mismatch else 0),
                                        **({"staged": True} if staged else {})})
                 if staged:  # update_weights returned at once; staged, the live params are N
                     engine.state.require_stager().wait(cfg.timeout_s)
                     out.setdefault("changed_before_flip", []).append(
                         [n for n, p in model.named_parameters() if tensor_digest(p) != before[n]])
-                engine.finish_weight_update()
+                api.finish_weight_update()
             except WeightVersionMismatch as exc:
                 if not mismatch:
                     raise
@@ -164,22 +265,31 @@ def _gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Mapping[st
                 sys.stderr.write(line + "\n")
                 sys.stderr.flush()
         if fail_extra:
-            engine.start_weight_update()
+            api.start_weight_update()
             try:
-                engine.update_weights({"version": cfg.refits + 1,
-                                       **({"staged": True} if staged else {})})
+                api.update_weights({"version": cfg.refits + 1,
+                                    **({"staged": True} if staged else {})})
                 if staged:  # the failure comes out of the flip
-                    engine.finish_weight_update()
+                    api.finish_weight_update()
             except WeightUpdateError as exc:
                 bad = vm.bitwise_differences(model, oracle)  # against the last good refit
-                try:
-                    engine.finish_weight_update()
-                    finish = None
-                except WeightUpdateError as fexc:
-                    finish = str(fexc)
+                # vLLM's worker keeps its session open after a failed finish (not after a
+                # failed update_weights): the same call again must close it
+                open_after = getattr(worker, "_weight_update_active", None)
+                with _warnings_of(engine) as warned:
+                    finish = _error_of(api.finish_weight_update)
                 out["failed"] = {"error": str(exc), "cause": repr(exc.__cause__),
                                  "weights": exc.weights, "differ_from_last_good": bad,
-                                 "finish_error": finish}
+                                 "finish_error": finish, "open_after_failure": open_after,
+                                 "retry_warnings": warned}
+            if worker is not None:
+                out["retry"] = _restart_through_worker(worker, engine, init_info, retry_ports,
+                                                       cfg.refits + 1)
+                full = torch.load(io.BytesIO(control.get(f"full/{cfg.refits}")),
+                                  weights_only=True)
+                del oracle
+                oracle = vm.loaded_model(new_config(), full)
+                out["retry"]["differences"] = vm.bitwise_differences(model, oracle)
         out["weights"] = engine.refit_weights_state()
         engine.shutdown()
     return out
@@ -333,7 +443,8 @@ def _served_gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Map
     config = new_config()
     out: dict[str, Any] = {"role": "gen", "rank": gen_rank, "differences": [], "versions": [],
                            "asked_versions": [], "labels": [], "calls": [], "failed": None,
-                           "payload_type": None, "errors": [], "after_shutdown": []}
+                           "payload_type": None, "errors": [], "after_shutdown": [],
+                           "closed_after_failure": []}
     wait = timedelta(seconds=cfg.timeout_s * _RPC_TIMEOUT_FACTOR)
     oracle = None
     with vm.vllm_parallel_state(config, gen_rank, cfg.gen_world, vllm_port):
@@ -341,13 +452,15 @@ def _served_gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Map
         engine = _engine_for(config, model)
         out["engine"] = type(engine).__name__
         worker = _vllm_worker(config, gen_rank, engine, model)
-        call = 0
+        call, finish_failed = 0, False
         while True:
             call += 1
             control.wait([f"rpc/{call}"], wait)
             method, args = pickle.loads(control.get(f"rpc/{call}"))
             out["calls"].append(method)
             error = None
+            # the same finish again after a failed one: it closes vLLM's update, no refit
+            closing = method == "finish_weight_update" and finish_failed
             try:
                 if method == "init_weight_transfer_engine":
                     out["payload_type"] = type(args[0]["payload"]).__name__
@@ -358,6 +471,9 @@ def _served_gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Map
                     # "idle" unless the update is staged (still receiving, or staged)
                     out.setdefault("phase_after_update", []).append(
                         engine.refit_weights_state().get("staged", {}).get("phase"))
+                elif method == "finish_weight_update" and closing:
+                    worker.finish_weight_update()
+                    out["closed_after_failure"].append([args[0], engine.refit_weights_state()])
                 elif method == "finish_weight_update":
                     worker.finish_weight_update()
                     out["labels"].append(args[0])  # the LLM's weight version (Ray client)
@@ -379,7 +495,9 @@ def _served_gen_rank(gen_rank: int, cfg: RefitRunConfig, control, hf_config: Map
             control.set(f"rpc/{call}/{gen_rank}", pickle.dumps(error))
             if method == "stop":
                 break
-            if method == "finish_weight_update" and error is None:
+            if method == "finish_weight_update":
+                finish_failed = error is not None
+            if method == "finish_weight_update" and error is None and not closing:
                 step = len(out["labels"]) - 1
                 out["versions"].append(engine.refit_weights_state()["version"])
                 full = torch.load(io.BytesIO(control.get(f"full/{step}")), weights_only=True)
@@ -395,11 +513,12 @@ def backend_refit_job(job, cfg: RefitRunConfig, hf_config: Mapping[str, Any],
                       driver: str = "worker", moe_backend: Optional[str] = None,
                       progress_s: Optional[float] = None, quantization: Optional[str] = None,
                       staged: bool = False,
-                      write_outside_on: Optional[tuple[int, int, str]] = None) -> dict:
+                      write_outside_on: Optional[tuple[int, int, str]] = None,
+                      retry: bool = False) -> dict:
     """Pool job (``WorkerPool.run(..., num_ports=cfg.train_pp + 2)``, ``3 * train_pp + 2`` for
-    driver "trainer" with ``fail_extra``): process ``job.rank`` of a launch of
-    ``train_world + gen_world``; port ``1 + train_pp`` is vLLM's generation world, the ones
-    after it the restarted trainers' groups.
+    driver "trainer" with ``fail_extra``, ``2 * train_pp + 2`` with ``retry``): process
+    ``job.rank`` of a launch of ``train_world + gen_world``; port ``1 + train_pp`` is vLLM's
+    generation world, the ones after it the restarted trainers' groups.
     ``driver``: "worker" (each generation rank drives its engine) or "trainer" (vLLM's
     trainer API on the training side, the client's calls on the generation side).
     ``moe_backend``: vLLM's ``--moe-backend`` of the generation model (driver "worker");
@@ -410,22 +529,29 @@ def backend_refit_job(job, cfg: RefitRunConfig, hf_config: Mapping[str, Any],
     ``finish_weight_update`` flips; driver "trainer": the init info's ``staged=True``); ``changed_before_flip`` lists, per refit, the live params
     that changed before the flip (none may). ``write_outside_on``: (gen rank, refit index,
     vLLM param name), driver "worker": before that refit, that gen rank writes two elements
-    of the param outside the refits."""
+    of the param outside the refits. ``retry`` (driver "worker", ``fail_extra``): vLLM's
+    ``Worker`` methods drive the engine; after the failed update the same finish again, then
+    a restarted trainer (``_fail_then_restart``; ``retry`` in each generation rank's result)."""
     if driver not in ("worker", "trainer") or (driver == "trainer" and mismatch_rank is not None):
         raise ValueError(f"backend_refit_job: driver must be 'worker' or 'trainer' (the trainer "
                          f"sends the version it commits: no mismatch_rank), found {driver!r}, "
                          f"mismatch_rank={mismatch_rank!r}")
+    spare = job.ports[2 + cfg.train_pp:]
+    if retry and (driver != "worker" or not fail_extra or len(spare) < cfg.train_pp):
+        raise ValueError(f"backend_refit_job: retry needs driver 'worker', fail_extra and "
+                         f"num_ports 2 * train_pp + 2 = {2 * cfg.train_pp + 2}; found driver "
+                         f"{driver!r}, fail_extra={fail_extra!r}, {len(job.ports)} ports")
     t0 = time.perf_counter()
     cfg = RefitRunConfig(**{**cfg.__dict__, "ports": tuple(job.ports[: 1 + cfg.train_pp])})
     control = dist.TCPStore(cfg.host, cfg.ports[0], cfg.train_world + cfg.gen_world, job.rank == 0,
                             timeout=timedelta(seconds=cfg.timeout_s))
     if job.rank < cfg.train_world:
-        spare = job.ports[2 + cfg.train_pp:]
         if fail_extra and driver == "trainer" and len(spare) < 2 * cfg.train_pp:
             raise ValueError(f"backend_refit_job: driver 'trainer' with fail_extra restarts the "
                              f"trainer twice: num_ports must be 3 * train_pp + 2 = "
                              f"{3 * cfg.train_pp + 2}, found {len(job.ports)}")
-        after_refits = ((_fail_refuse_restart(spare) if driver == "trainer" else _failing_refit)
+        after_refits = ((_fail_refuse_restart(spare) if driver == "trainer" else
+                         _fail_then_restart(spare) if retry else _failing_refit)
                         if fail_extra else None)
         out = run_training_rank(job.rank, cfg, control, torch.device("cpu"),
                                 after_each_refit=publish_full_hf, after_refits=after_refits,
@@ -443,7 +569,8 @@ def backend_refit_job(job, cfg: RefitRunConfig, hf_config: Mapping[str, Any],
                         job.ports[1 + cfg.train_pp], mismatch_rank, fail_extra, moe_backend,
                         progress_s, quantization, staged,
                         write_outside=write_outside_on[1:] if write_outside_on and
-                        write_outside_on[0] == job.rank - cfg.train_world else None)
+                        write_outside_on[0] == job.rank - cfg.train_world else None,
+                        retry_ports=spare[:cfg.train_pp] if retry else None)
     out["s"] = time.perf_counter() - t0
     return out
 

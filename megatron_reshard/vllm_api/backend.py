@@ -27,7 +27,13 @@ Lifecycle (vLLM worker call → engine → receiver):
   On failure it raises ``WeightUpdateError`` carrying the weight state.
 - ``finish_weight_update()`` → requires a refit committed in this update and consistent
   weights; ``finish_weight_update(weight_version=N)`` (direct callers; vLLM's worker passes
-  none) checks the committed version too.
+  none) checks the committed version too. It closes the engine's update whether or not it
+  raises, but vLLM's worker keeps its own session open after a finish that raised (0.34.0
+  unless ``VLLM_RELOAD_MODE=direct``; 0.25.1 always) and refuses ``start_weight_update``
+  and ``shutdown_weight_transfer_engine`` until a finish returns. So the next
+  ``finish_weight_update`` after one that raised, with no update open, returns once,
+  logging at WARNING what the weights hold; any other finish without an open update raises.
+  (A failed ``update_weights`` needs no retry: vLLM's worker ends its session itself.)
 - ``shutdown_weight_transfer_engine()`` → ``RefitWorkerState.destroy_groups``.
 
 Staged refits (``prepare_options={"staged": True}``, ``receiver.staging``):
@@ -185,6 +191,9 @@ class MegatronReshardWeightTransferEngine(
         self._timeout_s = 60.0
         self._update: Optional[list[int]] = None  # the open update: versions committed in it
         self._staged: Optional[MegatronReshardUpdateInfo] = None  # started, not flipped yet
+        # the last finish_weight_update raised, having closed the update: vLLM's worker keeps
+        # its session open then, and only a finish that returns ends it (module doc)
+        self._finish_failed = False
 
     # -- typed infos -------------------------------------------------------------------
 
@@ -243,6 +252,7 @@ class MegatronReshardWeightTransferEngine(
             raise CallOrderError("start_weight_update while a weight update is open; call "
                                "finish_weight_update first")
         self._update = []
+        self._finish_failed = False
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # the base class ends with torch.accelerator.synchronize(), which raises without an
@@ -266,14 +276,15 @@ class MegatronReshardWeightTransferEngine(
             raise self._update_failed("refit", exc) from exc
         self._committed(result, update_info)
 
-    def _update_failed(self, what: str, exc: Exception) -> WeightUpdateError:
+    def _update_failed(self, what: str, exc: Exception, then: str = "") -> WeightUpdateError:
         """The update ends here: the error, carrying the weight state the failure left."""
         self._update = None
         weights = self.refit_weights_state()
         return WeightUpdateError(f"megatron_reshard {what} failed ({type(exc).__name__}: {exc}); "
-                                 f"the weights are {_state_text(weights)}", weights)
+                                 f"the weights are {_state_text(weights)}{then}", weights)
 
-    def _committed(self, result: RefitResult, update_info: MegatronReshardUpdateInfo) -> None:
+    def _committed(self, result: RefitResult, update_info: MegatronReshardUpdateInfo,
+                   then: str = "") -> None:
         self.last_refit = result
         self._update.append(result.version)
         if update_info.version is not None and result.version != update_info.version:
@@ -281,7 +292,8 @@ class MegatronReshardWeightTransferEngine(
             weights = self.refit_weights_state()
             raise WeightVersionMismatch(
                 f"update_info.version: expected {update_info.version}, the trainer committed "
-                f"version {result.version}; the weights are {_state_text(weights)}", weights)
+                f"version {result.version}; the weights are {_state_text(weights)}{then}",
+                weights)
 
     def _flip(self) -> None:
         """The staged refit of this update goes live (waits for its transfer first)."""
@@ -289,33 +301,46 @@ class MegatronReshardWeightTransferEngine(
         try:
             result = self.state.flip_staged(self.model, getattr(self.model_config, "dtype", None))
         except Exception as exc:
-            raise self._update_failed("staged refit", exc) from exc
-        self._committed(result, info)
+            raise self._update_failed("staged refit", exc, _RETRY) from exc
+        self._committed(result, info, _RETRY)
 
     def finish_weight_update(self, weight_version: Union[int, str, None] = None) -> None:
-        if self._staged is not None and self._update is not None:
+        retry, self._finish_failed = self._finish_failed, False
+        if self._update is None:
+            weights = self.refit_weights_state()
+            if retry:  # vLLM's worker closing the session the failed finish left open
+                logger.warning("megatron_reshard: finish_weight_update again after it failed: "
+                               "the weight update is closed; the weights are %s",
+                               _state_text(weights))
+                return
+            raise WeightUpdateError("finish_weight_update without an open weight update (none "
+                                    "started, or its refit failed); the weights are "
+                                    f"{_state_text(weights)}", weights)
+        self._finish_failed = True  # until it returns: this call closes the update either way
+        self._finish(weight_version)
+        self._finish_failed = False
+
+    def _finish(self, weight_version: Union[int, str, None]) -> None:
+        if self._staged is not None:
             self._flip()  # inside the caller's pause: local copies only
         update, self._update = self._update, None
         state = self.state.weights
         weights = state.as_dict()  # what the errors carry
-        if update is None:
-            raise WeightUpdateError("finish_weight_update without an open weight update (none "
-                                    "started, or its refit failed); the weights are "
-                                    f"{_state_text(weights)}", weights)
         if not update:
             raise WeightUpdateError("finish_weight_update: no refit committed since "
                                     "start_weight_update (call update_weights while the trainer "
-                                    f"sends); the weights are {_state_text(weights)}", weights)
-        if not state.consistent:  # a later failed refit of this update
-            raise WeightUpdateError(f"finish_weight_update: the weights are {_state_text(weights)}",
+                                    f"sends); the weights are {_state_text(weights)}{_RETRY}",
                                     weights)
+        if not state.consistent:  # a later failed refit of this update
+            raise WeightUpdateError(f"finish_weight_update: the weights are "
+                                    f"{_state_text(weights)}{_RETRY}", weights)
         if weight_version is not None:
             want = MegatronReshardUpdateInfo(version=weight_version).version
             if state.version != want:
                 raise WeightVersionMismatch(
                     f"finish_weight_update(weight_version={weight_version!r}): the committed "
-                    f"version is {state.version}; the weights are {_state_text(weights)}",
-                    weights)
+                    f"version is {state.version}; the weights are {_state_text(weights)}"
+                    f"{_RETRY}", weights)
 
     def shutdown(self) -> None:
         self._update = self._staged = None
@@ -335,6 +360,11 @@ class MegatronReshardWeightTransferEngine(
 
     def report(self) -> dict:
         return self.state.report()
+
+
+# what each error a finish raises adds (vLLM's worker keeps its session open after it)
+_RETRY = (". Calling finish_weight_update again closes this update (vLLM's worker keeps it "
+          "open after a failed finish)")
 
 
 def _state_text(w: Mapping[str, Any]) -> str:

@@ -22,15 +22,19 @@ side is ``megatron_reshard.vllm_api.backend``; the mapping of one call onto the 
   (the workers' update is the receiving half of that refit; ``v`` None unless the caller
   gave one: the sender's version check then picks it, the commit vote carries it, and
   workers asked for a version check it), then ``finish_weight_update(weight_version=
-  str(committed))`` (vLLM's engine-level version label). With ``staged=True`` the same
-  calls carry ``{"staged": True}``: the workers' ``update_weights`` starts the receive on
-  their own thread and returns, vLLM keeps generating from version N while the refit
-  runs and commits, and ``finish_weight_update`` is the flip (vLLM's engine core runs a
-  worker call between two engine steps, so that call is the pause; requests in flight keep
-  their KV from N, as with ``pause_generation(mode="keep", clear_cache=False)``). vLLM's
-  client protocol has no pause call: for another KV policy, drive the update with
-  ``AsyncLLM`` yourself (README, "Staged refits"). The training side sends exactly as
-  without it: ``RefitSender`` needs no option for a staged refit.
+  str(committed))`` (vLLM's engine-level version label). Whenever the workers' update is
+  open (their ``update_weights`` returned), rank 0 finishes it, unlabelled if the refit
+  failed; a finish that raised is called once more, which closes vLLM's update (vLLM's
+  workers keep it open after a failed finish and refuse the next start: ``vllm_api.backend``).
+  With ``staged=True`` the same calls carry ``{"staged": True}``: the workers'
+  ``update_weights`` starts the receive on their own thread and returns, vLLM keeps
+  generating from version N while the refit runs and commits, and ``finish_weight_update``
+  is the flip (vLLM's engine core runs a worker call between two engine steps, so that call
+  is the pause; requests in flight keep their KV from N, as with
+  ``pause_generation(mode="keep", clear_cache=False)``). vLLM's client protocol has no pause
+  call: for another KV policy, drive the update with ``AsyncLLM`` yourself (README, "Staged
+  refits"). The training side sends exactly as without it: ``RefitSender`` needs no option
+  for a staged refit.
 - ``shutdown()``: rank 0 ``client.shutdown_weight_transfer_engine()`` (where the client has
   it: vLLM's HTTP and Ray clients do) while every rank destroys its refit group.
 
@@ -312,11 +316,8 @@ class MegatronReshardTrainerWeightTransferEngine(
                 refit_error = exc
             if answer is not None:
                 client_error = self._answer_of(answer, "update_weights")
-            if self.is_sender and client_error is None and refit_error is None:
-                try:
-                    self.client.finish_weight_update(weight_version=str(version))
-                except Exception as exc:  # noqa: BLE001
-                    client_error = _text(exc, "finish_weight_update")
+                if client_error is None:  # the workers' update is open: end it either way
+                    client_error = self._finish(None if refit_error else version)
             try:
                 self._agree(client_error, "send_weights (version "
                             f"{version if version is not None else 'the sender picks'})", refit_error)
@@ -337,6 +338,24 @@ class MegatronReshardTrainerWeightTransferEngine(
             raise TrainerWeightTransferError(error)
 
     # -- rank 0's client calls, shared ----------------------------------------------------
+
+    def _finish(self, version: Optional[int]) -> Optional[str]:
+        """Rank 0 ends the workers' update, labelled ``version`` unless None (the refit
+        failed: a staged one fails at the workers' flip). vLLM's workers keep their update
+        open after a finish that raised, so that one is called again, unlabelled: the
+        workers' engine closes it then (``vllm_api.backend``); the first error stands."""
+        try:
+            self.client.finish_weight_update(
+                weight_version=None if version is None else str(version))
+            return None
+        except Exception as exc:  # noqa: BLE001 - a text every rank can raise
+            error = _text(exc, "finish_weight_update")
+        try:
+            self.client.finish_weight_update()
+        except Exception as exc:  # noqa: BLE001
+            error += (f"; calling it again to close the update failed too "
+                      f"({_text(exc, 'finish_weight_update')})")
+        return error
 
     def _post_if_failed(self, answer) -> None:
         """A worker refusing the update never joins the refit: tell the group at once."""

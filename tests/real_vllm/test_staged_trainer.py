@@ -45,6 +45,49 @@ def test_the_trainer_engines_staged_flag_stages_and_flips_bit_equal_to_vllms_loa
         assert all(p in ("receiving", "staged") for p in g["phase_after_update"]), g
 
 
+@pytest.mark.slow
+def test_a_failed_staged_refit_through_the_trainer_api_leaves_vllms_update_closed(pool):
+    """Training rank 0 breaks the third refit part-way. The workers' staged update had
+    returned, so vLLM's update is open: the trainer engine finishes it anyway (the flip
+    raises, version N stays live) and, as vLLM's ``Worker`` keeps its update open after a
+    finish that raised, calls the same finish again, which closes it. The trainer's
+    ``shutdown`` is then accepted (vLLM refuses it during an update), and a restarted
+    trainer's refit lands bit-equal to vLLM's loading."""
+    from megatron_reshard.tools.run_config import RefitRunConfig
+    from megatron_reshard.tools.vllm_backend_refit import PLANTED, backend_refit_job
+
+    cfg = RefitRunConfig(model="dense", model_overrides=dict(FAMILIES["qwen3"].model),
+                         refits=REFITS, verify=True, dtype="bfloat16", quiet=True, timeout_s=30,
+                         **layout("tp2", "tp2"))
+    results = pool.run(backend_refit_job, cfg.train_world + cfg.gen_world, cfg,
+                       vllm_config_json(FAMILIES["qwen3"]), driver="trainer", staged=True,
+                       fail_extra=True, num_ports=3 * cfg.train_pp + 2, timeout_s=300)
+    train = [r for r in results if r["role"] == "train"]
+    assert PLANTED in train[0]["bench"]["error"], train[0]["bench"]
+    for t in train:
+        assert t["bench"]["error"] is not None and t["bench"]["refused"] is not None, t["bench"]
+        assert t["bench"]["restarted"]["version"] == REFITS + 2, t["bench"]
+    update = ["start_weight_update", "update_weights", "finish_weight_update"]
+    for g in (r for r in results if r["role"] == "gen"):
+        assert g["calls"] == (["init_weight_transfer_engine"] + update * (REFITS + 1)
+                              + ["finish_weight_update", "shutdown_weight_transfer_engine"]
+                              + ["init_weight_transfer_engine", "shutdown_weight_transfer_engine"]
+                              + ["init_weight_transfer_engine"] + update
+                              + ["shutdown_weight_transfer_engine", "stop"]), g["calls"]
+        f = g["failed"]
+        assert "staged refit failed" in f["error"] and PLANTED in f["error"], f["error"]
+        assert f["weights"]["state"] == "consistent" and f["weights"]["version"] == REFITS, f
+        assert f["differ_from_last_good"] == [], f  # version N live, bit-equal to its load
+        # the same finish again (unlabelled) closed vLLM's update, the weights as they were
+        [(label, closed)] = g["closed_after_failure"]
+        assert label is None and closed["state"] == "consistent" and \
+            closed["version"] == REFITS, closed
+        assert [m for m, _ in g["errors"]] == ["finish_weight_update",
+                                               "init_weight_transfer_engine"], g["errors"]
+        assert g["differences"] == [[]] * (REFITS + 1), g["differences"]
+        assert g["versions"] == list(range(1, REFITS + 1)) + [REFITS + 2], g["versions"]
+
+
 @pytest.mark.parametrize("options,words", [
     ({"staged": True}, "staged"),  # the flag, not a worker option: one switch for both sides
     ({"staging_budget_bytes": 1 << 20}, "both bounded"),

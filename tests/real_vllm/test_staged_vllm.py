@@ -6,7 +6,13 @@ once, the live params stay at version N until ``finish_weight_update()`` flips, 
 they are bit-equal to vLLM's own ``load_weights`` of the same full tensors. A staged refit
 the training side breaks part-way fails at the flip and leaves version N live, consistent,
 bit-equal to the last good oracle (an in-place refit leaves it inconsistent:
-test_vllm_backend.py)."""
+test_vllm_backend.py).
+
+That run goes through vLLM's own ``Worker`` weight-sync methods (``retry``): vLLM keeps its
+update session open after a finish that raised and refuses a new one while it is, so the
+same finish again must close it; then the generation ranks join a restarted trainer's
+groups, an update without a refit fails at its finish and the same call again closes it,
+and a full refit lands bit-equal to vLLM's loading of its weights."""
 
 from __future__ import annotations
 
@@ -34,7 +40,7 @@ def staged(pool):
                          **layout("tp2", "tp2"))
     results = pool.run(backend_refit_job, cfg.train_world + cfg.gen_world, cfg,
                        vllm_config_json(family), fail_extra=True, driver="worker", staged=True,
-                       num_ports=cfg.train_pp + 2, timeout_s=300)
+                       retry=True, num_ports=2 * cfg.train_pp + 2, timeout_s=300)
     return {r["role"] + str(r["rank"]): r for r in results}
 
 
@@ -61,6 +67,46 @@ def test_a_staged_refit_broken_part_way_leaves_version_n_live_and_consistent(sta
         assert w["state"] == "consistent" and w["version"] == REFITS, w
         assert w["overwritten"] == [] and w["staged"]["phase"] == "failed", w
         assert f["differ_from_last_good"] == [], f  # bit-equal to vLLM's load of version N
+
+
+def _closed_quietly(error, warnings, version):
+    assert error is None, error
+    assert len(warnings) == 1, warnings
+    assert "closed" in warnings[0] and f"consistent at version {version}" in warnings[0], warnings
+
+
+@pytest.mark.slow
+def test_the_same_finish_again_closes_vllms_update_after_a_failed_flip(staged):
+    """vLLM's ``Worker.finish_weight_update`` (0.34.0, unless ``VLLM_RELOAD_MODE=direct``;
+    0.25.1 always) leaves ``_weight_update_active`` set when the engine's finish raises, and
+    ``start_weight_update`` refuses while it is set: only a finish that returns ends it."""
+    for key in ("gen0", "gen1"):
+        f, r = staged[key]["failed"], staged[key]["retry"]
+        assert f["open_after_failure"] is True, f  # vLLM kept its session open
+        _closed_quietly(f["finish_error"], f["retry_warnings"], REFITS)
+        assert r["stuck_after_failure"] is None, r  # vLLM's next start was not refused
+        assert "finish_weight_update again closes this update" in f["error"], f["error"]
+        # once: a further finish without an open update raises as before
+        assert "without an open weight update" in r["finish_again"], r
+
+
+@pytest.mark.slow
+def test_after_a_failed_finish_without_a_refit_the_retry_closes_and_a_full_refit_lands(staged):
+    """The generation ranks release the failed groups and join a restarted trainer's (in
+    place now); an update without a refit raises at its finish, the same finish again
+    closes it, and the restarted trainer's full refit is bit-equal to vLLM's loading."""
+    assert staged["train0"]["bench"]["restarted"]["version"] == REFITS + 1
+    for key in ("gen0", "gen1"):
+        r = staged[key]["retry"]
+        assert r["no_refit"].startswith("WeightUpdateError") and "no refit committed" in \
+            r["no_refit"], r
+        assert r["open_after_no_refit"] is True, r
+        _closed_quietly(r["no_refit_retry"], r["no_refit_retry_warnings"], REFITS)
+        assert r["stuck_after_no_refit"] is None, r
+        assert "finish_weight_update again closes this update" in r["no_refit"], r
+        w = r["weights"]
+        assert w["state"] == "consistent" and w["version"] == REFITS + 1, w
+        assert r["differences"] == [], r["differences"]
 
 
 @pytest.mark.slow
