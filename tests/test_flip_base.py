@@ -4,10 +4,15 @@ session takes it (``delta.base_digest.take_base`` over its held records), then t
 bytes compared record by record through the same views. The flip's use of it, with real
 refits: tests/test_staged_flip_base.py."""
 
+import importlib.util
+from pathlib import Path
+
 import torch
 
 from megatron_reshard.delta.base_digest import take_base
 from megatron_reshard.receiver.flip_base import check_flip_base
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_flip_base.py"
 
 
 def _world():
@@ -50,3 +55,14 @@ def test_what_proves_nothing_counts_as_changed_and_unheld_params_are_not_checked
     found = check_flip_base(base, held, staging, live, ["norm"])
     assert found.changed == [] and found.checked == 0
     assert check_flip_base(base, held, staging, live, []).changed == []
+
+
+def test_the_benchmark_runs_and_finds_nothing_changed(capsys):
+    """``scripts/bench_flip_base.py`` at a toy size (its own assert: the check passes the
+    unchanged params); figures are printed, never compared here."""
+    spec = importlib.util.spec_from_file_location("bench_flip_base", SCRIPT)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--layers", "1", "--hidden", "64", "--ffn", "128", "--repeat", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "4 params, 6 records" in out and "check / copy" in out, out
