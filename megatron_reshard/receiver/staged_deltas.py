@@ -7,9 +7,9 @@ payload)`` to ``StagedDeltas.record`` (``RefitLoop.on_delta_apply``). At the fli
 payloads are applied once more, into the live params: the live storage holds version N,
 the base every delta was cut from (checked first, ``receiver.flip_base``: a param written
 since the start is copied whole instead), so the result is bit-identical to the staging
-copy, and the pause writes the changed elements only instead of every staged byte. Params the refit
-wrote through the full path as well (not eligible for deltas, packed params, a fused
-target mixing both) are copied whole from staging instead (``full_path_targets``).
+copy, and the pause writes the changed elements only instead of every staged byte. Params
+the refit wrote through the full path as well (not eligible for deltas, packed params, a
+fused target mixing both) are copied whole from staging instead (``full_path_targets``).
 """
 
 from __future__ import annotations

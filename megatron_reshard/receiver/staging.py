@@ -340,7 +340,8 @@ class StagedRefits:
         """Inside the pause: let the in-place params through, wait for the commit, write the
         staged version into the live params in place (a full refit: copies of the staged
         params; a delta refit: its payloads applied, ``receiver.staged_deltas``, and copies
-        of what went full), advance the live version. Returns the session's refit numbers
+        of what went full and of what was written since the start, ``receiver.flip_base``,
+        named in ``flip_base_changed``), advance the live version. Returns the session's refit numbers
         with ``staged`` (this flip's)."""
         if self.phase == "idle":
             raise CallOrderError(f"{self.where}: no staged refit to flip (start_staged_refit)")
