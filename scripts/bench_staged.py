@@ -28,9 +28,11 @@ weights), then:
   there these report none); ``staged_delta_copy`` flips by copying
   (``staged_delta_flip="copy"``), ``staged_delta`` by applying the payloads.
 
-Each staged pause is broken down (``wait`` for the transfer thread, ``copy``, ``apply``,
-``commit``, ``outside`` the flip in the worker) with its range over the refits and the
-host's load average. The training rank idles from its refit's end to the generation
+Each staged pause is broken down (``wait`` for the transfer thread, ``plan`` what the flip
+copies whole and what takes deltas, ``check`` a delta flip's base check: the live bytes of
+the params it does not copy whole digested against the base of the refit's start,
+``receiver.flip_base``; ``copy``, ``apply``, ``commit``, ``outside`` the flip in the
+worker) with its range over the refits and the host's load average. The training rank idles from its refit's end to the generation
 rank's pause end (``--overlap``: it changes its weights for the next refit meanwhile).
 
 Reported (median of ``--iters`` per mode): the pause, the pause as % of the in-place one,
@@ -57,6 +59,7 @@ import torch.distributed as dist
 
 MODES = ("in_place", "staged", "staged_budget", "staged_host", "in_place_delta", "staged_delta",
          "staged_delta_copy")
+PARTS = ("wait", "plan", "check", "copy", "apply", "commit", "outside")  # a staged pause, in order
 DELTA_FRACTION = 0.02  # delta modes: one unit in the last place on ~2% of every param
 
 
@@ -180,9 +183,11 @@ def _generation_pass(weights: list, xs: list, device) -> float:
 def _staged_refit(worker, weights, xs, device, args) -> dict:
     """One staged refit with generation passes during its transfer; its pause broken down:
     ``wait`` (the flip joins the transfer thread: the in-place params' receive, or 0),
-    ``copy`` (staged params copied whole), ``apply`` (a delta refit's payloads applied),
-    ``commit`` (the live version advanced), ``outside`` (the worker around the flip: vLLM's
-    derived weights, the result)."""
+    ``plan`` (what is copied whole, what takes deltas), ``check`` (a delta flip's base
+    check, ``receiver.flip_base``), ``copy`` (staged params
+    copied whole), ``apply`` (a delta refit's payloads applied), ``commit`` (the live
+    version advanced), ``outside`` (the worker around the flip: vLLM's derived weights, the
+    result)."""
     t0 = time.perf_counter()
     worker.start_staged_refit()
     passes = []
@@ -198,10 +203,14 @@ def _staged_refit(worker, weights, xs, device, args) -> dict:
     return {"pause_s": pause, "ready_s": ready_s, "passes": passes, "mode": out["mode"],
             "load": load, "flip_copy_s": flip["flip_copy_s"], "flip_bytes": flip["flip_bytes"],
             "flip_copy_bytes": flip["flip_copy_bytes"],
-            "breakdown_s": {"wait": flip["flip_wait_s"], "copy": flip["flip_whole_copy_s"],
+            "breakdown_s": {"wait": flip["flip_wait_s"], "plan": flip["flip_plan_s"],
+                            "check": flip["flip_base_check_s"],
+                            "copy": flip["flip_whole_copy_s"],
                             "apply": flip["flip_delta_apply_s"], "commit": flip["flip_commit_s"],
                             "outside": pause - flip["flip_s"]},
             "staging_bytes": state["staging_bytes"], "in_place_bytes": state["in_place_bytes"],
+            "base_check_bytes": flip["flip_base_check_bytes"],
+            "base_changed": len(flip["flip_base_changed"]),
             "mirror_s": flip.get("mirror_s")}
 
 
@@ -310,11 +319,15 @@ def summarize(gen: dict) -> dict:
             "pause_pct_of_in_place": 100 * pause / (out[f"{base}_pause_ms"] / 1e3),
             "baseline": base,
             "pause_breakdown_ms": {part: _median([r["breakdown_s"][part] for r in rs]) * 1e3
-                                   for part in ("wait", "copy", "apply", "commit", "outside")},
+                                   for part in PARTS},
             "load_avg_1min": _median([r["load"] for r in rs]),
             "ready_ms": _median([r["ready_s"] for r in rs]) * 1e3,
             "flip_copy_ms": copy * 1e3, "flip_bytes": rs[-1]["flip_bytes"],
             "flip_copy_bytes": rs[-1]["flip_copy_bytes"],
+            "base_check_bytes": rs[-1]["base_check_bytes"],
+            "base_check_pct_of_pause": 100 * _median(
+                [r["breakdown_s"]["check"] / r["pause_s"] for r in rs]),
+            "base_changed": max(r["base_changed"] for r in rs),
             "staging_bytes": rs[-1]["staging_bytes"], "in_place_bytes": rs[-1]["in_place_bytes"],
             "generation_passes_during_transfer": len(busy),
             "pass_ms_during_transfer": _median(busy) * 1e3,
@@ -331,8 +344,8 @@ def summarize(gen: dict) -> dict:
 
 def breakdown_table(summary: dict) -> str:
     """The pauses side by side, each staged one broken down (ms, medians)."""
-    lines = [f"{'mode':<18}{'pause':>9}{'% base':>8}{'wait':>8}{'copy':>8}{'apply':>8}"
-             f"{'commit':>8}{'outside':>8}{'range':>17}{'load':>6}"]
+    lines = [f"{'mode':<18}{'pause':>9}{'% base':>8}{'wait':>8}{'plan':>8}{'check':>8}{'copy':>8}"
+             f"{'apply':>8}{'commit':>8}{'outside':>8}{'range':>17}{'load':>6}"]
     for mode in ("in_place", "in_place_delta"):
         lines.append(f"{mode:<18}{summary[f'{mode}_pause_ms']:>9.1f}"
                      f"{'':>8}{summary[f'{mode}_refits']:>8} refits counted")
@@ -344,8 +357,10 @@ def breakdown_table(summary: dict) -> str:
         b = m["pause_breakdown_ms"]
         lo, hi = m["pause_range_ms"]
         lines.append(f"{mode:<18}{m['pause_ms']:>9.1f}{m['pause_pct_of_in_place']:>7.1f}%"
-                     f"{b['wait']:>8.1f}{b['copy']:>8.1f}{b['apply']:>8.1f}{b['commit']:>8.2f}"
-                     f"{b['outside']:>8.2f}{f'{lo:.1f}-{hi:.1f}':>17}{m['load_avg_1min']:>6.1f}")
+                     f"{b['wait']:>8.1f}{b['plan']:>8.1f}{b['check']:>8.1f}{b['copy']:>8.1f}"
+                     f"{b['apply']:>8.1f}"
+                     f"{b['commit']:>8.2f}{b['outside']:>8.2f}{f'{lo:.1f}-{hi:.1f}':>17}"
+                     f"{m['load_avg_1min']:>6.1f}")
     return "\n".join(lines)
 
 

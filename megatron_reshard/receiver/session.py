@@ -357,6 +357,13 @@ class ReceiverSession:
             return 7
         return 6 if found.written_outside else 0
 
+    @property
+    def delta_base(self) -> Optional[HeldBase]:
+        """The digests of what the next delta refit writes into, as the last commit left it
+        (None: no base). A staged refit keeps the one of its start for its flip
+        (``receiver.flip_base``): its own commit replaces it."""
+        return self._base_digests
+
     def forget_delta_base(self) -> None:
         """The storage no longer holds the committed bytes as they arrived (vLLM's own
         conversion rewrote some: ``receiver.staged_conversion``): the next refit is full."""

@@ -5,10 +5,11 @@ payload into the staging tensors (so phase-1 forwards, checksums and the commit 
 result exactly as in an in-place refit) and hands the same ``(view, count, encoding,
 payload)`` to ``StagedDeltas.record`` (``RefitLoop.on_delta_apply``). At the flip those
 payloads are applied once more, into the live params: the live storage holds version N,
-the base every delta was cut from, so the result is bit-identical to the staging copy, and
-the pause writes the changed elements only instead of every staged byte. Params the refit
-wrote through the full path as well (not eligible for deltas, packed params, a fused
-target mixing both) are copied whole from staging instead (``full_path_targets``).
+the base every delta was cut from (checked first, ``receiver.flip_base``: a param written
+since the start is copied whole instead), so the result is bit-identical to the staging
+copy, and the pause writes the changed elements only instead of every staged byte. Params
+the refit wrote through the full path as well (not eligible for deltas, packed params, a
+fused target mixing both) are copied whole from staging instead (``full_path_targets``).
 """
 
 from __future__ import annotations

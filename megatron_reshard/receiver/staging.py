@@ -14,7 +14,9 @@ the refit's thread:
 - ``flip()``: lets those in-place params through, waits for the commit, copies staging
   into the live params in place (addresses kept: CUDA graphs), advances the live version.
   After a delta refit it applies the recorded payloads into the live params instead
-  (``staged_deltas``): the pause writes the changed elements, not every staged byte.
+  (``staged_deltas``): the pause writes the changed elements, not every staged byte;
+  first it checks that the params it would not copy whole still hold the base N
+  (``flip_base``), and copies whole those written since the start.
 - ``discard()``: drops a staged version, or stops a running refit at its next batch.
 
 vLLM may re-allocate a param between the staged receive and the flip (``param.data =``, a
@@ -32,6 +34,7 @@ pause began (``StagedWeights.writing`` gates them). docs/DESIGN.md, "Staged refi
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from contextlib import nullcontext
@@ -41,6 +44,7 @@ import torch
 
 from megatron_reshard.errors import BadInputError, CallOrderError, kept_without_frames
 from megatron_reshard.groups.faults import RefitError
+from megatron_reshard.receiver.flip_base import check_flip_base
 from megatron_reshard.receiver.live_targets import LiveTargets
 from megatron_reshard.receiver.staged_deltas import StagedDeltas, full_path_targets
 from megatron_reshard.receiver.staging_tiers import (allocate, bounce_host_specs, check_budget,
@@ -59,6 +63,7 @@ def check_delta_flip(value: Any) -> str:
                             f"{list(DELTA_FLIPS)}, found {value!r}")
     return value
 _POLL_S = 0.05
+_log = logging.getLogger(__name__)
 
 
 class StagedRefitError(RefitError):
@@ -168,6 +173,7 @@ class StagedRefits:
         self.error: Optional[BaseException] = None
         self.stats: dict[str, Any] = {}
         self._session: Any = None
+        self._base: Any = None  # the session's delta base at the start (delta.base_digest)
         self._thread: Optional[threading.Thread] = None
         self._paused = threading.Event()  # the flip began: in-place params may be written
         self._ready = threading.Event()   # staged, failed, or waiting at the gate
@@ -251,6 +257,8 @@ class StagedRefits:
         self.result = self.error = None
         self.stats = {}
         self._session = session
+        # what a delta refit's vote compares the mirror with; its own commit replaces it
+        self._base = getattr(session, "delta_base", None)
         self.rebound = sorted(self._follow_live(at_flip=False))
         if getattr(session, "loop", None) is not None:  # a delta refit's payloads, for the flip
             session.loop.on_delta_apply = self.deltas.record
@@ -332,7 +340,8 @@ class StagedRefits:
         """Inside the pause: let the in-place params through, wait for the commit, write the
         staged version into the live params in place (a full refit: copies of the staged
         params; a delta refit: its payloads applied, ``receiver.staged_deltas``, and copies
-        of what went full), advance the live version. Returns the session's refit numbers
+        of what went full and of what was written since the start, ``receiver.flip_base``,
+        named in ``flip_base_changed``), advance the live version. Returns the session's refit numbers
         with ``staged`` (this flip's)."""
         if self.phase == "idle":
             raise CallOrderError(f"{self.where}: no staged refit to flip (start_staged_refit)")
@@ -347,6 +356,11 @@ class StagedRefits:
         # re-bound: their recorded delta views are of the old storage; staging holds N+1 whole
         copy += [n for n in sorted(moved) if n not in copy]
         deltas -= moved
+        tb = time.perf_counter()
+        changed = self._base_changed(copy)  # written since the start: copied whole too
+        copy += changed
+        deltas -= set(changed)
+        tc = time.perf_counter()
         try:
             _copy_all([self.live[n] for n in copy], [self.staging[n] for n in copy])
             t2 = time.perf_counter()
@@ -368,8 +382,9 @@ class StagedRefits:
         copy_bytes = sum(tensor_bytes(self.staging[n]) for n in copy)
         by_target = self.deltas.payload_bytes_by_target()
         applied_bytes = sum(by_target[n] for n in deltas)
-        self.stats.update(flip_wait_s=t1 - t0, flip_copy_s=t3 - t1, flip_s=t4 - t0,
-                          flip_whole_copy_s=t2 - t1, flip_delta_apply_s=t3 - t2,
+        self.stats.update(flip_wait_s=t1 - t0, flip_plan_s=tb - t1, flip_base_check_s=tc - tb,
+                          flip_copy_s=t3 - tc, flip_s=t4 - t0,
+                          flip_whole_copy_s=t2 - tc, flip_delta_apply_s=t3 - t2,
                           flip_commit_s=t4 - t3,
                           flip_bytes=copy_bytes + applied_bytes,
                           flip_copy_bytes=copy_bytes, flip_delta_regions=applied,
@@ -397,6 +412,25 @@ class StagedRefits:
                 if n in full or n in dense or self.tier_of[n] == "host"
                 or self.live[n].stride() != self.staging[n].stride()]
         return copy, self.deltas.targets() - set(copy)
+
+    def _base_changed(self, copy: list[str]) -> list[str]:
+        """The staged params the flip would not copy whole (a delta refit's: those taking
+        their deltas, those no delta touches) whose live bytes are not the base N any more
+        (``receiver.flip_base``); warned about and in the stats (``flip_base_changed``)."""
+        copied = set(copy)
+        rest = [n for n in self.staging if n not in copied]
+        found = check_flip_base(self._base, self._session.loop.held_in_place() if rest else (),
+                                self.staging, self.live, rest)
+        self.stats.update(flip_base_changed=found.changed, flip_base_checked=found.checked,
+                          flip_base_check_bytes=found.checked_bytes)
+        if found.changed:
+            _log.warning("%s: the live bytes of %d staged params changed since the staged "
+                         "refit started (something wrote vLLM's storage before the flip: "
+                         "sleep(level=2) and wake_up, load_weights, a post-load step), so "
+                         "their deltas would land on other bytes than the base; copied whole "
+                         "from staging instead: %s", self.where, len(found.changed),
+                         ", ".join(found.changed))
+        return found.changed
 
     def _follow_live(self, at_flip: bool) -> set:
         """vLLM's params read again (``receiver.live_targets``). A staged param moved in the
