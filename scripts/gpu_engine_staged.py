@@ -54,8 +54,8 @@ from gpu_engine_loop import (MODELS, Loop, differences, rpc_engine_state, rpc_me
 
 ROUND_PROMPTS = 8       # a generation round: this many requests ...
 ROUND_TOKENS = 64       # ... of this many greedy tokens each
-INFLIGHT_TOKENS = 48    # the in-flight requests' length; the flip comes after FLIP_AFTER steps
-FLIP_AFTER = 12
+INFLIGHT_TOKENS = 48    # the in-flight requests' length; the flip comes once each has
+FLIP_AFTER = 12         # this many tokens
 
 
 def rpc_staged_state(worker) -> dict:
@@ -115,30 +115,39 @@ class StagedLoop(Loop):
         from vllm.sampling_params import RequestOutputKind
 
         engine = self.llm.llm_engine
-        sp = SamplingParams(max_tokens=INFLIGHT_TOKENS, temperature=0.0, ignore_eos=True,
-                            output_kind=RequestOutputKind.CUMULATIVE)
         prompts = self.round_prompts()[:4]
+
+        def params() -> SamplingParams:  # a fresh one each: LLM.generate sets FINAL_ONLY on its
+            return SamplingParams(max_tokens=INFLIGHT_TOKENS, temperature=0.0, ignore_eos=True,
+                                  output_kind=RequestOutputKind.CUMULATIVE)
+
         reference = [list(o.outputs[0].token_ids)
-                     for o in self.llm.generate(prompts, sp, use_tqdm=False)]  # wholly at N
+                     for o in self.llm.generate(prompts, params(), use_tqdm=False)]  # wholly at N
         self.step()
         self.version += 1
         self.llm.start_weight_update()
         self.llm.update_weights({"update_info": {"staged": True, "version": self.version}})
         self.send("refit", self.version)
         for i, p in enumerate(prompts):
-            engine.add_request(f"inflight-{self.version}-{i}", p, sp)
+            engine.add_request(f"inflight-{self.version}-{i}", p, params())
         latest: dict = {}  # request index -> its tokens so far (vLLM may suffix the id)
+        trace: list = []  # the first steps: (outputs, tokens per request), for the report
 
         def advance() -> None:  # one scheduler step
-            for out in engine.step():
+            outs = engine.step()
+            for out in outs:
                 latest[int(re.search(r"inflight-\d+-(\d+)", out.request_id).group(1))] = \
                     list(out.outputs[0].token_ids)
+            if len(trace) < 24:
+                trace.append((len(outs), [len(latest.get(i, [])) for i in range(len(prompts))]))
 
-        steps = 0
-        while engine.has_unfinished_requests() and steps < FLIP_AFTER:
+        steps = 0  # until every request has FLIP_AFTER tokens (or none is left in flight)
+        while (engine.has_unfinished_requests() and steps < 50 * INFLIGHT_TOKENS
+               and min(len(latest.get(i, [])) for i in range(len(prompts))) < FLIP_AFTER):
             advance()
             steps += 1
         before_flip = {i: len(latest.get(i, [])) for i in range(len(prompts))}
+        in_flight = engine.has_unfinished_requests()
         self.expect("refitted")
         t0 = time.perf_counter()
         self.llm.finish_weight_update()  # between two scheduler steps, requests in flight
@@ -149,11 +158,13 @@ class StagedLoop(Loop):
         kept = all(g[:before_flip[i]] == r[:before_flip[i]]
                    for i, (g, r) in enumerate(zip(got, reference)))
         self.report["inflight"] = {"tokens_before_flip": before_flip, "pause_s": pause,
+                                   "steps_before_flip": steps, "first_steps": trace,
                                    "changed_after_flip": sum(g != r for g, r in zip(got, reference))}
         self.check(f"{len(prompts)} requests in flight across the flip (after {steps} scheduler "
                    f"steps, pause {pause * 1e3:.2f} ms) finished with {INFLIGHT_TOKENS} tokens",
-                   len(got) == len(prompts) and all(len(g) == INFLIGHT_TOKENS for g in got),
-                   before_flip)
+                   in_flight and len(got) == len(prompts)
+                   and all(len(g) == INFLIGHT_TOKENS for g in got), {"tokens at the flip":
+                   before_flip, "first steps (outputs, tokens)": trace[:6]})
         self.check("their tokens before the flip equal those of a run wholly at the old version",
                    kept and min(before_flip.values(), default=0) > 0, before_flip)
         self.verify(f"staged refit {self.version} (flipped with requests in flight)")
