@@ -16,7 +16,8 @@ from megatron_reshard.engine.shm_segment import segment_path
 
 ELEMENTS = 1 << 20
 WAIT_S = 120.0
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = [pytest.mark.one_gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
 def _exporter(conn) -> None:
