@@ -490,17 +490,38 @@ def _synchronize(tensors: Iterable[torch.Tensor]) -> None:
         torch.cuda.synchronize(device)
 
 
+# A pair this large is one ``copy_`` each (a device memcpy at full bandwidth, its launch
+# cost negligible beside the bytes); smaller pairs go to one fused ``_foreach_copy_``. On one
+# H100 the fused kernel alone ran the large bench's flip at 74% of a memcpy of the same bytes
+# (docs/MEASUREMENTS.md, twenty-first session). The same threshold as the colocated copies'.
+MEMCPY_BYTES = 16 << 20
+# Integer views of each element size: CUDA's ``_foreach_copy_`` of a floating dtype goes
+# through float arithmetic, which rewrites NaN payloads (seen on an H200: engine.copies);
+# integers copy bits.
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    return x.view(_BITS[x.element_size()]) if x.dtype.is_floating_point else x
+
+
 def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
-    """``dst[i].copy_(src[i])`` for all i: one fused call for the pairs on one device where
-    torch has it; pairs across devices (the host tier) one by one, asynchronous from and to
-    pinned memory (the caller synchronizes)."""
+    """``dst[i].copy_(src[i])`` for all i, bit for bit: on one device the large pairs one
+    memcpy each and the rest one fused call over integer views; pairs across devices (the
+    host tier) one by one, asynchronous from and to pinned memory (the caller
+    synchronizes)."""
     same = [(d, s) for d, s in zip(dst, src) if d.device == s.device]
     across = [(d, s) for d, s in zip(dst, src) if d.device != s.device]
+    fused = [(d, s) for d, s in same
+             if d.dtype == s.dtype and tensor_bytes(d) < MEMCPY_BYTES]
     with torch.no_grad():
-        if same and hasattr(torch, "_foreach_copy_"):
-            torch._foreach_copy_([d for d, _ in same], [s for _, s in same])
+        for d, s in same:
+            if d.dtype != s.dtype or tensor_bytes(d) >= MEMCPY_BYTES:
+                d.copy_(s)
+        if fused and hasattr(torch, "_foreach_copy_"):
+            torch._foreach_copy_([_bits(d) for d, _ in fused], [_bits(s) for _, s in fused])
         else:
-            for d, s in same:
+            for d, s in fused:
                 d.copy_(s)
         for d, s in across:
             d.copy_(s, non_blocking=True)
