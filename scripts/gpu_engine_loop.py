@@ -673,16 +673,22 @@ def main(argv=None) -> int:
     if problem:
         p.error(problem)
     loop = Loop(args)
+    return run_and_report(loop, loop.plan if args.plan else loop.run, args.json, "ENGINE_LOOP")
+
+
+def run_and_report(loop: "Loop", body, json_path: str | None, tag: str) -> int:
+    """Run ``body``; an exception is reported with what ran before it. The report is
+    written to ``json_path`` (if given) and printed after ``tag``; 0 when every check held."""
     try:
-        loop.plan() if args.plan else loop.run()
+        body()
     except Exception as exc:  # noqa: BLE001 - reported with what ran before it
         traceback.print_exc()
         loop.report.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:2000])
     line = json.dumps(loop.report, default=str)
-    if args.json:
-        with open(args.json, "w") as f:
+    if json_path:
+        with open(json_path, "w") as f:
             f.write(line)
-    print("ENGINE_LOOP " + line[:6000], flush=True)
+    print(f"{tag} " + line[:6000], flush=True)
     return 0 if loop.report["ok"] else 1
 
 

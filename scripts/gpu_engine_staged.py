@@ -46,11 +46,10 @@ import signal
 import statistics
 import sys
 import time
-import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_engine_loop import (MODELS, Loop, differences, rpc_engine_state, rpc_memcpy,  # noqa: E402
-                             rpc_shutdown_engine, rpc_snapshot)
+                             rpc_shutdown_engine, rpc_snapshot, run_and_report)
 
 ROUND_PROMPTS = 8       # a generation round: this many requests ...
 ROUND_TOKENS = 64       # ... of this many greedy tokens each
@@ -317,18 +316,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     args.quant, args.tp, args.refits, args.speed, args.plan = "none", 1, 0, 0, False
     loop = StagedLoop(args)
-    try:
-        loop.run()
-    except Exception as exc:  # noqa: BLE001 - reported with what ran before it
-        traceback.print_exc()
-        loop.report.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:2000])
-    line = json.dumps(loop.report, default=str)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(line)
-    print("ENGINE_STAGED " + line[:6000], flush=True)
-    return 0 if loop.report["ok"] else 1
-
+    return run_and_report(loop, loop.run, args.json, "ENGINE_STAGED")
 
 if __name__ == "__main__":
     code = main()
