@@ -183,3 +183,39 @@ def test_the_librarys_fp8_plan_refuses_what_the_check_refuses(tmp_path, monkeypa
         assert code == 1 and not report["ok"], report
         refused = report["error"][report["error"].index("Fp8SplitError:"):]
         assert "cuts a 128x128 FP8 block" in refused and cut in refused.split("\n")[1], refused
+
+
+def _staged_row(pause_ms: float, flip_copy_ms: float, flip_bytes: int) -> dict:
+    return {"pause_s": pause_ms / 1e3, "rounds_during_transfer_s": [0.2],
+            "worker": {"flip_bytes": flip_bytes, "flip_copy_s": flip_copy_ms / 1e3,
+                       "flip_s": flip_copy_ms / 1e3, "transfer_s": 0.007, "staging_bytes": 100}}
+
+
+def test_the_staged_cases_figures_compare_with_the_loops_in_place_pause(tmp_path, capsys):
+    """gpu_engine_staged's figures: the staged pause against the in-place pause of the loop's
+    report given by --compare (an engine prepared without staged), else against its own
+    updates without staged (stage and flip at once), each named as such; the flip's copies
+    against a memcpy scaled to the flipped bytes."""
+    import argparse
+    import json
+
+    import gpu_engine_staged as staged
+
+    report = tmp_path / "moe_large.json"
+    report.write_text(json.dumps({"speed": {"ours_pause_ms": 8.0}}))
+    for compare, base, label in ((str(report), 8.0, "staged / in place"),
+                                 (None, 4.0, "staged / stage + flip"),
+                                 (str(tmp_path / "missing.json"), 4.0, "staged / stage + flip")):
+        args = argparse.Namespace(
+            model="moe", graphs="on", size="tiny", staged=2, compare=compare, staging_budget=None,
+            kill=False, timeout_s=60.0, lr=1e-3, json=None, quant="none", tp=1, refits=0,
+            speed=0, plan=False)
+        run = staged.StagedLoop(args)
+        run.model_bytes = 1000
+        rows = [_staged_row(2.0, 1.0, 500), _staged_row(2.0, 1.0, 500)]
+        run.figures(rows, [{"pause_s": 0.004}], [0.1], copy_s=1e-3)  # memcpy of 500 B: 0.5 ms
+        table = run.report["figures"]
+        assert table["pause_ratio"] == pytest.approx(2.0 / base)
+        assert table["flip_vs_memcpy"] == pytest.approx(0.5)
+        assert table["generation_slowdown"] == pytest.approx(2.0)
+        assert label in capsys.readouterr().out
