@@ -448,7 +448,13 @@ class Loop:
                 "refit_s": max([t1] + [s["t1"] for s in sent]) - min([t0] + [s["t0"] for s in sent]),
                 "sender_refit_s": max(s.get("refit_s", 0.0) for s in sent),
                 # where the pause goes: each LLM call as the caller sees it
-                "start_call_s": ta - t0, "update_call_s": tb - ta, "finish_call_s": t1 - tb}
+                "start_call_s": ta - t0, "update_call_s": tb - ta, "finish_call_s": t1 - tb,
+                # the trainers' side (perf_counter is system-wide on Linux): how late they
+                # entered their refit after start_weight_update, their version vote, commit
+                "trainer_lag_s": max(s["t0"] for s in sent) - t0,
+                "trainer_version_s": max(s.get("version_s") or 0.0 for s in sent),
+                "trainer_commit_s": max(s.get("commit_s") or 0.0 for s in sent),
+                "trainer_bulk_s": max(s.get("bulk_s") or 0.0 for s in sent)}
 
     def generate(self) -> tuple:
         from vllm import SamplingParams
@@ -631,7 +637,9 @@ class Loop:
                  "ipc_ms": [r["refit_s"] * 1e3 for r in ipc]}
         # the pause of this backend, phase by phase (median ms): the LLM calls as the caller
         # sees them, inside update_weights the worker's refit and its phases
-        phases = {k: med(ours, k) * 1e3 for k in ("start_call_s", "update_call_s", "finish_call_s")}
+        phases = {k: med(ours, k) * 1e3 for k in ("start_call_s", "update_call_s", "finish_call_s",
+                                                  "trainer_lag_s", "trainer_version_s",
+                                                  "trainer_commit_s", "trainer_bulk_s")}
         phases.update({f"worker_{k}": statistics.median(r["worker"][k] or 0.0 for r in ours) * 1e3
                        for k in ours[0]["worker"]})
         table["ours_phases_ms"] = phases
