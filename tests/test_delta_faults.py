@@ -22,11 +22,10 @@ import time
 import pytest
 
 import megatron_reshard.delta.encoding as delta_encoding
-from megatron_reshard.megatron.sender import RefitSender
 from megatron_reshard.tools.worlds import RankFailure
-from two_worlds import (FAULT_MARGIN_S, FAULT_TIMEOUT_S, check_all_or_nothing, dense_pp2_source,
+from two_worlds import (FAULT_MARGIN_S, FAULT_TIMEOUT_S, check_all_or_nothing, delta_pp2_sender,
                         gen_outcome, nudge_sparsely, prepared_worker, publish_reference,
-                        run_two_worlds, stage_group, strike)
+                        run_two_worlds, strike)
 
 pytestmark = pytest.mark.slow
 
@@ -60,11 +59,8 @@ def _arm(plan, control, step, what: str) -> None:
 
 
 def _train(job, control, rank, plan):
-    model, source, family, vocab_size = dense_pp2_source(GEN)
-    if rank == 0:
-        control.set("payload", source.payload_bytes())
-    sender = RefitSender(source, stage_group(job, source, GEN, FAULT_TIMEOUT_S),
-                         verify_checksums=True, delta=True)
+    model, source, family, vocab_size, sender = delta_pp2_sender(job, control, rank, GEN,
+                                                                 FAULT_TIMEOUT_S)
     step = {"k": 0}
     if plan.get("victim") == job.rank:
         _arm(plan, control, lambda: step["k"], "encode")

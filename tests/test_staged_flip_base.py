@@ -18,17 +18,15 @@ against the reference (full HF tensors sliced by vLLM's layout) after its flip:
    sound).
 """
 
-import json
 import time
 from datetime import timedelta
 
 import pytest
 import torch
 
-from megatron_reshard.megatron.sender import RefitSender
 from test_staged_refit import GEN, TRAIN, _GEN_STATE
-from two_worlds import (FAULT_TIMEOUT_S, dense_pp2_source, live_digests, nudge_sparsely,
-                        prepared_worker, publish_reference, run_two_worlds, stage_group)
+from two_worlds import (FAULT_TIMEOUT_S, changes_ahead, delta_pp2_sender, live_digests, nudge_sparsely,
+                        prepared_worker, publish_reference, run_two_worlds)
 
 pytestmark = pytest.mark.slow
 
@@ -47,11 +45,8 @@ def _nudge_all_but_norms(model, step: int) -> None:
 
 
 def _train(job, control, rank, plan):
-    model, source, family, vocab_size = dense_pp2_source(GEN)
-    if rank == 0:
-        control.set("payload", source.payload_bytes())
-    sender = RefitSender(source, stage_group(job, source, GEN, FAULT_TIMEOUT_S),
-                         verify_checksums=True, delta=True)
+    model, source, family, vocab_size, sender = delta_pp2_sender(job, control, rank, GEN,
+                                                                 FAULT_TIMEOUT_S)
     rows = []
     for k in range(1, REFITS + 1):
         if k > 1:
@@ -84,13 +79,9 @@ def _gen(job, control, gen_rank, plan):
                                        options, _GEN_STATE, fresh=True)
     rows, held = [], {}  # held[k]: the live bytes after refit k's flip
     for k in range(1, REFITS + 1):
-        before = live_digests(model)
-        control.wait([f"expected/{k}/{gen_rank}"], timedelta(seconds=60))
-        want = json.loads(control.get(f"expected/{k}/{gen_rank}"))
         # 2-D params N+1 changes (their deltas must not land on other bytes), and the
         # params it leaves as they are (the flip writes nothing into those)
-        changing = sorted(n for n, p in model.named_parameters()
-                          if want.get(n) != before[n] and p.dim() == 2)
+        before, want, changing = changes_ahead(control, k, gen_rank, model)
         untouched = sorted(n for n in before if want.get(n) == before[n])
         control.set(f"started/{k}/{gen_rank}", "1")
         worker.start_staged_refit()

@@ -14,16 +14,14 @@ Per generation rank, four staged refits:
    before any byte of it is written, N stays live and consistent; rank 1 flips to N+1.
 """
 
-import json
 import time
-from datetime import timedelta
 
 import pytest
 import torch
 
 from megatron_reshard.tools.e2e import tensor_digest
 from test_staged_refit import GEN, TRAIN, _GEN_STATE, _train
-from two_worlds import FAULT_TIMEOUT_S, live_digests, prepared_worker, run_two_worlds
+from two_worlds import FAULT_TIMEOUT_S, changes_ahead, live_digests, prepared_worker, run_two_worlds
 
 pytestmark = pytest.mark.slow
 
@@ -53,12 +51,8 @@ def _gen(job, control, gen_rank, plan):
                                        options, _GEN_STATE, fresh=True)
     rows = []
     for k in range(1, REFITS + 1):
-        before = live_digests(model)
-        control.wait([f"expected/{k}/{gen_rank}"], timedelta(seconds=60))
-        want = json.loads(control.get(f"expected/{k}/{gen_rank}"))
         # a param this refit changes: stale bytes in it cannot pass for N+1
-        changing = sorted(n for n, p in model.named_parameters()
-                          if want.get(n) != before[n] and p.dim() == 2)
+        before, want, changing = changes_ahead(control, k, gen_rank, model)
         row = {"k": k, "moved": None, "error": None}
         how = {2: ("data", "parameter"), 3: ("parameter", "data")}.get(k, (None, None))[gen_rank]
         if k == 3:  # before the start: the session re-binds instead of refusing

@@ -78,6 +78,20 @@ def stage_group(job, source, gen: int, timeout_s: float, first_port: int = 1, **
                               label=f"refit group of PP stage {source.stage}", **options)
 
 
+def delta_pp2_sender(job, control, rank: int, gen: int, timeout_s: float):
+    """Under a training world of 2: the demo's dense model over PP2 and a delta
+    ``RefitSender`` with checksums on, into this rank's stage group with ``gen`` generation
+    ranks; rank 0 publishes the payload. Returns (model, source, family, vocab_size, sender)."""
+    from megatron_reshard.megatron.sender import RefitSender
+
+    model, source, family, vocab_size = dense_pp2_source(gen)
+    if rank == 0:
+        control.set("payload", source.payload_bytes())
+    sender = RefitSender(source, stage_group(job, source, gen, timeout_s),
+                         verify_checksums=True, delta=True)
+    return model, source, family, vocab_size, sender
+
+
 def publish_reference(job, control, model, family: str, vocab_size: int, hf_config: dict,
                       step, gen: int) -> None:
     """The independent reference of refit ``step``: the full HF tensors gathered from the
@@ -174,6 +188,17 @@ def prepared_worker(job, control, gen_rank: int, gen: int, stages: int, timeout_
 
 def live_digests(model) -> dict:
     return {n: tensor_digest(p) for n, p in model.named_parameters()}
+
+
+def changes_ahead(control, step, gen_rank: int, model) -> tuple[dict, dict, list]:
+    """Before refit ``step``: this rank's live digests, the reference's of the step (waits
+    for it), and the 2-D params the refit changes (sorted)."""
+    before = live_digests(model)
+    control.wait([f"expected/{step}/{gen_rank}"], timedelta(seconds=60))
+    want = json.loads(control.get(f"expected/{step}/{gen_rank}"))
+    changing = sorted(n for n, p in model.named_parameters()
+                      if want.get(n) != before[n] and p.dim() == 2)
+    return before, want, changing
 
 
 def mismatched(control, step, gen_rank: int, model) -> list:
