@@ -3,9 +3,11 @@ counts on the training and the generation rank (``tools.refit_memory``; CPU, glo
 
     PYTHONPATH=. python scripts/probe_refit_memory.py --warmup 30 --refits 500
 
-Prints, per side, the traced bytes per refit in two windows of ``--refits`` refits after
-the warm-up, the top growing sites of the second window (ours first, by traceback) and the
-types whose live-object count grew. ``--json PATH`` also writes the raw figures.
+Prints, per side and per window of ``--refits`` refits after the warm-up, the Python bytes
+(tracemalloc) and the native figures (glibc's bytes in use, RSS, CPU tensors) per refit,
+then the top growing sites of the last window (ours first, by traceback) and the types
+whose live-object count grew. ``--delta``: delta refits; ``--adam``: an Adam step before
+each refit. ``--json PATH`` also writes the raw figures.
 """
 
 import argparse
@@ -18,15 +20,18 @@ from megatron_reshard.tools.worlds import WorkerPool
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--warmup", type=int, default=30)
-    ap.add_argument("--refits", type=int, default=500, help="refits per window (two windows)")
+    ap.add_argument("--refits", type=int, default=500, help="refits per window")
+    ap.add_argument("--windows", type=int, default=2, help="windows of --refits refits")
     ap.add_argument("--top", type=int, default=10)
+    ap.add_argument("--delta", action="store_true", help="delta refits (RefitSender(delta=True))")
+    ap.add_argument("--adam", action="store_true", help="an Adam step before each refit")
     ap.add_argument("--timeout-s", type=float, default=1800.0)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     pool = WorkerPool(2)
     try:
-        train, gen = pool.run(probe_job, 2, args.warmup, args.refits, args.top, num_ports=2,
-                              timeout_s=args.timeout_s)
+        train, gen = pool.run(probe_job, 2, args.warmup, args.refits, args.windows, args.top,
+                              args.delta, args.adam, num_ports=2, timeout_s=args.timeout_s)
     finally:
         pool.close()
     for side, out in (("training rank", train), ("generation rank", gen)):

@@ -14,6 +14,7 @@ The rank functions are module-level (they travel to the pool's spawned workers b
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import linecache
 import os
@@ -27,6 +28,7 @@ import torch.distributed as dist
 
 from megatron_reshard.groups.comm import create_refit_group, destroy_refit_group
 from megatron_reshard.megatron.sender import RefitSender
+from megatron_reshard.testing.optimizer_steps import adam_step_
 from megatron_reshard.testing.vllm_like import build_vllm_like_model
 from megatron_reshard.tools.e2e import ModuleWorker
 from megatron_reshard.tools.tiny_source import tiny_source
@@ -55,20 +57,58 @@ def _type_counts() -> Counter:
 _COUNTS_LINE = _type_counts.__code__.co_firstlineno + 1  # its Counter: the probe's own
 
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+
+
+def _native() -> dict:
+    """What the C side holds: glibc's bytes in use (``uordblks`` + ``hblkhd``: torch's CPU
+    tensors, gloo's buffers and Python's arenas alike; a native leak grows it, the
+    allocator's fragmentation does not), resident memory before and after
+    ``malloc_trim(0)``, the bytes and count of live CPU tensor storages, threads, fds."""
+    libc = ctypes.CDLL(None)
+    libc.mallinfo2.restype = _MallInfo2
+    info = libc.mallinfo2()
+    out = {"malloc_in_use": info.uordblks + info.hblkhd, "rss": _rss()}
+    libc.malloc_trim(0)
+    out["rss_trimmed"] = _rss()
+    storages = {}
+    for o in gc.get_objects():
+        if issubclass(type(o), torch.Tensor) and o.device.type == "cpu":
+            try:
+                st = o.untyped_storage()
+                storages[st.data_ptr()] = st.nbytes()
+            except (RuntimeError, NotImplementedError):  # a tensor without storage
+                pass
+    out.update(tensor_bytes=sum(storages.values()), tensor_storages=len(storages),
+               threads=len(os.listdir("/proc/self/task")), fds=len(os.listdir("/proc/self/fd")))
+    return out
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def _mark(path: str) -> dict:
-    """One measuring point: collect, then live objects by type and a tracemalloc snapshot,
-    dumped to ``path`` (a snapshot kept alive would be counted by the next point: its
-    traces are tuples)."""
+    """One measuring point: collect, then the native figures, live objects by type and a
+    tracemalloc snapshot, dumped to ``path`` (a snapshot kept alive would be counted by the
+    next point: its traces are tuples)."""
     gc.collect()
+    native = _native()
     counts = _type_counts()
     tracemalloc.take_snapshot().dump(path)
-    return {"counts": counts, "path": path}
+    return {"counts": counts, "path": path, "native": native}
 
 
 def _load(mark: dict) -> tracemalloc.Snapshot:
-    """The mark's snapshot less the probe's own allocations (its counters, loaded snapshots)."""
+    """The mark's snapshot less the probe's own allocations (its counters, native figures,
+    loaded snapshots: allocated in this file, tracemalloc's, ctypes' or a frozen module's)."""
     return tracemalloc.Snapshot.load(mark["path"]).filter_traces(
-        [tracemalloc.Filter(False, tracemalloc.__file__),
+        [tracemalloc.Filter(False, tracemalloc.__file__), tracemalloc.Filter(False, __file__),
+         tracemalloc.Filter(False, ctypes.__file__), tracemalloc.Filter(False, "<frozen *>"),
          tracemalloc.Filter(False, __file__, _COUNTS_LINE, all_frames=True)])
 
 
@@ -103,41 +143,55 @@ def _growth(a: dict, b: dict, top: int) -> dict:
             "grew_bytes": sum(r["bytes"] for r in rows),
             "ours_bytes": sum(r["bytes"] for r in rows if r["ours"]),
             "top": rows[:top], "top_ours": [r for r in rows if r["ours"]][:top],
-            "types": dict(sorted(types.items(), key=lambda kv: -kv[1])[:top])}
+            "types": dict(sorted(types.items(), key=lambda kv: -kv[1])[:top]),
+            "native": {k: b["native"][k] - a["native"][k] for k in b["native"]}}
 
 
-def _measure(refit, warmup: int, refits: int, top: int) -> dict:
-    """Warm up, then two windows of ``refits`` refits each, marking the points between."""
+def _measure(refit, warmup: int, refits: int, windows: int, top: int) -> dict:
+    """Warm up, then ``windows`` windows of ``refits`` refits each, marking the points
+    between; the growth of each window."""
     with tempfile.TemporaryDirectory(prefix="refit_memory_") as tmp:
         tracemalloc.start(FRAMES)
         for _ in range(warmup):
             refit()
         marks = [_mark(os.path.join(tmp, "0"))]
-        for i in (1, 2):
+        for i in range(1, windows + 1):
             for _ in range(refits):
                 refit()
             marks.append(_mark(os.path.join(tmp, str(i))))
         tracemalloc.stop()
-        second = _growth(marks[1], marks[2], top)
-        return {"first": _growth(marks[0], marks[1], top), "second": second,
-                "refits": refits, "warmup": warmup, "traced_end": second["traced_end"]}
+        grown = [_growth(a, b, top) for a, b in zip(marks, marks[1:])]
+        return {"windows": grown, "refits": refits, "warmup": warmup,
+                "traced_end": grown[-1]["traced_end"], "native_end": marks[-1]["native"]}
 
 
-def train_rank(job, warmup: int, refits: int, top: int) -> dict:
-    """The long-lived sender: the demo's dense model (2 layers, bf16), one refit group."""
+def train_rank(job, warmup: int, refits: int, windows: int, top: int, delta: bool = False,
+               adam: bool = False) -> dict:
+    """The long-lived sender: the demo's dense model (2 layers, bf16), one refit group;
+    ``delta``: delta refits; ``adam``: an Adam step (``testing.optimizer_steps``, 1-3% of
+    the elements change) before each refit, as an RL loop does."""
     control = _join(job)
     model, source, _, _ = tiny_source("dense", 1, seed=0, num_layers=2)
     control.set("payload", source.payload_bytes())
     group = create_refit_group(job.host, job.ports[1], 0, 2, "gloo", TIMEOUT_S,
                                who="train rank 0", label="refit group")
-    sender = RefitSender(source, group)
-    out = _measure(sender.refit, warmup, refits, top)
-    out["version"] = sender.version
+    sender = RefitSender(source, group, delta=delta)
+    steps = [0]
+    modes = Counter()
+
+    def refit():
+        if adam:
+            steps[0] += 1
+            adam_step_(model, steps[0])
+        modes[sender.refit()["mode"]] += 1
+
+    out = _measure(refit, warmup, refits, windows, top)
+    out.update(version=sender.version, modes=dict(modes))
     destroy_refit_group(group, TIMEOUT_S)
     return out
 
 
-def gen_rank(job, warmup: int, refits: int, top: int) -> dict:
+def gen_rank(job, warmup: int, refits: int, windows: int, top: int, *_modes) -> dict:
     """The generation rank: the worker extension over a vLLM-layout model (TP1, bf16)."""
     control = _join(job)
     payload = decode_payload(control.get("payload"))  # waits until the sender published it
@@ -145,40 +199,49 @@ def gen_rank(job, warmup: int, refits: int, top: int) -> dict:
     worker = ModuleWorker(model)
     worker.init_refit_groups(job.host, [job.ports[1]], 1, 2, "gloo", TIMEOUT_S)
     worker.prepare_refit(payload)
-    out = _measure(worker.refit, warmup, refits, top)
+    out = _measure(worker.refit, warmup, refits, windows, top)
     out["version"] = worker.refit_weights_state()["version"]
     worker.destroy_refit_groups(TIMEOUT_S)
     return out
 
 
-def probe_job(job, warmup: int, refits: int, top: int) -> dict:
-    return (train_rank if job.rank == 0 else gen_rank)(job, warmup, refits, top)
+def probe_job(job, warmup: int, refits: int, windows: int, top: int, delta: bool = False,
+              adam: bool = False) -> dict:
+    return (train_rank if job.rank == 0 else gen_rank)(job, warmup, refits, windows, top,
+                                                       delta, adam)
 
 
 def report_lines(side: str, out: dict) -> list[str]:
-    """The side's figures: traced bytes per refit in each window, then the second window's
-    top growing sites (ours first) and types."""
-    n = out["refits"]
-    lines = [f"== {side}: warm-up {out['warmup']}, two windows of {n} refits, version "
-             f"{out['version']}, traced at end {out['traced_end'] / 2**20:.2f} MiB"]
-    for name in ("first", "second"):
-        g = out[name]
-        lines.append(f"  {name} window: traced {g['traced'] / n:+.1f} B/refit, sites that grew "
-                     f"{g['grew_bytes'] / n:+.1f} B/refit (ours {g['ours_bytes'] / n:+.1f}), "
-                     f"net {g['net_bytes'] / n:+.1f} B/refit")
-    second, first = out["second"], out["first"]
-    for title, rows in (("sites of ours that grew (second window)", second["top_ours"]),
-                        ("all sites that grew (second window)", second["top"])):
+    """The side's figures: per window, traced Python bytes and the native figures per
+    refit; then the last window's top growing sites (ours first) and the live objects by
+    type that grew in the first and the last window."""
+    n, windows = out["refits"], out["windows"]
+    lines = [f"== {side}: warm-up {out['warmup']}, {len(windows)} windows of {n} refits, "
+             f"version {out['version']}"
+             f"{', modes ' + str(out['modes']) if 'modes' in out else ''}, "
+             f"Python traced at end {out['traced_end'] / 2**20:.2f} MiB, malloc in use "
+             f"{out['native_end']['malloc_in_use'] / 2**20:.1f} MiB"]
+    for i, g in enumerate(windows, 1):
+        d = g["native"]
+        lines.append(f"  window {i}: Python traced {g['traced'] / n:+.1f} B/refit (sites of ours "
+                     f"{g['ours_bytes'] / n:+.1f}); malloc in use "
+                     f"{d['malloc_in_use'] / n:+.1f} B/refit, RSS {d['rss'] / n:+.1f} "
+                     f"(trimmed {d['rss_trimmed'] / n:+.1f}) B/refit, CPU tensors "
+                     f"{d['tensor_bytes'] / n:+.1f} B/refit ({d['tensor_storages']:+d} "
+                     f"storages), threads {d['threads']:+d}, fds {d['fds']:+d}")
+    last, first = windows[-1], windows[0]
+    for title, rows in (("sites of ours that grew (last window)", last["top_ours"]),
+                        ("all sites that grew (last window)", last["top"])):
         lines.append(f"  {title}:")
         for r in rows or [{"bytes": 0, "blocks": 0, "site": ["(none)"]}]:
-            lines.append(f"    {r['bytes'] / n:+8.1f} B/refit {r['blocks']:+5d} blocks  "
+            lines.append(f"    {r['bytes'] / n:+8.2f} B/refit {r['blocks']:+5d} blocks  "
                          f"{r['site'][-1]}")
             for frame in reversed(r["site"][:-1][-3:]):
                 lines.append(f"        from {frame}")
-    lines.append("  live objects by type, growth first window | second window:")
-    names = list(dict.fromkeys([*second["types"], *first["types"]]))
+    lines.append("  live objects by type, growth in the first | last window:")
+    names = list(dict.fromkeys([*last["types"], *first["types"]]))
     for t in names or ["(none)"]:
-        lines.append(f"    {first['types'].get(t, 0):+6d} | {second['types'].get(t, 0):+6d}  {t}")
+        lines.append(f"    {first['types'].get(t, 0):+6d} | {last['types'].get(t, 0):+6d}  {t}")
     return lines
 
 
