@@ -14,12 +14,15 @@ The rank functions are module-level (they travel to the pool's spawned workers b
 
 from __future__ import annotations
 
+import collections
 import ctypes
+import functools
 import gc
 import linecache
 import os
 import tempfile
 import tracemalloc
+import types
 from collections import Counter
 from datetime import timedelta
 
@@ -147,9 +150,9 @@ def _growth(a: dict, b: dict, top: int) -> dict:
             "native": {k: b["native"][k] - a["native"][k] for k in b["native"]}}
 
 
-def _measure(refit, warmup: int, refits: int, windows: int, top: int) -> dict:
+def _measure(refit, root, warmup: int, refits: int, windows: int, top: int) -> dict:
     """Warm up, then ``windows`` windows of ``refits`` refits each, marking the points
-    between; the growth of each window."""
+    between; the growth of each window (``root``: unused here, see ``count_types``)."""
     with tempfile.TemporaryDirectory(prefix="refit_memory_") as tmp:
         tracemalloc.start(FRAMES)
         for _ in range(warmup):
@@ -165,11 +168,57 @@ def _measure(refit, warmup: int, refits: int, windows: int, top: int) -> dict:
                 "traced_end": grown[-1]["traced_end"], "native_end": marks[-1]["native"]}
 
 
-def train_rank(job, warmup: int, refits: int, windows: int, top: int, delta: bool = False,
-               adam: bool = False) -> dict:
-    """The long-lived sender: the demo's dense model (2 layers, bf16), one refit group;
-    ``delta``: delta refits; ``adam``: an Adam step (``testing.optimizer_steps``, 1-3% of
-    the elements change) before each refit, as an RL loop does."""
+_LEAVES = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType,
+           types.CodeType, types.FrameType)
+
+
+def reachable(root) -> dict:
+    """What ``root`` holds: the objects reachable from it (``gc.get_referents``, untracked
+    ones such as ints and strings included, each counted once) and the summed ``len`` of
+    the containers among them. Modules, classes, functions and frames are counted but not
+    entered (a function's globals reach the whole program). A list or dict appended to
+    per refit, a cache keyed by version or tensor id, work handles kept: each grows it."""
+    seen = {id(root)}
+    todo, objects, items = [root], 0, 0
+    while todo:
+        obj = todo.pop()
+        objects += 1
+        if isinstance(obj, (list, tuple, dict, set, frozenset, collections.deque)):
+            items += len(obj)
+        if isinstance(obj, _LEAVES):
+            continue
+        for ref in gc.get_referents(obj):
+            if id(ref) not in seen:
+                seen.add(id(ref))
+                todo.append(ref)
+    return {"objects": objects, "items": items}
+
+
+def count_types(refit, root, warmup: int, refits: int, windows: int, top: int = 0) -> dict:
+    """The cheap form of ``_measure`` (no tracemalloc), for the tests: per window, the
+    types whose count of live objects grew, and the growth of what ``root`` (the sender or
+    the worker) holds (``reachable``)."""
+    for _ in range(warmup):
+        refit()
+    gc.collect()
+    marks = [(_type_counts(), reachable(root))]
+    for _ in range(windows):
+        for _ in range(refits):
+            refit()
+        gc.collect()
+        marks.append((_type_counts(), reachable(root)))
+    grown = [{"types": {k: n - a.get(k, 0) for k, n in b.items() if n > a.get(k, 0)},
+              "held": {k: held_b[k] - held_a[k] for k in held_b}}
+             for (a, held_a), (b, held_b) in zip(marks, marks[1:])]
+    return {"windows": grown, "refits": refits, "warmup": warmup,
+            "held_end": marks[-1][1]}
+
+
+def train_rank(job, measure, delta: bool = False, adam: bool = False) -> dict:
+    """The long-lived sender: the demo's dense model (2 layers, bf16), one refit group,
+    ``measure(refit)``'s figures; ``delta``: delta refits; ``adam``: an Adam step
+    (``testing.optimizer_steps``, 1-3% of the elements change) before each refit, as an RL
+    loop does."""
     control = _join(job)
     model, source, _, _ = tiny_source("dense", 1, seed=0, num_layers=2)
     control.set("payload", source.payload_bytes())
@@ -185,30 +234,36 @@ def train_rank(job, warmup: int, refits: int, windows: int, top: int, delta: boo
             adam_step_(model, steps[0])
         modes[sender.refit()["mode"]] += 1
 
-    out = _measure(refit, warmup, refits, windows, top)
+    out = measure(refit, sender)
     out.update(version=sender.version, modes=dict(modes))
     destroy_refit_group(group, TIMEOUT_S)
     return out
 
 
-def gen_rank(job, warmup: int, refits: int, windows: int, top: int, *_modes) -> dict:
-    """The generation rank: the worker extension over a vLLM-layout model (TP1, bf16)."""
+def gen_rank(job, measure) -> dict:
+    """The generation rank: the worker extension over a vLLM-layout model (TP1, bf16),
+    ``measure(refit)``'s figures."""
     control = _join(job)
     payload = decode_payload(control.get("payload"))  # waits until the sender published it
     model = build_vllm_like_model(payload["hf_config"], 0, 1, 1, torch.bfloat16)
     worker = ModuleWorker(model)
     worker.init_refit_groups(job.host, [job.ports[1]], 1, 2, "gloo", TIMEOUT_S)
     worker.prepare_refit(payload)
-    out = _measure(worker.refit, warmup, refits, windows, top)
+    out = measure(worker.refit, worker)
     out["version"] = worker.refit_weights_state()["version"]
     worker.destroy_refit_groups(TIMEOUT_S)
     return out
 
 
 def probe_job(job, warmup: int, refits: int, windows: int, top: int, delta: bool = False,
-              adam: bool = False) -> dict:
-    return (train_rank if job.rank == 0 else gen_rank)(job, warmup, refits, windows, top,
-                                                       delta, adam)
+              adam: bool = False, counts_only: bool = False) -> dict:
+    """One side of the probe (process 0 trains, process 1 generates): the full figures
+    (``_measure``), or with ``counts_only`` the live objects by type (``count_types``)."""
+    measure = functools.partial(count_types if counts_only else _measure, warmup=warmup,
+                                refits=refits, windows=windows, top=top)
+    if job.rank == 0:
+        return train_rank(job, measure, delta, adam)
+    return gen_rank(job, measure)
 
 
 def report_lines(side: str, out: dict) -> list[str]:
@@ -245,4 +300,4 @@ def report_lines(side: str, out: dict) -> list[str]:
     return lines
 
 
-__all__ = ["probe_job", "report_lines", "train_rank", "gen_rank"]
+__all__ = ["count_types", "gen_rank", "probe_job", "report_lines", "train_rank"]
