@@ -1,13 +1,16 @@
 """Does a long-lived refit process keep memory per refit? tracemalloc and live-object
 counts on the training and the generation rank (``tools.refit_memory``; CPU, gloo).
 
-    PYTHONPATH=. python scripts/probe_refit_memory.py --warmup 30 --refits 500
+    PYTHONPATH=. python scripts/probe_refit_memory.py --warmup 30 --refits 1000 --windows 5
+    PYTHONPATH=. python scripts/probe_refit_memory.py --refits 500 --windows 6 --measure native
 
 Prints, per side and per window of ``--refits`` refits after the warm-up, the Python bytes
 (tracemalloc) and the native figures (glibc's bytes in use, RSS, CPU tensors) per refit,
 then the top growing sites of the last window (ours first, by traceback) and the types
 whose live-object count grew. ``--delta``: delta refits; ``--adam``: an Adam step before
-each refit. ``--json PATH`` also writes the raw figures.
+each refit. ``--measure native``: the native figures alone, per window (tracemalloc's own
+tables, held by the C allocator, grow with what it traces). ``--json PATH`` also writes
+the raw figures.
 """
 
 import argparse
@@ -25,13 +28,17 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=10)
     ap.add_argument("--delta", action="store_true", help="delta refits (RefitSender(delta=True))")
     ap.add_argument("--adam", action="store_true", help="an Adam step before each refit")
+    ap.add_argument("--measure", choices=("traced", "native"), default="traced",
+                    help="native: the native figures alone (no tracemalloc, whose own tables "
+                         "the C allocator holds, no type counts kept)")
     ap.add_argument("--timeout-s", type=float, default=1800.0)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     pool = WorkerPool(2)
     try:
         train, gen = pool.run(probe_job, 2, args.warmup, args.refits, args.windows, args.top,
-                              args.delta, args.adam, num_ports=2, timeout_s=args.timeout_s)
+                              args.delta, args.adam, measure=args.measure, num_ports=2,
+                              timeout_s=args.timeout_s)
     finally:
         pool.close()
     for side, out in (("training rank", train), ("generation rank", gen)):

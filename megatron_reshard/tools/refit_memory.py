@@ -3,11 +3,15 @@
 The soak's RSS slope cannot tell a Python structure that grows per refit from the
 allocator's arenas or torch's caches. This probe runs one ``RefitSender`` (1 training
 rank, the demo's dense model, gloo, CPU) refitting one generation rank (the worker
-extension over a vLLM-layout model) many times, no faults, no model switch, and on both
-sides takes ``tracemalloc`` snapshots and ``gc.get_objects()`` counts by type at three
-points: after the warm-up, after ``refits`` more, after ``refits`` more again. A site that
-grows by about the same bytes in both windows grows per refit; one that grew only in the
-first is warm-up. Figures per refit are the second window's growth over its refits.
+extension over a vLLM-layout model) many times, no faults, no model switch (optionally
+delta refits and an Adam step before each), and on both sides marks the points after the
+warm-up and after each window of ``refits`` refits. Three measures (``MEASURES``):
+``traced``: ``tracemalloc`` snapshots compared by traceback, ``gc.get_objects()`` counts by
+type and the native figures; ``native``: the native figures alone (glibc's bytes in use,
+RSS before and after ``malloc_trim``, CPU tensor storages, threads, fds), undisturbed by
+tracemalloc's own tables; ``counts``: live objects by type and what the sender or worker
+holds (``reachable``), cheap enough for a test. A figure that grows by about the same in
+every window grows per refit; one that stops growing was warm-up.
 
 The rank functions are module-level (they travel to the pool's spawned workers by name).
 """
@@ -168,6 +172,22 @@ def _measure(refit, root, warmup: int, refits: int, windows: int, top: int) -> d
                 "traced_end": grown[-1]["traced_end"], "native_end": marks[-1]["native"]}
 
 
+def native_only(refit, root, warmup: int, refits: int, windows: int, top: int = 0) -> dict:
+    """The native figures alone (``_native``: no tracemalloc, whose own tables are
+    allocated with the C allocator, no type counts kept): per window, their growth."""
+    for _ in range(warmup):
+        refit()
+    gc.collect()
+    marks = [_native()]
+    for _ in range(windows):
+        for _ in range(refits):
+            refit()
+        gc.collect()
+        marks.append(_native())
+    return {"native_windows": [{k: b[k] - a[k] for k in b} for a, b in zip(marks, marks[1:])],
+            "refits": refits, "warmup": warmup, "native_end": marks[-1]}
+
+
 _LEAVES = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType,
            types.CodeType, types.FrameType)
 
@@ -255,35 +275,56 @@ def gen_rank(job, measure) -> dict:
     return out
 
 
+MEASURES = {"traced": _measure, "counts": count_types, "native": native_only}
+
+
 def probe_job(job, warmup: int, refits: int, windows: int, top: int, delta: bool = False,
-              adam: bool = False, counts_only: bool = False) -> dict:
-    """One side of the probe (process 0 trains, process 1 generates): the full figures
-    (``_measure``), or with ``counts_only`` the live objects by type (``count_types``)."""
-    measure = functools.partial(count_types if counts_only else _measure, warmup=warmup,
+              adam: bool = False, counts_only: bool = False, measure: str = "traced") -> dict:
+    """One side of the probe (process 0 trains, process 1 generates): ``measure``'s figures
+    (``MEASURES``: ``_measure``, ``count_types``, ``native_only``); ``counts_only``: the
+    tests' ``"counts"``."""
+    measure = functools.partial(MEASURES["counts" if counts_only else measure], warmup=warmup,
                                 refits=refits, windows=windows, top=top)
     if job.rank == 0:
         return train_rank(job, measure, delta, adam)
     return gen_rank(job, measure)
 
 
+def _native_text(d: dict, n: int) -> str:
+    return (f"malloc in use {d['malloc_in_use'] / n:+.1f} B/refit, RSS {d['rss'] / n:+.1f} "
+            f"(trimmed {d['rss_trimmed'] / n:+.1f}) B/refit, CPU tensors "
+            f"{d['tensor_bytes'] / n:+.1f} B/refit ({d['tensor_storages']:+d} storages), "
+            f"threads {d['threads']:+d}, fds {d['fds']:+d}")
+
+
+def native_lines(side: str, out: dict) -> list[str]:
+    """``native_only``'s figures: per window, the native growth per refit."""
+    n, end = out["refits"], out["native_end"]
+    lines = [f"== {side} (native only): warm-up {out['warmup']}, "
+             f"{len(out['native_windows'])} windows of {n} refits, version {out['version']}"
+             f"{', modes ' + str(out['modes']) if 'modes' in out else ''}, malloc in use "
+             f"{end['malloc_in_use'] / 2**20:.1f} MiB, RSS trimmed {end['rss_trimmed'] / 2**20:.1f} MiB"]
+    for i, d in enumerate(out["native_windows"], 1):
+        lines.append(f"  window {i}: {_native_text(d, n)}")
+    return lines
+
+
 def report_lines(side: str, out: dict) -> list[str]:
     """The side's figures: per window, traced Python bytes and the native figures per
     refit; then the last window's top growing sites (ours first) and the live objects by
     type that grew in the first and the last window."""
-    n, windows = out["refits"], out["windows"]
+    n = out["refits"]
+    if "native_windows" in out:
+        return native_lines(side, out)
+    windows = out["windows"]
     lines = [f"== {side}: warm-up {out['warmup']}, {len(windows)} windows of {n} refits, "
              f"version {out['version']}"
              f"{', modes ' + str(out['modes']) if 'modes' in out else ''}, "
              f"Python traced at end {out['traced_end'] / 2**20:.2f} MiB, malloc in use "
              f"{out['native_end']['malloc_in_use'] / 2**20:.1f} MiB"]
     for i, g in enumerate(windows, 1):
-        d = g["native"]
         lines.append(f"  window {i}: Python traced {g['traced'] / n:+.1f} B/refit (sites of ours "
-                     f"{g['ours_bytes'] / n:+.1f}); malloc in use "
-                     f"{d['malloc_in_use'] / n:+.1f} B/refit, RSS {d['rss'] / n:+.1f} "
-                     f"(trimmed {d['rss_trimmed'] / n:+.1f}) B/refit, CPU tensors "
-                     f"{d['tensor_bytes'] / n:+.1f} B/refit ({d['tensor_storages']:+d} "
-                     f"storages), threads {d['threads']:+d}, fds {d['fds']:+d}")
+                     f"{g['ours_bytes'] / n:+.1f}); {_native_text(g['native'], n)}")
     last, first = windows[-1], windows[0]
     for title, rows in (("sites of ours that grew (last window)", last["top_ours"]),
                         ("all sites that grew (last window)", last["top"])):
