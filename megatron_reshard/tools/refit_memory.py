@@ -18,7 +18,6 @@ The rank functions are module-level (they travel to the pool's spawned workers b
 
 from __future__ import annotations
 
-import collections
 import ctypes
 import functools
 import gc
@@ -27,7 +26,7 @@ import os
 import tempfile
 import tracemalloc
 import types
-from collections import Counter
+from collections import Counter, deque
 from datetime import timedelta
 
 import torch
@@ -46,14 +45,14 @@ FRAMES = 12  # traceback depth tracemalloc keeps: enough to reach our frames fro
 _LIB_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _join(job, side_ranks: int = 1):
+def _join(job):
     """The launch's control store (process 0 hosts it) and this process's own one-rank
     world (the training side needs one for megatron's parallel state)."""
     control = dist.TCPStore(job.host, job.ports[0], job.nprocs, job.rank == 0,
                             timeout=timedelta(seconds=120))
     side = "train" if job.rank == 0 else "gen"
     dist.init_process_group("gloo", store=dist.PrefixStore(f"world/{side}", control), rank=0,
-                            world_size=side_ranks, timeout=timedelta(seconds=TIMEOUT_S))
+                            world_size=1, timeout=timedelta(seconds=TIMEOUT_S))
     return control
 
 
@@ -203,7 +202,7 @@ def reachable(root) -> dict:
     while todo:
         obj = todo.pop()
         objects += 1
-        if isinstance(obj, (list, tuple, dict, set, frozenset, collections.deque)):
+        if isinstance(obj, (list, tuple, dict, set, frozenset, deque)):
             items += len(obj)
         if isinstance(obj, _LEAVES):
             continue
@@ -303,7 +302,8 @@ def native_lines(side: str, out: dict) -> list[str]:
     lines = [f"== {side} (native only): warm-up {out['warmup']}, "
              f"{len(out['native_windows'])} windows of {n} refits, version {out['version']}"
              f"{', modes ' + str(out['modes']) if 'modes' in out else ''}, malloc in use "
-             f"{end['malloc_in_use'] / 2**20:.1f} MiB, RSS trimmed {end['rss_trimmed'] / 2**20:.1f} MiB"]
+             f"{end['malloc_in_use'] / 2**20:.1f} MiB, RSS trimmed "
+             f"{end['rss_trimmed'] / 2**20:.1f} MiB"]
     for i, d in enumerate(out["native_windows"], 1):
         lines.append(f"  window {i}: {_native_text(d, n)}")
     return lines
@@ -341,4 +341,5 @@ def report_lines(side: str, out: dict) -> list[str]:
     return lines
 
 
-__all__ = ["count_types", "gen_rank", "probe_job", "report_lines", "train_rank"]
+__all__ = ["MEASURES", "count_types", "gen_rank", "native_only", "probe_job", "reachable",
+           "report_lines", "train_rank"]
