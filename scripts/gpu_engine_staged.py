@@ -9,7 +9,8 @@ The engine and trainer are those of ``gpu_engine_loop.py`` (one process, the eng
 in-process, driven only through ``LLM``'s methods), with the backend prepared for staged
 refits (``prepare_options={"staged": True}``). In order:
 
-1. an in-place refit, checked against vLLM's own ``reload_weights`` (as the loop checks);
+1. a first update without ``staged`` (on a staged session: staged and flipped at once),
+   checked against vLLM's own ``reload_weights`` (as the loop checks);
 2. ``--staged N`` staged refits, each: an optimizer step; ``start_weight_update``,
    ``update_weights({"staged": True, "version": v})`` (returns at once), the trainer sends
    while this process keeps calling ``generate`` (the transfer runs on the worker's thread
@@ -27,7 +28,8 @@ refits (``prepare_options={"staged": True}``). In order:
    ``pause_generation(mode="keep", clear_cache=False)`` behaviour), and they finish;
 5. a failed staged refit: the trainer process is killed after ``update_weights``; the
    flip must raise, the engine keep the old version, consistent, bit-equal to its last
-   reference, and generate as before.
+   reference, and generate as before; the retried ``finish_weight_update`` closes vLLM's
+   update (its worker keeps it open after a finish that raised) and a new one starts.
 
 Figures (median): the staged pause against the in-place refit's pause (target <= 10%; the
 in-place figure from ``--compare``, else this engine's unstaged updates), the
